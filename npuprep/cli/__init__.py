@@ -1,0 +1,1 @@
+"""Command-line interface: main.py holds the explicit command list."""

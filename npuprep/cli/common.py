@@ -1,0 +1,106 @@
+"""Shared CLI pieces: common arguments, JSON and table output, progress bars."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def add_target(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument(
+        "--target", "-t", required=required, default=None if required else "generic",
+        help="built-in profile name (generic, orin, a2000) or a profile YAML path",
+    )
+
+
+def add_data(p: argparse.ArgumentParser, required: bool = False) -> None:
+    g = p.add_argument_group("samples")
+    src = g.add_mutually_exclusive_group(required=required)
+    src.add_argument("--data", "-d", help=".npz sample, directory of .npz, batched .npz or Polygraphy JSON")
+    src.add_argument("--synthetic", type=int, metavar="N", help="N seeded random samples (reports say so)")
+    g.add_argument("--batched", action="store_true", help="split a single .npz along axis 0")
+    g.add_argument("--seed", type=int, default=0, help="seed for --synthetic (default 0)")
+
+
+def open_samples(args: argparse.Namespace, model: Any) -> Any:
+    """The SampleSet chosen by --data/--synthetic, or None when neither was given."""
+    from npuprep.data import load_samples, synthetic_samples
+
+    if getattr(args, "data", None):
+        return load_samples(args.data, model, batched=args.batched)
+    if getattr(args, "synthetic", None):
+        return synthetic_samples(model, args.synthetic, args.seed)
+    return None
+
+
+def to_jsonable(obj: Any) -> Any:
+    import enum
+
+    import numpy as np
+
+    if hasattr(obj, "to_dict"):
+        return to_jsonable(obj.to_dict())
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, enum.Enum):
+        return str(obj.value) if not isinstance(obj, enum.IntEnum) else str(obj)
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, float) and obj != obj:
+        return None
+    return obj
+
+
+def dump_json(obj: Any) -> str:
+    return json.dumps(to_jsonable(obj), indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(dump_json(obj))
+
+
+def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=False, title_justify="left")
+    for c in columns:
+        table.add_column(c, overflow="fold")
+    for r in rows:
+        table.add_row(*[fmt(v) for v in r])
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+
+
+def fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "nan"
+        if v == 0 or 1e-3 <= abs(v) < 1e5:
+            return f"{v:.4g}"
+        return f"{v:.3e}"
+    return str(v)
+
+
+def progress(items: Iterable[T], total: int, description: str, enabled: bool) -> Iterator[T]:
+    """A progress bar on a terminal's stderr; silent when piped or when JSON is asked for."""
+    if not enabled or not sys.stderr.isatty():
+        yield from items
+        return
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        for item in items:
+            yield item
+            bar.advance(task)

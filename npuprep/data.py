@@ -1,0 +1,199 @@
+"""Input samples: .npz files, directories of them, batched .npz, Polygraphy JSON, synthetic.
+
+Samples stream one at a time so memory does not grow with their number; every sample is
+checked against the model's inputs (names, dtypes, fixed dimensions, finiteness).
+"""
+
+from __future__ import annotations
+
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from npuprep.errors import NpuprepError
+from npuprep.numerics import FLOAT_ONNX_TYPES
+
+Feed = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """A graph input: name, numpy dtype and shape (None for a symbolic dimension)."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int | None, ...]
+
+
+def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
+    """The inputs a caller must feed (graph inputs that are not initialisers)."""
+    inits = {i.name for i in model.graph.initializer}
+    specs = []
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
+        dims = tuple(
+            d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
+            for d in tt.shape.dim
+        )
+        specs.append(InputSpec(vi.name, np.dtype(dtype), dims))
+    return specs
+
+
+@dataclass(frozen=True)
+class SampleSet:
+    """A re-iterable source of feeds with a description for reports."""
+
+    source: str
+    kind: str  # npz | dir | batched | polygraphy | synthetic
+    specs: tuple[InputSpec, ...]
+    files: tuple[str, ...] = ()
+    count: int = 0
+    seed: int = 0
+
+    @property
+    def synthetic(self) -> bool:
+        return self.kind == "synthetic"
+
+    def describe(self) -> str:
+        if self.synthetic:
+            return f"{self.count} synthetic samples (seed {self.seed}); not real data"
+        return f"{self.count} samples from {self.source} ({self.kind})"
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[Feed]:
+        return self.iter_range(0, self.count)
+
+    def iter_range(self, start: int, stop: int) -> Iterator[Feed]:
+        """Samples start..stop-1, validated, one at a time."""
+        if self.kind == "synthetic":
+            for i in range(start, stop):
+                yield _synthetic_feed(self.specs, self.seed, i)
+        elif self.kind == "npz" or self.kind == "dir":
+            for f in self.files[start:stop]:
+                yield _validate(_read_npz(Path(f)), self.specs, f)
+        elif self.kind == "batched":
+            arrays = _read_npz(Path(self.files[0]))
+            for i in range(start, stop):
+                feed = {k: v[i] for k, v in arrays.items()}
+                yield _validate(feed, self.specs, f"{self.files[0]}[{i}]")
+        elif self.kind == "polygraphy":
+            from polygraphy.json import load_json
+
+            feeds = load_json(self.files[0])
+            for i in range(start, stop):
+                yield _validate(dict(feeds[i]), self.specs, f"{self.files[0]}[{i}]")
+
+
+def load_samples(
+    spec: str | Path, model: onnx.ModelProto, *, batched: bool = False
+) -> SampleSet:
+    """Open a sample source and check the first sample against the model's inputs."""
+    specs = tuple(input_specs(model))
+    path = Path(spec)
+    if not path.exists():
+        raise NpuprepError(f"{path}: data not found")
+    if path.is_dir():
+        files = tuple(str(p) for p in sorted(path.glob("*.npz")))
+        if not files:
+            raise NpuprepError(f"{path}: directory holds no .npz samples")
+        samples = SampleSet(str(path), "dir", specs, files, len(files))
+    elif path.suffix == ".json":
+        count = _polygraphy_count(path)
+        samples = SampleSet(str(path), "polygraphy", specs, (str(path),), count)
+    elif path.suffix == ".npz":
+        if batched:
+            arrays = _read_npz(path)
+            counts = {k: (v.shape[0] if v.ndim else 0) for k, v in arrays.items()}
+            if len(set(counts.values())) != 1 or 0 in counts.values():
+                raise NpuprepError(
+                    f"{path}: --batched needs every array to share axis 0 (got {counts})"
+                )
+            samples = SampleSet(str(path), "batched", specs, (str(path),), next(iter(counts.values())))
+        else:
+            samples = SampleSet(str(path), "npz", specs, (str(path),), 1)
+    else:
+        raise NpuprepError(f"{path}: unknown data format (use .npz, a directory of .npz, or Polygraphy .json)")
+    # Fail early on the first sample rather than deep inside a long run.
+    next(samples.iter_range(0, 1))
+    return samples
+
+
+def synthetic_samples(model: onnx.ModelProto, count: int, seed: int = 0) -> SampleSet:
+    """Seeded random samples shaped like the model's inputs (symbolic dims become 1)."""
+    if count < 1:
+        raise NpuprepError(f"--synthetic needs a positive count, got {count}")
+    return SampleSet("synthetic", "synthetic", tuple(input_specs(model)), count=count, seed=seed)
+
+
+def _synthetic_feed(specs: tuple[InputSpec, ...], seed: int, index: int) -> Feed:
+    rng = np.random.default_rng([seed, index])
+    feed: Feed = {}
+    for s in specs:
+        shape = tuple(d if d is not None else 1 for d in s.shape)
+        if np.issubdtype(s.dtype, np.floating) or s.dtype.kind == "V":
+            feed[s.name] = rng.standard_normal(shape).astype(s.dtype)
+        elif s.dtype == np.bool_:
+            feed[s.name] = rng.integers(0, 2, shape).astype(np.bool_)
+        else:
+            feed[s.name] = rng.integers(0, 4, shape).astype(s.dtype)
+    return feed
+
+
+def _read_npz(path: Path) -> Feed:
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            return {k: npz[k] for k in npz.files}
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
+        raise NpuprepError(f"{path}: not a readable .npz file ({exc})") from None
+
+
+def _polygraphy_count(path: Path) -> int:
+    from polygraphy.json import load_json
+
+    try:
+        feeds = load_json(str(path))
+    except Exception as exc:  # noqa: BLE001 - polygraphy raises many kinds on bad JSON
+        raise NpuprepError(f"{path}: not a Polygraphy inputs JSON ({type(exc).__name__})") from None
+    if not isinstance(feeds, list) or not all(isinstance(f, dict) for f in feeds) or not feeds:
+        raise NpuprepError(f"{path}: Polygraphy inputs JSON must be a non-empty list of name->array maps")
+    return len(feeds)
+
+
+def _validate(feed: Feed, specs: tuple[InputSpec, ...], where: str) -> Feed:
+    names = {s.name for s in specs}
+    missing = [s.name for s in specs if s.name not in feed]
+    if missing:
+        raise NpuprepError(f"{where}: missing input '{missing[0]}' (model inputs: {', '.join(sorted(names))})")
+    extra = sorted(set(feed) - names)
+    if extra:
+        raise NpuprepError(f"{where}: unknown input '{extra[0]}' (model inputs: {', '.join(sorted(names))})")
+    out: Feed = {}
+    for s in specs:
+        arr = np.asarray(feed[s.name])
+        if arr.dtype != s.dtype:
+            raise NpuprepError(f"{where}: input '{s.name}' has dtype {arr.dtype}, the model expects {s.dtype}")
+        if arr.ndim != len(s.shape) or any(
+            d is not None and d != a for d, a in zip(s.shape, arr.shape, strict=False)
+        ):
+            want = tuple("?" if d is None else d for d in s.shape)
+            raise NpuprepError(f"{where}: input '{s.name}' has shape {arr.shape}, the model expects {want}")
+        if arr.dtype.kind == "f" or arr.dtype.kind == "V":
+            finite = np.isfinite(arr.astype(np.float32))
+            if not finite.all():
+                bad = int((~finite).sum())
+                raise NpuprepError(f"{where}: input '{s.name}' holds {bad} NaN/Inf values")
+        out[s.name] = arr
+    return out
+
+
+def is_float_input(spec: InputSpec) -> bool:
+    return onnx.helper.np_dtype_to_tensor_dtype(spec.dtype) in FLOAT_ONNX_TYPES

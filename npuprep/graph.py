@@ -1,0 +1,192 @@
+"""Read-only views of an ONNX graph: subgraph walk, producers, consumers, constants, order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from npuprep.numerics import FLOAT_ONNX_TYPES
+
+
+@dataclass(frozen=True)
+class GraphScope:
+    """One graph in a model: the main graph or a body of an If/Loop/Scan node.
+
+    `path` reads like `main` or `main/If_3.then_branch`, so findings inside bodies can be
+    located.
+    """
+
+    graph: onnx.GraphProto
+    path: str
+    owner: onnx.NodeProto | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.owner is None
+
+
+def walk_graphs(graph: onnx.GraphProto, path: str = "main") -> Iterator[GraphScope]:
+    """The graph and every subgraph beneath it, depth first."""
+    yield GraphScope(graph, path)
+    for node in graph.node:
+        for attr in node.attribute:
+            subs: list[onnx.GraphProto] = []
+            if attr.type == onnx.AttributeProto.GRAPH:
+                subs = [attr.g]
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                subs = list(attr.graphs)
+            for i, sub in enumerate(subs):
+                suffix = attr.name if len(subs) == 1 else f"{attr.name}[{i}]"
+                for scope in walk_graphs(sub, f"{path}/{node_label(node)}.{suffix}"):
+                    if scope.owner is None:
+                        scope = GraphScope(scope.graph, scope.path, node)
+                    yield scope
+
+
+def node_label(node: onnx.NodeProto) -> str:
+    """A node's name, or a stable stand-in built from its first output (as TensorRT does)."""
+    if node.name:
+        return node.name
+    first = next((o for o in node.output if o), "")
+    return f"node_of_{first}" if first else f"{node.op_type}_unnamed"
+
+
+def producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
+    """Tensor name -> the node that writes it (this graph only)."""
+    return {out: node for node in graph.node for out in node.output if out}
+
+
+def consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    """Tensor name -> nodes that read it, including reads from inside their subgraphs."""
+    result: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in dict.fromkeys(list(node.input) + sorted(_captured_names(node))):
+            if name:
+                result.setdefault(name, []).append(node)
+    return result
+
+
+def _captured_names(node: onnx.NodeProto) -> set[str]:
+    """Outer-scope names a node's subgraphs read without declaring them."""
+    names: set[str] = set()
+    for attr in node.attribute:
+        subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+        for sub in subs:
+            local = {i.name for i in sub.input} | {i.name for i in sub.initializer}
+            local |= {o for n in sub.node for o in n.output}
+            for n in sub.node:
+                names |= {i for i in n.input if i and i not in local}
+                names |= _captured_names(n) - local
+            names |= {o.name for o in sub.output if o.name not in local}
+    return names
+
+
+def initializers(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    return {init.name: init for init in graph.initializer}
+
+
+def constant_value(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
+    """The value of a tensor that is an initialiser or a Constant node's output, else None."""
+    for init in graph.initializer:
+        if init.name == name:
+            return to_array(init)
+    for node in graph.node:
+        if node.op_type == "Constant" and node.output and node.output[0] == name:
+            for attr in node.attribute:
+                if attr.name == "value":
+                    return to_array(attr.t)
+                if attr.name == "value_float":
+                    return np.array(attr.f, dtype=np.float32)
+                if attr.name == "value_floats":
+                    return np.array(list(attr.floats), dtype=np.float32)
+                if attr.name == "value_int":
+                    return np.array(attr.i, dtype=np.int64)
+                if attr.name == "value_ints":
+                    return np.array(list(attr.ints), dtype=np.int64)
+    return None
+
+
+def to_array(tensor: onnx.TensorProto) -> np.ndarray:
+    """A TensorProto as numpy; BF16 and FP8 come back in their ml_dtypes types."""
+    return numpy_helper.to_array(tensor)
+
+
+def attribute(node: onnx.NodeProto, name: str, default: object = None) -> object:
+    for attr in node.attribute:
+        if attr.name == name:
+            return onnx.helper.get_attribute_value(attr)
+    return default
+
+
+def tensor_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element type of every tensor whose type is known (after shape inference), all scopes."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=False)
+    except Exception:  # noqa: BLE001 - inference is best effort on exotic models
+        inferred = model
+    types: dict[str, int] = {}
+    for scope in walk_graphs(inferred.graph):
+        g = scope.graph
+        for vi in list(g.input) + list(g.output) + list(g.value_info):
+            if vi.type.HasField("tensor_type"):
+                types[vi.name] = vi.type.tensor_type.elem_type
+        for init in g.initializer:
+            types[init.name] = init.data_type
+        for node in g.node:
+            if node.op_type == "Constant":
+                for attr in node.attribute:
+                    if attr.name == "value":
+                        types[node.output[0]] = attr.t.data_type
+    return types
+
+
+def float_tensor_names(model: onnx.ModelProto, graph: onnx.GraphProto | None = None) -> list[str]:
+    """Float activations of one graph (inputs, node outputs) in topological order."""
+    graph = graph if graph is not None else model.graph
+    types = tensor_types(model)
+    inits = {i.name for i in graph.initializer}
+    names: list[str] = []
+    for vi in graph.input:
+        if vi.name not in inits and types.get(vi.name) in FLOAT_ONNX_TYPES:
+            names.append(vi.name)
+    for node in graph.node:
+        if node.op_type == "Constant":
+            continue
+        for out in node.output:
+            if out and types.get(out) in FLOAT_ONNX_TYPES:
+                names.append(out)
+    return names
+
+
+def topological_order(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """Nodes in a topological order, stable with respect to the file's order."""
+    produced_by = producers(graph)
+    order: list[onnx.NodeProto] = []
+    seen: set[int] = set()
+    index = {id(n): i for i, n in enumerate(graph.node)}
+
+    def visit(node: onnx.NodeProto) -> None:
+        stack = [(node, False)]
+        while stack:
+            current, expanded = stack.pop()
+            key = id(current)
+            if key in seen:
+                continue
+            if expanded:
+                seen.add(key)
+                order.append(current)
+                continue
+            stack.append((current, True))
+            deps = [produced_by[i] for i in list(current.input) + sorted(_captured_names(current))
+                    if i in produced_by]
+            for dep in sorted(deps, key=lambda d: -index[id(d)]):
+                if id(dep) not in seen:
+                    stack.append((dep, False))
+
+    for node in graph.node:
+        visit(node)
+    return order

@@ -1,0 +1,133 @@
+"""Number formats of deployment targets, read from ml_dtypes/numpy finfo, never typed in."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+
+import ml_dtypes
+import numpy as np
+from onnx import TensorProto
+
+from npuprep.errors import NpuprepError
+
+
+@dataclass(frozen=True)
+class NumberFormat:
+    """One floating-point format: its limits and how ONNX names it."""
+
+    name: str
+    np_dtype: np.dtype
+    onnx_type: int
+    max: float
+    min_normal: float
+    min_subnormal: float
+    eps: float
+    has_inf: bool
+
+    @property
+    def overflow_threshold(self) -> float:
+        """Smallest magnitude that rounds past max under round-to-nearest-even.
+
+        For FP16 that is 65520: 65505..65519 still round to 65504.
+        """
+        finfo = _finfo(self.np_dtype)
+        mantissa_bits = int(finfo.nmant)
+        return float(self.max + 2.0 ** (math.floor(math.log2(self.max)) - mantissa_bits - 1))
+
+    @property
+    def exp_limit(self) -> float:
+        """Largest x for which exp(x) is still finite in this format."""
+        return math.log(self.max)
+
+    @property
+    def square_limit(self) -> float:
+        """Largest |x| for which x*x is still finite in this format."""
+        return math.sqrt(self.max)
+
+    def round(self, x: np.ndarray, *, saturate: bool) -> np.ndarray:
+        """Round FP32 values to this format and back, as the target would store them.
+
+        `saturate=True` clips to +-max first (a saturating engine); otherwise overflow
+        gives Inf where the format has one and NaN where it has none (E4M3FN).
+        """
+        x = np.asarray(x, dtype=np.float32)
+        if saturate:
+            x = np.clip(x, -self.max, self.max)
+        with np.errstate(over="ignore", invalid="ignore"):
+            if not self.has_inf and not saturate:
+                out = x.astype(self.np_dtype).astype(np.float32)
+                out[np.abs(x) >= self.overflow_threshold] = np.nan
+                return out
+            return x.astype(self.np_dtype).astype(np.float32)
+
+
+def _finfo(dtype: np.dtype) -> np.finfo | ml_dtypes.finfo:
+    if dtype in (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)):
+        return np.finfo(dtype)
+    return ml_dtypes.finfo(dtype)
+
+
+def _make(name: str, dtype: type, onnx_type: int, has_inf: bool) -> NumberFormat:
+    finfo = _finfo(np.dtype(dtype))
+    return NumberFormat(
+        name=name,
+        np_dtype=np.dtype(dtype),
+        onnx_type=onnx_type,
+        max=float(finfo.max),
+        min_normal=float(finfo.smallest_normal),
+        min_subnormal=float(finfo.smallest_subnormal),
+        eps=float(finfo.eps),
+        has_inf=has_inf,
+    )
+
+
+@cache
+def formats() -> dict[str, NumberFormat]:
+    """The float formats npuprep knows, by name."""
+    table = [
+        _make("fp32", np.float32, TensorProto.FLOAT, True),
+        _make("bf16", ml_dtypes.bfloat16, TensorProto.BFLOAT16, True),
+        _make("fp16", np.float16, TensorProto.FLOAT16, True),
+        _make("fp8_e4m3", ml_dtypes.float8_e4m3fn, TensorProto.FLOAT8E4M3FN, False),
+        _make("fp8_e5m2", ml_dtypes.float8_e5m2, TensorProto.FLOAT8E5M2, True),
+    ]
+    return {f.name: f for f in table}
+
+
+# Integer and other names a profile may list as supported or unsupported.
+NON_FLOAT_DTYPES = ("int4", "int8", "int16", "int32", "uint8", "fp64", "tf32")
+ALL_DTYPE_NAMES = tuple(formats()) + NON_FLOAT_DTYPES
+
+
+def get_format(name: str) -> NumberFormat:
+    """Look a float format up by name; an unknown name is a user error."""
+    try:
+        return formats()[name]
+    except KeyError:
+        known = ", ".join(formats())
+        raise NpuprepError(f"unknown number format '{name}' (known: {known})") from None
+
+
+# ONNX tensor element types that hold floating-point data.
+FLOAT_ONNX_TYPES = {
+    TensorProto.FLOAT: "fp32",
+    TensorProto.FLOAT16: "fp16",
+    TensorProto.BFLOAT16: "bf16",
+    TensorProto.DOUBLE: "fp64",
+    TensorProto.FLOAT8E4M3FN: "fp8_e4m3",
+    TensorProto.FLOAT8E5M2: "fp8_e5m2",
+}
+
+
+def onnx_type_name(onnx_type: int) -> str:
+    """Short npuprep name of an ONNX element type (`fp16`, `int64`, ...)."""
+    if onnx_type in FLOAT_ONNX_TYPES:
+        return FLOAT_ONNX_TYPES[onnx_type]
+    return TensorProto.DataType.Name(onnx_type).lower()
+
+
+def exponent_bin(x: float) -> int:
+    """Power-of-two bucket of |x|: floor(log2|x|)."""
+    return math.floor(math.log2(abs(x)))

@@ -1,0 +1,291 @@
+"""Target profiles: YAML files declaring what a deployment target runs and how it overflows."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from npuprep.errors import NpuprepError
+from npuprep.numerics import ALL_DTYPE_NAMES, NumberFormat, formats, get_format
+
+
+class OverflowMode(enum.StrEnum):
+    INF = "inf"
+    NAN = "nan"
+    SATURATE = "saturate"
+    UNKNOWN = "unknown"
+
+
+class Pinning(enum.StrEnum):
+    PER_NODE = "per_node"
+    NONE = "none"
+    COMPILER_DECIDES = "compiler_decides"
+
+
+class Severity(enum.IntEnum):
+    INFO = 0
+    WARNING = 1
+    ERROR = 2
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, text: str) -> Severity:
+        try:
+            return cls[text.upper()]
+        except KeyError:
+            raise NpuprepError(f"unknown severity '{text}' (use info, warning or error)") from None
+
+
+SEVERITY_KEYS = ("overflow", "headroom", "underflow", "unsupported_dtype", "slow_dtype", "hazard")
+DEFAULT_SEVERITY = {
+    "overflow": Severity.ERROR,
+    "headroom": Severity.WARNING,
+    "underflow": Severity.WARNING,
+    "unsupported_dtype": Severity.ERROR,
+    "slow_dtype": Severity.WARNING,
+    "hazard": Severity.WARNING,
+}
+
+
+@dataclass(frozen=True)
+class TargetProfile:
+    """What a deployment target runs fast, what it lacks, and how it overflows."""
+
+    name: str
+    description: str
+    fast_dtypes: tuple[str, ...]
+    supported_dtypes: tuple[str, ...]
+    slow_dtypes: tuple[str, ...]
+    unsupported_dtypes: tuple[str, ...]
+    default_precision: str
+    overflow: OverflowMode
+    fp32_pinning: Pinning
+    fp8_saturate: bool | None = None
+    accumulate: str = "unknown"
+    subnormals: str = "unknown"
+    keeps_fp32_ops: tuple[str, ...] = ()
+    headroom: float = 0.5
+    severity: dict[str, Severity] = field(default_factory=lambda: dict(DEFAULT_SEVERITY))
+    compiler_name: str = ""
+    report_format: str = "generic"
+    sources: dict[str, str] = field(default_factory=dict)
+    path: str = ""
+
+    @property
+    def format(self) -> NumberFormat:
+        """The number format non-pinned compute runs in."""
+        return get_format(self.default_precision)
+
+    @property
+    def saturates(self) -> bool:
+        """Overflow behaviour to emulate: saturate only when the profile says so.
+
+        `unknown` is emulated as the loud case; reports tell the user to probe.
+        """
+        if self.format.name.startswith("fp8"):
+            return bool(self.fp8_saturate)
+        return self.overflow is OverflowMode.SATURATE
+
+    def limit(self, fmt: NumberFormat | None = None) -> float:
+        """Safe magnitude: headroom x max finite of the format."""
+        return self.headroom * (fmt or self.format).max
+
+    def to_dict(self) -> dict[str, Any]:
+        """The profile as YAML-ready data, in the file's own key layout."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "dtypes": {
+                "fast": list(self.fast_dtypes),
+                "supported": list(self.supported_dtypes),
+                "slow": list(self.slow_dtypes),
+                "unsupported": list(self.unsupported_dtypes),
+            },
+            "default_precision": self.default_precision,
+            "overflow": str(self.overflow),
+            "fp8_saturate": "unknown" if self.fp8_saturate is None else self.fp8_saturate,
+            "accumulate": self.accumulate,
+            "subnormals": self.subnormals,
+            "fp32_pinning": str(self.fp32_pinning),
+            "keeps_fp32_ops": list(self.keeps_fp32_ops),
+            "headroom": self.headroom,
+            "severity": {k: str(v) for k, v in self.severity.items()},
+            "compiler": {"name": self.compiler_name, "report_format": self.report_format},
+            "sources": dict(self.sources),
+        }
+
+
+def builtin_dir() -> Path:
+    """Folder of the built-in profiles, installed (inside the package) or in a checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "target_profiles", here.parent / "target_profiles"):
+        if (candidate / "generic.yaml").is_file():
+            return candidate
+    raise RuntimeError("built-in target profiles are missing from the installation")
+
+
+def builtin_names() -> list[str]:
+    return sorted(p.stem for p in builtin_dir().glob("*.yaml"))
+
+
+def load_profile(name_or_path: str | Path) -> TargetProfile:
+    """Load a built-in profile by name, or a user's profile from a YAML path."""
+    text = str(name_or_path)
+    path = Path(text)
+    if not (text.endswith((".yaml", ".yml")) or path.is_file()):
+        if text not in builtin_names():
+            known = ", ".join(builtin_names())
+            raise NpuprepError(
+                f"unknown target '{text}': not a built-in profile ({known}) and not a YAML file"
+            )
+        path = builtin_dir() / f"{text}.yaml"
+    if not path.is_file():
+        raise NpuprepError(f"{path}: target profile file not found")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise NpuprepError(f"{path}:{where} YAML syntax error: {problem}") from None
+    except UnicodeDecodeError:
+        raise NpuprepError(f"{path}: not a UTF-8 text file") from None
+    return parse_profile(data, str(path))
+
+
+_TOP_KEYS = {
+    "name", "description", "dtypes", "default_precision", "overflow", "fp8_saturate",
+    "accumulate", "subnormals", "fp32_pinning", "keeps_fp32_ops", "headroom", "severity",
+    "compiler", "sources",
+}
+_REQUIRED = ("name", "description", "dtypes", "default_precision", "overflow", "fp32_pinning")
+
+
+class _Reader:
+    """Typed access to a YAML mapping that names the file and key path in every error."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, key: str, message: str) -> NpuprepError:
+        return NpuprepError(f"{self.source}: key '{key}': {message}")
+
+    def mapping(self, value: Any, key: str, allowed: set[str] | None = None) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(key, f"expected a mapping, got {type(value).__name__}")
+        if allowed is not None:
+            for k in value:
+                if k not in allowed:
+                    path = f"{key}.{k}" if key else str(k)
+                    raise self.fail(path, f"unknown key (allowed: {', '.join(sorted(allowed))})")
+        return value
+
+    def string(self, value: Any, key: str) -> str:
+        if not isinstance(value, str):
+            raise self.fail(key, f"expected a string, got {type(value).__name__}")
+        return value
+
+    def choice(self, value: Any, key: str, choices: tuple[str, ...]) -> str:
+        text = self.string(value, key)
+        if text not in choices:
+            raise self.fail(key, f"'{text}' is not one of {', '.join(choices)}")
+        return text
+
+    def dtype_list(self, value: Any, key: str) -> tuple[str, ...]:
+        if value is None:
+            return ()
+        if not isinstance(value, list):
+            raise self.fail(key, f"expected a list of dtype names, got {type(value).__name__}")
+        for i, item in enumerate(value):
+            self.choice(item, f"{key}[{i}]", ALL_DTYPE_NAMES)
+        return tuple(value)
+
+    def str_list(self, value: Any, key: str) -> tuple[str, ...]:
+        if value is None:
+            return ()
+        if not isinstance(value, list):
+            raise self.fail(key, f"expected a list, got {type(value).__name__}")
+        return tuple(self.string(item, f"{key}[{i}]") for i, item in enumerate(value))
+
+
+def parse_profile(data: Any, source: str) -> TargetProfile:
+    """Validate YAML data as a target profile; `source` names the file in errors."""
+    r = _Reader(source)
+    if data is None:
+        raise NpuprepError(f"{source}: empty target profile")
+    top = r.mapping(data, "", _TOP_KEYS)
+    for key in _REQUIRED:
+        if key not in top:
+            raise r.fail(key, "required key is missing")
+    dtypes = r.mapping(top["dtypes"], "dtypes", {"fast", "supported", "slow", "unsupported"})
+    if "fast" not in dtypes:
+        raise r.fail("dtypes.fast", "required key is missing")
+    fast = r.dtype_list(dtypes["fast"], "dtypes.fast")
+    unsupported = r.dtype_list(dtypes.get("unsupported"), "dtypes.unsupported")
+    overlap = set(fast) & set(unsupported)
+    if overlap:
+        raise r.fail("dtypes.unsupported", f"{', '.join(sorted(overlap))} also listed as fast")
+    float_names = tuple(n for n in formats() if n != "fp32")
+    precision = r.choice(top["default_precision"], "default_precision", float_names)
+    if precision in unsupported:
+        raise r.fail("default_precision", f"'{precision}' is listed as unsupported")
+
+    fp8_sat_raw = top.get("fp8_saturate", "unknown")
+    if fp8_sat_raw == "unknown" or fp8_sat_raw is None:
+        fp8_saturate = None
+    elif isinstance(fp8_sat_raw, bool):
+        fp8_saturate = fp8_sat_raw
+    else:
+        raise r.fail("fp8_saturate", f"expected true, false or unknown, got {fp8_sat_raw!r}")
+
+    headroom = top.get("headroom", 0.5)
+    if isinstance(headroom, bool) or not isinstance(headroom, int | float):
+        raise r.fail("headroom", f"expected a number, got {type(headroom).__name__}")
+    if not 0 < headroom <= 1:
+        raise r.fail("headroom", f"{headroom} is outside (0, 1]")
+
+    severity = dict(DEFAULT_SEVERITY)
+    if "severity" in top:
+        sev = r.mapping(top["severity"], "severity", set(SEVERITY_KEYS))
+        for k, v in sev.items():
+            severity[k] = Severity[r.choice(v, f"severity.{k}", ("info", "warning", "error")).upper()]
+
+    compiler = r.mapping(top.get("compiler", {}) or {}, "compiler", {"name", "report_format"})
+    report_format = r.choice(
+        compiler.get("report_format", "generic"),
+        "compiler.report_format",
+        ("trt_json", "horizon", "rknn", "generic"),
+    )
+    sources = r.mapping(top.get("sources", {}) or {}, "sources")
+    for k, v in sources.items():
+        r.string(v, f"sources.{k}")
+
+    return TargetProfile(
+        name=r.string(top["name"], "name"),
+        description=r.string(top["description"], "description"),
+        fast_dtypes=fast,
+        supported_dtypes=r.dtype_list(dtypes.get("supported"), "dtypes.supported"),
+        slow_dtypes=r.dtype_list(dtypes.get("slow"), "dtypes.slow"),
+        unsupported_dtypes=unsupported,
+        default_precision=precision,
+        overflow=OverflowMode(r.choice(top["overflow"], "overflow", tuple(m.value for m in OverflowMode))),
+        fp32_pinning=Pinning(
+            r.choice(top["fp32_pinning"], "fp32_pinning", tuple(p.value for p in Pinning))
+        ),
+        fp8_saturate=fp8_saturate,
+        accumulate=r.choice(top.get("accumulate", "unknown"), "accumulate", ("fp32", "fp16", "unknown")),
+        subnormals=r.choice(top.get("subnormals", "unknown"), "subnormals", ("keep", "flush", "unknown")),
+        keeps_fp32_ops=r.str_list(top.get("keeps_fp32_ops"), "keeps_fp32_ops"),
+        headroom=float(headroom),
+        severity=severity,
+        compiler_name=r.string(compiler.get("name", ""), "compiler.name"),
+        report_format=report_format,
+        sources={str(k): v for k, v in sources.items()},
+        path=source,
+    )

@@ -1,0 +1,1 @@
+"""The only home of onnxruntime in npuprep."""

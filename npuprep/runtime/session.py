@@ -1,0 +1,62 @@
+"""onnxruntime sessions: created from a proto (or a path for >2 GB models) and run on feeds."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from npuprep.errors import NpuprepError
+from npuprep.model_io import PROTOBUF_LIMIT
+
+
+def session_options(*, threads: int | None = None, optimize: bool = True) -> ort.SessionOptions:
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.graph_optimization_level = (
+        ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
+    if threads:
+        opts.intra_op_num_threads = threads
+    return opts
+
+
+def make_session(
+    model: onnx.ModelProto | str | Path,
+    *,
+    threads: int | None = None,
+    optimize: bool = True,
+) -> ort.InferenceSession:
+    """A CPU session. Protos over the protobuf limit go through a temporary external-data file."""
+    opts = session_options(threads=threads, optimize=optimize)
+    providers = ["CPUExecutionProvider"]
+    try:
+        if isinstance(model, str | Path):
+            return ort.InferenceSession(str(model), opts, providers=providers)
+        if model.ByteSize() < PROTOBUF_LIMIT - 64 * 2**20:
+            return ort.InferenceSession(model.SerializeToString(), opts, providers=providers)
+        with tempfile.TemporaryDirectory(prefix="npuprep-") as tmp:
+            path = os.path.join(tmp, "model.onnx")
+            onnx.save_model(model, path, save_as_external_data=True, location="model.onnx.data")
+            return ort.InferenceSession(path, opts, providers=providers)
+    except (ort.capi.onnxruntime_pybind11_state.Fail,
+            ort.capi.onnxruntime_pybind11_state.InvalidGraph,
+            ort.capi.onnxruntime_pybind11_state.NotImplemented) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise NpuprepError(f"onnxruntime cannot load the model: {first}") from None
+
+
+def run(
+    session: ort.InferenceSession,
+    feeds: dict[str, np.ndarray],
+    outputs: Sequence[str] | None = None,
+) -> dict[str, np.ndarray]:
+    """Run once; returns name -> array for the requested (default: all) outputs."""
+    names = list(outputs) if outputs is not None else [o.name for o in session.get_outputs()]
+    values = session.run(names, feeds)
+    return dict(zip(names, values, strict=True))
