@@ -1,0 +1,172 @@
+"""Where a probe runs: a small Backend protocol, the profile's emulation, onnxruntime's FP16 kernels.
+
+To add a backend (a board over ssh, a vendor simulator), write a class with a `name` and a
+`run(probe, tensors)` that returns the probe's graph outputs, plus any of `tensors` it can
+observe, as numpy arrays keyed by tensor name. `probe.target` is the model in the target
+precision (None: lower `probe.reference` yourself); `probe.feeds` holds FP32 inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from npuprep.errors import NpuprepError
+from npuprep.graph import tensor_types
+from npuprep.numerics import NumberFormat
+from npuprep.probe.micro import ProbeModel
+
+
+class Backend(Protocol):
+    """Runs a probe the way the target would."""
+
+    name: str
+
+    def run(self, probe: ProbeModel, tensors: Sequence[str] = ()) -> dict[str, np.ndarray]:
+        """Graph outputs, plus those of `tensors` this backend can observe."""
+        ...
+
+
+def expose(model: onnx.ModelProto, tensors: Sequence[str]) -> onnx.ModelProto:
+    """A copy of `model` with `tensors` added as graph outputs (unknown names are skipped)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    types = tensor_types(model)
+    present = {o.name for o in out.graph.output}
+    produced = {name for node in out.graph.node for name in node.output}
+    for name in tensors:
+        if name in present or name not in produced or name not in types:
+            continue
+        out.graph.output.append(helper.make_tensor_value_info(name, types[name], None))
+        present.add(name)
+    return out
+
+
+def cast_feeds(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Feeds converted to the element types `model` declares for its inputs."""
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in model.graph.input}
+    out = {}
+    for name, value in feeds.items():
+        if name not in types:
+            raise NpuprepError(f"probe input '{name}' is not an input of the model")
+        out[name] = np.asarray(value).astype(helper.tensor_dtype_to_np_dtype(types[name]))
+    return out
+
+
+def _session_run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    from npuprep.runtime.session import make_session, run
+
+    return run(make_session(model), cast_feeds(model, feeds))
+
+
+class EmulateBackend:
+    """The FP32 graph with Cast pairs after every op: the profile's overflow semantics, on any CPU.
+
+    Cannot show FP16 accumulation inside one op or vendor kernels (see verify.emulate).
+    """
+
+    def __init__(self, fmt: NumberFormat, *, saturate: bool) -> None:
+        self.fmt = fmt
+        self.saturate = saturate
+        self.name = f"emulate({fmt.name}, {'saturate' if saturate else 'ieee'})"
+
+    def run(self, probe: ProbeModel, tensors: Sequence[str] = ()) -> dict[str, np.ndarray]:
+        from npuprep.verify.emulate import emulate
+
+        emulated = emulate(probe.reference, self.fmt, saturate=self.saturate).model
+        return _session_run(expose(emulated, tensors), probe.feeds)
+
+
+class OrtBackend:
+    """The FP16 model on onnxruntime's CPU kernels (FP16 where it has them).
+
+    Where onnxruntime lacks an FP16 kernel it computes in FP32 between inserted Casts; a value
+    beyond 65504 that comes through exactly is then reported as "computed wider".
+    """
+
+    name = "ort"
+
+    def __init__(self, fmt: NumberFormat) -> None:
+        if fmt.name != "fp16":
+            raise NpuprepError(f"the ort backend runs fp16 only (onnxruntime has no {fmt.name} compute "
+                               "kernels); use --backend emulate")
+        self.fmt = fmt
+
+    def run(self, probe: ProbeModel, tensors: Sequence[str] = ()) -> dict[str, np.ndarray]:
+        model = probe.target if probe.target is not None else lower_model(probe.reference, self.fmt)
+        return _session_run(expose(model, tensors), probe.feeds)
+
+
+def lower_model(model: onnx.ModelProto, fmt: NumberFormat) -> onnx.ModelProto:
+    """The model in `fmt` with FP32 inputs and outputs: npuprep.rewrite.lower where present."""
+    try:
+        from npuprep.rewrite.lower import lower
+    except ImportError:
+        return simple_lower(model, fmt)
+    return lower(model, fmt).model
+
+
+def simple_lower(model: onnx.ModelProto, fmt: NumberFormat) -> onnx.ModelProto:
+    """Every FP32 weight, constant and activation in `fmt`; Casts keep the I/O FP32.
+
+    Main graph only, enough for probe models; the full lowering lives in rewrite/lower.py.
+    """
+    from npuprep.graph import to_array
+    from npuprep.ops import FP32_ONLY_INPUTS
+
+    for node in model.graph.node:
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            raise NpuprepError(f"node '{node.name or node.op_type}': the built-in probe lowering "
+                               "does not handle subgraphs")
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    low = fmt.np_dtype
+    keep = {n for node in g.node for pos, n in enumerate(node.input)
+            if pos in FP32_ONLY_INPUTS.get(node.op_type, ())}
+    for init in g.initializer:
+        if init.data_type == TensorProto.FLOAT and init.name not in keep:
+            value = np.clip(to_array(init), -fmt.max, fmt.max).astype(low)
+            init.CopyFrom(onnx.numpy_helper.from_array(value, init.name))
+    for node in g.node:
+        for attr in node.attribute:
+            if attr.name == "to" and node.op_type == "Cast" and attr.i == TensorProto.FLOAT:
+                attr.i = fmt.onnx_type
+            if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == TensorProto.FLOAT \
+                    and node.output[0] not in keep:
+                attr.t.CopyFrom(onnx.numpy_helper.from_array(to_array(attr.t).astype(low), attr.t.name))
+    inits = {i.name for i in g.initializer}
+    head: list[onnx.NodeProto] = []
+    for vi in g.input:
+        if vi.name in inits or vi.type.tensor_type.elem_type != TensorProto.FLOAT or vi.name in keep:
+            continue
+        alias = f"{vi.name}__low"
+        for node in g.node:
+            for i, name in enumerate(node.input):
+                if name == vi.name:
+                    node.input[i] = alias
+        head.append(helper.make_node("Cast", [vi.name], [alias], to=fmt.onnx_type,
+                                     name=f"probe_cast_in_{vi.name}"))
+    tail: list[onnx.NodeProto] = []
+    for vo in g.output:
+        if vo.type.tensor_type.elem_type != TensorProto.FLOAT:
+            continue
+        inner = f"{vo.name}__low"
+        for node in g.node:
+            for i, name in enumerate(node.output):
+                if name == vo.name:
+                    node.output[i] = inner
+            for i, name in enumerate(node.input):
+                if name == vo.name:
+                    node.input[i] = inner
+        tail.append(helper.make_node("Cast", [inner], [vo.name], to=TensorProto.FLOAT,
+                                     name=f"probe_cast_out_{vo.name}"))
+    nodes = head + list(g.node) + tail
+    del g.node[:]
+    g.node.extend(nodes)
+    del g.value_info[:]
+    return out
