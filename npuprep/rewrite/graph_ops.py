@@ -1,0 +1,162 @@
+"""Typed graph-surgeon helpers shared by the rewrites: import, look-ups, constants, checked export."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from npuprep.errors import NpuprepError
+from npuprep.model_io import PROTOBUF_LIMIT
+
+
+def import_graph(model: onnx.ModelProto) -> gs.Graph:
+    """The model's main graph as a graph-surgeon Graph (the input proto is not touched)."""
+    return gs.import_onnx(model)
+
+
+def export_model(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
+    """Export `graph` into a copy of `like`, keeping its IR version, opsets and metadata.
+
+    Stale value_info is dropped: rewrites change which node writes a tensor, and the
+    checker re-infers shapes anyway.
+    """
+    exported = gs.export_onnx(graph, do_type_check=False)
+    out = onnx.ModelProto()
+    out.CopyFrom(like)
+    out.graph.CopyFrom(exported.graph)
+    del out.graph.value_info[:]
+    return out
+
+
+def check_model(model: onnx.ModelProto) -> None:
+    """onnx.checker with shape inference; models past the protobuf limit are checked from disk.
+
+    A failure here is a bug in a rewrite, not a user mistake, so it keeps its traceback.
+    """
+    if model.ByteSize() < PROTOBUF_LIMIT - 64 * 2**20:
+        onnx.checker.check_model(model, full_check=True)
+        return
+    with tempfile.TemporaryDirectory(prefix="npuprep-check-") as tmp:
+        path = os.path.join(tmp, "model.onnx")
+        onnx.save_model(model, path, save_as_external_data=True, location="model.onnx.data")
+        onnx.checker.check_model(path, full_check=True)
+
+
+def node_label(node: gs.Node) -> str:
+    """A node's name, or `node_of_<first output>` (the same stand-in npuprep.graph uses)."""
+    if node.name:
+        return node.name
+    first = next((t.name for t in node.outputs if t.name), "")
+    return f"node_of_{first}" if first else f"{node.op}_unnamed"
+
+
+def find_node(graph: gs.Graph, label: str) -> gs.Node | None:
+    """The main-graph node whose label is `label`, else None."""
+    return next((n for n in graph.nodes if node_label(n) == label), None)
+
+
+def require_node(graph: gs.Graph, label: str, what: str) -> gs.Node:
+    node = find_node(graph, label)
+    if node is None:
+        raise NpuprepError(f"{what}: node '{label}' not found in the main graph")
+    return node
+
+
+def producer(tensor: gs.Tensor) -> gs.Node | None:
+    return tensor.inputs[0] if tensor.inputs else None
+
+
+def graph_input(graph: gs.Graph, name: str) -> gs.Variable | None:
+    return next((t for t in graph.inputs if t.name == name), None)
+
+
+def is_graph_output(graph: gs.Graph, tensor: gs.Tensor) -> bool:
+    return any(t is tensor for t in graph.outputs)
+
+
+def main_consumers(graph: gs.Graph, tensor: gs.Tensor) -> tuple[list[gs.Node], bool]:
+    """Consumers of `tensor` in the main graph, and whether a subgraph body also reads it."""
+    own = {id(n) for n in graph.nodes}
+    nodes = [n for n in tensor.outputs if id(n) in own]
+    return nodes, len(nodes) != len(tensor.outputs)
+
+
+def const_value(tensor: gs.Tensor) -> np.ndarray | None:
+    """The value of an initialiser or a Constant node's output, else None."""
+    if isinstance(tensor, gs.Constant):
+        return np.asarray(tensor.values)
+    node = producer(tensor)
+    if node is None or node.op != "Constant":
+        return None
+    attrs = node.attrs
+    if "value" in attrs and isinstance(attrs["value"], gs.Constant):
+        return np.asarray(attrs["value"].values)
+    if "value_float" in attrs:
+        return np.array(attrs["value_float"], dtype=np.float32)
+    if "value_floats" in attrs:
+        return np.array(list(attrs["value_floats"]), dtype=np.float32)
+    return None
+
+
+def is_float_array(value: np.ndarray | None) -> bool:
+    return value is not None and value.dtype.kind == "f"
+
+
+def exact_pow2_scale(value: np.ndarray, exponent: int) -> np.ndarray | None:
+    """`value * 2**exponent` in its own dtype, or None if that is not exact (over/underflow)."""
+    scaled = (value.astype(np.float64) * 2.0**exponent).astype(value.dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        back = scaled.astype(np.float64) * 2.0**-exponent
+    if not np.array_equal(back, value.astype(np.float64), equal_nan=True):
+        return None
+    return scaled
+
+
+def replace_input(node: gs.Node, index: int, tensor: gs.Tensor) -> None:
+    """Point one input of `node` at `tensor` (graph surgeon keeps both link directions)."""
+    node.inputs[index] = tensor
+
+
+def set_constant_input(
+    node: gs.Node, index: int, value: np.ndarray, name: str, cache: dict[str, gs.Constant]
+) -> None:
+    """Give `node` a constant input holding `value`.
+
+    An initialiser read only by this node is edited in place and keeps its name; a shared
+    one (or a Constant node's output) is left alone and `node` gets a copy named `name`,
+    made once per name.
+    """
+    current = node.inputs[index]
+    if isinstance(current, gs.Constant) and len(current.outputs) == 1:
+        current.values = value
+        return
+    if name not in cache:
+        cache[name] = gs.Constant(name, np.ascontiguousarray(value))
+    replace_input(node, index, cache[name])
+
+
+def scalar(name: str, value: float, dtype: np.dtype | type = np.float32) -> gs.Constant:
+    return gs.Constant(name, np.array(value, dtype=dtype))
+
+
+def unique_name(graph: gs.Graph, base: str) -> str:
+    """`base` if no tensor or node uses it yet, else `base_2`, `base_3`, ... (deterministic)."""
+    taken = set(graph.tensors().keys()) | {n.name for n in graph.nodes}
+    if base not in taken:
+        return base
+    i = 2
+    while f"{base}_{i}" in taken:
+        i += 1
+    return f"{base}_{i}"
+
+
+def finish(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
+    """Clean up once, sort, export into a copy of `like` and run the checker."""
+    graph.cleanup(remove_unused_graph_inputs=False).toposort()
+    model = export_model(graph, like)
+    check_model(model)
+    return model

@@ -1,0 +1,635 @@
+"""Rescale a scale domain: `Conv(x, W, B) -> ... -> Conv(y, V)` becomes `Conv(x, W*s, B*s) -> ... -> Conv(y, V/s)`.
+
+The scale s = 2^-k is a power of two, so multiplying by it adds no rounding: the rewritten
+FP32 graph computes the same function. Each tensor of the domain carries an integer
+exponent p (its values are 2^p times the reference). The exponent enters at an *entry* (a
+producer with constant weights, an affine normalisation, a Mul/Div by a constant, or a graph
+input that gets `Mul(x, 2^-k)`), travels forward through ops that commute with positive
+scaling or transform it exactly (`Mul(x, x)` doubles it, `Sqrt` halves it, a Div of two
+scaled tensors subtracts), and is *absorbed* where it returns to 0: a linear consumer with
+constant weights, a scale-invariant normalisation (epsilon * s^2), BatchNormalization (mean
+and variance folded), a Mul/Div by a constant that takes the factor, or a graph output
+(an FP32 exit `Mul(y, 1/s)`, to be kept FP32 at lowering). Residual adds and concats force
+every branch into the same exponent: the other branch's producer becomes an entry too when
+it can; otherwise the rescale is declined with a reason.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from npuprep.errors import NpuprepError
+from npuprep.ops import LINEAR_WITH_WEIGHTS
+from npuprep.rewrite import graph_ops as go
+from npuprep.rewrite.result import RewriteResult
+
+# Ops whose output is the input with the same exponent; value = data input positions.
+_COMMUTE: dict[str, tuple[int, ...]] = {
+    op: (0,) for op in (
+        "Relu", "LeakyRelu", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool",
+        "Reshape", "Transpose", "Slice", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Neg",
+        "Gather", "GatherElements", "GatherND", "ReduceMean", "ReduceSum", "ReduceMax",
+        "ReduceMin", "ReduceL1", "ReduceL2", "Split", "Expand", "Tile", "DepthToSpace",
+        "SpaceToDepth", "Abs", "Resize", "Upsample", "Dropout", "PRelu", "Pad", "LpPool",
+        "Compress", "ReverseSequence", "CumSum", "TopK",
+    )
+}
+# Outputs that carry the data (others are indices or masks); default: output 0 only.
+_ALL_OUTPUTS = {"Split"}
+# Ops whose float data inputs must all share one exponent (constants are scaled to match).
+_SAME_EXP: dict[str, tuple[int, ...] | None] = {
+    "Add": None, "Sub": None, "Sum": None, "Max": None, "Min": None, "Mean": None,
+    "Concat": None, "Where": (1, 2), "Clip": None,
+    "Greater": None, "Less": None, "GreaterOrEqual": None, "LessOrEqual": None, "Equal": None,
+}
+# Comparisons: exponents must agree, the boolean output carries none.
+_COMPARE = {"Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal"}
+# Ops that read only the shape of their input.
+_SHAPE_ONLY = {"Shape", "Size"}
+# Affine normalisations: an entry scales their gamma and beta; an input scale is absorbed.
+_NORMS = {
+    "LayerNormalization": (1, 2), "InstanceNormalization": (1, 2),
+    "GroupNormalization": (1, 2), "BatchNormalization": (1, 2),
+}
+_FLOAT_TYPES = (np.float32, np.float16, np.float64)
+
+
+class _Decline(Exception):
+    """The domain cannot be closed exactly; the message is the user-facing reason."""
+
+
+class _Retry(Exception):
+    """Analysis must restart with `node` absorbing the scale (a Mul/Div by a constant)."""
+
+    def __init__(self, node_id: int) -> None:
+        super().__init__(node_id)
+        self.node_id = node_id
+
+
+@dataclass(frozen=True)
+class Absorber:
+    """Where the scale returns to 1: node, how (`weights`, `epsilon`, `batchnorm`, `constant`)."""
+
+    node: str
+    kind: str
+    exponent: int
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Where the scale enters: a node (`weights`, `norm_affine`, `constant`) or `graph_input`."""
+
+    name: str
+    kind: str
+    exponent: int
+
+
+@dataclass(frozen=True)
+class RescaleCheck:
+    """Whether a rescale is exact, and the domain it would touch. Truthy when feasible.
+
+    `exponents`: tensor -> p (its values become 2^p times the reference; 0 after absorbers
+    whose outputs are unchanged). `exits`: graph outputs that get an FP32 `Mul(y, 2^-p)`.
+    """
+
+    feasible: bool
+    reason: str
+    entry: str
+    k: int
+    exponents: dict[str, int] = field(default_factory=dict)
+    entries: tuple[Entry, ...] = ()
+    absorbers: tuple[Absorber, ...] = ()
+    exits: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.feasible
+
+
+def check_rescale(model: onnx.ModelProto, entry: str, k: int) -> RescaleCheck:
+    """Can scaling `entry` by s = 2^-k be compensated exactly? (Reads only.)
+
+    `entry` is a node name (a producer), a graph input name, or a tensor name (its
+    producer is used). A negative k scales up (the underflow remedy).
+    """
+    graph = go.import_graph(model)
+    solver = _solve(graph, entry, k)
+    return solver.check
+
+
+def apply_rescale(model: onnx.ModelProto, entry: str, k: int) -> RewriteResult:
+    """Scale `entry` by s = 2^-k and compensate; the FP32 function is unchanged.
+
+    details: "tensor_scales" {tensor: s_total} for every tensor whose values changed
+    (candidate = s_total * reference), "fp32_nodes" (inserted boundary Muls, to keep FP32
+    at lowering), "entries", "absorbers", "exits", "k".
+    """
+    graph = go.import_graph(model)
+    solver = _solve(graph, entry, k)
+    check = solver.check
+    if not check:
+        return RewriteResult(model, False, check.reason, {"k": k, "entry": entry})
+    fp32_nodes = solver.apply(graph)
+    out = go.finish(graph, model)
+    scales = {t: float(2.0**p) for t, p in sorted(check.exponents.items())
+              if p != 0 and t not in solver.renamed}
+    details = {
+        "k": k,
+        "entry": entry,
+        "tensor_scales": scales,
+        "fp32_nodes": fp32_nodes,
+        "entries": [e.__dict__ for e in check.entries],
+        "absorbers": [a.__dict__ for a in check.absorbers],
+        "exits": list(check.exits),
+    }
+    return RewriteResult(out, True, check.reason, details)
+
+
+def _solve(graph: gs.Graph, entry: str, k: int) -> _Solver:
+    if not isinstance(k, int | np.integer) or k == 0:
+        raise NpuprepError(f"rescale '{entry}': k must be a non-zero integer (got {k!r})")
+    absorb_at: set[int] = set()
+    for _ in range(len(graph.nodes) + 1):
+        solver = _Solver(graph, entry, int(k), absorb_at)
+        try:
+            solver.run()
+        except _Retry as retry:
+            absorb_at = absorb_at | {retry.node_id}
+            continue
+        return solver
+    raise AssertionError("rescale analysis did not converge")
+
+
+class _Solver:
+    """Fixed point over the graph: exponents per tensor, edits per node."""
+
+    def __init__(self, graph: gs.Graph, entry: str, k: int, absorb_at: set[int]) -> None:
+        self.graph = graph
+        self.entry = entry
+        self.k = k
+        self.absorb_at = absorb_at
+        self.order = {id(n): i for i, n in enumerate(_topo(graph))}
+        self.nodes = {id(n): n for n in graph.nodes}
+        self.exps: dict[str, int] = {}
+        self.tensors: dict[str, gs.Tensor] = {}
+        self.roles: dict[int, str] = {}
+        self.const_edits: dict[tuple[int, int], int] = {}
+        self.attr_edits: dict[tuple[int, str], float] = {}
+        self.input_entries: dict[str, int] = {}
+        self.entries: list[Entry] = []
+        self.absorbers: dict[str, Absorber] = {}
+        self.heap: list[tuple[int, int]] = []
+        self.renamed: set[str] = set()
+        self.check = RescaleCheck(False, "not analysed", entry, k)
+
+    # -- analysis -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            self._start()
+            while self.heap:
+                _, nid = heapq.heappop(self.heap)
+                self._visit(self.nodes[nid])
+            exits = tuple(t.name for t in self.graph.outputs if self.exps.get(t.name, 0) != 0)
+        except _Decline as exc:
+            self.check = RescaleCheck(False, str(exc), self.entry, self.k,
+                                      dict(sorted(self.exps.items())), tuple(self.entries),
+                                      tuple(self.absorbers.values()))
+            return
+        s = f"2^{-self.k}"
+        where = ", ".join(sorted(set(self.absorbers) | {f"output {e}" for e in exits}))
+        reason = (f"scale s={s} enters at {', '.join(e.name for e in self.entries)} and is "
+                  f"absorbed exactly at {where or 'nothing (no scaled tensor is read)'}")
+        self.check = RescaleCheck(True, reason, self.entry, self.k, dict(sorted(self.exps.items())),
+                                  tuple(self.entries), tuple(self.absorbers.values()), exits)
+
+    def _start(self) -> None:
+        p = -self.k
+        inp = go.graph_input(self.graph, self.entry)
+        if inp is not None:
+            self._enter_input(inp, p)
+            return
+        node = go.find_node(self.graph, self.entry)
+        if node is None:
+            tensor = self.graph.tensors().get(self.entry)
+            node = go.producer(tensor) if tensor is not None else None
+        if node is None:
+            raise NpuprepError(f"rescale: '{self.entry}' is neither a node, a graph input nor a "
+                               "tensor of the main graph")
+        self._enter_node(node, p, f"entry {self.entry}")
+
+    def _assign(self, tensor: gs.Tensor, p: int, why: str) -> None:
+        name = tensor.name
+        if name in self.exps:
+            if self.exps[name] != p:
+                raise _Decline(f"tensor '{name}' would need scale 2^{p} ({why}) but already carries "
+                               f"2^{self.exps[name]}; the scale domain cannot be closed")
+            return
+        self.exps[name] = p
+        self.tensors[name] = tensor
+        if p == 0:
+            return
+        consumers, captured = go.main_consumers(self.graph, tensor)
+        if captured:
+            raise _Decline(f"scaled tensor '{name}' is read inside an If/Loop/Scan body")
+        for node in consumers:
+            heapq.heappush(self.heap, (self.order[id(node)], id(node)))
+
+    def _role(self, node: gs.Node, role: str) -> None:
+        old = self.roles.get(id(node))
+        if old is not None and old != role:
+            raise _Decline(f"node '{go.node_label(node)}' would be both {old} and {role} of the "
+                           "scale domain")
+        self.roles[id(node)] = role
+
+    def _const_edit(self, node: gs.Node, index: int, e: int) -> None:
+        key = (id(node), index)
+        if self.const_edits.get(key, e) != e:
+            raise _Decline(f"constant input {index} of '{go.node_label(node)}' would need two scales")
+        value = go.const_value(node.inputs[index])
+        if value is None or value.dtype.kind != "f":
+            raise _Decline(f"input {index} of '{go.node_label(node)}' is not a float constant")
+        if go.exact_pow2_scale(value, e) is None:
+            raise _Decline(f"constant input {index} of '{go.node_label(node)}' cannot be scaled by "
+                           f"2^{e} exactly in {value.dtype} (it would overflow or underflow)")
+        self.const_edits[key] = e
+
+    def _weight_edit(self, node: gs.Node, index: int, e: int, what: str) -> None:
+        tensor = node.inputs[index]
+        consumers, captured = go.main_consumers(self.graph, tensor)
+        if len(consumers) > 1 or captured or go.is_graph_output(self.graph, tensor):
+            raise _Decline(f"{what} '{tensor.name}' of '{go.node_label(node)}' is shared with "
+                           "other nodes; scaling it would change them too")
+        self._const_edit(node, index, e)
+
+    def _enter_input(self, inp: gs.Variable, p: int) -> None:
+        if np.dtype(inp.dtype) not in [np.dtype(t) for t in _FLOAT_TYPES]:
+            raise _Decline(f"graph input '{inp.name}' is not a float tensor")
+        self.input_entries[inp.name] = p
+        self.entries.append(Entry(inp.name, "graph_input", p))
+        self._assign(inp, p, f"graph input {inp.name}")
+
+    def _enter_node(self, node: gs.Node, p: int, why: str) -> None:
+        label = go.node_label(node)
+        op = node.op
+        self._role(node, "entry")
+        if op in LINEAR_WITH_WEIGHTS:
+            w_idx = self._weight_index(node)
+            if w_idx is None:
+                raise _Decline(f"{op} '{label}' has no constant weight to scale ({why})")
+            self._weight_edit(node, w_idx, p, "weight")
+            bias = 2 if op in ("Conv", "ConvTranspose", "Gemm") else None
+            if bias is not None and len(node.inputs) > bias and node.inputs[bias].name:
+                if not go.is_float_array(go.const_value(node.inputs[bias])):
+                    raise _Decline(f"{op} '{label}' has a bias that is not a constant ({why})")
+                self._weight_edit(node, bias, p, "bias")
+            kind = "weights"
+        elif op in _NORMS:
+            for idx in _NORMS[op]:
+                if len(node.inputs) > idx and node.inputs[idx].name:
+                    self._weight_edit(node, idx, p, "affine parameter")
+            if op == "BatchNormalization" and len(node.outputs) > 1:
+                raise _Decline(f"BatchNormalization '{label}' is in training mode")
+            kind = "norm_affine"
+        elif op in ("Mul", "Div") and self._const_index(node) is not None:
+            idx = self._const_index(node)
+            assert idx is not None
+            e = -p if op == "Div" and idx == 1 else p
+            self._weight_edit(node, idx, e, "constant")
+            kind = "constant"
+        else:
+            raise _Decline(f"{op} '{label}' has no constant weights, so the scale cannot enter "
+                           f"there exactly ({why})")
+        self.entries.append(Entry(label, kind, p))
+        self._assign(node.outputs[0], p, why)
+
+    @staticmethod
+    def _weight_index(node: gs.Node) -> int | None:
+        if node.op == "Gemm" or node.op == "MatMul":
+            for idx in (1, 0):
+                if go.is_float_array(go.const_value(node.inputs[idx])):
+                    return idx
+            return None
+        return 1 if go.is_float_array(go.const_value(node.inputs[1])) else None
+
+    @staticmethod
+    def _const_index(node: gs.Node) -> int | None:
+        for idx in (1, 0):
+            if go.is_float_array(go.const_value(node.inputs[idx])):
+                return idx
+        return None
+
+    def _request(self, tensor: gs.Tensor, p: int, by: gs.Node) -> None:
+        """`tensor` must carry exponent p (a residual branch joining the domain)."""
+        why = f"to match the other inputs of '{go.node_label(by)}'"
+        if tensor.name in self.exps:
+            self._assign(tensor, p, why)
+            return
+        inp = go.graph_input(self.graph, tensor.name)
+        if inp is not None:
+            self._enter_input(inp, p)
+            return
+        node = go.producer(tensor)
+        if node is None:
+            raise _Decline(f"tensor '{tensor.name}' {why} has no producer that can be scaled")
+        op = node.op
+        if op in _COMMUTE or op == "Cast":
+            self._request(node.inputs[0], p, node)
+        elif op in _SAME_EXP and op not in _COMPARE:
+            for idx in self._data_inputs(node):
+                if go.const_value(node.inputs[idx]) is None:
+                    self._request(node.inputs[idx], p, node)
+        elif op in LINEAR_WITH_WEIGHTS or op in _NORMS or op in ("Mul", "Div"):
+            try:
+                self._enter_node(node, p, why)
+            except _Decline as exc:
+                raise _Decline(f"tensor '{tensor.name}' must join the scale domain {why}, but: "
+                               f"{exc}") from None
+        else:
+            raise _Decline(f"tensor '{tensor.name}' must join the scale domain {why}, but its "
+                           f"producer {op} '{go.node_label(node)}' cannot be scaled exactly")
+
+    @staticmethod
+    def _data_inputs(node: gs.Node) -> list[int]:
+        fixed = _SAME_EXP.get(node.op)
+        idxs = list(fixed) if fixed is not None else list(range(len(node.inputs)))
+        return [i for i in idxs if i < len(node.inputs) and node.inputs[i].name]
+
+    def _p(self, tensor: gs.Tensor) -> int:
+        return self.exps.get(tensor.name, 0)
+
+    def _visit(self, node: gs.Node) -> None:
+        label = go.node_label(node)
+        op = node.op
+        scaled = [i for i, t in enumerate(node.inputs) if self._p(t) != 0]
+        if not scaled:
+            return
+        if self.roles.get(id(node)) == "entry":
+            raise _Decline(f"entry '{label}' reads a tensor of its own scale domain")
+        if op in _SHAPE_ONLY:
+            return
+        if op in _COMMUTE or (op == "Cast" and _cast_is_float(node)):
+            data = _COMMUTE.get(op, (0,))
+            bad = [i for i in scaled if i not in data]
+            if bad:
+                raise _Decline(f"scaled tensor '{node.inputs[bad[0]].name}' feeds input {bad[0]} "
+                               f"of {op} '{label}', which is not scale-free")
+            if op == "Pad" and len(node.inputs) > 2 and node.inputs[2].name:
+                self._same_exp_const(node, 2, self._p(node.inputs[0]))
+            self._role(node, "propagate")
+            p = self._p(node.inputs[0])
+            outs = node.outputs if op in _ALL_OUTPUTS else node.outputs[:1]
+            for out in outs:
+                self._assign(out, p, f"through {op} '{label}'")
+            return
+        if op in _SAME_EXP:
+            self._visit_same_exp(node, scaled)
+            return
+        if op in ("Mul", "Div"):
+            self._visit_mul_div(node)
+            return
+        if op in ("MatMul", "Gemm", "Conv", "ConvTranspose"):
+            self._visit_linear(node, scaled)
+            return
+        if op in _NORMS or op == "LpNormalization":
+            self._visit_norm(node, scaled)
+            return
+        p = self._p(node.inputs[scaled[0]])
+        if op in ("Sqrt", "Pow", "Reciprocal", "ReduceSumSquare"):
+            self._visit_power(node, p)
+            return
+        self._needs_unscaled(node, scaled[0])
+
+    def _same_exp_const(self, node: gs.Node, index: int, p: int) -> None:
+        self._const_edit(node, index, p)
+
+    def _visit_same_exp(self, node: gs.Node, scaled: list[int]) -> None:
+        label = go.node_label(node)
+        data = self._data_inputs(node)
+        bad = [i for i in scaled if i not in data]
+        if bad:
+            raise _Decline(f"scaled tensor '{node.inputs[bad[0]].name}' feeds input {bad[0]} of "
+                           f"{node.op} '{label}', which is not scale-free")
+        ps = {self._p(node.inputs[i]) for i in scaled}
+        if len(ps) > 1:
+            names = ", ".join(f"'{node.inputs[i].name}' (2^{self._p(node.inputs[i])})" for i in scaled)
+            raise _Decline(f"{node.op} '{label}' mixes scales {names}")
+        p = ps.pop()
+        self._role(node, "propagate")
+        for idx in data:
+            if idx in scaled:
+                continue
+            if go.const_value(node.inputs[idx]) is not None:
+                self._same_exp_const(node, idx, p)
+            else:
+                self._request(node.inputs[idx], p, node)
+        if node.op in _COMPARE:
+            return
+        self._assign(node.outputs[0], p, f"through {node.op} '{label}'")
+
+    def _visit_mul_div(self, node: gs.Node) -> None:
+        label = go.node_label(node)
+        a, b = node.inputs[0], node.inputs[1]
+        pa, pb = self._p(a), self._p(b)
+        const_idx = self._const_index(node)
+        if id(node) in self.absorb_at and const_idx is not None:
+            other = 1 - const_idx
+            po = self._p(node.inputs[other])
+            # Mul(x*2^p, c*2^-p), Div(x*2^p, c*2^p), Div(c*2^-p, x*2^-p): the factor lands in c.
+            e = po if node.op == "Div" else -po
+            self._role(node, "absorb")
+            self._const_edit(node, const_idx, e)
+            self.absorbers[label] = Absorber(label, "constant", po)
+            self._assign(node.outputs[0], 0, f"absorbed by {node.op} '{label}'")
+            return
+        self._role(node, "propagate")
+        p = pa + pb if node.op == "Mul" else pa - pb
+        if p == 0:
+            # Div(x*2^p, y*2^p), e.g. a decomposed LayerNorm's (x - mean) / sqrt(var + eps).
+            self.absorbers[label] = Absorber(label, "ratio", pa)
+        self._assign(node.outputs[0], p, f"through {node.op} '{label}'")
+
+    def _visit_linear(self, node: gs.Node, scaled: list[int]) -> None:
+        label = go.node_label(node)
+        op = node.op
+        if op in ("Conv", "ConvTranspose"):
+            if scaled != [0]:
+                raise _Decline(f"scaled tensor feeds the weight or bias of {op} '{label}'")
+            if not go.is_float_array(go.const_value(node.inputs[1])):
+                raise _Decline(f"{op} '{label}' reads a scaled input but has no constant weight "
+                               "to absorb it")
+            p = self._p(node.inputs[0])
+            self._absorb_weight(node, 1, p)
+            return
+        pa, pb = self._p(node.inputs[0]), self._p(node.inputs[1])
+        const_idx = self._const_index(node)
+        if const_idx is not None and const_idx not in scaled:
+            p = pa + pb
+            self._absorb_weight(node, const_idx, p)
+            return
+        if op == "Gemm" and len(node.inputs) > 2 and node.inputs[2].name:
+            raise _Decline(f"Gemm '{label}' multiplies scaled tensors and adds a bias; the bias "
+                           "cannot follow the product's scale")
+        self._role(node, "propagate")
+        self._assign(node.outputs[0], pa + pb, f"through {op} '{label}'")
+
+    def _absorb_weight(self, node: gs.Node, index: int, p: int) -> None:
+        self._role(node, "absorb")
+        self._weight_edit(node, index, -p, "weight")
+        self.absorbers[go.node_label(node)] = Absorber(go.node_label(node), "weights", p)
+        self._assign(node.outputs[0], 0, f"absorbed by {node.op} '{go.node_label(node)}'")
+
+    def _visit_norm(self, node: gs.Node, scaled: list[int]) -> None:
+        label = go.node_label(node)
+        op = node.op
+        if scaled != [0]:
+            raise _Decline(f"scaled tensor feeds a parameter of {op} '{label}'")
+        p = self._p(node.inputs[0])
+        used_extra = [t for t in node.outputs[1:] if t.name and (t.outputs or go.is_graph_output(self.graph, t))]
+        if used_extra:
+            raise _Decline(f"{op} '{label}' exposes its statistics ('{used_extra[0].name}'), which "
+                           "would carry the scale")
+        self._role(node, "absorb")
+        if op == "LpNormalization":
+            if int(node.attrs.get("p", 2)) not in (1, 2):
+                raise _Decline(f"LpNormalization '{label}' with p={node.attrs.get('p')} is unsupported")
+            kind = "scale_invariant"
+        else:
+            eps = float(node.attrs.get("epsilon", 1e-5))
+            new_eps = eps * 4.0**p
+            if float(np.float32(new_eps)) != new_eps or new_eps == 0.0:
+                raise _Decline(f"{op} '{label}': epsilon {eps} * 2^{2 * p} is not exact in FP32")
+            self.attr_edits[(id(node), "epsilon")] = new_eps
+            kind = "epsilon"
+            if op == "BatchNormalization":
+                if node.attrs.get("training_mode", 0):
+                    raise _Decline(f"BatchNormalization '{label}' is in training mode")
+                self._weight_edit(node, 3, p, "running mean")
+                self._weight_edit(node, 4, 2 * p, "running variance")
+                kind = "batchnorm"
+        self.absorbers[label] = Absorber(label, kind, p)
+        self._assign(node.outputs[0], 0, f"absorbed by {op} '{label}'")
+
+    def _visit_power(self, node: gs.Node, p: int) -> None:
+        label = go.node_label(node)
+        op = node.op
+        if op == "Reciprocal":
+            out = -p
+        elif op == "ReduceSumSquare":
+            out = 2 * p
+        else:
+            if op == "Pow":
+                if self._p(node.inputs[1]) != 0:
+                    raise _Decline(f"scaled tensor is the exponent of Pow '{label}'")
+                expo = go.const_value(node.inputs[1])
+                if expo is None or expo.size != 1:
+                    raise _Decline(f"Pow '{label}' has a non-constant exponent")
+                c = float(expo.reshape(()))
+            else:
+                c = 0.5
+            out_f = c * p
+            if out_f != int(out_f):
+                raise _Decline(f"{op} '{label}' turns scale 2^{p} into 2^{out_f:g}, not an integer "
+                               "power of two; pick an even k")
+            out = int(out_f)
+        self._role(node, "propagate")
+        self._assign(node.outputs[0], out, f"through {op} '{label}'")
+
+    def _needs_unscaled(self, node: gs.Node, index: int) -> None:
+        """`node` cannot take a scaled input: find a Mul/Div by a constant upstream to absorb it."""
+        tensor = node.inputs[index]
+        cur = go.producer(tensor)
+        while cur is not None:
+            if cur.op in ("Mul", "Div") and self._const_index(cur) is not None and self.roles.get(id(cur)) == "propagate":
+                if id(cur) not in self.absorb_at:
+                    raise _Retry(id(cur))
+                break
+            if cur.op in _COMMUTE and cur.op not in ("Gather", "Pad"):
+                cur = go.producer(cur.inputs[0])
+                continue
+            break
+        raise _Decline(f"{node.op} '{go.node_label(node)}' reads scaled tensor '{tensor.name}' "
+                       f"(2^{self._p(tensor)}) and is not scale-free; no linear consumer, "
+                       "normalisation or constant factor before it can absorb the scale")
+
+    # -- application ----------------------------------------------------------------------
+
+    def apply(self, graph: gs.Graph) -> list[str]:
+        """Edit `graph` as analysed; returns the names of inserted FP32 boundary nodes."""
+        cache: dict[str, gs.Constant] = {}
+        for (nid, idx), e in sorted(self.const_edits.items(), key=lambda kv: (self.order[kv[0][0]], kv[0][1])):
+            node = self.nodes[nid]
+            value = go.const_value(node.inputs[idx])
+            assert value is not None
+            scaled = go.exact_pow2_scale(value, e)
+            assert scaled is not None
+            name = f"{node.inputs[idx].name}__x2{'p' if e > 0 else 'm'}{abs(e)}"
+            go.set_constant_input(node, idx, scaled, name, cache)
+        for (nid, attr), value in self.attr_edits.items():
+            self.nodes[nid].attrs[attr] = float(value)
+        fp32_nodes: list[str] = []
+        for name, p in sorted(self.input_entries.items()):
+            inp = go.graph_input(graph, name)
+            assert inp is not None
+            consumers, _ = go.main_consumers(graph, inp)
+            scaled = gs.Variable(go.unique_name(graph, f"{name}__scaled"), dtype=inp.dtype, shape=inp.shape)
+            node_name = go.unique_name(graph, f"rescale_in_{name}")
+            factor = go.scalar(f"{node_name}_s", 2.0**p, np.dtype(inp.dtype))
+            for node in consumers:
+                for i, t in enumerate(node.inputs):
+                    if t is inp:
+                        go.replace_input(node, i, scaled)
+            graph.nodes.append(gs.Node("Mul", node_name, inputs=[inp, factor], outputs=[scaled]))
+            fp32_nodes.append(node_name)
+            self.renamed.add(name)
+        for name in self.check.exits:
+            out = next(t for t in graph.outputs if t.name == name)
+            p = self.exps[name]
+            inner = gs.Variable(go.unique_name(graph, f"{name}__scaled"), dtype=out.dtype, shape=out.shape)
+            prod = go.producer(out)
+            assert prod is not None
+            consumers, _ = go.main_consumers(graph, out)
+            prod.outputs[prod.outputs.index(out)] = inner
+            for node in consumers:
+                for i, t in enumerate(node.inputs):
+                    if t is out:
+                        go.replace_input(node, i, inner)
+            node_name = go.unique_name(graph, f"rescale_out_{name}")
+            factor = go.scalar(f"{node_name}_s", 2.0**-p, np.dtype(out.dtype))
+            graph.nodes.append(gs.Node("Mul", node_name, inputs=[inner, factor], outputs=[out]))
+            fp32_nodes.append(node_name)
+            self.renamed.add(name)
+        return fp32_nodes
+
+
+def _cast_is_float(node: gs.Node) -> bool:
+    return int(node.attrs.get("to", 0)) in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
+                                            onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16)
+
+
+def _topo(graph: gs.Graph) -> list[gs.Node]:
+    """Main-graph nodes in a topological order, stable with respect to the file's order."""
+    index = {id(n): i for i, n in enumerate(graph.nodes)}
+    deps: dict[int, set[int]] = {}
+    users: dict[int, list[gs.Node]] = {}
+    for node in graph.nodes:
+        found = {id(p) for t in node.inputs for p in t.inputs if id(p) in index}
+        deps[id(node)] = found
+        for d in found:
+            users.setdefault(d, []).append(node)
+    ready = [(index[id(n)], id(n)) for n in graph.nodes if not deps[id(n)]]
+    heapq.heapify(ready)
+    order: list[gs.Node] = []
+    while ready:
+        _, nid = heapq.heappop(ready)
+        node = graph.nodes[index[nid]]
+        order.append(node)
+        for user in users.get(nid, []):
+            deps[id(user)].discard(nid)
+            if not deps[id(user)]:
+                heapq.heappush(ready, (index[id(user)], id(user)))
+    return order
