@@ -1,0 +1,146 @@
+"""What every static rule reads: scopes, producers, constants and inferred shapes, built once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from npuprep.graph import GraphScope, constant_value, consumers, producers, walk_graphs
+from npuprep.model_io import Model
+from npuprep.numerics import NumberFormat
+from npuprep.profiles import TargetProfile
+
+# Initialisers above this size take no part in shape inference (their shapes are declared
+# as graph inputs instead), so a >2 GB model never has to be serialised in one piece.
+_INFERENCE_INLINE_BYTES = 1 << 20
+
+# Ops that pass a value through unchanged in magnitude; guards and patterns look through them.
+PASSTHROUGH_OPS = frozenset({"Identity", "Cast", "Reshape", "Unsqueeze", "Squeeze", "Expand",
+                             "Flatten", "Transpose"})
+
+
+@dataclass
+class ScopeView:
+    """One graph of the model with its lookup tables."""
+
+    scope: GraphScope
+    producer: dict[str, onnx.NodeProto]
+    consumer: dict[str, list[onnx.NodeProto]]
+    _constants: dict[str, np.ndarray | None] = field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        return self.scope.path
+
+    @property
+    def graph(self) -> onnx.GraphProto:
+        return self.scope.graph
+
+    def constant(self, name: str) -> np.ndarray | None:
+        """Value of an initialiser or Constant output of this graph (cached), else None."""
+        if name not in self._constants:
+            self._constants[name] = constant_value(self.graph, name) if name else None
+        return self._constants[name]
+
+    def source(self, name: str) -> onnx.NodeProto | None:
+        """The producer of `name`, looking through pass-through ops (Cast, Reshape, ...)."""
+        node = self.producer.get(name)
+        while node is not None and node.op_type in PASSTHROUGH_OPS and node.input:
+            upstream = self.producer.get(node.input[0])
+            if upstream is None:
+                return node
+            node = upstream
+        return node
+
+
+@dataclass
+class Context:
+    """The model, the target and the lookups the rules share."""
+
+    model: Model
+    profile: TargetProfile
+    scopes: list[ScopeView]
+    shapes: dict[str, tuple[int | None, ...]]
+    types: dict[str, int]
+
+    @property
+    def fmt(self) -> NumberFormat:
+        return self.profile.format
+
+    def views(self) -> Iterator[ScopeView]:
+        return iter(self.scopes)
+
+    def nodes(self) -> Iterator[tuple[ScopeView, onnx.NodeProto]]:
+        for view in self.scopes:
+            for node in view.graph.node:
+                yield view, node
+
+
+def build_context(model: Model, profile: TargetProfile) -> Context:
+    scopes = [ScopeView(s, producers(s.graph), consumers(s.graph)) for s in walk_graphs(model.graph)]
+    shapes, types = infer_shapes(model.proto)
+    return Context(model, profile, scopes, shapes, types)
+
+
+def infer_shapes(
+    proto: onnx.ModelProto,
+) -> tuple[dict[str, tuple[int | None, ...]], dict[str, int]]:
+    """Shapes (None: symbolic dim) and element types of every tensor inference resolves."""
+    skeleton = onnx.ModelProto()
+    skeleton.ir_version = proto.ir_version
+    skeleton.opset_import.extend(proto.opset_import)
+    skeleton.functions.extend(proto.functions)
+    g = skeleton.graph
+    src = proto.graph
+    g.name = src.name
+    g.node.extend(src.node)
+    g.input.extend(src.input)
+    g.output.extend(src.output)
+    g.value_info.extend(src.value_info)
+    declared = {vi.name for vi in src.input}
+    for init in src.initializer:
+        if init.ByteSize() <= _INFERENCE_INLINE_BYTES:
+            g.initializer.append(init)
+        elif init.name not in declared:
+            g.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    try:
+        inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=True)
+    except Exception:  # noqa: BLE001 - inference is best effort; rules fall back to "unknown"
+        inferred = skeleton
+    shapes: dict[str, tuple[int | None, ...]] = {}
+    types: dict[str, int] = {}
+    for scope in walk_graphs(inferred.graph):
+        sg = scope.graph
+        for vi in list(sg.input) + list(sg.output) + list(sg.value_info):
+            if not vi.type.HasField("tensor_type"):
+                continue
+            tt = vi.type.tensor_type
+            if tt.elem_type:
+                types[vi.name] = tt.elem_type
+            if tt.HasField("shape"):
+                shapes[vi.name] = tuple(
+                    d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim
+                )
+        for init in sg.initializer:
+            shapes[init.name] = tuple(init.dims)
+            types[init.name] = init.data_type
+    for init in src.initializer:
+        shapes[init.name] = tuple(init.dims)
+        types[init.name] = init.data_type
+    return shapes, types
+
+
+def scalar(value: np.ndarray | None) -> float | None:
+    """The single value of a constant (size 1, or every entry equal), else None."""
+    if value is None or value.size == 0:
+        return None
+    try:
+        flat = np.asarray(value, dtype=np.float64).ravel()
+    except (TypeError, ValueError):
+        return None
+    if np.all(flat == flat[0]):
+        return float(flat[0])
+    return None

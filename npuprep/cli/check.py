@@ -1,0 +1,123 @@
+"""`npuprep check MODEL --target T`: findings without rewriting; exit 1 when one reaches --fail-on."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from npuprep.cli.common import add_json, add_target, fmt, print_json, print_table
+
+help = "report where MODEL will leave the target's range (static rules; no rewrite)"
+
+SCHEMA_VERSION = 1
+# Table rows of these rules collapse per op type: one line per kind of note, not per node.
+_GROUPED_RULES = ("autocast.",)
+_EVIDENCE_ITEMS = 5
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="ONNX model to check")
+    add_target(p)
+    add_json(p)
+    p.add_argument("--fail-on", choices=("info", "warning", "error"), default="error",
+                   help="exit 1 when a finding reaches this severity (default: error)")
+
+
+def gather_findings(args: argparse.Namespace, model: Any, profile: Any) -> Any:
+    """All findings for this invocation: the static rules, then whatever the options add."""
+    from npuprep.analyse import static_findings
+
+    return static_findings(model, profile)
+
+
+def run(args: argparse.Namespace) -> int:
+    from npuprep.model_io import load_model
+    from npuprep.profiles import Severity, load_profile
+
+    fail_on = Severity.parse(args.fail_on)
+    profile = load_profile(args.target)
+    model = load_model(args.model)
+    findings = gather_findings(args, model, profile)
+    failing = findings.reaching(fail_on)
+    if args.json:
+        print_json(check_report(model, profile, findings, fail_on))
+    else:
+        _print(model, profile, findings, fail_on)
+    return 1 if failing else 0
+
+
+def check_report(model: Any, profile: Any, findings: Any, fail_on: Any) -> dict[str, Any]:
+    """The `--json` object: schema version, kind, fingerprint, model, target, findings, summary."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "check",
+        "fingerprint": model.fingerprint,
+        "model": model.path,
+        "target": profile.name,
+        "target_path": profile.path,
+        "format": profile.default_precision,
+        "opset": model.opset,
+        "fail_on": str(fail_on),
+        "passed": not findings.reaching(fail_on),
+        "findings": findings.to_dict(),
+        "summary": _summary(findings),
+    }
+
+
+def _summary(findings: Any) -> dict[str, int]:
+    from npuprep.profiles import Severity
+
+    counts = {str(s): 0 for s in Severity}
+    for f in findings:
+        counts[str(f.severity)] += 1
+    counts["total"] = len(findings)
+    return counts
+
+
+def _evidence_text(evidence: dict[str, Any]) -> str:
+    parts = []
+    for key, value in evidence.items():
+        if key in ("format", "output", "tensors") or value is None or value == {}:
+            continue
+        if key == "members":
+            parts.append(f"{len(value)} nodes: {value[0]}..{value[-1]}")
+        elif key == "covers":
+            parts.append("covers " + ", ".join(sorted({r for rules in value.values() for r in rules})))
+        elif isinstance(value, list):
+            parts.append(f"{key}={len(value)}")
+        elif isinstance(value, bool | int | float):
+            parts.append(f"{key}={fmt(value)}")
+        if len(parts) == _EVIDENCE_ITEMS:
+            break
+    return "; ".join(parts)
+
+
+def _rows(findings: Any) -> list[tuple[str, ...]]:
+    """Table rows, most severe first; grouped rules become one row per op type."""
+    groups: dict[tuple[str, ...], list[Any]] = {}
+    for f in findings:
+        grouped = f.rule.startswith(_GROUPED_RULES)
+        key = (f.rule, f.op_type, f.scope, str(f.severity)) if grouped else (str(id(f)),)
+        groups.setdefault(key, []).append(f)
+    rows = []
+    for members in sorted(groups.values(), key=lambda g: -int(g[0].severity)):
+        f = members[0]
+        nodes = f.node if len(members) == 1 else (
+            ", ".join(m.node for m in members[:3]) + (f" (+{len(members) - 3})" if len(members) > 3 else ""))
+        where = nodes if f.scope == "main" else f"{nodes} [{f.scope}]"
+        message = f.message if len(members) == 1 else f"{len(members)} nodes: {f.message}"
+        rows.append((str(f.severity), f.rule, where, f.op_type, message,
+                     _evidence_text(f.evidence), f"{f.remedy}: {f.remedy_text}"))
+    return rows
+
+
+def _print(model: Any, profile: Any, findings: Any, fail_on: Any) -> None:
+    print(f"model  {model.path}  (opset {model.opset}, fingerprint {model.fingerprint})")
+    print(f"target {profile.name}  ({profile.default_precision}, overflow {profile.overflow})")
+    if len(findings):
+        print_table("Findings", ["severity", "rule", "node", "op", "finding", "evidence", "remedy"],
+                    _rows(findings))
+    s = _summary(findings)
+    verdict = "FAILED" if findings.reaching(fail_on) else "PASSED"
+    print(f"{s['total']} finding(s): {s['error']} error, {s['warning']} warning, {s['info']} info"
+          f" -- {verdict} (--fail-on {fail_on})")
