@@ -82,23 +82,55 @@ class EmulateBackend:
 
 
 class OrtBackend:
-    """The FP16 model on onnxruntime's CPU kernels (FP16 where it has them).
+    """The lowered model on onnxruntime's CPU provider.
 
-    Where onnxruntime lacks an FP16 kernel it computes in FP32 between inserted Casts; a value
-    beyond 65504 that comes through exactly is then reported as "computed wider".
+    onnxruntime's CPU provider lacks FP16 kernels for most ops: it computes them in FP32
+    between inserted Casts and drops Cast pairs, so an FP32 graph output can carry a value
+    beyond 65504 exactly. With `io="fp16"` (default) every observed tensor is stored in FP16,
+    as an FP16 runtime stores it, and overflow shows as IEEE Inf. With `io="fp32"` the
+    lowered model keeps FP32 outputs and the probe reports the wider computation it sees.
     """
 
-    name = "ort"
-
-    def __init__(self, fmt: NumberFormat) -> None:
+    def __init__(self, fmt: NumberFormat, *, io: str = "fp16") -> None:
         if fmt.name != "fp16":
             raise NpuprepError(f"the ort backend runs fp16 only (onnxruntime has no {fmt.name} compute "
                                "kernels); use --backend emulate")
+        if io not in ("fp16", "fp32"):
+            raise NpuprepError(f"ort backend io must be fp16 or fp32, got '{io}'")
         self.fmt = fmt
+        self.io = io
+        self.name = "ort" if io == "fp16" else "ort(fp32 io)"
 
     def run(self, probe: ProbeModel, tensors: Sequence[str] = ()) -> dict[str, np.ndarray]:
         model = probe.target if probe.target is not None else lower_model(probe.reference, self.fmt)
-        return _session_run(expose(model, tensors), probe.feeds)
+        model = expose(model, tensors)
+        if self.io == "fp16":
+            model = store_outputs(model, self.fmt)
+        return _session_run(model, probe.feeds)
+
+
+def store_outputs(model: onnx.ModelProto, fmt: NumberFormat) -> onnx.ModelProto:
+    """`y` (FP32 output) -> `y = Cast<fmt>(y__wide)`: every graph output is stored in `fmt`."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    casts = []
+    for vo in g.output:
+        if vo.type.tensor_type.elem_type != TensorProto.FLOAT:
+            continue
+        wide = f"{vo.name}__wide"
+        for node in g.node:
+            for i, name in enumerate(node.output):
+                if name == vo.name:
+                    node.output[i] = wide
+            for i, name in enumerate(node.input):
+                if name == vo.name:
+                    node.input[i] = wide
+        casts.append(helper.make_node("Cast", [wide], [vo.name], to=fmt.onnx_type,
+                                      name=f"probe_store_{vo.name}"))
+        vo.type.tensor_type.elem_type = fmt.onnx_type
+    g.node.extend(casts)
+    return out
 
 
 def lower_model(model: onnx.ModelProto, fmt: NumberFormat) -> onnx.ModelProto:

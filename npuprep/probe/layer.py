@@ -1,0 +1,214 @@
+"""Single-layer probe: `Conv(x, W, B)` -> `Conv(x, g*W, g*B)` with g raised until the FP32 output crosses the limit.
+
+The amplified layer's output is made a graph output, so every backend (a board included)
+returns it; the verdict is that tensor's classification. Backends that observe every tensor
+(emulation, onnxruntime) also say where in the graph the behaviour first shows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from npuprep.errors import NpuprepError
+from npuprep.graph import (
+    constant_value,
+    float_tensor_names,
+    node_label,
+    tensor_types,
+    topological_order,
+)
+from npuprep.numerics import NumberFormat
+from npuprep.probe.backends import Backend
+from npuprep.probe.classify import Classification, Verdict, classify
+from npuprep.probe.micro import ProbeModel
+from npuprep.probe.runner import ProbeResult, reference_outputs
+
+# Weight (and bias) input positions of the linear ops the probe amplifies.
+WEIGHT_INPUTS = {"Conv": (1, 2), "ConvTranspose": (1, 2), "Gemm": (1, 2), "MatMul": (1,)}
+# Amplified weights stay below this fraction of max, so the weights themselves never overflow.
+WEIGHT_LIMIT = 0.5
+# "Clearly crosses": the raised gain aims at this multiple of the overflow threshold.
+MARGIN = 2.0
+MAX_RAISES = 4
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """The layer to amplify: its node label, op, output tensor and constant weight inputs."""
+
+    node: str
+    op_type: str
+    tensor: str
+    weights: tuple[str, ...]
+
+
+def pick_layer(model: onnx.ModelProto, layer: str | None = None) -> LayerChoice:
+    """The named layer (node name, label or output tensor), else the first linear op with constant weights."""
+    graph = model.graph
+    candidates = []
+    for node in topological_order(graph):
+        if node.op_type not in WEIGHT_INPUTS:
+            continue
+        positions = WEIGHT_INPUTS[node.op_type]
+        if node.op_type == "MatMul" and constant_value(graph, node.input[1]) is None:
+            positions = (0,)
+        weights = tuple(node.input[p] for p in positions
+                        if p < len(node.input) and node.input[p]
+                        and constant_value(graph, node.input[p]) is not None)
+        if not weights or weights[0] != node.input[positions[0]]:
+            continue
+        candidates.append(LayerChoice(node_label(node), node.op_type, node.output[0], weights))
+    if layer is None:
+        if not candidates:
+            raise NpuprepError("no Conv, ConvTranspose, Gemm or MatMul with constant weights in the "
+                               "main graph; name a layer with --layer")
+        return candidates[0]
+    for c in candidates:
+        if layer in (c.node, c.tensor):
+            return c
+    known = [node_label(n) for n in graph.node]
+    if layer in known:
+        raise NpuprepError(f"layer '{layer}' is not a Conv, ConvTranspose, Gemm or MatMul with "
+                           "constant weights")
+    raise NpuprepError(f"layer '{layer}' not found in the main graph")
+
+
+def weight_absmax(model: onnx.ModelProto, choice: LayerChoice) -> float:
+    values = [np.abs(np.asarray(constant_value(model.graph, w), np.float64)) for w in choice.weights]
+    return max((float(v.max()) for v in values if v.size), default=0.0)
+
+
+def amplify(model: onnx.ModelProto, choice: LayerChoice, gain: float) -> onnx.ModelProto:
+    """A copy with the layer's weights times `gain` (fresh initialisers) and its output exposed."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    node = next(n for n in graph.node if node_label(n) == choice.node)
+    for i, name in enumerate(node.input):
+        if name not in choice.weights:
+            continue
+        value = constant_value(graph, name)
+        scaled = (np.asarray(value, np.float64) * gain).astype(value.dtype)
+        fresh = f"{name}__probe_gain"
+        graph.initializer.append(numpy_helper.from_array(scaled, fresh))
+        node.input[i] = fresh
+    used = {n for nd in graph.node for n in nd.input}
+    keep = [init for init in graph.initializer if init.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    if choice.tensor not in {o.name for o in graph.output}:
+        elem = tensor_types(model).get(choice.tensor, onnx.TensorProto.FLOAT)
+        graph.output.append(helper.make_tensor_value_info(choice.tensor, elem, None))
+    return out
+
+
+@dataclass(frozen=True)
+class LayerProbe:
+    """The single-layer probe's verdict, the gain that produced it and where it first shows."""
+
+    result: ProbeResult
+    layer: LayerChoice
+    gain: float
+    max_gain: float
+    first_shows: dict[str, Any] | None
+    graph_outputs: dict[str, Classification]
+
+    @property
+    def verdict(self) -> str:
+        return self.result.verdict
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.result.to_dict(),
+            "layer": self.layer.node,
+            "op_type": self.layer.op_type,
+            "tensor": self.layer.tensor,
+            "gain": self.gain,
+            "max_gain": self.max_gain,
+            "first_shows": self.first_shows,
+            "graph_outputs": {k: v.to_dict() for k, v in sorted(self.graph_outputs.items())},
+        }
+
+
+def layer_probe_model(model: onnx.ModelProto, feeds: dict[str, np.ndarray], fmt: NumberFormat, *,
+                      layer: str | None = None, gain: float = 100.0,
+                      raise_gain: bool = True) -> tuple[ProbeModel, LayerChoice, float, float]:
+    """The amplified model as a probe, the chosen layer, the gain used and the largest allowed."""
+    if gain <= 0 or not math.isfinite(gain):
+        raise NpuprepError(f"--gain must be a positive number, got {gain}")
+    choice = pick_layer(model, layer)
+    wmax = weight_absmax(model, choice)
+    if wmax == 0:
+        raise NpuprepError(f"layer '{choice.node}' has all-zero weights; amplifying them shows nothing")
+    max_gain = WEIGHT_LIMIT * fmt.max / wmax
+    g = min(gain, max_gain)
+    target = MARGIN * fmt.overflow_threshold
+    for _ in range(MAX_RAISES):
+        probe = _probe(model, choice, g, feeds)
+        absmax = _absmax(reference_outputs(probe)[choice.tensor])
+        if not raise_gain or absmax >= target or absmax == 0 or g >= max_gain:
+            break
+        # The layer output is linear in the gain (weights and bias both scale).
+        g = min(max_gain, g * 10.0 ** math.ceil(math.log10(target / absmax)))
+    return probe, choice, g, max_gain
+
+
+def _probe(model: onnx.ModelProto, choice: LayerChoice, gain: float,
+           feeds: dict[str, np.ndarray]) -> ProbeModel:
+    return ProbeModel("layer", f"{choice.op_type} '{choice.node}' x{gain:g}", amplify(model, choice, gain),
+                      None, dict(feeds), (choice.tensor,))
+
+
+def _absmax(x: np.ndarray) -> float:
+    x = np.asarray(x, np.float64)
+    x = x[np.isfinite(x)]
+    return float(np.abs(x).max()) if x.size else 0.0
+
+
+def probe_layer(model: onnx.ModelProto, feeds: dict[str, np.ndarray], fmt: NumberFormat,
+                backend: Backend, *, layer: str | None = None, gain: float = 100.0,
+                raise_gain: bool = True) -> LayerProbe:
+    """Amplify one layer, run it on `backend`, classify its output and locate the first anomaly."""
+    probe, choice, g, max_gain = layer_probe_model(model, feeds, fmt, layer=layer, gain=gain,
+                                                   raise_gain=raise_gain)
+    tensors = float_tensor_names(probe.reference)
+    reference = reference_outputs(probe, tensors)
+    observed = backend.run(probe, tensors)
+    if choice.tensor not in observed:
+        raise NpuprepError(f"backend {backend.name} did not return the probed tensor '{choice.tensor}'")
+    c = classify(reference[choice.tensor], observed[choice.tensor], fmt)
+    if c.verdict is Verdict.NO_OVERFLOW and not c.wider and c.reference_absmax < fmt.overflow_threshold:
+        why = (f"weights would pass {WEIGHT_LIMIT:g}x the {fmt.name} max above gain {max_gain:.4g}"
+               if g >= max_gain else "raise --gain")
+        c = Classification(c.verdict, f"{c.reason} at gain {g:g}; {why}", c.threshold, c.reference_absmax,
+                           in_range_wrong=c.in_range_wrong)
+    result = ProbeResult("layer", probe.unit, choice.tensor, c)
+    original_outputs = [o.name for o in model.graph.output]
+    outputs = {name: classify(reference[name], observed[name], fmt)
+               for name in original_outputs if name in observed and name in reference}
+    return LayerProbe(result, choice, g, max_gain, _first_shows(probe.reference, tensors, reference,
+                                                                observed, fmt), outputs)
+
+
+def _first_shows(model: onnx.ModelProto, tensors: list[str], reference: dict[str, np.ndarray],
+                 observed: dict[str, np.ndarray], fmt: NumberFormat) -> dict[str, Any] | None:
+    """The first tensor, in topological order, whose values show an overflow behaviour."""
+    producer = {out: n for n in model.graph.node for out in n.output}
+    for name in tensors:
+        if name not in observed or name not in reference:
+            continue
+        if np.shape(observed[name]) != np.shape(reference[name]):
+            continue
+        c = classify(reference[name], observed[name], fmt)
+        if c.verdict.conclusive or c.wider:
+            node = producer.get(name)
+            return {"tensor": name, "node": node_label(node) if node else "(graph input)",
+                    "op_type": node.op_type if node else "", "verdict": str(c.verdict),
+                    "wider": c.wider, "reason": c.reason}
+    return None
