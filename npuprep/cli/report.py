@@ -1,0 +1,58 @@
+"""`npuprep report RESULT.json -o report.html`: one self-contained HTML page from a result JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from npuprep.errors import NpuprepError
+
+help = "render a check, stats, compare or convert result JSON as one self-contained HTML page"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("result", help="result JSON written by check/calibrate/compare/convert --json")
+    p.add_argument("-o", "--output", required=True, help="HTML file to write")
+    p.add_argument("--no-plots", action="store_true", help="tables only, no charts")
+
+
+def load_result(path: str | Path) -> dict[str, Any]:
+    """A result JSON object; a missing file or bad JSON is one NpuprepError."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise NpuprepError(f"{path}: result file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise NpuprepError(f"{path}: cannot read ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise NpuprepError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    if not isinstance(data, dict) or "kind" not in data:
+        raise NpuprepError(f"{path}: not an npuprep result (no 'kind' key)")
+    return data
+
+
+def write_html(result: dict[str, Any], path: str | Path, *, plots: bool = True) -> Path:
+    """Render a result dict as HTML and write it atomically (for `--html` on other commands)."""
+    from npuprep.report.render_html import write_html as _write
+
+    return _write(result, path, plots=plots)
+
+
+def run(args: argparse.Namespace) -> int:
+    from npuprep.report.render_html import render
+
+    result = load_result(args.result)
+    if Path(args.output).resolve() == Path(args.result).resolve():
+        raise NpuprepError(f"{args.output}: refusing to overwrite the result JSON with its report")
+    try:
+        page = render(result, plots=not args.no_plots)
+    except NpuprepError as exc:
+        raise NpuprepError(f"{args.result}: {exc}") from None
+    from npuprep.model_io import write_text_atomic
+
+    write_text_atomic(args.output, page)
+    print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,179 @@
+"""Charts as inline SVG text (matplotlib, optional extra `plots`): headroom and per-layer error.
+
+Byte-identical for the same inputs: no pyplot state, a fixed `svg.hashsalt` per chart, no
+date or creator metadata, text kept as text (`svg.fonttype: none`) so labels stay searchable.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from npuprep.report.series import ErrorSeries, Limit, RemedyMark, TensorPoint
+
+INSTALL_HINT = "pip install npuprep[plots]"
+LIMIT_STYLE = {"max": ("#c0392b", "-"), "fp8": ("#7b241c", "-."), "headroom": ("#e67e22", "--")}
+REMEDY_COLOR = {"rescale": "#27ae60", "clamp": "#f39c12", "pin_fp32": "#8e44ad"}
+# Tensor names fit under the axis up to this many tensors; beyond, positions are numbered.
+NAMED_TICKS = 40
+
+
+def available() -> bool:
+    """Whether matplotlib can be imported (the `plots` extra is installed)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _figure(height: float, rows: int = 1) -> tuple[Any, Any]:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, height), layout="constrained")
+    axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
+    return fig, axes
+
+
+def _to_svg(fig: Any, salt: str) -> str:
+    """The figure as an <svg> element to inline: no XML prolog, sized by its container."""
+    import matplotlib as mpl
+
+    buf = io.StringIO()
+    with mpl.rc_context({"svg.hashsalt": salt, "svg.fonttype": "none"}):
+        fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None, "Format": None,
+                                                 "Type": None})
+    svg = buf.getvalue()
+    svg = svg[svg.index("<svg"):]
+    svg = re.sub(r'<svg ([^>]*?)width="[^"]*" height="[^"]*"', r'<svg class="chart" role="img" \1',
+                 svg, count=1)
+    return svg.strip() + "\n"
+
+
+def _runs(positions: Iterable[int]) -> list[tuple[int, int]]:
+    """Consecutive positions as (first, last) runs, so a long island is one band."""
+    runs: list[tuple[int, int]] = []
+    for p in sorted(set(positions)):
+        if runs and p == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], p)
+        else:
+            runs.append((p, p))
+    return runs
+
+
+def _finite_positive(values: Iterable[float | None]) -> list[float]:
+    return [v for v in values if v is not None and math.isfinite(v) and v > 0]
+
+
+def _plot_magnitudes(ax: Any, xs: Sequence[int], values: Sequence[float | None], floor: float,
+                     ceiling: float, *, label: str, color: str, marker: str = "o") -> None:
+    """A log-scale line of magnitudes; zeros sit on the floor, non-finite on the ceiling."""
+    ys = [None if v is None else (ceiling if not math.isfinite(v) else max(v, floor)) for v in values]
+    ax.plot(xs, [math.nan if y is None else y for y in ys], color=color, marker=marker,
+            markersize=3, linewidth=1, label=label)
+    bad = [x for x, v in zip(xs, values, strict=True) if v is not None and not math.isfinite(v)]
+    if bad:
+        ax.scatter(bad, [ceiling] * len(bad), marker="X", s=50, color="#c0392b", zorder=5,
+                   label=f"{label}: non-finite")
+
+
+def _tensor_axis(ax: Any, names: Sequence[str]) -> None:
+    if 0 < len(names) <= NAMED_TICKS:
+        ax.set_xticks(range(len(names)), names, rotation=90, fontsize=7)
+        ax.set_xlabel("tensor (topological order)")
+    else:
+        ax.set_xlabel("tensor # in topological order (see the tensor table)")
+    ax.set_xlim(-0.5, max(len(names), 1) - 0.5)
+
+
+def headroom_svg(points: Sequence[TensorPoint], limits: Sequence[Limit],
+                 marks: Sequence[RemedyMark]) -> str:
+    """Abs-max of every tensor on a log scale with the target limits and the remedies."""
+    from matplotlib.patches import Patch
+
+    xs = list(range(len(points)))
+    before = [p.absmax for p in points]
+    after = [p.absmax_after for p in points]
+    has_after = any(v is not None for v in after)
+    observed = _finite_positive(before + after) or [1.0]
+    top = max(max(observed), max(lim.value for lim in limits))
+    # Room below the smallest magnitude for the remedy marks, above the largest for non-finite.
+    floor = min(observed) / 100
+    ceiling = top * 10
+    fig, (ax,) = _figure(4.6)
+    ax.set_yscale("log")
+    ax.set_ylim(floor / 2, ceiling * 3)
+    for start, end in _runs(p for m in marks for p in m.positions if m.kind == "pin_fp32"):
+        ax.axvspan(start - 0.5, end + 0.5, color=REMEDY_COLOR["pin_fp32"], alpha=0.12, linewidth=0)
+    for lim in limits:
+        color, style = LIMIT_STYLE.get(lim.role, ("#555555", ":"))
+        ax.axhline(lim.value, color=color, linestyle=style, linewidth=1.2)
+        ax.text(0.005, lim.value, lim.label, transform=ax.get_yaxis_transform(), color=color,
+                fontsize=8, va="bottom", ha="left")
+    if has_after:
+        _plot_magnitudes(ax, xs, before, floor, ceiling, label="abs-max before", color="#95a5a6")
+        _plot_magnitudes(ax, xs, after, floor, ceiling, label="abs-max after", color="#2471a3")
+    else:
+        _plot_magnitudes(ax, xs, before, floor, ceiling, label="abs-max", color="#2471a3")
+    kinds = sorted({m.kind for m in marks})
+    rug = ax.get_xaxis_transform()
+    for m in marks:
+        color = REMEDY_COLOR.get(m.kind, "#555555")
+        # One row of triangles per remedy kind along the bottom, so marks at one tensor stay apart.
+        height = 0.03 + 0.05 * (kinds.index(m.kind))
+        ax.scatter(m.positions, [height] * len(m.positions), marker="^", s=60, color=color,
+                   zorder=6, transform=rug)
+        if len(marks) <= 12:
+            ax.annotate(f"{m.kind}: {m.label}", (m.positions[0], height), xycoords=rug,
+                        xytext=(5, 4), textcoords="offset points", rotation=90, fontsize=7,
+                        color=color, va="bottom")
+    handles, labels = ax.get_legend_handles_labels()
+    for kind in kinds:
+        handles.append(Patch(color=REMEDY_COLOR.get(kind, "#555555"), label=f"remedy: {kind}"))
+        labels.append(f"remedy: {kind}")
+    ax.legend(handles, labels, loc="upper right", fontsize=8, framealpha=0.9)
+    ax.set_ylabel("abs-max (log)")
+    ax.grid(True, which="major", axis="y", alpha=0.3)
+    _tensor_axis(ax, [p.tensor for p in points])
+    return _to_svg(fig, "npuprep-headroom")
+
+
+def error_svg(series: ErrorSeries) -> str:
+    """Relative L2 and max abs error per tensor, accumulated and isolated, first divergence marked."""
+    pts = series.points
+    xs = list(range(len(pts)))
+    fig, (ax_rel, ax_abs) = _figure(5.6, rows=2)
+    panels = (
+        (ax_rel, "relative L2", [p.rel_l2 for p in pts], [p.isolated_rel_l2 for p in pts]),
+        (ax_abs, "max abs error", [p.max_abs for p in pts], [p.isolated_max_abs for p in pts]),
+    )
+    for ax, name, accumulated, isolated in panels:
+        observed = _finite_positive(accumulated + isolated) or [1.0]
+        floor, ceiling = min(observed) / 10, max(observed) * 10
+        ax.set_yscale("log")
+        ax.set_ylim(floor / 2, ceiling * 3)
+        _plot_magnitudes(ax, xs, accumulated, floor, ceiling, label=f"{name} (accumulated)",
+                         color="#2471a3")
+        if any(v is not None for v in isolated):
+            _plot_magnitudes(ax, xs, isolated, floor, ceiling, label=f"{name} (isolated)",
+                             color="#e67e22", marker="s")
+        failed = [x for x, p in zip(xs, pts, strict=True) if p.passed is False]
+        if failed:
+            ys = [max(min(v, ceiling), floor) if v is not None else floor
+                  for v in (accumulated[x] for x in failed)]
+            ax.scatter(failed, ys, facecolors="none", edgecolors="#c0392b", s=60, zorder=5,
+                       label="failed")
+        if series.first_divergent is not None:
+            ax.axvline(series.first_divergent, color="#c0392b", linestyle="--", linewidth=1.2)
+        ax.set_ylabel(name)
+        ax.grid(True, which="major", axis="y", alpha=0.3)
+        ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
+    if series.first_divergent is not None:
+        ax_rel.annotate(f"first divergent: {series.first_divergent_label}",
+                        (series.first_divergent, 1.0), xycoords=("data", "axes fraction"),
+                        xytext=(4, -12), textcoords="offset points", color="#c0392b", fontsize=8)
+    _tensor_axis(ax_abs, [p.tensor for p in pts])
+    return _to_svg(fig, "npuprep-error")

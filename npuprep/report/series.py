@@ -1,0 +1,259 @@
+"""Chart series from any result dict: abs-max per tensor, target limits, remedy marks, layer error.
+
+Reads the JSON shapes of `check`, `stats`, `compare` and `convert` results tolerantly: a
+missing key leaves its part of the chart out rather than failing the report.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from npuprep.errors import NpuprepError
+from npuprep.numerics import get_format
+
+REMEDY_KINDS: tuple[str, ...] = ("rescale", "clamp", "pin_fp32")
+
+
+@dataclass(frozen=True)
+class TensorPoint:
+    """One tensor's largest magnitude; `absmax_after` is set for convert results."""
+
+    tensor: str
+    node: str
+    op_type: str
+    absmax: float | None
+    absmax_after: float | None = None
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A horizontal line on the headroom chart: `role` is `max`, `headroom` or `fp8`."""
+
+    label: str
+    value: float
+    role: str
+
+
+@dataclass(frozen=True)
+class RemedyMark:
+    """Where an action acts: the tensor positions (in chart order) it touches."""
+
+    kind: str
+    label: str
+    positions: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ErrorPoint:
+    """One tensor's error against the reference, accumulated and (when measured) isolated."""
+
+    tensor: str
+    node: str
+    op_type: str
+    rel_l2: float | None
+    max_abs: float | None
+    isolated_rel_l2: float | None
+    isolated_max_abs: float | None
+    passed: bool | None
+
+
+@dataclass(frozen=True)
+class ErrorSeries:
+    points: tuple[ErrorPoint, ...]
+    first_divergent: int | None
+    first_divergent_label: str
+
+
+def number(value: Any) -> float | None:
+    """A float from JSON (None, strings like "inf" and non-numbers give None or +-inf)."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def profile_of(result: Mapping[str, Any]) -> dict[str, Any]:
+    """The profile dict a result carries (top level, or inside an embedded compare)."""
+    for holder in (result, result.get("compare") or {}):
+        profile = holder.get("profile") if isinstance(holder, Mapping) else None
+        if isinstance(profile, Mapping):
+            return dict(profile)
+    return {}
+
+
+def precision_of(result: Mapping[str, Any]) -> str:
+    """The format compute runs in: an explicit `precision`, else the profile's default."""
+    for key in ("precision", "format"):
+        value = result.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return str(profile_of(result).get("default_precision") or "fp16")
+
+
+def limits(result: Mapping[str, Any]) -> tuple[Limit, ...]:
+    """FP16's max finite always; headroom x max of the compute format when the profile
+    gives a headroom; the FP8 max when FP8 is the compute format."""
+    fp16 = get_format("fp16")
+    out = [Limit(f"fp16 max {fp16.max:.0f}", float(fp16.max), "max")]
+    try:
+        fmt = get_format(precision_of(result))
+    except NpuprepError:  # int8 or an unknown name: FP16's line stands alone
+        fmt = fp16
+    if fmt.name.startswith("fp8"):
+        out.append(Limit(f"{fmt.name} max {fmt.max:g}", float(fmt.max), "fp8"))
+    headroom = number(profile_of(result).get("headroom"))
+    if headroom is not None and 0 < headroom < 1:
+        value = headroom * float(fmt.max)
+        out.append(Limit(f"headroom {headroom:g} x {fmt.name} max = {value:g}", value, "headroom"))
+    return tuple(out)
+
+
+def _stats_tensors(stats: Mapping[str, Any]) -> list[TensorPoint]:
+    tensors = stats.get("tensors")
+    if isinstance(tensors, Mapping):
+        items = [dict(v, tensor=v.get("tensor", k)) for k, v in tensors.items() if isinstance(v, Mapping)]
+    elif isinstance(tensors, list):
+        items = [v for v in tensors if isinstance(v, Mapping)]
+    else:
+        return []
+    # A stats file is keyed by name; an explicit position restores topological order.
+    for key in ("index", "order", "position"):
+        if items and all(isinstance(v.get(key), int) for v in items):
+            items.sort(key=lambda v, k=key: v[k])
+            break
+    return [TensorPoint(str(v.get("tensor", "")), str(v.get("node", "")), str(v.get("op_type", "")),
+                        _absmax(v)) for v in items]
+
+
+def _absmax(entry: Mapping[str, Any]) -> float | None:
+    value = number(entry.get("absmax"))
+    if value is None:
+        lo, hi = number(entry.get("min")), number(entry.get("max"))
+        if lo is not None and hi is not None:
+            value = max(abs(lo), abs(hi))
+    if value is not None and (entry.get("nan_count") or entry.get("inf_count") or entry.get("nonfinite")):
+        return math.inf
+    return value
+
+
+def tensor_points(result: Mapping[str, Any]) -> tuple[TensorPoint, ...]:
+    """Every tensor's abs-max in topological order, as far as the result records it."""
+    kind = result.get("kind")
+    tensors = result.get("tensors")
+    if kind == "convert" and isinstance(tensors, list):
+        return tuple(
+            TensorPoint(str(t.get("tensor", "")), str(t.get("node", "")), str(t.get("op_type", "")),
+                        number(t.get("absmax_before")), number(t.get("absmax_after")))
+            for t in tensors if isinstance(t, Mapping))
+    if kind == "compare" and isinstance(tensors, list):
+        return tuple(
+            TensorPoint(str(t.get("tensor", "")), str(t.get("node", "")), str(t.get("op_type", "")),
+                        _absmax(t))
+            for t in tensors if isinstance(t, Mapping))
+    if kind == "stats":
+        return tuple(_stats_tensors(result))
+    stats = result.get("stats")
+    if isinstance(stats, Mapping):
+        return tuple(_stats_tensors(stats))
+    return ()
+
+
+def _action_kind(action: Mapping[str, Any]) -> str:
+    return str(action.get("action") or action.get("kind") or action.get("remedy") or "")
+
+
+def _action_tensors(action: Mapping[str, Any], produced_by: Mapping[str, list[int]],
+                    position: Mapping[str, int]) -> set[int]:
+    """Chart positions an action touches: its tensors, its scale domain, its nodes' outputs."""
+    hits: set[int] = set()
+    names: list[str] = []
+    for key in ("tensor", "target", "entry"):
+        if isinstance(action.get(key), str):
+            names.append(action[key])
+    for key in ("tensors", "exit_tensors", "domain", "nodes", "absorbers"):
+        value = action.get(key)
+        if isinstance(value, Mapping):
+            names.extend(str(k) for k in value)
+        elif isinstance(value, list | tuple):
+            names.extend(str(v) for v in value)
+    for name in names:
+        if name in position:
+            hits.add(position[name])
+        hits.update(produced_by.get(name, ()))
+    return hits
+
+
+def remedy_marks(result: Mapping[str, Any], points: tuple[TensorPoint, ...]) -> tuple[RemedyMark, ...]:
+    """One mark per action (convert) or per remedied finding (check), at the tensors it acts on."""
+    position = {p.tensor: i for i, p in enumerate(points)}
+    produced_by: dict[str, list[int]] = {}
+    for i, p in enumerate(points):
+        produced_by.setdefault(p.node, []).append(i)
+    marks: list[RemedyMark] = []
+    actions = result.get("actions")
+    if isinstance(actions, list):
+        for a in actions:
+            if not isinstance(a, Mapping) or _action_kind(a) not in REMEDY_KINDS:
+                continue
+            hits = _action_tensors(a, produced_by, position)
+            if hits:
+                marks.append(RemedyMark(_action_kind(a), action_where(a), tuple(sorted(hits))))
+        return tuple(marks)
+    for f in result.get("findings") or ():
+        if isinstance(f, Mapping) and f.get("remedy") in REMEDY_KINDS:
+            hits = _action_tensors({"tensor": f.get("tensor"), "nodes": [f.get("node")]},
+                                   produced_by, position)
+            if hits:
+                marks.append(RemedyMark(str(f["remedy"]), str(f.get("node", "")), tuple(sorted(hits))))
+    return tuple(marks)
+
+
+def action_where(action: Mapping[str, Any]) -> str:
+    """A short 'where' for an action: its tensor, entry, target or first nodes."""
+    for key in ("tensor", "entry", "target"):
+        if isinstance(action.get(key), str) and action[key]:
+            return action[key]
+    nodes = action.get("nodes")
+    if isinstance(nodes, list) and nodes:
+        return ", ".join(map(str, nodes[:3])) + (f" (+{len(nodes) - 3})" if len(nodes) > 3 else "")
+    return ""
+
+
+def compare_of(result: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The compare object of a result: itself, or the one a convert result embeds."""
+    if result.get("kind") == "compare":
+        return result
+    embedded = result.get("compare")
+    return embedded if isinstance(embedded, Mapping) else None
+
+
+def error_series(result: Mapping[str, Any]) -> ErrorSeries | None:
+    """Per-layer error in topological order with the first divergent node's position."""
+    cmp = compare_of(result)
+    if cmp is None or not isinstance(cmp.get("tensors"), list):
+        return None
+    points = tuple(
+        ErrorPoint(str(t.get("tensor", "")), str(t.get("node", "")), str(t.get("op_type", "")),
+                   number(t.get("rel_l2")), number(t.get("max_abs")), number(t.get("isolated_rel_l2")),
+                   number(t.get("isolated_max_abs")),
+                   t.get("passed") if isinstance(t.get("passed"), bool) else None)
+        for t in cmp["tensors"] if isinstance(t, Mapping))
+    first = cmp.get("first_divergent")
+    index, label = None, ""
+    if isinstance(first, Mapping):
+        label = str(first.get("node") or first.get("tensor") or "")
+        for i, p in enumerate(points):
+            if (first.get("tensor") and p.tensor == first["tensor"]) or (
+                    not first.get("tensor") and p.node == first.get("node")):
+                index = i
+                break
+    return ErrorSeries(points, index, label)

@@ -1,0 +1,231 @@
+"""The report's tables (findings, actions, declined remedies, tensors) and summary, from a result dict.
+
+Format-neutral rows: the HTML renderer (and any other) decides how a cell looks. Missing keys
+give empty cells or leave a table out; nothing here fails on a producer's newer fields.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from npuprep.report.series import action_where, compare_of, number, tensor_points
+
+SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2}
+
+
+@dataclass(frozen=True)
+class Column:
+    """A column: `kind` is `text`, `num` or `severity` (sorted by rank, shown as a word)."""
+
+    name: str
+    kind: str = "text"
+
+
+@dataclass(frozen=True)
+class Table:
+    key: str
+    title: str
+    columns: tuple[Column, ...]
+    rows: tuple[tuple[Any, ...], ...]
+
+
+def compact(value: Any) -> str:
+    """A dict or list as one short line (evidence, measured numbers)."""
+    if isinstance(value, Mapping):
+        return ", ".join(f"{k}={compact(v)}" for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return ", ".join(compact(v) for v in value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def _text(d: Mapping[str, Any], key: str) -> str:
+    return compact(d.get(key))
+
+
+def _dicts(value: Any) -> list[Mapping[str, Any]]:
+    return [v for v in value if isinstance(v, Mapping)] if isinstance(value, list) else []
+
+
+def findings_table(result: Mapping[str, Any]) -> Table | None:
+    findings = _dicts(result.get("findings"))
+    if "findings" not in result:
+        return None
+    cols = (Column("severity", "severity"), Column("rule"), Column("node"), Column("op_type"),
+            Column("tensor"), Column("message"), Column("evidence"), Column("remedy"),
+            Column("remedy_text"))
+    rows = tuple((str(f.get("severity", "")).lower(), _text(f, "rule"), _text(f, "node"),
+                  _text(f, "op_type"), _text(f, "tensor"), _text(f, "message"),
+                  _text(f, "evidence"), _text(f, "remedy"), _text(f, "remedy_text"))
+                 for f in findings)
+    return Table("findings", f"Findings ({len(rows)})", cols, rows)
+
+
+def _action_numbers(a: Mapping[str, Any]) -> str:
+    keys = ("k", "absmax", "absmax_after", "limit", "lo", "hi", "measured")
+    return compact({k: a[k] for k in keys if k in a and a[k] is not None})
+
+
+def _finding_refs(a: Mapping[str, Any]) -> str:
+    refs = []
+    for ref in _dicts(a.get("findings")):
+        where = ref.get("tensor") or ref.get("node") or ""
+        refs.append(f"{ref.get('rule', '')} at {where}" if where else str(ref.get("rule", "")))
+    return "; ".join(refs)
+
+
+def actions_table(result: Mapping[str, Any]) -> Table | None:
+    if "actions" not in result:
+        return None
+    cols = (Column("#", "num"), Column("action"), Column("where"), Column("kind"),
+            Column("numbers"), Column("findings"), Column("why"))
+    rows = tuple((i, str(a.get("action") or a.get("kind") or ""), action_where(a),
+                  _text(a, "kind") if a.get("action") else "", _action_numbers(a),
+                  _finding_refs(a), _text(a, "why"))
+                 for i, a in enumerate(_dicts(result.get("actions"))))
+    return Table("actions", f"Actions ({len(rows)})", cols, rows)
+
+
+def declined_table(result: Mapping[str, Any]) -> Table | None:
+    declined = _dicts(result.get("declined"))
+    if not declined:
+        return None
+    cols = (Column("remedy"), Column("target"), Column("reason"), Column("findings"))
+    rows = tuple((_text(d, "remedy"), _text(d, "target") or action_where(d),
+                  _text(d, "reason") or _text(d, "why"), _finding_refs(d)) for d in declined)
+    return Table("declined", f"Declined remedies ({len(rows)})", cols, rows)
+
+
+def _num(d: Mapping[str, Any], key: str) -> float | None:
+    return number(d.get(key))
+
+
+def _tensor_rows(entries: Sequence[Mapping[str, Any]], numeric: Sequence[str],
+                 extra: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[tuple[Any, ...], ...]:
+    rows = []
+    for i, t in enumerate(entries):
+        values = dict(t, **(extra or {}).get(str(t.get("tensor")), {}))
+        rows.append((i, _text(values, "tensor"), _text(values, "node"), _text(values, "op_type"),
+                     *(_num(values, k) if k != "passed" else _text(values, k) for k in numeric)))
+    return tuple(rows)
+
+
+def compare_table(result: Mapping[str, Any]) -> Table | None:
+    cmp = compare_of(result)
+    entries = _dicts(cmp.get("tensors")) if cmp else []
+    if not entries:
+        return None
+    numeric = ["max_abs", "rel_l2", "cosine", "absmax", "limit", "headroom", "nonfinite",
+               "saturated", "isolated_rel_l2", "isolated_max_abs"]
+    numeric = [k for k in numeric if any(k in t for t in entries)] + ["passed"]
+    cols = (Column("#", "num"), Column("tensor"), Column("node"), Column("op_type"),
+            *(Column(k, "text" if k == "passed" else "num") for k in numeric))
+    return Table("errors", f"Error per tensor ({len(entries)})", cols, _tensor_rows(entries, numeric))
+
+
+def convert_tensor_table(result: Mapping[str, Any]) -> Table | None:
+    entries = _dicts(result.get("tensors"))
+    if result.get("kind") != "convert" or not entries:
+        return None
+    scales = result.get("tensor_scales") if isinstance(result.get("tensor_scales"), Mapping) else {}
+    extra = {str(k): {"scale": v} for k, v in scales.items()}
+    numeric = ["absmax_before", "absmax_after", "scale"]
+    cols = (Column("#", "num"), Column("tensor"), Column("node"), Column("op_type"),
+            *(Column(k, "num") for k in numeric))
+    return Table("tensors", f"Tensor ranges ({len(entries)})", cols,
+                 _tensor_rows(entries, numeric, extra))
+
+
+def stats_table(result: Mapping[str, Any]) -> Table | None:
+    stats = result if result.get("kind") == "stats" else result.get("stats")
+    if not isinstance(stats, Mapping):
+        return None
+    # tensor_points gives the chart order; the table follows it so '#' matches the chart.
+    tensors = stats.get("tensors")
+    by_name: dict[str, Mapping[str, Any]] = {}
+    if isinstance(tensors, Mapping):
+        by_name = {str(v.get("tensor", k)): v for k, v in tensors.items() if isinstance(v, Mapping)}
+    elif isinstance(tensors, list):
+        by_name = {str(v.get("tensor", "")): v for v in _dicts(tensors)}
+    order = [p.tensor for p in tensor_points(dict(stats, kind="stats"))]
+    entries = [dict(by_name[n], tensor=n) for n in order if n in by_name]
+    if not entries:
+        return None
+    numeric = ["min", "max", "absmax", "count", "nan_count", "inf_count", "zero_count"]
+    numeric = [k for k in numeric if any(k in t for t in entries)]
+    cols = (Column("#", "num"), Column("tensor"), Column("node"), Column("op_type"),
+            *(Column(k, "num") for k in numeric))
+    return Table("tensors", f"Tensor ranges ({len(entries)})", cols, _tensor_rows(entries, numeric))
+
+
+def unobserved_table(result: Mapping[str, Any]) -> Table | None:
+    stats = result if result.get("kind") == "stats" else result.get("stats")
+    unobserved = stats.get("unobserved") if isinstance(stats, Mapping) else None
+    if not unobserved:
+        return None
+    items = unobserved.items() if isinstance(unobserved, Mapping) else ((str(u), "") for u in unobserved)
+    rows = tuple((str(k), compact(v)) for k, v in items)
+    return Table("unobserved", f"Tensors not observed ({len(rows)})",
+                 (Column("tensor"), Column("reason")), rows)
+
+
+def tables(result: Mapping[str, Any]) -> tuple[Table, ...]:
+    """Every table the result supports, in reading order."""
+    makers = (findings_table, actions_table, declined_table, compare_table, convert_tensor_table,
+              stats_table, unobserved_table)
+    return tuple(t for t in (m(result) for m in makers) if t is not None)
+
+
+def verdict(result: Mapping[str, Any]) -> bool | None:
+    """Passed or failed, as far as the result says: compare's verdict, no error-level finding."""
+    cmp = compare_of(result)
+    outcomes = []
+    if cmp is not None and isinstance(cmp.get("passed"), bool):
+        outcomes.append(cmp["passed"])
+    if "findings" in result:
+        outcomes.append(not any(str(f.get("severity", "")).lower() == "error"
+                                for f in _dicts(result.get("findings"))))
+    return all(outcomes) if outcomes else None
+
+
+def summary(result: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Key facts for the page head: what, which model, which target, the verdict's numbers."""
+    rows: list[tuple[str, str]] = []
+    for key in ("kind", "model", "output", "reference", "candidate", "target", "precision",
+                "opset", "samples", "synthetic", "flops_fp32_share", "cast_count"):
+        if key in result and result[key] not in (None, ""):
+            rows.append((key, compact(result[key])))
+    if "findings" in result:
+        counts = {s: 0 for s in SEVERITY_RANK}
+        for f in _dicts(result.get("findings")):
+            sev = str(f.get("severity", "")).lower()
+            counts[sev] = counts.get(sev, 0) + 1
+        rows.append(("findings", ", ".join(f"{n} {s}" for s, n in sorted(
+            counts.items(), key=lambda kv: -SEVERITY_RANK.get(kv[0], -1)))))
+    cmp = compare_of(result)
+    if cmp is not None:
+        first = cmp.get("first_divergent")
+        if isinstance(first, Mapping):
+            rows.append(("first divergent", compact({k: first[k] for k in first
+                                                     if not isinstance(first[k], Mapping | list)})))
+        elif "first_divergent" in cmp:
+            rows.append(("first divergent", "none"))
+    rows.append(("fingerprint", str(result.get("fingerprint", "")) or "(none)"))
+    rows.append(("schema_version", compact(result.get("schema_version"))))
+    return rows
+
+
+def profile_rows(profile: Mapping[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    """The profile flattened to dotted keys, one row per leaf."""
+    rows: list[tuple[str, str]] = []
+    for key, value in profile.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            rows.extend(profile_rows(value, f"{name}."))
+        else:
+            rows.append((name, compact(value) if not isinstance(value, Mapping) else json.dumps(value)))
+    return rows
