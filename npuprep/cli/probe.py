@@ -1,0 +1,186 @@
+"""`npuprep probe [MODEL] --target T`: loud or silent overflow, per unit, locally or on a board (kit)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from npuprep.cli.common import add_data, add_json, fmt, print_json, print_table
+
+help = "measure how the target overflows (inf, nan, saturate, other): locally or via a board kit"
+
+SCHEMA_VERSION = 1
+BACKENDS = ("emulate", "ort", "ort-fp32-io")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="ONNX model for the single-layer probe (none: micro-probes)")
+    p.add_argument("--target", "-t", help="built-in profile name or profile YAML path")
+    p.add_argument("--layer", help="node name or output tensor of the layer to amplify")
+    p.add_argument("--gain", type=float, default=100.0, help="weight gain (default 100)")
+    p.add_argument("--fixed-gain", action="store_true",
+                   help="use --gain as given instead of raising it until the output overflows")
+    p.add_argument("--backend", choices=BACKENDS, default="emulate",
+                   help="emulate: profile semantics; ort: FP16 model on onnxruntime, tensors stored "
+                        "in FP16; ort-fp32-io: same with FP32 outputs (shows wider compute)")
+    p.add_argument("--micro", action="store_true", help="also run the micro-probes with a MODEL")
+    p.add_argument("--probes", help="comma-separated micro-probes to run (default: all)")
+    p.add_argument("--export-kit", metavar="DIR", help="write a board kit instead of running")
+    p.add_argument("--classify", metavar="DIR", help="classify board outputs against the kit in DIR")
+    p.add_argument("--outputs", metavar="OUT", help="board outputs for --classify")
+    p.add_argument("--write-profile", metavar="P", help="write a copy of the target profile with the "
+                                                         "measured overflow behaviour")
+    add_data(p)
+    add_json(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from npuprep.errors import NpuprepError
+
+    if args.classify or args.outputs:
+        if not (args.classify and args.outputs):
+            raise NpuprepError("--classify DIR and --outputs OUT go together")
+        return _classify(args)
+    if not args.target:
+        raise NpuprepError("--target is required (a built-in profile name or a YAML path)")
+    if args.export_kit:
+        return _export(args)
+    return _run_local(args)
+
+
+def _profile(args: argparse.Namespace):
+    from npuprep.profiles import load_profile
+
+    return load_profile(args.target)
+
+
+def _names(args: argparse.Namespace) -> tuple[str, ...] | None:
+    return tuple(n.strip() for n in args.probes.split(",") if n.strip()) if args.probes else None
+
+
+def _feeds(args: argparse.Namespace, model: Any) -> dict:
+    from npuprep.cli.common import open_samples
+    from npuprep.data import synthetic_samples
+
+    samples = open_samples(args, model.proto) or synthetic_samples(model.proto, 1, args.seed)
+    return next(iter(samples))
+
+
+def _backend(args: argparse.Namespace, profile: Any):
+    from npuprep.probe.backends import EmulateBackend, OrtBackend
+
+    if args.backend == "emulate":
+        return EmulateBackend(profile.format, saturate=profile.saturates)
+    return OrtBackend(profile.format, io="fp16" if args.backend == "ort" else "fp32")
+
+
+def _run_local(args: argparse.Namespace) -> int:
+    from npuprep.model_io import load_model
+    from npuprep.probe.layer import probe_layer
+    from npuprep.probe.runner import ProbeReport, run_micro_probes
+
+    profile = _profile(args)
+    fmt_ = profile.format
+    backend = _backend(args, profile)
+    results = []
+    layer = None
+    fingerprint = ""
+    if args.model:
+        model = load_model(args.model)
+        fingerprint = model.fingerprint
+        layer = probe_layer(model.proto, _feeds(args, model), fmt_, backend, layer=args.layer,
+                            gain=args.gain, raise_gain=not args.fixed_gain)
+        results.append(layer.result)
+    if not args.model or args.micro:
+        results += run_micro_probes(backend, fmt_, _names(args)).results
+    report = ProbeReport(fmt_, backend.name, tuple(results))
+    doc = {
+        "schema_version": SCHEMA_VERSION, "kind": "probe", "fingerprint": fingerprint,
+        "target": profile.name, "profile_overflow": str(profile.overflow),
+        **report.to_dict(), "layer": layer.to_dict() if layer else None,
+        "emulated_saturate": profile.saturates if args.backend == "emulate" else None,
+        "note": _note(args, profile),
+    }
+    if args.write_profile:
+        from npuprep.probe.kit import write_profile
+
+        write_profile(args.write_profile, profile, list(results), backend.name)
+    _show(args, doc, layer)
+    return 0
+
+
+def _note(args: argparse.Namespace, profile: Any) -> str:
+    """Emulation only replays what the profile declares; say so when that is a guess."""
+    from npuprep.profiles import OverflowMode
+
+    if args.backend != "emulate":
+        return ""
+    if profile.overflow is OverflowMode.UNKNOWN or (profile.format.name.startswith("fp8")
+                                                    and profile.fp8_saturate is None):
+        return (f"profile '{profile.name}' does not know its overflow mode; emulation assumes the loud "
+                "case. Measure the board: npuprep probe --export-kit DIR --target ...")
+    return f"emulation replays the profile's declared behaviour ({'saturate' if profile.saturates else 'loud'})"
+
+
+def _export(args: argparse.Namespace) -> int:
+    from npuprep.model_io import load_model
+    from npuprep.probe.kit import export_kit
+    from npuprep.probe.layer import layer_probe_model
+    from npuprep.probe.micro import micro_probes
+
+    profile = _profile(args)
+    fmt_ = profile.format
+    probes = []
+    fingerprint = ""
+    if args.model:
+        model = load_model(args.model)
+        fingerprint = model.fingerprint
+        probe, *_ = layer_probe_model(model.proto, _feeds(args, model), fmt_, layer=args.layer,
+                                      gain=args.gain, raise_gain=not args.fixed_gain)
+        probes.append(probe)
+    probes += micro_probes(fmt_, _names(args))
+    manifest = export_kit(args.export_kit, probes, fmt_, target=args.target, fingerprint=fingerprint)
+    if args.json:
+        print_json(manifest)
+    else:
+        print(f"probe kit for {profile.name} ({fmt_.name}): {len(manifest['probes'])} probes in "
+              f"{args.export_kit}; steps in {Path(args.export_kit) / 'README.md'}")
+    return 0
+
+
+def _classify(args: argparse.Namespace) -> int:
+    from npuprep.probe.kit import classify_kit, write_profile
+    from npuprep.profiles import load_profile
+
+    manifest, report = classify_kit(args.classify, args.outputs)
+    doc = {"schema_version": SCHEMA_VERSION, "kind": "probe", "fingerprint": manifest.get("fingerprint", ""),
+           "target": manifest.get("target", ""), **report.to_dict(), "layer": None}
+    if args.write_profile:
+        profile = load_profile(args.target or manifest.get("target", ""))
+        write_profile(args.write_profile, profile, list(report.results), report.backend)
+    _show(args, doc, None)
+    return 0
+
+
+def _show(args: argparse.Namespace, doc: dict[str, Any], layer: Any) -> None:
+    if args.json:
+        print_json(doc)
+        return
+    rows = []
+    for p in doc["probes"]:
+        pair = p["pairs"][0] if p["pairs"] else None
+        evidence = f"{fmt(pair['reference'])} -> {fmt(pair['observed'])}" if pair else ""
+        rows.append((p["name"], p["unit"], p["verdict"] + (" (wider)" if p["wider"] else ""),
+                     p["counts"]["over"], evidence, p["reason"]))
+    print_table(f"Overflow probe: {doc.get('target', '')} {doc['format']} on {doc['backend']}",
+                ["probe", "unit", "verdict", "over", "ref -> observed", "why"], rows)
+    if layer is not None:
+        first = layer.first_shows
+        where = (f"first shows at tensor '{first['tensor']}' ({first['op_type']} '{first['node']}'): "
+                 f"{first['verdict']}") if first else "no tensor shows an overflow behaviour"
+        print(f"layer '{layer.layer.node}' x{layer.gain:g} (max gain {layer.max_gain:.4g}); {where}")
+    if doc.get("note"):
+        print(f"note: {doc['note']}")
+    o = doc["overall"]
+    print(f"overall: {o['verdict']} ({o['reason']})")
