@@ -120,7 +120,7 @@ def test_foreign_node_range_leaves_out_nodes_other_layers_claim(tmp_path, index)
 
 def test_trt_dynamic_shapes_give_no_dtype(index):
     (record,) = read_report(FIXTURES / "trt_dynamic_shapes.json", index).records
-    assert record.compute_dtype == "" and record.in_dtypes == ()
+    assert record.compute_dtype == "" and record.in_dtypes == ("",)
     assert len(record.onnx_nodes) == 8
 
 

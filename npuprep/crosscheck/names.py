@@ -21,10 +21,12 @@ class NodeIndex:
         self.model = model
         self.op_types: dict[str, str] = {}
         self.producer: dict[str, str] = {}
+        self.outputs: dict[str, tuple[str, ...]] = {}
         for scope in walk_graphs(model.graph):
             for node in scope.graph.node:
                 label = node_label(node)
                 self.op_types.setdefault(label, node.op_type)
+                self.outputs.setdefault(label, tuple(o for o in node.output if o))
                 for out in node.output:
                     if out:
                         self.producer.setdefault(out, label)

@@ -61,6 +61,8 @@ class LayerRecord:
     `onnx_nodes` are the ONNX node labels the layer claims (several for a fused layer);
     names the reader could not tie to the model stay in `unresolved`. `compute_dtype` is
     "" when the report gives none (RKNN's error analysis, TensorRT with dynamic shapes).
+    `in_dtypes`/`out_dtypes` line up with `in_tensors`/`out_tensors` where the report
+    names tensors ("" for a tensor whose dtype it does not give).
     `compute` is False for layers that only move or re-type data (TensorRT Reformat).
     """
 
@@ -77,6 +79,17 @@ class LayerRecord:
     out_tensors: tuple[str, ...] = ()
     metrics: dict[str, Any] = field(default_factory=dict)
     where: str = ""
+
+    def precision_of(self, outputs: tuple[str, ...]) -> str:
+        """The precision a node writing `outputs` runs in inside this layer.
+
+        A node whose result leaves the layer lands in that output's dtype; a node inside
+        a fused layer runs in the layer's compute precision.
+        """
+        for tensor, dtype in zip(self.out_tensors, self.out_dtypes, strict=False):
+            if tensor in outputs and dtype in PRECISION_ORDER:
+                return dtype
+        return self.compute_dtype if self.compute_dtype in PRECISION_ORDER else narrowest(self.out_dtypes)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -13,7 +13,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from npuprep.crosscheck.names import NodeIndex
-from npuprep.crosscheck.record import CompilerReport, LayerRecord, malformed, normalise_dtype
+from npuprep.crosscheck.record import (
+    PRECISION_ORDER,
+    CompilerReport,
+    LayerRecord,
+    malformed,
+    normalise_dtype,
+)
 
 _PROFILE = re.compile(r"\s*\[profile \d+\]$")
 _FOREIGN = re.compile(r"^\{ForeignNode\[(.*)\]\}$", re.S)
@@ -106,7 +112,7 @@ def _record(path: str, layer: dict[str, Any], where: str, names: _Names, index: 
         if a and b:
             resolved += index.expand_range(a, b, {c for c in claimed if c} - {a, b})
     reformat = layer_type == "Reformat" or name.startswith("Reformatting CopyNode")
-    float_dtypes = [d for d in in_dtypes + out_dtypes if d not in ("int32", "int64", "bool")]
+    float_dtypes = [d for d in in_dtypes + out_dtypes if d in PRECISION_ORDER]
     tactic = str(layer.get("TacticName", ""))
     return LayerRecord(
         layer=name,
@@ -125,7 +131,7 @@ def _record(path: str, layer: dict[str, Any], where: str, names: _Names, index: 
 
 
 def _bindings(path: str, layer: dict[str, Any], key: str, where: str) -> tuple[list[str], list[str]]:
-    """Tensor names and normalised dtypes of a layer's Inputs or Outputs."""
+    """Tensor names and normalised dtypes ("" where not reported) of a layer's Inputs or Outputs."""
     entries = layer.get(key, [])
     if not isinstance(entries, list):
         raise malformed(path, f"{where}.{key}", f"expected a list, got {type(entries).__name__}")
@@ -142,6 +148,7 @@ def _bindings(path: str, layer: dict[str, Any], key: str, where: str) -> tuple[l
         if not isinstance(text, str):
             raise malformed(path, f"{field}.Format/Datatype", "expected a string")
         if text.strip() == _DYNAMIC:
+            dtypes.append("")
             continue
         dtype = normalise_dtype(text)
         if dtype is None:

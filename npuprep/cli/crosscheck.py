@@ -1,0 +1,66 @@
+"""`npuprep crosscheck MODEL --report R --target T`: the compiler's precision choices vs ours."""
+
+from __future__ import annotations
+
+import argparse
+
+from npuprep.cli.common import add_json, add_target
+
+help = "check a compiler's per-layer precision report against the nodes npuprep found sensitive"
+
+FORMAT_CHOICES = ("auto", "trt_json", "generic", "horizon", "rknn")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="the ONNX model the compiler was given")
+    p.add_argument("--report", "-r", required=True,
+                   help="the compiler's report: TensorRT --exportLayerInfo JSON, CSV/JSON "
+                        "node,precision, hb_mapper log, or RKNN error_analysis.txt")
+    add_target(p)
+    p.add_argument("--format", choices=FORMAT_CHOICES, default="auto",
+                   help="report format (default: detect from the content)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--stats", "-s", help="calibration stats JSON: sensitive nodes by measured range")
+    src.add_argument("--plan", "-p", help="plan.yaml: nodes pinned to FP32 must be FP32 in the report")
+    add_json(p)
+    p.add_argument("--report-md", metavar="OUT.md", help="also write the verdicts as Markdown")
+
+
+def run(args: argparse.Namespace) -> int:
+    from npuprep.analyse import static_findings
+    from npuprep.cli.common import print_json, print_table
+    from npuprep.crosscheck.check import crosscheck
+    from npuprep.crosscheck.names import NodeIndex
+    from npuprep.crosscheck.readers import read_report
+    from npuprep.crosscheck.render import COLUMNS, row, to_markdown
+    from npuprep.model_io import load_model, write_text_atomic
+    from npuprep.profiles import load_profile
+
+    model = load_model(args.model)
+    profile = load_profile(args.target)
+    index = NodeIndex(model)
+    report = read_report(args.report, index, args.format)
+    findings = static_findings(model, profile)
+    pinned: set[str] = set()
+    if args.stats:
+        from npuprep.analyse.measured import measured_findings
+        from npuprep.calibrate import load_stats
+
+        findings = findings.merged(measured_findings(model, profile, load_stats(args.stats, model)))
+    if args.plan:
+        from npuprep.plan import load_plan
+
+        pinned = load_plan(args.plan, model).pinned_nodes()
+    result = crosscheck(model, report, profile, findings=findings, pinned_nodes=pinned, index=index)
+    if args.report_md:
+        write_text_atomic(args.report_md, to_markdown(result))
+    if args.json:
+        print_json(result.to_dict())
+    else:
+        counts = ", ".join(f"{k} {n}" for k, n in result.counts.items() if n)
+        print_table(f"Crosscheck of {report.path} ({report.format}) for {profile.name}: {counts}",
+                    COLUMNS, [row(v) for v in result.verdicts])
+        for note in result.notes:
+            print(f"note: {note}")
+        print("PASSED" if result else "FAILED: a sensitive or pinned node runs in a lower precision")
+    return 0 if result else 1

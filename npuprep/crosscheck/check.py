@@ -1,0 +1,220 @@
+"""Compiler report vs our findings: one verdict per ONNX node (ok, mismatch, pin-ignored, ...).
+
+A node is sensitive when a finding (measured range or small-op rule) says the target's
+default precision is not enough for it; the compiler's report says what it actually runs
+in. `unknown` marks a sensitive or pinned node whose precision the report does not give.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from npuprep.analyse.finding import Finding, Findings
+from npuprep.crosscheck.names import NodeIndex
+from npuprep.crosscheck.record import (
+    FP32_OR_WIDER,
+    FP32_RANGE,
+    CompilerReport,
+    LayerRecord,
+    narrowest,
+)
+from npuprep.model_io import Model
+from npuprep.profiles import Severity, TargetProfile
+
+SCHEMA_VERSION = 1
+VERDICTS = ("ok", "mismatch", "pin-ignored", "unknown", "unmapped", "missing")
+FAILING = ("mismatch", "pin-ignored")
+# Rules whose finding means "this node needs more than the target's default precision".
+SENSITIVE_RULES = ("hazard.", "pattern.", "autocast.", "range.overflow", "range.headroom",
+                   "range.underflow")
+# Of those, the ones about range only: BF16 (FP32's exponent) is enough for them.
+RANGE_RULES = ("hazard.", "range.overflow", "range.headroom", "range.underflow",
+               "pattern.layernorm", "pattern.softmax")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the compiler did with one ONNX node (or, for `unmapped`, one report name)."""
+
+    node: str
+    verdict: str
+    op_type: str = ""
+    runs_in: str = ""
+    needs: str = ""
+    layers: tuple[str, ...] = ()
+    rules: tuple[str, ...] = ()
+    reason: str = ""
+    flags: tuple[str, ...] = ()
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "verdict": self.verdict,
+            "op_type": self.op_type,
+            "runs_in": self.runs_in,
+            "needs": self.needs,
+            "layers": list(self.layers),
+            "rules": list(self.rules),
+            "reason": self.reason,
+            "flags": list(self.flags),
+            "evidence": dict(self.evidence),
+        }
+
+
+@dataclass(frozen=True)
+class Crosscheck:
+    """All verdicts for one report; truthy when no node is a mismatch or an ignored pin."""
+
+    fingerprint: str
+    target: str
+    report: str
+    report_format: str
+    verdicts: tuple[Verdict, ...]
+    notes: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return not any(v.verdict in FAILING for v in self.verdicts)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {k: sum(v.verdict == k for v in self.verdicts) for k in VERDICTS}
+
+    def of(self, verdict: str) -> list[Verdict]:
+        return [v for v in self.verdicts if v.verdict == verdict]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "kind": "crosscheck",
+            "fingerprint": self.fingerprint,
+            "target": self.target,
+            "report": self.report,
+            "report_format": self.report_format,
+            "passed": bool(self),
+            "counts": self.counts,
+            "verdicts": [v.to_dict() for v in self.verdicts],
+            "notes": list(self.notes),
+        }
+
+
+def is_sensitive(finding: Finding) -> bool:
+    return finding.severity >= Severity.WARNING and finding.rule.startswith(SENSITIVE_RULES)
+
+
+def crosscheck(
+    model: Model,
+    report: CompilerReport,
+    profile: TargetProfile,
+    *,
+    findings: Findings | Iterable[Finding] = (),
+    pinned_nodes: Iterable[str] = (),
+    index: NodeIndex | None = None,
+) -> Crosscheck:
+    """A verdict per ONNX node the report, the findings or the plan mention."""
+    index = index or NodeIndex(model)
+    pinned = set(pinned_nodes)
+    sensitive: dict[str, list[Finding]] = {}
+    for f in findings:
+        if not is_sensitive(f):
+            continue
+        node = f.node if f.node in index.op_types else index.producer.get(f.tensor, "")
+        # A pattern finding (decomposed LayerNorm, softmax, ...) covers all its members.
+        for member in dict.fromkeys([node, *f.evidence.get("members", ())]):
+            if member in index.op_types:
+                sensitive.setdefault(member, []).append(f)
+    placed: dict[str, list[LayerRecord]] = {}
+    reformats: dict[str, list[LayerRecord]] = {}
+    verdicts: list[Verdict] = []
+    for record in report.records:
+        for node in record.onnx_nodes:
+            (placed if record.compute else reformats).setdefault(node, []).append(record)
+        if record.compute:
+            verdicts += _unmapped(record)
+    notes = list(report.notes)
+    if not report.dtypes_reported:
+        notes.append(f"the report gives no dtypes: nodes are assumed to run in the target's "
+                     f"default precision ({profile.default_precision})")
+    compute = set(index.compute_nodes())
+    nodes = sorted(set(placed) | compute | set(sensitive) | pinned,
+                   key=lambda n: (index.position.get(n, len(index.position)), n))
+    for node in nodes:
+        verdicts.append(_verdict(node, index, placed.get(node, []), reformats.get(node, []),
+                                 sensitive.get(node, []), node in pinned, report, profile))
+    # Failing verdicts first, then the doubtful ones, then ok.
+    order = {k: i for i, k in enumerate(("mismatch", "pin-ignored", "unknown", "missing", "unmapped", "ok"))}
+    ranked = sorted(enumerate(verdicts), key=lambda iv: (order[iv[1].verdict], iv[0]))
+    return Crosscheck(
+        fingerprint=model.fingerprint,
+        target=profile.name,
+        report=report.path,
+        report_format=report.format,
+        verdicts=tuple(v for _, v in ranked),
+        notes=tuple(notes),
+    )
+
+
+def _unmapped(record: LayerRecord) -> list[Verdict]:
+    names = record.unresolved or (() if record.onnx_nodes else (record.layer,))
+    return [
+        Verdict(node=name, verdict="unmapped", op_type=record.op_type,
+                runs_in=record.compute_dtype, layers=(record.layer,),
+                reason=_unmapped_reason(record, name))
+        for name in names
+    ]
+
+
+def _unmapped_reason(record: LayerRecord, name: str) -> str:
+    if record.layer.startswith("__myl_"):
+        ops = record.layer.removeprefix("__myl_").split("_myl")[0]
+        return (f"Myelin kernel without Metadata (fused ops: {ops}); rebuild with TensorRT >= 8.6 "
+                "and --profilingVerbosity=detailed to get ONNX names")
+    return f"{record.where}: '{name}' is no node of this model (renamed, or added by the compiler)"
+
+
+def _verdict(node: str, index: NodeIndex, records: list[LayerRecord], reformats: list[LayerRecord],
+             found: list[Finding], pinned: bool, report: CompilerReport,
+             profile: TargetProfile) -> Verdict:
+    op_type = index.op_types.get(node, "")
+    rules = tuple(dict.fromkeys(f.rule for f in found))
+    range_only = bool(found) and all(r.startswith(RANGE_RULES) for r in rules)
+    needs = "fp32" if pinned or (found and not range_only) else ("fp32-range" if found else "")
+    adequate = FP32_OR_WIDER if needs == "fp32" else FP32_RANGE
+    evidence: dict[str, Any] = {}
+    if found:
+        evidence["findings"] = [f"{f.rule}: {f.message}" for f in found]
+    metrics = {r.layer: r.metrics for r in records if r.metrics}
+    if metrics:
+        evidence["metrics"] = metrics
+    layers = tuple(r.layer for r in records)
+    if not records:
+        why = ("pinned to FP32 by the plan" if pinned
+               else "sensitive" if found else "a compute node")
+        return Verdict(node, "missing", op_type, needs=needs, rules=rules, evidence=evidence,
+                       reason=f"{why}, but no report layer names it (folded, renamed or dropped)")
+    runs_in = narrowest([r.precision_of(index.outputs.get(node, ())) for r in records])
+    if not runs_in and not report.dtypes_reported:
+        runs_in = profile.default_precision
+        evidence["runs_in_assumed"] = True
+    flags = tuple(
+        f"Reformat layer '{r.layer}' converts to {narrowest(r.out_dtypes)} next to this node"
+        for r in reformats
+        if needs and narrowest(r.out_dtypes) and narrowest(r.out_dtypes) not in adequate
+    )
+    common = dict(op_type=op_type, runs_in=runs_in, needs=needs, layers=layers, rules=rules,
+                  flags=flags, evidence=evidence)
+    if needs and not runs_in:
+        return Verdict(node, "unknown", reason="the report gives no precision for its layers "
+                       "(dynamic shapes?); rebuild with static shapes to check it", **common)
+    if pinned and runs_in not in FP32_OR_WIDER:
+        return Verdict(node, "pin-ignored", reason=f"the plan pins it to FP32, the compiler runs "
+                       f"it in {runs_in}", **common)
+    if found and runs_in not in adequate:
+        return Verdict(node, "mismatch", reason=f"{', '.join(rules)}: needs {needs}, the compiler "
+                       f"runs it in {runs_in}", **common)
+    reason = f"runs in {runs_in or 'a precision the report does not give'}"
+    if rules:
+        reason += f", enough for {', '.join(rules)}"
+    return Verdict(node, "ok", reason=reason, **common)

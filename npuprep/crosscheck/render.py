@@ -1,0 +1,38 @@
+"""Crosscheck as Markdown: counts, then every failing or doubtful node, then the rest."""
+
+from __future__ import annotations
+
+from npuprep.crosscheck.check import VERDICTS, Crosscheck, Verdict
+
+COLUMNS = ("verdict", "node", "op", "runs in", "needs", "layers", "why")
+
+
+def row(v: Verdict) -> tuple[str, ...]:
+    why = v.reason + "".join(f"; {flag}" for flag in v.flags)
+    return (v.verdict, v.node, v.op_type, v.runs_in or "-", v.needs or "-",
+            " / ".join(v.layers) or "-", why)
+
+
+def to_markdown(result: Crosscheck) -> str:
+    status = "PASSED" if result else "FAILED"
+    counts = ", ".join(f"{k}: {n}" for k, n in result.counts.items() if n)
+    lines = [
+        f"# Crosscheck: {result.report_format} report vs npuprep findings ({status})",
+        "",
+        f"- report: `{result.report}`",
+        f"- target: `{result.target}`; model fingerprint `{result.fingerprint}`",
+        f"- verdicts: {counts or 'none'}",
+    ]
+    lines += [f"- note: {n}" for n in result.notes]
+    for verdict in VERDICTS:
+        chosen = result.of(verdict)
+        if not chosen:
+            continue
+        lines += ["", f"## {verdict} ({len(chosen)})", "",
+                  "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        lines += ["| " + " | ".join(_cell(c) for c in row(v)) + " |" for v in chosen]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")

@@ -1,0 +1,67 @@
+"""`npuprep crosscheck` end to end: exit codes, --json, --report-md, --plan, bad input."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import run_cli
+from test_crosscheck_readers import FIXTURES, norm_model
+
+from npuprep.model_io import load_model
+from npuprep.plan import PinFp32, Plan, save_plan
+
+
+def test_mismatch_exits_1_with_json_and_markdown(save, tmp_path):
+    # x -> MatMul -> Relu -> Mul(r, r) -> ReduceMean -> Add(eps) -> Sqrt -> Div(r, .) -> Exp -> y
+    model = save(norm_model())
+    md = tmp_path / "out" / "crosscheck.md"
+    done = run_cli("crosscheck", model, "--report", FIXTURES / "generic.csv", "--target", "orin",
+                   "--json", "--report-md", md)
+    assert done.returncode == 1, done.stderr
+    data = json.loads(done.stdout)
+    assert (data["kind"], data["schema_version"]) == ("crosscheck", 1)
+    assert data["fingerprint"] == load_model(model).fingerprint
+    verdicts = {v["node"]: v for v in data["verdicts"]}
+    # The small-op rules flag x^2, the Sqrt of a sum of squares and exp; the CSV runs the
+    # square in fp32 but the Sqrt in fp16 and the Exp in int8.
+    assert verdicts["/norm/Mul"]["verdict"] == "ok"
+    assert verdicts["/norm/Sqrt"]["verdict"] == "mismatch"
+    assert verdicts["node_of_y"]["verdict"] == "mismatch" and verdicts["node_of_y"]["runs_in"] == "int8"
+    assert verdicts["vendor_inserted_cast"]["verdict"] == "unmapped"
+    assert data["counts"]["mismatch"] == 2
+    assert "## mismatch (2)" in md.read_text()
+
+
+def test_honoured_plan_passes_and_ignored_pin_fails(save, tmp_path):
+    model_path = save(norm_model())
+    model = load_model(model_path)
+    plan = tmp_path / "plan.yaml"
+    save_plan(Plan(fingerprint=model.fingerprint, target="orin", precision="fp16",
+                   actions=(PinFp32(nodes=("/norm/Mul", "/norm/ReduceMean")),)), plan)
+    fp32_all = tmp_path / "fp32.csv"
+    fp32_all.write_text("node,precision\n" + "".join(
+        f"{n},fp32\n" for n in ("/enc/MatMul", "/enc/Relu", "/norm/Mul", "/norm/ReduceMean",
+                                "/norm/Add", "/norm/Sqrt", "/norm/Div", "node_of_y")))
+    ok = run_cli("crosscheck", model_path, "-r", fp32_all, "-t", "orin", "--plan", plan)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "PASSED" in ok.stdout
+    ignored = tmp_path / "ignored.csv"
+    ignored.write_text(fp32_all.read_text().replace("/norm/ReduceMean,fp32", "/norm/ReduceMean,fp16"))
+    bad = run_cli("crosscheck", model_path, "-r", ignored, "-t", "orin", "--plan", plan, "--json")
+    assert bad.returncode == 1
+    verdicts = {v["node"]: v["verdict"] for v in json.loads(bad.stdout)["verdicts"]}
+    assert verdicts["/norm/ReduceMean"] == "pin-ignored" and verdicts["/norm/Mul"] == "ok"
+
+
+def test_malformed_report_exits_2_with_one_line(save, tmp_path):
+    model = save(norm_model())
+    report = tmp_path / "layers.json"
+    report.write_text('{"Layers": [{"Name": "/norm/Mul", "Inputs": [{"Format/Datatype": "Sparkly"}]}]}')
+    md = tmp_path / "never.md"
+    done = run_cli("crosscheck", model, "--report", report, "--target", "orin", "--report-md", md)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "layers.json: Layers[0].Inputs[0].Format/Datatype" in lines[0]
+    assert not md.exists()
+    names_only = run_cli("crosscheck", model, "--report", FIXTURES / "trt_names_only.json", "-t", "orin")
+    assert names_only.returncode == 2 and "--profilingVerbosity=detailed" in names_only.stderr
