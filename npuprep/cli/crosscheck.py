@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.markup import escape
+
     from npuprep.analyse import static_findings
     from npuprep.cli.common import print_json, print_table
     from npuprep.crosscheck.check import crosscheck
@@ -58,8 +60,9 @@ def run(args: argparse.Namespace) -> int:
         print_json(result.to_dict())
     else:
         counts = ", ".join(f"{k} {n}" for k, n in result.counts.items() if n)
-        print_table(f"Crosscheck of {report.path} ({report.format}) for {profile.name}: {counts}",
-                    COLUMNS, [row(v) for v in result.verdicts])
+        # Layer names such as {ForeignNode[a...b]} are not rich markup.
+        print_table(escape(f"Crosscheck of {report.path} ({report.format}) for {profile.name}: {counts}"),
+                    COLUMNS, [[escape(c) for c in row(v)] for v in result.verdicts])
         for note in result.notes:
             print(f"note: {note}")
         print("PASSED" if result else "FAILED: a sensitive or pinned node runs in a lower precision")
