@@ -4,7 +4,9 @@ Running an FP16 model on onnxruntime's CPU provider computes much of it in FP32 
 overflow. Explicit Cast pairs inside an FP32 graph are kept by the runtime, so they round
 and overflow as the target would. Tensor names are preserved: the producer writes
 `<name>__fp32` and the rounding chain writes `<name>`, so the emulated model can be compared
-with the reference tensor by tensor. Nodes pinned to FP32 keep their outputs and weights.
+with the reference tensor by tensor. Nodes pinned to FP32 keep their outputs and weights;
+where an FP32 value enters a non-pinned node (graph input, pinned node's output) it is
+rounded once, as the Cast at the island border would on the target.
 
 What emulation cannot show: accumulation in FP16 inside one op (a Conv or MatMul with
 FP16 accumulators), vendor kernels that compute wider or narrower than their I/O format.
@@ -12,7 +14,7 @@ FP16 accumulators), vendor kernels that compute wider or narrower than their I/O
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,9 +25,16 @@ from npuprep.errors import NpuprepError
 from npuprep.graph import node_label, tensor_types, walk_graphs
 from npuprep.model_io import model_opset
 from npuprep.numerics import NumberFormat
-from npuprep.ops import FP32_ONLY_INPUTS
+from npuprep.ops import DATA_MOVEMENT_OPS, FP32_ONLY_INPUTS
 
 SUFFIX = "__fp32"
+FP8_MIN_OPSET = 19
+
+LIMITS = (
+    "emulation rounds every tensor a node stores, but cannot show FP16 accumulation inside "
+    "one op (a Conv or MatMul with FP16 accumulators) or vendor kernels that compute wider "
+    "or narrower than their I/O format"
+)
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,7 @@ class Emulation:
     rounded_tensors: tuple[str, ...]
     rounded_weights: tuple[str, ...]
     pinned_nodes: tuple[str, ...]
+    upgraded_from_opset: int | None = None
 
 
 def emulate(
@@ -53,116 +63,182 @@ def emulate(
 
     `saturate` says whether overflow clips to +-max (a saturating engine, or FP8 Cast with
     saturate=1) or gives Inf/NaN. It is passed explicitly: it comes from the target profile
-    or from a probe, never from the format.
+    or from a probe, never from the format. An FP8 emulation needs opset 19 (FP8 Cast);
+    an older model is upgraded with onnx's version converter, or refused with the reason.
     """
     if fmt.name == "fp32":
         raise NpuprepError("emulating fp32 is the reference itself; pick fp16, bf16 or fp8")
     opset = model_opset(model)
-    fp8 = fmt.name.startswith("fp8")
-    if fp8 and opset < 19:
-        raise NpuprepError(f"FP8 emulation needs opset >= 19 (the model declares {opset}); "
-                           "upgrade it with onnx.version_converter first")
     if opset < 13:
         raise NpuprepError(f"emulation needs opset >= 13 (the model declares {opset})")
+    fp8 = fmt.name.startswith("fp8")
+    upgraded_from = None
+    if fp8 and opset < FP8_MIN_OPSET:
+        model = upgrade_opset(model, FP8_MIN_OPSET, why="FP8 emulation needs FP8 Cast")
+        upgraded_from = opset
     pinned = set(pinned_nodes)
     out = onnx.ModelProto()
     out.CopyFrom(model)
     types = tensor_types(model)
+    builder = _ChainBuilder(fmt, saturate)
     rounded: list[str] = []
     weights: list[str] = []
-    counter = [0]
-
-    def fresh(base: str) -> str:
-        counter[0] += 1
-        return f"{base}__emu{counter[0]}"
-
-    def rounding_chain(src: str, dst: str) -> list[onnx.NodeProto]:
-        nodes: list[onnx.NodeProto] = []
-        cur = src
-        if saturate and not fp8:
-            clipped = fresh(dst)
-            lo = helper.make_node("Constant", [], [fresh(dst)],
-                                  value=numpy_helper.from_array(np.array(-fmt.max, np.float32)))
-            hi = helper.make_node("Constant", [], [fresh(dst)],
-                                  value=numpy_helper.from_array(np.array(fmt.max, np.float32)))
-            nodes += [lo, hi, helper.make_node("Clip", [cur, lo.output[0], hi.output[0]], [clipped],
-                                               name=fresh("emu_clip"))]
-            cur = clipped
-        low = fresh(dst)
-        attrs = {"saturate": int(saturate)} if fp8 else {}
-        nodes.append(helper.make_node("Cast", [cur], [low], to=fmt.onnx_type, name=fresh("emu_down"), **attrs))
-        nodes.append(helper.make_node("Cast", [low], [dst], to=TensorProto.FLOAT, name=fresh("emu_up")))
-        return nodes
 
     for scope in walk_graphs(out.graph):
         graph = scope.graph
+        builder.new_scope()
+        fp32_only = {name for node in graph.node for pos, name in enumerate(node.input)
+                     if pos in FP32_ONLY_INPUTS.get(node.op_type, ())}
+        local_producers = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
         inits = {i.name: i for i in graph.initializer}
-        fp32_only: set[str] = set()
-        consumers_pinned: dict[str, bool] = {}
-        for node in graph.node:
-            is_pinned = node_label(node) in pinned
-            for pos, name in enumerate(node.input):
-                if pos in FP32_ONLY_INPUTS.get(node.op_type, ()):
-                    fp32_only.add(name)
-                consumers_pinned[name] = consumers_pinned.get(name, True) and is_pinned
-
         new_nodes: list[onnx.NodeProto] = []
-        if round_inputs and scope.is_main:
-            for vi in graph.input:
-                if vi.name in inits or types.get(vi.name) != TensorProto.FLOAT:
-                    continue
-                if consumers_pinned.get(vi.name, True) or vi.name in fp32_only:
-                    continue
-                # Consumers read the rounded copy; the graph input keeps its name.
-                alias = fresh(vi.name)
-                for node in graph.node:
-                    for i, name in enumerate(node.input):
-                        if name == vi.name:
-                            node.input[i] = alias
-                new_nodes += rounding_chain(vi.name, alias)
-                rounded.append(vi.name)
 
         if round_weights:
             for name, init in inits.items():
                 if init.data_type != TensorProto.FLOAT or name in fp32_only:
                     continue
-                if consumers_pinned.get(name, True):
+                readers = list(_readers(graph, name))
+                unpinned = [n for n in readers if node_label(n) not in pinned]
+                if not unpinned:
                     continue
                 value = numpy_helper.to_array(init)
                 low = fmt.round(value, saturate=saturate)
                 if np.array_equal(low, value, equal_nan=True):
                     continue
-                if not _all_consumers_unpinned(graph, name, pinned):
+                if len(unpinned) < len(readers):
                     # Shared with a pinned node: the pinned node keeps the FP32 original.
-                    copy = numpy_helper.from_array(low, fresh(name))
+                    copy = numpy_helper.from_array(low, builder.fresh(name))
                     graph.initializer.append(copy)
-                    for node in graph.node:
-                        if node_label(node) in pinned:
-                            continue
-                        for i, n in enumerate(node.input):
-                            if n == name:
-                                node.input[i] = copy.name
+                    for node in unpinned:
+                        _rename_input(node, name, copy.name)
                 else:
                     init.CopyFrom(numpy_helper.from_array(low, name))
                 weights.append(name)
 
-        for node in graph.node:
+        # FP32 values entering non-pinned nodes: graph inputs and pinned nodes' outputs.
+        entering: list[str] = []
+        if round_inputs and scope.is_main:
+            entering += [vi.name for vi in graph.input if vi.name not in inits]
+        entering += [o for n in graph.node if node_label(n) in pinned for o in n.output if o]
+        for name in entering:
+            if types.get(name) != TensorProto.FLOAT or name in fp32_only:
+                continue
+            unpinned = [n for n in _readers(graph, name) if node_label(n) not in pinned]
+            if not unpinned:
+                continue
+            alias = builder.fresh(name)
+            for node in unpinned:
+                _rename_input(node, name, alias)
+            chain = builder.chain(name, alias)
+            if name in local_producers:
+                # Keep topological order: the chain goes right after the pinned producer.
+                builder.after.setdefault(local_producers[name], []).extend(chain)
+            else:
+                new_nodes += chain
+            rounded.append(name)
+
+        for index, node in enumerate(graph.node):
             new_nodes.append(node)
-            if node_label(node) in pinned or node.op_type == "Cast" and _cast_to(node) != TensorProto.FLOAT:
+            new_nodes += builder.after.pop(index, [])
+            if node_label(node) in pinned or not _stores_rounded_values(node):
                 continue
             for i, name in enumerate(node.output):
                 if not name or types.get(name) != TensorProto.FLOAT or name in fp32_only:
                     continue
                 pre = name + SUFFIX
                 node.output[i] = pre
-                new_nodes += rounding_chain(pre, name)
+                new_nodes += builder.chain(pre, name)
                 rounded.append(name)
         del graph.node[:]
-        graph.node.extend(new_nodes)
+        graph.node.extend(builder.constants + new_nodes)
         # Stale shapes would name tensors that are now produced elsewhere; drop them.
         del graph.value_info[:]
 
-    return Emulation(out, fmt, saturate, tuple(rounded), tuple(weights), tuple(sorted(pinned)))
+    return Emulation(out, fmt, saturate, tuple(rounded), tuple(weights), tuple(sorted(pinned)),
+                     upgraded_from)
+
+
+def upgrade_opset(model: onnx.ModelProto, opset: int, *, why: str) -> onnx.ModelProto:
+    """The model converted to `opset`, keeping every tensor name; a clear error otherwise."""
+    from onnx import version_converter
+
+    old = model_opset(model)
+    try:
+        new = version_converter.convert_version(model, opset)
+        onnx.checker.check_model(new)
+    except Exception as exc:  # noqa: BLE001 - the converter raises many kinds
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise NpuprepError(
+            f"{why}: the model declares opset {old} and onnx's version converter could not "
+            f"upgrade it to {opset} ({first}); upgrade it yourself first"
+        ) from None
+    before = {o for s in walk_graphs(model.graph) for n in s.graph.node for o in n.output if o}
+    after = {o for s in walk_graphs(new.graph) for n in s.graph.node for o in n.output if o}
+    missing = sorted(before - after)
+    if missing:
+        raise NpuprepError(
+            f"{why}: upgrading opset {old} to {opset} lost tensor '{missing[0]}'; "
+            "upgrade the model yourself first"
+        )
+    return new
+
+
+class _ChainBuilder:
+    """Makes rounding chains with unique names; Clip bounds are shared per graph scope."""
+
+    def __init__(self, fmt: NumberFormat, saturate: bool) -> None:
+        self.fmt = fmt
+        self.saturate = saturate
+        self.fp8 = fmt.name.startswith("fp8")
+        self.counter = 0
+        self.constants: list[onnx.NodeProto] = []
+        self.after: dict[int, list[onnx.NodeProto]] = {}
+        self.bounds: tuple[str, str] | None = None
+
+    def new_scope(self) -> None:
+        self.constants = []
+        self.after = {}
+        self.bounds = None
+
+    def fresh(self, base: str) -> str:
+        self.counter += 1
+        return f"{base}__emu{self.counter}"
+
+    def _clip_bounds(self) -> tuple[str, str]:
+        if self.bounds is None:
+            names = (self.fresh("emu_lo"), self.fresh("emu_hi"))
+            for name, value in zip(names, (-self.fmt.max, self.fmt.max), strict=True):
+                self.constants.append(helper.make_node(
+                    "Constant", [], [name], name=name,
+                    value=numpy_helper.from_array(np.array(value, np.float32))))
+            self.bounds = names
+        return self.bounds
+
+    def chain(self, src: str, dst: str) -> list[onnx.NodeProto]:
+        nodes: list[onnx.NodeProto] = []
+        cur = src
+        if self.saturate and not self.fp8:
+            lo, hi = self._clip_bounds()
+            clipped = self.fresh(dst)
+            nodes.append(helper.make_node("Clip", [cur, lo, hi], [clipped], name=self.fresh("emu_clip")))
+            cur = clipped
+        low = self.fresh(dst)
+        attrs = {"saturate": int(self.saturate)} if self.fp8 else {}
+        nodes.append(helper.make_node("Cast", [cur], [low], to=self.fmt.onnx_type,
+                                      name=self.fresh("emu_down"), **attrs))
+        nodes.append(helper.make_node("Cast", [low], [dst], to=TensorProto.FLOAT, name=self.fresh("emu_up")))
+        return nodes
+
+
+def _stores_rounded_values(node: onnx.NodeProto) -> bool:
+    """Whether the node's float outputs need their own rounding.
+
+    Every float input of a non-pinned node is already in the target format, so ops that
+    only move or select values produce representable values: a Cast pair there is exact.
+    """
+    if node.op_type == "Cast":
+        return _cast_to(node) == TensorProto.FLOAT
+    return node.op_type not in DATA_MOVEMENT_OPS
 
 
 def _cast_to(node: onnx.NodeProto) -> int:
@@ -172,5 +248,30 @@ def _cast_to(node: onnx.NodeProto) -> int:
     return 0
 
 
-def _all_consumers_unpinned(graph: onnx.GraphProto, name: str, pinned: set[str]) -> bool:
-    return all(node_label(n) not in pinned for n in graph.node if name in n.input)
+def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
+def _shadows(graph: onnx.GraphProto, name: str) -> bool:
+    return (any(i.name == name for i in graph.input) or any(i.name == name for i in graph.initializer)
+            or any(name in n.output for n in graph.node))
+
+
+def _readers(graph: onnx.GraphProto, name: str) -> Iterator[onnx.NodeProto]:
+    """Nodes that read `name`: direct readers and readers inside subgraphs that capture it."""
+    for node in graph.node:
+        if name in node.input:
+            yield node
+        for sub in _subgraphs(node):
+            if not _shadows(sub, name):
+                yield from _readers(sub, name)
+
+
+def _rename_input(node: onnx.NodeProto, old: str, new: str) -> None:
+    for i, n in enumerate(node.input):
+        if n == old:
+            node.input[i] = new

@@ -1,0 +1,468 @@
+"""Layer-by-layer compare: `ref, cand, samples -> CompareResult` naming the first divergent node.
+
+Both models run in one merged onnxruntime graph that reduces every shared tensor's error
+to a few scalars per sample (see verify/merge.py); the scalars are merged across samples
+associatively (sums and maxima), so memory does not grow with the samples or the model's
+activations. Tensors whose sample shows Inf/NaN or values at the format's max get a
+second, targeted pass that counts them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import onnx
+
+from npuprep.errors import NpuprepError
+from npuprep.graph import node_label, tensor_types, topological_order, walk_graphs
+from npuprep.model_io import fingerprint, model_opset
+from npuprep.numerics import FLOAT_ONNX_TYPES, NumberFormat
+from npuprep.verify.merge import (
+    BASE_COLUMNS,
+    DETAIL,
+    DETAIL_COLUMNS,
+    ISO_COLUMNS,
+    SIZE_COLUMNS,
+    SIZES,
+    STATS,
+    Pair,
+    merged_graph,
+)
+
+SCHEMA_VERSION = 1
+Feed = Mapping[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class TensorCompareResult:
+    """One tensor's error over all samples; truthy when it passes its thresholds.
+
+    `rel_l2` is ||cand/s - ref|| / ||ref||, `max_abs_error` max |cand/s - ref|;
+    `cand_absmax` is the candidate's stored magnitude, judged against `limit` (the
+    format's max): `headroom` = limit / cand_absmax. `isolated_*` are the same errors with
+    the node fed the reference's inputs (its own error), when isolation ran.
+    """
+
+    tensor: str
+    node: str
+    op_type: str
+    order: int
+    elements: int
+    max_abs_error: float
+    rel_l2: float
+    cosine: float
+    cand_absmax: float
+    ref_absmax: float
+    limit: float | None
+    inf_count: int
+    nan_count: int
+    ref_nonfinite_count: int
+    saturated_count: int
+    scale: float
+    rtol: float
+    atol: float
+    passed: bool
+    reason: str
+    isolated_max_abs_error: float | None = None
+    isolated_rel_l2: float | None = None
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    @property
+    def headroom(self) -> float | None:
+        if self.limit is None:
+            return None
+        if not math.isfinite(self.cand_absmax):
+            return 0.0
+        return math.inf if self.cand_absmax == 0 else self.limit / self.cand_absmax
+
+    @property
+    def severity_key(self) -> tuple[int, int, float]:
+        """Sort key, worst first when reversed: non-finite, saturated, relative error."""
+        rel = self.rel_l2 if not math.isnan(self.rel_l2) else math.inf
+        return (self.inf_count + self.nan_count, self.saturated_count, rel)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "tensor": self.tensor, "node": self.node, "op_type": self.op_type,
+            "order": self.order, "elements": self.elements,
+            "max_abs_error": _num(self.max_abs_error), "rel_l2": _num(self.rel_l2),
+            "cosine": _num(self.cosine), "cand_absmax": _num(self.cand_absmax),
+            "ref_absmax": _num(self.ref_absmax), "limit": _num(self.limit),
+            "headroom": _num(self.headroom), "inf_count": self.inf_count,
+            "nan_count": self.nan_count, "ref_nonfinite_count": self.ref_nonfinite_count,
+            "saturated_count": self.saturated_count, "scale": self.scale,
+            "rtol": self.rtol, "atol": self.atol, "passed": self.passed, "reason": self.reason,
+        }
+        if self.isolated_rel_l2 is not None:
+            d["isolated"] = {"max_abs_error": _num(self.isolated_max_abs_error),
+                             "rel_l2": _num(self.isolated_rel_l2)}
+        return d
+
+
+@dataclass(frozen=True)
+class CompareResult:
+    """All compared tensors in topological order; truthy when every one passes."""
+
+    fingerprint: str
+    candidate_fingerprint: str
+    tensors: tuple[TensorCompareResult, ...]
+    samples: int
+    samples_description: str
+    rtol: float
+    atol: float
+    overrides: dict[str, tuple[float, float]]
+    fmt: str | None
+    isolate: bool
+    worst_count: int = 5
+    unobserved: dict[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        return all(self.tensors)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    @property
+    def first_divergent(self) -> TensorCompareResult | None:
+        """The first failing tensor in the reference's topological order."""
+        return next((t for t in self.tensors if not t), None)
+
+    @property
+    def worst(self) -> tuple[TensorCompareResult, ...]:
+        ranked = sorted(self.tensors, key=lambda t: (t.severity_key, -t.order), reverse=True)
+        return tuple(ranked[: self.worst_count])
+
+    def tensor(self, name: str) -> TensorCompareResult:
+        for t in self.tensors:
+            if t.tensor == name:
+                return t
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        first = self.first_divergent
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "kind": "compare",
+            "fingerprint": self.fingerprint,
+            "candidate_fingerprint": self.candidate_fingerprint,
+            "passed": self.passed,
+            "format": self.fmt,
+            "isolate": self.isolate,
+            "samples": {"count": self.samples, "description": self.samples_description},
+            "thresholds": {"rtol": self.rtol, "atol": self.atol,
+                           "overrides": {k: list(v) for k, v in sorted(self.overrides.items())}},
+            "first_divergent": first.to_dict() if first is not None else None,
+            "worst": [t.to_dict() for t in self.worst],
+            "tensors": [t.to_dict() for t in self.tensors],
+            "unobserved": dict(sorted(self.unobserved.items())),
+            "notes": list(self.notes),
+        }
+
+
+def _num(x: float | None) -> float | str | None:
+    """JSON has no Inf/NaN: write them as strings a reader can tell apart."""
+    if x is None:
+        return None
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return float(x)
+
+
+def compare_models(
+    ref: onnx.ModelProto,
+    cand: onnx.ModelProto,
+    samples: Iterable[Feed],
+    *,
+    rtol: float,
+    atol: float,
+    overrides: Mapping[str, tuple[float, float]] | None = None,
+    tensor_scales: Mapping[str, float] | None = None,
+    fmt: NumberFormat | None = None,
+    isolate: bool = False,
+    worst: int = 5,
+    threads: int | None = None,
+) -> CompareResult:
+    """Compare every float tensor the two models share by name, on the same samples.
+
+    A tensor fails when its relative L2 error exceeds `rtol` and its max abs error exceeds
+    `atol` (per-tensor `overrides` {name: (rtol, atol)}), when the candidate holds Inf/NaN
+    where the reference is finite, or when it holds values pinned at `fmt`'s max where the
+    reference goes beyond it. `tensor_scales` {name: s} means candidate = s * reference.
+    """
+    from npuprep.runtime.session import make_session, run
+
+    overrides = dict(overrides or {})
+    scales = dict(tensor_scales or {})
+    ref, cand = _same_opset(ref, cand)
+    pairs, order, unobserved = _pairs(ref, cand, scales)
+    for name in overrides:
+        if name not in order:
+            raise NpuprepError(f"--tol names tensor '{name}', which the reference does not compute")
+    limit = fmt.max if fmt is not None else None
+    acc = _Accumulator(len(pairs), isolate)
+    flagged: dict[int, set[int]] = {}
+    n_samples = 0
+    if pairs:
+        session = make_session(merged_graph(ref, cand, pairs, limit=limit, isolate=isolate),
+                               threads=threads)
+        for index, feed in enumerate(samples):
+            values = run(session, dict(feed), [STATS, SIZES])
+            rows = acc.add(values[STATS], values[SIZES], limit)
+            if rows:
+                flagged[index] = rows
+            n_samples += 1
+        del session
+        if flagged:
+            _count_pass(ref, cand, pairs, flagged, samples, acc, limit, threads)
+    else:
+        n_samples = sum(1 for _ in samples)
+    if n_samples == 0:
+        raise NpuprepError("no samples to compare on")
+
+    results = []
+    for row, pair in enumerate(pairs):
+        node, op_type, pos = order[pair.name]
+        t_rtol, t_atol = overrides.get(pair.name, (rtol, atol))
+        results.append(acc.result(row, pair, node, op_type, pos, t_rtol, t_atol, limit))
+    results.sort(key=lambda t: t.order)
+    return CompareResult(
+        fingerprint=fingerprint(ref), candidate_fingerprint=fingerprint(cand),
+        tensors=tuple(results), samples=n_samples,
+        samples_description=getattr(samples, "describe", lambda: f"{n_samples} samples")(),
+        rtol=rtol, atol=atol, overrides=overrides, fmt=fmt.name if fmt else None,
+        isolate=isolate, worst_count=worst, unobserved=unobserved,
+    )
+
+
+def compare_emulated(
+    model: onnx.ModelProto,
+    profile: Any,
+    samples: Iterable[Feed],
+    *,
+    pinned_nodes: Iterable[str] = (),
+    rtol: float | None = None,
+    atol: float | None = None,
+    overrides: Mapping[str, tuple[float, float]] | None = None,
+    isolate: bool = False,
+    worst: int = 5,
+) -> CompareResult:
+    """Compare `model` with its own emulation on `profile`'s target (a TargetProfile).
+
+    Overflow behaviour comes from the profile (`profile.saturates`); an `unknown` profile
+    is emulated as the loud case, and the result's notes say the board must be probed.
+    """
+    from npuprep.verify.emulate import emulate
+
+    fmt = profile.format
+    emulation = emulate(model, fmt, saturate=profile.saturates, pinned_nodes=pinned_nodes)
+    result = compare_models(
+        model, emulation.model, samples,
+        rtol=default_rtol(fmt) if rtol is None else rtol,
+        atol=DEFAULT_ATOL if atol is None else atol,
+        overrides=overrides, fmt=fmt, isolate=isolate, worst=worst,
+    )
+    return replace(result, notes=result.notes + emulation_notes(profile, emulation.saturate))
+
+
+DEFAULT_ATOL = 1e-3
+
+
+def default_rtol(fmt: NumberFormat | None) -> float:
+    """Relative L2 threshold: 1%, or two units of the format's rounding where that is coarser."""
+    return 1e-2 if fmt is None else max(1e-2, 2 * fmt.eps)
+
+
+def emulation_notes(profile: Any, saturate: bool) -> tuple[str, ...]:
+    from npuprep.profiles import OverflowMode
+    from npuprep.verify.emulate import LIMITS
+
+    fmt = profile.format
+    notes = [f"emulated {fmt.name} on target '{profile.name}', overflow "
+             f"{'saturates to +-' + format(fmt.max, 'g') if saturate else 'gives Inf/NaN'}",
+             LIMITS]
+    if fmt.name.startswith("fp8"):
+        if profile.fp8_saturate is None:
+            notes.append(f"target '{profile.name}' does not say whether FP8 Cast saturates: "
+                         "NaN on overflow was assumed; probe the board (npuprep probe)")
+    elif profile.overflow is OverflowMode.UNKNOWN:
+        notes.append(f"target '{profile.name}' overflow behaviour is unknown: Inf was assumed "
+                     "(loud); probe the board (npuprep probe) to learn whether it saturates")
+    return tuple(notes)
+
+
+def _same_opset(ref: onnx.ModelProto, cand: onnx.ModelProto) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """Both models at one default-domain opset, so one merged graph can hold them."""
+    from npuprep.verify.emulate import upgrade_opset
+
+    a, b = model_opset(ref), model_opset(cand)
+    if a < b:
+        ref = upgrade_opset(ref, b, why="the candidate uses a newer opset than the reference")
+    elif b < a:
+        cand = upgrade_opset(cand, a, why="the reference uses a newer opset than the candidate")
+    return ref, cand
+
+
+def _pairs(
+    ref: onnx.ModelProto, cand: onnx.ModelProto, scales: dict[str, float]
+) -> tuple[list[Pair], dict[str, tuple[str, str, int]], dict[str, str]]:
+    """Shared float tensors, the producer of each reference tensor, what is not compared."""
+    _check_inputs(ref, cand)
+    ref_types, cand_types = tensor_types(ref), tensor_types(cand)
+    ref_shapes, cand_shapes = _static_shapes(ref), _static_shapes(cand)
+    cand_produced = {o for n in cand.graph.node for o in n.output if o}
+    order: dict[str, tuple[str, str, int]] = {}
+    for pos, node in enumerate(topological_order(ref.graph)):
+        if node.op_type == "Constant":
+            continue
+        for out in node.output:
+            if out and ref_types.get(out) in FLOAT_ONNX_TYPES:
+                order[out] = (node_label(node), node.op_type, pos)
+    for name, s in scales.items():
+        if name not in order:
+            raise NpuprepError(f"tensor_scales names tensor '{name}', which the reference does not compute")
+        if not (isinstance(s, int | float) and math.isfinite(s) and s > 0):
+            raise NpuprepError(f"tensor_scales['{name}'] = {s!r}: a scale must be a positive number")
+    pairs: list[Pair] = []
+    unobserved: dict[str, str] = {}
+    for name in order:
+        if name not in cand_produced:
+            unobserved[name] = "not computed by the candidate"
+        elif cand_types.get(name) not in FLOAT_ONNX_TYPES:
+            unobserved[name] = "not a float tensor in the candidate"
+        elif name in ref_shapes and name in cand_shapes and ref_shapes[name] != cand_shapes[name]:
+            unobserved[name] = f"shape {ref_shapes[name]} in the reference, {cand_shapes[name]} in the candidate"
+        else:
+            pairs.append(Pair(name, float(scales.get(name, 1.0)), ref_types[name], cand_types[name]))
+    for scope in walk_graphs(ref.graph):
+        if scope.is_main:
+            continue
+        for node in scope.graph.node:
+            for out in node.output:
+                if out and ref_types.get(out) in FLOAT_ONNX_TYPES:
+                    unobserved[out] = f"inside {scope.path}: compared through its owner's outputs"
+    return pairs, order, unobserved
+
+
+def _check_inputs(ref: onnx.ModelProto, cand: onnx.ModelProto) -> None:
+    ref_inits = {i.name for i in ref.graph.initializer}
+    cand_inits = {i.name for i in cand.graph.initializer}
+    ref_inputs = {vi.name for vi in ref.graph.input if vi.name not in ref_inits}
+    cand_inputs = {vi.name for vi in cand.graph.input if vi.name not in cand_inits}
+    if ref_inputs != cand_inputs:
+        odd = sorted(ref_inputs ^ cand_inputs)[0]
+        side = "reference" if odd in ref_inputs else "candidate"
+        raise NpuprepError(f"input '{odd}' exists only in the {side}; both models must take the same inputs")
+
+
+def _static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # noqa: BLE001 - inference is best effort
+        return {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.output):
+        dims = vi.type.tensor_type.shape.dim
+        if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+            shapes[vi.name] = tuple(d.dim_value for d in dims)
+    return shapes
+
+
+class _Accumulator:
+    """Per-tensor sums and maxima over samples: associative, so order does not matter."""
+
+    def __init__(self, n: int, isolate: bool) -> None:
+        self.columns = BASE_COLUMNS + (ISO_COLUMNS if isolate else ())
+        self.isolate = isolate
+        self.sums = np.zeros((n, len(self.columns)), np.float64)
+        self.elements = np.zeros(n, np.int64)
+        self.mismatch = np.zeros(n, bool)
+        self.counts = np.zeros((n, len(DETAIL_COLUMNS)), np.int64)
+        self._max = [self.columns.index(c) for c in ("err_max", "cand_absmax", "ref_absmax")
+                     + (("iso_err_max",) if isolate else ())]
+        self._sum = [i for i in range(len(self.columns)) if i not in self._max]
+
+    def add(self, stats: np.ndarray, sizes: np.ndarray, limit: float | None) -> set[int]:
+        """Fold one sample in; return the rows that need counting (non-finite, at max)."""
+        s = stats.astype(np.float64).reshape(len(self.elements), len(self.columns))
+        z = sizes.reshape(len(self.elements), len(SIZE_COLUMNS))
+        self.sums[:, self._sum] += s[:, self._sum]
+        self.sums[:, self._max] = np.maximum(self.sums[:, self._max], s[:, self._max])
+        self.elements += z[:, 0]
+        self.mismatch |= (z[:, 0] != z[:, 1]) | (z[:, 2] != z[:, 0])
+        col = self.columns.index
+        bad = ~np.isfinite(s[:, [col("d2"), col("r2"), col("c2"), col("cand_absmax")]]).all(axis=1)
+        if limit is not None:
+            bad |= s[:, col("cand_absmax")] >= limit
+        return {int(i) for i in np.flatnonzero(bad)}
+
+    def add_counts(self, rows: list[int], detail: np.ndarray) -> None:
+        self.counts[rows] += detail.reshape(len(rows), len(DETAIL_COLUMNS)).astype(np.int64)
+
+    def result(self, row: int, pair: Pair, node: str, op_type: str, order: int,
+               rtol: float, atol: float, limit: float | None) -> TensorCompareResult:
+        v = dict(zip(self.columns, self.sums[row], strict=True))
+        inf, nan, ref_bad, saturated = (int(x) for x in self.counts[row])
+        d2, r2, c2 = v["d2"], v["r2"], v["c2"]
+        with np.errstate(all="ignore"):
+            rel = _rel(d2, r2)
+            cosine = float(np.clip((r2 + c2 - d2) / (2 * math.sqrt(r2 * c2)), -1, 1)) \
+                if r2 > 0 and c2 > 0 and math.isfinite(r2 + c2 + d2) else (1.0 if r2 == c2 == 0 else math.nan)
+        max_err = v["err_max"]
+        if inf + nan > 0 and ref_bad == 0:
+            max_err = math.inf if nan == 0 else math.nan
+        iso_rel = _rel(v["iso_d2"], r2) if self.isolate else None
+        iso_max = float(v["iso_err_max"]) if self.isolate else None
+        if self.mismatch[row]:
+            passed, reason = False, "element counts differ between reference and candidate"
+        elif inf + nan > ref_bad:
+            passed, reason = False, f"{inf} Inf and {nan} NaN values where the reference is finite"
+        elif saturated:
+            passed, reason = False, f"{saturated} values pinned at +-{limit:g} where the reference exceeds it"
+        elif ref_bad:
+            passed, reason = True, "the reference holds non-finite values; error metrics undefined"
+        elif not (rel <= rtol) and not (max_err <= atol):
+            passed, reason = False, f"rel L2 {rel:.3g} > {rtol:g} and max abs error {max_err:.3g} > {atol:g}"
+        else:
+            passed, reason = True, ""
+        return TensorCompareResult(
+            tensor=pair.name, node=node, op_type=op_type, order=order,
+            elements=int(self.elements[row]), max_abs_error=float(max_err), rel_l2=rel,
+            cosine=cosine, cand_absmax=float(v["cand_absmax"]), ref_absmax=float(v["ref_absmax"]),
+            limit=limit, inf_count=inf, nan_count=nan, ref_nonfinite_count=ref_bad,
+            saturated_count=saturated, scale=pair.scale, rtol=rtol, atol=atol, passed=passed,
+            reason=reason, isolated_max_abs_error=iso_max, isolated_rel_l2=iso_rel,
+        )
+
+
+def _rel(d2: float, r2: float) -> float:
+    if not math.isfinite(d2) or not math.isfinite(r2):
+        return math.nan if math.isnan(d2) or math.isnan(r2) else math.inf
+    if r2 == 0:
+        return 0.0 if d2 == 0 else math.inf
+    return math.sqrt(d2 / r2)
+
+
+def _count_pass(ref: onnx.ModelProto, cand: onnx.ModelProto, pairs: list[Pair],
+                flagged: dict[int, set[int]], samples: Iterable[Feed], acc: _Accumulator,
+                limit: float | None, threads: int | None) -> None:
+    """Count Inf/NaN/saturated values, only for the tensors and samples that showed any."""
+    from npuprep.runtime.session import make_session, run
+
+    rows = sorted(set().union(*flagged.values()))
+    names = [pairs[r].name for r in rows]
+    session = make_session(
+        merged_graph(ref, cand, pairs, limit=limit, isolate=False, detail=names, base=False),
+        threads=threads)
+    for index, feed in enumerate(samples):
+        if index in flagged:
+            acc.add_counts(rows, run(session, dict(feed), [DETAIL])[DETAIL])

@@ -1,0 +1,321 @@
+"""One graph for a layer-by-layer compare: `ref + cand' (+ iso') -> per-tensor error scalars`.
+
+The candidate's names get a prefix and both graphs share the inputs, so one onnxruntime
+run computes both models; per compared tensor the graph reduces the error to a few
+scalars (sums of squares, max |error|, max |value|) and concatenates them into one small
+output. No activation leaves the runtime.
+
+With `isolate`, a third copy of the candidate reads the reference's tensors (scaled and
+rounded the way the candidate stores them) wherever the candidate reads a compared
+tensor, so each node's own error is measured apart from the error that reached it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from npuprep.graph import _captured_names
+
+CAND = "cand::"
+ISO = "iso::"
+ISO_IN = "iso_in::"
+RED = "cmp::"
+STATS = "cmp::stats"
+SIZES = "cmp::sizes"
+DETAIL = "cmp::detail"
+
+# Per compared tensor, in this order, in the STATS vector.
+BASE_COLUMNS = ("d2", "r2", "c2", "err_max", "cand_absmax", "ref_absmax")
+ISO_COLUMNS = ("iso_d2", "iso_err_max")
+SIZE_COLUMNS = ("n_ref", "n_cand", "n_diff")
+DETAIL_COLUMNS = ("cand_inf", "cand_nan", "ref_nonfinite", "saturated")
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A tensor both models compute: candidate = scale * reference."""
+
+    name: str
+    scale: float
+    ref_type: int
+    cand_type: int
+
+
+def merged_graph(
+    ref: onnx.ModelProto,
+    cand: onnx.ModelProto,
+    pairs: list[Pair],
+    *,
+    limit: float | None,
+    isolate: bool,
+    detail: Iterable[str] = (),
+    base: bool = True,
+) -> onnx.ModelProto:
+    """The reference, the prefixed candidate and the error reductions in one model.
+
+    Outputs: STATS (float, len(pairs) x columns) and SIZES (int64) when `base`; DETAIL
+    (float, counts of Inf/NaN/saturated values) for the tensors named in `detail`.
+    """
+    detail = set(detail)
+    out = onnx.ModelProto()
+    out.CopyFrom(ref)
+    g = out.graph
+    del g.output[:]
+    ref_inputs = {vi.name: vi for vi in g.input}
+    shared: set[str] = set()
+    cast_nodes: list[onnx.NodeProto] = []
+    cand_inits = {i.name for i in cand.graph.initializer}
+    for vi in cand.graph.input:
+        if vi.name in cand_inits:
+            continue
+        ref_vi = ref_inputs[vi.name]
+        want = vi.type.tensor_type.elem_type
+        if want == ref_vi.type.tensor_type.elem_type:
+            shared.add(vi.name)
+        else:
+            cast_nodes.append(helper.make_node("Cast", [vi.name], [CAND + vi.name], to=want,
+                                               name=CAND + "input_cast_" + vi.name))
+
+    def cand_name(n: str) -> str:
+        return n if not n or n in shared else CAND + n
+
+    body = onnx.GraphProto()
+    body.CopyFrom(cand.graph)
+    _rename(body, cand_name, cand_name, CAND)
+    g.node.extend(cast_nodes)
+    g.node.extend(body.node)
+    g.initializer.extend(body.initializer)
+    g.sparse_initializer.extend(body.sparse_initializer)
+    _merge_opsets(out, cand)
+
+    red = _Reductions(g, limit)
+    if isolate:
+        _add_isolated_copy(g, cand, pairs, shared, red)
+    for pair in pairs:
+        if not base and pair.name not in detail:
+            continue
+        red.compare(pair, isolate=isolate, base=base, detail=pair.name in detail)
+    red.finish(base=base, detail=bool(detail))
+    # Node outputs stay typed only through inference; stale value_info could contradict.
+    del g.value_info[:]
+    return out
+
+
+def _rename(graph: onnx.GraphProto, read: Callable[[str], str], write: Callable[[str], str],
+            prefix: str) -> None:
+    """Rename every tensor and node of a graph and its subgraphs in place."""
+    for vi in list(graph.input) + list(graph.value_info):
+        vi.name = write(vi.name)
+    for vi in graph.output:
+        vi.name = read(vi.name)
+    for init in graph.initializer:
+        init.name = write(init.name)
+    for sparse in graph.sparse_initializer:
+        sparse.values.name = write(sparse.values.name)
+    for node in graph.node:
+        if node.name:
+            node.name = prefix + node.name
+        for i, n in enumerate(node.input):
+            node.input[i] = read(n)
+        for i, n in enumerate(node.output):
+            node.output[i] = write(n)
+        for attr in node.attribute:
+            subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+            for sub in subs:
+                _rename(sub, read, write, prefix)
+
+
+def _merge_opsets(out: onnx.ModelProto, other: onnx.ModelProto) -> None:
+    versions = {e.domain: e.version for e in out.opset_import}
+    for e in other.opset_import:
+        versions[e.domain] = max(versions.get(e.domain, 0), e.version)
+    del out.opset_import[:]
+    for domain, version in sorted(versions.items()):
+        out.opset_import.append(helper.make_opsetid(domain, version))
+    out.ir_version = max(out.ir_version, other.ir_version)
+    known = {(f.domain, f.name) for f in out.functions}
+    out.functions.extend(f for f in other.functions if (f.domain, f.name) not in known)
+
+
+def _rounding_of(cand: onnx.ModelProto, name: str) -> list[onnx.NodeProto]:
+    """The candidate's rounding of `name`: [Clip?, Cast(low), Cast(float)] when it has one."""
+    producer = {o: n for n in cand.graph.node for o in n.output if o}
+    up = producer.get(name)
+    if up is None or up.op_type != "Cast" or _to(up) != TensorProto.FLOAT:
+        return []
+    down = producer.get(up.input[0])
+    if down is None or down.op_type != "Cast" or _to(down) == TensorProto.FLOAT:
+        return []
+    clip = producer.get(down.input[0])
+    if clip is not None and clip.op_type == "Clip" and len(clip.input) == 3 \
+            and all(producer.get(b) is not None and producer[b].op_type == "Constant"
+                    for b in clip.input[1:]):
+        return [clip, down, up]
+    return [down, up]
+
+
+def _to(node: onnx.NodeProto) -> int:
+    return next((a.i for a in node.attribute if a.name == "to"), 0)
+
+
+def _add_isolated_copy(g: onnx.GraphProto, cand: onnx.ModelProto, pairs: list[Pair],
+                       shared: set[str], red: _Reductions) -> None:
+    """A copy of the candidate whose reads of compared tensors come from the reference.
+
+    Only the nodes needed to produce the compared tensors are copied; weights are read
+    from the candidate's initialisers, not duplicated.
+    """
+    compared = {p.name: p for p in pairs}
+    inits = {i.name for i in cand.graph.initializer}
+
+    def read(n: str) -> str:
+        if not n or n in shared:
+            return n
+        if n in compared:
+            return ISO_IN + n
+        if n in inits:
+            return CAND + n
+        return ISO + n
+
+    def write(n: str) -> str:
+        return n if not n else ISO + n
+
+    # Nodes needed, walking back from the compared tensors and stopping at them.
+    producer = {o: n for n in cand.graph.node for o in n.output if o}
+    needed: set[int] = set()
+    stack = [producer[p.name] for p in pairs if p.name in producer]
+    while stack:
+        node = stack.pop()
+        if id(node) in needed:
+            continue
+        needed.add(id(node))
+        for n in list(node.input) + sorted(_captured_names(node)):
+            if n in producer and n not in compared:
+                stack.append(producer[n])
+    for pair in pairs:
+        src = red.scaled(pair.name, pair.scale)
+        for node in _rounding_of(cand, pair.name):
+            copy = onnx.NodeProto()
+            copy.CopyFrom(node)
+            copy.name = ISO_IN + node.name
+            copy.input[0] = src
+            if node.op_type == "Clip":
+                copy.input[1], copy.input[2] = CAND + node.input[1], CAND + node.input[2]
+            src = ISO_IN + node.output[0] + "__r"
+            copy.output[0] = src
+            g.node.append(copy)
+        if not _rounding_of(cand, pair.name) and pair.cand_type != TensorProto.FLOAT:
+            cast = ISO_IN + pair.name + "__cast"
+            g.node.append(helper.make_node("Cast", [src], [cast], to=pair.cand_type,
+                                           name=ISO_IN + "cast_" + pair.name))
+            src = cast
+        g.node.append(helper.make_node("Identity", [src], [ISO_IN + pair.name],
+                                       name=ISO_IN + "feed_" + pair.name))
+    body = onnx.GraphProto()
+    body.node.extend(n for n in cand.graph.node if id(n) in needed)
+    _rename(body, read, write, ISO)
+    g.node.extend(body.node)
+
+
+class _Reductions:
+    """Appends per-tensor error reductions and the concatenated outputs to a graph."""
+
+    def __init__(self, graph: onnx.GraphProto, limit: float | None) -> None:
+        self.g = graph
+        self.limit = limit
+        self.stats: list[str] = []
+        self.sizes: list[str] = []
+        self.detail: list[str] = []
+        self.counter = 0
+        self._const("flat", np.array([-1], np.int64))
+        self._const("zero", np.array(0.0, np.float32))
+        self._const("none", np.array([0.0], np.float32))
+        if limit is not None:
+            self._const("limit", np.array(limit, np.float32))
+
+    def _const(self, name: str, value: np.ndarray) -> str:
+        self.g.initializer.append(numpy_helper.from_array(value, RED + name))
+        return RED + name
+
+    def _node(self, op: str, inputs: list[str], **attrs: object) -> str:
+        self.counter += 1
+        out = f"{RED}{op.lower()}{self.counter}"
+        self.g.node.append(helper.make_node(op, inputs, [out], name=out, **attrs))
+        return out
+
+    def flat(self, name: str, elem_type: int) -> str:
+        if elem_type != TensorProto.FLOAT:
+            name = self._node("Cast", [name], to=TensorProto.FLOAT)
+        return self._node("Reshape", [name, RED + "flat"])
+
+    def scaled(self, name: str, scale: float) -> str:
+        """`scale * ref` for feeding the isolated copy (exact for powers of two)."""
+        if scale == 1.0:
+            return name
+        factor = self._const(f"scale{self.counter}_{len(self.g.initializer)}",
+                             np.array(scale, np.float32))
+        return self._node("Mul", [name, factor])
+
+    def _reduce(self, op: str, x: str) -> str:
+        return self._node(op, [x], keepdims=1)
+
+    def compare(self, pair: Pair, *, isolate: bool, base: bool, detail: bool) -> None:
+        r = self.flat(pair.name, pair.ref_type)
+        c_stored = self.flat(CAND + pair.name, pair.cand_type)
+        c = c_stored
+        if pair.scale != 1.0:
+            inv = self._const(f"inv{self.counter}", np.array(1.0 / pair.scale, np.float32))
+            c = self._node("Mul", [c_stored, inv])
+        if base:
+            d = self._node("Sub", [c, r])
+            self.stats += [
+                self._reduce("ReduceSumSquare", d),
+                self._reduce("ReduceSumSquare", r),
+                self._reduce("ReduceSumSquare", c),
+                self._reduce("ReduceMax", self._node("Abs", [d])),
+                self._reduce("ReduceMax", self._node("Abs", [c_stored])),
+                self._reduce("ReduceMax", self._node("Abs", [r])),
+            ]
+            self.sizes += [self._node("Size", [pair.name]), self._node("Size", [CAND + pair.name]),
+                           self._node("Size", [d])]
+            if isolate:
+                i = self.flat(ISO + pair.name, pair.cand_type)
+                if pair.scale != 1.0:
+                    i = self._node("Mul", [i, inv])
+                di = self._node("Sub", [i, r])
+                self.stats += [self._reduce("ReduceSumSquare", di),
+                               self._reduce("ReduceMax", self._node("Abs", [di]))]
+        if detail:
+            self.detail += [
+                self._count(self._node("IsInf", [c_stored])),
+                self._count(self._node("IsNaN", [c_stored])),
+                self._count(self._node("IsNaN", [self._node("Mul", [r, RED + "zero"])])),
+            ]
+            if self.limit is None:
+                self.detail.append(RED + "none")
+            else:
+                at_max = self._node("Equal", [self._node("Abs", [c_stored]), RED + "limit"])
+                ref_scaled = r if pair.scale == 1.0 else self.scaled(r, pair.scale)
+                beyond = self._node("Greater", [self._node("Abs", [ref_scaled]), RED + "limit"])
+                self.detail.append(self._count(self._node("And", [at_max, beyond])))
+
+    def _count(self, mask: str) -> str:
+        return self._reduce("ReduceSum", self._node("Cast", [mask], to=TensorProto.FLOAT))
+
+    def finish(self, *, base: bool, detail: bool) -> None:
+        outputs: list[tuple[str, list[str], int]] = []
+        if base:
+            outputs += [(STATS, self.stats, TensorProto.FLOAT), (SIZES, self.sizes, TensorProto.INT64)]
+        if detail:
+            outputs.append((DETAIL, self.detail, TensorProto.FLOAT))
+        for name, parts, elem in outputs:
+            if elem == TensorProto.INT64:
+                parts = [self._node("Reshape", [p, RED + "flat"]) for p in parts]
+            self.g.node.append(helper.make_node("Concat", parts, [name], axis=0, name=name))
+            self.g.output.append(helper.make_tensor_value_info(name, elem, [len(parts)]))
+
