@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from npuprep.analyse.finding import Finding
 
-ClampKind = Literal["exp", "square", "denominator", "user"]
-CLAMP_KINDS: tuple[str, ...] = ("exp", "square", "denominator", "user")
+ClampKind = Literal["exp", "square", "denominator", "log", "user"]
+CLAMP_KINDS: tuple[str, ...] = ("exp", "square", "denominator", "log", "user")
 REMEDIES: tuple[str, ...] = ("rescale", "pin_fp32", "clamp")
 
 

@@ -1,0 +1,233 @@
+"""Planner choices on tiny graphs: rescale first, pin when it declines, clamp when pinning cannot."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import numpy as np
+import pytest
+from conftest import model_from_text
+
+from npuprep.analyse import static_findings
+from npuprep.analyse.finding import Finding
+from npuprep.model_io import Model, fingerprint
+from npuprep.plan import Clamp, PinFp32, Rescale
+from npuprep.plan.plan import dump_plan
+from npuprep.plan.planner import make_plan
+from npuprep.profiles import Pinning, Severity, load_profile
+from npuprep.rewrite.rescale import apply_rescale
+from npuprep.runtime.session import make_session, run
+
+GENERIC = load_profile("generic")
+LIMIT = GENERIC.limit()  # 0.5 x 65504
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The RangeStats fields the planner reads, from every value of one tensor."""
+
+    tensor: str
+    values: np.ndarray
+
+    @property
+    def absmax(self) -> float:
+        return float(np.abs(self.values).max())
+
+    @property
+    def count(self) -> int:
+        return int(self.values.size)
+
+    @property
+    def zero_count(self) -> int:
+        return int(np.count_nonzero(self.values == 0))
+
+    @property
+    def nan_count(self) -> int:
+        return int(np.isnan(self.values).sum())
+
+    @property
+    def inf_count(self) -> int:
+        return int(np.isinf(self.values).sum())
+
+    def fraction_below(self, t: float) -> float:
+        return float(np.mean(np.abs(self.values) < t))
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    tensors: dict[str, Range]
+
+
+def measure(model: Model, feeds: list[dict[str, np.ndarray]]) -> Stats:
+    """Every float tensor's values over the samples, from an FP32 onnxruntime run."""
+    proto = type(model.proto)()
+    proto.CopyFrom(model.proto)
+    names = [o for n in proto.graph.node for o in n.output]
+    have = {o.name for o in proto.graph.output}
+    for name in names:
+        if name not in have:
+            proto.graph.output.add().name = name
+    session = make_session(proto)
+    runs = [run(session, f) for f in feeds]
+    tensors = {}
+    for name in [i.name for i in proto.graph.input] + names:
+        values = [r[name] if name in r else f[name] for r, f in zip(runs, feeds, strict=True)]
+        if values[0].dtype == np.float32:
+            tensors[name] = Range(name, np.concatenate([v.ravel() for v in values]))
+    return Stats(tensors)
+
+
+def as_model(text: str) -> Model:
+    proto = model_from_text(text)
+    return Model(proto, "model.onnx", fingerprint(proto))
+
+
+def overflow(stats: Stats, tensor: str, node: str, op_type: str) -> Finding:
+    return Finding(rule="range.overflow", severity=Severity.ERROR, node=node, op_type=op_type,
+                   message="beyond the limit", tensor=tensor,
+                   evidence={"absmax": stats.tensors[tensor].absmax}, remedy="rescale")
+
+
+def samples(n: int, shape: tuple[int, ...], scale: float, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [{"x": (rng.standard_normal(shape) * scale).astype(np.float32)} for _ in range(n)]
+
+
+# x -> MatMul(W, gain 3000) -> h -> Relu -> r -> MatMul(V) -> y
+CHAIN = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[2, 4] x) => (float[2, 3] y) <float[4, 4] W = {3000.0,0.0,0.0,0.0, 0.0,3000.0,0.0,0.0, 0.0,0.0,3000.0,0.0, 0.0,0.0,0.0,3000.0}, float[4, 3] V = {0.001,0.0,0.0, 0.0,0.001,0.0, 0.0,0.0,0.001, 0.001,0.001,0.001}> {
+    [mm1] h = MatMul (x, W)
+    [relu] r = Relu (h)
+    [mm2] y = MatMul (r, V)
+}
+"""
+
+# x -> Exp -> e -> ReduceSum -> s ; Div(e, s) -> y   (softmax without max subtraction)
+SOFTMAX = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[2, 4] x) => (float[2, 4] y) <int64[1] ax = {1}> {
+    [exp] e = Exp (x)
+    [sum] s = ReduceSum <keepdims = 1> (e, ax)
+    [div] y = Div (e, s)
+}
+"""
+
+
+def test_rescale_is_chosen_when_feasible_and_its_numbers_hold():
+    model = as_model(CHAIN)
+    feeds = samples(4, (2, 4), 10.0)
+    stats = measure(model, feeds)
+    absmax = stats.tensors["h"].absmax
+    assert absmax > LIMIT
+    plan = make_plan(model, GENERIC, stats, [overflow(stats, "h", "mm1", "MatMul")])
+    assert [type(a) for a in plan.actions] == [Rescale]
+    rs = plan.actions[0]
+    k = math.ceil(math.log2(absmax / LIMIT))
+    assert (rs.entry, rs.k, rs.absmax, rs.limit) == ("mm1", k, absmax, LIMIT)
+    assert rs.absmax_after == pytest.approx(absmax * 2.0**-k)
+    assert rs.absmax_after <= LIMIT < absmax * 2.0 ** -(k - 1)
+    assert rs.domain == {"h": -k, "r": -k} and rs.absorbers == ("mm2",)
+    assert "rescale" in rs.why and "cheapest" in rs.why
+    assert plan.pinned_nodes() == set() and plan.declined == ()
+    # The plan's claim, checked: after the rewrite h fits and y is unchanged.
+    rewritten = Model(apply_rescale(model.proto, rs.entry, rs.k).model, "r.onnx", "")
+    after = measure(rewritten, feeds)
+    assert after.tensors["h"].absmax == pytest.approx(rs.absmax_after, rel=1e-6)
+    np.testing.assert_allclose(after.tensors["y"].values, stats.tensors["y"].values, rtol=1e-6)
+
+
+def test_rescale_is_declined_for_exp_and_the_island_pins_the_softmax():
+    model = as_model(SOFTMAX)
+    stats = measure(model, samples(4, (2, 4), 8.0))
+    assert stats.tensors["e"].absmax > LIMIT
+    plan = make_plan(model, GENERIC, stats, [overflow(stats, "e", "exp", "Exp")])
+    (pin,) = plan.actions
+    assert isinstance(pin, PinFp32) and not pin.request and not pin.forced
+    assert pin.nodes == ("exp", "sum", "div") and pin.exit_tensors == ("y",)
+    assert pin.measured["absmax"] == stats.tensors["e"].absmax
+    assert pin.measured["exit_absmax"] <= 1.0
+    (declined,) = plan.declined
+    assert (declined.remedy, declined.target) == ("rescale", "e")
+    assert declined.reason == "Exp node exp does not commute with scaling"
+    assert declined.reason in pin.why
+
+
+def test_compiler_decides_turns_the_pin_into_a_request():
+    model = as_model(SOFTMAX)
+    stats = measure(model, samples(4, (2, 4), 8.0))
+    plan = make_plan(model, load_profile("a2000"), stats, [overflow(stats, "e", "exp", "Exp")])
+    (pin,) = plan.actions
+    assert isinstance(pin, PinFp32) and pin.request
+    assert "request" in pin.why and plan.pinned_nodes() == {"exp", "sum", "div"}
+
+
+def test_no_pinning_falls_back_to_clamping_the_exp_input():
+    model = as_model(SOFTMAX)
+    stats = measure(model, samples(4, (2, 4), 8.0))
+    profile = dataclasses.replace(GENERIC, fp32_pinning=Pinning.NONE)
+    plan = make_plan(model, profile, stats, [overflow(stats, "e", "exp", "Exp")])
+    (clamp,) = plan.actions
+    assert isinstance(clamp, Clamp)
+    assert (clamp.tensor, clamp.kind, clamp.consumers, clamp.lo) == ("x", "exp", ("exp",), None)
+    assert clamp.hi == math.floor(math.log(LIMIT) * 1000) / 1000 == 10.396
+    assert math.exp(clamp.hi) <= LIMIT
+    x = stats.tensors["x"]
+    assert clamp.measured["share_clipped"] == pytest.approx(1 - x.fraction_below(clamp.hi))
+    assert [d.remedy for d in plan.declined] == ["rescale", "pin_fp32"]
+    assert "fp32_pinning: none" in plan.declined[1].reason
+    assert plan.pinned_nodes() == set()
+
+
+def test_forbidden_nodes_decline_the_pin_with_the_reason():
+    model = as_model(SOFTMAX)
+    stats = measure(model, samples(4, (2, 4), 8.0))
+    plan = make_plan(model, GENERIC, stats, [overflow(stats, "e", "exp", "Exp")], forbid_pin=["sum"])
+    assert [type(a) for a in plan.actions] == [Clamp]
+    assert "forbid_pin excludes" in plan.declined[1].reason and "sum" in plan.declined[1].reason
+    assert plan.forbid_pin == ("sum",)
+
+
+def test_static_findings_clamp_or_pin_where_the_rule_says():
+    model = as_model(SOFTMAX)
+    findings = static_findings(model, GENERIC)
+    plan = make_plan(model, GENERIC, None, findings)
+    # pattern.softmax asks for FP32 from Exp to Div; with no ranges the island is its members.
+    (pin,) = plan.actions
+    assert isinstance(pin, PinFp32) and pin.nodes == ("exp", "sum", "div")
+    assert plan.notes[0] == "planned without measured ranges: static findings only"
+    # A lone Exp with no softmax around it: the rule says clamp.
+    lone = as_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2, 4] x) => (float[2, 4] y) {
+        [exp] y = Exp (x)
+    }
+    """)
+    plan = make_plan(lone, GENERIC, None, static_findings(lone, GENERIC))
+    (clamp,) = plan.actions
+    assert isinstance(clamp, Clamp) and (clamp.kind, clamp.hi, clamp.consumers) == ("exp", 10.396, ("exp",))
+
+
+def test_measured_safe_hazard_gets_a_note_not_an_action():
+    model = as_model(SOFTMAX)
+    stats = measure(model, samples(4, (2, 4), 1.0))
+    plan = make_plan(model, GENERIC, stats, static_findings(model, GENERIC))
+    assert plan.actions == ()
+    assert len(plan.notes) == 1 and plan.notes[0].startswith("pattern.softmax at y: measured absmax")
+    assert "no action" in plan.notes[0]
+
+
+def test_plan_does_not_depend_on_finding_order():
+    model = as_model(CHAIN)
+    stats = measure(model, samples(4, (2, 4), 10.0))
+    findings = [overflow(stats, t, n, "X") for t, n in (("h", "mm1"), ("r", "relu"))]
+    first = dump_plan(make_plan(model, GENERIC, stats, findings))
+    shuffled = list(reversed(findings))
+    random.Random(3).shuffle(shuffled)
+    assert dump_plan(make_plan(model, GENERIC, stats, shuffled)) == first
+    # The second finding lies in the same scale domain: one rescale answers both.
+    plan = make_plan(model, GENERIC, stats, findings)
+    (rs,) = plan.actions
+    assert [str(f) for f in rs.findings] == ["range.overflow at h", "range.overflow at r"]
