@@ -15,6 +15,7 @@ from typing import Any
 
 from npuprep import __version__
 from npuprep.errors import NpuprepError
+from npuprep.profiles import load_profile
 from npuprep.report import plots as charts
 from npuprep.report.series import (
     compare_of,
@@ -24,7 +25,15 @@ from npuprep.report.series import (
     remedy_marks,
     tensor_points,
 )
-from npuprep.report.tables import SEVERITY_RANK, Table, profile_rows, summary, tables, verdict
+from npuprep.report.tables import (
+    SEVERITY_RANK,
+    Table,
+    notes,
+    profile_rows,
+    summary,
+    tables,
+    verdict,
+)
 
 KINDS: tuple[str, ...] = ("check", "stats", "compare", "convert")
 
@@ -154,6 +163,13 @@ def _kv_table(rows: list[tuple[str, str]], table_id: str) -> str:
     return f'<table class="kv" id="{_e(table_id)}"><tbody>{body}</tbody></table>'
 
 
+def _notes_html(items: list[str]) -> str:
+    if not items:
+        return ""
+    return ('<section id="notes"><h2>Notes</h2><ul>'
+            + "".join(f"<li>{_e(n)}</li>" for n in items) + "</ul></section>")
+
+
 def _charts_html(result: Mapping[str, Any], plots: bool) -> str:
     points = tensor_points(result)
     errors = error_series(result)
@@ -192,6 +208,24 @@ def _charts_html(result: Mapping[str, Any], plots: bool) -> str:
     return "\n".join(out)
 
 
+def _with_profile(result: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """The result with its target profile; one that names its target without embedding the
+    profile gets it loaded now, and the page says so."""
+    if profile_of(result):
+        return dict(result), ""
+    for key in ("target_path", "target"):
+        source = result.get(key)
+        if isinstance(source, str) and source:
+            try:
+                profile = load_profile(source).to_dict()
+            except NpuprepError:
+                continue
+            return dict(result, profile=profile), (
+                f"The result names target '{source}' but does not embed its profile: shown as "
+                "loaded when this page was made.")
+    return dict(result), ""
+
+
 def render(result: dict[str, Any], *, plots: bool = True) -> str:
     """The whole page for a check, stats, compare or convert result."""
     if not isinstance(result, Mapping):
@@ -199,6 +233,7 @@ def render(result: dict[str, Any], *, plots: bool = True) -> str:
     kind = result.get("kind")
     if kind not in KINDS:
         raise NpuprepError(f"result kind '{kind}' has no HTML report (known: {', '.join(KINDS)})")
+    result, profile_source = _with_profile(result)
     passed = verdict(result)
     badge = {True: ("pass", "PASSED"), False: ("fail", "FAILED"), None: ("none", "NO VERDICT")}[passed]
     title = f"npuprep {kind}: {result.get('model') or result.get('candidate') or ''}".strip(": ")
@@ -214,11 +249,13 @@ def render(result: dict[str, Any], *, plots: bool = True) -> str:
         f'<header><h1>{_e(title)}</h1><span class="verdict {badge[0]}" id="verdict">{badge[1]}'
         "</span></header>",
         f'<section id="summary"><h2>Summary</h2>{_kv_table(summary(result), "summary-table")}</section>',
+        _notes_html(notes(result)),
         _charts_html(result, plots),
         *(_table_html(t, first_tensor) for t in tables(result)),
     ]
     if profile:
-        parts.append(f'<section id="profile"><h2>Target profile</h2>'
+        source = f'<p class="note">{_e(profile_source)}</p>' if profile_source else ""
+        parts.append(f'<section id="profile"><h2>Target profile</h2>{source}'
                      f"{_kv_table(profile_rows(profile), 'profile-table')}</section>")
     parts.append(f"<footer>npuprep {_e(__version__)} &middot; model fingerprint "
                  f"<code>{_e(result.get('fingerprint') or '(none)')}</code></footer>")

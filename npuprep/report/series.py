@@ -134,6 +134,36 @@ def _stats_tensors(stats: Mapping[str, Any]) -> list[TensorPoint]:
                         _absmax(v)) for v in items]
 
 
+def _first(entry: Mapping[str, Any], *keys: str) -> Any:
+    return next((entry[k] for k in keys if entry.get(k) is not None), None)
+
+
+def compare_entry(t: Mapping[str, Any]) -> dict[str, Any]:
+    """One compared tensor under canonical keys, whichever spelling the producer used
+    (`max_abs` or `max_abs_error`, `absmax` or `cand_absmax`, isolated errors flat or nested)."""
+    isolated = t.get("isolated") if isinstance(t.get("isolated"), Mapping) else {}
+    nonfinite = _first(t, "nonfinite")
+    if nonfinite is None and ("inf_count" in t or "nan_count" in t):
+        nonfinite = (number(t.get("inf_count")) or 0) + (number(t.get("nan_count")) or 0)
+    return {
+        "tensor": str(t.get("tensor", "")), "node": str(t.get("node", "")),
+        "op_type": str(t.get("op_type", "")),
+        "max_abs": number(_first(t, "max_abs", "max_abs_error")),
+        "rel_l2": number(t.get("rel_l2")), "cosine": number(t.get("cosine")),
+        "absmax": number(_first(t, "absmax", "cand_absmax")),
+        "ref_absmax": number(t.get("ref_absmax")),
+        "limit": number(t.get("limit")), "headroom": number(t.get("headroom")),
+        "nonfinite": number(nonfinite),
+        "saturated": number(_first(t, "saturated", "saturated_count")),
+        "isolated_rel_l2": number(_first(isolated, "rel_l2") if isolated
+                                  else t.get("isolated_rel_l2")),
+        "isolated_max_abs": number(_first(isolated, "max_abs_error", "max_abs") if isolated
+                                   else _first(t, "isolated_max_abs", "isolated_max_abs_error")),
+        "passed": t.get("passed") if isinstance(t.get("passed"), bool) else None,
+        "reason": str(t.get("reason", "")),
+    }
+
+
 def _absmax(entry: Mapping[str, Any]) -> float | None:
     value = number(entry.get("absmax"))
     if value is None:
@@ -155,10 +185,11 @@ def tensor_points(result: Mapping[str, Any]) -> tuple[TensorPoint, ...]:
                         number(t.get("absmax_before")), number(t.get("absmax_after")))
             for t in tensors if isinstance(t, Mapping))
     if kind == "compare" and isinstance(tensors, list):
+        entries = [compare_entry(t) for t in tensors if isinstance(t, Mapping)]
         return tuple(
-            TensorPoint(str(t.get("tensor", "")), str(t.get("node", "")), str(t.get("op_type", "")),
-                        _absmax(t))
-            for t in tensors if isinstance(t, Mapping))
+            TensorPoint(e["tensor"], e["node"], e["op_type"],
+                        math.inf if e["nonfinite"] else e["absmax"])
+            for e in entries)
     if kind == "stats":
         return tuple(_stats_tensors(result))
     stats = result.get("stats")
@@ -241,12 +272,11 @@ def error_series(result: Mapping[str, Any]) -> ErrorSeries | None:
     cmp = compare_of(result)
     if cmp is None or not isinstance(cmp.get("tensors"), list):
         return None
+    entries = [compare_entry(t) for t in cmp["tensors"] if isinstance(t, Mapping)]
     points = tuple(
-        ErrorPoint(str(t.get("tensor", "")), str(t.get("node", "")), str(t.get("op_type", "")),
-                   number(t.get("rel_l2")), number(t.get("max_abs")), number(t.get("isolated_rel_l2")),
-                   number(t.get("isolated_max_abs")),
-                   t.get("passed") if isinstance(t.get("passed"), bool) else None)
-        for t in cmp["tensors"] if isinstance(t, Mapping))
+        ErrorPoint(e["tensor"], e["node"], e["op_type"], e["rel_l2"], e["max_abs"],
+                   e["isolated_rel_l2"], e["isolated_max_abs"], e["passed"])
+        for e in entries)
     first = cmp.get("first_divergent")
     index, label = None, ""
     if isinstance(first, Mapping):

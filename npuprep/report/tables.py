@@ -11,7 +11,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from npuprep.report.series import action_where, compare_of, number, tensor_points
+from npuprep.report.series import (
+    action_where,
+    compare_entry,
+    compare_of,
+    number,
+    tensor_points,
+)
 
 SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2}
 
@@ -110,21 +116,25 @@ def _tensor_rows(entries: Sequence[Mapping[str, Any]], numeric: Sequence[str],
     for i, t in enumerate(entries):
         values = dict(t, **(extra or {}).get(str(t.get("tensor")), {}))
         rows.append((i, _text(values, "tensor"), _text(values, "node"), _text(values, "op_type"),
-                     *(_num(values, k) if k != "passed" else _text(values, k) for k in numeric)))
+                     *(_num(values, k) for k in numeric)))
     return tuple(rows)
 
 
 def compare_table(result: Mapping[str, Any]) -> Table | None:
     cmp = compare_of(result)
-    entries = _dicts(cmp.get("tensors")) if cmp else []
+    entries = [compare_entry(t) for t in _dicts(cmp.get("tensors"))] if cmp else []
     if not entries:
         return None
-    numeric = ["max_abs", "rel_l2", "cosine", "absmax", "limit", "headroom", "nonfinite",
-               "saturated", "isolated_rel_l2", "isolated_max_abs"]
-    numeric = [k for k in numeric if any(k in t for t in entries)] + ["passed"]
+    numeric = ["max_abs", "rel_l2", "cosine", "absmax", "ref_absmax", "limit", "headroom",
+               "nonfinite", "saturated", "isolated_rel_l2", "isolated_max_abs"]
+    # Cosine never stands alone: max_abs and headroom sit next to it whenever it is shown.
+    numeric = [k for k in numeric if any(e[k] is not None for e in entries)]
     cols = (Column("#", "num"), Column("tensor"), Column("node"), Column("op_type"),
-            *(Column(k, "text" if k == "passed" else "num") for k in numeric))
-    return Table("errors", f"Error per tensor ({len(entries)})", cols, _tensor_rows(entries, numeric))
+            *(Column(k, "num") for k in numeric), Column("passed"), Column("reason"))
+    rows = tuple((i, e["tensor"], e["node"], e["op_type"], *(e[k] for k in numeric),
+                  "" if e["passed"] is None else str(e["passed"]), e["reason"])
+                 for i, e in enumerate(entries))
+    return Table("errors", f"Error per tensor ({len(entries)})", cols, rows)
 
 
 def convert_tensor_table(result: Mapping[str, Any]) -> Table | None:
@@ -163,8 +173,9 @@ def stats_table(result: Mapping[str, Any]) -> Table | None:
 
 
 def unobserved_table(result: Mapping[str, Any]) -> Table | None:
-    stats = result if result.get("kind") == "stats" else result.get("stats")
-    unobserved = stats.get("unobserved") if isinstance(stats, Mapping) else None
+    holders = (result, result.get("stats"), compare_of(result))
+    unobserved = next((h["unobserved"] for h in holders
+                       if isinstance(h, Mapping) and h.get("unobserved")), None)
     if not unobserved:
         return None
     items = unobserved.items() if isinstance(unobserved, Mapping) else ((str(u), "") for u in unobserved)
@@ -181,7 +192,10 @@ def tables(result: Mapping[str, Any]) -> tuple[Table, ...]:
 
 
 def verdict(result: Mapping[str, Any]) -> bool | None:
-    """Passed or failed, as far as the result says: compare's verdict, no error-level finding."""
+    """Passed or failed, as far as the result says: its own `passed`, else compare's verdict
+    and no error-level finding."""
+    if isinstance(result.get("passed"), bool):
+        return result["passed"]
     cmp = compare_of(result)
     outcomes = []
     if cmp is not None and isinstance(cmp.get("passed"), bool):
@@ -195,8 +209,9 @@ def verdict(result: Mapping[str, Any]) -> bool | None:
 def summary(result: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Key facts for the page head: what, which model, which target, the verdict's numbers."""
     rows: list[tuple[str, str]] = []
-    for key in ("kind", "model", "output", "reference", "candidate", "target", "precision",
-                "opset", "samples", "synthetic", "flops_fp32_share", "cast_count"):
+    for key in ("kind", "model", "output", "reference", "candidate", "target", "target_path",
+                "format", "precision", "opset", "samples", "synthetic", "thresholds", "fail_on",
+                "flops_fp32_share", "cast_count"):
         if key in result and result[key] not in (None, ""):
             rows.append((key, compact(result[key])))
     if "findings" in result:
@@ -229,3 +244,13 @@ def profile_rows(profile: Mapping[str, Any], prefix: str = "") -> list[tuple[str
         else:
             rows.append((name, compact(value) if not isinstance(value, Mapping) else json.dumps(value)))
     return rows
+
+
+def notes(result: Mapping[str, Any]) -> list[str]:
+    """The result's notes (what emulation cannot show, synthetic samples, ...), deduplicated."""
+    out: list[str] = []
+    for holder in (result, compare_of(result) or {}):
+        for note in holder.get("notes") or ():
+            if str(note) not in out:
+                out.append(str(note))
+    return out
