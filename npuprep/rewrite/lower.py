@@ -1,0 +1,567 @@
+"""Lower to the target precision: `FP32 graph -> FP16 graph` with pinned islands kept FP32 behind Cast pairs.
+
+Every FLOAT tensor and initialiser outside pinned nodes becomes the target format; graph
+inputs and outputs stay FP32 unless `io_types="target"`. BF16 is normalised to FP32 first.
+The traps other converters fall into are avoided on purpose:
+
+- Cast `to` attributes follow the precision of the Cast node; ConstantOfShape and Constant
+  values are converted with their consumers;
+- inputs that must stay FP32 (Resize scales, ...: npuprep.ops.FP32_ONLY_INPUTS) and the
+  nodes that compute them (shape computations) are left FP32;
+- If/Loop/Scan bodies are lowered too, consistently with the outer tensors they read and
+  with the owner's outputs;
+- an initialiser read by pinned and unpinned nodes is duplicated, never re-typed under the
+  pinned one;
+- weights beyond the target range are never clipped: their node stays FP32 and the
+  result says so; mask constants (-inf or FP32 lowest in an additive mask) become -max;
+- value_info is dropped (stale), nodes are sorted, names are derived from tensor names,
+  so the output is byte-identical across runs; the result passes onnx.checker.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from npuprep.errors import NpuprepError
+from npuprep.graph import node_label, topological_order, walk_graphs
+from npuprep.model_io import PROTOBUF_LIMIT
+from npuprep.numerics import NumberFormat, get_format
+from npuprep.ops import FP32_ONLY_INPUTS
+from npuprep.rewrite.graph_ops import check_model
+
+FLOAT = TensorProto.FLOAT
+# Ops kept FP32 whatever the plan: their output type is fixed by an attribute or tied to
+# FP32-only inputs, or they are quantisation/random ops.
+FORCED_FP32_OPS = frozenset({
+    "Range", "RoiAlign", "NonMaxSuppression", "EyeLike", "RandomNormal", "RandomUniform",
+    "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "DequantizeLinear",
+    "QuantizeLinear", "DynamicQuantizeLinear",
+})
+# Outputs whose type does not follow the node's inputs (LayerNormalization statistics use
+# stash_type, FP32 by default).
+_FIXED_FLOAT_OUTPUTS = {("LayerNormalization", 1), ("LayerNormalization", 2)}
+# Ops where a large negative constant is a mask (added, selected or compared), not a weight.
+_MASK_OPS = frozenset({"Add", "Where", "Min", "Max"})
+_CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """The lowered model and what lowering did.
+
+    `pinned_nodes`: every node kept FP32 (those asked for plus `forced_fp32`, which maps
+    node -> why it had to stay FP32: weights beyond range, shape computation, ...).
+    `cast_count`: Cast nodes inserted at precision borders (graph I/O included).
+    """
+
+    model: onnx.ModelProto
+    fmt: str
+    io_types: str
+    cast_count: int
+    pinned_nodes: tuple[str, ...]
+    forced_fp32: dict[str, str] = field(default_factory=dict)
+    converted_initialisers: tuple[str, ...] = ()
+    duplicated_initialisers: tuple[str, ...] = ()
+    kept_fp32_initialisers: tuple[str, ...] = ()
+    mapped_masks: dict[str, int] = field(default_factory=dict)
+    normalised_bf16: tuple[str, ...] = ()
+
+
+@dataclass
+class _Weight:
+    name: str
+    graph: onnx.GraphProto
+    init: onnx.TensorProto | None
+    const_node: onnx.NodeProto | None
+    value: np.ndarray
+    uses: list[tuple[onnx.NodeProto, int, bool]] = field(default_factory=list)
+
+
+def lower(
+    model: onnx.ModelProto,
+    fmt: NumberFormat | str,
+    *,
+    pinned_nodes: Iterable[str] = (),
+    io_types: str = "fp32",
+) -> Lowered:
+    """Lower `model` to `fmt` (fp16 or bf16), keeping `pinned_nodes` in FP32.
+
+    `io_types="fp32"` keeps float graph inputs and outputs FP32 (Casts at the boundary);
+    `"target"` gives them the target type.
+    """
+    fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+    if fmt.name not in ("fp16", "bf16"):
+        raise NpuprepError(f"lowering to {fmt.name} is not supported (fp16 or bf16); use "
+                           "emulation to judge FP8")
+    if io_types not in ("fp32", "target"):
+        raise NpuprepError(f"io_types must be 'fp32' or 'target' (got '{io_types}')")
+    work = onnx.ModelProto()
+    work.CopyFrom(model)
+    normalised = _normalise_bf16(work)
+    return _Lowering(work, fmt, set(pinned_nodes), io_types, normalised).run()
+
+
+class _Lowering:
+    def __init__(self, model: onnx.ModelProto, fmt: NumberFormat, pinned: set[str],
+                 io_types: str, normalised: list[str]) -> None:
+        self.model = model
+        self.fmt = fmt
+        self.low_type = fmt.onnx_type
+        self.pinned = pinned
+        self.io_types = io_types
+        self.normalised = normalised
+        self.types = _infer_types(model)
+        self.scopes = list(walk_graphs(model.graph))
+        self.scope_index = {id(s.graph): i for i, s in enumerate(self.scopes)}
+        self.low: dict[int, bool] = {}
+        self.forced: dict[str, str] = {}
+        self.producer: dict[str, onnx.NodeProto] = {}
+        self.body_input_owner: dict[str, onnx.NodeProto] = {}
+        self.casts = 0
+        self.cast_cache: dict[tuple[int, str, int], str] = {}
+        self.weights: dict[str, _Weight] = {}
+        self.mapped: dict[str, int] = {}
+        self.output_casts: list[tuple[str, str, int]] = []
+        self.high_labels: set[str] = set()
+        # Message wrappers are keyed by id(); holding them keeps those ids valid.
+        self._alive = [n for s in self.scopes for n in s.graph.node]
+
+    # -- decisions --------------------------------------------------------------------
+
+    def run(self) -> Lowered:
+        self._index()
+        self._decide()
+        converted, duplicated, kept = self._convert_weights()
+        self._rename_main_outputs()
+        # Bodies first: lowering a graph re-adds its nodes, which copies the bodies in them.
+        for scope in reversed(self.scopes):
+            self._lower_scope(scope)
+        self._fix_main_io()
+        for scope in reversed(self.scopes):
+            _sort(scope.graph)
+            del scope.graph.value_info[:]
+        check_model(self.model)
+        pinned = sorted(self.high_labels & (self.pinned | set(self.forced)))
+        return Lowered(self.model, self.fmt.name, self.io_types, self.casts, tuple(pinned),
+                       dict(sorted(self.forced.items())), tuple(converted), tuple(duplicated),
+                       tuple(kept), dict(sorted(self.mapped.items())), tuple(self.normalised))
+
+    def _index(self) -> None:
+        for scope in self.scopes:
+            g = scope.graph
+            for node in g.node:
+                for out in node.output:
+                    if out:
+                        self.producer[out] = node
+            if scope.owner is not None and scope.owner.op_type in ("Loop", "Scan"):
+                for vi in g.input:
+                    self.body_input_owner[vi.name] = scope.owner
+            for init in g.initializer:
+                if init.data_type == FLOAT:
+                    self.weights[init.name] = _Weight(init.name, g, init, None, numpy_helper.to_array(init))
+            for node in g.node:
+                if node.op_type == "Constant" and node.output:
+                    value = _constant_node_value(node)
+                    if value is not None and value.dtype == np.float32:
+                        self.weights[node.output[0]] = _Weight(node.output[0], g, None, node, value)
+
+    def _decide(self) -> None:
+        high_scopes: set[int] = set()
+        for scope in self.scopes:
+            g = scope.graph
+            inherited = scope.owner is not None and (
+                id(scope.owner) in high_scopes or not self.low.get(id(scope.owner), True))
+            shape_nodes = _shape_computations(g, self.types, self.weights)
+            for node in g.node:
+                label = node_label(node)
+                reason = None
+                if inherited:
+                    reason = "inside an FP32 control-flow body"
+                elif label in self.pinned:
+                    reason = "pinned"
+                elif node.op_type in FORCED_FP32_OPS or node.domain not in ("", "ai.onnx"):
+                    reason = f"{node.op_type} stays FP32 (type fixed by attribute or FP32-only inputs)"
+                elif id(node) in shape_nodes:
+                    reason = "computes a shape or an FP32-only input"
+                elif any(o and o not in self.types for o in node.output) and node.op_type != "Constant":
+                    reason = "output type unknown to shape inference"
+                else:
+                    reason = self._range_reason(node)
+                self.low[id(node)] = reason is None
+                if reason is not None:
+                    self.high_labels.add(label)
+                if reason is not None and reason != "pinned" and label not in self.pinned:
+                    self.forced[label] = reason
+                if reason is not None and node.op_type in _CONTROL_FLOW:
+                    high_scopes.add(id(node))
+
+    def _range_reason(self, node: onnx.NodeProto) -> str | None:
+        """Why `node` cannot take its weights in the target format, or None."""
+        limit = self.fmt.max
+        for pos, name in enumerate(node.input):
+            w = self.weights.get(name)
+            if w is None or pos in FP32_ONLY_INPUTS.get(node.op_type, ()):
+                continue
+            v = w.value
+            if v.size == 0:
+                continue
+            over = ~(np.abs(v) <= limit)
+            if not over.any():
+                continue
+            if node.op_type in _MASK_OPS and bool(np.all(v[over] < 0)):
+                continue
+            return (f"weight '{name}' reaches {float(np.nanmax(np.abs(v))):g}, beyond {self.fmt.name} "
+                    f"max {limit:g} (kept FP32, not clipped)")
+        if node.op_type == "ConstantOfShape":
+            value = _attr_tensor(node, "value")
+            if value is not None and value.dtype == np.float32 and not np.all(np.abs(value) <= limit):
+                if not np.all(value < 0):
+                    return f"ConstantOfShape value {value.reshape(-1)[0]:g} is beyond {self.fmt.name} range"
+        return None
+
+    # -- weights ----------------------------------------------------------------------
+
+    def _convert_weights(self) -> tuple[list[str], list[str], list[str]]:
+        for scope in self.scopes:
+            for node in scope.graph.node:
+                low = self.low[id(node)]
+                for pos, name in enumerate(node.input):
+                    w = self.weights.get(name)
+                    if w is None:
+                        continue
+                    wants_low = low and pos not in FP32_ONLY_INPUTS.get(node.op_type, ())
+                    w.uses.append((node, pos, wants_low))
+        converted: list[str] = []
+        duplicated: list[str] = []
+        kept: list[str] = []
+        for name, w in self.weights.items():
+            lows = [u for u in w.uses if u[2]]
+            if not lows:
+                if w.uses:
+                    kept.append(name)
+                continue
+            value = self._to_low(name, w.value, [u[0] for u in lows])
+            if len(lows) == len(w.uses):
+                self._set_weight(w, name, value, replace=True)
+                converted.append(name)
+                continue
+            copy = f"{name}__{self.fmt.name}"
+            self._set_weight(w, copy, value, replace=False)
+            for node, pos, _ in lows:
+                node.input[pos] = copy
+            duplicated.append(name)
+        return converted, duplicated, kept
+
+    def _to_low(self, name: str, value: np.ndarray, users: list[onnx.NodeProto]) -> np.ndarray:
+        over = ~(np.abs(value) <= self.fmt.max)
+        if over.any():
+            # Only masks reach here (other weights beyond range pinned their node).
+            assert all(u.op_type in _MASK_OPS for u in users) and np.all(value[over] < 0)
+            value = np.where(over, np.float32(-self.fmt.max), value)
+            self.mapped[name] = int(over.sum())
+        return value.astype(self.fmt.np_dtype)
+
+    def _set_weight(self, w: _Weight, name: str, value: np.ndarray, *, replace: bool) -> None:
+        tensor = numpy_helper.from_array(value, name)
+        if w.init is not None:
+            if replace:
+                w.init.CopyFrom(tensor)
+            else:
+                w.graph.initializer.append(tensor)
+            return
+        assert w.const_node is not None
+        if replace:
+            del w.const_node.attribute[:]
+            w.const_node.attribute.append(helper.make_attribute("value", tensor))
+            return
+        node = helper.make_node("Constant", [], [name], name=f"{name}_const", value=tensor)
+        w.graph.node.insert(0, node)
+        self.low[id(w.graph.node[0])] = True
+        self.producer[name] = w.graph.node[0]
+
+    # -- tensors ----------------------------------------------------------------------
+
+    def _orig_type(self, name: str) -> int | None:
+        return self.types.get(name)
+
+    def _home(self, name: str) -> int | None:
+        """The element type `name` has after lowering (before any Cast we add)."""
+        t = self._orig_type(name)
+        if t != FLOAT:
+            return t
+        if name in self.weights:
+            return FLOAT
+        owner = self.body_input_owner.get(name)
+        if owner is not None:
+            return self.low_type if self.low[id(owner)] else FLOAT
+        node = self.producer.get(name)
+        if node is None:
+            main_inputs = {i.name for i in self.model.graph.input}
+            return self.low_type if name in main_inputs and self.io_types == "target" else FLOAT
+        if not self.low[id(node)]:
+            return FLOAT
+        pos = list(node.output).index(name)
+        if (node.op_type, pos) in _FIXED_FLOAT_OUTPUTS:
+            return FLOAT
+        if node.op_type == "Cast":
+            return FLOAT if _attr_int(node, "to") != FLOAT else self.low_type
+        return self.low_type
+
+    def _cast(self, scope_id: int, src: str, to: int, out: list[onnx.NodeProto],
+              dst: str | None = None) -> str:
+        key = (scope_id, src, to)
+        if dst is None and key in self.cast_cache:
+            return self.cast_cache[key]
+        suffix = "" if scope_id == 0 else f"__g{scope_id}"
+        name = dst or f"{src}__to_{_short(to)}{suffix}"
+        out.append(helper.make_node("Cast", [src], [name], name=f"Cast_{name}", to=to))
+        self.low[id(out[-1])] = to != FLOAT
+        self.casts += 1
+        if dst is None:
+            self.cast_cache[key] = name
+        self.types[name] = to
+        return name
+
+    def _rename_main_outputs(self) -> None:
+        """A lowered node writing a graph output writes `<y>__fp16`; a Cast writes `<y>`."""
+        graph = self.model.graph
+        for out in graph.output:
+            if self._orig_type(out.name) != FLOAT:
+                continue
+            want = FLOAT if self.io_types == "fp32" else self.low_type
+            home = self._home(out.name)
+            node = self.producer.get(out.name)
+            if home == want or node is None:
+                continue
+            inner = f"{out.name}__{_short(home)}"
+            for scope in self.scopes:
+                for n in scope.graph.node:
+                    for i, name in enumerate(n.input):
+                        if name == out.name:
+                            n.input[i] = inner
+                    for i, name in enumerate(n.output):
+                        if name == out.name:
+                            n.output[i] = inner
+            self.producer[inner] = node
+            self.types[inner] = FLOAT
+            self.output_casts.append((inner, out.name, want))
+
+    def _lower_scope(self, scope) -> None:  # noqa: ANN001 - GraphScope
+        g = scope.graph
+        sid = self.scope_index[id(g)]
+        new_nodes: list[onnx.NodeProto] = []
+        for node in list(g.node):
+            low = self.low[id(node)]
+            want = self.low_type if low else FLOAT
+            fp32_only = FP32_ONLY_INPUTS.get(node.op_type, ())
+            for i, name in enumerate(node.input):
+                if not name or name in self.weights or self._orig_type(name) != FLOAT:
+                    continue
+                wanted = FLOAT if i in fp32_only else want
+                if self._home(name) != wanted:
+                    node.input[i] = self._cast(sid, name, wanted, new_nodes)
+            if low and node.op_type == "Cast" and _attr_int(node, "to") == FLOAT:
+                _set_attr_int(node, "to", self.low_type)
+            if low and node.op_type == "ConstantOfShape":
+                value = _attr_tensor(node, "value")
+                if value is not None and value.dtype == np.float32:
+                    value = np.maximum(value, np.float32(-self.fmt.max)).astype(self.fmt.np_dtype)
+                    _set_attr_tensor(node, "value", value)
+            new_nodes.append(node)
+            if sid == 0:
+                for inner, outer, want_out in self.output_casts:
+                    if inner in node.output:
+                        self._cast(sid, inner, want_out, new_nodes, dst=outer)
+        if scope.owner is not None:
+            self._fix_body_io(scope, sid, new_nodes)
+        del g.node[:]
+        g.node.extend(new_nodes)
+
+    def _fix_body_io(self, scope, sid: int, new_nodes: list[onnx.NodeProto]) -> None:  # noqa: ANN001
+        owner = scope.owner
+        g = scope.graph
+        want = self.low_type if self.low[id(owner)] else FLOAT
+        if owner.op_type in ("Loop", "Scan"):
+            for vi in g.input:
+                if vi.type.tensor_type.elem_type == FLOAT:
+                    vi.type.tensor_type.elem_type = want
+        for vi in g.output:
+            if self._orig_type(vi.name) != FLOAT and vi.type.tensor_type.elem_type != FLOAT:
+                continue
+            if self._home(vi.name) != want:
+                vi.name = self._cast(sid, vi.name, want, new_nodes, dst=f"{vi.name}__out_{_short(want)}__g{sid}")
+            vi.type.tensor_type.elem_type = want
+
+    def _fix_main_io(self) -> None:
+        graph = self.model.graph
+        want = FLOAT if self.io_types == "fp32" else self.low_type
+        for vi in list(graph.input) + list(graph.output):
+            if vi.type.tensor_type.elem_type == FLOAT:
+                vi.type.tensor_type.elem_type = want
+
+
+def _short(onnx_type: int | None) -> str:
+    return {TensorProto.FLOAT: "fp32", TensorProto.FLOAT16: "fp16",
+            TensorProto.BFLOAT16: "bf16"}.get(onnx_type or 0, str(onnx_type))
+
+
+def _normalise_bf16(model: onnx.ModelProto) -> list[str]:
+    """BF16 initialisers, Constant values, Cast-to-BF16 and BF16 I/O become FP32 (in place)."""
+    changed: list[str] = []
+    bf16 = TensorProto.BFLOAT16
+    for scope in walk_graphs(model.graph):
+        g = scope.graph
+        for init in g.initializer:
+            if init.data_type == bf16:
+                init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float32), init.name))
+                changed.append(init.name)
+        for node in g.node:
+            if node.op_type == "Cast" and _attr_int(node, "to") == bf16:
+                _set_attr_int(node, "to", FLOAT)
+                changed.append(node_label(node))
+            for attr_name in ("value",):
+                value = _attr_tensor(node, attr_name)
+                if value is not None and value.dtype.name == "bfloat16":
+                    _set_attr_tensor(node, attr_name, value.astype(np.float32))
+                    changed.append(node_label(node))
+        for vi in list(g.input) + list(g.output) + list(g.value_info):
+            if vi.type.tensor_type.elem_type == bf16:
+                vi.type.tensor_type.elem_type = FLOAT
+                changed.append(vi.name)
+    return sorted(set(changed))
+
+
+def _infer_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element type of every tensor in every scope, from shape inference on a weightless copy."""
+    skeleton = onnx.ModelProto()
+    skeleton.CopyFrom(model)
+    for scope in walk_graphs(skeleton.graph):
+        for init in scope.graph.initializer:
+            if init.data_type == FLOAT and _numel(init) > 16:
+                # Types need only dims; large float data would only slow inference down.
+                name, dims = init.name, list(init.dims)
+                init.Clear()
+                init.name, init.data_type = name, FLOAT
+                init.dims.extend(dims)
+    if skeleton.ByteSize() < PROTOBUF_LIMIT - 64 * 2**20:
+        inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False)
+    else:
+        with tempfile.TemporaryDirectory(prefix="npuprep-lower-") as tmp:
+            src = os.path.join(tmp, "in.onnx")
+            dst = os.path.join(tmp, "out.onnx")
+            onnx.save_model(skeleton, src, save_as_external_data=True, location="in.data")
+            onnx.shape_inference.infer_shapes_path(src, dst)
+            inferred = onnx.load(dst, load_external_data=False)
+    types: dict[str, int] = {}
+    for scope in walk_graphs(inferred.graph):
+        g = scope.graph
+        for vi in list(g.input) + list(g.output) + list(g.value_info):
+            if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+                types[vi.name] = vi.type.tensor_type.elem_type
+        for init in g.initializer:
+            types[init.name] = init.data_type
+        for node in g.node:
+            if node.op_type == "Constant" and node.output:
+                value = _constant_node_value(node)
+                if value is not None:
+                    types[node.output[0]] = helper.np_dtype_to_tensor_dtype(value.dtype)
+    return types
+
+
+def _numel(init: onnx.TensorProto) -> int:
+    return int(np.prod(list(init.dims))) if init.dims else 1
+
+
+def _shape_computations(graph: onnx.GraphProto, types: dict[str, int],
+                        weights: dict[str, _Weight]) -> set[int]:
+    """Nodes with float outputs that compute shapes or FP32-only inputs (kept FP32)."""
+    derived: set[str] = set()
+    found: set[int] = set()
+    for node in topological_order(graph):
+        ins = [i for i in node.input if i]
+        if node.op_type in ("Shape", "Size"):
+            derived.update(o for o in node.output if o)
+            continue
+        if ins and any(i in derived for i in ins) and all(
+                i in derived or i in weights or types.get(i) != FLOAT for i in ins):
+            derived.update(o for o in node.output if o)
+            if any(types.get(o) == FLOAT for o in node.output):
+                found.add(id(node))
+    readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for node in graph.node:
+        for pos, name in enumerate(node.input):
+            readers.setdefault(name, []).append((node, pos))
+    produced = {o: n for n in graph.node for o in n.output if o}
+    todo = [n for node in graph.node for pos, n in enumerate(node.input)
+            if n and pos in FP32_ONLY_INPUTS.get(node.op_type, ()) and types.get(n) == FLOAT]
+    while todo:
+        name = todo.pop()
+        node = produced.get(name)
+        if node is None or id(node) in found:
+            continue
+        only_shape = all(
+            pos in FP32_ONLY_INPUTS.get(r.op_type, ()) or id(r) in found
+            for out in node.output if out for r, pos in readers.get(out, []))
+        if only_shape:
+            found.add(id(node))
+            todo.extend(i for i in node.input if i and types.get(i) == FLOAT)
+    return found
+
+
+def _sort(graph: onnx.GraphProto) -> None:
+    ordered = [_copy(n) for n in topological_order(graph)]
+    del graph.node[:]
+    graph.node.extend(ordered)
+
+
+def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
+    out = onnx.NodeProto()
+    out.CopyFrom(node)
+    return out
+
+
+def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
+    for attr in node.attribute:
+        if attr.name == "value":
+            return numpy_helper.to_array(attr.t)
+        if attr.name == "value_float":
+            return np.array(attr.f, dtype=np.float32)
+        if attr.name == "value_floats":
+            return np.array(list(attr.floats), dtype=np.float32)
+    return None
+
+
+def _attr_tensor(node: onnx.NodeProto, name: str) -> np.ndarray | None:
+    for attr in node.attribute:
+        if attr.name == name and attr.type == onnx.AttributeProto.TENSOR:
+            return numpy_helper.to_array(attr.t)
+    if node.op_type == "Constant" and name == "value":
+        return _constant_node_value(node)
+    return None
+
+
+def _set_attr_tensor(node: onnx.NodeProto, name: str, value: np.ndarray) -> None:
+    for attr in node.attribute:
+        if attr.name == name:
+            attr.t.CopyFrom(numpy_helper.from_array(value, attr.t.name))
+            return
+
+
+def _attr_int(node: onnx.NodeProto, name: str) -> int | None:
+    for attr in node.attribute:
+        if attr.name == name:
+            return attr.i
+    return None
+
+
+def _set_attr_int(node: onnx.NodeProto, name: str, value: int) -> None:
+    for attr in node.attribute:
+        if attr.name == name:
+            attr.i = value
