@@ -12,11 +12,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from npuprep.numerics import NumberFormat
+if TYPE_CHECKING:  # numpy only at run time: torch_runner classifies on machines without onnx
+    from npuprep.numerics import NumberFormat
 
 # A wider runtime returns values beyond max within its own rounding; 1% separates that from
 # a compressed or clamped value.
