@@ -1,0 +1,45 @@
+"""`npuprep checklist MODEL --target T [--workspace W]`: the first-week bring-up checklist."""
+
+from __future__ import annotations
+
+import argparse
+
+from npuprep.cli.common import add_json, add_target
+
+help = "write the first-week bring-up checklist (Markdown), ticked from the artefacts in a workspace"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="the ONNX model being brought up")
+    add_target(p)
+    p.add_argument("--stats", "-s", help="calibration stats JSON: names the riskiest tensors")
+    p.add_argument("--workspace", "-w", metavar="W",
+                   help="folder of artefacts (W/*.json by kind, W/plan.yaml) that tick items")
+    p.add_argument("--top", type=int, default=10, help="riskiest tensors to name (default 10)")
+    p.add_argument("-o", "--output", metavar="OUT.md", help="write the Markdown here (default: print)")
+    add_json(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from npuprep.cli.common import dump_json
+    from npuprep.crosscheck.checklist import build_checklist, scan_workspace, to_markdown
+    from npuprep.model_io import load_model, write_text_atomic
+    from npuprep.profiles import load_profile
+
+    model = load_model(args.model)
+    profile = load_profile(args.target)
+    stats = None
+    if args.stats:
+        from npuprep.calibrate import load_stats
+
+        stats = load_stats(args.stats, model)
+    workspace = scan_workspace(args.workspace) if args.workspace else None
+    checklist = build_checklist(model, profile, model_arg=args.model, target_arg=args.target,
+                                stats=stats, stats_arg=args.stats or "", workspace=workspace,
+                                top_n=args.top)
+    text = dump_json(checklist.to_dict()) if args.json else to_markdown(checklist)
+    if args.output:
+        write_text_atomic(args.output, text)
+    else:
+        print(text, end="")
+    return 0

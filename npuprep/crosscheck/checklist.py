@@ -1,0 +1,405 @@
+"""First-week bring-up checklist for one model on one target, ticked from workspace artefacts.
+
+Items: calibrate, confirm the precision list (no BF16 to the compiler), probe the board
+(loud or silent overflow), crosscheck the compiler's report, compare board and emulation
+layer by layer, measure speed, measure memory. An item is ticked only by evidence found
+in the workspace (W/*.json by "kind", W/plan.yaml); an open item says the command to run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from npuprep.crosscheck.check import VERDICTS
+from npuprep.crosscheck.readers import DEFAULT_REPORT_NAME, HOW_TO_GET
+from npuprep.errors import NpuprepError
+from npuprep.graph import attribute, tensor_types, walk_graphs
+from npuprep.model_io import Model
+from npuprep.profiles import TargetProfile
+
+SCHEMA_VERSION = 1
+ARTEFACT_KINDS = ("stats", "probe", "crosscheck", "compare")
+LOUD = ("inf", "nan")
+SILENT = ("saturate", "other-finite")
+WARMUP_STEPS = 50
+TIMED_STEPS = 200
+
+
+@dataclass(frozen=True)
+class Item:
+    """One checklist line: done (its artefact exists) or open, the evidence, what to run next.
+
+    `failed` marks a done item whose artefact shows a failure; `steps` then say how to fix it.
+    """
+
+    key: str
+    title: str
+    done: bool
+    evidence: tuple[str, ...] = ()
+    steps: tuple[str, ...] = ()
+    failed: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "title": self.title, "done": self.done, "failed": self.failed,
+                "evidence": list(self.evidence), "steps": list(self.steps)}
+
+
+@dataclass(frozen=True)
+class Checklist:
+    """The whole checklist; truthy when every item is done and none failed."""
+
+    model: str
+    fingerprint: str
+    target: str
+    items: tuple[Item, ...]
+    header: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return all(i.done and not i.failed for i in self.items)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION, "kind": "checklist", "fingerprint": self.fingerprint,
+            "model": self.model, "target": self.target,
+            "done": sum(i.done for i in self.items), "failed": sum(i.failed for i in self.items),
+            "total": len(self.items),
+            "items": [i.to_dict() for i in self.items], "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Artefacts found in a workspace folder, by kind (files in name order)."""
+
+    path: str
+    artefacts: dict[str, list[tuple[str, dict[str, Any]]]] = field(default_factory=dict)
+    plan_path: str = ""
+    notes: tuple[str, ...] = ()
+
+    def latest(self, kind: str, fingerprint: str = "") -> tuple[str, dict[str, Any]] | None:
+        """The last artefact of `kind` (by file name), preferring those of this model."""
+        found = self.artefacts.get(kind, [])
+        matching = [a for a in found if a[1].get("fingerprint") == fingerprint] if fingerprint else []
+        chosen = matching or found
+        return chosen[-1] if chosen else None
+
+
+def scan_workspace(path: str | Path) -> Workspace:
+    """Read W/*.json (by their "kind") and note W/plan.yaml; unreadable files become notes."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise NpuprepError(f"{folder}: workspace folder not found")
+    artefacts: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    notes: list[str] = []
+    for file in sorted(folder.glob("*.json")):
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            notes.append(f"{file}: skipped, not readable JSON ({type(exc).__name__})")
+            continue
+        if isinstance(data, dict) and data.get("kind") in ARTEFACT_KINDS:
+            artefacts.setdefault(data["kind"], []).append((str(file), data))
+    plan = folder / "plan.yaml"
+    return Workspace(str(folder), artefacts, str(plan) if plan.is_file() else "", tuple(notes))
+
+
+def build_checklist(
+    model: Model,
+    profile: TargetProfile,
+    *,
+    model_arg: str,
+    target_arg: str,
+    stats: Any = None,
+    stats_arg: str = "",
+    workspace: Workspace | None = None,
+    top_n: int = 10,
+) -> Checklist:
+    """The checklist for `model` on `profile`; `*_arg` are the paths as the user typed them."""
+    ws_arg = workspace.path if workspace else "W"
+    notes = list(workspace.notes) if workspace else []
+    if stats is None and workspace is not None:
+        found = workspace.latest("stats", model.fingerprint)
+        if found:
+            stats, stats_arg = _load_stats(found[0], model, notes)
+    plan = None
+    if workspace is not None and workspace.plan_path:
+        plan = _load_plan(workspace.plan_path, model, notes)
+    ctx = _Context(model, profile, model_arg, target_arg, ws_arg, stats_arg or f"{ws_arg}/stats.json",
+                   workspace)
+    items = (
+        _calibrate(ctx, stats),
+        _precision_list(ctx, plan),
+        _probe(ctx),
+        _crosscheck(ctx, plan is not None, stats is not None),
+        _compare(ctx, stats, top_n),
+        _speed(ctx),
+        _memory(ctx),
+    )
+    header = (
+        f"Model `{model_arg}` (fingerprint `{model.fingerprint}`), target `{profile.name}`: "
+        f"{profile.default_precision} by default, overflow `{profile.overflow}`, FP32 pinning "
+        f"`{profile.fp32_pinning}`, compiler {profile.compiler_name or 'unknown'} "
+        f"(report format `{profile.report_format}`).",
+        f"Workspace: `{ws_arg}`." if workspace else
+        "No workspace given: every item is open; pass --workspace W to tick items from artefacts.",
+    )
+    return Checklist(model_arg, model.fingerprint, profile.name, items, header, tuple(notes))
+
+
+@dataclass(frozen=True)
+class _Context:
+    model: Model
+    profile: TargetProfile
+    model_arg: str
+    target_arg: str
+    ws: str
+    stats_arg: str
+    workspace: Workspace | None
+
+    def artefact(self, kind: str, same_model: bool) -> tuple[str, dict[str, Any]] | None:
+        """The workspace's artefact of `kind`; with `same_model`, only this model's."""
+        if self.workspace is None:
+            return None
+        found = self.workspace.latest(kind, self.model.fingerprint)
+        if found and same_model and found[1].get("fingerprint") != self.model.fingerprint:
+            return None
+        return found
+
+
+def _load_stats(path: str, model: Model, notes: list[str]) -> tuple[Any, str]:
+    from npuprep.calibrate import load_stats
+
+    try:
+        return load_stats(path, model), path
+    except NpuprepError as exc:
+        notes.append(f"stats not used: {exc}")
+        return None, ""
+
+
+def _load_plan(path: str, model: Model, notes: list[str]) -> Any:
+    from npuprep.plan import load_plan
+
+    try:
+        return load_plan(path, model)
+    except NpuprepError as exc:
+        notes.append(f"plan not used: {exc}")
+        return None
+
+
+def _calibrate(ctx: _Context, stats: Any) -> Item:
+    title = "Calibrate on real samples (activation ranges of every tensor)"
+    step = f"npuprep calibrate {ctx.model_arg} --data DATA -o {ctx.ws}/stats.json"
+    if stats is None:
+        return Item("calibrate", title, False, (), (step,))
+    unobserved = len(getattr(stats, "unobserved", {}) or {})
+    evidence = [f"{len(stats.tensors)} tensors observed in `{ctx.stats_arg}`"
+                + (f", {unobserved} not observed" if unobserved else "")]
+    return Item("calibrate", title, True, tuple(evidence))
+
+
+def bf16_tensors(model: Model) -> list[str]:
+    """Tensors (and Cast targets) of type BF16 anywhere in the model."""
+    found = sorted(n for n, t in tensor_types(model.proto).items() if t == onnx.TensorProto.BFLOAT16)
+    for scope in walk_graphs(model.graph):
+        for node in scope.graph.node:
+            if node.op_type == "Cast" and attribute(node, "to") == onnx.TensorProto.BFLOAT16:
+                found += [o for o in node.output if o and o not in found]
+    return found
+
+
+def _precision_list(ctx: _Context, plan: Any) -> Item:
+    p = ctx.profile
+    title = f"Confirm the precision list ({p.default_precision} by default, FP32 where pinned) " \
+            "and that no BF16 reaches the compiler"
+    evidence: list[str] = []
+    steps: list[str] = []
+    bf16 = bf16_tensors(ctx.model)
+    verdict = "unsupported on this target" if "bf16" in p.unsupported_dtypes else "not a fast path here"
+    if bf16:
+        shown = ", ".join(f"`{t}`" for t in bf16[:8]) + (" ..." if len(bf16) > 8 else "")
+        evidence.append(f"BF16 found in the model ({len(bf16)} tensors: {shown}); BF16 is {verdict}")
+        steps.append(f"npuprep convert {ctx.model_arg} --target {ctx.target_arg} --stats {ctx.stats_arg} "
+                     f"-o {ctx.ws}/model_{p.default_precision}.onnx")
+    else:
+        evidence.append("no BF16 tensor or Cast to BF16 in the model")
+    if plan is not None:
+        pinned = sorted(plan.pinned_nodes())
+        shown = ", ".join(f"`{n}`" for n in pinned[:8]) + (" ..." if len(pinned) > 8 else "")
+        evidence.append(f"plan `{ctx.workspace.path}/plan.yaml`: {len(pinned)} nodes pinned to FP32"
+                        + (f" ({shown})" if pinned else "") + f", the rest in {plan.precision}")
+    else:
+        steps.append(f"npuprep check {ctx.model_arg} --target {ctx.target_arg} --stats {ctx.stats_arg}")
+        steps.append(f"save the reviewed plan as {ctx.ws}/plan.yaml and give the compiler its "
+                     "precision constraints (npuprep convert ... --plan)")
+    return Item("precision", title, plan is not None and not bf16, tuple(evidence), tuple(steps))
+
+
+def _probe(ctx: _Context) -> Item:
+    title = "Run the probe kit on the board and record whether overflow is loud or silent"
+    kit = f"{ctx.ws}/probe_kit"
+    steps = (
+        f"npuprep probe {ctx.model_arg} --target {ctx.target_arg} --export-kit {kit}",
+        f"run the kit on the board as {kit}/README.md says; save the outputs in {ctx.ws}/probe_outputs",
+        f"npuprep probe --classify {kit} --outputs {ctx.ws}/probe_outputs --target {ctx.target_arg} "
+        f"--json > {ctx.ws}/probe.json",
+    )
+    found = ctx.artefact("probe", same_model=False)
+    if found is None:
+        return Item("probe", title, False, (), steps)
+    path, doc = found
+    overall = doc.get("overall") or {}
+    verdict = str(overall.get("verdict", "")) if isinstance(overall, dict) else str(overall)
+    backend = str(doc.get("backend", ""))
+    loudness = ("loud" if verdict in LOUD else "silent" if verdict in SILENT
+                else "inconclusive" if verdict == "no-overflow" else "mixed across units"
+                if verdict == "mixed" else "unknown")
+    evidence = [f"`{path}`: overall `{verdict}` ({loudness}) on {backend or 'an unnamed backend'}"
+                + (f": {overall['reason']}" if isinstance(overall, dict) and overall.get("reason") else "")]
+    on_board = backend.startswith("board")
+    if not on_board:
+        evidence.append("this probe ran on the host, not on the board: it shows the profile, "
+                        "not the hardware")
+    elif verdict and verdict != str(ctx.profile.overflow) and verdict in LOUD + SILENT:
+        evidence.append(f"the profile says overflow `{ctx.profile.overflow}`; the board measured "
+                        f"`{verdict}`: update it with --write-profile")
+    conclusive = on_board and verdict not in ("", "no-overflow")
+    return Item("probe", title, conclusive, tuple(evidence), () if conclusive else steps)
+
+
+def _crosscheck(ctx: _Context, have_plan: bool, have_stats: bool) -> Item:
+    fmt = ctx.profile.report_format
+    title = f"Crosscheck the compiler's per-layer precision report ({fmt}) against the findings"
+    report = f"{ctx.ws}/{DEFAULT_REPORT_NAME[fmt]}"
+    source = (f" --plan {ctx.ws}/plan.yaml" if have_plan
+              else f" --stats {ctx.stats_arg}" if have_stats else "")
+    steps = (
+        HOW_TO_GET[fmt].format(model=ctx.model_arg, report=report),
+        f"npuprep crosscheck {ctx.model_arg} --report {report} --target {ctx.target_arg} "
+        f"--format {fmt}{source} --json > {ctx.ws}/crosscheck.json",
+    )
+    found = ctx.artefact("crosscheck", same_model=True)
+    if found is None:
+        return Item("crosscheck", title, False, (), steps)
+    path, doc = found
+    counts = doc.get("counts", {}) or {}
+    shown = ", ".join(f"{k} {counts[k]}" for k in VERDICTS if counts.get(k))
+    passed = bool(doc.get("passed"))
+    evidence = [f"`{path}`: {'passed' if passed else 'FAILED'} ({shown or 'no verdicts'})"]
+    failing = [v for v in doc.get("verdicts", []) if v.get("verdict") in ("mismatch", "pin-ignored")]
+    for v in failing[:8]:
+        evidence.append(f"{v.get('verdict')}: `{v.get('node')}` runs in {v.get('runs_in')}, "
+                        f"needs {v.get('needs')}")
+    fix = () if passed else (
+        f"pin the failing nodes (edit {ctx.ws}/plan.yaml), rebuild with the constraint file, "
+        "and rerun the crosscheck",)
+    return Item("crosscheck", title, True, tuple(evidence), fix, failed=not passed)
+
+
+def riskiest_tensors(stats: Any, profile: TargetProfile, top_n: int) -> list[tuple[str, str, float, float]]:
+    """(tensor, producer, absmax, absmax / format max), largest first; non-finite first of all."""
+    rows = []
+    fmt_max = profile.format.max
+    for name, r in stats.tensors.items():
+        absmax = float(r.absmax)
+        key = math.inf if not math.isfinite(absmax) else absmax
+        rows.append((key, name, str(getattr(r, "node", "")), absmax))
+    rows.sort(key=lambda row: (-row[0], row[1]))
+    return [(name, node, absmax, absmax / fmt_max) for _, name, node, absmax in rows[:top_n]]
+
+
+def _compare(ctx: _Context, stats: Any, top_n: int) -> Item:
+    p = ctx.profile
+    title = "Compare board and emulation on a fixed batch, layer by layer"
+    evidence: list[str] = []
+    steps: list[str] = []
+    if stats is not None:
+        risky = riskiest_tensors(stats, p, top_n)
+        limit = p.limit()
+        listed = "; ".join(
+            f"`{t}` ({node or 'input'}): absmax {absmax:.4g} = {ratio:.1%} of {p.format.name} max"
+            + (" OVER the safe limit" if absmax > limit or not math.isfinite(absmax) else "")
+            for t, node, absmax, ratio in risky)
+        evidence.append(f"riskiest tensors by abs-max vs {p.format.name} max {p.format.max:g} "
+                        f"(safe limit {limit:g} at headroom {p.headroom:g}): {listed}")
+        dump = ", ".join(t for t, *_ in risky)
+        steps.append(f"on the board, dump these tensors for the fixed batch: {dump}")
+    else:
+        steps.append(f"npuprep calibrate {ctx.model_arg} --data DATA -o {ctx.ws}/stats.json")
+        steps.append("the statistics name the riskiest tensors to dump on the board")
+    steps.append(f"npuprep compare {ctx.model_arg} --emulate --target {ctx.target_arg} --data DATA "
+                 f"--json > {ctx.ws}/compare.json")
+    steps.append("run the same fixed batch on the board, dump the tensors named above and check them "
+                 "against the emulation's values (max abs error and headroom, not cosine alone)")
+    found = ctx.artefact("compare", same_model=False)
+    if found is None:
+        return Item("compare", title, False, tuple(evidence), tuple(steps))
+    path, doc = found
+    passed = bool(doc.get("passed"))
+    first = doc.get("first_divergent")
+    if isinstance(first, dict):
+        where = f"first divergent node `{first.get('node') or first.get('tensor')}`"
+        numbers = [f"{k.replace('_', ' ')} {first[k]:.4g}" if isinstance(first.get(k), float)
+                   else f"{k.replace('_', ' ')} {first[k]}"
+                   for k in ("max_abs_error", "rel_l2", "headroom") if first.get(k) is not None]
+        if first.get("tensor"):
+            where += f" (tensor `{first['tensor']}`" + (": " + ", ".join(numbers) if numbers else "") + ")"
+    else:
+        where = f"first divergent node `{first}`" if first else "no divergent node"
+    evidence.insert(0, f"`{path}`: {'passed' if passed else 'FAILED'}, {where}")
+    if passed:
+        return Item("compare", title, True, tuple(evidence))
+    fix = (f"start at the first divergent node: rescale, clamp or pin it in {ctx.ws}/plan.yaml, "
+           "convert again and rerun the compare",) if first else tuple(steps)
+    return Item("compare", title, True, tuple(evidence), fix, failed=True)
+
+
+def _speed(ctx: _Context) -> Item:
+    title = (f"Measure speed after warm-up: median of {TIMED_STEPS} steps after {WARMUP_STEPS}, "
+             "in a steady thermal state")
+    steps = [f"fix clocks and power mode, run {WARMUP_STEPS} warm-up steps, then time {TIMED_STEPS} "
+             "single steps and report the median (not the mean) with min and max; repeat once the "
+             "temperature is steady and check the medians agree"]
+    if ctx.profile.report_format == "trt_json":
+        steps.append("on Jetson: `sudo nvpmodel -m 0 && sudo jetson_clocks`, watch `tegrastats` for "
+                     f"steady temperatures; `trtexec --loadEngine=model.engine --iterations={TIMED_STEPS} "
+                     "--useSpinWait` reports the median")
+    return Item("speed", title, False, (), tuple(steps))
+
+
+def _memory(ctx: _Context) -> Item:
+    title = "Measure memory by peak allocation"
+    steps = ["record the runtime's peak device allocation over a full step (weights, activations, "
+             "workspace), not the resident size at idle; compare it with the board's budget"]
+    if ctx.profile.report_format == "trt_json":
+        steps.append("with TensorRT: `trtexec --loadEngine=model.engine --verbose` prints the engine's "
+                     "device memory; `tegrastats` shows the peak during the timed run")
+    return Item("memory", title, False, (), tuple(steps))
+
+
+def to_markdown(checklist: Checklist) -> str:
+    lines = [f"# First-week bring-up checklist: `{checklist.model}` on `{checklist.target}`", ""]
+    lines += [*checklist.header, ""]
+    done = sum(i.done for i in checklist.items)
+    failed = sum(i.failed for i in checklist.items)
+    lines += [f"{done} of {len(checklist.items)} items done" + (f", {failed} failed" if failed else "")
+              + ".", ""]
+    for n, item in enumerate(checklist.items, 1):
+        lines.append(f"- [{'x' if item.done else ' '}] **{n}. {item.title}**"
+                     + (" (FAILED)" if item.failed else ""))
+        lines += [f"  - {e}" for e in item.evidence]
+        label = "fix" if item.failed else "next"
+        lines += [f"  - {label}: `{s}`" if _is_command(s) else f"  - {label}: {s}" for s in item.steps]
+    if checklist.notes:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in checklist.notes]
+    return "\n".join(lines) + "\n"
+
+
+def _is_command(step: str) -> bool:
+    return step.startswith(("npuprep ", "trtexec ", "hb_mapper ", "rknn."))

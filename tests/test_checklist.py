@@ -1,0 +1,189 @@
+"""First-week checklist: open items with commands, ticking from workspace artefacts, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+from conftest import run_cli
+from test_crosscheck_readers import FIXTURES, norm_model
+
+from npuprep.analyse import static_findings
+from npuprep.cli.common import dump_json
+from npuprep.crosscheck.check import crosscheck
+from npuprep.crosscheck.checklist import (
+    bf16_tensors,
+    build_checklist,
+    riskiest_tensors,
+    scan_workspace,
+    to_markdown,
+)
+from npuprep.crosscheck.names import NodeIndex
+from npuprep.crosscheck.readers import read_report
+from npuprep.model_io import load_model
+from npuprep.plan import PinFp32, Plan, save_plan
+from npuprep.profiles import load_profile
+
+
+@pytest.fixture
+def model_path(save):
+    # x -> MatMul -> Relu -> Mul(r, r) -> ReduceMean -> Add(eps) -> Sqrt -> Div(r, .) -> Exp -> y
+    return save(norm_model())
+
+
+def items(checklist) -> dict:
+    return {i.key: i for i in checklist.items}
+
+
+def test_without_workspace_every_item_is_open_with_a_command(model_path):
+    model = load_model(model_path)
+    checklist = build_checklist(model, load_profile("orin"), model_arg=str(model_path), target_arg="orin")
+    assert [i.key for i in checklist.items] == [
+        "calibrate", "precision", "probe", "crosscheck", "compare", "speed", "memory"]
+    assert not any(i.done for i in checklist.items) and not checklist
+    it = items(checklist)
+    assert any(s.startswith(f"npuprep probe {model_path} --target orin --export-kit W/probe_kit")
+               for s in it["probe"].steps)
+    assert any("--profilingVerbosity=detailed --exportLayerInfo=W/layers.json" in s
+               for s in it["crosscheck"].steps)
+    assert any(s.startswith(f"npuprep crosscheck {model_path} --report W/layers.json --target orin "
+                            "--format trt_json") for s in it["crosscheck"].steps)
+    assert "median of 200 steps after 50" in it["speed"].title
+    assert "peak allocation" in it["memory"].title
+    assert it["precision"].evidence == ("no BF16 tensor or Cast to BF16 in the model",)
+    md = to_markdown(checklist)
+    assert md.count("- [ ] **") == 7 and "0 of 7 items done." in md
+
+
+def test_report_format_follows_the_target(model_path):
+    model = load_model(model_path)
+    steps = items(build_checklist(model, load_profile("a2000"), model_arg="m.onnx",
+                                  target_arg="a2000"))["crosscheck"].steps
+    assert any("node,precision" in s for s in steps)
+    assert any("--report W/precision.csv --target a2000 --format generic" in s for s in steps)
+
+
+def test_bf16_in_the_model_keeps_the_precision_item_open(save, tmp_path):
+    # x -> Cast(bf16) -> Cast(fp32) -> y
+    path = save("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2] x) => (float[2] y) {
+      b = Cast<to = 16>(x)
+      y = Cast<to = 1>(b)
+    }
+    """)
+    model = load_model(path)
+    assert bf16_tensors(model) == ["b"]
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    save_plan(Plan(fingerprint=model.fingerprint, target="a2000", precision="fp16"), ws / "plan.yaml")
+    item = items(build_checklist(model, load_profile("a2000"), model_arg="m.onnx", target_arg="a2000",
+                                 workspace=scan_workspace(ws)))["precision"]
+    assert not item.done
+    assert "BF16 found in the model (1 tensors: `b`); BF16 is unsupported on this target" in item.evidence[0]
+    assert any(s.startswith("npuprep convert m.onnx --target a2000") for s in item.steps)
+
+
+def write_workspace(ws, model, *, probe_backend="board (outputs)", crosscheck_fingerprint=None):
+    """Artefacts following the shared JSON contract, as the other commands write them."""
+    ws.mkdir()
+    save_plan(Plan(fingerprint=model.fingerprint, target="orin", precision="fp16",
+                   actions=(PinFp32(nodes=("/norm/Mul",)),)), ws / "plan.yaml")
+    index = NodeIndex(model)
+    profile = load_profile("orin")
+    result = crosscheck(model, read_report(FIXTURES / "trt_detailed.json", index), profile,
+                        findings=static_findings(model, profile), index=index).to_dict()
+    if crosscheck_fingerprint is not None:
+        result["fingerprint"] = crosscheck_fingerprint
+    (ws / "crosscheck.json").write_text(dump_json(result))
+    (ws / "probe.json").write_text(json.dumps({
+        "schema_version": 1, "kind": "probe", "fingerprint": "", "target": "orin", "format": "fp16",
+        "backend": probe_backend, "probes": [],
+        "overall": {"verdict": "saturate", "reason": "every probe that overflowed gave saturate",
+                    "by_verdict": {"saturate": ["conv_accumulate", "exp"]}}}))
+    (ws / "compare.json").write_text(json.dumps({
+        "schema_version": 1, "kind": "compare", "fingerprint": model.fingerprint, "passed": False,
+        "first_divergent": {"tensor": "s", "node": "/norm/Mul", "max_abs_error": 1.5e5,
+                            "rel_l2": 0.9, "headroom": 0.0, "passed": False}}))
+    (ws / "notes.json").write_text('{"kind": "something else"}')
+
+
+def test_workspace_artefacts_tick_items_with_evidence(model_path, tmp_path):
+    model = load_model(model_path)
+    ws = tmp_path / "ws"
+    write_workspace(ws, model)
+    checklist = build_checklist(model, load_profile("orin"), model_arg="m.onnx", target_arg="orin",
+                                workspace=scan_workspace(ws))
+    it = items(checklist)
+    assert it["precision"].done and not it["precision"].failed
+    assert "1 nodes pinned to FP32 (`/norm/Mul`), the rest in fp16" in it["precision"].evidence[1]
+    probe = it["probe"]
+    assert probe.done and "overall `saturate` (silent) on board (outputs)" in probe.evidence[0]
+    assert "the profile says overflow `inf`; the board measured `saturate`" in probe.evidence[1]
+    cross = it["crosscheck"]
+    assert cross.done and cross.failed
+    assert "FAILED (ok 6, mismatch 2, unmapped 2)" in cross.evidence[0]
+    assert "mismatch: `/norm/Mul` runs in fp16, needs fp32-range" in cross.evidence
+    compare = it["compare"]
+    assert compare.done and compare.failed
+    assert "first divergent node `/norm/Mul` (tensor `s`: max abs error 1.5e+05, rel l2 0.9, headroom 0" \
+        in compare.evidence[0]
+    assert not it["calibrate"].done and not it["speed"].done and not it["memory"].done
+    md = to_markdown(checklist)
+    assert "- [x] **4. Crosscheck" in md and "(FAILED)" in md and "  - fix: " in md
+    assert "4 of 7 items done, 2 failed." in md
+
+
+def test_host_probe_and_stale_crosscheck_do_not_tick(model_path, tmp_path):
+    model = load_model(model_path)
+    ws = tmp_path / "ws"
+    write_workspace(ws, model, probe_backend="emulate", crosscheck_fingerprint="0123456789abcdef")
+    it = items(build_checklist(model, load_profile("orin"), model_arg="m.onnx", target_arg="orin",
+                               workspace=scan_workspace(ws)))
+    assert not it["probe"].done
+    assert "ran on the host, not on the board" in it["probe"].evidence[1]
+    assert not it["crosscheck"].done and it["crosscheck"].evidence == ()
+
+
+def test_riskiest_tensors_rank_non_finite_then_largest():
+    # Stand-in for CalibrationStats (.tensors of RangeStats with node and absmax).
+    stats = SimpleNamespace(tensors={
+        "a": SimpleNamespace(node="n_a", absmax=10.0),
+        "b": SimpleNamespace(node="n_b", absmax=70000.0),
+        "c": SimpleNamespace(node="n_c", absmax=math.inf),
+        "d": SimpleNamespace(node="n_d", absmax=40000.0),
+    }, unobserved={})
+    top = riskiest_tensors(stats, load_profile("generic"), 3)
+    assert [t for t, *_ in top] == ["c", "b", "d"]
+    assert top[1][3] == pytest.approx(70000.0 / 65504.0)
+
+
+def test_cli_writes_the_same_checklist_twice_and_exits_2_on_a_missing_workspace(model_path, tmp_path):
+    out = tmp_path / "out" / "checklist.md"
+    first = run_cli("checklist", model_path, "--target", "orin", "-o", out)
+    assert first.returncode == 0, first.stderr
+    text = out.read_bytes()
+    assert run_cli("checklist", model_path, "--target", "orin", "-o", out).returncode == 0
+    assert out.read_bytes() == text and b"# First-week bring-up checklist" in text
+    shown = run_cli("checklist", model_path, "--target", "orin", "--json")
+    data = json.loads(shown.stdout)
+    assert (data["kind"], data["schema_version"], data["done"], data["total"]) == ("checklist", 1, 0, 7)
+    missing = run_cli("checklist", model_path, "--target", "orin", "--workspace", tmp_path / "nope",
+                      "-o", tmp_path / "never.md")
+    assert missing.returncode == 2 and "workspace folder not found" in missing.stderr
+    assert not (tmp_path / "never.md").exists()
+
+
+def test_cli_ticks_from_a_crosscheck_it_wrote(model_path, tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    done = run_cli("crosscheck", model_path, "--report", FIXTURES / "generic.csv", "--target", "orin",
+                   "--json")
+    (ws / "crosscheck.json").write_text(done.stdout)
+    shown = run_cli("checklist", model_path, "--target", "orin", "--workspace", ws)
+    assert shown.returncode == 0, shown.stderr
+    assert "- [x] **4. Crosscheck" in shown.stdout and "mismatch: `node_of_y` runs in int8" in shown.stdout
+
+
