@@ -261,3 +261,13 @@ def test_undetectable_report_asks_for_format(tmp_path, index):
 def test_missing_report_file(tmp_path, index):
     with pytest.raises(NpuprepError, match="nope.json: report file not found"):
         read_report(tmp_path / "nope.json", index)
+
+
+@pytest.mark.parametrize("joiner", ["\x1f", "\x1e", "\n", ""])
+def test_metadata_entries_split_on_any_joiner(tmp_path, index, joiner):
+    metadata = joiner.join(["[ONNX Layer: /norm/Add]", "[ONNX Layer: /norm/Sqrt | Local Function: Norm]"])
+    path = tmp_path / "li.json"
+    path.write_text(json.dumps({"Layers": [{"Name": "fused", "LayerType": "PointWiseV2",
+                                            "Metadata": metadata, "Inputs": [], "Outputs": []}]}))
+    (record,) = read_report(path, index).records
+    assert record.onnx_nodes == ("/norm/Add", "/norm/Sqrt") and record.unresolved == ()

@@ -159,7 +159,9 @@ def _bindings(path: str, layer: dict[str, Any], key: str, where: str) -> tuple[l
 
 def _from_metadata(metadata: str) -> _Names:
     """Node names in a Metadata string; a truncated list keeps its two ends as a range."""
-    pieces = [p.strip() for p in re.split(r"[\x1e\x1f]", metadata) if p.strip()]
+    # Entries are joined by \x1E or \x1F; some tools rewrite those as newlines or drop them.
+    text = re.sub(r"[\x1e\x1f\r\n]", "\x1e", metadata).replace(_METADATA_ENTRY, "\x1e" + _METADATA_ENTRY)
+    pieces = [p.strip() for p in text.split("\x1e") if p.strip()]
     names: list[str] = []
     truncated = False
     for piece in pieces:
