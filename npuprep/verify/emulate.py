@@ -194,6 +194,7 @@ class _ChainBuilder:
         self.constants: list[onnx.NodeProto] = []
         self.after: dict[int, list[onnx.NodeProto]] = {}
         self.bounds: tuple[str, str] | None = None
+        self.compare_op = "Greater"
 
     def new_scope(self) -> None:
         self.constants = []
@@ -203,6 +204,11 @@ class _ChainBuilder:
     def fresh(self, base: str) -> str:
         self.counter += 1
         return f"{base}__emu{self.counter}"
+
+    def _node(self, nodes: list[onnx.NodeProto], op: str, inputs: list[str], dst: str) -> str:
+        out = self.fresh(dst)
+        nodes.append(helper.make_node(op, inputs, [out], name=self.fresh("emu_" + op.lower())))
+        return out
 
     def _clip_bounds(self) -> tuple[str, str]:
         if self.bounds is None:
@@ -214,6 +220,21 @@ class _ChainBuilder:
             self.bounds = names
         return self.bounds
 
+    def _fp8_overflow_bounds(self) -> tuple[str, str, str]:
+        """Constants for the FP8 overflow guard: threshold, Inf, and the comparison op."""
+        if self.bounds is None:
+            threshold = self.fmt.overflow_threshold
+            # Round-to-nearest-even decides the tie at the threshold itself.
+            tie_overflows = not np.isfinite(_rne_cast(self.fmt, threshold))
+            names = (self.fresh("emu_threshold"), self.fresh("emu_inf"))
+            for name, value in zip(names, (threshold, np.inf), strict=True):
+                self.constants.append(helper.make_node(
+                    "Constant", [], [name], name=name,
+                    value=numpy_helper.from_array(np.array(value, np.float32))))
+            self.bounds = names
+            self.compare_op = "GreaterOrEqual" if tie_overflows else "Greater"
+        return self.bounds[0], self.bounds[1], self.compare_op
+
     def chain(self, src: str, dst: str) -> list[onnx.NodeProto]:
         nodes: list[onnx.NodeProto] = []
         cur = src
@@ -222,12 +243,30 @@ class _ChainBuilder:
             clipped = self.fresh(dst)
             nodes.append(helper.make_node("Clip", [cur, lo, hi], [clipped], name=self.fresh("emu_clip")))
             cur = clipped
+        if self.fp8 and not self.saturate:
+            # onnxruntime 1.32's FP8 Cast(saturate=0) returns 448 for E4M3 values in
+            # [480, 496) and NaN for E5M2 values in [61440, 65536): send everything past
+            # the overflow threshold to +-Inf first, which both casts handle correctly.
+            threshold, inf, op = self._fp8_overflow_bounds()
+            over = self.fresh(dst)
+            nodes.append(helper.make_node(op, [self._node(nodes, "Abs", [cur], dst), threshold], [over],
+                                          name=self.fresh("emu_over")))
+            blown = self._node(nodes, "Mul", [cur, inf], dst)
+            guarded = self.fresh(dst)
+            nodes.append(helper.make_node("Where", [over, blown, cur], [guarded], name=self.fresh("emu_guard")))
+            cur = guarded
         low = self.fresh(dst)
         attrs = {"saturate": int(self.saturate)} if self.fp8 else {}
         nodes.append(helper.make_node("Cast", [cur], [low], to=self.fmt.onnx_type,
                                       name=self.fresh("emu_down"), **attrs))
         nodes.append(helper.make_node("Cast", [low], [dst], to=TensorProto.FLOAT, name=self.fresh("emu_up")))
         return nodes
+
+
+def _rne_cast(fmt: NumberFormat, value: float) -> float:
+    """`value` cast to `fmt` by round-to-nearest-even (ml_dtypes), back as a float."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return float(np.array([value], np.float32).astype(fmt.np_dtype).astype(np.float32)[0])
 
 
 def _stores_rounded_values(node: onnx.NodeProto) -> bool:

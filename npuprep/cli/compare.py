@@ -1,0 +1,261 @@
+"""`npuprep compare REF CAND --data D` / `npuprep compare REF --emulate --target T`: first divergent node."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from npuprep.cli.common import (
+    add_data,
+    add_json,
+    fmt,
+    open_samples,
+    print_json,
+    print_table,
+    progress,
+)
+
+help = "compare two models (or a model and its emulation on a target) tensor by tensor"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ref", help="reference model (FP32)")
+    p.add_argument("cand", nargs="?", help="candidate model (omit with --emulate)")
+    p.add_argument("--emulate", action="store_true",
+                   help="compare REF with its own emulation on --target (rounding, overflow)")
+    p.add_argument("--target", "-t", help="profile name or YAML: format limit, overflow behaviour")
+    p.add_argument("--pin", action="append", default=[], metavar="NODE",
+                   help="with --emulate: node kept in FP32 (repeatable)")
+    add_data(p, required=True)
+    p.add_argument("--scales", metavar="R", help="convert report JSON whose 'tensor_scales' maps "
+                   "tensor -> s with candidate = s * reference")
+    p.add_argument("--rtol", type=float, help="relative L2 threshold (default: 1%%, coarser for FP8)")
+    p.add_argument("--atol", type=float, help="max abs error threshold (default 1e-3); a tensor "
+                   "fails when both are exceeded")
+    p.add_argument("--tol", action="append", default=[], metavar="NAME:RTOL[:ATOL]",
+                   help="per-tensor thresholds (repeatable)")
+    p.add_argument("--isolate", action="store_true",
+                   help="also feed each node the reference's inputs: its own error apart from "
+                        "accumulated error (runs the candidate twice)")
+    p.add_argument("--worst", type=int, default=5, metavar="K", help="how many worst tensors to show")
+    p.add_argument("--report", metavar="OUT.md", help="write a Markdown report")
+    add_json(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from npuprep.errors import NpuprepError
+    from npuprep.model_io import load_model, write_text_atomic
+    from npuprep.profiles import load_profile
+    from npuprep.verify.compare import DEFAULT_ATOL, compare_models, default_rtol, emulation_notes
+
+    if args.emulate == bool(args.cand):
+        raise NpuprepError("give either a candidate model (REF CAND) or --emulate, not both or neither")
+    if args.emulate and not args.target:
+        raise NpuprepError("--emulate needs --target (which format and overflow to emulate)")
+    if args.pin and not args.emulate:
+        raise NpuprepError("--pin only applies with --emulate")
+    if args.worst < 1:
+        raise NpuprepError(f"--worst needs a positive count, got {args.worst}")
+    if args.report and args.report.endswith(".onnx"):
+        raise NpuprepError(f"--report {args.report}: the report is Markdown, not a model")
+    ref = load_model(args.ref)
+    profile = load_profile(args.target) if args.target else None
+    overrides = _parse_tols(args.tol)
+    scales = _read_scales(args.scales) if args.scales else None
+    samples = open_samples(args, ref.proto)
+    notes: tuple[str, ...] = ()
+    if args.emulate:
+        from npuprep.verify.emulate import emulate
+
+        fmt_ = profile.format
+        emulation = emulate(ref.proto, fmt_, saturate=profile.saturates, pinned_nodes=args.pin)
+        known = _node_labels(ref.proto)
+        unknown = [n for n in args.pin if n not in known]
+        if unknown:
+            raise NpuprepError(f"--pin names node '{unknown[0]}', which {args.ref} does not have")
+        cand_proto = emulation.model
+        notes = emulation_notes(profile, emulation.saturate)
+    else:
+        cand = load_model(args.cand)
+        cand_proto = cand.proto
+        fmt_ = profile.format if profile else _stored_format(cand_proto)
+        if _stored_format(cand_proto) is not None:
+            notes = ("the candidate stores tensors in a low-precision format; onnxruntime's CPU "
+                     "provider computes parts of such models in FP32 and hides overflow: use "
+                     "--emulate on the FP32 model to see what the target does",)
+    result = compare_models(
+        ref.proto, cand_proto, _Progress(samples, not args.json),
+        rtol=default_rtol(fmt_) if args.rtol is None else args.rtol,
+        atol=DEFAULT_ATOL if args.atol is None else args.atol,
+        overrides=overrides, tensor_scales=scales, fmt=fmt_, isolate=args.isolate, worst=args.worst,
+    )
+    result = replace(result, notes=result.notes + notes)
+    if args.report:
+        write_text_atomic(args.report, render_markdown(result, args))
+    if args.json:
+        print_json(result)
+    else:
+        _print(result)
+    return 0 if result else 1
+
+
+def _parse_tols(items: list[str]) -> dict[str, tuple[float, float]]:
+    """`NAME:RTOL[:ATOL]` -> {name: (rtol, atol)}; names may themselves contain ':'."""
+    from npuprep.errors import NpuprepError
+    from npuprep.verify.compare import DEFAULT_ATOL
+
+    out: dict[str, tuple[float, float]] = {}
+    for item in items:
+        parts = item.split(":")
+        numbers: list[float] = []
+        while len(parts) > 1 and len(numbers) < 2 and _is_number(parts[-1]):
+            numbers.insert(0, float(parts.pop()))
+        name = ":".join(parts)
+        if not numbers or not name:
+            raise NpuprepError(f"--tol {item}: expected NAME:RTOL[:ATOL] with numbers")
+        out[name] = (numbers[0], numbers[1] if len(numbers) == 2 else DEFAULT_ATOL)
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _read_scales(path: str) -> dict[str, float]:
+    from npuprep.errors import NpuprepError
+
+    p = Path(path)
+    if not p.is_file():
+        raise NpuprepError(f"{p}: convert report not found")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise NpuprepError(f"{p}: not a JSON file ({exc})") from None
+    if not isinstance(data, dict) or "tensor_scales" not in data:
+        raise NpuprepError(f"{p}: key 'tensor_scales' is missing (expected a convert report)")
+    scales = data["tensor_scales"]
+    if not isinstance(scales, dict):
+        raise NpuprepError(f"{p}: key 'tensor_scales': expected a mapping tensor -> scale")
+    for k, v in scales.items():
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise NpuprepError(f"{p}: key 'tensor_scales.{k}': expected a number, got {v!r}")
+    return {str(k): float(v) for k, v in scales.items()}
+
+
+class _Progress:
+    """Re-iterable samples with a progress bar (compare may pass over them twice)."""
+
+    def __init__(self, samples: Any, enabled: bool) -> None:
+        self.samples = samples
+        self.enabled = enabled
+
+    def __iter__(self) -> Iterator[Any]:
+        return progress(self.samples, len(self.samples), "comparing", self.enabled)
+
+    def describe(self) -> str:
+        return self.samples.describe()
+
+
+def _node_labels(model: Any) -> set[str]:
+    from npuprep.graph import node_label, walk_graphs
+
+    return {node_label(n) for s in walk_graphs(model.graph) for n in s.graph.node}
+
+
+def _stored_format(model: Any) -> Any:
+    """The low-precision float format a model stores tensors in, if any."""
+    from npuprep.graph import tensor_types
+    from npuprep.numerics import FLOAT_ONNX_TYPES, get_format
+
+    names = {FLOAT_ONNX_TYPES[t] for t in tensor_types(model).values() if t in FLOAT_ONNX_TYPES}
+    for name in ("fp8_e4m3", "fp8_e5m2", "fp16", "bf16"):
+        if name in names:
+            return get_format(name)
+    return None
+
+
+def _columns(isolate: bool) -> list[str]:
+    cols = ["tensor", "node", "op", "max abs err", "rel L2", "cosine", "|cand| max", "headroom",
+            "Inf/NaN", "saturated"]
+    if isolate:
+        cols += ["own max abs", "own rel L2"]
+    return cols + ["verdict"]
+
+
+def _row(t: Any, isolate: bool) -> list[Any]:
+    row = [t.tensor, t.node, t.op_type, t.max_abs_error, t.rel_l2, t.cosine, t.cand_absmax,
+           "-" if t.headroom is None else t.headroom, f"{t.inf_count}/{t.nan_count}",
+           t.saturated_count]
+    if isolate:
+        row += [t.isolated_max_abs_error, t.isolated_rel_l2]
+    return row + ["ok" if t else "FAIL"]
+
+
+def _print(result: Any) -> None:
+    print(f"{len(result.tensors)} tensors compared on {result.samples_description}; "
+          f"format {result.fmt or 'none'}; rtol {result.rtol:g}, atol {result.atol:g}")
+    print_table(f"Worst {len(result.worst)} tensors", _columns(result.isolate),
+                [_row(t, result.isolate) for t in result.worst])
+    first = result.first_divergent
+    if first is not None:
+        print(f"first divergent node: {first.node} ({first.op_type}) -> tensor '{first.tensor}': "
+              f"{first.reason}")
+        if result.isolate and first.isolated_rel_l2 is not None:
+            print(f"  own error with reference inputs: rel L2 {fmt(first.isolated_rel_l2)}, "
+                  f"max abs {fmt(first.isolated_max_abs_error)}")
+    if result.unobserved:
+        print(f"{len(result.unobserved)} tensors not compared (inside subgraphs or not shared); "
+              "see --json")
+    for note in result.notes:
+        print(f"note: {note}")
+    failed = sum(1 for t in result.tensors if not t)
+    print(f"{'PASSED' if result else 'FAILED'}: {failed} of {len(result.tensors)} tensors cross "
+          "the thresholds")
+
+
+def render_markdown(result: Any, args: argparse.Namespace) -> str:
+    """The compare result as a Markdown report."""
+
+    def cell(v: Any) -> str:
+        return fmt(v).replace("|", "\\|")
+
+    lines = [
+        "# npuprep compare",
+        "",
+        f"- reference: `{args.ref}` (fingerprint `{result.fingerprint}`)",
+        f"- candidate: {'emulation on ' + repr(args.target) if args.emulate else '`' + str(args.cand) + '`'}"
+        f" (fingerprint `{result.candidate_fingerprint}`)",
+        f"- samples: {result.samples_description}",
+        f"- format: {result.fmt or 'none'}; thresholds: rel L2 > {result.rtol:g} and max abs error > "
+        f"{result.atol:g}" + (f"; {len(result.overrides)} per-tensor overrides" if result.overrides else ""),
+        f"- verdict: **{'PASSED' if result else 'FAILED'}** "
+        f"({sum(1 for t in result.tensors if not t)} of {len(result.tensors)} tensors fail)",
+        "",
+    ]
+    first = result.first_divergent
+    lines += ["## First divergent node", ""]
+    if first is None:
+        lines += ["None: every compared tensor is within its thresholds.", ""]
+    else:
+        lines += [f"`{first.node}` ({first.op_type}) writes `{first.tensor}`: {first.reason}.", ""]
+    header = _columns(result.isolate)
+    for title, rows in (("Worst tensors", result.worst), ("All tensors (topological order)", result.tensors)):
+        lines += [f"## {title}", "", "| " + " | ".join(header) + " |",
+                  "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(cell(v) for v in _row(t, result.isolate)) + " |" for t in rows]
+        lines.append("")
+    if result.unobserved:
+        lines += ["## Not compared", ""]
+        lines += [f"- `{k}`: {v}" for k, v in sorted(result.unobserved.items())]
+        lines.append("")
+    if result.notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in result.notes] + [""]
+    return "\n".join(lines)
