@@ -1,0 +1,58 @@
+"""FLOPs per node from inferred shapes, to report the share of compute left in FP32."""
+
+from __future__ import annotations
+
+import math
+
+import onnx
+
+from npuprep.graph import attribute, node_label, walk_graphs
+
+
+def _shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # noqa: BLE001 - best effort; unknown shapes count as one element
+        inferred = model
+    shapes: dict[str, tuple[int, ...]] = {}
+    for scope in walk_graphs(inferred.graph):
+        g = scope.graph
+        for vi in list(g.input) + list(g.output) + list(g.value_info):
+            dims = vi.type.tensor_type.shape.dim
+            if all(d.HasField("dim_value") for d in dims):
+                shapes[vi.name] = tuple(d.dim_value for d in dims)
+        for init in g.initializer:
+            shapes[init.name] = tuple(init.dims)
+    return shapes
+
+
+def node_flops(model: onnx.ModelProto) -> dict[str, int]:
+    """Node label -> FLOPs (multiply-adds count 2); elementwise ops count one per output."""
+    shapes = _shapes(model)
+    flops: dict[str, int] = {}
+    for scope in walk_graphs(model.graph):
+        for node in scope.graph.node:
+            out = shapes.get(node.output[0], ()) if node.output else ()
+            n_out = math.prod(out) if out else 1
+            op = node.op_type
+            if op in ("Conv", "ConvTranspose") and len(node.input) > 1 and node.input[1] in shapes:
+                w = shapes[node.input[1]]
+                group = int(attribute(node, "group", 1) or 1)
+                per_out = math.prod(w[1:]) if op == "Conv" else math.prod(w[2:]) * w[0] // group
+                flops[node_label(node)] = 2 * n_out * per_out
+            elif op in ("MatMul", "Gemm") and node.input[0] in shapes:
+                a = shapes[node.input[0]]
+                k = a[-1] if op == "MatMul" or not attribute(node, "transA", 0) else a[-2]
+                flops[node_label(node)] = 2 * n_out * k
+            else:
+                flops[node_label(node)] = n_out
+    return flops
+
+
+def fp32_flops_share(model: onnx.ModelProto, pinned_nodes: set[str]) -> float:
+    """Share of the model's FLOPs spent in nodes kept in FP32."""
+    flops = node_flops(model)
+    total = sum(flops.values())
+    if total == 0:
+        return 0.0
+    return sum(v for k, v in flops.items() if k in pinned_nodes) / total
