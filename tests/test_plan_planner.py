@@ -231,3 +231,86 @@ def test_plan_does_not_depend_on_finding_order():
     plan = make_plan(model, GENERIC, stats, findings)
     (rs,) = plan.actions
     assert [str(f) for f in rs.findings] == ["range.overflow at h", "range.overflow at r"]
+
+
+# x -> MatMul(W: channel 0 x 1e5, others x 2e-4) -> h -> Relu -> r -> MatMul(V) -> y
+WIDE = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[64, 4] x) => (float[64, 3] y) <float[4, 4] W = {100000.0,0.0,0.0,0.0, 0.0,0.0002,0.0,0.0, 0.0,0.0,0.0002,0.0, 0.0,0.0,0.0,0.0002}, float[4, 3] V = {0.00001,0.0,0.0, 0.0,1.0,0.0, 0.0,0.0,1.0, 0.0,1.0,1.0}> {
+    [mm1] h = MatMul (x, W)
+    [relu] r = Relu (h)
+    [mm2] y = MatMul (r, V)
+}
+"""
+
+
+def test_stats_veto_a_rescale_that_would_flush_small_values_and_the_pin_says_why():
+    model = as_model(WIDE)
+    stats = measure(model, samples(2, (64, 4), 1.0))
+    h = stats.tensors["h"]
+    k = math.ceil(math.log2(h.absmax / LIMIT))
+    fmt_min = GENERIC.format.min_normal
+    pushed = h.fraction_below(fmt_min * 2.0**k) - h.fraction_below(fmt_min)
+    assert pushed > 0.01  # the planted trap: k is feasible for the graph, not for the values
+    plan = make_plan(model, GENERIC, stats, [overflow(stats, "h", "mm1", "MatMul")])
+    (pin,) = plan.actions
+    assert isinstance(pin, PinFp32) and pin.nodes == ("mm1", "relu", "mm2")
+    assert pin.exit_tensors == ("y",) and pin.measured["exit_absmax"] <= LIMIT
+    declined = [d for d in plan.declined if d.remedy == "rescale"]
+    assert declined and all("below the smallest fp16 normal" in d.reason for d in declined)
+    assert f"{pushed:.1%} of h" in declined[0].reason
+
+
+# x -> MatMul(W = 1e-6 I) -> h -> MatMul(V = 1e6 I) -> y   (h lives below FP16's normals)
+TINY = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[8, 2] x) => (float[8, 2] y) <float[2, 2] W = {0.000001,0.0, 0.0,0.000001}, float[2, 2] V = {1000000.0,0.0, 0.0,1000000.0}> {
+    [mm1] h = MatMul (x, W)
+    [mm2] y = MatMul (h, V)
+}
+"""
+
+
+def test_underflow_is_rescaled_up_by_a_power_of_two():
+    model = as_model(TINY)
+    stats = measure(model, samples(4, (8, 2), 1.0))
+    h = stats.tensors["h"]
+    fmt = GENERIC.format
+    assert h.fraction_below(fmt.min_normal) > 0.5
+    finding = Finding(rule="range.underflow", severity=Severity.WARNING, node="mm1",
+                      op_type="MatMul", message="below min normal", tensor="h")
+    plan = make_plan(model, GENERIC, stats, [finding])
+    (rs,) = plan.actions
+    assert isinstance(rs, Rescale) and rs.entry == "mm1" and rs.k < 0
+    assert rs.domain == {"h": -rs.k} and rs.absorbers == ("mm2",)
+    # The smallest lift that leaves at most 1% of h under the smallest normal, within the limit.
+    lifted = fmt.min_normal / 2.0**-rs.k
+    assert h.fraction_below(lifted) <= 0.01 < h.fraction_below(lifted * 2)
+    assert rs.absmax_after == pytest.approx(h.absmax * 2.0**-rs.k) and rs.absmax_after <= LIMIT
+    rewritten = Model(apply_rescale(model.proto, rs.entry, rs.k).model, "r.onnx", "")
+    after = measure(rewritten, samples(4, (8, 2), 1.0))
+    assert after.tensors["h"].fraction_below(fmt.min_normal) <= 0.01
+    np.testing.assert_allclose(after.tensors["y"].values, stats.tensors["y"].values, rtol=1e-6)
+
+
+def test_static_layernorm_pattern_pins_its_members_from_the_mean_to_the_division():
+    # x -> Sub(x, mean) -> d -> Pow 2 -> ReduceMean -> Add eps -> Sqrt -> Div(d, .) -> y
+    model = as_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2, 8] x) => (float[2, 8] y) <float two = {2.0}, float eps = {0.001}> {
+        [mean] m = ReduceMean <axes = [1], keepdims = 1> (x)
+        [sub] d = Sub (x, m)
+        [pow] q = Pow (d, two)
+        [var] v = ReduceMean <axes = [1], keepdims = 1> (q)
+        [add] ve = Add (v, eps)
+        [sqrt] sd = Sqrt (ve)
+        [div] y = Div (d, sd)
+    }
+    """)
+    findings = static_findings(model, GENERIC)
+    assert [f.rule for f in findings] == ["pattern.layernorm"]
+    plan = make_plan(model, GENERIC, None, findings)
+    (pin,) = plan.actions
+    assert pin.nodes == ("mean", "sub", "pow", "var", "add", "sqrt", "div")
+    assert pin.exit_tensors == ("y",)
+    assert "no measured range" in pin.why

@@ -38,6 +38,8 @@ from npuprep.profiles import Pinning, Severity, TargetProfile
 UNDERFLOW_SHARE = 0.01
 # How many entries the planner tries when walking back from an overflowing tensor.
 MAX_ENTRY_TRIES = 3
+# How many times the planner deepens k when another domain tensor is still over the limit.
+MAX_DEEPEN = 4
 # Ops the scale passes through on the walk back from an overflowing tensor to its entry;
 # value: positions of the data inputs to follow.
 _WALK_THROUGH: dict[str, tuple[int, ...] | None] = {
@@ -263,10 +265,10 @@ class _Planner:
         worst = abs(float(f.evidence.get("worst", 0.0) or 0.0))
         declines: list[str] = []
         if f.remedy == "rescale" and f.node in self.nodes and worst > 0:
-            k = _needed_k(worst, self.limit)
-            check, reason = self.checked(f.node, k)
+            check, reason = self.checked(f.node, _needed_k(worst, self.limit))
             if check is not None:
-                action = self.rescale_action(f.node, k, check, (ref,), f.tensor, worst, "")
+                action = self.rescale_action(f.node, check, (ref,), f.tensor, worst, "")
+                k = check.k
                 self.rescales.append(replace(action, absmax_after=worst * 2.0**-k, why=(
                     f"weight {f.tensor} reaches {worst:.6g}; scaling it by 2^{-k} brings it "
                     f"within {self.limit:.6g}, exactly; absorbed by "
@@ -290,14 +292,13 @@ class _Planner:
         """Plan a rescale for an overflowing tensor; None on success, else why not."""
         for i, rs in enumerate(self.rescales):
             if tensor in rs.domain:
-                p = rs.domain[tensor]
-                need = rs.k + _needed_k(absmax * 2.0**p, self.limit)
-                check, reason = self.checked(rs.entry, need)
+                need = rs.k + _needed_k(absmax * 2.0 ** rs.domain[tensor], self.limit)
+                check, reason = self.checked(rs.entry, need, tensor)
                 if check is None:
                     self.declined.append(Declined("rescale", rs.entry, reason, (ref,)))
                     return reason
                 self.rescales[i] = self.rescale_action(
-                    rs.entry, need, check, rs.findings + (ref,), tensor, absmax, "deepened"
+                    rs.entry, check, rs.findings + (ref,), tensor, absmax, "deepened"
                 )
                 return None
         candidates, stop = self.entries_for(tensor)
@@ -306,53 +307,65 @@ class _Planner:
             return stop
         reasons: list[str] = []
         for entry in candidates:
-            k = _needed_k(absmax, self.limit)
-            check, reason = self.checked(entry, k)
+            check, reason = self.checked(entry, _needed_k(absmax, self.limit), tensor)
             if check is not None:
-                p = check.exponents.get(tensor)
-                if p is None or p == 0:
-                    reason = f"scaling {entry} does not reach {tensor}"
-                elif p != -k:
-                    k = _needed_k(absmax, self.limit, per=-p / k)
-                    check, reason = self.checked(entry, k)
-            if check is not None:
-                self.rescales.append(self.rescale_action(entry, k, check, (ref,), tensor, absmax, ""))
+                self.rescales.append(self.rescale_action(entry, check, (ref,), tensor, absmax, ""))
                 return None
             self.declined.append(Declined("rescale", entry, reason, (ref,)))
             reasons.append(reason)
         return reasons[-1]
 
-    def checked(self, entry: str, k: int) -> tuple[Any | None, str]:
-        """check_rescale, then the stats: no domain tensor over the limit or pushed under
-        the smallest normal in a harmful share."""
+    def checked(self, entry: str, k: int, focus: str = "") -> tuple[Any | None, str]:
+        """check_rescale, then the stats: every domain tensor within the limit (k grows
+        until it is) and none pushed under the smallest normal in a harmful share."""
         from npuprep.rewrite.rescale import check_rescale
 
-        check = check_rescale(self.model.proto, entry, k)
-        if not check:
-            return None, check.reason
-        for t, p in sorted(check.exponents.items()):
-            if p == 0:
-                continue
-            r = self.range_of(t)
-            if r is None:
-                return None, f"no measured range for domain tensor {t}"
-            after = r.absmax * 2.0**p
-            if after > self.limit:
-                return None, (
-                    f"2^{-k} on {entry} takes {t} to {after:.6g}, over the limit {self.limit:.6g}"
-                )
-            pushed = r.fraction_below(self.fmt.min_normal / 2.0**p) - r.fraction_below(self.fmt.min_normal)
-            if pushed > UNDERFLOW_SHARE:
-                return None, (
-                    f"2^{-k} on {entry} pushes {pushed:.1%} of {t} below the smallest "
-                    f"{self.fmt.name} normal ({self.fmt.min_normal:.3g})"
-                )
-        return check, check.reason
+        fitted = not focus or k < 0
+        for _ in range(MAX_DEEPEN):
+            check = check_rescale(self.model.proto, entry, k)
+            if not check:
+                return None, check.reason
+            p_focus = check.exponents.get(focus, 0) if focus else 0
+            if focus and p_focus * k >= 0:
+                return None, f"scaling {entry} does not reach {focus}"
+            r_focus = self.range_of(focus)
+            if not fitted and r_focus is not None and p_focus != -k:
+                # The focus carries the scale to a power (a square): size k for that power.
+                fitted = True
+                k_focus = _needed_k(r_focus.absmax, self.limit, per=-p_focus / k)
+                if k_focus != k:
+                    k = k_focus
+                    continue
+            worst, worst_tensor = 0.0, ""
+            for t, p in sorted(check.exponents.items()):
+                if p == 0:
+                    continue
+                r = self.range_of(t)
+                if r is None:
+                    return None, f"no measured range for domain tensor {t}"
+                pushed = (r.fraction_below(self.fmt.min_normal / 2.0**p)
+                          - r.fraction_below(self.fmt.min_normal))
+                if pushed > UNDERFLOW_SHARE:
+                    return None, (
+                        f"2^{-k} on {entry} pushes {pushed:.1%} of {t} below the smallest "
+                        f"{self.fmt.name} normal ({self.fmt.min_normal:.3g})"
+                    )
+                if r.absmax * 2.0**p > worst:
+                    worst, worst_tensor = r.absmax * 2.0**p, t
+            if worst <= self.limit:
+                return check, check.reason
+            if k < 0:
+                break
+            k += _needed_k(worst, self.limit)
+        return None, (
+            f"2^{-k} on {entry} leaves {worst_tensor} at {worst:.6g}, over the limit {self.limit:.6g}"
+        )
 
     def rescale_action(
-        self, entry: str, k: int, check: Any, refs: tuple[FindingRef, ...], tensor: str,
+        self, entry: str, check: Any, refs: tuple[FindingRef, ...], tensor: str,
         absmax: float, how: str,
     ) -> Rescale:
+        k = check.k
         domain = {t: p for t, p in sorted(check.exponents.items()) if p != 0}
         absorbers = tuple(dict.fromkeys([a.node for a in check.absorbers] + list(check.exits)))
         after = absmax * 2.0 ** domain.get(tensor, -k)
@@ -547,9 +560,9 @@ class _Planner:
         else:
             candidates, stop = self.entries_for(f.tensor)
             for entry in candidates:
-                check, reason = self.checked(entry, -j)
+                check, reason = self.checked(entry, -j, f.tensor)
                 if check is not None:
-                    action = self.rescale_action(entry, -j, check, (ref,), f.tensor, r.absmax, "")
+                    action = self.rescale_action(entry, check, (ref,), f.tensor, r.absmax, "")
                     self.rescales.append(replace(action, why=(
                         f"{base - zeros:.1%} of {f.tensor} lies below the smallest "
                         f"{self.fmt.name} normal; " + action.why)))
