@@ -41,9 +41,28 @@ def expose(model: onnx.ModelProto, tensors: Sequence[str]) -> onnx.ModelProto:
     for name in tensors:
         if name in present or name not in produced or name not in types:
             continue
-        out.graph.output.append(helper.make_tensor_value_info(name, types[name], None))
+        out.graph.output.append(output_info(model, name, types[name]))
         present.add(name)
     return out
+
+
+def output_info(model: onnx.ModelProto, name: str, elem: int) -> onnx.ValueInfoProto:
+    """A graph-output entry for `name`, with the inferred shape where inference knows it."""
+    for vi in _inferred_infos(model):
+        if vi.name == name and vi.type.tensor_type.HasField("shape"):
+            info = onnx.ValueInfoProto()
+            info.CopyFrom(vi)
+            info.type.tensor_type.elem_type = elem
+            return info
+    return helper.make_tensor_value_info(name, elem, None)
+
+
+def _inferred_infos(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # noqa: BLE001 - best effort; the output then carries no shape
+        return []
+    return list(inferred.graph.value_info) + list(inferred.graph.output)
 
 
 def cast_feeds(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 
 from npuprep.errors import NpuprepError
 from npuprep.graph import (
@@ -24,7 +24,7 @@ from npuprep.graph import (
     topological_order,
 )
 from npuprep.numerics import NumberFormat
-from npuprep.probe.backends import Backend
+from npuprep.probe.backends import Backend, output_info
 from npuprep.probe.classify import Classification, Verdict, classify
 from npuprep.probe.micro import ProbeModel
 from npuprep.probe.runner import ProbeResult, reference_outputs
@@ -104,7 +104,7 @@ def amplify(model: onnx.ModelProto, choice: LayerChoice, gain: float) -> onnx.Mo
     graph.initializer.extend(keep)
     if choice.tensor not in {o.name for o in graph.output}:
         elem = tensor_types(model).get(choice.tensor, onnx.TensorProto.FLOAT)
-        graph.output.append(helper.make_tensor_value_info(choice.tensor, elem, None))
+        graph.output.append(output_info(model, choice.tensor, elem))
     return out
 
 
