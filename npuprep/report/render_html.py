@@ -126,7 +126,7 @@ def _cell(value: Any, kind: str) -> str:
             return '<td class="num" data-v=""></td>'
         v = float(value)
         sort_key = "" if math.isnan(v) else ("Infinity" if v == math.inf else
-                                              "-Infinity" if v == -math.inf else repr(v))
+                                              "-Infinity" if v == -math.inf else repr(value))
         return f'<td class="num" data-v="{sort_key}">{_e(_fmt(v))}</td>'
     return f"<td>{_e(value)}</td>"
 
