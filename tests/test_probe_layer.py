@@ -98,7 +98,7 @@ def test_gain_is_raised_until_the_reference_crosses():
     assert result.gain > 100
     assert result.result.classification.reference_absmax >= FP16.overflow_threshold
     # The weights themselves stay representable: only the activation overflows.
-    assert result.gain * 0.9 <= 0.5 * FP16.max * (1 + 1e-9)
+    assert result.gain * float(np.float32(0.9)) <= 0.5 * FP16.max * (1 + 1e-9)
 
 
 def test_ort_with_fp32_outputs_is_reported_as_computed_wider():
