@@ -30,11 +30,11 @@ class NodeIndex:
                 for out in node.output:
                     if out:
                         self.producer.setdefault(out, label)
-        self.order: list[str] = [node_label(n) for n in topological_order(model.graph)]
+        self._main = topological_order(model.graph)
+        self.order: list[str] = [node_label(n) for n in self._main]
         self.position = {label: i for i, label in enumerate(self.order)}
         self.graph_inputs = {i.name for i in model.graph.input}
         self.initializers = {i.name for i in model.graph.initializer}
-        self._main = topological_order(model.graph)
 
     def resolve(self, name: str) -> str | None:
         """The node label a printed node name stands for, or None."""
