@@ -64,11 +64,13 @@ class _Decline(Exception):
 
 
 class _Retry(Exception):
-    """Analysis must restart with `node` absorbing the scale (a Mul/Div by a constant)."""
+    """Analysis must restart with `node` absorbing the scale (a Mul/Div by a constant) or,
+    for a linear consumer, letting it pass (`propagate`: a concat or add needs it scaled)."""
 
-    def __init__(self, node_id: int) -> None:
+    def __init__(self, node_id: int, propagate: bool = False) -> None:
         super().__init__(node_id)
         self.node_id = node_id
+        self.propagate = propagate
 
 
 @dataclass(frozen=True)
@@ -153,12 +155,16 @@ def _solve(graph: gs.Graph, entry: str, k: int) -> _Solver:
     if not isinstance(k, int | np.integer) or k == 0:
         raise NpuprepError(f"rescale '{entry}': k must be a non-zero integer (got {k!r})")
     absorb_at: set[int] = set()
-    for _ in range(len(graph.nodes) + 1):
-        solver = _Solver(graph, entry, int(k), absorb_at)
+    propagate_at: set[int] = set()
+    for _ in range(2 * len(graph.nodes) + 1):
+        solver = _Solver(graph, entry, int(k), absorb_at, propagate_at)
         try:
             solver.run()
         except _Retry as retry:
-            absorb_at = absorb_at | {retry.node_id}
+            if retry.propagate:
+                propagate_at = propagate_at | {retry.node_id}
+            else:
+                absorb_at = absorb_at | {retry.node_id}
             continue
         return solver
     raise AssertionError("rescale analysis did not converge")
@@ -167,11 +173,13 @@ def _solve(graph: gs.Graph, entry: str, k: int) -> _Solver:
 class _Solver:
     """Fixed point over the graph: exponents per tensor, edits per node."""
 
-    def __init__(self, graph: gs.Graph, entry: str, k: int, absorb_at: set[int]) -> None:
+    def __init__(self, graph: gs.Graph, entry: str, k: int, absorb_at: set[int],
+                 propagate_at: set[int]) -> None:
         self.graph = graph
         self.entry = entry
         self.k = k
         self.absorb_at = absorb_at
+        self.propagate_at = propagate_at
         self.order = {id(n): i for i, n in enumerate(_topo(graph))}
         self.nodes = {id(n): n for n in graph.nodes}
         self.exps: dict[str, int] = {}
@@ -225,6 +233,12 @@ class _Solver:
     def _assign(self, tensor: gs.Tensor, p: int, why: str) -> None:
         name = tensor.name
         if name in self.exps:
+            prod = go.producer(tensor)
+            if (self.exps[name] == 0 and p != 0 and prod is not None
+                    and self.roles.get(id(prod)) == "absorb" and prod.op in LINEAR_WITH_WEIGHTS
+                    and id(prod) not in self.propagate_at):
+                # The linear consumer absorbed the scale, but a residual needs it scaled.
+                raise _Retry(id(prod), propagate=True)
             if self.exps[name] != p:
                 raise _Decline(f"tensor '{name}' would need scale 2^{p} ({why}) but already carries "
                                f"2^{self.exps[name]}; the scale domain cannot be closed")
@@ -340,9 +354,14 @@ class _Solver:
         if op in _COMMUTE or op == "Cast":
             self._request(node.inputs[0], p, node)
         elif op in _SAME_EXP and op not in _COMPARE:
+            self._role(node, "propagate")
             for idx in self._data_inputs(node):
                 if go.const_value(node.inputs[idx]) is None:
                     self._request(node.inputs[idx], p, node)
+                else:
+                    self._const_edit(node, idx, p)
+            # A node fed only by constants is never visited forward: assign here.
+            self._assign(tensor, p, why)
         elif op in LINEAR_WITH_WEIGHTS or op in _NORMS or op in ("Mul", "Div"):
             try:
                 self._enter_node(node, p, why)
@@ -456,6 +475,9 @@ class _Solver:
     def _visit_linear(self, node: gs.Node, scaled: list[int]) -> None:
         label = go.node_label(node)
         op = node.op
+        if id(node) in self.propagate_at:
+            self._propagate_linear(node, scaled)
+            return
         if op in ("Conv", "ConvTranspose"):
             if scaled != [0]:
                 raise _Decline(f"scaled tensor feeds the weight or bias of {op} '{label}'")
@@ -476,6 +498,23 @@ class _Solver:
                            "cannot follow the product's scale")
         self._role(node, "propagate")
         self._assign(node.outputs[0], pa + pb, f"through {op} '{label}'")
+
+    def _propagate_linear(self, node: gs.Node, scaled: list[int]) -> None:
+        """A linear node passes the scale on: its output carries the product's exponent and
+        its bias (a sum with the product) is scaled to match."""
+        label = go.node_label(node)
+        op = node.op
+        data = (0,) if op in ("Conv", "ConvTranspose") else (0, 1)
+        if any(i not in data for i in scaled):
+            raise _Decline(f"scaled tensor feeds the bias of {op} '{label}'")
+        p = sum(self._p(node.inputs[i]) for i in data)
+        bias = 2 if op in ("Conv", "ConvTranspose", "Gemm") else None
+        if bias is not None and len(node.inputs) > bias and node.inputs[bias].name:
+            if go.const_value(node.inputs[bias]) is None:
+                raise _Decline(f"{op} '{label}' has a non-constant bias that cannot follow the scale")
+            self._weight_edit(node, bias, p, "bias")
+        self._role(node, "propagate")
+        self._assign(node.outputs[0], p, f"through {op} '{label}'")
 
     def _absorb_weight(self, node: gs.Node, index: int, p: int) -> None:
         self._role(node, "absorb")
@@ -499,7 +538,8 @@ class _Solver:
                 raise _Decline(f"LpNormalization '{label}' with p={node.attrs.get('p')} is unsupported")
             kind = "scale_invariant"
         else:
-            eps = float(node.attrs.get("epsilon", 1e-5))
+            # ONNX stores epsilon as FP32; scale that value, not the decimal default.
+            eps = float(np.float32(node.attrs.get("epsilon", 1e-5)))
             new_eps = eps * 4.0**p
             if float(np.float32(new_eps)) != new_eps or new_eps == 0.0:
                 raise _Decline(f"{op} '{label}': epsilon {eps} * 2^{2 * p} is not exact in FP32")
