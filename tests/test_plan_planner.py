@@ -314,3 +314,44 @@ def test_static_layernorm_pattern_pins_its_members_from_the_mean_to_the_division
     assert pin.nodes == ("mean", "sub", "pow", "var", "add", "sqrt", "div")
     assert pin.exit_tensors == ("y",)
     assert "no measured range" in pin.why
+
+
+NO_PIN = dataclasses.replace(GENERIC, fp32_pinning=Pinning.NONE)
+
+
+def test_no_pinning_guards_a_denominator_and_the_guard_holds_numerically():
+    # a, b -> Div(a, b) -> y   (b comes close to 0)
+    model = as_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[16] a, float[16] b) => (float[16] y) {
+        [div] y = Div (a, b)
+    }
+    """)
+    rng = np.random.default_rng(5)
+    feeds = [{"a": rng.uniform(-40, 40, 16).astype(np.float32),
+              "b": np.concatenate([rng.uniform(0.5, 2, 15), [1e-4]]).astype(np.float32)}
+             for _ in range(3)]
+    stats = measure(model, feeds)
+    plan = make_plan(model, NO_PIN, stats, [overflow(stats, "y", "div", "Div")])
+    (guard,) = plan.actions
+    assert isinstance(guard, Clamp) and (guard.kind, guard.tensor, guard.consumers) == ("denominator", "b", ("div",))
+    numerator = stats.tensors["a"].absmax
+    assert guard.measured["numerator_absmax"] == numerator
+    assert numerator / guard.lo <= LIMIT < numerator / (guard.lo / 2)
+    assert [d.remedy for d in plan.declined] == ["rescale", "pin_fp32"]
+    from npuprep.rewrite.clamp import guard_denominator
+
+    guarded = Model(guard_denominator(model.proto, "div", guard.lo).model, "g.onnx", "")
+    out = measure(guarded, feeds).tensors["y"]
+    assert out.absmax <= LIMIT and out.nan_count == out.inf_count == 0
+
+
+def test_no_pinning_and_no_clamp_leaves_a_reasoned_note():
+    model = as_model(WIDE)
+    stats = measure(model, samples(2, (64, 4), 1.0))
+    plan = make_plan(model, NO_PIN, stats, [overflow(stats, "h", "mm1", "MatMul")])
+    assert plan.actions == ()
+    assert [d.remedy for d in plan.declined][-2:] == ["pin_fp32", "clamp"]
+    assert plan.declined[-1].reason == "MatMul node mm1 takes no clamp (only Exp, Log, squares, divisions)"
+    (note,) = plan.notes
+    assert note.startswith("range.overflow at h: unresolved; rescale declined: ")

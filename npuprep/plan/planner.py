@@ -32,6 +32,8 @@ from npuprep.ops import LINEAR_WITH_WEIGHTS
 from npuprep.plan.actions import Clamp, Declined, FindingRef, PinFp32, Rescale
 from npuprep.plan.plan import Plan
 from npuprep.profiles import Pinning, Severity, TargetProfile
+from npuprep.rewrite.pin import grow_island, merge_islands
+from npuprep.rewrite.rescale import check_rescale
 
 # A rescale is declined when it would push more than this share of a domain tensor's
 # values below the target's smallest normal (where they lose precision or flush to 0).
@@ -318,8 +320,6 @@ class _Planner:
     def checked(self, entry: str, k: int, focus: str = "") -> tuple[Any | None, str]:
         """check_rescale, then the stats: every domain tensor within the limit (k grows
         until it is) and none pushed under the smallest normal in a harmful share."""
-        from npuprep.rewrite.rescale import check_rescale
-
         fitted = not focus or k < 0
         for _ in range(MAX_DEEPEN):
             check = check_rescale(self.model.proto, entry, k)
@@ -440,8 +440,6 @@ class _Planner:
             reason = f"no node computes {tensor}"
             self.declined.append(Declined("pin_fp32", tensor, reason, (ref,)))
             return reason
-        from npuprep.rewrite.pin import grow_island, merge_islands
-
         grown = [grow_island(self.model.proto, seed, self.fits, types=self.types) for seed in seeds]
         island = grown[0] if len(grown) == 1 else merge_islands(
             self.model.proto, grown, self.fits, max_gap=0, types=self.types)[0]
@@ -581,8 +579,6 @@ class _Planner:
         """Merge the islands (fewer Casts) and turn each into a PinFp32 action."""
         if not self.islands:
             return []
-        from npuprep.rewrite.pin import merge_islands
-
         grown = [i.island for i in self.islands]
         merged = merge_islands(self.model.proto, grown, self.fits, types=self.types)
         if any(set(m.nodes) & self.forbid for m in merged):
