@@ -254,10 +254,15 @@ class _Planner:
             final = f.evidence.get("output", "")
             for m in members:
                 self.static_hot.update(o for o in self.nodes[m][0].output if o and o != final)
-            reason = self.try_pin(ref, tensor, ["no measured range: the rule asks for FP32"],
-                                  seeds=members)
+            declines = ["no measured range: the rule asks for FP32"]
+            reason = self.try_pin(ref, tensor, declines, seeds=members)
+            if reason is None:
+                return
+            declines.append(f"FP32 pin declined: {reason}")
+            reason = self.try_clamp(f, ref, tensor, declines)
             if reason is not None:
-                self.declined.append(Declined("pin_fp32", where, reason, (ref,)))
+                self.declined.append(Declined("clamp", where, reason, (ref,)))
+                self.notes.append(f"{ref}: unresolved; " + "; ".join(declines + [f"clamp declined: {reason}"]))
             return
         self.declined.append(Declined("rescale", where, "rescale needs measured ranges (run with --data)", (ref,)))
         self.notes.append(f"{ref}: rescale suggested; calibrate to plan it")
