@@ -63,8 +63,9 @@ def apply_clamp(
         return RewriteResult(model, False, f"clamp skipped: {_describe(target, known)} already "
                              f"bounds '{tensor}' within [{_fmt(lo)}, {_fmt(hi, 'inf')}]",
                              {"tensor": tensor, "known_bounds": list(known)})
-    own = {id(n) for n in owner.nodes}
-    readers = [n for n in target.outputs if id(n) in own]
+    # Readers in any graph: a body may read the tensor from the outer scope.
+    everywhere = {id(n) for g in _all_graphs(graph) for n in g.nodes}
+    readers = [n for n in target.outputs if id(n) in everywhere]
     if consumers is not None:
         wanted = set(consumers)
         readers = [n for n in readers if go.node_label(n) in wanted]
