@@ -86,9 +86,9 @@ def test_user_edits_are_accepted(model, tmp_path):
     data["actions"].append({"action": "pin_fp32", "nodes": ["mm"], "forced": True})
     data["forbid_pin"] = ["relu", "sum"]
     plan = load_plan(write(tmp_path, data), model)
-    user_clamp = plan.clamps[-1]
+    user_clamp = plan.clamps()[-1]
     assert (user_clamp.tensor, user_clamp.lo, user_clamp.hi, user_clamp.consumers) == ("y", 0.0, 1.0, ())
-    forced = plan.pins[-1]
+    forced = plan.pins()[-1]
     assert forced.forced and forced.exit_tensors == ("h",)
     # A forbidden node drops out of the planner's island; forced pins stay.
     assert plan.pinned_nodes() == {"exp", "div", "mm"}

@@ -50,15 +50,12 @@ class Plan:
         nodes = {n for a in self.actions if isinstance(a, PinFp32) for n in a.nodes}
         return nodes - set(self.forbid_pin)
 
-    @property
     def rescales(self) -> list[Rescale]:
         return [a for a in self.actions if isinstance(a, Rescale)]
 
-    @property
     def clamps(self) -> list[Clamp]:
         return [a for a in self.actions if isinstance(a, Clamp)]
 
-    @property
     def pins(self) -> list[PinFp32]:
         return [a for a in self.actions if isinstance(a, PinFp32)]
 
