@@ -1,0 +1,201 @@
+"""`npuprep convert MODEL --target T --data D -o OUT.onnx`: plan, rewrite, lower, verify, report."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from npuprep.cli.common import add_data, add_json, add_target
+
+help = "plan, rewrite and lower MODEL for the target, verify it under emulation, write reports"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?",
+                   help="ONNX model (default: the bundled example planner and its samples)")
+    add_target(p)
+    add_data(p)
+    p.add_argument("--stats", help="calibration statistics from `npuprep calibrate` (skips calibrating)")
+    p.add_argument("--jobs", type=int, default=1, help="calibration processes (default 1)")
+    p.add_argument("--plan", help="apply this plan (YAML, edited or not) instead of planning")
+    p.add_argument("--plan-only", action="store_true",
+                   help="write the plan to -o (YAML) and stop; the model is not touched")
+    p.add_argument("-o", "--output", help="output path (default: <model>.<target>.onnx here)")
+    p.add_argument("--precision", help="compute format to target (default: the profile's)")
+    p.add_argument("--io-types", choices=("fp32", "target"), default="fp32",
+                   help="keep graph inputs/outputs FP32 (default) or give them the target type")
+    p.add_argument("--holdout", help="samples not used for calibration, to verify on")
+    p.add_argument("--rtol", type=float, default=1e-2,
+                   help="largest relative L2 error of each output (default 1e-2)")
+    p.add_argument("--max-rounds", type=int, default=3,
+                   help="verification rounds; each pins the first divergent node (default 3)")
+    p.add_argument("--report", help="JSON report path (default: <output>.report.json)")
+    p.add_argument("--html", help="also write a self-contained HTML report here")
+    add_json(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from npuprep.cli.common import open_samples, print_json
+    from npuprep.data import load_samples
+    from npuprep.errors import NpuprepError
+    from npuprep.model_io import load_model
+    from npuprep.profiles import load_profile
+
+    profile = load_profile(args.target)
+    if args.model is None:
+        from npuprep.examples import example_data_dir, example_model_path
+
+        args.model = str(example_model_path())
+        if not (args.data or args.synthetic or args.stats):
+            args.data = str(example_data_dir())
+    model = load_model(args.model)
+    stem = Path(args.model).stem
+    default_ext = ".plan.yaml" if args.plan_only else ".onnx"
+    output = Path(args.output or f"{stem}.{profile.name}{default_ext}")
+    if output.exists() and output.resolve() == Path(args.model).resolve():
+        raise NpuprepError(f"{output}: refusing to overwrite the input model; choose another -o")
+    if args.plan and args.plan_only:
+        raise NpuprepError("--plan and --plan-only together: the plan already exists")
+
+    samples = open_samples(args, model.proto)
+    stats = _stats(args, model, samples)
+    if args.plan_only:
+        return _plan_only(args, model, profile, stats, output)
+    if samples is None:
+        raise NpuprepError("convert verifies on samples: give --data D or --synthetic N")
+
+    from npuprep.convert import convert
+    from npuprep.plan import load_plan
+
+    plan = load_plan(args.plan, model) if args.plan else None
+    holdout = load_samples(args.holdout, model.proto, batched=args.batched) if args.holdout else None
+    result = convert(
+        model, profile, list(samples), stats=stats, plan=plan, precision=args.precision,
+        io_types=args.io_types, rtol=args.rtol, holdout=list(holdout) if holdout else None,
+        samples_description=samples.describe(), synthetic=samples.synthetic,
+        max_rounds=max(1, args.max_rounds),
+    )
+    report = _write_artefacts(args, result, output)
+    if args.json:
+        print_json(report)
+    else:
+        _print_summary(report)
+    return 0 if result.passed else 1
+
+
+def _stats(args: argparse.Namespace, model: Any, samples: Any) -> Any:
+    from npuprep.calibrate import calibrate, load_stats
+
+    if args.stats:
+        return load_stats(args.stats, model)
+    if samples is None:
+        return None
+    return calibrate(model, samples, jobs=args.jobs, show_progress=not args.json)
+
+
+def _plan_only(args: argparse.Namespace, model: Any, profile: Any, stats: Any, output: Path) -> int:
+    from npuprep.analyse import static_findings
+    from npuprep.analyse.measured import measured_findings
+    from npuprep.cli.common import print_json
+    from npuprep.plan import save_plan
+    from npuprep.plan.planner import make_plan
+
+    findings = static_findings(model, profile)
+    if stats is not None:
+        findings = findings.merged(measured_findings(model, profile, stats, args.precision))
+    plan = make_plan(model, profile, stats, findings, precision=args.precision)
+    save_plan(plan, output)
+    if args.json:
+        print_json(plan.to_dict() | {"written": str(output)})
+    else:
+        print(f"plan: {len(plan.actions)} actions, {len(plan.declined)} declined -> {output}")
+        for a in plan.actions:
+            print(f"  {a.action:9s} {_where(a)}  ({a.why})")
+    return 0
+
+
+def _where(action: Any) -> str:
+    from npuprep.report.render_md import action_target
+
+    return action_target(action.to_dict())
+
+
+def _write_artefacts(args: argparse.Namespace, result: Any, output: Path) -> dict[str, Any]:
+    """The model, its reports and constraint files, each written atomically."""
+    from npuprep.cli.common import dump_json
+    from npuprep.model_io import Model, fingerprint, save_model, write_text_atomic
+    from npuprep.plan import PinFp32, save_plan
+    from npuprep.report import constraints
+    from npuprep.report.render_md import convert_markdown
+
+    base = output.with_suffix("")
+    report_path = Path(args.report) if args.report else Path(f"{base}.report.json")
+    lowered = result.lowered.model
+    save_model(lowered, output, protected=(args.model,))
+    # Constraint files speak of the lowered model's node names, pins from lowering included.
+    low_model = Model(proto=lowered, path=str(output), fingerprint=fingerprint(lowered))
+    extra = sorted(set(result.pinned_nodes) - result.plan.pinned_nodes())
+    plan = result.plan
+    if extra:
+        plan = _with_pins(plan, extra, PinFp32)
+    flags = constraints.trt_flags(plan, low_model)
+    artefacts = {
+        "model": str(output),
+        "plan": str(save_plan(result.plan, f"{base}.plan.yaml")),
+        "precision_yaml": str(write_text_atomic(f"{base}.precision.yaml",
+                                                constraints.precision_yaml(plan, low_model))),
+        "trtexec": str(write_text_atomic(f"{base}.trtexec.txt", "\n".join(
+            [flags.command_line(output.name), "", *(f"# {n}" for n in flags.notes)]) + "\n")),
+        "horizon_node_info": str(write_text_atomic(f"{base}.horizon.yaml",
+                                                   constraints.horizon_node_info(plan, low_model))),
+        "rknn_custom_quantize_layers": str(write_text_atomic(
+            f"{base}.rknn.yaml", constraints.rknn_custom_quantize_layers(plan, low_model))),
+    }
+    report = result.to_dict(output=str(output))
+    report["artefacts"] = artefacts | {"report_json": str(report_path),
+                                       "report_md": f"{base}.report.md"}
+    if args.html:
+        report["artefacts"]["report_html"] = args.html
+    write_text_atomic(report_path, dump_json(report))
+    write_text_atomic(f"{base}.report.md", convert_markdown(report))
+    if args.html:
+        from npuprep.report.render_html import write_html
+
+        write_html(report, args.html)
+    return report
+
+
+def _with_pins(plan: Any, nodes: list[str], pin_cls: Any) -> Any:
+    from dataclasses import replace
+
+    pin = pin_cls(nodes=tuple(nodes), why="kept FP32 by rewriting or lowering (boundary, range)")
+    return replace(plan, actions=(*plan.actions, pin))
+
+
+def _print_summary(report: dict[str, Any]) -> None:
+    from npuprep.cli.common import print_table
+
+    print(f"npuprep convert: {report['model']} -> {report['output']} "
+          f"(target {report['target']}, {report['precision']})")
+    if report["samples"]["synthetic"]:
+        print("samples are synthetic: the ranges are not those of real data")
+    if report["actions"]:
+        from npuprep.report.render_md import action_target
+
+        print_table("Actions", ["#", "action", "where", "why"],
+                    [(i, a["action"], action_target(a), a.get("why", ""))
+                     for i, a in enumerate(report["actions"], 1)])
+    ver = report.get("verification") or {}
+    print_table("Outputs under emulated target numerics", ["output", "Inf/NaN", "max abs err", "rel L2"],
+                [(k, o["nonfinite"], o["max_abs_error"], o["rel_l2"])
+                 for k, o in (ver.get("outputs") or {}).items()])
+    print(f"FP32 FLOPs share {100 * report['flops_fp32_share']:.2f}%, "
+          f"{report['cast_count']} Casts, {len(report['pinned_nodes'])} pinned nodes, "
+          f"{len(report['declined'])} declined remedies")
+    for note in report.get("notes", []):
+        print(f"note: {note}")
+    first = report.get("first_divergent")
+    verdict = "PASSED" if report["passed"] else (
+        f"FAILED: first divergent node '{first['node']}' ({first['op_type']})" if first else "FAILED")
+    print(f"{verdict}; report: {report['artefacts']['report_md']}")

@@ -1,0 +1,275 @@
+"""The convert pipeline: findings -> plan -> rewrite (FP32) -> lower -> verify under emulation.
+
+Each stage is its own module; this file only chains them and, when verification names a
+first divergent node, pins it and tries again (a bounded number of rounds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from npuprep.analyse.finding import Findings
+from npuprep.data import Feed
+from npuprep.model_io import Model, fingerprint
+from npuprep.numerics import NumberFormat, get_format
+from npuprep.plan import PinFp32, Plan
+from npuprep.profiles import Pinning, TargetProfile
+
+SCHEMA_VERSION = 1
+DEFAULT_RTOL = 1e-2
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    """Graph outputs of the lowered model, emulated on the target, against the FP32 reference.
+
+    Truthy when no output holds Inf/NaN and every relative L2 error is within `rtol`.
+    """
+
+    rtol: float
+    samples: int
+    outputs: dict[str, dict[str, float]]
+
+    def __bool__(self) -> bool:
+        return all(o["nonfinite"] == 0 and o["rel_l2"] <= self.rtol for o in self.outputs.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": bool(self), "rtol": self.rtol, "samples": self.samples,
+                "outputs": {k: dict(v) for k, v in sorted(self.outputs.items())}}
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    """Everything `convert` decided and measured; truthy when verification passed."""
+
+    source: Model
+    profile: TargetProfile
+    fmt: NumberFormat
+    findings: Findings
+    plan: Plan
+    rewritten: Any  # onnx.ModelProto, FP32, same function (up to clamps)
+    lowered: Any  # npuprep.rewrite.lower.Lowered
+    tensor_scales: dict[str, float]
+    pinned_nodes: tuple[str, ...]
+    output_check: OutputCheck | None
+    layers: Any  # CompareResult of the rewritten graph's emulation, layer by layer
+    holdout: OutputCheck | None
+    flops_fp32_share: float
+    rounds: int
+    samples_description: str
+    synthetic: bool
+    stats: Any = None
+    declined: tuple[Any, ...] = ()
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def passed(self) -> bool:
+        checks = [c for c in (self.output_check, self.holdout) if c is not None]
+        return all(checks)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    @property
+    def first_divergent(self) -> Any:
+        return None if self.layers is None else self.layers.first_divergent
+
+    def to_dict(self, *, output: str = "") -> dict[str, Any]:
+        layers = self.layers.to_dict() if self.layers is not None else None
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "kind": "convert",
+            "fingerprint": self.source.fingerprint,
+            "output_fingerprint": fingerprint(self.lowered.model),
+            "model": self.source.path,
+            "output": output,
+            "target": self.profile.name,
+            "profile": self.profile.to_dict(),
+            "precision": self.fmt.name,
+            "passed": self.passed,
+            "samples": {"description": self.samples_description, "synthetic": self.synthetic},
+            "findings": self.findings.to_dict(),
+            "plan": self.plan.to_dict(),
+            "actions": [a.to_dict() for a in self.plan.actions],
+            "declined": [d.to_dict() for d in (*self.plan.declined, *self.declined)],
+            "pinned_nodes": list(self.pinned_nodes),
+            "forced_fp32": dict(sorted(self.lowered.forced_fp32.items())),
+            "cast_count": self.lowered.cast_count,
+            "flops_fp32_share": self.flops_fp32_share,
+            "tensor_scales": dict(sorted(self.tensor_scales.items())),
+            "tensors": self.tensor_rows(),
+            "verification": self.output_check.to_dict() if self.output_check else None,
+            "holdout": self.holdout.to_dict() if self.holdout else None,
+            "first_divergent": layers["first_divergent"] if layers and not self.passed else None,
+            "compare": layers,
+            "rounds": self.rounds,
+            "notes": list(self.notes),
+        }
+
+    def tensor_rows(self) -> list[dict[str, Any]]:
+        """Every compared tensor with abs-max before (reference) and after (converted, emulated)."""
+        if self.layers is None:
+            return []
+        fmt_max = self.fmt.max
+        rows = []
+        for t in self.layers.tensors:
+            rows.append({
+                "tensor": t.tensor, "node": t.node, "op_type": t.op_type,
+                "absmax_before": t.ref_absmax, "absmax_after": t.cand_absmax,
+                "headroom_before": fmt_max / t.ref_absmax if t.ref_absmax else None,
+                "headroom_after": fmt_max / t.cand_absmax if t.cand_absmax else None,
+                "scale": t.scale,
+            })
+        return rows
+
+
+def convert(
+    model: Model,
+    profile: TargetProfile,
+    samples: Sequence[Feed],
+    *,
+    stats: Any = None,
+    plan: Plan | None = None,
+    precision: str | None = None,
+    io_types: str = "fp32",
+    rtol: float = DEFAULT_RTOL,
+    holdout: Sequence[Feed] | None = None,
+    samples_description: str = "",
+    synthetic: bool = False,
+    max_rounds: int = 3,
+) -> ConversionResult:
+    """Plan (unless a plan is given), rewrite, lower and verify `model` for `profile`.
+
+    `samples` are the calibration samples (verification runs on them); `holdout` verifies
+    on samples not used for calibration. `stats` are the calibration statistics (None:
+    plan from static findings only).
+    """
+    from npuprep.analyse import static_findings
+    from npuprep.plan.planner import make_plan
+
+    fmt = get_format(precision or profile.default_precision)
+    findings = static_findings(model, profile)
+    if stats is not None:
+        from npuprep.analyse.measured import measured_findings
+
+        findings = findings.merged(measured_findings(model, profile, stats, precision))
+    if plan is None:
+        plan = make_plan(model, profile, stats, findings, precision=precision)
+    notes: list[str] = []
+    result = None
+    for round_no in range(1, max_rounds + 1):
+        result = _build(model, profile, fmt, plan, samples, io_types=io_types, rtol=rtol,
+                        holdout=holdout)
+        if result["output_check"] or round_no == max_rounds:
+            break
+        first = result["layers"].first_divergent
+        pinned = set(result["pinned"])
+        if first is None or not first.node or first.node in pinned or first.node in plan.forbid_pin:
+            break
+        if profile.fp32_pinning is Pinning.NONE:
+            notes.append(f"verification failed at '{first.node}'; the target cannot pin FP32")
+            break
+        notes.append(f"round {round_no}: outputs failed verification; first divergent node "
+                     f"'{first.node}' ({first.op_type}) pinned to FP32 and retried")
+        pin = PinFp32(nodes=(first.node,), exit_tensors=(), forced=False,
+                      request=profile.fp32_pinning is Pinning.COMPILER_DECIDES,
+                      why=f"verification round {round_no}: first divergent node "
+                          f"(rel L2 {first.rel_l2:.3g}, max abs error {first.max_abs_error:.3g})")
+        plan = replace(plan, actions=(*plan.actions, pin))
+    assert result is not None
+    return ConversionResult(
+        source=model, profile=profile, fmt=fmt, findings=findings, plan=plan,
+        rewritten=result["rewritten"], lowered=result["lowered"],
+        tensor_scales=result["scales"], pinned_nodes=tuple(sorted(result["pinned"])),
+        output_check=result["output_check"], layers=result["layers"],
+        holdout=result["holdout"], flops_fp32_share=result["flops_share"], rounds=round_no,
+        samples_description=samples_description, synthetic=synthetic, stats=stats,
+        declined=result["declined"], notes=tuple(notes) + result["notes"],
+    )
+
+
+def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
+           samples: Sequence[Feed], *, io_types: str, rtol: float,
+           holdout: Sequence[Feed] | None) -> dict[str, Any]:
+    from npuprep.report.flops import fp32_flops_share
+    from npuprep.rewrite.apply import apply_plan
+    from npuprep.rewrite.lower import lower
+    from npuprep.verify.compare import DEFAULT_ATOL, compare_models, emulation_notes
+    from npuprep.verify.emulate import emulate
+
+    applied = apply_plan(model.proto, plan)
+    pinned = set(plan.pinned_nodes()) | set(applied.fp32_nodes)
+    lower_fmt = fmt if fmt.name in ("fp16", "bf16") else get_format("fp16")
+    lowered = lower(applied.model, lower_fmt, pinned_nodes=sorted(pinned), io_types=io_types)
+    pinned |= set(lowered.pinned_nodes)
+    emulation = emulate(applied.model, fmt, saturate=profile.saturates, pinned_nodes=pinned)
+    layers = compare_models(model.proto, emulation.model, samples, rtol=rtol, atol=DEFAULT_ATOL,
+                            tensor_scales=applied.tensor_scales, fmt=fmt)
+    notes = list(emulation_notes(profile, profile.saturates))
+    if fmt is not lower_fmt:
+        notes.append(f"the ONNX artefact is lowered to {lower_fmt.name}; {fmt.name} is emulated, "
+                     "quantisation to it is the compiler's job")
+    output_check = check_outputs(model.proto, lowered.model, lower_fmt, samples,
+                                 saturate=profile.saturates, rtol=rtol, io_types=io_types)
+    held = None
+    if holdout is not None:
+        held = check_outputs(model.proto, lowered.model, lower_fmt, holdout,
+                             saturate=profile.saturates, rtol=rtol, io_types=io_types)
+    return {
+        "rewritten": applied.model, "lowered": lowered, "scales": applied.tensor_scales,
+        "pinned": pinned, "layers": layers, "output_check": output_check, "holdout": held,
+        "flops_share": fp32_flops_share(applied.model, pinned), "declined": applied.declined,
+        "notes": tuple(notes),
+    }
+
+
+def check_outputs(reference: Any, lowered: Any, fmt: NumberFormat, samples: Sequence[Feed], *,
+                  saturate: bool, rtol: float, io_types: str = "fp32") -> OutputCheck:
+    """Run the reference and the lowered model's emulation; per-output Inf/NaN and errors.
+
+    The lowered model is judged by widening it back to FP32 with explicit rounding wherever
+    it stores the low format (npuprep.verify.widen), and it is also run as-is on
+    onnxruntime, which proves it loads and runs.
+    """
+    from npuprep.runtime.session import make_session, run
+    from npuprep.verify.widen import emulate_lowered
+
+    ref = make_session(reference)
+    emu = make_session(emulate_lowered(lowered, fmt, saturate=saturate).model)
+    real = make_session(lowered)
+    real_inputs = {i.name: i.type for i in real.get_inputs()}
+    acc: dict[str, dict[str, float]] = {}
+    n = 0
+    for feed in samples:
+        n += 1
+        r = run(ref, feed)
+        c = run(emu, feed)
+        run(real, {k: _as_input(v, real_inputs.get(k, "")) for k, v in feed.items()})
+        for name, rv in r.items():
+            cv = np.asarray(c[name], dtype=np.float64)
+            rv = np.asarray(rv, dtype=np.float64)
+            if not np.issubdtype(rv.dtype, np.floating):
+                continue
+            a = acc.setdefault(name, {"nonfinite": 0, "err2": 0.0, "ref2": 0.0, "max_abs_error": 0.0})
+            bad = ~np.isfinite(cv)
+            a["nonfinite"] += int(bad.sum())
+            diff = np.where(bad, 0.0, cv - rv)
+            a["err2"] += float((diff**2).sum())
+            a["ref2"] += float((rv**2).sum())
+            a["max_abs_error"] = max(a["max_abs_error"], float(np.abs(diff).max(initial=0.0)))
+    outputs = {
+        name: {"nonfinite": a["nonfinite"], "max_abs_error": a["max_abs_error"],
+               "rel_l2": float(np.sqrt(a["err2"] / a["ref2"])) if a["ref2"] > 0 else float(np.sqrt(a["err2"]))}
+        for name, a in acc.items()
+    }
+    return OutputCheck(rtol=rtol, samples=n, outputs=outputs)
+
+
+def _as_input(value: np.ndarray, ort_type: str) -> np.ndarray:
+    if ort_type == "tensor(float16)":
+        return value.astype(np.float16)
+    return value
