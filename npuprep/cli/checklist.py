@@ -21,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from npuprep.analyse import static_findings
     from npuprep.cli.common import dump_json
     from npuprep.crosscheck.checklist import build_checklist, scan_workspace, to_markdown
     from npuprep.model_io import load_model, write_text_atomic
@@ -28,15 +29,22 @@ def run(args: argparse.Namespace) -> int:
 
     model = load_model(args.model)
     profile = load_profile(args.target)
+    workspace = scan_workspace(args.workspace) if args.workspace else None
+    findings = static_findings(model, profile)
+    stats_arg = args.stats or ""
+    found = workspace.latest("stats", model.fingerprint) if workspace and not stats_arg else None
+    if found and found[1].get("fingerprint") == model.fingerprint:
+        stats_arg = found[0]
     stats = None
-    if args.stats:
+    if stats_arg:
+        from npuprep.analyse.measured import measured_findings
         from npuprep.calibrate import load_stats
 
-        stats = load_stats(args.stats, model)
-    workspace = scan_workspace(args.workspace) if args.workspace else None
+        stats = load_stats(stats_arg, model)
+        findings = findings.merged(measured_findings(model, profile, stats))
     checklist = build_checklist(model, profile, model_arg=args.model, target_arg=args.target,
-                                stats=stats, stats_arg=args.stats or "", workspace=workspace,
-                                top_n=args.top)
+                                stats=stats, stats_arg=stats_arg, workspace=workspace,
+                                findings=findings, top_n=args.top)
     text = dump_json(checklist.to_dict()) if args.json else to_markdown(checklist)
     if args.output:
         write_text_atomic(args.output, text)

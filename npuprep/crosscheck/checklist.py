@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import onnx
 
-from npuprep.crosscheck.check import VERDICTS
+from npuprep.analyse.finding import Finding
+from npuprep.crosscheck.check import VERDICTS, is_sensitive
 from npuprep.crosscheck.readers import DEFAULT_REPORT_NAME, HOW_TO_GET
 from npuprep.errors import NpuprepError
 from npuprep.graph import attribute, tensor_types, walk_graphs
@@ -119,9 +121,13 @@ def build_checklist(
     stats: Any = None,
     stats_arg: str = "",
     workspace: Workspace | None = None,
+    findings: Iterable[Finding] = (),
     top_n: int = 10,
 ) -> Checklist:
-    """The checklist for `model` on `profile`; `*_arg` are the paths as the user typed them."""
+    """The checklist for `model` on `profile`; `*_arg` are the paths as the user typed them.
+
+    `findings` (static and measured) name the nodes the precision list must keep wide.
+    """
     ws_arg = workspace.path if workspace else "W"
     notes = list(workspace.notes) if workspace else []
     if stats is None and workspace is not None:
@@ -135,7 +141,7 @@ def build_checklist(
                    workspace)
     items = (
         _calibrate(ctx, stats),
-        _precision_list(ctx, plan),
+        _precision_list(ctx, plan, findings),
         _probe(ctx),
         _crosscheck(ctx, plan is not None, stats is not None),
         _compare(ctx, stats, top_n),
@@ -214,7 +220,7 @@ def bf16_tensors(model: Model) -> list[str]:
     return found
 
 
-def _precision_list(ctx: _Context, plan: Any) -> Item:
+def _precision_list(ctx: _Context, plan: Any, findings: Iterable[Finding]) -> Item:
     p = ctx.profile
     title = f"Confirm the precision list ({p.default_precision} by default, FP32 where pinned) " \
             "and that no BF16 reaches the compiler"
@@ -229,13 +235,18 @@ def _precision_list(ctx: _Context, plan: Any) -> Item:
                      f"-o {ctx.ws}/model_{p.default_precision}.onnx")
     else:
         evidence.append("no BF16 tensor or Cast to BF16 in the model")
+    sensitive = list(dict.fromkeys(f.node for f in findings if is_sensitive(f) and f.node))
+    if sensitive:
+        shown = ", ".join(f"`{n}`" for n in sensitive[:8]) + (" ..." if len(sensitive) > 8 else "")
+        evidence.append(f"{len(sensitive)} nodes need more than {p.default_precision} "
+                        f"(small-op rules or measured ranges): {shown}")
     if plan is not None:
         pinned = sorted(plan.pinned_nodes())
         shown = ", ".join(f"`{n}`" for n in pinned[:8]) + (" ..." if len(pinned) > 8 else "")
         evidence.append(f"plan `{ctx.workspace.path}/plan.yaml`: {len(pinned)} nodes pinned to FP32"
                         + (f" ({shown})" if pinned else "") + f", the rest in {plan.precision}")
     else:
-        steps.append(f"npuprep check {ctx.model_arg} --target {ctx.target_arg} --stats {ctx.stats_arg}")
+        steps.append(f"npuprep check {ctx.model_arg} --target {ctx.target_arg}")
         steps.append(f"save the reviewed plan as {ctx.ws}/plan.yaml and give the compiler its "
                      "precision constraints (npuprep convert ... --plan)")
     return Item("precision", title, plan is not None and not bf16, tuple(evidence), tuple(steps))
