@@ -19,6 +19,10 @@ LIMIT_STYLE = {"max": ("#c0392b", "-"), "fp8": ("#7b241c", "-."), "headroom": ("
 REMEDY_COLOR = {"rescale": "#27ae60", "clamp": "#f39c12", "pin_fp32": "#8e44ad"}
 # Tensor names fit under the axis up to this many tensors; beyond, positions are numbered.
 NAMED_TICKS = 40
+# Beyond this many tensors, per-point markers only blur the line.
+DOTTED_UP_TO = 200
+# Legends sit right of the plot, where they cannot hide data or the first-divergent mark.
+LEGEND = {"loc": "upper left", "bbox_to_anchor": (1.005, 1.0), "fontsize": 8, "frameon": False}
 
 
 def available() -> bool:
@@ -72,8 +76,10 @@ def _plot_magnitudes(ax: Any, xs: Sequence[int], values: Sequence[float | None],
                      ceiling: float, *, label: str, color: str, marker: str = "o") -> None:
     """A log-scale line of magnitudes; zeros sit on the floor, non-finite on the ceiling."""
     ys = [None if v is None else (ceiling if not math.isfinite(v) else max(v, floor)) for v in values]
-    ax.plot(xs, [math.nan if y is None else y for y in ys], color=color, marker=marker,
-            markersize=3, linewidth=1, label=label)
+    dense = len(xs) > DOTTED_UP_TO
+    ax.plot(xs, [math.nan if y is None else y for y in ys], color=color,
+            marker=None if dense else marker, markersize=3, linewidth=0.7 if dense else 1,
+            label=label)
     bad = [x for x, v in zip(xs, values, strict=True) if v is not None and not math.isfinite(v)]
     if bad:
         ax.scatter(bad, [ceiling] * len(bad), marker="X", s=50, color="#c0392b", zorder=5,
@@ -112,7 +118,8 @@ def headroom_svg(points: Sequence[TensorPoint], limits: Sequence[Limit],
         color, style = LIMIT_STYLE.get(lim.role, ("#555555", ":"))
         ax.axhline(lim.value, color=color, linestyle=style, linewidth=1.2)
         ax.text(0.005, lim.value, lim.label, transform=ax.get_yaxis_transform(), color=color,
-                fontsize=8, va="bottom", ha="left")
+                fontsize=8, va="bottom", ha="left", zorder=7,
+                bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
     if has_after:
         _plot_magnitudes(ax, xs, before, floor, ceiling, label="abs-max before", color="#95a5a6")
         _plot_magnitudes(ax, xs, after, floor, ceiling, label="abs-max after", color="#2471a3")
@@ -134,7 +141,7 @@ def headroom_svg(points: Sequence[TensorPoint], limits: Sequence[Limit],
     for kind in kinds:
         handles.append(Patch(color=REMEDY_COLOR.get(kind, "#555555"), label=f"remedy: {kind}"))
         labels.append(f"remedy: {kind}")
-    ax.legend(handles, labels, loc="upper right", fontsize=8, framealpha=0.9)
+    ax.legend(handles, labels, **LEGEND)
     ax.set_ylabel("abs-max (log)")
     ax.grid(True, which="major", axis="y", alpha=0.3)
     _tensor_axis(ax, [p.tensor for p in points])
@@ -170,10 +177,12 @@ def error_svg(series: ErrorSeries) -> str:
             ax.axvline(series.first_divergent, color="#c0392b", linestyle="--", linewidth=1.2)
         ax.set_ylabel(name)
         ax.grid(True, which="major", axis="y", alpha=0.3)
-        ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
+        ax.legend(**LEGEND)
     if series.first_divergent is not None:
         ax_rel.annotate(f"first divergent: {series.first_divergent_label}",
                         (series.first_divergent, 1.0), xycoords=("data", "axes fraction"),
-                        xytext=(4, -12), textcoords="offset points", color="#c0392b", fontsize=8)
+                        xytext=(4, -12), textcoords="offset points", color="#c0392b", fontsize=8,
+                        zorder=7, bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8,
+                                        "pad": 1})
     _tensor_axis(ax_abs, [p.tensor for p in pts])
     return _to_svg(fig, "npuprep-error")

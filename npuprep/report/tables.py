@@ -225,13 +225,24 @@ def summary(result: Mapping[str, Any]) -> list[tuple[str, str]]:
     if cmp is not None:
         first = cmp.get("first_divergent")
         if isinstance(first, Mapping):
-            rows.append(("first divergent", compact({k: first[k] for k in first
-                                                     if not isinstance(first[k], Mapping | list)})))
+            rows.append(("first divergent", first_divergent_text(first)))
         elif "first_divergent" in cmp:
             rows.append(("first divergent", "none"))
     rows.append(("fingerprint", str(result.get("fingerprint", "")) or "(none)"))
     rows.append(("schema_version", compact(result.get("schema_version"))))
     return rows
+
+
+def first_divergent_text(first: Mapping[str, Any]) -> str:
+    """`node (op) writes tensor: reason; max abs .., rel L2 .., |cand| max .., headroom ..`."""
+    e = compare_entry(first)
+    text = f"{e['node']} ({e['op_type']}) writes {e['tensor']}"
+    if e["reason"]:
+        text += f": {e['reason']}"
+    numbers = {"max abs": e["max_abs"], "rel L2": e["rel_l2"], "|cand| max": e["absmax"],
+               "headroom": e["headroom"]}
+    shown = ", ".join(f"{k} {v:.4g}" for k, v in numbers.items() if v is not None)
+    return f"{text}; {shown}" if shown else text
 
 
 def profile_rows(profile: Mapping[str, Any], prefix: str = "") -> list[tuple[str, str]]:
