@@ -52,7 +52,12 @@ class Range:
         return int(np.isinf(self.values).sum())
 
     def fraction_below(self, t: float) -> float:
-        return float(np.mean(np.abs(self.values) < t))
+        """Share with 0 < |x| < t (zeros apart), as RangeStats counts it."""
+        a = np.abs(self.values)
+        return float(np.mean((a > 0) & (a < t)))
+
+    def fraction_above(self, t: float) -> float:
+        return float(np.mean(np.abs(self.values) > t))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +180,8 @@ def test_no_pinning_falls_back_to_clamping_the_exp_input():
     assert clamp.hi == math.floor(math.log(LIMIT) * 1000) / 1000 == 10.396
     assert math.exp(clamp.hi) <= LIMIT
     x = stats.tensors["x"]
-    assert clamp.measured["share_clipped"] == pytest.approx(1 - x.fraction_below(clamp.hi))
+    assert clamp.measured["share_clipped"] == pytest.approx(x.fraction_above(clamp.hi))
+    assert clamp.measured["share_clipped"] > 0
     assert [d.remedy for d in plan.declined] == ["rescale", "pin_fp32"]
     assert "fp32_pinning: none" in plan.declined[1].reason
     assert plan.pinned_nodes() == set()
@@ -355,3 +361,36 @@ def test_no_pinning_and_no_clamp_leaves_a_reasoned_note():
     assert plan.declined[-1].reason == "MatMul node mm1 takes no clamp (only Exp, Log, squares, divisions)"
     (note,) = plan.notes
     assert note.startswith("range.overflow at h: unresolved; rescale declined: ")
+
+
+@dataclasses.dataclass(frozen=True)
+class OrdinaryRange(Range):
+    """A tensor calibrated without detail: no histogram, so no share below a threshold."""
+
+    def fraction_below(self, t: float) -> None:
+        return None
+
+
+def test_without_histograms_the_precision_floor_decides_the_underflow_veto():
+    # x -> MatMul(W: channel 0 x 1e5, channel 1 x 1e-3) -> h -> Slice(channel 1) -> s -> MatMul(V) -> y
+    model = as_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[8, 2] x) => (float[8, 2] h, float[8, 1] y) <float[2, 2] W = {100000.0,0.0, 0.0,0.001}, float[1, 1] V = {1000.0}, int64[1] st = {1}, int64[1] en = {2}, int64[1] ax = {1}> {
+        [mm1] h = MatMul (x, W)
+        [slice] s = Slice (h, st, en, ax)
+        [mm2] y = MatMul (s, V)
+    }
+    """)
+    measured = measure(model, samples(2, (8, 2), 1.0))
+    stats = Stats({t: OrdinaryRange(t, r.values) for t, r in measured.tensors.items()})
+    plan = make_plan(model, GENERIC, stats, [overflow(stats, "h", "mm1", "MatMul")])
+    k = math.ceil(math.log2(stats.tensors["h"].absmax / LIMIT))
+    assert stats.tensors["s"].absmax * 2.0**-k * GENERIC.format.eps < GENERIC.format.min_normal
+    reasons = [d.reason for d in plan.declined if d.remedy == "rescale"]
+    assert reasons[0].startswith(f"2^-{k} on mm1 brings s to ")
+    assert reasons[0].endswith("no histogram shows how much would flush")
+    assert isinstance(plan.actions[0], PinFp32)
+    # Where the scaled tensor keeps its precision floor above the smallest normal, no veto.
+    stats = Stats({t: OrdinaryRange(t, r.values) for t, r in measure(as_model(CHAIN), samples(4, (2, 4), 10.0)).tensors.items()})
+    plan = make_plan(as_model(CHAIN), GENERIC, stats, [overflow(stats, "h", "mm1", "MatMul")])
+    assert [type(a) for a in plan.actions] == [Rescale]

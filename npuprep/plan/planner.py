@@ -348,13 +348,9 @@ class _Planner:
                 r = self.range_of(t)
                 if r is None:
                     return None, f"no measured range for domain tensor {t}"
-                pushed = (r.fraction_below(self.fmt.min_normal / 2.0**p)
-                          - r.fraction_below(self.fmt.min_normal))
-                if pushed > UNDERFLOW_SHARE:
-                    return None, (
-                        f"2^{-k} on {entry} pushes {pushed:.1%} of {t} below the smallest "
-                        f"{self.fmt.name} normal ({self.fmt.min_normal:.3g})"
-                    )
+                reason = self.underflow_veto(entry, k, t, p, r)
+                if reason:
+                    return None, reason
                 if r.absmax * 2.0**p > worst:
                     worst, worst_tensor = r.absmax * 2.0**p, t
             if worst <= self.limit:
@@ -365,6 +361,27 @@ class _Planner:
         return None, (
             f"2^{-k} on {entry} leaves {worst_tensor} at {worst:.6g}, over the limit {self.limit:.6g}"
         )
+
+    def underflow_veto(self, entry: str, k: int, t: str, p: int, r: Any) -> str:
+        """Why scaling `t` by 2^p flushes too much of it, or "" when it does not."""
+        if p >= 0:
+            return ""
+        after = self.fmt.min_normal / 2.0**p
+        newly, before = r.fraction_below(after), r.fraction_below(self.fmt.min_normal)
+        if newly is None or before is None:
+            # No histogram (an ordinary tensor): what drops under the smallest normal is
+            # harmless while it also lies under the scaled tensor's own precision floor.
+            floor = r.absmax * 2.0**p * self.fmt.eps
+            if floor >= self.fmt.min_normal:
+                return ""
+            return (f"2^{-k} on {entry} brings {t} to {r.absmax * 2.0**p:.3g}, where its "
+                    f"precision floor {floor:.3g} lies under the smallest {self.fmt.name} "
+                    f"normal, and no histogram shows how much would flush")
+        pushed = newly - before
+        if pushed <= UNDERFLOW_SHARE:
+            return ""
+        return (f"2^{-k} on {entry} pushes {pushed:.1%} of {t} below the smallest "
+                f"{self.fmt.name} normal ({self.fmt.min_normal:.3g})")
 
     def rescale_action(
         self, entry: str, check: Any, refs: tuple[FindingRef, ...], tensor: str,
@@ -512,9 +529,9 @@ class _Planner:
             numerator = float(num.absmax) if num is not None else 1.0
             lo = max(self.fmt.min_normal, 2.0 ** math.ceil(math.log2(max(numerator, 1e-30) / limit)))
             measured = {"numerator_absmax": numerator, "limit": float(limit)}
-            r = self.range_of(d)
-            if r is not None:
-                measured["share_below_guard"] = float(r.fraction_below(lo))
+            share = self.share(d, lo, below=True)
+            if share is not None:
+                measured["share_below_guard"] = share
             why = (f"{prefix}keep |{d}| >= {lo:.6g} so |numerator| {numerator:.6g} / |{d}| "
                    f"stays within {limit:.6g}; the sign is kept")
             self.clamps.append(Clamp(d, lo, None, "denominator", (label,), (ref,), measured, why))
@@ -525,9 +542,9 @@ class _Planner:
             why = (f"{prefix}clip the input of Log at the smallest {self.fmt.name} normal "
                    f"{lo:.3g} so it never sees 0; only values that flush change")
             measured = {"bound": lo}
-            r = self.range_of(x)
-            if r is not None:
-                measured["share_clipped"] = float(r.fraction_below(lo))
+            share = self.share(x, lo, below=True)
+            if share is not None:
+                measured["share_clipped"] = share
             self.clamps.append(Clamp(x, lo, None, "log", (label,), (ref,), measured, why))
             return None
         return f"{node.op_type} node {label} takes no clamp (only Exp, Log, squares, divisions)"
@@ -537,8 +554,18 @@ class _Planner:
         out = {"bound": float(bound), "limit": float(self.limit)}
         if r is not None:
             out["absmax"] = float(r.absmax)
-            out["share_clipped"] = float(1.0 - r.fraction_below(bound))
+        share = self.share(tensor, bound, below=False)
+        if share is not None:
+            out["share_clipped"] = share
         return out
+
+    def share(self, tensor: str, bound: float, *, below: bool) -> float | None:
+        """Measured share of |x| below (or above) a bound; None when unmeasured."""
+        r = self.range_of(tensor)
+        if r is None:
+            return None
+        value = r.fraction_below(bound) if below else r.fraction_above(bound)
+        return None if value is None else float(value)
 
     # ------------------------------------------------------------ underflow
 
@@ -548,12 +575,15 @@ class _Planner:
             self.notes.append(f"{ref}: underflow needs a measured range to plan a rescale")
             return
         base = r.fraction_below(self.fmt.min_normal)
-        zeros = r.zero_count / r.count if r.count else 0.0
+        if base is None:
+            self.notes.append(f"{ref}: no histogram of {f.tensor}; recalibrate with full detail to plan a rescale")
+            return
         j = 0
         for step in range(1, 64):
             if r.absmax * 2.0**step > self.limit:
                 break
-            if r.fraction_below(self.fmt.min_normal / 2.0**step) - zeros <= UNDERFLOW_SHARE:
+            lifted = r.fraction_below(self.fmt.min_normal / 2.0**step)
+            if lifted is not None and lifted <= UNDERFLOW_SHARE:
                 j = step
                 break
         if j == 0:
@@ -567,7 +597,7 @@ class _Planner:
                 if check is not None:
                     action = self.rescale_action(entry, check, (ref,), f.tensor, r.absmax, "")
                     self.rescales.append(replace(action, why=(
-                        f"{base - zeros:.1%} of {f.tensor} lies below the smallest "
+                        f"{base:.1%} of {f.tensor} lies below the smallest "
                         f"{self.fmt.name} normal; " + action.why)))
                     return
                 self.declined.append(Declined("rescale", entry, reason, (ref,)))
