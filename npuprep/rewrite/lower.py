@@ -489,10 +489,12 @@ def _shape_computations(graph: onnx.GraphProto, types: dict[str, int],
         if node.op_type in ("Shape", "Size"):
             derived.update(o for o in node.output if o)
             continue
+        if node.op_type == "ConstantOfShape":
+            continue  # its output is data of a computed shape, not a shape
         if ins and any(i in derived for i in ins) and all(
                 i in derived or i in weights or types.get(i) != FLOAT for i in ins):
             derived.update(o for o in node.output if o)
-            if any(types.get(o) == FLOAT for o in node.output):
+            if any(types.get(t) == FLOAT for t in [*ins, *node.output]):
                 found.add(id(node))
     readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
     for node in graph.node:

@@ -1,0 +1,255 @@
+"""Lowering to FP16: islands stay FP32, the converter traps are avoided, the result runs."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, numpy_helper
+from rewrite_util import build, outputs, rel_err
+
+from npuprep.errors import NpuprepError
+from npuprep.graph import walk_graphs
+from npuprep.numerics import get_format
+from npuprep.rewrite.lower import lower
+from npuprep.rewrite.pin import grow_island
+from npuprep.verify.emulate import emulate
+
+HEAD = '<ir_version: 8, opset_import: ["" : 17]>'
+RNG = np.random.default_rng(3)
+FP16 = get_format("fp16")
+
+
+def _w(*shape: int, scale: float = 1.0) -> np.ndarray:
+    return (RNG.normal(size=shape) * scale).astype(np.float32)
+
+
+def _inits(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
+    return {i.name: i for s in walk_graphs(model.graph) for i in s.graph.initializer}
+
+
+def _ops(model: onnx.ModelProto, op: str) -> list[onnx.NodeProto]:
+    return [n for s in walk_graphs(model.graph) for n in s.graph.node if n.op_type == op]
+
+
+def mlp():
+    # x -> MatMul(W1) -> Add(b) -> Relu -> MatMul(W1 shared) -> y
+    return build(HEAD + """
+    g (float[2,8] x) => (float[2,8] y) <float[8,8] W1, float[8] b> {
+      h = MatMul(x, W1)
+      hb = Add(h, b)
+      r = Relu(hb)
+      y = MatMul(r, W1)
+    }""", W1=_w(8, 8), b=_w(8))
+
+
+def test_lowered_model_runs_keeps_fp32_io_and_is_deterministic():
+    model = mlp()
+    first = lower(model, "fp16")
+    again = lower(model, FP16)
+    assert first.model.SerializeToString(deterministic=True) == again.model.SerializeToString(
+        deterministic=True)
+    assert first.cast_count == 2 and first.pinned_nodes == ()
+    assert first.model.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    assert first.model.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    assert {i.data_type for i in _inits(first.model).values()} == {TensorProto.FLOAT16}
+    feeds = {"x": RNG.normal(size=(2, 8)).astype(np.float32)}
+    assert rel_err(outputs(model, feeds)["y"], outputs(first.model, feeds)["y"]) < 1e-2
+    onnx.checker.check_model(first.model, full_check=True)
+
+
+def test_io_types_target():
+    lowered = lower(mlp(), "fp16", io_types="target")
+    assert lowered.cast_count == 0
+    assert lowered.model.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT16
+    out = outputs(lowered.model, {"x": RNG.normal(size=(2, 8)).astype(np.float16)})["y"]
+    assert out.dtype == np.float16
+
+
+def test_pinned_node_keeps_its_fp32_copy_of_a_shared_initialiser():
+    model = mlp()
+    lowered = lower(model, "fp16", pinned_nodes=["node_of_y"])
+    inits = _inits(lowered.model)
+    assert lowered.duplicated_initialisers == ("W1",)
+    assert inits["W1"].data_type == TensorProto.FLOAT and inits["W1__fp16"].data_type == TensorProto.FLOAT16
+    pinned = next(n for n in lowered.model.graph.node if n.name == "" and n.output[0] == "y")
+    assert list(pinned.input) == ["r__to_fp32", "W1"]
+    assert lowered.pinned_nodes == ("node_of_y",) and lowered.cast_count == 2
+
+
+def test_weights_beyond_range_pin_their_node_instead_of_clipping():
+    # x -> Mul(x, 1e6) -> Div(., 1e6) -> y ; BatchNorm variance 9.8e7 kept FP32
+    model = build(HEAD + """
+    g (float[1,2,2,2] x) => (float[1,2,2,2] y) <float big, float[2] g, float[2] b, float[2] m, float[2] v> {
+      n = BatchNormalization(x, g, b, m, v)
+      y = Relu(n)
+    }""", big=np.array(1e6, np.float32), g=_w(2), b=_w(2), m=_w(2), v=np.array([9.8e7, 1.0], np.float32))
+    lowered = lower(model, "fp16")
+    assert "node_of_n" in lowered.forced_fp32 and "9.8e+07" in lowered.forced_fp32["node_of_n"]
+    assert "node_of_n" in lowered.pinned_nodes
+    v = numpy_helper.to_array(_inits(lowered.model)["v"])
+    assert v.dtype == np.float32 and v[0] == np.float32(9.8e7)
+    feeds = {"x": RNG.normal(size=(1, 2, 2, 2)).astype(np.float32)}
+    assert rel_err(outputs(model, feeds)["y"], outputs(lowered.model, feeds)["y"]) < 1e-2
+
+
+def test_additive_mask_becomes_minus_max():
+    # scores + mask(FP32 lowest) -> Softmax -> p
+    mask = np.where(np.triu(np.ones((4, 4)), 1) > 0, np.finfo(np.float32).min, 0).astype(np.float32)
+    model = build(HEAD + """
+    g (float[4,4] s) => (float[4,4] p) <float[4,4] mask> {
+      a = Add(s, mask)
+      p = Softmax(a)
+    }""", mask=mask)
+    lowered = lower(model, "fp16")
+    assert lowered.mapped_masks == {"mask": 6} and not lowered.forced_fp32
+    low = numpy_helper.to_array(_inits(lowered.model)["mask"])
+    assert low.dtype == np.float16 and low.min() == -FP16.max
+    feeds = {"s": RNG.normal(size=(4, 4)).astype(np.float32)}
+    out = outputs(lowered.model, feeds)["p"]
+    assert np.isfinite(out).all()
+    assert rel_err(outputs(model, feeds)["p"], out) < 1e-2
+
+
+def test_shape_computation_resize_constants_and_casts():
+    # x -> Shape -> Cast(float) -> Mul(scale) -> Cast(int64) -> sizes of Resize(Conv(x));
+    # Constant * x; ConstantOfShape(-inf) as a Max floor; Cast(to=float) lowered with its node
+    model = build(HEAD + """
+    g (float[1,2,4,4] x) => (float[1,2,8,8] y, float[1,2,4,4] z) <float[4] sc, float[2,2,1,1] W> {
+      s = Shape(x)
+      sf = Cast<to=1>(s)
+      s2 = Mul(sf, sc)
+      si = Cast<to=7>(s2)
+      a = Conv(x, W)
+      y = Resize<mode="linear">(a, , , si)
+      k = Constant<value=float {3.0}>()
+      z0 = Mul(x, k)
+      zs = ConstantOfShape<value=float[1] {-inf}>(s)
+      z1 = Max(z0, zs)
+      z = Cast<to=1>(z1)
+    }""", sc=np.array([1, 1, 2, 2], np.float32), W=_w(2, 2, 1, 1))
+    lowered = lower(model, "fp16")
+    assert {"node_of_sf", "node_of_s2", "node_of_si"} <= set(lowered.forced_fp32)
+    nodes = {n.output[0]: n for n in lowered.model.graph.node}
+    assert nodes["s2"].input[0] == "sf" and nodes["si"].input[0] == "s2"
+    assert nodes["k"].attribute[0].t.data_type == TensorProto.FLOAT16
+    assert nodes["zs"].attribute[0].t.data_type == TensorProto.FLOAT16
+    assert nodes["z__fp16"].attribute[0].i == TensorProto.FLOAT16
+    feeds = {"x": RNG.normal(size=(1, 2, 4, 4)).astype(np.float32)}
+    ref, out = outputs(model, feeds), outputs(lowered.model, feeds)
+    assert out["y"].shape == (1, 2, 8, 8)
+    assert max(rel_err(ref[k], out[k]) for k in ref) < 1e-2
+
+
+def test_if_and_loop_bodies_are_lowered_consistently():
+    # If(c) { then: Mul(x, W) } else { Neg(x) } -> y ; Loop(n) { v * w, + x } -> l, ls
+    model = build(HEAD + """
+    g (float[2] x, bool c, int64 n) => (float[2] y, float[2] l, float[3,2] ls) <float[2] w> {
+      y = If(c) <then_branch = t () => (float[2] o1) { o1 = Mul(x, w) },
+                 else_branch = e () => (float[2] o2) { o2 = Neg(x) }>
+      t = Constant<value=bool {1}>()
+      l, ls = Loop(n, t, x) <body = b (int64 i, bool cin, float[2] v) => (bool cout, float[2] vo, float[2] so) {
+          cout = Identity(cin)
+          vo = Mul(v, w)
+          so = Add(vo, x)
+      }>
+    }""", w=np.array([1.5, 0.5], np.float32))
+    lowered = lower(model, "fp16")
+    bodies = [s.graph for s in walk_graphs(lowered.model.graph) if not s.is_main]
+    for body in bodies:
+        floats = [o for o in body.output if o.type.tensor_type.elem_type in (1, 10)]
+        assert {o.type.tensor_type.elem_type for o in floats} == {TensorProto.FLOAT16}
+    for c in (True, False):
+        feeds = {"x": np.array([1.0, -2.0], np.float32), "c": np.array(c), "n": np.array(3)}
+        ref, out = outputs(model, feeds), outputs(lowered.model, feeds)
+        assert max(rel_err(ref[k], out[k]) for k in ref) < 1e-2
+
+
+def test_pinned_node_inside_a_body():
+    # If(c) { then: Mul(x, x) -> Sqrt } else { Neg(x) } -> y, with the square pinned
+    model = build(HEAD + """
+    g (float[3] x, bool c) => (float[3] y) {
+      y = If(c) <then_branch = t () => (float[3] o1) { sq = Mul(x, x)
+                                                       o1 = Sqrt(sq) },
+                 else_branch = e () => (float[3] o2) { o2 = Neg(x) }>
+    }""")
+    lowered = lower(model, "fp16", pinned_nodes=["node_of_sq", "node_of_o1"])
+    feeds = {"x": np.array([300.0, 1.0, -400.0], np.float32), "c": np.array(True)}
+    out = outputs(lowered.model, feeds)["y"]
+    np.testing.assert_allclose(out, [300.0, 1.0, 400.0], rtol=1e-3)
+    emu = emulate(model, FP16, saturate=False, pinned_nodes=lowered.pinned_nodes).model
+    assert np.isfinite(outputs(emu, feeds)["y"]).all()
+
+
+def test_bf16_weights_and_casts_are_normalised():
+    # x -> Cast(bf16) -> Cast(float) -> Mul(W bf16) -> y
+    w = np.array([1.5, -2.0, 3.25], dtype=ml_dtypes.bfloat16)
+    model = build(HEAD + """
+    g (float[3] x) => (float[3] y) <bfloat16[3] W> {
+      xb = Cast<to=16>(x)
+      wf = Cast<to=1>(W)
+      xf = Cast<to=1>(xb)
+      y = Mul(xf, wf)
+    }""", W=w)
+    lowered = lower(model, "fp16")
+    assert "W" in lowered.normalised_bf16
+    assert all(n.attribute[0].i != TensorProto.BFLOAT16 for n in _ops(lowered.model, "Cast"))
+    feeds = {"x": np.array([1.0, 2.0, -1.0], np.float32)}
+    np.testing.assert_allclose(outputs(lowered.model, feeds)["y"], [1.5, -4.0, -3.25])
+
+
+def test_decomposed_layernorm_island_removes_inf():
+    # x -> Sub(mean) -> Mul(c, c) -> ReduceMean -> Add(eps) -> Sqrt -> Div -> y
+    model = build(HEAD + """
+    g (float[2,16] x) => (float[2,16] y) <float eps> {
+      mu = ReduceMean<axes=[-1]>(x)
+      c = Sub(x, mu)
+      c2 = Mul(c, c)
+      v = ReduceMean<axes=[-1]>(c2)
+      ve = Add(v, eps)
+      sd = Sqrt(ve)
+      y = Div(c, sd)
+    }""", eps=np.array(1e-5, np.float32))
+    feeds = {"x": (RNG.normal(size=(2, 16)) * 600).astype(np.float32)}
+    ref = outputs(model, feeds)["y"]
+    limit = 0.5 * FP16.max
+    big = {t for t, v in _intermediates(model, feeds).items() if np.abs(v).max() > limit}
+    island = grow_island(model, "node_of_c2", lambda t: t not in big)
+    assert island.nodes == ("node_of_c2", "node_of_v", "node_of_ve", "node_of_sd")
+    naive = outputs(emulate(model, FP16, saturate=False).model, feeds)["y"]
+    fixed = outputs(emulate(model, FP16, saturate=False, pinned_nodes=island.nodes).model, feeds)["y"]
+    assert not np.isfinite(naive).all() or rel_err(ref, naive) > 0.5
+    assert np.isfinite(fixed).all() and rel_err(ref, fixed) < 1e-2
+    lowered = lower(model, "fp16", pinned_nodes=island.nodes)
+    assert lowered.cast_count == 4
+    assert rel_err(ref, outputs(lowered.model, feeds)["y"]) < 1e-2
+
+
+def _intermediates(model: onnx.ModelProto, feeds: dict) -> dict[str, np.ndarray]:
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    known = {o.name for o in exposed.graph.output}
+    for node in exposed.graph.node:
+        for out in node.output:
+            if out not in known:
+                exposed.graph.output.append(onnx.helper.make_empty_tensor_value_info(out))
+    return outputs(exposed, feeds)
+
+
+def test_large_model_path_is_checked_from_disk(monkeypatch):
+    import npuprep.rewrite.graph_ops as graph_ops
+    import npuprep.rewrite.lower as lower_mod
+
+    # Pretend the protobuf limit is tiny, so the external-data branches run on a small model.
+    monkeypatch.setattr(graph_ops, "PROTOBUF_LIMIT", 64 * 2**20 + 16)
+    monkeypatch.setattr(lower_mod, "PROTOBUF_LIMIT", 64 * 2**20 + 16)
+    lowered = lower(mlp(), "fp16")
+    assert _inits(lowered.model)["W1"].data_type == TensorProto.FLOAT16
+
+
+def test_bad_format_and_io_types_are_user_errors():
+    with pytest.raises(NpuprepError, match="fp8_e4m3"):
+        lower(mlp(), "fp8_e4m3")
+    with pytest.raises(NpuprepError, match="io_types"):
+        lower(mlp(), "fp16", io_types="fp64")
