@@ -105,6 +105,9 @@ def _assemble(name: str, fmt: NumberFormat, elem: int, opset: int) -> onnx.Model
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
                               producer_name="npuprep-probe")
     model.ir_version = 9
+    # Give the output its inferred shape: board compilers and onnx.checker's full check want one.
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    model.graph.output[0].CopyFrom(inferred.graph.output[0])
     return model
 
 
