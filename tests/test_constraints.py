@@ -17,6 +17,7 @@ from npuprep.report.constraints import (
     precision_yaml,
     rknn_custom_quantize_layers,
     trt_flags,
+    write_constraint_files,
 )
 
 
@@ -112,3 +113,22 @@ def test_horizon_and_rknn_dialects():
     rknn = yaml.safe_load(rknn_custom_quantize_layers(plan_for(model), model))
     assert rknn["custom_quantize_layers"] == {"e": "float16", "s": "float16", "y": "float16"}
 
+
+
+def test_rewrite_boundaries_join_the_pins_and_all_files_are_written(tmp_path):
+    model = build()
+    plan = plan_for(model)
+    flags = trt_flags(plan, model, also_pinned=("enc/mm",))
+    assert flags.layer_precisions == "--layerPrecisions=enc/mm:fp32,'blk:0 exp':fp32,node_of_s:fp32"
+    rows = {r["node"]: r for r in yaml.safe_load(precision_yaml(plan, model, also_pinned=("enc/mm",)))["nodes"]}
+    assert rows["enc/mm"]["reason"] == "FP32 boundary of a rewrite (rescale exit)"
+    paths = write_constraint_files(plan, model, tmp_path / "out", "m.orin", onnx_path="m.orin.onnx")
+    assert [p.name for p in paths] == [
+        "m.orin.trtexec.sh", "m.orin.precision.yaml", "m.orin.horizon.yaml", "m.orin.rknn.cfg",
+    ]
+    script = paths[0].read_text(encoding="utf-8").splitlines()
+    assert script[-1] == trt_flags(plan, model).command_line("m.orin.onnx")
+    assert "# not expressible: div,0 (trtexec splits layer lists on ',' and strips quotes)" in script
+    assert paths[1].read_text(encoding="utf-8") == precision_yaml(plan, model)
+    again = write_constraint_files(plan, model, tmp_path / "again", "m.orin", onnx_path="m.orin.onnx")
+    assert [p.read_bytes() for p in paths] == [p.read_bytes() for p in again]

@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import onnx
 
 from npuprep.graph import node_label, tensor_types, topological_order, walk_graphs
-from npuprep.model_io import Model
+from npuprep.model_io import Model, write_text_atomic
 from npuprep.numerics import FLOAT_ONNX_TYPES
 from npuprep.plan.actions import PinFp32
 from npuprep.plan.plan import Plan
@@ -30,6 +32,7 @@ _TRT_BUILD_FLAG = {"fp16": "--fp16", "bf16": "--bf16", "fp8_e4m3": "--fp8"}
 # Characters trtexec reads literally inside a layer name; anything else gets single quotes,
 # which trtexec strips (removeSingleQuotationMarks) after splitting on ',' and the last ':'.
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_./\-]+$")
+Types = dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -63,15 +66,25 @@ class TrtFlags:
         return shlex.join(("trtexec", f"--onnx={onnx_path}", *self.args))
 
 
-def pinned_nodes(plan: Plan, model: Model) -> list[PinnedNode]:
-    """The plan's FP32 nodes that compute floats, in topological order (main graph first)."""
+def pinned_nodes(
+    plan: Plan, model: Model, *, also_pinned: Iterable[str] = (), types: Types | None = None,
+) -> list[PinnedNode]:
+    """The plan's FP32 nodes that compute floats, in topological order (main graph first).
+
+    `model` is the model the compiler reads (the rewritten or lowered one: node names are
+    kept). `also_pinned` adds nodes a rewrite keeps in FP32 (a rescale's exit Mul). `types`
+    (tensor -> ONNX element type, from graph.tensor_types) skips shape inference when
+    several exporters run on one model.
+    """
     reasons: dict[str, tuple[str, bool]] = {}
     for action in plan.actions:
         if isinstance(action, PinFp32):
             for n in action.nodes:
                 reasons.setdefault(n, (_pin_reason(action), action.request))
-    wanted = plan.pinned_nodes()
-    types = tensor_types(model.proto)
+    for n in also_pinned:
+        reasons.setdefault(n, ("FP32 boundary of a rewrite (rescale exit)", False))
+    wanted = plan.pinned_nodes() | set(also_pinned)
+    types = types if types is not None else tensor_types(model.proto)
     out: list[PinnedNode] = []
     for node, _scope in _nodes_in_order(model.proto):
         label = node_label(node)
@@ -85,13 +98,15 @@ def pinned_nodes(plan: Plan, model: Model) -> list[PinnedNode]:
     return out
 
 
-def trt_flags(plan: Plan, model: Model) -> TrtFlags:
+def trt_flags(
+    plan: Plan, model: Model, *, also_pinned: Iterable[str] = (), types: Types | None = None,
+) -> TrtFlags:
     """`--layerPrecisions` / `--layerOutputTypes` with `--precisionConstraints=obey`."""
     precisions: list[str] = []
     output_types: list[str] = []
     skipped: list[tuple[str, str]] = []
     notes: list[str] = []
-    for p in pinned_nodes(plan, model):
+    for p in pinned_nodes(plan, model, also_pinned=also_pinned, types=types):
         if "," in p.name or "'" in p.name:
             skipped.append((p.name, "trtexec splits layer lists on ',' and strips quotes"))
             continue
@@ -118,10 +133,12 @@ def trt_flags(plan: Plan, model: Model) -> TrtFlags:
     return TrtFlags(tuple(args), layer_precisions, layer_output_types, tuple(skipped), tuple(notes))
 
 
-def precision_yaml(plan: Plan, model: Model) -> str:
+def precision_yaml(
+    plan: Plan, model: Model, *, also_pinned: Iterable[str] = (), types: Types | None = None,
+) -> str:
     """Every node that computes floats -> its precision and the reason, in topological order."""
-    pinned = {p.name: p for p in pinned_nodes(plan, model)}
-    types = tensor_types(model.proto)
+    types = types if types is not None else tensor_types(model.proto)
+    pinned = {p.name: p for p in pinned_nodes(plan, model, also_pinned=also_pinned, types=types)}
     lines = [
         "# npuprep per-node precision: the precision each float node must run in, and why.",
         "# request: true marks pins the target's compiler decides itself (verify with crosscheck).",
@@ -151,13 +168,15 @@ def precision_yaml(plan: Plan, model: Model) -> str:
     return "\n".join(lines + entries) + "\n"
 
 
-def horizon_node_info(plan: Plan, model: Model) -> str:
+def horizon_node_info(
+    plan: Plan, model: Model, *, also_pinned: Iterable[str] = (), types: Types | None = None,
+) -> str:
     """Horizon OpenExplorer overrides: XJ3/J5 `node_info` (CPU, float32) and J6 `node_config`.
 
     Confirm the accepted values with the OpenExplorer version in use: the J6 `qtype` for
     FP32 in particular varies between releases.
     """
-    names = [p.name for p in pinned_nodes(plan, model)]
+    names = [p.name for p in pinned_nodes(plan, model, also_pinned=also_pinned, types=types)]
     node_info = {n: {"ON": "CPU"} for n in names}
     node_config = {n: {"qtype": "float32"} for n in names}
     return "\n".join([
@@ -169,14 +188,16 @@ def horizon_node_info(plan: Plan, model: Model) -> str:
     ]) + "\n"
 
 
-def rknn_custom_quantize_layers(plan: Plan, model: Model) -> str:
+def rknn_custom_quantize_layers(
+    plan: Plan, model: Model, *, also_pinned: Iterable[str] = (), types: Types | None = None,
+) -> str:
     """RKNN hybrid quantisation entries (tensor -> float16) for the pinned nodes' outputs.
 
     RKNN's hybrid quantisation raises layers of an integer model to float16 at most; it has
     no FP32 setting, so for an FP16 target these pins can only be kept through the lowered
     ONNX's explicit Casts (the header says so).
     """
-    types = tensor_types(model.proto)
+    types = types if types is not None else tensor_types(model.proto)
     lines = [
         f"# npuprep pins for RKNN hybrid quantisation (target {plan.target}, model {plan.fingerprint}).",
         "# Merge into <model>.quantization.cfg before hybrid_quantization_step2.",
@@ -184,11 +205,36 @@ def rknn_custom_quantize_layers(plan: Plan, model: Model) -> str:
     ]
     entries = [
         f"    {json.dumps(o)}: float16"
-        for p in pinned_nodes(plan, model) for o in p.outputs
+        for p in pinned_nodes(plan, model, also_pinned=also_pinned, types=types) for o in p.outputs
         if o and types.get(o) in FLOAT_ONNX_TYPES
     ]
     lines.append("custom_quantize_layers:" if entries else "custom_quantize_layers: {}")
     return "\n".join(lines + entries) + "\n"
+
+
+def trt_text(flags: TrtFlags, onnx_path: str = "model.onnx") -> str:
+    """The trtexec command as a small shell file, with what it cannot carry as comments."""
+    lines = ["# npuprep: keep the plan's FP32 nodes in FP32 on TensorRT 8.6 / 10.x."]
+    lines += [f"# note: {n}" for n in flags.notes]
+    lines += [f"# not expressible: {name} ({why})" for name, why in flags.skipped]
+    return "\n".join([*lines, flags.command_line(onnx_path)]) + "\n"
+
+
+def write_constraint_files(
+    plan: Plan, model: Model, directory: str | Path, stem: str, *, onnx_path: str = "model.onnx",
+    also_pinned: Iterable[str] = (),
+) -> tuple[Path, ...]:
+    """Write every dialect next to each other: `<stem>.trtexec.sh`, `<stem>.precision.yaml`,
+    `<stem>.horizon.yaml`, `<stem>.rknn.cfg` (atomically; same plan, same bytes)."""
+    kw = {"also_pinned": tuple(also_pinned), "types": tensor_types(model.proto)}
+    directory = Path(directory)
+    texts = {
+        f"{stem}.trtexec.sh": trt_text(trt_flags(plan, model, **kw), onnx_path),
+        f"{stem}.precision.yaml": precision_yaml(plan, model, **kw),
+        f"{stem}.horizon.yaml": horizon_node_info(plan, model, **kw),
+        f"{stem}.rknn.cfg": rknn_custom_quantize_layers(plan, model, **kw),
+    }
+    return tuple(write_text_atomic(directory / name, text) for name, text in texts.items())
 
 
 def _pin_reason(action: PinFp32) -> str:
