@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import onnx
 from conftest import run_cli
 from test_crosscheck_readers import FIXTURES, norm_model
 
@@ -65,3 +66,29 @@ def test_malformed_report_exits_2_with_one_line(save, tmp_path):
     assert not md.exists()
     names_only = run_cli("crosscheck", model, "--report", FIXTURES / "trt_names_only.json", "-t", "orin")
     assert names_only.returncode == 2 and "--profilingVerbosity=detailed" in names_only.stderr
+
+
+def test_plan_of_the_model_before_conversion_applies_to_the_converted_one(save, tmp_path):
+    original = load_model(save(norm_model(), "original.onnx"))
+    # converted: the same graph with an FP16 round trip on y (Cast pair), so another fingerprint
+    converted_proto = norm_model()
+    converted_proto.graph.node[-1].output[0] = "y_pre"
+    converted_proto.graph.node.extend([
+        onnx.helper.make_node("Cast", ["y_pre"], ["y_h"], to=onnx.TensorProto.FLOAT16, name="cast_h"),
+        onnx.helper.make_node("Cast", ["y_h"], ["y"], to=onnx.TensorProto.FLOAT, name="cast_f"),
+    ])
+    converted = save(converted_proto, "converted.onnx")
+    plan = tmp_path / "plan.yaml"
+    save_plan(Plan(fingerprint=original.fingerprint, target="orin", precision="fp16",
+                   actions=(PinFp32(nodes=("/norm/Sqrt",)),)), plan)
+    report = tmp_path / "p.csv"
+    report.write_text("node,precision\n/norm/Sqrt,fp16\ncast_h,fp16\n")
+    done = run_cli("crosscheck", converted, "-r", report, "-t", "orin", "--plan", plan, "--json")
+    assert done.returncode == 1, done.stderr
+    data = json.loads(done.stdout)
+    assert {v["node"]: v["verdict"] for v in data["verdicts"]}["/norm/Sqrt"] == "pin-ignored"
+    assert any("made for model " + original.fingerprint in n for n in data["notes"])
+    foreign = tmp_path / "foreign.yaml"
+    foreign.write_text(plan.read_text().replace("/norm/Sqrt", "/other/Sqrt"))
+    refused = run_cli("crosscheck", converted, "-r", report, "-t", "orin", "--plan", foreign)
+    assert refused.returncode == 2 and "/other/Sqrt are not in" in refused.stderr

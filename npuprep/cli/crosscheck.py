@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Any
 
 from npuprep.cli.common import add_json, add_target
 
@@ -27,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from rich.markup import escape
 
     from npuprep.analyse import static_findings
@@ -50,9 +54,9 @@ def run(args: argparse.Namespace) -> int:
 
         findings = findings.merged(measured_findings(model, profile, load_stats(args.stats, model)))
     if args.plan:
-        from npuprep.plan import load_plan
-
-        pinned = load_plan(args.plan, model).pinned_nodes()
+        pinned, note = _pinned_nodes(args.plan, model, set(index.op_types))
+        if note:
+            report = replace(report, notes=(*report.notes, note))
     result = crosscheck(model, report, profile, findings=findings, pinned_nodes=pinned, index=index)
     if args.report_md:
         write_text_atomic(args.report_md, to_markdown(result))
@@ -67,3 +71,34 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: {note}")
         print("PASSED" if result else "FAILED: a sensitive or pinned node runs in a lower precision")
     return 0 if result else 1
+
+
+def _pinned_nodes(path: str, model: Any, nodes: set[str]) -> tuple[set[str], str]:
+    """The plan's FP32 pins, and a note when the plan belongs to the model before conversion.
+
+    The compiler is given the converted model, whose fingerprint differs from the model the
+    plan was made for; its pinned nodes keep their names, so the plan still applies when
+    every one of them is in this model.
+    """
+    import yaml
+
+    from npuprep.errors import NpuprepError
+    from npuprep.plan import Plan, load_plan
+
+    try:
+        return load_plan(path, model).pinned_nodes(), ""
+    except NpuprepError:
+        try:
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            data = None
+        if not isinstance(data, dict) or data.get("fingerprint") in (None, model.fingerprint):
+            raise
+    plan = Plan.from_dict(data, str(path))
+    pinned = plan.pinned_nodes()
+    absent = sorted(pinned - nodes)
+    if absent:
+        raise NpuprepError(f"{path}: plan was made for model {plan.fingerprint}, and its pinned "
+                           f"nodes {', '.join(absent[:5])} are not in {model.path}")
+    return pinned, (f"plan {path} was made for model {plan.fingerprint} (before conversion?); "
+                    f"all {len(pinned)} pinned nodes are in this model")
