@@ -394,3 +394,19 @@ def test_without_histograms_the_precision_floor_decides_the_underflow_veto():
     stats = Stats({t: OrdinaryRange(t, r.values) for t, r in measure(as_model(CHAIN), samples(4, (2, 4), 10.0)).tensors.items()})
     plan = make_plan(as_model(CHAIN), GENERIC, stats, [overflow(stats, "h", "mm1", "MatMul")])
     assert [type(a) for a in plan.actions] == [Rescale]
+
+
+def test_headroom_warning_without_a_feasible_rescale_is_a_note_until_it_is_an_error():
+    model = as_model(SOFTMAX)
+    feeds = [{"x": np.full((2, 4), 10.6, dtype=np.float32)}]  # exp(10.6) = 40135: > limit, < max
+    stats = measure(model, feeds)
+    assert LIMIT < stats.tensors["e"].absmax < GENERIC.format.max
+    warning = dataclasses.replace(overflow(stats, "e", "exp", "Exp"), rule="range.headroom",
+                                  severity=Severity.WARNING)
+    plan = make_plan(model, GENERIC, stats, [warning])
+    assert plan.actions == () and [d.remedy for d in plan.declined] == ["rescale"]
+    (note,) = plan.notes
+    assert note.startswith("range.headroom at e: absmax 40134.9 is past the headroom limit 32752") and "severity.headroom" in note
+    error = dataclasses.replace(warning, severity=Severity.ERROR)
+    plan = make_plan(model, GENERIC, stats, [error])
+    assert [type(a) for a in plan.actions] == [PinFp32]

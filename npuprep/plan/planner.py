@@ -227,6 +227,15 @@ class _Planner:
             if reason is None:
                 return
             declines.append(f"rescale declined: {reason}")
+            if r.absmax <= self.fmt.max and f.severity < Severity.ERROR:
+                # Within the format, only short of headroom: pinning costs speed, so it
+                # waits until the profile calls this an error.
+                self.notes.append(
+                    f"{ref}: absmax {r.absmax:.6g} is past the headroom limit {self.limit:.6g} "
+                    f"but within {self.fmt.name} max; left as is ({declines[0]}); set "
+                    "severity.headroom to error in the profile to pin it"
+                )
+                return
         else:
             declines.append("rescale needs a measured range (run with --data)")
         reason = self.try_pin(ref, tensor, declines)
