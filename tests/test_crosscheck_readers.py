@@ -271,3 +271,19 @@ def test_metadata_entries_split_on_any_joiner(tmp_path, index, joiner):
                                             "Metadata": metadata, "Inputs": [], "Outputs": []}]}))
     (record,) = read_report(path, index).records
     assert record.onnx_nodes == ("/norm/Add", "/norm/Sqrt") and record.unresolved == ()
+
+
+def test_unnamed_layer_maps_through_the_onnx_tensor_it_writes(tmp_path, index):
+    path = tmp_path / "li.json"
+    path.write_text(json.dumps({"Layers": [
+        {"Name": "(Unnamed Layer* 7) [ElementWise]", "LayerType": "ElementWise", "Metadata": "",
+         "Inputs": [{"Name": "r", "Format/Datatype": "Half"}],
+         "Outputs": [{"Name": "s", "Format/Datatype": "Half"}]},
+        {"Name": "(Unnamed Layer* 8) [Shuffle]", "LayerType": "Shuffle", "Metadata": "",
+         "Inputs": [{"Name": "s", "Format/Datatype": "Half"}],
+         "Outputs": [{"Name": "(Unnamed Layer* 8) [Shuffle]_output", "Format/Datatype": "Half"}]},
+    ]}))
+    layers = by_layer(read_report(path, index))
+    assert layers["(Unnamed Layer* 7) [ElementWise]"].onnx_nodes == ("/norm/Mul",)
+    assert layers["(Unnamed Layer* 7) [ElementWise]"].unresolved == ()
+    assert layers["(Unnamed Layer* 8) [Shuffle]"].unresolved == ("(Unnamed Layer* 8) [Shuffle]",)

@@ -112,6 +112,11 @@ def _record(path: str, layer: dict[str, Any], where: str, names: _Names, index: 
         if a and b:
             resolved += index.expand_range(a, b, {c for c in claimed if c} - {a, b})
     reformat = layer_type == "Reformat" or name.startswith("Reformatting CopyNode")
+    if not resolved and not reformat:
+        # A helper layer the importer left unnamed still writes the ONNX node's output tensor.
+        writers = [index.producer[t] for t in out_tensors if t in index.producer]
+        if writers:
+            resolved, unresolved = writers, []
     float_dtypes = [d for d in in_dtypes + out_dtypes if d in PRECISION_ORDER]
     tactic = str(layer.get("TacticName", ""))
     return LayerRecord(
