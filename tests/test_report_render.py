@@ -239,3 +239,43 @@ def test_cli_errors_exit_2_and_write_nothing(tmp_path: Path) -> None:
     proc = run_cli("report", good, "-o", good)
     assert proc.returncode == 2 and "refusing to overwrite" in proc.stderr
     assert json.loads(good.read_text(encoding="utf-8"))["kind"] == "compare"
+
+
+def test_report_cli_orders_stats_by_the_model(tmp_path: Path, save) -> None:
+    # x -> Mul(x, x) -> sq -> Add(sq, x) -> y; the stats file is keyed by name: sq, x, y.
+    path = save("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4] x) => (float[4] y) {
+            sq = Mul(x, x)
+            y = Add(sq, x)
+        }
+    """)
+    from npuprep.model_io import load_model
+
+    model = load_model(path)
+    stats = {"schema_version": 1, "kind": "stats", "fingerprint": model.fingerprint,
+             "tensors": {name: {"tensor": name, "node": node, "absmax": value}
+                         for name, node, value in (("sq", "sq", 9e4), ("x", "", 300.0),
+                                                   ("y", "y", 9.03e4))}}
+    src = tmp_path / "stats.json"
+    src.write_text(json.dumps(stats), encoding="utf-8")
+    out = tmp_path / "stats.html"
+    proc = run_cli("report", src, "-o", out, "--model", path, "--no-plots")
+    assert proc.returncode == 0, proc.stderr
+    page = out.read_text(encoding="utf-8")
+    assert re.findall(r'<tr><td class="num" data-v="\d">\d</td><td>(\w+)</td>', page) == ["x", "sq", "y"]
+
+    stats["fingerprint"] = "another"
+    src.write_text(json.dumps(stats), encoding="utf-8")
+    proc = run_cli("report", src, "-o", tmp_path / "other.html", "--model", path)
+    assert proc.returncode == 2 and "fingerprint another" in proc.stderr
+    assert not (tmp_path / "other.html").exists()
+
+
+def test_number_cells_keep_their_digits() -> None:
+    result = compare_result()
+    result["tensors"][0]["cosine"] = 0.99999999
+    result["tensors"][1]["cand_absmax"] = 39.99979019
+    page = render(result, plots=False)
+    assert '<td class="num" data-v="0.99999999">0.99999999</td>' in page
+    assert '<td class="num" data-v="39.99979019">40</td>' in page

@@ -15,6 +15,8 @@ help = "render a check, stats, compare or convert result JSON as one self-contai
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("result", help="result JSON written by check/calibrate/compare/convert --json")
     p.add_argument("-o", "--output", required=True, help="HTML file to write")
+    p.add_argument("--model", "-m", help="the model the result belongs to: puts a stats file's "
+                   "tensors (stored by name) in topological order")
     p.add_argument("--no-plots", action="store_true", help="tables only, no charts")
 
 
@@ -34,11 +36,24 @@ def load_result(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def write_html(result: dict[str, Any], path: str | Path, *, plots: bool = True) -> Path:
+def write_html(result: dict[str, Any], path: str | Path, *, plots: bool = True,
+               order: list[str] | tuple[str, ...] = ()) -> Path:
     """Render a result dict as HTML and write it atomically (for `--html` on other commands)."""
     from npuprep.report.render_html import write_html as _write
 
-    return _write(result, path, plots=plots)
+    return _write(result, path, plots=plots, order=order)
+
+
+def tensor_order(model: Any) -> list[str]:
+    """Every tensor name of `model` (a ModelProto) in topological order, bodies after their
+    graph: graph inputs, then each node's outputs."""
+    from npuprep.graph import topological_order, walk_graphs
+
+    names: list[str] = []
+    for scope in walk_graphs(model.graph):
+        names.extend(i.name for i in scope.graph.input)
+        names.extend(o for n in topological_order(scope.graph) for o in n.output if o)
+    return list(dict.fromkeys(names))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,8 +62,17 @@ def run(args: argparse.Namespace) -> int:
     result = load_result(args.result)
     if Path(args.output).resolve() == Path(args.result).resolve():
         raise NpuprepError(f"{args.output}: refusing to overwrite the result JSON with its report")
+    order: list[str] = []
+    if args.model:
+        from npuprep.model_io import load_model
+
+        model = load_model(args.model)
+        if result.get("fingerprint") and result["fingerprint"] != model.fingerprint:
+            raise NpuprepError(f"{args.result}: belongs to the model with fingerprint "
+                               f"{result['fingerprint']}, not {args.model} ({model.fingerprint})")
+        order = tensor_order(model.proto)
     try:
-        page = render(result, plots=not args.no_plots)
+        page = render(result, plots=not args.no_plots, order=order)
     except NpuprepError as exc:
         raise NpuprepError(f"{args.result}: {exc}") from None
     from npuprep.model_io import write_text_atomic

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +114,7 @@ def _fmt(value: float) -> str:
         return str(int(value))
     text = f"{value:.4g}" if 1e-3 <= abs(value) < 1e5 else f"{value:.3e}"
     # A cosine of 0.99999999 must not read as 1.
-    return f"{value:.10g}" if float(text) == round(value) else text
+    return f"{value:.10g}" if abs(float(text)) == 1 and value != float(text) else text
 
 
 def _cell(value: Any, kind: str) -> str:
@@ -170,8 +170,8 @@ def _notes_html(items: list[str]) -> str:
             + "".join(f"<li>{_e(n)}</li>" for n in items) + "</ul></section>")
 
 
-def _charts_html(result: Mapping[str, Any], plots: bool) -> str:
-    points = tensor_points(result)
+def _charts_html(result: Mapping[str, Any], plots: bool, order: Sequence[str]) -> str:
+    points = tensor_points(result, order)
     errors = error_series(result)
     if not points and errors is None:
         return ('<section id="charts"><p class="note">This result records no per-tensor ranges '
@@ -226,8 +226,12 @@ def _with_profile(result: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
     return dict(result), ""
 
 
-def render(result: dict[str, Any], *, plots: bool = True) -> str:
-    """The whole page for a check, stats, compare or convert result."""
+def render(result: dict[str, Any], *, plots: bool = True, order: Sequence[str] = ()) -> str:
+    """The whole page for a check, stats, compare or convert result.
+
+    `order` lists tensor names in topological order (from the model) for a stats object,
+    which is keyed by name; compare and convert results are already in order.
+    """
     if not isinstance(result, Mapping):
         raise NpuprepError("result is not a JSON object")
     kind = result.get("kind")
@@ -250,8 +254,8 @@ def render(result: dict[str, Any], *, plots: bool = True) -> str:
         "</span></header>",
         f'<section id="summary"><h2>Summary</h2>{_kv_table(summary(result), "summary-table")}</section>',
         _notes_html(notes(result)),
-        _charts_html(result, plots),
-        *(_table_html(t, first_tensor) for t in tables(result)),
+        _charts_html(result, plots, order),
+        *(_table_html(t, first_tensor) for t in tables(result, order)),
     ]
     if profile:
         source = f'<p class="note">{_e(profile_source)}</p>' if profile_source else ""
@@ -263,8 +267,9 @@ def render(result: dict[str, Any], *, plots: bool = True) -> str:
     return "\n".join(parts)
 
 
-def write_html(result: dict[str, Any], path: str | Path, *, plots: bool = True) -> Path:
+def write_html(result: dict[str, Any], path: str | Path, *, plots: bool = True,
+               order: Sequence[str] = ()) -> Path:
     """Render `result` and write it atomically to `path` (nothing is written on error)."""
     from npuprep.model_io import write_text_atomic
 
-    return write_text_atomic(path, render(result, plots=plots))
+    return write_text_atomic(path, render(result, plots=plots, order=order))

@@ -7,7 +7,7 @@ missing key leaves its part of the chart out rather than failing the report.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,19 +117,27 @@ def limits(result: Mapping[str, Any]) -> tuple[Limit, ...]:
     return tuple(out)
 
 
-def _stats_tensors(stats: Mapping[str, Any]) -> list[TensorPoint]:
+def stats_entries(stats: Mapping[str, Any], order: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """A stats object's tensors in topological order: by `order` (tensor names, e.g. from the
+    model) when given, else by a recorded position, else as stored (stats files sort by name)."""
     tensors = stats.get("tensors")
     if isinstance(tensors, Mapping):
         items = [dict(v, tensor=v.get("tensor", k)) for k, v in tensors.items() if isinstance(v, Mapping)]
     elif isinstance(tensors, list):
-        items = [v for v in tensors if isinstance(v, Mapping)]
+        items = [dict(v) for v in tensors if isinstance(v, Mapping)]
     else:
         return []
-    # A stats file is keyed by name; an explicit position restores topological order.
+    if order:
+        rank = {name: i for i, name in enumerate(order)}
+        return sorted(items, key=lambda v: rank.get(str(v.get("tensor")), len(rank)))
     for key in ("index", "order", "position"):
         if items and all(isinstance(v.get(key), int) for v in items):
-            items.sort(key=lambda v, k=key: v[k])
-            break
+            return sorted(items, key=lambda v, k=key: v[k])
+    return items
+
+
+def _stats_tensors(stats: Mapping[str, Any], order: Sequence[str]) -> list[TensorPoint]:
+    items = stats_entries(stats, order)
     return [TensorPoint(str(v.get("tensor", "")), str(v.get("node", "")), str(v.get("op_type", "")),
                         _absmax(v)) for v in items]
 
@@ -175,8 +183,9 @@ def _absmax(entry: Mapping[str, Any]) -> float | None:
     return value
 
 
-def tensor_points(result: Mapping[str, Any]) -> tuple[TensorPoint, ...]:
-    """Every tensor's abs-max in topological order, as far as the result records it."""
+def tensor_points(result: Mapping[str, Any], order: Sequence[str] = ()) -> tuple[TensorPoint, ...]:
+    """Every tensor's abs-max in topological order, as far as the result records it; `order`
+    (tensor names in topological order) sorts a stats object, which is keyed by name."""
     kind = result.get("kind")
     tensors = result.get("tensors")
     if kind == "convert" and isinstance(tensors, list):
@@ -191,10 +200,10 @@ def tensor_points(result: Mapping[str, Any]) -> tuple[TensorPoint, ...]:
                         math.inf if e["nonfinite"] else e["absmax"])
             for e in entries)
     if kind == "stats":
-        return tuple(_stats_tensors(result))
+        return tuple(_stats_tensors(result, order))
     stats = result.get("stats")
     if isinstance(stats, Mapping):
-        return tuple(_stats_tensors(stats))
+        return tuple(_stats_tensors(stats, order))
     return ()
 
 

@@ -16,7 +16,7 @@ from npuprep.report.series import (
     compare_entry,
     compare_of,
     number,
-    tensor_points,
+    stats_entries,
 )
 
 SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2}
@@ -150,26 +150,24 @@ def convert_tensor_table(result: Mapping[str, Any]) -> Table | None:
                  _tensor_rows(entries, numeric, extra))
 
 
-def stats_table(result: Mapping[str, Any]) -> Table | None:
+def stats_table(result: Mapping[str, Any], order: Sequence[str] = ()) -> Table | None:
     stats = result if result.get("kind") == "stats" else result.get("stats")
     if not isinstance(stats, Mapping):
         return None
-    # tensor_points gives the chart order; the table follows it so '#' matches the chart.
-    tensors = stats.get("tensors")
-    by_name: dict[str, Mapping[str, Any]] = {}
-    if isinstance(tensors, Mapping):
-        by_name = {str(v.get("tensor", k)): v for k, v in tensors.items() if isinstance(v, Mapping)}
-    elif isinstance(tensors, list):
-        by_name = {str(v.get("tensor", "")): v for v in _dicts(tensors)}
-    order = [p.tensor for p in tensor_points(dict(stats, kind="stats"))]
-    entries = [dict(by_name[n], tensor=n) for n in order if n in by_name]
+    # The same order as the headroom chart, so '#' points at the chart's x position.
+    entries = stats_entries(stats, order)
     if not entries:
         return None
     numeric = ["min", "max", "absmax", "count", "nan_count", "inf_count", "zero_count"]
     numeric = [k for k in numeric if any(k in t for t in entries)]
+    formats = sorted({str(f) for t in entries if isinstance(t.get("over"), Mapping) for f in t["over"]})
+    extra = {str(t.get("tensor")): {f"over {f}": t["over"].get(f) for f in formats}
+             for t in entries if isinstance(t.get("over"), Mapping)}
+    numeric += [f"over {f}" for f in formats]
     cols = (Column("#", "num"), Column("tensor"), Column("node"), Column("op_type"),
             *(Column(k, "num") for k in numeric))
-    return Table("tensors", f"Tensor ranges ({len(entries)})", cols, _tensor_rows(entries, numeric))
+    return Table("tensors", f"Tensor ranges ({len(entries)})", cols,
+                 _tensor_rows(entries, numeric, extra))
 
 
 def unobserved_table(result: Mapping[str, Any]) -> Table | None:
@@ -184,11 +182,12 @@ def unobserved_table(result: Mapping[str, Any]) -> Table | None:
                  (Column("tensor"), Column("reason")), rows)
 
 
-def tables(result: Mapping[str, Any]) -> tuple[Table, ...]:
+def tables(result: Mapping[str, Any], order: Sequence[str] = ()) -> tuple[Table, ...]:
     """Every table the result supports, in reading order."""
-    makers = (findings_table, actions_table, declined_table, compare_table, convert_tensor_table,
-              stats_table, unobserved_table)
-    return tuple(t for t in (m(result) for m in makers) if t is not None)
+    made = (findings_table(result), actions_table(result), declined_table(result),
+            compare_table(result), convert_tensor_table(result), stats_table(result, order),
+            unobserved_table(result))
+    return tuple(t for t in made if t is not None)
 
 
 def verdict(result: Mapping[str, Any]) -> bool | None:
