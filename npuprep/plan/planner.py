@@ -100,6 +100,7 @@ class _Planner:
         self.graph_inputs = [i.name for i in self.model.graph.input if i.name not in inits]
         self.static_hot: set[str] = set()
         self.types = tensor_types(self.model.proto)
+        self.checks: dict[tuple[str, int], Any] = {}
 
     # ------------------------------------------------------------ measurements
 
@@ -336,7 +337,9 @@ class _Planner:
         until it is) and none pushed under the smallest normal in a harmful share."""
         fitted = not focus or k < 0
         for _ in range(MAX_DEEPEN):
-            check = check_rescale(self.model.proto, entry, k)
+            if (entry, k) not in self.checks:
+                self.checks[(entry, k)] = check_rescale(self.model.proto, entry, k)
+            check = self.checks[(entry, k)]
             if not check:
                 return None, check.reason
             p_focus = check.exponents.get(focus, 0) if focus else 0
