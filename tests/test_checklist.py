@@ -192,3 +192,16 @@ def test_cli_ticks_from_a_crosscheck_it_wrote(model_path, tmp_path):
     assert "- [x] **4. Crosscheck" in shown.stdout and "mismatch: `node_of_y` runs in int8" in shown.stdout
 
 
+
+
+def test_plan_written_by_convert_is_found(model_path, tmp_path):
+    model = load_model(model_path)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    save_plan(Plan(fingerprint=model.fingerprint, target="orin", precision="fp16",
+                   actions=(PinFp32(nodes=("/norm/Sqrt",)),)), ws / "model.orin.plan.yaml")
+    checklist = build_checklist(model, load_profile("orin"), model_arg="m.onnx", target_arg="orin",
+                                workspace=scan_workspace(ws))
+    item = items(checklist)["precision"]
+    assert item.done and f"plan `{ws}/model.orin.plan.yaml`: 1 nodes pinned" in item.evidence[1]
+    assert any(f"--plan {ws}/model.orin.plan.yaml" in s for s in items(checklist)["crosscheck"].steps)

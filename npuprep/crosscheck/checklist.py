@@ -3,7 +3,8 @@
 Items: calibrate, confirm the precision list (no BF16 to the compiler), probe the board
 (loud or silent overflow), crosscheck the compiler's report, compare board and emulation
 layer by layer, measure speed, measure memory. An item is ticked only by evidence found
-in the workspace (W/*.json by "kind", W/plan.yaml); an open item says the command to run.
+in the workspace (W/*.json by "kind", W/plan.yaml or the W/*.plan.yaml convert writes); an
+open item says the command to run.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class Workspace:
 
 
 def scan_workspace(path: str | Path) -> Workspace:
-    """Read W/*.json (by their "kind") and note W/plan.yaml; unreadable files become notes."""
+    """Read W/*.json (by their "kind") and find the plan; unreadable files become notes."""
     folder = Path(path)
     if not folder.is_dir():
         raise NpuprepError(f"{folder}: workspace folder not found")
@@ -108,8 +109,9 @@ def scan_workspace(path: str | Path) -> Workspace:
             continue
         if isinstance(data, dict) and data.get("kind") in ARTEFACT_KINDS:
             artefacts.setdefault(data["kind"], []).append((str(file), data))
-    plan = folder / "plan.yaml"
-    return Workspace(str(folder), artefacts, str(plan) if plan.is_file() else "", tuple(notes))
+    # The user's reviewed plan.yaml wins over the <model>.plan.yaml that convert writes.
+    plans = [folder / "plan.yaml"] if (folder / "plan.yaml").is_file() else sorted(folder.glob("*.plan.yaml"))
+    return Workspace(str(folder), artefacts, str(plans[-1]) if plans else "", tuple(notes))
 
 
 def build_checklist(
@@ -137,8 +139,9 @@ def build_checklist(
     plan = None
     if workspace is not None and workspace.plan_path:
         plan = _load_plan(workspace.plan_path, model, notes)
+    plan_arg = workspace.plan_path if plan is not None and workspace else f"{ws_arg}/plan.yaml"
     ctx = _Context(model, profile, model_arg, target_arg, ws_arg, stats_arg or f"{ws_arg}/stats.json",
-                   workspace)
+                   plan_arg, workspace)
     items = (
         _calibrate(ctx, stats),
         _precision_list(ctx, plan, findings),
@@ -167,6 +170,7 @@ class _Context:
     target_arg: str
     ws: str
     stats_arg: str
+    plan_arg: str
     workspace: Workspace | None
 
     def artefact(self, kind: str, same_model: bool) -> tuple[str, dict[str, Any]] | None:
@@ -243,12 +247,14 @@ def _precision_list(ctx: _Context, plan: Any, findings: Iterable[Finding]) -> It
     if plan is not None:
         pinned = sorted(plan.pinned_nodes())
         shown = ", ".join(f"`{n}`" for n in pinned[:8]) + (" ..." if len(pinned) > 8 else "")
-        evidence.append(f"plan `{ctx.workspace.path}/plan.yaml`: {len(pinned)} nodes pinned to FP32"
+        evidence.append(f"plan `{ctx.plan_arg}`: {len(pinned)} nodes pinned to FP32"
                         + (f" ({shown})" if pinned else "") + f", the rest in {plan.precision}")
     else:
         steps.append(f"npuprep check {ctx.model_arg} --target {ctx.target_arg}")
-        steps.append(f"save the reviewed plan as {ctx.ws}/plan.yaml and give the compiler its "
-                     "precision constraints (npuprep convert ... --plan)")
+        steps.append(f"npuprep convert {ctx.model_arg} --target {ctx.target_arg} --stats {ctx.stats_arg} "
+                     f"--plan-only -o {ctx.ws}/plan.yaml")
+        steps.append(f"review {ctx.ws}/plan.yaml, then npuprep convert ... --plan {ctx.ws}/plan.yaml "
+                     "writes the model and the compiler's precision constraint files")
     return Item("precision", title, plan is not None and not bf16, tuple(evidence), tuple(steps))
 
 
@@ -288,7 +294,7 @@ def _crosscheck(ctx: _Context, have_plan: bool, have_stats: bool) -> Item:
     fmt = ctx.profile.report_format
     title = f"Crosscheck the compiler's per-layer precision report ({fmt}) against the findings"
     report = f"{ctx.ws}/{DEFAULT_REPORT_NAME[fmt]}"
-    source = (f" --plan {ctx.ws}/plan.yaml" if have_plan
+    source = (f" --plan {ctx.plan_arg}" if have_plan
               else f" --stats {ctx.stats_arg}" if have_stats else "")
     steps = (
         HOW_TO_GET[fmt].format(model=ctx.model_arg, report=report),
@@ -308,7 +314,7 @@ def _crosscheck(ctx: _Context, have_plan: bool, have_stats: bool) -> Item:
         evidence.append(f"{v.get('verdict')}: `{v.get('node')}` runs in {v.get('runs_in')}, "
                         f"needs {v.get('needs')}")
     fix = () if passed else (
-        f"pin the failing nodes (edit {ctx.ws}/plan.yaml), rebuild with the constraint file, "
+        f"pin the failing nodes (edit {ctx.plan_arg}), rebuild with the constraint file, "
         "and rerun the crosscheck",)
     return Item("crosscheck", title, True, tuple(evidence), fix, failed=not passed)
 
@@ -366,7 +372,7 @@ def _compare(ctx: _Context, stats: Any, top_n: int) -> Item:
     evidence.insert(0, f"`{path}`: {'passed' if passed else 'FAILED'}, {where}")
     if passed:
         return Item("compare", title, True, tuple(evidence))
-    fix = (f"start at the first divergent node: rescale, clamp or pin it in {ctx.ws}/plan.yaml, "
+    fix = (f"start at the first divergent node: rescale, clamp or pin it in {ctx.plan_arg}, "
            "convert again and rerun the compare",) if first else tuple(steps)
     return Item("compare", title, True, tuple(evidence), fix, failed=True)
 
