@@ -253,3 +253,28 @@ def test_bad_format_and_io_types_are_user_errors():
         lower(mlp(), "fp8_e4m3")
     with pytest.raises(NpuprepError, match="io_types"):
         lower(mlp(), "fp16", io_types="fp64")
+
+
+def test_tiny_weights_are_reported_when_they_flush():
+    # x -> Mul(x, [1e-9, 1]) -> y
+    model = build(HEAD + """
+    g (float[2] x) => (float[2] y) <float[2] t> { y = Mul(x, t) }""",
+        t=np.array([1e-9, 1.0], np.float32))
+    assert lower(model, "fp16").flushed_weights == {"t": 1}
+
+
+def test_bf16_target_lowers_and_passes_the_checker():
+    lowered = lower(mlp(), "bf16")
+    assert {i.data_type for i in _inits(lowered.model).values()} == {TensorProto.BFLOAT16}
+    assert {n.attribute[0].i for n in _ops(lowered.model, "Cast")} == {TensorProto.BFLOAT16,
+                                                                        TensorProto.FLOAT}
+
+
+def test_initialiser_that_is_also_a_graph_input_keeps_its_type():
+    model = mlp()
+    w = onnx.helper.make_tensor_value_info("W1", TensorProto.FLOAT, [8, 8])
+    model.graph.input.append(w)
+    lowered = lower(model, "fp16")
+    assert _inits(lowered.model)["W1"].data_type == TensorProto.FLOAT
+    feeds = {"x": RNG.normal(size=(2, 8)).astype(np.float32)}
+    assert rel_err(outputs(model, feeds)["y"], outputs(lowered.model, feeds)["y"]) < 1e-2

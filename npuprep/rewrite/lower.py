@@ -59,6 +59,8 @@ class Lowered:
     `pinned_nodes`: every node kept FP32 (those asked for plus `forced_fp32`, which maps
     node -> why it had to stay FP32: weights beyond range, shape computation, ...).
     `cast_count`: Cast nodes inserted at precision borders (graph I/O included).
+    `mapped_masks`: mask constant -> values set to -max; `flushed_weights`: initialiser ->
+    non-zero values that became 0 in the target format (underflow, reported not hidden).
     """
 
     model: onnx.ModelProto
@@ -72,6 +74,7 @@ class Lowered:
     kept_fp32_initialisers: tuple[str, ...] = ()
     mapped_masks: dict[str, int] = field(default_factory=dict)
     normalised_bf16: tuple[str, ...] = ()
+    flushed_weights: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -128,6 +131,7 @@ class _Lowering:
         self.cast_cache: dict[tuple[int, str, int], str] = {}
         self.weights: dict[str, _Weight] = {}
         self.mapped: dict[str, int] = {}
+        self.flushed: dict[str, int] = {}
         self.output_casts: list[tuple[str, str, int]] = []
         self.high_labels: set[str] = set()
         # Message wrappers are keyed by id(); holding them keeps those ids valid.
@@ -151,7 +155,8 @@ class _Lowering:
         pinned = sorted(self.high_labels & (self.pinned | set(self.forced)))
         return Lowered(self.model, self.fmt.name, self.io_types, self.casts, tuple(pinned),
                        dict(sorted(self.forced.items())), tuple(converted), tuple(duplicated),
-                       tuple(kept), dict(sorted(self.mapped.items())), tuple(self.normalised))
+                       tuple(kept), dict(sorted(self.mapped.items())), tuple(self.normalised),
+                       dict(sorted(self.flushed.items())))
 
     def _index(self) -> None:
         for scope in self.scopes:
@@ -163,8 +168,11 @@ class _Lowering:
             if scope.owner is not None and scope.owner.op_type in ("Loop", "Scan"):
                 for vi in g.input:
                     self.body_input_owner[vi.name] = scope.owner
+            overridable = {vi.name for vi in g.input}
             for init in g.initializer:
-                if init.data_type == FLOAT:
+                # An initialiser that is also a graph input is a default the caller may
+                # replace: it keeps the input's declared type.
+                if init.data_type == FLOAT and init.name not in overridable:
                     self.weights[init.name] = _Weight(init.name, g, init, None, numpy_helper.to_array(init))
             for node in g.node:
                 if node.op_type == "Constant" and node.output:
@@ -266,7 +274,11 @@ class _Lowering:
             assert all(u.op_type in _MASK_OPS for u in users) and np.all(value[over] < 0)
             value = np.where(over, np.float32(-self.fmt.max), value)
             self.mapped[name] = int(over.sum())
-        return value.astype(self.fmt.np_dtype)
+        low = value.astype(self.fmt.np_dtype)
+        flushed = int(np.count_nonzero((low == 0) & (value != 0)))
+        if flushed:
+            self.flushed[name] = flushed
+        return low
 
     def _set_weight(self, w: _Weight, name: str, value: np.ndarray, *, replace: bool) -> None:
         tensor = numpy_helper.from_array(value, name)

@@ -128,7 +128,9 @@ def apply_rescale(model: onnx.ModelProto, entry: str, k: int) -> RewriteResult:
 
     details: "tensor_scales" {tensor: s_total} for every tensor whose values changed
     (candidate = s_total * reference), "fp32_nodes" (inserted boundary Muls, to keep FP32
-    at lowering), "entries", "absorbers", "exits", "k".
+    at lowering), "entries", "absorbers", "exits", "k", and "scaled_constants" {constant:
+    exponent, absmax, min_nonzero} so a caller can see weights pushed towards the target's
+    subnormals (an epsilon scaled by s^2, say).
     """
     graph = go.import_graph(model)
     solver = _solve(graph, entry, k)
@@ -147,6 +149,7 @@ def apply_rescale(model: onnx.ModelProto, entry: str, k: int) -> RewriteResult:
         "entries": [e.__dict__ for e in check.entries],
         "absorbers": [a.__dict__ for a in check.absorbers],
         "exits": list(check.exits),
+        "scaled_constants": dict(sorted(solver.scaled_constants.items())),
     }
     return RewriteResult(out, True, check.reason, details)
 
@@ -192,6 +195,7 @@ class _Solver:
         self.absorbers: dict[str, Absorber] = {}
         self.heap: list[tuple[int, int]] = []
         self.renamed: set[str] = set()
+        self.scaled_constants: dict[str, dict[str, float]] = {}
         self.check = RescaleCheck(False, "not analysed", entry, k)
 
     # -- analysis -------------------------------------------------------------------------
@@ -609,6 +613,12 @@ class _Solver:
             assert scaled is not None
             name = f"{node.inputs[idx].name}__x2{'p' if e > 0 else 'm'}{abs(e)}"
             go.set_constant_input(node, idx, scaled, name, cache)
+            nonzero = np.abs(scaled[scaled != 0])
+            self.scaled_constants[node.inputs[idx].name] = {
+                "exponent": e,
+                "absmax": float(np.abs(scaled).max()) if scaled.size else 0.0,
+                "min_nonzero": float(nonzero.min()) if nonzero.size else 0.0,
+            }
         for (nid, attr), value in self.attr_edits.items():
             self.nodes[nid].attrs[attr] = float(value)
         fp32_nodes: list[str] = []

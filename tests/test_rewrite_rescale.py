@@ -1,0 +1,371 @@
+"""Rescale: power-of-two scales enter, travel and are absorbed exactly; declines say why."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from rewrite_util import build, outputs, rel_err
+
+from npuprep.errors import NpuprepError
+from npuprep.numerics import get_format
+from npuprep.rewrite.rescale import apply_rescale, check_rescale
+from npuprep.verify.emulate import emulate
+
+RNG = np.random.default_rng(7)
+HEAD = '<ir_version: 8, opset_import: ["" : 17]>'
+
+
+def _w(*shape: int, scale: float = 1.0) -> np.ndarray:
+    return (RNG.normal(size=shape) * scale).astype(np.float32)
+
+
+def _same_function(ref: onnx.ModelProto, cand: onnx.ModelProto, feeds: dict) -> float:
+    a, b = outputs(ref, feeds), outputs(cand, feeds)
+    return max(rel_err(a[k], b[k]) for k in a)
+
+
+def conv_chain() -> onnx.ModelProto:
+    # x -> Conv(W1 large) -> Relu -> MaxPool -> Conv(W2) -> y
+    return build(HEAD + """
+    g (float[1,3,6,6] x) => (float[1,4,6,6] y) <float[4,3,3,3] W1, float[4] B1, float[4,4,1,1] W2, float[4] B2> {
+      a = Conv<pads=[1,1,1,1]>(x, W1, B1)
+      r = Relu(a)
+      p = MaxPool<kernel_shape=[3,3], pads=[1,1,1,1]>(r)
+      y = Conv(p, W2, B2)
+    }""", W1=_w(4, 3, 3, 3, scale=3000), B1=_w(4, scale=100), W2=_w(4, 4, 1, 1, scale=0.01), B2=_w(4))
+
+
+def test_conv_chain_is_scaled_and_absorbed_exactly():
+    model = conv_chain()
+    check = check_rescale(model, "node_of_a", 6)
+    assert check and check.exponents == {"a": -6, "r": -6, "p": -6, "y": 0}
+    assert [a.node for a in check.absorbers] == ["node_of_y"]
+    result = apply_rescale(model, "node_of_a", 6)
+    assert result.modified and "node_of_y" in result.reason
+    assert result.details["tensor_scales"] == {"a": 2**-6, "r": 2**-6, "p": 2**-6}
+    weights = {i.name: numpy_helper.to_array(i) for i in result.model.graph.initializer}
+    original = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    np.testing.assert_array_equal(weights["W1"], original["W1"] / 64)
+    np.testing.assert_array_equal(weights["W2"], original["W2"] * 64)
+    feeds = {"x": RNG.normal(size=(1, 3, 6, 6)).astype(np.float32)}
+    assert _same_function(model, result.model, feeds) <= 1e-5
+
+
+def test_rescale_removes_fp16_overflow_in_emulation():
+    model = conv_chain()
+    feeds = {"x": RNG.normal(size=(1, 3, 6, 6)).astype(np.float32) * 4}
+    fp16 = get_format("fp16")
+    before = outputs(emulate(model, fp16, saturate=False).model, feeds)["y"]
+    assert not np.isfinite(before).all()
+    result = apply_rescale(model, "node_of_a", 8)
+    after = outputs(emulate(result.model, fp16, saturate=False).model, feeds)["y"]
+    ref = outputs(model, feeds)["y"]
+    assert np.isfinite(after).all()
+    assert rel_err(ref, after) < 1e-2
+
+
+def bev_model() -> onnx.ModelProto:
+    # p, q (decimetres) -> Sub -> Mul(d, d) -> ReduceSum -> Mul(-1/sigma2) -> Exp -> w
+    return build(HEAD + """
+    g (float[8,1,2] p, float[1,8,2] q) => (float[8,8] w) <float nsig> {
+      d = Sub(p, q)
+      d2 = Mul(d, d)
+      s = ReduceSum<keepdims=0>(d2, ax)
+      z = Mul(s, nsig)
+      w = Exp(z)
+    }""".replace("<float nsig>", "<float nsig, int64[1] ax>"),
+        nsig=np.array(-1.0 / 2e5, np.float32), ax=np.array([2]))
+
+
+def test_graph_input_entries_and_constant_absorber_for_exp():
+    model = bev_model()
+    result = apply_rescale(model, "p", 5)
+    assert result.modified
+    # The residual Sub pulls q into the domain; the Exp's constant factor takes s^2.
+    assert {e["name"] for e in result.details["entries"]} == {"p", "q"}
+    assert result.details["absorbers"] == [{"node": "node_of_z", "kind": "constant", "exponent": -10}]
+    assert sorted(result.details["fp32_nodes"]) == ["rescale_in_p", "rescale_in_q"]
+    assert result.details["tensor_scales"]["d2"] == 2.0**-10
+    assert "p" not in result.details["tensor_scales"]
+    feeds = {"p": RNG.uniform(0, 1000, (8, 1, 2)).astype(np.float32),
+             "q": RNG.uniform(0, 1000, (1, 8, 2)).astype(np.float32)}
+    assert _same_function(model, result.model, feeds) <= 1e-5
+    fp16 = get_format("fp16")
+    naive = outputs(emulate(model, fp16, saturate=False).model, feeds)["w"]
+    fixed = emulate(result.model, fp16, saturate=False, pinned_nodes=result.details["fp32_nodes"])
+    out = outputs(fixed.model, feeds)["w"]
+    ref = outputs(model, feeds)["w"]
+    # Naive FP16: d*d overflows to inf and Exp(-inf) silently flattens weights to 0.
+    assert rel_err(ref, naive) > 0.5
+    assert np.isfinite(out).all() and rel_err(ref, out) < 1e-2
+
+
+def decomposed_layernorm() -> onnx.ModelProto:
+    # x -> MatMul(W) -> Add(b) -> (h - mean) / Sqrt(ReduceMean((h - mean)^2) + eps) -> MatMul(W2) -> y
+    return build(HEAD + """
+    g (float[2,16] x) => (float[2,4] y) <float[16,16] W, float[16] b, float eps, float[16,4] W2> {
+      h = MatMul(x, W)
+      hb = Add(h, b)
+      mu = ReduceMean<axes=[-1]>(hb)
+      c = Sub(hb, mu)
+      c2 = Mul(c, c)
+      v = ReduceMean<axes=[-1]>(c2)
+      ve = Add(v, eps)
+      sd = Sqrt(ve)
+      n = Div(c, sd)
+      y = MatMul(n, W2)
+    }""", W=_w(16, 16, scale=300), b=_w(16, scale=100), eps=np.array(1e-5, np.float32), W2=_w(16, 4))
+
+
+@pytest.mark.parametrize("k", [5, 6, -3])
+def test_decomposed_layernorm_ratio_and_epsilon(k):
+    model = decomposed_layernorm()
+    result = apply_rescale(model, "node_of_h", k)
+    assert result.modified
+    assert result.details["absorbers"] == [{"node": "node_of_n", "kind": "ratio", "exponent": -k}]
+    eps = {i.name: numpy_helper.to_array(i) for i in result.model.graph.initializer}["eps"]
+    assert float(eps) == pytest.approx(1e-5 * 4.0**-k, rel=1e-6)
+    assert result.details["scaled_constants"]["eps"]["exponent"] == -2 * k
+    assert result.details["tensor_scales"]["v"] == 4.0**-k
+    feeds = {"x": RNG.normal(size=(2, 16)).astype(np.float32)}
+    assert _same_function(model, result.model, feeds) <= 1e-5
+
+
+def test_layernorm_and_batchnorm_absorb_with_epsilon():
+    # x -> Conv -> BatchNorm -> Relu -> Conv -> LayerNorm -> y
+    model = build(HEAD + """
+    g (float[1,3,4,4] x) => (float[1,4,4,4] y) <float[4,3,1,1] W, float[4] g1, float[4] b1, float[4] m1, float[4] v1, float[4,4,1,1] W2, float[4] g2, float[4] b2> {
+      a = Conv(x, W)
+      n = BatchNormalization<epsilon=1e-3>(a, g1, b1, m1, v1)
+      r = Relu(n)
+      c = Conv(r, W2)
+      y = LayerNormalization<axis=-1, epsilon=1e-5>(c, g2, b2)
+    }""", W=_w(4, 3, 1, 1, scale=500), g1=_w(4), b1=_w(4), m1=_w(4, scale=100),
+        v1=np.abs(_w(4, scale=1e4)), W2=_w(4, 4, 1, 1, scale=100), g2=_w(4), b2=_w(4))
+    bn = check_rescale(model, "node_of_a", 8)
+    assert bn and [(a.node, a.kind) for a in bn.absorbers] == [("node_of_n", "batchnorm")]
+    ln = apply_rescale(model, "node_of_c", 4)
+    assert [(a["node"], a["kind"]) for a in ln.details["absorbers"]] == [("node_of_y", "epsilon")]
+    node = next(n for n in ln.model.graph.node if n.op_type == "LayerNormalization")
+    assert helper.get_attribute_value(node.attribute[1]) == pytest.approx(1e-5 / 256, rel=1e-6)
+    feeds = {"x": RNG.normal(size=(1, 3, 4, 4)).astype(np.float32)}
+    assert _same_function(model, ln.model, feeds) <= 1e-5
+    assert _same_function(model, apply_rescale(model, "node_of_a", 8).model, feeds) <= 1e-5
+
+
+def test_residual_add_pulls_the_other_branch_into_the_domain():
+    # x -> Conv1 -> a;  x -> Conv2 -> b;  Add(a, Relu(b)) -> Conv3 -> y
+    model = build(HEAD + """
+    g (float[1,2,4,4] x) => (float[1,2,4,4] y) <float[2,2,1,1] W1, float[2,2,1,1] W2, float[2] B2, float[2,2,1,1] W3> {
+      a = Conv(x, W1)
+      b = Conv(x, W2, B2)
+      rb = Relu(b)
+      s = Add(a, rb)
+      y = Conv(s, W3)
+    }""", W1=_w(2, 2, 1, 1), W2=_w(2, 2, 1, 1), B2=_w(2), W3=_w(2, 2, 1, 1))
+    result = apply_rescale(model, "node_of_a", 3)
+    assert {e["name"] for e in result.details["entries"]} == {"node_of_a", "node_of_b"}
+    assert set(result.details["tensor_scales"]) == {"a", "b", "rb", "s"}
+    feeds = {"x": RNG.normal(size=(1, 2, 4, 4)).astype(np.float32)}
+    assert _same_function(model, result.model, feeds) <= 1e-5
+
+
+def test_graph_output_gets_an_fp32_exit():
+    # x -> Gemm -> Relu -> y (graph output)
+    model = build(HEAD + """
+    g (float[2,8] x) => (float[2,4] y) <float[8,4] W, float[4] B> {
+      h = Gemm(x, W, B)
+      y = Relu(h)
+    }""", W=_w(8, 4, scale=1e3), B=_w(4))
+    result = apply_rescale(model, "node_of_h", 4)
+    assert result.details["exits"] == ["y"] and result.details["fp32_nodes"] == ["rescale_out_y"]
+    assert "y" not in result.details["tensor_scales"] and result.details["tensor_scales"]["h"] == 1 / 16
+    feeds = {"x": RNG.normal(size=(2, 8)).astype(np.float32)}
+    assert _same_function(model, result.model, feeds) <= 1e-5
+
+
+@pytest.mark.parametrize("text, entry, k, says", [
+    # x -> Conv -> Sigmoid -> y
+    ("""g (float[1,2,4,4] x) => (float[1,2,4,4] y) <float[2,2,1,1] W> {
+          a = Conv(x, W)
+          y = Sigmoid(a)
+        }""", "node_of_a", 2, "Sigmoid 'node_of_y' reads scaled tensor 'a'"),
+    # x -> Conv -> a; Add(a, Sigmoid(x)) -> y
+    ("""g (float[1,2,4,4] x) => (float[1,2,4,4] y) <float[2,2,1,1] W> {
+          a = Conv(x, W)
+          sx = Sigmoid(x)
+          y = Add(a, sx)
+        }""", "node_of_a", 2, "producer Sigmoid 'node_of_sx' cannot be scaled exactly"),
+    # x -> Conv(W) -> Relu -> Conv(W) -> y  (W shared)
+    ("""g (float[1,2,4,4] x) => (float[1,2,4,4] y) <float[2,2,1,1] W> {
+          a = Conv(x, W)
+          r = Relu(a)
+          y = Conv(r, W)
+        }""", "node_of_a", 2, "shared with other nodes"),
+    # x -> MatMul -> Sqrt -> y  (odd exponent cannot be halved)
+    ("""g (float[2,2] x) => (float[2,2] y) <float[2,2] W> {
+          a = MatMul(x, W)
+          y = Sqrt(a)
+        }""", "node_of_a", 3, "not an integer power of two"),
+])
+def test_declines_with_a_reason(text, entry, k, says):
+    model = build(HEAD + text, W=_w(*([2, 2, 1, 1] if "Conv" in text else [2, 2])))
+    check = check_rescale(model, entry, k)
+    assert not check and says in check.reason
+    result = apply_rescale(model, entry, k)
+    assert not result.modified and result.model is model and says in result.reason
+
+
+def test_scaled_tensor_read_inside_if_body_declines():
+    # x -> MatMul -> a; If(c) { then: Relu(a) else: Neg(a) } -> y
+    model = build(HEAD + """
+    g (float[2,2] x, bool c) => (float[2,2] y) <float[2,2] W> {
+      a = MatMul(x, W)
+      y = If(c) <then_branch = t () => (float[2,2] o1) { o1 = Relu(a) },
+                 else_branch = e () => (float[2,2] o2) { o2 = Neg(a) }>
+    }""", W=_w(2, 2))
+    check = check_rescale(model, "node_of_a", 2)
+    assert not check and "If/Loop/Scan body" in check.reason
+
+
+def test_unknown_entry_and_zero_k_are_user_errors():
+    model = conv_chain()
+    with pytest.raises(NpuprepError, match="nowhere"):
+        check_rescale(model, "nowhere", 2)
+    with pytest.raises(NpuprepError, match="non-zero"):
+        check_rescale(model, "node_of_a", 0)
+
+
+# ---- randomised graphs: seeded chains and residual blocks of scale-commuting ops ----
+
+C = 4
+
+
+class _Gen:
+    """Builds a random chain starting with a Conv entry; block kinds listed in BLOCKS."""
+
+    BLOCKS = ("relu", "leaky", "maxpool", "avgpool", "mulc", "divc", "addc", "residual",
+              "transpose", "concat", "square_sqrt", "center", "neg", "instnorm", "batchnorm",
+              "reshape", "clip", "sigmoid_after_mul")
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.n = 0
+
+    def name(self, base: str) -> str:
+        self.n += 1
+        return f"{base}{self.n}"
+
+    def const(self, value: np.ndarray) -> str:
+        name = self.name("c")
+        self.inits.append(numpy_helper.from_array(np.asarray(value, np.float32), name))
+        return name
+
+    def node(self, op: str, inputs: list[str], **attrs) -> str:
+        out = self.name("t")
+        self.nodes.append(helper.make_node(op, inputs, [out], name=f"n_{out}", **attrs))
+        return out
+
+    def conv(self, x: str, cin: int = C, bias: bool = True) -> str:
+        ins = [x, self.const(self.rng.normal(size=(C, cin, 1, 1)))]
+        if bias:
+            ins.append(self.const(self.rng.normal(size=C)))
+        return self.node("Conv", ins)
+
+    def block(self, kind: str, x: str) -> str:
+        r = self.rng
+        if kind == "relu":
+            return self.node("Relu", [x])
+        if kind == "leaky":
+            return self.node("LeakyRelu", [x], alpha=0.1)
+        if kind == "maxpool":
+            return self.node("MaxPool", [x], kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+        if kind == "avgpool":
+            return self.node("AveragePool", [x], kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+        if kind == "mulc":
+            return self.node("Mul", [x, self.const(r.uniform(0.5, 2, size=(1, C, 1, 1)))])
+        if kind == "divc":
+            return self.node("Div", [x, self.const(r.uniform(0.5, 2))])
+        if kind == "addc":
+            return self.node("Add", [x, self.const(r.normal(size=(1, C, 1, 1)))])
+        if kind == "residual":
+            return self.node("Add", [x, self.conv(self.node("Relu", [x]))])
+        if kind == "transpose":
+            return self.node("Transpose", [x], perm=[0, 1, 3, 2])
+        if kind == "concat":
+            cat = self.node("Concat", [x, self.conv(x)], axis=1)
+            return self.conv(cat, cin=2 * C)
+        if kind == "square_sqrt":
+            sq = self.node("Mul", [x, x])
+            return self.node("Sqrt", [self.node("Add", [sq, self.const(1e-3)])])
+        if kind == "center":
+            mean = self.node("ReduceMean", [x], axes=[2, 3], keepdims=1)
+            return self.node("Sub", [x, mean])
+        if kind == "neg":
+            return self.node("Neg", [x])
+        if kind == "instnorm":
+            return self.node("InstanceNormalization", [x, self.const(r.normal(size=C)),
+                                                      self.const(r.normal(size=C))], epsilon=1e-4)
+        if kind == "batchnorm":
+            return self.node("BatchNormalization", [x, self.const(r.normal(size=C)),
+                                                    self.const(r.normal(size=C)),
+                                                    self.const(r.normal(size=C)),
+                                                    self.const(r.uniform(0.5, 2, size=C))])
+        if kind == "reshape":
+            shape = self.name("shape")
+            self.inits.append(numpy_helper.from_array(np.array([1, C, 16], np.int64), shape))
+            flat = self.node("Reshape", [x, shape])
+            back = self.name("shape")
+            self.inits.append(numpy_helper.from_array(np.array([1, C, 4, 4], np.int64), back))
+            return self.node("Reshape", [self.node("Relu", [flat]), back])
+        if kind == "clip":
+            return self.node("Clip", [x, self.const(-1.0), self.const(5.0)])
+        if kind == "sigmoid_after_mul":
+            return self.node("Sigmoid", [self.node("Mul", [x, self.const(0.01)])])
+        raise AssertionError(kind)
+
+    def model(self) -> tuple[onnx.ModelProto, list[str], str]:
+        first = self.conv("x", cin=C)
+        cur = first
+        kinds = list(self.rng.choice(self.BLOCKS, size=int(self.rng.integers(2, 6))))
+        for kind in kinds:
+            cur = self.block(str(kind), cur)
+        ending = self.rng.choice(["conv", "output", "tanh"])
+        if ending == "conv":
+            cur = self.conv(cur)
+        elif ending == "tanh":
+            cur = self.node("Tanh", [cur])
+        self.nodes.append(helper.make_node("Identity", [cur], ["y"], name="out"))
+        graph = helper.make_graph(
+            self.nodes, "random",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, C, 4, 4])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, C, 4, 4])], self.inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 8
+        onnx.checker.check_model(model, full_check=True)
+        return model, [*kinds, str(ending)], first
+
+
+def test_randomised_graphs_compute_the_same_function():
+    feasible = declined = 0
+    for seed in range(40):
+        model, kinds, first = _Gen(seed).model()
+        k = int(np.random.default_rng(seed).choice([-4, -2, 2, 4, 6]))
+        result = apply_rescale(model, f"n_{first}", k)
+        if not result.modified:
+            declined += 1
+            assert result.reason and result.model is model
+            # Declines happen only where the scale really cannot pass.
+            assert "tanh" in kinds or "sigmoid_after_mul" in kinds or "not exact" in result.reason, (
+                seed, kinds, result.reason)
+            continue
+        feasible += 1
+        feeds = {"x": np.random.default_rng(seed).normal(size=(1, C, 4, 4)).astype(np.float32)}
+        err = _same_function(model, result.model, feeds)
+        assert err <= 1e-5, (seed, kinds, k, err)
+        assert result.details["tensor_scales"][first] == 2.0**-k
+    assert feasible >= 25 and declined >= 1
