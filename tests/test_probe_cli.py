@@ -56,7 +56,7 @@ def test_table_names_layer_and_unknown_profile(save):
     r = run_cli("probe", model, "--target", "a2000")
     assert r.returncode == 0, r.stderr
     assert "first shows at tensor 'm'" in r.stdout
-    assert "does not know its overflow mode" in r.stdout
+    assert "does not know its fp16 overflow mode" in r.stdout
     assert "overall: inf" in r.stdout
 
 

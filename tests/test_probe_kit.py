@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-import yaml
 from conftest import model_from_text, run_cli
 
 from npuprep.model_io import load_model
@@ -157,27 +156,27 @@ def test_missing_and_misshaped_outputs_are_named(fp16_kit, tmp_path):
 
 
 def test_fp8_kit_nan_board_records_no_saturation(tmp_path):
-    data = load_profile("generic").to_dict()
-    data.update(name="fp8board", default_precision="fp8_e4m3")
-    data["dtypes"]["fast"] = ["fp8_e4m3", "fp16"]
-    target = tmp_path / "fp8board.yaml"
-    target.write_text(yaml.safe_dump(data))
+    # a2000 runs FP16 by default and FP8 too: probe its FP8 path with --format.
     kit = tmp_path / "kit"
-    r = run_cli("probe", "--export-kit", kit, "--target", target, "--probes", "conv,exp,cast")
+    r = run_cli("probe", "--export-kit", kit, "--target", "a2000", "--format", "fp8_e4m3",
+                "--probes", "conv,exp,cast")
     assert r.returncode == 0, r.stderr
     manifest = json.loads((kit / "manifest.json").read_text())
-    assert manifest["threshold"] == 464
+    assert manifest["threshold"] == 464 and manifest["format"] == "fp8_e4m3"
 
     def nosat(observed, reference):
         return E4M3.round(reference, saturate=False)
 
     out = _board_outputs(kit, nosat, "npy", tmp_path / "out")
     prof = tmp_path / "measured.yaml"
-    r = run_cli("probe", "--classify", kit, "--outputs", out, "--target", target,
-                "--write-profile", prof, "--json")
+    r = run_cli("probe", "--classify", kit, "--outputs", out, "--write-profile", prof, "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["overall"]["verdict"] == "nan"
-    assert load_profile(prof).fp8_saturate is False
+    measured = load_profile(prof)
+    assert measured.fp8_saturate is False
+    # The FP16 overflow mode was not measured, so it stays as declared.
+    assert str(measured.overflow) == "unknown"
+    assert "in fp8_e4m3" in measured.sources["fp8_saturate"]
 
 
 def test_export_is_deterministic(tmp_path):

@@ -17,6 +17,8 @@ BACKENDS = ("emulate", "ort", "ort-fp32-io")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="ONNX model for the single-layer probe (none: micro-probes)")
     p.add_argument("--target", "-t", help="built-in profile name or profile YAML path")
+    p.add_argument("--format", dest="fmt", help="format to probe (default: the profile's "
+                                                  "default_precision), e.g. fp8_e4m3 on an FP16+FP8 target")
     p.add_argument("--layer", help="node name or output tensor of the layer to amplify")
     p.add_argument("--gain", type=float, default=100.0, help="weight gain (default 100)")
     p.add_argument("--fixed-gain", action="store_true",
@@ -55,6 +57,23 @@ def _profile(args: argparse.Namespace):
     return load_profile(args.target)
 
 
+def _format(args: argparse.Namespace, profile: Any):
+    from npuprep.numerics import get_format
+
+    return get_format(args.fmt) if args.fmt else profile.format
+
+
+def _declared_saturate(profile: Any, fmt_: Any) -> bool | None:
+    """What the profile declares for `fmt_`: True/False, or None where it does not know."""
+    from npuprep.profiles import OverflowMode
+
+    if fmt_.name.startswith("fp8"):
+        return profile.fp8_saturate
+    if profile.overflow is OverflowMode.UNKNOWN:
+        return None
+    return profile.overflow is OverflowMode.SATURATE
+
+
 def _names(args: argparse.Namespace) -> tuple[str, ...] | None:
     return tuple(n.strip() for n in args.probes.split(",") if n.strip()) if args.probes else None
 
@@ -67,12 +86,13 @@ def _feeds(args: argparse.Namespace, model: Any) -> dict:
     return next(iter(samples))
 
 
-def _backend(args: argparse.Namespace, profile: Any):
+def _backend(args: argparse.Namespace, profile: Any, fmt_: Any):
     from npuprep.probe.backends import EmulateBackend, OrtBackend
 
     if args.backend == "emulate":
-        return EmulateBackend(profile.format, saturate=profile.saturates)
-    return OrtBackend(profile.format, io="fp16" if args.backend == "ort" else "fp32")
+        # Unknown is emulated as the loud case (as TargetProfile.saturates does); the note says so.
+        return EmulateBackend(fmt_, saturate=bool(_declared_saturate(profile, fmt_)))
+    return OrtBackend(fmt_, io="fp16" if args.backend == "ort" else "fp32")
 
 
 def _run_local(args: argparse.Namespace) -> int:
@@ -81,8 +101,8 @@ def _run_local(args: argparse.Namespace) -> int:
     from npuprep.probe.runner import ProbeReport, run_micro_probes
 
     profile = _profile(args)
-    fmt_ = profile.format
-    backend = _backend(args, profile)
+    fmt_ = _format(args, profile)
+    backend = _backend(args, profile, fmt_)
     results = []
     layer = None
     fingerprint = ""
@@ -99,28 +119,26 @@ def _run_local(args: argparse.Namespace) -> int:
         "schema_version": SCHEMA_VERSION, "kind": "probe", "fingerprint": fingerprint,
         "target": profile.name, "profile_overflow": str(profile.overflow),
         **report.to_dict(), "layer": layer.to_dict() if layer else None,
-        "emulated_saturate": profile.saturates if args.backend == "emulate" else None,
-        "note": _note(args, profile),
+        "emulated_saturate": bool(_declared_saturate(profile, fmt_)) if args.backend == "emulate" else None,
+        "note": _note(args, profile, fmt_),
     }
     if args.write_profile:
         from npuprep.probe.kit import write_profile
 
-        write_profile(args.write_profile, profile, list(results), backend.name)
+        write_profile(args.write_profile, profile, list(results), backend.name, fmt_)
     _show(args, doc, layer)
     return 0
 
 
-def _note(args: argparse.Namespace, profile: Any) -> str:
+def _note(args: argparse.Namespace, profile: Any, fmt_: Any) -> str:
     """Emulation only replays what the profile declares; say so when that is a guess."""
-    from npuprep.profiles import OverflowMode
-
     if args.backend != "emulate":
         return ""
-    if profile.overflow is OverflowMode.UNKNOWN or (profile.format.name.startswith("fp8")
-                                                    and profile.fp8_saturate is None):
-        return (f"profile '{profile.name}' does not know its overflow mode; emulation assumes the loud "
-                "case. Measure the board: npuprep probe --export-kit DIR --target ...")
-    return f"emulation replays the profile's declared behaviour ({'saturate' if profile.saturates else 'loud'})"
+    declared = _declared_saturate(profile, fmt_)
+    if declared is None:
+        return (f"profile '{profile.name}' does not know its {fmt_.name} overflow mode; emulation assumes "
+                "the loud case. Measure the board: npuprep probe --export-kit DIR --target ...")
+    return f"emulation replays the profile's declared behaviour ({'saturate' if declared else 'loud'})"
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -130,7 +148,7 @@ def _export(args: argparse.Namespace) -> int:
     from npuprep.probe.micro import micro_probes
 
     profile = _profile(args)
-    fmt_ = profile.format
+    fmt_ = _format(args, profile)
     probes = []
     fingerprint = ""
     if args.model:
@@ -158,7 +176,7 @@ def _classify(args: argparse.Namespace) -> int:
            "target": manifest.get("target", ""), **report.to_dict(), "layer": None}
     if args.write_profile:
         profile = load_profile(args.target or manifest.get("target", ""))
-        write_profile(args.write_profile, profile, list(report.results), report.backend)
+        write_profile(args.write_profile, profile, list(report.results), report.backend, report.fmt)
     _show(args, doc, None)
     return 0
 

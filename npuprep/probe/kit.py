@@ -281,15 +281,18 @@ def measured_mode(results: list[ProbeResult]) -> str:
     return str(best)
 
 
-def profile_with_measurement(profile: TargetProfile, results: list[ProbeResult],
-                             backend: str) -> dict[str, Any]:
-    """The profile's data with the measured overflow mode and a source line saying so."""
+def profile_with_measurement(profile: TargetProfile, results: list[ProbeResult], backend: str,
+                             fmt: NumberFormat) -> dict[str, Any]:
+    """The profile's data with the overflow mode measured in `fmt` and a source line saying so.
+
+    FP8 measurements go to `fp8_saturate`, FP16 ones to `overflow`.
+    """
     mode = measured_mode(results)
     data = profile.to_dict()
     per_unit = ", ".join(f"{r.name}={r.verdict}" for r in results)
-    source = f"measured by npuprep probe on {backend}: {mode} ({per_unit})"
+    source = f"measured by npuprep probe on {backend} in {fmt.name}: {mode} ({per_unit})"
     sources = dict(data["sources"])
-    if profile.format.name.startswith("fp8"):
+    if fmt.name.startswith("fp8"):
         data["fp8_saturate"] = mode == str(Verdict.SATURATE)
         sources["fp8_saturate"] = source
     else:
@@ -300,9 +303,9 @@ def profile_with_measurement(profile: TargetProfile, results: list[ProbeResult],
 
 
 def write_profile(path: str | Path, profile: TargetProfile, results: list[ProbeResult],
-                  backend: str) -> Path:
+                  backend: str, fmt: NumberFormat) -> Path:
     """Write the measured profile as YAML that load_profile accepts (checked before writing)."""
-    data = profile_with_measurement(profile, results, backend)
+    data = profile_with_measurement(profile, results, backend, fmt)
     parse_profile(data, str(path))
     text = yaml.safe_dump(data, sort_keys=False, width=100, allow_unicode=True)
     return write_text_atomic(path, text)
