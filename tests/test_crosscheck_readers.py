@@ -287,3 +287,10 @@ def test_unnamed_layer_maps_through_the_onnx_tensor_it_writes(tmp_path, index):
     assert layers["(Unnamed Layer* 7) [ElementWise]"].onnx_nodes == ("/norm/Mul",)
     assert layers["(Unnamed Layer* 7) [ElementWise]"].unresolved == ()
     assert layers["(Unnamed Layer* 8) [Shuffle]"].unresolved == ("(Unnamed Layer* 8) [Shuffle]",)
+
+
+def test_csv_from_a_spreadsheet_with_a_bom(tmp_path, index):
+    path = tmp_path / "p.csv"
+    path.write_bytes("\ufeffnode,precision\r\n/norm/Mul,FP16\r\n".encode())
+    (record,) = read_report(path, index).records
+    assert record.onnx_nodes == ("/norm/Mul",) and record.compute_dtype == "fp16"

@@ -38,7 +38,7 @@ def read_report(path: str | Path, index: NodeIndex, fmt: str = "auto") -> Compil
     if not path.is_file():
         raise NpuprepError(f"{path}: report file not found")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # spreadsheet exports start with a BOM
     except UnicodeDecodeError:
         raise NpuprepError(f"{path}: not a UTF-8 text file") from None
     name = str(path)
