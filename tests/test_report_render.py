@@ -279,3 +279,8 @@ def test_number_cells_keep_their_digits() -> None:
     page = render(result, plots=False)
     assert '<td class="num" data-v="0.99999999">0.99999999</td>' in page
     assert '<td class="num" data-v="39.99979019">40</td>' in page
+
+
+def test_wide_formats_are_judged_against_fp16() -> None:
+    result = dict(compare_result(fmt="fp32"), profile=PROFILE)
+    assert [(lim.role, lim.value) for lim in limits(result)] == [("max", 65504.0), ("headroom", 32752.0)]

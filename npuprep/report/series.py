@@ -100,13 +100,15 @@ def precision_of(result: Mapping[str, Any]) -> str:
 
 
 def limits(result: Mapping[str, Any]) -> tuple[Limit, ...]:
-    """FP16's max finite always; headroom x max of the compute format when the profile
-    gives a headroom; the FP8 max when FP8 is the compute format."""
+    """FP16's max finite always; headroom x max of the compute format (FP16 when that is
+    wider) when the profile gives a headroom; the FP8 max when FP8 is the compute format."""
     fp16 = get_format("fp16")
     out = [Limit(f"fp16 max {fp16.max:.0f}", float(fp16.max), "max")]
     try:
         fmt = get_format(precision_of(result))
-    except NpuprepError:  # int8 or an unknown name: FP16's line stands alone
+    except NpuprepError:  # int8 or an unknown name: judged against FP16
+        fmt = fp16
+    if fmt.max > fp16.max:  # fp32/bf16 compute: FP16 is still the range that matters here
         fmt = fp16
     if fmt.name.startswith("fp8"):
         out.append(Limit(f"{fmt.name} max {fmt.max:g}", float(fmt.max), "fp8"))
