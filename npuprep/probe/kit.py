@@ -167,7 +167,20 @@ def _readme(manifest: dict[str, Any]) -> str:
         ins = ", ".join(f"{i['name']} {i['dtype']}{i['shape']}" for i in p["inputs"])
         outs = ", ".join(f"{o['name']} -> {o['file_stem']} {o['dtype']}{o['shape']}" for o in p["outputs"])
         lines.append(f"| {p['name']} | {p['unit']} | {p['model']} | {ins} | {outs} |")
-    lines += ["", "The FP32 references are in `reference/`; `manifest.json` is the machine-readable index.", ""]
+    lines += [
+        "",
+        "## Reading the verdicts",
+        "",
+        "- `inf` / `nan`: loud; you will notice. `saturate`: silent clamp to +-max; outputs look",
+        "  plausible and are wrong. `other-finite`: flushed, wrapped or compressed; also silent.",
+        "- `no-overflow` with \"computed wider\": values beyond the max came back exactly, so that",
+        "  unit did not run in the declared format (check the compiler's per-layer precision report).",
+        "- A `saturate` verdict may come from the compiler (an inserted Clip) rather than the",
+        "  hardware: look for Clip/Clamp layers in the compiled model or its report.",
+        "",
+        "The FP32 references are in `reference/`; `manifest.json` is the machine-readable index.",
+        "",
+    ]
     return "\n".join(lines)
 
 
