@@ -278,3 +278,22 @@ def test_initialiser_that_is_also_a_graph_input_keeps_its_type():
     assert _inits(lowered.model)["W1"].data_type == TensorProto.FLOAT
     feeds = {"x": RNG.normal(size=(2, 8)).astype(np.float32)}
     assert rel_err(outputs(model, feeds)["y"], outputs(lowered.model, feeds)["y"]) < 1e-2
+
+
+def test_scan_body_with_a_pinned_node():
+    # Scan(s0, xs) { t = Mul(x, w) [pinned]; so = Add(s, t); yo = so } -> sf, ys
+    model = build(HEAD + """
+    g (float[2] s0, float[3,2] xs) => (float[2] sf, float[3,2] ys) <float[2] w> {
+      sf, ys = Scan(s0, xs) <num_scan_inputs=1, body = b (float[2] s, float[2] x) => (float[2] so, float[2] yo) {
+          t = Mul(x, w)
+          so = Add(s, t)
+          yo = Identity(so)
+      }>
+    }""", w=np.array([2.0, 0.5], np.float32))
+    lowered = lower(model, "fp16", pinned_nodes=["node_of_t"])
+    body = next(s.graph for s in walk_graphs(lowered.model.graph) if not s.is_main)
+    assert {i.type.tensor_type.elem_type for i in body.input} == {TensorProto.FLOAT16}
+    assert _inits(lowered.model)["w"].data_type == TensorProto.FLOAT
+    feeds = {"s0": np.array([1, 2], np.float32), "xs": np.arange(6, dtype=np.float32).reshape(3, 2)}
+    ref, out = outputs(model, feeds), outputs(lowered.model, feeds)
+    assert max(rel_err(ref[k], out[k]) for k in ref) < 1e-3

@@ -198,8 +198,9 @@ class _Lowering:
                     reason = f"{node.op_type} stays FP32 (type fixed by attribute or FP32-only inputs)"
                 elif id(node) in shape_nodes:
                     reason = "computes a shape or an FP32-only input"
-                elif any(o and o not in self.types for o in node.output) and node.op_type != "Constant":
-                    reason = "output type unknown to shape inference"
+                elif node.op_type != "Constant" and any(
+                        t and t not in self.types for t in [*node.input, *node.output]):
+                    reason = "a tensor type is unknown to shape inference"
                 else:
                     reason = self._range_reason(node)
                 self.low[id(node)] = reason is None
