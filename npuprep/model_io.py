@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,19 +88,43 @@ def load_model(path: str | Path) -> Model:
 def fingerprint(proto: onnx.ModelProto) -> str:
     """sha256 of the graph and its weights, independent of where the weights are stored."""
     h = hashlib.sha256()
+    # The graph without its initialisers, built field by field: copying the whole graph first
+    # would hold a second copy of every weight (4x the model size for a >2 GB model).
     graph = onnx.GraphProto()
-    graph.CopyFrom(proto.graph)
-    inits = list(graph.initializer)
-    del graph.initializer[:]
+    for desc, value in proto.graph.ListFields():
+        if desc.name == "initializer":
+            continue
+        if hasattr(value, "extend"):
+            getattr(graph, desc.name).extend(value)
+        elif hasattr(value, "CopyFrom"):
+            getattr(graph, desc.name).CopyFrom(value)
+        else:
+            setattr(graph, desc.name, value)
     h.update(graph.SerializeToString(deterministic=True))
-    for init in inits:
+    for init in proto.graph.initializer:
         h.update(init.name.encode())
         h.update(bytes(str(init.data_type), "ascii"))
         h.update(bytes(str(list(init.dims)), "ascii"))
-        h.update(onnx.numpy_helper.to_array(init).tobytes())
+        h.update(_value_bytes(init))
     for entry in proto.opset_import:
         h.update(f"{entry.domain}:{entry.version}".encode())
     return h.hexdigest()[:16]
+
+
+def _value_bytes(init: onnx.TensorProto) -> bytes:
+    """The bytes of to_array(init).tobytes(), read straight from raw_data where they coincide."""
+    if (init.HasField("raw_data") and sys.byteorder == "little"
+            and init.data_type not in _PACKED_TYPES):
+        return init.raw_data
+    return onnx.numpy_helper.to_array(init).tobytes()
+
+
+# Sub-byte types whose raw_data is packed while to_array unpacks them.
+_PACKED_TYPES = frozenset(
+    getattr(onnx.TensorProto, n) for n in ("INT4", "UINT4", "INT2", "UINT2", "FLOAT4E2M1",
+                                          "FLOAT6E2M3", "FLOAT6E3M2")
+    if hasattr(onnx.TensorProto, n)
+)
 
 
 def save_model(

@@ -102,12 +102,12 @@ def infer_shapes(
     g.value_info.extend(src.value_info)
     declared = {vi.name for vi in src.input}
     for init in src.initializer:
-        if init.ByteSize() <= _INFERENCE_INLINE_BYTES:
+        if _nbytes(init) <= _INFERENCE_INLINE_BYTES:
             g.initializer.append(init)
         elif init.name not in declared:
             g.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
     try:
-        inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=False)
     except Exception:  # noqa: BLE001 - inference is best effort; rules fall back to "unknown"
         inferred = skeleton
     shapes: dict[str, tuple[int | None, ...]] = {}
@@ -131,6 +131,15 @@ def infer_shapes(
         shapes[init.name] = tuple(init.dims)
         types[init.name] = init.data_type
     return shapes, types
+
+
+def _nbytes(tensor: onnx.TensorProto) -> int:
+    """Size of a tensor's data from its dims (ByteSize() fails on a >2 GB tensor)."""
+    try:
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    except (KeyError, TypeError, ValueError):
+        itemsize = 8
+    return int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
 
 
 def scalar(value: np.ndarray | None) -> float | None:

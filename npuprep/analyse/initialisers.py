@@ -54,23 +54,33 @@ def summarise(value: np.ndarray, fmt: NumberFormat) -> ValueSummary:
     for start in range(0, flat.size, _CHUNK):
         x = flat[start:start + _CHUNK].astype(wide, copy=False)
         a = np.abs(x)
-        finite = np.isfinite(x)
-        counts["nan"] += int(np.isnan(x).sum())
-        counts["pos_inf"] += int(np.isposinf(x).sum())
-        counts["neg_inf"] += int(np.isneginf(x).sum())
-        nonzero = finite & (a > 0)
-        counts["nonzero"] += int(nonzero.sum())
-        over = finite & (a >= fmt.overflow_threshold)
-        counts["overflow"] += int(over.sum())
-        counts["negative_overflow"] += int((over & (x < 0)).sum())
-        counts["flush"] += int((nonzero & (a <= flush_below)).sum())
-        counts["subnormal"] += int((nonzero & (a > flush_below) & (a < fmt.min_normal)).sum())
-        if finite.any():
-            i = int(np.argmax(np.where(finite, a, -1)))
-            if abs(float(x[i])) > abs(worst):
-                worst = float(x[i])
-        if nonzero.any():
-            i = int(np.argmin(np.where(nonzero, a, np.inf)))
+        nonzero = np.count_nonzero(a)
+        hi = a.max()
+        if not np.isfinite(hi) or hi >= fmt.overflow_threshold:
+            # Rare: only chunks holding huge or non-finite values pay for the detailed count.
+            finite = np.isfinite(x)
+            nan, pos_inf = int(np.isnan(x).sum()), int(np.isposinf(x).sum())
+            neg_inf = int(np.isneginf(x).sum())
+            over = finite & (a >= fmt.overflow_threshold)
+            counts["nan"] += nan
+            counts["pos_inf"] += pos_inf
+            counts["neg_inf"] += neg_inf
+            counts["overflow"] += int(over.sum())
+            counts["negative_overflow"] += int((over & (x < 0)).sum())
+            nonzero -= nan + pos_inf + neg_inf
+            if finite.any():
+                i = int(np.argmax(np.where(finite, a, -1)))
+                if abs(float(x[i])) > abs(worst):
+                    worst = float(x[i])
+        elif hi > abs(worst):
+            worst = float(x[int(np.argmax(a))])
+        counts["nonzero"] += nonzero
+        tiny = (a < fmt.min_normal) & (a > 0)
+        if tiny.any():
+            small = a[tiny]
+            counts["flush"] += int((small <= flush_below).sum())
+            counts["subnormal"] += int((small > flush_below).sum())
+            i = int(np.flatnonzero(tiny)[np.argmin(small)])
             if smallest == 0 or abs(float(x[i])) < abs(smallest):
                 smallest = float(x[i])
     return ValueSummary(size=int(flat.size), worst=worst, smallest=smallest, **counts)
