@@ -284,3 +284,13 @@ def test_number_cells_keep_their_digits() -> None:
 def test_wide_formats_are_judged_against_fp16() -> None:
     result = dict(compare_result(fmt="fp32"), profile=PROFILE)
     assert [(lim.role, lim.value) for lim in limits(result)] == [("max", 65504.0), ("headroom", 32752.0)]
+
+
+def test_actions_read_from_an_embedded_plan() -> None:
+    result = convert_result()
+    result["plan"] = {"actions": result.pop("actions"), "declined": result.pop("declined"),
+                      "notes": ["headroom warning on s kept as a note"]}
+    assert {m.kind for m in remedy_marks(result, tensor_points(result))} == {"rescale", "pin_fp32", "clamp"}
+    page = render(result, plots=False)
+    assert 'id="table-actions"' in page and 'id="table-declined"' in page
+    assert "headroom warning on s kept as a note" in page

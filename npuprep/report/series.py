@@ -234,6 +234,14 @@ def _action_tensors(action: Mapping[str, Any], produced_by: Mapping[str, list[in
     return hits
 
 
+def plan_of(result: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Where a result keeps its actions: at the top level, or in an embedded `plan`."""
+    if "actions" in result or "declined" in result:
+        return result
+    plan = result.get("plan")
+    return plan if isinstance(plan, Mapping) else {}
+
+
 def remedy_marks(result: Mapping[str, Any], points: tuple[TensorPoint, ...]) -> tuple[RemedyMark, ...]:
     """One mark per action (convert) or per remedied finding (check), at the tensors it acts on."""
     position = {p.tensor: i for i, p in enumerate(points)}
@@ -241,7 +249,7 @@ def remedy_marks(result: Mapping[str, Any], points: tuple[TensorPoint, ...]) -> 
     for i, p in enumerate(points):
         produced_by.setdefault(p.node, []).append(i)
     marks: list[RemedyMark] = []
-    actions = result.get("actions")
+    actions = plan_of(result).get("actions")
     if isinstance(actions, list):
         for a in actions:
             if not isinstance(a, Mapping) or _action_kind(a) not in REMEDY_KINDS:

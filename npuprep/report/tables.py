@@ -16,6 +16,7 @@ from npuprep.report.series import (
     compare_entry,
     compare_of,
     number,
+    plan_of,
     stats_entries,
 )
 
@@ -85,19 +86,20 @@ def _finding_refs(a: Mapping[str, Any]) -> str:
 
 
 def actions_table(result: Mapping[str, Any]) -> Table | None:
-    if "actions" not in result:
+    plan = plan_of(result)
+    if "actions" not in plan:
         return None
     cols = (Column("#", "num"), Column("action"), Column("where"), Column("kind"),
             Column("numbers"), Column("findings"), Column("why"))
     rows = tuple((i, str(a.get("action") or a.get("kind") or ""), action_where(a),
                   _text(a, "kind") if a.get("action") else "", _action_numbers(a),
                   _finding_refs(a), _text(a, "why"))
-                 for i, a in enumerate(_dicts(result.get("actions"))))
+                 for i, a in enumerate(_dicts(plan.get("actions"))))
     return Table("actions", f"Actions ({len(rows)})", cols, rows)
 
 
 def declined_table(result: Mapping[str, Any]) -> Table | None:
-    declined = _dicts(result.get("declined"))
+    declined = _dicts(plan_of(result).get("declined"))
     if not declined:
         return None
     cols = (Column("remedy"), Column("target"), Column("reason"), Column("findings"))
@@ -259,7 +261,7 @@ def profile_rows(profile: Mapping[str, Any], prefix: str = "") -> list[tuple[str
 def notes(result: Mapping[str, Any]) -> list[str]:
     """The result's notes (what emulation cannot show, synthetic samples, ...), deduplicated."""
     out: list[str] = []
-    for holder in (result, compare_of(result) or {}):
+    for holder in (result, plan_of(result), compare_of(result) or {}):
         for note in holder.get("notes") or ():
             if str(note) not in out:
                 out.append(str(note))
