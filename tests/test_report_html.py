@@ -59,7 +59,8 @@ class Browser:
         self._buffer = b""
         self._next_id = 0
         self.events: list[dict[str, Any]] = []
-        target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+        # The first answer waits for the browser to start, slow on a loaded CI machine.
+        target = self.call("Target.createTarget", {"url": "about:blank"}, timeout=60)["targetId"]
         self.session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         for domain in ("Page.enable", "Runtime.enable", "Log.enable"):
             self.call(domain, session=self.session)
