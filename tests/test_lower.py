@@ -297,3 +297,23 @@ def test_scan_body_with_a_pinned_node():
     feeds = {"s0": np.array([1, 2], np.float32), "xs": np.arange(6, dtype=np.float32).reshape(3, 2)}
     ref, out = outputs(model, feeds), outputs(lowered.model, feeds)
     assert max(rel_err(ref[k], out[k]) for k in ref) < 1e-3
+
+
+def test_resize_scales_stay_fp32_and_shared_constant_node_is_duplicated():
+    # k = Constant(3); Mul(x, k) -> Resize(scales sc) -> y ; Add(x, k) [pinned] -> z
+    model = build(HEAD + """
+    g (float[1,2,4,4] x) => (float[1,2,8,8] y, float[1,2,4,4] z) <float[4] sc> {
+      k = Constant<value=float {3.0}>()
+      a = Mul(x, k)
+      z = Add(x, k)
+      y = Resize<mode="nearest">(a, , sc)
+    }""", sc=np.array([1, 1, 2, 2], np.float32))
+    lowered = lower(model, "fp16", pinned_nodes=["node_of_z"])
+    nodes = {n.output[0]: n for n in lowered.model.graph.node}
+    assert _inits(lowered.model)["sc"].data_type == TensorProto.FLOAT
+    assert nodes["k"].attribute[0].t.data_type == TensorProto.FLOAT
+    assert nodes["k__fp16"].attribute[0].t.data_type == TensorProto.FLOAT16
+    assert list(nodes["a"].input) == ["x__to_fp16", "k__fp16"] and list(nodes["z"].input) == ["x", "k"]
+    feeds = {"x": RNG.normal(size=(1, 2, 4, 4)).astype(np.float32)}
+    ref, out = outputs(model, feeds), outputs(lowered.model, feeds)
+    assert max(rel_err(ref[k], out[k]) for k in ref) < 1e-3
