@@ -27,15 +27,20 @@ def session_options(*, threads: int | None = None, optimize: bool = True) -> ort
 
 
 def make_session(
-    model: onnx.ModelProto | str | Path,
+    model: onnx.ModelProto | bytes | str | Path,
     *,
     threads: int | None = None,
     optimize: bool = True,
 ) -> ort.InferenceSession:
-    """A CPU session. Protos over the protobuf limit go through a temporary external-data file."""
+    """A CPU session. Protos over the protobuf limit go through a temporary external-data file.
+
+    `bytes` is an already serialised model (saves serialising a large proto twice).
+    """
     opts = session_options(threads=threads, optimize=optimize)
     providers = ["CPUExecutionProvider"]
     try:
+        if isinstance(model, bytes):
+            return ort.InferenceSession(model, opts, providers=providers)
         if isinstance(model, str | Path):
             return ort.InferenceSession(str(model), opts, providers=providers)
         if model.ByteSize() < PROTOBUF_LIMIT - 64 * 2**20:

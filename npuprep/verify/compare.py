@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 
 from npuprep.errors import NpuprepError
-from npuprep.graph import node_label, tensor_types, topological_order, walk_graphs
+from npuprep.graph import node_label, topological_order, walk_graphs
 from npuprep.model_io import fingerprint, model_opset
 from npuprep.numerics import FLOAT_ONNX_TYPES, NumberFormat
 from npuprep.verify.merge import (
@@ -32,6 +32,7 @@ from npuprep.verify.merge import (
     Pair,
     merged_graph,
 )
+from npuprep.verify.shapes import infer
 
 SCHEMA_VERSION = 1
 Feed = Mapping[str, np.ndarray]
@@ -199,7 +200,7 @@ def compare_models(
     where the reference is finite, or when it holds values pinned at `fmt`'s max where the
     reference goes beyond it. `tensor_scales` {name: s} means candidate = s * reference.
     """
-    from npuprep.runtime.session import make_session, run
+    from npuprep.runtime.session import run
 
     overrides = dict(overrides or {})
     scales = dict(tensor_scales or {})
@@ -213,8 +214,7 @@ def compare_models(
     flagged: dict[int, set[int]] = {}
     n_samples = 0
     if pairs:
-        session = make_session(merged_graph(ref, cand, pairs, limit=limit, isolate=isolate),
-                               threads=threads)
+        session = _session(merged_graph(ref, cand, pairs, limit=limit, isolate=isolate), threads)
         for index, feed in enumerate(samples):
             values = run(session, dict(feed), [STATS, SIZES])
             rows = acc.add(values[STATS], values[SIZES], limit)
@@ -317,8 +317,9 @@ def _pairs(
 ) -> tuple[list[Pair], dict[str, tuple[str, str, int]], dict[str, str]]:
     """Shared float tensors, the producer of each reference tensor, what is not compared."""
     _check_inputs(ref, cand)
-    ref_types, cand_types = tensor_types(ref), tensor_types(cand)
-    ref_shapes, cand_shapes = _static_shapes(ref), _static_shapes(cand)
+    ref_info, cand_info = infer(ref), infer(cand)
+    ref_types, cand_types = ref_info.types, cand_info.types
+    ref_shapes, cand_shapes = ref_info.shapes, cand_info.shapes
     cand_produced = {o for n in cand.graph.node for o in n.output if o}
     order: dict[str, tuple[str, str, int]] = {}
     for pos, node in enumerate(topological_order(ref.graph)):
@@ -362,19 +363,6 @@ def _check_inputs(ref: onnx.ModelProto, cand: onnx.ModelProto) -> None:
         odd = sorted(ref_inputs ^ cand_inputs)[0]
         side = "reference" if odd in ref_inputs else "candidate"
         raise NpuprepError(f"input '{odd}' exists only in the {side}; both models must take the same inputs")
-
-
-def _static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    except Exception:  # noqa: BLE001 - inference is best effort
-        return {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    for vi in list(inferred.graph.value_info) + list(inferred.graph.output):
-        dims = vi.type.tensor_type.shape.dim
-        if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
-            shapes[vi.name] = tuple(d.dim_value for d in dims)
-    return shapes
 
 
 class _Accumulator:
@@ -456,13 +444,23 @@ def _count_pass(ref: onnx.ModelProto, cand: onnx.ModelProto, pairs: list[Pair],
                 flagged: dict[int, set[int]], samples: Iterable[Feed], acc: _Accumulator,
                 limit: float | None, threads: int | None) -> None:
     """Count Inf/NaN/saturated values, only for the tensors and samples that showed any."""
-    from npuprep.runtime.session import make_session, run
+    from npuprep.runtime.session import run
 
     rows = sorted(set().union(*flagged.values()))
     names = [pairs[r].name for r in rows]
-    session = make_session(
-        merged_graph(ref, cand, pairs, limit=limit, isolate=False, detail=names, base=False),
-        threads=threads)
+    session = _session(
+        merged_graph(ref, cand, pairs, limit=limit, isolate=False, detail=names, base=False), threads)
     for index, feed in enumerate(samples):
         if index in flagged:
             acc.add_counts(rows, run(session, dict(feed), [DETAIL])[DETAIL])
+
+
+def _session(model: onnx.ModelProto, threads: int | None) -> Any:
+    """A session on the merged model, serialised once (it holds both models' weights)."""
+    from npuprep.runtime.session import make_session
+
+    try:
+        data = model.SerializeToString()
+    except (ValueError, RuntimeError):  # past protobuf's 2 GiB: make_session uses external data
+        return make_session(model, threads=threads)
+    return make_session(data, threads=threads)
