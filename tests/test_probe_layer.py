@@ -158,3 +158,25 @@ g (float[1,2] x) => (float[1,2] y) <float[2,2] w = {1, 2, 3, 4}> {
 def test_bad_gain_is_a_user_error():
     with pytest.raises(NpuprepError, match="--gain must be a positive number"):
         probe_layer(_conv(), _feeds(), FP16, OrtBackend(FP16), gain=0)
+
+
+def test_the_models_own_overflow_is_kept_apart():
+    # x -> Mul(x, x) -> sq (overflows FP16 by itself) -> MatMul(w) -> m -> y ; x -> MatMul(v) -> n
+    model = model_from_text("""<ir_version: 8, opset_import: ["" : 17]>
+g (float[1,2] x) => (float[1,2] y, float[1,2] n)
+<float[2,2] w = {1, 0, 0, 1}, float[2,2] v = {0.5, 0.25, 0.125, 1}> {
+  sq = Mul(x, x)
+  m = MatMul(sq, w)
+  y = Relu(m)
+  n = MatMul(x, v)
+}""")
+    feeds = {"x": np.array([[300.0, 1.0]], np.float32)}
+    backend = EmulateBackend(FP16, saturate=False)
+    dirty = probe_layer(model, feeds, FP16, backend, layer="m")
+    assert dirty.pre_existing["tensor"] == "sq"
+    assert dirty.dirty_inputs == ("sq",)
+    assert "already non-finite" in dirty.result.classification.reason
+    clean = probe_layer(model, feeds, FP16, backend, layer="n")
+    assert clean.verdict == "inf" and clean.dirty_inputs == ()
+    assert clean.first_shows["tensor"] == "n"
+    assert clean.pre_existing["tensor"] == "sq"

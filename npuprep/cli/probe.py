@@ -198,6 +198,10 @@ def _show(args: argparse.Namespace, doc: dict[str, Any], layer: Any) -> None:
         where = (f"first shows at tensor '{first['tensor']}' ({first['op_type']} '{first['node']}'): "
                  f"{first['verdict']}") if first else "no tensor shows an overflow behaviour"
         print(f"layer '{layer.layer.node}' x{layer.gain:g} (max gain {layer.max_gain:.4g}); {where}")
+        pre = layer.pre_existing
+        if pre:
+            print(f"the model overflows without the probe too: first at tensor '{pre['tensor']}' "
+                  f"({pre['op_type']} '{pre['node']}'): {pre['verdict']}")
     if doc.get("note"):
         print(f"note: {doc['note']}")
     o = doc["overall"]

@@ -8,7 +8,7 @@ returns it; the verdict is that tensor's classification. Backends that observe e
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -118,6 +118,8 @@ class LayerProbe:
     max_gain: float
     first_shows: dict[str, Any] | None
     graph_outputs: dict[str, Classification]
+    pre_existing: dict[str, Any] | None = None
+    dirty_inputs: tuple[str, ...] = ()
 
     @property
     def verdict(self) -> str:
@@ -132,6 +134,8 @@ class LayerProbe:
             "gain": self.gain,
             "max_gain": self.max_gain,
             "first_shows": self.first_shows,
+            "pre_existing": self.pre_existing,
+            "dirty_inputs": list(self.dirty_inputs),
             "graph_outputs": {k: v.to_dict() for k, v in sorted(self.graph_outputs.items())},
         }
 
@@ -174,7 +178,12 @@ def _absmax(x: np.ndarray) -> float:
 def probe_layer(model: onnx.ModelProto, feeds: dict[str, np.ndarray], fmt: NumberFormat,
                 backend: Backend, *, layer: str | None = None, gain: float = 100.0,
                 raise_gain: bool = True) -> LayerProbe:
-    """Amplify one layer, run it on `backend`, classify its output and locate the first anomaly."""
+    """Amplify one layer, run it on `backend`, classify its output and locate the first anomaly.
+
+    An anomaly outside the amplified layer's downstream cone is the model's own overflow, not
+    the probe's: it is reported as `pre_existing`, and when it reaches the layer's inputs the
+    verdict says it is mixed with it.
+    """
     probe, choice, g, max_gain = layer_probe_model(model, feeds, fmt, layer=layer, gain=gain,
                                                    raise_gain=raise_gain)
     tensors = float_tensor_names(probe.reference)
@@ -186,20 +195,38 @@ def probe_layer(model: onnx.ModelProto, feeds: dict[str, np.ndarray], fmt: Numbe
     if c.verdict is Verdict.NO_OVERFLOW and not c.wider and c.reference_absmax < fmt.overflow_threshold:
         why = (f"weights would pass {WEIGHT_LIMIT:g}x the {fmt.name} max above gain {max_gain:.4g}"
                if g >= max_gain else "raise --gain")
-        c = Classification(c.verdict, f"{c.reason} at gain {g:g}; {why}", c.threshold, c.reference_absmax,
-                           in_range_wrong=c.in_range_wrong)
+        c = replace(c, reason=f"{c.reason} at gain {g:g}; {why}")
+    cone = _downstream(probe.reference, choice.tensor)
+    anomalies = _anomalies(probe.reference, tensors, reference, observed, fmt)
+    first = next((a for a in anomalies if a["tensor"] in cone), None)
+    pre = next((a for a in anomalies if a["tensor"] not in cone), None)
+    node = next(n for n in probe.reference.graph.node if node_label(n) == choice.node)
+    dirty = [i for i in node.input if i in observed and i not in choice.weights
+             and not np.isfinite(np.asarray(observed[i], np.float64)).all()]
+    if dirty:
+        c = replace(c, reason=f"{c.reason}; the layer's input {', '.join(dirty)} is already non-finite "
+                              f"(the model's own overflow at '{pre['tensor'] if pre else dirty[0]}'): "
+                              "pick another --layer or fix that first")
     result = ProbeResult("layer", probe.unit, choice.tensor, c)
-    original_outputs = [o.name for o in model.graph.output]
-    outputs = {name: classify(reference[name], observed[name], fmt)
-               for name in original_outputs if name in observed and name in reference}
-    return LayerProbe(result, choice, g, max_gain, _first_shows(probe.reference, tensors, reference,
-                                                                observed, fmt), outputs)
+    outputs = {o.name: classify(reference[o.name], observed[o.name], fmt)
+               for o in model.graph.output if o.name in observed and o.name in reference}
+    return LayerProbe(result, choice, g, max_gain, first, outputs, pre, tuple(dirty))
 
 
-def _first_shows(model: onnx.ModelProto, tensors: list[str], reference: dict[str, np.ndarray],
-                 observed: dict[str, np.ndarray], fmt: NumberFormat) -> dict[str, Any] | None:
-    """The first tensor, in topological order, whose values show an overflow behaviour."""
+def _downstream(model: onnx.ModelProto, tensor: str) -> set[str]:
+    """`tensor` and every tensor computed from it."""
+    cone = {tensor}
+    for node in topological_order(model.graph):
+        if any(i in cone for i in node.input):
+            cone.update(o for o in node.output if o)
+    return cone
+
+
+def _anomalies(model: onnx.ModelProto, tensors: list[str], reference: dict[str, np.ndarray],
+               observed: dict[str, np.ndarray], fmt: NumberFormat) -> list[dict[str, Any]]:
+    """Tensors, in topological order, whose values show an overflow behaviour."""
     producer = {out: n for n in model.graph.node for out in n.output}
+    found = []
     for name in tensors:
         if name not in observed or name not in reference:
             continue
@@ -208,7 +235,7 @@ def _first_shows(model: onnx.ModelProto, tensors: list[str], reference: dict[str
         c = classify(reference[name], observed[name], fmt)
         if c.verdict.conclusive or c.wider:
             node = producer.get(name)
-            return {"tensor": name, "node": node_label(node) if node else "(graph input)",
-                    "op_type": node.op_type if node else "", "verdict": str(c.verdict),
-                    "wider": c.wider, "reason": c.reason}
-    return None
+            found.append({"tensor": name, "node": node_label(node) if node else "(graph input)",
+                          "op_type": node.op_type if node else "", "verdict": str(c.verdict),
+                          "wider": c.wider, "reason": c.reason})
+    return found
