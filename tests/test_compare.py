@@ -231,6 +231,11 @@ def test_real_fp16_candidate_is_compared_through_casts():
     # onnxruntime's CPU provider may compute this FP16 Mul in FP32 (the trap emulation avoids),
     # so the error is at most FP16 rounding, possibly zero.
     assert result and result.tensor("sq").max_abs_error < 1e-3
+    # FP16 inputs too: the merged graph casts the shared FP32 input for the candidate.
+    cand16 = float16.convert_float_to_float16(ref, keep_io_types=False)
+    assert cand16.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT16
+    isolated = compare_models(ref, cand16, samples, rtol=1e-2, atol=1e-3, fmt=FP16, isolate=True)
+    assert isolated and isolated.tensor("sq").isolated_max_abs_error < 1e-3
     assert result.tensor("sq").headroom == pytest.approx(FP16.max / 16)
 
 
