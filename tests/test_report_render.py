@@ -40,10 +40,18 @@ def compare_result(first: str | None = "e", fmt: str = "fp16") -> dict[str, Any]
 
 
 def convert_result() -> dict[str, Any]:
+    """A convert result in the shape npuprep.convert.ConversionResult.to_dict writes."""
     return {
         "schema_version": 1, "kind": "convert", "fingerprint": "f00d", "model": "m.onnx",
-        "output": "m16.onnx", "target": "generic", "profile": PROFILE,
-        "tensors": [{"tensor": t, "node": n, "op_type": o, "absmax_before": b, "absmax_after": a}
+        "output_fingerprint": "beef", "output": "m16.onnx", "target": "generic",
+        "profile": PROFILE, "precision": "fp16", "passed": False, "rounds": 2,
+        "samples": {"description": "2 samples", "synthetic": False},
+        "pinned_nodes": ["exp"], "forced_fp32": {"shape_of": "shape computation"},
+        "verification": {"passed": False, "rtol": 0.01, "samples": 2,
+                         "outputs": {"y": {"nonfinite": 0, "max_abs_error": 0.15, "rel_l2": 0.015}}},
+        "holdout": None,
+        "tensors": [{"tensor": t, "node": n, "op_type": o, "absmax_before": b, "absmax_after": a,
+                     "headroom_before": 65504.0 / b, "headroom_after": 65504.0 / a, "scale": 1.0}
                     for t, n, o, b, a, _ in CHAIN],
         "actions": [{"action": "rescale", "entry": "square", "k": 4, "domain": {"sq": 1, "s": 1},
                      "absmax": 9.0e5, "limit": 32752.0, "absmax_after": 56250.0,
@@ -79,13 +87,17 @@ def test_page_is_self_contained() -> None:
 
 def test_tables_are_sortable() -> None:
     page = render(convert_result())
-    for key in ("findings", "actions", "declined", "errors", "tensors"):
+    for key in ("outputs", "findings", "actions", "declined", "forced", "errors", "tensors"):
         assert f'<table class="sortable" id="table-{key}">' in page
     assert '<th data-type="num" tabindex="0" scope="col">rel_l2</th>' in page
     # Severity sorts by rank, numbers by value (exact repr), not by their display text.
     assert '<td class="sev-error" data-v="2">error</td>' in page
     assert '<td class="num" data-v="900000.0">900000</td>' in page
     assert "addEventListener('click'" in page
+    # Convert's verdict numbers and the scale each tensor carries after rescaling.
+    assert ('<tr><td>verification</td><td>y</td><td class="num" data-v="0">0</td>'
+            '<td class="num" data-v="0.15">0.15</td><td class="num" data-v="0.015">0.015</td>') in page
+    assert page.count('<td class="num" data-v="0.0625">0.0625</td>') == 2
 
 
 def test_limits_are_drawn() -> None:

@@ -145,11 +145,40 @@ def convert_tensor_table(result: Mapping[str, Any]) -> Table | None:
         return None
     scales = result.get("tensor_scales") if isinstance(result.get("tensor_scales"), Mapping) else {}
     extra = {str(k): {"scale": v} for k, v in scales.items()}
-    numeric = ["absmax_before", "absmax_after", "scale"]
+    numeric = ["absmax_before", "absmax_after", "headroom_before", "headroom_after", "scale"]
+    numeric = [k for k in numeric if k == "scale" and scales or any(k in t for t in entries)]
     cols = (Column("#", "num"), Column("tensor"), Column("node"), Column("op_type"),
             *(Column(k, "num") for k in numeric))
-    return Table("tensors", f"Tensor ranges ({len(entries)})", cols,
+    return Table("tensors", f"Tensor ranges before and after ({len(entries)})", cols,
                  _tensor_rows(entries, numeric, extra))
+
+
+def outputs_table(result: Mapping[str, Any]) -> Table | None:
+    """Graph outputs of the converted model under emulation (convert's verdict), per check."""
+    rows = []
+    for check in ("verification", "holdout"):
+        data = result.get(check)
+        outputs = data.get("outputs") if isinstance(data, Mapping) else None
+        if not isinstance(outputs, Mapping):
+            continue
+        for name, o in outputs.items():
+            if isinstance(o, Mapping):
+                rows.append((check, str(name), _num(o, "nonfinite"), _num(o, "max_abs_error"),
+                             _num(o, "rel_l2"), _num(data, "rtol")))
+    if not rows:
+        return None
+    cols = (Column("check"), Column("output"), Column("nonfinite", "num"),
+            Column("max_abs_error", "num"), Column("rel_l2", "num"), Column("rtol", "num"))
+    return Table("outputs", "Outputs under emulated target numerics", cols, tuple(rows))
+
+
+def forced_table(result: Mapping[str, Any]) -> Table | None:
+    forced = result.get("forced_fp32")
+    if not isinstance(forced, Mapping) or not forced:
+        return None
+    rows = tuple((str(node), compact(why)) for node, why in forced.items())
+    return Table("forced", f"Kept FP32 by lowering ({len(rows)})",
+                 (Column("node"), Column("reason")), rows)
 
 
 def stats_table(result: Mapping[str, Any], order: Sequence[str] = ()) -> Table | None:
@@ -186,9 +215,9 @@ def unobserved_table(result: Mapping[str, Any]) -> Table | None:
 
 def tables(result: Mapping[str, Any], order: Sequence[str] = ()) -> tuple[Table, ...]:
     """Every table the result supports, in reading order."""
-    made = (findings_table(result), actions_table(result), declined_table(result),
-            compare_table(result), convert_tensor_table(result), stats_table(result, order),
-            unobserved_table(result))
+    made = (outputs_table(result), findings_table(result), actions_table(result),
+            declined_table(result), forced_table(result), compare_table(result),
+            convert_tensor_table(result), stats_table(result, order), unobserved_table(result))
     return tuple(t for t in made if t is not None)
 
 
@@ -212,9 +241,11 @@ def summary(result: Mapping[str, Any]) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     for key in ("kind", "model", "output", "reference", "candidate", "target", "target_path",
                 "format", "precision", "opset", "samples", "synthetic", "thresholds", "fail_on",
-                "flops_fp32_share", "cast_count"):
+                "rounds", "flops_fp32_share", "cast_count"):
         if key in result and result[key] not in (None, ""):
             rows.append((key, compact(result[key])))
+    if isinstance(result.get("pinned_nodes"), list):
+        rows.append(("pinned nodes", str(len(result["pinned_nodes"]))))
     if "findings" in result:
         counts = {s: 0 for s in SEVERITY_RANK}
         for f in _dicts(result.get("findings")):
@@ -230,6 +261,8 @@ def summary(result: Mapping[str, Any]) -> list[tuple[str, str]]:
         elif "first_divergent" in cmp:
             rows.append(("first divergent", "none"))
     rows.append(("fingerprint", str(result.get("fingerprint", "")) or "(none)"))
+    if result.get("output_fingerprint"):
+        rows.append(("output fingerprint", str(result["output_fingerprint"])))
     rows.append(("schema_version", compact(result.get("schema_version"))))
     return rows
 
