@@ -317,3 +317,18 @@ def test_resize_scales_stay_fp32_and_shared_constant_node_is_duplicated():
     feeds = {"x": RNG.normal(size=(1, 2, 4, 4)).astype(np.float32)}
     ref, out = outputs(model, feeds), outputs(lowered.model, feeds)
     assert max(rel_err(ref[k], out[k]) for k in ref) < 1e-3
+
+
+def test_cast_of_a_bf16_initialiser_is_folded_into_a_weight():
+    # W (bf16, beyond FP16 range) -> Cast(float) -> MatMul(x, W) -> y : the MatMul stays FP32
+    w = (np.eye(3) * 1e5).astype(ml_dtypes.bfloat16)
+    model = build(HEAD + """
+    g (float[1,3] x) => (float[1,3] y) <bfloat16[3,3] W> {
+      wf = Cast<to=1>(W)
+      y = MatMul(x, wf)
+    }""", W=w)
+    lowered = lower(model, "fp16")
+    assert "node_of_wf" in lowered.normalised_bf16 and _ops(lowered.model, "Cast") == []
+    assert "node_of_y" in lowered.forced_fp32 and _inits(lowered.model)["wf"].data_type == TensorProto.FLOAT
+    out = outputs(lowered.model, {"x": np.array([[0.5, 1.0, 2.0]], np.float32)})["y"]
+    np.testing.assert_allclose(out, [[w.astype(np.float32)[0, 0] * 0.5, w.astype(np.float32)[1, 1], w.astype(np.float32)[2, 2] * 2]])

@@ -369,3 +369,20 @@ def test_randomised_graphs_compute_the_same_function():
         assert err <= 1e-5, (seed, kinds, k, err)
         assert result.details["tensor_scales"][first] == 2.0**-k
     assert feasible >= 25 and declined >= 1
+
+
+def test_bf16_weight_cast_in_graph_is_a_constant_entry():
+    # W (bf16) -> Cast(float) -> Gemm(x, W) -> Relu -> Gemm(V) -> y
+    import ml_dtypes
+
+    model = build(HEAD + """
+    g (float[2,4] x) => (float[2,3] y) <bfloat16[4,4] W, float[4,3] V> {
+      wf = Cast<to=1>(W)
+      h = Gemm(x, wf)
+      r = Relu(h)
+      y = Gemm(r, V)
+    }""", W=(RNG.normal(size=(4, 4)) * 3e4).astype(ml_dtypes.bfloat16), V=_w(4, 3, scale=1e-3))
+    result = apply_rescale(model, "node_of_h", 3)
+    assert result.modified and result.details["tensor_scales"] == {"h": 0.125, "r": 0.125}
+    feeds = {"x": RNG.normal(size=(2, 4)).astype(np.float32)}
+    assert _same_function(model, result.model, feeds) <= 1e-5

@@ -8,6 +8,7 @@ import tempfile
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+from onnx import numpy_helper
 
 from npuprep.errors import NpuprepError
 from npuprep.model_io import PROTOBUF_LIMIT
@@ -88,8 +89,19 @@ def main_consumers(graph: gs.Graph, tensor: gs.Tensor) -> tuple[list[gs.Node], b
 def const_value(tensor: gs.Tensor) -> np.ndarray | None:
     """The value of an initialiser or a Constant node's output, else None."""
     if isinstance(tensor, gs.Constant):
+        # Read an untouched initialiser from its proto: graph surgeon mis-reads BF16 data.
+        proto = getattr(getattr(tensor, "_values", None), "tensor", None)
+        if isinstance(proto, onnx.TensorProto):
+            return numpy_helper.to_array(proto)
         return np.asarray(tensor.values)
     node = producer(tensor)
+    if node is not None and node.op in ("Cast", "Identity") and node.inputs:
+        # A weight stored in another type (BF16 export) and cast in-graph is still a constant.
+        inner = const_value(node.inputs[0])
+        if inner is None or node.op == "Identity":
+            return inner
+        to = onnx.helper.tensor_dtype_to_np_dtype(int(node.attrs.get("to", 0)))
+        return inner.astype(to) if is_float_dtype(inner.dtype) and is_float_dtype(to) else None
     if node is None or node.op != "Constant":
         return None
     attrs = node.attrs
@@ -102,8 +114,13 @@ def const_value(tensor: gs.Tensor) -> np.ndarray | None:
     return None
 
 
+def is_float_dtype(dtype: np.dtype) -> bool:
+    """numpy floats and the ml_dtypes ones (bfloat16, float8_*), which numpy sees as void."""
+    return dtype.kind == "f" or dtype.name.startswith(("bfloat16", "float8"))
+
+
 def is_float_array(value: np.ndarray | None) -> bool:
-    return value is not None and value.dtype.kind == "f"
+    return value is not None and is_float_dtype(value.dtype)
 
 
 def exact_pow2_scale(value: np.ndarray, exponent: int) -> np.ndarray | None:

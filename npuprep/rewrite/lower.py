@@ -426,11 +426,30 @@ def _short(onnx_type: int | None) -> str:
 
 
 def _normalise_bf16(model: onnx.ModelProto) -> list[str]:
-    """BF16 initialisers, Constant values, Cast-to-BF16 and BF16 I/O become FP32 (in place)."""
+    """BF16 initialisers, Constant values, Cast-to-BF16 and BF16 I/O become FP32 (in place).
+
+    A Cast of an initialiser to FP32 (how BF16 exports often store weights) is folded into
+    an FP32 initialiser, so the weight is seen, range-checked and lowered as a weight.
+    """
     changed: list[str] = []
     bf16 = TensorProto.BFLOAT16
     for scope in walk_graphs(model.graph):
         g = scope.graph
+        inits = {i.name: i for i in g.initializer}
+        uses: dict[str, int] = {}
+        for node in g.node:
+            for name in node.input:
+                uses[name] = uses.get(name, 0) + 1
+        for node in list(g.node):
+            src = inits.get(node.input[0]) if node.op_type == "Cast" and node.input else None
+            if src is None or _attr_int(node, "to") != FLOAT or src.data_type not in (FLOAT, bf16):
+                continue
+            value = numpy_helper.to_array(src).astype(np.float32)
+            g.initializer.append(numpy_helper.from_array(value, node.output[0]))
+            g.node.remove(node)
+            changed.append(node_label(node))
+            if uses.get(src.name) == 1 and src.name not in {o.name for o in g.output}:
+                g.initializer.remove(src)
         for init in g.initializer:
             if init.data_type == bf16:
                 init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float32), init.name))

@@ -269,7 +269,7 @@ class _Solver:
         if self.const_edits.get(key, e) != e:
             raise _Decline(f"constant input {index} of '{go.node_label(node)}' would need two scales")
         value = go.const_value(node.inputs[index])
-        if value is None or value.dtype.kind != "f":
+        if not go.is_float_array(value):
             raise _Decline(f"input {index} of '{go.node_label(node)}' is not a float constant")
         if go.exact_pow2_scale(value, e) is None:
             raise _Decline(f"constant input {index} of '{go.node_label(node)}' cannot be scaled by "
