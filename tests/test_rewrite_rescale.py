@@ -391,3 +391,16 @@ def test_bf16_weight_cast_in_graph_is_a_constant_entry():
     assert result.modified and result.details["tensor_scales"] == {"h": 0.125, "r": 0.125}
     feeds = {"x": RNG.normal(size=(2, 4)).astype(np.float32)}
     assert _same_function(model, result.model, feeds) <= 1e-5
+
+
+def test_group_normalization_absorbs_with_epsilon():
+    # x -> Conv(W large) -> GroupNormalization -> y
+    model = build("""<ir_version: 10, opset_import: ["" : 21]>
+    g (float[1,4,3,3] x) => (float[1,4,3,3] y) <float[4,4,1,1] W, float[4] s, float[4] b> {
+      a = Conv(x, W)
+      y = GroupNormalization<num_groups=2, epsilon=1e-5>(a, s, b)
+    }""", W=_w(4, 4, 1, 1, scale=1e4), s=_w(4), b=_w(4))
+    result = apply_rescale(model, "node_of_a", 4)
+    assert result.details["absorbers"] == [{"node": "node_of_y", "kind": "epsilon", "exponent": -4}]
+    feeds = {"x": RNG.normal(size=(1, 4, 3, 3)).astype(np.float32)}
+    assert _same_function(model, result.model, feeds) <= 1e-5
