@@ -72,7 +72,7 @@ def number(value: Any) -> float | None:
     if isinstance(value, bool) or value is None:
         return None
     if isinstance(value, int | float):
-        return float(value)
+        return value  # an int stays one, so a count shows and sorts as a count
     if isinstance(value, str):
         try:
             return float(value)
