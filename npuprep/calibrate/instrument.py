@@ -1,0 +1,543 @@
+"""x -> [ReduceMax, ReduceMin, ReduceSum] -> If(ordinary, counts=0, exact detail): statistics inside the graph.
+
+Every observed float tensor gets reductions appended right after its producer, so only a few
+numbers per tensor leave onnxruntime and each activation dies as soon as plain inference
+would free it. Per tensor and sample the graph yields:
+
+- FX, FN: max and min (NaN ignored);
+- I: int64 counts, `LAYOUT` below: element count, detailed elements, NaN, |x| above each
+  format's max, and the exponent histogram over bins b = floor(log2|x|) + 150
+  (0: zero, 1..23: subnormal, 278: Inf/NaN).
+
+The detail (counts and histogram) costs ~10 ns per element in onnxruntime, 5x plain
+inference, so with `detail="auto"` it runs only for a tensor-sample that is not *ordinary*.
+Ordinary means finite with LO < abs-max < HI: then no value exceeds any format's max
+(all counts above are exactly 0), and values below a format's smallest normal lie below the
+tensor's own precision floor (abs-max x eps) for every format npuprep knows. `detail="all"`
+runs it everywhere.
+
+If/Loop/Scan bodies are instrumented the same way; their statistics leave the body as extra
+If outputs or extra Loop/Scan state (max of max, min of min, sum of counts over iterations).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from npuprep.graph import node_label, producers, tensor_types
+from npuprep.model_io import model_opset
+from npuprep.numerics import FLOAT_ONNX_TYPES, get_format
+
+# Formats whose max gets an exact count of |x| above it.
+OVER_FORMATS = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
+HIST_OFFSET = 150  # bin = floor(log2|x|) + 150; 0 holds zeros, 278 Inf and NaN
+HIST_BINS = 279
+HEADER = ("count", "detailed", "nan") + tuple(f"over_{f}" for f in OVER_FORMATS)
+WIDTH = len(HEADER) + HIST_BINS
+# Ordinary range of abs-max (see module docstring): every format's max is above HI, and
+# min_normal / eps <= LO for fp16 (2^-4), fp8_e4m3 (2^-3), fp8_e5m2 (2^-12), bf16.
+LO = 2.0**-3
+HI = 2.0**6
+
+# Ops whose output holds exactly the input's values, so it shares the input's statistics.
+_ALIAS_OPS = {"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose"}
+_WIDENING = {
+    TensorProto.FLOAT: {TensorProto.DOUBLE},
+    TensorProto.FLOAT16: {TensorProto.FLOAT, TensorProto.DOUBLE},
+    TensorProto.BFLOAT16: {TensorProto.FLOAT, TensorProto.DOUBLE},
+    TensorProto.FLOAT8E4M3FN: {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16},
+    TensorProto.FLOAT8E5M2: {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16},
+}
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One observed tensor: its row in the FX/FN/I outputs."""
+
+    tensor: str
+    scope: str
+    node: str
+
+
+@dataclass(frozen=True)
+class Instrumented:
+    """The model with statistics outputs, and how to read them."""
+
+    model: onnx.ModelProto
+    outputs: tuple[str, str, str]  # FX, FN, I
+    slots: tuple[Slot, ...]
+    aliases: dict[str, Slot]  # tensor -> its own slot info, sharing the row of `alias_of`
+    alias_of: dict[str, str]
+    unobserved: dict[str, str]
+
+
+@dataclass
+class _Ctx:
+    types: dict[str, int]
+    opset: int
+    detail: str
+    counter: int = 0
+    aliases: dict[str, Slot] = field(default_factory=dict)
+    alias_of: dict[str, str] = field(default_factory=dict)
+    unobserved: dict[str, str] = field(default_factory=dict)
+
+    def name(self, stem: str) -> str:
+        self.counter += 1
+        return f"__npuprep_{stem}_{self.counter}"
+
+
+def instrument(model: onnx.ModelProto, *, detail: str = "auto") -> Instrumented:
+    """A copy of `model` whose extra outputs carry per-tensor statistics of one sample."""
+    if detail not in ("auto", "all"):
+        raise ValueError(f"detail must be 'auto' or 'all', got {detail!r}")
+    ctx = _Ctx(types=tensor_types(model), opset=model_opset(model), detail=detail)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    graph.initializer.extend(shared_constants())
+    fx, fn, ii, slots = _instrument_graph(graph, "main", ctx)
+    for name, elem in ((fx, TensorProto.FLOAT), (fn, TensorProto.FLOAT), (ii, TensorProto.INT64)):
+        graph.output.append(helper.make_tensor_value_info(name, elem, [len(slots) * (WIDTH if elem == TensorProto.INT64 else 1)]))
+    return Instrumented(out, (fx, fn, ii), tuple(slots), ctx.aliases, ctx.alias_of, ctx.unobserved)
+
+
+def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: _Ctx) -> tuple[str, str, str, list[Slot]]:
+    """Add statistics to one graph; returns the names of its FX, FN, I vectors and their rows."""
+    original = list(graph.node)
+    made = producers(graph)
+    local = {i.name for i in graph.input} | {o for n in original for o in n.output if o}
+    inits = {i.name for i in graph.initializer}
+    pieces: list[tuple[str, str, str]] = []
+    slots: list[Slot] = []
+    new_nodes: list[onnx.NodeProto] = []
+
+    def observe(tensor: str, node_name: str) -> None:
+        elem = ctx.types.get(tensor)
+        if elem not in FLOAT_ONNX_TYPES:
+            return
+        src = _alias_source(made.get(tensor), ctx)
+        if src is not None and src in local and src not in inits:
+            root = ctx.alias_of.get(src, src)
+            ctx.alias_of[tensor] = root
+            ctx.aliases[tensor] = Slot(tensor, scope, node_name)
+            return
+        nodes, piece = _tensor_stats(tensor, elem, ctx)
+        new_nodes.extend(nodes)
+        pieces.append(piece)
+        slots.append(Slot(tensor, scope, node_name))
+
+    for vi in graph.input:
+        if vi.name not in inits:
+            observe(vi.name, "")
+    for node in original:
+        own_outputs = list(node.output)
+        sub_pieces = _instrument_subgraphs(node, scope, ctx, graph)
+        new_nodes.append(node)
+        for piece, sub_slots in sub_pieces:
+            pieces.append(piece)
+            slots.extend(sub_slots)
+        if node.op_type == "Constant":
+            continue
+        for out in own_outputs:
+            if not out:
+                continue
+            if out not in ctx.types:
+                ctx.unobserved[out] = "element type unknown (shape inference could not type it)"
+                continue
+            observe(out, node_label(node))
+    names = tuple(ctx.name(k) for k in ("fx", "fn", "i"))
+    if pieces:
+        for k in range(3):
+            new_nodes.append(helper.make_node("Concat", [p[k] for p in pieces], [names[k]], axis=0))
+    else:
+        graph.initializer.extend([
+            numpy_helper.from_array(np.zeros(0, np.float32), names[0]),
+            numpy_helper.from_array(np.zeros(0, np.float32), names[1]),
+            numpy_helper.from_array(np.zeros(0, np.int64), names[2]),
+        ])
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    return names[0], names[1], names[2], slots
+
+
+def _alias_source(node: onnx.NodeProto | None, ctx: _Ctx) -> str | None:
+    """The tensor whose values a node's output repeats exactly, if any."""
+    if node is None or not node.input:
+        return None
+    if node.op_type in _ALIAS_OPS or (node.op_type == "Dropout" and len(node.input) < 3):
+        return node.input[0]
+    if node.op_type == "Cast":
+        to = next((a.i for a in node.attribute if a.name == "to"), None)
+        if to in _WIDENING.get(ctx.types.get(node.input[0], -1), set()):
+            return node.input[0]
+    return None
+
+
+def _const(graph_inits: list[onnx.TensorProto], ctx: _Ctx, value: np.ndarray, stem: str) -> str:
+    name = ctx.name(stem)
+    graph_inits.append(numpy_helper.from_array(value, name))
+    return name
+
+
+def _tensor_stats(tensor: str, elem: int, ctx: _Ctx) -> tuple[list[onnx.NodeProto], tuple[str, str, str]]:
+    """Nodes that reduce one tensor to FX [1], FN [1], I [WIDTH]."""
+    n = ctx.name
+    nodes: list[onnx.NodeProto] = []
+    src = tensor
+    if elem != TensorProto.FLOAT:
+        src = n("f32")
+        nodes.append(helper.make_node("Cast", [tensor], [src], to=TensorProto.FLOAT))
+    flat = n("flat")
+    size = n("size")
+    nodes.append(helper.make_node("Reshape", [src, _CONST_FLAT], [flat]))
+    nodes.append(helper.make_node("Size", [tensor], [n("size0")]))
+    nodes.append(helper.make_node("Reshape", [nodes[-1].output[0], _CONST_ONE_DIM], [size]))
+    if ctx.detail == "all":
+        detail_nodes, outs = _detail(flat, size, ctx)
+        return nodes + detail_nodes, outs
+    mx, mn, sm = n("max"), n("min"), n("sum")
+    nodes += [
+        helper.make_node("ReduceMax", [flat], [mx], keepdims=1),
+        helper.make_node("ReduceMin", [flat], [mn], keepdims=1),
+        helper.make_node("ReduceSum", [flat], [sm], keepdims=1),
+    ]
+    # score = abs-max, or NaN when the sum is not finite (a NaN or Inf somewhere).
+    neg, am, z, score, gt, lt, ok = (n(s) for s in ("neg", "am", "z", "score", "gt", "lt", "ok"))
+    nodes += [
+        helper.make_node("Neg", [mn], [neg]),
+        helper.make_node("Max", [mx, neg], [am]),
+        helper.make_node("Mul", [sm, _CONST_ZERO_F], [z]),
+        helper.make_node("Add", [am, z], [score]),
+        helper.make_node("Greater", [score, _CONST_LO], [gt]),
+        helper.make_node("Less", [score, _CONST_HI], [lt]),
+        helper.make_node("And", [gt, lt], [ok]),
+    ]
+    fx, fn, ii = n("fx"), n("fn"), n("i")
+    then_fx, then_fn, then_i = n("then_fx"), n("then_fn"), n("then_i")
+    then_branch = helper.make_graph(
+        [
+            helper.make_node("Identity", [mx], [then_fx]),
+            helper.make_node("Identity", [mn], [then_fn]),
+            helper.make_node("Concat", [size, _CONST_ZEROS_TAIL], [then_i], axis=0),
+        ],
+        n("ordinary"), [],
+        [
+            helper.make_tensor_value_info(then_fx, TensorProto.FLOAT, [1]),
+            helper.make_tensor_value_info(then_fn, TensorProto.FLOAT, [1]),
+            helper.make_tensor_value_info(then_i, TensorProto.INT64, [WIDTH]),
+        ],
+    )
+    detail_nodes, (dfx, dfn, dii) = _detail(flat, size, ctx, cheap=(mx, mn, sm))
+    else_branch = helper.make_graph(
+        detail_nodes, n("detail"), [],
+        [
+            helper.make_tensor_value_info(dfx, TensorProto.FLOAT, [1]),
+            helper.make_tensor_value_info(dfn, TensorProto.FLOAT, [1]),
+            helper.make_tensor_value_info(dii, TensorProto.INT64, [WIDTH]),
+        ],
+    )
+    nodes.append(helper.make_node("If", [ok], [fx, fn, ii], then_branch=then_branch, else_branch=else_branch))
+    return nodes, (fx, fn, ii)
+
+
+def _detail(
+    flat: str, size: str, ctx: _Ctx, cheap: tuple[str, str, str] | None = None
+) -> tuple[list[onnx.NodeProto], tuple[str, str, str]]:
+    """Exact NaN-aware min/max, NaN count, counts above each format's max, exponent histogram.
+
+    With `cheap` = (max, min, sum) from the ordinary check, a finite sum skips the NaN work
+    (no NaN, no Inf: the plain min and max are exact).
+    """
+    n = ctx.name
+    a = n("abs")
+    nodes = [helper.make_node("Abs", [flat], [a])]
+    if cheap is None:
+        fx, fn, nan_c, isn, nan_nodes = _nan_aware(flat, ctx)
+        nodes += nan_nodes
+    else:
+        mx, mn, sm = cheap
+        finite = n("finite")
+        z, chk = n("z"), n("chk")
+        nodes += [
+            helper.make_node("Mul", [sm, _CONST_ZERO_F], [z]),
+            helper.make_node("Equal", [z, _CONST_ZERO_F], [chk]),
+            helper.make_node("Squeeze", [chk], [finite]),
+        ]
+        fx, fn, nan_c, isn = n("dmax"), n("dmin"), n("nan_c"), n("isnan")
+        f_fx, f_fn, f_nan, f_isn = n("f_fx"), n("f_fn"), n("f_nan"), n("f_isn")
+        finite_branch = helper.make_graph(
+            [
+                helper.make_node("Identity", [mx], [f_fx]),
+                helper.make_node("Identity", [mn], [f_fn]),
+                helper.make_node("Identity", [_CONST_ZERO_I64_1], [f_nan]),
+                helper.make_node("Identity", [_CONST_FALSE], [f_isn]),
+            ],
+            n("finite_branch"), [],
+            [
+                helper.make_tensor_value_info(f_fx, TensorProto.FLOAT, [1]),
+                helper.make_tensor_value_info(f_fn, TensorProto.FLOAT, [1]),
+                helper.make_tensor_value_info(f_nan, TensorProto.INT64, [1]),
+                helper.make_tensor_value_info(f_isn, TensorProto.BOOL, None),
+            ],
+        )
+        nf_fx, nf_fn, nf_nan, nf_isn, nan_nodes = _nan_aware(flat, ctx)
+        nonfinite_branch = helper.make_graph(
+            nan_nodes, n("nonfinite_branch"), [],
+            [
+                helper.make_tensor_value_info(nf_fx, TensorProto.FLOAT, [1]),
+                helper.make_tensor_value_info(nf_fn, TensorProto.FLOAT, [1]),
+                helper.make_tensor_value_info(nf_nan, TensorProto.INT64, [1]),
+                helper.make_tensor_value_info(nf_isn, TensorProto.BOOL, None),
+            ],
+        )
+        nodes.append(helper.make_node(
+            "If", [finite], [fx, fn, nan_c, isn], then_branch=finite_branch, else_branch=nonfinite_branch,
+        ))
+    neg, top = n("neg"), n("absmax")
+    nodes += [helper.make_node("Neg", [fn], [neg]), helper.make_node("Max", [fx, neg], [top])]
+    counts = [size, size, nan_c]
+    # Counts above the formats' maxima are 0 unless abs-max passes the smallest of them.
+    big, bigs = n("big"), n("bigs")
+    over_names = [n("over") for _ in OVER_FORMATS]
+    over_nodes = []
+    for fmt, out in zip(OVER_FORMATS, over_names, strict=True):
+        gt, gi = n("gt"), n("gti")
+        over_nodes += [
+            helper.make_node("Greater", [a, _over_const(fmt)], [gt]),
+            helper.make_node("Cast", [gt], [gi], to=TensorProto.INT64),
+            helper.make_node("ReduceSum", [gi], [out], keepdims=1),
+        ]
+    over_vec, some, none = n("over_vec"), n("some"), n("none")
+    over_nodes.append(helper.make_node("Concat", over_names, [some], axis=0))
+    nodes += [
+        helper.make_node("Greater", [top, _CONST_SMALLEST_MAX], [big]),
+        helper.make_node("Squeeze", [big], [bigs]),
+        helper.make_node(
+            "If", [bigs], [over_vec],
+            then_branch=helper.make_graph(over_nodes, n("over_branch"), [], [helper.make_tensor_value_info(some, TensorProto.INT64, [len(OVER_FORMATS)])]),
+            else_branch=helper.make_graph(
+                [helper.make_node("Identity", [_CONST_ZERO_OVER], [none])], n("no_over_branch"), [],
+                [helper.make_tensor_value_info(none, TensorProto.INT64, [len(OVER_FORMATS)])],
+            ),
+        ),
+    ]
+    counts.append(over_vec)
+    # floor(log2|x|) from Log, then corrected by exact powers of two: Log is off by at most
+    # one bin, and only next to a power of two.
+    lg, y, e0, p, lt, ltf, p2, ge, gef, e1, e2, e3, e4, e5, idx = (n(s) for s in (
+        "log", "log2", "e0", "p", "lt", "ltf", "p2", "ge", "gef", "e1", "e2", "e3", "e4", "e5", "idx"))
+    nodes += [
+        helper.make_node("Log", [a], [lg]),
+        helper.make_node("Mul", [lg, _CONST_INV_LN2], [y]),
+        helper.make_node("Floor", [y], [e0]),
+        helper.make_node("Pow", [_CONST_TWO, e0], [p]),
+        helper.make_node("Less", [a, p], [lt]),
+        helper.make_node("Cast", [lt], [ltf], to=TensorProto.FLOAT),
+        helper.make_node("Mul", [p, _CONST_TWO], [p2]),
+        helper.make_node("GreaterOrEqual", [a, p2], [ge]),
+        helper.make_node("Cast", [ge], [gef], to=TensorProto.FLOAT),
+        helper.make_node("Sub", [e0, ltf], [e1]),
+        helper.make_node("Add", [e1, gef], [e2]),
+        # NaN goes to the top bin with Inf; the NaN count separates them.
+        helper.make_node("Where", [isn, _CONST_TOP_BIN, e2], [e3]),
+        helper.make_node("Clip", [e3, _CONST_BOTTOM_BIN, _CONST_TOP_BIN], [e4]),
+        helper.make_node("Add", [e4, _CONST_OFFSET], [e5]),
+        helper.make_node("Cast", [e5], [idx], to=TensorProto.INT64),
+    ]
+    hist = n("hist")
+    if ctx.opset >= 16:
+        shape, ones = n("shape"), n("ones")
+        nodes += [
+            helper.make_node("Shape", [idx], [shape]),
+            helper.make_node("Expand", [_CONST_ONE_I64, shape], [ones]),
+            helper.make_node("ScatterElements", [_CONST_HIST_ZEROS, idx, ones], [hist], reduction="add"),
+        ]
+    else:
+        # No ScatterElements reduction before opset 16: TfIdfVectorizer counts 1-grams.
+        tf = n("tf")
+        nodes += [
+            helper.make_node(
+                "TfIdfVectorizer", [idx], [tf], mode="TF", min_gram_length=1, max_gram_length=1,
+                max_skip_count=0, ngram_counts=[0], ngram_indexes=list(range(HIST_BINS)),
+                pool_int64s=list(range(HIST_BINS)),
+            ),
+            helper.make_node("Cast", [tf], [hist], to=TensorProto.INT64),
+        ]
+    ii = n("detail_i")
+    nodes.append(helper.make_node("Concat", counts + [hist], [ii], axis=0))
+    return nodes, (fx, fn, ii)
+
+
+def _nan_aware(flat: str, ctx: _Ctx) -> tuple[str, str, str, str, list[onnx.NodeProto]]:
+    """Max and min ignoring NaN (onnxruntime's reductions are unreliable with NaN), NaN count."""
+    n = ctx.name
+    isn, fxw, fnw, fx, fn, nan_i, nan_c = (n(s) for s in ("isnan", "nz_hi", "nz_lo", "dmax", "dmin", "nan_i", "nan_c"))
+    nodes = [
+        helper.make_node("IsNaN", [flat], [isn]),
+        helper.make_node("Where", [isn, _CONST_NEG_INF, flat], [fxw]),
+        helper.make_node("Where", [isn, _CONST_POS_INF, flat], [fnw]),
+        helper.make_node("ReduceMax", [fxw], [fx], keepdims=1),
+        helper.make_node("ReduceMin", [fnw], [fn], keepdims=1),
+        helper.make_node("Cast", [isn], [nan_i], to=TensorProto.INT64),
+        helper.make_node("ReduceSum", [nan_i], [nan_c], keepdims=1),
+    ]
+    return fx, fn, nan_c, isn, nodes
+
+
+# Shared constants, added once per model as initialisers of the main graph (visible in bodies).
+_CONST_FLAT = "__npuprep_c_flat"
+_CONST_ONE_DIM = "__npuprep_c_one_dim"
+_CONST_ZERO_F = "__npuprep_c_zero_f"
+_CONST_LO = "__npuprep_c_lo"
+_CONST_HI = "__npuprep_c_hi"
+_CONST_ZEROS_TAIL = "__npuprep_c_zeros_tail"
+_CONST_NEG_INF = "__npuprep_c_neg_inf"
+_CONST_POS_INF = "__npuprep_c_pos_inf"
+_CONST_INV_LN2 = "__npuprep_c_inv_ln2"
+_CONST_TWO = "__npuprep_c_two"
+_CONST_TOP_BIN = "__npuprep_c_top_bin"
+_CONST_BOTTOM_BIN = "__npuprep_c_bottom_bin"
+_CONST_OFFSET = "__npuprep_c_offset"
+_CONST_ONE_I64 = "__npuprep_c_one_i64"
+_CONST_HIST_ZEROS = "__npuprep_c_hist_zeros"
+_CONST_ZERO_I64_1 = "__npuprep_c_zero_i64"
+_CONST_FALSE = "__npuprep_c_false"
+_CONST_SMALLEST_MAX = "__npuprep_c_smallest_max"
+_CONST_ZERO_OVER = "__npuprep_c_zero_over"
+
+
+def _over_const(fmt: str) -> str:
+    return f"__npuprep_c_max_{fmt}"
+
+
+def shared_constants() -> list[onnx.TensorProto]:
+    values = {
+        _CONST_FLAT: np.array([-1], np.int64),
+        _CONST_ONE_DIM: np.array([1], np.int64),
+        _CONST_ZERO_F: np.array([0.0], np.float32),
+        _CONST_LO: np.array([LO], np.float32),
+        _CONST_HI: np.array([HI], np.float32),
+        _CONST_ZEROS_TAIL: np.zeros(WIDTH - 1, np.int64),
+        _CONST_NEG_INF: np.array(-np.inf, np.float32),
+        _CONST_POS_INF: np.array(np.inf, np.float32),
+        _CONST_INV_LN2: np.array(1.0 / math.log(2.0), np.float32),
+        _CONST_TWO: np.array(2.0, np.float32),
+        _CONST_TOP_BIN: np.array(HIST_BINS - 1 - HIST_OFFSET, np.float32),
+        _CONST_BOTTOM_BIN: np.array(-HIST_OFFSET, np.float32),
+        _CONST_OFFSET: np.array(HIST_OFFSET, np.float32),
+        _CONST_ONE_I64: np.array(1, np.int64),
+        _CONST_HIST_ZEROS: np.zeros(HIST_BINS, np.int64),
+        _CONST_ZERO_I64_1: np.zeros(1, np.int64),
+        _CONST_FALSE: np.array(False),
+        _CONST_SMALLEST_MAX: np.array([min(get_format(f).max for f in OVER_FORMATS)], np.float32),
+        _CONST_ZERO_OVER: np.zeros(len(OVER_FORMATS), np.int64),
+    }
+    for fmt in OVER_FORMATS:
+        values[_over_const(fmt)] = np.array(get_format(fmt).max, np.float32)
+    return [numpy_helper.from_array(v, k) for k, v in values.items()]
+
+
+def _instrument_subgraphs(
+    node: onnx.NodeProto, scope: str, ctx: _Ctx, outer: onnx.GraphProto
+) -> list[tuple[tuple[str, str, str], list[Slot]]]:
+    """Instrument the bodies of an If/Loop/Scan node and wire their statistics out of it."""
+    graph_attrs = [a for a in node.attribute if a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)]
+    if not graph_attrs:
+        return []
+    label = node_label(node)
+    if node.op_type not in ("If", "Loop", "Scan"):
+        for attr in graph_attrs:
+            subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+            for sub in subs:
+                for inner in sub.node:
+                    for out in inner.output:
+                        if out and ctx.types.get(out) in FLOAT_ONNX_TYPES:
+                            ctx.unobserved[out] = f"inside a {node.op_type} body ({label}); only If/Loop/Scan bodies are instrumented"
+        return []
+    if node.op_type == "If":
+        return _wire_if(node, scope, label, ctx)
+    return _wire_carried(node, scope, label, ctx, outer)
+
+
+def _wire_if(node: onnx.NodeProto, scope: str, label: str, ctx: _Ctx) -> list[tuple[tuple[str, str, str], list[Slot]]]:
+    branches = {a.name: a.g for a in node.attribute}
+    results = {}
+    for key in ("then_branch", "else_branch"):
+        results[key] = _instrument_graph(branches[key], f"{scope}/{label}.{key}", ctx)
+    k_then, k_else = len(results["then_branch"][3]), len(results["else_branch"][3])
+    if k_then + k_else == 0:
+        return []
+    outs = tuple(ctx.name(s) for s in ("if_fx", "if_fn", "if_i"))
+    for key, pad_first in (("then_branch", False), ("else_branch", True)):
+        g = branches[key]
+        fx, fn, ii, _ = results[key]
+        k_other = k_else if key == "then_branch" else k_then
+        pads = (
+            np.full(k_other, -np.inf, np.float32),
+            np.full(k_other, np.inf, np.float32),
+            np.zeros(k_other * WIDTH, np.int64),
+        )
+        for own, pad, elem in zip((fx, fn, ii), pads, (TensorProto.FLOAT, TensorProto.FLOAT, TensorProto.INT64), strict=True):
+            pad_name = ctx.name("pad")
+            g.initializer.append(numpy_helper.from_array(pad, pad_name))
+            joined = ctx.name("joined")
+            parts = [pad_name, own] if pad_first else [own, pad_name]
+            g.node.append(helper.make_node("Concat", parts, [joined], axis=0))
+            width = WIDTH if elem == TensorProto.INT64 else 1
+            g.output.append(helper.make_tensor_value_info(joined, elem, [(k_then + k_else) * width]))
+    node.output.extend(outs)
+    return [(outs, results["then_branch"][3] + results["else_branch"][3])]
+
+
+def _wire_carried(
+    node: onnx.NodeProto, scope: str, label: str, ctx: _Ctx, outer: onnx.GraphProto
+) -> list[tuple[tuple[str, str, str], list[Slot]]]:
+    """Loop/Scan: statistics become extra state, merged over iterations inside the body."""
+    body = next(a.g for a in node.attribute if a.name == "body")
+    fx, fn, ii, slots = _instrument_graph(body, f"{scope}/{label}.body", ctx)
+    k = len(slots)
+    if k == 0:
+        return []
+    prev = [ctx.name(s) for s in ("prev_fx", "prev_fn", "prev_i")]
+    merged = [ctx.name(s) for s in ("acc_fx", "acc_fn", "acc_i")]
+    body.node.extend([
+        helper.make_node("Max", [prev[0], fx], [merged[0]]),
+        helper.make_node("Min", [prev[1], fn], [merged[1]]),
+        helper.make_node("Add", [prev[2], ii], [merged[2]]),
+    ])
+    elems = (TensorProto.FLOAT, TensorProto.FLOAT, TensorProto.INT64)
+    dims = (k, k, k * WIDTH)
+    inits = (np.full(k, -np.inf, np.float32), np.full(k, np.inf, np.float32), np.zeros(k * WIDTH, np.int64))
+    init_names = [ctx.name("init") for _ in range(3)]
+    outer.initializer.extend(numpy_helper.from_array(v, nm) for v, nm in zip(inits, init_names, strict=True))
+    outs = [ctx.name(s) for s in ("carried_fx", "carried_fn", "carried_i")]
+    if node.op_type == "Loop":
+        n_state = len(node.input) - 2
+        in_at, out_at, body_in_at, body_out_at = 2 + n_state, n_state, 2 + n_state, 1 + n_state
+    else:
+        n_scan = next(a.i for a in node.attribute if a.name == "num_scan_inputs")
+        n_state = len(node.input) - n_scan
+        in_at, out_at, body_in_at, body_out_at = n_state, n_state, n_state, n_state
+    _insert(node.input, in_at, init_names)
+    _pad_outputs(node, out_at, outs)
+    new_in = [helper.make_tensor_value_info(nm, el, [d]) for nm, el, d in zip(prev, elems, dims, strict=True)]
+    new_out = [helper.make_tensor_value_info(nm, el, [d]) for nm, el, d in zip(merged, elems, dims, strict=True)]
+    _insert(body.input, body_in_at, new_in)
+    _insert(body.output, body_out_at, new_out)
+    return [(tuple(outs), slots)]
+
+
+def _insert(repeated, at: int, items: list) -> None:  # noqa: ANN001 - protobuf repeated field
+    tail = list(repeated)[at:]
+    del repeated[at:]
+    repeated.extend(items)
+    repeated.extend(tail)
+
+
+def _pad_outputs(node: onnx.NodeProto, at: int, names: list[str]) -> None:
+    _insert(node.output, at, names)

@@ -1,0 +1,245 @@
+"""RangeStats per tensor, merged associatively over samples, and the stats.json round trip."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from npuprep.calibrate.instrument import HEADER, HIST_BINS, HIST_OFFSET, OVER_FORMATS, WIDTH
+from npuprep.errors import NpuprepError
+from npuprep.model_io import Model, write_text_atomic
+from npuprep.numerics import get_format
+
+SCHEMA_VERSION = 1
+_COL = {name: i for i, name in enumerate(HEADER)}
+_H0 = len(HEADER)
+
+
+@dataclass(frozen=True)
+class RangeStats:
+    """What one tensor held over all samples.
+
+    min/max ignore NaN. `count` is every element seen; the detail (zero_count, exp_hist,
+    under) covers `detailed_count` of them: all of them with `detail="all"`, and with
+    `detail="auto"` every tensor-sample that was not ordinary (see
+    npuprep.calibrate.instrument); nan_count, inf_count and `over` are exact either way.
+    `exp_hist` maps floor(log2|x|) to a count (zeros apart, Inf/NaN apart); `over` maps a
+    format to the count of |x| above its max; `under` to the count of 0 < |x| < its
+    smallest normal (detailed elements).
+    """
+
+    tensor: str
+    scope: str
+    node: str
+    min: float
+    max: float
+    absmax: float
+    count: int
+    nan_count: int
+    inf_count: int
+    zero_count: int
+    exp_hist: dict[int, int]
+    over: dict[str, int]
+    under: dict[str, int]
+    per_sample_absmax: tuple[float, ...]
+    detailed_count: int
+
+    @property
+    def complete(self) -> bool:
+        """True when the detail covers every element."""
+        return self.detailed_count == self.count
+
+    def fraction_above(self, threshold: float) -> float | None:
+        """Share of elements with |x| > threshold (Inf counts, NaN does not).
+
+        Exact when threshold >= abs-max or is a format's max; otherwise read from the
+        histogram, counting the bin that holds the threshold as above (a bound from above).
+        None when the detail is incomplete and threshold < HI (ordinary samples may hold
+        values up to HI that the histogram did not see).
+        """
+        from npuprep.calibrate.instrument import HI
+
+        if self.count == 0 or not threshold < self.absmax:
+            return 0.0
+        for fmt, n in self.over.items():
+            if threshold == get_format(fmt).max:
+                return n / self.count
+        if not self.complete and threshold < HI:
+            return None
+        above = sum(c for e, c in self.exp_hist.items() if 2.0 ** (e + 1) > threshold)
+        return (above + self.inf_count) / self.count
+
+    def fraction_below(self, threshold: float) -> float | None:
+        """Share of detailed elements with 0 < |x| < threshold (zeros apart).
+
+        Exact when threshold is a power of two (every format's smallest normal is one);
+        otherwise the bin holding the threshold counts as below. None when nothing was
+        detailed.
+        """
+        if self.detailed_count == 0:
+            return None
+        below = sum(c for e, c in self.exp_hist.items() if 2.0**e < threshold)
+        return below / self.detailed_count
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tensor": self.tensor, "scope": self.scope, "node": self.node,
+            "min": _num(self.min), "max": _num(self.max), "absmax": _num(self.absmax),
+            "count": self.count, "nan_count": self.nan_count, "inf_count": self.inf_count,
+            "zero_count": self.zero_count, "detailed_count": self.detailed_count,
+            "exp_hist": {str(k): v for k, v in sorted(self.exp_hist.items())},
+            "over": dict(sorted(self.over.items())), "under": dict(sorted(self.under.items())),
+            "per_sample_absmax": [_num(v) for v in self.per_sample_absmax],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RangeStats:
+        return cls(
+            tensor=d["tensor"], scope=d["scope"], node=d["node"],
+            min=_float(d["min"]), max=_float(d["max"]), absmax=_float(d["absmax"]),
+            count=int(d["count"]), nan_count=int(d["nan_count"]), inf_count=int(d["inf_count"]),
+            zero_count=int(d["zero_count"]), detailed_count=int(d["detailed_count"]),
+            exp_hist={int(k): int(v) for k, v in d["exp_hist"].items()},
+            over={k: int(v) for k, v in d["over"].items()},
+            under={k: int(v) for k, v in d["under"].items()},
+            per_sample_absmax=tuple(_float(v) for v in d["per_sample_absmax"]),
+        )
+
+
+def _num(v: float) -> float | str:
+    """JSON has no Inf/NaN: write them as strings."""
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return float(v)
+
+
+def _float(v: float | str) -> float:
+    return float(v)
+
+
+@dataclass(frozen=True)
+class CalibrationStats:
+    """Statistics of every observed tensor, and what could not be observed and why."""
+
+    fingerprint: str
+    samples: str
+    synthetic: bool
+    sample_count: int
+    detail: str
+    tensors: dict[str, RangeStats]
+    unobserved: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "kind": "stats",
+            "fingerprint": self.fingerprint,
+            "samples": self.samples,
+            "synthetic": self.synthetic,
+            "sample_count": self.sample_count,
+            "detail": self.detail,
+            "tensors": {k: v.to_dict() for k, v in sorted(self.tensors.items())},
+            "unobserved": dict(sorted(self.unobserved.items())),
+        }
+
+    def nearest_limits(self, fmt: str = "fp16", n: int = 10) -> list[RangeStats]:
+        """Tensors with the highest abs-max relative to the format's max."""
+        return sorted(self.tensors.values(), key=lambda s: (-_rank(s.absmax), s.tensor))[:n]
+
+
+def _rank(v: float) -> float:
+    return math.inf if math.isnan(v) else v
+
+
+def save_stats(stats: CalibrationStats, path: str | Path) -> Path:
+    return write_text_atomic(path, json.dumps(stats.to_dict(), indent=1, sort_keys=True) + "\n")
+
+
+def load_stats(path: str | Path, model: Model) -> CalibrationStats:
+    """Read stats.json; refuse a file that belongs to another model."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise NpuprepError(f"{path}: stats file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise NpuprepError(f"{path}: not a stats JSON file ({exc})") from None
+    if not isinstance(data, dict) or data.get("kind") != "stats":
+        raise NpuprepError(f"{path}: not a stats file (kind is {data.get('kind') if isinstance(data, dict) else None!r})")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise NpuprepError(f"{path}: stats schema_version {data.get('schema_version')} is not supported (expected {SCHEMA_VERSION})")
+    if data.get("fingerprint") != model.fingerprint:
+        raise NpuprepError(
+            f"{path}: stats belong to another model (fingerprint {data.get('fingerprint')}, "
+            f"{model.path or 'the model'} has {model.fingerprint})"
+        )
+    try:
+        tensors = {k: RangeStats.from_dict(v) for k, v in data["tensors"].items()}
+        return CalibrationStats(
+            fingerprint=data["fingerprint"], samples=data["samples"], synthetic=bool(data["synthetic"]),
+            sample_count=int(data["sample_count"]), detail=data["detail"], tensors=tensors,
+            unobserved=dict(data.get("unobserved", {})),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise NpuprepError(f"{path}: malformed stats file (key {exc})") from None
+
+
+class Accumulator:
+    """Running statistics for k tensor rows: max of max, min of min, sum of counts."""
+
+    def __init__(self, k: int) -> None:
+        self.mx = np.full(k, -np.inf, np.float64)
+        self.mn = np.full(k, np.inf, np.float64)
+        self.counts = np.zeros((k, WIDTH), np.int64)
+        self.per_sample: list[list[tuple[int, float]]] = [[] for _ in range(k)]
+        self.samples = 0
+
+    def add(self, fx: np.ndarray, fn: np.ndarray, ii: np.ndarray, sample: int) -> None:
+        """Fold one sample's FX, FN, I vectors in."""
+        rows = ii.reshape(-1, WIDTH)
+        self.mx = np.fmax(self.mx, fx)
+        self.mn = np.fmin(self.mn, fn)
+        self.counts += rows
+        seen = rows[:, _COL["count"]] > 0
+        am = np.fmax(fx, -fn.astype(np.float64))
+        for row in np.flatnonzero(seen):
+            self.per_sample[row].append((sample, float(am[row])))
+        self.samples += 1
+
+    def merge(self, other: Accumulator) -> None:
+        self.mx = np.fmax(self.mx, other.mx)
+        self.mn = np.fmin(self.mn, other.mn)
+        self.counts += other.counts
+        for mine, theirs in zip(self.per_sample, other.per_sample, strict=True):
+            mine.extend(theirs)
+        self.samples += other.samples
+
+    def row(self, i: int, tensor: str, scope: str, node: str) -> RangeStats:
+        c = self.counts[i]
+        hist = c[_H0:]
+        nan = int(c[_COL["nan"]])
+        exp_hist = {b - HIST_OFFSET: int(hist[b]) for b in range(1, HIST_BINS - 1) if hist[b]}
+        under = {}
+        for fmt in OVER_FORMATS + ("fp32",):
+            limit = math.log2(get_format(fmt).min_normal)
+            under[fmt] = sum(v for e, v in exp_hist.items() if e < limit)
+        count = int(c[_COL["count"]])
+        mx, mn = float(self.mx[i]), float(self.mn[i])
+        if count == 0 or count == nan:
+            mx = mn = math.nan
+        absmax = max(mx, -mn) if not math.isnan(mx) else math.nan
+        per_sample = tuple(v for _, v in sorted(self.per_sample[i]))
+        return RangeStats(
+            tensor=tensor, scope=scope, node=node, min=mn, max=mx, absmax=absmax,
+            count=count, nan_count=nan, inf_count=int(hist[HIST_BINS - 1]) - nan,
+            zero_count=int(hist[0]), exp_hist=exp_hist,
+            over={f: int(c[_COL[f"over_{f}"]]) for f in OVER_FORMATS},
+            under=under, per_sample_absmax=per_sample, detailed_count=int(c[_COL["detailed"]]),
+        )

@@ -1,0 +1,305 @@
+"""Calibration statistics are exact: every field against numpy on the same samples."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from npuprep.calibrate import calibrate, load_stats, save_stats
+from npuprep.calibrate.instrument import HI, LO, instrument
+from npuprep.data import load_samples
+from npuprep.errors import NpuprepError
+from npuprep.graph import float_tensor_names
+from npuprep.model_io import load_model
+from npuprep.runtime.session import make_session, run
+
+# x -> Mul(x, 4096) -> big;  x -> Mul(x, 1e-39) -> tiny (subnormal);  x -> Sqrt -> root (NaN
+# for x < 0);  x -> Reciprocal -> inv (Inf at 0);  x -> Mul(x, 0.01) -> small;  x -> Reshape -> flat
+SPECIAL = """
+<ir_version: 8, opset_import: ["" : 18]>
+special (float[4,16] x) => (float[4,16] big, float[4,16] tiny, float[4,16] root, float[4,16] inv, float[4,16] small, float[64] flat) {
+    c_big = Constant<value = float {4096.0}>()
+    big = Mul(x, c_big)
+    c_tiny = Constant<value = float {1e-39}>()
+    tiny = Mul(x, c_tiny)
+    root = Sqrt(x)
+    inv = Reciprocal(x)
+    c_small = Constant<value = float {0.01}>()
+    small = Mul(x, c_small)
+    shape = Constant<value = int64[1] {64}>()
+    flat = Reshape(x, shape)
+}
+"""
+
+
+def special_inputs(seed: int) -> np.ndarray:
+    """Values on and next to bin edges and format limits, zeros, negatives, and noise."""
+    rng = np.random.default_rng(seed)
+    edges = [0.0, -0.0, 1.0, -1.0, 2.0, 0.5, 16.0, 15.995, 15.999999, 16.000002, 0.109375, 0.125,
+             np.nextafter(np.float32(0.125), np.float32(0)), 100.0, -3.0, 1e-3, 7.0e-5, 2.0**-14]
+    x = rng.standard_normal(64).astype(np.float32) * 4
+    x[: len(edges)] = np.array(edges, np.float32) * (1 if seed % 2 == 0 else -1)
+    return x.reshape(4, 16)
+
+
+def write_samples(tmp_path, arrays: list[np.ndarray]) -> str:
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for i, a in enumerate(arrays):
+        np.savez(folder / f"s{i:03d}.npz", x=a)
+    return str(folder)
+
+
+def reference(proto: onnx.ModelProto, samples) -> dict[str, np.ndarray]:
+    """Every float tensor of every sample, marked as outputs and run in onnxruntime."""
+    marked = onnx.ModelProto()
+    marked.CopyFrom(proto)
+    names = float_tensor_names(proto)
+    del marked.graph.output[:]
+    marked.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in names)
+    session = make_session(marked)
+    values: dict[str, list[np.ndarray]] = {n: [] for n in names}
+    for feed in samples:
+        out = run(session, feed, names)
+        for n in names:
+            values[n].append(out[n].astype(np.float32).ravel())
+    return {n: np.concatenate(v) for n, v in values.items()}
+
+
+def numpy_hist(x: np.ndarray) -> dict[int, int]:
+    a = np.abs(x[np.isfinite(x) & (x != 0)]).astype(np.float64)
+    exps, counts = np.unique(np.frexp(a)[1] - 1, return_counts=True)
+    return {int(e): int(c) for e, c in zip(exps, counts, strict=True)}
+
+
+@pytest.fixture
+def special(tmp_path, save):
+    path = save(SPECIAL)
+    model = load_model(path)
+    samples = load_samples(write_samples(tmp_path, [special_inputs(s) for s in range(3)]), model.proto)
+    return model, samples
+
+
+def test_every_statistic_matches_numpy_with_full_detail(special):
+    model, samples = special
+    stats = calibrate(model, samples, detail="all")
+    ref = reference(model.proto, samples)
+    assert set(ref) <= set(stats.tensors)
+    for name, x in ref.items():
+        s = stats.tensors[name]
+        a = np.abs(x)
+        finite = x[~np.isnan(x)]
+        assert s.count == x.size and s.detailed_count == x.size, name
+        assert s.min == float(finite.min()) and s.max == float(finite.max()), name
+        assert s.absmax == float(np.abs(finite).max()), name
+        assert s.nan_count == int(np.isnan(x).sum()), name
+        assert s.inf_count == int(np.isinf(x).sum()), name
+        assert s.zero_count == int((x == 0).sum()), name
+        assert s.exp_hist == numpy_hist(x), name
+        for fmt, limit in (("fp16", 65504.0), ("fp8_e4m3", 448.0), ("fp8_e5m2", 57344.0)):
+            assert s.over[fmt] == int((a > limit).sum()), (name, fmt)
+        nonzero = a[(a > 0) & np.isfinite(a)]
+        assert s.under["fp16"] == int((nonzero < 2.0**-14).sum()), name
+        assert s.under["fp32"] == int((nonzero < np.finfo(np.float32).tiny).sum()), name
+        per_sample = [float(np.nanmax(np.abs(c))) for c in np.split(x, 3)]
+        assert s.per_sample_absmax == tuple(per_sample), name
+    # The graph really produced every special case the test is about.
+    assert stats.tensors["root"].nan_count > 0
+    assert stats.tensors["inv"].inf_count > 0
+    assert stats.tensors["tiny"].under["fp32"] > 0
+    assert stats.tensors["big"].over["fp16"] > 0 and stats.tensors["big"].over["fp16"] < stats.tensors["big"].count
+
+
+def test_auto_detail_is_exact_where_it_runs_and_counts_stay_exact(special):
+    model, samples = special
+    full = calibrate(model, samples, detail="all")
+    auto = calibrate(model, samples, detail="auto")
+    for name, f in full.tensors.items():
+        a = auto.tensors[name]
+        for key in ("min", "max", "absmax", "count", "nan_count", "inf_count", "over", "per_sample_absmax"):
+            assert getattr(a, key) == getattr(f, key), (name, key)
+        if a.complete:
+            assert (a.zero_count, a.exp_hist, a.under) == (f.zero_count, f.exp_hist, f.under), name
+        else:
+            # Skipped only where every sample was ordinary: finite, LO < abs-max < HI.
+            assert all(LO < v < HI for v in f.per_sample_absmax), name
+    # x itself (abs-max 100 > HI) is detailed; small (abs-max 1 on some samples) need not be.
+    assert auto.tensors["x"].complete and auto.tensors["root"].complete
+
+
+def test_aliases_share_their_sources_statistics(special):
+    model, samples = special
+    stats = calibrate(model, samples, detail="all")
+    inst = instrument(model.proto)
+    assert inst.alias_of == {"flat": "x"}
+    flat, x = stats.tensors["flat"].to_dict(), stats.tensors["x"].to_dict()
+    assert flat.pop("node") != x.pop("node") and flat.pop("tensor") == "flat"
+    x.pop("tensor")
+    assert flat == x
+
+
+def test_streaming_merge_equals_one_shot_and_jobs_agree(tmp_path, save):
+    # x -> Mul(x, x) -> sq -> Sub(sq, x) -> y
+    model = load_model(save("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (float[8,8] x) => (float[8,8] y) { sq = Mul(x, x)  y = Sub(sq, x) }
+    """))
+    rng = np.random.default_rng(1)
+    arrays = [(rng.standard_normal((8, 8)) * 10 ** rng.uniform(-3, 3)).astype(np.float32) for _ in range(6)]
+    folder = write_samples(tmp_path, arrays)
+    streamed = calibrate(model, load_samples(folder, model.proto), detail="all")
+    # One shot: numpy over all samples at once.
+    everything = np.concatenate([(a * a).ravel() for a in arrays])
+    sq = streamed.tensors["sq"]
+    assert sq.exp_hist == numpy_hist(everything)
+    assert (sq.max, sq.min, sq.count) == (float(everything.max()), float(everything.min()), everything.size)
+    assert sq.per_sample_absmax == tuple(float(np.abs(a * a).max()) for a in arrays)
+    parallel = calibrate(model, load_samples(folder, model.proto), jobs=2, detail="all")
+    assert parallel.to_dict() == streamed.to_dict()
+    auto1 = calibrate(model, load_samples(folder, model.proto))
+    auto3 = calibrate(model, load_samples(folder, model.proto), jobs=3)
+    assert auto1.to_dict() == auto3.to_dict()
+
+
+def test_fractions_read_from_exact_counts_and_histogram(special):
+    model, samples = special
+    s = calibrate(model, samples, detail="all").tensors["big"]
+    ref = np.abs(reference(model.proto, samples)["big"])
+    assert s.fraction_above(65504.0) == (ref > 65504).sum() / ref.size
+    assert s.fraction_above(1e30) == 0.0
+    # 2^16 is a bin edge: values in [2^16, 2^17) are all above it.
+    assert s.fraction_above(2.0**16) >= (ref > 2**16).sum() / ref.size
+    nonzero = ref[ref > 0]
+    assert s.fraction_below(2.0**-14) == (nonzero < 2.0**-14).sum() / ref.size
+    assert s.fraction_below(1.0) == (nonzero < 1.0).sum() / ref.size
+
+
+def test_stats_round_trip_and_refuse_another_model(special, tmp_path, save):
+    model, samples = special
+    stats = calibrate(model, samples)
+    path = save_stats(stats, tmp_path / "stats.json")
+    loaded = load_stats(path, model)
+    assert loaded.to_dict() == stats.to_dict()
+    assert path.read_text() == save_stats(loaded, tmp_path / "again.json").read_text()
+    other = load_model(save("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (float[4,16] x) => (float[4,16] y) { y = Relu(x) }
+    """, "other.onnx"))
+    with pytest.raises(NpuprepError, match="another model"):
+        load_stats(path, other)
+
+
+# x -> If(c, then: Mul(x, 3) -> t, else: Neg(x) -> e) -> r;  Loop 3 times: acc -> Add(acc, x) -> acc
+SUBGRAPHS = """
+<ir_version: 8, opset_import: ["" : 18]>
+sub (float[5] x, bool c) => (float[5] r, float[5] acc_out) {
+    r = If(c) <
+        then_branch = thenb () => (float[5] t) { three = Constant<value = float {3.0}>()  t = Mul(x, three) },
+        else_branch = elseb () => (float[5] e) { e = Neg(x) }
+    >
+    n = Constant<value = int64 {3}>()
+    go = Constant<value = bool {1}>()
+    acc_out = Loop(n, go, x) <
+        body = loopb (int64 i, bool cin, float[5] acc) => (bool cout, float[5] acc2) {
+            cout = Identity(cin)
+            acc2 = Add(acc, x)
+        }
+    >
+}
+"""
+
+
+def test_if_and_loop_body_tensors_are_observed(tmp_path, save):
+    model = load_model(save(SUBGRAPHS))
+    x = np.array([1.0, -2.0, 0.0, 300.0, 0.25], np.float32)
+    folder = tmp_path / "d"
+    folder.mkdir()
+    np.savez(folder / "a.npz", x=x, c=np.array(True))
+    np.savez(folder / "b.npz", x=x * 2, c=np.array(False))
+    stats = calibrate(model, load_samples(str(folder), model.proto), detail="all")
+    assert stats.unobserved == {}
+    t, e = stats.tensors["t"], stats.tensors["e"]
+    assert t.scope.endswith(".then_branch") and e.scope.endswith(".else_branch")
+    assert (t.count, t.max, t.min) == (5, 900.0, -6.0)
+    assert (e.count, e.max, e.min) == (5, 4.0, -600.0)
+    assert t.per_sample_absmax == (900.0,) and e.per_sample_absmax == (600.0,)
+    acc2 = stats.tensors["acc2"]
+    # Iterations give x*2, x*3, x*4 (sample a) and 2x*2.. 2x*4 (sample b).
+    values = np.concatenate([x * k for k in (2, 3, 4)] + [2 * x * k for k in (2, 3, 4)])
+    assert acc2.count == values.size and acc2.max == values.max() and acc2.min == values.min()
+    assert acc2.exp_hist == numpy_hist(values) and acc2.zero_count == 6
+    assert acc2.per_sample_absmax == (1200.0, 2400.0)
+
+
+# x -> Scan(body: s -> Add(s, row) -> s2, scan out Mul(row, row) -> sq)
+SCAN = """
+<ir_version: 8, opset_import: ["" : 18]>
+sc (float[3,4] x, float[4] s0) => (float[4] s_out, float[3,4] sq_out) {
+    s_out, sq_out = Scan(s0, x) <
+        num_scan_inputs = 1,
+        body = scanb (float[4] s, float[4] row) => (float[4] s2, float[4] sq) {
+            s2 = Add(s, row)
+            sq = Mul(row, row)
+        }
+    >
+}
+"""
+
+
+def test_scan_body_tensors_are_observed(tmp_path, save):
+    model = load_model(save(SCAN))
+    x = np.arange(12, dtype=np.float32).reshape(3, 4) - 5
+    np.savez(tmp_path / "a.npz", x=x, s0=np.ones(4, np.float32))
+    stats = calibrate(model, load_samples(str(tmp_path / "a.npz"), model.proto), detail="all")
+    sq = stats.tensors["sq"]
+    assert sq.count == 12 and sq.max == 36.0 and sq.min == 0.0 and sq.zero_count == 1
+    assert sq.exp_hist == numpy_hist((x * x).ravel())
+    s2 = stats.tensors["s2"]
+    cums = np.cumsum(np.vstack([np.ones(4, np.float32), x]), axis=0)[1:]
+    assert s2.max == cums.max() and s2.min == cums.min() and s2.count == 12
+
+
+def test_untyped_tensors_are_listed_not_skipped(tmp_path, save):
+    # x -> CustomOp (unknown domain, no type) -> y -> Relu -> z
+    proto = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [onnx.helper.make_node("Mystery", ["x"], ["y"], domain="example.custom")],
+            "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        ),
+        opset_imports=[onnx.helper.make_opsetid("", 18), onnx.helper.make_opsetid("example.custom", 1)],
+    )
+    del proto.graph.output[:]
+    proto.graph.output.append(onnx.helper.make_empty_tensor_value_info("y"))
+    inst = instrument(proto)
+    assert "y" in inst.unobserved and "type unknown" in inst.unobserved["y"]
+    assert [s.tensor for s in inst.slots] == ["x"]
+
+
+def test_opset_too_old_is_a_user_error(tmp_path, save):
+    # x -> Relu -> y (opset 11)
+    model = load_model(save("""
+        <ir_version: 7, opset_import: ["" : 11]>
+        g (float[2] x) => (float[2] y) { y = Relu(x) }
+    """))
+    np.savez(tmp_path / "a.npz", x=np.ones(2, np.float32))
+    with pytest.raises(NpuprepError, match="opset"):
+        calibrate(model, load_samples(str(tmp_path / "a.npz"), model.proto))
+
+
+def test_fp16_tensors_are_observed_exactly(tmp_path, save):
+    # x -> Cast(fp16) -> h -> Mul(h, h) -> hh -> Cast(fp32) -> y
+    model = load_model(save("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (float[6] x) => (float[6] y) { h = Cast<to = 10>(x)  hh = Mul(h, h)  y = Cast<to = 1>(hh) }
+    """))
+    # Products exact in FP16: onnxruntime's CPU computes FP16 Mul in FP32 and drops the
+    # rounding (DESIGN.md), so only exact values make a fair test.
+    x = np.array([0.0, 1.0, 200.0, -128.0, 0.5, 3.0], np.float32)
+    np.savez(tmp_path / "a.npz", x=x)
+    stats = calibrate(model, load_samples(str(tmp_path / "a.npz"), model.proto), detail="all")
+    hh = (x.astype(np.float16) * x.astype(np.float16)).astype(np.float32)
+    assert stats.tensors["hh"].max == float(hh.max()) and stats.tensors["hh"].zero_count == 1
+    assert stats.tensors["hh"].exp_hist == numpy_hist(hh)
+    assert stats.tensors["y"].to_dict()["exp_hist"] == stats.tensors["hh"].to_dict()["exp_hist"]
