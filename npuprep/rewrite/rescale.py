@@ -49,14 +49,13 @@ _SAME_EXP: dict[str, tuple[int, ...] | None] = {
 }
 # Comparisons: exponents must agree, the boolean output carries none.
 _COMPARE = {"Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal"}
-# Ops that read only the shape of their input.
-_SHAPE_ONLY = {"Shape", "Size"}
+# Ops whose outputs do not change under positive scaling (shapes, indices, signs).
+_SHAPE_ONLY = {"Shape", "Size", "ArgMax", "ArgMin", "NonZero", "Sign"}
 # Affine normalisations: an entry scales their gamma and beta; an input scale is absorbed.
 _NORMS = {
     "LayerNormalization": (1, 2), "InstanceNormalization": (1, 2),
     "GroupNormalization": (1, 2), "BatchNormalization": (1, 2),
 }
-_FLOAT_TYPES = (np.float32, np.float16, np.float64)
 
 
 class _Decline(Exception):
@@ -186,7 +185,6 @@ class _Solver:
         self.order = {id(n): i for i, n in enumerate(_topo(graph))}
         self.nodes = {id(n): n for n in graph.nodes}
         self.exps: dict[str, int] = {}
-        self.tensors: dict[str, gs.Tensor] = {}
         self.roles: dict[int, str] = {}
         self.const_edits: dict[tuple[int, int], int] = {}
         self.attr_edits: dict[tuple[int, str], float] = {}
@@ -248,7 +246,6 @@ class _Solver:
                                f"2^{self.exps[name]}; the scale domain cannot be closed")
             return
         self.exps[name] = p
-        self.tensors[name] = tensor
         if p == 0:
             return
         consumers, captured = go.main_consumers(self.graph, tensor)
@@ -285,7 +282,11 @@ class _Solver:
         self._const_edit(node, index, e)
 
     def _enter_input(self, inp: gs.Variable, p: int) -> None:
-        if np.dtype(inp.dtype) not in [np.dtype(t) for t in _FLOAT_TYPES]:
+        try:
+            is_float = inp.dtype is not None and go.is_float_dtype(np.dtype(inp.dtype))
+        except TypeError:
+            is_float = False
+        if not is_float:
             raise _Decline(f"graph input '{inp.name}' is not a float tensor")
         self.input_entries[inp.name] = p
         self.entries.append(Entry(inp.name, "graph_input", p))
@@ -317,7 +318,8 @@ class _Solver:
             idx = self._const_index(node)
             assert idx is not None
             e = -p if op == "Div" and idx == 1 else p
-            self._weight_edit(node, idx, e, "constant")
+            # A small constant shared with other nodes gets its own scaled copy.
+            self._const_edit(node, idx, e)
             kind = "constant"
         else:
             raise _Decline(f"{op} '{label}' has no constant weights, so the scale cannot enter "
@@ -592,7 +594,7 @@ class _Solver:
                 if id(cur) not in self.absorb_at:
                     raise _Retry(id(cur))
                 break
-            if cur.op in _COMMUTE and cur.op not in ("Gather", "Pad"):
+            if cur.op in _COMMUTE:
                 cur = go.producer(cur.inputs[0])
                 continue
             break
