@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 
 from npuprep.analyse.context import Context, ScopeView, scalar
@@ -69,14 +70,14 @@ class Guard:
 
 def positive_floor(view: ScopeView, name: str, fmt: NumberFormat) -> Guard | None:
     """The guard that keeps `name` away from zero, looking through Sqrt and pass-through ops."""
+    value = view.constant(name)
+    if value is not None:
+        low = float(np.abs(value.astype(np.float64)).min()) if value.size else 0.0
+        return Guard("constant", low, low > fmt.min_subnormal / 2) if low > 0 else None
     node = view.source(name)
     while node is not None and node.op_type == "Sqrt":
         node = view.source(node.input[0])
     if node is None:
-        value = view.constant(name)
-        if value is not None and value.size:
-            low = float(abs(value.astype("float64")).min())
-            return Guard("constant", low, low > fmt.min_subnormal / 2) if low > 0 else None
         return None
     floor = None
     if node.op_type in ("Add", "Sum", "Max"):

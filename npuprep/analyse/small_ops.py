@@ -35,6 +35,12 @@ def _has_weighted_producer(view: ScopeView, name: str) -> bool:
             and any(view.constant(i) is not None for i in node.input[1:2]))
 
 
+def _bounded(view: ScopeView, name: str, limit: float) -> bool:
+    """Whether a Clip right before `name` keeps |name| within `limit`."""
+    bound = magnitude_bound(view, name)
+    return bound is not None and bound <= limit
+
+
 def _squares_upstream(view: ScopeView, name: str) -> onnx.NodeProto | None:
     """The square or sum of squares feeding `name` (through an eps Add or a mean)."""
     node = view.source(name)
@@ -70,8 +76,7 @@ def find(ctx: Context) -> list[Finding]:
         p = square_exponent(view, node)
         if p is not None:
             limit = power_limit(fmt, p)
-            bound = magnitude_bound(view, node.input[0])
-            if bound is None or bound > limit:
+            if not _bounded(view, node.input[0], limit):
                 rescale = _has_weighted_producer(view, node.input[0])
                 add("hazard.square", f"x^{p:g} overflows {fmt.name} for |x| > {limit:.4g}",
                     {"exponent": p, "input_limit": limit, "max": fmt.max},
@@ -86,6 +91,9 @@ def find(ctx: Context) -> list[Finding]:
                 op == "ReduceSum" and square_exponent(view, view.source(node.input[0]) or node)):
             n = reduction_size(ctx, view, node)
             element_limit = math.sqrt(fmt.max / n) if n else fmt.square_limit
+            squared = view.source(node.input[0]) if op == "ReduceSum" else node
+            if _bounded(view, squared.input[0], element_limit):
+                continue
             add("hazard.reduce_square",
                 f"sum of {n if n else 'an unknown number of'} squares overflows {fmt.name} once "
                 f"elements reach {element_limit:.4g}",
@@ -99,7 +107,7 @@ def find(ctx: Context) -> list[Finding]:
                     {"reduction_size": None, "max": fmt.max}, "pin_fp32",
                     "check its measured range; pin it to FP32 if it nears the limit",
                     severity=Severity.INFO)
-            elif n >= LARGE_REDUCTION:
+            elif n >= LARGE_REDUCTION and not _bounded(view, node.input[0], fmt.max / n):
                 add("hazard.reduce_sum",
                     f"sum of {n} elements overflows {fmt.name} once they average {fmt.max / n:.4g}",
                     {"reduction_size": n, "element_limit": fmt.max / n, "max": fmt.max},

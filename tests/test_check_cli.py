@@ -1,0 +1,61 @@
+"""`npuprep check`: readable table, --json contract, exit codes 0/1/2 and --fail-on."""
+
+import argparse
+import json
+
+from conftest import run_cli
+
+from npuprep.cli import check
+from npuprep.model_io import load_model
+from npuprep.profiles import load_profile
+
+HEAD = '<ir_version: 8, opset_import: ["" : 17]>\n'
+# x -> Exp -> y: one warning (hazard.exp)
+EXP = HEAD + "g (float[4] x) => (float[4] y) { y = Exp (x) }"
+# x -> Relu -> y: nothing to report
+CLEAN = HEAD + "g (float[4] x) => (float[4] y) { y = Relu (x) }"
+# x -> Cast(BF16) -> Cast(FP32) -> y: an error on a2000
+BF16 = HEAD + "g (float[4] x) => (float[4] y) { b = Cast <to = 16> (x) y = Cast <to = 1> (b) }"
+
+
+def test_table_names_node_rule_evidence_and_verdict(save):
+    r = run_cli("check", save(EXP), "--target", "generic")
+    assert r.returncode == 0, r.stderr
+    for text in ("hazard.exp", "node_of_y", "Exp", "input_limit=11.09", "clamp", "opset 17",
+                 "1 finding(s): 0 error, 1 warning, 0 info", "PASSED"):
+        assert text in r.stdout, text
+
+
+def test_json_carries_the_shared_contract(save):
+    path = save(EXP)
+    r = run_cli("check", path, "--target", "orin", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["schema_version"] == 1 and data["kind"] == "check"
+    assert data["fingerprint"] == load_model(path).fingerprint
+    assert data["target"] == "orin" and data["opset"] == 17 and data["model"] == str(path)
+    assert data["summary"] == {"error": 0, "warning": 1, "info": 0, "total": 1}
+    [f] = data["findings"]
+    assert f["rule"] == "hazard.exp" and f["severity"] == "warning" and f["node"] == "node_of_y"
+    assert f["evidence"]["input_limit"] > 11 and f["remedy"] == "clamp"
+
+
+def test_exit_codes_follow_fail_on(save):
+    exp, clean, bf16 = save(EXP, "exp.onnx"), save(CLEAN, "clean.onnx"), save(BF16, "bf16.onnx")
+    assert run_cli("check", bf16, "--target", "a2000").returncode == 1
+    assert run_cli("check", exp, "--target", "generic", "--fail-on", "warning").returncode == 1
+    r = run_cli("check", clean, "--target", "generic", "--fail-on", "info")
+    assert r.returncode == 0 and "0 finding(s)" in r.stdout
+
+
+def test_bad_input_exits_2_with_one_line(save):
+    r = run_cli("check", save(CLEAN), "--target", "no_such_target")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "no_such_target" in r.stderr
+
+
+def test_gather_findings_is_the_one_place_findings_come_from(save):
+    path = save(EXP)
+    args = argparse.Namespace(model=str(path), target="generic", json=True, fail_on="error")
+    findings = check.gather_findings(args, load_model(path), load_profile("generic"))
+    assert [f.rule for f in findings] == ["hazard.exp"] and findings
