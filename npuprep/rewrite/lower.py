@@ -132,6 +132,7 @@ class _Lowering:
         self.weights: dict[str, _Weight] = {}
         self.mapped: dict[str, int] = {}
         self.flushed: dict[str, int] = {}
+        self.out_of_range: dict[str, tuple[bool, bool]] = {}
         self.output_casts: list[tuple[str, str, int]] = []
         self.high_labels: set[str] = set()
         # Message wrappers are keyed by id(); holding them keeps those ids valid.
@@ -218,16 +219,14 @@ class _Lowering:
             w = self.weights.get(name)
             if w is None or pos in FP32_ONLY_INPUTS.get(node.op_type, ()):
                 continue
-            v = w.value
-            if v.size == 0:
+            if name not in self.out_of_range:
+                over = ~(np.abs(w.value) <= limit)
+                self.out_of_range[name] = (bool(over.any()), bool(np.all(w.value[over] < 0)))
+            beyond, negative_only = self.out_of_range[name]
+            if not beyond or (node.op_type in _MASK_OPS and negative_only):
                 continue
-            over = ~(np.abs(v) <= limit)
-            if not over.any():
-                continue
-            if node.op_type in _MASK_OPS and bool(np.all(v[over] < 0)):
-                continue
-            return (f"weight '{name}' reaches {float(np.nanmax(np.abs(v))):g}, beyond {self.fmt.name} "
-                    f"max {limit:g} (kept FP32, not clipped)")
+            return (f"weight '{name}' reaches {float(np.nanmax(np.abs(w.value))):g}, beyond "
+                    f"{self.fmt.name} max {limit:g} (kept FP32, not clipped)")
         if node.op_type == "ConstantOfShape":
             value = _attr_tensor(node, "value")
             if value is not None and value.dtype == np.float32 and not np.all(np.abs(value) <= limit):
@@ -247,6 +246,12 @@ class _Lowering:
                         continue
                     wants_low = low and pos not in FP32_ONLY_INPUTS.get(node.op_type, ())
                     w.uses.append((node, pos, wants_low))
+        for scope in self.scopes:
+            for out in scope.graph.output:
+                w = self.weights.get(out.name)
+                if w is not None:
+                    # A weight that is also a graph output keeps the output's declared FP32.
+                    w.uses.append((onnx.NodeProto(), -1, False))
         converted: list[str] = []
         duplicated: list[str] = []
         kept: list[str] = []
