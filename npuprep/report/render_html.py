@@ -59,7 +59,8 @@ tr.fail td{background:#fdedec}tr.first-divergent td{background:#f5b7b1}
 svg.chart{width:100%;height:auto;display:block}
 figure{margin:.4em 0}figcaption{color:#566573;font-size:12.5px}
 .note{background:#fef9e7;border-left:4px solid #f1c40f;padding:.4em .8em}
-code{background:#f4f6f7;padding:0 .25em}footer{margin-top:2em;color:#7f8c8d;font-size:12px}
+code{background:#f4f6f7;padding:0 .25em}nav{margin:.6em 0;font-size:13px}
+a{color:#1f618d}footer{margin-top:2em;color:#7f8c8d;font-size:12px}
 """
 
 # Click (or Enter on) a header to sort by that column; again to reverse. Empty cells sort last.
@@ -163,6 +164,14 @@ def _kv_table(rows: list[tuple[str, str]], table_id: str) -> str:
     return f'<table class="kv" id="{_e(table_id)}"><tbody>{body}</tbody></table>'
 
 
+def _nav_html(made: tuple[Table, ...], has_profile: bool) -> str:
+    links = [("summary", "Summary"), ("charts", "Charts")]
+    links += [(t.key, t.title) for t in made]
+    if has_profile:
+        links.append(("profile", "Target profile"))
+    return "<nav>" + " &middot; ".join(f'<a href="#{_e(k)}">{_e(v)}</a>' for k, v in links) + "</nav>"
+
+
 def _notes_html(items: list[str]) -> str:
     if not items:
         return ""
@@ -245,6 +254,7 @@ def render(result: dict[str, Any], *, plots: bool = True, order: Sequence[str] =
     first = cmp.get("first_divergent") if cmp else None
     first_tensor = str(first.get("tensor", "")) if isinstance(first, Mapping) else ""
     profile = profile_of(result)
+    made = tables(result, order)
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -252,10 +262,11 @@ def render(result: dict[str, Any], *, plots: bool = True, order: Sequence[str] =
         f"<title>{_e(title)}</title><style>{CSS}</style></head><body>",
         f'<header><h1>{_e(title)}</h1><span class="verdict {badge[0]}" id="verdict">{badge[1]}'
         "</span></header>",
+        _nav_html(made, bool(profile)),
         f'<section id="summary"><h2>Summary</h2>{_kv_table(summary(result), "summary-table")}</section>',
         _notes_html(notes(result)),
         _charts_html(result, plots, order),
-        *(_table_html(t, first_tensor) for t in tables(result, order)),
+        *(_table_html(t, first_tensor) for t in made),
     ]
     if profile:
         source = f'<p class="note">{_e(profile_source)}</p>' if profile_source else ""
