@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, numpy_helper
-from rewrite_util import build, outputs, rel_err
+from rewrite_util import C, RandomChain, build, outputs, rel_err
 
 from npuprep.errors import NpuprepError
 from npuprep.graph import walk_graphs
@@ -332,3 +332,16 @@ def test_cast_of_a_bf16_initialiser_is_folded_into_a_weight():
     assert "node_of_y" in lowered.forced_fp32 and _inits(lowered.model)["wf"].data_type == TensorProto.FLOAT
     out = outputs(lowered.model, {"x": np.array([[0.5, 1.0, 2.0]], np.float32)})["y"]
     np.testing.assert_allclose(out, [[w.astype(np.float32)[0, 0] * 0.5, w.astype(np.float32)[1, 1], w.astype(np.float32)[2, 2] * 2]])
+
+
+def test_randomised_graphs_lower_load_and_run():
+    for seed in range(16):
+        model, kinds, _ = RandomChain(seed).model()
+        rng = np.random.default_rng(seed)
+        labels = [n.name for n in model.graph.node]
+        pinned = [n for n in labels if rng.random() < 0.3]
+        lowered = lower(model, "fp16", pinned_nodes=pinned)
+        assert set(pinned) <= set(lowered.pinned_nodes)
+        feeds = {"x": rng.normal(size=(1, C, 4, 4)).astype(np.float32)}
+        err = rel_err(outputs(model, feeds)["y"], outputs(lowered.model, feeds)["y"])
+        assert err < 2e-2, (seed, kinds, pinned, err)
