@@ -187,10 +187,15 @@ def _validate(feed: Feed, specs: tuple[InputSpec, ...], where: str) -> Feed:
             want = tuple("?" if d is None else d for d in s.shape)
             raise NpuprepError(f"{where}: input '{s.name}' has shape {arr.shape}, the model expects {want}")
         if arr.dtype.kind == "f" or arr.dtype.kind == "V":
-            finite = np.isfinite(arr.astype(np.float32))
+            values = arr.astype(np.float32)
+            finite = np.isfinite(values)
             if not finite.all():
-                bad = int((~finite).sum())
-                raise NpuprepError(f"{where}: input '{s.name}' holds {bad} NaN/Inf values")
+                nan = int(np.isnan(values).sum())
+                first = tuple(int(i) for i in np.argwhere(~finite)[0])
+                raise NpuprepError(
+                    f"{where}: input '{s.name}' holds {nan} NaN and {int((~finite).sum()) - nan} Inf "
+                    f"values (first at index {first}); samples must be finite"
+                )
         out[s.name] = arr
     return out
 

@@ -1,0 +1,93 @@
+"""`npuprep calibrate MODEL --data D -o stats.json`: every float tensor's range on samples."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Any
+
+from npuprep.cli.common import add_data, add_json, fmt, print_json, print_table
+
+help = "measure every float tensor's range on samples (in-graph statistics) and write stats.json"
+
+# Formats the summary measures headroom against, in the order shown.
+_SUMMARY_FORMATS = ("fp16", "fp8_e4m3")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="ONNX model to calibrate")
+    add_data(p, required=True)
+    p.add_argument("-o", "--output", help="write the statistics here (JSON, kind 'stats')")
+    p.add_argument("--jobs", "-j", type=int, default=1, help="processes over sample ranges (default 1)")
+    p.add_argument("--detail", choices=("auto", "all"), default="auto",
+                   help="exponent histogram and zero/underflow counts: only for tensor-samples outside "
+                        "the ordinary range (auto, fast) or everywhere (all, ~5x slower)")
+    p.add_argument("--top", type=int, default=15, help="tensors shown in the summary (default 15)")
+    add_json(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from npuprep.calibrate import calibrate, save_stats
+    from npuprep.cli.common import open_samples
+    from npuprep.errors import NpuprepError
+    from npuprep.model_io import load_model
+
+    if args.jobs < 1:
+        raise NpuprepError(f"--jobs must be at least 1, got {args.jobs}")
+    model = load_model(args.model)
+    samples = open_samples(args, model.proto)
+    stats = calibrate(model, samples, jobs=args.jobs, show_progress=not args.json and sys.stderr.isatty(),
+                      detail=args.detail)
+    if args.output:
+        save_stats(stats, args.output)
+    if args.json:
+        print_json(stats.to_dict() | {"summary": summary_rows(stats, args.top), "output": args.output or ""})
+    else:
+        _print(model, stats, args)
+    return 0
+
+
+def summary_rows(stats: Any, top: int) -> list[dict[str, Any]]:
+    """The tensors nearest the limits: highest abs-max first, non-finite ones on top."""
+    from npuprep.numerics import get_format
+
+    rows = []
+    for s in stats.nearest_limits(n=top):
+        row = {"tensor": s.tensor, "node": s.node, "scope": s.scope, "absmax": s.absmax,
+               "min": s.min, "max": s.max, "nan_count": s.nan_count, "inf_count": s.inf_count,
+               "samples_seen": len(s.per_sample_absmax)}
+        for f in _SUMMARY_FORMATS:
+            limit = get_format(f).max
+            row[f"{f}_use"] = s.absmax / limit if not math.isnan(s.absmax) else None
+            row[f"{f}_over"] = s.over[f]
+        below = s.fraction_below(get_format("fp16").min_normal)
+        row["fp16_underflow_share"] = below
+        rows.append(row)
+    return rows
+
+
+def _print(model: Any, stats: Any, args: argparse.Namespace) -> None:
+    print(f"model   {model.path}  (fingerprint {model.fingerprint})")
+    print(f"samples {stats.samples}")
+    if stats.synthetic:
+        print("WARNING: statistics from SYNTHETIC samples (random inputs), not real data; "
+              "ranges on real inputs can differ widely")
+    rows = summary_rows(stats, args.top)
+    print_table(
+        f"Tensors nearest the limits ({len(stats.tensors)} observed" + (", SYNTHETIC data)" if stats.synthetic else ")"),
+        ["tensor", "node", "abs-max", "% fp16 max", ">fp16", "% e4m3 max", ">e4m3", "NaN/Inf", "fp16 underflow", "samples"],
+        [(r["tensor"] if r["scope"] == "main" else f"{r['tensor']} [{r['scope']}]", r["node"], r["absmax"],
+          _pct(r["fp16_use"]), r["fp16_over"], _pct(r["fp8_e4m3_use"]), r["fp8_e4m3_over"],
+          f"{r['nan_count']}/{r['inf_count']}",
+          "-" if r["fp16_underflow_share"] is None else f"{100 * r['fp16_underflow_share']:.2g}%",
+          r["samples_seen"]) for r in rows],
+    )
+    if stats.unobserved:
+        print_table("Not observed", ["tensor", "reason"], sorted(stats.unobserved.items()))
+    if args.output:
+        print(f"wrote {args.output}")
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{fmt(100 * v)}%"
