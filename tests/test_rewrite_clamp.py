@@ -145,3 +145,17 @@ def test_user_mistakes_raise():
         guard_denominator(model, "node_of_e", 1e-3)
     with pytest.raises(NpuprepError, match="does not read it"):
         apply_clamp(model, "x", 0.0, 1.0, consumers=["node_of_q", "node_of_zzz"])
+
+
+def test_fp16_graph_gets_fp16_bounds():
+    # x (fp16) -> Exp -> e ; Div(e, d) -> y
+    model = build(HEAD + """
+    g (float16[3] x, float16[3] d) => (float16[3] y) {
+      e = Exp(x)
+      y = Div(e, d)
+    }""")
+    clamped = clamp_exp_input(model, "node_of_e", 10.0)
+    guarded = guard_denominator(clamped.model, "node_of_y", 1e-3)
+    out = outputs(guarded.model, {"x": np.array([1, 20, 3], np.float16),
+                                  "d": np.array([0, 1, 2], np.float16)})["y"]
+    assert out.dtype == np.float16 and np.isfinite(out).all()

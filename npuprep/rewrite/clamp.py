@@ -15,7 +15,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from npuprep.errors import NpuprepError
-from npuprep.graph import node_label, walk_graphs
+from npuprep.graph import node_label, tensor_types, walk_graphs
 from npuprep.model_io import model_opset
 from npuprep.numerics import NumberFormat
 from npuprep.rewrite import graph_ops as go
@@ -54,7 +54,7 @@ def apply_clamp(
         raise NpuprepError(f"clamp '{tensor}': lo {lo} is above hi {hi}")
     graph = go.import_graph(model)
     owner, target = _find_tensor(graph, tensor)
-    dtype = _float_dtype(target)
+    dtype = _float_dtype(target, tensor_types(model))
     if dtype is None:
         return RewriteResult(model, False, f"clamp skipped: '{tensor}' is not a float tensor",
                              {"tensor": tensor})
@@ -134,7 +134,7 @@ def guard_denominator(model: onnx.ModelProto, div_node: str, eps: float) -> Rewr
                else f"its smallest |d| is {float(np.abs(value).min()):g} >= {eps:g}")
         return RewriteResult(model, False, f"guard skipped: the denominator of '{div_node}' is a "
                              f"constant and {why}", {"node": div_node})
-    dtype = _float_dtype(den)
+    dtype = _float_dtype(den, tensor_types(model))
     if dtype is None:
         return RewriteResult(model, False, f"guard skipped: the denominator of '{div_node}' is not "
                              "a float tensor", {"node": div_node})
@@ -264,11 +264,19 @@ def _clip(name: str, src: gs.Tensor, dst: gs.Tensor, lo: float | None, hi: float
     return gs.Node("Clip", name, inputs=inputs, outputs=[dst])
 
 
-def _float_dtype(tensor: gs.Tensor) -> np.dtype | None:
-    if tensor.dtype is None:
-        return np.dtype(np.float32)
+def _float_dtype(tensor: gs.Tensor, types: dict[str, int]) -> np.dtype | None:
+    """The tensor's numpy float type from shape inference (FP32 when inference is silent)."""
+    onnx_type = types.get(tensor.name)
+    if onnx_type is None:
+        return np.dtype(np.float32) if tensor.dtype is None else _np_float(tensor.dtype)
+    if onnx_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE):
+        return None
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(onnx_type))
+
+
+def _np_float(dtype: object) -> np.dtype | None:
     try:
-        dt = np.dtype(tensor.dtype)
+        dt = np.dtype(dtype)
     except TypeError:
         return None
     return dt if dt.kind == "f" else None
