@@ -306,3 +306,23 @@ def test_actions_read_from_an_embedded_plan() -> None:
     page = render(result, plots=False)
     assert 'id="table-actions"' in page and 'id="table-declined"' in page
     assert "headroom warning on s kept as a note" in page
+
+
+def test_objects_and_numpy_values_render_like_their_json() -> None:
+    import numpy as np
+
+    from npuprep.analyse.finding import Finding, Findings
+    from npuprep.cli.common import dump_json
+    from npuprep.profiles import Severity
+
+    finding = Finding("range.overflow", Severity.ERROR, "sum", "ReduceSum", "9e5 > 65504",
+                      tensor="s", evidence={"limit": 32752.0, "absmax": np.float32(9e5)})
+    result = {"kind": "check", "schema_version": 1, "fingerprint": "f00d", "profile": PROFILE,
+              "findings": Findings((finding,)),
+              "stats": {"tensors": {"s": {"tensor": "s", "absmax": np.float32(9e5),
+                                          "min": float("nan"), "count": np.int64(4)}}}}
+    page = render(result, plots=False)
+    assert page == render(json.loads(dump_json(result)), plots=False)
+    assert "absmax=9e+05, limit=3.275e+04" in page  # evidence keys in JSON (sorted) order
+    assert '<td class="num" data-v="900000.0">900000</td>' in page
+    assert '<td class="sev-error" data-v="2">error</td>' in page

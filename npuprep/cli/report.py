@@ -36,7 +36,7 @@ def load_result(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def write_html(result: dict[str, Any], path: str | Path, *, plots: bool = True,
+def write_html(result: Any, path: str | Path, *, plots: bool = True,
                order: list[str] | tuple[str, ...] = ()) -> Path:
     """Render a result dict as HTML and write it atomically (for `--html` on other commands)."""
     from npuprep.report.render_html import write_html as _write

@@ -8,6 +8,7 @@ tables and says how to get the charts). Same result, same bytes.
 from __future__ import annotations
 
 import html
+import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -235,12 +236,20 @@ def _with_profile(result: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
     return dict(result), ""
 
 
-def render(result: dict[str, Any], *, plots: bool = True, order: Sequence[str] = ()) -> str:
+def render(result: Mapping[str, Any] | Any, *, plots: bool = True, order: Sequence[str] = ()) -> str:
     """The whole page for a check, stats, compare or convert result.
 
-    `order` lists tensor names in topological order (from the model) for a stats object,
-    which is keyed by name; compare and convert results are already in order.
+    `result` is the dict a command prints with --json (or an object with `to_dict()`); it is
+    taken through the same JSON as the file, so `--html` and `npuprep report` on the saved
+    JSON give the same bytes. `order` lists tensor names in topological order (from the
+    model) for a stats object, which is keyed by name; compare and convert results are
+    already in order.
     """
+    from npuprep.cli.common import dump_json
+
+    if not isinstance(result, Mapping) and not hasattr(result, "to_dict"):
+        raise NpuprepError("result is not a JSON object")
+    result = json.loads(dump_json(result))
     if not isinstance(result, Mapping):
         raise NpuprepError("result is not a JSON object")
     kind = result.get("kind")
@@ -278,7 +287,7 @@ def render(result: dict[str, Any], *, plots: bool = True, order: Sequence[str] =
     return "\n".join(parts)
 
 
-def write_html(result: dict[str, Any], path: str | Path, *, plots: bool = True,
+def write_html(result: Mapping[str, Any] | Any, path: str | Path, *, plots: bool = True,
                order: Sequence[str] = ()) -> Path:
     """Render `result` and write it atomically to `path` (nothing is written on error)."""
     from npuprep.model_io import write_text_atomic
