@@ -345,3 +345,17 @@ def test_randomised_graphs_lower_load_and_run():
         feeds = {"x": rng.normal(size=(1, C, 4, 4)).astype(np.float32)}
         err = rel_err(outputs(model, feeds)["y"], outputs(lowered.model, feeds)["y"])
         assert err < 2e-2, (seed, kinds, pinned, err)
+
+
+def test_inserted_names_never_collide_with_existing_ones():
+    # x -> Relu -> x__to_fp16 -> Mul(x__to_fp16, x) -> y
+    model = build(HEAD + """
+    g (float[2] x) => (float[2] y) {
+      x__to_fp16 = Relu(x)
+      y = Mul(x__to_fp16, x)
+    }""")
+    lowered = lower(model, "fp16")
+    produced = [o for n in lowered.model.graph.node for o in n.output]
+    assert len(produced) == len(set(produced)) and "x__to_fp16_2" in produced
+    out = outputs(lowered.model, {"x": np.array([2.0, -1.0], np.float32)})["y"]
+    np.testing.assert_array_equal(out, [4.0, 0.0])

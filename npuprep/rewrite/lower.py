@@ -133,6 +133,7 @@ class _Lowering:
         self.mapped: dict[str, int] = {}
         self.flushed: dict[str, int] = {}
         self.out_of_range: dict[str, tuple[bool, bool]] = {}
+        self.names = {name for s in self.scopes for name in _names(s.graph)}
         self.output_casts: list[tuple[str, str, int]] = []
         self.high_labels: set[str] = set()
         # Message wrappers are keyed by id(); holding them keeps those ids valid.
@@ -266,7 +267,7 @@ class _Lowering:
                 self._set_weight(w, name, value, replace=True)
                 converted.append(name)
                 continue
-            copy = f"{name}__{self.fmt.name}"
+            copy = self._fresh(f"{name}__{self.fmt.name}")
             self._set_weight(w, copy, value, replace=False)
             for node, pos, _ in lows:
                 node.input[pos] = copy
@@ -332,13 +333,22 @@ class _Lowering:
             return FLOAT if _attr_int(node, "to") != FLOAT else self.low_type
         return self.low_type
 
+    def _fresh(self, base: str) -> str:
+        """`base`, or `base_2`, `base_3`... if the model already uses that name."""
+        name, i = base, 1
+        while name in self.names:
+            i += 1
+            name = f"{base}_{i}"
+        self.names.add(name)
+        return name
+
     def _cast(self, scope_id: int, src: str, to: int, out: list[onnx.NodeProto],
               dst: str | None = None) -> str:
         key = (scope_id, src, to)
         if dst is None and key in self.cast_cache:
             return self.cast_cache[key]
         suffix = "" if scope_id == 0 else f"__g{scope_id}"
-        name = dst or f"{src}__to_{_short(to)}{suffix}"
+        name = dst or self._fresh(f"{src}__to_{_short(to)}{suffix}")
         out.append(helper.make_node("Cast", [src], [name], name=f"Cast_{name}", to=to))
         self.low[id(out[-1])] = to != FLOAT
         self.casts += 1
@@ -358,7 +368,7 @@ class _Lowering:
             node = self.producer.get(out.name)
             if home == want or node is None:
                 continue
-            inner = f"{out.name}__{_short(home)}"
+            inner = self._fresh(f"{out.name}__{_short(home)}")
             for scope in self.scopes:
                 for n in scope.graph.node:
                     for i, name in enumerate(n.input):
@@ -414,7 +424,8 @@ class _Lowering:
             if self._orig_type(vi.name) != FLOAT and vi.type.tensor_type.elem_type != FLOAT:
                 continue
             if self._home(vi.name) != want:
-                vi.name = self._cast(sid, vi.name, want, new_nodes, dst=f"{vi.name}__out_{_short(want)}__g{sid}")
+                dst = self._fresh(f"{vi.name}__out_{_short(want)}__g{sid}")
+                vi.name = self._cast(sid, vi.name, want, new_nodes, dst=dst)
             vi.type.tensor_type.elem_type = want
 
     def _fix_main_io(self) -> None:
@@ -423,6 +434,13 @@ class _Lowering:
         for vi in list(graph.input) + list(graph.output):
             if vi.type.tensor_type.elem_type == FLOAT:
                 vi.type.tensor_type.elem_type = want
+
+
+def _names(graph: onnx.GraphProto) -> set[str]:
+    names = {vi.name for vi in list(graph.input) + list(graph.output)}
+    names |= {i.name for i in graph.initializer}
+    names |= {o for n in graph.node for o in n.output if o}
+    return names
 
 
 def _short(onnx_type: int | None) -> str:
