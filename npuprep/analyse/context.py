@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from npuprep.graph import GraphScope, constant_value, consumers, producers, walk_graphs
+from npuprep.graph import GraphScope, constant_value, consumers, producers, to_array, walk_graphs
 from npuprep.model_io import Model
 from npuprep.numerics import NumberFormat
 from npuprep.profiles import TargetProfile
@@ -16,6 +16,9 @@ from npuprep.profiles import TargetProfile
 # Initialisers above this size take no part in shape inference (their shapes are declared
 # as graph inputs instead), so a >2 GB model never has to be serialised in one piece.
 _INFERENCE_INLINE_BYTES = 1 << 20
+
+# Constants with more elements than this are weights, not eps / exponents / guidance weights.
+_SCALAR_MAX_ELEMENTS = 4096
 
 # Ops that pass a value through unchanged in magnitude; guards and patterns look through them.
 PASSTHROUGH_OPS = frozenset({"Identity", "Cast", "Reshape", "Unsqueeze", "Squeeze", "Expand",
@@ -30,6 +33,18 @@ class ScopeView:
     producer: dict[str, onnx.NodeProto]
     consumer: dict[str, list[onnx.NodeProto]]
     _constants: dict[str, np.ndarray | None] = field(default_factory=dict)
+    _sources: dict[str, onnx.TensorProto | onnx.NodeProto] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for node in self.graph.node:
+            if node.op_type == "Constant" and node.output:
+                self._sources[node.output[0]] = node
+        for init in self.graph.initializer:
+            self._sources[init.name] = init
+
+    def is_constant(self, name: str) -> bool:
+        """Whether `name` is an initialiser or a Constant output of this graph (no data read)."""
+        return name in self._sources
 
     @property
     def path(self) -> str:
@@ -41,9 +56,24 @@ class ScopeView:
 
     def constant(self, name: str) -> np.ndarray | None:
         """Value of an initialiser or Constant output of this graph (cached), else None."""
+        if name not in self._sources:
+            return None
         if name not in self._constants:
-            self._constants[name] = constant_value(self.graph, name) if name else None
+            source = self._sources[name]
+            if isinstance(source, onnx.TensorProto):
+                self._constants[name] = to_array(source)
+            else:
+                # constant_value reads every Constant form (value, value_float, ...) from a graph.
+                self._constants[name] = constant_value(
+                    onnx.helper.make_graph([source], "constant", [], []), name)
         return self._constants[name]
+
+    def scalar(self, name: str) -> float | None:
+        """The single value of a small constant (see `scalar`); large weights are never read."""
+        source = self._sources.get(name)
+        if isinstance(source, onnx.TensorProto) and np.prod(source.dims) > _SCALAR_MAX_ELEMENTS:
+            return None
+        return scalar(self.constant(name))
 
     def source(self, name: str) -> onnx.NodeProto | None:
         """The producer of `name`, looking through pass-through ops (Cast, Reshape, ...)."""

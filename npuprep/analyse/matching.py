@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from npuprep.analyse.context import Context, ScopeView, scalar
+from npuprep.analyse.context import Context, ScopeView
 from npuprep.graph import attribute
 from npuprep.numerics import NumberFormat
 
@@ -17,7 +17,7 @@ def square_exponent(view: ScopeView, node: onnx.NodeProto) -> float | None:
     if node.op_type == "Mul" and len(node.input) == 2 and node.input[0] == node.input[1]:
         return 2.0
     if node.op_type == "Pow" and len(node.input) == 2:
-        p = scalar(view.constant(node.input[1]))
+        p = view.scalar(node.input[1])
         if p is not None and p > 1:
             return p
     return None
@@ -81,11 +81,11 @@ def positive_floor(view: ScopeView, name: str, fmt: NumberFormat) -> Guard | Non
         return None
     floor = None
     if node.op_type in ("Add", "Sum", "Max"):
-        consts = [scalar(view.constant(i)) for i in node.input]
+        consts = [view.scalar(i) for i in node.input]
         positive = [c for c in consts if c is not None and c > 0]
         floor = max(positive) if positive else None
     elif node.op_type == "Clip" and len(node.input) > 1 and node.input[1]:
-        low = scalar(view.constant(node.input[1]))
+        low = view.scalar(node.input[1])
         floor = low if low is not None and low > 0 else None
     elif node.op_type == "Clip":
         low = attribute(node, "min")
@@ -107,11 +107,11 @@ def upper_bound(view: ScopeView, name: str) -> float | None:
         return None
     if node.op_type == "Clip":
         if len(node.input) > 2 and node.input[2]:
-            return scalar(view.constant(node.input[2]))
+            return view.scalar(node.input[2])
         high = attribute(node, "max")
         return float(high) if high is not None else None
     if node.op_type == "Min":
-        consts = [scalar(view.constant(i)) for i in node.input]
+        consts = [view.scalar(i) for i in node.input]
         bounds = [c for c in consts if c is not None]
         return min(bounds) if bounds else None
     return None
@@ -123,7 +123,7 @@ def magnitude_bound(view: ScopeView, name: str) -> float | None:
     if node is None or node.op_type != "Clip":
         return None
     if len(node.input) > 2 and node.input[1] and node.input[2]:
-        low, high = scalar(view.constant(node.input[1])), scalar(view.constant(node.input[2]))
+        low, high = view.scalar(node.input[1]), view.scalar(node.input[2])
     else:
         low, high = attribute(node, "min"), attribute(node, "max")
     if low is None or high is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import onnx
 
-from npuprep.analyse.context import Context, ScopeView, scalar
+from npuprep.analyse.context import Context, ScopeView
 from npuprep.analyse.finding import Finding
 from npuprep.analyse.matching import is_max_subtracted, reduction_size, square_exponent
 from npuprep.graph import node_label
@@ -44,7 +44,7 @@ def _layernorm(ctx: Context, view: ScopeView, node: onnx.NodeProto) -> Finding |
     add = _of(view, sqrt.input[0], "Add") if sqrt is not None else None
     if add is None:
         return None
-    eps = next((scalar(view.constant(i)) for i in add.input if view.constant(i) is not None), None)
+    eps = next((view.scalar(i) for i in add.input if view.is_constant(i)), None)
     var = next((n for n in (_of(view, i, "ReduceMean") for i in add.input) if n is not None), None)
     square = view.source(var.input[0]) if var is not None else None
     if square is None or square_exponent(view, square) != 2 or square.input[0] != sub.output[0]:
@@ -106,7 +106,7 @@ def _guidance(ctx: Context, view: ScopeView, node: onnx.NodeProto) -> Finding | 
         if mul is None:
             continue
         for j in (0, 1):
-            w = scalar(view.constant(mul.input[j]))
+            w = view.scalar(mul.input[j])
             sub = _of(view, mul.input[1 - j], "Sub")
             if w is None or sub is None or base not in sub.input:
                 continue

@@ -32,7 +32,7 @@ def _has_weighted_producer(view: ScopeView, name: str) -> bool:
     while node is not None and node.op_type in ("Sub", "Add", "Relu") and node.input:
         node = view.source(node.input[0])
     return (node is not None and node.op_type in LINEAR_WITH_WEIGHTS
-            and any(view.constant(i) is not None for i in node.input[1:2]))
+            and any(view.is_constant(i) for i in node.input[1:2]))
 
 
 def _bounded(view: ScopeView, name: str, limit: float) -> bool:

@@ -10,9 +10,8 @@ from npuprep.cli.common import add_json, add_target, fmt, print_json, print_tabl
 help = "report where MODEL will leave the target's range (static rules; no rewrite)"
 
 SCHEMA_VERSION = 1
-# Table rows of these rules collapse per op type: one line per kind of note, not per node.
-_GROUPED_RULES = ("autocast.",)
 _EVIDENCE_ITEMS = 5
+_NODES_SHOWN = 3
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -93,19 +92,19 @@ def _evidence_text(evidence: dict[str, Any]) -> str:
 
 
 def _rows(findings: Any) -> list[tuple[str, ...]]:
-    """Table rows, most severe first; grouped rules become one row per op type."""
+    """Table rows, most severe first; findings that read the same (say, one per layer) share a row."""
     groups: dict[tuple[str, ...], list[Any]] = {}
     for f in findings:
-        grouped = f.rule.startswith(_GROUPED_RULES)
-        key = (f.rule, f.op_type, f.scope, str(f.severity)) if grouped else (str(id(f)),)
+        key = (f.rule, str(f.severity), f.op_type, f.scope, f.message, f.remedy_text)
         groups.setdefault(key, []).append(f)
     rows = []
     for members in sorted(groups.values(), key=lambda g: -int(g[0].severity)):
         f = members[0]
-        nodes = f.node if len(members) == 1 else (
-            ", ".join(m.node for m in members[:3]) + (f" (+{len(members) - 3})" if len(members) > 3 else ""))
+        nodes = ", ".join(m.node for m in members[:_NODES_SHOWN])
+        if len(members) > _NODES_SHOWN:
+            nodes += f" (+{len(members) - _NODES_SHOWN})"
         where = nodes if f.scope == "main" else f"{nodes} [{f.scope}]"
-        message = f.message if len(members) == 1 else f"{len(members)} nodes: {f.message}"
+        message = f.message if len(members) == 1 else f"{len(members)}x: {f.message}"
         rows.append((str(f.severity), f.rule, where, f.op_type, message,
                      _evidence_text(f.evidence), f"{f.remedy}: {f.remedy_text}"))
     return rows
