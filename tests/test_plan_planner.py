@@ -372,3 +372,23 @@ def test_headroom_warning_without_a_feasible_rescale_is_a_note_until_it_is_an_er
     error = dataclasses.replace(warning, severity=Severity.ERROR)
     plan = make_plan(model, GENERIC, stats, [error])
     assert [type(a) for a in plan.actions] == [PinFp32]
+
+
+def test_static_island_carries_a_square_through_its_sum_to_the_root():
+    # x -> Mul(x, x) -> q -> ReduceSum -> s -> Sqrt -> n -> Add(n, x) -> y
+    model = as_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2, 300] x) => (float[2, 300] y) <int64[1] ax = {1}> {
+        [square] q = Mul (x, x)
+        [sum] s = ReduceSum <keepdims = 1> (q, ax)
+        [root] n = Sqrt (s)
+        [add] y = Add (n, x)
+    }
+    """)
+    findings = static_findings(model, GENERIC)
+    assert {f.node for f in findings} >= {"square", "sum"}
+    plan = make_plan(model, GENERIC, None, findings)
+    (pin,) = plan.actions
+    # Sums and products keep the magnitude; the root ends it, so the Add stays FP16.
+    assert pin.nodes == ("square", "sum", "root") and pin.exit_tensors == ("n",)
+    assert sorted(r.node for r in pin.findings) == sorted(f.node for f in findings)

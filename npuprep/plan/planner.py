@@ -58,6 +58,18 @@ _WALK_THROUGH: dict[str, tuple[int, ...] | None] = {
 # Affine normalisations whose gamma/beta can carry a scale (an entry for the rewrite).
 _NORMS = {"LayerNormalization", "InstanceNormalization", "GroupNormalization",
           "BatchNormalization"}
+# Ops that pass a large magnitude on (planning without measurements grows islands through
+# them): sums, products, reductions, data movement. Linear layers with unknown weights,
+# roots, divisions and normalisations end it.
+_CARRIES_MAGNITUDE = frozenset({
+    "Add", "Sub", "Mul", "Sum", "Mean", "Max", "Min", "Neg", "Abs", "Relu", "Pow",
+    "ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceSumSquare", "ReduceL1",
+    "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Concat", "Slice",
+    "Split", "Gather", "Expand", "Tile", "Where", "Exp",
+})
+# Ops whose output a static pin finding marks as large (roots, divisions and
+# normalisations flagged by a rule shrink what they read).
+_MAKES_MAGNITUDE = _CARRIES_MAGNITUDE | LINEAR_WITH_WEIGHTS | {"ReduceSumSquare"}
 # Rules whose evidence is a measured range on one tensor.
 _RANGE_RULES = ("range.overflow", "range.headroom")
 
@@ -99,6 +111,8 @@ class _Planner:
         inits = {i.name for i in self.model.graph.initializer}
         self.graph_inputs = [i.name for i in self.model.graph.input if i.name not in inits]
         self.static_hot: set[str] = set()
+        self.hot_cache: dict[str, bool] = {}
+        self.static_cool: set[str] = set()
         self.types = tensor_types(self.model.proto)
         self.checks: dict[tuple[str, int], Any] = {}
 
@@ -113,11 +127,26 @@ class _Planner:
         """Does `tensor` fit the target with headroom? Unmeasured tensors fit, except the
         static hazards' outputs when planning without measurements."""
         if self.stats is None:
-            return tensor not in self.static_hot
+            return not self.hot(tensor)
         r = self.range_of(tensor)
         if r is None:
             return True
         return r.absmax <= self.limit and not (r.nan_count or r.inf_count)
+
+    def hot(self, tensor: str) -> bool:
+        """Without measurements: a static hazard's output, or what carries its magnitude on
+        (sums, products, reductions, data movement) until an op that shrinks it or the end
+        of the rule's pattern."""
+        if tensor in self.hot_cache:
+            return self.hot_cache[tensor]
+        self.hot_cache[tensor] = False  # cycles (loop-carried names) end here
+        node = self.produced_by.get(tensor)
+        result = tensor in self.static_hot or tensor not in self.static_cool and (
+            node is not None and node.op_type in _CARRIES_MAGNITUDE
+            and any(self.hot(i) for i in node.input if i)
+        )
+        self.hot_cache[tensor] = result
+        return result
 
     def worst_output(self, label: str) -> tuple[str, Any] | None:
         """The measured float output of a node with the largest magnitude."""
@@ -184,6 +213,10 @@ class _Planner:
             return
         if f.severity < Severity.WARNING or f.rule.startswith("autocast."):
             self.notes.append(f"{ref}: measure to decide ({f.remedy_text or f.remedy})")
+            return
+        island = next((i for i in self.islands if f.node in i.island.nodes), None)
+        if island is not None:
+            island.findings.append(ref)
             return
         self.fix_static(f, ref, where)
 
@@ -263,7 +296,12 @@ class _Planner:
             members = [m for m in f.evidence.get("members", [f.node]) if m in self.nodes]
             final = f.evidence.get("output", "")
             for m in members:
-                self.static_hot.update(o for o in self.nodes[m][0].output if o and o != final)
+                node = self.nodes[m][0]
+                if node.op_type in _MAKES_MAGNITUDE:
+                    self.static_hot.update(o for o in node.output if o and o != final)
+            if final:
+                self.static_cool.add(final)
+            self.hot_cache.clear()
             declines = ["no measured range: the rule asks for FP32"]
             reason = self.try_pin(ref, tensor, declines, seeds=members)
             if reason is None:
@@ -299,6 +337,11 @@ class _Planner:
             self.notes.append(f"{ref}: no consumer node to keep in FP32")
             return
         declines.append(f"the weight cannot be stored in {self.fmt.name}")
+        node = self.nodes[f.node][0]
+        if self.stats is None and node.op_type in _MAKES_MAGNITUDE:
+            # Unmeasured: a weight past the format's max makes its layer's output large too.
+            self.static_hot.update(o for o in node.output if o)
+            self.hot_cache.clear()
         reason = self.try_pin(ref, f.tensor, declines, seeds=[f.node])
         if reason is not None:
             self.notes.append(f"{ref}: unresolved; " + "; ".join(declines + [reason]))
@@ -484,7 +527,8 @@ class _Planner:
             return reason
         if island.unfit_exits:
             reason = (f"the FP32 island from {', '.join(seeds)} cannot close: "
-                      f"{', '.join(island.unfit_exits)} still exceed the limit {self.limit:.6g}")
+                      f"{', '.join(island.unfit_exits)} would still leave it beyond the limit "
+                      f"{self.limit:.6g}")
             self.declined.append(Declined("pin_fp32", tensor, reason, (ref,)))
             return reason
         measured: dict[str, float] = {}
