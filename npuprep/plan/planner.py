@@ -630,6 +630,12 @@ class _Planner:
         if r is None:
             self.notes.append(f"{ref}: underflow needs a measured range to plan a rescale")
             return
+        scaled = next((rs for rs in self.rescales if f.tensor in rs.domain), None)
+        if scaled is not None:
+            reason = f"{f.tensor} is already in the scale domain of {scaled.entry} (2^{-scaled.k})"
+            self.declined.append(Declined("rescale", f.tensor, reason, (ref,)))
+            self.notes.append(f"{ref}: underflow left as is; {reason}")
+            return
         base = r.fraction_below(self.fmt.min_normal)
         if base is None:
             self.notes.append(f"{ref}: no histogram of {f.tensor}; recalibrate with full detail to plan a rescale")
