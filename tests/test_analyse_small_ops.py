@@ -153,3 +153,10 @@ def test_square_after_a_weighted_layer_suggests_rescaling():
         W=np.eye(4, dtype=np.float32) * 300)
     [f] = [f for f in findings(model) if f.rule == "hazard.square"]
     assert f.remedy == "rescale"
+
+
+def test_integer_shape_arithmetic_is_no_hazard():
+    # x -> Shape -> Div(shape, shape) -> Reshape target: int64 maths, not a float hazard
+    text = HEAD + """g (float[2, 8] x) => (float[2, 8] y) {
+        s = Shape (x) d = Div (s, s) m = Mul (s, d) y = Reshape (x, m) }"""
+    assert not [f for f in findings(text) if f.rule.startswith("hazard.")]

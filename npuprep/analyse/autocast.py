@@ -39,7 +39,7 @@ def find(ctx: Context) -> list[Finding]:
     # Where the compiler decides per-op precision, its list is unknown until its report is read.
     severity = Severity.WARNING if profile.fp32_pinning is Pinning.COMPILER_DECIDES else Severity.INFO
     findings: list[Finding] = []
-    for view, node in ctx.nodes():
+    for view, node in ctx.float_nodes():
         torch_name = AUTOCAST_FP32_OPS.get(node.op_type)
         if torch_name is None or node.op_type in kept:
             continue

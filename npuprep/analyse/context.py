@@ -10,7 +10,7 @@ import onnx
 
 from npuprep.graph import GraphScope, constant_value, consumers, producers, to_array, walk_graphs
 from npuprep.model_io import Model
-from npuprep.numerics import NumberFormat
+from npuprep.numerics import FLOAT_ONNX_TYPES, NumberFormat
 from npuprep.profiles import TargetProfile
 
 # Initialisers above this size take no part in shape inference (their shapes are declared
@@ -99,6 +99,17 @@ class Context:
     @property
     def fmt(self) -> NumberFormat:
         return self.profile.format
+
+    def is_float(self, name: str) -> bool:
+        """Whether a tensor holds floats (or its type is unknown): integer shape math is no hazard."""
+        elem = self.types.get(name)
+        return elem is None or elem in FLOAT_ONNX_TYPES
+
+    def float_nodes(self) -> Iterator[tuple[ScopeView, onnx.NodeProto]]:
+        """Nodes whose first output is a float tensor (or of unknown type)."""
+        for view, node in self.nodes():
+            if node.output and self.is_float(node.output[0]):
+                yield view, node
 
     def views(self) -> Iterator[ScopeView]:
         return iter(self.scopes)

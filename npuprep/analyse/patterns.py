@@ -131,7 +131,7 @@ def _guidance(ctx: Context, view: ScopeView, node: onnx.NodeProto) -> Finding | 
 
 def find(ctx: Context) -> list[Finding]:
     findings: list[Finding] = []
-    for view, node in ctx.nodes():
+    for view, node in ctx.float_nodes():
         for matcher in (_layernorm, _softmax, _guidance):
             found = matcher(ctx, view, node)
             if found is not None:

@@ -61,7 +61,7 @@ def find(ctx: Context) -> list[Finding]:
     clamp_exp_at = math.log(ctx.profile.limit())
     findings: list[Finding] = []
 
-    for view, node in ctx.nodes():
+    for view, node in ctx.float_nodes():
         op = node.op_type
 
         def add(rule: str, message: str, evidence: dict, remedy: str, text: str,

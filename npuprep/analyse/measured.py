@@ -1,0 +1,136 @@
+"""Measured ranges against the target format: range.nonfinite, range.overflow, range.headroom, range.underflow."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from npuprep.analyse.finding import Finding, Findings
+from npuprep.calibrate.stats import CalibrationStats, RangeStats
+from npuprep.graph import walk_graphs
+from npuprep.model_io import Model
+from npuprep.numerics import NumberFormat, get_format
+from npuprep.ops import LINEAR_WITH_WEIGHTS
+from npuprep.profiles import TargetProfile
+
+# A tensor underflows when at least this share of its nonzero finite values lies below the
+# format's smallest normal (those lose precision or flush to zero).
+UNDERFLOW_SHARE = 0.01
+
+
+def measured_findings(
+    model: Model, profile: TargetProfile, stats: CalibrationStats, precision: str | None = None
+) -> Findings:
+    """One finding per tensor whose measured range leaves the format (or its headroom)."""
+    fmt = get_format(precision or profile.default_precision)
+    ops = _producer_ops(model)
+    found: list[Finding] = []
+    for key in sorted(stats.tensors):
+        s = stats.tensors[key]
+        op = ops.get((s.scope, s.tensor), "")
+        where = dict(node=s.node, op_type=op, tensor=s.tensor, scope=s.scope)
+        base = _evidence(s, fmt, profile, stats)
+        if s.nan_count or s.inf_count:
+            found.append(Finding(
+                rule="range.nonfinite", severity=profile.severity["overflow"], **where,
+                message=f"{s.tensor} already holds {s.nan_count} NaN and {s.inf_count} Inf values in FP32"
+                        f"{_on(stats)}; no target format can fix that",
+                evidence=base, remedy="none",
+                remedy_text="find where the FP32 model produces them (bad inputs, division by zero, log of 0)",
+            ))
+            continue
+        if fmt.name == "fp32":
+            continue
+        remedy = "rescale" if op in LINEAR_WITH_WEIGHTS else "pin_fp32"
+        remedy_text = (
+            "scale the producer's weights by 2^-k so the tensor fits, or pin it to FP32"
+            if remedy == "rescale" else "pin the producing node to FP32, or clamp it where the values are bounded"
+        )
+        limit = profile.limit(fmt)
+        if s.absmax > fmt.max:
+            n_over = s.over.get(fmt.name, 0)
+            samples_over = sum(1 for v in s.per_sample_absmax if v > fmt.max)
+            found.append(Finding(
+                rule="range.overflow", severity=profile.severity["overflow"], **where,
+                message=f"{s.tensor} reaches {s.absmax:.4g}, above {fmt.name} max {fmt.max:g} "
+                        f"({n_over} values, {_share(n_over / s.count)}; {samples_over} of "
+                        f"{len(s.per_sample_absmax)} samples){_outlier(samples_over, s)}{_on(stats)}",
+                evidence=base | {"count_above_max": n_over, "share_above_max": n_over / s.count,
+                                 "samples_above_max": samples_over},
+                remedy=remedy, remedy_text=remedy_text,
+            ))
+        elif s.absmax > limit:
+            share = s.fraction_above(limit)
+            samples_over = sum(1 for v in s.per_sample_absmax if v > limit)
+            found.append(Finding(
+                rule="range.headroom", severity=profile.severity["headroom"], **where,
+                message=f"{s.tensor} reaches {s.absmax:.4g}, {100 * s.absmax / fmt.max:.0f}% of {fmt.name} "
+                        f"max, beyond headroom {profile.headroom:g} x max = {limit:g} "
+                        f"({samples_over} of {len(s.per_sample_absmax)} samples){_on(stats)}",
+                evidence=base | {"share_above_limit": share, "samples_above_limit": samples_over},
+                remedy=remedy, remedy_text=remedy_text,
+            ))
+        under = _underflow_share(s, fmt)
+        if under is not None and under >= UNDERFLOW_SHARE:
+            found.append(Finding(
+                rule="range.underflow", severity=profile.severity["underflow"], **where,
+                message=f"{_share(under)} of {s.tensor}'s nonzero values lie below {fmt.name}'s smallest "
+                        f"normal {fmt.min_normal:.3g} (abs-max {s.absmax:.3g}){_on(stats)}",
+                evidence=base | {"share_below_min_normal": under, "count_below_min_normal": s.under[fmt.name],
+                                 "min_normal": fmt.min_normal},
+                remedy="rescale",
+                remedy_text="scale the tensor up by 2^k (exact) so its values clear the smallest normal",
+            ))
+    return Findings(tuple(sorted(found, key=lambda f: (-int(f.severity), f.rule, f.tensor))))
+
+
+def _evidence(s: RangeStats, fmt: NumberFormat, profile: TargetProfile, stats: CalibrationStats) -> dict:
+    per_sample = [v for v in s.per_sample_absmax if not math.isnan(v)]
+    return {
+        "format": fmt.name,
+        "absmax": s.absmax,
+        "min": s.min,
+        "max": s.max,
+        "format_max": fmt.max,
+        "limit": profile.limit(fmt),
+        "headroom": profile.headroom,
+        "use_of_max": s.absmax / fmt.max if not math.isnan(s.absmax) else None,
+        "nan_count": s.nan_count,
+        "inf_count": s.inf_count,
+        "count": s.count,
+        "samples": len(per_sample),
+        "median_sample_absmax": statistics.median(per_sample) if per_sample else None,
+        "synthetic": stats.synthetic,
+    }
+
+
+def _underflow_share(s: RangeStats, fmt: NumberFormat) -> float | None:
+    """Share of detailed, nonzero, finite values below the smallest normal; None if unmeasured."""
+    if fmt.name not in s.under:
+        return None
+    nonzero = s.detailed_count - s.zero_count - s.nan_count - s.inf_count
+    return s.under[fmt.name] / nonzero if nonzero > 0 else None
+
+
+def _producer_ops(model: Model) -> dict[tuple[str, str], str]:
+    ops: dict[tuple[str, str], str] = {}
+    for scope in walk_graphs(model.graph):
+        for node in scope.graph.node:
+            for out in node.output:
+                ops[(scope.path, out)] = node.op_type
+    return ops
+
+
+def _share(v: float) -> str:
+    return f"{100 * v:.3g}%"
+
+
+def _on(stats: CalibrationStats) -> str:
+    return " [synthetic samples, not real data]" if stats.synthetic else ""
+
+
+def _outlier(samples_over: int, s: RangeStats) -> str:
+    if samples_over == 1 and len(s.per_sample_absmax) > 2:
+        return "; a single outlier sample"
+    return ""
+
