@@ -123,7 +123,8 @@ def dump_plan(plan: Plan) -> str:
 
 
 def _headline(action: Action) -> str:
-    causes = ", ".join(str(f) for f in action.findings) or "user"
+    refs = [str(f) for f in action.findings]
+    causes = ", ".join(refs[:3]) + (f" and {len(refs) - 3} more" if len(refs) > 3 else "") or "user"
     if isinstance(action, Rescale):
         return f"rescale {action.entry} by 2^{-action.k} ({causes})"
     if isinstance(action, Clamp) and action.kind == "denominator":

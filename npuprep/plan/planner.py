@@ -110,6 +110,7 @@ class _Planner:
             self.produced_by.update(producers(scope.graph))
         inits = {i.name for i in self.model.graph.initializer}
         self.graph_inputs = [i.name for i in self.model.graph.input if i.name not in inits]
+        self.graph_outputs = {o.name for o in self.model.graph.output}
         self.static_hot: set[str] = set()
         self.hot_cache: dict[str, bool] = {}
         self.static_cool: set[str] = set()
@@ -691,7 +692,9 @@ class _Planner:
             for p in parts:
                 for k, v in p.measured.items():
                     measured[k] = max(measured.get(k, v), v)
-            known = [r.absmax for r in map(self.range_of, island.exit_tensors) if r is not None]
+            # Graph outputs stay FP32; the exits that matter feed target-precision nodes.
+            inner = [t for t in island.exit_tensors if t not in self.graph_outputs]
+            known = [r.absmax for r in map(self.range_of, inner) if r is not None]
             if known:
                 measured["exit_absmax"] = float(max(known))
             nodes = tuple(sorted(members, key=lambda n: (self.order.get(n, len(self.order)), n)))
