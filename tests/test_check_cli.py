@@ -69,3 +69,11 @@ def test_findings_that_read_the_same_share_one_table_row(save):
     assert len(findings) == 5
     [row] = check._rows(findings)
     assert row[1] == "hazard.exp" and row[4].startswith("5x: ") and "(+2)" in row[2]
+
+
+def test_without_a_model_the_bundled_example_is_checked():
+    r = run_cli("check", "--target", "a2000", "--json")
+    assert r.returncode == 0 and "bundled example" in r.stderr
+    data = json.loads(r.stdout)
+    assert data["model"].endswith("planner.onnx")
+    assert {"pattern.softmax", "pattern.layernorm", "pattern.guidance"} <= {f["rule"] for f in data["findings"]}

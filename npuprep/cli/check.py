@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
-from npuprep.cli.common import add_json, add_target, fmt, print_json, print_table
+from npuprep.cli.common import add_data, add_json, add_target, fmt, print_json, print_table
 
 help = "report where MODEL will leave the target's range (static rules; no rewrite)"
 
@@ -15,18 +16,51 @@ _NODES_SHOWN = 3
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="ONNX model to check")
+    p.add_argument("model", nargs="?",
+                   help="ONNX model to check (default: the bundled example planner)")
     add_target(p)
     add_json(p)
     p.add_argument("--fail-on", choices=("info", "warning", "error"), default="error",
                    help="exit 1 when a finding reaches this severity (default: error)")
+    add_data(p)
+    p.add_argument("--stats", help="measured ranges from `npuprep calibrate` (instead of --data)")
+    p.add_argument("--precision", help="check measured ranges against this format (e.g. fp8_e4m3) "
+                                       "instead of the target's default precision")
 
 
 def gather_findings(args: argparse.Namespace, model: Any, profile: Any) -> Any:
     """All findings for this invocation: the static rules, then whatever the options add."""
     from npuprep.analyse import static_findings
 
-    return static_findings(model, profile)
+    findings = static_findings(model, profile)
+    stats = _measured_stats(args, model)
+    if stats is None:
+        return findings
+    from npuprep.analyse.measured import measured_findings
+
+    return findings.merged(measured_findings(model, profile, stats, precision=args.precision))
+
+
+def _measured_stats(args: argparse.Namespace, model: Any) -> Any:
+    """Stats from --stats, or calibrated on the fly from --data/--synthetic; None without either."""
+    from npuprep.errors import NpuprepError
+
+    if getattr(args, "stats", None):
+        if getattr(args, "data", None) or getattr(args, "synthetic", None):
+            raise NpuprepError("give either --stats or --data/--synthetic, not both")
+        from npuprep.calibrate import load_stats
+
+        return load_stats(args.stats, model)
+    from npuprep.cli.common import open_samples
+
+    samples = open_samples(args, model.proto)
+    if samples is None:
+        if getattr(args, "precision", None):
+            raise NpuprepError("--precision checks measured ranges: give --data, --synthetic or --stats")
+        return None
+    from npuprep.calibrate import calibrate
+
+    return calibrate(model, samples)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,6 +69,11 @@ def run(args: argparse.Namespace) -> int:
 
     fail_on = Severity.parse(args.fail_on)
     profile = load_profile(args.target)
+    if args.model is None:
+        from npuprep.examples import example_model_path
+
+        args.model = str(example_model_path())
+        print(f"npuprep: no MODEL given; checking the bundled example {args.model}", file=sys.stderr)
     model = load_model(args.model)
     findings = gather_findings(args, model, profile)
     failing = findings.reaching(fail_on)
