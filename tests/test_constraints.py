@@ -132,3 +132,21 @@ def test_rewrite_boundaries_join_the_pins_and_all_files_are_written(tmp_path):
     assert paths[1].read_text(encoding="utf-8") == precision_yaml(plan, model)
     again = write_constraint_files(plan, model, tmp_path / "again", "m.orin", onnx_path="m.orin.onnx")
     assert [p.read_bytes() for p in paths] == [p.read_bytes() for p in again]
+
+
+def test_precision_yaml_of_a_lowered_model_reads_its_stored_types():
+    from npuprep.rewrite.lower import lower
+
+    model = build()
+    plan = plan_for(model)
+    lowered_proto = lower(model.proto, "fp16", pinned_nodes=plan.pinned_nodes()).model
+    lowered = Model(lowered_proto, "low.onnx", fingerprint(lowered_proto))
+    data = yaml.safe_load(precision_yaml(plan, lowered))
+    assert (data["fingerprint"], data["plan_fingerprint"]) == (lowered.fingerprint, model.fingerprint)
+    rows = {r["node"]: r for r in data["nodes"]}
+    assert (rows["enc/mm"]["precision"], rows["enc/mm"]["reason"]) == ("fp16", "as lowered")
+    assert rows["blk:0 exp"]["precision"] == "fp32"
+    # The Casts lowering put at the island border are listed with the type they store.
+    casts = [r for r in data["nodes"] if r["op_type"] == "Cast"]
+    assert casts and {r["precision"] for r in casts} <= {"fp16", "fp32"}
+    assert any(r["precision"] == "fp32" for r in casts)

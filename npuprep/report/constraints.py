@@ -19,7 +19,7 @@ import onnx
 
 from npuprep.graph import node_label, tensor_types, topological_order, walk_graphs
 from npuprep.model_io import Model, write_text_atomic
-from npuprep.numerics import FLOAT_ONNX_TYPES
+from npuprep.numerics import FLOAT_ONNX_TYPES, get_format
 from npuprep.plan.actions import PinFp32
 from npuprep.plan.plan import Plan
 
@@ -136,31 +136,45 @@ def trt_flags(
 def precision_yaml(
     plan: Plan, model: Model, *, also_pinned: Iterable[str] = (), types: Types | None = None,
 ) -> str:
-    """Every node that computes floats -> its precision and the reason, in topological order."""
+    """Every node that computes floats -> its precision and the reason, in topological order.
+
+    On the FP32 source model unpinned nodes take the target's precision; on a lowered model
+    (one that already holds target-precision tensors) each node's stored type is read.
+    """
     types = types if types is not None else tensor_types(model.proto)
     pinned = {p.name: p for p in pinned_nodes(plan, model, also_pinned=also_pinned, types=types)}
+    target_type = get_format(plan.precision).onnx_type
+    lowered = target_type in types.values()
     lines = [
         "# npuprep per-node precision: the precision each float node must run in, and why.",
         "# request: true marks pins the target's compiler decides itself (verify with crosscheck).",
         "schema_version: 1",
         "kind: precision",
-        f"fingerprint: {_q(plan.fingerprint)}",
+        f"fingerprint: {_q(model.fingerprint)}",
+        f"plan_fingerprint: {_q(plan.fingerprint)}",
         f"target: {_q(plan.target)}",
         f"default: {_q(plan.precision)}",
         f"note: {_q(TRT11_NOTE)}",
     ]
     entries: list[str] = []
     for node, scope in _nodes_in_order(model.proto):
-        if not any(o and types.get(o) in FLOAT_ONNX_TYPES for o in node.output):
+        floats = [types[o] for o in node.output if o and types.get(o) in FLOAT_ONNX_TYPES]
+        if not floats:
             continue
         label = node_label(node)
         p = pinned.get(label)
+        if p is not None:
+            precision, reason = "fp32", p.reason
+        elif lowered:
+            precision, reason = FLOAT_ONNX_TYPES[floats[0]], "as lowered"
+        else:
+            precision, reason = plan.precision, "target default"
         entries += [
             f"  - node: {_q(label)}",
             f"    op_type: {_q(node.op_type)}",
             f"    scope: {_q(scope)}",
-            f"    precision: {'fp32' if p else _q(plan.precision)}",
-            f"    reason: {_q(p.reason if p else 'target default')}",
+            f"    precision: {_q(precision)}",
+            f"    reason: {_q(reason)}",
         ]
         if p and p.request:
             entries.append("    request: true")
