@@ -16,9 +16,10 @@ from npuprep.profiles import Severity
 
 # Values are scanned in slices so a multi-GB weight never needs a second full-size copy.
 _CHUNK = 1 << 22
-# A few flushed weights are normal (pruned or vanishing weights); above this fraction of the
-# non-zero values the layer loses a visible part of its weights and the finding is raised.
-UNDERFLOW_FRACTION = 0.01
+# A few flushed weights are normal (pruned or vanishing weights): they carry almost none of the
+# tensor's magnitude. When values below min normal carry this share of sum(|x|) or more, the
+# layer loses a visible part of what its weights contribute and the finding is raised.
+UNDERFLOW_MASS = 0.01
 # Consumers through which an additive mask reaches its Add unchanged in value.
 _MASK_CARRIERS = frozenset({"Where", "Expand", "Reshape", "Unsqueeze", "Squeeze", "Cast",
                             "Identity", "Concat", "Tile", "Transpose"})
@@ -41,6 +42,13 @@ class ValueSummary:
     flush: int  # non-zero values that round to 0
     subnormal: int  # non-zero values that land among the subnormals
     smallest: float  # the non-zero finite value of smallest magnitude (signed), 0 when none
+    mass: float  # sum of |x| over finite values
+    tiny_mass: float  # sum of |x| over the values below min normal (flushed or subnormal)
+
+    @property
+    def tiny_share(self) -> float:
+        """Share of the tensor's magnitude held by values the format flushes or denormalises."""
+        return self.tiny_mass / self.mass if self.mass else 0.0
 
 
 def summarise(value: np.ndarray, fmt: NumberFormat) -> ValueSummary:
@@ -50,6 +58,8 @@ def summarise(value: np.ndarray, fmt: NumberFormat) -> ValueSummary:
                   flush=0, subnormal=0)
     worst = 0.0
     smallest = 0.0
+    mass = 0.0
+    tiny_mass = 0.0
     flush_below = fmt.min_subnormal / 2
     for start in range(0, flat.size, _CHUNK):
         x = flat[start:start + _CHUNK].astype(wide, copy=False)
@@ -68,22 +78,27 @@ def summarise(value: np.ndarray, fmt: NumberFormat) -> ValueSummary:
             counts["overflow"] += int(over.sum())
             counts["negative_overflow"] += int((over & (x < 0)).sum())
             nonzero -= nan + pos_inf + neg_inf
+            mass += float(a[finite].sum(dtype=np.float64))
             if finite.any():
                 i = int(np.argmax(np.where(finite, a, -1)))
                 if abs(float(x[i])) > abs(worst):
                     worst = float(x[i])
-        elif hi > abs(worst):
-            worst = float(x[int(np.argmax(a))])
+        else:
+            mass += float(a.sum(dtype=np.float64))
+            if hi > abs(worst):
+                worst = float(x[int(np.argmax(a))])
         counts["nonzero"] += nonzero
         tiny = (a < fmt.min_normal) & (a > 0)
         if tiny.any():
             small = a[tiny]
+            tiny_mass += float(small.sum(dtype=np.float64))
             counts["flush"] += int((small <= flush_below).sum())
             counts["subnormal"] += int((small > flush_below).sum())
             i = int(np.flatnonzero(tiny)[np.argmin(small)])
             if smallest == 0 or abs(float(x[i])) < abs(smallest):
                 smallest = float(x[i])
-    return ValueSummary(size=int(flat.size), worst=worst, smallest=smallest, **counts)
+    return ValueSummary(size=int(flat.size), worst=worst, smallest=smallest, mass=mass,
+                        tiny_mass=tiny_mass, **counts)
 
 
 def _constants(view: ScopeView) -> list[tuple[str, onnx.TensorProto]]:
@@ -174,20 +189,22 @@ def find(ctx: Context) -> list[Finding]:
                     remedy=remedy, remedy_text=text,
                 ))
 
-            lost = summary.flush + (summary.subnormal if profile.subnormals == "flush" else 0)
             if summary.flush or summary.subnormal:
-                fraction = lost / summary.nonzero
-                if fraction < UNDERFLOW_FRACTION:
+                if summary.tiny_share < UNDERFLOW_MASS:
                     quiet_underflow.append((name, summary))
                     continue
+                fraction = (summary.flush + summary.subnormal) / summary.nonzero
+                flushes = "; subnormals flush too on this target" if profile.subnormals == "flush" else ""
                 findings.append(Finding(
                     rule="init.underflow", severity=profile.severity["underflow"],
                     node=node, op_type=op_type, tensor=name, scope=view.path,
-                    message=(f"{lost} of {summary.nonzero} non-zero values flush to zero in "
-                             f"{fmt.name} ({fraction:.1%})"),
+                    message=(f"{summary.tiny_share:.1%} of the magnitude lies below {fmt.name} min "
+                             f"normal {fmt.min_normal:.3g}: {summary.flush} value(s) flush to zero, "
+                             f"{summary.subnormal} become subnormal{flushes}"),
                     evidence={**base, "flush_count": summary.flush,
                               "subnormal_count": summary.subnormal,
                               "nonzero": summary.nonzero, "fraction": fraction,
+                              "mass_fraction": summary.tiny_share,
                               "worst": summary.smallest, "min_normal": fmt.min_normal,
                               "min_subnormal": fmt.min_subnormal,
                               "subnormals": profile.subnormals},
@@ -213,7 +230,7 @@ def _quiet_underflow(view: ScopeView, entries: list[tuple[str, ValueSummary]],
         node=node_label(users[0]) if users else name,
         op_type=users[0].op_type if users else "initializer", tensor=name, scope=view.path,
         message=(f"{flush} value(s) flush to zero and {subnormal} become subnormal in {fmt.name} "
-                 f"across {len(entries)} constant(s), each under {UNDERFLOW_FRACTION:.0%}"),
+                 f"across {len(entries)} constant(s), under {UNDERFLOW_MASS:.0%} of each one's magnitude"),
         evidence={"format": fmt.name, "flush_count": flush, "subnormal_count": subnormal,
                   "nonzero": nonzero, "fraction": (flush + subnormal) / max(nonzero, 1),
                   "worst": worst.smallest, "min_subnormal": fmt.min_subnormal,
