@@ -157,7 +157,7 @@ def build_checklist(
         f"`{profile.fp32_pinning}`, compiler {profile.compiler_name or 'unknown'} "
         f"(report format `{profile.report_format}`).",
         f"Workspace: `{ws_arg}`." if workspace else
-        "No workspace given: every item is open; pass --workspace W to tick items from artefacts.",
+        "No workspace given: pass --workspace W to tick items from the artefacts in W.",
     )
     return Checklist(model_arg, model.fingerprint, profile.name, items, header, tuple(notes))
 
