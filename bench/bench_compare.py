@@ -5,16 +5,18 @@ Side by side in one run, each phase in its own child process (so its peak RSS is
   plain-emu   its emulation: session + N samples
   compare     compare_models(ref, emulation): merged graph, session, N samples
   isolate     the same with --isolate
-Reported: wall seconds per phase (session creation included), steady-state seconds per
-sample, peak RSS, and compare / (plain-ref + plain-emu).
+Reported: wall seconds per phase (model in memory -> result, session creation included),
+per-sample seconds after a warm-up run (median and min), peak RSS, and the ratio
+compare / (plain-ref + plain-emu).
 
-    .venv/bin/python bench/bench_compare.py [--layers 4] [--samples 8]
+    .venv/bin/python bench/bench_compare.py [--layers 4] [--samples 8] [--threads 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -82,56 +84,63 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def phase(name: str, count: int) -> dict[str, float]:
+def phase(name: str, count: int, threads: int | None) -> dict[str, float]:
     """One measured phase, run in this (child) process."""
     from npuprep.numerics import get_format
     from npuprep.runtime.session import make_session, run
     from npuprep.verify.compare import compare_models
-    from npuprep.verify.merge import SIZES, STATS, merged_graph
+    from npuprep.verify.merge import merged_graph
 
     ref = onnx.load(str(WORK / "ref.onnx"))
     feeds = samples(count)
-    t0 = time.perf_counter()
     if name in ("plain-ref", "plain-emu"):
         model = ref if name == "plain-ref" else onnx.load(str(WORK / "emu.onnx"))
         t_load = time.perf_counter()
-        session = make_session(model)
+        session = make_session(model, threads=threads)
         t_session = time.perf_counter()
-        run(session, feeds[0])
-        t_first = time.perf_counter()
-        for feed in feeds[1:]:
+        steps = []
+        for feed in feeds:
+            t = time.perf_counter()
             run(session, feed)
-        steady = (time.perf_counter() - t_first) / max(1, count - 1)
+            steps.append(time.perf_counter() - t)
         return {"wall_s": time.perf_counter() - t_load, "session_s": t_session - t_load,
-                "per_sample_s": steady, "peak_rss_mb": peak_rss_mb()}
+                **_steady(steps), "peak_rss_mb": peak_rss_mb()}
     emu = onnx.load(str(WORK / "emu.onnx"))
     t_load = time.perf_counter()
     isolate = name == "isolate"
-    result = compare_models(ref, emu, feeds, rtol=1e-2, atol=1e-3, fmt=get_format("fp16"), isolate=isolate)
+    result = compare_models(ref, emu, feeds, rtol=1e-2, atol=1e-3, fmt=get_format("fp16"), isolate=isolate,
+                            threads=threads)
     wall = time.perf_counter() - t_load
     # Steady state of the merged graph alone (the part that scales with the samples).
     from npuprep.verify.compare import _pairs
 
     pairs = _pairs(ref, emu, {})[0]
-    session = make_session(merged_graph(ref, emu, pairs, limit=65504.0, isolate=isolate))
-    run(session, feeds[0], [STATS, SIZES])
-    t1 = time.perf_counter()
-    for feed in feeds[1:]:
-        run(session, feed, [STATS, SIZES])
-    steady = (time.perf_counter() - t1) / max(1, count - 1)
-    del t0
-    return {"wall_s": wall, "per_sample_s": steady, "peak_rss_mb": peak_rss_mb(),
+    model, layout = merged_graph(ref, emu, pairs, limit=65504.0, isolate=isolate)
+    session = make_session(model, threads=threads)
+    steps = []
+    for feed in feeds:
+        t = time.perf_counter()
+        run(session, feed, list(layout.stats))
+        steps.append(time.perf_counter() - t)
+    return {"wall_s": wall, **_steady(steps), "peak_rss_mb": peak_rss_mb(),
             "tensors": len(result.tensors), "passed": bool(result)}
+
+
+def _steady(steps: list[float]) -> dict[str, float]:
+    """Per-sample time after the first (warm-up) run: median and min (least disturbed)."""
+    rest = sorted(steps[1:]) or steps
+    return {"per_sample_s": rest[len(rest) // 2], "per_sample_min_s": rest[0]}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: its default)")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.phase:
-        print(json.dumps(phase(args.phase, args.samples)))
+        print(json.dumps(phase(args.phase, args.samples, args.threads or None)))
         return 0
 
     from npuprep.numerics import get_format
@@ -143,21 +152,28 @@ def main() -> int:
     emu = emulate(ref, get_format("fp16"), saturate=False).model
     onnx.save(emu, str(WORK / "emu.onnx"))
     size_mb = (WORK / "ref.onnx").stat().st_size / 1e6
+    import onnxruntime
+
+    print(f"onnxruntime {onnxruntime.__version__}, {os.cpu_count()} CPUs, threads "
+          f"{args.threads or 'default'}")
     print(f"model: {args.layers}-layer encoder, {size_mb:.0f} MB, {len(ref.graph.node)} nodes; "
           f"emulation {len(emu.graph.node)} nodes; {args.samples} samples of [1, {SEQ}, {HIDDEN}]")
     results = {}
     for name in ("plain-ref", "plain-emu", "compare", "isolate"):
-        proc = subprocess.run([sys.executable, __file__, "--phase", name, "--samples", str(args.samples)],
+        proc = subprocess.run([sys.executable, __file__, "--phase", name, "--samples", str(args.samples),
+                               "--threads", str(args.threads)],
                               capture_output=True, text=True, check=True)
         results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
         print(name, results[name], flush=True)
     plain_wall = results["plain-ref"]["wall_s"] + results["plain-emu"]["wall_s"]
     plain_step = results["plain-ref"]["per_sample_s"] + results["plain-emu"]["per_sample_s"]
+    plain_min = results["plain-ref"]["per_sample_min_s"] + results["plain-emu"]["per_sample_min_s"]
     for name in ("compare", "isolate"):
         r = results[name]
         print(f"{name}: wall {r['wall_s']:.2f} s vs plain ref+emu {plain_wall:.2f} s = "
               f"{r['wall_s'] / plain_wall:.2f}x; per sample {r['per_sample_s'] * 1e3:.0f} ms vs "
-              f"{plain_step * 1e3:.0f} ms = {r['per_sample_s'] / plain_step:.2f}x; peak RSS "
+              f"{plain_step * 1e3:.0f} ms = {r['per_sample_s'] / plain_step:.2f}x (min: "
+              f"{r['per_sample_min_s'] / plain_min:.2f}x); peak RSS "
               f"{r['peak_rss_mb']:.0f} MB (plain ref {results['plain-ref']['peak_rss_mb']:.0f}, "
               f"emu {results['plain-emu']['peak_rss_mb']:.0f})")
     return 0

@@ -10,11 +10,11 @@ import numpy as np
 import onnx
 import pytest
 from conftest import model_from_text
-from npuprep.examples.planner import build_planner, planner_samples
 from onnx import TensorProto, helper
 
 from npuprep.cli.common import dump_json
 from npuprep.errors import NpuprepError
+from npuprep.examples.planner import build_planner, planner_samples
 from npuprep.numerics import get_format
 from npuprep.profiles import load_profile
 from npuprep.runtime.session import make_session, run
@@ -71,7 +71,7 @@ def test_metrics_match_numpy_over_all_samples():
         assert t.rel_l2 == pytest.approx(np.linalg.norm(d) / np.linalg.norm(r[name]), rel=1e-4)
         cos = r[name] @ c[name] / (np.linalg.norm(r[name]) * np.linalg.norm(c[name]))
         assert t.cosine == pytest.approx(cos, abs=1e-6)
-        assert t.ref_absmax == pytest.approx(np.abs(r[name]).max())
+        assert t.ref_absmax is None  # measured only where Inf/NaN or the limit showed up
         assert t.cand_absmax == pytest.approx(np.abs(c[name]).max())
     assert not result
     assert result.first_divergent.node == "scale_a" and result.first_divergent.op_type == "Mul"

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 from conftest import run_cli
+
 from npuprep.examples import example_data_dir, example_model_path
 
 CHAIN = """

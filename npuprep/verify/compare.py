@@ -23,12 +23,9 @@ from npuprep.model_io import fingerprint, model_opset
 from npuprep.numerics import FLOAT_ONNX_TYPES, NumberFormat
 from npuprep.verify.merge import (
     BASE_COLUMNS,
-    DETAIL,
     DETAIL_COLUMNS,
     ISO_COLUMNS,
-    SIZE_COLUMNS,
-    SIZES,
-    STATS,
+    Layout,
     Pair,
     merged_graph,
 )
@@ -44,7 +41,9 @@ class TensorCompareResult:
 
     `rel_l2` is ||cand/s - ref|| / ||ref||, `max_abs_error` max |cand/s - ref|;
     `cand_absmax` is the candidate's stored magnitude, judged against `limit` (the
-    format's max): `headroom` = limit / cand_absmax. `isolated_*` are the same errors with
+    format's max): `headroom` = limit / cand_absmax. Counts and `ref_absmax` are measured
+    in a second pass, only for tensors that showed Inf/NaN or values at the limit
+    (elsewhere the counts are 0 by construction and `ref_absmax` is None). `isolated_*` are the same errors with
     the node fed the reference's inputs (its own error), when isolation ran.
     """
 
@@ -57,7 +56,7 @@ class TensorCompareResult:
     rel_l2: float
     cosine: float
     cand_absmax: float
-    ref_absmax: float
+    ref_absmax: float | None
     limit: float | None
     inf_count: int
     nan_count: int
@@ -210,14 +209,16 @@ def compare_models(
         if name not in order:
             raise NpuprepError(f"--tol names tensor '{name}', which the reference does not compute")
     limit = fmt.max if fmt is not None else None
-    acc = _Accumulator(len(pairs), isolate)
+    acc = _Accumulator(pairs, isolate)
     flagged: dict[int, set[int]] = {}
     n_samples = 0
     if pairs:
-        session = _session(merged_graph(ref, cand, pairs, limit=limit, isolate=isolate), threads)
+        model, layout = merged_graph(ref, cand, pairs, limit=limit, isolate=isolate)
+        session = _session(model, threads)
+        names = list(layout.stats) + [n for row in sorted(layout.sizes) for n in layout.sizes[row]]
         for index, feed in enumerate(samples):
-            values = run(session, dict(feed), [STATS, SIZES])
-            rows = acc.add(values[STATS], values[SIZES], limit)
+            values = run(session, dict(feed), names)
+            rows = acc.add([values[n] for n in layout.stats], _sizes(layout, values), limit)
             if rows:
                 flagged[index] = rows
             n_samples += 1
@@ -343,7 +344,9 @@ def _pairs(
         elif name in ref_shapes and name in cand_shapes and ref_shapes[name] != cand_shapes[name]:
             unobserved[name] = f"shape {ref_shapes[name]} in the reference, {cand_shapes[name]} in the candidate"
         else:
-            pairs.append(Pair(name, float(scales.get(name, 1.0)), ref_types[name], cand_types[name]))
+            shape = ref_shapes.get(name) if ref_shapes.get(name) == cand_shapes.get(name) else None
+            pairs.append(Pair(name, float(scales.get(name, 1.0)), ref_types[name], cand_types[name],
+                              math.prod(shape) if shape is not None else None))
     for scope in walk_graphs(ref.graph):
         if scope.is_main:
             continue
@@ -368,48 +371,58 @@ def _check_inputs(ref: onnx.ModelProto, cand: onnx.ModelProto) -> None:
 class _Accumulator:
     """Per-tensor sums and maxima over samples: associative, so order does not matter."""
 
-    def __init__(self, n: int, isolate: bool) -> None:
+    def __init__(self, pairs: list[Pair], isolate: bool) -> None:
+        n = len(pairs)
         self.columns = BASE_COLUMNS + (ISO_COLUMNS if isolate else ())
         self.isolate = isolate
-        self.sums = np.zeros((n, len(self.columns)), np.float64)
+        self.static = np.array([p.elements or 0 for p in pairs], np.int64)
+        self.d2 = np.zeros((n, 4 if isolate else 3))  # d2, r2, c2[, iso_d2]
+        self.peaks = np.full((n, 3 if isolate else 2), -np.inf)  # |d|, |c|[, |iso d|]
         self.elements = np.zeros(n, np.int64)
         self.mismatch = np.zeros(n, bool)
-        self.counts = np.zeros((n, len(DETAIL_COLUMNS)), np.int64)
-        self._max = [self.columns.index(c) for c in ("err_max", "cand_absmax", "ref_absmax")
-                     + (("iso_err_max",) if isolate else ())]
-        self._sum = [i for i in range(len(self.columns)) if i not in self._max]
+        self.counts = np.zeros((n, 4), np.int64)
+        self.ref_peak = np.full(n, np.nan)
 
-    def add(self, stats: np.ndarray, sizes: np.ndarray, limit: float | None) -> set[int]:
+    def add(self, stats: list[np.ndarray], sizes: dict[int, np.ndarray], limit: float | None) -> set[int]:
         """Fold one sample in; return the rows that need counting (non-finite, at max)."""
-        s = stats.astype(np.float64).reshape(len(self.elements), len(self.columns))
-        z = sizes.reshape(len(self.elements), len(SIZE_COLUMNS))
-        self.sums[:, self._sum] += s[:, self._sum]
-        self.sums[:, self._max] = np.maximum(self.sums[:, self._max], s[:, self._max])
-        self.elements += z[:, 0]
-        self.mismatch |= (z[:, 0] != z[:, 1]) | (z[:, 2] != z[:, 0])
-        col = self.columns.index
-        bad = ~np.isfinite(s[:, [col("d2"), col("r2"), col("c2"), col("cand_absmax")]]).all(axis=1)
+        s = np.array(stats, np.float64).reshape(len(self.elements), len(self.columns))
+        col = {c: i for i, c in enumerate(self.columns)}
+        sums = [col["d2"], col["r2"], col["c2"]] + ([col["iso_d2"]] if self.isolate else [])
+        self.d2 += s[:, sums]
+        peaks = [np.maximum(s[:, col["d_max"]], -s[:, col["d_min"]]),
+                 np.maximum(s[:, col["c_max"]], -s[:, col["c_min"]])]
+        if self.isolate:
+            peaks.append(np.maximum(s[:, col["iso_d_max"]], -s[:, col["iso_d_min"]]))
+        peak = np.stack(peaks, axis=1)
+        self.peaks = np.maximum(self.peaks, peak)
+        self.elements += self.static
+        for row, (n_ref, n_cand, n_diff) in sizes.items():
+            self.elements[row] += n_ref
+            self.mismatch[row] |= not n_ref == n_cand == n_diff
+        bad = ~np.isfinite(s[:, sums[:3]]).all(axis=1) | ~np.isfinite(peak[:, 1])
         if limit is not None:
-            bad |= s[:, col("cand_absmax")] >= limit
+            bad |= peak[:, 1] >= limit
         return {int(i) for i in np.flatnonzero(bad)}
 
-    def add_counts(self, rows: list[int], detail: np.ndarray) -> None:
-        self.counts[rows] += detail.reshape(len(rows), len(DETAIL_COLUMNS)).astype(np.int64)
+    def add_counts(self, rows: list[int], detail: list[np.ndarray]) -> None:
+        d = np.array(detail, np.float64).reshape(len(rows), len(DETAIL_COLUMNS))
+        self.counts[rows] += d[:, :4].astype(np.int64)
+        peak = np.maximum(d[:, 4], -d[:, 5])
+        self.ref_peak[rows] = np.fmax(self.ref_peak[rows], peak)
 
     def result(self, row: int, pair: Pair, node: str, op_type: str, order: int,
                rtol: float, atol: float, limit: float | None) -> TensorCompareResult:
-        v = dict(zip(self.columns, self.sums[row], strict=True))
+        d2, r2, c2 = (float(x) for x in self.d2[row, :3])
         inf, nan, ref_bad, saturated = (int(x) for x in self.counts[row])
-        d2, r2, c2 = v["d2"], v["r2"], v["c2"]
         with np.errstate(all="ignore"):
             rel = _rel(d2, r2)
             cosine = float(np.clip((r2 + c2 - d2) / (2 * math.sqrt(r2 * c2)), -1, 1)) \
                 if r2 > 0 and c2 > 0 and math.isfinite(r2 + c2 + d2) else (1.0 if r2 == c2 == 0 else math.nan)
-        max_err = v["err_max"]
+        max_err = float(self.peaks[row, 0])
         if inf + nan > 0 and ref_bad == 0:
             max_err = math.inf if nan == 0 else math.nan
-        iso_rel = _rel(v["iso_d2"], r2) if self.isolate else None
-        iso_max = float(v["iso_err_max"]) if self.isolate else None
+        iso_rel = _rel(float(self.d2[row, 3]), r2) if self.isolate else None
+        iso_max = float(self.peaks[row, 2]) if self.isolate else None
         if self.mismatch[row]:
             passed, reason = False, "element counts differ between reference and candidate"
         elif inf + nan > ref_bad:
@@ -422,14 +435,20 @@ class _Accumulator:
             passed, reason = False, f"rel L2 {rel:.3g} > {rtol:g} and max abs error {max_err:.3g} > {atol:g}"
         else:
             passed, reason = True, ""
+        ref_peak = float(self.ref_peak[row])
         return TensorCompareResult(
             tensor=pair.name, node=node, op_type=op_type, order=order,
-            elements=int(self.elements[row]), max_abs_error=float(max_err), rel_l2=rel,
-            cosine=cosine, cand_absmax=float(v["cand_absmax"]), ref_absmax=float(v["ref_absmax"]),
+            elements=int(self.elements[row]), max_abs_error=max_err, rel_l2=rel,
+            cosine=cosine, cand_absmax=float(self.peaks[row, 1]),
+            ref_absmax=None if math.isnan(ref_peak) else ref_peak,
             limit=limit, inf_count=inf, nan_count=nan, ref_nonfinite_count=ref_bad,
             saturated_count=saturated, scale=pair.scale, rtol=rtol, atol=atol, passed=passed,
             reason=reason, isolated_max_abs_error=iso_max, isolated_rel_l2=iso_rel,
         )
+
+
+def _sizes(layout: Layout, values: dict[str, np.ndarray]) -> dict[int, np.ndarray]:
+    return {row: np.array([int(values[n]) for n in names]) for row, names in layout.sizes.items()}
 
 
 def _rel(d2: float, r2: float) -> float:
@@ -448,11 +467,12 @@ def _count_pass(ref: onnx.ModelProto, cand: onnx.ModelProto, pairs: list[Pair],
 
     rows = sorted(set().union(*flagged.values()))
     names = [pairs[r].name for r in rows]
-    session = _session(
-        merged_graph(ref, cand, pairs, limit=limit, isolate=False, detail=names, base=False), threads)
+    model, layout = merged_graph(ref, cand, pairs, limit=limit, isolate=False, detail=names, base=False)
+    session = _session(model, threads)
     for index, feed in enumerate(samples):
         if index in flagged:
-            acc.add_counts(rows, run(session, dict(feed), [DETAIL])[DETAIL])
+            values = run(session, dict(feed), list(layout.detail))
+            acc.add_counts(rows, [values[n] for n in layout.detail])
 
 
 def _session(model: onnx.ModelProto, threads: int | None) -> Any:

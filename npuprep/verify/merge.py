@@ -2,8 +2,8 @@
 
 The candidate's names get a prefix and both graphs share the inputs, so one onnxruntime
 run computes both models; per compared tensor the graph reduces the error to a few
-scalars (sums of squares, max |error|, max |value|) and concatenates them into one small
-output. No activation leaves the runtime.
+scalar outputs (sums of squares, extremes of the error and of the stored values). No
+activation leaves the runtime.
 
 With `isolate`, a third copy of the candidate reads the reference's tensors (scaled and
 rounded the way the candidate stores them) wherever the candidate reads a compared
@@ -25,15 +25,11 @@ CAND = "cand::"
 ISO = "iso::"
 ISO_IN = "iso_in::"
 RED = "cmp::"
-STATS = "cmp::stats"
-SIZES = "cmp::sizes"
-DETAIL = "cmp::detail"
 
-# Per compared tensor, in this order, in the STATS vector.
-BASE_COLUMNS = ("d2", "r2", "c2", "err_max", "cand_absmax", "ref_absmax")
-ISO_COLUMNS = ("iso_d2", "iso_err_max")
-SIZE_COLUMNS = ("n_ref", "n_cand", "n_diff")
-DETAIL_COLUMNS = ("cand_inf", "cand_nan", "ref_nonfinite", "saturated")
+# Per compared tensor, in this order: d = cand/s - ref, c = cand as stored.
+BASE_COLUMNS = ("d2", "r2", "c2", "d_max", "d_min", "c_max", "c_min")
+ISO_COLUMNS = ("iso_d2", "iso_d_max", "iso_d_min")
+DETAIL_COLUMNS = ("cand_inf", "cand_nan", "ref_nonfinite", "saturated", "r_max", "r_min")
 
 
 @dataclass(frozen=True)
@@ -44,6 +40,16 @@ class Pair:
     scale: float
     ref_type: int
     cand_type: int
+    elements: int | None = None  # per sample, when both shapes are static
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Output names of the merged graph: scalars per compared tensor, row-major."""
+
+    stats: tuple[str, ...]  # len(pairs) x (BASE_COLUMNS [+ ISO_COLUMNS])
+    sizes: dict[int, tuple[str, str, str]]  # row -> Size of ref, cand, diff (dynamic shapes only)
+    detail: tuple[str, ...]  # detail rows x DETAIL_COLUMNS
 
 
 def merged_graph(
@@ -55,11 +61,11 @@ def merged_graph(
     isolate: bool,
     detail: Iterable[str] = (),
     base: bool = True,
-) -> onnx.ModelProto:
+) -> tuple[onnx.ModelProto, Layout]:
     """The reference, the prefixed candidate and the error reductions in one model.
 
-    Outputs: STATS (float, len(pairs) x columns) and SIZES (int64) when `base`; DETAIL
-    (float, counts of Inf/NaN/saturated values) for the tensors named in `detail`.
+    Outputs (see Layout): the error scalars of every pair when `base`; counts of
+    Inf/NaN/saturated values and the reference's extremes for the tensors in `detail`.
     """
     detail = set(detail)
     out = onnx.ModelProto()
@@ -96,14 +102,13 @@ def merged_graph(
     red = _Reductions(g, limit)
     if isolate:
         _add_isolated_copy(g, cand, pairs, shared, red)
-    for pair in pairs:
-        if not base and pair.name not in detail:
-            continue
-        red.compare(pair, isolate=isolate, base=base, detail=pair.name in detail)
-    red.finish(base=base, detail=bool(detail))
+    for row, pair in enumerate(pairs):
+        if base or pair.name in detail:
+            red.compare(row, pair, isolate=isolate, base=base, detail=pair.name in detail)
+    layout = red.finish()
     # Node outputs stay typed only through inference; stale value_info could contradict.
     del g.value_info[:]
-    return out
+    return out, layout
 
 
 def _rename(graph: onnx.GraphProto, read: Callable[[str], str], write: Callable[[str], str],
@@ -229,18 +234,21 @@ def _add_isolated_copy(g: onnx.GraphProto, cand: onnx.ModelProto, pairs: list[Pa
 
 
 class _Reductions:
-    """Appends per-tensor error reductions and the concatenated outputs to a graph."""
+    """Appends per-tensor error reductions to a graph; each result is one scalar output.
+
+    Scalars are fetched as separate outputs rather than concatenated: a Concat needs a
+    Reshape per input, and every node costs dispatch time on a model with many tensors.
+    Max |x| is max(ReduceMax, -ReduceMin), which reads x twice but writes nothing.
+    """
 
     def __init__(self, graph: onnx.GraphProto, limit: float | None) -> None:
         self.g = graph
         self.limit = limit
         self.stats: list[str] = []
-        self.sizes: list[str] = []
+        self.sizes: dict[int, tuple[str, str, str]] = {}
         self.detail: list[str] = []
         self.counter = 0
-        self._const("flat", np.array([-1], np.int64))
         self._const("zero", np.array(0.0, np.float32))
-        self._const("none", np.array([0.0], np.float32))
         if limit is not None:
             self._const("limit", np.array(limit, np.float32))
 
@@ -254,48 +262,39 @@ class _Reductions:
         self.g.node.append(helper.make_node(op, inputs, [out], name=out, **attrs))
         return out
 
-    def flat(self, name: str, elem_type: int) -> str:
-        if elem_type != TensorProto.FLOAT:
-            name = self._node("Cast", [name], to=TensorProto.FLOAT)
-        return self._node("Reshape", [name, RED + "flat"])
+    def as_float(self, name: str, elem_type: int) -> str:
+        return name if elem_type == TensorProto.FLOAT else self._node("Cast", [name], to=TensorProto.FLOAT)
 
     def scaled(self, name: str, scale: float) -> str:
-        """`scale * ref` for feeding the isolated copy (exact for powers of two)."""
+        """`scale * x` (exact for powers of two); `x` itself when the scale is 1."""
         if scale == 1.0:
             return name
-        factor = self._const(f"scale{self.counter}_{len(self.g.initializer)}",
-                             np.array(scale, np.float32))
+        self.counter += 1
+        factor = self._const(f"scale{self.counter}", np.array(scale, np.float32))
         return self._node("Mul", [name, factor])
 
     def _reduce(self, op: str, x: str) -> str:
-        return self._node(op, [x], keepdims=1)
+        return self._node(op, [x], keepdims=0)
 
-    def compare(self, pair: Pair, *, isolate: bool, base: bool, detail: bool) -> None:
-        r = self.flat(pair.name, pair.ref_type)
-        c_stored = self.flat(CAND + pair.name, pair.cand_type)
-        c = c_stored
-        if pair.scale != 1.0:
-            inv = self._const(f"inv{self.counter}", np.array(1.0 / pair.scale, np.float32))
-            c = self._node("Mul", [c_stored, inv])
+    def _extremes(self, x: str) -> list[str]:
+        return [self._reduce("ReduceMax", x), self._reduce("ReduceMin", x)]
+
+    def compare(self, row: int, pair: Pair, *, isolate: bool, base: bool, detail: bool) -> None:
+        r = self.as_float(pair.name, pair.ref_type)
+        c_stored = self.as_float(CAND + pair.name, pair.cand_type)
+        c = self.scaled(c_stored, 1.0 / pair.scale)
         if base:
             d = self._node("Sub", [c, r])
-            self.stats += [
-                self._reduce("ReduceSumSquare", d),
-                self._reduce("ReduceSumSquare", r),
-                self._reduce("ReduceSumSquare", c),
-                self._reduce("ReduceMax", self._node("Abs", [d])),
-                self._reduce("ReduceMax", self._node("Abs", [c_stored])),
-                self._reduce("ReduceMax", self._node("Abs", [r])),
-            ]
-            self.sizes += [self._node("Size", [pair.name]), self._node("Size", [CAND + pair.name]),
-                           self._node("Size", [d])]
+            self.stats += [self._reduce("ReduceSumSquare", d), self._reduce("ReduceSumSquare", r),
+                           self._reduce("ReduceSumSquare", c), *self._extremes(d),
+                           *self._extremes(c_stored)]
+            if pair.elements is None:
+                self.sizes[row] = (self._node("Size", [pair.name]), self._node("Size", [CAND + pair.name]),
+                                   self._node("Size", [d]))
             if isolate:
-                i = self.flat(ISO + pair.name, pair.cand_type)
-                if pair.scale != 1.0:
-                    i = self._node("Mul", [i, inv])
+                i = self.scaled(self.as_float(ISO + pair.name, pair.cand_type), 1.0 / pair.scale)
                 di = self._node("Sub", [i, r])
-                self.stats += [self._reduce("ReduceSumSquare", di),
-                               self._reduce("ReduceMax", self._node("Abs", [di]))]
+                self.stats += [self._reduce("ReduceSumSquare", di), *self._extremes(di)]
         if detail:
             self.detail += [
                 self._count(self._node("IsInf", [c_stored])),
@@ -303,25 +302,21 @@ class _Reductions:
                 self._count(self._node("IsNaN", [self._node("Mul", [r, RED + "zero"])])),
             ]
             if self.limit is None:
-                self.detail.append(RED + "none")
+                self.detail.append(self._node("Identity", [RED + "zero"]))
             else:
                 at_max = self._node("Equal", [self._node("Abs", [c_stored]), RED + "limit"])
-                ref_scaled = r if pair.scale == 1.0 else self.scaled(r, pair.scale)
+                ref_scaled = self.scaled(r, pair.scale)
                 beyond = self._node("Greater", [self._node("Abs", [ref_scaled]), RED + "limit"])
                 self.detail.append(self._count(self._node("And", [at_max, beyond])))
+            self.detail += self._extremes(r)
 
     def _count(self, mask: str) -> str:
         return self._reduce("ReduceSum", self._node("Cast", [mask], to=TensorProto.FLOAT))
 
-    def finish(self, *, base: bool, detail: bool) -> None:
-        outputs: list[tuple[str, list[str], int]] = []
-        if base:
-            outputs += [(STATS, self.stats, TensorProto.FLOAT), (SIZES, self.sizes, TensorProto.INT64)]
-        if detail:
-            outputs.append((DETAIL, self.detail, TensorProto.FLOAT))
-        for name, parts, elem in outputs:
-            if elem == TensorProto.INT64:
-                parts = [self._node("Reshape", [p, RED + "flat"]) for p in parts]
-            self.g.node.append(helper.make_node("Concat", parts, [name], axis=0, name=name))
-            self.g.output.append(helper.make_tensor_value_info(name, elem, [len(parts)]))
-
+    def finish(self) -> Layout:
+        for name in self.stats + self.detail:
+            self.g.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, []))
+        for names in self.sizes.values():
+            for name in names:
+                self.g.output.append(helper.make_tensor_value_info(name, TensorProto.INT64, []))
+        return Layout(tuple(self.stats), dict(self.sizes), tuple(self.detail))
