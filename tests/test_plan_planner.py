@@ -393,3 +393,24 @@ def test_static_island_carries_a_square_through_its_sum_to_the_root():
     # Sums and products keep the magnitude; the root ends it, so the Add stays FP16.
     assert pin.nodes == ("square", "sum", "root") and pin.exit_tensors == ("n",)
     assert sorted(r.node for r in pin.findings) == sorted(f.node for f in findings)
+
+
+def test_an_overflowing_graph_input_pins_every_consumer_island(tmp_path):
+    # x (up to 1e5) -> Exp -> a ;  x -> Neg -> m -> Exp -> b   (exp of huge values, both ways)
+    model = as_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4] x) => (float[4] a, float[4] b) {
+        [exp_a] a = Exp (x)
+        [neg] m = Neg (x)
+        [exp_b] b = Exp (m)
+    }
+    """)
+    feeds = [{"x": np.array([1e5, -1e5, 3.0, -2.0], dtype=np.float32)}]
+    stats = calibrated(model, feeds, tmp_path)
+    finding = Finding(rule="range.overflow", severity=Severity.ERROR, node="", op_type="input",
+                      message="input beyond the limit", tensor="x")
+    plan = make_plan(model, GENERIC, stats, [finding])
+    assert plan.pinned_nodes() == {"exp_a", "neg", "exp_b"}
+    assert all(p.findings == (plan.pins()[0].findings[0],) for p in plan.pins())
+    (declined,) = plan.declined
+    assert declined.remedy == "rescale" and "Exp" in declined.reason

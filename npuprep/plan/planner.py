@@ -519,16 +519,18 @@ class _Planner:
             self.declined.append(Declined("pin_fp32", tensor, reason, (ref,)))
             return reason
         grown = [grow_island(self.model.proto, seed, self.fits, types=self.types) for seed in seeds]
-        island = grown[0] if len(grown) == 1 else merge_islands(
-            self.model.proto, grown, self.fits, max_gap=0, types=self.types)[0]
-        banned = sorted(set(island.nodes) & self.forbid, key=lambda n: self.order.get(n, 0))
+        parts = grown if len(grown) == 1 else list(merge_islands(
+            self.model.proto, grown, self.fits, max_gap=0, types=self.types))
+        members = {n for part in parts for n in part.nodes}
+        unfit = [t for part in parts for t in part.unfit_exits]
+        banned = sorted(members & self.forbid, key=lambda n: self.order.get(n, 0))
         if banned:
             reason = f"the FP32 island would include {', '.join(banned)}, which forbid_pin excludes"
             self.declined.append(Declined("pin_fp32", tensor, reason, (ref,)))
             return reason
-        if island.unfit_exits:
+        if unfit:
             reason = (f"the FP32 island from {', '.join(seeds)} cannot close: "
-                      f"{', '.join(island.unfit_exits)} would still leave it beyond the limit "
+                      f"{', '.join(unfit)} would still leave it beyond the limit "
                       f"{self.limit:.6g}")
             self.declined.append(Declined("pin_fp32", tensor, reason, (ref,)))
             return reason
@@ -544,7 +546,8 @@ class _Planner:
         )
         if request:
             why += "; the compiler decides precision, so this is a request (crosscheck verifies it)"
-        self.islands.append(_Island(island, [ref], measured, why.lstrip("; ")))
+        for part in parts:
+            self.islands.append(_Island(part, [ref], dict(measured), why.lstrip("; ")))
         return None
 
     def seeds_for(self, tensor: str, ref: FindingRef) -> list[str]:
