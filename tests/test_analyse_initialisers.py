@@ -107,3 +107,11 @@ def test_constant_node_values_are_checked():
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
     [found] = _of("init.out_of_range", helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     assert found.tensor == "c" and found.node == "mul" and found.evidence["worst"] == 1e6
+
+
+def test_constant_value_float_attributes_are_checked_too():
+    # x -> Mul(x, Constant(value_float = 1e5)) -> y
+    model = build("""<ir_version: 8, opset_import: ["" : 17]>
+        g (float[1] x) => (float[1] y) { c = Constant <value_float = 100000.0> () y = Mul (x, c) }""")
+    [found] = _of("init.out_of_range", model)
+    assert found.tensor == "c" and found.evidence["worst"] == 1e5 and found.evidence["dtype"] == "fp32"

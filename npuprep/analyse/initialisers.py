@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,15 +102,19 @@ def summarise(value: np.ndarray, fmt: NumberFormat) -> ValueSummary:
                         tiny_mass=tiny_mass, **counts)
 
 
-def _constants(view: ScopeView) -> list[tuple[str, onnx.TensorProto]]:
-    """(tensor name, TensorProto) of float initialisers and Constant values in this graph."""
-    found = [(i.name, i) for i in view.graph.initializer if i.data_type in FLOAT_ONNX_TYPES]
+def _constants(view: ScopeView) -> Iterator[tuple[str, str, np.ndarray]]:
+    """(tensor name, dtype name, values) of float initialisers and Constant values, read lazily."""
+    for init in view.graph.initializer:
+        if init.data_type in FLOAT_ONNX_TYPES:
+            yield init.name, FLOAT_ONNX_TYPES[init.data_type], to_array(init)
     for node in view.graph.node:
-        if node.op_type == "Constant":
-            value = attribute(node, "value")
-            if value is not None and value.data_type in FLOAT_ONNX_TYPES:
-                found.append((node.output[0], value))
-    return found
+        if node.op_type != "Constant" or not node.output:
+            continue
+        value = attribute(node, "value")
+        if value is not None and value.data_type in FLOAT_ONNX_TYPES:
+            yield node.output[0], FLOAT_ONNX_TYPES[value.data_type], to_array(value)
+        elif attribute(node, "value_float") is not None or attribute(node, "value_floats") is not None:
+            yield node.output[0], "fp32", view.constant(node.output[0])
 
 
 def _feeds_add(view: ScopeView, name: str, depth: int = 4) -> bool:
@@ -142,13 +147,13 @@ def find(ctx: Context) -> list[Finding]:
     findings: list[Finding] = []
     for view in ctx.views():
         quiet_underflow: list[tuple[str, ValueSummary]] = []
-        for name, tensor in _constants(view):
-            summary = summarise(to_array(tensor), fmt)
+        for name, dtype, values in _constants(view):
+            summary = summarise(values, fmt)
             user, role = _role(view, name)
             node = node_label(user) if user is not None else name
             op_type = user.op_type if user is not None else "initializer"
             base = {"format": fmt.name, "size": summary.size, "consumer": role,
-                    "dtype": FLOAT_ONNX_TYPES[tensor.data_type]}
+                    "dtype": dtype}
 
             mask_values = summary.neg_inf + summary.negative_overflow
             is_mask = (mask_values > 0 and summary.overflow == summary.negative_overflow
