@@ -57,7 +57,8 @@ def _layernorm(ctx: Context, view: ScopeView, node: onnx.NodeProto) -> Finding |
         node=node_label(square), op_type=square.op_type, tensor=node.output[0], scope=view.path,
         message=(f"decomposed LayerNorm: (x - mean)^2 overflows {fmt.name} for "
                  f"|x - mean| > {fmt.square_limit:.4g}"
-                 + ("" if eps_survives else f"; eps {eps} flushes to zero")),
+                 + ("" if eps_survives else "; no constant eps" if eps is None
+                    else f"; eps {eps:.3g} flushes to zero")),
         evidence={"format": fmt.name, "members": [node_label(m) for m in members],
                   "input_limit": fmt.square_limit, "eps": eps, "eps_survives": eps_survives,
                   "output": node.output[0]},
