@@ -144,6 +144,7 @@ def test_rknn_assumes_the_target_precision(model):
     assert exp.verdict == "mismatch" and exp.runs_in == "fp16"
     assert exp.evidence["runs_in_assumed"] is True
     assert exp.evidence["metrics"]["[Exp] y"]["markers"] == ["rt_inf", "rt_nan"]
+    assert exp.flags == ("the report marks non-finite results: rt_inf, rt_nan",)
     assert any("no dtypes" in n for n in result.notes)
 
 

@@ -26,6 +26,8 @@ from npuprep.profiles import Severity, TargetProfile
 SCHEMA_VERSION = 1
 VERDICTS = ("ok", "mismatch", "pin-ignored", "unknown", "unmapped", "missing")
 FAILING = ("mismatch", "pin-ignored")
+# Failing verdicts first, then the doubtful ones, then ok.
+DISPLAY_ORDER = ("mismatch", "pin-ignored", "unknown", "missing", "unmapped", "ok")
 # Rules whose finding means "this node needs more than the target's default precision".
 SENSITIVE_RULES = ("hazard.", "pattern.", "autocast.", "range.overflow", "range.headroom",
                    "range.underflow")
@@ -143,8 +145,7 @@ def crosscheck(
     for node in nodes:
         verdicts.append(_verdict(node, index, placed.get(node, []), reformats.get(node, []),
                                  sensitive.get(node, []), node in pinned, report, profile))
-    # Failing verdicts first, then the doubtful ones, then ok.
-    order = {k: i for i, k in enumerate(("mismatch", "pin-ignored", "unknown", "missing", "unmapped", "ok"))}
+    order = {k: i for i, k in enumerate(DISPLAY_ORDER)}
     ranked = sorted(enumerate(verdicts), key=lambda iv: (order[iv[1].verdict], iv[0]))
     return Crosscheck(
         fingerprint=model.fingerprint,
@@ -203,6 +204,9 @@ def _verdict(node: str, index: NodeIndex, records: list[LayerRecord], reformats:
         for r in reformats
         if needs and narrowest(r.out_dtypes) and narrowest(r.out_dtypes) not in adequate
     )
+    markers = [m for r in records for m in r.metrics.get("markers", ())]
+    if markers:
+        flags += (f"the report marks non-finite results: {', '.join(dict.fromkeys(markers))}",)
     common = dict(op_type=op_type, runs_in=runs_in, needs=needs, layers=layers, rules=rules,
                   flags=flags, evidence=evidence)
     if needs and not runs_in:

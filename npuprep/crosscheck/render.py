@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from npuprep.crosscheck.check import VERDICTS, Crosscheck, Verdict
+from npuprep.crosscheck.check import DISPLAY_ORDER, Crosscheck, Verdict
 
 COLUMNS = ("verdict", "node", "op", "runs in", "needs", "layers", "why")
 
 
 def row(v: Verdict) -> tuple[str, ...]:
     why = v.reason + "".join(f"; {flag}" for flag in v.flags)
-    return (v.verdict, v.node, v.op_type, v.runs_in or "-", v.needs or "-",
+    runs_in = v.runs_in + (" (assumed)" if v.evidence.get("runs_in_assumed") else "")
+    return (v.verdict, v.node, v.op_type, runs_in or "-", v.needs or "-",
             " / ".join(v.layers) or "-", why)
 
 
@@ -24,7 +25,7 @@ def to_markdown(result: Crosscheck) -> str:
         f"- verdicts: {counts or 'none'}",
     ]
     lines += [f"- note: {n}" for n in result.notes]
-    for verdict in VERDICTS:
+    for verdict in DISPLAY_ORDER:
         chosen = result.of(verdict)
         if not chosen:
             continue

@@ -51,8 +51,7 @@ def read_rknn(path: str, text: str, index: NodeIndex) -> CompilerReport:
     if not records and not any(HEADER.match(line) for line in text.splitlines()):
         raise malformed(path, "line 1", "no RKNN error_analysis rows found "
                         "(expected '[OpType] tensor  cos | euc ...')")
-    return CompilerReport(path=path, format="rknn", records=tuple(records), dtypes_reported=False,
-                          notes=("RKNN's error analysis gives no per-layer dtype",))
+    return CompilerReport(path=path, format="rknn", records=tuple(records), dtypes_reported=False)
 
 
 def _metrics(path: str, number: int, rest: str) -> dict[str, object]:
