@@ -124,3 +124,14 @@ def test_guidance_with_a_small_weight_is_quiet():
     text = HEAD + "g (float[4] a, float[4] b) => (float[4] y) { d = Sub (a, b)  t = Mul (w, d)  y = Add (a, t) }"
     assert "pattern.guidance" not in rules(build(text, w=np.array(1.5, np.float32)))
     assert "pattern.guidance" in rules(build(text, w=np.array(-3.0, np.float32)))
+
+
+def test_the_bundled_example_only_emits_documented_rules():
+    from npuprep.analyse import STATIC_RULES, static_findings
+    from npuprep.examples import example_model_path
+    from npuprep.model_io import load_model
+    from npuprep.profiles import load_profile
+
+    model = load_model(example_model_path())
+    for target in ("generic", "orin", "a2000"):
+        assert {f.rule for f in static_findings(model, load_profile(target))} <= set(STATIC_RULES)

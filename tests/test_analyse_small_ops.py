@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from analyse_util import build, findings, fp16_outputs, rules
 
+from npuprep.analyse import STATIC_RULES
 from npuprep.numerics import get_format
 
 HEAD = '<ir_version: 8, opset_import: ["" : 17]>\n'
@@ -69,6 +70,7 @@ CASES = [
 
 @pytest.mark.parametrize(("rule", "hazard", "safe"), CASES, ids=[c[0] + f"-{i}" for i, c in enumerate(CASES)])
 def test_rule_fires_on_the_hazard_and_not_on_the_safe_variant(rule, hazard, safe):
+    assert rule in STATIC_RULES
     assert rule in rules(HEAD + hazard)
     assert rule not in rules(HEAD + safe)
 

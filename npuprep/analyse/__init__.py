@@ -10,7 +10,28 @@ from npuprep.analyse.finding import Finding, Findings
 from npuprep.model_io import Model
 from npuprep.profiles import TargetProfile
 
-__all__ = ["Finding", "Findings", "static_findings"]
+__all__ = ["STATIC_RULES", "Finding", "Findings", "static_findings"]
+
+# Every rule id the static rules emit, with what it means (reports and checklists cite these).
+STATIC_RULES: dict[str, str] = {
+    "dtype.unsupported": "a dtype the target does not run (BF16 on a2000, FP64 anywhere)",
+    "dtype.slow": "a dtype the target runs, but not on its fast path (BF16 on orin)",
+    "init.out_of_range": "constant values that become Inf in the target format",
+    "init.underflow": "constant values that flush to zero or become subnormal",
+    "init.mask_constant": "an additive mask (-inf, FP32 lowest) that needs the target's -max",
+    "hazard.square": "x**p (Pow by a constant, Mul(x, x)) overflowing for |x| above a limit",
+    "hazard.reduce_square": "a sum of squares (ReduceSumSquare, ReduceL2, ReduceSum of x**2)",
+    "hazard.reduce_sum": "a sum over many elements",
+    "hazard.exp": "Exp without a bound below ln(max) on its input",
+    "hazard.div": "Div with no eps, Max or Clip keeping the denominator from 0",
+    "hazard.reciprocal": "Reciprocal with no guard keeping its input from 0",
+    "hazard.log": "Log with no guard keeping its input from 0",
+    "hazard.sqrt": "Sqrt of a sum of squares that overflows before the root",
+    "pattern.layernorm": "a LayerNorm written out as ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div",
+    "pattern.softmax": "a softmax written out as Exp / ReduceSum(Exp) without max subtraction",
+    "pattern.guidance": "a + w * (a - b) with |w| >= 2 (classifier-free guidance)",
+    "autocast.fp32_op": "an op GPU autocast keeps in FP32 that the target may not",
+}
 
 
 def static_findings(model: Model, profile: TargetProfile) -> Findings:
