@@ -117,8 +117,9 @@ def headroom_svg(points: Sequence[TensorPoint], limits: Sequence[Limit],
     for lim in limits:
         color, style = LIMIT_STYLE.get(lim.role, ("#555555", ":"))
         ax.axhline(lim.value, color=color, linestyle=style, linewidth=1.2)
+        # Headroom sits just under max on a log axis: its label goes below its line.
         ax.text(0.005, lim.value, lim.label, transform=ax.get_yaxis_transform(), color=color,
-                fontsize=8, va="bottom", ha="left", zorder=7,
+                fontsize=8, va="top" if lim.role == "headroom" else "bottom", ha="left", zorder=7,
                 bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
     if has_after:
         _plot_magnitudes(ax, xs, before, floor, ceiling, label="abs-max before", color="#95a5a6")
