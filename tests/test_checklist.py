@@ -205,3 +205,12 @@ def test_plan_written_by_convert_is_found(model_path, tmp_path):
     item = items(checklist)["precision"]
     assert item.done and f"plan `{ws}/model.orin.plan.yaml`: 1 nodes pinned" in item.evidence[1]
     assert any(f"--plan {ws}/model.orin.plan.yaml" in s for s in items(checklist)["crosscheck"].steps)
+
+
+def test_probe_item_says_when_the_profile_does_not_know_the_overflow(model_path):
+    model = load_model(model_path)
+    a2000 = items(build_checklist(model, load_profile("a2000"), model_arg="m", target_arg="a2000"))
+    assert a2000["probe"].evidence == ("the profile does not know how `a2000` overflows: only the "
+                                       "board can tell",)
+    orin = items(build_checklist(model, load_profile("orin"), model_arg="m", target_arg="orin"))
+    assert orin["probe"].evidence == ("the profile says overflow `inf`; confirm it on the board",)

@@ -24,7 +24,7 @@ from npuprep.crosscheck.readers import DEFAULT_REPORT_NAME, HOW_TO_GET
 from npuprep.errors import NpuprepError
 from npuprep.graph import attribute, tensor_types, walk_graphs
 from npuprep.model_io import Model
-from npuprep.profiles import TargetProfile
+from npuprep.profiles import OverflowMode, TargetProfile
 
 SCHEMA_VERSION = 1
 ARTEFACT_KINDS = ("stats", "probe", "crosscheck", "compare")
@@ -269,7 +269,10 @@ def _probe(ctx: _Context) -> Item:
     )
     found = ctx.artefact("probe", same_model=False)
     if found is None:
-        return Item("probe", title, False, (), steps)
+        why = (f"the profile does not know how `{ctx.profile.name}` overflows: only the board can tell"
+               if ctx.profile.overflow is OverflowMode.UNKNOWN else
+               f"the profile says overflow `{ctx.profile.overflow}`; confirm it on the board")
+        return Item("probe", title, False, (why,), steps)
     path, doc = found
     overall = doc.get("overall") or {}
     verdict = str(overall.get("verdict", "")) if isinstance(overall, dict) else str(overall)
