@@ -303,3 +303,26 @@ def test_fp16_tensors_are_observed_exactly(tmp_path, save):
     assert stats.tensors["hh"].max == float(hh.max()) and stats.tensors["hh"].zero_count == 1
     assert stats.tensors["hh"].exp_hist == numpy_hist(hh)
     assert stats.tensors["y"].to_dict()["exp_hist"] == stats.tensors["hh"].to_dict()["exp_hist"]
+
+
+def test_external_data_models_are_calibrated_from_disk(tmp_path, save):
+    # x -> MatMul(x, W) -> y, with W stored as external data
+    proto = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [onnx.helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+            [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 64])],
+            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 64])],
+            [onnx.numpy_helper.from_array(np.eye(64, dtype=np.float32) * 3, "w")],
+        ),
+        opset_imports=[onnx.helper.make_opsetid("", 18)],
+    )
+    inline = save(proto, "inline.onnx")
+    folder = tmp_path / "ext"
+    folder.mkdir()
+    onnx.save_model(proto, str(folder / "m.onnx"), save_as_external_data=True, location="m.data", size_threshold=0)
+    np.savez(tmp_path / "a.npz", x=np.arange(128, dtype=np.float32).reshape(2, 64))
+    ext_model, inline_model = load_model(folder / "m.onnx"), load_model(inline)
+    ext = calibrate(ext_model, load_samples(str(tmp_path / "a.npz"), ext_model.proto), detail="all")
+    ref = calibrate(inline_model, load_samples(str(tmp_path / "a.npz"), inline_model.proto), detail="all")
+    assert ext.tensors["y"].to_dict() == ref.tensors["y"].to_dict() and ext.tensors["y"].max == 127 * 3
+    assert sorted(p.name for p in folder.iterdir()) == ["m.data", "m.onnx"]

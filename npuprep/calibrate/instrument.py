@@ -29,9 +29,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from npuprep.graph import node_label, producers, tensor_types
+from npuprep.graph import node_label, producers
 from npuprep.model_io import model_opset
 from npuprep.numerics import FLOAT_ONNX_TYPES, get_format
+from npuprep.verify.shapes import infer
 
 # Formats whose max gets an exact count of |x| above it.
 OVER_FORMATS = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
@@ -79,9 +80,11 @@ class Instrumented:
 @dataclass
 class _Ctx:
     types: dict[str, int]
+    shapes: dict[str, tuple[int, ...]]
     opset: int
     detail: str
     counter: int = 0
+    sizes: set[int] = field(default_factory=set)
     aliases: dict[str, Slot] = field(default_factory=dict)
     alias_of: dict[str, str] = field(default_factory=dict)
     unobserved: dict[str, str] = field(default_factory=dict)
@@ -95,12 +98,16 @@ def instrument(model: onnx.ModelProto, *, detail: str = "auto") -> Instrumented:
     """A copy of `model` whose extra outputs carry per-tensor statistics of one sample."""
     if detail not in ("auto", "all"):
         raise ValueError(f"detail must be 'auto' or 'all', got {detail!r}")
-    ctx = _Ctx(types=tensor_types(model), opset=model_opset(model), detail=detail)
+    info = infer(model)
+    ctx = _Ctx(types=info.types, shapes=info.shapes, opset=model_opset(model), detail=detail)
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
     graph.initializer.extend(shared_constants())
     fx, fn, ii, slots = _instrument_graph(graph, "main", ctx)
+    graph.initializer.extend(
+        numpy_helper.from_array(np.array([size], np.int64), f"{_CONST_SIZE}{size}") for size in sorted(ctx.sizes)
+    )
     for name, elem in ((fx, TensorProto.FLOAT), (fn, TensorProto.FLOAT), (ii, TensorProto.INT64)):
         graph.output.append(helper.make_tensor_value_info(name, elem, [len(slots) * (WIDTH if elem == TensorProto.INT64 else 1)]))
     return Instrumented(out, (fx, fn, ii), tuple(slots), ctx.aliases, ctx.alias_of, ctx.unobserved)
@@ -193,10 +200,16 @@ def _tensor_stats(tensor: str, elem: int, ctx: _Ctx) -> tuple[list[onnx.NodeProt
         src = n("f32")
         nodes.append(helper.make_node("Cast", [tensor], [src], to=TensorProto.FLOAT))
     flat = n("flat")
-    size = n("size")
     nodes.append(helper.make_node("Reshape", [src, _CONST_FLAT], [flat]))
-    nodes.append(helper.make_node("Size", [tensor], [n("size0")]))
-    nodes.append(helper.make_node("Reshape", [nodes[-1].output[0], _CONST_ONE_DIM], [size]))
+    if tensor in ctx.shapes:
+        # A static element count is a shared constant, not two nodes per tensor.
+        count = math.prod(ctx.shapes[tensor])
+        ctx.sizes.add(count)
+        size = f"{_CONST_SIZE}{count}"
+    else:
+        size = n("size")
+        nodes.append(helper.make_node("Size", [tensor], [n("size0")]))
+        nodes.append(helper.make_node("Reshape", [nodes[-1].output[0], _CONST_ONE_DIM], [size]))
     if ctx.detail == "all":
         detail_nodes, outs = _detail(flat, size, ctx)
         return nodes + detail_nodes, outs
@@ -391,6 +404,7 @@ def _nan_aware(flat: str, ctx: _Ctx) -> tuple[str, str, str, str, list[onnx.Node
 
 # Shared constants, added once per model as initialisers of the main graph (visible in bodies).
 _CONST_FLAT = "__npuprep_c_flat"
+_CONST_SIZE = "__npuprep_c_size_"
 _CONST_ONE_DIM = "__npuprep_c_one_dim"
 _CONST_ZERO_F = "__npuprep_c_zero_f"
 _CONST_LO = "__npuprep_c_lo"
