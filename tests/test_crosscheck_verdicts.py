@@ -159,3 +159,19 @@ def test_json_and_markdown(model, tmp_path):
     json.dumps(data, allow_nan=False)
     md = to_markdown(result)
     assert "FAILED" in md and "## mismatch (1)" in md and "| mismatch | /norm/Mul | Mul | fp16 |" in md
+
+
+def test_reformat_to_half_next_to_an_fp32_sensitive_node_is_flagged(model, tmp_path):
+    report = tmp_path / "li.json"
+    report.write_text(json.dumps({"Layers": [
+        {"Name": "Reformatting CopyNode for Output Tensor 0 to node_of_y", "LayerType": "Reformat",
+         "Metadata": "", "Inputs": [{"Name": "y", "Format/Datatype": "Float"}],
+         "Outputs": [{"Name": "y_h", "Format/Datatype": "Half"}]},
+        {"Name": "node_of_y", "LayerType": "PointWiseV2", "Metadata": "[ONNX Layer: node_of_y]",
+         "Inputs": [{"Name": "n", "Format/Datatype": "Float"}],
+         "Outputs": [{"Name": "y", "Format/Datatype": "Float"}]},
+    ]}))
+    exp = by_node(run(model, report, findings=[finding("node_of_y", "hazard.exp")]))["node_of_y"]
+    assert exp.verdict == "ok" and exp.runs_in == "fp32"
+    assert exp.flags == ("Reformat layer 'Reformatting CopyNode for Output Tensor 0 to node_of_y' "
+                         "converts to fp16 next to this node",)
