@@ -162,3 +162,15 @@ def test_integer_shape_arithmetic_is_no_hazard():
     text = HEAD + """g (float[2, 8] x) => (float[2, 8] y) {
         s = Shape (x) d = Div (s, s) m = Mul (s, d) y = Reshape (x, m) }"""
     assert not [f for f in findings(text) if f.rule.startswith("hazard.")]
+
+
+def test_a_body_reads_constants_of_the_enclosing_graph():
+    # Loop body: v -> Pow(v, two) with `two` an initialiser of the main graph
+    model = build(HEAD + """g (int64 trips, float[4] x) => (float[4] lv) {
+        lv = Loop (trips, , x) <body = b (int64 i, bool cond, float[4] v) => (bool cond_out, float[4] v_out) {
+            cond_out = Identity (cond)
+            v_out = Pow (v, two)
+        }>
+    }""", two=np.array(2.0, np.float32))
+    [f] = [f for f in findings(model) if f.rule == "hazard.square"]
+    assert f.scope == "main/node_of_lv.body" and f.evidence["exponent"] == 2

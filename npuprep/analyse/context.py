@@ -32,6 +32,7 @@ class ScopeView:
     scope: GraphScope
     producer: dict[str, onnx.NodeProto]
     consumer: dict[str, list[onnx.NodeProto]]
+    parent: ScopeView | None = None  # the graph whose names a subgraph body may read
     _constants: dict[str, np.ndarray | None] = field(default_factory=dict)
     _sources: dict[str, onnx.TensorProto | onnx.NodeProto] = field(default_factory=dict)
 
@@ -42,9 +43,20 @@ class ScopeView:
         for init in self.graph.initializer:
             self._sources[init.name] = init
 
+    def _owner(self, name: str) -> ScopeView | None:
+        """The view whose constant `name` is: this graph, or an enclosing one a body reads from."""
+        view: ScopeView | None = self
+        while view is not None:
+            if name in view._sources:
+                return view
+            if name in view.producer or any(i.name == name for i in view.graph.input):
+                return None  # a computed tensor of this graph shadows outer names
+            view = view.parent
+        return None
+
     def is_constant(self, name: str) -> bool:
-        """Whether `name` is an initialiser or a Constant output of this graph (no data read)."""
-        return name in self._sources
+        """Whether `name` is an initialiser or Constant output visible here (no data read)."""
+        return self._owner(name) is not None
 
     @property
     def path(self) -> str:
@@ -56,8 +68,11 @@ class ScopeView:
 
     def constant(self, name: str) -> np.ndarray | None:
         """Value of an initialiser or Constant output of this graph (cached), else None."""
-        if name not in self._sources:
+        owner = self._owner(name)
+        if owner is None:
             return None
+        if owner is not self:
+            return owner.constant(name)
         if name not in self._constants:
             source = self._sources[name]
             if isinstance(source, onnx.TensorProto):
@@ -70,7 +85,8 @@ class ScopeView:
 
     def scalar(self, name: str) -> float | None:
         """The single value of a small constant (see `scalar`); large weights are never read."""
-        source = self._sources.get(name)
+        owner = self._owner(name)
+        source = owner._sources.get(name) if owner is not None else None
         if isinstance(source, onnx.TensorProto) and np.prod(source.dims) > _SCALAR_MAX_ELEMENTS:
             return None
         return scalar(self.constant(name))
@@ -121,7 +137,16 @@ class Context:
 
 
 def build_context(model: Model, profile: TargetProfile) -> Context:
-    scopes = [ScopeView(s, producers(s.graph), consumers(s.graph)) for s in walk_graphs(model.graph)]
+    scopes: list[ScopeView] = []
+    by_path: dict[str, ScopeView] = {}
+    for s in walk_graphs(model.graph):
+        # A body's path extends its enclosing graph's path ("main/If_3.then_branch"); node names
+        # may hold slashes themselves, so take the longest enclosing path, not the last segment.
+        enclosing = [p for p in by_path if s.path.startswith(p + "/")]
+        parent = by_path[max(enclosing, key=len)] if enclosing else None
+        view = ScopeView(s, producers(s.graph), consumers(s.graph), parent)
+        by_path[s.path] = view
+        scopes.append(view)
     shapes, types = infer_shapes(model.proto)
     return Context(model, profile, scopes, shapes, types)
 
