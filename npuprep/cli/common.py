@@ -72,13 +72,15 @@ def print_json(obj: Any) -> None:
 
 def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=title, show_lines=False, title_justify="left")
     for c in columns:
         table.add_column(c, overflow="fold")
     for r in rows:
-        table.add_row(*[fmt(v) for v in r])
+        # Node names like `{ForeignNode[a...b]}` are text, not rich markup.
+        table.add_row(*[escape(fmt(v)) for v in r])
     Console(width=None if sys.stdout.isatty() else 160).print(table)
 
 
