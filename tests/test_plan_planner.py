@@ -414,3 +414,26 @@ def test_an_overflowing_graph_input_pins_every_consumer_island(tmp_path):
     assert all(p.findings == (plan.pins()[0].findings[0],) for p in plan.pins())
     (declined,) = plan.declined
     assert declined.remedy == "rescale" and "Exp" in declined.reason
+
+
+def test_a_weight_past_the_format_is_rescaled_into_it_and_absorbed_by_the_norm(tmp_path):
+    # x -> MatMul(W, entries 1e5) -> h -> LayerNormalization -> y
+    model = as_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4, 4] x) => (float[4, 4] y) <float[4, 4] W = {100000.0,-3.0,2.0,0.5, 1.0,90000.0,-2.0,1.5, 0.5,1.0,-80000.0,2.0, -1.0,2.0,1.0,70000.0}, float[4] gamma = {1.0,1.0,1.0,1.0}, float[4] beta = {0.0,0.0,0.0,0.0}> {
+        [mm] h = MatMul (x, W)
+        [ln] y = LayerNormalization <axis = -1, epsilon = 0.00001> (h, gamma, beta)
+    }
+    """)
+    findings = [f for f in static_findings(model, GENERIC) if f.rule == "init.out_of_range"]
+    assert [(f.node, f.remedy) for f in findings] == [("mm", "rescale")]
+    feeds = samples(3, (4, 4), 1.0)
+    stats = calibrated(model, feeds, tmp_path)
+    plan = make_plan(model, GENERIC, stats, findings)
+    (rs,) = plan.actions
+    assert isinstance(rs, Rescale) and rs.entry == "mm" and rs.absorbers == ("ln",)
+    assert rs.absmax == 100000.0 and rs.absmax_after == 100000.0 * 2.0**-rs.k <= LIMIT
+    # Every tensor of the domain fits too, and the function is unchanged.
+    assert all(stats.tensors[t].absmax * 2.0**p <= LIMIT for t, p in rs.domain.items())
+    rewritten = Model(apply_rescale(model.proto, rs.entry, rs.k).model, "r.onnx", "")
+    np.testing.assert_allclose(values(rewritten, feeds)["y"], values(model, feeds)["y"], rtol=1e-5, atol=1e-6)

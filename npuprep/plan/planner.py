@@ -319,6 +319,9 @@ class _Planner:
     def fix_weights(self, f: Finding, ref: FindingRef) -> None:
         """A constant beyond the target's range: rescale its layer, else keep it in FP32."""
         worst = abs(float(f.evidence.get("worst", 0.0) or 0.0))
+        if 0 < worst <= self.fmt.max:
+            self.notes.append(f"{ref}: its largest value {worst:.6g} fits {self.fmt.name}; no action")
+            return
         declines: list[str] = []
         if f.remedy == "rescale" and f.node in self.nodes and worst > 0:
             check, reason = self.checked(f.node, _needed_k(worst, self.limit))
