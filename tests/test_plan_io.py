@@ -50,7 +50,8 @@ def sample_plan(fingerprint: str) -> Plan:
         declined=(Declined("rescale", "e", "Exp node exp does not commute with scaling",
                            (FindingRef("range.overflow", "exp", "e"),)),),
         forbid_pin=("relu",),
-        notes=("hazard.square at q: measured absmax 3 is within the limit; no action",),
+        notes=("hazard.square at q: measured absmax 3 is within the limit; no action",
+               "a note a user wrote\nover two lines, with 'quotes' and # a hash"),
     )
 
 

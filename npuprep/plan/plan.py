@@ -151,7 +151,10 @@ def _comments(action: Action) -> dict[str, str]:
 
 
 def _scalar(value: Any) -> str:
-    text = yaml.safe_dump(value, default_flow_style=True, allow_unicode=True, width=2**30)
+    """One YAML scalar on one line (strings with line breaks are double-quoted with escapes)."""
+    style = '"' if isinstance(value, str) and any(c in value for c in "\n\r") else None
+    text = yaml.safe_dump(value, default_flow_style=True, default_style=style,
+                          allow_unicode=True, width=2**30)
     return text.removesuffix("\n").removesuffix("\n...")
 
 
