@@ -44,6 +44,7 @@ def open_samples(args: argparse.Namespace, model: Any) -> Any:
 
 def to_jsonable(obj: Any) -> Any:
     import enum
+    import math
 
     import numpy as np
 
@@ -56,9 +57,10 @@ def to_jsonable(obj: Any) -> Any:
     if isinstance(obj, enum.Enum):
         return str(obj.value) if not isinstance(obj, enum.IntEnum) else str(obj)
     if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, float) and obj != obj:
-        return None
+        return to_jsonable(obj.item())
+    if isinstance(obj, float) and not math.isfinite(obj):
+        # JSON has no Inf/NaN; overflow is exactly what reports must be able to say.
+        return "nan" if obj != obj else ("inf" if obj > 0 else "-inf")
     return obj
 
 
