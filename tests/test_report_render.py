@@ -83,6 +83,11 @@ def test_page_is_self_contained() -> None:
     assert not re.search(r"<link\b|@import|url\(\s*['\"]?https?:", page)
     assert "<?xml" not in page and "<!DOCTYPE svg" not in page
     assert len(svgs(page)) == 2
+    # Two inline charts share one id space: ids stay unique and every reference resolves.
+    ids = re.findall(r'\bid="([^"]+)"', page)
+    assert len(ids) == len(set(ids))
+    refs = set(re.findall(r'(?:href="|url\()#([^")]+)', page))
+    assert refs and refs <= set(ids)
 
 
 def test_tables_are_sortable() -> None:
@@ -172,7 +177,7 @@ def test_stats_in_recorded_order_with_unobserved() -> None:
     assert [p.tensor for p in tensor_points(stats)] == ["a", "b"]
     page = render(stats)
     assert "fp16 max 65504" in svgs(page)[0]
-    assert "headroom" not in svgs(page)[0]  # no profile, no headroom line
+    assert "fp16 max =" not in svgs(page)[0]  # no profile, no headroom line
     assert 'id="table-unobserved"' in page and "inside a Loop body" in page
     rows = re.findall(r'<tr><td class="num" data-v="(\d)">\d</td><td>(\w+)</td>', page)
     assert rows == [("0", "a"), ("1", "b")]

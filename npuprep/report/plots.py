@@ -42,18 +42,20 @@ def _figure(height: float, rows: int = 1) -> tuple[Any, Any]:
     return fig, axes
 
 
-def _to_svg(fig: Any, salt: str) -> str:
-    """The figure as an <svg> element to inline: no XML prolog, sized by its container."""
+def _to_svg(fig: Any, name: str) -> str:
+    """The figure as an <svg> element to inline: no XML prolog, sized by its container, its
+    ids prefixed with `name` so two charts on one page never share one."""
     import matplotlib as mpl
 
     buf = io.StringIO()
-    with mpl.rc_context({"svg.hashsalt": salt, "svg.fonttype": "none"}):
+    with mpl.rc_context({"svg.hashsalt": f"npuprep-{name}", "svg.fonttype": "none"}):
         fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None, "Format": None,
                                                  "Type": None})
     svg = buf.getvalue()
     svg = svg[svg.index("<svg"):]
     svg = re.sub(r'<svg ([^>]*?)width="[^"]*" height="[^"]*"', r'<svg class="chart" role="img" \1',
                  svg, count=1)
+    svg = re.sub(r'\b(id="|href="#|url\(#)', rf"\g<1>{name}-", svg)
     return svg.strip() + "\n"
 
 
@@ -146,7 +148,7 @@ def headroom_svg(points: Sequence[TensorPoint], limits: Sequence[Limit],
     ax.set_ylabel("abs-max (log)")
     ax.grid(True, which="major", axis="y", alpha=0.3)
     _tensor_axis(ax, [p.tensor for p in points])
-    return _to_svg(fig, "npuprep-headroom")
+    return _to_svg(fig, "headroom")
 
 
 def error_svg(series: ErrorSeries) -> str:
@@ -186,4 +188,4 @@ def error_svg(series: ErrorSeries) -> str:
                         zorder=7, bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8,
                                         "pad": 1})
     _tensor_axis(ax_abs, [p.tensor for p in pts])
-    return _to_svg(fig, "npuprep-error")
+    return _to_svg(fig, "error")
