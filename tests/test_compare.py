@@ -286,3 +286,31 @@ def test_result_json_carries_schema_kind_and_first_divergent(planner):
     assert len(data["worst"]) == 3 and len(data["tensors"]) == len(result.tensors)
     assert dump_json(result) == dump_json(compare_emulated(model, load_profile("generic"), samples[:2],
                                                            worst=3))
+
+
+def test_layout_ops_carry_their_inputs_numbers_without_a_second_reduction():
+    # x -> Mul(w) -> a -> Reshape -> r -> Transpose -> t -> Add(1) -> y
+    text = """
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2, 3] x) => (float[3, 2] y)
+      <float w = {{{w}}}, float one = {{1.0}}, int64[2] shape = {{2, 3}}> {{
+      [scale] a = Mul(x, w)
+      [flat] r = Reshape(a, shape)
+      [swap] t = Transpose <perm = [1, 0]> (r)
+      [shift] y = Add(t, one)
+    }}"""
+    ref, cand = model_from_text(text.format(w=2.0)), model_from_text(text.format(w=2.2))
+    samples = [{"x": np.arange(6, dtype=np.float32).reshape(2, 3) - 2}]
+    result = compare_models(ref, cand, samples, rtol=1e-3, atol=1e-6, isolate=True)
+    a, r, t = result.tensor("a"), result.tensor("r"), result.tensor("t")
+    assert [x.tensor for x in result.tensors] == ["a", "r", "t", "y"]
+    assert (r.node, r.op_type, t.node, t.op_type) == ("flat", "Reshape", "swap", "Transpose")
+    for x in (r, t):
+        assert (x.max_abs_error, x.rel_l2, x.cand_absmax, x.passed) == (a.max_abs_error, a.rel_l2,
+                                                                         a.cand_absmax, a.passed)
+        assert x.isolated_rel_l2 == 0.0
+    assert a.isolated_rel_l2 > 0.05
+    # With its own threshold, a layout tensor is reduced on its own and judged by it.
+    own = compare_models(ref, cand, samples, rtol=1e-3, atol=1e-6, overrides={"t": (0.5, 1e-6)})
+    assert own.tensor("t") and not own.tensor("r")
+    assert own.tensor("t").rel_l2 == pytest.approx(a.rel_l2, rel=1e-5)

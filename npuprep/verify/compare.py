@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 
 from npuprep.errors import NpuprepError
-from npuprep.graph import node_label, topological_order, walk_graphs
+from npuprep.graph import node_label, producers, topological_order, walk_graphs
 from npuprep.model_io import fingerprint, model_opset
 from npuprep.numerics import FLOAT_ONNX_TYPES, NumberFormat
 from npuprep.verify.merge import (
@@ -208,6 +208,7 @@ def compare_models(
     for name in overrides:
         if name not in order:
             raise NpuprepError(f"--tol names tensor '{name}', which the reference does not compute")
+    pairs, aliases = _layout_aliases(ref, cand, pairs, overrides)
     limit = fmt.max if fmt is not None else None
     acc = _Accumulator(pairs, isolate)
     flagged: dict[int, set[int]] = {}
@@ -230,12 +231,17 @@ def compare_models(
     if n_samples == 0:
         raise NpuprepError("no samples to compare on")
 
-    results = []
+    by_name = {}
     for row, pair in enumerate(pairs):
         node, op_type, pos = order[pair.name]
         t_rtol, t_atol = overrides.get(pair.name, (rtol, atol))
-        results.append(acc.result(row, pair, node, op_type, pos, t_rtol, t_atol, limit))
-    results.sort(key=lambda t: t.order)
+        by_name[pair.name] = acc.result(row, pair, node, op_type, pos, t_rtol, t_atol, limit)
+    for name, source in aliases.items():
+        node, op_type, pos = order[name]
+        own = 0.0 if isolate else None
+        by_name[name] = replace(by_name[source], tensor=name, node=node, op_type=op_type, order=pos,
+                                isolated_max_abs_error=own, isolated_rel_l2=own)
+    results = sorted(by_name.values(), key=lambda t: (t.order, t.tensor))
     return CompareResult(
         fingerprint=fingerprint(ref), candidate_fingerprint=fingerprint(cand),
         tensors=tuple(results), samples=n_samples,
@@ -311,6 +317,37 @@ def _same_opset(ref: onnx.ModelProto, cand: onnx.ModelProto) -> tuple[onnx.Model
     elif b < a:
         cand = upgrade_opset(cand, a, why="the reference uses a newer opset than the candidate")
     return ref, cand
+
+
+# Ops that only reshape or permute: their output holds exactly their input's values.
+LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity",
+                        "DepthToSpace", "SpaceToDepth"})
+
+
+def _layout_aliases(
+    ref: onnx.ModelProto, cand: onnx.ModelProto, pairs: list[Pair],
+    overrides: Mapping[str, tuple[float, float]],
+) -> tuple[list[Pair], dict[str, str]]:
+    """Split off tensors whose numbers equal another compared tensor's.
+
+    When both models produce `t` by the same layout op (same attributes, same inputs) from
+    a compared tensor `u` with the same scale, t's errors, extremes and counts are u's:
+    reducing it again would only cost time. Such a tensor takes u's numbers under its own
+    name, and its own (isolated) error is 0 by construction.
+    """
+    ref_prod, cand_prod = producers(ref.graph), producers(cand.graph)
+    by_name = {p.name: p for p in pairs}
+    aliases: dict[str, str] = {}
+    for pair in pairs:
+        a, b = ref_prod.get(pair.name), cand_prod.get(pair.name)
+        if a is None or b is None or a.op_type not in LAYOUT_OPS or pair.name in overrides:
+            continue
+        if (b.op_type, list(b.input), list(b.attribute)) != (a.op_type, list(a.input), list(a.attribute)):
+            continue
+        source = aliases.get(a.input[0], a.input[0])
+        if source in by_name and by_name[source].scale == pair.scale:
+            aliases[pair.name] = source
+    return [p for p in pairs if p.name not in aliases], aliases
 
 
 def _pairs(
