@@ -196,6 +196,10 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
 def _temp_name(path: Path) -> Path:
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    # mkstemp makes the file private (0600); outputs get the usual umask-based mode.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(name, 0o666 & ~umask)
     return Path(name)
 
 
