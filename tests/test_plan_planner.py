@@ -437,3 +437,38 @@ def test_a_weight_past_the_format_is_rescaled_into_it_and_absorbed_by_the_norm(t
     assert all(stats.tensors[t].absmax * 2.0**p <= LIMIT for t, p in rs.domain.items())
     rewritten = Model(apply_rescale(model.proto, rs.entry, rs.k).model, "r.onnx", "")
     np.testing.assert_allclose(values(rewritten, feeds)["y"], values(model, feeds)["y"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("prior", "joins"), [(30.0, True), (8.0, False)])
+def test_a_large_exp_input_pulls_its_producer_into_the_island(tmp_path, prior, joins):
+    # x -> Add(x, prior) -> l -> Exp -> e -> ReduceSum -> s ; Div(e, s) -> y
+    model = as_model(f"""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4, 8] x) => (float[4, 8] y) <float prior = {{{prior}}}, int64[1] ax = {{1}}> {{
+        [add] l = Add (x, prior)
+        [exp] e = Exp (l)
+        [sum] s = ReduceSum <keepdims = 1> (e, ax)
+        [div] y = Div (e, s)
+    }}
+    """)
+    feeds = samples(4, (4, 8), 2.0)
+    stats = calibrated(model, feeds, tmp_path)
+    plan = make_plan(model, GENERIC, stats, [overflow(stats, "e", "exp", "Exp")])
+    (pin,) = plan.actions
+    assert ("add" in pin.nodes) is joins
+    assert set(pin.nodes) >= {"exp", "sum", "div"}
+    # What it buys, under emulated FP16: the logits' rounding step at |l| ~ 30 is 2^-5.
+    from npuprep.verify.emulate import emulate
+
+    ref = values(model, feeds)["y"]
+
+    def error(pinned: set[str]) -> float:
+        emulated = emulate(model.proto, GENERIC.format, saturate=False, pinned_nodes=pinned).model
+        y = values(Model(emulated, "e.onnx", ""), feeds)["y"]
+        return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+
+    with_add, without_add = error({"add", "exp", "sum", "div"}), error({"exp", "sum", "div"})
+    if joins:
+        assert without_add > 4 * with_add and without_add > 2.0**-8
+    else:
+        assert without_add < 2.0**-8

@@ -70,6 +70,14 @@ _CARRIES_MAGNITUDE = frozenset({
 # Ops whose output a static pin finding marks as large (roots, divisions and
 # normalisations flagged by a rule shrink what they read).
 _MAKES_MAGNITUDE = _CARRIES_MAGNITUDE | LINEAR_WITH_WEIGHTS | {"ReduceSumSquare"}
+# Relative error an Exp output may inherit from the rounding of its input: |x| >= 16
+# in FP16 (a step of 2^-6 there) is past it.
+EXP_INPUT_ERROR = 2.0**-8
+# Ops whose output carries its inputs' absolute rounding errors unchanged.
+_ADDITIVE = frozenset({
+    "Add", "Sub", "Neg", "Sum", "Concat", "Reshape", "Transpose", "Squeeze", "Unsqueeze",
+    "Slice", "Gather", "Identity", "Flatten",
+})
 # Rules whose evidence is a measured range on one tensor.
 _RANGE_RULES = ("range.overflow", "range.headroom")
 
@@ -524,6 +532,9 @@ class _Planner:
         grown = [grow_island(self.model.proto, seed, self.fits, types=self.types) for seed in seeds]
         parts = grown if len(grown) == 1 else list(merge_islands(
             self.model.proto, grown, self.fits, max_gap=0, types=self.types))
+        precise = self.precise_inputs({n for part in parts for n in part.nodes})
+        parts += [grow_island(self.model.proto, label, self.fits, types=self.types)
+                  for label in precise]
         members = {n for part in parts for n in part.nodes}
         unfit = [t for part in parts for t in part.unfit_exits]
         banned = sorted(members & self.forbid, key=lambda n: self.order.get(n, 0))
@@ -547,11 +558,38 @@ class _Planner:
             f"; pinning to FP32 is exact and costs speed: the island grows from "
             f"{', '.join(seeds)} until every exit fits {self.fmt.name} with headroom"
         )
+        if precise:
+            why += (f"; {', '.join(precise)} join the island: Exp turns the {self.fmt.name} "
+                    "rounding of its input into a relative error of its output")
         if request:
             why += "; the compiler decides precision, so this is a request (crosscheck verifies it)"
         for part in parts:
             self.islands.append(_Island(part, [ref], dict(measured), why.lstrip("; ")))
         return None
+
+    def precise_inputs(self, members: set[str]) -> list[str]:
+        """Producers outside the island whose rounding an Exp inside would turn into a
+        relative error above EXP_INPUT_ERROR (exp(x + d) = exp(x)(1 + d)): the Exp input,
+        and through additive ops the tensors summed into it."""
+        todo = [self.nodes[n][0].input[0] for n in sorted(members)
+                if self.nodes[n][0].op_type == "Exp"]
+        extra: list[str] = []
+        seen: set[str] = set()
+        while todo:
+            tensor = todo.pop(0)
+            node = self.produced_by.get(tensor)
+            r = self.range_of(tensor)
+            if tensor in seen or node is None or r is None or not r.absmax > 0:
+                continue
+            seen.add(tensor)
+            label = node_label(node)
+            half_step = 2.0 ** math.floor(math.log2(r.absmax)) * self.fmt.eps / 2
+            if label in members or label in extra or half_step <= EXP_INPUT_ERROR:
+                continue
+            extra.append(label)
+            if node.op_type in _ADDITIVE:
+                todo.extend(i for i in node.input if i)
+        return extra
 
     def seeds_for(self, tensor: str, ref: FindingRef) -> list[str]:
         if ref.node in self.nodes and ref.rule not in _RANGE_RULES:
