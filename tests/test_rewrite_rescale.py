@@ -295,3 +295,152 @@ def test_group_normalization_absorbs_with_epsilon():
     assert result.details["absorbers"] == [{"node": "node_of_y", "kind": "epsilon", "exponent": -4}]
     feeds = {"x": RNG.normal(size=(1, 4, 3, 3)).astype(np.float32)}
     assert _same_function(model, result.model, feeds) <= 1e-5
+
+
+# ---- a constant factor absorbs for a reader that is not scale-free; shared weights ----
+
+
+def risk_model(constant_factor: bool) -> onnx.ModelProto:
+    # traj -> Unsqueeze -> Sub(obst) -> Pow 2 -> ReduceSum = d2 -> [Mul(d2, nsig) -> Add(prior) |
+    #   Sub(prior, d2)] -> Exp -> softmax = attn;  Mul(attn, d2) -> ReduceSum -> risk_cost
+    logits = ("z = Mul(d2, nsig)\n      logits = Add(z, prior)" if constant_factor
+              else "logits = Sub(prior, d2)")
+    return build(HEAD + f"""
+    g (float[1,4,2] traj) => (float[1,4] risk_cost, float[1,4,3] attn)
+      <float[1,1,3,2] obst, float two, float nsig, float prior, int64[1] ax, int64[1] ax2> {{
+      tu = Unsqueeze(traj, ax2)
+      off = Sub(tu, obst)
+      sq = Pow(off, two)
+      d2 = ReduceSum<keepdims=0>(sq, ax)
+      {logits}
+      e = Exp(logits)
+      tot = ReduceSum<keepdims=1>(e, ax)
+      attn = Div(e, tot)
+      rw = Mul(attn, d2)
+      risk_cost = ReduceSum<keepdims=0>(rw, ax)
+    }}""", obst=RNG.uniform(0, 1000, (1, 1, 3, 2)).astype(np.float32), two=np.array(2.0, np.float32),
+        nsig=np.array(-1e-5, np.float32), prior=np.array(8.0, np.float32),
+        ax=np.array([-1]), ax2=np.array([2]))
+
+
+def test_constant_factor_absorbs_for_exp_while_the_other_reader_carries_the_scale_out():
+    model = risk_model(constant_factor=True)
+    result = apply_rescale(model, "traj", 4)
+    assert result.modified
+    # Mul(d2, nsig) takes s^2 for the Exp; Mul(attn, d2) carries it to the output's FP32 exit.
+    assert result.details["absorbers"] == [{"node": "node_of_z", "kind": "constant", "exponent": -8}]
+    assert result.details["exits"] == ["risk_cost"]
+    scales = result.details["tensor_scales"]
+    assert scales["d2"] == scales["rw"] == 2.0**-8 and "logits" not in scales and "attn" not in scales
+    weights = {i.name: numpy_helper.to_array(i) for i in result.model.graph.initializer}
+    assert float(weights["nsig"]) == np.float32(-1e-5) * 256
+    feeds = {"traj": RNG.uniform(0, 1000, (1, 4, 2)).astype(np.float32)}
+    assert _same_function(model, result.model, feeds) <= 1e-5
+    # Naive FP16: d2 (up to 2e6) overflows; scaled, every stored tensor fits.
+    fp16 = get_format("fp16")
+    ref = outputs(model, feeds)["risk_cost"]
+    naive = outputs(emulate(model, fp16, saturate=False).model, feeds)["risk_cost"]
+    fixed = emulate(result.model, fp16, saturate=False, pinned_nodes=result.details["fp32_nodes"])
+    out = outputs(fixed.model, feeds)["risk_cost"]
+    assert not np.isfinite(naive).all()
+    assert np.isfinite(out).all() and rel_err(ref, out) < 1e-2
+
+
+def test_exp_without_a_constant_factor_before_it_declines():
+    model = risk_model(constant_factor=False)
+    check = check_rescale(model, "traj", 4)
+    assert not check
+    assert "Exp 'node_of_e' reads scaled tensor 'logits' (2^-8)" in check.reason
+    assert not apply_rescale(model, "traj", 4).modified
+
+
+def test_constant_factor_absorbs_before_an_add_of_a_tensor_that_cannot_join():
+    # x -> MatMul(W) = h (output) -> Mul(c) -> Add(., Sigmoid(x)) -> y
+    model = build(HEAD + """
+    g (float[2,4] x) => (float[2,4] y, float[2,4] h) <float[4,4] W, float c> {
+      h = MatMul(x, W)
+      hc = Mul(h, c)
+      sx = Sigmoid(x)
+      y = Add(hc, sx)
+    }""", W=_w(4, 4, scale=1e3), c=np.array(0.01, np.float32))
+    result = apply_rescale(model, "node_of_h", 3)
+    assert result.modified and result.details["exits"] == ["h"]
+    assert result.details["absorbers"] == [{"node": "node_of_hc", "kind": "constant", "exponent": -3}]
+    feeds = {"x": RNG.normal(size=(2, 4)).astype(np.float32)}
+    assert _same_function(model, result.model, feeds) <= 1e-5
+
+
+def _ln_branch(prefix: str, features: str) -> str:
+    """MatMul(features, W) + b, then a decomposed LayerNorm; writes `<prefix>n`."""
+    p = prefix
+    return f"""
+      {p}h = MatMul({features}, W)
+      {p}hb = Add({p}h, b)
+      {p}mu = ReduceMean<axes=[-1]>({p}hb)
+      {p}c = Sub({p}hb, {p}mu)
+      {p}c2 = Pow({p}c, two)
+      {p}v = ReduceMean<axes=[-1]>({p}c2)
+      {p}ve = Add({p}v, eps)
+      {p}sd = Sqrt({p}ve)
+      {p}n = Div({p}c, {p}sd)"""
+
+
+def guidance_model(uncond_tail: str) -> onnx.ModelProto:
+    # xc -> MatMul(W) + b -> LayerNorm = cn;  xu -> MatMul(W) + b -> <uncond_tail> = un;
+    # Sub(cn, un) -> y  (W and b shared by both branches of classifier-free guidance)
+    return build(HEAD + f"""
+    g (float[2,8] xc, float[2,8] xu) => (float[2,8] y) <float[8,8] W, float[8] b, float two, float eps> {{
+      {_ln_branch("c", "xc")}
+      {uncond_tail}
+      y = Sub(cn, un)
+    }}""", W=_w(8, 8, scale=300), b=_w(8, scale=100), two=np.array(2.0, np.float32),
+        eps=np.array(1e-5, np.float32))
+
+
+def test_shared_weight_scales_every_reader_and_each_branch_absorbs():
+    model = guidance_model(_ln_branch("u", "xu"))
+    result = apply_rescale(model, "node_of_ch", 5)
+    assert result.modified
+    assert [(e["name"], e["kind"]) for e in result.details["entries"]] == [
+        ("node_of_ch", "weights"), ("node_of_uh", "weights")]
+    assert sorted((a["node"], a["kind"]) for a in result.details["absorbers"]) == [
+        ("node_of_cn", "ratio"), ("node_of_un", "ratio")]
+    # One scaled W serves both readers: edited in place, no copy, the name kept.
+    weights = {i.name: numpy_helper.to_array(i) for i in result.model.graph.initializer}
+    original = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    assert set(weights) == set(original)
+    np.testing.assert_array_equal(weights["W"], original["W"] / 32)
+    np.testing.assert_array_equal(weights["b"], original["b"] / 32)
+    assert result.details["tensor_scales"]["uv"] == 2.0**-10
+    feeds = {"xc": RNG.normal(size=(2, 8)).astype(np.float32),
+             "xu": RNG.normal(size=(2, 8)).astype(np.float32)}
+    assert _same_function(model, result.model, feeds) <= 1e-5
+
+
+def test_shared_weight_reaching_a_reader_that_cannot_absorb_declines():
+    # The unconditional branch ends in Tanh(MatMul(xu, W)): scaling W would reach it unabsorbed.
+    model = guidance_model("uh = MatMul(xu, W)\n      un = Tanh(uh)")
+    check = check_rescale(model, "node_of_ch", 5)
+    assert not check
+    assert "Tanh 'node_of_un' reads scaled tensor 'uh'" in check.reason
+    assert "MatMul 'node_of_uh' reads 'W', scaled for 'node_of_ch'" in check.reason
+    result = apply_rescale(model, "node_of_ch", 5)
+    assert not result.modified and result.model is model
+
+
+def test_tied_weight_read_through_transpose_carries_the_scale_to_an_exit():
+    # x -> MatMul(W) -> LayerNorm -> y1;  x2 -> MatMul(Transpose(W)) -> y2 (one tied weight)
+    model = build(HEAD + """
+    g (float[2,4] x, float[2,4] x2) => (float[2,4] y1, float[2,4] y2) <float[4,4] W, float[4] g1, float[4] b1> {
+      h = MatMul(x, W)
+      y1 = LayerNormalization<axis=-1, epsilon=1e-5>(h, g1, b1)
+      wt = Transpose(W)
+      y2 = MatMul(x2, wt)
+    }""", W=_w(4, 4, scale=1e3), g1=_w(4), b1=_w(4))
+    result = apply_rescale(model, "node_of_h", 4)
+    assert result.modified and result.details["exits"] == ["y2"]
+    assert result.details["tensor_scales"]["wt"] == 2.0**-4
+    assert [i.name for i in result.model.graph.initializer if i.name.startswith("W")] == ["W"]
+    feeds = {"x": RNG.normal(size=(2, 4)).astype(np.float32),
+             "x2": RNG.normal(size=(2, 4)).astype(np.float32)}
+    assert _same_function(model, result.model, feeds) <= 1e-5

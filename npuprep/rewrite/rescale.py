@@ -9,9 +9,14 @@ scaling or transform it exactly (`Mul(x, x)` doubles it, `Sqrt` halves it, a Div
 scaled tensors subtracts), and is *absorbed* where it returns to 0: a linear consumer with
 constant weights, a scale-invariant normalisation (epsilon * s^2), BatchNormalization (mean
 and variance folded), a Mul/Div by a constant that takes the factor, or a graph output
-(an FP32 exit `Mul(y, 1/s)`, to be kept FP32 at lowering). Residual adds and concats force
+(an FP32 exit `Mul(y, 1/s)`, to be kept FP32 at lowering). A Mul/Div by a constant passes
+the exponent on unless a reader further down is not scale-free (Exp, Sigmoid, an Add of a
+tensor that cannot join): then the nearest such factor on every scaled path absorbs it,
+while its input keeps the scale for its other readers. Residual adds and concats force
 every branch into the same exponent: the other branch's producer becomes an entry too when
-it can; otherwise the rescale is declined with a reason.
+it can. A weight read by several nodes is scaled once for all of them, so each other reader
+absorbs the same factor or joins the domain as an entry (classifier-free guidance's two
+branches). Otherwise the rescale is declined with a reason.
 """
 
 from __future__ import annotations
@@ -63,12 +68,12 @@ class _Decline(Exception):
 
 
 class _Retry(Exception):
-    """Analysis must restart with `node` absorbing the scale (a Mul/Div by a constant) or,
+    """Analysis must restart with `nodes` absorbing the scale (Mul/Div by a constant) or,
     for a linear consumer, letting it pass (`propagate`: a concat or add needs it scaled)."""
 
-    def __init__(self, node_id: int, propagate: bool = False) -> None:
-        super().__init__(node_id)
-        self.node_id = node_id
+    def __init__(self, node_ids: set[int], propagate: bool = False) -> None:
+        super().__init__(sorted(node_ids))
+        self.node_ids = frozenset(node_ids)
         self.propagate = propagate
 
 
@@ -164,9 +169,9 @@ def _solve(graph: gs.Graph, entry: str, k: int) -> _Solver:
             solver.run()
         except _Retry as retry:
             if retry.propagate:
-                propagate_at = propagate_at | {retry.node_id}
+                propagate_at = propagate_at | retry.node_ids
             else:
-                absorb_at = absorb_at | {retry.node_id}
+                absorb_at = absorb_at | retry.node_ids
             continue
         return solver
     raise AssertionError("rescale analysis did not converge")
@@ -194,6 +199,10 @@ class _Solver:
         self.heap: list[tuple[int, int]] = []
         self.renamed: set[str] = set()
         self.scaled_constants: dict[str, dict[str, float]] = {}
+        # A weight read by several nodes is scaled once for all of them: exponent, first editor.
+        self.shared: dict[str, tuple[int, str]] = {}
+        self.pending: list[tuple[gs.Node, gs.Tensor]] = []
+        self.joined: list[str] = []
         self.check = RescaleCheck(False, "not analysed", entry, k)
 
     # -- analysis -------------------------------------------------------------------------
@@ -201,12 +210,21 @@ class _Solver:
     def run(self) -> None:
         try:
             self._start()
-            while self.heap:
-                _, nid = heapq.heappop(self.heap)
-                self._visit(self.nodes[nid])
+            while True:
+                while self.heap:
+                    _, nid = heapq.heappop(self.heap)
+                    self._visit(self.nodes[nid])
+                if not self.pending:
+                    break
+                # Only once the domain has settled can an untouched reader of a shared weight
+                # be told apart from one the scale still has to reach.
+                self._close_shared(*self.pending.pop(0))
             exits = tuple(t.name for t in self.graph.outputs if self.exps.get(t.name, 0) != 0)
         except _Decline as exc:
-            self.check = RescaleCheck(False, str(exc), self.entry, self.k,
+            reason = str(exc)
+            if self.joined:
+                reason += f" (the scale spread there through shared weights: {'; '.join(self.joined)})"
+            self.check = RescaleCheck(False, reason, self.entry, self.k,
                                       dict(sorted(self.exps.items())), tuple(self.entries),
                                       tuple(self.absorbers.values()))
             return
@@ -240,7 +258,7 @@ class _Solver:
                     and self.roles.get(id(prod)) == "absorb" and prod.op in LINEAR_WITH_WEIGHTS
                     and id(prod) not in self.propagate_at):
                 # The linear consumer absorbed the scale, but a residual needs it scaled.
-                raise _Retry(id(prod), propagate=True)
+                raise _Retry({id(prod)}, propagate=True)
             if self.exps[name] != p:
                 raise _Decline(f"tensor '{name}' would need scale 2^{p} ({why}) but already carries "
                                f"2^{self.exps[name]}; the scale domain cannot be closed")
@@ -274,12 +292,52 @@ class _Solver:
         self.const_edits[key] = e
 
     def _weight_edit(self, node: gs.Node, index: int, e: int, what: str) -> None:
+        """Scale a weight by 2^e. A weight shared by several nodes is scaled for all of them
+        (one copy, no growth); each other reader must then absorb or carry 2^e too."""
         tensor = node.inputs[index]
+        label = go.node_label(node)
         consumers, captured = go.main_consumers(self.graph, tensor)
-        if len(consumers) > 1 or captured or go.is_graph_output(self.graph, tensor):
-            raise _Decline(f"{what} '{tensor.name}' of '{go.node_label(node)}' is shared with "
-                           "other nodes; scaling it would change them too")
+        if captured or go.is_graph_output(self.graph, tensor):
+            raise _Decline(f"{what} '{tensor.name}' of '{label}' is shared with other nodes; "
+                           "scaling it would change them too")
+        if len(consumers) > 1:
+            prev = self.shared.get(tensor.name)
+            if prev is not None and prev[0] != e:
+                raise _Decline(f"{what} '{tensor.name}' of '{label}' is shared with other nodes: "
+                               f"'{label}' needs it scaled by 2^{e}, '{prev[1]}' by 2^{prev[0]}")
+            if prev is None:
+                self.shared[tensor.name] = (e, label)
+                others = {id(c): c for c in consumers if c is not node}
+                self.pending += [(c, tensor) for c in others.values()]
         self._const_edit(node, index, e)
+
+    def _close_shared(self, node: gs.Node, tensor: gs.Tensor) -> None:
+        """`node` reads the shared weight `tensor`, scaled by 2^e for another node: it must
+        already take exactly that edit, or join the domain as an entry carrying 2^e."""
+        e, first = self.shared[tensor.name]
+        label = go.node_label(node)
+        idxs = [i for i, t in enumerate(node.inputs) if t is tensor]
+        if all(self.const_edits.get((id(node), i)) == e for i in idxs):
+            return
+        lead = (f"weight '{tensor.name}' is shared with other nodes; scaling it by 2^{e} for "
+                f"'{first}' changes {node.op} '{label}' too")
+        if id(node) in self.roles or any(self._p(t) != 0 for t in node.inputs):
+            raise _Decline(f"{lead}, which the scale domain already treats otherwise")
+        self.joined.append(f"{node.op} '{label}' reads '{tensor.name}', scaled for '{first}'")
+        if idxs == [0] and (node.op in _COMMUTE or (node.op == "Cast" and _cast_is_float(node))):
+            # A transposed or reshaped copy of the weight carries the scale on.
+            self._role(node, "propagate")
+            self._const_edit(node, 0, e)
+            outs = node.outputs if node.op in _ALL_OUTPUTS else node.outputs[:1]
+            for out in outs:
+                self._assign(out, e, f"through {node.op} '{label}'")
+            return
+        try:
+            self._enter_node(node, e, f"it shares '{tensor.name}' with '{first}'")
+        except _Decline as exc:
+            raise _Decline(f"{lead}, which cannot carry the scale: {exc}") from None
+        if not all(self.const_edits.get((id(node), i)) == e for i in idxs):
+            raise _Decline(f"{lead}, where '{tensor.name}' is not the input that carries the scale")
 
     def _enter_input(self, inp: gs.Variable, p: int) -> None:
         try:
@@ -450,8 +508,15 @@ class _Solver:
                 continue
             if go.const_value(node.inputs[idx]) is not None:
                 self._same_exp_const(node, idx, p)
-            else:
+                continue
+            try:
                 self._request(node.inputs[idx], p, node)
+            except _Decline:
+                # The other input cannot join the domain: unscale this one instead.
+                found = self._absorbers_before([node.inputs[i] for i in scaled])
+                if found:
+                    raise _Retry(found) from None
+                raise
         if node.op in _COMPARE:
             return
         self._assign(node.outputs[0], p, f"through {node.op} '{label}'")
@@ -586,35 +651,69 @@ class _Solver:
         self._assign(node.outputs[0], out, f"through {op} '{label}'")
 
     def _needs_unscaled(self, node: gs.Node, index: int) -> None:
-        """`node` cannot take a scaled input: find a Mul/Div by a constant upstream to absorb it."""
+        """`node` cannot take a scaled input: Mul/Div nodes by a constant upstream absorb it."""
         tensor = node.inputs[index]
-        cur = go.producer(tensor)
-        while cur is not None:
-            if cur.op in ("Mul", "Div") and self._const_index(cur) is not None and self.roles.get(id(cur)) == "propagate":
-                if id(cur) not in self.absorb_at:
-                    raise _Retry(id(cur))
-                break
-            if cur.op in _COMMUTE:
-                cur = go.producer(cur.inputs[0])
-                continue
-            break
+        found = self._absorbers_before([tensor])
+        if found:
+            raise _Retry(found)
         raise _Decline(f"{node.op} '{go.node_label(node)}' reads scaled tensor '{tensor.name}' "
                        f"(2^{self._p(tensor)}) and is not scale-free; no linear consumer, "
                        "normalisation or constant factor before it can absorb the scale")
 
+    def _absorbers_before(self, tensors: list[gs.Tensor]) -> set[int]:
+        """The nearest Mul/Div by a constant on every scaled path back from `tensors`, which
+        absorbing the scale would leave them unscaled; empty when some path has none.
+
+        The walk passes any node that only carries the scale (an Add of a constant, a
+        square, a product of scaled tensors), so the factor may sit well before the reader.
+        """
+        found: set[int] = set()
+        seen: set[str] = set()
+        stack = [t for t in tensors if self._p(t) != 0]
+        while stack:
+            tensor = stack.pop()
+            if tensor.name in seen:
+                continue
+            seen.add(tensor.name)
+            node = go.producer(tensor)
+            if node is None or self.roles.get(id(node)) != "propagate":
+                return set()
+            if node.op in ("Mul", "Div") and self._const_index(node) is not None:
+                found.add(id(node))
+                continue
+            scaled = [t for t in node.inputs if self._p(t) != 0]
+            if not scaled:
+                return set()
+            stack += scaled
+        return found
+
     # -- application ----------------------------------------------------------------------
+
+    def _all_readers_take(self, tensor: gs.Tensor, e: int) -> bool:
+        return all(self.const_edits.get((id(reader), i)) == e
+                   for reader in tensor.outputs
+                   for i, t in enumerate(reader.inputs) if t is tensor)
 
     def apply(self, graph: gs.Graph) -> list[str]:
         """Edit `graph` as analysed; returns the names of inserted FP32 boundary nodes."""
         cache: dict[str, gs.Constant] = {}
         for (nid, idx), e in sorted(self.const_edits.items(), key=lambda kv: (self.order[kv[0][0]], kv[0][1])):
             node = self.nodes[nid]
-            value = go.const_value(node.inputs[idx])
+            tensor = node.inputs[idx]
+            name = f"{tensor.name}__x2{'p' if e > 0 else 'm'}{abs(e)}"
+            if name in cache:
+                go.replace_input(node, idx, cache[name])
+                continue
+            value = go.const_value(tensor)
             assert value is not None
             scaled = go.exact_pow2_scale(value, e)
             assert scaled is not None
-            name = f"{node.inputs[idx].name}__x2{'p' if e > 0 else 'm'}{abs(e)}"
-            go.set_constant_input(node, idx, scaled, name, cache)
+            if isinstance(tensor, gs.Constant) and self._all_readers_take(tensor, e):
+                # Every reader takes the same factor: edit in place, no copy, name kept.
+                tensor.values = scaled
+                cache[name] = tensor
+            else:
+                go.set_constant_input(node, idx, scaled, name, cache)
             nonzero = np.abs(scaled[scaled != 0])
             self.scaled_constants[node.inputs[idx].name] = {
                 "exponent": e,
