@@ -201,7 +201,7 @@ class _Planner:
                 return
             r = self.range_of(f.tensor)
             if r is not None and r.absmax <= self.limit and not (r.nan_count or r.inf_count):
-                self.notes.append(self.safe_note(ref, r.absmax))
+                self.notes.append(self.safe_note(f, ref, r.absmax))
                 return
             self.fix_overflow(f, ref, f.tensor)
             return
@@ -216,7 +216,7 @@ class _Planner:
             if self.attach(ref, tensor):
                 return
             if r.absmax <= self.limit and not (r.nan_count or r.inf_count):
-                self.notes.append(self.safe_note(ref, r.absmax))
+                self.notes.append(self.safe_note(f, ref, r.absmax))
                 return
             self.fix_overflow(f, ref, tensor)
             return
@@ -229,11 +229,18 @@ class _Planner:
             return
         self.fix_static(f, ref, where)
 
-    def safe_note(self, ref: FindingRef, absmax: float) -> str:
-        return (
+    def safe_note(self, f: Finding, ref: FindingRef, absmax: float) -> str:
+        note = (
             f"{ref}: measured absmax {absmax:.6g} is within the limit {self.limit:.6g} "
             f"(headroom {self.profile.headroom:g} x {self.fmt.name} max); no action"
         )
+        gain = f.evidence.get("error_gain")
+        if isinstance(gain, int | float) and gain * self.fmt.eps > EXP_INPUT_ERROR:
+            # Range is fine; precision is not the planner's to judge, verification measures it.
+            note += (f"; it amplifies rounding error {gain:g}x ({gain * self.fmt.eps:.2g} "
+                     f"relative in {self.fmt.name}): if verification fails there, pin what "
+                     "feeds it")
+        return note
 
     def attach(self, ref: FindingRef, tensor: str) -> bool:
         """Credit a finding to an action that already covers its tensor."""
