@@ -194,7 +194,8 @@ class _Planner:
             return
         if f.rule.startswith("init."):
             if f.severity >= Severity.WARNING:
-                self.notes.append(f"{ref}: left to lowering ({f.remedy_text or f.remedy})")
+                self.notes.append(f"{ref}: no plan action; lowering rounds this constant "
+                                  f"({f.remedy_text or f.remedy})")
             return
         if f.rule in _RANGE_RULES and f.tensor:
             if self.attach(ref, f.tensor):
