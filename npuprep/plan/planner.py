@@ -3,9 +3,10 @@
 Each finding is answered once: by a power-of-two rescale when its tensor's scale domain
 has a feasible entry, else by an FP32 island that grows until every exit fits the target
 range with headroom (a request where the compiler decides, impossible where the target
-cannot pin), else by a clamp where the op allows one (Exp input, square input, division
-denominator). Findings that measurement shows safe get a note instead of an action.
-The planner reads the graph; it never changes it.
+cannot pin), else by a clamp where the op allows one (Exp, Log and square inputs,
+division denominators). An island holding an Exp also takes in the producers of large
+Exp inputs, whose rounding Exp turns into relative error. Findings that measurement shows
+safe get a note instead of an action. The planner reads the graph; it never changes it.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ class _Island:
 
 @dataclass
 class _Planner:
+    """The planning state for one model: actions so far, declines, notes."""
+
     model: Model
     profile: TargetProfile
     fmt: NumberFormat
