@@ -472,3 +472,25 @@ def test_a_large_exp_input_pulls_its_producer_into_the_island(tmp_path, prior, j
         assert without_add > 4 * with_add and without_add > 2.0**-8
     else:
         assert without_add < 2.0**-8
+
+
+def test_static_planning_follows_a_chain_deeper_than_python_recursion():
+    # x -> Mul(x, x) -> a0 -> Add(+1) -> a1 -> ... -> a700 -> Sqrt -> y
+    from onnx import TensorProto, helper, numpy_helper
+
+    depth = 700  # the recursive version needed two frames per level: 1400 > 1000
+    nodes = [helper.make_node("Mul", ["x", "x"], ["a0"], name="square")]
+    nodes += [helper.make_node("Add", [f"a{i}", "one"], [f"a{i + 1}"], name=f"add{i}")
+              for i in range(depth)]
+    nodes.append(helper.make_node("Sqrt", [f"a{depth}"], ["y"], name="root"))
+    graph = helper.make_graph(
+        nodes, "deep", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        [numpy_helper.from_array(np.array(1.0, dtype=np.float32), "one")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = Model(proto, "deep.onnx", fingerprint(proto))
+    square = Finding(rule="hazard.square", severity=Severity.WARNING, node="square",
+                     op_type="Mul", message="x^2", tensor="a0", remedy="pin_fp32")
+    plan = make_plan(model, GENERIC, None, [square])
+    (pin,) = plan.actions
+    assert len(pin.nodes) == depth + 2 and pin.nodes[-1] == "root" and pin.exit_tensors == ("y",)

@@ -148,17 +148,27 @@ class _Planner:
     def hot(self, tensor: str) -> bool:
         """Without measurements: a static hazard's output, or what carries its magnitude on
         (sums, products, reductions, data movement) until an op that shrinks it or the end
-        of the rule's pattern."""
-        if tensor in self.hot_cache:
-            return self.hot_cache[tensor]
-        self.hot_cache[tensor] = False  # cycles (loop-carried names) end here
-        node = self.produced_by.get(tensor)
-        result = tensor in self.static_hot or tensor not in self.static_cool and (
-            node is not None and node.op_type in _CARRIES_MAGNITUDE
-            and any(self.hot(i) for i in node.input if i)
-        )
-        self.hot_cache[tensor] = result
-        return result
+        of the rule's pattern. Iterative: deep graphs would exhaust Python's recursion."""
+        stack = [tensor]
+        while stack:
+            t = stack[-1]
+            if t in self.hot_cache:
+                stack.pop()
+                continue
+            node = self.produced_by.get(t)
+            if t in self.static_hot or t in self.static_cool or node is None \
+                    or node.op_type not in _CARRIES_MAGNITUDE:
+                self.hot_cache[t] = t in self.static_hot
+                stack.pop()
+                continue
+            inputs = [i for i in node.input if i and i != t]
+            pending = [i for i in inputs if i not in self.hot_cache and i not in stack]
+            if pending:
+                stack.extend(pending)
+                continue
+            self.hot_cache[t] = any(self.hot_cache.get(i, False) for i in inputs)
+            stack.pop()
+        return self.hot_cache[tensor]
 
     def worst_output(self, label: str) -> tuple[str, Any] | None:
         """The measured float output of a node with the largest magnitude."""
