@@ -217,7 +217,7 @@ def _tensor_stats(tensor: str, elem: int, ctx: _Ctx) -> tuple[list[onnx.NodeProt
     nodes += [
         helper.make_node("ReduceMax", [flat], [mx], keepdims=1),
         helper.make_node("ReduceMin", [flat], [mn], keepdims=1),
-        helper.make_node("ReduceSum", [flat], [sm], keepdims=1),
+        helper.make_node("ReduceL1", [flat], [sm], keepdims=1),
     ]
     # score = abs-max, or NaN when the sum is not finite (a NaN or Inf somewhere).
     neg, am, z, score, gt, lt, ok = (n(s) for s in ("neg", "am", "z", "score", "gt", "lt", "ok"))
@@ -271,7 +271,8 @@ def _detail(
     nodes = [helper.make_node("Abs", [flat], [a])]
     if cheap is None:
         fx, fn, nan_c, isn, nan_nodes = _nan_aware(flat, ctx)
-        nodes += nan_nodes
+        ac = n("abs_clean")
+        nodes += nan_nodes + [helper.make_node("Where", [isn, _CONST_POS_INF, a], [ac])]
     else:
         mx, mn, sm = cheap
         finite = n("finite")
@@ -281,35 +282,37 @@ def _detail(
             helper.make_node("Equal", [z, _CONST_ZERO_F], [chk]),
             helper.make_node("Squeeze", [chk], [finite]),
         ]
-        fx, fn, nan_c, isn = n("dmax"), n("dmin"), n("nan_c"), n("isnan")
-        f_fx, f_fn, f_nan, f_isn = n("f_fx"), n("f_fn"), n("f_nan"), n("f_isn")
+        fx, fn, nan_c, ac = n("dmax"), n("dmin"), n("nan_c"), n("abs_clean")
+        f_fx, f_fn, f_nan, f_ac = n("f_fx"), n("f_fn"), n("f_nan"), n("f_ac")
         finite_branch = helper.make_graph(
             [
                 helper.make_node("Identity", [mx], [f_fx]),
                 helper.make_node("Identity", [mn], [f_fn]),
                 helper.make_node("Identity", [_CONST_ZERO_I64_1], [f_nan]),
-                helper.make_node("Identity", [_CONST_FALSE], [f_isn]),
+                helper.make_node("Identity", [a], [f_ac]),
             ],
             n("finite_branch"), [],
             [
                 helper.make_tensor_value_info(f_fx, TensorProto.FLOAT, [1]),
                 helper.make_tensor_value_info(f_fn, TensorProto.FLOAT, [1]),
                 helper.make_tensor_value_info(f_nan, TensorProto.INT64, [1]),
-                helper.make_tensor_value_info(f_isn, TensorProto.BOOL, None),
+                helper.make_tensor_value_info(f_ac, TensorProto.FLOAT, None),
             ],
         )
         nf_fx, nf_fn, nf_nan, nf_isn, nan_nodes = _nan_aware(flat, ctx)
+        nf_ac = n("nf_ac")
+        nan_nodes.append(helper.make_node("Where", [nf_isn, _CONST_POS_INF, a], [nf_ac]))
         nonfinite_branch = helper.make_graph(
             nan_nodes, n("nonfinite_branch"), [],
             [
                 helper.make_tensor_value_info(nf_fx, TensorProto.FLOAT, [1]),
                 helper.make_tensor_value_info(nf_fn, TensorProto.FLOAT, [1]),
                 helper.make_tensor_value_info(nf_nan, TensorProto.INT64, [1]),
-                helper.make_tensor_value_info(nf_isn, TensorProto.BOOL, None),
+                helper.make_tensor_value_info(nf_ac, TensorProto.FLOAT, None),
             ],
         )
         nodes.append(helper.make_node(
-            "If", [finite], [fx, fn, nan_c, isn], then_branch=finite_branch, else_branch=nonfinite_branch,
+            "If", [finite], [fx, fn, nan_c, ac], then_branch=finite_branch, else_branch=nonfinite_branch,
         ))
     neg, top = n("neg"), n("absmax")
     nodes += [helper.make_node("Neg", [fn], [neg]), helper.make_node("Max", [fx, neg], [top])]
@@ -340,27 +343,26 @@ def _detail(
         ),
     ]
     counts.append(over_vec)
-    # floor(log2|x|) from Log, then corrected by exact powers of two: Log is off by at most
-    # one bin, and only next to a power of two.
-    lg, y, e0, p, lt, ltf, p2, ge, gef, e1, e2, e3, e4, e5, idx = (n(s) for s in (
-        "log", "log2", "e0", "p", "lt", "ltf", "p2", "ge", "gef", "e1", "e2", "e3", "e4", "e5", "idx"))
+    # floor(log2|x|) from Log, then corrected against exact powers of two (Pow, a table
+    # Gather was slower): Log is off by at most one bin, and only next to a power of two.
+    # Zero ends in bin 0 (Log gives -Inf), Inf and NaN (made Inf above) in the top bin.
+    lg, y, e0, p, lt, ltf, p2, ge, gef, e1, e2, e3, e4, idx = (n(s) for s in (
+        "log", "log2", "e0", "p", "lt", "ltf", "p2", "ge", "gef", "e1", "e2", "e3", "e4", "idx"))
     nodes += [
-        helper.make_node("Log", [a], [lg]),
+        helper.make_node("Log", [ac], [lg]),
         helper.make_node("Mul", [lg, _CONST_INV_LN2], [y]),
         helper.make_node("Floor", [y], [e0]),
         helper.make_node("Pow", [_CONST_TWO, e0], [p]),
-        helper.make_node("Less", [a, p], [lt]),
+        helper.make_node("Less", [ac, p], [lt]),
         helper.make_node("Cast", [lt], [ltf], to=TensorProto.FLOAT),
         helper.make_node("Mul", [p, _CONST_TWO], [p2]),
-        helper.make_node("GreaterOrEqual", [a, p2], [ge]),
+        helper.make_node("GreaterOrEqual", [ac, p2], [ge]),
         helper.make_node("Cast", [ge], [gef], to=TensorProto.FLOAT),
         helper.make_node("Sub", [e0, ltf], [e1]),
         helper.make_node("Add", [e1, gef], [e2]),
-        # NaN goes to the top bin with Inf; the NaN count separates them.
-        helper.make_node("Where", [isn, _CONST_TOP_BIN, e2], [e3]),
-        helper.make_node("Clip", [e3, _CONST_BOTTOM_BIN, _CONST_TOP_BIN], [e4]),
-        helper.make_node("Add", [e4, _CONST_OFFSET], [e5]),
-        helper.make_node("Cast", [e5], [idx], to=TensorProto.INT64),
+        helper.make_node("Clip", [e2, _CONST_BIN_LO, _CONST_BIN_HI], [e3]),
+        helper.make_node("Add", [e3, _CONST_OFFSET], [e4]),
+        helper.make_node("Cast", [e4], [idx], to=TensorProto.INT64),
     ]
     hist = n("hist")
     if ctx.opset >= 16:
@@ -413,14 +415,13 @@ _CONST_ZEROS_TAIL = "__npuprep_c_zeros_tail"
 _CONST_NEG_INF = "__npuprep_c_neg_inf"
 _CONST_POS_INF = "__npuprep_c_pos_inf"
 _CONST_INV_LN2 = "__npuprep_c_inv_ln2"
-_CONST_TWO = "__npuprep_c_two"
-_CONST_TOP_BIN = "__npuprep_c_top_bin"
-_CONST_BOTTOM_BIN = "__npuprep_c_bottom_bin"
 _CONST_OFFSET = "__npuprep_c_offset"
 _CONST_ONE_I64 = "__npuprep_c_one_i64"
 _CONST_HIST_ZEROS = "__npuprep_c_hist_zeros"
 _CONST_ZERO_I64_1 = "__npuprep_c_zero_i64"
-_CONST_FALSE = "__npuprep_c_false"
+_CONST_BIN_LO = "__npuprep_c_bin_lo"
+_CONST_BIN_HI = "__npuprep_c_bin_hi"
+_CONST_TWO = "__npuprep_c_two"
 _CONST_SMALLEST_MAX = "__npuprep_c_smallest_max"
 _CONST_ZERO_OVER = "__npuprep_c_zero_over"
 
@@ -440,14 +441,13 @@ def shared_constants() -> list[onnx.TensorProto]:
         _CONST_NEG_INF: np.array(-np.inf, np.float32),
         _CONST_POS_INF: np.array(np.inf, np.float32),
         _CONST_INV_LN2: np.array(1.0 / math.log(2.0), np.float32),
-        _CONST_TWO: np.array(2.0, np.float32),
-        _CONST_TOP_BIN: np.array(HIST_BINS - 1 - HIST_OFFSET, np.float32),
-        _CONST_BOTTOM_BIN: np.array(-HIST_OFFSET, np.float32),
         _CONST_OFFSET: np.array(HIST_OFFSET, np.float32),
         _CONST_ONE_I64: np.array(1, np.int64),
         _CONST_HIST_ZEROS: np.zeros(HIST_BINS, np.int64),
         _CONST_ZERO_I64_1: np.zeros(1, np.int64),
-        _CONST_FALSE: np.array(False),
+        _CONST_BIN_LO: np.array(-HIST_OFFSET, np.float32),
+        _CONST_BIN_HI: np.array(HIST_BINS - 1 - HIST_OFFSET, np.float32),
+        _CONST_TWO: np.array(2.0, np.float32),
         _CONST_SMALLEST_MAX: np.array([min(get_format(f).max for f in OVER_FORMATS)], np.float32),
         _CONST_ZERO_OVER: np.zeros(len(OVER_FORMATS), np.int64),
     }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -104,13 +104,21 @@ def _run_range(
     threads: int | None,
 ) -> Accumulator:
     from npuprep.cli.common import progress
-    from npuprep.runtime.session import make_session, run
+    from npuprep.runtime.session import make_session
 
     session = make_session(source, threads=threads, optimize="all")
+    feeds = progress(samples.iter_range(start, stop), stop - start, "calibrating", show_progress)
+    return fold(session, inst, feeds, start)
+
+
+def fold(session: object, inst: Instrumented, feeds: Iterable[dict[str, np.ndarray]], start: int = 0) -> Accumulator:
+    """Run each feed through the instrumented session and fold its statistics in."""
+    from npuprep.runtime.session import run
+
     acc = Accumulator(len(inst.slots))
-    feeds = samples.iter_range(start, stop)
-    for index, feed in enumerate(progress(feeds, stop - start, "calibrating", show_progress), start):
-        fx, fn, ii = (run(session, feed, inst.outputs)[name] for name in inst.outputs)
+    for index, feed in enumerate(feeds, start):
+        out = run(session, feed, inst.outputs)
+        fx, fn, ii = (out[name] for name in inst.outputs)
         acc.add(np.asarray(fx, np.float64), np.asarray(fn, np.float64), np.asarray(ii), index)
     return acc
 

@@ -1,0 +1,317 @@
+"""Calibration speed and memory: npuprep's in-graph statistics vs plain inference and other tools.
+
+Builds a transformer-like model (>= 100 MB, LayerNorm and GELU decomposed as exporters emit
+them) and a conv net into bench/_work/, then runs each method in its own process over the
+same synthetic samples and reads its peak RSS (ru_maxrss):
+
+- plain: onnxruntime inference, default session options (all graph optimisations);
+- npuprep auto / all: npuprep.calibrate, detail="auto" (default) and detail="all";
+- polygraphy mark-all: ModifyOutputs(MARK_ALL) + its onnxrt runner, min/max in numpy
+  (what `polygraphy run --onnx-outputs mark all` does, plus the reduction);
+- ort MinMaxCalibrater: onnxruntime.quantization.calibrate, every float tensor.
+
+Rounds alternate the methods, so contention from other processes hits them alike; the
+table keeps each method's fastest round. `--big` also calibrates a model over 2 GB (external
+data) through the CLI and records its time and peak RSS.
+
+    .venv/bin/python bench/bench_calibrate.py --samples 8 --rounds 2 --big
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+WORK = Path(__file__).resolve().parent / "_work"
+METHODS = ("plain", "npuprep-auto", "npuprep-all", "polygraphy-markall", "ort-minmax")
+
+
+def build_transformer(d: int = 768, layers: int = 4, seq: int = 128, heads: int = 12, seed: int = 0) -> onnx.ModelProto:
+    """Pre-LN encoder; LayerNorm and GELU decomposed, attention as MatMul/Softmax."""
+    rng = np.random.default_rng(seed)
+    nodes: list[onnx.NodeProto] = []
+    inits: list[onnx.TensorProto] = []
+
+    def weight(name: str, shape: list[int], scale: float) -> str:
+        inits.append(numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name))
+        return name
+
+    def const(name: str, value: np.ndarray) -> str:
+        inits.append(numpy_helper.from_array(value, name))
+        return name
+
+    def node(op: str, ins: list[str], out: str, **attrs: object) -> str:
+        nodes.append(helper.make_node(op, ins, [out], name=f"{op}_{len(nodes)}", **attrs))
+        return out
+
+    const("ax", np.array([-1], np.int64))
+    const("two", np.float32(2))
+    const("eps", np.float32(1e-5))
+    const("half", np.float32(0.5))
+    const("one", np.float32(1))
+    const("rsqrt2", np.float32(1 / np.sqrt(2)))
+    const("scale", np.float32(1 / np.sqrt(d // heads)))
+    const("split_heads", np.array([1, seq, heads, d // heads], np.int64))
+    const("join_heads", np.array([1, seq, d], np.int64))
+
+    def layer_norm(x: str, p: str) -> str:
+        mean = node("ReduceMean", [x, "ax"], p + ".mean")
+        c = node("Sub", [x, mean], p + ".centered")
+        var = node("ReduceMean", [node("Pow", [c, "two"], p + ".sq"), "ax"], p + ".var")
+        std = node("Sqrt", [node("Add", [var, "eps"], p + ".var_eps")], p + ".std")
+        y = node("Mul", [node("Div", [c, std], p + ".norm"), weight(p + ".g", [d], 0.1)], p + ".scaled")
+        return node("Add", [y, weight(p + ".b", [d], 0.1)], p + ".out")
+
+    def linear(x: str, p: str, din: int, dout: int) -> str:
+        y = node("MatMul", [x, weight(p + ".w", [din, dout], 1 / np.sqrt(din))], p + ".mm")
+        return node("Add", [y, weight(p + ".b", [dout], 0.02)], p + ".out")
+
+    x = "x"
+    for i in range(layers):
+        p = f"l{i}"
+        h = layer_norm(x, p + ".ln1")
+        qkv = []
+        for name in "qkv":
+            t = node("Reshape", [linear(h, f"{p}.{name}", d, d), "split_heads"], f"{p}.{name}.heads")
+            perm = [0, 2, 3, 1] if name == "k" else [0, 2, 1, 3]
+            qkv.append(node("Transpose", [t], f"{p}.{name}.t", perm=perm))
+        s = node("Mul", [node("MatMul", qkv[:2], p + ".scores"), "scale"], p + ".scores_scaled")
+        ctx = node("MatMul", [node("Softmax", [s], p + ".probs", axis=-1), qkv[2]], p + ".ctx")
+        ctx = node("Reshape", [node("Transpose", [ctx], p + ".ctx_t", perm=[0, 2, 1, 3]), "join_heads"], p + ".ctx_flat")
+        x = node("Add", [x, linear(ctx, p + ".proj", d, d)], p + ".res1")
+        u = linear(layer_norm(x, p + ".ln2"), p + ".fc1", d, 4 * d)
+        g = node("Add", [node("Erf", [node("Mul", [u, "rsqrt2"], p + ".gelu_a")], p + ".gelu_erf"), "one"], p + ".gelu_b")
+        g = node("Mul", [node("Mul", [u, g], p + ".gelu_c"), "half"], p + ".gelu")
+        x = node("Add", [x, linear(g, p + ".fc2", 4 * d, d)], p + ".res2")
+    y = layer_norm(x, "final")
+    graph = helper.make_graph(nodes, "transformer", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, seq, d])],
+                              [helper.make_tensor_value_info(y, TensorProto.FLOAT, [1, seq, d])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def build_convnet(channels: tuple[int, ...] = (32, 64, 128, 256), hw: int = 128, seed: int = 0) -> onnx.ModelProto:
+    """Conv-BN-Relu stages, stride 2 between them, global pool and a classifier."""
+    rng = np.random.default_rng(seed)
+    nodes: list[onnx.NodeProto] = []
+    inits: list[onnx.TensorProto] = []
+
+    def weight(name: str, value: np.ndarray) -> str:
+        inits.append(numpy_helper.from_array(value.astype(np.float32), name))
+        return name
+
+    def node(op: str, ins: list[str], out: str, **attrs: object) -> str:
+        nodes.append(helper.make_node(op, ins, [out], name=f"{op}_{len(nodes)}", **attrs))
+        return out
+
+    x, cin = "image", 3
+    for i, c in enumerate(channels):
+        for j in range(2):
+            p = f"s{i}.c{j}"
+            w = weight(p + ".w", rng.standard_normal([c, cin, 3, 3]) * np.sqrt(2 / (cin * 9)))
+            y = node("Conv", [x, w], p + ".conv", pads=[1, 1, 1, 1], strides=[2, 2] if j == 0 and i else [1, 1])
+            bn = [weight(f"{p}.bn{k}", v) for k, v in enumerate(
+                [rng.uniform(0.5, 1.5, c), rng.standard_normal(c) * 0.1, rng.standard_normal(c) * 0.1, rng.uniform(0.5, 2, c)])]
+            x = node("Relu", [node("BatchNormalization", [y, *bn], p + ".bn")], p + ".relu")
+            cin = c
+    x = node("Flatten", [node("GlobalAveragePool", [x], "pool")], "flat")
+    x = node("Gemm", [x, weight("fc.w", rng.standard_normal([10, cin]) * 0.05), weight("fc.b", np.zeros(10))], "logits", transB=1)
+    graph = helper.make_graph(nodes, "convnet", [helper.make_tensor_value_info("image", TensorProto.FLOAT, [1, 3, hw, hw])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 10])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def build_big(width: int = 16384, layers: int = 2) -> onnx.ModelProto:
+    """Over 2 GB of weights: a chain of width x width MatMuls (weights as external data)."""
+    nodes, inits, x = [], [], "x"
+    for i in range(layers):
+        w = np.full((width, width), 1.0 / width, np.float32)
+        inits.append(numpy_helper.from_array(w, f"w{i}"))
+        nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"h{i}"]))
+        nodes.append(helper.make_node("Relu", [f"h{i}"], [f"r{i}"]))
+        x = f"r{i}"
+    graph = helper.make_graph(nodes, "big", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, width])],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, [4, width])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def ensure_models() -> dict[str, Path]:
+    WORK.mkdir(parents=True, exist_ok=True)
+    paths = {"transformer": WORK / "transformer.onnx", "convnet": WORK / "convnet.onnx"}
+    for name, build in (("transformer", build_transformer), ("convnet", build_convnet)):
+        if not paths[name].exists():
+            onnx.save_model(build(), str(paths[name]))
+    return paths
+
+
+def feeds(path: Path, n: int) -> list[dict[str, np.ndarray]]:
+    from npuprep.data import synthetic_samples
+
+    model = onnx.load(str(path), load_external_data=False)
+    return list(synthetic_samples(model, n, seed=0))
+
+
+def child(method: str, path: Path, n: int) -> dict[str, float]:
+    """Run one method over n samples in this process; seconds for setup and per sample."""
+    samples = feeds(path, n)
+    t0 = time.perf_counter()
+    if method == "plain":
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        t1 = time.perf_counter()
+        for f in samples:
+            session.run(None, f)
+    elif method.startswith("npuprep"):
+        from npuprep.calibrate.run import _instrumented, fold
+        from npuprep.model_io import load_model
+        from npuprep.runtime.session import make_session
+
+        model = load_model(path)
+        with _instrumented(model, method.split("-")[1]) as (inst, source):
+            session = make_session(source, optimize="all")
+            t1 = time.perf_counter()
+            fold(session, inst, samples)
+    elif method == "polygraphy-markall":
+        from polygraphy.backend.onnx import ModifyOutputs, OnnxFromPath
+        from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+        from polygraphy.constants import MARK_ALL
+
+        loader = SessionFromOnnx(ModifyOutputs(OnnxFromPath(str(path)), outputs=MARK_ALL))
+        with OnnxrtRunner(loader) as runner:
+            t1 = time.perf_counter()
+            ranges: dict[str, tuple[float, float]] = {}
+            for f in samples:
+                for name, value in runner.infer(f).items():
+                    if value.dtype.kind == "f" and value.size:
+                        lo, hi = float(np.nanmin(value)), float(np.nanmax(value))
+                        old = ranges.get(name, (lo, hi))
+                        ranges[name] = (min(old[0], lo), max(old[1], hi))
+    elif method == "ort-minmax":
+        import tempfile
+
+        from onnxruntime.quantization.calibrate import (
+            CalibrationDataReader,
+            CalibrationMethod,
+            create_calibrator,
+        )
+
+        class Reader(CalibrationDataReader):
+            def __init__(self) -> None:
+                self.it = iter(samples)
+
+            def get_next(self) -> dict[str, np.ndarray] | None:
+                return next(self.it, None)
+
+        with tempfile.TemporaryDirectory() as tmp:
+            calibrator = create_calibrator(str(path), [], augmented_model_path=str(Path(tmp) / "aug.onnx"),
+                                           calibrate_method=CalibrationMethod.MinMax)
+            t1 = time.perf_counter()
+            calibrator.collect_data(Reader())
+            calibrator.compute_data()
+    else:
+        raise SystemExit(f"unknown method {method}")
+    t2 = time.perf_counter()
+    return {"setup_s": t1 - t0, "per_sample_s": (t2 - t1) / n, "rss_mb": _rss_mb()}
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_child(method: str, path: Path, n: int) -> dict[str, float]:
+    out = subprocess.run([sys.executable, __file__, "--child", method, str(path), "--samples", str(n)],
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench_big(n: int) -> dict[str, object]:
+    """Calibrate a >2 GB external-data model through the CLI; wall time and peak RSS."""
+    folder = WORK / "big"
+    model = folder / "big.onnx"
+    if not model.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        onnx.save_model(build_big(), str(model), save_as_external_data=True, location="big.onnx.data")
+    size = sum(p.stat().st_size for p in folder.iterdir() if p.name.startswith("big.onnx"))
+    stats = WORK / "big_stats.json"
+    code = ("import resource, sys; from npuprep.cli.main import main; rc = main(sys.argv[1:]); "
+            "print('RSS_MB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024); sys.exit(rc)")
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code, "calibrate", str(model), "--synthetic", str(n), "-o", str(stats)],
+                         capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - t0
+    rss = next((float(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("RSS_MB")), None)
+    return {"model_bytes": size, "samples": n, "wall_s": wall, "rss_mb": rss, "exit": out.returncode,
+            "stderr": out.stderr.strip()[-300:]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child", nargs=2, metavar=("METHOD", "MODEL"))
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--big", action="store_true", help="also calibrate a >2 GB external-data model")
+    ap.add_argument("--json", type=Path, default=WORK / "bench_calibrate.json")
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child[0], Path(args.child[1]), args.samples)))
+        return
+    paths = ensure_models()
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    for name, path in paths.items():
+        results[name] = {}
+        for _ in range(args.rounds):
+            for method in args.methods.split(","):
+                r = run_child(method, path, args.samples)
+                best = results[name].get(method)
+                if best is None or ("per_sample_s" in r and r["per_sample_s"] < best.get("per_sample_s", float("inf"))):
+                    results[name][method] = r
+        sizes = {"bytes": path.stat().st_size, "nodes": len(onnx.load(str(path), load_external_data=False).graph.node)}
+        results[name]["_model"] = sizes  # type: ignore[assignment]
+    report: dict[str, object] = {"samples": args.samples, "rounds": args.rounds, "cpus": os.cpu_count(),
+                                 "load_average": os.getloadavg(), "results": results}
+    if args.big:
+        report["big"] = bench_big(2)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1))
+    print_table(report)
+
+
+def print_table(report: dict) -> None:
+    print(f"samples per method: {report['samples']}, rounds: {report['rounds']}, load average: "
+          f"{', '.join(f'{v:.1f}' for v in report['load_average'])}")
+    print("| model | method | s / sample | x plain | setup s | peak RSS MB |")
+    print("|---|---|---|---|---|---|")
+    for name, methods in report["results"].items():
+        plain = methods.get("plain", {}).get("per_sample_s")
+        for method in METHODS:
+            r = methods.get(method)
+            if r is None:
+                continue
+            if "error" in r:
+                print(f"| {name} | {method} | failed: {r['error']} | | | |")
+                continue
+            ratio = f"{r['per_sample_s'] / plain:.2f}" if plain else "-"
+            print(f"| {name} | {method} | {r['per_sample_s']:.4f} | {ratio} | {r['setup_s']:.2f} | {r['rss_mb']:.0f} |")
+    if "big" in report:
+        b = report["big"]
+        print(f"\n>2 GB model: {b['model_bytes'] / 2**30:.2f} GiB, {b['samples']} samples, exit {b['exit']}, "
+              f"wall {b['wall_s']:.1f} s, peak RSS {b['rss_mb']} MB")
+
+
+if __name__ == "__main__":
+    main()
