@@ -248,7 +248,7 @@ def render_markdown(result: Any, args: argparse.Namespace) -> str:
         lines += [f"`{first.node}` ({first.op_type}) writes `{first.tensor}`: {first.reason}.", ""]
     header = _columns(result.isolate)
     for title, rows in (("Worst tensors", result.worst), ("All tensors (topological order)", result.tensors)):
-        lines += [f"## {title}", "", "| " + " | ".join(header) + " |",
+        lines += [f"## {title}", "", "| " + " | ".join(cell(h) for h in header) + " |",
                   "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(cell(v) for v in _row(t, result.isolate)) + " |" for t in rows]
         lines.append("")
