@@ -167,17 +167,20 @@ def convert(
         if result["output_check"] or round_no == max_rounds:
             break
         first = result["layers"].first_divergent
-        pinned = set(result["pinned"])
-        if first is None or not first.node or first.node in pinned or first.node in plan.forbid_pin:
+        if first is None or not first.node:
             break
         if profile.fp32_pinning is Pinning.NONE:
             notes.append(f"verification failed at '{first.node}'; the target cannot pin FP32")
             break
+        targets = _nodes_to_pin(result["rewritten"], first.node, set(result["pinned"]))
+        targets = tuple(n for n in targets if n not in plan.forbid_pin)
+        if not targets:
+            break
         notes.append(f"round {round_no}: outputs failed verification; first divergent node "
-                     f"'{first.node}' ({first.op_type}) pinned to FP32 and retried")
-        pin = PinFp32(nodes=(first.node,), exit_tensors=(), forced=False,
+                     f"'{first.node}' ({first.op_type}): pinned {', '.join(targets)} and retried")
+        pin = PinFp32(nodes=targets, exit_tensors=(), forced=False,
                       request=profile.fp32_pinning is Pinning.COMPILER_DECIDES,
-                      why=f"verification round {round_no}: first divergent node "
+                      why=f"verification round {round_no}: first divergent node {first.node} "
                           f"(rel L2 {first.rel_l2:.3g}, max abs error {first.max_abs_error:.3g})")
         plan = replace(plan, actions=(*plan.actions, pin))
     assert result is not None
@@ -190,6 +193,22 @@ def convert(
         samples_description=samples_description, synthetic=synthetic, stats=stats,
         declined=result["declined"], notes=tuple(notes) + result["notes"],
     )
+
+
+def _nodes_to_pin(rewritten: Any, node: str, pinned: set[str]) -> tuple[str, ...]:
+    """The divergent node itself; if it is already FP32, the rounding came in through its
+    inputs, so pin their producers instead."""
+    if node not in pinned:
+        return (node,)
+    from npuprep.graph import node_label, producers, walk_graphs
+
+    for scope in walk_graphs(rewritten.graph):
+        made_by = producers(scope.graph)
+        for n in scope.graph.node:
+            if node_label(n) == node:
+                ups = {node_label(made_by[i]) for i in n.input if i in made_by}
+                return tuple(sorted(u for u in ups if u not in pinned))
+    return ()
 
 
 def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,

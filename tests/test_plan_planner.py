@@ -494,3 +494,24 @@ def test_static_planning_follows_a_long_chain_to_the_op_that_shrinks_it():
     plan = make_plan(model, GENERIC, None, [square])
     (pin,) = plan.actions
     assert len(pin.nodes) == depth + 2 and pin.nodes[-1] == "root" and pin.exit_tensors == ("y",)
+
+
+def test_a_constant_the_rescale_brings_into_range_needs_no_pin(tmp_path):
+    # x (~1e3) -> Mul(x, x) -> s (~1e6) -> Div(s, c = 2e5) -> y : rescale x, c*2^-2k fits
+    model = as_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4, 8] x) => (float[4, 8] y) <float c = {200000.0}> {
+        [sq] s = Mul (x, x)
+        [scale] y = Div (s, c)
+    }
+    """)
+    from npuprep.analyse.measured import measured_findings
+
+    feeds = samples(3, (4, 8), 1000.0)
+    stats = calibrated(model, feeds, tmp_path)
+    findings = static_findings(model, GENERIC).merged(measured_findings(model, GENERIC, stats))
+    assert any(f.rule == "init.out_of_range" and f.tensor == "c" for f in findings)
+    plan = make_plan(model, GENERIC, stats, findings)
+    assert [a.action for a in plan.actions] == ["rescale"]
+    assert not plan.pins()
+    assert any("scales it to" in n and "c" in n for n in plan.notes)

@@ -444,3 +444,21 @@ def test_tied_weight_read_through_transpose_carries_the_scale_to_an_exit():
     feeds = {"x": RNG.normal(size=(2, 4)).astype(np.float32),
              "x2": RNG.normal(size=(2, 4)).astype(np.float32)}
     assert _same_function(model, result.model, feeds) <= 1e-5
+
+
+def test_constant_factor_absorbs_rather_than_an_output_exit():
+    # x -> Mul(x, x) -> s -> Div(s, c) -> y (graph output): c takes 2^-2k, no FP32 exit Mul
+    model = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4, 8] x) => (float[4, 8] y) <float c = {200000.0}> {
+        [sq] s = Mul (x, x)
+        [scale] y = Div (s, c)
+    }
+    """)
+    check = check_rescale(model, "x", 4)
+    assert check and check.exits == ()
+    assert [a.node for a in check.absorbers] == ["scale"]
+    result = apply_rescale(model, "x", 4)
+    assert result.details["scaled_constants"]["c"]["absmax"] == 200000.0 * 2.0**-8
+    feeds = {"x": (np.random.default_rng(0).standard_normal((4, 8)) * 1000).astype(np.float32)}
+    assert _same_function(model, result.model, feeds) <= 1e-6

@@ -161,10 +161,29 @@ def apply_rescale(model: onnx.ModelProto, entry: str, k: int) -> RewriteResult:
 def _solve(graph: gs.Graph, entry: str, k: int) -> _Solver:
     if not isinstance(k, int | np.integer) or k == 0:
         raise NpuprepError(f"rescale '{entry}': k must be a non-zero integer (got {k!r})")
-    absorb_at: set[int] = set()
+    best = _fixpoint(graph, entry, int(k), set())
+    if not best.check or not best.check.exits:
+        return best
+    # Absorbing at a constant factor is free, an FP32 exit at a graph output is not: let
+    # each Mul/Div by a constant that passed the scale on absorb it instead, where that
+    # leaves fewer exits and the analysis still succeeds.
+    candidates = [nid for nid, role in sorted(best.roles.items(), key=lambda r: best.order[r[0]])
+                  if role == "propagate" and best.nodes[nid].op in ("Mul", "Div")
+                  and best._const_index(best.nodes[nid]) is not None]
+    for nid in candidates:
+        try:
+            trial = _fixpoint(graph, entry, int(k), best.absorb_at | {nid})
+        except AssertionError:
+            continue
+        if trial.check and len(trial.check.exits) < len(best.check.exits):
+            best = trial
+    return best
+
+
+def _fixpoint(graph: gs.Graph, entry: str, k: int, absorb_at: set[int]) -> _Solver:
     propagate_at: set[int] = set()
     for _ in range(2 * len(graph.nodes) + 1):
-        solver = _Solver(graph, entry, int(k), absorb_at, propagate_at)
+        solver = _Solver(graph, entry, k, absorb_at, propagate_at)
         try:
             solver.run()
         except _Retry as retry:
