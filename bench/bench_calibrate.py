@@ -145,12 +145,24 @@ def build_big(width: int = 16384, layers: int = 2) -> onnx.ModelProto:
 
 
 def ensure_models() -> dict[str, Path]:
-    WORK.mkdir(parents=True, exist_ok=True)
+    """Build the models once, in a child process: Linux carries a parent's peak RSS into the
+    ru_maxrss of children it forks, so the parent must stay small."""
     paths = {"transformer": WORK / "transformer.onnx", "convnet": WORK / "convnet.onnx"}
-    for name, build in (("transformer", build_transformer), ("convnet", build_convnet)):
-        if not paths[name].exists():
-            onnx.save_model(build(), str(paths[name]))
+    if not all(p.exists() for p in paths.values()):
+        subprocess.run([sys.executable, __file__, "--build"], check=True)
     return paths
+
+
+def build_models() -> None:
+    WORK.mkdir(parents=True, exist_ok=True)
+    for name, build in (("transformer", build_transformer), ("convnet", build_convnet)):
+        path = WORK / f"{name}.onnx"
+        if not path.exists():
+            onnx.save_model(build(), str(path))
+    big = WORK / "big" / "big.onnx"
+    if not big.exists():
+        big.parent.mkdir(parents=True, exist_ok=True)
+        onnx.save_model(build_big(), str(big), save_as_external_data=True, location="big.onnx.data")
 
 
 def feeds(path: Path, n: int) -> list[dict[str, np.ndarray]]:
@@ -164,6 +176,7 @@ def child(method: str, path: Path, n: int) -> dict[str, float]:
     """Run one method over n samples in this process; seconds for setup and per sample."""
     samples = feeds(path, n)
     t0 = time.perf_counter()
+    c0 = time.process_time()
     if method == "plain":
         import onnxruntime as ort
 
@@ -171,26 +184,28 @@ def child(method: str, path: Path, n: int) -> dict[str, float]:
         opts.log_severity_level = 3
         session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         t1 = time.perf_counter()
+        c1 = time.process_time()
         for f in samples:
             session.run(None, f)
     elif method.startswith("npuprep"):
-        from npuprep.calibrate.run import _instrumented, fold
+        from npuprep.calibrate.run import fold, instrumented_session
         from npuprep.model_io import load_model
-        from npuprep.runtime.session import make_session
 
         model = load_model(path)
-        with _instrumented(model, method.split("-")[1]) as (inst, source):
-            session = make_session(source, optimize="all")
+        with instrumented_session(model, method.split("-")[1]) as (inst, open_session):
+            session = open_session(None)
             t1 = time.perf_counter()
+            c1 = time.process_time()
             fold(session, inst, samples)
     elif method == "polygraphy-markall":
-        from polygraphy.backend.onnx import ModifyOutputs, OnnxFromPath
+        from polygraphy.backend.onnx import BytesFromOnnx, ModifyOutputs, OnnxFromPath
         from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
         from polygraphy.constants import MARK_ALL
 
-        loader = SessionFromOnnx(ModifyOutputs(OnnxFromPath(str(path)), outputs=MARK_ALL))
+        loader = SessionFromOnnx(BytesFromOnnx(ModifyOutputs(OnnxFromPath(str(path)), outputs=MARK_ALL)))
         with OnnxrtRunner(loader) as runner:
             t1 = time.perf_counter()
+            c1 = time.process_time()
             ranges: dict[str, tuple[float, float]] = {}
             for f in samples:
                 for name, value in runner.infer(f).items():
@@ -218,12 +233,15 @@ def child(method: str, path: Path, n: int) -> dict[str, float]:
             calibrator = create_calibrator(str(path), [], augmented_model_path=str(Path(tmp) / "aug.onnx"),
                                            calibrate_method=CalibrationMethod.MinMax)
             t1 = time.perf_counter()
+            c1 = time.process_time()
             calibrator.collect_data(Reader())
             calibrator.compute_data()
     else:
         raise SystemExit(f"unknown method {method}")
     t2 = time.perf_counter()
-    return {"setup_s": t1 - t0, "per_sample_s": (t2 - t1) / n, "rss_mb": _rss_mb()}
+    c2 = time.process_time()
+    return {"setup_s": t1 - t0, "per_sample_s": (t2 - t1) / n, "cpu_per_sample_s": (c2 - c1) / n,
+            "rss_mb": _rss_mb(), "setup_cpu_s": c1 - c0}
 
 
 def _rss_mb() -> float:
@@ -243,8 +261,7 @@ def bench_big(n: int) -> dict[str, object]:
     folder = WORK / "big"
     model = folder / "big.onnx"
     if not model.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        onnx.save_model(build_big(), str(model), save_as_external_data=True, location="big.onnx.data")
+        subprocess.run([sys.executable, __file__, "--build"], check=True)
     size = sum(p.stat().st_size for p in folder.iterdir() if p.name.startswith("big.onnx"))
     stats = WORK / "big_stats.json"
     code = ("import resource, sys; from npuprep.cli.main import main; rc = main(sys.argv[1:]); "
@@ -261,12 +278,16 @@ def bench_big(n: int) -> dict[str, object]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", nargs=2, metavar=("METHOD", "MODEL"))
+    ap.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--big", action="store_true", help="also calibrate a >2 GB external-data model")
     ap.add_argument("--json", type=Path, default=WORK / "bench_calibrate.json")
     args = ap.parse_args()
+    if args.build:
+        build_models()
+        return
     if args.child:
         print(json.dumps(child(args.child[0], Path(args.child[1]), args.samples)))
         return
@@ -280,8 +301,7 @@ def main() -> None:
                 best = results[name].get(method)
                 if best is None or ("per_sample_s" in r and r["per_sample_s"] < best.get("per_sample_s", float("inf"))):
                     results[name][method] = r
-        sizes = {"bytes": path.stat().st_size, "nodes": len(onnx.load(str(path), load_external_data=False).graph.node)}
-        results[name]["_model"] = sizes  # type: ignore[assignment]
+        results[name]["_model"] = {"bytes": path.stat().st_size}  # type: ignore[assignment]
     report: dict[str, object] = {"samples": args.samples, "rounds": args.rounds, "cpus": os.cpu_count(),
                                  "load_average": os.getloadavg(), "results": results}
     if args.big:
@@ -294,19 +314,22 @@ def main() -> None:
 def print_table(report: dict) -> None:
     print(f"samples per method: {report['samples']}, rounds: {report['rounds']}, load average: "
           f"{', '.join(f'{v:.1f}' for v in report['load_average'])}")
-    print("| model | method | s / sample | x plain | setup s | peak RSS MB |")
-    print("|---|---|---|---|---|---|")
+    print("| model | method | wall s / sample | x plain | CPU s / sample | x plain (CPU) | setup s | peak RSS MB |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, methods in report["results"].items():
         plain = methods.get("plain", {}).get("per_sample_s")
+        plain_cpu = methods.get("plain", {}).get("cpu_per_sample_s")
         for method in METHODS:
             r = methods.get(method)
             if r is None:
                 continue
             if "error" in r:
-                print(f"| {name} | {method} | failed: {r['error']} | | | |")
+                print(f"| {name} | {method} | failed: {r['error']} | | | | | |")
                 continue
             ratio = f"{r['per_sample_s'] / plain:.2f}" if plain else "-"
-            print(f"| {name} | {method} | {r['per_sample_s']:.4f} | {ratio} | {r['setup_s']:.2f} | {r['rss_mb']:.0f} |")
+            ratio_cpu = f"{r['cpu_per_sample_s'] / plain_cpu:.2f}" if plain_cpu else "-"
+            print(f"| {name} | {method} | {r['per_sample_s']:.4f} | {ratio} | {r['cpu_per_sample_s']:.4f} | {ratio_cpu} "
+                  f"| {r['setup_s']:.2f} | {r['rss_mb']:.0f} |")
     if "big" in report:
         b = report["big"]
         print(f"\n>2 GB model: {b['model_bytes'] / 2**30:.2f} GiB, {b['samples']} samples, exit {b['exit']}, "

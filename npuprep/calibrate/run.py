@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import external_data_helper
+from onnx import external_data_helper, numpy_helper
 
 from npuprep.calibrate.instrument import Instrumented, instrument
 from npuprep.calibrate.stats import Accumulator, CalibrationStats
+from npuprep.cli.common import progress
 from npuprep.data import SampleSet
 from npuprep.errors import NpuprepError
-from npuprep.model_io import PROTOBUF_LIMIT, Model
+from npuprep.model_io import Model, load_model
 
 
 def calibrate(
@@ -37,17 +38,17 @@ def calibrate(
         raise NpuprepError(f"{model.path or 'model'}: calibration needs opset >= 13 (model has {model.opset})")
     count = len(samples)
     jobs = max(1, min(jobs, count))
-    with _instrumented(model, detail) as (inst, source):
-        if jobs == 1:
-            acc = _run_range(source, inst, samples, 0, count, show_progress, threads=None)
-        else:
-            acc = _run_parallel(source, inst, samples, jobs)
+    if jobs == 1:
+        with instrumented_session(model, detail) as (inst, open_session):
+            feeds = progress(samples.iter_range(0, count), count, "calibrating", show_progress)
+            acc = fold(open_session(None), inst, feeds)
+    else:
+        inst, acc = _run_parallel(model, samples, jobs, detail)
     stats = {}
-    names = [s.tensor for s in inst.slots]
     keys = _keys(inst)
     for i, slot in enumerate(inst.slots):
         stats[keys[i]] = acc.row(i, slot.tensor, slot.scope, slot.node)
-    row_of = {name: i for i, name in enumerate(names)}
+    row_of = {slot.tensor: i for i, slot in enumerate(inst.slots)}
     for tensor, root in inst.alias_of.items():
         slot = inst.aliases[tensor]
         stats[tensor] = acc.row(row_of[root], slot.tensor, slot.scope, slot.node)
@@ -57,18 +58,24 @@ def calibrate(
     )
 
 
-@contextmanager
-def _instrumented(model: Model, detail: str) -> Iterator[tuple[Instrumented, onnx.ModelProto | str]]:
-    """The instrumented model and what a session is made from.
+SessionFactory = Callable[[int | None], object]
 
-    A model whose weights live in external data is instrumented without loading them: the
-    instrumented graph is written next to the model (so the data file resolves) and the
-    session maps the weights from disk, instead of copying gigabytes in memory.
+
+@contextmanager
+def instrumented_session(model: Model, detail: str) -> Iterator[tuple[Instrumented, SessionFactory]]:
+    """The instrumented model and a function that opens a session on it (threads -> session).
+
+    The weights never pass through a second protobuf copy: a model with external data is
+    instrumented without loading them (the graph is written next to the model, so the data
+    file resolves), any other model is instrumented as a weightless skeleton and onnxruntime
+    gets its weights as arrays. Peak memory stays near a plain session's.
     """
+    from npuprep.runtime.session import make_session, make_session_external
+
     path = Path(model.path) if model.path else None
     if path is not None and path.is_file():
         light = onnx.load(str(path), load_external_data=False)
-        if any(t.data_location == onnx.TensorProto.EXTERNAL for t in external_data_helper._get_all_tensors(light)):
+        if _has_external(light):
             inst = instrument(light, detail=detail)
             try:
                 fd, name = tempfile.mkstemp(prefix=f".{path.stem}.npuprep-calibrate-", suffix=".onnx", dir=path.parent)
@@ -78,12 +85,52 @@ def _instrumented(model: Model, detail: str) -> Iterator[tuple[Instrumented, onn
             if name is not None:
                 try:
                     onnx.save_model(inst.model, name)
-                    yield inst, name
+                    yield inst, lambda threads: make_session(name, threads=threads, optimize="all")
                 finally:
                     os.unlink(name)
                 return
-    inst = instrument(model.proto, detail=detail)
-    yield inst, inst.model
+    skeleton, weights = _split_weights(model.proto)
+    inst = instrument(skeleton, detail=detail)
+    yield inst, lambda threads: make_session_external(inst.model, weights, threads=threads, optimize="all")
+
+
+# Initialisers above this size reach onnxruntime as arrays, not inside the serialised graph.
+_INLINE_BYTES = 4096
+
+
+def _split_weights(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """A copy of the model without its large main-graph initialisers (declared as external
+    data instead), and those initialisers as arrays."""
+    skeleton = onnx.ModelProto()
+    _copy_fields(proto, skeleton, skip="graph")
+    _copy_fields(proto.graph, skeleton.graph, skip="initializer")
+    weights: dict[str, np.ndarray] = {}
+    for init in proto.graph.initializer:
+        if init.ByteSize() <= _INLINE_BYTES or init.data_location == onnx.TensorProto.EXTERNAL:
+            skeleton.graph.initializer.append(init)
+            continue
+        weights[init.name] = numpy_helper.to_array(init)
+        placeholder = skeleton.graph.initializer.add()
+        placeholder.name, placeholder.data_type = init.name, init.data_type
+        placeholder.dims.extend(init.dims)
+        placeholder.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", "npuprep-in-memory"), ("offset", "0"), ("length", str(weights[init.name].nbytes))):
+            entry = placeholder.external_data.add()
+            entry.key, entry.value = key, value
+    return skeleton, weights
+
+
+def _copy_fields(src, dst, skip: str) -> None:  # noqa: ANN001 - any protobuf message pair
+    for fd, value in src.ListFields():
+        if fd.name == skip:
+            continue
+        target = getattr(dst, fd.name)
+        if type(value).__name__.startswith("Repeated"):
+            target.extend(value)
+        elif hasattr(value, "CopyFrom"):
+            target.CopyFrom(value)
+        else:
+            setattr(dst, fd.name, value)
 
 
 def _keys(inst: Instrumented) -> list[str]:
@@ -92,23 +139,6 @@ def _keys(inst: Instrumented) -> list[str]:
     for s in inst.slots:
         seen[s.tensor] = seen.get(s.tensor, 0) + 1
     return [s.tensor if seen[s.tensor] == 1 else f"{s.scope}/{s.tensor}" for s in inst.slots]
-
-
-def _run_range(
-    source: onnx.ModelProto | str,
-    inst: Instrumented,
-    samples: SampleSet,
-    start: int,
-    stop: int,
-    show_progress: bool,
-    threads: int | None,
-) -> Accumulator:
-    from npuprep.cli.common import progress
-    from npuprep.runtime.session import make_session
-
-    session = make_session(source, threads=threads, optimize="all")
-    feeds = progress(samples.iter_range(start, stop), stop - start, "calibrating", show_progress)
-    return fold(session, inst, feeds, start)
 
 
 def fold(session: object, inst: Instrumented, feeds: Iterable[dict[str, np.ndarray]], start: int = 0) -> Accumulator:
@@ -123,30 +153,35 @@ def fold(session: object, inst: Instrumented, feeds: Iterable[dict[str, np.ndarr
     return acc
 
 
-def _worker(args: tuple[onnx.ModelProto | str, Instrumented, SampleSet, int, int, int]) -> Accumulator:
-    path, inst, samples, start, stop, threads = args
-    return _run_range(path, inst, samples, start, stop, False, threads)
+def _worker(args: tuple[str, str, SampleSet, int, int, int]) -> Accumulator:
+    """One sample range in its own process: load, instrument (deterministic), fold."""
+    path, detail, samples, start, stop, threads = args
+    model = load_model(path)
+    with instrumented_session(model, detail) as (inst, open_session):
+        return fold(open_session(threads), inst, samples.iter_range(start, stop), start)
 
 
-def _run_parallel(
-    source: onnx.ModelProto | str, inst: Instrumented, samples: SampleSet, jobs: int
-) -> Accumulator:
-    """One process per contiguous sample range; the instrumented model goes through a file."""
+def _run_parallel(model: Model, samples: SampleSet, jobs: int, detail: str) -> tuple[Instrumented, Accumulator]:
+    """Contiguous sample ranges, one process each; every worker reads the model from a file."""
+    from npuprep.model_io import save_model
+
     count = len(samples)
     bounds = np.linspace(0, count, jobs + 1).astype(int)
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    # The workers read the graph from a file, not through pickling.
-    light = Instrumented(onnx.ModelProto(), inst.outputs, inst.slots, inst.aliases, inst.alias_of, inst.unobserved)
     with tempfile.TemporaryDirectory(prefix="npuprep-cal-") as tmp:
-        if not isinstance(source, str):
-            path = Path(tmp) / "instrumented.onnx"
-            big = source.ByteSize() > PROTOBUF_LIMIT - 64 * 2**20
-            onnx.save_model(source, str(path), save_as_external_data=big, location="instrumented.onnx.data")
-            source = str(path)
-        work = [(source, light, samples, int(a), int(b), threads) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        path = model.path
+        if not path or not Path(path).is_file():
+            path = str(save_model(model.proto, Path(tmp) / "model.onnx"))
+        work = [(path, detail, samples, int(a), int(b), threads) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         with ProcessPoolExecutor(max_workers=jobs) as pool:
             parts = list(pool.map(_worker, work))
+        light = onnx.load(path, load_external_data=False)
+        inst = instrument(_split_weights(light)[0] if not _has_external(light) else light, detail=detail)
     acc = parts[0]
     for part in parts[1:]:
         acc.merge(part)
-    return acc
+    return inst, acc
+
+
+def _has_external(proto: onnx.ModelProto) -> bool:
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in external_data_helper._get_all_tensors(proto))

@@ -69,3 +69,31 @@ def run(
     names = list(outputs) if outputs is not None else [o.name for o in session.get_outputs()]
     values = session.run(names, feeds)
     return dict(zip(names, values, strict=True))
+
+
+def make_session_external(
+    skeleton: onnx.ModelProto,
+    weights: dict[str, np.ndarray],
+    *,
+    threads: int | None = None,
+    optimize: bool | str = True,
+) -> ort.InferenceSession:
+    """A session whose large initialisers come from numpy arrays held in memory.
+
+    `skeleton` declares each of them as external data (any location); onnxruntime takes the
+    arrays as they are instead of parsing a second copy out of a serialised model, which
+    keeps peak memory near a session loaded from a file. The session keeps the arrays alive.
+    """
+    opts = session_options(threads=threads, optimize=optimize)
+    names = list(weights)
+    values = [ort.OrtValue.ortvalue_from_numpy(weights[n]) for n in names]
+    opts.add_external_initializers(names, values)
+    try:
+        session = ort.InferenceSession(skeleton.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    except (ort.capi.onnxruntime_pybind11_state.Fail,
+            ort.capi.onnxruntime_pybind11_state.InvalidGraph,
+            ort.capi.onnxruntime_pybind11_state.NotImplemented) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise NpuprepError(f"onnxruntime cannot load the model: {first}") from None
+    session._npuprep_weights = (values, weights)  # type: ignore[attr-defined]
+    return session
