@@ -366,10 +366,15 @@ def _detail(
     ]
     hist = n("hist")
     if ctx.opset >= 16:
-        shape, ones = n("shape"), n("ones")
+        # The 1 that Expand repeats is computed from the data (max is never NaN here): from a
+        # constant, onnxruntime would fold Expand into an int64 tensor per observed tensor.
+        max_nan, real, one, shape, ones = n("max_nan"), n("real"), n("one"), n("shape"), n("ones")
         nodes += [
+            helper.make_node("IsNaN", [fx], [max_nan]),
+            helper.make_node("Not", [max_nan], [real]),
+            helper.make_node("Cast", [real], [one], to=TensorProto.INT64),
             helper.make_node("Shape", [idx], [shape]),
-            helper.make_node("Expand", [_CONST_ONE_I64, shape], [ones]),
+            helper.make_node("Expand", [one, shape], [ones]),
             helper.make_node("ScatterElements", [_CONST_HIST_ZEROS, idx, ones], [hist], reduction="add"),
         ]
     else:
