@@ -2,14 +2,16 @@
 
 Side by side in one run, each phase in its own child process (so its peak RSS is its own):
   plain-ref   FP32 model: session + N samples
-  plain-emu   its emulation: session + N samples
-  compare     compare_models(ref, emulation): merged graph, session, N samples
-  isolate     the same with --isolate
-Reported: wall seconds per phase (model in memory -> result, session creation included),
-per-sample seconds after a warm-up run (median and min), peak RSS, and the ratio
-compare / (plain-ref + plain-emu).
+  plain-emu   its FP16 emulation: session + N samples
+  compare     compare_models(ref, emulation): merged graph, session, N samples, result
+  isolate     the same with isolate=True
+  steady      per-sample time of the four sessions run round robin in one process (other
+              load on a shared machine then hits them alike)
+Reported: wall seconds (models in memory -> result, session creation included), per-sample
+milliseconds (min and median after a warm-up round), peak RSS, and the ratios to
+plain-ref + plain-emu.
 
-    .venv/bin/python bench/bench_compare.py [--layers 4] [--samples 8] [--threads 2] [--rounds 3]
+    .venv/bin/python bench/bench_compare.py [--layers 4] [--samples 8] [--threads 2]
 """
 
 from __future__ import annotations
@@ -85,58 +87,60 @@ def peak_rss_mb() -> float:
 
 
 def phase(name: str, count: int, threads: int | None) -> dict[str, float]:
-    """One measured phase, run in this (child) process."""
+    """One measured phase, run in this (child) process: wall time from models in memory to
+    result (session creation included) and the process's peak RSS."""
     from npuprep.numerics import get_format
     from npuprep.runtime.session import make_session, run
     from npuprep.verify.compare import compare_models
-    from npuprep.verify.merge import merged_graph
 
     ref = onnx.load(str(WORK / "ref.onnx"))
-    feeds = samples(count)
-    if name in ("plain-ref", "plain-emu"):
-        model = ref if name == "plain-ref" else onnx.load(str(WORK / "emu.onnx"))
-        t_load = time.perf_counter()
-        session = make_session(model, threads=threads)
-        t_session = time.perf_counter()
-        steps = []
-        for feed in feeds:
-            t = time.perf_counter()
-            run(session, feed)
-            steps.append(time.perf_counter() - t)
-        return {"wall_s": time.perf_counter() - t_load, "session_s": t_session - t_load,
-                **_steady(steps), "peak_rss_mb": peak_rss_mb()}
     emu = onnx.load(str(WORK / "emu.onnx"))
-    t_load = time.perf_counter()
-    isolate = name == "isolate"
-    result = compare_models(ref, emu, feeds, rtol=1e-2, atol=1e-3, fmt=get_format("fp16"), isolate=isolate,
-                            threads=threads)
-    wall = time.perf_counter() - t_load
-    # Steady state of the merged graph alone (the part that scales with the samples).
-    from npuprep.verify.compare import _pairs
-
-    pairs = _pairs(ref, emu, {})[0]
-    model, layout = merged_graph(ref, emu, pairs, limit=65504.0, isolate=isolate)
-    session = make_session(model, threads=threads)
-    steps = []
-    for feed in feeds:
-        t = time.perf_counter()
-        run(session, feed, list(layout.stats))
-        steps.append(time.perf_counter() - t)
-    return {"wall_s": wall, **_steady(steps), "peak_rss_mb": peak_rss_mb(),
+    feeds = samples(count)
+    if name == "steady":
+        return steady(ref, emu, feeds, threads)
+    t0 = time.perf_counter()
+    if name in ("plain-ref", "plain-emu"):
+        session = make_session(ref if name == "plain-ref" else emu, threads=threads)
+        for feed in feeds:
+            run(session, feed)
+        return {"wall_s": time.perf_counter() - t0, "peak_rss_mb": peak_rss_mb()}
+    result = compare_models(ref, emu, feeds, rtol=1e-2, atol=1e-3, fmt=get_format("fp16"),
+                            isolate=name == "isolate", threads=threads)
+    return {"wall_s": time.perf_counter() - t0, "peak_rss_mb": peak_rss_mb(),
             "tensors": len(result.tensors), "passed": bool(result)}
 
 
-def _steady(steps: list[float]) -> dict[str, float]:
-    """Per-sample time after the first (warm-up) run: median and min (least disturbed)."""
-    rest = sorted(steps[1:]) or steps
-    return {"per_sample_s": rest[len(rest) // 2], "per_sample_min_s": rest[0]}
+def steady(ref: onnx.ModelProto, emu: onnx.ModelProto, feeds: list, threads: int | None) -> dict[str, float]:
+    """Per-sample time of the four sessions, run round robin on the same samples so that
+    load from other processes hits all of them alike; min and median over the runs."""
+    from npuprep.runtime.session import make_session, run
+    from npuprep.verify.compare import _layout_aliases, _pairs, _session
+    from npuprep.verify.merge import merged_graph
+
+    pairs = _layout_aliases(ref, emu, _pairs(ref, emu, {})[0], {})[0]
+    sessions = {"plain-ref": (make_session(ref, threads=threads), None),
+                "plain-emu": (make_session(emu, threads=threads), None)}
+    for name, isolate in (("compare", False), ("isolate", True)):
+        model, layout = merged_graph(ref, emu, pairs, limit=65504.0, isolate=isolate)
+        sessions[name] = (_session(model, threads), list(layout.stats))
+    times: dict[str, list[float]] = {name: [] for name in sessions}
+    for i, feed in enumerate(feeds):
+        for name, (session, outputs) in sessions.items():
+            t = time.perf_counter()
+            run(session, feed, outputs)
+            if i:  # the first round warms up
+                times[name].append(time.perf_counter() - t)
+    out = {}
+    for name, ts in times.items():
+        ts.sort()
+        out[name + "_min_s"], out[name + "_median_s"] = ts[0], ts[len(ts) // 2]
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; best of each phase kept")
     ap.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: its default)")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -159,29 +163,25 @@ def main() -> int:
           f"{args.threads or 'default'}")
     print(f"model: {args.layers}-layer encoder, {size_mb:.0f} MB, {len(ref.graph.node)} nodes; "
           f"emulation {len(emu.graph.node)} nodes; {args.samples} samples of [1, {SEQ}, {HIDDEN}]")
-    # Phases interleave over rounds; each keeps its best round (least disturbed by neighbours).
     results: dict[str, dict] = {}
-    for _ in range(args.rounds):
-        for name in ("plain-ref", "plain-emu", "compare", "isolate"):
-            proc = subprocess.run([sys.executable, __file__, "--phase", name, "--samples", str(args.samples),
-                                   "--threads", str(args.threads)],
-                                  capture_output=True, text=True, check=True)
-            r = json.loads(proc.stdout.strip().splitlines()[-1])
-            print(name, r, flush=True)
-            best = results.setdefault(name, r)
-            for key in ("wall_s", "per_sample_s", "per_sample_min_s", "peak_rss_mb"):
-                best[key] = min(best[key], r[key]) if key != "peak_rss_mb" else max(best[key], r[key])
-    plain_wall = results["plain-ref"]["wall_s"] + results["plain-emu"]["wall_s"]
-    plain_step = results["plain-ref"]["per_sample_s"] + results["plain-emu"]["per_sample_s"]
-    plain_min = results["plain-ref"]["per_sample_min_s"] + results["plain-emu"]["per_sample_min_s"]
-    for name in ("compare", "isolate"):
-        r = results[name]
-        print(f"{name}: wall {r['wall_s']:.2f} s vs plain ref+emu {plain_wall:.2f} s = "
-              f"{r['wall_s'] / plain_wall:.2f}x; per sample {r['per_sample_s'] * 1e3:.0f} ms vs "
-              f"{plain_step * 1e3:.0f} ms = {r['per_sample_s'] / plain_step:.2f}x (min: "
-              f"{r['per_sample_min_s'] / plain_min:.2f}x); peak RSS "
-              f"{r['peak_rss_mb']:.0f} MB (plain ref {results['plain-ref']['peak_rss_mb']:.0f}, "
-              f"emu {results['plain-emu']['peak_rss_mb']:.0f})")
+    for name in ("plain-ref", "plain-emu", "compare", "isolate", "steady"):
+        proc = subprocess.run([sys.executable, __file__, "--phase", name, "--samples", str(args.samples),
+                               "--threads", str(args.threads)],
+                              capture_output=True, text=True, check=True)
+        results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(name, results[name], flush=True)
+    wall = {k: results[k]["wall_s"] for k in ("plain-ref", "plain-emu", "compare", "isolate")}
+    rss = {k: results[k]["peak_rss_mb"] for k in wall}
+    st = results["steady"]
+    plain_wall = wall["plain-ref"] + wall["plain-emu"]
+    print("| phase | wall (s) | x plain ref+emu | per sample min / median (ms) | x plain ref+emu (min) | peak RSS (MB) |")
+    print("|---|---|---|---|---|---|")
+    plain_min = st["plain-ref_min_s"] + st["plain-emu_min_s"]
+    for name in wall:
+        ratio = f"{wall[name] / plain_wall:.2f}" if name in ("compare", "isolate") else ""
+        step = f"{st[name + '_min_s'] * 1e3:.0f} / {st[name + '_median_s'] * 1e3:.0f}"
+        sratio = f"{st[name + '_min_s'] / plain_min:.2f}" if name in ("compare", "isolate") else ""
+        print(f"| {name} | {wall[name]:.2f} | {ratio} | {step} | {sratio} | {rss[name]:.0f} |")
     return 0
 
 

@@ -93,22 +93,62 @@ def merged_graph(
     body = onnx.GraphProto()
     body.CopyFrom(cand.graph)
     _rename(body, cand_name, cand_name, CAND)
-    g.node.extend(cast_nodes)
-    g.node.extend(body.node)
     g.initializer.extend(body.initializer)
     g.sparse_initializer.extend(body.sparse_initializer)
     _merge_opsets(out, cand)
 
+    ref_nodes = [_copy(n) for n in g.node]
+    cand_nodes = cast_nodes + list(body.node)
     red = _Reductions(g, limit)
+    iso_nodes: list[onnx.NodeProto] = []
     if isolate:
+        red.sink = iso_nodes
         _add_isolated_copy(g, cand, pairs, shared, red)
+    per_pair: dict[int, list[onnx.NodeProto]] = {}
+    iso_reductions: list[onnx.NodeProto] = []
     for row, pair in enumerate(pairs):
         if base or pair.name in detail:
-            red.compare(row, pair, isolate=isolate, base=base, detail=pair.name in detail)
+            per_pair[row] = []
+            red.compare(row, pair, isolate=isolate, base=base, detail=pair.name in detail,
+                        sink=per_pair[row], iso_sink=iso_reductions)
     layout = red.finish()
+    ordered = _interleave(ref_nodes, cand_nodes, pairs, per_pair) + iso_nodes + iso_reductions
+    del g.node[:]
+    g.node.extend(ordered)
     # Node outputs stay typed only through inference; stale value_info could contradict.
     del g.value_info[:]
     return out, layout
+
+
+def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
+    copy = onnx.NodeProto()
+    copy.CopyFrom(node)
+    return copy
+
+
+def _interleave(ref_nodes: list[onnx.NodeProto], cand_nodes: list[onnx.NodeProto],
+                pairs: list[Pair], per_pair: dict[int, list[onnx.NodeProto]]) -> list[onnx.NodeProto]:
+    """Both models' nodes in step, each tensor's reductions right after both sides wrote it.
+
+    Reading an activation while it is still in cache, and releasing it early, is cheaper
+    than keeping every activation of both models alive until reductions at the end.
+    """
+    ref_at = {o: i for i, n in enumerate(ref_nodes) for o in n.output if o}
+    cand_at = {o: i for i, n in enumerate(cand_nodes) for o in n.output if o}
+    after_ref: dict[int, list[int]] = {}
+    for row in per_pair:
+        after_ref.setdefault(ref_at.get(pairs[row].name, len(ref_nodes)), []).append(row)
+    ordered: list[onnx.NodeProto] = []
+    emitted = 0
+    for i in [*range(len(ref_nodes)), len(ref_nodes)]:
+        if i < len(ref_nodes):
+            ordered.append(ref_nodes[i])
+        for row in after_ref.get(i, []):
+            need = cand_at.get(CAND + pairs[row].name, len(cand_nodes) - 1)
+            ordered += cand_nodes[emitted:need + 1]
+            emitted = max(emitted, need + 1)
+            ordered += per_pair[row]
+    return ordered + cand_nodes[emitted:]
 
 
 def _rename(graph: onnx.GraphProto, read: Callable[[str], str], write: Callable[[str], str],
@@ -147,9 +187,8 @@ def _merge_opsets(out: onnx.ModelProto, other: onnx.ModelProto) -> None:
     out.functions.extend(f for f in other.functions if (f.domain, f.name) not in known)
 
 
-def _rounding_of(cand: onnx.ModelProto, name: str) -> list[onnx.NodeProto]:
+def _rounding_of(producer: dict[str, onnx.NodeProto], name: str) -> list[onnx.NodeProto]:
     """The candidate's rounding of `name`: [Clip?, Cast(low), Cast(float)] when it has one."""
-    producer = {o: n for n in cand.graph.node for o in n.output if o}
     up = producer.get(name)
     if up is None or up.op_type != "Cast" or _to(up) != TensorProto.FLOAT:
         return []
@@ -207,7 +246,8 @@ def _add_isolated_copy(g: onnx.GraphProto, cand: onnx.ModelProto, pairs: list[Pa
                 stack.append(producer[n])
     for pair in pairs:
         src = red.scaled(pair.name, pair.scale)
-        for node in _rounding_of(cand, pair.name):
+        rounding = _rounding_of(producer, pair.name)
+        for node in rounding:
             copy = onnx.NodeProto()
             copy.CopyFrom(node)
             copy.name = ISO_IN + node.name
@@ -216,20 +256,20 @@ def _add_isolated_copy(g: onnx.GraphProto, cand: onnx.ModelProto, pairs: list[Pa
                 copy.input[1], copy.input[2] = CAND + node.input[1], CAND + node.input[2]
             src = ISO_IN + node.output[0] + "__r"
             copy.output[0] = src
-            g.node.append(copy)
-        if not _rounding_of(cand, pair.name) and pair.cand_type != TensorProto.FLOAT:
+            red.sink.append(copy)
+        if not rounding and pair.cand_type != TensorProto.FLOAT:
             cast = ISO_IN + pair.name + "__cast"
-            g.node.append(helper.make_node("Cast", [src], [cast], to=pair.cand_type,
-                                           name=ISO_IN + "cast_" + pair.name))
+            red.sink.append(helper.make_node("Cast", [src], [cast], to=pair.cand_type,
+                                             name=ISO_IN + "cast_" + pair.name))
             src = cast
-        g.node.append(helper.make_node("Identity", [src], [ISO_IN + pair.name],
-                                       name=ISO_IN + "feed_" + pair.name))
+        red.sink.append(helper.make_node("Identity", [src], [ISO_IN + pair.name],
+                                         name=ISO_IN + "feed_" + pair.name))
     body = onnx.GraphProto()
     body.node.extend(n for n in cand.graph.node if id(n) in needed)
     used = {i for n in body.node for i in list(n.input) + sorted(_captured_names(n))}
     body.initializer.extend(i for i in cand.graph.initializer if i.name in used)
     _rename(body, read, write, ISO)
-    g.node.extend(body.node)
+    red.sink.extend(body.node)
     g.initializer.extend(body.initializer)
 
 
@@ -248,6 +288,7 @@ class _Reductions:
         self.sizes: dict[int, tuple[str, str, str]] = {}
         self.detail: list[str] = []
         self.counter = 0
+        self.sink: list[onnx.NodeProto] = []
         self._const("zero", np.array(0.0, np.float32))
         if limit is not None:
             self._const("limit", np.array(limit, np.float32))
@@ -259,7 +300,7 @@ class _Reductions:
     def _node(self, op: str, inputs: list[str], **attrs: object) -> str:
         self.counter += 1
         out = f"{RED}{op.lower()}{self.counter}"
-        self.g.node.append(helper.make_node(op, inputs, [out], name=out, **attrs))
+        self.sink.append(helper.make_node(op, inputs, [out], name=out, **attrs))
         return out
 
     def as_float(self, name: str, elem_type: int) -> str:
@@ -279,7 +320,10 @@ class _Reductions:
     def _extremes(self, x: str) -> list[str]:
         return [self._reduce("ReduceMax", x), self._reduce("ReduceMin", x)]
 
-    def compare(self, row: int, pair: Pair, *, isolate: bool, base: bool, detail: bool) -> None:
+    def compare(self, row: int, pair: Pair, *, isolate: bool, base: bool, detail: bool,
+                sink: list[onnx.NodeProto], iso_sink: list[onnx.NodeProto]) -> None:
+        """Reductions of one pair into `sink`; those reading the isolated copy into `iso_sink`."""
+        self.sink = sink
         r = self.as_float(pair.name, pair.ref_type)
         c_stored = self.as_float(CAND + pair.name, pair.cand_type)
         c = self.scaled(c_stored, 1.0 / pair.scale)
@@ -292,9 +336,11 @@ class _Reductions:
                 self.sizes[row] = (self._node("Size", [pair.name]), self._node("Size", [CAND + pair.name]),
                                    self._node("Size", [d]))
             if isolate:
+                self.sink = iso_sink
                 i = self.scaled(self.as_float(ISO + pair.name, pair.cand_type), 1.0 / pair.scale)
                 di = self._node("Sub", [i, r])
                 self.stats += [self._reduce("ReduceSumSquare", di), *self._extremes(di)]
+                self.sink = sink
         if detail:
             self.detail += [
                 self._count(self._node("IsInf", [c_stored])),
