@@ -117,20 +117,21 @@ def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: _Ctx) -> tuple[st
     """Add statistics to one graph; returns the names of its FX, FN, I vectors and their rows."""
     original = list(graph.node)
     made = producers(graph)
-    local = {i.name for i in graph.input} | {o for n in original for o in n.output if o}
     inits = {i.name for i in graph.initializer}
     pieces: list[tuple[str, str, str]] = []
     slots: list[Slot] = []
     new_nodes: list[onnx.NodeProto] = []
 
+    observed: set[str] = set()
+
     def observe(tensor: str, node_name: str) -> None:
         elem = ctx.types.get(tensor)
         if elem not in FLOAT_ONNX_TYPES:
             return
+        observed.add(tensor)
         src = _alias_source(made.get(tensor), ctx)
-        if src is not None and src in local and src not in inits:
-            root = ctx.alias_of.get(src, src)
-            ctx.alias_of[tensor] = root
+        if src is not None and src in observed:
+            ctx.alias_of[tensor] = ctx.alias_of.get(src, src)
             ctx.aliases[tensor] = Slot(tensor, scope, node_name)
             return
         nodes, piece = _tensor_stats(tensor, elem, ctx)
@@ -183,12 +184,6 @@ def _alias_source(node: onnx.NodeProto | None, ctx: _Ctx) -> str | None:
         if to in _WIDENING.get(ctx.types.get(node.input[0], -1), set()):
             return node.input[0]
     return None
-
-
-def _const(graph_inits: list[onnx.TensorProto], ctx: _Ctx, value: np.ndarray, stem: str) -> str:
-    name = ctx.name(stem)
-    graph_inits.append(numpy_helper.from_array(value, name))
-    return name
 
 
 def _tensor_stats(tensor: str, elem: int, ctx: _Ctx) -> tuple[list[onnx.NodeProto], tuple[str, str, str]]:
@@ -421,7 +416,6 @@ _CONST_NEG_INF = "__npuprep_c_neg_inf"
 _CONST_POS_INF = "__npuprep_c_pos_inf"
 _CONST_INV_LN2 = "__npuprep_c_inv_ln2"
 _CONST_OFFSET = "__npuprep_c_offset"
-_CONST_ONE_I64 = "__npuprep_c_one_i64"
 _CONST_HIST_ZEROS = "__npuprep_c_hist_zeros"
 _CONST_ZERO_I64_1 = "__npuprep_c_zero_i64"
 _CONST_BIN_LO = "__npuprep_c_bin_lo"
@@ -447,7 +441,6 @@ def shared_constants() -> list[onnx.TensorProto]:
         _CONST_POS_INF: np.array(np.inf, np.float32),
         _CONST_INV_LN2: np.array(1.0 / math.log(2.0), np.float32),
         _CONST_OFFSET: np.array(HIST_OFFSET, np.float32),
-        _CONST_ONE_I64: np.array(1, np.int64),
         _CONST_HIST_ZEROS: np.zeros(HIST_BINS, np.int64),
         _CONST_ZERO_I64_1: np.zeros(1, np.int64),
         _CONST_BIN_LO: np.array(-HIST_OFFSET, np.float32),
@@ -543,7 +536,7 @@ def _wire_carried(
         n_state = len(node.input) - n_scan
         in_at, out_at, body_in_at, body_out_at = n_state, n_state, n_state, n_state
     _insert(node.input, in_at, init_names)
-    _pad_outputs(node, out_at, outs)
+    _insert(node.output, out_at, outs)
     new_in = [helper.make_tensor_value_info(nm, el, [d]) for nm, el, d in zip(prev, elems, dims, strict=True)]
     new_out = [helper.make_tensor_value_info(nm, el, [d]) for nm, el, d in zip(merged, elems, dims, strict=True)]
     _insert(body.input, body_in_at, new_in)
@@ -556,7 +549,3 @@ def _insert(repeated, at: int, items: list) -> None:  # noqa: ANN001 - protobuf 
     del repeated[at:]
     repeated.extend(items)
     repeated.extend(tail)
-
-
-def _pad_outputs(node: onnx.NodeProto, at: int, names: list[str]) -> None:
-    _insert(node.output, at, names)
