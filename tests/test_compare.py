@@ -100,7 +100,7 @@ def test_isolation_separates_own_error_from_accumulated_error():
         ref, cand, SAMPLES, rtol=1, atol=1).tensor("b").to_dict()
 
 
-def test_isolation_rounds_the_reference_inputs_like_the_emulated_candidate():
+def test_isolation_charges_an_overflow_to_its_producer():
     # x -> Mul(x, x) -> sq -> Sub(sq, x) -> y : with FP16 inputs Sub sees rounded sq
     model = model_from_text("""
     <ir_version: 8, opset_import: ["" : 17]>
@@ -114,6 +114,26 @@ def test_isolation_rounds_the_reference_inputs_like_the_emulated_candidate():
     assert sq.inf_count == 1 and not sq and not y
     assert y.isolated_rel_l2 is not None and math.isinf(y.isolated_max_abs_error)
     assert result.first_divergent.node == "square"
+
+
+def test_isolation_feeds_rounded_reference_inputs_so_cancellation_shows_where_it_happens():
+    # x -> Mul(x, one) -> a (1.0001, stored as 1.0 in FP16) -> Sub(a, one) -> b (1e-4 vs 0)
+    model = model_from_text("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[1] x) => (float[1] b) <float one = {1.0}> {
+      [copy] a = Mul(x, one)
+      [cancel] b = Sub(a, one)
+    }""")
+    # The input is rounded too, so feed a value FP16 holds exactly and let Mul make 1.0001.
+    model.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(np.array(1.0001, np.float32), "one"))
+    model.graph.node[1].input[1] = "unit"
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.array(1.0, np.float32), "unit"))
+    result = compare_emulated(model, load_profile("generic"), [{"x": np.array([1.0], np.float32)}],
+                              isolate=True, rtol=1e-2, atol=1e-6)
+    a, b = result.tensor("a"), result.tensor("b")
+    assert a.isolated_rel_l2 == pytest.approx(a.rel_l2) and a.rel_l2 < 1e-3
+    # The Sub's own error is the whole error: it cancels the rounding of its input.
+    assert b.isolated_rel_l2 == pytest.approx(1.0, rel=1e-2) and result.first_divergent.node == "cancel"
 
 
 def test_tensor_scales_map_a_rescaled_candidate_back():
@@ -246,23 +266,30 @@ def test_different_opsets_are_brought_together():
 
 
 def test_subgraph_tensors_and_unshared_tensors_are_reported_not_skipped_silently():
-    # c ? (x -> Mul(x, x) -> t) : (x -> Add(x, x) -> e) -> y -> Relu -> z
+    # c ? (x -> Mul(x, x) -> t) : (x -> Add(x, x) -> e) -> y -> Div(y, 16) -> z
     then_g = helper.make_graph([helper.make_node("Mul", ["x", "x"], ["t"])], "then", [],
                                [helper.make_tensor_value_info("t", TensorProto.FLOAT, [2])])
     else_g = helper.make_graph([helper.make_node("Add", ["x", "x"], ["e"])], "else", [],
                                [helper.make_tensor_value_info("e", TensorProto.FLOAT, [2])])
     nodes = [helper.make_node("If", ["c"], ["y"], name="branch", then_branch=then_g, else_branch=else_g),
-             helper.make_node("Relu", ["y"], ["z"], name="relu")]
+             helper.make_node("Div", ["y", "sixteen"], ["z"], name="shrink")]
     model = helper.make_model(
         helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
                                        helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
-                          [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2])]),
+                          [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2])],
+                          [onnx.numpy_helper.from_array(np.array(16.0, np.float32), "sixteen")]),
         opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     samples = [{"x": np.array([300.0, 1.0], np.float32), "c": np.array(True)}]
-    result = compare_emulated(model, load_profile("generic"), samples)
+    result = compare_emulated(model, load_profile("generic"), samples, isolate=True)
     assert {t.tensor for t in result.tensors} == {"y", "z"}
     assert result.first_divergent.node == "branch"
     assert "inside main/branch.then_branch" in result.unobserved["t"]
+    # Isolated, the If (its body included) overflows on its own; the Div, fed y = 90000
+    # exactly (beyond FP16, so not rounded), brings it back in range: only its own output
+    # rounding remains (5625 is stored as 5624), while the accumulated error is Inf.
+    assert math.isinf(result.tensor("y").isolated_max_abs_error)
+    z = result.tensor("z")
+    assert math.isinf(z.max_abs_error) and z.isolated_max_abs_error == 1.0 and z.isolated_rel_l2 < 1e-3
 
 
 def test_mismatched_inputs_are_a_user_error():

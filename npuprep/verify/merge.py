@@ -6,8 +6,9 @@ scalar outputs (sums of squares, extremes of the error and of the stored values)
 activation leaves the runtime.
 
 With `isolate`, a third copy of the candidate reads the reference's tensors (scaled and
-rounded the way the candidate stores them) wherever the candidate reads a compared
-tensor, so each node's own error is measured apart from the error that reached it.
+rounded the way the candidate stores them; values beyond the format's range exactly, so
+an overflow is charged only to the node that produced it) wherever the candidate reads a
+compared tensor, so each node's own error is measured apart from the error that reached it.
 """
 
 from __future__ import annotations
@@ -245,7 +246,7 @@ def _add_isolated_copy(g: onnx.GraphProto, cand: onnx.ModelProto, pairs: list[Pa
             if n in producer and n not in compared:
                 stack.append(producer[n])
     for pair in pairs:
-        src = red.scaled(pair.name, pair.scale)
+        src = exact = red.scaled(pair.name, pair.scale)
         rounding = _rounding_of(producer, pair.name)
         for node in rounding:
             copy = onnx.NodeProto()
@@ -257,6 +258,11 @@ def _add_isolated_copy(g: onnx.GraphProto, cand: onnx.ModelProto, pairs: list[Pa
             src = ISO_IN + node.output[0] + "__r"
             copy.output[0] = src
             red.sink.append(copy)
+        if rounding and red.limit is not None:
+            # Values beyond the format's range are read exactly: an overflow is charged to
+            # the node that produced it, not again to each of its consumers.
+            beyond = red._node("Greater", [red._node("Abs", [exact]), RED + "limit"])
+            src = red._node("Where", [beyond, exact, src])
         if not rounding and pair.cand_type != TensorProto.FLOAT:
             cast = ISO_IN + pair.name + "__cast"
             red.sink.append(helper.make_node("Cast", [src], [cast], to=pair.cand_type,
