@@ -50,7 +50,13 @@ def run(args: argparse.Namespace) -> int:
     from npuprep.errors import NpuprepError
     from npuprep.model_io import load_model, write_text_atomic
     from npuprep.profiles import load_profile
-    from npuprep.verify.compare import DEFAULT_ATOL, compare_models, default_rtol, emulation_notes
+    from npuprep.verify.compare import (
+        DEFAULT_ATOL,
+        compare_models,
+        default_rtol,
+        emulation_notes,
+        upgrade_notes,
+    )
 
     if args.emulate == bool(args.cand):
         raise NpuprepError("give either a candidate model (REF CAND) or --emulate, not both or neither")
@@ -78,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         if unknown:
             raise NpuprepError(f"--pin names node '{unknown[0]}', which {args.ref} does not have")
         cand_proto = emulation.model
-        notes = emulation_notes(profile, emulation.saturate)
+        notes = emulation_notes(profile, emulation.saturate) + upgrade_notes(emulation)
     else:
         cand = load_model(args.cand)
         cand_proto = cand.proto

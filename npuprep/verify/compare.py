@@ -278,7 +278,16 @@ def compare_emulated(
         atol=DEFAULT_ATOL if atol is None else atol,
         overrides=overrides, fmt=fmt, isolate=isolate, worst=worst,
     )
-    return replace(result, notes=result.notes + emulation_notes(profile, emulation.saturate))
+    return replace(result, notes=result.notes + emulation_notes(profile, emulation.saturate)
+                   + upgrade_notes(emulation))
+
+
+def upgrade_notes(emulation: Any) -> tuple[str, ...]:
+    """A note when the emulation had to upgrade the model's opset (FP8 Cast needs 19)."""
+    if emulation.upgraded_from_opset is None:
+        return ()
+    return (f"the model declares opset {emulation.upgraded_from_opset}; FP8 Cast needs opset 19, "
+            "so the emulation ran on a copy upgraded by onnx's version converter (tensor names kept)",)
 
 
 DEFAULT_ATOL = 1e-3
