@@ -225,6 +225,9 @@ def test_fp8_gives_nan_without_saturation_and_448_with_it(tmp_path):
     loud = compare_emulated(_square_model(17), load_profile(saturating_profile(tmp_path, "fp8_e4m3", "false")),
                             samples)
     assert loud.first_divergent.node == "square" and loud.first_divergent.nan_count == 1
+    once = compare_emulated(_square_model(17), load_profile(saturating_profile(tmp_path, "fp8_e4m3", "false")),
+                            iter(samples))
+    assert once.first_divergent.nan_count == 1 and once.samples == 1
     assert any("declares opset 17" in n for n in loud.notes)
     quiet = compare_emulated(_square_model(19), load_profile(saturating_profile(tmp_path, "fp8_e4m3", "true")),
                              samples)

@@ -198,11 +198,15 @@ def compare_models(
     `atol` (per-tensor `overrides` {name: (rtol, atol)}), when the candidate holds Inf/NaN
     where the reference is finite, or when it holds values pinned at `fmt`'s max where the
     reference goes beyond it. `tensor_scales` {name: s} means candidate = s * reference.
+    `samples` should be re-iterable (a SampleSet or a list): a second pass counts Inf/NaN
+    and saturated values where the first one saw any; a one-shot iterator is listed first.
     """
     from npuprep.runtime.session import run
 
     overrides = dict(overrides or {})
     scales = dict(tensor_scales or {})
+    if iter(samples) is samples:  # a one-shot iterator; the count pass needs a second look
+        samples = list(samples)
     ref, cand = _same_opset(ref, cand)
     pairs, order, unobserved = _pairs(ref, cand, scales)
     for name in overrides:
