@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from npuprep.errors import NpuprepError
 from npuprep.numerics import ALL_DTYPE_NAMES, NumberFormat, formats, get_format
+from npuprep.yaml_io import read_yaml
 
 
 class OverflowMode(enum.StrEnum):
@@ -145,17 +144,7 @@ def load_profile(name_or_path: str | Path) -> TargetProfile:
                 f"unknown target '{text}': not a built-in profile ({known}) and not a YAML file"
             )
         path = builtin_dir() / f"{text}.yaml"
-    if not path.is_file():
-        raise NpuprepError(f"{path}: target profile file not found")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise NpuprepError(f"{path}:{where} YAML syntax error: {problem}") from None
-    except UnicodeDecodeError:
-        raise NpuprepError(f"{path}: not a UTF-8 text file") from None
+    data = read_yaml(path, "target profile")
     return parse_profile(data, str(path))
 
 

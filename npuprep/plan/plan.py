@@ -23,6 +23,7 @@ from npuprep.plan.actions import (
     PinFp32,
     Rescale,
 )
+from npuprep.yaml_io import read_yaml
 
 SCHEMA_VERSION = 1
 
@@ -196,17 +197,7 @@ def _emit_item(item: dict[str, Any], depth: int, comments: dict[str, str]) -> li
 def load_plan(path: str | Path, model: Model) -> Plan:
     """Read a plan.yaml for `model`; any mistake is one line naming the file and key path."""
     path = Path(path)
-    if not path.is_file():
-        raise NpuprepError(f"{path}: plan file not found")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}:" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise NpuprepError(f"{path}:{where} YAML syntax error: {problem}") from None
-    except UnicodeDecodeError:
-        raise NpuprepError(f"{path}: not a UTF-8 text file") from None
+    data = read_yaml(path, "plan")
     return Plan.from_dict(data, str(path), model)
 
 

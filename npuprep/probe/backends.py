@@ -138,13 +138,7 @@ def store_outputs(model: onnx.ModelProto, fmt: NumberFormat) -> onnx.ModelProto:
         if vo.type.tensor_type.elem_type != TensorProto.FLOAT:
             continue
         wide = f"{vo.name}__wide"
-        for node in g.node:
-            for i, name in enumerate(node.output):
-                if name == vo.name:
-                    node.output[i] = wide
-            for i, name in enumerate(node.input):
-                if name == vo.name:
-                    node.input[i] = wide
+        _rename(g, vo.name, wide)
         casts.append(helper.make_node("Cast", [wide], [vo.name], to=fmt.onnx_type,
                                       name=f"probe_store_{vo.name}"))
         vo.type.tensor_type.elem_type = fmt.onnx_type
@@ -207,13 +201,7 @@ def simple_lower(model: onnx.ModelProto, fmt: NumberFormat) -> onnx.ModelProto:
         if vo.type.tensor_type.elem_type != TensorProto.FLOAT:
             continue
         inner = f"{vo.name}__low"
-        for node in g.node:
-            for i, name in enumerate(node.output):
-                if name == vo.name:
-                    node.output[i] = inner
-            for i, name in enumerate(node.input):
-                if name == vo.name:
-                    node.input[i] = inner
+        _rename(g, vo.name, inner)
         tail.append(helper.make_node("Cast", [inner], [vo.name], to=TensorProto.FLOAT,
                                      name=f"probe_cast_out_{vo.name}"))
     nodes = head + list(g.node) + tail
@@ -221,3 +209,14 @@ def simple_lower(model: onnx.ModelProto, fmt: NumberFormat) -> onnx.ModelProto:
     g.node.extend(nodes)
     del g.value_info[:]
     return out
+
+
+def _rename(graph: onnx.GraphProto, old: str, new: str) -> None:
+    """Every node of `graph` that writes or reads `old` uses `new` instead."""
+    for node in graph.node:
+        for i, name in enumerate(node.output):
+            if name == old:
+                node.output[i] = new
+        for i, name in enumerate(node.input):
+            if name == old:
+                node.input[i] = new
