@@ -326,3 +326,24 @@ def test_external_data_models_are_calibrated_from_disk(tmp_path, save):
     ref = calibrate(inline_model, load_samples(str(tmp_path / "a.npz"), inline_model.proto), detail="all")
     assert ext.tensors["y"].to_dict() == ref.tensors["y"].to_dict() and ext.tensors["y"].max == 127 * 3
     assert sorted(p.name for p in folder.iterdir()) == ["m.data", "m.onnx"]
+
+
+def test_histogram_is_exact_at_every_power_of_two(tmp_path, save):
+    # x -> Neg -> y ; values on and next to every power of two, normal and subnormal
+    model = load_model(save("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (float[N] x) => (float[N] y) { y = Neg(x) }
+    """))
+    powers = np.ldexp(np.float32(1), np.arange(-149, 128)).astype(np.float32)
+    around = np.concatenate([powers, np.nextafter(powers, np.float32(0)), np.nextafter(powers, np.float32(np.inf))])
+    normal = around[np.isfinite(around) & (around >= np.finfo(np.float32).tiny)]
+    folder = tmp_path / "d"
+    folder.mkdir()
+    np.savez(folder / "a_normal.npz", x=np.concatenate([normal, -normal, [0.0, 0.0]]).astype(np.float32))
+    np.savez(folder / "b_all.npz", x=np.concatenate([around[np.isfinite(around)], [0.0]]).astype(np.float32))
+    samples = load_samples(str(folder), model.proto)
+    stats = calibrate(model, samples, detail="all")
+    values = np.concatenate([f["x"] for f in samples])
+    y = stats.tensors["y"]
+    assert y.exp_hist == numpy_hist(values) and y.zero_count == int((values == 0).sum())
+    assert y.under["fp32"] == int(((np.abs(values) < np.finfo(np.float32).tiny) & (values != 0)).sum())

@@ -338,51 +338,42 @@ def _detail(
         ),
     ]
     counts.append(over_vec)
-    # floor(log2|x|) from Log, then corrected against exact powers of two (Pow, a table
-    # Gather was slower): Log is off by at most one bin, and only next to a power of two.
-    # Zero ends in bin 0 (Log gives -Inf), Inf and NaN (made Inf above) in the top bin.
-    lg, y, e0, p, lt, ltf, p2, ge, gef, e1, e2, e3, e4, idx = (n(s) for s in (
-        "log", "log2", "e0", "p", "lt", "ltf", "p2", "ge", "gef", "e1", "e2", "e3", "e4", "idx"))
+    # The 1 that the histogram adds per value comes from the data (max is never NaN here):
+    # from a constant, onnxruntime would fold it into an int64 tensor per observed tensor.
+    max_nan, real, one = n("max_nan"), n("real"), n("one")
     nodes += [
-        helper.make_node("Log", [ac], [lg]),
-        helper.make_node("Mul", [lg, _CONST_INV_LN2], [y]),
-        helper.make_node("Floor", [y], [e0]),
-        helper.make_node("Pow", [_CONST_TWO, e0], [p]),
-        helper.make_node("Less", [ac, p], [lt]),
-        helper.make_node("Cast", [lt], [ltf], to=TensorProto.FLOAT),
-        helper.make_node("Mul", [p, _CONST_TWO], [p2]),
-        helper.make_node("GreaterOrEqual", [ac, p2], [ge]),
-        helper.make_node("Cast", [ge], [gef], to=TensorProto.FLOAT),
-        helper.make_node("Sub", [e0, ltf], [e1]),
-        helper.make_node("Add", [e1, gef], [e2]),
-        helper.make_node("Clip", [e2, _CONST_BIN_LO, _CONST_BIN_HI], [e3]),
-        helper.make_node("Add", [e3, _CONST_OFFSET], [e4]),
-        helper.make_node("Cast", [e4], [idx], to=TensorProto.INT64),
+        helper.make_node("IsNaN", [fx], [max_nan]),
+        helper.make_node("Not", [max_nan], [real]),
+        helper.make_node("Cast", [real], [one], to=TensorProto.INT64),
     ]
-    hist = n("hist")
-    if ctx.opset >= 16:
-        # The 1 that Expand repeats is computed from the data (max is never NaN here): from a
-        # constant, onnxruntime would fold Expand into an int64 tensor per observed tensor.
-        max_nan, real, one, shape, ones = n("max_nan"), n("real"), n("one"), n("shape"), n("ones")
-        nodes += [
-            helper.make_node("IsNaN", [fx], [max_nan]),
-            helper.make_node("Not", [max_nan], [real]),
-            helper.make_node("Cast", [real], [one], to=TensorProto.INT64),
-            helper.make_node("Shape", [idx], [shape]),
-            helper.make_node("Expand", [one, shape], [ones]),
-            helper.make_node("ScatterElements", [_CONST_HIST_ZEROS, idx, ones], [hist], reduction="add"),
-        ]
-    else:
-        # No ScatterElements reduction before opset 16: TfIdfVectorizer counts 1-grams.
-        tf = n("tf")
-        nodes += [
-            helper.make_node(
-                "TfIdfVectorizer", [idx], [tf], mode="TF", min_gram_length=1, max_gram_length=1,
-                max_skip_count=0, ngram_counts=[0], ngram_indexes=list(range(HIST_BINS)),
-                pool_int64s=list(range(HIST_BINS)),
-            ),
-            helper.make_node("Cast", [tf], [hist], to=TensorProto.INT64),
-        ]
+    # Fast bins first: exact for every value except zeros and subnormals, which share bin -127.
+    fast_nodes, fast_idx = _bin_index(ac, ctx, exact=False)
+    count_nodes, fast_hist = _count_bins(fast_idx, one, ctx)
+    nodes += fast_nodes + count_nodes
+    eq, eqi, zeros, lumped, sub, has, has_s = (n(s) for s in ("eq0", "eq0i", "zeros", "lumped", "sub", "has", "has_s"))
+    nodes += [
+        helper.make_node("Equal", [ac, _CONST_ZERO_F], [eq]),
+        helper.make_node("Cast", [eq], [eqi], to=TensorProto.INT64),
+        helper.make_node("ReduceSum", [eqi], [zeros], keepdims=1),
+        helper.make_node("Slice", [fast_hist, _CONST_LUMP_AT, _CONST_LUMP_END], [lumped]),
+        helper.make_node("Sub", [lumped, zeros], [sub]),
+        helper.make_node("Greater", [sub, _CONST_ZERO_I64_1], [has]),
+        helper.make_node("Squeeze", [has], [has_s]),
+    ]
+    # Subnormals present (rare): recount every value with exact Pow-based bins. Otherwise
+    # the shared bin holds only zeros: move them to bin 0.
+    exact_nodes, exact_idx = _bin_index(ac, ctx, exact=True)
+    exact_count, exact_hist = _count_bins(exact_idx, one, ctx)
+    moved, fixed, hist = n("moved"), n("fixed"), n("hist")
+    nodes.append(helper.make_node(
+        "If", [has_s], [hist],
+        then_branch=helper.make_graph(exact_nodes + exact_count, n("subnormal_branch"), [],
+                                      [helper.make_tensor_value_info(exact_hist, TensorProto.INT64, [HIST_BINS])]),
+        else_branch=helper.make_graph(
+            [helper.make_node("Mul", [zeros, _CONST_ZERO_MOVE], [moved]), helper.make_node("Add", [fast_hist, moved], [fixed])],
+            n("zero_branch"), [], [helper.make_tensor_value_info(fixed, TensorProto.INT64, [HIST_BINS])],
+        ),
+    ))
     ii = n("detail_i")
     nodes.append(helper.make_node("Concat", counts + [hist], [ii], axis=0))
     return nodes, (fx, fn, ii)
@@ -404,6 +395,73 @@ def _nan_aware(flat: str, ctx: _Ctx) -> tuple[str, str, str, str, list[onnx.Node
     return fx, fn, nan_c, isn, nodes
 
 
+def _bin_index(ac: str, ctx: _Ctx, *, exact: bool) -> tuple[list[onnx.NodeProto], str]:
+    """Histogram bin floor(log2|x|) + 150 of every value of `ac` (|x|, NaN already made Inf).
+
+    Log gives the bin up to one, and only next to a power of two; a comparison against the
+    exact power of two fixes it. `exact=False` makes that power with Exp snapped to bfloat16
+    (4x cheaper than Pow) and is exact from 2^-126 up, with zeros and subnormals all in bin
+    -127; `exact=True` uses Pow and is exact everywhere (zero in bin 0, Inf in the top bin).
+    """
+    n = ctx.name
+    lg, y, e0, ec, p, lt, ltf, p2, ge, gef, e1, e2, e3, e4, idx = (n(s) for s in (
+        "log", "log2", "e0", "ec", "p", "lt", "ltf", "p2", "ge", "gef", "e1", "e2", "e3", "e4", "idx"))
+    nodes = [
+        helper.make_node("Log", [ac], [lg]),
+        helper.make_node("Mul", [lg, _CONST_INV_LN2], [y]),
+        helper.make_node("Floor", [y], [e0]),
+    ]
+    if exact:
+        nodes.append(helper.make_node("Pow", [_CONST_TWO, e0], [p]))
+        ec = e0
+    else:
+        arg, ex, bf = n("arg"), n("exp"), n("bf16")
+        nodes += [
+            helper.make_node("Clip", [e0, _CONST_NORMAL_LO, _CONST_NORMAL_HI], [ec]),
+            helper.make_node("Mul", [ec, _CONST_LN2], [arg]),
+            helper.make_node("Exp", [arg], [ex]),
+            # Exp is within 1e-5 of 2^ec; bfloat16's 8-bit significand rounds it to 2^ec.
+            helper.make_node("Cast", [ex], [bf], to=TensorProto.BFLOAT16),
+            helper.make_node("Cast", [bf], [p], to=TensorProto.FLOAT),
+        ]
+    nodes += [
+        helper.make_node("Less", [ac, p], [lt]),
+        helper.make_node("Cast", [lt], [ltf], to=TensorProto.FLOAT),
+        helper.make_node("Mul", [p, _CONST_TWO], [p2]),
+        helper.make_node("GreaterOrEqual", [ac, p2], [ge]),
+        helper.make_node("Cast", [ge], [gef], to=TensorProto.FLOAT),
+        helper.make_node("Sub", [ec, ltf], [e1]),
+        helper.make_node("Add", [e1, gef], [e2]),
+        helper.make_node("Clip", [e2, _CONST_BIN_LO, _CONST_BIN_HI], [e3]),
+        helper.make_node("Add", [e3, _CONST_OFFSET], [e4]),
+        helper.make_node("Cast", [e4], [idx], to=TensorProto.INT64),
+    ]
+    return nodes, idx
+
+
+def _count_bins(idx: str, one: str, ctx: _Ctx) -> tuple[list[onnx.NodeProto], str]:
+    """Counts per bin [HIST_BINS] int64 of an int64 bin index."""
+    n = ctx.name
+    hist = n("hist")
+    if ctx.opset >= 16:
+        shape, ones = n("shape"), n("ones")
+        return [
+            helper.make_node("Shape", [idx], [shape]),
+            helper.make_node("Expand", [one, shape], [ones]),
+            helper.make_node("ScatterElements", [_CONST_HIST_ZEROS, idx, ones], [hist], reduction="add"),
+        ], hist
+    # No ScatterElements reduction before opset 16: TfIdfVectorizer counts 1-grams.
+    tf = n("tf")
+    return [
+        helper.make_node(
+            "TfIdfVectorizer", [idx], [tf], mode="TF", min_gram_length=1, max_gram_length=1,
+            max_skip_count=0, ngram_counts=[0], ngram_indexes=list(range(HIST_BINS)),
+            pool_int64s=list(range(HIST_BINS)),
+        ),
+        helper.make_node("Cast", [tf], [hist], to=TensorProto.INT64),
+    ], hist
+
+
 # Shared constants, added once per model as initialisers of the main graph (visible in bodies).
 _CONST_FLAT = "__npuprep_c_flat"
 _CONST_SIZE = "__npuprep_c_size_"
@@ -421,6 +479,12 @@ _CONST_ZERO_I64_1 = "__npuprep_c_zero_i64"
 _CONST_BIN_LO = "__npuprep_c_bin_lo"
 _CONST_BIN_HI = "__npuprep_c_bin_hi"
 _CONST_TWO = "__npuprep_c_two"
+_CONST_LN2 = "__npuprep_c_ln2"
+_CONST_NORMAL_LO = "__npuprep_c_normal_lo"
+_CONST_NORMAL_HI = "__npuprep_c_normal_hi"
+_CONST_LUMP_AT = "__npuprep_c_lump_at"
+_CONST_LUMP_END = "__npuprep_c_lump_end"
+_CONST_ZERO_MOVE = "__npuprep_c_zero_move"
 _CONST_SMALLEST_MAX = "__npuprep_c_smallest_max"
 _CONST_ZERO_OVER = "__npuprep_c_zero_over"
 
@@ -446,6 +510,13 @@ def shared_constants() -> list[onnx.TensorProto]:
         _CONST_BIN_LO: np.array(-HIST_OFFSET, np.float32),
         _CONST_BIN_HI: np.array(HIST_BINS - 1 - HIST_OFFSET, np.float32),
         _CONST_TWO: np.array(2.0, np.float32),
+        _CONST_LN2: np.array(math.log(2.0), np.float32),
+        _CONST_NORMAL_LO: np.array(-126.0, np.float32),
+        _CONST_NORMAL_HI: np.array(127.0, np.float32),
+        _CONST_LUMP_AT: np.array([HIST_OFFSET - 127], np.int64),
+        _CONST_LUMP_END: np.array([HIST_OFFSET - 126], np.int64),
+        # Adds the zero count to bin 0 and takes it from the shared bin -127.
+        _CONST_ZERO_MOVE: np.eye(1, HIST_BINS, 0, np.int64)[0] - np.eye(1, HIST_BINS, HIST_OFFSET - 127, np.int64)[0],
         _CONST_SMALLEST_MAX: np.array([min(get_format(f).max for f in OVER_FORMATS)], np.float32),
         _CONST_ZERO_OVER: np.zeros(len(OVER_FORMATS), np.int64),
     }
