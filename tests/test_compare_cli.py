@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 from conftest import run_cli
 
 from npuprep.examples import example_data_dir, example_model_path
@@ -82,3 +83,28 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, save):
     bad_scales.write_text(json.dumps({"kind": "convert"}))
     proc = run_cli("compare", ref, ref, "--synthetic", "1", "--scales", bad_scales)
     assert proc.returncode == 2 and "'tensor_scales'" in proc.stderr
+
+
+def test_a_lowered_candidate_is_widened_so_its_overflow_shows(tmp_path, save):
+    # x -> Mul(x, x) -> sq -> Div(sq, 1000) -> y ; the candidate is its FP16 conversion
+    from onnxconverter_common import float16
+
+    ref_text = """
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2] x) => (float[2] y) <float k = {1000.0}> {
+      [square] sq = Mul(x, x)
+      [shrink] y = Div(sq, k)
+    }"""
+    ref = save(ref_text, "ref.onnx")
+    lowered = float16.convert_float_to_float16(onnx.load(str(ref)), keep_io_types=True)
+    cand = save(lowered, "cand16.onnx")
+    np.savez(tmp_path / "x.npz", x=np.array([300.0, 2.0], np.float32))
+    proc = run_cli("compare", ref, cand, "--data", tmp_path / "x.npz", "--json")
+    assert proc.returncode == 1, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["format"] == "fp16" and data["first_divergent"]["node"] == "square"
+    assert data["first_divergent"]["inf_count"] == 1
+    assert any("widened to FP32" in n and "give --target" in n for n in data["notes"])
+    as_is = run_cli("compare", ref, cand, "--data", tmp_path / "x.npz", "--as-is", "--json")
+    assert as_is.returncode in (0, 1), as_is.stderr
+    assert any("ran as-is" in n for n in json.loads(as_is.stdout)["notes"])

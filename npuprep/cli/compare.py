@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin", action="append", default=[], metavar="NODE",
                    help="with --emulate: node kept in FP32 (repeatable)")
     add_data(p, required=True)
+    p.add_argument("--as-is", action="store_true",
+                   help="run a low-precision CAND unchanged (default: widen it to FP32 with explicit "
+                        "rounding where it stores FP16/BF16/FP8, as the target computes)")
     p.add_argument("--scales", metavar="R", help="convert report JSON whose 'tensor_scales' maps "
                    "tensor -> s with candidate = s * reference")
     p.add_argument("--rtol", type=float, help="relative L2 threshold (default: 1%%, coarser for FP8)")
@@ -57,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         emulation_notes,
         upgrade_notes,
     )
+    from npuprep.verify.emulate import LIMITS
 
     if args.emulate == bool(args.cand):
         raise NpuprepError("give either a candidate model (REF CAND) or --emulate, not both or neither")
@@ -64,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         raise NpuprepError("--emulate needs --target (which format and overflow to emulate)")
     if args.pin and not args.emulate:
         raise NpuprepError("--pin only applies with --emulate")
+    if args.as_is and args.emulate:
+        raise NpuprepError("--as-is applies to a candidate model, not to --emulate")
     if args.worst < 1:
         raise NpuprepError(f"--worst needs a positive count, got {args.worst}")
     if args.report and args.report.endswith(".onnx"):
@@ -86,13 +92,24 @@ def run(args: argparse.Namespace) -> int:
         cand_proto = emulation.model
         notes = emulation_notes(profile, emulation.saturate) + upgrade_notes(emulation)
     else:
-        cand = load_model(args.cand)
-        cand_proto = cand.proto
-        fmt_ = profile.format if profile else _stored_format(cand_proto)
-        if _stored_format(cand_proto) is not None:
-            notes = ("the candidate stores tensors in a low-precision format; onnxruntime's CPU "
-                     "provider computes parts of such models in FP32 and hides overflow: use "
-                     "--emulate on the FP32 model to see what the target does",)
+        cand_proto = load_model(args.cand).proto
+        stored = _stored_format(cand_proto)
+        fmt_ = profile.format if profile else stored
+        if stored is not None and not args.as_is:
+            from npuprep.verify.widen import emulate_lowered
+
+            # Overflow behaviour comes from the target; without one, IEEE (loud) is assumed.
+            saturate = profile.saturates if profile else False
+            cand_proto = emulate_lowered(cand_proto, stored, saturate=saturate).model
+            notes = (f"the candidate stores {stored.name}: compared as the target computes it, "
+                     f"widened to FP32 with explicit rounding wherever it stores {stored.name} "
+                     f"(overflow {'saturates' if saturate else 'gives Inf/NaN'}"
+                     f"{'' if profile else ', assumed: give --target'}); onnxruntime's CPU provider "
+                     "would compute parts of it in FP32 and hide overflow (--as-is runs it unchanged)",
+                     LIMITS)
+        elif stored is not None:
+            notes = ("the candidate ran as-is on onnxruntime's CPU provider, which computes parts "
+                     f"of a {stored.name} model in FP32 and hides overflow",)
     result = compare_models(
         ref.proto, cand_proto, _Progress(samples, not args.json),
         rtol=default_rtol(fmt_) if args.rtol is None else args.rtol,
