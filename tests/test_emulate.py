@@ -127,6 +127,20 @@ def test_shared_initialiser_keeps_fp32_for_the_pinned_node_only():
     assert inits["w"][0] == np.float32(1.0001)  # the original stays for the pinned reader
 
 
+def test_constant_read_only_by_pinned_nodes_stays_fp32():
+    # Constant(1.0001) -> c ; x -> Mul(x, c) [pinned] -> y
+    model = model_from_text("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[1] x) => (float[1] y) {
+      [const] c = Constant <value = float {1.0001}> ()
+      [keep] y = Mul(x, c)
+    }""")
+    feeds = {"x": np.array([1.0], np.float32)}
+    assert run_model(emulate(model, FP16, saturate=False, pinned_nodes=["keep"]).model, feeds)["y"][0] \
+        == np.float32(1.0001)
+    assert run_model(emulate(model, FP16, saturate=False).model, feeds)["y"][0] == np.float32(np.float16(1.0001))
+
+
 def test_weights_rounded_in_place_when_no_pinned_reader():
     emu = emulate(_weights_model(), FP16, saturate=False)
     inits = {i.name: numpy_helper.to_array(i) for i in emu.model.graph.initializer}

@@ -146,6 +146,8 @@ def emulate(
             for i, name in enumerate(node.output):
                 if not name or types.get(name) != TensorProto.FLOAT or name in fp32_only:
                     continue
+                if node.op_type == "Constant" and all(node_label(n) in pinned for n in _readers(graph, name)):
+                    continue  # a constant only pinned nodes read is an FP32 weight of theirs
                 pre = name + SUFFIX
                 node.output[i] = pre
                 new_nodes += builder.chain(pre, name)
