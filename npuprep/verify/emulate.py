@@ -91,6 +91,7 @@ def emulate(
         fp32_only = {name for node in graph.node for pos, name in enumerate(node.input)
                      if pos in FP32_ONLY_INPUTS.get(node.op_type, ())}
         local_producers = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
+        readers = _reader_index(graph)
         inits = {i.name: i for i in graph.initializer}
         new_nodes: list[onnx.NodeProto] = []
 
@@ -98,15 +99,15 @@ def emulate(
             for name, init in inits.items():
                 if init.data_type != TensorProto.FLOAT or name in fp32_only:
                     continue
-                readers = list(_readers(graph, name))
-                unpinned = [n for n in readers if node_label(n) not in pinned]
+                weight_readers = readers.get(name, [])
+                unpinned = [n for n in weight_readers if node_label(n) not in pinned]
                 if not unpinned:
                     continue
                 value = numpy_helper.to_array(init)
                 low = fmt.round(value, saturate=saturate)
                 if np.array_equal(low, value, equal_nan=True):
                     continue
-                if len(unpinned) < len(readers):
+                if len(unpinned) < len(weight_readers):
                     # Shared with a pinned node: the pinned node keeps the FP32 original.
                     copy = numpy_helper.from_array(low, builder.fresh(name))
                     graph.initializer.append(copy)
@@ -124,7 +125,7 @@ def emulate(
         for name in entering:
             if types.get(name) != TensorProto.FLOAT or name in fp32_only:
                 continue
-            unpinned = [n for n in _readers(graph, name) if node_label(n) not in pinned]
+            unpinned = [n for n in readers.get(name, []) if node_label(n) not in pinned]
             if not unpinned:
                 continue
             alias = builder.fresh(name)
@@ -146,7 +147,7 @@ def emulate(
             for i, name in enumerate(node.output):
                 if not name or types.get(name) != TensorProto.FLOAT or name in fp32_only:
                     continue
-                if node.op_type == "Constant" and all(node_label(n) in pinned for n in _readers(graph, name)):
+                if node.op_type == "Constant" and all(node_label(n) in pinned for n in readers.get(name, [])):
                     continue  # a constant only pinned nodes read is an FP32 weight of theirs
                 pre = name + SUFFIX
                 node.output[i] = pre
@@ -298,19 +299,23 @@ def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
             yield from attr.graphs
 
 
-def _shadows(graph: onnx.GraphProto, name: str) -> bool:
-    return (any(i.name == name for i in graph.input) or any(i.name == name for i in graph.initializer)
-            or any(name in n.output for n in graph.node))
+def _reader_index(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    """Name -> nodes that read it: direct readers, and readers inside subgraphs that capture
+    it from this graph (a subgraph's own names hide outer ones). Built once per graph."""
+    index: dict[str, dict[int, onnx.NodeProto]] = {}
 
+    def add(g: onnx.GraphProto, hidden: frozenset[str]) -> None:
+        for node in g.node:
+            for name in node.input:
+                if name and name not in hidden:
+                    index.setdefault(name, {})[id(node)] = node
+            for sub in _subgraphs(node):
+                local = {i.name for i in sub.input} | {i.name for i in sub.initializer}
+                local |= {o for m in sub.node for o in m.output}
+                add(sub, hidden | local)
 
-def _readers(graph: onnx.GraphProto, name: str) -> Iterator[onnx.NodeProto]:
-    """Nodes that read `name`: direct readers and readers inside subgraphs that capture it."""
-    for node in graph.node:
-        if name in node.input:
-            yield node
-        for sub in _subgraphs(node):
-            if not _shadows(sub, name):
-                yield from _readers(sub, name)
+    add(graph, frozenset())
+    return {name: list(nodes.values()) for name, nodes in index.items()}
 
 
 def _rename_input(node: onnx.NodeProto, old: str, new: str) -> None:
