@@ -1,20 +1,20 @@
-"""x -> [ReduceMax, ReduceMin, ReduceSum] -> If(ordinary, counts=0, exact detail): statistics inside the graph.
+"""x -> [ReduceMax, ReduceMin, ReduceL1] -> If(ordinary, counts=0, exact detail): statistics inside the graph.
 
 Every observed float tensor gets reductions appended right after its producer, so only a few
 numbers per tensor leave onnxruntime and each activation dies as soon as plain inference
 would free it. Per tensor and sample the graph yields:
 
 - FX, FN: max and min (NaN ignored);
-- I: int64 counts, `LAYOUT` below: element count, detailed elements, NaN, |x| above each
-  format's max, and the exponent histogram over bins b = floor(log2|x|) + 150
+- I: int64 counts, `HEADER` below: element count, detailed elements, NaN, |x| above each
+  format's max, then the exponent histogram over bins b = floor(log2|x|) + 150
   (0: zero, 1..23: subnormal, 278: Inf/NaN).
 
-The detail (counts and histogram) costs ~10 ns per element in onnxruntime, 5x plain
-inference, so with `detail="auto"` it runs only for a tensor-sample that is not *ordinary*.
-Ordinary means finite with LO < abs-max < HI: then no value exceeds any format's max
-(all counts above are exactly 0), and values below a format's smallest normal lie below the
-tensor's own precision floor (abs-max x eps) for every format npuprep knows. `detail="all"`
-runs it everywhere.
+The detail (counts and histogram) costs ~15 ns per element in onnxruntime, several times
+plain inference, so with `detail="auto"` it runs only for a tensor-sample that is not
+*ordinary*. Ordinary means finite with LO < abs-max < HI: then no value exceeds any format's
+max (all counts above are exactly 0), and values below a format's smallest normal lie below
+the tensor's own precision floor (abs-max x eps) for every format npuprep knows.
+`detail="all"` runs it everywhere.
 
 If/Loop/Scan bodies are instrumented the same way; their statistics leave the body as extra
 If outputs or extra Loop/Scan state (max of max, min of min, sum of counts over iterations).
