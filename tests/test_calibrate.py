@@ -347,3 +347,19 @@ def test_histogram_is_exact_at_every_power_of_two(tmp_path, save):
     y = stats.tensors["y"]
     assert y.exp_hist == numpy_hist(values) and y.zero_count == int((values == 0).sum())
     assert y.under["fp32"] == int(((np.abs(values) < np.finfo(np.float32).tiny) & (values != 0)).sum())
+
+
+def test_opset_13_counts_without_scatter_reduction(tmp_path, save):
+    # x -> Mul(x, x) -> sq (opset 13: no ScatterElements reduction; TfIdfVectorizer counts)
+    text = """
+        <ir_version: 7, opset_import: ["" : {opset}]>
+        g (float[3,5] x) => (float[3,5] sq) {{ sq = Mul(x, x) }}
+    """
+    old = load_model(save(text.format(opset=13), "old.onnx"))
+    new = load_model(save(text.format(opset=18), "new.onnx"))
+    x = np.array([[0, 1, 2, 3, 300], [0.5, 0.25, 1e-3, 7, 256], [-1, -2, 0, 1e-20, 4]], np.float32)
+    np.savez(tmp_path / "a.npz", x=x)
+    a = calibrate(old, load_samples(str(tmp_path / "a.npz"), old.proto), detail="all").tensors["sq"]
+    b = calibrate(new, load_samples(str(tmp_path / "a.npz"), new.proto), detail="all").tensors["sq"]
+    assert a.to_dict() == b.to_dict()
+    assert a.exp_hist == numpy_hist((x * x).ravel()) and a.over["fp16"] == 2
