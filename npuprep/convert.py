@@ -111,17 +111,28 @@ class ConversionResult:
         }
 
     def tensor_rows(self) -> list[dict[str, Any]]:
-        """Every compared tensor with abs-max before (reference) and after (converted, emulated)."""
+        """Every compared tensor: abs-max before (calibration of the original) and after (what
+        the converted model stores, emulated), and the precision it is stored in."""
         if self.layers is None:
             return []
+        from npuprep.graph import node_label, producers, walk_graphs
+
+        made_by: dict[str, str] = {}
+        for scope in walk_graphs(self.rewritten.graph):
+            made_by.update({t: node_label(n) for t, n in producers(scope.graph).items()})
+        pinned = set(self.pinned_nodes)
+        measured = self.stats.tensors if self.stats is not None else {}
         fmt_max = self.fmt.max
         rows = []
         for t in self.layers.tensors:
+            before = measured[t.tensor].absmax if t.tensor in measured else t.ref_absmax
+            stored = "fp32" if made_by.get(t.tensor) in pinned else self.fmt.name
             rows.append({
                 "tensor": t.tensor, "node": t.node, "op_type": t.op_type,
-                "absmax_before": t.ref_absmax, "absmax_after": t.cand_absmax,
-                "headroom_before": fmt_max / t.ref_absmax if t.ref_absmax else None,
-                "headroom_after": fmt_max / t.cand_absmax if t.cand_absmax else None,
+                "absmax_before": before, "absmax_after": t.cand_absmax, "stored_as": stored,
+                "headroom_before": fmt_max / before if before else None,
+                "headroom_after": (fmt_max / t.cand_absmax if t.cand_absmax else None)
+                if stored != "fp32" else None,
                 "scale": t.scale,
             })
         return rows

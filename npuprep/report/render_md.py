@@ -72,11 +72,14 @@ def convert_markdown(result: dict[str, Any]) -> str:
     rows = [t for t in result.get("tensors", []) if t["tensor"] in fixed]
     if rows:
         lines += ["", "## Headroom of every fixed tensor",
-                  "", f"Headroom = {result['precision']} max / abs-max (>1 fits).", "",
-                  "| tensor | node | abs-max before | headroom before | abs-max after | headroom after | scale |",
-                  "|---|---|---|---|---|---|---|"]
+                  "", f"Headroom = {result['precision']} max / abs-max (>1 fits); before: the "
+                  "original model's calibration; after: what the converted model stores "
+                  "(scaled where a rescale acts); a tensor stored in fp32 has no limit.", "",
+                  "| tensor | node | abs-max before | headroom before | abs-max after | stored as | headroom after | scale |",
+                  "|---|---|---|---|---|---|---|---|"]
         lines += [_row([t["tensor"], t["node"], t["absmax_before"], t["headroom_before"],
-                        t["absmax_after"], t["headroom_after"], t["scale"]]) for t in rows]
+                        t["absmax_after"], t.get("stored_as", "-"), t["headroom_after"], t["scale"]])
+                  for t in rows]
     lines += ["", "## Output error (lowered model, emulated target numerics)", ""]
     lines += ["| output | Inf/NaN | max abs error | rel L2 | limit |", "|---|---|---|---|---|"]
     for name, o in (ver.get("outputs") or {}).items():
