@@ -85,6 +85,8 @@ def make_session_external(
     keeps peak memory near a session loaded from a file. The session keeps the arrays alive.
     """
     opts = session_options(threads=threads, optimize=optimize)
+    # Measured on calibration graphs: the memory pattern cost ~80 MB of peak and no speed.
+    opts.enable_mem_pattern = False
     names = list(weights)
     values = [ort.OrtValue.ortvalue_from_numpy(weights[n]) for n in names]
     opts.add_external_initializers(names, values)
