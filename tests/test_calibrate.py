@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnx
 import pytest
@@ -363,3 +365,29 @@ def test_opset_13_counts_without_scatter_reduction(tmp_path, save):
     b = calibrate(new, load_samples(str(tmp_path / "a.npz"), new.proto), detail="all").tensors["sq"]
     assert a.to_dict() == b.to_dict()
     assert a.exp_hist == numpy_hist((x * x).ravel()) and a.over["fp16"] == 2
+
+
+def test_empty_tensors_and_integer_graphs(tmp_path, save):
+    # x -> Slice(2:2) -> y (empty) ;  x -> ReduceSum -> z
+    model = load_model(save("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (float[4] x) => (float[0] y, float z) {
+            s = Constant<value = int64[1] {2}>()
+            y = Slice(x, s, s)
+            z = ReduceSum(x)
+        }
+    """))
+    np.savez(tmp_path / "a.npz", x=np.arange(4, dtype=np.float32))
+    for detail in ("auto", "all"):
+        stats = calibrate(model, load_samples(str(tmp_path / "a.npz"), model.proto), detail=detail)
+        y = stats.tensors["y"]
+        assert y.count == 0 and math.isnan(y.absmax) and y.per_sample_absmax == ()
+        assert stats.tensors["z"].max == 6.0
+    # x -> Neg -> y, int64 only: nothing to observe, nothing unobserved
+    ints = load_model(save("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (int64[4] x) => (int64[4] y) { y = Neg(x) }
+    """, "ints.onnx"))
+    np.savez(tmp_path / "b.npz", x=np.arange(4))
+    stats = calibrate(ints, load_samples(str(tmp_path / "b.npz"), ints.proto))
+    assert stats.tensors == {} and stats.unobserved == {}

@@ -339,11 +339,13 @@ def _detail(
     counts.append(over_vec)
     # The 1 that the histogram adds per value comes from the data (max is never NaN here):
     # from a constant, onnxruntime would fold it into an int64 tensor per observed tensor.
-    max_nan, real, one = n("max_nan"), n("real"), n("one")
+    # A scalar, so that Expand also gives [0] for an empty tensor.
+    max_nan, real, one_1, one = n("max_nan"), n("real"), n("one_1"), n("one")
     nodes += [
         helper.make_node("IsNaN", [fx], [max_nan]),
         helper.make_node("Not", [max_nan], [real]),
-        helper.make_node("Cast", [real], [one], to=TensorProto.INT64),
+        helper.make_node("Cast", [real], [one_1], to=TensorProto.INT64),
+        helper.make_node("Squeeze", [one_1], [one]),
     ]
     # Fast bins first: exact for every value except zeros and subnormals, which share bin -127.
     fast_nodes, fast_idx = _bin_index(ac, ctx, exact=False)
