@@ -82,8 +82,11 @@ class SampleSet:
                 yield _validate(_read_npz(Path(f)), self.specs, f)
         elif self.kind == "batched":
             arrays = _read_npz(Path(self.files[0]))
+            ranks = {s.name: len(s.shape) for s in self.specs}
             for i in range(start, stop):
-                feed = {k: v[i] for k, v in arrays.items()}
+                # An array of the input's own rank is split keeping axis 0 (a batch of 1 per
+                # sample, for models with a batch dimension); one rank higher, by indexing.
+                feed = {k: v[i : i + 1] if v.ndim == ranks.get(k) else v[i] for k, v in arrays.items()}
                 yield _validate(feed, self.specs, f"{self.files[0]}[{i}]")
         elif self.kind == "polygraphy":
             from polygraphy.json import load_json

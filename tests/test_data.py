@@ -126,3 +126,16 @@ def test_polygraphy_json_with_a_bad_sample_names_its_index(tmp_path):
     samples = load_samples(tmp_path / "in.json", MODEL)
     with pytest.raises(NpuprepError, match=r"in\.json\[1\]: missing input 'ids'"):
         collect(samples)
+
+
+def test_batched_keeps_a_batch_axis_of_one(tmp_path):
+    # x -> Relu -> y with a fixed batch of 1: a batched file of 5 rows gives five [1, 3] feeds
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (float[1,3] x) => (float[1,3] y) { y = Relu(x) }
+    """)
+    rows = np.arange(15, dtype=np.float32).reshape(5, 3)
+    np.savez(tmp_path / "b.npz", x=rows)
+    feeds = collect(load_samples(tmp_path / "b.npz", model, batched=True))
+    assert len(feeds) == 5 and all(f["x"].shape == (1, 3) for f in feeds)
+    assert np.array_equal(feeds[3]["x"], rows[3:4])
