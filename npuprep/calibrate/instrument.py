@@ -11,7 +11,7 @@ would free it. Per tensor and sample the graph yields:
 
 The detail (counts and histogram) costs ~15 ns per element in onnxruntime, several times
 plain inference, so with `detail="auto"` it runs only for a tensor-sample that is not
-*ordinary*. Ordinary means finite with LO < abs-max < HI: then no value exceeds any format's
+*ordinary*. Ordinary means finite with LO <= abs-max <= HI: then no value exceeds any format's
 max (all counts above are exactly 0), and values below a format's smallest normal lie below
 the tensor's own precision floor (abs-max x eps) for every format npuprep knows.
 `detail="all"` runs it everywhere.
@@ -218,31 +218,39 @@ def _tensor_stats(tensor: str, elem: int, ctx: _Ctx) -> tuple[list[onnx.NodeProt
     if ctx.detail == "all":
         detail_nodes, outs = _detail(flat, size, ctx, (mx, mn, sm), small)
         return nodes + detail_nodes, outs
-    # score = abs-max, or NaN when the sum is not finite (a NaN or Inf somewhere).
-    neg, am, z, score, gt, lt, ok = (n(s) for s in ("neg", "am", "z", "score", "gt", "lt", "ok"))
+    # score = abs-max, or NaN when L1 is not finite (a NaN or Inf somewhere); ordinary when
+    # Clip leaves it as it is (NaN never equals).
+    neg, am, z, score, clipped, ok = (n(s) for s in ("neg", "am", "z", "score", "clipped", "ok"))
     nodes += [
         helper.make_node("Neg", [mn], [neg]),
         helper.make_node("Max", [mx, neg], [am]),
         helper.make_node("Mul", [sm, _CONST_ZERO_F], [z]),
         helper.make_node("Add", [am, z], [score]),
-        helper.make_node("Greater", [score, _CONST_LO], [gt]),
-        helper.make_node("Less", [score, _CONST_HI], [lt]),
-        helper.make_node("And", [gt, lt], [ok]),
+        helper.make_node("Clip", [score, _CONST_LO, _CONST_HI], [clipped]),
+        helper.make_node("Equal", [clipped, score], [ok]),
     ]
     fx, fn, ii = n("fx"), n("fn"), n("i")
     then_fx, then_fn, then_i = n("then_fx"), n("then_fn"), n("then_i")
+    then_nodes = [
+        helper.make_node("Identity", [mx], [then_fx]),
+        helper.make_node("Identity", [mn], [then_fn]),
+    ]
+    then_inits = []
+    if tensor in ctx.shapes:
+        # Static count: the ordinary row is a constant, returned without a node.
+        row = np.zeros(WIDTH, np.int64)
+        row[0] = math.prod(ctx.shapes[tensor])
+        then_inits.append(numpy_helper.from_array(row, then_i))
+    else:
+        then_nodes.append(helper.make_node("Concat", [size, _CONST_ZEROS_TAIL], [then_i], axis=0))
     then_branch = helper.make_graph(
-        [
-            helper.make_node("Identity", [mx], [then_fx]),
-            helper.make_node("Identity", [mn], [then_fn]),
-            helper.make_node("Concat", [size, _CONST_ZEROS_TAIL], [then_i], axis=0),
-        ],
-        n("ordinary"), [],
+        then_nodes, n("ordinary"), [],
         [
             helper.make_tensor_value_info(then_fx, TensorProto.FLOAT, [1]),
             helper.make_tensor_value_info(then_fn, TensorProto.FLOAT, [1]),
             helper.make_tensor_value_info(then_i, TensorProto.INT64, [WIDTH]),
         ],
+        then_inits,
     )
     detail_nodes, (dfx, dfn, dii) = _detail(flat, size, ctx, (mx, mn, sm), small)
     else_branch = helper.make_graph(
@@ -514,8 +522,8 @@ def shared_constants() -> list[onnx.TensorProto]:
         _CONST_FLAT: np.array([-1], np.int64),
         _CONST_ONE_DIM: np.array([1], np.int64),
         _CONST_ZERO_F: np.array([0.0], np.float32),
-        _CONST_LO: np.array([LO], np.float32),
-        _CONST_HI: np.array([HI], np.float32),
+        _CONST_LO: np.array(LO, np.float32),
+        _CONST_HI: np.array(HI, np.float32),
         _CONST_ZEROS_TAIL: np.zeros(WIDTH - 1, np.int64),
         _CONST_NEG_INF: np.array(-np.inf, np.float32),
         _CONST_POS_INF: np.array(np.inf, np.float32),

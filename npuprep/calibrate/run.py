@@ -70,7 +70,7 @@ def instrumented_session(model: Model, detail: str) -> Iterator[tuple[Instrument
     file resolves), any other model is instrumented as a weightless skeleton and onnxruntime
     gets its weights as arrays. Peak memory stays near a plain session's.
     """
-    from npuprep.runtime.session import make_session, make_session_external
+    from npuprep.runtime.session import make_session_external
 
     path = Path(model.path) if model.path else None
     if path is not None and path.is_file():
@@ -85,7 +85,7 @@ def instrumented_session(model: Model, detail: str) -> Iterator[tuple[Instrument
             if name is not None:
                 try:
                     onnx.save_model(inst.model, name)
-                    yield inst, lambda threads: make_session(name, threads=threads, optimize="all")
+                    yield inst, lambda threads: make_session_external(name, threads=threads, optimize="all")
                 finally:
                     os.unlink(name)
                 return
