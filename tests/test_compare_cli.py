@@ -30,7 +30,7 @@ def test_emulated_planner_names_the_overflow_and_exits_1(tmp_path):
     assert any("accumulation" in n for n in data["notes"])
     text = report.read_text()
     assert "## First divergent node" in text and "`offset_sq` (Pow)" in text
-    assert "cannot show FP16 accumulation" in text
+    assert "cannot show low-precision accumulation" in text
     header = next(line for line in text.splitlines() if line.startswith("| tensor"))
     assert header.count(" | ") == 10 and "\\|cand\\| max" in header  # escaped, 11 columns
 

@@ -32,7 +32,7 @@ SUFFIX = "__fp32"
 FP8_MIN_OPSET = 19
 
 LIMITS = (
-    "emulation rounds every tensor a node stores, but cannot show FP16 accumulation inside "
+    "emulation rounds every tensor a node stores, but cannot show low-precision accumulation inside "
     "one op (a Conv or MatMul with FP16 accumulators) or vendor kernels that compute wider "
     "or narrower than their I/O format"
 )
