@@ -236,41 +236,12 @@ def child(method: str, path: Path, n: int) -> dict[str, float]:
             c1 = time.process_time()
             calibrator.collect_data(Reader())
             calibrator.compute_data()
-    elif method == "paired":
-        return paired(path, samples)
     else:
         raise SystemExit(f"unknown method {method}")
     t2 = time.perf_counter()
     c2 = time.process_time()
     return {"setup_s": t1 - t0, "per_sample_s": (t2 - t1) / n, "cpu_per_sample_s": (c2 - c1) / n,
             "rss_mb": _rss_mb(), "setup_cpu_s": c1 - c0}
-
-
-def paired(path: Path, samples: list[dict[str, np.ndarray]], rounds: int = 4) -> dict[str, float]:
-    """Plain inference and both calibrations in one process, alternating every round over
-    the same samples: the least contention-prone ratio (fastest round of each)."""
-    import onnxruntime as ort
-
-    from npuprep.calibrate.run import fold, instrumented_session
-    from npuprep.model_io import load_model
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    plain = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    model = load_model(path)
-    best = {"plain": float("inf"), "auto": float("inf"), "all": float("inf")}
-    with instrumented_session(model, "auto") as (auto, open_auto), instrumented_session(model, "all") as (full, open_full):
-        runs = {"auto": (auto, open_auto(None)), "all": (full, open_full(None))}
-        for _ in range(rounds):
-            t = time.perf_counter()
-            for f in samples:
-                plain.run(None, f)
-            best["plain"] = min(best["plain"], time.perf_counter() - t)
-            for name, (inst, session) in runs.items():
-                t = time.perf_counter()
-                fold(session, inst, samples)
-                best[name] = min(best[name], time.perf_counter() - t)
-    return {f"{k}_per_sample_s": v / len(samples) for k, v in best.items()}
 
 
 def _rss_mb() -> float:
@@ -331,7 +302,6 @@ def main() -> None:
                 if best is None or ("per_sample_s" in r and r["per_sample_s"] < best.get("per_sample_s", float("inf"))):
                     results[name][method] = r
         results[name]["_model"] = {"bytes": path.stat().st_size}  # type: ignore[assignment]
-        results[name]["_paired"] = run_child("paired", path, args.samples)
     report: dict[str, object] = {"samples": args.samples, "rounds": args.rounds, "cpus": os.cpu_count(),
                                  "load_average": os.getloadavg(), "results": results}
     if args.big:
@@ -360,15 +330,6 @@ def print_table(report: dict) -> None:
             ratio_cpu = f"{r['cpu_per_sample_s'] / plain_cpu:.2f}" if plain_cpu else "-"
             print(f"| {name} | {method} | {r['per_sample_s']:.4f} | {ratio} | {r['cpu_per_sample_s']:.4f} | {ratio_cpu} "
                   f"| {r['setup_s']:.2f} | {r['rss_mb']:.0f} |")
-    print("\nPaired, one process, plain and calibration alternating (fastest of 4 rounds):")
-    print("| model | plain s / sample | npuprep auto | x plain | npuprep all | x plain |")
-    print("|---|---|---|---|---|---|")
-    for name, methods in report["results"].items():
-        p = methods.get("_paired", {})
-        if "plain_per_sample_s" in p:
-            print(f"| {name} | {p['plain_per_sample_s']:.4f} | {p['auto_per_sample_s']:.4f} | "
-                  f"{p['auto_per_sample_s'] / p['plain_per_sample_s']:.2f} | {p['all_per_sample_s']:.4f} | "
-                  f"{p['all_per_sample_s'] / p['plain_per_sample_s']:.2f} |")
     if "big" in report:
         b = report["big"]
         print(f"\n>2 GB model: {b['model_bytes'] / 2**30:.2f} GiB, {b['samples']} samples, exit {b['exit']}, "
