@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -221,3 +222,22 @@ def test_readme_first_command_converts_the_bundled_example(tmp_path):
     assert (tmp_path / "planner.a2000.onnx").is_file()
     assert (tmp_path / "planner.a2000.report.md").is_file()
     assert "overflow behaviour is unknown" in proc.stdout
+
+
+def test_html_flag_on_check_convert_and_compare(tmp_path):
+    # check --html, convert --html, compare --html: one self-contained page each
+    _, _, path, data = _zoo_case(tmp_path, "guidance")
+    pages = {
+        "check": ["check", path, "-t", "generic", "--data", data],
+        "convert": ["convert", path, "-t", "generic", "--data", data, "-o", tmp_path / "g16.onnx"],
+        "compare": ["compare", path, "--emulate", "-t", "generic", "--data", data],
+    }
+    for name, argv in pages.items():
+        html = tmp_path / f"{name}.html"
+        proc = run_cli(*argv, "--html", html)
+        assert proc.returncode in (0, 1), proc.stderr
+        text = html.read_text()
+        assert text.startswith("<!DOCTYPE html>") and "65504" in text
+        # Nothing loaded from the network (SVG namespace URIs are names, not fetches).
+        assert not re.search(r'(src|href)="https?://', text)
+    assert "eps_c" in (tmp_path / "compare.html").read_text()

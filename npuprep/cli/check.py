@@ -26,14 +26,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats", help="measured ranges from `npuprep calibrate` (instead of --data)")
     p.add_argument("--precision", help="check measured ranges against this format (e.g. fp8_e4m3) "
                                        "instead of the target's default precision")
+    p.add_argument("--html", metavar="OUT.html", help="also write a self-contained HTML report")
 
 
-def gather_findings(args: argparse.Namespace, model: Any, profile: Any) -> Any:
-    """All findings for this invocation: the static rules, then whatever the options add."""
+def gather_findings(args: argparse.Namespace, model: Any, profile: Any, stats: Any = None) -> Any:
+    """All findings for this invocation: the static rules, then whatever the options add.
+
+    `stats` are measured ranges already at hand; without them the options say where to get
+    them (--stats, --data, --synthetic) or the check stays static.
+    """
     from npuprep.analyse import static_findings
 
     findings = static_findings(model, profile)
-    stats = _measured_stats(args, model)
+    if stats is None:
+        stats = _measured_stats(args, model)
     if stats is None:
         return findings
     from npuprep.analyse.measured import measured_findings
@@ -75,8 +81,17 @@ def run(args: argparse.Namespace) -> int:
         args.model = str(example_model_path())
         print(f"npuprep: no MODEL given; checking the bundled example {args.model}", file=sys.stderr)
     model = load_model(args.model)
-    findings = gather_findings(args, model, profile)
+    stats = _measured_stats(args, model)
+    findings = gather_findings(args, model, profile, stats)
     failing = findings.reaching(fail_on)
+    if args.html:
+        from npuprep.cli.report import tensor_order
+        from npuprep.report.render_html import write_html
+
+        page = check_report(model, profile, findings, fail_on) | {"profile": profile.to_dict()}
+        if stats is not None:
+            page["stats"] = stats.to_dict()
+        write_html(page, args.html, order=tensor_order(model.proto))
     if args.json:
         print_json(check_report(model, profile, findings, fail_on))
     else:

@@ -46,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "accumulated error (runs the candidate twice)")
     p.add_argument("--worst", type=int, default=5, metavar="K", help="how many worst tensors to show")
     p.add_argument("--report", metavar="OUT.md", help="write a Markdown report")
+    p.add_argument("--html", metavar="OUT.html", help="also write a self-contained HTML report")
     add_json(p)
 
 
@@ -119,6 +120,13 @@ def run(args: argparse.Namespace) -> int:
     result = replace(result, notes=result.notes + notes)
     if args.report:
         write_text_atomic(args.report, render_markdown(result, args))
+    if args.html:
+        from npuprep.report.render_html import write_html
+
+        page = result.to_dict()
+        if profile is not None:
+            page["profile"] = profile.to_dict()
+        write_html(page, args.html)
     if args.json:
         print_json(result)
     else:
