@@ -14,7 +14,15 @@ Rounds alternate the methods, so contention from other processes hits them alike
 table keeps each method's fastest round. `--big` also calibrates a model over 2 GB (external
 data) through the CLI and records its time and peak RSS.
 
-    .venv/bin/python bench/bench_calibrate.py --samples 8 --rounds 2 --big
+The end-to-end table (`--e2e 8,32`) times whole processes over a directory of .npz samples
+(the same synthetic samples, written once): process start, imports, model load, session(s),
+every sample, statistics written. Methods: plain onnxruntime inference (numpy + onnxruntime
+only, default session options: every core), `npuprep calibrate --jobs 1` and `--jobs 2`
+(forked workers, cores // jobs threads each). Peak memory there is the largest sum of PSS
+(/proc/PID/smaps_rollup, shared pages split between the processes sharing them) over the
+process and its children, sampled every 20 ms.
+
+    .venv/bin/python bench/bench_calibrate.py --samples 8 --rounds 2 --e2e 8,32 --big
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 WORK = Path(__file__).resolve().parent / "_work"
 METHODS = ("plain", "npuprep-auto", "npuprep-all", "polygraphy-markall", "ort-minmax")
+E2E_METHODS = ("plain", "npuprep-j1", "npuprep-j2")
 
 
 def build_transformer(d: int = 768, layers: int = 4, seq: int = 128, heads: int = 12, seed: int = 0) -> onnx.ModelProto:
@@ -144,25 +153,113 @@ def build_big(width: int = 16384, layers: int = 2) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
-def ensure_models() -> dict[str, Path]:
-    """Build the models once, in a child process: Linux carries a parent's peak RSS into the
-    ru_maxrss of children it forks, so the parent must stay small."""
+def ensure_models(counts: str = "") -> dict[str, Path]:
+    """Build the models (and sample folders) once, in a child process: Linux carries a
+    parent's peak RSS into the ru_maxrss of children it forks, so the parent must stay small."""
     paths = {"transformer": WORK / "transformer.onnx", "convnet": WORK / "convnet.onnx"}
-    if not all(p.exists() for p in paths.values()):
-        subprocess.run([sys.executable, __file__, "--build"], check=True)
+    folders = [sample_dir(name, int(n)) for name in paths for n in counts.split(",") if n]
+    if not all(p.exists() for p in [*paths.values(), *folders]):
+        subprocess.run([sys.executable, __file__, "--build", "--e2e", counts], check=True)
     return paths
 
 
-def build_models() -> None:
+def build_models(counts: str) -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     for name, build in (("transformer", build_transformer), ("convnet", build_convnet)):
         path = WORK / f"{name}.onnx"
         if not path.exists():
             onnx.save_model(build(), str(path))
+    for name in ("transformer", "convnet"):
+        for n in (int(v) for v in counts.split(",") if v):
+            write_samples(name, n)
     big = WORK / "big" / "big.onnx"
     if not big.exists():
         big.parent.mkdir(parents=True, exist_ok=True)
         onnx.save_model(build_big(), str(big), save_as_external_data=True, location="big.onnx.data")
+
+
+def sample_dir(name: str, n: int) -> Path:
+    return WORK / "samples" / name / f"n{n}"
+
+
+def write_samples(name: str, n: int) -> None:
+    """The first n synthetic samples (seed 0, as the steady-state table uses) as .npz files."""
+    from npuprep.data import synthetic_samples
+
+    model = onnx.load(str(WORK / f"{name}.onnx"), load_external_data=False)
+    folder = sample_dir(name, n)
+    if folder.exists():
+        return
+    folder.mkdir(parents=True)
+    for i, feed in enumerate(synthetic_samples(model, n, seed=0)):
+        np.savez(folder / f"{i:04d}.npz", **feed)
+
+
+def e2e_child(method: str, path: Path, folder: Path) -> dict[str, float]:
+    """One whole run in this process (and its workers), memory sampled from a thread."""
+    import threading
+
+    peak = [0.0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.02):
+            peak[0] = max(peak[0], _tree_pss_mb(os.getpid()))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    if method == "plain":
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        for f in sorted(folder.glob("*.npz")):
+            with np.load(f) as z:
+                session.run(None, dict(z))
+    else:
+        from npuprep.cli.main import main as cli
+
+        jobs = method.removeprefix("npuprep-j")
+        rc = cli(["calibrate", str(path), "--data", str(folder), "--jobs", jobs, "--json",
+                  "-o", str(WORK / f"e2e_stats_{os.getpid()}.json")])
+        (WORK / f"e2e_stats_{os.getpid()}.json").unlink(missing_ok=True)
+        if rc != 0:
+            raise SystemExit(rc)
+    done.set()
+    sampler.join()
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"pss_peak_mb": max(peak[0], _tree_pss_mb(os.getpid())), "rss_self_mb": own.ru_maxrss / 1024,
+            "rss_child_max_mb": kids.ru_maxrss / 1024,
+            "cpu_s": own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime}
+
+
+def _tree_pss_mb(pid: int) -> float:
+    """PSS of a process and its descendants, MB (0 for any that ended meanwhile)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) / 1024
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def run_e2e(method: str, path: Path, n: int) -> dict[str, float]:
+    """Wall clock of the whole child process (interpreter start included)."""
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, __file__, "--e2e-child", method, str(path), str(sample_dir(path.stem, n))],
+                         capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - t0
+    if out.returncode != 0:
+        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    return r | {"wall_s": wall, "per_sample_s": wall / n, "cpu_per_sample_s": r["cpu_s"] / n}
 
 
 def feeds(path: Path, n: int) -> list[dict[str, np.ndarray]]:
@@ -283,15 +380,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--big", action="store_true", help="also calibrate a >2 GB external-data model")
+    ap.add_argument("--e2e", default="", help="sample counts for the end-to-end table, e.g. 8,32")
+    ap.add_argument("--e2e-child", nargs=3, metavar=("METHOD", "MODEL", "DIR"), help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=WORK / "bench_calibrate.json")
     args = ap.parse_args()
     if args.build:
-        build_models()
+        build_models(args.e2e)
         return
     if args.child:
         print(json.dumps(child(args.child[0], Path(args.child[1]), args.samples)))
         return
-    paths = ensure_models()
+    if args.e2e_child:
+        method, model, folder = args.e2e_child
+        print(json.dumps(e2e_child(method, Path(model), Path(folder))))
+        return
+    paths = ensure_models(args.e2e)
     results: dict[str, dict[str, dict[str, float]]] = {}
     for name, path in paths.items():
         results[name] = {}
@@ -302,8 +405,18 @@ def main() -> None:
                 if best is None or ("per_sample_s" in r and r["per_sample_s"] < best.get("per_sample_s", float("inf"))):
                     results[name][method] = r
         results[name]["_model"] = {"bytes": path.stat().st_size}  # type: ignore[assignment]
+    e2e: dict[str, dict[str, dict[str, float]]] = {}
+    for n in (int(v) for v in args.e2e.split(",") if v):
+        for name, path in paths.items():
+            for _ in range(args.rounds):
+                for method in E2E_METHODS:
+                    r = run_e2e(method, path, n)
+                    key = f"{name}|{n}|{method}"
+                    best = e2e.get(key)
+                    if best is None or r.get("wall_s", float("inf")) < best.get("wall_s", float("inf")):
+                        e2e[key] = r
     report: dict[str, object] = {"samples": args.samples, "rounds": args.rounds, "cpus": os.cpu_count(),
-                                 "load_average": os.getloadavg(), "results": results}
+                                 "load_average": os.getloadavg(), "results": results, "e2e": e2e}
     if args.big:
         report["big"] = bench_big(2)
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -330,6 +443,23 @@ def print_table(report: dict) -> None:
             ratio_cpu = f"{r['cpu_per_sample_s'] / plain_cpu:.2f}" if plain_cpu else "-"
             print(f"| {name} | {method} | {r['per_sample_s']:.4f} | {ratio} | {r['cpu_per_sample_s']:.4f} | {ratio_cpu} "
                   f"| {r['setup_s']:.2f} | {r['rss_mb']:.0f} |")
+    if report.get("e2e"):
+        print("\nEnd to end (whole process, samples from .npz files; fastest of the rounds)")
+        print("| model | samples | method | wall s | wall s / sample | x plain | CPU s / sample | x plain (CPU) "
+              "| peak PSS MB (sum) | max RSS MB (self / largest child) |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        e2e = report["e2e"]
+        for key, r in e2e.items():
+            name, n, method = key.split("|")
+            if "error" in r:
+                print(f"| {name} | {n} | {method} | failed: {r['error']} | | | | | | |")
+                continue
+            plain = e2e.get(f"{name}|{n}|plain", {})
+            ratio = f"{r['wall_s'] / plain['wall_s']:.2f}" if "wall_s" in plain else "-"
+            ratio_cpu = f"{r['cpu_s'] / plain['cpu_s']:.2f}" if "cpu_s" in plain else "-"
+            print(f"| {name} | {n} | {method} | {r['wall_s']:.2f} | {r['per_sample_s']:.4f} | {ratio} "
+                  f"| {r['cpu_per_sample_s']:.4f} | {ratio_cpu} | {r['pss_peak_mb']:.0f} "
+                  f"| {r['rss_self_mb']:.0f} / {r['rss_child_max_mb']:.0f} |")
     if "big" in report:
         b = report["big"]
         print(f"\n>2 GB model: {b['model_bytes'] / 2**30:.2f} GiB, {b['samples']} samples, exit {b['exit']}, "

@@ -76,6 +76,13 @@ def test_synthetic_samples_are_marked_in_stats_and_report(save, tmp_path):
     assert written["synthetic"] is True and "synthetic" in written["samples"] and written["sample_count"] == 4
     again = run_cli("calibrate", model, "--synthetic", "4", "--seed", "3", "--jobs", "2", "--json")
     assert json.loads(again.stdout)["tensors"] == written["tensors"]
+    auto = run_cli("calibrate", model, "--synthetic", "4", "--seed", "3", "--jobs", "auto", "--json")
+    assert json.loads(auto.stdout)["tensors"] == written["tensors"]
+
+
+def test_jobs_must_be_a_count_or_auto(save):
+    r = run_cli("calibrate", save(MODEL), "--synthetic", "2", "--jobs", "-1")
+    assert r.returncode == 2 and "expected a count >= 0 or 'auto'" in r.stderr
 
 
 @pytest.mark.parametrize(

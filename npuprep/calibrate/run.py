@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from npuprep.calibrate.stats import Accumulator, CalibrationStats
 from npuprep.cli.common import progress
 from npuprep.data import SampleSet
 from npuprep.errors import NpuprepError
-from npuprep.model_io import Model, load_model
+from npuprep.model_io import Model
 
 
 def calibrate(
@@ -32,18 +34,19 @@ def calibrate(
     """Range statistics of every float tensor over `samples` (see npuprep.calibrate.instrument).
 
     Samples stream one at a time and merge associatively, so memory does not grow with their
-    number; `jobs` > 1 splits the samples into contiguous ranges, one process each.
+    number. `jobs` > 1 splits the samples into contiguous ranges, one forked process each,
+    each session on cores // jobs threads; `jobs=0` picks the count (see `plan_jobs`).
     """
     if model.opset < 13:
         raise NpuprepError(f"{model.path or 'model'}: calibration needs opset >= 13 (model has {model.opset})")
     count = len(samples)
-    jobs = max(1, min(jobs, count))
-    if jobs == 1:
-        with instrumented_session(model, detail) as (inst, open_session):
+    jobs = plan_jobs(jobs, count)
+    with instrumented_session(model, detail) as (inst, open_session):
+        if jobs == 1:
             feeds = progress(samples.iter_range(0, count), count, "calibrating", show_progress)
             acc = fold(open_session(None), inst, feeds)
-    else:
-        inst, acc = _run_parallel(model, samples, jobs, detail)
+        else:
+            acc = _fold_parallel(open_session, inst, samples, jobs)
     stats = {}
     keys = _keys(inst)
     for i, slot in enumerate(inst.slots):
@@ -56,6 +59,29 @@ def calibrate(
         fingerprint=model.fingerprint, samples=samples.describe(), synthetic=samples.synthetic,
         sample_count=count, detail=detail, tensors=stats, unobserved=dict(inst.unobserved),
     )
+
+
+def cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def plan_jobs(jobs: int, count: int, n_cores: int | None = None) -> int:
+    """Processes for `count` samples: `jobs`, at most one per sample; 0 means one per core
+    while every process gets at least 2 samples. 1 where processes cannot be forked."""
+    if jobs < 0:
+        raise NpuprepError(f"jobs must be at least 0 (0: one per core), got {jobs}")
+    if jobs == 0:
+        jobs = min(n_cores or cores(), count // 2)
+    if "fork" not in mp.get_all_start_methods():
+        return 1
+    return max(1, min(jobs, count))
+
+
+def session_threads(jobs: int, n_cores: int | None = None) -> int | None:
+    """Intra-op threads per session: onnxruntime's default (every core) for one process,
+    else the cores shared out, so `jobs` sessions do not oversubscribe them."""
+    return None if jobs == 1 else max(1, (n_cores or cores()) // jobs)
 
 
 SessionFactory = Callable[[int | None], object]
@@ -153,34 +179,38 @@ def fold(session: object, inst: Instrumented, feeds: Iterable[dict[str, np.ndarr
     return acc
 
 
-def _worker(args: tuple[str, str, SampleSet, int, int, int]) -> Accumulator:
-    """One sample range in its own process: load, instrument (deterministic), fold."""
-    path, detail, samples, start, stop, threads = args
-    model = load_model(path)
-    with instrumented_session(model, detail) as (inst, open_session):
-        return fold(open_session(threads), inst, samples.iter_range(start, stop), start)
+# The forked worker's session and graph, set once per process by _start_worker.
+_worker_state: dict[str, object] = {}
 
 
-def _run_parallel(model: Model, samples: SampleSet, jobs: int, detail: str) -> tuple[Instrumented, Accumulator]:
-    """Contiguous sample ranges, one process each; every worker reads the model from a file."""
-    from npuprep.model_io import save_model
+def _start_worker(open_session: SessionFactory, inst: Instrumented, samples: SampleSet, threads: int | None) -> None:
+    """Runs in each forked worker: the parent's instrumented graph, weights and samples are
+    inherited (copy on write, not pickled); only the session is the worker's own."""
+    _worker_state.update(session=open_session(threads), inst=inst, samples=samples)
 
-    count = len(samples)
-    bounds = np.linspace(0, count, jobs + 1).astype(int)
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    with tempfile.TemporaryDirectory(prefix="npuprep-cal-") as tmp:
-        path = model.path
-        if not path or not Path(path).is_file():
-            path = str(save_model(model.proto, Path(tmp) / "model.onnx"))
-        work = [(path, detail, samples, int(a), int(b), threads) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            parts = list(pool.map(_worker, work))
-        light = onnx.load(path, load_external_data=False)
-        inst = instrument(_split_weights(light)[0] if not _has_external(light) else light, detail=detail)
+
+def _fold_range(bounds: tuple[int, int]) -> Accumulator:
+    start, stop = bounds
+    s = _worker_state
+    return fold(s["session"], s["inst"], s["samples"].iter_range(start, stop), start)  # type: ignore[union-attr]
+
+
+def _fold_parallel(open_session: SessionFactory, inst: Instrumented, samples: SampleSet, jobs: int) -> Accumulator:
+    """Contiguous sample ranges, one forked process each, merged in sample order."""
+    edges = np.linspace(0, len(samples), jobs + 1).astype(int)
+    ranges = [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    try:
+        with ProcessPoolExecutor(
+            max_workers=jobs, mp_context=mp.get_context("fork"), initializer=_start_worker,
+            initargs=(open_session, inst, samples, session_threads(jobs)),
+        ) as pool:
+            parts = list(pool.map(_fold_range, ranges))
+    except BrokenProcessPool:
+        raise NpuprepError(f"calibration: a worker process died (out of memory with {jobs} jobs?)") from None
     acc = parts[0]
     for part in parts[1:]:
         acc.merge(part)
-    return inst, acc
+    return acc
 
 
 def _has_external(proto: onnx.ModelProto) -> bool:

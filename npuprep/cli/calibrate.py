@@ -19,7 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="ONNX model to calibrate")
     add_data(p, required=True)
     p.add_argument("-o", "--output", help="write the statistics here (JSON, kind 'stats')")
-    p.add_argument("--jobs", "-j", type=int, default=1, help="processes over sample ranges (default 1)")
+    p.add_argument("--jobs", "-j", type=_jobs, default=1,
+                   help="processes over sample ranges, each session on cores/jobs threads (default 1); "
+                        "0 or 'auto': one per core while each gets at least 2 samples")
     p.add_argument("--detail", choices=("auto", "all"), default="auto",
                    help="exponent histogram and zero/underflow counts: only for tensor-samples outside "
                         "the ordinary range (auto, fast) or everywhere (all, ~5x slower)")
@@ -27,14 +29,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_json(p)
 
 
+def _jobs(text: str) -> int:
+    """`--jobs`: a count >= 0, or 'auto' (= 0)."""
+    if text == "auto":
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a count >= 0 or 'auto', got {text!r}")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     from npuprep.calibrate import calibrate, save_stats
     from npuprep.cli.common import open_samples
-    from npuprep.errors import NpuprepError
     from npuprep.model_io import load_model
 
-    if args.jobs < 1:
-        raise NpuprepError(f"--jobs must be at least 1, got {args.jobs}")
     model = load_model(args.model)
     samples = open_samples(args, model.proto)
     stats = calibrate(model, samples, jobs=args.jobs, show_progress=not args.json and sys.stderr.isatty(),

@@ -1,0 +1,90 @@
+"""Calibration over forked processes: how many, on how many threads, and the same statistics."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import npuprep.calibrate.run as calibrate_run
+from npuprep.calibrate import calibrate
+from npuprep.calibrate.run import plan_jobs, session_threads
+from npuprep.data import load_samples
+from npuprep.errors import NpuprepError
+from npuprep.model_io import load_model
+
+# x -> Mul(x, x) -> sq -> Sub(sq, x) -> y
+MODEL = """
+<ir_version: 8, opset_import: ["" : 18]>
+g (float[8,8] x) => (float[8,8] y) { sq = Mul(x, x)  y = Sub(sq, x) }
+"""
+
+
+@pytest.fixture
+def squares(tmp_path, save):
+    model = load_model(save(MODEL))
+    rng = np.random.default_rng(4)
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for i in range(7):
+        np.savez(folder / f"s{i:03d}.npz", x=(rng.standard_normal((8, 8)) * 10 ** rng.uniform(-3, 3)).astype(np.float32))
+    return model, load_samples(folder, model.proto)
+
+
+@pytest.mark.parametrize(
+    ("jobs", "count", "n_cores", "expected"),
+    [
+        (1, 10, 8, 1),
+        (3, 10, 8, 3),
+        (5, 2, 8, 2),  # never more processes than samples
+        (0, 10, 8, 5),  # auto: one per core, but at least 2 samples each
+        (0, 100, 8, 8),
+        (0, 3, 8, 1),
+        (0, 1, 8, 1),
+    ],
+)
+def test_plan_jobs(jobs, count, n_cores, expected):
+    assert plan_jobs(jobs, count, n_cores) == expected
+
+
+def test_negative_jobs_are_refused():
+    with pytest.raises(NpuprepError, match="jobs must be at least 0"):
+        plan_jobs(-1, 10, 2)
+
+
+def test_threads_share_the_cores_out():
+    assert session_threads(1, 8) is None  # one process: onnxruntime's default, every core
+    assert session_threads(2, 8) == 4
+    assert session_threads(3, 8) == 2
+    assert session_threads(4, 2) == 1
+
+
+def test_workers_run_on_their_share_of_threads_and_agree_with_one_process(squares, monkeypatch, tmp_path):
+    model, samples = squares
+    one = calibrate(model, samples, detail="all")
+    log = tmp_path / "sessions.txt"
+    real_fold = calibrate_run.fold
+
+    def recording_fold(session, inst, feeds, start=0):
+        opts = session.get_session_options()
+        with log.open("a") as f:
+            f.write(f"{os.getpid()} {opts.intra_op_num_threads} "
+                    f"{opts.get_session_config_entry('session.intra_op.allow_spinning')}\n")
+        return real_fold(session, inst, feeds, start)
+
+    # Forked workers inherit the patched module.
+    monkeypatch.setattr(calibrate_run, "fold", recording_fold)
+    monkeypatch.setattr(calibrate_run, "cores", lambda: 6)
+    three = calibrate(model, samples, jobs=3, detail="all")
+    assert three.to_dict() == one.to_dict()
+    rows = [line.split() for line in log.read_text().splitlines()]
+    assert len(rows) == 3 and os.getpid() not in {int(r[0]) for r in rows}
+    assert {(r[1], r[2]) for r in rows} == {("2", "0")}  # 6 cores // 3 jobs, no spinning
+
+
+def test_auto_jobs_agree_with_one_process(squares, monkeypatch):
+    model, samples = squares
+    monkeypatch.setattr(calibrate_run, "cores", lambda: 3)
+    assert plan_jobs(0, len(samples)) == 3
+    assert calibrate(model, samples, jobs=0).to_dict() == calibrate(model, samples).to_dict()
