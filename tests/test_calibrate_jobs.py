@@ -64,22 +64,23 @@ def test_workers_run_on_their_share_of_threads_and_agree_with_one_process(square
     model, samples = squares
     one = calibrate(model, samples, detail="all")
     log = tmp_path / "sessions.txt"
-    real_fold = calibrate_run.fold
+    real_open = calibrate_run.Prepared.open
 
-    def recording_fold(session, inst, feeds, start=0):
+    def recording_open(self, threads, detailed):
+        inst, session = real_open(self, threads, detailed)
         opts = session.get_session_options()
         with log.open("a") as f:
             f.write(f"{os.getpid()} {opts.intra_op_num_threads} "
                     f"{opts.get_session_config_entry('session.intra_op.allow_spinning')}\n")
-        return real_fold(session, inst, feeds, start)
+        return inst, session
 
     # Forked workers inherit the patched module.
-    monkeypatch.setattr(calibrate_run, "fold", recording_fold)
+    monkeypatch.setattr(calibrate_run.Prepared, "open", recording_open)
     monkeypatch.setattr(calibrate_run, "cores", lambda: 6)
     three = calibrate(model, samples, jobs=3, detail="all")
     assert three.to_dict() == one.to_dict()
     rows = [line.split() for line in log.read_text().splitlines()]
-    assert len(rows) == 3 and os.getpid() not in {int(r[0]) for r in rows}
+    assert len({r[0] for r in rows}) == 3 and str(os.getpid()) not in {r[0] for r in rows}
     assert {(r[1], r[2]) for r in rows} == {("2", "0")}  # 6 cores // 3 jobs, no spinning
 
 

@@ -14,7 +14,10 @@ plain inference, so with `detail="auto"` it runs only for a tensor-sample that i
 *ordinary*. Ordinary means finite with LO <= abs-max <= HI: then no value exceeds any format's
 max (all counts above are exactly 0), and values below a format's smallest normal lie below
 the tensor's own precision floor (abs-max x eps) for every format npuprep knows.
-`detail="all"` runs it everywhere.
+`detail="all"` runs it everywhere. `detailed=` (a set of tensor names) keeps the detail
+only for those tensors; any other tensor-sample that is not ordinary is flagged (FLAGGED in
+its "detailed" count) so the caller can rerun the sample on a graph that details it: the
+detail branches are most of a session's creation time, and few tensors ever need them.
 
 If/Loop/Scan bodies are instrumented the same way; their statistics leave the body as extra
 If outputs or extra Loop/Scan state (max of max, min of min, sum of counts over iterations).
@@ -23,6 +26,7 @@ If outputs or extra Loop/Scan state (max of max, min of min, sum of counts over 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +44,9 @@ HIST_OFFSET = 150  # bin = floor(log2|x|) + 150; 0 holds zeros, 278 Inf and NaN
 HIST_BINS = 279
 HEADER = ("count", "detailed", "nan") + tuple(f"over_{f}" for f in OVER_FORMATS)
 WIDTH = len(HEADER) + HIST_BINS
+# "detailed" count of a tensor-sample that needed the detail but was built without it (< 0
+# also after a Loop/Scan body sums it over iterations).
+FLAGGED = -1
 # Ordinary range of abs-max (see module docstring): every format's max is above HI, and
 # min_normal / eps <= LO for fp16 (2^-4), fp8_e4m3 (2^-3), fp8_e5m2 (2^-12), bf16.
 LO = 2.0**-3
@@ -83,6 +90,7 @@ class _Ctx:
     shapes: dict[str, tuple[int, ...]]
     opset: int
     detail: str
+    detailed: frozenset[str] | None = None
     counter: int = 0
     sizes: set[int] = field(default_factory=set)
     aliases: dict[str, Slot] = field(default_factory=dict)
@@ -94,12 +102,19 @@ class _Ctx:
         return f"__npuprep_{stem}_{self.counter}"
 
 
-def instrument(model: onnx.ModelProto, *, detail: str = "auto") -> Instrumented:
-    """A copy of `model` whose extra outputs carry per-tensor statistics of one sample."""
+def instrument(
+    model: onnx.ModelProto, *, detail: str = "auto", detailed: Collection[str] | None = None
+) -> Instrumented:
+    """A copy of `model` whose extra outputs carry per-tensor statistics of one sample.
+
+    `detailed`: with detail "auto", the tensors that get the detail branch (default: all);
+    the rows (slots) are the same whatever it holds.
+    """
     if detail not in ("auto", "all"):
         raise ValueError(f"detail must be 'auto' or 'all', got {detail!r}")
     info = infer(model)
-    ctx = _Ctx(types=info.types, shapes=info.shapes, opset=model_opset(model), detail=detail)
+    ctx = _Ctx(types=info.types, shapes=info.shapes, opset=model_opset(model), detail=detail,
+               detailed=None if detailed is None else frozenset(detailed))
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
@@ -229,6 +244,17 @@ def _tensor_stats(tensor: str, elem: int, ctx: _Ctx) -> tuple[list[onnx.NodeProt
         helper.make_node("Clip", [score, _CONST_LO, _CONST_HI], [clipped]),
         helper.make_node("Equal", [clipped, score], [ok]),
     ]
+    if ctx.detailed is not None and tensor not in ctx.detailed:
+        # No detail here: the ordinary row, FLAGGED in "detailed" when not ordinary.
+        row, bad, badi, mark, ii = (n(s) for s in ("row", "bad", "badi", "mark", "i"))
+        nodes += [
+            helper.make_node("Concat", [size, _CONST_ZEROS_TAIL], [row], axis=0),
+            helper.make_node("Not", [ok], [bad]),
+            helper.make_node("Cast", [bad], [badi], to=TensorProto.INT64),
+            helper.make_node("Mul", [badi, _CONST_FLAG_ROW], [mark]),
+            helper.make_node("Add", [row, mark], [ii]),
+        ]
+        return nodes, (mx, mn, ii)
     fx, fn, ii = n("fx"), n("fn"), n("i")
     then_fx, then_fn, then_i = n("then_fx"), n("then_fn"), n("then_i")
     then_nodes = [
@@ -511,6 +537,7 @@ _CONST_LUMP_END = "__npuprep_c_lump_end"
 _CONST_ZERO_MOVE = "__npuprep_c_zero_move"
 _CONST_SMALLEST_MAX = "__npuprep_c_smallest_max"
 _CONST_ZERO_OVER = "__npuprep_c_zero_over"
+_CONST_FLAG_ROW = "__npuprep_c_flag_row"
 
 
 def _over_const(fmt: str) -> str:
@@ -543,6 +570,7 @@ def shared_constants() -> list[onnx.TensorProto]:
         _CONST_ZERO_MOVE: np.eye(1, HIST_BINS, 0, np.int64)[0] - np.eye(1, HIST_BINS, HIST_OFFSET - 127, np.int64)[0],
         _CONST_SMALLEST_MAX: np.array([min(get_format(f).max for f in OVER_FORMATS)], np.float32),
         _CONST_ZERO_OVER: np.zeros(len(OVER_FORMATS), np.int64),
+        _CONST_FLAG_ROW: FLAGGED * np.eye(1, WIDTH, HEADER.index("detailed"), np.int64)[0],
     }
     for fmt in OVER_FORMATS:
         values[_over_const(fmt)] = np.array(get_format(fmt).max, np.float32)

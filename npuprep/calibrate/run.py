@@ -5,17 +5,17 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Collection, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import external_data_helper, numpy_helper
 
-from npuprep.calibrate.instrument import Instrumented, instrument
+from npuprep.calibrate.instrument import HEADER, HI, LO, WIDTH, Instrumented, instrument
 from npuprep.calibrate.stats import Accumulator, CalibrationStats
 from npuprep.cli.common import progress
 from npuprep.data import SampleSet
@@ -41,12 +41,14 @@ def calibrate(
         raise NpuprepError(f"{model.path or 'model'}: calibration needs opset >= 13 (model has {model.opset})")
     count = len(samples)
     jobs = plan_jobs(jobs, count)
-    with instrumented_session(model, detail) as (inst, open_session):
-        if jobs == 1:
-            feeds = progress(samples.iter_range(0, count), count, "calibrating", show_progress)
-            acc = fold(open_session(None), inst, feeds)
-        else:
-            acc = _fold_parallel(open_session, inst, samples, jobs)
+    prepared = prepare(model, detail)
+    if jobs == 1:
+        feeds = progress(samples.iter_range(0, count), count, "calibrating", show_progress)
+        acc = fold(prepared, None, feeds)
+    else:
+        acc = _fold_parallel(prepared, samples, jobs)
+    # The rows are the same in every variant of the graph: any one names them.
+    inst = instrument(prepared.graph, detail=detail, detailed=())
     stats = {}
     keys = _keys(inst)
     for i, slot in enumerate(inst.slots):
@@ -84,40 +86,43 @@ def session_threads(jobs: int, n_cores: int | None = None) -> int | None:
     return None if jobs == 1 else max(1, (n_cores or cores()) // jobs)
 
 
-SessionFactory = Callable[[int | None], object]
+@dataclass(frozen=True)
+class Prepared:
+    """A model ready for instrumented sessions, whose weights never pass through a second
+    protobuf copy: a graph with external data is instrumented without loading them and
+    written next to the model (`folder`) for each session, so the data file resolves; any
+    other graph is a weightless skeleton and onnxruntime gets `weights` as arrays. Peak
+    memory stays near a plain session's."""
+
+    graph: onnx.ModelProto
+    weights: dict[str, np.ndarray]
+    folder: Path | None
+    detail: str
+
+    def open(self, threads: int | None, detailed: Collection[str] | None) -> tuple[Instrumented, object]:
+        """The graph instrumented (detail for `detailed` only, see instrument) and a session."""
+        from npuprep.runtime.session import make_session_external
+
+        inst = instrument(self.graph, detail=self.detail, detailed=detailed)
+        if self.folder is None:
+            return inst, make_session_external(inst.model, self.weights, threads=threads, optimize="all")
+        fd, name = tempfile.mkstemp(prefix=".npuprep-calibrate-", suffix=".onnx", dir=self.folder)
+        os.close(fd)
+        try:
+            onnx.save_model(inst.model, name)
+            return inst, make_session_external(name, threads=threads, optimize="all")
+        finally:
+            os.unlink(name)
 
 
-@contextmanager
-def instrumented_session(model: Model, detail: str) -> Iterator[tuple[Instrumented, SessionFactory]]:
-    """The instrumented model and a function that opens a session on it (threads -> session).
-
-    The weights never pass through a second protobuf copy: a model with external data is
-    instrumented without loading them (the graph is written next to the model, so the data
-    file resolves), any other model is instrumented as a weightless skeleton and onnxruntime
-    gets its weights as arrays. Peak memory stays near a plain session's.
-    """
-    from npuprep.runtime.session import make_session_external
-
+def prepare(model: Model, detail: str) -> Prepared:
     path = Path(model.path) if model.path else None
     if path is not None and path.is_file():
         light = onnx.load(str(path), load_external_data=False)
-        if _has_external(light):
-            inst = instrument(light, detail=detail)
-            try:
-                fd, name = tempfile.mkstemp(prefix=f".{path.stem}.npuprep-calibrate-", suffix=".onnx", dir=path.parent)
-                os.close(fd)
-            except OSError:
-                name = None
-            if name is not None:
-                try:
-                    onnx.save_model(inst.model, name)
-                    yield inst, lambda threads: make_session_external(name, threads=threads, optimize="all")
-                finally:
-                    os.unlink(name)
-                return
+        if _has_external(light) and os.access(path.parent, os.W_OK):
+            return Prepared(light, {}, path.parent, detail)
     skeleton, weights = _split_weights(model.proto)
-    inst = instrument(skeleton, detail=detail)
-    yield inst, lambda threads: make_session_external(inst.model, weights, threads=threads, optimize="all")
+    return Prepared(skeleton, weights, None, detail)
 
 
 # Initialisers above this size reach onnxruntime as arrays, not inside the serialised graph.
@@ -167,42 +172,78 @@ def _keys(inst: Instrumented) -> list[str]:
     return [s.tensor if seen[s.tensor] == 1 else f"{s.scope}/{s.tensor}" for s in inst.slots]
 
 
-def fold(session: object, inst: Instrumented, feeds: Iterable[dict[str, np.ndarray]], start: int = 0) -> Accumulator:
-    """Run each feed through the instrumented session and fold its statistics in."""
-    from npuprep.runtime.session import run
+class Folding:
+    """Samples run through instrumented sessions and folded into one Accumulator.
 
-    acc = Accumulator(len(inst.slots))
+    With detail "auto" the first session details no tensor (creating the detail branches is
+    most of a session's start-up, and few tensors need them). A sample that flags a tensor
+    runs again on a session that details it, and every tensor whose abs-max in that sample
+    lies near the ordinary range's edges, so later samples rarely flag another. Only rows
+    from a run without flags are folded in: the statistics are those of a graph that details
+    every tensor.
+    """
+
+    def __init__(self, prepared: Prepared, threads: int | None) -> None:
+        self.prepared, self.threads = prepared, threads
+        self.detailed: frozenset[str] | None = frozenset() if prepared.detail == "auto" else None
+        self.inst, self.session = prepared.open(threads, self.detailed)
+        self.acc = Accumulator(len(self.inst.slots))
+
+    def add(self, feed: dict[str, np.ndarray], index: int) -> None:
+        from npuprep.runtime.session import run
+
+        while True:
+            out = run(self.session, feed, self.inst.outputs)
+            fx, fn, ii = (np.asarray(out[name]) for name in self.inst.outputs)
+            flagged = ii.reshape(-1, WIDTH)[:, _DETAILED] < 0
+            if self.detailed is None or not flagged.any():
+                break
+            absmax = np.fmax(fx, -fn)
+            edge = ~((absmax >= _EDGE * LO) & (absmax <= HI / _EDGE))
+            self.detailed |= {self.inst.slots[i].tensor for i in np.flatnonzero(flagged | edge)}
+            self.session = None  # freed before the next one is built: one session's memory at a time
+            self.inst, self.session = self.prepared.open(self.threads, self.detailed)
+        self.acc.add(fx.astype(np.float64), fn.astype(np.float64), ii, index)
+
+
+# Column of the "detailed" count; abs-max within this factor of LO or HI is near the edge
+# (measured on the benchmark transformer: 2 settles in one reopen, 4 details 3x the tensors).
+_DETAILED = HEADER.index("detailed")
+_EDGE = 2.0
+
+
+def fold(prepared: Prepared, threads: int | None, feeds: Iterable[dict[str, np.ndarray]], start: int = 0) -> Accumulator:
+    """Run each feed (sample index `start` on) through instrumented sessions; their statistics."""
+    folding = Folding(prepared, threads)
     for index, feed in enumerate(feeds, start):
-        out = run(session, feed, inst.outputs)
-        fx, fn, ii = (out[name] for name in inst.outputs)
-        acc.add(np.asarray(fx, np.float64), np.asarray(fn, np.float64), np.asarray(ii), index)
-    return acc
+        folding.add(feed, index)
+    return folding.acc
 
 
-# The forked worker's session and graph, set once per process by _start_worker.
+# The forked worker's inherited state, set once per process by _start_worker.
 _worker_state: dict[str, object] = {}
 
 
-def _start_worker(open_session: SessionFactory, inst: Instrumented, samples: SampleSet, threads: int | None) -> None:
-    """Runs in each forked worker: the parent's instrumented graph, weights and samples are
-    inherited (copy on write, not pickled); only the session is the worker's own."""
-    _worker_state.update(session=open_session(threads), inst=inst, samples=samples)
+def _start_worker(prepared: Prepared, samples: SampleSet, threads: int | None) -> None:
+    """Runs in each forked worker: the parent's prepared graph, weights and samples are
+    inherited (copy on write, not pickled); the sessions are the worker's own."""
+    _worker_state.update(prepared=prepared, samples=samples, threads=threads)
 
 
 def _fold_range(bounds: tuple[int, int]) -> Accumulator:
     start, stop = bounds
     s = _worker_state
-    return fold(s["session"], s["inst"], s["samples"].iter_range(start, stop), start)  # type: ignore[union-attr]
+    return fold(s["prepared"], s["threads"], s["samples"].iter_range(start, stop), start)  # type: ignore[arg-type, union-attr]
 
 
-def _fold_parallel(open_session: SessionFactory, inst: Instrumented, samples: SampleSet, jobs: int) -> Accumulator:
+def _fold_parallel(prepared: Prepared, samples: SampleSet, jobs: int) -> Accumulator:
     """Contiguous sample ranges, one forked process each, merged in sample order."""
     edges = np.linspace(0, len(samples), jobs + 1).astype(int)
     ranges = [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
     try:
         with ProcessPoolExecutor(
             max_workers=jobs, mp_context=mp.get_context("fork"), initializer=_start_worker,
-            initargs=(open_session, inst, samples, session_threads(jobs)),
+            initargs=(prepared, samples, session_threads(jobs)),
         ) as pool:
             parts = list(pool.map(_fold_range, ranges))
     except BrokenProcessPool:

@@ -1,0 +1,101 @@
+"""Detail added on demand: the first session details nothing; a flagged sample reruns on one
+that does, and the statistics are those of a graph detailing every tensor."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import npuprep.calibrate.run as calibrate_run
+from npuprep.calibrate import calibrate
+from npuprep.data import load_samples
+from npuprep.model_io import load_model
+
+# x -> Mul(x, 2) -> y -> Relu -> r;  x -> Mul(x, 0.25) -> q
+MODEL = """
+<ir_version: 8, opset_import: ["" : 18]>
+g (float[4,16] x) => (float[4,16] r, float[4,16] q) {
+    two = Constant<value = float {2.0}>()
+    y = Mul(x, two)
+    r = Relu(y)
+    quarter = Constant<value = float {0.25}>()
+    q = Mul(x, quarter)
+}
+"""
+
+
+def numpy_hist(x: np.ndarray) -> dict[int, int]:
+    a = np.abs(x[np.isfinite(x) & (x != 0)]).astype(np.float64)
+    exps, counts = np.unique(np.frexp(a)[1] - 1, return_counts=True)
+    return {int(e): int(c) for e, c in zip(exps, counts, strict=True)}
+
+
+@pytest.fixture
+def opened(monkeypatch):
+    """The `detailed` set of every session opened (in this process)."""
+    calls: list[frozenset[str] | None] = []
+    real_open = calibrate_run.Prepared.open
+
+    def recording_open(self, threads, detailed):
+        calls.append(None if detailed is None else frozenset(detailed))
+        return real_open(self, threads, detailed)
+
+    monkeypatch.setattr(calibrate_run.Prepared, "open", recording_open)
+    return calls
+
+
+def samples_scaled(tmp_path, save, scales):
+    model = load_model(save(MODEL))
+    rng = np.random.default_rng(7)
+    arrays = []
+    for s in scales:
+        a = rng.uniform(-1, 1, (4, 16)).astype(np.float32)
+        a *= np.float32(s / np.abs(a).max())  # abs-max exactly s (up to rounding)
+        arrays.append(a)
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for i, a in enumerate(arrays):
+        np.savez(folder / f"s{i:03d}.npz", x=a)
+    return model, load_samples(folder, model.proto), arrays
+
+
+def test_a_late_outlier_reruns_its_sample_with_detail_and_counts_exactly(tmp_path, save, opened):
+    # abs-max of x: ordinary (1) for three samples, then 1000 (above the ordinary range), then 1 again.
+    model, samples, arrays = samples_scaled(tmp_path, save, [1.0, 1.0, 1.0, 1000.0, 1.0])
+    stats = calibrate(model, samples)
+    assert opened[0] == frozenset() and len(opened) == 2
+    # x and y flagged (abs-max 1000, 2000); q (250) and r too: every tensor outside the range.
+    assert {"x", "y", "r", "q"} <= opened[1]
+    outlier = arrays[3]
+    for name, values in (("x", outlier), ("y", outlier * 2), ("q", outlier * np.float32(0.25)),
+                         ("r", np.maximum(outlier * 2, 0))):
+        s = stats.tensors[name]
+        assert s.detailed_count == values.size, name  # only the outlier sample is detailed
+        assert s.exp_hist == numpy_hist(values), name
+        assert s.zero_count == int((values == 0).sum()), name
+    everything = np.concatenate([a.ravel() for a in arrays])
+    assert stats.tensors["x"].absmax == float(np.abs(everything).max())
+    assert stats.tensors["x"].count == everything.size
+
+
+def test_the_same_statistics_as_detailing_every_tensor_from_the_start(tmp_path, save, monkeypatch, opened):
+    model, samples, _ = samples_scaled(tmp_path, save, [1.0, 0.01, 3.0, 200.0, 0.5, 1e-3])
+    adaptive = calibrate(model, samples)
+    assert opened[0] == frozenset() and len(opened) > 1
+    # A Folding that starts with every tensor detailed (the graph before detail on demand).
+    real_init = calibrate_run.Folding.__init__
+
+    def everything_detailed(self, prepared, threads):
+        real_init(self, prepared, threads)
+        self.detailed = None
+        self.inst, self.session = prepared.open(threads, None)
+
+    monkeypatch.setattr(calibrate_run.Folding, "__init__", everything_detailed)
+    assert calibrate(model, samples).to_dict() == adaptive.to_dict()
+
+
+def test_ordinary_samples_open_one_session(tmp_path, save, opened):
+    model, samples, _ = samples_scaled(tmp_path, save, [1.0, 2.0, 3.0])
+    stats = calibrate(model, samples)
+    assert opened == [frozenset()]
+    assert all(s.detailed_count == 0 for s in stats.tensors.values())
