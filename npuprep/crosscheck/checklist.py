@@ -343,7 +343,7 @@ def _compare(ctx: _Context, stats: Any, top_n: int) -> Item:
         risky = riskiest_tensors(stats, p, top_n)
         limit = p.limit()
         listed = "; ".join(
-            f"`{t}` ({node or 'input'}): absmax {absmax:.4g} = {ratio:.1%} of {p.format.name} max"
+            f"`{t}` ({node or 'input'}): absmax {absmax:.4g} = {_share(ratio)} {p.format.name} max"
             + (" OVER the safe limit" if absmax > limit or not math.isfinite(absmax) else "")
             for t, node, absmax, ratio in risky)
         evidence.append(f"riskiest tensors by abs-max vs {p.format.name} max {p.format.max:g} "
@@ -423,3 +423,10 @@ def to_markdown(checklist: Checklist) -> str:
 
 def _is_command(step: str) -> bool:
     return step.startswith(("npuprep ", "trtexec ", "hb_mapper ", "rknn."))
+
+
+def _share(ratio: float) -> str:
+    """abs-max against the format's max: a percentage up to 10x, a factor beyond."""
+    if not math.isfinite(ratio) or ratio >= 10:
+        return f"{ratio:.3g}x"
+    return f"{ratio:.1%} of"
