@@ -4,6 +4,7 @@ that does, and the statistics are those of a graph detailing every tensor."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 
 import npuprep.calibrate.run as calibrate_run
@@ -99,3 +100,29 @@ def test_ordinary_samples_open_one_session(tmp_path, save, opened):
     stats = calibrate(model, samples)
     assert opened == [frozenset()]
     assert all(s.detailed_count == 0 for s in stats.tensors.values())
+
+
+def test_external_data_models_detail_every_tensor_in_one_session(tmp_path, save, opened):
+    # x -> MatMul(x, W) -> y, W = 1000 * I stored as external data: y is not ordinary
+    proto = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [onnx.helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+            [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 64])],
+            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 64])],
+            [onnx.numpy_helper.from_array(np.eye(64, dtype=np.float32) * 1000, "w")],
+        ),
+        opset_imports=[onnx.helper.make_opsetid("", 18)],
+    )
+    inline_model = load_model(save(proto, "inline.onnx"))  # first: saving as external data changes proto
+    folder = tmp_path / "ext"
+    folder.mkdir()
+    onnx.save_model(proto, str(folder / "m.onnx"), save_as_external_data=True, location="m.data", size_threshold=0)
+    np.savez(tmp_path / "a.npz", x=np.linspace(-1, 1, 128, dtype=np.float32).reshape(2, 64))
+    ext_model = load_model(folder / "m.onnx")
+    ext = calibrate(ext_model, load_samples(str(tmp_path / "a.npz"), ext_model.proto))
+    assert opened == [None]  # a second session would read the weights from disk again
+    opened.clear()
+    inline = calibrate(inline_model, load_samples(str(tmp_path / "a.npz"), inline_model.proto))
+    assert opened[0] == frozenset() and "y" in opened[1]
+    assert ext.tensors["y"].to_dict() == inline.tensors["y"].to_dict()
+    assert ext.tensors["y"].detailed_count == 128

@@ -176,7 +176,8 @@ class Folding:
     """Samples run through instrumented sessions and folded into one Accumulator.
 
     With detail "auto" the first session details no tensor (creating the detail branches is
-    most of a session's start-up, and few tensors need them). A sample that flags a tensor
+    most of a session's start-up, and few tensors need them), unless the weights are external
+    data, which each new session reads from disk again. A sample that flags a tensor
     runs again on a session that details it, and every tensor whose abs-max in that sample
     lies near the ordinary range's edges, so later samples rarely flag another. Only rows
     from a run without flags are folded in: the statistics are those of a graph that details
@@ -185,7 +186,8 @@ class Folding:
 
     def __init__(self, prepared: Prepared, threads: int | None) -> None:
         self.prepared, self.threads = prepared, threads
-        self.detailed: frozenset[str] | None = frozenset() if prepared.detail == "auto" else None
+        on_demand = prepared.detail == "auto" and prepared.folder is None
+        self.detailed: frozenset[str] | None = frozenset() if on_demand else None
         self.inst, self.session = prepared.open(threads, self.detailed)
         self.acc = Accumulator(len(self.inst.slots))
 
