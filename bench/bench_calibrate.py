@@ -221,7 +221,7 @@ def e2e_child(method: str, path: Path, folder: Path) -> dict[str, float]:
         from npuprep.cli.main import main as cli
 
         jobs = method.removeprefix("npuprep-j")
-        rc = cli(["calibrate", str(path), "--data", str(folder), "--jobs", jobs, "--json",
+        rc = cli(["calibrate", str(path), "--data", str(folder), "--jobs", jobs,
                   "-o", str(WORK / f"e2e_stats_{os.getpid()}.json")])
         (WORK / f"e2e_stats_{os.getpid()}.json").unlink(missing_ok=True)
         if rc != 0:
