@@ -43,12 +43,14 @@ def calibrate(
     jobs = plan_jobs(jobs, count)
     prepared = prepare(model, detail)
     if jobs == 1:
-        feeds = progress(samples.iter_range(0, count), count, "calibrating", show_progress)
-        acc = fold(prepared, None, feeds)
+        folding = Folding(prepared, None)
+        for index, feed in enumerate(progress(samples.iter_range(0, count), count, "calibrating", show_progress)):
+            folding.add(feed, index)
+        acc, inst = folding.acc, folding.inst
     else:
         acc = _fold_parallel(prepared, samples, jobs)
-    # The rows are the same in every variant of the graph: any one names them.
-    inst = instrument(prepared.graph, detail=detail, detailed=())
+        # The rows are the same in every variant of the graph: any one names them.
+        inst = instrument(prepared.graph, detail=detail, detailed=())
     stats = {}
     keys = _keys(inst)
     for i, slot in enumerate(inst.slots):
@@ -116,6 +118,7 @@ class Prepared:
 
 
 def prepare(model: Model, detail: str) -> Prepared:
+    """Ready `model` for instrumented sessions (external data stays on disk where it can)."""
     path = Path(model.path) if model.path else None
     if path is not None and path.is_file():
         light = onnx.load(str(path), load_external_data=False)
