@@ -122,26 +122,94 @@ def attribute(node: onnx.NodeProto, name: str, default: object = None) -> object
     return default
 
 
-def tensor_types(model: onnx.ModelProto) -> dict[str, int]:
-    """Element type of every tensor whose type is known (after shape inference), all scopes."""
+# Initialisers up to this many bytes keep their values in the inference skeleton (Reshape
+# shapes, axes, scalars); larger ones become typed inputs, so weights are never serialised.
+_SKELETON_KEEP_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Tensor name -> element type; -> shape where every dimension is known; -> dims with
+    None for a symbolic dimension."""
+
+    types: dict[str, int]
+    shapes: dict[str, tuple[int, ...]]
+    dims: dict[str, tuple[int | None, ...]]
+
+
+def infer_tensors(model: onnx.ModelProto) -> TensorInfo:
+    """Types and shapes of every tensor in all scopes (best effort, never raises).
+
+    onnx's shape inference serialises the whole model, which for hundreds of MB costs
+    seconds and fails past 2 GB; it runs on a weightless skeleton instead, where large
+    initialisers are typed graph inputs of the same shape.
+    """
+    skeleton = _skeleton(model)
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=False)
+        inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=False)
     except Exception:  # noqa: BLE001 - inference is best effort on exotic models
-        inferred = model
+        inferred = skeleton
     types: dict[str, int] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    dims: dict[str, tuple[int | None, ...]] = {}
     for scope in walk_graphs(inferred.graph):
         g = scope.graph
         for vi in list(g.input) + list(g.output) + list(g.value_info):
-            if vi.type.HasField("tensor_type"):
-                types[vi.name] = vi.type.tensor_type.elem_type
-        for init in g.initializer:
-            types[init.name] = init.data_type
+            if not vi.type.HasField("tensor_type"):
+                continue
+            tt = vi.type.tensor_type
+            if tt.elem_type:
+                types[vi.name] = tt.elem_type
+            if tt.HasField("shape"):
+                d = tuple(x.dim_value if x.HasField("dim_value") else None for x in tt.shape.dim)
+                dims[vi.name] = d
+                if None not in d:
+                    shapes[vi.name] = d  # type: ignore[assignment]
         for node in g.node:
             if node.op_type == "Constant":
                 for attr in node.attribute:
                     if attr.name == "value":
                         types[node.output[0]] = attr.t.data_type
-    return types
+    for scope in walk_graphs(model.graph):
+        for init in scope.graph.initializer:
+            types[init.name] = init.data_type
+            shapes[init.name] = dims[init.name] = tuple(init.dims)
+    return TensorInfo(types, shapes, dims)
+
+
+def tensor_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element type of every tensor whose type is known (after shape inference), all scopes."""
+    return infer_tensors(model).types
+
+
+def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    for name in ("ir_version", "producer_name", "domain", "model_version"):
+        setattr(out, name, getattr(model, name))
+    out.opset_import.extend(model.opset_import)
+    out.functions.extend(model.functions)
+    g, src = out.graph, model.graph
+    g.name = src.name
+    g.node.extend(src.node)
+    g.input.extend(src.input)
+    g.output.extend(src.output)
+    g.value_info.extend(src.value_info)
+    declared = {vi.name for vi in src.input}
+    for init in src.initializer:
+        if _nbytes(init) <= _SKELETON_KEEP_BYTES:
+            g.initializer.append(init)
+        elif init.name not in declared:
+            g.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    return out
+
+
+def _nbytes(tensor: onnx.TensorProto) -> int:
+    """Size of a tensor's data from its dims (ByteSize() fails on a >2 GB tensor)."""
+    try:
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    except (KeyError, TypeError, ValueError):
+        itemsize = 8
+    return int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
 
 
 def float_tensor_names(model: onnx.ModelProto, graph: onnx.GraphProto | None = None) -> list[str]:

@@ -8,14 +8,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from npuprep.graph import GraphScope, constant_value, consumers, producers, to_array, walk_graphs
+from npuprep.graph import (
+    GraphScope,
+    constant_value,
+    consumers,
+    infer_tensors,
+    producers,
+    to_array,
+    walk_graphs,
+)
 from npuprep.model_io import Model
 from npuprep.numerics import FLOAT_ONNX_TYPES, NumberFormat
 from npuprep.profiles import TargetProfile
-
-# Initialisers above this size take no part in shape inference (their shapes are declared
-# as graph inputs instead), so a >2 GB model never has to be serialised in one piece.
-_INFERENCE_INLINE_BYTES = 1 << 20
 
 # Constants with more elements than this are weights, not eps / exponents / guidance weights.
 _SCALAR_MAX_ELEMENTS = 4096
@@ -147,65 +151,8 @@ def build_context(model: Model, profile: TargetProfile) -> Context:
         view = ScopeView(s, producers(s.graph), consumers(s.graph), parent)
         by_path[s.path] = view
         scopes.append(view)
-    shapes, types = infer_shapes(model.proto)
-    return Context(model, profile, scopes, shapes, types)
-
-
-def infer_shapes(
-    proto: onnx.ModelProto,
-) -> tuple[dict[str, tuple[int | None, ...]], dict[str, int]]:
-    """Shapes (None: symbolic dim) and element types of every tensor inference resolves."""
-    skeleton = onnx.ModelProto()
-    skeleton.ir_version = proto.ir_version
-    skeleton.opset_import.extend(proto.opset_import)
-    skeleton.functions.extend(proto.functions)
-    g = skeleton.graph
-    src = proto.graph
-    g.name = src.name
-    g.node.extend(src.node)
-    g.input.extend(src.input)
-    g.output.extend(src.output)
-    g.value_info.extend(src.value_info)
-    declared = {vi.name for vi in src.input}
-    for init in src.initializer:
-        if _nbytes(init) <= _INFERENCE_INLINE_BYTES:
-            g.initializer.append(init)
-        elif init.name not in declared:
-            g.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
-    try:
-        inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=False)
-    except Exception:  # noqa: BLE001 - inference is best effort; rules fall back to "unknown"
-        inferred = skeleton
-    shapes: dict[str, tuple[int | None, ...]] = {}
-    types: dict[str, int] = {}
-    for scope in walk_graphs(inferred.graph):
-        sg = scope.graph
-        for vi in list(sg.input) + list(sg.output) + list(sg.value_info):
-            if not vi.type.HasField("tensor_type"):
-                continue
-            tt = vi.type.tensor_type
-            if tt.elem_type:
-                types[vi.name] = tt.elem_type
-            if tt.HasField("shape"):
-                shapes[vi.name] = tuple(
-                    d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim
-                )
-        for init in sg.initializer:
-            shapes[init.name] = tuple(init.dims)
-            types[init.name] = init.data_type
-    for init in src.initializer:
-        shapes[init.name] = tuple(init.dims)
-        types[init.name] = init.data_type
-    return shapes, types
-
-
-def _nbytes(tensor: onnx.TensorProto) -> int:
-    """Size of a tensor's data from its dims (ByteSize() fails on a >2 GB tensor)."""
-    try:
-        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
-    except (KeyError, TypeError, ValueError):
-        itemsize = 8
-    return int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
+    info = infer_tensors(model.proto)
+    return Context(model, profile, scopes, info.dims, info.types)
 
 
 def scalar(value: np.ndarray | None) -> float | None:

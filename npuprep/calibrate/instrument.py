@@ -33,10 +33,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from npuprep.graph import node_label, producers
+from npuprep.graph import infer_tensors, node_label, producers
 from npuprep.model_io import model_opset
 from npuprep.numerics import FLOAT_ONNX_TYPES, get_format
-from npuprep.verify.shapes import infer
 
 # Formats whose max gets an exact count of |x| above it.
 OVER_FORMATS = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
@@ -112,7 +111,7 @@ def instrument(
     """
     if detail not in ("auto", "all"):
         raise ValueError(f"detail must be 'auto' or 'all', got {detail!r}")
-    info = infer(model)
+    info = infer_tensors(model)
     ctx = _Ctx(types=info.types, shapes=info.shapes, opset=model_opset(model), detail=detail,
                detailed=None if detailed is None else frozenset(detailed))
     out = onnx.ModelProto()

@@ -203,10 +203,10 @@ def _node_labels(model: Any) -> set[str]:
 
 def _stored_format(model: Any) -> Any:
     """The low-precision float format a model stores tensors in, if any."""
+    from npuprep.graph import infer_tensors
     from npuprep.numerics import FLOAT_ONNX_TYPES, get_format
-    from npuprep.verify.shapes import infer
 
-    names = {FLOAT_ONNX_TYPES[t] for t in infer(model).types.values() if t in FLOAT_ONNX_TYPES}
+    names = {FLOAT_ONNX_TYPES[t] for t in infer_tensors(model).types.values() if t in FLOAT_ONNX_TYPES}
     for name in ("fp8_e4m3", "fp8_e5m2", "fp16", "bf16"):
         if name in names:
             return get_format(name)

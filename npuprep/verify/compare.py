@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 
 from npuprep.errors import NpuprepError
-from npuprep.graph import node_label, producers, topological_order, walk_graphs
+from npuprep.graph import infer_tensors, node_label, producers, topological_order, walk_graphs
 from npuprep.model_io import fingerprint, model_opset
 from npuprep.numerics import FLOAT_ONNX_TYPES, NumberFormat
 from npuprep.verify.merge import (
@@ -29,7 +29,6 @@ from npuprep.verify.merge import (
     Pair,
     merged_graph,
 )
-from npuprep.verify.shapes import infer
 
 SCHEMA_VERSION = 1
 Feed = Mapping[str, np.ndarray]
@@ -368,7 +367,7 @@ def _pairs(
 ) -> tuple[list[Pair], dict[str, tuple[str, str, int]], dict[str, str]]:
     """Shared float tensors, the producer of each reference tensor, what is not compared."""
     _check_inputs(ref, cand)
-    ref_info, cand_info = infer(ref), infer(cand)
+    ref_info, cand_info = infer_tensors(ref), infer_tensors(cand)
     ref_types, cand_types = ref_info.types, cand_info.types
     ref_shapes, cand_shapes = ref_info.shapes, cand_info.shapes
     cand_produced = {o for n in cand.graph.node for o in n.output if o}

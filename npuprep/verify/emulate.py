@@ -22,11 +22,10 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from npuprep.errors import NpuprepError
-from npuprep.graph import node_label, walk_graphs
+from npuprep.graph import infer_tensors, node_label, walk_graphs
 from npuprep.model_io import model_opset
 from npuprep.numerics import NumberFormat
 from npuprep.ops import DATA_MOVEMENT_OPS, FP32_ONLY_INPUTS
-from npuprep.verify.shapes import infer
 
 SUFFIX = "__fp32"
 FP8_MIN_OPSET = 19
@@ -80,7 +79,7 @@ def emulate(
     pinned = set(pinned_nodes)
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    types = infer(model).types
+    types = infer_tensors(model).types
     builder = _ChainBuilder(fmt, saturate)
     rounded: list[str] = []
     weights: list[str] = []
