@@ -124,7 +124,7 @@ def _where(action: Any) -> str:
 def _write_artefacts(args: argparse.Namespace, result: Any, output: Path) -> dict[str, Any]:
     """The model, its reports and constraint files, each written atomically."""
     from npuprep.cli.common import dump_json
-    from npuprep.model_io import Model, fingerprint, save_model, write_text_atomic
+    from npuprep.model_io import Model, save_model, write_text_atomic
     from npuprep.plan import PinFp32, save_plan
     from npuprep.report import constraints
     from npuprep.report.render_md import convert_markdown
@@ -134,7 +134,8 @@ def _write_artefacts(args: argparse.Namespace, result: Any, output: Path) -> dic
     lowered = result.lowered.model
     save_model(lowered, output, protected=(args.model,))
     # Constraint files speak of the lowered model's node names, pins from lowering included.
-    low_model = Model(proto=lowered, path=str(output), fingerprint=fingerprint(lowered))
+    report = result.to_dict(output=str(output))
+    low_model = Model(proto=lowered, path=str(output), fingerprint=report["output_fingerprint"])
     extra = sorted(set(result.pinned_nodes) - result.plan.pinned_nodes())
     plan = result.plan
     if extra:
@@ -152,7 +153,6 @@ def _write_artefacts(args: argparse.Namespace, result: Any, output: Path) -> dic
         "rknn_custom_quantize_layers": str(write_text_atomic(
             f"{base}.rknn.yaml", constraints.rknn_custom_quantize_layers(plan, low_model))),
     }
-    report = result.to_dict(output=str(output))
     report["artefacts"] = artefacts | {"report_json": str(report_path),
                                        "report_md": f"{base}.report.md"}
     if args.html:
