@@ -37,9 +37,9 @@ def opened(monkeypatch):
     calls: list[frozenset[str] | None] = []
     real_open = calibrate_run.Prepared.open
 
-    def recording_open(self, threads, detailed):
+    def recording_open(self, threads, detailed, nan_checked=None):
         calls.append(None if detailed is None else frozenset(detailed))
-        return real_open(self, threads, detailed)
+        return real_open(self, threads, detailed, nan_checked)
 
     monkeypatch.setattr(calibrate_run.Prepared, "open", recording_open)
     return calls

@@ -66,8 +66,8 @@ def test_workers_run_on_their_share_of_threads_and_agree_with_one_process(square
     log = tmp_path / "sessions.txt"
     real_open = calibrate_run.Prepared.open
 
-    def recording_open(self, threads, detailed):
-        inst, session = real_open(self, threads, detailed)
+    def recording_open(self, threads, detailed, nan_checked=None):
+        inst, session = real_open(self, threads, detailed, nan_checked)
         opts = session.get_session_options()
         with log.open("a") as f:
             f.write(f"{os.getpid()} {opts.intra_op_num_threads} "

@@ -1,0 +1,110 @@
+"""The L1 pass skipped behind NaN-safe ops: a tensor whose producer cannot make a NaN out of
+finite inputs is proven NaN-free from its inputs' rows, and a sample where that proof fails
+reruns with the L1 (and the detail) on it, so the counts stay exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import npuprep.calibrate.run as calibrate_run
+from npuprep.calibrate import calibrate
+from npuprep.calibrate.instrument import instrument
+from npuprep.data import load_samples
+from npuprep.model_io import load_model
+from tests.conftest import model_from_text
+
+# x -> Sqrt -> s -> Add(s, 1) -> y -> Mul(y, 2) -> z;  x -> Relu -> r
+MODEL = """
+<ir_version: 8, opset_import: ["" : 18]>
+g (float[4,16] x) => (float[4,16] z, float[4,16] r) {
+    s = Sqrt(x)
+    one = Constant<value = float {1.0}>()
+    y = Add(s, one)
+    two = Constant<value = float {2.0}>()
+    z = Mul(y, two)
+    r = Relu(x)
+}
+"""
+
+
+def reference(x: np.ndarray) -> dict[str, np.ndarray]:
+    with np.errstate(invalid="ignore"):
+        s = np.sqrt(x)
+    y = s + np.float32(1)
+    return {"x": x, "s": s, "y": y, "z": y * np.float32(2), "r": np.maximum(x, 0)}
+
+
+@pytest.fixture
+def opened(monkeypatch):
+    """The `nan_checked` set of every session opened (in this process)."""
+    calls: list[frozenset[str] | None] = []
+    real_open = calibrate_run.Prepared.open
+
+    def recording_open(self, threads, detailed, nan_checked=None):
+        calls.append(None if nan_checked is None else frozenset(nan_checked))
+        return real_open(self, threads, detailed, nan_checked)
+
+    monkeypatch.setattr(calibrate_run.Prepared, "open", recording_open)
+    return calls
+
+
+def write_samples(tmp_path, model, arrays):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for i, a in enumerate(arrays):
+        np.savez(folder / f"s{i:03d}.npz", x=a)
+    return load_samples(folder, model.proto)
+
+
+def test_safe_ops_skip_the_l1_pass_and_name_the_inputs_that_prove_them():
+    model = model_from_text(MODEL)
+    inst = instrument(model, detailed=(), nan_checked=())
+    row = {slot.tensor: i for i, slot in enumerate(inst.slots)}
+    assert inst.nan_inputs == {row["y"]: (row["s"],), row["z"]: (row["y"],), row["r"]: (row["x"],)}
+    l1_inputs = [n.input[0] for n in inst.model.graph.node if n.op_type == "ReduceL1"]
+    assert len(l1_inputs) == 2  # x (a graph input) and s (Sqrt can make NaN)
+    full = instrument(model, detailed=(), nan_checked=None)
+    assert full.nan_inputs == {}
+    assert sum(n.op_type == "ReduceL1" for n in full.model.graph.node) == 5
+
+
+def test_a_constant_that_is_not_finite_keeps_the_l1_pass():
+    model = model_from_text(MODEL.replace("float {1.0}", "float {nan}"))
+    inst = instrument(model, detailed=(), nan_checked=())
+    row = {slot.tensor: i for i, slot in enumerate(inst.slots)}
+    assert row["y"] not in inst.nan_inputs  # Add with a NaN constant: measured, not proven
+    assert row["z"] in inst.nan_inputs
+
+
+def test_finite_samples_need_no_rerun(tmp_path, save, opened):
+    model = load_model(save(MODEL))
+    rng = np.random.default_rng(1)
+    arrays = [rng.uniform(0.2, 3.0, (4, 16)).astype(np.float32) for _ in range(3)]
+    stats = calibrate(model, write_samples(tmp_path, model, arrays))
+    assert opened == [frozenset()]
+    for name in ("y", "z", "r"):
+        want = np.concatenate([reference(a)[name].ravel() for a in arrays])
+        got = stats.tensors[name]
+        assert got.nan_count == 0 and got.inf_count == 0
+        assert got.max == float(want.max()) and got.min == float(want.min())
+
+
+def test_a_nan_upstream_reruns_with_the_l1_and_counts_exactly(tmp_path, save, opened):
+    model = load_model(save(MODEL))
+    rng = np.random.default_rng(2)
+    arrays = [rng.uniform(0.2, 3.0, (4, 16)).astype(np.float32) for _ in range(3)]
+    # Negative inputs make NaN in s, y and z; at position 1, where onnxruntime's ReduceMax
+    # returns a wrong maximum instead of noticing the NaN.
+    arrays[1][0, 1] = -1.0
+    arrays[2][3, 7:9] = -4.0
+    stats = calibrate(model, write_samples(tmp_path, model, arrays))
+    assert {"y", "z"} <= opened[-1]
+    assert "r" not in opened[-1]  # its input x stayed finite
+    for name in ("s", "y", "z", "r"):
+        want = np.concatenate([reference(a)[name].ravel() for a in arrays])
+        got = stats.tensors[name]
+        assert got.nan_count == int(np.isnan(want).sum()), name
+        assert got.max == float(np.nanmax(want)) and got.min == float(np.nanmin(want)), name
+        assert got.count == want.size
+    assert stats.tensors["z"].nan_count == 3
