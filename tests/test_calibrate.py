@@ -343,6 +343,7 @@ def test_histogram_is_exact_at_every_power_of_two(tmp_path, save):
     folder.mkdir()
     np.savez(folder / "a_normal.npz", x=np.concatenate([normal, -normal, [0.0, 0.0]]).astype(np.float32))
     np.savez(folder / "b_all.npz", x=np.concatenate([around[np.isfinite(around)], [0.0]]).astype(np.float32))
+    np.savez(folder / "c_no_zero.npz", x=np.concatenate([normal[::-1], -normal]).astype(np.float32))
     samples = load_samples(str(folder), model.proto)
     stats = calibrate(model, samples, detail="all")
     values = np.concatenate([f["x"] for f in samples])
