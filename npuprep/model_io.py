@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
+import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
@@ -16,6 +20,9 @@ from npuprep.errors import NpuprepError
 
 # Protobuf cannot serialise a message of 2 GiB or more; such models keep weights outside.
 PROTOBUF_LIMIT = 2**31 - 1
+
+# A light load (weights="file") leaves inline raw_data above this many bytes in the file.
+LIGHT_INLINE_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -50,34 +57,29 @@ def _uses_external_data(proto: onnx.ModelProto) -> bool:
     )
 
 
-def load_model(path: str | Path) -> Model:
-    """Load an ONNX file (and its external data); a bad file is one clear NpuprepError."""
+def load_model(path: str | Path, weights: Literal["memory", "file"] = "memory") -> Model:
+    """Load an ONNX file; a bad file is one clear NpuprepError.
+
+    weights="memory": every initialiser holds its values (external data read in).
+    weights="file": a light model for tools that only hand the graph to onnxruntime, so
+    Python never holds the weights: each main-graph initialiser stored inline as raw_data
+    over LIGHT_INLINE_BYTES becomes an external-data reference into the .onnx file itself
+    (location = its name, offset and length of the payload); external data stays where it
+    is. Its tensors resolve relative to the model's folder only (external_array(t, folder)).
+    The fingerprint is the same either way.
+    """
+    if weights not in ("memory", "file"):
+        raise ValueError(f"weights must be 'memory' or 'file', got {weights!r}")
     path = Path(path)
     if not path.is_file():
         raise NpuprepError(f"{path}: model file not found")
-    try:
-        proto = onnx.load(str(path), load_external_data=False)
-    except (DecodeError, RuntimeError, ValueError, OSError) as exc:
-        raise NpuprepError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+    proto = light_proto(path) if weights == "file" else _parse(path)
     if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):
         raise NpuprepError(f"{path}: not an ONNX model (no graph found; truncated or wrong file?)")
     if _uses_external_data(proto):
-        for tensor in onnx.external_data_helper._get_all_tensors(proto):
-            if tensor.data_location != onnx.TensorProto.EXTERNAL:
-                continue
-            info = {e.key: e.value for e in tensor.external_data}
-            data_file = path.parent / info.get("location", "")
-            if not data_file.is_file():
-                raise NpuprepError(
-                    f"{path}: external data file '{info.get('location')}' for initialiser "
-                    f"'{tensor.name}' not found next to the model"
-                )
-            needed = int(info.get("offset", 0)) + int(info.get("length", 0))
-            if data_file.stat().st_size < needed:
-                raise NpuprepError(
-                    f"{path}: external data file '{info.get('location')}' is truncated "
-                    f"(initialiser '{tensor.name}' needs {needed} bytes)"
-                )
+        _check_external_files(proto, path)
+        if weights == "file":
+            return Model(proto=proto, path=str(path), fingerprint=fingerprint(proto, base_dir=path.parent))
         try:
             onnx.load_external_data_for_model(proto, str(path.parent))
         except (OSError, ValueError) as exc:
@@ -85,8 +87,187 @@ def load_model(path: str | Path) -> Model:
     return Model(proto=proto, path=str(path), fingerprint=fingerprint(proto))
 
 
-def fingerprint(proto: onnx.ModelProto) -> str:
-    """sha256 of the graph and its weights, independent of where the weights are stored."""
+def _parse(path: Path) -> onnx.ModelProto:
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except (DecodeError, RuntimeError, ValueError, OSError) as exc:
+        raise NpuprepError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+
+
+def _check_external_files(proto: onnx.ModelProto, path: Path) -> None:
+    """Every external-data file exists next to the model and is long enough."""
+    for tensor in onnx.external_data_helper._get_all_tensors(proto):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in tensor.external_data}
+        location = Path(info.get("location", ""))
+        if location.is_absolute() or ".." in location.parts:
+            raise NpuprepError(
+                f"{path}: external data file '{location}' for initialiser '{tensor.name}' "
+                "lies outside the model's folder"
+            )
+        data_file = path.parent / location
+        if not data_file.is_file():
+            raise NpuprepError(
+                f"{path}: external data file '{info.get('location')}' for initialiser "
+                f"'{tensor.name}' not found next to the model"
+            )
+        needed = int(info.get("offset", 0)) + int(info.get("length", 0))
+        if data_file.stat().st_size < needed:
+            raise NpuprepError(
+                f"{path}: external data file '{info.get('location')}' is truncated "
+                f"(initialiser '{tensor.name}' needs {needed} bytes)"
+            )
+
+
+def light_proto(path: str | Path) -> onnx.ModelProto:
+    """The model at `path` as load_model(path, weights="file") holds it, unchecked and
+    without a fingerprint: large raw_data of main-graph initialisers point into the file.
+
+    The file is mapped and scanned in protobuf wire format (see _strip_payloads); only the
+    bytes outside those payloads are copied and parsed, so no full proto ever exists.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size == 0:
+                kept, refs = b"", []
+            else:
+                with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                    kept, refs = _strip_payloads(buf, size)
+        proto = onnx.ModelProto()
+        proto.ParseFromString(kept)
+    except (_WireError, DecodeError, OSError) as exc:
+        name = "DecodeError" if isinstance(exc, _WireError) else type(exc).__name__
+        raise NpuprepError(f"{path}: not a readable ONNX model ({name}: {exc})") from None
+    del kept
+    for index, offset, length in refs:
+        tensor = proto.graph.initializer[index]
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", path.name), ("offset", str(offset)), ("length", str(length))):
+            tensor.external_data.add(key=key, value=value)
+    return proto
+
+
+class _WireError(ValueError):
+    """The file is not well-formed protobuf (truncated, or not a model)."""
+
+
+# Field numbers: ModelProto.graph, GraphProto.initializer, TensorProto raw_data,
+# external_data and data_location.
+_MODEL_GRAPH, _GRAPH_INITIALIZER = 7, 5
+_TENSOR_RAW_DATA, _TENSOR_EXTERNAL_DATA, _TENSOR_DATA_LOCATION = 9, 13, 14
+
+
+def _strip_payloads(buf: mmap.mmap, size: int) -> tuple[bytes, list[tuple[int, int, int]]]:
+    """The file's bytes less the large raw_data payloads of main-graph initialisers, and
+    (initialiser index, payload offset, payload length) of each one left out.
+
+    Only tags and lengths are read: a skipped payload's pages are never touched. The graph
+    fields are re-encoded with their new lengths; everything else is copied as it is.
+    """
+    parts: list[bytes] = []
+    refs: list[tuple[int, int, int]] = []
+    copied = index = 0
+    for field, wire, start, value, end in _fields(buf, 0, size):
+        if field == _MODEL_GRAPH and wire == 2:
+            graph, index = _strip_graph(buf, value, end, index, refs)
+            parts += [buf[copied:start], _varint_bytes(field << 3 | 2), _varint_bytes(sum(map(len, graph))), *graph]
+            copied = end
+    parts.append(buf[copied:size])
+    return b"".join(parts), refs
+
+
+def _strip_graph(
+    buf: mmap.mmap, pos: int, stop: int, index: int, refs: list[tuple[int, int, int]]
+) -> tuple[list[bytes], int]:
+    """A GraphProto body (as pieces) without its initialisers' large payloads; `index`
+    counts initialisers across graph fields (protobuf merges repeated ones in order)."""
+    parts: list[bytes] = []
+    copied = pos
+    for field, wire, start, value, end in _fields(buf, pos, stop):
+        if field != _GRAPH_INITIALIZER or wire != 2:
+            continue
+        payload = _large_raw_data(buf, value, end)
+        if payload is not None:
+            raw_start, raw_value, raw_end = payload
+            tensor = buf[value:raw_start] + buf[raw_end:end]
+            parts += [buf[copied:start], _varint_bytes(field << 3 | 2), _varint_bytes(len(tensor)), tensor]
+            copied = end
+            refs.append((index, raw_value, raw_end - raw_value))
+        index += 1
+    parts.append(buf[copied:stop])
+    return parts, index
+
+
+def _large_raw_data(buf: mmap.mmap, pos: int, stop: int) -> tuple[int, int, int] | None:
+    """(field start, payload start, end) of a TensorProto's raw_data where it can stay in the
+    file: a single raw_data field over LIGHT_INLINE_BYTES, in a tensor not already external."""
+    found = []
+    for field, wire, start, value, end in _fields(buf, pos, stop):
+        if field == _TENSOR_RAW_DATA and wire == 2:
+            found.append((start, value, end))
+        elif field == _TENSOR_EXTERNAL_DATA or (field == _TENSOR_DATA_LOCATION and _varint(buf, value, end)[0]):
+            return None
+    if len(found) == 1 and found[0][2] - found[0][1] > LIGHT_INLINE_BYTES:
+        return found[0]
+    return None
+
+
+def _fields(buf: mmap.mmap, pos: int, stop: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """(field number, wire type, field start, value start, value end) of each field of the
+    message in buf[pos:stop]; a length-delimited value starts after its length."""
+    while pos < stop:
+        start = pos
+        key, pos = _varint(buf, pos, stop)
+        field, wire = key >> 3, key & 7
+        value = pos
+        if wire == 0:
+            end = _varint(buf, pos, stop)[1]
+        elif wire == 1:
+            end = pos + 8
+        elif wire == 2:
+            length, value = _varint(buf, pos, stop)
+            end = value + length
+        elif wire == 5:
+            end = pos + 4
+        else:
+            raise _WireError(f"unexpected wire type {wire} at byte {start}")
+        if field == 0 or end > stop:
+            raise _WireError(f"truncated or corrupt at byte {start}")
+        yield field, wire, start, value, end
+        pos = end
+
+
+def _varint(buf: mmap.mmap, pos: int, stop: int) -> tuple[int, int]:
+    """The varint at `pos` and the position after it."""
+    result = shift = 0
+    while pos < stop and shift < 64:
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+    raise _WireError(f"truncated or corrupt at byte {pos}")
+
+
+def _varint_bytes(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def fingerprint(proto: onnx.ModelProto, base_dir: str | Path | None = None) -> str:
+    """sha256 of the graph and its weights, independent of where the weights are stored.
+
+    `base_dir`: the folder external data is read from (in chunks, never whole), for a model
+    whose weights were not loaded; the hash is that of the same model with them loaded.
+    """
     h = hashlib.sha256()
     # The graph without its initialisers, built field by field: copying the whole graph first
     # would hold a second copy of every weight (4x the model size for a >2 GB model).
@@ -105,10 +286,90 @@ def fingerprint(proto: onnx.ModelProto) -> str:
         h.update(init.name.encode())
         h.update(bytes(str(init.data_type), "ascii"))
         h.update(bytes(str(list(init.dims)), "ascii"))
-        h.update(_value_bytes(init))
+        _hash_value(h, init, base_dir)
     for entry in proto.opset_import:
         h.update(f"{entry.domain}:{entry.version}".encode())
     return h.hexdigest()[:16]
+
+
+def _hash_value(h: hashlib._Hash, init: onnx.TensorProto, base_dir: str | Path | None) -> None:
+    """h.update(_value_bytes(init)) for the tensor with its external data (if any) loaded."""
+    if base_dir is None or init.data_location != onnx.TensorProto.EXTERNAL:
+        h.update(_value_bytes(init))
+        return
+    if sys.byteorder != "little" or init.data_type in _PACKED_TYPES:
+        h.update(_value_bytes(_loaded(init, base_dir)))
+        return
+    info = {e.key: e.value for e in init.external_data}
+    left = int(info["length"]) if "length" in info else None
+    chunk = memoryview(bytearray(_HASH_CHUNK))
+    with open(Path(base_dir) / info["location"], "rb") as fh:
+        fh.seek(int(info.get("offset", 0)))
+        while left is None or left > 0:
+            n = fh.readinto(chunk if left is None else chunk[:left])
+            if not n:
+                break
+            h.update(chunk[:n])
+            if left is not None:
+                left -= n
+
+
+# External data is hashed in pieces of this many bytes.
+_HASH_CHUNK = 1 << 22
+
+
+def external_locations(proto: onnx.ModelProto) -> set[str]:
+    """The files, relative to the model's folder, that hold the model's external data."""
+    return {
+        e.value
+        for t in onnx.external_data_helper._get_all_tensors(proto)
+        if t.data_location == onnx.TensorProto.EXTERNAL
+        for e in t.external_data
+        if e.key == "location"
+    }
+
+
+def external_home(proto: onnx.ModelProto, folder: str | Path) -> tuple[onnx.ModelProto, Path] | None:
+    """Where onnxruntime can load `proto`, whose external data is relative to `folder`, from:
+    the one folder all its data files really lie in (symlinks followed) and the proto naming
+    them there (a copy where a name changes); None where they lie in several folders.
+
+    onnxruntime refuses external data that resolves outside the model's folder, as it does
+    in a symlinked model (a Hugging Face cache snapshot links each file into a blob store).
+    """
+    real = {loc: (Path(folder) / loc).resolve() for loc in external_locations(proto)}
+    homes = {p.parent for p in real.values()}
+    if len(homes) != 1:
+        return None
+    if all(p.name == loc for loc, p in real.items()):
+        return proto, homes.pop()
+    renamed = onnx.ModelProto()
+    renamed.CopyFrom(proto)
+    for tensor in onnx.external_data_helper._get_all_tensors(renamed):
+        for entry in tensor.external_data:
+            if entry.key == "location" and entry.value in real:
+                entry.value = real[entry.value].name
+    return renamed, homes.pop()
+
+
+def external_array(tensor: onnx.TensorProto, folder: str | Path) -> np.ndarray:
+    """The values of a tensor stored as external data, read relative to `folder` (symlinks
+    followed, which onnx's own reader refuses)."""
+    return onnx.numpy_helper.to_array(_loaded(tensor, folder))
+
+
+def _loaded(tensor: onnx.TensorProto, folder: str | Path) -> onnx.TensorProto:
+    """A copy of an external tensor with its data read into raw_data."""
+    info = {e.key: e.value for e in tensor.external_data}
+    with open(Path(folder) / info["location"], "rb") as fh:
+        fh.seek(int(info.get("offset", 0)))
+        data = fh.read(int(info["length"])) if "length" in info else fh.read()
+    loaded = onnx.TensorProto()
+    loaded.CopyFrom(tensor)
+    loaded.data_location = onnx.TensorProto.DEFAULT
+    del loaded.external_data[:]
+    loaded.raw_data = data
+    return loaded
 
 
 def _value_bytes(init: onnx.TensorProto) -> bytes:

@@ -90,11 +90,13 @@ def session_threads(jobs: int, n_cores: int | None = None) -> int | None:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A model ready for instrumented sessions, whose weights never pass through a second
-    protobuf copy: a graph with external data is instrumented without loading them and
-    written next to the model (`folder`) for each session, so the data file resolves; any
-    other graph is a weightless skeleton and onnxruntime gets `weights` as arrays. Peak
-    memory stays near a plain session's."""
+    """A model ready for instrumented sessions, its weights held by Python at most once.
+
+    A graph whose large initialisers are external references (into the model file itself or
+    a data file, see load_model's weights="file") is instrumented without them and written
+    next to the files holding them (`folder`) for each session, so onnxruntime reads the
+    weights from disk and Python never holds them. Any other graph is a weightless skeleton
+    and onnxruntime gets `weights` as arrays. Peak memory stays near a plain session's."""
 
     graph: onnx.ModelProto
     weights: dict[str, np.ndarray]
@@ -114,20 +116,36 @@ class Prepared:
         fd, name = tempfile.mkstemp(prefix=".npuprep-calibrate-", suffix=".onnx", dir=self.folder)
         os.close(fd)
         try:
-            onnx.save_model(inst.model, name)
+            # Bytes, not onnx.save_model: that writes any raw_data an external tensor holds
+            # into the tensor's data file, which may be the input model itself.
+            Path(name).write_bytes(inst.model.SerializeToString())
             return inst, make_session_external(name, threads=threads, optimize="all")
         finally:
             os.unlink(name)
 
 
 def prepare(model: Model, detail: str) -> Prepared:
-    """Ready `model` for instrumented sessions (external data stays on disk where it can)."""
+    """Ready `model` for instrumented sessions, its weights left on disk for onnxruntime
+    to read wherever it can.
+
+    A model whose large initialisers are external references (a light load, or external
+    data not read in) is used as it is. A model with its weights in memory whose file keeps
+    them in a data file is replaced by the file's light graph (such a proto may be too big
+    to serialise). The graphs go where the data files really are (see external_home). Any
+    other model, and any whose data files lie apart or in a folder that is not writable,
+    hands onnxruntime its weights as arrays, those stored externally read from disk.
+    """
+    from npuprep.model_io import external_home, external_locations, light_proto
+
     path = Path(model.path) if model.path else None
-    if path is not None and path.is_file():
-        light = onnx.load(str(path), load_external_data=False)
-        if _has_external(light) and os.access(path.parent, os.W_OK):
-            return Prepared(light, {}, path.parent, detail)
-    skeleton, weights = _split_weights(model.proto)
+    folder = path.parent if path is not None and path.is_file() else None
+    if folder is not None:
+        graph = model.proto if _has_external(model.proto) else light_proto(path)
+        if graph is model.proto or external_locations(graph) - {path.name}:
+            found = external_home(graph, folder)
+            if found is not None and os.access(found[1], os.W_OK):
+                return Prepared(found[0], {}, found[1], detail)
+    skeleton, weights = _split_weights(model.proto, folder)
     return Prepared(skeleton, weights, None, detail)
 
 
@@ -135,18 +153,24 @@ def prepare(model: Model, detail: str) -> Prepared:
 _INLINE_BYTES = 4096
 
 
-def _split_weights(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+def _split_weights(
+    proto: onnx.ModelProto, base_dir: Path | None = None
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """A copy of the model without its large main-graph initialisers (declared as external
-    data instead), and those initialisers as arrays."""
+    data instead), and those initialisers as arrays. External data is read from `base_dir`;
+    without one, external initialisers stay as they are."""
+    from npuprep.model_io import external_array
+
     skeleton = onnx.ModelProto()
     _copy_fields(proto, skeleton, skip="graph")
     _copy_fields(proto.graph, skeleton.graph, skip="initializer")
     weights: dict[str, np.ndarray] = {}
     for init in proto.graph.initializer:
-        if init.ByteSize() <= _INLINE_BYTES or init.data_location == onnx.TensorProto.EXTERNAL:
+        external = init.data_location == onnx.TensorProto.EXTERNAL
+        if (external and base_dir is None) or (not external and init.ByteSize() <= _INLINE_BYTES):
             skeleton.graph.initializer.append(init)
             continue
-        weights[init.name] = numpy_helper.to_array(init)
+        weights[init.name] = external_array(init, base_dir) if external else numpy_helper.to_array(init)
         placeholder = skeleton.graph.initializer.add()
         placeholder.name, placeholder.data_type = init.name, init.data_type
         placeholder.dims.extend(init.dims)
@@ -182,17 +206,18 @@ class Folding:
     """Samples run through instrumented sessions and folded into one Accumulator.
 
     With detail "auto" the first session details no tensor (creating the detail branches is
-    most of a session's start-up, and few tensors need them), unless the weights are external
-    data, which each new session reads from disk again. A sample that flags a tensor
-    runs again on a session that details it, and every tensor whose abs-max in that sample
-    lies near the ordinary range's edges, so later samples rarely flag another. Only rows
-    from a run without flags are folded in: the statistics are those of a graph that details
-    every tensor.
+    most of a session's start-up, and few tensors need them) and skips the L1 pass wherever
+    the inputs' rows can prove a tensor NaN-free. A sample that flags a tensor runs again
+    on a session that details it, and every tensor whose abs-max in that sample lies near
+    the ordinary range's edges, so later samples rarely flag another; a sample where that
+    proof fails runs again with the L1 on the tensors concerned. Only rows from a run
+    without flags are folded in: the statistics are those of a graph that details every
+    tensor.
     """
 
     def __init__(self, prepared: Prepared, threads: int | None) -> None:
         self.prepared, self.threads = prepared, threads
-        on_demand = prepared.detail == "auto" and prepared.folder is None
+        on_demand = prepared.detail == "auto"
         self.detailed: frozenset[str] | None = frozenset() if on_demand else None
         self.nan_checked: frozenset[str] | None = frozenset() if on_demand else None
         self.inst, self.session = prepared.open(threads, self.detailed, self.nan_checked)

@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
     from npuprep.cli.common import open_samples
     from npuprep.model_io import load_model
 
-    model = load_model(args.model)
+    # Only onnxruntime reads the weights, from the model's file: Python never holds them.
+    model = load_model(args.model, weights="file")
     samples = open_samples(args, model.proto)
     stats = calibrate(model, samples, jobs=args.jobs, show_progress=not args.json and sys.stderr.isatty(),
                       detail=args.detail)
