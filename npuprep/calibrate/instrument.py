@@ -47,6 +47,9 @@ from npuprep.numerics import FLOAT_ONNX_TYPES, get_format
 OVER_FORMATS = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
 HIST_OFFSET = 150  # bin = floor(log2|x|) + 150; 0 holds zeros, 278 Inf and NaN
 HIST_BINS = 279
+# Zeros and subnormals are binned again scaled by 2^SUBNORMAL_SHIFT, which makes every
+# subnormal a normal float exactly.
+SUBNORMAL_SHIFT = 64
 HEADER = ("count", "detailed", "nan") + tuple(f"over_{f}" for f in OVER_FORMATS)
 WIDTH = len(HEADER) + HIST_BINS
 # "detailed" count of a tensor-sample that needed the detail but was built without it (< 0
@@ -465,7 +468,7 @@ def _detail(
         helper.make_node("Squeeze", [one_1], [one]),
     ]
     # Fast bins first: exact for every value except zeros and subnormals, which share bin -127.
-    fast_nodes, fast_idx = _bin_index(ac, ctx, exact=False)
+    fast_nodes, fast_idx = _bin_index(ac, ctx)
     count_nodes, fast_hist = _count_bins(fast_idx, one, ctx)
     nodes += fast_nodes + count_nodes
     lumped, has, has_s = n("lumped"), n("has"), n("has_s")
@@ -474,27 +477,24 @@ def _detail(
         helper.make_node("Greater", [lumped, _CONST_ZERO_I64_1], [has]),
         helper.make_node("Squeeze", [has], [has_s]),
     ]
-    # Zeros or subnormals in the shared bin (uncommon): count the zeros; with subnormals too
-    # (rare), recount every value with exact Pow-based bins; else move the zeros to bin 0.
-    eq, sub, more, more_s = n("eq0"), n("sub"), n("more"), n("more_s")
-    zero_nodes, zeros = _count_true(eq, small, ctx)
-    exact_nodes, exact_idx = _bin_index(ac, ctx, exact=True)
-    exact_count, exact_hist = _count_bins(exact_idx, one, ctx)
-    moved, fixed, lump_hist, hist = n("moved"), n("fixed"), n("lump_hist"), n("hist")
-    lump_nodes = [helper.make_node("Equal", [ac, _CONST_ZERO_F], [eq]), *zero_nodes,
-                  helper.make_node("Sub", [lumped, zeros], [sub]),
-                  helper.make_node("Greater", [sub, _CONST_ZERO_I64_1], [more]),
-                  helper.make_node("Squeeze", [more], [more_s]),
-                  helper.make_node(
-                      "If", [more_s], [lump_hist],
-                      then_branch=helper.make_graph(
-                          exact_nodes + exact_count, n("subnormal_branch"), [],
-                          [helper.make_tensor_value_info(exact_hist, TensorProto.INT64, [HIST_BINS])]),
-                      else_branch=helper.make_graph(
-                          [helper.make_node("Mul", [zeros, _CONST_ZERO_MOVE], [moved]),
-                           helper.make_node("Add", [fast_hist, moved], [fixed])],
-                          n("zero_branch"), [], [helper.make_tensor_value_info(fixed, TensorProto.INT64, [HIST_BINS])]),
-                  )]
+    # Zeros or subnormals in the shared bin: pick out those values (few, as a rule), scale
+    # them by 2^64 (exact; subnormals become normal) and bin them again, zeros to bin 0.
+    small, tiny, scaled, down, lump_idx = (n(s) for s in ("small", "tiny", "scaled", "down", "lump_idx"))
+    small_bins, scaled_idx = _bin_index(scaled, ctx)
+    small_count, small_hist = _count_bins(lump_idx, one, ctx)
+    taken, kept, lump_hist, hist = n("taken"), n("kept"), n("lump_hist"), n("hist")
+    lump_nodes = [
+        helper.make_node("Less", [ac, _CONST_MIN_NORMAL], [small]),
+        helper.make_node("Compress", [ac, small], [tiny], axis=0),
+        helper.make_node("Mul", [tiny, _CONST_SUBNORMAL_SCALE], [scaled]),
+        *small_bins,
+        helper.make_node("Sub", [scaled_idx, _CONST_SUBNORMAL_SHIFT], [down]),
+        helper.make_node("Max", [down, _CONST_ZERO_I64_1], [lump_idx]),
+        *small_count,
+        helper.make_node("Mul", [lumped, _CONST_LUMP_ONEHOT], [taken]),
+        helper.make_node("Sub", [fast_hist, taken], [kept]),
+        helper.make_node("Add", [kept, small_hist], [lump_hist]),
+    ]
     as_is = n("as_is")
     nodes.append(helper.make_node(
         "If", [has_s], [hist],
@@ -524,50 +524,29 @@ def _nan_aware(flat: str, ctx: _Ctx) -> tuple[str, str, str, str, list[onnx.Node
     return fx, fn, nan_c, isn, nodes
 
 
-def _bin_index(ac: str, ctx: _Ctx, *, exact: bool) -> tuple[list[onnx.NodeProto], str]:
+def _bin_index(ac: str, ctx: _Ctx) -> tuple[list[onnx.NodeProto], str]:
     """Histogram bin floor(log2|x|) + 150 of every value of `ac` (|x|, NaN already made Inf).
 
-    `exact=False`: Log gives the bin to well within 1/16 of a binade; biased down by 1/16 and
-    truncated, the estimate is the bin or the one below, and one comparison with the exact
-    power of two that starts the next bin (a table lookup) settles it. Exact from 2^-126 up;
-    zeros and subnormals all land in bin -127 whatever Log does with subnormals. `exact=True`
-    uses Pow and is exact everywhere (zero in bin 0, Inf in the top bin), at ~2x the cost.
+    Log gives the bin to well within 1/16 of a binade; biased down by 1/16 and truncated, the
+    estimate is the bin or the one below, and one comparison with the exact power of two that
+    starts the next bin (a table lookup) settles it. Exact from 2^-126 up; zeros and
+    subnormals all land in bin -127 whatever Log does with subnormals.
     """
     n = ctx.name
-    lg, y = n("log"), n("log2")
-    nodes = [
+    lg, y, shifted, clipped, guess, start, ge, gei, idx = (n(s) for s in (
+        "log", "log2", "shifted", "clipped", "guess", "start", "ge", "gei", "idx"))
+    return [
         helper.make_node("Log", [ac], [lg]),
         helper.make_node("Mul", [lg, _CONST_INV_LN2], [y]),
-    ]
-    if not exact:
-        shifted, clipped, guess, start, ge, gei, idx = (n(s) for s in ("shifted", "clipped", "guess", "start", "ge", "gei", "idx"))
-        return nodes + [
-            helper.make_node("Add", [y, _CONST_BIN_SHIFT], [shifted]),
-            helper.make_node("Clip", [shifted, _CONST_LUMP_BIN, _CONST_TOP_BIN], [clipped]),
-            # Truncation is floor here: the value is at least the lumped bin's index.
-            helper.make_node("Cast", [clipped], [guess], to=TensorProto.INT64),
-            helper.make_node("GatherElements", [_CONST_NEXT_BIN_START, guess], [start]),  # 3x faster than Gather
-            helper.make_node("GreaterOrEqual", [ac, start], [ge]),
-            helper.make_node("Cast", [ge], [gei], to=TensorProto.INT64),
-            helper.make_node("Add", [guess, gei], [idx]),
-        ], idx
-    e0, p, lt, ltf, p2, ge, gef, e1, e2, e3, e4, idx = (n(s) for s in (
-        "e0", "p", "lt", "ltf", "p2", "ge", "gef", "e1", "e2", "e3", "e4", "idx"))
-    nodes += [
-        helper.make_node("Floor", [y], [e0]),
-        helper.make_node("Pow", [_CONST_TWO, e0], [p]),
-        helper.make_node("Less", [ac, p], [lt]),
-        helper.make_node("Cast", [lt], [ltf], to=TensorProto.FLOAT),
-        helper.make_node("Mul", [p, _CONST_TWO], [p2]),
-        helper.make_node("GreaterOrEqual", [ac, p2], [ge]),
-        helper.make_node("Cast", [ge], [gef], to=TensorProto.FLOAT),
-        helper.make_node("Sub", [e0, ltf], [e1]),
-        helper.make_node("Add", [e1, gef], [e2]),
-        helper.make_node("Clip", [e2, _CONST_BIN_LO, _CONST_BIN_HI], [e3]),
-        helper.make_node("Add", [e3, _CONST_OFFSET], [e4]),
-        helper.make_node("Cast", [e4], [idx], to=TensorProto.INT64),
-    ]
-    return nodes, idx
+        helper.make_node("Add", [y, _CONST_BIN_SHIFT], [shifted]),
+        helper.make_node("Clip", [shifted, _CONST_LUMP_BIN, _CONST_TOP_BIN], [clipped]),
+        # Truncation is floor here: the value is at least the lumped bin's index.
+        helper.make_node("Cast", [clipped], [guess], to=TensorProto.INT64),
+        helper.make_node("GatherElements", [_CONST_NEXT_BIN_START, guess], [start]),  # 3x faster than Gather
+        helper.make_node("GreaterOrEqual", [ac, start], [ge]),
+        helper.make_node("Cast", [ge], [gei], to=TensorProto.INT64),
+        helper.make_node("Add", [guess, gei], [idx]),
+    ], idx
 
 
 def _count_true(mask: str, small: bool, ctx: _Ctx) -> tuple[list[onnx.NodeProto], str]:
@@ -620,19 +599,18 @@ _CONST_ZEROS_TAIL = "__npuprep_c_zeros_tail"
 _CONST_NEG_INF = "__npuprep_c_neg_inf"
 _CONST_POS_INF = "__npuprep_c_pos_inf"
 _CONST_INV_LN2 = "__npuprep_c_inv_ln2"
-_CONST_OFFSET = "__npuprep_c_offset"
 _CONST_HIST_ZEROS = "__npuprep_c_hist_zeros"
 _CONST_ZERO_I64_1 = "__npuprep_c_zero_i64"
-_CONST_BIN_LO = "__npuprep_c_bin_lo"
-_CONST_BIN_HI = "__npuprep_c_bin_hi"
-_CONST_TWO = "__npuprep_c_two"
 _CONST_BIN_SHIFT = "__npuprep_c_bin_shift"
 _CONST_LUMP_BIN = "__npuprep_c_lump_bin"
 _CONST_TOP_BIN = "__npuprep_c_top_bin"
 _CONST_NEXT_BIN_START = "__npuprep_c_next_bin_start"
 _CONST_LUMP_AT = "__npuprep_c_lump_at"
 _CONST_LUMP_END = "__npuprep_c_lump_end"
-_CONST_ZERO_MOVE = "__npuprep_c_zero_move"
+_CONST_LUMP_ONEHOT = "__npuprep_c_lump_onehot"
+_CONST_MIN_NORMAL = "__npuprep_c_min_normal"
+_CONST_SUBNORMAL_SCALE = "__npuprep_c_subnormal_scale"
+_CONST_SUBNORMAL_SHIFT = "__npuprep_c_subnormal_shift"
 _CONST_SMALLEST_MAX = "__npuprep_c_smallest_max"
 _CONST_ZERO_OVER = "__npuprep_c_zero_over"
 _CONST_FLAG_ROW = "__npuprep_c_flag_row"
@@ -662,20 +640,18 @@ def shared_constants() -> list[onnx.TensorProto]:
         _CONST_NEG_INF: np.array(-np.inf, np.float32),
         _CONST_POS_INF: np.array(np.inf, np.float32),
         _CONST_INV_LN2: np.array(1.0 / math.log(2.0), np.float32),
-        _CONST_OFFSET: np.array(HIST_OFFSET, np.float32),
         _CONST_HIST_ZEROS: np.zeros(HIST_BINS, np.int64),
         _CONST_ZERO_I64_1: np.zeros(1, np.int64),
-        _CONST_BIN_LO: np.array(-HIST_OFFSET, np.float32),
-        _CONST_BIN_HI: np.array(HIST_BINS - 1 - HIST_OFFSET, np.float32),
-        _CONST_TWO: np.array(2.0, np.float32),
         _CONST_BIN_SHIFT: np.array(HIST_OFFSET - 1 / 16, np.float32),
         _CONST_LUMP_BIN: np.array(HIST_OFFSET - 127, np.float32),
         _CONST_TOP_BIN: np.array(HIST_BINS - 1, np.float32),
         _CONST_NEXT_BIN_START: _next_bin_start(),
         _CONST_LUMP_AT: np.array([HIST_OFFSET - 127], np.int64),
         _CONST_LUMP_END: np.array([HIST_OFFSET - 126], np.int64),
-        # Adds the zero count to bin 0 and takes it from the shared bin -127.
-        _CONST_ZERO_MOVE: np.eye(1, HIST_BINS, 0, np.int64)[0] - np.eye(1, HIST_BINS, HIST_OFFSET - 127, np.int64)[0],
+        _CONST_LUMP_ONEHOT: np.eye(1, HIST_BINS, HIST_OFFSET - 127, np.int64)[0],
+        _CONST_MIN_NORMAL: np.array(np.finfo(np.float32).tiny, np.float32),
+        _CONST_SUBNORMAL_SCALE: np.array(2.0**SUBNORMAL_SHIFT, np.float32),
+        _CONST_SUBNORMAL_SHIFT: np.array(SUBNORMAL_SHIFT, np.int64),
         _CONST_SMALLEST_MAX: np.array([min(get_format(f).max for f in OVER_FORMATS)], np.float32),
         _CONST_ZERO_OVER: np.zeros(len(OVER_FORMATS), np.int64),
         _CONST_FLAG_ROW: FLAGGED * np.eye(1, WIDTH, HEADER.index("detailed"), np.int64)[0],
