@@ -37,3 +37,50 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[
         [sys.executable, "-m", "npuprep", *map(str, args)],
         capture_output=True, text=True, cwd=cwd, timeout=600,
     )
+
+
+@pytest.fixture
+def opened_sessions(monkeypatch: pytest.MonkeyPatch) -> list[tuple[frozenset[str] | None, frozenset[str] | None]]:
+    """(detailed, nan_checked) of every calibration session opened in this process."""
+    import npuprep.calibrate.run as calibrate_run
+
+    calls: list[tuple[frozenset[str] | None, frozenset[str] | None]] = []
+    real_open = calibrate_run.Prepared.open
+
+    def recording_open(self, threads, detailed, nan_checked=None):  # noqa: ANN001, ANN202
+        calls.append(tuple(None if s is None else frozenset(s) for s in (detailed, nan_checked)))
+        return real_open(self, threads, detailed, nan_checked)
+
+    monkeypatch.setattr(calibrate_run.Prepared, "open", recording_open)
+    return calls
+
+
+class _Column:
+    """One column of the recorded (detailed, nan_checked) pairs, read when compared."""
+
+    def __init__(self, rows: list, at: int) -> None:
+        self.rows, self.at = rows, at
+
+    def __getitem__(self, i: int) -> frozenset[str] | None:
+        return self.rows[i][self.at]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __eq__(self, other: object) -> bool:
+        return [r[self.at] for r in self.rows] == other
+
+    def clear(self) -> None:
+        self.rows.clear()
+
+
+@pytest.fixture
+def opened_detailed(opened_sessions: list) -> _Column:
+    """The `detailed` set of every calibration session opened, as it grows."""
+    return _Column(opened_sessions, 0)
+
+
+@pytest.fixture
+def opened_nan_checked(opened_sessions: list) -> _Column:
+    """The `nan_checked` set of every calibration session opened, as it grows."""
+    return _Column(opened_sessions, 1)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import pytest
 
 import npuprep.calibrate.run as calibrate_run
 from npuprep.calibrate import calibrate
@@ -31,20 +30,6 @@ def numpy_hist(x: np.ndarray) -> dict[int, int]:
     return {int(e): int(c) for e, c in zip(exps, counts, strict=True)}
 
 
-@pytest.fixture
-def opened(monkeypatch):
-    """The `detailed` set of every session opened (in this process)."""
-    calls: list[frozenset[str] | None] = []
-    real_open = calibrate_run.Prepared.open
-
-    def recording_open(self, threads, detailed, nan_checked=None):
-        calls.append(None if detailed is None else frozenset(detailed))
-        return real_open(self, threads, detailed, nan_checked)
-
-    monkeypatch.setattr(calibrate_run.Prepared, "open", recording_open)
-    return calls
-
-
 def samples_scaled(tmp_path, save, scales):
     model = load_model(save(MODEL))
     rng = np.random.default_rng(7)
@@ -60,13 +45,13 @@ def samples_scaled(tmp_path, save, scales):
     return model, load_samples(folder, model.proto), arrays
 
 
-def test_a_late_outlier_reruns_its_sample_with_detail_and_counts_exactly(tmp_path, save, opened):
+def test_a_late_outlier_reruns_its_sample_with_detail_and_counts_exactly(tmp_path, save, opened_detailed):
     # abs-max of x: ordinary (1) for three samples, then 1000 (above the ordinary range), then 1 again.
     model, samples, arrays = samples_scaled(tmp_path, save, [1.0, 1.0, 1.0, 1000.0, 1.0])
     stats = calibrate(model, samples)
-    assert opened[0] == frozenset() and len(opened) == 2
+    assert opened_detailed[0] == frozenset() and len(opened_detailed) == 2
     # x and y flagged (abs-max 1000, 2000); q (250) and r too: every tensor outside the range.
-    assert {"x", "y", "r", "q"} <= opened[1]
+    assert {"x", "y", "r", "q"} <= opened_detailed[1]
     outlier = arrays[3]
     for name, values in (("x", outlier), ("y", outlier * 2), ("q", outlier * np.float32(0.25)),
                          ("r", np.maximum(outlier * 2, 0))):
@@ -79,10 +64,10 @@ def test_a_late_outlier_reruns_its_sample_with_detail_and_counts_exactly(tmp_pat
     assert stats.tensors["x"].count == everything.size
 
 
-def test_the_same_statistics_as_detailing_every_tensor_from_the_start(tmp_path, save, monkeypatch, opened):
+def test_the_same_statistics_as_detailing_every_tensor_from_the_start(tmp_path, save, monkeypatch, opened_detailed):
     model, samples, _ = samples_scaled(tmp_path, save, [1.0, 0.01, 3.0, 200.0, 0.5, 1e-3])
     adaptive = calibrate(model, samples)
-    assert opened[0] == frozenset() and len(opened) > 1
+    assert opened_detailed[0] == frozenset() and len(opened_detailed) > 1
     # A Folding that starts with every tensor detailed (the graph before detail on demand).
     real_init = calibrate_run.Folding.__init__
 
@@ -95,14 +80,14 @@ def test_the_same_statistics_as_detailing_every_tensor_from_the_start(tmp_path, 
     assert calibrate(model, samples).to_dict() == adaptive.to_dict()
 
 
-def test_ordinary_samples_open_one_session(tmp_path, save, opened):
+def test_ordinary_samples_open_one_session(tmp_path, save, opened_detailed):
     model, samples, _ = samples_scaled(tmp_path, save, [1.0, 2.0, 3.0])
     stats = calibrate(model, samples)
-    assert opened == [frozenset()]
+    assert opened_detailed == [frozenset()]
     assert all(s.detailed_count == 0 for s in stats.tensors.values())
 
 
-def test_external_data_models_detail_on_demand_too(tmp_path, save, opened):
+def test_external_data_models_detail_on_demand_too(tmp_path, save, opened_detailed):
     # x -> MatMul(x, W) -> y, W = 1000 * I stored as external data: y is not ordinary
     proto = onnx.helper.make_model(
         onnx.helper.make_graph(
@@ -120,9 +105,9 @@ def test_external_data_models_detail_on_demand_too(tmp_path, save, opened):
     np.savez(tmp_path / "a.npz", x=np.linspace(-1, 1, 128, dtype=np.float32).reshape(2, 64))
     ext_model = load_model(folder / "m.onnx")
     ext = calibrate(ext_model, load_samples(str(tmp_path / "a.npz"), ext_model.proto))
-    assert opened == [frozenset(), frozenset({"y"})]  # onnxruntime rereads the weights from the page cache
-    opened.clear()
+    assert opened_detailed == [frozenset(), frozenset({"y"})]  # onnxruntime rereads the weights from the page cache
+    opened_detailed.clear()
     inline = calibrate(inline_model, load_samples(str(tmp_path / "a.npz"), inline_model.proto))
-    assert opened[0] == frozenset() and "y" in opened[1]
+    assert opened_detailed[0] == frozenset() and "y" in opened_detailed[1]
     assert ext.tensors["y"].to_dict() == inline.tensors["y"].to_dict()
     assert ext.tensors["y"].detailed_count == 128

@@ -5,9 +5,7 @@ reruns with the L1 (and the detail) on it, so the counts stay exact."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
-import npuprep.calibrate.run as calibrate_run
 from npuprep.calibrate import calibrate
 from npuprep.calibrate.instrument import instrument
 from npuprep.data import load_samples
@@ -33,20 +31,6 @@ def reference(x: np.ndarray) -> dict[str, np.ndarray]:
         s = np.sqrt(x)
     y = s + np.float32(1)
     return {"x": x, "s": s, "y": y, "z": y * np.float32(2), "r": np.maximum(x, 0)}
-
-
-@pytest.fixture
-def opened(monkeypatch):
-    """The `nan_checked` set of every session opened (in this process)."""
-    calls: list[frozenset[str] | None] = []
-    real_open = calibrate_run.Prepared.open
-
-    def recording_open(self, threads, detailed, nan_checked=None):
-        calls.append(None if nan_checked is None else frozenset(nan_checked))
-        return real_open(self, threads, detailed, nan_checked)
-
-    monkeypatch.setattr(calibrate_run.Prepared, "open", recording_open)
-    return calls
 
 
 def write_samples(tmp_path, model, arrays):
@@ -77,12 +61,12 @@ def test_a_constant_that_is_not_finite_keeps_the_l1_pass():
     assert row["z"] in inst.nan_inputs
 
 
-def test_finite_samples_need_no_rerun(tmp_path, save, opened):
+def test_finite_samples_need_no_rerun(tmp_path, save, opened_nan_checked):
     model = load_model(save(MODEL))
     rng = np.random.default_rng(1)
     arrays = [rng.uniform(0.2, 3.0, (4, 16)).astype(np.float32) for _ in range(3)]
     stats = calibrate(model, write_samples(tmp_path, model, arrays))
-    assert opened == [frozenset()]
+    assert opened_nan_checked == [frozenset()]
     for name in ("y", "z", "r"):
         want = np.concatenate([reference(a)[name].ravel() for a in arrays])
         got = stats.tensors[name]
@@ -90,7 +74,7 @@ def test_finite_samples_need_no_rerun(tmp_path, save, opened):
         assert got.max == float(want.max()) and got.min == float(want.min())
 
 
-def test_a_nan_upstream_reruns_with_the_l1_and_counts_exactly(tmp_path, save, opened):
+def test_a_nan_upstream_reruns_with_the_l1_and_counts_exactly(tmp_path, save, opened_nan_checked):
     model = load_model(save(MODEL))
     rng = np.random.default_rng(2)
     arrays = [rng.uniform(0.2, 3.0, (4, 16)).astype(np.float32) for _ in range(3)]
@@ -99,8 +83,8 @@ def test_a_nan_upstream_reruns_with_the_l1_and_counts_exactly(tmp_path, save, op
     arrays[1][0, 1] = -1.0
     arrays[2][3, 7:9] = -4.0
     stats = calibrate(model, write_samples(tmp_path, model, arrays))
-    assert {"y", "z"} <= opened[-1]
-    assert "r" not in opened[-1]  # its input x stayed finite
+    assert {"y", "z"} <= opened_nan_checked[-1]
+    assert "r" not in opened_nan_checked[-1]  # its input x stayed finite
     for name in ("s", "y", "z", "r"):
         want = np.concatenate([reference(a)[name].ravel() for a in arrays])
         got = stats.tensors[name]
