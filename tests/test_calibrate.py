@@ -234,6 +234,20 @@ def test_if_and_loop_body_tensors_are_observed(tmp_path, save):
     assert acc2.per_sample_absmax == (1200.0, 2400.0)
 
 
+def test_body_tensors_get_the_detail_on_demand_like_the_main_graph(tmp_path, save):
+    # SUBGRAPHS again: every tensor-sample is above the ordinary range, so auto details all
+    model = load_model(save(SUBGRAPHS))
+    x = np.array([1.0, -2.0, 0.0, 300.0, 0.25], np.float32)
+    folder = tmp_path / "d"
+    folder.mkdir()
+    np.savez(folder / "a.npz", x=x, c=np.array(True))
+    np.savez(folder / "b.npz", x=x * 2, c=np.array(False))
+    samples = load_samples(str(folder), model.proto)
+    auto, full = calibrate(model, samples), calibrate(model, samples, detail="all")
+    assert {k: v.to_dict() for k, v in auto.tensors.items()} == {k: v.to_dict() for k, v in full.tensors.items()}
+    assert auto.tensors["acc2"].exp_hist and auto.tensors["t"].exp_hist
+
+
 # x -> Scan(body: s -> Add(s, row) -> s2, scan out Mul(row, row) -> sq)
 SCAN = """
 <ir_version: 8, opset_import: ["" : 18]>

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import onnx
@@ -43,6 +44,8 @@ from npuprep.graph import infer_tensors, node_label, producers
 from npuprep.model_io import model_opset
 from npuprep.numerics import FLOAT_ONNX_TYPES, get_format
 
+# Element types of the FX, FN, I, L1 outputs.
+_ELEMS = (TensorProto.FLOAT, TensorProto.FLOAT, TensorProto.INT64, TensorProto.FLOAT)
 # Formats whose max gets an exact count of |x| above it.
 OVER_FORMATS = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
 HIST_OFFSET = 150  # bin = floor(log2|x|) + 150; 0 holds zeros, 278 Inf and NaN
@@ -91,6 +94,9 @@ class Slot:
     tensor: str
     scope: str
     node: str
+    # True when no gate in the graph decides whether the row is ordinary: the caller checks
+    # abs-max and the L1 output and flags it (see Instrumented.ordinary).
+    gated_outside: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,7 @@ class Instrumented:
     """The model with statistics outputs, and how to read them."""
 
     model: onnx.ModelProto
-    outputs: tuple[str, str, str]  # FX, FN, I
+    outputs: tuple[str, str, str, str]  # FX, FN, I, L1
     slots: tuple[Slot, ...]
     aliases: dict[str, Slot]  # tensor -> its own slot info, sharing the row of `alias_of`
     alias_of: dict[str, str]
@@ -106,6 +112,17 @@ class Instrumented:
     # Row of a tensor without the L1 pass -> rows of the float inputs that must all be finite
     # for it to be NaN-free.
     nan_inputs: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    @cached_property
+    def _gated_outside(self) -> np.ndarray:
+        return np.array([s.gated_outside for s in self.slots], bool)
+
+    def ordinary(self, fx: np.ndarray, fn: np.ndarray, rows: np.ndarray, l1: np.ndarray) -> np.ndarray:
+        """Per row, False where a row gated outside the graph is not ordinary (the in-graph
+        gate's test: finite, LO <= abs-max <= HI, or empty); True for every other row."""
+        absmax = np.fmax(fx, -fn)
+        fine = (rows[:, 0] == 0) | (np.isfinite(l1) & (absmax >= LO) & (absmax <= HI))
+        return ~self._gated_outside | fine
 
 
 @dataclass
@@ -116,6 +133,7 @@ class _Ctx:
     detail: str
     detailed: frozenset[str] | None = None
     nan_checked: frozenset[str] | None = None
+    loop_depth: int = 0
     known_finite: set[str] = field(default_factory=set)
     trusting: dict[str, tuple[str, ...]] = field(default_factory=dict)
     counter: int = 0
@@ -152,23 +170,25 @@ def instrument(
     out.CopyFrom(model)
     graph = out.graph
     graph.initializer.extend(shared_constants())
-    fx, fn, ii, slots = _instrument_graph(graph, "main", ctx)
-    graph.initializer.extend(
-        numpy_helper.from_array(np.array([size], np.int64), f"{_CONST_SIZE}{size}") for size in sorted(ctx.sizes)
-    )
-    for name, elem in ((fx, TensorProto.FLOAT), (fn, TensorProto.FLOAT), (ii, TensorProto.INT64)):
-        graph.output.append(helper.make_tensor_value_info(name, elem, [len(slots) * (WIDTH if elem == TensorProto.INT64 else 1)]))
-    row = {slot.tensor: i for i, slot in enumerate(slots) if slot.scope == "main"}
-    nan_inputs = {row[t]: tuple(row[ctx.alias_of.get(i, i)] for i in inputs) for t, inputs in ctx.trusting.items()}
-    return Instrumented(out, (fx, fn, ii), tuple(slots), ctx.aliases, ctx.alias_of, ctx.unobserved, nan_inputs)
+    *names, slots = _instrument_graph(graph, "main", ctx)
+    for size in sorted(ctx.sizes):
+        row = np.zeros(WIDTH, np.int64)
+        row[0] = size
+        graph.initializer.extend([numpy_helper.from_array(np.array([size], np.int64), f"{_CONST_SIZE}{size}"),
+                                  numpy_helper.from_array(row, f"{_CONST_ROW}{size}")])
+    for name, elem, width in zip(names, _ELEMS, (1, 1, WIDTH, 1), strict=True):
+        graph.output.append(helper.make_tensor_value_info(name, elem, [len(slots) * width]))
+    row_of = {slot.tensor: i for i, slot in enumerate(slots) if slot.scope == "main"}
+    nan_inputs = {row_of[t]: tuple(row_of[ctx.alias_of.get(i, i)] for i in inputs) for t, inputs in ctx.trusting.items()}
+    return Instrumented(out, tuple(names), tuple(slots), ctx.aliases, ctx.alias_of, ctx.unobserved, nan_inputs)
 
 
-def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: _Ctx) -> tuple[str, str, str, list[Slot]]:
-    """Add statistics to one graph; returns the names of its FX, FN, I vectors and their rows."""
+def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: _Ctx) -> tuple[str, str, str, str, list[Slot]]:
+    """Add statistics to one graph; returns the names of its FX, FN, I, L1 vectors and their rows."""
     original = list(graph.node)
     made = producers(graph)
     inits = {i.name for i in graph.initializer}
-    pieces: list[tuple[str, str, str]] = []
+    pieces: list[tuple[str, str, str, str]] = []
     slots: list[Slot] = []
     new_nodes: list[onnx.NodeProto] = []
 
@@ -187,10 +207,11 @@ def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: _Ctx) -> tuple[st
         trusted = _trusted_inputs(made.get(tensor), tensor, scope, observed, ctx)
         if trusted is not None:
             ctx.trusting[tensor] = trusted
-        nodes, piece = _tensor_stats(tensor, elem, ctx, l1=trusted is None)
+        outside = ctx.detail == "auto" and ctx.loop_depth == 0 and ctx.detailed is not None and tensor not in ctx.detailed
+        nodes, piece = _tensor_stats(tensor, elem, ctx, l1=trusted is None, gate=not outside)
         new_nodes.extend(nodes)
         pieces.append(piece)
-        slots.append(Slot(tensor, scope, node_name))
+        slots.append(Slot(tensor, scope, node_name, outside))
 
     for vi in graph.input:
         if vi.name not in inits:
@@ -213,19 +234,18 @@ def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: _Ctx) -> tuple[st
                 ctx.unobserved[out] = "element type unknown (shape inference could not type it)"
                 continue
             observe(out, node_label(node))
-    names = tuple(ctx.name(k) for k in ("fx", "fn", "i"))
+    names = tuple(ctx.name(k) for k in ("fx", "fn", "i", "l1"))
     if pieces:
-        for k in range(3):
-            new_nodes.append(helper.make_node("Concat", [p[k] for p in pieces], [names[k]], axis=0))
+        for k, name in enumerate(names):
+            new_nodes.append(helper.make_node("Concat", [p[k] for p in pieces], [name], axis=0))
     else:
-        graph.initializer.extend([
-            numpy_helper.from_array(np.zeros(0, np.float32), names[0]),
-            numpy_helper.from_array(np.zeros(0, np.float32), names[1]),
-            numpy_helper.from_array(np.zeros(0, np.int64), names[2]),
-        ])
+        graph.initializer.extend(
+            numpy_helper.from_array(np.zeros(0, helper.tensor_dtype_to_np_dtype(elem)), name)
+            for name, elem in zip(names, _ELEMS, strict=True)
+        )
     del graph.node[:]
     graph.node.extend(new_nodes)
-    return names[0], names[1], names[2], slots
+    return *names, slots
 
 
 # Constants up to this many elements are checked for finiteness when instrumenting; larger
@@ -283,9 +303,14 @@ def _alias_source(node: onnx.NodeProto | None, ctx: _Ctx) -> str | None:
     return None
 
 
-def _tensor_stats(tensor: str, elem: int, ctx: _Ctx, *, l1: bool) -> tuple[list[onnx.NodeProto], tuple[str, str, str]]:
-    """Nodes that reduce one tensor to FX [1], FN [1], I [WIDTH]; `l1`: also the
-    NaN-propagating L1 that flags NaN (else the caller proves the tensor NaN-free)."""
+def _tensor_stats(
+    tensor: str, elem: int, ctx: _Ctx, *, l1: bool, gate: bool
+) -> tuple[list[onnx.NodeProto], tuple[str, str, str, str]]:
+    """Nodes that reduce one tensor to FX [1], FN [1], I [WIDTH], L1 [1]. `l1`: the
+    NaN-propagating L1 that flags NaN (else the caller proves the tensor NaN-free, and L1 is
+    0). `gate`: an If in the graph tells ordinary rows from those that need the detail (or
+    FLAGs them); without, I is the ordinary row and the caller checks (Instrumented.ordinary).
+    """
     n = ctx.name
     nodes: list[onnx.NodeProto] = []
     src = tensor
@@ -314,9 +339,16 @@ def _tensor_stats(tensor: str, elem: int, ctx: _Ctx, *, l1: bool) -> tuple[list[
     if l1:
         # NaN-propagating (onnxruntime's ReduceMax/Min are not): flags NaN and Inf.
         nodes.append(helper.make_node("ReduceL1", [flat], [sm], keepdims=1))
+    l1_out = sm if l1 else _CONST_ZERO_F
+    if not gate:
+        if tensor in ctx.shapes:
+            return nodes, (mx, mn, f"{_CONST_ROW}{count}", l1_out)
+        row = n("row")
+        nodes.append(helper.make_node("Concat", [size, _CONST_ZEROS_TAIL], [row], axis=0))
+        return nodes, (mx, mn, row, l1_out)
     if ctx.detail == "all":
         detail_nodes, outs = _detail(flat, size, ctx, (mx, mn, sm), small)
-        return nodes + detail_nodes, outs
+        return nodes + detail_nodes, (*outs, l1_out)
     # score = abs-max, or NaN when L1 is not finite (a NaN or Inf somewhere); ordinary when
     # Clip leaves it as it is (NaN never equals).
     neg, am, z, score, clipped, ok = (n(s) for s in ("neg", "am", "z", "score", "clipped", "ok"))
@@ -340,7 +372,7 @@ def _tensor_stats(tensor: str, elem: int, ctx: _Ctx, *, l1: bool) -> tuple[list[
             helper.make_node("Mul", [badi, _CONST_FLAG_ROW], [mark]),
             helper.make_node("Add", [row, mark], [ii]),
         ]
-        return nodes, (mx, mn, ii)
+        return nodes, (mx, mn, ii, l1_out)
     fx, fn, ii = n("fx"), n("fn"), n("i")
     then_fx, then_fn, then_i = n("then_fx"), n("then_fn"), n("then_i")
     then_nodes = [
@@ -374,7 +406,7 @@ def _tensor_stats(tensor: str, elem: int, ctx: _Ctx, *, l1: bool) -> tuple[list[
         ],
     )
     nodes.append(helper.make_node("If", [ok], [fx, fn, ii], then_branch=then_branch, else_branch=else_branch))
-    return nodes, (fx, fn, ii)
+    return nodes, (fx, fn, ii, l1_out)
 
 
 def _detail(
@@ -591,6 +623,7 @@ def _count_bins(idx: str, one: str, ctx: _Ctx) -> tuple[list[onnx.NodeProto], st
 # Shared constants, added once per model as initialisers of the main graph (visible in bodies).
 _CONST_FLAT = "__npuprep_c_flat"
 _CONST_SIZE = "__npuprep_c_size_"
+_CONST_ROW = "__npuprep_c_row_"
 _CONST_ONE_DIM = "__npuprep_c_one_dim"
 _CONST_ZERO_F = "__npuprep_c_zero_f"
 _CONST_LO = "__npuprep_c_lo"
@@ -663,7 +696,7 @@ def shared_constants() -> list[onnx.TensorProto]:
 
 def _instrument_subgraphs(
     node: onnx.NodeProto, scope: str, ctx: _Ctx, outer: onnx.GraphProto
-) -> list[tuple[tuple[str, str, str], list[Slot]]]:
+) -> list[tuple[tuple[str, ...], list[Slot]]]:
     """Instrument the bodies of an If/Loop/Scan node and wire their statistics out of it."""
     graph_attrs = [a for a in node.attribute if a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)]
     if not graph_attrs:
@@ -683,58 +716,64 @@ def _instrument_subgraphs(
     return _wire_carried(node, scope, label, ctx, outer)
 
 
-def _wire_if(node: onnx.NodeProto, scope: str, label: str, ctx: _Ctx) -> list[tuple[tuple[str, str, str], list[Slot]]]:
+def _wire_if(node: onnx.NodeProto, scope: str, label: str, ctx: _Ctx) -> list[tuple[tuple[str, ...], list[Slot]]]:
+    """If: each branch's statistics, padded with the other branch's empty rows (count 0)."""
     branches = {a.name: a.g for a in node.attribute}
     results = {}
     for key in ("then_branch", "else_branch"):
         results[key] = _instrument_graph(branches[key], f"{scope}/{label}.{key}", ctx)
-    k_then, k_else = len(results["then_branch"][3]), len(results["else_branch"][3])
+    k_then, k_else = len(results["then_branch"][-1]), len(results["else_branch"][-1])
     if k_then + k_else == 0:
         return []
-    outs = tuple(ctx.name(s) for s in ("if_fx", "if_fn", "if_i"))
+    outs = tuple(ctx.name(s) for s in ("if_fx", "if_fn", "if_i", "if_l1"))
     for key, pad_first in (("then_branch", False), ("else_branch", True)):
         g = branches[key]
-        fx, fn, ii, _ = results[key]
+        *own_names, _ = results[key]
         k_other = k_else if key == "then_branch" else k_then
         pads = (
             np.full(k_other, -np.inf, np.float32),
             np.full(k_other, np.inf, np.float32),
             np.zeros(k_other * WIDTH, np.int64),
+            np.zeros(k_other, np.float32),
         )
-        for own, pad, elem in zip((fx, fn, ii), pads, (TensorProto.FLOAT, TensorProto.FLOAT, TensorProto.INT64), strict=True):
+        for own, pad, elem, width in zip(own_names, pads, _ELEMS, (1, 1, WIDTH, 1), strict=True):
             pad_name = ctx.name("pad")
             g.initializer.append(numpy_helper.from_array(pad, pad_name))
             joined = ctx.name("joined")
             parts = [pad_name, own] if pad_first else [own, pad_name]
             g.node.append(helper.make_node("Concat", parts, [joined], axis=0))
-            width = WIDTH if elem == TensorProto.INT64 else 1
             g.output.append(helper.make_tensor_value_info(joined, elem, [(k_then + k_else) * width]))
     node.output.extend(outs)
-    return [(outs, results["then_branch"][3] + results["else_branch"][3])]
+    return [(outs, results["then_branch"][-1] + results["else_branch"][-1])]
 
 
 def _wire_carried(
     node: onnx.NodeProto, scope: str, label: str, ctx: _Ctx, outer: onnx.GraphProto
-) -> list[tuple[tuple[str, str, str], list[Slot]]]:
-    """Loop/Scan: statistics become extra state, merged over iterations inside the body."""
+) -> list[tuple[tuple[str, ...], list[Slot]]]:
+    """Loop/Scan: statistics become extra state, merged over iterations inside the body
+    (whose rows keep their gates in the graph: each iteration is judged on its own)."""
     body = next(a.g for a in node.attribute if a.name == "body")
-    fx, fn, ii, slots = _instrument_graph(body, f"{scope}/{label}.body", ctx)
+    ctx.loop_depth += 1
+    fx, fn, ii, l1, slots = _instrument_graph(body, f"{scope}/{label}.body", ctx)
+    ctx.loop_depth -= 1
     k = len(slots)
     if k == 0:
         return []
-    prev = [ctx.name(s) for s in ("prev_fx", "prev_fn", "prev_i")]
-    merged = [ctx.name(s) for s in ("acc_fx", "acc_fn", "acc_i")]
+    prev = [ctx.name(s) for s in ("prev_fx", "prev_fn", "prev_i", "prev_l1")]
+    merged = [ctx.name(s) for s in ("acc_fx", "acc_fn", "acc_i", "acc_l1")]
     body.node.extend([
         helper.make_node("Max", [prev[0], fx], [merged[0]]),
         helper.make_node("Min", [prev[1], fn], [merged[1]]),
         helper.make_node("Add", [prev[2], ii], [merged[2]]),
+        helper.make_node("Add", [prev[3], l1], [merged[3]]),
     ])
-    elems = (TensorProto.FLOAT, TensorProto.FLOAT, TensorProto.INT64)
-    dims = (k, k, k * WIDTH)
-    inits = (np.full(k, -np.inf, np.float32), np.full(k, np.inf, np.float32), np.zeros(k * WIDTH, np.int64))
-    init_names = [ctx.name("init") for _ in range(3)]
+    elems = _ELEMS
+    dims = (k, k, k * WIDTH, k)
+    inits = (np.full(k, -np.inf, np.float32), np.full(k, np.inf, np.float32), np.zeros(k * WIDTH, np.int64),
+             np.zeros(k, np.float32))
+    init_names = [ctx.name("init") for _ in inits]
     outer.initializer.extend(numpy_helper.from_array(v, nm) for v, nm in zip(inits, init_names, strict=True))
-    outs = [ctx.name(s) for s in ("carried_fx", "carried_fn", "carried_i")]
+    outs = [ctx.name(s) for s in ("carried_fx", "carried_fn", "carried_i", "carried_l1")]
     if node.op_type == "Loop":
         n_state = len(node.input) - 2
         in_at, out_at, body_in_at, body_out_at = 2 + n_state, n_state, 2 + n_state, 1 + n_state

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import external_data_helper, numpy_helper
 
-from npuprep.calibrate.instrument import HEADER, HI, LO, WIDTH, Instrumented, instrument
+from npuprep.calibrate.instrument import FLAGGED, HEADER, HI, LO, WIDTH, Instrumented, instrument
 from npuprep.calibrate.stats import Accumulator, CalibrationStats
 from npuprep.cli.common import progress
 from npuprep.data import SampleSet
@@ -228,8 +228,9 @@ class Folding:
 
         while True:
             out = run(self.session, feed, self.inst.outputs)
-            fx, fn, ii = (np.asarray(out[name]) for name in self.inst.outputs)
+            fx, fn, ii, l1 = (np.asarray(out[name]) for name in self.inst.outputs)
             rows = ii.reshape(-1, WIDTH)
+            rows[~self.inst.ordinary(fx, fn, rows, l1), _DETAILED] = FLAGGED
             flagged = rows[:, _DETAILED] < 0
             if self.detailed is None or self.nan_checked is None:
                 break
