@@ -22,11 +22,7 @@ only, default session options: every core), `npuprep calibrate --jobs 1` and `--
 (/proc/PID/smaps_rollup, shared pages split between the processes sharing them) over the
 process and its children, sampled every 20 ms.
 
-The side-by-side table (`--interleaved PASSES`) runs plain inference and the calibration in
-one process, settled, alternating sample by sample; the VM's speed drifts by up to 2x within
-minutes, and this exposes both to the same drift.
-
-    .venv/bin/python bench/bench_calibrate.py --samples 8 --rounds 3 --e2e 8,32 --interleaved 8 --big
+    .venv/bin/python bench/bench_calibrate.py --samples 8 --rounds 2 --e2e 8,32 --big
 """
 
 from __future__ import annotations
@@ -347,40 +343,6 @@ def child(method: str, path: Path, n: int) -> dict[str, float]:
             "rss_mb": _rss_mb(), "setup_cpu_s": c1 - c0}
 
 
-def interleaved_child(path: Path, n: int, passes: int) -> dict[str, float]:
-    """Plain inference and npuprep's calibration side by side in one process: both settled
-    (sessions built, warm-up done), then each sample through plain and through calibrate in
-    turn, `passes` times over the samples. The VM's speed drifts by 2x within minutes;
-    alternating sample by sample exposes both to the same drift. Medians per sample."""
-    import onnxruntime as ort
-
-    from npuprep.calibrate.run import Folding, prepare
-    from npuprep.model_io import load_model
-
-    samples = feeds(path, n)
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    plain = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    folding = Folding(prepare(load_model(path, weights="file"), "auto"), None)
-    for i, f in enumerate(samples):
-        plain.run(None, f)
-        folding.add(f, i)
-    t_plain, t_npuprep = [], []
-    for _ in range(passes):
-        for i, f in enumerate(samples):
-            t0 = time.perf_counter()
-            plain.run(None, f)
-            t1 = time.perf_counter()
-            folding.add(f, i)
-            t2 = time.perf_counter()
-            t_plain.append(t1 - t0)
-            t_npuprep.append(t2 - t1)
-    ratios = np.array(t_npuprep) / np.array(t_plain)
-    return {"plain_s": float(np.median(t_plain)), "npuprep_s": float(np.median(t_npuprep)),
-            "ratio_median": float(np.median(ratios)), "ratio_q25": float(np.quantile(ratios, 0.25)),
-            "ratio_q75": float(np.quantile(ratios, 0.75)), "runs": len(ratios)}
-
-
 def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -422,9 +384,6 @@ def main() -> None:
     ap.add_argument("--big", action="store_true", help="also calibrate a >2 GB external-data model")
     ap.add_argument("--e2e", default="", help="sample counts for the end-to-end table, e.g. 8,32")
     ap.add_argument("--e2e-child", nargs=3, metavar=("METHOD", "MODEL", "DIR"), help=argparse.SUPPRESS)
-    ap.add_argument("--interleaved", type=int, default=0, metavar="PASSES",
-                    help="also time plain and calibrate alternating sample by sample in one process")
-    ap.add_argument("--interleaved-child", metavar="MODEL", help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=WORK / "bench_calibrate.json")
     args = ap.parse_args()
     if args.build:
@@ -432,9 +391,6 @@ def main() -> None:
         return
     if args.child:
         print(json.dumps(child(args.child[0], Path(args.child[1]), args.samples)))
-        return
-    if args.interleaved_child:
-        print(json.dumps(interleaved_child(Path(args.interleaved_child), args.samples, args.interleaved)))
         return
     if args.e2e_child:
         method, model, folder = args.e2e_child
@@ -461,16 +417,8 @@ def main() -> None:
                     best = e2e.get(key)
                     if best is None or r.get("wall_s", float("inf")) < best.get("wall_s", float("inf")):
                         e2e[key] = r
-    interleaved = {}
-    if args.interleaved:
-        for name, path in paths.items():
-            out = subprocess.run([sys.executable, __file__, "--interleaved-child", str(path), "--samples",
-                                  str(args.samples), "--interleaved", str(args.interleaved)],
-                                 capture_output=True, text=True, check=True)
-            interleaved[name] = json.loads(out.stdout.strip().splitlines()[-1])
     report: dict[str, object] = {"samples": args.samples, "rounds": args.rounds, "cpus": os.cpu_count(),
-                                 "load_average": os.getloadavg(), "results": results, "e2e": e2e,
-                                 "interleaved": interleaved}
+                                 "load_average": os.getloadavg(), "results": results, "e2e": e2e}
     if args.big:
         report["big"] = bench_big(2)
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -514,13 +462,6 @@ def print_table(report: dict) -> None:
             print(f"| {name} | {n} | {method} | {r['wall_s']:.2f} | {r['per_sample_s']:.4f} | {ratio} "
                   f"| {r['cpu_per_sample_s']:.4f} | {ratio_cpu} | {r['pss_peak_mb']:.0f} "
                   f"| {r['rss_self_mb']:.0f} / {r['rss_child_max_mb']:.0f} |")
-    if report.get("interleaved"):
-        print("\nSide by side in one process, alternating sample by sample (medians)")
-        print("| model | plain s / sample | npuprep s / sample | x plain, median (quartiles) of per-sample ratios | runs |")
-        print("|---|---|---|---|---|")
-        for name, r in report["interleaved"].items():
-            print(f"| {name} | {r['plain_s']:.4f} | {r['npuprep_s']:.4f} | {r['ratio_median']:.2f} "
-                  f"({r['ratio_q25']:.2f}-{r['ratio_q75']:.2f}) | {r['runs']} |")
     if "big" in report:
         b = report["big"]
         print(f"\n>2 GB model: {b['model_bytes'] / 2**30:.2f} GiB, {b['samples']} samples, exit {b['exit']}, "
