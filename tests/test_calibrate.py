@@ -212,14 +212,20 @@ sub (float[5] x, bool c) => (float[5] r, float[5] acc_out) {
 """
 
 
-def test_if_and_loop_body_tensors_are_observed(tmp_path, save):
+def subgraph_samples(tmp_path, save):
+    """SUBGRAPHS with two samples, one through each branch; and x."""
     model = load_model(save(SUBGRAPHS))
     x = np.array([1.0, -2.0, 0.0, 300.0, 0.25], np.float32)
     folder = tmp_path / "d"
     folder.mkdir()
     np.savez(folder / "a.npz", x=x, c=np.array(True))
     np.savez(folder / "b.npz", x=x * 2, c=np.array(False))
-    stats = calibrate(model, load_samples(str(folder), model.proto), detail="all")
+    return model, load_samples(str(folder), model.proto), x
+
+
+def test_if_and_loop_body_tensors_are_observed(tmp_path, save):
+    model, samples, x = subgraph_samples(tmp_path, save)
+    stats = calibrate(model, samples, detail="all")
     assert stats.unobserved == {}
     t, e = stats.tensors["t"], stats.tensors["e"]
     assert t.scope.endswith(".then_branch") and e.scope.endswith(".else_branch")
@@ -236,13 +242,7 @@ def test_if_and_loop_body_tensors_are_observed(tmp_path, save):
 
 def test_body_tensors_get_the_detail_on_demand_like_the_main_graph(tmp_path, save):
     # SUBGRAPHS again: every tensor-sample is above the ordinary range, so auto details all
-    model = load_model(save(SUBGRAPHS))
-    x = np.array([1.0, -2.0, 0.0, 300.0, 0.25], np.float32)
-    folder = tmp_path / "d"
-    folder.mkdir()
-    np.savez(folder / "a.npz", x=x, c=np.array(True))
-    np.savez(folder / "b.npz", x=x * 2, c=np.array(False))
-    samples = load_samples(str(folder), model.proto)
+    model, samples, _ = subgraph_samples(tmp_path, save)
     auto, full = calibrate(model, samples), calibrate(model, samples, detail="all")
     assert {k: v.to_dict() for k, v in auto.tensors.items()} == {k: v.to_dict() for k, v in full.tensors.items()}
     assert auto.tensors["acc2"].exp_hist and auto.tensors["t"].exp_hist
