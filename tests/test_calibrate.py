@@ -54,13 +54,14 @@ def write_samples(tmp_path, arrays: list[np.ndarray]) -> str:
 
 
 def reference(proto: onnx.ModelProto, samples) -> dict[str, np.ndarray]:
-    """Every float tensor of every sample, marked as outputs and run in onnxruntime."""
+    """Every float tensor of every sample, marked as outputs and run in onnxruntime with every
+    optimisation, as calibration runs it (a Conv in NCHWc rounds differently from one in NCHW)."""
     marked = onnx.ModelProto()
     marked.CopyFrom(proto)
     names = float_tensor_names(proto)
     del marked.graph.output[:]
     marked.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in names)
-    session = make_session(marked)
+    session = make_session(marked, optimize="all")
     values: dict[str, list[np.ndarray]] = {n: [] for n in names}
     for feed in samples:
         out = run(session, feed, names)
@@ -406,3 +407,43 @@ def test_empty_tensors_and_integer_graphs(tmp_path, save):
     np.savez(tmp_path / "b.npz", x=np.arange(4))
     stats = calibrate(ints, load_samples(str(tmp_path / "b.npz"), ints.proto))
     assert stats.tensors == {} and stats.unobserved == {}
+
+
+def conv_model(inf_weight: bool) -> onnx.ModelProto:
+    """x [1,3,8,8] -> Conv(W) -> y -> Relu -> r -> Conv(V) -> z (4-D, kept in NCHWc by onnxruntime)."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((5, 3, 3, 3)).astype(np.float32)
+    if inf_weight:
+        w[2, 1, 1, 1] = np.inf  # Inf x 0 = NaN wherever the input is 0
+    v = rng.standard_normal((4, 5, 1, 1)).astype(np.float32)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1]),
+         onnx.helper.make_node("Relu", ["y"], ["r"]),
+         onnx.helper.make_node("Conv", ["r", "v"], ["z"])],
+        "conv", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 8, 8])],
+        [onnx.helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, [1, 4, 8, 8])],
+        [onnx.numpy_helper.from_array(w, "w"), onnx.numpy_helper.from_array(v, "v")],
+    )
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("inf_weight", [False, True])
+def test_channel_pooled_statistics_of_conv_activations_are_exact(tmp_path, save, inf_weight):
+    # conv_model: its 4-D activations are reduced through global pools, not ReduceMax
+    model = load_model(save(conv_model(inf_weight)))
+    inst = instrument(model.proto, detailed=(), nan_checked=())
+    assert sum(n.op_type == "GlobalMaxPool" for n in inst.model.graph.node) == 6  # y, r, z: max and -min
+    rng = np.random.default_rng(4)
+    arrays = [rng.standard_normal((1, 3, 8, 8)).astype(np.float32) * s for s in (1.0, 0.05, 300.0)]
+    arrays[1][0, 1, 4, 4] = 0.0
+    samples = load_samples(write_samples(tmp_path, arrays), model.proto)
+    auto, full = calibrate(model, samples), calibrate(model, samples, detail="all")
+    ref = reference(model.proto, samples)
+    for name in ("y", "r", "z"):
+        x = ref[name]
+        finite = x[~np.isnan(x)]
+        for s in (auto.tensors[name], full.tensors[name]):
+            assert (s.min, s.max, s.count) == (float(finite.min()), float(finite.max()), x.size), name
+            assert s.nan_count == int(np.isnan(x).sum()), name
+        assert full.tensors[name].exp_hist == numpy_hist(x), name
+    assert (auto.tensors["y"].nan_count > 0) == inf_weight

@@ -134,6 +134,8 @@ class _Ctx:
     detailed: frozenset[str] | None = None
     nan_checked: frozenset[str] | None = None
     loop_depth: int = 0
+    nchwc: set[str] = field(default_factory=set)
+    channels: set[int] = field(default_factory=set)
     known_finite: set[str] = field(default_factory=set)
     trusting: dict[str, tuple[str, ...]] = field(default_factory=dict)
     counter: int = 0
@@ -176,6 +178,9 @@ def instrument(
         row[0] = size
         graph.initializer.extend([numpy_helper.from_array(np.array([size], np.int64), f"{_CONST_SIZE}{size}"),
                                   numpy_helper.from_array(row, f"{_CONST_ROW}{size}")])
+    graph.initializer.extend(
+        numpy_helper.from_array(np.full((1, c, 1, 1), -1, np.float32), f"{_CONST_NEG_CHANNELS}{c}") for c in sorted(ctx.channels)
+    )
     for name, elem, width in zip(names, _ELEMS, (1, 1, WIDTH, 1), strict=True):
         graph.output.append(helper.make_tensor_value_info(name, elem, [len(slots) * width]))
     row_of = {slot.tensor: i for i, slot in enumerate(slots) if slot.scope == "main"}
@@ -220,6 +225,9 @@ def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: _Ctx) -> tuple[st
         ctx.known_finite |= _finite_constants(graph)
     for node in original:
         own_outputs = list(node.output)
+        if scope == "main" and node.domain in ("", "ai.onnx") and (
+                node.op_type == "Conv" or (node.op_type in _NCHWC_FOLLOWERS and node.input and node.input[0] in ctx.nchwc)):
+            ctx.nchwc.update(o for o in node.output if o)
         sub_pieces = _instrument_subgraphs(node, scope, ctx, graph)
         new_nodes.append(node)
         for piece, sub_slots in sub_pieces:
@@ -318,7 +326,9 @@ def _tensor_stats(
         src = n("f32")
         nodes.append(helper.make_node("Cast", [tensor], [src], to=TensorProto.FLOAT))
     flat = n("flat")
-    nodes.append(helper.make_node("Reshape", [src, _CONST_FLAT], [flat]))
+    pooled = _pooled_channels(tensor, elem, ctx)
+    if not pooled or gate:
+        nodes.append(helper.make_node("Reshape", [src, _CONST_FLAT], [flat]))
     # Counts summed in float32 are exact below 2^24 elements; beyond, or unknown, in int64.
     small = False
     if tensor in ctx.shapes:
@@ -332,13 +342,16 @@ def _tensor_stats(
         nodes.append(helper.make_node("Size", [tensor], [n("size0")]))
         nodes.append(helper.make_node("Reshape", [nodes[-1].output[0], _CONST_ONE_DIM], [size]))
     mx, mn, sm = n("max"), n("min"), n("sum")
-    nodes += [
-        helper.make_node("ReduceMax", [flat], [mx], keepdims=1),
-        helper.make_node("ReduceMin", [flat], [mn], keepdims=1),
-    ]
-    if l1:
-        # NaN-propagating (onnxruntime's ReduceMax/Min are not): flags NaN and Inf.
-        nodes.append(helper.make_node("ReduceL1", [flat], [sm], keepdims=1))
+    if pooled:
+        nodes += _pooled_reductions(src, pooled, (mx, mn, sm if l1 else ""), ctx)
+    else:
+        nodes += [
+            helper.make_node("ReduceMax", [flat], [mx], keepdims=1),
+            helper.make_node("ReduceMin", [flat], [mn], keepdims=1),
+        ]
+        if l1:
+            # NaN-propagating (onnxruntime's ReduceMax/Min are not): flags NaN and Inf.
+            nodes.append(helper.make_node("ReduceL1", [flat], [sm], keepdims=1))
     l1_out = sm if l1 else _CONST_ZERO_F
     if not gate:
         if tensor in ctx.shapes:
@@ -407,6 +420,52 @@ def _tensor_stats(
     )
     nodes.append(helper.make_node("If", [ok], [fx, fn, ii], then_branch=then_branch, else_branch=else_branch))
     return nodes, (fx, fn, ii, l1_out)
+
+
+# Ops that keep a tensor in onnxruntime's blocked NCHWc layout when their first input is in it.
+_NCHWC_FOLLOWERS = frozenset({
+    "Add", "AveragePool", "BatchNormalization", "Clip", "Concat", "GlobalAveragePool",
+    "GlobalMaxPool", "HardSigmoid", "HardSwish", "LeakyRelu", "MaxPool", "Relu", "Sigmoid", "Sum", "Tanh",
+})
+
+
+def _pooled_channels(tensor: str, elem: int, ctx: _Ctx) -> int:
+    """Channel count when `tensor` is a static 4-D float32 activation that onnxruntime keeps in
+    its NCHWc layout (a Conv output, or what follows one elementwise); else 0."""
+    shape = ctx.shapes.get(tensor, ())
+    if tensor not in ctx.nchwc or elem != TensorProto.FLOAT or len(shape) != 4 or 0 in shape:
+        return 0
+    return shape[1]
+
+
+def _pooled_reductions(src: str, channels: int, outs: tuple[str, str, str], ctx: _Ctx) -> list[onnx.NodeProto]:
+    """Max, min and the NaN flag of a 4-D NCHWc activation from global pools, which run on the
+    blocked layout: ReduceMax and friends would first copy it back to NCHW. min = -max(-x),
+    negated by a per-channel Mul that stays blocked (exact); the flag is a sum of channel
+    means (NaN and Inf propagate). `outs` = (max, min, flag or "")."""
+    n = ctx.name
+    mx, mn, flag = outs
+    ctx.channels.add(channels)
+    nodes = []
+    pooled = []
+    for stem, op, source in (("gmax", "GlobalMaxPool", src), ("gmaxn", "GlobalMaxPool", n("negated")),
+                             ("gavg", "GlobalAveragePool", src)):
+        if stem == "gmaxn":
+            nodes.append(helper.make_node("Mul", [src, f"{_CONST_NEG_CHANNELS}{channels}"], [source]))
+        if stem == "gavg" and not flag:
+            break
+        out, vec = n(stem), n(stem + "_vec")
+        nodes += [helper.make_node(op, [source], [out]), helper.make_node("Reshape", [out, _CONST_FLAT], [vec])]
+        pooled.append(vec)
+    negmax = n("negmax")
+    nodes += [
+        helper.make_node("ReduceMax", [pooled[0]], [mx], keepdims=1),
+        helper.make_node("ReduceMax", [pooled[1]], [negmax], keepdims=1),
+        helper.make_node("Neg", [negmax], [mn]),
+    ]
+    if flag:
+        nodes.append(helper.make_node("ReduceL1", [pooled[2]], [flag], keepdims=1))
+    return nodes
 
 
 def _detail(
@@ -624,6 +683,7 @@ def _count_bins(idx: str, one: str, ctx: _Ctx) -> tuple[list[onnx.NodeProto], st
 _CONST_FLAT = "__npuprep_c_flat"
 _CONST_SIZE = "__npuprep_c_size_"
 _CONST_ROW = "__npuprep_c_row_"
+_CONST_NEG_CHANNELS = "__npuprep_c_neg_channels_"
 _CONST_ONE_DIM = "__npuprep_c_one_dim"
 _CONST_ZERO_F = "__npuprep_c_zero_f"
 _CONST_LO = "__npuprep_c_lo"
