@@ -5,6 +5,7 @@ reruns with the L1 (and the detail) on it, so the counts stay exact."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from npuprep.calibrate import calibrate
 from npuprep.calibrate.instrument import instrument
@@ -92,3 +93,55 @@ def test_a_nan_upstream_reruns_with_the_l1_and_counts_exactly(tmp_path, save, op
         assert got.max == float(np.nanmax(want)) and got.min == float(np.nanmin(want)), name
         assert got.count == want.size
     assert stats.tensors["z"].nan_count == 3
+
+
+# x -> Sqrt -> s;  s -> Relu -> a;  s -> Neg -> b;  s -> Sub(3, s) -> c;  s -> Mul(s, -2) -> d;
+# d -> Add(d, 0.5) -> e;  e -> Mul(e, 1e38) -> f (overflows to -Inf)
+MONOTONE = """
+<ir_version: 8, opset_import: ["" : 18]>
+g (float[4,16] x) => (float[4,16] a, float[4,16] b, float[4,16] c, float[4,16] f) {
+    s = Sqrt(x)
+    a = Relu(s)
+    b = Neg(s)
+    three = Constant<value = float {3.0}>()
+    c = Sub(three, s)
+    m2 = Constant<value = float {-2.0}>()
+    d = Mul(s, m2)
+    half = Constant<value = float {0.5}>()
+    e = Add(d, half)
+    huge = Constant<value = float {1e38}>()
+    f = Mul(e, huge)
+}
+"""
+
+
+def monotone_reference(x: np.ndarray) -> dict[str, np.ndarray]:
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = np.sqrt(x)
+        d = s * np.float32(-2)
+        e = d + np.float32(0.5)
+        return {"a": np.maximum(s, 0), "b": -s, "c": np.float32(3) - s, "d": d, "e": e, "f": e * np.float32(1e38)}
+
+
+def test_monotone_maps_take_their_input_s_max_and_min():
+    inst = instrument(model_from_text(MONOTONE), detailed=(), nan_checked=())
+    reduced = {n.input[0] for n in inst.model.graph.node if n.op_type == "ReduceMax"}
+    assert len(reduced) == 2  # x and s; a..f come from s's max and min
+
+
+@pytest.mark.parametrize("negative", [False, True])
+def test_monotone_maps_are_exact_and_rerun_behind_a_nan(tmp_path, save, negative, opened_nan_checked):
+    model = load_model(save(MONOTONE))
+    rng = np.random.default_rng(5)
+    arrays = [rng.uniform(0.5, 9.0, (4, 16)).astype(np.float32) for _ in range(3)]
+    if negative:
+        arrays[2][1, 3] = -1.0  # a NaN in s and everything after it
+    stats = calibrate(model, write_samples(tmp_path, model, arrays))
+    for name in "abcdef":
+        want = np.concatenate([monotone_reference(a)[name].ravel() for a in arrays])
+        got = stats.tensors[name]
+        finite = want[~np.isnan(want)]
+        assert (got.max, got.min) == (float(finite.max()), float(finite.min())), name
+        assert got.nan_count == int(np.isnan(want).sum()) and got.inf_count == int(np.isinf(want).sum()), name
+    assert stats.tensors["f"].inf_count > 0
+    assert ("a" in opened_nan_checked[-1]) == negative

@@ -135,6 +135,8 @@ class _Ctx:
     nan_checked: frozenset[str] | None = None
     loop_depth: int = 0
     nchwc: set[str] = field(default_factory=set)
+    minmax: dict[str, tuple[str, str]] = field(default_factory=dict)
+    scalars: dict[str, float] = field(default_factory=dict)
     channels: set[int] = field(default_factory=set)
     known_finite: set[str] = field(default_factory=set)
     trusting: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -213,7 +215,10 @@ def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: _Ctx) -> tuple[st
         if trusted is not None:
             ctx.trusting[tensor] = trusted
         outside = ctx.detail == "auto" and ctx.loop_depth == 0 and ctx.detailed is not None and tensor not in ctx.detailed
-        nodes, piece = _tensor_stats(tensor, elem, ctx, l1=trusted is None, gate=not outside)
+        derived = _derived_stats(tensor, made.get(tensor), ctx) if trusted is not None and outside else None
+        nodes, piece = derived or _tensor_stats(tensor, elem, ctx, l1=trusted is None, gate=not outside)
+        if scope == "main":
+            ctx.minmax[tensor] = piece[:2]
         new_nodes.extend(nodes)
         pieces.append(piece)
         slots.append(Slot(tensor, scope, node_name, outside))
@@ -223,6 +228,7 @@ def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: _Ctx) -> tuple[st
             observe(vi.name, "")
     if scope == "main":
         ctx.known_finite |= _finite_constants(graph)
+        ctx.scalars.update(_scalar_constants(graph))
     for node in original:
         own_outputs = list(node.output)
         if scope == "main" and node.domain in ("", "ai.onnx") and (
@@ -277,6 +283,58 @@ def _finite_constants(graph: onnx.GraphProto) -> set[str]:
         elif math.prod(tensor.dims) <= _CHECKED_CONSTANT and np.isfinite(numpy_helper.to_array(tensor).astype(np.float64)).all():
             finite.add(name)
     return finite
+
+
+def _scalar_constants(graph: onnx.GraphProto) -> dict[str, float]:
+    """Finite one-element float32 constants (inline initialisers and Constant nodes)."""
+    found = {}
+    tensors = [(t.name, t) for t in graph.initializer if t.data_location != TensorProto.EXTERNAL]
+    tensors += [(node.output[0], a.t) for node in graph.node if node.op_type == "Constant" and node.output
+                for a in node.attribute if a.name == "value"]
+    for name, tensor in tensors:
+        if tensor.data_type == TensorProto.FLOAT and math.prod(tensor.dims) == 1:
+            value = float(numpy_helper.to_array(tensor).reshape(()))
+            if math.isfinite(value):
+                found[name] = value
+    return found
+
+
+def _derived_stats(
+    tensor: str, node: onnx.NodeProto | None, ctx: _Ctx
+) -> tuple[list[onnx.NodeProto], tuple[str, str, str, str]] | None:
+    """Max and min of a monotone elementwise map of one observed float32 tensor, from that
+    tensor's max and min through the same operation, instead of two reductions: Relu, Neg,
+    and Add, Sub, Mul with a finite scalar constant. Correctly rounded arithmetic is
+    monotone, so f(max x) is the largest f(x) exactly. Only for rows proven NaN-free by
+    their input (see _trusted_inputs); None where the rule does not apply."""
+    if node is None or ctx.types.get(tensor) != TensorProto.FLOAT or tensor not in ctx.shapes:
+        return None
+    sources = [i for i in node.input if i and i not in ctx.scalars]
+    if len(sources) != 1 or ctx.types.get(sources[0]) != TensorProto.FLOAT:
+        return None
+    x = sources[0]
+    found = ctx.minmax.get(ctx.alias_of.get(x, x))
+    if found is None:
+        return None
+    xmax, xmin = found
+    op = node.op_type
+    if op in ("Relu", "Neg") and len(node.input) == 1:
+        pairs = ((xmax, xmin), (xmin, xmax))[op == "Neg"]
+        operands = [[pairs[0]], [pairs[1]]]
+    elif op in ("Add", "Sub", "Mul") and len(node.input) == 2:
+        c = next(i for i in node.input if i != x)
+        falling = (op == "Sub" and node.input[1] == x) or (op == "Mul" and ctx.scalars[c] < 0)
+        if op == "Mul" and ctx.scalars[c] == 0:
+            return None
+        hi, lo = (xmin, xmax) if falling else (xmax, xmin)
+        operands = [[hi if i == x else i for i in node.input], [lo if i == x else i for i in node.input]]
+    else:
+        return None
+    mx, mn = ctx.name("dmax"), ctx.name("dmin")
+    count = math.prod(ctx.shapes[tensor])
+    ctx.sizes.add(count)
+    nodes = [helper.make_node(op, operands[0], [mx]), helper.make_node(op, operands[1], [mn])]
+    return nodes, (mx, mn, f"{_CONST_ROW}{count}", _CONST_ZERO_F)
 
 
 def _trusted_inputs(
