@@ -19,6 +19,12 @@ only for those tensors; any other tensor-sample that is not ordinary is flagged 
 its "detailed" count) so the caller can rerun the sample on a graph that details it: the
 detail branches are most of a session's creation time, and few tensors ever need them.
 
+Cheaper routes to the same numbers: a 4-D activation that onnxruntime keeps in its NCHWc
+layout is reduced through global pools (`_pooled_reductions`), and a monotone map of one
+tensor (Relu, Neg, scalar Add/Sub/Mul) takes that tensor's max and min through the same
+operation (`_derived_stats`). Rows outside Loop/Scan bodies have no gate in the graph: the
+caller judges them ordinary from abs-max and the L1 output (`Instrumented.ordinary`).
+
 `nan_checked=` (a set of tensor names) skips the NaN-propagating L1 pass on main-graph tensors
 whose producer cannot make a NaN out of finite inputs (`_NAN_SAFE_OPS`) unless they are in the
 set: such a tensor is NaN-free whenever every float input is finite, which the caller checks
