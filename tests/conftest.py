@@ -84,3 +84,24 @@ def opened_detailed(opened_sessions: list) -> _Column:
 def opened_nan_checked(opened_sessions: list) -> _Column:
     """The `nan_checked` set of every calibration session opened, as it grows."""
     return _Column(opened_sessions, 1)
+
+
+def save_matmul_eye(save, tmp_path: Path, scale: float) -> tuple[Path, Path]:  # noqa: ANN001 - the save fixture
+    """x [2,64] -> MatMul(x, W = scale * I) -> y, saved twice: W inline (inline.onnx) and W
+    as external data (ext/m.onnx + ext/m.data). Returns (inline path, external path)."""
+    import numpy as np
+
+    proto = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [onnx.helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+            [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 64])],
+            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 64])],
+            [onnx.numpy_helper.from_array(np.eye(64, dtype=np.float32) * np.float32(scale), "w")],
+        ),
+        opset_imports=[onnx.helper.make_opsetid("", 18)],
+    )
+    inline = save(proto, "inline.onnx")  # first: saving as external data changes proto
+    folder = tmp_path / "ext"
+    folder.mkdir()
+    onnx.save_model(proto, str(folder / "m.onnx"), save_as_external_data=True, location="m.data", size_threshold=0)
+    return inline, folder / "m.onnx"

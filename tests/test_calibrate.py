@@ -15,6 +15,7 @@ from npuprep.errors import NpuprepError
 from npuprep.graph import float_tensor_names
 from npuprep.model_io import load_model
 from npuprep.runtime.session import make_session, run
+from tests.conftest import save_matmul_eye
 
 # x -> Mul(x, 4096) -> big;  x -> Mul(x, 1e-39) -> tiny (subnormal);  x -> Sqrt -> root (NaN
 # for x < 0);  x -> Reciprocal -> inv (Inf at 0);  x -> Mul(x, 0.01) -> small;  x -> Reshape -> flat
@@ -324,21 +325,10 @@ def test_fp16_tensors_are_observed_exactly(tmp_path, save):
 
 def test_external_data_models_are_calibrated_from_disk(tmp_path, save):
     # x -> MatMul(x, W) -> y, with W stored as external data
-    proto = onnx.helper.make_model(
-        onnx.helper.make_graph(
-            [onnx.helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
-            [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 64])],
-            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 64])],
-            [onnx.numpy_helper.from_array(np.eye(64, dtype=np.float32) * 3, "w")],
-        ),
-        opset_imports=[onnx.helper.make_opsetid("", 18)],
-    )
-    inline = save(proto, "inline.onnx")
-    folder = tmp_path / "ext"
-    folder.mkdir()
-    onnx.save_model(proto, str(folder / "m.onnx"), save_as_external_data=True, location="m.data", size_threshold=0)
+    inline, external = save_matmul_eye(save, tmp_path, 3)
+    folder = external.parent
     np.savez(tmp_path / "a.npz", x=np.arange(128, dtype=np.float32).reshape(2, 64))
-    ext_model, inline_model = load_model(folder / "m.onnx"), load_model(inline)
+    ext_model, inline_model = load_model(external), load_model(inline)
     ext = calibrate(ext_model, load_samples(str(tmp_path / "a.npz"), ext_model.proto), detail="all")
     ref = calibrate(inline_model, load_samples(str(tmp_path / "a.npz"), inline_model.proto), detail="all")
     assert ext.tensors["y"].to_dict() == ref.tensors["y"].to_dict() and ext.tensors["y"].max == 127 * 3

@@ -4,12 +4,12 @@ that does, and the statistics are those of a graph detailing every tensor."""
 from __future__ import annotations
 
 import numpy as np
-import onnx
 
 import npuprep.calibrate.run as calibrate_run
 from npuprep.calibrate import calibrate
 from npuprep.data import load_samples
 from npuprep.model_io import load_model
+from tests.conftest import save_matmul_eye
 
 # x -> Mul(x, 2) -> y -> Relu -> r;  x -> Mul(x, 0.25) -> q
 MODEL = """
@@ -89,21 +89,10 @@ def test_ordinary_samples_open_one_session(tmp_path, save, opened_detailed):
 
 def test_external_data_models_detail_on_demand_too(tmp_path, save, opened_detailed):
     # x -> MatMul(x, W) -> y, W = 1000 * I stored as external data: y is not ordinary
-    proto = onnx.helper.make_model(
-        onnx.helper.make_graph(
-            [onnx.helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
-            [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 64])],
-            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 64])],
-            [onnx.numpy_helper.from_array(np.eye(64, dtype=np.float32) * 1000, "w")],
-        ),
-        opset_imports=[onnx.helper.make_opsetid("", 18)],
-    )
-    inline_model = load_model(save(proto, "inline.onnx"))  # first: saving as external data changes proto
-    folder = tmp_path / "ext"
-    folder.mkdir()
-    onnx.save_model(proto, str(folder / "m.onnx"), save_as_external_data=True, location="m.data", size_threshold=0)
+    inline, external = save_matmul_eye(save, tmp_path, 1000)
+    inline_model = load_model(inline)
     np.savez(tmp_path / "a.npz", x=np.linspace(-1, 1, 128, dtype=np.float32).reshape(2, 64))
-    ext_model = load_model(folder / "m.onnx")
+    ext_model = load_model(external)
     ext = calibrate(ext_model, load_samples(str(tmp_path / "a.npz"), ext_model.proto))
     assert opened_detailed == [frozenset(), frozenset({"y"})]  # onnxruntime rereads the weights from the page cache
     opened_detailed.clear()
