@@ -12,6 +12,7 @@ import numpy as np
 
 from npuprep.calibrate.instrument import HEADER, HIST_BINS, HIST_OFFSET, OVER_FORMATS, WIDTH
 from npuprep.errors import NpuprepError
+from npuprep.json_io import json_number as _num
 from npuprep.model_io import Model, write_text_atomic
 from npuprep.numerics import get_format
 
@@ -109,15 +110,6 @@ class RangeStats:
             under={k: int(v) for k, v in d["under"].items()},
             per_sample_absmax=tuple(_float(v) for v in d["per_sample_absmax"]),
         )
-
-
-def _num(v: float) -> float | str:
-    """JSON has no Inf/NaN: write them as strings."""
-    if math.isnan(v):
-        return "nan"
-    if math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    return float(v)
 
 
 def _float(v: float | str) -> float:

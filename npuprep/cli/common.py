@@ -44,9 +44,10 @@ def open_samples(args: argparse.Namespace, model: Any) -> Any:
 
 def to_jsonable(obj: Any) -> Any:
     import enum
-    import math
 
     import numpy as np
+
+    from npuprep.json_io import json_number
 
     if hasattr(obj, "to_dict"):
         return to_jsonable(obj.to_dict())
@@ -58,9 +59,8 @@ def to_jsonable(obj: Any) -> Any:
         return str(obj.value) if not isinstance(obj, enum.IntEnum) else str(obj)
     if isinstance(obj, np.generic):
         return to_jsonable(obj.item())
-    if isinstance(obj, float) and not math.isfinite(obj):
-        # JSON has no Inf/NaN; overflow is exactly what reports must be able to say.
-        return "nan" if obj != obj else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, float):
+        return json_number(obj)
     return obj
 
 

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from npuprep.json_io import json_number as _num
+
 if TYPE_CHECKING:  # numpy only at run time: torch_runner classifies on machines without onnx
     from npuprep.numerics import NumberFormat
 
@@ -79,15 +81,6 @@ class Classification:
             "wider": self.wider,
             "pairs": [{"reference": _num(r), "observed": _num(o)} for r, o in self.pairs],
         }
-
-
-def _num(x: float) -> float | str:
-    """JSON-safe number: Inf and NaN become strings, so artefacts stay valid JSON."""
-    if np.isnan(x):
-        return "nan"
-    if np.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return float(x)
 
 
 def in_range_tolerance(fmt: NumberFormat) -> float:
