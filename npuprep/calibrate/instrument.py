@@ -233,8 +233,9 @@ def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: _Ctx) -> tuple[st
         if vi.name not in inits:
             observe(vi.name, "")
     if scope == "main":
-        ctx.known_finite |= _finite_constants(graph)
-        ctx.scalars.update(_scalar_constants(graph))
+        finite, scalars = _known_constants(graph)
+        ctx.known_finite |= finite
+        ctx.scalars.update(scalars)
     for node in original:
         own_outputs = list(node.output)
         if scope == "main" and node.domain in ("", "ai.onnx") and (
@@ -273,36 +274,27 @@ def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: _Ctx) -> tuple[st
 _CHECKED_CONSTANT = 1 << 16
 
 
-def _finite_constants(graph: onnx.GraphProto) -> set[str]:
-    """Inline initialisers and Constant outputs whose values are all finite (external ones,
-    whose values are not at hand, are not in the set)."""
-    finite = set()
-    tensors = [(t.name, t) for t in graph.initializer if t.data_location != TensorProto.EXTERNAL]
-    for node in graph.node:
-        if node.op_type == "Constant" and node.output:
-            value = next((a.t for a in node.attribute if a.name == "value"), None)
-            if value is not None:
-                tensors.append((node.output[0], value))
-    for name, tensor in tensors:
-        if tensor.data_type not in FLOAT_ONNX_TYPES:
-            finite.add(name)
-        elif math.prod(tensor.dims) <= _CHECKED_CONSTANT and np.isfinite(numpy_helper.to_array(tensor).astype(np.float64)).all():
-            finite.add(name)
-    return finite
-
-
-def _scalar_constants(graph: onnx.GraphProto) -> dict[str, float]:
-    """Finite one-element float32 constants (inline initialisers and Constant nodes)."""
-    found = {}
+def _known_constants(graph: onnx.GraphProto) -> tuple[set[str], dict[str, float]]:
+    """Of the inline initialisers and Constant outputs (external ones' values are not at
+    hand): those whose values are all finite, and the finite one-element float32 ones by
+    value."""
+    finite: set[str] = set()
+    scalars: dict[str, float] = {}
     tensors = [(t.name, t) for t in graph.initializer if t.data_location != TensorProto.EXTERNAL]
     tensors += [(node.output[0], a.t) for node in graph.node if node.op_type == "Constant" and node.output
                 for a in node.attribute if a.name == "value"]
     for name, tensor in tensors:
-        if tensor.data_type == TensorProto.FLOAT and math.prod(tensor.dims) == 1:
-            value = float(numpy_helper.to_array(tensor).reshape(()))
-            if math.isfinite(value):
-                found[name] = value
-    return found
+        if tensor.data_type not in FLOAT_ONNX_TYPES:
+            finite.add(name)
+            continue
+        if math.prod(tensor.dims) > _CHECKED_CONSTANT:
+            continue
+        values = numpy_helper.to_array(tensor).astype(np.float64)
+        if np.isfinite(values).all():
+            finite.add(name)
+            if values.size == 1 and tensor.data_type == TensorProto.FLOAT:
+                scalars[name] = float(values.reshape(()))
+    return finite, scalars
 
 
 def _derived_stats(
@@ -337,10 +329,8 @@ def _derived_stats(
     else:
         return None
     mx, mn = ctx.name("dmax"), ctx.name("dmin")
-    count = math.prod(ctx.shapes[tensor])
-    ctx.sizes.add(count)
     nodes = [helper.make_node(op, operands[0], [mx]), helper.make_node(op, operands[1], [mn])]
-    return nodes, (mx, mn, f"{_CONST_ROW}{count}", _CONST_ZERO_F)
+    return nodes, (mx, mn, _ordinary_row(tensor, "", ctx)[1], _CONST_ZERO_F)
 
 
 def _trusted_inputs(
@@ -373,6 +363,17 @@ def _alias_source(node: onnx.NodeProto | None, ctx: _Ctx) -> str | None:
         if to in _WIDENING.get(ctx.types.get(node.input[0], -1), set()):
             return node.input[0]
     return None
+
+
+def _ordinary_row(tensor: str, size: str, ctx: _Ctx) -> tuple[list[onnx.NodeProto], str]:
+    """The I row of an ordinary tensor-sample (its count, nothing else): a shared constant
+    per static element count, else [count, 0...] built from `size`."""
+    if tensor in ctx.shapes:
+        count = math.prod(ctx.shapes[tensor])
+        ctx.sizes.add(count)
+        return [], f"{_CONST_ROW}{count}"
+    row = ctx.name("row")
+    return [helper.make_node("Concat", [size, _CONST_ZEROS_TAIL], [row], axis=0)], row
 
 
 def _tensor_stats(
@@ -418,11 +419,8 @@ def _tensor_stats(
             nodes.append(helper.make_node("ReduceL1", [flat], [sm], keepdims=1))
     l1_out = sm if l1 else _CONST_ZERO_F
     if not gate:
-        if tensor in ctx.shapes:
-            return nodes, (mx, mn, f"{_CONST_ROW}{count}", l1_out)
-        row = n("row")
-        nodes.append(helper.make_node("Concat", [size, _CONST_ZEROS_TAIL], [row], axis=0))
-        return nodes, (mx, mn, row, l1_out)
+        row_nodes, row = _ordinary_row(tensor, size, ctx)
+        return nodes + row_nodes, (mx, mn, row, l1_out)
     if ctx.detail == "all":
         detail_nodes, outs = _detail(flat, size, ctx, (mx, mn, sm), small)
         return nodes + detail_nodes, (*outs, l1_out)
@@ -441,9 +439,10 @@ def _tensor_stats(
     ]
     if ctx.detailed is not None and tensor not in ctx.detailed:
         # No detail here: the ordinary row, FLAGGED in "detailed" when not ordinary.
-        row, bad, badi, mark, ii = (n(s) for s in ("row", "bad", "badi", "mark", "i"))
+        row_nodes, row = _ordinary_row(tensor, size, ctx)
+        bad, badi, mark, ii = (n(s) for s in ("bad", "badi", "mark", "i"))
         nodes += [
-            helper.make_node("Concat", [size, _CONST_ZEROS_TAIL], [row], axis=0),
+            *row_nodes,
             helper.make_node("Not", [ok], [bad]),
             helper.make_node("Cast", [bad], [badi], to=TensorProto.INT64),
             helper.make_node("Mul", [badi, _CONST_FLAG_ROW], [mark]),
@@ -452,18 +451,13 @@ def _tensor_stats(
         return nodes, (mx, mn, ii, l1_out)
     fx, fn, ii = n("fx"), n("fn"), n("i")
     then_fx, then_fn, then_i = n("then_fx"), n("then_fn"), n("then_i")
+    row_nodes, row = _ordinary_row(tensor, size, ctx)
     then_nodes = [
         helper.make_node("Identity", [mx], [then_fx]),
         helper.make_node("Identity", [mn], [then_fn]),
+        *row_nodes,
+        helper.make_node("Identity", [row], [then_i]),
     ]
-    then_inits = []
-    if tensor in ctx.shapes:
-        # Static count: the ordinary row is a constant, returned without a node.
-        row = np.zeros(WIDTH, np.int64)
-        row[0] = math.prod(ctx.shapes[tensor])
-        then_inits.append(numpy_helper.from_array(row, then_i))
-    else:
-        then_nodes.append(helper.make_node("Concat", [size, _CONST_ZEROS_TAIL], [then_i], axis=0))
     then_branch = helper.make_graph(
         then_nodes, n("ordinary"), [],
         [
@@ -471,7 +465,6 @@ def _tensor_stats(
             helper.make_tensor_value_info(then_fn, TensorProto.FLOAT, [1]),
             helper.make_tensor_value_info(then_i, TensorProto.INT64, [WIDTH]),
         ],
-        then_inits,
     )
     detail_nodes, (dfx, dfn, dii) = _detail(flat, size, ctx, (mx, mn, sm), small)
     else_branch = helper.make_graph(
@@ -510,25 +503,23 @@ def _pooled_reductions(src: str, channels: int, outs: tuple[str, str, str], ctx:
     n = ctx.name
     mx, mn, flag = outs
     ctx.channels.add(channels)
-    nodes = []
-    pooled = []
-    for stem, op, source in (("gmax", "GlobalMaxPool", src), ("gmaxn", "GlobalMaxPool", n("negated")),
-                             ("gavg", "GlobalAveragePool", src)):
-        if stem == "gmaxn":
-            nodes.append(helper.make_node("Mul", [src, f"{_CONST_NEG_CHANNELS}{channels}"], [source]))
-        if stem == "gavg" and not flag:
-            break
-        out, vec = n(stem), n(stem + "_vec")
-        nodes += [helper.make_node(op, [source], [out]), helper.make_node("Reshape", [out, _CONST_FLAT], [vec])]
-        pooled.append(vec)
-    negmax = n("negmax")
-    nodes += [
-        helper.make_node("ReduceMax", [pooled[0]], [mx], keepdims=1),
-        helper.make_node("ReduceMax", [pooled[1]], [negmax], keepdims=1),
-        helper.make_node("Neg", [negmax], [mn]),
-    ]
+    nodes: list[onnx.NodeProto] = []
+
+    def pool_then_reduce(op: str, source: str, out: str, reduce: str = "ReduceMax") -> None:
+        per_channel, vec = n("pooled"), n("pooled_vec")
+        nodes.extend([
+            helper.make_node(op, [source], [per_channel]),
+            helper.make_node("Reshape", [per_channel, _CONST_FLAT], [vec]),
+            helper.make_node(reduce, [vec], [out], keepdims=1),
+        ])
+
+    negated, negmax = n("negated"), n("negmax")
+    pool_then_reduce("GlobalMaxPool", src, mx)
+    nodes.append(helper.make_node("Mul", [src, f"{_CONST_NEG_CHANNELS}{channels}"], [negated]))
+    pool_then_reduce("GlobalMaxPool", negated, negmax)
+    nodes.append(helper.make_node("Neg", [negmax], [mn]))
     if flag:
-        nodes.append(helper.make_node("ReduceL1", [pooled[2]], [flag], keepdims=1))
+        pool_then_reduce("GlobalAveragePool", src, flag, reduce="ReduceL1")
     return nodes
 
 
