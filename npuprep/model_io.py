@@ -50,7 +50,8 @@ def model_opset(proto: onnx.ModelProto) -> int:
     return 0
 
 
-def _uses_external_data(proto: onnx.ModelProto) -> bool:
+def uses_external_data(proto: onnx.ModelProto) -> bool:
+    """Whether any tensor of the model (bodies included) keeps its values in an external file."""
     return any(
         t.data_location == onnx.TensorProto.EXTERNAL
         for t in onnx.external_data_helper._get_all_tensors(proto)
@@ -76,7 +77,7 @@ def load_model(path: str | Path, weights: Literal["memory", "file"] = "memory") 
     proto = light_proto(path) if weights == "file" else _parse(path)
     if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):
         raise NpuprepError(f"{path}: not an ONNX model (no graph found; truncated or wrong file?)")
-    if _uses_external_data(proto):
+    if uses_external_data(proto):
         _check_external_files(proto, path)
         if weights == "file":
             return Model(proto=proto, path=str(path), fingerprint=fingerprint(proto, base_dir=path.parent))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import external_data_helper, numpy_helper
+from onnx import numpy_helper
 
 from npuprep.calibrate.instrument import FLAGGED, HEADER, HI, LO, WIDTH, Instrumented, instrument
 from npuprep.calibrate.stats import Accumulator, CalibrationStats
@@ -135,12 +135,12 @@ def prepare(model: Model, detail: str) -> Prepared:
     other model, and any whose data files lie apart or in a folder that is not writable,
     hands onnxruntime its weights as arrays, those stored externally read from disk.
     """
-    from npuprep.model_io import external_home, external_locations, light_proto
+    from npuprep.model_io import external_home, external_locations, light_proto, uses_external_data
 
     path = Path(model.path) if model.path else None
     folder = path.parent if path is not None and path.is_file() else None
     if folder is not None:
-        graph = model.proto if _has_external(model.proto) else light_proto(path)
+        graph = model.proto if uses_external_data(model.proto) else light_proto(path)
         if graph is model.proto or external_locations(graph) - {path.name}:
             found = external_home(graph, folder)
             if found is not None and os.access(found[1], os.W_OK):
@@ -313,6 +313,3 @@ def _fold_parallel(prepared: Prepared, samples: SampleSet, jobs: int) -> Accumul
         acc.merge(part)
     return acc
 
-
-def _has_external(proto: onnx.ModelProto) -> bool:
-    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in external_data_helper._get_all_tensors(proto))
