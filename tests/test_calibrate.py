@@ -18,15 +18,17 @@ from npuprep.runtime.session import make_session, run
 from tests.conftest import save_matmul_eye
 
 # x -> Mul(x, 4096) -> big;  x -> Mul(x, 1e-39) -> tiny (subnormal);  x -> Sqrt -> root (NaN
-# for x < 0);  x -> Reciprocal -> inv (Inf at 0);  x -> Mul(x, 0.01) -> small;  x -> Reshape -> flat
+# for x < 0) -> Mul(root, 4096) -> bigroot (NaN and values above fp8's max);  x -> Reciprocal
+# -> inv (Inf at 0);  x -> Mul(x, 0.01) -> small;  x -> Reshape -> flat
 SPECIAL = """
 <ir_version: 8, opset_import: ["" : 18]>
-special (float[4,16] x) => (float[4,16] big, float[4,16] tiny, float[4,16] root, float[4,16] inv, float[4,16] small, float[64] flat) {
+special (float[4,16] x) => (float[4,16] big, float[4,16] tiny, float[4,16] root, float[4,16] inv, float[4,16] small, float[64] flat, float[4,16] bigroot) {
     c_big = Constant<value = float {4096.0}>()
     big = Mul(x, c_big)
     c_tiny = Constant<value = float {1e-39}>()
     tiny = Mul(x, c_tiny)
     root = Sqrt(x)
+    bigroot = Mul(root, c_big)
     inv = Reciprocal(x)
     c_small = Constant<value = float {0.01}>()
     small = Mul(x, c_small)
@@ -113,6 +115,7 @@ def test_every_statistic_matches_numpy_with_full_detail(special):
     assert stats.tensors["inv"].inf_count > 0
     assert stats.tensors["tiny"].under["fp32"] > 0
     assert stats.tensors["big"].over["fp16"] > 0 and stats.tensors["big"].over["fp16"] < stats.tensors["big"].count
+    assert stats.tensors["bigroot"].nan_count > 0 and stats.tensors["bigroot"].over["fp8_e4m3"] > 0
 
 
 def test_auto_detail_is_exact_where_it_runs_and_counts_stay_exact(special):

@@ -148,6 +148,7 @@ class _Ctx:
     trusting: dict[str, tuple[str, ...]] = field(default_factory=dict)
     counter: int = 0
     sizes: set[int] = field(default_factory=set)
+    ones: set[int] = field(default_factory=set)
     aliases: dict[str, Slot] = field(default_factory=dict)
     alias_of: dict[str, str] = field(default_factory=dict)
     unobserved: dict[str, str] = field(default_factory=dict)
@@ -189,6 +190,7 @@ def instrument(
     graph.initializer.extend(
         numpy_helper.from_array(np.full((1, c, 1, 1), -1, np.float32), f"{_CONST_NEG_CHANNELS}{c}") for c in sorted(ctx.channels)
     )
+    graph.initializer.extend(numpy_helper.from_array(np.ones(c, np.float32), f"{_CONST_ONES}{c}") for c in sorted(ctx.ones))
     for name, elem, width in zip(names, _ELEMS, (1, 1, WIDTH, 1), strict=True):
         graph.output.append(helper.make_tensor_value_info(name, elem, [len(slots) * width]))
     row_of = {slot.tensor: i for i, slot in enumerate(slots) if slot.scope == "main"}
@@ -394,14 +396,12 @@ def _tensor_stats(
     pooled = _pooled_channels(tensor, elem, ctx)
     if not pooled or gate:
         nodes.append(helper.make_node("Reshape", [src, _CONST_FLAT], [flat]))
-    # Counts summed in float32 are exact below 2^24 elements; beyond, or unknown, in int64.
-    small = False
+    count: int | None = None
     if tensor in ctx.shapes:
         # A static element count is a shared constant, not two nodes per tensor.
         count = math.prod(ctx.shapes[tensor])
         ctx.sizes.add(count)
         size = f"{_CONST_SIZE}{count}"
-        small = count < 2**24
     else:
         size = n("size")
         nodes.append(helper.make_node("Size", [tensor], [n("size0")]))
@@ -422,7 +422,7 @@ def _tensor_stats(
         row_nodes, row = _ordinary_row(tensor, size, ctx)
         return nodes + row_nodes, (mx, mn, row, l1_out)
     if ctx.detail == "all":
-        detail_nodes, outs = _detail(flat, size, ctx, (mx, mn, sm), small)
+        detail_nodes, outs = _detail(flat, size, ctx, (mx, mn, sm), count)
         return nodes + detail_nodes, (*outs, l1_out)
     # score = abs-max, or NaN when L1 is not finite (a NaN or Inf somewhere); ordinary when
     # Clip leaves it as it is (NaN never equals).
@@ -466,7 +466,7 @@ def _tensor_stats(
             helper.make_tensor_value_info(then_i, TensorProto.INT64, [WIDTH]),
         ],
     )
-    detail_nodes, (dfx, dfn, dii) = _detail(flat, size, ctx, (mx, mn, sm), small)
+    detail_nodes, (dfx, dfn, dii) = _detail(flat, size, ctx, (mx, mn, sm), count)
     else_branch = helper.make_graph(
         detail_nodes, n("detail"), [],
         [
@@ -524,19 +524,22 @@ def _pooled_reductions(src: str, channels: int, outs: tuple[str, str, str], ctx:
 
 
 def _detail(
-    flat: str, size: str, ctx: _Ctx, cheap: tuple[str, str, str], small: bool
+    flat: str, size: str, ctx: _Ctx, cheap: tuple[str, str, str], count: int | None
 ) -> tuple[list[onnx.NodeProto], tuple[str, str, str]]:
     """Exact NaN-aware min/max, NaN count, counts above each format's max, exponent histogram.
 
     `cheap` = (max, min, L1) of the tensor: a finite L1 skips the NaN work (no NaN, no Inf:
-    the plain min and max are exact). `small`: counts may be summed in float32.
+    the plain min and max are exact). `count`: the static element count, if known.
     """
+    # Counts summed in float32 are exact below 2^24 elements; beyond, or unknown, in int64.
+    small = count is not None and count < 2**24
     n = ctx.name
-    a = n("abs")
-    nodes = [helper.make_node("Abs", [flat], [a])]
+    nodes: list[onnx.NodeProto] = []
     mx, mn, sm = cheap
     # Finite L1: the plain min/max stand and there is no NaN; else NaN-aware reductions and
-    # NaN turned into Inf, so it lands in the top bin (the NaN count tells them apart).
+    # NaN turned into Inf, so it lands in the top bin (the NaN count tells them apart). |x|
+    # is computed inside each branch: onnxruntime writes a branch's result straight into the
+    # If's output, where an outer |x| would be copied (0.6 ns per value).
     finite = n("finite")
     z, chk = n("z"), n("chk")
     nodes += [
@@ -551,7 +554,7 @@ def _detail(
             helper.make_node("Identity", [mx], [f_fx]),
             helper.make_node("Identity", [mn], [f_fn]),
             helper.make_node("Identity", [_CONST_ZERO_I64_1], [f_nan]),
-            helper.make_node("Identity", [a], [f_ac]),
+            helper.make_node("Abs", [flat], [f_ac]),
         ],
         n("finite_branch"), [],
         [
@@ -562,8 +565,11 @@ def _detail(
         ],
     )
     nf_fx, nf_fn, nf_nan, nf_isn, nan_nodes = _nan_aware(flat, ctx)
-    nf_ac = n("nf_ac")
-    nan_nodes.append(helper.make_node("Where", [nf_isn, _CONST_POS_INF, a], [nf_ac]))
+    nf_abs, nf_ac = n("nf_abs"), n("nf_ac")
+    nan_nodes += [
+        helper.make_node("Abs", [flat], [nf_abs]),
+        helper.make_node("Where", [nf_isn, _CONST_POS_INF, nf_abs], [nf_ac]),
+    ]
     nonfinite_branch = helper.make_graph(
         nan_nodes, n("nonfinite_branch"), [],
         [
@@ -579,17 +585,21 @@ def _detail(
     neg, top = n("neg"), n("absmax")
     nodes += [helper.make_node("Neg", [fn], [neg]), helper.make_node("Max", [fx, neg], [top])]
     counts = [size, size, nan_c]
-    # Counts above the formats' maxima are 0 unless abs-max passes the smallest of them.
+    # Counts above the formats' maxima are 0 unless abs-max passes the smallest of them. Each
+    # NaN is an Inf in |x| here, above every max: the NaN count comes off.
     big, bigs = n("big"), n("bigs")
     over_names = [n("over") for _ in OVER_FORMATS]
     over_nodes = []
     for fmt, out in zip(OVER_FORMATS, over_names, strict=True):
         gt = n("gt")
-        over_nodes.append(helper.make_node("Greater", [a, _over_const(fmt)], [gt]))
+        over_nodes.append(helper.make_node("Greater", [ac, _over_const(fmt)], [gt]))
         count_nodes, counted = _count_true(gt, small, ctx)
         over_nodes += count_nodes + [helper.make_node("Identity", [counted], [out])]
-    over_vec, some, none = n("over_vec"), n("some"), n("none")
-    over_nodes.append(helper.make_node("Concat", over_names, [some], axis=0))
+    over_vec, with_nan, some, none = n("over_vec"), n("with_nan"), n("some"), n("none")
+    over_nodes += [
+        helper.make_node("Concat", over_names, [with_nan], axis=0),
+        helper.make_node("Sub", [with_nan, nan_c], [some]),
+    ]
     nodes += [
         helper.make_node("Greater", [top, _CONST_SMALLEST_MAX], [big]),
         helper.make_node("Squeeze", [big], [bigs]),
@@ -615,7 +625,7 @@ def _detail(
     ]
     # Fast bins first: exact for every value except zeros and subnormals, which share bin -127.
     fast_nodes, fast_idx = _bin_index(ac, ctx)
-    count_nodes, fast_hist = _count_bins(fast_idx, one, small, ctx)
+    count_nodes, fast_hist = _count_bins(fast_idx, _ones(count, ctx) or one, small, ctx)
     nodes += fast_nodes + count_nodes
     lumped, has, has_s = n("lumped"), n("has"), n("has_s")
     nodes += [
@@ -712,14 +722,31 @@ def _count_true(mask: str, small: bool, ctx: _Ctx) -> tuple[list[onnx.NodeProto]
     ], out
 
 
+# Detailed tensors up to this many elements count their bins with a shared constant of ones
+# per size (4 MiB at most) instead of expanding a 1 to their shape each run.
+_SHARED_ONES = 1 << 20
+
+
+def _ones(count: int | None, ctx: _Ctx) -> str | None:
+    """A shared float32 constant of `count` ones where that is worth holding, else None."""
+    if count is None or count > _SHARED_ONES or ctx.opset < 16:
+        return None
+    ctx.ones.add(count)
+    return f"{_CONST_ONES}{count}"
+
+
 def _count_bins(idx: str, one: str, small: bool, ctx: _Ctx) -> tuple[list[onnx.NodeProto], str]:
-    """Counts per bin [HIST_BINS] int64 of an int32 bin index. `one`: a scalar 1, float32
-    when `small` (counts below 2^24 are exact in float32, and summed ~20% faster)."""
+    """Counts per bin [HIST_BINS] int64 of an int32 bin index. `one`: a scalar 1, or ones shaped
+    like `idx` (see _ones); float32 when `small` (counts below 2^24 are exact in float32, and
+    summed ~20% faster)."""
     n = ctx.name
     hist = n("hist")
     if ctx.opset >= 16:
-        shape, ones = n("shape"), n("ones")
-        nodes = [helper.make_node("Shape", [idx], [shape]), helper.make_node("Expand", [one, shape], [ones])]
+        if one.startswith(_CONST_ONES):
+            nodes, ones = [], one
+        else:
+            shape, ones = n("shape"), n("ones")
+            nodes = [helper.make_node("Shape", [idx], [shape]), helper.make_node("Expand", [one, shape], [ones])]
         if not small:
             return nodes + [helper.make_node("ScatterElements", [_CONST_HIST_ZEROS, idx, ones], [hist], reduction="add")], hist
         counted = n("counted")
@@ -744,6 +771,7 @@ _CONST_FLAT = "__npuprep_c_flat"
 _CONST_SIZE = "__npuprep_c_size_"
 _CONST_ROW = "__npuprep_c_row_"
 _CONST_NEG_CHANNELS = "__npuprep_c_neg_channels_"
+_CONST_ONES = "__npuprep_c_ones_"
 _CONST_ONE_DIM = "__npuprep_c_one_dim"
 _CONST_ZERO_F = "__npuprep_c_zero_f"
 _CONST_LO = "__npuprep_c_lo"
