@@ -35,10 +35,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper, numpy_helper
+
+if TYPE_CHECKING:
+    import onnx
+
+# onnx is imported where models are built or read, not at the top: the end-to-end "plain"
+# child imports only numpy and onnxruntime, as a plain inference script would.
 
 WORK = Path(__file__).resolve().parent / "_work"
 METHODS = ("plain", "npuprep-auto", "npuprep-all", "polygraphy-markall", "ort-minmax")
@@ -47,6 +52,8 @@ E2E_METHODS = ("plain", "npuprep-j1", "npuprep-j2")
 
 def build_transformer(d: int = 768, layers: int = 4, seq: int = 128, heads: int = 12, seed: int = 0) -> onnx.ModelProto:
     """Pre-LN encoder; LayerNorm and GELU decomposed, attention as MatMul/Softmax."""
+    from onnx import TensorProto, helper, numpy_helper
+
     rng = np.random.default_rng(seed)
     nodes: list[onnx.NodeProto] = []
     inits: list[onnx.TensorProto] = []
@@ -110,6 +117,8 @@ def build_transformer(d: int = 768, layers: int = 4, seq: int = 128, heads: int 
 
 def build_convnet(channels: tuple[int, ...] = (32, 64, 128, 256), hw: int = 128, seed: int = 0) -> onnx.ModelProto:
     """Conv-BN-Relu stages, stride 2 between them, global pool and a classifier."""
+    from onnx import TensorProto, helper, numpy_helper
+
     rng = np.random.default_rng(seed)
     nodes: list[onnx.NodeProto] = []
     inits: list[onnx.TensorProto] = []
@@ -141,6 +150,8 @@ def build_convnet(channels: tuple[int, ...] = (32, 64, 128, 256), hw: int = 128,
 
 def build_big(width: int = 16384, layers: int = 2) -> onnx.ModelProto:
     """Over 2 GB of weights: a chain of width x width MatMuls (weights as external data)."""
+    from onnx import TensorProto, helper, numpy_helper
+
     nodes, inits, x = [], [], "x"
     for i in range(layers):
         w = np.full((width, width), 1.0 / width, np.float32)
@@ -164,6 +175,8 @@ def ensure_models(counts: str = "") -> dict[str, Path]:
 
 
 def build_models(counts: str) -> None:
+    import onnx
+
     WORK.mkdir(parents=True, exist_ok=True)
     for name, build in (("transformer", build_transformer), ("convnet", build_convnet)):
         path = WORK / f"{name}.onnx"
@@ -184,6 +197,8 @@ def sample_dir(name: str, n: int) -> Path:
 
 def write_samples(name: str, n: int) -> None:
     """The first n synthetic samples (seed 0, as the steady-state table uses) as .npz files."""
+    import onnx
+
     from npuprep.data import synthetic_samples
 
     model = onnx.load(str(WORK / f"{name}.onnx"), load_external_data=False)
@@ -263,6 +278,8 @@ def run_e2e(method: str, path: Path, n: int) -> dict[str, float]:
 
 
 def feeds(path: Path, n: int) -> list[dict[str, np.ndarray]]:
+    import onnx
+
     from npuprep.data import synthetic_samples
 
     model = onnx.load(str(path), load_external_data=False)
@@ -408,6 +425,11 @@ def main() -> None:
                     results[name][method] = r
         results[name]["_model"] = {"bytes": path.stat().st_size}  # type: ignore[assignment]
     e2e: dict[str, dict[str, dict[str, float]]] = {}
+    if args.e2e:
+        # npuprep's bytecode, as a regular install has it (pip compiles a package's modules
+        # when it installs them): an editable install run with PYTHONDONTWRITEBYTECODE, as on
+        # the build VM, would compile every module in every process.
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(WORK.parent.parent / "npuprep")], check=True)
     for n in (int(v) for v in args.e2e.split(",") if v):
         for name, path in paths.items():
             for _ in range(args.rounds):

@@ -7,7 +7,9 @@ import mmap
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -31,7 +33,13 @@ class Model:
 
     proto: onnx.ModelProto
     path: str
-    fingerprint: str
+    # The fingerprint, or its computation still running (a light load hashes the weights on
+    # disk while the caller goes on).
+    digest: str | Future[str]
+
+    @property
+    def fingerprint(self) -> str:
+        return self.digest if isinstance(self.digest, str) else self.digest.result()
 
     @property
     def opset(self) -> int:
@@ -67,7 +75,9 @@ def load_model(path: str | Path, weights: Literal["memory", "file"] = "memory") 
     over LIGHT_INLINE_BYTES becomes an external-data reference into the .onnx file itself
     (location = its name, offset and length of the payload); external data stays where it
     is. Its tensors resolve relative to the model's folder only (external_array(t, folder)).
-    The fingerprint is the same either way.
+    The fingerprint is the same either way; with weights="file" it is computed in a
+    background thread (hashing the weights from disk takes ~1 s per GB, which overlaps with
+    building onnxruntime sessions) and `Model.fingerprint` waits for it.
     """
     if weights not in ("memory", "file"):
         raise ValueError(f"weights must be 'memory' or 'file', got {weights!r}")
@@ -80,12 +90,31 @@ def load_model(path: str | Path, weights: Literal["memory", "file"] = "memory") 
     if uses_external_data(proto):
         _check_external_files(proto, path)
         if weights == "file":
-            return Model(proto=proto, path=str(path), fingerprint=fingerprint(proto, base_dir=path.parent))
+            return Model(proto=proto, path=str(path), digest=_fingerprint_in_background(proto, path))
         try:
             onnx.load_external_data_for_model(proto, str(path.parent))
         except (OSError, ValueError) as exc:
             raise NpuprepError(f"{path}: cannot read external data ({exc})") from None
-    return Model(proto=proto, path=str(path), fingerprint=fingerprint(proto))
+    return Model(proto=proto, path=str(path), digest=fingerprint(proto))
+
+
+def _fingerprint_in_background(proto: onnx.ModelProto, path: Path) -> Future[str]:
+    """fingerprint(proto, path's folder), its external data hashed by a daemon thread
+    (hashlib and file reads release the GIL), which never touches the proto; a read error
+    comes back as an NpuprepError from its result."""
+    result: Future[str] = Future()
+    pieces = list(_hashed_pieces(proto, path.parent))
+
+    def work() -> None:
+        try:
+            result.set_result(_digest(pieces))
+        except OSError as exc:
+            result.set_exception(NpuprepError(f"{path}: cannot read the weights ({exc})"))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller, not lost
+            result.set_exception(exc)
+
+    threading.Thread(target=work, name="npuprep-fingerprint", daemon=True).start()
+    return result
 
 
 def _parse(path: Path) -> onnx.ModelProto:
@@ -269,7 +298,15 @@ def fingerprint(proto: onnx.ModelProto, base_dir: str | Path | None = None) -> s
     `base_dir`: the folder external data is read from (in chunks, never whole), for a model
     whose weights were not loaded; the hash is that of the same model with them loaded.
     """
-    h = hashlib.sha256()
+    return _digest(_hashed_pieces(proto, base_dir))
+
+
+# What the fingerprint hashes, in order: bytes, or a range of a file (path, offset, length or
+# None for the rest) streamed from disk.
+_Piece = bytes | tuple[Path, int, int | None]
+
+
+def _hashed_pieces(proto: onnx.ModelProto, base_dir: str | Path | None) -> Iterator[_Piece]:
     # The graph without its initialisers, built field by field: copying the whole graph first
     # would hold a second copy of every weight (4x the model size for a >2 GB model).
     graph = onnx.GraphProto()
@@ -282,37 +319,46 @@ def fingerprint(proto: onnx.ModelProto, base_dir: str | Path | None = None) -> s
             getattr(graph, desc.name).CopyFrom(value)
         else:
             setattr(graph, desc.name, value)
-    h.update(graph.SerializeToString(deterministic=True))
+    yield graph.SerializeToString(deterministic=True)
     for init in proto.graph.initializer:
-        h.update(init.name.encode())
-        h.update(bytes(str(init.data_type), "ascii"))
-        h.update(bytes(str(list(init.dims)), "ascii"))
-        _hash_value(h, init, base_dir)
+        yield init.name.encode()
+        yield bytes(str(init.data_type), "ascii")
+        yield bytes(str(list(init.dims)), "ascii")
+        yield _value_piece(init, base_dir)
     for entry in proto.opset_import:
-        h.update(f"{entry.domain}:{entry.version}".encode())
-    return h.hexdigest()[:16]
+        yield f"{entry.domain}:{entry.version}".encode()
 
 
-def _hash_value(h: hashlib._Hash, init: onnx.TensorProto, base_dir: str | Path | None) -> None:
-    """h.update(_value_bytes(init)) for the tensor with its external data (if any) loaded."""
+def _value_piece(init: onnx.TensorProto, base_dir: str | Path | None) -> _Piece:
+    """The bytes _value_bytes gives for the tensor with its external data (if any) loaded:
+    a file range where they are the file's bytes as they are."""
     if base_dir is None or init.data_location != onnx.TensorProto.EXTERNAL:
-        h.update(_value_bytes(init))
-        return
+        return _value_bytes(init)
     if sys.byteorder != "little" or init.data_type in _PACKED_TYPES:
-        h.update(_value_bytes(_loaded(init, base_dir)))
-        return
+        return _value_bytes(_loaded(init, base_dir))
     info = {e.key: e.value for e in init.external_data}
-    left = int(info["length"]) if "length" in info else None
+    length = int(info["length"]) if "length" in info else None
+    return Path(base_dir) / info["location"], int(info.get("offset", 0)), length
+
+
+def _digest(pieces: Iterable[_Piece]) -> str:
+    h = hashlib.sha256()
     chunk = memoryview(bytearray(_HASH_CHUNK))
-    with open(Path(base_dir) / info["location"], "rb") as fh:
-        fh.seek(int(info.get("offset", 0)))
-        while left is None or left > 0:
-            n = fh.readinto(chunk if left is None else chunk[:left])
-            if not n:
-                break
-            h.update(chunk[:n])
-            if left is not None:
-                left -= n
+    for piece in pieces:
+        if isinstance(piece, bytes):
+            h.update(piece)
+            continue
+        path, offset, left = piece
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            while left is None or left > 0:
+                n = fh.readinto(chunk if left is None else chunk[:left])
+                if not n:
+                    break
+                h.update(chunk[:n])
+                if left is not None:
+                    left -= n
+    return h.hexdigest()[:16]
 
 
 # External data is hashed in pieces of this many bytes.

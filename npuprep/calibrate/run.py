@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import tempfile
 from collections.abc import Collection, Iterable
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +45,8 @@ def calibrate(
             folding.add(feed, index)
         acc, inst = folding.acc, folding.inst
     else:
+        # Settled before forking: a fork must not copy a thread in the middle of its work.
+        _ = model.fingerprint
         acc = _fold_parallel(prepared, samples, jobs)
         # The rows are the same in every variant of the graph: any one names them.
         inst = instrument(prepared.graph, detail=detail, detailed=())
@@ -77,9 +76,13 @@ def plan_jobs(jobs: int, count: int, n_cores: int | None = None) -> int:
         raise NpuprepError(f"jobs must be at least 0 (0: one per core), got {jobs}")
     if jobs == 0:
         jobs = min(n_cores or cores(), count // 2)
-    if "fork" not in mp.get_all_start_methods():
-        return 1
-    return max(1, min(jobs, count))
+    jobs = max(1, min(jobs, count))
+    if jobs > 1:
+        import multiprocessing as mp
+
+        if "fork" not in mp.get_all_start_methods():
+            return 1
+    return jobs
 
 
 def session_threads(jobs: int, n_cores: int | None = None) -> int | None:
@@ -298,6 +301,10 @@ def _fold_range(bounds: tuple[int, int]) -> Accumulator:
 
 def _fold_parallel(prepared: Prepared, samples: SampleSet, jobs: int) -> Accumulator:
     """Contiguous sample ranges, one forked process each, merged in sample order."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
     edges = np.linspace(0, len(samples), jobs + 1).astype(int)
     ranges = [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
     try:

@@ -73,6 +73,16 @@ def print_json(obj: Any) -> None:
 
 
 def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    """A table: drawn by rich on a terminal, plain aligned text when piped (greppable, and
+    without rich's ~0.1 s of import and layout)."""
+    if not sys.stdout.isatty():
+        cells = [[fmt(v) for v in r] for r in rows]
+        widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
+        lines = [title, "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip(),
+                 "  ".join("-" * w for w in widths)]
+        lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+        sys.stdout.write("\n".join(lines) + "\n")
+        return
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -83,7 +93,7 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]
     for r in rows:
         # Node names like `{ForeignNode[a...b]}` are text, not rich markup.
         table.add_row(*[escape(fmt(v)) for v in r])
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    Console().print(table)
 
 
 def fmt(v: Any) -> str:

@@ -135,7 +135,7 @@ def _write_artefacts(args: argparse.Namespace, result: Any, output: Path) -> dic
     save_model(lowered, output, protected=(args.model,))
     # Constraint files speak of the lowered model's node names, pins from lowering included.
     report = result.to_dict(output=str(output))
-    low_model = Model(proto=lowered, path=str(output), fingerprint=report["output_fingerprint"])
+    low_model = Model(proto=lowered, path=str(output), digest=report["output_fingerprint"])
     extra = sorted(set(result.pinned_nodes) - result.plan.pinned_nodes())
     plan = result.plan
     if extra:

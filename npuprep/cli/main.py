@@ -27,7 +27,8 @@ COMMANDS: dict[str, str] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser; with `command`, only that command's (start-up imports only its module)."""
     parser = argparse.ArgumentParser(
         prog="npuprep",
         description="Make FP32/BF16-trained ONNX models safe and fast on FP16/FP8 targets.",
@@ -35,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"npuprep {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in COMMANDS.items():
+        if command is not None and name != command:
+            continue
         try:
             module = importlib.import_module(f"npuprep.cli.{module_name}")
         except ModuleNotFoundError as exc:
@@ -48,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    parser = build_parser(words[0] if words and words[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()
