@@ -40,23 +40,23 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[
 
 
 @pytest.fixture
-def opened_sessions(monkeypatch: pytest.MonkeyPatch) -> list[tuple[frozenset[str] | None, frozenset[str] | None]]:
-    """(detailed, nan_checked) of every calibration session opened in this process."""
+def opened_sessions(monkeypatch: pytest.MonkeyPatch) -> list[tuple[frozenset[str] | None, ...]]:
+    """(detailed, nan_checked, lean) of every calibration session opened in this process."""
     import npuprep.calibrate.run as calibrate_run
 
-    calls: list[tuple[frozenset[str] | None, frozenset[str] | None]] = []
+    calls: list[tuple[frozenset[str] | None, ...]] = []
     real_open = calibrate_run.Prepared.open
 
-    def recording_open(self, threads, detailed, nan_checked=None):  # noqa: ANN001, ANN202
-        calls.append(tuple(None if s is None else frozenset(s) for s in (detailed, nan_checked)))
-        return real_open(self, threads, detailed, nan_checked)
+    def recording_open(self, threads, detailed, nan_checked=None, lean=()):  # noqa: ANN001, ANN202
+        calls.append(tuple(None if s is None else frozenset(s) for s in (detailed, nan_checked, lean)))
+        return real_open(self, threads, detailed, nan_checked, lean)
 
     monkeypatch.setattr(calibrate_run.Prepared, "open", recording_open)
     return calls
 
 
 class _Column:
-    """One column of the recorded (detailed, nan_checked) pairs, read when compared."""
+    """One column of the recorded (detailed, nan_checked, lean) sets, read when compared."""
 
     def __init__(self, rows: list, at: int) -> None:
         self.rows, self.at = rows, at
@@ -84,6 +84,12 @@ def opened_detailed(opened_sessions: list) -> _Column:
 def opened_nan_checked(opened_sessions: list) -> _Column:
     """The `nan_checked` set of every calibration session opened, as it grows."""
     return _Column(opened_sessions, 1)
+
+
+@pytest.fixture
+def opened_lean(opened_sessions: list) -> _Column:
+    """The `lean` set (detailed tensors given the lean detail) of every session opened."""
+    return _Column(opened_sessions, 2)
 
 
 def save_matmul_eye(save, tmp_path: Path, scale: float) -> tuple[Path, Path]:  # noqa: ANN001 - the save fixture

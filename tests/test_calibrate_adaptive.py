@@ -4,9 +4,11 @@ that does, and the statistics are those of a graph detailing every tensor."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import npuprep.calibrate.run as calibrate_run
 from npuprep.calibrate import calibrate
+from npuprep.calibrate.instrument import HI, LO
 from npuprep.data import load_samples
 from npuprep.model_io import load_model
 from tests.conftest import save_matmul_eye
@@ -100,3 +102,75 @@ def test_external_data_models_detail_on_demand_too(tmp_path, save, opened_detail
     assert opened_detailed[0] == frozenset() and "y" in opened_detailed[1]
     assert ext.tensors["y"].to_dict() == inline.tensors["y"].to_dict()
     assert ext.tensors["y"].detailed_count == 128
+
+
+# x -> Mul(x, 0.5) -> y;  x -> Sqrt -> root (NaN for x < 0)
+LEAN_MODEL = """
+<ir_version: 8, opset_import: ["" : 18]>
+g (float[4,16] x) => (float[4,16] y, float[4,16] root) {
+    half = Constant<value = float {0.5}>()
+    y = Mul(x, half)
+    root = Sqrt(x)
+}
+"""
+
+
+def _lean_then(kind: str) -> list[np.ndarray]:
+    """Sample 0 puts every tensor below the ordinary range (finite, no zero: the lean detail
+    takes it); sample 1 then needs what only the full detail has."""
+    rng = np.random.default_rng(3)
+    first = rng.uniform(0.5, 1.0, (4, 16)).astype(np.float32) * np.float32(0.01)
+    second = first.copy()
+    if kind == "zeros":
+        second[0, :5] = 0.0  # zeros in x, y and root
+    elif kind == "nan":
+        second[1, 2] = np.float32(-0.005)  # a NaN in root
+    elif kind == "over":
+        second[2, 3] = np.float32(1000.0)  # above fp8_e4m3's max in x and y
+    return [first, second, first * np.float32(0.5)]
+
+
+@pytest.mark.parametrize(("kind", "upgraded"), [("zeros", "x"), ("nan", "root"), ("over", "y")])
+def test_a_lean_detail_that_cannot_count_a_sample_reruns_it_with_the_full_detail(
+        tmp_path, save, opened_lean, opened_detailed, kind, upgraded):
+    model = load_model(save(LEAN_MODEL))
+    arrays = _lean_then(kind)
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for i, a in enumerate(arrays):
+        np.savez(folder / f"s{i:03d}.npz", x=a)
+    stats = calibrate(model, load_samples(folder, model.proto))
+    # Session 2: the lean detail for every tensor; session 3: the full one where sample 1 flagged.
+    assert len(opened_lean) == 3 and opened_lean[0] == frozenset()
+    assert opened_lean[1] == opened_detailed[1] == frozenset({"x", "y", "root"})
+    assert upgraded in opened_detailed[2] and upgraded not in opened_lean[2]
+    x = np.stack(arrays)
+    with np.errstate(invalid="ignore"):
+        reference = {"x": x, "y": x * np.float32(0.5), "root": np.sqrt(x)}
+    for name, values in reference.items():
+        s = stats.tensors[name]
+        finite = values[~np.isnan(values)]
+        # Detail for the samples outside the ordinary range: the histogram counts those.
+        outside = [v for v in values if not (np.isfinite(v).all() and LO <= np.abs(v).max() <= HI)]
+        assert s.detailed_count == sum(v.size for v in outside), name
+        assert s.exp_hist == numpy_hist(np.stack(outside)), name
+        assert s.zero_count == int((values == 0).sum()), name
+        assert s.nan_count == int(np.isnan(values).sum()), name
+        assert s.over["fp8_e4m3"] == int((np.abs(values) > 448).sum()), name
+        assert s.max == float(finite.max()) and s.min == float(finite.min()), name
+    found = stats.tensors[upgraded]
+    assert (found.zero_count, found.nan_count, found.over["fp8_e4m3"]) == {
+        "zeros": (5, 0, 0), "nan": (0, 1, 0), "over": (0, 0, 1)}[kind]
+
+
+def test_the_lean_detail_counts_what_the_full_detail_counts(tmp_path, save, monkeypatch):
+    # Every tensor below the range in every sample: all lean after the first sample.
+    model, samples, _ = samples_scaled(tmp_path, save, [0.01, 0.02, 0.005])
+    lean = calibrate(model, samples)
+    real_open = calibrate_run.Prepared.open
+
+    def never_lean(self, threads, detailed, nan_checked=None, lean=()):  # noqa: ANN001, ANN202
+        return real_open(self, threads, detailed, nan_checked)
+
+    monkeypatch.setattr(calibrate_run.Prepared, "open", never_lean)
+    assert calibrate(model, samples).to_dict() == lean.to_dict()

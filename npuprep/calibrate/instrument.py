@@ -68,6 +68,8 @@ FLAGGED = -1
 # min_normal / eps <= LO for fp16 (2^-4), fp8_e4m3 (2^-3), fp8_e5m2 (2^-12), bf16.
 LO = 2.0**-3
 HI = 2.0**6
+# Below this abs-max no value is above any format's max (fp8_e4m3's 448).
+SMALLEST_MAX = min(get_format(f).max for f in OVER_FORMATS)
 
 # Ops whose output holds exactly the input's values, so it shares the input's statistics.
 _ALIAS_OPS = {"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose"}
@@ -139,6 +141,7 @@ class _Ctx:
     detail: str
     detailed: frozenset[str] | None = None
     nan_checked: frozenset[str] | None = None
+    lean: frozenset[str] = frozenset()
     loop_depth: int = 0
     nchwc: set[str] = field(default_factory=set)
     minmax: dict[str, tuple[str, str]] = field(default_factory=dict)
@@ -164,19 +167,22 @@ def instrument(
     detail: str = "auto",
     detailed: Collection[str] | None = None,
     nan_checked: Collection[str] | None = None,
+    lean: Collection[str] = (),
 ) -> Instrumented:
     """A copy of `model` whose extra outputs carry per-tensor statistics of one sample.
 
     `detailed`: with detail "auto", the tensors that get the detail branch (default: all);
-    `nan_checked`: the tensors that keep the L1 pass where it could be skipped (default: all).
-    The rows (slots) are the same whatever they hold.
+    `nan_checked`: the tensors that keep the L1 pass where it could be skipped (default: all);
+    `lean`: of the detailed main-graph tensors, those that get the lean detail (see
+    `_lean_detail`). The rows (slots) are the same whatever they hold.
     """
     if detail not in ("auto", "all"):
         raise ValueError(f"detail must be 'auto' or 'all', got {detail!r}")
     info = infer_tensors(model)
     ctx = _Ctx(types=info.types, shapes=info.shapes, opset=model_opset(model), detail=detail,
                detailed=None if detailed is None else frozenset(detailed),
-               nan_checked=None if nan_checked is None or detail == "all" else frozenset(nan_checked))
+               nan_checked=None if nan_checked is None or detail == "all" else frozenset(nan_checked),
+               lean=frozenset(lean) if detail == "auto" and detailed is not None else frozenset())
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
@@ -466,7 +472,13 @@ def _tensor_stats(
             helper.make_tensor_value_info(then_i, TensorProto.INT64, [WIDTH]),
         ],
     )
-    detail_nodes, (dfx, dfn, dii) = _detail(flat, size, ctx, (mx, mn, sm), count)
+    if ctx.loop_depth == 0 and tensor in ctx.lean:
+        lean_nodes, row = _lean_detail(flat, size, ctx, (mx, mn, sm), count)
+        dfx, dfn = n("lean_fx"), n("lean_fn")
+        detail_nodes = [*lean_nodes, helper.make_node("Identity", [mx], [dfx]), helper.make_node("Identity", [mn], [dfn])]
+        dii = row
+    else:
+        detail_nodes, (dfx, dfn, dii) = _detail(flat, size, ctx, (mx, mn, sm), count)
     else_branch = helper.make_graph(
         detail_nodes, n("detail"), [],
         [
@@ -664,6 +676,54 @@ def _detail(
     return nodes, (fx, fn, ii)
 
 
+def _lean_detail(
+    flat: str, size: str, ctx: _Ctx, cheap: tuple[str, str, str], count: int | None
+) -> tuple[list[onnx.NodeProto], str]:
+    """The detail without nested Ifs: the I row of a finite tensor-sample with no |x| above
+    any format's max and no zero or subnormal, and FLAGGED otherwise (the caller reruns the
+    sample with the full `_detail`, which handles them in If branches).
+
+    Every If branch costs onnxruntime session-creation time in each optimiser pass, more the
+    larger the model (~1.5 ms per branch on the benchmark transformer), and most detailed
+    tensors (softmax outputs, small scores, means) never need the full detail's six.
+    """
+    n = ctx.name
+    mx, mn, sm = cheap
+    ac = n("abs")
+    nodes = [helper.make_node("Abs", [flat], [ac])]
+    bin_nodes, idx = _bin_index(ac, ctx, nan_safe=True)
+    nodes += bin_nodes
+    one = n("one")
+    if not (ones := _ones(count, ctx)):
+        # Any 1 from the data (see _detail); wrong only in a sample that is flagged anyway.
+        real, one_1 = n("real"), n("one_1")
+        nodes += [
+            helper.make_node("Equal", [mx, mx], [real]),
+            helper.make_node("Cast", [real], [one_1], to=TensorProto.FLOAT if count is not None and count < 2**24 else TensorProto.INT64),
+            helper.make_node("Squeeze", [one_1], [one]),
+        ]
+    count_nodes, hist = _count_bins(idx, ones or one, count is not None and count < 2**24, ctx)
+    nodes += count_nodes
+    lumped, has, neg, top, big, z, sane, nonfinite, odd, flag, ii, row = (n(s) for s in (
+        "lumped", "has", "neg", "absmax", "big", "z", "sane", "nonfinite", "odd", "flag", "lean_i", "lean_row"))
+    nodes += [
+        helper.make_node("Slice", [hist, _CONST_LUMP_AT, _CONST_LUMP_END], [lumped]),
+        helper.make_node("Greater", [lumped, _CONST_ZERO_I64_1], [has]),
+        helper.make_node("Neg", [mn], [neg]),
+        helper.make_node("Max", [mx, neg], [top]),
+        helper.make_node("Greater", [top, _CONST_SMALLEST_MAX], [big]),
+        # L1 x 0 is 0 exactly when L1 is finite (no NaN, no Inf in the tensor).
+        helper.make_node("Mul", [sm, _CONST_ZERO_F], [z]),
+        helper.make_node("Equal", [z, _CONST_ZERO_F], [sane]),
+        helper.make_node("Not", [sane], [nonfinite]),
+        helper.make_node("Or", [has, big], [odd]),
+        helper.make_node("Or", [odd, nonfinite], [flag]),
+        helper.make_node("Concat", [size, size, _CONST_ZERO_I64_1, _CONST_ZERO_OVER, hist], [ii], axis=0),
+        helper.make_node("Where", [flag, _CONST_FLAG_ROW, ii], [row]),
+    ]
+    return nodes, row
+
+
 def _nan_aware(flat: str, ctx: _Ctx) -> tuple[str, str, str, str, list[onnx.NodeProto]]:
     """Max and min ignoring NaN (onnxruntime's reductions are unreliable with NaN), NaN count."""
     n = ctx.name
@@ -680,13 +740,14 @@ def _nan_aware(flat: str, ctx: _Ctx) -> tuple[str, str, str, str, list[onnx.Node
     return fx, fn, nan_c, isn, nodes
 
 
-def _bin_index(ac: str, ctx: _Ctx) -> tuple[list[onnx.NodeProto], str]:
+def _bin_index(ac: str, ctx: _Ctx, nan_safe: bool = False) -> tuple[list[onnx.NodeProto], str]:
     """Histogram bin floor(log2|x|) + 150 of every value of `ac` (|x|, NaN already made Inf).
 
     Log gives the bin to well within 1/16 of a binade; biased down by 1/16 and truncated, the
     estimate is the bin or the one below, and one comparison with the exact power of two that
     starts the next bin (a table lookup) settles it. Exact from 2^-126 up; zeros and
-    subnormals all land in bin -127 whatever Log does with subnormals.
+    subnormals all land in bin -127 whatever Log does with subnormals. `nan_safe`: a NaN in
+    `ac` gives some bin instead of an index out of the lookup's range (a run that fails).
     """
     n = ctx.name
     lg, y, shifted, clipped, guess, start, ge, gei, idx = (n(s) for s in (
@@ -698,12 +759,23 @@ def _bin_index(ac: str, ctx: _Ctx) -> tuple[list[onnx.NodeProto], str]:
         helper.make_node("Clip", [shifted, _CONST_LUMP_BIN, _CONST_TOP_BIN], [clipped]),
         # Truncation is floor here: the value is at least the lumped bin's index. int32
         # indices: ~20% faster through the lookup and the counting than int64.
-        helper.make_node("Cast", [clipped], [guess], to=TensorProto.INT32),
+        *_cast_bin(clipped, guess, nan_safe, ctx),
         helper.make_node("GatherElements", [_CONST_NEXT_BIN_START, guess], [start]),  # 3x faster than Gather
         helper.make_node("GreaterOrEqual", [ac, start], [ge]),
         helper.make_node("Cast", [ge], [gei], to=TensorProto.INT32),
         helper.make_node("Add", [guess, gei], [idx]),
     ], idx
+
+
+def _cast_bin(clipped: str, guess: str, nan_safe: bool, ctx: _Ctx) -> list[onnx.NodeProto]:
+    """int32 bin from the clipped estimate; NaN, which Clip may pass, clipped again as an int."""
+    if not nan_safe:
+        return [helper.make_node("Cast", [clipped], [guess], to=TensorProto.INT32)]
+    raw = ctx.name("raw_guess")
+    return [
+        helper.make_node("Cast", [clipped], [raw], to=TensorProto.INT32),
+        helper.make_node("Clip", [raw, _CONST_ZERO_I32_S, _CONST_TOP_BIN_I32], [guess]),
+    ]
 
 
 def _count_true(mask: str, small: bool, ctx: _Ctx) -> tuple[list[onnx.NodeProto], str]:
@@ -797,6 +869,8 @@ _CONST_SUBNORMAL_SHIFT = "__npuprep_c_subnormal_shift"
 _CONST_SMALLEST_MAX = "__npuprep_c_smallest_max"
 _CONST_ZERO_OVER = "__npuprep_c_zero_over"
 _CONST_FLAG_ROW = "__npuprep_c_flag_row"
+_CONST_ZERO_I32_S = "__npuprep_c_zero_i32_s"
+_CONST_TOP_BIN_I32 = "__npuprep_c_top_bin_i32"
 
 
 def _next_bin_start() -> np.ndarray:
@@ -837,9 +911,11 @@ def shared_constants() -> list[onnx.TensorProto]:
         _CONST_MIN_NORMAL: np.array(np.finfo(np.float32).tiny, np.float32),
         _CONST_SUBNORMAL_SCALE: np.array(2.0**SUBNORMAL_SHIFT, np.float32),
         _CONST_SUBNORMAL_SHIFT: np.array(SUBNORMAL_SHIFT, np.int32),
-        _CONST_SMALLEST_MAX: np.array([min(get_format(f).max for f in OVER_FORMATS)], np.float32),
+        _CONST_SMALLEST_MAX: np.array([SMALLEST_MAX], np.float32),
         _CONST_ZERO_OVER: np.zeros(len(OVER_FORMATS), np.int64),
         _CONST_FLAG_ROW: FLAGGED * np.eye(1, WIDTH, HEADER.index("detailed"), np.int64)[0],
+        _CONST_ZERO_I32_S: np.array(0, np.int32),
+        _CONST_TOP_BIN_I32: np.array(HIST_BINS - 1, np.int32),
     }
     for fmt in OVER_FORMATS:
         values[_over_const(fmt)] = np.array(get_format(fmt).max, np.float32)

@@ -12,7 +12,16 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from npuprep.calibrate.instrument import FLAGGED, HEADER, HI, LO, WIDTH, Instrumented, instrument
+from npuprep.calibrate.instrument import (
+    FLAGGED,
+    HEADER,
+    HI,
+    LO,
+    SMALLEST_MAX,
+    WIDTH,
+    Instrumented,
+    instrument,
+)
 from npuprep.calibrate.stats import Accumulator, CalibrationStats
 from npuprep.cli.common import progress
 from npuprep.data import SampleSet
@@ -107,13 +116,14 @@ class Prepared:
     detail: str
 
     def open(
-        self, threads: int | None, detailed: Collection[str] | None, nan_checked: Collection[str] | None = None
+        self, threads: int | None, detailed: Collection[str] | None, nan_checked: Collection[str] | None = None,
+        lean: Collection[str] = (),
     ) -> tuple[Instrumented, object]:
-        """The graph instrumented (detail for `detailed` only, the L1 pass skipped where it
-        can be but for `nan_checked`; see instrument) and a session."""
+        """The graph instrumented (detail for `detailed` only, lean for `lean`, the L1 pass
+        skipped where it can be but for `nan_checked`; see instrument) and a session."""
         from npuprep.runtime.session import make_session_external
 
-        inst = instrument(self.graph, detail=self.detail, detailed=detailed, nan_checked=nan_checked)
+        inst = instrument(self.graph, detail=self.detail, detailed=detailed, nan_checked=nan_checked, lean=lean)
         if self.folder is None:
             return inst, make_session_external(inst.model, self.weights, threads=threads, optimize="all")
         fd, name = tempfile.mkstemp(prefix=".npuprep-calibrate-", suffix=".onnx", dir=self.folder)
@@ -213,9 +223,11 @@ class Folding:
     the inputs' rows can prove a tensor NaN-free. A sample that flags a tensor runs again
     on a session that details it, and every tensor whose abs-max in that sample lies near
     the ordinary range's edges, so later samples rarely flag another; a sample where that
-    proof fails runs again with the L1 on the tensors concerned. Only rows from a run
-    without flags are folded in: the statistics are those of a graph that details every
-    tensor.
+    proof fails runs again with the L1 on the tensors concerned. A tensor first gets the
+    lean detail (no If branches, see instrument._lean_detail) unless the sample already
+    shows it needs the full one; a lean row that flags gets the full detail. Only rows from
+    a run without flags are folded in: the statistics are those of a graph that details
+    every tensor.
     """
 
     def __init__(self, prepared: Prepared, threads: int | None) -> None:
@@ -223,6 +235,7 @@ class Folding:
         on_demand = prepared.detail == "auto"
         self.detailed: frozenset[str] | None = frozenset() if on_demand else None
         self.nan_checked: frozenset[str] | None = frozenset() if on_demand else None
+        self.lean: frozenset[str] = frozenset()
         self.inst, self.session = prepared.open(threads, self.detailed, self.nan_checked)
         self.acc = Accumulator(len(self.inst.slots))
 
@@ -240,7 +253,14 @@ class Folding:
             if flagged.any():
                 absmax = np.fmax(fx, -fn)
                 edge = ~((absmax >= _EDGE * LO) & (absmax <= HI / _EDGE))
-                self.detailed |= {self.inst.slots[i].tensor for i in np.flatnonzero(flagged | edge)}
+                named = {self.inst.slots[i].tensor for i in np.flatnonzero(flagged | edge)}
+                # Lean unless this sample shows a NaN or Inf, or |x| above a format's max; a
+                # lean row that flagged needed what only the full detail has.
+                plain = np.isfinite(l1) & (absmax <= SMALLEST_MAX)
+                upgraded = {self.inst.slots[i].tensor for i in np.flatnonzero(flagged)} & self.lean
+                fresh = {self.inst.slots[i].tensor for i in np.flatnonzero((flagged | edge) & plain)} - self.detailed
+                self.lean = (self.lean - upgraded) | fresh
+                self.detailed |= named
             else:
                 # Every row is exact or ordinary now: rows proven NaN-free only by inputs that
                 # turn out not finite get the L1 (and the detail) on a rerun.
@@ -251,7 +271,7 @@ class Folding:
                 self.detailed |= named
                 self.nan_checked |= named
             self.session = None  # freed before the next one is built: one session's memory at a time
-            self.inst, self.session = self.prepared.open(self.threads, self.detailed, self.nan_checked)
+            self.inst, self.session = self.prepared.open(self.threads, self.detailed, self.nan_checked, self.lean)
         self.acc.add(fx.astype(np.float64), fn.astype(np.float64), ii, index)
 
 
