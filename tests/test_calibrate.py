@@ -10,7 +10,7 @@ import pytest
 
 from npuprep.calibrate import calibrate, load_stats, save_stats
 from npuprep.calibrate.instrument import HI, LO, instrument
-from npuprep.data import load_samples
+from npuprep.data import load_samples, synthetic_samples
 from npuprep.errors import NpuprepError
 from npuprep.graph import float_tensor_names
 from npuprep.model_io import load_model
@@ -441,3 +441,50 @@ def test_channel_pooled_statistics_of_conv_activations_are_exact(tmp_path, save,
             assert s.nan_count == int(np.isnan(x).sum()), name
         assert full.tensors[name].exp_hist == numpy_hist(x), name
     assert (auto.tensors["y"].nan_count > 0) == inf_weight
+
+
+def conv_bn_model(negative_scales: bool, negative_variance: bool) -> onnx.ModelProto:
+    """x [1,3,16,16] -> (Conv -> y_i -> BatchNormalization -> b_i -> Relu -> r_i) x 2, 32 channels
+    (the second BatchNormalization with a variance < 0 when asked)."""
+    rng = np.random.default_rng(0)
+    nodes, inits, x, cin = [], [], "x", 3
+    for i in range(2):
+        w = rng.standard_normal((32, cin, 3, 3)) * np.sqrt(2 / (cin * 9))
+        scale = rng.uniform(0.5, 1.5, 32) * (np.where(np.arange(32) % 3 == 0, -1, 1) if negative_scales else 1)
+        var = rng.uniform(0.5, 2, 32)
+        if negative_variance and i == 1:
+            var[1] = -5.0  # sqrt(var + eps) is NaN in that channel whatever the input
+        params = [scale, rng.standard_normal(32) * 0.1, rng.standard_normal(32) * 0.1, var]
+        names = [f"w{i}"] + [f"bn{i}_{k}" for k in range(4)]
+        inits += [onnx.numpy_helper.from_array(np.asarray(v, np.float32), k) for k, v in zip(names, [w, *params], strict=True)]
+        nodes += [onnx.helper.make_node("Conv", [x, f"w{i}"], [f"y{i}"], pads=[1, 1, 1, 1]),
+                  onnx.helper.make_node("BatchNormalization", [f"y{i}", *names[1:]], [f"b{i}"]),
+                  onnx.helper.make_node("Relu", [f"b{i}"], [f"r{i}"])]
+        x, cin = f"r{i}", 32
+    graph = onnx.helper.make_graph(
+        nodes, "conv_bn", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 16, 16])],
+        [onnx.helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, [1, 32, 16, 16])], inits)
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize(("negative_scales", "negative_variance"), [(False, False), (True, False), (False, True)])
+def test_batchnorm_of_a_pooled_activation_takes_its_range_from_the_pools_exactly(
+        tmp_path, save, negative_scales, negative_variance):
+    # conv_bn_model: b_i's max and min come from y_i's per-channel pools through the same
+    # BatchNormalization (no pass over b_i) unless a variance < 0 can make NaN out of finite y_i.
+    model = load_model(save(conv_bn_model(negative_scales, negative_variance)))
+    inst = instrument(model.proto, detailed=(), nan_checked=())
+    readers_of_b = sorted(n.op_type for n in inst.model.graph.node if "b1" in n.input)
+    assert readers_of_b == (["GlobalAveragePool", "GlobalMaxPool", "Mul", "Relu"] if negative_variance else ["Relu"])
+    samples = synthetic_samples(model.proto, 4)
+    stats = calibrate(model, samples)
+    ref = reference(model.proto, samples)
+    for name in ("y0", "b0", "r0", "y1", "b1", "r1"):
+        x = ref[name]
+        finite = x[~np.isnan(x)]
+        s = stats.tensors[name]
+        assert (s.min, s.max, s.count) == (float(finite.min()), float(finite.max()), x.size), name
+        assert s.nan_count == int(np.isnan(x).sum()), name
+        per_sample = [float(np.nanmax(np.abs(c))) for c in np.split(x, 4)]
+        assert s.per_sample_absmax == tuple(per_sample), name
+    assert (stats.tensors["b1"].nan_count > 0) == negative_variance

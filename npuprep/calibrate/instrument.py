@@ -147,7 +147,11 @@ class _Ctx:
     minmax: dict[str, tuple[str, str]] = field(default_factory=dict)
     scalars: dict[str, float] = field(default_factory=dict)
     channels: set[int] = field(default_factory=set)
+    # Pooled tensor -> its per-channel max and per-channel max of -x ([1, C, 1, 1] each).
+    channel_extremes: dict[str, tuple[str, str]] = field(default_factory=dict)
     known_finite: set[str] = field(default_factory=set)
+    # Known constants whose values are all finite and >= 0.
+    known_nonneg: set[str] = field(default_factory=set)
     trusting: dict[str, tuple[str, ...]] = field(default_factory=dict)
     counter: int = 0
     sizes: set[int] = field(default_factory=set)
@@ -241,8 +245,9 @@ def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: _Ctx) -> tuple[st
         if vi.name not in inits:
             observe(vi.name, "")
     if scope == "main":
-        finite, scalars = _known_constants(graph)
+        finite, scalars, nonneg = _known_constants(graph)
         ctx.known_finite |= finite
+        ctx.known_nonneg |= nonneg
         ctx.scalars.update(scalars)
     for node in original:
         own_outputs = list(node.output)
@@ -282,12 +287,13 @@ def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: _Ctx) -> tuple[st
 _CHECKED_CONSTANT = 1 << 16
 
 
-def _known_constants(graph: onnx.GraphProto) -> tuple[set[str], dict[str, float]]:
+def _known_constants(graph: onnx.GraphProto) -> tuple[set[str], dict[str, float], set[str]]:
     """Of the inline initialisers and Constant outputs (external ones' values are not at
-    hand): those whose values are all finite, and the finite one-element float32 ones by
-    value."""
+    hand): those whose values are all finite, the finite one-element float32 ones by value,
+    and the finite ones with no negative value."""
     finite: set[str] = set()
     scalars: dict[str, float] = {}
+    nonneg: set[str] = set()
     tensors = [(t.name, t) for t in graph.initializer if t.data_location != TensorProto.EXTERNAL]
     tensors += [(node.output[0], a.t) for node in graph.node if node.op_type == "Constant" and node.output
                 for a in node.attribute if a.name == "value"]
@@ -300,9 +306,11 @@ def _known_constants(graph: onnx.GraphProto) -> tuple[set[str], dict[str, float]
         values = numpy_helper.to_array(tensor).astype(np.float64)
         if np.isfinite(values).all():
             finite.add(name)
+            if (values >= 0).all():
+                nonneg.add(name)
             if values.size == 1 and tensor.data_type == TensorProto.FLOAT:
                 scalars[name] = float(values.reshape(()))
-    return finite, scalars
+    return finite, scalars, nonneg
 
 
 def _derived_stats(
@@ -311,10 +319,13 @@ def _derived_stats(
     """Max and min of a monotone elementwise map of one observed float32 tensor, from that
     tensor's max and min through the same operation, instead of two reductions: Relu, Neg,
     and Add, Sub, Mul with a finite scalar constant. Correctly rounded arithmetic is
-    monotone, so f(max x) is the largest f(x) exactly. Only for rows proven NaN-free by
+    monotone, so f(max x) is the largest f(x) exactly. Also inference BatchNormalization of a
+    pooled tensor, monotone per channel (`_batchnorm_stats`). Only for rows proven NaN-free by
     their input (see _trusted_inputs); None where the rule does not apply."""
     if node is None or ctx.types.get(tensor) != TensorProto.FLOAT or tensor not in ctx.shapes:
         return None
+    if node.op_type == "BatchNormalization":
+        return _batchnorm_stats(tensor, node, ctx)
     sources = [i for i in node.input if i and i not in ctx.scalars]
     if len(sources) != 1 or ctx.types.get(sources[0]) != TensorProto.FLOAT:
         return None
@@ -341,14 +352,54 @@ def _derived_stats(
     return nodes, (mx, mn, _ordinary_row(tensor, "", ctx)[1], _CONST_ZERO_F)
 
 
+def _batchnorm_stats(
+    tensor: str, node: onnx.NodeProto, ctx: _Ctx
+) -> tuple[list[onnx.NodeProto], tuple[str, str, str, str]] | None:
+    """y = BatchNormalization(x) with constant parameters is, per channel c, one monotone map
+    y = f_c(x) (rising or falling with the sign of scale_c), so each channel's extremes of y are
+    f_c of that channel's extremes of x, computed by the same operation on x's per-channel
+    max and min from its pools. No pass over y: onnxruntime can fuse the BatchNormalization
+    (and a Relu after it) into one kernel, as in plain inference."""
+    x = node.input[0]
+    found = ctx.channel_extremes.get(ctx.alias_of.get(x, x))
+    training = any(a.name == "training_mode" and a.i for a in node.attribute)
+    if found is None or training or len([o for o in node.output if o]) != 1 or len(node.input) != 5:
+        return None
+    n = ctx.name
+    cmax, cneg = found
+    cmin, at_max, at_min, hi_c, lo_c, hi_v, lo_v, mx, mn = (n(s) for s in (
+        "bn_cmin", "bn_at_max", "bn_at_min", "bn_hi_c", "bn_lo_c", "bn_hi_v", "bn_lo_v", "dmax", "dmin"))
+    params = list(node.input[1:])
+    channels = ctx.shapes[x][1]
+    nodes = [
+        # -1 per channel, not Neg: the Mul keeps the pool in onnxruntime's blocked layout, so
+        # its BatchNormalization becomes the same blocked kernel as the full tensor's (a Neg
+        # would bring it back to NCHW, to a kernel that rounds differently).
+        helper.make_node("Mul", [cneg, f"{_CONST_NEG_CHANNELS}{channels}"], [cmin]),
+        helper.make_node("BatchNormalization", [cmax, *params], [at_max]),
+        helper.make_node("BatchNormalization", [cmin, *params], [at_min]),
+        helper.make_node("Max", [at_max, at_min], [hi_c]),
+        helper.make_node("Min", [at_max, at_min], [lo_c]),
+        helper.make_node("Reshape", [hi_c, _CONST_FLAT], [hi_v]),
+        helper.make_node("Reshape", [lo_c, _CONST_FLAT], [lo_v]),
+        helper.make_node("ReduceMax", [hi_v], [mx], keepdims=1),
+        helper.make_node("ReduceMin", [lo_v], [mn], keepdims=1),
+    ]
+    for attr in node.attribute:
+        if attr.name == "epsilon":
+            nodes[1].attribute.append(attr)
+            nodes[2].attribute.append(attr)
+    return nodes, (mx, mn, _ordinary_row(tensor, "", ctx)[1], _CONST_ZERO_F)
+
+
 def _trusted_inputs(
     node: onnx.NodeProto | None, tensor: str, scope: str, observed: set[str], ctx: _Ctx
 ) -> tuple[str, ...] | None:
     """The observed float inputs whose finiteness proves `tensor` NaN-free, or None when the
     tensor keeps its L1 pass (unsafe producer, a body, an input of unknown values, asked for)."""
     if (ctx.nan_checked is None or scope != "main" or tensor in ctx.nan_checked or node is None
-            or node.op_type not in _NAN_SAFE_OPS or node.domain not in ("", "ai.onnx")
-            or (ctx.detailed is None or tensor in ctx.detailed)):
+            or not (node.op_type in _NAN_SAFE_OPS or _nan_safe_batchnorm(node, ctx))
+            or node.domain not in ("", "ai.onnx") or (ctx.detailed is None or tensor in ctx.detailed)):
         return None
     trusted = []
     for name in node.input:
@@ -358,6 +409,14 @@ def _trusted_inputs(
             return None
         trusted.append(name)
     return tuple(trusted)
+
+
+def _nan_safe_batchnorm(node: onnx.NodeProto, ctx: _Ctx) -> bool:
+    """Inference BatchNormalization with finite constant parameters and a variance >= 0: an
+    affine map per channel, so finite inputs give no NaN (sqrt(var + eps) is real)."""
+    return (node.op_type == "BatchNormalization" and len(node.input) == 5
+            and all(p in ctx.known_finite for p in node.input[1:]) and node.input[4] in ctx.known_nonneg
+            and not any(a.name == "training_mode" and a.i for a in node.attribute))
 
 
 def _alias_source(node: onnx.NodeProto | None, ctx: _Ctx) -> str | None:
@@ -511,25 +570,28 @@ def _pooled_reductions(src: str, channels: int, outs: tuple[str, str, str], ctx:
     """Max, min and the NaN flag of a 4-D NCHWc activation from global pools, which run on the
     blocked layout: ReduceMax and friends would first copy it back to NCHW. min = -max(-x),
     negated by a per-channel Mul that stays blocked (exact); the flag is a sum of channel
-    means (NaN and Inf propagate). `outs` = (max, min, flag or "")."""
+    means (NaN and Inf propagate). `outs` = (max, min, flag or ""). The per-channel pools are
+    kept in ctx.channel_extremes for what follows (see _batchnorm_stats)."""
     n = ctx.name
     mx, mn, flag = outs
     ctx.channels.add(channels)
     nodes: list[onnx.NodeProto] = []
 
-    def pool_then_reduce(op: str, source: str, out: str, reduce: str = "ReduceMax") -> None:
+    def pool_then_reduce(op: str, source: str, out: str, reduce: str = "ReduceMax") -> str:
         per_channel, vec = n("pooled"), n("pooled_vec")
         nodes.extend([
             helper.make_node(op, [source], [per_channel]),
             helper.make_node("Reshape", [per_channel, _CONST_FLAT], [vec]),
             helper.make_node(reduce, [vec], [out], keepdims=1),
         ])
+        return per_channel
 
     negated, negmax = n("negated"), n("negmax")
-    pool_then_reduce("GlobalMaxPool", src, mx)
+    channel_max = pool_then_reduce("GlobalMaxPool", src, mx)
     nodes.append(helper.make_node("Mul", [src, f"{_CONST_NEG_CHANNELS}{channels}"], [negated]))
-    pool_then_reduce("GlobalMaxPool", negated, negmax)
+    channel_neg = pool_then_reduce("GlobalMaxPool", negated, negmax)
     nodes.append(helper.make_node("Neg", [negmax], [mn]))
+    ctx.channel_extremes[src] = (channel_max, channel_neg)
     if flag:
         pool_then_reduce("GlobalAveragePool", src, flag, reduce="ReduceL1")
     return nodes
