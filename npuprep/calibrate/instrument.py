@@ -18,11 +18,15 @@ the tensor's own precision floor (abs-max x eps) for every format npuprep knows.
 only for those tensors; any other tensor-sample that is not ordinary is flagged (FLAGGED in
 its "detailed" count) so the caller can rerun the sample on a graph that details it: the
 detail branches are most of a session's creation time, and few tensors ever need them.
+`lean=` (detailed tensors) gives those the lean detail, without the nested If branches for
+NaN, zeros/subnormals and counts above the formats' maxima; a tensor-sample that needs one
+of them is flagged too (`_lean_detail`).
 
 Cheaper routes to the same numbers: a 4-D activation that onnxruntime keeps in its NCHWc
-layout is reduced through global pools (`_pooled_reductions`), and a monotone map of one
+layout is reduced through global pools (`_pooled_reductions`), a monotone map of one
 tensor (Relu, Neg, scalar Add/Sub/Mul) takes that tensor's max and min through the same
-operation (`_derived_stats`). Rows outside Loop/Scan bodies have no gate in the graph: the
+operation (`_derived_stats`), and a BatchNormalization of a pooled tensor takes them from
+its input's per-channel pools (`_batchnorm_stats`). Rows outside Loop/Scan bodies have no gate in the graph: the
 caller judges them ordinary from abs-max and the L1 output (`Instrumented.ordinary`).
 
 `nan_checked=` (a set of tensor names) skips the NaN-propagating L1 pass on main-graph tensors
