@@ -18,9 +18,10 @@ the tensor's own precision floor (abs-max x eps) for every format npuprep knows.
 only for those tensors; any other tensor-sample that is not ordinary is flagged (FLAGGED in
 its "detailed" count) so the caller can rerun the sample on a graph that details it: the
 detail branches are most of a session's creation time, and few tensors ever need them.
-`lean=` (detailed tensors) gives those the lean detail, without the nested If branches for
-NaN, zeros/subnormals and counts above the formats' maxima; a tensor-sample that needs one
-of them is flagged too (`_lean_detail`).
+`lean=` (detailed tensors) gives those the lean detail, computed in every sample and picked
+by the ordinary test (no If at all), without the branches for NaN, zeros/subnormals and
+counts above the formats' maxima; a tensor-sample that needs one of them is flagged too
+(`_lean_detail`).
 
 Cheaper routes to the same numbers: a 4-D activation that onnxruntime keeps in its NCHWc
 layout is reduced through global pools (`_pooled_reductions`), a monotone map of one
@@ -181,8 +182,8 @@ def instrument(
 
     `detailed`: with detail "auto", the tensors that get the detail branch (default: all);
     `nan_checked`: the tensors that keep the L1 pass where it could be skipped (default: all);
-    `lean`: of the detailed main-graph tensors, those that get the lean detail (see
-    `_lean_detail`). The rows (slots) are the same whatever they hold.
+    `lean`: of the detailed main-graph tensors, those that get the lean detail in every sample
+    (see `_lean_detail`). The rows (slots) are the same whatever they hold.
     """
     if detail not in ("auto", "all"):
         raise ValueError(f"detail must be 'auto' or 'all', got {detail!r}")
@@ -518,6 +519,14 @@ def _tensor_stats(
             helper.make_node("Add", [row, mark], [ii]),
         ]
         return nodes, (mx, mn, ii, l1_out)
+    if ctx.loop_depth == 0 and tensor in ctx.lean:
+        # Computed whether or not this sample needs it, the row picked by the test the If
+        # would make: the same statistics, and no branch to build or to run.
+        lean_nodes, lean_row = _lean_detail(flat, size, ctx, (mx, mn, sm), count)
+        row_nodes, row = _ordinary_row(tensor, size, ctx)
+        picked = n("picked")
+        nodes += [*lean_nodes, *row_nodes, helper.make_node("Where", [ok, row, lean_row], [picked])]
+        return nodes, (mx, mn, picked, l1_out)
     fx, fn, ii = n("fx"), n("fn"), n("i")
     then_fx, then_fn, then_i = n("then_fx"), n("then_fn"), n("then_i")
     row_nodes, row = _ordinary_row(tensor, size, ctx)
@@ -535,13 +544,7 @@ def _tensor_stats(
             helper.make_tensor_value_info(then_i, TensorProto.INT64, [WIDTH]),
         ],
     )
-    if ctx.loop_depth == 0 and tensor in ctx.lean:
-        lean_nodes, row = _lean_detail(flat, size, ctx, (mx, mn, sm), count)
-        dfx, dfn = n("lean_fx"), n("lean_fn")
-        detail_nodes = [*lean_nodes, helper.make_node("Identity", [mx], [dfx]), helper.make_node("Identity", [mn], [dfn])]
-        dii = row
-    else:
-        detail_nodes, (dfx, dfn, dii) = _detail(flat, size, ctx, (mx, mn, sm), count)
+    detail_nodes, (dfx, dfn, dii) = _detail(flat, size, ctx, (mx, mn, sm), count)
     else_branch = helper.make_graph(
         detail_nodes, n("detail"), [],
         [
@@ -745,13 +748,15 @@ def _detail(
 def _lean_detail(
     flat: str, size: str, ctx: _Ctx, cheap: tuple[str, str, str], count: int | None
 ) -> tuple[list[onnx.NodeProto], str]:
-    """The detail without nested Ifs: the I row of a finite tensor-sample with no |x| above
+    """The detail without If branches: the I row of a finite tensor-sample with no |x| above
     any format's max and no zero or subnormal, and FLAGGED otherwise (the caller reruns the
     sample with the full `_detail`, which handles them in If branches).
 
     Every If branch costs onnxruntime session-creation time in each optimiser pass, more the
-    larger the model (~1.5 ms per branch on the benchmark transformer), and most detailed
-    tensors (softmax outputs, small scores, means) never need the full detail's six.
+    larger the model (~1.5 ms per branch on the benchmark transformer), and running one costs
+    a subgraph frame per sample; most detailed tensors (softmax outputs, small scores,
+    means) are outside the ordinary range in every sample and never need the full detail's
+    branches, so the caller computes this for every sample and picks the row with Where.
     """
     n = ctx.name
     mx, mn, sm = cheap

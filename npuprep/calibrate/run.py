@@ -223,9 +223,9 @@ class Folding:
     the inputs' rows can prove a tensor NaN-free. A sample that flags a tensor runs again
     on a session that details it, and every tensor whose abs-max in that sample lies near
     the ordinary range's edges, so later samples rarely flag another; a sample where that
-    proof fails runs again with the L1 on the tensors concerned. A tensor first gets the
-    lean detail (no If branches, see instrument._lean_detail) unless the sample already
-    shows it needs the full one; a lean row that flags gets the full detail. Only rows from
+    proof fails runs again with the L1 on the tensors concerned. A flagged tensor first gets
+    the lean detail (no If, see instrument._lean_detail) unless the sample already shows it
+    needs the full one; a lean row that flags gets the full detail. Only rows from
     a run without flags are folded in: the statistics are those of a graph that details
     every tensor.
     """
@@ -254,11 +254,13 @@ class Folding:
                 absmax = np.fmax(fx, -fn)
                 edge = ~((absmax >= _EDGE * LO) & (absmax <= HI / _EDGE))
                 named = {self.inst.slots[i].tensor for i in np.flatnonzero(flagged | edge)}
-                # Lean unless this sample shows a NaN or Inf, or |x| above a format's max; a
-                # lean row that flagged needed what only the full detail has.
+                # A tensor outside the range gets the lean detail (in every sample) unless this
+                # sample shows a NaN or Inf, or |x| above a format's max; one only near the
+                # edges gets the full detail behind its If (it runs only when needed); a lean
+                # row that flagged needed what only the full detail has.
                 plain = np.isfinite(l1) & (absmax <= SMALLEST_MAX)
                 upgraded = {self.inst.slots[i].tensor for i in np.flatnonzero(flagged)} & self.lean
-                fresh = {self.inst.slots[i].tensor for i in np.flatnonzero((flagged | edge) & plain)} - self.detailed
+                fresh = {self.inst.slots[i].tensor for i in np.flatnonzero(flagged & plain)} - self.detailed
                 self.lean = (self.lean - upgraded) | fresh
                 self.detailed |= named
             else:
