@@ -253,6 +253,20 @@ def test_body_tensors_get_the_detail_on_demand_like_the_main_graph(tmp_path, sav
     assert auto.tensors["acc2"].exp_hist and auto.tensors["t"].exp_hist
 
 
+def test_body_tensors_below_the_range_get_the_lean_detail_with_the_same_statistics(tmp_path, save, opened_lean):
+    # SUBGRAPHS with small values and no zero: t (run by sample 0) takes the lean detail
+    model = load_model(save(SUBGRAPHS))
+    x = np.array([0.01, -0.02, 0.03, 0.004, 0.025], np.float32)
+    folder = tmp_path / "d"
+    folder.mkdir()
+    for i, (scale, c) in enumerate(((1.0, True), (0.5, False), (0.25, True))):
+        np.savez(folder / f"s{i}.npz", x=x * np.float32(scale), c=np.array(c))
+    samples = load_samples(str(folder), model.proto)
+    auto, full = calibrate(model, samples), calibrate(model, samples, detail="all")
+    assert "t" in opened_lean[1]
+    assert {k: v.to_dict() for k, v in auto.tensors.items()} == {k: v.to_dict() for k, v in full.tensors.items()}
+
+
 # x -> Scan(body: s -> Add(s, row) -> s2, scan out Mul(row, row) -> sq)
 SCAN = """
 <ir_version: 8, opset_import: ["" : 18]>
