@@ -236,3 +236,19 @@ def test_external_data_outside_the_model_folder_is_refused(model_path: Path, tmp
     for weights in ("file", "memory"):
         with pytest.raises(NpuprepError, match=r"m\.onnx: external data file '\.\./m\.data' .* outside the model's folder"):
             load_model(folder / "m.onnx", weights=weights)
+
+
+def test_the_fingerprint_is_hashed_in_the_background_and_a_read_error_names_the_file(model_path: Path, monkeypatch):
+    import npuprep.model_io as model_io
+
+    light = load_model(model_path, weights="file")
+    assert not isinstance(light.digest, str)  # a Future, settled when asked for
+    assert light.fingerprint == load_model(model_path).fingerprint
+
+    def unreadable(pieces):  # noqa: ANN001, ANN202 - stands in for _digest
+        raise OSError("Input/output error")
+
+    monkeypatch.setattr(model_io, "_digest", unreadable)
+    broken = load_model(model_path, weights="file")
+    with pytest.raises(NpuprepError, match=re.escape(str(model_path)) + r": cannot read the weights"):
+        _ = broken.fingerprint
