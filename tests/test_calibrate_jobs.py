@@ -66,8 +66,8 @@ def test_workers_run_on_their_share_of_threads_and_agree_with_one_process(square
     log = tmp_path / "sessions.txt"
     real_open = calibrate_run.Prepared.open
 
-    def recording_open(self, threads, detailed, nan_checked=None):
-        inst, session = real_open(self, threads, detailed, nan_checked)
+    def recording_open(self, threads, detailed, nan_checked=None, lean=()):
+        inst, session = real_open(self, threads, detailed, nan_checked, lean)
         opts = session.get_session_options()
         with log.open("a") as f:
             f.write(f"{os.getpid()} {opts.intra_op_num_threads}\n")
@@ -79,7 +79,9 @@ def test_workers_run_on_their_share_of_threads_and_agree_with_one_process(square
     three = calibrate(model, samples, jobs=3, detail="all")
     assert three.to_dict() == one.to_dict()
     rows = [line.split() for line in log.read_text().splitlines()]
-    assert len({r[0] for r in rows}) == 3 and str(os.getpid()) not in {r[0] for r in rows}
+    # This process settles sample 0; each worker builds one session from what it settled.
+    assert sorted(r[0] == str(os.getpid()) for r in rows) == [False, False, False, True]
+    assert len({r[0] for r in rows}) == 4
     assert {r[1] for r in rows} == {"2"}  # 6 cores // 3 jobs
 
 
@@ -88,3 +90,26 @@ def test_auto_jobs_agree_with_one_process(squares, monkeypatch):
     monkeypatch.setattr(calibrate_run, "cores", lambda: 3)
     assert plan_jobs(0, len(samples)) == 3
     assert calibrate(model, samples, jobs=0).to_dict() == calibrate(model, samples).to_dict()
+
+
+def test_one_thread_workers_run_on_the_settled_session_itself(squares, monkeypatch, tmp_path):
+    # 2 cores, 2 jobs: one thread each, so the workers share this process's session (no
+    # session of their own) unless a sample flags a tensor the settled session does not detail.
+    model, samples = squares
+    log = tmp_path / "sessions.txt"
+    real_open = calibrate_run.Prepared.open
+
+    def recording_open(self, threads, detailed, nan_checked=None, lean=()):
+        with log.open("a") as f:
+            f.write(f"{os.getpid()}\n")
+        return real_open(self, threads, detailed, nan_checked, lean)
+
+    monkeypatch.setattr(calibrate_run.Prepared, "open", recording_open)
+    monkeypatch.setattr(calibrate_run, "cores", lambda: 2)
+    for detail in ("all", "auto"):
+        log.unlink(missing_ok=True)
+        two = calibrate(model, samples, jobs=2, detail=detail)
+        assert two.to_dict() == calibrate(model, samples, detail=detail).to_dict()
+        openers = [int(line) for line in log.read_text().splitlines()]
+        if detail == "all":
+            assert set(openers) == {os.getpid()}  # one session, built here, run by both workers

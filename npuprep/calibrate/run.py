@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Collection, Iterable
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,8 +40,9 @@ def calibrate(
     """Range statistics of every float tensor over `samples` (see npuprep.calibrate.instrument).
 
     Samples stream one at a time and merge associatively, so memory does not grow with their
-    number. `jobs` > 1 splits the samples into contiguous ranges, one forked process each,
-    each session on cores // jobs threads; `jobs=0` picks the count (see `plan_jobs`).
+    number. `jobs` > 1 splits the samples after the first into contiguous ranges, one forked
+    process each, each session on cores // jobs threads (see `_fold_parallel`); `jobs=0`
+    picks the count (see `plan_jobs`).
     """
     if model.opset < 13:
         raise NpuprepError(f"{model.path or 'model'}: calibration needs opset >= 13 (model has {model.opset})")
@@ -230,13 +231,17 @@ class Folding:
     every tensor.
     """
 
-    def __init__(self, prepared: Prepared, threads: int | None) -> None:
+    def __init__(self, prepared: Prepared, threads: int | None, settled: Folding | None = None) -> None:
+        """`settled`: start from what another Folding has learnt (which tensors get the detail,
+        the lean detail, the L1 pass) instead of from nothing."""
         self.prepared, self.threads = prepared, threads
         on_demand = prepared.detail == "auto"
         self.detailed: frozenset[str] | None = frozenset() if on_demand else None
         self.nan_checked: frozenset[str] | None = frozenset() if on_demand else None
         self.lean: frozenset[str] = frozenset()
-        self.inst, self.session = prepared.open(threads, self.detailed, self.nan_checked)
+        if settled is not None:
+            self.detailed, self.nan_checked, self.lean = settled.detailed, settled.nan_checked, settled.lean
+        self.inst, self.session = prepared.open(threads, self.detailed, self.nan_checked, self.lean)
         self.acc = Accumulator(len(self.inst.slots))
 
     def add(self, feed: dict[str, np.ndarray], index: int) -> None:
@@ -297,48 +302,58 @@ _NONFINITE_BIN = WIDTH - 1
 _EDGE = 2.0
 
 
-def fold(prepared: Prepared, threads: int | None, feeds: Iterable[dict[str, np.ndarray]], start: int = 0) -> Accumulator:
-    """Run each feed (sample index `start` on) through instrumented sessions; their statistics."""
-    folding = Folding(prepared, threads)
-    for index, feed in enumerate(feeds, start):
-        folding.add(feed, index)
-    return folding.acc
-
-
 # The forked worker's inherited state, set once per process by _start_worker.
 _worker_state: dict[str, object] = {}
 
 
-def _start_worker(prepared: Prepared, samples: SampleSet, threads: int | None) -> None:
-    """Runs in each forked worker: the parent's prepared graph, weights and samples are
-    inherited (copy on write, not pickled); the sessions are the worker's own."""
-    _worker_state.update(prepared=prepared, samples=samples, threads=threads)
+def _start_worker(settled: Folding, samples: SampleSet, shared: bool) -> None:
+    """Runs in each forked worker: the parent's settled Folding and the samples are inherited
+    (copy on write, not pickled). With `shared`, the worker runs on the parent's session
+    itself, weights included; else it builds its own from what the parent settled."""
+    folding = settled if shared else Folding(settled.prepared, settled.threads, settled=settled)
+    _worker_state.update(folding=folding, samples=samples)
 
 
 def _fold_range(bounds: tuple[int, int]) -> Accumulator:
     start, stop = bounds
-    s = _worker_state
-    return fold(s["prepared"], s["threads"], s["samples"].iter_range(start, stop), start)  # type: ignore[arg-type, union-attr]
+    folding: Folding = _worker_state["folding"]  # type: ignore[assignment]
+    samples: SampleSet = _worker_state["samples"]  # type: ignore[assignment]
+    folding.acc = Accumulator(len(folding.inst.slots))
+    for index, feed in enumerate(samples.iter_range(start, stop), start):
+        folding.add(feed, index)
+    return folding.acc
 
 
 def _fold_parallel(prepared: Prepared, samples: SampleSet, jobs: int) -> Accumulator:
-    """Contiguous sample ranges, one forked process each, merged in sample order."""
+    """Sample 0 runs here first and settles which tensors get the detail; forked workers then
+    fold contiguous ranges of the other samples, merged in sample order.
+
+    A session on one thread has no thread pool, so the workers run on this process's session
+    itself: its weights (prepacked by onnxruntime) are shared copy on write instead of built
+    once per worker, and no worker builds a session unless a sample flags a new tensor. A
+    session with a pool must not cross a fork (its threads would not), so with more threads
+    each worker builds its own from the settled sets and this one is dropped first."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
-    edges = np.linspace(0, len(samples), jobs + 1).astype(int)
-    ranges = [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    threads = session_threads(jobs)
+    folding = Folding(prepared, threads)
+    folding.add(next(samples.iter_range(0, 1)), 0)
+    acc = folding.acc
+    shared = threads == 1
+    if not shared:
+        folding.session = None
+    edges = np.linspace(1, len(samples), jobs + 1).astype(int)
+    ranges = [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True) if b > a]
     try:
         with ProcessPoolExecutor(
-            max_workers=jobs, mp_context=mp.get_context("fork"), initializer=_start_worker,
-            initargs=(prepared, samples, session_threads(jobs)),
+            max_workers=len(ranges) or 1, mp_context=mp.get_context("fork"), initializer=_start_worker,
+            initargs=(folding, samples, shared),
         ) as pool:
             parts = list(pool.map(_fold_range, ranges))
     except BrokenProcessPool:
         raise NpuprepError(f"calibration: a worker process died (out of memory with {jobs} jobs?)") from None
-    acc = parts[0]
-    for part in parts[1:]:
+    for part in parts:
         acc.merge(part)
     return acc
-
