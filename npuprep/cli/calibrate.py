@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_data(p, required=True)
     p.add_argument("-o", "--output", help="write the statistics here (JSON, kind 'stats')")
     p.add_argument("--jobs", "-j", type=_jobs, default=1,
-                   help="processes over sample ranges, each session on cores/jobs threads (default 1); "
+                   help="processes over sample ranges, each session on cores/jobs threads (default 1; "
+                        "one-thread processes share one session, weights included); "
                         "0 or 'auto': one per core while each gets at least 2 samples")
     p.add_argument("--detail", choices=("auto", "all"), default="auto",
                    help="exponent histogram and zero/underflow counts: only for tensor-samples outside "
