@@ -57,9 +57,8 @@ def calibrate(
     else:
         # Settled before forking: a fork must not copy a thread in the middle of its work.
         _ = model.fingerprint
-        acc = _fold_parallel(prepared, samples, jobs)
-        # The rows are the same in every variant of the graph: any one names them.
-        inst = instrument(prepared.graph, detail=detail, detailed=())
+        # The rows are the same in every variant of the graph: the settled one names them.
+        acc, inst = _fold_parallel(prepared, samples, jobs)
     stats = {}
     keys = _keys(inst)
     for i, slot in enumerate(inst.slots):
@@ -324,7 +323,7 @@ def _fold_range(bounds: tuple[int, int]) -> Accumulator:
     return folding.acc
 
 
-def _fold_parallel(prepared: Prepared, samples: SampleSet, jobs: int) -> Accumulator:
+def _fold_parallel(prepared: Prepared, samples: SampleSet, jobs: int) -> tuple[Accumulator, Instrumented]:
     """Sample 0 runs here first and settles which tensors get the detail; forked workers then
     fold contiguous ranges of the other samples, merged in sample order.
 
@@ -356,4 +355,4 @@ def _fold_parallel(prepared: Prepared, samples: SampleSet, jobs: int) -> Accumul
         raise NpuprepError(f"calibration: a worker process died (out of memory with {jobs} jobs?)") from None
     for part in parts:
         acc.merge(part)
-    return acc
+    return acc, folding.inst
