@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -113,3 +114,18 @@ def test_one_thread_workers_run_on_the_settled_session_itself(squares, monkeypat
         openers = [int(line) for line in log.read_text().splitlines()]
         if detail == "all":
             assert set(openers) == {os.getpid()}  # one session, built here, run by both workers
+
+
+def test_the_progress_bar_counts_the_workers_samples(squares, monkeypatch):
+    model, samples = squares
+    shown: list[int] = []
+
+    @contextlib.contextmanager
+    def recording_counter(total, description, enabled):  # noqa: ANN001, ANN202 - stands in for progress_counter
+        assert (total, enabled) == (len(samples), True)
+        yield shown.append
+
+    monkeypatch.setattr(calibrate_run, "progress_counter", recording_counter)
+    monkeypatch.setattr(calibrate_run, "cores", lambda: 2)
+    calibrate(model, samples, jobs=2, show_progress=True)
+    assert shown and shown == sorted(shown) and shown[-1] == len(samples)

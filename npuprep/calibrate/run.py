@@ -23,7 +23,7 @@ from npuprep.calibrate.instrument import (
     instrument,
 )
 from npuprep.calibrate.stats import Accumulator, CalibrationStats
-from npuprep.cli.common import progress
+from npuprep.cli.common import progress, progress_counter
 from npuprep.data import SampleSet
 from npuprep.errors import NpuprepError
 from npuprep.model_io import Model
@@ -58,7 +58,7 @@ def calibrate(
         # Settled before forking: a fork must not copy a thread in the middle of its work.
         _ = model.fingerprint
         # The rows are the same in every variant of the graph: the settled one names them.
-        acc, inst = _fold_parallel(prepared, samples, jobs)
+        acc, inst = _fold_parallel(prepared, samples, jobs, show_progress)
     stats = {}
     keys = _keys(inst)
     for i, slot in enumerate(inst.slots):
@@ -305,25 +305,31 @@ _EDGE = 2.0
 _worker_state: dict[str, object] = {}
 
 
-def _start_worker(settled: Folding, samples: SampleSet, shared: bool) -> None:
-    """Runs in each forked worker: the parent's settled Folding and the samples are inherited
-    (copy on write, not pickled). With `shared`, the worker runs on the parent's session
-    itself, weights included; else it builds its own from what the parent settled."""
+def _start_worker(settled: Folding, samples: SampleSet, shared: bool, done: object) -> None:
+    """Runs in each forked worker: the parent's settled Folding, the samples and the shared
+    count of samples done are inherited (copy on write, not pickled). With `shared`, the
+    worker runs on the parent's session itself, weights included; else it builds its own
+    from what the parent settled."""
     folding = settled if shared else Folding(settled.prepared, settled.threads, settled=settled)
-    _worker_state.update(folding=folding, samples=samples)
+    _worker_state.update(folding=folding, samples=samples, done=done)
 
 
 def _fold_range(bounds: tuple[int, int]) -> Accumulator:
     start, stop = bounds
     folding: Folding = _worker_state["folding"]  # type: ignore[assignment]
     samples: SampleSet = _worker_state["samples"]  # type: ignore[assignment]
+    done = _worker_state["done"]
     folding.acc = Accumulator(len(folding.inst.slots))
     for index, feed in enumerate(samples.iter_range(start, stop), start):
         folding.add(feed, index)
+        with done.get_lock():  # type: ignore[attr-defined]
+            done.value += 1  # type: ignore[attr-defined]
     return folding.acc
 
 
-def _fold_parallel(prepared: Prepared, samples: SampleSet, jobs: int) -> tuple[Accumulator, Instrumented]:
+def _fold_parallel(
+    prepared: Prepared, samples: SampleSet, jobs: int, show_progress: bool = False
+) -> tuple[Accumulator, Instrumented]:
     """Sample 0 runs here first and settles which tensors get the detail; forked workers then
     fold contiguous ranges of the other samples, merged in sample order.
 
@@ -333,7 +339,7 @@ def _fold_parallel(prepared: Prepared, samples: SampleSet, jobs: int) -> tuple[A
     session with a pool must not cross a fork (its threads would not), so with more threads
     each worker builds its own from the settled sets and this one is dropped first."""
     import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
 
     threads = session_threads(jobs)
@@ -345,12 +351,18 @@ def _fold_parallel(prepared: Prepared, samples: SampleSet, jobs: int) -> tuple[A
         folding.session = None
     edges = np.linspace(1, len(samples), jobs + 1).astype(int)
     ranges = [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True) if b > a]
+    context = mp.get_context("fork")
+    done = context.Value("i", 1)  # sample 0, folded here
     try:
-        with ProcessPoolExecutor(
-            max_workers=len(ranges) or 1, mp_context=mp.get_context("fork"), initializer=_start_worker,
-            initargs=(folding, samples, shared),
+        with progress_counter(len(samples), "calibrating", show_progress) as set_done, ProcessPoolExecutor(
+            max_workers=len(ranges) or 1, mp_context=context, initializer=_start_worker,
+            initargs=(folding, samples, shared, done),
         ) as pool:
-            parts = list(pool.map(_fold_range, ranges))
+            futures = [pool.submit(_fold_range, r) for r in ranges]
+            while wait(futures, timeout=0.2).not_done:
+                set_done(done.value)
+            set_done(done.value)
+            parts = [f.result() for f in futures]
     except BrokenProcessPool:
         raise NpuprepError(f"calibration: a worker process died (out of memory with {jobs} jobs?)") from None
     for part in parts:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -107,14 +108,23 @@ def fmt(v: Any) -> str:
 
 
 def progress(items: Iterable[T], total: int, description: str, enabled: bool) -> Iterator[T]:
-    """A progress bar on a terminal's stderr; silent when piped or when JSON is asked for."""
+    """A progress bar on a terminal's stderr over `items`; silent when piped or when JSON is
+    asked for."""
+    with progress_counter(total, description, enabled) as set_done:
+        for done, item in enumerate(items, 1):
+            yield item
+            set_done(done)
+
+
+@contextmanager
+def progress_counter(total: int, description: str, enabled: bool) -> Iterator[Callable[[int], None]]:
+    """A progress bar on a terminal's stderr, set to how many of `total` are done by the
+    function this yields; silent when piped or when JSON is asked for."""
     if not enabled or not sys.stderr.isatty():
-        yield from items
+        yield lambda done: None
         return
     from rich.progress import Progress
 
     with Progress(transient=True) as bar:
         task = bar.add_task(description, total=total)
-        for item in items:
-            yield item
-            bar.advance(task)
+        yield lambda done: bar.update(task, completed=done)
