@@ -39,9 +39,11 @@ def squares(tmp_path, save):
         (1, 10, 8, 1),
         (3, 10, 8, 3),
         (5, 2, 8, 2),  # never more processes than samples
-        (0, 10, 8, 5),  # auto: one per core, but at least 2 samples each
-        (0, 100, 8, 8),
-        (0, 3, 8, 1),
+        (0, 10, 8, 1),  # auto: one per core, but at least SAMPLES_PER_JOB (32) samples each
+        (0, 100, 8, 3),
+        (0, 1000, 8, 8),
+        (0, 64, 2, 2),
+        (0, 63, 2, 1),
         (0, 1, 8, 1),
     ],
 )
@@ -89,6 +91,7 @@ def test_workers_run_on_their_share_of_threads_and_agree_with_one_process(square
 def test_auto_jobs_agree_with_one_process(squares, monkeypatch):
     model, samples = squares
     monkeypatch.setattr(calibrate_run, "cores", lambda: 3)
+    monkeypatch.setattr(calibrate_run, "SAMPLES_PER_JOB", 2)
     assert plan_jobs(0, len(samples)) == 3
     assert calibrate(model, samples, jobs=0).to_dict() == calibrate(model, samples).to_dict()
 

@@ -7,7 +7,7 @@ import math
 import sys
 from typing import Any
 
-from npuprep.cli.common import add_data, add_json, fmt, print_json, print_table
+from npuprep.cli.common import add_data, add_jobs, add_json, fmt, print_json, print_table
 
 help = "measure every float tensor's range on samples (in-graph statistics) and write stats.json"
 
@@ -19,28 +19,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="ONNX model to calibrate")
     add_data(p, required=True)
     p.add_argument("-o", "--output", help="write the statistics here (JSON, kind 'stats')")
-    p.add_argument("--jobs", "-j", type=_jobs, default=1,
-                   help="processes over sample ranges, each session on cores/jobs threads (default 1; "
-                        "one-thread processes share one session, weights included); "
-                        "0 or 'auto': one per core while each gets at least 2 samples")
+    add_jobs(p)
     p.add_argument("--detail", choices=("auto", "all"), default="auto",
                    help="exponent histogram and zero/underflow counts: only for tensor-samples outside "
                         "the ordinary range (auto, fast) or everywhere (all, ~5x slower)")
     p.add_argument("--top", type=int, default=15, help="tensors shown in the summary (default 15)")
     add_json(p)
-
-
-def _jobs(text: str) -> int:
-    """`--jobs`: a count >= 0, or 'auto' (= 0)."""
-    if text == "auto":
-        return 0
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a count >= 0 or 'auto', got {text!r}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:

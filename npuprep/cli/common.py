@@ -32,6 +32,26 @@ def add_data(p: argparse.ArgumentParser, required: bool = False) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed for --synthetic (default 0)")
 
 
+def add_jobs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--jobs", "-j", type=_jobs, default=0,
+                   help="calibration processes over sample ranges, each session on cores/jobs threads; "
+                        "one-thread processes share one session, weights included. Default 0 or 'auto': "
+                        "one per core while each gets at least 32 samples (else 1)")
+
+
+def _jobs(text: str) -> int:
+    """`--jobs`: a count >= 0, or 'auto' (= 0)."""
+    if text == "auto":
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a count >= 0 or 'auto', got {text!r}")
+    return value
+
+
 def open_samples(args: argparse.Namespace, model: Any) -> Any:
     """The SampleSet chosen by --data/--synthetic, or None when neither was given."""
     from npuprep.data import load_samples, synthetic_samples

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from npuprep.cli.common import add_data, add_json, add_target
+from npuprep.cli.common import add_data, add_jobs, add_json, add_target
 
 help = "plan, rewrite and lower MODEL for the target, verify it under emulation, write reports"
 
@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_target(p)
     add_data(p)
     p.add_argument("--stats", help="calibration statistics from `npuprep calibrate` (skips calibrating)")
-    p.add_argument("--jobs", type=int, default=1, help="calibration processes (default 1)")
+    add_jobs(p)
     p.add_argument("--plan", help="apply this plan (YAML, edited or not) instead of planning")
     p.add_argument("--plan-only", action="store_true",
                    help="write the plan to -o (YAML) and stop; the model is not touched")
