@@ -39,9 +39,10 @@ def squares(tmp_path, save):
         (1, 10, 8, 1),
         (3, 10, 8, 3),
         (5, 2, 8, 2),  # never more processes than samples
-        (0, 10, 8, 1),  # auto: one per core, but at least SAMPLES_PER_JOB (32) samples each
-        (0, 100, 8, 3),
-        (0, 1000, 8, 8),
+        (0, 10, 8, 1),  # auto: one per core if each gets SAMPLES_PER_JOB (32) samples, else one
+        (0, 100, 8, 1),  # not 3 processes of 2 threads, which would build 3 sessions
+        (0, 256, 8, 8),
+        (0, 255, 8, 1),
         (0, 64, 2, 2),
         (0, 63, 2, 1),
         (0, 1, 8, 1),

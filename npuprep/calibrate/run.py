@@ -78,20 +78,22 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-# With jobs=0, every process gets at least this many samples: below, forking and the first
-# sample settled alone cost more than the second core gains (benchmark: at 8 samples two
-# processes were slower than one, at 32 about even, at 128 1.2-1.4x against 1.5x).
+# With jobs=0, one process per core only when each gets at least this many samples: below,
+# forking and the first sample settled alone cost more than the other cores gain (benchmark,
+# 2 cores: at 8 samples two processes were slower than one, at 32 about even, at 128
+# 1.2-1.4x plain against 1.5x).
 SAMPLES_PER_JOB = 32
 
 
 def plan_jobs(jobs: int, count: int, n_cores: int | None = None) -> int:
     """Processes for `count` samples: `jobs`, at most one per sample; 0 means one per core
-    while every process gets at least SAMPLES_PER_JOB samples. 1 where processes cannot be
-    forked."""
+    (one thread each, so they share one session: see _fold_parallel) when every process gets
+    at least SAMPLES_PER_JOB samples, else one. 1 where processes cannot be forked."""
     if jobs < 0:
         raise NpuprepError(f"jobs must be at least 0 (0: one per core), got {jobs}")
     if jobs == 0:
-        jobs = min(n_cores or cores(), count // SAMPLES_PER_JOB)
+        n = n_cores or cores()
+        jobs = n if count >= SAMPLES_PER_JOB * n else 1
     jobs = max(1, min(jobs, count))
     if jobs > 1:
         import multiprocessing as mp

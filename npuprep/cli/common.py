@@ -36,7 +36,7 @@ def add_jobs(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", "-j", type=_jobs, default=0,
                    help="calibration processes over sample ranges, each session on cores/jobs threads; "
                         "one-thread processes share one session, weights included. Default 0 or 'auto': "
-                        "one per core while each gets at least 32 samples (else 1)")
+                        "one per core when each gets at least 32 samples, else 1")
 
 
 def _jobs(text: str) -> int:
