@@ -760,20 +760,21 @@ def _lean_detail(
     """
     n = ctx.name
     mx, mn, sm = cheap
+    small = count is not None and count < 2**24
     ac = n("abs")
     nodes = [helper.make_node("Abs", [flat], [ac])]
     bin_nodes, idx = _bin_index(ac, ctx, nan_safe=True)
     nodes += bin_nodes
-    one = n("one")
-    if not (ones := _ones(count, ctx)):
+    one = _ones(count, ctx)
+    if one is None:
         # Any 1 from the data (see _detail); wrong only in a sample that is flagged anyway.
-        real, one_1 = n("real"), n("one_1")
+        real, one_1, one = n("real"), n("one_1"), n("one")
         nodes += [
             helper.make_node("Equal", [mx, mx], [real]),
-            helper.make_node("Cast", [real], [one_1], to=TensorProto.FLOAT if count is not None and count < 2**24 else TensorProto.INT64),
+            helper.make_node("Cast", [real], [one_1], to=TensorProto.FLOAT if small else TensorProto.INT64),
             helper.make_node("Squeeze", [one_1], [one]),
         ]
-    count_nodes, hist = _count_bins(idx, ones or one, count is not None and count < 2**24, ctx)
+    count_nodes, hist = _count_bins(idx, one, small, ctx)
     nodes += count_nodes
     lumped, has, neg, top, big, z, sane, nonfinite, odd, flag, ii, row = (n(s) for s in (
         "lumped", "has", "neg", "absmax", "big", "z", "sane", "nonfinite", "odd", "flag", "lean_i", "lean_row"))
