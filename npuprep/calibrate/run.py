@@ -363,14 +363,16 @@ def _fold_parallel(
     context = mp.get_context("fork")
     done = context.Value("i", 1)  # sample 0, folded here
     try:
-        with progress_counter(len(samples), "calibrating", show_progress) as set_done, ProcessPoolExecutor(
+        with ProcessPoolExecutor(
             max_workers=len(ranges) or 1, mp_context=context, initializer=_start_worker,
             initargs=(folding, samples, shared, done),
         ) as pool:
             futures = [pool.submit(_fold_range, r) for r in ranges]
-            while wait(futures, timeout=0.2).not_done:
+            # The bar (a drawing thread on a terminal) starts once the workers are forked.
+            with progress_counter(len(samples), "calibrating", show_progress) as set_done:
+                while wait(futures, timeout=0.2).not_done:
+                    set_done(done.value)
                 set_done(done.value)
-            set_done(done.value)
             parts = [f.result() for f in futures]
     except BrokenProcessPool:
         raise NpuprepError(f"calibration: a worker process died (out of memory with {jobs} jobs?)") from None
