@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,7 @@ def make_session(
     """
     opts = session_options(threads=threads, optimize=optimize)
     providers = ["CPUExecutionProvider"]
-    try:
+    with _load_errors():
         if isinstance(model, bytes):
             return ort.InferenceSession(model, opts, providers=providers)
         if isinstance(model, str | Path):
@@ -56,6 +57,13 @@ def make_session(
             path = os.path.join(tmp, "model.onnx")
             onnx.save_model(model, path, save_as_external_data=True, location="model.onnx.data")
             return ort.InferenceSession(path, opts, providers=providers)
+
+
+@contextlib.contextmanager
+def _load_errors() -> Iterator[None]:
+    """onnxruntime's refusal to load a model, as one NpuprepError line (its first line)."""
+    try:
+        yield
     except (ort.capi.onnxruntime_pybind11_state.Fail,
             ort.capi.onnxruntime_pybind11_state.InvalidGraph,
             ort.capi.onnxruntime_pybind11_state.NotImplemented) as exc:
@@ -131,12 +139,7 @@ def make_session_external(
     if names:
         opts.add_external_initializers(names, values)
     source = model if isinstance(model, str) else model.SerializeToString()
-    try:
+    with _load_errors():
         session = ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
-    except (ort.capi.onnxruntime_pybind11_state.Fail,
-            ort.capi.onnxruntime_pybind11_state.InvalidGraph,
-            ort.capi.onnxruntime_pybind11_state.NotImplemented) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise NpuprepError(f"onnxruntime cannot load the model: {first}") from None
     session._npuprep_weights = (values, weights)  # type: ignore[attr-defined]
     return session
