@@ -364,11 +364,12 @@ def _batchnorm_stats(
     y = f_c(x) (rising or falling with the sign of scale_c), so each channel's extremes of y are
     f_c of that channel's extremes of x, computed by the same operation on x's per-channel
     max and min from its pools. No pass over y: onnxruntime can fuse the BatchNormalization
-    (and a Relu after it) into one kernel, as in plain inference."""
+    (and a Relu after it) into one kernel, as in plain inference. Called only for a row its
+    input proves NaN-free, which makes the node an inference BatchNormalization with constant
+    parameters (_nan_safe_batchnorm); None unless x was pooled."""
     x = node.input[0]
     found = ctx.channel_extremes.get(ctx.alias_of.get(x, x))
-    training = any(a.name == "training_mode" and a.i for a in node.attribute)
-    if found is None or training or len([o for o in node.output if o]) != 1 or len(node.input) != 5:
+    if found is None:
         return None
     n = ctx.name
     cmax, cneg = found
@@ -390,10 +391,8 @@ def _batchnorm_stats(
         helper.make_node("ReduceMax", [hi_v], [mx], keepdims=1),
         helper.make_node("ReduceMin", [lo_v], [mn], keepdims=1),
     ]
-    for attr in node.attribute:
-        if attr.name == "epsilon":
-            nodes[1].attribute.append(attr)
-            nodes[2].attribute.append(attr)
+    nodes[1].attribute.extend(node.attribute)
+    nodes[2].attribute.extend(node.attribute)
     return nodes, (mx, mn, _ordinary_row(tensor, "", ctx)[1], _CONST_ZERO_F)
 
 

@@ -266,28 +266,30 @@ class Folding:
             if flagged.any():
                 absmax = np.fmax(fx, -fn)
                 edge = ~((absmax >= _EDGE * LO) & (absmax <= HI / _EDGE))
-                named = {self.inst.slots[i].tensor for i in np.flatnonzero(flagged | edge)}
                 # A tensor outside the range gets the lean detail (in every sample) unless this
                 # sample shows a NaN or Inf, or |x| above a format's max; one only near the
                 # edges gets the full detail behind its If (it runs only when needed); a lean
                 # row that flagged needed what only the full detail has.
                 plain = np.isfinite(l1) & (absmax <= SMALLEST_MAX)
-                upgraded = {self.inst.slots[i].tensor for i in np.flatnonzero(flagged)} & self.lean
-                fresh = {self.inst.slots[i].tensor for i in np.flatnonzero(flagged & plain)} - self.detailed
-                self.lean = (self.lean - upgraded) | fresh
-                self.detailed |= named
+                fresh = self._tensors(flagged & plain) - self.detailed
+                self.lean = (self.lean - self._tensors(flagged)) | fresh
+                self.detailed |= self._tensors(flagged | edge)
             else:
                 # Every row is exact or ordinary now: rows proven NaN-free only by inputs that
                 # turn out not finite get the L1 (and the detail) on a rerun.
                 unsure = _unsure(self.inst, fx, fn, rows)
                 if not unsure.any():
                     break
-                named = {self.inst.slots[i].tensor for i in np.flatnonzero(unsure)}
+                named = self._tensors(unsure)
                 self.detailed |= named
                 self.nan_checked |= named
             self.session = None  # freed before the next one is built: one session's memory at a time
             self.inst, self.session = self.prepared.open(self.threads, self.detailed, self.nan_checked, self.lean)
         self.acc.add(fx.astype(np.float64), fn.astype(np.float64), ii, index)
+
+    def _tensors(self, rows: np.ndarray) -> frozenset[str]:
+        """The tensors of the rows where `rows` (a mask over the slots) is True."""
+        return frozenset(self.inst.slots[i].tensor for i in np.flatnonzero(rows))
 
 
 def _unsure(inst: Instrumented, fx: np.ndarray, fn: np.ndarray, rows: np.ndarray) -> np.ndarray:
