@@ -5,7 +5,11 @@ them) and a conv net into bench/_work/, then runs each method in its own process
 same synthetic samples and reads its peak RSS (ru_maxrss):
 
 - plain: onnxruntime inference, default session options (all graph optimisations);
-- npuprep auto / all: npuprep.calibrate, detail="auto" (default) and detail="all";
+- plain streams: the same, one-thread session run from one thread per core at once (what
+  npuprep's streams do, done to plain inference: shown so the comparison stays honest);
+- npuprep auto / all: npuprep.calibrate as its default command runs it (one stream per core,
+  one thread each, on one shared session), detail="auto" (default) and detail="all";
+- npuprep auto s1: one stream, its session on every core (`--streams 1`);
 - polygraphy mark-all: ModifyOutputs(MARK_ALL) + its onnxrt runner, min/max in numpy
   (what `polygraphy run --onnx-outputs mark all` does, plus the reduction);
 - ort MinMaxCalibrater: onnxruntime.quantization.calibrate, every float tensor.
@@ -17,12 +21,12 @@ data) through the CLI and records its time and peak RSS.
 The end-to-end table (`--e2e 8,32`) times whole processes over a directory of .npz samples
 (the same synthetic samples, written once): process start, imports, model load, session(s),
 every sample, statistics written. Methods: plain onnxruntime inference (numpy + onnxruntime
-only, default session options: every core), `npuprep calibrate --jobs 1` and `--jobs 2`
-(forked workers, cores // jobs threads each). Peak memory there is the largest sum of PSS
+only, default session options: every core), the default `npuprep calibrate` (one stream
+per core), `--streams 1` (one run at a time on every core) and `--jobs 2` (forked workers). Peak memory there is the largest sum of PSS
 (/proc/PID/smaps_rollup, shared pages split between the processes sharing them) over the
 process and its children, sampled every 20 ms.
 
-    .venv/bin/python bench/bench_calibrate.py --samples 8 --rounds 2 --e2e 8,32 --big
+    .venv/bin/python bench/bench_calibrate.py --samples 16 --rounds 5 --e2e 8,32,128 --big
 """
 
 from __future__ import annotations
@@ -46,8 +50,9 @@ if TYPE_CHECKING:
 # child imports only numpy and onnxruntime, as a plain inference script would.
 
 WORK = Path(__file__).resolve().parent / "_work"
-METHODS = ("plain", "npuprep-auto", "npuprep-all", "polygraphy-markall", "ort-minmax")
-E2E_METHODS = ("plain", "npuprep-j1", "npuprep-j2")
+METHODS = ("plain", "plain-streams", "npuprep-auto", "npuprep-auto-s1", "npuprep-all", "polygraphy-markall",
+           "ort-minmax")
+E2E_METHODS = ("plain", "npuprep", "npuprep-s1", "npuprep-j2")
 
 
 def build_transformer(d: int = 768, layers: int = 4, seq: int = 128, heads: int = 12, seed: int = 0) -> onnx.ModelProto:
@@ -235,8 +240,9 @@ def e2e_child(method: str, path: Path, folder: Path) -> dict[str, float]:
     else:
         from npuprep.cli.main import main as cli
 
-        jobs = method.removeprefix("npuprep-j")
-        rc = cli(["calibrate", str(path), "--data", str(folder), "--jobs", jobs,
+        # The default command, one stream on every core, or forked processes.
+        extra = {"npuprep": [], "npuprep-s1": ["--streams", "1"], "npuprep-j2": ["--jobs", "2"]}[method]
+        rc = cli(["calibrate", str(path), "--data", str(folder), *extra,
                   "-o", str(WORK / f"e2e_stats_{os.getpid()}.json")])
         (WORK / f"e2e_stats_{os.getpid()}.json").unlink(missing_ok=True)
         if rc != 0:
@@ -302,17 +308,43 @@ def child(method: str, path: Path, n: int) -> dict[str, float]:
         c1 = time.process_time()
         for f in samples:
             session.run(None, f)
+    elif method == "plain-streams":
+        import threading
+
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        opts.intra_op_num_threads = 1
+        session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        session.run(None, samples[0])
+        t1 = time.perf_counter()
+        c1 = time.process_time()
+        streams = os.cpu_count() or 1
+        runs = [threading.Thread(target=lambda k=k: [session.run(None, f) for f in samples[k::streams]])
+                for k in range(streams)]
+        for t in runs:
+            t.start()
+        for t in runs:
+            t.join()
     elif method.startswith("npuprep"):
-        from npuprep.calibrate.run import Folding, prepare
+        from npuprep.calibrate.run import (
+            Folding,
+            fold_streams,
+            plan_streams,
+            prepare,
+            session_threads,
+        )
         from npuprep.model_io import load_model
 
-        folding = Folding(prepare(load_model(path), method.split("-")[1]), None)
+        _, detail, *one = method.split("-")
+        streams = 1 if one == ["s1"] else plan_streams(0, n)
+        folding = Folding(prepare(load_model(path), detail), session_threads(streams))
         # Warm-up: the first sample settles which tensors get the detail (see Folding).
         folding.add(samples[0], 0)
         t1 = time.perf_counter()
         c1 = time.process_time()
-        for i, f in enumerate(samples):
-            folding.add(f, i)
+        fold_streams(folding, _Listed(samples), 0, n, streams, lambda: None)
     elif method == "polygraphy-markall":
         from polygraphy.backend.onnx import BytesFromOnnx, ModifyOutputs, OnnxFromPath
         from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
@@ -358,6 +390,16 @@ def child(method: str, path: Path, n: int) -> dict[str, float]:
     c2 = time.process_time()
     return {"setup_s": t1 - t0, "per_sample_s": (t2 - t1) / n, "cpu_per_sample_s": (c2 - c1) / n,
             "rss_mb": _rss_mb(), "setup_cpu_s": c1 - c0}
+
+
+class _Listed:
+    """Samples held in memory, read as npuprep reads a SampleSet."""
+
+    def __init__(self, samples: list[dict[str, np.ndarray]]) -> None:
+        self.samples = samples
+
+    def iter_range(self, start: int, stop: int):  # noqa: ANN201 - an iterator of feeds
+        return iter(self.samples[start:stop])
 
 
 def _rss_mb() -> float:

@@ -76,7 +76,7 @@ def test_the_same_statistics_as_detailing_every_tensor_from_the_start(tmp_path, 
     def everything_detailed(self, prepared, threads):
         real_init(self, prepared, threads)
         self.detailed = None
-        self.inst, self.session = prepared.open(threads, None)
+        self.opened = prepared.open(threads, None)
 
     monkeypatch.setattr(calibrate_run.Folding, "__init__", everything_detailed)
     assert calibrate(model, samples).to_dict() == adaptive.to_dict()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Collection
+import threading
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from npuprep.calibrate.instrument import (
     instrument,
 )
 from npuprep.calibrate.stats import Accumulator, CalibrationStats
-from npuprep.cli.common import progress, progress_counter
+from npuprep.cli.common import progress_counter
 from npuprep.data import SampleSet
 from npuprep.errors import NpuprepError
 from npuprep.model_io import Model
@@ -34,31 +35,42 @@ def calibrate(
     samples: SampleSet,
     *,
     jobs: int = 1,
+    streams: int = 0,
     show_progress: bool = False,
     detail: str = "auto",
 ) -> CalibrationStats:
     """Range statistics of every float tensor over `samples` (see npuprep.calibrate.instrument).
 
-    Samples stream one at a time and merge associatively, so memory does not grow with their
-    number. `jobs` > 1 splits the samples after the first into contiguous ranges, one forked
-    process each, each session on cores // jobs threads (see `_fold_parallel`); `jobs=0`
-    picks the count (see `plan_jobs`).
+    Samples stream and merge associatively, so memory does not grow with their number.
+    `streams` samples run at once in each process, on threads sharing one session, each run
+    on its share of the cores (see `fold_streams`); 0 picks the count (see `plan_streams`).
+    `jobs` > 1 splits the samples after the first into contiguous ranges, one forked process
+    each (see `_fold_parallel`); 0 picks the count (see `plan_jobs`).
     """
     if model.opset < 13:
         raise NpuprepError(f"{model.path or 'model'}: calibration needs opset >= 13 (model has {model.opset})")
     count = len(samples)
     jobs = plan_jobs(jobs, count)
+    streams = plan_streams(streams, count, jobs)
     prepared = prepare(model, detail)
+    threads = session_threads(jobs * streams)
     if jobs == 1:
-        folding = Folding(prepared, None)
-        for index, feed in enumerate(progress(samples.iter_range(0, count), count, "calibrating", show_progress)):
-            folding.add(feed, index)
-        acc, inst = folding.acc, folding.inst
+        folding = Folding(prepared, threads)
+        with progress_counter(count, "calibrating", show_progress) as set_done:
+            done = _Tally(set_done)
+            # Sample 0 runs alone: it settles which tensors get the detail, so the streams
+            # start on the session they keep.
+            for feed in samples.iter_range(0, min(count, 1)):
+                folding.add(feed, 0)
+                done()
+            acc = folding.acc
+            acc.merge(fold_streams(folding, samples, 1, count, streams, done))
+        inst = folding.inst
     else:
         # Settled before forking: a fork must not copy a thread in the middle of its work.
         _ = model.fingerprint
         # The rows are the same in every variant of the graph: the settled one names them.
-        acc, inst = _fold_parallel(prepared, samples, jobs, show_progress)
+        acc, inst = _fold_parallel(prepared, samples, jobs, streams, threads, show_progress)
     stats = {}
     keys = _keys(inst)
     for i, slot in enumerate(inst.slots):
@@ -103,10 +115,29 @@ def plan_jobs(jobs: int, count: int, n_cores: int | None = None) -> int:
     return jobs
 
 
-def session_threads(jobs: int, n_cores: int | None = None) -> int | None:
-    """Intra-op threads per session: onnxruntime's default (every core) for one process,
-    else the cores shared out, so `jobs` sessions do not oversubscribe them."""
-    return None if jobs == 1 else max(1, (n_cores or cores()) // jobs)
+# With streams=0, one stream per core of the process only when each gets at least this many
+# samples: sample 0 runs alone on one thread first (it settles the session the streams share).
+SAMPLES_PER_STREAM = 4
+
+
+def plan_streams(streams: int, count: int, jobs: int = 1, n_cores: int | None = None) -> int:
+    """Samples in flight at once in each of `jobs` processes: `streams`, at most one per sample
+    of the process; 0 means one per core of the process when each stream gets at least
+    SAMPLES_PER_STREAM samples, else one (whose session then runs on all those cores)."""
+    if streams < 0:
+        raise NpuprepError(f"streams must be at least 0 (0: one per core), got {streams}")
+    per_job = -(-count // max(1, jobs))
+    if streams == 0:
+        n = max(1, (n_cores or cores()) // max(1, jobs))
+        streams = n if per_job >= SAMPLES_PER_STREAM * n else 1
+    return max(1, min(streams, per_job))
+
+
+def session_threads(runs: int, n_cores: int | None = None) -> int | None:
+    """Intra-op threads per session for `runs` sessions running at once (processes times
+    streams): onnxruntime's default (every core) for one, else the cores shared out, so the
+    runs do not oversubscribe them."""
+    return None if runs == 1 else max(1, (n_cores or cores()) // runs)
 
 
 @dataclass(frozen=True)
@@ -249,43 +280,69 @@ class Folding:
         self.lean: frozenset[str] = frozenset()
         if settled is not None:
             self.detailed, self.nan_checked, self.lean = settled.detailed, settled.nan_checked, settled.lean
-        self.inst, self.session = prepared.open(threads, self.detailed, self.nan_checked, self.lean)
+        # The instrumented graph and its session, replaced together (see measure).
+        self.opened: tuple[Instrumented, object] | None = prepared.open(threads, self.detailed, self.nan_checked, self.lean)
+        self._reopening = threading.Lock()
         self.acc = Accumulator(len(self.inst.slots))
 
-    def add(self, feed: dict[str, np.ndarray], index: int) -> None:
+    @property
+    def inst(self) -> Instrumented:
+        assert self.opened is not None, "no session: rebuilding it failed"
+        return self.opened[0]
+
+    def add(self, feed: dict[str, np.ndarray], index: int, acc: Accumulator | None = None) -> None:
+        """Fold sample `index` into `acc` (default: this Folding's own)."""
+        fx, fn, ii = self.measure(feed)
+        (self.acc if acc is None else acc).add(fx.astype(np.float64), fn.astype(np.float64), ii, index)
+
+    def measure(self, feed: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One sample's FX, FN and I outputs from a run that flagged nothing.
+
+        Safe from several threads at once: each run takes the session current when it starts;
+        a session is replaced under a lock, and a run whose session another thread replaced
+        meanwhile goes again on the new one instead of replacing it a second time."""
         from npuprep.runtime.session import run
 
         while True:
-            out = run(self.session, feed, self.inst.outputs)
-            fx, fn, ii, l1 = (np.asarray(out[name]) for name in self.inst.outputs)
+            with self._reopening:
+                opened = self.opened
+            if opened is None:
+                raise NpuprepError("calibration: another stream failed to rebuild the session")
+            inst, session = opened
+            out = run(session, feed, inst.outputs)
+            fx, fn, ii, l1 = (np.asarray(out[name]) for name in inst.outputs)
             rows = ii.reshape(-1, WIDTH)
-            rows[~self.inst.ordinary(fx, fn, rows, l1), _DETAILED] = FLAGGED
+            rows[~inst.ordinary(fx, fn, rows, l1), _DETAILED] = FLAGGED
             flagged = rows[:, _DETAILED] < 0
             if self.detailed is None or self.nan_checked is None:
-                break
-            if flagged.any():
-                absmax = np.fmax(fx, -fn)
-                edge = ~((absmax >= _EDGE * LO) & (absmax <= HI / _EDGE))
-                # A tensor outside the range gets the lean detail (in every sample) unless this
-                # sample shows a NaN or Inf, or |x| above a format's max; one only near the
-                # edges gets the full detail behind its If (it runs only when needed); a lean
-                # row that flagged needed what only the full detail has.
-                plain = np.isfinite(l1) & (absmax <= SMALLEST_MAX)
-                fresh = self._tensors(flagged & plain) - self.detailed
-                self.lean = (self.lean - self._tensors(flagged)) | fresh
-                self.detailed |= self._tensors(flagged | edge)
-            else:
-                # Every row is exact or ordinary now: rows proven NaN-free only by inputs that
-                # turn out not finite get the L1 (and the detail) on a rerun.
-                unsure = _unsure(self.inst, fx, fn, rows)
-                if not unsure.any():
-                    break
-                named = self._tensors(unsure)
-                self.detailed |= named
-                self.nan_checked |= named
-            self.session = None  # freed before the next one is built: one session's memory at a time
-            self.inst, self.session = self.prepared.open(self.threads, self.detailed, self.nan_checked, self.lean)
-        self.acc.add(fx.astype(np.float64), fn.astype(np.float64), ii, index)
+                return fx, fn, ii
+            # Every row is exact or ordinary once nothing is flagged, but rows proven NaN-free
+            # only by inputs that turn out not finite get the L1 (and the detail) on a rerun.
+            unsure = None if flagged.any() else _unsure(inst, fx, fn, rows)
+            if unsure is not None and not unsure.any():
+                return fx, fn, ii
+            with self._reopening:
+                if self.opened is not opened:
+                    continue
+                if unsure is None:
+                    absmax = np.fmax(fx, -fn)
+                    edge = ~((absmax >= _EDGE * LO) & (absmax <= HI / _EDGE))
+                    # A tensor outside the range gets the lean detail (in every sample) unless
+                    # this sample shows a NaN or Inf, or |x| above a format's max; one only near
+                    # the edges gets the full detail behind its If (it runs only when needed); a
+                    # lean row that flagged needed what only the full detail has.
+                    plain = np.isfinite(l1) & (absmax <= SMALLEST_MAX)
+                    fresh = self._tensors(flagged & plain) - self.detailed
+                    self.lean = (self.lean - self._tensors(flagged)) | fresh
+                    self.detailed |= self._tensors(flagged | edge)
+                else:
+                    named = self._tensors(unsure)
+                    self.detailed |= named
+                    self.nan_checked |= named
+                # Freed before the next one is built (unless another stream still runs on it):
+                # one session's memory at a time.
+                opened = session = self.opened = None
+                self.opened = self.prepared.open(self.threads, self.detailed, self.nan_checked, self.lean)
 
     def _tensors(self, rows: np.ndarray) -> frozenset[str]:
         """The tensors of the rows where `rows` (a mask over the slots) is True."""
@@ -312,37 +369,99 @@ _NONFINITE_BIN = WIDTH - 1
 _EDGE = 2.0
 
 
+class _Tally:
+    """Samples done, counted from any stream, shown through `show` (a progress bar's setter)."""
+
+    def __init__(self, show: Callable[[int], None]) -> None:
+        self.value, self._show, self._lock = 0, show, threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            self.value += 1
+            self._show(self.value)
+
+
+def fold_streams(
+    folding: Folding, samples: SampleSet, start: int, stop: int, streams: int, done: Callable[[], None]
+) -> Accumulator:
+    """Samples start..stop-1 folded by `streams` threads at once, all on `folding`'s session
+    (onnxruntime runs one session from several threads, each run on the session's own thread
+    count), each thread into its own Accumulator, merged at the end. The samples are read one
+    at a time and in order, by whichever stream is free; the first error stops every stream
+    after its current sample and is the one raised."""
+    feeds = enumerate(samples.iter_range(start, stop), start)
+    taking = threading.Lock()
+    errors: list[BaseException] = []
+    # Read once: a stream may be rebuilding the session (inst) while another starts.
+    rows = len(folding.inst.slots)
+
+    def stream() -> Accumulator:
+        acc = Accumulator(rows)
+        try:
+            while not errors:
+                with taking:
+                    item = next(feeds, None)
+                if item is None:
+                    break
+                folding.add(item[1], item[0], acc)
+                done()
+        except BaseException as exc:
+            errors.append(exc)
+        return acc
+
+    if streams == 1:
+        parts = [stream()]
+    else:
+        parts = [Accumulator(rows)] * streams
+        threads = [threading.Thread(target=lambda i=i: parts.__setitem__(i, stream()), name=f"npuprep-stream-{i}")
+                   for i in range(streams)]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        except BaseException as exc:  # Ctrl-C here: the streams stop after their sample
+            errors.insert(0, exc)
+            for t in threads:
+                t.join()
+    if errors:
+        raise errors[0]
+    acc = parts[0]
+    for part in parts[1:]:
+        acc.merge(part)
+    return acc
+
+
 # The forked worker's inherited state, set once per process by _start_worker.
 _worker_state: dict[str, object] = {}
 
 
-def _start_worker(settled: Folding, samples: SampleSet, shared: bool, done: object) -> None:
+def _start_worker(settled: Folding, samples: SampleSet, shared: bool, streams: int, done: object) -> None:
     """Runs in each forked worker: the parent's settled Folding, the samples and the shared
     count of samples done are inherited (copy on write, not pickled). With `shared`, the
     worker runs on the parent's session itself, weights included; else it builds its own
     from what the parent settled."""
     folding = settled if shared else Folding(settled.prepared, settled.threads, settled=settled)
-    _worker_state.update(folding=folding, samples=samples, done=done)
+    _worker_state.update(folding=folding, samples=samples, streams=streams, done=done)
 
 
 def _fold_range(bounds: tuple[int, int]) -> Accumulator:
-    start, stop = bounds
     folding: Folding = _worker_state["folding"]  # type: ignore[assignment]
     samples: SampleSet = _worker_state["samples"]  # type: ignore[assignment]
     done = _worker_state["done"]
-    folding.acc = Accumulator(len(folding.inst.slots))
-    for index, feed in enumerate(samples.iter_range(start, stop), start):
-        folding.add(feed, index)
+
+    def count_one() -> None:
         with done.get_lock():  # type: ignore[attr-defined]
             done.value += 1  # type: ignore[attr-defined]
-    return folding.acc
+
+    return fold_streams(folding, samples, *bounds, _worker_state["streams"], count_one)  # type: ignore[arg-type]
 
 
 def _fold_parallel(
-    prepared: Prepared, samples: SampleSet, jobs: int, show_progress: bool = False
+    prepared: Prepared, samples: SampleSet, jobs: int, streams: int, threads: int | None, show_progress: bool = False
 ) -> tuple[Accumulator, Instrumented]:
     """Sample 0 runs here first and settles which tensors get the detail; forked workers then
-    fold contiguous ranges of the other samples, merged in sample order.
+    fold contiguous ranges of the other samples, `streams` at a time, merged in sample order.
 
     A session on one thread has no thread pool, so the workers run on this process's session
     itself: its weights (prepacked by onnxruntime) are shared copy on write instead of built
@@ -353,13 +472,13 @@ def _fold_parallel(
     from concurrent.futures import ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
 
-    threads = session_threads(jobs)
     folding = Folding(prepared, threads)
     folding.add(next(samples.iter_range(0, 1)), 0)
     acc = folding.acc
     shared = threads == 1
+    inst = folding.inst
     if not shared:
-        folding.session = None
+        folding.opened = None
     edges = np.linspace(1, len(samples), jobs + 1).astype(int)
     ranges = [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True) if b > a]
     context = mp.get_context("fork")
@@ -367,7 +486,7 @@ def _fold_parallel(
     try:
         with ProcessPoolExecutor(
             max_workers=len(ranges) or 1, mp_context=context, initializer=_start_worker,
-            initargs=(folding, samples, shared, done),
+            initargs=(folding, samples, shared, streams, done),
         ) as pool:
             futures = [pool.submit(_fold_range, r) for r in ranges]
             # The bar (a drawing thread on a terminal) starts once the workers are forked.
@@ -380,4 +499,4 @@ def _fold_parallel(
         raise NpuprepError(f"calibration: a worker process died (out of memory with {jobs} jobs?)") from None
     for part in parts:
         acc.merge(part)
-    return acc, folding.inst
+    return acc, inst

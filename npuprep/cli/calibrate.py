@@ -35,8 +35,8 @@ def run(args: argparse.Namespace) -> int:
     # Only onnxruntime reads the weights, from the model's file: Python never holds them.
     model = load_model(args.model, weights="file")
     samples = open_samples(args, model.proto)
-    stats = calibrate(model, samples, jobs=args.jobs, show_progress=not args.json and sys.stderr.isatty(),
-                      detail=args.detail)
+    stats = calibrate(model, samples, jobs=args.jobs, streams=args.streams,
+                      show_progress=not args.json and sys.stderr.isatty(), detail=args.detail)
     if args.output:
         save_stats(stats, args.output)
     if args.json:

@@ -33,14 +33,17 @@ def add_data(p: argparse.ArgumentParser, required: bool = False) -> None:
 
 
 def add_jobs(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--jobs", "-j", type=_jobs, default=0,
-                   help="calibration processes over sample ranges, each session on cores/jobs threads; "
-                        "one-thread processes share one session, weights included. Default 0 or 'auto': "
-                        "one per core when each gets at least 32 samples, else 1")
+    p.add_argument("--jobs", "-j", type=_count, default=1,
+                   help="calibration processes over sample ranges (default 1); 'auto': one per core when "
+                        "each gets at least 32 samples, else 1")
+    p.add_argument("--streams", type=_count, default=0,
+                   help="samples calibrated at once in each process, on threads sharing one session, each "
+                        "on its share of the cores. Default 0 or 'auto': one per core when each gets at "
+                        "least 4 samples, else 1 (on every core)")
 
 
-def _jobs(text: str) -> int:
-    """`--jobs`: a count >= 0, or 'auto' (= 0)."""
+def _count(text: str) -> int:
+    """`--jobs`, `--streams`: a count >= 0, or 'auto' (= 0)."""
     if text == "auto":
         return 0
     try:

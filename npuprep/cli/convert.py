@@ -91,7 +91,7 @@ def _stats(args: argparse.Namespace, model: Any, samples: Any) -> Any:
         return load_stats(args.stats, model)
     if samples is None:
         return None
-    return calibrate(model, samples, jobs=args.jobs, show_progress=not args.json)
+    return calibrate(model, samples, jobs=args.jobs, streams=args.streams, show_progress=not args.json)
 
 
 def _plan_only(args: argparse.Namespace, model: Any, profile: Any, stats: Any, output: Path) -> int:
