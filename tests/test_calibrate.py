@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 
+import npuprep.runtime.session as runtime_session
 from npuprep.calibrate import calibrate, load_stats, save_stats
 from npuprep.calibrate.instrument import HI, LO, instrument
 from npuprep.data import load_samples, synthetic_samples
@@ -502,3 +505,26 @@ def test_batchnorm_of_a_pooled_activation_takes_its_range_from_the_pools_exactly
         per_sample = [float(np.nanmax(np.abs(c))) for c in np.split(x, 4)]
         assert s.per_sample_absmax == tuple(per_sample), name
     assert (stats.tensors["b1"].nan_count > 0) == negative_variance
+
+
+def test_pooled_reductions_run_right_after_their_conv_in_the_nchwc_layout(tmp_path, monkeypatch):
+    # conv_bn_model: onnxruntime moves both Convs to NCHWc with new nodes; y0's pools must
+    # still run before the second Conv, not after the whole model (activations would stay alive).
+    model = conv_bn_model(False, False)
+    inst = instrument(model, detailed=(), nan_checked=())
+    real_options = runtime_session.session_options
+
+    def profiled(**kwargs):  # noqa: ANN003, ANN202 - stands in for session_options
+        opts = real_options(**kwargs)
+        opts.enable_profiling = True
+        opts.profile_file_prefix = str(tmp_path / "profile")
+        return opts
+
+    monkeypatch.setattr(runtime_session, "session_options", profiled)
+    session = runtime_session.make_session_external(inst.model, threads=1, optimize="all")
+    run(session, {"x": np.ones((1, 3, 16, 16), np.float32)}, inst.outputs)
+    kernels = [e["name"].removesuffix("_kernel_time") for e in json.loads(Path(session.end_profiling()).read_text())
+               if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    assert "y1_nchwc" in kernels  # the second Conv in the NCHWc layout (named after its output)
+    first_pool = next(i for i, k in enumerate(kernels) if k.startswith("__npuprep_pooled"))
+    assert first_pool < kernels.index("y1_nchwc")

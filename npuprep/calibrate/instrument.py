@@ -43,7 +43,7 @@ If outputs or extra Loop/Scan state (max of max, min of min, sum of counts over 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -117,7 +117,7 @@ class Instrumented:
     """The model with statistics outputs, and how to read them."""
 
     model: onnx.ModelProto
-    outputs: tuple[str, str, str, str]  # FX, FN, I, L1
+    outputs: tuple[str, str]  # FNL (FX, FN and L1 one after the other), I
     slots: tuple[Slot, ...]
     aliases: dict[str, Slot]  # tensor -> its own slot info, sharing the row of `alias_of`
     alias_of: dict[str, str]
@@ -129,6 +129,12 @@ class Instrumented:
     @cached_property
     def _gated_outside(self) -> np.ndarray:
         return np.array([s.gated_outside for s in self.slots], bool)
+
+    def read(self, values: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """FX, FN, I and L1 (see the module docstring) out of the session's `outputs`."""
+        fnl, ii = (np.asarray(v) for v in values)
+        fx, fn, l1 = fnl.reshape(3, -1)
+        return fx, fn, ii, l1
 
     def ordinary(self, fx: np.ndarray, fn: np.ndarray, rows: np.ndarray, l1: np.ndarray) -> np.ndarray:
         """Per row, False where a row gated outside the graph is not ordinary (the in-graph
@@ -196,7 +202,7 @@ def instrument(
     out.CopyFrom(model)
     graph = out.graph
     graph.initializer.extend(shared_constants())
-    *names, slots = _instrument_graph(graph, "main", ctx)
+    names, slots = _instrument_graph(graph, "main", ctx)
     for size in sorted(ctx.sizes):
         row = np.zeros(WIDTH, np.int64)
         row[0] = size
@@ -206,21 +212,24 @@ def instrument(
         numpy_helper.from_array(np.full((1, c, 1, 1), -1, np.float32), f"{_CONST_NEG_CHANNELS}{c}") for c in sorted(ctx.channels)
     )
     graph.initializer.extend(numpy_helper.from_array(np.ones(c, np.float32), f"{_CONST_ONES}{c}") for c in sorted(ctx.ones))
-    for name, elem, width in zip(names, _ELEMS, (1, 1, WIDTH, 1), strict=True):
+    for name, elem, width in zip(names, (TensorProto.FLOAT, TensorProto.INT64), (3, WIDTH), strict=True):
         graph.output.append(helper.make_tensor_value_info(name, elem, [len(slots) * width]))
     row_of = {slot.tensor: i for i, slot in enumerate(slots) if slot.scope == "main"}
     nan_inputs = {row_of[t]: tuple(row_of[ctx.alias_of.get(i, i)] for i in inputs) for t, inputs in ctx.trusting.items()}
     return Instrumented(out, tuple(names), tuple(slots), ctx.aliases, ctx.alias_of, ctx.unobserved, nan_inputs)
 
 
-def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: _Ctx) -> tuple[str, str, str, str, list[Slot]]:
-    """Add statistics to one graph; returns the names of its FX, FN, I, L1 vectors and their rows."""
+def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: _Ctx) -> tuple[tuple[str, ...], list[Slot]]:
+    """Add statistics to one graph; returns the names of its statistics vectors and their rows:
+    FX, FN, I, L1 in a body, FNL and I in the main graph (see `_main_order`)."""
     original = list(graph.node)
     made = producers(graph)
     inits = {i.name for i in graph.initializer}
     pieces: list[tuple[str, str, str, str]] = []
     slots: list[Slot] = []
     new_nodes: list[onnx.NodeProto] = []
+    # The main graph's statistics nodes, one block per observed tensor (see _main_order).
+    blocks: list[list[onnx.NodeProto]] = []
 
     observed: set[str] = set()
 
@@ -242,7 +251,9 @@ def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: _Ctx) -> tuple[st
         nodes, piece = derived or _tensor_stats(tensor, elem, ctx, l1=trusted is None, gate=not outside)
         if scope == "main":
             ctx.minmax[tensor] = piece[:2]
-        new_nodes.extend(nodes)
+            blocks.append(nodes)
+        else:
+            new_nodes.extend(nodes)
         pieces.append(piece)
         slots.append(Slot(tensor, scope, node_name, outside))
 
@@ -273,18 +284,48 @@ def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: _Ctx) -> tuple[st
                 ctx.unobserved[out] = "element type unknown (shape inference could not type it)"
                 continue
             observe(out, node_label(node))
-    names = tuple(ctx.name(k) for k in ("fx", "fn", "i", "l1"))
-    if pieces:
-        for k, name in enumerate(names):
-            new_nodes.append(helper.make_node("Concat", [p[k] for p in pieces], [name], axis=0))
+    if scope == "main":
+        names = (ctx.name("fnl"), ctx.name("i"))
+        columns = [[p[k] for p in pieces] for k in (0, 1, 3)]
+        new_nodes = _main_order(blocks, new_nodes, [
+            helper.make_node("Concat", [p[2] for p in pieces], [names[1]], axis=0),
+            helper.make_node("Concat", [n for column in columns for n in column], [names[0]], axis=0),
+        ] if pieces else [])
+        joined_elems = (TensorProto.FLOAT, TensorProto.INT64)
     else:
+        names = tuple(ctx.name(k) for k in ("fx", "fn", "i", "l1"))
+        if pieces:
+            for k, name in enumerate(names):
+                new_nodes.append(helper.make_node("Concat", [p[k] for p in pieces], [name], axis=0))
+        joined_elems = _ELEMS
+    if not pieces:
         graph.initializer.extend(
             numpy_helper.from_array(np.zeros(0, helper.tensor_dtype_to_np_dtype(elem)), name)
-            for name, elem in zip(names, _ELEMS, strict=True)
+            for name, elem in zip(names, joined_elems, strict=True)
         )
     del graph.node[:]
     graph.node.extend(new_nodes)
-    return *names, slots
+    return names, slots
+
+
+def _main_order(
+    blocks: list[list[onnx.NodeProto]], model_nodes: list[onnx.NodeProto], outputs: list[onnx.NodeProto]
+) -> list[onnx.NodeProto]:
+    """The main graph's nodes in the order that makes onnxruntime reduce each tensor right
+    after its producer: the statistics blocks first, the last observed tensor's first, then
+    the model's nodes, then the outputs' Concats, FNL's last.
+
+    onnxruntime orders a session's nodes twice, and both orders follow node indices (the
+    proto's order): priority order (see make_session_external) runs the ready node of
+    lowest index next, so statistics ahead of the model run as soon as their tensor exists;
+    the layout pass that moves convolutions to NCHWc (whose new nodes get new indices in the
+    order it visits them) visits a depth-first walk up from the last output, FNL, which
+    enters the inputs of highest index first, so the first tensor's statistics come first,
+    each right after its producer. In the proto's order (statistics after their producers,
+    one Concat per output) that pass left every pooled reduction of a conv net to the end:
+    each activation stayed alive until then and was reduced cold. The proto is then not
+    topologically sorted, which onnxruntime does not require."""
+    return [n for block in reversed(blocks) for n in block] + model_nodes + outputs
 
 
 # Constants up to this many elements are checked for finiteness when instrumenting; larger
@@ -1021,13 +1062,13 @@ def _wire_if(node: onnx.NodeProto, scope: str, label: str, ctx: _Ctx) -> list[tu
     results = {}
     for key in ("then_branch", "else_branch"):
         results[key] = _instrument_graph(branches[key], f"{scope}/{label}.{key}", ctx)
-    k_then, k_else = len(results["then_branch"][-1]), len(results["else_branch"][-1])
+    k_then, k_else = len(results["then_branch"][1]), len(results["else_branch"][1])
     if k_then + k_else == 0:
         return []
     outs = tuple(ctx.name(s) for s in ("if_fx", "if_fn", "if_i", "if_l1"))
     for key, pad_first in (("then_branch", False), ("else_branch", True)):
         g = branches[key]
-        *own_names, _ = results[key]
+        own_names = results[key][0]
         k_other = k_else if key == "then_branch" else k_then
         pads = (
             np.full(k_other, -np.inf, np.float32),
@@ -1043,7 +1084,7 @@ def _wire_if(node: onnx.NodeProto, scope: str, label: str, ctx: _Ctx) -> list[tu
             g.node.append(helper.make_node("Concat", parts, [joined], axis=0))
             g.output.append(helper.make_tensor_value_info(joined, elem, [(k_then + k_else) * width]))
     node.output.extend(outs)
-    return [(outs, results["then_branch"][-1] + results["else_branch"][-1])]
+    return [(outs, results["then_branch"][1] + results["else_branch"][1])]
 
 
 def _wire_carried(
@@ -1053,7 +1094,7 @@ def _wire_carried(
     (whose rows keep their gates in the graph: each iteration is judged on its own)."""
     body = next(a.g for a in node.attribute if a.name == "body")
     ctx.loop_depth += 1
-    fx, fn, ii, l1, slots = _instrument_graph(body, f"{scope}/{label}.body", ctx)
+    (fx, fn, ii, l1), slots = _instrument_graph(body, f"{scope}/{label}.body", ctx)
     ctx.loop_depth -= 1
     k = len(slots)
     if k == 0:

@@ -310,7 +310,7 @@ class Folding:
                 raise NpuprepError("calibration: another stream failed to rebuild the session")
             inst, session = opened
             out = run(session, feed, inst.outputs)
-            fx, fn, ii, l1 = (np.asarray(out[name]) for name in inst.outputs)
+            fx, fn, ii, l1 = inst.read([out[name] for name in inst.outputs])
             rows = ii.reshape(-1, WIDTH)
             rows[~inst.ordinary(fx, fn, rows, l1), _DETAILED] = FLAGGED
             flagged = rows[:, _DETAILED] < 0
