@@ -14,8 +14,9 @@ same synthetic samples and reads its peak RSS (ru_maxrss):
   (what `polygraphy run --onnx-outputs mark all` does, plus the reduction);
 - ort MinMaxCalibrater: onnxruntime.quantization.calibrate, every float tensor.
 
-Rounds alternate the methods, so contention from other processes hits them alike; the
-table keeps each method's fastest round. `--big` also calibrates a model over 2 GB (external
+Rounds alternate the methods, so contention from other processes, and this VM's speed,
+which drifts by 20-40% over minutes, hit them alike: each ratio to plain inference is taken
+within one round, and the table shows its median over the rounds and its range. `--big` also calibrates a model over 2 GB (external
 data) through the CLI and records its time and peak RSS.
 
 The end-to-end table (`--e2e 8,32`) times whole processes over a directory of .npz samples
@@ -33,8 +34,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -456,17 +459,13 @@ def main() -> None:
         print(json.dumps(e2e_child(method, Path(model), Path(folder))))
         return
     paths = ensure_models(args.e2e)
-    results: dict[str, dict[str, dict[str, float]]] = {}
+    results: dict[str, dict[str, list[dict[str, float]]]] = {}
     for name, path in paths.items():
-        results[name] = {}
+        results[name] = {method: [] for method in args.methods.split(",")}
         for _ in range(args.rounds):
             for method in args.methods.split(","):
-                r = run_child(method, path, args.samples)
-                best = results[name].get(method)
-                if best is None or ("per_sample_s" in r and r["per_sample_s"] < best.get("per_sample_s", float("inf"))):
-                    results[name][method] = r
-        results[name]["_model"] = {"bytes": path.stat().st_size}  # type: ignore[assignment]
-    e2e: dict[str, dict[str, dict[str, float]]] = {}
+                results[name][method].append(run_child(method, path, args.samples))
+    e2e: dict[str, list[dict[str, float]]] = {}
     if args.e2e:
         # npuprep's bytecode, as a regular install has it (pip compiles a package's modules
         # when it installs them): an editable install run with PYTHONDONTWRITEBYTECODE, as on
@@ -476,12 +475,9 @@ def main() -> None:
         for name, path in paths.items():
             for _ in range(args.rounds):
                 for method in E2E_METHODS:
-                    r = run_e2e(method, path, n)
-                    key = f"{name}|{n}|{method}"
-                    best = e2e.get(key)
-                    if best is None or r.get("wall_s", float("inf")) < best.get("wall_s", float("inf")):
-                        e2e[key] = r
+                    e2e.setdefault(f"{name}|{n}|{method}", []).append(run_e2e(method, path, n))
     report: dict[str, object] = {"samples": args.samples, "rounds": args.rounds, "cpus": os.cpu_count(),
+                                 "model_mb": {name: path.stat().st_size / 1e6 for name, path in paths.items()},
                                  "load_average": os.getloadavg(), "results": results, "e2e": e2e}
     if args.big:
         report["big"] = bench_big(2)
@@ -490,42 +486,60 @@ def main() -> None:
     print_table(report)
 
 
+def _paired(rounds: list[dict[str, float]], plain: list[dict[str, float]], key: str) -> tuple[float, float, float]:
+    """Median, min and max over the rounds of a method's `key` over plain's in the same round."""
+    ratios = [r[key] / p[key] for r, p in zip(rounds, plain, strict=False) if key in r and key in p]
+    if not ratios:
+        return math.nan, math.nan, math.nan
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def _median(rounds: list[dict[str, float]], key: str) -> float:
+    values = [r[key] for r in rounds if key in r]
+    return statistics.median(values) if values else math.nan
+
+
 def print_table(report: dict) -> None:
     print(f"samples per method: {report['samples']}, rounds: {report['rounds']}, load average: "
-          f"{', '.join(f'{v:.1f}' for v in report['load_average'])}")
-    print("| model | method | wall s / sample | x plain | CPU s / sample | x plain (CPU) | setup s | peak RSS MB |")
+          f"{', '.join(f'{v:.1f}' for v in report['load_average'])}; models: "
+          f"{', '.join(f'{k} {v:.0f} MB' for k, v in report['model_mb'].items())}")
+    print("| model | method | wall s / sample | x plain (range) | CPU s / sample | x plain (CPU) | setup s "
+          "| peak RSS MB |")
     print("|---|---|---|---|---|---|---|---|")
     for name, methods in report["results"].items():
-        plain = methods.get("plain", {}).get("per_sample_s")
-        plain_cpu = methods.get("plain", {}).get("cpu_per_sample_s")
+        plain = methods.get("plain", [])
         for method in METHODS:
-            r = methods.get(method)
-            if r is None:
+            rounds = methods.get(method)
+            if not rounds:
                 continue
-            if "error" in r:
-                print(f"| {name} | {method} | failed: {r['error']} | | | | | |")
+            errors = [r["error"] for r in rounds if "error" in r]
+            if errors:
+                print(f"| {name} | {method} | failed: {errors[0]} | | | | | |")
                 continue
-            ratio = f"{r['per_sample_s'] / plain:.2f}" if plain else "-"
-            ratio_cpu = f"{r['cpu_per_sample_s'] / plain_cpu:.2f}" if plain_cpu else "-"
-            print(f"| {name} | {method} | {r['per_sample_s']:.4f} | {ratio} | {r['cpu_per_sample_s']:.4f} | {ratio_cpu} "
-                  f"| {r['setup_s']:.2f} | {r['rss_mb']:.0f} |")
+            ratio, low, high = _paired(rounds, plain, "per_sample_s")
+            cpu = _paired(rounds, plain, "cpu_per_sample_s")[0]
+            print(f"| {name} | {method} | {_median(rounds, 'per_sample_s'):.4f} | {ratio:.2f} ({low:.2f}-{high:.2f}) "
+                  f"| {_median(rounds, 'cpu_per_sample_s'):.4f} | {cpu:.2f} | {_median(rounds, 'setup_s'):.2f} "
+                  f"| {max(r['rss_mb'] for r in rounds):.0f} |")
     if report.get("e2e"):
-        print("\nEnd to end (whole process, samples from .npz files; fastest of the rounds)")
-        print("| model | samples | method | wall s | wall s / sample | x plain | CPU s / sample | x plain (CPU) "
-              "| peak PSS MB (sum) | max RSS MB (self / largest child) |")
+        print("\nEnd to end (whole process, samples from .npz files; medians over the rounds, ratios within a round)")
+        print("| model | samples | method | wall s | wall s / sample | x plain (range) | CPU s / sample "
+              "| x plain (CPU) | peak PSS MB (sum) | max RSS MB (self / largest child) |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         e2e = report["e2e"]
-        for key, r in e2e.items():
+        for key, rounds in e2e.items():
             name, n, method = key.split("|")
-            if "error" in r:
-                print(f"| {name} | {n} | {method} | failed: {r['error']} | | | | | | |")
+            errors = [r["error"] for r in rounds if "error" in r]
+            if errors:
+                print(f"| {name} | {n} | {method} | failed: {errors[0]} | | | | | | |")
                 continue
-            plain = e2e.get(f"{name}|{n}|plain", {})
-            ratio = f"{r['wall_s'] / plain['wall_s']:.2f}" if "wall_s" in plain else "-"
-            ratio_cpu = f"{r['cpu_s'] / plain['cpu_s']:.2f}" if "cpu_s" in plain else "-"
-            print(f"| {name} | {n} | {method} | {r['wall_s']:.2f} | {r['per_sample_s']:.4f} | {ratio} "
-                  f"| {r['cpu_per_sample_s']:.4f} | {ratio_cpu} | {r['pss_peak_mb']:.0f} "
-                  f"| {r['rss_self_mb']:.0f} / {r['rss_child_max_mb']:.0f} |")
+            plain = e2e.get(f"{name}|{n}|plain", [])
+            ratio, low, high = _paired(rounds, plain, "wall_s")
+            cpu = _paired(rounds, plain, "cpu_s")[0]
+            print(f"| {name} | {n} | {method} | {_median(rounds, 'wall_s'):.2f} | {_median(rounds, 'per_sample_s'):.4f} "
+                  f"| {ratio:.2f} ({low:.2f}-{high:.2f}) | {_median(rounds, 'cpu_per_sample_s'):.4f} | {cpu:.2f} "
+                  f"| {max(r['pss_peak_mb'] for r in rounds):.0f} "
+                  f"| {max(r['rss_self_mb'] for r in rounds):.0f} / {max(r['rss_child_max_mb'] for r in rounds):.0f} |")
     if "big" in report:
         b = report["big"]
         print(f"\n>2 GB model: {b['model_bytes'] / 2**30:.2f} GiB, {b['samples']} samples, exit {b['exit']}, "
