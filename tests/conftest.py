@@ -41,15 +41,15 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[
 
 @pytest.fixture
 def opened_sessions(monkeypatch: pytest.MonkeyPatch) -> list[tuple[frozenset[str] | None, ...]]:
-    """(detailed, nan_checked, lean) of every calibration session opened in this process."""
+    """(detailed, nan_checked, lean, prepack) of every calibration session opened in this process."""
     import npuprep.calibrate.run as calibrate_run
 
     calls: list[tuple[frozenset[str] | None, ...]] = []
     real_open = calibrate_run.Prepared.open
 
-    def recording_open(self, threads, detailed, nan_checked=None, lean=()):  # noqa: ANN001, ANN202
-        calls.append(tuple(None if s is None else frozenset(s) for s in (detailed, nan_checked, lean)))
-        return real_open(self, threads, detailed, nan_checked, lean)
+    def recording_open(self, threads, detailed, nan_checked=None, lean=(), prepack=True):  # noqa: ANN001, ANN202
+        calls.append((*(None if s is None else frozenset(s) for s in (detailed, nan_checked, lean)), prepack))
+        return real_open(self, threads, detailed, nan_checked, lean, prepack)
 
     monkeypatch.setattr(calibrate_run.Prepared, "open", recording_open)
     return calls
@@ -90,6 +90,12 @@ def opened_nan_checked(opened_sessions: list) -> _Column:
 def opened_lean(opened_sessions: list) -> _Column:
     """The `lean` set (detailed tensors given the lean detail) of every session opened."""
     return _Column(opened_sessions, 2)
+
+
+@pytest.fixture
+def opened_prepacked(opened_sessions: list) -> _Column:
+    """Whether each session opened was built with onnxruntime's prepacked weights."""
+    return _Column(opened_sessions, 3)
 
 
 def save_matmul_eye(save, tmp_path: Path, scale: float) -> tuple[Path, Path]:  # noqa: ANN001 - the save fixture

@@ -528,3 +528,24 @@ def test_pooled_reductions_run_right_after_their_conv_in_the_nchwc_layout(tmp_pa
     assert "y1_nchwc" in kernels  # the second Conv in the NCHWc layout (named after its output)
     first_pool = next(i for i, k in enumerate(kernels) if k.startswith("__npuprep_pooled"))
     assert first_pool < kernels.index("y1_nchwc")
+
+
+@pytest.mark.parametrize("prepack", [True, False])
+def test_a_session_without_prepacked_weights_asks_onnxruntime_for_none(prepack):
+    # x -> MatMul(x, W) -> y: onnxruntime prepacks W unless told not to; the result is the same
+    w = np.arange(12, dtype=np.float32).reshape(4, 3)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "w"], ["y"])], "mm",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3])],
+        [onnx.numpy_helper.from_array(w, "w")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)])
+    session = runtime_session.make_session_external(model, threads=1, prepack=prepack)
+    options = session.get_session_options()
+    if prepack:
+        with pytest.raises(RuntimeError, match="does not have configuration"):
+            options.get_session_config_entry("session.disable_prepacking")
+    else:
+        assert options.get_session_config_entry("session.disable_prepacking") == "1"
+    x = np.ones((2, 4), np.float32)
+    assert np.array_equal(run(session, {"x": x})["y"], x @ w)

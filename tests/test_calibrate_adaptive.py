@@ -89,6 +89,30 @@ def test_ordinary_samples_open_one_session(tmp_path, save, opened_detailed):
     assert all(s.detailed_count == 0 for s in stats.tensors.values())
 
 
+def test_only_sessions_that_stay_get_prepacked_weights(tmp_path, save, opened_detailed, opened_prepacked):
+    # Sample 0 below the range: the first session (no detail) is rebuilt, so it was built
+    # without prepacked weights; the one rebuilt with the detail has them.
+    model, samples, _ = samples_scaled(tmp_path, save, [0.01, 1.0, 2.0])
+    calibrate(model, samples)
+    assert len(opened_prepacked) > 1 and opened_detailed[1]
+    assert opened_prepacked == [False] + [True] * (len(opened_prepacked) - 1)
+    opened_prepacked.clear()
+    calibrate(model, samples, detail="all")  # its only session: prepacked from the start
+    assert opened_prepacked == [True]
+
+
+@pytest.mark.parametrize(("count", "prepacked"), [
+    (calibrate_run.SAMPLES_TO_PREPACK, [False]),  # 31 samples left: kept as built
+    (calibrate_run.SAMPLES_TO_PREPACK + 1, [False, True]),  # 32 left: rebuilt with prepacked weights
+])
+def test_a_first_session_kept_is_rebuilt_prepacked_when_many_samples_remain(
+        tmp_path, save, opened_detailed, opened_prepacked, count, prepacked):
+    model, samples, _ = samples_scaled(tmp_path, save, [1.0] * count)
+    stats = calibrate(model, samples, streams=1)
+    assert opened_prepacked == prepacked and opened_detailed == [frozenset()] * len(prepacked)
+    assert stats.sample_count == count and stats.tensors["x"].absmax == 1.0
+
+
 def test_external_data_models_detail_on_demand_too(tmp_path, save, opened_detailed):
     # x -> MatMul(x, W) -> y, W = 1000 * I stored as external data: y is not ordinary
     inline, external = save_matmul_eye(save, tmp_path, 1000)
@@ -169,8 +193,8 @@ def test_the_lean_detail_counts_what_the_full_detail_counts(tmp_path, save, monk
     lean = calibrate(model, samples)
     real_open = calibrate_run.Prepared.open
 
-    def never_lean(self, threads, detailed, nan_checked=None, lean=()):  # noqa: ANN001, ANN202
-        return real_open(self, threads, detailed, nan_checked)
+    def never_lean(self, threads, detailed, nan_checked=None, lean=(), prepack=True):  # noqa: ANN001, ANN202
+        return real_open(self, threads, detailed, nan_checked, prepack=prepack)
 
     monkeypatch.setattr(calibrate_run.Prepared, "open", never_lean)
     assert calibrate(model, samples).to_dict() == lean.to_dict()

@@ -70,8 +70,8 @@ def test_workers_run_on_their_share_of_threads_and_agree_with_one_process(square
     log = tmp_path / "sessions.txt"
     real_open = calibrate_run.Prepared.open
 
-    def recording_open(self, threads, detailed, nan_checked=None, lean=()):
-        inst, session = real_open(self, threads, detailed, nan_checked, lean)
+    def recording_open(self, threads, detailed, nan_checked=None, lean=(), prepack=True):
+        inst, session = real_open(self, threads, detailed, nan_checked, lean, prepack)
         opts = session.get_session_options()
         with log.open("a") as f:
             f.write(f"{os.getpid()} {opts.intra_op_num_threads}\n")
@@ -104,10 +104,10 @@ def test_one_thread_workers_run_on_the_settled_session_itself(squares, monkeypat
     log = tmp_path / "sessions.txt"
     real_open = calibrate_run.Prepared.open
 
-    def recording_open(self, threads, detailed, nan_checked=None, lean=()):
+    def recording_open(self, threads, detailed, nan_checked=None, lean=(), prepack=True):
         with log.open("a") as f:
             f.write(f"{os.getpid()}\n")
-        return real_open(self, threads, detailed, nan_checked, lean)
+        return real_open(self, threads, detailed, nan_checked, lean, prepack)
 
     monkeypatch.setattr(calibrate_run.Prepared, "open", recording_open)
     monkeypatch.setattr(calibrate_run, "cores", lambda: 2)

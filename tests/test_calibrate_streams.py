@@ -110,8 +110,8 @@ def test_streams_share_one_session_on_one_thread_each(scaled, monkeypatch):
     opened: list[int] = []
     real_open = calibrate_run.Prepared.open
 
-    def recording_open(self, threads, detailed, nan_checked=None, lean=()):  # noqa: ANN001, ANN202
-        inst, session = real_open(self, threads, detailed, nan_checked, lean)
+    def recording_open(self, threads, detailed, nan_checked=None, lean=(), prepack=True):  # noqa: ANN001, ANN202
+        inst, session = real_open(self, threads, detailed, nan_checked, lean, prepack)
         opened.append(session.get_session_options().intra_op_num_threads)
         return inst, session
 

@@ -7,7 +7,11 @@ would free it. Per tensor and sample the graph yields:
 - FX, FN: max and min (NaN ignored);
 - I: int64 counts, `HEADER` below: element count, detailed elements, NaN, |x| above each
   format's max, then the exponent histogram over bins b = floor(log2|x|) + 150
-  (0: zero, 1..23: subnormal, 278: Inf/NaN).
+  (0: zero, 1..23: subnormal, 278: Inf/NaN);
+- L1: a sum over x that is NaN or infinite when x holds a NaN or an Inf (the NaN flag).
+
+The main graph returns FX, FN and L1 one after the other in one output (FNL) and I in
+another (`Instrumented.read` splits them); If/Loop/Scan bodies keep four (see below).
 
 The detail (counts and histogram) costs ~15 ns per element in onnxruntime, several times
 plain inference, so with `detail="auto"` it runs only for a tensor-sample that is not

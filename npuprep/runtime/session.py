@@ -110,15 +110,19 @@ def make_session_external(
     *,
     threads: int | None = None,
     optimize: bool | str = True,
+    prepack: bool = True,
 ) -> ort.InferenceSession:
     """A session for a graph of many small kernels, its large initialisers given as arrays.
 
     `model` declares each of `weights` as external data (any location); onnxruntime takes the
     arrays as they are instead of parsing a second copy out of a serialised model, which
     keeps peak memory near a session loaded from a file. The session keeps the arrays alive.
-    A path is loaded as it is (its own external data).
+    A path is loaded as it is (its own external data). `prepack=False` builds it without
+    onnxruntime's prepacked weights: faster to build, slower MatMuls.
     """
     opts = session_options(threads=threads, optimize=optimize)
+    if not prepack:
+        opts.add_session_config_entry("session.disable_prepacking", "1")
     # Measured on calibration graphs: the memory pattern cost ~80 MB of peak and no speed,
     # the arena ~60 MB (it keeps the detail branches' buffers) and no speed once malloc
     # serves large buffers from its heap (see _reuse_freed_buffers).
