@@ -51,9 +51,10 @@ def test_a_late_outlier_reruns_its_sample_with_detail_and_counts_exactly(tmp_pat
     # abs-max of x: ordinary (1) for three samples, then 1000 (above the ordinary range), then 1 again.
     model, samples, arrays = samples_scaled(tmp_path, save, [1.0, 1.0, 1.0, 1000.0, 1.0])
     stats = calibrate(model, samples)
-    assert opened_detailed[0] == frozenset() and len(opened_detailed) == 2
-    # x and y flagged (abs-max 1000, 2000); q (250) and r too: every tensor outside the range.
-    assert {"x", "y", "r", "q"} <= opened_detailed[1]
+    # The first session, then the same with prepacked weights, then one detailing the outlier's
+    # tensors: x and y flagged (abs-max 1000, 2000); q (250) and r too, all outside the range.
+    assert opened_detailed[0] == opened_detailed[1] == frozenset() and len(opened_detailed) == 3
+    assert {"x", "y", "r", "q"} <= opened_detailed[2]
     outlier = arrays[3]
     for name, values in (("x", outlier), ("y", outlier * 2), ("q", outlier * np.float32(0.25)),
                          ("r", np.maximum(outlier * 2, 0))):
@@ -82,10 +83,10 @@ def test_the_same_statistics_as_detailing_every_tensor_from_the_start(tmp_path, 
     assert calibrate(model, samples).to_dict() == adaptive.to_dict()
 
 
-def test_ordinary_samples_open_one_session(tmp_path, save, opened_detailed):
+def test_ordinary_samples_never_detail(tmp_path, save, opened_detailed):
     model, samples, _ = samples_scaled(tmp_path, save, [1.0, 2.0, 3.0])
     stats = calibrate(model, samples)
-    assert opened_detailed == [frozenset()]
+    assert opened_detailed == [frozenset(), frozenset()]  # the second only for prepacked weights
     assert all(s.detailed_count == 0 for s in stats.tensors.values())
 
 
@@ -101,16 +102,23 @@ def test_only_sessions_that_stay_get_prepacked_weights(tmp_path, save, opened_de
     assert opened_prepacked == [True]
 
 
-@pytest.mark.parametrize(("count", "prepacked"), [
-    (calibrate_run.SAMPLES_TO_PREPACK, [False]),  # 31 samples left: kept as built
-    (calibrate_run.SAMPLES_TO_PREPACK + 1, [False, True]),  # 32 left: rebuilt with prepacked weights
-])
-def test_a_first_session_kept_is_rebuilt_prepacked_when_many_samples_remain(
-        tmp_path, save, opened_detailed, opened_prepacked, count, prepacked):
-    model, samples, _ = samples_scaled(tmp_path, save, [1.0] * count)
+def test_a_first_session_kept_is_rebuilt_prepacked_and_its_rows_never_kept(
+        tmp_path, save, opened_detailed, opened_prepacked, monkeypatch):
+    # Every sample ordinary: the first session needs no detail, only its prepacked weights.
+    model, samples, arrays = samples_scaled(tmp_path, save, [1.0, 2.0, 3.0])
+    runs: list[bool] = []
+    real_measure_run = calibrate_run.Folding.measure
+
+    def recording(self, feed):  # noqa: ANN001, ANN202 - stands in for measure
+        result = real_measure_run(self, feed)
+        runs.append(self.prepacked)
+        return result
+
+    monkeypatch.setattr(calibrate_run.Folding, "measure", recording)
     stats = calibrate(model, samples, streams=1)
-    assert opened_prepacked == prepacked and opened_detailed == [frozenset()] * len(prepacked)
-    assert stats.sample_count == count and stats.tensors["x"].absmax == 1.0
+    assert opened_prepacked == [False, True] and opened_detailed == [frozenset(), frozenset()]
+    assert runs == [True, True, True]  # every row folded in came from the prepacked session
+    assert stats.tensors["x"].per_sample_absmax == tuple(float(np.abs(a).max()) for a in arrays)
 
 
 def test_external_data_models_detail_on_demand_too(tmp_path, save, opened_detailed):

@@ -63,7 +63,6 @@ def calibrate(
             for feed in samples.iter_range(0, min(count, 1)):
                 folding.add(feed, 0)
                 done()
-            folding.keep_for(count - 1)
             acc = folding.acc
             acc.merge(fold_streams(folding, samples, 1, count, streams, done))
         inst = folding.inst
@@ -115,11 +114,6 @@ def plan_jobs(jobs: int, count: int, n_cores: int | None = None) -> int:
             return 1
     return jobs
 
-
-# A first session kept after sample 0 is rebuilt with prepacked weights when this many
-# samples remain (see Folding.keep_for): the rebuild costs about what 15% faster MatMuls save
-# over ~30 samples of the benchmark transformer.
-SAMPLES_TO_PREPACK = 32
 
 # With streams=0, one stream per core of the process only when each gets at least this many
 # samples: sample 0 runs alone on one thread first (it settles the session the streams share).
@@ -288,9 +282,11 @@ class Folding:
         self.lean: frozenset[str] = frozenset()
         if settled is not None:
             self.detailed, self.nan_checked, self.lean = settled.detailed, settled.nan_checked, settled.lean
-        # The first session that details nothing is built without prepacked weights: sample 0
-        # usually shows it must be rebuilt with the detail, and prepacking is most of a build
-        # (benchmark transformer: 0.15 of 0.24 s). See keep_for.
+        # The first session that details nothing only finds which tensors need what: it is
+        # built without prepacked weights (most of a build: benchmark transformer 0.15 of
+        # 0.24 s), since sample 0 usually shows it must be rebuilt with the detail, and its
+        # rows are never kept. Every statistic comes from a session with prepacked weights,
+        # as plain inference's: their MatMul kernels round differently, by an ulp or so.
         self.prepacked = not on_demand or settled is not None
         # The instrumented graph and its session, replaced together (see measure).
         self.opened: tuple[Instrumented, object] | None = prepared.open(
@@ -302,15 +298,6 @@ class Folding:
     def inst(self) -> Instrumented:
         assert self.opened is not None, "no session: rebuilding it failed"
         return self.opened[0]
-
-    def keep_for(self, remaining: int) -> None:
-        """Ready the session for `remaining` more samples: one built without prepacked weights
-        is rebuilt with them when SAMPLES_TO_PREPACK or more remain (their MatMuls run ~15%
-        faster). Before any stream starts."""
-        if not self.prepacked and remaining >= SAMPLES_TO_PREPACK:
-            self.opened = None
-            self.prepacked = True
-            self.opened = self.prepared.open(self.threads, self.detailed, self.nan_checked, self.lean)
 
     def add(self, feed: dict[str, np.ndarray], index: int, acc: Accumulator | None = None) -> None:
         """Fold sample `index` into `acc` (default: this Folding's own)."""
@@ -341,7 +328,7 @@ class Folding:
             # Every row is exact or ordinary once nothing is flagged, but rows proven NaN-free
             # only by inputs that turn out not finite get the L1 (and the detail) on a rerun.
             unsure = None if flagged.any() else _unsure(inst, fx, fn, rows)
-            if unsure is not None and not unsure.any():
+            if unsure is not None and not unsure.any() and self.prepacked:
                 return fx, fn, ii
             with self._reopening:
                 if self.opened is not opened:
@@ -357,10 +344,11 @@ class Folding:
                     fresh = self._tensors(flagged & plain) - self.detailed
                     self.lean = (self.lean - self._tensors(flagged)) | fresh
                     self.detailed |= self._tensors(flagged | edge)
-                else:
+                elif unsure.any():
                     named = self._tensors(unsure)
                     self.detailed |= named
                     self.nan_checked |= named
+                # (Neither: a first session that needs nothing more but its prepacked weights.)
                 # Freed before the next one is built (unless another stream still runs on it):
                 # one session's memory at a time.
                 opened = session = self.opened = None
@@ -497,7 +485,6 @@ def _fold_parallel(
 
     folding = Folding(prepared, threads)
     folding.add(next(samples.iter_range(0, 1)), 0)
-    folding.keep_for(len(samples) - 1)
     acc = folding.acc
     shared = threads == 1
     inst = folding.inst
