@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,24 @@ def opened_lean(opened_sessions: list) -> _Column:
 
 
 @pytest.fixture
+def shown_progress(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[tuple[int, bool]]]:
+    """What a calibration's progress bars showed: the counts they were set to, and each
+    bar's (total, enabled)."""
+    import npuprep.calibrate.run as calibrate_run
+
+    shown: list[int] = []
+    bars: list[tuple[int, bool]] = []
+
+    @contextlib.contextmanager
+    def recording_counter(total, description, enabled):  # noqa: ANN001, ANN202 - stands in for progress_counter
+        bars.append((total, enabled))
+        yield shown.append
+
+    monkeypatch.setattr(calibrate_run, "progress_counter", recording_counter)
+    return shown, bars
+
+
+@pytest.fixture
 def opened_prepacked(opened_sessions: list) -> _Column:
     """Whether each session opened was built with onnxruntime's prepacked weights."""
     return _Column(opened_sessions, 3)
@@ -117,3 +136,27 @@ def save_matmul_eye(save, tmp_path: Path, scale: float) -> tuple[Path, Path]:  #
     folder.mkdir()
     onnx.save_model(proto, str(folder / "m.onnx"), save_as_external_data=True, location="m.data", size_threshold=0)
     return inline, folder / "m.onnx"
+
+
+# x -> Mul(x, x) -> sq -> Sub(sq, x) -> y
+SQUARES = """
+<ir_version: 8, opset_import: ["" : 18]>
+g (float[8,8] x) => (float[8,8] y) { sq = Mul(x, x)  y = Sub(sq, x) }
+"""
+
+
+def square_samples(tmp_path: Path, save, scales: list[float], seed: int) -> tuple:  # noqa: ANN001 - the save fixture
+    """The SQUARES model, and a folder of .npz samples of x: standard normal times each scale.
+    Returns (model, samples, folder)."""
+    import numpy as np
+
+    from npuprep.data import load_samples
+    from npuprep.model_io import load_model
+
+    model = load_model(save(SQUARES))
+    rng = np.random.default_rng(seed)
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for i, scale in enumerate(scales):
+        np.savez(folder / f"s{i:03d}.npz", x=(rng.standard_normal((8, 8)) * scale).astype(np.float32))
+    return model, load_samples(folder, model.proto), folder

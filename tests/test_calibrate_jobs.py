@@ -2,35 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import numpy as np
 import pytest
+from conftest import square_samples
 
 import npuprep.calibrate.run as calibrate_run
 from npuprep.calibrate import calibrate
 from npuprep.calibrate.run import plan_jobs, session_threads
-from npuprep.data import load_samples
 from npuprep.errors import NpuprepError
-from npuprep.model_io import load_model
-
-# x -> Mul(x, x) -> sq -> Sub(sq, x) -> y
-MODEL = """
-<ir_version: 8, opset_import: ["" : 18]>
-g (float[8,8] x) => (float[8,8] y) { sq = Mul(x, x)  y = Sub(sq, x) }
-"""
 
 
 @pytest.fixture
 def squares(tmp_path, save):
-    model = load_model(save(MODEL))
-    rng = np.random.default_rng(4)
-    folder = tmp_path / "data"
-    folder.mkdir()
-    for i in range(7):
-        np.savez(folder / f"s{i:03d}.npz", x=(rng.standard_normal((8, 8)) * 10 ** rng.uniform(-3, 3)).astype(np.float32))
-    return model, load_samples(folder, model.proto)
+    # Samples over six orders of magnitude: tensors flagged at different samples.
+    scales = list(10 ** np.random.default_rng(4).uniform(-3, 3, 7))
+    model, samples, _ = square_samples(tmp_path, save, scales, seed=4)
+    return model, samples
 
 
 @pytest.mark.parametrize(
@@ -120,16 +109,10 @@ def test_one_thread_workers_run_on_the_settled_session_itself(squares, monkeypat
             assert set(openers) == {os.getpid()}  # one session, built here, run by both workers
 
 
-def test_the_progress_bar_counts_the_workers_samples(squares, monkeypatch):
+def test_the_progress_bar_counts_the_workers_samples(squares, monkeypatch, shown_progress):
     model, samples = squares
-    shown: list[int] = []
-
-    @contextlib.contextmanager
-    def recording_counter(total, description, enabled):  # noqa: ANN001, ANN202 - stands in for progress_counter
-        assert (total, enabled) == (len(samples), True)
-        yield shown.append
-
-    monkeypatch.setattr(calibrate_run, "progress_counter", recording_counter)
     monkeypatch.setattr(calibrate_run, "cores", lambda: 2)
     calibrate(model, samples, jobs=2, show_progress=True)
+    shown, bars = shown_progress
+    assert bars == [(len(samples), True)]
     assert shown and shown == sorted(shown) and shown[-1] == len(samples)

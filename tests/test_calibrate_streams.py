@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import SQUARES, run_cli, square_samples
 
 import npuprep.calibrate.run as calibrate_run
 import npuprep.runtime.session as runtime_session
@@ -17,13 +16,6 @@ from npuprep.calibrate import calibrate
 from npuprep.calibrate.run import plan_streams, session_threads
 from npuprep.data import load_samples
 from npuprep.errors import NpuprepError
-from npuprep.model_io import load_model
-
-# x -> Mul(x, x) -> sq -> Sub(sq, x) -> y
-MODEL = """
-<ir_version: 8, opset_import: ["" : 18]>
-g (float[8,8] x) => (float[8,8] y) { sq = Mul(x, x)  y = Sub(sq, x) }
-"""
 
 # Scales of the samples: ordinary ones, then outliers that flag tensors only later on, so
 # sessions are rebuilt while other streams run.
@@ -32,13 +24,7 @@ SCALES = [1.0, 2.0, 1.5, 200.0, 1e-3, 1.0, 3e3, 0.5, 1e-5, 1.0, 40.0]
 
 @pytest.fixture
 def scaled(tmp_path, save):
-    model = load_model(save(MODEL))
-    rng = np.random.default_rng(11)
-    folder = tmp_path / "data"
-    folder.mkdir()
-    for i, scale in enumerate(SCALES):
-        np.savez(folder / f"s{i:03d}.npz", x=(rng.standard_normal((8, 8)) * scale).astype(np.float32))
-    return model, load_samples(folder, model.proto), folder
+    return square_samples(tmp_path, save, SCALES, seed=11)
 
 
 @pytest.fixture
@@ -143,19 +129,12 @@ def test_a_bad_sample_stops_every_stream_with_its_own_error(scaled, slow_runs, m
     assert len(slow_runs) < 2 * len(SCALES)  # the streams stopped instead of running the rest
 
 
-def test_the_progress_bar_counts_every_streams_samples(scaled, monkeypatch):
+def test_the_progress_bar_counts_every_streams_samples(scaled, monkeypatch, shown_progress):
     model, samples, _ = scaled
-    shown: list[int] = []
-
-    @contextlib.contextmanager
-    def recording_counter(total, description, enabled):  # noqa: ANN001, ANN202 - stands in for progress_counter
-        assert (total, enabled) == (len(samples), True)
-        yield shown.append
-
-    monkeypatch.setattr(calibrate_run, "progress_counter", recording_counter)
     monkeypatch.setattr(calibrate_run, "cores", lambda: 2)
     calibrate(model, samples, streams=2, show_progress=True)
-    assert shown == list(range(1, len(samples) + 1))
+    shown, bars = shown_progress
+    assert bars == [(len(samples), True)] and shown == list(range(1, len(samples) + 1))
 
 
 def test_forked_processes_run_streams_too(scaled, monkeypatch):
@@ -165,7 +144,7 @@ def test_forked_processes_run_streams_too(scaled, monkeypatch):
 
 
 def test_streams_on_the_command_line(save, tmp_path):
-    model = save(MODEL)
+    model = save(SQUARES)
     one = run_cli("calibrate", model, "--synthetic", "9", "--streams", "1", "--json")
     three = run_cli("calibrate", model, "--synthetic", "9", "--streams", "3", "--json")
     assert one.returncode == 0 and three.returncode == 0, one.stderr + three.stderr
