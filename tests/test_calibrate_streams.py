@@ -151,3 +151,21 @@ def test_streams_on_the_command_line(save, tmp_path):
     assert json.loads(three.stdout)["tensors"] == json.loads(one.stdout)["tensors"]
     bad = run_cli("calibrate", model, "--synthetic", "2", "--streams", "x")
     assert bad.returncode == 2 and "--streams" in bad.stderr and "expected a count >= 0 or 'auto'" in bad.stderr
+
+
+def test_the_first_session_runs_sample_0_on_every_core_and_the_streams_on_one_each(scaled, monkeypatch):
+    model, samples, _ = scaled
+    opened: list[tuple[int, bool]] = []
+    real_open = calibrate_run.Prepared.open
+
+    def recording_open(self, threads, detailed, nan_checked=None, lean=(), prepack=True):  # noqa: ANN001, ANN202
+        inst, session = real_open(self, threads, detailed, nan_checked, lean, prepack)
+        opened.append((session.get_session_options().intra_op_num_threads, prepack))
+        return inst, session
+
+    monkeypatch.setattr(calibrate_run.Prepared, "open", recording_open)
+    monkeypatch.setattr(calibrate_run, "cores", lambda: 2)
+    calibrate(model, samples, streams=2)
+    # onnxruntime's default (0: every core) for the first, without prepacked weights.
+    assert opened[0] == (0, False) and len(opened) > 1
+    assert set(opened[1:]) == {(1, True)}

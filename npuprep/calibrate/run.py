@@ -286,11 +286,12 @@ class Folding:
         # built without prepacked weights (most of a build: benchmark transformer 0.15 of
         # 0.24 s), since sample 0 usually shows it must be rebuilt with the detail, and its
         # rows are never kept. Every statistic comes from a session with prepacked weights,
-        # as plain inference's: their MatMul kernels round differently, by an ulp or so.
+        # as plain inference's: their MatMul kernels round differently, by an ulp or so. It
+        # runs sample 0 alone, so on every core.
         self.prepacked = not on_demand or settled is not None
         # The instrumented graph and its session, replaced together (see measure).
         self.opened: tuple[Instrumented, object] | None = prepared.open(
-            threads, self.detailed, self.nan_checked, self.lean, prepack=self.prepacked)
+            threads if self.prepacked else None, self.detailed, self.nan_checked, self.lean, prepack=self.prepacked)
         self._reopening = threading.Lock()
         self.acc = Accumulator(len(self.inst.slots))
 
