@@ -424,8 +424,8 @@ def fold_streams(
     if streams == 1:
         parts = [stream()]
     else:
-        parts = [Accumulator(rows)] * streams
-        threads = [threading.Thread(target=lambda i=i: parts.__setitem__(i, stream()), name=f"npuprep-stream-{i}")
+        parts = []  # in any order: merging is associative and commutative
+        threads = [threading.Thread(target=lambda: parts.append(stream()), name=f"npuprep-stream-{i}")
                    for i in range(streams)]
         try:
             for t in threads:
@@ -438,8 +438,8 @@ def fold_streams(
                 t.join()
     if errors:
         raise errors[0]
-    acc = parts[0]
-    for part in parts[1:]:
+    acc, *others = parts
+    for part in others:
         acc.merge(part)
     return acc
 
