@@ -152,12 +152,15 @@ def convert(
     samples_description: str = "",
     synthetic: bool = False,
     max_rounds: int = 3,
+    opset: int | None = None,
 ) -> ConversionResult:
     """Plan (unless a plan is given), rewrite, lower and verify `model` for `profile`.
 
     `samples` are the calibration samples (verification runs on them); `holdout` verifies
     on samples not used for calibration. `stats` are the calibration statistics (None:
-    plan from static findings only).
+    plan from static findings only). The lowered model keeps the model's default-domain
+    opset unless `opset` asks for another (onnx's version converter; a clear error when it
+    cannot convert).
     """
     from npuprep.analyse import static_findings
     from npuprep.plan.planner import make_plan
@@ -174,7 +177,7 @@ def convert(
     result = None
     for round_no in range(1, max_rounds + 1):
         result = _build(model, profile, fmt, plan, samples, io_types=io_types, rtol=rtol,
-                        holdout=holdout)
+                        holdout=holdout, opset=opset)
         if result["output_check"] or round_no == max_rounds:
             break
         first = result["layers"].first_divergent
@@ -224,7 +227,7 @@ def _nodes_to_pin(rewritten: Any, node: str, pinned: set[str]) -> tuple[str, ...
 
 def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
            samples: Sequence[Feed], *, io_types: str, rtol: float,
-           holdout: Sequence[Feed] | None) -> dict[str, Any]:
+           holdout: Sequence[Feed] | None, opset: int | None = None) -> dict[str, Any]:
     from npuprep.report.flops import fp32_flops_share
     from npuprep.rewrite.apply import apply_plan
     from npuprep.rewrite.lower import lower
@@ -236,6 +239,10 @@ def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
     lower_fmt = fmt if fmt.name in ("fp16", "bf16") else get_format("fp16")
     lowered = lower(applied.model, lower_fmt, pinned_nodes=sorted(pinned), io_types=io_types)
     pinned |= set(lowered.pinned_nodes)
+    if opset is not None:
+        from npuprep.opsets import convert_opset
+
+        lowered = replace(lowered, model=convert_opset(lowered.model, opset, why="--opset"))
     emulation = emulate(applied.model, fmt, saturate=profile.saturates, pinned_nodes=pinned)
     layers = compare_models(model.proto, emulation.model, samples, rtol=rtol, atol=DEFAULT_ATOL,
                             tensor_scales=applied.tensor_scales, fmt=fmt)

@@ -258,3 +258,18 @@ def topological_order(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     for node in graph.node:
         visit(node)
     return order
+
+
+def copy_fields(src, dst, skip: str) -> None:  # noqa: ANN001 - any protobuf message pair
+    """Copy every set field of `src` into `dst` but `skip`: a whole-model CopyFrom would
+    copy the weights too."""
+    for fd, value in src.ListFields():
+        if fd.name == skip:
+            continue
+        target = getattr(dst, fd.name)
+        if type(value).__name__.startswith("Repeated"):
+            target.extend(value)
+        elif hasattr(value, "CopyFrom"):
+            target.CopyFrom(value)
+        else:
+            setattr(dst, fd.name, value)

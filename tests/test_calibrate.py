@@ -315,17 +315,6 @@ def test_untyped_tensors_are_listed_not_skipped(tmp_path, save):
     assert [s.tensor for s in inst.slots] == ["x"]
 
 
-def test_opset_too_old_is_a_user_error(tmp_path, save):
-    # x -> Relu -> y (opset 11)
-    model = load_model(save("""
-        <ir_version: 7, opset_import: ["" : 11]>
-        g (float[2] x) => (float[2] y) { y = Relu(x) }
-    """))
-    np.savez(tmp_path / "a.npz", x=np.ones(2, np.float32))
-    with pytest.raises(NpuprepError, match="opset"):
-        calibrate(model, load_samples(str(tmp_path / "a.npz"), model.proto))
-
-
 def test_fp16_tensors_are_observed_exactly(tmp_path, save):
     # x -> Cast(fp16) -> h -> Mul(h, h) -> hh -> Cast(fp32) -> y
     model = load_model(save("""

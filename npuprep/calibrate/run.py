@@ -27,7 +27,9 @@ from npuprep.calibrate.stats import Accumulator, CalibrationStats
 from npuprep.cli.common import progress_counter
 from npuprep.data import SampleSet
 from npuprep.errors import NpuprepError
+from npuprep.graph import copy_fields
 from npuprep.model_io import Model
+from npuprep.opsets import WORKING_OPSET, at_least, check_opset_supported
 
 
 def calibrate(
@@ -47,8 +49,7 @@ def calibrate(
     `jobs` > 1 splits the samples after the first into contiguous ranges, one forked process
     each (see `_fold_parallel`); 0 picks the count (see `plan_jobs`).
     """
-    if model.opset < 13:
-        raise NpuprepError(f"{model.path or 'model'}: calibration needs opset >= 13 (model has {model.opset})")
+    check_opset_supported(model.proto, model.path or "model")
     count = len(samples)
     jobs = plan_jobs(jobs, count)
     streams = plan_streams(streams, count, jobs)
@@ -199,9 +200,16 @@ def prepare(model: Model, detail: str) -> Prepared:
         if graph is model.proto or external_locations(graph) - {path.name}:
             found = external_home(graph, folder)
             if found is not None and os.access(found[1], os.W_OK):
-                return Prepared(found[0], {}, found[1], detail)
+                return Prepared(_working(found[0], model), {}, found[1], detail)
     skeleton, weights = _split_weights(model.proto, folder)
-    return Prepared(skeleton, weights, None, detail)
+    return Prepared(_working(skeleton, model), weights, None, detail)
+
+
+def _working(graph: onnx.ModelProto, model: Model) -> onnx.ModelProto:
+    """The weightless graph at the opset the statistics nodes are written for (an older
+    model's graph is upgraded; tensor names, and so the statistics, are unchanged)."""
+    return at_least(graph, WORKING_OPSET,
+                    why=f"{model.path or 'model'}: calibrating opset {model.opset}")[0]
 
 
 # Initialisers above this size reach onnxruntime as arrays, not inside the serialised graph.
@@ -217,8 +225,8 @@ def _split_weights(
     from npuprep.model_io import external_array
 
     skeleton = onnx.ModelProto()
-    _copy_fields(proto, skeleton, skip="graph")
-    _copy_fields(proto.graph, skeleton.graph, skip="initializer")
+    copy_fields(proto, skeleton, skip="graph")
+    copy_fields(proto.graph, skeleton.graph, skip="initializer")
     weights: dict[str, np.ndarray] = {}
     for init in proto.graph.initializer:
         external = init.data_location == onnx.TensorProto.EXTERNAL
@@ -234,19 +242,6 @@ def _split_weights(
             entry = placeholder.external_data.add()
             entry.key, entry.value = key, value
     return skeleton, weights
-
-
-def _copy_fields(src, dst, skip: str) -> None:  # noqa: ANN001 - any protobuf message pair
-    for fd, value in src.ListFields():
-        if fd.name == skip:
-            continue
-        target = getattr(dst, fd.name)
-        if type(value).__name__.startswith("Repeated"):
-            target.extend(value)
-        elif hasattr(value, "CopyFrom"):
-            target.CopyFrom(value)
-        else:
-            setattr(dst, fd.name, value)
 
 
 def _keys(inst: Instrumented) -> list[str]:

@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", help="compute format to target (default: the profile's)")
     p.add_argument("--io-types", choices=("fp32", "target"), default="fp32",
                    help="keep graph inputs/outputs FP32 (default) or give them the target type")
+    p.add_argument("--opset", type=int,
+                   help="write the converted model at this default-domain opset "
+                        "(default: the model's own; some compilers need 11 or 12)")
     p.add_argument("--holdout", help="samples not used for calibration, to verify on")
     p.add_argument("--rtol", type=float, default=1e-2,
                    help="largest relative L2 error of each output (default 1e-2)")
@@ -74,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         model, profile, list(samples), stats=stats, plan=plan, precision=args.precision,
         io_types=args.io_types, rtol=args.rtol, holdout=list(holdout) if holdout else None,
         samples_description=samples.describe(), synthetic=samples.synthetic,
-        max_rounds=max(1, args.max_rounds),
+        max_rounds=max(1, args.max_rounds), opset=args.opset,
     )
     report = _write_artefacts(args, result, output)
     if args.json:

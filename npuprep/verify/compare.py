@@ -286,11 +286,13 @@ def compare_emulated(
 
 
 def upgrade_notes(emulation: Any) -> tuple[str, ...]:
-    """A note when the emulation had to upgrade the model's opset (FP8 Cast needs 19)."""
+    """A note when the emulation had to upgrade the model's opset (its nodes need 13; FP8
+    Cast needs 19)."""
     if emulation.upgraded_from_opset is None:
         return ()
-    return (f"the model declares opset {emulation.upgraded_from_opset}; FP8 Cast needs opset 19, "
-            "so the emulation ran on a copy upgraded by onnx's version converter (tensor names kept)",)
+    need = 19 if emulation.fmt.name.startswith("fp8") else 13
+    return (f"the model declares opset {emulation.upgraded_from_opset}; the emulation needs opset "
+            f"{need}, so it ran on a copy upgraded by onnx's version converter (tensor names kept)",)
 
 
 DEFAULT_ATOL = 1e-3
@@ -321,7 +323,7 @@ def emulation_notes(profile: Any, saturate: bool) -> tuple[str, ...]:
 
 def _same_opset(ref: onnx.ModelProto, cand: onnx.ModelProto) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """Both models at one default-domain opset, so one merged graph can hold them."""
-    from npuprep.verify.emulate import upgrade_opset
+    from npuprep.opsets import upgrade_opset
 
     a, b = model_opset(ref), model_opset(cand)
     if a < b:

@@ -23,9 +23,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from npuprep.errors import NpuprepError
 from npuprep.graph import infer_tensors, node_label, walk_graphs
-from npuprep.model_io import model_opset
 from npuprep.numerics import NumberFormat
 from npuprep.ops import DATA_MOVEMENT_OPS, FP32_ONLY_INPUTS
+from npuprep.opsets import WORKING_OPSET, at_least, check_opset_supported
 
 SUFFIX = "__fp32"
 FP8_MIN_OPSET = 19
@@ -63,19 +63,18 @@ def emulate(
 
     `saturate` says whether overflow clips to +-max (a saturating engine, or FP8 Cast with
     saturate=1) or gives Inf/NaN. It is passed explicitly: it comes from the target profile
-    or from a probe, never from the format. An FP8 emulation needs opset 19 (FP8 Cast);
-    an older model is upgraded with onnx's version converter, or refused with the reason.
+    or from a probe, never from the format. The emulation graph needs opset 13 (19 for FP8
+    Cast); an older model is emulated on a copy upgraded by onnx's version converter (tensor
+    names kept), or refused with the reason.
     """
     if fmt.name == "fp32":
         raise NpuprepError("emulating fp32 is the reference itself; pick fp16, bf16 or fp8")
-    opset = model_opset(model)
-    if opset < 13:
-        raise NpuprepError(f"emulation needs opset >= 13 (the model declares {opset})")
+    check_opset_supported(model, "emulation")
     fp8 = fmt.name.startswith("fp8")
-    upgraded_from = None
-    if fp8 and opset < FP8_MIN_OPSET:
-        model = upgrade_opset(model, FP8_MIN_OPSET, why="FP8 emulation needs FP8 Cast")
-        upgraded_from = opset
+    if fp8:
+        model, upgraded_from = at_least(model, FP8_MIN_OPSET, why="FP8 emulation needs FP8 Cast")
+    else:
+        model, upgraded_from = at_least(model, WORKING_OPSET, why="emulating an older opset")
     pinned = set(pinned_nodes)
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -159,31 +158,6 @@ def emulate(
 
     return Emulation(out, fmt, saturate, tuple(rounded), tuple(weights), tuple(sorted(pinned)),
                      upgraded_from)
-
-
-def upgrade_opset(model: onnx.ModelProto, opset: int, *, why: str) -> onnx.ModelProto:
-    """The model converted to `opset`, keeping every tensor name; a clear error otherwise."""
-    from onnx import version_converter
-
-    old = model_opset(model)
-    try:
-        new = version_converter.convert_version(model, opset)
-        onnx.checker.check_model(new)
-    except Exception as exc:  # noqa: BLE001 - the converter raises many kinds
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise NpuprepError(
-            f"{why}: the model declares opset {old} and onnx's version converter could not "
-            f"upgrade it to {opset} ({first}); upgrade it yourself first"
-        ) from None
-    before = {o for s in walk_graphs(model.graph) for n in s.graph.node for o in n.output if o}
-    after = {o for s in walk_graphs(new.graph) for n in s.graph.node for o in n.output if o}
-    missing = sorted(before - after)
-    if missing:
-        raise NpuprepError(
-            f"{why}: upgrading opset {old} to {opset} lost tensor '{missing[0]}'; "
-            "upgrade the model yourself first"
-        )
-    return new
 
 
 class _ChainBuilder:
