@@ -181,7 +181,7 @@ def _validate(feed: Feed, specs: tuple[InputSpec, ...], where: str) -> Feed:
         raise NpuprepError(f"{where}: unknown input '{extra[0]}' (model inputs: {', '.join(sorted(names))})")
     out: Feed = {}
     for s in specs:
-        arr = np.asarray(feed[s.name])
+        arr = _as_low_float(np.asarray(feed[s.name]), s.dtype)
         if arr.dtype != s.dtype:
             raise NpuprepError(f"{where}: input '{s.name}' has dtype {arr.dtype}, the model expects {s.dtype}")
         if arr.ndim != len(s.shape) or any(
@@ -205,3 +205,17 @@ def _validate(feed: Feed, specs: tuple[InputSpec, ...], where: str) -> Feed:
 
 def is_float_input(spec: InputSpec) -> bool:
     return onnx.helper.np_dtype_to_tensor_dtype(spec.dtype) in FLOAT_ONNX_TYPES
+
+
+def _as_low_float(arr: np.ndarray, want: np.dtype) -> np.ndarray:
+    """A BF16/FP8 input as numpy stores it: `.npz` keeps ml_dtypes arrays as raw bytes
+    (void of the same width), which are the values themselves; FP32 given for such an input
+    is rounded to it (round to nearest even, as a Cast would)."""
+    if want.kind != "V" or arr.dtype == want:
+        return arr
+    if arr.dtype.kind == "V" and arr.dtype.itemsize == want.itemsize:
+        return arr.view(want)
+    if arr.dtype == np.float32:
+        return arr.astype(want)
+    return arr
+

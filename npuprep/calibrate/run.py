@@ -191,11 +191,12 @@ def prepare(model: Model, detail: str) -> Prepared:
     other model, and any whose data files lie apart or in a folder that is not writable,
     hands onnxruntime its weights as arrays, those stored externally read from disk.
     """
+    from npuprep.bf16 import has_bf16
     from npuprep.model_io import external_home, external_locations, light_proto, uses_external_data
 
     path = Path(model.path) if model.path else None
     folder = path.parent if path is not None and path.is_file() else None
-    if folder is not None:
+    if folder is not None and not has_bf16(model.proto):
         graph = model.proto if uses_external_data(model.proto) else light_proto(path)
         if graph is model.proto or external_locations(graph) - {path.name}:
             found = external_home(graph, folder)

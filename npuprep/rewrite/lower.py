@@ -129,6 +129,10 @@ class _Lowering:
         self.body_input_owner: dict[str, onnx.NodeProto] = {}
         self.casts = 0
         self.cast_cache: dict[tuple[int, str, int], str] = {}
+        # Each Cast's target as the model wrote it: lowering rewrites `to` in place, and a
+        # reader's Cast decision must not depend on whether its producer was lowered first.
+        self.cast_to = {id(n): _attr_int(n, "to") for s in self.scopes for n in s.graph.node
+                        if n.op_type == "Cast"}
         self.weights: dict[str, _Weight] = {}
         self.mapped: dict[str, int] = {}
         self.flushed: dict[str, int] = {}
@@ -330,7 +334,7 @@ class _Lowering:
         if (node.op_type, pos) in _FIXED_FLOAT_OUTPUTS:
             return FLOAT
         if node.op_type == "Cast":
-            return FLOAT if _attr_int(node, "to") != FLOAT else self.low_type
+            return FLOAT if self.cast_to.get(id(node), _attr_int(node, "to")) != FLOAT else self.low_type
         return self.low_type
 
     def _fresh(self, base: str) -> str:

@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from npuprep.bf16 import has_bf16, widen_array, widen_bf16
 from npuprep.errors import NpuprepError
 from npuprep.model_io import PROTOBUF_LIMIT
 
@@ -42,9 +43,12 @@ def make_session(
 ) -> ort.InferenceSession:
     """A CPU session. Protos over the protobuf limit go through a temporary external-data file.
 
-    `bytes` is an already serialised model (saves serialising a large proto twice).
+    `bytes` is an already serialised model (saves serialising a large proto twice). A proto
+    holding BF16 is widened to FP32 exactly first (npuprep.bf16).
     """
     opts = session_options(threads=threads, optimize=optimize)
+    if isinstance(model, onnx.ModelProto) and has_bf16(model):
+        model = widen_bf16(model)
     providers = ["CPUExecutionProvider"]
     with _load_errors():
         if isinstance(model, bytes):
@@ -78,7 +82,7 @@ def run(
 ) -> dict[str, np.ndarray]:
     """Run once; returns name -> array for the requested (default: all) outputs."""
     names = list(outputs) if outputs is not None else [o.name for o in session.get_outputs()]
-    values = session.run(names, feeds)
+    values = session.run(names, {k: widen_array(np.asarray(v)) for k, v in feeds.items()})
     return dict(zip(names, values, strict=True))
 
 
@@ -123,7 +127,8 @@ def make_session_external(
     arrays as they are instead of parsing a second copy out of a serialised model, which
     keeps peak memory near a session loaded from a file. The session keeps the arrays alive.
     A path is loaded as it is (its own external data). `prepack=False` builds it without
-    onnxruntime's prepacked weights: faster to build, slower MatMuls.
+    onnxruntime's prepacked weights: faster to build, slower MatMuls. A proto holding BF16
+    is widened to FP32 exactly first, its BF16 arrays too (npuprep.bf16).
     """
     opts = session_options(threads=threads, optimize=optimize)
     if not prepack:
@@ -145,6 +150,9 @@ def make_session_external(
     opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     _reuse_freed_buffers()
     weights = weights or {}
+    if not isinstance(model, str) and has_bf16(model):
+        model = widen_bf16(model)
+        weights = {name: widen_array(value) for name, value in weights.items()}
     names = list(weights)
     values = [ort.OrtValue.ortvalue_from_numpy(weights[n]) for n in names]
     if names:

@@ -528,8 +528,11 @@ def _count_pass(ref: onnx.ModelProto, cand: onnx.ModelProto, pairs: list[Pair],
 
 def _session(model: onnx.ModelProto, threads: int | None) -> Any:
     """A session on the merged model, serialised once (it holds both models' weights)."""
+    from npuprep.bf16 import has_bf16
     from npuprep.runtime.session import make_session
 
+    if has_bf16(model):
+        return make_session(model, threads=threads)  # widened to FP32 first
     try:
         data = model.SerializeToString()
     except (ValueError, RuntimeError):  # past protobuf's 2 GiB: make_session uses external data
