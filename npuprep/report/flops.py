@@ -27,7 +27,8 @@ def _shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
 
 
 def node_flops(model: onnx.ModelProto) -> dict[str, int]:
-    """Node label -> FLOPs (multiply-adds count 2); elementwise ops count one per output."""
+    """Node label -> FLOPs (multiply-adds count 2); elementwise ops count one per output.
+    Unknown shapes count as one element."""
     shapes = _shapes(model)
     flops: dict[str, int] = {}
     for scope in walk_graphs(model.graph):
@@ -35,13 +36,14 @@ def node_flops(model: onnx.ModelProto) -> dict[str, int]:
             out = shapes.get(node.output[0], ()) if node.output else ()
             n_out = math.prod(out) if out else 1
             op = node.op_type
-            if op in ("Conv", "ConvTranspose") and len(node.input) > 1 and node.input[1] in shapes:
-                w = shapes[node.input[1]]
+            w = shapes.get(node.input[1], ()) if len(node.input) > 1 else ()
+            a = shapes.get(node.input[0], ()) if node.input else ()
+            if op in ("Conv", "ConvTranspose") and len(w) >= 3:
                 group = int(attribute(node, "group", 1) or 1)
                 per_out = math.prod(w[1:]) if op == "Conv" else math.prod(w[2:]) * w[0] // group
                 flops[node_label(node)] = 2 * n_out * per_out
-            elif op in ("MatMul", "Gemm") and node.input[0] in shapes:
-                a = shapes[node.input[0]]
+            elif op in ("MatMul", "Gemm") and len(a) >= (1 if op == "MatMul" else 2):
+                # A rank-1 MatMul operand is a vector: its length is the reduced dimension.
                 k = a[-1] if op == "MatMul" or not attribute(node, "transA", 0) else a[-2]
                 flops[node_label(node)] = 2 * n_out * k
             else:
