@@ -122,3 +122,28 @@ def test_check_cli_with_data_stats_precision_and_synthetic(save, tmp_path):
     assert all("synthetic samples" in f["message"] for f in measured)
     lonely = run_cli("check", model, "--target", "generic", "--precision", "fp8_e4m3")
     assert lonely.returncode == 2 and "--precision" in lonely.stderr
+
+
+def test_additive_masks_are_one_warning_and_log_of_zero_stays_an_error(save, tmp_path):
+    # scores + mask(0 / -inf constant) -> masked (-inf where masked) -> Softmax -> p ;  x -> Log -> lg (-Inf at 0)
+    path = save("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (float[1,4] x) => (float[1,4] p, float[1,4] lg) {
+            mask = Constant<value = float[1,4] {0, 0, -inf, -inf}>()
+            masked = Add(x, mask)
+            p = Softmax(masked)
+            lg = Log(x)
+        }
+    """)
+    model = load_model(path)
+    folder = tmp_path / "d"
+    folder.mkdir()
+    for i, row in enumerate([[0.0, 1.0, 2.0, 3.0], [5.0, 1.0, 2.0, 3.0]]):
+        np.savez(folder / f"{i}.npz", x=np.array([row], np.float32))
+    stats = calibrate(model, load_samples(str(folder), model.proto))
+    found = measured_findings(model, load_profile("a2000"), stats)
+    masks = [f for f in found if f.rule == "range.mask"]
+    assert len(masks) == 1 and masks[0].severity is Severity.WARNING
+    assert masks[0].evidence["tensors"] == ["masked"]  # constants are not calibrated
+    nonfinite = [f for f in found if f.rule == "range.nonfinite"]
+    assert [f.tensor for f in nonfinite] == ["lg"] and nonfinite[0].severity is Severity.ERROR

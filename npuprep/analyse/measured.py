@@ -1,4 +1,4 @@
-"""Measured ranges against the target format: range.nonfinite, range.overflow, range.headroom, range.underflow."""
+"""Measured ranges against the target format: range.nonfinite, range.mask, range.overflow, range.headroom, range.underflow."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from npuprep.graph import walk_graphs
 from npuprep.model_io import Model
 from npuprep.numerics import NumberFormat, get_format
 from npuprep.ops import LINEAR_WITH_WEIGHTS
-from npuprep.profiles import TargetProfile
+from npuprep.profiles import Severity, TargetProfile
 
 # A tensor underflows when at least this share of its nonzero finite values lies below the
 # format's smallest normal (those lose precision or flush to zero).
@@ -25,11 +25,16 @@ def measured_findings(
     fmt = get_format(precision or profile.default_precision)
     ops = _producer_ops(model)
     found: list[Finding] = []
+    masks: list[tuple[RangeStats, str]] = []
+    from_masks = _downstream_of_mask_constants(model)
     for key in sorted(stats.tensors):
         s = stats.tensors[key]
         op = ops.get((s.scope, s.tensor), "")
         where = dict(node=s.node, op_type=op, tensor=s.tensor, scope=s.scope)
         base = _evidence(s, fmt, profile, stats)
+        if s.tensor in from_masks and is_mask_like(s):
+            masks.append((s, op))
+            continue
         if s.nan_count or s.inf_count:
             found.append(Finding(
                 rule="range.nonfinite", severity=profile.severity["overflow"], **where,
@@ -81,6 +86,8 @@ def measured_findings(
                 remedy="rescale",
                 remedy_text="scale the tensor up by 2^k (exact) so its values clear the smallest normal",
             ))
+    if masks:
+        found.append(_mask_finding(masks, fmt))
     return Findings(tuple(sorted(found, key=lambda f: (-int(f.severity), f.rule, f.tensor))))
 
 
@@ -133,4 +140,62 @@ def _outlier(samples_over: int, s: RangeStats) -> str:
     if samples_over == 1 and len(s.per_sample_absmax) > 2:
         return "; a single outlier sample"
     return ""
+
+
+def is_mask_like(s: RangeStats) -> bool:
+    """-Inf and no other non-finite value: what an additive attention mask (or a -inf fill
+    in a Where) gives, which softmax turns into exact zeros."""
+    return s.inf_count > 0 and s.nan_count == 0 and s.min == -math.inf and math.isfinite(s.max)
+
+
+def _mask_finding(masks: list[tuple[RangeStats, str]], fmt: NumberFormat) -> Finding:
+    """One warning for every tensor holding only -inf as its non-finite values."""
+    first, op = masks[0]
+    names = [s.tensor for s, _ in masks]
+    finite_absmax = max((max(abs(s.max), 0.0) for s, _ in masks), default=0.0)
+    return Finding(
+        rule="range.mask", severity=Severity.WARNING, node=first.node, op_type=op,
+        tensor=first.tensor, scope=first.scope,
+        message=f"{len(masks)} tensor(s) hold -inf and no other non-finite value (first: "
+                f"{first.tensor}): an additive mask, intentional; lowering stores mask "
+                f"constants as {fmt.name}'s -max",
+        evidence={"tensors": names, "count": len(masks), "largest_finite": finite_absmax},
+        remedy="none",
+        remedy_text="nothing to do if these are masks; check that -max survives the compiler",
+    )
+
+
+# A constant at or below this is a mask value (-inf, or FP32's lowest used instead).
+_MASK_VALUE = -1e30
+
+
+def _downstream_of_mask_constants(model: Model) -> set[str]:
+    """Tensors computed from a constant holding -inf (or FP32 lowest), every scope: where
+    their -inf comes from, it was put there on purpose (a Log of 0 is not among them)."""
+    from onnx import numpy_helper
+
+    from npuprep.graph import attribute
+
+    def holds_mask(t) -> bool:  # noqa: ANN001 - TensorProto
+        if t.data_type not in (1, 10, 11, 16):
+            return False
+        value = numpy_helper.to_array(t)
+        return value.size > 0 and bool((value.astype("float64") <= _MASK_VALUE).any())
+
+    tainted: set[str] = set()
+    for scope in walk_graphs(model.graph):
+        tainted |= {i.name for i in scope.graph.initializer if holds_mask(i)}
+        for node in scope.graph.node:
+            value = attribute(node, "value") if node.op_type in ("Constant", "ConstantOfShape") else None
+            if value is not None and hasattr(value, "data_type") and holds_mask(value):
+                tainted.update(o for o in node.output if o)
+    changed = bool(tainted)
+    while changed:
+        changed = False
+        for scope in walk_graphs(model.graph):
+            for node in scope.graph.node:
+                if any(i in tainted for i in node.input) and not all(o in tainted for o in node.output if o):
+                    tainted.update(o for o in node.output if o)
+                    changed = True
+    return tainted
 
