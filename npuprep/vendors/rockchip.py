@@ -27,6 +27,7 @@ from npuprep.errors import NpuprepError
 ENV_PYTHON = "NPUPREP_RKNN_PYTHON"
 DEFAULT_VENV = Path.home() / ".cache" / "npuprep" / "rknn-venv"
 JOB_SCRIPT = Path(__file__).with_name("rknn_job.py")
+KIT_RUNNER = Path(__file__).with_name("rknn_kit_runner.py")
 MAKE_VENV = Path(__file__).with_name("make_rknn_venv.sh")
 SETUP_HINT = f"build it with: bash {MAKE_VENV} (then export {ENV_PYTHON}=DIR/bin/python)"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -193,7 +194,3 @@ def range_warnings(log: str) -> list[dict[str, str]]:
     return [{"tensor": m.group("tensor"), "lo": m.group("lo"), "hi": m.group("hi")}
             for m in _RANGE.finditer(_ANSI.sub("", log))]
 
-
-def job_script_text() -> str:
-    """The vendor-side runner, for kits that travel to a board."""
-    return JOB_SCRIPT.read_text()
