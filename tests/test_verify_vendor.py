@@ -58,3 +58,22 @@ def test_compare_with_rknn_fails_the_fp32_model(rknn_python, conv_stack):
     vendor = json.loads(done.stdout)["vendor"]
     assert vendor["outputs"]["y"]["nonfinite"] > 0
     assert vendor["layers"]["non_finite"]
+
+
+def test_a_host_scaled_output_is_finite_in_the_simulator(rknn_python, tmp_path):
+    """guidance: y = eps_c + 7.5 (eps_c - eps_u) reaches 1.1e5; it leaves the NPU divided by 4."""
+    zoo = ZOO["guidance"]()
+    onnx.save(zoo.model, str(tmp_path / "m.onnx"))
+    data = tmp_path / "data"
+    data.mkdir()
+    for i, sample in enumerate(zoo.samples):
+        np.savez(data / f"s{i}.npz", **sample)
+    done = run_cli("convert", tmp_path / "m.onnx", "--target", "rk3588", "--data", data,
+                   "-o", tmp_path / "out.onnx", "--verify-with", "rknn",
+                   "--vendor-python", rknn_python, "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["host_scales"] == {"y": 4.0}
+    vendor = report["vendor"]
+    assert vendor["host_scales"] == {"y": 4.0}
+    assert vendor["outputs"]["y"]["nonfinite"] == 0 and vendor["outputs"]["y"]["rel_l2"] <= 1e-2

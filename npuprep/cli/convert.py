@@ -155,6 +155,7 @@ def _write_artefacts(args: argparse.Namespace, result: Any, output: Path,
     from npuprep.model_io import Model, save_model, write_text_atomic
     from npuprep.plan import PinFp32, save_plan
     from npuprep.report import constraints
+    from npuprep.report.host_scales import host_scales_block
     from npuprep.report.render_md import convert_markdown
 
     base = output.with_suffix("")
@@ -169,17 +170,18 @@ def _write_artefacts(args: argparse.Namespace, result: Any, output: Path,
     if extra:
         plan = _with_pins(plan, extra, PinFp32)
     flags = constraints.trt_flags(plan, low_model)
+    host = host_scales_block(result.host_scales)
     artefacts = {
         "model": str(output),
         "plan": str(save_plan(result.plan, f"{base}.plan.yaml")),
         "precision_yaml": str(write_text_atomic(f"{base}.precision.yaml",
-                                                constraints.precision_yaml(plan, low_model))),
+                                                constraints.precision_yaml(plan, low_model) + host)),
         "trtexec": str(write_text_atomic(f"{base}.trtexec.txt", "\n".join(
             [flags.command_line(output.name), "", *(f"# {n}" for n in flags.notes)]) + "\n")),
         "horizon_node_info": str(write_text_atomic(f"{base}.horizon.yaml",
                                                    constraints.horizon_node_info(plan, low_model))),
         "rknn_custom_quantize_layers": str(write_text_atomic(
-            f"{base}.rknn.yaml", constraints.rknn_custom_quantize_layers(plan, low_model))),
+            f"{base}.rknn.yaml", constraints.rknn_custom_quantize_layers(plan, low_model) + host)),
     }
     if vendor is not None:
         report["vendor"] = vendor.to_dict()
