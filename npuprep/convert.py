@@ -235,7 +235,8 @@ def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
     from npuprep.verify.compare import DEFAULT_ATOL, compare_models, emulation_notes
     from npuprep.verify.emulate import emulate
 
-    applied = apply_plan(model.proto, plan)
+    plan, shifts, source = _softmax_shifts(model, plan, profile)
+    applied = apply_plan(source, plan)
     # A target that cannot pin runs every node in its format: emulate it so (a PASSED then
     # matches the device) and move output compensations it cannot hold to the host.
     no_pin = profile.fp32_pinning is Pinning.NONE
@@ -250,6 +251,9 @@ def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
     layers = compare_models(model.proto, emulation.model, samples, rtol=rtol, atol=DEFAULT_ATOL,
                             tensor_scales=applied.tensor_scales, fmt=fmt)
     notes = list(emulation_notes(profile, profile.saturates)) + list(host_notes)
+    notes += [f"'{e}' heads a written-out softmax: its input minus the row max replaces the "
+              "clamp (exact; a target that cannot pin gains nothing from a clamp there)"
+              for e in shifts]
     if no_pin:
         notes.append(f"target {profile.name} cannot pin FP32 (fp32_pinning: none): every node "
                      f"is emulated in {fmt.name}, FP32 islands of the ONNX file included")
@@ -271,6 +275,19 @@ def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
         "flops_share": fp32_flops_share(applied.model, pinned), "declined": applied.declined,
         "notes": tuple(notes), "host_scales": host_scales,
     }
+
+
+def _softmax_shifts(model: Model, plan: Plan, profile: TargetProfile) -> tuple[Plan, tuple[str, ...], Any]:
+    """Clamps before a softmax's Exp replaced by the exact max shift (targets that cannot pin;
+    npuprep.plan.softmax_shift decides, npuprep.rewrite.softmax_shift rewrites)."""
+    from npuprep.plan.softmax_shift import shifts_instead_of_clamps
+    from npuprep.rewrite.softmax_shift import shift_softmax
+
+    plan, shifts = shifts_instead_of_clamps(model.proto, plan, profile)
+    source = model.proto
+    for exp in shifts:
+        source = shift_softmax(source, exp).model
+    return plan, shifts, source
 
 
 def _folded_at_build(model: Any, lowered: Any) -> set[str]:
