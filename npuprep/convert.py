@@ -67,6 +67,8 @@ class ConversionResult:
     notes: tuple[str, ...] = field(default_factory=tuple)
     # Outputs that leave the device scaled (target cannot pin): output -> host factor.
     host_scales: dict[str, float] = field(default_factory=dict)
+    # Exp nodes whose input was shifted by its row max instead of clamped (cannot-pin targets).
+    softmax_shifts: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -104,6 +106,7 @@ class ConversionResult:
             "flops_fp32_share": self.flops_fp32_share,
             "tensor_scales": dict(sorted(self.tensor_scales.items())),
             "host_scales": dict(sorted(self.host_scales.items())),
+            "softmax_shifts": list(self.softmax_shifts),
             "tensors": self.tensor_rows(),
             "verification": self.output_check.to_dict() if self.output_check is not None else None,
             "holdout": self.holdout.to_dict() if self.holdout is not None else None,
@@ -206,7 +209,7 @@ def convert(
         holdout=result["holdout"], flops_fp32_share=result["flops_share"], rounds=round_no,
         samples_description=samples_description, synthetic=synthetic, stats=stats,
         declined=result["declined"], notes=tuple(notes) + result["notes"],
-        host_scales=result["host_scales"],
+        host_scales=result["host_scales"], softmax_shifts=result["softmax_shifts"],
     )
 
 
@@ -273,7 +276,7 @@ def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
         "rewritten": applied.model, "lowered": lowered, "scales": applied.tensor_scales,
         "pinned": pinned, "layers": layers, "output_check": output_check, "holdout": held,
         "flops_share": fp32_flops_share(applied.model, pinned), "declined": applied.declined,
-        "notes": tuple(notes), "host_scales": host_scales,
+        "notes": tuple(notes), "host_scales": host_scales, "softmax_shifts": shifts,
     }
 
 

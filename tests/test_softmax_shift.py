@@ -64,3 +64,25 @@ def _exp(model) -> str:
     from npuprep.graph import node_label
 
     return next(node_label(n) for n in model.graph.node if n.op_type == "Exp")
+
+
+def test_convert_for_rk3588_shifts_the_zoo_softmax_and_passes(tmp_path):
+    """exp_logits: logits ~20 into Exp -> ReduceSum -> Div; a clamp at 10.4 would break it."""
+    import onnx
+
+    from npuprep.calibrate import calibrate
+    from npuprep.convert import convert
+    from npuprep.data import load_samples
+    from npuprep.examples.zoo import ZOO
+    from npuprep.model_io import load_model
+
+    zoo = ZOO["exp_logits"]()
+    onnx.save(zoo.model, str(tmp_path / "m.onnx"))
+    (tmp_path / "d").mkdir()
+    for i, s in enumerate(zoo.samples):
+        np.savez(tmp_path / "d" / f"s{i}.npz", **s)
+    model = load_model(tmp_path / "m.onnx")
+    samples = load_samples(tmp_path / "d", model.proto)
+    result = convert(model, load_profile("rk3588"), list(samples), stats=calibrate(model, samples))
+    assert result.softmax_shifts == ("exp",)
+    assert result.passed and result.output_check.outputs["y"]["rel_l2"] < 1e-2
