@@ -94,8 +94,12 @@ def _backend(args: argparse.Namespace, profile: Any, fmt_: Any):
     from npuprep.probe.backends import EmulateBackend, OrtBackend
 
     if args.backend == "rknn":
+        from npuprep.errors import NpuprepError
         from npuprep.probe.rknn_backend import RknnBackend
 
+        if fmt_.name != "fp16":
+            raise NpuprepError(f"--backend rknn builds FP16 (do_quantization=False); it cannot "
+                               f"probe {fmt_.name}")
         return RknnBackend(args.vendor_python)
     if args.backend == "emulate":
         # Unknown is emulated as the loud case (as TargetProfile.saturates does); the note says so.
