@@ -89,6 +89,9 @@ def test_vendor_suffixes_and_instances_map_to_our_nodes(tmp_path):
     assert layers["[Conv] block0#2"].onnx_nodes == ("block0",)
     assert layers["[Add] h1-rs-rs_tp"].onnx_nodes == ("residual0",)
     assert "[Reshape] x_rs" not in layers  # the toolkit's reshape of a graph input
+    # Named after the tensor it reads: the final LayerNorm, not the Add that wrote h2.
+    assert layers["[exNorm] h2_tp_rs_sw"].onnx_nodes == ("ln_final",)
+    assert layers["[Add] h2-rs"].onnx_nodes == ("residual1",)
     result = crosscheck(model, read_report(FIXTURES / "zoo_residual_outliers.txt",
                                            NodeIndex(model)), load_profile("rk3588"))
     assert not result and result.counts["unmapped"] == 0

@@ -27,6 +27,13 @@ _INSTANCE = re.compile(r"#\d+$")
 # Conv + BatchNormalization + activation: the longest chain one RKNN layer is named after.
 _MAX_FUSED = 3
 _PAIR = re.compile(r"(\S+)\s*\|\s*(\S+)")
+# The toolkit's layer types for ONNX ops it rewrites (MatMul/Gemm run as Conv, Sub as Add).
+_OPS = {
+    "Conv": {"Conv", "MatMul", "Gemm"},
+    "Add": {"Add", "Sub"},
+    "exNorm": {"LayerNormalization", "InstanceNormalization", "GroupNormalization"},
+    "exSoftmax13": {"Softmax", "Div"},
+}
 
 
 def read_rknn(path: str, text: str, index: NodeIndex) -> CompilerReport:
@@ -76,7 +83,13 @@ def _nodes_for(op_type: str, tensor: str, index: NodeIndex) -> tuple[str, ...] |
             return None
         label = index.producer.get(name) or index.resolve(name)
         if label:
-            return _fused_chain(op_type, label, index)
+            chain = _fused_chain(op_type, label, index)
+            if index.op_types.get(chain[0]) in _OPS.get(op_type, {op_type}):
+                return chain
+            # Named after its input (`[exNorm] h2_tp_rs_sw` is the LayerNorm reading h2).
+            readers = [n for n in index.order if name in index.node(n).input
+                       and index.op_types[n] in _OPS.get(op_type, {op_type})]
+            return (readers[0],) if len(readers) == 1 else chain
     return ()
 
 
