@@ -118,3 +118,10 @@ def test_cli_writes_the_host_scale_into_report_and_constraint_files(guidance, tm
     for name in ("out.rknn.yaml", "out.precision.yaml"):
         assert 'host_scales:\n  "y": 4.0' in (tmp_path / name).read_text()
     assert "multiply it by 4 on the host" in done.stdout
+
+
+def test_compare_refuses_a_pin_on_a_target_that_cannot_pin(guidance):
+    src = guidance[0]
+    done = run_cli("compare", src / "m.onnx", "--emulate", "--target", "rk3588",
+                   "--pin", "guide", "--data", src / "data")
+    assert done.returncode == 2 and "cannot keep nodes in FP32" in done.stderr

@@ -94,6 +94,12 @@ def run(args: argparse.Namespace) -> int:
 
         fmt_ = profile.format
         emulation = emulate(ref.proto, fmt_, saturate=profile.saturates, pinned_nodes=args.pin)
+        from npuprep.profiles import Pinning
+
+        if args.pin and profile.fp32_pinning is Pinning.NONE:
+            raise NpuprepError(f"--pin: target {profile.name} cannot keep nodes in FP32 "
+                               "(fp32_pinning: none); its device runs every node in "
+                               f"{profile.default_precision}")
         known = _node_labels(ref.proto)
         unknown = [n for n in args.pin if n not in known]
         if unknown:

@@ -27,7 +27,8 @@ PIP=("$DIR/bin/python" -m pip install -q --disable-pip-version-check)
   filelock networkx jinja2 fsspec
 if [ -n "${NPUPREP_RKNN_TORCH:-}" ]; then
   "${PIP[@]}" --no-deps "$NPUPREP_RKNN_TORCH"
-elif "${PIP[@]}" --no-deps --index-url https://download.pytorch.org/whl/cpu "torch==2.4.0" \
+elif "${PIP[@]}" --no-deps --timeout 15 --retries 0 \
+    --index-url https://download.pytorch.org/whl/cpu "torch==2.4.0" \
     2>/dev/null; then
   :
 elif "${PIP[@]}" --no-deps --no-index torch 2>/dev/null; then
