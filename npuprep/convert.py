@@ -65,6 +65,10 @@ class ConversionResult:
     stats: Any = None
     declined: tuple[Any, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # Outputs that leave the device scaled (target cannot pin): output -> host factor.
+    host_scales: dict[str, float] = field(default_factory=dict)
+    # Exp nodes whose input was shifted by its row max instead of clamped (cannot-pin targets).
+    softmax_shifts: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -101,6 +105,8 @@ class ConversionResult:
             "cast_count": self.lowered.cast_count,
             "flops_fp32_share": self.flops_fp32_share,
             "tensor_scales": dict(sorted(self.tensor_scales.items())),
+            "host_scales": dict(sorted(self.host_scales.items())),
+            "softmax_shifts": list(self.softmax_shifts),
             "tensors": self.tensor_rows(),
             "verification": self.output_check.to_dict() if self.output_check is not None else None,
             "holdout": self.holdout.to_dict() if self.holdout is not None else None,
@@ -177,7 +183,7 @@ def convert(
     result = None
     for round_no in range(1, max_rounds + 1):
         result = _build(model, profile, fmt, plan, samples, io_types=io_types, rtol=rtol,
-                        holdout=holdout, opset=opset)
+                        holdout=holdout, stats=stats, opset=opset)
         if result["output_check"] or round_no == max_rounds:
             break
         first = result["layers"].first_divergent
@@ -206,6 +212,7 @@ def convert(
         holdout=result["holdout"], flops_fp32_share=result["flops_share"], rounds=round_no,
         samples_description=samples_description, synthetic=synthetic, stats=stats,
         declined=result["declined"], notes=tuple(notes) + result["notes"],
+        host_scales=result["host_scales"], softmax_shifts=result["softmax_shifts"],
     )
 
 
@@ -227,14 +234,21 @@ def _nodes_to_pin(rewritten: Any, node: str, pinned: set[str]) -> tuple[str, ...
 
 def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
            samples: Sequence[Feed], *, io_types: str, rtol: float,
-           holdout: Sequence[Feed] | None, opset: int | None = None) -> dict[str, Any]:
+           holdout: Sequence[Feed] | None, stats: Any = None,
+           opset: int | None = None) -> dict[str, Any]:
     from npuprep.report.flops import fp32_flops_share
     from npuprep.rewrite.apply import apply_plan
     from npuprep.rewrite.lower import lower
     from npuprep.verify.compare import DEFAULT_ATOL, compare_models, emulation_notes
     from npuprep.verify.emulate import emulate
 
-    applied = apply_plan(model.proto, plan)
+    plan, shifts, source = _softmax_shifts(model, plan, profile)
+    applied = apply_plan(source, plan)
+    # A target that cannot pin runs every node in its format: emulate it so (a PASSED then
+    # matches the device) and move output compensations it cannot hold to the host.
+    no_pin = profile.fp32_pinning is Pinning.NONE
+    applied, host_scales, host_notes = _host_scales(model, applied, profile, stats, samples) \
+        if no_pin else (applied, {}, ())
     pinned = set(plan.pinned_nodes()) | set(applied.fp32_nodes)
     lower_fmt = fmt if fmt.name in ("fp16", "bf16") else get_format("fp16")
     lowered = lower(applied.model, lower_fmt, pinned_nodes=sorted(pinned), io_types=io_types)
@@ -243,40 +257,127 @@ def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
         from npuprep.opsets import convert_opset
 
         lowered = replace(lowered, model=convert_opset(lowered.model, opset, why="--opset"))
-    emulation = emulate(applied.model, fmt, saturate=profile.saturates, pinned_nodes=pinned)
+    emulation = emulate(applied.model, fmt, saturate=profile.saturates,
+                        pinned_nodes=_folded_at_build(applied.model, lowered) if no_pin else pinned)
     layers = compare_models(model.proto, emulation.model, samples, rtol=rtol, atol=DEFAULT_ATOL,
                             tensor_scales=applied.tensor_scales, fmt=fmt)
-    notes = list(emulation_notes(profile, profile.saturates))
+    notes = list(emulation_notes(profile, profile.saturates)) + list(host_notes)
+    notes += [f"'{e}' heads a written-out softmax: its input minus the row max replaces the "
+              "clamp (exact; a target that cannot pin gains nothing from a clamp there)"
+              for e in shifts]
+    if no_pin:
+        notes.append(f"target {profile.name} cannot pin FP32 (fp32_pinning: none): every node "
+                     f"is emulated in {fmt.name}, FP32 islands of the ONNX file included")
     if fmt is not lower_fmt:
         notes.append(f"the ONNX artefact is lowered to {lower_fmt.name}; {fmt.name} is emulated, "
                      "quantisation to it is the compiler's job")
+    everywhere = emulation.model if no_pin else None
     output_check = check_outputs(model.proto, lowered.model, lower_fmt, samples,
-                                 saturate=profile.saturates, rtol=rtol, io_types=io_types)
+                                 saturate=profile.saturates, rtol=rtol, io_types=io_types,
+                                 host_scales=host_scales, emulated=everywhere)
     held = None
     if holdout is not None:
         held = check_outputs(model.proto, lowered.model, lower_fmt, holdout,
-                             saturate=profile.saturates, rtol=rtol, io_types=io_types)
+                             saturate=profile.saturates, rtol=rtol, io_types=io_types,
+                             host_scales=host_scales, emulated=everywhere)
     return {
         "rewritten": applied.model, "lowered": lowered, "scales": applied.tensor_scales,
         "pinned": pinned, "layers": layers, "output_check": output_check, "holdout": held,
         "flops_share": fp32_flops_share(applied.model, pinned), "declined": applied.declined,
-        "notes": tuple(notes),
+        "notes": tuple(notes), "host_scales": host_scales, "softmax_shifts": shifts,
     }
 
 
+def _softmax_shifts(model: Model, plan: Plan, profile: TargetProfile) -> tuple[Plan, tuple[str, ...], Any]:
+    """Clamps before a softmax's Exp replaced by the exact max shift (targets that cannot pin;
+    npuprep.plan.softmax_shift decides, npuprep.rewrite.softmax_shift rewrites)."""
+    from npuprep.plan.softmax_shift import shifts_instead_of_clamps
+    from npuprep.rewrite.softmax_shift import shift_softmax
+
+    plan, shifts = shifts_instead_of_clamps(model.proto, plan, profile)
+    source = model.proto
+    for exp in shifts:
+        source = shift_softmax(source, exp).model
+    return plan, shifts, source
+
+
+def _folded_at_build(model: Any, lowered: Any) -> set[str]:
+    """BatchNormalizations whose weights lowering kept FP32: a compiler that cannot pin still
+    folds them into a scale and shift in FP32 at build time (rknn-toolkit2 reports a fused
+    `[Conv] bn` layer), so their raw variances never meet FP16; emulation rounds their
+    result only."""
+    from npuprep.graph import node_label
+
+    ops = {node_label(n): n.op_type for n in model.graph.node}
+    return {n for n in lowered.forced_fp32 if ops.get(n) == "BatchNormalization"}
+
+
+def _host_scales(model: Model, applied: Any, profile: TargetProfile, stats: Any,
+                 samples: Sequence[Feed]) -> tuple[Any, dict[str, float], tuple[str, ...]]:
+    """Rescale exits at graph outputs whose true range exceeds the limit leave the device
+    scaled (npuprep.plan.host_scale decides, npuprep.rewrite.output_scale rewrites)."""
+    from npuprep.plan.host_scale import host_scaled_outputs
+    from npuprep.rewrite.output_scale import leave_output_scaled
+
+    producer = {o: n.name for n in applied.model.graph.node for o in n.output}
+    exits = [o.name for o in applied.model.graph.output
+             if producer.get(o.name) in set(applied.fp32_nodes)]
+    if not exits:
+        return applied, {}, ()
+    chosen = host_scaled_outputs(exits, _output_absmax(model, stats, samples, exits), profile)
+    current, fp32_nodes = applied.model, list(applied.fp32_nodes)
+    scales, host, notes = dict(applied.tensor_scales), {}, []
+    for name, why in chosen.items():
+        done = leave_output_scaled(current, name)
+        if not done:
+            notes.append(f"output '{name}' cannot be scaled on the host: {done.reason}")
+            continue
+        current = done.model
+        factor = float(done.details["host_scales"][name])
+        host[name] = factor
+        scales[name] = 1.0 / factor
+        fp32_nodes.remove(str(done.details["removed"]))
+        notes.append(f"output '{name}' leaves the device scaled by 1/{factor:g} ({why}); "
+                     f"multiply it by {factor:g} on the host (report key host_scales)")
+    return (replace(applied, model=current, fp32_nodes=tuple(fp32_nodes), tensor_scales=scales),
+            host, tuple(notes))
+
+
+def _output_absmax(model: Model, stats: Any, samples: Sequence[Feed],
+                   names: list[str]) -> dict[str, float]:
+    """True |max| of graph outputs: from the calibration statistics, else a reference run."""
+    if stats is not None and all(n in stats.tensors for n in names):
+        return {n: float(stats.tensors[n].absmax) for n in names}
+    from npuprep.runtime.session import make_session, run
+
+    session = make_session(model.proto)
+    found = dict.fromkeys(names, 0.0)
+    for feed in samples:
+        out = run(session, feed)
+        for n in names:
+            if n in out:
+                found[n] = max(found[n], float(np.nanmax(np.abs(out[n]), initial=0.0)))
+    return found
+
+
 def check_outputs(reference: Any, lowered: Any, fmt: NumberFormat, samples: Sequence[Feed], *,
-                  saturate: bool, rtol: float, io_types: str = "fp32") -> OutputCheck:
+                  saturate: bool, rtol: float, io_types: str = "fp32",
+                  host_scales: dict[str, float] | None = None,
+                  emulated: Any = None) -> OutputCheck:
     """Run the reference and the lowered model's emulation; per-output Inf/NaN and errors.
 
     The lowered model is judged by widening it back to FP32 with explicit rounding wherever
     it stores the low format (npuprep.verify.widen), and it is also run as-is on
-    onnxruntime, which proves it loads and runs.
+    onnxruntime, which proves it loads and runs. `emulated` replaces that widening (a target
+    that cannot pin: every node rounded); outputs in `host_scales` are multiplied back first.
     """
     from npuprep.runtime.session import make_session, run
     from npuprep.verify.widen import emulate_lowered
 
     ref = make_session(reference)
-    emu = make_session(emulate_lowered(lowered, fmt, saturate=saturate).model)
+    emu = make_session(emulated if emulated is not None
+                       else emulate_lowered(lowered, fmt, saturate=saturate).model)
+    host = host_scales or {}
     real = make_session(lowered)
     real_inputs = {i.name: i.type for i in real.get_inputs()}
     acc: dict[str, dict[str, float]] = {}
@@ -287,10 +388,10 @@ def check_outputs(reference: Any, lowered: Any, fmt: NumberFormat, samples: Sequ
         c = run(emu, feed)
         run(real, {k: _as_input(v, real_inputs.get(k, "")) for k, v in feed.items()})
         for name, rv in r.items():
-            cv = np.asarray(c[name], dtype=np.float64)
-            rv = np.asarray(rv, dtype=np.float64)
-            if not np.issubdtype(rv.dtype, np.floating):
+            if not np.issubdtype(np.asarray(rv).dtype, np.floating):
                 continue
+            cv = np.asarray(c[name], dtype=np.float64) * host.get(name, 1.0)
+            rv = np.asarray(rv, dtype=np.float64)
             a = acc.setdefault(name, {"nonfinite": 0, "err2": 0.0, "ref2": 0.0, "max_abs_error": 0.0})
             bad = ~np.isfinite(cv)
             a["nonfinite"] += int(bad.sum())

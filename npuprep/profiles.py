@@ -73,6 +73,8 @@ class TargetProfile:
     severity: dict[str, Severity] = field(default_factory=lambda: dict(DEFAULT_SEVERITY))
     compiler_name: str = ""
     report_format: str = "generic"
+    input_shapes: str = "dynamic"
+    input_layout: str = "any"
     sources: dict[str, str] = field(default_factory=dict)
     path: str = ""
 
@@ -116,6 +118,7 @@ class TargetProfile:
             "headroom": self.headroom,
             "severity": {k: str(v) for k, v in self.severity.items()},
             "compiler": {"name": self.compiler_name, "report_format": self.report_format},
+            "inputs": {"shapes": self.input_shapes, "layout": self.input_layout},
             "sources": dict(self.sources),
         }
 
@@ -151,7 +154,7 @@ def load_profile(name_or_path: str | Path) -> TargetProfile:
 _TOP_KEYS = {
     "name", "description", "dtypes", "default_precision", "overflow", "fp8_saturate",
     "accumulate", "subnormals", "fp32_pinning", "keeps_fp32_ops", "headroom", "severity",
-    "compiler", "sources",
+    "compiler", "inputs", "sources",
 }
 _REQUIRED = ("name", "description", "dtypes", "default_precision", "overflow", "fp32_pinning")
 
@@ -251,6 +254,7 @@ def parse_profile(data: Any, source: str) -> TargetProfile:
         "compiler.report_format",
         ("trt_json", "horizon", "rknn", "generic"),
     )
+    inputs = r.mapping(top.get("inputs", {}) or {}, "inputs", {"shapes", "layout"})
     sources = r.mapping(top.get("sources", {}) or {}, "sources")
     for k, v in sources.items():
         r.string(v, f"sources.{k}")
@@ -275,6 +279,8 @@ def parse_profile(data: Any, source: str) -> TargetProfile:
         severity=severity,
         compiler_name=r.string(compiler.get("name", ""), "compiler.name"),
         report_format=report_format,
+        input_shapes=r.choice(inputs.get("shapes", "dynamic"), "inputs.shapes", ("fixed", "dynamic")),
+        input_layout=r.choice(inputs.get("layout", "any"), "inputs.layout", ("any", "nchw", "nhwc")),
         sources={str(k): v for k, v in sources.items()},
         path=source,
     )

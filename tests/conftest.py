@@ -160,3 +160,14 @@ def square_samples(tmp_path: Path, save, scales: list[float], seed: int) -> tupl
     for i, scale in enumerate(scales):
         np.savez(folder / f"s{i:03d}.npz", x=(rng.standard_normal((8, 8)) * scale).astype(np.float32))
     return model, load_samples(folder, model.proto), folder
+
+
+@pytest.fixture
+def rknn_python() -> str:
+    """The rknn-toolkit2 venv's python, or a skip saying how to build it."""
+    from npuprep.vendors.rockchip import SETUP_HINT, vendor_python
+
+    found = vendor_python()
+    if found is None:
+        pytest.skip(f"rknn-toolkit2 venv missing; {SETUP_HINT}")
+    return str(found)

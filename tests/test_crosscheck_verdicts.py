@@ -58,7 +58,7 @@ def test_every_verdict_kind_from_a_generic_list(model, tmp_path):
     assert v["vendor_cast_3"].verdict == "unmapped"
     # /norm/Sqrt computes a float and the report never mentions it
     assert v["/norm/Sqrt"].verdict == "missing"
-    assert result.counts == {"ok": 5, "mismatch": 1, "pin-ignored": 1, "unknown": 0,
+    assert result.counts == {"ok": 5, "non-finite": 0, "mismatch": 1, "pin-ignored": 1, "unknown": 0,
                              "unmapped": 1, "missing": 1}
     assert not result
     # failing verdicts come first
@@ -141,7 +141,9 @@ def test_rknn_assumes_the_target_precision(model):
     result = run(model, FIXTURES / "rknn_error_analysis.txt", target="generic",
                  findings=[finding("node_of_y", "hazard.exp")])
     exp = by_node(result)["node_of_y"]
-    assert exp.verdict == "mismatch" and exp.runs_in == "fp16"
+    # Marked non-finite by the toolkit: its own verdict, which also names the mismatch.
+    assert exp.verdict == "non-finite" and exp.runs_in == "fp16"
+    assert "rt_inf, rt_nan" in exp.reason and "also needs fp32-range, runs in fp16" in exp.reason
     assert exp.evidence["runs_in_assumed"] is True
     assert exp.evidence["metrics"]["[Exp] y"]["markers"] == ["rt_inf", "rt_nan"]
     assert exp.flags == ("the report marks non-finite results: rt_inf, rt_nan",)

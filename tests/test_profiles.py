@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from npuprep.errors import NpuprepError
 from npuprep.numerics import get_format
@@ -73,3 +74,21 @@ def test_malformed_profile_is_one_line_naming_file_and_key(tmp_path: Path, text:
 def test_unknown_target_name_lists_the_builtins():
     with pytest.raises(NpuprepError, match="generic"):
         load_profile("no_such_board")
+
+
+def test_rk3588_profile_cannot_pin_and_wants_fixed_sizes():
+    profile = load_profile("rk3588")
+    assert str(profile.fp32_pinning) == "none"
+    assert str(profile.overflow) == "inf"
+    assert (profile.input_shapes, profile.input_layout) == ("fixed", "nchw")
+    assert profile.report_format == "rknn"
+    assert profile.to_dict()["inputs"] == {"shapes": "fixed", "layout": "nchw"}
+
+
+def test_profile_inputs_key_is_validated(tmp_path):
+    data = load_profile("generic").to_dict()
+    data["inputs"] = {"shapes": "sometimes"}
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(NpuprepError, match=r"inputs\.shapes"):
+        load_profile(path)

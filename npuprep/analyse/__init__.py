@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from npuprep.analyse import autocast, dtypes, initialisers, patterns, small_ops
+from npuprep.analyse import autocast, dtypes, initialisers, inputs, patterns, small_ops
 from npuprep.analyse.context import build_context
 from npuprep.analyse.finding import Finding, Findings
 from npuprep.model_io import Model
@@ -16,6 +16,7 @@ __all__ = ["STATIC_RULES", "Finding", "Findings", "static_findings"]
 STATIC_RULES: dict[str, str] = {
     "dtype.unsupported": "a dtype the target does not run (BF16 on a2000, FP64 anywhere)",
     "dtype.slow": "a dtype the target runs, but not on its fast path (BF16 on orin)",
+    "input.dynamic_shape": "a graph input with symbolic or unknown dims on a fixed-size target",
     "init.out_of_range": "constant values that become Inf in the target format",
     "init.underflow": "constant values that flush to zero or become subnormal",
     "init.mask_constant": "an additive mask (-inf, FP32 lowest) that needs the target's -max",
@@ -57,4 +58,5 @@ def static_findings(model: Model, profile: TargetProfile) -> Findings:
         folded.append(dataclasses.replace(f, evidence={**f.evidence, "covers": covers}))
     flagged = members | {(f.scope, f.node) for f in hazards}
     notes = [f for f in autocast.find(ctx) if (f.scope, f.node) not in flagged]
-    return Findings(tuple(dtypes.find(ctx) + initialisers.find(ctx) + folded + hazards + notes))
+    return Findings(tuple(inputs.find(ctx) + dtypes.find(ctx) + initialisers.find(ctx) + folded
+                          + hazards + notes))

@@ -45,6 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also feed each node the reference's inputs: its own error apart from "
                         "accumulated error (runs the candidate twice)")
     p.add_argument("--worst", type=int, default=5, metavar="K", help="how many worst tensors to show")
+    p.add_argument("--with", dest="with_vendor", choices=("rknn",),
+                   help="also build CAND with the vendor toolchain and compare its simulator's "
+                        "outputs with REF (rknn: rknn-toolkit2 in its own venv)")
+    p.add_argument("--vendor-python", metavar="PATH",
+                   help="python of the vendor venv (default: $NPUPREP_RKNN_PYTHON, then "
+                        "~/.cache/npuprep/rknn-venv)")
     p.add_argument("--report", metavar="OUT.md", help="write a Markdown report")
     p.add_argument("--html", metavar="OUT.html", help="also write a self-contained HTML report")
     add_json(p)
@@ -67,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         raise NpuprepError("give either a candidate model (REF CAND) or --emulate, not both or neither")
     if args.emulate and not args.target:
         raise NpuprepError("--emulate needs --target (which format and overflow to emulate)")
+    if args.with_vendor and args.emulate:
+        raise NpuprepError(f"--with {args.with_vendor} builds a candidate model: give REF CAND, not --emulate")
     if args.pin and not args.emulate:
         raise NpuprepError("--pin only applies with --emulate")
     if args.as_is and args.emulate:
@@ -86,6 +94,12 @@ def run(args: argparse.Namespace) -> int:
 
         fmt_ = profile.format
         emulation = emulate(ref.proto, fmt_, saturate=profile.saturates, pinned_nodes=args.pin)
+        from npuprep.profiles import Pinning
+
+        if args.pin and profile.fp32_pinning is Pinning.NONE:
+            raise NpuprepError(f"--pin: target {profile.name} cannot keep nodes in FP32 "
+                               "(fp32_pinning: none); its device runs every node in "
+                               f"{profile.default_precision}")
         known = _node_labels(ref.proto)
         unknown = [n for n in args.pin if n not in known]
         if unknown:
@@ -127,11 +141,38 @@ def run(args: argparse.Namespace) -> int:
         if profile is not None:
             page["profile"] = profile.to_dict()
         write_html(page, args.html)
+    vendor = _vendor(args, ref, samples, profile, scales) if args.with_vendor else None
     if args.json:
-        print_json(result)
+        print_json(result if vendor is None else result.to_dict() | {"vendor": vendor.to_dict()})
     else:
         _print(result)
-    return 0 if result else 1
+        if vendor is not None:
+            from npuprep.cli.convert import _print_vendor
+
+            _print_vendor(vendor.to_dict())
+            print("vendor: PASSED" if vendor else "vendor: FAILED")
+    return 0 if result and (vendor is None or vendor) else 1
+
+
+def _vendor(args: argparse.Namespace, ref: Any, samples: Any, profile: Any,
+            scales: dict[str, float] | None) -> Any:
+    """CAND built and run by the vendor toolchain; outputs the convert report scales on the
+    host (its `host_scales`) are multiplied back first."""
+    from npuprep.model_io import load_model
+    from npuprep.profiles import load_profile
+    from npuprep.verify.vendor import vendor_check, with_layers
+
+    cand = load_model(args.cand)
+    host = _read_host_scales(args.scales) if args.scales else {}
+    check = vendor_check(ref.proto, cand.proto, list(samples), vendor=args.with_vendor,
+                         python=args.vendor_python, host_scales=host,
+                         rtol=1e-2 if args.rtol is None else args.rtol)
+    return with_layers(check, cand, profile or load_profile("rk3588"), f"{args.cand} (accuracy_analysis)")
+
+
+def _read_host_scales(path: str) -> dict[str, float]:
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    return {str(k): float(v) for k, v in (data.get("host_scales") or {}).items()}
 
 
 def _parse_tols(items: list[str]) -> dict[str, tuple[float, float]]:

@@ -33,6 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest relative L2 error of each output (default 1e-2)")
     p.add_argument("--max-rounds", type=int, default=3,
                    help="verification rounds; each pins the first divergent node (default 3)")
+    p.add_argument("--verify-with", choices=("rknn",),
+                   help="also build the converted model with the vendor toolchain and run its "
+                        "simulator on the samples (rknn: rknn-toolkit2, in its own venv)")
+    p.add_argument("--vendor-python", metavar="PATH",
+                   help="python of the vendor venv (default: $NPUPREP_RKNN_PYTHON, then "
+                        "~/.cache/npuprep/rknn-venv)")
     p.add_argument("--report", help="JSON report path (default: <output>.report.json)")
     p.add_argument("--html", help="also write a self-contained HTML report here")
     add_json(p)
@@ -79,12 +85,33 @@ def run(args: argparse.Namespace) -> int:
         samples_description=samples.describe(), synthetic=samples.synthetic,
         max_rounds=max(1, args.max_rounds), opset=args.opset,
     )
-    report = _write_artefacts(args, result, output)
+    vendor = _vendor_check(args, model, result, list(samples), output) if args.verify_with else None
+    report = _write_artefacts(args, result, output, vendor)
     if args.json:
         print_json(report)
     else:
         _print_summary(report)
-    return 0 if result.passed else 1
+    return 0 if result.passed and (vendor is None or vendor) else 1
+
+
+def _vendor_check(args: argparse.Namespace, model: Any, result: Any, samples: list, output: Path):
+    """The converted model built and run by the vendor toolchain; its layer report beside -o."""
+    from npuprep.model_io import write_text_atomic
+    from npuprep.verify.vendor import vendor_check, with_layers
+
+    check = vendor_check(model.proto, result.lowered.model, samples, vendor=args.verify_with,
+                         python=args.vendor_python, rtol=args.rtol,
+                         host_scales=getattr(result, "host_scales", None))
+    report_path = f"{output.with_suffix('')}.rknn_error_analysis.txt"
+    if check.accuracy_report:
+        write_text_atomic(report_path, check.accuracy_report)
+    return with_layers(check, _as_model(result.lowered.model, output), result.profile, report_path)
+
+
+def _as_model(proto: Any, output: Path) -> Any:
+    from npuprep.model_io import Model, fingerprint
+
+    return Model(proto=proto, path=str(output), digest=fingerprint(proto))
 
 
 def _stats(args: argparse.Namespace, model: Any, samples: Any) -> Any:
@@ -124,12 +151,14 @@ def _where(action: Any) -> str:
     return action_target(action.to_dict())
 
 
-def _write_artefacts(args: argparse.Namespace, result: Any, output: Path) -> dict[str, Any]:
+def _write_artefacts(args: argparse.Namespace, result: Any, output: Path,
+                     vendor: Any = None) -> dict[str, Any]:
     """The model, its reports and constraint files, each written atomically."""
     from npuprep.cli.common import dump_json
     from npuprep.model_io import Model, save_model, write_text_atomic
     from npuprep.plan import PinFp32, save_plan
     from npuprep.report import constraints
+    from npuprep.report.host_scales import host_scales_block
     from npuprep.report.render_md import convert_markdown
 
     base = output.with_suffix("")
@@ -144,18 +173,24 @@ def _write_artefacts(args: argparse.Namespace, result: Any, output: Path) -> dic
     if extra:
         plan = _with_pins(plan, extra, PinFp32)
     flags = constraints.trt_flags(plan, low_model)
+    host = host_scales_block(result.host_scales)
     artefacts = {
         "model": str(output),
         "plan": str(save_plan(result.plan, f"{base}.plan.yaml")),
         "precision_yaml": str(write_text_atomic(f"{base}.precision.yaml",
-                                                constraints.precision_yaml(plan, low_model))),
+                                                constraints.precision_yaml(plan, low_model) + host)),
         "trtexec": str(write_text_atomic(f"{base}.trtexec.txt", "\n".join(
             [flags.command_line(output.name), "", *(f"# {n}" for n in flags.notes)]) + "\n")),
         "horizon_node_info": str(write_text_atomic(f"{base}.horizon.yaml",
                                                    constraints.horizon_node_info(plan, low_model))),
         "rknn_custom_quantize_layers": str(write_text_atomic(
-            f"{base}.rknn.yaml", constraints.rknn_custom_quantize_layers(plan, low_model))),
+            f"{base}.rknn.yaml", constraints.rknn_custom_quantize_layers(plan, low_model) + host)),
     }
+    if vendor is not None:
+        report["vendor"] = vendor.to_dict()
+        report["passed"] = bool(report["passed"] and vendor)
+        if vendor.accuracy_report:
+            artefacts["vendor_error_analysis"] = f"{base}.rknn_error_analysis.txt"
     report["artefacts"] = artefacts | {"report_json": str(report_path),
                                        "report_md": f"{base}.report.md"}
     if args.html:
@@ -176,6 +211,28 @@ def _with_pins(plan: Any, nodes: list[str], pin_cls: Any) -> Any:
     return replace(plan, actions=(*plan.actions, pin))
 
 
+def _print_vendor(vendor: dict[str, Any] | None) -> None:
+    from npuprep.cli.common import print_table
+
+    if vendor is None:
+        return
+    name = f"rknn-toolkit2's simulator ({vendor['target_platform']})"
+    if not vendor["built"]:
+        print(f"{name} refused the converted model in {vendor['stage']}: {vendor['refusal']}")
+        return
+    scales = vendor["host_scales"]
+    print_table(f"Outputs in {name}", ["output", "Inf/NaN", "max abs err", "rel L2", "host scale"],
+                [(k, o["nonfinite"], o["max_abs_error"], o["rel_l2"],
+                  f"x{scales[k]:g}" if k in scales else "")
+                 for k, o in vendor["outputs"].items()])
+    layers = vendor.get("layers")
+    if layers and layers["non_finite"]:
+        names = ", ".join(dict.fromkeys(x for v in layers["non_finite"] for x in v["layers"]))
+        print(f"accuracy_analysis: non-finite layers {names}")
+    if vendor["range_warnings"]:
+        print(f"the toolkit warns these tensors leave FP16: {', '.join(vendor['range_warnings'][:8])}")
+
+
 def _print_summary(report: dict[str, Any]) -> None:
     from npuprep.cli.common import print_table
 
@@ -193,6 +250,7 @@ def _print_summary(report: dict[str, Any]) -> None:
     print_table("Outputs under emulated target numerics", ["output", "Inf/NaN", "max abs err", "rel L2"],
                 [(k, o["nonfinite"], o["max_abs_error"], o["rel_l2"])
                  for k, o in (ver.get("outputs") or {}).items()])
+    _print_vendor(report.get("vendor"))
     print(f"FP32 FLOPs share {100 * report['flops_fp32_share']:.2f}%, "
           f"{report['cast_count']} Casts, {len(report['pinned_nodes'])} pinned nodes, "
           f"{len(report['declined'])} declined remedies")

@@ -69,8 +69,22 @@ def run(args: argparse.Namespace) -> int:
                     COLUMNS, [[escape(c) for c in row(v)] for v in result.verdicts])
         for note in result.notes:
             print(f"note: {note}")
-        print("PASSED" if result else "FAILED: a sensitive or pinned node runs in a lower precision")
+        print(failure_line(result))
     return 0 if result else 1
+
+
+def failure_line(result: Any) -> str:
+    """PASSED, or FAILED naming the non-finite layers first, then what else failed."""
+    if result:
+        return "PASSED"
+    bad = list(dict.fromkeys(layer for v in result.of("non-finite") for layer in v.layers))
+    parts = []
+    if bad:
+        shown = ", ".join(bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
+        parts.append(f"non-finite in the compiler's run: {shown}")
+    if result.of("mismatch") or result.of("pin-ignored"):
+        parts.append("a sensitive or pinned node runs in a lower precision")
+    return "FAILED: " + "; ".join(parts)
 
 
 def _pinned_nodes(path: str, model: Any, nodes: set[str]) -> tuple[set[str], str]:

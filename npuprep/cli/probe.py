@@ -11,7 +11,7 @@ from npuprep.cli.common import add_data, add_json, fmt, print_json, print_table
 help = "measure how the target overflows (inf, nan, saturate, other): locally or via a board kit"
 
 SCHEMA_VERSION = 1
-BACKENDS = ("emulate", "ort", "ort-fp32-io")
+BACKENDS = ("emulate", "ort", "ort-fp32-io", "rknn")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,7 +25,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="use --gain as given instead of raising it until the output overflows")
     p.add_argument("--backend", choices=BACKENDS, default="emulate",
                    help="emulate: profile semantics; ort: FP16 model on onnxruntime, tensors stored "
-                        "in FP16; ort-fp32-io: same with FP32 outputs (shows wider compute)")
+                        "in FP16; ort-fp32-io: same with FP32 outputs (shows wider compute); "
+                        "rknn: rknn-toolkit2's FP16 build in its simulator (--vendor-python)")
+    p.add_argument("--vendor-python", metavar="PATH",
+                   help="python of the rknn-toolkit2 venv (default: $NPUPREP_RKNN_PYTHON, then "
+                        "~/.cache/npuprep/rknn-venv)")
     p.add_argument("--micro", action="store_true", help="also run the micro-probes with a MODEL")
     p.add_argument("--probes", help="comma-separated micro-probes to run (default: all)")
     p.add_argument("--export-kit", metavar="DIR", help="write a board kit instead of running")
@@ -89,6 +93,14 @@ def _feeds(args: argparse.Namespace, model: Any) -> dict:
 def _backend(args: argparse.Namespace, profile: Any, fmt_: Any):
     from npuprep.probe.backends import EmulateBackend, OrtBackend
 
+    if args.backend == "rknn":
+        from npuprep.errors import NpuprepError
+        from npuprep.probe.rknn_backend import RknnBackend
+
+        if fmt_.name != "fp16":
+            raise NpuprepError(f"--backend rknn builds FP16 (do_quantization=False); it cannot "
+                               f"probe {fmt_.name}")
+        return RknnBackend(args.vendor_python)
     if args.backend == "emulate":
         # Unknown is emulated as the loud case (as TargetProfile.saturates does); the note says so.
         return EmulateBackend(fmt_, saturate=bool(_declared_saturate(profile, fmt_)))
@@ -158,7 +170,8 @@ def _export(args: argparse.Namespace) -> int:
                                       gain=args.gain, raise_gain=not args.fixed_gain)
         probes.append(probe)
     probes += micro_probes(fmt_, _names(args))
-    manifest = export_kit(args.export_kit, probes, fmt_, target=args.target, fingerprint=fingerprint)
+    manifest = export_kit(args.export_kit, probes, fmt_, target=args.target, fingerprint=fingerprint,
+                          runner="rknn" if args.backend == "rknn" else "")
     if args.json:
         print_json(manifest)
     else:

@@ -24,10 +24,13 @@ from npuprep.model_io import Model
 from npuprep.profiles import Severity, TargetProfile
 
 SCHEMA_VERSION = 1
-VERDICTS = ("ok", "mismatch", "pin-ignored", "unknown", "unmapped", "missing")
-FAILING = ("mismatch", "pin-ignored")
+VERDICTS = ("ok", "non-finite", "mismatch", "pin-ignored", "unknown", "unmapped", "missing")
+# `non-finite`: the compiler's own run (RKNN's simulator: q_inf, q_nan) gave Inf or NaN there.
+FAILING = ("non-finite", "mismatch", "pin-ignored")
 # Failing verdicts first, then the doubtful ones, then ok.
-DISPLAY_ORDER = ("mismatch", "pin-ignored", "unknown", "missing", "unmapped", "ok")
+DISPLAY_ORDER = ("non-finite", "mismatch", "pin-ignored", "unknown", "missing", "unmapped", "ok")
+# Columns of a per-layer error report that measure a layer on its own (fed golden inputs).
+_OWN_COLUMNS = ("simulator_single", "runtime_single_sim")
 # Rules whose finding means "this node needs more than the target's default precision".
 SENSITIVE_RULES = ("hazard.", "pattern.", "autocast.", "range.overflow", "range.headroom",
                    "range.underflow")
@@ -159,12 +162,26 @@ def crosscheck(
 
 def _unmapped(record: LayerRecord) -> list[Verdict]:
     names = record.unresolved or (() if record.onnx_nodes else (record.layer,))
+    bad = non_finite(record)
     return [
-        Verdict(node=name, verdict="unmapped", op_type=record.op_type,
+        Verdict(node=name, verdict="non-finite" if bad else "unmapped", op_type=record.op_type,
                 runs_in=record.compute_dtype, layers=(record.layer,),
-                reason=_unmapped_reason(record, name))
+                reason=f"{bad}; {_unmapped_reason(record, name)}" if bad
+                else _unmapped_reason(record, name))
         for name in names
     ]
+
+
+def non_finite(record: LayerRecord) -> str:
+    """Why a report layer is non-finite ("" when it is not): its own overflow or one upstream."""
+    markers = record.metrics.get("markers", ())
+    if not markers:
+        return ""
+    own = any(str(record.metrics.get(f"{c}_{m}", "")) in markers
+              for c in _OWN_COLUMNS for m in ("cos", "euc"))
+    where = ("the layer itself leaves the range (single-layer column non-finite)" if own
+             else "Inf/NaN arrives from an earlier layer")
+    return f"'{record.layer}' is non-finite in the compiler's run ({', '.join(markers)}): {where}"
 
 
 def _unmapped_reason(record: LayerRecord, name: str) -> str:
@@ -209,6 +226,10 @@ def _verdict(node: str, index: NodeIndex, records: list[LayerRecord], reformats:
         flags += (f"the report marks non-finite results: {', '.join(dict.fromkeys(markers))}",)
     common = dict(op_type=op_type, runs_in=runs_in, needs=needs, layers=layers, rules=rules,
                   flags=flags, evidence=evidence)
+    bad = [why for why in map(non_finite, records) if why]
+    if bad:
+        also = f"; also needs {needs}, runs in {runs_in}" if needs and runs_in not in adequate else ""
+        return Verdict(node, "non-finite", reason=bad[0] + also, **common)
     if needs and not runs_in:
         return Verdict(node, "unknown", reason="the report gives no precision for its layers "
                        "(dynamic shapes?); rebuild with static shapes to check it", **common)

@@ -31,10 +31,15 @@ class NodeIndex:
                     if out:
                         self.producer.setdefault(out, label)
         self._main = topological_order(model.graph)
+        self._nodes = {node_label(n): n for n in self._main}
         self.order: list[str] = [node_label(n) for n in self._main]
         self.position = {label: i for i, label in enumerate(self.order)}
         self.graph_inputs = {i.name for i in model.graph.input}
         self.initializers = {i.name for i in model.graph.initializer}
+
+    def node(self, label: str):
+        """The main-graph NodeProto labelled `label`, or None."""
+        return self._nodes.get(label)
 
     def resolve(self, name: str) -> str | None:
         """The node label a printed node name stands for, or None."""

@@ -21,6 +21,19 @@ HEADER = re.compile(r"^\s*layer_name\b")
 _COLUMNS = ("simulator_entire", "simulator_single", "runtime_entire", "runtime_single_sim")
 # Newer toolkits mark non-finite results: q_nan, s_nan, rt_inf, rt_nan.
 _MARKER = re.compile(r"^[a-z]+_(nan|inf)$")
+# Suffixes of the reshapes/transposes/matmul-as-conv the toolkit inserts, and `#N` instances.
+_SUFFIX = re.compile(r"[-_](rs|tp|mm|sw)$")
+_INSTANCE = re.compile(r"#\d+$")
+# Conv + BatchNormalization + activation: the longest chain one RKNN layer is named after.
+_MAX_FUSED = 3
+_PAIR = re.compile(r"(\S+)\s*\|\s*(\S+)")
+# The toolkit's layer types for ONNX ops it rewrites (MatMul/Gemm run as Conv, Sub as Add).
+_OPS = {
+    "Conv": {"Conv", "MatMul", "Gemm"},
+    "Add": {"Add", "Sub"},
+    "exNorm": {"LayerNormalization", "InstanceNormalization", "GroupNormalization"},
+    "exSoftmax13": {"Softmax", "Div"},
+}
 
 
 def read_rknn(path: str, text: str, index: NodeIndex) -> CompilerReport:
@@ -34,10 +47,13 @@ def read_rknn(path: str, text: str, index: NodeIndex) -> CompilerReport:
         if op_type == "Input" or tensor in index.graph_inputs:
             continue
         metrics = _metrics(path, number, match.group("rest"))
-        label = index.producer.get(tensor) or index.resolve(tensor)
+        nodes = _nodes_for(op_type, tensor, index)
+        if nodes is None:
+            continue
+        label = nodes[-1] if nodes else None
         records.append(LayerRecord(
             layer=f"[{op_type}] {tensor}",
-            onnx_nodes=(label,) if label else (),
+            onnx_nodes=nodes,
             op_type=op_type,
             device="NPU",
             in_dtypes=(),
@@ -54,36 +70,91 @@ def read_rknn(path: str, text: str, index: NodeIndex) -> CompilerReport:
     return CompilerReport(path=path, format="rknn", records=tuple(records), dtypes_reported=False)
 
 
+def _nodes_for(op_type: str, tensor: str, index: NodeIndex) -> tuple[str, ...] | None:
+    """The ONNX nodes a `[OpType] tensor` row stands for; None for the vendor's input reshapes.
+
+    The toolkit names a layer after the tensor it writes, with suffixes for the reshapes
+    and transposes it inserts (`y-rs_tp`, `h0_mm`, `d2n-rs_sw`, `ln0#1`), and a Conv fused
+    with the BatchNormalization (or activation) after it carries the last node's output:
+    `[Conv] bn2` is Conv + BatchNormalization.
+    """
+    for name in _candidates(tensor):
+        if name in index.graph_inputs:
+            return None
+        label = index.producer.get(name) or index.resolve(name)
+        if label:
+            chain = _fused_chain(op_type, label, index)
+            if index.op_types.get(chain[0]) in _OPS.get(op_type, {op_type}):
+                return chain
+            # Named after its input (`[exNorm] h2_tp_rs_sw` is the LayerNorm reading h2).
+            readers = [n for n in index.order if name in index.node(n).input
+                       and index.op_types[n] in _OPS.get(op_type, {op_type})]
+            return (readers[0],) if len(readers) == 1 else chain
+    return ()
+
+
+def _candidates(tensor: str) -> list[str]:
+    names = [tensor]
+    base = _INSTANCE.sub("", tensor)
+    while True:
+        if base != names[-1]:
+            names.append(base)
+        stripped = _SUFFIX.sub("", base)
+        if stripped == base or not stripped:
+            return names
+        base = stripped
+
+
+def _fused_chain(op_type: str, label: str, index: NodeIndex) -> tuple[str, ...]:
+    """`label` and the nodes before it back to the one of `op_type` the layer is named for."""
+    chain = [label]
+    node = index.node(label)
+    for _ in range(_MAX_FUSED):
+        if node is None or index.op_types.get(chain[0]) == op_type:
+            break
+        inputs = [i for i in node.input if i and i in index.producer]
+        if not inputs:
+            break
+        chain.insert(0, index.producer[inputs[0]])
+        node = index.node(chain[0])
+    if index.op_types.get(chain[0]) != op_type:
+        return (label,)
+    return tuple(chain)
+
+
 def _metrics(path: str, number: int, rest: str) -> dict[str, object]:
-    """cos/euc per column (1.x reports: cos only) and any nan/inf markers."""
-    paired = "|" in rest
-    values: list[float] = []
+    """cos/euc per column (1.x reports: cos only); a marker (q_inf) stands where its value would."""
     markers: list[str] = []
-    for token in rest.replace("|", " ").split():
+
+    def value(token: str) -> float | str:
         if _MARKER.match(token):
             markers.append(token)
-            continue
+            return token
         try:
-            values.append(float(token))
+            return _finite_or_text(float(token))
         except ValueError:
             raise malformed(path, f"line {number}", f"'{token}' is not a number") from None
+
     metrics: dict[str, object] = {}
-    if paired:
-        if len(values) % 2:
-            raise malformed(path, f"line {number}", "cos | euc values come in pairs; one is missing")
-        pairs = [values[i:i + 2] for i in range(0, len(values), 2)]
+    if "|" in rest:
+        pairs = _PAIR.findall(rest)
+        for token in _PAIR.sub(" ", rest).split():
+            if not _MARKER.match(token):
+                raise malformed(path, f"line {number}", "cos | euc values come in pairs; one is missing")
+            markers.append(token)
         if len(pairs) > len(_COLUMNS):
             raise malformed(path, f"line {number}", f"{len(pairs)} cos|euc pairs, at most 4")
         for column, (cos, euc) in zip(_COLUMNS, pairs, strict=False):
-            metrics[f"{column}_cos"] = _finite_or_text(cos)
-            metrics[f"{column}_euc"] = _finite_or_text(euc)
+            metrics[f"{column}_cos"] = value(cos)
+            metrics[f"{column}_euc"] = value(euc)
     else:
-        if len(values) > len(_COLUMNS):
-            raise malformed(path, f"line {number}", f"{len(values)} cosine values, at most 4")
-        for column, cos in zip(_COLUMNS, values, strict=False):
-            metrics[f"{column}_cos"] = _finite_or_text(cos)
+        tokens = rest.split()
+        if len(tokens) > len(_COLUMNS):
+            raise malformed(path, f"line {number}", f"{len(tokens)} cosine values, at most 4")
+        for column, cos in zip(_COLUMNS, tokens, strict=False):
+            metrics[f"{column}_cos"] = value(cos)
     if markers:
-        metrics["markers"] = markers
+        metrics["markers"] = list(dict.fromkeys(markers))
     return metrics
 
 

@@ -84,8 +84,12 @@ class KitEntry:
 
 
 def export_kit(directory: str | Path, probes: list[ProbeModel], fmt: NumberFormat, *,
-               target: str, fingerprint: str = "") -> dict[str, Any]:
-    """Write the kit for `probes` into `directory`; returns the manifest."""
+               target: str, fingerprint: str = "", runner: str = "") -> dict[str, Any]:
+    """Write the kit for `probes` into `directory`; returns the manifest.
+
+    `runner="rknn"`: FP32 models (the toolkit lowers them itself) and a runner script that
+    uses rknn-toolkit2's simulator on a PC and RKNNLite on the board.
+    """
     out = Path(directory)
     if out.exists() and not out.is_dir():
         raise NpuprepError(f"{out}: kit path exists and is not a directory")
@@ -93,7 +97,7 @@ def export_kit(directory: str | Path, probes: list[ProbeModel], fmt: NumberForma
         raise NpuprepError(f"{out}: directory is not empty and holds no probe kit; choose another")
     entries = []
     for probe in probes:
-        model = kit_model(probe, fmt)
+        model = probe.reference if runner == "rknn" else kit_model(probe, fmt)
         in_types = {vi.name: vi.type.tensor_type.elem_type for vi in model.graph.input}
         feeds = {k: np.asarray(v).astype(helper.tensor_dtype_to_np_dtype(in_types[k]))
                  for k, v in probe.feeds.items()}
@@ -129,7 +133,14 @@ def export_kit(directory: str | Path, probes: list[ProbeModel], fmt: NumberForma
             _write_bytes_atomic(out / spec["bin"], _le_bytes(value))
         for spec in entry["outputs"]:
             _write_bytes_atomic(out / spec["reference"], _npy_bytes(e.references[spec["name"]]))
-    write_text_atomic(out / "README.md", _readme(manifest))
+    readme = _readme(manifest)
+    if runner == "rknn":
+        from npuprep.vendors.rockchip import JOB_SCRIPT, KIT_RUNNER
+
+        write_text_atomic(out / "rknn_job.py", JOB_SCRIPT.read_text())
+        write_text_atomic(out / "run_rknn_kit.py", KIT_RUNNER.read_text())
+        readme += _RKNN_STEPS.format(target=target)
+    write_text_atomic(out / "README.md", readme)
     write_text_atomic(out / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
 
@@ -182,6 +193,19 @@ def _readme(manifest: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+_RKNN_STEPS = """
+## Rockchip (rknn-toolkit2 / rknn-toolkit-lite2)
+
+The models here are FP32: the toolkit builds them in FP16 itself (`build(do_quantization=False)`).
+
+1. PC, in the rknn-toolkit2 venv: `python run_rknn_kit.py --target {target}` builds every
+   probe, writes `models/<probe>.rknn` and runs it in the x86 simulator into `outputs/`.
+2. Board, with rknn-toolkit-lite2: copy the kit (with the `.rknn` files) and run
+   `python run_rknn_kit.py --board`; outputs land in `outputs_board/`.
+3. Host: `npuprep probe --classify KIT --outputs KIT/outputs_board` (or `KIT/outputs`).
+"""
 
 
 def read_manifest(directory: str | Path) -> dict[str, Any]:

@@ -1,0 +1,128 @@
+"""Runs one RKNN job spec (JSON) under the vendor's python: job.json -> outputs/*.npy + result.json.
+
+    python rknn_job.py job.json
+
+Runs where rknn-toolkit2 lives (its own venv on a PC: the x86 simulator) or on a board
+with rknn-toolkit-lite2 (`RKNNLite`, from a `.rknn` file). It imports only the vendor API,
+numpy and the standard library, so it never shares an environment with npuprep, and it
+stays Python 3.8 compatible for board images.
+
+Job spec keys (paths relative to the spec's folder):
+  model            ONNX file to build (toolkit) or `.rknn` file to load (either API)
+  target_platform  e.g. "rk3588"
+  inputs           [{"name": ..., "shape": [...]}] in graph order (fixed sizes)
+  samples          [[input .npy paths in `inputs` order], ...]
+  output_dir       where sample i's output j goes as `s{i}_o{j}.npy`
+  accuracy_dir     optional: run accuracy_analysis on sample 0 into this folder
+  export_rknn      optional: write the built `.rknn` file here
+result.json: {"ok", "stage", "api", "outputs": [[paths]], "shapes"}; on failure "stage"
+names the step whose return code was not 0 (the vendor's log says why).
+"""
+
+import json
+import os
+import sys
+import traceback
+
+import numpy as np
+
+
+def _api():
+    try:
+        from rknn.api import RKNN  # rknn-toolkit2: builds ONNX, runs the simulator
+
+        return "rknn-toolkit2", RKNN
+    except ImportError:
+        from rknnlite.api import RKNNLite  # rknn-toolkit-lite2 on the board
+
+        return "rknn-toolkit-lite2", RKNNLite
+
+
+def _path(base, name):
+    return name if os.path.isabs(name) else os.path.join(base, name)
+
+
+STAGE = {"now": "import"}
+
+
+def run(spec_path):
+    base = os.path.dirname(os.path.abspath(spec_path))
+    with open(spec_path) as f:
+        spec = json.load(f)
+    result = {"ok": False, "stage": "import", "api": "", "outputs": [], "shapes": []}
+    out_file = _path(base, spec.get("result", "result.json"))
+
+    def at(stage):
+        STAGE["now"] = stage
+
+    def finish(stage, ok=False):
+        result["stage"] = stage
+        result["ok"] = ok
+        with open(out_file, "w") as f:
+            json.dump(result, f, indent=1)
+        return 0 if ok else 1
+
+    name, cls = _api()
+    result["api"] = name
+    rknn = cls(verbose=False) if name == "rknn-toolkit2" else cls()
+    model = _path(base, spec["model"])
+    inputs = spec.get("inputs", [])
+    four_d = [len(i["shape"]) == 4 for i in inputs]
+    if model.endswith(".rknn"):
+        at("load_rknn")
+        if rknn.load_rknn(model) != 0:
+            return finish(STAGE["now"])
+    else:
+        at("config")
+        if rknn.config(target_platform=spec["target_platform"]) != 0:
+            return finish(STAGE["now"])
+        at("load_onnx")
+        if rknn.load_onnx(model=model, inputs=[i["name"] for i in inputs],
+                          input_size_list=[list(i["shape"]) for i in inputs]) != 0:
+            return finish(STAGE["now"])
+        at("build")
+        if rknn.build(do_quantization=False) != 0:
+            return finish(STAGE["now"])
+        at("export_rknn")
+        if spec.get("export_rknn") and rknn.export_rknn(_path(base, spec["export_rknn"])) != 0:
+            return finish(STAGE["now"])
+    at("init_runtime")
+    if rknn.init_runtime() != 0:
+        return finish(STAGE["now"])
+    out_dir = _path(base, spec.get("output_dir", "outputs"))
+    os.makedirs(out_dir, exist_ok=True)
+    for i, files in enumerate(spec.get("samples", [])):
+        feeds = [np.load(_path(base, p)).astype(np.float32) for p in files]
+        # 4-D inputs are NCHW in the ONNX graph; the API assumes NHWC unless told (and
+        # takes no format for inputs of other ranks).
+        formats = ["nchw"] * len(feeds) if any(four_d) else None
+        at("inference")
+        outs = rknn.inference(inputs=feeds, data_format=formats)
+        if outs is None:
+            return finish(STAGE["now"])
+        paths = []
+        for j, out in enumerate(outs):
+            p = os.path.join(out_dir, f"s{i}_o{j}.npy")
+            np.save(p, np.asarray(out, dtype=np.float32))
+            paths.append(os.path.relpath(p, base))
+        result["outputs"].append(paths)
+        result["shapes"].append([list(np.shape(o)) for o in outs])
+    if spec.get("accuracy_dir") and spec.get("samples"):
+        acc = _path(base, spec["accuracy_dir"])
+        files = [_path(base, p) for p in spec["samples"][0]]
+        at("accuracy_analysis")
+        if rknn.accuracy_analysis(inputs=files, output_dir=acc, target=None) != 0:
+            return finish(STAGE["now"])
+    rknn.release()
+    return finish("done", ok=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python rknn_job.py job.json")
+    try:
+        sys.exit(run(sys.argv[1]))
+    except Exception:
+        traceback.print_exc()
+        print(f"rknn_job: failed in {STAGE['now']}", file=sys.stderr)
+        sys.exit(3)

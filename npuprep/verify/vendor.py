@@ -1,0 +1,131 @@
+"""A vendor toolchain's own run of the converted model vs FP32: outputs' error, per-layer report.
+
+    candidate.onnx + samples -> rknn-toolkit2 (FP16 build, simulator) -> outputs x host scale
+        vs reference FP32 outputs -> VendorCheck (truthy when finite and within rtol)
+
+Outputs the converted model leaves scaled on the device (host-side output scaling) are
+multiplied back by their factor first, as the user's host code does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from npuprep.data import Feed
+
+VENDORS = ("rknn",)
+
+
+@dataclass(frozen=True)
+class VendorCheck:
+    """What the vendor's simulator gave; truthy when it built the model and every output is
+    finite and within `rtol` of FP32."""
+
+    vendor: str
+    target_platform: str
+    rtol: float
+    samples: int
+    built: bool
+    stage: str
+    refusal: str = ""
+    outputs: dict[str, dict[str, float]] = field(default_factory=dict)
+    host_scales: dict[str, float] = field(default_factory=dict)
+    range_warnings: tuple[str, ...] = ()
+    accuracy_report: str = ""
+    layers: Any = None  # crosscheck.Crosscheck of the accuracy report, when one was written
+
+    def __bool__(self) -> bool:
+        return self.built and all(o["nonfinite"] == 0 and o["rel_l2"] <= self.rtol
+                                  for o in self.outputs.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        layers = None
+        if self.layers is not None:
+            layers = {"passed": bool(self.layers), "counts": self.layers.counts,
+                      "non_finite": [v.to_dict() for v in self.layers.of("non-finite")]}
+        return {
+            "vendor": self.vendor, "target_platform": self.target_platform, "passed": bool(self),
+            "built": self.built, "stage": self.stage, "refusal": self.refusal, "rtol": self.rtol,
+            "samples": self.samples, "outputs": {k: dict(v) for k, v in sorted(self.outputs.items())},
+            "host_scales": dict(sorted(self.host_scales.items())),
+            "range_warnings": list(self.range_warnings), "layers": layers,
+        }
+
+
+def vendor_check(
+    reference: onnx.ModelProto,
+    candidate: onnx.ModelProto,
+    samples: Sequence[Feed],
+    *,
+    vendor: str = "rknn",
+    python: str | None = None,
+    target_platform: str = "rk3588",
+    rtol: float = 1e-2,
+    host_scales: Mapping[str, float] | None = None,
+    work_dir: str | Path | None = None,
+) -> VendorCheck:
+    """Build `candidate` with the vendor toolchain, run its simulator on `samples`, compare the
+    outputs (times `host_scales`) with `reference`'s FP32 outputs."""
+    from npuprep.errors import NpuprepError
+    from npuprep.runtime.session import make_session, run
+    from npuprep.vendors.rockchip import require_python, run_rknn
+
+    if vendor not in VENDORS:
+        raise NpuprepError(f"unknown vendor '{vendor}' (known: {', '.join(VENDORS)})")
+    exe = require_python(python)
+    feeds = [{k: np.asarray(v, dtype=np.float32) for k, v in s.items()} for s in samples]
+    done = run_rknn(candidate, feeds, python=exe, target_platform=target_platform, accuracy=True,
+                    work_dir=work_dir)
+    scales = dict(host_scales or {})
+    common = dict(vendor=vendor, target_platform=target_platform, rtol=rtol, samples=len(feeds),
+                  stage=done.stage, host_scales=scales,
+                  range_warnings=tuple(dict.fromkeys(w["tensor"] for w in done.range_warnings)),
+                  accuracy_report=done.accuracy_report)
+    if not done:
+        return VendorCheck(built=False, refusal=done.refusal, **common)
+    ref = make_session(reference)
+    acc: dict[str, dict[str, float]] = {}
+    for feed, got in zip(feeds, done.outputs, strict=False):
+        expected = run(ref, feed)
+        for name, rv in expected.items():
+            if name not in got or not np.issubdtype(np.asarray(rv).dtype, np.floating):
+                continue
+            rv = np.asarray(rv, dtype=np.float64)
+            cv = np.asarray(got[name], dtype=np.float64) * scales.get(name, 1.0)
+            cv = cv.reshape(rv.shape) if cv.size == rv.size else cv
+            a = acc.setdefault(name, {"nonfinite": 0, "err2": 0.0, "ref2": 0.0, "max_abs_error": 0.0})
+            bad = ~np.isfinite(cv)
+            a["nonfinite"] += int(bad.sum())
+            diff = np.where(bad, 0.0, cv - rv)
+            a["err2"] += float((diff ** 2).sum())
+            a["ref2"] += float((rv ** 2).sum())
+            a["max_abs_error"] = max(a["max_abs_error"], float(np.abs(diff).max(initial=0.0)))
+    outputs = {
+        name: {"nonfinite": a["nonfinite"], "max_abs_error": a["max_abs_error"],
+               "rel_l2": float(np.sqrt(a["err2"] / a["ref2"])) if a["ref2"] > 0
+               else float(np.sqrt(a["err2"]))}
+        for name, a in acc.items()
+    }
+    return VendorCheck(built=True, outputs=outputs, **common)
+
+
+def with_layers(check: VendorCheck, candidate: Any, profile: Any, report_path: str) -> VendorCheck:
+    """`check` with its accuracy_analysis report read back through crosscheck (against the
+    model the vendor built: its tensor names are the report's layer names)."""
+    from dataclasses import replace
+
+    from npuprep.crosscheck.check import crosscheck
+    from npuprep.crosscheck.names import NodeIndex
+    from npuprep.crosscheck.rknn import read_rknn
+
+    if not check.accuracy_report:
+        return check
+    index = NodeIndex(candidate)
+    report = read_rknn(report_path, check.accuracy_report, index)
+    return replace(check, layers=crosscheck(candidate, report, profile, index=index))
