@@ -174,7 +174,7 @@ def convert(
     result = None
     for round_no in range(1, max_rounds + 1):
         result = _build(model, profile, fmt, plan, samples, io_types=io_types, rtol=rtol,
-                        holdout=holdout)
+                        holdout=holdout, stats=stats)
         if result["output_check"] or round_no == max_rounds:
             break
         first = result["layers"].first_divergent
@@ -224,7 +224,7 @@ def _nodes_to_pin(rewritten: Any, node: str, pinned: set[str]) -> tuple[str, ...
 
 def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
            samples: Sequence[Feed], *, io_types: str, rtol: float,
-           holdout: Sequence[Feed] | None) -> dict[str, Any]:
+           holdout: Sequence[Feed] | None, stats: Any = None) -> dict[str, Any]:
     from npuprep.report.flops import fp32_flops_share
     from npuprep.rewrite.apply import apply_plan
     from npuprep.rewrite.lower import lower
@@ -233,10 +233,13 @@ def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
 
     applied = apply_plan(model.proto, plan)
     pinned = set(plan.pinned_nodes()) | set(applied.fp32_nodes)
+    pinned |= {n for n, inp in applied.input_nodes.items() if not _fits_format(stats, inp, fmt)}
     lower_fmt = fmt if fmt.name in ("fp16", "bf16") else get_format("fp16")
     lowered = lower(applied.model, lower_fmt, pinned_nodes=sorted(pinned), io_types=io_types)
     pinned |= set(lowered.pinned_nodes)
-    emulation = emulate(applied.model, fmt, saturate=profile.saturates, pinned_nodes=pinned)
+    # An If that only carries a pinned branch node's FP32 output is not rounded either.
+    emulation = emulate(applied.model, fmt, saturate=profile.saturates,
+                        pinned_nodes=pinned | set(lowered.fp32_output_nodes))
     layers = compare_models(model.proto, emulation.model, samples, rtol=rtol, atol=DEFAULT_ATOL,
                             tensor_scales=applied.tensor_scales, fmt=fmt)
     notes = list(emulation_notes(profile, profile.saturates))
@@ -255,6 +258,13 @@ def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
         "flops_share": fp32_flops_share(applied.model, pinned), "declined": applied.declined,
         "notes": tuple(notes),
     }
+
+
+def _fits_format(stats: Any, tensor: str, fmt: NumberFormat) -> bool:
+    """A graph input measured within the target format: scaling it by a power of two can
+    run in that format. Unmeasured inputs are scaled in FP32, to be safe."""
+    r = None if stats is None else stats.tensors.get(tensor)
+    return r is not None and r.absmax <= fmt.max and not (r.nan_count or r.inf_count)
 
 
 def check_outputs(reference: Any, lowered: Any, fmt: NumberFormat, samples: Sequence[Feed], *,

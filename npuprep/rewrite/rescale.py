@@ -29,38 +29,21 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from npuprep.errors import NpuprepError
-from npuprep.ops import LINEAR_WITH_WEIGHTS
+from npuprep.ops import (
+    COMMUTES_WITH_SCALING,
+    COMPARISONS,
+    JOINS_SCALES,
+    LINEAR_WITH_WEIGHTS,
+    SCALE_FREE_OUTPUTS,
+    SCALE_INVARIANT_NORMS,
+    SCALE_POWERS,
+    SCALED_ALL_OUTPUTS,
+)
 from npuprep.rewrite import graph_ops as go
 from npuprep.rewrite.result import RewriteResult
 
-# Ops whose output is the input with the same exponent; value = data input positions.
-_COMMUTE: dict[str, tuple[int, ...]] = {
-    op: (0,) for op in (
-        "Relu", "LeakyRelu", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool",
-        "Reshape", "Transpose", "Slice", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Neg",
-        "Gather", "GatherElements", "GatherND", "ReduceMean", "ReduceSum", "ReduceMax",
-        "ReduceMin", "ReduceL1", "ReduceL2", "Split", "Expand", "Tile", "DepthToSpace",
-        "SpaceToDepth", "Abs", "Resize", "Upsample", "Dropout", "PRelu", "Pad", "LpPool",
-        "Compress", "ReverseSequence", "CumSum", "TopK",
-    )
-}
-# Outputs that carry the data (others are indices or masks); default: output 0 only.
-_ALL_OUTPUTS = {"Split"}
-# Ops whose float data inputs must all share one exponent (constants are scaled to match).
-_SAME_EXP: dict[str, tuple[int, ...] | None] = {
-    "Add": None, "Sub": None, "Sum": None, "Max": None, "Min": None, "Mean": None,
-    "Concat": None, "Where": (1, 2), "Clip": None,
-    "Greater": None, "Less": None, "GreaterOrEqual": None, "LessOrEqual": None, "Equal": None,
-}
-# Comparisons: exponents must agree, the boolean output carries none.
-_COMPARE = {"Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal"}
-# Ops whose outputs do not change under positive scaling (shapes, indices, signs).
-_SHAPE_ONLY = {"Shape", "Size", "ArgMax", "ArgMin", "NonZero", "Sign"}
-# Affine normalisations: an entry scales their gamma and beta; an input scale is absorbed.
-_NORMS = {
-    "LayerNormalization": (1, 2), "InstanceNormalization": (1, 2),
-    "GroupNormalization": (1, 2), "BatchNormalization": (1, 2),
-}
+# Affine normalisations an entry can scale (gamma, beta); LpNormalization has none.
+_NORMS = {op: idx for op, idx in SCALE_INVARIANT_NORMS.items() if idx}
 
 
 class _Decline(Exception):
@@ -132,7 +115,8 @@ def apply_rescale(model: onnx.ModelProto, entry: str, k: int) -> RewriteResult:
 
     details: "tensor_scales" {tensor: s_total} for every tensor whose values changed
     (candidate = s_total * reference), "fp32_nodes" (inserted boundary Muls, to keep FP32
-    at lowering), "entries", "absorbers", "exits", "k", and "scaled_constants" {constant:
+    at lowering), "input_nodes" {Mul on a graph input: that input} (FP32 only needed while
+    the input exceeds the target), "entries", "absorbers", "exits", "k", and "scaled_constants" {constant:
     exponent, absmax, min_nonzero} so a caller can see weights pushed towards the target's
     subnormals (an epsilon scaled by s^2, say).
     """
@@ -150,6 +134,7 @@ def apply_rescale(model: onnx.ModelProto, entry: str, k: int) -> RewriteResult:
         "entry": entry,
         "tensor_scales": scales,
         "fp32_nodes": fp32_nodes,
+        "input_nodes": solver.input_nodes,
         "entries": [e.__dict__ for e in check.entries],
         "absorbers": [a.__dict__ for a in check.absorbers],
         "exits": list(check.exits),
@@ -217,6 +202,7 @@ class _Solver:
         self.absorbers: dict[str, Absorber] = {}
         self.heap: list[tuple[int, int]] = []
         self.renamed: set[str] = set()
+        self.input_nodes: dict[str, str] = {}
         self.scaled_constants: dict[str, dict[str, float]] = {}
         # A weight read by several nodes is scaled once for all of them: exponent, first editor.
         self.shared: dict[str, tuple[int, str]] = {}
@@ -343,11 +329,11 @@ class _Solver:
         if id(node) in self.roles or any(self._p(t) != 0 for t in node.inputs):
             raise _Decline(f"{lead}, which the scale domain already treats otherwise")
         self.joined.append(f"{node.op} '{label}' reads '{tensor.name}', scaled for '{first}'")
-        if idxs == [0] and (node.op in _COMMUTE or (node.op == "Cast" and _cast_is_float(node))):
+        if idxs == [0] and (node.op in COMMUTES_WITH_SCALING or (node.op == "Cast" and _cast_is_float(node))):
             # A transposed or reshaped copy of the weight carries the scale on.
             self._role(node, "propagate")
             self._const_edit(node, 0, e)
-            outs = node.outputs if node.op in _ALL_OUTPUTS else node.outputs[:1]
+            outs = node.outputs if node.op in SCALED_ALL_OUTPUTS else node.outputs[:1]
             for out in outs:
                 self._assign(out, e, f"through {node.op} '{label}'")
             return
@@ -434,9 +420,9 @@ class _Solver:
         if node is None:
             raise _Decline(f"tensor '{tensor.name}' {why} has no producer that can be scaled")
         op = node.op
-        if op in _COMMUTE or op == "Cast":
+        if op in COMMUTES_WITH_SCALING or op == "Cast":
             self._request(node.inputs[0], p, node)
-        elif op in _SAME_EXP and op not in _COMPARE:
+        elif op in JOINS_SCALES and op not in COMPARISONS:
             self._role(node, "propagate")
             for idx in self._data_inputs(node):
                 if go.const_value(node.inputs[idx]) is None:
@@ -457,7 +443,7 @@ class _Solver:
 
     @staticmethod
     def _data_inputs(node: gs.Node) -> list[int]:
-        fixed = _SAME_EXP.get(node.op)
+        fixed = JOINS_SCALES.get(node.op)
         idxs = list(fixed) if fixed is not None else list(range(len(node.inputs)))
         return [i for i in idxs if i < len(node.inputs) and node.inputs[i].name]
 
@@ -472,10 +458,10 @@ class _Solver:
             return
         if self.roles.get(id(node)) == "entry":
             raise _Decline(f"entry '{label}' reads a tensor of its own scale domain")
-        if op in _SHAPE_ONLY:
+        if op in SCALE_FREE_OUTPUTS:
             return
-        if op in _COMMUTE or (op == "Cast" and _cast_is_float(node)):
-            data = _COMMUTE.get(op, (0,))
+        if op in COMMUTES_WITH_SCALING or (op == "Cast" and _cast_is_float(node)):
+            data = COMMUTES_WITH_SCALING.get(op, (0,))
             bad = [i for i in scaled if i not in data]
             if bad:
                 raise _Decline(f"scaled tensor '{node.inputs[bad[0]].name}' feeds input {bad[0]} "
@@ -484,11 +470,11 @@ class _Solver:
                 self._same_exp_const(node, 2, self._p(node.inputs[0]))
             self._role(node, "propagate")
             p = self._p(node.inputs[0])
-            outs = node.outputs if op in _ALL_OUTPUTS else node.outputs[:1]
+            outs = node.outputs if op in SCALED_ALL_OUTPUTS else node.outputs[:1]
             for out in outs:
                 self._assign(out, p, f"through {op} '{label}'")
             return
-        if op in _SAME_EXP:
+        if op in JOINS_SCALES:
             self._visit_same_exp(node, scaled)
             return
         if op in ("Mul", "Div"):
@@ -497,11 +483,11 @@ class _Solver:
         if op in ("MatMul", "Gemm", "Conv", "ConvTranspose"):
             self._visit_linear(node, scaled)
             return
-        if op in _NORMS or op == "LpNormalization":
+        if op in SCALE_INVARIANT_NORMS:
             self._visit_norm(node, scaled)
             return
         p = self._p(node.inputs[scaled[0]])
-        if op in ("Sqrt", "Pow", "Reciprocal", "ReduceSumSquare"):
+        if op in SCALE_POWERS:
             self._visit_power(node, p)
             return
         self._needs_unscaled(node, scaled[0])
@@ -536,7 +522,7 @@ class _Solver:
                 if found:
                     raise _Retry(found) from None
                 raise
-        if node.op in _COMPARE:
+        if node.op in COMPARISONS:
             return
         self._assign(node.outputs[0], p, f"through {node.op} '{label}'")
 
@@ -755,6 +741,7 @@ class _Solver:
                         go.replace_input(node, i, scaled)
             graph.nodes.append(gs.Node("Mul", node_name, inputs=[inp, factor], outputs=[scaled]))
             fp32_nodes.append(node_name)
+            self.input_nodes[node_name] = name
             self.renamed.add(name)
         for name in self.check.exits:
             out = next(t for t in graph.outputs if t.name == name)

@@ -1,0 +1,48 @@
+"""Remedy 1, softmax shift: `Exp(x) / ReduceSum(Exp(x))` -> subtract ReduceMax(x) before the Exp.
+
+Exact whatever x holds, free of FP32, and it keeps Exp's output within (0, 1], so it comes
+before every other remedy for an overflow anywhere in a written-out softmax (the Exp, its
+sum, the quotient). npuprep.rewrite.shift checks the pattern and does the rewrite.
+"""
+
+from __future__ import annotations
+
+from npuprep.plan.actions import ShiftMax
+from npuprep.plan.context import Outcome, PlanContext, Problem
+from npuprep.rewrite.shift import find_written_softmax
+
+
+def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outcome:
+    if problem.kind not in ("overflow", "static"):
+        return None
+    exp = _exp_of(ctx, problem)
+    if not exp:
+        return None
+    found = find_written_softmax(ctx.model.proto, exp)
+    if not found:
+        return None
+    measured: dict[str, float] = {}
+    r = ctx.range_of(found.x)
+    if r is not None:
+        measured["input_absmax"] = float(r.absmax)
+        measured["input_spread"] = float(r.max - r.min)
+    return ShiftMax(exp=exp, covers=found.tensors, findings=(problem.ref,), measured=measured,
+                    why=(f"{exp} is a written-out softmax's Exp with no maximum subtracted; "
+                         f"subtracting ReduceMax({found.x}) first is exact and keeps exp within "
+                         f"(0, 1], so it stays in {ctx.fmt.name} (no FP32, no clamp)"))
+
+
+def _exp_of(ctx: PlanContext, problem: Problem) -> str:
+    """The Exp a finding on an Exp, a ReduceSum or a Div of a softmax points at, else ""."""
+    label = problem.finding.node if problem.finding.node in ctx.nodes \
+        else ctx.producer_label(problem.tensor)
+    for _ in range(2):
+        if label not in ctx.nodes or ctx.nodes[label][2] != "main":
+            return ""
+        node = ctx.node(label)
+        if node.op_type == "Exp":
+            return label
+        if node.op_type not in ("ReduceSum", "Div") or not node.input:
+            return ""
+        label = ctx.producer_label(node.input[0])
+    return ""
