@@ -15,8 +15,12 @@ def test_plan_only_writes_a_loadable_plan_and_a_bad_edit_exits_2(tmp_path):
     first = run_cli("convert", "--target", "orin", "--plan-only", "-o", "plan.yaml", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     plan = load_plan(tmp_path / "plan.yaml", load_model(example_model_path()))
-    # The planner's softmax attention is shifted, not pinned: nothing runs in FP32.
-    assert plan.target == "orin" and plan.shifts() and not plan.pinned_nodes()
+    # The planner's softmax attention is shifted, not pinned: only the elementwise logits
+    # and the shift itself run in FP32, no matmul.
+    model = load_model(example_model_path())
+    ops = {n.name: n.op_type for n in model.graph.node}
+    assert plan.target == "orin" and plan.shifts() and plan.shifts()[0].fp32_shift
+    assert {ops[n] for n in plan.pinned_nodes()} == {"Add"}
     again = run_cli("convert", "--target", "orin", "--plan-only", "-o", "again.yaml", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert (tmp_path / "plan.yaml").read_bytes() == (tmp_path / "again.yaml").read_bytes()

@@ -152,11 +152,14 @@ class ShiftMax:
     (`Exp(x) / ReduceSum(Exp(x))`): exact, and Exp's output stays within (0, 1].
 
     `covers` are the tensors whose range the shift brings down (the Exp output, the sum,
-    the quotient); `measured` holds the Exp input's absmax and spread.
+    the quotient); `measured` holds the Exp input's absmax and spread. `fp32_shift`: the
+    subtraction itself runs in FP32, because the Exp input is too large for its
+    target-format rounding (a relative error of exp's output) to be harmless.
     """
 
     exp: str
     covers: tuple[str, ...] = ()
+    fp32_shift: bool = False
     findings: tuple[FindingRef, ...] = ()
     measured: dict[str, float] = field(default_factory=dict)
     why: str = ""
@@ -168,6 +171,7 @@ class ShiftMax:
             "action": self.action,
             "exp": self.exp,
             "covers": list(self.covers),
+            "fp32_shift": self.fp32_shift,
             "findings": [f.to_dict() for f in self.findings],
             "measured": dict(sorted(self.measured.items())),
             "why": self.why,

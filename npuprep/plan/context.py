@@ -7,6 +7,7 @@ the graph.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -16,7 +17,7 @@ from npuprep.analyse.finding import Finding
 from npuprep.graph import node_label, producers, tensor_types, topological_order, walk_graphs
 from npuprep.model_io import Model
 from npuprep.numerics import NumberFormat
-from npuprep.ops import CARRIES_MAGNITUDE
+from npuprep.ops import ADDITIVE, CARRIES_MAGNITUDE, LINEAR_WITH_WEIGHTS
 from npuprep.plan.actions import Action, Clamp, Declined, FindingRef, PinFp32, Rescale, ShiftMax
 from npuprep.profiles import TargetProfile
 
@@ -28,8 +29,9 @@ EXP_INPUT_ERROR = 2.0**-7
 # Rules whose evidence is a measured range on one tensor.
 RANGE_RULES = ("range.overflow", "range.headroom")
 
-# What a remedy answers: an action, the reasons it declined, or None (not its kind of problem).
-Outcome = Action | tuple[Declined, ...] | None
+# What a remedy answers: an action (or a few that go together), the reasons it declined,
+# or None (not its kind of problem).
+Outcome = Action | list[Action] | tuple[Declined, ...] | None
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,34 @@ class PlanContext:
             return None
         value = r.fraction_below(bound) if below else r.fraction_above(bound)
         return None if value is None else float(value)
+
+    def precise_producers(self, tensors: list[str], members: set[str]) -> list[str]:
+        """Producers (outside `members`) of `tensors`, and through additive ops of what is
+        summed into them, whose rounding to the target would be an absolute error above
+        EXP_INPUT_ERROR: an Exp reading them turns it into that relative error. Elementwise
+        producers only: Conv/MatMul/Gemm are left to verification."""
+        todo = list(tensors)
+        extra: list[str] = []
+        seen: set[str] = set()
+        while todo:
+            tensor = todo.pop(0)
+            node = self.produced_by.get(tensor)
+            r = self.range_of(tensor)
+            if tensor in seen or node is None or r is None or not r.absmax > 0:
+                continue
+            seen.add(tensor)
+            label = node_label(node)
+            half_step = 2.0 ** math.floor(math.log2(r.absmax)) * self.fmt.eps / 2
+            if label in members or label in extra or half_step <= EXP_INPUT_ERROR:
+                continue
+            if node.op_type in LINEAR_WITH_WEIGHTS:
+                # A matmul runs in FP32 only for range, never for this precision: its
+                # output's rounding stays, and verification measures what it costs.
+                continue
+            extra.append(label)
+            if node.op_type in ADDITIVE:
+                todo.extend(i for i in node.input if i)
+        return extra
 
     # ------------------------------------------------------------ graph
 

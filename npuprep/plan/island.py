@@ -10,15 +10,14 @@ request; where the target cannot pin, the island is declined.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import onnx
 
 from npuprep.graph import node_label
-from npuprep.ops import ADDITIVE, LINEAR_WITH_WEIGHTS, MAKES_MAGNITUDE
+from npuprep.ops import LINEAR_WITH_WEIGHTS, MAKES_MAGNITUDE
 from npuprep.plan.actions import Declined, PinFp32
-from npuprep.plan.context import EXP_INPUT_ERROR, RANGE_RULES, Outcome, PlanContext, Problem
+from npuprep.plan.context import RANGE_RULES, Outcome, PlanContext, Problem
 from npuprep.profiles import Pinning, Severity
 from npuprep.rewrite.pin import Island, grow_island, island_of, merge_islands
 
@@ -131,26 +130,9 @@ def _mark_static(ctx: PlanContext, problem: Problem) -> None:
 
 def precise_inputs(ctx: PlanContext, members: set[str]) -> list[str]:
     """Producers outside the island whose rounding an Exp inside would turn into a
-    relative error above EXP_INPUT_ERROR (exp(x + d) = exp(x)(1 + d)): the Exp input,
-    and through additive ops the tensors summed into it."""
-    todo = [ctx.node(n).input[0] for n in sorted(members) if ctx.node(n).op_type == "Exp"]
-    extra: list[str] = []
-    seen: set[str] = set()
-    while todo:
-        tensor = todo.pop(0)
-        node = ctx.produced_by.get(tensor)
-        r = ctx.range_of(tensor)
-        if tensor in seen or node is None or r is None or not r.absmax > 0:
-            continue
-        seen.add(tensor)
-        label = node_label(node)
-        half_step = 2.0 ** math.floor(math.log2(r.absmax)) * ctx.fmt.eps / 2
-        if label in members or label in extra or half_step <= EXP_INPUT_ERROR:
-            continue
-        extra.append(label)
-        if node.op_type in ADDITIVE:
-            todo.extend(i for i in node.input if i)
-    return extra
+    relative error above EXP_INPUT_ERROR (exp(x + d) = exp(x)(1 + d))."""
+    exp_inputs = [ctx.node(n).input[0] for n in sorted(members) if ctx.node(n).op_type == "Exp"]
+    return ctx.precise_producers(exp_inputs, members)
 
 
 def seeds_for(ctx: PlanContext, problem: Problem) -> list[str]:

@@ -211,7 +211,7 @@ _TOP = ("schema_version", "kind", "fingerprint", "target", "precision", "forbid_
         "actions", "declined", "notes")
 _REQUIRED_TOP = ("schema_version", "kind", "fingerprint", "target", "precision")
 _KEYS = {
-    "shift_max": ("action", "exp", "covers", "findings", "measured", "why"),
+    "shift_max": ("action", "exp", "covers", "fp32_shift", "findings", "measured", "why"),
     "rescale": ("action", "entry", "k", "domain", "absorbers", "findings", "absmax", "limit",
                 "absmax_after", "why"),
     "clamp": ("action", "tensor", "lo", "hi", "kind", "consumers", "findings", "measured", "why"),
@@ -412,6 +412,8 @@ class _Parser:
         if name == "shift_max":
             return ShiftMax(exp=self.node(self.string(data["exp"], f"{key}.exp"), f"{key}.exp"),
                             covers=self.tensors(data.get("covers"), f"{key}.covers"),
+                            fp32_shift=self.boolean(data.get("fp32_shift", False),
+                                                    f"{key}.fp32_shift"),
                             findings=findings,
                             measured=self.measured(data.get("measured"), f"{key}.measured"),
                             why=why)

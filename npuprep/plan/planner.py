@@ -78,7 +78,8 @@ def solve(ctx: PlanContext, problem: Problem, before: tuple[str, ...] = ()) -> b
             if out:
                 reasons.append(f"{_DECLINED_AS[out[-1].remedy]} declined: {out[-1].reason}")
             continue
-        ctx.record(out)
+        for action in out if isinstance(out, list) else [out]:
+            ctx.record(action)
         return True
     ref, f = problem.ref, problem.finding
     absmax = problem.absmax

@@ -7,8 +7,9 @@ sum, the quotient). npuprep.rewrite.shift checks the pattern and does the rewrit
 
 from __future__ import annotations
 
-from npuprep.plan.actions import ShiftMax
+from npuprep.plan.actions import PinFp32, ShiftMax
 from npuprep.plan.context import Outcome, PlanContext, Problem
+from npuprep.profiles import Pinning
 from npuprep.rewrite.shift import find_written_softmax
 
 
@@ -26,10 +27,28 @@ def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outc
     if r is not None:
         measured["input_absmax"] = float(r.absmax)
         measured["input_spread"] = float(r.max - r.min)
-    return ShiftMax(exp=exp, covers=found.tensors, findings=(problem.ref,), measured=measured,
-                    why=(f"{exp} is a written-out softmax's Exp with no maximum subtracted; "
-                         f"subtracting ReduceMax({found.x}) first is exact and keeps exp within "
-                         f"(0, 1], so it stays in {ctx.fmt.name} (no FP32, no clamp)"))
+    why = (f"{exp} is a written-out softmax's Exp with no maximum subtracted; subtracting "
+           f"ReduceMax({found.x}) first is exact and keeps exp within (0, 1], so Exp, its sum "
+           f"and the division stay in {ctx.fmt.name}")
+    # Rounding x itself to the target would still be a relative error of exp's output:
+    # where it is too coarse, x's producers and the subtraction stay FP32.
+    precise = ctx.precise_producers([found.x], set())
+    if not precise or ctx.profile.fp32_pinning is Pinning.NONE:
+        if precise:
+            why += (f"; {found.x} rounds to {ctx.fmt.name} first (this target cannot pin "
+                    "FP32), which verification measures")
+        return ShiftMax(exp=exp, covers=found.tensors, findings=(problem.ref,),
+                        measured=measured, why=why)
+    why += (f"; {found.x} (absmax {r.absmax:.3g}) is too coarse in {ctx.fmt.name} for exp: "
+            f"{', '.join(precise)} and the subtraction run in FP32, elementwise")
+    request = ctx.profile.fp32_pinning is Pinning.COMPILER_DECIDES
+    pin = PinFp32(nodes=tuple(sorted(precise, key=ctx.order.__getitem__)),
+                  exit_tensors=(found.x,), findings=(problem.ref,),
+                  measured={"absmax": float(r.absmax)}, request=request,
+                  why=(f"the softmax input {found.x} is shifted in FP32: its {ctx.fmt.name} "
+                       "rounding would be a relative error of exp's output"))
+    return [ShiftMax(exp=exp, covers=found.tensors, fp32_shift=True, findings=(problem.ref,),
+                     measured=measured, why=why), pin]
 
 
 def _exp_of(ctx: PlanContext, problem: Problem) -> str:

@@ -49,6 +49,8 @@ def apply_plan(model: onnx.ModelProto, plan: Any) -> AppliedPlan:
         result = apply_max_shift(current, shift.exp)
         if result.modified:
             current = result.model
+            if shift.fp32_shift:
+                fp32_nodes += list(result.details.get("nodes", []))
             applied.append(f"shift softmax Exp {shift.exp} by its row maximum")
         else:
             declined.append(Skipped("shift_max", shift.exp, result.reason, shift.findings))

@@ -78,7 +78,12 @@ def find_written_softmax(model: onnx.ModelProto, exp_node: str) -> WrittenSoftma
 
 
 def apply_max_shift(model: onnx.ModelProto, exp_node: str) -> RewriteResult:
-    """Subtract ReduceMax(x) from the input of the written-out softmax at `exp_node`."""
+    """Subtract ReduceMax(x) from the input of the written-out softmax at `exp_node`.
+
+    The Exp output and the sum now hold other values: they are renamed (`<name>__shifted`)
+    so no comparison by name mistakes them for the reference's. details: "nodes" (the
+    inserted ReduceMax and Sub), "renamed" {old: new}.
+    """
     found = find_written_softmax(model, exp_node)
     if not found:
         return RewriteResult(model, False, found.reason, {"exp": exp_node})
@@ -99,7 +104,13 @@ def apply_max_shift(model: onnx.ModelProto, exp_node: str) -> RewriteResult:
     graph.nodes.append(gs.Node("ReduceMax", f"{name}_max", attrs, inputs, [m]))
     graph.nodes.append(gs.Node("Sub", name, inputs=[x, m], outputs=[shifted]))
     go.replace_input(exp, 0, shifted)
+    renamed: dict[str, str] = {}
+    red = go.require_node(graph, found.reduce, "shift")
+    for tensor in (exp.outputs[0], red.outputs[0]):
+        new = go.unique_name(graph, f"{tensor.name}__shifted")
+        renamed[tensor.name] = new
+        tensor.name = new
     out = go.finish(graph, model)
     return RewriteResult(out, True, (
         f"{exp_node} reads {x.name} - ReduceMax({x.name}); {found.div} is unchanged, exactly"),
-        {"exp": exp_node, "nodes": [f"{name}_max", name]})
+        {"exp": exp_node, "nodes": [f"{name}_max", name], "renamed": renamed})
