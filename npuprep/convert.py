@@ -18,6 +18,7 @@ from npuprep.model_io import Model, fingerprint
 from npuprep.numerics import NumberFormat, get_format
 from npuprep.plan import PinFp32, Plan
 from npuprep.profiles import Pinning, TargetProfile
+from npuprep.report.share import DEFAULT_MAX_FP32_SHARE, fp32_share
 
 SCHEMA_VERSION = 1
 DEFAULT_RTOL = 1e-2
@@ -65,10 +66,13 @@ class ConversionResult:
     stats: Any = None
     declined: tuple[Any, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
+    share: Any = None  # npuprep.report.share.Fp32Share
 
     @property
     def passed(self) -> bool:
-        checks = [c for c in (self.output_check, self.holdout) if c is not None]
+        """Outputs within tolerance under emulation, and the FP32 share within its limit:
+        a model left mostly in FP32 has not been converted."""
+        checks = [c for c in (self.output_check, self.holdout, self.share) if c is not None]
         return all(checks)
 
     def __bool__(self) -> bool:
@@ -100,6 +104,8 @@ class ConversionResult:
             "forced_fp32": dict(sorted(self.lowered.forced_fp32.items())),
             "cast_count": self.lowered.cast_count,
             "flops_fp32_share": self.flops_fp32_share,
+            "fp32_share": self.share.to_dict() if self.share is not None else None,
+            "fp32_verdict": self.share.verdict() if self.share is not None else "",
             "tensor_scales": dict(sorted(self.tensor_scales.items())),
             "tensors": self.tensor_rows(),
             "verification": self.output_check.to_dict() if self.output_check is not None else None,
@@ -152,12 +158,14 @@ def convert(
     samples_description: str = "",
     synthetic: bool = False,
     max_rounds: int = 3,
+    max_fp32_share: float = DEFAULT_MAX_FP32_SHARE,
 ) -> ConversionResult:
     """Plan (unless a plan is given), rewrite, lower and verify `model` for `profile`.
 
     `samples` are the calibration samples (verification runs on them); `holdout` verifies
     on samples not used for calibration. `stats` are the calibration statistics (None:
-    plan from static findings only).
+    plan from static findings only). The result fails when more than `max_fp32_share` of
+    the FLOPs stay FP32.
     """
     from npuprep.analyse import static_findings
     from npuprep.plan.planner import make_plan
@@ -195,15 +203,35 @@ def convert(
                           f"(rel L2 {first.rel_l2:.3g}, max abs error {first.max_abs_error:.3g})")
         plan = replace(plan, actions=(*plan.actions, pin))
     assert result is not None
+    share = fp32_share(result["rewritten"], _fp32_groups(plan, result),
+                       limit=max_fp32_share)
     return ConversionResult(
         source=model, profile=profile, fmt=fmt, findings=findings, plan=plan,
         rewritten=result["rewritten"], lowered=result["lowered"],
         tensor_scales=result["scales"], pinned_nodes=tuple(sorted(result["pinned"])),
         output_check=result["output_check"], layers=result["layers"],
-        holdout=result["holdout"], flops_fp32_share=result["flops_share"], rounds=round_no,
+        holdout=result["holdout"], flops_fp32_share=share.flops, rounds=round_no,
         samples_description=samples_description, synthetic=synthetic, stats=stats,
-        declined=result["declined"], notes=tuple(notes) + result["notes"],
+        declined=result["declined"], notes=tuple(notes) + result["notes"], share=share,
     )
+
+
+def _fp32_groups(plan: Plan, result: dict[str, Any]) -> list[tuple[tuple[str, ...], str, str]]:
+    """The FP32 nodes of a conversion as (nodes, why, declined remedy): the plan's islands,
+    what lowering forced, what the rewrites inserted, then anything else kept FP32."""
+    groups: list[tuple[tuple[str, ...], str, str]] = []
+    declined = list(plan.declined) + list(result["declined"])
+    for pin in plan.pins():
+        refs = set(pin.findings)
+        mine = [d for d in declined if refs & set(d.findings)]
+        first = next((d for d in mine if d.remedy == "rescale"), mine[0] if mine else None)
+        why = pin.why.split(" | ")[0]
+        groups.append((pin.nodes, why, f"{first.remedy} declined: {first.reason}" if first else ""))
+    for node, reason in sorted(result["lowered"].forced_fp32.items()):
+        groups.append(((node,), f"lowering: {reason}", ""))
+    groups.append((tuple(sorted(result["boundary"])), "rescale boundary (power-of-two Mul)", ""))
+    groups.append((tuple(sorted(result["pinned"])), "kept FP32", ""))
+    return groups
 
 
 def _nodes_to_pin(rewritten: Any, node: str, pinned: set[str]) -> tuple[str, ...]:
@@ -225,7 +253,6 @@ def _nodes_to_pin(rewritten: Any, node: str, pinned: set[str]) -> tuple[str, ...
 def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
            samples: Sequence[Feed], *, io_types: str, rtol: float,
            holdout: Sequence[Feed] | None, stats: Any = None) -> dict[str, Any]:
-    from npuprep.report.flops import fp32_flops_share
     from npuprep.rewrite.apply import apply_plan
     from npuprep.rewrite.lower import lower
     from npuprep.verify.compare import DEFAULT_ATOL, compare_models, emulation_notes
@@ -253,9 +280,10 @@ def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
         held = check_outputs(model.proto, lowered.model, lower_fmt, holdout,
                              saturate=profile.saturates, rtol=rtol, io_types=io_types)
     return {
+        "boundary": set(applied.fp32_nodes) | (set(applied.input_nodes) & pinned),
         "rewritten": applied.model, "lowered": lowered, "scales": applied.tensor_scales,
         "pinned": pinned, "layers": layers, "output_check": output_check, "holdout": held,
-        "flops_share": fp32_flops_share(applied.model, pinned), "declined": applied.declined,
+        "declined": applied.declined,
         "notes": tuple(notes),
     }
 

@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest relative L2 error of each output (default 1e-2)")
     p.add_argument("--max-rounds", type=int, default=3,
                    help="verification rounds; each pins the first divergent node (default 3)")
+    p.add_argument("--max-fp32-share", type=_percent, default=10.0, metavar="PERCENT",
+                   help="fail (exit 1) when more than this share of the FLOPs stays FP32 "
+                        "(default 10%%)")
     p.add_argument("--report", help="JSON report path (default: <output>.report.json)")
     p.add_argument("--html", help="also write a self-contained HTML report here")
     add_json(p)
@@ -74,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         model, profile, list(samples), stats=stats, plan=plan, precision=args.precision,
         io_types=args.io_types, rtol=args.rtol, holdout=list(holdout) if holdout else None,
         samples_description=samples.describe(), synthetic=samples.synthetic,
-        max_rounds=max(1, args.max_rounds),
+        max_rounds=max(1, args.max_rounds), max_fp32_share=args.max_fp32_share / 100,
     )
     report = _write_artefacts(args, result, output)
     if args.json:
@@ -82,6 +85,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_summary(report)
     return 0 if result.passed else 1
+
+
+def _percent(text: str) -> float:
+    """`10`, `10%` or `2.5` -> a percentage in [0, 100]."""
+    try:
+        value = float(text.strip().removesuffix("%"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a percentage like 10 or 10%, got {text!r}") from None
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"a percentage between 0 and 100, got {text!r}")
+    return value
 
 
 def _stats(args: argparse.Namespace, model: Any, samples: Any) -> Any:
@@ -173,6 +187,10 @@ def _with_pins(plan: Any, nodes: list[str], pin_cls: Any) -> Any:
     return replace(plan, actions=(*plan.actions, pin))
 
 
+def _nodes(nodes: list[str]) -> str:
+    return ", ".join(nodes[:3]) + (f" +{len(nodes) - 3}" if len(nodes) > 3 else "")
+
+
 def _print_summary(report: dict[str, Any]) -> None:
     from npuprep.cli.common import print_table
 
@@ -190,12 +208,22 @@ def _print_summary(report: dict[str, Any]) -> None:
     print_table("Outputs under emulated target numerics", ["output", "Inf/NaN", "max abs err", "rel L2"],
                 [(k, o["nonfinite"], o["max_abs_error"], o["rel_l2"])
                  for k, o in (ver.get("outputs") or {}).items()])
+    share = report.get("fp32_share") or {}
+    if share.get("islands"):
+        print_table("FP32 islands, costliest first", ["nodes", "FLOPs", "share", "why"],
+                    [(_nodes(i["nodes"]), f"{i['flops']:.3g}",
+                      f"{100 * i['flops'] / max(share['total_flops'], 1):.1f}%", i["why"])
+                     for i in share["islands"][:5]])
     print(f"FP32 FLOPs share {100 * report['flops_fp32_share']:.2f}%, "
           f"{report['cast_count']} Casts, {len(report['pinned_nodes'])} pinned nodes, "
           f"{len(report['declined'])} declined remedies")
     for note in report.get("notes", []):
         print(f"note: {note}")
     first = report.get("first_divergent")
+    outputs_ok = (report.get("verification") or {}).get("passed", True) and \
+        (report.get("holdout") or {}).get("passed", True)
     verdict = "PASSED" if report["passed"] else (
-        f"FAILED: first divergent node '{first['node']}' ({first['op_type']})" if first else "FAILED")
+        f"FAILED: first divergent node '{first['node']}' ({first['op_type']})" if first else
+        f"FAILED: {report['fp32_verdict']}" if outputs_ok and report.get("fp32_verdict") else
+        "FAILED")
     print(f"{verdict}; report: {report['artefacts']['report_md']}")

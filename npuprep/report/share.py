@@ -1,0 +1,99 @@
+"""The FP32 share of a converted model: FLOPs and Conv/MatMul/Gemm multiply-adds kept in FP32, per island.
+
+A conversion that keeps most of the compute in FP32 has failed its user even when its
+outputs are exact: the target runs FP32 slowly or on a CPU fallback. This ranks the FP32
+islands by their FLOPs, each with why it is FP32 and which cheaper remedy was declined.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import onnx
+
+from npuprep.graph import node_label, walk_graphs
+from npuprep.ops import LINEAR_WITH_WEIGHTS
+from npuprep.report.flops import node_flops
+
+# The default largest share of FLOPs `convert` lets stay FP32 before it fails.
+DEFAULT_MAX_FP32_SHARE = 0.10
+
+
+@dataclass(frozen=True)
+class IslandCost:
+    """FP32 nodes that belong together, their FLOPs and multiply-add FLOPs, why they are
+    FP32 and the cheaper remedy declined for them ("" when none was tried)."""
+
+    nodes: tuple[str, ...]
+    flops: int
+    mac_flops: int
+    why: str
+    declined: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"nodes": list(self.nodes), "flops": self.flops, "mac_flops": self.mac_flops,
+                "why": self.why, "declined": self.declined}
+
+
+@dataclass(frozen=True)
+class Fp32Share:
+    """Share of FLOPs (`flops`) and of Conv/MatMul/Gemm multiply-adds (`macs`) kept FP32,
+    against `limit` (a share of FLOPs). Truthy when the FLOPs share is within the limit;
+    `islands` are ranked by FLOPs, costliest first."""
+
+    flops: float
+    macs: float
+    total_flops: int
+    total_mac_flops: int
+    islands: tuple[IslandCost, ...]
+    limit: float = DEFAULT_MAX_FP32_SHARE
+
+    def __bool__(self) -> bool:
+        return self.flops <= self.limit
+
+    def verdict(self) -> str:
+        """One line: the shares, and when over the limit the costliest island and the
+        remedy declined for it."""
+        line = (f"FP32 share: {100 * self.flops:.1f}% of FLOPs, {100 * self.macs:.1f}% of "
+                f"Conv/MatMul/Gemm multiply-adds")
+        if self:
+            return line
+        worst = self.islands[0]
+        names = ", ".join(worst.nodes[:3]) + (f" +{len(worst.nodes) - 3}" if len(worst.nodes) > 3 else "")
+        share = worst.flops / self.total_flops if self.total_flops else 0.0
+        declined = worst.declined or "no cheaper remedy was tried"
+        return (f"{line}, over --max-fp32-share {100 * self.limit:g}%; costliest island "
+                f"{names} ({100 * share:.1f}% of FLOPs): {declined}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"flops": self.flops, "macs": self.macs, "total_flops": self.total_flops,
+                "total_mac_flops": self.total_mac_flops, "limit": self.limit,
+                "within_limit": bool(self), "islands": [i.to_dict() for i in self.islands]}
+
+
+def fp32_share(model: onnx.ModelProto, groups: Iterable[tuple[Iterable[str], str, str]], *,
+               limit: float = DEFAULT_MAX_FP32_SHARE) -> Fp32Share:
+    """The FP32 share of `model` whose FP32 nodes come in `groups` of (nodes, why, declined).
+
+    A node in several groups counts once, in the first; groups left without nodes drop out.
+    """
+    flops = node_flops(model)
+    ops = {node_label(n): n.op_type for s in walk_graphs(model.graph) for n in s.graph.node}
+    total = sum(flops.values())
+    macs = {k: v for k, v in flops.items() if ops.get(k) in LINEAR_WITH_WEIGHTS}
+    total_macs = sum(macs.values())
+    seen: set[str] = set()
+    islands: list[IslandCost] = []
+    for nodes, why, declined in groups:
+        mine = tuple(n for n in dict.fromkeys(nodes) if n in flops and n not in seen)
+        seen.update(mine)
+        if mine:
+            islands.append(IslandCost(mine, sum(flops[n] for n in mine),
+                                      sum(macs.get(n, 0) for n in mine), why, declined))
+    islands.sort(key=lambda i: (-i.flops, i.nodes))
+    fp32 = sum(i.flops for i in islands)
+    fp32_macs = sum(i.mac_flops for i in islands)
+    return Fp32Share(fp32 / total if total else 0.0, fp32_macs / total_macs if total_macs else 0.0,
+                     total, total_macs, tuple(islands), limit)
