@@ -203,7 +203,7 @@ def convert(
                           f"(rel L2 {first.rel_l2:.3g}, max abs error {first.max_abs_error:.3g})")
         plan = replace(plan, actions=(*plan.actions, pin))
     assert result is not None
-    share = fp32_share(result["rewritten"], _fp32_groups(plan, result),
+    share = fp32_share(result["rewritten"], _fp32_groups(plan, result, stats, fmt),
                        limit=max_fp32_share)
     return ConversionResult(
         source=model, profile=profile, fmt=fmt, findings=findings, plan=plan,
@@ -216,21 +216,28 @@ def convert(
     )
 
 
-def _fp32_groups(plan: Plan, result: dict[str, Any]) -> list[tuple[tuple[str, ...], str, str]]:
-    """The FP32 nodes of a conversion as (nodes, why, declined remedy): the plan's islands,
-    what lowering forced, what the rewrites inserted, then anything else kept FP32."""
-    groups: list[tuple[tuple[str, ...], str, str]] = []
+def _fp32_groups(plan: Plan, result: dict[str, Any], stats: Any,
+                 fmt: NumberFormat) -> list[tuple[tuple[str, ...], str, str, bool]]:
+    """The FP32 nodes of a conversion as (nodes, why, declined remedy, required): the plan's
+    islands, what lowering forced, what the rewrites inserted, then anything else kept FP32.
+    An island is required when an exit's measured range exceeds the format (it can only
+    close at an output kept FP32)."""
+    groups: list[tuple[tuple[str, ...], str, str, bool]] = []
     declined = list(plan.declined) + list(result["declined"])
     for pin in plan.pins():
         refs = set(pin.findings)
         mine = [d for d in declined if refs & set(d.findings)]
         first = next((d for d in mine if d.remedy == "rescale"), mine[0] if mine else None)
         why = pin.why.split(" | ")[0]
-        groups.append((pin.nodes, why, f"{first.remedy} declined: {first.reason}" if first else ""))
+        required = not pin.forced and any(not _fits_format(stats, t, fmt) and stats is not None
+                                          and t in stats.tensors for t in pin.exit_tensors)
+        groups.append((pin.nodes, why, f"{first.remedy} declined: {first.reason}" if first else "",
+                       required))
     for node, reason in sorted(result["lowered"].forced_fp32.items()):
-        groups.append(((node,), f"lowering: {reason}", ""))
-    groups.append((tuple(sorted(result["boundary"])), "rescale boundary (power-of-two Mul)", ""))
-    groups.append((tuple(sorted(result["pinned"])), "kept FP32", ""))
+        groups.append(((node,), f"lowering: {reason}", "", False))
+    groups.append((tuple(sorted(result["boundary"])), "rescale boundary (power-of-two Mul)", "",
+                   False))
+    groups.append((tuple(sorted(result["pinned"])), "kept FP32", "", False))
     return groups
 
 

@@ -79,6 +79,11 @@ def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outc
         over = [i for i in ctx.node(n).input if i and not ctx.representable(i)]
         why += (f"; {ctx.node(n).op_type} {n} joins: its input {', '.join(over)} cannot be "
                 f"represented in {ctx.fmt.name}" if over else "")
+    short = [t for part in parts for t in part.exit_tensors
+             if not ctx.fits(t) and ctx.representable(t) and not _reaches_output(ctx, t)]
+    if short:
+        why += (f"; {', '.join(short)} leaves it short of headroom but within {ctx.fmt.name}: "
+                "the Conv/MatMul/Gemm reading it stays in the target format")
     outs = [t for part in parts for t in part.exit_tensors
             if not ctx.fits(t) and _reaches_output(ctx, t)]
     if outs:

@@ -7,8 +7,10 @@ sum, the quotient). npuprep.rewrite.shift checks the pattern and does the rewrit
 
 from __future__ import annotations
 
+import math
+
 from npuprep.plan.actions import PinFp32, ShiftMax
-from npuprep.plan.context import Outcome, PlanContext, Problem
+from npuprep.plan.context import EXP_INPUT_ERROR, Outcome, PlanContext, Problem
 from npuprep.profiles import Pinning
 from npuprep.rewrite.shift import find_written_softmax
 
@@ -31,24 +33,37 @@ def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outc
            f"ReduceMax({found.x}) first is exact and keeps exp within (0, 1], so Exp, its sum "
            f"and the division stay in {ctx.fmt.name}")
     # Rounding x itself to the target would still be a relative error of exp's output:
-    # where it is too coarse, x's producers and the subtraction stay FP32.
+    # where it is too coarse, the subtraction runs in FP32 on an FP32 x (a graph input, or
+    # elementwise producers kept FP32 with it). A matmul's output is rounded anyway.
     precise = ctx.precise_producers([found.x], set())
-    if not precise or ctx.profile.fp32_pinning is Pinning.NONE:
-        if precise:
+    coarse = bool(precise) or _coarse_input(ctx, found.x)
+    if not coarse or ctx.profile.fp32_pinning is Pinning.NONE:
+        if coarse:
             why += (f"; {found.x} rounds to {ctx.fmt.name} first (this target cannot pin "
                     "FP32), which verification measures")
         return ShiftMax(exp=exp, covers=found.tensors, findings=(problem.ref,),
                         measured=measured, why=why)
     why += (f"; {found.x} (absmax {r.absmax:.3g}) is too coarse in {ctx.fmt.name} for exp: "
-            f"{', '.join(precise)} and the subtraction run in FP32, elementwise")
+            f"{', '.join([*precise, 'the subtraction'])} run in FP32, elementwise")
+    shift = ShiftMax(exp=exp, covers=found.tensors, fp32_shift=True, findings=(problem.ref,),
+                     measured=measured, why=why)
+    if not precise:
+        return shift
     request = ctx.profile.fp32_pinning is Pinning.COMPILER_DECIDES
     pin = PinFp32(nodes=tuple(sorted(precise, key=ctx.order.__getitem__)),
                   exit_tensors=(found.x,), findings=(problem.ref,),
                   measured={"absmax": float(r.absmax)}, request=request,
                   why=(f"the softmax input {found.x} is shifted in FP32: its {ctx.fmt.name} "
                        "rounding would be a relative error of exp's output"))
-    return [ShiftMax(exp=exp, covers=found.tensors, fp32_shift=True, findings=(problem.ref,),
-                     measured=measured, why=why), pin]
+    return [shift, pin]
+
+
+def _coarse_input(ctx: PlanContext, x: str) -> bool:
+    """A graph input (FP32 at the boundary) whose target rounding exceeds EXP_INPUT_ERROR."""
+    r = ctx.range_of(x)
+    if x not in ctx.graph_inputs or r is None or not r.absmax > 0:
+        return False
+    return 2.0 ** math.floor(math.log2(r.absmax)) * ctx.fmt.eps / 2 > EXP_INPUT_ERROR
 
 
 def _exp_of(ctx: PlanContext, problem: Problem) -> str:

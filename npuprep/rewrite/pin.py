@@ -146,7 +146,7 @@ def grow_island(
         if not grow:
             break
         island |= grow
-    return _island(view, island, fits, outputs_fp32)
+    return _island(view, island, fits, outputs_fp32, accepted=refused)
 
 
 def island_of(
@@ -226,10 +226,13 @@ def _exit_ok(view: _View, tensor: str, island: set[str], fits: Callable[[str], b
 
 
 def _island(view: _View, nodes: set[str], fits: Callable[[str], bool] | None,
-            outputs_fp32: bool) -> Island:
+            outputs_fp32: bool, accepted: set[str] | None = None) -> Island:
+    """The Island of `nodes`; `accepted` exits count as fitting (their readers refused to
+    join and take them as they are)."""
     exits, entries = view.borders(nodes)
-    unfit = [] if fits is None else [t for t in exits
-                                     if not _exit_ok(view, t, nodes, fits, outputs_fp32)]
+    accepted = accepted or set()
+    unfit = [] if fits is None else [t for t in exits if t not in accepted
+                                     and not _exit_ok(view, t, nodes, fits, outputs_fp32)]
     ordered = tuple(sorted(nodes, key=view.rank.__getitem__))
     return Island(ordered, tuple(exits), tuple(entries), tuple(unfit), view.scope.path)
 
