@@ -24,10 +24,10 @@ from npuprep.calibrate.instrument import (
     instrument,
 )
 from npuprep.calibrate.stats import Accumulator, CalibrationStats
-from npuprep.cli.common import progress_counter
 from npuprep.data import SampleSet
 from npuprep.errors import NpuprepError
 from npuprep.model_io import Model
+from npuprep.progress import progress_counter
 
 
 def calibrate(
