@@ -2,8 +2,8 @@
 
 Run: python bench/bench_fp32_share.py [--target generic] [--out bench/_work/fp32_share.md]
 
-Each model of `examples/zoo.py` and the bundled planner is calibrated on its samples and
-converted; the outputs of the lowered model are judged under emulated FP16 (explicit Cast
+Each model of `examples/zoo.py`, the bundled planner and the hazard shapes of the FP16-share
+issue (built here, 64 x 256) is calibrated on its samples and converted; the outputs of the lowered model are judged under emulated FP16 (explicit Cast
 pairs, npuprep.verify.widen). The shares are computed here from the pinned nodes and the
 per-node FLOPs, so the same script measures any version of `convert`.
 """
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import numpy_helper, parser
 
 from npuprep.calibrate import calibrate
 from npuprep.convert import convert
@@ -41,16 +42,72 @@ def shares(model: onnx.ModelProto, pinned: set[str]) -> tuple[float, float]:
             sum(v for k, v in macs.items() if k in pinned) / total_macs)
 
 
+def _parsed(text: str, **weights: np.ndarray) -> onnx.ModelProto:
+    proto = parser.parse_model(text)
+    for name, value in weights.items():
+        proto.graph.initializer.append(numpy_helper.from_array(np.asarray(value), name))
+    return proto
+
+
+def issue_cases() -> dict[str, tuple[onnx.ModelProto, list[dict[str, np.ndarray]]]]:
+    """The hazard shapes of the FP16-share issue, at the sizes of a small transformer block."""
+    rng = np.random.default_rng(0)
+    d, n = 256, 64
+    head = '<ir_version: 8, opset_import: ["" : 17]>'
+    w = (rng.standard_normal((d, d)) / 16).astype(np.float32)
+    w[:, 3] = rng.standard_normal(d).astype(np.float32) * 2e3  # an outlier column
+    residual = _parsed(head + f"""
+    g (float[{n}, {d}] x) => (float[{n}, {d}] y) {{
+        [proj] p = MatMul (x, W)
+        [bias] pb = Add (p, b)
+        [res] h = Add (pb, x)
+        [ln] m = LayerNormalization <axis = -1> (h, gamma, beta)
+        [out] y = MatMul (m, W2)
+    }}""", W=w, b=rng.standard_normal(d).astype(np.float32),
+        W2=(rng.standard_normal((d, d)) / 16).astype(np.float32),
+        gamma=np.ones(d, np.float32), beta=np.zeros(d, np.float32))
+    softmax = _parsed(head + f"""
+    g (float[{n}, {d}] x) => (float[{n}, {d}] y) <int64[1] ax = {{1}}> {{
+        [fc] l = MatMul (x, W)
+        [exp] e = Exp (l)
+        [sum] s = ReduceSum <keepdims = 1> (e, ax)
+        [div] y = Div (e, s)
+    }}""", W=(rng.standard_normal((d, d)) * 2.5 / 16).astype(np.float32))
+    headroom = _parsed(head + f"""
+    g (float[{n}, {d}] x) => (float[{n}, {d}] y, float[{n}, {d}] g) <float c = {{0.56}}> {{
+        [sq] q = Mul (x, x)
+        [mulc] z = Mul (q, c)
+        [mm] y = MatMul (z, W)
+        [sig] g = Sigmoid (x)
+    }}""", W=(rng.standard_normal((d, d)) * 1e-3).astype(np.float32))
+    classifier = _parsed(head + f"""
+    g (float[{n}, {d}] x) => (float[{n}, 10] y) {{
+        [fc] y = Gemm (x, W, b)
+    }}""", W=(rng.standard_normal((d, 10)) * 3e-10 / 4).astype(np.float32),
+        b=(rng.standard_normal(10) * 1e-9).astype(np.float32))
+
+    def feeds(scale: float, spike: float = 0.0) -> list[dict[str, np.ndarray]]:
+        out = [{"x": (rng.standard_normal((n, d)) * scale).astype(np.float32)} for _ in range(4)]
+        if spike:
+            out[0]["x"][0, 0] = spike
+        return out
+
+    return {"issue: residual domain": (residual, feeds(2.0)),
+            "issue: softmax, MatMul logits ~30": (softmax, feeds(1.0)),
+            "issue: 3.8e4 next to a MatMul": (headroom, feeds(1.0, 260.0)),
+            "issue: logits ~1e-9": (classifier, feeds(1.0))}
+
+
 def cases(tmp: Path) -> list[tuple[str, object, object]]:
     rows = []
-    for name, build in ZOO.items():
-        z = build()
-        path = tmp / f"{name}.onnx"
-        onnx.save(z.model, path)
-        data = tmp / name
+    built = {name: (z.model, z.samples) for name, z in ((n, b()) for n, b in ZOO.items())}
+    for i, (name, (proto, feeds)) in enumerate({**built, **issue_cases()}.items()):
+        path = tmp / f"model_{i}.onnx"
+        onnx.save(proto, path)
+        data = tmp / f"data_{i}"
         data.mkdir()
-        for i, feed in enumerate(z.samples):
-            np.savez(data / f"sample_{i:03d}.npz", **feed)
+        for j, feed in enumerate(feeds):
+            np.savez(data / f"sample_{j:03d}.npz", **feed)
         model = load_model(path)
         rows.append((name, model, load_samples(data, model.proto)))
     planner = load_model(example_model_path())
@@ -68,7 +125,12 @@ def main() -> None:
              "|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         for name, model, samples in cases(Path(tmp)):
-            result = convert(model, profile, list(samples), stats=calibrate(model, samples))
+            try:
+                result = convert(model, profile, list(samples), stats=calibrate(model, samples))
+            except Exception as exc:  # noqa: BLE001 - a crash of an older version is a result
+                lines.append(f"| {name} | error: {type(exc).__name__}: {str(exc)[:60]} | | | | |")
+                print(lines[-1], flush=True)
+                continue
             check = result.output_check
             worst = max((o["rel_l2"] for o in check.outputs.values()), default=0.0)
             bad = sum(int(o["nonfinite"]) for o in check.outputs.values())
