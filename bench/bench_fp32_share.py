@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper, parser
+from onnx import helper, numpy_helper, parser
 
 from npuprep.calibrate import calibrate
 from npuprep.convert import convert
@@ -86,6 +86,18 @@ def issue_cases() -> dict[str, tuple[onnx.ModelProto, list[dict[str, np.ndarray]
     }}""", W=(rng.standard_normal((d, 10)) * 3e-10 / 4).astype(np.float32),
         b=(rng.standard_normal(10) * 1e-9).astype(np.float32))
 
+    then_branch = parser.parse_graph(f"""thenb () => (float[{n}, {d}] t) <float three = {{3.0}}> {{
+        [m3] x3 = Mul (x, three)
+        [exp3] t = Exp (x3)
+    }}""")
+    else_branch = parser.parse_graph(f"elseb () => (float[{n}, {d}] e) {{ [neg] e = Neg (x) }}")
+    branch = parser.parse_model(head + f"""
+    g (float[{n}, {d}] x, bool c) => (float[{n}, {d}] y) {{ [branch] y = If (c) }}""")
+    branch.graph.node[0].attribute.extend([helper.make_attribute("then_branch", then_branch),
+                                           helper.make_attribute("else_branch", else_branch)])
+    branch_feeds = [{"x": rng.uniform(-5, 5, (n, d)).astype(np.float32), "c": np.array(True)}
+                    for _ in range(4)]
+
     def feeds(scale: float, spike: float = 0.0) -> list[dict[str, np.ndarray]]:
         out = [{"x": (rng.standard_normal((n, d)) * scale).astype(np.float32)} for _ in range(4)]
         if spike:
@@ -95,7 +107,8 @@ def issue_cases() -> dict[str, tuple[onnx.ModelProto, list[dict[str, np.ndarray]
     return {"issue: residual domain": (residual, feeds(2.0)),
             "issue: softmax, MatMul logits ~30": (softmax, feeds(1.0)),
             "issue: 3.8e4 next to a MatMul": (headroom, feeds(1.0, 260.0)),
-            "issue: logits ~1e-9": (classifier, feeds(1.0))}
+            "issue: logits ~1e-9": (classifier, feeds(1.0)),
+            "issue: If branch Exp(3x), x up to 5": (branch, branch_feeds)}
 
 
 def cases(tmp: Path) -> list[tuple[str, object, object]]:
