@@ -291,12 +291,16 @@ def test_the_fp32_share_gate_names_the_costliest_island_and_its_declined_remedy(
     proc = run_cli("convert", path, "--target", "generic", "--data", data, "-o", tmp_path / "o.onnx")
     assert proc.returncode == 1, proc.stderr
     verdict = proc.stdout.strip().splitlines()[-1]
-    assert verdict.startswith("FAILED: FP32 share: 100.0% of FLOPs, 100.0% of Conv/MatMul/Gemm")
-    assert "over --max-fp32-share 10%; costliest island mm1, relu, mm2 (100.0% of FLOPs)" in verdict
-    assert "rescale declined: 2^-" in verdict and "below the smallest fp16 normal" in verdict
+    assert verdict.startswith("FAILED: 100% of FLOPs stay FP32 (over 10%); costliest island "
+                              "mm1, relu, mm2 (100%): rescale declined; report: ")
+    assert len(verdict.split("; report: ")[0]) <= 100
     report = json.loads((tmp_path / "o.report.json").read_text())
     assert report["passed"] is False and report["verification"]["passed"] is True
-    assert "**FAILED**" in (tmp_path / "o.report.md").read_text()
+    # The report carries the whole reason.
+    assert "rescale declined: 2^-" in report["fp32_verdict"]
+    assert "below the smallest fp16 normal" in report["fp32_verdict"]
+    md = (tmp_path / "o.report.md").read_text()
+    assert "**FAILED**" in md and "## FP32 islands, costliest first" in md
     ok = run_cli("convert", path, "--target", "generic", "--data", data, "-o", tmp_path / "p.onnx",
                  "--max-fp32-share", "100%")
     assert ok.returncode == 0, ok.stdout

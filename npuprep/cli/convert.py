@@ -214,7 +214,8 @@ def _print_summary(report: dict[str, Any]) -> None:
                     [(_nodes(i["nodes"]), f"{i['flops']:.3g}",
                       f"{100 * i['flops'] / max(share['total_flops'], 1):.1f}%", i["why"])
                      for i in share["islands"][:5]])
-    print(f"FP32 FLOPs share {100 * report['flops_fp32_share']:.2f}%, "
+    print(f"FP32 FLOPs share {100 * report['flops_fp32_share']:.2f}% "
+          f"(multiply-adds {100 * share.get('macs', 0.0):.2f}%), "
           f"{report['cast_count']} Casts, {len(report['pinned_nodes'])} pinned nodes, "
           f"{len(report['declined'])} declined remedies")
     for note in report.get("notes", []):
@@ -224,6 +225,6 @@ def _print_summary(report: dict[str, Any]) -> None:
         (report.get("holdout") or {}).get("passed", True)
     verdict = "PASSED" if report["passed"] else (
         f"FAILED: first divergent node '{first['node']}' ({first['op_type']})" if first else
-        f"FAILED: {report['fp32_verdict']}" if outputs_ok and report.get("fp32_verdict") else
-        "FAILED")
+        f"FAILED: {report['fp32_share']['headline']}" if outputs_ok and report.get("fp32_share")
+        else "FAILED")
     print(f"{verdict}; report: {report['artefacts']['report_md']}")

@@ -11,6 +11,7 @@ and veto scales that would flush a tensor under the smallest normal.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import onnx
@@ -81,8 +82,6 @@ def _weights(ctx: PlanContext, problem: Problem) -> Outcome:
         return (Declined("rescale", f.node, reason, (ref,)),)
     action = rescale_action(ctx, f.node, check, (ref,), f.tensor, worst, "")
     k = check.k
-    from dataclasses import replace
-
     return replace(action, absmax_after=worst * 2.0**-k, why=(
         f"weight {f.tensor} reaches {worst:.6g}; scaling it by {pow2(-k)} brings it within "
         f"{ctx.limit:.6g}, exactly; absorbed by {', '.join(action.absorbers) or 'nothing'}"))

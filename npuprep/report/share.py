@@ -81,10 +81,22 @@ class Fp32Share:
         return (f"{line}, over --max-fp32-share {100 * self.limit:g}%; costliest island "
                 f"{names} ({100 * share:.1f}% of FLOPs): {declined}")
 
+    def headline(self) -> str:
+        """The gate's failure in one short line (terminal width): the avoidable share, the
+        costliest island and the remedy declined for it; "" within the limit."""
+        if self:
+            return ""
+        worst = next(i for i in self.islands if not i.required)
+        names = ", ".join(worst.nodes[:3]) + (f" +{len(worst.nodes) - 3}" if len(worst.nodes) > 3 else "")
+        share = worst.flops / self.total_flops if self.total_flops else 0.0
+        remedy = worst.declined.split(":")[0] if worst.declined else "no remedy tried"
+        return (f"{100 * self.avoidable:.0f}% of FLOPs stay FP32 (over {100 * self.limit:g}%); "
+                f"costliest island {names} ({100 * share:.0f}%): {remedy}")
+
     def to_dict(self) -> dict[str, Any]:
         return {"flops": self.flops, "macs": self.macs, "total_flops": self.total_flops,
                 "total_mac_flops": self.total_mac_flops, "limit": self.limit,
-                "avoidable": self.avoidable,
+                "avoidable": self.avoidable, "headline": self.headline(),
                 "within_limit": bool(self), "islands": [i.to_dict() for i in self.islands]}
 
 
