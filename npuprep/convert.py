@@ -235,8 +235,10 @@ def _fp32_groups(plan: Plan, result: dict[str, Any], stats: Any,
                        required))
     for node, reason in sorted(result["lowered"].forced_fp32.items()):
         groups.append(((node,), f"lowering: {reason}", "", False))
-    groups.append((tuple(sorted(result["boundary"])), "rescale boundary (power-of-two Mul)", "",
-                   False))
+    by_reason: dict[str, list[str]] = {}
+    for node in sorted(result["boundary"]):
+        by_reason.setdefault(result["fp32_reasons"].get(node, "inserted by a rewrite"), []).append(node)
+    groups += [(tuple(nodes), why, "", False) for why, nodes in sorted(by_reason.items())]
     groups.append((tuple(sorted(result["pinned"])), "kept FP32", "", False))
     return groups
 
@@ -288,6 +290,7 @@ def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
                              saturate=profile.saturates, rtol=rtol, io_types=io_types)
     return {
         "boundary": set(applied.fp32_nodes) | (set(applied.input_nodes) & pinned),
+        "fp32_reasons": applied.fp32_reasons,
         "rewritten": applied.model, "lowered": lowered, "scales": applied.tensor_scales,
         "pinned": pinned, "layers": layers, "output_check": output_check, "holdout": held,
         "declined": applied.declined,

@@ -23,9 +23,10 @@ from npuprep.rewrite.shift import apply_max_shift
 class AppliedPlan:
     """The rewritten FP32 model and what each action did.
 
-    `fp32_nodes` are boundary nodes the rewrites inserted that must stay FP32 (an output's
-    compensation after its Cast); `input_nodes` maps the power-of-two Muls inserted on graph
-    inputs to their input, which need FP32 only when the input itself exceeds the target.
+    `fp32_nodes` are nodes the rewrites inserted that must stay FP32 (an output's
+    compensation after its Cast, a softmax shift on coarse logits), each with its reason in
+    `fp32_reasons`; `input_nodes` maps the power-of-two Muls inserted on graph inputs to
+    their input, which need FP32 only when the input itself exceeds the target.
     """
 
     model: onnx.ModelProto
@@ -34,6 +35,7 @@ class AppliedPlan:
     applied: tuple[str, ...]
     declined: tuple[Skipped, ...] = field(default_factory=tuple)
     input_nodes: dict[str, str] = field(default_factory=dict)
+    fp32_reasons: dict[str, str] = field(default_factory=dict)
 
 
 def apply_plan(model: onnx.ModelProto, plan: Any) -> AppliedPlan:
@@ -43,6 +45,7 @@ def apply_plan(model: onnx.ModelProto, plan: Any) -> AppliedPlan:
     scales: dict[str, float] = {}
     fp32_nodes: list[str] = []
     input_nodes: dict[str, str] = {}
+    reasons: dict[str, str] = {}
     applied: list[str] = []
     declined: list[Skipped] = []
     for shift in plan.shifts():
@@ -50,7 +53,9 @@ def apply_plan(model: onnx.ModelProto, plan: Any) -> AppliedPlan:
         if result.modified:
             current = result.model
             if shift.fp32_shift:
-                fp32_nodes += list(result.details.get("nodes", []))
+                for node in result.details.get("nodes", []):
+                    fp32_nodes.append(node)
+                    reasons[node] = f"subtracts the row maximum in FP32 before softmax {shift.exp}"
             applied.append(f"shift softmax Exp {shift.exp} by its row maximum")
         else:
             declined.append(Skipped("shift_max", shift.exp, result.reason, shift.findings))
@@ -71,11 +76,17 @@ def apply_plan(model: onnx.ModelProto, plan: Any) -> AppliedPlan:
             scales[tensor] = scales.get(tensor, 1.0) * float(s)
         inputs = dict(result.details.get("input_nodes", {}))
         input_nodes.update(inputs)
-        fp32_nodes += [n for n in result.details.get("fp32_nodes", []) if n not in inputs]
+        for node in result.details.get("fp32_nodes", []):
+            if node in inputs:
+                reasons[node] = f"scales graph input {inputs[node]} by a power of two"
+            else:
+                fp32_nodes.append(node)
+                reasons[node] = (f"undoes the rescale of {rescale.entry} at a graph output, in "
+                                 "FP32 after the output Cast")
         applied.append(f"rescale {rescale.entry} by 2^{-rescale.k}")
     scales = {t: s for t, s in sorted(scales.items()) if s != 1.0}
     return AppliedPlan(current, scales, tuple(fp32_nodes), tuple(applied), tuple(declined),
-                       dict(sorted(input_nodes.items())))
+                       dict(sorted(input_nodes.items())), dict(sorted(reasons.items())))
 
 
 def _clamp(model: onnx.ModelProto, clamp: Any) -> RewriteResult:
