@@ -102,7 +102,11 @@ def _grow(ctx: PlanContext, seeds: list[str]) -> list[Island]:
                          joins=lambda label, t: _may_join(ctx, label, t)) for seed in seeds]
     if len(grown) <= 1:
         return grown
-    return list(merge_islands(ctx.model.proto, grown, ctx.fits, max_gap=0, types=ctx.types))
+    # Exits whose readers refused to join stay accepted once the islands are merged.
+    accepted = {t for g in grown for t in g.exit_tensors if t not in g.unfit_exits}
+    merged = merge_islands(ctx.model.proto, grown, ctx.fits, max_gap=0, types=ctx.types)
+    return [replace(m, unfit_exits=tuple(t for t in m.unfit_exits if t not in accepted))
+            for m in merged]
 
 
 def _may_join(ctx: PlanContext, label: str, tensor: str) -> bool:
