@@ -320,3 +320,31 @@ def test_the_share_counts_only_fp32_nodes_and_ranks_islands():
     assert share.flops == (2048 + 256) / (2048 + 256 + 1536)
     assert share.macs == 2048 / (2048 + 1536)
     assert not share and "costliest island mm1 (53.3% of FLOPs): rescale declined: x" in share.verdict()
+
+
+# x -> Mul(x, x) -> q -> Mul(q, 0.56) -> z (3.8e4) -> MatMul(W) -> h (~300) -> Mul(h, h) -> q2
+# -> Sqrt -> r -> Tanh -> y ; x -> Sigmoid -> g   (two islands with a matmul between them)
+BETWEEN = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[8, 16] x) => (float[8, 16] y, float[8, 16] g) <float c = {0.56}> {
+    [sq] q = Mul (x, x)
+    [mulc] z = Mul (q, c)
+    [mm] h = MatMul (z, W)
+    [sq2] q2 = Mul (h, h)
+    [root] r = Sqrt (q2)
+    [tanh] y = Tanh (r)
+    [sig] g = Sigmoid (x)
+}
+"""
+
+
+def test_merging_islands_never_bridges_over_the_matmul_between_them(tmp_path):
+    rng = np.random.default_rng(7)
+    proto = _model(BETWEEN, W=np.full((16, 16), 8e-3, np.float32))
+    feeds = [{"x": rng.standard_normal((8, 16)).astype(np.float32)} for _ in range(6)]
+    feeds[0]["x"][0, 0] = 260.0
+    result = _convert(tmp_path, proto, feeds, max_fp32_share=1.0)
+    assert result.stats.tensors["q2"].absmax > F16.max > result.stats.tensors["z"].absmax
+    assert result, result.output_check.to_dict()
+    assert [p.nodes for p in result.plan.pins()] == [("sq", "mulc"), ("sq2", "root")]
+    assert "mm" not in result.pinned_nodes and result.share.macs == 0.0
