@@ -348,3 +348,28 @@ def test_merging_islands_never_bridges_over_the_matmul_between_them(tmp_path):
     assert result, result.output_check.to_dict()
     assert [p.nodes for p in result.plan.pins()] == [("sq", "mulc"), ("sq2", "root")]
     assert "mm" not in result.pinned_nodes and result.share.macs == 0.0
+
+
+def test_a_residual_branch_reading_a_block_output_scales_from_that_tensor(tmp_path):
+    # x -> MatMul(W0) -> a -> Relu -> blk ; blk -> MatMul(W, outlier column) -> p -> Add(b)
+    # -> pb -> Add(pb, blk) -> h -> LayerNorm -> n -> MatMul(W2) -> y
+    rng = np.random.default_rng(8)
+    text = RESIDUAL.replace("[proj] p = MatMul (x, W)", "[mm0] a = MatMul (x, W0)\n"
+                            "    [act] blk = Relu (a)\n    [proj] p = MatMul (blk, W)").replace(
+        "[res] h = Add (pb, x)", "[res] h = Add (pb, blk)")
+    w = (rng.standard_normal((16, 16)) / 4).astype(np.float32)
+    w[:, 3] = rng.standard_normal(16).astype(np.float32) * 2e4
+    proto = _model(text, W0=(rng.standard_normal((16, 16)) / 2).astype(np.float32), W=w,
+                   b=rng.standard_normal(16).astype(np.float32),
+                   W2=(rng.standard_normal((16, 16)) / 4).astype(np.float32),
+                   gamma=np.ones(16, np.float32), beta=np.zeros(16, np.float32))
+    feeds = [{"x": (rng.standard_normal((8, 16)) * 2).astype(np.float32)} for _ in range(6)]
+    result = _convert(tmp_path, proto, feeds)
+    assert result, result.share.verdict()
+    (rs,) = result.plan.rescales()
+    assert rs.entry == "blk" and rs.absorbers == ("ln",)
+    # The exact Mul on blk runs in FP16 (blk fits it): nothing stays FP32.
+    assert result.share.flops == 0.0 and not result.pinned_nodes
+    made = {o: n for n in result.rewritten.graph.node for o in n.output}
+    assert made[made["p"].input[0]].op_type == "Mul"
+    assert _worst_rel_l2(result) <= 1e-3

@@ -488,3 +488,23 @@ def test_scale_invariant_consumers_end_the_domain_with_nothing_to_compensate(end
     done = apply_rescale(model, "node_of_h", 3)
     feeds = {"x": _w(2, 4)}
     assert _same_function(model, done.model, feeds) <= 1e-6
+
+
+def test_a_block_output_without_weights_enters_through_an_exact_mul():
+    # x -> Relu -> r (also an output) -> MatMul(W) -> y ; x -> Shape -> s (int64 output)
+    model = build(HEAD + """
+    g (float[2,4] x) => (float[2,3] y, float[2,4] r, int64[2] s) <float[4,3] W> {
+      r = Relu(x)
+      y = MatMul(r, W)
+      s = Shape(x)
+    }""", W=_w(4, 3))
+    done = apply_rescale(model, "r", 2)
+    assert done, done.reason
+    (entry,) = done.details["entries"]
+    assert entry["name"] == "r" and entry["kind"] == "tensor"
+    assert list(done.details["input_nodes"].values()) == ["r"]
+    # r stays the reference for its other reader (the graph output); MatMul absorbs the scale.
+    feeds = {"x": _w(2, 4)}
+    assert _same_function(model, done.model, feeds) <= 1e-6
+    declined = check_rescale(model, "s", 2)
+    assert not declined and "not a float tensor" in declined.reason

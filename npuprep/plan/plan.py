@@ -421,8 +421,8 @@ class _Parser:
 
     def rescale(self, d: dict[str, Any], key: str, findings: tuple[FindingRef, ...], why: str) -> Rescale:
         entry = self.string(d["entry"], f"{key}.entry")
-        if self.names is not None and entry not in self.names.nodes | self.names.inputs:
-            raise self.fail(f"{key}.entry", f"'{entry}' is neither a node nor a graph input of the model")
+        if self.names is not None and entry not in self.names.nodes | self.names.inputs | self.names.tensors:
+            raise self.fail(f"{key}.entry", f"'{entry}' is neither a node nor a tensor of the model")
         k = self.integer(d["k"], f"{key}.k")
         if k == 0:
             raise self.fail(f"{key}.k", "k = 0 scales by 1; remove the action instead")

@@ -191,6 +191,7 @@ def entries_for(ctx: PlanContext, tensor: str) -> tuple[list[str], str]:
     candidates: list[str] = []
     current = tensor
     seen: set[str] = set()
+    past_entry = False
     while current not in seen and len(candidates) < MAX_ENTRY_TRIES:
         seen.add(current)
         if current in ctx.graph_inputs:
@@ -205,6 +206,12 @@ def entries_for(ctx: PlanContext, tensor: str) -> tuple[list[str], str]:
             return candidates, (f"{label} is inside a subgraph ({scope}); rescale works on "
                                 "the main graph")
         entry = is_entry(ctx, node)
+        if past_entry and not entry:
+            # The input of an entry whose own domain reaches back into it (a residual
+            # join): the domain can start on that tensor, behind an exact Mul.
+            candidates.append(current)
+            return candidates, ""
+        past_entry = entry and node.op_type in LINEAR_WITH_WEIGHTS | set(SCALE_INVARIANT_NORMS)
         if entry:
             candidates.append(label)
         if entry and node.op_type in LINEAR_WITH_WEIGHTS | set(SCALE_INVARIANT_NORMS):

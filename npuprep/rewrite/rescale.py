@@ -4,8 +4,8 @@ The scale s = 2^-k is a power of two, so multiplying by it adds no rounding: the
 FP32 graph computes the same function. Each tensor of the domain carries an integer
 exponent p (its values are 2^p times the reference). The exponent enters at an *entry* (a
 producer with constant weights, an affine normalisation, a Mul/Div by a constant, or a graph
-input that gets `Mul(x, 2^-k)`), travels forward through ops that commute with positive
-scaling or transform it exactly (`Mul(x, x)` doubles it, `Sqrt` halves it, a Div of two
+input or block output that gets `Mul(x, 2^-k)`), travels forward through ops that commute
+with positive scaling or transform it exactly (`Mul(x, x)` doubles it, `Sqrt` halves it, a Div of two
 scaled tensors subtracts), and is *absorbed* where it returns to 0: a linear consumer with
 constant weights, a scale-invariant normalisation (epsilon * s^2), BatchNormalization (mean
 and variance folded), a Mul/Div by a constant that takes the factor, or a graph output
@@ -29,6 +29,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from npuprep.errors import NpuprepError
+from npuprep.graph import tensor_types
 from npuprep.ops import (
     COMMUTES_WITH_SCALING,
     COMPARISONS,
@@ -71,7 +72,8 @@ class Absorber:
 
 @dataclass(frozen=True)
 class Entry:
-    """Where the scale enters: a node (`weights`, `norm_affine`, `constant`) or `graph_input`."""
+    """Where the scale enters: a node (`weights`, `norm_affine`, `constant`), a `graph_input`,
+    or a `tensor` whose producer has no weights (an exact Mul is inserted after it)."""
 
     name: str
     kind: str
@@ -106,6 +108,7 @@ def check_rescale(model: onnx.ModelProto, entry: str, k: int) -> RescaleCheck:
     producer is used). A negative k scales up (the underflow remedy).
     """
     graph = go.import_graph(model)
+    _type_entry(graph, model, entry)
     solver = _solve(graph, entry, k)
     return solver.check
 
@@ -115,12 +118,13 @@ def apply_rescale(model: onnx.ModelProto, entry: str, k: int) -> RewriteResult:
 
     details: "tensor_scales" {tensor: s_total} for every tensor whose values changed
     (candidate = s_total * reference), "fp32_nodes" (inserted boundary Muls, to keep FP32
-    at lowering), "input_nodes" {Mul on a graph input: that input} (FP32 only needed while
-    the input exceeds the target), "entries", "absorbers", "exits", "k", and "scaled_constants" {constant:
+    at lowering), "input_nodes" {Mul on an entry graph input or tensor: that tensor} (FP32
+    only needed while the tensor exceeds the target), "entries", "absorbers", "exits", "k", and "scaled_constants" {constant:
     exponent, absmax, min_nonzero} so a caller can see weights pushed towards the target's
     subnormals (an epsilon scaled by s^2, say).
     """
     graph = go.import_graph(model)
+    _type_entry(graph, model, entry)
     solver = _solve(graph, entry, k)
     check = solver.check
     if not check:
@@ -141,6 +145,17 @@ def apply_rescale(model: onnx.ModelProto, entry: str, k: int) -> RewriteResult:
         "scaled_constants": dict(sorted(solver.scaled_constants.items())),
     }
     return RewriteResult(out, True, check.reason, details)
+
+
+def _type_entry(graph: gs.Graph, model: onnx.ModelProto, entry: str) -> None:
+    """An entry naming an intermediate tensor gets its element type from shape inference
+    (graph surgeon knows only the types the file declares)."""
+    tensor = graph.tensors().get(entry)
+    if tensor is None or tensor.dtype is not None or go.find_node(graph, entry) is not None:
+        return
+    elem = tensor_types(model).get(entry)
+    if elem is not None:
+        tensor.dtype = onnx.helper.tensor_dtype_to_np_dtype(elem)
 
 
 def _solve(graph: gs.Graph, entry: str, k: int) -> _Solver:
@@ -224,7 +239,9 @@ class _Solver:
                 # Only once the domain has settled can an untouched reader of a shared weight
                 # be told apart from one the scale still has to reach.
                 self._close_shared(*self.pending.pop(0))
-            exits = tuple(t.name for t in self.graph.outputs if self.exps.get(t.name, 0) != 0)
+            # An entered input or tensor keeps its reference values; its readers get a copy.
+            exits = tuple(t.name for t in self.graph.outputs
+                          if self.exps.get(t.name, 0) != 0 and t.name not in self.input_entries)
         except _Decline as exc:
             reason = str(exc)
             if self.joined:
@@ -250,10 +267,22 @@ class _Solver:
         if node is None:
             tensor = self.graph.tensors().get(self.entry)
             node = go.producer(tensor) if tensor is not None else None
+            if node is not None and not self._has_entry_weights(node):
+                # A block output whose producer carries no weights (a residual Add, an
+                # activation): the scale enters through an exact Mul on the tensor itself.
+                self._enter_input(tensor, p, kind="tensor")
+                return
         if node is None:
             raise NpuprepError(f"rescale: '{self.entry}' is neither a node, a graph input nor a "
                                "tensor of the main graph")
         self._enter_node(node, p, f"entry {self.entry}")
+
+    def _has_entry_weights(self, node: gs.Node) -> bool:
+        if node.op in LINEAR_WITH_WEIGHTS:
+            return self._weight_index(node) is not None
+        if node.op in _NORMS:
+            return True
+        return node.op in ("Mul", "Div") and self._const_index(node) is not None
 
     def _assign(self, tensor: gs.Tensor, p: int, why: str) -> None:
         name = tensor.name
@@ -344,15 +373,16 @@ class _Solver:
         if not all(self.const_edits.get((id(node), i)) == e for i in idxs):
             raise _Decline(f"{lead}, where '{tensor.name}' is not the input that carries the scale")
 
-    def _enter_input(self, inp: gs.Variable, p: int) -> None:
+    def _enter_input(self, inp: gs.Tensor, p: int, kind: str = "graph_input") -> None:
         try:
             is_float = inp.dtype is not None and go.is_float_dtype(np.dtype(inp.dtype))
         except TypeError:
             is_float = False
         if not is_float:
-            raise _Decline(f"graph input '{inp.name}' is not a float tensor")
+            where = "graph input" if kind == "graph_input" else "tensor"
+            raise _Decline(f"{where} '{inp.name}' is not a float tensor")
         self.input_entries[inp.name] = p
-        self.entries.append(Entry(inp.name, "graph_input", p))
+        self.entries.append(Entry(inp.name, kind, p))
         self._assign(inp, p, f"graph input {inp.name}")
 
     def _enter_node(self, node: gs.Node, p: int, why: str) -> None:
@@ -729,8 +759,7 @@ class _Solver:
             self.nodes[nid].attrs[attr] = float(value)
         fp32_nodes: list[str] = []
         for name, p in sorted(self.input_entries.items()):
-            inp = go.graph_input(graph, name)
-            assert inp is not None
+            inp = go.graph_input(graph, name) or graph.tensors()[name]
             consumers, _ = go.main_consumers(graph, inp)
             scaled = gs.Variable(go.unique_name(graph, f"{name}__scaled"), dtype=inp.dtype, shape=inp.shape)
             node_name = go.unique_name(graph, f"rescale_in_{name}")
