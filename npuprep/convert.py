@@ -231,10 +231,10 @@ def _fp32_groups(plan: Plan, result: dict[str, Any], stats: Any,
         why = pin.why.split(" | ")[0]
         required = not pin.forced and any(not _fits_format(stats, t, fmt) and stats is not None
                                           and t in stats.tensors for t in pin.exit_tensors)
-        declined = f"{first.remedy} declined: {first.reason}" if first else (
+        instead = f"{first.remedy} declined: {first.reason}" if first else (
             "forced: the plan asks for FP32" if pin.forced else
             "no remedy planned: verification pinned it" if not pin.findings else "")
-        groups.append((pin.nodes, why, declined, required))
+        groups.append((pin.nodes, why, instead, required))
     for node, reason in sorted(result["lowered"].forced_fp32.items()):
         groups.append(((node,), f"lowering: {reason}", "", False))
     by_reason: dict[str, list[str]] = {}
