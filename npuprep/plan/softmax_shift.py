@@ -1,8 +1,10 @@
 """Remedy 1, softmax shift: `Exp(x) / ReduceSum(Exp(x))` -> subtract ReduceMax(x) before the Exp.
 
-Exact whatever x holds, free of FP32, and it keeps Exp's output within (0, 1], so it comes
-before every other remedy for an overflow anywhere in a written-out softmax (the Exp, its
-sum, the quotient). npuprep.rewrite.shift checks the pattern and does the rewrite.
+Exact whatever x holds, and it keeps Exp's output within (0, 1], so it comes before every
+other remedy for an overflow anywhere in a written-out softmax (the Exp, its sum, the
+quotient). Where x is too coarse in the target format for exp (|x| >= 32 in FP16), the
+subtraction and x's elementwise producers stay FP32; Exp, the sum and the division never do.
+npuprep.rewrite.shift checks the pattern and does the rewrite.
 """
 
 from __future__ import annotations
@@ -37,10 +39,13 @@ def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outc
     # elementwise producers kept FP32 with it). A matmul's output is rounded anyway.
     precise = ctx.precise_producers([found.x], set())
     coarse = bool(precise) or _coarse_input(ctx, found.x)
-    if not coarse or ctx.profile.fp32_pinning is Pinning.NONE:
+    banned = sorted(set(precise) & ctx.forbid)
+    if not coarse or ctx.profile.fp32_pinning is Pinning.NONE or banned:
         if coarse:
-            why += (f"; {found.x} rounds to {ctx.fmt.name} first (this target cannot pin "
-                    "FP32), which verification measures")
+            cause = f"forbid_pin names {', '.join(banned)}" if banned else \
+                "this target cannot pin FP32"
+            why += (f"; {found.x} rounds to {ctx.fmt.name} first ({cause}), which verification "
+                    "measures")
         return ShiftMax(exp=exp, covers=found.tensors, findings=(problem.ref,),
                         measured=measured, why=why)
     why += (f"; {found.x} (absmax {r.absmax:.3g}) is too coarse in {ctx.fmt.name} for exp: "
