@@ -533,3 +533,24 @@ def test_a_constant_the_rescale_brings_into_range_needs_no_pin(tmp_path):
     assert [a.action for a in plan.actions] == ["rescale"]
     assert not plan.pins()
     assert any("scales it to" in n and "c" in n for n in plan.notes)
+
+
+def test_coarse_softmax_logits_are_shifted_in_fp32_unless_forbidden(tmp_path):
+    # x -> Add(x, 30) -> l -> Exp -> e -> ReduceSum -> s ; Div(e, s) -> y
+    model = as_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4, 8] x) => (float[4, 8] y) <float prior = {30.0}, int64[1] ax = {1}> {
+        [add] l = Add (x, prior)
+        [exp] e = Exp (l)
+        [sum] s = ReduceSum <keepdims = 1> (e, ax)
+        [div] y = Div (e, s)
+    }
+    """)
+    stats = calibrated(model, samples(4, (4, 8), 2.0), tmp_path)
+    plan = make_plan(model, GENERIC, stats, [overflow(stats, "e", "exp", "Exp")])
+    shift, pin = plan.actions
+    assert isinstance(shift, ShiftMax) and shift.fp32_shift and "too coarse" in shift.why
+    assert isinstance(pin, PinFp32) and pin.nodes == ("add",)
+    plan = make_plan(model, GENERIC, stats, [overflow(stats, "e", "exp", "Exp")], forbid_pin=["add"])
+    (shift,) = plan.actions
+    assert not shift.fp32_shift and "forbid_pin names add" in shift.why
