@@ -72,8 +72,6 @@ def main() -> None:
                                  host_scales=result.host_scales, work_dir=work / name / "converted")
             emulated = max(o["rel_l2"] for o in result.output_check.outputs.values())
             done = {a.action for a in result.plan.actions}
-            if result.softmax_shifts:
-                done = (done - {"clamp"}) | {"softmax shift"}
             actions = ", ".join(sorted(done)) or "none"
             host = ", ".join(f"{k} x{v:g}" for k, v in result.host_scales.items()) or "-"
             rows.append((name, cell(alone), actions, host, f"{emulated:.2g}",

@@ -18,6 +18,7 @@ from npuprep.model_io import Model, fingerprint
 from npuprep.numerics import NumberFormat, get_format
 from npuprep.plan import PinFp32, Plan
 from npuprep.profiles import Pinning, TargetProfile
+from npuprep.report.share import DEFAULT_MAX_FP32_SHARE, fp32_share
 
 SCHEMA_VERSION = 1
 DEFAULT_RTOL = 1e-2
@@ -67,12 +68,13 @@ class ConversionResult:
     notes: tuple[str, ...] = field(default_factory=tuple)
     # Outputs that leave the device scaled (target cannot pin): output -> host factor.
     host_scales: dict[str, float] = field(default_factory=dict)
-    # Exp nodes whose input was shifted by its row max instead of clamped (cannot-pin targets).
-    softmax_shifts: tuple[str, ...] = ()
+    share: Any = None  # npuprep.report.share.Fp32Share
 
     @property
     def passed(self) -> bool:
-        checks = [c for c in (self.output_check, self.holdout) if c is not None]
+        """Outputs within tolerance under emulation, and the FP32 share within its limit:
+        a model left mostly in FP32 has not been converted."""
+        checks = [c for c in (self.output_check, self.holdout, self.share) if c is not None]
         return all(checks)
 
     def __bool__(self) -> bool:
@@ -104,9 +106,10 @@ class ConversionResult:
             "forced_fp32": dict(sorted(self.lowered.forced_fp32.items())),
             "cast_count": self.lowered.cast_count,
             "flops_fp32_share": self.flops_fp32_share,
+            "fp32_share": self.share.to_dict() if self.share is not None else None,
+            "fp32_verdict": self.share.verdict() if self.share is not None else "",
             "tensor_scales": dict(sorted(self.tensor_scales.items())),
             "host_scales": dict(sorted(self.host_scales.items())),
-            "softmax_shifts": list(self.softmax_shifts),
             "tensors": self.tensor_rows(),
             "verification": self.output_check.to_dict() if self.output_check is not None else None,
             "holdout": self.holdout.to_dict() if self.holdout is not None else None,
@@ -158,15 +161,16 @@ def convert(
     samples_description: str = "",
     synthetic: bool = False,
     max_rounds: int = 3,
+    max_fp32_share: float = DEFAULT_MAX_FP32_SHARE,
     opset: int | None = None,
 ) -> ConversionResult:
     """Plan (unless a plan is given), rewrite, lower and verify `model` for `profile`.
 
     `samples` are the calibration samples (verification runs on them); `holdout` verifies
     on samples not used for calibration. `stats` are the calibration statistics (None:
-    plan from static findings only). The lowered model keeps the model's default-domain
-    opset unless `opset` asks for another (onnx's version converter; a clear error when it
-    cannot convert).
+    plan from static findings only). The result fails when more than `max_fp32_share` of
+    the FLOPs stay FP32. The lowered model keeps the model's default-domain opset unless
+    `opset` asks for another (onnx's version converter; a clear error when it cannot).
     """
     from npuprep.analyse import static_findings
     from npuprep.plan.planner import make_plan
@@ -204,16 +208,47 @@ def convert(
                           f"(rel L2 {first.rel_l2:.3g}, max abs error {first.max_abs_error:.3g})")
         plan = replace(plan, actions=(*plan.actions, pin))
     assert result is not None
+    share = fp32_share(result["rewritten"], _fp32_groups(plan, result, stats, fmt),
+                       limit=max_fp32_share)
     return ConversionResult(
         source=model, profile=profile, fmt=fmt, findings=findings, plan=plan,
         rewritten=result["rewritten"], lowered=result["lowered"],
         tensor_scales=result["scales"], pinned_nodes=tuple(sorted(result["pinned"])),
         output_check=result["output_check"], layers=result["layers"],
-        holdout=result["holdout"], flops_fp32_share=result["flops_share"], rounds=round_no,
+        holdout=result["holdout"], flops_fp32_share=share.flops, rounds=round_no,
         samples_description=samples_description, synthetic=synthetic, stats=stats,
-        declined=result["declined"], notes=tuple(notes) + result["notes"],
-        host_scales=result["host_scales"], softmax_shifts=result["softmax_shifts"],
+        declined=result["declined"], notes=tuple(notes) + result["notes"], share=share,
+        host_scales=result["host_scales"],
     )
+
+
+def _fp32_groups(plan: Plan, result: dict[str, Any], stats: Any,
+                 fmt: NumberFormat) -> list[tuple[tuple[str, ...], str, str, bool]]:
+    """The FP32 nodes of a conversion as (nodes, why, declined remedy, required): the plan's
+    islands, what lowering forced, what the rewrites inserted, then anything else kept FP32.
+    An island is required when an exit's measured range exceeds the format (it can only
+    close at an output kept FP32)."""
+    groups: list[tuple[tuple[str, ...], str, str, bool]] = []
+    declined = list(plan.declined) + list(result["declined"])
+    for pin in plan.pins():
+        refs = set(pin.findings)
+        mine = [d for d in declined if refs & set(d.findings)]
+        first = next((d for d in mine if d.remedy == "rescale"), mine[0] if mine else None)
+        why = pin.why.split(" | ")[0]
+        required = not pin.forced and any(not _fits_format(stats, t, fmt) and stats is not None
+                                          and t in stats.tensors for t in pin.exit_tensors)
+        instead = f"{first.remedy} declined: {first.reason}" if first else (
+            "forced: the plan asks for FP32" if pin.forced else
+            "no remedy planned: verification pinned it" if not pin.findings else "")
+        groups.append((pin.nodes, why, instead, required))
+    for node, reason in sorted(result["lowered"].forced_fp32.items()):
+        groups.append(((node,), f"lowering: {reason}", "", False))
+    by_reason: dict[str, list[str]] = {}
+    for node in sorted(result["boundary"]):
+        by_reason.setdefault(result["fp32_reasons"].get(node, "inserted by a rewrite"), []).append(node)
+    groups += [(tuple(nodes), why, "", False) for why, nodes in sorted(by_reason.items())]
+    groups.append((tuple(sorted(result["pinned"])), "kept FP32", "", False))
+    return groups
 
 
 def _nodes_to_pin(rewritten: Any, node: str, pinned: set[str]) -> tuple[str, ...]:
@@ -236,20 +271,19 @@ def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
            samples: Sequence[Feed], *, io_types: str, rtol: float,
            holdout: Sequence[Feed] | None, stats: Any = None,
            opset: int | None = None) -> dict[str, Any]:
-    from npuprep.report.flops import fp32_flops_share
     from npuprep.rewrite.apply import apply_plan
     from npuprep.rewrite.lower import lower
     from npuprep.verify.compare import DEFAULT_ATOL, compare_models, emulation_notes
     from npuprep.verify.emulate import emulate
 
-    plan, shifts, source = _softmax_shifts(model, plan, profile)
-    applied = apply_plan(source, plan)
+    applied = apply_plan(model.proto, plan)
     # A target that cannot pin runs every node in its format: emulate it so (a PASSED then
     # matches the device) and move output compensations it cannot hold to the host.
     no_pin = profile.fp32_pinning is Pinning.NONE
     applied, host_scales, host_notes = _host_scales(model, applied, profile, stats, samples) \
         if no_pin else (applied, {}, ())
     pinned = set(plan.pinned_nodes()) | set(applied.fp32_nodes)
+    pinned |= {n for n, inp in applied.input_nodes.items() if not _fits_format(stats, inp, fmt)}
     lower_fmt = fmt if fmt.name in ("fp16", "bf16") else get_format("fp16")
     lowered = lower(applied.model, lower_fmt, pinned_nodes=sorted(pinned), io_types=io_types)
     pinned |= set(lowered.pinned_nodes)
@@ -257,14 +291,15 @@ def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
         from npuprep.opsets import convert_opset
 
         lowered = replace(lowered, model=convert_opset(lowered.model, opset, why="--opset"))
+    # A target that cannot pin emulates every node in its format but BatchNorms folded at
+    # build time; elsewhere an If that only carries a pinned branch node's FP32 output is not
+    # rounded either.
     emulation = emulate(applied.model, fmt, saturate=profile.saturates,
-                        pinned_nodes=_folded_at_build(applied.model, lowered) if no_pin else pinned)
+                        pinned_nodes=_folded_at_build(applied.model, lowered) if no_pin
+                        else pinned | set(lowered.fp32_output_nodes))
     layers = compare_models(model.proto, emulation.model, samples, rtol=rtol, atol=DEFAULT_ATOL,
                             tensor_scales=applied.tensor_scales, fmt=fmt)
     notes = list(emulation_notes(profile, profile.saturates)) + list(host_notes)
-    notes += [f"'{e}' heads a written-out softmax: its input minus the row max replaces the "
-              "clamp (exact; a target that cannot pin gains nothing from a clamp there)"
-              for e in shifts]
     if no_pin:
         notes.append(f"target {profile.name} cannot pin FP32 (fp32_pinning: none): every node "
                      f"is emulated in {fmt.name}, FP32 islands of the ONNX file included")
@@ -281,24 +316,12 @@ def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
                              saturate=profile.saturates, rtol=rtol, io_types=io_types,
                              host_scales=host_scales, emulated=everywhere)
     return {
+        "boundary": set(applied.fp32_nodes) | (set(applied.input_nodes) & pinned),
+        "fp32_reasons": applied.fp32_reasons,
         "rewritten": applied.model, "lowered": lowered, "scales": applied.tensor_scales,
         "pinned": pinned, "layers": layers, "output_check": output_check, "holdout": held,
-        "flops_share": fp32_flops_share(applied.model, pinned), "declined": applied.declined,
-        "notes": tuple(notes), "host_scales": host_scales, "softmax_shifts": shifts,
+        "declined": applied.declined, "notes": tuple(notes), "host_scales": host_scales,
     }
-
-
-def _softmax_shifts(model: Model, plan: Plan, profile: TargetProfile) -> tuple[Plan, tuple[str, ...], Any]:
-    """Clamps before a softmax's Exp replaced by the exact max shift (targets that cannot pin;
-    npuprep.plan.softmax_shift decides, npuprep.rewrite.softmax_shift rewrites)."""
-    from npuprep.plan.softmax_shift import shifts_instead_of_clamps
-    from npuprep.rewrite.softmax_shift import shift_softmax
-
-    plan, shifts = shifts_instead_of_clamps(model.proto, plan, profile)
-    source = model.proto
-    for exp in shifts:
-        source = shift_softmax(source, exp).model
-    return plan, shifts, source
 
 
 def _folded_at_build(model: Any, lowered: Any) -> set[str]:
@@ -358,6 +381,13 @@ def _output_absmax(model: Model, stats: Any, samples: Sequence[Feed],
             if n in out:
                 found[n] = max(found[n], float(np.nanmax(np.abs(out[n]), initial=0.0)))
     return found
+
+
+def _fits_format(stats: Any, tensor: str, fmt: NumberFormat) -> bool:
+    """A graph input measured within the target format: scaling it by a power of two can
+    run in that format. Unmeasured inputs are scaled in FP32, to be safe."""
+    r = None if stats is None else stats.tensors.get(tensor)
+    return r is not None and r.absmax <= fmt.max and not (r.nan_count or r.inf_count)
 
 
 def check_outputs(reference: Any, lowered: Any, fmt: NumberFormat, samples: Sequence[Feed], *,

@@ -1,4 +1,4 @@
-"""Op facts shared by analysis, emulation and lowering."""
+"""Op facts shared by analysis, planning, rewriting, emulation and lowering: one table each."""
 
 from __future__ import annotations
 
@@ -22,3 +22,70 @@ DATA_MOVEMENT_OPS = frozenset({
 
 # Ops with learned weights that a power-of-two rescale can act on.
 LINEAR_WITH_WEIGHTS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
+
+# Ops that pass a value through unchanged in magnitude; guards and patterns look through them.
+PASSTHROUGH_OPS = frozenset({"Identity", "Cast", "Reshape", "Unsqueeze", "Squeeze", "Expand",
+                             "Flatten", "Transpose"})
+
+# --- positive scaling: f(s * x) for s = 2^-k > 0 -----------------------------------------
+
+# f(s x) = s f(x): op -> positions of the data inputs that carry the scale.
+COMMUTES_WITH_SCALING: dict[str, tuple[int, ...]] = {
+    op: (0,) for op in (
+        "Relu", "LeakyRelu", "PRelu", "MaxPool", "AveragePool", "GlobalAveragePool",
+        "GlobalMaxPool", "LpPool", "Reshape", "Transpose", "Slice", "Flatten", "Squeeze",
+        "Unsqueeze", "Identity", "Neg", "Abs", "Dropout", "Pad", "Resize", "Upsample",
+        "Gather", "GatherElements", "GatherND", "Compress", "ReverseSequence", "Split",
+        "Expand", "Tile", "DepthToSpace", "SpaceToDepth", "CumSum", "TopK", "ReduceMean",
+        "ReduceSum", "ReduceMax", "ReduceMin", "ReduceL1", "ReduceL2",
+    )
+}
+# Ops whose outputs (beyond output 0) carry the data too; default: output 0 only.
+SCALED_ALL_OUTPUTS = frozenset({"Split"})
+# f(s a, s b) = s f(a, b) when every float data input carries the same scale: op ->
+# positions of those inputs (None: all).
+JOINS_SCALES: dict[str, tuple[int, ...] | None] = {
+    "Add": None, "Sub": None, "Sum": None, "Max": None, "Min": None, "Mean": None,
+    "Concat": None, "Where": (1, 2), "Clip": None,
+    "Greater": None, "Less": None, "GreaterOrEqual": None, "LessOrEqual": None, "Equal": None,
+}
+# Comparisons: the inputs' scales must agree; the boolean output carries none.
+COMPARISONS = frozenset({"Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal"})
+# Ops that turn a scale s into a power of it (x^2 -> s^2, sqrt -> s^(1/2), 1/x -> s^-1).
+SCALE_POWERS = frozenset({"Sqrt", "Pow", "Reciprocal", "ReduceSumSquare"})
+# Scale-invariant consumers: their outputs do not change when the input is scaled, so a
+# scale domain ends there with nothing to compensate. Shapes, indices and signs:
+SCALE_FREE_OUTPUTS = frozenset({"Shape", "Size", "ArgMax", "ArgMin", "NonZero", "Sign"})
+# ... and normalisations (epsilon scaled by s^2; BatchNormalization folds mean/variance):
+# op -> positions of the affine parameters an entry can scale instead.
+SCALE_INVARIANT_NORMS: dict[str, tuple[int, ...]] = {
+    "LayerNormalization": (1, 2), "InstanceNormalization": (1, 2),
+    "GroupNormalization": (1, 2), "BatchNormalization": (1, 2), "RMSNormalization": (1,),
+    "LpNormalization": (),
+}
+
+# Walking back from a tensor to where a scale could enter: op -> data input positions to
+# follow (None: all). Products and quotients of activations carry a scale too.
+SCALE_WALK_BACK: dict[str, tuple[int, ...] | None] = {
+    **COMMUTES_WITH_SCALING,
+    **{op: None for op in JOINS_SCALES if op not in COMPARISONS and op != "Where"},
+    "Where": (1, 2), "Mul": None, "Div": (0,), "Pow": (0,), "Sqrt": (0,),
+}
+
+# --- static bounds: planning without measured ranges --------------------------------------
+
+# Ops that pass a large magnitude on: sums, products, reductions, data movement. Linear
+# layers with unknown weights, roots, divisions and normalisations end it.
+CARRIES_MAGNITUDE = frozenset({
+    "Add", "Sub", "Mul", "Sum", "Mean", "Max", "Min", "Neg", "Abs", "Relu", "Pow",
+    "ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceSumSquare", "ReduceL1",
+    "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Concat", "Slice",
+    "Split", "Gather", "Expand", "Tile", "Where", "Exp",
+})
+# Ops whose output a static pin finding marks as large.
+MAKES_MAGNITUDE = CARRIES_MAGNITUDE | LINEAR_WITH_WEIGHTS
+# Ops whose output carries their inputs' absolute rounding errors unchanged.
+ADDITIVE = frozenset({
+    "Add", "Sub", "Neg", "Sum", "Concat", "Reshape", "Transpose", "Squeeze", "Unsqueeze",
+    "Slice", "Gather", "Identity", "Flatten",
+})

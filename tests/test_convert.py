@@ -154,10 +154,13 @@ def test_plan_only_then_edited_plan_with_user_clamp_and_forced_pin(tmp_path):
     plan_path.write_text(yaml.safe_dump(plan, sort_keys=False))
     out = tmp_path / "edited.onnx"
     proc = run_cli("convert", path, "--target", "generic", "--data", data, "--plan", plan_path,
-                   "-o", out, "--json", "--rtol", "10")
+                   "-o", out, "--json", "--rtol", "10", "--max-fp32-share", "100%")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert "head" in report["pinned_nodes"]
+    # The forced pin is the user's choice, and the share still counts it.
+    (island,) = [i for i in report["fp32_share"]["islands"] if "head" in i["nodes"]]
+    assert island["why"] == "user request" and report["fp32_share"]["flops"] > 0.1
     lowered = make_session(str(out))
     values = np.concatenate([run(lowered, {"x": np.random.default_rng(i).standard_normal((4, 16))
                                            .astype(np.float32)})["y"].ravel() for i in range(4)])

@@ -9,7 +9,17 @@ import yaml
 
 from npuprep.errors import NpuprepError
 from npuprep.model_io import load_model
-from npuprep.plan import Clamp, Declined, FindingRef, PinFp32, Plan, Rescale, load_plan, save_plan
+from npuprep.plan import (
+    Clamp,
+    Declined,
+    FindingRef,
+    PinFp32,
+    Plan,
+    Rescale,
+    ShiftMax,
+    load_plan,
+    save_plan,
+)
 from npuprep.plan.plan import dump_plan
 
 # x -> MatMul(W) -> h -> Relu -> r -> Exp -> e -> Div(e, d) -> y ; d = ReduceSum(e)
@@ -46,6 +56,9 @@ def sample_plan(fingerprint: str) -> Plan:
                     findings=(FindingRef("range.overflow", "exp", "e"),),
                     measured={"absmax": 2.7e5, "exit_absmax": 1.0}, request=True,
                     why="rescale declined: Exp does not commute"),
+            ShiftMax(exp="exp", covers=("e", "d", "y"), fp32_shift=True,
+                     findings=(FindingRef("pattern.softmax", "exp", "e"),),
+                     measured={"input_absmax": 40.0}, why="subtract the row maximum: exact"),
         ),
         declined=(Declined("rescale", "e", "Exp node exp does not commute with scaling",
                            (FindingRef("range.overflow", "exp", "e"),)),),
@@ -112,6 +125,9 @@ def test_user_edits_are_accepted(model, tmp_path):
         (lambda d: d["actions"][2].update(action="teleport"), "actions[2].action"),
         (lambda d: d["actions"][2]["findings"][0].pop("rule"), "actions[2].findings[0].rule"),
         (lambda d: d["declined"][0].update(remedy="magic"), "declined[0].remedy"),
+        (lambda d: d["actions"][3].update(exp="ghost"), "actions[3].exp"),
+        (lambda d: d["actions"][3].update(fp32_shift="yes"), "actions[3].fp32_shift"),
+        (lambda d: d["actions"][3].update(covers=["e", "ghost"]), "actions[3].covers[1]"),
         (lambda d: d.update(forbid_pin="relu"), "forbid_pin"),
         (lambda d: d.update(precision="fp12"), "precision"),
         (lambda d: d.update(fingerprint="0123456789abcdef"), "fingerprint"),

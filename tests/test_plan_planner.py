@@ -16,7 +16,7 @@ from npuprep.analyse.finding import Finding
 from npuprep.calibrate import CalibrationStats, calibrate
 from npuprep.data import load_samples
 from npuprep.model_io import Model, fingerprint
-from npuprep.plan import Clamp, PinFp32, Rescale
+from npuprep.plan import Clamp, PinFp32, Rescale, ShiftMax
 from npuprep.plan.plan import dump_plan
 from npuprep.plan.planner import make_plan
 from npuprep.profiles import Pinning, Severity, load_profile
@@ -77,15 +77,21 @@ g (float[2, 4] x) => (float[2, 3] y) <float[4, 4] W = {3000.0,0.0,0.0,0.0, 0.0,3
 }
 """
 
-# x -> Exp -> e -> ReduceSum -> s ; Div(e, s) -> y   (softmax without max subtraction)
+# x -> Exp -> e -> ReduceMean -> s ; Div(e, s) -> y   (Exp normalised by its mean: no
+# softmax shift matches it, so the island and clamp remedies get their turn)
 SOFTMAX = """
 <ir_version: 8, opset_import: ["" : 17]>
-g (float[2, 4] x) => (float[2, 4] y) <int64[1] ax = {1}> {
+g (float[2, 4] x) => (float[2, 4] y) {
     [exp] e = Exp (x)
-    [sum] s = ReduceSum <keepdims = 1> (e, ax)
+    [sum] s = ReduceMean <keepdims = 1, axes = [1]> (e)
     [div] y = Div (e, s)
 }
 """
+
+# x -> Exp -> e -> ReduceSum -> s ; Div(e, s) -> y   (softmax without max subtraction)
+WRITTEN_SOFTMAX = SOFTMAX.replace("ReduceMean <keepdims = 1, axes = [1]> (e)",
+                                  "ReduceSum <keepdims = 1> (e, ax)").replace(
+    "=> (float[2, 4] y) {", "=> (float[2, 4] y) <int64[1] ax = {1}> {")
 
 
 def test_rescale_is_chosen_when_feasible_and_its_numbers_hold(tmp_path):
@@ -137,40 +143,51 @@ def test_compiler_decides_turns_the_pin_into_a_request(tmp_path):
     assert "request" in pin.why and plan.pinned_nodes() == {"exp", "sum", "div"}
 
 
-def test_no_pinning_falls_back_to_clamping_the_exp_input(tmp_path):
+def test_no_pinning_declines_a_clamp_that_would_change_measured_values(tmp_path):
     model = as_model(SOFTMAX)
-    stats = calibrated(model, samples(4, (2, 4), 8.0), tmp_path)
+    stats = calibrated(model, samples(4, (2, 4), 12.0), tmp_path)
+    assert stats.tensors["e"].absmax > GENERIC.format.max
     profile = dataclasses.replace(GENERIC, fp32_pinning=Pinning.NONE)
     plan = make_plan(model, profile, stats, [overflow(stats, "e", "exp", "Exp")])
+    # ln(limit) = 10.396 lies inside the measured inputs: clipping there changes the answer.
+    assert stats.tensors["x"].fraction_above(10.396) > 0
+    assert plan.actions == () and plan.pinned_nodes() == set()
+    assert [d.remedy for d in plan.declined] == ["rescale", "pin_fp32", "clamp"]
+    assert "fp32_pinning: none" in plan.declined[1].reason
+    assert "would change measured values" in plan.declined[2].reason
+    (note,) = plan.notes
+    assert note.startswith("range.overflow at e: unresolved; rescale declined")
+
+
+def test_no_pinning_clamps_an_exp_input_that_stays_within_the_bound(tmp_path):
+    model = as_model(SOFTMAX)
+    stats = calibrated(model, samples(4, (2, 4), 2.0), tmp_path)
+    profile = dataclasses.replace(GENERIC, fp32_pinning=Pinning.NONE)
+    finding = dataclasses.replace(overflow(stats, "e", "exp", "Exp"), rule="hazard.exp", remedy="clamp")
+    plan = make_plan(model, profile, None, [finding])
     (clamp,) = plan.actions
     assert isinstance(clamp, Clamp)
     assert (clamp.tensor, clamp.kind, clamp.consumers, clamp.lo) == ("x", "exp", ("exp",), None)
     assert clamp.hi == math.floor(math.log(LIMIT) * 1000) / 1000 == 10.396
     assert math.exp(clamp.hi) <= LIMIT
-    x = stats.tensors["x"]
-    assert clamp.measured["share_clipped"] == pytest.approx(x.fraction_above(clamp.hi))
-    assert clamp.measured["share_clipped"] > 0
-    assert [d.remedy for d in plan.declined] == ["rescale", "pin_fp32"]
-    assert "fp32_pinning: none" in plan.declined[1].reason
-    assert plan.pinned_nodes() == set()
 
 
 def test_forbidden_nodes_decline_the_pin_with_the_reason(tmp_path):
     model = as_model(SOFTMAX)
     stats = calibrated(model, samples(4, (2, 4), 8.0), tmp_path)
     plan = make_plan(model, GENERIC, stats, [overflow(stats, "e", "exp", "Exp")], forbid_pin=["sum"])
-    assert [type(a) for a in plan.actions] == [Clamp]
+    assert plan.actions == ()
     assert "forbid_pin excludes" in plan.declined[1].reason and "sum" in plan.declined[1].reason
     assert plan.forbid_pin == ("sum",)
 
 
-def test_static_findings_clamp_or_pin_where_the_rule_says():
-    model = as_model(SOFTMAX)
+def test_static_findings_shift_or_clamp_where_the_rule_says():
+    model = as_model(WRITTEN_SOFTMAX)
     findings = static_findings(model, GENERIC)
     plan = make_plan(model, GENERIC, None, findings)
-    # pattern.softmax asks for FP32 from Exp to Div; with no ranges the island is its members.
-    (pin,) = plan.actions
-    assert isinstance(pin, PinFp32) and pin.nodes == ("exp", "sum", "div")
+    # pattern.softmax: the exact max shift comes before any FP32 island, measured or not.
+    (shift,) = plan.actions
+    assert isinstance(shift, ShiftMax) and (shift.exp, shift.covers) == ("exp", ("e", "s", "y"))
     assert plan.notes[0] == "planned without measured ranges: static findings only"
     # A lone Exp with no softmax around it: the rule says clamp.
     lone = as_model("""
@@ -185,7 +202,7 @@ def test_static_findings_clamp_or_pin_where_the_rule_says():
 
 
 def test_measured_safe_hazard_gets_a_note_not_an_action(tmp_path):
-    model = as_model(SOFTMAX)
+    model = as_model(WRITTEN_SOFTMAX)
     stats = calibrated(model, samples(4, (2, 4), 1.0), tmp_path)
     plan = make_plan(model, GENERIC, stats, static_findings(model, GENERIC))
     assert plan.actions == ()
@@ -230,7 +247,7 @@ def test_stats_veto_a_rescale_that_would_flush_small_values_and_the_pin_says_why
     (pin,) = plan.actions
     assert isinstance(pin, PinFp32) and pin.nodes == ("mm1", "relu", "mm2")
     assert pin.exit_tensors == ("y",) and stats.tensors["y"].absmax <= LIMIT
-    declined = [d for d in plan.declined if d.remedy == "rescale"]
+    declined = [d for d in plan.declined if d.remedy == "rescale" and d.target == "mm1"]
     assert declined and all("below the smallest fp16 normal" in d.reason for d in declined)
     assert f"{pushed:.1%} of h" in declined[0].reason
 
@@ -294,7 +311,7 @@ def test_static_layernorm_pattern_pins_its_members_from_the_mean_to_the_division
 NO_PIN = dataclasses.replace(GENERIC, fp32_pinning=Pinning.NONE)
 
 
-def test_no_pinning_guards_a_denominator_and_the_guard_holds_numerically(tmp_path):
+def test_no_pinning_declines_a_guard_below_measured_denominators_which_a_user_may_force(tmp_path):
     # a, b -> Div(a, b) -> y   (b comes close to 0)
     model = as_model("""
     <ir_version: 8, opset_import: ["" : 17]>
@@ -308,15 +325,16 @@ def test_no_pinning_guards_a_denominator_and_the_guard_holds_numerically(tmp_pat
              for _ in range(3)]
     stats = calibrated(model, feeds, tmp_path)
     plan = make_plan(model, NO_PIN, stats, [overflow(stats, "y", "div", "Div")])
-    (guard,) = plan.actions
-    assert isinstance(guard, Clamp) and (guard.kind, guard.tensor, guard.consumers) == ("denominator", "b", ("div",))
-    numerator = stats.tensors["a"].absmax
-    assert guard.measured["numerator_absmax"] == numerator
-    assert numerator / guard.lo <= LIMIT < numerator / (guard.lo / 2)
-    assert [d.remedy for d in plan.declined] == ["rescale", "pin_fp32"]
+    # Every overflowing quotient has its denominator below the guard: guarding it would
+    # change measured values, so the planner declines and says so.
+    assert plan.actions == ()
+    assert [d.remedy for d in plan.declined] == ["rescale", "pin_fp32", "clamp"]
+    assert plan.declined[2].target == "b" and "would change measured values" in plan.declined[2].reason
+    # The guard a user's plan may ask for holds numerically.
+    lo = 2.0 ** math.ceil(math.log2(stats.tensors["a"].absmax / LIMIT))
     from npuprep.rewrite.clamp import guard_denominator
 
-    guarded = Model(guard_denominator(model.proto, "div", guard.lo).model, "g.onnx", "")
+    guarded = Model(guard_denominator(model.proto, "div", lo).model, "g.onnx", "")
     out = values(guarded, feeds)["y"]
     assert np.all(np.isfinite(out)) and np.abs(out).max() <= LIMIT
 
@@ -441,13 +459,13 @@ def test_a_weight_past_the_format_is_rescaled_into_it_and_absorbed_by_the_norm(t
 
 @pytest.mark.parametrize(("prior", "joins"), [(30.0, True), (8.0, False)])
 def test_a_large_exp_input_pulls_its_producer_into_the_island(tmp_path, prior, joins):
-    # x -> Add(x, prior) -> l -> Exp -> e -> ReduceSum -> s ; Div(e, s) -> y
+    # x -> Add(x, prior) -> l -> Exp -> e -> ReduceMean -> s ; Div(e, s) -> y
     model = as_model(f"""
     <ir_version: 8, opset_import: ["" : 17]>
-    g (float[4, 8] x) => (float[4, 8] y) <float prior = {{{prior}}}, int64[1] ax = {{1}}> {{
+    g (float[4, 8] x) => (float[4, 8] y) <float prior = {{{prior}}}> {{
         [add] l = Add (x, prior)
         [exp] e = Exp (l)
-        [sum] s = ReduceSum <keepdims = 1> (e, ax)
+        [sum] s = ReduceMean <keepdims = 1, axes = [1]> (e)
         [div] y = Div (e, s)
     }}
     """)
@@ -515,3 +533,24 @@ def test_a_constant_the_rescale_brings_into_range_needs_no_pin(tmp_path):
     assert [a.action for a in plan.actions] == ["rescale"]
     assert not plan.pins()
     assert any("scales it to" in n and "c" in n for n in plan.notes)
+
+
+def test_coarse_softmax_logits_are_shifted_in_fp32_unless_forbidden(tmp_path):
+    # x -> Add(x, 30) -> l -> Exp -> e -> ReduceSum -> s ; Div(e, s) -> y
+    model = as_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4, 8] x) => (float[4, 8] y) <float prior = {30.0}, int64[1] ax = {1}> {
+        [add] l = Add (x, prior)
+        [exp] e = Exp (l)
+        [sum] s = ReduceSum <keepdims = 1> (e, ax)
+        [div] y = Div (e, s)
+    }
+    """)
+    stats = calibrated(model, samples(4, (4, 8), 2.0), tmp_path)
+    plan = make_plan(model, GENERIC, stats, [overflow(stats, "e", "exp", "Exp")])
+    shift, pin = plan.actions
+    assert isinstance(shift, ShiftMax) and shift.fp32_shift and "too coarse" in shift.why
+    assert isinstance(pin, PinFp32) and pin.nodes == ("add",)
+    plan = make_plan(model, GENERIC, stats, [overflow(stats, "e", "exp", "Exp")], forbid_pin=["add"])
+    (shift,) = plan.actions
+    assert not shift.fp32_shift and "forbid_pin names add" in shift.why

@@ -462,3 +462,49 @@ def test_constant_factor_absorbs_rather_than_an_output_exit():
     assert result.details["scaled_constants"]["c"]["absmax"] == 200000.0 * 2.0**-8
     feeds = {"x": (np.random.default_rng(0).standard_normal((4, 8)) * 1000).astype(np.float32)}
     assert _same_function(model, result.model, feeds) <= 1e-6
+
+
+@pytest.mark.parametrize(("ending", "extra"), [
+    # decomposed RMSNorm: h / sqrt(mean(h^2) + eps), eps scaled by s^2
+    ("q = Mul(h, h)\n      m = ReduceMean<axes=[1]>(q)\n      v = Add(m, eps)\n"
+     "      d = Sqrt(v)\n      y = Div(h, d)", "float eps = {0.00001}"),
+    ("n = ReduceL2<axes=[1]>(h)\n      y = Div(h, n)", ""),  # L2 normalisation, written out
+    ("y = LpNormalization<axis=1, p=2>(h)", ""),
+    ("y = Sign(h)", ""),
+    ("i = ArgMax<axis=1>(h)\n      f = Cast<to=1>(i)\n      y = Expand(f, shape)", "int64[2] shape = {2, 4}"),
+    ("b = Greater(h, zero)\n      y = Cast<to=1>(b)", "float zero = {0.0}"),
+])
+def test_scale_invariant_consumers_end_the_domain_with_nothing_to_compensate(ending, extra):
+    # x -> MatMul(W large) -> h -> <scale-invariant ending> -> y   (no FP32 exit, no absorber weights)
+    inits = "float[4,4] W" + (f", {extra}" if extra else "")
+    model = build(HEAD + f"""
+    g (float[2,4] x) => (float[2,4] y) <{inits}> {{
+      h = MatMul(x, W)
+      {ending}
+    }}""", W=_w(4, 4, scale=3e4))
+    check = check_rescale(model, "node_of_h", 3)
+    assert check, check.reason
+    assert check.exits == () and all(p == 0 for t, p in check.exponents.items() if t == "y")
+    done = apply_rescale(model, "node_of_h", 3)
+    feeds = {"x": _w(2, 4)}
+    assert _same_function(model, done.model, feeds) <= 1e-6
+
+
+def test_a_block_output_without_weights_enters_through_an_exact_mul():
+    # x -> Relu -> r (also an output) -> MatMul(W) -> y ; x -> Shape -> s (int64 output)
+    model = build(HEAD + """
+    g (float[2,4] x) => (float[2,3] y, float[2,4] r, int64[2] s) <float[4,3] W> {
+      r = Relu(x)
+      y = MatMul(r, W)
+      s = Shape(x)
+    }""", W=_w(4, 3))
+    done = apply_rescale(model, "r", 2)
+    assert done, done.reason
+    (entry,) = done.details["entries"]
+    assert entry["name"] == "r" and entry["kind"] == "tensor"
+    assert list(done.details["input_nodes"].values()) == ["r"]
+    # r stays the reference for its other reader (the graph output); MatMul absorbs the scale.
+    feeds = {"x": _w(2, 4)}
+    assert _same_function(model, done.model, feeds) <= 1e-6
+    declined = check_rescale(model, "s", 2)
+    assert not declined and "not a float tensor" in declined.reason

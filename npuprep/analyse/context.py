@@ -19,14 +19,12 @@ from npuprep.graph import (
 )
 from npuprep.model_io import Model
 from npuprep.numerics import FLOAT_ONNX_TYPES, NumberFormat
+from npuprep.ops import PASSTHROUGH_OPS
 from npuprep.profiles import TargetProfile
 
 # Constants with more elements than this are weights, not eps / exponents / guidance weights.
 _SCALAR_MAX_ELEMENTS = 4096
 
-# Ops that pass a value through unchanged in magnitude; guards and patterns look through them.
-PASSTHROUGH_OPS = frozenset({"Identity", "Cast", "Reshape", "Unsqueeze", "Squeeze", "Expand",
-                             "Flatten", "Transpose"})
 
 
 @dataclass

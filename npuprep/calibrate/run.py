@@ -24,12 +24,12 @@ from npuprep.calibrate.instrument import (
     instrument,
 )
 from npuprep.calibrate.stats import Accumulator, CalibrationStats
-from npuprep.cli.common import progress_counter
 from npuprep.data import SampleSet
 from npuprep.errors import NpuprepError
 from npuprep.graph import copy_fields
 from npuprep.model_io import Model
 from npuprep.opsets import WORKING_OPSET, at_least, check_opset_supported
+from npuprep.progress import progress_counter
 
 
 def calibrate(

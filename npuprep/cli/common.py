@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, TypeVar
+
+# Library modules use these too; they live outside cli/ (no library module imports cli/).
+from npuprep.json_io import dump_json, to_jsonable  # noqa: F401 - re-exported for the commands
+from npuprep.progress import progress_counter
 
 T = TypeVar("T")
 
@@ -66,31 +68,6 @@ def open_samples(args: argparse.Namespace, model: Any) -> Any:
     return None
 
 
-def to_jsonable(obj: Any) -> Any:
-    import enum
-
-    import numpy as np
-
-    from npuprep.json_io import json_number
-
-    if hasattr(obj, "to_dict"):
-        return to_jsonable(obj.to_dict())
-    if isinstance(obj, dict):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [to_jsonable(v) for v in obj]
-    if isinstance(obj, enum.Enum):
-        return str(obj.value) if not isinstance(obj, enum.IntEnum) else str(obj)
-    if isinstance(obj, np.generic):
-        return to_jsonable(obj.item())
-    if isinstance(obj, float):
-        return json_number(obj)
-    return obj
-
-
-def dump_json(obj: Any) -> str:
-    return json.dumps(to_jsonable(obj), indent=2, sort_keys=True, allow_nan=False) + "\n"
-
 
 def print_json(obj: Any) -> None:
     sys.stdout.write(dump_json(obj))
@@ -137,17 +114,3 @@ def progress(items: Iterable[T], total: int, description: str, enabled: bool) ->
         for done, item in enumerate(items, 1):
             yield item
             set_done(done)
-
-
-@contextmanager
-def progress_counter(total: int, description: str, enabled: bool) -> Iterator[Callable[[int], None]]:
-    """A progress bar on a terminal's stderr, set to how many of `total` are done by the
-    function this yields; silent when piped or when JSON is asked for."""
-    if not enabled or not sys.stderr.isatty():
-        yield lambda done: None
-        return
-    from rich.progress import Progress
-
-    with Progress(transient=True) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda done: bar.update(task, completed=done)

@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vendor-python", metavar="PATH",
                    help="python of the vendor venv (default: $NPUPREP_RKNN_PYTHON, then "
                         "~/.cache/npuprep/rknn-venv)")
+    p.add_argument("--max-fp32-share", type=_percent, default=10.0, metavar="PERCENT",
+                   help="fail (exit 1) when more than this share of the FLOPs stays FP32 "
+                        "(default 10%%)")
     p.add_argument("--report", help="JSON report path (default: <output>.report.json)")
     p.add_argument("--html", help="also write a self-contained HTML report here")
     add_json(p)
@@ -84,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         io_types=args.io_types, rtol=args.rtol, holdout=list(holdout) if holdout else None,
         samples_description=samples.describe(), synthetic=samples.synthetic,
         max_rounds=max(1, args.max_rounds), opset=args.opset,
+        max_fp32_share=args.max_fp32_share / 100,
     )
     vendor = _vendor_check(args, model, result, list(samples), output) if args.verify_with else None
     report = _write_artefacts(args, result, output, vendor)
@@ -112,6 +116,17 @@ def _as_model(proto: Any, output: Path) -> Any:
     from npuprep.model_io import Model, fingerprint
 
     return Model(proto=proto, path=str(output), digest=fingerprint(proto))
+
+
+def _percent(text: str) -> float:
+    """`10`, `10%` or `2.5` -> a percentage in [0, 100]."""
+    try:
+        value = float(text.strip().removesuffix("%"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a percentage like 10 or 10%, got {text!r}") from None
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"a percentage between 0 and 100, got {text!r}")
+    return value
 
 
 def _stats(args: argparse.Namespace, model: Any, samples: Any) -> Any:
@@ -233,6 +248,10 @@ def _print_vendor(vendor: dict[str, Any] | None) -> None:
         print(f"the toolkit warns these tensors leave FP16: {', '.join(vendor['range_warnings'][:8])}")
 
 
+def _nodes(nodes: list[str]) -> str:
+    return ", ".join(nodes[:3]) + (f" +{len(nodes) - 3}" if len(nodes) > 3 else "")
+
+
 def _print_summary(report: dict[str, Any]) -> None:
     from npuprep.cli.common import print_table
 
@@ -251,12 +270,23 @@ def _print_summary(report: dict[str, Any]) -> None:
                 [(k, o["nonfinite"], o["max_abs_error"], o["rel_l2"])
                  for k, o in (ver.get("outputs") or {}).items()])
     _print_vendor(report.get("vendor"))
-    print(f"FP32 FLOPs share {100 * report['flops_fp32_share']:.2f}%, "
+    share = report.get("fp32_share") or {}
+    if share.get("islands"):
+        print_table("FP32 islands, costliest first", ["nodes", "FLOPs", "share", "why"],
+                    [(_nodes(i["nodes"]), f"{i['flops']:.3g}",
+                      f"{100 * i['flops'] / max(share['total_flops'], 1):.1f}%", i["why"])
+                     for i in share["islands"][:5]])
+    print(f"FP32 FLOPs share {100 * report['flops_fp32_share']:.2f}% "
+          f"(multiply-adds {100 * share.get('macs', 0.0):.2f}%), "
           f"{report['cast_count']} Casts, {len(report['pinned_nodes'])} pinned nodes, "
           f"{len(report['declined'])} declined remedies")
     for note in report.get("notes", []):
         print(f"note: {note}")
     first = report.get("first_divergent")
+    outputs_ok = (report.get("verification") or {}).get("passed", True) and \
+        (report.get("holdout") or {}).get("passed", True)
     verdict = "PASSED" if report["passed"] else (
-        f"FAILED: first divergent node '{first['node']}' ({first['op_type']})" if first else "FAILED")
+        f"FAILED: first divergent node '{first['node']}' ({first['op_type']})" if first else
+        f"FAILED: {report['fp32_share']['headline']}" if outputs_ok and report.get("fp32_share")
+        else "FAILED")
     print(f"{verdict}; report: {report['artefacts']['report_md']}")

@@ -9,7 +9,7 @@ from npuprep.analyse.finding import Finding
 
 ClampKind = Literal["exp", "square", "denominator", "log", "user"]
 CLAMP_KINDS: tuple[str, ...] = ("exp", "square", "denominator", "log", "user")
-REMEDIES: tuple[str, ...] = ("rescale", "pin_fp32", "clamp")
+REMEDIES: tuple[str, ...] = ("shift_max", "rescale", "pin_fp32", "clamp")
 
 
 @dataclass(frozen=True, order=True)
@@ -147,6 +147,38 @@ class PinFp32:
 
 
 @dataclass(frozen=True)
+class ShiftMax:
+    """Subtract ReduceMax(x) from the input x of `exp`, a written-out softmax's Exp
+    (`Exp(x) / ReduceSum(Exp(x))`): exact, and Exp's output stays within (0, 1].
+
+    `covers` are the tensors whose range the shift brings down (the Exp output, the sum,
+    the quotient); `measured` holds the Exp input's absmax and spread. `fp32_shift`: the
+    subtraction itself runs in FP32, because the Exp input is too large for its
+    target-format rounding (a relative error of exp's output) to be harmless.
+    """
+
+    exp: str
+    covers: tuple[str, ...] = ()
+    fp32_shift: bool = False
+    findings: tuple[FindingRef, ...] = ()
+    measured: dict[str, float] = field(default_factory=dict)
+    why: str = ""
+
+    action = "shift_max"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "action": self.action,
+            "exp": self.exp,
+            "covers": list(self.covers),
+            "fp32_shift": self.fp32_shift,
+            "findings": [f.to_dict() for f in self.findings],
+            "measured": dict(sorted(self.measured.items())),
+            "why": self.why,
+        }
+
+
+@dataclass(frozen=True)
 class Declined:
     """A remedy considered and not taken, with the sentence saying why."""
 
@@ -164,4 +196,4 @@ class Declined:
         }
 
 
-Action = Rescale | Clamp | PinFp32
+Action = ShiftMax | Rescale | Clamp | PinFp32

@@ -22,6 +22,7 @@ from npuprep.plan.actions import (
     FindingRef,
     PinFp32,
     Rescale,
+    ShiftMax,
 )
 from npuprep.yaml_io import read_yaml
 
@@ -56,6 +57,9 @@ class Plan:
 
     def clamps(self) -> list[Clamp]:
         return [a for a in self.actions if isinstance(a, Clamp)]
+
+    def shifts(self) -> list[ShiftMax]:
+        return [a for a in self.actions if isinstance(a, ShiftMax)]
 
     def pins(self) -> list[PinFp32]:
         return [a for a in self.actions if isinstance(a, PinFp32)]
@@ -128,6 +132,8 @@ def _headline(action: Action) -> str:
     causes = ", ".join(refs[:3]) + (f" and {len(refs) - 3} more" if len(refs) > 3 else "") or "user"
     if isinstance(action, Rescale):
         return f"rescale {action.entry} by 2^{-action.k} ({causes})"
+    if isinstance(action, ShiftMax):
+        return f"subtract the row maximum before softmax Exp {action.exp} ({causes})"
     if isinstance(action, Clamp) and action.kind == "denominator":
         return f"guard denominator {action.tensor}: |x| >= {action.lo} ({causes})"
     if isinstance(action, Clamp):
@@ -205,13 +211,14 @@ _TOP = ("schema_version", "kind", "fingerprint", "target", "precision", "forbid_
         "actions", "declined", "notes")
 _REQUIRED_TOP = ("schema_version", "kind", "fingerprint", "target", "precision")
 _KEYS = {
+    "shift_max": ("action", "exp", "covers", "fp32_shift", "findings", "measured", "why"),
     "rescale": ("action", "entry", "k", "domain", "absorbers", "findings", "absmax", "limit",
                 "absmax_after", "why"),
     "clamp": ("action", "tensor", "lo", "hi", "kind", "consumers", "findings", "measured", "why"),
     "pin_fp32": ("action", "nodes", "exit_tensors", "findings", "measured", "forced", "request",
                  "why"),
 }
-_REQUIRED = {"rescale": ("entry", "k"), "clamp": ("tensor", "kind"), "pin_fp32": ("nodes",)}
+_REQUIRED = {"shift_max": ("exp",), "rescale": ("entry", "k"), "clamp": ("tensor", "kind"), "pin_fp32": ("nodes",)}
 
 
 @dataclass
@@ -402,12 +409,20 @@ class _Parser:
             return self.rescale(data, key, findings, why)
         if name == "clamp":
             return self.clamp(data, key, findings, why)
+        if name == "shift_max":
+            return ShiftMax(exp=self.node(self.string(data["exp"], f"{key}.exp"), f"{key}.exp"),
+                            covers=self.tensors(data.get("covers"), f"{key}.covers"),
+                            fp32_shift=self.boolean(data.get("fp32_shift", False),
+                                                    f"{key}.fp32_shift"),
+                            findings=findings,
+                            measured=self.measured(data.get("measured"), f"{key}.measured"),
+                            why=why)
         return self.pin(data, key, findings, why)
 
     def rescale(self, d: dict[str, Any], key: str, findings: tuple[FindingRef, ...], why: str) -> Rescale:
         entry = self.string(d["entry"], f"{key}.entry")
-        if self.names is not None and entry not in self.names.nodes | self.names.inputs:
-            raise self.fail(f"{key}.entry", f"'{entry}' is neither a node nor a graph input of the model")
+        if self.names is not None and entry not in self.names.nodes | self.names.inputs | self.names.tensors:
+            raise self.fail(f"{key}.entry", f"'{entry}' is neither a node nor a tensor of the model")
         k = self.integer(d["k"], f"{key}.k")
         if k == 0:
             raise self.fail(f"{key}.k", "k = 0 scales by 1; remove the action instead")

@@ -1,39 +1,87 @@
-"""For targets that cannot pin: a clamp before a written-out softmax's Exp -> the exact max shift.
+"""Remedy 1, softmax shift: `Exp(x) / ReduceSum(Exp(x))` -> subtract ReduceMax(x) before the Exp.
 
-    Clamp(logits, hi=10.4) before Exp -> ReduceSum -> Div   =>   no clamp; Exp(logits - max)
-
-A clamp changes the softmax wherever it bites; subtracting the row max changes nothing
-and keeps every Exp input <= 0. Decision only: npuprep.rewrite.softmax_shift rewrites.
+Exact whatever x holds, and it keeps Exp's output within (0, 1], so it comes before every
+other remedy for an overflow anywhere in a written-out softmax (the Exp, its sum, the
+quotient). Where x is too coarse in the target format for exp (|x| >= 32 in FP16), the
+subtraction and x's elementwise producers stay FP32; Exp, the sum and the division never do.
+npuprep.rewrite.shift checks the pattern and does the rewrite.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import math
 
-import onnx
-
-from npuprep.graph import node_label
-from npuprep.plan import Plan
-from npuprep.profiles import Pinning, TargetProfile
-from npuprep.rewrite.softmax_shift import softmax_head
+from npuprep.plan.actions import PinFp32, ShiftMax
+from npuprep.plan.context import EXP_INPUT_ERROR, Outcome, PlanContext, Problem
+from npuprep.profiles import Pinning
+from npuprep.rewrite.shift import find_written_softmax
 
 
-def shifts_instead_of_clamps(model: onnx.ModelProto, plan: Plan,
-                             profile: TargetProfile) -> tuple[Plan, tuple[str, ...]]:
-    """The plan without the clamps a softmax shift replaces, and the Exp nodes to shift."""
-    if profile.fp32_pinning is not Pinning.NONE:
-        return plan, ()
-    shifts: list[str] = []
-    dropped = []
-    for clamp in plan.clamps():
-        readers = [n for n in model.graph.node if clamp.tensor in n.input
-                   and (not clamp.consumers or node_label(n) in clamp.consumers)]
-        exps = [node_label(n) for n in readers if n.op_type == "Exp"]
-        if exps and len(exps) == len(readers) and \
-                all(not isinstance(softmax_head(model, e), str) for e in exps):
-            shifts += exps
-            dropped.append(clamp)
-    if not dropped:
-        return plan, ()
-    kept = tuple(a for a in plan.actions if not any(a is d for d in dropped))
-    return replace(plan, actions=kept), tuple(dict.fromkeys(shifts))
+def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outcome:
+    if problem.kind not in ("overflow", "static"):
+        return None
+    exp = _exp_of(ctx, problem)
+    if not exp:
+        return None
+    found = find_written_softmax(ctx.model.proto, exp)
+    if not found:
+        return None
+    measured: dict[str, float] = {}
+    r = ctx.range_of(found.x)
+    if r is not None:
+        measured["input_absmax"] = float(r.absmax)
+        measured["input_spread"] = float(r.max - r.min)
+    why = (f"{exp} is a written-out softmax's Exp with no maximum subtracted; subtracting "
+           f"ReduceMax({found.x}) first is exact and keeps exp within (0, 1], so Exp, its sum "
+           f"and the division stay in {ctx.fmt.name}")
+    # Rounding x itself to the target would still be a relative error of exp's output:
+    # where it is too coarse, the subtraction runs in FP32 on an FP32 x (a graph input, or
+    # elementwise producers kept FP32 with it). A matmul's output is rounded anyway.
+    precise = ctx.precise_producers([found.x], set())
+    coarse = bool(precise) or _coarse_input(ctx, found.x)
+    banned = sorted(set(precise) & ctx.forbid)
+    if not coarse or ctx.profile.fp32_pinning is Pinning.NONE or banned:
+        if coarse:
+            cause = f"forbid_pin names {', '.join(banned)}" if banned else \
+                "this target cannot pin FP32"
+            why += (f"; {found.x} rounds to {ctx.fmt.name} first ({cause}), which verification "
+                    "measures")
+        return ShiftMax(exp=exp, covers=found.tensors, findings=(problem.ref,),
+                        measured=measured, why=why)
+    why += (f"; {found.x} (absmax {r.absmax:.3g}) is too coarse in {ctx.fmt.name} for exp: "
+            f"{', '.join([*precise, 'the subtraction'])} run in FP32, elementwise")
+    shift = ShiftMax(exp=exp, covers=found.tensors, fp32_shift=True, findings=(problem.ref,),
+                     measured=measured, why=why)
+    if not precise:
+        return shift
+    request = ctx.profile.fp32_pinning is Pinning.COMPILER_DECIDES
+    pin = PinFp32(nodes=tuple(sorted(precise, key=ctx.order.__getitem__)),
+                  exit_tensors=(found.x,), findings=(problem.ref,),
+                  measured={"absmax": float(r.absmax)}, request=request,
+                  why=(f"the softmax input {found.x} is shifted in FP32: its {ctx.fmt.name} "
+                       "rounding would be a relative error of exp's output"))
+    return [shift, pin]
+
+
+def _coarse_input(ctx: PlanContext, x: str) -> bool:
+    """A graph input (FP32 at the boundary) whose target rounding exceeds EXP_INPUT_ERROR."""
+    r = ctx.range_of(x)
+    if x not in ctx.graph_inputs or r is None or not r.absmax > 0:
+        return False
+    return 2.0 ** math.floor(math.log2(r.absmax)) * ctx.fmt.eps / 2 > EXP_INPUT_ERROR
+
+
+def _exp_of(ctx: PlanContext, problem: Problem) -> str:
+    """The Exp a finding on an Exp, a ReduceSum or a Div of a softmax points at, else ""."""
+    label = problem.finding.node if problem.finding.node in ctx.nodes \
+        else ctx.producer_label(problem.tensor)
+    for _ in range(2):
+        if label not in ctx.nodes or ctx.nodes[label][2] != "main":
+            return ""
+        node = ctx.node(label)
+        if node.op_type == "Exp":
+            return label
+        if node.op_type not in ("ReduceSum", "Div") or not node.input:
+            return ""
+        label = ctx.producer_label(node.input[0])
+    return ""

@@ -1,4 +1,4 @@
-"""FLOPs per node from inferred shapes, to report the share of compute left in FP32."""
+"""FLOPs per node from inferred shapes; npuprep.report.share turns them into the FP32 share."""
 
 from __future__ import annotations
 
@@ -50,11 +50,3 @@ def node_flops(model: onnx.ModelProto) -> dict[str, int]:
                 flops[node_label(node)] = n_out
     return flops
 
-
-def fp32_flops_share(model: onnx.ModelProto, pinned_nodes: set[str]) -> float:
-    """Share of the model's FLOPs spent in nodes kept in FP32."""
-    flops = node_flops(model)
-    total = sum(flops.values())
-    if total == 0:
-        return 0.0
-    return sum(v for k, v in flops.items() if k in pinned_nodes) / total

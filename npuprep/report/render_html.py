@@ -245,7 +245,7 @@ def render(result: Mapping[str, Any] | Any, *, plots: bool = True, order: Sequen
     model) for a stats object, which is keyed by name; compare and convert results are
     already in order.
     """
-    from npuprep.cli.common import dump_json
+    from npuprep.json_io import dump_json
 
     if not isinstance(result, Mapping) and not hasattr(result, "to_dict"):
         raise NpuprepError("result is not a JSON object")

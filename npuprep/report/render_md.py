@@ -21,7 +21,9 @@ def _row(cells: list[Any]) -> str:
 
 def action_target(a: dict[str, Any]) -> str:
     if a["action"] == "rescale":
-        return f"{a['entry']} (x2^-{a['k']})"
+        return f"{a['entry']} (x2^{-a['k']})"
+    if a["action"] == "shift_max":
+        return f"{a['exp']} (x - max)"
     if a["action"] == "clamp":
         return f"{a['tensor']} to [{_num(a['lo'])}, {_num(a['hi'])}]"
     return ", ".join(a["nodes"])
@@ -50,6 +52,7 @@ def convert_markdown(result: dict[str, Any]) -> str:
         f"- samples: {result['samples']['description']}"
         + (" (synthetic: not real data)" if result["samples"]["synthetic"] else ""),
         f"- FLOPs left in FP32: {100 * result['flops_fp32_share']:.2f}%",
+        *([f"- {result['fp32_verdict']}"] if result.get("fp32_verdict") else []),
         f"- Cast nodes inserted: {result['cast_count']}",
         f"- FP32-pinned nodes: {len(result['pinned_nodes'])}",
         f"- verification rounds: {result['rounds']}",
@@ -65,6 +68,14 @@ def convert_markdown(result: dict[str, Any]) -> str:
             lines.append(_row([i, a["action"], action_target(a), measured, limit, a.get("why", "")]))
     else:
         lines.append("No action needed.")
+    islands = (result.get("fp32_share") or {}).get("islands") or []
+    if islands:
+        total = max(result["fp32_share"]["total_flops"], 1)
+        lines += ["", "## FP32 islands, costliest first", "",
+                  "| nodes | FLOPs | share | multiply-add FLOPs | why | declined |",
+                  "|---|---|---|---|---|---|"]
+        lines += [_row([", ".join(i["nodes"]), i["flops"], f"{100 * i['flops'] / total:.1f}%",
+                        i["mac_flops"], i["why"], i["declined"] or "-"]) for i in islands]
     if result["declined"]:
         lines += ["", "## Declined remedies", "", "| remedy | target | reason |", "|---|---|---|"]
         lines += [_row([d["remedy"], d["target"], d["reason"]]) for d in result["declined"]]

@@ -218,10 +218,10 @@ def _action_tensors(action: Mapping[str, Any], produced_by: Mapping[str, list[in
     """Chart positions an action touches: its tensors, its scale domain, its nodes' outputs."""
     hits: set[int] = set()
     names: list[str] = []
-    for key in ("tensor", "target", "entry"):
+    for key in ("tensor", "target", "entry", "exp"):
         if isinstance(action.get(key), str):
             names.append(action[key])
-    for key in ("tensors", "exit_tensors", "domain", "nodes", "absorbers"):
+    for key in ("tensors", "exit_tensors", "domain", "nodes", "absorbers", "covers"):
         value = action.get(key)
         if isinstance(value, Mapping):
             names.extend(str(k) for k in value)
@@ -269,7 +269,7 @@ def remedy_marks(result: Mapping[str, Any], points: tuple[TensorPoint, ...]) -> 
 
 def action_where(action: Mapping[str, Any]) -> str:
     """A short 'where' for an action: its tensor, entry, target or first nodes."""
-    for key in ("tensor", "entry", "target"):
+    for key in ("tensor", "entry", "target", "exp"):
         if isinstance(action.get(key), str) and action[key]:
             return action[key]
     nodes = action.get("nodes")

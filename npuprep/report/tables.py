@@ -241,7 +241,7 @@ def summary(result: Mapping[str, Any]) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     for key in ("kind", "model", "output", "reference", "candidate", "target", "target_path",
                 "format", "precision", "opset", "samples", "synthetic", "thresholds", "fail_on",
-                "rounds", "flops_fp32_share", "cast_count"):
+                "rounds", "flops_fp32_share", "fp32_verdict", "cast_count"):
         if key in result and result[key] not in (None, ""):
             rows.append((key, compact(result[key])))
     if isinstance(result.get("pinned_nodes"), list):

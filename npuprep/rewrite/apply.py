@@ -1,61 +1,95 @@
-"""Apply a plan to the FP32 graph: clamps first, then rescales; the function is unchanged where exact.
+"""Apply a plan to the FP32 graph: softmax shifts, then clamps, then rescales; the function is unchanged where exact.
 
-Clamps go first so that a later rescale scales their bounds with the tensor they guard.
-Scales of successive rescales compose multiplicatively in `tensor_scales`.
+Shifts go first (exact, they only add a subtraction); clamps next, so that a later rescale
+scales their bounds with the tensor they guard. Scales of successive rescales compose
+multiplicatively in `tensor_scales`. The plan is read through its actions' fields only
+(rewrite never imports plan).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import onnx
 
-from npuprep.plan import Clamp, Declined, Plan
 from npuprep.rewrite.clamp import apply_clamp, guard_denominator
 from npuprep.rewrite.rescale import apply_rescale
-from npuprep.rewrite.result import RewriteResult
+from npuprep.rewrite.result import RewriteResult, Skipped
+from npuprep.rewrite.shift import apply_max_shift
 
 
 @dataclass(frozen=True)
 class AppliedPlan:
-    """The rewritten FP32 model and what each action did."""
+    """The rewritten FP32 model and what each action did.
+
+    `fp32_nodes` are nodes the rewrites inserted that must stay FP32 (an output's
+    compensation after its Cast, a softmax shift on coarse logits), each with its reason in
+    `fp32_reasons`; `input_nodes` maps the power-of-two Muls inserted on graph inputs to
+    their input, which need FP32 only when the input itself exceeds the target.
+    """
 
     model: onnx.ModelProto
     tensor_scales: dict[str, float]
     fp32_nodes: tuple[str, ...]
     applied: tuple[str, ...]
-    declined: tuple[Declined, ...] = field(default_factory=tuple)
+    declined: tuple[Skipped, ...] = field(default_factory=tuple)
+    input_nodes: dict[str, str] = field(default_factory=dict)
+    fp32_reasons: dict[str, str] = field(default_factory=dict)
 
 
-def apply_plan(model: onnx.ModelProto, plan: Plan) -> AppliedPlan:
-    """Run the plan's clamps and rescales in order; a declined rewrite is recorded, not fatal."""
+def apply_plan(model: onnx.ModelProto, plan: Any) -> AppliedPlan:
+    """Run the plan's shifts, clamps and rescales in order; a declined rewrite is recorded,
+    not fatal."""
     current = model
     scales: dict[str, float] = {}
     fp32_nodes: list[str] = []
+    input_nodes: dict[str, str] = {}
+    reasons: dict[str, str] = {}
     applied: list[str] = []
-    declined: list[Declined] = []
+    declined: list[Skipped] = []
+    for shift in plan.shifts():
+        result = apply_max_shift(current, shift.exp)
+        if result.modified:
+            current = result.model
+            if shift.fp32_shift:
+                for node in result.details.get("nodes", []):
+                    fp32_nodes.append(node)
+                    reasons[node] = f"subtracts the row maximum in FP32 before softmax {shift.exp}"
+            applied.append(f"shift softmax Exp {shift.exp} by its row maximum")
+        else:
+            declined.append(Skipped("shift_max", shift.exp, result.reason, shift.findings))
     for clamp in plan.clamps():
         result = _clamp(current, clamp)
         if result.modified:
             current = result.model
             applied.append(f"clamp {clamp.tensor} to [{clamp.lo}, {clamp.hi}]")
         else:
-            declined.append(Declined("clamp", clamp.tensor, result.reason, clamp.findings))
+            declined.append(Skipped("clamp", clamp.tensor, result.reason, clamp.findings))
     for rescale in plan.rescales():
         result = apply_rescale(current, rescale.entry, rescale.k)
         if not result.modified:
-            declined.append(Declined("rescale", rescale.entry, result.reason, rescale.findings))
+            declined.append(Skipped("rescale", rescale.entry, result.reason, rescale.findings))
             continue
         current = result.model
         for tensor, s in dict(result.details.get("tensor_scales", {})).items():
             scales[tensor] = scales.get(tensor, 1.0) * float(s)
-        fp32_nodes += list(result.details.get("fp32_nodes", []))
-        applied.append(f"rescale {rescale.entry} by 2^-{rescale.k}")
+        inputs = dict(result.details.get("input_nodes", {}))
+        input_nodes.update(inputs)
+        for node in result.details.get("fp32_nodes", []):
+            if node in inputs:
+                reasons[node] = f"scales graph input {inputs[node]} by a power of two"
+            else:
+                fp32_nodes.append(node)
+                reasons[node] = (f"undoes the rescale of {rescale.entry} at a graph output, in "
+                                 "FP32 after the output Cast")
+        applied.append(f"rescale {rescale.entry} by 2^{-rescale.k}")
     scales = {t: s for t, s in sorted(scales.items()) if s != 1.0}
-    return AppliedPlan(current, scales, tuple(fp32_nodes), tuple(applied), tuple(declined))
+    return AppliedPlan(current, scales, tuple(fp32_nodes), tuple(applied), tuple(declined),
+                       dict(sorted(input_nodes.items())), dict(sorted(reasons.items())))
 
 
-def _clamp(model: onnx.ModelProto, clamp: Clamp) -> RewriteResult:
+def _clamp(model: onnx.ModelProto, clamp: Any) -> RewriteResult:
     if clamp.kind != "denominator" or not clamp.consumers:
         return apply_clamp(model, clamp.tensor, clamp.lo, clamp.hi,
                            consumers=list(clamp.consumers) or None)

@@ -61,6 +61,8 @@ class Lowered:
     `cast_count`: Cast nodes inserted at precision borders (graph I/O included).
     `mapped_masks`: mask constant -> values set to -max; `flushed_weights`: initialiser ->
     non-zero values that became 0 in the target format (underflow, reported not hidden).
+    `fp32_output_nodes`: If nodes whose outputs stay FP32 because a pinned node inside a
+    branch writes one; they compute nothing themselves, their bodies are lowered per node.
     """
 
     model: onnx.ModelProto
@@ -75,6 +77,7 @@ class Lowered:
     mapped_masks: dict[str, int] = field(default_factory=dict)
     normalised_bf16: tuple[str, ...] = ()
     flushed_weights: dict[str, int] = field(default_factory=dict)
+    fp32_output_nodes: tuple[str, ...] = ()
 
 
 @dataclass
@@ -140,6 +143,7 @@ class _Lowering:
         self.names = {name for s in self.scopes for name in _names(s.graph)}
         self.output_casts: list[tuple[str, str, int]] = []
         self.high_labels: set[str] = set()
+        self.fp32_outputs: list[str] = []
         # Message wrappers are keyed by id(); holding them keeps those ids valid.
         self._alive = [n for s in self.scopes for n in s.graph.node]
 
@@ -162,7 +166,7 @@ class _Lowering:
         return Lowered(self.model, self.fmt.name, self.io_types, self.casts, tuple(pinned),
                        dict(sorted(self.forced.items())), tuple(converted), tuple(duplicated),
                        tuple(kept), dict(sorted(self.mapped.items())), tuple(self.normalised),
-                       dict(sorted(self.flushed.items())))
+                       dict(sorted(self.flushed.items())), tuple(sorted(self.fp32_outputs)))
 
     def _index(self) -> None:
         for scope in self.scopes:
@@ -216,6 +220,19 @@ class _Lowering:
                     self.forced[label] = reason
                 if reason is not None and node.op_type in _CONTROL_FLOW:
                     high_scopes.add(id(node))
+        self._keep_if_outputs()
+
+    def _keep_if_outputs(self) -> None:
+        """An If whose branch output a pinned node writes keeps FP32 outputs (the island
+        closes there); its branches stay lowered node by node."""
+        for scope in self.scopes:
+            owner = scope.owner
+            if owner is None or owner.op_type != "If" or not self.low.get(id(owner), False):
+                continue
+            made = {o: n for n in scope.graph.node for o in n.output if o}
+            if any(vi.name in made and not self.low[id(made[vi.name])] for vi in scope.graph.output):
+                self.low[id(owner)] = False
+                self.fp32_outputs.append(node_label(owner))
 
     def _range_reason(self, node: onnx.NodeProto) -> str | None:
         """Why `node` cannot take its weights in the target format, or None."""

@@ -65,6 +65,15 @@ class _View:
         self.weights = {i.name for i in graph.initializer}
         self.weights |= {n.output[0] for n in graph.node if n.op_type == "Constant"}
         self.types = types
+        # Body outputs of an If in the main graph whose If output is a main graph output
+        # read by no node: an island may close there when outputs stay FP32.
+        self.fp32_outputs: set[str] = set()
+        owner = scope.owner
+        if owner is not None and owner.op_type == "If" and owner in model.graph.node:
+            main_outputs = {o.name for o in model.graph.output}
+            read = {i for n in model.graph.node for i in n.input}
+            self.fp32_outputs = {vi.name for vi, out in zip(graph.output, owner.output, strict=False)
+                                 if out in main_outputs and out not in read}
 
     def is_float(self, tensor: str) -> bool:
         return self.types.get(tensor, onnx.TensorProto.FLOAT) in FLOAT_ONNX_TYPES
@@ -104,28 +113,40 @@ def grow_island(
     outputs_fp32: bool = True,
     max_nodes: int | None = None,
     types: dict[str, int] | None = None,
+    joins: Callable[[str, str], bool] | None = None,
 ) -> Island:
     """Grow an FP32 island forward from `seed_node` until every tensor leaving it fits.
 
-    An exit that does not fit pulls its consumers in. A graph output read by nobody else
-    needs no fit when outputs stay FP32 (`outputs_fp32`). Growth also stops at `max_nodes`;
-    what still does not fit is listed in `unfit_exits`. `types` (tensor -> ONNX type) may
-    be passed to skip shape inference on repeated calls.
+    An exit that does not fit pulls its consumers in, those for which `joins(consumer,
+    tensor)` holds when it is given (the others read the exit as it is). A graph output read
+    by nobody else needs no fit when outputs stay FP32 (`outputs_fp32`), nor does an If
+    branch's output that is one. Growth also stops at `max_nodes`; what still does not fit
+    is listed in `unfit_exits`. `types` (tensor -> ONNX type) may be passed to skip shape
+    inference on repeated calls.
     """
     view = _view_of(model, seed_node, types)
     island = {seed_node}
+    refused: set[str] = set()
     while True:
         exits, entries = view.borders(island)
-        unfit = [t for t in exits if not _exit_ok(view, t, island, fits, outputs_fp32)]
+        unfit = [t for t in exits
+                 if t not in refused and not _exit_ok(view, t, island, fits, outputs_fp32)]
+        if joins is not None:
+            for t in unfit:
+                if all(not joins(c, t) for c in view.consumers.get(t, []) if c not in island) \
+                        and t not in view.outputs:
+                    refused.add(t)
+            unfit = [t for t in unfit if t not in refused]
         if not unfit or (max_nodes is not None and len(island) >= max_nodes):
             break
-        grow = {c for t in unfit for c in view.consumers.get(t, []) if c not in island}
+        grow = {c for t in unfit for c in view.consumers.get(t, [])
+                if c not in island and (joins is None or joins(c, t))}
         if max_nodes is not None:
             grow = set(sorted(grow, key=view.rank.__getitem__)[: max_nodes - len(island)])
         if not grow:
             break
         island |= grow
-    return _island(view, island, fits, outputs_fp32)
+    return _island(view, island, fits, outputs_fp32, accepted=refused)
 
 
 def island_of(
@@ -200,14 +221,18 @@ def _exit_ok(view: _View, tensor: str, island: set[str], fits: Callable[[str], b
     if fits(tensor):
         return True
     outside = [c for c in view.consumers.get(tensor, []) if c not in island]
-    return outputs_fp32 and view.scope.is_main and tensor in view.outputs and not outside
+    closes = view.scope.is_main and tensor in view.outputs or tensor in view.fp32_outputs
+    return outputs_fp32 and closes and not outside
 
 
 def _island(view: _View, nodes: set[str], fits: Callable[[str], bool] | None,
-            outputs_fp32: bool) -> Island:
+            outputs_fp32: bool, accepted: set[str] | None = None) -> Island:
+    """The Island of `nodes`; `accepted` exits count as fitting (their readers refused to
+    join and take them as they are)."""
     exits, entries = view.borders(nodes)
-    unfit = [] if fits is None else [t for t in exits
-                                     if not _exit_ok(view, t, nodes, fits, outputs_fp32)]
+    accepted = accepted or set()
+    unfit = [] if fits is None else [t for t in exits if t not in accepted
+                                     and not _exit_ok(view, t, nodes, fits, outputs_fp32)]
     ordered = tuple(sorted(nodes, key=view.rank.__getitem__))
     return Island(ordered, tuple(exits), tuple(entries), tuple(unfit), view.scope.path)
 

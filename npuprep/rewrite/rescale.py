@@ -4,8 +4,8 @@ The scale s = 2^-k is a power of two, so multiplying by it adds no rounding: the
 FP32 graph computes the same function. Each tensor of the domain carries an integer
 exponent p (its values are 2^p times the reference). The exponent enters at an *entry* (a
 producer with constant weights, an affine normalisation, a Mul/Div by a constant, or a graph
-input that gets `Mul(x, 2^-k)`), travels forward through ops that commute with positive
-scaling or transform it exactly (`Mul(x, x)` doubles it, `Sqrt` halves it, a Div of two
+input or block output that gets `Mul(x, 2^-k)`), travels forward through ops that commute
+with positive scaling or transform it exactly (`Mul(x, x)` doubles it, `Sqrt` halves it, a Div of two
 scaled tensors subtracts), and is *absorbed* where it returns to 0: a linear consumer with
 constant weights, a scale-invariant normalisation (epsilon * s^2), BatchNormalization (mean
 and variance folded), a Mul/Div by a constant that takes the factor, or a graph output
@@ -29,38 +29,22 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from npuprep.errors import NpuprepError
-from npuprep.ops import LINEAR_WITH_WEIGHTS
+from npuprep.graph import tensor_types
+from npuprep.ops import (
+    COMMUTES_WITH_SCALING,
+    COMPARISONS,
+    JOINS_SCALES,
+    LINEAR_WITH_WEIGHTS,
+    SCALE_FREE_OUTPUTS,
+    SCALE_INVARIANT_NORMS,
+    SCALE_POWERS,
+    SCALED_ALL_OUTPUTS,
+)
 from npuprep.rewrite import graph_ops as go
 from npuprep.rewrite.result import RewriteResult
 
-# Ops whose output is the input with the same exponent; value = data input positions.
-_COMMUTE: dict[str, tuple[int, ...]] = {
-    op: (0,) for op in (
-        "Relu", "LeakyRelu", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool",
-        "Reshape", "Transpose", "Slice", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Neg",
-        "Gather", "GatherElements", "GatherND", "ReduceMean", "ReduceSum", "ReduceMax",
-        "ReduceMin", "ReduceL1", "ReduceL2", "Split", "Expand", "Tile", "DepthToSpace",
-        "SpaceToDepth", "Abs", "Resize", "Upsample", "Dropout", "PRelu", "Pad", "LpPool",
-        "Compress", "ReverseSequence", "CumSum", "TopK",
-    )
-}
-# Outputs that carry the data (others are indices or masks); default: output 0 only.
-_ALL_OUTPUTS = {"Split"}
-# Ops whose float data inputs must all share one exponent (constants are scaled to match).
-_SAME_EXP: dict[str, tuple[int, ...] | None] = {
-    "Add": None, "Sub": None, "Sum": None, "Max": None, "Min": None, "Mean": None,
-    "Concat": None, "Where": (1, 2), "Clip": None,
-    "Greater": None, "Less": None, "GreaterOrEqual": None, "LessOrEqual": None, "Equal": None,
-}
-# Comparisons: exponents must agree, the boolean output carries none.
-_COMPARE = {"Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal"}
-# Ops whose outputs do not change under positive scaling (shapes, indices, signs).
-_SHAPE_ONLY = {"Shape", "Size", "ArgMax", "ArgMin", "NonZero", "Sign"}
-# Affine normalisations: an entry scales their gamma and beta; an input scale is absorbed.
-_NORMS = {
-    "LayerNormalization": (1, 2), "InstanceNormalization": (1, 2),
-    "GroupNormalization": (1, 2), "BatchNormalization": (1, 2),
-}
+# Affine normalisations an entry can scale (gamma, beta); LpNormalization has none.
+_NORMS = {op: idx for op, idx in SCALE_INVARIANT_NORMS.items() if idx}
 
 
 class _Decline(Exception):
@@ -88,7 +72,8 @@ class Absorber:
 
 @dataclass(frozen=True)
 class Entry:
-    """Where the scale enters: a node (`weights`, `norm_affine`, `constant`) or `graph_input`."""
+    """Where the scale enters: a node (`weights`, `norm_affine`, `constant`), a `graph_input`,
+    or a `tensor` whose producer has no weights (an exact Mul is inserted after it)."""
 
     name: str
     kind: str
@@ -123,6 +108,7 @@ def check_rescale(model: onnx.ModelProto, entry: str, k: int) -> RescaleCheck:
     producer is used). A negative k scales up (the underflow remedy).
     """
     graph = go.import_graph(model)
+    _type_entry(graph, model, entry)
     solver = _solve(graph, entry, k)
     return solver.check
 
@@ -132,11 +118,13 @@ def apply_rescale(model: onnx.ModelProto, entry: str, k: int) -> RewriteResult:
 
     details: "tensor_scales" {tensor: s_total} for every tensor whose values changed
     (candidate = s_total * reference), "fp32_nodes" (inserted boundary Muls, to keep FP32
-    at lowering), "entries", "absorbers", "exits", "k", and "scaled_constants" {constant:
+    at lowering), "input_nodes" {Mul on an entry graph input or tensor: that tensor} (FP32
+    only needed while the tensor exceeds the target), "entries", "absorbers", "exits", "k", and "scaled_constants" {constant:
     exponent, absmax, min_nonzero} so a caller can see weights pushed towards the target's
     subnormals (an epsilon scaled by s^2, say).
     """
     graph = go.import_graph(model)
+    _type_entry(graph, model, entry)
     solver = _solve(graph, entry, k)
     check = solver.check
     if not check:
@@ -150,12 +138,24 @@ def apply_rescale(model: onnx.ModelProto, entry: str, k: int) -> RewriteResult:
         "entry": entry,
         "tensor_scales": scales,
         "fp32_nodes": fp32_nodes,
+        "input_nodes": solver.input_nodes,
         "entries": [e.__dict__ for e in check.entries],
         "absorbers": [a.__dict__ for a in check.absorbers],
         "exits": list(check.exits),
         "scaled_constants": dict(sorted(solver.scaled_constants.items())),
     }
     return RewriteResult(out, True, check.reason, details)
+
+
+def _type_entry(graph: gs.Graph, model: onnx.ModelProto, entry: str) -> None:
+    """An entry naming an intermediate tensor gets its element type from shape inference
+    (graph surgeon knows only the types the file declares)."""
+    tensor = graph.tensors().get(entry)
+    if tensor is None or tensor.dtype is not None or go.find_node(graph, entry) is not None:
+        return
+    elem = tensor_types(model).get(entry)
+    if elem is not None:
+        tensor.dtype = onnx.helper.tensor_dtype_to_np_dtype(elem)
 
 
 def _solve(graph: gs.Graph, entry: str, k: int) -> _Solver:
@@ -217,6 +217,7 @@ class _Solver:
         self.absorbers: dict[str, Absorber] = {}
         self.heap: list[tuple[int, int]] = []
         self.renamed: set[str] = set()
+        self.input_nodes: dict[str, str] = {}
         self.scaled_constants: dict[str, dict[str, float]] = {}
         # A weight read by several nodes is scaled once for all of them: exponent, first editor.
         self.shared: dict[str, tuple[int, str]] = {}
@@ -238,7 +239,9 @@ class _Solver:
                 # Only once the domain has settled can an untouched reader of a shared weight
                 # be told apart from one the scale still has to reach.
                 self._close_shared(*self.pending.pop(0))
-            exits = tuple(t.name for t in self.graph.outputs if self.exps.get(t.name, 0) != 0)
+            # An entered input or tensor keeps its reference values; its readers get a copy.
+            exits = tuple(t.name for t in self.graph.outputs
+                          if self.exps.get(t.name, 0) != 0 and t.name not in self.input_entries)
         except _Decline as exc:
             reason = str(exc)
             if self.joined:
@@ -264,10 +267,22 @@ class _Solver:
         if node is None:
             tensor = self.graph.tensors().get(self.entry)
             node = go.producer(tensor) if tensor is not None else None
+            if node is not None and not self._has_entry_weights(node):
+                # A block output whose producer carries no weights (a residual Add, an
+                # activation): the scale enters through an exact Mul on the tensor itself.
+                self._enter_input(tensor, p, kind="tensor")
+                return
         if node is None:
             raise NpuprepError(f"rescale: '{self.entry}' is neither a node, a graph input nor a "
                                "tensor of the main graph")
         self._enter_node(node, p, f"entry {self.entry}")
+
+    def _has_entry_weights(self, node: gs.Node) -> bool:
+        if node.op in LINEAR_WITH_WEIGHTS:
+            return self._weight_index(node) is not None
+        if node.op in _NORMS:
+            return True
+        return node.op in ("Mul", "Div") and self._const_index(node) is not None
 
     def _assign(self, tensor: gs.Tensor, p: int, why: str) -> None:
         name = tensor.name
@@ -343,11 +358,11 @@ class _Solver:
         if id(node) in self.roles or any(self._p(t) != 0 for t in node.inputs):
             raise _Decline(f"{lead}, which the scale domain already treats otherwise")
         self.joined.append(f"{node.op} '{label}' reads '{tensor.name}', scaled for '{first}'")
-        if idxs == [0] and (node.op in _COMMUTE or (node.op == "Cast" and _cast_is_float(node))):
+        if idxs == [0] and (node.op in COMMUTES_WITH_SCALING or (node.op == "Cast" and _cast_is_float(node))):
             # A transposed or reshaped copy of the weight carries the scale on.
             self._role(node, "propagate")
             self._const_edit(node, 0, e)
-            outs = node.outputs if node.op in _ALL_OUTPUTS else node.outputs[:1]
+            outs = node.outputs if node.op in SCALED_ALL_OUTPUTS else node.outputs[:1]
             for out in outs:
                 self._assign(out, e, f"through {node.op} '{label}'")
             return
@@ -358,15 +373,16 @@ class _Solver:
         if not all(self.const_edits.get((id(node), i)) == e for i in idxs):
             raise _Decline(f"{lead}, where '{tensor.name}' is not the input that carries the scale")
 
-    def _enter_input(self, inp: gs.Variable, p: int) -> None:
+    def _enter_input(self, inp: gs.Tensor, p: int, kind: str = "graph_input") -> None:
         try:
             is_float = inp.dtype is not None and go.is_float_dtype(np.dtype(inp.dtype))
         except TypeError:
             is_float = False
         if not is_float:
-            raise _Decline(f"graph input '{inp.name}' is not a float tensor")
+            where = "graph input" if kind == "graph_input" else "tensor"
+            raise _Decline(f"{where} '{inp.name}' is not a float tensor")
         self.input_entries[inp.name] = p
-        self.entries.append(Entry(inp.name, "graph_input", p))
+        self.entries.append(Entry(inp.name, kind, p))
         self._assign(inp, p, f"graph input {inp.name}")
 
     def _enter_node(self, node: gs.Node, p: int, why: str) -> None:
@@ -434,9 +450,9 @@ class _Solver:
         if node is None:
             raise _Decline(f"tensor '{tensor.name}' {why} has no producer that can be scaled")
         op = node.op
-        if op in _COMMUTE or op == "Cast":
+        if op in COMMUTES_WITH_SCALING or op == "Cast":
             self._request(node.inputs[0], p, node)
-        elif op in _SAME_EXP and op not in _COMPARE:
+        elif op in JOINS_SCALES and op not in COMPARISONS:
             self._role(node, "propagate")
             for idx in self._data_inputs(node):
                 if go.const_value(node.inputs[idx]) is None:
@@ -457,7 +473,7 @@ class _Solver:
 
     @staticmethod
     def _data_inputs(node: gs.Node) -> list[int]:
-        fixed = _SAME_EXP.get(node.op)
+        fixed = JOINS_SCALES.get(node.op)
         idxs = list(fixed) if fixed is not None else list(range(len(node.inputs)))
         return [i for i in idxs if i < len(node.inputs) and node.inputs[i].name]
 
@@ -472,10 +488,10 @@ class _Solver:
             return
         if self.roles.get(id(node)) == "entry":
             raise _Decline(f"entry '{label}' reads a tensor of its own scale domain")
-        if op in _SHAPE_ONLY:
+        if op in SCALE_FREE_OUTPUTS:
             return
-        if op in _COMMUTE or (op == "Cast" and _cast_is_float(node)):
-            data = _COMMUTE.get(op, (0,))
+        if op in COMMUTES_WITH_SCALING or (op == "Cast" and _cast_is_float(node)):
+            data = COMMUTES_WITH_SCALING.get(op, (0,))
             bad = [i for i in scaled if i not in data]
             if bad:
                 raise _Decline(f"scaled tensor '{node.inputs[bad[0]].name}' feeds input {bad[0]} "
@@ -484,11 +500,11 @@ class _Solver:
                 self._same_exp_const(node, 2, self._p(node.inputs[0]))
             self._role(node, "propagate")
             p = self._p(node.inputs[0])
-            outs = node.outputs if op in _ALL_OUTPUTS else node.outputs[:1]
+            outs = node.outputs if op in SCALED_ALL_OUTPUTS else node.outputs[:1]
             for out in outs:
                 self._assign(out, p, f"through {op} '{label}'")
             return
-        if op in _SAME_EXP:
+        if op in JOINS_SCALES:
             self._visit_same_exp(node, scaled)
             return
         if op in ("Mul", "Div"):
@@ -497,11 +513,11 @@ class _Solver:
         if op in ("MatMul", "Gemm", "Conv", "ConvTranspose"):
             self._visit_linear(node, scaled)
             return
-        if op in _NORMS or op == "LpNormalization":
+        if op in SCALE_INVARIANT_NORMS:
             self._visit_norm(node, scaled)
             return
         p = self._p(node.inputs[scaled[0]])
-        if op in ("Sqrt", "Pow", "Reciprocal", "ReduceSumSquare"):
+        if op in SCALE_POWERS:
             self._visit_power(node, p)
             return
         self._needs_unscaled(node, scaled[0])
@@ -536,7 +552,7 @@ class _Solver:
                 if found:
                     raise _Retry(found) from None
                 raise
-        if node.op in _COMPARE:
+        if node.op in COMPARISONS:
             return
         self._assign(node.outputs[0], p, f"through {node.op} '{label}'")
 
@@ -743,8 +759,7 @@ class _Solver:
             self.nodes[nid].attrs[attr] = float(value)
         fp32_nodes: list[str] = []
         for name, p in sorted(self.input_entries.items()):
-            inp = go.graph_input(graph, name)
-            assert inp is not None
+            inp = go.graph_input(graph, name) or graph.tensors()[name]
             consumers, _ = go.main_consumers(graph, inp)
             scaled = gs.Variable(go.unique_name(graph, f"{name}__scaled"), dtype=inp.dtype, shape=inp.shape)
             node_name = go.unique_name(graph, f"rescale_in_{name}")
@@ -755,6 +770,7 @@ class _Solver:
                         go.replace_input(node, i, scaled)
             graph.nodes.append(gs.Node("Mul", node_name, inputs=[inp, factor], outputs=[scaled]))
             fp32_nodes.append(node_name)
+            self.input_nodes[node_name] = name
             self.renamed.add(name)
         for name in self.check.exits:
             out = next(t for t in graph.outputs if t.name == name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import onnx
 
@@ -24,3 +25,20 @@ class RewriteResult:
 
     def __bool__(self) -> bool:
         return self.modified
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A planned rewrite that declined when applied: which remedy, where, and why.
+
+    `findings` are the plan's finding references, passed through untouched.
+    """
+
+    remedy: str
+    target: str
+    reason: str
+    findings: tuple[Any, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"remedy": self.remedy, "target": self.target, "reason": self.reason,
+                "findings": [f.to_dict() for f in self.findings]}
