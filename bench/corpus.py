@@ -260,18 +260,40 @@ def speech_like(rng: np.random.Generator, seconds: float, sr: int = 16000) -> np
     return (voice + noise).astype(np.float32)
 
 
-FILE_SNIPPETS: tuple[Callable[[np.random.Generator], bytes], ...] = (
-    lambda r: ("import os\n\n\ndef main() -> None:\n    for i in range(%d):\n        print(os.getcwd(), i)\n"
-               % r.integers(2, 99)).encode() * int(r.integers(3, 30)),
-    lambda r: json.dumps({f"key{i}": [float(v) for v in r.normal(size=3)] for i in range(int(r.integers(5, 60)))},
-                         indent=2).encode(),
-    lambda r: b"<!DOCTYPE html>\n<html><head><title>page</title></head><body>\n"
-    + b"<p>paragraph of text</p>\n" * int(r.integers(5, 80)) + b"</body></html>\n",
-    lambda r: b"id,name,value\n" + b"".join(f"{i},item{i},{r.random():.4f}\n".encode() for i in range(int(r.integers(10, 200)))),
-    lambda r: b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + r.integers(0, 256, int(r.integers(800, 5000)), dtype=np.uint8).tobytes(),
-    lambda r: b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj\n<< /Type /Catalog >>\nendobj\n" + r.integers(0, 256, 3000, dtype=np.uint8).tobytes() + b"\n%%EOF\n",
-    lambda r: b"\x7fELF\x02\x01\x01\x00" + bytes(8) + r.integers(0, 256, int(r.integers(2000, 9000)), dtype=np.uint8).tobytes(),
-    lambda r: "\n".join(_phrase(r, 4, 12) + "." for _ in range(int(r.integers(3, 40)))).encode(),
+def _python_source(rng: np.random.Generator) -> bytes:
+    body = f"import os\n\n\ndef main() -> None:\n    for i in range({rng.integers(2, 99)}):\n"
+    return (body + "        print(os.getcwd(), i)\n").encode() * int(rng.integers(3, 30))
+
+
+def _json(rng: np.random.Generator) -> bytes:
+    doc = {f"key{i}": [float(v) for v in rng.normal(size=3)] for i in range(int(rng.integers(5, 60)))}
+    return json.dumps(doc, indent=2).encode()
+
+
+def _html(rng: np.random.Generator) -> bytes:
+    body = b"<p>paragraph of text</p>\n" * int(rng.integers(5, 80))
+    return b"<!DOCTYPE html>\n<html><head><title>page</title></head><body>\n" + body + b"</body></html>\n"
+
+
+def _csv(rng: np.random.Generator) -> bytes:
+    rows = (f"{i},item{i},{rng.random():.4f}\n" for i in range(int(rng.integers(10, 200))))
+    return b"id,name,value\n" + "".join(rows).encode()
+
+
+def _binary(magic: bytes, trailer: bytes = b"") -> Callable[[np.random.Generator], bytes]:
+    """A binary format: its real magic header, a compressed-looking body, its trailer."""
+    return lambda rng: magic + rng.integers(0, 256, int(rng.integers(800, 9000)), dtype=np.uint8).tobytes() + trailer
+
+
+def _prose(rng: np.random.Generator) -> bytes:
+    return "\n".join(_phrase(rng, 4, 12) + "." for _ in range(int(rng.integers(3, 40)))).encode()
+
+
+FILE_MAKERS: tuple[Callable[[np.random.Generator], bytes], ...] = (
+    _python_source, _json, _html, _csv, _prose,
+    _binary(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"),
+    _binary(b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj\n<< /Type /Catalog >>\nendobj\n", b"\n%%EOF\n"),
+    _binary(b"\x7fELF\x02\x01\x01\x00" + bytes(8)),
 )
 
 
@@ -368,7 +390,7 @@ def build_silero(spec: Spec, folder: Path) -> None:
 
 
 def magika_sample(rng: np.random.Generator) -> Sample:
-    content = FILE_SNIPPETS[int(rng.integers(len(FILE_SNIPPETS)))](rng)
+    content = FILE_MAKERS[int(rng.integers(len(FILE_MAKERS)))](rng)
     return {"bytes": magika_features(content)}
 
 
