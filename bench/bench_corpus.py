@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -80,14 +81,19 @@ class Row:
 
 
 def first_error(stderr: str) -> str:
-    """The line a user reads: a traceback's exception and innermost frame, else the last line."""
+    """The line a user reads: a traceback's exception and npuprep's innermost frame, else the
+    last line."""
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     if not lines:
         return ""
     if any(ln.startswith("Traceback") for ln in lines):
         frames = [ln.strip() for ln in lines if ln.strip().startswith('File "')]
-        where = frames[-1].replace(str(Path(sys.prefix)), "<venv>") if frames else ""
-        return f"TRACEBACK {lines[-1].strip()} [{where}]"
+        ours = [f for f in frames if "/npuprep/" in f] or frames
+        where = ""
+        if ours:
+            path, _, rest = ours[-1].removeprefix('File "').partition('", ')
+            where = f" [{'/'.join(Path(path).parts[-2:])}, {rest}]"
+        return f"traceback: {lines[-1].strip()}{where}"
     return lines[-1].strip()
 
 
@@ -99,7 +105,7 @@ def npuprep(args: list[str], log: Path) -> tuple[Outcome, str]:
     log.write_text(f"$ npuprep {' '.join(args)}\nrc={proc.returncode}\n{proc.stderr}")
     # An uncaught exception exits 1, like a failed check: the traceback tells them apart.
     failed = proc.returncode not in (0, 1) or "Traceback" in proc.stderr
-    error = first_error(proc.stderr) if failed else ""
+    error = first_error(proc.stderr).replace(str(corpus.corpus_dir()), "$CORPUS") if failed else ""
     return Outcome(proc.returncode, seconds, error), proc.stdout
 
 
@@ -204,7 +210,8 @@ def loads(model: onnx.ModelProto | str) -> str:
         session(model)
         return "loads"
     except Exception as exc:  # the error itself is the measurement
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"
+        text = re.sub(r"Load model from \S+ failed:", "", str(exc).strip().splitlines()[0])
+        return f"{type(exc).__name__}: {text[:200]}"
 
 
 def checker(path: Path) -> str:
