@@ -210,7 +210,8 @@ def loads(model: onnx.ModelProto | str) -> str:
         session(model)
         return "loads"
     except Exception as exc:  # the error itself is the measurement
-        text = re.sub(r"Load model from \S+ failed:", "", str(exc).strip().splitlines()[0])
+        text = str(exc).strip().splitlines()[0]
+        text = re.sub(r"\[ONNXRuntimeError\] : \d+ : \w+ : |Load model from \S+ failed:", "", text)
         return f"{type(exc).__name__}: {text[:200]}"
 
 
@@ -220,6 +221,16 @@ def checker(path: Path) -> str:
         return ""
     except Exception as exc:  # the checker's complaint is the measurement
         return f"; checker: {str(exc).strip().splitlines()[0][:120]}"
+
+
+def opset_change(original: str, converted: Path) -> str:
+    """'' when the converted model declares the original's opset, else what changed."""
+    def opset(path: str | Path) -> int:
+        proto = onnx.load(str(path), load_external_data=False)
+        return next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+
+    before, after = opset(original), opset(converted)
+    return "" if before == after else f"; opset {before} -> {after}"
 
 
 # ---------------------------------------------------------------- one model
@@ -256,7 +267,7 @@ def bench_model(entry: dict, root: Path, out: Path, target: str) -> Row:
     reference = session(m)
     samples = load_samples(heldout)
     if converted.exists():
-        row.npuprep_loads = loads(str(converted)) + checker(converted)
+        row.npuprep_loads = loads(str(converted)) + checker(converted) + opset_change(m, converted)
         row.npuprep_error = try_judge(reference, onnx.load(str(converted)), samples)
 
     from onnxconverter_common.float16 import convert_float_to_float16
@@ -273,7 +284,7 @@ def bench_model(entry: dict, root: Path, out: Path, target: str) -> Row:
     naive_path = work / "naive_fp16.onnx"
     onnx.save(naive, str(naive_path),
               save_as_external_data=naive.ByteSize() > 1_900_000_000)
-    row.naive_loads = loads(str(naive_path))
+    row.naive_loads = loads(str(naive_path)) + opset_change(m, naive_path)
     row.naive_error = try_judge(reference, naive, samples)
     return row
 

@@ -503,7 +503,7 @@ SPECS: dict[str, Spec] = {
              Wheel("silero-vad", "6.2.3", "silero_vad/data/silero_vad.onnx"), build_silero,
              "speech-like audio, 16 kHz, 576-sample chunks with the model's own state",
              tags=("small",)),
-        Spec("magika", "file-type classifier (Keras, tf2onnx 1.16, imports ai.onnx.ml)",
+        Spec("magika", "file-type classifier (JAX via jax2tf, tf2onnx 1.16; imports ai.onnx.ml)",
              Wheel("magika", "1.0.3", "magika/models/standard_v3_3/model.onnx"),
              from_wheel(magika_sample), "bytes of generated files (code, JSON, HTML, CSV, PNG...)",
              tags=("small",)),

@@ -137,7 +137,8 @@ def build_minilm(folder: Path, wheel: Path, calib: int, heldout: int) -> None:
     args = tuple(torch.from_numpy(example[k]) for k in ("input_ids", "attention_mask"))
     torch.onnx.export(model, args, str(folder / "model.onnx"), input_names=["input_ids", "attention_mask"],
                       output_names=["embedding"], opset_version=14, dynamo=False,
-                      dynamic_axes={"input_ids": {0: "batch"}, "attention_mask": {0: "batch"}})
+                      dynamic_axes={"input_ids": {0: "batch", 1: "sequence"},
+                                    "attention_mask": {0: "batch", 1: "sequence"}})
     write_samples(folder, make, calib, heldout)
 
 
@@ -183,7 +184,11 @@ def build_unet(folder: Path, wheel: Path, calib: int, heldout: int) -> None:
     with torch.no_grad():
         torch.onnx.export(Wrapped().eval(), args, str(folder / "model.onnx"),
                           input_names=["sample", "timestep", "context"], output_names=["noise_pred"],
-                          opset_version=17, dynamo=False)
+                          opset_version=17, dynamo=False,
+                          # as pipelines export it: any batch, latent size and prompt length
+                          dynamic_axes={"sample": {0: "batch", 2: "height", 3: "width"},
+                                        "timestep": {0: "batch"},
+                                        "context": {0: "batch", 1: "tokens"}})
     write_samples(folder, make, calib, heldout)
 
 
