@@ -310,6 +310,23 @@ def fmt_convert(row: Row) -> str:
     return f"exit {c.rc}: {did}"
 
 
+def rc_cell(outcome: Outcome | None) -> str:
+    if outcome is None:
+        return "-"
+    return f"{outcome.rc} (traceback)" if outcome.error.startswith("traceback") else str(outcome.rc)
+
+
+def row_from_json(d: dict) -> Row:
+    """A Row back from OUT.json, to re-render the table without re-running anything."""
+    def judgement(v: dict | str | None) -> Judgement | str | None:
+        return Judgement(**v) if isinstance(v, dict) else v
+
+    row = Row(**{k: v for k, v in d.items() if k not in ("commands", "npuprep_error", "naive_error")})
+    row.commands = {k: Outcome(**v) for k, v in d["commands"].items()}
+    row.npuprep_error, row.naive_error = judgement(d["npuprep_error"]), judgement(d["naive_error"])
+    return row
+
+
 def table(rows: list[Row], target: str) -> str:
     head = (
         f"| model | opset | MB | `convert --target {target}` | loads as produced | emulated FP16 "
@@ -320,8 +337,7 @@ def table(rows: list[Row], target: str) -> str:
     for r in rows:
         share = "-" if r.flops_fp32_share is None else f"{100 * r.flops_fp32_share:.1f}%"
         conv = r.commands.get("convert")
-        others = " / ".join(str(r.commands[c].rc) if c in r.commands else "-"
-                            for c in ("check", "calibrate", "compare"))
+        others = " / ".join(rc_cell(r.commands.get(c)) for c in ("check", "calibrate", "compare"))
         lines.append(
             f"| {r.name} | {r.opset} | {r.size_mb:.1f} | {fmt_convert(r)} | {r.npuprep_loads or '-'} | "
             f"{fmt_judgement(r.npuprep_error)} | {share} | {conv.seconds:.1f} | {others} | "
@@ -344,7 +360,12 @@ def main() -> int:
     ap.add_argument("--only", nargs="+", metavar="NAME")
     ap.add_argument("--target", default="a2000")
     ap.add_argument("--out", type=Path, default=Path("bench/_work/corpus"))
+    ap.add_argument("--render", action="store_true", help="only re-render OUT.md from OUT.json")
     args = ap.parse_args()
+    if args.render:
+        rows = [row_from_json(d) for d in json.loads(args.out.with_suffix(".json").read_text())]
+        write_table(rows, args.out, args.target)
+        return 0
     root = corpus.corpus_dir()
     names = args.only or list(corpus.SPECS)
     entries = []
@@ -359,11 +380,15 @@ def main() -> int:
         row = bench_model(entry, root, args.out, args.target)
         rows.append(row)
         print(table([row], args.target).splitlines()[-1], flush=True)
-    md = table(rows, args.target) + "\n\nCommands that failed (exit 2, or a traceback):\n\n" + failures(rows) + "\n"
-    (args.out.with_suffix(".md")).write_text(md)
     (args.out.with_suffix(".json")).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
-    print(f"\nwritten {args.out.with_suffix('.md')} and .json")
+    write_table(rows, args.out, args.target)
     return 0
+
+
+def write_table(rows: list[Row], out: Path, target: str) -> None:
+    md = table(rows, target) + "\n\nCommands that failed (exit 2, or a traceback):\n\n" + failures(rows) + "\n"
+    out.with_suffix(".md").write_text(md)
+    print(f"\nwritten {out.with_suffix('.md')} and .json")
 
 
 if __name__ == "__main__":
