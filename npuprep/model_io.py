@@ -6,7 +6,6 @@ import hashlib
 import mmap
 import os
 import sys
-import tempfile
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
@@ -442,73 +441,71 @@ def save_model(
     protected: tuple[str | Path, ...] = (),
     external_data: bool | None = None,
 ) -> Path:
-    """Write a model atomically; never over a protected (input) file.
+    """Write a model atomically; never over a protected (input) file or its weights.
 
     Models too big for one protobuf (or `external_data=True`) get their weights in
     `<name>.data` next to the model. The data file is renamed into place first, then the
-    model, so a reader never sees a model pointing at missing weights.
+    model, so a reader never sees a model pointing at missing weights; an older `.data`
+    the new model does not use is removed.
     """
-    path = Path(path)
+    from npuprep.outputs import OutputPlan
+
+    plan = OutputPlan()
     for p in protected:
-        if Path(p).exists() and path.exists() and path.resolve() == Path(p).resolve():
-            raise NpuprepError(f"{path}: refusing to overwrite the input model; choose another -o")
-    path.parent.mkdir(parents=True, exist_ok=True)
+        plan.reads_model(p)
+    plan.writes_model(path, "the model")
+    with plan.open() as files:
+        files.model(proto, path, external_data=external_data)
+    return Path(path)
+
+
+def write_model_files(
+    proto: onnx.ModelProto, tmp_model: Path, tmp_data: Path, data_name: str,
+    *, external_data: bool | None = None,
+) -> bool:
+    """Write `proto` to `tmp_model` (fsynced); with external data, its weights to `tmp_data`
+    and the model naming them `data_name` (their final name). Returns whether it used the
+    weights file."""
     if external_data is None:
         external_data = proto.ByteSize() > PROTOBUF_LIMIT - 64 * 2**20
+    if not external_data:
+        _write_bytes(tmp_model, proto.SerializeToString(deterministic=True))
+        return False
     model = onnx.ModelProto()
     model.CopyFrom(proto)
-    tmp_model = _temp_name(path)
-    try:
-        if external_data:
-            data_name = path.name + ".data"
-            tmp_data = path.parent / (data_name + ".tmp")
-            onnx.save_model(
-                model,
-                str(tmp_model),
-                save_as_external_data=True,
-                all_tensors_to_one_file=True,
-                location=tmp_data.name,
-                size_threshold=1024,
-            )
-            # Point the model at the final data file name before renaming both into place.
-            final = onnx.load(str(tmp_model), load_external_data=False)
-            for tensor in onnx.external_data_helper._get_all_tensors(final):
-                for entry in tensor.external_data:
-                    if entry.key == "location":
-                        entry.value = data_name
-            _write_bytes(tmp_model, final.SerializeToString(deterministic=True))
-            os.replace(tmp_data, path.parent / data_name)
-        else:
-            _write_bytes(tmp_model, model.SerializeToString(deterministic=True))
-        os.replace(tmp_model, path)
-    finally:
-        if tmp_model.exists():
-            tmp_model.unlink()
-    return path
+    onnx.save_model(
+        model,
+        str(tmp_model),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=tmp_data.name,
+        size_threshold=1024,
+    )
+    # Point the model at the final data file name before both are renamed into place.
+    final = onnx.load(str(tmp_model), load_external_data=False)
+    for tensor in onnx.external_data_helper._get_all_tensors(final):
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = data_name
+    _write_bytes(tmp_model, final.SerializeToString(deterministic=True))
+    with open(tmp_data, "rb+") as fh:
+        os.fsync(fh.fileno())
+    return True
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """Write a text artefact atomically (temp file in the same folder, then rename)."""
+    from npuprep.outputs import temp_name
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_name(path)
+    tmp = temp_name(path)
     try:
         _write_bytes(tmp, text.encode("utf-8"))
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
     return path
-
-
-def _temp_name(path: Path) -> Path:
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    # mkstemp makes the file private (0600); outputs get the usual umask-based mode.
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(name, 0o666 & ~umask)
-    return Path(name)
 
 
 def _write_bytes(path: Path, data: bytes) -> None:

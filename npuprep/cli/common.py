@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
+
+from npuprep.names import shown
 
 T = TypeVar("T")
 
@@ -29,7 +32,7 @@ def add_data(p: argparse.ArgumentParser, required: bool = False) -> None:
     src.add_argument("--data", "-d", help=".npz sample, directory of .npz, batched .npz or Polygraphy JSON")
     src.add_argument("--synthetic", type=int, metavar="N", help="N seeded random samples (reports say so)")
     g.add_argument("--batched", action="store_true", help="split a single .npz along axis 0")
-    g.add_argument("--seed", type=int, default=0, help="seed for --synthetic (default 0)")
+    g.add_argument("--seed", type=_seed, default=0, help="seed for --synthetic (default 0)")
 
 
 def add_jobs(p: argparse.ArgumentParser) -> None:
@@ -53,6 +56,51 @@ def _count(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a count >= 0 or 'auto', got {text!r}")
     return value
+
+
+def _seed(text: str) -> int:
+    """`--seed`: an integer >= 0 (numpy's generators refuse negative seeds)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An option that is a finite number > 0 (a tolerance, a gain)."""
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """An option that is a finite number >= 0 (an absolute tolerance)."""
+    value = _finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def check_rtol(value: float | None, flag: str) -> None:
+    """A tolerance given from Python rather than the parser: finite and > 0."""
+    from npuprep.errors import NpuprepError
+
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise NpuprepError(f"{flag} needs a finite number > 0, got {value!r}")
 
 
 def open_samples(args: argparse.Namespace, model: Any) -> Any:
@@ -121,13 +169,14 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]
 
 
 def fmt(v: Any) -> str:
+    """A table cell: numbers in short form, text with control characters escaped."""
     if isinstance(v, float):
         if v != v:
             return "nan"
         if v == 0 or 1e-3 <= abs(v) < 1e5:
             return f"{v:.4g}"
         return f"{v:.3e}"
-    return str(v)
+    return shown(v)
 
 
 def progress(items: Iterable[T], total: int, description: str, enabled: bool) -> Iterator[T]:

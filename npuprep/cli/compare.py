@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -13,7 +14,9 @@ from npuprep.cli.common import (
     add_data,
     add_json,
     fmt,
+    nonnegative_float,
     open_samples,
+    positive_float,
     print_json,
     print_table,
     progress,
@@ -36,8 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "rounding where it stores FP16/BF16/FP8, as the target computes)")
     p.add_argument("--scales", metavar="R", help="convert report JSON whose 'tensor_scales' maps "
                    "tensor -> s with candidate = s * reference")
-    p.add_argument("--rtol", type=float, help="relative L2 threshold (default: 1%%, coarser for FP8)")
-    p.add_argument("--atol", type=float, help="max abs error threshold (default 1e-3); a tensor "
+    p.add_argument("--rtol", type=positive_float, help="relative L2 threshold (default: 1%%, coarser for FP8)")
+    p.add_argument("--atol", type=nonnegative_float, help="max abs error threshold (default 1e-3); a tensor "
                    "fails when both are exceeded")
     p.add_argument("--tol", action="append", default=[], metavar="NAME:RTOL[:ATOL]",
                    help="per-tensor thresholds (repeatable)")
@@ -148,6 +151,8 @@ def _parse_tols(items: list[str]) -> dict[str, tuple[float, float]]:
         name = ":".join(parts)
         if not numbers or not name:
             raise NpuprepError(f"--tol {item}: expected NAME:RTOL[:ATOL] with numbers")
+        if not all(math.isfinite(n) and n >= 0 for n in numbers) or numbers[0] == 0:
+            raise NpuprepError(f"--tol {item}: RTOL must be a finite number > 0 and ATOL >= 0")
         out[name] = (numbers[0], numbers[1] if len(numbers) == 2 else DEFAULT_ATOL)
     return out
 

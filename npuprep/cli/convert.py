@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from npuprep.cli.common import add_data, add_jobs, add_json, add_target
+from npuprep.cli.common import add_data, add_jobs, add_json, add_target, positive_float
+from npuprep.errors import NpuprepError
 
 help = "plan, rewrite and lower MODEL for the target, verify it under emulation, write reports"
 
@@ -26,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--io-types", choices=("fp32", "target"), default="fp32",
                    help="keep graph inputs/outputs FP32 (default) or give them the target type")
     p.add_argument("--holdout", help="samples not used for calibration, to verify on")
-    p.add_argument("--rtol", type=float, default=1e-2,
+    p.add_argument("--rtol", type=positive_float, default=1e-2,
                    help="largest relative L2 error of each output (default 1e-2)")
     p.add_argument("--max-rounds", type=int, default=3,
                    help="verification rounds; each pins the first divergent node (default 3)")
@@ -36,10 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from npuprep.cli.common import open_samples, print_json
-    from npuprep.data import load_samples
-    from npuprep.errors import NpuprepError
+    from npuprep.cli.common import check_rtol, open_samples, print_json
     from npuprep.model_io import load_model
+    from npuprep.names import file_part
+    from npuprep.outputs import OutputPlan
     from npuprep.profiles import load_profile
 
     profile = load_profile(args.target)
@@ -49,39 +50,95 @@ def run(args: argparse.Namespace) -> int:
         args.model = str(example_model_path())
         if not (args.data or args.synthetic or args.stats):
             args.data = str(example_data_dir())
-    model = load_model(args.model)
-    stem = Path(args.model).stem
-    default_ext = ".plan.yaml" if args.plan_only else ".onnx"
-    output = Path(args.output or f"{stem}.{profile.name}{default_ext}")
-    if output.exists() and output.resolve() == Path(args.model).resolve():
-        raise NpuprepError(f"{output}: refusing to overwrite the input model; choose another -o")
+    check_rtol(args.rtol, "--rtol")
+    if args.max_rounds < 1:
+        raise NpuprepError(f"--max-rounds needs a positive count, got {args.max_rounds}")
     if args.plan and args.plan_only:
         raise NpuprepError("--plan and --plan-only together: the plan already exists")
-
-    samples = open_samples(args, model.proto)
-    stats = _stats(args, model, samples)
+    model = load_model(args.model)
+    default_ext = ".plan.yaml" if args.plan_only else ".onnx"
+    # Default names come from the model's file name and the profile's name as data, never a path.
+    output = Path(args.output or f"{file_part(Path(args.model).stem, 'model')}."
+                                 f"{file_part(profile.name, 'target')}{default_ext}")
+    paths = _artefact_paths(args, output)
+    outputs = OutputPlan()
+    outputs.reads_model(args.model)
+    outputs.reads(args.data, "the --data samples")
+    outputs.reads(args.holdout, "the --holdout samples")
+    outputs.reads(args.stats, "the --stats file")
+    outputs.reads(args.plan, "the --plan file")
+    if Path(args.target).is_file():
+        outputs.reads(args.target, "the --target profile")
+    for role, path in paths.items():
+        if role == "model":
+            outputs.writes_model(path, "-o")
+        else:
+            outputs.writes(path, _ROLES[role])
+    with outputs.open() as files:
+        samples = open_samples(args, model.proto)
+        if args.plan_only:
+            plan = _plan_only(args, model, profile, _stats(args, model, samples), output, files)
+        else:
+            report, passed = _convert(args, model, profile, samples, paths, files)
     if args.plan_only:
-        return _plan_only(args, model, profile, stats, output)
-    if samples is None:
-        raise NpuprepError("convert verifies on samples: give --data D or --synthetic N")
-
-    from npuprep.convert import convert
-    from npuprep.plan import load_plan
-
-    plan = load_plan(args.plan, model) if args.plan else None
-    holdout = load_samples(args.holdout, model.proto, batched=args.batched) if args.holdout else None
-    result = convert(
-        model, profile, list(samples), stats=stats, plan=plan, precision=args.precision,
-        io_types=args.io_types, rtol=args.rtol, holdout=list(holdout) if holdout else None,
-        samples_description=samples.describe(), synthetic=samples.synthetic,
-        max_rounds=max(1, args.max_rounds),
-    )
-    report = _write_artefacts(args, result, output)
+        _print_plan(args, plan, output)
+        return 0
     if args.json:
         print_json(report)
     else:
         _print_summary(report)
-    return 0 if result.passed else 1
+    return 0 if passed else 1
+
+
+def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, paths: dict[str, Path],
+             files: Any) -> tuple[dict[str, Any], bool]:
+    from npuprep.convert import convert
+    from npuprep.data import load_samples
+    from npuprep.plan import load_plan
+
+    if samples is None:
+        raise NpuprepError("convert verifies on samples: give --data D or --synthetic N")
+    plan = load_plan(args.plan, model) if args.plan else None
+    holdout = load_samples(args.holdout, model.proto, batched=args.batched) if args.holdout else None
+    stats = _stats(args, model, samples)
+    result = convert(
+        model, profile, list(samples), stats=stats, plan=plan, precision=args.precision,
+        io_types=args.io_types, rtol=args.rtol, holdout=list(holdout) if holdout else None,
+        samples_description=samples.describe(), synthetic=samples.synthetic,
+        max_rounds=args.max_rounds,
+    )
+    return _write_artefacts(args, result, paths, files), bool(result.passed)
+
+
+# What each companion is called in messages.
+_ROLES = {
+    "plan": "the plan written beside -o", "precision_yaml": "the precision YAML written beside -o",
+    "trtexec": "the trtexec file written beside -o", "horizon_node_info": "the Horizon file written beside -o",
+    "rknn_custom_quantize_layers": "the RKNN file written beside -o",
+    "report_json": "--report", "report_md": "the Markdown report written beside -o", "report_html": "--html",
+}
+
+
+def _artefact_paths(args: argparse.Namespace, output: Path) -> dict[str, Path]:
+    """Every file this convert writes, by role: the model first."""
+    if args.plan_only:
+        if args.report or args.html:
+            raise NpuprepError("--plan-only writes only the plan (-o); --report and --html need a conversion")
+        return {"plan": output}
+    base = output.with_suffix("")
+    paths = {
+        "model": output,
+        "plan": Path(f"{base}.plan.yaml"),
+        "precision_yaml": Path(f"{base}.precision.yaml"),
+        "trtexec": Path(f"{base}.trtexec.txt"),
+        "horizon_node_info": Path(f"{base}.horizon.yaml"),
+        "rknn_custom_quantize_layers": Path(f"{base}.rknn.yaml"),
+        "report_json": Path(args.report) if args.report else Path(f"{base}.report.json"),
+        "report_md": Path(f"{base}.report.md"),
+    }
+    if args.html:
+        paths["report_html"] = Path(args.html)
+    return paths
 
 
 def _stats(args: argparse.Namespace, model: Any, samples: Any) -> Any:
@@ -94,25 +151,31 @@ def _stats(args: argparse.Namespace, model: Any, samples: Any) -> Any:
     return calibrate(model, samples, jobs=args.jobs, streams=args.streams, show_progress=not args.json)
 
 
-def _plan_only(args: argparse.Namespace, model: Any, profile: Any, stats: Any, output: Path) -> int:
+def _plan_only(args: argparse.Namespace, model: Any, profile: Any, stats: Any, output: Path,
+               files: Any) -> Any:
     from npuprep.analyse import static_findings
     from npuprep.analyse.measured import measured_findings
-    from npuprep.cli.common import print_json
-    from npuprep.plan import save_plan
+    from npuprep.plan import dump_plan
     from npuprep.plan.planner import make_plan
 
     findings = static_findings(model, profile)
     if stats is not None:
         findings = findings.merged(measured_findings(model, profile, stats, args.precision))
     plan = make_plan(model, profile, stats, findings, precision=args.precision)
-    save_plan(plan, output)
+    files.text(output, dump_plan(plan))
+    return plan
+
+
+def _print_plan(args: argparse.Namespace, plan: Any, output: Path) -> None:
+    from npuprep.cli.common import print_json
+    from npuprep.names import shown
+
     if args.json:
         print_json(plan.to_dict() | {"written": str(output)})
-    else:
-        print(f"plan: {len(plan.actions)} actions, {len(plan.declined)} declined -> {output}")
-        for a in plan.actions:
-            print(f"  {a.action:9s} {_where(a)}  ({a.why})")
-    return 0
+        return
+    print(f"plan: {len(plan.actions)} actions, {len(plan.declined)} declined -> {shown(output)}")
+    for a in plan.actions:
+        print(f"  {a.action:9s} {shown(_where(a))}  ({shown(a.why)})")
 
 
 def _where(action: Any) -> str:
@@ -121,18 +184,19 @@ def _where(action: Any) -> str:
     return action_target(action.to_dict())
 
 
-def _write_artefacts(args: argparse.Namespace, result: Any, output: Path) -> dict[str, Any]:
-    """The model, its reports and constraint files, each written atomically."""
+def _write_artefacts(args: argparse.Namespace, result: Any, paths: dict[str, Path],
+                     files: Any) -> dict[str, Any]:
+    """Stage the model, its reports and constraint files: they are put in place together."""
     from npuprep.cli.common import dump_json
-    from npuprep.model_io import Model, save_model, write_text_atomic
-    from npuprep.plan import PinFp32, save_plan
+    from npuprep.model_io import Model
+    from npuprep.names import comment
+    from npuprep.plan import PinFp32, dump_plan
     from npuprep.report import constraints
     from npuprep.report.render_md import convert_markdown
 
-    base = output.with_suffix("")
-    report_path = Path(args.report) if args.report else Path(f"{base}.report.json")
+    output = paths["model"]
     lowered = result.lowered.model
-    save_model(lowered, output, protected=(args.model,))
+    files.model(lowered, output)
     # Constraint files speak of the lowered model's node names, pins from lowering included.
     report = result.to_dict(output=str(output))
     low_model = Model(proto=lowered, path=str(output), digest=report["output_fingerprint"])
@@ -141,28 +205,25 @@ def _write_artefacts(args: argparse.Namespace, result: Any, output: Path) -> dic
     if extra:
         plan = _with_pins(plan, extra, PinFp32)
     flags = constraints.trt_flags(plan, low_model)
-    artefacts = {
-        "model": str(output),
-        "plan": str(save_plan(result.plan, f"{base}.plan.yaml")),
-        "precision_yaml": str(write_text_atomic(f"{base}.precision.yaml",
-                                                constraints.precision_yaml(plan, low_model))),
-        "trtexec": str(write_text_atomic(f"{base}.trtexec.txt", "\n".join(
-            [flags.command_line(output.name), "", *(f"# {n}" for n in flags.notes)]) + "\n")),
-        "horizon_node_info": str(write_text_atomic(f"{base}.horizon.yaml",
-                                                   constraints.horizon_node_info(plan, low_model))),
-        "rknn_custom_quantize_layers": str(write_text_atomic(
-            f"{base}.rknn.yaml", constraints.rknn_custom_quantize_layers(plan, low_model))),
+    texts = {
+        "plan": dump_plan(result.plan),
+        "precision_yaml": constraints.precision_yaml(plan, low_model),
+        "trtexec": "\n".join([flags.command_line(output.name), "",
+                              *(f"# {comment(n)}" for n in flags.notes)]) + "\n",
+        "horizon_node_info": constraints.horizon_node_info(plan, low_model),
+        "rknn_custom_quantize_layers": constraints.rknn_custom_quantize_layers(plan, low_model),
     }
-    report["artefacts"] = artefacts | {"report_json": str(report_path),
-                                       "report_md": f"{base}.report.md"}
-    if args.html:
-        report["artefacts"]["report_html"] = args.html
-    write_text_atomic(report_path, dump_json(report))
-    write_text_atomic(f"{base}.report.md", convert_markdown(report))
-    if args.html:
-        from npuprep.report.render_html import write_html
+    for role, text in texts.items():
+        files.text(paths[role], text)
+    # The report names every file of its set (and the model's fingerprint), so a file
+    # left from another run is never taken for part of this one.
+    report["artefacts"] = {role: str(path) for role, path in paths.items()}
+    files.text(paths["report_json"], dump_json(report))
+    files.text(paths["report_md"], convert_markdown(report))
+    if "report_html" in paths:
+        from npuprep.report.render_html import render
 
-        write_html(report, args.html)
+        files.text(paths["report_html"], render(report))
     return report
 
 

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from npuprep.cli.common import add_data, add_json, fmt, print_json, print_table
+from npuprep.cli.common import add_data, add_json, fmt, positive_float, print_json, print_table
 
 help = "measure how the target overflows (inf, nan, saturate, other): locally or via a board kit"
 
@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", dest="fmt", help="format to probe (default: the profile's "
                                                   "default_precision), e.g. fp8_e4m3 on an FP16+FP8 target")
     p.add_argument("--layer", help="node name or output tensor of the layer to amplify")
-    p.add_argument("--gain", type=float, default=100.0, help="weight gain (default 100)")
+    p.add_argument("--gain", type=positive_float, default=100.0, help="weight gain (default 100)")
     p.add_argument("--fixed-gain", action="store_true",
                    help="use --gain as given instead of raising it until the output overflows")
     p.add_argument("--backend", choices=BACKENDS, default="emulate",
