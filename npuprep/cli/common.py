@@ -144,13 +144,18 @@ def print_json(obj: Any) -> None:
     sys.stdout.write(dump_json(obj))
 
 
+def say(text: str) -> None:
+    """Print one line built from names: control characters in them are shown escaped."""
+    print(shown(text))
+
+
 def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
     """A table: drawn by rich on a terminal, plain aligned text when piped (greppable, and
     without rich's ~0.1 s of import and layout)."""
     if not sys.stdout.isatty():
         cells = [[fmt(v) for v in r] for r in rows]
         widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
-        lines = [title, "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip(),
+        lines = [shown(title), "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip(),
                  "  ".join("-" * w for w in widths)]
         lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in cells]
         sys.stdout.write("\n".join(lines) + "\n")
@@ -159,7 +164,7 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=title, show_lines=False, title_justify="left")
+    table = Table(title=escape(shown(title)), show_lines=False, title_justify="left")
     for c in columns:
         table.add_column(c, overflow="fold")
     for r in rows:

@@ -18,6 +18,7 @@ from typing import Any
 
 import onnx
 
+from npuprep import json_io
 from npuprep.analyse.finding import Finding
 from npuprep.crosscheck.check import VERDICTS, is_sensitive
 from npuprep.crosscheck.readers import DEFAULT_REPORT_NAME, HOW_TO_GET
@@ -103,7 +104,7 @@ def scan_workspace(path: str | Path) -> Workspace:
     notes: list[str] = []
     for file in sorted(folder.glob("*.json")):
         try:
-            data = json.loads(file.read_text(encoding="utf-8"))
+            data = json_io.loads(file.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             notes.append(f"{file}: skipped, not readable JSON ({type(exc).__name__})")
             continue
