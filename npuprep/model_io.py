@@ -86,6 +86,7 @@ def load_model(path: str | Path, weights: Literal["memory", "file"] = "memory") 
     proto = light_proto(path) if weights == "file" else _parse(path)
     if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):
         raise NpuprepError(f"{path}: not an ONNX model (no graph found; truncated or wrong file?)")
+    _check_defined(proto.graph, set(), path)
     if uses_external_data(proto):
         _check_external_files(proto, path)
         if weights == "file":
@@ -95,6 +96,25 @@ def load_model(path: str | Path, weights: Literal["memory", "file"] = "memory") 
         except (OSError, ValueError) as exc:
             raise NpuprepError(f"{path}: cannot read external data ({exc})") from None
     return Model(proto=proto, path=str(path), digest=fingerprint(proto))
+
+
+def _check_defined(graph: onnx.GraphProto, outer: set[str], path: Path) -> None:
+    """Every tensor a node reads is defined somewhere in its graph or an enclosing one
+    (order is not checked: onnxruntime sorts), so a dangling name is one error, not a crash."""
+    known = outer | {vi.name for vi in graph.input} | {i.name for i in graph.initializer}
+    known |= {i.name for i in graph.sparse_initializer if i.values.name}
+    known |= {o for n in graph.node for o in n.output if o}
+    for node in graph.node:
+        for name in node.input:
+            if name and name not in known:
+                raise NpuprepError(f"{path}: node '{node.name or node.op_type}' reads tensor '{name}', "
+                                   "which no node, input or initialiser of the model defines")
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                _check_defined(sub, known, path)
+    for out in graph.output:
+        if out.name not in known:
+            raise NpuprepError(f"{path}: graph output '{out.name}' is not produced by any node")
 
 
 def _fingerprint_in_background(proto: onnx.ModelProto, path: Path) -> Future[str]:

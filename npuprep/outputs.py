@@ -72,6 +72,9 @@ class OutputPlan:
         if not path:
             return
         real = resolve(path)
+        if real.exists() and not (real.is_file() or real.is_dir()):
+            # Reading a FIFO or a device blocks or never ends.
+            raise NpuprepError(f"{what} {shown(path)}: not a regular file or folder")
         self.inputs.append(_Entry(Path(path), real, what, folder=real.is_dir()))
         if real.is_dir():
             try:
