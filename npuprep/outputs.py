@@ -276,8 +276,6 @@ def _acquire(real: Path, entry: _Entry) -> tuple[Path, int]:
         # The holder before us may have removed the lock file after we opened it: retry on the new one.
         try:
             if os.fstat(fd).st_ino == os.stat(lock_path).st_ino:
-                os.ftruncate(fd, 0)
-                os.write(fd, f"{os.getpid()}\n".encode())
                 return lock_path, fd
         except FileNotFoundError:
             pass
