@@ -25,6 +25,7 @@ from npuprep.crosscheck.readers import DEFAULT_REPORT_NAME, HOW_TO_GET
 from npuprep.errors import NpuprepError
 from npuprep.graph import attribute, tensor_types, walk_graphs
 from npuprep.model_io import Model
+from npuprep.names import md_code, shown
 from npuprep.profiles import OverflowMode, TargetProfile
 
 SCHEMA_VERSION = 1
@@ -405,7 +406,7 @@ def _memory(ctx: _Context) -> Item:
 
 
 def to_markdown(checklist: Checklist) -> str:
-    lines = [f"# First-week bring-up checklist: `{checklist.model}` on `{checklist.target}`", ""]
+    lines = [f"# First-week bring-up checklist: {md_code(checklist.model)} on {md_code(checklist.target)}", ""]
     lines += [*checklist.header, ""]
     done = sum(i.done for i in checklist.items)
     failed = sum(i.failed for i in checklist.items)
@@ -419,7 +420,8 @@ def to_markdown(checklist: Checklist) -> str:
         lines += [f"  - {label}: `{s}`" if _is_command(s) else f"  - {label}: {s}" for s in item.steps]
     if checklist.notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in checklist.notes]
-    return "\n".join(lines) + "\n"
+    # Names inside the lines (tensors, paths) cannot start a line of their own.
+    return "\n".join(shown(line) for line in lines) + "\n"
 
 
 def _is_command(step: str) -> bool:
