@@ -58,6 +58,7 @@ class _Entry:
     what: str
     optional: bool = False  # removed at the end when this run does not write it (stale companion)
     folder: bool = False
+    stale: bool = False  # only ever removed: dropped where it is also an input or another output
 
 
 @dataclass
@@ -105,6 +106,12 @@ class OutputPlan:
         self.outputs.append(_Entry(Path(path), resolve(path), what, optional=optional))
         return Path(path)
 
+    def removes_stale(self, path: str | os.PathLike[str], what: str) -> None:
+        """A companion of an older run that this run writes elsewhere (a default report name
+        when --report names another file): removed so it is not taken for part of the new
+        set, unless the command reads it or writes it anyway."""
+        self.outputs.append(_Entry(Path(path), resolve(path), what, optional=True, stale=True))
+
     def writes_model(self, path: str | os.PathLike[str], what: str) -> Path:
         """A model output and its possible external-data file `<name>.data`."""
         self.writes(path, what)
@@ -119,12 +126,17 @@ class OutputPlan:
     def check(self) -> None:
         """One NpuprepError for the first problem: an output that is an input, lies in an
         output folder with an input, is named twice, is a folder, or cannot be written."""
+        self.outputs = [o for o in self.outputs if not (o.stale and self._taken(o))]
         for i, out in enumerate(self.outputs):
             self._check_one(out)
             for other in self.outputs[:i]:
                 if _same(out.real, other.real) or (other.folder and out.real.is_relative_to(other.real)):
                     raise NpuprepError(f"{out.what} {shown(out.path)} and {other.what} {shown(other.path)} "
                                        "are the same file; choose different paths")
+
+    def _taken(self, stale: _Entry) -> bool:
+        others = [e for e in self.outputs if e is not stale] + self.inputs
+        return not stale.real.is_file() or any(_same(stale.real, e.real) for e in others)
 
     def _check_one(self, out: _Entry) -> None:
         name = shown(out.path)
@@ -214,6 +226,8 @@ class OutputSet:
         if not written:
             temps[data_final].unlink(missing_ok=True)
             del self._staged[data_final]
+        elif data_final not in self._outputs:
+            raise ValueError(f"{data_final} was not declared as an output (use writes_model)")
         self._last.add(final)
         return Path(path)
 

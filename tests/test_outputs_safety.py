@@ -54,6 +54,7 @@ def _workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert run_cli("calibrate", "m.onnx", "--data", "D", "-o", "s.json", cwd=folder).returncode == 0
     assert run_cli("convert", "m.onnx", "-t", "a2000", "--stats", "s.json", "--plan-only",
                    "-o", "p.plan.yaml", cwd=folder).returncode == 0
+    shutil.copy(folder / "s.json", folder / "o.report.json")  # stats a user named like a report
     return folder
 
 
@@ -169,6 +170,7 @@ CLASHES = [
     ["convert", "m.onnx", "-t", "a2000", "--data", "D", "--plan", "p.plan.yaml", "-o", "p.onnx"],
     ["convert", "m.onnx", "-t", "a2000", "--data", "D", "--stats", "s.json", "-o", "o.onnx",
      "--report", "s.json"],
+    ["convert", "m.onnx", "-t", "a2000", "--data", "D", "--stats", "o.report.json", "-o", "o.onnx"],
     ["convert", "m.onnx", "-t", "a2000", "--data", "D", "-o", "D/000.npz"],
     ["convert", "m.onnx", "-t", "a2000", "--data", "D", "-o", "D"],
     ["convert", "m.onnx", "-t", "a2000", "--stats", "s.json", "--plan-only", "-o", "s.json"],
@@ -309,15 +311,47 @@ def test_a_concurrent_second_convert_to_the_same_output_is_refused(ws: Path) -> 
     assert json.loads((ws / "o.report.json").read_text())["target"] == report["target"] == "a2000"
 
 
-def test_disk_full_on_a_small_tmpfs_leaves_nothing_half_written(ws: Path, tmp_path: Path) -> None:
-    mnt = tmp_path / "small"
+def test_an_older_default_report_is_not_left_beside_the_new_model(ws: Path) -> None:
+    (ws / "o.report.json").unlink()
+    assert run_cli("convert", "m.onnx", "-t", "a2000", "--data", "D", "-o", "o.onnx", cwd=ws).returncode == 0
+    assert (ws / "o.report.json").is_file()
+    proc = run_cli("convert", "m.onnx", "-t", "generic", "--data", "D", "-o", "o.onnx", "--report", "r.json",
+                   cwd=ws)
+    assert proc.returncode == 0, proc.stderr
+    assert not (ws / "o.report.json").exists()
+    assert json.loads((ws / "r.json").read_text())["target"] == "generic"
+    # Where the default name is an input, it is kept.
+    shutil.copy(ws / "s.json", ws / "o.report.json")
+    proc = run_cli("convert", "m.onnx", "-t", "generic", "--stats", "o.report.json", "--data", "D",
+                   "-o", "o.onnx", "--report", "r.json", cwd=ws)
+    assert proc.returncode == 0, proc.stderr
+    assert (ws / "o.report.json").read_bytes() == (ws / "s.json").read_bytes()
+
+
+def _mount_tmpfs(mnt: Path, options: str) -> None:
     mnt.mkdir()
     if shutil.which("mount") is None or os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root and mount(8)")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12k", "tmpfs", str(mnt)],
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)],
                              capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+
+
+def test_a_read_only_output_folder_is_one_line(ws: Path, tmp_path: Path) -> None:
+    mnt = tmp_path / "ro"
+    _mount_tmpfs(mnt, "ro,size=64k")
+    try:
+        line = _one_line_error(run_cli("calibrate", "m.onnx", "--data", "D", "-o", str(mnt / "s.json"),
+                                       cwd=ws))
+        assert "not writable" in line
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_disk_full_on_a_small_tmpfs_leaves_nothing_half_written(ws: Path, tmp_path: Path) -> None:
+    mnt = tmp_path / "small"
+    _mount_tmpfs(mnt, "size=12k")
     try:
         (mnt / "o.report.json").write_text("older report")
         before = _snapshot(mnt)
@@ -360,15 +394,19 @@ def test_an_injected_node_name_stays_data_in_plan_yaml_and_on_the_terminal(tmp_p
     assert "\x1b" not in md and "\n  - action: pin_fp32" not in md
 
 
-def test_a_profile_name_is_not_a_path(tmp_path: Path) -> None:
+def test_a_profile_name_is_not_a_path_nor_yaml(tmp_path: Path) -> None:
     profile = yaml.safe_load(run_cli("targets", "a2000", cwd=tmp_path).stdout)
-    profile["name"] = "/../../../tmp/x"
+    profile["name"] = "/../../../tmp/x\nnode_info: {evil: 1}"
     (tmp_path / "evil.yaml").write_text(yaml.safe_dump(profile))
     onnx.save(model_from_text(SQUARE), tmp_path / "m.onnx")
-    proc = run_cli("convert", "m.onnx", "-t", "evil.yaml", "--synthetic", "2", "--plan-only", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    written = [p.name for p in tmp_path.iterdir() if p.name.endswith(".plan.yaml")]
-    assert written == ["m._.._.._.._tmp_x.plan.yaml"]
+    np.savez(tmp_path / "s.npz", x=np.full((2, 4), 400, np.float32))
+    proc = run_cli("convert", "m.onnx", "-t", "evil.yaml", "--data", "s.npz", cwd=tmp_path)
+    assert proc.returncode in (0, 1), proc.stderr
+    written = sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".plan.yaml"))
+    assert written == ["m._.._.._.._tmp_x_node_info___evil__1_.plan.yaml"]
+    for path in tmp_path.glob("m.*.yaml"):
+        data = yaml.safe_load(path.read_text())
+        assert "evil" not in json.dumps(data.get("node_info", {})), path
 
 
 def test_names_module_escapes() -> None:

@@ -74,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
             outputs.writes_model(path, "-o")
         else:
             outputs.writes(path, _ROLES[role])
+    if args.report and not args.plan_only:
+        outputs.removes_stale(f"{output.with_suffix('')}.report.json", "an older report beside -o")
     with outputs.open() as files:
         samples = open_samples(args, model.proto)
         if args.plan_only:
