@@ -7,7 +7,15 @@ import math
 import sys
 from typing import Any
 
-from npuprep.cli.common import add_data, add_jobs, add_json, fmt, print_json, print_table
+from npuprep.cli.common import (
+    add_data,
+    add_jobs,
+    add_json,
+    fmt,
+    positive_int,
+    print_json,
+    print_table,
+)
 from npuprep.names import shown
 
 help = "measure every float tensor's range on samples (in-graph statistics) and write stats.json"
@@ -24,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--detail", choices=("auto", "all"), default="auto",
                    help="exponent histogram and zero/underflow counts: only for tensor-samples outside "
                         "the ordinary range (auto, fast) or everywhere (all, ~5x slower)")
-    p.add_argument("--top", type=int, default=15, help="tensors shown in the summary (default 15)")
+    p.add_argument("--top", type=positive_int, default=15, help="tensors shown in the summary (default 15)")
     add_json(p)
 
 

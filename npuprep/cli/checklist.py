@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from npuprep.cli.common import add_json, add_target
+from npuprep.cli.common import add_json, add_target, positive_int
 
 help = "write the first-week bring-up checklist (Markdown), ticked from the artefacts in a workspace"
 
@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats", "-s", help="calibration stats JSON: names the riskiest tensors")
     p.add_argument("--workspace", "-w", metavar="W",
                    help="folder of artefacts (W/*.json by kind, W/plan.yaml) that tick items")
-    p.add_argument("--top", type=int, default=10, help="riskiest tensors to name (default 10)")
+    p.add_argument("--top", type=positive_int, default=10, help="riskiest tensors to name (default 10)")
     p.add_argument("-o", "--output", metavar="OUT.md", help="write the Markdown here (default: print)")
     add_json(p)
 

@@ -69,6 +69,17 @@ def _seed(text: str) -> int:
     return value
 
 
+def positive_int(text: str) -> int:
+    """An option that is a count >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """An option that is a finite number > 0 (a tolerance, a gain)."""
     value = _finite(text)

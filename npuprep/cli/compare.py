@@ -18,6 +18,7 @@ from npuprep.cli.common import (
     nonnegative_float,
     open_samples,
     positive_float,
+    positive_int,
     print_json,
     print_table,
     progress,
@@ -49,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isolate", action="store_true",
                    help="also feed each node the reference's inputs: its own error apart from "
                         "accumulated error (runs the candidate twice)")
-    p.add_argument("--worst", type=int, default=5, metavar="K", help="how many worst tensors to show")
+    p.add_argument("--worst", type=positive_int, default=5, metavar="K", help="how many worst tensors to show")
     p.add_argument("--report", metavar="OUT.md", help="write a Markdown report")
     p.add_argument("--html", metavar="OUT.html", help="also write a self-contained HTML report")
     add_json(p)
@@ -77,8 +78,6 @@ def run(args: argparse.Namespace) -> int:
         raise NpuprepError("--pin only applies with --emulate")
     if args.as_is and args.emulate:
         raise NpuprepError("--as-is applies to a candidate model, not to --emulate")
-    if args.worst < 1:
-        raise NpuprepError(f"--worst needs a positive count, got {args.worst}")
     if args.report and args.report.endswith(".onnx"):
         raise NpuprepError(f"--report {args.report}: the report is Markdown, not a model")
     ref = load_model(args.ref)

@@ -6,7 +6,14 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from npuprep.cli.common import add_data, add_jobs, add_json, add_target, positive_float
+from npuprep.cli.common import (
+    add_data,
+    add_jobs,
+    add_json,
+    add_target,
+    positive_float,
+    positive_int,
+)
 from npuprep.errors import NpuprepError
 
 help = "plan, rewrite and lower MODEL for the target, verify it under emulation, write reports"
@@ -29,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--holdout", help="samples not used for calibration, to verify on")
     p.add_argument("--rtol", type=positive_float, default=1e-2,
                    help="largest relative L2 error of each output (default 1e-2)")
-    p.add_argument("--max-rounds", type=int, default=3,
+    p.add_argument("--max-rounds", type=positive_int, default=3,
                    help="verification rounds; each pins the first divergent node (default 3)")
     p.add_argument("--report", help="JSON report path (default: <output>.report.json)")
     p.add_argument("--html", help="also write a self-contained HTML report here")
@@ -51,8 +58,6 @@ def run(args: argparse.Namespace) -> int:
         if not (args.data or args.synthetic or args.stats):
             args.data = str(example_data_dir())
     check_rtol(args.rtol, "--rtol")
-    if args.max_rounds < 1:
-        raise NpuprepError(f"--max-rounds needs a positive count, got {args.max_rounds}")
     if args.plan and args.plan_only:
         raise NpuprepError("--plan and --plan-only together: the plan already exists")
     model = load_model(args.model)

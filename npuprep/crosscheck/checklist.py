@@ -104,6 +104,8 @@ def scan_workspace(path: str | Path) -> Workspace:
     artefacts: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     notes: list[str] = []
     for file in sorted(folder.glob("*.json")):
+        if not file.is_file():  # a FIFO would block the read
+            continue
         try:
             data = json_io.loads(file.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
