@@ -19,6 +19,7 @@ import fcntl
 import os
 import secrets
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -241,14 +242,21 @@ class OutputSet:
                                "no file of this run was put in place") from None
 
     def commit(self) -> None:
-        """Rename every staged file into place (models last), with SIGINT/SIGTERM held off
+        """Rename every staged file into place (models last), with SIGINT/SIGTERM deferred
         so the set is never half renamed; then remove older optional companions."""
         order = sorted(self._staged, key=lambda p: p in self._last)
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
+        with _signals_deferred():
             folders = set()
+            done = 0
             for final in order:
-                os.replace(self._staged.pop(final), final)
+                try:
+                    os.replace(self._staged[final], final)
+                except OSError as exc:
+                    raise NpuprepError(f"{shown(self._outputs[final].path)}: cannot put it in place "
+                                       f"({exc.strerror or exc}); {done} of {len(order)} files of this "
+                                       "run were") from None
+                del self._staged[final]
+                done += 1
                 folders.add(final.parent)
             for real, entry in self._outputs.items():
                 if entry.optional and real not in order and real.is_file():
@@ -256,8 +264,6 @@ class OutputSet:
                     folders.add(real.parent)
             for folder in folders:
                 _fsync_folder(folder)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     def discard(self) -> None:
         """Remove what was not renamed and release the locks."""
@@ -270,6 +276,25 @@ class OutputSet:
         self._locks.clear()
 
 
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM that arrive inside the block take effect when it ends. (Blocking
+    them in this thread would not do: another thread, onnxruntime's, may receive them.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    kinds = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in kinds}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if caught:
+            signal.raise_signal(caught[0])
+
+
 def _acquire(real: Path, entry: _Entry) -> tuple[Path, int]:
     """An exclusive lock on `.NAME.lock` beside `real`; refused while another run holds it."""
     lock_path = real.parent / f".{real.name}.lock"
@@ -277,8 +302,8 @@ def _acquire(real: Path, entry: _Entry) -> tuple[Path, int]:
         try:
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise NpuprepError(f"{entry.what} {shown(entry.path)}: folder {shown(real.parent)} is not "
-                               f"writable ({exc.strerror})") from None
+            raise NpuprepError(f"{entry.what} {shown(entry.path)}: cannot create {shown(lock_path)} "
+                               f"({exc.strerror}); is the folder writable?") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

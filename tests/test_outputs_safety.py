@@ -118,6 +118,28 @@ def test_failure_before_the_last_rename_keeps_the_older_set(tmp_path: Path) -> N
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.md"]  # no temporaries, no locks
 
 
+def test_a_signal_during_the_renames_lands_after_the_whole_set(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import npuprep.outputs as outputs
+
+    paths = [tmp_path / f"{i}.txt" for i in range(3)]
+    plan = OutputPlan()
+    for p in paths:
+        plan.writes(p, "-o")
+    real_replace = os.replace
+
+    def replace_then_interrupt(src: Path, dst: Path) -> None:
+        real_replace(src, dst)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt), plan.open() as files:
+        for p in paths:
+            files.text(p, p.name)
+        monkeypatch.setattr(outputs.os, "replace", replace_then_interrupt)
+    assert [p.read_text() for p in paths] == [p.name for p in paths]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.txt", "1.txt", "2.txt"]
+
+
 def test_a_second_run_on_the_same_output_is_refused_and_stale_temporaries_go(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     stale = tmp_path / ".out.json.npuprep-0badf00d.tmp"
