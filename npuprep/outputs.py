@@ -30,6 +30,9 @@ from npuprep.errors import NpuprepError
 from npuprep.names import shown
 
 _TEMP_MARK = ".npuprep-"
+# The files a command reads inside a --data folder and a checklist --workspace.
+SAMPLE_FILES = ("*.npz",)
+WORKSPACE_FILES = ("*.json", "*.yaml")
 
 
 def resolve(path: str | os.PathLike[str]) -> Path:
@@ -60,6 +63,7 @@ class _Entry:
     optional: bool = False  # removed at the end when this run does not write it (stale companion)
     folder: bool = False
     stale: bool = False  # only ever removed: dropped where it is also an input or another output
+    trailing_sep: bool = False  # given as `name/`: meant as a folder
 
 
 @dataclass
@@ -69,8 +73,9 @@ class OutputPlan:
     inputs: list[_Entry] = field(default_factory=list)
     outputs: list[_Entry] = field(default_factory=list)
 
-    def reads(self, path: str | os.PathLike[str] | None, what: str) -> None:
-        """An input file or folder (a folder's files are inputs too)."""
+    def reads(self, path: str | os.PathLike[str] | None, what: str, patterns: tuple[str, ...] = ("*",)) -> None:
+        """An input file or folder; a folder's files that match `patterns` (those the command
+        reads there) are inputs too."""
         if not path:
             return
         real = resolve(path)
@@ -80,7 +85,7 @@ class OutputPlan:
         self.inputs.append(_Entry(Path(path), real, what, folder=real.is_dir()))
         if real.is_dir():
             try:
-                children = sorted(real.iterdir())
+                children = sorted({c for pattern in patterns for c in real.glob(pattern)})
             except OSError:
                 children = []
             for child in children:
@@ -104,7 +109,8 @@ class OutputPlan:
     def writes(self, path: str | os.PathLike[str], what: str, *, optional: bool = False) -> Path:
         """An output file; `optional`: a companion this run may not write, whose older copy
         is then removed so it is not taken for part of the new set."""
-        self.outputs.append(_Entry(Path(path), resolve(path), what, optional=optional))
+        self.outputs.append(_Entry(Path(path), resolve(path), what, optional=optional,
+                                   trailing_sep=os.fspath(path).endswith(("/", os.sep))))
         return Path(path)
 
     def removes_stale(self, path: str | os.PathLike[str], what: str) -> None:
@@ -149,7 +155,7 @@ class OutputPlan:
         if out.folder:
             if out.real.exists() and not out.real.is_dir():
                 raise NpuprepError(f"{out.what} {name}: exists and is not a folder")
-        elif str(out.path).endswith(os.sep) or out.real.is_dir():
+        elif out.trailing_sep or out.real.is_dir():
             raise NpuprepError(f"{out.what} {name}: is a folder; give a file name")
         elif out.real.exists() and not out.real.is_file():
             raise NpuprepError(f"{out.what} {name}: exists and is not a regular file")

@@ -98,10 +98,11 @@ def test_outputs_clash_with_each_other_and_folders_are_refused(tmp_path: Path) -
     plan.writes(tmp_path / "x" / ".." / "out.onnx", "--report")
     with pytest.raises(NpuprepError, match="are the same file"):
         plan.check()
-    plan = OutputPlan()
-    plan.writes(tmp_path, "-o")
-    with pytest.raises(NpuprepError, match="is a folder"):
-        plan.check()
+    for folder in (tmp_path, f"{tmp_path}/new/"):
+        plan = OutputPlan()
+        plan.writes(folder, "-o")
+        with pytest.raises(NpuprepError, match="is a folder"):
+            plan.check()
 
 
 def test_failure_before_the_last_rename_keeps_the_older_set(tmp_path: Path) -> None:
@@ -216,6 +217,13 @@ def test_each_output_flag_against_each_input_exits_2_and_changes_nothing(ws: Pat
     line = _one_line_error(run_cli(*argv, cwd=ws))
     assert "refusing to overwrite" in line or "same file" in line or "is a folder" in line, line
     assert _snapshot(ws) == before
+
+
+def test_a_new_file_beside_the_samples_is_not_a_clash_and_can_be_rewritten(ws: Path) -> None:
+    for _ in range(2):
+        proc = run_cli("calibrate", "m.onnx", "--data", "D", "-o", "D/stats.json", cwd=ws)
+        assert proc.returncode == 0, proc.stderr
+    assert json.loads((ws / "D" / "stats.json").read_text())["kind"] == "stats"
 
 
 def test_external_weights_of_the_input_are_inputs(ws: Path) -> None:

@@ -41,13 +41,13 @@ def run(args: argparse.Namespace) -> int:
     from npuprep.calibrate.stats import dump_stats
     from npuprep.cli.common import open_samples
     from npuprep.model_io import load_model
-    from npuprep.outputs import OutputPlan
+    from npuprep.outputs import SAMPLE_FILES, OutputPlan
 
     # Only onnxruntime reads the weights, from the model's file: Python never holds them.
     model = load_model(args.model, weights="file")
     outputs = OutputPlan()
     outputs.reads_model(args.model)
-    outputs.reads(args.data, "the --data samples")
+    outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
     if args.output:
         outputs.writes(args.output, "-o")
     with outputs.open() as files:

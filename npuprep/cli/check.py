@@ -73,7 +73,7 @@ def _measured_stats(args: argparse.Namespace, model: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from npuprep.model_io import load_model
-    from npuprep.outputs import OutputPlan
+    from npuprep.outputs import SAMPLE_FILES, OutputPlan
     from npuprep.profiles import Severity, load_profile
 
     fail_on = Severity.parse(args.fail_on)
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     outputs = OutputPlan()
     outputs.reads_model(args.model)
-    outputs.reads(args.data, "the --data samples")
+    outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
     outputs.reads(args.stats, "the --stats file")
     if Path(args.target).is_file():
         outputs.reads(args.target, "the --target profile")

@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from npuprep.cli.common import dump_json
     from npuprep.crosscheck.checklist import build_checklist, scan_workspace, to_markdown
     from npuprep.model_io import load_model
-    from npuprep.outputs import OutputPlan
+    from npuprep.outputs import WORKSPACE_FILES, OutputPlan
     from npuprep.profiles import load_profile
 
     model = load_model(args.model)
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     outputs = OutputPlan()
     outputs.reads_model(args.model)
     outputs.reads(args.stats, "the --stats file")
-    outputs.reads(args.workspace, "the --workspace folder")
+    outputs.reads(args.workspace, "the --workspace folder", WORKSPACE_FILES)
     if Path(args.target).is_file():
         outputs.reads(args.target, "the --target profile")
     if args.output:

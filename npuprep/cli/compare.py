@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from npuprep.errors import NpuprepError
     from npuprep.model_io import load_model
-    from npuprep.outputs import OutputPlan
+    from npuprep.outputs import SAMPLE_FILES, OutputPlan
     from npuprep.profiles import load_profile
     from npuprep.verify.compare import (
         DEFAULT_ATOL,
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     outputs = OutputPlan()
     outputs.reads_model(args.ref, "the reference model")
     outputs.reads_model(args.cand, "the candidate model")
-    outputs.reads(args.data, "the --data samples")
+    outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
     outputs.reads(args.scales, "the --scales report")
     if args.target and Path(args.target).is_file():
         outputs.reads(args.target, "the --target profile")

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from npuprep.cli.common import check_rtol, open_samples, print_json
     from npuprep.model_io import load_model
     from npuprep.names import file_part
-    from npuprep.outputs import OutputPlan
+    from npuprep.outputs import SAMPLE_FILES, OutputPlan
     from npuprep.profiles import load_profile
 
     profile = load_profile(args.target)
@@ -68,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
     paths = _artefact_paths(args, output)
     outputs = OutputPlan()
     outputs.reads_model(args.model)
-    outputs.reads(args.data, "the --data samples")
-    outputs.reads(args.holdout, "the --holdout samples")
+    outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
+    outputs.reads(args.holdout, "the --holdout samples", SAMPLE_FILES)
     outputs.reads(args.stats, "the --stats file")
     outputs.reads(args.plan, "the --plan file")
     if Path(args.target).is_file():

@@ -54,11 +54,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_outputs(args: argparse.Namespace) -> None:
     """--write-profile and --export-kit against every file probe reads, before any probing."""
-    from npuprep.outputs import OutputPlan
+    from npuprep.outputs import SAMPLE_FILES, OutputPlan
 
     outputs = OutputPlan()
     outputs.reads_model(args.model)
-    outputs.reads(args.data, "the --data samples")
+    outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
     outputs.reads(args.classify, "the --classify kit")
     outputs.reads(args.outputs, "the --outputs folder")
     if args.target and Path(args.target).is_file():
