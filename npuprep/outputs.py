@@ -198,8 +198,11 @@ class OutputSet:
                 raise NpuprepError(f"{shown(self._outputs[real].path)}: cannot create its folder "
                                    f"({exc.strerror})") from None
             self._locks.append(_acquire(real, self._outputs[real]))
-            for stale in real.parent.glob(f".{_glob_escape(real.name)}{_TEMP_MARK}????????.tmp"):
-                stale.unlink(missing_ok=True)
+            name = _glob_escape(real.name)
+            # Ours, and those of earlier npuprep versions (mkstemp names: 8 characters).
+            for pattern in (f".{name}{_TEMP_MARK}????????.tmp", f".{name}.????????.tmp"):
+                for stale in real.parent.glob(pattern):
+                    stale.unlink(missing_ok=True)
 
     def _final(self, path: str | os.PathLike[str]) -> Path:
         real = resolve(path)

@@ -262,6 +262,7 @@ def test_a_fifo_as_data_or_stats_is_refused_at_once(ws: Path) -> None:
 
 def test_convert_writes_a_set_without_temporaries_and_a_rerun_removes_a_stale_one(ws: Path) -> None:
     (ws / ".o.onnx.npuprep-deadbeef.tmp").write_bytes(b"left by a SIGKILLed run")
+    (ws / ".o.onnx.k2j_x9qa.tmp").write_bytes(b"left by a SIGKILLed run of an earlier version")
     proc = run_cli("convert", "m.onnx", "-t", "a2000", "--data", "D", "-o", "o.onnx", "--json", cwd=ws)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
@@ -416,9 +417,10 @@ def test_an_injected_node_name_stays_data_in_plan_yaml_and_on_the_terminal(tmp_p
     assert [a["action"] for a in plan["actions"]] and not any(a.get("forced") for a in plan["actions"])
     assert "\n    forced: true" not in text
     proc = run_cli("convert", "evil.onnx", "-t", "a2000", "--data", "s.npz", "--plan", "evil.plan.yaml",
-                   "-o", "out.onnx", "--json", cwd=tmp_path)
+                   "-o", "out.onnx", cwd=tmp_path)
     assert proc.returncode in (0, 1), proc.stderr
-    report = json.loads(proc.stdout)
+    assert "\x1b" not in proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "out.report.json").read_text())
     assert not any(a.get("forced") for a in report["actions"])
     md = (tmp_path / "out.report.md").read_text()
     assert "\x1b" not in md and "\n  - action: pin_fp32" not in md

@@ -242,9 +242,9 @@ def _with_pins(plan: Any, nodes: list[str], pin_cls: Any) -> Any:
 
 
 def _print_summary(report: dict[str, Any]) -> None:
-    from npuprep.cli.common import print_table
+    from npuprep.cli.common import print_table, say
 
-    print(f"npuprep convert: {report['model']} -> {report['output']} "
+    say(f"npuprep convert: {report['model']} -> {report['output']} "
           f"(target {report['target']}, {report['precision']})")
     if report["samples"]["synthetic"]:
         print("samples are synthetic: the ranges are not those of real data")
@@ -262,8 +262,8 @@ def _print_summary(report: dict[str, Any]) -> None:
           f"{report['cast_count']} Casts, {len(report['pinned_nodes'])} pinned nodes, "
           f"{len(report['declined'])} declined remedies")
     for note in report.get("notes", []):
-        print(f"note: {note}")
+        say(f"note: {note}")
     first = report.get("first_divergent")
     verdict = "PASSED" if report["passed"] else (
         f"FAILED: first divergent node '{first['node']}' ({first['op_type']})" if first else "FAILED")
-    print(f"{verdict}; report: {report['artefacts']['report_md']}")
+    say(f"{verdict}; report: {report['artefacts']['report_md']}")
