@@ -61,6 +61,12 @@ def md_text(text: object) -> str:
     return _MD_SPECIAL.sub(r"\\\1", shown(text))
 
 
+def md_cell(text: object) -> str:
+    """A Markdown table cell that reads as written: controls escaped, `|` kept inside the
+    cell, `<` written as an entity so a name cannot open an HTML tag in a rendered report."""
+    return shown(text).replace("|", "\\|").replace("<", "&lt;")
+
+
 _FILE_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
 
 

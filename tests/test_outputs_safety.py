@@ -442,12 +442,13 @@ def test_a_profile_name_is_not_a_path_nor_yaml(tmp_path: Path) -> None:
 
 
 def test_names_module_escapes() -> None:
-    from npuprep.names import file_part, md_code, shown
+    from npuprep.names import file_part, md_cell, md_code, shown
 
     assert shown("a\x1b[31mb\nc") == "a\\x1b[31mb\\nc"
     assert shown("plain\\name") == "plain\\name"
     assert shown("rtl\u202eexe") == "rtl\\u202eexe"
     assert md_code("a`b") == "``a`b``" and md_code("x|y") == "`x\\|y`"
+    assert md_cell("<img src=x onerror=alert(1)>|a\n") == "&lt;img src=x onerror=alert(1)>\\|a\\n"
     assert file_part("../..") == "_.." and file_part("") == "out"
 
 

@@ -23,7 +23,7 @@ from npuprep.cli.common import (
     print_table,
     progress,
 )
-from npuprep.names import md_code, md_text, shown
+from npuprep.names import md_cell, md_code, md_text, shown
 
 help = "compare two models (or a model and its emulation on a target) tensor by tensor"
 
@@ -275,7 +275,7 @@ def render_markdown(result: Any, args: argparse.Namespace) -> str:
     """The compare result as a Markdown report."""
 
     def cell(v: Any) -> str:
-        return fmt(v) if isinstance(v, float | int) else md_text(v)
+        return fmt(v) if isinstance(v, float | int) else md_cell(v)
 
     lines = [
         "# npuprep compare",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from npuprep.crosscheck.check import DISPLAY_ORDER, Crosscheck, Verdict
-from npuprep.names import md_code, shown
+from npuprep.names import md_cell, md_code, shown
 
 COLUMNS = ("verdict", "node", "op", "runs in", "needs", "layers", "why")
 
@@ -37,4 +37,4 @@ def to_markdown(result: Crosscheck) -> str:
 
 
 def _cell(text: str) -> str:
-    return shown(text).replace("|", "\\|")
+    return md_cell(text)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from npuprep.names import md_code, md_text, shown
+from npuprep.names import md_cell, md_code, md_text, shown
 
 
 def _num(v: Any) -> str:
@@ -18,7 +18,7 @@ def _num(v: Any) -> str:
 
 
 def _row(cells: list[Any]) -> str:
-    return "| " + " | ".join(_num(c).replace("|", "\\|") for c in cells) + " |"
+    return "| " + " | ".join(md_cell(_num(c)) for c in cells) + " |"
 
 
 def action_target(a: dict[str, Any]) -> str:
