@@ -90,7 +90,8 @@ class OutputPlan:
                 children = []
             for child in children:
                 if child.is_file():
-                    self.inputs.append(_Entry(child, resolve(child), f"a file of {what} {path}"))
+                    self.inputs.append(_Entry(Path(path) / child.name, resolve(child),
+                                              f"a file of {what} {shown(path)}"))
 
     def reads_model(self, path: str | os.PathLike[str] | None, what: str = "the input model") -> None:
         """A model and the external-data files it names."""
@@ -150,8 +151,8 @@ class OutputPlan:
         for inp in self.inputs:
             if _same(out.real, inp.real) or (out.folder and inp.real.is_relative_to(out.real)):
                 same = "" if out.path == inp.path else f" (which is {shown(inp.path)})"
-                raise NpuprepError(f"{out.what} {name}{same} is {inp.what}, which this command reads: "
-                                   f"refusing to overwrite {inp.what}; choose another path")
+                raise NpuprepError(f"{out.what} {name}{same}: refusing to overwrite {inp.what}, which this "
+                                   "command reads; choose another path")
         if out.folder:
             if out.real.exists() and not out.real.is_dir():
                 raise NpuprepError(f"{out.what} {name}: exists and is not a folder")
