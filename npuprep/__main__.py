@@ -1,5 +1,3 @@
-import sys
+from npuprep.cli.main import entry
 
-from npuprep.cli.main import main
-
-sys.exit(main())
+entry()

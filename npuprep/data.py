@@ -36,6 +36,10 @@ def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
     for vi in model.graph.input:
         if vi.name in inits:
             continue
+        kind = vi.type.WhichOneof("value")
+        if kind != "tensor_type":
+            raise NpuprepError(f"graph input '{vi.name}' is a {(kind or 'untyped').replace('_type', '')} "
+                               "value, not a tensor: npuprep can only feed tensor inputs")
         tt = vi.type.tensor_type
         dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
         dims = tuple(
@@ -104,8 +108,11 @@ def load_samples(
     path = Path(spec)
     if not path.exists():
         raise NpuprepError(f"{path}: data not found")
+    if not (path.is_dir() or path.is_file()):
+        # A FIFO or device would block the read (or never end): refuse it.
+        raise NpuprepError(f"{path}: not a regular file or folder")
     if path.is_dir():
-        files = tuple(str(p) for p in sorted(path.glob("*.npz")))
+        files = tuple(str(p) for p in sorted(path.glob("*.npz")) if p.is_file())
         if not files:
             raise NpuprepError(f"{path}: directory holds no .npz samples")
         samples = SampleSet(str(path), "dir", specs, files, len(files))

@@ -1,10 +1,18 @@
-"""JSON for artefacts: numbers that JSON cannot hold (Inf, NaN) written as strings; stable dumps."""
+"""JSON for artefacts: numbers that JSON cannot hold (Inf, NaN) written as strings; JSON
+read with a guard on nesting depth and size, so a hostile file is one error, not a crash."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
+
+# npuprep's own files nest a few levels; a compiler report a dozen at most.
+MAX_DEPTH = 64
+MAX_CHARS = 2**31
+
+_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
 
 
 def json_number(x: float) -> float | str:
@@ -42,3 +50,29 @@ def to_jsonable(obj: Any) -> Any:
 def dump_json(obj: Any) -> str:
     """Sorted, indented JSON text of `obj` (same input, same bytes)."""
     return json.dumps(to_jsonable(obj), indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+
+def loads(text: str, max_depth: int = MAX_DEPTH) -> Any:
+    """json.loads for files a user hands in: nesting deeper than `max_depth` or text longer
+    than MAX_CHARS raise json.JSONDecodeError (as bad syntax does) before parsing, instead of
+    a RecursionError or memory exhaustion."""
+    if len(text) > MAX_CHARS:
+        raise json.JSONDecodeError(f"larger than {MAX_CHARS} characters", text[:100], 0)
+    check_depth(text, max_depth)
+    return json.loads(text)
+
+
+def check_depth(text: str, max_depth: int = MAX_DEPTH) -> None:
+    """Raise json.JSONDecodeError where brackets outside strings nest deeper than `max_depth`.
+    Only brackets and strings are visited, so long arrays of numbers cost nothing here."""
+    if text.count("[") + text.count("{") <= max_depth:
+        return
+    depth = 0
+    for m in _TOKEN.finditer(text):
+        c = m.group()
+        if c in "[{":
+            depth += 1
+            if depth > max_depth:
+                raise json.JSONDecodeError(f"nested deeper than {max_depth} levels", text, m.start())
+        elif c in "]}":
+            depth -= 1

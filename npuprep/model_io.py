@@ -6,7 +6,6 @@ import hashlib
 import mmap
 import os
 import sys
-import tempfile
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
@@ -87,6 +86,7 @@ def load_model(path: str | Path, weights: Literal["memory", "file"] = "memory") 
     proto = light_proto(path) if weights == "file" else _parse(path)
     if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):
         raise NpuprepError(f"{path}: not an ONNX model (no graph found; truncated or wrong file?)")
+    _check_defined(proto.graph, set(), path)
     if uses_external_data(proto):
         _check_external_files(proto, path)
         if weights == "file":
@@ -96,6 +96,25 @@ def load_model(path: str | Path, weights: Literal["memory", "file"] = "memory") 
         except (OSError, ValueError) as exc:
             raise NpuprepError(f"{path}: cannot read external data ({exc})") from None
     return Model(proto=proto, path=str(path), digest=fingerprint(proto))
+
+
+def _check_defined(graph: onnx.GraphProto, outer: set[str], path: Path) -> None:
+    """Every tensor a node reads is defined somewhere in its graph or an enclosing one
+    (order is not checked: onnxruntime sorts), so a dangling name is one error, not a crash."""
+    known = outer | {vi.name for vi in graph.input} | {i.name for i in graph.initializer}
+    known |= {i.name for i in graph.sparse_initializer if i.values.name}
+    known |= {o for n in graph.node for o in n.output if o}
+    for node in graph.node:
+        for name in node.input:
+            if name and name not in known:
+                raise NpuprepError(f"{path}: node '{node.name or node.op_type}' reads tensor '{name}', "
+                                   "which no node, input or initialiser of the model defines")
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                _check_defined(sub, known, path)
+    for out in graph.output:
+        if out.name not in known:
+            raise NpuprepError(f"{path}: graph output '{out.name}' is not produced by any node")
 
 
 def _fingerprint_in_background(proto: onnx.ModelProto, path: Path) -> Future[str]:
@@ -442,73 +461,71 @@ def save_model(
     protected: tuple[str | Path, ...] = (),
     external_data: bool | None = None,
 ) -> Path:
-    """Write a model atomically; never over a protected (input) file.
+    """Write a model atomically; never over a protected (input) file or its weights.
 
     Models too big for one protobuf (or `external_data=True`) get their weights in
     `<name>.data` next to the model. The data file is renamed into place first, then the
-    model, so a reader never sees a model pointing at missing weights.
+    model, so a reader never sees a model pointing at missing weights; an older `.data`
+    the new model does not use is removed.
     """
-    path = Path(path)
+    from npuprep.outputs import OutputPlan
+
+    plan = OutputPlan()
     for p in protected:
-        if Path(p).exists() and path.exists() and path.resolve() == Path(p).resolve():
-            raise NpuprepError(f"{path}: refusing to overwrite the input model; choose another -o")
-    path.parent.mkdir(parents=True, exist_ok=True)
+        plan.reads_model(p)
+    plan.writes_model(path, "the model")
+    with plan.open() as files:
+        files.model(proto, path, external_data=external_data)
+    return Path(path)
+
+
+def write_model_files(
+    proto: onnx.ModelProto, tmp_model: Path, tmp_data: Path, data_name: str,
+    *, external_data: bool | None = None,
+) -> bool:
+    """Write `proto` to `tmp_model` (fsynced); with external data, its weights to `tmp_data`
+    and the model naming them `data_name` (their final name). Returns whether it used the
+    weights file."""
     if external_data is None:
         external_data = proto.ByteSize() > PROTOBUF_LIMIT - 64 * 2**20
+    if not external_data:
+        _write_bytes(tmp_model, proto.SerializeToString(deterministic=True))
+        return False
     model = onnx.ModelProto()
     model.CopyFrom(proto)
-    tmp_model = _temp_name(path)
-    try:
-        if external_data:
-            data_name = path.name + ".data"
-            tmp_data = path.parent / (data_name + ".tmp")
-            onnx.save_model(
-                model,
-                str(tmp_model),
-                save_as_external_data=True,
-                all_tensors_to_one_file=True,
-                location=tmp_data.name,
-                size_threshold=1024,
-            )
-            # Point the model at the final data file name before renaming both into place.
-            final = onnx.load(str(tmp_model), load_external_data=False)
-            for tensor in onnx.external_data_helper._get_all_tensors(final):
-                for entry in tensor.external_data:
-                    if entry.key == "location":
-                        entry.value = data_name
-            _write_bytes(tmp_model, final.SerializeToString(deterministic=True))
-            os.replace(tmp_data, path.parent / data_name)
-        else:
-            _write_bytes(tmp_model, model.SerializeToString(deterministic=True))
-        os.replace(tmp_model, path)
-    finally:
-        if tmp_model.exists():
-            tmp_model.unlink()
-    return path
+    onnx.save_model(
+        model,
+        str(tmp_model),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=tmp_data.name,
+        size_threshold=1024,
+    )
+    # Point the model at the final data file name before both are renamed into place.
+    final = onnx.load(str(tmp_model), load_external_data=False)
+    for tensor in onnx.external_data_helper._get_all_tensors(final):
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = data_name
+    _write_bytes(tmp_model, final.SerializeToString(deterministic=True))
+    with open(tmp_data, "rb+") as fh:
+        os.fsync(fh.fileno())
+    return True
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """Write a text artefact atomically (temp file in the same folder, then rename)."""
+    from npuprep.outputs import temp_name
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_name(path)
+    tmp = temp_name(path)
     try:
         _write_bytes(tmp, text.encode("utf-8"))
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
     return path
-
-
-def _temp_name(path: Path) -> Path:
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    # mkstemp makes the file private (0600); outputs get the usual umask-based mode.
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(name, 0o666 & ~umask)
-    return Path(name)
 
 
 def _write_bytes(path: Path, data: bytes) -> None:

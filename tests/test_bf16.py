@@ -137,3 +137,29 @@ def test_bf16_graph_io_and_subgraphs_convert(tmp_path):
     onnx.checker.check_model(converted, full_check=True)
     compared = run_cli("compare", path, out, "--data", data)
     assert compared.returncode == 0, compared.stdout[-2000:] + compared.stderr[-2000:]
+
+
+def test_a_pinned_node_reading_a_lowered_cast_gets_fp32_whatever_the_node_order(tmp_path):
+    # cast_cb (FP16 after lowering) -> bias (pinned FP32): a Cast back to FP32 must sit between,
+    # decided from each Cast's original target, not from Cast nodes already rewritten (which
+    # node wrappers Python reuses depends on the process: run under several hash seeds).
+    import subprocess
+    import sys
+
+    path = tmp_path / "mlp.onnx"
+    onnx.save(bf16_mlp(), str(path))
+    script = (
+        "import onnx, sys\n"
+        "from npuprep.numerics import get_format\n"
+        "from npuprep.rewrite.lower import lower\n"
+        "low = lower(onnx.load(sys.argv[1]), get_format('fp16'), pinned_nodes=['bias', 'fc1', "
+        "'relu', 'to_bf16', 'from_bf16', 'fc2', 'out_bf16']).model\n"
+        "bias = next(n for n in low.graph.node if n.name == 'bias')\n"
+        "made = {o: n for n in low.graph.node for o in n.output}\n"
+        "cast = made[bias.input[1]]\n"
+        "assert cast.op_type == 'Cast' and cast.attribute[0].i == onnx.TensorProto.FLOAT, cast\n"
+    )
+    for seed in ("1", "2", "3", "5"):
+        done = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True,
+                              text=True, env={**__import__("os").environ, "PYTHONHASHSEED": seed})
+        assert done.returncode == 0, done.stderr[-2000:]

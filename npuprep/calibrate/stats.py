@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from npuprep import json_io
 from npuprep.calibrate.instrument import HEADER, HIST_BINS, HIST_OFFSET, OVER_FORMATS, WIDTH
 from npuprep.errors import NpuprepError
 from npuprep.json_io import json_number as _num
@@ -151,14 +152,19 @@ def _rank(v: float) -> float:
 
 
 def save_stats(stats: CalibrationStats, path: str | Path) -> Path:
-    return write_text_atomic(path, json.dumps(stats.to_dict(), indent=1, sort_keys=True) + "\n")
+    return write_text_atomic(path, dump_stats(stats))
+
+
+def dump_stats(stats: CalibrationStats) -> str:
+    """The text of a stats.json."""
+    return json.dumps(stats.to_dict(), indent=1, sort_keys=True) + "\n"
 
 
 def load_stats(path: str | Path, model: Model) -> CalibrationStats:
     """Read stats.json; refuse a file that belongs to another model."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json_io.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise NpuprepError(f"{path}: stats file not found") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -7,7 +7,16 @@ import math
 import sys
 from typing import Any
 
-from npuprep.cli.common import add_data, add_jobs, add_json, fmt, print_json, print_table
+from npuprep.cli.common import (
+    add_data,
+    add_jobs,
+    add_json,
+    fmt,
+    positive_int,
+    print_json,
+    print_table,
+)
+from npuprep.names import shown
 
 help = "measure every float tensor's range on samples (in-graph statistics) and write stats.json"
 
@@ -23,22 +32,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--detail", choices=("auto", "all"), default="auto",
                    help="exponent histogram and zero/underflow counts: only for tensor-samples outside "
                         "the ordinary range (auto, fast) or everywhere (all, ~5x slower)")
-    p.add_argument("--top", type=int, default=15, help="tensors shown in the summary (default 15)")
+    p.add_argument("--top", type=positive_int, default=15, help="tensors shown in the summary (default 15)")
     add_json(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from npuprep.calibrate import calibrate, save_stats
+    from npuprep.calibrate import calibrate
+    from npuprep.calibrate.stats import dump_stats
     from npuprep.cli.common import open_samples
     from npuprep.model_io import load_model
+    from npuprep.outputs import SAMPLE_FILES, OutputPlan
 
     # Only onnxruntime reads the weights, from the model's file: Python never holds them.
     model = load_model(args.model, weights="file")
-    samples = open_samples(args, model.proto)
-    stats = calibrate(model, samples, jobs=args.jobs, streams=args.streams,
-                      show_progress=not args.json and sys.stderr.isatty(), detail=args.detail)
+    outputs = OutputPlan()
+    outputs.reads_model(args.model)
+    outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
     if args.output:
-        save_stats(stats, args.output)
+        outputs.writes(args.output, "-o")
+    with outputs.open() as files:
+        samples = open_samples(args, model.proto)
+        stats = calibrate(model, samples, jobs=args.jobs, streams=args.streams,
+                          show_progress=not args.json and sys.stderr.isatty(), detail=args.detail)
+        if args.output:
+            files.text(args.output, dump_stats(stats))
     if args.json:
         print_json(stats.to_dict() | {"summary": summary_rows(stats, args.top), "output": args.output or ""})
     else:
@@ -66,8 +83,8 @@ def summary_rows(stats: Any, top: int) -> list[dict[str, Any]]:
 
 
 def _print(model: Any, stats: Any, args: argparse.Namespace) -> None:
-    print(f"model   {model.path}  (fingerprint {model.fingerprint})")
-    print(f"samples {stats.samples}")
+    print(f"model   {shown(model.path)}  (fingerprint {model.fingerprint})")
+    print(f"samples {shown(stats.samples)}")
     if stats.synthetic:
         print("WARNING: statistics from SYNTHETIC samples (random inputs), not real data; "
               "ranges on real inputs can differ widely")
@@ -84,7 +101,7 @@ def _print(model: Any, stats: Any, args: argparse.Namespace) -> None:
     if stats.unobserved:
         print_table("Not observed", ["tensor", "reason"], sorted(stats.unobserved.items()))
     if args.output:
-        print(f"wrote {args.output}")
+        print(f"wrote {shown(args.output)}")
 
 
 def _pct(v: float | None) -> str:

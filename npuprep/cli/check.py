@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from npuprep.cli.common import add_data, add_json, add_target, fmt, print_json, print_table
+from npuprep.names import shown
 
 help = "report where MODEL will leave the target's range (static rules; no rewrite)"
 
@@ -71,6 +73,7 @@ def _measured_stats(args: argparse.Namespace, model: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from npuprep.model_io import load_model
+    from npuprep.outputs import SAMPLE_FILES, OutputPlan
     from npuprep.profiles import Severity, load_profile
 
     fail_on = Severity.parse(args.fail_on)
@@ -81,17 +84,26 @@ def run(args: argparse.Namespace) -> int:
         args.model = str(example_model_path())
         print(f"npuprep: no MODEL given; checking the bundled example {args.model}", file=sys.stderr)
     model = load_model(args.model)
-    stats = _measured_stats(args, model)
-    findings = gather_findings(args, model, profile, stats)
-    failing = findings.reaching(fail_on)
+    outputs = OutputPlan()
+    outputs.reads_model(args.model)
+    outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
+    outputs.reads(args.stats, "the --stats file")
+    if Path(args.target).is_file():
+        outputs.reads(args.target, "the --target profile")
     if args.html:
-        from npuprep.cli.report import tensor_order
-        from npuprep.report.render_html import write_html
+        outputs.writes(args.html, "--html")
+    with outputs.open() as files:
+        stats = _measured_stats(args, model)
+        findings = gather_findings(args, model, profile, stats)
+        if args.html:
+            from npuprep.cli.report import tensor_order
+            from npuprep.report.render_html import render
 
-        page = check_report(model, profile, findings, fail_on) | {"profile": profile.to_dict()}
-        if stats is not None:
-            page["stats"] = stats.to_dict()
-        write_html(page, args.html, order=tensor_order(model.proto))
+            page = check_report(model, profile, findings, fail_on) | {"profile": profile.to_dict()}
+            if stats is not None:
+                page["stats"] = stats.to_dict()
+            files.text(args.html, render(page, order=tensor_order(model.proto)))
+    failing = findings.reaching(fail_on)
     if args.json:
         print_json(check_report(model, profile, findings, fail_on))
     else:
@@ -165,8 +177,8 @@ def _rows(findings: Any) -> list[tuple[str, ...]]:
 
 
 def _print(model: Any, profile: Any, findings: Any, fail_on: Any) -> None:
-    print(f"model  {model.path}  (opset {model.opset}, fingerprint {model.fingerprint})")
-    print(f"target {profile.name}  ({profile.default_precision}, overflow {profile.overflow})")
+    print(f"model  {shown(model.path)}  (opset {model.opset}, fingerprint {model.fingerprint})")
+    print(f"target {shown(profile.name)}  ({profile.default_precision}, overflow {profile.overflow})")
     if len(findings):
         print_table("Findings", ["severity", "rule", "node", "op", "finding", "evidence", "remedy"],
                     _rows(findings))

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from npuprep.cli.common import add_json, add_target
+from npuprep.cli.common import add_json, add_target, positive_int
 
 help = "write the first-week bring-up checklist (Markdown), ticked from the artefacts in a workspace"
 
@@ -15,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats", "-s", help="calibration stats JSON: names the riskiest tensors")
     p.add_argument("--workspace", "-w", metavar="W",
                    help="folder of artefacts (W/*.json by kind, W/plan.yaml) that tick items")
-    p.add_argument("--top", type=int, default=10, help="riskiest tensors to name (default 10)")
+    p.add_argument("--top", type=positive_int, default=10, help="riskiest tensors to name (default 10)")
     p.add_argument("-o", "--output", metavar="OUT.md", help="write the Markdown here (default: print)")
     add_json(p)
 
@@ -24,11 +25,21 @@ def run(args: argparse.Namespace) -> int:
     from npuprep.analyse import static_findings
     from npuprep.cli.common import dump_json
     from npuprep.crosscheck.checklist import build_checklist, scan_workspace, to_markdown
-    from npuprep.model_io import load_model, write_text_atomic
+    from npuprep.model_io import load_model
+    from npuprep.outputs import WORKSPACE_FILES, OutputPlan
     from npuprep.profiles import load_profile
 
     model = load_model(args.model)
     profile = load_profile(args.target)
+    outputs = OutputPlan()
+    outputs.reads_model(args.model)
+    outputs.reads(args.stats, "the --stats file")
+    outputs.reads(args.workspace, "the --workspace folder", WORKSPACE_FILES)
+    if Path(args.target).is_file():
+        outputs.reads(args.target, "the --target profile")
+    if args.output:
+        outputs.writes(args.output, "-o")
+        outputs.check()
     workspace = scan_workspace(args.workspace) if args.workspace else None
     findings = static_findings(model, profile)
     stats_arg = args.stats or ""
@@ -47,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
                                 findings=findings, top_n=args.top)
     text = dump_json(checklist.to_dict()) if args.json else to_markdown(checklist)
     if args.output:
-        write_text_atomic(args.output, text)
+        with outputs.open() as files:
+            files.text(args.output, text)
     else:
         print(text, end="")
     return 0

@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from npuprep import json_io
 from npuprep.cli.common import (
     add_data,
     add_json,
     fmt,
+    nonnegative_float,
     open_samples,
+    positive_float,
+    positive_int,
     print_json,
     print_table,
     progress,
 )
+from npuprep.names import md_cell, md_code, md_text, shown
 
 help = "compare two models (or a model and its emulation on a target) tensor by tensor"
 
@@ -36,15 +42,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "rounding where it stores FP16/BF16/FP8, as the target computes)")
     p.add_argument("--scales", metavar="R", help="convert report JSON whose 'tensor_scales' maps "
                    "tensor -> s with candidate = s * reference")
-    p.add_argument("--rtol", type=float, help="relative L2 threshold (default: 1%%, coarser for FP8)")
-    p.add_argument("--atol", type=float, help="max abs error threshold (default 1e-3); a tensor "
+    p.add_argument("--rtol", type=positive_float, help="relative L2 threshold (default: 1%%, coarser for FP8)")
+    p.add_argument("--atol", type=nonnegative_float, help="max abs error threshold (default 1e-3); a tensor "
                    "fails when both are exceeded")
     p.add_argument("--tol", action="append", default=[], metavar="NAME:RTOL[:ATOL]",
                    help="per-tensor thresholds (repeatable)")
     p.add_argument("--isolate", action="store_true",
                    help="also feed each node the reference's inputs: its own error apart from "
                         "accumulated error (runs the candidate twice)")
-    p.add_argument("--worst", type=int, default=5, metavar="K", help="how many worst tensors to show")
+    p.add_argument("--worst", type=positive_int, default=5, metavar="K", help="how many worst tensors to show")
     p.add_argument("--with", dest="with_vendor", choices=("rknn",),
                    help="also build CAND with the vendor toolchain and compare its simulator's "
                         "outputs with REF (rknn: rknn-toolkit2 in its own venv)")
@@ -58,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from npuprep.errors import NpuprepError
-    from npuprep.model_io import load_model, write_text_atomic
+    from npuprep.model_io import load_model
+    from npuprep.outputs import SAMPLE_FILES, OutputPlan
     from npuprep.profiles import load_profile
     from npuprep.verify.compare import (
         DEFAULT_ATOL,
@@ -73,75 +80,84 @@ def run(args: argparse.Namespace) -> int:
         raise NpuprepError("give either a candidate model (REF CAND) or --emulate, not both or neither")
     if args.emulate and not args.target:
         raise NpuprepError("--emulate needs --target (which format and overflow to emulate)")
-    if args.with_vendor and args.emulate:
-        raise NpuprepError(f"--with {args.with_vendor} builds a candidate model: give REF CAND, not --emulate")
     if args.pin and not args.emulate:
         raise NpuprepError("--pin only applies with --emulate")
     if args.as_is and args.emulate:
         raise NpuprepError("--as-is applies to a candidate model, not to --emulate")
-    if args.worst < 1:
-        raise NpuprepError(f"--worst needs a positive count, got {args.worst}")
+    if args.with_vendor and args.emulate:
+        raise NpuprepError(f"--with {args.with_vendor} builds a candidate model: give REF CAND, not --emulate")
     if args.report and args.report.endswith(".onnx"):
         raise NpuprepError(f"--report {args.report}: the report is Markdown, not a model")
     ref = load_model(args.ref)
     profile = load_profile(args.target) if args.target else None
-    overrides = _parse_tols(args.tol)
-    scales = _read_scales(args.scales) if args.scales else None
-    samples = open_samples(args, ref.proto)
-    notes: tuple[str, ...] = ()
-    if args.emulate:
-        from npuprep.verify.emulate import emulate
-
-        fmt_ = profile.format
-        emulation = emulate(ref.proto, fmt_, saturate=profile.saturates, pinned_nodes=args.pin)
-        from npuprep.profiles import Pinning
-
-        if args.pin and profile.fp32_pinning is Pinning.NONE:
-            raise NpuprepError(f"--pin: target {profile.name} cannot keep nodes in FP32 "
-                               "(fp32_pinning: none); its device runs every node in "
-                               f"{profile.default_precision}")
-        known = _node_labels(ref.proto)
-        unknown = [n for n in args.pin if n not in known]
-        if unknown:
-            raise NpuprepError(f"--pin names node '{unknown[0]}', which {args.ref} does not have")
-        cand_proto = emulation.model
-        notes = emulation_notes(profile, emulation.saturate) + upgrade_notes(emulation)
-    else:
-        cand_proto = load_model(args.cand).proto
-        stored = _stored_format(cand_proto)
-        fmt_ = profile.format if profile else stored
-        if stored is not None and not args.as_is:
-            from npuprep.verify.widen import emulate_lowered
-
-            # Overflow behaviour comes from the target; without one, IEEE (loud) is assumed.
-            saturate = profile.saturates if profile else False
-            cand_proto = emulate_lowered(cand_proto, stored, saturate=saturate).model
-            notes = (f"the candidate stores {stored.name}: compared as the target computes it, "
-                     f"widened to FP32 with explicit rounding wherever it stores {stored.name} "
-                     f"(overflow {'saturates' if saturate else 'gives Inf/NaN'}"
-                     f"{'' if profile else ', assumed: give --target'}); onnxruntime's CPU provider "
-                     "would compute parts of it in FP32 and hide overflow (--as-is runs it unchanged)",
-                     LIMITS)
-        elif stored is not None:
-            notes = ("the candidate ran as-is on onnxruntime's CPU provider, which computes parts "
-                     f"of a {stored.name} model in FP32 and hides overflow",)
-    result = compare_models(
-        ref.proto, cand_proto, _Progress(samples, not args.json),
-        rtol=default_rtol(fmt_) if args.rtol is None else args.rtol,
-        atol=DEFAULT_ATOL if args.atol is None else args.atol,
-        overrides=overrides, tensor_scales=scales, fmt=fmt_, isolate=args.isolate, worst=args.worst,
-    )
-    result = replace(result, notes=result.notes + notes)
+    outputs = OutputPlan()
+    outputs.reads_model(args.ref, "the reference model")
+    outputs.reads_model(args.cand, "the candidate model")
+    outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
+    outputs.reads(args.scales, "the --scales report")
+    if args.target and Path(args.target).is_file():
+        outputs.reads(args.target, "the --target profile")
     if args.report:
-        write_text_atomic(args.report, render_markdown(result, args))
+        outputs.writes(args.report, "--report")
     if args.html:
-        from npuprep.report.render_html import write_html
+        outputs.writes(args.html, "--html")
+    with outputs.open() as files:
+        overrides = _parse_tols(args.tol)
+        scales = _read_scales(args.scales) if args.scales else None
+        samples = open_samples(args, ref.proto)
+        notes: tuple[str, ...] = ()
+        if args.emulate:
+            from npuprep.profiles import Pinning
+            from npuprep.verify.emulate import emulate
 
-        page = result.to_dict()
-        if profile is not None:
-            page["profile"] = profile.to_dict()
-        write_html(page, args.html)
-    vendor = _vendor(args, ref, samples, profile, scales) if args.with_vendor else None
+            if args.pin and profile.fp32_pinning is Pinning.NONE:
+                raise NpuprepError(f"--pin: target {profile.name} cannot keep nodes in FP32 "
+                                   "(fp32_pinning: none); its device runs every node in "
+                                   f"{profile.default_precision}")
+            fmt_ = profile.format
+            emulation = emulate(ref.proto, fmt_, saturate=profile.saturates, pinned_nodes=args.pin)
+            known = _node_labels(ref.proto)
+            unknown = [n for n in args.pin if n not in known]
+            if unknown:
+                raise NpuprepError(f"--pin names node '{unknown[0]}', which {args.ref} does not have")
+            cand_proto = emulation.model
+            notes = emulation_notes(profile, emulation.saturate) + upgrade_notes(emulation)
+        else:
+            cand_proto = load_model(args.cand).proto
+            stored = _stored_format(cand_proto)
+            fmt_ = profile.format if profile else stored
+            if stored is not None and not args.as_is:
+                from npuprep.verify.widen import emulate_lowered
+
+                # Overflow behaviour comes from the target; without one, IEEE (loud) is assumed.
+                saturate = profile.saturates if profile else False
+                cand_proto = emulate_lowered(cand_proto, stored, saturate=saturate).model
+                notes = (f"the candidate stores {stored.name}: compared as the target computes it, "
+                         f"widened to FP32 with explicit rounding wherever it stores {stored.name} "
+                         f"(overflow {'saturates' if saturate else 'gives Inf/NaN'}"
+                         f"{'' if profile else ', assumed: give --target'}); onnxruntime's CPU provider "
+                         "would compute parts of it in FP32 and hide overflow (--as-is runs it unchanged)",
+                         LIMITS)
+            elif stored is not None:
+                notes = ("the candidate ran as-is on onnxruntime's CPU provider, which computes parts "
+                         f"of a {stored.name} model in FP32 and hides overflow",)
+        result = compare_models(
+            ref.proto, cand_proto, _Progress(samples, not args.json),
+            rtol=default_rtol(fmt_) if args.rtol is None else args.rtol,
+            atol=DEFAULT_ATOL if args.atol is None else args.atol,
+            overrides=overrides, tensor_scales=scales, fmt=fmt_, isolate=args.isolate, worst=args.worst,
+        )
+        result = replace(result, notes=result.notes + notes)
+        if args.report:
+            files.text(args.report, render_markdown(result, args))
+        if args.html:
+            from npuprep.report.render_html import render
+
+            page = result.to_dict()
+            if profile is not None:
+                page["profile"] = profile.to_dict()
+            files.text(args.html, render(page))
+        vendor = _vendor(args, ref, samples, profile, scales) if args.with_vendor else None
     if args.json:
         print_json(result if vendor is None else result.to_dict() | {"vendor": vendor.to_dict()})
     else:
@@ -189,6 +205,8 @@ def _parse_tols(items: list[str]) -> dict[str, tuple[float, float]]:
         name = ":".join(parts)
         if not numbers or not name:
             raise NpuprepError(f"--tol {item}: expected NAME:RTOL[:ATOL] with numbers")
+        if not all(math.isfinite(n) and n >= 0 for n in numbers) or numbers[0] == 0:
+            raise NpuprepError(f"--tol {item}: RTOL must be a finite number > 0 and ATOL >= 0")
         out[name] = (numbers[0], numbers[1] if len(numbers) == 2 else DEFAULT_ATOL)
     return out
 
@@ -208,7 +226,7 @@ def _read_scales(path: str) -> dict[str, float]:
     if not p.is_file():
         raise NpuprepError(f"{p}: convert report not found")
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
+        data = json_io.loads(p.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise NpuprepError(f"{p}: not a JSON file ({exc})") from None
     if not isinstance(data, dict) or "tensor_scales" not in data:
@@ -278,8 +296,8 @@ def _print(result: Any) -> None:
                 [_row(t, result.isolate) for t in result.worst])
     first = result.first_divergent
     if first is not None:
-        print(f"first divergent node: {first.node} ({first.op_type}) -> tensor '{first.tensor}': "
-              f"{first.reason}")
+        print(f"first divergent node: {shown(first.node)} ({first.op_type}) -> tensor "
+              f"'{shown(first.tensor)}': {shown(first.reason)}")
         if result.isolate and first.isolated_rel_l2 is not None:
             print(f"  own error with reference inputs: rel L2 {fmt(first.isolated_rel_l2)}, "
                   f"max abs {fmt(first.isolated_max_abs_error)}")
@@ -287,7 +305,7 @@ def _print(result: Any) -> None:
         print(f"{len(result.unobserved)} tensors not compared (inside subgraphs or not shared); "
               "see --json")
     for note in result.notes:
-        print(f"note: {note}")
+        print(f"note: {shown(note)}")
     failed = sum(1 for t in result.tensors if not t)
     print(f"{'PASSED' if result else 'FAILED'}: {failed} of {len(result.tensors)} tensors cross "
           "the thresholds")
@@ -297,15 +315,15 @@ def render_markdown(result: Any, args: argparse.Namespace) -> str:
     """The compare result as a Markdown report."""
 
     def cell(v: Any) -> str:
-        return fmt(v).replace("|", "\\|")
+        return fmt(v) if isinstance(v, float | int) else md_cell(v)
 
     lines = [
         "# npuprep compare",
         "",
-        f"- reference: `{args.ref}` (fingerprint `{result.fingerprint}`)",
-        f"- candidate: {'emulation on ' + repr(args.target) if args.emulate else '`' + str(args.cand) + '`'}"
+        f"- reference: {md_code(args.ref)} (fingerprint `{result.fingerprint}`)",
+        f"- candidate: {'emulation on ' + md_code(args.target) if args.emulate else md_code(args.cand)}"
         f" (fingerprint `{result.candidate_fingerprint}`)",
-        f"- samples: {result.samples_description}",
+        f"- samples: {md_text(result.samples_description)}",
         f"- format: {result.fmt or 'none'}; thresholds: rel L2 > {result.rtol:g} and max abs error > "
         f"{result.atol:g}" + (f"; {len(result.overrides)} per-tensor overrides" if result.overrides else ""),
         f"- verdict: **{'PASSED' if result else 'FAILED'}** "
@@ -317,7 +335,8 @@ def render_markdown(result: Any, args: argparse.Namespace) -> str:
     if first is None:
         lines += ["None: every compared tensor is within its thresholds.", ""]
     else:
-        lines += [f"`{first.node}` ({first.op_type}) writes `{first.tensor}`: {first.reason}.", ""]
+        lines += [f"{md_code(first.node)} ({md_text(first.op_type)}) writes {md_code(first.tensor)}: "
+                  f"{md_text(first.reason)}.", ""]
     header = _columns(result.isolate)
     for title, rows in (("Worst tensors", result.worst), ("All tensors (topological order)", result.tensors)):
         lines += [f"## {title}", "", "| " + " | ".join(cell(h) for h in header) + " |",
@@ -326,8 +345,8 @@ def render_markdown(result: Any, args: argparse.Namespace) -> str:
         lines.append("")
     if result.unobserved:
         lines += ["## Not compared", ""]
-        lines += [f"- `{k}`: {v}" for k, v in sorted(result.unobserved.items())]
+        lines += [f"- {md_code(k)}: {md_text(v)}" for k, v in sorted(result.unobserved.items())]
         lines.append("")
     if result.notes:
-        lines += ["## Notes", ""] + [f"- {n}" for n in result.notes] + [""]
+        lines += ["## Notes", ""] + [f"- {md_text(n)}" for n in result.notes] + [""]
     return "\n".join(lines)

@@ -6,7 +6,15 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from npuprep.cli.common import add_data, add_jobs, add_json, add_target
+from npuprep.cli.common import (
+    add_data,
+    add_jobs,
+    add_json,
+    add_target,
+    positive_float,
+    positive_int,
+)
+from npuprep.errors import NpuprepError
 
 help = "plan, rewrite and lower MODEL for the target, verify it under emulation, write reports"
 
@@ -29,9 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write the converted model at this default-domain opset "
                         "(default: the model's own; some compilers need 11 or 12)")
     p.add_argument("--holdout", help="samples not used for calibration, to verify on")
-    p.add_argument("--rtol", type=float, default=1e-2,
+    p.add_argument("--rtol", type=positive_float, default=1e-2,
                    help="largest relative L2 error of each output (default 1e-2)")
-    p.add_argument("--max-rounds", type=int, default=3,
+    p.add_argument("--max-rounds", type=positive_int, default=3,
                    help="verification rounds; each pins the first divergent node (default 3)")
     p.add_argument("--verify-with", choices=("rknn",),
                    help="also build the converted model with the vendor toolchain and run its "
@@ -48,10 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from npuprep.cli.common import open_samples, print_json
-    from npuprep.data import load_samples
-    from npuprep.errors import NpuprepError
+    from npuprep.cli.common import check_rtol, open_samples, print_json
     from npuprep.model_io import load_model
+    from npuprep.names import file_part
+    from npuprep.outputs import SAMPLE_FILES, OutputPlan
     from npuprep.profiles import load_profile
 
     profile = load_profile(args.target)
@@ -61,55 +69,84 @@ def run(args: argparse.Namespace) -> int:
         args.model = str(example_model_path())
         if not (args.data or args.synthetic or args.stats):
             args.data = str(example_data_dir())
-    model = load_model(args.model)
-    stem = Path(args.model).stem
-    default_ext = ".plan.yaml" if args.plan_only else ".onnx"
-    output = Path(args.output or f"{stem}.{profile.name}{default_ext}")
-    if output.exists() and output.resolve() == Path(args.model).resolve():
-        raise NpuprepError(f"{output}: refusing to overwrite the input model; choose another -o")
+    check_rtol(args.rtol, "--rtol")
     if args.plan and args.plan_only:
         raise NpuprepError("--plan and --plan-only together: the plan already exists")
-
-    samples = open_samples(args, model.proto)
-    stats = _stats(args, model, samples)
+    model = load_model(args.model)
+    default_ext = ".plan.yaml" if args.plan_only else ".onnx"
+    # Default names come from the model's file name and the profile's name as data, never a path.
+    output = Path(args.output or f"{file_part(Path(args.model).stem, 'model')}."
+                                 f"{file_part(profile.name, 'target')}{default_ext}")
+    paths = _artefact_paths(args, output)
+    outputs = OutputPlan()
+    outputs.reads_model(args.model)
+    outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
+    outputs.reads(args.holdout, "the --holdout samples", SAMPLE_FILES)
+    outputs.reads(args.stats, "the --stats file")
+    outputs.reads(args.plan, "the --plan file")
+    if Path(args.target).is_file():
+        outputs.reads(args.target, "the --target profile")
+    for role, path in paths.items():
+        if role == "model":
+            outputs.writes_model(path, "-o")
+        else:
+            outputs.writes(path, _ROLES[role])
+    if args.report and not args.plan_only:
+        outputs.removes_stale(f"{output.with_suffix('')}.report.json", "an older report beside -o")
+    with outputs.open() as files:
+        samples = open_samples(args, model.proto)
+        if args.plan_only:
+            plan = _plan_only(args, model, profile, _stats(args, model, samples), output, files)
+        else:
+            report, passed = _convert(args, model, profile, samples, paths, files)
     if args.plan_only:
-        return _plan_only(args, model, profile, stats, output)
-    if samples is None:
-        raise NpuprepError("convert verifies on samples: give --data D or --synthetic N")
-
-    from npuprep.convert import convert
-    from npuprep.plan import load_plan
-
-    plan = load_plan(args.plan, model) if args.plan else None
-    holdout = load_samples(args.holdout, model.proto, batched=args.batched) if args.holdout else None
-    result = convert(
-        model, profile, list(samples), stats=stats, plan=plan, precision=args.precision,
-        io_types=args.io_types, rtol=args.rtol, holdout=list(holdout) if holdout else None,
-        samples_description=samples.describe(), synthetic=samples.synthetic,
-        max_rounds=max(1, args.max_rounds), opset=args.opset,
-        max_fp32_share=args.max_fp32_share / 100,
-    )
-    vendor = _vendor_check(args, model, result, list(samples), output) if args.verify_with else None
-    report = _write_artefacts(args, result, output, vendor)
+        _print_plan(args, plan, output)
+        return 0
     if args.json:
         print_json(report)
     else:
         _print_summary(report)
-    return 0 if result.passed and (vendor is None or vendor) else 1
+    return 0 if passed else 1
 
 
-def _vendor_check(args: argparse.Namespace, model: Any, result: Any, samples: list, output: Path):
+def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, paths: dict[str, Path],
+             files: Any) -> tuple[dict[str, Any], bool]:
+    from npuprep.convert import convert
+    from npuprep.data import load_samples
+    from npuprep.plan import load_plan
+
+    if samples is None:
+        raise NpuprepError("convert verifies on samples: give --data D or --synthetic N")
+    plan = load_plan(args.plan, model) if args.plan else None
+    holdout = load_samples(args.holdout, model.proto, batched=args.batched) if args.holdout else None
+    stats = _stats(args, model, samples)
+    result = convert(
+        model, profile, list(samples), stats=stats, plan=plan, precision=args.precision,
+        io_types=args.io_types, rtol=args.rtol, holdout=list(holdout) if holdout else None,
+        samples_description=samples.describe(), synthetic=samples.synthetic,
+        max_rounds=args.max_rounds, opset=args.opset, max_fp32_share=args.max_fp32_share / 100,
+    )
+    vendor = _vendor_check(args, model, result, list(samples), paths, files) \
+        if args.verify_with else None
+    report = _write_artefacts(args, result, paths, files, vendor)
+    return report, bool(report["passed"])
+
+
+def _vendor_check(args: argparse.Namespace, model: Any, result: Any, samples: list,
+                  paths: dict[str, Path], files: Any) -> Any:
     """The converted model built and run by the vendor toolchain; its layer report beside -o."""
-    from npuprep.model_io import write_text_atomic
     from npuprep.verify.vendor import vendor_check, with_layers
 
     check = vendor_check(model.proto, result.lowered.model, samples, vendor=args.verify_with,
                          python=args.vendor_python, rtol=args.rtol,
                          host_scales=getattr(result, "host_scales", None))
-    report_path = f"{output.with_suffix('')}.rknn_error_analysis.txt"
+    report_path = paths["vendor_error_analysis"]
     if check.accuracy_report:
-        write_text_atomic(report_path, check.accuracy_report)
-    return with_layers(check, _as_model(result.lowered.model, output), result.profile, report_path)
+        files.text(report_path, check.accuracy_report)
+    else:
+        del paths["vendor_error_analysis"]  # the report names only files of its set
+    return with_layers(check, _as_model(result.lowered.model, paths["model"]), result.profile,
+                       str(report_path))
 
 
 def _as_model(proto: Any, output: Path) -> Any:
@@ -129,6 +166,40 @@ def _percent(text: str) -> float:
     return value
 
 
+# What each companion is called in messages.
+_ROLES = {
+    "plan": "the plan written beside -o", "precision_yaml": "the precision YAML written beside -o",
+    "trtexec": "the trtexec file written beside -o", "horizon_node_info": "the Horizon file written beside -o",
+    "rknn_custom_quantize_layers": "the RKNN file written beside -o",
+    "report_json": "--report", "report_md": "the Markdown report written beside -o", "report_html": "--html",
+    "vendor_error_analysis": "the vendor's layer report written beside -o",
+}
+
+
+def _artefact_paths(args: argparse.Namespace, output: Path) -> dict[str, Path]:
+    """Every file this convert writes, by role: the model first."""
+    if args.plan_only:
+        if args.report or args.html:
+            raise NpuprepError("--plan-only writes only the plan (-o); --report and --html need a conversion")
+        return {"plan": output}
+    base = output.with_suffix("")
+    paths = {
+        "model": output,
+        "plan": Path(f"{base}.plan.yaml"),
+        "precision_yaml": Path(f"{base}.precision.yaml"),
+        "trtexec": Path(f"{base}.trtexec.txt"),
+        "horizon_node_info": Path(f"{base}.horizon.yaml"),
+        "rknn_custom_quantize_layers": Path(f"{base}.rknn.yaml"),
+        "report_json": Path(args.report) if args.report else Path(f"{base}.report.json"),
+        "report_md": Path(f"{base}.report.md"),
+    }
+    if args.html:
+        paths["report_html"] = Path(args.html)
+    if args.verify_with:
+        paths["vendor_error_analysis"] = Path(f"{base}.{args.verify_with}_error_analysis.txt")
+    return paths
+
+
 def _stats(args: argparse.Namespace, model: Any, samples: Any) -> Any:
     from npuprep.calibrate import calibrate, load_stats
 
@@ -139,25 +210,31 @@ def _stats(args: argparse.Namespace, model: Any, samples: Any) -> Any:
     return calibrate(model, samples, jobs=args.jobs, streams=args.streams, show_progress=not args.json)
 
 
-def _plan_only(args: argparse.Namespace, model: Any, profile: Any, stats: Any, output: Path) -> int:
+def _plan_only(args: argparse.Namespace, model: Any, profile: Any, stats: Any, output: Path,
+               files: Any) -> Any:
     from npuprep.analyse import static_findings
     from npuprep.analyse.measured import measured_findings
-    from npuprep.cli.common import print_json
-    from npuprep.plan import save_plan
+    from npuprep.plan import dump_plan
     from npuprep.plan.planner import make_plan
 
     findings = static_findings(model, profile)
     if stats is not None:
         findings = findings.merged(measured_findings(model, profile, stats, args.precision))
     plan = make_plan(model, profile, stats, findings, precision=args.precision)
-    save_plan(plan, output)
+    files.text(output, dump_plan(plan))
+    return plan
+
+
+def _print_plan(args: argparse.Namespace, plan: Any, output: Path) -> None:
+    from npuprep.cli.common import print_json
+    from npuprep.names import shown
+
     if args.json:
         print_json(plan.to_dict() | {"written": str(output)})
-    else:
-        print(f"plan: {len(plan.actions)} actions, {len(plan.declined)} declined -> {output}")
-        for a in plan.actions:
-            print(f"  {a.action:9s} {_where(a)}  ({a.why})")
-    return 0
+        return
+    print(f"plan: {len(plan.actions)} actions, {len(plan.declined)} declined -> {shown(output)}")
+    for a in plan.actions:
+        print(f"  {a.action:9s} {shown(_where(a))}  ({shown(a.why)})")
 
 
 def _where(action: Any) -> str:
@@ -166,20 +243,20 @@ def _where(action: Any) -> str:
     return action_target(action.to_dict())
 
 
-def _write_artefacts(args: argparse.Namespace, result: Any, output: Path,
-                     vendor: Any = None) -> dict[str, Any]:
-    """The model, its reports and constraint files, each written atomically."""
+def _write_artefacts(args: argparse.Namespace, result: Any, paths: dict[str, Path],
+                     files: Any, vendor: Any = None) -> dict[str, Any]:
+    """Stage the model, its reports and constraint files: they are put in place together."""
     from npuprep.cli.common import dump_json
-    from npuprep.model_io import Model, save_model, write_text_atomic
-    from npuprep.plan import PinFp32, save_plan
+    from npuprep.model_io import Model
+    from npuprep.names import comment
+    from npuprep.plan import PinFp32, dump_plan
     from npuprep.report import constraints
     from npuprep.report.host_scales import host_scales_block
     from npuprep.report.render_md import convert_markdown
 
-    base = output.with_suffix("")
-    report_path = Path(args.report) if args.report else Path(f"{base}.report.json")
+    output = paths["model"]
     lowered = result.lowered.model
-    save_model(lowered, output, protected=(args.model,))
+    files.model(lowered, output)
     # Constraint files speak of the lowered model's node names, pins from lowering included.
     report = result.to_dict(output=str(output))
     low_model = Model(proto=lowered, path=str(output), digest=report["output_fingerprint"])
@@ -189,33 +266,28 @@ def _write_artefacts(args: argparse.Namespace, result: Any, output: Path,
         plan = _with_pins(plan, extra, PinFp32)
     flags = constraints.trt_flags(plan, low_model)
     host = host_scales_block(result.host_scales)
-    artefacts = {
-        "model": str(output),
-        "plan": str(save_plan(result.plan, f"{base}.plan.yaml")),
-        "precision_yaml": str(write_text_atomic(f"{base}.precision.yaml",
-                                                constraints.precision_yaml(plan, low_model) + host)),
-        "trtexec": str(write_text_atomic(f"{base}.trtexec.txt", "\n".join(
-            [flags.command_line(output.name), "", *(f"# {n}" for n in flags.notes)]) + "\n")),
-        "horizon_node_info": str(write_text_atomic(f"{base}.horizon.yaml",
-                                                   constraints.horizon_node_info(plan, low_model))),
-        "rknn_custom_quantize_layers": str(write_text_atomic(
-            f"{base}.rknn.yaml", constraints.rknn_custom_quantize_layers(plan, low_model) + host)),
+    texts = {
+        "plan": dump_plan(result.plan),
+        "precision_yaml": constraints.precision_yaml(plan, low_model) + host,
+        "trtexec": "\n".join([flags.command_line(output.name), "",
+                              *(f"# {comment(n)}" for n in flags.notes)]) + "\n",
+        "horizon_node_info": constraints.horizon_node_info(plan, low_model),
+        "rknn_custom_quantize_layers": constraints.rknn_custom_quantize_layers(plan, low_model) + host,
     }
+    for role, text in texts.items():
+        files.text(paths[role], text)
     if vendor is not None:
         report["vendor"] = vendor.to_dict()
         report["passed"] = bool(report["passed"] and vendor)
-        if vendor.accuracy_report:
-            artefacts["vendor_error_analysis"] = f"{base}.rknn_error_analysis.txt"
-    report["artefacts"] = artefacts | {"report_json": str(report_path),
-                                       "report_md": f"{base}.report.md"}
-    if args.html:
-        report["artefacts"]["report_html"] = args.html
-    write_text_atomic(report_path, dump_json(report))
-    write_text_atomic(f"{base}.report.md", convert_markdown(report))
-    if args.html:
-        from npuprep.report.render_html import write_html
+    # The report names every file of its set (and the model's fingerprint), so a file
+    # left from another run is never taken for part of this one.
+    report["artefacts"] = {role: str(path) for role, path in paths.items()}
+    files.text(paths["report_json"], dump_json(report))
+    files.text(paths["report_md"], convert_markdown(report))
+    if "report_html" in paths:
+        from npuprep.report.render_html import render
 
-        write_html(report, args.html)
+        files.text(paths["report_html"], render(report))
     return report
 
 
@@ -253,9 +325,9 @@ def _nodes(nodes: list[str]) -> str:
 
 
 def _print_summary(report: dict[str, Any]) -> None:
-    from npuprep.cli.common import print_table
+    from npuprep.cli.common import print_table, say
 
-    print(f"npuprep convert: {report['model']} -> {report['output']} "
+    say(f"npuprep convert: {report['model']} -> {report['output']} "
           f"(target {report['target']}, {report['precision']})")
     if report["samples"]["synthetic"]:
         print("samples are synthetic: the ranges are not those of real data")
@@ -281,7 +353,7 @@ def _print_summary(report: dict[str, Any]) -> None:
           f"{report['cast_count']} Casts, {len(report['pinned_nodes'])} pinned nodes, "
           f"{len(report['declined'])} declined remedies")
     for note in report.get("notes", []):
-        print(f"note: {note}")
+        say(f"note: {note}")
     first = report.get("first_divergent")
     outputs_ok = (report.get("verification") or {}).get("passed", True) and \
         (report.get("holdout") or {}).get("passed", True)
@@ -289,4 +361,4 @@ def _print_summary(report: dict[str, Any]) -> None:
         f"FAILED: first divergent node '{first['node']}' ({first['op_type']})" if first else
         f"FAILED: {report['fp32_share']['headline']}" if outputs_ok and report.get("fp32_share")
         else "FAILED")
-    print(f"{verdict}; report: {report['artefacts']['report_md']}")
+    say(f"{verdict}; report: {report['artefacts']['report_md']}")

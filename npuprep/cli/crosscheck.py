@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from npuprep.cli.common import add_json, add_target
+from npuprep.names import shown
 
 help = "check a compiler's per-layer precision report against the nodes npuprep found sensitive"
 
@@ -39,11 +40,22 @@ def run(args: argparse.Namespace) -> int:
     from npuprep.crosscheck.names import NodeIndex
     from npuprep.crosscheck.readers import read_report
     from npuprep.crosscheck.render import COLUMNS, row, to_markdown
-    from npuprep.model_io import load_model, write_text_atomic
+    from npuprep.model_io import load_model
+    from npuprep.outputs import OutputPlan
     from npuprep.profiles import load_profile
 
     model = load_model(args.model)
     profile = load_profile(args.target)
+    outputs = OutputPlan()
+    outputs.reads_model(args.model)
+    outputs.reads(args.report, "the --report file")
+    outputs.reads(args.stats, "the --stats file")
+    outputs.reads(args.plan, "the --plan file")
+    if Path(args.target).is_file():
+        outputs.reads(args.target, "the --target profile")
+    if args.report_md:
+        outputs.writes(args.report_md, "--report-md")
+        outputs.check()
     index = NodeIndex(model)
     report = read_report(args.report, index, args.format)
     findings = static_findings(model, profile)
@@ -59,16 +71,17 @@ def run(args: argparse.Namespace) -> int:
             report = replace(report, notes=(*report.notes, note))
     result = crosscheck(model, report, profile, findings=findings, pinned_nodes=pinned, index=index)
     if args.report_md:
-        write_text_atomic(args.report_md, to_markdown(result))
+        with outputs.open() as files:
+            files.text(args.report_md, to_markdown(result))
     if args.json:
         print_json(result.to_dict())
     else:
         counts = ", ".join(f"{k} {n}" for k, n in result.counts.items() if n)
         # Layer names such as {ForeignNode[a...b]} are not rich markup.
-        print_table(escape(f"Crosscheck of {report.path} ({report.format}) for {profile.name}: {counts}"),
+        print_table(f"Crosscheck of {report.path} ({report.format}) for {profile.name}: {counts}",
                     COLUMNS, [[escape(c) for c in row(v)] for v in result.verdicts])
         for note in result.notes:
-            print(f"note: {note}")
+            print(f"note: {shown(note)}")
         print(failure_line(result))
     return 0 if result else 1
 
@@ -94,17 +107,16 @@ def _pinned_nodes(path: str, model: Any, nodes: set[str]) -> tuple[set[str], str
     plan was made for; its pinned nodes keep their names, so the plan still applies when
     every one of them is in this model.
     """
-    import yaml
-
     from npuprep.errors import NpuprepError
     from npuprep.plan import Plan, load_plan
+    from npuprep.yaml_io import read_yaml
 
     try:
         return load_plan(path, model).pinned_nodes(), ""
     except NpuprepError:
         try:
-            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            data = read_yaml(Path(path), "plan")
+        except NpuprepError:
             data = None
         if not isinstance(data, dict) or data.get("fingerprint") in (None, model.fingerprint):
             raise

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
+import threading
 
 from npuprep import __version__
 from npuprep.errors import NpuprepError
+from npuprep.names import shown
 
 # name -> module under npuprep.cli; each module has `help`, `add_arguments(p)` and `run(args) -> int`.
 COMMANDS: dict[str, str] = {
@@ -50,6 +54,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that every `finally` (temporary files) runs."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     parser = build_parser(words[0] if words and words[0] in COMMANDS else None)
@@ -57,15 +69,29 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         return int(args._run(args) or 0)
     except NpuprepError as exc:
-        print(f"npuprep: error: {exc}", file=sys.stderr)
+        print(f"npuprep: error: {shown(exc)}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("npuprep: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        print("npuprep: terminated" if isinstance(exc, Terminated) else "npuprep: interrupted",
+              file=sys.stderr)
+        return 143 if isinstance(exc, Terminated) else 130
+
+
+def entry() -> None:
+    """The console script: after an interrupt, leave without running onnxruntime's C++
+    teardown while its worker threads may still be busy, which aborts (exit 134)."""
+    code = main()
+    if code in (130, 143):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from npuprep.cli.common import add_data, add_json, fmt, print_json, print_table
+from npuprep.cli.common import add_data, add_json, fmt, positive_float, print_json, print_table, say
 
 help = "measure how the target overflows (inf, nan, saturate, other): locally or via a board kit"
 
@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", dest="fmt", help="format to probe (default: the profile's "
                                                   "default_precision), e.g. fp8_e4m3 on an FP16+FP8 target")
     p.add_argument("--layer", help="node name or output tensor of the layer to amplify")
-    p.add_argument("--gain", type=float, default=100.0, help="weight gain (default 100)")
+    p.add_argument("--gain", type=positive_float, default=100.0, help="weight gain (default 100)")
     p.add_argument("--fixed-gain", action="store_true",
                    help="use --gain as given instead of raising it until the output overflows")
     p.add_argument("--backend", choices=BACKENDS, default="emulate",
@@ -44,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from npuprep.errors import NpuprepError
 
+    _check_outputs(args)
     if args.classify or args.outputs:
         if not (args.classify and args.outputs):
             raise NpuprepError("--classify DIR and --outputs OUT go together")
@@ -53,6 +54,24 @@ def run(args: argparse.Namespace) -> int:
     if args.export_kit:
         return _export(args)
     return _run_local(args)
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """--write-profile and --export-kit against every file probe reads, before any probing."""
+    from npuprep.outputs import SAMPLE_FILES, OutputPlan
+
+    outputs = OutputPlan()
+    outputs.reads_model(args.model)
+    outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
+    outputs.reads(args.classify, "the --classify kit")
+    outputs.reads(args.outputs, "the --outputs folder")
+    if args.target and Path(args.target).is_file():
+        outputs.reads(args.target, "the --target profile")
+    if args.write_profile:
+        outputs.writes(args.write_profile, "--write-profile")
+    if args.export_kit:
+        outputs.writes_folder(args.export_kit, "--export-kit")
+    outputs.check()
 
 
 def _profile(args: argparse.Namespace):
@@ -210,12 +229,12 @@ def _show(args: argparse.Namespace, doc: dict[str, Any], layer: Any) -> None:
         first = layer.first_shows
         where = (f"first shows at tensor '{first['tensor']}' ({first['op_type']} '{first['node']}'): "
                  f"{first['verdict']}") if first else "no tensor shows an overflow behaviour"
-        print(f"layer '{layer.layer.node}' x{layer.gain:g} (max gain {layer.max_gain:.4g}); {where}")
+        say(f"layer '{layer.layer.node}' x{layer.gain:g} (max gain {layer.max_gain:.4g}); {where}")
         pre = layer.pre_existing
         if pre:
-            print(f"the model overflows without the probe too: first at tensor '{pre['tensor']}' "
+            say(f"the model overflows without the probe too: first at tensor '{pre['tensor']}' "
                   f"({pre['op_type']} '{pre['node']}'): {pre['verdict']}")
     if doc.get("note"):
-        print(f"note: {doc['note']}")
+        say(f"note: {doc['note']}")
     o = doc["overall"]
-    print(f"overall: {o['verdict']} ({o['reason']})")
+    say(f"overall: {o['verdict']} ({o['reason']})")

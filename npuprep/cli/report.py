@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from npuprep import json_io
 from npuprep.errors import NpuprepError
+from npuprep.names import shown
 
 help = "render a check, stats, compare or convert result JSON as one self-contained HTML page"
 
@@ -24,7 +26,7 @@ def load_result(path: str | Path) -> dict[str, Any]:
     """A result JSON object; a missing file or bad JSON is one NpuprepError."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json_io.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise NpuprepError(f"{path}: result file not found") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -57,11 +59,15 @@ def tensor_order(model: Any) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from npuprep.outputs import OutputPlan
     from npuprep.report.render_html import render
 
+    outputs = OutputPlan()
+    outputs.reads(args.result, "the result JSON")
+    outputs.reads_model(args.model)
+    outputs.writes(args.output, "-o")
+    outputs.check()
     result = load_result(args.result)
-    if Path(args.output).resolve() == Path(args.result).resolve():
-        raise NpuprepError(f"{args.output}: refusing to overwrite the result JSON with its report")
     order: list[str] = []
     if args.model:
         from npuprep.model_io import load_model
@@ -75,8 +81,7 @@ def run(args: argparse.Namespace) -> int:
         page = render(result, plots=not args.no_plots, order=order)
     except NpuprepError as exc:
         raise NpuprepError(f"{args.result}: {exc}") from None
-    from npuprep.model_io import write_text_atomic
-
-    write_text_atomic(args.output, page)
-    print(f"wrote {args.output}")
+    with outputs.open() as files:
+        files.text(args.output, page)
+    print(f"wrote {shown(args.output)}")
     return 0

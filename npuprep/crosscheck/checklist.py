@@ -18,12 +18,14 @@ from typing import Any
 
 import onnx
 
+from npuprep import json_io
 from npuprep.analyse.finding import Finding
 from npuprep.crosscheck.check import VERDICTS, is_sensitive
 from npuprep.crosscheck.readers import DEFAULT_REPORT_NAME, HOW_TO_GET
 from npuprep.errors import NpuprepError
 from npuprep.graph import attribute, tensor_types, walk_graphs
 from npuprep.model_io import Model
+from npuprep.names import md_code, shown
 from npuprep.profiles import OverflowMode, TargetProfile
 
 SCHEMA_VERSION = 1
@@ -102,8 +104,10 @@ def scan_workspace(path: str | Path) -> Workspace:
     artefacts: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     notes: list[str] = []
     for file in sorted(folder.glob("*.json")):
+        if not file.is_file():  # a FIFO would block the read
+            continue
         try:
-            data = json.loads(file.read_text(encoding="utf-8"))
+            data = json_io.loads(file.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             notes.append(f"{file}: skipped, not readable JSON ({type(exc).__name__})")
             continue
@@ -404,7 +408,7 @@ def _memory(ctx: _Context) -> Item:
 
 
 def to_markdown(checklist: Checklist) -> str:
-    lines = [f"# First-week bring-up checklist: `{checklist.model}` on `{checklist.target}`", ""]
+    lines = [f"# First-week bring-up checklist: {md_code(checklist.model)} on {md_code(checklist.target)}", ""]
     lines += [*checklist.header, ""]
     done = sum(i.done for i in checklist.items)
     failed = sum(i.failed for i in checklist.items)
@@ -418,7 +422,8 @@ def to_markdown(checklist: Checklist) -> str:
         lines += [f"  - {label}: `{s}`" if _is_command(s) else f"  - {label}: {s}" for s in item.steps]
     if checklist.notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in checklist.notes]
-    return "\n".join(lines) + "\n"
+    # Names inside the lines (tensors, paths) cannot start a line of their own.
+    return "\n".join(shown(line) for line in lines) + "\n"
 
 
 def _is_command(step: str) -> bool:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from npuprep import json_io
 from npuprep.crosscheck import horizon, rknn
 from npuprep.crosscheck.generic import read_generic_csv, read_generic_json
 from npuprep.crosscheck.names import NodeIndex
@@ -89,6 +90,6 @@ def _looks_like_json(text: str) -> bool:
 
 def _json(path: str, text: str) -> Any:
     try:
-        return json.loads(text)
+        return json_io.loads(text)
     except json.JSONDecodeError as exc:
         raise malformed(path, f"line {exc.lineno} column {exc.colno}", f"invalid JSON: {exc.msg}") from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from npuprep.crosscheck.check import DISPLAY_ORDER, Crosscheck, Verdict
+from npuprep.names import md_cell, md_code, shown
 
 COLUMNS = ("verdict", "node", "op", "runs in", "needs", "layers", "why")
 
@@ -20,11 +21,11 @@ def to_markdown(result: Crosscheck) -> str:
     lines = [
         f"# Crosscheck: {result.report_format} report vs npuprep findings ({status})",
         "",
-        f"- report: `{result.report}`",
-        f"- target: `{result.target}`; model fingerprint `{result.fingerprint}`",
+        f"- report: {md_code(result.report)}",
+        f"- target: {md_code(result.target)}; model fingerprint {md_code(result.fingerprint)}",
         f"- verdicts: {counts or 'none'}",
     ]
-    lines += [f"- note: {n}" for n in result.notes]
+    lines += [f"- note: {shown(n)}" for n in result.notes]
     for verdict in DISPLAY_ORDER:
         chosen = result.of(verdict)
         if not chosen:
@@ -36,4 +37,4 @@ def to_markdown(result: Crosscheck) -> str:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    return md_cell(text)

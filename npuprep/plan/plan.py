@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from npuprep import names
 from npuprep.errors import NpuprepError
 from npuprep.graph import node_label, walk_graphs
 from npuprep.model_io import Model, write_text_atomic
@@ -27,6 +28,10 @@ from npuprep.plan.actions import (
 from npuprep.yaml_io import read_yaml
 
 SCHEMA_VERSION = 1
+# k of a rescale: 2^-24 is FP16's smallest subnormal, 2^15 the largest power of two below its max.
+_K_RANGE = (-15, 24)
+# Largest |e| of a domain exponent: scale**e stays a finite double for every allowed k.
+_MAX_EXPONENT = 64
 
 
 @dataclass(frozen=True)
@@ -112,7 +117,7 @@ def dump_plan(plan: Plan) -> str:
     if plan.actions:
         out.append("actions:")
         for i, action in enumerate(plan.actions, 1):
-            out.append(f"  # {i}. {_headline(action)}")
+            out.append(f"  # {i}. {names.comment(_headline(action))}")
             out.extend(_emit_item(action.to_dict(), 1, _comments(action)))
     else:
         out.append("actions: []")
@@ -167,7 +172,7 @@ def _scalar(value: Any) -> str:
 
 def _emit_key(key: str, value: Any, depth: int, comment: str = "") -> list[str]:
     pad = "  " * depth
-    tail = f"  # {comment}" if comment else ""
+    tail = f"  # {names.comment(comment)}" if comment else ""
     if isinstance(value, dict) and value:
         lines = [f"{pad}{_scalar(key)}:{tail}"]
         for k, v in value.items():
@@ -426,6 +431,9 @@ class _Parser:
         k = self.integer(d["k"], f"{key}.k")
         if k == 0:
             raise self.fail(f"{key}.k", "k = 0 scales by 1; remove the action instead")
+        if not _K_RANGE[0] <= k <= _K_RANGE[1]:
+            raise self.fail(f"{key}.k", f"{k} is out of range: the scale 2^-k must be an FP16 number, "
+                            f"so {_K_RANGE[0]} <= k <= {_K_RANGE[1]}")
         domain_raw = d.get("domain") or {}
         if not isinstance(domain_raw, dict):
             raise self.fail(f"{key}.domain", f"expected a mapping tensor: exponent, got {_type(domain_raw)}")
@@ -433,6 +441,9 @@ class _Parser:
             self.tensor(str(t), f"{key}.domain.{t}"): self.integer(e, f"{key}.domain.{t}")
             for t, e in domain_raw.items()
         }
+        for t, e in domain.items():
+            if abs(e) > _MAX_EXPONENT:
+                raise self.fail(f"{key}.domain.{t}", f"exponent {e} is out of range (|e| <= {_MAX_EXPONENT})")
         absorbers = self.strings(d.get("absorbers"), f"{key}.absorbers")
         if self.names is not None:
             for i, a in enumerate(absorbers):

@@ -20,6 +20,7 @@ import onnx
 import yaml
 from onnx import helper
 
+from npuprep import json_io
 from npuprep.errors import NpuprepError
 from npuprep.model_io import save_model, write_text_atomic
 from npuprep.numerics import NumberFormat, get_format
@@ -213,7 +214,7 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise NpuprepError(f"{path}: probe kit manifest not found")
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = json_io.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise NpuprepError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(manifest, dict) or manifest.get("kind") != KIND:

@@ -19,6 +19,7 @@ import onnx
 
 from npuprep.graph import node_label, tensor_types, topological_order, walk_graphs
 from npuprep.model_io import Model, write_text_atomic
+from npuprep.names import comment
 from npuprep.numerics import FLOAT_ONNX_TYPES, get_format
 from npuprep.plan.actions import PinFp32
 from npuprep.plan.plan import Plan
@@ -194,7 +195,8 @@ def horizon_node_info(
     node_info = {n: {"ON": "CPU"} for n in names}
     node_config = {n: {"qtype": "float32"} for n in names}
     return "\n".join([
-        f"# npuprep FP32 pins for Horizon OpenExplorer (target {plan.target}, model {plan.fingerprint}).",
+        f"# npuprep FP32 pins for Horizon OpenExplorer (target {comment(plan.target)}, "
+        f"model {comment(plan.fingerprint)}).",
         "# XJ3/J5 hb_mapper: put node_info under model_parameters (the CPU runs them in float32).",
         f"node_info: {json.dumps(node_info)}",
         "# J6 hb_compile: put node_config inside quant_config.",
@@ -213,7 +215,8 @@ def rknn_custom_quantize_layers(
     """
     types = types if types is not None else tensor_types(model.proto)
     lines = [
-        f"# npuprep pins for RKNN hybrid quantisation (target {plan.target}, model {plan.fingerprint}).",
+        f"# npuprep pins for RKNN hybrid quantisation (target {comment(plan.target)}, "
+        f"model {comment(plan.fingerprint)}).",
         "# Merge into <model>.quantization.cfg before hybrid_quantization_step2.",
         "# RKNN has no FP32 layer setting: float16 is the most it grants.",
     ]
@@ -229,8 +232,8 @@ def rknn_custom_quantize_layers(
 def trt_text(flags: TrtFlags, onnx_path: str = "model.onnx") -> str:
     """The trtexec command as a small shell file, with what it cannot carry as comments."""
     lines = ["# npuprep: keep the plan's FP32 nodes in FP32 on TensorRT 8.6 / 10.x."]
-    lines += [f"# note: {n}" for n in flags.notes]
-    lines += [f"# not expressible: {name} ({why})" for name, why in flags.skipped]
+    lines += [f"# note: {comment(n)}" for n in flags.notes]
+    lines += [f"# not expressible: {comment(name)} ({comment(why)})" for name, why in flags.skipped]
     return "\n".join([*lines, flags.command_line(onnx_path)]) + "\n"
 
 

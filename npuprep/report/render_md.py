@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from npuprep.names import md_cell, md_code, md_text, shown
+
 
 def _num(v: Any) -> str:
     if v is None:
@@ -12,11 +14,11 @@ def _num(v: Any) -> str:
         if v != v:
             return "nan"
         return f"{v:.4g}" if v == 0 or 1e-3 <= abs(v) < 1e5 else f"{v:.3e}"
-    return str(v)
+    return shown(v)
 
 
 def _row(cells: list[Any]) -> str:
-    return "| " + " | ".join(_num(c).replace("|", "\\|") for c in cells) + " |"
+    return "| " + " | ".join(md_cell(_num(c)) for c in cells) + " |"
 
 
 def action_target(a: dict[str, Any]) -> str:
@@ -44,15 +46,15 @@ def convert_markdown(result: dict[str, Any]) -> str:
     """The Markdown summary of a `convert` result dict (ConversionResult.to_dict())."""
     ver = result.get("verification") or {}
     lines = [
-        f"# npuprep convert: {result['model']} -> {result['target']} ({result['precision']})",
+        f"# npuprep convert: {md_text(result['model'])} -> {md_text(result['target'])} ({result['precision']})",
         "",
         f"- verdict: **{'PASSED' if result['passed'] else 'FAILED'}**",
-        f"- output: `{result.get('output') or '-'}`",
+        f"- output: {md_code(result.get('output') or '-')}",
         f"- model fingerprint: `{result['fingerprint']}`; output fingerprint: `{result['output_fingerprint']}`",
-        f"- samples: {result['samples']['description']}"
+        f"- samples: {md_text(result['samples']['description'])}"
         + (" (synthetic: not real data)" if result["samples"]["synthetic"] else ""),
         f"- FLOPs left in FP32: {100 * result['flops_fp32_share']:.2f}%",
-        *([f"- {result['fp32_verdict']}"] if result.get("fp32_verdict") else []),
+        *([f"- {md_text(result['fp32_verdict'])}"] if result.get("fp32_verdict") else []),
         f"- Cast nodes inserted: {result['cast_count']}",
         f"- FP32-pinned nodes: {len(result['pinned_nodes'])}",
         f"- verification rounds: {result['rounds']}",
@@ -98,15 +100,15 @@ def convert_markdown(result: dict[str, Any]) -> str:
     if result.get("holdout"):
         lines += ["", "Holdout samples:", ""]
         for name, o in result["holdout"]["outputs"].items():
-            lines.append(f"- `{name}`: Inf/NaN {o['nonfinite']}, max abs error {_num(o['max_abs_error'])}, "
+            lines.append(f"- {md_code(name)}: Inf/NaN {o['nonfinite']}, max abs error {_num(o['max_abs_error'])}, "
                          f"rel L2 {_num(o['rel_l2'])}")
     first = result.get("first_divergent")
     if first:
-        lines += ["", f"**First divergent node:** `{first.get('node')}` ({first.get('op_type')}), "
-                  f"tensor `{first.get('tensor')}`"]
+        lines += ["", f"**First divergent node:** {md_code(first.get('node'))} ({md_text(first.get('op_type'))}), "
+                  f"tensor {md_code(first.get('tensor'))}"]
     if result.get("artefacts"):
         lines += ["", "## Artefacts", ""]
-        lines += [f"- {k}: `{v}`" for k, v in sorted(result["artefacts"].items())]
+        lines += [f"- {k}: {md_code(v)}" for k, v in sorted(result["artefacts"].items())]
     if result.get("notes"):
-        lines += ["", "## Notes", ""] + [f"- {n}" for n in result["notes"]]
+        lines += ["", "## Notes", ""] + [f"- {shown(n)}" for n in result["notes"]]
     return "\n".join(lines) + "\n"

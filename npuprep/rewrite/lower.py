@@ -132,10 +132,6 @@ class _Lowering:
         self.body_input_owner: dict[str, onnx.NodeProto] = {}
         self.casts = 0
         self.cast_cache: dict[tuple[int, str, int], str] = {}
-        # Each Cast's target as the model wrote it: lowering rewrites `to` in place, and a
-        # reader's Cast decision must not depend on whether its producer was lowered first.
-        self.cast_to = {id(n): _attr_int(n, "to") for s in self.scopes for n in s.graph.node
-                        if n.op_type == "Cast"}
         self.weights: dict[str, _Weight] = {}
         self.mapped: dict[str, int] = {}
         self.flushed: dict[str, int] = {}
@@ -146,6 +142,10 @@ class _Lowering:
         self.fp32_outputs: list[str] = []
         # Message wrappers are keyed by id(); holding them keeps those ids valid.
         self._alive = [n for s in self.scopes for n in s.graph.node]
+        # Each Cast's target as the model wrote it: lowering rewrites `to` in place, and a
+        # reader's Cast decision must not depend on whether its producer was lowered first.
+        # Keyed by id(): the node objects stay alive in _alive, so the ids stay theirs.
+        self.cast_to = {id(n): _attr_int(n, "to") for n in self._alive if n.op_type == "Cast"}
 
     # -- decisions --------------------------------------------------------------------
 

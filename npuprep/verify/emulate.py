@@ -83,6 +83,8 @@ def emulate(
     rounded: list[str] = []
     weights: list[str] = []
 
+    # A lowered model may already hold `<y>__fp32` (the FP32 tensor a Cast turns into output y).
+    taken = {n for s in walk_graphs(out.graph) for n in _defined(s.graph)}
     for scope in walk_graphs(out.graph):
         graph = scope.graph
         builder.new_scope()
@@ -148,6 +150,9 @@ def emulate(
                 if node.op_type == "Constant" and all(node_label(n) in pinned for n in readers.get(name, [])):
                     continue  # a constant only pinned nodes read is an FP32 weight of theirs
                 pre = name + SUFFIX
+                if pre in taken:
+                    pre = builder.fresh(pre)
+                taken.add(pre)
                 node.output[i] = pre
                 new_nodes += builder.chain(pre, name)
                 rounded.append(name)
@@ -158,6 +163,11 @@ def emulate(
 
     return Emulation(out, fmt, saturate, tuple(rounded), tuple(weights), tuple(sorted(pinned)),
                      upgraded_from)
+
+
+def _defined(graph: onnx.GraphProto) -> set[str]:
+    names = {vi.name for vi in list(graph.input) + list(graph.output)}
+    return names | {i.name for i in graph.initializer} | {o for n in graph.node for o in n.output if o}
 
 
 class _ChainBuilder:
