@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "crosscheck": "crosscheck",
     "checklist": "checklist",
     "report": "report",
+    "stats": "stats",
 }
 
 
