@@ -125,7 +125,8 @@ def _gather(ray: Any, refs: list[Any], counter: Any, total: int, show: bool, ret
         raise
     except RayError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise NpuprepError(f"Ray: a shard failed {retries + 1} times ({type(exc).__name__}: {first})") from None
+        tries = f"{retries + 1} tries" if retries else "1 try"
+        raise NpuprepError(f"Ray: a shard failed after {tries} ({type(exc).__name__}: {first})") from None
 
 
 def _absolute(shard: SampleSet) -> SampleSet:
