@@ -58,12 +58,18 @@ def child(method: str, model: Path, folder: Path, out: Path) -> dict[str, float]
         t0 = time.perf_counter()
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
         t1 = time.perf_counter()
+        # Ray alone, before any task: its daemons and the idle workers it starts (the pause
+        # is left out of the wall time).
+        time.sleep(1.0)
+        phases["ray_idle_pss_mb"] = _tree_pss_mb(os.getpid())
+        phases["paused_s"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
         m = load_model(model, weights="file")
         save_stats(calibrate_on_ray(m, load_samples(folder, m.proto)), out)
         t2 = time.perf_counter()
         ray.shutdown()
         t3 = time.perf_counter()
-        phases = {"ray_init_s": t1 - t0, "tasks_s": t2 - t1, "ray_shutdown_s": t3 - t2}
+        phases |= {"ray_init_s": t1 - t0, "tasks_s": t2 - t1, "ray_shutdown_s": t3 - t2}
     else:
         from npuprep.cli.main import main as cli
 
@@ -82,7 +88,8 @@ def run(method: str, model: Path, folder: Path) -> dict[str, float]:
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{method} failed: {proc.stderr.strip()[-500:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1]) | {"wall_s": wall, "stats": out.read_text()}
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result | {"wall_s": wall - result.get("paused_s", 0.0), "stats": out.read_text()}
 
 
 def main() -> None:
@@ -118,8 +125,9 @@ def main() -> None:
     stats = {r.pop("stats") for rounds in results.values() for r in rounds}
     print(f"{args.samples} samples, {args.rounds} rounds, load average "
           f"{', '.join(f'{v:.1f}' for v in os.getloadavg())}; stats files identical: {len(stats) == 1}")
-    print("| method | wall s (median) | wall s (rounds) | s / sample | peak PSS MB | Ray init s | tasks s | Ray shutdown s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| method | wall s (median) | wall s (rounds) | s / sample | peak PSS MB | Ray idle PSS MB | Ray init s "
+          "| tasks s | Ray shutdown s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for method, rounds in results.items():
         walls = [r["wall_s"] for r in rounds]
         med = statistics.median(walls)
@@ -128,7 +136,8 @@ def main() -> None:
             return f"{statistics.median(r[key] for r in rounds):.2f}" if key in rounds[0] else "-"
 
         print(f"| {method} | {med:.1f} | {', '.join(f'{w:.1f}' for w in walls)} | {med / args.samples:.4f} | "
-              f"{max(r['pss_peak_mb'] for r in rounds):.0f} | {phase('ray_init_s')} | {phase('tasks_s')} | "
+              f"{max(r['pss_peak_mb'] for r in rounds):.0f} | {phase('ray_idle_pss_mb')} | {phase('ray_init_s')} | "
+              f"{phase('tasks_s')} | "
               f"{phase('ray_shutdown_s')} |")
     (WORK / "bench_calibrate_ray.json").write_text(json.dumps(results, indent=1))
 
