@@ -142,8 +142,6 @@ class FeedStream:
     kind = "stream"
     synthetic = False
     source = "a Python iterable"
-    seed = 0
-    start = 0
 
     def __init__(self, feeds: Iterable[Feed], model: onnx.ModelProto) -> None:
         try:

@@ -81,3 +81,17 @@ def test_bad_streams_are_refused_with_one_line(squares):
         calibrate(model, iter([{"x": x} for x in xs]), jobs=2)
     with pytest.raises(NpuprepError, match="unknown executor 'dask'"):
         calibrate(model, xs, executor="dask")
+
+
+def test_a_stream_is_read_to_its_end_whatever_length_it_claims(squares):
+    model, _, xs = squares
+
+    class Claims3:
+        def __len__(self) -> int:
+            return 3
+
+        def __iter__(self):  # noqa: ANN204 - an iterator of feeds
+            return iter({"x": x} for x in xs)
+
+    stats = calibrate(model, Claims3(), streams=1)
+    assert stats.sample_count == len(xs) and len(stats.tensors["x"].per_sample_absmax) == len(xs)

@@ -95,7 +95,9 @@ def calibrate(
             if done.value == 0:
                 raise NpuprepError("calibration: the sample stream gave no sample")
             acc = folding.acc
-            acc.merge(fold_streams(folding, samples, 1, count, streams, done))
+            # A stream is read to its end, whatever length it claimed.
+            stop = count if isinstance(samples, SampleSet) else None
+            acc.merge(fold_streams(folding, samples, 1, stop, streams, done))
         inst = folding.inst
     else:
         # Settled before forking: a fork must not copy a thread in the middle of its work.
