@@ -111,14 +111,20 @@ def test_bad_data_on_a_worker_is_the_users_error(local_ray, tmp_path):
         calibrate(model, iter(()), executor="ray")
 
 
-def test_the_command_line_on_a_local_ray(tmp_path):
-    # Its own local Ray: the CLI starts one and stops it.
+def test_the_command_line_on_a_local_ray_and_joining_a_cluster(local_ray, tmp_path):
     path, data = zoo_on_disk(tmp_path / "z", "decomposed_layernorm")
-    one, two = tmp_path / "one.json", tmp_path / "ray.json"
+    one, two, three = tmp_path / "one.json", tmp_path / "ray.json", tmp_path / "joined.json"
     assert run_cli("calibrate", path, "--data", data, "-o", one).returncode == 0
+    # Without an address the CLI starts a local Ray of its own and stops it.
     r = run_cli("calibrate", path, "--data", data, "--ray", "-o", two, "--json")
     assert r.returncode == 0, r.stderr
     assert two.read_bytes() == one.read_bytes()
     assert json.loads(r.stdout)["sample_count"] == 8
+    # With one it joins that cluster (here the module's) and leaves it running.
+    address = ray.get_runtime_context().gcs_address
+    r = run_cli("calibrate", path, "--data", data, "--ray", address, "-o", three)
+    assert r.returncode == 0, r.stderr
+    assert three.read_bytes() == one.read_bytes()
+    assert ray.is_initialized() and ray.cluster_resources().get("CPU") == 2
     r = run_cli("calibrate", path, "--data", data, "--ray", "--jobs", "2")
     assert r.returncode == 2 and "--jobs does not apply" in r.stderr
