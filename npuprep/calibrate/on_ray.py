@@ -41,7 +41,8 @@ def calibrate_on_ray(
 
     Uses the Ray this process is already connected to; else joins the cluster at `address`
     ("auto", "ray://host:10001", ...) or, with None, starts a local Ray on this machine's
-    cores, and leaves it again at the end. Each task is tried up to 1 + `retries` times
+    cores (Ray's own rule: it joins RAY_ADDRESS or a `ray start` cluster of this machine
+    instead, where there is one), and leaves it again at the end. Each task is tried up to 1 + `retries` times
     when its worker dies; an error in the data or the model (NpuprepError) is not retried.
     `task` is the function each Ray task runs (default `calibrate_shard`)."""
     if not isinstance(samples, SampleSet):
