@@ -128,3 +128,17 @@ def test_the_command_line_on_a_local_ray_and_joining_a_cluster(local_ray, tmp_pa
     assert ray.is_initialized() and ray.cluster_resources().get("CPU") == 2
     r = run_cli("calibrate", path, "--data", data, "--ray", "--jobs", "2")
     assert r.returncode == 2 and "--jobs does not apply" in r.stderr
+
+
+def test_tasks_of_two_cpus_and_synthetic_samples(local_ray, tmp_path):
+    # 2 CPUs per task on a 2-CPU Ray: one shard; synthetic samples are sharded by index.
+    from npuprep.data import synthetic_samples
+
+    path, _ = zoo_on_disk(tmp_path / "z", "conv_stack")
+    model = load_model(path, weights="file")
+    samples = synthetic_samples(model.proto, 5, seed=3)
+    one = calibrate(model, samples)
+    assert calibrate_on_ray(model, samples, cpus_per_task=2).to_dict() == one.to_dict()
+    assert calibrate_on_ray(model, samples, shards=5).to_dict() == one.to_dict()
+    with pytest.raises(NpuprepError, match="CPUs per task must be at least 1"):
+        calibrate_on_ray(model, samples, cpus_per_task=0)
