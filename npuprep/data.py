@@ -7,8 +7,8 @@ checked against the model's inputs (names, dtypes, fixed dimensions, finiteness)
 from __future__ import annotations
 
 import zipfile
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +18,8 @@ from npuprep.errors import NpuprepError
 from npuprep.numerics import FLOAT_ONNX_TYPES
 
 Feed = dict[str, np.ndarray]
+# What names a sample in a stats file: its file name (directories), else its index.
+SampleId = str | int
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,12 @@ def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
 
 @dataclass(frozen=True)
 class SampleSet:
-    """A re-iterable source of feeds with a description for reports."""
+    """A re-iterable source of feeds with a description for reports.
+
+    `start` is the index of its first sample in the whole source (a shard's offset, see
+    `shard`): it names the samples of indexed sources. A directory's samples are named by
+    their file names (and its shards hold only their own files).
+    """
 
     source: str
     kind: str  # npz | dir | batched | polygraphy | synthetic
@@ -60,15 +67,39 @@ class SampleSet:
     files: tuple[str, ...] = ()
     count: int = 0
     seed: int = 0
+    start: int = 0
 
     @property
     def synthetic(self) -> bool:
         return self.kind == "synthetic"
 
     def describe(self) -> str:
-        if self.synthetic:
-            return f"{self.count} synthetic samples (seed {self.seed}); not real data"
-        return f"{self.count} samples from {self.source} ({self.kind})"
+        return describe_samples(self.kind, self.source, self.count, self.seed)
+
+    def source_info(self) -> dict[str, str | int]:
+        """Where the samples come from, as a stats file records it (see describe_samples)."""
+        info: dict[str, str | int] = {"kind": self.kind, "source": self.source}
+        return info | {"seed": self.seed} if self.synthetic else info
+
+    def sample_ids(self) -> tuple[SampleId, ...]:
+        """The name of each sample, in order: file names for .npz files, else indices into
+        the whole source. Sorting the names of any shards gives the whole source's order."""
+        if self.kind in ("npz", "dir"):
+            return tuple(Path(f).name for f in self.files)
+        return tuple(range(self.start, self.start + self.count))
+
+    def shard(self, k: int, n: int) -> SampleSet:
+        """The k-th (1-based) of n contiguous slices, as equal as can be: sorted file names
+        for a directory, indices otherwise; the same on every machine."""
+        if not 1 <= k <= n:
+            raise NpuprepError(f"shard {k}/{n}: expected 1 <= K <= N")
+        if n > self.count:
+            raise NpuprepError(f"shard {k}/{n}: {self.source} holds only {self.count} samples, "
+                               f"so at most {self.count} shards")
+        a, b = (self.count * (k - 1)) // n, (self.count * k) // n
+        if self.kind in ("npz", "dir"):
+            return replace(self, files=self.files[a:b], count=b - a)
+        return replace(self, count=b - a, start=self.start + a)
 
     def __len__(self) -> int:
         return self.count
@@ -77,9 +108,9 @@ class SampleSet:
         return self.iter_range(0, self.count)
 
     def iter_range(self, start: int, stop: int) -> Iterator[Feed]:
-        """Samples start..stop-1, validated, one at a time."""
+        """Samples start..stop-1 (of this set, which may be a shard), validated, one at a time."""
         if self.kind == "synthetic":
-            for i in range(start, stop):
+            for i in range(self.start + start, self.start + stop):
                 yield _synthetic_feed(self.specs, self.seed, i)
         elif self.kind == "npz" or self.kind == "dir":
             for f in self.files[start:stop]:
@@ -87,7 +118,7 @@ class SampleSet:
         elif self.kind == "batched":
             arrays = _read_npz(Path(self.files[0]))
             ranks = {s.name: len(s.shape) for s in self.specs}
-            for i in range(start, stop):
+            for i in range(self.start + start, self.start + stop):
                 # An array of the input's own rank is split keeping axis 0 (a batch of 1 per
                 # sample, for models with a batch dimension); one rank higher, by indexing.
                 feed = {k: v[i : i + 1] if v.ndim == ranks.get(k) else v[i] for k, v in arrays.items()}
@@ -96,8 +127,58 @@ class SampleSet:
             from polygraphy.json import load_json
 
             feeds = load_json(self.files[0])
-            for i in range(start, stop):
+            for i in range(self.start + start, self.start + stop):
                 yield _validate(dict(feeds[i]), self.specs, f"{self.files[0]}[{i}]")
+
+
+def describe_samples(kind: str, source: str, count: int, seed: int = 0) -> str:
+    """The one-line description of `count` samples from `source` that reports show."""
+    if kind == "synthetic":
+        return f"{count} synthetic samples (seed {seed}); not real data"
+    return f"{count} samples from {source} ({kind})"
+
+
+class FeedStream:
+    """Feeds from any iterable (a generator over a data loader), read once, in order, one at
+    a time, each validated against the model's inputs like a file's. `count` is None when
+    the iterable has no length; then it is known once the iterable is exhausted."""
+
+    kind = "stream"
+    synthetic = False
+    source = "a Python iterable"
+
+    def __init__(self, feeds: Iterable[Feed], model: onnx.ModelProto) -> None:
+        try:
+            self.count: int | None = len(feeds)  # type: ignore[arg-type]
+        except TypeError:
+            self.count = None
+        self.specs = tuple(input_specs(model))
+        self._feeds = iter(feeds)
+        self.read = 0  # samples taken so far
+
+    def iter_range(self, start: int, stop: int | None) -> Iterator[Feed]:
+        """The next samples, start..stop-1 (to the end with None): a stream reads forward only."""
+        if start != self.read:
+            raise NpuprepError(f"sample stream: sample {start} asked for after {self.read} were read "
+                               "(a stream is read once, in order)")
+        while stop is None or self.read < stop:
+            feed = next(self._feeds, None)
+            if feed is None:
+                break
+            if not isinstance(feed, dict):
+                raise NpuprepError(f"sample stream: sample {self.read} is a {type(feed).__name__}, "
+                                   "not a dict of input name -> array")
+            self.read += 1
+            yield _validate(feed, self.specs, f"sample {self.read - 1} of the stream")
+
+    def describe(self) -> str:
+        return describe_samples(self.kind, self.source, self.read)
+
+    def source_info(self) -> dict[str, str | int]:
+        return {"kind": self.kind, "source": self.source}
+
+    def sample_ids(self) -> tuple[SampleId, ...]:
+        return tuple(range(self.read))
 
 
 def load_samples(

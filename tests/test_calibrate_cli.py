@@ -45,7 +45,7 @@ def test_every_data_form_gives_the_same_stats(save, data):
         printed = json.loads(r.stdout)
         written = json.loads(out.read_text())
         assert printed["tensors"] == written["tensors"] and written["kind"] == "stats"
-        assert written["schema_version"] == 1 and written["synthetic"] is False
+        assert written["schema_version"] == 2 and written["synthetic"] is False
         results.append(written["tensors"])
     assert results[0] == results[1] == results[2]
     sq = results[0]["sq"]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from npuprep.calibrate.instrument import (
     instrument,
 )
 from npuprep.calibrate.stats import Accumulator, CalibrationStats
-from npuprep.data import SampleSet
+from npuprep.data import Feed, FeedStream, SampleSet
 from npuprep.errors import NpuprepError
 from npuprep.graph import copy_fields
 from npuprep.model_io import Model
@@ -34,44 +36,75 @@ from npuprep.progress import progress_counter
 
 def calibrate(
     model: Model,
-    samples: SampleSet,
+    samples: SampleSet | Iterable[Feed],
     *,
     jobs: int = 1,
     streams: int = 0,
     show_progress: bool = False,
     detail: str = "auto",
+    executor: str = "local",
+    address: str | None = None,
+    n_cores: int | None = None,
+    on_progress: Callable[[int], None] | None = None,
 ) -> CalibrationStats:
     """Range statistics of every float tensor over `samples` (see npuprep.calibrate.instrument).
 
+    `samples`: a SampleSet (files, see npuprep.data), or any iterable of feed dicts (a
+    generator over a data loader), read once, in order, with or without a length.
     Samples stream and merge associatively, so memory does not grow with their number.
     `streams` samples run at once in each process, on threads sharing one session, each run
     on its share of the cores (see `fold_streams`); 0 picks the count (see `plan_streams`).
     `jobs` > 1 splits the samples after the first into contiguous ranges, one forked process
-    each (see `_fold_parallel`); 0 picks the count (see `plan_jobs`).
+    each (see `_fold_parallel`); 0 picks the count (see `plan_jobs`); an iterable runs in
+    this process. `executor="ray"` runs shards of a SampleSet as Ray tasks, on a local Ray
+    or, with `address`, a cluster (see npuprep.calibrate.on_ray). `n_cores`: the cores to
+    plan for (default: those this process may run on). `on_progress` is called with the
+    count of samples done as it grows.
     """
+    if executor == "ray":
+        from npuprep.calibrate.on_ray import calibrate_on_ray
+
+        if jobs not in (0, 1):
+            raise NpuprepError(f"executor='ray' runs one process per shard: jobs={jobs} does not apply")
+        return calibrate_on_ray(model, samples, address=address, detail=detail, streams=streams,
+                                show_progress=show_progress)
+    if executor != "local":
+        raise NpuprepError(f"unknown executor {executor!r} (use 'local' or 'ray')")
     check_opset_supported(model.proto, model.path or "model")
-    count = len(samples)
-    jobs = plan_jobs(jobs, count)
-    streams = plan_streams(streams, count, jobs)
+    if not isinstance(samples, SampleSet):
+        samples = FeedStream(samples, model.proto)
+        if jobs not in (0, 1):
+            raise NpuprepError(f"jobs={jobs}: forked processes need samples read by range (files); "
+                               "a stream of feeds runs in this process (use streams)")
+        jobs = 1
+    count = samples.count
+    if count is not None:
+        jobs = plan_jobs(jobs, count, n_cores)
+    streams = plan_streams(streams, count, jobs, n_cores)
     prepared = prepare(model, detail)
-    threads = session_threads(jobs * streams)
+    # Given cores (a Ray task's share of a machine) are shared out even to one run.
+    threads = session_threads(jobs * streams) if n_cores is None else max(1, n_cores // (jobs * streams))
     if jobs == 1:
         folding = Folding(prepared, threads)
-        with progress_counter(count, "calibrating", show_progress) as set_done:
+        with _progress(count, show_progress, on_progress) as set_done:
             done = _Tally(set_done)
             # Sample 0 runs alone: it settles which tensors get the detail, so the streams
             # start on the session they keep.
-            for feed in samples.iter_range(0, min(count, 1)):
+            for feed in samples.iter_range(0, 1):
                 folding.add(feed, 0)
                 done()
+            if done.value == 0:
+                raise NpuprepError("calibration: the sample stream gave no sample")
             acc = folding.acc
-            acc.merge(fold_streams(folding, samples, 1, count, streams, done))
+            # A stream is read to its end, whatever length it claimed.
+            stop = count if isinstance(samples, SampleSet) else None
+            acc.merge(fold_streams(folding, samples, 1, stop, streams, done))
         inst = folding.inst
     else:
         # Settled before forking: a fork must not copy a thread in the middle of its work.
         _ = model.fingerprint
         # The rows are the same in every variant of the graph: the settled one names them.
-        acc, inst = _fold_parallel(prepared, samples, jobs, streams, threads, show_progress)
+        acc, inst = _fold_parallel(prepared, samples, jobs, streams, threads, show_progress, on_progress)
     stats = {}
     keys = _keys(inst)
     for i, slot in enumerate(inst.slots):
@@ -82,8 +115,26 @@ def calibrate(
         stats[tensor] = acc.row(row_of[root], slot.tensor, slot.scope, slot.node)
     return CalibrationStats(
         fingerprint=model.fingerprint, samples=samples.describe(), synthetic=samples.synthetic,
-        sample_count=count, detail=detail, tensors=stats, unobserved=dict(inst.unobserved),
+        sample_count=acc.samples, detail=detail, tensors=stats, unobserved=dict(inst.unobserved),
+        sample_ids=samples.sample_ids(), source=samples.source_info(),
     )
+
+
+@contextmanager
+def _progress(
+    total: int | None, show: bool, on_progress: Callable[[int], None] | None
+) -> Iterator[Callable[[int], None]]:
+    """A setter of the count of samples done: the progress bar's, and `on_progress`."""
+    with progress_counter(total, "calibrating", show) as set_done:
+        if on_progress is None:
+            yield set_done
+            return
+
+        def both(done: int) -> None:
+            set_done(done)
+            on_progress(done)
+
+        yield both
 
 
 def cores() -> int:
@@ -121,17 +172,18 @@ def plan_jobs(jobs: int, count: int, n_cores: int | None = None) -> int:
 SAMPLES_PER_STREAM = 4
 
 
-def plan_streams(streams: int, count: int, jobs: int = 1, n_cores: int | None = None) -> int:
+def plan_streams(streams: int, count: int | None, jobs: int = 1, n_cores: int | None = None) -> int:
     """Samples in flight at once in each of `jobs` processes: `streams`, at most one per sample
     of the process; 0 means one per core of the process when each stream gets at least
-    SAMPLES_PER_STREAM samples, else one (whose session then runs on all those cores)."""
+    SAMPLES_PER_STREAM samples, else one (whose session then runs on all those cores).
+    A count of None (a stream of unknown length) is taken as plenty."""
     if streams < 0:
         raise NpuprepError(f"streams must be at least 0 (0: one per core), got {streams}")
-    per_job = -(-count // max(1, jobs))
+    per_job = math.inf if count is None else -(-count // max(1, jobs))
     if streams == 0:
         n = max(1, (n_cores or cores()) // max(1, jobs))
         streams = n if per_job >= SAMPLES_PER_STREAM * n else 1
-    return max(1, min(streams, per_job))
+    return int(max(1, min(streams, per_job)))
 
 
 def session_threads(runs: int, n_cores: int | None = None) -> int | None:
@@ -390,9 +442,10 @@ class _Tally:
 
 
 def fold_streams(
-    folding: Folding, samples: SampleSet, start: int, stop: int, streams: int, done: Callable[[], None]
+    folding: Folding, samples: SampleSet | FeedStream, start: int, stop: int | None, streams: int,
+    done: Callable[[], None],
 ) -> Accumulator:
-    """Samples start..stop-1 folded by `streams` threads at once, all on `folding`'s session
+    """Samples start..stop-1 (to the end of a stream with None) folded by `streams` threads at once, all on `folding`'s session
     (onnxruntime runs one session from several threads, each run on the session's own thread
     count), each thread into its own Accumulator, merged at the end. The samples are read one
     at a time and in order, by whichever stream is free; the first error stops every stream
@@ -466,7 +519,8 @@ def _fold_range(bounds: tuple[int, int]) -> Accumulator:
 
 
 def _fold_parallel(
-    prepared: Prepared, samples: SampleSet, jobs: int, streams: int, threads: int | None, show_progress: bool = False
+    prepared: Prepared, samples: SampleSet, jobs: int, streams: int, threads: int | None, show_progress: bool = False,
+    on_progress: Callable[[int], None] | None = None,
 ) -> tuple[Accumulator, Instrumented]:
     """Sample 0 runs here first and settles which tensors get the detail; forked workers then
     fold contiguous ranges of the other samples, `streams` at a time, merged in sample order.
@@ -498,7 +552,7 @@ def _fold_parallel(
         ) as pool:
             futures = [pool.submit(_fold_range, r) for r in ranges]
             # The bar (a drawing thread on a terminal) starts once the workers are forked.
-            with progress_counter(len(samples), "calibrating", show_progress) as set_done:
+            with _progress(len(samples), show_progress, on_progress) as set_done:
                 while wait(futures, timeout=0.2).not_done:
                     set_done(done.value)
                 set_done(done.value)

@@ -17,7 +17,10 @@ from npuprep.json_io import json_number as _num
 from npuprep.model_io import Model, write_text_atomic
 from npuprep.numerics import get_format
 
-SCHEMA_VERSION = 1
+# 2: sample ids (file names or indices) and, per tensor, the samples it was seen in, so
+# that files over disjoint samples merge exactly (npuprep.calibrate.merge). 1 still loads.
+SCHEMA_VERSION = 2
+_READABLE = (1, 2)
 _COL = {name: i for i, name in enumerate(HEADER)}
 _H0 = len(HEADER)
 
@@ -32,7 +35,9 @@ class RangeStats:
     npuprep.calibrate.instrument); nan_count, inf_count and `over` are exact either way.
     `exp_hist` maps floor(log2|x|) to a count (zeros apart, Inf/NaN apart); `over` maps a
     format to the count of |x| above its max; `under` to the count of 0 < |x| < its
-    smallest normal (detailed elements).
+    smallest normal (detailed elements). `per_sample_absmax` holds one abs-max per sample
+    the tensor was seen in (held elements), in sample order; `seen_in` the positions of
+    those samples in CalibrationStats.sample_ids, None when it was seen in every sample.
     """
 
     tensor: str
@@ -50,6 +55,7 @@ class RangeStats:
     under: dict[str, int]
     per_sample_absmax: tuple[float, ...]
     detailed_count: int
+    seen_in: tuple[int, ...] | None = None
 
     @property
     def complete(self) -> bool:
@@ -97,6 +103,7 @@ class RangeStats:
             "exp_hist": {str(k): v for k, v in sorted(self.exp_hist.items())},
             "over": dict(sorted(self.over.items())), "under": dict(sorted(self.under.items())),
             "per_sample_absmax": [_num(v) for v in self.per_sample_absmax],
+            "seen_in": None if self.seen_in is None else list(self.seen_in),
         }
 
     @classmethod
@@ -110,6 +117,7 @@ class RangeStats:
             over={k: int(v) for k, v in d["over"].items()},
             under={k: int(v) for k, v in d["under"].items()},
             per_sample_absmax=tuple(_float(v) for v in d["per_sample_absmax"]),
+            seen_in=None if d.get("seen_in") is None else tuple(int(v) for v in d["seen_in"]),
         )
 
 
@@ -119,7 +127,10 @@ def _float(v: float | str) -> float:
 
 @dataclass(frozen=True)
 class CalibrationStats:
-    """Statistics of every observed tensor, and what could not be observed and why."""
+    """Statistics of every observed tensor, and what could not be observed and why.
+
+    `sample_ids` names the samples, in order (file names, or indices into the source);
+    `source` says where they come from (SampleSet.source_info)."""
 
     fingerprint: str
     samples: str
@@ -128,6 +139,8 @@ class CalibrationStats:
     detail: str
     tensors: dict[str, RangeStats]
     unobserved: dict[str, str] = field(default_factory=dict)
+    sample_ids: tuple[str | int, ...] = ()
+    source: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -135,6 +148,8 @@ class CalibrationStats:
             "kind": "stats",
             "fingerprint": self.fingerprint,
             "samples": self.samples,
+            "sample_source": dict(sorted(self.source.items())),
+            "sample_ids": list(self.sample_ids),
             "synthetic": self.synthetic,
             "sample_count": self.sample_count,
             "detail": self.detail,
@@ -163,6 +178,18 @@ def dump_stats(stats: CalibrationStats) -> str:
 def load_stats(path: str | Path, model: Model) -> CalibrationStats:
     """Read stats.json; refuse a file that belongs to another model."""
     path = Path(path)
+    stats = stats_from_dict(read_stats_doc(path), path)
+    if stats.fingerprint != model.fingerprint:
+        raise NpuprepError(
+            f"{path}: stats belong to another model (fingerprint {stats.fingerprint}, "
+            f"{model.path or 'the model'} has {model.fingerprint})"
+        )
+    return stats
+
+
+def read_stats_doc(path: str | Path, versions: tuple[int, ...] = _READABLE) -> dict[str, Any]:
+    """The JSON of a stats file whose schema_version is one of `versions`."""
+    path = Path(path)
     try:
         data = json_io.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -171,21 +198,23 @@ def load_stats(path: str | Path, model: Model) -> CalibrationStats:
         raise NpuprepError(f"{path}: not a stats JSON file ({exc})") from None
     if not isinstance(data, dict) or data.get("kind") != "stats":
         raise NpuprepError(f"{path}: not a stats file (kind is {data.get('kind') if isinstance(data, dict) else None!r})")
-    if data.get("schema_version") != SCHEMA_VERSION:
-        raise NpuprepError(f"{path}: stats schema_version {data.get('schema_version')} is not supported (expected {SCHEMA_VERSION})")
-    if data.get("fingerprint") != model.fingerprint:
-        raise NpuprepError(
-            f"{path}: stats belong to another model (fingerprint {data.get('fingerprint')}, "
-            f"{model.path or 'the model'} has {model.fingerprint})"
-        )
+    if data.get("schema_version") not in versions:
+        raise NpuprepError(f"{path}: stats schema_version {data.get('schema_version')} is not supported "
+                           f"(expected {' or '.join(map(str, versions))})")
+    return data
+
+
+def stats_from_dict(data: dict[str, Any], path: str | Path = "stats") -> CalibrationStats:
+    """CalibrationStats from a stats file's JSON (see CalibrationStats.to_dict)."""
     try:
         tensors = {k: RangeStats.from_dict(v) for k, v in data["tensors"].items()}
         return CalibrationStats(
             fingerprint=data["fingerprint"], samples=data["samples"], synthetic=bool(data["synthetic"]),
             sample_count=int(data["sample_count"]), detail=data["detail"], tensors=tensors,
             unobserved=dict(data.get("unobserved", {})),
+            sample_ids=tuple(data.get("sample_ids", ())), source=dict(data.get("sample_source", {})),
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise NpuprepError(f"{path}: malformed stats file (key {exc})") from None
 
 
@@ -233,11 +262,14 @@ class Accumulator:
         if count == 0 or count == nan:
             mx = mn = math.nan
         absmax = max(mx, -mn) if not math.isnan(mx) else math.nan
-        per_sample = tuple(v for _, v in sorted(self.per_sample[i]))
+        ordered = sorted(self.per_sample[i])
+        per_sample = tuple(v for _, v in ordered)
+        seen_in = None if len(ordered) == self.samples else tuple(j for j, _ in ordered)
         return RangeStats(
             tensor=tensor, scope=scope, node=node, min=mn, max=mx, absmax=absmax,
             count=count, nan_count=nan, inf_count=int(hist[HIST_BINS - 1]) - nan,
             zero_count=int(hist[0]), exp_hist=exp_hist,
             over={f: int(c[_COL[f"over_{f}"]]) for f in OVER_FORMATS},
             under=under, per_sample_absmax=per_sample, detailed_count=int(c[_COL["detailed"]]),
+            seen_in=seen_in,
         )

@@ -33,7 +33,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="exponent histogram and zero/underflow counts: only for tensor-samples outside "
                         "the ordinary range (auto, fast) or everywhere (all, ~5x slower)")
     p.add_argument("--top", type=positive_int, default=15, help="tensors shown in the summary (default 15)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--shard", type=_shard, metavar="K/N",
+                       help="calibrate only the K-th of N slices of the samples (by sorted file name, or "
+                            "index); merge the N stats files with `npuprep stats merge`")
+    where.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                       help="run shards of the samples as Ray tasks (pip install 'npuprep[ray]'): on a local "
+                            "Ray without ADDRESS, else on the cluster at ADDRESS ('auto', 'ray://host:10001'); "
+                            "the model and the samples must be at the same path on every node")
+    p.add_argument("--ray-cpus", type=positive_int, default=1, metavar="N",
+                   help="CPUs per Ray task (default 1): one shard per N CPUs of the cluster")
     add_json(p)
+
+
+def _shard(text: str) -> tuple[int, int]:
+    """`--shard K/N`: 1 <= K <= N."""
+    k, _, n = text.partition("/")
+    try:
+        pair = int(k), int(n)
+    except ValueError:
+        pair = (0, 0)
+    if not 1 <= pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"expected K/N with 1 <= K <= N, got {text!r}")
+    return pair
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,8 +74,21 @@ def run(args: argparse.Namespace) -> int:
         outputs.writes(args.output, "-o")
     with outputs.open() as files:
         samples = open_samples(args, model.proto)
-        stats = calibrate(model, samples, jobs=args.jobs, streams=args.streams,
-                          show_progress=not args.json and sys.stderr.isatty(), detail=args.detail)
+        show = not args.json and sys.stderr.isatty()
+        if args.ray is not None:
+            from npuprep.calibrate.on_ray import calibrate_on_ray
+            from npuprep.errors import NpuprepError
+
+            if args.jobs != 1:
+                raise NpuprepError("--ray runs one process per shard: --jobs does not apply")
+            stats = calibrate_on_ray(model, samples, address=args.ray or None, detail=args.detail,
+                                     streams=args.streams, show_progress=show,
+                                     cpus_per_task=args.ray_cpus)
+        else:
+            if args.shard:
+                samples = samples.shard(*args.shard)
+            stats = calibrate(model, samples, jobs=args.jobs, streams=args.streams,
+                              show_progress=show, detail=args.detail)
         if args.output:
             files.text(args.output, dump_stats(stats))
     if args.json:
@@ -84,7 +119,8 @@ def summary_rows(stats: Any, top: int) -> list[dict[str, Any]]:
 
 def _print(model: Any, stats: Any, args: argparse.Namespace) -> None:
     print(f"model   {shown(model.path)}  (fingerprint {model.fingerprint})")
-    print(f"samples {shown(stats.samples)}")
+    shard = f"  (shard {args.shard[0]}/{args.shard[1]})" if args.shard else ""
+    print(f"samples {shown(stats.samples)}{shard}")
     if stats.synthetic:
         print("WARNING: statistics from SYNTHETIC samples (random inputs), not real data; "
               "ranges on real inputs can differ widely")

@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "crosscheck": "crosscheck",
     "checklist": "checklist",
     "report": "report",
+    "stats": "stats",
 }
 
 

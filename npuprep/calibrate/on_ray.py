@@ -1,0 +1,144 @@
+"""samples -> N shards -> N Ray tasks (each a normal calibrate run) -> merged on the driver.
+
+The optional engine for calibrating beyond one machine (`pip install 'npuprep[ray]'`). Each
+task reads the model and its slice of the samples from the shared path, runs `calibrate`
+on its share of the CPUs and returns the whole shard's statistics; the driver merges them
+exactly (npuprep.calibrate.merge). A task whose worker dies is run again by Ray (its task
+retries) from its first sample: the driver only ever merges complete shards.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+from npuprep.calibrate.merge import merge_stats
+from npuprep.calibrate.stats import CalibrationStats, stats_from_dict
+from npuprep.data import Feed, SampleSet
+from npuprep.errors import NpuprepError
+from npuprep.model_io import Model
+from npuprep.progress import progress_counter
+
+
+def calibrate_on_ray(
+    model: Model,
+    samples: SampleSet | Iterable[Feed],
+    *,
+    address: str | None = None,
+    detail: str = "auto",
+    streams: int = 0,
+    show_progress: bool = False,
+    cpus_per_task: int = 1,
+    shards: int | None = None,
+    retries: int = 3,
+    task: Callable[..., dict[str, Any]] | None = None,
+) -> CalibrationStats:
+    """`calibrate(model, samples)` run as Ray tasks, one per `cpus_per_task` CPUs of the
+    cluster (or `shards` of them), each on the samples of one shard (SampleSet.shard).
+
+    Uses the Ray this process is already connected to; else joins the cluster at `address`
+    ("auto", "ray://host:10001", ...) or, with None, starts a local Ray on this machine's
+    cores (Ray's own rule: it joins RAY_ADDRESS or a `ray start` cluster of this machine
+    instead, where there is one), and leaves it again at the end. Each task is tried up to 1 + `retries` times
+    when its worker dies; an error in the data or the model (NpuprepError) is not retried.
+    `task` is the function each Ray task runs (default `calibrate_shard`)."""
+    if not isinstance(samples, SampleSet):
+        raise NpuprepError("executor='ray': the workers read the samples themselves, so they must be files "
+                           "(or --synthetic), not a stream of feeds")
+    if not model.path:
+        raise NpuprepError("executor='ray': the workers read the model themselves: give a model file")
+    if cpus_per_task < 1:
+        raise NpuprepError(f"Ray: CPUs per task must be at least 1, got {cpus_per_task}")
+    ray = _import_ray()
+    started = not ray.is_initialized()
+    if started:
+        try:
+            ray.init(address=address or None, include_dashboard=False, logging_level=logging.ERROR,
+                     log_to_driver=False)
+        except ConnectionError as exc:
+            raise NpuprepError(f"Ray: cannot join the cluster at {address}: {exc}") from None
+    try:
+        if shards is None:
+            shards = int(ray.cluster_resources().get("CPU", 1) // cpus_per_task)
+        n = max(1, min(shards, len(samples)))
+        model_path = os.path.abspath(model.path)
+        parts = [_absolute(samples.shard(k, n)) for k in range(1, n + 1)]
+        counter = ray.remote(num_cpus=0)(_Done).remote(n) if show_progress else None
+        remote = ray.remote(num_cpus=cpus_per_task, max_retries=retries, retry_exceptions=False)(
+            task or calibrate_shard)
+        refs = [remote.remote(model_path, part, detail, streams, cpus_per_task, counter, i)
+                for i, part in enumerate(parts)]
+        docs = _gather(ray, refs, counter, len(samples), show_progress, retries)
+    finally:
+        if started:
+            ray.shutdown()
+    merged = merge_stats([(f"Ray shard {i + 1}/{n}", stats_from_dict(doc)) for i, doc in enumerate(docs)])
+    if merged.fingerprint != model.fingerprint:
+        raise NpuprepError(f"{model.path}: the Ray workers read another model at {model_path} "
+                           f"(fingerprint {merged.fingerprint}, here {model.fingerprint})")
+    return merged
+
+
+def calibrate_shard(
+    model_path: str, shard: SampleSet, detail: str, streams: int, cpus: int, counter: Any, index: int
+) -> dict[str, Any]:
+    """One Ray task: a normal calibration of `shard` on `cpus` cores; its stats as JSON.
+    Reports its count of samples done to `counter` (restarting from 0 on a retry)."""
+    from npuprep.calibrate.run import calibrate
+    from npuprep.model_io import load_model
+
+    report = None if counter is None else (lambda done: counter.set.remote(index, done))
+    model = load_model(model_path, weights="file")
+    return calibrate(model, shard, detail=detail, streams=streams, n_cores=cpus, on_progress=report).to_dict()
+
+
+class _Done:
+    """A Ray actor: samples done per shard, set by the tasks, summed for the progress bar."""
+
+    def __init__(self, shards: int) -> None:
+        self.done = [0] * shards
+
+    def set(self, shard: int, done: int) -> None:
+        self.done[shard] = done
+
+    def total(self) -> int:
+        return sum(self.done)
+
+
+def _gather(ray: Any, refs: list[Any], counter: Any, total: int, show: bool, retries: int) -> list[dict[str, Any]]:
+    """Every task's result, in shard order, with a progress bar over the samples done."""
+    from ray.exceptions import RayError, RayTaskError
+
+    try:
+        with progress_counter(total, "calibrating on Ray", show) as set_done:
+            pending = list(refs)
+            while pending:
+                _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.25)
+                if counter is not None:
+                    set_done(ray.get(counter.total.remote()))
+            return ray.get(refs)
+    except RayTaskError as exc:
+        if isinstance(exc.cause, NpuprepError):
+            raise NpuprepError(str(exc.cause)) from None
+        raise
+    except RayError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        tries = f"{retries + 1} tries" if retries else "1 try"
+        raise NpuprepError(f"Ray: a shard failed after {tries} ({type(exc).__name__}: {first})") from None
+
+
+def _absolute(shard: SampleSet) -> SampleSet:
+    """The shard with absolute file paths, for workers whose working folder differs (the
+    source, which only describes the samples, stays as given)."""
+    return replace(shard, files=tuple(os.path.abspath(f) for f in shard.files))
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise NpuprepError("Ray is not installed: pip install 'npuprep[ray]'") from None
+    return ray
