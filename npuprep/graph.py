@@ -90,7 +90,14 @@ def initializers(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
 
 
 def constant_value(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
-    """The value of a tensor that is an initialiser or a Constant node's output, else None."""
+    """The value of a tensor that is an initialiser or a Constant node's output, or a Cast
+    of one to FP32 (how BF16 exports store weights), else None."""
+    for node in graph.node:
+        if node.op_type == "Cast" and node.output and node.output[0] == name and node.input:
+            if attribute(node, "to") != onnx.TensorProto.FLOAT:
+                return None
+            source = constant_value(graph, node.input[0])
+            return None if source is None else source.astype(np.float32)
     for init in graph.initializer:
         if init.name == name:
             return to_array(init)

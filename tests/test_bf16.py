@@ -121,6 +121,11 @@ def test_bf16_weights_convert_for_a2000_with_no_bf16_left(tmp_path):
     assert not has_bf16(converted)
     onnx.checker.check_model(converted, full_check=True)
     make_session(converted)
+    # The weights behind Casts are constants to the planner: rescaled, not pinned.
+    import json
+
+    report = json.loads((out.parent / "mlp.a2000.report.json").read_text())
+    assert report["flops_fp32_share"] < 0.01 and any(a["action"] == "rescale" for a in report["actions"])
 
 
 def test_bf16_graph_io_and_subgraphs_convert(tmp_path):

@@ -156,6 +156,14 @@ def set_constant_input(
     replace_input(node, index, cache[name])
 
 
+def np_dtype(dtype: object) -> np.dtype:
+    """A tensor's dtype as numpy: graph surgeon keeps types numpy lacks (BF16, FP8) as the
+    ONNX enum."""
+    if isinstance(dtype, int):
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(dtype))
+    return np.dtype(dtype)
+
+
 def scalar(name: str, value: float, dtype: np.dtype | type = np.float32) -> gs.Constant:
     return gs.Constant(name, np.array(value, dtype=dtype))
 

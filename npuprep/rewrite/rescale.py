@@ -375,7 +375,7 @@ class _Solver:
 
     def _enter_input(self, inp: gs.Tensor, p: int, kind: str = "graph_input") -> None:
         try:
-            is_float = inp.dtype is not None and go.is_float_dtype(np.dtype(inp.dtype))
+            is_float = inp.dtype is not None and go.is_float_dtype(go.np_dtype(inp.dtype))
         except TypeError:
             is_float = False
         if not is_float:
@@ -763,7 +763,7 @@ class _Solver:
             consumers, _ = go.main_consumers(graph, inp)
             scaled = gs.Variable(go.unique_name(graph, f"{name}__scaled"), dtype=inp.dtype, shape=inp.shape)
             node_name = go.unique_name(graph, f"rescale_in_{name}")
-            factor = go.scalar(f"{node_name}_s", 2.0**p, np.dtype(inp.dtype))
+            factor = go.scalar(f"{node_name}_s", 2.0**p, go.np_dtype(inp.dtype))
             for node in consumers:
                 for i, t in enumerate(node.inputs):
                     if t is inp:
@@ -785,7 +785,7 @@ class _Solver:
                     if t is out:
                         go.replace_input(node, i, inner)
             node_name = go.unique_name(graph, f"rescale_out_{name}")
-            factor = go.scalar(f"{node_name}_s", 2.0**-p, np.dtype(out.dtype))
+            factor = go.scalar(f"{node_name}_s", 2.0**-p, go.np_dtype(out.dtype))
             graph.nodes.append(gs.Node("Mul", node_name, inputs=[inner, factor], outputs=[out]))
             fp32_nodes.append(node_name)
             self.renamed.add(name)
