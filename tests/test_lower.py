@@ -359,3 +359,29 @@ def test_inserted_names_never_collide_with_existing_ones():
     assert len(produced) == len(set(produced)) and "x__to_fp16_2" in produced
     out = outputs(lowered.model, {"x": np.array([2.0, -1.0], np.float32)})["y"]
     np.testing.assert_array_equal(out, [4.0, 0.0])
+
+
+def test_data_that_meets_a_computed_shape_is_still_lowered():
+    # ids:int64 -> OneHot(ids, depth = Shape(ids)[1], [0, 1]) -> hot -> MatMul(W) -> y
+    # (a jax2tf export's input): the MatMul computes data, not a shape; it must not stay FP32.
+    from onnx import parser
+
+    model = parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (int64[1,8] ids) => (float[1,8,4] y) {
+            s = Shape(ids)
+            one = Constant<value = int64[1] {1}>()
+            depth = Gather(s, one)
+            values = Constant<value = float[2] {0, 1}>()
+            hot = OneHot(ids, depth, values)
+            w = Constant<value = float[8,4] {1,2,3,4, 5,6,7,8, 1,2,3,4, 5,6,7,8, 1,2,3,4, 5,6,7,8, 1,2,3,4, 5,6,7,8}>()
+            y = MatMul(hot, w)
+        }
+    """)
+    onnx.checker.check_model(model, full_check=True)
+    low = lower(model, get_format("fp16"))
+    matmul = next(n for n in low.model.graph.node if n.op_type == "MatMul")
+    assert all("MatMul" not in reason for reason in low.forced_fp32.values())
+    types = {i.name: i.data_type for i in low.model.graph.initializer}
+    consts = {n.output[0]: n.attribute[0].t.data_type for n in low.model.graph.node if n.op_type == "Constant"}
+    assert types.get(matmul.input[1], consts.get(matmul.input[1])) == TensorProto.FLOAT16

@@ -560,6 +560,11 @@ def _shape_computations(graph: onnx.GraphProto, types: dict[str, int],
     """Nodes with float outputs that compute shapes or FP32-only inputs (kept FP32)."""
     derived: set[str] = set()
     found: set[int] = set()
+    # A shape is computed from Shape/Size and constants only: a node that also reads data
+    # (a graph input, any activation, of whatever type) computes data, even where a
+    # computed shape joins in (OneHot's depth, a Reshape of the input).
+    constants = set(weights) | {i.name for i in graph.initializer} | {
+        o for n in graph.node if n.op_type == "Constant" for o in n.output if o}
     for node in topological_order(graph):
         ins = [i for i in node.input if i]
         if node.op_type in ("Shape", "Size"):
@@ -567,8 +572,7 @@ def _shape_computations(graph: onnx.GraphProto, types: dict[str, int],
             continue
         if node.op_type == "ConstantOfShape":
             continue  # its output is data of a computed shape, not a shape
-        if ins and any(i in derived for i in ins) and all(
-                i in derived or i in weights or types.get(i) != FLOAT for i in ins):
+        if ins and any(i in derived for i in ins) and all(i in derived or i in constants for i in ins):
             derived.update(o for o in node.output if o)
             if any(types.get(t) == FLOAT for t in [*ins, *node.output]):
                 found.add(id(node))
