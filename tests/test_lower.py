@@ -385,3 +385,32 @@ def test_data_that_meets_a_computed_shape_is_still_lowered():
     types = {i.name: i.data_type for i in low.model.graph.initializer}
     consts = {n.output[0]: n.attribute[0].t.data_type for n in low.model.graph.node if n.op_type == "Constant"}
     assert types.get(matmul.input[1], consts.get(matmul.input[1])) == TensorProto.FLOAT16
+
+
+def test_an_if_chosen_by_a_shape_still_lowers_its_data():
+    # x -> Shape -> [0] == 1 -> c ; If(c: y = x*W, else: y = x) -> ReduceMean -> m (a graph output)
+    # silero-vad picks its branch from the input's shape: the branch computes data, and the
+    # ReduceMean feeding only a graph output is data too.
+    from onnx import helper
+
+    w = numpy_helper.from_array(np.full((4, 4), 0.5, np.float32), "W")
+    then_b = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["t"], name="mm")], "then", [],
+                               [helper.make_tensor_value_info("t", TensorProto.FLOAT, [1, 4])])
+    else_b = helper.make_graph([helper.make_node("Identity", ["x"], ["e"], name="id")], "else", [],
+                               [helper.make_tensor_value_info("e", TensorProto.FLOAT, [1, 4])])
+    nodes = [helper.make_node("Shape", ["x"], ["s"], name="shape"),
+             helper.make_node("Gather", ["s", "zero"], ["n"], name="first"),
+             helper.make_node("Equal", ["n", "one"], ["c"], name="is_one"),
+             helper.make_node("If", ["c"], ["y"], name="branch", then_branch=then_b, else_branch=else_b),
+             helper.make_node("ReduceMean", ["y"], ["m"], name="mean", keepdims=0)]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("m", TensorProto.FLOAT, [])],
+        [w, numpy_helper.from_array(np.array(0, np.int64), "zero"),
+         numpy_helper.from_array(np.array(1, np.int64), "one")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    low = lower(model, get_format("fp16"))
+    assert low.forced_fp32 == {}, low.forced_fp32
+    weights = {i.name: i.data_type for s in walk_graphs(low.model.graph) for i in s.graph.initializer}
+    assert weights["W"] == TensorProto.FLOAT16

@@ -570,8 +570,10 @@ def _shape_computations(graph: onnx.GraphProto, types: dict[str, int],
         if node.op_type in ("Shape", "Size"):
             derived.update(o for o in node.output if o)
             continue
-        if node.op_type == "ConstantOfShape":
-            continue  # its output is data of a computed shape, not a shape
+        if node.op_type == "ConstantOfShape" or node.op_type in _CONTROL_FLOW:
+            # Data of a computed shape; a body's values come from what it captures, whatever
+            # decides which branch runs.
+            continue
         if ins and any(i in derived for i in ins) and all(i in derived or i in constants for i in ins):
             derived.update(o for o in node.output if o)
             if any(types.get(t) == FLOAT for t in [*ins, *node.output]):
@@ -581,6 +583,7 @@ def _shape_computations(graph: onnx.GraphProto, types: dict[str, int],
         for pos, name in enumerate(node.input):
             readers.setdefault(name, []).append((node, pos))
     produced = {o: n for n in graph.node for o in n.output if o}
+    graph_outputs = {o.name for o in graph.output}
     todo = [n for node in graph.node for pos, n in enumerate(node.input)
             if n and pos in FP32_ONLY_INPUTS.get(node.op_type, ()) and types.get(n) == FLOAT]
     while todo:
@@ -588,9 +591,11 @@ def _shape_computations(graph: onnx.GraphProto, types: dict[str, int],
         node = produced.get(name)
         if node is None or id(node) in found:
             continue
-        only_shape = all(
-            pos in FP32_ONLY_INPUTS.get(r.op_type, ()) or id(r) in found
-            for out in node.output if out for r, pos in readers.get(out, []))
+        uses = [(r, pos) for out in node.output if out for r, pos in readers.get(out, [])]
+        # A value the graph returns (or nothing reads) is data, whoever else reads it.
+        returned = any(out in graph_outputs or not readers.get(out) for out in node.output if out)
+        only_shape = not returned and all(
+            pos in FP32_ONLY_INPUTS.get(r.op_type, ()) or id(r) in found for r, pos in uses)
         if only_shape:
             found.add(id(node))
             todo.extend(i for i in node.input if i and types.get(i) == FLOAT)
