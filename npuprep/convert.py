@@ -6,7 +6,7 @@ first divergent node, pins it and tries again (a bounded number of rounds).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -153,6 +153,7 @@ def convert(
     synthetic: bool = False,
     max_rounds: int = 3,
     opset: int | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> ConversionResult:
     """Plan (unless a plan is given), rewrite, lower and verify `model` for `profile`.
 
@@ -160,9 +161,12 @@ def convert(
     on samples not used for calibration. `stats` are the calibration statistics (None:
     plan from static findings only). The lowered model keeps the model's default-domain
     opset unless `opset` asks for another (onnx's version converter; a clear error when it
-    cannot convert).
+    cannot convert). `progress` is told each stage as it starts (the CLI's spinner).
     """
     from npuprep.analyse import static_findings
+
+    stage = progress or (lambda _: None)
+    stage("findings")
     from npuprep.plan.planner import make_plan
 
     fmt = get_format(precision or profile.default_precision)
@@ -172,12 +176,13 @@ def convert(
 
         findings = findings.merged(measured_findings(model, profile, stats, precision))
     if plan is None:
+        stage("planning")
         plan = make_plan(model, profile, stats, findings, precision=precision)
     notes: list[str] = []
     result = None
     for round_no in range(1, max_rounds + 1):
         result = _build(model, profile, fmt, plan, samples, io_types=io_types, rtol=rtol,
-                        holdout=holdout, opset=opset)
+                        holdout=holdout, opset=opset, stage=lambda s, r=round_no: stage(f"round {r}, {s}"))
         if result["output_check"] or round_no == max_rounds:
             break
         first = result["layers"].first_divergent
@@ -227,22 +232,26 @@ def _nodes_to_pin(rewritten: Any, node: str, pinned: set[str]) -> tuple[str, ...
 
 def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
            samples: Sequence[Feed], *, io_types: str, rtol: float,
-           holdout: Sequence[Feed] | None, opset: int | None = None) -> dict[str, Any]:
+           holdout: Sequence[Feed] | None, opset: int | None = None,
+           stage: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     from npuprep.report.flops import fp32_flops_share
     from npuprep.rewrite.apply import apply_plan
     from npuprep.rewrite.lower import lower
     from npuprep.verify.compare import DEFAULT_ATOL, compare_models, emulation_notes
     from npuprep.verify.emulate import emulate
 
+    stage("rewriting")
     applied = apply_plan(model.proto, plan)
     pinned = set(plan.pinned_nodes()) | set(applied.fp32_nodes)
     lower_fmt = fmt if fmt.name in ("fp16", "bf16") else get_format("fp16")
+    stage("lowering")
     lowered = lower(applied.model, lower_fmt, pinned_nodes=sorted(pinned), io_types=io_types)
     pinned |= set(lowered.pinned_nodes)
     if opset is not None:
         from npuprep.opsets import convert_opset
 
         lowered = replace(lowered, model=convert_opset(lowered.model, opset, why="--opset"))
+    stage("emulating and comparing layer by layer")
     emulation = emulate(applied.model, fmt, saturate=profile.saturates, pinned_nodes=pinned)
     layers = compare_models(model.proto, emulation.model, samples, rtol=rtol, atol=DEFAULT_ATOL,
                             tensor_scales=applied.tensor_scales, fmt=fmt)
@@ -250,6 +259,7 @@ def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
     if fmt is not lower_fmt:
         notes.append(f"the ONNX artefact is lowered to {lower_fmt.name}; {fmt.name} is emulated, "
                      "quantisation to it is the compiler's job")
+    stage("checking the outputs")
     output_check = check_outputs(model.proto, lowered.model, lower_fmt, samples,
                                  saturate=profile.saturates, rtol=rtol, io_types=io_types)
     held = None

@@ -48,6 +48,11 @@ def run(args: argparse.Namespace) -> int:
     text = dump_json(checklist.to_dict()) if args.json else to_markdown(checklist)
     if args.output:
         write_text_atomic(args.output, text)
-    else:
+    elif args.json:
         print(text, end="")
+    else:
+        from npuprep.cli.common import out
+        from npuprep.report.terminal import wrap_markdown
+
+        print(wrap_markdown(text, out().width), end="")
     return 0

@@ -73,12 +73,15 @@ def run(args: argparse.Namespace) -> int:
 
     plan = load_plan(args.plan, model) if args.plan else None
     holdout = load_samples(args.holdout, model.proto, batched=args.batched) if args.holdout else None
-    result = convert(
-        model, profile, list(samples), stats=stats, plan=plan, precision=args.precision,
-        io_types=args.io_types, rtol=args.rtol, holdout=list(holdout) if holdout else None,
-        samples_description=samples.describe(), synthetic=samples.synthetic,
-        max_rounds=max(1, args.max_rounds), opset=args.opset,
-    )
+    from npuprep.cli.common import progress_stages
+
+    with progress_stages("converting", not args.json) as stage:
+        result = convert(
+            model, profile, list(samples), stats=stats, plan=plan, precision=args.precision,
+            io_types=args.io_types, rtol=args.rtol, holdout=list(holdout) if holdout else None,
+            samples_description=samples.describe(), synthetic=samples.synthetic,
+            max_rounds=max(1, args.max_rounds), opset=args.opset, progress=stage,
+        )
     report = _write_artefacts(args, result, output)
     if args.json:
         print_json(report)
@@ -177,28 +180,41 @@ def _with_pins(plan: Any, nodes: list[str], pin_cls: Any) -> Any:
 
 
 def _print_summary(report: dict[str, Any]) -> None:
-    from npuprep.cli.common import print_table
+    from npuprep.cli.common import out, print_table, say
+    from npuprep.report.render_md import action_target
+    from npuprep.report.terminal import capped, number, percent
 
-    print(f"npuprep convert: {report['model']} -> {report['output']} "
-          f"(target {report['target']}, {report['precision']})")
+    say(f"npuprep convert: {report['model']} -> {report['output']} "
+        f"(target {report['target']}, {report['precision']})")
     if report["samples"]["synthetic"]:
-        print("samples are synthetic: the ranges are not those of real data")
+        say("samples are synthetic: the ranges are not those of real data")
     if report["actions"]:
-        from npuprep.report.render_md import action_target
-
-        print_table("Actions", ["#", "action", "where", "why"],
-                    [(i, a["action"], action_target(a), a.get("why", ""))
-                     for i, a in enumerate(report["actions"], 1)])
+        full = out().verbose or out().width is None
+        rows = [(i, a["action"], action_target(a), _reason_code(a), *([a.get("why", "")] if full else []))
+                for i, a in enumerate(report["actions"], 1)]
+        shown, left = capped(rows, 20, out().show_all)
+        print_table(f"Actions ({len(rows)}; why: -v or the report)" if not full else "Actions",
+                    ["#", "action", "where", "reason", *(["why"] if full else [])], shown)
+        if left:
+            say(f"... and {left} more actions (--show-all)")
     ver = report.get("verification") or {}
     print_table("Outputs under emulated target numerics", ["output", "Inf/NaN", "max abs err", "rel L2"],
-                [(k, o["nonfinite"], o["max_abs_error"], o["rel_l2"])
+                [(k, o["nonfinite"], number(o["max_abs_error"]), number(o["rel_l2"]))
                  for k, o in (ver.get("outputs") or {}).items()])
-    print(f"FP32 FLOPs share {100 * report['flops_fp32_share']:.2f}%, "
-          f"{report['cast_count']} Casts, {len(report['pinned_nodes'])} pinned nodes, "
-          f"{len(report['declined'])} declined remedies")
+    say(f"FP32 FLOPs share {percent(report['flops_fp32_share'])}, "
+        f"{report['cast_count']} Casts, {len(report['pinned_nodes'])} pinned nodes, "
+        f"{len(report['declined'])} declined remedies")
     for note in report.get("notes", []):
-        print(f"note: {note}")
+        say(f"note: {note}")
     first = report.get("first_divergent")
     verdict = "PASSED" if report["passed"] else (
         f"FAILED: first divergent node '{first['node']}' ({first['op_type']})" if first else "FAILED")
-    print(f"{verdict}; report: {report['artefacts']['report_md']}")
+    say(f"{verdict}; report: {report['artefacts']['report_md']}", always=True)
+
+
+def _reason_code(action: dict[str, Any]) -> str:
+    """The rules behind an action, as codes (`range.overflow`); the sentence is in the report."""
+    rules = list(dict.fromkeys(f.get("rule", "") for f in action.get("findings", []) if f.get("rule")))
+    if rules:
+        return ",".join(rules)
+    return "request" if action.get("request") else "verify"

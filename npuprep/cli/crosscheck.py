@@ -31,14 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from rich.markup import escape
-
     from npuprep.analyse import static_findings
-    from npuprep.cli.common import print_json, print_table
+    from npuprep.cli.common import out, print_json, print_table, say
     from npuprep.crosscheck.check import crosscheck
     from npuprep.crosscheck.names import NodeIndex
     from npuprep.crosscheck.readers import read_report
-    from npuprep.crosscheck.render import COLUMNS, row, to_markdown
+    from npuprep.crosscheck.render import COLUMNS, SHORT_COLUMNS, row, short_row, to_markdown
     from npuprep.model_io import load_model, write_text_atomic
     from npuprep.profiles import load_profile
 
@@ -64,13 +62,22 @@ def run(args: argparse.Namespace) -> int:
         print_json(result.to_dict())
     else:
         counts = ", ".join(f"{k} {n}" for k, n in result.counts.items() if n)
-        # Layer names such as {ForeignNode[a...b]} are not rich markup.
-        print_table(escape(f"Crosscheck of {report.path} ({report.format}) for {profile.name}: {counts}"),
-                    COLUMNS, [[escape(c) for c in row(v)] for v in result.verdicts])
+        shown = [v for v in result.verdicts if out().show_all or v.verdict not in COUNTED]
+        full = out().verbose or out().width is None
+        print_table(f"Crosscheck of {report.path} ({report.format}) for {profile.name}: {counts}",
+                    COLUMNS if full else SHORT_COLUMNS, [row(v) if full else short_row(v) for v in shown])
+        left = {k: n for k, n in result.counts.items() if k in COUNTED and n and not out().show_all}
+        if left:
+            say("not listed: " + ", ".join(f"{n} {k}" for k, n in left.items())
+                + " (--show-all lists them; the reasons are in --json and --report-md)")
         for note in result.notes:
-            print(f"note: {note}")
-        print("PASSED" if result else "FAILED: a sensitive or pinned node runs in a lower precision")
+            say(f"note: {note}")
+        say("PASSED" if result else "FAILED: a sensitive or pinned node runs in a lower precision", always=True)
     return 0 if result else 1
+
+
+# Verdicts counted, not listed, unless --show-all: a report names hundreds of layers we have no finding for.
+COUNTED = ("missing", "unmapped")
 
 
 def _pinned_nodes(path: str, model: Any, nodes: set[str]) -> tuple[set[str], str]:

@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from npuprep import __version__
+from npuprep.cli.common import add_output_options, configure_output
 from npuprep.errors import NpuprepError
 
 # name -> module under npuprep.cli; each module has `help`, `add_arguments(p)` and `run(args) -> int`.
@@ -46,6 +47,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             continue
         p = sub.add_parser(name, help=module.help, description=module.help)
         module.add_arguments(p)
+        add_output_options(p)
         p.set_defaults(_run=module.run)
     return parser
 
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
+    configure_output(args)
     try:
         return int(args._run(args) or 0)
     except NpuprepError as exc:
