@@ -184,7 +184,8 @@ def _print(model: Any, profile: Any, findings: Any, fail_on: Any) -> None:
     if len(findings):
         columns = ["severity", "rule", "node", "op", "evidence", "remedy"]
         print_table("Findings (sentences: -v, --json or --html)" if not _sentences() else "Findings",
-                    columns + (["finding", "how"] if _sentences() else []), _rows(findings))
+                    columns + (["finding", "how"] if _sentences() else []), _rows(findings),
+                    cut_end=("evidence", "finding", "how"))
     s = _summary(findings)
     verdict = "FAILED" if findings.reaching(fail_on) else "PASSED"
     say(f"{s['total']} finding(s): {s['error']} error, {s['warning']} warning, {s['info']} info"

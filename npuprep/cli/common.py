@@ -176,12 +176,13 @@ def say(text: str = "", *, always: bool = False) -> None:
     print(wrap(text, OUTPUT.width))
 
 
-def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
-    """A plain aligned table within OUTPUT.width (names shortened in the middle), greppable
-    when piped; nothing with -q."""
+def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]],
+                cut_end: Sequence[str] = ()) -> None:
+    """A plain aligned table within OUTPUT.width (names shortened in the middle, the `cut_end`
+    columns at the end), greppable when piped; nothing with -q."""
     if OUTPUT.quiet:
         return
-    sys.stdout.write("\n".join(table_lines(title, columns, rows, OUTPUT.width)) + "\n")
+    sys.stdout.write("\n".join(table_lines(title, columns, rows, OUTPUT.width, cut_end)) + "\n")
 
 
 def fmt(v: Any) -> str:

@@ -194,7 +194,8 @@ def _print_summary(report: dict[str, Any]) -> None:
                 for i, a in enumerate(report["actions"], 1)]
         shown, left = capped(rows, 20, out().show_all)
         print_table(f"Actions ({len(rows)}; why: -v or the report)" if not full else "Actions",
-                    ["#", "action", "where", "reason", *(["why"] if full else [])], shown)
+                    ["#", "action", "where", "reason", *(["why"] if full else [])], shown,
+                    cut_end=("reason", "why"))
         if left:
             say(f"... and {left} more actions (--show-all)")
     ver = report.get("verification") or {}

@@ -65,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     except NpuprepError as exc:
         print(f"npuprep: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:
+        # `npuprep check ... | head`: the reader has what it wanted.
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print("npuprep: interrupted", file=sys.stderr)
         return 130

@@ -30,13 +30,16 @@ class Output:
     show_all: bool = False
 
 
-def shorten(text: str, width: int | None) -> str:
-    """`text` in at most `width` characters, cut in the middle (both ends of a name tell most)."""
+def shorten(text: str, width: int | None, at: str = "middle") -> str:
+    """`text` in at most `width` characters, cut in the middle (both ends of a name tell most)
+    or, with `at="end"`, at the end (lists whose first items matter most)."""
     text = " ".join(str(text).split())
     if width is None or len(text) <= width:
         return text
     if width <= 1:
         return ELLIPSIS[:width]
+    if at == "end":
+        return text[: width - 1] + ELLIPSIS
     head = width // 2
     tail = width - 1 - head
     return text[:head] + ELLIPSIS + (text[-tail:] if tail else "")
@@ -118,9 +121,13 @@ def fit_widths(natural: Sequence[int], minimum: Sequence[int], budget: int) -> l
 
 
 def table_lines(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]],
-                width: int | None = WIDTH) -> list[str]:
-    """A plain aligned table (title, header, rule, rows), no line wider than `width` (None: no limit)."""
+                width: int | None = WIDTH, cut_end: Sequence[str] = ()) -> list[str]:
+    """A plain aligned table (title, header, rule, rows), no line wider than `width` (None: no limit).
+
+    Cells are cut in the middle, those of the `cut_end` columns (evidence lists) at the end.
+    """
     cells = [[cell(v) for v in r] for r in rows]
+    at = ["end" if c in cut_end else "middle" for c in columns]
     natural = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
     if width is None:
         widths = natural
@@ -130,7 +137,7 @@ def table_lines(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]
     lines = [shorten(title, width) if width else title,
              GAP.join(shorten(c, w).ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip(),
              GAP.join("-" * w for w in widths)]
-    lines += [GAP.join(shorten(v, w).ljust(w) for v, w in zip(r, widths, strict=True)).rstrip()
+    lines += [GAP.join(shorten(v, w, a).ljust(w) for v, w, a in zip(r, widths, at, strict=True)).rstrip()
               for r in cells]
     return lines
 
