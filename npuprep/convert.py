@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from npuprep.analyse.finding import Findings
 from npuprep.data import Feed
-from npuprep.model_io import Model, fingerprint
+from npuprep.model_io import Model, fingerprint, with_weights
 from npuprep.numerics import NumberFormat, get_format
 from npuprep.plan import PinFp32, Plan
 from npuprep.profiles import Pinning, TargetProfile
@@ -110,6 +111,18 @@ class ConversionResult:
             "notes": list(self.notes),
         }
 
+    def save(self, path: str | Path, *, exports: Sequence[str] | None = None,
+             report_path: str | Path | None = None, html: str | Path | None = None,
+             protected: Sequence[str | Path] = ()) -> dict[str, Any]:
+        """Write what `npuprep convert` writes: the model at `path`, `<path>.plan.yaml`,
+        `<path>.report.json`, `<path>.report.md`, and the constraint files of `exports`
+        (None: the target compiler's; names in npuprep.report.artefacts.EXPORTS). Returns the
+        report, its `artefacts` naming every file written."""
+        from npuprep.report.artefacts import save_conversion
+
+        return save_conversion(self, path, exports=exports, report_path=report_path, html=html,
+                               protected=protected)
+
     def tensor_rows(self) -> list[dict[str, Any]]:
         """Every compared tensor: abs-max before (calibration of the original) and after (what
         the converted model stores, emulated), and the precision it is stored in."""
@@ -167,6 +180,8 @@ def convert(
 
     stage = progress or (lambda _: None)
     stage("findings")
+    # Rules read constants and the rewrite lowers every weight: a light model gets its values.
+    model = with_weights(model)
     from npuprep.plan.planner import make_plan
 
     fmt = get_format(precision or profile.default_precision)

@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="verification rounds; each pins the first divergent node (default 3)")
     p.add_argument("--report", help="JSON report path (default: <output>.report.json)")
     p.add_argument("--html", help="also write a self-contained HTML report here")
+    p.add_argument("--export", metavar="LIST",
+                   help="constraint files to write: trt, horizon, rknn, yaml (comma-separated) or none "
+                        "(default: the target compiler's own)")
     add_json(p)
 
 
@@ -44,8 +47,10 @@ def run(args: argparse.Namespace) -> int:
     from npuprep.errors import NpuprepError
     from npuprep.model_io import load_model
     from npuprep.profiles import load_profile
+    from npuprep.report.artefacts import parse_exports
 
     profile = load_profile(args.target)
+    exports = parse_exports(args.export) if args.export else None
     if args.model is None:
         from npuprep.examples import example_data_dir, example_model_path
 
@@ -54,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
             args.data = str(example_data_dir())
     model = load_model(args.model)
     stem = Path(args.model).stem
-    default_ext = ".plan.yaml" if args.plan_only else ".onnx"
+    # Not `<stem>.<target>.plan.yaml`: convert writes the plan it applied there, over a draft.
+    default_ext = ".draft.plan.yaml" if args.plan_only else ".onnx"
     output = Path(args.output or f"{stem}.{profile.name}{default_ext}")
     if output.exists() and output.resolve() == Path(args.model).resolve():
         raise NpuprepError(f"{output}: refusing to overwrite the input model; choose another -o")
@@ -82,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
             samples_description=samples.describe(), synthetic=samples.synthetic,
             max_rounds=max(1, args.max_rounds), opset=args.opset, progress=stage,
         )
-    report = _write_artefacts(args, result, output)
+    report = result.save(output, exports=exports, report_path=args.report, html=args.html,
+                         protected=(args.model,))
     if args.json:
         print_json(report)
     else:
@@ -115,9 +122,12 @@ def _plan_only(args: argparse.Namespace, model: Any, profile: Any, stats: Any, o
     if args.json:
         print_json(plan.to_dict() | {"written": str(output)})
     else:
-        print(f"plan: {len(plan.actions)} actions, {len(plan.declined)} declined -> {output}")
-        for a in plan.actions:
-            print(f"  {a.action:9s} {_where(a)}  ({a.why})")
+        from npuprep.cli.common import print_table, say
+
+        rows = [(i, a.action, _where(a), _reason_code(a.to_dict())) for i, a in enumerate(plan.actions, 1)]
+        print_table(f"Plan ({len(plan.actions)} actions; why: in the YAML)", ["#", "action", "where", "reason"],
+                    rows, cut_end=("reason",))
+        say(f"plan: {len(plan.actions)} actions, {len(plan.declined)} declined -> {output}", always=True)
     return 0
 
 
@@ -125,58 +135,6 @@ def _where(action: Any) -> str:
     from npuprep.report.render_md import action_target
 
     return action_target(action.to_dict())
-
-
-def _write_artefacts(args: argparse.Namespace, result: Any, output: Path) -> dict[str, Any]:
-    """The model, its reports and constraint files, each written atomically."""
-    from npuprep.cli.common import dump_json
-    from npuprep.model_io import Model, save_model, write_text_atomic
-    from npuprep.plan import PinFp32, save_plan
-    from npuprep.report import constraints
-    from npuprep.report.render_md import convert_markdown
-
-    base = output.with_suffix("")
-    report_path = Path(args.report) if args.report else Path(f"{base}.report.json")
-    lowered = result.lowered.model
-    save_model(lowered, output, protected=(args.model,))
-    # Constraint files speak of the lowered model's node names, pins from lowering included.
-    report = result.to_dict(output=str(output))
-    low_model = Model(proto=lowered, path=str(output), digest=report["output_fingerprint"])
-    extra = sorted(set(result.pinned_nodes) - result.plan.pinned_nodes())
-    plan = result.plan
-    if extra:
-        plan = _with_pins(plan, extra, PinFp32)
-    flags = constraints.trt_flags(plan, low_model)
-    artefacts = {
-        "model": str(output),
-        "plan": str(save_plan(result.plan, f"{base}.plan.yaml")),
-        "precision_yaml": str(write_text_atomic(f"{base}.precision.yaml",
-                                                constraints.precision_yaml(plan, low_model))),
-        "trtexec": str(write_text_atomic(f"{base}.trtexec.txt", "\n".join(
-            [flags.command_line(output.name), "", *(f"# {n}" for n in flags.notes)]) + "\n")),
-        "horizon_node_info": str(write_text_atomic(f"{base}.horizon.yaml",
-                                                   constraints.horizon_node_info(plan, low_model))),
-        "rknn_custom_quantize_layers": str(write_text_atomic(
-            f"{base}.rknn.yaml", constraints.rknn_custom_quantize_layers(plan, low_model))),
-    }
-    report["artefacts"] = artefacts | {"report_json": str(report_path),
-                                       "report_md": f"{base}.report.md"}
-    if args.html:
-        report["artefacts"]["report_html"] = args.html
-    write_text_atomic(report_path, dump_json(report))
-    write_text_atomic(f"{base}.report.md", convert_markdown(report))
-    if args.html:
-        from npuprep.report.render_html import write_html
-
-        write_html(report, args.html)
-    return report
-
-
-def _with_pins(plan: Any, nodes: list[str], pin_cls: Any) -> Any:
-    from dataclasses import replace
-
-    pin = pin_cls(nodes=tuple(nodes), why="kept FP32 by rewriting or lowering (boundary, range)")
-    return replace(plan, actions=(*plan.actions, pin))
 
 
 def _print_summary(report: dict[str, Any]) -> None:
