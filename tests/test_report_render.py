@@ -110,13 +110,15 @@ def test_limits_are_drawn() -> None:
     assert "fp16 max 65504" in chart
     assert "headroom 0.5 x fp16 max = 32752" in chart
     assert "448" not in chart
+    assert "fp16 min normal 6.1e-05" in chart
     assert [(lim.role, lim.value) for lim in limits(convert_result())] == [
-        ("max", 65504.0), ("headroom", 32752.0)]
+        ("max", 65504.0), ("min_normal", 2.0**-14), ("headroom", 32752.0)]
 
 
 def test_fp8_limit_drawn_when_fp8_is_asked() -> None:
     fp8 = compare_result(fmt="fp8_e4m3")
-    assert [(lim.role, lim.value) for lim in limits(fp8)] == [("max", 65504.0), ("fp8", 448.0)]
+    assert [(lim.role, lim.value) for lim in limits(fp8)] == [("max", 65504.0), ("min_normal", 2.0**-14),
+                                                              ("fp8", 448.0)]
     assert "fp8_e4m3 max 448" in svgs(render(fp8))[0]
 
 
@@ -300,7 +302,8 @@ def test_number_cells_keep_their_digits() -> None:
 
 def test_wide_formats_are_judged_against_fp16() -> None:
     result = dict(compare_result(fmt="fp32"), profile=PROFILE)
-    assert [(lim.role, lim.value) for lim in limits(result)] == [("max", 65504.0), ("headroom", 32752.0)]
+    assert [(lim.role, lim.value) for lim in limits(result)] == [("max", 65504.0), ("min_normal", 2.0**-14),
+                                                                 ("headroom", 32752.0)]
 
 
 def test_actions_read_from_an_embedded_plan() -> None:

@@ -102,7 +102,11 @@ def run(args: argparse.Namespace) -> int:
             page["stats"] = stats.to_dict()
         write_html(page, args.html, order=tensor_order(model.proto))
     if args.json:
-        print_json(check_report(model, profile, findings, fail_on))
+        doc = check_report(model, profile, findings, fail_on)
+        if stats is not None:
+            # The ranges behind the measured findings: `npuprep report` draws them, as --html does.
+            doc["stats"] = stats.to_dict()
+        print_json(doc)
     else:
         _print(model, profile, findings, fail_on)
     return 1 if failing else 0
