@@ -234,8 +234,8 @@ def test_names_are_escaped() -> None:
 
 
 def test_unknown_kind_is_a_user_error(tmp_path: Path) -> None:
-    with pytest.raises(NpuprepError, match="kind 'probe' has no HTML report"):
-        render({"kind": "probe"})
+    with pytest.raises(NpuprepError, match="kind 'plan' has no HTML report"):
+        render({"kind": "plan"})
     with pytest.raises(NpuprepError):
         write_html({"kind": "nope"}, tmp_path / "r.html")
     assert not (tmp_path / "r.html").exists()
@@ -245,9 +245,9 @@ def test_cli_errors_exit_2_and_write_nothing(tmp_path: Path) -> None:
     out = tmp_path / "report.html"
     bad = tmp_path / "bad.json"
     bad.write_text("{not json", encoding="utf-8")
-    probe = tmp_path / "probe.json"
-    probe.write_text(json.dumps({"schema_version": 1, "kind": "probe"}), encoding="utf-8")
-    for src, message in ((bad, "not valid JSON"), (probe, "kind 'probe' has no HTML report"),
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"schema_version": 1, "kind": "plan"}), encoding="utf-8")
+    for src, message in ((bad, "not valid JSON"), (plan, "kind 'plan' has no HTML report"),
                          (tmp_path / "missing.json", "result file not found")):
         proc = run_cli("report", src, "-o", out)
         assert proc.returncode == 2
