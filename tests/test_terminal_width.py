@@ -86,3 +86,26 @@ def test_names_shorten_in_the_middle_and_numbers_read_as_numbers():
     assert percent(0.5) == "50%" and percent(6.06e12) == "6.06e12x" and percent(math.inf) == "inf"
     lines = table_lines("t", ["name", "value"], [("x" * 300, 1.5), ("short", 6.06e14)])
     assert max(map(len, lines)) <= 100 and lines[-1].split() == ["short", "6.06e14"]
+
+
+class _Row:
+    """The fields of a TensorCompareResult that compare's verdict column reads."""
+
+    def __init__(self, passed, reason="", rel_l2=0.0, rtol=0.01, saturated_count=0):
+        self.passed, self.reason, self.rel_l2, self.rtol = passed, reason, rel_l2, rtol
+        self.saturated_count = saturated_count
+
+    def __bool__(self):
+        return self.passed
+
+
+def test_compare_rows_say_why_they_are_ok_or_failed():
+    from npuprep.cli.compare import verdict_code
+
+    assert verdict_code(_Row(True)) == "ok"
+    assert verdict_code(_Row(True, rel_l2=0.47)) == "ok:<atol"
+    assert verdict_code(_Row(True, "the reference holds non-finite values; error metrics undefined",
+                             rel_l2=math.nan)) == "ok:ref-nan"
+    assert verdict_code(_Row(False, "3 Inf and 0 NaN values where the reference is finite")) == "FAIL:inf/nan"
+    assert verdict_code(_Row(False, "4 values pinned at +-65504", saturated_count=4)) == "FAIL:saturated"
+    assert verdict_code(_Row(False, "rel L2 0.5 > 0.01 and max abs error 3 > 0.001")) == "FAIL:rtol+atol"
