@@ -58,6 +58,12 @@ def test_default_output_fits_100_columns(command, long_model, tmp_path):
     assert _widest(r.stdout) <= 100, max(r.stdout.splitlines(), key=len)
 
 
+def test_targets_fit_100_columns():
+    for args in (("targets",), ("targets", "a2000"), ("targets", "orin")):
+        r = run_cli(*args)
+        assert r.returncode == 0 and _widest(r.stdout) <= 100, max(r.stdout.splitlines(), key=len)
+
+
 def test_crosscheck_counts_missing_rows_and_fits(tmp_path, save):
     model = save(norm_model())
     r = run_cli("crosscheck", model, "--report", FIXTURES / "generic.csv", "--target", "orin")
