@@ -47,7 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also feed each node the reference's inputs: its own error apart from "
                         "accumulated error (runs the candidate twice)")
     p.add_argument("--worst", type=int, default=5, metavar="K", help="how many worst tensors to show")
-    p.add_argument("--report", metavar="OUT.md", help="write a Markdown report")
+    p.add_argument("--report-md", dest="report", metavar="OUT.md", help="write a Markdown report")
+    # `--report` names an input (crosscheck's compiler report); the old output spelling still works.
+    p.add_argument("--report", dest="report", help=argparse.SUPPRESS)
     p.add_argument("--html", metavar="OUT.html", help="also write a self-contained HTML report")
     add_json(p)
 

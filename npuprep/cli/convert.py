@@ -33,7 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest relative L2 error of each output (default 1e-2)")
     p.add_argument("--max-rounds", type=int, default=3,
                    help="verification rounds; each pins the first divergent node (default 3)")
-    p.add_argument("--report", help="JSON report path (default: <output>.report.json)")
+    p.add_argument("--report-json", dest="report", metavar="OUT.json",
+                   help="JSON report path (default: <output>.report.json)")
+    # `--report` names an input (crosscheck's compiler report); the old output spelling still works.
+    p.add_argument("--report", dest="report", help=argparse.SUPPRESS)
     p.add_argument("--html", help="also write a self-contained HTML report here")
     p.add_argument("--export", metavar="LIST",
                    help="constraint files to write: trt, horizon, rknn, yaml (comma-separated) or none "
