@@ -131,8 +131,10 @@ class _Lowering:
         self.cast_cache: dict[tuple[int, str, int], str] = {}
         # Each Cast's target as the model wrote it: lowering rewrites `to` in place, and a
         # reader's Cast decision must not depend on whether its producer was lowered first.
-        self.cast_to = {id(n): _attr_int(n, "to") for s in self.scopes for n in s.graph.node
-                        if n.op_type == "Cast"}
+        # Message wrappers are keyed by id(); holding them keeps those ids valid. Taken first:
+        # ids of wrappers made and dropped while building a map are reused by later wrappers.
+        self._alive = [n for s in self.scopes for n in s.graph.node]
+        self.cast_to = {id(n): _attr_int(n, "to") for n in self._alive if n.op_type == "Cast"}
         self.weights: dict[str, _Weight] = {}
         self.mapped: dict[str, int] = {}
         self.flushed: dict[str, int] = {}
@@ -140,8 +142,6 @@ class _Lowering:
         self.names = {name for s in self.scopes for name in _names(s.graph)}
         self.output_casts: list[tuple[str, str, int]] = []
         self.high_labels: set[str] = set()
-        # Message wrappers are keyed by id(); holding them keeps those ids valid.
-        self._alive = [n for s in self.scopes for n in s.graph.node]
 
     # -- decisions --------------------------------------------------------------------
 
