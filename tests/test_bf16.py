@@ -137,3 +137,17 @@ def test_bf16_graph_io_and_subgraphs_convert(tmp_path):
     onnx.checker.check_model(converted, full_check=True)
     compared = run_cli("compare", path, out, "--data", data)
     assert compared.returncode == 0, compared.stdout[-2000:] + compared.stderr[-2000:]
+
+
+def test_lowering_reads_each_cast_target_as_written_every_time():
+    # bf16_mlp with `bias` pinned FP32 and its Cast'ed BF16 Constant input not: the Cast must
+    # stay FP32 for the pinned Add. Cast targets keyed by id() of dropped wrappers once made
+    # this depend on memory reuse (it failed on every pass of this loop).
+    from npuprep.numerics import get_format
+    from npuprep.rewrite.lower import lower
+
+    model = bf16_mlp()
+    pins = ["bias", "fc1", "fc2", "from_bf16", "out_bf16", "relu", "to_bf16"]
+    for _ in range(10):
+        lowered = lower(model, get_format("fp16"), pinned_nodes=pins).model
+        onnx.checker.check_model(lowered, full_check=True)
