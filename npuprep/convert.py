@@ -6,15 +6,16 @@ first divergent node, pins it and tries again (a bounded number of rounds).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from npuprep.analyse.finding import Findings
 from npuprep.data import Feed
-from npuprep.model_io import Model, fingerprint
+from npuprep.model_io import Model, fingerprint, with_weights
 from npuprep.numerics import NumberFormat, get_format
 from npuprep.plan import PinFp32, Plan
 from npuprep.profiles import Pinning, TargetProfile
@@ -119,6 +120,18 @@ class ConversionResult:
             "notes": list(self.notes),
         }
 
+    def save(self, path: str | Path, *, exports: Sequence[str] | None = None,
+             report_path: str | Path | None = None, html: str | Path | None = None,
+             protected: Sequence[str | Path] = ()) -> dict[str, Any]:
+        """Write what `npuprep convert` writes: the model at `path`, `<path>.plan.yaml`,
+        `<path>.report.json`, `<path>.report.md`, and the constraint files of `exports`
+        (None: the target compiler's; names in npuprep.report.artefacts.EXPORTS). Returns the
+        report, its `artefacts` naming every file written."""
+        from npuprep.report.artefacts import save_conversion
+
+        return save_conversion(self, path, exports=exports, report_path=report_path, html=html,
+                               protected=protected)
+
     def tensor_rows(self) -> list[dict[str, Any]]:
         """Every compared tensor: abs-max before (calibration of the original) and after (what
         the converted model stores, emulated), and the precision it is stored in."""
@@ -163,6 +176,7 @@ def convert(
     max_rounds: int = 3,
     max_fp32_share: float = DEFAULT_MAX_FP32_SHARE,
     opset: int | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> ConversionResult:
     """Plan (unless a plan is given), rewrite, lower and verify `model` for `profile`.
 
@@ -170,9 +184,15 @@ def convert(
     on samples not used for calibration. `stats` are the calibration statistics (None:
     plan from static findings only). The result fails when more than `max_fp32_share` of
     the FLOPs stay FP32. The lowered model keeps the model's default-domain opset unless
-    `opset` asks for another (onnx's version converter; a clear error when it cannot).
+    `opset` asks for another (onnx's version converter; a clear error when it cannot). `progress` is
+    told each stage as it starts (the CLI's spinner).
     """
     from npuprep.analyse import static_findings
+
+    stage = progress or (lambda _: None)
+    stage("findings")
+    # Rules read constants and the rewrite lowers every weight: a light model gets its values.
+    model = with_weights(model)
     from npuprep.plan.planner import make_plan
 
     fmt = get_format(precision or profile.default_precision)
@@ -182,12 +202,14 @@ def convert(
 
         findings = findings.merged(measured_findings(model, profile, stats, precision))
     if plan is None:
+        stage("planning")
         plan = make_plan(model, profile, stats, findings, precision=precision)
     notes: list[str] = []
     result = None
     for round_no in range(1, max_rounds + 1):
         result = _build(model, profile, fmt, plan, samples, io_types=io_types, rtol=rtol,
-                        holdout=holdout, stats=stats, opset=opset)
+                        holdout=holdout, stats=stats, opset=opset,
+                        stage=lambda s, r=round_no: stage(f"round {r}, {s}"))
         if result["output_check"] or round_no == max_rounds:
             break
         first = result["layers"].first_divergent
@@ -270,12 +292,14 @@ def _nodes_to_pin(rewritten: Any, node: str, pinned: set[str]) -> tuple[str, ...
 def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
            samples: Sequence[Feed], *, io_types: str, rtol: float,
            holdout: Sequence[Feed] | None, stats: Any = None,
-           opset: int | None = None) -> dict[str, Any]:
+           opset: int | None = None,
+           stage: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     from npuprep.rewrite.apply import apply_plan
     from npuprep.rewrite.lower import lower
     from npuprep.verify.compare import DEFAULT_ATOL, compare_models, emulation_notes
     from npuprep.verify.emulate import emulate
 
+    stage("rewriting")
     applied = apply_plan(model.proto, plan)
     # A target that cannot pin runs every node in its format: emulate it so (a PASSED then
     # matches the device) and move output compensations it cannot hold to the host.
@@ -285,12 +309,14 @@ def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
     pinned = set(plan.pinned_nodes()) | set(applied.fp32_nodes)
     pinned |= {n for n, inp in applied.input_nodes.items() if not _fits_format(stats, inp, fmt)}
     lower_fmt = fmt if fmt.name in ("fp16", "bf16") else get_format("fp16")
+    stage("lowering")
     lowered = lower(applied.model, lower_fmt, pinned_nodes=sorted(pinned), io_types=io_types)
     pinned |= set(lowered.pinned_nodes)
     if opset is not None:
         from npuprep.opsets import convert_opset
 
         lowered = replace(lowered, model=convert_opset(lowered.model, opset, why="--opset"))
+    stage("emulating and comparing layer by layer")
     # A target that cannot pin emulates every node in its format but BatchNorms folded at
     # build time; elsewhere an If that only carries a pinned branch node's FP32 output is not
     # rounded either.
@@ -307,6 +333,7 @@ def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
         notes.append(f"the ONNX artefact is lowered to {lower_fmt.name}; {fmt.name} is emulated, "
                      "quantisation to it is the compiler's job")
     everywhere = emulation.model if no_pin else None
+    stage("checking the outputs")
     output_check = check_outputs(model.proto, lowered.model, lower_fmt, samples,
                                  saturate=profile.saturates, rtol=rtol, io_types=io_types,
                                  host_scales=host_scales, emulated=everywhere)

@@ -6,8 +6,9 @@ checked against the model's inputs (names, dtypes, fixed dimensions, finiteness)
 
 from __future__ import annotations
 
+import math
 import zipfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -29,6 +30,9 @@ class InputSpec:
     name: str
     dtype: np.dtype
     shape: tuple[int | None, ...]
+    # Synthetic values: floats in [low, high), integers low..high; None: normal floats, integers 0..3.
+    low: float | None = None
+    high: float | None = None
 
 
 def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
@@ -218,11 +222,86 @@ def load_samples(
     return samples
 
 
-def synthetic_samples(model: onnx.ModelProto, count: int, seed: int = 0) -> SampleSet:
-    """Seeded random samples shaped like the model's inputs (symbolic dims become 1)."""
+def synthetic_samples(model: onnx.ModelProto, count: int, seed: int = 0, *,
+                      ranges: Mapping[str, tuple[float, float]] | None = None,
+                      shapes: Mapping[str, tuple[int, ...]] | None = None) -> SampleSet:
+    """Seeded random samples shaped like the model's inputs (symbolic dims become 1).
+
+    `ranges` {input: (lo, hi)} draws that input uniformly from [lo, hi) (integers: lo..hi);
+    `shapes` {input: dims} fixes its shape. An integer input that indexes a constant table
+    (an embedding `Gather`) stays within the table unless a range says otherwise.
+    """
     if count < 1:
         raise NpuprepError(f"--synthetic needs a positive count, got {count}")
-    return SampleSet("synthetic", "synthetic", tuple(input_specs(model)), count=count, seed=seed)
+    specs = {s.name: s for s in input_specs(model)}
+    for name in [*(ranges or {}), *(shapes or {})]:
+        if name not in specs:
+            raise NpuprepError(f"input '{name}' (in --input-range/--input-shape) is not an input of the model "
+                               f"(inputs: {', '.join(sorted(specs))})")
+    tables = index_limits(model)
+    out = []
+    for s in specs.values():
+        if s.name in (shapes or {}):
+            s = replace(s, shape=_override_shape(s, tuple(shapes[s.name])))
+        if s.name in (ranges or {}):
+            lo, hi = ranges[s.name]
+            s = replace(s, low=float(lo), high=float(hi))
+        elif s.name in tables and s.dtype.kind in "iu":
+            s = replace(s, low=0.0, high=float(max(tables[s.name] - 1, 0)))
+        out.append(s)
+    return SampleSet("synthetic", "synthetic", tuple(out), count=count, seed=seed)
+
+
+def _override_shape(spec: InputSpec, dims: tuple[int, ...]) -> tuple[int, ...]:
+    if len(dims) != len(spec.shape) or any(d < 1 for d in dims):
+        raise NpuprepError(f"--input-shape {spec.name}: {list(dims)} does not fit the input's rank "
+                           f"{len(spec.shape)} (or has a dimension < 1)")
+    for axis, (want, got) in enumerate(zip(spec.shape, dims, strict=True)):
+        if want is not None and want != got:
+            raise NpuprepError(f"--input-shape {spec.name}: dimension {axis} is fixed at {want} in the model, "
+                               f"not {got}")
+    return dims
+
+
+# Ops that pass indices through unchanged on the way to a Gather.
+_INDEX_PASSTHROUGH = ("Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Expand")
+
+
+def index_limits(model: onnx.ModelProto) -> dict[str, int]:
+    """Integer graph inputs that index a constant table: input -> the table's size on the gathered axis.
+
+    Follows Cast/Reshape/Unsqueeze/... from the input to `Gather(table, indices)` with `table`
+    an initialiser or Constant; the smallest table wins when one input indexes several.
+    """
+    g = model.graph
+    sizes = {i.name: tuple(i.dims) for i in g.initializer}
+    for node in g.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            sizes[node.output[0]] = tuple(node.attribute[0].t.dims)
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in g.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    limits: dict[str, int] = {}
+    for vi in g.input:
+        if vi.name in sizes:
+            continue
+        frontier, seen = [vi.name], set()
+        while frontier:
+            name = frontier.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            for node in readers.get(name, []):
+                if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] == name \
+                        and node.input[0] in sizes:
+                    dims = sizes[node.input[0]]
+                    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+                    if dims and -len(dims) <= axis < len(dims):
+                        limits[vi.name] = min(limits.get(vi.name, dims[axis]), dims[axis])
+                elif node.op_type in _INDEX_PASSTHROUGH and node.input[0] == name:
+                    frontier.append(node.output[0])
+    return limits
 
 
 def _synthetic_feed(specs: tuple[InputSpec, ...], seed: int, index: int) -> Feed:
@@ -231,11 +310,16 @@ def _synthetic_feed(specs: tuple[InputSpec, ...], seed: int, index: int) -> Feed
     for s in specs:
         shape = tuple(d if d is not None else 1 for d in s.shape)
         if np.issubdtype(s.dtype, np.floating) or s.dtype.kind == "V":
-            feed[s.name] = rng.standard_normal(shape).astype(s.dtype)
+            if s.low is not None and s.high is not None:
+                feed[s.name] = rng.uniform(s.low, s.high, shape).astype(s.dtype)
+            else:
+                feed[s.name] = rng.standard_normal(shape).astype(s.dtype)
         elif s.dtype == np.bool_:
             feed[s.name] = rng.integers(0, 2, shape).astype(np.bool_)
         else:
-            feed[s.name] = rng.integers(0, 4, shape).astype(s.dtype)
+            low = 0 if s.low is None else math.ceil(s.low)
+            high = 3 if s.high is None else max(math.floor(s.high), low)
+            feed[s.name] = rng.integers(low, high, shape, endpoint=True).astype(s.dtype)
     return feed
 
 

@@ -424,6 +424,23 @@ def external_array(tensor: onnx.TensorProto, folder: str | Path) -> np.ndarray:
     return onnx.numpy_helper.to_array(_loaded(tensor, folder))
 
 
+def with_weights(model: Model) -> Model:
+    """`model` with every external tensor's values read in (same path and fingerprint): what a
+    stage that reads or rewrites weights needs after `load_model(path, weights="file")`."""
+    if not uses_external_data(model.proto):
+        return model
+    folder = Path(model.path).parent
+    proto = onnx.ModelProto()
+    proto.CopyFrom(model.proto)
+    try:
+        for tensor in onnx.external_data_helper._get_all_tensors(proto):
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                tensor.CopyFrom(_loaded(tensor, folder))
+    except (OSError, KeyError, ValueError) as exc:
+        raise NpuprepError(f"{model.path}: cannot read external data ({exc})") from None
+    return Model(proto=proto, path=model.path, digest=model.digest)
+
+
 def _loaded(tensor: onnx.TensorProto, folder: str | Path) -> onnx.TensorProto:
     """A copy of an external tensor with its data read into raw_data."""
     info = {e.key: e.value for e in tensor.external_data}

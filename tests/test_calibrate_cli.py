@@ -64,7 +64,7 @@ def test_table_names_the_tensors_nearest_the_limits(save, data):
     # Piped: a plain table, its rows under the dashed rule, the tensor name first.
     lines = r.stdout.splitlines()
     rule = next(i for i, ln in enumerate(lines) if ln.startswith("---"))
-    assert lines[rule - 1].split()[:2] == ["tensor", "node"]
+    assert lines[rule - 1].split()[:2] == ["tensor", "abs-max"]
     assert [ln.split()[0] for ln in lines[rule + 1:rule + 3]] == ["y", "sq"]
     assert "SYNTHETIC" not in r.stdout
 

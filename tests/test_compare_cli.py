@@ -21,7 +21,7 @@ g (float[3] x) => (float[3] y) <float wa = {{{w}}}, float one = {{1.0}}> {{
 def test_emulated_planner_names_the_overflow_and_exits_1(tmp_path):
     report = tmp_path / "cmp.md"
     proc = run_cli("compare", example_model_path(), "--emulate", "--target", "generic",
-                   "--data", example_data_dir(), "--json", "--report", report, "--worst", "3")
+                   "--data", example_data_dir(), "--json", "--report-md", report, "--worst", "3")
     assert proc.returncode == 1, proc.stderr
     data = json.loads(proc.stdout)
     assert data["kind"] == "compare" and data["passed"] is False

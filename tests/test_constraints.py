@@ -150,3 +150,13 @@ def test_precision_yaml_of_a_lowered_model_reads_its_stored_types():
     casts = [r for r in data["nodes"] if r["op_type"] == "Cast"]
     assert casts and {r["precision"] for r in casts} <= {"fp16", "fp32"}
     assert any(r["precision"] == "fp32" for r in casts)
+
+
+def test_a_pin_without_findings_gives_its_own_reason_not_user():
+    # enc/mm pinned by a verification round: precision.yaml says so, not "user".
+    from npuprep.plan import PinFp32
+    from npuprep.report.constraints import _pin_reason
+
+    pin = PinFp32(nodes=("enc/mm",), why="verification round 1: first divergent node enc/mm")
+    assert _pin_reason(pin) == "pinned FP32: verification round 1: first divergent node enc/mm"
+    assert _pin_reason(PinFp32(nodes=("enc/mm",), forced=True)) == "forced FP32: user"

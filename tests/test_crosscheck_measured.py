@@ -55,7 +55,7 @@ def test_checklist_names_the_riskiest_tensors_from_workspace_stats(workspace):
     assert items["calibrate"].done and "tensors observed" in items["calibrate"].evidence[0]
     risky = items["compare"].evidence[0]
     # s, m and v hold 9e4 (137% of 65504): named first, over the safe limit
-    assert "`m` (/norm/ReduceMean): absmax 9e+04 = 137.4% of fp16 max OVER the safe limit" in risky
+    assert "`m` (/norm/ReduceMean): absmax 90000 = 137.4% of fp16 max OVER the safe limit" in risky
     assert "`d`" not in risky  # 300: not among the top 3
     assert any(s.startswith("on the board, dump these tensors for the fixed batch: m, s, v")
                for s in items["compare"].steps)

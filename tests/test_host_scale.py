@@ -112,7 +112,7 @@ def test_the_same_target_with_pinning_keeps_the_compensation_in_fp32(guidance):
 def test_cli_writes_the_host_scale_into_report_and_constraint_files(guidance, tmp_path):
     src = guidance[0]
     done = run_cli("convert", src / "m.onnx", "--target", "rk3588", "--data", src / "data",
-                   "-o", tmp_path / "out.onnx")
+                   "-o", tmp_path / "out.onnx", "--export", "rknn,yaml", "-v")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert json.loads((tmp_path / "out.report.json").read_text())["host_scales"] == {"y": 4.0}
     for name in ("out.rknn.yaml", "out.precision.yaml"):

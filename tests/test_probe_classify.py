@@ -92,3 +92,14 @@ def test_to_dict_keeps_json_safe_pairs():
     d = classify(REF, np.array([np.inf, np.nan, 3, -4], np.float32), FP16).to_dict()
     values = {p["observed"] for p in d["pairs"]}
     assert values <= {"inf", "-inf", "nan"} and d["counts"]["over"] == 2
+
+
+def test_underflow_of_a_tiny_tensor_is_not_an_overflow_behaviour():
+    # A tensor whose whole range (abs-max 1.7e-7) lies below FP16's min normal: subnormal
+    # rounding and a flush to 0 are underflow, not `other-finite`.
+    ref = np.array([1.7e-7, -1.0e-7, 3.0e-8], np.float32)
+    obs = np.array([1.79e-7, 0.0, 5.96e-8], np.float32)
+    c = classify(ref, obs, FP16)
+    assert c.verdict is Verdict.NO_OVERFLOW and "underflow" in c.reason and c.flushed == 1
+    # A tiny reference that comes out large is still wrong.
+    assert classify(ref, np.array([1.0, 0.0, 0.0], np.float32), FP16).verdict is Verdict.OTHER_FINITE

@@ -57,7 +57,29 @@ def test_table_names_layer_and_unknown_profile(save):
     assert r.returncode == 0, r.stderr
     assert "first shows at tensor 'm'" in r.stdout
     assert "does not know its fp16 overflow mode" in r.stdout
-    assert "overall: inf" in r.stdout
+    # An unknown profile's verdicts are the emulator's assumption, and say so.
+    assert "overall: assumed (emulated): inf" in r.stdout and "overall: inf" not in r.stdout
+    rows = r.stdout.splitlines()
+    assert any(line.startswith("layer") and "inf (assumed)" in line for line in rows)
+    doc = json.loads(run_cli("probe", model, "--target", "a2000", "--json").stdout)
+    assert doc["basis"] == "assumed (emulated)"
+    measured = json.loads(run_cli("probe", model, "--target", "a2000", "--backend", "ort", "--json").stdout)
+    assert measured["basis"] == "measured (ort)"
+
+
+def test_write_profile_records_measured_not_assumed(save, tmp_path):
+    model = save(MATMUL_RELU)
+    prof = tmp_path / "board1.yaml"
+    r = run_cli("probe", model, "--target", "a2000", "--write-profile", prof)
+    assert r.returncode == 2 and "only assumes" in r.stderr and not prof.exists()
+    r = run_cli("probe", model, "--target", "a2000", "--backend", "ort", "--write-profile", prof)
+    assert r.returncode == 0, r.stderr
+    written = load_profile(prof)
+    assert written.name == "board1" and str(written.overflow) == "inf"
+    assert written.sources["overflow"].startswith("measured by npuprep probe on ort in fp16: inf")
+    same = tmp_path / "a2000.yaml"
+    assert run_cli("probe", model, "--target", "a2000", "--backend", "ort", "--write-profile", same).returncode == 0
+    assert load_profile(same).name == "a2000-measured"
 
 
 def test_usage_errors_exit_2(save):

@@ -139,7 +139,7 @@ def test_write_profile_records_the_measured_mode(fp16_kit, tmp_path):
     profile = load_profile(prof)
     assert str(profile.overflow) == "saturate" and profile.saturates
     assert profile.sources["overflow"].startswith("measured by npuprep probe on board")
-    assert profile.name == "a2000" and profile.fp32_pinning == load_profile("a2000").fp32_pinning
+    assert profile.name == "measured" and profile.fp32_pinning == load_profile("a2000").fp32_pinning
 
 
 def test_missing_and_misshaped_outputs_are_named(fp16_kit, tmp_path):

@@ -110,13 +110,15 @@ def test_limits_are_drawn() -> None:
     assert "fp16 max 65504" in chart
     assert "headroom 0.5 x fp16 max = 32752" in chart
     assert "448" not in chart
+    assert "fp16 min normal 6.1e-05" in chart
     assert [(lim.role, lim.value) for lim in limits(convert_result())] == [
-        ("max", 65504.0), ("headroom", 32752.0)]
+        ("max", 65504.0), ("min_normal", 2.0**-14), ("headroom", 32752.0)]
 
 
 def test_fp8_limit_drawn_when_fp8_is_asked() -> None:
     fp8 = compare_result(fmt="fp8_e4m3")
-    assert [(lim.role, lim.value) for lim in limits(fp8)] == [("max", 65504.0), ("fp8", 448.0)]
+    assert [(lim.role, lim.value) for lim in limits(fp8)] == [("max", 65504.0), ("min_normal", 2.0**-14),
+                                                              ("fp8", 448.0)]
     assert "fp8_e4m3 max 448" in svgs(render(fp8))[0]
 
 
@@ -232,8 +234,8 @@ def test_names_are_escaped() -> None:
 
 
 def test_unknown_kind_is_a_user_error(tmp_path: Path) -> None:
-    with pytest.raises(NpuprepError, match="kind 'probe' has no HTML report"):
-        render({"kind": "probe"})
+    with pytest.raises(NpuprepError, match="kind 'plan' has no HTML report"):
+        render({"kind": "plan"})
     with pytest.raises(NpuprepError):
         write_html({"kind": "nope"}, tmp_path / "r.html")
     assert not (tmp_path / "r.html").exists()
@@ -243,9 +245,9 @@ def test_cli_errors_exit_2_and_write_nothing(tmp_path: Path) -> None:
     out = tmp_path / "report.html"
     bad = tmp_path / "bad.json"
     bad.write_text("{not json", encoding="utf-8")
-    probe = tmp_path / "probe.json"
-    probe.write_text(json.dumps({"schema_version": 1, "kind": "probe"}), encoding="utf-8")
-    for src, message in ((bad, "not valid JSON"), (probe, "kind 'probe' has no HTML report"),
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"schema_version": 1, "kind": "plan"}), encoding="utf-8")
+    for src, message in ((bad, "not valid JSON"), (plan, "kind 'plan' has no HTML report"),
                          (tmp_path / "missing.json", "result file not found")):
         proc = run_cli("report", src, "-o", out)
         assert proc.returncode == 2
@@ -300,7 +302,8 @@ def test_number_cells_keep_their_digits() -> None:
 
 def test_wide_formats_are_judged_against_fp16() -> None:
     result = dict(compare_result(fmt="fp32"), profile=PROFILE)
-    assert [(lim.role, lim.value) for lim in limits(result)] == [("max", 65504.0), ("headroom", 32752.0)]
+    assert [(lim.role, lim.value) for lim in limits(result)] == [("max", 65504.0), ("min_normal", 2.0**-14),
+                                                                 ("headroom", 32752.0)]
 
 
 def test_actions_read_from_an_embedded_plan() -> None:

@@ -119,7 +119,11 @@ def _gather(ray: Any, refs: list[Any], counter: Any, total: int, show: bool, ret
                 _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.25)
                 if counter is not None:
                     set_done(ray.get(counter.total.remote()))
-            return ray.get(refs)
+            results = ray.get(refs)
+            # The tasks' last counts may still be in flight to the counter actor: every shard
+            # is done, so every sample is.
+            set_done(total)
+            return results
     except RayTaskError as exc:
         if isinstance(exc.cause, NpuprepError):
             raise NpuprepError(str(exc.cause)) from None

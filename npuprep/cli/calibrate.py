@@ -11,12 +11,13 @@ from npuprep.cli.common import (
     add_data,
     add_jobs,
     add_json,
-    fmt,
+    out,
     positive_int,
     print_json,
     print_table,
+    say,
 )
-from npuprep.names import shown
+from npuprep.report.terminal import capped, percent
 
 help = "measure every float tensor's range on samples (in-graph statistics) and write stats.json"
 
@@ -118,27 +119,35 @@ def summary_rows(stats: Any, top: int) -> list[dict[str, Any]]:
 
 
 def _print(model: Any, stats: Any, args: argparse.Namespace) -> None:
-    print(f"model   {shown(model.path)}  (fingerprint {model.fingerprint})")
+    say(f"model   {model.path}  (fingerprint {model.fingerprint})")
     shard = f"  (shard {args.shard[0]}/{args.shard[1]})" if args.shard else ""
-    print(f"samples {shown(stats.samples)}{shard}")
+    say(f"samples {stats.samples}{shard}")
     if stats.synthetic:
-        print("WARNING: statistics from SYNTHETIC samples (random inputs), not real data; "
-              "ranges on real inputs can differ widely")
+        say("WARNING: statistics from SYNTHETIC samples (random inputs), not real data; "
+            "ranges on real inputs can differ widely", always=True)
     rows = summary_rows(stats, args.top)
+    wide = out().width is None or out().verbose
     print_table(
         f"Tensors nearest the limits ({len(stats.tensors)} observed" + (", SYNTHETIC data)" if stats.synthetic else ")"),
-        ["tensor", "node", "abs-max", "% fp16 max", ">fp16", "% e4m3 max", ">e4m3", "NaN/Inf", "fp16 underflow", "samples"],
-        [(r["tensor"] if r["scope"] == "main" else f"{r['tensor']} [{r['scope']}]", r["node"], r["absmax"],
+        ["tensor", *(["node"] if wide else []), "abs-max", "fp16 use", ">fp16", "e4m3 use", ">e4m3",
+         "NaN/Inf", "fp16 sub", "n"],
+        [(r["tensor"] if r["scope"] == "main" else f"{r['tensor']} [{r['scope']}]",
+          *([r["node"]] if wide else []), r["absmax"],
           _pct(r["fp16_use"]), r["fp16_over"], _pct(r["fp8_e4m3_use"]), r["fp8_e4m3_over"],
           f"{r['nan_count']}/{r['inf_count']}",
-          "-" if r["fp16_underflow_share"] is None else f"{100 * r['fp16_underflow_share']:.2g}%",
+          "-" if r["fp16_underflow_share"] is None else percent(r["fp16_underflow_share"]),
           r["samples_seen"]) for r in rows],
     )
     if stats.unobserved:
-        print_table("Not observed", ["tensor", "reason"], sorted(stats.unobserved.items()))
+        unobserved = sorted(stats.unobserved.items())
+        shown, left = capped(unobserved, 10, out().show_all)
+        print_table(f"Not observed ({len(unobserved)})", ["tensor", "reason"], shown)
+        if left:
+            say(f"... and {left} more not observed (--show-all)")
     if args.output:
-        print(f"wrote {shown(args.output)}")
+        say(f"wrote {args.output}", always=True)
 
 
 def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{fmt(100 * v)}%"
+    """The share of a format's max: `97%`, and from 10x up a ratio (`3.97e17x`), never `inf%`."""
+    return "-" if v is None else percent(v)

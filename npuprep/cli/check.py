@@ -7,7 +7,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from npuprep.cli.common import add_data, add_json, add_target, fmt, print_json, print_table
+from npuprep.cli.common import (
+    add_data,
+    add_json,
+    add_target,
+    fmt,
+    out,
+    print_json,
+    print_table,
+    say,
+)
 from npuprep.names import shown
 
 help = "report where MODEL will leave the target's range (static rules; no rewrite)"
@@ -68,7 +77,7 @@ def _measured_stats(args: argparse.Namespace, model: Any) -> Any:
         return None
     from npuprep.calibrate import calibrate
 
-    return calibrate(model, samples)
+    return calibrate(model, samples, show_progress=not getattr(args, "json", False) and sys.stderr.isatty())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,7 +114,11 @@ def run(args: argparse.Namespace) -> int:
             files.text(args.html, render(page, order=tensor_order(model.proto)))
     failing = findings.reaching(fail_on)
     if args.json:
-        print_json(check_report(model, profile, findings, fail_on))
+        doc = check_report(model, profile, findings, fail_on)
+        if stats is not None:
+            # The ranges behind the measured findings: `npuprep report` draws them, as --html does.
+            doc["stats"] = stats.to_dict()
+        print_json(doc)
     else:
         _print(model, profile, findings, fail_on)
     return 1 if failing else 0
@@ -171,18 +184,25 @@ def _rows(findings: Any) -> list[tuple[str, ...]]:
             nodes += f" (+{len(members) - _NODES_SHOWN})"
         where = nodes if f.scope == "main" else f"{nodes} [{f.scope}]"
         message = f.message if len(members) == 1 else f"{len(members)}x: {f.message}"
-        rows.append((str(f.severity), f.rule, where, f.op_type, message,
-                     _evidence_text(f.evidence), f"{f.remedy}: {f.remedy_text}"))
+        row = (str(f.severity), f.rule, where, f.op_type, _evidence_text(f.evidence), str(f.remedy))
+        # The sentences stay in --json and the reports; -v or --wide shows them here too.
+        rows.append((*row, message, f.remedy_text) if _sentences() else row)
     return rows
 
 
+def _sentences() -> bool:
+    return out().verbose or out().width is None
+
+
 def _print(model: Any, profile: Any, findings: Any, fail_on: Any) -> None:
-    print(f"model  {shown(model.path)}  (opset {model.opset}, fingerprint {model.fingerprint})")
-    print(f"target {shown(profile.name)}  ({profile.default_precision}, overflow {profile.overflow})")
+    say(f"model  {shown(model.path)}  (opset {model.opset}, fingerprint {model.fingerprint})")
+    say(f"target {shown(profile.name)}  ({profile.default_precision}, overflow {profile.overflow})")
     if len(findings):
-        print_table("Findings", ["severity", "rule", "node", "op", "finding", "evidence", "remedy"],
-                    _rows(findings))
+        columns = ["severity", "rule", "node", "op", "evidence", "remedy"]
+        print_table("Findings (sentences: -v, --json or --html)" if not _sentences() else "Findings",
+                    columns + (["finding", "how"] if _sentences() else []), _rows(findings),
+                    cut_end=("evidence", "finding", "how"))
     s = _summary(findings)
     verdict = "FAILED" if findings.reaching(fail_on) else "PASSED"
-    print(f"{s['total']} finding(s): {s['error']} error, {s['warning']} warning, {s['info']} info"
-          f" -- {verdict} (--fail-on {fail_on})")
+    say(f"{s['total']} finding(s): {s['error']} error, {s['warning']} warning, {s['info']} info"
+        f" -- {verdict} (--fail-on {fail_on})", always=True)

@@ -60,6 +60,11 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         with outputs.open() as files:
             files.text(args.output, text)
-    else:
+    elif args.json:
         print(text, end="")
+    else:
+        from npuprep.cli.common import out
+        from npuprep.report.terminal import wrap_markdown
+
+        print(wrap_markdown(text, out().width), end="")
     return 0

@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 # Library modules use these too; they live outside cli/ (no library module imports cli/).
 from npuprep.json_io import dump_json, to_jsonable  # noqa: F401 - re-exported for the commands
 from npuprep.names import shown
 from npuprep.progress import progress_counter
+from npuprep.report.terminal import WIDTH, Output, cell, table_lines, wrap
 
 T = TypeVar("T")
 
@@ -34,6 +36,12 @@ def add_data(p: argparse.ArgumentParser, required: bool = False) -> None:
     src.add_argument("--synthetic", type=int, metavar="N", help="N seeded random samples (reports say so)")
     g.add_argument("--batched", action="store_true", help="split a single .npz along axis 0")
     g.add_argument("--seed", type=_seed, default=0, help="seed for --synthetic (default 0)")
+    g.add_argument("--input-range", action="append", type=input_range, default=[], metavar="NAME:LO:HI",
+                   help="--synthetic values of input NAME: floats in [LO, HI), integers LO..HI (repeatable; "
+                        "default: normal floats, integers 0..3, token ids within their embedding table)")
+    g.add_argument("--input-shape", action="append", type=input_shape, default=[], metavar="NAME:DIMS",
+                   help="--synthetic shape of input NAME, e.g. input_ids:1x128 or x:[1,3,224,224] "
+                        "(repeatable; default: the model's, symbolic dimensions 1)")
 
 
 def add_jobs(p: argparse.ArgumentParser) -> None:
@@ -117,13 +125,50 @@ def check_rtol(value: float | None, flag: str) -> None:
 
 def open_samples(args: argparse.Namespace, model: Any) -> Any:
     """The SampleSet chosen by --data/--synthetic, or None when neither was given."""
-    from npuprep.data import load_samples, synthetic_samples
+    from npuprep.data import load_samples
 
     if getattr(args, "data", None):
         return load_samples(args.data, model, batched=args.batched)
     if getattr(args, "synthetic", None):
-        return synthetic_samples(model, args.synthetic, args.seed)
+        return synthetic_from_args(args, model, args.synthetic)
     return None
+
+
+def synthetic_from_args(args: argparse.Namespace, model: Any, count: int) -> Any:
+    """`count` synthetic samples with the --input-range/--input-shape given on the command line."""
+    from npuprep.data import synthetic_samples
+
+    return synthetic_samples(model, count, getattr(args, "seed", 0),
+                             ranges=dict(getattr(args, "input_range", None) or []),
+                             shapes=dict(getattr(args, "input_shape", None) or []))
+
+
+def input_range(text: str) -> tuple[str, tuple[float, float]]:
+    """`NAME:LO:HI` (the name may hold colons: the last two fields are the numbers)."""
+    import math
+
+    parts = text.rsplit(":", 2)
+    try:
+        name, lo, hi = parts[0], float(parts[1]), float(parts[2])
+    except (IndexError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected NAME:LO:HI with numbers LO < HI, got {text!r}") from None
+    if not name or not (math.isfinite(lo) and math.isfinite(hi)) or lo > hi:
+        raise argparse.ArgumentTypeError(f"expected NAME:LO:HI with finite numbers LO <= HI, got {text!r}")
+    return name, (lo, hi)
+
+
+def input_shape(text: str) -> tuple[str, tuple[int, ...]]:
+    """`NAME:1x128`, `NAME:1,128` or `NAME:[1,128]` (Polygraphy's form)."""
+    name, _, rest = text.rpartition(":")
+    dims = rest.strip("[]() ").replace("x", ",").split(",")
+    try:
+        shape = tuple(int(d) for d in dims if d.strip())
+    except ValueError:
+        shape = ()
+    if not name or not shape or any(d < 1 for d in shape):
+        raise argparse.ArgumentTypeError(f"expected NAME:DIMS with positive dimensions, e.g. x:1x3x224x224, "
+                                         f"got {text!r}")
+    return name, shape
 
 
 
@@ -131,44 +176,53 @@ def print_json(obj: Any) -> None:
     sys.stdout.write(dump_json(obj))
 
 
-def say(text: str) -> None:
-    """Print one line built from names: control characters in them are shown escaped."""
-    print(shown(text))
+OUTPUT = Output()
 
 
-def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
-    """A table: drawn by rich on a terminal, plain aligned text when piped (greppable, and
-    without rich's ~0.1 s of import and layout)."""
-    if not sys.stdout.isatty():
-        cells = [[fmt(v) for v in r] for r in rows]
-        widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
-        lines = [shown(title), "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip(),
-                 "  ".join("-" * w for w in widths)]
-        lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in cells]
-        sys.stdout.write("\n".join(lines) + "\n")
+def add_output_options(p: argparse.ArgumentParser) -> None:
+    """`--wide`, `--show-all`, `-q`, `-v`: how much of the terminal output to show (every command)."""
+    g = p.add_argument_group("terminal output")
+    g.add_argument("--wide", action="store_true",
+                   help="no 100-column limit: whole names, sentences and numbers in every cell")
+    g.add_argument("--show-all", action="store_true", help="every row (default: long lists are counted)")
+    g.add_argument("-q", "--quiet", action="store_true", help="only the verdict lines, no tables")
+    g.add_argument("-v", "--verbose", action="store_true", help="full reasons and every row (implies "
+                                                                "--show-all)")
+
+
+def configure_output(args: argparse.Namespace) -> Output:
+    """Set the module's OUTPUT from the parsed options; commands read it through `out()`."""
+    global OUTPUT
+    verbose = bool(getattr(args, "verbose", False))
+    OUTPUT = Output(width=None if getattr(args, "wide", False) else WIDTH,
+                    quiet=bool(getattr(args, "quiet", False)), verbose=verbose,
+                    show_all=verbose or bool(getattr(args, "show_all", False)))
+    return OUTPUT
+
+
+def out() -> Output:
+    return OUTPUT
+
+
+def say(text: str = "", *, always: bool = False) -> None:
+    """A message line for people, wrapped to the width; with -q only `always` lines print."""
+    if OUTPUT.quiet and not always:
         return
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
+    print(wrap(shown(text), OUTPUT.width))
 
-    table = Table(title=escape(shown(title)), show_lines=False, title_justify="left")
-    for c in columns:
-        table.add_column(c, overflow="fold")
-    for r in rows:
-        # Node names like `{ForeignNode[a...b]}` are text, not rich markup.
-        table.add_row(*[escape(fmt(v)) for v in r])
-    Console().print(table)
+
+def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]],
+                cut_end: Sequence[str] = ()) -> None:
+    """A plain aligned table within OUTPUT.width (names shortened in the middle, the `cut_end`
+    columns at the end), greppable when piped; nothing with -q."""
+    if OUTPUT.quiet:
+        return
+    sys.stdout.write("\n".join(table_lines(title, columns, rows, OUTPUT.width, cut_end)) + "\n")
 
 
 def fmt(v: Any) -> str:
-    """A table cell: numbers in short form, text with control characters escaped."""
-    if isinstance(v, float):
-        if v != v:
-            return "nan"
-        if v == 0 or 1e-3 <= abs(v) < 1e5:
-            return f"{v:.4g}"
-        return f"{v:.3e}"
-    return shown(v)
+    """A cell value: numbers in engineering form (`3.97e17`), anything else as text."""
+    return cell(v)
 
 
 def progress(items: Iterable[T], total: int, description: str, enabled: bool) -> Iterator[T]:
@@ -178,3 +232,19 @@ def progress(items: Iterable[T], total: int, description: str, enabled: bool) ->
         for done, item in enumerate(items, 1):
             yield item
             set_done(done)
+
+
+@contextmanager
+def progress_stages(description: str, enabled: bool) -> Iterator[Callable[[str], None]]:
+    """A spinner with the elapsed time on a terminal's stderr, for work without a count
+    (convert's rounds, a probe's runs): the function this yields names the stage now running.
+    Silent when piped or when JSON is asked for."""
+    if not enabled or not sys.stderr.isatty():
+        yield lambda stage: None
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  transient=True) as bar:
+        task = bar.add_task(description, total=None)
+        yield lambda stage: bar.update(task, description=f"{description}: {stage}")

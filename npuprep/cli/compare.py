@@ -17,13 +17,15 @@ from npuprep.cli.common import (
     fmt,
     nonnegative_float,
     open_samples,
+    out,
     positive_float,
     positive_int,
     print_json,
     print_table,
     progress,
+    say,
 )
-from npuprep.names import md_cell, md_code, md_text, shown
+from npuprep.names import md_cell, md_code, md_text
 
 help = "compare two models (or a model and its emulation on a target) tensor by tensor"
 
@@ -57,7 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vendor-python", metavar="PATH",
                    help="python of the vendor venv (default: $NPUPREP_RKNN_PYTHON, then "
                         "~/.cache/npuprep/rknn-venv)")
-    p.add_argument("--report", metavar="OUT.md", help="write a Markdown report")
+    p.add_argument("--report-md", dest="report", metavar="OUT.md", help="write a Markdown report")
+    # `--report` names an input (crosscheck's compiler report); the old output spelling still works.
+    p.add_argument("--report", dest="report", help=argparse.SUPPRESS)
     p.add_argument("--html", metavar="OUT.html", help="also write a self-contained HTML report")
     add_json(p)
 
@@ -272,7 +276,10 @@ def _stored_format(model: Any) -> Any:
     return None
 
 
-def _columns(isolate: bool) -> list[str]:
+def _columns(isolate: bool, full: bool = True) -> list[str]:
+    if not full:
+        return ["tensor", "op", "max abs err", "rel L2", *(["own rel L2"] if isolate else []), "cosine",
+                "|cand| max", "Inf/NaN", "verdict"]
     cols = ["tensor", "node", "op", "max abs err", "rel L2", "cosine", "|cand| max", "headroom",
             "Inf/NaN", "saturated"]
     if isolate:
@@ -280,35 +287,59 @@ def _columns(isolate: bool) -> list[str]:
     return cols + ["verdict"]
 
 
-def _row(t: Any, isolate: bool) -> list[Any]:
+def _row(t: Any, isolate: bool, full: bool = True) -> list[Any]:
+    if not full:
+        return [t.tensor, t.op_type, t.max_abs_error, t.rel_l2, *([t.isolated_rel_l2] if isolate else []),
+                t.cosine, t.cand_absmax, f"{t.inf_count}/{t.nan_count}", verdict_code(t)]
     row = [t.tensor, t.node, t.op_type, t.max_abs_error, t.rel_l2, t.cosine, t.cand_absmax,
            "-" if t.headroom is None else t.headroom, f"{t.inf_count}/{t.nan_count}",
            t.saturated_count]
     if isolate:
         row += [t.isolated_max_abs_error, t.isolated_rel_l2]
-    return row + ["ok" if t else "FAIL"]
+    return row + [verdict_code(t)]
+
+
+def verdict_code(t: Any) -> str:
+    """`ok`, or why a row with large numbers is still ok (`ok:<atol`, `ok:ref-nan`), or `FAIL:code`."""
+    if t:
+        if "reference holds non-finite" in t.reason:
+            return "ok:ref-nan"
+        if not t.rel_l2 <= t.rtol:
+            return "ok:<atol"
+        return "ok"
+    if "element counts" in t.reason:
+        return "FAIL:shape"
+    if "Inf" in t.reason:
+        return "FAIL:inf/nan"
+    if t.saturated_count:
+        return "FAIL:saturated"
+    return "FAIL:rtol+atol"
 
 
 def _print(result: Any) -> None:
-    print(f"{len(result.tensors)} tensors compared on {result.samples_description}; "
-          f"format {result.fmt or 'none'}; rtol {result.rtol:g}, atol {result.atol:g}")
-    print_table(f"Worst {len(result.worst)} tensors", _columns(result.isolate),
-                [_row(t, result.isolate) for t in result.worst])
+    full = out().verbose or out().width is None
+    say(f"{len(result.tensors)} tensors compared on {result.samples_description}; "
+        f"format {result.fmt or 'none'}; rtol {result.rtol:g}, atol {result.atol:g}")
+    print_table(f"Worst {len(result.worst)} tensors", _columns(result.isolate, full),
+                [_row(t, result.isolate, full) for t in result.worst])
+    if not full and any(verdict_code(t) != "ok" and t for t in result.worst):
+        say("ok:<atol = rel L2 over rtol but every error under atol; ok:ref-nan = the reference itself "
+            "is non-finite")
     first = result.first_divergent
     if first is not None:
-        print(f"first divergent node: {shown(first.node)} ({first.op_type}) -> tensor "
-              f"'{shown(first.tensor)}': {shown(first.reason)}")
+        say(f"first divergent node: {first.node} ({first.op_type}) -> tensor '{first.tensor}': "
+            f"{first.reason}")
         if result.isolate and first.isolated_rel_l2 is not None:
-            print(f"  own error with reference inputs: rel L2 {fmt(first.isolated_rel_l2)}, "
-                  f"max abs {fmt(first.isolated_max_abs_error)}")
+            say(f"  own error with reference inputs: rel L2 {fmt(first.isolated_rel_l2)}, "
+                f"max abs {fmt(first.isolated_max_abs_error)}")
     if result.unobserved:
-        print(f"{len(result.unobserved)} tensors not compared (inside subgraphs or not shared); "
-              "see --json")
+        say(f"{len(result.unobserved)} tensors not compared (inside subgraphs or not shared); "
+            "see --json")
     for note in result.notes:
-        print(f"note: {shown(note)}")
+        say(f"note: {note}")
     failed = sum(1 for t in result.tensors if not t)
-    print(f"{'PASSED' if result else 'FAILED'}: {failed} of {len(result.tensors)} tensors cross "
-          "the thresholds")
+    say(f"{'PASSED' if result else 'FAILED'}: {failed} of {len(result.tensors)} tensors cross "
+        "the thresholds", always=True)
 
 
 def render_markdown(result: Any, args: argparse.Namespace) -> str:

@@ -50,8 +50,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-fp32-share", type=_percent, default=10.0, metavar="PERCENT",
                    help="fail (exit 1) when more than this share of the FLOPs stays FP32 "
                         "(default 10%%)")
-    p.add_argument("--report", help="JSON report path (default: <output>.report.json)")
+    p.add_argument("--report-json", dest="report", metavar="OUT.json",
+                   help="JSON report path (default: <output>.report.json)")
+    # `--report` names an input (crosscheck's compiler report); the old output spelling still works.
+    p.add_argument("--report", dest="report", help=argparse.SUPPRESS)
     p.add_argument("--html", help="also write a self-contained HTML report here")
+    p.add_argument("--export", metavar="LIST",
+                   help="constraint files to write: trt, horizon, rknn, yaml (comma-separated) or none "
+                        "(default: the target compiler's own)")
     add_json(p)
 
 
@@ -61,8 +67,10 @@ def run(args: argparse.Namespace) -> int:
     from npuprep.names import file_part
     from npuprep.outputs import SAMPLE_FILES, OutputPlan
     from npuprep.profiles import load_profile
+    from npuprep.report.artefacts import declare, default_exports, parse_exports
 
     profile = load_profile(args.target)
+    exports = parse_exports(args.export) if args.export else default_exports(profile.report_format)
     if args.model is None:
         from npuprep.examples import example_data_dir, example_model_path
 
@@ -73,11 +81,12 @@ def run(args: argparse.Namespace) -> int:
     if args.plan and args.plan_only:
         raise NpuprepError("--plan and --plan-only together: the plan already exists")
     model = load_model(args.model)
-    default_ext = ".plan.yaml" if args.plan_only else ".onnx"
+    # Not `<stem>.<target>.plan.yaml`: convert writes the plan it applied there, over a draft.
+    default_ext = ".draft.plan.yaml" if args.plan_only else ".onnx"
     # Default names come from the model's file name and the profile's name as data, never a path.
     output = Path(args.output or f"{file_part(Path(args.model).stem, 'model')}."
                                  f"{file_part(profile.name, 'target')}{default_ext}")
-    paths = _artefact_paths(args, output)
+    paths = _artefact_paths(args, output, exports)
     outputs = OutputPlan()
     outputs.reads_model(args.model)
     outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
@@ -86,11 +95,7 @@ def run(args: argparse.Namespace) -> int:
     outputs.reads(args.plan, "the --plan file")
     if Path(args.target).is_file():
         outputs.reads(args.target, "the --target profile")
-    for role, path in paths.items():
-        if role == "model":
-            outputs.writes_model(path, "-o")
-        else:
-            outputs.writes(path, _ROLES[role])
+    declare(outputs, paths)
     if args.report and not args.plan_only:
         outputs.removes_stale(f"{output.with_suffix('')}.report.json", "an older report beside -o")
     with outputs.open() as files:
@@ -120,15 +125,20 @@ def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, p
     plan = load_plan(args.plan, model) if args.plan else None
     holdout = load_samples(args.holdout, model.proto, batched=args.batched) if args.holdout else None
     stats = _stats(args, model, samples)
-    result = convert(
-        model, profile, list(samples), stats=stats, plan=plan, precision=args.precision,
-        io_types=args.io_types, rtol=args.rtol, holdout=list(holdout) if holdout else None,
-        samples_description=samples.describe(), synthetic=samples.synthetic,
-        max_rounds=args.max_rounds, opset=args.opset, max_fp32_share=args.max_fp32_share / 100,
-    )
-    vendor = _vendor_check(args, model, result, list(samples), paths, files) \
-        if args.verify_with else None
-    report = _write_artefacts(args, result, paths, files, vendor)
+    from npuprep.cli.common import progress_stages
+    from npuprep.report.artefacts import stage_conversion
+
+    with progress_stages("converting", not args.json) as stage:
+        result = convert(
+            model, profile, list(samples), stats=stats, plan=plan, precision=args.precision,
+            io_types=args.io_types, rtol=args.rtol, holdout=list(holdout) if holdout else None,
+            samples_description=samples.describe(), synthetic=samples.synthetic,
+            max_rounds=args.max_rounds, opset=args.opset, max_fp32_share=args.max_fp32_share / 100,
+            progress=stage,
+        )
+        vendor = _vendor_check(args, model, result, list(samples), paths, files) \
+            if args.verify_with else None
+    report = stage_conversion(result, paths, files, vendor)
     return report, bool(report["passed"])
 
 
@@ -166,38 +176,17 @@ def _percent(text: str) -> float:
     return value
 
 
-# What each companion is called in messages.
-_ROLES = {
-    "plan": "the plan written beside -o", "precision_yaml": "the precision YAML written beside -o",
-    "trtexec": "the trtexec file written beside -o", "horizon_node_info": "the Horizon file written beside -o",
-    "rknn_custom_quantize_layers": "the RKNN file written beside -o",
-    "report_json": "--report", "report_md": "the Markdown report written beside -o", "report_html": "--html",
-    "vendor_error_analysis": "the vendor's layer report written beside -o",
-}
-
-
-def _artefact_paths(args: argparse.Namespace, output: Path) -> dict[str, Path]:
+def _artefact_paths(args: argparse.Namespace, output: Path, exports: tuple[str, ...]) -> dict[str, Path]:
     """Every file this convert writes, by role: the model first."""
+    from npuprep.report.artefacts import artefact_paths
+
     if args.plan_only:
         if args.report or args.html:
-            raise NpuprepError("--plan-only writes only the plan (-o); --report and --html need a conversion")
+            raise NpuprepError("--plan-only writes only the plan (-o); --report-json and --html need "
+                               "a conversion")
         return {"plan": output}
-    base = output.with_suffix("")
-    paths = {
-        "model": output,
-        "plan": Path(f"{base}.plan.yaml"),
-        "precision_yaml": Path(f"{base}.precision.yaml"),
-        "trtexec": Path(f"{base}.trtexec.txt"),
-        "horizon_node_info": Path(f"{base}.horizon.yaml"),
-        "rknn_custom_quantize_layers": Path(f"{base}.rknn.yaml"),
-        "report_json": Path(args.report) if args.report else Path(f"{base}.report.json"),
-        "report_md": Path(f"{base}.report.md"),
-    }
-    if args.html:
-        paths["report_html"] = Path(args.html)
-    if args.verify_with:
-        paths["vendor_error_analysis"] = Path(f"{base}.{args.verify_with}_error_analysis.txt")
-    return paths
+    return artefact_paths(output, exports=exports, report_path=args.report, html=args.html,
+                          vendor=args.verify_with)
 
 
 def _stats(args: argparse.Namespace, model: Any, samples: Any) -> Any:
@@ -226,76 +215,21 @@ def _plan_only(args: argparse.Namespace, model: Any, profile: Any, stats: Any, o
 
 
 def _print_plan(args: argparse.Namespace, plan: Any, output: Path) -> None:
-    from npuprep.cli.common import print_json
-    from npuprep.names import shown
+    from npuprep.cli.common import print_json, print_table, say
 
     if args.json:
         print_json(plan.to_dict() | {"written": str(output)})
         return
-    print(f"plan: {len(plan.actions)} actions, {len(plan.declined)} declined -> {shown(output)}")
-    for a in plan.actions:
-        print(f"  {a.action:9s} {shown(_where(a))}  ({shown(a.why)})")
+    rows = [(i, a.action, _where(a), _reason_code(a.to_dict())) for i, a in enumerate(plan.actions, 1)]
+    print_table(f"Plan ({len(plan.actions)} actions; why: in the YAML)", ["#", "action", "where", "reason"],
+                rows, cut_end=("reason",))
+    say(f"plan: {len(plan.actions)} actions, {len(plan.declined)} declined -> {output}", always=True)
 
 
 def _where(action: Any) -> str:
     from npuprep.report.render_md import action_target
 
     return action_target(action.to_dict())
-
-
-def _write_artefacts(args: argparse.Namespace, result: Any, paths: dict[str, Path],
-                     files: Any, vendor: Any = None) -> dict[str, Any]:
-    """Stage the model, its reports and constraint files: they are put in place together."""
-    from npuprep.cli.common import dump_json
-    from npuprep.model_io import Model
-    from npuprep.names import comment
-    from npuprep.plan import PinFp32, dump_plan
-    from npuprep.report import constraints
-    from npuprep.report.host_scales import host_scales_block
-    from npuprep.report.render_md import convert_markdown
-
-    output = paths["model"]
-    lowered = result.lowered.model
-    files.model(lowered, output)
-    # Constraint files speak of the lowered model's node names, pins from lowering included.
-    report = result.to_dict(output=str(output))
-    low_model = Model(proto=lowered, path=str(output), digest=report["output_fingerprint"])
-    extra = sorted(set(result.pinned_nodes) - result.plan.pinned_nodes())
-    plan = result.plan
-    if extra:
-        plan = _with_pins(plan, extra, PinFp32)
-    flags = constraints.trt_flags(plan, low_model)
-    host = host_scales_block(result.host_scales)
-    texts = {
-        "plan": dump_plan(result.plan),
-        "precision_yaml": constraints.precision_yaml(plan, low_model) + host,
-        "trtexec": "\n".join([flags.command_line(output.name), "",
-                              *(f"# {comment(n)}" for n in flags.notes)]) + "\n",
-        "horizon_node_info": constraints.horizon_node_info(plan, low_model),
-        "rknn_custom_quantize_layers": constraints.rknn_custom_quantize_layers(plan, low_model) + host,
-    }
-    for role, text in texts.items():
-        files.text(paths[role], text)
-    if vendor is not None:
-        report["vendor"] = vendor.to_dict()
-        report["passed"] = bool(report["passed"] and vendor)
-    # The report names every file of its set (and the model's fingerprint), so a file
-    # left from another run is never taken for part of this one.
-    report["artefacts"] = {role: str(path) for role, path in paths.items()}
-    files.text(paths["report_json"], dump_json(report))
-    files.text(paths["report_md"], convert_markdown(report))
-    if "report_html" in paths:
-        from npuprep.report.render_html import render
-
-        files.text(paths["report_html"], render(report))
-    return report
-
-
-def _with_pins(plan: Any, nodes: list[str], pin_cls: Any) -> Any:
-    from dataclasses import replace
-
-    pin = pin_cls(nodes=tuple(nodes), why="kept FP32 by rewriting or lowering (boundary, range)")
-    return replace(plan, actions=(*plan.actions, pin))
 
 
 def _print_vendor(vendor: dict[str, Any] | None) -> None:
@@ -325,33 +259,39 @@ def _nodes(nodes: list[str]) -> str:
 
 
 def _print_summary(report: dict[str, Any]) -> None:
-    from npuprep.cli.common import print_table, say
+    from npuprep.cli.common import out, print_table, say
+    from npuprep.report.render_md import action_target
+    from npuprep.report.terminal import capped, number, percent
 
     say(f"npuprep convert: {report['model']} -> {report['output']} "
-          f"(target {report['target']}, {report['precision']})")
+        f"(target {report['target']}, {report['precision']})")
     if report["samples"]["synthetic"]:
-        print("samples are synthetic: the ranges are not those of real data")
+        say("samples are synthetic: the ranges are not those of real data")
     if report["actions"]:
-        from npuprep.report.render_md import action_target
-
-        print_table("Actions", ["#", "action", "where", "why"],
-                    [(i, a["action"], action_target(a), a.get("why", ""))
-                     for i, a in enumerate(report["actions"], 1)])
+        full = out().verbose or out().width is None
+        rows = [(i, a["action"], action_target(a), _reason_code(a), *([a.get("why", "")] if full else []))
+                for i, a in enumerate(report["actions"], 1)]
+        listed, left = capped(rows, 20, out().show_all)
+        print_table(f"Actions ({len(rows)}; why: -v or the report)" if not full else "Actions",
+                    ["#", "action", "where", "reason", *(["why"] if full else [])], listed,
+                    cut_end=("reason", "why"))
+        if left:
+            say(f"... and {left} more actions (--show-all)")
     ver = report.get("verification") or {}
     print_table("Outputs under emulated target numerics", ["output", "Inf/NaN", "max abs err", "rel L2"],
-                [(k, o["nonfinite"], o["max_abs_error"], o["rel_l2"])
+                [(k, o["nonfinite"], number(o["max_abs_error"]), number(o["rel_l2"]))
                  for k, o in (ver.get("outputs") or {}).items()])
     _print_vendor(report.get("vendor"))
     share = report.get("fp32_share") or {}
     if share.get("islands"):
         print_table("FP32 islands, costliest first", ["nodes", "FLOPs", "share", "why"],
-                    [(_nodes(i["nodes"]), f"{i['flops']:.3g}",
-                      f"{100 * i['flops'] / max(share['total_flops'], 1):.1f}%", i["why"])
-                     for i in share["islands"][:5]])
-    print(f"FP32 FLOPs share {100 * report['flops_fp32_share']:.2f}% "
-          f"(multiply-adds {100 * share.get('macs', 0.0):.2f}%), "
-          f"{report['cast_count']} Casts, {len(report['pinned_nodes'])} pinned nodes, "
-          f"{len(report['declined'])} declined remedies")
+                    [(_nodes(i["nodes"]), number(i["flops"]),
+                      percent(i["flops"] / max(share["total_flops"], 1)), i["why"])
+                     for i in share["islands"][:5]], cut_end=("why",))
+    say(f"FP32 FLOPs share {percent(report['flops_fp32_share'])} "
+        f"(multiply-adds {percent(share.get('macs', 0.0))}), "
+        f"{report['cast_count']} Casts, {len(report['pinned_nodes'])} pinned nodes, "
+        f"{len(report['declined'])} declined remedies")
     for note in report.get("notes", []):
         say(f"note: {note}")
     first = report.get("first_divergent")
@@ -361,4 +301,12 @@ def _print_summary(report: dict[str, Any]) -> None:
         f"FAILED: first divergent node '{first['node']}' ({first['op_type']})" if first else
         f"FAILED: {report['fp32_share']['headline']}" if outputs_ok and report.get("fp32_share")
         else "FAILED")
-    say(f"{verdict}; report: {report['artefacts']['report_md']}")
+    say(f"{verdict}; report: {report['artefacts']['report_md']}", always=True)
+
+
+def _reason_code(action: dict[str, Any]) -> str:
+    """The rules behind an action, as codes (`range.overflow`); the sentence is in the report."""
+    rules = list(dict.fromkeys(f.get("rule", "") for f in action.get("findings", []) if f.get("rule")))
+    if rules:
+        return ",".join(rules)
+    return "request" if action.get("request") else "verify"

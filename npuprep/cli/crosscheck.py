@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 from npuprep.cli.common import add_json, add_target
-from npuprep.names import shown
 
 help = "check a compiler's per-layer precision report against the nodes npuprep found sensitive"
 
@@ -32,14 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from rich.markup import escape
-
     from npuprep.analyse import static_findings
-    from npuprep.cli.common import print_json, print_table
+    from npuprep.cli.common import out, print_json, print_table, say
     from npuprep.crosscheck.check import crosscheck
     from npuprep.crosscheck.names import NodeIndex
     from npuprep.crosscheck.readers import read_report
-    from npuprep.crosscheck.render import COLUMNS, row, to_markdown
+    from npuprep.crosscheck.render import COLUMNS, SHORT_COLUMNS, row, short_row, to_markdown
     from npuprep.model_io import load_model
     from npuprep.outputs import OutputPlan
     from npuprep.profiles import load_profile
@@ -77,13 +74,22 @@ def run(args: argparse.Namespace) -> int:
         print_json(result.to_dict())
     else:
         counts = ", ".join(f"{k} {n}" for k, n in result.counts.items() if n)
-        # Layer names such as {ForeignNode[a...b]} are not rich markup.
+        listed = [v for v in result.verdicts if out().show_all or v.verdict not in COUNTED]
+        full = out().verbose or out().width is None
         print_table(f"Crosscheck of {report.path} ({report.format}) for {profile.name}: {counts}",
-                    COLUMNS, [[escape(c) for c in row(v)] for v in result.verdicts])
+                    COLUMNS if full else SHORT_COLUMNS, [row(v) if full else short_row(v) for v in listed])
+        left = {k: n for k, n in result.counts.items() if k in COUNTED and n and not out().show_all}
+        if left:
+            say("not listed: " + ", ".join(f"{n} {k}" for k, n in left.items())
+                + " (--show-all lists them; the reasons are in --json and --report-md)")
         for note in result.notes:
-            print(f"note: {shown(note)}")
-        print(failure_line(result))
+            say(f"note: {note}")
+        say(failure_line(result), always=True)
     return 0 if result else 1
+
+
+# Verdicts counted, not listed, unless --show-all: a report names hundreds of layers we have no finding for.
+COUNTED = ("missing", "unmapped")
 
 
 def failure_line(result: Any) -> str:

@@ -14,6 +14,7 @@ import sys
 import threading
 
 from npuprep import __version__
+from npuprep.cli.common import add_output_options, configure_output
 from npuprep.errors import NpuprepError
 from npuprep.names import shown
 
@@ -51,6 +52,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             continue
         p = sub.add_parser(name, help=module.help, description=module.help)
         module.add_arguments(p)
+        add_output_options(p)
         p.set_defaults(_run=module.run)
     return parser
 
@@ -72,11 +74,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
+    configure_output(args)
     try:
         return int(args._run(args) or 0)
     except NpuprepError as exc:
         print(f"npuprep: error: {shown(exc)}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:
+        # `npuprep check ... | head`: the reader has what it wanted.
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt as exc:
         print("npuprep: terminated" if isinstance(exc, Terminated) else "npuprep: interrupted",
               file=sys.stderr)

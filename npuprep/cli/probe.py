@@ -6,7 +6,17 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from npuprep.cli.common import add_data, add_json, fmt, positive_float, print_json, print_table, say
+from npuprep.cli.common import (
+    add_data,
+    add_json,
+    fmt,
+    out,
+    positive_float,
+    print_json,
+    print_table,
+    progress_stages,
+    say,
+)
 
 help = "measure how the target overflows (inf, nan, saturate, other): locally or via a board kit"
 
@@ -102,10 +112,9 @@ def _names(args: argparse.Namespace) -> tuple[str, ...] | None:
 
 
 def _feeds(args: argparse.Namespace, model: Any) -> dict:
-    from npuprep.cli.common import open_samples
-    from npuprep.data import synthetic_samples
+    from npuprep.cli.common import open_samples, synthetic_from_args
 
-    samples = open_samples(args, model.proto) or synthetic_samples(model.proto, 1, args.seed)
+    samples = open_samples(args, model.proto) or synthetic_from_args(args, model.proto, 1)
     return next(iter(samples))
 
 
@@ -127,38 +136,58 @@ def _backend(args: argparse.Namespace, profile: Any, fmt_: Any):
 
 
 def _run_local(args: argparse.Namespace) -> int:
+    from npuprep.errors import NpuprepError
     from npuprep.model_io import load_model
     from npuprep.probe.layer import probe_layer
     from npuprep.probe.runner import ProbeReport, run_micro_probes
 
     profile = _profile(args)
     fmt_ = _format(args, profile)
+    if args.write_profile and _basis(args, profile, fmt_) == ASSUMED:
+        raise NpuprepError(f"--write-profile: profile '{profile.name}' does not know its {fmt_.name} overflow "
+                           "mode and --backend emulate only assumes one; measure it with --backend ort, or "
+                           "on the board (--export-kit, then --classify)")
     backend = _backend(args, profile, fmt_)
     results = []
     layer = None
     fingerprint = ""
-    if args.model:
-        model = load_model(args.model)
-        fingerprint = model.fingerprint
-        layer = probe_layer(model.proto, _feeds(args, model), fmt_, backend, layer=args.layer,
-                            gain=args.gain, raise_gain=not args.fixed_gain)
-        results.append(layer.result)
-    if not args.model or args.micro:
-        results += run_micro_probes(backend, fmt_, _names(args)).results
+    with progress_stages("probing", not args.json) as stage:
+        if args.model:
+            stage("loading the model")
+            model = load_model(args.model)
+            fingerprint = model.fingerprint
+            layer = probe_layer(model.proto, _feeds(args, model), fmt_, backend, layer=args.layer,
+                                gain=args.gain, raise_gain=not args.fixed_gain, progress=stage)
+            results.append(layer.result)
+        if not args.model or args.micro:
+            stage("micro-probes")
+            results += run_micro_probes(backend, fmt_, _names(args)).results
     report = ProbeReport(fmt_, backend.name, tuple(results))
+    basis = _basis(args, profile, fmt_)
     doc = {
         "schema_version": SCHEMA_VERSION, "kind": "probe", "fingerprint": fingerprint,
         "target": profile.name, "profile_overflow": str(profile.overflow),
         **report.to_dict(), "layer": layer.to_dict() if layer else None,
         "emulated_saturate": bool(_declared_saturate(profile, fmt_)) if args.backend == "emulate" else None,
-        "note": _note(args, profile, fmt_),
+        "note": _note(args, profile, fmt_), "basis": basis,
     }
     if args.write_profile:
         from npuprep.probe.kit import write_profile
 
-        write_profile(args.write_profile, profile, list(results), backend.name, fmt_)
+        write_profile(args.write_profile, profile, list(results), backend.name, fmt_,
+                      basis="emulated" if args.backend == "emulate" else "measured")
     _show(args, doc, layer)
     return 0
+
+
+ASSUMED = "assumed (emulated)"
+
+
+def _basis(args: argparse.Namespace, profile: Any, fmt_: Any) -> str:
+    """Whether the verdicts are measured, or replay what the profile declares or assumes."""
+    if args.backend != "emulate":
+        return f"measured ({args.backend})"
+    return ASSUMED if _declared_saturate(profile, fmt_) is None else "declared (emulated)"
 
 
 def _note(args: argparse.Namespace, profile: Any, fmt_: Any) -> str:
@@ -205,7 +234,8 @@ def _classify(args: argparse.Namespace) -> int:
 
     manifest, report = classify_kit(args.classify, args.outputs)
     doc = {"schema_version": SCHEMA_VERSION, "kind": "probe", "fingerprint": manifest.get("fingerprint", ""),
-           "target": manifest.get("target", ""), **report.to_dict(), "layer": None}
+           "target": manifest.get("target", ""), **report.to_dict(), "layer": None,
+           "basis": f"measured ({report.backend})"}
     if args.write_profile:
         profile = load_profile(args.target or manifest.get("target", ""))
         write_profile(args.write_profile, profile, list(report.results), report.backend, report.fmt)
@@ -217,24 +247,32 @@ def _show(args: argparse.Namespace, doc: dict[str, Any], layer: Any) -> None:
     if args.json:
         print_json(doc)
         return
+    assumed = doc.get("basis") == ASSUMED
+    full = out().verbose or out().width is None
     rows = []
     for p in doc["probes"]:
         pair = p["pairs"][0] if p["pairs"] else None
         evidence = f"{fmt(pair['reference'])} -> {fmt(pair['observed'])}" if pair else ""
-        rows.append((p["name"], p["unit"], p["verdict"] + (" (wider)" if p["wider"] else ""),
-                     p["counts"]["over"], evidence, p["reason"]))
-    print_table(f"Overflow probe: {doc.get('target', '')} {doc['format']} on {doc['backend']}",
-                ["probe", "unit", "verdict", "over", "ref -> observed", "why"], rows)
+        verdict = p["verdict"] + (" (wider)" if p["wider"] else "") + (" (assumed)" if assumed else "")
+        rows.append((p["name"], p["unit"], verdict, p["counts"]["over"], evidence,
+                     *([p["reason"]] if full else [])))
+    print_table(f"Overflow probe: {doc.get('target', '')} {doc['format']} on {doc['backend']}, "
+                f"{doc.get('basis') or 'measured'}",
+                ["probe", "unit", "verdict", "over", "ref -> observed", *(["why"] if full else [])], rows)
     if layer is not None:
         first = layer.first_shows
         where = (f"first shows at tensor '{first['tensor']}' ({first['op_type']} '{first['node']}'): "
                  f"{first['verdict']}") if first else "no tensor shows an overflow behaviour"
-        say(f"layer '{layer.layer.node}' x{layer.gain:g} (max gain {layer.max_gain:.4g}); {where}")
+        say(f"layer '{layer.layer.node}' x{layer.gain:g} (max gain {fmt(layer.max_gain)}); {where}")
         pre = layer.pre_existing
         if pre:
             say(f"the model overflows without the probe too: first at tensor '{pre['tensor']}' "
-                  f"({pre['op_type']} '{pre['node']}'): {pre['verdict']}")
+                f"({pre['op_type']} '{pre['node']}'): {pre['verdict']}")
     if doc.get("note"):
         say(f"note: {doc['note']}")
     o = doc["overall"]
-    say(f"overall: {o['verdict']} ({o['reason']})")
+    if assumed:
+        say(f"overall: {ASSUMED}: {o['verdict']} is the emulator's assumption, not a measurement",
+            always=True)
+    else:
+        say(f"overall: {o['verdict']} ({o['reason']}; {doc.get('basis') or 'measured'})", always=True)

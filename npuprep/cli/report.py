@@ -11,11 +11,12 @@ from npuprep import json_io
 from npuprep.errors import NpuprepError
 from npuprep.names import shown
 
-help = "render a check, stats, compare or convert result JSON as one self-contained HTML page"
+help = "render any command's --json (check, calibrate, compare, convert, crosscheck, probe) as one HTML page"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("result", help="result JSON written by check/calibrate/compare/convert --json")
+    p.add_argument("result", help="result JSON written by a command's --json (check, calibrate, compare, "
+                                  "convert, crosscheck, probe)")
     p.add_argument("-o", "--output", required=True, help="HTML file to write")
     p.add_argument("--model", "-m", help="the model the result belongs to: puts a stats file's "
                    "tensors (stored by name) in topological order")

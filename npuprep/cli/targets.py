@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from npuprep.cli.common import add_json, print_json, print_table
+from npuprep.cli.common import add_json, out, print_json, print_table
 
 help = "list built-in target profiles, or show one (name or YAML path) in full"
 
@@ -24,7 +24,8 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print_json(profile.to_dict())
         else:
-            print(yaml.safe_dump(profile.to_dict(), sort_keys=False, width=100), end="")
+            # PyYAML's width is a target it overshoots by a word: 80 keeps the lines within 100.
+            print(yaml.safe_dump(profile.to_dict(), sort_keys=False, width=80 if out().width else 10**6), end="")
         return 0
     profiles = [load_profile(n) for n in builtin_names()]
     if args.json:

@@ -27,6 +27,8 @@ from npuprep.graph import attribute, tensor_types, walk_graphs
 from npuprep.model_io import Model
 from npuprep.names import md_code, shown
 from npuprep.profiles import OverflowMode, TargetProfile
+from npuprep.report.terminal import number
+from npuprep.report.terminal import ratio as ratio_text
 
 SCHEMA_VERSION = 1
 ARTEFACT_KINDS = ("stats", "probe", "crosscheck", "compare")
@@ -347,8 +349,9 @@ def _compare(ctx: _Context, stats: Any, top_n: int) -> Item:
         risky = riskiest_tensors(stats, p, top_n)
         limit = p.limit()
         listed = "; ".join(
-            f"`{t}` ({node or 'input'}): absmax {absmax:.4g} = {_share(ratio)} {p.format.name} max"
-            + (" OVER the safe limit" if absmax > limit or not math.isfinite(absmax) else "")
+            (f"`{t}` ({node or 'input'}): absmax {number(absmax)} = {_share(ratio)} {p.format.name} max"
+             + (" OVER the safe limit" if absmax > limit else "") if math.isfinite(absmax)
+             else f"`{t}` ({node or 'input'}): non-finite values ({number(absmax)})")
             for t, node, absmax, ratio in risky)
         evidence.append(f"riskiest tensors by abs-max vs {p.format.name} max {p.format.max:g} "
                         f"(safe limit {limit:g} at headroom {p.headroom:g}): {listed}")
@@ -433,5 +436,5 @@ def _is_command(step: str) -> bool:
 def _share(ratio: float) -> str:
     """abs-max against the format's max: a percentage up to 10x, a factor beyond."""
     if not math.isfinite(ratio) or ratio >= 10:
-        return f"{ratio:.3g}x"
+        return ratio_text(ratio)
     return f"{ratio:.1%} of"

@@ -6,6 +6,8 @@ from npuprep.crosscheck.check import DISPLAY_ORDER, Crosscheck, Verdict
 from npuprep.names import md_cell, md_code, shown
 
 COLUMNS = ("verdict", "node", "op", "runs in", "needs", "layers", "why")
+# The terminal's default: the rules as short codes, the sentence stays in --json and the Markdown.
+SHORT_COLUMNS = ("verdict", "node", "op", "runs in", "needs", "rules")
 
 
 def row(v: Verdict) -> tuple[str, ...]:
@@ -13,6 +15,11 @@ def row(v: Verdict) -> tuple[str, ...]:
     runs_in = v.runs_in + (" (assumed)" if v.evidence.get("runs_in_assumed") else "")
     return (v.verdict, v.node, v.op_type, runs_in or "-", v.needs or "-",
             " / ".join(v.layers) or "-", why)
+
+
+def short_row(v: Verdict) -> tuple[str, ...]:
+    runs_in = v.runs_in + ("?" if v.evidence.get("runs_in_assumed") else "")
+    return (v.verdict, v.node, v.op_type, runs_in or "-", v.needs or "-", ",".join(v.rules) or "-")
 
 
 def to_markdown(result: Crosscheck) -> str:

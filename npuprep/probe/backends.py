@@ -38,31 +38,29 @@ def expose(model: onnx.ModelProto, tensors: Sequence[str]) -> onnx.ModelProto:
     types = tensor_types(model)
     present = {o.name for o in out.graph.output}
     produced = {name for node in out.graph.node for name in node.output}
-    for name in tensors:
-        if name in present or name not in produced or name not in types:
-            continue
-        out.graph.output.append(output_info(model, name, types[name]))
-        present.add(name)
+    wanted = [n for n in dict.fromkeys(tensors) if n not in present and n in produced and n in types]
+    # One shape-inference pass for all of them: a pass per tensor made `probe MODEL` take minutes.
+    shapes = inferred_shapes(model) if wanted else {}
+    out.graph.output.extend(output_info(model, name, types[name], shapes) for name in wanted)
     return out
 
 
-def output_info(model: onnx.ModelProto, name: str, elem: int) -> onnx.ValueInfoProto:
-    """A graph-output entry for `name`, with the inferred shape where inference knows it."""
-    for vi in _inferred_infos(model):
-        if vi.name == name and vi.type.tensor_type.HasField("shape"):
-            info = onnx.ValueInfoProto()
-            info.CopyFrom(vi)
-            info.type.tensor_type.elem_type = elem
-            return info
-    return helper.make_tensor_value_info(name, elem, None)
+def output_info(model: onnx.ModelProto, name: str, elem: int,
+                shapes: dict[str, tuple[int | None, ...]] | None = None) -> onnx.ValueInfoProto:
+    """A graph-output entry for `name`, with the inferred shape where inference knows it.
+
+    `shapes` (from `inferred_shapes(model)`) saves the inference pass when several are made.
+    """
+    dims = (inferred_shapes(model) if shapes is None else shapes).get(name)
+    return helper.make_tensor_value_info(name, elem, None if dims is None else list(dims))
 
 
-def _inferred_infos(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    except Exception:  # noqa: BLE001 - best effort; the output then carries no shape
-        return []
-    return list(inferred.graph.value_info) + list(inferred.graph.output)
+def inferred_shapes(model: onnx.ModelProto) -> dict[str, tuple[int | None, ...]]:
+    """Every tensor's inferred dimensions (None where symbolic), by name: one inference pass, on
+    npuprep.graph's weightless skeleton (serialising the weights cost seconds per pass)."""
+    from npuprep.graph import infer_tensors
+
+    return infer_tensors(model).dims
 
 
 def cast_feeds(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

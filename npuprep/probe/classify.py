@@ -102,8 +102,19 @@ def classify(reference: np.ndarray, observed: np.ndarray, fmt: NumberFormat) -> 
     tol = in_range_tolerance(fmt)
     with np.errstate(invalid="ignore", over="ignore"):
         wrong_inside = inside & ~(np.abs(obs - ref) <= tol * (np.abs(ref) + absmax * tol))
+        # Below the min normal both ways is underflow (subnormal rounding, flush to 0), not overflow.
+        underflow = wrong_inside & (np.abs(ref) < fmt.min_normal) & (np.abs(obs) < fmt.min_normal)
+    wrong_inside &= ~underflow
     in_range_wrong = int(wrong_inside.sum())
     base = {"threshold": threshold, "reference_absmax": absmax}
+    if underflow.any() and not over.any() and not in_range_wrong:
+        return Classification(
+            Verdict.NO_OVERFLOW,
+            f"no overflow: the FP32 reference stays below {threshold:g} (max |x| = {absmax:.6g}); "
+            f"{int(underflow.sum())} values below the {fmt.name} min normal {fmt.min_normal:.3g} "
+            "rounded as subnormals or flushed to 0 (underflow)",
+            flushed=int((underflow & (obs == 0)).sum()), **base,
+        )
 
     if not over.any():
         return _classify_in_range(ref, obs, fmt, wrong_inside, in_range_wrong, base)

@@ -320,15 +320,20 @@ def measured_mode(results: list[ProbeResult]) -> str:
 
 
 def profile_with_measurement(profile: TargetProfile, results: list[ProbeResult], backend: str,
-                             fmt: NumberFormat) -> dict[str, Any]:
+                             fmt: NumberFormat, name: str = "", basis: str = "measured") -> dict[str, Any]:
     """The profile's data with the overflow mode measured in `fmt` and a source line saying so.
 
-    FP8 measurements go to `fp8_saturate`, FP16 ones to `overflow`.
+    FP8 measurements go to `fp8_saturate`, FP16 ones to `overflow`. The copy has its own
+    `name` (default: `<name>-measured`), so it never passes for the built-in profile.
+    `basis` is `measured` (a board, onnxruntime's kernels) or `emulated` (the declared mode replayed).
     """
     mode = measured_mode(results)
     data = profile.to_dict()
+    data["name"] = name or f"{profile.name}-measured"
+    data["description"] = (f"{profile.name} with the {fmt.name} overflow {basis} by npuprep probe on "
+                           f"{backend}. {data.get('description') or ''}").strip()
     per_unit = ", ".join(f"{r.name}={r.verdict}" for r in results)
-    source = f"measured by npuprep probe on {backend} in {fmt.name}: {mode} ({per_unit})"
+    source = f"{basis} by npuprep probe on {backend} in {fmt.name}: {mode} ({per_unit})"
     sources = dict(data["sources"])
     if fmt.name.startswith("fp8"):
         data["fp8_saturate"] = mode == str(Verdict.SATURATE)
@@ -341,9 +346,15 @@ def profile_with_measurement(profile: TargetProfile, results: list[ProbeResult],
 
 
 def write_profile(path: str | Path, profile: TargetProfile, results: list[ProbeResult],
-                  backend: str, fmt: NumberFormat) -> Path:
-    """Write the measured profile as YAML that load_profile accepts (checked before writing)."""
-    data = profile_with_measurement(profile, results, backend, fmt)
+                  backend: str, fmt: NumberFormat, basis: str = "measured") -> Path:
+    """Write the measured profile as YAML that load_profile accepts (checked before writing).
+
+    Its name is the file's stem (`board1.yaml` -> `board1`), or `<profile>-measured` where the
+    stem is the source profile's own name.
+    """
+    stem = Path(path).stem
+    data = profile_with_measurement(profile, results, backend, fmt,
+                                    name=stem if stem and stem != profile.name else "", basis=basis)
     parse_profile(data, str(path))
     text = yaml.safe_dump(data, sort_keys=False, width=100, allow_unicode=True)
     return write_text_atomic(path, text)

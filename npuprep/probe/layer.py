@@ -8,6 +8,7 @@ returns it; the verdict is that tensor's classification. Backends that observe e
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -144,6 +145,15 @@ def layer_probe_model(model: onnx.ModelProto, feeds: dict[str, np.ndarray], fmt:
                       layer: str | None = None, gain: float = 100.0,
                       raise_gain: bool = True) -> tuple[ProbeModel, LayerChoice, float, float]:
     """The amplified model as a probe, the chosen layer, the gain used and the largest allowed."""
+    probe, choice, g, max_gain, _ = _amplified(model, feeds, fmt, layer, gain, raise_gain, all_tensors=False)
+    return probe, choice, g, max_gain
+
+
+def _amplified(model: onnx.ModelProto, feeds: dict[str, np.ndarray], fmt: NumberFormat, layer: str | None,
+               gain: float, raise_gain: bool, *, all_tensors: bool
+               ) -> tuple[ProbeModel, LayerChoice, float, float, dict[str, np.ndarray]]:
+    """layer_probe_model, plus the FP32 reference of the last run (every float tensor with
+    `all_tensors`, so the caller need not run the amplified model once more)."""
     if gain <= 0 or not math.isfinite(gain):
         raise NpuprepError(f"--gain must be a positive number, got {gain}")
     choice = pick_layer(model, layer)
@@ -155,12 +165,14 @@ def layer_probe_model(model: onnx.ModelProto, feeds: dict[str, np.ndarray], fmt:
     target = MARGIN * fmt.overflow_threshold
     for _ in range(MAX_RAISES):
         probe = _probe(model, choice, g, feeds)
-        absmax = _absmax(reference_outputs(probe)[choice.tensor])
+        tensors = float_tensor_names(probe.reference) if all_tensors else [choice.tensor]
+        reference = reference_outputs(probe, tensors)
+        absmax = _absmax(reference[choice.tensor])
         if not raise_gain or absmax >= target or absmax == 0 or g >= max_gain:
             break
         # The layer output is linear in the gain (weights and bias both scale).
         g = min(max_gain, g * 10.0 ** math.ceil(math.log10(target / absmax)))
-    return probe, choice, g, max_gain
+    return probe, choice, g, max_gain, reference
 
 
 def _probe(model: onnx.ModelProto, choice: LayerChoice, gain: float,
@@ -177,18 +189,21 @@ def _absmax(x: np.ndarray) -> float:
 
 def probe_layer(model: onnx.ModelProto, feeds: dict[str, np.ndarray], fmt: NumberFormat,
                 backend: Backend, *, layer: str | None = None, gain: float = 100.0,
-                raise_gain: bool = True) -> LayerProbe:
+                raise_gain: bool = True, progress: Callable[[str], None] | None = None) -> LayerProbe:
     """Amplify one layer, run it on `backend`, classify its output and locate the first anomaly.
 
     An anomaly outside the amplified layer's downstream cone is the model's own overflow, not
     the probe's: it is reported as `pre_existing`, and when it reaches the layer's inputs the
-    verdict says it is mixed with it.
+    verdict says it is mixed with it. `progress` is told each stage as it starts.
     """
-    probe, choice, g, max_gain = layer_probe_model(model, feeds, fmt, layer=layer, gain=gain,
-                                                   raise_gain=raise_gain)
+    stage = progress or (lambda _: None)
+    stage("choosing the gain (FP32 reference, every tensor)")
+    probe, choice, g, max_gain, reference = _amplified(model, feeds, fmt, layer, gain, raise_gain,
+                                                       all_tensors=True)
     tensors = float_tensor_names(probe.reference)
-    reference = reference_outputs(probe, tensors)
+    stage(f"{backend.name}, every tensor")
     observed = backend.run(probe, tensors)
+    stage("classifying")
     if choice.tensor not in observed:
         raise NpuprepError(f"backend {backend.name} did not return the probed tensor '{choice.tensor}'")
     c = classify(reference[choice.tensor], observed[choice.tensor], fmt)

@@ -256,7 +256,8 @@ def write_constraint_files(
 
 def _pin_reason(action: PinFp32) -> str:
     word = "forced" if action.forced else "requested" if action.request else "pinned"
-    causes = ", ".join(str(f) for f in action.findings) or "user"
+    # A pin without findings says why it was added (a verification round, lowering), not "user".
+    causes = ", ".join(str(f) for f in action.findings) or action.why or "user"
     return f"{word} FP32: {causes}"
 
 

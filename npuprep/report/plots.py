@@ -6,6 +6,7 @@ date or creator metadata, text kept as text (`svg.fonttype: none`) so labels sta
 
 from __future__ import annotations
 
+import html
 import io
 import math
 import re
@@ -13,9 +14,14 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from npuprep.report.series import ErrorSeries, Limit, RemedyMark, TensorPoint
+from npuprep.report.terminal import number
 
 INSTALL_HINT = "pip install npuprep[plots]"
-LIMIT_STYLE = {"max": ("#c0392b", "-"), "fp8": ("#7b241c", "-."), "headroom": ("#e67e22", "--")}
+LIMIT_STYLE = {"max": ("#c0392b", "-"), "fp8": ("#7b241c", "-."), "headroom": ("#e67e22", "--"),
+               "min_normal": ("#7d3c98", ":")}
+# Before a remedy: grey, dashed, open circles; after: blue, solid, filled (apart even in grey print).
+BEFORE = {"color": "#7f8c8d", "linestyle": "--", "hollow": True}
+AFTER = {"color": "#2471a3", "linestyle": "-", "hollow": False}
 REMEDY_COLOR = {"rescale": "#27ae60", "clamp": "#f39c12", "pin_fp32": "#8e44ad"}
 # Tensor names fit under the axis up to this many tensors; beyond, positions are numbered.
 NAMED_TICKS = 40
@@ -42,9 +48,10 @@ def _figure(height: float, rows: int = 1) -> tuple[Any, Any]:
     return fig, axes
 
 
-def _to_svg(fig: Any, name: str) -> str:
+def _to_svg(fig: Any, name: str, titles: dict[str, str] | None = None) -> str:
     """The figure as an <svg> element to inline: no XML prolog, sized by its container, its
-    ids prefixed with `name` so two charts on one page never share one."""
+    ids prefixed with `name` so two charts on one page never share one. `titles` {gid: text}
+    become the <title> (the browser's hover label) of the artist drawn with that gid."""
     import matplotlib as mpl
 
     buf = io.StringIO()
@@ -56,6 +63,9 @@ def _to_svg(fig: Any, name: str) -> str:
     svg = re.sub(r'<svg ([^>]*?)width="[^"]*" height="[^"]*"', r'<svg class="chart" role="img" \1',
                  svg, count=1)
     svg = re.sub(r'\b(id="|href="#|url\(#)', rf"\g<1>{name}-", svg)
+    for gid, title in (titles or {}).items():
+        tag = f'<g id="{name}-{gid}">'
+        svg = svg.replace(tag, f"{tag}<title>{html.escape(title)}</title>", 1)
     return svg.strip() + "\n"
 
 
@@ -74,18 +84,41 @@ def _finite_positive(values: Iterable[float | None]) -> list[float]:
     return [v for v in values if v is not None and math.isfinite(v) and v > 0]
 
 
+def _y(v: float | None, floor: float, ceiling: float) -> float | None:
+    """Where a magnitude sits on a log axis: zeros on the floor, non-finite on the ceiling."""
+    return None if v is None else (ceiling if not math.isfinite(v) else max(v, floor))
+
+
 def _plot_magnitudes(ax: Any, xs: Sequence[int], values: Sequence[float | None], floor: float,
-                     ceiling: float, *, label: str, color: str, marker: str = "o") -> None:
+                     ceiling: float, *, label: str, color: str, marker: str = "o",
+                     linestyle: str = "-", hollow: bool = False) -> None:
     """A log-scale line of magnitudes; zeros sit on the floor, non-finite on the ceiling."""
-    ys = [None if v is None else (ceiling if not math.isfinite(v) else max(v, floor)) for v in values]
+    ys = [_y(v, floor, ceiling) for v in values]
     dense = len(xs) > DOTTED_UP_TO
-    ax.plot(xs, [math.nan if y is None else y for y in ys], color=color,
-            marker=None if dense else marker, markersize=3, linewidth=0.7 if dense else 1,
-            label=label)
+    ax.plot(xs, [math.nan if y is None else y for y in ys], color=color, linestyle=linestyle,
+            marker=None if dense else marker, markersize=4 if hollow else 3,
+            markerfacecolor="none" if hollow else color, linewidth=0.7 if dense else 1, label=label)
     bad = [x for x, v in zip(xs, values, strict=True) if v is not None and not math.isfinite(v)]
     if bad:
         ax.scatter(bad, [ceiling] * len(bad), marker="X", s=50, color="#c0392b", zorder=5,
                    label=f"{label}: non-finite")
+
+
+def _hover(ax: Any, key: str, xs: Sequence[int], values: Sequence[float | None], floor: float,
+           ceiling: float, titles: Sequence[str]) -> dict[str, str]:
+    """A near-invisible marker on every plotted point, with an id whose <title> names the
+    tensor and its value (the browser shows it on hover); {gid: title} for _to_svg."""
+    out = {}
+    for x, v, title in zip(xs, values, titles, strict=True):
+        y = _y(v, floor, ceiling)
+        if y is None:
+            continue
+        (dot,) = ax.plot([x], [y], linestyle="none", marker="o", markersize=8, markerfacecolor="#ffffff",
+                         markeredgecolor="none", alpha=0.01, zorder=8)
+        gid = f"hover-{key}-{x}"
+        dot.set_gid(gid)
+        out[gid] = title
+    return out
 
 
 def _tensor_axis(ax: Any, names: Sequence[str]) -> None:
@@ -108,8 +141,8 @@ def headroom_svg(points: Sequence[TensorPoint], limits: Sequence[Limit],
     has_after = any(v is not None for v in after)
     observed = _finite_positive(before + after) or [1.0]
     top = max(max(observed), max(lim.value for lim in limits))
-    # Room below the smallest magnitude for the remedy marks, above the largest for non-finite.
-    floor = min(observed) / 100
+    # Room below the smallest magnitude (or limit) for the remedy marks, above the largest for non-finite.
+    floor = min(min(observed), min(lim.value for lim in limits)) / 100
     ceiling = top * 10
     fig, (ax,) = _figure(4.6)
     ax.set_yscale("log")
@@ -121,13 +154,20 @@ def headroom_svg(points: Sequence[TensorPoint], limits: Sequence[Limit],
         ax.axhline(lim.value, color=color, linestyle=style, linewidth=1.2)
         # Headroom sits just under max on a log axis: its label goes below its line.
         ax.text(0.005, lim.value, lim.label, transform=ax.get_yaxis_transform(), color=color,
-                fontsize=8, va="top" if lim.role == "headroom" else "bottom", ha="left", zorder=7,
+                fontsize=8, va="top" if lim.role in ("headroom", "min_normal") else "bottom", ha="left",
+                zorder=7,
                 bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
+    titles = [f"#{i} {p.tensor} ({p.op_type or 'input'}): abs-max {number(p.absmax) or '-'}"
+              + (f" before, {number(p.absmax_after) or '-'} after" if has_after else "")
+              for i, p in enumerate(points)]
     if has_after:
-        _plot_magnitudes(ax, xs, before, floor, ceiling, label="abs-max before", color="#95a5a6")
-        _plot_magnitudes(ax, xs, after, floor, ceiling, label="abs-max after", color="#2471a3")
+        _plot_magnitudes(ax, xs, before, floor, ceiling, label="abs-max before", **BEFORE)
+        _plot_magnitudes(ax, xs, after, floor, ceiling, label="abs-max after", **AFTER)
+        hover = _hover(ax, "after", xs, after, floor, ceiling, titles)
     else:
-        _plot_magnitudes(ax, xs, before, floor, ceiling, label="abs-max", color="#2471a3")
+        _plot_magnitudes(ax, xs, before, floor, ceiling, label="abs-max", color=AFTER["color"])
+        hover = {}
+    hover |= _hover(ax, "before", xs, before, floor, ceiling, titles)
     kinds = sorted({m.kind for m in marks})
     rug = ax.get_xaxis_transform()
     for m in marks:
@@ -148,7 +188,7 @@ def headroom_svg(points: Sequence[TensorPoint], limits: Sequence[Limit],
     ax.set_ylabel("abs-max (log)")
     ax.grid(True, which="major", axis="y", alpha=0.3)
     _tensor_axis(ax, [p.tensor for p in points])
-    return _to_svg(fig, "headroom")
+    return _to_svg(fig, "headroom", hover)
 
 
 def error_svg(series: ErrorSeries) -> str:
@@ -160,8 +200,11 @@ def error_svg(series: ErrorSeries) -> str:
         (ax_rel, "relative L2", [p.rel_l2 for p in pts], [p.isolated_rel_l2 for p in pts]),
         (ax_abs, "max abs error", [p.max_abs for p in pts], [p.isolated_max_abs for p in pts]),
     )
+    thresholds = {"relative L2": ("rtol", series.rtol), "max abs error": ("atol", series.atol)}
+    hover: dict[str, str] = {}
     for ax, name, accumulated, isolated in panels:
-        observed = _finite_positive(accumulated + isolated) or [1.0]
+        word, threshold = thresholds[name]
+        observed = _finite_positive(accumulated + isolated + [threshold]) or [1.0]
         floor, ceiling = min(observed) / 10, max(observed) * 10
         ax.set_yscale("log")
         ax.set_ylim(floor / 2, ceiling * 3)
@@ -169,7 +212,16 @@ def error_svg(series: ErrorSeries) -> str:
                          color="#2471a3")
         if any(v is not None for v in isolated):
             _plot_magnitudes(ax, xs, isolated, floor, ceiling, label=f"{name} (isolated)",
-                             color="#e67e22", marker="s")
+                             color="#e67e22", marker="s", linestyle="--", hollow=True)
+        if threshold is not None and threshold > 0:
+            # A tensor fails only above both lines (rel L2 > rtol and max abs > atol).
+            ax.axhline(threshold, color="#c0392b", linestyle=":", linewidth=1.2,
+                       label=f"{word} {threshold:g} (fails above both)")
+        titles = [f"#{i} {p.tensor} ({p.op_type}): {name} {number(a) or '-'}"
+                  + (f", isolated {number(b)}" if b is not None else "")
+                  + ("" if p.passed is None else ", ok" if p.passed else ", FAILED")
+                  for i, (p, a, b) in enumerate(zip(pts, accumulated, isolated, strict=True))]
+        hover |= _hover(ax, name.split()[0], xs, accumulated, floor, ceiling, titles)
         failed = [x for x, p in zip(xs, pts, strict=True) if p.passed is False]
         if failed:
             ys = [max(min(v, ceiling), floor) if v is not None else floor
@@ -188,4 +240,4 @@ def error_svg(series: ErrorSeries) -> str:
                         zorder=7, bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8,
                                         "pad": 1})
     _tensor_axis(ax_abs, [p.tensor for p in pts])
-    return _to_svg(fig, "error")
+    return _to_svg(fig, "error", hover)

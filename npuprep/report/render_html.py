@@ -1,4 +1,4 @@
-"""A result dict (check, stats, compare, convert) -> one self-contained HTML page.
+"""A result dict (check, stats, compare, convert, crosscheck, probe) -> one self-contained HTML page.
 
 No network and no external assets: CSS and the small table-sorting script are inline, the
 charts are inline SVG from matplotlib (optional extra `plots`; without it the page keeps its
@@ -36,7 +36,7 @@ from npuprep.report.tables import (
     verdict,
 )
 
-KINDS: tuple[str, ...] = ("check", "stats", "compare", "convert")
+KINDS: tuple[str, ...] = ("check", "stats", "compare", "convert", "crosscheck", "probe")
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0 auto;
@@ -56,7 +56,7 @@ table.kv th{text-align:left;font-weight:600}
 .sev-error{color:#c0392b;font-weight:600}.sev-warning{color:#b9770e;font-weight:600}
 .sev-info{color:#566573}
 tr.fail td{background:#fdedec}tr.first-divergent td{background:#f5b7b1}
-.scroll{max-height:34em;overflow:auto;border:1px solid #eaeded}
+.scroll{overflow-x:auto}
 svg.chart{width:100%;height:auto;display:block}
 figure{margin:.4em 0}figcaption{color:#566573;font-size:12.5px}
 .note{background:#fef9e7;border-left:4px solid #f1c40f;padding:.4em .8em}
@@ -165,8 +165,8 @@ def _kv_table(rows: list[tuple[str, str]], table_id: str) -> str:
     return f'<table class="kv" id="{_e(table_id)}"><tbody>{body}</tbody></table>'
 
 
-def _nav_html(made: tuple[Table, ...], has_profile: bool) -> str:
-    links = [("summary", "Summary"), ("charts", "Charts")]
+def _nav_html(made: tuple[Table, ...], has_profile: bool, has_charts: bool = True) -> str:
+    links = [("summary", "Summary"), *([("charts", "Charts")] if has_charts else [])]
     links += [(t.key, t.title) for t in made]
     if has_profile:
         links.append(("profile", "Target profile"))
@@ -184,6 +184,8 @@ def _charts_html(result: Mapping[str, Any], plots: bool, order: Sequence[str]) -
     points = tensor_points(result, order)
     errors = error_series(result)
     if not points and errors is None:
+        if result.get("kind") in ("crosscheck", "probe"):
+            return ""
         return ('<section id="charts"><p class="note">This result records no per-tensor ranges '
                 "or errors to chart (check with --data, calibrate, compare or convert do).</p>"
                 "</section>")
@@ -200,14 +202,17 @@ def _charts_html(result: Mapping[str, Any], plots: bool, order: Sequence[str]) -
         caption = ("Largest magnitude of every tensor in topological order (log scale) against "
                    "the target limits: " + "; ".join(lim.label for lim in lims) + ".")
         if any(p.absmax_after is not None for p in points):
-            caption += " Grey: before the remedies; blue: after."
+            caption += " Grey dashed, open circles: before the remedies; blue solid: after."
         if marks:
             caption += " Triangles and bands mark where remedies act."
+        caption += " Hover a point for its tensor and value."
         out.append(f'<h2>Headroom</h2><figure id="headroom-chart">'
                    f"{charts.headroom_svg(points, lims, marks)}"
                    f"<figcaption>{_e(caption)}</figcaption></figure>")
     if errors is not None and errors.points:
-        caption = "Error of each tensor against the reference, in topological order (log scale)."
+        caption = ("Error of each tensor against the reference, in topological order (log scale); "
+                   "dotted red: the thresholds (a tensor fails above both). Hover a point for its "
+                   "tensor and values.")
         if errors.first_divergent is not None:
             caption += f" First divergent node: {errors.first_divergent_label}."
         else:
@@ -237,7 +242,7 @@ def _with_profile(result: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
 
 
 def render(result: Mapping[str, Any] | Any, *, plots: bool = True, order: Sequence[str] = ()) -> str:
-    """The whole page for a check, stats, compare or convert result.
+    """The whole page for a check, stats, compare, convert, crosscheck or probe result.
 
     `result` is the dict a command prints with --json (or an object with `to_dict()`); it is
     taken through the same JSON as the file, so `--html` and `npuprep report` on the saved
@@ -264,6 +269,7 @@ def render(result: Mapping[str, Any] | Any, *, plots: bool = True, order: Sequen
     first_tensor = str(first.get("tensor", "")) if isinstance(first, Mapping) else ""
     profile = profile_of(result)
     made = tables(result, order)
+    charts_part = _charts_html(result, plots, order)
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -271,10 +277,10 @@ def render(result: Mapping[str, Any] | Any, *, plots: bool = True, order: Sequen
         f"<title>{_e(title)}</title><style>{CSS}</style></head><body>",
         f'<header><h1>{_e(title)}</h1><span class="verdict {badge[0]}" id="verdict">{badge[1]}'
         "</span></header>",
-        _nav_html(made, bool(profile)),
+        _nav_html(made, bool(profile), bool(charts_part)),
         f'<section id="summary"><h2>Summary</h2>{_kv_table(summary(result), "summary-table")}</section>',
         _notes_html(notes(result)),
-        _charts_html(result, plots, order),
+        charts_part,
         *(_table_html(t, first_tensor) for t in made),
     ]
     if profile:

@@ -30,7 +30,7 @@ class TensorPoint:
 
 @dataclass(frozen=True)
 class Limit:
-    """A horizontal line on the headroom chart: `role` is `max`, `headroom` or `fp8`."""
+    """A horizontal line on the headroom chart: `role` is `max`, `headroom`, `fp8` or `min_normal`."""
 
     label: str
     value: float
@@ -65,6 +65,9 @@ class ErrorSeries:
     points: tuple[ErrorPoint, ...]
     first_divergent: int | None
     first_divergent_label: str
+    # The thresholds a tensor fails beyond (both crossed), drawn on the chart when known.
+    rtol: float | None = None
+    atol: float | None = None
 
 
 def number(value: Any) -> float | None:
@@ -100,10 +103,12 @@ def precision_of(result: Mapping[str, Any]) -> str:
 
 
 def limits(result: Mapping[str, Any]) -> tuple[Limit, ...]:
-    """FP16's max finite always; headroom x max of the compute format (FP16 when that is
+    """FP16's max finite and min normal always; headroom x max of the compute format (FP16 when that is
     wider) when the profile gives a headroom; the FP8 max when FP8 is the compute format."""
     fp16 = get_format("fp16")
-    out = [Limit(f"fp16 max {fp16.max:.0f}", float(fp16.max), "max")]
+    out = [Limit(f"fp16 max {fp16.max:.0f}", float(fp16.max), "max"),
+           Limit(f"fp16 min normal {fp16.min_normal:.3g} (below: subnormal, then 0)",
+                 float(fp16.min_normal), "min_normal")]
     try:
         fmt = get_format(precision_of(result))
     except NpuprepError:  # int8 or an unknown name: judged against FP16
@@ -305,4 +310,8 @@ def error_series(result: Mapping[str, Any]) -> ErrorSeries | None:
                     not first.get("tensor") and p.node == first.get("node")):
                 index = i
                 break
-    return ErrorSeries(points, index, label)
+    thresholds = cmp.get("thresholds") if isinstance(cmp.get("thresholds"), Mapping) else {}
+    rtol, atol = number(thresholds.get("rtol")), number(thresholds.get("atol"))
+    if rtol is None and isinstance(result.get("verification"), Mapping):
+        rtol = number(result["verification"].get("rtol"))
+    return ErrorSeries(points, index, label, rtol, atol)

@@ -59,7 +59,9 @@ def _dicts(value: Any) -> list[Mapping[str, Any]]:
 
 
 def findings_table(result: Mapping[str, Any]) -> Table | None:
-    findings = _dicts(result.get("findings"))
+    # Most severe first (stable: the producer's order within one severity).
+    findings = sorted(_dicts(result.get("findings")),
+                      key=lambda f: -SEVERITY_RANK.get(str(f.get("severity", "")).lower(), -1))
     if "findings" not in result:
         return None
     cols = (Column("severity", "severity"), Column("rule"), Column("node"), Column("op_type"),
@@ -213,9 +215,45 @@ def unobserved_table(result: Mapping[str, Any]) -> Table | None:
                  (Column("tensor"), Column("reason")), rows)
 
 
+# Crosscheck verdicts in reading order: failing first, then doubtful, then ok.
+VERDICT_ORDER = ("mismatch", "pin-ignored", "unknown", "missing", "unmapped", "ok")
+
+
+def crosscheck_table(result: Mapping[str, Any]) -> Table | None:
+    verdicts = _dicts(result.get("verdicts"))
+    if result.get("kind") != "crosscheck" or not verdicts:
+        return None
+    rank = {v: i for i, v in enumerate(VERDICT_ORDER)}
+    verdicts = sorted(verdicts, key=lambda v: rank.get(str(v.get("verdict")), len(rank)))
+    cols = (Column("verdict"), Column("node"), Column("op_type"), Column("runs_in"), Column("needs"),
+            Column("layers"), Column("rules"), Column("reason"))
+    rows = tuple((_text(v, "verdict"), _text(v, "node"), _text(v, "op_type"), _text(v, "runs_in"),
+                  _text(v, "needs"), " / ".join(map(str, v.get("layers") or ())), _text(v, "rules"),
+                  "; ".join([_text(v, "reason"), *map(str, v.get("flags") or ())]).strip("; "))
+                 for v in verdicts)
+    return Table("verdicts", f"Compiler report vs findings ({len(rows)} nodes)", cols, rows)
+
+
+def probe_table(result: Mapping[str, Any]) -> Table | None:
+    probes = _dicts(result.get("probes"))
+    if result.get("kind") != "probe" or not probes:
+        return None
+    cols = (Column("probe"), Column("unit"), Column("verdict"), Column("over", "num"), Column("reference"),
+            Column("observed"), Column("reason"))
+    rows = []
+    for p in probes:
+        pairs = _dicts(p.get("pairs"))
+        counts = p.get("counts") if isinstance(p.get("counts"), Mapping) else {}
+        rows.append((_text(p, "name"), _text(p, "unit"), _text(p, "verdict") + (" (wider)" if p.get("wider") else ""),
+                     _num(counts, "over"), _text(pairs[0], "reference") if pairs else "",
+                     _text(pairs[0], "observed") if pairs else "", _text(p, "reason")))
+    return Table("probes", f"Overflow probes ({len(rows)})", cols, tuple(rows))
+
+
 def tables(result: Mapping[str, Any], order: Sequence[str] = ()) -> tuple[Table, ...]:
     """Every table the result supports, in reading order."""
-    made = (outputs_table(result), findings_table(result), actions_table(result),
+    made = (crosscheck_table(result), probe_table(result),
+            outputs_table(result), findings_table(result), actions_table(result),
             declined_table(result), forced_table(result), compare_table(result),
             convert_tensor_table(result), stats_table(result, order), unobserved_table(result))
     return tuple(t for t in made if t is not None)
@@ -241,7 +279,8 @@ def summary(result: Mapping[str, Any]) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     for key in ("kind", "model", "output", "reference", "candidate", "target", "target_path",
                 "format", "precision", "opset", "samples", "synthetic", "thresholds", "fail_on",
-                "rounds", "flops_fp32_share", "fp32_verdict", "cast_count"):
+                "rounds", "flops_fp32_share", "fp32_verdict", "cast_count", "report", "report_format",
+                "counts", "backend", "basis", "overall"):
         if key in result and result[key] not in (None, ""):
             rows.append((key, compact(result[key])))
     if isinstance(result.get("pinned_nodes"), list):

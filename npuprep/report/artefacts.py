@@ -1,0 +1,151 @@
+"""What a conversion writes: `out.onnx` -> `out.onnx`, `out.plan.yaml`, `out.report.json`, `out.report.md` (+ constraint files asked for).
+
+The model, its plan and its reports always; a compiler's precision-constraint file only for
+the target's own compiler (its profile's `compiler.report_format`) or those named in
+`exports` (`trt`, `horizon`, `rknn`, `yaml`). `ConversionResult.save` and the CLI both write
+through `save_conversion`, so the Python API and `npuprep convert` leave the same files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from npuprep.errors import NpuprepError
+
+# Export name -> (artefact key in the report, file suffix).
+EXPORTS = {
+    "trt": ("trtexec", ".trtexec.txt"),
+    "horizon": ("horizon_node_info", ".horizon.yaml"),
+    "rknn": ("rknn_custom_quantize_layers", ".rknn.yaml"),
+    "yaml": ("precision_yaml", ".precision.yaml"),
+}
+# A profile's compiler report format -> the constraint file its compiler reads.
+COMPILER_EXPORT = {"trt_json": "trt", "horizon": "horizon", "rknn": "rknn", "generic": "yaml"}
+
+
+def parse_exports(text: str) -> tuple[str, ...]:
+    """`trt,horizon` -> ('trt', 'horizon'); `none` -> (); an unknown name is one clear error."""
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    if names == ("none",):
+        return ()
+    unknown = [n for n in names if n not in EXPORTS]
+    if unknown or not names:
+        raise NpuprepError(f"--export: unknown '{unknown[0] if unknown else text}' "
+                           f"(choose from {', '.join(EXPORTS)}, comma-separated, or none)")
+    return names
+
+
+def default_exports(report_format: str) -> tuple[str, ...]:
+    """The constraint file of the target's own compiler."""
+    return (COMPILER_EXPORT[report_format],) if report_format in COMPILER_EXPORT else ()
+
+
+# What each file is called in messages (clashes, refusals).
+ROLES = {
+    "plan": "the plan written beside -o", "precision_yaml": "the precision YAML written beside -o",
+    "trtexec": "the trtexec file written beside -o", "horizon_node_info": "the Horizon file written beside -o",
+    "rknn_custom_quantize_layers": "the RKNN file written beside -o",
+    "report_json": "the JSON report", "report_md": "the Markdown report written beside -o",
+    "report_html": "--html", "vendor_error_analysis": "the vendor's layer report written beside -o",
+}
+
+
+def artefact_paths(output: str | Path, *, exports: Sequence[str], report_path: str | Path | None = None,
+                   html: str | Path | None = None, vendor: str | None = None) -> dict[str, Path]:
+    """Every file a conversion writes, by role, the model first."""
+    output = Path(output)
+    base = output.with_suffix("")
+    paths = {"model": output, "plan": Path(f"{base}.plan.yaml")}
+    for name in exports:
+        key, suffix = EXPORTS[name]
+        paths[key] = Path(f"{base}{suffix}")
+    paths["report_json"] = Path(report_path) if report_path else Path(f"{base}.report.json")
+    paths["report_md"] = Path(f"{base}.report.md")
+    if html:
+        paths["report_html"] = Path(html)
+    if vendor:
+        paths["vendor_error_analysis"] = Path(f"{base}.{vendor}_error_analysis.txt")
+    return paths
+
+
+def declare(outputs: Any, paths: dict[str, Path]) -> None:
+    """Tell an OutputPlan (npuprep.outputs) every file of the set, before any work."""
+    for role, path in paths.items():
+        if role == "model":
+            outputs.writes_model(path, "-o")
+        else:
+            outputs.writes(path, ROLES[role])
+
+
+def stage_conversion(result: Any, paths: dict[str, Path], files: Any, vendor: Any = None) -> dict[str, Any]:
+    """Stage `result` (a ConversionResult) in `files` (an open output set, which puts them in
+    place together); return the report, its `artefacts` naming every file of the set."""
+    from npuprep.json_io import dump_json
+    from npuprep.model_io import Model
+    from npuprep.names import comment
+    from npuprep.plan import PinFp32, dump_plan
+    from npuprep.report import constraints
+    from npuprep.report.host_scales import host_scales_block
+    from npuprep.report.render_md import convert_markdown
+
+    output = paths["model"]
+    lowered = result.lowered.model
+    files.model(lowered, output)
+    report = result.to_dict(output=str(output))
+    # Constraint files speak of the lowered model's node names, pins from lowering included.
+    low_model = Model(proto=lowered, path=str(output), digest=report["output_fingerprint"])
+    plan = result.plan
+    extra = sorted(set(result.pinned_nodes) - plan.pinned_nodes())
+    if extra:
+        from dataclasses import replace
+
+        pin = PinFp32(nodes=tuple(extra), why="kept FP32 by rewriting or lowering (boundary, range)")
+        plan = replace(plan, actions=(*plan.actions, pin))
+    host = host_scales_block(result.host_scales)
+    texts = {"plan": dump_plan(result.plan)}
+    if "trtexec" in paths:
+        flags = constraints.trt_flags(plan, low_model)
+        texts["trtexec"] = "\n".join([flags.command_line(output.name), "",
+                                      *(f"# {comment(n)}" for n in flags.notes)]) + "\n"
+    if "horizon_node_info" in paths:
+        texts["horizon_node_info"] = constraints.horizon_node_info(plan, low_model)
+    if "rknn_custom_quantize_layers" in paths:
+        texts["rknn_custom_quantize_layers"] = constraints.rknn_custom_quantize_layers(plan, low_model) + host
+    if "precision_yaml" in paths:
+        texts["precision_yaml"] = constraints.precision_yaml(plan, low_model) + host
+    for role, text in texts.items():
+        files.text(paths[role], text)
+    if vendor is not None:
+        report["vendor"] = vendor.to_dict()
+        report["passed"] = bool(report["passed"] and vendor)
+    # The report names every file of its set (and the model's fingerprint), so a file
+    # left from another run is never taken for part of this one.
+    report["artefacts"] = {role: str(path) for role, path in paths.items()}
+    files.text(paths["report_json"], dump_json(report))
+    files.text(paths["report_md"], convert_markdown(report))
+    if "report_html" in paths:
+        from npuprep.report.render_html import render
+
+        files.text(paths["report_html"], render(report))
+    return report
+
+
+def save_conversion(result: Any, output: str | Path, *, exports: Sequence[str] | None = None,
+                    report_path: str | Path | None = None, html: str | Path | None = None,
+                    protected: Iterable[str | Path] = ()) -> dict[str, Any]:
+    """Write `result` (a ConversionResult) as `output` and its artefacts, as one set (see
+    npuprep.outputs); return the report dict. `exports` None: the target compiler's
+    constraint file. `protected` paths (the input model) are never overwritten."""
+    from npuprep.outputs import OutputPlan
+
+    if exports is None:
+        exports = default_exports(result.profile.report_format)
+    paths = artefact_paths(output, exports=exports, report_path=report_path, html=html)
+    outputs = OutputPlan()
+    for path in protected:
+        outputs.reads_model(path)
+    declare(outputs, paths)
+    with outputs.open() as files:
+        return stage_conversion(result, paths, files)
