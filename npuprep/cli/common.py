@@ -54,39 +54,30 @@ def add_jobs(p: argparse.ArgumentParser) -> None:
                         "least 4 samples, else 1 (on every core)")
 
 
-def _count(text: str) -> int:
-    """`--jobs`, `--streams`: a count >= 0, or 'auto' (= 0)."""
-    if text == "auto":
-        return 0
+def _at_least(text: str, lowest: int, expected: str) -> int:
+    """An integer option no lower than `lowest`, or one argparse error naming `expected`."""
     try:
         value = int(text)
     except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a count >= 0 or 'auto', got {text!r}")
+        value = lowest - 1
+    if value < lowest:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def _count(text: str) -> int:
+    """`--jobs`, `--streams`: a count >= 0, or 'auto' (= 0)."""
+    return 0 if text == "auto" else _at_least(text, 0, "a count >= 0 or 'auto'")
 
 
 def _seed(text: str) -> int:
     """`--seed`: an integer >= 0 (numpy's generators refuse negative seeds)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+    return _at_least(text, 0, "an integer >= 0")
 
 
 def positive_int(text: str) -> int:
     """An option that is a count >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
+    return _at_least(text, 1, "an integer >= 1")
 
 
 def positive_float(text: str) -> float:
