@@ -249,28 +249,40 @@ def _fp32_groups(plan: Plan, result: dict[str, Any], stats: Any,
     """The FP32 nodes of a conversion as (nodes, why, declined remedy, required): the plan's
     islands, what lowering forced, what the rewrites inserted, then anything else kept FP32.
     An island is required when an exit's measured range exceeds the format (it can only
-    close at an output kept FP32)."""
+    close at an output kept FP32) or when its ops have no kernel in the low format."""
     groups: list[tuple[tuple[str, ...], str, str, bool]] = []
     declined = list(plan.declined) + list(result["declined"])
+    no_low_kernel = _fixed_fp32_nodes(result["rewritten"])
     for pin in plan.pins():
         refs = set(pin.findings)
         mine = [d for d in declined if refs & set(d.findings)]
         first = next((d for d in mine if d.remedy == "rescale"), mine[0] if mine else None)
         why = pin.why.split(" | ")[0]
-        required = not pin.forced and any(not _fits_format(stats, t, fmt) and stats is not None
-                                          and t in stats.tensors for t in pin.exit_tensors)
+        required = not pin.forced and (
+            any(not _fits_format(stats, t, fmt) and stats is not None and t in stats.tensors
+                for t in pin.exit_tensors) or set(pin.nodes) <= no_low_kernel)
         instead = f"{first.remedy} declined: {first.reason}" if first else (
             "forced: the plan asks for FP32" if pin.forced else
             "no remedy planned: verification pinned it" if not pin.findings else "")
         groups.append((pin.nodes, why, instead, required))
     for node, reason in sorted(result["lowered"].forced_fp32.items()):
-        groups.append(((node,), f"lowering: {reason}", "", False))
+        groups.append(((node,), f"lowering: {reason}", "", node in no_low_kernel))
     by_reason: dict[str, list[str]] = {}
     for node in sorted(result["boundary"]):
         by_reason.setdefault(result["fp32_reasons"].get(node, "inserted by a rewrite"), []).append(node)
     groups += [(tuple(nodes), why, "", False) for why, nodes in sorted(by_reason.items())]
     groups.append((tuple(sorted(result["pinned"])), "kept FP32", "", False))
     return groups
+
+
+def _fixed_fp32_nodes(model: Any) -> set[str]:
+    """Nodes whose FP32 no remedy can change: ops of other domains (`ai.onnx.ml` has no FP16
+    kernels) and ops whose output type an attribute fixes (npuprep.rewrite.lower)."""
+    from npuprep.graph import node_label, walk_graphs
+    from npuprep.rewrite.lower import FORCED_FP32_OPS
+
+    return {node_label(n) for scope in walk_graphs(model.graph) for n in scope.graph.node
+            if n.domain not in ("", "ai.onnx") or n.op_type in FORCED_FP32_OPS}
 
 
 def _nodes_to_pin(rewritten: Any, node: str, pinned: set[str]) -> tuple[str, ...]:

@@ -414,3 +414,26 @@ def test_an_if_chosen_by_a_shape_still_lowers_its_data():
     assert low.forced_fp32 == {}, low.forced_fp32
     weights = {i.name: i.data_type for s in walk_graphs(low.model.graph) for i in s.graph.initializer}
     assert weights["W"] == TensorProto.FLOAT16
+
+
+def test_nodes_after_an_ml_op_have_a_type_and_are_lowered():
+    # x -> ai.onnx.ml.Scaler -> s -> Sub(mean) -> MatMul(W) -> y: onnx's inference leaves the
+    # Scaler output untyped; its spec says tensor(float), so Sub and MatMul lower to FP16.
+    from onnx import helper
+
+    nodes = [helper.make_node("Scaler", ["x"], ["s"], domain="ai.onnx.ml", offset=[0.0] * 4,
+                              scale=[2.0] * 4, name="scaler"),
+             helper.make_node("Sub", ["s", "mean"], ["c"], name="sub"),
+             helper.make_node("MatMul", ["c", "W"], ["y"], name="mm")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [numpy_helper.from_array(np.ones(4, np.float32), "mean"),
+         numpy_helper.from_array(np.ones((4, 3), np.float32), "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("ai.onnx.ml", 3)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    low = lower(model, get_format("fp16"))
+    assert set(low.forced_fp32) == {"scaler"}, low.forced_fp32
+    weights = {i.name: i.data_type for i in low.model.graph.initializer}
+    assert weights["W"] == TensorProto.FLOAT16

@@ -146,7 +146,7 @@ def test_an_if_branch_output_beyond_fp16_stays_fp32_with_only_its_exp_pinned(tmp
     # conversion: the true range of its output needs FP32.
     (island,) = result.share.islands
     assert island.required and island.nodes == ("exp3",) and result.share.avoidable == 0.0
-    assert "where the true range needs FP32: exp3" in result.share.verdict()
+    assert "required in FP32 by range or op support: exp3" in result.share.verdict()
     ref = run(make_session(proto), feeds[0])["y"]
     out = run(make_session(lowered), feeds[0])["y"]
     assert np.abs(ref).max() > F16.max and np.isfinite(out).all()

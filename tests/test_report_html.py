@@ -238,8 +238,9 @@ def test_report_loads_sorts_and_draws(browser: Browser, tmp_path: Path) -> None:
     browser.open(page.as_uri())
     assert browser.console_errors() == []
 
-    # Findings: severity sorts by rank (info < warning < error), not alphabetically.
-    assert _column(browser, "findings", 0) == ["warning", "error", "info"]
+    # Findings: listed most severe first; severity sorts by rank (info < warning < error),
+    # not alphabetically.
+    assert _column(browser, "findings", 0) == ["error", "warning", "info"]
     browser.click("#table-findings th:nth-child(1)")
     assert _column(browser, "findings", 0) == ["info", "warning", "error"]
     assert browser.evaluate("document.querySelector('#table-findings th').getAttribute('aria-sort')") == "ascending"

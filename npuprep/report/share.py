@@ -71,7 +71,7 @@ class Fp32Share:
         required = [i for i in self.islands if i.required]
         if required:
             line += (f" ({100 * sum(i.flops for i in required) / max(self.total_flops, 1):.1f}% "
-                     f"where the true range needs FP32: {', '.join(required[0].nodes[:3])})")
+                     f"required in FP32 by range or op support: {', '.join(required[0].nodes[:3])})")
         if self:
             return line
         worst = next(i for i in self.islands if not i.required)

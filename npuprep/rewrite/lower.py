@@ -526,6 +526,7 @@ def _infer_types(model: onnx.ModelProto) -> dict[str, int]:
                 init.Clear()
                 init.name, init.data_type = name, FLOAT
                 init.dims.extend(dims)
+    _declare_ml_outputs(skeleton)
     if skeleton.ByteSize() < PROTOBUF_LIMIT - 64 * 2**20:
         inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False)
     else:
@@ -549,6 +550,23 @@ def _infer_types(model: onnx.ModelProto) -> dict[str, int]:
                 if value is not None:
                     types[node.output[0]] = helper.np_dtype_to_tensor_dtype(value.dtype)
     return types
+
+
+# ai.onnx.ml ops whose first output is tensor(float) whatever their input (the ONNX-ML
+# operator specs); onnx's shape inference does not type them, which would leave every node
+# after them typeless (kept FP32 as "type unknown").
+_ML_FLOAT_OUTPUT = frozenset({"Scaler", "Normalizer", "LinearRegressor", "FeatureVectorizer",
+                              "OneHotEncoder", "SVMRegressor", "TreeEnsembleRegressor"})
+
+
+def _declare_ml_outputs(model: onnx.ModelProto) -> None:
+    for scope in walk_graphs(model.graph):
+        g = scope.graph
+        declared = {vi.name for vi in (*g.input, *g.output, *g.value_info)}
+        for node in g.node:
+            if node.domain == "ai.onnx.ml" and node.op_type in _ML_FLOAT_OUTPUT and node.output \
+                    and node.output[0] not in declared:
+                g.value_info.append(helper.make_tensor_value_info(node.output[0], FLOAT, None))
 
 
 def _numel(init: onnx.TensorProto) -> int:
