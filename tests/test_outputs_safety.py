@@ -133,10 +133,16 @@ def test_a_signal_during_the_renames_lands_after_the_whole_set(tmp_path: Path,
         real_replace(src, dst)
         os.kill(os.getpid(), signal.SIGINT)
 
-    with pytest.raises(KeyboardInterrupt), plan.open() as files:
-        for p in paths:
-            files.text(p, p.name)
-        monkeypatch.setattr(outputs.os, "replace", replace_then_interrupt)
+    # Python's own Ctrl-C handler, whatever this process inherited (a job started in the
+    # background by a non-interactive shell ignores SIGINT).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), plan.open() as files:
+            for p in paths:
+                files.text(p, p.name)
+            monkeypatch.setattr(outputs.os, "replace", replace_then_interrupt)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert [p.read_text() for p in paths] == [p.name for p in paths]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0.txt", "1.txt", "2.txt"]
 
