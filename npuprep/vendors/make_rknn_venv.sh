@@ -8,8 +8,8 @@
 # The toolkit is installed with --no-deps plus the packages an ONNX build, the simulator and
 # accuracy_analysis import: `pip install rknn-toolkit2` would pull torch 2.4.0 with its
 # CUDA libraries (several GB). torch is only imported at load time, so a CPU wheel does:
-# NPUPREP_RKNN_TORCH picks it (a pip requirement or a wheel path; default: torch 2.4.0 from
-# PyTorch's CPU index, else the newest CPU wheel pip can find).
+# NPUPREP_RKNN_TORCH picks it (a pip requirement or a wheel path; default: a torch wheel in
+# pip's configured --find-links, else torch 2.4.0 from PyPI).
 set -euo pipefail
 DIR="${1:-${NPUPREP_RKNN_VENV:-$HOME/.cache/npuprep/rknn-venv}}"
 PY="${NPUPREP_RKNN_BASE_PYTHON:-python3}"
@@ -27,10 +27,6 @@ PIP=("$DIR/bin/python" -m pip install -q --disable-pip-version-check)
   filelock networkx jinja2 fsspec
 if [ -n "${NPUPREP_RKNN_TORCH:-}" ]; then
   "${PIP[@]}" --no-deps "$NPUPREP_RKNN_TORCH"
-elif "${PIP[@]}" --no-deps --timeout 15 --retries 0 \
-    --index-url https://download.pytorch.org/whl/cpu "torch==2.4.0" \
-    2>/dev/null; then
-  :
 elif "${PIP[@]}" --no-deps --no-index torch 2>/dev/null; then
   # A torch wheel in pip's configured --find-links (offline images ship a CPU build there).
   :
