@@ -84,3 +84,27 @@ def test_without_a_model_the_bundled_example_is_checked():
     data = json.loads(r.stdout)
     assert data["model"].endswith("planner.onnx")
     assert {"pattern.softmax", "pattern.layernorm", "pattern.guidance"} <= {f["rule"] for f in data["findings"]}
+
+
+def test_check_reports_the_plan_convert_would_make(tmp_path):
+    # conv_stack (zoo): x -> Conv -> Relu -> Conv (~1e5) -> ... : check --data names the same
+    # rescales that convert --plan-only writes, one story for both commands.
+    import numpy as np
+    import onnx
+
+    from npuprep.examples.zoo import ZOO
+
+    zoo = ZOO["conv_stack"]()
+    onnx.save(zoo.model, str(tmp_path / "m.onnx"))
+    (tmp_path / "d").mkdir()
+    for i, s in enumerate(zoo.samples):
+        np.savez(tmp_path / "d" / f"{i}.npz", **s)
+    checked = run_cli("check", tmp_path / "m.onnx", "--target", "a2000", "--data", tmp_path / "d", "--json")
+    planned = run_cli("convert", tmp_path / "m.onnx", "--target", "a2000", "--data", tmp_path / "d",
+                      "--plan-only", "-o", tmp_path / "p.yaml", "--json")
+    assert planned.returncode == 0, planned.stderr
+    from_check = json.loads(checked.stdout)["plan"]["actions"]
+    from_convert = json.loads(planned.stdout)["actions"]
+    assert from_check == from_convert and [a["action"] for a in from_check] == ["rescale", "rescale"]
+    table = run_cli("check", tmp_path / "m.onnx", "--target", "a2000", "--data", tmp_path / "d").stdout
+    assert "What convert would do (measured ranges" in table and "0 node(s) pinned" in table

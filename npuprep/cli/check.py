@@ -113,15 +113,39 @@ def run(args: argparse.Namespace) -> int:
                 page["stats"] = stats.to_dict()
             files.text(args.html, render(page, order=tensor_order(model.proto)))
     failing = findings.reaching(fail_on)
+    plan = _plan(args, model, profile, stats, findings)
     if args.json:
-        doc = check_report(model, profile, findings, fail_on)
+        doc = check_report(model, profile, findings, fail_on) | {"plan": plan.to_dict()}
         if stats is not None:
             # The ranges behind the measured findings: `npuprep report` draws them, as --html does.
             doc["stats"] = stats.to_dict()
         print_json(doc)
     else:
         _print(model, profile, findings, fail_on)
+        _print_plan(plan, measured=stats is not None)
     return 1 if failing else 0
+
+
+def _plan(args: argparse.Namespace, model: Any, profile: Any, stats: Any, findings: Any) -> Any:
+    """What `convert` would do with these findings: the planner's own decision, so check and
+    convert tell one story (verification rounds may add pins to it)."""
+    from npuprep.plan.planner import make_plan
+
+    return make_plan(model, profile, stats, findings, precision=args.precision)
+
+
+def _print_plan(plan: Any, *, measured: bool) -> None:
+    from npuprep.cli.convert import _reason_code, _where
+
+    basis = "measured ranges" if measured else "static rules only (give --data for measured ranges)"
+    if plan.actions:
+        print_table(f"What convert would do ({basis}; why: --json or convert --plan-only)",
+                    ["#", "action", "where", "reason"],
+                    [(i, a.action, _where(a), _reason_code(a.to_dict()))
+                     for i, a in enumerate(plan.actions, 1)], cut_end=("reason",))
+    pinned = len(plan.pinned_nodes())
+    say(f"convert would plan {len(plan.actions)} action(s), {pinned} node(s) pinned to FP32, "
+        f"{len(plan.declined)} remedy(ies) declined ({basis}); verification may pin more")
 
 
 def check_report(model: Any, profile: Any, findings: Any, fail_on: Any) -> dict[str, Any]:
