@@ -231,7 +231,7 @@ def convert(
         plan = replace(plan, actions=(*plan.actions, pin))
     assert result is not None
     share = fp32_share(result["rewritten"], _fp32_groups(plan, result, stats, fmt),
-                       limit=max_fp32_share)
+                       limit=max_fp32_share, input_shapes=_sample_shapes(samples))
     return ConversionResult(
         source=model, profile=profile, fmt=fmt, findings=findings, plan=plan,
         rewritten=result["rewritten"], lowered=result["lowered"],
@@ -242,6 +242,12 @@ def convert(
         declined=result["declined"], notes=tuple(notes) + result["notes"], share=share,
         host_scales=result["host_scales"],
     )
+
+
+def _sample_shapes(samples: Sequence[Feed]) -> dict[str, tuple[int, ...]]:
+    """Input sizes of the first sample: what FLOPs are counted at."""
+    first = next(iter(samples), None)
+    return {k: tuple(np.shape(v)) for k, v in (first or {}).items()}
 
 
 def _fp32_groups(plan: Plan, result: dict[str, Any], stats: Any,

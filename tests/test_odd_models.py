@@ -102,3 +102,18 @@ def test_flops_of_rank_0_1_and_unknown_operands():
     flops = node_flops(model)
     assert flops["mv"] == 2 * 3 * 4  # a vector times a matrix: 3 outputs of 4 multiply-adds
     assert flops["gemm"] == 1  # unknown shapes count as one element
+
+
+def test_flops_of_a_dynamic_conv_stack_are_counted_at_the_sample_size():
+    # x[1,3,H,W] (dynamic) -> Conv(3x3, 8 out) -> c -> Relu -> y
+    w = nh.from_array(np.ones((8, 3, 3, 3), np.float32), "Wc")
+    model = _model("dyn", [helper.make_node("Conv", ["x", "Wc"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+                           helper.make_node("Relu", ["c"], ["y"], name="relu")],
+                   [vi("x", T.FLOAT, [1, 3, "H", "W"])], [vi("y", T.FLOAT, [1, 8, "H", "W"])], [w])
+    unsized = node_flops(model)
+    sized = node_flops(model, {"x": (1, 3, 48, 320)})
+    assert sized["conv"] == 2 * (8 * 48 * 320) * (3 * 3 * 3)
+    assert sized["relu"] == 8 * 48 * 320
+    assert unsized["conv"] < sized["conv"] // 1000  # without sizes a dynamic Conv is nearly free
+    # The model itself keeps its dynamic axes.
+    assert model.graph.input[0].type.tensor_type.shape.dim[2].dim_param == "H"

@@ -1,17 +1,26 @@
-"""FLOPs per node from inferred shapes; npuprep.report.share turns them into the FP32 share."""
+"""FLOPs per node from inferred shapes; npuprep.report.share turns them into the FP32 share.
+
+A model with dynamic axes (a recogniser's width, a detector's image size) has no FLOPs until
+its inputs have sizes: pass those of a real sample (`input_shapes`), or a 3x32xW Conv stack
+counts one output element per Conv and its FP32 share means nothing.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import onnx
 
 from npuprep.graph import attribute, node_label, walk_graphs
 
 
-def _shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
+def _shapes(model: onnx.ModelProto,
+            input_shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, tuple[int, ...]]:
+    if input_shapes:
+        model = _with_input_shapes(model, input_shapes)
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
     except Exception:  # noqa: BLE001 - best effort; unknown shapes count as one element
         inferred = model
     shapes: dict[str, tuple[int, ...]] = {}
@@ -26,10 +35,32 @@ def _shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def node_flops(model: onnx.ModelProto) -> dict[str, int]:
+def _with_input_shapes(model: onnx.ModelProto,
+                       input_shapes: Mapping[str, tuple[int, ...]]) -> onnx.ModelProto:
+    """A copy of `model` whose graph inputs have the given sizes."""
+    skeleton = onnx.ModelProto()
+    skeleton.CopyFrom(model)
+    for vi in skeleton.graph.input:
+        dims = input_shapes.get(vi.name)
+        if dims is None or not vi.type.HasField("tensor_type"):
+            continue
+        shape = vi.type.tensor_type.shape
+        if len(shape.dim) != len(dims):
+            continue
+        for d, size in zip(shape.dim, dims, strict=True):
+            d.Clear()
+            d.dim_value = int(size)
+    # Stale value_info would keep the dynamic sizes in place of the inferred ones.
+    del skeleton.graph.value_info[:]
+    return skeleton
+
+
+def node_flops(model: onnx.ModelProto,
+               input_shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, int]:
     """Node label -> FLOPs (multiply-adds count 2); elementwise ops count one per output.
-    Unknown shapes count as one element."""
-    shapes = _shapes(model)
+    `input_shapes` sizes dynamic graph inputs (a sample's shapes); shapes still unknown
+    count as one element."""
+    shapes = _shapes(model, input_shapes)
     flops: dict[str, int] = {}
     for scope in walk_graphs(model.graph):
         for node in scope.graph.node:

@@ -7,7 +7,7 @@ islands by their FLOPs, each with why it is FP32 and which cheaper remedy was de
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,13 +102,14 @@ class Fp32Share:
 
 def fp32_share(model: onnx.ModelProto,
                groups: Iterable[tuple[Iterable[str], str, str] | tuple[Iterable[str], str, str, bool]],
-               *, limit: float = DEFAULT_MAX_FP32_SHARE) -> Fp32Share:
+               *, limit: float = DEFAULT_MAX_FP32_SHARE,
+               input_shapes: Mapping[str, tuple[int, ...]] | None = None) -> Fp32Share:
     """The FP32 share of `model` whose FP32 nodes come in `groups` of (nodes, why, declined)
-    or (nodes, why, declined, required).
+    or (nodes, why, declined, required); `input_shapes` sizes dynamic inputs (a sample's).
 
     A node in several groups counts once, in the first; groups left without nodes drop out.
     """
-    flops = node_flops(model)
+    flops = node_flops(model, input_shapes)
     ops = {node_label(n): n.op_type for s in walk_graphs(model.graph) for n in s.graph.node}
     total = sum(flops.values())
     macs = {k: v for k, v in flops.items() if ops.get(k) in LINEAR_WITH_WEIGHTS}
