@@ -39,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--holdout", help="samples not used for calibration, to verify on")
     p.add_argument("--rtol", type=positive_float, default=1e-2,
                    help="largest relative L2 error of each output (default 1e-2)")
+    p.add_argument("--top-k", action="append", default=[], metavar="OUTPUT:K",
+                   help="also pass OUTPUT when its top-K classes along the last axis agree at every "
+                        "position (a classifier or recogniser judged by its decisions; its rel L2 "
+                        "is still reported); repeatable")
     p.add_argument("--max-rounds", type=positive_int, default=3,
                    help="verification rounds; each pins the first divergent node (default 3)")
     p.add_argument("--verify-with", choices=("rknn",),
@@ -134,7 +138,7 @@ def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, p
             io_types=args.io_types, rtol=args.rtol, holdout=list(holdout) if holdout else None,
             samples_description=samples.describe(), synthetic=samples.synthetic,
             max_rounds=args.max_rounds, opset=args.opset, max_fp32_share=args.max_fp32_share / 100,
-            progress=stage,
+            top_k=parse_top_k(args.top_k), progress=stage,
         )
         vendor = _vendor_check(args, model, result, list(samples), paths, files) \
             if args.verify_with else None
@@ -254,6 +258,23 @@ def _print_vendor(vendor: dict[str, Any] | None) -> None:
         print(f"the toolkit warns these tensors leave FP16: {', '.join(vendor['range_warnings'][:8])}")
 
 
+def _agreement(errors: dict[str, Any]) -> str:
+    if "top_k" not in errors:
+        return ""
+    return f"top-{errors['top_k']} {100 * errors['top_k_agreement']:.4g}%"
+
+
+def parse_top_k(items: list[str]) -> dict[str, int]:
+    """`OUTPUT:K` -> {output: K}; output names may themselves contain ':'."""
+    top_k: dict[str, int] = {}
+    for item in items:
+        name, _, k = item.rpartition(":")
+        if not name or not k.isdigit() or int(k) < 1:
+            raise NpuprepError(f"--top-k {item}: expected OUTPUT:K with K a whole number >= 1")
+        top_k[name] = int(k)
+    return top_k
+
+
 def _nodes(nodes: list[str]) -> str:
     return ", ".join(nodes[:3]) + (f" +{len(nodes) - 3}" if len(nodes) > 3 else "")
 
@@ -278,9 +299,13 @@ def _print_summary(report: dict[str, Any]) -> None:
         if left:
             say(f"... and {left} more actions (--show-all)")
     ver = report.get("verification") or {}
-    print_table("Outputs under emulated target numerics", ["output", "Inf/NaN", "max abs err", "rel L2"],
-                [(k, o["nonfinite"], number(o["max_abs_error"]), number(o["rel_l2"]))
-                 for k, o in (ver.get("outputs") or {}).items()])
+    outputs = ver.get("outputs") or {}
+    judged = any("top_k" in o for o in outputs.values())
+    print_table("Outputs under emulated target numerics",
+                ["output", "Inf/NaN", "max abs err", "rel L2", *(["top-K agree"] if judged else [])],
+                [(k, o["nonfinite"], number(o["max_abs_error"]), number(o["rel_l2"]),
+                  *([_agreement(o)] if judged else []))
+                 for k, o in outputs.items()])
     _print_vendor(report.get("vendor"))
     share = report.get("fp32_share") or {}
     if share.get("islands"):

@@ -94,14 +94,20 @@ def convert_markdown(result: dict[str, Any]) -> str:
                         t["absmax_after"], t.get("stored_as", "-"), t["headroom_after"], t["scale"]])
                   for t in rows]
     lines += ["", "## Output error (lowered model, emulated target numerics)", ""]
-    lines += ["| output | Inf/NaN | max abs error | rel L2 | limit |", "|---|---|---|---|---|"]
+    lines += ["| output | Inf/NaN | max abs error | rel L2 | limit | top-K agreement |",
+              "|---|---|---|---|---|---|"]
     for name, o in (ver.get("outputs") or {}).items():
-        lines.append(_row([name, o["nonfinite"], o["max_abs_error"], o["rel_l2"], ver.get("rtol")]))
+        lines.append(_row([name, o["nonfinite"], o["max_abs_error"], o["rel_l2"], ver.get("rtol"),
+                           _top_k(o) or "-"]))
+    if any("top_k" in o for o in (ver.get("outputs") or {}).values()):
+        lines += ["", "An output judged by its top-K classes passes when they agree at every position, "
+                  "whatever its rel L2 (`--top-k`)."]
     if result.get("holdout"):
         lines += ["", "Holdout samples:", ""]
         for name, o in result["holdout"]["outputs"].items():
+            agree = f", {_top_k(o)}" if "top_k" in o else ""
             lines.append(f"- {md_code(name)}: Inf/NaN {o['nonfinite']}, max abs error {_num(o['max_abs_error'])}, "
-                         f"rel L2 {_num(o['rel_l2'])}")
+                         f"rel L2 {_num(o['rel_l2'])}{agree}")
     first = result.get("first_divergent")
     if first:
         lines += ["", f"**First divergent node:** {md_code(first.get('node'))} ({md_text(first.get('op_type'))}), "
@@ -112,3 +118,10 @@ def convert_markdown(result: dict[str, Any]) -> str:
     if result.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {shown(n)}" for n in result["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def _top_k(errors: dict[str, Any]) -> str:
+    """`top-1 agreement 100%` for an output judged by its decisions, else ''."""
+    if "top_k" not in errors:
+        return ""
+    return f"top-{errors['top_k']} agreement {100 * errors['top_k_agreement']:.4g}%"

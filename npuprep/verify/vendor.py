@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 
 from npuprep.data import Feed
+from npuprep.verify.outputs import OutputErrors, output_passes
 
 VENDORS = ("rknn",)
 
@@ -41,8 +42,7 @@ class VendorCheck:
     layers: Any = None  # crosscheck.Crosscheck of the accuracy report, when one was written
 
     def __bool__(self) -> bool:
-        return self.built and all(o["nonfinite"] == 0 and o["rel_l2"] <= self.rtol
-                                  for o in self.outputs.values())
+        return self.built and all(output_passes(o, self.rtol) for o in self.outputs.values())
 
     def to_dict(self) -> dict[str, Any]:
         layers = None
@@ -90,28 +90,15 @@ def vendor_check(
     if not done:
         return VendorCheck(built=False, refusal=done.refusal, **common)
     ref = make_session(reference)
-    acc: dict[str, dict[str, float]] = {}
+    errors = OutputErrors()
     for feed, got in zip(feeds, done.outputs, strict=False):
         expected = run(ref, feed)
         for name, rv in expected.items():
             if name not in got or not np.issubdtype(np.asarray(rv).dtype, np.floating):
                 continue
-            rv = np.asarray(rv, dtype=np.float64)
             cv = np.asarray(got[name], dtype=np.float64) * scales.get(name, 1.0)
-            cv = cv.reshape(rv.shape) if cv.size == rv.size else cv
-            a = acc.setdefault(name, {"nonfinite": 0, "err2": 0.0, "ref2": 0.0, "max_abs_error": 0.0})
-            bad = ~np.isfinite(cv)
-            a["nonfinite"] += int(bad.sum())
-            diff = np.where(bad, 0.0, cv - rv)
-            a["err2"] += float((diff ** 2).sum())
-            a["ref2"] += float((rv ** 2).sum())
-            a["max_abs_error"] = max(a["max_abs_error"], float(np.abs(diff).max(initial=0.0)))
-    outputs = {
-        name: {"nonfinite": a["nonfinite"], "max_abs_error": a["max_abs_error"],
-               "rel_l2": float(np.sqrt(a["err2"] / a["ref2"])) if a["ref2"] > 0
-               else float(np.sqrt(a["err2"]))}
-        for name, a in acc.items()
-    }
+            errors.add(name, rv, cv.reshape(np.shape(rv)) if cv.size == np.size(rv) else cv)
+    outputs = errors.result()
     return VendorCheck(built=True, outputs=outputs, **common)
 
 

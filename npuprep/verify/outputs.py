@@ -1,0 +1,71 @@
+"""Graph outputs of a candidate against the FP32 reference: Inf/NaN, max abs error, rel L2,
+and, for outputs the user judges by their decision (`top_k`), top-K agreement.
+
+A recogniser's or classifier's probabilities can be off by several percent in FP16 while
+every decision stays the same: the error of an ill-conditioned softmax is FP16's precision
+accumulated through the network, and no range remedy changes it. Polygraphy compares such
+outputs by their indices (`--compare-func indices`); here an output named in `top_k` also
+passes when its top-K classes along the last axis agree at every position on every sample.
+Its rel L2 and max abs error are still measured and reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+def output_passes(errors: Mapping[str, Any], rtol: float) -> bool:
+    """No Inf/NaN, and rel L2 within `rtol` or, when judged by top-K, every decision the same."""
+    if errors["nonfinite"]:
+        return False
+    return errors["rel_l2"] <= rtol or errors.get("top_k_agreement") == 1.0
+
+
+@dataclass
+class OutputErrors:
+    """Accumulates per-output errors over samples; `top_k` maps an output to its K."""
+
+    top_k: Mapping[str, int] = field(default_factory=dict)
+    _acc: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def add(self, name: str, reference: np.ndarray, candidate: np.ndarray) -> None:
+        ref = np.asarray(reference, dtype=np.float64)
+        cand = np.asarray(candidate, dtype=np.float64)
+        a = self._acc.setdefault(name, {"nonfinite": 0, "err2": 0.0, "ref2": 0.0,
+                                        "max_abs_error": 0.0, "agree": 0, "positions": 0})
+        bad = ~np.isfinite(cand)
+        a["nonfinite"] += int(bad.sum())
+        diff = np.where(bad, 0.0, cand - ref)
+        a["err2"] += float((diff ** 2).sum())
+        a["ref2"] += float((ref ** 2).sum())
+        a["max_abs_error"] = max(a["max_abs_error"], float(np.abs(diff).max(initial=0.0)))
+        k = self.top_k.get(name)
+        if k and ref.ndim >= 1 and ref.shape == cand.shape and ref.shape[-1] >= k:
+            a["agree"] += int(_same_top_k(ref, cand, k).sum())
+            a["positions"] += int(ref.size // ref.shape[-1])
+
+    def result(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for name, a in self._acc.items():
+            row: dict[str, Any] = {
+                "nonfinite": a["nonfinite"], "max_abs_error": a["max_abs_error"],
+                "rel_l2": float(np.sqrt(a["err2"] / a["ref2"])) if a["ref2"] > 0 else float(np.sqrt(a["err2"])),
+            }
+            if name in self.top_k:
+                row["top_k"] = self.top_k[name]
+                row["top_k_agreement"] = a["agree"] / a["positions"] if a["positions"] else 0.0
+            out[name] = row
+        return out
+
+
+def _same_top_k(ref: np.ndarray, cand: np.ndarray, k: int) -> np.ndarray:
+    """Per position (every index but the last axis): the same set of top-K classes."""
+    if k == 1:
+        return ref.argmax(axis=-1) == np.nan_to_num(cand, nan=-np.inf).argmax(axis=-1)
+    top_ref = np.sort(np.argpartition(-ref, k - 1, axis=-1)[..., :k], axis=-1)
+    top_cand = np.sort(np.argpartition(-np.nan_to_num(cand, nan=-np.inf), k - 1, axis=-1)[..., :k], axis=-1)
+    return (top_ref == top_cand).all(axis=-1)

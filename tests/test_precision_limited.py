@@ -1,0 +1,120 @@
+"""Outputs that FP16's precision, not its range, leaves off: pins that buy nothing are
+dropped, and a classifier can be judged by its decisions (`--top-k`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from conftest import run_cli
+from onnx import parser
+
+from npuprep.calibrate import calibrate
+from npuprep.convert import convert
+from npuprep.data import load_samples
+from npuprep.model_io import Model, fingerprint
+from npuprep.profiles import load_profile
+from npuprep.verify.outputs import OutputErrors, output_passes
+
+GENERIC = load_profile("generic")
+
+# x -> Add(x, 1000) -> big -> Sub(big, 1000) -> y   (FP16 keeps x to 0.5 steps around 1000)
+CANCEL = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[64, 8] x) => (float[64, 8] y) <float c = {1000.0}> {
+    [shift] big = Add (x, c)
+    [unshift] y = Sub (big, c)
+}
+"""
+
+# x -> MatMul(W) -> logits (~6, well separated per row) -> Softmax -> p
+CLASSIFIER = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[32, 16] x) => (float[32, 10] p) {
+    [mm] logits = MatMul (x, W)
+    [softmax] p = Softmax <axis = -1> (logits)
+}
+"""
+
+
+def _data(tmp_path: Path, feeds: list[dict[str, np.ndarray]]) -> Path:
+    data = tmp_path / "data"
+    data.mkdir()
+    for i, feed in enumerate(feeds):
+        np.savez(data / f"sample_{i:03d}.npz", **feed)
+    return data
+
+
+def _classifier(tmp_path: Path) -> tuple[Path, Path]:
+    """Logits of a few units with one clear winner per row: FP16 rounding of logits near 8
+    (steps of 1/128) moves the probabilities by a few percent, never the winner."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((16, 10)).astype(np.float32) * 1.5
+    proto = parser.parse_model(CLASSIFIER)
+    proto.graph.initializer.append(onnx.numpy_helper.from_array(w, "W"))
+    onnx.checker.check_model(proto, full_check=True)
+    path = tmp_path / "cls.onnx"
+    onnx.save(proto, path)
+    feeds = []
+    for _ in range(3):
+        x = rng.standard_normal((32, 16)).astype(np.float32)
+        feeds.append({"x": x})
+    return path, _data(tmp_path, feeds)
+
+
+def test_a_verification_pin_that_does_not_improve_the_outputs_is_dropped(tmp_path):
+    proto = parser.parse_model(CANCEL)
+    model = Model(proto, "cancel.onnx", fingerprint(proto))
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((64, 8)).astype(np.float32)} for _ in range(2)]
+    samples = load_samples(_data(tmp_path, feeds), proto)
+    result = convert(model, GENERIC, list(samples), stats=calibrate(model, samples))
+    # The Sub cancels what FP16 already lost in the Add: pinning the Sub alone cannot help.
+    worst = max(o["rel_l2"] for o in result.output_check.outputs.values())
+    assert worst > 1e-2 and not result.passed
+    assert "unshift" not in result.pinned_nodes
+    assert not [a for a in result.plan.actions if "verification round" in getattr(a, "why", "")]
+    assert any("did not improve the outputs" in n and "dropped it" in n for n in result.notes)
+
+
+def test_top_k_agreement_is_measured_and_passes_an_output_whose_decisions_agree():
+    errors = OutputErrors(top_k={"p": 1, "q": 2})
+    ref = np.array([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6]])
+    errors.add("p", ref, np.array([[0.6, 0.3, 0.1], [0.1, 0.4, 0.5]]))  # same winners, 10% off
+    errors.add("q", ref, np.array([[0.2, 0.7, 0.1], [0.6, 0.3, 0.1]]))  # top-2 sets differ in row 2
+    errors.add("r", ref, ref * 1.5)
+    out = errors.result()
+    assert out["p"]["top_k_agreement"] == 1.0 and out["p"]["rel_l2"] > 0.1
+    assert output_passes(out["p"], rtol=1e-2)
+    assert out["q"]["top_k_agreement"] == 0.5 and not output_passes(out["q"], rtol=1e-2)
+    assert "top_k" not in out["r"] and not output_passes(out["r"], rtol=1e-2)
+    assert output_passes(out["r"], rtol=0.6)
+
+
+def test_convert_judges_a_classifier_by_its_decisions_with_top_k(tmp_path):
+    path, data = _classifier(tmp_path)
+    strict = run_cli("convert", path, "--target", "generic", "--data", data, "--rtol", "1e-4",
+                     "-o", tmp_path / "strict.onnx", "--max-rounds", "1")
+    assert strict.returncode == 1, strict.stdout
+    judged = run_cli("convert", path, "--target", "generic", "--data", data, "--rtol", "1e-4",
+                     "-o", tmp_path / "judged.onnx", "--max-rounds", "1", "--top-k", "p:1")
+    assert judged.returncode == 0, judged.stdout
+    assert "top-1 100%" in judged.stdout
+    report = (tmp_path / "judged.report.md").read_text()
+    assert "top-1 agreement 100%" in report
+    import json
+
+    out = json.loads((tmp_path / "judged.report.json").read_text())["verification"]["outputs"]["p"]
+    assert out["top_k"] == 1 and out["top_k_agreement"] == 1.0 and out["rel_l2"] > 1e-4
+
+
+def test_top_k_names_an_output_and_a_whole_k(tmp_path):
+    path, data = _classifier(tmp_path)
+    for bad, words in (("logits:1", "'logits', which is not an output"), ("p:0", "--top-k p:0"),
+                       ("p", "--top-k p:")):
+        proc = run_cli("convert", path, "--target", "generic", "--data", data, "--top-k", bad,
+                       "-o", tmp_path / "x.onnx")
+        assert proc.returncode == 2, proc.stderr
+        assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+        assert not (tmp_path / "x.onnx").exists()
