@@ -6,7 +6,8 @@ Per corpus model (bench/corpus.py builds them; this script builds what is missin
 - `npuprep check/calibrate/convert/compare --emulate` as subprocesses (the CLI a user types),
   each with its exit code and, when it fails, the exact error line (for a traceback: the
   exception line and the innermost frame);
-- what `convert` did (actions by kind, FP32 FLOPs share, from `--json`) and its wall time;
+- what `convert` did (actions by kind, FP32 share of FLOPs and of Conv/MatMul/Gemm
+  multiply-adds, from `--json`) and its wall time;
 - onnxconverter-common's `convert_float_to_float16(keep_io_types=True)`: whether its model
   loads in onnxruntime as produced (or the exact error);
 - both converted models judged on the held-out samples under emulated FP16: the converted
@@ -73,6 +74,7 @@ class Row:
     commands: dict[str, Outcome] = field(default_factory=dict)
     actions: dict[str, int] = field(default_factory=dict)
     flops_fp32_share: float | None = None
+    macs_fp32_share: float | None = None
     npuprep_loads: str = ""
     npuprep_error: Judgement | str | None = None
     naive_seconds: float | None = None
@@ -264,6 +266,7 @@ def bench_model(entry: dict, root: Path, out: Path, target: str) -> Row:
             report = json.loads(stdout)
             row.actions = dict(Counter(a["action"] for a in report.get("actions", [])))
             row.flops_fp32_share = report.get("flops_fp32_share")
+            row.macs_fp32_share = (report.get("fp32_share") or {}).get("macs")
     reference = session(m)
     samples = load_samples(heldout)
     if converted.exists():
@@ -330,12 +333,14 @@ def row_from_json(d: dict) -> Row:
 def table(rows: list[Row], target: str) -> str:
     head = (
         f"| model | opset | MB | `convert --target {target}` | loads as produced | emulated FP16 "
-        "rel L2 / max abs / Inf-NaN | FP32 FLOPs | convert s | check / calibrate / compare "
+        "rel L2 / max abs / Inf-NaN | FP32 FLOPs / MACs | convert s | check / calibrate / compare "
         "| naive FP16: loads as produced | naive emulated FP16 rel L2 / max abs / Inf-NaN |"
     )
     lines = [head, "|" + "---|" * 11]
     for r in rows:
         share = "-" if r.flops_fp32_share is None else f"{100 * r.flops_fp32_share:.1f}%"
+        if r.macs_fp32_share is not None:
+            share += f" / {100 * r.macs_fp32_share:.1f}%"
         conv = r.commands.get("convert")
         others = " / ".join(rc_cell(r.commands.get(c)) for c in ("check", "calibrate", "compare"))
         lines.append(

@@ -118,3 +118,17 @@ def test_top_k_names_an_output_and_a_whole_k(tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
         assert not (tmp_path / "x.onnx").exists()
+
+
+def test_the_verdict_tells_precision_from_overflow(tmp_path):
+    path = tmp_path / "cancel.onnx"
+    onnx.save(parser.parse_model(CANCEL), path)
+    rng = np.random.default_rng(1)
+    data = _data(tmp_path, [{"x": rng.standard_normal((64, 8)).astype(np.float32)} for _ in range(2)])
+    proc = run_cli("convert", path, "--target", "generic", "--data", data, "-o", tmp_path / "c.onnx")
+    assert proc.returncode == 1, proc.stderr
+    verdict = " ".join(proc.stdout[proc.stdout.index("FAILED"):].split())
+    assert verdict.startswith("FAILED: outputs off by rel L2 0.1")
+    assert "with no Inf/NaN (FP16 precision; --top-k or --rtol are yours): first divergent node " \
+           "'unshift'" in verdict
+    assert max(map(len, proc.stdout.splitlines())) <= 100
