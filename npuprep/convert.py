@@ -197,10 +197,7 @@ def convert(
 
     fmt = get_format(precision or profile.default_precision)
     # What the target's compiler can take is what gets planned, rewritten and verified.
-    work, flow_notes = for_target(model, profile)
-    if work is not model and stats is not None:
-        stats, more = _unreached_stats(work, stats, samples)
-        flow_notes += more
+    work, stats, flow_notes = for_target(model, profile, stats, samples)
     findings = static_findings(work, profile)
     if stats is not None:
         from npuprep.analyse.measured import measured_findings
@@ -250,16 +247,20 @@ def convert(
     )
 
 
-def for_target(model: Model, profile: TargetProfile) -> tuple[Model, tuple[str, ...]]:
-    """`model` as the target's compiler can take it, and notes saying what changed.
+def for_target(model: Model, profile: TargetProfile, stats: Any = None,
+               samples: Sequence[Feed] | None = None) -> tuple[Model, Any, tuple[str, ...]]:
+    """`model` as the target's compiler can take it, its statistics, and notes saying what
+    changed.
 
     A profile with `control_flow: none` gets its If nodes removed before planning
     (npuprep.rewrite.control_flow), so the remedies see a branch's nodes in the main graph.
     The result keeps the source's path and fingerprint: plans and statistics still belong to
-    the user's model (a kept branch tensor keeps its name).
+    the user's model (a kept branch tensor keeps its name). A branch the samples never took
+    now runs every time: its tensors are measured on `samples` (when given) and added to
+    `stats`.
     """
     if profile.control_flow != ControlFlow.NONE:
-        return model, ()
+        return model, stats, ()
     from npuprep.rewrite.control_flow import remove_control_flow
 
     result = remove_control_flow(model.proto)
@@ -269,11 +270,16 @@ def for_target(model: Model, profile: TargetProfile) -> tuple[Model, tuple[str, 
     notes += [f"{node} kept although {why}: {reason}"
               for node, reason in result.details.get("declined", {}).items()]
     if not result:
-        return model, tuple(notes)
-    return Model(proto=result.model, path=model.path, digest=model.fingerprint), tuple(notes)
+        return model, stats, tuple(notes)
+    work = Model(proto=result.model, path=model.path, digest=model.fingerprint)
+    if stats is not None:
+        stats, more = _unreached_stats(work, stats, samples)
+        notes += more
+    return work, stats, tuple(notes)
 
 
-def _unreached_stats(work: Model, stats: Any, samples: Sequence[Feed]) -> tuple[Any, tuple[str, ...]]:
+def _unreached_stats(work: Model, stats: Any,
+                     samples: Sequence[Feed] | None) -> tuple[Any, list[str]]:
     """`stats` completed with the tensors the source model never computed on these samples
     (a branch that was not taken) and that its inlined form computes every time."""
     from npuprep.graph import float_tensor_names
@@ -281,14 +287,17 @@ def _unreached_stats(work: Model, stats: Any, samples: Sequence[Feed]) -> tuple[
     missing = [t for t in float_tensor_names(work.proto, work.graph)
                if t not in stats.tensors or not stats.tensors[t].count]
     if not missing:
-        return stats, ()
+        return stats, []
+    if not samples:
+        return stats, [f"{len(missing)} tensor(s) of a branch the samples never took have no "
+                       f"measured range ({', '.join(missing[:3])}); give samples to measure them"]
     from npuprep.calibrate import calibrate
 
     fresh = calibrate(work, samples)
     filled = {t: fresh.tensors[t] for t in missing if t in fresh.tensors}
-    return replace(stats, tensors={**stats.tensors, **filled}), (
+    return replace(stats, tensors={**stats.tensors, **filled}), [
         f"measured {len(filled)} tensor(s) the source model never computed on these samples "
-        f"(a branch not taken: {', '.join(sorted(filled)[:3])}) on the graph without control flow",)
+        f"(a branch not taken: {', '.join(sorted(filled)[:3])}) on the graph without control flow"]
 
 
 def _fp32_groups(plan: Plan, result: dict[str, Any], stats: Any,
