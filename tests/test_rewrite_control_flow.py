@@ -52,6 +52,23 @@ def test_a_runtime_condition_becomes_where_and_both_values_agree():
         same_outputs(model, result.model, {"x": X, "c": np.array(flag)})
 
 
+# x (scalar), c of shape [1] ; If(c): then Exp(x) ; else Neg(x) -> y (scalar)
+def test_a_condition_of_rank_1_is_made_scalar_so_where_keeps_the_output_rank():
+    text = HEAD + """
+    g (float x, bool[1] c) => (float y) {
+      y = If(c) < then_branch = t () => (float a) { a = Exp(x) },
+                  else_branch = e () => (float b) { b = Neg(x) } >
+    }
+    """
+    model = build(text)
+    result = remove_control_flow(model)
+    assert ops(result.model) == ["Exp", "Neg", "Reshape", "Where"]
+    for flag in (True, False):
+        same_outputs(model, result.model, {"x": np.array(1.5, np.float32), "c": np.array([flag])})
+    # A scalar condition needs no Reshape (rknn-toolkit2 cannot fold one to rank 0).
+    assert "Reshape" not in ops(remove_control_flow(build(SELECT)).model)
+
+
 # x ; If(c): then Mul(x, x) (Inf for x = 1e20) ; else Neg(x) -> y
 def test_the_branch_not_taken_may_overflow_without_reaching_the_output():
     text = HEAD + """

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from npuprep.graph import infer_tensors, node_label
+from npuprep.graph import TensorInfo, infer_tensors, node_label
 from npuprep.model_io import model_opset
 from npuprep.rewrite import graph_ops as go
 from npuprep.rewrite.result import RewriteResult
@@ -91,22 +91,27 @@ def inline_if(model: onnx.ModelProto, if_node: str, *,
         new_nodes, inits, infos = _Splicer(model, index, if_node).taken(branches[chosen], node)
         return _finish(model, index, new_nodes, inits, infos, (
             f"condition {cond} is always {value}: {chosen} spliced into the main graph"))
-    why_not = _why_no_where(model, node, branches, max_branch_nodes)
+    info = infer_tensors(model)
+    why_not = _why_no_where(model, branches, max_branch_nodes, info)
     if why_not:
         return RewriteResult(model, False, f"condition {cond} is not constant and {why_not}")
     splicer = _Splicer(model, index, if_node)
     then_nodes, then_inits, then_infos, then_outs = splicer.both(branches["then_branch"], "then")
     else_nodes, else_inits, else_infos, else_outs = splicer.both(branches["else_branch"], "else")
-    scalar = splicer.name(f"{cond}__scalar")
-    shape = splicer.name(f"{cond}__scalar_shape")
-    # If takes any single-element bool; Where broadcasts it, so make it rank 0 first.
-    select = [helper.make_node("Reshape", [cond, shape], [scalar], name=splicer.node_name(
-        f"{if_node}__cond"))]
+    select, inits = [], [*then_inits, *else_inits]
+    rank = len(info.dims[cond]) if cond in info.dims else None
+    scalar = cond
+    if rank is None or rank > min(len(info.shapes[o.name]) for o in branches["then_branch"].output):
+        # If takes any single-element bool; Where broadcasts it, which must not add dims.
+        # (Only then: rknn-toolkit2 cannot fold a Reshape to rank 0.)
+        scalar, shape = splicer.name(f"{cond}__scalar"), splicer.name(f"{cond}__scalar_shape")
+        select.append(helper.make_node("Reshape", [cond, shape], [scalar],
+                                       name=splicer.node_name(f"{if_node}__cond")))
+        inits.append(onnx.numpy_helper.from_array(np.zeros(0, np.int64), shape))
     for i, (out, a, b) in enumerate(zip(node.output, then_outs, else_outs, strict=True)):
         if out:
             name = if_node if i == 0 else splicer.node_name(f"{if_node}_{i}")
             select.append(helper.make_node("Where", [scalar, a, b], [out], name=name))
-    inits = [*then_inits, *else_inits, onnx.numpy_helper.from_array(np.zeros(0, np.int64), shape)]
     return _finish(model, index, [*then_nodes, *else_nodes, *select], inits,
                    [*then_infos, *else_infos], (
                        f"condition {cond} is not constant: both branches computed, "
@@ -180,8 +185,8 @@ def _shape_constant(node: onnx.NodeProto, static: tuple[int, ...]) -> onnx.NodeP
                             value=onnx.numpy_helper.from_array(value))
 
 
-def _why_no_where(model: onnx.ModelProto, node: onnx.NodeProto,
-                  branches: dict[str, onnx.GraphProto], max_nodes: int) -> str:
+def _why_no_where(model: onnx.ModelProto, branches: dict[str, onnx.GraphProto], max_nodes: int,
+                  info: TensorInfo) -> str:
     """Why both branches cannot be computed and selected with Where ('' when they can)."""
     if model_opset(model) < 9:
         return f"opset {model_opset(model)} has no Where (9)"
@@ -197,7 +202,6 @@ def _why_no_where(model: onnx.ModelProto, node: onnx.NodeProto,
                 return f"{key} holds an op of domain {sub.domain} ({node_label(sub)})"
         if count > max_nodes:
             return f"{key} has {count} nodes (more than {max_nodes} to compute when not taken)"
-    info = infer_tensors(model)
     outs = [[o.name for o in branches[k].output] for k in ("then_branch", "else_branch")]
     for a, b in zip(*outs, strict=True):
         ta, tb = info.types.get(a), info.types.get(b)
