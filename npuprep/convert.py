@@ -265,9 +265,9 @@ def for_target(model: Model, profile: TargetProfile, stats: Any = None,
 
     result = remove_control_flow(model.proto)
     why = f"{profile.name} takes no control flow (control_flow: none)"
-    notes = [f"If {node} replaced before planning, {why}: {how}"
+    notes = [f"If node '{node}' replaced before planning, {why}: {how}"
              for node, how in result.details.get("replaced", {}).items()]
-    notes += [f"{node} kept although {why}: {reason}"
+    notes += [f"'{node}' kept although {why}: {reason}"
               for node, reason in result.details.get("declined", {}).items()]
     if not result:
         return model, stats, tuple(notes)

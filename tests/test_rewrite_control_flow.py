@@ -254,7 +254,7 @@ def test_convert_for_rk3588_removes_the_if_and_rescales_the_square_it_held(tmp_p
     assert "If" not in ops(result.lowered.model) and "Where" in ops(result.lowered.model)
     [rescale] = result.plan.rescales()
     assert isinstance(rescale, Rescale) and rescale.entry == "proj" and "h_sq" in rescale.domain
-    replaced = "If branch replaced before planning, rk3588 takes no control flow"
+    replaced = "If node 'branch' replaced before planning, rk3588 takes no control flow"
     assert any(n.startswith(replaced) for n in result.plan.notes)
     assert any(n.startswith(replaced) for n in result.notes)
     assert any("never computed on these samples (a branch not taken: e_out)" in n
@@ -277,4 +277,4 @@ def test_check_plans_on_the_graph_convert_plans(tmp_path):
     assert r.returncode in (0, 1), r.stderr
     plan = json.loads(r.stdout)["plan"]
     assert [(a["action"], a["entry"]) for a in plan["actions"]] == [("rescale", "proj")]
-    assert any(n.startswith("If branch replaced before planning") for n in plan["notes"])
+    assert any(n.startswith("If node 'branch' replaced before planning") for n in plan["notes"])

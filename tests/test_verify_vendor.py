@@ -94,6 +94,6 @@ def test_an_if_the_toolkit_refuses_builds_once_convert_removed_it(rknn_python, t
                    "--vendor-python", rknn_python)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "out.report.json").read_text())
-    assert any(n.startswith("If branch replaced before planning") for n in report["notes"])
+    assert any(n.startswith("If node 'branch' replaced before planning") for n in report["notes"])
     y = report["vendor"]["outputs"]["y"]
     assert report["vendor"]["built"] and y["nonfinite"] == 0 and y["rel_l2"] <= 1e-2
