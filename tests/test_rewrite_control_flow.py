@@ -278,3 +278,32 @@ def test_check_plans_on_the_graph_convert_plans(tmp_path):
     plan = json.loads(r.stdout)["plan"]
     assert [(a["action"], a["entry"]) for a in plan["actions"]] == [("rescale", "proj")]
     assert any(n.startswith("If node 'branch' replaced before planning") for n in plan["notes"])
+
+
+# x (~20) ; If(c): then Exp(x) (Inf in FP16) ; else Neg(x) -> y ; the samples never take then
+def test_on_rk3588_an_overflow_in_the_branch_not_taken_does_not_fail_verification(tmp_path):
+    from npuprep.calibrate import calibrate
+    from npuprep.convert import convert
+    from npuprep.data import load_samples
+    from npuprep.model_io import load_model
+
+    text = HEAD + """
+    g (float[4] x, bool c) => (float[4] y) {
+      y = If(c) < then_branch = t () => (float[4] a) { a = Exp(x) },
+                  else_branch = e () => (float[4] b) { b = Neg(x) } >
+    }
+    """
+    onnx.save(build(text), str(tmp_path / "m.onnx"))
+    (tmp_path / "d").mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        np.savez(tmp_path / "d" / f"s{i}.npz", x=(rng.standard_normal(4) + 20).astype(np.float32),
+                 c=np.array(False))
+    model = load_model(tmp_path / "m.onnx")
+    samples = load_samples(tmp_path / "d", model.proto)
+    result = convert(model, load_profile("rk3588"), list(samples), stats=calibrate(model, samples))
+    assert result.stats.tensors["a"].absmax > 65504  # Exp(20) computed, now every time
+    [a] = [t for t in result.layers.tensors if t.tensor == "a"]
+    assert a.inf_count > 0  # emulated FP16 gives Inf there; Where does not select it
+    y = result.output_check.outputs["y"]
+    assert result.passed and y["nonfinite"] == 0 and y["rel_l2"] < 1e-2
