@@ -72,7 +72,9 @@ def main() -> None:
                                  host_scales=result.host_scales, work_dir=work / name / "converted")
             emulated = max(o["rel_l2"] for o in result.output_check.outputs.values())
             done = {a.action for a in result.plan.actions}
-            actions = ", ".join(sorted(done)) or "none"
+            # Control flow removed before planning is a note of the plan, not an action.
+            removed = ["If removed" for n in result.plan.notes if n.startswith("If node ")]
+            actions = ", ".join([*removed[:1], *sorted(done)]) or "none"
             host = ", ".join(f"{k} x{v:g}" for k, v in result.host_scales.items()) or "-"
             rows.append((name, cell(alone), actions, host, f"{emulated:.2g}",
                          "PASSED" if result.passed else "FAILED", cell(after),

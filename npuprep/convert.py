@@ -18,7 +18,7 @@ from npuprep.data import Feed
 from npuprep.model_io import Model, fingerprint, with_weights
 from npuprep.numerics import NumberFormat, get_format
 from npuprep.plan import PinFp32, Plan
-from npuprep.profiles import Pinning, TargetProfile
+from npuprep.profiles import ControlFlow, Pinning, TargetProfile
 from npuprep.report.share import DEFAULT_MAX_FP32_SHARE, fp32_share
 
 SCHEMA_VERSION = 1
@@ -203,19 +203,22 @@ def convert(
 
     top_k = _checked_top_k(model, top_k)
     fmt = get_format(precision or profile.default_precision)
-    findings = static_findings(model, profile)
+    # What the target's compiler can take is what gets planned, rewritten and verified.
+    work, stats, flow_notes = for_target(model, profile, stats, samples)
+    findings = static_findings(work, profile)
     if stats is not None:
         from npuprep.analyse.measured import measured_findings
 
-        findings = findings.merged(measured_findings(model, profile, stats, precision))
+        findings = findings.merged(measured_findings(work, profile, stats, precision))
     if plan is None:
         stage("planning")
-        plan = make_plan(model, profile, stats, findings, precision=precision)
-    notes: list[str] = []
+        plan = make_plan(work, profile, stats, findings, precision=precision)
+        plan = replace(plan, notes=(*flow_notes, *plan.notes))
+    notes: list[str] = list(flow_notes)
     result = None
     tried: tuple[Plan, dict[str, Any]] | None = None  # the plan before the last verification pin
     for round_no in range(1, max_rounds + 1):
-        result = _build(model, profile, fmt, plan, samples, io_types=io_types, rtol=rtol,
+        result = _build(work, profile, fmt, plan, samples, io_types=io_types, rtol=rtol,
                         holdout=holdout, stats=stats, opset=opset, top_k=top_k,
                         stage=lambda s, r=round_no: stage(f"round {r}, {s}"))
         if tried is not None and not _improved(tried[1]["output_check"], result["output_check"]):
@@ -293,6 +296,59 @@ def _sample_shapes(samples: Sequence[Feed]) -> dict[str, tuple[int, ...]]:
     """Input sizes of the first sample: what FLOPs are counted at."""
     first = next(iter(samples), None)
     return {k: tuple(np.shape(v)) for k, v in (first or {}).items()}
+
+
+def for_target(model: Model, profile: TargetProfile, stats: Any = None,
+               samples: Sequence[Feed] | None = None) -> tuple[Model, Any, tuple[str, ...]]:
+    """`model` as the target's compiler can take it, its statistics, and notes saying what
+    changed.
+
+    A profile with `control_flow: none` gets its If nodes removed before planning
+    (npuprep.rewrite.control_flow), so the remedies see a branch's nodes in the main graph.
+    The result keeps the source's path and fingerprint: plans and statistics still belong to
+    the user's model (a kept branch tensor keeps its name). A branch the samples never took
+    now runs every time: its tensors are measured on `samples` (when given) and added to
+    `stats`.
+    """
+    if profile.control_flow != ControlFlow.NONE:
+        return model, stats, ()
+    from npuprep.rewrite.control_flow import remove_control_flow
+
+    result = remove_control_flow(model.proto)
+    why = f"{profile.name} takes no control flow (control_flow: none)"
+    notes = [f"If node '{node}' replaced before planning, {why}: {how}"
+             for node, how in result.details.get("replaced", {}).items()]
+    notes += [f"'{node}' kept although {why}: {reason}"
+              for node, reason in result.details.get("declined", {}).items()]
+    if not result:
+        return model, stats, tuple(notes)
+    work = Model(proto=result.model, path=model.path, digest=model.fingerprint)
+    if stats is not None:
+        stats, more = _unreached_stats(work, stats, samples)
+        notes += more
+    return work, stats, tuple(notes)
+
+
+def _unreached_stats(work: Model, stats: Any,
+                     samples: Sequence[Feed] | None) -> tuple[Any, list[str]]:
+    """`stats` completed with the tensors the source model never computed on these samples
+    (a branch that was not taken) and that its inlined form computes every time."""
+    from npuprep.graph import float_tensor_names
+
+    missing = [t for t in float_tensor_names(work.proto, work.graph)
+               if t not in stats.tensors or not stats.tensors[t].count]
+    if not missing:
+        return stats, []
+    if not samples:
+        return stats, [f"{len(missing)} tensor(s) of a branch the samples never took have no "
+                       f"measured range ({', '.join(missing[:3])}); give samples to measure them"]
+    from npuprep.calibrate import calibrate
+
+    fresh = calibrate(work, samples)
+    filled = {t: fresh.tensors[t] for t in missing if t in fresh.tensors}
+    return replace(stats, tensors={**stats.tensors, **filled}), [
+        f"measured {len(filled)} tensor(s) the source model never computed on these samples "
+        f"(a branch not taken: {', '.join(sorted(filled)[:3])}) on the graph without control flow"]
 
 
 def _fp32_groups(plan: Plan, result: dict[str, Any], stats: Any,

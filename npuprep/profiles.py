@@ -25,6 +25,11 @@ class Pinning(enum.StrEnum):
     COMPILER_DECIDES = "compiler_decides"
 
 
+class ControlFlow(enum.StrEnum):
+    SUPPORTED = "supported"
+    NONE = "none"
+
+
 class Severity(enum.IntEnum):
     INFO = 0
     WARNING = 1
@@ -75,6 +80,8 @@ class TargetProfile:
     report_format: str = "generic"
     input_shapes: str = "dynamic"
     input_layout: str = "any"
+    # `none`: the compiler refuses If nodes or cannot pin inside them; convert removes them.
+    control_flow: ControlFlow = ControlFlow.SUPPORTED
     sources: dict[str, str] = field(default_factory=dict)
     path: str = ""
 
@@ -119,6 +126,7 @@ class TargetProfile:
             "severity": {k: str(v) for k, v in self.severity.items()},
             "compiler": {"name": self.compiler_name, "report_format": self.report_format},
             "inputs": {"shapes": self.input_shapes, "layout": self.input_layout},
+            "control_flow": str(self.control_flow),
             "sources": dict(self.sources),
         }
 
@@ -154,7 +162,7 @@ def load_profile(name_or_path: str | Path) -> TargetProfile:
 _TOP_KEYS = {
     "name", "description", "dtypes", "default_precision", "overflow", "fp8_saturate",
     "accumulate", "subnormals", "fp32_pinning", "keeps_fp32_ops", "headroom", "severity",
-    "compiler", "inputs", "sources",
+    "compiler", "inputs", "control_flow", "sources",
 }
 _REQUIRED = ("name", "description", "dtypes", "default_precision", "overflow", "fp32_pinning")
 
@@ -281,6 +289,8 @@ def parse_profile(data: Any, source: str) -> TargetProfile:
         report_format=report_format,
         input_shapes=r.choice(inputs.get("shapes", "dynamic"), "inputs.shapes", ("fixed", "dynamic")),
         input_layout=r.choice(inputs.get("layout", "any"), "inputs.layout", ("any", "nchw", "nhwc")),
+        control_flow=ControlFlow(r.choice(top.get("control_flow", "supported"), "control_flow",
+                                          tuple(c.value for c in ControlFlow))),
         sources={str(k): v for k, v in sources.items()},
         path=source,
     )

@@ -77,3 +77,23 @@ def test_a_host_scaled_output_is_finite_in_the_simulator(rknn_python, tmp_path):
     vendor = report["vendor"]
     assert vendor["host_scales"] == {"y": 4.0}
     assert vendor["outputs"]["y"]["nonfinite"] == 0 and vendor["outputs"]["y"]["rel_l2"] <= 1e-2
+
+
+def test_an_if_the_toolkit_refuses_builds_once_convert_removed_it(rknn_python, tmp_path):
+    """x -> Gemm -> h ; If(flag): sqrt(mean(h*h)) (h*h overflows FP16) ; else mean(h) -> y.
+    The toolkit refuses the If; convert for rk3588 computes both branches, selects with Where
+    (the bool flag is a rank-0 input: given to the toolkit as [1]) and rescales the square."""
+    zoo = ZOO["if_body_hazard"]()
+    onnx.save(zoo.model, str(tmp_path / "m.onnx"))
+    (tmp_path / "data").mkdir()
+    for i, sample in enumerate(zoo.samples):
+        np.savez(tmp_path / "data" / f"s{i}.npz", **sample)
+    out = tmp_path / "out.onnx"
+    done = run_cli("convert", tmp_path / "m.onnx", "--target", "rk3588", "--data",
+                   tmp_path / "data", "-o", out, "--verify-with", "rknn",
+                   "--vendor-python", rknn_python)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "out.report.json").read_text())
+    assert any(n.startswith("If node 'branch' replaced before planning") for n in report["notes"])
+    y = report["vendor"]["outputs"]["y"]
+    assert report["vendor"]["built"] and y["nonfinite"] == 0 and y["rel_l2"] <= 1e-2

@@ -128,10 +128,21 @@ def run(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace, model: Any, profile: Any, stats: Any, findings: Any) -> Any:
     """What `convert` would do with these findings: the planner's own decision, so check and
-    convert tell one story (verification rounds may add pins to it)."""
+    convert tell one story (verification rounds may add pins to it), on the graph convert
+    plans (without control flow where the target takes none)."""
+    from dataclasses import replace
+
+    from npuprep.cli.common import open_samples
+    from npuprep.convert import for_target
     from npuprep.plan.planner import make_plan
 
-    return make_plan(model, profile, stats, findings, precision=args.precision)
+    samples = open_samples(args, model.proto) if stats is not None else None
+    work, stats, notes = for_target(model, profile, stats,
+                                    list(samples) if samples is not None else None)
+    if work is not model:
+        findings = gather_findings(args, work, profile, stats)
+    plan = make_plan(work, profile, stats, findings, precision=args.precision)
+    return replace(plan, notes=(*notes, *plan.notes))
 
 
 def _print_plan(plan: Any, *, measured: bool) -> None:

@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     with outputs.open() as files:
         samples = open_samples(args, model.proto)
         if args.plan_only:
-            plan = _plan_only(args, model, profile, _stats(args, model, samples), output, files)
+            plan = _plan_only(args, model, profile, _stats(args, model, samples), samples, output,
+                              files)
         else:
             report, passed = _convert(args, model, profile, samples, paths, files)
     if args.plan_only:
@@ -203,17 +204,22 @@ def _stats(args: argparse.Namespace, model: Any, samples: Any) -> Any:
     return calibrate(model, samples, jobs=args.jobs, streams=args.streams, show_progress=not args.json)
 
 
-def _plan_only(args: argparse.Namespace, model: Any, profile: Any, stats: Any, output: Path,
-               files: Any) -> Any:
+def _plan_only(args: argparse.Namespace, model: Any, profile: Any, stats: Any, samples: Any,
+               output: Path, files: Any) -> Any:
+    from dataclasses import replace
+
     from npuprep.analyse import static_findings
     from npuprep.analyse.measured import measured_findings
+    from npuprep.convert import for_target
     from npuprep.plan import dump_plan
     from npuprep.plan.planner import make_plan
 
+    model, stats, notes = for_target(model, profile, stats, list(samples) if samples is not None else None)
     findings = static_findings(model, profile)
     if stats is not None:
         findings = findings.merged(measured_findings(model, profile, stats, args.precision))
     plan = make_plan(model, profile, stats, findings, precision=args.precision)
+    plan = replace(plan, notes=(*notes, *plan.notes))
     files.text(output, dump_plan(plan))
     return plan
 

@@ -77,8 +77,10 @@ def run(spec_path):
         if rknn.config(target_platform=spec["target_platform"]) != 0:
             return finish(STAGE["now"])
         at("load_onnx")
+        # A rank-0 input (a bool flag) must be given as [1]: with [] the build drops its dims
+        # and inference fails (IndexError in get_input_img, rknn-toolkit2 2.5.0).
         if rknn.load_onnx(model=model, inputs=[i["name"] for i in inputs],
-                          input_size_list=[list(i["shape"]) for i in inputs]) != 0:
+                          input_size_list=[list(i["shape"]) or [1] for i in inputs]) != 0:
             return finish(STAGE["now"])
         at("build")
         if rknn.build(do_quantization=False) != 0:
@@ -92,7 +94,7 @@ def run(spec_path):
     out_dir = _path(base, spec.get("output_dir", "outputs"))
     os.makedirs(out_dir, exist_ok=True)
     for i, files in enumerate(spec.get("samples", [])):
-        feeds = [np.load(_path(base, p)).astype(np.float32) for p in files]
+        feeds = [np.atleast_1d(np.load(_path(base, p)).astype(np.float32)) for p in files]
         # 4-D inputs are NCHW in the ONNX graph; the API assumes NHWC unless told (and
         # takes no format for inputs of other ranks).
         formats = ["nchw"] * len(feeds) if any(four_d) else None
