@@ -144,10 +144,16 @@ def crosscheck(
         for member in dict.fromkeys([node, *f.evidence.get("members", ())]):
             if member not in index.op_types:
                 continue
-            if why:
+            # A pinned node's findings are why it is pinned, whatever the plan says elsewhere.
+            if why and member not in pins:
                 settled.setdefault(member, {}).setdefault(f.rule, why)
             else:
                 sensitive.setdefault(member, []).append(f)
+    if decision is not None:
+        # Nodes a remedy covers say so, findings or not (a shifted softmax has none left).
+        for node, why in decision.safe.items():
+            if node in index.op_types and node not in pins:
+                settled.setdefault(node, {}).setdefault("remedy", why)
     placed: dict[str, list[LayerRecord]] = {}
     reformats: dict[str, list[LayerRecord]] = {}
     verdicts: list[Verdict] = []
@@ -160,7 +166,8 @@ def crosscheck(
     if decision is not None:
         notes += list(decision.notes)
         notes.append(f"the {decision.kind} file {decision.path} decides: {len(pins)} nodes pinned to "
-                     f"FP32, {len(settled)} nodes with findings it keeps in {decision.precision}")
+                     f"FP32, {len(settled)} nodes it keeps in {decision.precision} despite a "
+                     "finding or by a remedy")
     if not report.dtypes_reported:
         notes.append(f"the report gives no dtypes: nodes are assumed to run in the target's "
                      f"default precision ({profile.default_precision})")

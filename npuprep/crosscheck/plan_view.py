@@ -149,13 +149,14 @@ def _from_precision(data: dict[str, Any], path: str, model: Model, index: NodeIn
 
 
 def _producers(tensors: Any, index: NodeIndex) -> list[str]:
-    """The nodes writing `tensors` in this model, through a Cast that lowering put at an output."""
+    """The nodes writing `tensors` in this model: a Cast lowering put at an output carries the
+    tensor's name, and the node behind it computes it; both are covered."""
     found = []
     for t in tensors:
         node = index.producer.get(t, "")
         proto = index.node(node) if index.op_types.get(node) in ("Cast", "Identity") else None
-        if proto is not None and proto.input:
-            node = index.producer.get(proto.input[0], node)
+        if proto is not None and proto.input and proto.input[0] in index.producer:
+            found.append(index.producer[proto.input[0]])
         if node:
             found.append(node)
     return found
