@@ -7,6 +7,7 @@ checklist). Stats of any other model are still refused with one line.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -130,13 +131,21 @@ def test_stats_of_another_model_are_refused(conversion, tmp_path):
     assert len(refused.stderr.strip().splitlines()) == 1 and "stats belong to another model" in refused.stderr
 
 
-def test_check_and_checklist_accept_the_source_stats(conversion):
+def test_check_and_checklist_accept_the_source_stats(conversion, tmp_path):
     stats = conversion["folder"] / "m.stats.json"
     done = run_cli("check", conversion["converted"], "-t", "orin", "--stats", stats)
     assert done.returncode in (0, 1), done.stderr
     assert "mapped onto its conversion" in done.stdout
     listed = run_cli("checklist", conversion["converted"], "-t", "orin", "--stats", stats, "--json")
     assert listed.returncode == 0, listed.stderr
+    # A workspace holding the source's stats ticks calibration for the converted model too.
+    workspace = tmp_path / "bringup"
+    workspace.mkdir()
+    (workspace / "stats.json").write_text(stats.read_text())
+    ticked = run_cli("checklist", conversion["converted"], "-t", "orin", "--workspace", workspace, "--json")
+    assert ticked.returncode == 0, ticked.stderr
+    item = {i["key"]: i for i in json.loads(ticked.stdout)["items"]}["calibrate"]
+    assert item["done"] and "tensors observed" in item["evidence"][0]
 
 
 def test_scaled_stats_exact_for_powers_of_two_and_detail_dropped_otherwise(conversion):
