@@ -67,7 +67,9 @@ def test_plan_yaml_names_the_remedy_that_made_a_node_safe(conversion, tmp_path):
     assert "softmax shifted" in verdicts["e_node"]["reason"]
     # Source stats map onto the conversion: h is 2^-1 of the source's, within the headroom.
     assert verdicts["h_node"]["verdict"] == "ok" and not verdicts["h_node"]["rules"]
-    assert any("mapped onto its conversion" in n for n in json.loads(done.stdout)["notes"])
+    notes = json.loads(done.stdout)["notes"]
+    assert any("mapped onto its conversion" in n for n in notes)
+    assert any(".precision.yaml: give that to --plan" in n for n in notes)
     # A node the plan made safe in fp16 but that the compiler runs in int8 is flagged.
     int8 = _report(tmp_path, "int8.csv", converted, fp32=PLAN_PINS, overrides={"e_node": "int8"})
     flagged = run_cli("crosscheck", converted, "-r", int8, "-t", "orin", "--plan", plan, "--json")

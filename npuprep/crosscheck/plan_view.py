@@ -19,6 +19,7 @@ from npuprep.crosscheck.names import NodeIndex
 from npuprep.crosscheck.record import PRECISION_ORDER
 from npuprep.errors import NpuprepError
 from npuprep.model_io import Model
+from npuprep.provenance import read_source
 from npuprep.yaml_io import read_yaml
 
 # Findings from measured ranges; every other rule is static (an op or a pattern).
@@ -108,8 +109,13 @@ def _from_plan(path: str | Path, data: dict[str, Any], model: Model, index: Node
             answered.setdefault((ref.rule, ref.node, ref.tensor), why)
             nodes.append(ref.node)
         safe.update({n: why for n in nodes if n and n not in safe})
+    notes = [note] if note else []
+    if read_source(model.proto) is not None:
+        notes.append("plan.yaml holds the plan's pins; the FP32 nodes rewriting and lowering added "
+                     "(a softmax shift's subtraction, a rescale's exit) are in the conversion's "
+                     ".precision.yaml: give that to --plan to check them too")
     return PlanDecision(str(path), "plan", plan.fingerprint, plan.precision, pins, safe, answered,
-                        (note,) if note else ())
+                        tuple(notes))
 
 
 def _from_precision(data: dict[str, Any], path: str, model: Model, index: NodeIndex) -> PlanDecision:
