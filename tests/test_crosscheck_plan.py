@@ -54,6 +54,16 @@ def test_precision_yaml_pins_must_run_in_fp32(conversion, tmp_path):  # noqa: F8
     ok = run_cli("crosscheck", converted, "-r", honoured, "-t", "orin", "--plan", precision)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "PASSED" in ok.stdout and "precision file" in ok.stdout
+    # The softmax output underflows (measured): the plan kept it in fp16 and verification
+    # passed, so that is its decision, not a mismatch; without a plan it is one.
+    stats = conversion["folder"] / "m.stats.json"
+    planned = run_cli("crosscheck", converted, "-r", honoured, "-t", "orin", "--plan", precision,
+                      "--stats", stats, "--json")
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    assert "underflow left as is" in _verdicts(planned)["Cast_p"]["reason"]
+    unplanned = run_cli("crosscheck", converted, "-r", honoured, "-t", "orin", "--stats", stats, "--json")
+    assert unplanned.returncode == 1
+    assert _verdicts(unplanned)["Cast_p"]["verdict"] == "mismatch"
 
 
 def test_plan_yaml_names_the_remedy_that_made_a_node_safe(conversion, tmp_path):  # noqa: F811

@@ -4,8 +4,9 @@ Either file is read (told apart by its `kind`: `plan` or `precision`). Pins are 
 run in FP32, each with its reason (verification rounds included); `answered` are the
 findings the plan's other remedies (rescale, softmax shift, clamp) make safe in the target
 format, and `safe` the nodes those remedies cover. A static finding (a small-op rule, a
-pattern) on a node the plan keeps in the target format is the plan's decision, not a
-mismatch; a measured range the plan did not answer still is.
+pattern) or a measured underflow (precision lost, which the conversion's verification
+accepted) on a node the plan keeps in the target format is the plan's decision, not a
+mismatch; a measured overflow or headroom the plan did not answer still is.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class PlanDecision:
     safe: dict[str, str] = field(default_factory=dict)
     answered: dict[tuple[str, str, str], str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    declined: dict[tuple[str, str, str], str] = field(default_factory=dict)
 
     def settles(self, finding: Finding) -> str:
         """Why the plan needs no FP32 for `finding` ("" when it does not settle it)."""
@@ -46,6 +48,10 @@ class PlanDecision:
             return why
         if not finding.rule.startswith(MEASURED_RULES):
             return f"the plan keeps it in {self.precision}"
+        if finding.rule == "range.underflow":
+            key = (finding.rule, finding.node, finding.tensor)
+            return f"underflow left as is in {self.precision}" + (
+                f" ({self.declined[key]})" if key in self.declined else "")
         return ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -114,8 +120,10 @@ def _from_plan(path: str | Path, data: dict[str, Any], model: Model, index: Node
         notes.append("plan.yaml holds the plan's pins; the FP32 nodes rewriting and lowering added "
                      "(a softmax shift's subtraction, a rescale's exit) are in the conversion's "
                      ".precision.yaml: give that to --plan to check them too")
+    declined = {(r.rule, r.node, r.tensor): f"{d.remedy} declined: {d.reason}"
+                for d in plan.declined for r in d.findings}
     return PlanDecision(str(path), "plan", plan.fingerprint, plan.precision, pins, safe, answered,
-                        tuple(notes))
+                        tuple(notes), declined)
 
 
 def _from_precision(data: dict[str, Any], path: str, model: Model, index: NodeIndex) -> PlanDecision:
