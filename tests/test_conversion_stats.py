@@ -158,3 +158,37 @@ def test_scaled_stats_exact_for_powers_of_two_and_detail_dropped_otherwise(conve
     assert scaled_stats(h, 2.0 ** -10).over["fp16"] == 0
     odd = scaled_stats(h, 0.3)
     assert math.isclose(odd.absmax, h.absmax * 0.3) and odd.exp_hist == {} and odd.detailed_count == 0
+
+
+def test_a_rescale_exit_at_an_output_maps_through_its_constant():
+    # x -> MatMul(W, |h| ~ 6e4) -> Relu -> y; rescaled by 2^-1 and restored by an exit
+    # Mul(y__scaled, 2) at the output: y__scaled holds half of y's values.
+    model = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2, 8] x) => (float[2, 8] y) <float[8, 8] W>
+    {
+      [h_node] h = MatMul(x, W)
+      [y_node] y = Relu(h)
+    }
+    """)
+    rng = np.random.default_rng(0)
+    del model.graph.initializer[:]
+    model.graph.initializer.append(
+        numpy_helper.from_array((rng.standard_normal((8, 8)) * 300).astype(np.float32), "W"))
+    source = Model(proto=model, path="m.onnx", digest=fingerprint(model))
+    samples = [{"x": (rng.standard_normal((2, 8)) * 30).astype(np.float32)} for _ in range(3)]
+    stats = calibrate(source, samples, detail="all")
+    result = convert(source, load_profile("orin"), samples, stats=stats)
+    lowered = result.lowered.model
+    converted = Model(proto=lowered, path="m.orin.onnx", digest=fingerprint(lowered))
+    from npuprep.calibrate.mapping import map_to_conversion
+
+    mapped = map_to_conversion(stats, converted, read_source(lowered))
+    rewritten = calibrate(Model(proto=result.rewritten, path="r", digest=fingerprint(result.rewritten)),
+                          samples, detail="all")
+    scaled = [t for t in rewritten.tensors if t not in stats.tensors]
+    assert scaled and mapped.mapping["unmapped"] == 0
+    for t in scaled:
+        assert mapped.tensors[t].absmax == rewritten.tensors[t].absmax == stats.tensors["y"].absmax / 2
+        assert mapped.tensors[t].exp_hist == rewritten.tensors[t].exp_hist
+    assert mapped.tensors["y"].absmax == stats.tensors["y"].absmax

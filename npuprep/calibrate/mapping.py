@@ -3,8 +3,9 @@
 A tensor the conversion kept under its name takes the source's statistics, multiplied by the
 scale the rewrite recorded for it (npuprep.provenance: a power of two, so the exponent
 histogram shifts exactly). A float Cast or Identity the conversion inserted carries the
-statistics of the tensor on its other side (`x -> Cast -> x__to_fp16`, `y__fp16 -> Cast -> y`).
-Every other float tensor the conversion introduced (a shifted softmax's `e__shifted`, a
+statistics of the tensor on its other side (`x -> Cast -> x__to_fp16`, `y__fp16 -> Cast -> y`),
+and a Mul by a positive scalar constant (a rescale's exit, `y__scaled * 2 -> y`) those of its
+other side divided or multiplied by that constant. Every other float tensor the conversion introduced (a shifted softmax's `e__shifted`, a
 ReduceMax) has no source statistics: it is counted as unmapped, never guessed.
 """
 
@@ -12,6 +13,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
 
 from npuprep.calibrate.instrument import OVER_FORMATS
 from npuprep.calibrate.stats import CalibrationStats, RangeStats
@@ -34,10 +39,12 @@ def map_to_conversion(stats: CalibrationStats, model: Model, source: Source) -> 
     types = tensor_types(model.proto)
     mapped: dict[tuple[str, str], RangeStats] = {}
     floats: dict[tuple[str, str], str] = {}  # (scope, tensor) -> its producer's label ("" for inputs)
-    links: list[tuple[tuple[str, str], tuple[str, str], str]] = []  # (input, output, node label)
+    # (input, output, factor): the output holds the input's values times factor.
+    links: list[tuple[tuple[str, str], tuple[str, str], float]] = []
     scaled = 0
     for scope in walk_graphs(model.graph):
         g = scope.graph
+        scalars = _positive_scalars(g)
         for v in g.input:
             if types.get(v.name) in FLOAT_ONNX_TYPES and v.name not in {i.name for i in g.initializer}:
                 floats[(scope.path, v.name)] = ""
@@ -46,10 +53,9 @@ def map_to_conversion(stats: CalibrationStats, model: Model, source: Source) -> 
             for out in node.output:
                 if out and types.get(out) in FLOAT_ONNX_TYPES:
                     floats[(scope.path, out)] = label
-            if (node.op_type in _SAME_VALUES and node.input and node.input[0] and node.output
-                    and types.get(node.input[0]) in FLOAT_ONNX_TYPES
-                    and types.get(node.output[0]) in FLOAT_ONNX_TYPES):
-                links.append(((scope.path, node.input[0]), (scope.path, node.output[0]), label))
+            link = _link(node, types, scalars)
+            if link is not None:
+                links.append(((scope.path, link[0]), (scope.path, node.output[0]), link[1]))
     for key, producer in floats.items():
         s = by_name.get(key)
         if s is None:
@@ -61,11 +67,11 @@ def map_to_conversion(stats: CalibrationStats, model: Model, source: Source) -> 
     changed = True
     while changed:
         changed = False
-        for src, dst, _ in links:
-            for have, want in ((src, dst), (dst, src)):
+        for src, dst, factor in links:
+            for have, want, by in ((src, dst, factor), (dst, src, 1.0 / factor)):
                 if have in mapped and want not in mapped:
-                    mapped[want] = replace(mapped[have], tensor=want[1], scope=want[0],
-                                           node=floats.get(want, ""))
+                    mapped[want] = replace(scaled_stats(mapped[have], by), tensor=want[1],
+                                           scope=want[0], node=floats.get(want, ""))
                     changed = True
     unmapped = sorted(t for (_, t) in floats.keys() - mapped.keys())
     seen = {s.tensor for s in mapped.values()}
@@ -80,6 +86,38 @@ def map_to_conversion(stats: CalibrationStats, model: Model, source: Source) -> 
                  "through_casts": len(mapped) - direct, "unmapped": len(unmapped),
                  "unmapped_tensors": unmapped},
     )
+
+
+def _link(node: onnx.NodeProto, types: dict[str, int],
+          scalars: dict[str, float]) -> tuple[str, float] | None:
+    """(input, factor) when `node`'s float output is its float input times a known factor."""
+    if not node.output or types.get(node.output[0]) not in FLOAT_ONNX_TYPES:
+        return None
+    floats = [i for i in node.input if i and types.get(i) in FLOAT_ONNX_TYPES]
+    if node.op_type in _SAME_VALUES and floats:
+        return floats[0], 1.0
+    if node.op_type == "Mul" and len(node.input) == 2:
+        a, b = node.input
+        if b in scalars and a not in scalars:
+            return a, scalars[b]
+        if a in scalars and b not in scalars:
+            return b, scalars[a]
+    return None
+
+
+def _positive_scalars(graph: onnx.GraphProto) -> dict[str, float]:
+    """Initialisers and Constants of one positive finite value (weights not loaded are skipped)."""
+    found: dict[str, float] = {}
+    tensors = [(t.name, t) for t in graph.initializer]
+    tensors += [(n.output[0], a.t) for n in graph.node if n.op_type == "Constant" and n.output
+                for a in n.attribute if a.name == "value"]
+    for name, t in tensors:
+        if math.prod(t.dims) != 1 or t.data_location == onnx.TensorProto.EXTERNAL:
+            continue
+        value = float(np.asarray(numpy_helper.to_array(t), dtype=np.float64).reshape(-1)[0])
+        if math.isfinite(value) and value > 0:
+            found[name] = value
+    return found
 
 
 def scaled_stats(s: RangeStats, scale: float) -> RangeStats:

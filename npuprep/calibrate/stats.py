@@ -153,8 +153,8 @@ class CalibrationStats:
             return ""
         return (f"stats of the source model {m['source']} mapped onto its conversion: "
                 f"{m['by_name']} tensors by name ({m['rescaled']} rescaled), "
-                f"{m['through_casts']} through Casts; {m['unmapped']} tensors the conversion "
-                "introduced have no stats")
+                f"{m['through_casts']} through Casts or constant Muls; {m['unmapped']} tensors "
+                "the conversion introduced have no stats")
 
     def to_dict(self) -> dict[str, Any]:
         extra = {"mapping": dict(self.mapping)} if self.mapping else {}
