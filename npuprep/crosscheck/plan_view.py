@@ -54,11 +54,6 @@ class PlanDecision:
                 f" ({self.declined[key]})" if key in self.declined else "")
         return ""
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "kind": self.kind, "fingerprint": self.fingerprint,
-                "precision": self.precision, "pins": dict(sorted(self.pins.items())),
-                "safe": dict(sorted(self.safe.items()))}
-
 
 def read_decision(path: str | Path, model: Model, index: NodeIndex) -> PlanDecision:
     """Read `path` (plan.yaml or precision.yaml) for `model`; a bad file is one line naming
