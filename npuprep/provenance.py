@@ -3,13 +3,16 @@
 `convert` writes the fingerprint of the model it started from and the power-of-two scale
 each rescaled tensor carries (the converted tensor holds `scale` times the source's values),
 so statistics of the source model can be applied to its conversion
-(npuprep.calibrate.mapping). Metadata is not part of the model's fingerprint.
+(npuprep.calibrate.mapping). Metadata is not part of the model's fingerprint. A model
+converted before this record existed is recognised by the `<out>.report.json` beside it.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import onnx
 
@@ -43,4 +46,26 @@ def read_source(proto: onnx.ModelProto) -> Source | None:
         scales = json.loads(props.get(SCALES_KEY) or "{}")
         return Source(props[SOURCE_KEY], {str(t): float(s) for t, s in scales.items()})
     except (ValueError, TypeError, AttributeError):
+        return None
+
+
+def find_source(model: Any) -> Source | None:
+    """The source of `model` (an npuprep.model_io.Model): its metadata record, else the
+    conversion report written beside it (`<out>.report.json`) when that names this model as
+    its output; None for a model npuprep did not convert."""
+    recorded = read_source(model.proto)
+    if recorded is not None or not model.path:
+        return recorded
+    report = Path(model.path).with_suffix(".report.json")
+    try:
+        data = json.loads(report.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("kind") != "convert" \
+            or data.get("output_fingerprint") != model.fingerprint or not data.get("fingerprint"):
+        return None
+    scales = data.get("tensor_scales") or {}
+    try:
+        return Source(str(data["fingerprint"]), {str(t): float(v) for t, v in scales.items() if v != 1.0})
+    except (TypeError, ValueError, AttributeError):
         return None

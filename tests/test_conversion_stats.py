@@ -192,3 +192,20 @@ def test_a_rescale_exit_at_an_output_maps_through_its_constant():
         assert mapped.tensors[t].absmax == rewritten.tensors[t].absmax == stats.tensors["y"].absmax / 2
         assert mapped.tensors[t].exp_hist == rewritten.tensors[t].exp_hist
     assert mapped.tensors["y"].absmax == stats.tensors["y"].absmax
+
+
+def test_a_conversion_without_the_record_is_known_by_its_report(conversion, tmp_path):
+    # A model converted before the metadata record existed: its report.json names it.
+    stripped = onnx.load(str(conversion["converted"]))
+    del stripped.metadata_props[:]
+    onnx.save(stripped, str(tmp_path / "m.orin.onnx"))
+    stats = conversion["folder"] / "m.stats.json"
+    from npuprep.errors import NpuprepError
+
+    with pytest.raises(NpuprepError, match="stats belong to another model"):
+        load_stats(stats, load_model(tmp_path / "m.orin.onnx"))
+    report = conversion["converted"].with_suffix(".report.json")
+    (tmp_path / "m.orin.report.json").write_text(report.read_text())
+    mapped = load_stats(stats, load_model(tmp_path / "m.orin.onnx"))
+    assert mapped.mapping["rescaled"] == 2
+    assert mapped.tensors["h"].absmax == conversion["stats"].tensors["h"].absmax / 2

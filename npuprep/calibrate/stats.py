@@ -193,17 +193,17 @@ def dump_stats(stats: CalibrationStats) -> str:
 def load_stats(path: str | Path, model: Model) -> CalibrationStats:
     """Read stats.json; refuse a file that belongs to another model.
 
-    Stats of the model `model` was converted from (its metadata names the source,
-    npuprep.provenance) are accepted and mapped onto it by tensor name
+    Stats of the model `model` was converted from (its metadata or the conversion report
+    beside it names the source, npuprep.provenance) are accepted and mapped onto it by tensor name
     (npuprep.calibrate.mapping; `mapping` holds the counts, `mapping_note` says them).
     """
     path = Path(path)
     stats = stats_from_dict(read_stats_doc(path), path)
     if stats.fingerprint == model.fingerprint:
         return stats
-    from npuprep.provenance import read_source
+    from npuprep.provenance import find_source
 
-    source = read_source(model.proto)
+    source = find_source(model)
     if source is not None and source.fingerprint == stats.fingerprint:
         from npuprep.calibrate.mapping import map_to_conversion
 
