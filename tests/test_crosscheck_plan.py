@@ -64,6 +64,7 @@ def test_precision_yaml_pins_must_run_in_fp32(conversion, tmp_path):  # noqa: F8
     unplanned = run_cli("crosscheck", converted, "-r", honoured, "-t", "orin", "--stats", stats, "--json")
     assert unplanned.returncode == 1
     assert _verdicts(unplanned)["Cast_p"]["verdict"] == "mismatch"
+    assert any(f"--plan {precision} lets its plan decide" in n for n in json.loads(unplanned.stdout)["notes"])
 
 
 def test_plan_yaml_names_the_remedy_that_made_a_node_safe(conversion, tmp_path):  # noqa: F811

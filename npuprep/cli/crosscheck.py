@@ -69,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
         findings = findings.merged(measured_findings(model, profile, stats))
         if stats.mapping_note:
             report = replace(report, notes=(*report.notes, stats.mapping_note))
+    if decision is None:
+        report = replace(report, notes=(*report.notes, *_plan_hint(model)))
     result = crosscheck(model, report, profile, findings=findings, index=index, decision=decision)
     if args.report_md:
         with outputs.open() as files:
@@ -108,3 +110,14 @@ def failure_line(result: Any) -> str:
         parts.append("a sensitive or pinned node runs in a lower precision")
     return "FAILED: " + "; ".join(parts)
 
+
+def _plan_hint(model: Any) -> tuple[str, ...]:
+    """For a conversion checked without --plan: where its decisions are."""
+    from npuprep.provenance import find_source
+
+    if find_source(model) is None:
+        return ()
+    beside = Path(model.path).with_suffix(".precision.yaml") if model.path else None
+    where = str(beside) if beside is not None and beside.is_file() else "its .precision.yaml"
+    return (f"{model.path} is an npuprep conversion: --plan {where} lets its plan decide which "
+            "nodes need FP32",)
