@@ -19,6 +19,7 @@ from npuprep.model_io import Model, fingerprint, with_weights
 from npuprep.numerics import NumberFormat, get_format
 from npuprep.plan import PinFp32, Plan
 from npuprep.profiles import ControlFlow, Pinning, TargetProfile
+from npuprep.provenance import record_source
 from npuprep.report.share import DEFAULT_MAX_FP32_SHARE, fp32_share
 
 SCHEMA_VERSION = 1
@@ -251,6 +252,8 @@ def convert(
         tried = (plan, result)
         plan = replace(plan, actions=(*plan.actions, pin))
     assert result is not None
+    # The converted model names its source, so the source's stats apply to it by name.
+    record_source(result["lowered"].model, model.fingerprint, result["scales"])
     share = fp32_share(result["rewritten"], _fp32_groups(plan, result, stats, fmt),
                        limit=max_fp32_share, input_shapes=_sample_shapes(samples))
     return ConversionResult(

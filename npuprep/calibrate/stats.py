@@ -141,9 +141,24 @@ class CalibrationStats:
     unobserved: dict[str, str] = field(default_factory=dict)
     sample_ids: tuple[str | int, ...] = ()
     source: dict[str, Any] = field(default_factory=dict)
+    # Set when these stats were measured on a source model and mapped onto its conversion
+    # (npuprep.calibrate.mapping): the source fingerprint and the counts of the mapping.
+    mapping: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def mapping_note(self) -> str:
+        """One line on how stats of a source model were mapped onto this one ("" if not)."""
+        m = self.mapping
+        if not m:
+            return ""
+        return (f"stats of the source model {m['source']} mapped onto its conversion: "
+                f"{m['by_name']} tensors by name ({m['rescaled']} rescaled), "
+                f"{m['through_casts']} through Casts or constant Muls; {m['unmapped']} tensors "
+                "the conversion introduced have no stats")
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        extra = {"mapping": dict(self.mapping)} if self.mapping else {}
+        return {**extra,
             "schema_version": SCHEMA_VERSION,
             "kind": "stats",
             "fingerprint": self.fingerprint,
@@ -176,15 +191,27 @@ def dump_stats(stats: CalibrationStats) -> str:
 
 
 def load_stats(path: str | Path, model: Model) -> CalibrationStats:
-    """Read stats.json; refuse a file that belongs to another model."""
+    """Read stats.json; refuse a file that belongs to another model.
+
+    Stats of the model `model` was converted from (its metadata or the conversion report
+    beside it names the source, npuprep.provenance) are accepted and mapped onto it by tensor name
+    (npuprep.calibrate.mapping; `mapping` holds the counts, `mapping_note` says them).
+    """
     path = Path(path)
     stats = stats_from_dict(read_stats_doc(path), path)
-    if stats.fingerprint != model.fingerprint:
-        raise NpuprepError(
-            f"{path}: stats belong to another model (fingerprint {stats.fingerprint}, "
-            f"{model.path or 'the model'} has {model.fingerprint})"
-        )
-    return stats
+    if stats.fingerprint == model.fingerprint:
+        return stats
+    from npuprep.provenance import find_source
+
+    source = find_source(model)
+    if source is not None and source.fingerprint == stats.fingerprint:
+        from npuprep.calibrate.mapping import map_to_conversion
+
+        return map_to_conversion(stats, model, source)
+    raise NpuprepError(
+        f"{path}: stats belong to another model (fingerprint {stats.fingerprint}, "
+        f"{model.path or 'the model'} has {model.fingerprint})"
+    )
 
 
 def read_stats_doc(path: str | Path, versions: tuple[int, ...] = _READABLE) -> dict[str, Any]:

@@ -122,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
         print_json(doc)
     else:
         _print(model, profile, findings, fail_on)
+        if stats is not None and stats.mapping_note:
+            say(f"note: {stats.mapping_note}")
         _print_plan(plan, measured=stats is not None)
     return 1 if failing else 0
 

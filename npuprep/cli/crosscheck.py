@@ -21,9 +21,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_target(p)
     p.add_argument("--format", choices=FORMAT_CHOICES, default="auto",
                    help="report format (default: detect from the content)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--stats", "-s", help="calibration stats JSON: sensitive nodes by measured range")
-    src.add_argument("--plan", "-p", help="plan.yaml: nodes pinned to FP32 must be FP32 in the report")
+    p.add_argument("--stats", "-s",
+                   help="calibration stats JSON (of this model, or of the model it was converted "
+                        "from): nodes whose measured range needs more than the target's format")
+    p.add_argument("--plan", "-p",
+                   help="the conversion's plan.yaml or .precision.yaml: its FP32 pins must be FP32 "
+                        "in the report; nodes it made safe are no mismatch")
     add_json(p)
     p.add_argument("--report-md", metavar="OUT.md", help="also write the verdicts as Markdown")
 
@@ -35,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from npuprep.cli.common import out, print_json, print_table, say
     from npuprep.crosscheck.check import crosscheck
     from npuprep.crosscheck.names import NodeIndex
+    from npuprep.crosscheck.plan_view import read_decision
     from npuprep.crosscheck.readers import read_report
     from npuprep.crosscheck.render import COLUMNS, SHORT_COLUMNS, row, short_row, to_markdown
     from npuprep.model_io import load_model
@@ -56,17 +60,18 @@ def run(args: argparse.Namespace) -> int:
     index = NodeIndex(model)
     report = read_report(args.report, index, args.format)
     findings = static_findings(model, profile)
-    pinned: set[str] = set()
+    decision = read_decision(args.plan, model, index) if args.plan else None
     if args.stats:
         from npuprep.analyse.measured import measured_findings
         from npuprep.calibrate import load_stats
 
-        findings = findings.merged(measured_findings(model, profile, load_stats(args.stats, model)))
-    if args.plan:
-        pinned, note = _pinned_nodes(args.plan, model, set(index.op_types))
-        if note:
-            report = replace(report, notes=(*report.notes, note))
-    result = crosscheck(model, report, profile, findings=findings, pinned_nodes=pinned, index=index)
+        stats = load_stats(args.stats, model)
+        findings = findings.merged(measured_findings(model, profile, stats))
+        if stats.mapping_note:
+            report = replace(report, notes=(*report.notes, stats.mapping_note))
+    if decision is None:
+        report = replace(report, notes=(*report.notes, *_plan_hint(model)))
+    result = crosscheck(model, report, profile, findings=findings, index=index, decision=decision)
     if args.report_md:
         with outputs.open() as files:
             files.text(args.report_md, to_markdown(result))
@@ -106,31 +111,13 @@ def failure_line(result: Any) -> str:
     return "FAILED: " + "; ".join(parts)
 
 
-def _pinned_nodes(path: str, model: Any, nodes: set[str]) -> tuple[set[str], str]:
-    """The plan's FP32 pins, and a note when the plan belongs to the model before conversion.
+def _plan_hint(model: Any) -> tuple[str, ...]:
+    """For a conversion checked without --plan: where its decisions are."""
+    from npuprep.provenance import find_source
 
-    The compiler is given the converted model, whose fingerprint differs from the model the
-    plan was made for; its pinned nodes keep their names, so the plan still applies when
-    every one of them is in this model.
-    """
-    from npuprep.errors import NpuprepError
-    from npuprep.plan import Plan, load_plan
-    from npuprep.yaml_io import read_yaml
-
-    try:
-        return load_plan(path, model).pinned_nodes(), ""
-    except NpuprepError:
-        try:
-            data = read_yaml(Path(path), "plan")
-        except NpuprepError:
-            data = None
-        if not isinstance(data, dict) or data.get("fingerprint") in (None, model.fingerprint):
-            raise
-    plan = Plan.from_dict(data, str(path))
-    pinned = plan.pinned_nodes()
-    absent = sorted(pinned - nodes)
-    if absent:
-        raise NpuprepError(f"{path}: plan was made for model {plan.fingerprint}, and its pinned "
-                           f"nodes {', '.join(absent[:5])} are not in {model.path}")
-    return pinned, (f"plan {path} was made for model {plan.fingerprint} (before conversion?); "
-                    f"all {len(pinned)} pinned nodes are in this model")
+    if find_source(model) is None:
+        return ()
+    beside = Path(model.path).with_suffix(".precision.yaml") if model.path else None
+    where = str(beside) if beside is not None and beside.is_file() else "its .precision.yaml"
+    return (f"{model.path} is an npuprep conversion: --plan {where} lets its plan decide which "
+            "nodes need FP32",)

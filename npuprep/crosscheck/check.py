@@ -3,6 +3,9 @@
 A node is sensitive when a finding (measured range or small-op rule) says the target's
 default precision is not enough for it; the compiler's report says what it actually runs
 in. `unknown` marks a sensitive or pinned node whose precision the report does not give.
+With a plan (npuprep.crosscheck.plan_view) the plan decides: its pins must run in FP32, a
+finding its remedies answer (or a static one on a node it keeps in the target format) is
+no mismatch, and a measured range it did not answer still is.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ from typing import Any
 
 from npuprep.analyse.finding import Finding, Findings
 from npuprep.crosscheck.names import NodeIndex
+from npuprep.crosscheck.plan_view import PlanDecision
 from npuprep.crosscheck.record import (
     FP32_OR_WIDER,
     FP32_RANGE,
+    PRECISION_ORDER,
     CompilerReport,
     LayerRecord,
     narrowest,
@@ -117,19 +122,38 @@ def crosscheck(
     findings: Findings | Iterable[Finding] = (),
     pinned_nodes: Iterable[str] = (),
     index: NodeIndex | None = None,
+    decision: PlanDecision | None = None,
 ) -> Crosscheck:
-    """A verdict per ONNX node the report, the findings or the plan mention."""
+    """A verdict per ONNX node the report, the findings or the plan mention.
+
+    `decision` (a plan or precision file, read by npuprep.crosscheck.plan_view) gives the
+    pins with their reasons and the findings its remedies settle; `pinned_nodes` adds pins.
+    """
     index = index or NodeIndex(model)
-    pinned = set(pinned_nodes)
+    pins = dict(decision.pins) if decision is not None else {}
+    for n in pinned_nodes:
+        pins.setdefault(n, "pinned to FP32 by the plan")
     sensitive: dict[str, list[Finding]] = {}
+    settled: dict[str, dict[str, str]] = {}
     for f in findings:
         if not is_sensitive(f):
             continue
         node = f.node if f.node in index.op_types else index.producer.get(f.tensor, "")
+        why = decision.settles(f) if decision is not None else ""
         # A pattern finding (decomposed LayerNorm, softmax, ...) covers all its members.
         for member in dict.fromkeys([node, *f.evidence.get("members", ())]):
-            if member in index.op_types:
+            if member not in index.op_types:
+                continue
+            # A pinned node's findings are why it is pinned, whatever the plan says elsewhere.
+            if why and member not in pins:
+                settled.setdefault(member, {}).setdefault(f.rule, why)
+            else:
                 sensitive.setdefault(member, []).append(f)
+    if decision is not None:
+        # Nodes a remedy covers say so, findings or not (a shifted softmax has none left).
+        for node, why in decision.safe.items():
+            if node in index.op_types and node not in pins:
+                settled.setdefault(node, {}).setdefault("remedy", why)
     placed: dict[str, list[LayerRecord]] = {}
     reformats: dict[str, list[LayerRecord]] = {}
     verdicts: list[Verdict] = []
@@ -139,15 +163,22 @@ def crosscheck(
         if record.compute:
             verdicts += _unmapped(record)
     notes = list(report.notes)
+    if decision is not None:
+        notes += list(decision.notes)
+        notes.append(f"the {decision.kind} file {decision.path} decides: {len(pins)} nodes pinned to "
+                     f"FP32, {len(settled)} nodes it keeps in {decision.precision} despite a "
+                     "finding or by a remedy")
     if not report.dtypes_reported:
         notes.append(f"the report gives no dtypes: nodes are assumed to run in the target's "
                      f"default precision ({profile.default_precision})")
     compute = set(index.compute_nodes())
-    nodes = sorted(set(placed) | compute | set(sensitive) | pinned,
+    nodes = sorted(set(placed) | compute | set(sensitive) | set(pins),
                    key=lambda n: (index.position.get(n, len(index.position)), n))
+    keeps = decision.precision if decision is not None else profile.default_precision
     for node in nodes:
         verdicts.append(_verdict(node, index, placed.get(node, []), reformats.get(node, []),
-                                 sensitive.get(node, []), node in pinned, report, profile))
+                                 sensitive.get(node, []), pins.get(node, ""), report, profile,
+                                 settled.get(node, {}), keeps, decision is not None))
     order = {k: i for i, k in enumerate(DISPLAY_ORDER)}
     ranked = sorted(enumerate(verdicts), key=lambda iv: (order[iv[1].verdict], iv[0]))
     return Crosscheck(
@@ -193,9 +224,12 @@ def _unmapped_reason(record: LayerRecord, name: str) -> str:
 
 
 def _verdict(node: str, index: NodeIndex, records: list[LayerRecord], reformats: list[LayerRecord],
-             found: list[Finding], pinned: bool, report: CompilerReport,
-             profile: TargetProfile) -> Verdict:
+             found: list[Finding], pin: str, report: CompilerReport,
+             profile: TargetProfile, settled: dict[str, str] | None = None,
+             keeps: str = "", decided: bool = False) -> Verdict:
     op_type = index.op_types.get(node, "")
+    pinned = bool(pin)
+    settled = settled or {}
     rules = tuple(dict.fromkeys(f.rule for f in found))
     range_only = bool(found) and all(r.startswith(RANGE_RULES) for r in rules)
     needs = "fp32" if pinned or (found and not range_only) else ("fp32-range" if found else "")
@@ -203,12 +237,16 @@ def _verdict(node: str, index: NodeIndex, records: list[LayerRecord], reformats:
     evidence: dict[str, Any] = {}
     if found:
         evidence["findings"] = [f"{f.rule}: {f.message}" for f in found]
+    if pinned:
+        evidence["pin"] = pin
+    if settled:
+        evidence["plan"] = dict(settled)
     metrics = {r.layer: r.metrics for r in records if r.metrics}
     if metrics:
         evidence["metrics"] = metrics
     layers = tuple(r.layer for r in records)
     if not records:
-        why = ("pinned to FP32 by the plan" if pinned
+        why = (f"pinned to FP32 by the plan ({pin})" if pinned
                else "sensitive" if found else "a compute node")
         return Verdict(node, "missing", op_type, needs=needs, rules=rules, evidence=evidence,
                        reason=f"{why}, but no report layer names it (folded, renamed or dropped)")
@@ -234,12 +272,25 @@ def _verdict(node: str, index: NodeIndex, records: list[LayerRecord], reformats:
         return Verdict(node, "unknown", reason="the report gives no precision for its layers "
                        "(dynamic shapes?); rebuild with static shapes to check it", **common)
     if pinned and runs_in not in FP32_OR_WIDER:
-        return Verdict(node, "pin-ignored", reason=f"the plan pins it to FP32, the compiler runs "
-                       f"it in {runs_in}", **common)
+        return Verdict(node, "pin-ignored", reason=f"the plan pins it to FP32 ({pin}), the "
+                       f"compiler runs it in {runs_in}", **common)
     if found and runs_in not in adequate:
+        unanswered = "; the plan did not make it safe" if decided else ""
         return Verdict(node, "mismatch", reason=f"{', '.join(rules)}: needs {needs}, the compiler "
-                       f"runs it in {runs_in}", **common)
+                       f"runs it in {runs_in}{unanswered}", **common)
+    plan_why = "; ".join(dict.fromkeys(settled.values()))
+    if settled and not found and not pinned and _narrower(runs_in, keeps):
+        return Verdict(node, "mismatch", reason=f"the plan makes it safe in {keeps} ({plan_why}), "
+                       f"the compiler runs it in {runs_in}", **common)
     reason = f"runs in {runs_in or 'a precision the report does not give'}"
     if rules:
         reason += f", enough for {', '.join(rules)}"
+    if settled and not pinned:
+        reason += f"; plan: {plan_why}"
     return Verdict(node, "ok", reason=reason, **common)
+
+
+def _narrower(runs_in: str, than: str) -> bool:
+    """Whether precision `runs_in` is narrower than `than` (unknown names are not)."""
+    return runs_in in PRECISION_ORDER and than in PRECISION_ORDER and \
+        PRECISION_ORDER.index(runs_in) > PRECISION_ORDER.index(than)
