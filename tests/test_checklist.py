@@ -334,3 +334,59 @@ def load_model_text(text: str):
 
     proto: onnx.ModelProto = model_from_text(text)
     return Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+
+
+def test_story_says_host_scaled_where_convert_scales_an_output_on_the_host(save, tmp_path):
+    # x -> MatMul(x5000) -> Relu -> y (graph output, 1e5): on rk3588 (no FP32 pins) the rescale's
+    # compensation moves to the host; the story and convert's report name the same output.
+    import numpy as np
+
+    path = save("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[1,4] x) => (float[1,4] y)
+      <float[4,4] W = {5000,0,0,0, 0,5000,0,0, 0,0,5000,0, 0,0,0,5000}> {
+      [big] h = MatMul(x, W)
+      [relu] y = Relu(h)
+    }
+    """)
+    (tmp_path / "d").mkdir()
+    for i in range(2):
+        np.savez(tmp_path / "d" / f"{i}.npz", x=np.array([[20.0 - i, 15.0, 3.0, 1.0]], np.float32))
+    stats = tmp_path / "s.json"
+    assert run_cli("calibrate", path, "--data", tmp_path / "d", "-o", stats).returncode == 0
+    done = run_cli("convert", path, "--target", "rk3588", "--stats", stats, "--data", tmp_path / "d",
+                   "-o", tmp_path / "out.onnx")
+    assert done.returncode == 0, done.stderr
+    host = json.loads((tmp_path / "out.report.json").read_text())["host_scales"]
+    story = json.loads(run_cli("checklist", path, "--target", "rk3588", "--stats", stats,
+                               "--json").stdout)["story"]
+    assert host == {"y": 4.0}
+    assert {s["node"]: s["fate"] for s in story["nodes"]} == {"big": "host-scaled", "relu": "host-scaled"}
+    assert all(s["detail"].endswith("; y leaves scaled") for s in story["nodes"])
+
+
+def test_story_says_shifted_for_a_written_out_softmax(save, tmp_path):
+    # x -> Exp -> ReduceSum -> Div(e, s) -> p, x up to 20 (e = 4.9e8): the plan subtracts the max.
+    import numpy as np
+
+    path = save("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[1,4] x) => (float[1,4] p) {
+      [exp] e = Exp(x)
+      [sum] s = ReduceSum<keepdims = 1>(e)
+      [div] p = Div(e, s)
+    }
+    """)
+    (tmp_path / "d").mkdir()
+    np.savez(tmp_path / "d" / "0.npz", x=np.array([[20.0, 15.0, 3.0, 1.0]], np.float32))
+    stats = tmp_path / "s.json"
+    assert run_cli("calibrate", path, "--data", tmp_path / "d", "-o", stats).returncode == 0
+    plan = json.loads(run_cli("convert", path, "--target", "a2000", "--stats", stats, "--plan-only",
+                              "-o", tmp_path / "p.yaml", "--json").stdout)
+    story = json.loads(run_cli("checklist", path, "--target", "a2000", "--stats", stats,
+                               "--json").stdout)["story"]
+    assert [a["action"] for a in plan["actions"]] == ["shift_max"] and story["actions"] == {"shift_max": 1}
+    assert {s["node"]: s["fate"] for s in story["nodes"]} == {"exp": "shifted", "sum": "shifted",
+                                                              "div": "shifted"}
+    exp = next(s for s in story["nodes"] if s["node"] == "exp")
+    assert exp["detail"] == "max subtracted before exp (input absmax 20): its output <= 1"

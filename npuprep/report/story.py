@@ -194,7 +194,9 @@ class _Judge:
         if isinstance(action, Rescale):
             return self._rescaled(action, f.tensor)
         if isinstance(action, ShiftMax):
-            return "shifted", f"max subtracted before {action.exp}" + (
+            x = action.measured.get("input_absmax")
+            was = f" (input absmax {number(x)})" if x is not None else ""
+            return "shifted", f"max subtracted before {action.exp}{was}: its output <= 1" + (
                 " (the shift in FP32)" if action.fp32_shift else "")
         if isinstance(action, Clamp):
             if action.kind == "denominator":
