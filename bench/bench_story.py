@@ -179,8 +179,7 @@ def bench(name: str, root: Path, out: Path, target: str) -> list[Row]:
     flip = next(iter(sorted(a_pins & set(listed))), "") or next(iter(sorted(kept & set(listed))), "")
     write_report(csv_bad, listed, conv_pins, flip)
     rows.append(Row("crosscheck --plan", fp32=needs - lowering,
-                    why={v["node"]: tuple(sorted(v.get("rules", []))) for v in verdicts
-                         if v["node"] in needs},
+                    why={v["node"]: _verdict_rules(v) for v in verdicts if v["node"] in needs},
                     widest=x.widest, rc=x.rc, seconds=x.seconds,
                     note=f"--plan {decision.name}: {len(needs & lowering)} lowering-forced FP32 "
                          f"besides; {len(failing)} failing"
@@ -212,6 +211,13 @@ def bench(name: str, root: Path, out: Path, target: str) -> list[Row]:
                         note=", ".join(f"{n} {f}" for f, n in story["counts"].items())))
     (work / "rows.json").write_text(json.dumps([_row_dict(r) for r in rows], indent=1))
     return rows
+
+
+def _verdict_rules(verdict: dict) -> tuple[str, ...]:
+    """The rules behind a crosscheck verdict's pin (`... FP32: rule at t, rule at t`), else its own."""
+    pin = str((verdict.get("evidence") or {}).get("pin", ""))
+    said = sorted(set(re.findall(r"([a-z0-9_]+\.[a-z0-9_]+) at ", pin)))
+    return tuple(said) if said else tuple(sorted(verdict.get("rules", [])))
 
 
 def _pin_rules(detail: str) -> tuple[str, ...]:
