@@ -21,6 +21,7 @@ from npuprep.analyse.finding import Finding
 from npuprep.crosscheck.check import is_sensitive
 from npuprep.graph import node_label, producers, walk_graphs
 from npuprep.model_io import Model
+from npuprep.numerics import get_format
 from npuprep.plan.actions import Clamp, FindingRef, PinFp32, Rescale, ShiftMax
 from npuprep.plan.host_scale import host_scaled_outputs
 from npuprep.plan.plan import Plan
@@ -97,9 +98,9 @@ def plan_story(model: Model, profile: TargetProfile, plan: Plan, findings: Itera
                stats: Any = None) -> Story:
     """Each node the findings flag or the plan pins, with what `plan` does there, in graph order."""
     index = _Index(model)
-    limit = profile.limit(_format(plan))
+    limit = profile.limit(get_format(plan.precision))
     pinned = plan.pinned_nodes()
-    flagged: dict[str, list[Finding]] = {n: [] for n in sorted(pinned, key=index.key)}
+    flagged: dict[str, list[Finding]] = {n: [] for n in pinned}
     masks: list[str] = []
     for f in findings:
         if f.rule == "range.mask":
@@ -128,12 +129,6 @@ def plan_story(model: Model, profile: TargetProfile, plan: Plan, findings: Itera
         kinds[a.action] = kinds.get(a.action, 0) + 1
     return Story(tuple(stories), kinds, tuple(sorted(pinned, key=index.key)), len(plan.declined),
                  tuple(masks))
-
-
-def _format(plan: Plan) -> Any:
-    from npuprep.numerics import get_format
-
-    return get_format(plan.precision)
 
 
 class _Index:
