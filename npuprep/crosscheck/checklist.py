@@ -4,7 +4,8 @@ Items: calibrate, confirm the precision list (no BF16 to the compiler), probe th
 (loud or silent overflow), crosscheck the compiler's report, compare board and emulation
 layer by layer, measure speed, measure memory. An item is ticked only by evidence found
 in the workspace (W/*.json by "kind", W/plan.yaml or the W/*.plan.yaml convert writes); an
-open item says the command to run.
+open item says the command to run. The precision item tells the plan's story
+(`report/story.py`): per flagged node what the plan does, with convert's counts.
 """
 
 from __future__ import annotations
