@@ -53,6 +53,7 @@ BUILDER_REQUIREMENTS = [
     "safetensors==0.8.0",
     "scikit-learn==1.9.1",
     "skl2onnx==1.20.0",
+    "torchvision==0.28.0",
     "onnx==1.23.2",
     "onnxscript",
     "numpy",
@@ -354,6 +355,13 @@ def yolov8_sample(rng: np.random.Generator) -> Sample:
     return {"images": chw(scene(rng, 320, 320)) / 255.0}
 
 
+def imagenet_sample(rng: np.random.Generator) -> Sample:
+    """torchvision classifier preprocessing: ImageNet mean/std on x/255, 224x224."""
+    mean = np.asarray([0.485, 0.456, 0.406], np.float32)[None, :, None, None]
+    std = np.asarray([0.229, 0.224, 0.225], np.float32)[None, :, None, None]
+    return {"images": ((chw(scene(rng, 224, 224)) / 255.0 - mean) / std).astype(np.float32)}
+
+
 # ---------------------------------------------------------------- builders
 
 
@@ -460,6 +468,18 @@ def in_builder(target: str) -> Callable[[Spec, Path], None]:
     return build
 
 
+def in_builder_with_images(target: str, make: Callable[[np.random.Generator], Sample]
+                           ) -> Callable[[Spec, Path], None]:
+    """The builder exports the model; the samples are drawn here (scenes, as for the detectors)."""
+    export = in_builder(target)
+
+    def build(spec: Spec, folder: Path) -> None:
+        export(spec, folder)
+        write_samples(folder, make)
+
+    return build
+
+
 def ensure_builder() -> Path:
     venv = builder_venv()
     python = venv / "bin" / "python"
@@ -517,6 +537,10 @@ SPECS: dict[str, Spec] = {
         Spec("unet_tiny", "diffusion UNet (diffusers UNet2DConditionModel, small config)",
              Wheel("diffusers", "0.42.1"), in_builder("unet_tiny"),
              "noisy latents 4x32x32, timesteps, text-like context", needs_builder=True),
+        Spec("convnext_t", "torchvision ConvNeXt-T, external data (weights random: seeded init, "
+             "the pretrained ones are a network download)",
+             Wheel("torchvision", "0.28.0"), in_builder_with_images("convnext_t", imagenet_sample),
+             "drawn scenes 224x224, ImageNet mean/std", needs_builder=True),
         Spec("ppocr_rec_external", "ppocr_rec re-saved with external data",
              Wheel(*RAPIDOCR, "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx"),
              derived("ppocr_rec", save_external), "same samples as ppocr_rec"),

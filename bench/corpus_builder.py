@@ -1,10 +1,11 @@
 """Corpus models that need torch, diffusers or scikit-learn to export (run in the builder venv).
 
 Run by bench/corpus.py, never by the project's environment:
-    BUILDER_PYTHON bench/corpus_builder.py {minilm_l6,unet_tiny,sklearn_pipeline} FOLDER
+    BUILDER_PYTHON bench/corpus_builder.py {minilm_l6,unet_tiny,sklearn_pipeline,convnext_t} FOLDER
         --wheel WHEEL.whl [--calib 8] [--heldout 4]
 
-Writes FOLDER/model.onnx and FOLDER/{calib,heldout}/NNN.npz (keys = graph input names).
+Writes FOLDER/model.onnx and FOLDER/{calib,heldout}/NNN.npz (keys = graph input names);
+convnext_t writes only the model (+ model.onnx.data): corpus.py draws its images.
 """
 
 from __future__ import annotations
@@ -226,7 +227,47 @@ def build_sklearn(folder: Path, wheel: Path, calib: int, heldout: int) -> None:
     write_samples(folder, make, calib, heldout)
 
 
-TARGETS = {"minilm_l6": build_minilm, "unet_tiny": build_unet, "sklearn_pipeline": build_sklearn}
+# ---------------------------------------------------------------- torchvision ConvNeXt-T
+
+
+def build_convnext(folder: Path, wheel: Path, calib: int, heldout: int) -> None:
+    """torchvision's convnext_tiny with seeded random weights (the pretrained ones are a network
+    download at run time), exported at 224x224 and saved with external data as large exports are.
+
+    The model code is imported without torchvision's package __init__: the PyPI wheel's C
+    extension is built against CUDA and does not load next to the CPU torch, and ConvNeXt needs
+    none of its ops. Samples: corpus.py draws them (calib/heldout counts unused here).
+    """
+    import importlib.util
+    import sys
+    import types
+
+    import onnx
+    import torch
+
+    spec = importlib.util.find_spec("torchvision")
+    package = types.ModuleType("torchvision")
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules["torchvision"] = package
+    from torchvision.models.convnext import convnext_tiny
+
+    torch.manual_seed(0)
+    model = convnext_tiny(weights=None).eval()
+    raw = folder / "raw.onnx"
+    with torch.no_grad():
+        torch.onnx.export(model, (torch.zeros(1, 3, 224, 224),), str(raw), input_names=["images"],
+                          output_names=["logits"], opset_version=17, dynamo=False,
+                          dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}})
+    proto = onnx.load(str(raw))
+    raw.unlink()
+    for leftover in folder.glob("raw.onnx*"):
+        leftover.unlink()
+    onnx.save_model(proto, str(folder / "model.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=1024)
+
+
+TARGETS = {"minilm_l6": build_minilm, "unet_tiny": build_unet, "sklearn_pipeline": build_sklearn,
+           "convnext_t": build_convnext}
 
 
 def main() -> None:

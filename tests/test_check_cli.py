@@ -108,3 +108,47 @@ def test_check_reports_the_plan_convert_would_make(tmp_path):
     assert from_check == from_convert and [a["action"] for a in from_check] == ["rescale", "rescale"]
     table = run_cli("check", tmp_path / "m.onnx", "--target", "a2000", "--data", tmp_path / "d").stdout
     assert "What convert would do (measured ranges" in table and "0 node(s) pinned" in table
+
+
+def _remedy_marks(page: str) -> list[str]:
+    """The headroom chart's remedy triangles: one <g id="headroom-remedy-N"> each, its title."""
+    import re
+
+    groups = re.findall(r'<g id="headroom-remedy-\d+"><title>([^<]*)</title>(.*?)</g>\s*</g>', page,
+                        re.S)
+    assert all(body.count("<use ") == 1 for _, body in groups)
+    return [title for title, _ in groups]
+
+
+def test_html_marks_exactly_the_plans_actions(tmp_path):
+    # x -> MatMul(x5000) -> Relu -> MatMul -> y; x -> Exp -> Log -> z; x -> Add(-inf mask) -> Softmax
+    # The plan: one rescale, one FP32 island; the chart draws those two and nothing for the
+    # findings the plan answered otherwise (Softmax measured safe, the mask).
+    import pytest
+
+    pytest.importorskip("matplotlib")
+    from test_checklist import story_model
+
+    model, data = story_model(tmp_path)
+    page = tmp_path / "c.html"
+    checked = run_cli("check", model, "--target", "a2000", "--data", data, "--html", page, "--json")
+    actions = json.loads(checked.stdout)["plan"]["actions"]
+    assert [a["action"] for a in actions] == ["rescale", "pin_fp32"]
+    assert _remedy_marks(page.read_text()) == ["rescale: big (3 tensors)", "pin_fp32: exp, log (2 tensors)"]
+
+
+def test_html_draws_no_remedy_where_the_plan_has_none(save, tmp_path):
+    # x -> Exp -> y, measured small: the finding suggests a remedy, the plan proves it safe.
+    import numpy as np
+    import pytest
+
+    pytest.importorskip("matplotlib")
+    (tmp_path / "d").mkdir()
+    np.savez(tmp_path / "d" / "0.npz", x=np.array([0.5, 1.0, -1.0, 2.0], np.float32))
+    page = tmp_path / "c.html"
+    checked = run_cli("check", save(EXP), "--target", "a2000", "--data", tmp_path / "d", "--html", page,
+                      "--json")
+    doc = json.loads(checked.stdout)
+    assert any(f["remedy"] in ("clamp", "pin_fp32") for f in doc["findings"])
+    assert doc["plan"]["actions"] == [] and _remedy_marks(page.read_text()) == []
+    assert "headroom-chart" in page.read_text()

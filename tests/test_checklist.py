@@ -54,10 +54,17 @@ def test_without_workspace_every_item_is_open_with_a_command(model_path):
                             "--format trt_json") for s in it["crosscheck"].steps)
     assert "median of 200 steps after 50" in it["speed"].title
     assert "peak allocation" in it["memory"].title
+    # Without stats: the planner's static decision, and what it does per flagged node.
     assert it["precision"].evidence == (
         "no BF16 tensor or Cast to BF16 in the model",
-        "3 nodes need more than fp16 (small-op rules or measured ranges): `/norm/Mul`, `/norm/Sqrt`, "
-        "`node_of_y`")
+        "the planner's decision (static rules only: calibrate for measured ranges; what convert "
+        "--plan-only writes): 2 actions (1 clamp, 1 pin_fp32), 1 nodes pinned to FP32 (`/norm/Sqrt`), "
+        "1 remedies declined, the rest in fp16",
+        "3 nodes flagged by small-op rules or measured ranges; what the plan does: 1 pinned, "
+        "1 clamped, 1 unmeasured",
+        "pinned (1 nodes, pinned to FP32): `/norm/Sqrt` (hazard.sqrt)",
+        "clamped (1 nodes, clamped): `node_of_y` (n to [-inf, 10.4])",
+        "unmeasured (1 nodes, unmeasured: calibrate to decide): `/norm/Mul`")
     md = to_markdown(checklist)
     assert md.count("- [ ] **") == 7 and "0 of 7 items done." in md
 
@@ -123,7 +130,8 @@ def test_workspace_artefacts_tick_items_with_evidence(model_path, tmp_path):
                                 workspace=scan_workspace(ws))
     it = items(checklist)
     assert it["precision"].done and not it["precision"].failed
-    assert "1 nodes pinned to FP32 (`/norm/Mul`), the rest in fp16" in it["precision"].evidence[1]
+    assert "1 actions (1 pin_fp32), 1 nodes pinned to FP32 (`/norm/Mul`), 0 remedies declined, the " \
+        "rest in fp16" in it["precision"].evidence[1]
     probe = it["probe"]
     assert probe.done and "overall `saturate` (silent) on board (outputs)" in probe.evidence[0]
     assert "the profile says overflow `inf`; the board measured `saturate`" in probe.evidence[1]
@@ -203,7 +211,7 @@ def test_plan_written_by_convert_is_found(model_path, tmp_path):
     checklist = build_checklist(model, load_profile("orin"), model_arg="m.onnx", target_arg="orin",
                                 workspace=scan_workspace(ws))
     item = items(checklist)["precision"]
-    assert item.done and f"plan `{ws}/model.orin.plan.yaml`: 1 nodes pinned" in item.evidence[1]
+    assert item.done and f"plan `{ws}/model.orin.plan.yaml`: 1 actions (1 pin_fp32), 1 nodes pinned" in item.evidence[1]
     assert any(f"--plan {ws}/model.orin.plan.yaml" in s for s in items(checklist)["crosscheck"].steps)
 
 
@@ -214,3 +222,171 @@ def test_probe_item_says_when_the_profile_does_not_know_the_overflow(model_path)
                                        "board can tell",)
     orin = items(build_checklist(model, load_profile("orin"), model_arg="m", target_arg="orin"))
     assert orin["probe"].evidence == ("the profile says overflow `inf`; confirm it on the board",)
+
+
+def story_model(tmp_path):
+    """A graph with one of each fate, saved with three samples; returns (model, data dir)."""
+    import numpy as np
+    import onnx
+    from conftest import model_from_text
+    from onnx import numpy_helper
+
+    # x -> MatMul(x5000) -> Relu -> MatMul(x0.001) -> y   (rescaled: h reaches 1e5)
+    # x -> Exp -> Log -> z                                 (pinned: e reaches 4.9e8)
+    # x -> Add(mask with -inf) -> Softmax -> p             (one mask warning; Softmax safe)
+    model = model_from_text("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[1,4] x) => (float[1,4] y, float[1,4] z, float[1,4] p)
+      <float[4,4] W = {5000,0,0,0, 0,5000,0,0, 0,0,5000,0, 0,0,0,5000},
+       float[4,4] V = {0.001,0,0,0, 0,0.001,0,0, 0,0,0.001,0, 0,0,0,0.001},
+       float[1,4] M = {0, 0, -1, -1}> {
+      [big] h = MatMul(x, W)
+      [relu] r = Relu(h)
+      [small] y = MatMul(r, V)
+      [exp] e = Exp(x)
+      [log] z = Log(e)
+      [mask] a = Add(x, M)
+      [soft] p = Softmax(a)
+    }
+    """)
+    mask = numpy_helper.from_array(np.array([[0, 0, -np.inf, -np.inf]], np.float32), "M")
+    model.graph.initializer[2].CopyFrom(mask)
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    (tmp_path / "d").mkdir()
+    for i in range(3):
+        np.savez(tmp_path / "d" / f"{i}.npz", x=np.array([[20.0 - i, 15.0, 3.0, 1.0]], np.float32))
+    return tmp_path / "m.onnx", tmp_path / "d"
+
+
+def test_checklist_tells_the_plan_convert_makes_per_flagged_node(tmp_path):
+    model, data = story_model(tmp_path)
+    stats = tmp_path / "s.json"
+    assert run_cli("calibrate", model, "--data", data, "-o", stats).returncode == 0
+    planned = run_cli("convert", model, "--target", "a2000", "--stats", stats, "--plan-only",
+                      "-o", tmp_path / "plan.yaml", "--json")
+    assert planned.returncode == 0, planned.stderr
+    plan = json.loads(planned.stdout)
+    shown = run_cli("checklist", model, "--target", "a2000", "--stats", stats, "--json")
+    assert shown.returncode == 0, shown.stderr
+    story = json.loads(shown.stdout)["story"]
+    kinds = [a["action"] for a in plan["actions"]]
+    # The counts are convert's: the same actions by kind, the same pinned nodes.
+    assert story["action_count"] == len(kinds) == 2
+    assert story["actions"] == {k: kinds.count(k) for k in kinds}
+    pinned = sorted(n for a in plan["actions"] if a["action"] == "pin_fp32" for n in a["nodes"])
+    assert sorted(story["pinned_nodes"]) == pinned == ["exp", "log"]
+    fates = {s["node"]: s["fate"] for s in story["nodes"]}
+    assert fates == {"big": "rescaled", "relu": "rescaled", "exp": "pinned", "log": "pinned",
+                     "soft": "safe"}
+    assert {s["node"] for s in story["nodes"] if s["needs_fp32"]} == {"exp", "log"}
+    details = {s["node"]: s["detail"] for s in story["nodes"]}
+    # h = 20 x 5000 = 1e5; the rescale by 2^-2 leaves 25000, under the limit 32752.
+    assert "absmax 100000 -> 25000 (limit 32752)" in details["big"]
+    assert details["soft"].endswith("<= limit 32752")
+    # The -inf mask is one warning, never a risk ranked by its infinite abs-max.
+    assert story["masks"] == ["a"]
+    assert run_cli("checklist", model, "--target", "a2000", "--stats", stats, "-o",
+                   tmp_path / "c.md").returncode == 0
+    md = (tmp_path / "c.md").read_text()
+    assert md.count("intentional -inf mask") == 1
+    assert "non-finite" not in md and "infx" not in md and "inf x" not in md
+    assert "2 actions (1 pin_fp32, 1 rescale), 2 nodes pinned to FP32 (`exp`, `log`)" in md
+    assert "what convert --plan-only writes" in md and "- [ ] **2. Confirm" in md
+    # Given the plan file, the checklist reads it (and ticks the item) with the same story.
+    given = run_cli("checklist", model, "--target", "a2000", "--stats", stats, "--plan",
+                    tmp_path / "plan.yaml", "--json")
+    doc = json.loads(given.stdout)
+    assert doc["story"] == story
+    precision = next(i for i in doc["items"] if i["key"] == "precision")
+    assert precision["done"] and f"plan `{tmp_path / 'plan.yaml'}`" in precision["evidence"][1]
+
+
+def test_story_reads_the_planners_notes():
+    # x -> Exp -> y: the plan left the finding as a note; the story says why, with its numbers.
+    from npuprep.analyse.finding import Finding
+    from npuprep.profiles import Severity
+    from npuprep.report.story import plan_story
+
+    model = load_model_text("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4] x) => (float[4] y) { [ex] y = Exp(x) }
+    """)
+    found = Finding(rule="range.headroom", severity=Severity.WARNING, node="ex", op_type="Exp",
+                    tensor="y", message="past headroom")
+    profile = load_profile("a2000")
+    note = ("range.headroom at y: absmax 49893.3 is past the headroom limit 32752 but within "
+            "fp16 max; left as is (no remedy)")
+    plan = Plan(fingerprint=model.fingerprint, target="a2000", precision="fp16", notes=(note,))
+    (story,) = plan_story(model, profile, plan, [found]).nodes
+    assert (story.node, story.fate, story.needs_fp32) == ("ex", "headroom", False)
+    assert story.detail == "absmax 49893 > limit 32752, within max"
+    pinned = Plan(fingerprint=model.fingerprint, target="a2000", precision="fp16",
+                  actions=(PinFp32(nodes=("ex",)),))
+    (story,) = plan_story(model, profile, pinned, []).nodes
+    assert (story.fate, story.rules, story.detail) == ("pinned", (), "verify")
+
+
+def load_model_text(text: str):
+    import onnx
+    from conftest import model_from_text
+
+    from npuprep.model_io import Model, fingerprint
+
+    proto: onnx.ModelProto = model_from_text(text)
+    return Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+
+
+def test_story_says_host_scaled_where_convert_scales_an_output_on_the_host(save, tmp_path):
+    # x -> MatMul(x5000) -> Relu -> y (graph output, 1e5): on rk3588 (no FP32 pins) the rescale's
+    # compensation moves to the host; the story and convert's report name the same output.
+    import numpy as np
+
+    path = save("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[1,4] x) => (float[1,4] y)
+      <float[4,4] W = {5000,0,0,0, 0,5000,0,0, 0,0,5000,0, 0,0,0,5000}> {
+      [big] h = MatMul(x, W)
+      [relu] y = Relu(h)
+    }
+    """)
+    (tmp_path / "d").mkdir()
+    for i in range(2):
+        np.savez(tmp_path / "d" / f"{i}.npz", x=np.array([[20.0 - i, 15.0, 3.0, 1.0]], np.float32))
+    stats = tmp_path / "s.json"
+    assert run_cli("calibrate", path, "--data", tmp_path / "d", "-o", stats).returncode == 0
+    done = run_cli("convert", path, "--target", "rk3588", "--stats", stats, "--data", tmp_path / "d",
+                   "-o", tmp_path / "out.onnx")
+    assert done.returncode == 0, done.stderr
+    host = json.loads((tmp_path / "out.report.json").read_text())["host_scales"]
+    story = json.loads(run_cli("checklist", path, "--target", "rk3588", "--stats", stats,
+                               "--json").stdout)["story"]
+    assert host == {"y": 4.0}
+    assert {s["node"]: s["fate"] for s in story["nodes"]} == {"big": "host-scaled", "relu": "host-scaled"}
+    assert all(s["detail"].endswith("; y leaves scaled") for s in story["nodes"])
+
+
+def test_story_says_shifted_for_a_written_out_softmax(save, tmp_path):
+    # x -> Exp -> ReduceSum -> Div(e, s) -> p, x up to 20 (e = 4.9e8): the plan subtracts the max.
+    import numpy as np
+
+    path = save("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[1,4] x) => (float[1,4] p) {
+      [exp] e = Exp(x)
+      [sum] s = ReduceSum<keepdims = 1>(e)
+      [div] p = Div(e, s)
+    }
+    """)
+    (tmp_path / "d").mkdir()
+    np.savez(tmp_path / "d" / "0.npz", x=np.array([[20.0, 15.0, 3.0, 1.0]], np.float32))
+    stats = tmp_path / "s.json"
+    assert run_cli("calibrate", path, "--data", tmp_path / "d", "-o", stats).returncode == 0
+    plan = json.loads(run_cli("convert", path, "--target", "a2000", "--stats", stats, "--plan-only",
+                              "-o", tmp_path / "p.yaml", "--json").stdout)
+    story = json.loads(run_cli("checklist", path, "--target", "a2000", "--stats", stats,
+                               "--json").stdout)["story"]
+    assert [a["action"] for a in plan["actions"]] == ["shift_max"] and story["actions"] == {"shift_max": 1}
+    assert {s["node"]: s["fate"] for s in story["nodes"]} == {"exp": "shifted", "sum": "shifted",
+                                                              "div": "shifted"}
+    exp = next(s for s in story["nodes"] if s["node"] == "exp")
+    assert exp["detail"] == "max subtracted before exp (input absmax 20): its output <= 1"

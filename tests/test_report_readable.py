@@ -22,8 +22,12 @@ def test_points_have_hover_labels_with_tensor_and_value():
     # "s" (ReduceSum) had abs-max 9e5 before its rescale and 56250 after.
     assert "#2 s (ReduceSum): abs-max 900000 before, 56250 after" in _titles(headroom)
     assert any(t.startswith("#3 e (Exp): relative L2 0.15") and t.endswith("FAILED") for t in _titles(error))
-    # One label per plotted point: before and after on the headroom chart, two panels on the error chart.
-    assert len(_titles(headroom)) == 10 and len(_titles(error)) == 10
+    # One label per plotted point: before and after on the headroom chart, two panels on the error
+    # chart; and one per remedy marker, one marker per action.
+    points = [t for t in _titles(headroom) if t.startswith("#")]
+    assert len(points) == 10 and len(_titles(error)) == 10
+    assert [t for t in _titles(headroom) if not t.startswith("#")] == [
+        "rescale: square (2 tensors)", "pin_fp32: exp (1 tensors)", "clamp: c (1 tensors)"]
 
 
 def test_thresholds_and_min_normal_are_drawn_and_before_after_differ():

@@ -104,16 +104,18 @@ def run(args: argparse.Namespace) -> int:
     with outputs.open() as files:
         stats = _measured_stats(args, model)
         findings = gather_findings(args, model, profile, stats)
+        plan = _plan(args, model, profile, stats, findings)
         if args.html:
             from npuprep.cli.report import tensor_order
             from npuprep.report.render_html import render
 
-            page = check_report(model, profile, findings, fail_on) | {"profile": profile.to_dict()}
+            # The plan rides along: the chart marks exactly its actions, as convert would take them.
+            page = check_report(model, profile, findings, fail_on) | {
+                "profile": profile.to_dict(), "plan": plan.to_dict()}
             if stats is not None:
                 page["stats"] = stats.to_dict()
             files.text(args.html, render(page, order=tensor_order(model.proto)))
     failing = findings.reaching(fail_on)
-    plan = _plan(args, model, profile, stats, findings)
     if args.json:
         doc = check_report(model, profile, findings, fail_on) | {"plan": plan.to_dict()}
         if stats is not None:

@@ -14,6 +14,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="the ONNX model being brought up")
     add_target(p)
     p.add_argument("--stats", "-s", help="calibration stats JSON: names the riskiest tensors")
+    p.add_argument("--plan", metavar="PLAN.yaml",
+                   help="the plan convert applies (--plan-only's or convert's): the precision item "
+                        "says what it does per flagged node (default: W's plan, else the planner's "
+                        "own decision)")
     p.add_argument("--workspace", "-w", metavar="W",
                    help="folder of artefacts (W/*.json by kind, W/plan.yaml) that tick items")
     p.add_argument("--top", type=positive_int, default=10, help="riskiest tensors to name (default 10)")
@@ -34,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     outputs = OutputPlan()
     outputs.reads_model(args.model)
     outputs.reads(args.stats, "the --stats file")
+    outputs.reads(args.plan, "the --plan file")
     outputs.reads(args.workspace, "the --workspace folder", WORKSPACE_FILES)
     if Path(args.target).is_file():
         outputs.reads(args.target, "the --target profile")
@@ -53,9 +58,14 @@ def run(args: argparse.Namespace) -> int:
 
         stats = load_stats(stats_arg, model)
         findings = findings.merged(measured_findings(model, profile, stats))
+    plan = None
+    if args.plan:
+        from npuprep.plan import load_plan
+
+        plan = load_plan(args.plan, model)
     checklist = build_checklist(model, profile, model_arg=args.model, target_arg=args.target,
                                 stats=stats, stats_arg=stats_arg, workspace=workspace,
-                                findings=findings, top_n=args.top)
+                                findings=findings, top_n=args.top, plan=plan, plan_arg=args.plan or "")
     text = dump_json(checklist.to_dict()) if args.json else to_markdown(checklist)
     if args.output:
         with outputs.open() as files:

@@ -4,7 +4,8 @@ Items: calibrate, confirm the precision list (no BF16 to the compiler), probe th
 (loud or silent overflow), crosscheck the compiler's report, compare board and emulation
 layer by layer, measure speed, measure memory. An item is ticked only by evidence found
 in the workspace (W/*.json by "kind", W/plan.yaml or the W/*.plan.yaml convert writes); an
-open item says the command to run.
+open item says the command to run. The precision item tells the plan's story
+(`report/story.py`): per flagged node what the plan does, with convert's counts.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ import onnx
 
 from npuprep import json_io
 from npuprep.analyse.finding import Finding
-from npuprep.crosscheck.check import VERDICTS, is_sensitive
+from npuprep.crosscheck.check import VERDICTS
 from npuprep.crosscheck.readers import DEFAULT_REPORT_NAME, HOW_TO_GET
 from npuprep.errors import NpuprepError
 from npuprep.graph import attribute, tensor_types, walk_graphs
 from npuprep.model_io import Model
 from npuprep.names import md_code, shown
 from npuprep.profiles import OverflowMode, TargetProfile
+from npuprep.report.story import FATE_TEXT, FATES, Story
 from npuprep.report.terminal import number
 from npuprep.report.terminal import ratio as ratio_text
 
@@ -67,6 +69,7 @@ class Checklist:
     items: tuple[Item, ...]
     header: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    story: dict[str, Any] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return all(i.done and not i.failed for i in self.items)
@@ -78,6 +81,7 @@ class Checklist:
             "done": sum(i.done for i in self.items), "failed": sum(i.failed for i in self.items),
             "total": len(self.items),
             "items": [i.to_dict() for i in self.items], "notes": list(self.notes),
+            "story": dict(self.story),
         }
 
 
@@ -131,29 +135,42 @@ def build_checklist(
     workspace: Workspace | None = None,
     findings: Iterable[Finding] = (),
     top_n: int = 10,
+    plan: Any = None,
+    plan_arg: str = "",
 ) -> Checklist:
     """The checklist for `model` on `profile`; `*_arg` are the paths as the user typed them.
 
-    `findings` (static and measured) name the nodes the precision list must keep wide.
+    `findings` (static and measured) name the nodes the precision list must keep wide. The
+    plan is `plan` (read from `plan_arg`), else the workspace's plan file, else the planner's
+    own decision on these stats and findings (what `convert --plan-only` would write): the
+    precision item says per flagged node what that plan does, as check and convert do.
     """
     ws_arg = workspace.path if workspace else "W"
     notes = list(workspace.notes) if workspace else []
+    findings = list(findings)
     if stats is None and workspace is not None:
         found = workspace.latest("stats", model.fingerprint)
         if found:
             stats, stats_arg = _load_stats(found[0], model, notes)
-    plan = None
-    if workspace is not None and workspace.plan_path:
+    if plan is None and workspace is not None and workspace.plan_path:
         plan = _load_plan(workspace.plan_path, model, notes)
-    plan_arg = workspace.plan_path if plan is not None and workspace else f"{ws_arg}/plan.yaml"
+        plan_arg = workspace.plan_path if plan is not None else ""
     ctx = _Context(model, profile, model_arg, target_arg, ws_arg, stats_arg or f"{ws_arg}/stats.json",
-                   plan_arg, workspace)
+                   plan_arg or f"{ws_arg}/plan.yaml", workspace)
+    decision = plan
+    if decision is None:
+        from npuprep.plan.planner import make_plan
+
+        decision = make_plan(model, profile, stats, findings)
+    from npuprep.report.story import plan_story
+
+    story = plan_story(model, profile, decision, findings, stats)
     items = (
         _calibrate(ctx, stats),
-        _precision_list(ctx, plan, findings),
+        _precision_list(ctx, plan, decision, story, stats is not None),
         _probe(ctx),
         _crosscheck(ctx, plan is not None, stats is not None),
-        _compare(ctx, stats, top_n),
+        _compare(ctx, stats, top_n, story.masks),
         _speed(ctx),
         _memory(ctx),
     )
@@ -165,7 +182,8 @@ def build_checklist(
         f"Workspace: `{ws_arg}`." if workspace else
         "No workspace given: pass --workspace W to tick items from the artefacts in W.",
     )
-    return Checklist(model_arg, model.fingerprint, profile.name, items, header, tuple(notes))
+    return Checklist(model_arg, model.fingerprint, profile.name, items, header, tuple(notes),
+                     story.to_dict())
 
 
 @dataclass(frozen=True)
@@ -230,7 +248,12 @@ def bf16_tensors(model: Model) -> list[str]:
     return found
 
 
-def _precision_list(ctx: _Context, plan: Any, findings: Iterable[Finding]) -> Item:
+def _precision_list(ctx: _Context, plan: Any, decision: Any, story: Story, measured: bool) -> Item:
+    """BF16 in the model, then the plan's decision and, per flagged node, what it does there.
+
+    `plan` is a plan file (reviewed or written by convert); without one, `decision` is the
+    planner's own (the item stays open until a plan file exists).
+    """
     p = ctx.profile
     title = f"Confirm the precision list ({p.default_precision} by default, FP32 where pinned) " \
             "and that no BF16 reaches the compiler"
@@ -245,23 +268,54 @@ def _precision_list(ctx: _Context, plan: Any, findings: Iterable[Finding]) -> It
                      f"-o {ctx.ws}/model_{p.default_precision}.onnx")
     else:
         evidence.append("no BF16 tensor or Cast to BF16 in the model")
-    sensitive = list(dict.fromkeys(f.node for f in findings if is_sensitive(f) and f.node))
-    if sensitive:
-        shown = ", ".join(f"`{n}`" for n in sensitive[:8]) + (" ..." if len(sensitive) > 8 else "")
-        evidence.append(f"{len(sensitive)} nodes need more than {p.default_precision} "
-                        f"(small-op rules or measured ranges): {shown}")
-    if plan is not None:
-        pinned = sorted(plan.pinned_nodes())
-        shown = ", ".join(f"`{n}`" for n in pinned[:8]) + (" ..." if len(pinned) > 8 else "")
-        evidence.append(f"plan `{ctx.plan_arg}`: {len(pinned)} nodes pinned to FP32"
-                        + (f" ({shown})" if pinned else "") + f", the rest in {plan.precision}")
-    else:
-        steps.append(f"npuprep check {ctx.model_arg} --target {ctx.target_arg}")
+    basis = "measured ranges" if measured else "static rules only: calibrate for measured ranges"
+    source = (f"plan `{ctx.plan_arg}`" if plan is not None else
+              f"the planner's decision ({basis}; what convert --plan-only writes)")
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(story.actions.items()))
+    pinned = list(story.pinned)
+    shown = ", ".join(f"`{n}`" for n in pinned[:8]) + (" ..." if len(pinned) > 8 else "")
+    evidence.append(f"{source}: {sum(story.actions.values())} actions" + (f" ({kinds})" if kinds else "")
+                    + f", {len(pinned)} nodes pinned to FP32" + (f" ({shown})" if pinned else "")
+                    + f", {story.declined} remedies declined, the rest in {decision.precision}")
+    flagged = [s for s in story.nodes if s.rules]
+    if flagged:
+        counts = ", ".join(f"{n} {fate}" for fate, n in _counts(flagged).items())
+        evidence.append(f"{len(flagged)} nodes flagged by small-op rules or measured ranges; "
+                        f"what the plan does: {counts}")
+    for fate, members in _by_fate(story).items():
+        groups = _groups(members)
+        listed = "; ".join(groups[:_SHOWN])
+        more = f"; ... {len(groups) - _SHOWN} more" if len(groups) > _SHOWN else ""
+        evidence.append(f"{fate} ({len(members)} nodes, {FATE_TEXT[fate]}): {listed}{more}")
+    if plan is None:
         steps.append(f"npuprep convert {ctx.model_arg} --target {ctx.target_arg} --stats {ctx.stats_arg} "
                      f"--plan-only -o {ctx.ws}/plan.yaml")
         steps.append(f"review {ctx.ws}/plan.yaml, then npuprep convert ... --plan {ctx.ws}/plan.yaml "
                      "writes the model and the compiler's precision constraint files")
     return Item("precision", title, plan is not None and not bf16, tuple(evidence), tuple(steps))
+
+
+_SHOWN = 6
+
+
+def _groups(members: list[Any]) -> list[str]:
+    """Nodes that one finding (or one island) decides share an entry: a pattern's members."""
+    grouped: dict[tuple[str, str], list[str]] = {}
+    for s in members:
+        grouped.setdefault((s.because or s.node, s.detail), []).append(s.node)
+    return [f"`{nodes[0]}`" + (f" +{len(nodes) - 1} nodes" if len(nodes) > 1 else "")
+            + (f" ({detail})" if detail else "") for (_, detail), nodes in grouped.items()]
+
+
+def _counts(stories: list[Any]) -> dict[str, int]:
+    return {f: n for f in FATES if (n := sum(s.fate == f for s in stories))}
+
+
+def _by_fate(story: Story) -> dict[str, list[Any]]:
+    grouped: dict[str, list[Any]] = {}
+    for s in story.nodes:
+        grouped.setdefault(s.fate, []).append(s)
+    return {f: grouped[f] for f in FATES if f in grouped}
 
 
 def _probe(ctx: _Context) -> Item:
@@ -328,11 +382,18 @@ def _crosscheck(ctx: _Context, have_plan: bool, have_stats: bool) -> Item:
     return Item("crosscheck", title, True, tuple(evidence), fix, failed=not passed)
 
 
-def riskiest_tensors(stats: Any, profile: TargetProfile, top_n: int) -> list[tuple[str, str, float, float]]:
-    """(tensor, producer, absmax, absmax / format max), largest first; non-finite first of all."""
+def riskiest_tensors(stats: Any, profile: TargetProfile, top_n: int,
+                     masks: Iterable[str] = ()) -> list[tuple[str, str, float, float]]:
+    """(tensor, producer, absmax, absmax / format max), largest first; non-finite first of all.
+
+    `masks` (tensors holding an intentional -inf mask) are left out: they are no risk.
+    """
     rows = []
     fmt_max = profile.format.max
+    skip = set(masks)
     for name, r in stats.tensors.items():
+        if name in skip:
+            continue
         absmax = float(r.absmax)
         key = math.inf if not math.isfinite(absmax) else absmax
         rows.append((key, name, str(getattr(r, "node", "")), absmax))
@@ -340,13 +401,17 @@ def riskiest_tensors(stats: Any, profile: TargetProfile, top_n: int) -> list[tup
     return [(name, node, absmax, absmax / fmt_max) for _, name, node, absmax in rows[:top_n]]
 
 
-def _compare(ctx: _Context, stats: Any, top_n: int) -> Item:
+def _compare(ctx: _Context, stats: Any, top_n: int, masks: tuple[str, ...] = ()) -> Item:
     p = ctx.profile
     title = "Compare board and emulation on a fixed batch, layer by layer"
     evidence: list[str] = []
     steps: list[str] = []
+    if masks:
+        evidence.append(f"{len(masks)} tensors hold an intentional -inf mask (first `{masks[0]}`): "
+                        "one warning (range.mask), no risk; check on the board that the mask "
+                        f"value -max ({-p.format.max:g}) survives the compiler")
     if stats is not None:
-        risky = riskiest_tensors(stats, p, top_n)
+        risky = riskiest_tensors(stats, p, top_n, masks)
         limit = p.limit()
         listed = "; ".join(
             (f"`{t}` ({node or 'input'}): absmax {number(absmax)} = {_share(ratio)} {p.format.name} max"

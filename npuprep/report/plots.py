@@ -22,7 +22,8 @@ LIMIT_STYLE = {"max": ("#c0392b", "-"), "fp8": ("#7b241c", "-."), "headroom": ("
 # Before a remedy: grey, dashed, open circles; after: blue, solid, filled (apart even in grey print).
 BEFORE = {"color": "#7f8c8d", "linestyle": "--", "hollow": True}
 AFTER = {"color": "#2471a3", "linestyle": "-", "hollow": False}
-REMEDY_COLOR = {"rescale": "#27ae60", "clamp": "#f39c12", "pin_fp32": "#8e44ad"}
+REMEDY_COLOR = {"rescale": "#27ae60", "clamp": "#f39c12", "pin_fp32": "#8e44ad",
+                "shift_max": "#16a085"}
 # Tensor names fit under the axis up to this many tensors; beyond, positions are numbered.
 NAMED_TICKS = 40
 # Beyond this many tensors, per-point markers only blur the line.
@@ -170,12 +171,19 @@ def headroom_svg(points: Sequence[TensorPoint], limits: Sequence[Limit],
     hover |= _hover(ax, "before", xs, before, floor, ceiling, titles)
     kinds = sorted({m.kind for m in marks})
     rug = ax.get_xaxis_transform()
-    for m in marks:
+    for i, m in enumerate(marks):
         color = REMEDY_COLOR.get(m.kind, "#555555")
-        # One row of triangles per remedy kind along the bottom, so marks at one tensor stay apart.
+        # One row per remedy kind along the bottom, so marks at one tensor stay apart. One
+        # triangle per action, where it starts; a line spans the other tensors it touches.
         height = 0.03 + 0.05 * (kinds.index(m.kind))
-        ax.scatter(m.positions, [height] * len(m.positions), marker="^", s=60, color=color,
-                   zorder=6, transform=rug)
+        if len(m.positions) > 1:
+            ax.plot([m.positions[0], m.positions[-1]], [height, height], color=color, linewidth=2,
+                    alpha=0.6, zorder=5, transform=rug, solid_capstyle="butt")
+        triangle = ax.scatter([m.positions[0]], [height], marker="^", s=60, color=color, zorder=6,
+                              transform=rug)
+        gid = f"remedy-{i}"
+        triangle.set_gid(gid)
+        hover[gid] = f"{m.kind}: {m.label} ({len(m.positions)} tensors)"
         if len(marks) <= 12:
             ax.annotate(f"{m.kind}: {m.label}", (m.positions[0], height), xycoords=rug,
                         xytext=(5, 4), textcoords="offset points", rotation=90, fontsize=7,

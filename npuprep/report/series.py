@@ -14,7 +14,7 @@ from typing import Any
 from npuprep.errors import NpuprepError
 from npuprep.numerics import get_format
 
-REMEDY_KINDS: tuple[str, ...] = ("rescale", "clamp", "pin_fp32")
+REMEDY_KINDS: tuple[str, ...] = ("shift_max", "rescale", "clamp", "pin_fp32")
 
 
 @dataclass(frozen=True)
@@ -248,7 +248,8 @@ def plan_of(result: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def remedy_marks(result: Mapping[str, Any], points: tuple[TensorPoint, ...]) -> tuple[RemedyMark, ...]:
-    """One mark per action (convert) or per remedied finding (check), at the tensors it acts on."""
+    """One mark per action, at the tensors it acts on; a result without a plan (an old check
+    JSON) gets one per remedied finding."""
     position = {p.tensor: i for i, p in enumerate(points)}
     produced_by: dict[str, list[int]] = {}
     for i, p in enumerate(points):
