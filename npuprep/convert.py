@@ -194,7 +194,7 @@ def convert(
     everywhere (a classifier judged by its decisions). `progress` is told each stage as it
     starts (the CLI's spinner).
     """
-    from npuprep.analyse import static_findings
+    from npuprep.analyse import findings_for
 
     stage = progress or (lambda _: None)
     stage("findings")
@@ -206,11 +206,7 @@ def convert(
     fmt = get_format(precision or profile.default_precision)
     # What the target's compiler can take is what gets planned, rewritten and verified.
     work, stats, flow_notes = for_target(model, profile, stats, samples)
-    findings = static_findings(work, profile)
-    if stats is not None:
-        from npuprep.analyse.measured import measured_findings
-
-        findings = findings.merged(measured_findings(work, profile, stats, precision))
+    findings = findings_for(work, profile, stats, precision)
     if plan is None:
         stage("planning")
         plan = make_plan(work, profile, stats, findings, precision=precision)

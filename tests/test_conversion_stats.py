@@ -209,3 +209,20 @@ def test_a_conversion_without_the_record_is_known_by_its_report(conversion, tmp_
     mapped = load_stats(stats, load_model(tmp_path / "m.orin.onnx"))
     assert mapped.mapping["rescaled"] == 2
     assert mapped.tensors["h"].absmax == conversion["stats"].tensors["h"].absmax / 2
+
+
+def test_check_on_the_conversion_holds_no_range_against_what_it_keeps_fp32(conversion):
+    # q's Exp -> Log island stays FP32 in the conversion: the source's stats flag its Exp
+    # (e^30 > 65504) on the source model, not on the conversion that pinned it.
+    stats = conversion["folder"] / "m.stats.json"
+    kept = {n for n in conversion["result"].pinned_nodes}
+    assert "a_node" in kept
+    on_source = run_cli("check", conversion["folder"] / "m.onnx", "-t", "orin", "--stats", stats, "--json")
+    on_conversion = run_cli("check", conversion["converted"], "-t", "orin", "--stats", stats, "--json")
+    assert on_conversion.returncode in (0, 1), on_conversion.stderr
+
+    def overflowing(proc):
+        return {f["tensor"] for f in json.loads(proc.stdout)["findings"] if f["rule"] == "range.overflow"}
+
+    assert "a" in overflowing(on_source)
+    assert "a" not in overflowing(on_conversion)

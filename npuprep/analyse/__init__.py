@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from npuprep.analyse import autocast, dtypes, initialisers, inputs, patterns, small_ops
 from npuprep.analyse.context import build_context
@@ -10,7 +11,7 @@ from npuprep.analyse.finding import Finding, Findings
 from npuprep.model_io import Model
 from npuprep.profiles import TargetProfile
 
-__all__ = ["STATIC_RULES", "Finding", "Findings", "static_findings"]
+__all__ = ["STATIC_RULES", "Finding", "Findings", "findings_for", "static_findings"]
 
 # Every rule id the static rules emit, with what it means (reports and checklists cite these).
 STATIC_RULES: dict[str, str] = {
@@ -60,3 +61,14 @@ def static_findings(model: Model, profile: TargetProfile) -> Findings:
     notes = [f for f in autocast.find(ctx) if (f.scope, f.node) not in flagged]
     return Findings(tuple(inputs.find(ctx) + dtypes.find(ctx) + initialisers.find(ctx) + folded
                           + hazards + notes))
+
+
+def findings_for(model: Model, profile: TargetProfile, stats: Any = None,
+                 precision: str | None = None) -> Findings:
+    """The static findings, merged with the measured ones when `stats` are given."""
+    findings = static_findings(model, profile)
+    if stats is None:
+        return findings
+    from npuprep.analyse.measured import measured_findings
+
+    return findings.merged(measured_findings(model, profile, stats, precision))

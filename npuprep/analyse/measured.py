@@ -21,9 +21,14 @@ UNDERFLOW_SHARE = 0.01
 def measured_findings(
     model: Model, profile: TargetProfile, stats: CalibrationStats, precision: str | None = None
 ) -> Findings:
-    """One finding per tensor whose measured range leaves the format (or its headroom)."""
+    """One finding per tensor whose measured range leaves the format (or its headroom).
+
+    A converted model that already stores some tensors in a low format decided to keep the
+    others in FP32: their ranges are not held against the target format.
+    """
     fmt = get_format(precision or profile.default_precision)
     ops = _producer_ops(model)
+    kept_fp32 = _kept_fp32(model)
     found: list[Finding] = []
     masks: list[tuple[RangeStats, str]] = []
     from_masks = _downstream_of_mask_constants(model)
@@ -44,7 +49,7 @@ def measured_findings(
                 remedy_text="find where the FP32 model produces them (bad inputs, division by zero, log of 0)",
             ))
             continue
-        if fmt.name == "fp32":
+        if fmt.name == "fp32" or s.tensor in kept_fp32:
             continue
         remedy = "rescale" if op in LINEAR_WITH_WEIGHTS else "pin_fp32"
         remedy_text = (
@@ -89,6 +94,21 @@ def measured_findings(
     if masks:
         found.append(_mask_finding(masks, fmt))
     return Findings(tuple(sorted(found, key=lambda f: (-int(f.severity), f.rule, f.tensor))))
+
+
+def _kept_fp32(model: Model) -> set[str]:
+    """FP32 tensors of a model that stores others in FP16/BF16 (a conversion's islands and
+    FP32 graph inputs/outputs); empty for a model that is FP32 throughout."""
+    from onnx import TensorProto
+
+    from npuprep.graph import infer_tensors
+
+    types = infer_tensors(model.proto).types
+    # Node outputs, not initialisers: a source with BF16 weights behind Casts is FP32 throughout.
+    computed = {o for scope in walk_graphs(model.proto.graph) for n in scope.graph.node for o in n.output}
+    if not any(types.get(o) in (TensorProto.FLOAT16, TensorProto.BFLOAT16) for o in computed):
+        return set()
+    return {name for name, t in types.items() if t == TensorProto.FLOAT}
 
 
 def _evidence(s: RangeStats, fmt: NumberFormat, profile: TargetProfile, stats: CalibrationStats) -> dict:

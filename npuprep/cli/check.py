@@ -46,16 +46,11 @@ def gather_findings(args: argparse.Namespace, model: Any, profile: Any, stats: A
     `stats` are measured ranges already at hand; without them the options say where to get
     them (--stats, --data, --synthetic) or the check stays static.
     """
-    from npuprep.analyse import static_findings
+    from npuprep.analyse import findings_for
 
-    findings = static_findings(model, profile)
     if stats is None:
         stats = _measured_stats(args, model)
-    if stats is None:
-        return findings
-    from npuprep.analyse.measured import measured_findings
-
-    return findings.merged(measured_findings(model, profile, stats, precision=args.precision))
+    return findings_for(model, profile, stats, args.precision)
 
 
 def _measured_stats(args: argparse.Namespace, model: Any) -> Any:

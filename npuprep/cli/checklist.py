@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from npuprep.analyse import static_findings
+    from npuprep.analyse import findings_for
     from npuprep.cli.common import dump_json
     from npuprep.crosscheck.checklist import build_checklist, scan_workspace, to_markdown
     from npuprep.model_io import load_model
@@ -46,18 +46,16 @@ def run(args: argparse.Namespace) -> int:
         outputs.writes(args.output, "-o")
         outputs.check()
     workspace = scan_workspace(args.workspace) if args.workspace else None
-    findings = static_findings(model, profile)
     stats_arg = args.stats or ""
     found = workspace.latest("stats", model.fingerprint) if workspace and not stats_arg else None
     if found and found[1].get("fingerprint") == model.fingerprint:
         stats_arg = found[0]
     stats = None
     if stats_arg:
-        from npuprep.analyse.measured import measured_findings
         from npuprep.calibrate import load_stats
 
         stats = load_stats(stats_arg, model)
-        findings = findings.merged(measured_findings(model, profile, stats))
+    findings = findings_for(model, profile, stats)
     plan = None
     if args.plan:
         from npuprep.plan import load_plan

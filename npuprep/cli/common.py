@@ -23,9 +23,11 @@ def add_json(p: argparse.ArgumentParser) -> None:
 
 
 def add_target(p: argparse.ArgumentParser, required: bool = True) -> None:
+    from npuprep.profiles import builtin_names
+
     p.add_argument(
         "--target", "-t", required=required, default=None if required else "generic",
-        help="built-in profile name (generic, orin, a2000) or a profile YAML path",
+        help=f"built-in profile name ({', '.join(builtin_names())}) or a profile YAML path",
     )
 
 

@@ -208,16 +208,13 @@ def _plan_only(args: argparse.Namespace, model: Any, profile: Any, stats: Any, s
                output: Path, files: Any) -> Any:
     from dataclasses import replace
 
-    from npuprep.analyse import static_findings
-    from npuprep.analyse.measured import measured_findings
+    from npuprep.analyse import findings_for
     from npuprep.convert import for_target
     from npuprep.plan import dump_plan
     from npuprep.plan.planner import make_plan
 
     model, stats, notes = for_target(model, profile, stats, list(samples) if samples is not None else None)
-    findings = static_findings(model, profile)
-    if stats is not None:
-        findings = findings.merged(measured_findings(model, profile, stats, args.precision))
+    findings = findings_for(model, profile, stats, args.precision)
     plan = make_plan(model, profile, stats, findings, precision=args.precision)
     plan = replace(plan, notes=(*notes, *plan.notes))
     files.text(output, dump_plan(plan))

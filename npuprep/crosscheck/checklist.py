@@ -157,14 +157,21 @@ def build_checklist(
         plan_arg = workspace.plan_path if plan is not None else ""
     ctx = _Context(model, profile, model_arg, target_arg, ws_arg, stats_arg or f"{ws_arg}/stats.json",
                    plan_arg or f"{ws_arg}/plan.yaml", workspace)
-    decision = plan
+    decision, planned = plan, model
     if decision is None:
+        from npuprep.analyse import findings_for
+        from npuprep.convert import for_target
         from npuprep.plan.planner import make_plan
 
-        decision = make_plan(model, profile, stats, findings)
+        # The graph convert plans: without control flow where the target takes none.
+        planned, stats, flow_notes = for_target(model, profile, stats)
+        if planned is not model:
+            findings = list(findings_for(planned, profile, stats))
+        decision = make_plan(planned, profile, stats, findings)
+        notes += flow_notes
     from npuprep.report.story import plan_story
 
-    story = plan_story(model, profile, decision, findings, stats)
+    story = plan_story(planned, profile, decision, findings, stats)
     items = (
         _calibrate(ctx, stats),
         _precision_list(ctx, plan, decision, story, stats is not None),

@@ -40,7 +40,7 @@ class FindingRef:
 @dataclass(frozen=True)
 class Rescale:
     """Multiply the entry's weights (or a graph input) by 2^-k; the scale travels through
-    `domain` (tensor -> exponent e: the tensor is multiplied by scale**e) and is undone
+    `domain` (tensor -> exponent e: the tensor is multiplied by 2**e) and is undone
     exactly by `absorbers`.
 
     `absmax`/`absmax_after` are the measured largest magnitude of the overflowing tensor

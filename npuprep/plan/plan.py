@@ -30,7 +30,7 @@ from npuprep.yaml_io import read_yaml
 SCHEMA_VERSION = 1
 # k of a rescale: 2^-24 is FP16's smallest subnormal, 2^15 the largest power of two below its max.
 _K_RANGE = (-15, 24)
-# Largest |e| of a domain exponent: scale**e stays a finite double for every allowed k.
+# Largest |e| of a domain exponent: 2**e stays a finite double for every allowed k.
 _MAX_EXPONENT = 64
 
 
@@ -153,7 +153,7 @@ def _comments(action: Action) -> dict[str, str]:
     if isinstance(action, Rescale):
         return {
             "k": f"scale = 2^{-action.k} = {action.scale!r}",
-            "domain": "tensor: exponent e (the tensor is multiplied by scale**e)",
+            "domain": "tensor: exponent e (the tensor is multiplied by 2**e)",
         }
     if isinstance(action, Clamp) and action.kind == "denominator":
         return {"lo": "smallest magnitude let through; the sign is kept"}
