@@ -64,11 +64,12 @@ def static_findings(model: Model, profile: TargetProfile) -> Findings:
 
 
 def findings_for(model: Model, profile: TargetProfile, stats: Any = None,
-                 precision: str | None = None) -> Findings:
-    """The static findings, merged with the measured ones when `stats` are given."""
+                 precision: str | None = None, *, as_stored: bool = False) -> Findings:
+    """The static findings, merged with the measured ones when `stats` are given
+    (`as_stored`: see npuprep.analyse.measured.measured_findings)."""
     findings = static_findings(model, profile)
     if stats is None:
         return findings
     from npuprep.analyse.measured import measured_findings
 
-    return findings.merged(measured_findings(model, profile, stats, precision))
+    return findings.merged(measured_findings(model, profile, stats, precision, as_stored=as_stored))

@@ -19,16 +19,19 @@ UNDERFLOW_SHARE = 0.01
 
 
 def measured_findings(
-    model: Model, profile: TargetProfile, stats: CalibrationStats, precision: str | None = None
+    model: Model, profile: TargetProfile, stats: CalibrationStats, precision: str | None = None,
+    *, as_stored: bool = False,
 ) -> Findings:
     """One finding per tensor whose measured range leaves the format (or its headroom).
 
-    A converted model that already stores some tensors in a low format decided to keep the
-    others in FP32: their ranges are not held against the target format.
+    `as_stored`: a converted model that already stores some tensors in a low format decided
+    to compute the others in FP32, and their ranges are not held against the target format
+    (`check` of a conversion). Crosscheck leaves it off: there the compiler's report, not the
+    ONNX types, says what ran in FP16.
     """
     fmt = get_format(precision or profile.default_precision)
     ops = _producer_ops(model)
-    kept_fp32 = _kept_fp32(model)
+    kept_fp32 = _kept_fp32(model) if as_stored else set()
     found: list[Finding] = []
     masks: list[tuple[RangeStats, str]] = []
     from_masks = _downstream_of_mask_constants(model)
@@ -97,8 +100,8 @@ def measured_findings(
 
 
 def _kept_fp32(model: Model) -> set[str]:
-    """FP32 tensors of a model that stores others in FP16/BF16 (a conversion's islands and
-    FP32 graph inputs/outputs); empty for a model that is FP32 throughout."""
+    """Tensors computed in FP32 by a model that stores others in FP16/BF16 (a conversion's
+    islands); empty for a model that is FP32 throughout."""
     from onnx import TensorProto
 
     from npuprep.graph import infer_tensors
@@ -108,7 +111,10 @@ def _kept_fp32(model: Model) -> set[str]:
     computed = {o for scope in walk_graphs(model.proto.graph) for n in scope.graph.node for o in n.output}
     if not any(types.get(o) in (TensorProto.FLOAT16, TensorProto.BFLOAT16) for o in computed):
         return set()
-    return {name for name, t in types.items() if t == TensorProto.FLOAT}
+    # A Cast to FP32 (at an island border or an output) carries values that went through FP16.
+    casts = {o for scope in walk_graphs(model.proto.graph) for n in scope.graph.node
+             if n.op_type == "Cast" for o in n.output}
+    return {name for name, t in types.items() if t == TensorProto.FLOAT and name not in casts}
 
 
 def _evidence(s: RangeStats, fmt: NumberFormat, profile: TargetProfile, stats: CalibrationStats) -> dict:
