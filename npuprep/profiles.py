@@ -9,6 +9,7 @@ from typing import Any
 
 from npuprep.errors import NpuprepError
 from npuprep.numerics import ALL_DTYPE_NAMES, NumberFormat, formats, get_format
+from npuprep.profile_names import builtin_dir, builtin_names
 from npuprep.yaml_io import read_yaml
 
 
@@ -129,19 +130,6 @@ class TargetProfile:
             "control_flow": str(self.control_flow),
             "sources": dict(self.sources),
         }
-
-
-def builtin_dir() -> Path:
-    """Folder of the built-in profiles, installed (inside the package) or in a checkout."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "target_profiles", here.parent / "target_profiles"):
-        if (candidate / "generic.yaml").is_file():
-            return candidate
-    raise RuntimeError("built-in target profiles are missing from the installation")
-
-
-def builtin_names() -> list[str]:
-    return sorted(p.stem for p in builtin_dir().glob("*.yaml"))
 
 
 def load_profile(name_or_path: str | Path) -> TargetProfile:

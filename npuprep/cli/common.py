@@ -23,7 +23,7 @@ def add_json(p: argparse.ArgumentParser) -> None:
 
 
 def add_target(p: argparse.ArgumentParser, required: bool = True) -> None:
-    from npuprep.profiles import builtin_names
+    from npuprep.profile_names import builtin_names
 
     p.add_argument(
         "--target", "-t", required=required, default=None if required else "generic",
