@@ -41,8 +41,10 @@ import corpus  # noqa: E402 - the sibling script, run from anywhere
 def cell(check) -> str:
     if not check.built:
         # `onnx.onnx_cpp2py_export.checker.ValidationError: ...` -> `ValidationError: ...`
-        head, _, rest = check.refusal.partition(": ")
-        return f"refused in {check.stage}: `{head.rsplit('.', 1)[-1]}: {rest[:80]}`"
+        head, colon, rest = check.refusal.partition(": ")
+        if not colon:  # npuprep's own words (a crash), not an exception line
+            return f"refused in {check.stage}: {head}"
+        return f"refused in {check.stage}: `{head.rsplit('.', 1)[-1]}: {rest[:100]}`"
     bad = sum(o["nonfinite"] for o in check.outputs.values())
     values = sum(o.get("values", 0) for o in check.outputs.values())
     if bad:
