@@ -43,8 +43,8 @@ def cell(check) -> str:
         # `onnx.onnx_cpp2py_export.checker.ValidationError: ...` -> `ValidationError: ...`
         head, colon, rest = check.refusal.partition(": ")
         if not colon:  # npuprep's own words (a crash), not an exception line
-            return f"refused in {check.stage}: {head}"
-        return f"refused in {check.stage}: `{head.rsplit('.', 1)[-1]}: {rest[:100]}`"
+            return head
+        return f"refused in {check.stage}: `{head.rsplit('.', 1)[-1]}: {rest[:140]}`"
     bad = sum(o["nonfinite"] for o in check.outputs.values())
     values = sum(o.get("values", 0) for o in check.outputs.values())
     if bad:
