@@ -45,6 +45,42 @@ def test_log_parsing_finds_the_refusal_and_the_range_warning():
     assert range_warnings(LOG) == [{"tensor": "r1", "lo": "0.0", "hi": "inf"}]
 
 
+# What rknn-toolkit2 2.5.0 logged for a model with BF16 weights (nudenet_bf16 of the corpus):
+# its constant folding runs onnxruntime, whose error it re-raises as `ValueError: Traceback`.
+BF16_LOG = (
+    "E build: Traceback (most recent call last):\n"
+    '  File "rknn/api/graph_optimizer.py", line 970, in fold_constant\n'
+    "onnxruntime.capi.onnxruntime_pybind11_state.InvalidArgument: [ONNXRuntimeError] : 2 : "
+    "INVALID_ARGUMENT : Unexpected input data type. Actual: (tensor(uint16)) , expected: "
+    "(tensor(bfloat16))\n"
+    "E rknn-toolkit2 version: 2.5.0\n"
+    "During handling of the above exception, another exception occurred:\n"
+    "ValueError: Traceback (most recent call last):\n"
+    "rknn_job: failed in build\n"
+)
+
+
+def test_the_refusal_is_the_real_exception_not_the_toolkits_rewrapping():
+    assert error_lines(BF16_LOG) == [
+        "onnxruntime.capi.onnxruntime_pybind11_state.InvalidArgument: [ONNXRuntimeError] : 2 : "
+        "INVALID_ARGUMENT : Unexpected input data type. Actual: (tensor(uint16)) , expected: "
+        "(tensor(bfloat16))"]
+
+
+def test_a_vendor_crash_names_the_signal_and_the_step_it_crashed_in(tmp_path):
+    """A stand-in for the vendor python that reaches build and dies of SIGSEGV, as
+    rknn-toolkit2 2.5.0 does building the corpus's diffusion UNet."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'rknn_job: stage load_onnx' >&2\n"
+                    "echo 'rknn_job: stage build' >&2\nkill -SEGV $$\n")
+    fake.chmod(0o755)
+    run = run_rknn(_conv_relu(1.0), [{"x": np.ones((1, 4, 8, 8), np.float32)}], python=fake,
+                   work_dir=tmp_path / "work")
+    assert not run
+    assert run.stage == "build (crashed)"
+    assert run.refusal == "the vendor process crashed (signal 11) in build"
+
+
 def test_a_missing_vendor_python_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("NPUPREP_RKNN_PYTHON", str(tmp_path / "nope" / "python"))
     with pytest.raises(NpuprepError, match="NPUPREP_RKNN_PYTHON.*make_rknn_venv.sh"):

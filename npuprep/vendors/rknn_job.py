@@ -54,6 +54,8 @@ def run(spec_path):
 
     def at(stage):
         STAGE["now"] = stage
+        # On stderr as it happens: a crash inside the toolkit (SIGSEGV) writes no result.
+        print(f"rknn_job: stage {stage}", file=sys.stderr, flush=True)
 
     def finish(stage, ok=False):
         result["stage"] = stage

@@ -31,6 +31,11 @@ KIT_RUNNER = Path(__file__).with_name("rknn_kit_runner.py")
 MAKE_VENV = Path(__file__).with_name("make_rknn_venv.sh")
 SETUP_HINT = f"build it with: bash {MAKE_VENV} (then export {ENV_PYTHON}=DIR/bin/python)"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# `TypeError: ...`, `onnxruntime.capi.onnxruntime_pybind11_state.InvalidArgument: ...`
+_RAISED = re.compile(r"^(?:[a-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Argument|Fail\w*|Exit): "
+                     r"(?!Traceback \(most recent call last\))")
+# rknn_job.py's `rknn_job: stage NAME` lines: the step a crash happened in.
+_STAGE = re.compile(r"rknn_job: stage (\w+)")
 # `W ... The range [0.0, inf] of 'r1' is out of the float16!`
 _RANGE = re.compile(r"The range \[(?P<lo>[^,\]]+), (?P<hi>[^\]]+)\] of '(?P<tensor>[^']+)' "
                     r"is out of the float16")
@@ -165,15 +170,21 @@ def _run_in(work: Path, exe: Path, model: onnx.ModelProto, samples: Sequence[dic
     )
     report = work / "accuracy" / "error_analysis.txt"
     failed_in = re.search(r"rknn_job: failed in (\w+)", log)
-    stage = result.get("stage") or (failed_in.group(1) if failed_in else "import")
+    stages = _STAGE.findall(log)
+    stage = result.get("stage") or (failed_in.group(1) if failed_in else
+                                    stages[-1] if stages else "import")
+    errors = error_lines(log)
     if proc.returncode < 0:
-        stage = f"crashed (signal {-proc.returncode})"
+        # A crash (SIGSEGV inside the toolkit) leaves no result and often no error line.
+        crash = f"the vendor process crashed (signal {-proc.returncode}) in {stage}"
+        errors = [*errors, crash] if errors else [crash]
+        stage = f"{stage} (crashed)"
     return RknnRun(
         ok=bool(result.get("ok")) and proc.returncode == 0,
         stage=stage,
         outputs=outputs,
         log=log,
-        errors=tuple(error_lines(log)),
+        errors=tuple(errors),
         range_warnings=tuple(range_warnings(log)),
         accuracy_report=report.read_text() if report.is_file() else "",
         rknn_file=str(export_rknn or ""),
@@ -185,7 +196,9 @@ def error_lines(log: str) -> list[str]:
     lines = [ln.strip() for ln in _ANSI.sub("", log).splitlines()]
     found = [ln[2:].strip() for ln in lines if ln.startswith("E ")
              and "Traceback" not in ln and "toolkit2 version" not in ln]
-    raised = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception): ", ln)]
+    # The toolkit re-raises every error as `ValueError: Traceback ...` around the real one,
+    # whose class need not end in Error (onnxruntime's `...pybind11_state.InvalidArgument`).
+    raised = [ln for ln in lines if _RAISED.match(ln)]
     return list(dict.fromkeys(found + raised[-1:]))
 
 
