@@ -302,30 +302,46 @@ def for_target(model: Model, profile: TargetProfile, stats: Any = None,
     """`model` as the target's compiler can take it, its statistics, and notes saying what
     changed.
 
-    A profile with `control_flow: none` gets its If nodes removed before planning
+    Every target gets a written-out mean (`ReduceSum -> Mul(1/N)`) folded into one ReduceMean
+    (npuprep.rewrite.sum_to_mean: exact, and the sum N times the mean never gets stored). A
+    profile with `control_flow: none` gets its If nodes removed before planning
     (npuprep.rewrite.control_flow), so the remedies see a branch's nodes in the main graph.
     The result keeps the source's path and fingerprint: plans and statistics still belong to
-    the user's model (a kept branch tensor keeps its name). A branch the samples never took
+    the user's model (a kept tensor keeps its name). A branch the samples never took
     now runs every time: its tensors are measured on `samples` (when given) and added to
     `stats`.
     """
+    from npuprep.rewrite.sum_to_mean import sums_to_means
+
+    proto, notes = model.proto, []
+    means = sums_to_means(proto)
+    if means:
+        proto = means.model
+        notes += [f"'{node}' folded before planning: {how}"
+                  for node, how in means.details.get("replaced", {}).items()]
     if profile.control_flow != ControlFlow.NONE:
-        return model, stats, ()
+        return _work(model, proto), stats, tuple(notes)
     from npuprep.rewrite.control_flow import remove_control_flow
 
-    result = remove_control_flow(model.proto)
+    result = remove_control_flow(proto)
     why = f"{profile.name} takes no control flow (control_flow: none)"
-    notes = [f"If node '{node}' replaced before planning, {why}: {how}"
-             for node, how in result.details.get("replaced", {}).items()]
+    notes += [f"If node '{node}' replaced before planning, {why}: {how}"
+              for node, how in result.details.get("replaced", {}).items()]
     notes += [f"'{node}' kept although {why}: {reason}"
               for node, reason in result.details.get("declined", {}).items()]
     if not result:
-        return model, stats, tuple(notes)
-    work = Model(proto=result.model, path=model.path, digest=model.fingerprint)
+        return _work(model, proto), stats, tuple(notes)
+    work = _work(model, result.model)
     if stats is not None:
         stats, more = _unreached_stats(work, stats, samples)
         notes += more
     return work, stats, tuple(notes)
+
+
+def _work(model: Model, proto: Any) -> Model:
+    """The working copy of `model`: the same path and fingerprint (the user's plans and
+    statistics belong to it), or `model` itself when nothing changed."""
+    return model if proto is model.proto else Model(proto=proto, path=model.path, digest=model.fingerprint)
 
 
 def _unreached_stats(work: Model, stats: Any,
