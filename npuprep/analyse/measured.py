@@ -35,8 +35,11 @@ def measured_findings(
     found: list[Finding] = []
     masks: list[tuple[RangeStats, str]] = []
     from_masks = _downstream_of_mask_constants(model)
+    inputs = {(scope.path, i.name) for scope in walk_graphs(model.graph) for i in scope.graph.input}
     for key in sorted(stats.tensors):
         s = stats.tensors[key]
+        if (s.scope, s.tensor) not in ops and (s.scope, s.tensor) not in inputs:
+            continue  # measured on the source, gone from this graph (a folded sum)
         op = ops.get((s.scope, s.tensor), "")
         where = dict(node=s.node, op_type=op, tensor=s.tensor, scope=s.scope)
         base = _evidence(s, fmt, profile, stats)

@@ -100,7 +100,9 @@ def run(args: argparse.Namespace) -> int:
     with outputs.open() as files:
         stats = _measured_stats(args, model)
         findings = gather_findings(args, model, profile, stats)
-        plan = _plan(args, model, profile, stats, findings)
+        # Findings and plan on the graph convert plans: exact pre-plan rewrites (a folded
+        # mean, removed control flow) change what is there to find.
+        model, findings, plan = _plan(args, model, profile, stats, findings)
         if args.html:
             from npuprep.cli.report import tensor_order
             from npuprep.report.render_html import render
@@ -126,10 +128,11 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failing else 0
 
 
-def _plan(args: argparse.Namespace, model: Any, profile: Any, stats: Any, findings: Any) -> Any:
-    """What `convert` would do with these findings: the planner's own decision, so check and
-    convert tell one story (verification rounds may add pins to it), on the graph convert
-    plans (without control flow where the target takes none)."""
+def _plan(args: argparse.Namespace, model: Any, profile: Any, stats: Any,
+          findings: Any) -> tuple[Any, Any, Any]:
+    """The graph convert plans (a written-out mean folded, no control flow where the target
+    takes none), its findings, and what `convert` would do with them: the planner's own
+    decision, so check and convert tell one story (verification rounds may add pins to it)."""
     from dataclasses import replace
 
     from npuprep.cli.common import open_samples
@@ -142,7 +145,7 @@ def _plan(args: argparse.Namespace, model: Any, profile: Any, stats: Any, findin
     if work is not model:
         findings = gather_findings(args, work, profile, stats)
     plan = make_plan(work, profile, stats, findings, precision=args.precision)
-    return replace(plan, notes=(*notes, *plan.notes))
+    return work, findings, replace(plan, notes=(*notes, *plan.notes))
 
 
 def _print_plan(plan: Any, *, measured: bool) -> None:

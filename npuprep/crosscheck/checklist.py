@@ -157,16 +157,18 @@ def build_checklist(
         plan_arg = workspace.plan_path if plan is not None else ""
     ctx = _Context(model, profile, model_arg, target_arg, ws_arg, stats_arg or f"{ws_arg}/stats.json",
                    plan_arg or f"{ws_arg}/plan.yaml", workspace)
-    decision, planned = plan, model
+    from npuprep.analyse import findings_for
+    from npuprep.convert import for_target
+
+    # The graph convert plans: a written-out mean folded, no control flow where the target
+    # takes none; a given plan was made on it too.
+    planned, stats, flow_notes = for_target(model, profile, stats)
+    if planned is not model:
+        findings = list(findings_for(planned, profile, stats))
+    decision = plan
     if decision is None:
-        from npuprep.analyse import findings_for
-        from npuprep.convert import for_target
         from npuprep.plan.planner import make_plan
 
-        # The graph convert plans: without control flow where the target takes none.
-        planned, stats, flow_notes = for_target(model, profile, stats)
-        if planned is not model:
-            findings = list(findings_for(planned, profile, stats))
         decision = make_plan(planned, profile, stats, findings)
         notes += flow_notes
     from npuprep.report.story import plan_story
