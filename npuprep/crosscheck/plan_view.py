@@ -121,10 +121,15 @@ def _from_plan(path: str | Path, data: dict[str, Any], model: Model, index: Node
                         tuple(notes), declined)
 
 
-def _from_precision(data: dict[str, Any], path: str, model: Model, index: NodeIndex) -> PlanDecision:
-    for key in ("fingerprint", "default"):
+def _require_strings(data: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
+    """One line naming the file and key when a key is not a string."""
+    for key in keys:
         if not isinstance(data.get(key), str):
-            raise NpuprepError(f"{path}: {key}: expected a string, found {data.get(key)!r}")
+            raise NpuprepError(f"{where}{key}: expected a string, found {data.get(key)!r}")
+
+
+def _from_precision(data: dict[str, Any], path: str, model: Model, index: NodeIndex) -> PlanDecision:
+    _require_strings(data, ("fingerprint", "default"), f"{path}: ")
     default = data["default"]
     if default not in PRECISION_ORDER:
         raise NpuprepError(f"{path}: default: unknown precision {default!r}")
@@ -136,9 +141,7 @@ def _from_precision(data: dict[str, Any], path: str, model: Model, index: NodeIn
         where = f"{path}: nodes[{i}]"
         if not isinstance(entry, dict):
             raise NpuprepError(f"{where}: expected a mapping with node and precision")
-        for key in ("node", "precision"):
-            if not isinstance(entry.get(key), str):
-                raise NpuprepError(f"{where}.{key}: expected a string, found {entry.get(key)!r}")
+        _require_strings(entry, ("node", "precision"), f"{where}.")
         precision = entry["precision"]
         if precision not in PRECISION_ORDER:
             raise NpuprepError(f"{where}.precision: unknown precision {precision!r}")
