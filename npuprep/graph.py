@@ -151,7 +151,7 @@ def infer_tensors(model: onnx.ModelProto) -> TensorInfo:
     seconds and fails past 2 GB; it runs on a weightless skeleton instead, where large
     initialisers are typed graph inputs of the same shape.
     """
-    skeleton = _skeleton(model)
+    skeleton = weightless(model)
     try:
         inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=False)
     except Exception:  # noqa: BLE001 - inference is best effort on exotic models
@@ -189,7 +189,9 @@ def tensor_types(model: onnx.ModelProto) -> dict[str, int]:
     return infer_tensors(model).types
 
 
-def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+def weightless(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `model` for shape inference: small initialisers kept, large ones become
+    typed graph inputs of the same shape (no weight bytes copied)."""
     out = onnx.ModelProto()
     for name in ("ir_version", "producer_name", "domain", "model_version"):
         setattr(out, name, getattr(model, name))

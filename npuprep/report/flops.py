@@ -12,13 +12,13 @@ from collections.abc import Mapping
 
 import onnx
 
-from npuprep.graph import attribute, node_label, walk_graphs
+from npuprep.graph import attribute, node_label, walk_graphs, weightless
 
 
 def _shapes(model: onnx.ModelProto,
             input_shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, tuple[int, ...]]:
-    if input_shapes:
-        model = _with_input_shapes(model, input_shapes)
+    # Weightless: inference serialises the model, and its weights are not needed.
+    model = _with_input_shapes(model, input_shapes or {})
     try:
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
     except Exception:  # noqa: BLE001 - best effort; unknown shapes count as one element
@@ -37,9 +37,8 @@ def _shapes(model: onnx.ModelProto,
 
 def _with_input_shapes(model: onnx.ModelProto,
                        input_shapes: Mapping[str, tuple[int, ...]]) -> onnx.ModelProto:
-    """A copy of `model` whose graph inputs have the given sizes."""
-    skeleton = onnx.ModelProto()
-    skeleton.CopyFrom(model)
+    """A weightless copy of `model` whose graph inputs have the given sizes."""
+    skeleton = weightless(model)
     for vi in skeleton.graph.input:
         dims = input_shapes.get(vi.name)
         if dims is None or not vi.type.HasField("tensor_type"):
