@@ -93,6 +93,11 @@ class OutputPlan:
                     self.inputs.append(_Entry(Path(path) / child.name, resolve(child),
                                               f"a file of {what} {shown(path)}"))
 
+    def reads_profile(self, target: str | None) -> None:
+        """`--target`: a user's profile file is an input; a built-in name is not a path."""
+        if target and Path(target).is_file():
+            self.reads(target, "the --target profile")
+
     def reads_model(self, path: str | os.PathLike[str] | None, what: str = "the input model") -> None:
         """A model and the external-data files it names."""
         if not path:

@@ -12,6 +12,22 @@ import pytest
 from onnx import parser
 
 
+def save_zoo(name: str, folder: Path, model_file: str = "m.onnx", data_dir: str = "data") -> tuple[Path, Path]:
+    """A zoo model saved with its samples as a folder of .npz, as a user would have them."""
+    import numpy as np
+
+    from npuprep.examples.zoo import ZOO
+
+    zoo = ZOO[name]()
+    path = folder / model_file
+    onnx.save(zoo.model, str(path))
+    data = folder / data_dir
+    data.mkdir()
+    for i, feed in enumerate(zoo.samples):
+        np.savez(data / f"sample_{i:03d}.npz", **feed)
+    return path, data
+
+
 def model_from_text(text: str) -> onnx.ModelProto:
     model = parser.parse_model(text)
     onnx.checker.check_model(model)

@@ -10,12 +10,11 @@ import numpy as np
 import onnx
 import pytest
 import yaml
-from conftest import run_cli
+from conftest import run_cli, save_zoo
 
 from npuprep.calibrate import calibrate
 from npuprep.convert import convert
 from npuprep.data import load_samples
-from npuprep.examples.zoo import ZOO
 from npuprep.model_io import load_model
 from npuprep.numerics import get_format
 from npuprep.profiles import load_profile
@@ -29,13 +28,7 @@ F16 = get_format("fp16")
 
 def _zoo_case(tmp_path: Path, name: str):
     """The zoo model saved with its samples as a directory of .npz, as a user would have them."""
-    z = ZOO[name]()
-    path = tmp_path / f"{name}.onnx"
-    onnx.save(z.model, path)
-    data = tmp_path / f"{name}_data"
-    data.mkdir()
-    for i, feed in enumerate(z.samples):
-        np.savez(data / f"sample_{i:03d}.npz", **feed)
+    path, data = save_zoo(name, tmp_path, f"{name}.onnx", f"{name}_data")
     model = load_model(path)
     return model, load_samples(data, model.proto), path, data
 

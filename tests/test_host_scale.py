@@ -17,7 +17,7 @@ from npuprep.plan.host_scale import host_scaled_outputs, undo_host_scales
 from npuprep.profiles import Pinning, load_profile
 from npuprep.rewrite.output_scale import leave_output_scaled
 from npuprep.runtime.session import make_session, run
-from tests.conftest import model_from_text, run_cli
+from tests.conftest import model_from_text, run_cli, save_zoo
 
 # x[2,4] -> MatMul(W) -> t -> Mul(t, f) -> y
 SCALED = """
@@ -69,15 +69,8 @@ def test_only_targets_that_cannot_pin_scale_outputs_that_exceed_the_limit():
 @pytest.fixture(scope="module")
 def guidance(tmp_path_factory):
     """x -> MatMul(Wc) -> eps_c, x -> MatMul(Wu) -> eps_u; y = eps_c + 7.5 (eps_c - eps_u) ~1e5"""
-    from npuprep.examples.zoo import ZOO
-
     tmp = tmp_path_factory.mktemp("guidance")
-    zoo = ZOO["guidance"]()
-    onnx.save(zoo.model, str(tmp / "m.onnx"))
-    data = tmp / "data"
-    data.mkdir()
-    for i, s in enumerate(zoo.samples):
-        np.savez(data / f"s{i}.npz", **s)
+    _, data = save_zoo("guidance", tmp)
     model = load_model(tmp / "m.onnx")
     samples = load_samples(data, model.proto)
     return tmp, model, list(samples), calibrate(model, samples)

@@ -10,18 +10,13 @@ import pytest
 
 from npuprep.examples.zoo import ZOO
 from npuprep.verify.vendor import VendorCheck
-from tests.conftest import run_cli
+from tests.conftest import run_cli, save_zoo
 
 
 @pytest.fixture
 def conv_stack(tmp_path):
     """x -> Conv -> Relu -> Conv (activations ~1e5) -> Relu -> Conv -> y (fits FP16)."""
-    zoo = ZOO["conv_stack"]()
-    onnx.save(zoo.model, str(tmp_path / "m.onnx"))
-    data = tmp_path / "data"
-    data.mkdir()
-    for i, sample in enumerate(zoo.samples):
-        np.savez(data / f"s{i}.npz", **sample)
+    save_zoo("conv_stack", tmp_path)
     return tmp_path
 
 
@@ -62,12 +57,7 @@ def test_compare_with_rknn_fails_the_fp32_model(rknn_python, conv_stack):
 
 def test_a_host_scaled_output_is_finite_in_the_simulator(rknn_python, tmp_path):
     """guidance: y = eps_c + 7.5 (eps_c - eps_u) reaches 1.1e5; it leaves the NPU divided by 4."""
-    zoo = ZOO["guidance"]()
-    onnx.save(zoo.model, str(tmp_path / "m.onnx"))
-    data = tmp_path / "data"
-    data.mkdir()
-    for i, sample in enumerate(zoo.samples):
-        np.savez(data / f"s{i}.npz", **sample)
+    _, data = save_zoo("guidance", tmp_path)
     done = run_cli("convert", tmp_path / "m.onnx", "--target", "rk3588", "--data", data,
                    "-o", tmp_path / "out.onnx", "--verify-with", "rknn",
                    "--vendor-python", rknn_python, "--json")

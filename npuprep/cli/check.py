@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 from npuprep.cli.common import (
@@ -93,8 +92,7 @@ def run(args: argparse.Namespace) -> int:
     outputs.reads_model(args.model)
     outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
     outputs.reads(args.stats, "the --stats file")
-    if Path(args.target).is_file():
-        outputs.reads(args.target, "the --target profile")
+    outputs.reads_profile(args.target)
     if args.html:
         outputs.writes(args.html, "--html")
     with outputs.open() as files:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from npuprep.cli.common import add_json, add_target, positive_int
 
@@ -40,8 +39,7 @@ def run(args: argparse.Namespace) -> int:
     outputs.reads(args.stats, "the --stats file")
     outputs.reads(args.plan, "the --plan file")
     outputs.reads(args.workspace, "the --workspace folder", WORKSPACE_FILES)
-    if Path(args.target).is_file():
-        outputs.reads(args.target, "the --target profile")
+    outputs.reads_profile(args.target)
     if args.output:
         outputs.writes(args.output, "-o")
         outputs.check()

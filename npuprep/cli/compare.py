@@ -99,8 +99,7 @@ def run(args: argparse.Namespace) -> int:
     outputs.reads_model(args.cand, "the candidate model")
     outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
     outputs.reads(args.scales, "the --scales report")
-    if args.target and Path(args.target).is_file():
-        outputs.reads(args.target, "the --target profile")
+    outputs.reads_profile(args.target)
     if args.report:
         outputs.writes(args.report, "--report")
     if args.html:

@@ -97,8 +97,7 @@ def run(args: argparse.Namespace) -> int:
     outputs.reads(args.holdout, "the --holdout samples", SAMPLE_FILES)
     outputs.reads(args.stats, "the --stats file")
     outputs.reads(args.plan, "the --plan file")
-    if Path(args.target).is_file():
-        outputs.reads(args.target, "the --target profile")
+    outputs.reads_profile(args.target)
     declare(outputs, paths)
     if args.report and not args.plan_only:
         outputs.removes_stale(f"{output.with_suffix('')}.report.json", "an older report beside -o")

@@ -52,8 +52,7 @@ def run(args: argparse.Namespace) -> int:
     outputs.reads(args.report, "the --report file")
     outputs.reads(args.stats, "the --stats file")
     outputs.reads(args.plan, "the --plan file")
-    if Path(args.target).is_file():
-        outputs.reads(args.target, "the --target profile")
+    outputs.reads_profile(args.target)
     if args.report_md:
         outputs.writes(args.report_md, "--report-md")
         outputs.check()

@@ -75,8 +75,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
     outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
     outputs.reads(args.classify, "the --classify kit")
     outputs.reads(args.outputs, "the --outputs folder")
-    if args.target and Path(args.target).is_file():
-        outputs.reads(args.target, "the --target profile")
+    outputs.reads_profile(args.target)
     if args.write_profile:
         outputs.writes(args.write_profile, "--write-profile")
     if args.export_kit:
