@@ -148,8 +148,16 @@ def build_minilm(folder: Path, wheel: Path, calib: int, heldout: int) -> None:
 
 def build_unet(folder: Path, wheel: Path, calib: int, heldout: int) -> None:
     """UNet2DConditionModel with a small config and seeded weights (diffusers ships code, not
-    weights), exported with torch; inputs are noisy latents at a DDPM timestep."""
+    weights), exported with torch; inputs are noisy latents at a DDPM timestep.
+
+    torchvision is hidden from diffusers: the builder venv has it for ConvNeXt, and its PyPI
+    wheel's C extension does not load next to the CPU torch (`torchvision::nms does not
+    exist`), which diffusers' optional import turns into a failure."""
+    import sys
+
     import torch
+
+    sys.modules["torchvision"] = None  # type: ignore[assignment]  # diffusers: not installed
     from diffusers import UNet2DConditionModel
 
     torch.manual_seed(0)

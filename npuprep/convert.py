@@ -205,7 +205,7 @@ def convert(
     top_k = _checked_top_k(model, top_k)
     fmt = get_format(precision or profile.default_precision)
     # What the target's compiler can take is what gets planned, rewritten and verified.
-    work, stats, flow_notes = for_target(model, profile, stats, samples)
+    work, stats, flow_notes = for_target(model, profile, stats, samples, precision)
     findings = findings_for(work, profile, stats, precision)
     if plan is None:
         stage("planning")
@@ -298,19 +298,24 @@ def _sample_shapes(samples: Sequence[Feed]) -> dict[str, tuple[int, ...]]:
 
 
 def for_target(model: Model, profile: TargetProfile, stats: Any = None,
-               samples: Sequence[Feed] | None = None) -> tuple[Model, Any, tuple[str, ...]]:
+               samples: Sequence[Feed] | None = None,
+               precision: str | None = None) -> tuple[Model, Any, tuple[str, ...]]:
     """`model` as the target's compiler can take it, its statistics, and notes saying what
     changed.
 
-    Every target gets a written-out mean (`ReduceSum -> Mul(1/N)`) folded into one ReduceMean
-    (npuprep.rewrite.sum_to_mean: exact, and the sum N times the mean never gets stored). A
-    profile with `control_flow: none` gets its If nodes removed before planning
-    (npuprep.rewrite.control_flow), so the remedies see a branch's nodes in the main graph.
-    The result keeps the source's path and fingerprint: plans and statistics still belong to
-    the user's model (a kept tensor keeps its name). A branch the samples never took
-    now runs every time: its tensors are measured on `samples` (when given) and added to
-    `stats`.
+    Every target gets what its compiler would fuse anyway, so that no FP16 value is stored
+    that the board never stores: a written-out mean (`ReduceSum -> Mul(1/N)`) as one
+    ReduceMean (npuprep.rewrite.sum_to_mean), the scale and shift after a Conv folded into
+    its weights (npuprep.rewrite.fold_affine) and a written-out hard-swish as one op
+    (npuprep.rewrite.hardswish). A profile with `control_flow: none` gets its If nodes
+    removed before planning (npuprep.rewrite.control_flow), so the remedies see a branch's
+    nodes in the main graph. The result keeps the source's path and fingerprint: plans and
+    statistics still belong to the user's model (a kept tensor keeps its name). Tensors the
+    source never computed (a branch the samples never took, a fused op's new tensor) are
+    measured on `samples` (when given) and added to `stats`.
     """
+    from npuprep.rewrite.fold_affine import fold_affines
+    from npuprep.rewrite.hardswish import fuse_hardswish
     from npuprep.rewrite.sum_to_mean import sums_to_means
 
     proto, notes = model.proto, []
@@ -319,23 +324,41 @@ def for_target(model: Model, profile: TargetProfile, stats: Any = None,
         proto = means.model
         notes += [f"'{node}' folded before planning: {how}"
                   for node, how in means.details.get("replaced", {}).items()]
-    if profile.control_flow != ControlFlow.NONE:
-        return _work(model, proto), stats, tuple(notes)
-    from npuprep.rewrite.control_flow import remove_control_flow
+    weights = weights_format(get_format(precision or profile.default_precision))
+    folded = fold_affines(proto, weights, largest=profile.limit(weights))
+    fused = fuse_hardswish(folded.model)
+    notes += _fusion_notes(folded) + _fusion_notes(fused)
+    proto = fused.model
+    if profile.control_flow == ControlFlow.NONE:
+        from npuprep.rewrite.control_flow import remove_control_flow
 
-    result = remove_control_flow(proto)
-    why = f"{profile.name} takes no control flow (control_flow: none)"
-    notes += [f"If node '{node}' replaced before planning, {why}: {how}"
-              for node, how in result.details.get("replaced", {}).items()]
-    notes += [f"'{node}' kept although {why}: {reason}"
-              for node, reason in result.details.get("declined", {}).items()]
-    if not result:
-        return _work(model, proto), stats, tuple(notes)
-    work = _work(model, result.model)
-    if stats is not None:
-        stats, more = _unreached_stats(work, stats, samples)
+        flow = remove_control_flow(proto)
+        why = f"{profile.name} takes no control flow (control_flow: none)"
+        notes += [f"If node '{node}' replaced before planning, {why}: {how}"
+                  for node, how in flow.details.get("replaced", {}).items()]
+        notes += [f"'{node}' kept although {why}: {reason}"
+                  for node, reason in flow.details.get("declined", {}).items()]
+        proto = flow.model if flow else proto
+    work = _work(model, proto)
+    if stats is not None and work is not model:
+        stats, more = _unmeasured_stats(work, stats, samples)
         notes += more
     return work, stats, tuple(notes)
+
+
+def weights_format(fmt: NumberFormat) -> NumberFormat:
+    """The format a conversion to `fmt` stores weights in: FP8 targets get FP16 weights
+    (the lowering writes FP16 and the compiler quantises)."""
+    return fmt if fmt.name in ("fp16", "bf16") else get_format("fp16")
+
+
+def _fusion_notes(result: Any) -> list[str]:
+    """One note for what a fusing rewrite did (the first nodes named), one per decline."""
+    done = list(result.details.get("replaced", {}))
+    notes = [f"fused before planning: {result.reason} ({', '.join(done[:3])}"
+             f"{f' and {len(done) - 3} more' if len(done) > 3 else ''})"] if done else []
+    return notes + [f"'{node}' not fused: {why}"
+                    for node, why in result.details.get("declined", {}).items()]
 
 
 def _work(model: Model, proto: Any) -> Model:
@@ -344,10 +367,11 @@ def _work(model: Model, proto: Any) -> Model:
     return model if proto is model.proto else Model(proto=proto, path=model.path, digest=model.fingerprint)
 
 
-def _unreached_stats(work: Model, stats: Any,
-                     samples: Sequence[Feed] | None) -> tuple[Any, list[str]]:
+def _unmeasured_stats(work: Model, stats: Any,
+                      samples: Sequence[Feed] | None) -> tuple[Any, list[str]]:
     """`stats` completed with the tensors the source model never computed on these samples
-    (a branch that was not taken) and that its inlined form computes every time."""
+    and the planned graph does: a branch that was not taken and is now inlined, a tensor
+    a fusion made (HardSigmoid's gate)."""
     from npuprep.graph import float_tensor_names
 
     missing = [t for t in float_tensor_names(work.proto, work.graph)
@@ -355,15 +379,17 @@ def _unreached_stats(work: Model, stats: Any,
     if not missing:
         return stats, []
     if not samples:
-        return stats, [f"{len(missing)} tensor(s) of a branch the samples never took have no "
-                       f"measured range ({', '.join(missing[:3])}); give samples to measure them"]
+        return stats, [f"{len(missing)} tensor(s) the source model does not compute on these "
+                       f"samples have no measured range ({', '.join(missing[:3])}); give samples "
+                       "to measure them"]
     from npuprep.calibrate import calibrate
 
     fresh = calibrate(work, samples)
     filled = {t: fresh.tensors[t] for t in missing if t in fresh.tensors}
     return replace(stats, tensors={**stats.tensors, **filled}), [
         f"measured {len(filled)} tensor(s) the source model never computed on these samples "
-        f"(a branch not taken: {', '.join(sorted(filled)[:3])}) on the graph without control flow"]
+        f"(a branch not taken, a fused op's own: {', '.join(sorted(filled)[:3])}) on the graph "
+        "as planned"]
 
 
 def _fp32_groups(plan: Plan, result: dict[str, Any], stats: Any,
@@ -442,7 +468,7 @@ def _build(model: Model, profile: TargetProfile, fmt: NumberFormat, plan: Plan,
         if no_pin else (applied, {}, ())
     pinned = set(plan.pinned_nodes()) | set(applied.fp32_nodes)
     pinned |= {n for n, inp in applied.input_nodes.items() if not _fits_format(stats, inp, fmt)}
-    lower_fmt = fmt if fmt.name in ("fp16", "bf16") else get_format("fp16")
+    lower_fmt = weights_format(fmt)
     stage("lowering")
     lowered = lower(applied.model, lower_fmt, pinned_nodes=sorted(pinned), io_types=io_types)
     pinned |= set(lowered.pinned_nodes)

@@ -139,7 +139,8 @@ def _plan(args: argparse.Namespace, model: Any, profile: Any, stats: Any,
 
     samples = open_samples(args, model.proto) if stats is not None else None
     work, stats, notes = for_target(model, profile, stats,
-                                    list(samples) if samples is not None else None)
+                                    list(samples) if samples is not None else None,
+                                    getattr(args, "precision", None))
     if work is not model:
         findings = gather_findings(args, work, profile, stats)
     plan = make_plan(work, profile, stats, findings, precision=args.precision)

@@ -212,7 +212,8 @@ def _plan_only(args: argparse.Namespace, model: Any, profile: Any, stats: Any, s
     from npuprep.plan import dump_plan
     from npuprep.plan.planner import make_plan
 
-    model, stats, notes = for_target(model, profile, stats, list(samples) if samples is not None else None)
+    model, stats, notes = for_target(model, profile, stats,
+                                     list(samples) if samples is not None else None, args.precision)
     findings = findings_for(model, profile, stats, args.precision)
     plan = make_plan(model, profile, stats, findings, precision=args.precision)
     plan = replace(plan, notes=(*notes, *plan.notes))

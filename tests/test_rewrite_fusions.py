@@ -1,0 +1,207 @@
+"""Fusions a compiler makes anyway, done before planning: an affine after a Conv folded into its
+weights (`rewrite/fold_affine.py`) and a written-out hard-swish as one op
+(`rewrite/hardswish.py`). Both outcomes each, checked with onnxruntime; the FP16 gain under
+emulation; and `convert` on a model that has both."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper, parser
+
+from npuprep.convert import convert
+from npuprep.model_io import Model, fingerprint
+from npuprep.numerics import get_format
+from npuprep.profiles import load_profile
+from npuprep.rewrite.fold_affine import fold_affines
+from npuprep.rewrite.hardswish import fuse_hardswish
+from npuprep.runtime.session import make_session, run
+from npuprep.verify.emulate import emulate
+
+FP16 = get_format("fp16")
+RNG = np.random.default_rng(7)
+
+
+def _conv_model(after: str, extra_inits: list[onnx.TensorProto], *, opset: int = 17,
+                weights: np.ndarray | None = None, out_channels: int = 8) -> onnx.ModelProto:
+    """x[1,4,6,6] -> Conv(3x3, pads 1) -> c -> `after` -> y[1,out_channels,6,6]"""
+    w = weights if weights is not None else RNG.standard_normal((8, 4, 3, 3)).astype(np.float32) * 0.3
+    text = f"""
+    <ir_version: 8, opset_import: ["" : {opset}]>
+    g (float[1, 4, 6, 6] x) => (float[1, {out_channels}, 6, 6] y) {{
+        [conv] c = Conv <pads = [1, 1, 1, 1]> (x, w, b)
+        {after}
+    }}
+    """
+    proto = parser.parse_model(text)
+    proto.graph.initializer.extend([
+        numpy_helper.from_array(w, "w"),
+        numpy_helper.from_array(RNG.standard_normal(8).astype(np.float32), "b"),
+        *extra_inits])
+    onnx.checker.check_model(proto, full_check=True)
+    return proto
+
+
+def _same(a: onnx.ModelProto, b: onnx.ModelProto, feed: dict[str, np.ndarray], rtol: float = 1e-5) -> None:
+    ra, rb = run(make_session(a), feed), run(make_session(b), feed)
+    for name, value in ra.items():
+        np.testing.assert_allclose(rb[name], value, rtol=rtol, atol=1e-5)
+
+
+def _x(scale: float = 1.0) -> dict[str, np.ndarray]:
+    return {"x": (RNG.standard_normal((1, 4, 6, 6)) * scale).astype(np.float32)}
+
+
+def _init(name: str, value: np.ndarray) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(value, dtype=np.float32), name)
+
+
+def test_batchnorm_then_scale_and_shift_fold_into_the_conv():
+    # x -> Conv -> c -> BatchNormalization -> n -> Mul(scalar) -> m -> Add([1,8,1,1]) -> y
+    bn = [_init("gamma", RNG.uniform(0.5, 2, 8)), _init("beta", RNG.standard_normal(8)),
+          _init("mean", RNG.standard_normal(8)), _init("var", RNG.uniform(0.1, 3, 8)),
+          _init("s", 1.7), _init("t", RNG.standard_normal((1, 8, 1, 1)))]
+    proto = _conv_model("""[bn] n = BatchNormalization (c, gamma, beta, mean, var)
+        [scale] m = Mul (s, n)
+        [shift] y = Add (m, t)""", bn)
+    result = fold_affines(proto, FP16, largest=32752)
+    assert result
+    assert [(n.name, n.op_type) for n in result.model.graph.node] == [("conv", "Conv")]
+    assert result.model.graph.node[0].output[0] == "y"  # the last folded node's tensor
+    assert "BatchNormalization bn, Mul scale, Add shift" in result.details["replaced"]["conv"]
+    _same(proto, result.model, _x())
+
+
+def test_a_conv_without_a_bias_gets_one_and_sub_div_fold_too():
+    # x -> Conv(no bias) -> c -> Sub(0.5) -> d -> Div(4) -> y
+    proto = _conv_model("[sub] d = Sub (c, half)\n        [div] y = Div (d, four)",
+                        [_init("half", 0.5), _init("four", 4.0)])
+    conv = proto.graph.node[0]
+    del conv.input[2]
+    result = fold_affines(proto)
+    assert result and len(result.model.graph.node[0].input) == 3
+    _same(proto, result.model, _x())
+
+
+def test_declines_what_is_no_per_channel_affine_or_would_store_worse():
+    # x -> Conv -> c -> Add(Tile(x)) -> y : a residual, not an affine: nothing folds or declines
+    residual = _conv_model("[copy] xx = Tile (x, reps)\n        [res] y = Add (c, xx)",
+                           [numpy_helper.from_array(np.array([1, 2, 1, 1], np.int64), "reps")])
+    result = fold_affines(residual)
+    assert not result and result.model is residual and result.details["declined"] == {}
+    # x -> Conv -> c -> Mul([1,8,6,6]) -> y : the constant varies over positions
+    spatial = _conv_model("[scale] y = Mul (c, s)", [_init("s", RNG.standard_normal((1, 8, 6, 6)))])
+    result = fold_affines(spatial)
+    assert not result and "varies along more than the channels" in result.details["declined"]["conv"]
+    # x -> Conv -> c -> Mul(1e-6) -> y : weights ~0.3 would land at ~3e-7, deep in FP16 subnormals
+    tiny = _conv_model("[scale] y = Mul (c, s)", [_init("s", 1e-6)])
+    result = fold_affines(tiny, FP16, largest=32752)
+    assert not result and "subnormal" in result.details["declined"]["conv"]
+    assert fold_affines(tiny)  # no format given: nothing to store worse
+    # x -> Conv -> c -> Mul(1e6) -> y : weights past FP16's range
+    huge = _conv_model("[scale] y = Mul (c, s)", [_init("s", 1e6)])
+    result = fold_affines(huge, FP16, largest=32752)
+    assert not result and "would reach" in result.details["declined"]["conv"]
+    # x -> Conv -> c -> [Mul(2) -> y1, Relu -> y2] : c is read twice
+    shared = _conv_model("[scale] y = Mul (c, s)", [_init("s", 2.0)])
+    shared.graph.output.append(helper.make_tensor_value_info("c", onnx.TensorProto.FLOAT, [1, 8, 6, 6]))
+    assert not fold_affines(shared)
+
+
+def test_folding_removes_roundings_under_fp16_emulation():
+    # x -> Conv -> c -> Mul(0.37) -> m -> Add(0.1) -> y ; 2 stored tensors fewer in FP16
+    proto = _conv_model("[scale] m = Mul (c, s)\n        [shift] y = Add (m, t)",
+                        [_init("s", 0.37), _init("t", 0.1)])
+    folded = fold_affines(proto, FP16, largest=32752).model
+    feeds = [_x(3.0) for _ in range(8)]
+    errors = []
+    for model in (proto, folded):
+        session = make_session(emulate(model, FP16, saturate=False).model)
+        reference = make_session(proto)
+        errors.append(max(
+            float(np.linalg.norm(run(session, f)["y"] - run(reference, f)["y"])
+                  / np.linalg.norm(run(reference, f)["y"])) for f in feeds))
+    assert errors[1] < 0.8 * errors[0], errors
+
+
+# x -> Mul(2) -> a -> [Add(3) -> Clip(0, 6) -> Mul(a, .) -> Div(6)] -> y
+HARDSWISH = """
+<ir_version: 8, opset_import: ["" : {opset}]>
+g (float[2, 16] x) => (float[2, 16] y) <float two = {{2.0}}, float three = {{3.0}}, float zero = {{0.0}},
+                                        float six = {{6.0}}, float sixth = {{0.16666667}}> {{
+    [pre] a = Mul (x, two)
+    [plus3] p = Add (three, a)
+    [relu6] r = Clip (p, zero, six)
+    {tail}
+}}
+"""
+DIV_LAST = "[times] m = Mul (a, r)\n    [hswish] y = Div (m, six)"
+GATE_FIRST = "[gate] h = Mul (r, sixth)\n    [hswish] y = Mul (a, h)"
+
+
+def test_a_written_out_hardswish_is_one_op_from_opset_14():
+    for tail in (DIV_LAST, GATE_FIRST):
+        proto = parser.parse_model(HARDSWISH.format(opset=17, tail=tail))
+        result = fuse_hardswish(proto)
+        assert result, tail
+        ops = [(n.name, n.op_type) for n in result.model.graph.node]
+        assert ops == [("pre", "Mul"), ("hswish", "HardSwish")]
+        _same(proto, result.model, {"x": np.linspace(-5, 5, 32, dtype=np.float32).reshape(2, 16)})
+
+
+def test_before_opset_14_it_is_x_times_hardsigmoid_with_clip_bounds_as_attributes():
+    text = HARDSWISH.format(opset=12, tail=DIV_LAST)
+    proto = parser.parse_model(text)
+    result = fuse_hardswish(proto)
+    assert result and "opset 12 has no HardSwish" in result.reason
+    ops = sorted(n.op_type for n in result.model.graph.node)
+    assert ops == ["HardSigmoid", "Mul", "Mul"]
+    feed = {"x": np.linspace(-5, 5, 32, dtype=np.float32).reshape(2, 16)}
+    _same(proto, result.model, feed, rtol=1e-6)
+    # opset 10: Clip's bounds are attributes
+    old = parser.parse_model(text.replace('"" : 12', '"" : 10').replace(
+        "Clip (p, zero, six)", "Clip <min = 0.0, max = 6.0> (p)"))
+    assert fuse_hardswish(old)
+
+
+def test_declines_a_hardswish_whose_inner_tensor_is_read_elsewhere_or_other_bounds():
+    shared = parser.parse_model(HARDSWISH.format(opset=17, tail=DIV_LAST).replace(
+        "=> (float[2, 16] y)", "=> (float[2, 16] y, float[2, 16] m)"))
+    result = fuse_hardswish(shared)
+    assert not result and result.model is shared
+    assert "m (of times) is read elsewhere too" in result.details["declined"]["hswish"]
+    relu6_only = parser.parse_model(HARDSWISH.format(opset=17, tail=DIV_LAST).replace(
+        "float six = {6.0}", "float six = {5.0}"))
+    result = fuse_hardswish(relu6_only)
+    assert not result and result.reason == "no written-out hard-swish"
+
+
+def test_convert_plans_and_verifies_the_fused_graph(tmp_path):
+    # x -> Conv -> Mul(1.4) -> Add(0.6) -> hard-swish (4 nodes) -> Conv -> z
+    w2 = RNG.standard_normal((3, 8, 1, 1)).astype(np.float32) * 0.3
+    proto = _conv_model("""[scale] m = Mul (c, s)
+        [shift] a = Add (m, t)
+        [plus3] p = Add (a, three)
+        [relu6] r = Clip (p, zero, six)
+        [times] q = Mul (a, r)
+        [hswish] h = Div (q, six)
+        [head] y = Conv (h, w2)""", [_init("s", 1.4), _init("t", 0.6), _init("three", 3.0),
+                                     _init("zero", 0.0), _init("six", 6.0), _init("w2", w2)],
+                        out_channels=3)
+    path = tmp_path / "m.onnx"
+    onnx.save(proto, path)
+    model = Model(proto=proto, path=str(path), digest=fingerprint(proto))
+    samples = [_x() for _ in range(4)]
+    from npuprep.calibrate import calibrate
+
+    result = convert(model, load_profile("generic"), samples, stats=calibrate(model, samples))
+    lowered = result.lowered.model
+    ops = sorted(n.op_type for n in lowered.graph.node if n.op_type != "Cast")
+    assert ops == ["Conv", "Conv", "HardSwish"]
+    assert result.passed, result.notes
+    assert any("fused before planning: 1 Conv(s) took the scale and shift" in n for n in result.notes)
+    assert any("fused before planning: 1 written-out hard-swish(es) as HardSwish" in n
+               for n in result.notes)
+    feed = samples[0]
+    np.testing.assert_allclose(run(make_session(result.rewritten), feed)["y"],
+                               run(make_session(proto), feed)["y"], rtol=1e-4, atol=1e-4)
