@@ -15,7 +15,7 @@ from npuprep.convert import convert
 from npuprep.data import load_samples
 from npuprep.model_io import Model, fingerprint
 from npuprep.profiles import load_profile
-from npuprep.verify.outputs import OutputErrors, output_passes
+from npuprep.verify.outputs import OutputErrors, describe_worst, output_passes
 
 GENERIC = load_profile("generic")
 
@@ -132,3 +132,46 @@ def test_the_verdict_tells_precision_from_overflow(tmp_path):
     assert "with no Inf/NaN (FP16 precision; --top-k or --rtol are yours): first divergent node " \
            "'unshift'" in verdict
     assert max(map(len, proc.stdout.splitlines())) <= 100
+
+
+def test_where_the_error_sits_tells_one_undecided_position_from_an_error_everywhere():
+    rng = np.random.default_rng(5)
+    ref = rng.dirichlet(np.full(10, 0.3), size=(2, 40))  # 2 samples x 40 positions x 10 classes
+    ref[1, 7, :2] = [0.49, 0.48]  # sample 1, position 7: the reference is undecided
+    ref[1, 7, 2:] = 0.03 / 8
+    local = ref.copy()
+    local[1, 7, :2] = [0.40, 0.57]  # the near-tie flips; every other position is exact
+    spread = ref * (1 + 0.02 * rng.standard_normal(ref.shape))
+    errors = OutputErrors()
+    for i in range(2):
+        errors.add("local", ref[i], local[i])
+        errors.add("spread", ref[i], spread[i])
+    out = errors.result()
+    w = out["local"]["worst_sample"]
+    assert w["sample"] == 1 and w["position"] == 7 and w["of"] == 40 and w["positions"] == 1
+    assert w["share"] == 1.0 and w["reference_top2"] == [0.49, 0.48] and not w["same_decision"]
+    assert np.isclose(w["rel_l2"], np.linalg.norm(local[1] - ref[1]) / np.linalg.norm(ref[1]))
+    assert out["spread"]["worst_sample"]["share"] < 0.5  # 1 of 40 positions holds far less
+    words = describe_worst(out["local"])
+    assert words.startswith("worst sample #1 (rel L2 ") and "100% of its error at 1 of 40 positions" in words
+    assert "FP32's top two are 0.49 / 0.48, decision changed" in words
+    assert describe_worst({"rel_l2": 0.0}) == ""
+
+
+def test_a_precision_failure_says_where_its_error_sits(tmp_path):
+    path = tmp_path / "cancel.onnx"
+    onnx.save(parser.parse_model(CANCEL), path)
+    rng = np.random.default_rng(1)
+    data = _data(tmp_path, [{"x": rng.standard_normal((64, 8)).astype(np.float32)} for _ in range(2)])
+    proc = run_cli("convert", path, "--target", "generic", "--data", data, "-o", tmp_path / "c.onnx")
+    assert proc.returncode == 1, proc.stderr
+    said = " ".join(proc.stdout.split())
+    # The cancellation loses precision at every row: the worst 1 of 64 rows holds a small share.
+    assert "note: y on the calibration samples: worst sample #" in said
+    assert "of its error at 1 of 64 positions" in said
+    report = (tmp_path / "c.report.md").read_text()
+    assert "Where the error sits" in report and "`y` on the calibration samples: worst sample" in report
+    import json
+
+    worst = json.loads((tmp_path / "c.report.json").read_text())["verification"]["outputs"]["y"]["worst_sample"]
+    assert worst["of"] == 64 and worst["share"] < 0.2

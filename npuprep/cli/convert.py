@@ -335,12 +335,28 @@ def _print_summary(report: dict[str, Any]) -> None:
                  if first and finite and not any(first.get(k) for k in
                                                  ("inf_count", "nan_count", "saturated_count"))
                  else "")
+    if precision:
+        _say_where_the_error_sits(report)
     verdict = "PASSED" if report["passed"] else (
         f"FAILED: {precision}" if precision else
         f"FAILED: first divergent node '{first['node']}' ({first['op_type']})" if first else
         f"FAILED: {report['fp32_share']['headline']}" if outputs_ok and report.get("fp32_share")
         else "FAILED")
     say(f"{verdict}; report: {report['artefacts']['report_md']}", always=True)
+
+
+def _say_where_the_error_sits(report: dict[str, Any]) -> None:
+    """For each output that failed on FP16 precision alone: where its worst sample's error
+    sits, so an error at a few undecided positions reads apart from one everywhere."""
+    from npuprep.cli.common import say
+    from npuprep.verify.outputs import describe_worst, output_passes
+
+    for which, key in (("calibration samples", "verification"), ("holdout", "holdout")):
+        check = report.get(key) or {}
+        for name, errors in (check.get("outputs") or {}).items():
+            where = describe_worst(errors)
+            if where and not output_passes(errors, check["rtol"]):
+                say(f"note: {name} on the {which}: {where}")
 
 
 def _reason_code(action: dict[str, Any]) -> str:
