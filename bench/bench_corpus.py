@@ -263,7 +263,11 @@ def bench_model(entry: dict, root: Path, out: Path, target: str) -> Row:
         outcome, stdout = npuprep(argv[cmd], work / f"{cmd}.log")
         row.commands[cmd] = outcome
         if cmd == "convert" and not outcome.error:
-            report = json.loads(stdout)
+            try:
+                report = json.loads(stdout)
+            except json.JSONDecodeError:  # --json must print JSON only: a finding, not a crash
+                outcome.error = f"--json printed more than JSON: `{stdout.splitlines()[0][:100]}`"
+                continue
             row.actions = dict(Counter(a["action"] for a in report.get("actions", [])))
             row.flops_fp32_share = report.get("flops_fp32_share")
             row.macs_fp32_share = (report.get("fp32_share") or {}).get("macs")

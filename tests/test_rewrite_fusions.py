@@ -205,3 +205,36 @@ def test_convert_plans_and_verifies_the_fused_graph(tmp_path):
     feed = samples[0]
     np.testing.assert_allclose(run(make_session(result.rewritten), feed)["y"],
                                run(make_session(proto), feed)["y"], rtol=1e-4, atol=1e-4)
+
+
+def test_a_bf16_weighted_conv_folds_and_json_stays_clean(tmp_path):
+    # x -> Conv(Cast32(W_bf16)) -> c -> BatchNormalization -> y ; graph surgeon cannot type BF16
+    import json
+
+    import ml_dtypes
+
+    from tests.conftest import run_cli
+
+    w = np.asarray(RNG.standard_normal((8, 4, 3, 3)) * 0.3, ml_dtypes.bfloat16)
+    bn = [_init("gamma", RNG.uniform(0.5, 2, 8)), _init("beta", RNG.standard_normal(8)),
+          _init("mean", RNG.standard_normal(8)), _init("var", RNG.uniform(0.1, 3, 8))]
+    proto = _conv_model("[bn] y = BatchNormalization (c, gamma, beta, mean, var)", bn)
+    proto.graph.node[0].input[1] = "w32"
+    proto.graph.node.insert(0, helper.make_node("Cast", ["w_bf16"], ["w32"], name="cast_w",
+                                                to=onnx.TensorProto.FLOAT))
+    proto.graph.initializer.remove(next(i for i in proto.graph.initializer if i.name == "w"))
+    proto.graph.initializer.append(helper.make_tensor("w_bf16", onnx.TensorProto.BFLOAT16, w.shape,
+                                                      w.view(np.uint16).tobytes(), raw=True))
+    onnx.checker.check_model(proto, full_check=True)
+    path, data = tmp_path / "bf.onnx", tmp_path / "data"
+    onnx.save(proto, path)
+    data.mkdir()
+    for i in range(3):
+        np.savez(data / f"{i}.npz", **_x())
+    done = run_cli("convert", path, "--target", "a2000", "--data", data, "-o", tmp_path / "o.onnx",
+                   "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert any("fused before planning: 1 Conv(s)" in n for n in report["notes"])
+    converted = onnx.load(tmp_path / "o.onnx")
+    assert [n.op_type for n in converted.graph.node if n.op_type not in ("Cast",)] == ["Conv"]

@@ -13,6 +13,10 @@ from onnx import numpy_helper
 from npuprep.errors import NpuprepError
 from npuprep.model_io import PROTOBUF_LIMIT
 
+# Graph surgeon logs its warnings (a BF16 initialiser it cannot type) on stdout, which would
+# break `--json`; npuprep reports what matters itself.
+gs.logger.G_LOGGER.severity = gs.logger.G_LOGGER.ERROR
+
 
 def import_graph(model: onnx.ModelProto) -> gs.Graph:
     """The model's main graph as a graph-surgeon Graph (the input proto is not touched)."""
