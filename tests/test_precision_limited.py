@@ -4,6 +4,7 @@ dropped, and a classifier can be judged by its decisions (`--top-k`)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -61,6 +62,15 @@ def _classifier(tmp_path: Path) -> tuple[Path, Path]:
         x = rng.standard_normal((32, 16)).astype(np.float32)
         feeds.append({"x": x})
     return path, _data(tmp_path, feeds)
+
+
+def _convert_cancellation(tmp_path: Path) -> Any:
+    """`npuprep convert` of CANCEL on two samples, as a user runs it (report at c.report.*)."""
+    path = tmp_path / "cancel.onnx"
+    onnx.save(parser.parse_model(CANCEL), path)
+    rng = np.random.default_rng(1)
+    data = _data(tmp_path, [{"x": rng.standard_normal((64, 8)).astype(np.float32)} for _ in range(2)])
+    return run_cli("convert", path, "--target", "generic", "--data", data, "-o", tmp_path / "c.onnx")
 
 
 def test_a_verification_pin_that_does_not_improve_the_outputs_is_dropped(tmp_path):
@@ -121,11 +131,7 @@ def test_top_k_names_an_output_and_a_whole_k(tmp_path):
 
 
 def test_the_verdict_tells_precision_from_overflow(tmp_path):
-    path = tmp_path / "cancel.onnx"
-    onnx.save(parser.parse_model(CANCEL), path)
-    rng = np.random.default_rng(1)
-    data = _data(tmp_path, [{"x": rng.standard_normal((64, 8)).astype(np.float32)} for _ in range(2)])
-    proc = run_cli("convert", path, "--target", "generic", "--data", data, "-o", tmp_path / "c.onnx")
+    proc = _convert_cancellation(tmp_path)
     assert proc.returncode == 1, proc.stderr
     verdict = " ".join(proc.stdout[proc.stdout.index("FAILED"):].split())
     assert verdict.startswith("FAILED: outputs off by rel L2 0.1")
@@ -159,11 +165,7 @@ def test_where_the_error_sits_tells_one_undecided_position_from_an_error_everywh
 
 
 def test_a_precision_failure_says_where_its_error_sits(tmp_path):
-    path = tmp_path / "cancel.onnx"
-    onnx.save(parser.parse_model(CANCEL), path)
-    rng = np.random.default_rng(1)
-    data = _data(tmp_path, [{"x": rng.standard_normal((64, 8)).astype(np.float32)} for _ in range(2)])
-    proc = run_cli("convert", path, "--target", "generic", "--data", data, "-o", tmp_path / "c.onnx")
+    proc = _convert_cancellation(tmp_path)
     assert proc.returncode == 1, proc.stderr
     said = " ".join(proc.stdout.split())
     # The cancellation loses precision at every row: the worst 1 of 64 rows holds a small share.

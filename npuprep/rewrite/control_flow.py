@@ -24,7 +24,7 @@ from onnx import helper
 from npuprep.graph import TensorInfo, infer_tensors, node_label
 from npuprep.model_io import model_opset
 from npuprep.rewrite import graph_ops as go
-from npuprep.rewrite.result import RewriteResult
+from npuprep.rewrite.result import RewriteResult, sites_result
 
 # Ops whose output differs from run to run: computing them when not asked is not exact.
 _SIDE_EFFECTS = frozenset({
@@ -66,12 +66,8 @@ def remove_control_flow(model: onnx.ModelProto, *,
         if node.op_type in ("Loop", "Scan"):
             declined[node_label(node)] = (f"{node.op_type} is left as it is (only If is "
                                           "removed; unrolling depends on the trip count)")
-    details = {"replaced": replaced, "declined": declined}
-    if not replaced:
-        why = "; ".join(f"{n}: {r}" for n, r in declined.items()) or "no If, Loop or Scan"
-        return RewriteResult(model, False, why, details)
-    return RewriteResult(current, True, "; ".join(f"{n}: {r}" for n, r in replaced.items()),
-                         details)
+    return sites_result(model, lambda: current, replaced, declined, nothing="no If, Loop or Scan",
+                        done="; ".join(f"{n}: {r}" for n, r in replaced.items()))
 
 
 def inline_if(model: onnx.ModelProto, if_node: str, *,

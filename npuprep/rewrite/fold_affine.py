@@ -23,7 +23,7 @@ import onnx_graphsurgeon as gs
 
 from npuprep.numerics import NumberFormat
 from npuprep.rewrite import graph_ops as go
-from npuprep.rewrite.result import RewriteResult
+from npuprep.rewrite.result import RewriteResult, sites_result
 
 # The elementwise ops an affine is written with; Sub and Div only with the Conv's output first.
 AFFINE_OPS = ("Mul", "Add", "Sub", "Div", "BatchNormalization")
@@ -81,15 +81,9 @@ def fold_affines(model: onnx.ModelProto, fmt: NumberFormat | None = None, *,
         conv.outputs[0] = last
         replaced[label] = (f"{', '.join(f'{n.op} {go.node_label(n)}' for n in chain)} folded into "
                            f"its weights and bias")
-    details = {"replaced": replaced, "declined": declined}
-    if not replaced:
-        why = "; ".join(f"{n}: {r}" for n, r in declined.items()) or "no scale or shift after a Conv"
-        return RewriteResult(model, False, why, details)
-    graph.cleanup(remove_unused_graph_inputs=False).toposort()
-    out = go.export_model(graph, model)
-    go.check_model(out)
-    return RewriteResult(out, True, f"{len(replaced)} Conv(s) took the scale and shift after them",
-                         details)
+    return sites_result(model, lambda: go.finish(graph, model), replaced, declined,
+                        nothing="no scale or shift after a Conv",
+                        done=f"{len(replaced)} Conv(s) took the scale and shift after them")
 
 
 def _affine_chain(graph: gs.Graph, conv: gs.Node) -> tuple[list[gs.Node], np.ndarray, np.ndarray, str]:

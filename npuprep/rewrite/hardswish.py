@@ -19,7 +19,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from npuprep.rewrite import graph_ops as go
-from npuprep.rewrite.result import RewriteResult
+from npuprep.rewrite.result import RewriteResult, sites_result
 
 HARDSWISH_OPSET = 14
 # The constants 3, 6 and 1/6 as stored in FP32 match to this relative tolerance.
@@ -62,15 +62,10 @@ def fuse_hardswish(model: onnx.ModelProto) -> RewriteResult:
             graph.nodes.append(gs.Node("Mul", label, inputs=[x, gate], outputs=[out]))
             how = "x * HardSigmoid(x)"
         replaced[label] = f"{len(inner) + 1} nodes computing hard-swish of {x.name}: {how}"
-    details = {"replaced": replaced, "declined": declined}
-    if not replaced:
-        why = "; ".join(f"{n}: {r}" for n, r in declined.items()) or "no written-out hard-swish"
-        return RewriteResult(model, False, why, details)
-    graph.cleanup(remove_unused_graph_inputs=False).toposort()
-    fused = go.export_model(graph, model)
-    go.check_model(fused)
     form = "HardSwish" if opset >= HARDSWISH_OPSET else f"x * HardSigmoid(x) (opset {opset} has no HardSwish)"
-    return RewriteResult(fused, True, f"{len(replaced)} written-out hard-swish(es) as {form}", details)
+    return sites_result(model, lambda: go.finish(graph, model), replaced, declined,
+                        nothing="no written-out hard-swish",
+                        done=f"{len(replaced)} written-out hard-swish(es) as {form}")
 
 
 def _pattern(graph: gs.Graph, clip: gs.Node) -> tuple[gs.Tensor, tuple[gs.Node, ...], gs.Node] | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,3 +42,16 @@ class Skipped:
     def to_dict(self) -> dict[str, Any]:
         return {"remedy": self.remedy, "target": self.target, "reason": self.reason,
                 "findings": [f.to_dict() for f in self.findings]}
+
+
+def sites_result(model: onnx.ModelProto, rewritten: Callable[[], onnx.ModelProto],
+                 replaced: dict[str, str], declined: dict[str, str], *, nothing: str,
+                 done: str) -> RewriteResult:
+    """The result of a rewrite applied wherever its pattern matched: `rewritten()` builds the
+    new model when a site was replaced; otherwise the reason names every declined site, or
+    says `nothing` matched. details: "replaced" {site: how}, "declined" {site: why}."""
+    details = {"replaced": replaced, "declined": declined}
+    if not replaced:
+        why = "; ".join(f"{n}: {r}" for n, r in declined.items()) or nothing
+        return RewriteResult(model, False, why, details)
+    return RewriteResult(rewritten(), True, done, details)

@@ -18,7 +18,7 @@ import onnx
 from onnx import helper
 
 from npuprep.graph import attribute, constant_value, consumers, infer_tensors, node_label, producers
-from npuprep.rewrite.result import RewriteResult
+from npuprep.rewrite.result import RewriteResult, sites_result
 
 # 1/N as stored in FP32 (or N itself) matches the count to this relative tolerance.
 COUNT_RTOL = 1e-6
@@ -63,21 +63,17 @@ def sums_to_means(model: onnx.ModelProto) -> RewriteResult:
             replaced[label] = (f"{node_label(total)} -> {label} is the mean over "
                                f"{_count(total, graph, shapes)} elements: one ReduceMean")
             break
-    details = {"replaced": replaced, "declined": declined}
-    if not swaps:
-        why = "; ".join(f"{n}: {r}" for n, r in declined.items()) or "no ReduceSum divided by its count"
-        return RewriteResult(model, False, why, details)
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    nodes = []
-    for node in out.graph.node:
-        label = node_label(node)
-        if label in dropped:
-            continue
-        nodes.append(swaps.get(label, node))
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return RewriteResult(out, True, "; ".join(f"{n}: {r}" for n, r in replaced.items()), details)
+    def rewritten() -> onnx.ModelProto:
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
+        nodes = [swaps.get(node_label(n), n) for n in out.graph.node if node_label(n) not in dropped]
+        del out.graph.node[:]
+        out.graph.node.extend(nodes)
+        return out
+
+    return sites_result(model, rewritten, replaced, declined,
+                        nothing="no ReduceSum divided by its count",
+                        done="; ".join(f"{n}: {r}" for n, r in replaced.items()))
 
 
 def _why_not(graph: onnx.GraphProto, node: onnx.NodeProto, pos: int, total: onnx.NodeProto,
