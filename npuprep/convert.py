@@ -354,11 +354,12 @@ def weights_format(fmt: NumberFormat) -> NumberFormat:
 
 def _fusion_notes(result: Any) -> list[str]:
     """One note for what a fusing rewrite did (the first nodes named), one per decline."""
-    done = list(result.details.get("replaced", {}))
+    partial = result.details.get("partial", {})
+    done = [n for n in result.details.get("replaced", {}) if n not in partial]
     notes = [f"fused before planning: {result.reason} ({', '.join(done[:3])}"
              f"{f' and {len(done) - 3} more' if len(done) > 3 else ''})"] if done else []
-    return notes + [f"'{node}' not fused: {why}"
-                    for node, why in result.details.get("declined", {}).items()]
+    return notes + [f"'{node}' fused in part: {how}" for node, how in partial.items()] + [
+        f"'{node}' not fused: {why}" for node, why in result.details.get("declined", {}).items()]
 
 
 def _work(model: Model, proto: Any) -> Model:

@@ -96,7 +96,7 @@ def test_declines_what_is_no_per_channel_affine_or_would_store_worse():
     # x -> Conv -> c -> Mul(1e-6) -> y : weights ~0.3 would land at ~3e-7, deep in FP16 subnormals
     tiny = _conv_model("[scale] y = Mul (c, s)", [_init("s", 1e-6)])
     result = fold_affines(tiny, FP16, largest=32752)
-    assert not result and "subnormal" in result.details["declined"]["conv"]
+    assert not result and "below fp16's smallest normal" in result.details["declined"]["conv"]
     assert fold_affines(tiny)  # no format given: nothing to store worse
     # x -> Conv -> c -> Mul(1e6) -> y : weights past FP16's range
     huge = _conv_model("[scale] y = Mul (c, s)", [_init("s", 1e6)])
@@ -106,6 +106,26 @@ def test_declines_what_is_no_per_channel_affine_or_would_store_worse():
     shared = _conv_model("[scale] y = Mul (c, s)", [_init("s", 2.0)])
     shared.graph.output.append(helper.make_tensor_value_info("c", onnx.TensorProto.FLOAT, [1, 8, 6, 6]))
     assert not fold_affines(shared)
+
+
+def test_a_batchnorm_that_would_push_the_weights_subnormal_becomes_one_mul_and_add():
+    # x -> Conv(W ~0.3) -> c -> BatchNormalization(var ~1e8: over FP16's max; W/1e4 subnormal) -> y
+    bn = [_init("gamma", RNG.uniform(1, 2, 8)), _init("beta", np.zeros(8)),
+          _init("mean", np.zeros(8)), _init("var", RNG.uniform(1e8, 2e8, 8))]
+    proto = _conv_model("[bn] y = BatchNormalization (c, gamma, beta, mean, var)", bn)
+    result = fold_affines(proto, FP16, largest=32752)
+    assert result and result.details["partial"]["conv"].startswith(
+        "BatchNormalization bn as one Mul and Add after it (not folded: ")
+    assert sorted(n.op_type for n in result.model.graph.node) == ["Add", "Conv", "Mul"]
+    feed = _x()
+    _same(proto, result.model, feed)
+    emulated = run(make_session(emulate(result.model, FP16, saturate=False).model), feed)["y"]
+    exact = run(make_session(proto), feed)["y"]
+    assert np.isfinite(emulated).all()
+    assert np.linalg.norm(emulated - exact) / np.linalg.norm(exact) < 1e-2
+    # The BatchNormalization itself does not survive FP16: its variance is Inf, its output 0.
+    unfused = run(make_session(emulate(proto, FP16, saturate=False).model), feed)["y"]
+    assert np.linalg.norm(unfused - exact) / np.linalg.norm(exact) > 0.99
 
 
 def test_folding_removes_roundings_under_fp16_emulation():

@@ -16,11 +16,13 @@ Conv's weights by 1e5, one with small gammas can push them subnormal.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from npuprep.analyse.initialisers import UNDERFLOW_MASS, summarise
 from npuprep.numerics import NumberFormat
 from npuprep.rewrite import graph_ops as go
 from npuprep.rewrite.result import RewriteResult, sites_result
@@ -34,16 +36,21 @@ def fold_affines(model: onnx.ModelProto, fmt: NumberFormat | None = None, *,
     """Fold every chain of per-channel scales and shifts that follows a main-graph Conv with
     constant weights into those weights.
 
-    A fold is declined when a folded weight or bias would exceed `largest`, or when the
-    folded weights would store in `fmt` (the target's format) with more than twice the
-    relative error of the unfolded ones and more than its epsilon (many pushed subnormal).
-    details: "replaced" {conv: what was folded}, "declined" {conv: why}.
+    A fold is declined when a folded weight or bias would exceed `largest`, or when a visible
+    share of the folded weights would land below `fmt`'s smallest normal number (the target
+    format; the analyser's init.underflow test) where the unfolded ones did not.
+    A chain that cannot fold but holds a BatchNormalization (or more than a scale and a
+    shift) becomes one per-channel Mul and Add: FP16 then stores the scale, not a variance
+    of 1e7 that overflows it.
+    details: "replaced" {conv: what was done}, "partial" {conv: how} for those left as one Mul
+    and Add, "declined" {conv: why}.
     """
     if not any(n.op_type == "Conv" for n in model.graph.node):
         return RewriteResult(model, False, "no Conv", {"replaced": {}, "declined": {}})
     graph = go.import_graph(model)
     replaced: dict[str, str] = {}
     declined: dict[str, str] = {}
+    partial: dict[str, str] = {}  # replaced, but by one Mul and Add instead of a fold
     for conv in [n for n in graph.nodes if n.op == "Conv"]:
         label = go.node_label(conv)
         chain, scale, shift, why = _affine_chain(graph, conv)
@@ -64,8 +71,14 @@ def fold_affines(model: onnx.ModelProto, fmt: NumberFormat | None = None, *,
         base = bias.astype(np.float64) if bias is not None else np.zeros(channels)
         new_b = base * scale + shift
         why = _stores_worse(weights, new_w, new_b, fmt, largest)
+        names = ", ".join(f"{n.op} {go.node_label(n)}" for n in chain)
+        if why and (len(chain) > 2 or any(n.op == "BatchNormalization" for n in chain)):
+            # Still one scale and one shift, and no variance left to overflow FP16.
+            _as_one_affine(graph, conv, chain, scale, shift, weights.ndim)
+            replaced[label] = partial[label] = f"{names} as one Mul and Add after it (not folded: {why})"
+            continue
         if why:
-            declined[label] = f"folding {', '.join(go.node_label(n) for n in chain)}: {why}"
+            declined[label] = f"folding {names}: {why}"
             continue
         w_name = go.unique_name(graph, f"{conv.inputs[1].name}.folded")
         b_name = go.unique_name(graph, f"{label}.bias.folded")
@@ -79,11 +92,30 @@ def fold_affines(model: onnx.ModelProto, fmt: NumberFormat | None = None, *,
         for node in chain:
             node.outputs.clear()
         conv.outputs[0] = last
-        replaced[label] = (f"{', '.join(f'{n.op} {go.node_label(n)}' for n in chain)} folded into "
-                           f"its weights and bias")
-    return sites_result(model, lambda: go.finish(graph, model), replaced, declined,
-                        nothing="no scale or shift after a Conv",
-                        done=f"{len(replaced)} Conv(s) took the scale and shift after them")
+        replaced[label] = f"{names} folded into its weights and bias"
+    result = sites_result(model, lambda: go.finish(graph, model), replaced, declined,
+                          nothing="no scale or shift after a Conv",
+                          done=f"{len(replaced) - len(partial)} Conv(s) took the scale and shift "
+                               f"after them")
+    return replace(result, details={**result.details, "partial": partial})
+
+
+def _as_one_affine(graph: gs.Graph, conv: gs.Node, chain: list[gs.Node], scale: np.ndarray,
+                   shift: np.ndarray, rank: int) -> None:
+    """Replace `chain` by `Mul(conv, scale) -> Add(shift)` (per channel of an output of
+    `rank` dims), writing its last tensor."""
+    label = go.node_label(chain[0])
+    shape = (1, -1) + (1,) * (rank - 2)
+    last = chain[-1].outputs[0]
+    for node in chain:
+        node.outputs.clear()
+    scaled = gs.Variable(go.unique_name(graph, f"{last.name}.scaled"), dtype=last.dtype)
+    graph.nodes.append(gs.Node("Mul", go.unique_name(graph, f"{label}.scale"), inputs=[
+        conv.outputs[0], gs.Constant(go.unique_name(graph, f"{label}.scale_value"),
+                                     scale.astype(np.float32).reshape(shape))], outputs=[scaled]))
+    graph.nodes.append(gs.Node("Add", go.unique_name(graph, f"{label}.shift"), inputs=[
+        scaled, gs.Constant(go.unique_name(graph, f"{label}.shift_value"),
+                            shift.astype(np.float32).reshape(shape))], outputs=[last]))
 
 
 def _affine_chain(graph: gs.Graph, conv: gs.Node) -> tuple[list[gs.Node], np.ndarray, np.ndarray, str]:
@@ -167,17 +199,9 @@ def _stores_worse(weights: np.ndarray, new_w: np.ndarray, new_b: np.ndarray,
         return f"a folded parameter would reach {top:.3g} (largest stored: {largest:.5g})"
     if fmt is None:
         return ""
-    before, after = _storage_error(weights, fmt), _storage_error(new_w, fmt)
-    if after > max(2 * before, fmt.eps):
-        return (f"its weights would store in {fmt.name} with relative error {after:.2g} "
-                f"(unfolded: {before:.2g}): too many would be subnormal")
+    # The analyser's own test (init.underflow): the fold must not create that finding.
+    before, after = summarise(weights, fmt).tiny_share, summarise(new_w, fmt).tiny_share
+    if after >= UNDERFLOW_MASS > before:
+        return (f"{after:.0%} of its folded weights' magnitude would lie below {fmt.name}'s "
+                f"smallest normal {fmt.min_normal:.3g} (unfolded: {before:.1%})")
     return ""
-
-
-def _storage_error(values: np.ndarray, fmt: NumberFormat) -> float:
-    """Relative L2 error of storing `values` in `fmt`."""
-    exact = values.astype(np.float64)
-    norm = float(np.linalg.norm(exact))
-    if not norm:
-        return 0.0
-    return float(np.linalg.norm(fmt.round(values, saturate=True).astype(np.float64) - exact)) / norm
