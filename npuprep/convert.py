@@ -312,7 +312,7 @@ def for_target(model: Model, profile: TargetProfile, stats: Any = None,
     nodes in the main graph. The result keeps the source's path and fingerprint: plans and
     statistics still belong to the user's model (a kept tensor keeps its name). Tensors the
     source never computed (a branch the samples never took, a fused op's new tensor) are
-    measured on `samples` (when given) and added to `stats`.
+    measured on `samples` (when given) and added to `stats`, unless their op bounds them.
     """
     from npuprep.rewrite.fold_affine import fold_affines
     from npuprep.rewrite.hardswish import fuse_hardswish
@@ -371,12 +371,17 @@ def _work(model: Model, proto: Any) -> Model:
 def _unmeasured_stats(work: Model, stats: Any,
                       samples: Sequence[Feed] | None) -> tuple[Any, list[str]]:
     """`stats` completed with the tensors the source model never computed on these samples
-    and the planned graph does: a branch that was not taken and is now inlined, a tensor
-    a fusion made (HardSigmoid's gate)."""
-    from npuprep.graph import float_tensor_names
+    and the planned graph does (a branch that was not taken and is now inlined, a tensor a
+    fusion made), except those of statically bounded ops (npuprep.ops.BOUNDED_OUTPUTS)."""
+    from npuprep.graph import float_tensor_names, producers
+    from npuprep.ops import BOUNDED_OUTPUTS
 
+    # A fused hard-swish's gate (HardSigmoid) lies in [0, 1] whatever its input: not worth
+    # a second calibration pass.
+    made = producers(work.proto.graph)
     missing = [t for t in float_tensor_names(work.proto, work.graph)
-               if t not in stats.tensors or not stats.tensors[t].count]
+               if (t not in stats.tensors or not stats.tensors[t].count)
+               and not (t in made and made[t].op_type in BOUNDED_OUTPUTS)]
     if not missing:
         return stats, []
     if not samples:

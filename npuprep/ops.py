@@ -74,6 +74,11 @@ SCALE_WALK_BACK: dict[str, tuple[int, ...] | None] = {
 
 # --- static bounds: planning without measured ranges --------------------------------------
 
+# Ops whose output range is known whatever their input: op -> (lo, hi).
+BOUNDED_OUTPUTS: dict[str, tuple[float, float]] = {
+    "Sigmoid": (0.0, 1.0), "HardSigmoid": (0.0, 1.0), "Softmax": (0.0, 1.0), "Tanh": (-1.0, 1.0),
+}
+
 # Ops that pass a large magnitude on: sums, products, reductions, data movement. Linear
 # layers with unknown weights, roots, divisions and normalisations end it.
 CARRIES_MAGNITUDE = frozenset({

@@ -18,6 +18,7 @@ from npuprep.errors import NpuprepError
 from npuprep.graph import node_label, tensor_types, walk_graphs
 from npuprep.model_io import model_opset
 from npuprep.numerics import NumberFormat
+from npuprep.ops import BOUNDED_OUTPUTS
 from npuprep.rewrite import graph_ops as go
 from npuprep.rewrite.result import RewriteResult
 
@@ -175,10 +176,8 @@ def bounds(tensor: gs.Tensor, depth: int = 8) -> Bounds:
         return None, None
     op = node.op
     inner = (lambda i=0: bounds(node.inputs[i], depth - 1))  # noqa: E731
-    if op in ("Sigmoid", "Softmax", "HardSigmoid"):
-        return 0.0, 1.0
-    if op == "Tanh":
-        return -1.0, 1.0
+    if op in BOUNDED_OUTPUTS:
+        return BOUNDED_OUTPUTS[op]
     if op in ("Exp", "Softplus"):
         return 0.0, None
     if op == "Abs" or op == "Mul" and node.inputs[0] is node.inputs[1]:
