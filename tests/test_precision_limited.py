@@ -161,7 +161,13 @@ def test_where_the_error_sits_tells_one_undecided_position_from_an_error_everywh
     words = describe_worst(out["local"])
     assert words.startswith("worst sample #1 (rel L2 ") and "100% of its error at 1 of 40 positions" in words
     assert "FP32's top two are 0.49 / 0.48, decision changed" in words
+    # Probabilities along the last axis: the decisions are counted without --top-k.
+    assert out["local"]["top1_agreement"] == 79 / 80 and "top_k" not in out["local"]
+    assert words.endswith("; top-1 agrees at 79 of 80 positions over all samples")
     assert describe_worst({"rel_l2": 0.0}) == ""
+    logits = OutputErrors()
+    logits.add("z", np.log(ref[1]), np.log(local[1]))
+    assert "top1_agreement" not in logits.result()["z"]  # not probabilities: no decisions counted
 
 
 def test_a_precision_failure_says_where_its_error_sits(tmp_path):

@@ -47,7 +47,7 @@ class OutputErrors:
         cand = np.asarray(candidate, dtype=np.float64)
         a = self._acc.setdefault(name, {"nonfinite": 0, "err2": 0.0, "ref2": 0.0,
                                         "max_abs_error": 0.0, "agree": 0, "positions": 0,
-                                        "samples": 0})
+                                        "samples": 0, "top1": 0, "rows": 0, "probabilities": 1})
         bad = ~np.isfinite(cand)
         a["nonfinite"] += int(bad.sum())
         diff = np.where(bad, 0.0, cand - ref)
@@ -61,6 +61,12 @@ class OutputErrors:
                                  **_concentration(ref, diff)}
         a["samples"] += 1
         a["max_abs_error"] = max(a["max_abs_error"], float(np.abs(diff).max(initial=0.0)))
+        if ref.shape == cand.shape and ref.ndim >= 1 and ref.shape[-1] >= 2:
+            # Probabilities along the last axis (a softmax's output): their decisions are
+            # worth counting even when the user did not ask for --top-k.
+            a["probabilities"] &= int(bool(ref.min() >= 0) and bool(np.allclose(ref.sum(-1), 1, atol=1e-3)))
+            a["top1"] += int(_same_top_k(ref, cand, 1).sum())
+            a["rows"] += int(ref.size // ref.shape[-1])
         k = self.top_k.get(name)
         if k and ref.ndim >= 1 and ref.shape == cand.shape and ref.shape[-1] >= k:
             a["agree"] += int(_same_top_k(ref, cand, k).sum())
@@ -78,6 +84,9 @@ class OutputErrors:
                 row["top_k_agreement"] = a["agree"] / a["positions"] if a["positions"] else 0.0
             if name in self._worst:
                 row["worst_sample"] = dict(self._worst[name])
+            if a["rows"] and a["probabilities"]:
+                row["top1_agreement"] = a["top1"] / a["rows"]
+                row["top1_positions"] = a["rows"]
             out[name] = row
         return out
 
@@ -100,15 +109,21 @@ def _concentration(ref: np.ndarray, diff: np.ndarray) -> dict[str, Any]:
 
 def describe_worst(errors: Mapping[str, Any]) -> str:
     """'worst sample #4: 62% of its error at 1 of 40 positions; there FP32's top two are
-    0.66 / 0.34, decision kept', or '' when the output has no such record."""
+    0.66 / 0.34, decision kept' (and, for probabilities, how many top-1 decisions agree), or
+    '' when the output has no such record."""
     w = errors.get("worst_sample")
     if not w:
         return ""
     top2 = " / ".join(f"{v:.3g}" for v in w["reference_top2"])
     kept = "decision kept" if w["same_decision"] else "decision changed"
-    return (f"worst sample #{w['sample']} (rel L2 {w['rel_l2']:.3g}): {100 * w['share']:.0f}% of its "
+    said = (f"worst sample #{w['sample']} (rel L2 {w['rel_l2']:.3g}): {100 * w['share']:.0f}% of its "
             f"error at {w['positions']} of {w['of']} positions; at the worst, FP32's top two are "
             f"{top2}, {kept}")
+    if "top1_agreement" in errors:
+        rows = errors["top1_positions"]
+        said += (f"; top-1 agrees at {round(errors['top1_agreement'] * rows)} of {rows} positions "
+                 "over all samples")
+    return said
 
 
 def _same_top_k(ref: np.ndarray, cand: np.ndarray, k: int) -> np.ndarray:
