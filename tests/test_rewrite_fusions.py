@@ -5,6 +5,8 @@ emulation; and `convert` on a model that has both."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 import pytest
@@ -115,8 +117,9 @@ def test_a_batchnorm_that_would_push_the_weights_subnormal_becomes_one_mul_and_a
           _init("mean", np.zeros(8)), _init("var", RNG.uniform(1e8, 2e8, 8))]
     proto = _conv_model("[bn] y = BatchNormalization (c, gamma, beta, mean, var)", bn)
     result = fold_affines(proto, FP16, largest=32752)
-    assert result and result.details["partial"]["conv"].startswith(
-        "BatchNormalization bn as one Mul and Add after it (not folded: ")
+    how = result.details["partial"]["conv"]
+    assert result and how.startswith("BatchNormalization bn as one Mul and Add after it (not folded: ")
+    assert re.search(r"its variance reaches 1\.\d+e\+08, beyond fp16.s max 65504: the scale is stored instead", how)
     assert sorted(n.op_type for n in result.model.graph.node) == ["Add", "Conv", "Mul"]
     feed = _x()
     _same(proto, result.model, feed)
@@ -263,3 +266,18 @@ def test_a_bf16_weighted_conv_folds_and_json_stays_clean(tmp_path):
     assert any("fused before planning: 1 Conv(s)" in n for n in report["notes"])
     converted = onnx.load(tmp_path / "o.onnx")
     assert [n.op_type for n in converted.graph.node if n.op_type not in ("Cast",)] == ["Conv"]
+
+
+def test_check_says_what_convert_fuses_before_planning(tmp_path):
+    # x -> Conv -> c -> BatchNormalization -> y : check finds on the fused graph and says so
+    from tests.conftest import run_cli
+
+    bn = [_init("gamma", RNG.uniform(0.5, 2, 8)), _init("beta", RNG.standard_normal(8)),
+          _init("mean", RNG.standard_normal(8)), _init("var", RNG.uniform(0.1, 3, 8))]
+    path = tmp_path / "bn.onnx"
+    onnx.save(_conv_model("[bn] y = BatchNormalization (c, gamma, beta, mean, var)", bn), path)
+    done = run_cli("check", path, "--target", "generic")
+    assert done.returncode == 0, done.stderr
+    said = " ".join(done.stdout.split())
+    assert "note: fused before planning: 1 Conv(s) took the scale and shift after them (conv)" in said
+    assert max(map(len, done.stdout.splitlines())) <= 100

@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         findings = gather_findings(args, model, profile, stats)
         # Findings and plan on the graph convert plans: exact pre-plan rewrites (a folded
         # mean, removed control flow) change what is there to find.
-        model, findings, plan = _plan(args, model, profile, stats, findings)
+        model, findings, plan, rewrites = _plan(args, model, profile, stats, findings)
         if args.html:
             from npuprep.cli.report import tensor_order
             from npuprep.report.render_html import render
@@ -122,15 +122,18 @@ def run(args: argparse.Namespace) -> int:
         _print(model, profile, findings, fail_on)
         if stats is not None and stats.mapping_note:
             say(f"note: {stats.mapping_note}")
+        for note in rewrites:
+            say(f"note: {note}")
         _print_plan(plan, measured=stats is not None)
     return 1 if failing else 0
 
 
 def _plan(args: argparse.Namespace, model: Any, profile: Any, stats: Any,
-          findings: Any) -> tuple[Any, Any, Any]:
-    """The graph convert plans (a written-out mean folded, no control flow where the target
-    takes none), its findings, and what `convert` would do with them: the planner's own
-    decision, so check and convert tell one story (verification rounds may add pins to it)."""
+          findings: Any) -> tuple[Any, Any, Any, tuple[str, ...]]:
+    """The graph convert plans (fusions a compiler makes, no control flow where the target
+    takes none), its findings, what `convert` would do with them (the planner's own
+    decision, so check and convert tell one story; verification rounds may add pins to it),
+    and the notes saying how that graph differs from the model."""
     from dataclasses import replace
 
     from npuprep.cli.common import open_samples
@@ -144,7 +147,7 @@ def _plan(args: argparse.Namespace, model: Any, profile: Any, stats: Any,
     if work is not model:
         findings = gather_findings(args, work, profile, stats)
     plan = make_plan(work, profile, stats, findings, precision=args.precision)
-    return work, findings, replace(plan, notes=(*notes, *plan.notes))
+    return work, findings, replace(plan, notes=(*notes, *plan.notes)), notes
 
 
 def _print_plan(plan: Any, *, measured: bool) -> None:

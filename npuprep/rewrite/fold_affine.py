@@ -75,7 +75,8 @@ def fold_affines(model: onnx.ModelProto, fmt: NumberFormat | None = None, *,
         if why and (len(chain) > 2 or any(n.op == "BatchNormalization" for n in chain)):
             # Still one scale and one shift, and no variance left to overflow FP16.
             _as_one_affine(graph, conv, chain, scale, shift, weights.ndim)
-            replaced[label] = partial[label] = f"{names} as one Mul and Add after it (not folded: {why})"
+            replaced[label] = partial[label] = (f"{names} as one Mul and Add after it (not folded: "
+                                                f"{why}){_variance_note(chain, fmt)}")
             continue
         if why:
             declined[label] = f"folding {names}: {why}"
@@ -98,6 +99,18 @@ def fold_affines(model: onnx.ModelProto, fmt: NumberFormat | None = None, *,
                           done=f"{len(replaced) - len(partial)} Conv(s) took the scale and shift "
                                f"after them")
     return replace(result, details={**result.details, "partial": partial})
+
+
+def _variance_note(chain: list[gs.Node], fmt: NumberFormat | None) -> str:
+    """Why replacing a BatchNormalization matters even unfolded: its variance beyond `fmt`."""
+    if fmt is None:
+        return ""
+    variances = [go.const_value(n.inputs[4]) for n in chain if n.op == "BatchNormalization"]
+    top = max((float(np.abs(v).max()) for v in variances if v is not None and v.size), default=0.0)
+    if top <= fmt.max:
+        return ""
+    return (f"; its variance reaches {top:.3g}, beyond {fmt.name}'s max {fmt.max:.6g}: the "
+            "scale is stored instead")
 
 
 def _as_one_affine(graph: gs.Graph, conv: gs.Node, chain: list[gs.Node], scale: np.ndarray,
