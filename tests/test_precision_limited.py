@@ -167,7 +167,9 @@ def test_where_the_error_sits_tells_one_undecided_position_from_an_error_everywh
     assert describe_worst({"rel_l2": 0.0}) == ""
     logits = OutputErrors()
     logits.add("z", np.log(ref[1]), np.log(local[1]))
-    assert "top1_agreement" not in logits.result()["z"]  # not probabilities: no decisions counted
+    z = logits.result()["z"]
+    assert "top1_agreement" not in z  # not probabilities: no decisions counted or spoken of
+    assert describe_worst(z).endswith("of its error at 1 of 40 positions")
 
 
 def test_a_precision_failure_says_where_its_error_sits(tmp_path):

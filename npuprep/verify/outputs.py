@@ -108,17 +108,20 @@ def _concentration(ref: np.ndarray, diff: np.ndarray) -> dict[str, Any]:
 
 
 def describe_worst(errors: Mapping[str, Any]) -> str:
-    """'worst sample #4: 62% of its error at 1 of 40 positions; there FP32's top two are
-    0.66 / 0.34, decision kept' (and, for probabilities, how many top-1 decisions agree), or
-    '' when the output has no such record."""
+    """'worst sample #4: 62% of its error at 1 of 40 positions', and for class scores
+    (probabilities, or an output judged by --top-k) '; at the worst, FP32's top two are
+    0.66 / 0.34, decision kept' and how many top-1 decisions agree; '' when the output has
+    no such record."""
     w = errors.get("worst_sample")
     if not w:
         return ""
+    said = (f"worst sample #{w['sample']} (rel L2 {w['rel_l2']:.3g}): {100 * w['share']:.0f}% of its "
+            f"error at {w['positions']} of {w['of']} positions")
+    if "top1_agreement" not in errors and "top_k" not in errors:
+        return said  # not class scores: no decision to speak of
     top2 = " / ".join(f"{v:.3g}" for v in w["reference_top2"])
     kept = "decision kept" if w["same_decision"] else "decision changed"
-    said = (f"worst sample #{w['sample']} (rel L2 {w['rel_l2']:.3g}): {100 * w['share']:.0f}% of its "
-            f"error at {w['positions']} of {w['of']} positions; at the worst, FP32's top two are "
-            f"{top2}, {kept}")
+    said += f"; at the worst, FP32's top two are {top2}, {kept}"
     if "top1_agreement" in errors:
         rows = errors["top1_positions"]
         said += (f"; top-1 agrees at {round(errors['top1_agreement'] * rows)} of {rows} positions "
