@@ -325,11 +325,16 @@ def ocr_rec_sample(h: int, w: int) -> Callable[[np.random.Generator], Sample]:
     return lambda rng: {"x": (chw(text_line(rng, h, w)) / 255.0 - 0.5) / 0.5}
 
 
-def ocr_det_sample(rng: np.random.Generator) -> Sample:
-    """PaddleOCR det preprocessing: ImageNet mean/std on x/255."""
+def imagenet_normalised(img: Image.Image) -> np.ndarray:
+    """x/255 with ImageNet mean/std (PaddleOCR's, PaddleDetection's, PaddleClas's and torchvision's preprocessing)."""
     mean = np.asarray([0.485, 0.456, 0.406], np.float32)[None, :, None, None]
     std = np.asarray([0.229, 0.224, 0.225], np.float32)[None, :, None, None]
-    return {"x": ((chw(text_page(rng, 320, 320)) / 255.0 - mean) / std).astype(np.float32)}
+    return ((chw(img) / 255.0 - mean) / std).astype(np.float32)
+
+
+def ocr_det_sample(rng: np.random.Generator) -> Sample:
+    """PaddleOCR det preprocessing: ImageNet mean/std on x/255."""
+    return {"x": imagenet_normalised(text_page(rng, 320, 320))}
 
 
 def ddddocr_ocr_sample(rng: np.random.Generator) -> Sample:
@@ -357,9 +362,7 @@ def yolov8_sample(rng: np.random.Generator) -> Sample:
 
 def imagenet_sample(rng: np.random.Generator) -> Sample:
     """torchvision classifier preprocessing: ImageNet mean/std on x/255, 224x224."""
-    mean = np.asarray([0.485, 0.456, 0.406], np.float32)[None, :, None, None]
-    std = np.asarray([0.229, 0.224, 0.225], np.float32)[None, :, None, None]
-    return {"images": ((chw(scene(rng, 224, 224)) / 255.0 - mean) / std).astype(np.float32)}
+    return {"images": imagenet_normalised(scene(rng, 224, 224))}
 
 
 def document_page(rng: np.random.Generator, h: int, w: int) -> Image.Image:
@@ -389,13 +392,6 @@ def document_page(rng: np.random.Generator, h: int, w: int) -> Image.Image:
             y += font.size + 4
         y += int(rng.integers(10, 30))
     return img
-
-
-def imagenet_normalised(img: Image.Image) -> np.ndarray:
-    """x/255 with ImageNet mean/std (PaddleDetection's and PaddleClas's preprocessing)."""
-    mean = np.asarray([0.485, 0.456, 0.406], np.float32)[None, :, None, None]
-    std = np.asarray([0.229, 0.224, 0.225], np.float32)[None, :, None, None]
-    return ((chw(img) / 255.0 - mean) / std).astype(np.float32)
 
 
 def layout_sample(rng: np.random.Generator) -> Sample:
