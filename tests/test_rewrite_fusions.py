@@ -268,7 +268,7 @@ def test_a_bf16_weighted_conv_folds_and_json_stays_clean(tmp_path):
     assert [n.op_type for n in converted.graph.node if n.op_type not in ("Cast",)] == ["Conv"]
 
 
-def test_check_says_what_convert_fuses_before_planning(tmp_path):
+def test_check_and_compare_say_what_convert_fuses_before_planning(tmp_path):
     # x -> Conv -> c -> BatchNormalization -> y : check finds on the fused graph and says so
     from tests.conftest import run_cli
 
@@ -281,3 +281,12 @@ def test_check_says_what_convert_fuses_before_planning(tmp_path):
     said = " ".join(done.stdout.split())
     assert "note: fused before planning: 1 Conv(s) took the scale and shift after them (conv)" in said
     assert max(map(len, done.stdout.splitlines())) <= 100
+    # compare --emulate emulates the model as exported, and says convert does not
+    data = tmp_path / "data"
+    data.mkdir()
+    np.savez(data / "0.npz", **_x())
+    done = run_cli("compare", path, "--emulate", "--target", "generic", "--data", data)
+    assert done.returncode in (0, 1), done.stderr
+    said = " ".join(done.stdout.split())
+    assert ("note: this emulates the model as exported; convert plans and verifies it after the "
+            "changes a compiler makes (1: fused before planning: 1 Conv(s)") in said

@@ -66,6 +66,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_json(p)
 
 
+def _as_exported_note(ref: Any, profile: Any) -> tuple[str, ...]:
+    """A note when `convert` would plan on another graph than the one emulated here (the
+    fusions a compiler makes): a failure here may be gone there."""
+    from npuprep.convert import for_target
+
+    work, _, changes = for_target(ref, profile)
+    if work is ref or not changes:
+        return ()
+    return (f"this emulates the model as exported; convert plans and verifies it after the "
+            f"changes a compiler makes ({len(changes)}: {changes[0]}{'; ...' if len(changes) > 1 else ''}), "
+            "and `convert --plan-only` lists them",)
+
+
 def run(args: argparse.Namespace) -> int:
     from npuprep.errors import NpuprepError
     from npuprep.model_io import load_model
@@ -124,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
             if unknown:
                 raise NpuprepError(f"--pin names node '{unknown[0]}', which {args.ref} does not have")
             cand_proto = emulation.model
-            notes = emulation_notes(profile, emulation.saturate) + upgrade_notes(emulation)
+            notes = (emulation_notes(profile, emulation.saturate) + upgrade_notes(emulation)
+                     + _as_exported_note(ref, profile))
         else:
             cand_proto = load_model(args.cand).proto
             stored = _stored_format(cand_proto)
