@@ -386,8 +386,8 @@ def _unmeasured_stats(work: Model, stats: Any,
         return stats, []
     if not samples:
         return stats, [f"{len(missing)} tensor(s) the source model does not compute on these "
-                       f"samples have no measured range ({', '.join(missing[:3])}); give samples "
-                       "to measure them"]
+                       f"samples have no measured range yet ({', '.join(missing[:3])}); convert, "
+                       "or check with --data, measures them on its samples"]
     from npuprep.calibrate import calibrate
 
     fresh = calibrate(work, samples)
