@@ -3,7 +3,7 @@
 Exporters write a BatchNormalization, or a per-channel or scalar scale and shift (paddle2onnx's
 re-parameterised MobileOne blocks, a "learnable affine"), as nodes after the Conv. Each stores
 its output once more: in FP16 that is one more rounding per layer, and PP-OCR's recogniser
-has three of them after each of its 38 convolutions. A compiler folds them into the Conv
+has two of them after most of its 38 convolutions. A compiler folds them into the Conv
 (TensorRT, rknn-toolkit2, onnxruntime's ConvBNFusion/ConvMulFusion), so the folded graph is
 also what the board runs. Exact up to FP32 rounding of the folded parameters; the Conv keeps
 its name and takes the last folded node's output tensor, so plans and statistics find it.
