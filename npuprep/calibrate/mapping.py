@@ -5,8 +5,9 @@ scale the rewrite recorded for it (npuprep.provenance: a power of two, so the ex
 histogram shifts exactly). A float Cast or Identity the conversion inserted carries the
 statistics of the tensor on its other side (`x -> Cast -> x__to_fp16`, `y__fp16 -> Cast -> y`),
 and a Mul by a positive scalar constant (a rescale's exit, `y__scaled * 2 -> y`) those of its
-other side divided or multiplied by that constant. Every other float tensor the conversion introduced (a shifted softmax's `e__shifted`, a
-ReduceMax) has no source statistics: it is counted as unmapped, never guessed.
+other side divided or multiplied by that constant. Every other float tensor the conversion
+introduced (a shifted softmax's `e__shifted`, a ReduceMax, a fused hard-swish's gate) has no
+source statistics: it is counted as unmapped, never guessed.
 """
 
 from __future__ import annotations

@@ -187,8 +187,8 @@ def bounds(tensor: gs.Tensor, depth: int = 8) -> Bounds:
         return max(0.0, lo if lo is not None else 0.0), hi
     if op == "Clip":
         lo, hi = inner()
-        cmin = _scalar(node, 1, "min")
-        cmax = _scalar(node, 2, "max")
+        cmin = go.scalar_operand(node, 1, "min")
+        cmax = go.scalar_operand(node, 2, "max")
         return _tighter_lo(lo, cmin), _tighter_hi(hi, cmax)
     if op == "Sqrt":
         lo, hi = inner()
@@ -224,13 +224,6 @@ def _tighter_lo(a: float | None, b: float | None) -> float | None:
 
 def _tighter_hi(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else min(a, b)
-
-
-def _scalar(node: gs.Node, index: int, attr: str) -> float | None:
-    if len(node.inputs) > index and node.inputs[index].name:
-        value = go.const_value(node.inputs[index])
-        return float(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
-    return float(node.attrs[attr]) if attr in node.attrs else None
 
 
 def _within(known: Bounds, lo: float | None, hi: float | None) -> bool:

@@ -141,10 +141,10 @@ def _affine_chain(graph: gs.Graph, conv: gs.Node) -> tuple[list[gs.Node], np.nda
     scale, shift = np.ones(max(channels, 1)), np.zeros(max(channels, 1))
     tensor = conv.outputs[0]
     while True:
-        readers, in_body = go.main_consumers(graph, tensor)
-        if len(readers) != 1 or in_body or go.is_graph_output(graph, tensor):
+        reader = go.sole_reader(graph, tensor)
+        if reader is None:
             break
-        step = _affine_step(readers[0], tensor, channels, rank)
+        step = _affine_step(reader, tensor, channels, rank)
         if step is None:
             break
         if not channels:
@@ -153,8 +153,8 @@ def _affine_chain(graph: gs.Graph, conv: gs.Node) -> tuple[list[gs.Node], np.nda
             return chain, scale, shift, "" if chain else step
         a, c = step
         scale, shift = scale * a, shift * a + c
-        chain.append(readers[0])
-        tensor = readers[0].outputs[0]
+        chain.append(reader)
+        tensor = reader.outputs[0]
     return chain, scale, shift, ""
 
 
@@ -171,7 +171,7 @@ def _affine_step(node: gs.Node, tensor: gs.Tensor, channels: int,
         params = [go.const_value(t) for t in node.inputs[1:5]]
         if any(p is None for p in params):
             return f"{label} has parameters that are not constant"
-        gamma, beta, mean, var = (p.astype(np.float64).reshape(-1) for p in params)  # type: ignore[union-attr]
+        gamma, beta, mean, var = (np.asarray(p, np.float64).reshape(-1) for p in params)
         inv = gamma / np.sqrt(var + float(node.attrs.get("epsilon", 1e-5)))
         return inv, beta - mean * inv
     pos = next(i for i, t in enumerate(node.inputs) if t is tensor)

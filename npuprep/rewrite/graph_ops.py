@@ -90,6 +90,24 @@ def main_consumers(graph: gs.Graph, tensor: gs.Tensor) -> tuple[list[gs.Node], b
     return nodes, len(nodes) != len(tensor.outputs)
 
 
+def sole_reader(graph: gs.Graph, tensor: gs.Tensor) -> gs.Node | None:
+    """The one main-graph node reading `tensor`, when nothing else does (no other node, no
+    subgraph body, not a graph output), else None."""
+    readers, in_body = main_consumers(graph, tensor)
+    if len(readers) != 1 or in_body or is_graph_output(graph, tensor):
+        return None
+    return readers[0]
+
+
+def scalar_operand(node: gs.Node, index: int, attr: str) -> float | None:
+    """A one-element constant given as input `index` (newer opsets) or as attribute `attr`
+    (older ones, e.g. Clip's min/max before opset 11), else None."""
+    if len(node.inputs) > index and node.inputs[index].name:
+        value = const_value(node.inputs[index])
+        return float(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
+    return float(node.attrs[attr]) if attr in node.attrs else None
+
+
 def const_value(tensor: gs.Tensor) -> np.ndarray | None:
     """The value of an initialiser or a Constant node's output, else None."""
     if isinstance(tensor, gs.Constant):

@@ -95,8 +95,7 @@ def _pattern(graph: gs.Graph, clip: gs.Node) -> tuple[gs.Tensor, tuple[gs.Node, 
 def _why_not(graph: gs.Graph, inner: tuple[gs.Node, ...], last: gs.Node) -> str:
     for node in inner:
         out = node.outputs[0]
-        readers, in_body = go.main_consumers(graph, out)
-        if go.is_graph_output(graph, out) or in_body or len(readers) != 1:
+        if go.sole_reader(graph, out) is None:
             return f"{out.name} (of {go.node_label(node)}) is read elsewhere too"
     return ""
 
@@ -129,9 +128,5 @@ def _is(tensor: gs.Tensor | None, value: float) -> bool:
 
 def _bounds_are(clip: gs.Node, low: float, high: float) -> bool:
     """Clip's bounds, given as inputs (opset 11+) or attributes (before), are [low, high]."""
-    if "min" in clip.attrs or "max" in clip.attrs:
-        return (math.isclose(float(clip.attrs.get("min", -math.inf)), low)
-                and math.isclose(float(clip.attrs.get("max", math.inf)), high))
-    if len(clip.inputs) != 3 or not clip.inputs[1].name or not clip.inputs[2].name:
-        return False
-    return _is(clip.inputs[1], low) and _is(clip.inputs[2], high)
+    lo, hi = go.scalar_operand(clip, 1, "min"), go.scalar_operand(clip, 2, "max")
+    return lo is not None and hi is not None and math.isclose(lo, low) and math.isclose(hi, high)
