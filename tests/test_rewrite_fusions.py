@@ -26,7 +26,8 @@ RNG = np.random.default_rng(7)
 
 
 def _conv_model(after: str, extra_inits: list[onnx.TensorProto], *, opset: int = 17,
-                weights: np.ndarray | None = None, out_channels: int = 8) -> onnx.ModelProto:
+                weights: np.ndarray | None = None, out_channels: int = 8,
+                check: bool = True) -> onnx.ModelProto:
     """x[1,4,6,6] -> Conv(3x3, pads 1) -> c -> `after` -> y[1,out_channels,6,6]"""
     w = weights if weights is not None else RNG.standard_normal((8, 4, 3, 3)).astype(np.float32) * 0.3
     text = f"""
@@ -41,7 +42,8 @@ def _conv_model(after: str, extra_inits: list[onnx.TensorProto], *, opset: int =
         numpy_helper.from_array(w, "w"),
         numpy_helper.from_array(RNG.standard_normal(8).astype(np.float32), "b"),
         *extra_inits])
-    onnx.checker.check_model(proto, full_check=True)
+    if check:
+        onnx.checker.check_model(proto, full_check=True)
     return proto
 
 
@@ -105,6 +107,11 @@ def test_declines_what_is_no_per_channel_affine_or_would_store_worse():
     huge = _conv_model("[scale] y = Mul (c, s)", [_init("s", 1e6)])
     result = fold_affines(huge, FP16, largest=32752)
     assert not result and "would reach" in result.details["declined"]["conv"]
+    # x -> Conv(8 channels) -> c -> BatchNormalization(4 values each): a broken model, declined
+    short = _conv_model("[bn] y = BatchNormalization (c, g, b, m, v)",
+                        [_init(n, np.ones(4)) for n in ("g", "b", "m", "v")], check=False)
+    result = fold_affines(short, FP16, largest=32752)
+    assert not result and "parameters do not hold one value per channel (8)" in result.reason
     # x -> Conv -> c -> [Mul(2) -> y1, Relu -> y2] : c is read twice
     shared = _conv_model("[scale] y = Mul (c, s)", [_init("s", 2.0)])
     shared.graph.output.append(helper.make_tensor_value_info("c", onnx.TensorProto.FLOAT, [1, 8, 6, 6]))

@@ -172,6 +172,8 @@ def _affine_step(node: gs.Node, tensor: gs.Tensor, channels: int,
         if any(p is None for p in params):
             return f"{label} has parameters that are not constant"
         gamma, beta, mean, var = (np.asarray(p, np.float64).reshape(-1) for p in params)
+        if any(p.size != channels for p in (gamma, beta, mean, var)):
+            return f"{label}'s parameters do not hold one value per channel ({channels})"
         inv = gamma / np.sqrt(var + float(node.attrs.get("epsilon", 1e-5)))
         return inv, beta - mean * inv
     pos = next(i for i, t in enumerate(node.inputs) if t is tensor)
