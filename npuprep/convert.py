@@ -593,7 +593,8 @@ def check_outputs(reference: Any, lowered: Any, fmt: NumberFormat, samples: Sequ
     it stores the low format (npuprep.verify.widen), and it is also run as-is on
     onnxruntime, which proves it loads and runs. `emulated` replaces that widening (a target
     that cannot pin: every node rounded); outputs in `host_scales` are multiplied back first;
-    outputs in `top_k` are also judged by their top-K classes (npuprep.verify.outputs).
+    outputs in `top_k` are also judged by their top-K classes (npuprep.verify.outputs), where
+    a position whose FP32 top values lie within `rtol` of each other is a tie, not a decision.
     """
     from npuprep.runtime.session import make_session, run
     from npuprep.verify.outputs import OutputErrors
@@ -606,7 +607,7 @@ def check_outputs(reference: Any, lowered: Any, fmt: NumberFormat, samples: Sequ
     real = make_session(lowered)
     # Each session is fed its own input types (a model with FP16 inputs has FP32 ones once widened).
     typed = [(s, {i.name: i.type for i in s.get_inputs()}) for s in (ref, emu, real)]
-    errors = OutputErrors(top_k=dict(top_k or {}))
+    errors = OutputErrors(top_k=dict(top_k or {}), tie_rtol=rtol)
     n = 0
     for feed in samples:
         n += 1

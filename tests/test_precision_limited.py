@@ -102,6 +102,31 @@ def test_top_k_agreement_is_measured_and_passes_an_output_whose_decisions_agree(
     assert output_passes(out["r"], rtol=0.6)
 
 
+def test_a_flip_where_fp32_is_tied_within_rtol_is_a_tie_not_a_decision():
+    # 3 positions x 3 classes: a clear winner, a tie within 1% (0.457 / 0.454), a 2% margin.
+    ref = np.array([[0.8, 0.15, 0.05], [0.457, 0.454, 0.089], [0.49, 0.48, 0.03]])
+    tie_flipped = ref.copy()
+    tie_flipped[1, :2] = [0.452, 0.459]
+    both_flipped = tie_flipped.copy()
+    both_flipped[2, :2] = [0.47, 0.50]
+    judged = OutputErrors(top_k={"p": 1}, tie_rtol=1e-2)
+    judged.add("p", ref, tie_flipped)
+    judged.add("q", ref, both_flipped)
+    out = judged.result()
+    assert out["p"]["top_k_ties"] == 1 and out["p"]["top_k_ties_flipped"] == 1
+    assert out["p"]["top_k_positions"] == 2 and out["p"]["top_k_agreement"] == 1.0
+    assert out["p"]["top1_agreement"] == 1.0 and out["p"]["top1_ties"] == 1
+    assert output_passes(out["p"], rtol=1e-4)
+    assert describe_worst(out["p"]).endswith(
+        "top-1 agrees at 2 of 2 decided positions over all samples (1 FP32 tie(s) within rtol "
+        "not counted)")
+    # The 2% margin is a decision at rtol 1e-2: its flip fails the output.
+    assert "top_k" not in out["q"] and out["q"]["top1_agreement"] == 0.5
+    strict = OutputErrors(top_k={"p": 1})  # tie_rtol 0: only exact ties are ties
+    strict.add("p", ref, tie_flipped)
+    assert strict.result()["p"]["top_k_agreement"] == 2 / 3 and strict.result()["p"]["top_k_ties"] == 0
+
+
 def test_convert_judges_a_classifier_by_its_decisions_with_top_k(tmp_path):
     path, data = _classifier(tmp_path)
     strict = run_cli("convert", path, "--target", "generic", "--data", data, "--rtol", "1e-4",
@@ -117,6 +142,38 @@ def test_convert_judges_a_classifier_by_its_decisions_with_top_k(tmp_path):
 
     out = json.loads((tmp_path / "judged.report.json").read_text())["verification"]["outputs"]["p"]
     assert out["top_k"] == 1 and out["top_k_agreement"] == 1.0 and out["rel_l2"] > 1e-4
+
+
+# x -> Softmax -> p   (FP16 steps of 0.5 near 1000: 1000.22 and 1000.23 both become 1000)
+TIED = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[4, 3] x) => (float[4, 3] p) {
+    [softmax] p = Softmax <axis = -1> (x)
+}
+"""
+
+
+def test_convert_with_top_k_counts_a_flipped_fp32_tie_apart_and_passes(tmp_path):
+    path = tmp_path / "tied.onnx"
+    onnx.save(parser.parse_model(TIED), path)
+    # Row 0 is decided (FP16 moves it by 0.1, the winner holds); row 1 is FP32's tie within
+    # 1%, which FP16 flips (equal values: the first wins).
+    x = np.array([[1000.2, 1000.3, 990.0], [1000.22, 1000.23, 990.0], [0, 5, 1], [1, 0, 5]],
+                 dtype=np.float32)
+    data = _data(tmp_path, [{"x": x}])
+    plain = run_cli("convert", path, "--target", "generic", "--data", data,
+                    "-o", tmp_path / "plain.onnx", "--max-rounds", "1")
+    assert plain.returncode == 1, plain.stdout
+    said = " ".join(plain.stdout.split())
+    # The tie flipped, every decided position held: the note says how to judge by decisions.
+    assert "top-1 agrees at 3 of 3 decided positions over all samples (1 FP32 tie(s)" in said
+    assert "every top-1 decision of p on the calibration samples holds; if its decisions are " \
+           "what it is judged by: --top-k p:1" in said
+    judged = run_cli("convert", path, "--target", "generic", "--data", data,
+                     "-o", tmp_path / "judged.onnx", "--max-rounds", "1", "--top-k", "p:1")
+    assert judged.returncode == 0, judged.stdout
+    assert "top-1 100% (1 tie, 1 flipped)" in judged.stdout
+    assert "top-1 agreement 100% (1 tie, 1 flipped)" in (tmp_path / "judged.report.md").read_text()
 
 
 def test_top_k_names_an_output_and_a_whole_k(tmp_path):

@@ -262,9 +262,11 @@ def _print_vendor(vendor: dict[str, Any] | None) -> None:
 
 
 def _agreement(errors: dict[str, Any]) -> str:
+    from npuprep.verify.outputs import ties_said
+
     if "top_k" not in errors:
         return ""
-    return f"top-{errors['top_k']} {100 * errors['top_k_agreement']:.4g}%"
+    return f"top-{errors['top_k']} {100 * errors['top_k_agreement']:.4g}%{ties_said(errors)}"
 
 
 def parse_top_k(items: list[str]) -> dict[str, int]:
@@ -357,6 +359,9 @@ def _say_where_the_error_sits(report: dict[str, Any]) -> None:
             where = describe_worst(errors)
             if where and not output_passes(errors, check["rtol"]):
                 say(f"note: {name} on the {which}: {where}")
+                if errors.get("top1_agreement") == 1.0 and "top_k" not in errors:
+                    say(f"note: every top-1 decision of {name} on the {which} holds; if its "
+                        f"decisions are what it is judged by: --top-k {name}:1")
 
 
 def _reason_code(action: dict[str, Any]) -> str:

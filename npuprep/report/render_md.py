@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from npuprep.names import md_cell, md_code, md_text, shown
-from npuprep.verify.outputs import describe_worst, output_passes
+from npuprep.verify.outputs import describe_worst, output_passes, ties_said
 
 
 def _num(v: Any) -> str:
@@ -101,8 +101,9 @@ def convert_markdown(result: dict[str, Any]) -> str:
         lines.append(_row([name, o["nonfinite"], o["max_abs_error"], o["rel_l2"], ver.get("rtol"),
                            _top_k(o) or "-"]))
     if any("top_k" in o for o in (ver.get("outputs") or {}).values()):
-        lines += ["", "An output judged by its top-K classes passes when they agree at every position, "
-                  "whatever its rel L2 (`--top-k`)."]
+        lines += ["", "An output judged by its top-K classes passes when they agree at every position "
+                  "where FP32 decides, whatever its rel L2 (`--top-k`); a position whose FP32 "
+                  "values lie within the limit of each other is a tie, not a decision."]
     if result.get("holdout"):
         lines += ["", "Holdout samples:", ""]
         for name, o in result["holdout"]["outputs"].items():
@@ -133,4 +134,4 @@ def _top_k(errors: dict[str, Any]) -> str:
     """`top-1 agreement 100%` for an output judged by its decisions, else ''."""
     if "top_k" not in errors:
         return ""
-    return f"top-{errors['top_k']} agreement {100 * errors['top_k_agreement']:.4g}%"
+    return f"top-{errors['top_k']} agreement {100 * errors['top_k_agreement']:.4g}%{ties_said(errors)}"

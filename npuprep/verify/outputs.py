@@ -5,8 +5,13 @@ A recogniser's or classifier's probabilities can be off by several percent in FP
 every decision stays the same: the error of an ill-conditioned softmax is FP16's precision
 accumulated through the network, and no range remedy changes it. Polygraphy compares such
 outputs by their indices (`--compare-func indices`); here an output named in `top_k` also
-passes when its top-K classes along the last axis agree at every position on every sample.
-Its rel L2 and max abs error are still measured and reported.
+passes when its top-K classes along the last axis agree at every position on every sample
+where the reference decides. Its rel L2 and max abs error are still measured and reported.
+
+A position where the FP32 model's K-th and (K+1)-th values differ by no more than the
+tolerance (`tie_rtol`, convert's rtol) of the larger is a tie, not a decision: an error the
+user accepted (rel L2 within rtol) can reorder it, so a flip there is counted as a tie
+flipped and fails nothing (a CTC recogniser whose 0.457 / 0.454 position swaps in FP16).
 
 Where the error sits tells the two apart: the worst sample's share of squared error at its
 worst 1% of positions (every index but the last axis), and the FP32 model's top two values
@@ -36,9 +41,11 @@ WORST_POSITIONS = 0.01
 
 @dataclass
 class OutputErrors:
-    """Accumulates per-output errors over samples; `top_k` maps an output to its K."""
+    """Accumulates per-output errors over samples; `top_k` maps an output to its K;
+    `tie_rtol` is the reference's relative margin at or below which a position is a tie."""
 
     top_k: Mapping[str, int] = field(default_factory=dict)
+    tie_rtol: float = 0.0
     _acc: dict[str, dict[str, float]] = field(default_factory=dict)
     _worst: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -47,7 +54,8 @@ class OutputErrors:
         cand = np.asarray(candidate, dtype=np.float64)
         a = self._acc.setdefault(name, {"nonfinite": 0, "err2": 0.0, "ref2": 0.0,
                                         "max_abs_error": 0.0, "agree": 0, "positions": 0,
-                                        "samples": 0, "top1": 0, "rows": 0, "probabilities": 1})
+                                        "ties": 0, "ties_flipped": 0, "samples": 0, "top1": 0,
+                                        "rows": 0, "top1_ties": 0, "probabilities": 1})
         bad = ~np.isfinite(cand)
         a["nonfinite"] += int(bad.sum())
         diff = np.where(bad, 0.0, cand - ref)
@@ -65,12 +73,17 @@ class OutputErrors:
             # Probabilities along the last axis (a softmax's output): their decisions are
             # worth counting even when the user did not ask for --top-k.
             a["probabilities"] &= int(bool(ref.min() >= 0) and bool(np.allclose(ref.sum(-1), 1, atol=1e-3)))
-            a["top1"] += int(_same_top_k(ref, cand, 1).sum())
-            a["rows"] += int(ref.size // ref.shape[-1])
+            decided = _decided(ref, 1, self.tie_rtol)
+            a["top1"] += int(_same_top_k(ref, cand, 1)[decided].sum())
+            a["rows"] += int(decided.sum())
+            a["top1_ties"] += int((~decided).sum())
         k = self.top_k.get(name)
         if k and ref.ndim >= 1 and ref.shape == cand.shape and ref.shape[-1] >= k:
-            a["agree"] += int(_same_top_k(ref, cand, k).sum())
-            a["positions"] += int(ref.size // ref.shape[-1])
+            decided, same = _decided(ref, k, self.tie_rtol), _same_top_k(ref, cand, k)
+            a["agree"] += int(same[decided].sum())
+            a["positions"] += int(decided.sum())
+            a["ties"] += int((~decided).sum())
+            a["ties_flipped"] += int((~same[~decided]).sum())
 
     def result(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
@@ -81,12 +94,17 @@ class OutputErrors:
             }
             if name in self.top_k:
                 row["top_k"] = self.top_k[name]
-                row["top_k_agreement"] = a["agree"] / a["positions"] if a["positions"] else 0.0
+                row["top_k_agreement"] = (a["agree"] / a["positions"] if a["positions"]
+                                          else float(a["ties"] > 0))
+                row["top_k_positions"] = a["positions"]
+                row["top_k_ties"] = a["ties"]
+                row["top_k_ties_flipped"] = a["ties_flipped"]
             if name in self._worst:
                 row["worst_sample"] = dict(self._worst[name])
             if a["rows"] and a["probabilities"]:
                 row["top1_agreement"] = a["top1"] / a["rows"]
                 row["top1_positions"] = a["rows"]
+                row["top1_ties"] = a["top1_ties"]
             out[name] = row
         return out
 
@@ -124,9 +142,27 @@ def describe_worst(errors: Mapping[str, Any]) -> str:
     said += f"; at the worst, FP32's top two are {top2}, {kept}"
     if "top1_agreement" in errors:
         rows = errors["top1_positions"]
-        said += (f"; top-1 agrees at {round(errors['top1_agreement'] * rows)} of {rows} positions "
-                 "over all samples")
+        ties = errors.get("top1_ties", 0)
+        said += (f"; top-1 agrees at {round(errors['top1_agreement'] * rows)} of {rows} "
+                 f"{'decided ' if ties else ''}positions over all samples"
+                 f"{f' ({ties} FP32 tie(s) within rtol not counted)' if ties else ''}")
     return said
+
+
+def ties_said(errors: Mapping[str, Any]) -> str:
+    """' (2 ties, 1 flipped)' for an output judged by --top-k whose reference had ties, else ''."""
+    ties = errors.get("top_k_ties", 0)
+    return f" ({ties} tie{'s' if ties != 1 else ''}, {errors['top_k_ties_flipped']} flipped)" if ties else ""
+
+
+def _decided(ref: np.ndarray, k: int, tie_rtol: float) -> np.ndarray:
+    """Per position: the reference's K-th value leads its (K+1)-th by more than `tie_rtol`
+    of the larger magnitude (a decision), rather than a tie."""
+    if ref.shape[-1] <= k:
+        return np.ones(ref.shape[:-1], dtype=bool)
+    two = -np.partition(-ref, (k - 1, k), axis=-1)[..., k - 1:k + 1]
+    larger = np.maximum(np.abs(two[..., 0]), np.abs(two[..., 1]))
+    return (two[..., 0] - two[..., 1]) > tie_rtol * larger
 
 
 def _same_top_k(ref: np.ndarray, cand: np.ndarray, k: int) -> np.ndarray:

@@ -90,7 +90,7 @@ def vendor_check(
     if not done:
         return VendorCheck(built=False, refusal=done.refusal, **common)
     ref = make_session(reference)
-    errors = OutputErrors()
+    errors = OutputErrors(tie_rtol=rtol)
     for sample, got in zip(samples, done.outputs, strict=False):
         # The toolkit takes float32 feeds; the reference its own input types (a bool flag).
         expected = run(ref, {k: np.asarray(v) for k, v in sample.items()})
