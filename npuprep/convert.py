@@ -235,16 +235,31 @@ def convert(
         if profile.fp32_pinning is Pinning.NONE:
             notes.append(f"verification failed at '{first.node}'; the target cannot pin FP32")
             break
-        targets = _nodes_to_pin(result["rewritten"], first.node, set(result["pinned"]))
+        found: tuple[Any, ...] = ()
+        if _precision_only(result["output_check"], first):
+            stage(f"round {round_no}, attributing the error to layers")
+            found, said = _attributed_pins(work, result, fmt, profile, samples, plan,
+                                           max_fp32_share, rtol)
+            if said:
+                notes.append(f"round {round_no}: {said}")
+        if found:
+            targets = tuple(x.node for x in found)
+            said = (f"{len(found)} layer(s) holding {100 * sum(x.share for x in found):.0f}% of "
+                    "the layers' own FP16 squared error")
+        else:
+            targets = _nodes_to_pin(result["rewritten"], first.node, set(result["pinned"]))
+            said = (f"first divergent node {first.node} (rel L2 {first.rel_l2:.3g}, max abs "
+                    f"error {first.max_abs_error:.3g})")
         targets = tuple(n for n in targets if n not in plan.forbid_pin)
         if not targets:
             break
-        notes.append(f"round {round_no}: outputs failed verification; first divergent node "
-                     f"'{first.node}' ({first.op_type}): pinned {', '.join(targets)} and retried")
+        notes.append(f"round {round_no}: outputs failed verification; " + (
+            "the layers holding its FP16 error" if found else
+            f"first divergent node '{first.node}' ({first.op_type})")
+            + f": pinned {', '.join(targets)} and retried")
         pin = PinFp32(nodes=targets, exit_tensors=(), forced=False,
                       request=profile.fp32_pinning is Pinning.COMPILER_DECIDES,
-                      why=f"verification round {round_no}: first divergent node {first.node} "
-                          f"(rel L2 {first.rel_l2:.3g}, max abs error {first.max_abs_error:.3g})")
+                      why=f"verification round {round_no}: {said}")
         tried = (plan, result)
         plan = replace(plan, actions=(*plan.actions, pin))
     assert result is not None
@@ -289,6 +304,47 @@ def _improved(before: OutputCheck | None, after: OutputCheck | None) -> bool:
     if bad[1] != bad[0]:
         return bad[1] < bad[0]
     return _worst(after) <= 0.9 * _worst(before)
+
+
+def _precision_only(check: OutputCheck | None, first: Any) -> bool:
+    """Failed with finite outputs and no overflow where the error shows: FP16's rounding."""
+    if check is None or check or any(o["nonfinite"] for o in check.outputs.values()):
+        return False
+    return not any(getattr(first, k, 0) for k in ("inf_count", "nan_count", "saturated_count"))
+
+
+# Samples the attribution runs on: each candidate layer costs one session and one pass over them.
+ATTRIBUTION_SAMPLES = 4
+
+
+def _attributed_pins(work: Model, result: dict[str, Any], fmt: NumberFormat,
+                     profile: TargetProfile, samples: Sequence[Feed], plan: Plan,
+                     max_fp32_share: float, rtol: float) -> tuple[tuple[Any, ...], str]:
+    """The Conv/MatMul/Gemm layers whose own FP16 error (npuprep.verify.attribution, on the
+    worst sample and the first others) takes the outputs within `rtol` once kept FP32, within
+    the FLOPs budget, and the note saying so; ((), "") when no layer fits the budget."""
+    from npuprep.graph import node_label, walk_graphs
+    from npuprep.ops import LINEAR_WITH_WEIGHTS
+    from npuprep.report.flops import node_flops
+    from npuprep.verify.attribution import attribute_error, describe
+
+    rewritten, pinned = result["rewritten"], set(result["pinned"])
+    flops = node_flops(rewritten, _sample_shapes(samples))
+    total = sum(flops.values())
+    room = max_fp32_share * total - sum(flops.get(n, 0) for n in pinned)
+    candidates = [node_label(n) for s in walk_graphs(rewritten.graph) for n in s.graph.node
+                  if n.op_type in LINEAR_WITH_WEIGHTS and node_label(n) not in pinned
+                  and node_label(n) not in plan.forbid_pin and flops.get(node_label(n), 0) <= room]
+    if not candidates:
+        return (), ""
+    outputs = result["output_check"].outputs.values()
+    worst = max(outputs, key=lambda o: o["rel_l2"])
+    at = worst.get("worst_sample", {}).get("sample", 0)
+    chosen = [samples[at], *(s for i, s in enumerate(samples) if i != at)]
+    attribution = attribute_error(rewritten, fmt, chosen[:ATTRIBUTION_SAMPLES],
+                                  saturate=profile.saturates, candidates=candidates, flops=flops)
+    pins = attribution.pins_for(worst["rel_l2"], rtol, room)
+    return pins, describe(attribution, pins, worst["rel_l2"], total)
 
 
 def _sample_shapes(samples: Sequence[Feed]) -> dict[str, tuple[int, ...]]:

@@ -1,0 +1,127 @@
+"""Which layer's FP16 rounding the output error comes from: each candidate alone in the target
+format, every other node FP32, `error(y) <- only Conv_7 rounded`.
+
+A precision failure with no overflow is FP16's rounding carried to the outputs. The first
+node whose tensor diverges says where the error became visible, not where it came from: in a
+recogniser it is the final Softmax, and pinning it buys nothing. Rounding one layer at a time
+measures each layer's own share: independent roundings add up in squared error, so a layer
+holding most of the sum is worth keeping in FP32, and a sum spread thinly over dozens of
+layers is FP16's precision over the whole model, which no pin within a FLOPs budget fixes
+(Polygraphy's `debug precision` bisects for the same answer; this ranks every candidate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+
+from npuprep.graph import node_label, walk_graphs
+from npuprep.numerics import NumberFormat
+
+
+@dataclass(frozen=True)
+class LayerError:
+    """One candidate's own FP16 error at the outputs (rel L2, worst output, pooled over the
+    samples), its share of all candidates' squared error, and its FLOPs."""
+
+    node: str
+    op_type: str
+    rel_l2: float
+    share: float
+    flops: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"node": self.node, "op_type": self.op_type, "rel_l2": self.rel_l2,
+                "share": self.share, "flops": self.flops}
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Candidates ranked by their own error, largest first, on `samples` samples."""
+
+    layers: tuple[LayerError, ...]
+    samples: int
+
+    def pins_for(self, error: float, rtol: float, room: float) -> tuple[LayerError, ...]:
+        """The largest layers whose shares, taken out of `error`, leave a predicted rel L2
+        within `rtol`, their FLOPs within `room`; () when no such set exists."""
+        needed = 1.0 - (rtol / error) ** 2 if error > rtol else 0.0
+        chosen: list[LayerError] = []
+        held, spent = 0.0, 0
+        for layer in self.layers:
+            if held >= needed and chosen:
+                break
+            if spent + layer.flops <= room:
+                chosen.append(layer)
+                held, spent = held + layer.share, spent + layer.flops
+        return tuple(chosen) if chosen and held >= needed else ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"samples": self.samples, "layers": [layer.to_dict() for layer in self.layers]}
+
+
+def attribute_error(model: onnx.ModelProto, fmt: NumberFormat, samples: Sequence[Mapping[str, Any]],
+                    *, saturate: bool, candidates: Iterable[str],
+                    flops: Mapping[str, int]) -> Attribution:
+    """Rank `candidates` (node labels of `model`, an FP32 graph) by the output error each
+    gives when it alone computes in `fmt`, on `samples`, with overflow as `saturate` says."""
+    from npuprep.runtime.session import make_session, run
+    from npuprep.verify.emulate import emulate
+
+    ops = {node_label(n): n.op_type for s in walk_graphs(model.graph) for n in s.graph.node}
+    everything = set(ops)
+    reference = make_session(model)
+    feeds = [dict(s) for s in samples]
+    expected = [run(reference, feed) for feed in feeds]
+    errors: dict[str, float] = {}
+    for node in dict.fromkeys(candidates):
+        if node not in ops:
+            continue
+        alone = emulate(model, fmt, saturate=saturate, pinned_nodes=everything - {node}).model
+        session = make_session(alone)
+        err2: dict[str, float] = {}
+        ref2: dict[str, float] = {}
+        for feed, want in zip(feeds, expected, strict=True):
+            got = run(session, feed)
+            for name, value in want.items():
+                ref = np.asarray(value, dtype=np.float64)
+                if not np.issubdtype(ref.dtype, np.floating):
+                    continue
+                diff = np.nan_to_num(np.asarray(got[name], dtype=np.float64) - ref, nan=np.inf)
+                err2[name] = err2.get(name, 0.0) + float((diff ** 2).sum())
+                ref2[name] = ref2.get(name, 0.0) + float((ref ** 2).sum())
+        errors[node] = max((np.sqrt(err2[k] / ref2[k]) if ref2[k] > 0 else np.sqrt(err2[k])
+                            for k in err2), default=0.0)
+    total = sum(e ** 2 for e in errors.values())
+    layers = sorted((LayerError(node, ops[node], float(e), float(e ** 2 / total) if total else 0.0,
+                                int(flops.get(node, 0)))
+                     for node, e in errors.items()), key=lambda x: (-x.rel_l2, x.node))
+    return Attribution(tuple(layers), len(feeds))
+
+
+def describe(attribution: Attribution, pins: Sequence[LayerError], error: float,
+             total_flops: int, shown: int = 3) -> str:
+    """'FP16 error by layer (...): Conv_1 0.006 (12% of the squared error, 0.08% of FLOPs),
+    ...' and either which layers a pin takes out (the predicted rel L2) or that no set within
+    the FLOPs budget does."""
+    from npuprep.report.terminal import number, percent
+
+    def cost(layers: Sequence[LayerError]) -> str:
+        return percent(sum(x.flops for x in layers) / max(total_flops, 1))
+
+    listed = ", ".join(f"{x.node} {number(x.rel_l2)} ({percent(x.share)} of the squared error, "
+                       f"{cost([x])} of FLOPs)" for x in attribution.layers[:shown])
+    said = (f"FP16 error by layer ({len(attribution.layers)} Conv/MatMul/Gemm within the FLOPs "
+            f"budget, each alone rounded, the rest FP32, on {attribution.samples} sample(s)): "
+            f"{listed}")
+    if pins:
+        held = sum(x.share for x in pins)
+        return (f"{said}; keeping {len(pins)} of them in FP32 ({cost(pins)} of FLOPs) takes out "
+                f"{percent(held)} of it: rel L2 {number(error)} -> about "
+                f"{number(error * (1 - held) ** 0.5)}")
+    return (f"{said}; no set of them within the FP32 FLOPs budget holds enough of it: FP16's "
+            "precision spread over the model, not one layer to keep in FP32")

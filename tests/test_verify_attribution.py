@@ -1,0 +1,113 @@
+"""A precision failure is traced to the layers whose own FP16 rounding makes it: convert pins
+those, not the first node where the error shows (a final Softmax that only sharpens it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from conftest import run_cli
+from onnx import numpy_helper, parser
+
+from npuprep.calibrate import calibrate
+from npuprep.convert import convert
+from npuprep.data import load_samples
+from npuprep.model_io import Model, fingerprint
+from npuprep.numerics import get_format
+from npuprep.profiles import load_profile
+from npuprep.report.flops import node_flops
+from npuprep.runtime.session import make_session, run
+from npuprep.verify.attribution import Attribution, LayerError, attribute_error, describe
+from npuprep.verify.emulate import emulate
+
+# x (~100) -> MatMul(D: neighbour differences) -> y (~4) -> MatMul(W) -> MatMul(V) -> Softmax -> p
+# FP16 keeps x to steps of 1/16, so `diff` loses ~1% of y; the Softmax sharpens it past 1e-2.
+CHAIN = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[64, 8] x) => (float[64, 16] p) {
+    [diff] y = MatMul (x, D)
+    [mix] h = MatMul (y, W)
+    [head] z = MatMul (h, V)
+    [softmax] p = Softmax <axis = -1> (z)
+}
+"""
+
+
+def _chain(tmp_path: Path) -> tuple[Model, list[dict[str, np.ndarray]], Path, Path]:
+    rng = np.random.default_rng(0)
+    proto = parser.parse_model(CHAIN)
+    d = np.eye(8, dtype=np.float32) - np.roll(np.eye(8, dtype=np.float32), 1, axis=0)
+    w = (rng.standard_normal((8, 256)) / np.sqrt(8)).astype(np.float32)
+    v = (rng.standard_normal((256, 16)) * 3 / np.sqrt(256)).astype(np.float32)
+    for name, value in (("D", d), ("W", w), ("V", v)):
+        proto.graph.initializer.append(numpy_helper.from_array(value, name))
+    path = tmp_path / "chain.onnx"
+    onnx.save(proto, path)
+    data = tmp_path / "data"
+    data.mkdir()
+    feeds = [{"x": (100 + 3 * rng.standard_normal((64, 8))).astype(np.float32)} for _ in range(4)]
+    for i, feed in enumerate(feeds):
+        np.savez(data / f"s{i}.npz", **feed)
+    return Model(proto=proto, path=str(path), digest=fingerprint(proto)), feeds, path, data
+
+
+def test_each_layer_alone_rounded_measures_its_own_share_of_the_output_error(tmp_path):
+    model, feeds, _, _ = _chain(tmp_path)
+    fmt = get_format("fp16")
+    flops = node_flops(model.proto, {"x": (64, 8)})
+    found = attribute_error(model.proto, fmt, feeds, saturate=False,
+                            candidates=["head", "diff", "mix", "no_such_node"], flops=flops)
+    assert [x.node for x in found.layers][0] == "diff" and len(found.layers) == 3
+    assert found.samples == 4 and np.isclose(sum(x.share for x in found.layers), 1.0)
+    assert found.layers[0].share > 0.9 and found.layers[0].flops == flops["diff"]
+    # The same number by hand: only `diff` rounded, everything else FP32.
+    alone = make_session(emulate(model.proto, fmt, saturate=False,
+                                 pinned_nodes={"mix", "head", "softmax"}).model)
+    ref = make_session(model.proto)
+    err2 = sum(float(((run(alone, f)["p"] - run(ref, f)["p"]) ** 2).sum()) for f in feeds)
+    ref2 = sum(float((run(ref, f)["p"] ** 2).sum()) for f in feeds)
+    assert np.isclose(found.layers[0].rel_l2, np.sqrt(err2 / ref2), rtol=1e-6)
+    assert found.layers[0].rel_l2 > 1e-2
+
+
+def test_pins_are_the_largest_layers_that_bring_the_prediction_within_rtol_and_the_budget():
+    layers = (LayerError("a", "Conv", 0.02, 0.5, 100), LayerError("b", "Conv", 0.014, 0.25, 10),
+              LayerError("c", "Conv", 0.01, 0.125, 10), LayerError("d", "Conv", 0.01, 0.125, 10))
+    found = Attribution(layers, 2)
+    # 0.02 -> 0.01 needs 75% of the squared error out: a and b.
+    assert [x.node for x in found.pins_for(0.02, 0.01, room=1000)] == ["a", "b"]
+    # `a` does not fit 50 FLOPs: b, c, d hold 50%, not the 75% needed.
+    assert found.pins_for(0.02, 0.01, room=50) == ()
+    # Within rtol already with a smaller cut: one layer is enough.
+    assert [x.node for x in found.pins_for(0.012, 0.01, room=1000)] == ["a"]
+    spread = describe(found, (), 0.02, total_flops=1000)
+    assert spread.startswith("FP16 error by layer (4 Conv/MatMul/Gemm") and "a 0.02 (50% of the " \
+        "squared error, 10% of FLOPs)" in spread
+    assert spread.endswith("no set of them within the FP32 FLOPs budget holds enough of it: FP16's "
+                           "precision spread over the model, not one layer to keep in FP32")
+
+
+def test_convert_pins_the_layer_that_makes_the_error_not_the_softmax_that_shows_it(tmp_path):
+    model, feeds, _, data = _chain(tmp_path)
+    samples = list(load_samples(data, model.proto))
+    result = convert(model, load_profile("generic"), samples, stats=calibrate(model, samples))
+    assert result.passed and result.pinned_nodes == ("diff",)
+    assert max(o["rel_l2"] for o in result.output_check.outputs.values()) < 2e-3
+    said = " ".join(result.notes)
+    assert "FP16 error by layer (1 Conv/MatMul/Gemm within the FLOPs budget" in said
+    assert "keeping 1 of them in FP32" in said and "pinned diff and retried" in said
+
+
+def test_convert_says_when_no_layer_within_the_budget_holds_the_error(tmp_path):
+    _, _, path, data = _chain(tmp_path)
+    # `diff` is 1% of the FLOPs: with a 0.5% budget no layer may be pinned.
+    proc = run_cli("convert", path, "--target", "generic", "--data", data,
+                   "--max-fp32-share", "0.005", "-o", tmp_path / "o.onnx", "--json")
+    assert proc.returncode == 1
+    import json
+
+    report = json.loads(proc.stdout)
+    assert "diff" not in report["pinned_nodes"]
+    assert not any("FP16 error by layer" in n for n in report["notes"])
+    assert any("first divergent node 'softmax'" in n for n in report["notes"])
