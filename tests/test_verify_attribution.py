@@ -71,6 +71,22 @@ def test_each_layer_alone_rounded_measures_its_own_share_of_the_output_error(tmp
     assert found.layers[0].rel_l2 > 1e-2
 
 
+def test_past_the_one_by_one_limit_groups_are_measured_first(tmp_path, monkeypatch):
+    import npuprep.verify.attribution as attribution
+
+    model, feeds, _, _ = _chain(tmp_path)
+    monkeypatch.setattr(attribution, "MAX_ONE_BY_ONE", 2)
+    monkeypatch.setattr(attribution, "GROUPS", 2)  # [diff, mix] and [head]
+    flops = node_flops(model.proto, {"x": (64, 8)})
+    found = attribute_error(model.proto, get_format("fp16"), feeds, saturate=False,
+                            candidates=["diff", "mix", "head"], flops=flops)
+    # The group holding `diff` is the worst: only its two layers are ranked one by one.
+    assert [x.node for x in found.layers] == ["diff", "mix"] and found.candidates == 3
+    assert found.layers[0].share > 0.9 and sum(x.share for x in found.layers) <= 1.0 + 1e-9
+    said = describe(found, (), 0.02, total_flops=sum(flops.values()))
+    assert said.startswith("FP16 error by layer (the 2 Conv/MatMul/Gemm of the worst groups of 3 ")
+
+
 def test_pins_are_the_largest_layers_that_bring_the_prediction_within_rtol_and_the_budget():
     layers = (LayerError("a", "Conv", 0.02, 0.5, 100), LayerError("b", "Conv", 0.014, 0.25, 10),
               LayerError("c", "Conv", 0.01, 0.125, 10), LayerError("d", "Conv", 0.01, 0.125, 10))

@@ -41,10 +41,12 @@ class LayerError:
 
 @dataclass(frozen=True)
 class Attribution:
-    """Candidates ranked by their own error, largest first, on `samples` samples."""
+    """Candidates ranked by their own error, largest first, on `samples` samples; of
+    `candidates` asked, those in `layers` were measured one by one."""
 
     layers: tuple[LayerError, ...]
     samples: int
+    candidates: int = 0
 
     def pins_for(self, error: float, rtol: float, room: float) -> tuple[LayerError, ...]:
         """The largest layers whose shares, taken out of `error`, leave a predicted rel L2
@@ -61,46 +63,73 @@ class Attribution:
         return tuple(chosen) if chosen and held >= needed else ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"samples": self.samples, "layers": [layer.to_dict() for layer in self.layers]}
+        return {"samples": self.samples, "candidates": self.candidates,
+                "layers": [layer.to_dict() for layer in self.layers]}
+
+
+# One session per measured set: past this many candidates, contiguous groups of them are
+# measured first, then one by one only the layers of the groups holding most of the error.
+MAX_ONE_BY_ONE = 48
+GROUPS = 16
 
 
 def attribute_error(model: onnx.ModelProto, fmt: NumberFormat, samples: Sequence[Mapping[str, Any]],
                     *, saturate: bool, candidates: Iterable[str],
                     flops: Mapping[str, int]) -> Attribution:
-    """Rank `candidates` (node labels of `model`, an FP32 graph) by the output error each
-    gives when it alone computes in `fmt`, on `samples`, with overflow as `saturate` says."""
+    """Rank `candidates` (node labels of `model`, an FP32 graph, in graph order) by the output
+    error each gives when it alone computes in `fmt`, on `samples`, with overflow as
+    `saturate` says. Shares are of the candidates' summed squared error; past
+    MAX_ONE_BY_ONE candidates, only those of the worst groups are ranked one by one."""
     from npuprep.runtime.session import make_session, run
-    from npuprep.verify.emulate import emulate
 
     ops = {node_label(n): n.op_type for s in walk_graphs(model.graph) for n in s.graph.node}
-    everything = set(ops)
-    reference = make_session(model)
+    wanted = [n for n in dict.fromkeys(candidates) if n in ops]
     feeds = [dict(s) for s in samples]
+    reference = make_session(model)
     expected = [run(reference, feed) for feed in feeds]
-    errors: dict[str, float] = {}
-    for node in dict.fromkeys(candidates):
-        if node not in ops:
-            continue
-        alone = emulate(model, fmt, saturate=saturate, pinned_nodes=everything - {node}).model
-        session = make_session(alone)
-        err2: dict[str, float] = {}
-        ref2: dict[str, float] = {}
-        for feed, want in zip(feeds, expected, strict=True):
-            got = run(session, feed)
-            for name, value in want.items():
-                ref = np.asarray(value, dtype=np.float64)
-                if not np.issubdtype(ref.dtype, np.floating):
-                    continue
-                diff = np.nan_to_num(np.asarray(got[name], dtype=np.float64) - ref, nan=np.inf)
-                err2[name] = err2.get(name, 0.0) + float((diff ** 2).sum())
-                ref2[name] = ref2.get(name, 0.0) + float((ref ** 2).sum())
-        errors[node] = max((np.sqrt(err2[k] / ref2[k]) if ref2[k] > 0 else np.sqrt(err2[k])
-                            for k in err2), default=0.0)
-    total = sum(e ** 2 for e in errors.values())
+
+    def error_of(rounded: set[str]) -> float:
+        return _own_error(model, fmt, saturate, set(ops) - rounded, feeds, expected)
+
+    if len(wanted) > MAX_ONE_BY_ONE:
+        groups = [list(g) for g in np.array_split(np.array(wanted, dtype=object), GROUPS)]
+        group_errors = sorted(((error_of(set(g)), g) for g in groups), key=lambda x: -x[0])
+        total = sum(e ** 2 for e, _ in group_errors)
+        wanted = []
+        for _, members in group_errors:
+            if wanted and len(wanted) + len(members) > MAX_ONE_BY_ONE:
+                break
+            wanted += members
+        errors = {node: error_of({node}) for node in wanted}
+    else:
+        errors = {node: error_of({node}) for node in wanted}
+        total = sum(e ** 2 for e in errors.values())
     layers = sorted((LayerError(node, ops[node], float(e), float(e ** 2 / total) if total else 0.0,
                                 int(flops.get(node, 0)))
                      for node, e in errors.items()), key=lambda x: (-x.rel_l2, x.node))
-    return Attribution(tuple(layers), len(feeds))
+    return Attribution(tuple(layers), len(feeds), len(dict.fromkeys(candidates)))
+
+
+def _own_error(model: onnx.ModelProto, fmt: NumberFormat, saturate: bool, pinned: set[str],
+               feeds: Sequence[Mapping[str, Any]], expected: Sequence[Mapping[str, Any]]) -> float:
+    """Worst output rel L2, pooled over `feeds`, of `model` emulated in `fmt` but `pinned`."""
+    from npuprep.runtime.session import make_session, run
+    from npuprep.verify.emulate import emulate
+
+    session = make_session(emulate(model, fmt, saturate=saturate, pinned_nodes=pinned).model)
+    err2: dict[str, float] = {}
+    ref2: dict[str, float] = {}
+    for feed, want in zip(feeds, expected, strict=True):
+        got = run(session, feed)
+        for name, value in want.items():
+            ref = np.asarray(value, dtype=np.float64)
+            if not np.issubdtype(ref.dtype, np.floating):
+                continue
+            diff = np.nan_to_num(np.asarray(got[name], dtype=np.float64) - ref, nan=np.inf)
+            err2[name] = err2.get(name, 0.0) + float((diff ** 2).sum())
+            ref2[name] = ref2.get(name, 0.0) + float((ref ** 2).sum())
+    return max((float(np.sqrt(err2[k] / ref2[k] if ref2[k] > 0 else err2[k])) for k in err2),
+               default=0.0)
 
 
 def describe(attribution: Attribution, pins: Sequence[LayerError], error: float,
@@ -115,9 +144,12 @@ def describe(attribution: Attribution, pins: Sequence[LayerError], error: float,
 
     listed = ", ".join(f"{x.node} {number(x.rel_l2)} ({percent(x.share)} of the squared error, "
                        f"{cost([x])} of FLOPs)" for x in attribution.layers[:shown])
-    said = (f"FP16 error by layer ({len(attribution.layers)} Conv/MatMul/Gemm within the FLOPs "
-            f"budget, each alone rounded, the rest FP32, on {attribution.samples} sample(s)): "
-            f"{listed}")
+    measured = len(attribution.layers)
+    which = (f"{measured} Conv/MatMul/Gemm within the FLOPs budget" if measured >= attribution.candidates
+             else f"the {measured} Conv/MatMul/Gemm of the worst groups of {attribution.candidates} "
+                  "within the FLOPs budget")
+    said = (f"FP16 error by layer ({which}, each alone rounded, the rest FP32, on "
+            f"{attribution.samples} sample(s)): {listed}")
     if pins:
         held = sum(x.share for x in pins)
         return (f"{said}; keeping {len(pins)} of them in FP32 ({cost(pins)} of FLOPs) takes out "
