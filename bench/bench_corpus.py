@@ -6,6 +6,8 @@ Per corpus model (bench/corpus.py builds them; this script builds what is missin
 - `npuprep check/calibrate/convert/compare --emulate` as subprocesses (the CLI a user types),
   each with its exit code and, when it fails, the exact error line (for a traceback: the
   exception line and the innermost frame);
+- `convert` judges outputs a model's user reads by their argmax (corpus.Spec.decided_by: a
+  class, a CTC character per position) by their top-1 decisions too (`--top-k OUTPUT:1`);
 - what `convert` did (actions by kind, FP32 share of FLOPs and of Conv/MatMul/Gemm
   multiply-adds, from `--json`) and its wall time;
 - onnxconverter-common's `convert_float_to_float16(keep_io_types=True)`: whether its model
@@ -80,6 +82,7 @@ class Row:
     naive_seconds: float | None = None
     naive_loads: str = ""
     naive_error: Judgement | str | None = None
+    decided_by: list[str] = field(default_factory=list)
 
 
 def first_error(stderr: str) -> str:
@@ -248,7 +251,8 @@ def bench_model(entry: dict, root: Path, out: Path, target: str) -> Row:
     calib, heldout = root / name / "calib", root / name / "heldout"
     work = out / name
     work.mkdir(parents=True, exist_ok=True)
-    row = Row(name, entry["opset"], entry["size_bytes"] / 1e6, entry["kind"])
+    row = Row(name, entry["opset"], entry["size_bytes"] / 1e6, entry["kind"],
+              decided_by=list(corpus.SPECS[name].decided_by))
     m = str(model_path)
     converted = work / "converted.onnx"
     converted.unlink(missing_ok=True)
@@ -256,7 +260,8 @@ def bench_model(entry: dict, root: Path, out: Path, target: str) -> Row:
         "check": ["check", m, "--target", target, "--data", str(calib)],
         "calibrate": ["calibrate", m, "--data", str(calib), "-o", str(work / "stats.json")],
         "convert": ["convert", m, "--target", target, "--data", str(calib), "--holdout", str(heldout),
-                    "-o", str(converted), "--json"],
+                    "-o", str(converted), "--json",
+                    *(a for out in row.decided_by for a in ("--top-k", f"{out}:1"))],
         "compare": ["compare", m, "--emulate", "--target", target, "--data", str(heldout)],
     }
     for cmd in COMMANDS:
@@ -314,7 +319,7 @@ def fmt_convert(row: Row) -> str:
     if c.error:
         return f"exit {c.rc}: `{c.error}`"
     did = ", ".join(f"{n} {k}" for k, n in sorted(row.actions.items())) or "no actions"
-    return f"exit {c.rc}: {did}"
+    return f"exit {c.rc}: {did}" + (", judged by top-1 too" if row.decided_by else "")
 
 
 def rc_cell(outcome: Outcome | None) -> str:

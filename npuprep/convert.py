@@ -1,7 +1,8 @@
 """The convert pipeline: findings -> plan -> rewrite (FP32) -> lower -> verify under emulation.
 
-Each stage is its own module; this file only chains them and, when verification names a
-first divergent node, pins it and tries again (a bounded number of rounds).
+Each stage is its own module; this file only chains them and, when verification fails, pins
+and tries again (a bounded number of rounds): the layers that make a precision error
+(npuprep.verify.attribution), else the first divergent node.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class ConversionResult:
     # Outputs that leave the device scaled (target cannot pin): output -> host factor.
     host_scales: dict[str, float] = field(default_factory=dict)
     share: Any = None  # npuprep.report.share.Fp32Share
+    # Per verification round that traced a precision failure to layers (verify.attribution).
+    error_attribution: tuple[dict[str, Any], ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -121,6 +124,7 @@ class ConversionResult:
             "first_divergent": layers["first_divergent"] if layers and not self.passed else None,
             "compare": layers,
             "rounds": self.rounds,
+            "error_attribution": list(self.error_attribution),
             "notes": list(self.notes),
         }
 
@@ -214,6 +218,7 @@ def convert(
     notes: list[str] = list(flow_notes)
     result = None
     tried: tuple[Plan, dict[str, Any]] | None = None  # the plan before the last verification pin
+    attributions: list[dict[str, Any]] = []
     for round_no in range(1, max_rounds + 1):
         result = _build(work, profile, fmt, plan, samples, io_types=io_types, rtol=rtol,
                         holdout=holdout, stats=stats, opset=opset, top_k=top_k,
@@ -238,10 +243,12 @@ def convert(
         found: tuple[Any, ...] = ()
         if _precision_only(result["output_check"], first):
             stage(f"round {round_no}, attributing the error to layers")
-            found, said = _attributed_pins(work, result, fmt, profile, samples, plan,
-                                           max_fp32_share, rtol)
-            if said:
+            found, said, measured = _attributed_pins(work, result, fmt, profile, samples, plan,
+                                                     max_fp32_share, rtol)
+            if measured is not None:
                 notes.append(f"round {round_no}: {said}")
+                attributions.append({"round": round_no, **measured.to_dict(),
+                                     "pinned": [x.node for x in found]})
         if found:
             targets = tuple(x.node for x in found)
             said = (f"{len(found)} layer(s) holding {100 * sum(x.share for x in found):.0f}% of "
@@ -275,7 +282,7 @@ def convert(
         holdout=result["holdout"], flops_fp32_share=share.flops, rounds=round_no,
         samples_description=samples_description, synthetic=synthetic, stats=stats,
         declined=result["declined"], notes=tuple(notes) + result["notes"], share=share,
-        host_scales=result["host_scales"],
+        host_scales=result["host_scales"], error_attribution=tuple(attributions),
     )
 
 
@@ -319,10 +326,12 @@ ATTRIBUTION_SAMPLES = 4
 
 def _attributed_pins(work: Model, result: dict[str, Any], fmt: NumberFormat,
                      profile: TargetProfile, samples: Sequence[Feed], plan: Plan,
-                     max_fp32_share: float, rtol: float) -> tuple[tuple[Any, ...], str]:
+                     max_fp32_share: float,
+                     rtol: float) -> tuple[tuple[Any, ...], str, Any]:
     """The Conv/MatMul/Gemm layers whose own FP16 error (npuprep.verify.attribution, on the
     worst sample and the first others) takes the outputs within `rtol` once kept FP32, within
-    the FLOPs budget, and the note saying so; ((), "") when no layer fits the budget."""
+    the FLOPs budget, the note saying so and the Attribution; ((), "", None) when no layer fits
+    the budget."""
     from npuprep.graph import node_label, walk_graphs
     from npuprep.ops import LINEAR_WITH_WEIGHTS
     from npuprep.report.flops import node_flops
@@ -336,7 +345,7 @@ def _attributed_pins(work: Model, result: dict[str, Any], fmt: NumberFormat,
                   if n.op_type in LINEAR_WITH_WEIGHTS and node_label(n) not in pinned
                   and node_label(n) not in plan.forbid_pin and flops.get(node_label(n), 0) <= room]
     if not candidates:
-        return (), ""
+        return (), "", None
     outputs = result["output_check"].outputs.values()
     worst = max(outputs, key=lambda o: o["rel_l2"])
     at = worst.get("worst_sample", {}).get("sample", 0)
@@ -344,7 +353,7 @@ def _attributed_pins(work: Model, result: dict[str, Any], fmt: NumberFormat,
     attribution = attribute_error(rewritten, fmt, chosen[:ATTRIBUTION_SAMPLES],
                                   saturate=profile.saturates, candidates=candidates, flops=flops)
     pins = attribution.pins_for(worst["rel_l2"], rtol, room)
-    return pins, describe(attribution, pins, worst["rel_l2"], total)
+    return pins, describe(attribution, pins, worst["rel_l2"], total), attribution
 
 
 def _sample_shapes(samples: Sequence[Feed]) -> dict[str, tuple[int, ...]]:

@@ -113,6 +113,8 @@ def test_convert_pins_the_layer_that_makes_the_error_not_the_softmax_that_shows_
     said = " ".join(result.notes)
     assert "FP16 error by layer (1 Conv/MatMul/Gemm within the FLOPs budget" in said
     assert "keeping 1 of them in FP32" in said and "pinned diff and retried" in said
+    traced = result.to_dict()["error_attribution"]
+    assert [(t["round"], t["pinned"], t["layers"][0]["node"]) for t in traced] == [(1, ["diff"], "diff")]
 
 
 def test_convert_says_when_no_layer_within_the_budget_holds_the_error(tmp_path):
