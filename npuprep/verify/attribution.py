@@ -69,7 +69,7 @@ class Attribution:
 
 # One session per measured set: past this many candidates, contiguous groups of them are
 # measured first, then one by one only the layers of the groups holding most of the error.
-MAX_ONE_BY_ONE = 48
+MAX_ONE_BY_ONE = 64
 GROUPS = 16
 
 
@@ -79,7 +79,8 @@ def attribute_error(model: onnx.ModelProto, fmt: NumberFormat, samples: Sequence
     """Rank `candidates` (node labels of `model`, an FP32 graph, in graph order) by the output
     error each gives when it alone computes in `fmt`, on `samples`, with overflow as
     `saturate` says. Shares are of the candidates' summed squared error; past
-    MAX_ONE_BY_ONE candidates, only those of the worst groups are ranked one by one."""
+    MAX_ONE_BY_ONE candidates, only those of the worst groups are ranked one by one, and the
+    other groups count in the sum as wholes."""
     from npuprep.runtime.session import make_session, run
 
     ops = {node_label(n): n.op_type for s in walk_graphs(model.graph) for n in s.graph.node}
@@ -94,13 +95,14 @@ def attribute_error(model: onnx.ModelProto, fmt: NumberFormat, samples: Sequence
     if len(wanted) > MAX_ONE_BY_ONE:
         groups = [list(g) for g in np.array_split(np.array(wanted, dtype=object), GROUPS)]
         group_errors = sorted(((error_of(set(g)), g) for g in groups), key=lambda x: -x[0])
-        total = sum(e ** 2 for e, _ in group_errors)
-        wanted = []
-        for _, members in group_errors:
-            if wanted and len(wanted) + len(members) > MAX_ONE_BY_ONE:
-                break
-            wanted += members
+        wanted, rest = [], 0.0
+        for e, members in group_errors:
+            if rest or (wanted and len(wanted) + len(members) > MAX_ONE_BY_ONE):
+                rest += e ** 2  # a group not ranked one by one counts as a whole
+            else:
+                wanted += members
         errors = {node: error_of({node}) for node in wanted}
+        total = rest + sum(e ** 2 for e in errors.values())
     else:
         errors = {node: error_of({node}) for node in wanted}
         total = sum(e ** 2 for e in errors.values())
