@@ -350,7 +350,8 @@ def _attributed_pins(work: Model, result: dict[str, Any], fmt: NumberFormat,
     worst = max(outputs, key=lambda o: o["rel_l2"])
     at = worst.get("worst_sample", {}).get("sample", 0)
     chosen = [samples[at], *(s for i, s in enumerate(samples) if i != at)]
-    attribution = attribute_error(rewritten, fmt, chosen[:ATTRIBUTION_SAMPLES],
+    # The outputs are judged in the format the artefact stores (FP16 for an FP8 target).
+    attribution = attribute_error(rewritten, weights_format(fmt), chosen[:ATTRIBUTION_SAMPLES],
                                   saturate=profile.saturates, candidates=candidates, flops=flops)
     pins = attribution.pins_for(worst["rel_l2"], rtol, room)
     return pins, describe(attribution, pins, worst["rel_l2"], total), attribution
