@@ -243,7 +243,7 @@ def convert(
         found: tuple[Any, ...] = ()
         if _precision_only(result["output_check"], first):
             stage(f"round {round_no}, attributing the error to layers")
-            found, said, measured = _attributed_pins(work, result, fmt, profile, samples, plan,
+            found, said, measured = _attributed_pins(result, fmt, profile, samples, plan,
                                                      max_fp32_share, rtol)
             if measured is not None:
                 notes.append(f"round {round_no}: {said}")
@@ -324,9 +324,8 @@ def _precision_only(check: OutputCheck | None, first: Any) -> bool:
 ATTRIBUTION_SAMPLES = 4
 
 
-def _attributed_pins(work: Model, result: dict[str, Any], fmt: NumberFormat,
-                     profile: TargetProfile, samples: Sequence[Feed], plan: Plan,
-                     max_fp32_share: float,
+def _attributed_pins(result: dict[str, Any], fmt: NumberFormat, profile: TargetProfile,
+                     samples: Sequence[Feed], plan: Plan, max_fp32_share: float,
                      rtol: float) -> tuple[tuple[Any, ...], str, Any]:
     """The Conv/MatMul/Gemm layers whose own FP16 error (npuprep.verify.attribution, on the
     worst sample and the first others) takes the outputs within `rtol` once kept FP32, within
