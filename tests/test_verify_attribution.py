@@ -121,7 +121,7 @@ def test_convert_says_when_no_layer_within_the_budget_holds_the_error(tmp_path):
     _, _, path, data = _chain(tmp_path)
     # `diff` is 1% of the FLOPs: with a 0.5% budget no layer may be pinned.
     proc = run_cli("convert", path, "--target", "generic", "--data", data,
-                   "--max-fp32-share", "0.005", "-o", tmp_path / "o.onnx", "--json")
+                   "--max-fp32-share", "0.5", "-o", tmp_path / "o.onnx", "--json")
     assert proc.returncode == 1
     import json
 
@@ -129,3 +129,47 @@ def test_convert_says_when_no_layer_within_the_budget_holds_the_error(tmp_path):
     assert "diff" not in report["pinned_nodes"]
     assert not any("FP16 error by layer" in n for n in report["notes"])
     assert any("first divergent node 'softmax'" in n for n in report["notes"])
+
+
+# x -> MatMul(D) -> a ┐
+# x -> MatMul(D) -> b ┴ Add -> MatMul(W) -> MatMul(V) -> Softmax -> p   (two equal sources)
+TWIN = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[64, 8] x) => (float[64, 16] p) {
+    [diff_a] a = MatMul (x, D)
+    [diff_b] b = MatMul (x, E)
+    [join] y = Add (a, b)
+    [mix] h = MatMul (y, W)
+    [head] z = MatMul (h, V)
+    [softmax] p = Softmax <axis = -1> (z)
+}
+"""
+
+
+def test_a_failure_spread_over_layers_beyond_the_budget_is_said_so_and_pins_nothing_it_cannot_use(
+        tmp_path):
+    rng = np.random.default_rng(1)
+    proto = parser.parse_model(TWIN)
+    d = np.eye(8, dtype=np.float32) - np.roll(np.eye(8, dtype=np.float32), 1, axis=0)
+    e = np.eye(8, dtype=np.float32) - np.roll(np.eye(8, dtype=np.float32), 2, axis=0)
+    w = (rng.standard_normal((8, 256)) / np.sqrt(8)).astype(np.float32)
+    v = (rng.standard_normal((256, 16)) * 3 / np.sqrt(256)).astype(np.float32)
+    for name, value in (("D", d), ("E", e), ("W", w), ("V", v)):
+        proto.graph.initializer.append(numpy_helper.from_array(value, name))
+    path = tmp_path / "twin.onnx"
+    onnx.save(proto, path)
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(4):
+        np.savez(data / f"s{i}.npz", x=(100 + 3 * rng.standard_normal((64, 8))).astype(np.float32))
+    # Each difference layer is ~1% of the FLOPs: a 1.5% budget holds one of the two.
+    proc = run_cli("convert", path, "--target", "generic", "--data", data,
+                   "--max-fp32-share", "1.5", "-o", tmp_path / "o.onnx")
+    assert proc.returncode == 1, proc.stdout
+    said = " ".join(proc.stdout.split())
+    assert "FP16 error by layer (2 Conv/MatMul/Gemm within the FLOPs budget" in said
+    assert "no set of them within the FP32 FLOPs budget holds enough of it" in said
+    verdict = said[said.index("FAILED"):]
+    assert "(FP16 precision; --top-k or --rtol are yours): largest own share 'diff_" in verdict
+    assert "first seen at 'softmax'" in verdict
+    assert "pinned diff" not in said

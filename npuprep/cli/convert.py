@@ -332,8 +332,14 @@ def _print_summary(report: dict[str, Any]) -> None:
     worst = max((o["rel_l2"] for c in checks for o in c["outputs"].values()), default=0.0)
     # No Inf/NaN and no overflow left: the outputs are off by FP16's precision, which no range
     # remedy changes; say so, and which levers are the user's.
+    traced = (report.get("error_attribution") or [{}])[-1].get("layers")
+    # Where the error was traced to its layers, they are its source; the first divergent node
+    # is only where it shows.
+    source = (f"largest own share '{traced[0]['node']}' ({percent(traced[0]['share'])} of it), "
+              f"first seen at '{first['node']}'" if traced and first else
+              f"first divergent node '{first['node']}'" if first else "")
     precision = (f"outputs off by rel L2 {number(worst)} with no Inf/NaN (FP16 precision; "
-                 f"--top-k or --rtol are yours): first divergent node '{first['node']}'"
+                 f"--top-k or --rtol are yours): {source}"
                  if first and finite and not any(first.get(k) for k in
                                                  ("inf_count", "nan_count", "saturated_count"))
                  else "")
