@@ -97,11 +97,14 @@ def test_pins_are_the_largest_layers_that_bring_the_prediction_within_rtol_and_t
     assert found.pins_for(0.02, 0.01, room=50) == ()
     # Within rtol already with a smaller cut: one layer is enough.
     assert [x.node for x in found.pins_for(0.012, 0.01, room=1000)] == ["a"]
-    spread = describe(found, (), 0.02, total_flops=1000)
-    assert spread.startswith("FP16 error by layer (4 Conv/MatMul/Gemm") and "a 0.02 (50% of the " \
-        "squared error, 10% of FLOPs)" in spread
-    assert spread.endswith("no set of them within the FP32 FLOPs budget holds enough of it: FP16's "
-                           "precision spread over the model, not one layer to keep in FP32")
+    short = describe(found, (), 0.02, total_flops=1000)
+    assert short.startswith("FP16 error by layer (4 Conv/MatMul/Gemm") and "a 0.02 (50% of the " \
+        "squared error, 10% of FLOPs)" in short
+    assert short.endswith("no set of them within the FP32 FLOPs budget holds enough of it (a "
+                          "larger --max-fp32-share lets more of them be kept)")
+    even = Attribution(tuple(LayerError(n, "Conv", 0.01, 0.25, 10) for n in "abcd"), 2)
+    assert describe(even, (), 0.02, total_flops=1000).endswith(
+        "holds enough of it: FP16's precision spread over the model, not one layer to keep in FP32")
 
 
 def test_convert_pins_the_layer_that_makes_the_error_not_the_softmax_that_shows_it(tmp_path):
@@ -168,7 +171,8 @@ def test_a_failure_spread_over_layers_beyond_the_budget_is_said_so_and_pins_noth
     assert proc.returncode == 1, proc.stdout
     said = " ".join(proc.stdout.split())
     assert "FP16 error by layer (2 Conv/MatMul/Gemm within the FLOPs budget" in said
-    assert "no set of them within the FP32 FLOPs budget holds enough of it" in said
+    assert "no set of them within the FP32 FLOPs budget holds enough of it (a larger " \
+           "--max-fp32-share lets more of them be kept)" in said
     verdict = said[said.index("FAILED"):]
     assert "(FP16 precision; --top-k or --rtol are yours): largest own share 'diff_" in verdict
     assert "first seen at 'softmax'" in verdict

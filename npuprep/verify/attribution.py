@@ -157,5 +157,8 @@ def describe(attribution: Attribution, pins: Sequence[LayerError], error: float,
         return (f"{said}; keeping {len(pins)} of them in FP32 ({cost(pins)} of FLOPs) takes out "
                 f"{percent(held)} of it: rel L2 {number(error)} -> about "
                 f"{number(error * (1 - held) ** 0.5)}")
-    return (f"{said}; no set of them within the FP32 FLOPs budget holds enough of it: FP16's "
-            "precision spread over the model, not one layer to keep in FP32")
+    said += "; no set of them within the FP32 FLOPs budget holds enough of it"
+    top = attribution.layers[0] if attribution.layers else None
+    if top is not None and top.share >= 0.5:
+        return f"{said} (a larger --max-fp32-share lets more of them be kept)"
+    return f"{said}: FP16's precision spread over the model, not one layer to keep in FP32"
