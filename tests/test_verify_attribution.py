@@ -116,8 +116,15 @@ def test_convert_pins_the_layer_that_makes_the_error_not_the_softmax_that_shows_
     said = " ".join(result.notes)
     assert "FP16 error by layer (1 Conv/MatMul/Gemm within the FLOPs budget" in said
     assert "keeping 1 of them in FP32" in said and "pinned diff and retried" in said
-    traced = result.to_dict()["error_attribution"]
+    report = result.to_dict()
+    traced = report["error_attribution"]
     assert [(t["round"], t["pinned"], t["layers"][0]["node"]) for t in traced] == [(1, ["diff"], "diff")]
+    from npuprep.report.render_md import convert_markdown
+
+    md = convert_markdown(report)
+    assert "## Where the FP16 error comes from (round 1)" in md
+    row = next(line for line in md.splitlines() if line.startswith("| diff | MatMul |"))
+    assert row.startswith("| diff | MatMul | 0.01") and row.endswith("| 100.0% | 1.03% | yes |")
 
 
 def test_convert_says_when_no_layer_within_the_budget_holds_the_error(tmp_path):

@@ -118,6 +118,7 @@ def convert_markdown(result: dict[str, Any]) -> str:
         lines += ["", "Where the error sits (an error at a few positions where the FP32 model is "
                   "undecided is its conditioning there, not the conversion):", ""]
         lines += [f"- {md_code(name)} on the {which}: {md_text(w)}" for which, name, w in where if w]
+    lines += _attribution_lines(result)
     first = result.get("first_divergent")
     if first:
         lines += ["", f"**First divergent node:** {md_code(first.get('node'))} ({md_text(first.get('op_type'))}), "
@@ -128,6 +129,32 @@ def convert_markdown(result: dict[str, Any]) -> str:
     if result.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {shown(n)}" for n in result["notes"]]
     return "\n".join(lines) + "\n"
+
+
+# Layers listed per attribution round; the JSON report has them all.
+ATTRIBUTED_SHOWN = 10
+
+
+def _attribution_lines(result: dict[str, Any]) -> list[str]:
+    """Per round that traced a precision failure: the layers by their own FP16 error."""
+    total = max((result.get("fp32_share") or {}).get("total_flops") or 0, 1)
+    lines: list[str] = []
+    for traced in result.get("error_attribution") or []:
+        layers = traced["layers"]
+        lines += ["", f"## Where the FP16 error comes from (round {traced['round']})", "",
+                  f"Each of {len(layers)} Conv/MatMul/Gemm rounded alone, the rest FP32, on "
+                  f"{traced['samples']} sample(s); a share is of the layers' summed squared "
+                  "error (independent roundings add up in it). Pinned after this round: "
+                  f"{', '.join(md_code(n) for n in traced['pinned']) or 'none'}.", "",
+                  "| layer | op | own rel L2 | share of the error | share of FLOPs | pinned |",
+                  "|---|---|---|---|---|---|"]
+        lines += [_row([x["node"], x["op_type"], x["rel_l2"], f"{100 * x['share']:.1f}%",
+                        f"{100 * x['flops'] / total:.3g}%",
+                        "yes" if x["node"] in traced["pinned"] else ""])
+                  for x in layers[:ATTRIBUTED_SHOWN]]
+        if len(layers) > ATTRIBUTED_SHOWN:
+            lines.append(f"\n... and {len(layers) - ATTRIBUTED_SHOWN} more layers in the JSON report.")
+    return lines
 
 
 def _top_k(errors: dict[str, Any]) -> str:
