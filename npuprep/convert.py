@@ -229,6 +229,9 @@ def convert(
             before, after = _worst(tried[1]["output_check"]), _worst(result["output_check"])
             notes.append(f"round {round_no}: the pin did not improve the outputs (worst rel L2 "
                          f"{before:.3g} -> {after:.3g}); dropped it, as round {round_no - 1} was")
+            for traced in attributions:
+                if traced["round"] == round_no - 1:
+                    traced["dropped"] = True
             plan, result = tried
             round_no -= 1
             break
@@ -248,7 +251,7 @@ def convert(
             if measured is not None:
                 notes.append(f"round {round_no}: {said}")
                 attributions.append({"round": round_no, **measured.to_dict(),
-                                     "pinned": [x.node for x in found]})
+                                     "pinned": [x.node for x in found], "dropped": False})
         if found:
             targets = tuple(x.node for x in found)
             said = (f"{len(found)} layer(s) holding {100 * sum(x.share for x in found):.0f}% of "

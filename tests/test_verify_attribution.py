@@ -127,6 +127,24 @@ def test_convert_pins_the_layer_that_makes_the_error_not_the_softmax_that_shows_
     assert row.startswith("| diff | MatMul | 0.01") and row.endswith("| 100.0% | 1.03% | yes |")
 
 
+def test_an_attributed_pin_dropped_again_is_marked_so_in_the_json_and_the_report(tmp_path, monkeypatch):
+    import npuprep.convert as pipeline
+    from npuprep.report.render_md import convert_markdown
+
+    model, _, _, data = _chain(tmp_path)
+    samples = list(load_samples(data, model.proto))
+    # As if the pinned round had not been 10% better: the pin is dropped again.
+    monkeypatch.setattr(pipeline, "_improved", lambda before, after: False)
+    result = convert(model, load_profile("generic"), samples, stats=calibrate(model, samples))
+    assert not result.passed and "diff" not in result.pinned_nodes
+    report = result.to_dict()
+    assert [(t["pinned"], t["dropped"]) for t in report["error_attribution"]] == [(["diff"], True)]
+    md = convert_markdown(report)
+    assert "Pinned after this round: `diff` (dropped again: the next round was not 10% better)." in md
+    assert next(line for line in md.splitlines()
+                if line.startswith("| diff | MatMul |")).endswith("| dropped |")
+
+
 def test_convert_says_when_no_layer_within_the_budget_holds_the_error(tmp_path):
     _, _, path, data = _chain(tmp_path)
     # `diff` is 1% of the FLOPs: with a 0.5% budget no layer may be pinned.
