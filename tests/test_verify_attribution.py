@@ -34,15 +34,23 @@ g (float[64, 8] x) => (float[64, 16] p) {
 """
 
 
-def _chain(tmp_path: Path) -> tuple[Model, list[dict[str, np.ndarray]], Path, Path]:
-    rng = np.random.default_rng(0)
-    proto = parser.parse_model(CHAIN)
-    d = np.eye(8, dtype=np.float32) - np.roll(np.eye(8, dtype=np.float32), 1, axis=0)
-    w = (rng.standard_normal((8, 256)) / np.sqrt(8)).astype(np.float32)
-    v = (rng.standard_normal((256, 16)) * 3 / np.sqrt(256)).astype(np.float32)
-    for name, value in (("D", d), ("W", w), ("V", v)):
+def _differences(shift: int) -> np.ndarray:
+    """x[i] - x[i + shift] per column: values near 100 in, near 4 out."""
+    eye = np.eye(8, dtype=np.float32)
+    return eye - np.roll(eye, shift, axis=0)
+
+
+def _build(tmp_path: Path, text: str, seed: int,
+           differences: dict[str, int]) -> tuple[Model, list[dict[str, np.ndarray]], Path, Path]:
+    """`text` with its difference weights, a mixing W and a head V; 4 samples of x ~ 100."""
+    rng = np.random.default_rng(seed)
+    proto = parser.parse_model(text)
+    weights = {name: _differences(shift) for name, shift in differences.items()}
+    weights["W"] = (rng.standard_normal((8, 256)) / np.sqrt(8)).astype(np.float32)
+    weights["V"] = (rng.standard_normal((256, 16)) * 3 / np.sqrt(256)).astype(np.float32)
+    for name, value in weights.items():
         proto.graph.initializer.append(numpy_helper.from_array(value, name))
-    path = tmp_path / "chain.onnx"
+    path = tmp_path / "model.onnx"
     onnx.save(proto, path)
     data = tmp_path / "data"
     data.mkdir()
@@ -50,6 +58,10 @@ def _chain(tmp_path: Path) -> tuple[Model, list[dict[str, np.ndarray]], Path, Pa
     for i, feed in enumerate(feeds):
         np.savez(data / f"s{i}.npz", **feed)
     return Model(proto=proto, path=str(path), digest=fingerprint(proto)), feeds, path, data
+
+
+def _chain(tmp_path: Path) -> tuple[Model, list[dict[str, np.ndarray]], Path, Path]:
+    return _build(tmp_path, CHAIN, 0, {"D": 1})
 
 
 def test_each_layer_alone_rounded_measures_its_own_share_of_the_output_error(tmp_path):
@@ -176,20 +188,7 @@ g (float[64, 8] x) => (float[64, 16] p) {
 
 def test_a_failure_spread_over_layers_beyond_the_budget_is_said_so_and_pins_nothing_it_cannot_use(
         tmp_path):
-    rng = np.random.default_rng(1)
-    proto = parser.parse_model(TWIN)
-    d = np.eye(8, dtype=np.float32) - np.roll(np.eye(8, dtype=np.float32), 1, axis=0)
-    e = np.eye(8, dtype=np.float32) - np.roll(np.eye(8, dtype=np.float32), 2, axis=0)
-    w = (rng.standard_normal((8, 256)) / np.sqrt(8)).astype(np.float32)
-    v = (rng.standard_normal((256, 16)) * 3 / np.sqrt(256)).astype(np.float32)
-    for name, value in (("D", d), ("E", e), ("W", w), ("V", v)):
-        proto.graph.initializer.append(numpy_helper.from_array(value, name))
-    path = tmp_path / "twin.onnx"
-    onnx.save(proto, path)
-    data = tmp_path / "data"
-    data.mkdir()
-    for i in range(4):
-        np.savez(data / f"s{i}.npz", x=(100 + 3 * rng.standard_normal((64, 8))).astype(np.float32))
+    _, _, path, data = _build(tmp_path, TWIN, 1, {"D": 1, "E": 2})
     # Each difference layer is ~1% of the FLOPs: a 1.5% budget holds one of the two.
     proc = run_cli("convert", path, "--target", "generic", "--data", data,
                    "--max-fp32-share", "1.5", "-o", tmp_path / "o.onnx")
