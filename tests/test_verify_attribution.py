@@ -172,7 +172,7 @@ def test_convert_says_when_no_layer_within_the_budget_holds_the_error(tmp_path):
 
 
 # x -> MatMul(D) -> a ┐
-# x -> MatMul(D) -> b ┴ Add -> MatMul(W) -> MatMul(V) -> Softmax -> p   (two equal sources)
+# x -> MatMul(E) -> b ┴ Add -> MatMul(W) -> MatMul(V) -> Softmax -> p   (two equal sources)
 TWIN = """
 <ir_version: 8, opset_import: ["" : 17]>
 g (float[64, 8] x) => (float[64, 16] p) {
