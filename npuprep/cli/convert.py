@@ -41,10 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest relative L2 error of each output (default 1e-2)")
     p.add_argument("--top-k", action="append", default=[], metavar="OUTPUT:K",
                    help="also pass OUTPUT when its top-K classes along the last axis agree at every "
-                        "position (a classifier or recogniser judged by its decisions; its rel L2 "
+                        "position where FP32 decides (a classifier or recogniser judged by its "
+                        "decisions; FP32 values within --rtol of each other are a tie; its rel L2 "
                         "is still reported); repeatable")
     p.add_argument("--max-rounds", type=positive_int, default=3,
-                   help="verification rounds; each pins the first divergent node (default 3)")
+                   help="verification rounds; each pins the layers a precision error comes "
+                        "from, or else the first divergent node (default 3)")
     p.add_argument("--verify-with", choices=("rknn",),
                    help="also build the converted model with the vendor toolchain and run its "
                         "simulator on the samples (rknn: rknn-toolkit2, in its own venv)")
