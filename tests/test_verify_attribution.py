@@ -137,6 +137,16 @@ def test_convert_pins_the_layer_that_makes_the_error_not_the_softmax_that_shows_
     assert "## Where the FP16 error comes from (round 1)" in md
     row = next(line for line in md.splitlines() if line.startswith("| diff | MatMul |"))
     assert row.startswith("| diff | MatMul | 0.01") and row.endswith("| 100.0% | 1.03% | yes |")
+    from npuprep.report.tables import attribution_table
+
+    table = attribution_table(report)
+    assert table is not None and table.title == "FP16 error by layer (1 rows)"
+    (round_no, node, op, own, share, flops, pinned), = table.rows
+    assert (round_no, node, op, pinned) == (1, "diff", "MatMul", "yes")
+    assert own > 1e-2 and share == 1.0 and np.isclose(flops, 8192 / report["fp32_share"]["total_flops"])
+    from npuprep.report.render_html import render
+
+    assert 'id="attribution"' in render(report, plots=False)
 
 
 def test_an_attributed_pin_dropped_again_is_marked_so_in_the_json_and_the_report(tmp_path, monkeypatch):

@@ -174,6 +174,28 @@ def outputs_table(result: Mapping[str, Any]) -> Table | None:
     return Table("outputs", "Outputs under emulated target numerics", cols, tuple(rows))
 
 
+def attribution_table(result: Mapping[str, Any]) -> Table | None:
+    """convert's error attribution: per round, each layer's own FP16 error, its share of the
+    layers' summed squared error and of the FLOPs, and whether the round pinned it."""
+    share = result.get("fp32_share")
+    total = _num(share, "total_flops") if isinstance(share, Mapping) else None
+    rows = []
+    for traced in _dicts(result.get("error_attribution")):
+        pinned = set(traced.get("pinned") or ())
+        kept = "dropped" if traced.get("dropped") else "yes"
+        for layer in _dicts(traced.get("layers")):
+            flops = _num(layer, "flops")
+            rows.append((_num(traced, "round"), _text(layer, "node"), _text(layer, "op_type"),
+                         _num(layer, "rel_l2"), _num(layer, "share"),
+                         flops / total if flops is not None and total else None,
+                         kept if layer.get("node") in pinned else ""))
+    if not rows:
+        return None
+    cols = (Column("round", "num"), Column("layer"), Column("op"), Column("own_rel_l2", "num"),
+            Column("error_share", "num"), Column("flops_share", "num"), Column("pinned"))
+    return Table("attribution", f"FP16 error by layer ({len(rows)} rows)", cols, tuple(rows))
+
+
 def forced_table(result: Mapping[str, Any]) -> Table | None:
     forced = result.get("forced_fp32")
     if not isinstance(forced, Mapping) or not forced:
@@ -253,8 +275,9 @@ def probe_table(result: Mapping[str, Any]) -> Table | None:
 def tables(result: Mapping[str, Any], order: Sequence[str] = ()) -> tuple[Table, ...]:
     """Every table the result supports, in reading order."""
     made = (crosscheck_table(result), probe_table(result),
-            outputs_table(result), findings_table(result), actions_table(result),
-            declined_table(result), forced_table(result), compare_table(result),
+            outputs_table(result), attribution_table(result), findings_table(result),
+            actions_table(result), declined_table(result), forced_table(result),
+            compare_table(result),
             convert_tensor_table(result), stats_table(result, order), unobserved_table(result))
     return tuple(t for t in made if t is not None)
 
