@@ -330,22 +330,29 @@ ATTRIBUTION_SAMPLES = 4
 def _attributed_pins(result: dict[str, Any], fmt: NumberFormat, profile: TargetProfile,
                      samples: Sequence[Feed], plan: Plan, max_fp32_share: float,
                      rtol: float) -> tuple[tuple[Any, ...], str, Any]:
-    """The Conv/MatMul/Gemm layers whose own FP16 error (npuprep.verify.attribution, on the
-    worst sample and the first others) takes the outputs within `rtol` once kept FP32, within
-    the FLOPs budget, the note saying so and the Attribution; ((), "", None) when no layer fits
-    the budget."""
-    from npuprep.graph import node_label, walk_graphs
-    from npuprep.ops import LINEAR_WITH_WEIGHTS
+    """The nodes (layers and elementwise ops) whose own FP16 error (npuprep.verify.attribution,
+    on the worst sample and the first others) takes the outputs within `rtol` once kept FP32,
+    within the FLOPs budget, the note saying so and the Attribution; ((), "", None) when no
+    node fits the budget."""
+    from onnx import TensorProto
+
+    from npuprep.graph import infer_tensors, node_label, walk_graphs
     from npuprep.report.flops import node_flops
     from npuprep.verify.attribution import attribute_error, describe
+    from npuprep.verify.emulate import stores_rounded_values
 
     rewritten, pinned = result["rewritten"], set(result["pinned"])
     flops = node_flops(rewritten, _sample_shapes(samples))
     total = sum(flops.values())
     room = max_fp32_share * total - sum(flops.get(n, 0) for n in pinned)
+    types = infer_tensors(rewritten).types
+    # Every node that stores a rounded value: a layer, or an elementwise op whose rounding a
+    # cancellation after it amplifies (x + 1000 - 1000 needs both kept).
     candidates = [node_label(n) for s in walk_graphs(rewritten.graph) for n in s.graph.node
-                  if n.op_type in LINEAR_WITH_WEIGHTS and node_label(n) not in pinned
-                  and node_label(n) not in plan.forbid_pin and flops.get(node_label(n), 0) <= room]
+                  if n.op_type != "Constant" and stores_rounded_values(n)
+                  and any(types.get(o) == TensorProto.FLOAT for o in n.output)
+                  and node_label(n) not in pinned and node_label(n) not in plan.forbid_pin
+                  and flops.get(node_label(n), 0) <= room]
     if not candidates:
         return (), "", None
     outputs = result["output_check"].outputs.values()

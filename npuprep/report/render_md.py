@@ -142,13 +142,13 @@ def _attribution_lines(result: dict[str, Any]) -> list[str]:
     for traced in result.get("error_attribution") or []:
         layers = traced["layers"]
         lines += ["", f"## Where the FP16 error comes from (round {traced['round']})", "",
-                  f"Each of {len(layers)} Conv/MatMul/Gemm rounded alone, the rest FP32, on "
+                  f"Each of {len(layers)} nodes rounded alone, the rest FP32, on "
                   f"{traced['samples']} sample(s); a share is of the layers' summed squared "
                   "error (independent roundings add up in it). Pinned after this round: "
                   f"{', '.join(md_code(n) for n in traced['pinned']) or 'none'}"
                   f"{' (dropped again: the next round was not 10% better)' if traced.get('dropped') else ''}.",
                   "",
-                  "| layer | op | own rel L2 | share of the error | share of FLOPs | pinned |",
+                  "| node | op | own rel L2 | share of the error | share of FLOPs | pinned |",
                   "|---|---|---|---|---|---|"]
         lines += [_row([x["node"], x["op_type"], x["rel_l2"], f"{100 * x['share']:.1f}%",
                         f"{100 * x['flops'] / total:.3g}%",

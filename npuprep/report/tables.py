@@ -191,9 +191,9 @@ def attribution_table(result: Mapping[str, Any]) -> Table | None:
                          kept if layer.get("node") in pinned else ""))
     if not rows:
         return None
-    cols = (Column("round", "num"), Column("layer"), Column("op"), Column("own_rel_l2", "num"),
+    cols = (Column("round", "num"), Column("node"), Column("op"), Column("own_rel_l2", "num"),
             Column("error_share", "num"), Column("flops_share", "num"), Column("pinned"))
-    return Table("attribution", f"FP16 error by layer ({len(rows)} rows)", cols, tuple(rows))
+    return Table("attribution", f"FP16 error by node ({len(rows)} rows)", cols, tuple(rows))
 
 
 def forced_table(result: Mapping[str, Any]) -> Table | None:

@@ -1,4 +1,4 @@
-"""Which layer's FP16 rounding the output error comes from: each candidate alone in the target
+"""Which node's FP16 rounding the output error comes from: each candidate alone in the target
 format, every other node FP32, `error(y) <- only Conv_7 rounded`.
 
 A precision failure with no overflow is FP16's rounding carried to the outputs. The first
@@ -8,6 +8,8 @@ measures each layer's own share: independent roundings add up in squared error, 
 holding most of the sum is worth keeping in FP32, and a sum spread thinly over dozens of
 layers is FP16's precision over the whole model, which no pin within a FLOPs budget fixes
 (Polygraphy's `debug precision` bisects for the same answer; this ranks every candidate).
+Candidates are layers and elementwise ops alike: `x + 1000 - 1000` loses x in the Add's
+rounding, and only keeping both nodes FP32 gets it back.
 """
 
 from __future__ import annotations
@@ -49,22 +51,45 @@ class Attribution:
     candidates: int = 0
 
     def pins_for(self, error: float, rtol: float, room: float) -> tuple[LayerError, ...]:
-        """The largest layers whose shares, taken out of `error`, leave a predicted rel L2
-        within `rtol`, their FLOPs within `room`; () when no such set exists."""
-        needed = 1.0 - (rtol / error) ** 2 if error > rtol else 0.0
-        chosen: list[LayerError] = []
-        held, spent = 0.0, 0
-        for layer in self.layers:
-            if held >= needed and chosen:
-                break
-            if spent + layer.flops <= room:
-                chosen.append(layer)
-                held, spent = held + layer.share, spent + layer.flops
-        return tuple(chosen) if chosen and held >= needed else ()
+        """The nodes whose shares, taken out of `error`, leave a predicted rel L2 within
+        `rtol` for the fewest FLOPs within `room`, among nodes holding at least MIN_SHARE of
+        it; () when no such set exists or `error` is within `rtol` already. Two greedy orders (largest share first, most share
+        per FLOP first), each pruned of what it does not need; the cheaper wins."""
+        if error <= rtol:
+            return ()
+        needed = 1.0 - (rtol / error) ** 2
+        worth = [x for x in self.layers if x.share >= MIN_SHARE]
+        orders = (sorted(worth, key=lambda x: (-x.share, x.node)),
+                  sorted(worth, key=lambda x: (-x.share / max(x.flops, 1), -x.share, x.node)))
+        sets = [s for s in (_greedy(order, needed, room) for order in orders) if s]
+        return min(sets, key=lambda s: (sum(x.flops for x in s), len(s))) if sets else ()
 
     def to_dict(self) -> dict[str, Any]:
         return {"samples": self.samples, "candidates": self.candidates,
                 "layers": [layer.to_dict() for layer in self.layers]}
+
+
+# A node holding less of the squared error than this is not worth a pin, however cheap.
+MIN_SHARE = 0.01
+
+def _greedy(order: Sequence[LayerError], needed: float, room: float) -> tuple[LayerError, ...]:
+    """Nodes taken in `order` until they hold `needed` within `room` FLOPs, then the costliest
+    dropped again where the rest still hold it; () when `order` cannot reach it."""
+    chosen: list[LayerError] = []
+    held, spent = 0.0, 0
+    for layer in order:
+        if held >= needed and chosen:
+            break
+        if spent + layer.flops <= room:
+            chosen.append(layer)
+            held, spent = held + layer.share, spent + layer.flops
+    if not chosen or held < needed:
+        return ()
+    for layer in sorted(chosen, key=lambda x: (-x.flops, x.share)):
+        if len(chosen) > 1 and held - layer.share >= needed:
+            chosen.remove(layer)
+            held -= layer.share
+    return tuple(chosen)
 
 
 # One session per measured set: past this many candidates, contiguous groups of them are
@@ -136,7 +161,7 @@ def _own_error(model: onnx.ModelProto, fmt: NumberFormat, saturate: bool, pinned
 
 def describe(attribution: Attribution, pins: Sequence[LayerError], error: float,
              total_flops: int, shown: int = 3) -> str:
-    """'FP16 error by layer (...): Conv_1 0.006 (12% of the squared error, 0.08% of FLOPs),
+    """'FP16 error by node (...): Conv_1 0.006 (12% of the squared error, 0.08% of FLOPs),
     ...' and either which layers a pin takes out (the predicted rel L2) or that no set within
     the FLOPs budget does."""
     from npuprep.report.terminal import number, percent
@@ -147,10 +172,10 @@ def describe(attribution: Attribution, pins: Sequence[LayerError], error: float,
     listed = ", ".join(f"{x.node} {number(x.rel_l2)} ({percent(x.share)} of the squared error, "
                        f"{cost([x])} of FLOPs)" for x in attribution.layers[:shown])
     measured = len(attribution.layers)
-    which = (f"{measured} Conv/MatMul/Gemm within the FLOPs budget" if measured >= attribution.candidates
-             else f"the {measured} Conv/MatMul/Gemm of the worst groups of {attribution.candidates} "
+    which = (f"{measured} nodes within the FLOPs budget" if measured >= attribution.candidates
+             else f"the {measured} nodes of the worst groups of {attribution.candidates} "
                   "within the FLOPs budget")
-    said = (f"FP16 error by layer ({which}, each alone rounded, the rest FP32, on "
+    said = (f"FP16 error by node ({which}, each alone rounded, the rest FP32, on "
             f"{attribution.samples} sample(s)): {listed}")
     if pins:
         held = sum(x.share for x in pins)

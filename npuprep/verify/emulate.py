@@ -142,7 +142,7 @@ def emulate(
         for index, node in enumerate(graph.node):
             new_nodes.append(node)
             new_nodes += builder.after.pop(index, [])
-            if node_label(node) in pinned or not _stores_rounded_values(node):
+            if node_label(node) in pinned or not stores_rounded_values(node):
                 continue
             for i, name in enumerate(node.output):
                 if not name or types.get(name) != TensorProto.FLOAT or name in fp32_only:
@@ -256,7 +256,7 @@ def _rne_cast(fmt: NumberFormat, value: float) -> float:
         return float(np.array([value], np.float32).astype(fmt.np_dtype).astype(np.float32)[0])
 
 
-def _stores_rounded_values(node: onnx.NodeProto) -> bool:
+def stores_rounded_values(node: onnx.NodeProto) -> bool:
     """Whether the node's float outputs need their own rounding.
 
     Every float input of a non-pinned node is already in the target format, so ops that
