@@ -24,6 +24,13 @@ import onnx
 from npuprep.graph import node_label, walk_graphs
 from npuprep.numerics import NumberFormat
 
+# A node holding less of the squared error than this is not worth a pin, however cheap.
+MIN_SHARE = 0.01
+# One session per measured set: past this many candidates, contiguous groups of them are
+# measured first, then one by one only the nodes of the groups holding most of the error.
+MAX_ONE_BY_ONE = 64
+GROUPS = 16
+
 
 @dataclass(frozen=True)
 class LayerError:
@@ -53,8 +60,9 @@ class Attribution:
     def pins_for(self, error: float, rtol: float, room: float) -> tuple[LayerError, ...]:
         """The nodes whose shares, taken out of `error`, leave a predicted rel L2 within
         `rtol` for the fewest FLOPs within `room`, among nodes holding at least MIN_SHARE of
-        it; () when no such set exists or `error` is within `rtol` already. Two greedy orders (largest share first, most share
-        per FLOP first), each pruned of what it does not need; the cheaper wins."""
+        it; () when no such set exists or `error` is within `rtol` already. Two greedy
+        orders (largest share first, most share per FLOP first), each pruned of what it does
+        not need; the cheaper wins."""
         if error <= rtol:
             return ()
         needed = 1.0 - (rtol / error) ** 2
@@ -68,9 +76,6 @@ class Attribution:
         return {"samples": self.samples, "candidates": self.candidates,
                 "layers": [layer.to_dict() for layer in self.layers]}
 
-
-# A node holding less of the squared error than this is not worth a pin, however cheap.
-MIN_SHARE = 0.01
 
 def _greedy(order: Sequence[LayerError], needed: float, room: float) -> tuple[LayerError, ...]:
     """Nodes taken in `order` until they hold `needed` within `room` FLOPs, then the costliest
@@ -90,12 +95,6 @@ def _greedy(order: Sequence[LayerError], needed: float, room: float) -> tuple[La
             chosen.remove(layer)
             held -= layer.share
     return tuple(chosen)
-
-
-# One session per measured set: past this many candidates, contiguous groups of them are
-# measured first, then one by one only the layers of the groups holding most of the error.
-MAX_ONE_BY_ONE = 64
-GROUPS = 16
 
 
 def attribute_error(model: onnx.ModelProto, fmt: NumberFormat, samples: Sequence[Mapping[str, Any]],
