@@ -246,20 +246,20 @@ def convert(
         found: tuple[Any, ...] = ()
         if _precision_only(result["output_check"], first):
             stage(f"round {round_no}, attributing the error to layers")
-            found, said, measured = _attributed_pins(result, fmt, profile, samples, plan,
-                                                     max_fp32_share, rtol)
+            found, traced_note, measured = _attributed_pins(result, fmt, profile, samples, plan,
+                                                            max_fp32_share, rtol)
             if measured is not None:
-                notes.append(f"round {round_no}: {said}")
+                notes.append(f"round {round_no}: {traced_note}")
                 attributions.append({"round": round_no, **measured.to_dict(),
                                      "pinned": [x.node for x in found], "dropped": False})
         if found:
             targets = tuple(x.node for x in found)
-            said = (f"{len(found)} layer(s) holding {100 * sum(x.share for x in found):.0f}% of "
-                    "the layers' own FP16 squared error")
+            why = (f"{len(found)} layer(s) holding {100 * sum(x.share for x in found):.0f}% of "
+                   "the layers' own FP16 squared error")
         else:
             targets = _nodes_to_pin(result["rewritten"], first.node, set(result["pinned"]))
-            said = (f"first divergent node {first.node} (rel L2 {first.rel_l2:.3g}, max abs "
-                    f"error {first.max_abs_error:.3g})")
+            why = (f"first divergent node {first.node} (rel L2 {first.rel_l2:.3g}, max abs "
+                   f"error {first.max_abs_error:.3g})")
         targets = tuple(n for n in targets if n not in plan.forbid_pin)
         if not targets:
             break
@@ -269,7 +269,7 @@ def convert(
             + f": pinned {', '.join(targets)} and retried")
         pin = PinFp32(nodes=targets, exit_tensors=(), forced=False,
                       request=profile.fp32_pinning is Pinning.COMPILER_DECIDES,
-                      why=f"verification round {round_no}: {said}")
+                      why=f"verification round {round_no}: {why}")
         tried = (plan, result)
         plan = replace(plan, actions=(*plan.actions, pin))
     assert result is not None

@@ -359,17 +359,13 @@ def _say_where_the_error_sits(report: dict[str, Any]) -> None:
     """For each output that failed on FP16 precision alone: where its worst sample's error
     sits, so an error at a few undecided positions reads apart from one everywhere."""
     from npuprep.cli.common import say
-    from npuprep.verify.outputs import describe_worst, output_passes
+    from npuprep.verify.outputs import where_errors_sit
 
-    for which, key in (("calibration samples", "verification"), ("holdout", "holdout")):
-        check = report.get(key) or {}
-        for name, errors in (check.get("outputs") or {}).items():
-            where = describe_worst(errors)
-            if where and not output_passes(errors, check["rtol"]):
-                say(f"note: {name} on the {which}: {where}")
-                if errors.get("top1_agreement") == 1.0 and "top_k" not in errors:
-                    say(f"note: every top-1 decision of {name} on the {which} holds; if its "
-                        f"decisions are what it is judged by: --top-k {name}:1")
+    for which, name, errors, where in where_errors_sit(report):
+        say(f"note: {name} on the {which}: {where}")
+        if errors.get("top1_agreement") == 1.0 and "top_k" not in errors:
+            say(f"note: every top-1 decision of {name} on the {which} holds; if its "
+                f"decisions are what it is judged by: --top-k {name}:1")
 
 
 def _reason_code(action: dict[str, Any]) -> str:

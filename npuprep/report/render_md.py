@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from npuprep.names import md_cell, md_code, md_text, shown
-from npuprep.verify.outputs import describe_worst, output_passes, ties_said
+from npuprep.verify.outputs import ties_said, where_errors_sit
 
 
 def _num(v: Any) -> str:
@@ -110,14 +110,11 @@ def convert_markdown(result: dict[str, Any]) -> str:
             agree = f", {_top_k(o)}" if "top_k" in o else ""
             lines.append(f"- {md_code(name)}: Inf/NaN {o['nonfinite']}, max abs error {_num(o['max_abs_error'])}, "
                          f"rel L2 {_num(o['rel_l2'])}{agree}")
-    where = [(which, name, describe_worst(o))
-             for which, check in (("calibration samples", ver), ("holdout", result.get("holdout") or {}))
-             for name, o in (check.get("outputs") or {}).items()
-             if not output_passes(o, check.get("rtol", 0.0)) and not o["nonfinite"]]
-    if any(w for _, _, w in where):
+    where = where_errors_sit(result)
+    if where:
         lines += ["", "Where the error sits (an error at a few positions where the FP32 model is "
                   "undecided is its conditioning there, not the conversion):", ""]
-        lines += [f"- {md_code(name)} on the {which}: {md_text(w)}" for which, name, w in where if w]
+        lines += [f"- {md_code(name)} on the {which}: {md_text(w)}" for which, name, _, w in where]
     lines += _attribution_lines(result)
     first = result.get("first_divergent")
     if first:

@@ -116,20 +116,18 @@ def attribute_error(model: onnx.ModelProto, fmt: NumberFormat, samples: Sequence
     def error_of(rounded: set[str]) -> float:
         return _own_error(model, fmt, saturate, set(ops) - rounded, feeds, expected)
 
+    rest = 0.0
     if len(wanted) > MAX_ONE_BY_ONE:
         groups = [list(g) for g in np.array_split(np.array(wanted, dtype=object), GROUPS)]
         group_errors = sorted(((error_of(set(g)), g) for g in groups), key=lambda x: -x[0])
-        wanted, rest = [], 0.0
+        wanted = []
         for e, members in group_errors:
             if rest or (wanted and len(wanted) + len(members) > MAX_ONE_BY_ONE):
                 rest += e ** 2  # a group not ranked one by one counts as a whole
             else:
                 wanted += members
-        errors = {node: error_of({node}) for node in wanted}
-        total = rest + sum(e ** 2 for e in errors.values())
-    else:
-        errors = {node: error_of({node}) for node in wanted}
-        total = sum(e ** 2 for e in errors.values())
+    errors = {node: error_of({node}) for node in wanted}
+    total = rest + sum(e ** 2 for e in errors.values())
     layers = sorted((LayerError(node, ops[node], float(e), float(e ** 2 / total) if total else 0.0,
                                 int(flops.get(node, 0)))
                      for node, e in errors.items()), key=lambda x: (-x.rel_l2, x.node))
@@ -141,20 +139,17 @@ def _own_error(model: onnx.ModelProto, fmt: NumberFormat, saturate: bool, pinned
     """Worst output rel L2, pooled over `feeds`, of `model` emulated in `fmt` but `pinned`."""
     from npuprep.runtime.session import make_session, run
     from npuprep.verify.emulate import emulate
+    from npuprep.verify.outputs import OutputErrors
 
     session = make_session(emulate(model, fmt, saturate=saturate, pinned_nodes=pinned).model)
-    err2: dict[str, float] = {}
-    ref2: dict[str, float] = {}
+    errors = OutputErrors()
     for feed, want in zip(feeds, expected, strict=True):
         got = run(session, feed)
         for name, value in want.items():
-            ref = np.asarray(value, dtype=np.float64)
-            if not np.issubdtype(ref.dtype, np.floating):
-                continue
-            diff = np.nan_to_num(np.asarray(got[name], dtype=np.float64) - ref, nan=np.inf)
-            err2[name] = err2.get(name, 0.0) + float((diff ** 2).sum())
-            ref2[name] = ref2.get(name, 0.0) + float((ref ** 2).sum())
-    return max((float(np.sqrt(err2[k] / ref2[k] if ref2[k] > 0 else err2[k])) for k in err2),
+            if np.issubdtype(np.asarray(value).dtype, np.floating):
+                errors.add(name, value, got[name])
+    # An Inf/NaN is the largest error there is.
+    return max((np.inf if o["nonfinite"] else o["rel_l2"] for o in errors.result().values()),
                default=0.0)
 
 

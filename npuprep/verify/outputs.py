@@ -149,6 +149,19 @@ def describe_worst(errors: Mapping[str, Any]) -> str:
     return said
 
 
+def where_errors_sit(report: Mapping[str, Any]) -> list[tuple[str, str, Mapping[str, Any], str]]:
+    """(which samples, output, errors, describe_worst) for each output of a convert report
+    that failed with no Inf/NaN and has a worst-sample record: calibration, then holdout."""
+    found = []
+    for which, key in (("calibration samples", "verification"), ("holdout", "holdout")):
+        check = report.get(key) or {}
+        for name, errors in (check.get("outputs") or {}).items():
+            said = describe_worst(errors)
+            if said and not errors["nonfinite"] and not output_passes(errors, check.get("rtol", 0.0)):
+                found.append((which, name, errors, said))
+    return found
+
+
 def ties_said(errors: Mapping[str, Any]) -> str:
     """' (2 ties, 1 flipped)' for an output judged by --top-k whose reference had ties, else ''."""
     ties = errors.get("top_k_ties", 0)
