@@ -77,12 +77,17 @@ class ConversionResult:
     share: Any = None  # npuprep.report.share.Fp32Share
     # Per verification round that traced a precision failure to layers (verify.attribution).
     error_attribution: tuple[dict[str, Any], ...] = ()
+    # 8-bit conversions (npuprep.convert_8bit): format, scale rule, multiply-add shares, ranking.
+    eight_bit: dict[str, Any] | None = None
 
     @property
     def passed(self) -> bool:
         """Outputs within tolerance under emulation, and the FP32 share within its limit:
         a model left mostly in FP32 has not been converted."""
         checks = [c for c in (self.output_check, self.holdout, self.share) if c is not None]
+        if self.eight_bit:
+            e = self.eight_bit
+            checks.append(e["mac_share"][e["format"]] >= e["min_8bit_share"])
         return all(checks)
 
     def __bool__(self) -> bool:
@@ -103,7 +108,7 @@ class ConversionResult:
             "output": output,
             "target": self.profile.name,
             "profile": self.profile.to_dict(),
-            "precision": self.fmt.name,
+            "precision": self.eight_bit["format"] if self.eight_bit else self.fmt.name,
             "passed": self.passed,
             "samples": {"description": self.samples_description, "synthetic": self.synthetic},
             "findings": self.findings.to_dict(),
@@ -126,7 +131,7 @@ class ConversionResult:
             "rounds": self.rounds,
             "error_attribution": list(self.error_attribution),
             "notes": list(self.notes),
-        }
+        } | ({"eight_bit": self.eight_bit} if self.eight_bit else {})
 
     def save(self, path: str | Path, *, exports: Sequence[str] | None = None,
              report_path: str | Path | None = None, html: str | Path | None = None,

@@ -129,3 +129,34 @@ def onnx_type_name(onnx_type: int) -> str:
 def exponent_bin(x: float) -> int:
     """Power-of-two bucket of |x|: floor(log2|x|)."""
     return math.floor(math.log2(abs(x)))
+
+
+@dataclass(frozen=True)
+class EightBitFormat:
+    """An 8-bit QDQ format: what one scale step holds and the opset its QuantizeLinear needs.
+
+    `qmax` is the largest magnitude a scaled value may take (127 for INT8, the E4M3FN max
+    for FP8); `floor` the smallest magnitude it still resolves (half an INT8 step, E4M3's
+    smallest subnormal); `rel_step` the spacing relative to a value (INT8: none, FP8: eps).
+    """
+
+    name: str
+    onnx_type: int
+    qmax: float
+    floor: float
+    rel_step: float
+    min_opset: int
+
+    @property
+    def is_float(self) -> bool:
+        return self.rel_step > 0
+
+
+def eight_bit_format(name: str) -> EightBitFormat | None:
+    """The 8-bit QDQ format called `name` (`int8`, `fp8_e4m3`), None for any other name."""
+    if name == "int8":
+        return EightBitFormat("int8", TensorProto.INT8, 127.0, 0.5, 0.0, 13)
+    if name == "fp8_e4m3":
+        f = formats()["fp8_e4m3"]
+        return EightBitFormat("fp8_e4m3", f.onnx_type, f.max, f.min_subnormal, f.eps, 19)
+    return None

@@ -30,15 +30,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan-only", action="store_true",
                    help="write the plan to -o (YAML) and stop; the model is not touched")
     p.add_argument("-o", "--output", help="output path (default: <model>.<target>.onnx here)")
-    p.add_argument("--precision", help="compute format to target (default: the profile's)")
+    p.add_argument("--precision", help="compute format to target (default: the profile's); int8 "
+                   "or fp8_e4m3 write a QDQ model (Conv/MatMul/Gemm in 8 bits, the rest wider)")
+    p.add_argument("--scale-rule", choices=("absmax", "percentile", "mse"), default="mse",
+                   help="8-bit activation scales from the calibration statistics (default mse)")
+    p.add_argument("--min-8bit-share", type=_percent, default=50.0, metavar="PERCENT",
+                   help="8-bit only: keep sensitive layers wider only while at least this share "
+                        "of the Conv/MatMul/Gemm multiply-adds stays 8-bit; fail below it "
+                        "(default 50%%)")
     p.add_argument("--io-types", choices=("fp32", "target"), default="fp32",
                    help="keep graph inputs/outputs FP32 (default) or give them the target type")
     p.add_argument("--opset", type=int,
                    help="write the converted model at this default-domain opset "
                         "(default: the model's own; some compilers need 11 or 12)")
     p.add_argument("--holdout", help="samples not used for calibration, to verify on")
-    p.add_argument("--rtol", type=positive_float, default=1e-2,
-                   help="largest relative L2 error of each output (default 1e-2)")
+    p.add_argument("--rtol", type=positive_float,
+                   help="largest relative L2 error of each output (default 1e-2; 5e-2 for int8 "
+                        "and fp8_e4m3)")
     p.add_argument("--top-k", action="append", default=[], metavar="OUTPUT:K",
                    help="also pass OUTPUT when its top-K classes along the last axis agree at every "
                         "position where FP32 decides (a classifier or recogniser judged by its "
@@ -84,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         if not (args.data or args.synthetic or args.stats):
             args.data = str(example_data_dir())
     check_rtol(args.rtol, "--rtol")
+    if args.rtol is None:
+        args.rtol = 5e-2 if _eight_bit(args.precision or profile.default_precision) else 1e-2
     if args.plan and args.plan_only:
         raise NpuprepError("--plan and --plan-only together: the plan already exists")
     model = load_model(args.model)
@@ -135,7 +145,9 @@ def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, p
     from npuprep.report.artefacts import stage_conversion
 
     with progress_stages("converting", not args.json) as stage:
-        result = convert(
+        eight = _eight_bit(args.precision or profile.default_precision)
+        result = _convert_8bit(args, model, profile, samples, stats, plan, holdout, stage) if eight \
+            else convert(
             model, profile, list(samples), stats=stats, plan=plan, precision=args.precision,
             io_types=args.io_types, rtol=args.rtol, holdout=list(holdout) if holdout else None,
             samples_description=samples.describe(), synthetic=samples.synthetic,
@@ -146,6 +158,24 @@ def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, p
             if args.verify_with else None
     report = stage_conversion(result, paths, files, vendor)
     return report, bool(report["passed"])
+
+
+def _eight_bit(precision: str) -> bool:
+    from npuprep.numerics import eight_bit_format
+
+    return eight_bit_format(precision) is not None
+
+
+def _convert_8bit(args: argparse.Namespace, model: Any, profile: Any, samples: Any, stats: Any,
+                  plan: Any, holdout: Any, stage: Any) -> Any:
+    from npuprep.convert_8bit import convert_8bit
+
+    return convert_8bit(model, profile, list(samples), precision=args.precision or
+                        profile.default_precision, stats=stats, plan=plan, rtol=args.rtol,
+                        holdout=list(holdout) if holdout else None,
+                        samples_description=samples.describe(), synthetic=samples.synthetic,
+                        scale_rule=args.scale_rule, min_8bit_share=args.min_8bit_share / 100,
+                        opset=args.opset, top_k=parse_top_k(args.top_k), progress=stage)
 
 
 def _vendor_check(args: argparse.Namespace, model: Any, result: Any, samples: list,
@@ -202,7 +232,10 @@ def _stats(args: argparse.Namespace, model: Any, samples: Any) -> Any:
         return load_stats(args.stats, model)
     if samples is None:
         return None
-    return calibrate(model, samples, jobs=args.jobs, streams=args.streams, show_progress=not args.json)
+    # 8-bit scales read the exponent histogram of every element (percentile, MSE).
+    detail = "all" if _eight_bit(args.precision or "") else "auto"
+    return calibrate(model, samples, jobs=args.jobs, streams=args.streams, show_progress=not args.json,
+                     detail=detail)
 
 
 def _plan_only(args: argparse.Namespace, model: Any, profile: Any, stats: Any, samples: Any,
@@ -320,6 +353,13 @@ def _print_summary(report: dict[str, Any]) -> None:
                     [(_nodes(i["nodes"]), number(i["flops"]),
                       percent(i["flops"] / max(share["total_flops"], 1)), i["why"])
                      for i in share["islands"][:5]], cut_end=("why",))
+    eight = report.get("eight_bit")
+    if eight:
+        say("Conv/MatMul/Gemm multiply-adds: " + ", ".join(
+            f"{percent(v)} {k}" for k, v in eight["mac_share"].items()) + f" (scales {eight['scale_rule']})")
+        if eight["kept_wider"]:
+            say(f"kept wider for sensitivity: {_nodes(eight['kept_wider'])} "
+                f"({percent(eight['kept_wider_cost'])} of the multiply-adds)")
     say(f"FP32 FLOPs share {percent(report['flops_fp32_share'])} "
         f"(multiply-adds {percent(share.get('macs', 0.0))}), "
         f"{report['cast_count']} Casts, {len(report['pinned_nodes'])} pinned nodes, "
@@ -340,7 +380,7 @@ def _print_summary(report: dict[str, Any]) -> None:
     source = (f"largest own share '{traced[0]['node']}' ({percent(traced[0]['share'])} of it), "
               f"first seen at '{first['node']}'" if traced and first else
               f"first divergent node '{first['node']}'" if first else "")
-    precision = (f"outputs off by rel L2 {number(worst)} with no Inf/NaN (FP16 precision; "
+    precision = (f"outputs off by rel L2 {number(worst)} with no Inf/NaN ({report['precision']} precision; "
                  f"--top-k or --rtol are yours): {source}"
                  if first and finite and not any(first.get(k) for k in
                                                  ("inf_count", "nan_count", "saturated_count"))

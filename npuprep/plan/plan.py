@@ -13,7 +13,7 @@ from npuprep import names
 from npuprep.errors import NpuprepError
 from npuprep.graph import node_label, walk_graphs
 from npuprep.model_io import Model, write_text_atomic
-from npuprep.numerics import formats
+from npuprep.numerics import eight_bit_format, formats
 from npuprep.plan.actions import (
     CLAMP_KINDS,
     REMEDIES,
@@ -25,6 +25,7 @@ from npuprep.plan.actions import (
     Rescale,
     ShiftMax,
 )
+from npuprep.plan.eight_bit import LayerPrecision
 from npuprep.yaml_io import read_yaml
 
 SCHEMA_VERSION = 1
@@ -49,6 +50,8 @@ class Plan:
     declined: tuple[Declined, ...] = ()
     forbid_pin: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    # 8-bit conversions: what each multiply-add and small op runs in, and why.
+    eight_bit: tuple[LayerPrecision, ...] = ()
     schema_version: int = SCHEMA_VERSION
     kind: str = "plan"
 
@@ -80,7 +83,7 @@ class Plan:
             "actions": [a.to_dict() for a in self.actions],
             "declined": [d.to_dict() for d in self.declined],
             "notes": list(self.notes),
-        }
+        } | ({"eight_bit": [x.to_dict() for x in self.eight_bit]} if self.eight_bit else {})
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "plan", model: Model | None = None) -> Plan:
@@ -129,6 +132,12 @@ def dump_plan(plan: Plan) -> str:
     else:
         out.append("declined: []")
     out.extend(_emit_key("notes", list(plan.notes), 0))
+    if plan.eight_bit:
+        out.append("# What each multiply-add (and each small op kept wider) runs in: edit a")
+        out.append("# precision to fp16 or fp32 to keep that layer wider, or to the 8-bit format.")
+        out.append("eight_bit:")
+        for x in plan.eight_bit:
+            out.extend(_emit_item(x.to_dict(), 1, {}))
     return "\n".join(out) + "\n"
 
 
@@ -213,7 +222,7 @@ def load_plan(path: str | Path, model: Model) -> Plan:
 
 
 _TOP = ("schema_version", "kind", "fingerprint", "target", "precision", "forbid_pin",
-        "actions", "declined", "notes")
+        "actions", "declined", "notes", "eight_bit")
 _REQUIRED_TOP = ("schema_version", "kind", "fingerprint", "target", "precision")
 _KEYS = {
     "shift_max": ("action", "exp", "covers", "fp32_shift", "findings", "measured", "why"),
@@ -369,8 +378,8 @@ class _Parser:
                 f"plan was made for model {fingerprint}, not {self.model.path} ({self.model.fingerprint})",
             )
         precision = self.string(top["precision"], "precision")
-        if precision not in formats() or precision == "fp32":
-            known = ", ".join(n for n in formats() if n != "fp32")
+        if (precision not in formats() or precision == "fp32") and precision != "int8":
+            known = ", ".join([*(n for n in formats() if n != "fp32"), "int8"])
             raise self.fail("precision", f"'{precision}' is not one of {known}")
         actions = tuple(
             self.action(a, f"actions[{i}]") for i, a in enumerate(self.items(top.get("actions"), "actions"))
@@ -385,6 +394,8 @@ class _Parser:
             if name in forced:
                 raise self.fail(f"forbid_pin[{i}]", f"node '{name}' is also force-pinned by an action")
         notes = tuple(self.text(n, f"notes[{i}]") for i, n in enumerate(self.items(top.get("notes"), "notes")))
+        eight = tuple(self.layer(x, f"eight_bit[{i}]", precision)
+                      for i, x in enumerate(self.items(top.get("eight_bit"), "eight_bit")))
         return Plan(
             fingerprint=fingerprint,
             target=self.string(top["target"], "target"),
@@ -393,8 +404,20 @@ class _Parser:
             declined=declined,
             forbid_pin=forbid,
             notes=notes,
+            eight_bit=eight,
             schema_version=version,
         )
+
+    def layer(self, data: Any, key: str, precision: str) -> LayerPrecision:
+        d = self.mapping(data, key, ("node", "precision", "why"))
+        if "node" not in d or "precision" not in d:
+            raise self.fail(key, "needs node and precision")
+        allowed = ("fp16", "fp32", *((precision,) if eight_bit_format(precision) else ()))
+        chosen = self.string(d["precision"], f"{key}.precision")
+        if chosen not in allowed:
+            raise self.fail(f"{key}.precision", f"'{chosen}' is not one of {', '.join(allowed)}")
+        return LayerPrecision(self.node(self.string(d["node"], f"{key}.node"), f"{key}.node"), chosen,
+                              self.text(d.get("why", ""), f"{key}.why") if d.get("why") else "")
 
     def action(self, data: Any, key: str) -> Action:
         if not isinstance(data, dict):

@@ -20,7 +20,7 @@ import onnx
 from npuprep.graph import node_label, tensor_types, topological_order, walk_graphs
 from npuprep.model_io import Model, write_text_atomic
 from npuprep.names import comment
-from npuprep.numerics import FLOAT_ONNX_TYPES, get_format
+from npuprep.numerics import FLOAT_ONNX_TYPES, formats, get_format
 from npuprep.plan.actions import PinFp32
 from npuprep.plan.plan import Plan
 
@@ -144,8 +144,10 @@ def precision_yaml(
     """
     types = types if types is not None else tensor_types(model.proto)
     pinned = {p.name: p for p in pinned_nodes(plan, model, also_pinned=also_pinned, types=types)}
-    target_type = get_format(plan.precision).onnx_type
-    lowered = target_type in types.values()
+    # An 8-bit plan names each layer's precision itself; the rest runs the wider FP16.
+    eight = {x.node: x for x in plan.eight_bit}
+    target_type = get_format(plan.precision).onnx_type if plan.precision in formats() else None
+    lowered = not eight and target_type in types.values()
     lines = [
         "# npuprep per-node precision: the precision each float node must run in, and why.",
         "# request: true marks pins the target's compiler decides itself (verify with crosscheck).",
@@ -164,8 +166,14 @@ def precision_yaml(
             continue
         label = node_label(node)
         p = pinned.get(label)
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear") and eight:
+            continue
         if p is not None:
             precision, reason = "fp32", p.reason
+        elif label in eight:
+            precision, reason = eight[label].precision, eight[label].why
+        elif eight:
+            precision, reason = "fp16", "not a multiply-add: runs wider than 8 bits"
         elif lowered:
             precision, reason = FLOAT_ONNX_TYPES[floats[0]], "as lowered"
         else:

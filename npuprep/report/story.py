@@ -21,7 +21,7 @@ from npuprep.analyse.finding import Finding
 from npuprep.crosscheck.check import is_sensitive
 from npuprep.graph import node_label, producers, walk_graphs
 from npuprep.model_io import Model
-from npuprep.numerics import get_format
+from npuprep.numerics import formats, get_format
 from npuprep.plan.actions import Clamp, FindingRef, PinFp32, Rescale, ShiftMax
 from npuprep.plan.host_scale import host_scaled_outputs
 from npuprep.plan.plan import Plan
@@ -98,7 +98,7 @@ def plan_story(model: Model, profile: TargetProfile, plan: Plan, findings: Itera
                stats: Any = None) -> Story:
     """Each node the findings flag or the plan pins, with what `plan` does there, in graph order."""
     index = _Index(model)
-    limit = profile.limit(get_format(plan.precision))
+    limit = profile.limit(get_format(plan.precision if plan.precision in formats() else "fp16"))
     pinned = plan.pinned_nodes()
     flagged: dict[str, list[Finding]] = {n: [] for n in pinned}
     masks: list[str] = []

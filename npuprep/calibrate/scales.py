@@ -1,0 +1,90 @@
+"""8-bit scales from calibration statistics: clip(|x|) by abs-max, percentile or MSE -> scale.
+
+Read from the statistics calibration already keeps (abs-max, the exponent histogram), never
+from another pass over the data. The histogram's bins are powers of two, so percentile and
+MSE clips are placed on a quarter-octave grid below the abs-max.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from npuprep.calibrate.stats import RangeStats
+from npuprep.numerics import EightBitFormat
+
+SCALE_RULES = ("absmax", "percentile", "mse")
+DEFAULT_RULE = "mse"
+# The share of elements a percentile clip may cut off.
+PERCENTILE = 99.99
+# Candidate clips for MSE: abs-max x 2^(-j/4), j = 0..GRID (down to 1/64 of the abs-max).
+_GRID = 24
+
+
+@dataclass(frozen=True)
+class Clip:
+    """Where one tensor's 8-bit range is cut: |x| <= value maps onto +-qmax.
+
+    `rule` is the rule that placed it (`absmax` also when a histogram rule had no complete
+    histogram to read, `fallback` then says so).
+    """
+
+    value: float
+    rule: str
+    fallback: str = ""
+
+    def scale(self, fmt: EightBitFormat, *, unsigned: bool = False) -> float:
+        """Scale of QuantizeLinear: real value = scale x stored value."""
+        top = 255.0 if unsigned and not fmt.is_float else fmt.qmax
+        return self.value / top if self.value > 0 else 1.0
+
+
+def clip_for(r: RangeStats, fmt: EightBitFormat, rule: str = DEFAULT_RULE) -> Clip:
+    """The clip `rule` places on tensor `r` for `fmt`."""
+    if rule not in SCALE_RULES:
+        raise ValueError(f"unknown scale rule {rule!r}")
+    if rule == "absmax" or r.absmax <= 0 or not math.isfinite(r.absmax):
+        return Clip(r.absmax, "absmax")
+    if not r.complete or r.detailed_count == 0:
+        return Clip(r.absmax, "absmax", f"{rule}: histogram incomplete, abs-max used")
+    bins = _bins(r)
+    if rule == "percentile":
+        return Clip(_percentile(bins, r.absmax), rule)
+    return Clip(_mse(bins, r.absmax, fmt), rule)
+
+
+def _bins(r: RangeStats) -> list[tuple[float, int]]:
+    """(representative |x|, count) per histogram bin, the top bin's values at most abs-max."""
+    return [(min(1.5 * 2.0**e, r.absmax), c) for e, c in sorted(r.exp_hist.items()) if c]
+
+
+def _percentile(bins: list[tuple[float, int]], absmax: float) -> float:
+    total = sum(c for _, c in bins)
+    keep = total * PERCENTILE / 100
+    seen = 0
+    for v, c in bins:
+        seen += c
+        if seen >= keep:
+            # The bin's upper edge: every value of the bin that reaches the percentile stays.
+            return min(absmax, 2.0 ** (math.floor(math.log2(v)) + 1))
+    return absmax
+
+
+def _mse(bins: list[tuple[float, int]], absmax: float, fmt: EightBitFormat) -> float:
+    """The grid clip with the least expected squared error: clipping above it, rounding below."""
+    best, best_err = absmax, math.inf
+    for j in range(_GRID + 1):
+        c = absmax * 2.0 ** (-j / 4)
+        step = c / fmt.qmax
+        err = 0.0
+        for v, n in bins:
+            if v > c:
+                err += n * (v - c) ** 2
+            elif fmt.is_float:
+                # FP8 spacing follows the value, down to the subnormal step of the scaled range.
+                err += n * (max(v, step * 2 ** -6) * fmt.rel_step) ** 2 / 12
+            else:
+                err += n * step**2 / 12
+        if err < best_err:
+            best, best_err = c, err
+    return best

@@ -1,0 +1,201 @@
+"""The 8-bit pipeline: plan (FP16 remedies + per-node 8-bit decision) -> QDQ model -> verify it.
+
+The artefact is the rewritten FP32 model with QuantizeLinear/DequantizeLinear at the 8-bit
+multiply-adds (npuprep.rewrite.qdq); the rest stays FP32 in the file, for the compiler to
+run in its wider format. Verification runs that QDQ model itself in onnxruntime (QDQ is
+exact ONNX semantics). When the outputs fail, the 8-bit layers are ranked by the error each
+adds alone and the worst are kept wider, while the 8-bit share of the multiply-adds stays at
+or above `min_8bit_share`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from npuprep.calibrate.scales import DEFAULT_RULE
+from npuprep.convert import (
+    DEFAULT_RTOL,
+    ConversionResult,
+    OutputCheck,
+    _checked_top_k,
+    _sample_shapes,
+    check_outputs,
+    for_target,
+)
+from npuprep.data import Feed
+from npuprep.errors import NpuprepError
+from npuprep.graph import node_label
+from npuprep.model_io import Model, with_weights
+from npuprep.numerics import EightBitFormat, eight_bit_format, get_format
+from npuprep.plan import Plan
+from npuprep.plan.eight_bit import MAC_OPS, LayerPrecision, decide
+from npuprep.profiles import TargetProfile
+from npuprep.provenance import record_source
+from npuprep.report.flops import node_flops
+
+# Below this share of 8-bit multiply-adds the model has not been converted to 8 bits.
+DEFAULT_MIN_8BIT_SHARE = 0.5
+# Wider-kept layers per round grow 1, 2, 4, ...: a handful of rounds reach any count.
+MAX_WIDEN_ROUNDS = 8
+
+
+def convert_8bit(
+    model: Model,
+    profile: TargetProfile,
+    samples: Sequence[Feed],
+    *,
+    precision: str,
+    stats: Any,
+    plan: Plan | None = None,
+    rtol: float = DEFAULT_RTOL,
+    holdout: Sequence[Feed] | None = None,
+    samples_description: str = "",
+    synthetic: bool = False,
+    scale_rule: str = DEFAULT_RULE,
+    min_8bit_share: float = DEFAULT_MIN_8BIT_SHARE,
+    opset: int | None = None,
+    top_k: Mapping[str, int] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ConversionResult:
+    """`model` as a QDQ model in `precision` (`int8`, `fp8_e4m3`), verified on `samples`
+    (and `holdout`); scales by `scale_rule` from `stats`. The passed result holds its
+    outputs within `rtol` (or the `top_k` decisions) with at least `min_8bit_share` of the
+    Conv/MatMul/Gemm multiply-adds in 8 bits."""
+    from npuprep.analyse import findings_for
+    from npuprep.plan.planner import make_plan
+    from npuprep.rewrite.apply import apply_plan
+    from npuprep.rewrite.lower import Lowered
+    from npuprep.verify.compare import DEFAULT_ATOL, compare_models
+    from npuprep.verify.eight_bit import eight_bit_nodes, quantise, rank_layers, with_opset
+
+    eight = eight_bit_format(precision)
+    if eight is None:
+        raise NpuprepError(f"'{precision}' is not an 8-bit format (int8, fp8_e4m3)")
+    if stats is None:
+        raise NpuprepError(f"--precision {precision} sets its scales from calibration: give --data "
+                           "or --stats")
+    stage = progress or (lambda _: None)
+    stage("findings")
+    model = with_weights(model)
+    top_k = _checked_top_k(model, top_k)
+    # The layers kept wider run in FP16: the FP16 remedies keep them in range.
+    wide = get_format("fp16")
+    work, stats, flow_notes = for_target(model, profile, stats, samples, wide.name)
+    findings = findings_for(work, profile, stats, wide.name)
+    if plan is None:
+        stage("planning")
+        plan = make_plan(work, profile, stats, findings, precision=wide.name)
+        plan = replace(plan, notes=(*flow_notes, *plan.notes))
+    stage("rewriting")
+    applied = apply_plan(work.proto, plan)
+    pinned = plan.pinned_nodes() | set(applied.fp32_nodes)
+    base = with_opset(applied.model, eight)
+    layers = plan.eight_bit or decide(base, stats, eight, pinned, scale_rule)
+    macs = _macs(base, samples)
+    # INT8 QuantizeLinear always clamps; FP8 saturates only where the profile says the
+    # hardware does (unknown is the loud case: NaN past 448).
+    saturate = bool(profile.fp8_saturate) if eight.is_float else True
+    notes = list(flow_notes)
+    if eight.is_float and not saturate and scale_rule != "absmax":
+        notes.append(f"scale rule {scale_rule} -> absmax: {profile.name} does not saturate FP8 "
+                     "(fp8_saturate), so a clipped value would be NaN")
+        scale_rule = "absmax"
+
+    def build(chosen: Sequence[LayerPrecision]) -> tuple[Any, OutputCheck]:
+        qdq = quantise(base, eight_bit_nodes(chosen, eight), stats, eight, saturate=saturate,
+                       rule=scale_rule, tensor_scales=applied.tensor_scales)
+        built = qdq.model
+        check = check_outputs(work.proto, built, wide, samples, saturate=saturate, rtol=rtol,
+                              emulated=built, top_k=top_k)
+        return built, check
+
+    stage(f"quantising to {eight.name}")
+    built, check = build(layers)
+    rounds, ranking, widened = 1, [], []
+    if not check:
+        stage("ranking the 8-bit layers by their own error")
+        ranking = rank_layers(work.proto, base, eight_bit_nodes(layers, eight), stats, eight,
+                              samples, saturate=saturate, rule=scale_rule,
+                              tensor_scales=applied.tensor_scales)
+        count = 1
+        while not check and rounds <= MAX_WIDEN_ROUNDS and count <= len(ranking):
+            trial = _widen(layers, ranking[:count], eight)
+            if mac_share(trial, macs, eight)[eight.name] < min_8bit_share:
+                notes.append(f"keeping the {count} most sensitive 8-bit layers wider would leave "
+                             f"less than {min_8bit_share:.0%} of the multiply-adds in 8 bits; stopped")
+                break
+            rounds += 1
+            stage(f"round {rounds}, {count} layer(s) kept wider")
+            built, check = build(trial)
+            layers, widened = trial, [s.node for s in ranking[:count]]
+            count = len(ranking) if count < len(ranking) < 2 * count else 2 * count
+    if opset is not None:
+        from npuprep.opsets import convert_opset
+
+        built = convert_opset(built, opset, why="--opset")
+    stage("comparing layer by layer")
+    compared = compare_models(work.proto, built, samples, rtol=rtol, atol=DEFAULT_ATOL,
+                              tensor_scales=applied.tensor_scales)
+    held = None
+    if holdout is not None:
+        stage("checking the held-out samples")
+        held = check_outputs(work.proto, built, wide, holdout, saturate=saturate, rtol=rtol,
+                             emulated=built, top_k=top_k)
+    shares = mac_share(layers, macs, eight)
+    notes.append(f"the ONNX artefact is QDQ {eight.name} at the 8-bit layers and FP32 elsewhere; "
+                 f"the layers kept wider run in the compiler's {wide.name}")
+    if eight.is_float:
+        notes.append(f"FP8 QuantizeLinear saturate={int(saturate)} (profile fp8_saturate: "
+                     f"{profile.to_dict()['fp8_saturate']})")
+    record_source(built, model.fingerprint, applied.tensor_scales)
+    plan = replace(plan, precision=eight.name, eight_bit=tuple(layers))
+    pinned_all = tuple(sorted(x.node for x in layers if x.precision == "fp32") + sorted(pinned))
+    lowered = Lowered(model=built, fmt=eight.name, io_types="fp32", cast_count=0,
+                      pinned_nodes=tuple(sorted(set(pinned_all))))
+    return ConversionResult(
+        source=model, profile=profile, fmt=wide, findings=findings, plan=plan,
+        rewritten=applied.model, lowered=lowered, tensor_scales=applied.tensor_scales,
+        pinned_nodes=lowered.pinned_nodes, output_check=check, layers=compared, holdout=held,
+        flops_fp32_share=shares["fp32"], rounds=rounds, samples_description=samples_description,
+        synthetic=synthetic, stats=stats, declined=applied.declined, notes=tuple(notes),
+        eight_bit={
+            "format": eight.name, "scale_rule": scale_rule, "saturate": saturate,
+            "mac_share": shares, "min_8bit_share": min_8bit_share,
+            "sensitivity": [s.to_dict() for s in ranking], "kept_wider": widened,
+            "kept_wider_cost": _cost(widened, macs),
+            "input_shapes": {k: list(v) for k, v in _sample_shapes(samples).items()},
+        },
+    )
+
+
+def _macs(model: Any, samples: Sequence[Feed]) -> dict[str, int]:
+    """Multiply-adds (FLOPs / 2) of every Conv/MatMul/Gemm, at the first sample's sizes."""
+    ops = {node_label(n): n.op_type for n in model.graph.node}
+    flops = node_flops(model, _sample_shapes(samples))
+    return {k: v // 2 for k, v in flops.items() if ops.get(k) in MAC_OPS}
+
+
+def mac_share(layers: Sequence[LayerPrecision], macs: Mapping[str, int],
+              fmt: EightBitFormat) -> dict[str, float]:
+    """Share of the Conv/MatMul/Gemm multiply-adds in the 8-bit format, FP16 and FP32."""
+    where = {x.node: x.precision for x in layers}
+    total = sum(macs.values()) or 1
+    out = dict.fromkeys((fmt.name, "fp16", "fp32"), 0.0)
+    for node, n in macs.items():
+        out[where.get(node, "fp16")] += n / total
+    return out
+
+
+def _widen(layers: Sequence[LayerPrecision], worst: Sequence[Any],
+           fmt: EightBitFormat) -> list[LayerPrecision]:
+    why = {s.node: f"sensitivity: alone in {fmt.name} it moves the outputs by rel L2 {s.rel_l2:.3g}"
+           for s in worst}
+    return [LayerPrecision(x.node, "fp16", why[x.node]) if x.node in why else x for x in layers]
+
+
+def _cost(nodes: Sequence[str], macs: Mapping[str, int]) -> float:
+    """Share of the multiply-adds the kept-wider layers hold."""
+    total = sum(macs.values()) or 1
+    return sum(macs.get(n, 0) for n in nodes) / total

@@ -1,0 +1,108 @@
+"""The 8-bit decision per node: `Conv/MatMul/Gemm -> int8 | fp8_e4m3`, or kept FP16/FP32 with why.
+
+Range first: a multiply-add whose input is unmeasured, holds Inf/NaN, or that its 8-bit
+scale would mostly flush to zero stays wider. The small ops around them (squares, exp,
+divisions, reductions, normalisation statistics, softmax, sinusoids) are never quantised;
+the plan names them with the range or resolution 8 bits would lose. Sensitivity comes
+later (npuprep.verify.eight_bit ranks the 8-bit layers by the error each adds alone).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import onnx
+
+from npuprep.calibrate.scales import DEFAULT_RULE, clip_for
+from npuprep.graph import constant_value, node_label
+from npuprep.numerics import EightBitFormat
+
+MAC_OPS = ("Conv", "MatMul", "Gemm")
+# An 8-bit input whose scale flushes more than this share of its nonzero values stays wider.
+FLUSH_LIMIT = 0.5
+WIDER = ("fp16", "fp32")
+
+
+@dataclass(frozen=True)
+class LayerPrecision:
+    """What one node runs in (`int8`, `fp8_e4m3`, `fp16`, `fp32`) and why; the plan's
+    `eight_bit` list, editable like its actions."""
+
+    node: str
+    precision: str
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"node": self.node, "precision": self.precision, "why": self.why}
+
+
+def activation_inputs(graph: onnx.GraphProto, node: onnx.NodeProto) -> list[str]:
+    """The inputs of a multiply-add that are not constants (input 1 is its weight if constant)."""
+    return [name for i, name in enumerate(node.input[:2])
+            if name and not (i == 1 and constant_value(graph, name) is not None)]
+
+
+def decide(model: onnx.ModelProto, stats: Any, fmt: EightBitFormat, pinned: Iterable[str] = (),
+           rule: str = DEFAULT_RULE) -> tuple[LayerPrecision, ...]:
+    """Per node of the main graph: 8-bit for the multiply-adds whose inputs 8 bits hold,
+    the wider format and its reason for the rest that matter (multiply-adds, small ops)."""
+    pinned = set(pinned)
+    g = model.graph
+    out: list[LayerPrecision] = []
+    for node in g.node:
+        label = node_label(node)
+        wider = "fp32" if label in pinned else "fp16"
+        if label in pinned and (node.op_type in MAC_OPS or _small_op_reason(node, fmt)):
+            out.append(LayerPrecision(label, "fp32", "pinned FP32 by the plan"))
+        elif node.op_type in MAC_OPS:
+            why = _range_reason(g, node, stats, fmt, rule)
+            out.append(LayerPrecision(label, wider, why) if why else
+                       LayerPrecision(label, fmt.name, f"inputs measured within {fmt.name}'s scaled range"))
+        elif reason := _small_op_reason(node, fmt):
+            out.append(LayerPrecision(label, wider, reason))
+    return tuple(out)
+
+
+def _range_reason(g: onnx.GraphProto, node: onnx.NodeProto, stats: Any, fmt: EightBitFormat,
+                  rule: str) -> str:
+    for name in activation_inputs(g, node):
+        r = None if stats is None else stats.tensors.get(name)
+        if r is None:
+            return f"input '{name}' was not measured"
+        if r.nan_count or r.inf_count or not math.isfinite(r.absmax):
+            return f"input '{name}' holds Inf/NaN"
+        clip = clip_for(r, fmt, rule)
+        floor = clip.value / fmt.qmax * fmt.floor
+        flushed = r.fraction_below(floor)
+        if flushed is not None and flushed > FLUSH_LIMIT:
+            return (f"{fmt.name} with scale {clip.value / fmt.qmax:.3g} flushes "
+                    f"{100 * flushed:.0f}% of input '{name}' to zero")
+    return ""
+
+
+def _small_op_reason(node: onnx.NodeProto, fmt: EightBitFormat) -> str:
+    """Why a small op keeps a wider format; empty for ops 8-bit QDQ leaves alone silently."""
+    op = node.op_type
+    fp8 = fmt.is_float
+    if op == "Exp":
+        return (f"exp overflows {fmt.name} at {math.log(fmt.qmax):.3g}" if fp8 else
+                "exp spans orders of magnitude: 256 levels of one scale cannot resolve it")
+    if op == "Pow" or (op == "Mul" and len(node.input) == 2 and node.input[0] == node.input[1]):
+        return (f"a square overflows {fmt.name} at |x| = {math.sqrt(fmt.qmax):.3g}" if fp8 else
+                "a square doubles the range in decades: one 8-bit scale loses its small values")
+    if op in ("Div", "Reciprocal"):
+        return "a division amplifies the 8-bit error of its denominator"
+    if op.startswith("Reduce"):
+        return "a reduction accumulates: its sum needs more than 8 bits"
+    if op in ("Softmax", "LogSoftmax"):
+        return "softmax: an exp and a normalising sum"
+    if op in ("LayerNormalization", "InstanceNormalization", "GroupNormalization"):
+        return "normalisation statistics (a mean of squares) need more than 8 bits"
+    if op in ("Sin", "Cos"):
+        return "a sinusoidal embedding's phase needs more resolution than 8 bits"
+    if op in ("Sqrt", "Log"):
+        return f"{op.lower()} of a statistic: its input's small values matter"
+    return ""

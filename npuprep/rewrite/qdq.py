@@ -1,0 +1,158 @@
+"""8-bit QDQ: `Conv(x, W)` -> `Conv(DQ(Q(x, s)), DQ(W8, s_c))`, weights per output channel.
+
+Activations get one QuantizeLinear/DequantizeLinear pair per tensor with the scale the plan
+chose (shared by every 8-bit consumer; other consumers keep reading the FP32 tensor).
+Weights are stored quantised, symmetric, one scale per output channel, behind a
+DequantizeLinear: the standard form onnxruntime and NPU compilers read. FP8 is
+FLOAT8E4M3FN; its QuantizeLinear saturates or not as the caller says (`saturate=`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from npuprep.graph import attribute, constant_value, node_label, tensor_types
+from npuprep.numerics import EightBitFormat
+from npuprep.rewrite.result import RewriteResult
+
+MAC_OPS = ("Conv", "MatMul", "Gemm")
+
+
+@dataclass(frozen=True)
+class ActivationScale:
+    """Per-tensor scale of an activation; `unsigned` for a non-negative INT8 tensor (uint8)."""
+
+    scale: float
+    unsigned: bool = False
+
+
+def weight_axis(node: onnx.NodeProto, rank: int) -> int | None:
+    """The output-channel axis of `node`'s weight (input 1), None when it has none."""
+    if node.op_type == "Conv" and rank >= 3:
+        return 0
+    if node.op_type == "MatMul" and rank == 2:
+        return 1
+    if node.op_type == "Gemm" and rank == 2:
+        return 0 if attribute(node, "transB", 0) else 1
+    return None
+
+
+def insert_qdq(model: onnx.ModelProto, nodes: Mapping[str, Mapping[str, ActivationScale]],
+               fmt: EightBitFormat, *, saturate: bool) -> RewriteResult:
+    """Quantise the inputs of `nodes` (label -> {activation tensor: scale}) to `fmt`.
+
+    A node's constant input 1 is its weight (quantised per channel here); every other input
+    named in its mapping is quantised per tensor. Declines a node whose inputs are not FP32.
+    """
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    types = tensor_types(model)
+    names = {n for node in g.node for n in (*node.input, *node.output)} | {i.name for i in g.initializer}
+    pairs: dict[str, str] = {}
+    new_nodes: list[onnx.NodeProto] = []
+    declined: dict[str, str] = {}
+    done: list[str] = []
+
+    def fresh(base: str) -> str:
+        name, i = base, 1
+        while name in names:
+            name, i = f"{base}_{i}", i + 1
+        names.add(name)
+        return name
+
+    def activation(tensor: str, s: ActivationScale) -> str:
+        if tensor in pairs:
+            return pairs[tensor]
+        scale = fresh(f"{tensor}_scale8")
+        zp = fresh(f"{tensor}_zp8")
+        q, dq = fresh(f"{tensor}_q8"), fresh(f"{tensor}_dq8")
+        g.initializer.append(numpy_helper.from_array(np.array(s.scale, np.float32), scale))
+        g.initializer.append(_zero(zp, fmt, (), unsigned=s.unsigned))
+        extra = {"saturate": int(saturate)} if fmt.is_float else {}
+        new_nodes.append(helper.make_node("QuantizeLinear", [tensor, scale, zp], [q],
+                                          name=fresh(f"{tensor}_Q8"), **extra))
+        new_nodes.append(helper.make_node("DequantizeLinear", [q, scale, zp], [dq],
+                                          name=fresh(f"{tensor}_DQ8")))
+        pairs[tensor] = dq
+        return dq
+
+    for node in g.node:
+        label = node_label(node)
+        wanted = nodes.get(label)
+        if wanted is None:
+            continue
+        inputs = [i for i in node.input[:2] if i]
+        if any(types.get(i, TensorProto.FLOAT) != TensorProto.FLOAT for i in inputs):
+            declined[label] = "an input is not FP32"
+            continue
+        weight = constant_value(g, node.input[1]) if len(node.input) > 1 else None
+        if weight is not None and weight.dtype == np.float32:
+            node.input[1] = _weight(g, node, weight, fmt, fresh, saturate)
+        for i, name in enumerate(node.input):
+            if name in wanted and not (i == 1 and weight is not None):
+                node.input[i] = activation(name, wanted[name])
+        done.append(label)
+    if not done:
+        return RewriteResult(model, False, "no node could be quantised", {"declined": declined})
+    g.node.extend(new_nodes)
+    _sort(g)
+    return RewriteResult(out, True, f"{len(done)} node(s) quantised to {fmt.name}",
+                         {"quantised": done, "declined": declined})
+
+
+def _weight(g: onnx.GraphProto, node: onnx.NodeProto, w: np.ndarray, fmt: EightBitFormat,
+            fresh: Callable[[str], str], saturate: bool) -> str:
+    """The quantised copy of `node`'s weight behind a DequantizeLinear; its output's name."""
+    axis = weight_axis(node, w.ndim)
+    if axis is None:
+        absmax = np.array(np.abs(w).max(initial=0.0), np.float32)
+    else:
+        other = tuple(a for a in range(w.ndim) if a != axis)
+        absmax = np.abs(w).max(axis=other, initial=0.0).astype(np.float32)
+    scale = np.where(absmax > 0, absmax / np.float32(fmt.qmax), np.float32(1.0)).astype(np.float32)
+    shaped = scale if axis is None else scale.reshape([-1 if a == axis else 1 for a in range(w.ndim)])
+    scaled = w / shaped
+    base = node.input[1]
+    q_name, s_name, z_name = fresh(f"{base}_w8"), fresh(f"{base}_wscale8"), fresh(f"{base}_wzp8")
+    if fmt.is_float:
+        # The weight's own abs-max sets its scale, so nothing reaches past qmax.
+        values = np.clip(scaled, -fmt.qmax, fmt.qmax) if saturate else scaled
+        stored = values.astype(ml_dtypes.float8_e4m3fn)
+        g.initializer.append(helper.make_tensor(q_name, fmt.onnx_type, w.shape,
+                                                stored.view(np.uint8).tobytes(), raw=True))
+    else:
+        stored = np.clip(np.rint(scaled), -fmt.qmax, fmt.qmax).astype(np.int8)
+        g.initializer.append(numpy_helper.from_array(stored, q_name))
+    g.initializer.append(numpy_helper.from_array(scale, s_name))
+    g.initializer.append(_zero(z_name, fmt, scale.shape, unsigned=False))
+    out = fresh(f"{base}_dq8")
+    extra = {} if axis is None else {"axis": axis}
+    g.node.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [out],
+                                   name=fresh(f"{base}_DQ8"), **extra))
+    return out
+
+
+def _zero(name: str, fmt: EightBitFormat, shape: tuple[int, ...], *, unsigned: bool) -> onnx.TensorProto:
+    if fmt.is_float:
+        return helper.make_tensor(name, fmt.onnx_type, shape, bytes(int(np.prod(shape))), raw=True)
+    return numpy_helper.from_array(np.zeros(shape, np.uint8 if unsigned else np.int8), name)
+
+
+def _sort(g: onnx.GraphProto) -> None:
+    """Order the graph's nodes so each comes after the producers of its inputs."""
+    from npuprep.graph import topological_order
+
+    ordered = []
+    for node in topological_order(g):
+        kept = onnx.NodeProto()
+        kept.CopyFrom(node)
+        ordered.append(kept)
+    del g.node[:]
+    g.node.extend(ordered)
