@@ -39,6 +39,7 @@ from npuprep.report.flops import node_flops
 DEFAULT_MIN_8BIT_SHARE = 0.5
 # Wider-kept layers per round grow 1, 2, 4, ...: a handful of rounds reach any count.
 MAX_WIDEN_ROUNDS = 8
+FP8_NAN_HEADROOM = 2.0
 
 
 def convert_8bit(
@@ -102,10 +103,16 @@ def convert_8bit(
         notes.append(f"scale rule {scale_rule} -> absmax: {profile.name} does not saturate FP8 "
                      "(fp8_saturate), so a clipped value would be NaN")
         scale_rule = "absmax"
+    # A non-saturating FP8 gives NaN past 448; quantisation error upstream carries values past
+    # the FP32 abs-max, so the scale keeps one binade of headroom (E4M3 spans 2^-9..448).
+    headroom = FP8_NAN_HEADROOM if eight.is_float and not saturate else 1.0
+    if headroom != 1.0:
+        notes.append(f"FP8 scales keep {headroom:g}x headroom over the abs-max: {profile.name} "
+                     "may give NaN past 448")
 
     def build(chosen: Sequence[LayerPrecision]) -> tuple[Any, OutputCheck]:
         qdq = quantise(base, eight_bit_nodes(chosen, eight), stats, eight, saturate=saturate,
-                       rule=scale_rule, tensor_scales=applied.tensor_scales)
+                       rule=scale_rule, tensor_scales=applied.tensor_scales, headroom=headroom)
         built = qdq.model
         check = check_outputs(work.proto, built, wide, samples, saturate=saturate, rtol=rtol,
                               emulated=built, top_k=top_k)
@@ -118,7 +125,7 @@ def convert_8bit(
         stage("ranking the 8-bit layers by their own error")
         ranking = rank_layers(work.proto, base, eight_bit_nodes(layers, eight), stats, eight,
                               samples, saturate=saturate, rule=scale_rule,
-                              tensor_scales=applied.tensor_scales)
+                              tensor_scales=applied.tensor_scales, headroom=headroom)
         count = 1
         while not check and rounds <= MAX_WIDEN_ROUNDS and count <= len(ranking):
             trial = _widen(layers, ranking[:count], eight)

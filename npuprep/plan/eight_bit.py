@@ -95,7 +95,7 @@ def _small_op_reason(node: onnx.NodeProto, fmt: EightBitFormat) -> str:
                 "a square doubles the range in decades: one 8-bit scale loses its small values")
     if op in ("Div", "Reciprocal"):
         return "a division amplifies the 8-bit error of its denominator"
-    if op.startswith("Reduce"):
+    if op.startswith("Reduce") and op not in ("ReduceMax", "ReduceMin"):
         return "a reduction accumulates: its sum needs more than 8 bits"
     if op in ("Softmax", "LogSoftmax"):
         return "softmax: an exp and a normalising sum"

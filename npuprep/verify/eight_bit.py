@@ -21,7 +21,7 @@ from npuprep.rewrite.qdq import ActivationScale, insert_qdq
 from npuprep.rewrite.result import RewriteResult
 
 # Samples each one-layer run is measured on: the ranking needs an order, not a verdict.
-RANK_SAMPLES = 2
+RANK_SAMPLES = 4
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,10 @@ def with_opset(model: onnx.ModelProto, fmt: EightBitFormat) -> onnx.ModelProto:
 
 def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: Any, fmt: EightBitFormat, *,
              saturate: bool, rule: str = DEFAULT_RULE,
-             tensor_scales: Mapping[str, float] | None = None) -> RewriteResult:
+             tensor_scales: Mapping[str, float] | None = None, headroom: float = 1.0) -> RewriteResult:
     """`model` (at a QDQ opset) with `nodes` quantised: activation scales by `rule` from `stats`;
-    a tensor the plan rescaled (`tensor_scales`: rewritten = s x measured) gets s x its clip."""
+    a tensor the plan rescaled (`tensor_scales`: rewritten = s x measured) gets s x its clip,
+    and every clip is widened by `headroom` (values of the quantised model reach past FP32's)."""
     rescaled = tensor_scales or {}
     by_label = {node_label(n): n for n in model.graph.node}
     wanted: dict[str, dict[str, ActivationScale]] = {}
@@ -62,7 +63,7 @@ def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: Any, fmt: Eigh
         for name in activation_inputs(model.graph, node):
             r = stats.tensors[name]
             unsigned = r.min >= 0 and not fmt.is_float
-            step = clip_for(r, fmt, rule).scale(fmt, unsigned=unsigned) * rescaled.get(name, 1.0)
+            step = clip_for(r, fmt, rule).scale(fmt, unsigned=unsigned) * rescaled.get(name, 1.0) * headroom
             scales[name] = ActivationScale(step, unsigned)
         wanted[label] = scales
     return insert_qdq(model, wanted, fmt, saturate=saturate)
@@ -71,7 +72,8 @@ def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: Any, fmt: Eigh
 def rank_layers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
                 stats: Any, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
                 rule: str = DEFAULT_RULE,
-                tensor_scales: Mapping[str, float] | None = None) -> list[Sensitivity]:
+                tensor_scales: Mapping[str, float] | None = None,
+                headroom: float = 1.0) -> list[Sensitivity]:
     """Each of `nodes` quantised alone, worst first."""
     from npuprep.runtime.session import make_session, run
 
@@ -81,7 +83,7 @@ def rank_layers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Seque
     found = []
     for label in nodes:
         single = quantise(model, [label], stats, fmt, saturate=saturate, rule=rule,
-                          tensor_scales=tensor_scales)
+                          tensor_scales=tensor_scales, headroom=headroom)
         if not single:
             continue
         session = make_session(single.model)
