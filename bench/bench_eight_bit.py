@@ -1,0 +1,203 @@
+"""8-bit conversion of the real-model corpus: npuprep beside onnxruntime's quantize_static and
+NVIDIA ModelOpt's ONNX PTQ, all judged the same way here.
+
+Run: nice -n 10 python bench/bench_eight_bit.py [--only NAME ...] [--tools npuprep_int8,...]
+     [--out bench/_work/eight_bit]
+
+Per corpus model (bench/corpus.py builds them) and tool:
+- npuprep_int8 / npuprep_fp8: `npuprep convert --precision int8|fp8_e4m3 --target a2000` on
+  the calibration samples, held out on the others, `--top-k OUT:1` for decided outputs;
+- ort_int8: `quantize_static(QDQ, per_channel=True, QInt8 activations and weights)`, MinMax
+  calibration on the same samples;
+- modelopt_int8: `python -m modelopt.onnx.quantization --quantize_mode int8 --calibration_eps
+  cpu` in its own venv (~/.cache/npuprep/modelopt-venv), calibration stacked on the batch axis.
+Each output model is judged here on the held-out samples against the FP32 model: worst
+output's pooled rel L2, whether every top-1 decision of a decided output holds, and the share
+of Conv/MatMul/Gemm multiply-adds whose inputs all come through a DequantizeLinear (8-bit).
+Wall time per tool includes its calibration. Writes OUT.md and OUT.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+sys.path.insert(0, str(Path(__file__).parent))
+import corpus  # noqa: E402
+
+from npuprep.report.flops import node_flops  # noqa: E402
+from npuprep.runtime.session import make_session, run  # noqa: E402
+
+TOOLS = ("npuprep_int8", "npuprep_fp8", "ort_int8", "modelopt_int8")
+MODELOPT = Path.home() / ".cache/npuprep/modelopt-venv/bin/python"
+RTOL = 5e-2
+
+
+def _feeds(folder: Path) -> list[dict[str, np.ndarray]]:
+    return [dict(np.load(f)) for f in sorted(folder.glob("*.npz"))]
+
+
+def npuprep(precision: str, model: Path, entry: Path, out: Path, decided: tuple[str, ...]) -> str:
+    cmd = [sys.executable, "-m", "npuprep", "convert", str(model), "--target", "a2000",
+           "--precision", precision, "--data", str(entry / "calib"), "--holdout",
+           str(entry / "heldout"), "-o", str(out), "--json", "--export", "none",
+           *(a for o in decided for a in ("--top-k", f"{o}:1"))]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if not out.exists():
+        return (done.stderr.strip().splitlines() or ["no output"])[-1]
+    return ""
+
+
+def ort_int8(model: Path, entry: Path, out: Path) -> str:
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.feeds = iter(_feeds(entry / "calib"))
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return next(self.feeds, None)
+
+    try:
+        quantize_static(str(model), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                        activation_type=QuantType.QInt8, weight_type=QuantType.QInt8)
+    except Exception as exc:  # noqa: BLE001 - a peer's failure is a measurement
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    return ""
+
+
+def modelopt_int8(model: Path, entry: Path, out: Path) -> str:
+    feeds = _feeds(entry / "calib")
+    calib = out.with_suffix(".calib.npz")
+    try:
+        np.savez(calib, **{k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]})
+    except ValueError as exc:
+        return f"calibration samples do not stack: {exc}"
+    cmd = [str(MODELOPT), "-m", "modelopt.onnx.quantization", "--onnx_path", str(model),
+           "--quantize_mode", "int8", "--calibration_data_path", str(calib),
+           "--calibration_eps", "cpu", "--output_path", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if not out.exists():
+        lines = [x for x in (done.stderr + done.stdout).strip().splitlines() if x.strip()]
+        return (lines or ["no output"])[-1][:200]
+    return ""
+
+
+def eight_bit_share(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> float:
+    """Share of Conv/MatMul/Gemm multiply-adds whose float inputs all come from a DequantizeLinear."""
+    produced = {o: n.op_type for n in model.graph.node for o in n.output}
+    flops = node_flops(model, shapes)
+    total = eight = 0
+    for n in model.graph.node:
+        if n.op_type not in ("Conv", "MatMul", "Gemm", "MatMulInteger", "ConvInteger", "QLinearConv",
+                             "QLinearMatMul"):
+            continue
+        f = flops.get(n.name or f"node_of_{n.output[0]}", 0)
+        total += f
+        if n.op_type.startswith(("QLinear",)) or n.op_type.endswith("Integer") or all(
+                produced.get(i) == "DequantizeLinear" for i in n.input[:2]):
+            eight += f
+    return eight / total if total else 0.0
+
+
+def judge(reference: Path, candidate: Path, entry: Path, decided: tuple[str, ...]) -> dict:
+    ref, cand = make_session(onnx.load(reference)), make_session(onnx.load(candidate))
+    types = {i.name: i.type for i in cand.get_inputs()}
+    num: dict[str, float] = {}
+    den: dict[str, float] = {}
+    decisions = True
+    nonfinite = 0
+    for feed in _feeds(entry / "heldout"):
+        r = run(ref, feed)
+        c = run(cand, {k: v.astype(np.float16) if types.get(k) == "tensor(float16)" else v
+                       for k, v in feed.items()})
+        for name, rv in r.items():
+            if not np.issubdtype(rv.dtype, np.floating):
+                continue
+            cv = np.asarray(c[name], np.float64)
+            nonfinite += int(np.sum(~np.isfinite(cv) & np.isfinite(rv)))
+            num[name] = num.get(name, 0.0) + float(np.nansum((cv - rv) ** 2))
+            den[name] = den.get(name, 0.0) + float(np.sum(np.asarray(rv, np.float64) ** 2))
+            if name in decided:
+                decisions &= bool(np.all(np.argmax(rv, -1) == np.argmax(cv, -1)))
+    rel = max((math.sqrt(num[k] / den[k]) if den[k] else 0.0) for k in num) if num else 0.0
+    return {"rel_l2": rel if not nonfinite else float("inf"), "nonfinite": nonfinite,
+            "top1_holds": decisions if decided else None}
+
+
+def measure(name: str, tools: list[str], out_dir: Path) -> list[dict]:
+    entry = corpus.corpus_dir() / name
+    model = entry / "model.onnx"
+    decided = tuple(corpus.SPECS[name].decided_by)
+    shapes = {k: tuple(v.shape) for k, v in _feeds(entry / "calib")[0].items()}
+    rows = []
+    for tool in tools:
+        out = out_dir / f"{name}.{tool}.onnx"
+        start = time.perf_counter()
+        if tool.startswith("npuprep"):
+            error = npuprep("int8" if tool.endswith("int8") else "fp8_e4m3", model, entry, out, decided)
+        elif tool == "ort_int8":
+            error = ort_int8(model, entry, out)
+        else:
+            error = modelopt_int8(model, entry, out)
+        row = {"model": name, "tool": tool, "seconds": round(time.perf_counter() - start, 1),
+               "error": error}
+        if not error:
+            try:
+                row |= judge(model, out, entry, decided)
+                row["share_8bit"] = eight_bit_share(onnx.load(out), shapes)
+            except Exception as exc:  # noqa: BLE001 - a model that does not load is a measurement
+                row["error"] = f"does not run: {type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
+        row["within"] = bool(not row["error"] and (row["rel_l2"] <= RTOL or row.get("top1_holds")))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | tool | held-out rel L2 | top-1 holds | 8-bit MACs | within | time |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["error"]:
+            lines.append(f"| {r['model']} | {r['tool']} | {r['error'][:90]} | | | no | {r['seconds']:.0f} s |")
+            continue
+        top = {None: "", True: "yes", False: "no"}[r["top1_holds"]]
+        lines.append(f"| {r['model']} | {r['tool']} | {r['rel_l2']:.3g} | {top} | "
+                     f"{100 * r['share_8bit']:.0f}% | {'yes' if r['within'] else 'no'} | {r['seconds']:.0f} s |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*")
+    ap.add_argument("--tools", default=",".join(TOOLS))
+    ap.add_argument("--out", default="bench/_work/eight_bit")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = json.loads((corpus.corpus_dir() / "manifest.json").read_text())
+    names = [m["name"] for m in manifest["models"]
+             if (corpus.corpus_dir() / m["name"] / "entry.json").exists()]
+    rows = []
+    for name in args.only or names:
+        rows += measure(name, args.tools.split(","), out)
+    (out.with_suffix(".json")).write_text(json.dumps(rows, indent=1))
+    (out.with_suffix(".md")).write_text(table(rows))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
