@@ -85,7 +85,10 @@ def run(spec_path):
                           input_size_list=[list(i["shape"]) or [1] for i in inputs]) != 0:
             return finish(STAGE["now"])
         at("build")
-        if rknn.build(do_quantization=False) != 0:
+        # INT8: the toolkit's own quantisation, calibrated on the dataset file npuprep wrote
+        # (one line per sample, its inputs' .npy files separated by spaces).
+        dataset = _path(base, spec["dataset"]) if spec.get("dataset") else None
+        if rknn.build(do_quantization=dataset is not None, dataset=dataset) != 0:
             return finish(STAGE["now"])
         at("export_rknn")
         if spec.get("export_rknn") and rknn.export_rknn(_path(base, spec["export_rknn"])) != 0:

@@ -111,8 +111,12 @@ def run_rknn(
     export_rknn: str | None = None,
     work_dir: str | Path | None = None,
     timeout: float = 600.0,
+    quantize_on: Sequence[dict[str, np.ndarray]] | None = None,
 ) -> RknnRun:
     """Build `model` in FP16 for `target_platform`, run the simulator on `samples`.
+
+    With `quantize_on` (calibration samples) the build is the toolkit's INT8
+    (`do_quantization=True` on a dataset file written from them).
 
     With `accuracy`, sample 0 also goes through accuracy_analysis and the run carries the
     text of its error_analysis.txt. `work_dir` keeps the files (else a temporary folder).
@@ -123,15 +127,16 @@ def run_rknn(
     if work_dir is None:
         with tempfile.TemporaryDirectory(prefix="npuprep-rknn-") as tmp:
             return _run_in(Path(tmp), exe, model, samples, target_platform, accuracy,
-                           export_rknn, timeout)
+                           export_rknn, timeout, quantize_on)
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    return _run_in(work, exe, model, samples, target_platform, accuracy, export_rknn, timeout)
+    return _run_in(work, exe, model, samples, target_platform, accuracy, export_rknn, timeout,
+                   quantize_on)
 
 
 def _run_in(work: Path, exe: Path, model: onnx.ModelProto, samples: Sequence[dict[str, np.ndarray]],
             target_platform: str, accuracy: bool, export_rknn: str | None,
-            timeout: float) -> RknnRun:
+            timeout: float, quantize_on: Sequence[dict[str, np.ndarray]] | None = None) -> RknnRun:
     inputs = _fixed_inputs(model, samples[0])
     onnx.save(model, str(work / "model.onnx"))
     files = []
@@ -147,6 +152,16 @@ def _run_in(work: Path, exe: Path, model: onnx.ModelProto, samples: Sequence[dic
             "samples": files, "output_dir": "out", "result": "result.json"}
     if accuracy:
         spec["accuracy_dir"] = "accuracy"
+    if quantize_on:
+        lines = []
+        (work / "calib").mkdir(exist_ok=True)
+        for i, sample in enumerate(quantize_on):
+            row = [f"calib/c{i}_i{j}.npy" for j in range(len(inputs))]
+            for name, spec_in in zip(row, inputs, strict=True):
+                np.save(work / name, np.asarray(sample[spec_in["name"]], dtype=np.float32))
+            lines.append(" ".join(str((work / r).resolve()) for r in row))
+        (work / "dataset.txt").write_text("\n".join(lines) + "\n")
+        spec["dataset"] = "dataset.txt"
     if export_rknn:
         spec["export_rknn"] = str(Path(export_rknn).resolve())
     (work / "job.json").write_text(json.dumps(spec, indent=1))
