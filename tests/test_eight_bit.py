@@ -3,6 +3,7 @@ reason, weights per output channel, and the QDQ model itself run to verify it.""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -216,3 +217,20 @@ def test_the_bundled_example_converts_to_fp8_and_int8_and_the_models_load(tmp_pa
         session = make_session(onnx.load(out))
         assert any(n.op_type == "QuantizeLinear" for n in onnx.load(out).graph.node)
         assert session.get_inputs()
+
+
+def test_crosscheck_calls_a_layer_the_plan_keeps_wider_but_the_compiler_runs_in_int8_a_mismatch(tmp_path):
+    model = _model(tmp_path, SOFTMAX, {"W": RNG.standard_normal((8, 16)), "V": RNG.standard_normal((16, 4))})
+    model.proto.graph.initializer.append(numpy_helper.from_array(np.array([1], np.int64), "axes"))
+    onnx.save(model.proto, model.path)
+    model = load_model(model.path)
+    feeds = [{"x": (0.3 * RNG.standard_normal((16, 8))).astype(np.float32)} for _ in range(4)]
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(dump_plan(_convert(model, feeds, "int8").plan))
+    report = tmp_path / "layers.csv"
+    report.write_text("node,precision\nlogits,int8\nexp,int8\nnormalise,fp16\nmix,int8\n")
+    done = run_cli("crosscheck", model.path, "-r", report, "-t", "a2000", "--plan", plan, "--json")
+    verdicts = {v["node"]: v for v in json.loads(done.stdout)["verdicts"]}
+    assert verdicts["exp"]["verdict"] == "mismatch" and "exp" in verdicts["exp"]["reason"]
+    assert verdicts["logits"]["verdict"] == verdicts["normalise"]["verdict"] == "ok"
+    assert done.returncode == 1

@@ -154,6 +154,9 @@ def crosscheck(
         for node, why in decision.safe.items():
             if node in index.op_types and node not in pins:
                 settled.setdefault(node, {}).setdefault("remedy", why)
+        for node, (_, why) in decision.wider.items():
+            if node in index.op_types and node not in pins:
+                settled.setdefault(node, {}).setdefault("8-bit", f"kept wider than 8 bits: {why}")
     placed: dict[str, list[LayerRecord]] = {}
     reformats: dict[str, list[LayerRecord]] = {}
     verdicts: list[Verdict] = []
@@ -178,7 +181,8 @@ def crosscheck(
     for node in nodes:
         verdicts.append(_verdict(node, index, placed.get(node, []), reformats.get(node, []),
                                  sensitive.get(node, []), pins.get(node, ""), report, profile,
-                                 settled.get(node, {}), keeps, decision is not None))
+                                 settled.get(node, {}), _keeps(decision, node, keeps),
+                                 decision is not None))
     order = {k: i for i, k in enumerate(DISPLAY_ORDER)}
     ranked = sorted(enumerate(verdicts), key=lambda iv: (order[iv[1].verdict], iv[0]))
     return Crosscheck(
@@ -189,6 +193,12 @@ def crosscheck(
         verdicts=tuple(v for _, v in ranked),
         notes=tuple(notes),
     )
+
+
+def _keeps(decision: PlanDecision | None, node: str, default: str) -> str:
+    """The precision the plan keeps `node` in: its 8-bit decision's wider format, else `default`."""
+    wider = decision.wider.get(node) if decision is not None else None
+    return wider[0] if wider else default
 
 
 def _unmapped(record: LayerRecord) -> list[Verdict]:

@@ -25,6 +25,7 @@ from npuprep.yaml_io import read_yaml
 
 # Findings from measured ranges; every other rule is static (an op or a pattern).
 MEASURED_RULES = ("range.",)
+EIGHT_BIT = ("int8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class PlanDecision:
     answered: dict[tuple[str, str, str], str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     declined: dict[tuple[str, str, str], str] = field(default_factory=dict)
+    # 8-bit plans: nodes kept wider than the 8-bit format -> (fp16 | fp32, why).
+    wider: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def settles(self, finding: Finding) -> str:
         """Why the plan needs no FP32 for `finding` ("" when it does not settle it)."""
@@ -117,8 +120,9 @@ def _from_plan(path: str | Path, data: dict[str, Any], model: Model, index: Node
                      ".precision.yaml: give that to --plan to check them too")
     declined = {(r.rule, r.node, r.tensor): f"{d.remedy} declined: {d.reason}"
                 for d in plan.declined for r in d.findings}
+    wider = {x.node: (x.precision, x.why) for x in plan.eight_bit if x.precision != plan.precision}
     return PlanDecision(str(path), "plan", plan.fingerprint, plan.precision, pins, safe, answered,
-                        tuple(notes), declined)
+                        tuple(notes), declined, wider)
 
 
 def _require_strings(data: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
@@ -137,6 +141,7 @@ def _from_precision(data: dict[str, Any], path: str, model: Model, index: NodeIn
     if not isinstance(nodes, list):
         raise NpuprepError(f"{path}: nodes: expected a list, found {type(nodes).__name__}")
     pins: dict[str, str] = {}
+    wider: dict[str, tuple[str, str]] = {}
     for i, entry in enumerate(nodes):
         where = f"{path}: nodes[{i}]"
         if not isinstance(entry, dict):
@@ -150,6 +155,8 @@ def _from_precision(data: dict[str, Any], path: str, model: Model, index: NodeIn
         # output, a shape computation) is no request to the compiler.
         if PRECISION_ORDER.index(precision) < PRECISION_ORDER.index("bf16") and reason != "as lowered":
             pins[entry["node"]] = reason or "fp32 in the precision file"
+        elif precision != default and default in EIGHT_BIT and reason != "as lowered":
+            wider[entry["node"]] = (precision, reason or f"{precision} in the precision file")
     absent = sorted(set(pins) - set(index.op_types))
     if absent:
         raise NpuprepError(f"{path}: nodes: {', '.join(absent[:5])} are not in {model.path} "
@@ -157,7 +164,8 @@ def _from_precision(data: dict[str, Any], path: str, model: Model, index: NodeIn
     notes = () if data["fingerprint"] == model.fingerprint else (
         f"precision file {path} belongs to model {data['fingerprint']}; all {len(pins)} "
         "pinned nodes are in this model",)
-    return PlanDecision(path, "precision", data["fingerprint"], default, pins, {}, {}, notes)
+    return PlanDecision(path, "precision", data["fingerprint"], default, pins, {}, {}, notes,
+                        wider=wider)
 
 
 def _producers(tensors: Any, index: NodeIndex) -> list[str]:
