@@ -95,12 +95,20 @@ def run(args: argparse.Namespace) -> int:
     outputs.reads_profile(args.target)
     if args.html:
         outputs.writes(args.html, "--html")
+    eight = _eight_bit(args)
     with outputs.open() as files:
         stats = _measured_stats(args, model)
         findings = gather_findings(args, model, profile, stats)
         # Findings and plan on the graph convert plans: exact pre-plan rewrites (a folded
         # mean, removed control flow) change what is there to find.
         model, findings, plan, rewrites = _plan(args, model, profile, stats, findings)
+        if eight is not None:
+            from dataclasses import replace
+
+            from npuprep.plan.eight_bit import decide
+
+            plan = replace(plan, precision=eight.name,
+                           eight_bit=decide(model.proto, stats, eight, plan.pinned_nodes()))
         if args.html:
             from npuprep.cli.report import tensor_order
             from npuprep.report.render_html import render
@@ -125,7 +133,31 @@ def run(args: argparse.Namespace) -> int:
         for note in rewrites:
             say(f"note: {note}")
         _print_plan(plan, measured=stats is not None)
+        if eight is not None:
+            _print_eight_bit(plan)
     return 1 if failing else 0
+
+
+def _eight_bit(args: argparse.Namespace) -> Any:
+    """The 8-bit format --precision names (None for a float one); its findings and plan run
+    in FP16, the format the layers kept wider take, and the 8-bit decision comes on top."""
+    from npuprep.numerics import eight_bit_format
+
+    eight = eight_bit_format(getattr(args, "precision", None) or "")
+    if eight is not None:
+        args.precision = "fp16"
+    return eight
+
+
+def _print_eight_bit(plan: Any) -> None:
+    layers = plan.eight_bit
+    wider = [x for x in layers if x.precision != plan.precision]
+    if wider:
+        print_table(f"Kept wider than {plan.precision} (the plan's eight_bit list)",
+                    ["node", "runs in", "why"], [(x.node, x.precision, x.why) for x in wider],
+                    cut_end=("why",))
+    say(f"{plan.precision}: {len(layers) - len(wider)} Conv/MatMul/Gemm layer(s) in 8 bits, "
+        f"{len(wider)} node(s) kept wider")
 
 
 def _plan(args: argparse.Namespace, model: Any, profile: Any, stats: Any,

@@ -60,9 +60,9 @@ def decide(model: onnx.ModelProto, stats: Any, fmt: EightBitFormat, pinned: Iter
         elif node.op_type in MAC_OPS:
             why = _range_reason(g, node, stats, fmt, rule)
             out.append(LayerPrecision(label, wider, why) if why else
-                       LayerPrecision(label, fmt.name, f"inputs measured within {fmt.name}'s scaled range"))
+                       LayerPrecision(label, fmt.name, _clipping(g, node, stats, fmt, rule)))
         elif reason := _small_op_reason(node, fmt):
-            out.append(LayerPrecision(label, wider, reason))
+            out.append(LayerPrecision(label, wider, reason + _measured(node, stats)))
     return tuple(out)
 
 
@@ -81,6 +81,26 @@ def _range_reason(g: onnx.GraphProto, node: onnx.NodeProto, stats: Any, fmt: Eig
             return (f"{fmt.name} with scale {clip.value / fmt.qmax:.3g} flushes "
                     f"{100 * flushed:.0f}% of input '{name}' to zero")
     return ""
+
+
+def _clipping(g: onnx.GraphProto, node: onnx.NodeProto, stats: Any, fmt: EightBitFormat,
+              rule: str) -> str:
+    """Why 8 bits hold the inputs: within the scaled range, and what the scales clip."""
+    clipped = []
+    for name in activation_inputs(g, node):
+        r = stats.tensors[name]
+        clip = clip_for(r, fmt, rule)
+        share = r.fraction_above(clip.value) if clip.value < r.absmax else 0.0
+        if share:
+            clipped.append(f"'{name}' clipped at {clip.value:.3g} (abs-max {r.absmax:.3g}, "
+                           f"{100 * share:.2g}% of its values)")
+    base = f"inputs measured within {fmt.name}'s scaled range"
+    return base + ("; " + "; ".join(clipped) if clipped else "")
+
+
+def _measured(node: onnx.NodeProto, stats: Any) -> str:
+    r = None if stats is None or not node.input else stats.tensors.get(node.input[0])
+    return f" (measured |x| up to {r.absmax:.3g})" if r is not None else ""
 
 
 def _small_op_reason(node: onnx.NodeProto, fmt: EightBitFormat) -> str:
