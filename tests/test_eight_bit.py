@@ -234,3 +234,15 @@ def test_crosscheck_calls_a_layer_the_plan_keeps_wider_but_the_compiler_runs_in_
     assert verdicts["exp"]["verdict"] == "mismatch" and "exp" in verdicts["exp"]["reason"]
     assert verdicts["logits"]["verdict"] == verdicts["normalise"]["verdict"] == "ok"
     assert done.returncode == 1
+
+
+def test_check_with_an_8bit_precision_lists_the_layers_kept_wider_and_why():
+    from npuprep.examples import example_data_dir
+
+    done = run_cli("check", "--target", "a2000", "--precision", "fp8_e4m3", "--data",
+                   example_data_dir(), "--json")
+    plan = json.loads(done.stdout)["plan"]
+    layers = {x["node"]: x for x in plan["eight_bit"]}
+    assert plan["precision"] == "fp8_e4m3"
+    assert layers["offset_sq"]["precision"] == "fp16" and "21.2" in layers["offset_sq"]["why"]
+    assert any(x["precision"] == "fp8_e4m3" for x in layers.values())
