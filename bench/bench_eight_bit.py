@@ -5,7 +5,8 @@ Run: nice -n 10 python bench/bench_eight_bit.py [--only NAME ...] [--tools npupr
      [--out bench/_work/eight_bit]
 
 Per corpus model (bench/corpus.py builds them) and tool:
-- npuprep_int8 / npuprep_fp8: `npuprep convert --precision int8|fp8_e4m3 --target a2000` on
+- npuprep_int8 / npuprep_fp8 (npuprep_int8_absmax, ..._percentile: another --scale-rule than
+  mse): `npuprep convert --precision int8|fp8_e4m3 --target a2000` on
   the calibration samples, held out on the others, `--top-k OUT:1` for decided outputs;
 - ort_int8: `quantize_static(QDQ, per_channel=True, QInt8 activations and weights)`, MinMax
   calibration on the same samples;
@@ -45,8 +46,9 @@ def _feeds(folder: Path) -> list[dict[str, np.ndarray]]:
     return [dict(np.load(f)) for f in sorted(folder.glob("*.npz"))]
 
 
-def npuprep(precision: str, model: Path, entry: Path, out: Path, decided: tuple[str, ...]) -> str:
-    cmd = [sys.executable, "-m", "npuprep", "convert", str(model), "--target", "a2000",
+def npuprep(precision: str, model: Path, entry: Path, out: Path, decided: tuple[str, ...],
+            rule: str = "mse") -> str:
+    cmd = [sys.executable, "-m", "npuprep", "convert", str(model), "--target", "a2000", "--scale-rule", rule,
            "--precision", precision, "--data", str(entry / "calib"), "--holdout",
            str(entry / "heldout"), "-o", str(out), "--json", "--export", "none",
            *(a for o in decided for a in ("--top-k", f"{o}:1"))]
@@ -148,7 +150,10 @@ def measure(name: str, tools: list[str], out_dir: Path) -> list[dict]:
         out = out_dir / f"{name}.{tool}.onnx"
         start = time.perf_counter()
         if tool.startswith("npuprep"):
-            error = npuprep("int8" if tool.endswith("int8") else "fp8_e4m3", model, entry, out, decided)
+            # npuprep_int8, npuprep_fp8, or with a scale rule: npuprep_int8_absmax
+            parts = tool.split("_")
+            error = npuprep("int8" if parts[1] == "int8" else "fp8_e4m3", model, entry, out, decided,
+                            *parts[2:])
         elif tool == "ort_int8":
             error = ort_int8(model, entry, out)
         else:
