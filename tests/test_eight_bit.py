@@ -211,9 +211,14 @@ def test_the_plan_carries_the_8bit_decision_and_an_edit_keeps_a_layer_wider(tmp_
 def test_the_bundled_example_converts_to_fp8_and_int8_and_the_models_load(tmp_path):
     for precision in ("fp8_e4m3", "int8"):
         out = tmp_path / f"ex_{precision}.onnx"
-        done = run_cli("convert", "--target", "a2000", "--precision", precision, "-o", out, "--json")
+        html = tmp_path / f"ex_{precision}.html"
+        done = run_cli("convert", "--target", "a2000", "--precision", precision, "-o", out, "--json",
+                       "--html", html)
         assert done.returncode in (0, 1), done.stderr
         assert "this is a bug" not in done.stderr
+        shares = json.loads(done.stdout)["eight_bit"]["mac_share"]
+        assert sum(shares.values()) == pytest.approx(1.0) and precision in shares
+        assert "8-bit decision per node" in html.read_text()
         session = make_session(onnx.load(out))
         assert any(n.op_type == "QuantizeLinear" for n in onnx.load(out).graph.node)
         assert session.get_inputs()

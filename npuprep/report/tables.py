@@ -196,6 +196,22 @@ def attribution_table(result: Mapping[str, Any]) -> Table | None:
     return Table("attribution", f"FP16 error by node ({len(rows)} rows)", cols, tuple(rows))
 
 
+def eight_bit_table(result: Mapping[str, Any]) -> Table | None:
+    """An 8-bit plan: each node's precision and why, with its sensitivity where it was ranked."""
+    plan = result.get("plan")
+    layers = list(_dicts(plan.get("eight_bit"))) if isinstance(plan, Mapping) else []
+    if not layers:
+        return None
+    ranked = {s.get("node"): s.get("rel_l2") for s in _dicts((result.get("eight_bit") or {}).get("sensitivity"))}
+    rows = tuple((_text(x, "node"), _text(x, "precision"), ranked.get(x.get("node")), _text(x, "why"))
+                 for x in layers)
+    share = (result.get("eight_bit") or {}).get("mac_share") or {}
+    split = ", ".join(f"{100 * v:.0f}% {k}" for k, v in share.items())
+    cols = (Column("node"), Column("precision"), Column("own_rel_l2", "num"), Column("why"))
+    return Table("eight_bit", f"8-bit decision per node (multiply-adds: {split})" if split else
+                 "8-bit decision per node", cols, rows)
+
+
 def forced_table(result: Mapping[str, Any]) -> Table | None:
     forced = result.get("forced_fp32")
     if not isinstance(forced, Mapping) or not forced:
@@ -275,7 +291,8 @@ def probe_table(result: Mapping[str, Any]) -> Table | None:
 def tables(result: Mapping[str, Any], order: Sequence[str] = ()) -> tuple[Table, ...]:
     """Every table the result supports, in reading order."""
     made = (crosscheck_table(result), probe_table(result),
-            outputs_table(result), attribution_table(result), findings_table(result),
+            outputs_table(result), attribution_table(result), eight_bit_table(result),
+            findings_table(result),
             actions_table(result), declined_table(result), forced_table(result),
             compare_table(result),
             convert_tensor_table(result), stats_table(result, order), unobserved_table(result))
