@@ -16,8 +16,9 @@ import numpy as np
 
 from npuprep.analyse.finding import Findings
 from npuprep.data import Feed
+from npuprep.errors import NpuprepError
 from npuprep.model_io import Model, fingerprint, with_weights
-from npuprep.numerics import NumberFormat, get_format
+from npuprep.numerics import NumberFormat, eight_bit_format, get_format
 from npuprep.plan import PinFp32, Plan
 from npuprep.profiles import ControlFlow, Pinning, TargetProfile
 from npuprep.provenance import record_source
@@ -205,6 +206,9 @@ def convert(
     """
     from npuprep.analyse import findings_for
 
+    if eight_bit_format(precision or profile.default_precision) is not None:
+        raise NpuprepError(f"{precision or profile.default_precision} is an 8-bit format: "
+                           "npuprep.convert_8bit.convert_8bit writes its QDQ model")
     stage = progress or (lambda _: None)
     stage("findings")
     # Rules read constants and the rewrite lowers every weight: a light model gets its values.

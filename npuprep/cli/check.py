@@ -139,12 +139,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _eight_bit(args: argparse.Namespace) -> Any:
-    """The 8-bit format --precision names (None for a float one); its findings and plan run
-    in FP16, the format the layers kept wider take, and the 8-bit decision comes on top."""
+    """The 8-bit format --precision names (None otherwise); the 8-bit decision comes on top
+    of the findings. FP8 findings keep the 448 line (a value the compiler does not scale);
+    INT8 has no float range, so its findings and plan run in FP16, as its wider layers do."""
     from npuprep.numerics import eight_bit_format
 
     eight = eight_bit_format(getattr(args, "precision", None) or "")
-    if eight is not None:
+    if eight is not None and not eight.is_float:
         args.precision = "fp16"
     return eight
 
