@@ -55,14 +55,16 @@ def decide(model: onnx.ModelProto, stats: Any, fmt: EightBitFormat, pinned: Iter
     for node in g.node:
         label = node_label(node)
         wider = "fp32" if label in pinned else "fp16"
-        if label in pinned and (node.op_type in MAC_OPS or _small_op_reason(node, fmt)):
-            out.append(LayerPrecision(label, "fp32", "pinned FP32 by the plan"))
+        small = _small_op_reason(node, fmt)
+        if label in pinned and (node.op_type in MAC_OPS or small):
+            out.append(LayerPrecision(label, "fp32", "pinned FP32 by the plan" + (
+                f"; {small}{_measured(node, stats)}" if small else "")))
         elif node.op_type in MAC_OPS:
             why = _range_reason(g, node, stats, fmt, rule)
             out.append(LayerPrecision(label, wider, why) if why else
                        LayerPrecision(label, fmt.name, _clipping(g, node, stats, fmt, rule)))
-        elif reason := _small_op_reason(node, fmt):
-            out.append(LayerPrecision(label, wider, reason + _measured(node, stats)))
+        elif small:
+            out.append(LayerPrecision(label, wider, small + _measured(node, stats)))
     return tuple(out)
 
 
