@@ -126,17 +126,26 @@ def convert_8bit(
         ranking = rank_layers(work.proto, base, eight_bit_nodes(layers, eight), stats, eight,
                               samples, saturate=saturate, rule=scale_rule,
                               tensor_scales=applied.tensor_scales, headroom=headroom)
-        count = 1
-        while not check and rounds <= MAX_WIDEN_ROUNDS and count <= len(ranking):
-            trial = _widen(layers, ranking[:count], eight)
+        count, done = 1, 0
+        first = layers
+        while not check and rounds <= MAX_WIDEN_ROUNDS and done < count <= len(ranking):
+            trial = _widen(first, ranking[:count], eight)
             if mac_share(trial, macs, eight)[eight.name] < min_8bit_share:
-                notes.append(f"keeping the {count} most sensitive 8-bit layers wider would leave "
-                             f"less than {min_8bit_share:.0%} of the multiply-adds in 8 bits; stopped")
-                break
+                # The longest prefix of the ranking the budget still takes, if longer than the last.
+                fits = [c for c in range(count - 1, done, -1)
+                        if mac_share(_widen(first, ranking[:c], eight), macs, eight)[eight.name]
+                        >= min_8bit_share]
+                if not fits:
+                    notes.append(f"keeping the {done + 1} most sensitive 8-bit layers wider would "
+                                 f"leave less than {min_8bit_share:.0%} of the multiply-adds in 8 "
+                                 "bits; stopped")
+                    break
+                count = fits[0]
+                trial = _widen(first, ranking[:count], eight)
             rounds += 1
             stage(f"round {rounds}, {count} layer(s) kept wider")
             built, check = build(trial)
-            layers, widened = trial, [s.node for s in ranking[:count]]
+            layers, widened, done = trial, [s.node for s in ranking[:count]], count
             count = len(ranking) if count < len(ranking) < 2 * count else 2 * count
     if opset is not None:
         from npuprep.opsets import convert_opset
