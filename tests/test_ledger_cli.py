@@ -10,9 +10,10 @@ from pathlib import Path
 from tests.conftest import run_cli
 
 # x[1,8,64,64] -> Conv(w 8x8x3x3) -> Relu -> y
-CONV = """<ir_version: 8, opset_import: ["" : 17]>
+WEIGHTS = ",".join(["0.01"] * 576)
+CONV = ("""<ir_version: 8, opset_import: ["" : 17]>
 g (float[1,8,64,64] x) => (float[1,8,64,64] y)
-<float[8,8,3,3] w = {%s}> { c = Conv<pads=[1,1,1,1]>(x, w)  y = Relu(c) }""" % ",".join(["0.01"] * 576)
+<float[8,8,3,3] w = {""" + WEIGHTS + """}> { c = Conv<pads=[1,1,1,1]>(x, w)  y = Relu(c) }""")
 
 
 def test_ledger_prints_every_format_and_json_lists_them(save):
