@@ -16,6 +16,7 @@ import numpy as np
 
 from npuprep.analyse.finding import Findings
 from npuprep.data import Feed
+from npuprep.ledger.ledger import build_ledger
 from npuprep.model_io import Model, fingerprint, with_weights
 from npuprep.numerics import NumberFormat, get_format
 from npuprep.plan import PinFp32, Plan
@@ -77,6 +78,7 @@ class ConversionResult:
     share: Any = None  # npuprep.report.share.Fp32Share
     # Per verification round that traced a precision failure to layers (verify.attribution).
     error_attribution: tuple[dict[str, Any], ...] = ()
+    ledger: dict[str, Any] | None = None  # npuprep.ledger: estimated time per format, the pins' cost
 
     @property
     def passed(self) -> bool:
@@ -125,6 +127,7 @@ class ConversionResult:
             "compare": layers,
             "rounds": self.rounds,
             "error_attribution": list(self.error_attribution),
+            "ledger": self.ledger,
             "notes": list(self.notes),
         }
 
@@ -277,6 +280,9 @@ def convert(
     record_source(result["lowered"].model, model.fingerprint, result["scales"])
     share = fp32_share(result["rewritten"], _fp32_groups(plan, result, stats, fmt),
                        limit=max_fp32_share, input_shapes=_sample_shapes(samples))
+    ledger = build_ledger(result["rewritten"], profile, name=model.path,
+                          input_shapes=_sample_shapes(samples), pinned=sorted(result["pinned"]),
+                          converted=result["lowered"].model).to_dict(nodes=False)
     return ConversionResult(
         source=model, profile=profile, fmt=fmt, findings=findings, plan=plan,
         rewritten=result["rewritten"], lowered=result["lowered"],
@@ -285,7 +291,7 @@ def convert(
         holdout=result["holdout"], flops_fp32_share=share.flops, rounds=round_no,
         samples_description=samples_description, synthetic=synthetic, stats=stats,
         declined=result["declined"], notes=tuple(notes) + result["notes"], share=share,
-        host_scales=result["host_scales"], error_attribution=tuple(attributions),
+        host_scales=result["host_scales"], error_attribution=tuple(attributions), ledger=ledger,
     )
 
 

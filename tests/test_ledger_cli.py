@@ -85,3 +85,24 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(save, tmp_path: Path):
     r = run_cli("ledger", inside, "--target", "a100", "--export-kit", tmp_path)
     assert r.returncode == 2 and "refusing to overwrite" in r.stderr
     assert inside.read_bytes() == before and not (tmp_path / "manifest.json").exists()
+
+
+def test_convert_reports_carry_the_pins_cost_and_the_chart(tmp_path: Path):
+    from npuprep.examples import example_data_dir, example_model_path
+    from npuprep.report import plots
+
+    out = tmp_path / "p.onnx"
+    r = run_cli("convert", example_model_path(), "-t", "a100", "--data", example_data_dir(),
+                "-o", out, "--html", tmp_path / "p.html")
+    assert r.returncode == 0, r.stderr
+    assert "pins and casts cost" in r.stdout
+    ledger = json.loads((tmp_path / "p.report.json").read_text())["ledger"]
+    pins = ledger["pins"]
+    assert pins["casts"] > 0 and pins["fp32_nodes"] > 0
+    # the pins' cost is the converted row less the all-FP16 row
+    rows = {f["format"]: f for f in ledger["formats"]}
+    assert pins["extra_ms"] == rows["converted"]["estimated_ms"] - rows["fp16"]["estimated_ms"] > 0
+    md = (tmp_path / "p.report.md").read_text()
+    assert "## What the pins cost (estimate)" in md and "Pins and casts cost" in md
+    if plots.available():
+        assert 'id="ledger-chart"' in (tmp_path / "p.html").read_text()

@@ -86,7 +86,9 @@ class Ledger:
                          "bytes": sum(n.bytes for n in e.nodes), "unknown": e.unknown})
         return rows
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, nodes: bool = True) -> dict[str, Any]:
+        """`nodes`: every node of every row too (the ledger command's --json; convert's report
+        keeps the totals and the costliest)."""
         focus = self.focus
         return {"schema_version": SCHEMA_VERSION, "kind": KIND, "model": self.model,
                 "target": self.target, "precision": self.precision, "estimate": True,
@@ -94,8 +96,8 @@ class Ledger:
                 "sources": dict(self.sources), "formats": self.rows(), "pins": self.pins_cost(),
                 "pinned_nodes": list(self.pinned), "costliest_of": focus.label,
                 "costliest": [n.to_dict() for n in focus.costliest(10)],
-                "nodes": {e.label: [n.to_dict() for n in e.nodes if n.bound != "free"]
-                          for e in self.estimates}}
+                **({"nodes": {e.label: [n.to_dict() for n in e.nodes if n.bound != "free"]
+                              for e in self.estimates}} if nodes else {})}
 
 
 def _unknown(profile: TargetProfile, throughput: Throughput, costs: Sequence[NodeCost]) -> str:
