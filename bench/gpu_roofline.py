@@ -1,13 +1,16 @@
 """Time a compute-bound GEMM and a memory-bound elementwise chain per format on an NVIDIA GPU.
 
     python bench/gpu_roofline.py [--json OUT.json] [--n 8192] [--elements 268435456]
+    python bench/gpu_roofline.py --estimate OUT.json [--target h200]   # off-device: beside the ledger
 
 Needs torch with CUDA only. Formats: fp32 (TF32 off), tf32, fp16, bf16, and fp8_e4m3 through
 torch._scaled_mm where the GPU has it (sm_89+). Each case: 10 warm-up runs, then the median and
 p90 of 50 timed runs (CUDA events). The GEMM is C = A @ B with N x N operands; the chain is three
 elementwise kernels (x * a, + b, relu), each reading and writing the whole tensor. `npuprep
 ledger`'s estimate for the same shapes is computed off-device from the GPU's profile
-(BENCHMARKS.md); this script only measures.
+with `--estimate`, which prints the Markdown table of BENCHMARKS.md: measured time and ratio to
+FP32 beside `npuprep.ledger.roofline.roofline_ms` on the profile's published peaks, for the same
+FLOPs and bytes.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 
 WARMUP = 10
 RUNS = 50
+FORMATS = ("fp32", "tf32", "fp16", "bf16", "fp8_e4m3")
 
 
 def _timed(fn, torch) -> dict[str, float]:
@@ -81,12 +85,53 @@ def _chain(torch, fmt: str, elements: int) -> dict[str, float] | str:
     return result
 
 
+def estimate(path: str, target: str) -> int:
+    """Measured beside the ledger's roofline for the same shapes (npuprep needed, no GPU)."""
+    from npuprep.ledger.roofline import BYTES_PER_ELEMENT, roofline_ms
+    from npuprep.profiles import load_profile
+
+    doc = json.loads(Path(path).read_text())
+    tp = load_profile(target).throughput
+    n, elements = doc["n"], doc["elements"]
+    print(f"{doc['device']} (sm_{''.join(map(str, doc['capability']))}), torch {doc['torch']}, "
+          f"CUDA {doc['cuda']}; {doc['warmup']} warm-up, median of {doc['runs']}")
+    print()
+    print("| case | format | measured ms | measured vs FP32 | achieved | estimated ms | "
+          "estimated vs FP32 | bound (est.) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for case in ("gemm", "chain"):
+        base_measured = doc[case]["fp32"]["median_ms"]
+        base_est = None
+        for fmt in FORMATS:
+            m = doc[case][fmt]
+            size = BYTES_PER_ELEMENT[fmt]
+            if case == "gemm":
+                flops, nbytes = 2 * n ** 3, 3 * n * n * size
+            else:
+                flops, nbytes = 3 * elements, 6 * elements * size
+            est, bound = roofline_ms(flops, nbytes, fmt, tp)
+            base_est = base_est or est
+            if isinstance(m, str):
+                print(f"| {case} | {fmt} | {m} | | | {est:.3g} | {base_est / est:.2g}x | {bound} |")
+                continue
+            achieved = (f"{m['tflops']:.0f} TFLOPS" if case == "gemm" else f"{m['gbs']:.0f} GB/s")
+            print(f"| {case} | {fmt} | {m['median_ms']:.3g} (p90 {m['p90_ms']:.3g}) | "
+                  f"{base_measured / m['median_ms']:.2g}x | {achieved} | {est:.3g} | "
+                  f"{base_est / est:.2g}x | {bound} |")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the results as JSON here")
     parser.add_argument("--n", type=int, default=8192, help="GEMM size N (N x N x N)")
     parser.add_argument("--elements", type=int, default=1 << 28, help="elements in the chain")
+    parser.add_argument("--estimate", metavar="RESULTS.json",
+                        help="off-device: print measured beside the ledger's estimate")
+    parser.add_argument("--target", default="h200", help="profile for --estimate (default h200)")
     args = parser.parse_args()
+    if args.estimate:
+        return estimate(args.estimate, args.target)
     import torch
 
     if not torch.cuda.is_available():
@@ -99,7 +144,7 @@ def main() -> int:
            "cuda": torch.version.cuda, "n": args.n, "elements": args.elements,
            "warmup": WARMUP, "runs": RUNS, "gemm": {}, "chain": {}}
     print(f"device: {gpu}; torch {torch.__version__}; CUDA {torch.version.cuda}")
-    for fmt in ("fp32", "tf32", "fp16", "bf16", "fp8_e4m3"):
+    for fmt in FORMATS:
         doc["gemm"][fmt] = _gemm(torch, fmt, args.n)
         doc["chain"][fmt] = _chain(torch, fmt, args.elements)
         print(fmt, "gemm", doc["gemm"][fmt], "chain", doc["chain"][fmt], flush=True)
