@@ -84,6 +84,9 @@ g (float[1024] x) => (float[1024] y) { r = Relu(x)  y = Exp(r) }""")
     assert (nodes["exp"].fmt, nodes["exp"].bytes) == ("fp32", 1024 * 8)
     assert nodes["to16"].cast and nodes["to16"].bytes == 1024 * 6
     assert ledger.get("converted").casts == 2
+    # against the same graph all in FP16 with its Casts free: two casts (6 B/elt) and Exp's
+    # extra 4 B/elt in FP32
+    assert ledger.pins_cost()["extra_ms"] == pytest.approx(1e3 * 1024 * 16 / 2039e9, rel=1e-9)
 
 
 def test_a_qdq_matmul_runs_at_int8_and_its_dequantize_is_fused():

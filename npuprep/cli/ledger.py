@@ -152,7 +152,8 @@ def _print(doc: dict[str, Any]) -> None:
             say(f"Pins and casts: {pins['fp32_nodes']} FP32 node(s), {pins['casts']} cast(s); their "
                 f"cost is unknown: {pins['unknown']}")
         else:
-            say(f"Pins and casts cost {number(pins['extra_ms'])} ms over all-{doc['precision']} "
+            say(f"Pins and casts cost {number(pins['extra_ms'])} ms over the same graph "
+                f"all in {doc['precision']} "
                 f"({percent(pins['extra_share'])} of the converted {number(pins['converted_ms'])} ms): "
                 f"{pins['fp32_nodes']} FP32 node(s) take {number(pins['fp32_nodes_ms'])} ms, "
                 f"{pins['casts']} cast(s) {number(pins['casts_ms'])} ms")

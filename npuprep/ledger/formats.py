@@ -44,9 +44,10 @@ def _nodes(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str]]:
 def planned_costs(model: onnx.ModelProto, fmt_of: Callable[[onnx.NodeProto, str], str],
                   throughput: Throughput, shapes: Shapes, types: Mapping[str, int],
                   flops: Mapping[str, int], *, casts: bool) -> list[NodeCost]:
-    """Every node of the FP32 `model` at `fmt_of(node, label)`; float tensors move at that
-    format, others at their own size. `casts`: add a Cast wherever a float tensor changes
-    format, graph inputs and outputs (FP32 for the caller) included."""
+    """Every node of `model` at `fmt_of(node, label)`; float tensors move at that format,
+    others at their own size. `casts`: add a Cast wherever a float tensor changes format,
+    graph inputs and outputs (FP32 for the caller) included; without, the model's own Casts
+    between float formats cost nothing (all one format, they have nothing to do)."""
     floats = {t for t, ty in types.items() if ty in FLOAT_TYPES}
     weights = {i.name for s in walk_graphs(model.graph) for i in s.graph.initializer}
     produced: dict[str, str] = {i.name: "fp32" for i in model.graph.input}
@@ -54,6 +55,8 @@ def planned_costs(model: onnx.ModelProto, fmt_of: Callable[[onnx.NodeProto, str]
     boundary: dict[tuple[str, str], NodeCost] = {}
     for node, label in _nodes(model):
         computes = any(o in floats for o in node.output)
+        if node.op_type == "Cast" and not casts:
+            computes = False
         fmt = fmt_of(node, label) if computes else "fp32"
         size = BYTES_PER_ELEMENT[fmt]
         costs.append(node_cost(node, label, fmt, flops.get(label, 0), shapes,

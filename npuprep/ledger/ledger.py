@@ -39,6 +39,9 @@ class Ledger:
     estimates: tuple[Estimate, ...]
     pinned: tuple[str, ...] = ()
     sources: dict[str, str] = field(default_factory=dict)
+    # The converted graph itself with every node in the target's precision and no Casts: what
+    # the pins and casts are measured against (a converted model's rewrites change its nodes).
+    baseline: Estimate | None = None
 
     def get(self, label: str) -> Estimate | None:
         return next((e for e in self.estimates if e.label == label), None)
@@ -59,7 +62,7 @@ class Ledger:
     def pins_cost(self) -> dict[str, Any] | None:
         """What the converted plan costs over running everything in the target's precision:
         its FP32 pins and its Casts, in ms and as a share of the converted total."""
-        converted, uniform = self.get(CONVERTED), self.get(self.precision)
+        converted, uniform = self.get(CONVERTED), self.baseline or self.get(self.precision)
         if converted is None or uniform is None:
             return None
         c_ms, u_ms = converted.estimated_ms, uniform.estimated_ms
@@ -137,10 +140,15 @@ def build_ledger(model: onnx.ModelProto, profile: TargetProfile, *, name: str = 
         estimates.append(Estimate(f"{eight} plan", tuple(costs),
                                   _unknown(profile, tp, costs)))
     costs_c: list[NodeCost] | None = None
+    baseline = None
     if converted is not None:
         c_shapes = tensor_shapes(converted, input_shapes)
-        costs_c = converted_costs(converted, tp, c_shapes, tensor_types(converted),
-                                  node_flops(converted, input_shapes))
+        c_types = tensor_types(converted)
+        c_flops = node_flops(converted, input_shapes)
+        costs_c = converted_costs(converted, tp, c_shapes, c_types, c_flops)
+        flat = planned_costs(converted, lambda n, label: precision, tp, c_shapes, c_types, c_flops,
+                             casts=False)
+        baseline = Estimate(f"converted, all {precision}", tuple(flat), _unknown(profile, tp, flat))
     elif pinned is not None:
         keep = set(pinned)
         costs_c = planned_costs(model, lambda n, label: "fp32" if label in keep else precision,
@@ -150,4 +158,4 @@ def build_ledger(model: onnx.ModelProto, profile: TargetProfile, *, name: str = 
                                   _unknown(profile, tp, costs_c)))
     sources = {k: v for k, v in profile.sources.items() if k in ("peak", "bandwidth", "throughput")}
     return Ledger(name, profile.name, precision, tp, tuple(estimates), tuple(sorted(pinned or ())),
-                  sources)
+                  sources, baseline)

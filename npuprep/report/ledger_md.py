@@ -35,8 +35,8 @@ def ledger_markdown(ledger: Mapping[str, Any]) -> list[str]:
             lines.append(f"Pins and casts: {pins['fp32_nodes']} FP32 node(s), {pins['casts']} cast(s); "
                          f"their cost is unknown: {md_text(pins['unknown'])}.")
         else:
-            lines.append(f"Pins and casts cost **{number(pins['extra_ms'])} ms** over all-"
-                         f"{ledger['precision']} ({percent(pins['extra_share'])} of the converted "
+            lines.append(f"Pins and casts cost **{number(pins['extra_ms'])} ms** over the same graph "
+                         f"all in {ledger['precision']} ({percent(pins['extra_share'])} of the converted "
                          f"{number(pins['converted_ms'])} ms): {pins['fp32_nodes']} FP32 node(s) take "
                          f"{number(pins['fp32_nodes_ms'])} ms, {pins['casts']} cast(s) "
                          f"{number(pins['casts_ms'])} ms.")
