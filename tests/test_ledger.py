@@ -84,6 +84,12 @@ g (float[1024] x) => (float[1024] y) { r = Relu(x)  y = Exp(r) }""")
     assert (nodes["exp"].fmt, nodes["exp"].bytes) == ("fp32", 1024 * 8)
     assert nodes["to16"].cast and nodes["to16"].bytes == 1024 * 6
     assert ledger.get("converted").casts == 2
+    assert nodes["to32"].fmt == "fp16"  # a Cast runs on the unit of its narrower side
+    # rk3588 cannot pin: its compiler runs the FP32 Exp in FP16
+    rk = build_ledger(source, load_profile("rk3588"), converted=converted,
+                      throughput=Throughput(peak_tflops={"fp16": 1.5}, bandwidth_gbs=34.1))
+    assert {n.node: n.fmt for n in rk.get("converted").nodes}["exp"] == "fp16"
+    assert rk.get("converted").estimated_ms is not None
     # against the same graph all in FP16 with its Casts free: two casts (6 B/elt) and Exp's
     # extra 4 B/elt in FP32
     assert ledger.pins_cost()["extra_ms"] == pytest.approx(1e3 * 1024 * 16 / 2039e9, rel=1e-9)

@@ -79,8 +79,11 @@ def planned_costs(model: onnx.ModelProto, fmt_of: Callable[[onnx.NodeProto, str]
 
 
 def converted_costs(model: onnx.ModelProto, throughput: Throughput, shapes: Shapes,
-                    types: Mapping[str, int], flops: Mapping[str, int]) -> list[NodeCost]:
-    """Every node of a converted model at the format it was written in."""
+                    types: Mapping[str, int], flops: Mapping[str, int],
+                    fp32_runs_as: str | None = None) -> list[NodeCost]:
+    """Every node of a converted model at the format it was written in; `fp32_runs_as`: the
+    format a target that cannot pin runs FP32 nodes in (rk3588: FP16). A Cast runs on the
+    unit of its narrower side."""
     dequantised = {n.output[0]: types.get(n.input[0]) for n, _ in _nodes(model)
                    if n.op_type == "DequantizeLinear" and n.output}
     costs: list[NodeCost] = []
@@ -91,6 +94,10 @@ def converted_costs(model: onnx.ModelProto, throughput: Throughput, shapes: Shap
             fmt = FORMAT_OF_TYPE.get(quantised[0] or 0, "int8")
         else:
             fmt = next((FORMAT_OF_TYPE[t] for t in outs if t in FORMAT_OF_TYPE), "")
+        if node.op_type == "Cast" and fmt == "fp32":
+            fmt = FORMAT_OF_TYPE.get(types.get(node.input[0]) or 0, fmt)
+        if fmt == "fp32" and fp32_runs_as:
+            fmt = fp32_runs_as
         computes = bool(fmt)
 
         def size(t: str) -> float:

@@ -17,7 +17,7 @@ import onnx
 from npuprep.graph import tensor_types
 from npuprep.ledger.formats import converted_costs, planned_costs
 from npuprep.ledger.roofline import MAC_OPS, Estimate, NodeCost
-from npuprep.profiles import TargetProfile, Throughput
+from npuprep.profiles import Pinning, TargetProfile, Throughput
 from npuprep.report.flops import node_flops, tensor_shapes
 
 SCHEMA_VERSION = 1
@@ -145,7 +145,10 @@ def build_ledger(model: onnx.ModelProto, profile: TargetProfile, *, name: str = 
         c_shapes = tensor_shapes(converted, input_shapes)
         c_types = tensor_types(converted)
         c_flops = node_flops(converted, input_shapes)
-        costs_c = converted_costs(converted, tp, c_shapes, c_types, c_flops)
+        # A target that cannot pin runs the converted model's FP32 nodes in its own precision.
+        cannot_pin = profile.fp32_pinning is Pinning.NONE
+        costs_c = converted_costs(converted, tp, c_shapes, c_types, c_flops,
+                                  fp32_runs_as=precision if cannot_pin else None)
         flat = planned_costs(converted, lambda n, label: precision, tp, c_shapes, c_types, c_flops,
                              casts=False)
         baseline = Estimate(f"converted, all {precision}", tuple(flat), _unknown(profile, tp, flat))

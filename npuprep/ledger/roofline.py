@@ -70,10 +70,12 @@ def node_cost(node: onnx.NodeProto, label: str, fmt: str, flops: int,
 
 
 def cast_cost(tensor: str, elements: int, src: str, dst: str, throughput: Throughput) -> NodeCost:
-    """A Cast that a format boundary needs: reads `src`, writes `dst`, one op per element."""
+    """A Cast that a format boundary needs: reads `src`, writes `dst`, one op per element, on
+    the unit of its narrower side."""
     nbytes = int(elements * (BYTES_PER_ELEMENT[src] + BYTES_PER_ELEMENT[dst]))
-    ms, bound = roofline_ms(elements, nbytes, dst, throughput)
-    return NodeCost(f"Cast({tensor}) {src}->{dst}", "Cast", dst, elements, nbytes, ms, bound, True)
+    unit = src if dst == "fp32" else dst
+    ms, bound = roofline_ms(elements, nbytes, unit, throughput)
+    return NodeCost(f"Cast({tensor}) {src}->{dst}", "Cast", unit, elements, nbytes, ms, bound, True)
 
 
 @dataclass(frozen=True)
