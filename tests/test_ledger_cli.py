@@ -107,3 +107,32 @@ def test_convert_reports_carry_the_pins_cost_and_the_chart(tmp_path: Path):
     assert "## What the pins cost (estimate)" in md and "Pins and casts cost" in md
     if plots.available():
         assert 'id="ledger-chart"' in (tmp_path / "p.html").read_text()
+
+
+def test_trtexec_times_become_results_with_the_warm_up_dropped(save, tmp_path: Path):
+    kit = tmp_path / "kit"
+    assert run_cli("ledger", save(CONV), "--target", "orin", "--export-kit", kit).returncode == 0
+    # trtexec --exportTimes: one record per iteration; the first two are slow warm-up runs
+    times = tmp_path / "fp32_times.json"
+    times.write_text(json.dumps([{"computeMs": 50.0}, {"computeMs": 40.0}]
+                                + [{"computeMs": 1.0 + i / 10} for i in range(5)]))
+    run = subprocess.run([sys.executable, str(kit / "time_models.py"), "--warmup", "2",
+                          "--from-trtexec", f"fp32={times}"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    fp32 = json.loads((kit / "results.json").read_text())["models"]["fp32"]
+    assert (fp32["median_ms"], fp32["runs"]) == (1.2, 5)
+
+
+def test_a_plan_prices_its_pins_with_casts_at_their_borders(tmp_path: Path):
+    from npuprep.examples import example_data_dir, example_model_path
+
+    plan = tmp_path / "p.plan.yaml"
+    r = run_cli("convert", example_model_path(), "-t", "a100", "--data", example_data_dir(),
+                "--plan-only", "-o", plan)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(run_cli("ledger", example_model_path(), "--target", "a100", "--plan", plan,
+                             "--data", example_data_dir(), "--json").stdout)
+    assert doc["pinned_nodes"]
+    pins = doc["pins"]
+    assert pins["fp32_nodes"] == len(doc["pinned_nodes"]) and pins["casts"] >= 2
+    assert pins["extra_ms"] > 0 and pins["fp32_nodes_ms"] > 0

@@ -108,8 +108,10 @@ def _readme(manifest: Mapping[str, Any]) -> str:
         "",
         "## Jetson Orin (TensorRT)",
         "",
-        "Drop the first 50 of the exported times (warm-up) by hand, or keep them: the median of",
-        "250 barely moves. Lock the clocks first (`sudo nvpmodel -m 0 && sudo jetson_clocks`).",
+        f"Each line runs {manifest['warmup'] + manifest['runs']} timed iterations; `--from-trtexec` "
+        f"drops the first {manifest['warmup']}",
+        "as warm-up. Lock the clocks first (`sudo nvpmodel -m 0 && sudo jetson_clocks`); trtexec's",
+        "log gives the engine's device memory.",
         "",
         *(f"    {line}" for line in trt),
         "    python time_models.py --from-trtexec " + " ".join(

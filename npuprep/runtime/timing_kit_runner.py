@@ -90,7 +90,8 @@ def _peak_rss_mb():
 
 def time_one(name, args):
     """Time one model in this process and print its JSON line."""
-    manifest = json.load(open(os.path.join(HERE, "manifest.json")))
+    with open(os.path.join(HERE, "manifest.json")) as fh:
+        manifest = json.load(fh)
     entry = next(m for m in manifest["models"] if m["name"] == name)
     feeds = _inputs(manifest)
     if args.backend == "ort":
@@ -116,12 +117,14 @@ def time_one(name, args):
     print(json.dumps(result))
 
 
-def from_trtexec(pairs):
-    """trtexec --exportTimes files (one list of per-run records) -> the same result records."""
+def from_trtexec(pairs, warmup):
+    """trtexec --exportTimes files (one list of per-run records) -> the same result records;
+    the first `warmup` runs are dropped."""
     models = {}
     for pair in pairs:
         name, _, path = pair.partition("=")
-        runs = json.load(open(path))
+        with open(path) as fh:
+            runs = json.load(fh)[warmup:]
         times = sorted(float(r["computeMs"] if "computeMs" in r else r["latencyMs"]) for r in runs)
         models[name] = {"median_ms": statistics.median(times),
                         "p90_ms": times[int(0.9 * (len(times) - 1))], "min_ms": times[0],
@@ -145,11 +148,12 @@ def main():
     if args.one:
         time_one(args.one, args)
         return 0
-    manifest = json.load(open(os.path.join(HERE, "manifest.json")))
+    with open(os.path.join(HERE, "manifest.json")) as fh:
+        manifest = json.load(fh)
     results = {"kind": "ledger-results", "schema_version": 1, "kit": manifest["fingerprint"],
                "device": device_state(), "models": {}}
     if args.from_trtexec:
-        results["models"] = from_trtexec(args.from_trtexec)
+        results["models"] = from_trtexec(args.from_trtexec, args.warmup)
     else:
         for entry in manifest["models"]:
             cmd = [sys.executable, os.path.abspath(__file__), "--one", entry["name"],
