@@ -149,3 +149,15 @@ def test_every_published_builtin_figure_carries_its_source():
             assert profile.sources["bandwidth"]
     assert load_profile("a100").throughput.peak("bf16") == 312.0
     assert load_profile("rtx5000ada").throughput.bandwidth_gbs == 576.0
+
+
+def test_a_gather_reads_the_rows_it_picks_not_the_whole_table():
+    # ids[8] -> Gather(table[30000,64]) -> y[8,64]: 8 rows read and written, plus the ids
+    table = numpy_helper.from_array(np.zeros((30000, 64), np.float32), "table")
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, [8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 64])
+    model = helper.make_model(helper.make_graph([helper.make_node("Gather", ["table", "ids"], ["y"],
+                                                                  name="g")], "g", [ids], [y], [table]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    node = build_ledger(model, load_profile("a100")).get("fp16").nodes[0]
+    assert node.bytes == 8 * 8 + 2 * 8 * 64 * 2

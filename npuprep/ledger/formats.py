@@ -82,8 +82,8 @@ def converted_costs(model: onnx.ModelProto, throughput: Throughput, shapes: Shap
                     types: Mapping[str, int], flops: Mapping[str, int],
                     fp32_runs_as: str | None = None) -> list[NodeCost]:
     """Every node of a converted model at the format it was written in; `fp32_runs_as`: the
-    format a target that cannot pin runs FP32 nodes in (rk3588: FP16). A Cast runs on the
-    unit of its narrower side."""
+    format a target that cannot pin runs FP32 nodes and tensors in (rk3588: FP16). A Cast
+    runs on the unit of its narrower side."""
     dequantised = {n.output[0]: types.get(n.input[0]) for n, _ in _nodes(model)
                    if n.op_type == "DequantizeLinear" and n.output}
     costs: list[NodeCost] = []
@@ -101,6 +101,8 @@ def converted_costs(model: onnx.ModelProto, throughput: Throughput, shapes: Shap
         computes = bool(fmt)
 
         def size(t: str) -> float:
+            if fp32_runs_as and types.get(t) == TensorProto.FLOAT:
+                return BYTES_PER_ELEMENT[fp32_runs_as]
             return _itemsize(dequantised[t] if t in dequantised else types.get(t))
 
         cost = node_cost(node, label, fmt or "fp32", flops.get(label, 0), shapes, size, throughput,

@@ -23,6 +23,7 @@ BYTES_PER_ELEMENT: dict[str, float] = {
 FREE_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Shape", "Size",
                       "Constant", "ConstantOfShape", "DequantizeLinear"})
 MAC_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
+GATHER_OPS = frozenset({"Gather", "GatherElements", "GatherND"})
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,17 @@ def roofline_ms(flops: float, nbytes: float, fmt: str, throughput: Throughput) -
 def node_cost(node: onnx.NodeProto, label: str, fmt: str, flops: int,
               shapes: Mapping[str, tuple[int, ...]], itemsize: Callable[[str], float],
               throughput: Throughput, *, free: bool = False) -> NodeCost:
-    """The node's cost at `fmt`: each distinct input and output moved once at `itemsize`."""
+    """The node's cost at `fmt`: each distinct input and output moved once at `itemsize`
+    (a gather's table only as far as it is read)."""
     if free or node.op_type in FREE_OPS:
         return NodeCost(label, node.op_type, fmt, 0, 0, 0.0, "free", node.op_type == "Cast")
-    names = dict.fromkeys(t for t in (*node.input, *node.output) if t)
+    gather = node.op_type in GATHER_OPS and bool(node.output)
+    inputs = node.input[1:] if gather else node.input
+    names = dict.fromkeys(t for t in (*inputs, *node.output) if t)
     nbytes = int(sum(math.prod(shapes.get(t, ())) * itemsize(t) for t in names))
+    if gather:
+        # A gather reads the rows it picks (as many as it writes), not the whole table.
+        nbytes += int(math.prod(shapes.get(node.output[0], ())) * itemsize(node.output[0]))
     ms, bound = roofline_ms(flops, nbytes, fmt, throughput)
     return NodeCost(label, node.op_type, fmt, flops, nbytes, ms, bound, node.op_type == "Cast")
 
