@@ -40,7 +40,7 @@ class OutputCheck:
     outputs: dict[str, dict[str, Any]]
 
     def __bool__(self) -> bool:
-        from npuprep.verify.outputs import output_passes
+        from npuprep.verify.output_errors import output_passes
 
         return all(output_passes(o, self.rtol) for o in self.outputs.values())
 
@@ -668,11 +668,11 @@ def check_outputs(reference: Any, lowered: Any, fmt: NumberFormat, samples: Sequ
     it stores the low format (npuprep.verify.widen), and it is also run as-is on
     onnxruntime, which proves it loads and runs. `emulated` replaces that widening (a target
     that cannot pin: every node rounded); outputs in `host_scales` are multiplied back first;
-    outputs in `top_k` are also judged by their top-K classes (npuprep.verify.outputs), where
+    outputs in `top_k` are also judged by their top-K classes (npuprep.verify.output_errors), where
     a position whose FP32 top values lie within `rtol` of each other is a tie, not a decision.
     """
     from npuprep.runtime.session import make_session, run
-    from npuprep.verify.outputs import OutputErrors
+    from npuprep.verify.output_errors import OutputErrors
     from npuprep.verify.widen import emulate_lowered
 
     ref = make_session(reference)

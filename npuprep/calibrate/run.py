@@ -34,7 +34,7 @@ from npuprep.opsets import WORKING_OPSET, at_least, check_opset_supported
 from npuprep.progress import progress_counter
 
 
-def calibrate(
+def calibrate_here(
     model: Model,
     samples: SampleSet | Iterable[Feed],
     *,
@@ -42,8 +42,6 @@ def calibrate(
     streams: int = 0,
     show_progress: bool = False,
     detail: str = "auto",
-    executor: str = "local",
-    address: str | None = None,
     n_cores: int | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> CalibrationStats:
@@ -56,20 +54,10 @@ def calibrate(
     on its share of the cores (see `fold_streams`); 0 picks the count (see `plan_streams`).
     `jobs` > 1 splits the samples after the first into contiguous ranges, one forked process
     each (see `_fold_parallel`); 0 picks the count (see `plan_jobs`); an iterable runs in
-    this process. `executor="ray"` runs shards of a SampleSet as Ray tasks, on a local Ray
-    or, with `address`, a cluster (see npuprep.calibrate.on_ray). `n_cores`: the cores to
+    this process. `n_cores`: the cores to
     plan for (default: those this process may run on). `on_progress` is called with the
     count of samples done as it grows.
     """
-    if executor == "ray":
-        from npuprep.calibrate.on_ray import calibrate_on_ray
-
-        if jobs not in (0, 1):
-            raise NpuprepError(f"executor='ray' runs one process per shard: jobs={jobs} does not apply")
-        return calibrate_on_ray(model, samples, address=address, detail=detail, streams=streams,
-                                show_progress=show_progress)
-    if executor != "local":
-        raise NpuprepError(f"unknown executor {executor!r} (use 'local' or 'ray')")
     check_opset_supported(model.proto, model.path or "model")
     if not isinstance(samples, SampleSet):
         samples = FeedStream(samples, model.proto)

@@ -17,7 +17,7 @@ from npuprep.cli.common import (
     print_table,
     say,
 )
-from npuprep.report.terminal import capped, percent
+from npuprep.formatting import capped, percent
 
 help = "measure every float tensor's range on samples (in-graph statistics) and write stats.json"
 
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from npuprep.calibrate.stats import dump_stats
     from npuprep.cli.common import open_samples
     from npuprep.model_io import load_model
-    from npuprep.outputs import SAMPLE_FILES, OutputPlan
+    from npuprep.output_files import SAMPLE_FILES, OutputPlan
 
     # Only onnxruntime reads the weights, from the model's file: Python never holds them.
     model = load_model(args.model, weights="file")

@@ -77,7 +77,7 @@ def _measured_stats(args: argparse.Namespace, model: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from npuprep.model_io import load_model
-    from npuprep.outputs import SAMPLE_FILES, OutputPlan
+    from npuprep.output_files import SAMPLE_FILES, OutputPlan
     from npuprep.profiles import Severity, load_profile
 
     fail_on = Severity.parse(args.fail_on)

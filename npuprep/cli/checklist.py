@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from npuprep.cli.common import dump_json
     from npuprep.crosscheck.checklist import build_checklist, scan_workspace, to_markdown
     from npuprep.model_io import load_model
-    from npuprep.outputs import WORKSPACE_FILES, OutputPlan
+    from npuprep.output_files import WORKSPACE_FILES, OutputPlan
     from npuprep.profiles import load_profile
 
     model = load_model(args.model)
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         print(text, end="")
     else:
         from npuprep.cli.common import out
-        from npuprep.report.terminal import wrap_markdown
+        from npuprep.formatting import wrap_markdown
 
         print(wrap_markdown(text, out().width), end="")
     return 0

@@ -9,11 +9,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from npuprep.formatting import WIDTH, Output, cell, table_lines, wrap
+
 # Library modules use these too; they live outside cli/ (no library module imports cli/).
 from npuprep.json_io import dump_json, to_jsonable  # noqa: F401 - re-exported for the commands
 from npuprep.names import shown
 from npuprep.progress import progress_counter
-from npuprep.report.terminal import WIDTH, Output, cell, table_lines, wrap
 
 T = TypeVar("T")
 

@@ -82,7 +82,7 @@ def _as_exported_note(ref: Any, profile: Any) -> tuple[str, ...]:
 def run(args: argparse.Namespace) -> int:
     from npuprep.errors import NpuprepError
     from npuprep.model_io import load_model
-    from npuprep.outputs import SAMPLE_FILES, OutputPlan
+    from npuprep.output_files import SAMPLE_FILES, OutputPlan
     from npuprep.profiles import load_profile
     from npuprep.verify.compare import (
         DEFAULT_ATOL,

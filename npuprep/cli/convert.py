@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from npuprep.cli.common import check_rtol, open_samples, print_json
     from npuprep.model_io import load_model
     from npuprep.names import file_part
-    from npuprep.outputs import SAMPLE_FILES, OutputPlan
+    from npuprep.output_files import SAMPLE_FILES, OutputPlan
     from npuprep.profiles import load_profile
     from npuprep.report.artefacts import declare, default_exports, parse_exports
 
@@ -264,7 +264,7 @@ def _print_vendor(vendor: dict[str, Any] | None) -> None:
 
 
 def _agreement(errors: dict[str, Any]) -> str:
-    from npuprep.verify.outputs import ties_said
+    from npuprep.verify.output_errors import ties_said
 
     if "top_k" not in errors:
         return ""
@@ -288,8 +288,8 @@ def _nodes(nodes: list[str]) -> str:
 
 def _print_summary(report: dict[str, Any]) -> None:
     from npuprep.cli.common import out, print_table, say
+    from npuprep.formatting import capped, number, percent
     from npuprep.report.render_md import action_target
-    from npuprep.report.terminal import capped, number, percent
 
     say(f"npuprep convert: {report['model']} -> {report['output']} "
         f"(target {report['target']}, {report['precision']})")
@@ -359,7 +359,7 @@ def _say_where_the_error_sits(report: dict[str, Any]) -> None:
     """For each output that failed on FP16 precision alone: where its worst sample's error
     sits, so an error at a few undecided positions reads apart from one everywhere."""
     from npuprep.cli.common import say
-    from npuprep.verify.outputs import where_errors_sit
+    from npuprep.verify.output_errors import where_errors_sit
 
     for which, name, errors, where in where_errors_sit(report):
         say(f"note: {name} on the {which}: {where}")

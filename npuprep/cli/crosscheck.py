@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from npuprep.crosscheck.readers import read_report
     from npuprep.crosscheck.render import COLUMNS, SHORT_COLUMNS, row, short_row, to_markdown
     from npuprep.model_io import load_model
-    from npuprep.outputs import OutputPlan
+    from npuprep.output_files import OutputPlan
     from npuprep.profiles import load_profile
 
     model = load_model(args.model)

@@ -60,7 +60,7 @@ def tensor_order(model: Any) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from npuprep.outputs import OutputPlan
+    from npuprep.output_files import OutputPlan
     from npuprep.report.render_html import render
 
     outputs = OutputPlan()

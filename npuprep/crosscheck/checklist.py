@@ -24,13 +24,13 @@ from npuprep.analyse.finding import Finding
 from npuprep.crosscheck.check import VERDICTS
 from npuprep.crosscheck.readers import DEFAULT_REPORT_NAME, HOW_TO_GET
 from npuprep.errors import NpuprepError
+from npuprep.formatting import number
+from npuprep.formatting import ratio as ratio_text
 from npuprep.graph import attribute, tensor_types, walk_graphs
 from npuprep.model_io import Model
 from npuprep.names import md_code, shown
 from npuprep.profiles import OverflowMode, TargetProfile
 from npuprep.report.story import FATE_TEXT, FATES, Story
-from npuprep.report.terminal import number
-from npuprep.report.terminal import ratio as ratio_text
 
 SCHEMA_VERSION = 1
 ARTEFACT_KINDS = ("stats", "probe", "crosscheck", "compare")

@@ -12,8 +12,9 @@ import yaml
 from npuprep import names
 from npuprep.errors import NpuprepError
 from npuprep.graph import node_label, walk_graphs
-from npuprep.model_io import Model, write_text_atomic
+from npuprep.model_io import Model
 from npuprep.numerics import formats
+from npuprep.output_files import write_text_atomic
 from npuprep.plan.actions import (
     CLAMP_KINDS,
     REMEDIES,

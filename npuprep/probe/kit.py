@@ -22,8 +22,8 @@ from onnx import helper
 
 from npuprep import json_io
 from npuprep.errors import NpuprepError
-from npuprep.model_io import save_model, write_text_atomic
 from npuprep.numerics import NumberFormat, get_format
+from npuprep.output_files import save_model, write_text_atomic
 from npuprep.probe.classify import Verdict, classify
 from npuprep.probe.micro import ProbeModel, target_elem_type
 from npuprep.probe.runner import ProbeReport, ProbeResult, reference_outputs

@@ -18,9 +18,10 @@ from pathlib import Path
 import onnx
 
 from npuprep.graph import node_label, tensor_types, topological_order, walk_graphs
-from npuprep.model_io import Model, write_text_atomic
+from npuprep.model_io import Model
 from npuprep.names import comment
 from npuprep.numerics import FLOAT_ONNX_TYPES, get_format
+from npuprep.output_files import write_text_atomic
 from npuprep.plan.actions import PinFp32
 from npuprep.plan.plan import Plan
 

@@ -13,8 +13,8 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from npuprep.formatting import number
 from npuprep.report.series import ErrorSeries, Limit, RemedyMark, TensorPoint
-from npuprep.report.terminal import number
 
 INSTALL_HINT = "pip install npuprep[plots]"
 LIMIT_STYLE = {"max": ("#c0392b", "-"), "fp8": ("#7b241c", "-."), "headroom": ("#e67e22", "--"),

@@ -19,6 +19,7 @@ from typing import Any
 
 from npuprep.analyse.finding import Finding
 from npuprep.crosscheck.check import is_sensitive
+from npuprep.formatting import number
 from npuprep.graph import node_label, producers, walk_graphs
 from npuprep.model_io import Model
 from npuprep.numerics import get_format
@@ -26,7 +27,6 @@ from npuprep.plan.actions import Clamp, FindingRef, PinFp32, Rescale, ShiftMax
 from npuprep.plan.host_scale import host_scaled_outputs
 from npuprep.plan.plan import Plan
 from npuprep.profiles import TargetProfile
-from npuprep.report.terminal import number
 
 _ABSMAX = re.compile(r"absmax (-?(?:inf|nan|[0-9.]+(?:e[-+]?[0-9]+)?))")
 # Most telling first: a node with several findings shows the fate that matters most.

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 
 from npuprep.data import Feed
-from npuprep.verify.outputs import OutputErrors, output_passes
+from npuprep.verify.output_errors import OutputErrors, output_passes
 
 VENDORS = ("rknn",)
 
