@@ -105,6 +105,10 @@ class TargetProfile:
         """Safe magnitude: headroom x max finite of the format."""
         return self.headroom * (fmt or self.format).max
 
+    def resolve(self, precision: str | None = None) -> ResolvedTarget:
+        """This profile with the format a run computes in (`precision`, else the default)."""
+        return ResolvedTarget(self, get_format(precision or self.default_precision))
+
     def to_dict(self) -> dict[str, Any]:
         """The profile as YAML-ready data, in the file's own key layout."""
         return {
@@ -130,6 +134,33 @@ class TargetProfile:
             "control_flow": str(self.control_flow),
             "sources": dict(self.sources),
         }
+
+
+@dataclass(frozen=True)
+class ResolvedTarget:
+    """A profile and the format one run computes in, resolved once at the top of a command and
+    passed down: every stage reads the format, its limit and the overflow mode from here."""
+
+    profile: TargetProfile
+    fmt: NumberFormat
+
+    @property
+    def weights(self) -> NumberFormat:
+        """The format the ONNX artefact stores: FP8 targets get FP16 weights (the lowering
+        writes FP16 and the compiler quantises)."""
+        return self.fmt if self.fmt.name in ("fp16", "bf16") else get_format("fp16")
+
+    @property
+    def saturate(self) -> bool:
+        """Overflow behaviour to emulate in `fmt`: saturate only when the profile says so."""
+        if self.fmt.name.startswith("fp8"):
+            return bool(self.profile.fp8_saturate)
+        return self.profile.overflow is OverflowMode.SATURATE
+
+    @property
+    def limit(self) -> float:
+        """Safe magnitude in `fmt`: the profile's headroom x its max finite."""
+        return self.profile.limit(self.fmt)
 
 
 def load_profile(name_or_path: str | Path) -> TargetProfile:

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         from npuprep.calibrate import load_stats
 
         stats = load_stats(stats_arg, model)
-    findings = findings_for(model, profile, stats)
+    findings = findings_for(model, profile.resolve(), stats)
     plan = None
     if args.plan:
         from npuprep.plan import load_plan

@@ -69,10 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _as_exported_note(ref: Any, profile: Any) -> tuple[str, ...]:
     """A note when `convert` would plan on another graph than the one emulated here (the
     fusions a compiler makes): a failure here may be gone there."""
-    from npuprep.convert import for_target
+    from npuprep.rewrite.passes import prepare_for_target
 
-    work, _, changes = for_target(ref, profile)
-    if work is ref or not changes:
+    prepared = prepare_for_target(ref, profile.resolve())
+    changes = prepared.notes
+    if prepared.model is ref or not changes:
         return ()
     return (f"this emulates the model as exported; convert plans and verifies it after the "
             f"changes a compiler makes ({len(changes)}: {changes[0]}{'; ...' if len(changes) > 1 else ''}), "

@@ -210,15 +210,16 @@ def _plan_only(args: argparse.Namespace, model: Any, profile: Any, stats: Any, s
     from dataclasses import replace
 
     from npuprep.analyse import findings_for
-    from npuprep.convert import for_target
     from npuprep.plan import dump_plan
     from npuprep.plan.planner import make_plan
+    from npuprep.rewrite.passes import prepare_for_target
 
-    model, stats, notes = for_target(model, profile, stats,
-                                     list(samples) if samples is not None else None, args.precision)
-    findings = findings_for(model, profile, stats, args.precision)
-    plan = make_plan(model, profile, stats, findings, precision=args.precision)
-    plan = replace(plan, notes=(*notes, *plan.notes))
+    target = profile.resolve(args.precision)
+    prepared = prepare_for_target(model, target, stats,
+                                  list(samples) if samples is not None else None)
+    findings = findings_for(prepared.model, target, prepared.stats)
+    plan = make_plan(prepared.model, target, prepared.stats, findings)
+    plan = replace(plan, notes=(*prepared.notes, *plan.notes))
     files.text(output, dump_plan(plan))
     return plan
 
@@ -264,7 +265,7 @@ def _print_vendor(vendor: dict[str, Any] | None) -> None:
 
 
 def _agreement(errors: dict[str, Any]) -> str:
-    from npuprep.verify.output_errors import ties_said
+    from npuprep.report.output_verdicts import ties_said
 
     if "top_k" not in errors:
         return ""
@@ -359,7 +360,7 @@ def _say_where_the_error_sits(report: dict[str, Any]) -> None:
     """For each output that failed on FP16 precision alone: where its worst sample's error
     sits, so an error at a few undecided positions reads apart from one everywhere."""
     from npuprep.cli.common import say
-    from npuprep.verify.output_errors import where_errors_sit
+    from npuprep.report.output_verdicts import where_errors_sit
 
     for which, name, errors, where in where_errors_sit(report):
         say(f"note: {name} on the {which}: {where}")

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         from npuprep.calibrate import load_stats
 
         stats = load_stats(args.stats, model)
-        findings = findings.merged(measured_findings(model, profile, stats))
+        findings = findings.merged(measured_findings(model, profile.resolve(), stats))
         if stats.mapping_note:
             report = replace(report, notes=(*report.notes, stats.mapping_note))
     if decision is None:

@@ -158,19 +158,20 @@ def build_checklist(
     ctx = _Context(model, profile, model_arg, target_arg, ws_arg, stats_arg or f"{ws_arg}/stats.json",
                    plan_arg or f"{ws_arg}/plan.yaml", workspace)
     from npuprep.analyse import findings_for
-    from npuprep.convert import for_target
+    from npuprep.plan.planner import make_plan
+    from npuprep.rewrite.passes import prepare_for_target
 
     # The graph convert plans: a written-out mean folded, no control flow where the target
     # takes none; a given plan was made on it too.
-    planned, stats, flow_notes = for_target(model, profile, stats)
+    target = profile.resolve()
+    prepared = prepare_for_target(model, target, stats)
+    planned, stats = prepared.model, prepared.stats
     if planned is not model:
-        findings = list(findings_for(planned, profile, stats))
+        findings = list(findings_for(planned, target, stats))
     decision = plan
     if decision is None:
-        from npuprep.plan.planner import make_plan
-
-        decision = make_plan(planned, profile, stats, findings)
-        notes += flow_notes
+        decision = make_plan(planned, target, stats, findings)
+        notes += prepared.notes
     from npuprep.report.story import plan_story
 
     story = plan_story(planned, profile, decision, findings, stats)

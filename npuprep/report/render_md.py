@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from npuprep.names import md_cell, md_code, md_text, shown
-from npuprep.verify.output_errors import ties_said, where_errors_sit
+from npuprep.report.output_verdicts import ties_said, where_errors_sit
 
 
 def _num(v: Any) -> str:

@@ -17,8 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from npuprep.analyse.finding import Finding
-from npuprep.crosscheck.check import is_sensitive
+from npuprep.analyse.finding import Finding, is_sensitive
 from npuprep.formatting import number
 from npuprep.graph import node_label, producers, walk_graphs
 from npuprep.model_io import Model
