@@ -16,7 +16,7 @@ from npuprep.analyse.finding import Finding
 from npuprep.calibrate import CalibrationStats, calibrate
 from npuprep.data import load_samples
 from npuprep.model_io import Model, fingerprint
-from npuprep.plan import Clamp, PinFp32, Rescale, ShiftMax
+from npuprep.plan import Clamp, PinFp32, Rescale, SoftmaxShift
 from npuprep.plan.plan import dump_plan
 from npuprep.plan.planner import make_plan
 from npuprep.profiles import Pinning, Severity, load_profile
@@ -187,7 +187,7 @@ def test_static_findings_shift_or_clamp_where_the_rule_says():
     plan = make_plan(model, GENERIC.resolve(), None, findings)
     # pattern.softmax: the exact max shift comes before any FP32 island, measured or not.
     (shift,) = plan.actions
-    assert isinstance(shift, ShiftMax) and (shift.exp, shift.covers) == ("exp", ("e", "s", "y"))
+    assert isinstance(shift, SoftmaxShift) and (shift.exp, shift.covers) == ("exp", ("e", "s", "y"))
     assert plan.notes[0] == "planned without measured ranges: static findings only"
     # A lone Exp with no softmax around it: the rule says clamp.
     lone = as_model("""
@@ -549,7 +549,7 @@ def test_coarse_softmax_logits_are_shifted_in_fp32_unless_forbidden(tmp_path):
     stats = calibrated(model, samples(4, (4, 8), 2.0), tmp_path)
     plan = make_plan(model, GENERIC.resolve(), stats, [overflow(stats, "e", "exp", "Exp")])
     shift, pin = plan.actions
-    assert isinstance(shift, ShiftMax) and shift.fp32_shift and "too coarse" in shift.why
+    assert isinstance(shift, SoftmaxShift) and shift.fp32_shift and "too coarse" in shift.why
     assert isinstance(pin, PinFp32) and pin.nodes == ("add",)
     plan = make_plan(model, GENERIC.resolve(), stats, [overflow(stats, "e", "exp", "Exp")], forbid_pin=["add"])
     (shift,) = plan.actions

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from npuprep.calibrate.instrument import OVER_FORMATS
+from npuprep.calibrate.layout import OVER_FORMATS
 from npuprep.calibrate.stats import CalibrationStats, RangeStats, read_stats_doc, stats_from_dict
 from npuprep.errors import NpuprepError
 from npuprep.graph import node_label, tensor_types, walk_graphs

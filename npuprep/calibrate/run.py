@@ -15,16 +15,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from npuprep.calibrate.instrument import (
-    FLAGGED,
-    HEADER,
-    HI,
-    LO,
-    SMALLEST_MAX,
-    WIDTH,
-    Instrumented,
-    instrument,
-)
+from npuprep.calibrate.instrument import Instrumented, instrument
+from npuprep.calibrate.layout import FLAGGED, HEADER, HI, LO, SMALLEST_MAX, WIDTH
 from npuprep.calibrate.stats import Accumulator, CalibrationStats
 from npuprep.data import Feed, FeedStream, SampleSet
 from npuprep.errors import NpuprepError
@@ -302,7 +294,7 @@ class Folding:
     on a session that details it, and every tensor whose abs-max in that sample lies near
     the ordinary range's edges, so later samples rarely flag another; a sample where that
     proof fails runs again with the L1 on the tensors concerned. A flagged tensor first gets
-    the lean detail (no If, see instrument._lean_detail) unless the sample already shows it
+    the lean detail (no If, see detail.lean_detail_nodes) unless the sample already shows it
     needs the full one; a lean row that flags gets the full detail. Only rows from
     a run without flags are folded in: the statistics are those of a graph that details
     every tensor.

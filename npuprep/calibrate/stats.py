@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from npuprep import json_io
-from npuprep.calibrate.instrument import HEADER, HIST_BINS, HIST_OFFSET, OVER_FORMATS, WIDTH
+from npuprep.calibrate.layout import HEADER, HIST_BINS, HIST_OFFSET, OVER_FORMATS, WIDTH
 from npuprep.errors import NpuprepError
 from npuprep.json_io import json_number as _num
 from npuprep.numerics import get_format
@@ -70,7 +70,7 @@ class RangeStats:
         None when the detail is incomplete and threshold < HI (ordinary samples may hold
         values up to HI that the histogram did not see).
         """
-        from npuprep.calibrate.instrument import HI
+        from npuprep.calibrate.layout import HI
 
         if self.count == 0 or not threshold < self.absmax:
             return 0.0

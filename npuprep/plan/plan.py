@@ -24,7 +24,7 @@ from npuprep.plan.actions import (
     FindingRef,
     PinFp32,
     Rescale,
-    ShiftMax,
+    SoftmaxShift,
 )
 from npuprep.yaml_io import read_yaml
 
@@ -64,8 +64,8 @@ class Plan:
     def clamps(self) -> list[Clamp]:
         return [a for a in self.actions if isinstance(a, Clamp)]
 
-    def shifts(self) -> list[ShiftMax]:
-        return [a for a in self.actions if isinstance(a, ShiftMax)]
+    def shifts(self) -> list[SoftmaxShift]:
+        return [a for a in self.actions if isinstance(a, SoftmaxShift)]
 
     def pins(self) -> list[PinFp32]:
         return [a for a in self.actions if isinstance(a, PinFp32)]
@@ -138,7 +138,7 @@ def _headline(action: Action) -> str:
     causes = ", ".join(refs[:3]) + (f" and {len(refs) - 3} more" if len(refs) > 3 else "") or "user"
     if isinstance(action, Rescale):
         return f"rescale {action.entry} by 2^{-action.k} ({causes})"
-    if isinstance(action, ShiftMax):
+    if isinstance(action, SoftmaxShift):
         return f"subtract the row maximum before softmax Exp {action.exp} ({causes})"
     if isinstance(action, Clamp) and action.kind == "denominator":
         return f"guard denominator {action.tensor}: |x| >= {action.lo} ({causes})"
@@ -217,14 +217,15 @@ _TOP = ("schema_version", "kind", "fingerprint", "target", "precision", "forbid_
         "actions", "declined", "notes")
 _REQUIRED_TOP = ("schema_version", "kind", "fingerprint", "target", "precision")
 _KEYS = {
-    "shift_max": ("action", "exp", "covers", "fp32_shift", "findings", "measured", "why"),
+    "softmax_shift": ("action", "exp", "covers", "fp32_shift", "findings", "measured", "why"),
     "rescale": ("action", "entry", "k", "domain", "absorbers", "findings", "absmax", "limit",
                 "absmax_after", "why"),
     "clamp": ("action", "tensor", "lo", "hi", "kind", "consumers", "findings", "measured", "why"),
     "pin_fp32": ("action", "nodes", "exit_tensors", "findings", "measured", "forced", "request",
                  "why"),
 }
-_REQUIRED = {"shift_max": ("exp",), "rescale": ("entry", "k"), "clamp": ("tensor", "kind"), "pin_fp32": ("nodes",)}
+_RENAMED = {"shift_max": "softmax_shift"}
+_REQUIRED = {"softmax_shift": ("exp",), "rescale": ("entry", "k"), "clamp": ("tensor", "kind"), "pin_fp32": ("nodes",)}
 
 
 @dataclass
@@ -402,7 +403,8 @@ class _Parser:
             raise self.fail(key, f"expected a mapping, got {_type(data)}")
         if "action" not in data:
             raise self.fail(f"{key}.action", f"required key is missing (one of {', '.join(_KEYS)})")
-        name = data["action"]
+        # Plans written before the remedy had one name across plan/ and rewrite/.
+        name = _RENAMED.get(data["action"], data["action"])
         if name not in _KEYS:
             raise self.fail(f"{key}.action", f"{name!r} is not one of {', '.join(_KEYS)}")
         self.mapping(data, key, _KEYS[name])
@@ -415,14 +417,14 @@ class _Parser:
             return self.rescale(data, key, findings, why)
         if name == "clamp":
             return self.clamp(data, key, findings, why)
-        if name == "shift_max":
-            return ShiftMax(exp=self.node(self.string(data["exp"], f"{key}.exp"), f"{key}.exp"),
-                            covers=self.tensors(data.get("covers"), f"{key}.covers"),
-                            fp32_shift=self.boolean(data.get("fp32_shift", False),
-                                                    f"{key}.fp32_shift"),
-                            findings=findings,
-                            measured=self.measured(data.get("measured"), f"{key}.measured"),
-                            why=why)
+        if name == "softmax_shift":
+            return SoftmaxShift(exp=self.node(self.string(data["exp"], f"{key}.exp"), f"{key}.exp"),
+                                covers=self.tensors(data.get("covers"), f"{key}.covers"),
+                                fp32_shift=self.boolean(data.get("fp32_shift", False),
+                                                        f"{key}.fp32_shift"),
+                                findings=findings,
+                                measured=self.measured(data.get("measured"), f"{key}.measured"),
+                                why=why)
         return self.pin(data, key, findings, why)
 
     def rescale(self, d: dict[str, Any], key: str, findings: tuple[FindingRef, ...], why: str) -> Rescale:

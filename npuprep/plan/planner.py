@@ -28,7 +28,7 @@ REMEDIES: tuple[Remedy, ...] = (
     softmax_shift.propose, rescale_domain.propose, underflow.propose, island.propose,
     clamp.propose,
 )
-_DECLINED_AS = {"shift_max": "softmax shift", "rescale": "rescale", "pin_fp32": "FP32 pin",
+_DECLINED_AS = {"softmax_shift": "softmax shift", "rescale": "rescale", "pin_fp32": "FP32 pin",
                 "clamp": "clamp"}
 
 

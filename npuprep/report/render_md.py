@@ -25,7 +25,7 @@ def _row(cells: list[Any]) -> str:
 def action_target(a: dict[str, Any]) -> str:
     if a["action"] == "rescale":
         return f"{a['entry']} (x2^{-a['k']})"
-    if a["action"] == "shift_max":
+    if a["action"] == "softmax_shift":
         return f"{a['exp']} (x - max)"
     if a["action"] == "clamp":
         return f"{a['tensor']} to [{_num(a['lo'])}, {_num(a['hi'])}]"

@@ -1,7 +1,7 @@
 """Layer-by-layer compare: `ref, cand, samples -> CompareResult` naming the first divergent node.
 
 Both models run in one merged onnxruntime graph that reduces every shared tensor's error
-to a few scalars per sample (see verify/merge.py); the scalars are merged across samples
+to a few scalars per sample (see verify/compare_graph.py); the scalars are merged across samples
 associatively (sums and maxima), so memory does not grow with the samples or the model's
 activations. Tensors whose sample shows Inf/NaN or values at the format's max get a
 second, targeted pass that counts them.
@@ -21,7 +21,7 @@ from npuprep.errors import NpuprepError
 from npuprep.graph import infer_tensors, node_label, producers, topological_order, walk_graphs
 from npuprep.model_io import fingerprint, model_opset
 from npuprep.numerics import FLOAT_ONNX_TYPES, NumberFormat
-from npuprep.verify.merge import (
+from npuprep.verify.compare_graph import (
     BASE_COLUMNS,
     DETAIL_COLUMNS,
     ISO_COLUMNS,
