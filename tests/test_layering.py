@@ -174,3 +174,9 @@ def test_the_readme_map_names_every_module_and_folder():
         if f"{folder.name}/" not in section:
             missing.append(f"{folder.name}/")
     assert missing == []
+
+
+def test_no_module_is_over_800_lines():
+    long = {p.relative_to(ROOT).as_posix(): n for p in ROOT.rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 800}
+    assert long == {}
