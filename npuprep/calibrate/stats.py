@@ -193,12 +193,7 @@ def dump_stats(stats: CalibrationStats) -> str:
 def read_stats_doc(path: str | Path, versions: tuple[int, ...] = _READABLE) -> dict[str, Any]:
     """The JSON of a stats file whose schema_version is one of `versions`."""
     path = Path(path)
-    try:
-        data = json_io.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise NpuprepError(f"{path}: stats file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise NpuprepError(f"{path}: not a stats JSON file ({exc})") from None
+    data = json_io.read_json(path, "stats file")
     if not isinstance(data, dict) or data.get("kind") != "stats":
         raise NpuprepError(f"{path}: not a stats file (kind is {data.get('kind') if isinstance(data, dict) else None!r})")
     if data.get("schema_version") not in versions:

@@ -241,12 +241,7 @@ def _read_scales(path: str) -> dict[str, float]:
     from npuprep.errors import NpuprepError
 
     p = Path(path)
-    if not p.is_file():
-        raise NpuprepError(f"{p}: convert report not found")
-    try:
-        data = json_io.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise NpuprepError(f"{p}: not a JSON file ({exc})") from None
+    data = json_io.read_json(p, "convert report")
     if not isinstance(data, dict) or "tensor_scales" not in data:
         raise NpuprepError(f"{p}: key 'tensor_scales' is missing (expected a convert report)")
     scales = data["tensor_scales"]

@@ -10,7 +10,6 @@ open item says the command to run. The precision item tells the plan's story
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -113,9 +112,9 @@ def scan_workspace(path: str | Path) -> Workspace:
         if not file.is_file():  # a FIFO would block the read
             continue
         try:
-            data = json_io.loads(file.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            notes.append(f"{file}: skipped, not readable JSON ({type(exc).__name__})")
+            data = json_io.read_json(file, "JSON artefact")
+        except NpuprepError as exc:
+            notes.append(f"skipped, {exc}")
             continue
         if isinstance(data, dict) and data.get("kind") in ARTEFACT_KINDS:
             artefacts.setdefault(data["kind"], []).append((str(file), data))
