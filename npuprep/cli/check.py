@@ -76,28 +76,21 @@ def _measured_stats(args: argparse.Namespace, model: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from npuprep.model_io import load_model
-    from npuprep.output_files import SAMPLE_FILES, OutputPlan
-    from npuprep.profiles import Severity, load_profile
+    from npuprep.cli.common import begin
+    from npuprep.profiles import Severity
 
     fail_on = Severity.parse(args.fail_on)
-    profile = load_profile(args.target)
     if args.model is None:
         from npuprep.examples import example_model_path
 
         args.model = str(example_model_path())
         print(f"npuprep: no MODEL given; checking the bundled example {args.model}", file=sys.stderr)
-    model = load_model(args.model)
-    outputs = OutputPlan()
-    outputs.reads_model(args.model)
-    outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
-    outputs.reads(args.stats, "the --stats file")
-    outputs.reads_profile(args.target)
+    run_ = begin(args, inputs=("data", "stats"))
+    profile, target, model, outputs = run_.profile, run_.target, run_.model, run_.outputs
     if args.html:
         outputs.writes(args.html, "--html")
     with outputs.open() as files:
         stats = _measured_stats(args, model)
-        target = profile.resolve(args.precision)
         findings = gather_findings(args, model, target, stats)
         # Findings and plan on the graph convert plans: exact pre-plan rewrites (a folded
         # mean, removed control flow) change what is there to find.

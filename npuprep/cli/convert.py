@@ -68,15 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from npuprep.cli.common import check_rtol, open_samples, print_json
-    from npuprep.model_io import load_model
+    from npuprep.cli.common import begin, check_rtol, open_samples, print_json
     from npuprep.names import file_part
-    from npuprep.output_files import SAMPLE_FILES, OutputPlan
-    from npuprep.profiles import load_profile
     from npuprep.report.artefacts import declare, default_exports, parse_exports
 
-    profile = load_profile(args.target)
-    exports = parse_exports(args.export) if args.export else default_exports(profile.report_format)
     if args.model is None:
         from npuprep.examples import example_data_dir, example_model_path
 
@@ -86,20 +81,15 @@ def run(args: argparse.Namespace) -> int:
     check_rtol(args.rtol, "--rtol")
     if args.plan and args.plan_only:
         raise NpuprepError("--plan and --plan-only together: the plan already exists")
-    model = load_model(args.model)
+    run_ = begin(args, inputs=("data", "holdout", "stats", "plan"))
+    profile, model, outputs = run_.profile, run_.model, run_.outputs
+    exports = parse_exports(args.export) if args.export else default_exports(profile.report_format)
     # Not `<stem>.<target>.plan.yaml`: convert writes the plan it applied there, over a draft.
     default_ext = ".draft.plan.yaml" if args.plan_only else ".onnx"
     # Default names come from the model's file name and the profile's name as data, never a path.
     output = Path(args.output or f"{file_part(Path(args.model).stem, 'model')}."
                                  f"{file_part(profile.name, 'target')}{default_ext}")
     paths = _artefact_paths(args, output, exports)
-    outputs = OutputPlan()
-    outputs.reads_model(args.model)
-    outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
-    outputs.reads(args.holdout, "the --holdout samples", SAMPLE_FILES)
-    outputs.reads(args.stats, "the --stats file")
-    outputs.reads(args.plan, "the --plan file")
-    outputs.reads_profile(args.target)
     declare(outputs, paths)
     if args.report and not args.plan_only:
         outputs.removes_stale(f"{output.with_suffix('')}.report.json", "an older report beside -o")
