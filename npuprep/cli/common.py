@@ -130,6 +130,7 @@ INPUT_ARGUMENTS: dict[str, tuple[str, str]] = {
     "workspace": ("the --workspace folder", "workspace"),
     "classify": ("the --classify kit", "any"),
     "outputs": ("the --outputs folder", "any"),
+    "scales": ("the --scales report", "any"),
 }
 
 
@@ -145,10 +146,11 @@ class Invocation:
 
 
 def begin(args: argparse.Namespace, *, inputs: Sequence[str] = (), model: bool = True,
-          weights: str = "memory") -> Invocation:
+          weights: str = "memory", model_arg: str = "model",
+          model_what: str = "the input model") -> Invocation:
     """The preamble every command shares: load the target (when the command has --target) and
-    the model, and declare the model, its external data, the profile file and `inputs`
-    (names in INPUT_ARGUMENTS) as files no output may land on."""
+    the model (argument `model_arg`), and declare the model, its external data, the profile
+    file and `inputs` (names in INPUT_ARGUMENTS) as files no output may land on."""
     from npuprep.model_io import load_model
     from npuprep.output_files import SAMPLE_FILES, WORKSPACE_FILES, OutputPlan
     from npuprep.profiles import load_profile
@@ -156,10 +158,10 @@ def begin(args: argparse.Namespace, *, inputs: Sequence[str] = (), model: bool =
     patterns = {"samples": SAMPLE_FILES, "workspace": WORKSPACE_FILES, "any": ("*",)}
     profile = load_profile(args.target) if getattr(args, "target", None) else None
     target = profile.resolve(getattr(args, "precision", None)) if profile is not None else None
-    loaded = load_model(args.model, weights=weights) if model else None
+    loaded = load_model(getattr(args, model_arg), weights=weights) if model else None
     plan = OutputPlan()
     if model:
-        plan.reads_model(args.model)
+        plan.reads_model(getattr(args, model_arg), model_what)
     for name in inputs:
         what, files = INPUT_ARGUMENTS[name]
         plan.reads(getattr(args, name, None), what, patterns[files])

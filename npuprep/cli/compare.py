@@ -14,6 +14,7 @@ from npuprep import json_io
 from npuprep.cli.common import (
     add_data,
     add_json,
+    begin,
     fmt,
     nonnegative_float,
     open_samples,
@@ -83,8 +84,6 @@ def _as_exported_note(ref: Any, profile: Any) -> tuple[str, ...]:
 def run(args: argparse.Namespace) -> int:
     from npuprep.errors import NpuprepError
     from npuprep.model_io import load_model
-    from npuprep.output_files import SAMPLE_FILES, OutputPlan
-    from npuprep.profiles import load_profile
     from npuprep.verify.compare import (
         DEFAULT_ATOL,
         compare_models,
@@ -106,14 +105,9 @@ def run(args: argparse.Namespace) -> int:
         raise NpuprepError(f"--with {args.with_vendor} builds a candidate model: give REF CAND, not --emulate")
     if args.report and args.report.endswith(".onnx"):
         raise NpuprepError(f"--report {args.report}: the report is Markdown, not a model")
-    ref = load_model(args.ref)
-    profile = load_profile(args.target) if args.target else None
-    outputs = OutputPlan()
-    outputs.reads_model(args.ref, "the reference model")
+    run_ = begin(args, inputs=("data", "scales"), model_arg="ref", model_what="the reference model")
+    ref, profile, outputs = run_.model, run_.profile, run_.outputs
     outputs.reads_model(args.cand, "the candidate model")
-    outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
-    outputs.reads(args.scales, "the --scales report")
-    outputs.reads_profile(args.target)
     if args.report:
         outputs.writes(args.report, "--report")
     if args.html:
