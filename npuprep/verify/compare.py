@@ -219,6 +219,7 @@ def compare_models(
     if pairs:
         model, layout = merged_graph(ref, cand, pairs, limit=limit, isolate=isolate)
         session = _session(model, threads)
+        del model  # the session holds the weights now
         names = list(layout.stats) + [n for row in sorted(layout.sizes) for n in layout.sizes[row]]
         for index, feed in enumerate(samples):
             values = run(session, dict(feed), names)
@@ -527,14 +528,9 @@ def _count_pass(ref: onnx.ModelProto, cand: onnx.ModelProto, pairs: list[Pair],
 
 
 def _session(model: onnx.ModelProto, threads: int | None) -> Any:
-    """A session on the merged model, serialised once (it holds both models' weights)."""
-    from npuprep.bf16 import has_bf16
+    """A session on the merged model (it holds both models' weights, handed over as arrays).
+    Without prepacked copies of them: a few runs over a compare's samples do not win back a
+    third copy of every weight."""
     from npuprep.runtime.session import make_session
 
-    if has_bf16(model):
-        return make_session(model, threads=threads)  # widened to FP32 first
-    try:
-        data = model.SerializeToString()
-    except (ValueError, RuntimeError):  # past protobuf's 2 GiB: make_session uses external data
-        return make_session(model, threads=threads)
-    return make_session(data, threads=threads)
+    return make_session(model, threads=threads, prepack=False)
