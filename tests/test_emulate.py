@@ -280,3 +280,29 @@ def test_emulation_of_a_safe_graph_matches_the_real_fp16_lowering():
     # Both round to FP16 (different accumulation order inside MatMul): a few FP16 ulps apart.
     np.testing.assert_allclose(emulated, real, rtol=0, atol=8 * FP16.eps * scale)
     assert not np.array_equal(emulated, fp32)  # the emulation did round
+
+
+@pytest.mark.parametrize(("fmt", "saturate"), [(FP16, False), (FP16, True), (E4M3, True)])
+def test_weights_rounded_in_the_graph_give_the_same_numbers_and_keep_the_initialisers(fmt, saturate):
+    # x -> MatMul(x, W)[mm] -> h -> Add(h, W2)[add, pinned] -> y ; W2 also read by mm2: h2 = x @ W2
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((4, 4)) * 300).astype(np.float32)  # beyond E4M3's 448 once multiplied
+    w2 = rng.standard_normal((4, 4)).astype(np.float32) * 1.001
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+         helper.make_node("Add", ["h", "W2"], ["y"], name="add"),
+         helper.make_node("MatMul", ["x", "W2"], ["h2"], name="mm2")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4]),
+         helper.make_tensor_value_info("h2", TensorProto.FLOAT, [4, 4])],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(w2, "W2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    copies = emulate(model, fmt, saturate=saturate, pinned_nodes=["add"])
+    in_graph = emulate(model, fmt, saturate=saturate, pinned_nodes=["add"], weights_in_graph=True)
+    assert [i.SerializeToString() for i in in_graph.model.graph.initializer] == \
+        [i.SerializeToString() for i in model.graph.initializer]
+    assert set(in_graph.rounded_weights) == set(copies.rounded_weights) == {"W", "W2"}
+    feed = {"x": rng.standard_normal((4, 4)).astype(np.float32)}
+    a, b = run_model(copies.model, feed), run_model(in_graph.model, feed)
+    for name in ("y", "h2"):
+        np.testing.assert_array_equal(a[name], b[name])

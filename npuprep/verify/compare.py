@@ -275,7 +275,8 @@ def compare_emulated(
     from npuprep.verify.emulate import emulate
 
     fmt = profile.format
-    emulation = emulate(model, fmt, saturate=profile.saturates, pinned_nodes=pinned_nodes)
+    emulation = emulate(model, fmt, saturate=profile.saturates, pinned_nodes=pinned_nodes,
+                        weights_in_graph=True)
     result = compare_models(
         model, emulation.model, samples,
         rtol=default_rtol(fmt) if rtol is None else rtol,
@@ -533,4 +534,4 @@ def _session(model: onnx.ModelProto, threads: int | None) -> Any:
     third copy of every weight."""
     from npuprep.runtime.session import make_session
 
-    return make_session(model, threads=threads, prepack=False)
+    return make_session(model, threads=threads, prepack=False, optimize=False)
