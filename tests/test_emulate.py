@@ -306,3 +306,26 @@ def test_weights_rounded_in_the_graph_give_the_same_numbers_and_keep_the_initial
     a, b = run_model(copies.model, feed), run_model(in_graph.model, feed)
     for name in ("y", "h2"):
         np.testing.assert_array_equal(a[name], b[name])
+
+
+def test_a_lowered_models_large_weights_are_widened_by_a_cast_and_emulate_the_same():
+    # x -> MatMul(x, W:fp16 as stored) -> y, W 64x512 (64 KiB in FP16: widened in the graph)
+    from npuprep.verify.widen import emulate_lowered
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((64, 512)).astype(np.float16)
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["x"], ["x16"], to=TensorProto.FLOAT16, name="in_cast"),
+         helper.make_node("MatMul", ["x16", "W"], ["y16"], name="mm"),
+         helper.make_node("Cast", ["y16"], ["y"], to=TensorProto.FLOAT, name="out_cast")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 512])],
+        [numpy_helper.from_array(w, "W")])
+    lowered = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    emulation = emulate_lowered(lowered, FP16, saturate=False).model
+    stored = {i.name: i.data_type for i in emulation.graph.initializer}
+    assert stored == {"W__stored": TensorProto.FLOAT16}
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    expected = (x.astype(np.float16).astype(np.float32) @ w.astype(np.float32)).astype(np.float16)
+    np.testing.assert_allclose(run_model(emulation, {"x": x})["y"], expected.astype(np.float32),
+                               rtol=2e-3, atol=2e-3)
