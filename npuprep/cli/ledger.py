@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from npuprep.cli.common import add_data, add_json, out, print_json, print_table, say
+from npuprep.cli.common import add_data, add_json, add_target, out, print_json, print_table, say
 
 help = ("estimate per format what the model costs on the target (roofline from published peaks), "
         "what the FP32 pins cost; board timing kit and measured results")
@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="the FP32 ONNX model")
     p.add_argument("converted", nargs="?", help="the converted model (npuprep convert's output): "
                                                 "its formats and Casts as written")
-    p.add_argument("--target", "-t", required=True, help="built-in profile name or profile YAML path")
+    add_target(p)
     p.add_argument("--plan", help="plan.yaml: its FP32 pins, Casts at their borders (instead of CONVERTED)")
     p.add_argument("--peak", action="append", type=_peak, default=[], metavar="FMT=TFLOPS",
                    help="set a dense peak the profile leaves unknown, e.g. fp16=3 (repeatable)")
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from npuprep.errors import NpuprepError
     from npuprep.ledger.ledger import build_ledger
     from npuprep.model_io import load_model
-    from npuprep.outputs import SAMPLE_FILES, OutputPlan
+    from npuprep.output_files import SAMPLE_FILES, OutputPlan
     from npuprep.profiles import load_profile
 
     if args.converted and args.plan:
@@ -128,13 +128,13 @@ def _feeds(args: argparse.Namespace, model: Any) -> dict[str, Any]:
 
 
 def _ms(value: float | None) -> str:
-    from npuprep.report.terminal import number
+    from npuprep.formatting import number
 
     return "unknown" if value is None else number(value)
 
 
 def _print(doc: dict[str, Any]) -> None:
-    from npuprep.report.terminal import number, percent, ratio
+    from npuprep.formatting import number, percent, ratio
 
     say(f"Ledger of {doc['model']} on {doc['target']} ({doc['throughput']['unit'] or 'unit not named'})")
     print_table("Estimated time per format", ["format", "est. ms", "vs FP32", "memory-bound time",

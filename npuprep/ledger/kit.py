@@ -21,7 +21,7 @@ import onnx
 from npuprep.errors import NpuprepError
 from npuprep.json_io import loads
 from npuprep.ledger.ledger import CONVERTED, Ledger
-from npuprep.outputs import OutputSet
+from npuprep.output_files import OutputSet
 
 KIND = "ledger-kit"
 RESULTS_KIND = "ledger-results"

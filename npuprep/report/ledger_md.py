@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from npuprep.formatting import number, percent, ratio
 from npuprep.names import md_cell, md_text
-from npuprep.report.terminal import number, percent, ratio
 
 
 def _ms(value: float | None) -> str:
