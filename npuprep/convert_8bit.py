@@ -15,25 +15,19 @@ from dataclasses import replace
 from typing import Any
 
 from npuprep.calibrate.scales import DEFAULT_RULE
-from npuprep.convert import (
-    DEFAULT_RTOL,
-    ConversionResult,
-    OutputCheck,
-    _checked_top_k,
-    _sample_shapes,
-    check_outputs,
-    for_target,
-)
+from npuprep.convert import DEFAULT_RTOL, ConversionResult, _checked_top_k
 from npuprep.data import Feed
 from npuprep.errors import NpuprepError
 from npuprep.graph import node_label
 from npuprep.model_io import Model, with_weights
-from npuprep.numerics import EightBitFormat, eight_bit_format, get_format
+from npuprep.numerics import EightBitFormat, eight_bit_format
 from npuprep.plan import Plan
 from npuprep.plan.eight_bit import MAC_OPS, LayerPrecision, decide
 from npuprep.profiles import TargetProfile
 from npuprep.provenance import record_source
 from npuprep.report.flops import node_flops
+from npuprep.verify.output_check import OutputCheck, check_outputs
+from npuprep.verify.pin_rounds import sample_shapes
 
 # Below this share of 8-bit multiply-adds the model has not been converted to 8 bits.
 DEFAULT_MIN_8BIT_SHARE = 0.5
@@ -68,6 +62,7 @@ def convert_8bit(
     from npuprep.plan.planner import make_plan
     from npuprep.rewrite.apply import apply_plan
     from npuprep.rewrite.lower import Lowered
+    from npuprep.rewrite.passes import prepare_for_target
     from npuprep.verify.compare import DEFAULT_ATOL, compare_models
     from npuprep.verify.eight_bit import eight_bit_nodes, quantise, rank_layers, with_opset
 
@@ -82,12 +77,14 @@ def convert_8bit(
     model = with_weights(model)
     top_k = _checked_top_k(model, top_k)
     # The layers kept wider run in FP16: the FP16 remedies keep them in range.
-    wide = get_format("fp16")
-    work, stats, flow_notes = for_target(model, profile, stats, samples, wide.name)
-    findings = findings_for(work, profile, stats, wide.name)
+    target = profile.resolve("fp16")
+    wide = target.fmt
+    prepared = prepare_for_target(model, target, stats, samples)
+    work, stats, flow_notes = prepared.model, prepared.stats, prepared.notes
+    findings = findings_for(work, target, stats)
     if plan is None:
         stage("planning")
-        plan = make_plan(work, profile, stats, findings, precision=wide.name)
+        plan = make_plan(work, target, stats, findings)
         plan = replace(plan, notes=(*flow_notes, *plan.notes))
     stage("rewriting")
     applied = apply_plan(work.proto, plan)
@@ -181,7 +178,7 @@ def convert_8bit(
             "mac_share": shares, "min_8bit_share": min_8bit_share,
             "sensitivity": [s.to_dict() for s in ranking], "kept_wider": widened,
             "kept_wider_cost": _cost(widened, macs),
-            "input_shapes": {k: list(v) for k, v in _sample_shapes(samples).items()},
+            "input_shapes": {k: list(v) for k, v in sample_shapes(samples).items()},
         },
     )
 
@@ -189,7 +186,7 @@ def convert_8bit(
 def _macs(model: Any, samples: Sequence[Feed]) -> dict[str, int]:
     """Multiply-adds (FLOPs / 2) of every Conv/MatMul/Gemm, at the first sample's sizes."""
     ops = {node_label(n): n.op_type for n in model.graph.node}
-    flops = node_flops(model, _sample_shapes(samples))
+    flops = node_flops(model, sample_shapes(samples))
     return {k: v // 2 for k, v in flops.items() if ops.get(k) in MAC_OPS}
 
 

@@ -119,18 +119,6 @@ FLOAT_ONNX_TYPES = {
 }
 
 
-def onnx_type_name(onnx_type: int) -> str:
-    """Short npuprep name of an ONNX element type (`fp16`, `int64`, ...)."""
-    if onnx_type in FLOAT_ONNX_TYPES:
-        return FLOAT_ONNX_TYPES[onnx_type]
-    return TensorProto.DataType.Name(onnx_type).lower()
-
-
-def exponent_bin(x: float) -> int:
-    """Power-of-two bucket of |x|: floor(log2|x|)."""
-    return math.floor(math.log2(abs(x)))
-
-
 @dataclass(frozen=True)
 class EightBitFormat:
     """An 8-bit QDQ format: what one scale step holds and the opset its QuantizeLinear needs.

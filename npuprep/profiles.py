@@ -10,7 +10,7 @@ from typing import Any
 from npuprep.errors import NpuprepError
 from npuprep.numerics import ALL_DTYPE_NAMES, NumberFormat, formats, get_format
 from npuprep.profile_names import builtin_dir, builtin_names
-from npuprep.yaml_io import read_yaml
+from npuprep.yaml_io import YamlReader, read_yaml
 
 
 class OverflowMode(enum.StrEnum):
@@ -58,6 +58,28 @@ DEFAULT_SEVERITY = {
 }
 
 
+# Formats a throughput figure may be given for (TOPS for the integer ones).
+THROUGHPUT_FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Dense peak per format (TFLOPS, or TOPS for integers) of the unit that runs the model,
+    and memory bandwidth (GB/s); None where the vendor publishes none (ask the vendor)."""
+
+    unit: str = ""
+    peak_tflops: dict[str, float | None] = field(default_factory=dict)
+    bandwidth_gbs: float | None = None
+
+    def peak(self, fmt: str) -> float | None:
+        return self.peak_tflops.get(fmt)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"unit": self.unit,
+                "peak_tflops": {k: "unknown" if v is None else v for k, v in self.peak_tflops.items()},
+                "bandwidth_gbs": "unknown" if self.bandwidth_gbs is None else self.bandwidth_gbs}
+
+
 @dataclass(frozen=True)
 class TargetProfile:
     """What a deployment target runs fast, what it lacks, and how it overflows."""
@@ -84,6 +106,7 @@ class TargetProfile:
     # `none`: the compiler refuses If nodes or cannot pin inside them; convert removes them.
     control_flow: ControlFlow = ControlFlow.SUPPORTED
     sources: dict[str, str] = field(default_factory=dict)
+    throughput: Throughput = field(default_factory=Throughput)
     path: str = ""
 
     @property
@@ -104,6 +127,10 @@ class TargetProfile:
     def limit(self, fmt: NumberFormat | None = None) -> float:
         """Safe magnitude: headroom x max finite of the format."""
         return self.headroom * (fmt or self.format).max
+
+    def resolve(self, precision: str | None = None) -> ResolvedTarget:
+        """This profile with the format a run computes in (`precision`, else the default)."""
+        return ResolvedTarget(self, get_format(precision or self.default_precision))
 
     def to_dict(self) -> dict[str, Any]:
         """The profile as YAML-ready data, in the file's own key layout."""
@@ -128,8 +155,36 @@ class TargetProfile:
             "compiler": {"name": self.compiler_name, "report_format": self.report_format},
             "inputs": {"shapes": self.input_shapes, "layout": self.input_layout},
             "control_flow": str(self.control_flow),
+            "throughput": self.throughput.to_dict(),
             "sources": dict(self.sources),
         }
+
+
+@dataclass(frozen=True)
+class ResolvedTarget:
+    """A profile and the format one run computes in, resolved once at the top of a command and
+    passed down: every stage reads the format, its limit and the overflow mode from here."""
+
+    profile: TargetProfile
+    fmt: NumberFormat
+
+    @property
+    def weights(self) -> NumberFormat:
+        """The format the ONNX artefact stores: FP8 targets get FP16 weights (the lowering
+        writes FP16 and the compiler quantises)."""
+        return self.fmt if self.fmt.name in ("fp16", "bf16") else get_format("fp16")
+
+    @property
+    def saturate(self) -> bool:
+        """Overflow behaviour to emulate in `fmt`: saturate only when the profile says so."""
+        if self.fmt.name.startswith("fp8"):
+            return bool(self.profile.fp8_saturate)
+        return self.profile.overflow is OverflowMode.SATURATE
+
+    @property
+    def limit(self) -> float:
+        """Safe magnitude in `fmt`: the profile's headroom x its max finite."""
+        return self.profile.limit(self.fmt)
 
 
 def load_profile(name_or_path: str | Path) -> TargetProfile:
@@ -150,41 +205,12 @@ def load_profile(name_or_path: str | Path) -> TargetProfile:
 _TOP_KEYS = {
     "name", "description", "dtypes", "default_precision", "overflow", "fp8_saturate",
     "accumulate", "subnormals", "fp32_pinning", "keeps_fp32_ops", "headroom", "severity",
-    "compiler", "inputs", "control_flow", "sources",
+    "compiler", "inputs", "control_flow", "sources", "throughput",
 }
 _REQUIRED = ("name", "description", "dtypes", "default_precision", "overflow", "fp32_pinning")
 
 
-class _Reader:
-    """Typed access to a YAML mapping that names the file and key path in every error."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def fail(self, key: str, message: str) -> NpuprepError:
-        return NpuprepError(f"{self.source}: key '{key}': {message}")
-
-    def mapping(self, value: Any, key: str, allowed: set[str] | None = None) -> dict[str, Any]:
-        if not isinstance(value, dict):
-            raise self.fail(key, f"expected a mapping, got {type(value).__name__}")
-        if allowed is not None:
-            for k in value:
-                if k not in allowed:
-                    path = f"{key}.{k}" if key else str(k)
-                    raise self.fail(path, f"unknown key (allowed: {', '.join(sorted(allowed))})")
-        return value
-
-    def string(self, value: Any, key: str) -> str:
-        if not isinstance(value, str):
-            raise self.fail(key, f"expected a string, got {type(value).__name__}")
-        return value
-
-    def choice(self, value: Any, key: str, choices: tuple[str, ...]) -> str:
-        text = self.string(value, key)
-        if text not in choices:
-            raise self.fail(key, f"'{text}' is not one of {', '.join(choices)}")
-        return text
-
+class _Reader(YamlReader):
     def dtype_list(self, value: Any, key: str) -> tuple[str, ...]:
         if value is None:
             return ()
@@ -193,13 +219,6 @@ class _Reader:
         for i, item in enumerate(value):
             self.choice(item, f"{key}[{i}]", ALL_DTYPE_NAMES)
         return tuple(value)
-
-    def str_list(self, value: Any, key: str) -> tuple[str, ...]:
-        if value is None:
-            return ()
-        if not isinstance(value, list):
-            raise self.fail(key, f"expected a list, got {type(value).__name__}")
-        return tuple(self.string(item, f"{key}[{i}]") for i, item in enumerate(value))
 
 
 def parse_profile(data: Any, source: str) -> TargetProfile:
@@ -255,6 +274,7 @@ def parse_profile(data: Any, source: str) -> TargetProfile:
     for k, v in sources.items():
         r.string(v, f"sources.{k}")
 
+    throughput = _throughput(r, top.get("throughput"), sources)
     return TargetProfile(
         name=r.string(top["name"], "name"),
         description=r.string(top["description"], "description"),
@@ -270,7 +290,7 @@ def parse_profile(data: Any, source: str) -> TargetProfile:
         fp8_saturate=fp8_saturate,
         accumulate=r.choice(top.get("accumulate", "unknown"), "accumulate", ("fp32", "fp16", "unknown")),
         subnormals=r.choice(top.get("subnormals", "unknown"), "subnormals", ("keep", "flush", "unknown")),
-        keeps_fp32_ops=r.str_list(top.get("keeps_fp32_ops"), "keeps_fp32_ops"),
+        keeps_fp32_ops=r.strings(top.get("keeps_fp32_ops"), "keeps_fp32_ops"),
         headroom=float(headroom),
         severity=severity,
         compiler_name=r.string(compiler.get("name", ""), "compiler.name"),
@@ -280,5 +300,32 @@ def parse_profile(data: Any, source: str) -> TargetProfile:
         control_flow=ControlFlow(r.choice(top.get("control_flow", "supported"), "control_flow",
                                           tuple(c.value for c in ControlFlow))),
         sources={str(k): v for k, v in sources.items()},
+        throughput=throughput,
         path=source,
     )
+
+
+def _figure(r: _Reader, value: Any, key: str) -> float | None:
+    """A published figure, or `unknown` (None)."""
+    if value is None or value == "unknown":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise r.fail(key, f"expected a positive number or unknown, got {value!r}")
+    return float(value)
+
+
+def _throughput(r: _Reader, value: Any, sources: dict[str, Any]) -> Throughput:
+    """`throughput:`; every published figure needs `sources.peak` / `sources.bandwidth`."""
+    if value is None:
+        return Throughput()
+    top = r.mapping(value, "throughput", {"unit", "peak_tflops", "bandwidth_gbs"})
+    peaks = r.mapping(top.get("peak_tflops", {}) or {}, "throughput.peak_tflops",
+                      set(THROUGHPUT_FORMATS))
+    peak = {str(k): _figure(r, v, f"throughput.peak_tflops.{k}") for k, v in peaks.items()}
+    bandwidth = _figure(r, top.get("bandwidth_gbs"), "throughput.bandwidth_gbs")
+    if any(v is not None for v in peak.values()) and "peak" not in sources:
+        raise r.fail("sources.peak", "a published peak needs its source (datasheet name or URL)")
+    if bandwidth is not None and "bandwidth" not in sources:
+        raise r.fail("sources.bandwidth", "a published bandwidth needs its source")
+    return Throughput(unit=r.string(top.get("unit", ""), "throughput.unit"), peak_tflops=peak,
+                      bandwidth_gbs=bandwidth)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from npuprep.names import md_cell, md_code, md_text, shown
-from npuprep.verify.outputs import ties_said, where_errors_sit
+from npuprep.report.ledger_md import ledger_markdown
+from npuprep.report.output_verdicts import ties_said, where_errors_sit
 
 
 def _num(v: Any) -> str:
@@ -25,7 +26,7 @@ def _row(cells: list[Any]) -> str:
 def action_target(a: dict[str, Any]) -> str:
     if a["action"] == "rescale":
         return f"{a['entry']} (x2^{-a['k']})"
-    if a["action"] == "shift_max":
+    if a["action"] == "softmax_shift":
         return f"{a['exp']} (x - max)"
     if a["action"] == "clamp":
         return f"{a['tensor']} to [{_num(a['lo'])}, {_num(a['hi'])}]"
@@ -116,6 +117,8 @@ def convert_markdown(result: dict[str, Any]) -> str:
                   "undecided is its conditioning there, not the conversion):", ""]
         lines += [f"- {md_code(name)} on the {which}: {md_text(w)}" for which, name, _, w in where]
     lines += _attribution_lines(result)
+    if result.get("ledger"):
+        lines += ledger_markdown(result["ledger"])
     first = result.get("first_divergent")
     if first:
         lines += ["", f"**First divergent node:** {md_code(first.get('node'))} ({md_text(first.get('op_type'))}), "
