@@ -30,6 +30,7 @@ FLOORS: tuple[frozenset[str], ...] = tuple(frozenset(f.split()) for f in (
     "probe",
     "ledger",
     "convert",
+    "convert_8bit",
     "cli __main__",
 ))
 

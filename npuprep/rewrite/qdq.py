@@ -103,6 +103,7 @@ def insert_qdq(model: onnx.ModelProto, nodes: Mapping[str, Mapping[str, Activati
         return RewriteResult(model, False, "no node could be quantised", {"declined": declined})
     g.node.extend(new_nodes)
     _sort(g)
+    _drop_unused_weights(g)
     return RewriteResult(out, True, f"{len(done)} node(s) quantised to {fmt.name}",
                          {"quantised": done, "declined": declined})
 
@@ -143,6 +144,18 @@ def _zero(name: str, fmt: EightBitFormat, shape: tuple[int, ...], *, unsigned: b
     if fmt.is_float:
         return helper.make_tensor(name, fmt.onnx_type, shape, bytes(int(np.prod(shape))), raw=True)
     return numpy_helper.from_array(np.zeros(shape, np.uint8 if unsigned else np.int8), name)
+
+
+def _drop_unused_weights(g: onnx.GraphProto) -> None:
+    """FP32 weights every consumer of which now reads the 8-bit copy leave the file."""
+    from npuprep.graph import walk_graphs
+
+    used = {i for scope in walk_graphs(g) for n in scope.graph.node for i in n.input}
+    used |= {o.name for o in g.output}
+    kept = [i for i in g.initializer if i.name in used]
+    if len(kept) < len(g.initializer):
+        del g.initializer[:]
+        g.initializer.extend(kept)
 
 
 def _sort(g: onnx.GraphProto) -> None:
