@@ -171,11 +171,12 @@ def begin(args: argparse.Namespace, *, inputs: Sequence[str] = (), model: bool =
 
 
 def _float_precision(precision: str | None) -> str | None:
-    """The float format a run's findings and plan use: an 8-bit precision (QDQ, see
-    npuprep.convert_8bit) plans its wider layers in FP16."""
+    """The float format a run's findings and plan use: INT8 (QDQ, see npuprep.convert_8bit)
+    has no float range and plans its wider layers in FP16; FP8 keeps its own."""
     from npuprep.numerics import eight_bit_format
 
-    return "fp16" if precision and eight_bit_format(precision) is not None else precision
+    eight = eight_bit_format(precision) if precision else None
+    return "fp16" if eight is not None and not eight.is_float else precision
 
 
 def open_samples(args: argparse.Namespace, model: Any) -> Any:
