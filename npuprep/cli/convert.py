@@ -375,7 +375,7 @@ def _print_summary(report: dict[str, Any]) -> None:
     source = (f"largest own share '{traced[0]['node']}' ({percent(traced[0]['share'])} of it), "
               f"first seen at '{first['node']}'" if traced and first else
               f"first divergent node '{first['node']}'" if first else "")
-    precision = (f"outputs off by rel L2 {number(worst)} with no Inf/NaN ({report['precision']} precision; "
+    precision = (f"outputs off by rel L2 {number(worst)} with no Inf/NaN ({report['precision'].upper()} precision; "
                  f"--top-k or --rtol are yours): {source}"
                  if first and finite and not any(first.get(k) for k in
                                                  ("inf_count", "nan_count", "saturated_count"))
