@@ -14,7 +14,7 @@ from npuprep.calibrate.stats import RangeStats
 from npuprep.numerics import EightBitFormat
 
 SCALE_RULES = ("absmax", "percentile", "mse")
-DEFAULT_RULE = "mse"
+DEFAULT_RULE = "percentile"
 # The share of elements a percentile clip may cut off.
 PERCENTILE = 99.99
 # Candidate clips for MSE: abs-max x 2^(-j/4), j = 0..GRID (down to 1/64 of the abs-max).

@@ -32,8 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", help="output path (default: <model>.<target>.onnx here)")
     p.add_argument("--precision", help="compute format to target (default: the profile's); int8 "
                    "or fp8_e4m3 write a QDQ model (Conv/MatMul/Gemm in 8 bits, the rest wider)")
-    p.add_argument("--scale-rule", choices=("absmax", "percentile", "mse"), default="mse",
-                   help="8-bit activation scales from the calibration statistics (default mse)")
+    p.add_argument("--scale-rule", choices=("absmax", "percentile", "mse"), default="percentile",
+                   help="8-bit activation scales from the calibration statistics (default "
+                        "percentile)")
     p.add_argument("--min-8bit-share", type=_percent, default=50.0, metavar="PERCENT",
                    help="8-bit only: keep sensitive layers wider only while at least this share "
                         "of the Conv/MatMul/Gemm multiply-adds stays 8-bit; fail below it "
