@@ -1,7 +1,7 @@
 """Planner: findings + measured ranges -> Plan, each finding answered by the first remedy that holds.
 
 The remedies, one file each, in the order written once in REMEDIES: the softmax shift
-(exact rewrite), a power-of-two rescale of the tensor's scale domain, the underflow
+(exact rewrite), a rescale absorbed by a Log (a power spectrum's), a power-of-two rescale of the tensor's scale domain, the underflow
 scale-up, an FP32 island, a clamp. Each proposes an action or declines with a reason; the
 reasons of the declined ones travel into the chosen action's why, or into a note when
 none holds. Findings that measurement shows safe get a note instead of an action. The
@@ -17,7 +17,7 @@ from npuprep.analyse.finding import Finding, Findings
 from npuprep.model_io import Model
 from npuprep.numerics import get_format
 from npuprep.ops import MAKES_MAGNITUDE
-from npuprep.plan import clamp, island, rescale_domain, softmax_shift, underflow
+from npuprep.plan import clamp, island, log_domain, rescale_domain, softmax_shift, underflow
 from npuprep.plan.actions import FindingRef
 from npuprep.plan.context import EXP_INPUT_ERROR, RANGE_RULES, Outcome, PlanContext, Problem
 from npuprep.plan.plan import Plan
@@ -26,8 +26,8 @@ from npuprep.profiles import Severity, TargetProfile
 Remedy = Callable[[PlanContext, Problem, tuple[str, ...]], Outcome]
 # Cheapest exact first; each remedy decides which kinds of problem it answers.
 REMEDIES: tuple[Remedy, ...] = (
-    softmax_shift.propose, rescale_domain.propose, underflow.propose, island.propose,
-    clamp.propose,
+    softmax_shift.propose, log_domain.propose, rescale_domain.propose, underflow.propose,
+    island.propose, clamp.propose,
 )
 _DECLINED_AS = {"shift_max": "softmax shift", "rescale": "rescale", "pin_fp32": "FP32 pin",
                 "clamp": "clamp"}

@@ -1,4 +1,4 @@
-"""Remedy 2, rescale a scale domain: `tensor over the limit -> entry x 2^-k, absorbed downstream`.
+"""Remedy 3, rescale a scale domain: `tensor over the limit -> entry x 2^-k, absorbed downstream`.
 
 The cheapest exact remedy. Walking back from the overflowing tensor through ops that carry
 a scale (npuprep.ops) gives candidate entries: producers with constant weights, affine
@@ -147,6 +147,15 @@ def underflow_veto(ctx: PlanContext, entry: str, k: int, t: str, p: int, r: Any)
     if p >= 0:
         return ""
     fmt = ctx.fmt
+    readers = ctx.readers.get(t, [])
+    if readers and t not in ctx.graph_outputs and all(n.op_type in ("Add", "Sum") for n in readers):
+        # An addend (a power spectrum's re^2): what it loses under the smallest normal is at
+        # most half a subnormal step, small against its sum, which is judged on its own.
+        return ""
+    if t in ctx.log_inputs and r.min * 2.0**p < fmt.min_normal:
+        # A Log's input flushed to 0 gives -inf: no share of it may leave the normal range.
+        return (f"{pow2(-k)} on {entry} brings the smallest value of {t}, a Log's input, to "
+                f"{r.min * 2.0**p:.3g}, under the smallest {fmt.name} normal ({fmt.min_normal:.3g})")
     after = fmt.min_normal / 2.0**p
     newly, before = r.fraction_below(after), r.fraction_below(fmt.min_normal)
     if newly is None or before is None:

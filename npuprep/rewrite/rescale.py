@@ -41,6 +41,7 @@ from npuprep.ops import (
     SCALED_ALL_OUTPUTS,
 )
 from npuprep.rewrite import graph_ops as go
+from npuprep.rewrite.log_offset import add_log_offset
 from npuprep.rewrite.result import RewriteResult
 
 # Affine normalisations an entry can scale (gamma, beta); LpNormalization has none.
@@ -223,6 +224,7 @@ class _Solver:
         self.shared: dict[str, tuple[int, str]] = {}
         self.pending: list[tuple[gs.Node, gs.Tensor]] = []
         self.joined: list[str] = []
+        self.log_offsets: dict[int, int] = {}
         self.check = RescaleCheck(False, "not analysed", entry, k)
 
     # -- analysis -------------------------------------------------------------------------
@@ -461,6 +463,11 @@ class _Solver:
                     self._const_edit(node, idx, p)
             # A node fed only by constants is never visited forward: assign here.
             self._assign(tensor, p, why)
+        elif _squared(node) is not None and p % 2 == 0:
+            # x*x carries x's scale squared: x joins with half the exponent.
+            self._role(node, "propagate")
+            self._request(_squared(node), p // 2, node)
+            self._assign(tensor, p, why)
         elif op in LINEAR_WITH_WEIGHTS or op in _NORMS or op in ("Mul", "Div"):
             try:
                 self._enter_node(node, p, why)
@@ -515,6 +522,14 @@ class _Solver:
             return
         if op in SCALE_INVARIANT_NORMS:
             self._visit_norm(node, scaled)
+            return
+        if op == "Log":
+            # log(2^p x) = log(x) + p ln 2: one added constant after the Log absorbs it.
+            p = self._p(node.inputs[0])
+            self._role(node, "absorb")
+            self.log_offsets[id(node)] = p
+            self.absorbers[label] = Absorber(label, "log_offset", p)
+            self._assign(node.outputs[0], 0, f"absorbed by Log '{label}'")
             return
         p = self._p(node.inputs[scaled[0]])
         if op in SCALE_POWERS:
@@ -757,6 +772,8 @@ class _Solver:
             }
         for (nid, attr), value in self.attr_edits.items():
             self.nodes[nid].attrs[attr] = float(value)
+        for nid, p in sorted(self.log_offsets.items(), key=lambda kv: self.order[kv[0]]):
+            add_log_offset(graph, self.nodes[nid], p)
         fp32_nodes: list[str] = []
         for name, p in sorted(self.input_entries.items()):
             inp = go.graph_input(graph, name) or graph.tensors()[name]
@@ -790,6 +807,17 @@ class _Solver:
             fp32_nodes.append(node_name)
             self.renamed.add(name)
         return fp32_nodes
+
+
+def _squared(node: gs.Node) -> gs.Tensor | None:
+    """x for `Mul(x, x)` or `Pow(x, 2)`, else None."""
+    if node.op == "Mul" and len(node.inputs) == 2 and node.inputs[0] is node.inputs[1]:
+        return node.inputs[0]
+    if node.op == "Pow" and len(node.inputs) == 2:
+        e = go.const_value(node.inputs[1])
+        if e is not None and e.size == 1 and float(e.reshape(())) == 2.0:
+            return node.inputs[0]
+    return None
 
 
 def _cast_is_float(node: gs.Node) -> bool:
