@@ -36,7 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--opset", type=int,
                    help="write the converted model at this default-domain opset "
                         "(default: the model's own; some compilers need 11 or 12)")
-    p.add_argument("--holdout", help="samples not used for calibration, to verify on")
+    p.add_argument("--holdout", help="samples not used for calibration, to verify on (default: "
+                                     "1 in 4 of --data, at least 1 of 2 or more, held out)")
+    p.add_argument("--no-holdout", action="store_true",
+                   help="calibrate and verify on every --data sample (no held-out check)")
     p.add_argument("--rtol", type=positive_float, default=1e-2,
                    help="largest relative L2 error of each output (default 1e-2)")
     p.add_argument("--top-k", action="append", default=[], metavar="OUTPUT:K",
@@ -122,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, paths: dict[str, Path],
              files: Any) -> tuple[dict[str, Any], bool]:
+    from dataclasses import replace
+
     from npuprep.convert import convert
     from npuprep.data import load_samples
     from npuprep.plan import load_plan
@@ -130,18 +135,27 @@ def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, p
         raise NpuprepError("convert verifies on samples: give --data D or --synthetic N")
     plan = load_plan(args.plan, model) if args.plan else None
     holdout = load_samples(args.holdout, model.proto, batched=args.batched) if args.holdout else None
-    stats = _stats(args, model, samples)
+    split = None
+    if holdout is None and not args.no_holdout:
+        from npuprep.holdout import split_holdout
+
+        split = split_holdout(samples)
+        holdout = split.held_out or None
+    calibration = split.calibration if split is not None else samples
+    stats = _stats(args, model, calibration)
     from npuprep.cli.common import progress_stages
     from npuprep.report.artefacts import stage_conversion
 
     with progress_stages("converting", not args.json) as stage:
         result = convert(
-            model, profile, list(samples), stats=stats, plan=plan, precision=args.precision,
+            model, profile, list(calibration), stats=stats, plan=plan, precision=args.precision,
             io_types=args.io_types, rtol=args.rtol, holdout=list(holdout) if holdout else None,
             samples_description=samples.describe(), synthetic=samples.synthetic,
             max_rounds=args.max_rounds, opset=args.opset, max_fp32_share=args.max_fp32_share / 100,
             top_k=parse_top_k(args.top_k), progress=stage,
         )
+        if split is not None:
+            result = replace(result, notes=(split.said, *result.notes))
         vendor = _vendor_check(args, model, result, list(samples), paths, files) \
             if args.verify_with else None
     report = stage_conversion(result, paths, files, vendor)
@@ -305,14 +319,19 @@ def _print_summary(report: dict[str, Any]) -> None:
                     cut_end=("reason", "why"))
         if left:
             say(f"... and {left} more actions (--show-all)")
-    ver = report.get("verification") or {}
-    outputs = ver.get("outputs") or {}
-    judged = any("top_k" in o for o in outputs.values())
-    print_table("Outputs under emulated target numerics",
-                ["output", "Inf/NaN", "max abs err", "rel L2", *(["top-K agree"] if judged else [])],
-                [(k, o["nonfinite"], number(o["max_abs_error"]), number(o["rel_l2"]),
-                  *([_agreement(o)] if judged else []))
-                 for k, o in outputs.items()])
+    for key, title in (("verification", "Outputs under emulated target numerics"),
+                       ("holdout", "Outputs on held-out samples")):
+        check = report.get(key) or {}
+        if key == "holdout" and not check:
+            continue
+        outputs = check.get("outputs") or {}
+        judged = any("top_k" in o for o in outputs.values())
+        print_table(f"{title} ({check.get('samples', 0)} samples)" if check else title,
+                    ["output", "Inf/NaN", "max abs err", "rel L2",
+                     *(["top-K agree"] if judged else [])],
+                    [(k, o["nonfinite"], number(o["max_abs_error"]), number(o["rel_l2"]),
+                      *([_agreement(o)] if judged else []))
+                     for k, o in outputs.items()])
     _print_vendor(report.get("vendor"))
     share = report.get("fp32_share") or {}
     if share.get("islands"):
@@ -348,11 +367,29 @@ def _print_summary(report: dict[str, Any]) -> None:
     if precision:
         _say_where_the_error_sits(report)
     verdict = "PASSED" if report["passed"] else (
+        f"FAILED: {overfit}" if (overfit := _overfit(report)) else
         f"FAILED: {precision}" if precision else
         f"FAILED: first divergent node '{first['node']}' ({first['op_type']})" if first else
         f"FAILED: {report['fp32_share']['headline']}" if outputs_ok and report.get("fp32_share")
         else "FAILED")
     say(f"{verdict}; report: {report['artefacts']['report_md']}", always=True)
+
+
+def _overfit(report: dict[str, Any]) -> str:
+    """The verdict's cause when the calibration samples pass and the held-out ones do not."""
+    from npuprep.report.terminal import number
+
+    ver, held = report.get("verification") or {}, report.get("holdout") or {}
+    if not ver.get("passed") or not held or held.get("passed"):
+        return ""
+    outs = held["outputs"].values()
+    bad = sum(o["nonfinite"] for o in outs)
+    worst = max((o["rel_l2"] for o in outs), default=0.0)
+    was = max((o["rel_l2"] for o in ver["outputs"].values()), default=0.0)
+    return (f"held-out samples fail (rel L2 {number(worst)}"
+            + (f", {bad} Inf/NaN" if bad else "")
+            + f") where the calibration samples pass (rel L2 {number(was)}): the conversion "
+            "fits the samples it was planned on")
 
 
 def _say_where_the_error_sits(report: dict[str, Any]) -> None:
