@@ -17,7 +17,7 @@ from npuprep.analyse.finding import Finding, Findings
 from npuprep.model_io import Model
 from npuprep.numerics import get_format
 from npuprep.ops import MAKES_MAGNITUDE
-from npuprep.plan import clamp, island, log_domain, rescale_domain, softmax_shift, underflow
+from npuprep.plan import clamp, island, log_domain, phase, rescale_domain, softmax_shift, underflow
 from npuprep.plan.actions import FindingRef
 from npuprep.plan.context import EXP_INPUT_ERROR, RANGE_RULES, Outcome, PlanContext, Problem
 from npuprep.plan.plan import Plan
@@ -52,6 +52,9 @@ def make_plan(
     ctx = PlanContext(model, profile, fmt, stats, frozenset(forbid_pin))
     for f in sorted(findings, key=ctx.order_key):
         _handle(ctx, f)
+    if stats is not None:
+        # Not a range problem: a phase too coarse for Sin/Cos overflows nothing.
+        phase.wide_phases(ctx)
     if stats is None:
         ctx.notes.insert(0, "planned without measured ranges: static findings only")
     actions = (*ctx.shifts, *ctx.rescales, *ctx.clamps, *island.merged_pins(ctx))
