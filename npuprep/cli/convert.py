@@ -159,6 +159,9 @@ def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, p
         vendor = _vendor_check(args, model, result, list(samples), paths, files) \
             if args.verify_with else None
     report = stage_conversion(result, paths, files, vendor)
+    from npuprep.report.cause import failure_cause
+
+    report["failure_cause"] = failure_cause(report)
     return report, bool(report["passed"])
 
 
@@ -372,6 +375,11 @@ def _print_summary(report: dict[str, Any]) -> None:
         f"FAILED: first divergent node '{first['node']}' ({first['op_type']})" if first else
         f"FAILED: {report['fp32_share']['headline']}" if outputs_ok and report.get("fp32_share")
         else "FAILED")
+    if report.get("failure_cause"):
+        # The cause first, then the gate it tripped.
+        gate = verdict.removeprefix("FAILED").removeprefix(": ") or (
+            "outputs over their tolerance" if not outputs_ok else "")
+        verdict = f"FAILED: {report['failure_cause']}" + (f"; then {gate}" if gate else "")
     say(f"{verdict}; report: {report['artefacts']['report_md']}", always=True)
 
 

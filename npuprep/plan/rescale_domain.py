@@ -134,12 +134,32 @@ def checked(ctx: PlanContext, entry: str, k: int, focus: str = "") -> tuple[Any 
             if r.absmax * 2.0**p > worst:
                 worst, worst_tensor = r.absmax * 2.0**p, t
         if worst <= ctx.limit:
+            pushed = _pushed_constant(ctx, entry, k)
+            if pushed:
+                return None, pushed
             return check, check.reason
         if k < 0:
             break
         k += needed_k(worst, ctx.limit)
     return None, (f"{pow2(-k)} on {entry} leaves {worst_tensor} at {worst:.6g}, over the limit "
                   f"{ctx.limit:.6g}")
+
+
+def _pushed_constant(ctx: PlanContext, entry: str, k: int) -> str:
+    """Why scaling `entry` by 2^-k pushes a weight past the format's max (lowering would
+    keep its node FP32), or "" when every scaled constant still fits."""
+    key = (entry, k)
+    if key not in ctx.scaled_cache:
+        done = apply_rescale(ctx.model.proto, entry, k)
+        ctx.scaled_cache[key] = dict(done.details.get("scaled_constants", {})) if done else {}
+    past = {name: c for name, c in ctx.scaled_cache[key].items()
+            if c["exponent"] > 0 and c["absmax"] > ctx.fmt.max}
+    if not past:
+        return ""
+    values = sorted(c["absmax"] for c in past.values())
+    span = f"{values[0]:.6g}" + (f" .. {values[-1]:.6g}" if len(values) > 1 else "")
+    return (f"{pow2(-k)} on {entry} pushes {', '.join(sorted(past)[:3])} to {span}, past "
+            f"{ctx.fmt.name}'s max {ctx.fmt.max:.6g}: lowering would keep their nodes FP32")
 
 
 def underflow_veto(ctx: PlanContext, entry: str, k: int, t: str, p: int, r: Any) -> str:
