@@ -108,8 +108,8 @@ def test_power_spectrum_into_log_converts_with_every_node_fp16():
 
 
 def test_floor_reached_by_silence_keeps_only_the_chain_wide():
-    # silent frames put 1e-10 at the Log: no scale keeps both it and 1e9 -> the chain is pinned
-    # (quieter audio: the STFT itself fits FP16, so the chain is all that must stay wide)
+    # silent frames put 1e-10 at the Log: no scale keeps both it and 1e11 -> the chain is pinned
+    # (quiet audio: the STFT itself fits FP16, so the chain is all that must stay wide)
     proto = _spectrum_model("Add")
     model = Model(proto=proto, path="spectrum.onnx", digest="spectrum")
     samples = _loud_audio(6, 1, silent=True, peak=1024.0)
@@ -121,3 +121,17 @@ def test_floor_reached_by_silence_keeps_only_the_chain_wide():
     (y,) = result.output_check.outputs.values()
     assert y["nonfinite"] == 0 and y["rel_l2"] <= 1e-2
     assert {"sq_re", "sq_im", "power", "log"} <= set(result.pinned_nodes) <= CHAIN
+
+
+def test_loud_stft_is_scaled_into_fp16_while_the_chain_stays_wide():
+    # loud audio + silence: re, im reach 1e5 -> stft_conv x 2^-k (FP16), squares..Log pinned
+    proto = _spectrum_model("Add")
+    model = Model(proto=proto, path="spectrum.onnx", digest="spectrum")
+    samples = _loud_audio(6, 1, silent=True)
+    stats = calibrate(model, samples)
+    assert stats.tensors["re"].absmax > 65504
+    result = convert(model, load_profile("generic"), samples, stats=stats, max_fp32_share=1.0)
+    assert [r.entry for r in result.plan.rescales()] == ["stft_conv"]
+    assert set(result.plan.pinned_nodes()) == CHAIN
+    assert "stft_conv" not in result.pinned_nodes
+    assert result.output_check, result.output_check.to_dict()

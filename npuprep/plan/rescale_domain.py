@@ -134,7 +134,7 @@ def checked(ctx: PlanContext, entry: str, k: int, focus: str = "") -> tuple[Any 
             if r.absmax * 2.0**p > worst:
                 worst, worst_tensor = r.absmax * 2.0**p, t
         if worst <= ctx.limit:
-            pushed = _pushed_constant(ctx, entry, k)
+            pushed = pushed_constant(ctx, entry, k)
             if pushed:
                 return None, pushed
             return check, check.reason
@@ -145,7 +145,7 @@ def checked(ctx: PlanContext, entry: str, k: int, focus: str = "") -> tuple[Any 
                   f"{ctx.limit:.6g}")
 
 
-def _pushed_constant(ctx: PlanContext, entry: str, k: int) -> str:
+def pushed_constant(ctx: PlanContext, entry: str, k: int) -> str:
     """Why scaling `entry` by 2^-k pushes a weight past the format's max (lowering would
     keep its node FP32), or "" when every scaled constant still fits."""
     key = (entry, k)
