@@ -16,9 +16,10 @@ from dataclasses import replace
 from typing import Any
 
 from npuprep.graph import constant_value, node_label
-from npuprep.plan.actions import Declined, PinFp32, Rescale
+from npuprep.plan.actions import Clamp, Declined, PinFp32, Rescale
 from npuprep.plan.context import Outcome, PlanContext, Problem
 from npuprep.plan.rescale_domain import (
+    checked,
     entries_for,
     needed_k,
     pow2,
@@ -59,7 +60,8 @@ def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outc
             f"the input {x} of Log {label} spans {span}, wider than the {ctx.fmt.name} normal "
             f"range under the limit (x{room:.3g}): no power of two keeps both ends, and a value "
             "flushed to 0 has log -inf"), (problem.ref,))
-        wide = _wide_chain(ctx, problem, log, declined.reason)
+        wide = _wide_chain(ctx, problem, log, declined.reason) \
+            or _floored_in_fp16(ctx, problem, log, declined.reason)
         if wide:
             ctx.declined.append(declined)
             return wide
@@ -112,6 +114,38 @@ def _wide_chain(ctx: PlanContext, problem: Problem, log: Any, span: str) -> list
         return [replace(rescale, why=(f"{', '.join(sources)} reach {absmax:.6g} before the "
                                       f"FP32 chain into Log {node_label(log)}: " + rescale.why)),
                 pin]
+    return []
+
+
+def _floored_in_fp16(ctx: PlanContext, problem: Problem, log: Any, span: str) -> list[Any]:
+    """[Rescale, Clamp] for a target that cannot pin: the chain scaled into the format and
+    the Log input floored at the smallest subnormal (a value flushed to 0 would give -inf).
+    Exact above that floor; below it (digital silence, the model's own floor) the log reads
+    the floor instead: only an FP32 pin of the chain could keep those, the why says so."""
+    if ctx.profile.fp32_pinning is not Pinning.NONE:
+        return []
+    x = log.input[0]
+    candidates, _ = entries_for(ctx, problem.tensor)
+    for entry in candidates:
+        check, _ = checked(ctx, entry, needed_k(problem.absmax or 0.0, ctx.limit), problem.tensor,
+                           floored_logs=True)
+        if check is None or not check.exponents.get(x):
+            continue
+        p = check.exponents[x]
+        r = ctx.range_of(x)
+        lo = ctx.fmt.min_subnormal * 2.0**-p
+        share = r.fraction_below(lo) if r is not None else None
+        rescale = rescale_action(ctx, entry, check, (problem.ref,), problem.tensor,
+                                 problem.absmax or 0.0, "")
+        said = (f"{span}; target {ctx.profile.name} cannot pin the chain, so {x} is scaled by "
+                f"{pow2(p)} and floored at {ctx.fmt.name}'s smallest subnormal ({lo:.3g} "
+                f"unscaled): exact above it" + (f", {share:.2%} of the calibration values lie "
+                                                 "below it" if share is not None else "")
+                + f"; only an FP32 pin of the chain into {node_label(log)} could keep those")
+        clamp = Clamp(x, lo, None, "log", (node_label(log),), (problem.ref,),
+                      {"floor": lo, **({"share_below": share} if share is not None else {})},
+                      said)
+        return [replace(rescale, why=f"{said}; " + rescale.why), clamp]
     return []
 
 

@@ -611,6 +611,11 @@ class _Solver:
         pa, pb = self._p(node.inputs[0]), self._p(node.inputs[1])
         const_idx = self._const_index(node)
         if const_idx is not None and const_idx not in scaled:
+            if _feeds_log(node):
+                # A Log ahead absorbs the scale with one constant; weights absorbing it here
+                # would leave the reference's large values between them and the Log.
+                self._propagate_linear(node, scaled)
+                return
             p = pa + pb
             self._absorb_weight(node, const_idx, p)
             return
@@ -807,6 +812,26 @@ class _Solver:
             fp32_nodes.append(node_name)
             self.renamed.add(name)
         return fp32_nodes
+
+
+# Ops between a linear node and the Log that can absorb its scale (a mel filterbank's
+# transposes, the floor), and how far the Log may be.
+_TO_LOG = frozenset({"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Max", "Add",
+                     "Clip", "Relu"})
+_TO_LOG_STEPS = 4
+
+
+def _feeds_log(node: gs.Node) -> bool:
+    """Whether `node`'s output reaches a Log through _TO_LOG ops within _TO_LOG_STEPS."""
+    frontier = [node]
+    for _ in range(_TO_LOG_STEPS):
+        readers = [r for n in frontier for out in n.outputs for r in out.outputs]
+        if any(r.op == "Log" for r in readers):
+            return True
+        frontier = [r for r in readers if r.op in _TO_LOG]
+        if not frontier:
+            return False
+    return False
 
 
 def _squared(node: gs.Node) -> gs.Tensor | None:
