@@ -135,3 +135,20 @@ def test_loud_stft_is_scaled_into_fp16_while_the_chain_stays_wide():
     assert set(result.plan.pinned_nodes()) == CHAIN
     assert "stft_conv" not in result.pinned_nodes
     assert result.output_check, result.output_check.to_dict()
+
+
+def test_target_that_cannot_pin_scales_the_chain_and_floors_the_log_input():
+    # rk3588: tones -> rescale absorbed by log, passes; + silence -> floor at the smallest
+    # subnormal: finite, and the clamp says only a pin keeps the silent frames' log
+    rk = load_profile("rk3588")
+    model = Model(proto=_spectrum_model("Add"), path="spectrum.onnx", digest="spectrum")
+    tones = _loud_audio(6, 1)
+    result = convert(model, rk, tones, stats=calibrate(model, tones))
+    assert result, result.output_check.to_dict()
+    silent = _loud_audio(6, 1, silent=True)
+    result = convert(model, rk, silent, stats=calibrate(model, silent))
+    (clamp,) = result.plan.clamps()
+    assert clamp.tensor == "floored" and clamp.kind == "log" and clamp.lo > 0
+    assert "only an FP32 pin of the chain into log" in clamp.why
+    (y,) = result.output_check.outputs.values()
+    assert y["nonfinite"] == 0

@@ -125,10 +125,15 @@ def _floored_in_fp16(ctx: PlanContext, problem: Problem, log: Any, span: str) ->
     if ctx.profile.fp32_pinning is not Pinning.NONE:
         return []
     x = log.input[0]
-    candidates, _ = entries_for(ctx, problem.tensor)
+    chain, sources = _chain_back(ctx, log)
+    inside = frozenset(o for n in chain for o in ctx.node(n).output)
+    # Nearest the squares first: one scale then covers the transform that feeds them too.
+    candidates = list(dict.fromkeys(
+        [*(e for s in sources[:1] for e in entries_for(ctx, s)[0]),
+         *entries_for(ctx, problem.tensor)[0]]))
     for entry in candidates:
         check, _ = checked(ctx, entry, needed_k(problem.absmax or 0.0, ctx.limit), problem.tensor,
-                           floored_logs=True)
+                           exempt=inside)
         if check is None or not check.exponents.get(x):
             continue
         p = check.exponents[x]
@@ -145,6 +150,8 @@ def _floored_in_fp16(ctx: PlanContext, problem: Problem, log: Any, span: str) ->
         clamp = Clamp(x, lo, None, "log", (node_label(log),), (problem.ref,),
                       {"floor": lo, **({"share_below": share} if share is not None else {})},
                       said)
+        # One floor per Log input, set for the latest scale (a later problem may deepen k).
+        ctx.clamps[:] = [c for c in ctx.clamps if c.tensor != x]
         return [replace(rescale, why=f"{said}; " + rescale.why), clamp]
     return []
 

@@ -100,10 +100,10 @@ def rescaled_constant(ctx: PlanContext, name: str) -> tuple[str, float] | None:
 
 
 def checked(ctx: PlanContext, entry: str, k: int, focus: str = "",
-            floored_logs: bool = False) -> tuple[Any | None, str]:
+            exempt: frozenset[str] = frozenset()) -> tuple[Any | None, str]:
     """check_rescale, then the stats: every domain tensor within the limit (k grows until
-    it is) and none pushed under the smallest normal in a harmful share (`floored_logs`: Log
-    inputs exempt, their caller clamps them above 0)."""
+    it is) and none pushed under the smallest normal in a harmful share (`exempt` tensors
+    excepted: a chain whose Log input the caller floors above 0)."""
     fitted = not focus or k < 0
     worst, worst_tensor = 0.0, ""
     for _ in range(MAX_DEEPEN):
@@ -130,8 +130,8 @@ def checked(ctx: PlanContext, entry: str, k: int, focus: str = "",
             r = ctx.range_of(t)
             if r is None:
                 return None, f"no measured range for domain tensor {t}"
-            if floored_logs and t in ctx.log_inputs:
-                continue  # the caller floors this Log input at the smallest subnormal
+            if t in exempt:
+                continue  # the caller answers for what flushes there (a floored Log chain)
             reason = underflow_veto(ctx, entry, k, t, p, r)
             if reason:
                 return None, reason

@@ -21,7 +21,17 @@ def failure_cause(report: dict[str, Any]) -> str:
     """One clause naming the underflow behind a failed conversion, or "" when none shows."""
     if report.get("passed"):
         return ""
-    return _underflowing_output(report) or _weights_pushed_up(report)
+    return _underflowing_output(report) or _weights_pushed_up(report) or _needs_a_pin(report)
+
+
+def _needs_a_pin(report: dict[str, Any]) -> str:
+    """A hazard the plan found that only an FP32 pin fixes, on a target that cannot pin: a
+    note (a coarse phase), or the floor of a Log chain scaled into the format."""
+    said = [*report.get("plan", {}).get("notes", []),
+            *(a["why"] for a in report.get("actions", []) if a["action"] == "clamp")]
+    found = next((n for n in said if "only an FP32 pin" in n), "")
+    # A clamp's why opens with the Log input's span: the pin is what the line must say.
+    return found[found.find("target "):] if found.startswith("the input") else found
 
 
 def _underflowing_output(report: dict[str, Any]) -> str:
