@@ -1,4 +1,4 @@
-"""A random-logit classifier (logits ~1e-9): its FAILED line names the underflow, then the gate."""
+"""A random-logit classifier (logits ~1e-10): its FAILED line names the underflow, then the gate."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from npuprep.report.cause import failure_cause
 
 
 def _random_logit_classifier(tmp_path):
-    # x -> Gemm(W1 ~ 1e-12) -> Relu -> Gemm(W2 ~ 4) -> logits ~1e-9
+    # x -> Gemm(W1 ~ 1e-12) -> Relu -> Gemm(W2 ~ 4) -> logits ~1e-10
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array((rng.standard_normal((64, 64)) * 1e-12).astype(np.float32), "W1"),
              numpy_helper.from_array((rng.standard_normal((64, 10)) * 4.0).astype(np.float32), "W2")]
@@ -32,13 +32,13 @@ def _random_logit_classifier(tmp_path):
 
 
 def test_random_logit_classifier_failed_line_names_underflow_first(tmp_path):
-    # the scale up of fc2 would push W2 past FP16 (declined): logits flush; the line says so
+    # rk3588 runs the lift's compensating Mul in FP16: logits of 1e-10 flush; the line says so
     path, data = _random_logit_classifier(tmp_path)
-    proc = run_cli("convert", path, "-t", "generic", "--data", data, "-o", tmp_path / "c.onnx")
+    proc = run_cli("convert", path, "-t", "rk3588", "--data", data, "-o", tmp_path / "c.onnx")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     verdict = " ".join(proc.stdout.split("\nFAILED: ")[-1].split())
     assert verdict.startswith("underflow: output logits lives at |x| <= "), proc.stdout
-    assert "pushes W2 to" in verdict and "past fp16's max" in verdict
+    assert "under the smallest fp16 normal" in verdict
     assert "; then outputs over their tolerance" in verdict
 
 

@@ -138,9 +138,6 @@ def checked(ctx: PlanContext, entry: str, k: int, focus: str = "",
             if r.absmax * 2.0**p > worst:
                 worst, worst_tensor = r.absmax * 2.0**p, t
         if worst <= ctx.limit:
-            pushed = pushed_constant(ctx, entry, k)
-            if pushed:
-                return None, pushed
             return check, check.reason
         if k < 0:
             break
