@@ -2,7 +2,7 @@
 
 Run: python bench/bench_attribution.py [--model ppocr_rec] [--target generic]
 
-On the graph convert plans (npuprep.convert.for_target), emulated in FP16 (every node but the
+On the graph convert plans (npuprep.rewrite.passes.prepare_for_target), emulated in FP16 (every node but the
 pinned ones rounded), per sample of calib + heldout:
 - rel L2 of the first output under onnxruntime's basic and full graph optimisations: the same
   arithmetic in another FP32 summation order, so any difference is how much the model
@@ -24,13 +24,13 @@ import onnxruntime as ort
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corpus  # noqa: E402 - the sibling script, run from anywhere
 
-from npuprep.convert import for_target  # noqa: E402
 from npuprep.graph import node_label  # noqa: E402
 from npuprep.model_io import load_model  # noqa: E402
 from npuprep.numerics import get_format  # noqa: E402
 from npuprep.ops import LINEAR_WITH_WEIGHTS  # noqa: E402
 from npuprep.profiles import load_profile  # noqa: E402
 from npuprep.report.flops import node_flops  # noqa: E402
+from npuprep.rewrite.passes import prepare_for_target  # noqa: E402
 from npuprep.verify.attribution import attribute_error  # noqa: E402
 from npuprep.verify.emulate import emulate  # noqa: E402
 
@@ -65,7 +65,8 @@ def main() -> int:
     folder = root / args.model
     samples = [dict(np.load(p)) for sub in ("calib", "heldout")
                for p in sorted((folder / sub).glob("*.npz"))]
-    work, _, _ = for_target(load_model(str(root / entry["path"])), load_profile(args.target))
+    work = prepare_for_target(load_model(str(root / entry["path"])),
+                              load_profile(args.target).resolve()).model
     model, fmt = work.proto, get_format("fp16")
     shapes = {k: tuple(v.shape) for k, v in samples[0].items()}
     flops = node_flops(model, shapes)

@@ -115,7 +115,7 @@ def steady(ref: onnx.ModelProto, emu: onnx.ModelProto, feeds: list, threads: int
     load from other processes hits all of them alike; min and median over the runs."""
     from npuprep.runtime.session import make_session, run
     from npuprep.verify.compare import _layout_aliases, _pairs, _session
-    from npuprep.verify.merge import merged_graph
+    from npuprep.verify.compare_graph import merged_graph
 
     pairs = _layout_aliases(ref, emu, _pairs(ref, emu, {})[0], {})[0]
     sessions = {"plain-ref": (make_session(ref, threads=threads), None),

@@ -161,7 +161,7 @@ def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
 
 def write_example(folder: Path) -> list[Path]:
     """Write planner.onnx and data/sample_NNN.npz under `folder`; returns the paths."""
-    from npuprep.model_io import save_model
+    from npuprep.output_files import save_model
 
     folder = Path(folder)
     written = [save_model(build_planner(), folder / "planner.onnx")]

@@ -16,7 +16,6 @@ import numpy as np
 import onnx
 
 from npuprep.errors import NpuprepError
-from npuprep.numerics import FLOAT_ONNX_TYPES
 
 Feed = dict[str, np.ndarray]
 # What names a sample in a stats file: its file name (directories), else its index.
@@ -375,10 +374,6 @@ def _validate(feed: Feed, specs: tuple[InputSpec, ...], where: str) -> Feed:
     return out
 
 
-def is_float_input(spec: InputSpec) -> bool:
-    return onnx.helper.np_dtype_to_tensor_dtype(spec.dtype) in FLOAT_ONNX_TYPES
-
-
 def _as_low_float(arr: np.ndarray, want: np.dtype) -> np.ndarray:
     """A BF16/FP8 input as numpy stores it: `.npz` keeps ml_dtypes arrays as raw bytes
     (void of the same width), which are the values themselves; FP32 given for such an input
@@ -390,4 +385,3 @@ def _as_low_float(arr: np.ndarray, want: np.dtype) -> np.ndarray:
     if arr.dtype == np.float32:
         return arr.astype(want)
     return arr
-

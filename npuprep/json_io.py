@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 from typing import Any
+
+from npuprep.errors import NpuprepError
 
 # npuprep's own files nest a few levels; a compiler report a dozen at most.
 MAX_DEPTH = 64
@@ -76,3 +79,17 @@ def check_depth(text: str, max_depth: int = MAX_DEPTH) -> None:
                 raise json.JSONDecodeError(f"nested deeper than {max_depth} levels", text, m.start())
         elif c in "]}":
             depth -= 1
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    """The JSON in `path`; a missing, unreadable or malformed file is one NpuprepError that
+    names the file and `what` it should have been ("stats file", "probe kit manifest")."""
+    path = Path(path)
+    try:
+        return loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise NpuprepError(f"{path}: {what} not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise NpuprepError(f"{path}: cannot read the {what} ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise NpuprepError(f"{path}: not a valid {what} (JSON line {exc.lineno}: {exc.msg})") from None

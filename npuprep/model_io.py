@@ -471,31 +471,6 @@ _PACKED_TYPES = frozenset(
 )
 
 
-def save_model(
-    proto: onnx.ModelProto,
-    path: str | Path,
-    *,
-    protected: tuple[str | Path, ...] = (),
-    external_data: bool | None = None,
-) -> Path:
-    """Write a model atomically; never over a protected (input) file or its weights.
-
-    Models too big for one protobuf (or `external_data=True`) get their weights in
-    `<name>.data` next to the model. The data file is renamed into place first, then the
-    model, so a reader never sees a model pointing at missing weights; an older `.data`
-    the new model does not use is removed.
-    """
-    from npuprep.outputs import OutputPlan
-
-    plan = OutputPlan()
-    for p in protected:
-        plan.reads_model(p)
-    plan.writes_model(path, "the model")
-    with plan.open() as files:
-        files.model(proto, path, external_data=external_data)
-    return Path(path)
-
-
 def write_model_files(
     proto: onnx.ModelProto, tmp_model: Path, tmp_data: Path, data_name: str,
     *, external_data: bool | None = None,
@@ -506,7 +481,7 @@ def write_model_files(
     if external_data is None:
         external_data = proto.ByteSize() > PROTOBUF_LIMIT - 64 * 2**20
     if not external_data:
-        _write_bytes(tmp_model, proto.SerializeToString(deterministic=True))
+        write_bytes(tmp_model, proto.SerializeToString(deterministic=True))
         return False
     model = onnx.ModelProto()
     model.CopyFrom(proto)
@@ -524,28 +499,13 @@ def write_model_files(
         for entry in tensor.external_data:
             if entry.key == "location":
                 entry.value = data_name
-    _write_bytes(tmp_model, final.SerializeToString(deterministic=True))
+    write_bytes(tmp_model, final.SerializeToString(deterministic=True))
     with open(tmp_data, "rb+") as fh:
         os.fsync(fh.fileno())
     return True
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write a text artefact atomically (temp file in the same folder, then rename)."""
-    from npuprep.outputs import temp_name
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_name(path)
-    try:
-        _write_bytes(tmp, text.encode("utf-8"))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
+def write_bytes(path: Path, data: bytes) -> None:
     with open(path, "wb") as fh:
         fh.write(data)
         fh.flush()

@@ -117,15 +117,3 @@ FLOAT_ONNX_TYPES = {
     TensorProto.FLOAT8E4M3FN: "fp8_e4m3",
     TensorProto.FLOAT8E5M2: "fp8_e5m2",
 }
-
-
-def onnx_type_name(onnx_type: int) -> str:
-    """Short npuprep name of an ONNX element type (`fp16`, `int64`, ...)."""
-    if onnx_type in FLOAT_ONNX_TYPES:
-        return FLOAT_ONNX_TYPES[onnx_type]
-    return TensorProto.DataType.Name(onnx_type).lower()
-
-
-def exponent_bin(x: float) -> int:
-    """Power-of-two bucket of |x|: floor(log2|x|)."""
-    return math.floor(math.log2(abs(x)))

@@ -10,7 +10,7 @@ from typing import Any
 from npuprep.errors import NpuprepError
 from npuprep.numerics import ALL_DTYPE_NAMES, NumberFormat, formats, get_format
 from npuprep.profile_names import builtin_dir, builtin_names
-from npuprep.yaml_io import read_yaml
+from npuprep.yaml_io import YamlReader, read_yaml
 
 
 class OverflowMode(enum.StrEnum):
@@ -105,6 +105,10 @@ class TargetProfile:
         """Safe magnitude: headroom x max finite of the format."""
         return self.headroom * (fmt or self.format).max
 
+    def resolve(self, precision: str | None = None) -> ResolvedTarget:
+        """This profile with the format a run computes in (`precision`, else the default)."""
+        return ResolvedTarget(self, get_format(precision or self.default_precision))
+
     def to_dict(self) -> dict[str, Any]:
         """The profile as YAML-ready data, in the file's own key layout."""
         return {
@@ -132,6 +136,33 @@ class TargetProfile:
         }
 
 
+@dataclass(frozen=True)
+class ResolvedTarget:
+    """A profile and the format one run computes in, resolved once at the top of a command and
+    passed down: every stage reads the format, its limit and the overflow mode from here."""
+
+    profile: TargetProfile
+    fmt: NumberFormat
+
+    @property
+    def weights(self) -> NumberFormat:
+        """The format the ONNX artefact stores: FP8 targets get FP16 weights (the lowering
+        writes FP16 and the compiler quantises)."""
+        return self.fmt if self.fmt.name in ("fp16", "bf16") else get_format("fp16")
+
+    @property
+    def saturate(self) -> bool:
+        """Overflow behaviour to emulate in `fmt`: saturate only when the profile says so."""
+        if self.fmt.name.startswith("fp8"):
+            return bool(self.profile.fp8_saturate)
+        return self.profile.overflow is OverflowMode.SATURATE
+
+    @property
+    def limit(self) -> float:
+        """Safe magnitude in `fmt`: the profile's headroom x its max finite."""
+        return self.profile.limit(self.fmt)
+
+
 def load_profile(name_or_path: str | Path) -> TargetProfile:
     """Load a built-in profile by name, or a user's profile from a YAML path."""
     text = str(name_or_path)
@@ -155,36 +186,7 @@ _TOP_KEYS = {
 _REQUIRED = ("name", "description", "dtypes", "default_precision", "overflow", "fp32_pinning")
 
 
-class _Reader:
-    """Typed access to a YAML mapping that names the file and key path in every error."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def fail(self, key: str, message: str) -> NpuprepError:
-        return NpuprepError(f"{self.source}: key '{key}': {message}")
-
-    def mapping(self, value: Any, key: str, allowed: set[str] | None = None) -> dict[str, Any]:
-        if not isinstance(value, dict):
-            raise self.fail(key, f"expected a mapping, got {type(value).__name__}")
-        if allowed is not None:
-            for k in value:
-                if k not in allowed:
-                    path = f"{key}.{k}" if key else str(k)
-                    raise self.fail(path, f"unknown key (allowed: {', '.join(sorted(allowed))})")
-        return value
-
-    def string(self, value: Any, key: str) -> str:
-        if not isinstance(value, str):
-            raise self.fail(key, f"expected a string, got {type(value).__name__}")
-        return value
-
-    def choice(self, value: Any, key: str, choices: tuple[str, ...]) -> str:
-        text = self.string(value, key)
-        if text not in choices:
-            raise self.fail(key, f"'{text}' is not one of {', '.join(choices)}")
-        return text
-
+class _Reader(YamlReader):
     def dtype_list(self, value: Any, key: str) -> tuple[str, ...]:
         if value is None:
             return ()
@@ -193,13 +195,6 @@ class _Reader:
         for i, item in enumerate(value):
             self.choice(item, f"{key}[{i}]", ALL_DTYPE_NAMES)
         return tuple(value)
-
-    def str_list(self, value: Any, key: str) -> tuple[str, ...]:
-        if value is None:
-            return ()
-        if not isinstance(value, list):
-            raise self.fail(key, f"expected a list, got {type(value).__name__}")
-        return tuple(self.string(item, f"{key}[{i}]") for i, item in enumerate(value))
 
 
 def parse_profile(data: Any, source: str) -> TargetProfile:
@@ -270,7 +265,7 @@ def parse_profile(data: Any, source: str) -> TargetProfile:
         fp8_saturate=fp8_saturate,
         accumulate=r.choice(top.get("accumulate", "unknown"), "accumulate", ("fp32", "fp16", "unknown")),
         subnormals=r.choice(top.get("subnormals", "unknown"), "subnormals", ("keep", "flush", "unknown")),
-        keeps_fp32_ops=r.str_list(top.get("keeps_fp32_ops"), "keeps_fp32_ops"),
+        keeps_fp32_ops=r.strings(top.get("keeps_fp32_ops"), "keeps_fp32_ops"),
         headroom=float(headroom),
         severity=severity,
         compiler_name=r.string(compiler.get("name", ""), "compiler.name"),

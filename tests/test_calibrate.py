@@ -12,7 +12,8 @@ import pytest
 
 import npuprep.runtime.session as runtime_session
 from npuprep.calibrate import calibrate, load_stats, save_stats
-from npuprep.calibrate.instrument import HI, LO, instrument
+from npuprep.calibrate.instrument import instrument
+from npuprep.calibrate.layout import HI, LO
 from npuprep.data import load_samples, synthetic_samples
 from npuprep.errors import NpuprepError
 from npuprep.graph import float_tensor_names

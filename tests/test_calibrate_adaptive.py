@@ -8,7 +8,7 @@ import pytest
 
 import npuprep.calibrate.run as calibrate_run
 from npuprep.calibrate import calibrate
-from npuprep.calibrate.instrument import HI, LO
+from npuprep.calibrate.layout import HI, LO
 from npuprep.data import load_samples
 from npuprep.model_io import load_model
 from tests.conftest import save_matmul_eye

@@ -57,7 +57,7 @@ def test_bad_input_exits_2_with_one_line(save):
 def test_gather_findings_is_the_one_place_findings_come_from(save):
     path = save(EXP)
     args = argparse.Namespace(model=str(path), target="generic", json=True, fail_on="error")
-    findings = check.gather_findings(args, load_model(path), load_profile("generic"))
+    findings = check.gather_findings(args, load_model(path), load_profile("generic").resolve())
     assert [f.rule for f in findings] == ["hazard.exp"] and findings
 
 
@@ -65,7 +65,7 @@ def test_findings_that_read_the_same_share_one_table_row(save):
     # x -> Exp -> Exp -> Exp -> Exp -> Exp -> y: five identical hazards, one row
     chain = " ".join(f"e{i} = Exp ({'x' if i == 0 else f'e{i - 1}'})" for i in range(4))
     path = save(HEAD + f"g (float[4] x) => (float[4] y) {{ {chain} y = Exp (e3) }}")
-    findings = check.gather_findings(argparse.Namespace(), load_model(path), load_profile("generic"))
+    findings = check.gather_findings(argparse.Namespace(), load_model(path), load_profile("generic").resolve())
     assert len(findings) == 5
     [row] = check._rows(findings)
     assert row[1] == "hazard.exp" and "(+2)" in row[2] and len(row) == 6

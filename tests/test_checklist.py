@@ -385,7 +385,7 @@ def test_story_says_shifted_for_a_written_out_softmax(save, tmp_path):
                               "-o", tmp_path / "p.yaml", "--json").stdout)
     story = json.loads(run_cli("checklist", path, "--target", "a2000", "--stats", stats,
                                "--json").stdout)["story"]
-    assert [a["action"] for a in plan["actions"]] == ["shift_max"] and story["actions"] == {"shift_max": 1}
+    assert [a["action"] for a in plan["actions"]] == ["softmax_shift"] and story["actions"] == {"softmax_shift": 1}
     assert {s["node"]: s["fate"] for s in story["nodes"]} == {"exp": "shifted", "sum": "shifted",
                                                               "div": "shifted"}
     exp = next(s for s in story["nodes"] if s["node"] == "exp")

@@ -20,7 +20,7 @@ from npuprep.plan import PinFp32, Plan, save_plan
 # What the orin conversion of test_conversion_stats.source_model keeps in FP32: the Exp->Log
 # island (plan pin) and the softmax shift's subtraction (a rewrite's pin, in precision.yaml only).
 PLAN_PINS = {"a_node", "q_node"}
-REWRITE_PINS = {"shift_max_e_node", "shift_max_e_node_max"}
+REWRITE_PINS = {"softmax_shift_e_node", "softmax_shift_e_node_max"}
 
 
 def _report(tmp_path, name, converted, fp32=(), overrides=None):
@@ -46,7 +46,7 @@ def test_precision_yaml_pins_must_run_in_fp32(conversion, tmp_path):  # noqa: F8
     verdicts = _verdicts(bad)
     assert {n for n, v in verdicts.items() if v["verdict"] == "pin-ignored"} == PLAN_PINS | REWRITE_PINS
     assert "hazard.exp at a" in verdicts["a_node"]["reason"]
-    assert "kept FP32 by rewriting" in verdicts["shift_max_e_node"]["reason"]
+    assert "kept FP32 by rewriting" in verdicts["softmax_shift_e_node"]["reason"]
     # The softmax the plan shifted and the rescaled MatMul run in FP16: not a mismatch.
     for node in ("e_node", "s_node", "p_node", "h_node", "r_node"):
         assert verdicts[node]["verdict"] == "ok", verdicts[node]

@@ -51,7 +51,7 @@ def by_rule(findings, tensor: str) -> dict[str, object]:
 def test_fp16_overflow_headroom_and_quiet_tensors(measure):
     profile = load_profile("generic")
     model, stats = measure([[100.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0], [2.0, 1.0, 1.0, 1.0]])
-    f = measured_findings(model, profile, stats)
+    f = measured_findings(model, profile.resolve(), stats)
     over = by_rule(f, "y")["range.overflow"]
     assert over.severity is Severity.ERROR and over.op_type == "MatMul" and over.remedy == "rescale"
     assert over.evidence["absmax"] == 100000.0 and over.evidence["format_max"] == 65504.0
@@ -60,34 +60,34 @@ def test_fp16_overflow_headroom_and_quiet_tensors(measure):
     assert not f  # an error-level finding makes the collection falsy
     # 40 * 1000 = 40000 lies between headroom x max (32752) and max.
     model, stats = measure([[40.0, 1.0, 2.0, 3.0], [1.0, 1.0, 1.0, 1.0]])
-    head = by_rule(measured_findings(model, profile, stats), "y")
+    head = by_rule(measured_findings(model, profile.resolve(), stats), "y")
     assert set(head) == {"range.headroom"} and head["range.headroom"].severity is Severity.WARNING
     assert head["range.headroom"].evidence["limit"] == 0.5 * 65504
     assert head["range.headroom"].evidence["share_above_limit"] == pytest.approx(1 / 8)
     model, stats = measure([[3.0, 1.0, 2.0, 3.0]])
-    assert "y" not in {x.tensor for x in measured_findings(model, profile, stats)}
+    assert "y" not in {x.tensor for x in measured_findings(model, profile.resolve(), stats)}
 
 
 def test_precision_fp8_e4m3_checks_against_448(measure):
     profile = load_profile("generic")
     model, stats = measure([[0.5, 1.0, 2.0, 3.0]])
-    assert "range.overflow" not in by_rule(measured_findings(model, profile, stats), "y")
-    fp8 = by_rule(measured_findings(model, profile, stats, precision="fp8_e4m3"), "y")["range.overflow"]
+    assert "range.overflow" not in by_rule(measured_findings(model, profile.resolve(), stats), "y")
+    fp8 = by_rule(measured_findings(model, profile.resolve("fp8_e4m3"), stats), "y")["range.overflow"]
     assert fp8.evidence["format"] == "fp8_e4m3" and fp8.evidence["format_max"] == 448.0
     assert fp8.evidence["count_above_max"] == 4
     with pytest.raises(NpuprepError, match="unknown number format"):
-        measured_findings(model, profile, stats, precision="fp7")
+        measured_findings(model, profile.resolve("fp7"), stats)
 
 
 def test_underflow_and_nonfinite_values(measure):
     profile = load_profile("generic")
     model, stats = measure([[0.0, 1.0, 2.0, 3.0], [5.0, 1.0, 2.0, 3.0]])
-    f = measured_findings(model, profile, stats)
+    f = measured_findings(model, profile.resolve(), stats)
     under = by_rule(f, "tiny")["range.underflow"]
     # 1e-6 .. 5e-6: every nonzero value is below FP16's 6.1e-5.
     assert under.evidence["share_below_min_normal"] == 1.0 and under.evidence["count_below_min_normal"] == 7
     assert under.severity is Severity.WARNING
-    assert "range.underflow" not in by_rule(measured_findings(model, profile, stats, precision="bf16"), "tiny")
+    assert "range.underflow" not in by_rule(measured_findings(model, profile.resolve("bf16"), stats), "tiny")
     nonfinite = by_rule(f, "lg")["range.nonfinite"]
     assert nonfinite.evidence["inf_count"] == 1 and nonfinite.severity is Severity.ERROR
 
@@ -96,7 +96,7 @@ def test_severities_follow_the_profile(measure):
     profile = load_profile("generic")
     relaxed = dataclasses.replace(profile, severity={**profile.severity, "overflow": Severity.WARNING})
     model, stats = measure([[100.0, 1.0, 2.0, 3.0]])
-    assert by_rule(measured_findings(model, relaxed, stats), "y")["range.overflow"].severity is Severity.WARNING
+    assert by_rule(measured_findings(model, relaxed.resolve(), stats), "y")["range.overflow"].severity is Severity.WARNING
 
 
 def test_check_cli_with_data_stats_precision_and_synthetic(save, tmp_path):
@@ -141,7 +141,7 @@ def test_additive_masks_are_one_warning_and_log_of_zero_stays_an_error(save, tmp
     for i, row in enumerate([[0.0, 1.0, 2.0, 3.0], [5.0, 1.0, 2.0, 3.0]]):
         np.savez(folder / f"{i}.npz", x=np.array([row], np.float32))
     stats = calibrate(model, load_samples(str(folder), model.proto))
-    found = measured_findings(model, load_profile("a2000"), stats)
+    found = measured_findings(model, load_profile("a2000").resolve(), stats)
     masks = [f for f in found if f.rule == "range.mask"]
     assert len(masks) == 1 and masks[0].severity is Severity.WARNING
     assert masks[0].evidence["tensors"] == ["masked"]  # constants are not calibrated

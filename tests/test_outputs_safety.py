@@ -19,7 +19,7 @@ import yaml
 from onnx import TensorProto, helper
 
 from npuprep.errors import NpuprepError
-from npuprep.outputs import OutputPlan
+from npuprep.output_files import OutputPlan
 from tests.conftest import model_from_text, run_cli
 
 # x -> Mul(x, x) -> Add(., x) -> y: a square that overflows FP16 for |x| > 256.
@@ -121,7 +121,7 @@ def test_failure_before_the_last_rename_keeps_the_older_set(tmp_path: Path) -> N
 
 def test_a_signal_during_the_renames_lands_after_the_whole_set(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    import npuprep.outputs as outputs
+    import npuprep.output_files as outputs
 
     paths = [tmp_path / f"{i}.txt" for i in range(3)]
     plan = OutputPlan()
@@ -167,7 +167,7 @@ def test_a_second_run_on_the_same_output_is_refused_and_stale_temporaries_go(tmp
 
 
 def test_an_older_weights_file_the_new_model_does_not_use_is_removed(tmp_path: Path) -> None:
-    from npuprep.model_io import save_model
+    from npuprep.output_files import save_model
 
     model = model_from_text(SQUARE)
     (tmp_path / "out.onnx.data").write_bytes(b"weights of an older model")

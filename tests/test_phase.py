@@ -71,12 +71,12 @@ def test_small_phases_stay_fp16_and_a_target_that_cannot_pin_gets_a_note():
     model = _model()
     small = _timesteps(4, 1, top=3.0)
     stats = calibrate(model, small)
-    plan = make_plan(model, load_profile("generic"), stats,
-                     findings_for(model, load_profile("generic"), stats))
+    generic = load_profile("generic").resolve()
+    plan = make_plan(model, generic, stats, findings_for(model, generic, stats))
     assert not plan.pinned_nodes()
     big = _timesteps(4, 1)
     stats = calibrate(model, big)
-    rk = load_profile("rk3588")
+    rk = load_profile("rk3588").resolve()
     plan = make_plan(model, rk, stats, findings_for(model, rk, stats))
     said = [n for n in plan.notes if "read phase phase" in n]
     assert said and "only an FP32 pin of phase_mul, sin, cos could fix it" in said[0]

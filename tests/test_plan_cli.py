@@ -26,7 +26,7 @@ def test_plan_only_writes_a_loadable_plan_and_a_bad_edit_exits_2(tmp_path):
     assert (tmp_path / "plan.yaml").read_bytes() == (tmp_path / "again.yaml").read_bytes()
 
     data = yaml.safe_load((tmp_path / "plan.yaml").read_text(encoding="utf-8"))
-    i = next(i for i, a in enumerate(data["actions"]) if a["action"] == "shift_max")
+    i = next(i for i, a in enumerate(data["actions"]) if a["action"] == "softmax_shift")
     data["actions"][i]["exp"] = "no_such_node"
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(data), encoding="utf-8")
     bad = run_cli("convert", "--target", "orin", "--plan", "bad.yaml", "-o", "out.onnx", cwd=tmp_path)

@@ -16,7 +16,7 @@ from npuprep.plan import (
     PinFp32,
     Plan,
     Rescale,
-    ShiftMax,
+    SoftmaxShift,
     load_plan,
     save_plan,
 )
@@ -56,7 +56,7 @@ def sample_plan(fingerprint: str) -> Plan:
                     findings=(FindingRef("range.overflow", "exp", "e"),),
                     measured={"absmax": 2.7e5, "exit_absmax": 1.0}, request=True,
                     why="rescale declined: Exp does not commute"),
-            ShiftMax(exp="exp", covers=("e", "d", "y"), fp32_shift=True,
+            SoftmaxShift(exp="exp", covers=("e", "d", "y"), fp32_shift=True,
                      findings=(FindingRef("pattern.softmax", "exp", "e"),),
                      measured={"input_absmax": 40.0}, why="subtract the row maximum: exact"),
         ),
@@ -166,3 +166,13 @@ def test_save_replaces_an_old_file_and_leaves_no_temporaries(model, tmp_path):
     save_plan(sample_plan(model.fingerprint), path)
     assert load_plan(path, model) == sample_plan(model.fingerprint)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "plan.yaml"]
+
+
+def test_a_plan_written_with_the_softmax_shifts_old_action_name_still_loads(model, tmp_path):
+    data = sample_plan(model.fingerprint).to_dict()
+    shifts = [a for a in data["actions"] if a["action"] == "softmax_shift"]
+    assert shifts, "the sample plan holds a softmax shift"
+    for a in shifts:
+        a["action"] = "shift_max"
+    plan = load_plan(write(tmp_path, data), model)
+    assert plan == sample_plan(model.fingerprint)

@@ -16,7 +16,7 @@ from npuprep.analyse.finding import Finding
 from npuprep.calibrate import CalibrationStats, calibrate
 from npuprep.data import load_samples
 from npuprep.model_io import Model, fingerprint
-from npuprep.plan import Clamp, PinFp32, Rescale, ShiftMax
+from npuprep.plan import Clamp, PinFp32, Rescale, SoftmaxShift
 from npuprep.plan.plan import dump_plan
 from npuprep.plan.planner import make_plan
 from npuprep.profiles import Pinning, Severity, load_profile
@@ -100,7 +100,7 @@ def test_rescale_is_chosen_when_feasible_and_its_numbers_hold(tmp_path):
     stats = calibrated(model, feeds, tmp_path)
     absmax = stats.tensors["h"].absmax
     assert absmax > LIMIT
-    plan = make_plan(model, GENERIC, stats, [overflow(stats, "h", "mm1", "MatMul")])
+    plan = make_plan(model, GENERIC.resolve(), stats, [overflow(stats, "h", "mm1", "MatMul")])
     assert [type(a) for a in plan.actions] == [Rescale]
     rs = plan.actions[0]
     k = math.ceil(math.log2(absmax / LIMIT))
@@ -121,7 +121,7 @@ def test_rescale_is_declined_for_exp_and_the_island_pins_the_softmax(tmp_path):
     model = as_model(SOFTMAX)
     stats = calibrated(model, samples(4, (2, 4), 8.0), tmp_path)
     assert stats.tensors["e"].absmax > LIMIT
-    plan = make_plan(model, GENERIC, stats, [overflow(stats, "e", "exp", "Exp")])
+    plan = make_plan(model, GENERIC.resolve(), stats, [overflow(stats, "e", "exp", "Exp")])
     (pin,) = plan.actions
     assert isinstance(pin, PinFp32) and not pin.request and not pin.forced
     assert pin.nodes == ("exp", "sum", "div") and pin.exit_tensors == ("y",)
@@ -137,7 +137,7 @@ def test_rescale_is_declined_for_exp_and_the_island_pins_the_softmax(tmp_path):
 def test_compiler_decides_turns_the_pin_into_a_request(tmp_path):
     model = as_model(SOFTMAX)
     stats = calibrated(model, samples(4, (2, 4), 8.0), tmp_path)
-    plan = make_plan(model, load_profile("a2000"), stats, [overflow(stats, "e", "exp", "Exp")])
+    plan = make_plan(model, load_profile("a2000").resolve(), stats, [overflow(stats, "e", "exp", "Exp")])
     (pin,) = plan.actions
     assert isinstance(pin, PinFp32) and pin.request
     assert "request" in pin.why and plan.pinned_nodes() == {"exp", "sum", "div"}
@@ -148,7 +148,7 @@ def test_no_pinning_declines_a_clamp_that_would_change_measured_values(tmp_path)
     stats = calibrated(model, samples(4, (2, 4), 12.0), tmp_path)
     assert stats.tensors["e"].absmax > GENERIC.format.max
     profile = dataclasses.replace(GENERIC, fp32_pinning=Pinning.NONE)
-    plan = make_plan(model, profile, stats, [overflow(stats, "e", "exp", "Exp")])
+    plan = make_plan(model, profile.resolve(), stats, [overflow(stats, "e", "exp", "Exp")])
     # ln(limit) = 10.396 lies inside the measured inputs: clipping there changes the answer.
     assert stats.tensors["x"].fraction_above(10.396) > 0
     assert plan.actions == () and plan.pinned_nodes() == set()
@@ -164,7 +164,7 @@ def test_no_pinning_clamps_an_exp_input_that_stays_within_the_bound(tmp_path):
     stats = calibrated(model, samples(4, (2, 4), 2.0), tmp_path)
     profile = dataclasses.replace(GENERIC, fp32_pinning=Pinning.NONE)
     finding = dataclasses.replace(overflow(stats, "e", "exp", "Exp"), rule="hazard.exp", remedy="clamp")
-    plan = make_plan(model, profile, None, [finding])
+    plan = make_plan(model, profile.resolve(), None, [finding])
     (clamp,) = plan.actions
     assert isinstance(clamp, Clamp)
     assert (clamp.tensor, clamp.kind, clamp.consumers, clamp.lo) == ("x", "exp", ("exp",), None)
@@ -175,7 +175,7 @@ def test_no_pinning_clamps_an_exp_input_that_stays_within_the_bound(tmp_path):
 def test_forbidden_nodes_decline_the_pin_with_the_reason(tmp_path):
     model = as_model(SOFTMAX)
     stats = calibrated(model, samples(4, (2, 4), 8.0), tmp_path)
-    plan = make_plan(model, GENERIC, stats, [overflow(stats, "e", "exp", "Exp")], forbid_pin=["sum"])
+    plan = make_plan(model, GENERIC.resolve(), stats, [overflow(stats, "e", "exp", "Exp")], forbid_pin=["sum"])
     assert plan.actions == ()
     assert "forbid_pin excludes" in plan.declined[1].reason and "sum" in plan.declined[1].reason
     assert plan.forbid_pin == ("sum",)
@@ -184,10 +184,10 @@ def test_forbidden_nodes_decline_the_pin_with_the_reason(tmp_path):
 def test_static_findings_shift_or_clamp_where_the_rule_says():
     model = as_model(WRITTEN_SOFTMAX)
     findings = static_findings(model, GENERIC)
-    plan = make_plan(model, GENERIC, None, findings)
+    plan = make_plan(model, GENERIC.resolve(), None, findings)
     # pattern.softmax: the exact max shift comes before any FP32 island, measured or not.
     (shift,) = plan.actions
-    assert isinstance(shift, ShiftMax) and (shift.exp, shift.covers) == ("exp", ("e", "s", "y"))
+    assert isinstance(shift, SoftmaxShift) and (shift.exp, shift.covers) == ("exp", ("e", "s", "y"))
     assert plan.notes[0] == "planned without measured ranges: static findings only"
     # A lone Exp with no softmax around it: the rule says clamp.
     lone = as_model("""
@@ -196,7 +196,7 @@ def test_static_findings_shift_or_clamp_where_the_rule_says():
         [exp] y = Exp (x)
     }
     """)
-    plan = make_plan(lone, GENERIC, None, static_findings(lone, GENERIC))
+    plan = make_plan(lone, GENERIC.resolve(), None, static_findings(lone, GENERIC))
     (clamp,) = plan.actions
     assert isinstance(clamp, Clamp) and (clamp.kind, clamp.hi, clamp.consumers) == ("exp", 10.396, ("exp",))
 
@@ -204,7 +204,7 @@ def test_static_findings_shift_or_clamp_where_the_rule_says():
 def test_measured_safe_hazard_gets_a_note_not_an_action(tmp_path):
     model = as_model(WRITTEN_SOFTMAX)
     stats = calibrated(model, samples(4, (2, 4), 1.0), tmp_path)
-    plan = make_plan(model, GENERIC, stats, static_findings(model, GENERIC))
+    plan = make_plan(model, GENERIC.resolve(), stats, static_findings(model, GENERIC))
     assert plan.actions == ()
     assert len(plan.notes) == 1 and plan.notes[0].startswith("pattern.softmax at y: measured absmax")
     assert "no action" in plan.notes[0]
@@ -214,12 +214,12 @@ def test_plan_does_not_depend_on_finding_order(tmp_path):
     model = as_model(CHAIN)
     stats = calibrated(model, samples(4, (2, 4), 10.0), tmp_path)
     findings = [overflow(stats, t, n, "X") for t, n in (("h", "mm1"), ("r", "relu"))]
-    first = dump_plan(make_plan(model, GENERIC, stats, findings))
+    first = dump_plan(make_plan(model, GENERIC.resolve(), stats, findings))
     shuffled = list(reversed(findings))
     random.Random(3).shuffle(shuffled)
-    assert dump_plan(make_plan(model, GENERIC, stats, shuffled)) == first
+    assert dump_plan(make_plan(model, GENERIC.resolve(), stats, shuffled)) == first
     # The second finding lies in the same scale domain: one rescale answers both.
-    plan = make_plan(model, GENERIC, stats, findings)
+    plan = make_plan(model, GENERIC.resolve(), stats, findings)
     (rs,) = plan.actions
     assert [str(f) for f in rs.findings] == ["range.overflow at h", "range.overflow at r"]
 
@@ -243,7 +243,7 @@ def test_stats_veto_a_rescale_that_would_flush_small_values_and_the_pin_says_why
     fmt_min = GENERIC.format.min_normal
     pushed = h.fraction_below(fmt_min * 2.0**k) - h.fraction_below(fmt_min)
     assert pushed > 0.01  # the planted trap: k is feasible for the graph, not for the values
-    plan = make_plan(model, GENERIC, stats, [overflow(stats, "h", "mm1", "MatMul")])
+    plan = make_plan(model, GENERIC.resolve(), stats, [overflow(stats, "h", "mm1", "MatMul")])
     (pin,) = plan.actions
     assert isinstance(pin, PinFp32) and pin.nodes == ("mm1", "relu", "mm2")
     assert pin.exit_tensors == ("y",) and stats.tensors["y"].absmax <= LIMIT
@@ -270,7 +270,7 @@ def test_underflow_is_rescaled_up_by_a_power_of_two(tmp_path):
     assert h.fraction_below(fmt.min_normal) > 0.5
     finding = Finding(rule="range.underflow", severity=Severity.WARNING, node="mm1",
                       op_type="MatMul", message="below min normal", tensor="h")
-    plan = make_plan(model, GENERIC, stats, [finding])
+    plan = make_plan(model, GENERIC.resolve(), stats, [finding])
     (rs,) = plan.actions
     assert isinstance(rs, Rescale) and rs.entry == "mm1" and rs.k < 0
     assert rs.domain == {"h": -rs.k} and rs.absorbers == ("mm2",)
@@ -301,7 +301,7 @@ def test_static_layernorm_pattern_pins_its_members_from_the_mean_to_the_division
     """)
     findings = static_findings(model, GENERIC)
     assert [f.rule for f in findings] == ["pattern.layernorm"]
-    plan = make_plan(model, GENERIC, None, findings)
+    plan = make_plan(model, GENERIC.resolve(), None, findings)
     (pin,) = plan.actions
     assert pin.nodes == ("mean", "sub", "pow", "var", "add", "sqrt", "div")
     assert pin.exit_tensors == ("y",)
@@ -324,7 +324,7 @@ def test_no_pinning_declines_a_guard_below_measured_denominators_which_a_user_ma
               "b": np.concatenate([rng.uniform(0.5, 2, 15), [1e-4]]).astype(np.float32)}
              for _ in range(3)]
     stats = calibrated(model, feeds, tmp_path)
-    plan = make_plan(model, NO_PIN, stats, [overflow(stats, "y", "div", "Div")])
+    plan = make_plan(model, NO_PIN.resolve(), stats, [overflow(stats, "y", "div", "Div")])
     # Every overflowing quotient has its denominator below the guard: guarding it would
     # change measured values, so the planner declines and says so.
     assert plan.actions == ()
@@ -342,7 +342,7 @@ def test_no_pinning_declines_a_guard_below_measured_denominators_which_a_user_ma
 def test_no_pinning_and_no_clamp_leaves_a_reasoned_note(tmp_path):
     model = as_model(WIDE)
     stats = calibrated(model, samples(2, (64, 4), 1.0), tmp_path)
-    plan = make_plan(model, NO_PIN, stats, [overflow(stats, "h", "mm1", "MatMul")])
+    plan = make_plan(model, NO_PIN.resolve(), stats, [overflow(stats, "h", "mm1", "MatMul")])
     assert plan.actions == ()
     assert [d.remedy for d in plan.declined][-2:] == ["pin_fp32", "clamp"]
     assert plan.declined[-1].reason == "MatMul node mm1 takes no clamp (only Exp, Log, squares, divisions)"
@@ -364,7 +364,7 @@ def test_without_histograms_the_precision_floor_decides_the_underflow_veto(tmp_p
     stats = calibrated(model, samples(3, (8, 2), 1.0), tmp_path, detail="auto")
     s = stats.tensors["s"]
     assert s.fraction_below(1.0) is None  # every sample of s was ordinary: no histogram
-    plan = make_plan(model, GENERIC, stats, [overflow(stats, "h", "mm1", "MatMul")])
+    plan = make_plan(model, GENERIC.resolve(), stats, [overflow(stats, "h", "mm1", "MatMul")])
     k = math.ceil(math.log2(stats.tensors["h"].absmax / LIMIT))
     floor = s.absmax * 2.0**-k * GENERIC.format.eps
     assert (floor < GENERIC.format.min_normal) is vetoed
@@ -384,12 +384,12 @@ def test_headroom_warning_without_a_feasible_rescale_is_a_note_until_it_is_an_er
     assert LIMIT < stats.tensors["e"].absmax < GENERIC.format.max
     warning = dataclasses.replace(overflow(stats, "e", "exp", "Exp"), rule="range.headroom",
                                   severity=Severity.WARNING)
-    plan = make_plan(model, GENERIC, stats, [warning])
+    plan = make_plan(model, GENERIC.resolve(), stats, [warning])
     assert plan.actions == () and [d.remedy for d in plan.declined] == ["rescale"]
     (note,) = plan.notes
     assert note.startswith("range.headroom at e: absmax 40134.9 is past the headroom limit 32752") and "severity.headroom" in note
     error = dataclasses.replace(warning, severity=Severity.ERROR)
-    plan = make_plan(model, GENERIC, stats, [error])
+    plan = make_plan(model, GENERIC.resolve(), stats, [error])
     assert [type(a) for a in plan.actions] == [PinFp32]
 
 
@@ -406,7 +406,7 @@ def test_static_island_carries_a_square_through_its_sum_to_the_root():
     """)
     findings = static_findings(model, GENERIC)
     assert {f.node for f in findings} >= {"square", "sum"}
-    plan = make_plan(model, GENERIC, None, findings)
+    plan = make_plan(model, GENERIC.resolve(), None, findings)
     (pin,) = plan.actions
     # Sums and products keep the magnitude; the root ends it, so the Add stays FP16.
     assert pin.nodes == ("square", "sum", "root") and pin.exit_tensors == ("n",)
@@ -427,7 +427,7 @@ def test_an_overflowing_graph_input_pins_every_consumer_island(tmp_path):
     stats = calibrated(model, feeds, tmp_path)
     finding = Finding(rule="range.overflow", severity=Severity.ERROR, node="", op_type="input",
                       message="input beyond the limit", tensor="x")
-    plan = make_plan(model, GENERIC, stats, [finding])
+    plan = make_plan(model, GENERIC.resolve(), stats, [finding])
     assert plan.pinned_nodes() == {"exp_a", "neg", "exp_b"}
     assert all(p.findings == (plan.pins()[0].findings[0],) for p in plan.pins())
     (declined,) = plan.declined
@@ -447,7 +447,7 @@ def test_a_weight_past_the_format_is_rescaled_into_it_and_absorbed_by_the_norm(t
     assert [(f.node, f.remedy) for f in findings] == [("mm", "rescale")]
     feeds = samples(3, (4, 4), 1.0)
     stats = calibrated(model, feeds, tmp_path)
-    plan = make_plan(model, GENERIC, stats, findings)
+    plan = make_plan(model, GENERIC.resolve(), stats, findings)
     (rs,) = plan.actions
     assert isinstance(rs, Rescale) and rs.entry == "mm" and rs.absorbers == ("ln",)
     assert rs.absmax == 100000.0 and rs.absmax_after == 100000.0 * 2.0**-rs.k <= LIMIT
@@ -471,7 +471,7 @@ def test_a_large_exp_input_pulls_its_producer_into_the_island(tmp_path, prior, j
     """)
     feeds = samples(4, (4, 8), 2.0)
     stats = calibrated(model, feeds, tmp_path)
-    plan = make_plan(model, GENERIC, stats, [overflow(stats, "e", "exp", "Exp")])
+    plan = make_plan(model, GENERIC.resolve(), stats, [overflow(stats, "e", "exp", "Exp")])
     (pin,) = plan.actions
     assert ("add" in pin.nodes) is joins
     assert set(pin.nodes) >= {"exp", "sum", "div"}
@@ -509,7 +509,7 @@ def test_static_planning_follows_a_long_chain_to_the_op_that_shrinks_it():
     model = Model(proto, "deep.onnx", fingerprint(proto))
     square = Finding(rule="hazard.square", severity=Severity.WARNING, node="square",
                      op_type="Mul", message="x^2", tensor="a0", remedy="pin_fp32")
-    plan = make_plan(model, GENERIC, None, [square])
+    plan = make_plan(model, GENERIC.resolve(), None, [square])
     (pin,) = plan.actions
     assert len(pin.nodes) == depth + 2 and pin.nodes[-1] == "root" and pin.exit_tensors == ("y",)
 
@@ -527,9 +527,9 @@ def test_a_constant_the_rescale_brings_into_range_needs_no_pin(tmp_path):
 
     feeds = samples(3, (4, 8), 1000.0)
     stats = calibrated(model, feeds, tmp_path)
-    findings = static_findings(model, GENERIC).merged(measured_findings(model, GENERIC, stats))
+    findings = static_findings(model, GENERIC).merged(measured_findings(model, GENERIC.resolve(), stats))
     assert any(f.rule == "init.out_of_range" and f.tensor == "c" for f in findings)
-    plan = make_plan(model, GENERIC, stats, findings)
+    plan = make_plan(model, GENERIC.resolve(), stats, findings)
     assert [a.action for a in plan.actions] == ["rescale"]
     assert not plan.pins()
     assert any("scales it to" in n and "c" in n for n in plan.notes)
@@ -547,10 +547,10 @@ def test_coarse_softmax_logits_are_shifted_in_fp32_unless_forbidden(tmp_path):
     }
     """)
     stats = calibrated(model, samples(4, (4, 8), 2.0), tmp_path)
-    plan = make_plan(model, GENERIC, stats, [overflow(stats, "e", "exp", "Exp")])
+    plan = make_plan(model, GENERIC.resolve(), stats, [overflow(stats, "e", "exp", "Exp")])
     shift, pin = plan.actions
-    assert isinstance(shift, ShiftMax) and shift.fp32_shift and "too coarse" in shift.why
+    assert isinstance(shift, SoftmaxShift) and shift.fp32_shift and "too coarse" in shift.why
     assert isinstance(pin, PinFp32) and pin.nodes == ("add",)
-    plan = make_plan(model, GENERIC, stats, [overflow(stats, "e", "exp", "Exp")], forbid_pin=["add"])
+    plan = make_plan(model, GENERIC.resolve(), stats, [overflow(stats, "e", "exp", "Exp")], forbid_pin=["add"])
     (shift,) = plan.actions
     assert not shift.fp32_shift and "forbid_pin names add" in shift.why

@@ -19,7 +19,7 @@ from npuprep.convert import ConversionResult, convert
 from npuprep.data import load_samples
 from npuprep.model_io import Model, fingerprint
 from npuprep.numerics import get_format
-from npuprep.plan import Rescale, ShiftMax
+from npuprep.plan import Rescale, SoftmaxShift
 from npuprep.plan.plan import dump_plan
 from npuprep.profiles import load_profile
 from npuprep.report.render_md import action_target
@@ -203,7 +203,7 @@ def test_a_written_out_softmax_is_shifted_and_its_exp_stays_fp16(tmp_path):
     # A graph of nothing but elementwise nodes: its FLOPs share says little, its MACs none.
     result = _convert(tmp_path, proto, feeds, max_fp32_share=1.0)
     assert result, result.output_check.to_dict()
-    shift = next(a for a in result.plan.actions if isinstance(a, ShiftMax))
+    shift = next(a for a in result.plan.actions if isinstance(a, SoftmaxShift))
     assert shift.exp == "exp" and shift.covers == ("e", "s", "y") and shift.fp32_shift
     # Logits up to 40 are too coarse in FP16 for exp: the bias Add and the subtraction stay
     # FP32 (elementwise); the Exp, its sum and the division run in FP16.
@@ -227,7 +227,7 @@ def test_a_softmax_shift_never_pins_the_matmul_that_makes_the_logits(tmp_path):
     feeds = [{"x": rng.standard_normal((8, 16)).astype(np.float32)} for _ in range(6)]
     result = _convert(tmp_path, proto, feeds)
     assert result, result.output_check.to_dict()
-    assert [type(a) for a in result.plan.actions] == [ShiftMax]
+    assert [type(a) for a in result.plan.actions] == [SoftmaxShift]
     assert not result.pinned_nodes and result.share.flops == 0.0
 
 

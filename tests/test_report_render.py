@@ -247,7 +247,7 @@ def test_cli_errors_exit_2_and_write_nothing(tmp_path: Path) -> None:
     bad.write_text("{not json", encoding="utf-8")
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"schema_version": 1, "kind": "plan"}), encoding="utf-8")
-    for src, message in ((bad, "not valid JSON"), (plan, "kind 'plan' has no HTML report"),
+    for src, message in ((bad, "not a valid result file (JSON line"), (plan, "kind 'plan' has no HTML report"),
                          (tmp_path / "missing.json", "result file not found")):
         proc = run_cli("report", src, "-o", out)
         assert proc.returncode == 2

@@ -302,7 +302,7 @@ def test_check_and_compare_say_what_convert_fuses_before_planning(tmp_path):
 def test_the_tensor_a_partial_fusion_makes_is_measured_when_samples_are_given():
     # x -> Conv -> c -> BatchNormalization(var ~1e8) -> y ; becomes Conv -> Mul -> y.scaled -> Add -> y
     from npuprep.calibrate import calibrate
-    from npuprep.convert import for_target
+    from npuprep.rewrite.passes import prepare_for_target
 
     bn = [_init("gamma", RNG.uniform(1, 2, 8)), _init("beta", np.zeros(8)),
           _init("mean", np.zeros(8)), _init("var", RNG.uniform(1e8, 2e8, 8))]
@@ -310,12 +310,14 @@ def test_the_tensor_a_partial_fusion_makes_is_measured_when_samples_are_given():
     model = Model(proto=proto, path="bn.onnx", digest=fingerprint(proto))
     samples = [_x() for _ in range(3)]
     stats = calibrate(model, samples)
-    generic = load_profile("generic")
-    work, unmeasured, notes = for_target(model, generic, stats)
+    generic = load_profile("generic").resolve()
+    first = prepare_for_target(model, generic, stats)
+    work, unmeasured, notes = first.model, first.stats, first.notes
     assert "y.scaled" in {t for n in work.proto.graph.node for t in n.output}
     assert "y.scaled" not in unmeasured.tensors
     assert any("have no measured range yet (y.scaled); convert, or check with --data, measures "
                "them" in n for n in notes), notes
-    _, measured, notes = for_target(model, generic, stats, samples)
+    second = prepare_for_target(model, generic, stats, samples)
+    measured, notes = second.stats, second.notes
     assert measured.tensors["y.scaled"].count == 3 * 8 * 36
     assert any(n.startswith("measured 1 tensor(s)") for n in notes), notes

@@ -10,7 +10,7 @@ from npuprep.convert import convert
 from npuprep.data import load_samples
 from npuprep.examples.zoo import ZOO
 from npuprep.model_io import load_model
-from npuprep.plan.actions import ShiftMax
+from npuprep.plan.actions import SoftmaxShift
 from npuprep.profiles import load_profile
 
 
@@ -25,6 +25,6 @@ def test_convert_for_rk3588_shifts_the_zoo_softmax_and_passes(tmp_path):
     model = load_model(tmp_path / "m.onnx")
     samples = load_samples(tmp_path / "d", model.proto)
     result = convert(model, load_profile("rk3588"), list(samples), stats=calibrate(model, samples))
-    assert [a.exp for a in result.plan.actions if isinstance(a, ShiftMax)] == ["exp"]
+    assert [a.exp for a in result.plan.actions if isinstance(a, SoftmaxShift)] == ["exp"]
     assert not result.plan.clamps()
     assert result.passed and result.output_check.outputs["y"]["rel_l2"] < 1e-2

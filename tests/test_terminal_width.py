@@ -10,7 +10,7 @@ from conftest import run_cli
 from test_crosscheck_readers import FIXTURES, norm_model
 
 from npuprep.examples import example_data_dir, example_model_path
-from npuprep.report.terminal import number, percent, ratio, shorten, table_lines
+from npuprep.formatting import number, percent, ratio, shorten, table_lines
 
 PREFIX = "/encoder/layer.11/attention/self/a_module_name_as_long_as_exporters_make_them/"
 

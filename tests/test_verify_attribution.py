@@ -152,13 +152,13 @@ def test_convert_pins_the_layer_that_makes_the_error_not_the_softmax_that_shows_
 
 
 def test_an_attributed_pin_dropped_again_is_marked_so_in_the_json_and_the_report(tmp_path, monkeypatch):
-    import npuprep.convert as pipeline
+    import npuprep.verify.pin_rounds as pipeline
     from npuprep.report.render_md import convert_markdown
 
     model, _, _, data = _chain(tmp_path)
     samples = list(load_samples(data, model.proto))
     # As if the pinned round had not been 10% better: the pin is dropped again.
-    monkeypatch.setattr(pipeline, "_improved", lambda before, after: False)
+    monkeypatch.setattr(pipeline, "improved", lambda before, after: False)
     result = convert(model, load_profile("generic"), samples, stats=calibrate(model, samples))
     assert not result.passed and "diff" not in result.pinned_nodes
     report = result.to_dict()

@@ -9,7 +9,7 @@ from npuprep.analyse import autocast, dtypes, initialisers, inputs, patterns, sm
 from npuprep.analyse.context import build_context
 from npuprep.analyse.finding import Finding, Findings
 from npuprep.model_io import Model
-from npuprep.profiles import TargetProfile
+from npuprep.profiles import ResolvedTarget, TargetProfile
 
 __all__ = ["STATIC_RULES", "Finding", "Findings", "findings_for", "static_findings"]
 
@@ -63,13 +63,13 @@ def static_findings(model: Model, profile: TargetProfile) -> Findings:
                           + hazards + notes))
 
 
-def findings_for(model: Model, profile: TargetProfile, stats: Any = None,
-                 precision: str | None = None, *, as_stored: bool = False) -> Findings:
+def findings_for(model: Model, target: ResolvedTarget, stats: Any = None, *,
+                 as_stored: bool = False) -> Findings:
     """The static findings, merged with the measured ones when `stats` are given
     (`as_stored`: see npuprep.analyse.measured.measured_findings)."""
-    findings = static_findings(model, profile)
+    findings = static_findings(model, target.profile)
     if stats is None:
         return findings
     from npuprep.analyse.measured import measured_findings
 
-    return findings.merged(measured_findings(model, profile, stats, precision, as_stored=as_stored))
+    return findings.merged(measured_findings(model, target, stats, as_stored=as_stored))

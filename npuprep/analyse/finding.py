@@ -8,6 +8,10 @@ from typing import Any
 
 from npuprep.profiles import Severity
 
+# Rules whose finding means "this node needs more than the target's default precision".
+SENSITIVE_RULES = ("hazard.", "pattern.", "autocast.", "range.overflow", "range.headroom",
+                   "range.underflow")
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -82,3 +86,8 @@ class Findings:
 
     def to_dict(self) -> list[dict[str, Any]]:
         return [f.to_dict() for f in self.items]
+
+
+def is_sensitive(finding: Finding) -> bool:
+    """A finding that asks for more than the target's default precision for its node."""
+    return finding.severity >= Severity.WARNING and finding.rule.startswith(SENSITIVE_RULES)

@@ -9,9 +9,9 @@ from npuprep.analyse.finding import Finding, Findings
 from npuprep.calibrate.stats import CalibrationStats, RangeStats
 from npuprep.graph import walk_graphs
 from npuprep.model_io import Model
-from npuprep.numerics import NumberFormat, get_format
+from npuprep.numerics import NumberFormat
 from npuprep.ops import LINEAR_WITH_WEIGHTS
-from npuprep.profiles import Severity, TargetProfile
+from npuprep.profiles import ResolvedTarget, Severity, TargetProfile
 
 # A tensor underflows when at least this share of its nonzero finite values lies below the
 # format's smallest normal (those lose precision or flush to zero).
@@ -19,8 +19,7 @@ UNDERFLOW_SHARE = 0.01
 
 
 def measured_findings(
-    model: Model, profile: TargetProfile, stats: CalibrationStats, precision: str | None = None,
-    *, as_stored: bool = False,
+    model: Model, target: ResolvedTarget, stats: CalibrationStats, *, as_stored: bool = False,
 ) -> Findings:
     """One finding per tensor whose measured range leaves the format (or its headroom).
 
@@ -29,7 +28,7 @@ def measured_findings(
     (`check` of a conversion). Crosscheck leaves it off: there the compiler's report, not the
     ONNX types, says what ran in FP16.
     """
-    fmt = get_format(precision or profile.default_precision)
+    profile, fmt = target.profile, target.fmt
     ops = _producer_ops(model)
     kept_fp32 = _kept_fp32(model) if as_stored else set()
     found: list[Finding] = []

@@ -25,10 +25,10 @@ detail branches are most of a session's creation time, and few tensors ever need
 `lean=` (detailed tensors) gives those the lean detail, computed in every sample and picked
 by the ordinary test (no If at all), without the branches for NaN, zeros/subnormals and
 counts above the formats' maxima; a tensor-sample that needs one of them is flagged too
-(`_lean_detail`).
+(`lean_detail_nodes`).
 
 Cheaper routes to the same numbers: a 4-D activation that onnxruntime keeps in its NCHWc
-layout is reduced through global pools (`_pooled_reductions`), a monotone map of one
+layout is reduced through global pools (`pooled_reductions`), a monotone map of one
 tensor (Relu, Neg, scalar Add/Sub/Mul) takes that tensor's max and min through the same
 operation (`_derived_stats`), and a BatchNormalization of a pooled tensor takes them from
 its input's per-channel pools (`_batchnorm_stats`). Rows outside Loop/Scan bodies have no gate in the graph: the
@@ -55,30 +55,36 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from npuprep.calibrate.detail import (
+    CONST_FLAG_ROW,
+    CONST_FLAT,
+    CONST_HI,
+    CONST_LO,
+    CONST_NEG_CHANNELS,
+    CONST_ONE_DIM,
+    CONST_ONES,
+    CONST_ROW,
+    CONST_SIZE,
+    CONST_ZERO_F,
+    CONST_ZEROS_TAIL,
+    NCHWC_FOLLOWERS,
+    detail_nodes,
+    lean_detail_nodes,
+    pooled_channels,
+    pooled_reductions,
+    shared_constants,
+)
+from npuprep.calibrate.layout import (
+    ELEMS,
+    HI,
+    LO,
+    WIDTH,
+    Slot,
+    Wiring,
+)
 from npuprep.graph import infer_tensors, node_label, producers
 from npuprep.model_io import model_opset
-from npuprep.numerics import FLOAT_ONNX_TYPES, get_format
-
-# Element types of the FX, FN, I, L1 outputs.
-_ELEMS = (TensorProto.FLOAT, TensorProto.FLOAT, TensorProto.INT64, TensorProto.FLOAT)
-# Formats whose max gets an exact count of |x| above it.
-OVER_FORMATS = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
-HIST_OFFSET = 150  # bin = floor(log2|x|) + 150; 0 holds zeros, 278 Inf and NaN
-HIST_BINS = 279
-# Zeros and subnormals are binned again scaled by 2^SUBNORMAL_SHIFT, which makes every
-# subnormal a normal float exactly.
-SUBNORMAL_SHIFT = 64
-HEADER = ("count", "detailed", "nan") + tuple(f"over_{f}" for f in OVER_FORMATS)
-WIDTH = len(HEADER) + HIST_BINS
-# "detailed" count of a tensor-sample that needed the detail but was built without it (< 0
-# also after a Loop/Scan body sums it over iterations).
-FLAGGED = -1
-# Ordinary range of abs-max (see module docstring): every format's max is above HI, and
-# min_normal / eps <= LO for fp16 (2^-4), fp8_e4m3 (2^-3), fp8_e5m2 (2^-12), bf16.
-LO = 2.0**-3
-HI = 2.0**6
-# Below this abs-max no value is above any format's max (fp8_e4m3's 448).
-SMALLEST_MAX = min(get_format(f).max for f in OVER_FORMATS)
+from npuprep.numerics import FLOAT_ONNX_TYPES
 
 # Ops whose output holds exactly the input's values, so it shares the input's statistics.
 _ALIAS_OPS = {"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose"}
@@ -102,18 +108,6 @@ _WIDENING = {
     TensorProto.FLOAT8E4M3FN: {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16},
     TensorProto.FLOAT8E5M2: {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16},
 }
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One observed tensor: its row in the FX/FN/I outputs."""
-
-    tensor: str
-    scope: str
-    node: str
-    # True when no gate in the graph decides whether the row is ordinary: the caller checks
-    # abs-max and the L1 output and flags it (see Instrumented.ordinary).
-    gated_outside: bool = False
 
 
 @dataclass(frozen=True)
@@ -148,38 +142,6 @@ class Instrumented:
         return ~self._gated_outside | fine
 
 
-@dataclass
-class _Ctx:
-    types: dict[str, int]
-    shapes: dict[str, tuple[int, ...]]
-    opset: int
-    detail: str
-    detailed: frozenset[str] | None = None
-    nan_checked: frozenset[str] | None = None
-    lean: frozenset[str] = frozenset()
-    loop_depth: int = 0
-    nchwc: set[str] = field(default_factory=set)
-    minmax: dict[str, tuple[str, str]] = field(default_factory=dict)
-    scalars: dict[str, float] = field(default_factory=dict)
-    channels: set[int] = field(default_factory=set)
-    # Pooled tensor -> its per-channel max and per-channel max of -x ([1, C, 1, 1] each).
-    channel_extremes: dict[str, tuple[str, str]] = field(default_factory=dict)
-    known_finite: set[str] = field(default_factory=set)
-    # Known constants whose values are all finite and >= 0.
-    known_nonneg: set[str] = field(default_factory=set)
-    trusting: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    counter: int = 0
-    sizes: set[int] = field(default_factory=set)
-    ones: set[int] = field(default_factory=set)
-    aliases: dict[str, Slot] = field(default_factory=dict)
-    alias_of: dict[str, str] = field(default_factory=dict)
-    unobserved: dict[str, str] = field(default_factory=dict)
-
-    def name(self, stem: str) -> str:
-        self.counter += 1
-        return f"__npuprep_{stem}_{self.counter}"
-
-
 def instrument(
     model: onnx.ModelProto,
     *,
@@ -193,12 +155,12 @@ def instrument(
     `detailed`: with detail "auto", the tensors that get the detail branch (default: all);
     `nan_checked`: the tensors that keep the L1 pass where it could be skipped (default: all);
     `lean`: of the detailed main-graph tensors, those that get the lean detail in every sample
-    (see `_lean_detail`). The rows (slots) are the same whatever they hold.
+    (see `lean_detail_nodes`). The rows (slots) are the same whatever they hold.
     """
     if detail not in ("auto", "all"):
         raise ValueError(f"detail must be 'auto' or 'all', got {detail!r}")
     info = infer_tensors(model)
-    ctx = _Ctx(types=info.types, shapes=info.shapes, opset=model_opset(model), detail=detail,
+    ctx = Wiring(types=info.types, shapes=info.shapes, opset=model_opset(model), detail=detail,
                detailed=None if detailed is None else frozenset(detailed),
                nan_checked=None if nan_checked is None or detail == "all" else frozenset(nan_checked),
                lean=frozenset(lean) if detail == "auto" and detailed is not None else frozenset())
@@ -210,12 +172,12 @@ def instrument(
     for size in sorted(ctx.sizes):
         row = np.zeros(WIDTH, np.int64)
         row[0] = size
-        graph.initializer.extend([numpy_helper.from_array(np.array([size], np.int64), f"{_CONST_SIZE}{size}"),
-                                  numpy_helper.from_array(row, f"{_CONST_ROW}{size}")])
+        graph.initializer.extend([numpy_helper.from_array(np.array([size], np.int64), f"{CONST_SIZE}{size}"),
+                                  numpy_helper.from_array(row, f"{CONST_ROW}{size}")])
     graph.initializer.extend(
-        numpy_helper.from_array(np.full((1, c, 1, 1), -1, np.float32), f"{_CONST_NEG_CHANNELS}{c}") for c in sorted(ctx.channels)
+        numpy_helper.from_array(np.full((1, c, 1, 1), -1, np.float32), f"{CONST_NEG_CHANNELS}{c}") for c in sorted(ctx.channels)
     )
-    graph.initializer.extend(numpy_helper.from_array(np.ones(c, np.float32), f"{_CONST_ONES}{c}") for c in sorted(ctx.ones))
+    graph.initializer.extend(numpy_helper.from_array(np.ones(c, np.float32), f"{CONST_ONES}{c}") for c in sorted(ctx.ones))
     for name, elem, width in zip(names, (TensorProto.FLOAT, TensorProto.INT64), (3, WIDTH), strict=True):
         graph.output.append(helper.make_tensor_value_info(name, elem, [len(slots) * width]))
     row_of = {slot.tensor: i for i, slot in enumerate(slots) if slot.scope == "main"}
@@ -223,7 +185,7 @@ def instrument(
     return Instrumented(out, tuple(names), tuple(slots), ctx.aliases, ctx.alias_of, ctx.unobserved, nan_inputs)
 
 
-def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: _Ctx) -> tuple[tuple[str, ...], list[Slot]]:
+def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: Wiring) -> tuple[tuple[str, ...], list[Slot]]:
     """Add statistics to one graph; returns the names of its statistics vectors and their rows:
     FX, FN, I, L1 in a body, FNL and I in the main graph (see `_main_order`)."""
     original = list(graph.node)
@@ -272,7 +234,7 @@ def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: _Ctx) -> tuple[tu
     for node in original:
         own_outputs = list(node.output)
         if scope == "main" and node.domain in ("", "ai.onnx") and (
-                node.op_type == "Conv" or (node.op_type in _NCHWC_FOLLOWERS and node.input and node.input[0] in ctx.nchwc)):
+                node.op_type == "Conv" or (node.op_type in NCHWC_FOLLOWERS and node.input and node.input[0] in ctx.nchwc)):
             ctx.nchwc.update(o for o in node.output if o)
         sub_pieces = _instrument_subgraphs(node, scope, ctx, graph)
         new_nodes.append(node)
@@ -301,7 +263,7 @@ def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: _Ctx) -> tuple[tu
         if pieces:
             for k, name in enumerate(names):
                 new_nodes.append(helper.make_node("Concat", [p[k] for p in pieces], [name], axis=0))
-        joined_elems = _ELEMS
+        joined_elems = ELEMS
     if not pieces:
         graph.initializer.extend(
             numpy_helper.from_array(np.zeros(0, helper.tensor_dtype_to_np_dtype(elem)), name)
@@ -364,7 +326,7 @@ def _known_constants(graph: onnx.GraphProto) -> tuple[set[str], dict[str, float]
 
 
 def _derived_stats(
-    tensor: str, node: onnx.NodeProto | None, ctx: _Ctx
+    tensor: str, node: onnx.NodeProto | None, ctx: Wiring
 ) -> tuple[list[onnx.NodeProto], tuple[str, str, str, str]] | None:
     """Max and min of a monotone elementwise map of one observed float32 tensor, from that
     tensor's max and min through the same operation, instead of two reductions: Relu, Neg,
@@ -399,11 +361,11 @@ def _derived_stats(
         return None
     mx, mn = ctx.name("dmax"), ctx.name("dmin")
     nodes = [helper.make_node(op, operands[0], [mx]), helper.make_node(op, operands[1], [mn])]
-    return nodes, (mx, mn, _ordinary_row(tensor, "", ctx)[1], _CONST_ZERO_F)
+    return nodes, (mx, mn, _ordinary_row(tensor, "", ctx)[1], CONST_ZERO_F)
 
 
 def _batchnorm_stats(
-    tensor: str, node: onnx.NodeProto, ctx: _Ctx
+    tensor: str, node: onnx.NodeProto, ctx: Wiring
 ) -> tuple[list[onnx.NodeProto], tuple[str, str, str, str]] | None:
     """y = BatchNormalization(x) with constant parameters is, per channel c, one monotone map
     y = f_c(x) (rising or falling with the sign of scale_c), so each channel's extremes of y are
@@ -426,23 +388,23 @@ def _batchnorm_stats(
         # -1 per channel, not Neg: the Mul keeps the pool in onnxruntime's blocked layout, so
         # its BatchNormalization becomes the same blocked kernel as the full tensor's (a Neg
         # would bring it back to NCHW, to a kernel that rounds differently).
-        helper.make_node("Mul", [cneg, f"{_CONST_NEG_CHANNELS}{channels}"], [cmin]),
+        helper.make_node("Mul", [cneg, f"{CONST_NEG_CHANNELS}{channels}"], [cmin]),
         helper.make_node("BatchNormalization", [cmax, *params], [at_max]),
         helper.make_node("BatchNormalization", [cmin, *params], [at_min]),
         helper.make_node("Max", [at_max, at_min], [hi_c]),
         helper.make_node("Min", [at_max, at_min], [lo_c]),
-        helper.make_node("Reshape", [hi_c, _CONST_FLAT], [hi_v]),
-        helper.make_node("Reshape", [lo_c, _CONST_FLAT], [lo_v]),
+        helper.make_node("Reshape", [hi_c, CONST_FLAT], [hi_v]),
+        helper.make_node("Reshape", [lo_c, CONST_FLAT], [lo_v]),
         helper.make_node("ReduceMax", [hi_v], [mx], keepdims=1),
         helper.make_node("ReduceMin", [lo_v], [mn], keepdims=1),
     ]
     nodes[1].attribute.extend(node.attribute)
     nodes[2].attribute.extend(node.attribute)
-    return nodes, (mx, mn, _ordinary_row(tensor, "", ctx)[1], _CONST_ZERO_F)
+    return nodes, (mx, mn, _ordinary_row(tensor, "", ctx)[1], CONST_ZERO_F)
 
 
 def _trusted_inputs(
-    node: onnx.NodeProto | None, tensor: str, scope: str, observed: set[str], ctx: _Ctx
+    node: onnx.NodeProto | None, tensor: str, scope: str, observed: set[str], ctx: Wiring
 ) -> tuple[str, ...] | None:
     """The observed float inputs whose finiteness proves `tensor` NaN-free, or None when the
     tensor keeps its L1 pass (unsafe producer, a body, an input of unknown values, asked for)."""
@@ -460,7 +422,7 @@ def _trusted_inputs(
     return tuple(trusted)
 
 
-def _nan_safe_batchnorm(node: onnx.NodeProto, ctx: _Ctx) -> bool:
+def _nan_safe_batchnorm(node: onnx.NodeProto, ctx: Wiring) -> bool:
     """Inference BatchNormalization with finite constant parameters and a variance >= 0: an
     affine map per channel, so finite inputs give no NaN (sqrt(var + eps) is real)."""
     return (node.op_type == "BatchNormalization" and len(node.input) == 5
@@ -468,7 +430,7 @@ def _nan_safe_batchnorm(node: onnx.NodeProto, ctx: _Ctx) -> bool:
             and not any(a.name == "training_mode" and a.i for a in node.attribute))
 
 
-def _alias_source(node: onnx.NodeProto | None, ctx: _Ctx) -> str | None:
+def _alias_source(node: onnx.NodeProto | None, ctx: Wiring) -> str | None:
     """The tensor whose values a node's output repeats exactly, if any."""
     if node is None or not node.input:
         return None
@@ -481,19 +443,19 @@ def _alias_source(node: onnx.NodeProto | None, ctx: _Ctx) -> str | None:
     return None
 
 
-def _ordinary_row(tensor: str, size: str, ctx: _Ctx) -> tuple[list[onnx.NodeProto], str]:
+def _ordinary_row(tensor: str, size: str, ctx: Wiring) -> tuple[list[onnx.NodeProto], str]:
     """The I row of an ordinary tensor-sample (its count, nothing else): a shared constant
     per static element count, else [count, 0...] built from `size`."""
     if tensor in ctx.shapes:
         count = math.prod(ctx.shapes[tensor])
         ctx.sizes.add(count)
-        return [], f"{_CONST_ROW}{count}"
+        return [], f"{CONST_ROW}{count}"
     row = ctx.name("row")
-    return [helper.make_node("Concat", [size, _CONST_ZEROS_TAIL], [row], axis=0)], row
+    return [helper.make_node("Concat", [size, CONST_ZEROS_TAIL], [row], axis=0)], row
 
 
 def _tensor_stats(
-    tensor: str, elem: int, ctx: _Ctx, *, l1: bool, gate: bool
+    tensor: str, elem: int, ctx: Wiring, *, l1: bool, gate: bool
 ) -> tuple[list[onnx.NodeProto], tuple[str, str, str, str]]:
     """Nodes that reduce one tensor to FX [1], FN [1], I [WIDTH], L1 [1]. `l1`: the
     NaN-propagating L1 that flags NaN (else the caller proves the tensor NaN-free, and L1 is
@@ -507,22 +469,22 @@ def _tensor_stats(
         src = n("f32")
         nodes.append(helper.make_node("Cast", [tensor], [src], to=TensorProto.FLOAT))
     flat = n("flat")
-    pooled = _pooled_channels(tensor, elem, ctx)
+    pooled = pooled_channels(tensor, elem, ctx)
     if not pooled or gate:
-        nodes.append(helper.make_node("Reshape", [src, _CONST_FLAT], [flat]))
+        nodes.append(helper.make_node("Reshape", [src, CONST_FLAT], [flat]))
     count: int | None = None
     if tensor in ctx.shapes:
         # A static element count is a shared constant, not two nodes per tensor.
         count = math.prod(ctx.shapes[tensor])
         ctx.sizes.add(count)
-        size = f"{_CONST_SIZE}{count}"
+        size = f"{CONST_SIZE}{count}"
     else:
         size = n("size")
         nodes.append(helper.make_node("Size", [tensor], [n("size0")]))
-        nodes.append(helper.make_node("Reshape", [nodes[-1].output[0], _CONST_ONE_DIM], [size]))
+        nodes.append(helper.make_node("Reshape", [nodes[-1].output[0], CONST_ONE_DIM], [size]))
     mx, mn, sm = n("max"), n("min"), n("sum")
     if pooled:
-        nodes += _pooled_reductions(src, pooled, (mx, mn, sm if l1 else ""), ctx)
+        nodes += pooled_reductions(src, pooled, (mx, mn, sm if l1 else ""), ctx)
     else:
         nodes += [
             helper.make_node("ReduceMax", [flat], [mx], keepdims=1),
@@ -531,13 +493,13 @@ def _tensor_stats(
         if l1:
             # NaN-propagating (onnxruntime's ReduceMax/Min are not): flags NaN and Inf.
             nodes.append(helper.make_node("ReduceL1", [flat], [sm], keepdims=1))
-    l1_out = sm if l1 else _CONST_ZERO_F
+    l1_out = sm if l1 else CONST_ZERO_F
     if not gate:
         row_nodes, row = _ordinary_row(tensor, size, ctx)
         return nodes + row_nodes, (mx, mn, row, l1_out)
     if ctx.detail == "all":
-        detail_nodes, outs = _detail(flat, size, ctx, (mx, mn, sm), count)
-        return nodes + detail_nodes, (*outs, l1_out)
+        detailed, outs = detail_nodes(flat, size, ctx, (mx, mn, sm), count)
+        return nodes + detailed, (*outs, l1_out)
     # score = abs-max, or NaN when L1 is not finite (a NaN or Inf somewhere); ordinary when
     # Clip leaves it as it is (NaN never equals).
     neg, am, z, score, clipped, ok = (n(s) for s in ("neg", "am", "z", "score", "clipped", "ok"))
@@ -546,9 +508,9 @@ def _tensor_stats(
         helper.make_node("Max", [mx, neg], [am if l1 else score]),
     ]
     if l1:
-        nodes += [helper.make_node("Mul", [sm, _CONST_ZERO_F], [z]), helper.make_node("Add", [am, z], [score])]
+        nodes += [helper.make_node("Mul", [sm, CONST_ZERO_F], [z]), helper.make_node("Add", [am, z], [score])]
     nodes += [
-        helper.make_node("Clip", [score, _CONST_LO, _CONST_HI], [clipped]),
+        helper.make_node("Clip", [score, CONST_LO, CONST_HI], [clipped]),
         helper.make_node("Equal", [clipped, score], [ok]),
     ]
     if ctx.detailed is not None and tensor not in ctx.detailed:
@@ -559,14 +521,14 @@ def _tensor_stats(
             *row_nodes,
             helper.make_node("Not", [ok], [bad]),
             helper.make_node("Cast", [bad], [badi], to=TensorProto.INT64),
-            helper.make_node("Mul", [badi, _CONST_FLAG_ROW], [mark]),
+            helper.make_node("Mul", [badi, CONST_FLAG_ROW], [mark]),
             helper.make_node("Add", [row, mark], [ii]),
         ]
         return nodes, (mx, mn, ii, l1_out)
     if ctx.loop_depth == 0 and tensor in ctx.lean:
         # Computed whether or not this sample needs it, the row picked by the test the If
         # would make: the same statistics, and no branch to build or to run.
-        lean_nodes, lean_row = _lean_detail(flat, size, ctx, (mx, mn, sm), count)
+        lean_nodes, lean_row = lean_detail_nodes(flat, size, ctx, (mx, mn, sm), count)
         row_nodes, row = _ordinary_row(tensor, size, ctx)
         picked = n("picked")
         nodes += [*lean_nodes, *row_nodes, helper.make_node("Where", [ok, row, lean_row], [picked])]
@@ -588,9 +550,9 @@ def _tensor_stats(
             helper.make_tensor_value_info(then_i, TensorProto.INT64, [WIDTH]),
         ],
     )
-    detail_nodes, (dfx, dfn, dii) = _detail(flat, size, ctx, (mx, mn, sm), count)
+    exact, (dfx, dfn, dii) = detail_nodes(flat, size, ctx, (mx, mn, sm), count)
     else_branch = helper.make_graph(
-        detail_nodes, n("detail"), [],
+        exact, n("detail"), [],
         [
             helper.make_tensor_value_info(dfx, TensorProto.FLOAT, [1]),
             helper.make_tensor_value_info(dfn, TensorProto.FLOAT, [1]),
@@ -601,445 +563,8 @@ def _tensor_stats(
     return nodes, (fx, fn, ii, l1_out)
 
 
-# Ops that keep a tensor in onnxruntime's blocked NCHWc layout when their first input is in it.
-_NCHWC_FOLLOWERS = frozenset({
-    "Add", "AveragePool", "BatchNormalization", "Clip", "Concat", "GlobalAveragePool",
-    "GlobalMaxPool", "HardSigmoid", "HardSwish", "LeakyRelu", "MaxPool", "Relu", "Sigmoid", "Sum", "Tanh",
-})
-
-
-def _pooled_channels(tensor: str, elem: int, ctx: _Ctx) -> int:
-    """Channel count when `tensor` is a static 4-D float32 activation that onnxruntime keeps in
-    its NCHWc layout (a Conv output, or what follows one elementwise); else 0."""
-    shape = ctx.shapes.get(tensor, ())
-    if tensor not in ctx.nchwc or elem != TensorProto.FLOAT or len(shape) != 4 or 0 in shape:
-        return 0
-    return shape[1]
-
-
-def _pooled_reductions(src: str, channels: int, outs: tuple[str, str, str], ctx: _Ctx) -> list[onnx.NodeProto]:
-    """Max, min and the NaN flag of a 4-D NCHWc activation from global pools, which run on the
-    blocked layout: ReduceMax and friends would first copy it back to NCHW. min = -max(-x),
-    negated by a per-channel Mul that stays blocked (exact); the flag is a sum of channel
-    means (NaN and Inf propagate). `outs` = (max, min, flag or ""). The per-channel pools are
-    kept in ctx.channel_extremes for what follows (see _batchnorm_stats)."""
-    n = ctx.name
-    mx, mn, flag = outs
-    ctx.channels.add(channels)
-    nodes: list[onnx.NodeProto] = []
-
-    def pool_then_reduce(op: str, source: str, out: str, reduce: str = "ReduceMax") -> str:
-        per_channel, vec = n("pooled"), n("pooled_vec")
-        nodes.extend([
-            helper.make_node(op, [source], [per_channel]),
-            helper.make_node("Reshape", [per_channel, _CONST_FLAT], [vec]),
-            helper.make_node(reduce, [vec], [out], keepdims=1),
-        ])
-        return per_channel
-
-    negated, negmax = n("negated"), n("negmax")
-    channel_max = pool_then_reduce("GlobalMaxPool", src, mx)
-    nodes.append(helper.make_node("Mul", [src, f"{_CONST_NEG_CHANNELS}{channels}"], [negated]))
-    channel_neg = pool_then_reduce("GlobalMaxPool", negated, negmax)
-    nodes.append(helper.make_node("Neg", [negmax], [mn]))
-    ctx.channel_extremes[src] = (channel_max, channel_neg)
-    if flag:
-        pool_then_reduce("GlobalAveragePool", src, flag, reduce="ReduceL1")
-    return nodes
-
-
-def _detail(
-    flat: str, size: str, ctx: _Ctx, cheap: tuple[str, str, str], count: int | None
-) -> tuple[list[onnx.NodeProto], tuple[str, str, str]]:
-    """Exact NaN-aware min/max, NaN count, counts above each format's max, exponent histogram.
-
-    `cheap` = (max, min, L1) of the tensor: a finite L1 skips the NaN work (no NaN, no Inf:
-    the plain min and max are exact). `count`: the static element count, if known.
-    """
-    # Counts summed in float32 are exact below 2^24 elements; beyond, or unknown, in int64.
-    small = count is not None and count < 2**24
-    n = ctx.name
-    nodes: list[onnx.NodeProto] = []
-    mx, mn, sm = cheap
-    # Finite L1: the plain min/max stand and there is no NaN; else NaN-aware reductions and
-    # NaN turned into Inf, so it lands in the top bin (the NaN count tells them apart). |x|
-    # is computed inside each branch: onnxruntime writes a branch's result straight into the
-    # If's output, where an outer |x| would be copied (0.6 ns per value).
-    finite = n("finite")
-    z, chk = n("z"), n("chk")
-    nodes += [
-        helper.make_node("Mul", [sm, _CONST_ZERO_F], [z]),
-        helper.make_node("Equal", [z, _CONST_ZERO_F], [chk]),
-        helper.make_node("Squeeze", [chk], [finite]),
-    ]
-    fx, fn, nan_c, ac = n("dmax"), n("dmin"), n("nan_c"), n("abs_clean")
-    f_fx, f_fn, f_nan, f_ac = n("f_fx"), n("f_fn"), n("f_nan"), n("f_ac")
-    finite_branch = helper.make_graph(
-        [
-            helper.make_node("Identity", [mx], [f_fx]),
-            helper.make_node("Identity", [mn], [f_fn]),
-            helper.make_node("Identity", [_CONST_ZERO_I64_1], [f_nan]),
-            helper.make_node("Abs", [flat], [f_ac]),
-        ],
-        n("finite_branch"), [],
-        [
-            helper.make_tensor_value_info(f_fx, TensorProto.FLOAT, [1]),
-            helper.make_tensor_value_info(f_fn, TensorProto.FLOAT, [1]),
-            helper.make_tensor_value_info(f_nan, TensorProto.INT64, [1]),
-            helper.make_tensor_value_info(f_ac, TensorProto.FLOAT, None),
-        ],
-    )
-    nf_fx, nf_fn, nf_nan, nf_isn, nan_nodes = _nan_aware(flat, ctx)
-    nf_abs, nf_ac = n("nf_abs"), n("nf_ac")
-    nan_nodes += [
-        helper.make_node("Abs", [flat], [nf_abs]),
-        helper.make_node("Where", [nf_isn, _CONST_POS_INF, nf_abs], [nf_ac]),
-    ]
-    nonfinite_branch = helper.make_graph(
-        nan_nodes, n("nonfinite_branch"), [],
-        [
-            helper.make_tensor_value_info(nf_fx, TensorProto.FLOAT, [1]),
-            helper.make_tensor_value_info(nf_fn, TensorProto.FLOAT, [1]),
-            helper.make_tensor_value_info(nf_nan, TensorProto.INT64, [1]),
-            helper.make_tensor_value_info(nf_ac, TensorProto.FLOAT, None),
-        ],
-    )
-    nodes.append(helper.make_node(
-        "If", [finite], [fx, fn, nan_c, ac], then_branch=finite_branch, else_branch=nonfinite_branch,
-    ))
-    neg, top = n("neg"), n("absmax")
-    nodes += [helper.make_node("Neg", [fn], [neg]), helper.make_node("Max", [fx, neg], [top])]
-    counts = [size, size, nan_c]
-    # Counts above the formats' maxima are 0 unless abs-max passes the smallest of them. Each
-    # NaN is an Inf in |x| here, above every max: the NaN count comes off.
-    big, bigs = n("big"), n("bigs")
-    over_names = [n("over") for _ in OVER_FORMATS]
-    over_nodes = []
-    for fmt, out in zip(OVER_FORMATS, over_names, strict=True):
-        gt = n("gt")
-        over_nodes.append(helper.make_node("Greater", [ac, _over_const(fmt)], [gt]))
-        count_nodes, counted = _count_true(gt, small, ctx)
-        over_nodes += count_nodes + [helper.make_node("Identity", [counted], [out])]
-    over_vec, with_nan, some, none = n("over_vec"), n("with_nan"), n("some"), n("none")
-    over_nodes += [
-        helper.make_node("Concat", over_names, [with_nan], axis=0),
-        helper.make_node("Sub", [with_nan, nan_c], [some]),
-    ]
-    nodes += [
-        helper.make_node("Greater", [top, _CONST_SMALLEST_MAX], [big]),
-        helper.make_node("Squeeze", [big], [bigs]),
-        helper.make_node(
-            "If", [bigs], [over_vec],
-            then_branch=helper.make_graph(over_nodes, n("over_branch"), [], [helper.make_tensor_value_info(some, TensorProto.INT64, [len(OVER_FORMATS)])]),
-            else_branch=helper.make_graph(
-                [helper.make_node("Identity", [_CONST_ZERO_OVER], [none])], n("no_over_branch"), [],
-                [helper.make_tensor_value_info(none, TensorProto.INT64, [len(OVER_FORMATS)])],
-            ),
-        ),
-    ]
-    counts.append(over_vec)
-    # The 1 that the histogram adds per value comes from the data (max is never NaN here):
-    # from a constant, onnxruntime would fold it into an int64 tensor per observed tensor.
-    # A scalar, so that Expand also gives [0] for an empty tensor.
-    max_nan, real, one_1, one = n("max_nan"), n("real"), n("one_1"), n("one")
-    nodes += [
-        helper.make_node("IsNaN", [fx], [max_nan]),
-        helper.make_node("Not", [max_nan], [real]),
-        helper.make_node("Cast", [real], [one_1], to=TensorProto.FLOAT if small else TensorProto.INT64),
-        helper.make_node("Squeeze", [one_1], [one]),
-    ]
-    # Fast bins first: exact for every value except zeros and subnormals, which share bin -127.
-    fast_nodes, fast_idx = _bin_index(ac, ctx)
-    count_nodes, fast_hist = _count_bins(fast_idx, _ones(count, ctx) or one, small, ctx)
-    nodes += fast_nodes + count_nodes
-    lumped, has, has_s = n("lumped"), n("has"), n("has_s")
-    nodes += [
-        helper.make_node("Slice", [fast_hist, _CONST_LUMP_AT, _CONST_LUMP_END], [lumped]),
-        helper.make_node("Greater", [lumped, _CONST_ZERO_I64_1], [has]),
-        helper.make_node("Squeeze", [has], [has_s]),
-    ]
-    # Zeros or subnormals in the shared bin: pick out those values (few, as a rule), scale
-    # them by 2^64 (exact; subnormals become normal) and bin them again, zeros to bin 0.
-    subnormal, tiny, scaled, down, lump_idx = (n(s) for s in ("subnormal", "tiny", "scaled", "down", "lump_idx"))
-    small_bins, scaled_idx = _bin_index(scaled, ctx)
-    small_count, small_hist = _count_bins(lump_idx, one, small, ctx)
-    taken, kept, lump_hist, hist = n("taken"), n("kept"), n("lump_hist"), n("hist")
-    lump_nodes = [
-        helper.make_node("Less", [ac, _CONST_MIN_NORMAL], [subnormal]),
-        helper.make_node("Compress", [ac, subnormal], [tiny], axis=0),
-        helper.make_node("Mul", [tiny, _CONST_SUBNORMAL_SCALE], [scaled]),
-        *small_bins,
-        helper.make_node("Sub", [scaled_idx, _CONST_SUBNORMAL_SHIFT], [down]),
-        helper.make_node("Max", [down, _CONST_ZERO_I32], [lump_idx]),
-        *small_count,
-        helper.make_node("Mul", [lumped, _CONST_LUMP_ONEHOT], [taken]),
-        helper.make_node("Sub", [fast_hist, taken], [kept]),
-        helper.make_node("Add", [kept, small_hist], [lump_hist]),
-    ]
-    as_is = n("as_is")
-    nodes.append(helper.make_node(
-        "If", [has_s], [hist],
-        then_branch=helper.make_graph(lump_nodes, n("lump_branch"), [],
-                                      [helper.make_tensor_value_info(lump_hist, TensorProto.INT64, [HIST_BINS])]),
-        else_branch=helper.make_graph([helper.make_node("Identity", [fast_hist], [as_is])], n("no_lump_branch"), [],
-                                      [helper.make_tensor_value_info(as_is, TensorProto.INT64, [HIST_BINS])]),
-    ))
-    ii = n("detail_i")
-    nodes.append(helper.make_node("Concat", counts + [hist], [ii], axis=0))
-    return nodes, (fx, fn, ii)
-
-
-def _lean_detail(
-    flat: str, size: str, ctx: _Ctx, cheap: tuple[str, str, str], count: int | None
-) -> tuple[list[onnx.NodeProto], str]:
-    """The detail without If branches: the I row of a finite tensor-sample with no |x| above
-    any format's max and no zero or subnormal, and FLAGGED otherwise (the caller reruns the
-    sample with the full `_detail`, which handles them in If branches).
-
-    Every If branch costs onnxruntime session-creation time in each optimiser pass, more the
-    larger the model (~1.5 ms per branch on the benchmark transformer), and running one costs
-    a subgraph frame per sample; most detailed tensors (softmax outputs, small scores,
-    means) are outside the ordinary range in every sample and never need the full detail's
-    branches, so the caller computes this for every sample and picks the row with Where.
-    """
-    n = ctx.name
-    mx, mn, sm = cheap
-    small = count is not None and count < 2**24
-    ac = n("abs")
-    nodes = [helper.make_node("Abs", [flat], [ac])]
-    bin_nodes, idx = _bin_index(ac, ctx, nan_safe=True)
-    nodes += bin_nodes
-    one = _ones(count, ctx)
-    if one is None:
-        # Any 1 from the data (see _detail); wrong only in a sample that is flagged anyway.
-        real, one_1, one = n("real"), n("one_1"), n("one")
-        nodes += [
-            helper.make_node("Equal", [mx, mx], [real]),
-            helper.make_node("Cast", [real], [one_1], to=TensorProto.FLOAT if small else TensorProto.INT64),
-            helper.make_node("Squeeze", [one_1], [one]),
-        ]
-    count_nodes, hist = _count_bins(idx, one, small, ctx)
-    nodes += count_nodes
-    lumped, has, neg, top, big, z, sane, nonfinite, odd, flag, ii, row = (n(s) for s in (
-        "lumped", "has", "neg", "absmax", "big", "z", "sane", "nonfinite", "odd", "flag", "lean_i", "lean_row"))
-    nodes += [
-        helper.make_node("Slice", [hist, _CONST_LUMP_AT, _CONST_LUMP_END], [lumped]),
-        helper.make_node("Greater", [lumped, _CONST_ZERO_I64_1], [has]),
-        helper.make_node("Neg", [mn], [neg]),
-        helper.make_node("Max", [mx, neg], [top]),
-        helper.make_node("Greater", [top, _CONST_SMALLEST_MAX], [big]),
-        # L1 x 0 is 0 exactly when L1 is finite (no NaN, no Inf in the tensor).
-        helper.make_node("Mul", [sm, _CONST_ZERO_F], [z]),
-        helper.make_node("Equal", [z, _CONST_ZERO_F], [sane]),
-        helper.make_node("Not", [sane], [nonfinite]),
-        helper.make_node("Or", [has, big], [odd]),
-        helper.make_node("Or", [odd, nonfinite], [flag]),
-        helper.make_node("Concat", [size, size, _CONST_ZERO_I64_1, _CONST_ZERO_OVER, hist], [ii], axis=0),
-        helper.make_node("Where", [flag, _CONST_FLAG_ROW, ii], [row]),
-    ]
-    return nodes, row
-
-
-def _nan_aware(flat: str, ctx: _Ctx) -> tuple[str, str, str, str, list[onnx.NodeProto]]:
-    """Max and min ignoring NaN (onnxruntime's reductions are unreliable with NaN), NaN count."""
-    n = ctx.name
-    isn, fxw, fnw, fx, fn, nan_i, nan_c = (n(s) for s in ("isnan", "nz_hi", "nz_lo", "dmax", "dmin", "nan_i", "nan_c"))
-    nodes = [
-        helper.make_node("IsNaN", [flat], [isn]),
-        helper.make_node("Where", [isn, _CONST_NEG_INF, flat], [fxw]),
-        helper.make_node("Where", [isn, _CONST_POS_INF, flat], [fnw]),
-        helper.make_node("ReduceMax", [fxw], [fx], keepdims=1),
-        helper.make_node("ReduceMin", [fnw], [fn], keepdims=1),
-        helper.make_node("Cast", [isn], [nan_i], to=TensorProto.INT64),
-        helper.make_node("ReduceSum", [nan_i], [nan_c], keepdims=1),
-    ]
-    return fx, fn, nan_c, isn, nodes
-
-
-def _bin_index(ac: str, ctx: _Ctx, nan_safe: bool = False) -> tuple[list[onnx.NodeProto], str]:
-    """Histogram bin floor(log2|x|) + 150 of every value of `ac` (|x|, NaN already made Inf).
-
-    Log gives the bin to well within 1/16 of a binade; biased down by 1/16 and truncated, the
-    estimate is the bin or the one below, and one comparison with the exact power of two that
-    starts the next bin (a table lookup) settles it. Exact from 2^-126 up; zeros and
-    subnormals all land in bin -127 whatever Log does with subnormals. `nan_safe`: a NaN in
-    `ac` gives some bin instead of an index out of the lookup's range (a run that fails).
-    """
-    n = ctx.name
-    lg, y, shifted, clipped, guess, start, ge, gei, idx = (n(s) for s in (
-        "log", "log2", "shifted", "clipped", "guess", "start", "ge", "gei", "idx"))
-    return [
-        helper.make_node("Log", [ac], [lg]),
-        helper.make_node("Mul", [lg, _CONST_INV_LN2], [y]),
-        helper.make_node("Add", [y, _CONST_BIN_SHIFT], [shifted]),
-        helper.make_node("Clip", [shifted, _CONST_LUMP_BIN, _CONST_TOP_BIN], [clipped]),
-        # Truncation is floor here: the value is at least the lumped bin's index. int32
-        # indices: ~20% faster through the lookup and the counting than int64.
-        *_cast_bin(clipped, guess, nan_safe, ctx),
-        helper.make_node("GatherElements", [_CONST_NEXT_BIN_START, guess], [start]),  # 3x faster than Gather
-        helper.make_node("GreaterOrEqual", [ac, start], [ge]),
-        helper.make_node("Cast", [ge], [gei], to=TensorProto.INT32),
-        helper.make_node("Add", [guess, gei], [idx]),
-    ], idx
-
-
-def _cast_bin(clipped: str, guess: str, nan_safe: bool, ctx: _Ctx) -> list[onnx.NodeProto]:
-    """int32 bin from the clipped estimate; NaN, which Clip may pass, clipped again as an int."""
-    if not nan_safe:
-        return [helper.make_node("Cast", [clipped], [guess], to=TensorProto.INT32)]
-    raw = ctx.name("raw_guess")
-    return [
-        helper.make_node("Cast", [clipped], [raw], to=TensorProto.INT32),
-        helper.make_node("Clip", [raw, _CONST_ZERO_I32_S, _CONST_TOP_BIN_I32], [guess]),
-    ]
-
-
-def _count_true(mask: str, small: bool, ctx: _Ctx) -> tuple[list[onnx.NodeProto], str]:
-    """int64 [1] count of True in a bool tensor; summed in float32 (5x faster) when exact."""
-    n = ctx.name
-    cast, total, out = n("mask"), n("total"), n("count")
-    if not small:
-        return [
-            helper.make_node("Cast", [mask], [cast], to=TensorProto.INT64),
-            helper.make_node("ReduceSum", [cast], [out], keepdims=1),
-        ], out
-    return [
-        helper.make_node("Cast", [mask], [cast], to=TensorProto.FLOAT),
-        helper.make_node("ReduceSum", [cast], [total], keepdims=1),
-        helper.make_node("Cast", [total], [out], to=TensorProto.INT64),
-    ], out
-
-
-# Detailed tensors up to this many elements count their bins with a shared constant of ones
-# per size (4 MiB at most) instead of expanding a 1 to their shape each run.
-_SHARED_ONES = 1 << 20
-
-
-def _ones(count: int | None, ctx: _Ctx) -> str | None:
-    """A shared float32 constant of `count` ones where that is worth holding, else None."""
-    if count is None or count > _SHARED_ONES or ctx.opset < 16:
-        return None
-    ctx.ones.add(count)
-    return f"{_CONST_ONES}{count}"
-
-
-def _count_bins(idx: str, one: str, small: bool, ctx: _Ctx) -> tuple[list[onnx.NodeProto], str]:
-    """Counts per bin [HIST_BINS] int64 of an int32 bin index. `one`: a scalar 1, or ones shaped
-    like `idx` (see _ones); float32 when `small` (counts below 2^24 are exact in float32, and
-    summed ~20% faster)."""
-    n = ctx.name
-    hist = n("hist")
-    if ctx.opset >= 16:
-        if one.startswith(_CONST_ONES):
-            nodes, ones = [], one
-        else:
-            shape, ones = n("shape"), n("ones")
-            nodes = [helper.make_node("Shape", [idx], [shape]), helper.make_node("Expand", [one, shape], [ones])]
-        if not small:
-            return nodes + [helper.make_node("ScatterElements", [_CONST_HIST_ZEROS, idx, ones], [hist], reduction="add")], hist
-        counted = n("counted")
-        return nodes + [
-            helper.make_node("ScatterElements", [_CONST_HIST_ZEROS_F, idx, ones], [counted], reduction="add"),
-            helper.make_node("Cast", [counted], [hist], to=TensorProto.INT64),
-        ], hist
-    # No ScatterElements reduction before opset 16: TfIdfVectorizer counts 1-grams.
-    tf = n("tf")
-    return [
-        helper.make_node(
-            "TfIdfVectorizer", [idx], [tf], mode="TF", min_gram_length=1, max_gram_length=1,
-            max_skip_count=0, ngram_counts=[0], ngram_indexes=list(range(HIST_BINS)),
-            pool_int64s=list(range(HIST_BINS)),
-        ),
-        helper.make_node("Cast", [tf], [hist], to=TensorProto.INT64),
-    ], hist
-
-
-# Shared constants, added once per model as initialisers of the main graph (visible in bodies).
-_CONST_FLAT = "__npuprep_c_flat"
-_CONST_SIZE = "__npuprep_c_size_"
-_CONST_ROW = "__npuprep_c_row_"
-_CONST_NEG_CHANNELS = "__npuprep_c_neg_channels_"
-_CONST_ONES = "__npuprep_c_ones_"
-_CONST_ONE_DIM = "__npuprep_c_one_dim"
-_CONST_ZERO_F = "__npuprep_c_zero_f"
-_CONST_LO = "__npuprep_c_lo"
-_CONST_HI = "__npuprep_c_hi"
-_CONST_ZEROS_TAIL = "__npuprep_c_zeros_tail"
-_CONST_NEG_INF = "__npuprep_c_neg_inf"
-_CONST_POS_INF = "__npuprep_c_pos_inf"
-_CONST_INV_LN2 = "__npuprep_c_inv_ln2"
-_CONST_HIST_ZEROS = "__npuprep_c_hist_zeros"
-_CONST_ZERO_I64_1 = "__npuprep_c_zero_i64"
-_CONST_ZERO_I32 = "__npuprep_c_zero_i32"
-_CONST_HIST_ZEROS_F = "__npuprep_c_hist_zeros_f"
-_CONST_BIN_SHIFT = "__npuprep_c_bin_shift"
-_CONST_LUMP_BIN = "__npuprep_c_lump_bin"
-_CONST_TOP_BIN = "__npuprep_c_top_bin"
-_CONST_NEXT_BIN_START = "__npuprep_c_next_bin_start"
-_CONST_LUMP_AT = "__npuprep_c_lump_at"
-_CONST_LUMP_END = "__npuprep_c_lump_end"
-_CONST_LUMP_ONEHOT = "__npuprep_c_lump_onehot"
-_CONST_MIN_NORMAL = "__npuprep_c_min_normal"
-_CONST_SUBNORMAL_SCALE = "__npuprep_c_subnormal_scale"
-_CONST_SUBNORMAL_SHIFT = "__npuprep_c_subnormal_shift"
-_CONST_SMALLEST_MAX = "__npuprep_c_smallest_max"
-_CONST_ZERO_OVER = "__npuprep_c_zero_over"
-_CONST_FLAG_ROW = "__npuprep_c_flag_row"
-_CONST_ZERO_I32_S = "__npuprep_c_zero_i32_s"
-_CONST_TOP_BIN_I32 = "__npuprep_c_top_bin_i32"
-
-
-def _next_bin_start() -> np.ndarray:
-    """Entry i: 2^(i + 1 - 150), where bin i + 1 starts (Inf past float32's range; NaN for
-    the top bin, which nothing passes)."""
-    with np.errstate(over="ignore"):
-        starts = np.ldexp(np.float32(1), np.arange(HIST_BINS) + 1 - HIST_OFFSET).astype(np.float32)
-    starts[-1] = np.nan
-    return starts
-
-
-def _over_const(fmt: str) -> str:
-    return f"__npuprep_c_max_{fmt}"
-
-
-def shared_constants() -> list[onnx.TensorProto]:
-    values = {
-        _CONST_FLAT: np.array([-1], np.int64),
-        _CONST_ONE_DIM: np.array([1], np.int64),
-        _CONST_ZERO_F: np.array([0.0], np.float32),
-        _CONST_LO: np.array(LO, np.float32),
-        _CONST_HI: np.array(HI, np.float32),
-        _CONST_ZEROS_TAIL: np.zeros(WIDTH - 1, np.int64),
-        _CONST_NEG_INF: np.array(-np.inf, np.float32),
-        _CONST_POS_INF: np.array(np.inf, np.float32),
-        _CONST_INV_LN2: np.array(1.0 / math.log(2.0), np.float32),
-        _CONST_HIST_ZEROS: np.zeros(HIST_BINS, np.int64),
-        _CONST_ZERO_I64_1: np.zeros(1, np.int64),
-        _CONST_ZERO_I32: np.zeros(1, np.int32),
-        _CONST_HIST_ZEROS_F: np.zeros(HIST_BINS, np.float32),
-        _CONST_BIN_SHIFT: np.array(HIST_OFFSET - 1 / 16, np.float32),
-        _CONST_LUMP_BIN: np.array(HIST_OFFSET - 127, np.float32),
-        _CONST_TOP_BIN: np.array(HIST_BINS - 1, np.float32),
-        _CONST_NEXT_BIN_START: _next_bin_start(),
-        _CONST_LUMP_AT: np.array([HIST_OFFSET - 127], np.int64),
-        _CONST_LUMP_END: np.array([HIST_OFFSET - 126], np.int64),
-        _CONST_LUMP_ONEHOT: np.eye(1, HIST_BINS, HIST_OFFSET - 127, np.int64)[0],
-        _CONST_MIN_NORMAL: np.array(np.finfo(np.float32).tiny, np.float32),
-        _CONST_SUBNORMAL_SCALE: np.array(2.0**SUBNORMAL_SHIFT, np.float32),
-        _CONST_SUBNORMAL_SHIFT: np.array(SUBNORMAL_SHIFT, np.int32),
-        _CONST_SMALLEST_MAX: np.array([SMALLEST_MAX], np.float32),
-        _CONST_ZERO_OVER: np.zeros(len(OVER_FORMATS), np.int64),
-        _CONST_FLAG_ROW: FLAGGED * np.eye(1, WIDTH, HEADER.index("detailed"), np.int64)[0],
-        _CONST_ZERO_I32_S: np.array(0, np.int32),
-        _CONST_TOP_BIN_I32: np.array(HIST_BINS - 1, np.int32),
-    }
-    for fmt in OVER_FORMATS:
-        values[_over_const(fmt)] = np.array(get_format(fmt).max, np.float32)
-    return [numpy_helper.from_array(v, k) for k, v in values.items()]
-
-
 def _instrument_subgraphs(
-    node: onnx.NodeProto, scope: str, ctx: _Ctx, outer: onnx.GraphProto
+    node: onnx.NodeProto, scope: str, ctx: Wiring, outer: onnx.GraphProto
 ) -> list[tuple[tuple[str, ...], list[Slot]]]:
     """Instrument the bodies of an If/Loop/Scan node and wire their statistics out of it."""
     graph_attrs = [a for a in node.attribute if a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)]
@@ -1060,7 +585,7 @@ def _instrument_subgraphs(
     return _wire_carried(node, scope, label, ctx, outer)
 
 
-def _wire_if(node: onnx.NodeProto, scope: str, label: str, ctx: _Ctx) -> list[tuple[tuple[str, ...], list[Slot]]]:
+def _wire_if(node: onnx.NodeProto, scope: str, label: str, ctx: Wiring) -> list[tuple[tuple[str, ...], list[Slot]]]:
     """If: each branch's statistics, padded with the other branch's empty rows (count 0)."""
     branches = {a.name: a.g for a in node.attribute}
     results = {}
@@ -1080,7 +605,7 @@ def _wire_if(node: onnx.NodeProto, scope: str, label: str, ctx: _Ctx) -> list[tu
             np.zeros(k_other * WIDTH, np.int64),
             np.zeros(k_other, np.float32),
         )
-        for own, pad, elem, width in zip(own_names, pads, _ELEMS, (1, 1, WIDTH, 1), strict=True):
+        for own, pad, elem, width in zip(own_names, pads, ELEMS, (1, 1, WIDTH, 1), strict=True):
             pad_name = ctx.name("pad")
             g.initializer.append(numpy_helper.from_array(pad, pad_name))
             joined = ctx.name("joined")
@@ -1092,7 +617,7 @@ def _wire_if(node: onnx.NodeProto, scope: str, label: str, ctx: _Ctx) -> list[tu
 
 
 def _wire_carried(
-    node: onnx.NodeProto, scope: str, label: str, ctx: _Ctx, outer: onnx.GraphProto
+    node: onnx.NodeProto, scope: str, label: str, ctx: Wiring, outer: onnx.GraphProto
 ) -> list[tuple[tuple[str, ...], list[Slot]]]:
     """Loop/Scan: statistics become extra state, merged over iterations inside the body
     (whose rows keep their gates in the graph: each iteration is judged on its own)."""
@@ -1111,7 +636,7 @@ def _wire_carried(
         helper.make_node("Add", [prev[2], ii], [merged[2]]),
         helper.make_node("Add", [prev[3], l1], [merged[3]]),
     ])
-    elems = _ELEMS
+    elems = ELEMS
     dims = (k, k, k * WIDTH, k)
     inits = (np.full(k, -np.inf, np.float32), np.full(k, np.inf, np.float32), np.zeros(k * WIDTH, np.int64),
              np.zeros(k, np.float32))

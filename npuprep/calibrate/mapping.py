@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from npuprep.calibrate.instrument import OVER_FORMATS
-from npuprep.calibrate.stats import CalibrationStats, RangeStats
+from npuprep.calibrate.layout import OVER_FORMATS
+from npuprep.calibrate.stats import CalibrationStats, RangeStats, read_stats_doc, stats_from_dict
+from npuprep.errors import NpuprepError
 from npuprep.graph import node_label, tensor_types, walk_graphs
 from npuprep.model_io import Model
 from npuprep.numerics import FLOAT_ONNX_TYPES, get_format
-from npuprep.provenance import Source
+from npuprep.provenance import Source, find_source
 
 # Ops whose float output holds the values of their float input (up to the target's rounding).
 _SAME_VALUES = ("Cast", "Identity")
@@ -150,4 +152,24 @@ def scaled_stats(s: RangeStats, scale: float) -> RangeStats:
         s, min=s.min * scale, max=s.max * scale, absmax=absmax, exp_hist=hist,
         detailed_count=detailed, over=over, under=under,
         per_sample_absmax=tuple(v * scale for v in s.per_sample_absmax),
+    )
+
+
+def load_stats(path: str | Path, model: Model) -> CalibrationStats:
+    """Read stats.json; refuse a file that belongs to another model.
+
+    Stats of the model `model` was converted from (its metadata or the conversion report
+    beside it names the source, npuprep.provenance) are accepted and mapped onto it by tensor name
+    (npuprep.calibrate.mapping; `mapping` holds the counts, `mapping_note` says them).
+    """
+    path = Path(path)
+    stats = stats_from_dict(read_stats_doc(path), path)
+    if stats.fingerprint == model.fingerprint:
+        return stats
+    source = find_source(model)
+    if source is not None and source.fingerprint == stats.fingerprint:
+        return map_to_conversion(stats, model, source)
+    raise NpuprepError(
+        f"{path}: stats belong to another model (fingerprint {stats.fingerprint}, "
+        f"{model.path or 'the model'} has {model.fingerprint})"
     )

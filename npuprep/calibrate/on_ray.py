@@ -16,10 +16,11 @@ from dataclasses import replace
 from typing import Any
 
 from npuprep.calibrate.merge import merge_stats
+from npuprep.calibrate.run import calibrate_here
 from npuprep.calibrate.stats import CalibrationStats, stats_from_dict
 from npuprep.data import Feed, SampleSet
 from npuprep.errors import NpuprepError
-from npuprep.model_io import Model
+from npuprep.model_io import Model, load_model
 from npuprep.progress import progress_counter
 
 
@@ -87,12 +88,10 @@ def calibrate_shard(
 ) -> dict[str, Any]:
     """One Ray task: a normal calibration of `shard` on `cpus` cores; its stats as JSON.
     Reports its count of samples done to `counter` (restarting from 0 on a retry)."""
-    from npuprep.calibrate.run import calibrate
-    from npuprep.model_io import load_model
 
     report = None if counter is None else (lambda done: counter.set.remote(index, done))
     model = load_model(model_path, weights="file")
-    return calibrate(model, shard, detail=detail, streams=streams, n_cores=cpus, on_progress=report).to_dict()
+    return calibrate_here(model, shard, detail=detail, streams=streams, n_cores=cpus, on_progress=report).to_dict()
 
 
 class _Done:

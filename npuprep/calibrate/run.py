@@ -13,28 +13,18 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
-from npuprep.calibrate.instrument import (
-    FLAGGED,
-    HEADER,
-    HI,
-    LO,
-    SMALLEST_MAX,
-    WIDTH,
-    Instrumented,
-    instrument,
-)
+from npuprep.calibrate.instrument import Instrumented, instrument
+from npuprep.calibrate.layout import FLAGGED, HEADER, HI, LO, SMALLEST_MAX, WIDTH
 from npuprep.calibrate.stats import Accumulator, CalibrationStats
 from npuprep.data import Feed, FeedStream, SampleSet
 from npuprep.errors import NpuprepError
-from npuprep.graph import copy_fields
 from npuprep.model_io import Model
 from npuprep.opsets import WORKING_OPSET, at_least, check_opset_supported
 from npuprep.progress import progress_counter
 
 
-def calibrate(
+def calibrate_here(
     model: Model,
     samples: SampleSet | Iterable[Feed],
     *,
@@ -42,8 +32,6 @@ def calibrate(
     streams: int = 0,
     show_progress: bool = False,
     detail: str = "auto",
-    executor: str = "local",
-    address: str | None = None,
     n_cores: int | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> CalibrationStats:
@@ -56,20 +44,10 @@ def calibrate(
     on its share of the cores (see `fold_streams`); 0 picks the count (see `plan_streams`).
     `jobs` > 1 splits the samples after the first into contiguous ranges, one forked process
     each (see `_fold_parallel`); 0 picks the count (see `plan_jobs`); an iterable runs in
-    this process. `executor="ray"` runs shards of a SampleSet as Ray tasks, on a local Ray
-    or, with `address`, a cluster (see npuprep.calibrate.on_ray). `n_cores`: the cores to
+    this process. `n_cores`: the cores to
     plan for (default: those this process may run on). `on_progress` is called with the
     count of samples done as it grows.
     """
-    if executor == "ray":
-        from npuprep.calibrate.on_ray import calibrate_on_ray
-
-        if jobs not in (0, 1):
-            raise NpuprepError(f"executor='ray' runs one process per shard: jobs={jobs} does not apply")
-        return calibrate_on_ray(model, samples, address=address, detail=detail, streams=streams,
-                                show_progress=show_progress)
-    if executor != "local":
-        raise NpuprepError(f"unknown executor {executor!r} (use 'local' or 'ray')")
     check_opset_supported(model.proto, model.path or "model")
     if not isinstance(samples, SampleSet):
         samples = FeedStream(samples, model.proto)
@@ -245,6 +223,7 @@ def prepare(model: Model, detail: str) -> Prepared:
     """
     from npuprep.bf16 import has_bf16
     from npuprep.model_io import external_home, external_locations, light_proto, uses_external_data
+    from npuprep.runtime.session import split_weights
 
     path = Path(model.path) if model.path else None
     folder = path.parent if path is not None and path.is_file() else None
@@ -254,7 +233,7 @@ def prepare(model: Model, detail: str) -> Prepared:
             found = external_home(graph, folder)
             if found is not None and os.access(found[1], os.W_OK):
                 return Prepared(_working(found[0], model), {}, found[1], detail)
-    skeleton, weights = _split_weights(model.proto, folder)
+    skeleton, weights = split_weights(model.proto, folder)
     return Prepared(_working(skeleton, model), weights, None, detail)
 
 
@@ -263,38 +242,6 @@ def _working(graph: onnx.ModelProto, model: Model) -> onnx.ModelProto:
     model's graph is upgraded; tensor names, and so the statistics, are unchanged)."""
     return at_least(graph, WORKING_OPSET,
                     why=f"{model.path or 'model'}: calibrating opset {model.opset}")[0]
-
-
-# Initialisers above this size reach onnxruntime as arrays, not inside the serialised graph.
-_INLINE_BYTES = 4096
-
-
-def _split_weights(
-    proto: onnx.ModelProto, base_dir: Path | None = None
-) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """A copy of the model without its large main-graph initialisers (declared as external
-    data instead), and those initialisers as arrays. External data is read from `base_dir`;
-    without one, external initialisers stay as they are."""
-    from npuprep.model_io import external_array
-
-    skeleton = onnx.ModelProto()
-    copy_fields(proto, skeleton, skip="graph")
-    copy_fields(proto.graph, skeleton.graph, skip="initializer")
-    weights: dict[str, np.ndarray] = {}
-    for init in proto.graph.initializer:
-        external = init.data_location == onnx.TensorProto.EXTERNAL
-        if (external and base_dir is None) or (not external and init.ByteSize() <= _INLINE_BYTES):
-            skeleton.graph.initializer.append(init)
-            continue
-        weights[init.name] = external_array(init, base_dir) if external else numpy_helper.to_array(init)
-        placeholder = skeleton.graph.initializer.add()
-        placeholder.name, placeholder.data_type = init.name, init.data_type
-        placeholder.dims.extend(init.dims)
-        placeholder.data_location = onnx.TensorProto.EXTERNAL
-        for key, value in (("location", "npuprep-in-memory"), ("offset", "0"), ("length", str(weights[init.name].nbytes))):
-            entry = placeholder.external_data.add()
-            entry.key, entry.value = key, value
-    return skeleton, weights
 
 
 def _keys(inst: Instrumented) -> list[str]:
@@ -314,7 +261,7 @@ class Folding:
     on a session that details it, and every tensor whose abs-max in that sample lies near
     the ordinary range's edges, so later samples rarely flag another; a sample where that
     proof fails runs again with the L1 on the tensors concerned. A flagged tensor first gets
-    the lean detail (no If, see instrument._lean_detail) unless the sample already shows it
+    the lean detail (no If, see detail.lean_detail_nodes) unless the sample already shows it
     needs the full one; a lean row that flags gets the full detail. Only rows from
     a run without flags are folded in: the statistics are those of a graph that details
     every tensor.

@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 
 from npuprep import json_io
-from npuprep.calibrate.instrument import HEADER, HIST_BINS, HIST_OFFSET, OVER_FORMATS, WIDTH
+from npuprep.calibrate.layout import HEADER, HIST_BINS, HIST_OFFSET, OVER_FORMATS, WIDTH
 from npuprep.errors import NpuprepError
 from npuprep.json_io import json_number as _num
-from npuprep.model_io import Model, write_text_atomic
 from npuprep.numerics import get_format
+from npuprep.output_files import write_text_atomic
 
 # 2: sample ids (file names or indices) and, per tensor, the samples it was seen in, so
 # that files over disjoint samples merge exactly (npuprep.calibrate.merge). 1 still loads.
@@ -70,7 +70,7 @@ class RangeStats:
         None when the detail is incomplete and threshold < HI (ordinary samples may hold
         values up to HI that the histogram did not see).
         """
-        from npuprep.calibrate.instrument import HI
+        from npuprep.calibrate.layout import HI
 
         if self.count == 0 or not threshold < self.absmax:
             return 0.0
@@ -190,39 +190,10 @@ def dump_stats(stats: CalibrationStats) -> str:
     return json.dumps(stats.to_dict(), indent=1, sort_keys=True) + "\n"
 
 
-def load_stats(path: str | Path, model: Model) -> CalibrationStats:
-    """Read stats.json; refuse a file that belongs to another model.
-
-    Stats of the model `model` was converted from (its metadata or the conversion report
-    beside it names the source, npuprep.provenance) are accepted and mapped onto it by tensor name
-    (npuprep.calibrate.mapping; `mapping` holds the counts, `mapping_note` says them).
-    """
-    path = Path(path)
-    stats = stats_from_dict(read_stats_doc(path), path)
-    if stats.fingerprint == model.fingerprint:
-        return stats
-    from npuprep.provenance import find_source
-
-    source = find_source(model)
-    if source is not None and source.fingerprint == stats.fingerprint:
-        from npuprep.calibrate.mapping import map_to_conversion
-
-        return map_to_conversion(stats, model, source)
-    raise NpuprepError(
-        f"{path}: stats belong to another model (fingerprint {stats.fingerprint}, "
-        f"{model.path or 'the model'} has {model.fingerprint})"
-    )
-
-
 def read_stats_doc(path: str | Path, versions: tuple[int, ...] = _READABLE) -> dict[str, Any]:
     """The JSON of a stats file whose schema_version is one of `versions`."""
     path = Path(path)
-    try:
-        data = json_io.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise NpuprepError(f"{path}: stats file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise NpuprepError(f"{path}: not a stats JSON file ({exc})") from None
+    data = json_io.read_json(path, "stats file")
     if not isinstance(data, dict) or data.get("kind") != "stats":
         raise NpuprepError(f"{path}: not a stats file (kind is {data.get('kind') if isinstance(data, dict) else None!r})")
     if data.get("schema_version") not in versions:

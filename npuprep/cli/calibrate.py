@@ -17,7 +17,7 @@ from npuprep.cli.common import (
     print_table,
     say,
 )
-from npuprep.report.terminal import capped, percent
+from npuprep.formatting import capped, percent
 
 help = "measure every float tensor's range on samples (in-graph statistics) and write stats.json"
 
@@ -62,15 +62,11 @@ def _shard(text: str) -> tuple[int, int]:
 def run(args: argparse.Namespace) -> int:
     from npuprep.calibrate import calibrate
     from npuprep.calibrate.stats import dump_stats
-    from npuprep.cli.common import open_samples
-    from npuprep.model_io import load_model
-    from npuprep.outputs import SAMPLE_FILES, OutputPlan
+    from npuprep.cli.common import begin, open_samples
 
     # Only onnxruntime reads the weights, from the model's file: Python never holds them.
-    model = load_model(args.model, weights="file")
-    outputs = OutputPlan()
-    outputs.reads_model(args.model)
-    outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
+    run_ = begin(args, inputs=("data",), weights="file")
+    model, outputs = run_.model, run_.outputs
     if args.output:
         outputs.writes(args.output, "-o")
     with outputs.open() as files:

@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--html", metavar="OUT.html", help="also write a self-contained HTML report")
 
 
-def gather_findings(args: argparse.Namespace, model: Any, profile: Any, stats: Any = None) -> Any:
+def gather_findings(args: argparse.Namespace, model: Any, target: Any, stats: Any = None) -> Any:
     """All findings for this invocation: the static rules, then whatever the options add.
 
     `stats` are measured ranges already at hand; without them the options say where to get
@@ -50,7 +50,7 @@ def gather_findings(args: argparse.Namespace, model: Any, profile: Any, stats: A
     if stats is None:
         stats = _measured_stats(args, model)
     # A conversion's own FP32 islands are its decision, not a finding against it.
-    return findings_for(model, profile, stats, getattr(args, "precision", None), as_stored=True)
+    return findings_for(model, target, stats, as_stored=True)
 
 
 def _measured_stats(args: argparse.Namespace, model: Any) -> Any:
@@ -76,31 +76,25 @@ def _measured_stats(args: argparse.Namespace, model: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from npuprep.model_io import load_model
-    from npuprep.outputs import SAMPLE_FILES, OutputPlan
-    from npuprep.profiles import Severity, load_profile
+    from npuprep.cli.common import begin
+    from npuprep.profiles import Severity
 
     fail_on = Severity.parse(args.fail_on)
-    profile = load_profile(args.target)
     if args.model is None:
         from npuprep.examples import example_model_path
 
         args.model = str(example_model_path())
         print(f"npuprep: no MODEL given; checking the bundled example {args.model}", file=sys.stderr)
-    model = load_model(args.model)
-    outputs = OutputPlan()
-    outputs.reads_model(args.model)
-    outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
-    outputs.reads(args.stats, "the --stats file")
-    outputs.reads_profile(args.target)
+    run_ = begin(args, inputs=("data", "stats"))
+    profile, target, model, outputs = run_.profile, run_.target, run_.model, run_.outputs
     if args.html:
         outputs.writes(args.html, "--html")
     with outputs.open() as files:
         stats = _measured_stats(args, model)
-        findings = gather_findings(args, model, profile, stats)
+        findings = gather_findings(args, model, target, stats)
         # Findings and plan on the graph convert plans: exact pre-plan rewrites (a folded
         # mean, removed control flow) change what is there to find.
-        model, findings, plan, rewrites = _plan(args, model, profile, stats, findings)
+        model, findings, plan, rewrites = _plan(args, model, target, stats, findings)
         if args.html:
             from npuprep.cli.report import tensor_order
             from npuprep.report.render_html import render
@@ -128,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failing else 0
 
 
-def _plan(args: argparse.Namespace, model: Any, profile: Any, stats: Any,
+def _plan(args: argparse.Namespace, model: Any, target: Any, stats: Any,
           findings: Any) -> tuple[Any, Any, Any, tuple[str, ...]]:
     """The graph convert plans (fusions a compiler makes, no control flow where the target
     takes none), its findings, what `convert` would do with them (the planner's own
@@ -137,16 +131,16 @@ def _plan(args: argparse.Namespace, model: Any, profile: Any, stats: Any,
     from dataclasses import replace
 
     from npuprep.cli.common import open_samples
-    from npuprep.convert import for_target
     from npuprep.plan.planner import make_plan
+    from npuprep.rewrite.passes import prepare_for_target
 
     samples = open_samples(args, model.proto) if stats is not None else None
-    work, stats, notes = for_target(model, profile, stats,
-                                    list(samples) if samples is not None else None,
-                                    getattr(args, "precision", None))
+    prepared = prepare_for_target(model, target, stats,
+                                  list(samples) if samples is not None else None)
+    work, stats, notes = prepared.model, prepared.stats, prepared.notes
     if work is not model:
-        findings = gather_findings(args, work, profile, stats)
-    plan = make_plan(work, profile, stats, findings, precision=args.precision)
+        findings = gather_findings(args, work, target, stats)
+    plan = make_plan(work, target, stats, findings)
     return work, findings, replace(plan, notes=(*notes, *plan.notes)), notes
 
 

@@ -26,20 +26,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from npuprep.analyse import findings_for
-    from npuprep.cli.common import dump_json
+    from npuprep.cli.common import begin, dump_json
     from npuprep.crosscheck.checklist import build_checklist, scan_workspace, to_markdown
-    from npuprep.model_io import load_model
-    from npuprep.outputs import WORKSPACE_FILES, OutputPlan
-    from npuprep.profiles import load_profile
 
-    model = load_model(args.model)
-    profile = load_profile(args.target)
-    outputs = OutputPlan()
-    outputs.reads_model(args.model)
-    outputs.reads(args.stats, "the --stats file")
-    outputs.reads(args.plan, "the --plan file")
-    outputs.reads(args.workspace, "the --workspace folder", WORKSPACE_FILES)
-    outputs.reads_profile(args.target)
+    run_ = begin(args, inputs=("stats", "plan", "workspace"))
+    profile, model, outputs = run_.profile, run_.model, run_.outputs
     if args.output:
         outputs.writes(args.output, "-o")
         outputs.check()
@@ -53,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         from npuprep.calibrate import load_stats
 
         stats = load_stats(stats_arg, model)
-    findings = findings_for(model, profile, stats)
+    findings = findings_for(model, run_.target, stats)
     plan = None
     if args.plan:
         from npuprep.plan import load_plan
@@ -70,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         print(text, end="")
     else:
         from npuprep.cli.common import out
-        from npuprep.report.terminal import wrap_markdown
+        from npuprep.formatting import wrap_markdown
 
         print(wrap_markdown(text, out().width), end="")
     return 0

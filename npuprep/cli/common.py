@@ -7,13 +7,15 @@ import math
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from npuprep.formatting import WIDTH, Output, cell, table_lines, wrap
 
 # Library modules use these too; they live outside cli/ (no library module imports cli/).
 from npuprep.json_io import dump_json, to_jsonable  # noqa: F401 - re-exported for the commands
 from npuprep.names import shown
 from npuprep.progress import progress_counter
-from npuprep.report.terminal import WIDTH, Output, cell, table_lines, wrap
 
 T = TypeVar("T")
 
@@ -114,6 +116,57 @@ def check_rtol(value: float | None, flag: str) -> None:
 
     if value is not None and not (math.isfinite(value) and value > 0):
         raise NpuprepError(f"{flag} needs a finite number > 0, got {value!r}")
+
+
+# Input arguments a command may take: what each is called in errors, and which files in a
+# folder given there the command reads (output_files.OutputPlan.reads; "samples" and
+# "workspace" name output_files.SAMPLE_FILES and WORKSPACE_FILES).
+INPUT_ARGUMENTS: dict[str, tuple[str, str]] = {
+    "data": ("the --data samples", "samples"),
+    "holdout": ("the --holdout samples", "samples"),
+    "stats": ("the --stats file", "any"),
+    "plan": ("the --plan file", "any"),
+    "report": ("the --report file", "any"),
+    "workspace": ("the --workspace folder", "workspace"),
+    "classify": ("the --classify kit", "any"),
+    "outputs": ("the --outputs folder", "any"),
+    "scales": ("the --scales report", "any"),
+}
+
+
+@dataclass
+class Invocation:
+    """What a command reads before any work: its target (resolved once, with `--precision`),
+    its model, and the output plan that already knows every input path."""
+
+    profile: Any  # npuprep.profiles.TargetProfile, or None for a command without --target
+    target: Any  # npuprep.profiles.ResolvedTarget, or None
+    model: Any  # npuprep.model_io.Model, or None without a model
+    outputs: Any  # npuprep.output_files.OutputPlan
+
+
+def begin(args: argparse.Namespace, *, inputs: Sequence[str] = (), model: bool = True,
+          weights: str = "memory", model_arg: str = "model",
+          model_what: str = "the input model") -> Invocation:
+    """The preamble every command shares: load the target (when the command has --target) and
+    the model (argument `model_arg`), and declare the model, its external data, the profile
+    file and `inputs` (names in INPUT_ARGUMENTS) as files no output may land on."""
+    from npuprep.model_io import load_model
+    from npuprep.output_files import SAMPLE_FILES, WORKSPACE_FILES, OutputPlan
+    from npuprep.profiles import load_profile
+
+    patterns = {"samples": SAMPLE_FILES, "workspace": WORKSPACE_FILES, "any": ("*",)}
+    profile = load_profile(args.target) if getattr(args, "target", None) else None
+    target = profile.resolve(getattr(args, "precision", None)) if profile is not None else None
+    loaded = load_model(getattr(args, model_arg), weights=weights) if model else None
+    plan = OutputPlan()
+    if model:
+        plan.reads_model(getattr(args, model_arg), model_what)
+    for name in inputs:
+        what, files = INPUT_ARGUMENTS[name]
+        plan.reads(getattr(args, name, None), what, patterns[files])
+    plan.reads_profile(getattr(args, "target", None))
+    return Invocation(profile, target, loaded, plan)
 
 
 def open_samples(args: argparse.Namespace, model: Any) -> Any:

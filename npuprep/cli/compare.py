@@ -14,6 +14,7 @@ from npuprep import json_io
 from npuprep.cli.common import (
     add_data,
     add_json,
+    begin,
     fmt,
     nonnegative_float,
     open_samples,
@@ -69,10 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _as_exported_note(ref: Any, profile: Any) -> tuple[str, ...]:
     """A note when `convert` would plan on another graph than the one emulated here (the
     fusions a compiler makes): a failure here may be gone there."""
-    from npuprep.convert import for_target
+    from npuprep.rewrite.passes import prepare_for_target
 
-    work, _, changes = for_target(ref, profile)
-    if work is ref or not changes:
+    prepared = prepare_for_target(ref, profile.resolve())
+    changes = prepared.notes
+    if prepared.model is ref or not changes:
         return ()
     return (f"this emulates the model as exported; convert plans and verifies it after the "
             f"changes a compiler makes ({len(changes)}: {changes[0]}{'; ...' if len(changes) > 1 else ''}), "
@@ -82,8 +84,6 @@ def _as_exported_note(ref: Any, profile: Any) -> tuple[str, ...]:
 def run(args: argparse.Namespace) -> int:
     from npuprep.errors import NpuprepError
     from npuprep.model_io import load_model
-    from npuprep.outputs import SAMPLE_FILES, OutputPlan
-    from npuprep.profiles import load_profile
     from npuprep.verify.compare import (
         DEFAULT_ATOL,
         compare_models,
@@ -105,14 +105,9 @@ def run(args: argparse.Namespace) -> int:
         raise NpuprepError(f"--with {args.with_vendor} builds a candidate model: give REF CAND, not --emulate")
     if args.report and args.report.endswith(".onnx"):
         raise NpuprepError(f"--report {args.report}: the report is Markdown, not a model")
-    ref = load_model(args.ref)
-    profile = load_profile(args.target) if args.target else None
-    outputs = OutputPlan()
-    outputs.reads_model(args.ref, "the reference model")
+    run_ = begin(args, inputs=("data", "scales"), model_arg="ref", model_what="the reference model")
+    ref, profile, outputs = run_.model, run_.profile, run_.outputs
     outputs.reads_model(args.cand, "the candidate model")
-    outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
-    outputs.reads(args.scales, "the --scales report")
-    outputs.reads_profile(args.target)
     if args.report:
         outputs.writes(args.report, "--report")
     if args.html:
@@ -240,12 +235,7 @@ def _read_scales(path: str) -> dict[str, float]:
     from npuprep.errors import NpuprepError
 
     p = Path(path)
-    if not p.is_file():
-        raise NpuprepError(f"{p}: convert report not found")
-    try:
-        data = json_io.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise NpuprepError(f"{p}: not a JSON file ({exc})") from None
+    data = json_io.read_json(p, "convert report")
     if not isinstance(data, dict) or "tensor_scales" not in data:
         raise NpuprepError(f"{p}: key 'tensor_scales' is missing (expected a convert report)")
     scales = data["tensor_scales"]

@@ -71,15 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from npuprep.cli.common import check_rtol, open_samples, print_json
-    from npuprep.model_io import load_model
+    from npuprep.cli.common import begin, check_rtol, open_samples, print_json
     from npuprep.names import file_part
-    from npuprep.outputs import SAMPLE_FILES, OutputPlan
-    from npuprep.profiles import load_profile
     from npuprep.report.artefacts import declare, default_exports, parse_exports
 
-    profile = load_profile(args.target)
-    exports = parse_exports(args.export) if args.export else default_exports(profile.report_format)
     if args.model is None:
         from npuprep.examples import example_data_dir, example_model_path
 
@@ -89,20 +84,15 @@ def run(args: argparse.Namespace) -> int:
     check_rtol(args.rtol, "--rtol")
     if args.plan and args.plan_only:
         raise NpuprepError("--plan and --plan-only together: the plan already exists")
-    model = load_model(args.model)
+    run_ = begin(args, inputs=("data", "holdout", "stats", "plan"))
+    profile, model, outputs = run_.profile, run_.model, run_.outputs
+    exports = parse_exports(args.export) if args.export else default_exports(profile.report_format)
     # Not `<stem>.<target>.plan.yaml`: convert writes the plan it applied there, over a draft.
     default_ext = ".draft.plan.yaml" if args.plan_only else ".onnx"
     # Default names come from the model's file name and the profile's name as data, never a path.
     output = Path(args.output or f"{file_part(Path(args.model).stem, 'model')}."
                                  f"{file_part(profile.name, 'target')}{default_ext}")
     paths = _artefact_paths(args, output, exports)
-    outputs = OutputPlan()
-    outputs.reads_model(args.model)
-    outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
-    outputs.reads(args.holdout, "the --holdout samples", SAMPLE_FILES)
-    outputs.reads(args.stats, "the --stats file")
-    outputs.reads(args.plan, "the --plan file")
-    outputs.reads_profile(args.target)
     declare(outputs, paths)
     if args.report and not args.plan_only:
         outputs.removes_stale(f"{output.with_suffix('')}.report.json", "an older report beside -o")
@@ -227,15 +217,16 @@ def _plan_only(args: argparse.Namespace, model: Any, profile: Any, stats: Any, s
     from dataclasses import replace
 
     from npuprep.analyse import findings_for
-    from npuprep.convert import for_target
     from npuprep.plan import dump_plan
     from npuprep.plan.planner import make_plan
+    from npuprep.rewrite.passes import prepare_for_target
 
-    model, stats, notes = for_target(model, profile, stats,
-                                     list(samples) if samples is not None else None, args.precision)
-    findings = findings_for(model, profile, stats, args.precision)
-    plan = make_plan(model, profile, stats, findings, precision=args.precision)
-    plan = replace(plan, notes=(*notes, *plan.notes))
+    target = profile.resolve(args.precision)
+    prepared = prepare_for_target(model, target, stats,
+                                  list(samples) if samples is not None else None)
+    findings = findings_for(prepared.model, target, prepared.stats)
+    plan = make_plan(prepared.model, target, prepared.stats, findings)
+    plan = replace(plan, notes=(*prepared.notes, *plan.notes))
     files.text(output, dump_plan(plan))
     return plan
 
@@ -281,7 +272,7 @@ def _print_vendor(vendor: dict[str, Any] | None) -> None:
 
 
 def _agreement(errors: dict[str, Any]) -> str:
-    from npuprep.verify.outputs import ties_said
+    from npuprep.report.output_verdicts import ties_said
 
     if "top_k" not in errors:
         return ""
@@ -305,8 +296,8 @@ def _nodes(nodes: list[str]) -> str:
 
 def _print_summary(report: dict[str, Any]) -> None:
     from npuprep.cli.common import out, print_table, say
+    from npuprep.formatting import capped, number, percent
     from npuprep.report.render_md import action_target
-    from npuprep.report.terminal import capped, number, percent
 
     say(f"npuprep convert: {report['model']} -> {report['output']} "
         f"(target {report['target']}, {report['precision']})")
@@ -385,7 +376,7 @@ def _print_summary(report: dict[str, Any]) -> None:
 
 def _overfit(report: dict[str, Any]) -> str:
     """The verdict's cause when the calibration samples pass and the held-out ones do not."""
-    from npuprep.report.terminal import number
+    from npuprep.formatting import number
 
     ver, held = report.get("verification") or {}, report.get("holdout") or {}
     if not ver.get("passed") or not held or held.get("passed"):
@@ -404,7 +395,7 @@ def _say_where_the_error_sits(report: dict[str, Any]) -> None:
     """For each output that failed on FP16 precision alone: where its worst sample's error
     sits, so an error at a few undecided positions reads apart from one everywhere."""
     from npuprep.cli.common import say
-    from npuprep.verify.outputs import where_errors_sit
+    from npuprep.report.output_verdicts import where_errors_sit
 
     for which, name, errors, where in where_errors_sit(report):
         say(f"note: {name} on the {which}: {where}")

@@ -35,24 +35,15 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from npuprep.analyse import static_findings
-    from npuprep.cli.common import out, print_json, print_table, say
+    from npuprep.cli.common import begin, out, print_json, print_table, say
     from npuprep.crosscheck.check import crosscheck
     from npuprep.crosscheck.names import NodeIndex
     from npuprep.crosscheck.plan_view import read_decision
     from npuprep.crosscheck.readers import read_report
     from npuprep.crosscheck.render import COLUMNS, SHORT_COLUMNS, row, short_row, to_markdown
-    from npuprep.model_io import load_model
-    from npuprep.outputs import OutputPlan
-    from npuprep.profiles import load_profile
 
-    model = load_model(args.model)
-    profile = load_profile(args.target)
-    outputs = OutputPlan()
-    outputs.reads_model(args.model)
-    outputs.reads(args.report, "the --report file")
-    outputs.reads(args.stats, "the --stats file")
-    outputs.reads(args.plan, "the --plan file")
-    outputs.reads_profile(args.target)
+    run_ = begin(args, inputs=("report", "stats", "plan"))
+    profile, model, outputs = run_.profile, run_.model, run_.outputs
     if args.report_md:
         outputs.writes(args.report_md, "--report-md")
         outputs.check()
@@ -65,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         from npuprep.calibrate import load_stats
 
         stats = load_stats(args.stats, model)
-        findings = findings.merged(measured_findings(model, profile, stats))
+        findings = findings.merged(measured_findings(model, run_.target, stats))
         if stats.mapping_note:
             report = replace(report, notes=(*report.notes, stats.mapping_note))
     if decision is None:

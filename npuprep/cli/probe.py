@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_outputs(args: argparse.Namespace) -> None:
     """--write-profile and --export-kit against every file probe reads, before any probing."""
-    from npuprep.outputs import SAMPLE_FILES, OutputPlan
+    from npuprep.output_files import SAMPLE_FILES, OutputPlan
 
     outputs = OutputPlan()
     outputs.reads_model(args.model)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def load_result(path: str | Path) -> dict[str, Any]:
     """A result JSON object; a missing file or bad JSON is one NpuprepError."""
     path = Path(path)
-    try:
-        data = json_io.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise NpuprepError(f"{path}: result file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise NpuprepError(f"{path}: cannot read ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise NpuprepError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    data = json_io.read_json(path, "result file")
     if not isinstance(data, dict) or "kind" not in data:
         raise NpuprepError(f"{path}: not an npuprep result (no 'kind' key)")
     return data
@@ -60,7 +52,7 @@ def tensor_order(model: Any) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from npuprep.outputs import OutputPlan
+    from npuprep.output_files import OutputPlan
     from npuprep.report.render_html import render
 
     outputs = OutputPlan()

@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from npuprep.calibrate.merge import merge_stats
     from npuprep.calibrate.stats import SCHEMA_VERSION, dump_stats, read_stats_doc, stats_from_dict
-    from npuprep.outputs import OutputPlan
+    from npuprep.output_files import OutputPlan
 
     out = Path(args.output)
     outputs = OutputPlan()

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from npuprep.analyse.finding import Finding, Findings
+from npuprep.analyse.finding import Finding, Findings, is_sensitive
 from npuprep.crosscheck.names import NodeIndex
 from npuprep.crosscheck.plan_view import PlanDecision
 from npuprep.crosscheck.record import (
@@ -26,7 +26,7 @@ from npuprep.crosscheck.record import (
     narrowest,
 )
 from npuprep.model_io import Model
-from npuprep.profiles import Severity, TargetProfile
+from npuprep.profiles import TargetProfile
 
 SCHEMA_VERSION = 1
 VERDICTS = ("ok", "non-finite", "mismatch", "pin-ignored", "unknown", "unmapped", "missing")
@@ -36,9 +36,6 @@ FAILING = ("non-finite", "mismatch", "pin-ignored")
 DISPLAY_ORDER = ("non-finite", "mismatch", "pin-ignored", "unknown", "missing", "unmapped", "ok")
 # Columns of a per-layer error report that measure a layer on its own (fed golden inputs).
 _OWN_COLUMNS = ("simulator_single", "runtime_single_sim")
-# Rules whose finding means "this node needs more than the target's default precision".
-SENSITIVE_RULES = ("hazard.", "pattern.", "autocast.", "range.overflow", "range.headroom",
-                   "range.underflow")
 # Of those, the ones about range only: BF16 (FP32's exponent) is enough for them.
 RANGE_RULES = ("hazard.", "range.overflow", "range.headroom", "range.underflow",
                "pattern.layernorm", "pattern.softmax")
@@ -108,10 +105,6 @@ class Crosscheck:
             "verdicts": [v.to_dict() for v in self.verdicts],
             "notes": list(self.notes),
         }
-
-
-def is_sensitive(finding: Finding) -> bool:
-    return finding.severity >= Severity.WARNING and finding.rule.startswith(SENSITIVE_RULES)
 
 
 def crosscheck(

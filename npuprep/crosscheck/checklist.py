@@ -10,7 +10,6 @@ open item says the command to run. The precision item tells the plan's story
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -24,13 +23,13 @@ from npuprep.analyse.finding import Finding
 from npuprep.crosscheck.check import VERDICTS
 from npuprep.crosscheck.readers import DEFAULT_REPORT_NAME, HOW_TO_GET
 from npuprep.errors import NpuprepError
+from npuprep.formatting import number
+from npuprep.formatting import ratio as ratio_text
 from npuprep.graph import attribute, tensor_types, walk_graphs
 from npuprep.model_io import Model
 from npuprep.names import md_code, shown
 from npuprep.profiles import OverflowMode, TargetProfile
 from npuprep.report.story import FATE_TEXT, FATES, Story
-from npuprep.report.terminal import number
-from npuprep.report.terminal import ratio as ratio_text
 
 SCHEMA_VERSION = 1
 ARTEFACT_KINDS = ("stats", "probe", "crosscheck", "compare")
@@ -113,9 +112,9 @@ def scan_workspace(path: str | Path) -> Workspace:
         if not file.is_file():  # a FIFO would block the read
             continue
         try:
-            data = json_io.loads(file.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            notes.append(f"{file}: skipped, not readable JSON ({type(exc).__name__})")
+            data = json_io.read_json(file, "JSON artefact")
+        except NpuprepError as exc:
+            notes.append(f"skipped, {exc}")
             continue
         if isinstance(data, dict) and data.get("kind") in ARTEFACT_KINDS:
             artefacts.setdefault(data["kind"], []).append((str(file), data))
@@ -158,19 +157,20 @@ def build_checklist(
     ctx = _Context(model, profile, model_arg, target_arg, ws_arg, stats_arg or f"{ws_arg}/stats.json",
                    plan_arg or f"{ws_arg}/plan.yaml", workspace)
     from npuprep.analyse import findings_for
-    from npuprep.convert import for_target
+    from npuprep.plan.planner import make_plan
+    from npuprep.rewrite.passes import prepare_for_target
 
     # The graph convert plans: a written-out mean folded, no control flow where the target
     # takes none; a given plan was made on it too.
-    planned, stats, flow_notes = for_target(model, profile, stats)
+    target = profile.resolve()
+    prepared = prepare_for_target(model, target, stats)
+    planned, stats = prepared.model, prepared.stats
     if planned is not model:
-        findings = list(findings_for(planned, profile, stats))
+        findings = list(findings_for(planned, target, stats))
     decision = plan
     if decision is None:
-        from npuprep.plan.planner import make_plan
-
-        decision = make_plan(planned, profile, stats, findings)
-        notes += flow_notes
+        decision = make_plan(planned, target, stats, findings)
+        notes += prepared.notes
     from npuprep.report.story import plan_story
 
     story = plan_story(planned, profile, decision, findings, stats)

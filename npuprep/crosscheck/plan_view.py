@@ -69,7 +69,7 @@ def read_decision(path: str | Path, model: Model, index: NodeIndex) -> PlanDecis
 
 
 def _from_plan(path: str | Path, data: dict[str, Any], model: Model, index: NodeIndex) -> PlanDecision:
-    from npuprep.plan import Clamp, PinFp32, Plan, Rescale, ShiftMax, load_plan
+    from npuprep.plan import Clamp, PinFp32, Plan, Rescale, SoftmaxShift, load_plan
 
     note = ""
     if data.get("fingerprint") == model.fingerprint:
@@ -97,7 +97,7 @@ def _from_plan(path: str | Path, data: dict[str, Any], model: Model, index: Node
         if isinstance(action, Rescale):
             why = f"rescaled by 2^-{action.k} from {action.entry}"
             nodes = [action.entry, *action.absorbers, *_producers(action.domain, index)]
-        elif isinstance(action, ShiftMax):
+        elif isinstance(action, SoftmaxShift):
             why = f"softmax shifted (max subtracted before {action.exp})"
             nodes = [action.exp, *_producers(action.covers, index)]
         elif isinstance(action, Clamp):

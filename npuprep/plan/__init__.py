@@ -1,9 +1,9 @@
 """Planning: findings + ranges -> Plan (softmax shift, rescale, pin FP32, clamp), never touching the graph."""
 
-from npuprep.plan.actions import Action, Clamp, Declined, FindingRef, PinFp32, Rescale, ShiftMax
+from npuprep.plan.actions import Action, Clamp, Declined, FindingRef, PinFp32, Rescale, SoftmaxShift
 from npuprep.plan.plan import Plan, dump_plan, load_plan, save_plan
 
 __all__ = [
-    "Action", "Clamp", "Declined", "FindingRef", "PinFp32", "Plan", "Rescale", "ShiftMax",
+    "Action", "Clamp", "Declined", "FindingRef", "PinFp32", "Plan", "Rescale", "SoftmaxShift",
     "dump_plan", "load_plan", "save_plan",
 ]

@@ -9,7 +9,7 @@ from npuprep.analyse.finding import Finding
 
 ClampKind = Literal["exp", "square", "denominator", "log", "user"]
 CLAMP_KINDS: tuple[str, ...] = ("exp", "square", "denominator", "log", "user")
-REMEDIES: tuple[str, ...] = ("shift_max", "rescale", "pin_fp32", "clamp")
+REMEDIES: tuple[str, ...] = ("softmax_shift", "rescale", "pin_fp32", "clamp")
 
 
 @dataclass(frozen=True, order=True)
@@ -147,7 +147,7 @@ class PinFp32:
 
 
 @dataclass(frozen=True)
-class ShiftMax:
+class SoftmaxShift:
     """Subtract ReduceMax(x) from the input x of `exp`, a written-out softmax's Exp
     (`Exp(x) / ReduceSum(Exp(x))`): exact, and Exp's output stays within (0, 1].
 
@@ -164,7 +164,7 @@ class ShiftMax:
     measured: dict[str, float] = field(default_factory=dict)
     why: str = ""
 
-    action = "shift_max"
+    action = "softmax_shift"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -196,4 +196,4 @@ class Declined:
         }
 
 
-Action = ShiftMax | Rescale | Clamp | PinFp32
+Action = SoftmaxShift | Rescale | Clamp | PinFp32

@@ -25,7 +25,7 @@ from npuprep.graph import (
 from npuprep.model_io import Model
 from npuprep.numerics import NumberFormat
 from npuprep.ops import ADDITIVE, CARRIES_MAGNITUDE, LINEAR_WITH_WEIGHTS
-from npuprep.plan.actions import Action, Clamp, Declined, FindingRef, PinFp32, Rescale, ShiftMax
+from npuprep.plan.actions import Action, Clamp, Declined, FindingRef, PinFp32, Rescale, SoftmaxShift
 from npuprep.profiles import TargetProfile
 
 # Relative error an Exp output may inherit from the rounding of its input: |x| >= 32
@@ -66,7 +66,7 @@ class PlanContext:
     stats: Any
     forbid: frozenset[str]
     rescales: list[Rescale] = field(default_factory=list)
-    shifts: list[ShiftMax] = field(default_factory=list)
+    shifts: list[SoftmaxShift] = field(default_factory=list)
     clamps: list[Clamp] = field(default_factory=list)
     islands: list[PinFp32] = field(default_factory=list)
     declined: list[Declined] = field(default_factory=list)
@@ -219,7 +219,7 @@ class PlanContext:
                     self.rescales[i] = action
                     return
             self.rescales.append(action)
-        elif isinstance(action, ShiftMax):
+        elif isinstance(action, SoftmaxShift):
             self.shifts.append(action)
         elif isinstance(action, Clamp):
             self.clamps.append(action)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,8 +11,9 @@ import yaml
 from npuprep import names
 from npuprep.errors import NpuprepError
 from npuprep.graph import node_label, walk_graphs
-from npuprep.model_io import Model, write_text_atomic
+from npuprep.model_io import Model
 from npuprep.numerics import formats
+from npuprep.output_files import write_text_atomic
 from npuprep.plan.actions import (
     CLAMP_KINDS,
     REMEDIES,
@@ -23,9 +23,9 @@ from npuprep.plan.actions import (
     FindingRef,
     PinFp32,
     Rescale,
-    ShiftMax,
+    SoftmaxShift,
 )
-from npuprep.yaml_io import read_yaml
+from npuprep.yaml_io import YamlReader, read_yaml, type_name
 
 SCHEMA_VERSION = 1
 # k of a rescale: 2^-24 is FP16's smallest subnormal, 2^15 the largest power of two below its max.
@@ -63,8 +63,8 @@ class Plan:
     def clamps(self) -> list[Clamp]:
         return [a for a in self.actions if isinstance(a, Clamp)]
 
-    def shifts(self) -> list[ShiftMax]:
-        return [a for a in self.actions if isinstance(a, ShiftMax)]
+    def shifts(self) -> list[SoftmaxShift]:
+        return [a for a in self.actions if isinstance(a, SoftmaxShift)]
 
     def pins(self) -> list[PinFp32]:
         return [a for a in self.actions if isinstance(a, PinFp32)]
@@ -137,7 +137,7 @@ def _headline(action: Action) -> str:
     causes = ", ".join(refs[:3]) + (f" and {len(refs) - 3} more" if len(refs) > 3 else "") or "user"
     if isinstance(action, Rescale):
         return f"rescale {action.entry} by 2^{-action.k} ({causes})"
-    if isinstance(action, ShiftMax):
+    if isinstance(action, SoftmaxShift):
         return f"subtract the row maximum before softmax Exp {action.exp} ({causes})"
     if isinstance(action, Clamp) and action.kind == "denominator":
         return f"guard denominator {action.tensor}: |x| >= {action.lo} ({causes})"
@@ -216,14 +216,15 @@ _TOP = ("schema_version", "kind", "fingerprint", "target", "precision", "forbid_
         "actions", "declined", "notes")
 _REQUIRED_TOP = ("schema_version", "kind", "fingerprint", "target", "precision")
 _KEYS = {
-    "shift_max": ("action", "exp", "covers", "fp32_shift", "findings", "measured", "why"),
+    "softmax_shift": ("action", "exp", "covers", "fp32_shift", "findings", "measured", "why"),
     "rescale": ("action", "entry", "k", "domain", "absorbers", "findings", "absmax", "limit",
                 "absmax_after", "why"),
     "clamp": ("action", "tensor", "lo", "hi", "kind", "consumers", "findings", "measured", "why"),
     "pin_fp32": ("action", "nodes", "exit_tensors", "findings", "measured", "forced", "request",
                  "why"),
 }
-_REQUIRED = {"shift_max": ("exp",), "rescale": ("entry", "k"), "clamp": ("tensor", "kind"), "pin_fp32": ("nodes",)}
+_RENAMED = {"shift_max": "softmax_shift"}
+_REQUIRED = {"softmax_shift": ("exp",), "rescale": ("entry", "k"), "clamp": ("tensor", "kind"), "pin_fp32": ("nodes",)}
 
 
 @dataclass
@@ -268,69 +269,13 @@ class _Names:
         return tuple(dict.fromkeys(out))
 
 
-class _Parser:
+class _Parser(YamlReader):
+    allow_empty = False
+
     def __init__(self, source: str, model: Model | None) -> None:
-        self.source = source
+        super().__init__(source)
         self.model = model
         self.names = _Names.of(model) if model is not None else None
-
-    def fail(self, key: str, message: str) -> NpuprepError:
-        return NpuprepError(f"{self.source}: key '{key}': {message}")
-
-    # typed readers
-    def mapping(self, value: Any, key: str, allowed: tuple[str, ...]) -> dict[str, Any]:
-        if not isinstance(value, dict):
-            raise self.fail(key, f"expected a mapping, got {_type(value)}")
-        for k in value:
-            if k not in allowed:
-                path = f"{key}.{k}" if key else str(k)
-                raise self.fail(path, f"unknown key (allowed: {', '.join(allowed)})")
-        return value
-
-    def string(self, value: Any, key: str) -> str:
-        if not isinstance(value, str) or not value:
-            raise self.fail(key, f"expected a non-empty string, got {_type(value)}")
-        return value
-
-    def text(self, value: Any, key: str) -> str:
-        if value is None:
-            return ""
-        if not isinstance(value, str):
-            raise self.fail(key, f"expected a string, got {_type(value)}")
-        return value
-
-    def integer(self, value: Any, key: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(key, f"expected an integer, got {_type(value)}")
-        return value
-
-    def number(self, value: Any, key: str, optional: bool = False) -> float | None:
-        if value is None and optional:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self.fail(key, f"expected a number, got {_type(value)}")
-        if math.isnan(value):
-            raise self.fail(key, "NaN is not a bound")
-        return float(value)
-
-    def boolean(self, value: Any, key: str) -> bool:
-        if not isinstance(value, bool):
-            raise self.fail(key, f"expected true or false, got {_type(value)}")
-        return value
-
-    def strings(self, value: Any, key: str) -> tuple[str, ...]:
-        if value is None:
-            return ()
-        if not isinstance(value, list):
-            raise self.fail(key, f"expected a list, got {_type(value)}")
-        return tuple(self.string(v, f"{key}[{i}]") for i, v in enumerate(value))
-
-    def items(self, value: Any, key: str) -> list[Any]:
-        if value is None:
-            return []
-        if not isinstance(value, list):
-            raise self.fail(key, f"expected a list, got {_type(value)}")
-        return value
 
     # name checks (only with a model)
     def node(self, name: str, key: str) -> str:
@@ -398,10 +343,11 @@ class _Parser:
 
     def action(self, data: Any, key: str) -> Action:
         if not isinstance(data, dict):
-            raise self.fail(key, f"expected a mapping, got {_type(data)}")
+            raise self.fail(key, f"expected a mapping, got {type_name(data)}")
         if "action" not in data:
             raise self.fail(f"{key}.action", f"required key is missing (one of {', '.join(_KEYS)})")
-        name = data["action"]
+        # Plans written before the remedy had one name across plan/ and rewrite/.
+        name = _RENAMED.get(data["action"], data["action"])
         if name not in _KEYS:
             raise self.fail(f"{key}.action", f"{name!r} is not one of {', '.join(_KEYS)}")
         self.mapping(data, key, _KEYS[name])
@@ -414,14 +360,14 @@ class _Parser:
             return self.rescale(data, key, findings, why)
         if name == "clamp":
             return self.clamp(data, key, findings, why)
-        if name == "shift_max":
-            return ShiftMax(exp=self.node(self.string(data["exp"], f"{key}.exp"), f"{key}.exp"),
-                            covers=self.tensors(data.get("covers"), f"{key}.covers"),
-                            fp32_shift=self.boolean(data.get("fp32_shift", False),
-                                                    f"{key}.fp32_shift"),
-                            findings=findings,
-                            measured=self.measured(data.get("measured"), f"{key}.measured"),
-                            why=why)
+        if name == "softmax_shift":
+            return SoftmaxShift(exp=self.node(self.string(data["exp"], f"{key}.exp"), f"{key}.exp"),
+                                covers=self.tensors(data.get("covers"), f"{key}.covers"),
+                                fp32_shift=self.boolean(data.get("fp32_shift", False),
+                                                        f"{key}.fp32_shift"),
+                                findings=findings,
+                                measured=self.measured(data.get("measured"), f"{key}.measured"),
+                                why=why)
         return self.pin(data, key, findings, why)
 
     def rescale(self, d: dict[str, Any], key: str, findings: tuple[FindingRef, ...], why: str) -> Rescale:
@@ -436,7 +382,7 @@ class _Parser:
                             f"so {_K_RANGE[0]} <= k <= {_K_RANGE[1]}")
         domain_raw = d.get("domain") or {}
         if not isinstance(domain_raw, dict):
-            raise self.fail(f"{key}.domain", f"expected a mapping tensor: exponent, got {_type(domain_raw)}")
+            raise self.fail(f"{key}.domain", f"expected a mapping tensor: exponent, got {type_name(domain_raw)}")
         domain = {
             self.tensor(str(t), f"{key}.domain.{t}"): self.integer(e, f"{key}.domain.{t}")
             for t, e in domain_raw.items()
@@ -531,10 +477,7 @@ class _Parser:
         if value is None:
             return {}
         if not isinstance(value, dict):
-            raise self.fail(key, f"expected a mapping name: number, got {_type(value)}")
+            raise self.fail(key, f"expected a mapping name: number, got {type_name(value)}")
         return {str(k): self.number(v, f"{key}.{k}") or 0.0 for k, v in value.items()}
 
-
-def _type(value: Any) -> str:
-    return "nothing" if value is None else type(value).__name__
 

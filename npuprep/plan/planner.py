@@ -15,13 +15,12 @@ from typing import Any
 
 from npuprep.analyse.finding import Finding, Findings
 from npuprep.model_io import Model
-from npuprep.numerics import get_format
 from npuprep.ops import MAKES_MAGNITUDE
 from npuprep.plan import clamp, island, log_domain, phase, rescale_domain, softmax_shift, underflow
 from npuprep.plan.actions import FindingRef
 from npuprep.plan.context import EXP_INPUT_ERROR, RANGE_RULES, Outcome, PlanContext, Problem
 from npuprep.plan.plan import Plan
-from npuprep.profiles import Severity, TargetProfile
+from npuprep.profiles import ResolvedTarget, Severity
 
 Remedy = Callable[[PlanContext, Problem, tuple[str, ...]], Outcome]
 # Cheapest exact first; each remedy decides which kinds of problem it answers.
@@ -29,26 +28,25 @@ REMEDIES: tuple[Remedy, ...] = (
     softmax_shift.propose, log_domain.propose, rescale_domain.propose, underflow.propose,
     island.propose, clamp.propose,
 )
-_DECLINED_AS = {"shift_max": "softmax shift", "rescale": "rescale", "pin_fp32": "FP32 pin",
+_DECLINED_AS = {"softmax_shift": "softmax shift", "rescale": "rescale", "pin_fp32": "FP32 pin",
                 "clamp": "clamp"}
 
 
 def make_plan(
     model: Model,
-    profile: TargetProfile,
+    target: ResolvedTarget,
     stats: Any,
     findings: Findings | Iterable[Finding],
     *,
-    precision: str | None = None,
     forbid_pin: Iterable[str] = (),
 ) -> Plan:
     """One action per finding, cheapest exact remedy first; deterministic order.
 
+    `target` is the profile and the format the run computes in (TargetProfile.resolve);
     `stats` is a CalibrationStats (or None: plan from the static findings alone);
-    `precision` overrides the profile's default precision; `forbid_pin` names nodes
-    no FP32 island may contain.
+    `forbid_pin` names nodes no FP32 island may contain.
     """
-    fmt = get_format(precision or profile.default_precision)
+    profile, fmt = target.profile, target.fmt
     ctx = PlanContext(model, profile, fmt, stats, frozenset(forbid_pin))
     for f in sorted(findings, key=ctx.order_key):
         _handle(ctx, f)

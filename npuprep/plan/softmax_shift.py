@@ -4,17 +4,17 @@ Exact whatever x holds, and it keeps Exp's output within (0, 1], so it comes bef
 other remedy for an overflow anywhere in a written-out softmax (the Exp, its sum, the
 quotient). Where x is too coarse in the target format for exp (|x| >= 32 in FP16), the
 subtraction and x's elementwise producers stay FP32; Exp, the sum and the division never do.
-npuprep.rewrite.shift checks the pattern and does the rewrite.
+npuprep.rewrite.softmax_shift checks the pattern and does the rewrite.
 """
 
 from __future__ import annotations
 
 import math
 
-from npuprep.plan.actions import PinFp32, ShiftMax
+from npuprep.plan.actions import PinFp32, SoftmaxShift
 from npuprep.plan.context import EXP_INPUT_ERROR, Outcome, PlanContext, Problem
 from npuprep.profiles import Pinning
-from npuprep.rewrite.shift import find_written_softmax
+from npuprep.rewrite.softmax_shift import find_written_softmax
 
 
 def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outcome:
@@ -46,11 +46,11 @@ def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outc
                 "this target cannot pin FP32"
             why += (f"; {found.x} rounds to {ctx.fmt.name} first ({cause}), which verification "
                     "measures")
-        return ShiftMax(exp=exp, covers=found.tensors, findings=(problem.ref,),
+        return SoftmaxShift(exp=exp, covers=found.tensors, findings=(problem.ref,),
                         measured=measured, why=why)
     why += (f"; {found.x} (absmax {r.absmax:.3g}) is too coarse in {ctx.fmt.name} for exp: "
             f"{', '.join([*precise, 'the subtraction'])} run in FP32, elementwise")
-    shift = ShiftMax(exp=exp, covers=found.tensors, fp32_shift=True, findings=(problem.ref,),
+    shift = SoftmaxShift(exp=exp, covers=found.tensors, fp32_shift=True, findings=(problem.ref,),
                      measured=measured, why=why)
     if not precise:
         return shift

@@ -22,8 +22,8 @@ from onnx import helper
 
 from npuprep import json_io
 from npuprep.errors import NpuprepError
-from npuprep.model_io import save_model, write_text_atomic
 from npuprep.numerics import NumberFormat, get_format
+from npuprep.output_files import save_model, write_text_atomic
 from npuprep.probe.classify import Verdict, classify
 from npuprep.probe.micro import ProbeModel, target_elem_type
 from npuprep.probe.runner import ProbeReport, ProbeResult, reference_outputs
@@ -211,12 +211,7 @@ The models here are FP32: the toolkit builds them in FP16 itself (`build(do_quan
 
 def read_manifest(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / "manifest.json"
-    if not path.is_file():
-        raise NpuprepError(f"{path}: probe kit manifest not found")
-    try:
-        manifest = json_io.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise NpuprepError(f"{path}: not valid JSON ({exc})") from None
+    manifest = json_io.read_json(path, "probe kit manifest")
     if not isinstance(manifest, dict) or manifest.get("kind") != KIND:
         raise NpuprepError(f"{path}: key 'kind': not a probe kit (expected '{KIND}')")
     if manifest.get("schema_version") != SCHEMA_VERSION:

@@ -71,7 +71,7 @@ def artefact_paths(output: str | Path, *, exports: Sequence[str], report_path: s
 
 
 def declare(outputs: Any, paths: dict[str, Path]) -> None:
-    """Tell an OutputPlan (npuprep.outputs) every file of the set, before any work."""
+    """Tell an OutputPlan (npuprep.output_files) every file of the set, before any work."""
     for role, path in paths.items():
         if role == "model":
             outputs.writes_model(path, "-o")
@@ -136,9 +136,9 @@ def save_conversion(result: Any, output: str | Path, *, exports: Sequence[str] |
                     report_path: str | Path | None = None, html: str | Path | None = None,
                     protected: Iterable[str | Path] = ()) -> dict[str, Any]:
     """Write `result` (a ConversionResult) as `output` and its artefacts, as one set (see
-    npuprep.outputs); return the report dict. `exports` None: the target compiler's
+    npuprep.output_files); return the report dict. `exports` None: the target compiler's
     constraint file. `protected` paths (the input model) are never overwritten."""
-    from npuprep.outputs import OutputPlan
+    from npuprep.output_files import OutputPlan
 
     if exports is None:
         exports = default_exports(result.profile.report_format)

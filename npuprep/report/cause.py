@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from npuprep.numerics import get_format
-from npuprep.verify.outputs import output_passes
+from npuprep.report.output_verdicts import output_passes
 
 _BEYOND = re.compile(r"weight '([^']+)' reaches ([0-9.e+-]+), beyond")
 

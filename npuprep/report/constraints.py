@@ -13,12 +13,11 @@ import re
 import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import onnx
 
 from npuprep.graph import node_label, tensor_types, topological_order, walk_graphs
-from npuprep.model_io import Model, write_text_atomic
+from npuprep.model_io import Model
 from npuprep.names import comment
 from npuprep.numerics import FLOAT_ONNX_TYPES, get_format
 from npuprep.plan.actions import PinFp32
@@ -235,23 +234,6 @@ def trt_text(flags: TrtFlags, onnx_path: str = "model.onnx") -> str:
     lines += [f"# note: {comment(n)}" for n in flags.notes]
     lines += [f"# not expressible: {comment(name)} ({comment(why)})" for name, why in flags.skipped]
     return "\n".join([*lines, flags.command_line(onnx_path)]) + "\n"
-
-
-def write_constraint_files(
-    plan: Plan, model: Model, directory: str | Path, stem: str, *, onnx_path: str = "model.onnx",
-    also_pinned: Iterable[str] = (),
-) -> tuple[Path, ...]:
-    """Write every dialect next to each other: `<stem>.trtexec.sh`, `<stem>.precision.yaml`,
-    `<stem>.horizon.yaml`, `<stem>.rknn.cfg` (atomically; same plan, same bytes)."""
-    kw = {"also_pinned": tuple(also_pinned), "types": tensor_types(model.proto)}
-    directory = Path(directory)
-    texts = {
-        f"{stem}.trtexec.sh": trt_text(trt_flags(plan, model, **kw), onnx_path),
-        f"{stem}.precision.yaml": precision_yaml(plan, model, **kw),
-        f"{stem}.horizon.yaml": horizon_node_info(plan, model, **kw),
-        f"{stem}.rknn.cfg": rknn_custom_quantize_layers(plan, model, **kw),
-    }
-    return tuple(write_text_atomic(directory / name, text) for name, text in texts.items())
 
 
 def _pin_reason(action: PinFp32) -> str:

@@ -13,8 +13,8 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from npuprep.formatting import number
 from npuprep.report.series import ErrorSeries, Limit, RemedyMark, TensorPoint
-from npuprep.report.terminal import number
 
 INSTALL_HINT = "pip install npuprep[plots]"
 LIMIT_STYLE = {"max": ("#c0392b", "-"), "fp8": ("#7b241c", "-."), "headroom": ("#e67e22", "--"),
@@ -23,7 +23,7 @@ LIMIT_STYLE = {"max": ("#c0392b", "-"), "fp8": ("#7b241c", "-."), "headroom": ("
 BEFORE = {"color": "#7f8c8d", "linestyle": "--", "hollow": True}
 AFTER = {"color": "#2471a3", "linestyle": "-", "hollow": False}
 REMEDY_COLOR = {"rescale": "#27ae60", "clamp": "#f39c12", "pin_fp32": "#8e44ad",
-                "shift_max": "#16a085"}
+                "softmax_shift": "#16a085"}
 # Tensor names fit under the axis up to this many tensors; beyond, positions are numbered.
 NAMED_TICKS = 40
 # Beyond this many tensors, per-point markers only blur the line.

@@ -296,6 +296,6 @@ def render(result: Mapping[str, Any] | Any, *, plots: bool = True, order: Sequen
 def write_html(result: Mapping[str, Any] | Any, path: str | Path, *, plots: bool = True,
                order: Sequence[str] = ()) -> Path:
     """Render `result` and write it atomically to `path` (nothing is written on error)."""
-    from npuprep.model_io import write_text_atomic
+    from npuprep.output_files import write_text_atomic
 
     return write_text_atomic(path, render(result, plots=plots, order=order))

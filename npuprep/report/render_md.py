@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from npuprep.names import md_cell, md_code, md_text, shown
-from npuprep.verify.outputs import ties_said, where_errors_sit
+from npuprep.report.output_verdicts import ties_said, where_errors_sit
 
 
 def _num(v: Any) -> str:
@@ -25,7 +25,7 @@ def _row(cells: list[Any]) -> str:
 def action_target(a: dict[str, Any]) -> str:
     if a["action"] == "rescale":
         return f"{a['entry']} (x2^{-a['k']})"
-    if a["action"] == "shift_max":
+    if a["action"] == "softmax_shift":
         return f"{a['exp']} (x - max)"
     if a["action"] == "clamp":
         return f"{a['tensor']} to [{_num(a['lo'])}, {_num(a['hi'])}]"

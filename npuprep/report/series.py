@@ -14,7 +14,7 @@ from typing import Any
 from npuprep.errors import NpuprepError
 from npuprep.numerics import get_format
 
-REMEDY_KINDS: tuple[str, ...] = ("shift_max", "rescale", "clamp", "pin_fp32")
+REMEDY_KINDS: tuple[str, ...] = ("softmax_shift", "rescale", "clamp", "pin_fp32")
 
 
 @dataclass(frozen=True)

@@ -17,16 +17,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from npuprep.analyse.finding import Finding
-from npuprep.crosscheck.check import is_sensitive
+from npuprep.analyse.finding import Finding, is_sensitive
+from npuprep.formatting import number
 from npuprep.graph import node_label, producers, walk_graphs
 from npuprep.model_io import Model
 from npuprep.numerics import get_format
-from npuprep.plan.actions import Clamp, FindingRef, PinFp32, Rescale, ShiftMax
+from npuprep.plan.actions import Clamp, FindingRef, PinFp32, Rescale, SoftmaxShift
 from npuprep.plan.host_scale import host_scaled_outputs
 from npuprep.plan.plan import Plan
 from npuprep.profiles import TargetProfile
-from npuprep.report.terminal import number
 
 _ABSMAX = re.compile(r"absmax (-?(?:inf|nan|[0-9.]+(?:e[-+]?[0-9]+)?))")
 # Most telling first: a node with several findings shows the fate that matters most.
@@ -188,7 +187,7 @@ class _Judge:
         action = self.by_ref.get(ref)
         if isinstance(action, Rescale):
             return self._rescaled(action, f.tensor)
-        if isinstance(action, ShiftMax):
+        if isinstance(action, SoftmaxShift):
             x = action.measured.get("input_absmax")
             was = f" (input absmax {number(x)})" if x is not None else ""
             return "shifted", f"max subtracted before {action.exp}{was}: its output <= 1" + (

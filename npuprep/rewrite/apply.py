@@ -16,7 +16,7 @@ import onnx
 from npuprep.rewrite.clamp import apply_clamp, guard_denominator
 from npuprep.rewrite.rescale import apply_rescale
 from npuprep.rewrite.result import RewriteResult, Skipped
-from npuprep.rewrite.shift import apply_max_shift
+from npuprep.rewrite.softmax_shift import apply_softmax_shift
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def apply_plan(model: onnx.ModelProto, plan: Any) -> AppliedPlan:
     applied: list[str] = []
     declined: list[Skipped] = []
     for shift in plan.shifts():
-        result = apply_max_shift(current, shift.exp)
+        result = apply_softmax_shift(current, shift.exp)
         if result.modified:
             current = result.model
             if shift.fp32_shift:
@@ -58,7 +58,7 @@ def apply_plan(model: onnx.ModelProto, plan: Any) -> AppliedPlan:
                     reasons[node] = f"subtracts the row maximum in FP32 before softmax {shift.exp}"
             applied.append(f"shift softmax Exp {shift.exp} by its row maximum")
         else:
-            declined.append(Skipped("shift_max", shift.exp, result.reason, shift.findings))
+            declined.append(Skipped("softmax_shift", shift.exp, result.reason, shift.findings))
     for clamp in plan.clamps():
         result = _clamp(current, clamp)
         if result.modified:

@@ -139,7 +139,7 @@ def _own_error(model: onnx.ModelProto, fmt: NumberFormat, saturate: bool, pinned
     """Worst output rel L2, pooled over `feeds`, of `model` emulated in `fmt` but `pinned`."""
     from npuprep.runtime.session import make_session, run
     from npuprep.verify.emulate import emulate
-    from npuprep.verify.outputs import OutputErrors
+    from npuprep.verify.output_errors import OutputErrors
 
     session = make_session(emulate(model, fmt, saturate=saturate, pinned_nodes=pinned).model)
     errors = OutputErrors()
@@ -158,7 +158,7 @@ def describe(attribution: Attribution, pins: Sequence[LayerError], error: float,
     """'FP16 error by node (...): Conv_1 0.006 (12% of the squared error, 0.08% of FLOPs),
     ...' and either which layers a pin takes out (the predicted rel L2) or that no set within
     the FLOPs budget does."""
-    from npuprep.report.terminal import number, percent
+    from npuprep.formatting import number, percent
 
     def cost(layers: Sequence[LayerError]) -> str:
         return percent(sum(x.flops for x in layers) / max(total_flops, 1))

@@ -18,7 +18,8 @@ import numpy as np
 import onnx
 
 from npuprep.data import Feed
-from npuprep.verify.outputs import OutputErrors, output_passes
+from npuprep.report.output_verdicts import output_passes
+from npuprep.verify.output_errors import OutputErrors
 
 VENDORS = ("rknn",)
 

@@ -26,7 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from npuprep.errors import NpuprepError
+from npuprep.model_io import external_locations, light_proto, write_bytes, write_model_files
 from npuprep.names import shown
 
 _TEMP_MARK = ".npuprep-"
@@ -104,8 +107,6 @@ class OutputPlan:
             return
         self.reads(path, what)
         try:
-            from npuprep.model_io import external_locations, light_proto
-
             locations = external_locations(light_proto(path))
         except Exception:  # noqa: BLE001 - an unreadable model is reported by load_model
             return
@@ -219,7 +220,7 @@ class OutputSet:
     def bytes(self, path: str | os.PathLike[str], data: bytes) -> Path:
         """Stage `data` for `path`."""
         final = self._final(path)
-        self._write(final, lambda tmp: _write_bytes(tmp, data))
+        self._write(final, lambda tmp: write_bytes(tmp, data))
         return Path(path)
 
     def text(self, path: str | os.PathLike[str], text: str) -> Path:
@@ -227,8 +228,6 @@ class OutputSet:
 
     def model(self, proto: Any, path: str | os.PathLike[str], *, external_data: bool | None = None) -> Path:
         """Stage a model (and its weights file when it needs one); the model is renamed last."""
-        from npuprep.model_io import write_model_files
-
         final = self._final(path)
         data_final = final.parent / (final.name + ".data")
         temps = {final: temp_name(final), data_final: temp_name(data_final)}
@@ -342,13 +341,6 @@ def _glob_escape(name: str) -> str:
     return glob.escape(name)
 
 
-def _write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
 def _fsync_folder(folder: Path) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY)
@@ -360,3 +352,39 @@ def _fsync_folder(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def save_model(
+    proto: onnx.ModelProto,
+    path: str | Path,
+    *,
+    protected: tuple[str | Path, ...] = (),
+    external_data: bool | None = None,
+) -> Path:
+    """Write a model atomically; never over a protected (input) file or its weights.
+
+    Models too big for one protobuf (or `external_data=True`) get their weights in
+    `<name>.data` next to the model. The data file is renamed into place first, then the
+    model, so a reader never sees a model pointing at missing weights; an older `.data`
+    the new model does not use is removed.
+    """
+    plan = OutputPlan()
+    for p in protected:
+        plan.reads_model(p)
+    plan.writes_model(path, "the model")
+    with plan.open() as files:
+        files.model(proto, path, external_data=external_data)
+    return Path(path)
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write a text artefact atomically (temp file in the same folder, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(path)
+    try:
+        write_bytes(tmp, text.encode("utf-8"))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path

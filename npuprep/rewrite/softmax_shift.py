@@ -77,7 +77,7 @@ def find_written_softmax(model: onnx.ModelProto, exp_node: str) -> WrittenSoftma
                           (e, s, div.output[0]), axes)
 
 
-def apply_max_shift(model: onnx.ModelProto, exp_node: str) -> RewriteResult:
+def apply_softmax_shift(model: onnx.ModelProto, exp_node: str) -> RewriteResult:
     """Subtract ReduceMax(x) from the input of the written-out softmax at `exp_node`.
 
     The Exp output and the sum now hold other values: they are renamed (`<name>__shifted`)
@@ -100,7 +100,7 @@ def apply_max_shift(model: onnx.ModelProto, exp_node: str) -> RewriteResult:
                                   np.asarray(found.axes, np.int64)))
     elif found.axes is not None:
         attrs["axes"] = list(found.axes)
-    name = go.unique_name(graph, f"shift_max_{exp_node}")
+    name = go.unique_name(graph, f"softmax_shift_{exp_node}")
     graph.nodes.append(gs.Node("ReduceMax", f"{name}_max", attrs, inputs, [m]))
     graph.nodes.append(gs.Node("Sub", name, inputs=[x, m], outputs=[shifted]))
     go.replace_input(exp, 0, shifted)

@@ -1,0 +1,80 @@
+"""The statistics row of one tensor-sample and the wiring state of the graph instrumentation.
+
+    row = [count, detailed, nan, over_fp16, over_bf16, over_fp8_e4m3, over_fp8_e5m2, hist[279]]
+
+npuprep.calibrate.instrument appends the reductions, npuprep.calibrate.detail builds the
+counts and the exponent histogram, npuprep.calibrate.stats reads the rows back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from onnx import TensorProto
+
+from npuprep.numerics import get_format
+
+# Element types of the FX, FN, I, L1 outputs.
+ELEMS = (TensorProto.FLOAT, TensorProto.FLOAT, TensorProto.INT64, TensorProto.FLOAT)
+# Formats whose max gets an exact count of |x| above it.
+OVER_FORMATS = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
+HIST_OFFSET = 150  # bin = floor(log2|x|) + 150; 0 holds zeros, 278 Inf and NaN
+HIST_BINS = 279
+# Zeros and subnormals are binned again scaled by 2^SUBNORMAL_SHIFT, which makes every
+# subnormal a normal float exactly.
+SUBNORMAL_SHIFT = 64
+HEADER = ("count", "detailed", "nan") + tuple(f"over_{f}" for f in OVER_FORMATS)
+WIDTH = len(HEADER) + HIST_BINS
+# "detailed" count of a tensor-sample that needed the detail but was built without it (< 0
+# also after a Loop/Scan body sums it over iterations).
+FLAGGED = -1
+# Ordinary range of abs-max (see module docstring): every format's max is above HI, and
+# min_normal / eps <= LO for fp16 (2^-4), fp8_e4m3 (2^-3), fp8_e5m2 (2^-12), bf16.
+LO = 2.0**-3
+HI = 2.0**6
+# Below this abs-max no value is above any format's max (fp8_e4m3's 448).
+SMALLEST_MAX = min(get_format(f).max for f in OVER_FORMATS)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One observed tensor: its row in the FX/FN/I outputs."""
+
+    tensor: str
+    scope: str
+    node: str
+    # True when no gate in the graph decides whether the row is ordinary: the caller checks
+    # abs-max and the L1 output and flags it (see Instrumented.ordinary).
+    gated_outside: bool = False
+
+
+@dataclass
+class Wiring:
+    types: dict[str, int]
+    shapes: dict[str, tuple[int, ...]]
+    opset: int
+    detail: str
+    detailed: frozenset[str] | None = None
+    nan_checked: frozenset[str] | None = None
+    lean: frozenset[str] = frozenset()
+    loop_depth: int = 0
+    nchwc: set[str] = field(default_factory=set)
+    minmax: dict[str, tuple[str, str]] = field(default_factory=dict)
+    scalars: dict[str, float] = field(default_factory=dict)
+    channels: set[int] = field(default_factory=set)
+    # Pooled tensor -> its per-channel max and per-channel max of -x ([1, C, 1, 1] each).
+    channel_extremes: dict[str, tuple[str, str]] = field(default_factory=dict)
+    known_finite: set[str] = field(default_factory=set)
+    # Known constants whose values are all finite and >= 0.
+    known_nonneg: set[str] = field(default_factory=set)
+    trusting: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    counter: int = 0
+    sizes: set[int] = field(default_factory=set)
+    ones: set[int] = field(default_factory=set)
+    aliases: dict[str, Slot] = field(default_factory=dict)
+    alias_of: dict[str, str] = field(default_factory=dict)
+    unobserved: dict[str, str] = field(default_factory=dict)
+
+    def name(self, stem: str) -> str:
+        self.counter += 1
+        return f"__npuprep_{stem}_{self.counter}"

@@ -1,0 +1,60 @@
+"""Verdict sentences on a report's output errors: passed or not, where the error sits, ties.
+
+Pure functions of the dicts that npuprep.verify.output_errors.OutputErrors measures (and the
+convert report stores), so the terminal, the Markdown report and convert's notes say the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def output_passes(errors: Mapping[str, Any], rtol: float) -> bool:
+    """No Inf/NaN, and rel L2 within `rtol` or, when judged by top-K, every decision the same."""
+    if errors["nonfinite"]:
+        return False
+    return errors["rel_l2"] <= rtol or errors.get("top_k_agreement") == 1.0
+
+
+def describe_worst(errors: Mapping[str, Any]) -> str:
+    """'worst sample #4: 62% of its error at 1 of 40 positions', and for class scores
+    (probabilities, or an output judged by --top-k) '; at the worst, FP32's top two are
+    0.66 / 0.34, decision kept' and how many top-1 decisions agree; '' when the output has
+    no such record."""
+    w = errors.get("worst_sample")
+    if not w:
+        return ""
+    said = (f"worst sample #{w['sample']} (rel L2 {w['rel_l2']:.3g}): {100 * w['share']:.0f}% of its "
+            f"error at {w['positions']} of {w['of']} positions")
+    if "top1_agreement" not in errors and "top_k" not in errors:
+        return said  # not class scores: no decision to speak of
+    top2 = " / ".join(f"{v:.3g}" for v in w["reference_top2"])
+    kept = "decision kept" if w["same_decision"] else "decision changed"
+    said += f"; at the worst, FP32's top two are {top2}, {kept}"
+    if "top1_agreement" in errors:
+        rows = errors["top1_positions"]
+        ties = errors.get("top1_ties", 0)
+        said += (f"; top-1 agrees at {round(errors['top1_agreement'] * rows)} of {rows} "
+                 f"{'decided ' if ties else ''}positions over all samples"
+                 f"{f' ({ties} FP32 tie(s) within rtol not counted)' if ties else ''}")
+    return said
+
+
+def where_errors_sit(report: Mapping[str, Any]) -> list[tuple[str, str, Mapping[str, Any], str]]:
+    """(which samples, output, errors, describe_worst) for each output of a convert report
+    that failed with no Inf/NaN and has a worst-sample record: calibration, then holdout."""
+    found = []
+    for which, key in (("calibration samples", "verification"), ("holdout", "holdout")):
+        check = report.get(key) or {}
+        for name, errors in (check.get("outputs") or {}).items():
+            said = describe_worst(errors)
+            if said and not errors["nonfinite"] and not output_passes(errors, check.get("rtol", 0.0)):
+                found.append((which, name, errors, said))
+    return found
+
+
+def ties_said(errors: Mapping[str, Any]) -> str:
+    """' (2 ties, 1 flipped)' for an output judged by --top-k whose reference had ties, else ''."""
+    ties = errors.get("top_k_ties", 0)
+    return f" ({ties} tie{'s' if ties != 1 else ''}, {errors['top_k_ties_flipped']} flipped)" if ties else ""

@@ -1,0 +1,92 @@
+"""Graph outputs of a lowered model, emulated on the target, against the FP32 reference.
+
+    lowered.onnx -> widen (explicit rounding where it stores the low format) -> run beside FP32
+    -> per output: Inf/NaN, max abs error, rel L2, top-K decisions (OutputCheck, truthy on a pass)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from npuprep.data import Feed
+from npuprep.numerics import NumberFormat
+from npuprep.report.output_verdicts import output_passes
+from npuprep.verify.compare import LARGE_WEIGHTS
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    """Graph outputs of the lowered model, emulated on the target, against the FP32 reference.
+
+    Truthy when no output holds Inf/NaN and every relative L2 error is within `rtol` (or,
+    for an output judged by its top-K classes, every decision is the same).
+    """
+
+    rtol: float
+    samples: int
+    outputs: dict[str, dict[str, Any]]
+
+    def __bool__(self) -> bool:
+        return all(output_passes(o, self.rtol) for o in self.outputs.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": bool(self), "rtol": self.rtol, "samples": self.samples,
+                "outputs": {k: dict(v) for k, v in sorted(self.outputs.items())}}
+
+
+def check_outputs(reference: Any, lowered: Any, fmt: NumberFormat, samples: Sequence[Feed], *,
+                  saturate: bool, rtol: float, io_types: str = "fp32",
+                  host_scales: dict[str, float] | None = None,
+                  emulated: Any = None, top_k: Mapping[str, int] | None = None) -> OutputCheck:
+    """Run the reference and the lowered model's emulation; per-output Inf/NaN and errors.
+
+    The lowered model is judged by widening it back to FP32 with explicit rounding wherever
+    it stores the low format (npuprep.verify.widen), and it is also run as-is on
+    onnxruntime, which proves it loads and runs. `emulated` replaces that widening (a target
+    that cannot pin: every node rounded); outputs in `host_scales` are multiplied back first;
+    outputs in `top_k` are also judged by their top-K classes (npuprep.verify.output_errors), where
+    a position whose FP32 top values lie within `rtol` of each other is a tie, not a decision.
+    """
+    from npuprep.verify.output_errors import OutputErrors
+    from npuprep.verify.widen import emulate_lowered
+
+    # One session at a time (the outputs are small, the weights are not): the reference, the
+    # emulation, then the lowered model as it is, which proves it loads and runs.
+    expected = _outputs(reference, samples)
+    # Past LARGE_WEIGHTS without graph rewrites: onnxruntime would fold the Casts that widen
+    # stored weights into a second, FP32 copy of them (the rounding pairs are kept either way).
+    emulation = emulated if emulated is not None else emulate_lowered(lowered, fmt, saturate=saturate).model
+    folded = sum(i.ByteSize() for i in emulation.graph.initializer) <= LARGE_WEIGHTS
+    got = _outputs(emulation, samples, optimize=folded)
+    del emulation
+    _outputs(lowered, samples)
+    host = host_scales or {}
+    errors = OutputErrors(top_k=dict(top_k or {}), tie_rtol=rtol)
+    for r, c in zip(expected, got, strict=True):
+        for name, rv in r.items():
+            if np.issubdtype(np.asarray(rv).dtype, np.floating):
+                errors.add(name, rv, np.asarray(c[name], dtype=np.float64) * host.get(name, 1.0))
+    return OutputCheck(rtol=rtol, samples=len(expected), outputs=errors.result())
+
+
+def _outputs(model: Any, samples: Sequence[Feed], optimize: bool = True) -> list[dict[str, np.ndarray]]:
+    """Every output of `model` on each sample; the session is gone when this returns. Each
+    model is fed its own input types (a model with FP16 inputs has FP32 ones once widened)."""
+    from npuprep.runtime.session import make_session, run
+
+    session = make_session(model, optimize=optimize)
+    types = {i.name: i.type for i in session.get_inputs()}
+    return [run(session, {k: _as_input(v, types.get(k, "")) for k, v in feed.items()})
+            for feed in samples]
+
+
+def _as_input(value: np.ndarray, ort_type: str) -> np.ndarray:
+    if ort_type == "tensor(float16)":
+        return value.astype(np.float16)
+    if ort_type == "tensor(float)" and value.dtype == np.float16:
+        return value.astype(np.float32)
+    return value

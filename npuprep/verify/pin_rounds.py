@@ -1,0 +1,187 @@
+"""After a failed verification, which nodes to keep FP32 next: `Build` (failed) -> `PinFp32` or None.
+
+Like Polygraphy's `debug precision`, one marker at a time, but led by what the check measured:
+
+- an overflow (Inf/NaN, saturation) pins the first divergent node (or, when that node is
+  already FP32, the producers of its inputs);
+- a precision failure (finite outputs, no overflow) is traced to its source first
+  (npuprep.verify.attribution): the cheapest set of nodes within the FLOPs budget whose own
+  share of the error brings the predicted error within rtol; when none exists, the first
+  divergent node as above;
+- a pin that does not lower the outputs' error by 10% is dropped again (`keeps`).
+
+The rounds' notes and each attribution (for the report) accumulate on the object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from onnx import TensorProto
+
+from npuprep.data import Feed
+from npuprep.graph import infer_tensors, node_label, producers, walk_graphs
+from npuprep.plan import PinFp32, Plan
+from npuprep.profiles import Pinning, ResolvedTarget
+from npuprep.report.flops import node_flops
+from npuprep.verify.attribution import attribute_error, describe
+from npuprep.verify.compare import CompareResult
+from npuprep.verify.emulate import stores_rounded_values
+from npuprep.verify.output_check import OutputCheck
+
+# Samples the attribution runs on: each candidate layer costs one session and one pass over them.
+ATTRIBUTION_SAMPLES = 4
+
+
+@dataclass(frozen=True)
+class Build:
+    """One verification round: the plan applied, lowered, emulated and checked."""
+
+    rewritten: Any  # onnx.ModelProto, FP32, same function (up to clamps)
+    lowered: Any  # npuprep.rewrite.lower.Lowered
+    tensor_scales: dict[str, float]
+    pinned: frozenset[str]
+    layers: CompareResult
+    output_check: OutputCheck
+    holdout: OutputCheck | None
+    declined: tuple[Any, ...]
+    notes: tuple[str, ...]
+    host_scales: dict[str, float]
+    # Nodes a rewrite inserted or an input scaling kept FP32, and why (the FP32-share table).
+    boundary: frozenset[str]
+    fp32_reasons: dict[str, str]
+
+
+def sample_shapes(samples: Sequence[Feed]) -> dict[str, tuple[int, ...]]:
+    """Input sizes of the first sample: what FLOPs are counted at."""
+    first = next(iter(samples), None)
+    return {k: tuple(np.shape(v)) for k, v in (first or {}).items()}
+
+
+def worst_rel_l2(check: OutputCheck | None) -> float:
+    return max((o["rel_l2"] for o in check.outputs.values()), default=0.0) if check is not None else 0.0
+
+
+def improved(before: OutputCheck | None, after: OutputCheck | None) -> bool:
+    """Passing now, fewer non-finite outputs, or a worst relative L2 error at least 10% lower."""
+    if before is None or after is None or after:
+        return True
+    bad = [sum(o["nonfinite"] for o in c.outputs.values()) for c in (before, after)]
+    if bad[1] != bad[0]:
+        return bad[1] < bad[0]
+    return worst_rel_l2(after) <= 0.9 * worst_rel_l2(before)
+
+
+def precision_only(check: OutputCheck | None, first: Any) -> bool:
+    """Failed with finite outputs and no overflow where the error shows: FP16's rounding."""
+    if check is None or check or any(o["nonfinite"] for o in check.outputs.values()):
+        return False
+    return not any(getattr(first, k, 0) for k in ("inf_count", "nan_count", "saturated_count"))
+
+
+@dataclass
+class PinRounds:
+    """Proposes the next pins from a failed check; remembers its notes and attributions."""
+
+    target: ResolvedTarget
+    samples: Sequence[Feed]
+    rtol: float
+    max_fp32_share: float
+    notes: list[str] = field(default_factory=list)
+    attributions: list[dict[str, Any]] = field(default_factory=list)
+
+    def keeps(self, before: Build, after: Build, round_no: int) -> bool:
+        """Whether round `round_no`'s pin bought enough to keep; a pin that leaves the
+        outputs as wrong as before only costs FP32 (the error is FP16's precision accumulated
+        through the model, not that node): noted, and its attribution marked dropped."""
+        if improved(before.output_check, after.output_check):
+            return True
+        was, now = worst_rel_l2(before.output_check), worst_rel_l2(after.output_check)
+        self.notes.append(f"round {round_no}: the pin did not improve the outputs (worst rel L2 "
+                          f"{was:.3g} -> {now:.3g}); dropped it, as round {round_no - 1} was")
+        for traced in self.attributions:
+            if traced["round"] == round_no - 1:
+                traced["dropped"] = True
+        return False
+
+    def propose(self, build: Build, plan: Plan, round_no: int,
+                stage: Any = lambda _: None) -> PinFp32 | None:
+        """The pin for round `round_no + 1` after `build` failed, or None (nothing to pin,
+        or the target cannot pin)."""
+        first = build.layers.first_divergent
+        if first is None or not first.node:
+            return None
+        profile = self.target.profile
+        if profile.fp32_pinning is Pinning.NONE:
+            self.notes.append(f"verification failed at '{first.node}'; the target cannot pin FP32")
+            return None
+        found: tuple[Any, ...] = ()
+        if precision_only(build.output_check, first):
+            stage(f"round {round_no}, attributing the error to layers")
+            found = self._attributed(build, plan, round_no)
+        if found:
+            targets = tuple(x.node for x in found)
+            why = (f"{len(found)} layer(s) holding {100 * sum(x.share for x in found):.0f}% of "
+                   "the layers' own FP16 squared error")
+        else:
+            targets = _nodes_to_pin(build.rewritten, first.node, set(build.pinned))
+            why = (f"first divergent node {first.node} (rel L2 {first.rel_l2:.3g}, max abs "
+                   f"error {first.max_abs_error:.3g})")
+        targets = tuple(n for n in targets if n not in plan.forbid_pin)
+        if not targets:
+            return None
+        self.notes.append(f"round {round_no}: outputs failed verification; " + (
+            "the layers holding its FP16 error" if found else
+            f"first divergent node '{first.node}' ({first.op_type})")
+            + f": pinned {', '.join(targets)} and retried")
+        return PinFp32(nodes=targets, exit_tensors=(), forced=False,
+                       request=profile.fp32_pinning is Pinning.COMPILER_DECIDES,
+                       why=f"verification round {round_no}: {why}")
+
+    def _attributed(self, build: Build, plan: Plan, round_no: int) -> tuple[Any, ...]:
+        """The nodes (layers and elementwise ops) whose own rounding error, on the worst sample
+        and the first others, takes the outputs within rtol once kept FP32, within the FLOPs
+        budget; () when no node fits the budget. Records the attribution and its note."""
+        rewritten, pinned = build.rewritten, set(build.pinned)
+        flops = node_flops(rewritten, sample_shapes(self.samples))
+        total = sum(flops.values())
+        room = self.max_fp32_share * total - sum(flops.get(n, 0) for n in pinned)
+        types = infer_tensors(rewritten).types
+        # Every node that stores a rounded value: a layer, or an elementwise op whose rounding
+        # a cancellation after it amplifies (x + 1000 - 1000 needs both kept).
+        candidates = [node_label(n) for s in walk_graphs(rewritten.graph) for n in s.graph.node
+                      if n.op_type != "Constant" and stores_rounded_values(n)
+                      and any(types.get(o) == TensorProto.FLOAT for o in n.output)
+                      and node_label(n) not in pinned and node_label(n) not in plan.forbid_pin
+                      and flops.get(node_label(n), 0) <= room]
+        if not candidates:
+            return ()
+        worst = max(build.output_check.outputs.values(), key=lambda o: o["rel_l2"])
+        at = worst.get("worst_sample", {}).get("sample", 0)
+        chosen = [self.samples[at], *(s for i, s in enumerate(self.samples) if i != at)]
+        # The outputs are judged in the format the artefact stores (FP16 for an FP8 target).
+        attribution = attribute_error(rewritten, self.target.weights, chosen[:ATTRIBUTION_SAMPLES],
+                                      saturate=self.target.profile.saturates,
+                                      candidates=candidates, flops=flops)
+        pins = attribution.pins_for(worst["rel_l2"], self.rtol, room)
+        self.notes.append(f"round {round_no}: {describe(attribution, pins, worst['rel_l2'], total)}")
+        self.attributions.append({"round": round_no, **attribution.to_dict(),
+                                  "pinned": [x.node for x in pins], "dropped": False})
+        return pins
+
+
+def _nodes_to_pin(rewritten: Any, node: str, pinned: set[str]) -> tuple[str, ...]:
+    """The divergent node itself; if it is already FP32, the rounding came in through its
+    inputs, so pin their producers instead."""
+    if node not in pinned:
+        return (node,)
+    for scope in walk_graphs(rewritten.graph):
+        made_by = producers(scope.graph)
+        for n in scope.graph.node:
+            if node_label(n) == node:
+                ups = {node_label(made_by[i]) for i in n.input if i in made_by}
+                return tuple(sorted(u for u in ups if u not in pinned))
+    return ()
