@@ -19,6 +19,13 @@ from npuprep.bf16 import has_bf16, widen_array, widen_bf16
 from npuprep.errors import NpuprepError
 from npuprep.model_io import PROTOBUF_LIMIT
 
+# onnxruntime's layer-norm fusions match a decomposed LayerNorm through a Cast at its input
+# and keep the Cast's input: an FP32 norm fed by a rounded (FP16) tensor becomes one
+# LayerNormalization with an FP16 input and FP32 weights, which fails to load ("bound to
+# different types", 1.32), and a model loaded that way would skip the rounding emulation
+# measures. Pinned norms behind FP16 layers are common, so no session fuses them.
+CAST_BLIND_FUSIONS = ("LayerNormFusionL1", "LayerNormFusionL2", "SimplifiedLayerNormFusion")
+
 
 def session_options(*, threads: int | None = None, optimize: bool | str = True) -> ort.SessionOptions:
     """`optimize`: True (basic), False (none) or "all" (every fusion, for measured speed)."""
@@ -49,18 +56,22 @@ def make_session(
     opts = session_options(threads=threads, optimize=optimize)
     if isinstance(model, onnx.ModelProto) and has_bf16(model):
         model = widen_bf16(model)
-    providers = ["CPUExecutionProvider"]
     with _load_errors():
         if isinstance(model, bytes):
-            return ort.InferenceSession(model, opts, providers=providers)
+            return _cpu_session(model, opts)
         if isinstance(model, str | Path):
-            return ort.InferenceSession(str(model), opts, providers=providers)
+            return _cpu_session(str(model), opts)
         if model.ByteSize() < PROTOBUF_LIMIT - 64 * 2**20:
-            return ort.InferenceSession(model.SerializeToString(), opts, providers=providers)
+            return _cpu_session(model.SerializeToString(), opts)
         with tempfile.TemporaryDirectory(prefix="npuprep-") as tmp:
             path = os.path.join(tmp, "model.onnx")
             onnx.save_model(model, path, save_as_external_data=True, location="model.onnx.data")
-            return ort.InferenceSession(path, opts, providers=providers)
+            return _cpu_session(path, opts)
+
+
+def _cpu_session(source: bytes | str, opts: ort.SessionOptions) -> ort.InferenceSession:
+    return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"],
+                                disabled_optimizers=list(CAST_BLIND_FUSIONS))
 
 
 @contextlib.contextmanager
@@ -159,6 +170,6 @@ def make_session_external(
         opts.add_external_initializers(names, values)
     source = model if isinstance(model, str) else model.SerializeToString()
     with _load_errors():
-        session = ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+        session = _cpu_session(source, opts)
     session._npuprep_weights = (values, weights)  # type: ignore[attr-defined]
     return session
