@@ -14,6 +14,7 @@ import sys
 import threading
 
 from npuprep import __version__
+from npuprep.cli.bug import ENVIRONMENT_ERRNOS, report_bug
 from npuprep.cli.common import add_output_options, configure_output
 from npuprep.errors import NpuprepError
 from npuprep.names import shown
@@ -88,6 +89,16 @@ def main(argv: list[str] | None = None) -> int:
         print("npuprep: terminated" if isinstance(exc, Terminated) else "npuprep: interrupted",
               file=sys.stderr)
         return 143 if isinstance(exc, Terminated) else 130
+    except OSError as exc:
+        if exc.errno not in ENVIRONMENT_ERRNOS:
+            return report_bug(exc, words)
+        # The machine, not the input and not npuprep: a full disk, a lost mount.
+        where = f" ({shown(exc.filename)})" if exc.filename else ""
+        print(f"npuprep: error: {exc.strerror or exc}{where}; no output of this run was put in place",
+              file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - anything else that escapes is a bug
+        return report_bug(exc, words)
 
 
 def entry() -> None:

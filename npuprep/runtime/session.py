@@ -16,7 +16,7 @@ import onnx
 import onnxruntime as ort
 
 from npuprep.bf16 import has_bf16, widen_array, widen_bf16
-from npuprep.errors import NpuprepError
+from npuprep.errors import InternalError, NpuprepError
 from npuprep.model_io import PROTOBUF_LIMIT
 
 # onnxruntime's layer-norm fusions match a decomposed LayerNorm through a Cast at its input
@@ -47,8 +47,12 @@ def make_session(
     *,
     threads: int | None = None,
     optimize: bool | str = True,
+    produced: str | None = None,
 ) -> ort.InferenceSession:
     """A CPU session. Protos over the protobuf limit go through a temporary external-data file.
+
+    `produced`: what npuprep made this model from the user's (an emulation, the lowered
+    model); a refusal to load it is npuprep's bug (InternalError), not the input's fault.
 
     `bytes` is an already serialised model (saves serialising a large proto twice). A proto
     holding BF16 is widened to FP32 exactly first (npuprep.bf16).
@@ -56,7 +60,7 @@ def make_session(
     opts = session_options(threads=threads, optimize=optimize)
     if isinstance(model, onnx.ModelProto) and has_bf16(model):
         model = widen_bf16(model)
-    with _load_errors():
+    with _load_errors(produced):
         if isinstance(model, bytes):
             return _cpu_session(model, opts)
         if isinstance(model, str | Path):
@@ -75,14 +79,17 @@ def _cpu_session(source: bytes | str, opts: ort.SessionOptions) -> ort.Inference
 
 
 @contextlib.contextmanager
-def _load_errors() -> Iterator[None]:
-    """onnxruntime's refusal to load a model, as one NpuprepError line (its first line)."""
+def _load_errors(produced: str | None = None) -> Iterator[None]:
+    """onnxruntime's refusal to load a model, as one NpuprepError line (its first line), or
+    an InternalError for a model npuprep `produced`."""
     try:
         yield
     except (ort.capi.onnxruntime_pybind11_state.Fail,
             ort.capi.onnxruntime_pybind11_state.InvalidGraph,
             ort.capi.onnxruntime_pybind11_state.NotImplemented) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if produced:
+            raise InternalError(f"onnxruntime cannot load {produced} npuprep made: {first}") from None
         raise NpuprepError(f"onnxruntime cannot load the model: {first}") from None
 
 

@@ -56,9 +56,10 @@ def check_outputs(reference: Any, lowered: Any, fmt: NumberFormat, samples: Sequ
 
     ref = make_session(reference)
     emu = make_session(emulated if emulated is not None
-                       else emulate_lowered(lowered, fmt, saturate=saturate).model)
+                       else emulate_lowered(lowered, fmt, saturate=saturate).model,
+                       produced="the emulated model")
     host = host_scales or {}
-    real = make_session(lowered)
+    real = make_session(lowered, produced="the lowered model")
     # Each session is fed its own input types (a model with FP16 inputs has FP32 ones once widened).
     typed = [(s, {i.name: i.type for i in s.get_inputs()}) for s in (ref, emu, real)]
     errors = OutputErrors(top_k=dict(top_k or {}), tie_rtol=rtol)

@@ -1,0 +1,46 @@
+"""Issue 30's classes, run as a user would: each ends in one line (exit 2 for the input's
+fault, exit 1 naming a bug) or works, and leaves every file that was there byte-identical."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import run_cli
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _one_line(proc: subprocess.CompletedProcess[str]) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+def test_the_bundled_example_converts_with_synthetic_samples(tmp_path: Path) -> None:
+    # A pinned LayerNorm behind an FP16 layer used to make onnxruntime refuse the emulation.
+    for n in ("1", "4"):
+        done = run_cli("convert", "--synthetic", n, "-t", "generic", "-o", f"ex{n}.onnx", cwd=tmp_path)
+        assert done.returncode in (0, 1) and "Traceback" not in done.stderr, done.stderr
+        assert "cannot load" not in done.stderr and (tmp_path / f"ex{n}.report.md").is_file()
+
+
+def test_an_unexpected_exception_is_one_bug_line_with_the_details_in_a_file(tmp_path: Path) -> None:
+    code = ("import sys\n"
+            "import npuprep.cli.check as c\n"
+            "def boom(args):\n    raise ValueError(\"'b' is not in list\")\n"
+            "c.run = boom\n"
+            "from npuprep.cli.main import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    proc = subprocess.run([sys.executable, "-c", code, "check", "m.onnx", "-t", "generic"], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=120)
+    line = _one_line(proc)
+    assert proc.returncode == 1 and "this is a bug, please report" in line and "ValueError" in line
+    details = Path(line.rsplit("details in ", 1)[1])
+    try:
+        assert "Traceback" in details.read_text() and "boom" in details.read_text()
+    finally:
+        details.unlink()
