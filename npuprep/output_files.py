@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import secrets
 import signal
 import threading
@@ -45,8 +46,37 @@ def resolve(path: str | os.PathLike[str]) -> Path:
 
 
 def temp_name(final: Path) -> Path:
-    """A temporary beside `final` that stale-temporary cleaning recognises as its own."""
-    return final.parent / f".{final.name}{_TEMP_MARK}{secrets.token_hex(4)}.tmp"
+    """A temporary beside `final` that stale-temporary cleaning recognises as its own: the
+    marker, the writing process's id and 8 random hex digits."""
+    return final.parent / f".{final.name}{_TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}.tmp"
+
+
+def stale_temporaries(final: Path) -> list[Path]:
+    """Temporaries for `final` that a run which has ended left behind: only names
+    `temp_name` makes (never a user's `.out.onnx.mybackup.tmp`), of a process gone."""
+    pattern = re.compile(re.escape(f".{final.name}{_TEMP_MARK}") + r"(\d+)-[0-9a-f]{8}\.tmp")
+    try:
+        names = os.listdir(final.parent)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match and not _alive(int(match.group(1))):
+            found.append(final.parent / name)
+    return sorted(found)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -205,11 +235,8 @@ class OutputSet:
                 raise NpuprepError(f"{shown(self._outputs[real].path)}: cannot create its folder "
                                    f"({exc.strerror})") from None
             self._locks.append(_acquire(real, self._outputs[real]))
-            name = _glob_escape(real.name)
-            # Ours, and those of earlier npuprep versions (mkstemp names: 8 characters).
-            for pattern in (f".{name}{_TEMP_MARK}????????.tmp", f".{name}.????????.tmp"):
-                for stale in real.parent.glob(pattern):
-                    stale.unlink(missing_ok=True)
+            for stale in stale_temporaries(real):
+                stale.unlink(missing_ok=True)
 
     def _final(self, path: str | os.PathLike[str]) -> Path:
         real = resolve(path)
@@ -333,12 +360,6 @@ def _acquire(real: Path, entry: _Entry) -> tuple[Path, int]:
         except FileNotFoundError:
             pass
         os.close(fd)
-
-
-def _glob_escape(name: str) -> str:
-    import glob
-
-    return glob.escape(name)
 
 
 def _fsync_folder(folder: Path) -> None:

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     paths = _artefact_paths(args, output, exports)
     declare(outputs, paths)
     if args.report and not args.plan_only:
-        outputs.removes_stale(f"{output.with_suffix('')}.report.json", "an older report beside -o")
+        _remove_older_report(outputs, output)
     with outputs.open() as files:
         samples = open_samples(args, model.proto)
         if args.plan_only:
@@ -136,6 +136,21 @@ def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, p
             if args.verify_with else None
     report = stage_conversion(result, paths, files, vendor)
     return report, bool(report["passed"])
+
+
+def _remove_older_report(outputs: Any, output: Path) -> None:
+    """The default report beside -o, when --report-json names another: removed only where an
+    earlier convert wrote it for this -o (it would pass for this run's), else left alone."""
+    import json
+
+    older = Path(f"{output.with_suffix('')}.report.json")
+    try:
+        artefacts = json.loads(older.read_text(encoding="utf-8")).get("artefacts", {})
+        ours = Path(str(artefacts.get("model", ""))).name == output.name
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if ours:
+        outputs.removes_stale(older, "an older report beside -o")
 
 
 def _vendor_check(args: argparse.Namespace, model: Any, result: Any, samples: list,
