@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import fnmatch
 import os
 import re
 import secrets
@@ -97,6 +98,7 @@ class _Entry:
     folder: bool = False
     stale: bool = False  # only ever removed: dropped where it is also an input or another output
     trailing_sep: bool = False  # given as `name/`: meant as a folder
+    patterns: tuple[str, ...] = ()  # a folder input: the names the command reads in it
 
 
 @dataclass
@@ -115,7 +117,7 @@ class OutputPlan:
         if real.exists() and not (real.is_file() or real.is_dir()):
             # Reading a FIFO or a device blocks or never ends.
             raise NpuprepError(f"{what} {shown(path)}: not a regular file or folder")
-        self.inputs.append(_Entry(Path(path), real, what, folder=real.is_dir()))
+        self.inputs.append(_Entry(Path(path), real, what, folder=real.is_dir(), patterns=patterns))
         if real.is_dir():
             try:
                 children = sorted({c for pattern in patterns for c in real.glob(pattern)})
@@ -189,6 +191,11 @@ class OutputPlan:
                 same = "" if out.path == inp.path else f" (which is {shown(inp.path)})"
                 raise NpuprepError(f"{out.what} {name}{same}: refusing to overwrite {inp.what}, which this "
                                    "command reads; choose another path")
+            if inp.folder and out.real.parent == inp.real and not out.folder and any(
+                    fnmatch.fnmatchcase(out.real.name, p) for p in inp.patterns):
+                # The next run would read it as one of them (a model written as a sample).
+                raise NpuprepError(f"{out.what} {name}: lies in {inp.what} {shown(inp.path)}, where "
+                                   f"every {' or '.join(inp.patterns)} file is read; choose another path")
         if out.folder:
             if out.real.exists() and not out.real.is_dir():
                 raise NpuprepError(f"{out.what} {name}: exists and is not a folder")

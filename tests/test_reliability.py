@@ -3,10 +3,12 @@ fault, exit 1 naming a bug) or works, and leaves every file that was there byte-
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from npuprep.examples import example_data_dir, example_model_path
 from tests.conftest import run_cli
 
 
@@ -44,3 +46,24 @@ def test_an_unexpected_exception_is_one_bug_line_with_the_details_in_a_file(tmp_
         assert "Traceback" in details.read_text() and "boom" in details.read_text()
     finally:
         details.unlink()
+
+
+def test_a_trailing_slash_names_a_folder_the_files_go_in(tmp_path: Path) -> None:
+    data = tmp_path / "D"
+    shutil.copytree(example_data_dir(), data)
+    before = _files(tmp_path)
+    done = run_cli("convert", example_model_path(), "-t", "generic", "--data", "D", "-o", "out/",
+                   "--html", "pages/", "--report-json", "json/", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    made = set(_files(tmp_path)) - set(before)
+    assert {"out/planner.generic.onnx", "out/planner.generic.report.md", "pages/planner.generic.report.html",
+            "json/planner.generic.report.json"} <= made
+    assert not (tmp_path / "out").is_file() and {k: v for k, v in _files(tmp_path).items() if k in before} == before
+    plan = run_cli("convert", example_model_path(), "-t", "generic", "--data", "D", "--plan-only", "-o",
+                   "plans/", cwd=tmp_path)
+    assert plan.returncode == 0 and (tmp_path / "plans" / "planner.generic.draft.plan.yaml").is_file()
+    # A model written among the samples would be read as one next time.
+    line = _one_line(run_cli("convert", example_model_path(), "-t", "generic", "--data", "D", "-o",
+                             "D/model.npz", cwd=tmp_path))
+    assert "D/model.npz" in line and "*.npz" in line and sorted(p.name for p in data.iterdir()) == sorted(
+        p.name for p in example_data_dir().iterdir())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -167,6 +168,14 @@ def begin(args: argparse.Namespace, *, inputs: Sequence[str] = (), model: bool =
         plan.reads(getattr(args, name, None), what, patterns[files])
     plan.reads_profile(getattr(args, "target", None))
     return Invocation(profile, target, loaded, plan)
+
+
+def into_folder(path: str | None, default_name: str) -> str | None:
+    """`-o newdir/`: a trailing separator names a folder (made if missing); the file goes in
+    it under the name it would have had by default."""
+    if path and path.endswith(("/", os.sep)):
+        return os.path.join(path, default_name)
+    return path
 
 
 def open_samples(args: argparse.Namespace, model: Any) -> Any:

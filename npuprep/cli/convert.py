@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from npuprep.cli.common import begin, check_rtol, open_samples, print_json
+    from npuprep.cli.common import begin, check_rtol, into_folder, open_samples, print_json
     from npuprep.names import file_part
     from npuprep.report.artefacts import declare, default_exports, parse_exports
 
@@ -87,8 +87,10 @@ def run(args: argparse.Namespace) -> int:
     # Not `<stem>.<target>.plan.yaml`: convert writes the plan it applied there, over a draft.
     default_ext = ".draft.plan.yaml" if args.plan_only else ".onnx"
     # Default names come from the model's file name and the profile's name as data, never a path.
-    output = Path(args.output or f"{file_part(Path(args.model).stem, 'model')}."
-                                 f"{file_part(profile.name, 'target')}{default_ext}")
+    default_name = f"{file_part(Path(args.model).stem, 'model')}.{file_part(profile.name, 'target')}{default_ext}"
+    output = Path(into_folder(args.output, default_name) or default_name)
+    args.report = into_folder(args.report, f"{output.with_suffix('').name}.report.json")
+    args.html = into_folder(args.html, f"{output.with_suffix('').name}.report.html")
     paths = _artefact_paths(args, output, exports)
     declare(outputs, paths)
     if args.report and not args.plan_only:
