@@ -62,7 +62,11 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised like Ctrl-C so that every `finally` (temporary files) runs."""
 
 
+_terminated: list[int] = []  # a library (Ray) may re-raise Terminated as a plain KeyboardInterrupt
+
+
 def _terminate(signum: int, frame: object) -> None:
+    _terminated.append(signum)
     raise Terminated()
 
 
@@ -86,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except KeyboardInterrupt as exc:
-        print("npuprep: terminated" if isinstance(exc, Terminated) else "npuprep: interrupted",
-              file=sys.stderr)
-        return 143 if isinstance(exc, Terminated) else 130
+        terminated = isinstance(exc, Terminated) or bool(_terminated)
+        print("npuprep: terminated" if terminated else "npuprep: interrupted", file=sys.stderr)
+        return 143 if terminated else 130
     except OSError as exc:
         if exc.errno not in ENVIRONMENT_ERRNOS:
             return report_bug(exc, words)
