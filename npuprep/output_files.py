@@ -191,6 +191,7 @@ class OutputPlan:
                 same = "" if out.path == inp.path else f" (which is {shown(inp.path)})"
                 raise NpuprepError(f"{out.what} {name}{same}: refusing to overwrite {inp.what}, which this "
                                    "command reads; choose another path")
+        for inp in self.inputs:
             if inp.folder and out.real.parent == inp.real and not out.folder and any(
                     fnmatch.fnmatchcase(out.real.name, p) for p in inp.patterns):
                 # The next run would read it as one of them (a model written as a sample).

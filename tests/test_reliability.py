@@ -4,9 +4,12 @@ fault, exit 1 naming a bug) or works, and leaves every file that was there byte-
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from npuprep.examples import example_data_dir, example_model_path
 from tests.conftest import run_cli
@@ -67,3 +70,23 @@ def test_a_trailing_slash_names_a_folder_the_files_go_in(tmp_path: Path) -> None
                              "D/model.npz", cwd=tmp_path))
     assert "D/model.npz" in line and "*.npz" in line and sorted(p.name for p in data.iterdir()) == sorted(
         p.name for p in example_data_dir().iterdir())
+
+
+@pytest.mark.parametrize(("sig", "code", "says"), [(signal.SIGINT, 130, "npuprep: interrupted"),
+                                                   (signal.SIGTERM, 143, "npuprep: terminated")])
+def test_a_signal_while_the_command_loads_is_one_line(tmp_path: Path, sig: int, code: int, says: str) -> None:
+    # Sent from the entry point's first line, then again while the compiled modules load.
+    shutil.copy(example_model_path(), tmp_path / "m.onnx")
+    script = ("import os, sys\n"
+              "import npuprep.cli.start as start\n"
+              f"os.kill(os.getpid(), {int(sig)})\n"
+              "import npuprep.cli.main as main\n"
+              "load = main._load_compiled\n"
+              f"main._load_compiled = lambda: (os.kill(os.getpid(), {int(sig)}), load())\n"
+              "sys.argv = ['npuprep', 'check', 'm.onnx', '-t', 'generic', '--html', 'c.html']\n"
+              "start.entry()\n")
+    before = _files(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=120)
+    assert proc.returncode == code and _one_line(proc) == says
+    assert _files(tmp_path) == before

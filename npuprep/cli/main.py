@@ -70,6 +70,24 @@ def _terminate(signum: int, frame: object) -> None:
     raise Terminated()
 
 
+# Compiled modules every command loads: a KeyboardInterrupt inside their initialisation
+# surfaces as an ImportError ("numpy._core.umath failed to import") or a crash.
+_COMPILED = ("numpy", "ml_dtypes", "onnx", "onnxruntime")
+_early: list[int] = []  # SIGINT/SIGTERM received before the command started
+
+
+def _record(signum: int, frame: object) -> None:
+    _early.append(signum)
+
+
+def _load_compiled() -> None:
+    for name in _COMPILED:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue  # reported by the command that needs it
+
+
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     parser = build_parser(words[0] if words and words[0] in COMMANDS else None)
@@ -77,10 +95,21 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
-    if threading.current_thread() is threading.main_thread():
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    if in_main_thread:
+        previous = {s: signal.signal(s, _record) for s in (signal.SIGINT, signal.SIGTERM)}
+    _load_compiled()
+    if in_main_thread:
         signal.signal(signal.SIGTERM, _terminate)
+        int_handler = previous[signal.SIGINT]
+        signal.signal(signal.SIGINT, signal.default_int_handler if int_handler is _record else int_handler)
     configure_output(args)
     try:
+        # A signal during start-up takes effect now, where it is reported in one line.
+        if signal.SIGTERM in _early:
+            _terminate(signal.SIGTERM, None)
+        if _early:
+            raise KeyboardInterrupt
         return int(args._run(args) or 0)
     except NpuprepError as exc:
         print(f"npuprep: error: {shown(exc)}", file=sys.stderr)
@@ -105,9 +134,17 @@ def main(argv: list[str] | None = None) -> int:
         return report_bug(exc, words)
 
 
-def entry() -> None:
-    """The console script: after an interrupt, leave without running onnxruntime's C++
-    teardown while its worker threads may still be busy, which aborts (exit 134)."""
+def entry(held: list[int] | None = None) -> None:
+    """The console script (through npuprep.cli.start, which passes the signals it `held`):
+    SIGINT and SIGTERM are held until the command starts, then end it in one line; after
+    an interrupt, leave without running onnxruntime's C++ teardown while its worker threads
+    may still be busy, which aborts (exit 134)."""
+    global _early
+    if held is not None:
+        _early = held  # the same list: a signal between the two handlers is kept
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, _record)
     code = main()
     if code in (130, 143):
         sys.stdout.flush()
