@@ -9,7 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import onnx
 import pytest
+from onnx import TensorProto, helper
 
 from npuprep.examples import example_data_dir, example_model_path
 from tests.conftest import run_cli
@@ -90,3 +92,44 @@ def test_a_signal_while_the_command_loads_is_one_line(tmp_path: Path, sig: int, 
                           timeout=120)
     assert proc.returncode == code and _one_line(proc) == says
     assert _files(tmp_path) == before
+
+
+def _save(tmp_path: Path, name: str, nodes: list, outputs: list, *, opset: int = 17, ir: int = 8,
+          graph_name: str = "g", inits: tuple = ()) -> Path:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    model = helper.make_model(helper.make_graph(nodes, graph_name, [x], outputs, list(inits)),
+                              opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = ir
+    onnx.save(model, tmp_path / name)
+    return tmp_path / name
+
+
+def _out(name: str) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 4])
+
+
+def test_odd_but_valid_models_convert_and_an_ambiguous_one_is_refused(tmp_path: Path) -> None:
+    relu = [helper.make_node("Relu", ["x"], ["y"], name="relu")]
+    # x -> Relu -> y, in a graph without a name, and at opset 7 / IR 3 (constants npuprep adds
+    # are not graph inputs there)
+    for path in (_save(tmp_path, "noname.onnx", relu, [_out("y")], graph_name=""),
+                 _save(tmp_path, "ir3.onnx", relu, [_out("y")], opset=7, ir=3)):
+        done = run_cli("convert", path, "-t", "generic", "--synthetic", "2", "-o", path.with_suffix(".out.onnx"),
+                       cwd=tmp_path)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    # x -> Relu -> b, listed twice as a graph output
+    twice = _save(tmp_path, "twice.onnx", [helper.make_node("Relu", ["x"], ["b"])], [_out("b"), _out("b")])
+    before = _files(tmp_path)
+    for command in (["check", twice, "-t", "generic"], ["convert", twice, "-t", "generic", "--synthetic", "1"]):
+        proc = run_cli(*command, cwd=tmp_path)
+        assert proc.returncode == 2 and "graph output 'b' is listed twice" in _one_line(proc)
+    assert _files(tmp_path) == before
+
+
+def test_an_inf_inside_the_model_fails_with_its_reason(tmp_path: Path) -> None:
+    # x -> Add(inf) -> y: FP32 itself is Inf, so no conversion error is defined
+    inf = helper.make_tensor("inf", TensorProto.FLOAT, [1], [float("inf")])
+    path = _save(tmp_path, "inf.onnx", [helper.make_node("Add", ["x", "inf"], ["y"])], [_out("y")], inits=(inf,))
+    done = run_cli("convert", path, "-t", "generic", "--synthetic", "2", cwd=tmp_path)
+    assert done.returncode == 1 and "RuntimeWarning" not in done.stderr, done.stderr
+    assert "FAILED: the FP32 model itself gives 8 Inf/NaN in 'y'" in " ".join(done.stdout.split())

@@ -183,6 +183,13 @@ def open_samples(args: argparse.Namespace, model: Any) -> Any:
     from npuprep.data import load_samples
 
     if getattr(args, "data", None):
+        from npuprep.errors import NpuprepError
+
+        for flag in ("input_range", "input_shape"):
+            if getattr(args, flag, None):
+                # They shape synthetic samples; ignoring them would hide that from the user.
+                raise NpuprepError(f"--{flag.replace('_', '-')} shapes --synthetic samples; with --data "
+                                   "the samples are read as they are: drop it or use --synthetic")
         return load_samples(args.data, model, batched=args.batched)
     if getattr(args, "synthetic", None):
         return synthetic_from_args(args, model, args.synthetic)

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report)
     else:
-        _print_summary(report)
+        _print_summary(report, io_types=args.io_types)
     return 0 if passed else 1
 
 
@@ -294,7 +294,7 @@ def _nodes(nodes: list[str]) -> str:
     return ", ".join(nodes[:3]) + (f" +{len(nodes) - 3}" if len(nodes) > 3 else "")
 
 
-def _print_summary(report: dict[str, Any]) -> None:
+def _print_summary(report: dict[str, Any], io_types: str = "fp32") -> None:
     from npuprep.cli.common import out, print_table, say
     from npuprep.formatting import capped, number, percent
     from npuprep.report.render_md import action_target
@@ -359,8 +359,23 @@ def _print_summary(report: dict[str, Any]) -> None:
         f"FAILED: {precision}" if precision else
         f"FAILED: first divergent node '{first['node']}' ({first['op_type']})" if first else
         f"FAILED: {report['fp32_share']['headline']}" if outputs_ok and report.get("fp32_share")
-        else "FAILED")
+        else f"FAILED: {why}" if (why := _nonfinite_reason(checks, io_types)) else "FAILED")
     say(f"{verdict}; report: {report['artefacts']['report_md']}", always=True)
+
+
+def _nonfinite_reason(checks: list[dict[str, Any]], io_types: str) -> str:
+    """Why outputs are Inf/NaN where no node diverged first: FP32 itself, or the FP16 outputs."""
+    rows = [(name, o) for c in checks for name, o in c["outputs"].items() if o["nonfinite"]]
+    if not rows:
+        return ""
+    name, o = rows[0]
+    if o.get("reference_nonfinite"):
+        return (f"the FP32 model itself gives {o['reference_nonfinite']} Inf/NaN in '{name}' on these "
+                "samples (an Inf in the model or out-of-range samples): nothing to compare there")
+    if io_types == "target":
+        return (f"'{name}' has {o['nonfinite']} Inf/NaN: with --io-types target the graph's inputs and "
+                "outputs are FP16 and its values pass FP16's largest; keep them FP32 (--io-types fp32)")
+    return f"'{name}' has {o['nonfinite']} Inf/NaN under emulation, at no node before the output"
 
 
 def _say_where_the_error_sits(report: dict[str, Any]) -> None:
