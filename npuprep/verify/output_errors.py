@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from npuprep.errors import NpuprepError
+
 # The share of the worst positions whose squared error is summed ("the worst 1%").
 WORST_POSITIONS = 0.01
 
@@ -74,6 +76,10 @@ class OutputErrors:
             a["rows"] += int(decided.sum())
             a["top1_ties"] += int((~decided).sum())
         k = self.top_k.get(name)
+        if k and ref.ndim >= 1 and ref.shape[-1] <= k:
+            # A symbolic last axis smaller than K: no position could ever be judged.
+            raise NpuprepError(f"--top-k {name}:{k}: output '{name}' has {ref.shape[-1]} classes along its "
+                               "last axis on these samples; K must be smaller")
         if k and ref.ndim >= 1 and ref.shape == cand.shape and ref.shape[-1] >= k:
             decided, same = _decided(ref, k, self.tie_rtol), _same_top_k(ref, cand, k)
             a["agree"] += int(same[decided].sum())
