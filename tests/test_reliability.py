@@ -133,3 +133,10 @@ def test_an_inf_inside_the_model_fails_with_its_reason(tmp_path: Path) -> None:
     done = run_cli("convert", path, "-t", "generic", "--synthetic", "2", cwd=tmp_path)
     assert done.returncode == 1 and "RuntimeWarning" not in done.stderr, done.stderr
     assert "FAILED: the FP32 model itself gives 8 Inf/NaN in 'y'" in " ".join(done.stdout.split())
+
+
+def test_a_precision_the_target_lists_unsupported_is_refused(tmp_path: Path) -> None:
+    proc = run_cli("convert", example_model_path(), "-t", "a2000", "--precision", "bf16", "--synthetic", "1",
+                   cwd=tmp_path)
+    assert proc.returncode == 2 and "target 'a2000' lists bf16 as unsupported" in _one_line(proc)
+    assert list(tmp_path.iterdir()) == []

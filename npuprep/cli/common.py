@@ -159,6 +159,11 @@ def begin(args: argparse.Namespace, *, inputs: Sequence[str] = (), model: bool =
     patterns = {"samples": SAMPLE_FILES, "workspace": WORKSPACE_FILES, "any": ("*",)}
     profile = load_profile(args.target) if getattr(args, "target", None) else None
     target = profile.resolve(getattr(args, "precision", None)) if profile is not None else None
+    if target is not None and getattr(args, "precision", None) and target.fmt.name in profile.unsupported_dtypes:
+        from npuprep.errors import NpuprepError
+
+        raise NpuprepError(f"--precision {args.precision}: target '{profile.name}' lists {target.fmt.name} as "
+                           "unsupported (dtypes.unsupported in its profile); choose another precision or target")
     loaded = load_model(getattr(args, model_arg), weights=weights) if model else None
     plan = OutputPlan()
     if model:
