@@ -140,3 +140,18 @@ def test_a_precision_the_target_lists_unsupported_is_refused(tmp_path: Path) -> 
                    cwd=tmp_path)
     assert proc.returncode == 2 and "target 'a2000' lists bf16 as unsupported" in _one_line(proc)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_vendor_python_that_is_not_the_toolkits_is_refused(tmp_path: Path) -> None:
+    # x -> Relu -> y
+    path = _save(tmp_path, "m.onnx", [helper.make_node("Relu", ["x"], ["y"], name="relu")], [_out("y")])
+    garbage = tmp_path / "garbage.sh"
+    garbage.write_text("#!/bin/sh\necho garbage\n")
+    garbage.chmod(0o755)
+    before = _files(tmp_path)
+    for python in ("/bin/false", sys.executable, "./garbage.sh"):
+        proc = run_cli("convert", path, "-t", "rk3588", "--synthetic", "1", "--verify-with", "rknn",
+                       "--vendor-python", python, cwd=tmp_path)
+        assert proc.returncode == 2 and "this is not an rknn-toolkit2 python" in _one_line(proc), proc.stderr
+    assert f"{tmp_path}/garbage.sh" in proc.stderr  # relative to where the command ran
+    assert _files(tmp_path) == before
