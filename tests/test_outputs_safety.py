@@ -413,6 +413,19 @@ def test_disk_full_on_a_small_tmpfs_leaves_nothing_half_written(ws: Path, tmp_pa
         subprocess.run(["umount", str(mnt)], check=False)
 
 
+def test_disk_full_while_writing_a_probe_kit_leaves_the_folder_as_it_was(tmp_path: Path) -> None:
+    mnt = tmp_path / "small"
+    _mount_tmpfs(mnt, "size=16k")
+    try:
+        (mnt / "mine.txt").write_text("the user's")
+        proc = run_cli("probe", "--export-kit", str(mnt / "kit"), "--target", "a2000", cwd=tmp_path)
+        line = _one_line_error(proc)
+        assert "cannot write the kit (No space left on device); the folder is as it was" in line
+        assert sorted(p.name for p in mnt.iterdir()) == ["mine.txt"]
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
 # ---------------------------------------------------------------- names are data
 
 
