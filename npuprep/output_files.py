@@ -80,6 +80,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _check_name_lengths(out: _Entry, existing: Path) -> None:
+    """Every name in the path fits the file system, the temporary staged beside the file too
+    (its name is about 30 bytes longer)."""
+    try:
+        limit = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    names = [*out.real.parts[1:-1], temp_name(out.real).name if not out.folder else out.real.name]
+    longest = max(names, key=lambda n: len(os.fsencode(n)))
+    if len(os.fsencode(longest)) > limit:
+        raise NpuprepError(f"{out.what} {shown(out.path)}: a name in it is too long for the file system "
+                           f"({len(os.fsencode(longest))} bytes with npuprep's temporary suffix, at most "
+                           f"{limit}); choose a shorter one")
+
+
 def _same(a: Path, b: Path) -> bool:
     if a == b:
         return True
@@ -207,6 +222,7 @@ class OutputPlan:
         parent = out.real if out.folder else out.real.parent
         while not parent.exists():
             parent = parent.parent
+        _check_name_lengths(out, parent)
         if not parent.is_dir():
             raise NpuprepError(f"{out.what} {name}: {shown(parent)} is a file, not a folder")
         if not os.access(parent, os.W_OK | os.X_OK):

@@ -155,3 +155,11 @@ def test_a_vendor_python_that_is_not_the_toolkits_is_refused(tmp_path: Path) -> 
         assert proc.returncode == 2 and "this is not an rknn-toolkit2 python" in _one_line(proc), proc.stderr
     assert f"{tmp_path}/garbage.sh" in proc.stderr  # relative to where the command ran
     assert _files(tmp_path) == before
+
+
+def test_an_output_name_too_long_for_the_file_system_is_refused_before_any_work(tmp_path: Path) -> None:
+    path = _save(tmp_path, "m.onnx", [helper.make_node("Relu", ["x"], ["y"], name="relu")], [_out("y")])
+    before = _files(tmp_path)
+    proc = run_cli("convert", path, "-t", "generic", "--synthetic", "1", "-o", "a" * 240 + ".onnx", cwd=tmp_path)
+    assert proc.returncode == 2 and "too long for the file system" in _one_line(proc)
+    assert _files(tmp_path) == before
