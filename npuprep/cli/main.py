@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "checklist": "checklist",
     "report": "report",
     "stats": "stats",
+    "ledger": "ledger",
 }
 
 
