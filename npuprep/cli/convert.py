@@ -71,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from npuprep.cli.common import begin, check_rtol, open_samples, print_json
+    from npuprep.cli.common import begin, check_rtol, into_folder, open_samples, print_json
     from npuprep.names import file_part
     from npuprep.report.artefacts import declare, default_exports, parse_exports
 
@@ -90,12 +90,14 @@ def run(args: argparse.Namespace) -> int:
     # Not `<stem>.<target>.plan.yaml`: convert writes the plan it applied there, over a draft.
     default_ext = ".draft.plan.yaml" if args.plan_only else ".onnx"
     # Default names come from the model's file name and the profile's name as data, never a path.
-    output = Path(args.output or f"{file_part(Path(args.model).stem, 'model')}."
-                                 f"{file_part(profile.name, 'target')}{default_ext}")
+    default_name = f"{file_part(Path(args.model).stem, 'model')}.{file_part(profile.name, 'target')}{default_ext}"
+    output = Path(into_folder(args.output, default_name) or default_name)
+    args.report = into_folder(args.report, f"{output.with_suffix('').name}.report.json")
+    args.html = into_folder(args.html, f"{output.with_suffix('').name}.report.html")
     paths = _artefact_paths(args, output, exports)
     declare(outputs, paths)
     if args.report and not args.plan_only:
-        outputs.removes_stale(f"{output.with_suffix('')}.report.json", "an older report beside -o")
+        _remove_older_report(outputs, output)
     with outputs.open() as files:
         samples = open_samples(args, model.proto)
         if args.plan_only:
@@ -109,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report)
     else:
-        _print_summary(report)
+        _print_summary(report, io_types=args.io_types)
     return 0 if passed else 1
 
 
@@ -153,6 +155,21 @@ def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, p
 
     report["failure_cause"] = failure_cause(report)
     return report, bool(report["passed"])
+
+
+def _remove_older_report(outputs: Any, output: Path) -> None:
+    """The default report beside -o, when --report-json names another: removed only where an
+    earlier convert wrote it for this -o (it would pass for this run's), else left alone."""
+    import json
+
+    older = Path(f"{output.with_suffix('')}.report.json")
+    try:
+        artefacts = json.loads(older.read_text(encoding="utf-8")).get("artefacts", {})
+        ours = Path(str(artefacts.get("model", ""))).name == output.name
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if ours:
+        outputs.removes_stale(older, "an older report beside -o")
 
 
 def _vendor_check(args: argparse.Namespace, model: Any, result: Any, samples: list,
@@ -294,7 +311,7 @@ def _nodes(nodes: list[str]) -> str:
     return ", ".join(nodes[:3]) + (f" +{len(nodes) - 3}" if len(nodes) > 3 else "")
 
 
-def _print_summary(report: dict[str, Any]) -> None:
+def _print_summary(report: dict[str, Any], io_types: str = "fp32") -> None:
     from npuprep.cli.common import out, print_table, say
     from npuprep.formatting import capped, number, percent
     from npuprep.report.render_md import action_target
@@ -369,7 +386,7 @@ def _print_summary(report: dict[str, Any]) -> None:
         f"FAILED: {precision}" if precision else
         f"FAILED: first divergent node '{first['node']}' ({first['op_type']})" if first else
         f"FAILED: {report['fp32_share']['headline']}" if outputs_ok and report.get("fp32_share")
-        else "FAILED")
+        else f"FAILED: {why}" if (why := _nonfinite_reason(checks, io_types)) else "FAILED")
     if report.get("failure_cause"):
         # The cause first, then the gate it tripped.
         gate = verdict.removeprefix("FAILED").removeprefix(": ") or (
@@ -393,6 +410,21 @@ def _overfit(report: dict[str, Any]) -> str:
             + (f", {bad} Inf/NaN" if bad else "")
             + f") where the calibration samples pass (rel L2 {number(was)}): the conversion "
             "fits the samples it was planned on")
+
+
+def _nonfinite_reason(checks: list[dict[str, Any]], io_types: str) -> str:
+    """Why outputs are Inf/NaN where no node diverged first: FP32 itself, or the FP16 outputs."""
+    rows = [(name, o) for c in checks for name, o in c["outputs"].items() if o["nonfinite"]]
+    if not rows:
+        return ""
+    name, o = rows[0]
+    if o.get("reference_nonfinite"):
+        return (f"the FP32 model itself gives {o['reference_nonfinite']} Inf/NaN in '{name}' on these "
+                "samples (an Inf in the model or out-of-range samples): nothing to compare there")
+    if io_types == "target":
+        return (f"'{name}' has {o['nonfinite']} Inf/NaN: with --io-types target the graph's inputs and "
+                "outputs are FP16 and its values pass FP16's largest; keep them FP32 (--io-types fp32)")
+    return f"'{name}' has {o['nonfinite']} Inf/NaN under emulation, at no node before the output"
 
 
 def _say_where_the_error_sits(report: dict[str, Any]) -> None:
