@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from npuprep.numerics import get_format
+from npuprep.numerics import formats, get_format
 from npuprep.report.output_verdicts import output_passes
 
 _BEYOND = re.compile(r"weight '([^']+)' reaches ([0-9.e+-]+), beyond")
@@ -34,8 +34,14 @@ def _needs_a_pin(report: dict[str, Any]) -> str:
     return found[found.find("target "):] if found.startswith("the input") else found
 
 
+def _float_format(report: dict[str, Any]) -> Any:
+    """The float format the run planned in: an INT8 QDQ conversion plans its wider layers in FP16."""
+    precision = report["precision"]
+    return get_format(precision if precision in formats() else "fp16")
+
+
 def _underflowing_output(report: dict[str, Any]) -> str:
-    fmt = get_format(report["precision"])
+    fmt = _float_format(report)
     findings = {f["tensor"]: f for f in report.get("findings", [])
                 if f.get("rule") == "range.underflow" and f.get("tensor")}
     notes = report.get("plan", {}).get("notes", [])
@@ -61,7 +67,7 @@ def _underflowing_output(report: dict[str, Any]) -> str:
 
 def _weights_pushed_up(report: dict[str, Any]) -> str:
     """Weights a rescale up (an underflow's remedy) pushed past the format, kept FP32."""
-    fmt = get_format(report["precision"])
+    fmt = _float_format(report)
     ups = [a for a in report.get("actions", []) if a["action"] == "rescale" and a["k"] < 0]
     if not ups:
         return ""
