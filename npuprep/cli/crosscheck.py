@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
         findings = findings.merged(measured_findings(model, run_.target, stats))
         if stats.mapping_note:
             report = replace(report, notes=(*report.notes, stats.mapping_note))
+    if decision is None and args.stats:
+        decision = planner_decision(model, run_.target, stats, findings, index)
     if decision is None:
         report = replace(report, notes=(*report.notes, *_plan_hint(model)))
     result = crosscheck(model, report, profile, findings=findings, index=index, decision=decision)
@@ -71,8 +73,12 @@ def run(args: argparse.Namespace) -> int:
         counts = ", ".join(f"{k} {n}" for k, n in result.counts.items() if n)
         listed = [v for v in result.verdicts if out().show_all or v.verdict not in COUNTED]
         full = out().verbose or out().width is None
-        print_table(f"Crosscheck of {report.path} ({report.format}) for {profile.name}: {counts}",
-                    COLUMNS if full else SHORT_COLUMNS, [row(v) if full else short_row(v) for v in listed])
+        title = f"Crosscheck of {report.path} ({report.format}) for {profile.name}: {counts}"
+        if listed:
+            print_table(title, COLUMNS if full else SHORT_COLUMNS,
+                        [row(v) if full else short_row(v) for v in listed])
+        else:
+            say(title)
         left = {k: n for k, n in result.counts.items() if k in COUNTED and n and not out().show_all}
         if left:
             say("not listed: " + ", ".join(f"{n} {k}" for k, n in left.items())
@@ -83,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result else 1
 
 
-# Verdicts counted, not listed, unless --show-all: a report names hundreds of layers we have no finding for.
-COUNTED = ("missing", "unmapped")
+# Verdicts counted, not listed, unless --show-all: a report names hundreds of layers, most of them fine.
+COUNTED = ("ok", "missing", "unmapped")
 
 
 def failure_line(result: Any) -> str:
@@ -99,6 +105,26 @@ def failure_line(result: Any) -> str:
     if result.of("mismatch") or result.of("pin-ignored"):
         parts.append("a sensitive or pinned node runs in a lower precision")
     return "FAILED: " + "; ".join(parts)
+
+
+def planner_decision(model: Any, target: Any, stats: Any, findings: Any, index: Any) -> Any:
+    """Without --plan, the planner's own decision on these stats (what check and convert
+    would do), so a node they call safe is no mismatch here; None for a conversion, whose
+    decisions are in its plan files."""
+    from dataclasses import replace
+
+    from npuprep.crosscheck.plan_view import decision_of
+    from npuprep.plan.planner import make_plan
+    from npuprep.provenance import find_source
+
+    if find_source(model) is not None:
+        return None
+    plan = make_plan(model, target, stats, findings)
+    decision = decision_of(plan, index, "the planner's plan on these stats (check's and convert's; "
+                           "no --plan given)", kind="planner")
+    # The compiler was given this model, not the rewritten one: a rescale or a shift the plan
+    # would make is not in it, so only its pins and its measured verdicts count.
+    return replace(decision, safe={}, answered={})
 
 
 def _plan_hint(model: Any) -> tuple[str, ...]:
