@@ -170,6 +170,13 @@ def _outlier(samples_over: int, s: RangeStats) -> str:
     return ""
 
 
+def mask_tensors(model: Model, stats: Any) -> set[str]:
+    """The measured tensors that hold an intentional -inf mask (computed from a mask constant,
+    -inf their only non-finite value): labelled `mask` and listed last, never a failure."""
+    from_masks = _downstream_of_mask_constants(model)
+    return {s.tensor for s in stats.tensors.values() if s.tensor in from_masks and is_mask_like(s)}
+
+
 def is_mask_like(s: RangeStats) -> bool:
     """-Inf and no other non-finite value: what an additive attention mask (or a -inf fill
     in a Where) gives, which softmax turns into exact zeros."""
