@@ -280,6 +280,7 @@ def _nodes(nodes: list[str]) -> str:
 def _print_summary(report: dict[str, Any]) -> None:
     from npuprep.cli.common import out, print_table, say
     from npuprep.formatting import capped, number, percent
+    from npuprep.report.pin_count import pins_said
     from npuprep.report.render_md import action_target
 
     say(f"npuprep convert: {report['model']} -> {report['output']} "
@@ -299,21 +300,27 @@ def _print_summary(report: dict[str, Any]) -> None:
     ver = report.get("verification") or {}
     outputs = ver.get("outputs") or {}
     judged = any("top_k" in o for o in outputs.values())
+    held = (report.get("holdout") or {}).get("outputs") or {}
+    judged = judged or any("top_k" in o for o in held.values())
+    # The held-out samples (--holdout) are judged apart: a row each, beside the calibration's.
+    rows = [(f"{k} (held out)" if which else k, o["nonfinite"], number(o["max_abs_error"]),
+             number(o["rel_l2"]), *([_agreement(o)] if judged else []))
+            for which, group in ((0, outputs), (1, held)) for k, o in group.items()]
     print_table("Outputs under emulated target numerics",
                 ["output", "Inf/NaN", "max abs err", "rel L2", *(["top-K agree"] if judged else [])],
-                [(k, o["nonfinite"], number(o["max_abs_error"]), number(o["rel_l2"]),
-                  *([_agreement(o)] if judged else []))
-                 for k, o in outputs.items()])
+                rows)
     _print_vendor(report.get("vendor"))
     share = report.get("fp32_share") or {}
     if share.get("islands"):
         print_table("FP32 islands, costliest first", ["nodes", "FLOPs", "share", "why"],
                     [(_nodes(i["nodes"]), number(i["flops"]),
                       percent(i["flops"] / max(share["total_flops"], 1)), i["why"])
-                     for i in share["islands"][:5]], cut_end=("why",))
+                     for i in capped(share["islands"], 5, out().show_all)[0]], cut_end=("why",))
+        if (left := capped(share["islands"], 5, out().show_all)[1]):
+            say(f"... and {left} more FP32 islands (--show-all, or the report)")
     say(f"FP32 FLOPs share {percent(report['flops_fp32_share'])} "
         f"(multiply-adds {percent(share.get('macs', 0.0))}), "
-        f"{report['cast_count']} Casts, {len(report['pinned_nodes'])} pinned nodes, "
+        f"{report['cast_count']} Casts, {pins_said(report)}, "
         f"{len(report['declined'])} declined remedies")
     for note in report.get("notes", []):
         say(f"note: {note}")
