@@ -29,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="ONNX model to calibrate")
     add_data(p, required=True)
     p.add_argument("-o", "--output", help="write the statistics here (JSON, kind 'stats')")
+    # Every command takes --target; statistics are measured in FP32 whatever it is, and the
+    # summary's columns stay fp16 and e4m3. It is checked here, so a typo fails before the run.
+    p.add_argument("--target", "-t", help="the target the statistics are for (checked, recorded in "
+                                          "nothing: stats are FP32 measurements any target reads)")
     add_jobs(p)
     p.add_argument("--detail", choices=("auto", "all"), default="auto",
                    help="exponent histogram and zero/underflow counts: only for tensor-samples outside "

@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fail-on", choices=("info", "warning", "error"), default="error",
                    help="exit 1 when a finding reaches this severity (default: error)")
     add_data(p)
-    p.add_argument("--stats", help="measured ranges from `npuprep calibrate` (instead of --data)")
+    p.add_argument("--stats", "-s", help="measured ranges from `npuprep calibrate` (instead of --data)")
     p.add_argument("--precision", help="check measured ranges against this format (e.g. fp8_e4m3) "
                                        "instead of the target's default precision")
     p.add_argument("--html", metavar="OUT.html", help="also write a self-contained HTML report")

@@ -13,7 +13,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="the ONNX model being brought up")
     add_target(p)
     p.add_argument("--stats", "-s", help="calibration stats JSON: names the riskiest tensors")
-    p.add_argument("--plan", metavar="PLAN.yaml",
+    p.add_argument("--plan", "-p", metavar="PLAN.yaml",
                    help="the plan convert applies (--plan-only's or convert's): the precision item "
                         "says what it does per flagged node (default: W's plan, else the planner's "
                         "own decision)")

@@ -24,9 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ONNX model (default: the bundled example planner and its samples)")
     add_target(p)
     add_data(p)
-    p.add_argument("--stats", help="calibration statistics from `npuprep calibrate` (skips calibrating)")
+    p.add_argument("--stats", "-s", help="calibration statistics from `npuprep calibrate` (skips calibrating)")
     add_jobs(p)
-    p.add_argument("--plan", help="apply this plan (YAML, edited or not) instead of planning")
+    p.add_argument("--plan", "-p", help="apply this plan (YAML, edited or not) instead of planning")
     p.add_argument("--plan-only", action="store_true",
                    help="write the plan to -o (YAML) and stop; the model is not touched")
     p.add_argument("-o", "--output", help="output path (default: <model>.<target>.onnx here)")

@@ -19,7 +19,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the compiler's report: TensorRT --exportLayerInfo JSON, CSV/JSON "
                         "node,precision, hb_mapper log, or RKNN error_analysis.txt")
     add_target(p)
-    p.add_argument("--format", choices=FORMAT_CHOICES, default="auto",
+    # --format (still read, hidden) is a number format elsewhere: one flag, one meaning.
+    p.add_argument("--format", dest="report_format", choices=FORMAT_CHOICES, default="auto",
+                   help=argparse.SUPPRESS)
+    p.add_argument("--report-format", choices=FORMAT_CHOICES, default="auto",
                    help="report format (default: detect from the content)")
     p.add_argument("--stats", "-s",
                    help="calibration stats JSON (of this model, or of the model it was converted "
@@ -48,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         outputs.writes(args.report_md, "--report-md")
         outputs.check()
     index = NodeIndex(model)
-    report = read_report(args.report, index, args.format)
+    report = read_report(args.report, index, args.report_format)
     findings = static_findings(model, profile)
     decision = read_decision(args.plan, model, index) if args.plan else None
     if args.stats:
