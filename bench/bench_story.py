@@ -163,11 +163,11 @@ def bench(name: str, root: Path, out: Path, target: str) -> list[Row]:
     # The conversion's .precision.yaml holds every FP32 node with its reason; a crosscheck that
     # does not read it yet gets the plan.yaml.
     decision = work / "model.precision.yaml"
-    args = ("--target", target, "--format", "generic", "--plan", decision)
+    args = ("--target", target, "--report-format", "generic", "--plan", decision)
     x = cli("crosscheck", model, "--report", csv_ok, *args)
     if x.rc == 2:
         decision = applied
-        args = ("--target", target, "--format", "generic", "--plan", decision)
+        args = ("--target", target, "--report-format", "generic", "--plan", decision)
         x = cli("crosscheck", model, "--report", csv_ok, *args)
     xj = cli("crosscheck", model, "--report", csv_ok, *args, "--json")
     verdicts = json.loads(xj.stdout).get("verdicts", []) if xj.stdout.strip().startswith("{") else []

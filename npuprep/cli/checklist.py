@@ -36,8 +36,9 @@ def run(args: argparse.Namespace) -> int:
         outputs.check()
     workspace = scan_workspace(args.workspace) if args.workspace else None
     stats_arg = args.stats or ""
-    found = workspace.latest("stats", model.fingerprint) if workspace and not stats_arg else None
-    if found and found[1].get("fingerprint") == model.fingerprint:
+    family = workspace.family(model) if workspace else frozenset()
+    found = workspace.latest("stats", family) if workspace and not stats_arg else None
+    if found and found[1].get("fingerprint") in family:
         stats_arg = found[0]
     stats = None
     if stats_arg:
