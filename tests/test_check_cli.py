@@ -5,7 +5,7 @@ import json
 
 from conftest import run_cli
 
-from npuprep.cli import check, common
+from npuprep.cli import check
 from npuprep.model_io import load_model
 from npuprep.profiles import load_profile
 

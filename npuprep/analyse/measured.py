@@ -170,7 +170,7 @@ def _outlier(samples_over: int, s: RangeStats) -> str:
     return ""
 
 
-def mask_tensors(model: Model, stats: Any) -> set[str]:
+def mask_tensors(model: Model, stats: CalibrationStats) -> set[str]:
     """The measured tensors that hold an intentional -inf mask (computed from a mask constant,
     -inf their only non-finite value): labelled `mask` and listed last, never a failure."""
     from_masks = _downstream_of_mask_constants(model)
