@@ -324,7 +324,7 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
     # rounded either.
     emulation = emulate(applied.model, fmt, saturate=saturate,
                         pinned_nodes=_folded_at_build(applied.model, lowered) if no_pin
-                        else pinned | set(lowered.fp32_output_nodes))
+                        else pinned | set(lowered.fp32_output_nodes), weights_in_graph=True)
     layers = compare_models(model.proto, emulation.model, samples, rtol=rtol, atol=DEFAULT_ATOL,
                             tensor_scales=applied.tensor_scales, fmt=fmt)
     notes = list(emulation_notes(profile, saturate)) + list(host_notes)
@@ -335,6 +335,7 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
         notes.append(f"the ONNX artefact is lowered to {lower_fmt.name}; {fmt.name} is emulated, "
                      "quantisation to it is the compiler's job")
     everywhere = emulation.model if no_pin else None
+    del emulation  # its copy of the graph is not needed for the output check elsewhere
     stage("checking the outputs")
     output_check = check_outputs(model.proto, lowered.model, lower_fmt, samples,
                                  saturate=saturate, rtol=rtol, io_types=io_types,

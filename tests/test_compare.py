@@ -345,3 +345,24 @@ def test_layout_ops_carry_their_inputs_numbers_without_a_second_reduction():
     own = compare_models(ref, cand, samples, rtol=1e-3, atol=1e-6, overrides={"t": (0.5, 1e-6)})
     assert own.tensor("t") and not own.tensor("r")
     assert own.tensor("t").rel_l2 == pytest.approx(a.rel_l2, rel=1e-5)
+
+
+def test_a_candidate_sharing_the_references_weights_compares_as_one_with_its_own_copies():
+    # The bundled planner, emulated in FP16 with rounded weight copies and with weights rounded
+    # in the graph (the reference's initialisers then serve both sides of the merged graph).
+    from npuprep.verify.compare_graph import merged_graph
+    from npuprep.verify.emulate import emulate
+
+    model, fp16 = build_planner(), get_format("fp16")
+    samples = planner_samples(3)
+    copies = emulate(model, fp16, saturate=False).model
+    in_graph = emulate(model, fp16, saturate=False, weights_in_graph=True).model
+    a = compare_models(model, copies, samples, rtol=1e-2, atol=1e-3, fmt=fp16)
+    b = compare_models(model, in_graph, samples, rtol=1e-2, atol=1e-3, fmt=fp16)
+    assert [(t.tensor, t.max_abs_error, t.rel_l2, t.inf_count) for t in a.tensors] == \
+        [(t.tensor, t.max_abs_error, t.rel_l2, t.inf_count) for t in b.tensors]
+    assert (a.first_divergent.node if a.first_divergent else None) == \
+        (b.first_divergent.node if b.first_divergent else None)
+    merged, _ = merged_graph(model, in_graph, [], limit=fp16.max, isolate=False)
+    weights = [i for i in model.graph.initializer if i.ByteSize() > 1024]
+    assert weights and sum(1 for i in merged.graph.initializer if i.ByteSize() > 1024) == len(weights)

@@ -280,3 +280,52 @@ def test_emulation_of_a_safe_graph_matches_the_real_fp16_lowering():
     # Both round to FP16 (different accumulation order inside MatMul): a few FP16 ulps apart.
     np.testing.assert_allclose(emulated, real, rtol=0, atol=8 * FP16.eps * scale)
     assert not np.array_equal(emulated, fp32)  # the emulation did round
+
+
+@pytest.mark.parametrize(("fmt", "saturate"), [(FP16, False), (FP16, True), (E4M3, True)])
+def test_weights_rounded_in_the_graph_give_the_same_numbers_and_keep_the_initialisers(fmt, saturate):
+    # x -> MatMul(x, W)[mm] -> h -> Add(h, W2)[add, pinned] -> y ; W2 also read by mm2: h2 = x @ W2
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((4, 4)) * 300).astype(np.float32)  # beyond E4M3's 448 once multiplied
+    w2 = rng.standard_normal((4, 4)).astype(np.float32) * 1.001
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+         helper.make_node("Add", ["h", "W2"], ["y"], name="add"),
+         helper.make_node("MatMul", ["x", "W2"], ["h2"], name="mm2")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4]),
+         helper.make_tensor_value_info("h2", TensorProto.FLOAT, [4, 4])],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(w2, "W2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    copies = emulate(model, fmt, saturate=saturate, pinned_nodes=["add"])
+    in_graph = emulate(model, fmt, saturate=saturate, pinned_nodes=["add"], weights_in_graph=True)
+    assert [i.SerializeToString() for i in in_graph.model.graph.initializer] == \
+        [i.SerializeToString() for i in model.graph.initializer]
+    assert set(in_graph.rounded_weights) == set(copies.rounded_weights) == {"W", "W2"}
+    feed = {"x": rng.standard_normal((4, 4)).astype(np.float32)}
+    a, b = run_model(copies.model, feed), run_model(in_graph.model, feed)
+    for name in ("y", "h2"):
+        np.testing.assert_array_equal(a[name], b[name])
+
+
+def test_a_lowered_models_large_weights_are_widened_by_a_cast_and_emulate_the_same():
+    # x -> MatMul(x, W:fp16 as stored) -> y, W 64x512 (64 KiB in FP16: widened in the graph)
+    from npuprep.verify.widen import emulate_lowered
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((64, 512)).astype(np.float16)
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["x"], ["x16"], to=TensorProto.FLOAT16, name="in_cast"),
+         helper.make_node("MatMul", ["x16", "W"], ["y16"], name="mm"),
+         helper.make_node("Cast", ["y16"], ["y"], to=TensorProto.FLOAT, name="out_cast")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 512])],
+        [numpy_helper.from_array(w, "W")])
+    lowered = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    emulation = emulate_lowered(lowered, FP16, saturate=False).model
+    stored = {i.name: i.data_type for i in emulation.graph.initializer}
+    assert stored == {"W__stored": TensorProto.FLOAT16}
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    expected = (x.astype(np.float16).astype(np.float32) @ w.astype(np.float32)).astype(np.float16)
+    np.testing.assert_allclose(run_model(emulation, {"x": x})["y"], expected.astype(np.float32),
+                               rtol=2e-3, atol=2e-3)

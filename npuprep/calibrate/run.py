@@ -13,14 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from npuprep.calibrate.instrument import Instrumented, instrument
 from npuprep.calibrate.layout import FLAGGED, HEADER, HI, LO, SMALLEST_MAX, WIDTH
 from npuprep.calibrate.stats import Accumulator, CalibrationStats
 from npuprep.data import Feed, FeedStream, SampleSet
 from npuprep.errors import NpuprepError
-from npuprep.graph import copy_fields
 from npuprep.model_io import Model
 from npuprep.opsets import WORKING_OPSET, at_least, check_opset_supported
 from npuprep.progress import progress_counter
@@ -225,6 +223,7 @@ def prepare(model: Model, detail: str) -> Prepared:
     """
     from npuprep.bf16 import has_bf16
     from npuprep.model_io import external_home, external_locations, light_proto, uses_external_data
+    from npuprep.runtime.session import split_weights
 
     path = Path(model.path) if model.path else None
     folder = path.parent if path is not None and path.is_file() else None
@@ -234,7 +233,7 @@ def prepare(model: Model, detail: str) -> Prepared:
             found = external_home(graph, folder)
             if found is not None and os.access(found[1], os.W_OK):
                 return Prepared(_working(found[0], model), {}, found[1], detail)
-    skeleton, weights = _split_weights(model.proto, folder)
+    skeleton, weights = split_weights(model.proto, folder)
     return Prepared(_working(skeleton, model), weights, None, detail)
 
 
@@ -243,38 +242,6 @@ def _working(graph: onnx.ModelProto, model: Model) -> onnx.ModelProto:
     model's graph is upgraded; tensor names, and so the statistics, are unchanged)."""
     return at_least(graph, WORKING_OPSET,
                     why=f"{model.path or 'model'}: calibrating opset {model.opset}")[0]
-
-
-# Initialisers above this size reach onnxruntime as arrays, not inside the serialised graph.
-_INLINE_BYTES = 4096
-
-
-def _split_weights(
-    proto: onnx.ModelProto, base_dir: Path | None = None
-) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """A copy of the model without its large main-graph initialisers (declared as external
-    data instead), and those initialisers as arrays. External data is read from `base_dir`;
-    without one, external initialisers stay as they are."""
-    from npuprep.model_io import external_array
-
-    skeleton = onnx.ModelProto()
-    copy_fields(proto, skeleton, skip="graph")
-    copy_fields(proto.graph, skeleton.graph, skip="initializer")
-    weights: dict[str, np.ndarray] = {}
-    for init in proto.graph.initializer:
-        external = init.data_location == onnx.TensorProto.EXTERNAL
-        if (external and base_dir is None) or (not external and init.ByteSize() <= _INLINE_BYTES):
-            skeleton.graph.initializer.append(init)
-            continue
-        weights[init.name] = external_array(init, base_dir) if external else numpy_helper.to_array(init)
-        placeholder = skeleton.graph.initializer.add()
-        placeholder.name, placeholder.data_type = init.name, init.data_type
-        placeholder.dims.extend(init.dims)
-        placeholder.data_location = onnx.TensorProto.EXTERNAL
-        for key, value in (("location", "npuprep-in-memory"), ("offset", "0"), ("length", str(weights[init.name].nbytes))):
-            entry = placeholder.external_data.add()
-            entry.key, entry.value = key, value
-    return skeleton, weights
 
 
 def _keys(inst: Instrumented) -> list[str]:

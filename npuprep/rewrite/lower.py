@@ -30,7 +30,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from npuprep.errors import NpuprepError
-from npuprep.graph import node_label, topological_order, walk_graphs
+from npuprep.graph import copy_fields, node_label, topological_order, walk_graphs
 from npuprep.model_io import PROTOBUF_LIMIT
 from npuprep.numerics import NumberFormat, get_format
 from npuprep.ops import FP32_ONLY_INPUTS
@@ -86,8 +86,17 @@ class _Weight:
     graph: onnx.GraphProto
     init: onnx.TensorProto | None
     const_node: onnx.NodeProto | None
-    value: np.ndarray
+    const_value: np.ndarray | None = None
     uses: list[tuple[onnx.NodeProto, int, bool]] = field(default_factory=list)
+
+    @property
+    def value(self) -> np.ndarray:
+        """The FP32 values, read from the initialiser on each access: a model's weights are
+        never all held as arrays at once (one at a time, as each is checked or converted)."""
+        if self.init is not None:
+            return numpy_helper.to_array(self.init)
+        assert self.const_value is not None
+        return self.const_value
 
 
 def lower(
@@ -135,7 +144,7 @@ class _Lowering:
         self.weights: dict[str, _Weight] = {}
         self.mapped: dict[str, int] = {}
         self.flushed: dict[str, int] = {}
-        self.out_of_range: dict[str, tuple[bool, bool]] = {}
+        self.out_of_range: dict[str, tuple[bool, bool, float]] = {}
         self.names = {name for s in self.scopes for name in _names(s.graph)}
         self.output_casts: list[tuple[str, str, int]] = []
         self.high_labels: set[str] = set()
@@ -183,7 +192,7 @@ class _Lowering:
                 # An initialiser that is also a graph input is a default the caller may
                 # replace: it keeps the input's declared type.
                 if init.data_type == FLOAT and init.name not in overridable:
-                    self.weights[init.name] = _Weight(init.name, g, init, None, numpy_helper.to_array(init))
+                    self.weights[init.name] = _Weight(init.name, g, init, None)
             for node in g.node:
                 if node.op_type == "Constant" and node.output:
                     value = _constant_node_value(node)
@@ -242,12 +251,14 @@ class _Lowering:
             if w is None or pos in FP32_ONLY_INPUTS.get(node.op_type, ()):
                 continue
             if name not in self.out_of_range:
-                over = ~(np.abs(w.value) <= limit)
-                self.out_of_range[name] = (bool(over.any()), bool(np.all(w.value[over] < 0)))
-            beyond, negative_only = self.out_of_range[name]
+                value = w.value
+                over = ~(np.abs(value) <= limit)
+                self.out_of_range[name] = (bool(over.any()), bool(np.all(value[over] < 0)),
+                                           float(np.nanmax(np.abs(value), initial=0.0)))
+            beyond, negative_only, largest = self.out_of_range[name]
             if not beyond or (node.op_type in _MASK_OPS and negative_only):
                 continue
-            return (f"weight '{name}' reaches {float(np.nanmax(np.abs(w.value))):g}, beyond "
+            return (f"weight '{name}' reaches {largest:g}, beyond "
                     f"{self.fmt.name} max {limit:g} (kept FP32, not clipped)")
         if node.op_type == "ConstantOfShape":
             value = _attr_tensor(node, "value")
@@ -517,7 +528,16 @@ def _normalise_bf16(model: onnx.ModelProto) -> list[str]:
 def _infer_types(model: onnx.ModelProto) -> dict[str, int]:
     """Element type of every tensor in every scope, from shape inference on a weightless copy."""
     skeleton = onnx.ModelProto()
-    skeleton.CopyFrom(model)
+    copy_fields(model, skeleton, skip="graph")
+    copy_fields(model.graph, skeleton.graph, skip="initializer")
+    # The main graph's weights are never copied, only their names, types and dims.
+    for init in model.graph.initializer:
+        stub = skeleton.graph.initializer.add()
+        if init.data_type == FLOAT and _numel(init) > 16:
+            stub.name, stub.data_type = init.name, FLOAT
+            stub.dims.extend(init.dims)
+        else:
+            stub.CopyFrom(init)
     for scope in walk_graphs(skeleton.graph):
         for init in scope.graph.initializer:
             if init.data_type == FLOAT and _numel(init) > 16:

@@ -5,19 +5,19 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import os
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import numpy_helper
 
 from npuprep.bf16 import has_bf16, widen_array, widen_bf16
 from npuprep.errors import NpuprepError
-from npuprep.model_io import PROTOBUF_LIMIT
+from npuprep.graph import copy_fields
+from npuprep.model_io import external_array
 
 
 def session_options(*, threads: int | None = None, optimize: bool | str = True) -> ort.SessionOptions:
@@ -40,27 +40,35 @@ def make_session(
     *,
     threads: int | None = None,
     optimize: bool | str = True,
+    prepack: bool = True,
 ) -> ort.InferenceSession:
-    """A CPU session. Protos over the protobuf limit go through a temporary external-data file.
+    """A CPU session. A proto's large initialisers reach onnxruntime as arrays beside a
+    weightless serialised graph (split_weights): no copy of the weights is ever serialised,
+    and a model past protobuf's 2 GiB loads like any other.
 
-    `bytes` is an already serialised model (saves serialising a large proto twice). A proto
-    holding BF16 is widened to FP32 exactly first (npuprep.bf16).
+    `bytes` is an already serialised model, a path a model file (its external data read by
+    onnxruntime). A proto holding BF16 is widened to FP32 exactly first (npuprep.bf16).
+    `prepack=False`: no prepacked copy of the weights (less memory, slower MatMuls).
     """
     opts = session_options(threads=threads, optimize=optimize)
-    if isinstance(model, onnx.ModelProto) and has_bf16(model):
-        model = widen_bf16(model)
+    if not prepack:
+        opts.add_session_config_entry("session.disable_prepacking", "1")
     providers = ["CPUExecutionProvider"]
+    if isinstance(model, bytes | str | Path):
+        with _load_errors():
+            return ort.InferenceSession(model if isinstance(model, bytes) else str(model), opts,
+                                        providers=providers)
+    if has_bf16(model):
+        model = widen_bf16(model)
+    skeleton, weights = split_weights(model)
+    values = [ort.OrtValue.ortvalue_from_numpy(w) for w in weights.values()]
+    if weights:
+        opts.add_external_initializers(list(weights), values)
     with _load_errors():
-        if isinstance(model, bytes):
-            return ort.InferenceSession(model, opts, providers=providers)
-        if isinstance(model, str | Path):
-            return ort.InferenceSession(str(model), opts, providers=providers)
-        if model.ByteSize() < PROTOBUF_LIMIT - 64 * 2**20:
-            return ort.InferenceSession(model.SerializeToString(), opts, providers=providers)
-        with tempfile.TemporaryDirectory(prefix="npuprep-") as tmp:
-            path = os.path.join(tmp, "model.onnx")
-            onnx.save_model(model, path, save_as_external_data=True, location="model.onnx.data")
-            return ort.InferenceSession(path, opts, providers=providers)
+        session = ort.InferenceSession(skeleton.SerializeToString(), opts, providers=providers)
+    # onnxruntime reads the arrays in place: they live as long as the session.
+    session._npuprep_weights = (values, weights)  # type: ignore[attr-defined]
+    return session
 
 
 @contextlib.contextmanager
@@ -162,3 +170,33 @@ def make_session_external(
         session = ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
     session._npuprep_weights = (values, weights)  # type: ignore[attr-defined]
     return session
+
+
+# Initialisers above this size reach onnxruntime as arrays, not inside the serialised graph.
+INLINE_BYTES = 4096
+
+
+def split_weights(
+    proto: onnx.ModelProto, base_dir: Path | None = None
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """A copy of the model without its large main-graph initialisers (declared as external
+    data instead), and those initialisers as arrays. External data is read from `base_dir`;
+    without one, external initialisers stay as they are."""
+    skeleton = onnx.ModelProto()
+    copy_fields(proto, skeleton, skip="graph")
+    copy_fields(proto.graph, skeleton.graph, skip="initializer")
+    weights: dict[str, np.ndarray] = {}
+    for init in proto.graph.initializer:
+        external = init.data_location == onnx.TensorProto.EXTERNAL
+        if (external and base_dir is None) or (not external and init.ByteSize() <= INLINE_BYTES):
+            skeleton.graph.initializer.append(init)
+            continue
+        weights[init.name] = external_array(init, base_dir) if external else numpy_helper.to_array(init)
+        placeholder = skeleton.graph.initializer.add()
+        placeholder.name, placeholder.data_type = init.name, init.data_type
+        placeholder.dims.extend(init.dims)
+        placeholder.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", "npuprep-in-memory"), ("offset", "0"), ("length", str(weights[init.name].nbytes))):
+            entry = placeholder.external_data.add()
+            entry.key, entry.value = key, value
+    return skeleton, weights

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from npuprep.graph import _captured_names
+from npuprep.graph import _captured_names, copy_fields
 
 CAND = "cand::"
 ISO = "iso::"
@@ -77,6 +77,9 @@ def merged_graph(
     shared: set[str] = set()
     cast_nodes: list[onnx.NodeProto] = []
     cand_inits = {i.name for i in cand.graph.initializer}
+    # Weights the candidate holds byte for byte as the reference does (an emulation that
+    # rounds them in the graph) are read from the reference's copy: one set in memory.
+    same = _same_initializers(ref.graph, cand.graph)
     for vi in cand.graph.input:
         if vi.name in cand_inits:
             continue
@@ -89,10 +92,11 @@ def merged_graph(
                                                name=CAND + "input_cast_" + vi.name))
 
     def cand_name(n: str) -> str:
-        return n if not n or n in shared else CAND + n
+        return n if not n or n in shared or n in same else CAND + n
 
     body = onnx.GraphProto()
-    body.CopyFrom(cand.graph)
+    copy_fields(cand.graph, body, skip="initializer")
+    body.initializer.extend(i for i in cand.graph.initializer if i.name not in same)
     _rename(body, cand_name, cand_name, CAND)
     g.initializer.extend(body.initializer)
     g.sparse_initializer.extend(body.sparse_initializer)
@@ -375,3 +379,17 @@ class _Reductions:
             for name in names:
                 self.g.output.append(helper.make_tensor_value_info(name, TensorProto.INT64, []))
         return Layout(tuple(self.stats), dict(self.sizes), tuple(self.detail))
+
+
+def _same_initializers(ref: onnx.GraphProto, cand: onnx.GraphProto) -> set[str]:
+    """Names of the candidate's initialisers equal to the reference's of that name (type,
+    shape and bytes), compared one tensor at a time."""
+    mine = {i.name: i for i in ref.initializer}
+    same = set()
+    for init in cand.initializer:
+        other = mine.get(init.name)
+        if (other is not None and other.data_type == init.data_type and other.dims == init.dims
+                and other.data_location == init.data_location == onnx.TensorProto.DEFAULT
+                and other.SerializeToString() == init.SerializeToString()):
+            same.add(init.name)
+    return same

@@ -58,6 +58,7 @@ def emulate(
     pinned_nodes: Iterable[str] = (),
     round_inputs: bool = True,
     round_weights: bool = True,
+    weights_in_graph: bool = False,
 ) -> Emulation:
     """Build the emulation of `model` on a target computing in `fmt`.
 
@@ -65,7 +66,10 @@ def emulate(
     saturate=1) or gives Inf/NaN. It is passed explicitly: it comes from the target profile
     or from a probe, never from the format. The emulation graph needs opset 13 (19 for FP8
     Cast); an older model is emulated on a copy upgraded by onnx's version converter (tensor
-    names kept), or refused with the reason.
+    names kept), or refused with the reason. `weights_in_graph`: weights are rounded by the
+    same chain of nodes as activations instead of being replaced by rounded copies, so the
+    emulation keeps the model's initialisers byte for byte (a compare graph then holds one
+    set of weights for both models).
     """
     if fmt.name == "fp32":
         raise NpuprepError("emulating fp32 is the reference itself; pick fp16, bf16 or fp8")
@@ -102,6 +106,14 @@ def emulate(
                 weight_readers = readers.get(name, [])
                 unpinned = [n for n in weight_readers if node_label(n) not in pinned]
                 if not unpinned:
+                    continue
+                # A subgraph that captures the weight reads it by name: it gets a rounded copy.
+                if weights_in_graph and all(name in n.input for n in unpinned):
+                    alias = builder.fresh(name)
+                    for node in unpinned:
+                        _rename_input(node, name, alias)
+                    new_nodes += builder.chain(name, alias)
+                    weights.append(name)
                     continue
                 value = numpy_helper.to_array(init)
                 low = fmt.round(value, saturate=saturate)

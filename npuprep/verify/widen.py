@@ -8,11 +8,14 @@ declares in the low format reproduces what a target that honours those types com
 from __future__ import annotations
 
 import onnx
-from onnx import TensorProto, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from npuprep.graph import node_label, tensor_types, walk_graphs
 from npuprep.numerics import NumberFormat
 from npuprep.verify.emulate import Emulation, emulate
+
+# Low-format initialisers above this size are widened by a Cast node rather than a wide copy.
+_CAST_IN_GRAPH_BYTES = 1 << 16
 
 
 def emulate_lowered(model: onnx.ModelProto, fmt: NumberFormat, *, saturate: bool) -> Emulation:
@@ -26,10 +29,21 @@ def emulate_lowered(model: onnx.ModelProto, fmt: NumberFormat, *, saturate: bool
     wide = onnx.ModelProto()
     wide.CopyFrom(model)
     high_nodes: set[str] = set()
+    widened: list[onnx.NodeProto] = []
+    io_names = {vi.name for vi in list(model.graph.input) + list(model.graph.output)}
     for scope in walk_graphs(wide.graph):
         g = scope.graph
         for init in g.initializer:
-            if init.data_type == low:
+            if init.data_type != low:
+                continue
+            if scope.is_main and init.ByteSize() > _CAST_IN_GRAPH_BYTES and init.name not in io_names:
+                # Large weights stay stored in the low format and are widened by a Cast at
+                # run time: no FP32 copy of them is ever made.
+                stored = init.name + "__stored"
+                widened.append(helper.make_node("Cast", [stored], [init.name], to=TensorProto.FLOAT,
+                                                name=f"widen_{init.name}"))
+                init.name = stored
+            else:
                 init.CopyFrom(numpy_helper.from_array(
                     numpy_helper.to_array(init).astype("float32"), init.name))
         for vi in list(g.input) + list(g.output) + list(g.value_info):
@@ -47,4 +61,7 @@ def emulate_lowered(model: onnx.ModelProto, fmt: NumberFormat, *, saturate: bool
                         and attr.t.data_type == low:
                     attr.t.CopyFrom(numpy_helper.from_array(
                         numpy_helper.to_array(attr.t).astype("float32"), attr.t.name))
-    return emulate(wide, fmt, saturate=saturate, pinned_nodes=high_nodes)
+    nodes = widened + list(wide.graph.node)
+    del wide.graph.node[:]
+    wide.graph.node.extend(nodes)
+    return emulate(wide, fmt, saturate=saturate, pinned_nodes=high_nodes | {n.name for n in widened})
