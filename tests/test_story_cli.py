@@ -207,3 +207,14 @@ def test_html_of_a_check_json_without_model_says_by_name_and_notes_follow_the_ch
     assert "(input)" not in page and "non-finite" not in page.split('id="headroom-chart"')[1].split("</svg>")[0]
     if 'id="notes"' in page:
         assert page.index('id="charts"') < page.index('id="notes"')
+
+
+def test_calibrate_finds_masks_with_weights_left_on_disk(tmp_path, ws):
+    # The same mini-BERT with its tables and weights in external data (scalars inline, as
+    # exporters write them): calibrate reads no weight, and still tells the mask.
+    model = mini_bert()
+    onnx.save(model, str(tmp_path / "ext.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="ext.onnx.data", size_threshold=64)
+    r = run_cli("calibrate", tmp_path / "ext.onnx", "--data", ws / "data", "--top", "100")
+    assert r.returncode == 0, r.stderr
+    assert "intentional -inf mask" in r.stdout

@@ -207,12 +207,14 @@ _MASK_VALUE = -1e30
 def _downstream_of_mask_constants(model: Model) -> set[str]:
     """Tensors computed from a constant holding -inf (or FP32 lowest), every scope: where
     their -inf comes from, it was put there on purpose (a Log of 0 is not among them)."""
+    import onnx
     from onnx import numpy_helper
 
     from npuprep.graph import attribute
 
     def holds_mask(t) -> bool:  # noqa: ANN001 - TensorProto
-        if t.data_type not in (1, 10, 11, 16):
+        # Weights left on disk (calibrate does not load them) are no mask constants.
+        if t.data_type not in (1, 10, 11, 16) or t.data_location == onnx.TensorProto.EXTERNAL:
             return False
         value = numpy_helper.to_array(t)
         return value.size > 0 and bool((value.astype("float64") <= _MASK_VALUE).any())

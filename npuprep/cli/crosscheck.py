@@ -116,13 +116,19 @@ def planner_decision(model: Any, target: Any, stats: Any, findings: Any, index: 
     decisions are in its plan files."""
     from dataclasses import replace
 
+    from npuprep.analyse import findings_for
     from npuprep.crosscheck.plan_view import decision_of
     from npuprep.plan.planner import make_plan
     from npuprep.provenance import find_source
+    from npuprep.rewrite.passes import prepare_for_target
 
     if find_source(model) is not None:
         return None
-    plan = make_plan(model, target, stats, findings)
+    # The graph check and convert plan on (a compiler's fusions made first): their story.
+    prepared = prepare_for_target(model, target, stats)
+    if prepared.model is not model:
+        findings = findings_for(prepared.model, target, prepared.stats)
+    plan = make_plan(prepared.model, target, prepared.stats, findings)
     decision = decision_of(plan, index, "the planner's plan on these stats (check's and convert's; "
                            "no --plan given)", kind="planner")
     # The compiler was given this model, not the rewritten one: a rescale or a shift the plan
