@@ -133,7 +133,11 @@ def planner_decision(model: Any, target: Any, stats: Any, findings: Any, index: 
                            "no --plan given)", kind="planner")
     # The compiler was given this model, not the rewritten one: a rescale or a shift the plan
     # would make is not in it, so only its pins and its measured verdicts count.
-    return replace(decision, safe={}, answered={})
+    rewrites = [a.action for a in plan.actions if a.action != "pin_fp32"]
+    notes = (f"the plan's {len(rewrites)} other remedies ({', '.join(sorted(set(rewrites)))}) make "
+             "nodes safe only in convert's model: crosscheck the conversion with --plan "
+             "<out>.precision.yaml for those",) if rewrites else ()
+    return replace(decision, safe={}, answered={}, notes=notes)
 
 
 def _plan_hint(model: Any) -> tuple[str, ...]:
