@@ -218,3 +218,22 @@ def test_calibrate_finds_masks_with_weights_left_on_disk(tmp_path, ws):
     r = run_cli("calibrate", tmp_path / "ext.onnx", "--data", ws / "data", "--top", "100")
     assert r.returncode == 0, r.stderr
     assert "intentional -inf mask" in r.stdout
+
+
+def test_compare_reads_the_scales_a_conversion_records(tmp_path):
+    from npuprep.model_io import load_model
+    from npuprep.provenance import record_source
+
+    # ref: x -> Mul(2) -> y -> Relu -> z; cand: x -> Mul(8) -> y (stored x4) -> Relu -> Mul(1/4) -> z
+    head = '<ir_version: 8, opset_import: ["" : 17]>\n'
+    ref = onnx.parser.parse_model(head + "g (float[4] x) => (float[4] z) "
+                                  "{ k = Constant <value = float {2.0}> () y = Mul (x, k) z = Relu (y) }")
+    cand = onnx.parser.parse_model(head + "g (float[4] x) => (float[4] z) "
+                                   "{ k = Constant <value = float {8.0}> () q = Constant <value = float {0.25}> () "
+                                   "y = Mul (x, k) r = Relu (y) z = Mul (r, q) }")
+    onnx.save(ref, str(tmp_path / "ref.onnx"))
+    record_source(cand, load_model(tmp_path / "ref.onnx").fingerprint, {"y": 4.0})
+    onnx.save(cand, str(tmp_path / "cand.onnx"))
+    r = run_cli("compare", tmp_path / "ref.onnx", tmp_path / "cand.onnx", "--synthetic", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "conversion of the reference" in " ".join(r.stdout.split())
