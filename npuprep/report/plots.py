@@ -175,8 +175,12 @@ def headroom_svg(points: Sequence[TensorPoint], limits: Sequence[Limit],
     kinds = sorted({m.kind for m in marks})
     rug = ax.get_xaxis_transform()
     # A label needs about 1/40 of the axis: a mark nearer the last labelled one keeps its hover only.
-    gap, labelled = max(len(points) / 40, 1.0), -math.inf
-    for i, m in enumerate(sorted(marks, key=lambda m: m.positions[0])):
+    gap, last, labelled = max(len(points) / 40, 1.0), -math.inf, set()
+    for i in sorted(range(len(marks)), key=lambda k: marks[k].positions[0]):
+        if marks[i].positions[0] - last >= gap:
+            labelled.add(i)
+            last = marks[i].positions[0]
+    for i, m in enumerate(marks):
         color = REMEDY_COLOR.get(m.kind, "#555555")
         # One row per remedy kind along the bottom, so marks at one tensor stay apart. One
         # triangle per action, where it starts; a line spans the other tensors it touches.
@@ -189,8 +193,7 @@ def headroom_svg(points: Sequence[TensorPoint], limits: Sequence[Limit],
         gid = f"remedy-{i}"
         triangle.set_gid(gid)
         hover[gid] = f"{m.kind}: {m.label} ({len(m.positions)} tensors)"
-        if len(marks) <= 12 and m.positions[0] - labelled >= gap:
-            labelled = m.positions[0]
+        if len(marks) <= 12 and i in labelled:
             ax.annotate(f"{m.kind}: {m.label}", (m.positions[0], height), xycoords=rug,
                         xytext=(5, 4), textcoords="offset points", rotation=90, fontsize=7,
                         color=color, va="bottom")
