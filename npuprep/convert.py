@@ -24,6 +24,7 @@ import numpy as np
 from npuprep.analyse import findings_for
 from npuprep.analyse.finding import Findings
 from npuprep.data import Feed
+from npuprep.ledger.ledger import build_ledger
 from npuprep.model_io import Model, fingerprint, with_weights
 from npuprep.numerics import NumberFormat
 from npuprep.plan import Plan
@@ -71,6 +72,7 @@ class ConversionResult:
     share: Any = None  # npuprep.report.share.Fp32Share
     # Per verification round that traced a precision failure to layers (verify.attribution).
     error_attribution: tuple[dict[str, Any], ...] = ()
+    ledger: dict[str, Any] | None = None  # npuprep.ledger: estimated time per format, the pins' cost
 
     @property
     def passed(self) -> bool:
@@ -119,6 +121,7 @@ class ConversionResult:
             "compare": layers,
             "rounds": self.rounds,
             "error_attribution": list(self.error_attribution),
+            "ledger": self.ledger,
             "notes": list(self.notes),
         }
 
@@ -228,6 +231,9 @@ def convert(
     record_source(build.lowered.model, model.fingerprint, build.tensor_scales)
     share = fp32_share(build.rewritten, _fp32_groups(plan, build, stats, target.fmt),
                        limit=max_fp32_share, input_shapes=sample_shapes(samples))
+    ledger = build_ledger(build.rewritten, target.profile, name=model.path,
+                          input_shapes=sample_shapes(samples), pinned=sorted(build.pinned),
+                          converted=build.lowered.model).to_dict(nodes=False)
     return ConversionResult(
         source=model, profile=profile, fmt=target.fmt, findings=findings, plan=plan,
         rewritten=build.rewritten, lowered=build.lowered,
@@ -236,7 +242,7 @@ def convert(
         holdout=build.holdout, flops_fp32_share=share.flops, rounds=round_no,
         samples_description=samples_description, synthetic=synthetic, stats=stats,
         declined=build.declined, notes=tuple(rounds.notes) + build.notes, share=share,
-        host_scales=build.host_scales, error_attribution=tuple(rounds.attributions),
+        host_scales=build.host_scales, error_attribution=tuple(rounds.attributions), ledger=ledger,
     )
 
 

@@ -58,6 +58,28 @@ DEFAULT_SEVERITY = {
 }
 
 
+# Formats a throughput figure may be given for (TOPS for the integer ones).
+THROUGHPUT_FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Dense peak per format (TFLOPS, or TOPS for integers) of the unit that runs the model,
+    and memory bandwidth (GB/s); None where the vendor publishes none (ask the vendor)."""
+
+    unit: str = ""
+    peak_tflops: dict[str, float | None] = field(default_factory=dict)
+    bandwidth_gbs: float | None = None
+
+    def peak(self, fmt: str) -> float | None:
+        return self.peak_tflops.get(fmt)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"unit": self.unit,
+                "peak_tflops": {k: "unknown" if v is None else v for k, v in self.peak_tflops.items()},
+                "bandwidth_gbs": "unknown" if self.bandwidth_gbs is None else self.bandwidth_gbs}
+
+
 @dataclass(frozen=True)
 class TargetProfile:
     """What a deployment target runs fast, what it lacks, and how it overflows."""
@@ -84,6 +106,7 @@ class TargetProfile:
     # `none`: the compiler refuses If nodes or cannot pin inside them; convert removes them.
     control_flow: ControlFlow = ControlFlow.SUPPORTED
     sources: dict[str, str] = field(default_factory=dict)
+    throughput: Throughput = field(default_factory=Throughput)
     path: str = ""
 
     @property
@@ -132,6 +155,7 @@ class TargetProfile:
             "compiler": {"name": self.compiler_name, "report_format": self.report_format},
             "inputs": {"shapes": self.input_shapes, "layout": self.input_layout},
             "control_flow": str(self.control_flow),
+            "throughput": self.throughput.to_dict(),
             "sources": dict(self.sources),
         }
 
@@ -181,7 +205,7 @@ def load_profile(name_or_path: str | Path) -> TargetProfile:
 _TOP_KEYS = {
     "name", "description", "dtypes", "default_precision", "overflow", "fp8_saturate",
     "accumulate", "subnormals", "fp32_pinning", "keeps_fp32_ops", "headroom", "severity",
-    "compiler", "inputs", "control_flow", "sources",
+    "compiler", "inputs", "control_flow", "sources", "throughput",
 }
 _REQUIRED = ("name", "description", "dtypes", "default_precision", "overflow", "fp32_pinning")
 
@@ -250,6 +274,7 @@ def parse_profile(data: Any, source: str) -> TargetProfile:
     for k, v in sources.items():
         r.string(v, f"sources.{k}")
 
+    throughput = _throughput(r, top.get("throughput"), sources)
     return TargetProfile(
         name=r.string(top["name"], "name"),
         description=r.string(top["description"], "description"),
@@ -275,5 +300,32 @@ def parse_profile(data: Any, source: str) -> TargetProfile:
         control_flow=ControlFlow(r.choice(top.get("control_flow", "supported"), "control_flow",
                                           tuple(c.value for c in ControlFlow))),
         sources={str(k): v for k, v in sources.items()},
+        throughput=throughput,
         path=source,
     )
+
+
+def _figure(r: _Reader, value: Any, key: str) -> float | None:
+    """A published figure, or `unknown` (None)."""
+    if value is None or value == "unknown":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise r.fail(key, f"expected a positive number or unknown, got {value!r}")
+    return float(value)
+
+
+def _throughput(r: _Reader, value: Any, sources: dict[str, Any]) -> Throughput:
+    """`throughput:`; every published figure needs `sources.peak` / `sources.bandwidth`."""
+    if value is None:
+        return Throughput()
+    top = r.mapping(value, "throughput", {"unit", "peak_tflops", "bandwidth_gbs"})
+    peaks = r.mapping(top.get("peak_tflops", {}) or {}, "throughput.peak_tflops",
+                      set(THROUGHPUT_FORMATS))
+    peak = {str(k): _figure(r, v, f"throughput.peak_tflops.{k}") for k, v in peaks.items()}
+    bandwidth = _figure(r, top.get("bandwidth_gbs"), "throughput.bandwidth_gbs")
+    if any(v is not None for v in peak.values()) and "peak" not in sources:
+        raise r.fail("sources.peak", "a published peak needs its source (datasheet name or URL)")
+    if bandwidth is not None and "bandwidth" not in sources:
+        raise r.fail("sources.bandwidth", "a published bandwidth needs its source")
+    return Throughput(unit=r.string(top.get("unit", ""), "throughput.unit"), peak_tflops=peak,
+                      bandwidth_gbs=bandwidth)

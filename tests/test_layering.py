@@ -28,6 +28,7 @@ FLOORS: tuple[frozenset[str], ...] = tuple(frozenset(f.split()) for f in (
     "crosscheck",
     "verify",
     "probe",
+    "ledger",
     "convert",
     "cli __main__",
 ))

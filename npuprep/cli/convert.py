@@ -322,6 +322,10 @@ def _print_summary(report: dict[str, Any]) -> None:
         f"(multiply-adds {percent(share.get('macs', 0.0))}), "
         f"{report['cast_count']} Casts, {pins_said(report)}, "
         f"{len(report['declined'])} declined remedies")
+    if report.get("ledger"):
+        from npuprep.report.ledger_md import pins_line
+
+        say(pins_line(report["ledger"]))
     for note in report.get("notes", []):
         say(f"note: {note}")
     first = report.get("first_divergent")

@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "checklist": "checklist",
     "report": "report",
     "stats": "stats",
+    "ledger": "ledger",
 }
 
 

@@ -35,6 +35,12 @@ def _shapes(model: onnx.ModelProto,
     return shapes
 
 
+def tensor_shapes(model: onnx.ModelProto,
+                  input_shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, tuple[int, ...]]:
+    """Static shapes of every tensor, with dynamic graph inputs sized by `input_shapes`."""
+    return _shapes(model, input_shapes)
+
+
 def _with_input_shapes(model: onnx.ModelProto,
                        input_shapes: Mapping[str, tuple[int, ...]]) -> onnx.ModelProto:
     """A weightless copy of `model` whose graph inputs have the given sizes."""

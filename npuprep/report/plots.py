@@ -258,3 +258,24 @@ def error_svg(series: ErrorSeries) -> str:
                                         "pad": 1})
     _tensor_axis(ax_abs, [p.tensor for p in pts])
     return _to_svg(fig, "error", hover)
+
+
+def ledger_svg(formats: Sequence[dict[str, Any]]) -> str:
+    """Estimated time per format (the ledger's `formats` rows): compute- and memory-bound parts."""
+    rows = [r for r in formats if r.get("estimated_ms") is not None]
+    fig, (ax,) = _figure(0.5 + 0.45 * max(len(rows), 1))
+    labels = [r["format"] for r in rows]
+    totals = [r["estimated_ms"] for r in rows]
+    memory = [t * (r.get("memory_bound_share") or 0.0) for t, r in zip(totals, rows, strict=True)]
+    compute = [t - m for t, m in zip(totals, memory, strict=True)]
+    ax.barh(labels, memory, color="#2471a3", label="memory-bound")
+    ax.barh(labels, compute, left=memory, color="#e67e22", label="compute-bound")
+    for y, (t, r) in enumerate(zip(totals, rows, strict=True)):
+        speed = r.get("speedup_vs_fp32")
+        ax.annotate(f" {number(t)} ms" + (f" ({speed:.2g}x vs FP32)" if speed else ""), (t, y),
+                    va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("estimated ms (roofline from published peaks)")
+    ax.set_xlim(0, max(totals or [1.0]) * 1.35)
+    ax.legend(**LEGEND)
+    return _to_svg(fig, "ledger")

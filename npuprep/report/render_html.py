@@ -226,8 +226,22 @@ def _charts_html(result: Mapping[str, Any], plots: bool, order: Sequence[str]) -
             caption += " No tensor crossed the threshold."
         out.append(f'<h2>Error per layer</h2><figure id="error-chart">{charts.error_svg(errors)}'
                    f"<figcaption>{_e(caption)}</figcaption></figure>")
+    out += _ledger_chart(result)
     out.append("</section>")
     return "\n".join(out)
+
+
+def _ledger_chart(result: Mapping[str, Any]) -> list[str]:
+    """Convert's ledger: estimated time per format, where the profile has the figures."""
+    ledger = result.get("ledger")
+    formats = ledger.get("formats") if isinstance(ledger, Mapping) else None
+    if not formats or not any(r.get("estimated_ms") is not None for r in formats):
+        return []
+    caption = ("Estimated time per format on the target (roofline per node from the profile's "
+               "published peaks and bandwidth; an estimate, measure it with the ledger's kit): "
+               "memory-bound part in blue, compute-bound in orange.")
+    return [f'<h2>What each format buys (estimate)</h2><figure id="ledger-chart">'
+            f"{charts.ledger_svg(formats)}<figcaption>{_e(caption)}</figcaption></figure>"]
 
 
 def _with_profile(result: Mapping[str, Any]) -> tuple[dict[str, Any], str]:

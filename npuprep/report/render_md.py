@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from npuprep.names import md_cell, md_code, md_text, shown
+from npuprep.report.ledger_md import ledger_markdown
 from npuprep.report.output_verdicts import ties_said, where_errors_sit
 from npuprep.report.pin_count import pins_said
 
@@ -117,6 +118,8 @@ def convert_markdown(result: dict[str, Any]) -> str:
                   "undecided is its conditioning there, not the conversion):", ""]
         lines += [f"- {md_code(name)} on the {which}: {md_text(w)}" for which, name, _, w in where]
     lines += _attribution_lines(result)
+    if result.get("ledger"):
+        lines += ledger_markdown(result["ledger"])
     first = result.get("first_divergent")
     if first:
         lines += ["", f"**First divergent node:** {md_code(first.get('node'))} ({md_text(first.get('op_type'))}), "

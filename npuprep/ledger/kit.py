@@ -1,0 +1,178 @@
+"""Board timing kit: FP32 and converted models + one input + runner -> results.json -> `--measured`.
+
+`export_kit` stages the kit in an OutputSet (written as a set or not at all); `read_results`
+reads what the runner wrote; `measured_rows` puts each measured median beside the ledger's
+estimate and flags a gap of more than 2x either way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from npuprep.errors import NpuprepError
+from npuprep.json_io import loads
+from npuprep.ledger.ledger import CONVERTED, Ledger
+from npuprep.output_files import OutputSet
+
+KIND = "ledger-kit"
+RESULTS_KIND = "ledger-results"
+# Shipped to the board as time_models.py; never imported here (it imports onnxruntime).
+RUNNER = Path(__file__).parents[1] / "runtime" / "timing_kit_runner.py"
+GAP = 2.0  # measured / estimated beyond this (or below its inverse) is flagged
+WARMUP, RUNS = 50, 200
+
+
+def _npy(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def _stem(name: str) -> str:
+    """A tensor name as a file name (`input:0` -> `input_0`)."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name) or "_"
+
+
+def kit_files(directory: str | Path, models: Sequence[str], inputs: Sequence[str]) -> list[Path]:
+    """The files `export_kit` writes for these model and input names (declare them first)."""
+    d = Path(directory)
+    return [d / "manifest.json", d / "time_models.py", d / "README.md",
+            *(d / "models" / f"{name}.onnx" for name in models),
+            *(d / "inputs" / f"{_stem(name)}.npy" for name in inputs)]
+
+
+def export_kit(files: OutputSet, directory: str | Path, models: Mapping[str, onnx.ModelProto],
+               feeds: Mapping[str, np.ndarray], ledger: Ledger) -> dict[str, Any]:
+    """Stage the kit: `models` by name ('fp32', 'converted'), one input sample, the runner,
+    a README with every backend's steps, a manifest with the ledger's estimates."""
+    d = Path(directory)
+    estimates = {e.label: e.estimated_ms for e in ledger.estimates}
+    digest = hashlib.sha256()
+    entries = []
+    for name, proto in models.items():
+        data = proto.SerializeToString()
+        digest.update(data)
+        files.bytes(d / "models" / f"{name}.onnx", data)
+        entries.append({"name": name, "model": f"models/{name}.onnx",
+                        "estimated_ms": estimates.get(CONVERTED if name == CONVERTED else "fp32")})
+    inputs = []
+    for name, arr in feeds.items():
+        stem = _stem(name)
+        files.bytes(d / "inputs" / f"{stem}.npy", _npy(np.asarray(arr)))
+        inputs.append({"name": name, "file": f"inputs/{stem}.npy", "shape": list(np.shape(arr)),
+                       "dtype": str(np.asarray(arr).dtype)})
+    manifest = {"kind": KIND, "schema_version": 1, "fingerprint": digest.hexdigest()[:16],
+                "target": ledger.target, "model": ledger.model, "warmup": WARMUP, "runs": RUNS,
+                "models": entries, "inputs": inputs}
+    files.text(d / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    files.text(d / "time_models.py", RUNNER.read_text(encoding="utf-8"))
+    files.text(d / "README.md", _readme(manifest))
+    return manifest
+
+
+def _readme(manifest: Mapping[str, Any]) -> str:
+    shapes = ",".join(f"{i['name']}:{'x'.join(str(s) for s in i['shape'])}" for i in manifest["inputs"])
+    trt = []
+    for m in manifest["models"]:
+        flags = "" if m["name"] == "fp32" else " --fp16"
+        trt.append(f"trtexec --onnx={m['model']}{flags} --shapes={shapes} --warmUp=0 "
+                   f"--duration=0 --iterations={manifest['runs'] + manifest['warmup']} --avgRuns=1 "
+                   f"--percentile=50,90 --useSpinWait --exportTimes={m['name']}_times.json")
+    return "\n".join([
+        f"# Timing kit for {manifest['model']} on {manifest['target']}",
+        "",
+        "Times the FP32 and converted models the way the ledger's estimate must be checked:",
+        f"{manifest['warmup']} warm-up runs, then the median and p90 of {manifest['runs']}, each model",
+        "in its own process, peak memory by the runtime's own counter, the device state noted.",
+        "Let the board settle first (no other load, fixed clocks where the board allows).",
+        "",
+        "## onnxruntime (any execution provider)",
+        "",
+        "    python time_models.py --providers CUDAExecutionProvider,CPUExecutionProvider",
+        "",
+        "## Rockchip board (RKNNLite)",
+        "",
+        "Build each `models/<name>.onnx` on the PC with rknn-toolkit2 (`build(do_quantization=False)`,",
+        "`export_rknn('models/<name>.rknn')`), copy the kit to the board, then:",
+        "",
+        "    python time_models.py --backend rknnlite",
+        "",
+        "## Jetson Orin (TensorRT)",
+        "",
+        f"Each line runs {manifest['warmup'] + manifest['runs']} timed iterations; `--from-trtexec` "
+        f"drops the first {manifest['warmup']}",
+        "as warm-up. Lock the clocks first (`sudo nvpmodel -m 0 && sudo jetson_clocks`); trtexec's",
+        "log gives the engine's device memory.",
+        "",
+        *(f"    {line}" for line in trt),
+        "    python time_models.py --from-trtexec " + " ".join(
+            f"{m['name']}={m['name']}_times.json" for m in manifest["models"]),
+        "",
+        "## Back on the host",
+        "",
+        "    npuprep ledger MODEL --target T [CONVERTED.onnx] --measured results.json",
+        "",
+    ])
+
+
+@dataclass(frozen=True)
+class MeasuredRow:
+    """One model: the ledger's estimate beside the board's median."""
+
+    name: str
+    estimated_ms: float | None
+    median_ms: float
+    p90_ms: float | None
+    peak_memory_mb: float | None
+
+    @property
+    def ratio(self) -> float | None:
+        return self.median_ms / self.estimated_ms if self.estimated_ms else None
+
+    @property
+    def gap(self) -> bool:
+        r = self.ratio
+        return r is not None and (r > GAP or r < 1 / GAP)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.name, "estimated_ms": self.estimated_ms, "median_ms": self.median_ms,
+                "p90_ms": self.p90_ms, "peak_memory_mb": self.peak_memory_mb,
+                "measured_vs_estimated": self.ratio, "gap_over_2x": self.gap}
+
+
+def read_results(path: str | Path) -> dict[str, Any]:
+    """The runner's results.json; a wrong file is one line naming it and the key."""
+    try:
+        data = loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise NpuprepError(f"--measured {path}: cannot read ({exc.strerror or exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise NpuprepError(f"--measured {path}: not JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("kind") != RESULTS_KIND:
+        raise NpuprepError(f"{path}: key 'kind': expected '{RESULTS_KIND}' (the timing kit's "
+                           "results.json)")
+    models = data.get("models")
+    if not isinstance(models, dict) or not models:
+        raise NpuprepError(f"{path}: key 'models': expected a mapping of model name -> timings")
+    for name, m in models.items():
+        if not isinstance(m, dict) or not isinstance(m.get("median_ms"), int | float):
+            raise NpuprepError(f"{path}: key 'models.{name}.median_ms': expected a number")
+    return data
+
+
+def measured_rows(ledger: Ledger, results: Mapping[str, Any]) -> list[MeasuredRow]:
+    rows = []
+    for name, m in results["models"].items():
+        estimate = ledger.get(CONVERTED if name == CONVERTED else "fp32" if name == "fp32" else name)
+        rows.append(MeasuredRow(name, estimate.estimated_ms if estimate else None,
+                                float(m["median_ms"]), m.get("p90_ms"), m.get("peak_memory_mb")))
+    return rows

@@ -1,0 +1,164 @@
+"""The ledger: estimated time per format, what the pins cost, the costliest nodes, the bound mix.
+
+Rows: all FP32; all in the target's precision (FP16) and in BF16 where the target runs it fast;
+an 8-bit plan (Conv/MatMul/Gemm in INT8 or FP8, the rest in the target's precision) where the
+target has one; and the plan as converted (its pins and the Casts at their borders, FP32 graph
+inputs and outputs included). An estimate from published peaks: the board kit measures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import onnx
+
+from npuprep.graph import tensor_types
+from npuprep.ledger.formats import converted_costs, planned_costs
+from npuprep.ledger.roofline import MAC_OPS, Estimate, NodeCost
+from npuprep.profiles import Pinning, TargetProfile, Throughput
+from npuprep.report.flops import node_flops, tensor_shapes
+
+SCHEMA_VERSION = 1
+KIND = "ledger"
+CAVEAT = ("estimate: roofline max(FLOPs / dense peak, bytes / bandwidth) per node, from published "
+          "figures; no fusion, caching or launch overhead. Measure on the board (--export-kit).")
+EIGHT_BIT = ("int8", "fp8_e4m3")
+CONVERTED = "converted"
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """Estimates per way of running one model on one target; the first is all FP32."""
+
+    model: str
+    target: str
+    precision: str
+    throughput: Throughput
+    estimates: tuple[Estimate, ...]
+    pinned: tuple[str, ...] = ()
+    sources: dict[str, str] = field(default_factory=dict)
+    # The converted graph itself with every node in the target's precision and no Casts: what
+    # the pins and casts are measured against (a converted model's rewrites change its nodes).
+    baseline: Estimate | None = None
+
+    def get(self, label: str) -> Estimate | None:
+        return next((e for e in self.estimates if e.label == label), None)
+
+    @property
+    def fp32_ms(self) -> float | None:
+        return self.estimates[0].estimated_ms
+
+    def speedup(self, estimate: Estimate) -> float | None:
+        ms = estimate.estimated_ms
+        return self.fp32_ms / ms if ms and self.fp32_ms is not None else None
+
+    @property
+    def focus(self) -> Estimate:
+        """The row the costliest nodes come from: the converted plan, else the target's precision."""
+        return self.get(CONVERTED) or self.get(self.precision) or self.estimates[0]
+
+    def pins_cost(self) -> dict[str, Any] | None:
+        """What the converted plan costs over running everything in the target's precision:
+        its FP32 pins and its Casts, in ms and as a share of the converted total."""
+        converted, uniform = self.get(CONVERTED), self.baseline or self.get(self.precision)
+        if converted is None or uniform is None:
+            return None
+        c_ms, u_ms = converted.estimated_ms, uniform.estimated_ms
+        pinned = set(self.pinned)
+        pins_ms = converted.ms_where(lambda n: n.node in pinned or n.fmt == "fp32" and not n.cast)
+        casts_ms = converted.ms_where(lambda n: n.cast)
+        extra = c_ms - u_ms if c_ms is not None and u_ms is not None else None
+        return {"converted_ms": c_ms, "uniform_ms": u_ms, "extra_ms": extra,
+                "extra_share": extra / c_ms if extra is not None and c_ms else None,
+                "fp32_nodes_ms": pins_ms, "casts_ms": casts_ms, "casts": converted.casts,
+                "fp32_nodes": sum(1 for n in converted.nodes if n.fmt == "fp32" and not n.cast
+                                  and n.bound != "free"),
+                "unknown": converted.unknown or uniform.unknown}
+
+    def rows(self) -> list[dict[str, Any]]:
+        rows = []
+        for e in self.estimates:
+            counts = e.bound_counts()
+            rows.append({"format": e.label, "estimated_ms": e.estimated_ms,
+                         "speedup_vs_fp32": self.speedup(e),
+                         "memory_bound_share": e.memory_bound_share,
+                         "compute_bound_nodes": counts["compute"], "memory_bound_nodes": counts["memory"],
+                         "casts": e.casts, "flops": sum(n.flops for n in e.nodes),
+                         "bytes": sum(n.bytes for n in e.nodes), "unknown": e.unknown})
+        return rows
+
+    def to_dict(self, *, nodes: bool = True) -> dict[str, Any]:
+        """`nodes`: every node of every row too (the ledger command's --json; convert's report
+        keeps the totals and the costliest)."""
+        focus = self.focus
+        return {"schema_version": SCHEMA_VERSION, "kind": KIND, "model": self.model,
+                "target": self.target, "precision": self.precision, "estimate": True,
+                "caveat": CAVEAT, "throughput": self.throughput.to_dict(),
+                "sources": dict(self.sources), "formats": self.rows(), "pins": self.pins_cost(),
+                "pinned_nodes": list(self.pinned), "costliest_of": focus.label,
+                "costliest": [n.to_dict() for n in focus.costliest(10)],
+                **({"nodes": {e.label: [n.to_dict() for n in e.nodes if n.bound != "free"]
+                              for e in self.estimates}} if nodes else {})}
+
+
+def _unknown(profile: TargetProfile, throughput: Throughput, costs: Sequence[NodeCost]) -> str:
+    missing = [f"throughput.peak_tflops.{f}" for f in dict.fromkeys(c.fmt for c in costs
+                                                                     if c.bound != "free")
+               if throughput.peak(f) is None]
+    if throughput.bandwidth_gbs is None:
+        missing.append("throughput.bandwidth_gbs")
+    if not missing:
+        return ""
+    return f"{profile.name} publishes no {', '.join(missing)} (ask the vendor, or set it)"
+
+
+def build_ledger(model: onnx.ModelProto, profile: TargetProfile, *, name: str = "",
+                 input_shapes: Mapping[str, tuple[int, ...]] | None = None,
+                 throughput: Throughput | None = None, pinned: Sequence[str] | None = None,
+                 converted: onnx.ModelProto | None = None) -> Ledger:
+    """The ledger of the FP32 `model` on `profile`; the converted row from `pinned` (a plan's
+    FP32 nodes, Casts at their borders) or from a `converted` model as written."""
+    tp = throughput or profile.throughput
+    shapes = tensor_shapes(model, input_shapes)
+    types = tensor_types(model)
+    flops = node_flops(model, input_shapes)
+    precision = profile.default_precision
+
+    def uniform(fmt: str) -> Estimate:
+        costs = planned_costs(model, lambda n, label: fmt, tp, shapes, types, flops, casts=False)
+        return Estimate(fmt, tuple(costs), _unknown(profile, tp, costs))
+
+    estimates = [uniform("fp32"), uniform(precision)]
+    if "bf16" in profile.fast_dtypes and precision != "bf16" and tp.peak("bf16") is not None:
+        estimates.append(uniform("bf16"))
+    eight = next((f for f in EIGHT_BIT if f in profile.fast_dtypes), None)
+    if eight is not None and eight != precision:
+        costs = planned_costs(model, lambda n, label: eight if n.op_type in MAC_OPS else precision,
+                              tp, shapes, types, flops, casts=False)
+        estimates.append(Estimate(f"{eight} plan", tuple(costs),
+                                  _unknown(profile, tp, costs)))
+    costs_c: list[NodeCost] | None = None
+    baseline = None
+    if converted is not None:
+        c_shapes = tensor_shapes(converted, input_shapes)
+        c_types = tensor_types(converted)
+        c_flops = node_flops(converted, input_shapes)
+        # A target that cannot pin runs the converted model's FP32 nodes in its own precision.
+        cannot_pin = profile.fp32_pinning is Pinning.NONE
+        costs_c = converted_costs(converted, tp, c_shapes, c_types, c_flops,
+                                  fp32_runs_as=precision if cannot_pin else None)
+        flat = planned_costs(converted, lambda n, label: precision, tp, c_shapes, c_types, c_flops,
+                             casts=False)
+        baseline = Estimate(f"converted, all {precision}", tuple(flat), _unknown(profile, tp, flat))
+    elif pinned is not None:
+        keep = set(pinned)
+        costs_c = planned_costs(model, lambda n, label: "fp32" if label in keep else precision,
+                                tp, shapes, types, flops, casts=True)
+    if costs_c is not None:
+        estimates.append(Estimate(CONVERTED, tuple(costs_c),
+                                  _unknown(profile, tp, costs_c)))
+    sources = {k: v for k, v in profile.sources.items() if k in ("peak", "bandwidth", "throughput")}
+    return Ledger(name, profile.name, precision, tp, tuple(estimates), tuple(sorted(pinned or ())),
+                  sources, baseline)

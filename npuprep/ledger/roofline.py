@@ -1,0 +1,129 @@
+"""Per node `max(flops / peak[fmt], bytes / bandwidth)`: time, and compute- or memory-bound.
+
+An estimate: one dense peak per format for the unit that runs the model, one memory
+bandwidth, every node reads its inputs and writes its outputs once (no fusion, no cache
+reuse, no launch overhead). Reshape-like views and constant folding move nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import onnx
+
+from npuprep.profiles import Throughput
+
+BYTES_PER_ELEMENT: dict[str, float] = {
+    "fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "int4": 0.5,
+}
+# A compiler turns these into views or folds them at build time: no time on the device.
+FREE_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Shape", "Size",
+                      "Constant", "ConstantOfShape", "DequantizeLinear"})
+MAC_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
+GATHER_OPS = frozenset({"Gather", "GatherElements", "GatherND"})
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """One node (or inserted Cast) at its format."""
+
+    node: str
+    op_type: str
+    fmt: str
+    flops: int
+    bytes: int
+    ms: float | None  # None: the profile lacks the peak or the bandwidth
+    bound: str  # compute | memory | free | unknown
+    cast: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"node": self.node, "op_type": self.op_type, "format": self.fmt,
+                "flops": self.flops, "bytes": self.bytes, "estimated_ms": self.ms,
+                "bound": self.bound, "cast": self.cast}
+
+
+def roofline_ms(flops: float, nbytes: float, fmt: str, throughput: Throughput) -> tuple[float | None, str]:
+    """(milliseconds, bound) of one node; (None, 'unknown') when a needed figure is unknown."""
+    if flops == 0 and nbytes == 0:
+        return 0.0, "free"
+    peak = throughput.peak(fmt)
+    bandwidth = throughput.bandwidth_gbs
+    if peak is None or bandwidth is None:
+        return None, "unknown"
+    compute = 1e3 * flops / (peak * 1e12)
+    memory = 1e3 * nbytes / (bandwidth * 1e9)
+    return (compute, "compute") if compute >= memory else (memory, "memory")
+
+
+def node_cost(node: onnx.NodeProto, label: str, fmt: str, flops: int,
+              shapes: Mapping[str, tuple[int, ...]], itemsize: Callable[[str], float],
+              throughput: Throughput, *, free: bool = False) -> NodeCost:
+    """The node's cost at `fmt`: each distinct input and output moved once at `itemsize`
+    (a gather's table only as far as it is read)."""
+    if free or node.op_type in FREE_OPS:
+        return NodeCost(label, node.op_type, fmt, 0, 0, 0.0, "free", node.op_type == "Cast")
+    gather = node.op_type in GATHER_OPS and bool(node.output)
+    inputs = node.input[1:] if gather else node.input
+    names = dict.fromkeys(t for t in (*inputs, *node.output) if t)
+    nbytes = int(sum(math.prod(shapes.get(t, ())) * itemsize(t) for t in names))
+    if gather:
+        # A gather reads the rows it picks (as many as it writes), not the whole table.
+        nbytes += int(math.prod(shapes.get(node.output[0], ())) * itemsize(node.output[0]))
+    ms, bound = roofline_ms(flops, nbytes, fmt, throughput)
+    return NodeCost(label, node.op_type, fmt, flops, nbytes, ms, bound, node.op_type == "Cast")
+
+
+def cast_cost(tensor: str, elements: int, src: str, dst: str, throughput: Throughput) -> NodeCost:
+    """A Cast that a format boundary needs: reads `src`, writes `dst`, one op per element, on
+    the unit of its narrower side."""
+    nbytes = int(elements * (BYTES_PER_ELEMENT[src] + BYTES_PER_ELEMENT[dst]))
+    unit = src if dst == "fp32" else dst
+    ms, bound = roofline_ms(elements, nbytes, unit, throughput)
+    return NodeCost(f"Cast({tensor}) {src}->{dst}", "Cast", unit, elements, nbytes, ms, bound, True)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One way of running the model (all FP32, all FP16, the plan as converted...)."""
+
+    label: str
+    nodes: tuple[NodeCost, ...]
+    unknown: str = ""  # why the time is unknown
+
+    @property
+    def estimated_ms(self) -> float | None:
+        if any(n.ms is None for n in self.nodes):
+            return None
+        return sum(n.ms or 0.0 for n in self.nodes)
+
+    def ms_where(self, keep: Callable[[NodeCost], bool]) -> float | None:
+        if self.estimated_ms is None:
+            return None
+        return sum(n.ms or 0.0 for n in self.nodes if keep(n))
+
+    @property
+    def memory_bound_share(self) -> float | None:
+        """Share of the estimated time spent in memory-bound nodes."""
+        total = self.estimated_ms
+        if not total:
+            return None
+        return (self.ms_where(lambda n: n.bound == "memory") or 0.0) / total
+
+    def bound_counts(self) -> dict[str, int]:
+        counts = {"compute": 0, "memory": 0, "free": 0, "unknown": 0}
+        for n in self.nodes:
+            counts[n.bound] += 1
+        return counts
+
+    @property
+    def casts(self) -> int:
+        return sum(1 for n in self.nodes if n.cast and n.bound != "free")
+
+    def costliest(self, k: int = 10) -> list[NodeCost]:
+        timed = [n for n in self.nodes if n.ms]
+        if timed:
+            return sorted(timed, key=lambda n: (-(n.ms or 0.0), n.node))[:k]
+        return sorted(self.nodes, key=lambda n: (-n.bytes, n.node))[:k]

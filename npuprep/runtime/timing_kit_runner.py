@@ -1,0 +1,173 @@
+"""Times the models of an `npuprep ledger --export-kit` kit on the board; results for `--measured`.
+
+    onnxruntime (any EP):  python time_models.py [--providers CUDAExecutionProvider,CPUExecutionProvider]
+    Rockchip board:        python time_models.py --backend rknnlite     # models/<name>.rknn
+    Jetson Orin:           run the trtexec lines of README.md, then
+                           python time_models.py --from-trtexec fp32=fp32_times.json ...
+    host:                  npuprep ledger MODEL --target T [CONVERTED] --measured results.json
+
+Each model runs in its own process: 50 warm-up runs, then the median and p90 of 200 timed
+runs (--warmup/--runs change them), and its peak memory by the runtime's own counter (the
+process's peak resident set, ru_maxrss, for onnxruntime on CPU and for RKNNLite; trtexec's
+own figures for TensorRT). The device's state (load, governor, temperatures, clocks) is
+recorded before the runs. Python 3.8 compatible; needs only numpy and the backend.
+"""
+
+import argparse
+import glob
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _read(path):
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def device_state():
+    """What may move a timing: load, CPU governor and clocks, temperatures, NPU/GPU clocks."""
+    state = {"platform": platform.platform(), "machine": platform.machine(),
+             "cpus": os.cpu_count(), "python": platform.python_version()}
+    try:
+        state["loadavg"] = list(os.getloadavg())
+    except OSError:
+        pass
+    state["governor"] = _read("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor")
+    state["cpu0_khz"] = _read("/sys/devices/system/cpu/cpu0/cpufreq/scaling_cur_freq")
+    temps = {}
+    for zone in sorted(glob.glob("/sys/class/thermal/thermal_zone*")):
+        kind, temp = _read(zone + "/type"), _read(zone + "/temp")
+        if kind and temp and temp.lstrip("-").isdigit():
+            temps[kind] = int(temp) / 1000.0
+    state["temperatures_c"] = temps
+    devfreq = {}
+    for dev in sorted(glob.glob("/sys/class/devfreq/*")):
+        freq = _read(dev + "/cur_freq")
+        if freq:
+            devfreq[os.path.basename(dev)] = freq  # Rockchip NPU, Jetson GPU clocks
+    state["devfreq_hz"] = devfreq
+    if shutil.which("nvpmodel"):  # Jetson power mode
+        query = subprocess.run(["nvpmodel", "-q"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        state["nvpmodel"] = query.stdout.decode(errors="replace").strip()
+    return state
+
+
+def _inputs(manifest):
+    return {i["name"]: np.load(os.path.join(HERE, i["file"])) for i in manifest["inputs"]}
+
+
+def _time(run, warmup, runs):
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        run()
+        times.append(1e3 * (time.perf_counter() - start))
+    times.sort()
+    return {"median_ms": statistics.median(times), "p90_ms": times[int(0.9 * (len(times) - 1))],
+            "min_ms": times[0], "runs": runs, "warmup": warmup}
+
+
+def _peak_rss_mb():
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 1024.0 if sys.platform != "darwin" else peak / 2 ** 20  # kB on Linux
+
+
+def time_one(name, args):
+    """Time one model in this process and print its JSON line."""
+    with open(os.path.join(HERE, "manifest.json")) as fh:
+        manifest = json.load(fh)
+    entry = next(m for m in manifest["models"] if m["name"] == name)
+    feeds = _inputs(manifest)
+    if args.backend == "ort":
+        import onnxruntime as ort
+
+        providers = args.providers.split(",") if args.providers else ["CPUExecutionProvider"]
+        session = ort.InferenceSession(os.path.join(HERE, entry["model"]), providers=providers)
+        result = _time(lambda: session.run(None, feeds), args.warmup, args.runs)
+        result["backend"] = "onnxruntime " + ort.__version__ + " " + ",".join(session.get_providers())
+    else:
+        from rknnlite.api import RKNNLite
+
+        rknn = RKNNLite()
+        if rknn.load_rknn(os.path.join(HERE, entry["model"][:-5] + ".rknn")) != 0:
+            raise SystemExit("load_rknn failed for " + name)
+        if rknn.init_runtime() != 0:
+            raise SystemExit("init_runtime failed")
+        data = [feeds[i["name"]] for i in manifest["inputs"]]
+        result = _time(lambda: rknn.inference(inputs=data, data_format="nchw"), args.warmup, args.runs)
+        result["backend"] = "RKNNLite"
+    result["peak_memory_mb"] = _peak_rss_mb()
+    result["memory_counter"] = "process peak resident set (ru_maxrss)"
+    print(json.dumps(result))
+
+
+def from_trtexec(pairs, warmup):
+    """trtexec --exportTimes files (one list of per-run records) -> the same result records;
+    the first `warmup` runs are dropped."""
+    models = {}
+    for pair in pairs:
+        name, _, path = pair.partition("=")
+        with open(path) as fh:
+            runs = json.load(fh)[warmup:]
+        times = sorted(float(r["computeMs"] if "computeMs" in r else r["latencyMs"]) for r in runs)
+        models[name] = {"median_ms": statistics.median(times),
+                        "p90_ms": times[int(0.9 * (len(times) - 1))], "min_ms": times[0],
+                        "runs": len(times), "backend": "trtexec (GPU compute time)",
+                        "peak_memory_mb": None,
+                        "memory_counter": "see trtexec's log: 'Total GPU memory' / engine size"}
+    return models
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=("ort", "rknnlite"), default="ort")
+    parser.add_argument("--providers", help="onnxruntime execution providers, comma-separated")
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--out", default=os.path.join(HERE, "results.json"))
+    parser.add_argument("--from-trtexec", nargs="+", metavar="NAME=TIMES.json",
+                        help="turn trtexec --exportTimes files into results.json")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        time_one(args.one, args)
+        return 0
+    with open(os.path.join(HERE, "manifest.json")) as fh:
+        manifest = json.load(fh)
+    results = {"kind": "ledger-results", "schema_version": 1, "kit": manifest["fingerprint"],
+               "device": device_state(), "models": {}}
+    if args.from_trtexec:
+        results["models"] = from_trtexec(args.from_trtexec, args.warmup)
+    else:
+        for entry in manifest["models"]:
+            cmd = [sys.executable, os.path.abspath(__file__), "--one", entry["name"],
+                   "--backend", args.backend, "--warmup", str(args.warmup), "--runs", str(args.runs)]
+            if args.providers:
+                cmd += ["--providers", args.providers]
+            line = subprocess.run(cmd, check=True, stdout=subprocess.PIPE).stdout.decode().strip()
+            results["models"][entry["name"]] = json.loads(line.splitlines()[-1])
+            print(entry["name"], results["models"][entry["name"]])
+    with open(args.out, "w") as fh:
+        json.dump(results, fh, indent=2, sort_keys=True)
+    print("wrote", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
