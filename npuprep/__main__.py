@@ -1,3 +1,3 @@
-from npuprep.cli.main import entry
+from npuprep.cli.start import entry
 
 entry()

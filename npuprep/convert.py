@@ -256,6 +256,11 @@ def _checked_top_k(model: Model, top_k: Mapping[str, int] | None) -> dict[str, i
                                f"(outputs: {', '.join(sorted(outputs))})")
         if not isinstance(k, int) or k < 1:
             raise NpuprepError(f"--top-k {name}: K must be a whole number >= 1, not {k!r}")
+        out = next(o for o in model.proto.graph.output if o.name == name)
+        dims = out.type.tensor_type.shape.dim
+        if dims and dims[-1].HasField("dim_value") and k >= dims[-1].dim_value:
+            raise NpuprepError(f"--top-k {name}:{k}: output '{name}' has {dims[-1].dim_value} classes along "
+                               f"its last axis; K must be smaller (K = all of them judges nothing)")
     return dict(top_k or {})
 
 

@@ -7,6 +7,7 @@ checked against the model's inputs (names, dtypes, fixed dimensions, finiteness)
 from __future__ import annotations
 
 import math
+import os
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -247,6 +248,7 @@ def synthetic_samples(model: onnx.ModelProto, count: int, seed: int = 0, *,
             s = replace(s, shape=_override_shape(s, tuple(shapes[s.name])))
         if s.name in (ranges or {}):
             lo, hi = ranges[s.name]
+            _check_range(s, float(lo), float(hi), tables.get(s.name))
             s = replace(s, low=float(lo), high=float(hi))
         elif s.name in tables and s.dtype.kind in "iu":
             s = replace(s, low=0.0, high=float(max(tables[s.name] - 1, 0)))
@@ -254,6 +256,30 @@ def synthetic_samples(model: onnx.ModelProto, count: int, seed: int = 0, *,
             s = replace(s, mask=True)
         out.append(s)
     return SampleSet("synthetic", "synthetic", tuple(out), count=count, seed=seed)
+
+
+def _check_range(spec: InputSpec, lo: float, hi: float, table: int | None) -> None:
+    """The range must hold values of the input's type, and the rows of a table it indexes."""
+    import ml_dtypes
+
+    where = f"--input-range {spec.name}:{lo:g}:{hi:g}"
+    if spec.dtype == np.bool_:
+        return
+    if spec.dtype.kind in "iu":
+        info = np.iinfo(spec.dtype)
+        if lo < info.min or hi > info.max:
+            raise NpuprepError(f"{where}: input '{spec.name}' is {spec.dtype.name}, whose values lie in "
+                               f"{info.min}..{info.max}")
+        if table is not None and (hi > table - 1 or lo < -table):
+            raise NpuprepError(f"{where}: input '{spec.name}' indexes a table of {table} rows: give a "
+                               f"range within 0..{table - 1}")
+        return
+    largest = float(ml_dtypes.finfo(spec.dtype).max)
+    if max(abs(lo), abs(hi)) > largest:
+        raise NpuprepError(f"{where}: input '{spec.name}' is {spec.dtype.name}, whose largest value is "
+                           f"{largest:g}")
+    if not math.isfinite(hi - lo):
+        raise NpuprepError(f"{where}: the range is wider than the largest float; give a narrower one")
 
 
 def _override_shape(spec: InputSpec, dims: tuple[int, ...]) -> tuple[int, ...]:
@@ -264,7 +290,21 @@ def _override_shape(spec: InputSpec, dims: tuple[int, ...]) -> tuple[int, ...]:
         if want is not None and want != got:
             raise NpuprepError(f"--input-shape {spec.name}: dimension {axis} is fixed at {want} in the model, "
                                f"not {got}")
+    size = math.prod(dims) * spec.dtype.itemsize
+    memory = _physical_memory()
+    if memory and size > memory // 4:
+        # Allocating it would fail (or swap) long after the command started.
+        raise NpuprepError(f"--input-shape {spec.name}: {'x'.join(map(str, dims))} {spec.dtype.name} is "
+                           f"{size / 2**30:.3g} GiB per sample, over a quarter of this machine's "
+                           f"{memory / 2**30:.3g} GiB; give smaller dimensions")
     return dims
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 # Ops that pass indices through unchanged on the way to a Gather.

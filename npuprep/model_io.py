@@ -87,6 +87,11 @@ def load_model(path: str | Path, weights: Literal["memory", "file"] = "memory") 
     if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):
         raise NpuprepError(f"{path}: not an ONNX model (no graph found; truncated or wrong file?)")
     _check_defined(proto.graph, set(), path)
+    _check_outputs(proto.graph, path)
+    # IR 3 wants every initialiser listed as a graph input; the constants npuprep adds
+    # (instrumentation, rewrites) are not, and onnxruntime refuses them. IR 4 reads an IR 3
+    # graph the same (an initialiser that is an input stays one); the fingerprint has no IR.
+    proto.ir_version = max(proto.ir_version, 4)
     if uses_external_data(proto):
         _check_external_files(proto, path)
         if weights == "file":
@@ -115,6 +120,16 @@ def _check_defined(graph: onnx.GraphProto, outer: set[str], path: Path) -> None:
     for out in graph.output:
         if out.name not in known:
             raise NpuprepError(f"{path}: graph output '{out.name}' is not produced by any node")
+
+
+def _check_outputs(graph: onnx.GraphProto, path: Path) -> None:
+    """Each graph output names its own tensor (two outputs of one tensor have one value)."""
+    seen: set[str] = set()
+    for out in graph.output:
+        if out.name in seen:
+            raise NpuprepError(f"{path}: graph output '{out.name}' is listed twice; each output must "
+                               "name its own tensor (add an Identity for the second)")
+        seen.add(out.name)
 
 
 def _fingerprint_in_background(proto: onnx.ModelProto, path: Path) -> Future[str]:

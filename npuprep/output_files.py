@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import fnmatch
 import os
+import re
 import secrets
 import signal
 import threading
@@ -45,8 +47,52 @@ def resolve(path: str | os.PathLike[str]) -> Path:
 
 
 def temp_name(final: Path) -> Path:
-    """A temporary beside `final` that stale-temporary cleaning recognises as its own."""
-    return final.parent / f".{final.name}{_TEMP_MARK}{secrets.token_hex(4)}.tmp"
+    """A temporary beside `final` that stale-temporary cleaning recognises as its own: the
+    marker, the writing process's id and 8 random hex digits."""
+    return final.parent / f".{final.name}{_TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}.tmp"
+
+
+def stale_temporaries(final: Path) -> list[Path]:
+    """Temporaries for `final` that a run which has ended left behind: only names
+    `temp_name` makes (never a user's `.out.onnx.mybackup.tmp`), of a process gone."""
+    pattern = re.compile(re.escape(f".{final.name}{_TEMP_MARK}") + r"(\d+)-[0-9a-f]{8}\.tmp")
+    try:
+        names = os.listdir(final.parent)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match and not _alive(int(match.group(1))):
+            found.append(final.parent / name)
+    return sorted(found)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+def _check_name_lengths(out: _Entry, existing: Path) -> None:
+    """Every name in the path fits the file system, the temporary staged beside the file too
+    (its name is about 30 bytes longer)."""
+    try:
+        limit = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    names = [*out.real.parts[1:-1], temp_name(out.real).name if not out.folder else out.real.name]
+    longest = max(names, key=lambda n: len(os.fsencode(n)))
+    if len(os.fsencode(longest)) > limit:
+        raise NpuprepError(f"{out.what} {shown(out.path)}: a name in it is too long for the file system "
+                           f"({len(os.fsencode(longest))} bytes with npuprep's temporary suffix, at most "
+                           f"{limit}); choose a shorter one")
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -67,6 +113,7 @@ class _Entry:
     folder: bool = False
     stale: bool = False  # only ever removed: dropped where it is also an input or another output
     trailing_sep: bool = False  # given as `name/`: meant as a folder
+    patterns: tuple[str, ...] = ()  # a folder input: the names the command reads in it
 
 
 @dataclass
@@ -85,7 +132,7 @@ class OutputPlan:
         if real.exists() and not (real.is_file() or real.is_dir()):
             # Reading a FIFO or a device blocks or never ends.
             raise NpuprepError(f"{what} {shown(path)}: not a regular file or folder")
-        self.inputs.append(_Entry(Path(path), real, what, folder=real.is_dir()))
+        self.inputs.append(_Entry(Path(path), real, what, folder=real.is_dir(), patterns=patterns))
         if real.is_dir():
             try:
                 children = sorted({c for pattern in patterns for c in real.glob(pattern)})
@@ -159,6 +206,12 @@ class OutputPlan:
                 same = "" if out.path == inp.path else f" (which is {shown(inp.path)})"
                 raise NpuprepError(f"{out.what} {name}{same}: refusing to overwrite {inp.what}, which this "
                                    "command reads; choose another path")
+        for inp in self.inputs:
+            if inp.folder and out.real.parent == inp.real and not out.folder and any(
+                    fnmatch.fnmatchcase(out.real.name, p) for p in inp.patterns):
+                # The next run would read it as one of them (a model written as a sample).
+                raise NpuprepError(f"{out.what} {name}: lies in {inp.what} {shown(inp.path)}, where "
+                                   f"every {' or '.join(inp.patterns)} file is read; choose another path")
         if out.folder:
             if out.real.exists() and not out.real.is_dir():
                 raise NpuprepError(f"{out.what} {name}: exists and is not a folder")
@@ -169,6 +222,7 @@ class OutputPlan:
         parent = out.real if out.folder else out.real.parent
         while not parent.exists():
             parent = parent.parent
+        _check_name_lengths(out, parent)
         if not parent.is_dir():
             raise NpuprepError(f"{out.what} {name}: {shown(parent)} is a file, not a folder")
         if not os.access(parent, os.W_OK | os.X_OK):
@@ -205,11 +259,8 @@ class OutputSet:
                 raise NpuprepError(f"{shown(self._outputs[real].path)}: cannot create its folder "
                                    f"({exc.strerror})") from None
             self._locks.append(_acquire(real, self._outputs[real]))
-            name = _glob_escape(real.name)
-            # Ours, and those of earlier npuprep versions (mkstemp names: 8 characters).
-            for pattern in (f".{name}{_TEMP_MARK}????????.tmp", f".{name}.????????.tmp"):
-                for stale in real.parent.glob(pattern):
-                    stale.unlink(missing_ok=True)
+            for stale in stale_temporaries(real):
+                stale.unlink(missing_ok=True)
 
     def _final(self, path: str | os.PathLike[str]) -> Path:
         real = resolve(path)
@@ -333,12 +384,6 @@ def _acquire(real: Path, entry: _Entry) -> tuple[Path, int]:
         except FileNotFoundError:
             pass
         os.close(fd)
-
-
-def _glob_escape(name: str) -> str:
-    import glob
-
-    return glob.escape(name)
 
 
 def _fsync_folder(folder: Path) -> None:

@@ -113,6 +113,20 @@ def test_merge_refuses_overlaps_other_models_and_other_sources(varied, save):
         merge_stats([("a", a), ("b", moved)])
 
 
+def test_merge_refuses_edited_files(varied):
+    model, samples, _ = varied
+    a, b = calibrate(model, samples.shard(1, 2)), calibrate(model, samples.shard(2, 2))
+    t = b.tensors["t"]
+    short = replace(b, tensors=b.tensors | {"t": replace(t, per_sample_absmax=())})
+    with pytest.raises(NpuprepError, match=r"^b: tensors.t: per_sample_absmax has 0 entries for 1 samples of 5"):
+        merge_stats([("a", a), ("b", short)])
+    other = replace(b, tensors=b.tensors | {"t": replace(t, over={"x": 1})})
+    with pytest.raises(NpuprepError, match=r"^b: tensors.t: other formats in over/under"):
+        merge_stats([("a", a), ("b", other)])
+    with pytest.raises(NpuprepError, match=r"^b: sample_source lacks 'kind' or 'source'"):
+        merge_stats([("a", a), ("b", replace(b, source={"x": [1]}))])
+
+
 def test_indexed_sources_shard_by_index(tmp_path, save):
     # A batched .npz and a Polygraphy JSON: samples are named by index.
     model = load_model(save(MODEL))

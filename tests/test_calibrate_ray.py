@@ -13,7 +13,7 @@ import pytest
 from conftest import run_cli
 
 from npuprep.calibrate import calibrate
-from npuprep.calibrate.on_ray import calibrate_on_ray, calibrate_shard
+from npuprep.calibrate.on_ray import calibrate_on_ray, calibrate_shard, check_address
 from npuprep.data import load_samples
 from npuprep.errors import NpuprepError
 from npuprep.examples.zoo import ZOO
@@ -142,3 +142,16 @@ def test_tasks_of_two_cpus_and_synthetic_samples(local_ray, tmp_path):
     assert calibrate_on_ray(model, samples, shards=5).to_dict() == one.to_dict()
     with pytest.raises(NpuprepError, match="CPUs per task must be at least 1"):
         calibrate_on_ray(model, samples, cpus_per_task=0)
+    with pytest.raises(NpuprepError, match=r"--ray-cpus 3: the Ray cluster has 2 CPUs"):
+        calibrate_on_ray(model, samples, cpus_per_task=3)  # Ray would wait for ever
+
+
+def test_bad_addresses_are_one_line_before_ray_starts(tmp_path):
+    path, data = zoo_on_disk(tmp_path / "z", "conv_stack")
+    for address, says in (("not an address", "not a Ray address"), ("host:99999", "not a Ray address"),
+                          ("ray://:10001", "not a Ray address")):
+        r = run_cli("calibrate", path, "--data", data, "--ray", address, "-o", tmp_path / "s.json")
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not (tmp_path / "s.json").exists()
+    for good in ("auto", "ray://head:10001", "10.0.0.1:6379", None):
+        check_address(good)

@@ -92,3 +92,27 @@ def test_plan_of_the_model_before_conversion_applies_to_the_converted_one(save, 
     foreign.write_text(plan.read_text().replace("/norm/Sqrt", "/other/Sqrt"))
     refused = run_cli("crosscheck", converted, "-r", report, "-t", "orin", "--plan", foreign)
     assert refused.returncode == 2 and "/other/Sqrt are not in" in refused.stderr
+
+
+def test_a_plan_of_another_model_is_refused(save, tmp_path):
+    from npuprep.provenance import record_source
+
+    original = load_model(save(norm_model(), "original.onnx"))
+    report = tmp_path / "p.csv"
+    report.write_text("node,precision\n/norm/Sqrt,fp16\n")
+    # A plan without pins made for another model: nothing ties it to this one.
+    unpinned = tmp_path / "unpinned.yaml"
+    save_plan(Plan(fingerprint="0123456789abcdef", target="orin", precision="fp16", actions=()), unpinned)
+    refused = run_cli("crosscheck", original.path, "-r", report, "-t", "orin", "--plan", unpinned)
+    assert refused.returncode == 2 and "names none of its nodes" in refused.stderr, refused.stderr
+    # A conversion of a third model: its record names the model it came from.
+    converted = norm_model()
+    converted.graph.node[-1].output[0] = "y_pre"
+    converted.graph.node.append(onnx.helper.make_node("Identity", ["y_pre"], ["y"], name="id"))
+    record_source(converted, "fedcba9876543210", {})
+    plan = tmp_path / "plan.yaml"
+    save_plan(Plan(fingerprint=original.fingerprint, target="orin", precision="fp16",
+                   actions=(PinFp32(nodes=("/norm/Sqrt",)),)), plan)
+    refused = run_cli("crosscheck", save(converted, "converted.onnx"), "-r", report, "-t", "orin", "--plan", plan)
+    assert refused.returncode == 2 and "was converted from model fedcba9876543210" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1

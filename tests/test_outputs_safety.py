@@ -149,12 +149,14 @@ def test_a_signal_during_the_renames_lands_after_the_whole_set(tmp_path: Path,
 
 def test_a_second_run_on_the_same_output_is_refused_and_stale_temporaries_go(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
-    stale = tmp_path / ".out.json.npuprep-0badf00d.tmp"
+    stale = tmp_path / ".out.json.npuprep-99999999-0badf00d.tmp"  # no such process
     stale.write_text("left by a killed run")
+    live = tmp_path / f".out.json.npuprep-{os.getppid()}-0badf00d.tmp"  # a run still going
+    live.write_text("being written")
     first = OutputPlan()
     first.writes(out, "-o")
     with first.open() as files:
-        assert not stale.exists()
+        assert not stale.exists() and live.read_text() == "being written"
         second = OutputPlan()
         second.writes(tmp_path / "sub" / ".." / "out.json", "-o")
         with pytest.raises(NpuprepError, match="another npuprep run is writing it"), second.open():
@@ -267,12 +269,17 @@ def test_a_fifo_as_data_or_stats_is_refused_at_once(ws: Path) -> None:
 
 
 def test_convert_writes_a_set_without_temporaries_and_a_rerun_removes_a_stale_one(ws: Path) -> None:
-    (ws / ".o.onnx.npuprep-deadbeef.tmp").write_bytes(b"left by a SIGKILLed run")
-    (ws / ".o.onnx.k2j_x9qa.tmp").write_bytes(b"left by a SIGKILLed run of an earlier version")
+    (ws / ".o.onnx.npuprep-99999999-deadbeef.tmp").write_bytes(b"left by a SIGKILLed run")
+    # The user's own files that look like temporaries: not this tool's names, never swept.
+    users = {".o.onnx.mybackup.tmp": b"mine", ".o.report.md.20240101.tmp": b"mine too",
+             ".o.onnx.npuprep-deadbeef.tmp": b"no process id: not a name npuprep writes"}
+    for name, data in users.items():
+        (ws / name).write_bytes(data)
     proc = run_cli("convert", "m.onnx", "-t", "a2000", "--data", "D", "-o", "o.onnx", "--json", cwd=ws)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    names = {p.name for p in ws.iterdir()}
+    assert {name: (ws / name).read_bytes() for name in users} == users
+    names = {p.name for p in ws.iterdir()} - set(users)
     assert not [n for n in names if n.endswith((".tmp", ".lock"))]
     for path in report["artefacts"].values():
         assert (ws / path).is_file(), path
@@ -357,6 +364,11 @@ def test_an_older_default_report_is_not_left_beside_the_new_model(ws: Path) -> N
     assert proc.returncode == 0, proc.stderr
     assert not (ws / "o.report.json").exists()
     assert json.loads((ws / "r.json").read_text())["target"] == "generic"
+    # A file of that name no convert to o.onnx wrote is the user's: kept.
+    (ws / "o.report.json").write_text('{"mine": 1}')
+    proc = run_cli("convert", "m.onnx", "-t", "generic", "--data", "D", "-o", "o.onnx", "--report", "r.json",
+                   cwd=ws)
+    assert proc.returncode == 0 and (ws / "o.report.json").read_text() == '{"mine": 1}'
     # Where the default name is an input, it is kept.
     shutil.copy(ws / "s.json", ws / "o.report.json")
     proc = run_cli("convert", "m.onnx", "-t", "generic", "--stats", "o.report.json", "--data", "D",
@@ -397,6 +409,19 @@ def test_disk_full_on_a_small_tmpfs_leaves_nothing_half_written(ws: Path, tmp_pa
         assert "No space left on device" in line
         assert _snapshot(mnt) == before
         assert sorted(p.name for p in mnt.iterdir()) == ["o.report.json"]
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_disk_full_while_writing_a_probe_kit_leaves_the_folder_as_it_was(tmp_path: Path) -> None:
+    mnt = tmp_path / "small"
+    _mount_tmpfs(mnt, "size=16k")
+    try:
+        (mnt / "mine.txt").write_text("the user's")
+        proc = run_cli("probe", "--export-kit", str(mnt / "kit"), "--target", "a2000", cwd=tmp_path)
+        line = _one_line_error(proc)
+        assert "cannot write the kit (No space left on device); the folder is as it was" in line
+        assert sorted(p.name for p in mnt.iterdir()) == ["mine.txt"]
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
 

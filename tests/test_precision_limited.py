@@ -180,7 +180,8 @@ def test_convert_with_top_k_counts_a_flipped_fp32_tie_apart_and_passes(tmp_path)
 def test_top_k_names_an_output_and_a_whole_k(tmp_path):
     path, data = _classifier(tmp_path)
     for bad, words in (("logits:1", "'logits', which is not an output"), ("p:0", "--top-k p:0"),
-                       ("p", "--top-k p:")):
+                       ("p", "--top-k p:"), ("p:10", "'p' has 10 classes along its last axis"),
+                       ("p:100000000000000000000", "'p' has 10 classes")):
         proc = run_cli("convert", path, "--target", "generic", "--data", data, "--top-k", bad,
                        "-o", tmp_path / "x.onnx")
         assert proc.returncode == 2, proc.stderr

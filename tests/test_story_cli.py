@@ -157,7 +157,7 @@ def test_crosscheck_plan_of_a_conversion_ignores_lowering_kept_lookups(ws, tmp_p
 def test_convert_counts_pins_by_meaning_and_prints_held_out_errors(ws):
     out = " ".join((ws / "convert.txt").read_text().split())
     assert "0 pinned by the plan, 2 kept FP32 by lowering" in out
-    assert "last_hidden_state (held out)" in (ws / "convert.txt").read_text()
+    assert "Outputs on held-out samples (2 samples)" in (ws / "convert.txt").read_text()
 
 
 def test_synthetic_mask_inputs_are_zero_one_with_a_one_per_row(ws):

@@ -58,3 +58,36 @@ def test_calibrate_synthetic_on_an_embedding_runs_and_takes_the_options(save):
     assert bad.returncode == 2 and "NAME:LO:HI" in bad.stderr and "Traceback" not in bad.stderr
     bad = run_cli("calibrate", path, "--synthetic", "2", "--input-range", "y:0:1")
     assert bad.returncode == 2 and "'y'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+# x (float16) -> Relu -> r
+HALF = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float16[1, N] x) => (float16[1, N] r) {
+  r = Relu (x)
+}"""
+
+
+def test_ranges_past_the_inputs_type_or_table_and_huge_shapes_are_refused():
+    model = model_from_text(EMBED)
+    with pytest.raises(NpuprepError, match=r"ids:0:3: input 'ids' indexes a table of 3 rows: give a range within 0..2"):
+        synthetic_samples(model, 1, ranges={"ids": (0, 3)})
+    with pytest.raises(NpuprepError, match=r"ids:0:1e\+30: input 'ids' is int64, whose values lie in"):
+        synthetic_samples(model, 1, ranges={"ids": (0, 1e30)})
+    with pytest.raises(NpuprepError, match=r"x:-1e\+39:0: input 'x' is float32, whose largest value is 3.40282e\+38"):
+        synthetic_samples(model, 1, ranges={"x": (-1e39, 0)})
+    with pytest.raises(NpuprepError, match=r"x:0:1e\+06: input 'x' is float16, whose largest value is 65504"):
+        synthetic_samples(model_from_text(HALF), 1, ranges={"x": (0, 1e6)})
+    with pytest.raises(NpuprepError, match=r"--input-shape ids: 1x1000000000000 int64 is .* GiB per sample"):
+        synthetic_samples(model, 1, shapes={"ids": (1, 10**12)})
+    feeds = list(synthetic_samples(model_from_text(HALF), 2, ranges={"x": (-65504, 65504)}))
+    assert all(np.isfinite(f["x"]).all() for f in feeds)
+
+
+def test_input_range_with_data_is_refused_not_ignored(save, tmp_path):
+    path = save(EMBED)
+    np.savez(tmp_path / "s.npz", ids=np.zeros((1, 2), np.int64), x=np.ones((1, 4), np.float32))
+    for flag, value in (("--input-range", "x:0:1"), ("--input-shape", "ids:1x3")):
+        r = run_cli("calibrate", path, "--data", tmp_path / "s.npz", flag, value)
+        assert r.returncode == 2 and f"{flag} shapes --synthetic samples" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1

@@ -64,12 +64,26 @@ def _check_same(name: str, s: CalibrationStats, first_name: str, first: Calibrat
                            "merged stats must use the same --detail")
     if not s.source or not s.sample_ids or len(s.sample_ids) != s.sample_count:
         raise NpuprepError(f"{name}: no sample ids (not written by npuprep calibrate?)")
+    if not {"kind", "source"} <= set(s.source):
+        raise NpuprepError(f"{name}: sample_source lacks 'kind' or 'source' (not written by npuprep calibrate?)")
     if s.source != first.source:
         raise NpuprepError(f"{name}: samples from {_where(s)}, {first_name}'s from {_where(first)}; "
                            "merged stats must come from one source")
     if set(s.tensors) != set(first.tensors) or s.unobserved != first.unobserved:
         other = sorted(set(s.tensors) ^ set(first.tensors)) or sorted(set(s.unobserved) ^ set(first.unobserved))
         raise NpuprepError(f"{name}: other tensors than {first_name} ({', '.join(other[:3]) or 'unobserved ones'})")
+    for key, row in s.tensors.items():
+        _check_row(name, key, row, len(s.sample_ids), first.tensors[key])
+
+
+def _check_row(name: str, key: str, row: RangeStats, samples: int, first: RangeStats) -> None:
+    """One entry per sample the tensor was seen in, and the formats of the first file."""
+    seen = range(samples) if row.seen_in is None else row.seen_in
+    if len(row.per_sample_absmax) != len(seen) or any(not 0 <= int(j) < samples for j in seen):
+        raise NpuprepError(f"{name}: tensors.{key}: per_sample_absmax has {len(row.per_sample_absmax)} "
+                           f"entries for {len(seen)} samples of {samples} (an edited file?)")
+    if set(row.over) != set(first.over) or set(row.under) != set(first.under):
+        raise NpuprepError(f"{name}: tensors.{key}: other formats in over/under than the first file")
 
 
 def _where(s: CalibrationStats) -> str:

@@ -9,9 +9,15 @@ retries) from its first sample: the driver only ever merges complete shards.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterable
+import re
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -53,17 +59,19 @@ def calibrate_on_ray(
         raise NpuprepError("executor='ray': the workers read the model themselves: give a model file")
     if cpus_per_task < 1:
         raise NpuprepError(f"Ray: CPUs per task must be at least 1, got {cpus_per_task}")
+    check_address(address)
     ray = _import_ray()
     started = not ray.is_initialized()
     if started:
-        try:
-            ray.init(address=address or None, include_dashboard=False, logging_level=logging.ERROR,
-                     log_to_driver=False)
-        except ConnectionError as exc:
-            raise NpuprepError(f"Ray: cannot join the cluster at {address}: {exc}") from None
+        _join(ray, address)
     try:
+        cpus = int(ray.cluster_resources().get("CPU", 0))
+        if cpus_per_task > cpus:
+            # Ray would wait for such a worker for ever.
+            raise NpuprepError(f"--ray-cpus {cpus_per_task}: the Ray cluster has {cpus} CPUs; "
+                               f"give at most {cpus}")
         if shards is None:
-            shards = int(ray.cluster_resources().get("CPU", 1) // cpus_per_task)
+            shards = cpus // cpus_per_task
         n = max(1, min(shards, len(samples)))
         model_path = os.path.abspath(model.path)
         parts = [_absolute(samples.shard(k, n)) for k in range(1, n + 1)]
@@ -81,6 +89,56 @@ def calibrate_on_ray(
         raise NpuprepError(f"{model.path}: the Ray workers read another model at {model_path} "
                            f"(fingerprint {merged.fingerprint}, here {model.fingerprint})")
     return merged
+
+
+def check_address(address: str | None) -> None:
+    """None (a local Ray), 'auto', HOST:PORT or ray://HOST:PORT; anything else is refused
+    before Ray starts (it would raise its own traceback)."""
+    if not address or address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not (host and port.isdigit() and 0 < int(port) < 65536 and re.fullmatch(r"[\w.\-\[\]:]+", host)):
+        raise NpuprepError(f"--ray {address!r}: not a Ray address; expected 'auto', HOST:PORT or "
+                           "ray://HOST:PORT")
+
+
+def _join(ray: Any, address: str | None) -> None:
+    """ray.init, its refusals as one line. Ray's core logs each failed connection attempt to
+    stderr; only errors are shown. Ray replaces the SIGTERM and SIGINT handlers with its own
+    (a stack dump, exit 134, no clean-up): the caller's are put back."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with _stderr_dropped():
+            ray.init(address=address or None, include_dashboard=False, logging_level=logging.ERROR,
+                     log_to_driver=False)
+    except ConnectionError as exc:
+        raise NpuprepError(f"Ray: cannot join the cluster at {address}: {exc}") from None
+    except (ValueError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "ray[client]" in first:
+            raise NpuprepError(f"--ray {address}: a ray:// address needs Ray's client: "
+                               "pip install 'ray[client]'") from None
+        raise NpuprepError(f"Ray: cannot start or join a cluster at {address or 'this machine'}: {first}") from None
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in handlers.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _stderr_dropped() -> Iterator[None]:
+    """File descriptor 2 into a discarded file: Ray's C++ core writes a warning per failed
+    connection attempt there, past Python's logging."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as sink:
+            os.dup2(sink.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def calibrate_shard(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import tempfile
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator
@@ -449,6 +450,11 @@ def _start_worker(settled: Folding, samples: SampleSet, shared: bool, streams: i
     count of samples done are inherited (copy on write, not pickled). With `shared`, the
     worker runs on the parent's session itself, weights included; else it builds its own
     from what the parent settled."""
+    # Ctrl-C reaches every process of the terminal's group: the parent alone handles it and
+    # ends the workers; SIGTERM ends a worker silently (it inherited the parent's handler,
+    # whose KeyboardInterrupt would print a traceback per worker).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     folding = settled if shared else Folding(settled.prepared, settled.threads, settled=settled)
     _worker_state.update(folding=folding, samples=samples, streams=streams, done=done)
 
@@ -497,13 +503,19 @@ def _fold_parallel(
             max_workers=len(ranges) or 1, mp_context=context, initializer=_start_worker,
             initargs=(folding, samples, shared, streams, done),
         ) as pool:
-            futures = [pool.submit(_fold_range, r) for r in ranges]
-            # The bar (a drawing thread on a terminal) starts once the workers are forked.
-            with _progress(len(samples), show_progress, on_progress) as set_done:
-                while wait(futures, timeout=0.2).not_done:
+            try:
+                futures = [pool.submit(_fold_range, r) for r in ranges]
+                # The bar (a drawing thread on a terminal) starts once the workers are forked.
+                with _progress(len(samples), show_progress, on_progress) as set_done:
+                    while wait(futures, timeout=0.2).not_done:
+                        set_done(done.value)
                     set_done(done.value)
-                set_done(done.value)
-            parts = [f.result() for f in futures]
+                parts = [f.result() for f in futures]
+            except KeyboardInterrupt:
+                # Else leaving the pool would wait for every range to finish.
+                for process in list((pool._processes or {}).values()):
+                    process.terminate()
+                raise
     except BrokenProcessPool:
         raise NpuprepError(f"calibration: a worker process died (out of memory with {jobs} jobs?)") from None
     for part in parts:

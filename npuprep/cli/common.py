@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -158,6 +159,11 @@ def begin(args: argparse.Namespace, *, inputs: Sequence[str] = (), model: bool =
     patterns = {"samples": SAMPLE_FILES, "workspace": WORKSPACE_FILES, "any": ("*",)}
     profile = load_profile(args.target) if getattr(args, "target", None) else None
     target = profile.resolve(getattr(args, "precision", None)) if profile is not None else None
+    if target is not None and getattr(args, "precision", None) and target.fmt.name in profile.unsupported_dtypes:
+        from npuprep.errors import NpuprepError
+
+        raise NpuprepError(f"--precision {args.precision}: target '{profile.name}' lists {target.fmt.name} as "
+                           "unsupported (dtypes.unsupported in its profile); choose another precision or target")
     loaded = load_model(getattr(args, model_arg), weights=weights) if model else None
     plan = OutputPlan()
     if model:
@@ -169,11 +175,26 @@ def begin(args: argparse.Namespace, *, inputs: Sequence[str] = (), model: bool =
     return Invocation(profile, target, loaded, plan)
 
 
+def into_folder(path: str | None, default_name: str) -> str | None:
+    """`-o newdir/`: a trailing separator names a folder (made if missing); the file goes in
+    it under the name it would have had by default."""
+    if path and path.endswith(("/", os.sep)):
+        return os.path.join(path, default_name)
+    return path
+
+
 def open_samples(args: argparse.Namespace, model: Any) -> Any:
     """The SampleSet chosen by --data/--synthetic, or None when neither was given."""
     from npuprep.data import load_samples
 
     if getattr(args, "data", None):
+        from npuprep.errors import NpuprepError
+
+        for flag in ("input_range", "input_shape"):
+            if getattr(args, flag, None):
+                # They shape synthetic samples; ignoring them would hide that from the user.
+                raise NpuprepError(f"--{flag.replace('_', '-')} shapes --synthetic samples; with --data "
+                                   "the samples are read as they are: drop it or use --synthetic")
         return load_samples(args.data, model, batched=args.batched)
     if getattr(args, "synthetic", None):
         return synthetic_from_args(args, model, args.synthetic)

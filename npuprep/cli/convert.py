@@ -36,7 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--opset", type=int,
                    help="write the converted model at this default-domain opset "
                         "(default: the model's own; some compilers need 11 or 12)")
-    p.add_argument("--holdout", help="samples not used for calibration, to verify on")
+    p.add_argument("--holdout", help="samples not used for calibration, to verify on (default: "
+                                     "1 in 4 of --data, at least 1 of 2 or more, held out)")
+    p.add_argument("--no-holdout", action="store_true",
+                   help="calibrate and verify on every --data sample (no held-out check)")
     p.add_argument("--rtol", type=positive_float, default=1e-2,
                    help="largest relative L2 error of each output (default 1e-2)")
     p.add_argument("--top-k", action="append", default=[], metavar="OUTPUT:K",
@@ -68,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from npuprep.cli.common import begin, check_rtol, open_samples, print_json
+    from npuprep.cli.common import begin, check_rtol, into_folder, open_samples, print_json
     from npuprep.names import file_part
     from npuprep.report.artefacts import declare, default_exports, parse_exports
 
@@ -87,12 +90,14 @@ def run(args: argparse.Namespace) -> int:
     # Not `<stem>.<target>.plan.yaml`: convert writes the plan it applied there, over a draft.
     default_ext = ".draft.plan.yaml" if args.plan_only else ".onnx"
     # Default names come from the model's file name and the profile's name as data, never a path.
-    output = Path(args.output or f"{file_part(Path(args.model).stem, 'model')}."
-                                 f"{file_part(profile.name, 'target')}{default_ext}")
+    default_name = f"{file_part(Path(args.model).stem, 'model')}.{file_part(profile.name, 'target')}{default_ext}"
+    output = Path(into_folder(args.output, default_name) or default_name)
+    args.report = into_folder(args.report, f"{output.with_suffix('').name}.report.json")
+    args.html = into_folder(args.html, f"{output.with_suffix('').name}.report.html")
     paths = _artefact_paths(args, output, exports)
     declare(outputs, paths)
     if args.report and not args.plan_only:
-        outputs.removes_stale(f"{output.with_suffix('')}.report.json", "an older report beside -o")
+        _remove_older_report(outputs, output)
     with outputs.open() as files:
         samples = open_samples(args, model.proto)
         if args.plan_only:
@@ -106,12 +111,14 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report)
     else:
-        _print_summary(report)
+        _print_summary(report, io_types=args.io_types)
     return 0 if passed else 1
 
 
 def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, paths: dict[str, Path],
              files: Any) -> tuple[dict[str, Any], bool]:
+    from dataclasses import replace
+
     from npuprep.convert import convert
     from npuprep.data import load_samples
     from npuprep.plan import load_plan
@@ -120,22 +127,49 @@ def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, p
         raise NpuprepError("convert verifies on samples: give --data D or --synthetic N")
     plan = load_plan(args.plan, model) if args.plan else None
     holdout = load_samples(args.holdout, model.proto, batched=args.batched) if args.holdout else None
-    stats = _stats(args, model, samples)
+    split = None
+    if holdout is None and not args.no_holdout:
+        from npuprep.holdout import split_holdout
+
+        split = split_holdout(samples)
+        holdout = split.held_out or None
+    calibration = split.calibration if split is not None else samples
+    stats = _stats(args, model, calibration)
     from npuprep.cli.common import progress_stages
     from npuprep.report.artefacts import stage_conversion
 
     with progress_stages("converting", not args.json) as stage:
         result = convert(
-            model, profile, list(samples), stats=stats, plan=plan, precision=args.precision,
+            model, profile, list(calibration), stats=stats, plan=plan, precision=args.precision,
             io_types=args.io_types, rtol=args.rtol, holdout=list(holdout) if holdout else None,
             samples_description=samples.describe(), synthetic=samples.synthetic,
             max_rounds=args.max_rounds, opset=args.opset, max_fp32_share=args.max_fp32_share / 100,
             top_k=parse_top_k(args.top_k), progress=stage,
         )
+        if split is not None:
+            result = replace(result, notes=(split.said, *result.notes))
         vendor = _vendor_check(args, model, result, list(samples), paths, files) \
             if args.verify_with else None
     report = stage_conversion(result, paths, files, vendor)
+    from npuprep.report.cause import failure_cause
+
+    report["failure_cause"] = failure_cause(report)
     return report, bool(report["passed"])
+
+
+def _remove_older_report(outputs: Any, output: Path) -> None:
+    """The default report beside -o, when --report-json names another: removed only where an
+    earlier convert wrote it for this -o (it would pass for this run's), else left alone."""
+    import json
+
+    older = Path(f"{output.with_suffix('')}.report.json")
+    try:
+        artefacts = json.loads(older.read_text(encoding="utf-8")).get("artefacts", {})
+        ours = Path(str(artefacts.get("model", ""))).name == output.name
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if ours:
+        outputs.removes_stale(older, "an older report beside -o")
 
 
 def _vendor_check(args: argparse.Namespace, model: Any, result: Any, samples: list,
@@ -277,7 +311,7 @@ def _nodes(nodes: list[str]) -> str:
     return ", ".join(nodes[:3]) + (f" +{len(nodes) - 3}" if len(nodes) > 3 else "")
 
 
-def _print_summary(report: dict[str, Any]) -> None:
+def _print_summary(report: dict[str, Any], io_types: str = "fp32") -> None:
     from npuprep.cli.common import out, print_table, say
     from npuprep.formatting import capped, number, percent
     from npuprep.report.pin_count import pins_said
@@ -297,18 +331,19 @@ def _print_summary(report: dict[str, Any]) -> None:
                     cut_end=("reason", "why"))
         if left:
             say(f"... and {left} more actions (--show-all)")
-    ver = report.get("verification") or {}
-    outputs = ver.get("outputs") or {}
-    judged = any("top_k" in o for o in outputs.values())
-    held = (report.get("holdout") or {}).get("outputs") or {}
-    judged = judged or any("top_k" in o for o in held.values())
-    # The held-out samples (--holdout) are judged apart: a row each, beside the calibration's.
-    rows = [(f"{k} (held out)" if which else k, o["nonfinite"], number(o["max_abs_error"]),
-             number(o["rel_l2"]), *([_agreement(o)] if judged else []))
-            for which, group in ((0, outputs), (1, held)) for k, o in group.items()]
-    print_table("Outputs under emulated target numerics",
-                ["output", "Inf/NaN", "max abs err", "rel L2", *(["top-K agree"] if judged else [])],
-                rows)
+    for key, title in (("verification", "Outputs under emulated target numerics"),
+                       ("holdout", "Outputs on held-out samples")):
+        check = report.get(key) or {}
+        if key == "holdout" and not check:
+            continue
+        outputs = check.get("outputs") or {}
+        judged = any("top_k" in o for o in outputs.values())
+        print_table(f"{title} ({check.get('samples', 0)} samples)" if check else title,
+                    ["output", "Inf/NaN", "max abs err", "rel L2",
+                     *(["top-K agree"] if judged else [])],
+                    [(k, o["nonfinite"], number(o["max_abs_error"]), number(o["rel_l2"]),
+                      *([_agreement(o)] if judged else []))
+                     for k, o in outputs.items()])
     _print_vendor(report.get("vendor"))
     share = report.get("fp32_share") or {}
     if share.get("islands"):
@@ -350,11 +385,49 @@ def _print_summary(report: dict[str, Any]) -> None:
     if precision:
         _say_where_the_error_sits(report)
     verdict = "PASSED" if report["passed"] else (
+        f"FAILED: {overfit}" if (overfit := _overfit(report)) else
         f"FAILED: {precision}" if precision else
         f"FAILED: first divergent node '{first['node']}' ({first['op_type']})" if first else
         f"FAILED: {report['fp32_share']['headline']}" if outputs_ok and report.get("fp32_share")
-        else "FAILED")
+        else f"FAILED: {why}" if (why := _nonfinite_reason(checks, io_types)) else "FAILED")
+    if report.get("failure_cause"):
+        # The cause first, then the gate it tripped.
+        gate = verdict.removeprefix("FAILED").removeprefix(": ") or (
+            "outputs over their tolerance" if not outputs_ok else "")
+        verdict = f"FAILED: {report['failure_cause']}" + (f"; then {gate}" if gate else "")
     say(f"{verdict}; report: {report['artefacts']['report_md']}", always=True)
+
+
+def _overfit(report: dict[str, Any]) -> str:
+    """The verdict's cause when the calibration samples pass and the held-out ones do not."""
+    from npuprep.formatting import number
+
+    ver, held = report.get("verification") or {}, report.get("holdout") or {}
+    if not ver.get("passed") or not held or held.get("passed"):
+        return ""
+    outs = held["outputs"].values()
+    bad = sum(o["nonfinite"] for o in outs)
+    worst = max((o["rel_l2"] for o in outs), default=0.0)
+    was = max((o["rel_l2"] for o in ver["outputs"].values()), default=0.0)
+    return (f"held-out samples fail (rel L2 {number(worst)}"
+            + (f", {bad} Inf/NaN" if bad else "")
+            + f") where the calibration samples pass (rel L2 {number(was)}): the conversion "
+            "fits the samples it was planned on")
+
+
+def _nonfinite_reason(checks: list[dict[str, Any]], io_types: str) -> str:
+    """Why outputs are Inf/NaN where no node diverged first: FP32 itself, or the FP16 outputs."""
+    rows = [(name, o) for c in checks for name, o in c["outputs"].items() if o["nonfinite"]]
+    if not rows:
+        return ""
+    name, o = rows[0]
+    if o.get("reference_nonfinite"):
+        return (f"the FP32 model itself gives {o['reference_nonfinite']} Inf/NaN in '{name}' on these "
+                "samples (an Inf in the model or out-of-range samples): nothing to compare there")
+    if io_types == "target":
+        return (f"'{name}' has {o['nonfinite']} Inf/NaN: with --io-types target the graph's inputs and "
+                "outputs are FP16 and its values pass FP16's largest; keep them FP32 (--io-types fp32)")
+    return f"'{name}' has {o['nonfinite']} Inf/NaN under emulation, at no node before the output"
 
 
 def _say_where_the_error_sits(report: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ import sys
 import threading
 
 from npuprep import __version__
+from npuprep.cli.bug import ENVIRONMENT_ERRNOS, report_bug
 from npuprep.cli.common import add_output_options, configure_output
 from npuprep.errors import NpuprepError
 from npuprep.names import shown
@@ -62,8 +63,30 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised like Ctrl-C so that every `finally` (temporary files) runs."""
 
 
+_terminated: list[int] = []  # a library (Ray) may re-raise Terminated as a plain KeyboardInterrupt
+
+
 def _terminate(signum: int, frame: object) -> None:
+    _terminated.append(signum)
     raise Terminated()
+
+
+# Compiled modules every command loads: a KeyboardInterrupt inside their initialisation
+# surfaces as an ImportError ("numpy._core.umath failed to import") or a crash.
+_COMPILED = ("numpy", "ml_dtypes", "onnx", "onnxruntime")
+_early: list[int] = []  # SIGINT/SIGTERM received before the command started
+
+
+def _record(signum: int, frame: object) -> None:
+    _early.append(signum)
+
+
+def _load_compiled() -> None:
+    for name in _COMPILED:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue  # reported by the command that needs it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,10 +96,21 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
-    if threading.current_thread() is threading.main_thread():
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    if in_main_thread:
+        previous = {s: signal.signal(s, _record) for s in (signal.SIGINT, signal.SIGTERM)}
+    _load_compiled()
+    if in_main_thread:
         signal.signal(signal.SIGTERM, _terminate)
+        int_handler = previous[signal.SIGINT]
+        signal.signal(signal.SIGINT, signal.default_int_handler if int_handler is _record else int_handler)
     configure_output(args)
     try:
+        # A signal during start-up takes effect now, where it is reported in one line.
+        if signal.SIGTERM in _early:
+            _terminate(signal.SIGTERM, None)
+        if _early:
+            raise KeyboardInterrupt
         return int(args._run(args) or 0)
     except NpuprepError as exc:
         print(f"npuprep: error: {shown(exc)}", file=sys.stderr)
@@ -86,14 +120,32 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except KeyboardInterrupt as exc:
-        print("npuprep: terminated" if isinstance(exc, Terminated) else "npuprep: interrupted",
+        terminated = isinstance(exc, Terminated) or bool(_terminated)
+        print("npuprep: terminated" if terminated else "npuprep: interrupted", file=sys.stderr)
+        return 143 if terminated else 130
+    except OSError as exc:
+        if exc.errno not in ENVIRONMENT_ERRNOS:
+            return report_bug(exc, words)
+        # The machine, not the input and not npuprep: a full disk, a lost mount.
+        where = f" ({shown(exc.filename)})" if exc.filename else ""
+        print(f"npuprep: error: {exc.strerror or exc}{where}; no output of this run was put in place",
               file=sys.stderr)
-        return 143 if isinstance(exc, Terminated) else 130
+        return 1
+    except Exception as exc:  # noqa: BLE001 - anything else that escapes is a bug
+        return report_bug(exc, words)
 
 
-def entry() -> None:
-    """The console script: after an interrupt, leave without running onnxruntime's C++
-    teardown while its worker threads may still be busy, which aborts (exit 134)."""
+def entry(held: list[int] | None = None) -> None:
+    """The console script (through npuprep.cli.start, which passes the signals it `held`):
+    SIGINT and SIGTERM are held until the command starts, then end it in one line; after
+    an interrupt, leave without running onnxruntime's C++ teardown while its worker threads
+    may still be busy, which aborts (exit 134)."""
+    global _early
+    if held is not None:
+        _early = held  # the same list: a signal between the two handlers is kept
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, _record)
     code = main()
     if code in (130, 143):
         sys.stdout.flush()

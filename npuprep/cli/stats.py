@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from npuprep.cli.common import add_json, print_json
+from npuprep.cli.common import add_json, into_folder, print_json
 from npuprep.names import shown
 
 help = "work with stats files: merge the stats of shards (npuprep calibrate --shard K/N) into one"
@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from npuprep.calibrate.stats import SCHEMA_VERSION, dump_stats, read_stats_doc, stats_from_dict
     from npuprep.output_files import OutputPlan
 
-    out = Path(args.output)
+    out = Path(into_folder(args.output, "merged.stats.json") or args.output)
     outputs = OutputPlan()
     for f in args.files:
         outputs.reads(f, "a stats file to merge")

@@ -20,7 +20,7 @@ from npuprep.crosscheck.names import NodeIndex
 from npuprep.crosscheck.record import PRECISION_ORDER
 from npuprep.errors import NpuprepError
 from npuprep.model_io import Model
-from npuprep.provenance import read_source
+from npuprep.provenance import find_source, read_source
 from npuprep.yaml_io import read_yaml
 
 # Findings from measured ranges; every other rule is static (an op or a pattern).
@@ -81,10 +81,19 @@ def _from_plan(path: str | Path, data: dict[str, Any], model: Model, index: Node
         # the plan was made for; its pinned nodes keep their names, so the plan applies when
         # every one of them is in this model.
         plan = Plan.from_dict(data, str(path))
+        source = find_source(model)
+        if source is not None and source.fingerprint != plan.fingerprint:
+            raise NpuprepError(f"{path}: plan was made for model {plan.fingerprint}, and {model.path} "
+                               f"was converted from model {source.fingerprint}; give the plan of its "
+                               "conversion")
         absent = sorted(plan.pinned_nodes() - set(index.op_types))
         if absent:
             raise NpuprepError(f"{path}: plan was made for model {plan.fingerprint}, and its pinned "
                                f"nodes {', '.join(absent[:5])} are not in {model.path}")
+        if source is None and not _named_nodes(plan) & set(index.op_types):
+            # Nothing ties a plan without pins to a model npuprep did not convert.
+            raise NpuprepError(f"{path}: plan was made for model {plan.fingerprint}, not {model.path} "
+                               f"({model.fingerprint}), and names none of its nodes")
         note = (f"plan {path} was made for model {plan.fingerprint} (before conversion?); "
                 f"all {len(plan.pinned_nodes())} pinned nodes are in this model")
     decision = decision_of(plan, index, str(path))
@@ -130,6 +139,24 @@ def decision_of(plan: Any, index: NodeIndex, path: str, kind: str = "plan") -> P
                 for d in plan.declined for r in d.findings}
     return PlanDecision(path, kind, plan.fingerprint, plan.precision, pins, safe, answered,
                         (), declined)
+
+
+def _named_nodes(plan: Any) -> set[str]:
+    """Every node a plan's actions and the findings they answer name."""
+    from npuprep.plan import Clamp, PinFp32, Rescale, SoftmaxShift
+
+    named: set[str] = set()
+    for action in plan.actions:
+        if isinstance(action, PinFp32):
+            named.update(action.nodes)
+        elif isinstance(action, Rescale):
+            named.update((action.entry, *action.absorbers))
+        elif isinstance(action, SoftmaxShift):
+            named.add(action.exp)
+        elif isinstance(action, Clamp):
+            named.update(action.consumers)
+        named.update(ref.node for ref in getattr(action, "findings", ()) if ref.node)
+    return named
 
 
 def _require_strings(data: dict[str, Any], keys: tuple[str, ...], where: str) -> None:

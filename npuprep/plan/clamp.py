@@ -1,4 +1,4 @@
-"""Remedy 5, clamp: `Exp(x) -> Exp(Clip(x, hi))`, `x*x -> Clip(x)^2`, `a/b -> a/guard(b)`, `Log(Clip(x, lo))`.
+"""Remedy 6, clamp: `Exp(x) -> Exp(Clip(x, hi))`, `x*x -> Clip(x)^2`, `a/b -> a/guard(b)`, `Log(Clip(x, lo))`.
 
 A clamp changes numbers, so it is the last resort and only a guard: it is declined when
 measured values lie beyond the bound (the answer would change), unless the user's plan

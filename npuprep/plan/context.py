@@ -14,7 +14,14 @@ from typing import Any
 import onnx
 
 from npuprep.analyse.finding import Finding
-from npuprep.graph import node_label, producers, tensor_types, topological_order, walk_graphs
+from npuprep.graph import (
+    consumers,
+    node_label,
+    producers,
+    tensor_types,
+    topological_order,
+    walk_graphs,
+)
 from npuprep.model_io import Model
 from npuprep.numerics import NumberFormat
 from npuprep.ops import ADDITIVE, CARRIES_MAGNITUDE, LINEAR_WITH_WEIGHTS
@@ -86,6 +93,9 @@ class PlanContext:
         self.hot_cache: dict[str, bool] = {}
         self.static_cool: set[str] = set()
         self.types = tensor_types(self.model.proto)
+        self.log_inputs = {n.input[0] for n, _, _ in self.nodes.values()
+                           if n.op_type == "Log" and n.input}
+        self.readers = consumers(self.model.graph)
 
     # ------------------------------------------------------------ measurements
 

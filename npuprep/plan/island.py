@@ -1,4 +1,4 @@
-"""Remedy 4, FP32 island: `faulty node -> island {node, consumers...}` grown until every exit fits.
+"""Remedy 5, FP32 island: `faulty node -> island {node, consumers...}` grown until every exit fits.
 
 Islands hold the elementwise and reduction nodes that need FP32 range. A Conv, MatMul or
 Gemm joins one only when the tensor it reads cannot be represented in the target format at

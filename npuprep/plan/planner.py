@@ -1,7 +1,7 @@
 """Planner: findings + measured ranges -> Plan, each finding answered by the first remedy that holds.
 
 The remedies, one file each, in the order written once in REMEDIES: the softmax shift
-(exact rewrite), a power-of-two rescale of the tensor's scale domain, the underflow
+(exact rewrite), a rescale absorbed by a Log (a power spectrum's), a power-of-two rescale of the tensor's scale domain, the underflow
 scale-up, an FP32 island, a clamp. Each proposes an action or declines with a reason; the
 reasons of the declined ones travel into the chosen action's why, or into a note when
 none holds. Findings that measurement shows safe get a note instead of an action. The
@@ -16,7 +16,7 @@ from typing import Any
 from npuprep.analyse.finding import Finding, Findings
 from npuprep.model_io import Model
 from npuprep.ops import MAKES_MAGNITUDE
-from npuprep.plan import clamp, island, rescale_domain, softmax_shift, underflow
+from npuprep.plan import clamp, island, log_domain, phase, rescale_domain, softmax_shift, underflow
 from npuprep.plan.actions import FindingRef
 from npuprep.plan.context import EXP_INPUT_ERROR, RANGE_RULES, Outcome, PlanContext, Problem
 from npuprep.plan.plan import Plan
@@ -25,8 +25,8 @@ from npuprep.profiles import ResolvedTarget, Severity
 Remedy = Callable[[PlanContext, Problem, tuple[str, ...]], Outcome]
 # Cheapest exact first; each remedy decides which kinds of problem it answers.
 REMEDIES: tuple[Remedy, ...] = (
-    softmax_shift.propose, rescale_domain.propose, underflow.propose, island.propose,
-    clamp.propose,
+    softmax_shift.propose, log_domain.propose, rescale_domain.propose, underflow.propose,
+    island.propose, clamp.propose,
 )
 _DECLINED_AS = {"softmax_shift": "softmax shift", "rescale": "rescale", "pin_fp32": "FP32 pin",
                 "clamp": "clamp"}
@@ -50,6 +50,9 @@ def make_plan(
     ctx = PlanContext(model, profile, fmt, stats, frozenset(forbid_pin))
     for f in sorted(findings, key=ctx.order_key):
         _handle(ctx, f)
+    if stats is not None:
+        # Not a range problem: a phase too coarse for Sin/Cos overflows nothing.
+        phase.wide_phases(ctx)
     if stats is None:
         ctx.notes.insert(0, "planned without measured ranges: static findings only")
     actions = (*ctx.shifts, *ctx.rescales, *ctx.clamps, *island.merged_pins(ctx))

@@ -1,4 +1,4 @@
-"""Remedy 2, rescale a scale domain: `tensor over the limit -> entry x 2^-k, absorbed downstream`.
+"""Remedy 3, rescale a scale domain: `tensor over the limit -> entry x 2^-k, absorbed downstream`.
 
 The cheapest exact remedy. Walking back from the overflowing tensor through ops that carry
 a scale (npuprep.ops) gives candidate entries: producers with constant weights, affine
@@ -99,9 +99,11 @@ def rescaled_constant(ctx: PlanContext, name: str) -> tuple[str, float] | None:
     return None
 
 
-def checked(ctx: PlanContext, entry: str, k: int, focus: str = "") -> tuple[Any | None, str]:
+def checked(ctx: PlanContext, entry: str, k: int, focus: str = "",
+            exempt: frozenset[str] = frozenset()) -> tuple[Any | None, str]:
     """check_rescale, then the stats: every domain tensor within the limit (k grows until
-    it is) and none pushed under the smallest normal in a harmful share."""
+    it is) and none pushed under the smallest normal in a harmful share (`exempt` tensors
+    excepted: a chain whose Log input the caller floors above 0)."""
     fitted = not focus or k < 0
     worst, worst_tensor = 0.0, ""
     for _ in range(MAX_DEEPEN):
@@ -128,6 +130,8 @@ def checked(ctx: PlanContext, entry: str, k: int, focus: str = "") -> tuple[Any 
             r = ctx.range_of(t)
             if r is None:
                 return None, f"no measured range for domain tensor {t}"
+            if t in exempt:
+                continue  # the caller answers for what flushes there (a floored Log chain)
             reason = underflow_veto(ctx, entry, k, t, p, r)
             if reason:
                 return None, reason
@@ -142,11 +146,37 @@ def checked(ctx: PlanContext, entry: str, k: int, focus: str = "") -> tuple[Any 
                   f"{ctx.limit:.6g}")
 
 
+def pushed_constant(ctx: PlanContext, entry: str, k: int) -> str:
+    """Why scaling `entry` by 2^-k pushes a weight past the format's max (lowering would
+    keep its node FP32), or "" when every scaled constant still fits."""
+    key = (entry, k)
+    if key not in ctx.scaled_cache:
+        done = apply_rescale(ctx.model.proto, entry, k)
+        ctx.scaled_cache[key] = dict(done.details.get("scaled_constants", {})) if done else {}
+    past = {name: c for name, c in ctx.scaled_cache[key].items()
+            if c["exponent"] > 0 and c["absmax"] > ctx.fmt.max}
+    if not past:
+        return ""
+    values = sorted(c["absmax"] for c in past.values())
+    span = f"{values[0]:.6g}" + (f" .. {values[-1]:.6g}" if len(values) > 1 else "")
+    return (f"{pow2(-k)} on {entry} pushes {', '.join(sorted(past)[:3])} to {span}, past "
+            f"{ctx.fmt.name}'s max {ctx.fmt.max:.6g}: lowering would keep their nodes FP32")
+
+
 def underflow_veto(ctx: PlanContext, entry: str, k: int, t: str, p: int, r: Any) -> str:
     """Why scaling `t` by 2^p flushes too much of it, or "" when it does not."""
     if p >= 0:
         return ""
     fmt = ctx.fmt
+    readers = ctx.readers.get(t, [])
+    if readers and t not in ctx.graph_outputs and all(n.op_type in ("Add", "Sum") for n in readers):
+        # An addend (a power spectrum's re^2): what it loses under the smallest normal is at
+        # most half a subnormal step, small against its sum, which is judged on its own.
+        return ""
+    if t in ctx.log_inputs and r.min * 2.0**p < fmt.min_normal:
+        # A Log's input flushed to 0 gives -inf: no share of it may leave the normal range.
+        return (f"{pow2(-k)} on {entry} brings the smallest value of {t}, a Log's input, to "
+                f"{r.min * 2.0**p:.3g}, under the smallest {fmt.name} normal ({fmt.min_normal:.3g})")
     after = fmt.min_normal / 2.0**p
     newly, before = r.fraction_below(after), r.fraction_below(fmt.min_normal)
     if newly is None or before is None:

@@ -1,4 +1,4 @@
-"""Remedy 3, underflow: `tensor under the smallest normal -> entry x 2^j, compensated exactly`.
+"""Remedy 4, underflow: `tensor under the smallest normal -> entry x 2^j, compensated exactly`.
 
 The mirror of a rescale down: the smallest power of two that lifts all but a small share
 of the tensor out of the subnormal range without passing the limit. Where the domain

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +127,24 @@ def export_kit(directory: str | Path, probes: list[ProbeModel], fmt: NumberForma
         "target": target, "format": fmt.name, "max": fmt.max, "threshold": fmt.overflow_threshold,
         "probes": manifest_probes,
     }
+    # Written in a folder beside the kit and put in place whole: a full disk or a signal
+    # leaves the folder as it was, never half a kit.
+    final = out
+    final.parent.mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix=f".{final.name}.npuprep-{os.getpid()}-", suffix=".tmp", dir=final.parent))
+    try:
+        _write_files(out, entries, manifest_probes, manifest, target, runner)
+        _put_in_place(out, final)
+    except OSError as exc:
+        raise NpuprepError(f"{final}: cannot write the kit ({exc.strerror or exc}); the folder is as it "
+                           "was") from None
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return manifest
+
+
+def _write_files(out: Path, entries: list[KitEntry], manifest_probes: list[dict[str, Any]],
+                 manifest: dict[str, Any], target: str, runner: str) -> None:
     for e, entry in zip(entries, manifest_probes, strict=True):
         save_model(e.model, out / entry["model"])
         for spec in entry["inputs"]:
@@ -143,7 +162,22 @@ def export_kit(directory: str | Path, probes: list[ProbeModel], fmt: NumberForma
         readme += _RKNN_STEPS.format(target=target)
     write_text_atomic(out / "README.md", readme)
     write_text_atomic(out / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    return manifest
+
+
+def _put_in_place(staged: Path, final: Path) -> None:
+    """`staged` renamed to `final`; an older kit there is moved aside first, then removed."""
+    if not final.exists():
+        os.replace(staged, final)
+        return
+    older = Path(tempfile.mkdtemp(prefix=f".{final.name}.npuprep-{os.getpid()}-", suffix=".old", dir=final.parent))
+    os.replace(final, older / "kit")
+    try:
+        os.replace(staged, final)
+    except OSError:
+        os.replace(older / "kit", final)
+        raise
+    finally:
+        shutil.rmtree(older, ignore_errors=True)
 
 
 def _readme(manifest: dict[str, Any]) -> str:

@@ -84,7 +84,9 @@ def apply_plan(model: onnx.ModelProto, plan: Any) -> AppliedPlan:
                 reasons[node] = (f"undoes the rescale of {rescale.entry} at a graph output, in "
                                  "FP32 after the output Cast")
         applied.append(f"rescale {rescale.entry} by 2^{-rescale.k}")
-    scales = {t: s for t, s in sorted(scales.items()) if s != 1.0}
+    # Tensors a rewrite made (a clamp's output) have no reference to be compared with.
+    known = {t for n in model.graph.node for t in n.output} | {i.name for i in model.graph.input}
+    scales = {t: s for t, s in sorted(scales.items()) if s != 1.0 and t in known}
     return AppliedPlan(current, scales, tuple(fp32_nodes), tuple(applied), tuple(declined),
                        dict(sorted(input_nodes.items())), dict(sorted(reasons.items())))
 

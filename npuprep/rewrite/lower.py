@@ -119,6 +119,8 @@ def lower(
         raise NpuprepError(f"io_types must be 'fp32' or 'target' (got '{io_types}')")
     work = onnx.ModelProto()
     work.CopyFrom(model)
+    # The checker the lowered model must pass requires a graph name; some exporters leave none.
+    work.graph.name = work.graph.name or "main_graph"
     normalised = _normalise_bf16(work)
     return _Lowering(work, fmt, set(pinned_nodes), io_types, normalised).run()
 

@@ -8,7 +8,9 @@ input or block output that gets `Mul(x, 2^-k)`), travels forward through ops tha
 with positive scaling or transform it exactly (`Mul(x, x)` doubles it, `Sqrt` halves it, a Div of two
 scaled tensors subtracts), and is *absorbed* where it returns to 0: a linear consumer with
 constant weights, a scale-invariant normalisation (epsilon * s^2), BatchNormalization (mean
-and variance folded), a Mul/Div by a constant that takes the factor, or a graph output
+and variance folded), a Mul/Div by a constant that takes the factor, a Log (one added
+constant, npuprep.rewrite.log_offset; a linear node on the way to it passes the scale on), or
+a graph output
 (an FP32 exit `Mul(y, 1/s)`, to be kept FP32 at lowering). A Mul/Div by a constant passes
 the exponent on unless a reader further down is not scale-free (Exp, Sigmoid, an Add of a
 tensor that cannot join): then the nearest such factor on every scaled path absorbs it,

@@ -28,6 +28,7 @@ from npuprep.ops import (
     SCALED_ALL_OUTPUTS,
 )
 from npuprep.rewrite import graph_ops as go
+from npuprep.rewrite.log_offset import add_log_offset
 
 # Affine normalisations an entry can scale (gamma, beta); LpNormalization has none.
 AFFINE_NORMS = {op: idx for op, idx in SCALE_INVARIANT_NORMS.items() if idx}
@@ -116,6 +117,7 @@ class DomainSolver:
         self.shared: dict[str, tuple[int, str]] = {}
         self.pending: list[tuple[gs.Node, gs.Tensor]] = []
         self.joined: list[str] = []
+        self.log_offsets: dict[int, int] = {}
         self.check = RescaleCheck(False, "not analysed", entry, k)
 
     # -- analysis -------------------------------------------------------------------------
@@ -354,6 +356,11 @@ class DomainSolver:
                     self._const_edit(node, idx, p)
             # A node fed only by constants is never visited forward: assign here.
             self._assign(tensor, p, why)
+        elif _squared(node) is not None and p % 2 == 0:
+            # x*x carries x's scale squared: x joins with half the exponent.
+            self._role(node, "propagate")
+            self._request(_squared(node), p // 2, node)
+            self._assign(tensor, p, why)
         elif op in LINEAR_WITH_WEIGHTS or op in AFFINE_NORMS or op in ("Mul", "Div"):
             try:
                 self._enter_node(node, p, why)
@@ -408,6 +415,14 @@ class DomainSolver:
             return
         if op in SCALE_INVARIANT_NORMS:
             self._visit_norm(node, scaled)
+            return
+        if op == "Log":
+            # log(2^p x) = log(x) + p ln 2: one added constant after the Log absorbs it.
+            p = self._p(node.inputs[0])
+            self._role(node, "absorb")
+            self.log_offsets[id(node)] = p
+            self.absorbers[label] = Absorber(label, "log_offset", p)
+            self._assign(node.outputs[0], 0, f"absorbed by Log '{label}'")
             return
         p = self._p(node.inputs[scaled[0]])
         if op in SCALE_POWERS:
@@ -489,6 +504,11 @@ class DomainSolver:
         pa, pb = self._p(node.inputs[0]), self._p(node.inputs[1])
         const_idx = self._const_index(node)
         if const_idx is not None and const_idx not in scaled:
+            if _feeds_log(node):
+                # A Log ahead absorbs the scale with one constant; weights absorbing it here
+                # would leave the reference's large values between them and the Log.
+                self._propagate_linear(node, scaled)
+                return
             p = pa + pb
             self._absorb_weight(node, const_idx, p)
             return
@@ -650,6 +670,8 @@ class DomainSolver:
             }
         for (nid, attr), value in self.attr_edits.items():
             self.nodes[nid].attrs[attr] = float(value)
+        for nid, p in sorted(self.log_offsets.items(), key=lambda kv: self.order[kv[0]]):
+            add_log_offset(graph, self.nodes[nid], p)
         fp32_nodes: list[str] = []
         for name, p in sorted(self.input_entries.items()):
             inp = go.graph_input(graph, name) or graph.tensors()[name]
@@ -683,6 +705,37 @@ class DomainSolver:
             fp32_nodes.append(node_name)
             self.renamed.add(name)
         return fp32_nodes
+
+
+# Ops between a linear node and the Log that can absorb its scale (a mel filterbank's
+# transposes, the floor), and how far the Log may be.
+_TO_LOG = frozenset({"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Max", "Add",
+                     "Clip", "Relu"})
+_TO_LOG_STEPS = 4
+
+
+def _feeds_log(node: gs.Node) -> bool:
+    """Whether `node`'s output reaches a Log through _TO_LOG ops within _TO_LOG_STEPS."""
+    frontier = [node]
+    for _ in range(_TO_LOG_STEPS):
+        readers = [r for n in frontier for out in n.outputs for r in out.outputs]
+        if any(r.op == "Log" for r in readers):
+            return True
+        frontier = [r for r in readers if r.op in _TO_LOG]
+        if not frontier:
+            return False
+    return False
+
+
+def _squared(node: gs.Node) -> gs.Tensor | None:
+    """x for `Mul(x, x)` or `Pow(x, 2)`, else None."""
+    if node.op == "Mul" and len(node.inputs) == 2 and node.inputs[0] is node.inputs[1]:
+        return node.inputs[0]
+    if node.op == "Pow" and len(node.inputs) == 2:
+        e = go.const_value(node.inputs[1])
+        if e is not None and e.size == 1 and float(e.reshape(())) == 2.0:
+            return node.inputs[0]
+    return None
 
 
 def cast_is_float(node: gs.Node) -> bool:

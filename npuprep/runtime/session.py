@@ -15,9 +15,16 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from npuprep.bf16 import has_bf16, widen_array, widen_bf16
-from npuprep.errors import NpuprepError
+from npuprep.errors import InternalError, NpuprepError
 from npuprep.graph import copy_fields
 from npuprep.model_io import external_array
+
+# onnxruntime's layer-norm fusions match a decomposed LayerNorm through a Cast at its input
+# and keep the Cast's input: an FP32 norm fed by a rounded (FP16) tensor becomes one
+# LayerNormalization with an FP16 input and FP32 weights, which fails to load ("bound to
+# different types", 1.32), and a model loaded that way would skip the rounding emulation
+# measures. Pinned norms behind FP16 layers are common, so no session fuses them.
+CAST_BLIND_FUSIONS = ("LayerNormFusionL1", "LayerNormFusionL2", "SimplifiedLayerNormFusion")
 
 
 def session_options(*, threads: int | None = None, optimize: bool | str = True) -> ort.SessionOptions:
@@ -41,6 +48,7 @@ def make_session(
     threads: int | None = None,
     optimize: bool | str = True,
     prepack: bool = True,
+    produced: str | None = None,
 ) -> ort.InferenceSession:
     """A CPU session. A proto's large initialisers reach onnxruntime as arrays beside a
     weightless serialised graph (split_weights): no copy of the weights is ever serialised,
@@ -49,37 +57,45 @@ def make_session(
     `bytes` is an already serialised model, a path a model file (its external data read by
     onnxruntime). A proto holding BF16 is widened to FP32 exactly first (npuprep.bf16).
     `prepack=False`: no prepacked copy of the weights (less memory, slower MatMuls).
+    `produced`: what npuprep made this model from the user's (an emulation, the lowered
+    model); a refusal to load it is npuprep's bug (InternalError), not the input's fault.
     """
     opts = session_options(threads=threads, optimize=optimize)
     if not prepack:
         opts.add_session_config_entry("session.disable_prepacking", "1")
-    providers = ["CPUExecutionProvider"]
     if isinstance(model, bytes | str | Path):
-        with _load_errors():
-            return ort.InferenceSession(model if isinstance(model, bytes) else str(model), opts,
-                                        providers=providers)
+        with _load_errors(produced):
+            return _cpu_session(model if isinstance(model, bytes) else str(model), opts)
     if has_bf16(model):
         model = widen_bf16(model)
     skeleton, weights = split_weights(model)
     values = [ort.OrtValue.ortvalue_from_numpy(w) for w in weights.values()]
     if weights:
         opts.add_external_initializers(list(weights), values)
-    with _load_errors():
-        session = ort.InferenceSession(skeleton.SerializeToString(), opts, providers=providers)
+    with _load_errors(produced):
+        session = _cpu_session(skeleton.SerializeToString(), opts)
     # onnxruntime reads the arrays in place: they live as long as the session.
     session._npuprep_weights = (values, weights)  # type: ignore[attr-defined]
     return session
 
 
+def _cpu_session(source: bytes | str, opts: ort.SessionOptions) -> ort.InferenceSession:
+    return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"],
+                                disabled_optimizers=list(CAST_BLIND_FUSIONS))
+
+
 @contextlib.contextmanager
-def _load_errors() -> Iterator[None]:
-    """onnxruntime's refusal to load a model, as one NpuprepError line (its first line)."""
+def _load_errors(produced: str | None = None) -> Iterator[None]:
+    """onnxruntime's refusal to load a model, as one NpuprepError line (its first line), or
+    an InternalError for a model npuprep `produced`."""
     try:
         yield
     except (ort.capi.onnxruntime_pybind11_state.Fail,
             ort.capi.onnxruntime_pybind11_state.InvalidGraph,
             ort.capi.onnxruntime_pybind11_state.NotImplemented) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if produced:
+            raise InternalError(f"onnxruntime cannot load {produced} npuprep made: {first}") from None
         raise NpuprepError(f"onnxruntime cannot load the model: {first}") from None
 
 
@@ -167,7 +183,7 @@ def make_session_external(
         opts.add_external_initializers(names, values)
     source = model if isinstance(model, str) else model.SerializeToString()
     with _load_errors():
-        session = ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+        session = _cpu_session(source, opts)
     session._npuprep_weights = (values, weights)  # type: ignore[attr-defined]
     return session
 

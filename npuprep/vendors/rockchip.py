@@ -45,10 +45,13 @@ def vendor_python(explicit: str | None = None) -> Path | None:
     """The vendor venv's python: `explicit`, else NPUPREP_RKNN_PYTHON, else the default venv."""
     chosen = explicit or os.environ.get(ENV_PYTHON)
     if chosen:
-        path = Path(chosen)
+        # Absolute now: the job runs in its own folder, where a relative path means another file.
+        path = Path(chosen).absolute()
+        source = "--vendor-python" if explicit else ENV_PYTHON
         if not path.is_file():
-            source = "--vendor-python" if explicit else ENV_PYTHON
             raise NpuprepError(f"{source}: '{chosen}' is not a file; {SETUP_HINT}")
+        if not os.access(path, os.X_OK):
+            raise NpuprepError(f"{source}: '{chosen}' is not executable; {SETUP_HINT}")
         return path
     default = DEFAULT_VENV / "bin" / "python"
     return default if default.is_file() else None
@@ -117,7 +120,7 @@ def run_rknn(
     With `accuracy`, sample 0 also goes through accuracy_analysis and the run carries the
     text of its error_analysis.txt. `work_dir` keeps the files (else a temporary folder).
     """
-    exe = Path(python) if python else require_python()
+    exe = require_python(str(python) if python else None)
     if not samples:
         raise NpuprepError("rknn: no samples to run")
     if work_dir is None:
@@ -174,6 +177,12 @@ def _run_in(work: Path, exe: Path, model: onnx.ModelProto, samples: Sequence[dic
     stage = result.get("stage") or (failed_in.group(1) if failed_in else
                                     stages[-1] if stages else "import")
     errors = error_lines(log)
+    if not result_file.is_file() and not stages and proc.returncode >= 0:
+        # The job script reports a stage as soon as the toolkit's API imported: this
+        # interpreter is not the toolkit's (/bin/false, a python without it, another program).
+        said = next((ln.strip() for ln in reversed(log.splitlines()) if ln.strip()), "no output")
+        raise NpuprepError(f"{exe}: this is not an rknn-toolkit2 python (exit {proc.returncode}: "
+                           f"{said[:120]}); {SETUP_HINT}")
     if proc.returncode < 0:
         # A crash (SIGSEGV inside the toolkit) leaves no result and often no error line.
         crash = f"the vendor process crashed (signal {-proc.returncode}) in {stage}"

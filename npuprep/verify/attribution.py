@@ -141,7 +141,8 @@ def _own_error(model: onnx.ModelProto, fmt: NumberFormat, saturate: bool, pinned
     from npuprep.verify.emulate import emulate
     from npuprep.verify.output_errors import OutputErrors
 
-    session = make_session(emulate(model, fmt, saturate=saturate, pinned_nodes=pinned).model)
+    session = make_session(emulate(model, fmt, saturate=saturate, pinned_nodes=pinned).model,
+                           produced="the emulated model")
     errors = OutputErrors()
     for feed, want in zip(feeds, expected, strict=True):
         got = run(session, feed)

@@ -61,9 +61,9 @@ def check_outputs(reference: Any, lowered: Any, fmt: NumberFormat, samples: Sequ
     # stored weights into a second, FP32 copy of them (the rounding pairs are kept either way).
     emulation = emulated if emulated is not None else emulate_lowered(lowered, fmt, saturate=saturate).model
     folded = sum(i.ByteSize() for i in emulation.graph.initializer) <= LARGE_WEIGHTS
-    got = _outputs(emulation, samples, optimize=folded)
+    got = _outputs(emulation, samples, optimize=folded, produced="the emulated model")
     del emulation
-    _outputs(lowered, samples)
+    _outputs(lowered, samples, produced="the lowered model")
     host = host_scales or {}
     errors = OutputErrors(top_k=dict(top_k or {}), tie_rtol=rtol)
     for r, c in zip(expected, got, strict=True):
@@ -73,12 +73,13 @@ def check_outputs(reference: Any, lowered: Any, fmt: NumberFormat, samples: Sequ
     return OutputCheck(rtol=rtol, samples=len(expected), outputs=errors.result())
 
 
-def _outputs(model: Any, samples: Sequence[Feed], optimize: bool = True) -> list[dict[str, np.ndarray]]:
+def _outputs(model: Any, samples: Sequence[Feed], optimize: bool = True,
+             produced: str | None = None) -> list[dict[str, np.ndarray]]:
     """Every output of `model` on each sample; the session is gone when this returns. Each
     model is fed its own input types (a model with FP16 inputs has FP32 ones once widened)."""
     from npuprep.runtime.session import make_session, run
 
-    session = make_session(model, optimize=optimize)
+    session = make_session(model, optimize=optimize, produced=produced)
     types = {i.name: i.type for i in session.get_inputs()}
     return [run(session, {k: _as_input(v, types.get(k, "")) for k, v in feed.items()})
             for feed in samples]

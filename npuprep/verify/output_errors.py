@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from npuprep.errors import NpuprepError
+
 # The share of the worst positions whose squared error is summed ("the worst 1%").
 WORST_POSITIONS = 0.01
 
@@ -50,8 +52,12 @@ class OutputErrors:
                                         "rows": 0, "top1_ties": 0, "probabilities": 1})
         bad = ~np.isfinite(cand)
         a["nonfinite"] += int(bad.sum())
-        diff = np.where(bad, 0.0, cand - ref)
-        err2, ref2 = float((diff ** 2).sum()), float((ref ** 2).sum())
+        # Where FP32 itself is Inf/NaN (an Inf in the model or the samples), no error is defined.
+        ref_bad = ~np.isfinite(ref)
+        a["reference_nonfinite"] = a.get("reference_nonfinite", 0) + int(ref_bad.sum())
+        with np.errstate(invalid="ignore", over="ignore"):
+            diff = np.where(bad | ref_bad, 0.0, cand - ref)
+            err2, ref2 = float((diff ** 2).sum()), float((np.where(ref_bad, 0.0, ref) ** 2).sum())
         a["err2"] += err2
         a["ref2"] += ref2
         rel = float(np.sqrt(err2 / ref2)) if ref2 > 0 else float(np.sqrt(err2))
@@ -70,6 +76,10 @@ class OutputErrors:
             a["rows"] += int(decided.sum())
             a["top1_ties"] += int((~decided).sum())
         k = self.top_k.get(name)
+        if k and ref.ndim >= 1 and ref.shape[-1] <= k:
+            # A symbolic last axis smaller than K: no position could ever be judged.
+            raise NpuprepError(f"--top-k {name}:{k}: output '{name}' has {ref.shape[-1]} classes along its "
+                               "last axis on these samples; K must be smaller")
         if k and ref.ndim >= 1 and ref.shape == cand.shape and ref.shape[-1] >= k:
             decided, same = _decided(ref, k, self.tie_rtol), _same_top_k(ref, cand, k)
             a["agree"] += int(same[decided].sum())
@@ -84,6 +94,8 @@ class OutputErrors:
                 "nonfinite": a["nonfinite"], "max_abs_error": a["max_abs_error"],
                 "rel_l2": float(np.sqrt(a["err2"] / a["ref2"])) if a["ref2"] > 0 else float(np.sqrt(a["err2"])),
             }
+            if a.get("reference_nonfinite"):
+                row["reference_nonfinite"] = a["reference_nonfinite"]
             if name in self.top_k:
                 row["top_k"] = self.top_k[name]
                 row["top_k_agreement"] = (a["agree"] / a["positions"] if a["positions"]
@@ -124,7 +136,8 @@ def _decided(ref: np.ndarray, k: int, tie_rtol: float) -> np.ndarray:
         return np.ones(ref.shape[:-1], dtype=bool)
     two = -np.partition(-ref, (k - 1, k), axis=-1)[..., k - 1:k + 1]
     larger = np.maximum(np.abs(two[..., 0]), np.abs(two[..., 1]))
-    return (two[..., 0] - two[..., 1]) > tie_rtol * larger
+    with np.errstate(invalid="ignore"):  # Inf - Inf where FP32 itself overflowed: undecided
+        return (two[..., 0] - two[..., 1]) > tie_rtol * larger
 
 
 def _same_top_k(ref: np.ndarray, cand: np.ndarray, k: int) -> np.ndarray:
