@@ -9,7 +9,9 @@ Per model, as subprocesses of the installed CLI, on the corpus model's calib/ sa
   convert --plan-only --stats --json; convert --stats --data -o model.onnx; crosscheck --plan
   against a generic CSV report synthesised from the conversion (the nodes convert keeps FP32
   as fp32, every other node fp16), and a variant with one pinned node reported fp16, which
-  must fail as pin-ignored; checklist --stats (the planner's decision) and --plan (convert's).
+  must fail as pin-ignored (a lowering-forced node is never the one flipped); crosscheck
+  --stats without --plan on a report running every node in fp16; checklist --stats (the
+  planner's decision) and --plan (convert's).
 Prints a Markdown table: per command the FP32 node set, whether it equals the plan's (check
 --json), the why-codes where --json exposes them, the widest line of the default output.
 """
@@ -163,19 +165,21 @@ def bench(name: str, root: Path, out: Path, target: str) -> list[Row]:
     # The conversion's .precision.yaml holds every FP32 node with its reason; a crosscheck that
     # does not read it yet gets the plan.yaml.
     decision = work / "model.precision.yaml"
-    args = ("--target", target, "--format", "generic", "--plan", decision)
+    args = ("--target", target, "--report-format", "generic", "--plan", decision)
     x = cli("crosscheck", model, "--report", csv_ok, *args)
     if x.rc == 2:
         decision = applied
-        args = ("--target", target, "--format", "generic", "--plan", decision)
+        args = ("--target", target, "--report-format", "generic", "--plan", decision)
         x = cli("crosscheck", model, "--report", csv_ok, *args)
     xj = cli("crosscheck", model, "--report", csv_ok, *args, "--json")
     verdicts = json.loads(xj.stdout).get("verdicts", []) if xj.stdout.strip().startswith("{") else []
     needs = {v["node"] for v in verdicts if "fp32" in str(v.get("needs", ""))}
     failing = [v["node"] for v in verdicts if v["verdict"] in ("mismatch", "pin-ignored", "non-finite")]
     # A pin of the plan's own if it has one, else a node the conversion's .precision.yaml keeps FP32.
+    # Lowering-forced FP32 (a shape computation, an integer lookup) is no request: never flipped.
     kept = {e["node"] for e in (_yaml(work / "model.precision.yaml") or {}).get("nodes", [])
-            if e.get("precision") == "fp32"} if (work / "model.precision.yaml").exists() else set()
+            if e.get("precision") == "fp32" and "by lowering" not in str(e.get("reason", ""))} \
+        if (work / "model.precision.yaml").exists() else set()
     flip = next(iter(sorted(a_pins & set(listed))), "") or next(iter(sorted(kept & set(listed))), "")
     write_report(csv_bad, listed, conv_pins, flip)
     rows.append(Row("crosscheck --plan", fp32=needs - lowering,
@@ -194,6 +198,24 @@ def bench(name: str, root: Path, out: Path, target: str) -> list[Row]:
     else:
         rows.append(Row("crosscheck --plan (1 pin reported fp16)",
                         note="no variant: neither the plan nor the conversion pins a node"))
+
+    # Without --plan, on a report that runs every node in FP16 (the issue-28 case): the planner's
+    # decision on the same stats decides, so the FP32 set is the plan's pins, nothing else.
+    csv_fp16 = work / "compiler_all_fp16.csv"
+    write_report(csv_fp16, model_nodes(model), set())
+    n = cli("crosscheck", model, "--report", csv_fp16, "--target", target, "--report-format", "generic",
+            "--stats", stats)
+    nj = cli("crosscheck", model, "--report", csv_fp16, "--target", target, "--report-format", "generic",
+             "--stats", stats, "--json")
+    nv = json.loads(nj.stdout).get("verdicts", []) if nj.stdout.strip().startswith("{") else []
+    # Its pins: nodes it says need FP32 (fp32-range, a measured range a rescale answers in the
+    # conversion only, is counted among the failing, not as a pin).
+    n_needs = {v["node"] for v in nv if v.get("needs") == "fp32"}
+    n_failing = [v["node"] for v in nv if v["verdict"] in ("mismatch", "pin-ignored", "non-finite")]
+    rows.append(Row("crosscheck --stats (no --plan, all fp16)", fp32=n_needs - lowering,
+                    widest=n.widest, rc=n.rc, seconds=n.seconds,
+                    note=f"{len(n_failing)} failing" + (f" ({', '.join(n_failing[:3])})" if n_failing else "")
+                         + f"; {len(n.stdout.splitlines())} lines"))
 
     k = cli("checklist", model, "--target", target, "--stats", stats)
     kj = cli("checklist", model, "--target", target, "--stats", stats, "--json")

@@ -33,6 +33,8 @@ class InputSpec:
     # Synthetic values: floats in [low, high), integers low..high; None: normal floats, integers 0..3.
     low: float | None = None
     high: float | None = None
+    # An attention-mask-like input: synthetic values are 0/1 with at least one 1 per row.
+    mask: bool = False
 
 
 def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
@@ -239,6 +241,7 @@ def synthetic_samples(model: onnx.ModelProto, count: int, seed: int = 0, *,
             raise NpuprepError(f"input '{name}' (in --input-range/--input-shape) is not an input of the model "
                                f"(inputs: {', '.join(sorted(specs))})")
     tables = index_limits(model)
+    masks = mask_inputs(model)
     out = []
     for s in specs.values():
         if s.name in (shapes or {}):
@@ -249,6 +252,8 @@ def synthetic_samples(model: onnx.ModelProto, count: int, seed: int = 0, *,
             s = replace(s, low=float(lo), high=float(hi))
         elif s.name in tables and s.dtype.kind in "iu":
             s = replace(s, low=0.0, high=float(max(tables[s.name] - 1, 0)))
+        elif s.name in masks:
+            s = replace(s, mask=True)
         out.append(s)
     return SampleSet("synthetic", "synthetic", tuple(out), count=count, seed=seed)
 
@@ -343,6 +348,57 @@ def index_limits(model: onnx.ModelProto) -> dict[str, int]:
     return limits
 
 
+# Ops whose reading of an input makes it a selector, not a value (what a mask feeds).
+_MASK_READERS = ("Where", "Equal", "Not", "And", "Or", "Less", "Greater", "LessOrEqual", "GreaterOrEqual")
+
+
+def mask_inputs(model: onnx.ModelProto) -> set[str]:
+    """Integer or bool inputs that look like masks: named so (`attention_mask`), or read (through
+    Cast/Reshape/...) only by Where and comparisons. Random 0..3 values there would mask whole
+    rows, which a real mask never does."""
+    g = model.graph
+    inits = {i.name for i in g.initializer}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in g.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    found = set()
+    for vi in g.input:
+        elem = vi.type.tensor_type.elem_type
+        if vi.name in inits or elem not in (onnx.TensorProto.BOOL, *_INT_TYPES):
+            continue
+        if "mask" in vi.name.lower():
+            found.add(vi.name)
+            continue
+        frontier, seen, ends = [vi.name], set(), []
+        while frontier:
+            name = frontier.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            for node in readers.get(name, []):
+                if node.op_type in _INDEX_PASSTHROUGH and node.input[0] == name:
+                    frontier.append(node.output[0])
+                else:
+                    ends.append(node.op_type)
+        if ends and all(op in _MASK_READERS for op in ends):
+            found.add(vi.name)
+    return found
+
+
+_INT_TYPES = (onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.INT32, onnx.TensorProto.INT64,
+              onnx.TensorProto.UINT8, onnx.TensorProto.UINT16, onnx.TensorProto.UINT32, onnx.TensorProto.UINT64)
+
+
+def _mask_values(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """0/1 with at least one 1 in every row (last axis): a row masked whole softmaxes to NaN."""
+    values = rng.integers(0, 2, shape)
+    if values.ndim and values.shape[-1]:
+        rows = values.reshape(-1, values.shape[-1])
+        rows[np.arange(len(rows)), rng.integers(0, values.shape[-1], len(rows))] = 1
+    return values.astype(dtype)
+
+
 def _synthetic_feed(specs: tuple[InputSpec, ...], seed: int, index: int) -> Feed:
     rng = np.random.default_rng([seed, index])
     feed: Feed = {}
@@ -353,6 +409,8 @@ def _synthetic_feed(specs: tuple[InputSpec, ...], seed: int, index: int) -> Feed
                 feed[s.name] = rng.uniform(s.low, s.high, shape).astype(s.dtype)
             else:
                 feed[s.name] = rng.standard_normal(shape).astype(s.dtype)
+        elif s.mask:
+            feed[s.name] = _mask_values(rng, shape, s.dtype)
         elif s.dtype == np.bool_:
             feed[s.name] = rng.integers(0, 2, shape).astype(np.bool_)
         else:

@@ -47,6 +47,39 @@ def shorten(text: str, width: int | None, at: str = "middle") -> str:
     return text[:head] + ELLIPSIS + (text[-tail:] if tail else "")
 
 
+def _common_prefix(names: Sequence[str]) -> str:
+    """The longest prefix every name shares, ending at a path separator (`/m/encoder/`)."""
+    if len(names) < 2:
+        return ""
+    prefix = names[0]
+    for name in names[1:]:
+        while not name.startswith(prefix):
+            prefix = prefix[:-1]
+    cut = prefix.rfind("/")
+    return prefix[: cut + 1] if cut > 0 else ""
+
+
+def fold_names(names: Sequence[str], width: int) -> list[str]:
+    """Names that tell each other apart in `width` characters: the prefix they all share is folded
+    to `…` and the end is cut, so `…layer.3/attention/self/Add` keeps the layer number that a cut
+    in the middle removes. Names that fit stay whole."""
+    long = [n for n in names if len(n) > width]
+    prefix = _common_prefix(long)
+    out = []
+    for name in names:
+        if len(name) <= width:
+            out.append(name)
+        elif prefix and len(name) > len(prefix):
+            start = len(prefix)
+            # Fold no more than needed: give back shared segments while the rest still fits.
+            while (back := name.rfind("/", 0, start - 1)) > 0 and len(name) - back - 1 < width:
+                start = back + 1
+            out.append(shorten(ELLIPSIS + name[start:], width, at="end"))
+        else:
+            out.append(shorten(name, width))
+    return out
+
+
 def number(value: Any) -> str:
     """A number in engineering form: `0.0098`, `65504`, `3.97e17`, `6.1e-5`, `inf`, `nan`."""
     if value is None:
@@ -140,8 +173,10 @@ def table_lines(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]
     lines = [shorten(title, width) if width else title,
              GAP.join(shorten(c, w).ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip(),
              GAP.join("-" * w for w in widths)]
-    lines += [GAP.join(shorten(v, w, a).ljust(w) for v, w, a in zip(r, widths, at, strict=True)).rstrip()
-              for r in cells]
+    folded = [fold_names([r[i] for r in cells], w) if a == "middle" else [shorten(r[i], w, a) for r in cells]
+              for i, (w, a) in enumerate(zip(widths, at, strict=True))]
+    lines += [GAP.join(col[k].ljust(w) for col, w in zip(folded, widths, strict=True)).rstrip()
+              for k in range(len(cells))]
     return lines
 
 

@@ -51,7 +51,7 @@ def test_without_workspace_every_item_is_open_with_a_command(model_path):
     assert any("--profilingVerbosity=detailed --exportLayerInfo=W/layers.json" in s
                for s in it["crosscheck"].steps)
     assert any(s.startswith(f"npuprep crosscheck {model_path} --report W/layers.json --target orin "
-                            "--format trt_json") for s in it["crosscheck"].steps)
+                            "--report-format trt_json") for s in it["crosscheck"].steps)
     assert "median of 200 steps after 50" in it["speed"].title
     assert "peak allocation" in it["memory"].title
     # Without stats: the planner's static decision, and what it does per flagged node.
@@ -74,7 +74,7 @@ def test_report_format_follows_the_target(model_path):
     steps = items(build_checklist(model, load_profile("a2000"), model_arg="m.onnx",
                                   target_arg="a2000"))["crosscheck"].steps
     assert any("node,precision" in s for s in steps)
-    assert any("--report W/precision.csv --target a2000 --format generic" in s for s in steps)
+    assert any("--report W/precision.csv --target a2000 --report-format generic" in s for s in steps)
 
 
 def test_bf16_in_the_model_keeps_the_precision_item_open(save, tmp_path):

@@ -254,7 +254,7 @@ def test_auto_detection(name, expected):
 def test_undetectable_report_asks_for_format(tmp_path, index):
     path = tmp_path / "notes.txt"
     path.write_text("the compiler said it went fine\n")
-    with pytest.raises(NpuprepError, match="notes.txt: cannot tell the report format.*--format"):
+    with pytest.raises(NpuprepError, match="notes.txt: cannot tell the report format.*--report-format"):
         read_report(path, index)
 
 

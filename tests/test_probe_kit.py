@@ -156,9 +156,9 @@ def test_missing_and_misshaped_outputs_are_named(fp16_kit, tmp_path):
 
 
 def test_fp8_kit_nan_board_records_no_saturation(tmp_path):
-    # a2000 runs FP16 by default and FP8 too: probe its FP8 path with --format.
+    # a2000 runs FP16 by default and FP8 too: probe its FP8 path with --precision.
     kit = tmp_path / "kit"
-    r = run_cli("probe", "--export-kit", kit, "--target", "a2000", "--format", "fp8_e4m3",
+    r = run_cli("probe", "--export-kit", kit, "--target", "a2000", "--precision", "fp8_e4m3",
                 "--probes", "conv,exp,cast")
     assert r.returncode == 0, r.stderr
     manifest = json.loads((kit / "manifest.json").read_text())

@@ -62,5 +62,5 @@ def test_a_missing_vendor_python_is_one_line(tmp_path):
 
 
 def test_rknn_backend_refuses_a_format_it_does_not_build():
-    done = run_cli("probe", "--target", "rk3588", "--backend", "rknn", "--format", "fp8_e4m3")
+    done = run_cli("probe", "--target", "rk3588", "--backend", "rknn", "--precision", "fp8_e4m3")
     assert done.returncode == 2 and "cannot probe fp8_e4m3" in done.stderr

@@ -170,6 +170,13 @@ def _outlier(samples_over: int, s: RangeStats) -> str:
     return ""
 
 
+def mask_tensors(model: Model, stats: CalibrationStats) -> set[str]:
+    """The measured tensors that hold an intentional -inf mask (computed from a mask constant,
+    -inf their only non-finite value): labelled `mask` and listed last, never a failure."""
+    from_masks = _downstream_of_mask_constants(model)
+    return {s.tensor for s in stats.tensors.values() if s.tensor in from_masks and is_mask_like(s)}
+
+
 def is_mask_like(s: RangeStats) -> bool:
     """-Inf and no other non-finite value: what an additive attention mask (or a -inf fill
     in a Where) gives, which softmax turns into exact zeros."""
@@ -200,12 +207,14 @@ _MASK_VALUE = -1e30
 def _downstream_of_mask_constants(model: Model) -> set[str]:
     """Tensors computed from a constant holding -inf (or FP32 lowest), every scope: where
     their -inf comes from, it was put there on purpose (a Log of 0 is not among them)."""
+    import onnx
     from onnx import numpy_helper
 
     from npuprep.graph import attribute
 
     def holds_mask(t) -> bool:  # noqa: ANN001 - TensorProto
-        if t.data_type not in (1, 10, 11, 16):
+        # Weights left on disk (calibrate does not load them) are no mask constants.
+        if t.data_type not in (1, 10, 11, 16) or t.data_location == onnx.TensorProto.EXTERNAL:
             return False
         value = numpy_helper.to_array(t)
         return value.size > 0 and bool((value.astype("float64") <= _MASK_VALUE).any())

@@ -29,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="ONNX model to calibrate")
     add_data(p, required=True)
     p.add_argument("-o", "--output", help="write the statistics here (JSON, kind 'stats')")
+    # Every command takes --target; statistics are measured in FP32 whatever it is, and the
+    # summary's columns stay fp16 and e4m3. It is checked here, so a typo fails before the run.
+    p.add_argument("--target", "-t", help="the target the statistics are for (checked, recorded in "
+                                          "nothing: stats are FP32 measurements any target reads)")
     add_jobs(p)
     p.add_argument("--detail", choices=("auto", "all"), default="auto",
                    help="exponent histogram and zero/underflow counts: only for tensor-samples outside "
@@ -89,19 +93,23 @@ def run(args: argparse.Namespace) -> int:
         if args.output:
             files.text(args.output, dump_stats(stats))
     if args.json:
-        print_json(stats.to_dict() | {"summary": summary_rows(stats, args.top), "output": args.output or ""})
+        print_json(stats.to_dict() | {"summary": summary_rows(stats, args.top, _masks(model, stats)), "output": args.output or ""})
     else:
         _print(model, stats, args)
     return 0
 
 
-def summary_rows(stats: Any, top: int) -> list[dict[str, Any]]:
-    """The tensors nearest the limits: highest abs-max first, non-finite ones on top."""
+def summary_rows(stats: Any, top: int, masks: set[str] = frozenset()) -> list[dict[str, Any]]:
+    """The tensors nearest the limits: highest abs-max first, non-finite ones on top, the
+    `masks` (intentional -inf) after every other tensor, labelled."""
     from npuprep.numerics import get_format
 
     rows = []
-    for s in stats.nearest_limits(n=top):
+    ranked = stats.nearest_limits(n=len(stats.tensors))
+    ranked = [s for s in ranked if s.tensor not in masks] + [s for s in ranked if s.tensor in masks]
+    for s in ranked[:top]:
         row = {"tensor": s.tensor, "node": s.node, "scope": s.scope, "absmax": s.absmax,
+               "mask": s.tensor in masks,
                "min": s.min, "max": s.max, "nan_count": s.nan_count, "inf_count": s.inf_count,
                "samples_seen": len(s.per_sample_absmax)}
         for f in _SUMMARY_FORMATS:
@@ -121,7 +129,8 @@ def _print(model: Any, stats: Any, args: argparse.Namespace) -> None:
     if stats.synthetic:
         say("WARNING: statistics from SYNTHETIC samples (random inputs), not real data; "
             "ranges on real inputs can differ widely", always=True)
-    rows = summary_rows(stats, args.top)
+    masks = _masks(model, stats)
+    rows = summary_rows(stats, args.top, masks)
     wide = out().width is None or out().verbose
     print_table(
         f"Tensors nearest the limits ({len(stats.tensors)} observed" + (", SYNTHETIC data)" if stats.synthetic else ")"),
@@ -130,10 +139,13 @@ def _print(model: Any, stats: Any, args: argparse.Namespace) -> None:
         [(r["tensor"] if r["scope"] == "main" else f"{r['tensor']} [{r['scope']}]",
           *([r["node"]] if wide else []), r["absmax"],
           _pct(r["fp16_use"]), r["fp16_over"], _pct(r["fp8_e4m3_use"]), r["fp8_e4m3_over"],
-          f"{r['nan_count']}/{r['inf_count']}",
+          f"{r['nan_count']}/{r['inf_count']}" + (" mask" if r["mask"] else ""),
           "-" if r["fp16_underflow_share"] is None else percent(r["fp16_underflow_share"]),
           r["samples_seen"]) for r in rows],
     )
+    if masks:
+        say(f"{len(masks)} tensor(s) hold an intentional -inf mask (first: {min(masks)}): no risk, "
+            "ranked last and marked `mask`")
     if stats.unobserved:
         unobserved = sorted(stats.unobserved.items())
         shown, left = capped(unobserved, 10, out().show_all)
@@ -142,6 +154,12 @@ def _print(model: Any, stats: Any, args: argparse.Namespace) -> None:
             say(f"... and {left} more not observed (--show-all)")
     if args.output:
         say(f"wrote {args.output}", always=True)
+
+
+def _masks(model: Any, stats: Any) -> set[str]:
+    from npuprep.analyse.measured import mask_tensors
+
+    return mask_tensors(model, stats)
 
 
 def _pct(v: float | None) -> str:

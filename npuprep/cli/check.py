@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fail-on", choices=("info", "warning", "error"), default="error",
                    help="exit 1 when a finding reaches this severity (default: error)")
     add_data(p)
-    p.add_argument("--stats", help="measured ranges from `npuprep calibrate` (instead of --data)")
+    p.add_argument("--stats", "-s", help="measured ranges from `npuprep calibrate` (instead of --data)")
     p.add_argument("--precision", help="check measured ranges against this format (e.g. fp8_e4m3) "
                                        "instead of the target's default precision")
     p.add_argument("--html", metavar="OUT.html", help="also write a self-contained HTML report")
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
             doc["stats"] = stats.to_dict()
         print_json(doc)
     else:
-        _print(model, profile, findings, fail_on)
+        _print(model, profile, findings, fail_on, plan)
         if stats is not None and stats.mapping_note:
             say(f"note: {stats.mapping_note}")
         for note in rewrites:
@@ -238,8 +238,25 @@ def _evidence_text(evidence: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def _rows(findings: Any) -> list[tuple[str, ...]]:
-    """Table rows, most severe first; findings that read the same (say, one per layer) share a row."""
+def _planned(members: list[Any], plan: Any) -> str:
+    """What the plan does for these findings: its action, or `none` (measured safe, or no
+    remedy), so the column never says pin_fp32 beside "0 node(s) pinned"."""
+    if plan is None:
+        return str(members[0].remedy)
+    refs = {(m.rule, m.node, m.tensor) for m in members}
+    for action in plan.actions:
+        if any((r.rule, r.node, r.tensor) in refs for r in getattr(action, "findings", ())):
+            return action.action
+    pins = plan.pinned_nodes()
+    if any(m.node in pins for m in members):
+        return "pin_fp32"
+    declined = {(r.rule, r.node, r.tensor) for d in plan.declined for r in d.findings}
+    return "declined" if refs & declined else "none"
+
+
+def _rows(findings: Any, plan: Any = None) -> list[tuple[str, ...]]:
+    """Table rows, most severe first, each with its sentence and how-to last; findings that
+    read the same (say, one per layer) share a row."""
     groups: dict[tuple[str, ...], list[Any]] = {}
     for f in findings:
         key = (f.rule, str(f.severity), f.op_type, f.scope, f.message, f.remedy_text)
@@ -252,24 +269,28 @@ def _rows(findings: Any) -> list[tuple[str, ...]]:
             nodes += f" (+{len(members) - _NODES_SHOWN})"
         where = nodes if f.scope == "main" else f"{nodes} [{f.scope}]"
         message = f.message if len(members) == 1 else f"{len(members)}x: {f.message}"
-        row = (str(f.severity), f.rule, where, f.op_type, _evidence_text(f.evidence), str(f.remedy))
-        # The sentences stay in --json and the reports; -v or --wide shows them here too.
-        rows.append((*row, message, f.remedy_text) if _sentences() else row)
+        rows.append((str(f.severity), f.rule, where, f.op_type, _evidence_text(f.evidence),
+                     _planned(members, plan), message, f.remedy_text))
     return rows
 
 
-def _sentences() -> bool:
-    return out().verbose or out().width is None
-
-
-def _print(model: Any, profile: Any, findings: Any, fail_on: Any) -> None:
+def _print(model: Any, profile: Any, findings: Any, fail_on: Any, plan: Any = None) -> None:
     say(f"model  {shown(model.path)}  (opset {model.opset}, fingerprint {model.fingerprint})")
     say(f"target {shown(profile.name)}  ({profile.default_precision}, overflow {profile.overflow})")
     if len(findings):
+        rows = _rows(findings, plan)
         columns = ["severity", "rule", "node", "op", "evidence", "remedy"]
-        print_table("Findings (sentences: -v, --json or --html)" if not _sentences() else "Findings",
-                    columns + (["finding", "how"] if _sentences() else []), _rows(findings),
-                    cut_end=("evidence", "finding", "how"))
+        # The sentences stay in --json and the reports; --wide shows them as columns, and -v
+        # whole under the table (a column would cut them to the width).
+        if out().width is None:
+            print_table("Findings", [*columns, "finding", "how"], rows,
+                        cut_end=("evidence", "finding", "how"))
+        else:
+            print_table("Findings" if out().verbose else "Findings (sentences: -v, --json or --html)",
+                        columns, [r[:6] for r in rows], cut_end=("evidence",))
+            if out().verbose:
+                for i, r in enumerate(rows, 1):
+                    say(f"{i}. {r[1]} ({r[2]}): {r[6]}" + (f"; {r[7]}" if r[7] else ""))
     s = _summary(findings)
     verdict = "FAILED" if findings.reaching(fail_on) else "PASSED"
     say(f"{s['total']} finding(s): {s['error']} error, {s['warning']} warning, {s['info']} info"

@@ -13,7 +13,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="the ONNX model being brought up")
     add_target(p)
     p.add_argument("--stats", "-s", help="calibration stats JSON: names the riskiest tensors")
-    p.add_argument("--plan", metavar="PLAN.yaml",
+    p.add_argument("--plan", "-p", metavar="PLAN.yaml",
                    help="the plan convert applies (--plan-only's or convert's): the precision item "
                         "says what it does per flagged node (default: W's plan, else the planner's "
                         "own decision)")
@@ -36,8 +36,9 @@ def run(args: argparse.Namespace) -> int:
         outputs.check()
     workspace = scan_workspace(args.workspace) if args.workspace else None
     stats_arg = args.stats or ""
-    found = workspace.latest("stats", model.fingerprint) if workspace and not stats_arg else None
-    if found and found[1].get("fingerprint") == model.fingerprint:
+    family = workspace.family(model) if workspace else frozenset()
+    found = workspace.latest("stats", family) if workspace and not stats_arg else None
+    if found and found[1].get("fingerprint") in family:
         stats_arg = found[0]
     stats = None
     if stats_arg:

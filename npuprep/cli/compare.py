@@ -136,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
                      + _as_exported_note(ref, profile))
         else:
             cand_proto = load_model(args.cand).proto
+            if scales is None:
+                scales, scale_note = _recorded_scales(ref, cand_proto)
+                notes += scale_note
             stored = _stored_format(cand_proto)
             fmt_ = profile.format if profile else stored
             if stored is not None and not args.as_is:
@@ -144,14 +147,14 @@ def run(args: argparse.Namespace) -> int:
                 # Overflow behaviour comes from the target; without one, IEEE (loud) is assumed.
                 saturate = profile.saturates if profile else False
                 cand_proto = emulate_lowered(cand_proto, stored, saturate=saturate).model
-                notes = (f"the candidate stores {stored.name}: compared as the target computes it, "
+                notes += (f"the candidate stores {stored.name}: compared as the target computes it, "
                          f"widened to FP32 with explicit rounding wherever it stores {stored.name} "
                          f"(overflow {'saturates' if saturate else 'gives Inf/NaN'}"
                          f"{'' if profile else ', assumed: give --target'}); onnxruntime's CPU provider "
                          "would compute parts of it in FP32 and hide overflow (--as-is runs it unchanged)",
                          LIMITS)
             elif stored is not None:
-                notes = ("the candidate ran as-is on onnxruntime's CPU provider, which computes parts "
+                notes += ("the candidate ran as-is on onnxruntime's CPU provider, which computes parts "
                          f"of a {stored.name} model in FP32 and hides overflow",)
         result = compare_models(
             ref.proto, cand_proto, _Progress(samples, not args.json),
@@ -229,6 +232,19 @@ def _is_number(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _recorded_scales(ref: Any, cand: Any) -> tuple[dict[str, float] | None, tuple[str, ...]]:
+    """A conversion of REF records its tensor scales in its metadata: compare reads them, so a
+    rescaled tensor is no error (the step after convert needs no --scales)."""
+    from npuprep.provenance import read_source
+
+    source = read_source(cand)
+    if source is None or source.fingerprint != ref.fingerprint or not source.tensor_scales:
+        return None, ()
+    return dict(source.tensor_scales), (
+        f"the candidate is a conversion of the reference: its {len(source.tensor_scales)} rescaled "
+        "tensors are compared divided by their recorded power-of-two scales",)
 
 
 def _read_scales(path: str) -> dict[str, float]:

@@ -24,9 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ONNX model (default: the bundled example planner and its samples)")
     add_target(p)
     add_data(p)
-    p.add_argument("--stats", help="calibration statistics from `npuprep calibrate` (skips calibrating)")
+    p.add_argument("--stats", "-s", help="calibration statistics from `npuprep calibrate` (skips calibrating)")
     add_jobs(p)
-    p.add_argument("--plan", help="apply this plan (YAML, edited or not) instead of planning")
+    p.add_argument("--plan", "-p", help="apply this plan (YAML, edited or not) instead of planning")
     p.add_argument("--plan-only", action="store_true",
                    help="write the plan to -o (YAML) and stop; the model is not touched")
     p.add_argument("-o", "--output", help="output path (default: <model>.<target>.onnx here)")
@@ -348,6 +348,7 @@ def _nodes(nodes: list[str]) -> str:
 def _print_summary(report: dict[str, Any], io_types: str = "fp32") -> None:
     from npuprep.cli.common import out, print_table, say
     from npuprep.formatting import capped, number, percent
+    from npuprep.report.pin_count import pins_said
     from npuprep.report.render_md import action_target
 
     say(f"npuprep convert: {report['model']} -> {report['output']} "
@@ -383,7 +384,9 @@ def _print_summary(report: dict[str, Any], io_types: str = "fp32") -> None:
         print_table("FP32 islands, costliest first", ["nodes", "FLOPs", "share", "why"],
                     [(_nodes(i["nodes"]), number(i["flops"]),
                       percent(i["flops"] / max(share["total_flops"], 1)), i["why"])
-                     for i in share["islands"][:5]], cut_end=("why",))
+                     for i in capped(share["islands"], 5, out().show_all)[0]], cut_end=("why",))
+        if (left := capped(share["islands"], 5, out().show_all)[1]):
+            say(f"... and {left} more FP32 islands (--show-all, or the report)")
     eight = report.get("eight_bit")
     if eight:
         say("Conv/MatMul/Gemm multiply-adds: " + ", ".join(
@@ -393,7 +396,7 @@ def _print_summary(report: dict[str, Any], io_types: str = "fp32") -> None:
                 f"({percent(eight['kept_wider_cost'])} of the multiply-adds)")
     say(f"FP32 FLOPs share {percent(report['flops_fp32_share'])} "
         f"(multiply-adds {percent(share.get('macs', 0.0))}), "
-        f"{report['cast_count']} Casts, {len(report['pinned_nodes'])} pinned nodes, "
+        f"{report['cast_count']} Casts, {pins_said(report)}, "
         f"{len(report['declined'])} declined remedies")
     if report.get("ledger"):
         from npuprep.report.ledger_md import pins_line

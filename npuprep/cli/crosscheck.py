@@ -19,7 +19,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the compiler's report: TensorRT --exportLayerInfo JSON, CSV/JSON "
                         "node,precision, hb_mapper log, or RKNN error_analysis.txt")
     add_target(p)
-    p.add_argument("--format", choices=FORMAT_CHOICES, default="auto",
+    # --format (still read, hidden) is a number format elsewhere: one flag, one meaning.
+    p.add_argument("--format", dest="report_format", choices=FORMAT_CHOICES, default="auto",
+                   help=argparse.SUPPRESS)
+    p.add_argument("--report-format", choices=FORMAT_CHOICES, default="auto",
                    help="report format (default: detect from the content)")
     p.add_argument("--stats", "-s",
                    help="calibration stats JSON (of this model, or of the model it was converted "
@@ -48,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         outputs.writes(args.report_md, "--report-md")
         outputs.check()
     index = NodeIndex(model)
-    report = read_report(args.report, index, args.format)
+    report = read_report(args.report, index, args.report_format)
     findings = static_findings(model, profile)
     decision = read_decision(args.plan, model, index) if args.plan else None
     if args.stats:
@@ -59,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         findings = findings.merged(measured_findings(model, run_.target, stats))
         if stats.mapping_note:
             report = replace(report, notes=(*report.notes, stats.mapping_note))
+    if decision is None and args.stats:
+        decision = planner_decision(model, run_.target, stats, findings, index)
     if decision is None:
         report = replace(report, notes=(*report.notes, *_plan_hint(model)))
     result = crosscheck(model, report, profile, findings=findings, index=index, decision=decision)
@@ -71,8 +76,12 @@ def run(args: argparse.Namespace) -> int:
         counts = ", ".join(f"{k} {n}" for k, n in result.counts.items() if n)
         listed = [v for v in result.verdicts if out().show_all or v.verdict not in COUNTED]
         full = out().verbose or out().width is None
-        print_table(f"Crosscheck of {report.path} ({report.format}) for {profile.name}: {counts}",
-                    COLUMNS if full else SHORT_COLUMNS, [row(v) if full else short_row(v) for v in listed])
+        title = f"Crosscheck of {report.path} ({report.format}) for {profile.name}: {counts}"
+        if listed:
+            print_table(title, COLUMNS if full else SHORT_COLUMNS,
+                        [row(v) if full else short_row(v) for v in listed])
+        else:
+            say(title)
         left = {k: n for k, n in result.counts.items() if k in COUNTED and n and not out().show_all}
         if left:
             say("not listed: " + ", ".join(f"{n} {k}" for k, n in left.items())
@@ -83,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result else 1
 
 
-# Verdicts counted, not listed, unless --show-all: a report names hundreds of layers we have no finding for.
-COUNTED = ("missing", "unmapped")
+# Verdicts counted, not listed, unless --show-all: a report names hundreds of layers, most of them fine.
+COUNTED = ("ok", "missing", "unmapped")
 
 
 def failure_line(result: Any) -> str:
@@ -99,6 +108,36 @@ def failure_line(result: Any) -> str:
     if result.of("mismatch") or result.of("pin-ignored"):
         parts.append("a sensitive or pinned node runs in a lower precision")
     return "FAILED: " + "; ".join(parts)
+
+
+def planner_decision(model: Any, target: Any, stats: Any, findings: Any, index: Any) -> Any:
+    """Without --plan, the planner's own decision on these stats (what check and convert
+    would do), so a node they call safe is no mismatch here; None for a conversion, whose
+    decisions are in its plan files."""
+    from dataclasses import replace
+
+    from npuprep.analyse import findings_for
+    from npuprep.crosscheck.plan_view import decision_of
+    from npuprep.plan.planner import make_plan
+    from npuprep.provenance import find_source
+    from npuprep.rewrite.passes import prepare_for_target
+
+    if find_source(model) is not None:
+        return None
+    # The graph check and convert plan on (a compiler's fusions made first): their story.
+    prepared = prepare_for_target(model, target, stats)
+    if prepared.model is not model:
+        findings = findings_for(prepared.model, target, prepared.stats)
+    plan = make_plan(prepared.model, target, prepared.stats, findings)
+    decision = decision_of(plan, index, "the planner's plan on these stats (check's and convert's; "
+                           "no --plan given)", kind="planner")
+    # The compiler was given this model, not the rewritten one: a rescale or a shift the plan
+    # would make is not in it, so only its pins and its measured verdicts count.
+    rewrites = [a.action for a in plan.actions if a.action != "pin_fp32"]
+    notes = (f"the plan's {len(rewrites)} other remedies ({', '.join(sorted(set(rewrites)))}) make "
+             "nodes safe only in convert's model: crosscheck the conversion with --plan "
+             "<out>.precision.yaml for those",) if rewrites else ()
+    return replace(decision, safe={}, answered={}, notes=notes)
 
 
 def _plan_hint(model: Any) -> tuple[str, ...]:

@@ -27,7 +27,9 @@ BACKENDS = ("emulate", "ort", "ort-fp32-io", "rknn")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="ONNX model for the single-layer probe (none: micro-probes)")
     p.add_argument("--target", "-t", help="built-in profile name or profile YAML path")
-    p.add_argument("--format", dest="fmt", help="format to probe (default: the profile's "
+    # The number format is --precision, as in check and convert; --format is still read (hidden).
+    p.add_argument("--format", dest="fmt", help=argparse.SUPPRESS)
+    p.add_argument("--precision", dest="fmt", help="format to probe (default: the profile's "
                                                   "default_precision), e.g. fp8_e4m3 on an FP16+FP8 target")
     p.add_argument("--layer", help="node name or output tensor of the layer to amplify")
     p.add_argument("--gain", type=positive_float, default=100.0, help="weight gain (default 100)")
@@ -117,6 +119,18 @@ def _feeds(args: argparse.Namespace, model: Any) -> dict:
     return next(iter(samples))
 
 
+def _data_said(args: argparse.Namespace, proto: Any) -> str:
+    """What the layer probe ran on; without --data, one random sample, said so (the verdict
+    then speaks of that input, not of the model's real range)."""
+    if args.data:
+        return f"the first sample of {args.data}"
+    from npuprep.data import input_specs
+
+    shapes = ", ".join(f"{s.name} {'x'.join(str(d or 1) for d in s.shape)}" for s in input_specs(proto))
+    return (f"no --data: one synthetic sample ({shapes}); the layer's real range needs --data "
+            "(the verdict below is that input's)")
+
+
 def _backend(args: argparse.Namespace, profile: Any, fmt_: Any):
     from npuprep.probe.backends import EmulateBackend, OrtBackend
 
@@ -144,8 +158,9 @@ def _run_local(args: argparse.Namespace) -> int:
     fmt_ = _format(args, profile)
     if args.write_profile and _basis(args, profile, fmt_) == ASSUMED:
         raise NpuprepError(f"--write-profile: profile '{profile.name}' does not know its {fmt_.name} overflow "
-                           "mode and --backend emulate only assumes one; measure it with --backend ort, or "
-                           "on the board (--export-kit, then --classify)")
+                           "mode and --backend emulate only assumes one; measure it on the board "
+                           "(--export-kit DIR, run the kit there, then --classify DIR --outputs OUT)"
+                           + (" or with --backend rknn" if profile.report_format == "rknn" else ""))
     backend = _backend(args, profile, fmt_)
     results = []
     layer = None
@@ -169,6 +184,7 @@ def _run_local(args: argparse.Namespace) -> int:
         **report.to_dict(), "layer": layer.to_dict() if layer else None,
         "emulated_saturate": bool(_declared_saturate(profile, fmt_)) if args.backend == "emulate" else None,
         "note": _note(args, profile, fmt_), "basis": basis,
+        "data": _data_said(args, model.proto) if args.model else "",
     }
     if args.write_profile:
         from npuprep.probe.kit import write_profile
@@ -247,6 +263,8 @@ def _show(args: argparse.Namespace, doc: dict[str, Any], layer: Any) -> None:
         print_json(doc)
         return
     assumed = doc.get("basis") == ASSUMED
+    if doc.get("data", "").startswith("no --data"):
+        say(f"note: {doc['data']}")
     full = out().verbose or out().width is None
     rows = []
     for p in doc["probes"]:

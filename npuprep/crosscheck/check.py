@@ -161,7 +161,8 @@ def crosscheck(
     notes = list(report.notes)
     if decision is not None:
         notes += list(decision.notes)
-        notes.append(f"the {decision.kind} file {decision.path} decides: {len(pins)} nodes pinned to "
+        source = decision.path if decision.kind == "planner" else f"the {decision.kind} file {decision.path}"
+        notes.append(f"{source} decides: {len(pins)} nodes pinned to "
                      f"FP32, {len(settled)} nodes it keeps in {decision.precision} despite a "
                      "finding or by a remedy")
     if not report.dtypes_reported:

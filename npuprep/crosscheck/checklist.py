@@ -32,7 +32,7 @@ from npuprep.profiles import OverflowMode, TargetProfile
 from npuprep.report.story import FATE_TEXT, FATES, Story
 
 SCHEMA_VERSION = 1
-ARTEFACT_KINDS = ("stats", "probe", "crosscheck", "compare")
+ARTEFACT_KINDS = ("stats", "probe", "crosscheck", "compare", "convert")
 LOUD = ("inf", "nan")
 SILENT = ("saturate", "other-finite")
 WARMUP_STEPS = 50
@@ -93,12 +93,36 @@ class Workspace:
     plan_path: str = ""
     notes: tuple[str, ...] = ()
 
-    def latest(self, kind: str, fingerprint: str = "") -> tuple[str, dict[str, Any]] | None:
-        """The last artefact of `kind` (by file name), preferring those of this model."""
+    def latest(self, kind: str, fingerprint: str | frozenset[str] = "") -> tuple[str, dict[str, Any]] | None:
+        """The last artefact of `kind` (by file name), preferring those of this model (one
+        fingerprint, or a model's family: see `family`)."""
         found = self.artefacts.get(kind, [])
-        matching = [a for a in found if a[1].get("fingerprint") == fingerprint] if fingerprint else []
+        wanted = {fingerprint} if isinstance(fingerprint, str) else set(fingerprint)
+        matching = [a for a in found if a[1].get("fingerprint") in wanted] if fingerprint else []
         chosen = matching or found
         return chosen[-1] if chosen else None
+
+    def family(self, model: Model) -> frozenset[str]:
+        """The fingerprints of `model`, the model it was converted from (metadata) and its
+        conversions (convert reports here): artefacts of any of them belong to its story."""
+        from npuprep.provenance import find_source
+
+        found = {model.fingerprint}
+        source = find_source(model)
+        if source is not None:
+            found.add(source.fingerprint)
+        for _, doc in self.artefacts.get("convert", []):
+            pair = {doc.get("fingerprint"), doc.get("output_fingerprint")}
+            if pair & found:
+                found |= {f for f in pair if isinstance(f, str) and f}
+        return frozenset(found)
+
+    def conversion(self, model: Model) -> tuple[str, dict[str, Any]] | None:
+        """The workspace's convert report made from `model`, or of which `model` is the output."""
+        family = self.family(model)
+        found = [a for a in self.artefacts.get("convert", [])
+                 if a[1].get("fingerprint") in family or a[1].get("output_fingerprint") in family]
+        return found[-1] if found else None
 
 
 def scan_workspace(path: str | Path) -> Workspace:
@@ -148,7 +172,7 @@ def build_checklist(
     notes = list(workspace.notes) if workspace else []
     findings = list(findings)
     if stats is None and workspace is not None:
-        found = workspace.latest("stats", model.fingerprint)
+        found = workspace.latest("stats", workspace.family(model))
         if found:
             stats, stats_arg = _load_stats(found[0], model, notes)
     if plan is None and workspace is not None and workspace.plan_path:
@@ -210,8 +234,9 @@ class _Context:
         """The workspace's artefact of `kind`; with `same_model`, only this model's."""
         if self.workspace is None:
             return None
-        found = self.workspace.latest(kind, self.model.fingerprint)
-        if found and same_model and found[1].get("fingerprint") != self.model.fingerprint:
+        family = self.workspace.family(self.model)
+        found = self.workspace.latest(kind, family)
+        if found and same_model and found[1].get("fingerprint") not in family:
             return None
         return found
 
@@ -296,12 +321,20 @@ def _precision_list(ctx: _Context, plan: Any, decision: Any, story: Story, measu
         listed = "; ".join(groups[:_SHOWN])
         more = f"; ... {len(groups) - _SHOWN} more" if len(groups) > _SHOWN else ""
         evidence.append(f"{fate} ({len(members)} nodes, {FATE_TEXT[fate]}): {listed}{more}")
-    if plan is None:
+    converted = ctx.workspace.conversion(ctx.model) if ctx.workspace is not None else None
+    if converted is not None:
+        from npuprep.report.pin_count import pins_said
+
+        path, doc = converted
+        evidence.append(f"converted: `{path}` ({doc.get('model')} -> {doc.get('output')}, "
+                        f"{'passed' if doc.get('passed') else 'FAILED'}; {pins_said(doc)})")
+    if plan is None and converted is None:
         steps.append(f"npuprep convert {ctx.model_arg} --target {ctx.target_arg} --stats {ctx.stats_arg} "
                      f"--plan-only -o {ctx.ws}/plan.yaml")
         steps.append(f"review {ctx.ws}/plan.yaml, then npuprep convert ... --plan {ctx.ws}/plan.yaml "
                      "writes the model and the compiler's precision constraint files")
-    return Item("precision", title, plan is not None and not bf16, tuple(evidence), tuple(steps))
+    done = (plan is not None or converted is not None) and not bf16
+    return Item("precision", title, done, tuple(evidence), tuple(steps))
 
 
 _SHOWN = 6
@@ -371,7 +404,7 @@ def _crosscheck(ctx: _Context, have_plan: bool, have_stats: bool) -> Item:
     steps = (
         HOW_TO_GET[fmt].format(model=ctx.model_arg, report=report),
         f"npuprep crosscheck {ctx.model_arg} --report {report} --target {ctx.target_arg} "
-        f"--format {fmt}{source} --json > {ctx.ws}/crosscheck.json",
+        f"--report-format {fmt}{source} --json > {ctx.ws}/crosscheck.json",
     )
     found = ctx.artefact("crosscheck", same_model=True)
     if found is None:

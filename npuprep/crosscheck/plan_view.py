@@ -11,7 +11,7 @@ mismatch; a measured overflow or headroom the plan did not answer still is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,8 @@ from npuprep.yaml_io import read_yaml
 # Findings from measured ranges; every other rule is static (an op or a pattern).
 MEASURED_RULES = ("range.",)
 EIGHT_BIT = ("int8", "fp8_e4m3")
+# Reasons in a precision file for nodes the lowering alone kept wide (see report/artefacts.py).
+LOWERED = ("as lowered", "kept FP32 by lowering", "pinned FP32: kept FP32 by lowering")
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ def read_decision(path: str | Path, model: Model, index: NodeIndex) -> PlanDecis
 
 
 def _from_plan(path: str | Path, data: dict[str, Any], model: Model, index: NodeIndex) -> PlanDecision:
-    from npuprep.plan import Clamp, PinFp32, Plan, Rescale, SoftmaxShift, load_plan
+    from npuprep.plan import Plan, load_plan
 
     note = ""
     if data.get("fingerprint") == model.fingerprint:
@@ -97,6 +99,20 @@ def _from_plan(path: str | Path, data: dict[str, Any], model: Model, index: Node
                                f"({model.fingerprint}), and names none of its nodes")
         note = (f"plan {path} was made for model {plan.fingerprint} (before conversion?); "
                 f"all {len(plan.pinned_nodes())} pinned nodes are in this model")
+    decision = decision_of(plan, index, str(path))
+    notes = [note] if note else []
+    if read_source(model.proto) is not None:
+        notes.append("plan.yaml holds the plan's pins; the FP32 nodes rewriting and lowering added "
+                     "(a softmax shift's subtraction, a rescale's exit) are in the conversion's "
+                     ".precision.yaml: give that to --plan to check them too")
+    return replace(decision, notes=tuple(notes))
+
+
+def decision_of(plan: Any, index: NodeIndex, path: str, kind: str = "plan") -> PlanDecision:
+    """A plan's pins and what its other remedies make safe (crosscheck without --plan reads
+    the planner's own plan, as check and convert do)."""
+    from npuprep.plan import Clamp, PinFp32, Rescale, SoftmaxShift
+
     pins: dict[str, str] = {}
     safe: dict[str, str] = {}
     answered: dict[tuple[str, str, str], str] = {}
@@ -122,16 +138,11 @@ def _from_plan(path: str | Path, data: dict[str, Any], model: Model, index: Node
             answered.setdefault((ref.rule, ref.node, ref.tensor), why)
             nodes.append(ref.node)
         safe.update({n: why for n in nodes if n and n not in safe})
-    notes = [note] if note else []
-    if read_source(model.proto) is not None:
-        notes.append("plan.yaml holds the plan's pins; the FP32 nodes rewriting and lowering added "
-                     "(a softmax shift's subtraction, a rescale's exit) are in the conversion's "
-                     ".precision.yaml: give that to --plan to check them too")
     declined = {(r.rule, r.node, r.tensor): f"{d.remedy} declined: {d.reason}"
                 for d in plan.declined for r in d.findings}
     wider = {x.node: (x.precision, x.why) for x in plan.eight_bit if x.precision != plan.precision}
-    return PlanDecision(str(path), "plan", plan.fingerprint, plan.precision, pins, safe, answered,
-                        tuple(notes), declined, wider)
+    return PlanDecision(path, kind, plan.fingerprint, plan.precision, pins, safe, answered,
+                        (), declined, wider)
 
 
 def _named_nodes(plan: Any) -> set[str]:
@@ -179,10 +190,11 @@ def _from_precision(data: dict[str, Any], path: str, model: Model, index: NodeIn
             raise NpuprepError(f"{where}.precision: unknown precision {precision!r}")
         reason = str(entry.get("reason", ""))
         # A node lowering left wide on its own ("as lowered": a Cast back to FP32 at an
-        # output, a shape computation) is no request to the compiler.
-        if PRECISION_ORDER.index(precision) < PRECISION_ORDER.index("bf16") and reason != "as lowered":
+        # output; "kept FP32 by lowering": a shape computation, an integer lookup) is no
+        # request to the compiler: nothing measured needs it wide.
+        if PRECISION_ORDER.index(precision) < PRECISION_ORDER.index("bf16") and not reason.startswith(LOWERED):
             pins[entry["node"]] = reason or "fp32 in the precision file"
-        elif precision != default and default in EIGHT_BIT and reason != "as lowered":
+        elif precision != default and default in EIGHT_BIT and not reason.startswith(LOWERED):
             wider[entry["node"]] = (precision, reason or f"{precision} in the precision file")
     absent = sorted(set(pins) - set(index.op_types))
     if absent:

@@ -1,4 +1,4 @@
-"""Pick a report reader (by --format or by looking at the file) and run it."""
+"""Pick a report reader (by --report-format or by looking at the file) and run it."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def detect_format(path: str, text: str) -> str:
     columns = [c.strip().lower() for c in first.split(",")]
     if "node" in columns and "precision" in columns:
         return "generic"
-    raise NpuprepError(f"{path}: cannot tell the report format from its content; pass --format "
+    raise NpuprepError(f"{path}: cannot tell the report format from its content; pass --report-format "
                        "trt_json, generic, horizon or rknn")
 
 

@@ -101,8 +101,15 @@ def stage_conversion(result: Any, paths: dict[str, Path], files: Any, vendor: An
     if extra:
         from dataclasses import replace
 
-        pin = PinFp32(nodes=tuple(extra), why="kept FP32 by rewriting or lowering (boundary, range)")
-        plan = replace(plan, actions=(*plan.actions, pin))
+        # Lowering-forced nodes (shape computations, integer lookups, FP32-only types) are told
+        # apart from rewriting's: a compiler running them narrower breaks nothing measured.
+        lowered_only = set(getattr(result.lowered, "forced_fp32", {}))
+        rewriting = tuple(n for n in extra if n not in lowered_only)
+        lowering = tuple(n for n in extra if n in lowered_only)
+        pins = [PinFp32(nodes=nodes, why=why) for nodes, why in (
+            (rewriting, "kept FP32 by rewriting (boundary, range)"),
+            (lowering, "kept FP32 by lowering (shape, type or lookup)")) if nodes]
+        plan = replace(plan, actions=(*plan.actions, *pins))
     host = host_scales_block(result.host_scales)
     texts = {"plan": dump_plan(result.plan)}
     if "trtexec" in paths:

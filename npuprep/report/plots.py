@@ -122,17 +122,18 @@ def _hover(ax: Any, key: str, xs: Sequence[int], values: Sequence[float | None],
     return out
 
 
-def _tensor_axis(ax: Any, names: Sequence[str]) -> None:
+def _tensor_axis(ax: Any, names: Sequence[str], ordered: bool = True) -> None:
+    order = "topological order" if ordered else "by name"
     if 0 < len(names) <= NAMED_TICKS:
         ax.set_xticks(range(len(names)), names, rotation=90, fontsize=7)
-        ax.set_xlabel("tensor (topological order)")
+        ax.set_xlabel(f"tensor ({order})")
     else:
-        ax.set_xlabel("tensor # in topological order (see the tensor table)")
+        ax.set_xlabel(f"tensor # {'in ' if ordered else ''}{order} (see the tensor table)")
     ax.set_xlim(-0.5, max(len(names), 1) - 0.5)
 
 
 def headroom_svg(points: Sequence[TensorPoint], limits: Sequence[Limit],
-                 marks: Sequence[RemedyMark]) -> str:
+                 marks: Sequence[RemedyMark], ordered: bool = True) -> str:
     """Abs-max of every tensor on a log scale with the target limits and the remedies."""
     from matplotlib.patches import Patch
 
@@ -158,7 +159,9 @@ def headroom_svg(points: Sequence[TensorPoint], limits: Sequence[Limit],
                 fontsize=8, va="top" if lim.role in ("headroom", "min_normal") else "bottom", ha="left",
                 zorder=7,
                 bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
-    titles = [f"#{i} {p.tensor} ({p.op_type or 'input'}): abs-max {number(p.absmax) or '-'}"
+    # A stats object names the node, not its op: say which, never "(input)" for a computed tensor.
+    titles = [f"#{i} {p.tensor} ({p.op_type or (f'node {p.node}' if p.node else 'graph input')}): "
+              f"abs-max {number(p.absmax) or '-'}"
               + (f" before, {number(p.absmax_after) or '-'} after" if has_after else "")
               for i, p in enumerate(points)]
     if has_after:
@@ -171,6 +174,12 @@ def headroom_svg(points: Sequence[TensorPoint], limits: Sequence[Limit],
     hover |= _hover(ax, "before", xs, before, floor, ceiling, titles)
     kinds = sorted({m.kind for m in marks})
     rug = ax.get_xaxis_transform()
+    # A label needs about 1/40 of the axis: a mark nearer the last labelled one keeps its hover only.
+    gap, last, labelled = max(len(points) / 40, 1.0), -math.inf, set()
+    for i in sorted(range(len(marks)), key=lambda k: marks[k].positions[0]):
+        if marks[i].positions[0] - last >= gap:
+            labelled.add(i)
+            last = marks[i].positions[0]
     for i, m in enumerate(marks):
         color = REMEDY_COLOR.get(m.kind, "#555555")
         # One row per remedy kind along the bottom, so marks at one tensor stay apart. One
@@ -184,7 +193,7 @@ def headroom_svg(points: Sequence[TensorPoint], limits: Sequence[Limit],
         gid = f"remedy-{i}"
         triangle.set_gid(gid)
         hover[gid] = f"{m.kind}: {m.label} ({len(m.positions)} tensors)"
-        if len(marks) <= 12:
+        if len(marks) <= 12 and i in labelled:
             ax.annotate(f"{m.kind}: {m.label}", (m.positions[0], height), xycoords=rug,
                         xytext=(5, 4), textcoords="offset points", rotation=90, fontsize=7,
                         color=color, va="bottom")
@@ -195,7 +204,7 @@ def headroom_svg(points: Sequence[TensorPoint], limits: Sequence[Limit],
     ax.legend(handles, labels, **LEGEND)
     ax.set_ylabel("abs-max (log)")
     ax.grid(True, which="major", axis="y", alpha=0.3)
-    _tensor_axis(ax, [p.tensor for p in points])
+    _tensor_axis(ax, [p.tensor for p in points], ordered)
     return _to_svg(fig, "headroom", hover)
 
 

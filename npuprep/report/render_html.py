@@ -21,7 +21,9 @@ from npuprep.report import plots as charts
 from npuprep.report.series import (
     compare_of,
     error_series,
+    in_order,
     limits,
+    mask_names,
     profile_of,
     remedy_marks,
     tensor_points,
@@ -174,10 +176,11 @@ def _nav_html(made: tuple[Table, ...], has_profile: bool, has_charts: bool = Tru
 
 
 def _notes_html(items: list[str]) -> str:
+    """The notes, folded (a <details> a reader opens): dozens of them must not push the chart down."""
     if not items:
         return ""
-    return ('<section id="notes"><h2>Notes</h2><ul>'
-            + "".join(f"<li>{_e(n)}</li>" for n in items) + "</ul></section>")
+    return (f'<section id="notes"><details><summary><h2>Notes ({len(items)})</h2></summary><ul>'
+            + "".join(f"<li>{_e(n)}</li>" for n in items) + "</ul></details></section>")
 
 
 def _charts_html(result: Mapping[str, Any], plots: bool, order: Sequence[str]) -> str:
@@ -199,15 +202,19 @@ def _charts_html(result: Mapping[str, Any], plots: bool, order: Sequence[str]) -
     if points:
         lims = limits(result)
         marks = remedy_marks(result, points)
-        caption = ("Largest magnitude of every tensor in topological order (log scale) against "
+        ordered = "in topological order" if in_order(result, order) else \
+            "by name (give the model for topological order: npuprep report --model)"
+        caption = (f"Largest magnitude of every tensor {ordered} (log scale) against "
                    "the target limits: " + "; ".join(lim.label for lim in lims) + ".")
+        if mask_names(result):
+            caption += " Tensors holding an intentional -inf mask are drawn at their finite maximum."
         if any(p.absmax_after is not None for p in points):
             caption += " Grey dashed, open circles: before the remedies; blue solid: after."
         if marks:
             caption += " Triangles and bands mark where remedies act."
         caption += " Hover a point for its tensor and value."
         out.append(f'<h2>Headroom</h2><figure id="headroom-chart">'
-                   f"{charts.headroom_svg(points, lims, marks)}"
+                   f"{charts.headroom_svg(points, lims, marks, in_order(result, order))}"
                    f"<figcaption>{_e(caption)}</figcaption></figure>")
     if errors is not None and errors.points:
         caption = ("Error of each tensor against the reference, in topological order (log scale); "
@@ -293,8 +300,8 @@ def render(result: Mapping[str, Any] | Any, *, plots: bool = True, order: Sequen
         "</span></header>",
         _nav_html(made, bool(profile), bool(charts_part)),
         f'<section id="summary"><h2>Summary</h2>{_kv_table(summary(result), "summary-table")}</section>',
-        _notes_html(notes(result)),
         charts_part,
+        _notes_html(notes(result)),
         *(_table_html(t, first_tensor) for t in made),
     ]
     if profile:

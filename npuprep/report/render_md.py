@@ -7,6 +7,7 @@ from typing import Any
 from npuprep.names import md_cell, md_code, md_text, shown
 from npuprep.report.ledger_md import ledger_markdown
 from npuprep.report.output_verdicts import ties_said, where_errors_sit
+from npuprep.report.pin_count import pins_said
 
 
 def _num(v: Any) -> str:
@@ -58,7 +59,7 @@ def convert_markdown(result: dict[str, Any]) -> str:
         f"- FLOPs left in FP32: {100 * result['flops_fp32_share']:.2f}%",
         *([f"- {md_text(result['fp32_verdict'])}"] if result.get("fp32_verdict") else []),
         f"- Cast nodes inserted: {result['cast_count']}",
-        f"- FP32-pinned nodes: {len(result['pinned_nodes'])}",
+        f"- FP32 nodes: {pins_said(result)}",
         f"- verification rounds: {result['rounds']}",
         "",
         "## Actions",

@@ -143,10 +143,40 @@ def stats_entries(stats: Mapping[str, Any], order: Sequence[str] = ()) -> list[d
     return items
 
 
-def _stats_tensors(stats: Mapping[str, Any], order: Sequence[str]) -> list[TensorPoint]:
+def in_order(result: Mapping[str, Any], order: Sequence[str] = ()) -> bool:
+    """Whether the result's tensors are charted in topological order: a stats object (keyed by
+    name) only is with `order` (from the model) or a recorded position."""
+    stats = result if result.get("kind") == "stats" else result.get("stats")
+    if not isinstance(stats, Mapping) or order:
+        return True
+    tensors = stats.get("tensors")
+    items = list(tensors.values()) if isinstance(tensors, Mapping) else tensors if isinstance(tensors, list) else []
+    return any(items) and any(
+        all(isinstance(v, Mapping) and isinstance(v.get(k), int) for v in items)
+        for k in ("index", "order", "position"))
+
+
+def mask_names(result: Mapping[str, Any]) -> frozenset[str]:
+    """Tensors the result says hold an intentional -inf mask (check's range.mask finding, or
+    calibrate's summary rows marked `mask`): charted finite, never as non-finite."""
+    names: set[str] = set()
+    found = result.get("findings")
+    found = found.get("findings", []) if isinstance(found, Mapping) else found
+    for f in found if isinstance(found, list) else []:
+        if isinstance(f, Mapping) and f.get("rule") == "range.mask":
+            evidence = f.get("evidence") if isinstance(f.get("evidence"), Mapping) else {}
+            names.update(str(t) for t in evidence.get("tensors", [f.get("tensor")]) if t)
+    for row in result.get("summary", []) if isinstance(result.get("summary"), list) else []:
+        if isinstance(row, Mapping) and row.get("mask"):
+            names.add(str(row.get("tensor")))
+    return frozenset(names)
+
+
+def _stats_tensors(stats: Mapping[str, Any], order: Sequence[str],
+                   masks: frozenset[str] = frozenset()) -> list[TensorPoint]:
     items = stats_entries(stats, order)
     return [TensorPoint(str(v.get("tensor", "")), str(v.get("node", "")), str(v.get("op_type", "")),
-                        _absmax(v)) for v in items]
+                        _absmax(v, str(v.get("tensor", "")) in masks)) for v in items]
 
 
 def _first(entry: Mapping[str, Any], *keys: str) -> Any:
@@ -179,7 +209,11 @@ def compare_entry(t: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _absmax(entry: Mapping[str, Any]) -> float | None:
+def _absmax(entry: Mapping[str, Any], mask: bool = False) -> float | None:
+    if mask:
+        # The mask's -inf is intended: its finite side is the tensor's range.
+        top = number(entry.get("max"))
+        return None if top is None else abs(top)
     value = number(entry.get("absmax"))
     if value is None:
         lo, hi = number(entry.get("min")), number(entry.get("max"))
@@ -206,11 +240,12 @@ def tensor_points(result: Mapping[str, Any], order: Sequence[str] = ()) -> tuple
             TensorPoint(e["tensor"], e["node"], e["op_type"],
                         math.inf if e["nonfinite"] else e["absmax"])
             for e in entries)
+    masks = mask_names(result)
     if kind == "stats":
-        return tuple(_stats_tensors(result, order))
+        return tuple(_stats_tensors(result, order, masks))
     stats = result.get("stats")
     if isinstance(stats, Mapping):
-        return tuple(_stats_tensors(stats, order))
+        return tuple(_stats_tensors(stats, order, masks))
     return ()
 
 

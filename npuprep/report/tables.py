@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from npuprep.report.pin_count import pins_said
 from npuprep.report.series import (
     action_where,
     compare_entry,
@@ -324,7 +325,7 @@ def summary(result: Mapping[str, Any]) -> list[tuple[str, str]]:
         if key in result and result[key] not in (None, ""):
             rows.append((key, compact(result[key])))
     if isinstance(result.get("pinned_nodes"), list):
-        rows.append(("pinned nodes", str(len(result["pinned_nodes"]))))
+        rows.append(("FP32 nodes", pins_said(result)))
     if "findings" in result:
         counts = {s: 0 for s in SEVERITY_RANK}
         for f in _dicts(result.get("findings")):

@@ -81,10 +81,12 @@ class TensorCompareResult:
         return math.inf if self.cand_absmax == 0 else self.limit / self.cand_absmax
 
     @property
-    def severity_key(self) -> tuple[int, int, float]:
-        """Sort key, worst first when reversed: non-finite, saturated, relative error."""
+    def severity_key(self) -> tuple[bool, int, int, bool, float]:
+        """Sort key, worst first when reversed: failing, non-finite, saturated, relative error
+        (a passing row whose reference is non-finite, a mask, sorts below every failure)."""
         rel = self.rel_l2 if not math.isnan(self.rel_l2) else math.inf
-        return (self.inf_count + self.nan_count, self.saturated_count, rel)
+        return (not self.passed, self.ref_nonfinite_count == 0, self.inf_count + self.nan_count,
+                self.saturated_count, rel)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {

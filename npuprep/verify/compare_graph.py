@@ -362,7 +362,10 @@ class _Reductions:
             else:
                 at_max = self._node("Equal", [self._node("Abs", [c_stored]), RED + "limit"])
                 ref_scaled = self.scaled(r, pair.scale)
-                beyond = self._node("Greater", [self._node("Abs", [ref_scaled]), RED + "limit"])
+                # A reference -inf/inf is no value to saturate: lowering stores a mask's -inf as -max.
+                beyond = self._node("And", [
+                    self._node("Greater", [self._node("Abs", [ref_scaled]), RED + "limit"]),
+                    self._node("Not", [self._node("IsInf", [ref_scaled])])])
                 self.detail.append(self._count(self._node("And", [at_max, beyond])))
             self.detail += self._extremes(r)
 
