@@ -210,14 +210,8 @@ def convert(
     model = with_weights(model)
     top_k = _checked_top_k(model, top_k)
     target = profile.resolve(precision)
-    # What the target's compiler can take is what gets planned, rewritten and verified.
-    prepared = prepare_for_target(model, target, stats, samples)
+    prepared, findings, plan = plan_for_target(model, target, stats, samples, plan, stage)
     work, stats = prepared.model, prepared.stats
-    findings = findings_for(work, target, stats)
-    if plan is None:
-        stage("planning")
-        plan = make_plan(work, target, stats, findings)
-        plan = replace(plan, notes=(*prepared.notes, *plan.notes))
     rounds = PinRounds(target, samples, rtol=rtol, max_fp32_share=max_fp32_share,
                        notes=list(prepared.notes))
     tried: tuple[Plan, Build] | None = None  # the plan before the last verification pin
@@ -253,6 +247,19 @@ def convert(
         declined=build.declined, notes=tuple(rounds.notes) + build.notes, share=share,
         host_scales=build.host_scales, error_attribution=tuple(rounds.attributions), ledger=ledger,
     )
+
+
+def plan_for_target(model: Model, target: ResolvedTarget, stats: Any, samples: Sequence[Feed],
+                    plan: Plan | None, stage: Callable[[str], None]) -> tuple[Any, Findings, Plan]:
+    """What the target's compiler can take (the pre-plan passes), its findings, and the plan
+    for it (`plan` when the user gave one): what gets rewritten and verified."""
+    prepared = prepare_for_target(model, target, stats, samples)
+    findings = findings_for(prepared.model, target, prepared.stats)
+    if plan is None:
+        stage("planning")
+        plan = make_plan(prepared.model, target, prepared.stats, findings)
+        plan = replace(plan, notes=(*prepared.notes, *plan.notes))
+    return prepared, findings, plan
 
 
 def _checked_top_k(model: Model, top_k: Mapping[str, int] | None) -> dict[str, int]:

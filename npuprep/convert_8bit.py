@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from npuprep.calibrate.scales import DEFAULT_RULE
-from npuprep.convert import DEFAULT_RTOL, ConversionResult, _checked_top_k
+from npuprep.convert import DEFAULT_RTOL, ConversionResult, _checked_top_k, plan_for_target
 from npuprep.data import Feed
 from npuprep.errors import NpuprepError
 from npuprep.graph import node_label
@@ -58,11 +58,8 @@ def convert_8bit(
     (and `holdout`); scales by `scale_rule` from `stats`. The passed result holds its
     outputs within `rtol` (or the `top_k` decisions) with at least `min_8bit_share` of the
     Conv/MatMul/Gemm multiply-adds in 8 bits."""
-    from npuprep.analyse import findings_for
-    from npuprep.plan.planner import make_plan
     from npuprep.rewrite.apply import apply_plan
     from npuprep.rewrite.lower import Lowered
-    from npuprep.rewrite.passes import prepare_for_target
     from npuprep.verify.compare import DEFAULT_ATOL, compare_models
     from npuprep.verify.eight_bit import eight_bit_nodes, quantise, rank_layers, with_opset
 
@@ -79,13 +76,8 @@ def convert_8bit(
     # The layers kept wider run in FP16: the FP16 remedies keep them in range.
     target = profile.resolve("fp16")
     wide = target.fmt
-    prepared = prepare_for_target(model, target, stats, samples)
+    prepared, findings, plan = plan_for_target(model, target, stats, samples, plan, stage)
     work, stats, flow_notes = prepared.model, prepared.stats, prepared.notes
-    findings = findings_for(work, target, stats)
-    if plan is None:
-        stage("planning")
-        plan = make_plan(work, target, stats, findings)
-        plan = replace(plan, notes=(*flow_notes, *plan.notes))
     stage("rewriting")
     applied = apply_plan(work.proto, plan)
     pinned = plan.pinned_nodes() | set(applied.fp32_nodes)

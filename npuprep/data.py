@@ -322,10 +322,7 @@ def index_limits(model: onnx.ModelProto) -> dict[str, int]:
     for node in g.node:
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
             sizes[node.output[0]] = tuple(node.attribute[0].t.dims)
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in g.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    readers = _readers(g)
     limits: dict[str, int] = {}
     for vi in g.input:
         if vi.name in sizes:
@@ -348,6 +345,15 @@ def index_limits(model: onnx.ModelProto) -> dict[str, int]:
     return limits
 
 
+def _readers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    """tensor -> the nodes of `graph` that read it."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    return readers
+
+
 # Ops whose reading of an input makes it a selector, not a value (what a mask feeds).
 _MASK_READERS = ("Where", "Equal", "Not", "And", "Or", "Less", "Greater", "LessOrEqual", "GreaterOrEqual")
 
@@ -358,10 +364,7 @@ def mask_inputs(model: onnx.ModelProto) -> set[str]:
     rows, which a real mask never does."""
     g = model.graph
     inits = {i.name for i in g.initializer}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in g.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    readers = _readers(g)
     found = set()
     for vi in g.input:
         elem = vi.type.tensor_type.elem_type
