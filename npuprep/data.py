@@ -327,22 +327,30 @@ def index_limits(model: onnx.ModelProto) -> dict[str, int]:
     for vi in g.input:
         if vi.name in sizes:
             continue
-        frontier, seen = [vi.name], set()
-        while frontier:
-            name = frontier.pop()
-            if name in seen:
-                continue
-            seen.add(name)
-            for node in readers.get(name, []):
-                if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] == name \
-                        and node.input[0] in sizes:
-                    dims = sizes[node.input[0]]
-                    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-                    if dims and -len(dims) <= axis < len(dims):
-                        limits[vi.name] = min(limits.get(vi.name, dims[axis]), dims[axis])
-                elif node.op_type in _INDEX_PASSTHROUGH and node.input[0] == name:
-                    frontier.append(node.output[0])
+        for node, name in _reached(vi.name, readers):
+            if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] == name \
+                    and node.input[0] in sizes:
+                dims = sizes[node.input[0]]
+                axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+                if dims and -len(dims) <= axis < len(dims):
+                    limits[vi.name] = min(limits.get(vi.name, dims[axis]), dims[axis])
     return limits
+
+
+def _reached(start: str, readers: dict[str, list[onnx.NodeProto]]) -> Iterator[tuple[onnx.NodeProto, str]]:
+    """(node, tensor it reads) for each node reading `start`, or what an index-preserving op
+    (_INDEX_PASSTHROUGH, followed rather than yielded) made of it."""
+    frontier, seen = [start], set()
+    while frontier:
+        name = frontier.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for node in readers.get(name, []):
+            if node.op_type in _INDEX_PASSTHROUGH and node.input[0] == name:
+                frontier.append(node.output[0])
+            else:
+                yield node, name
 
 
 def _readers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
@@ -373,17 +381,7 @@ def mask_inputs(model: onnx.ModelProto) -> set[str]:
         if "mask" in vi.name.lower():
             found.add(vi.name)
             continue
-        frontier, seen, ends = [vi.name], set(), []
-        while frontier:
-            name = frontier.pop()
-            if name in seen:
-                continue
-            seen.add(name)
-            for node in readers.get(name, []):
-                if node.op_type in _INDEX_PASSTHROUGH and node.input[0] == name:
-                    frontier.append(node.output[0])
-                else:
-                    ends.append(node.op_type)
+        ends = [node.op_type for node, _ in _reached(vi.name, readers)]
         if ends and all(op in _MASK_READERS for op in ends):
             found.add(vi.name)
     return found
