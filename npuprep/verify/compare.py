@@ -542,5 +542,10 @@ def _session(model: onnx.ModelProto, threads: int | None) -> Any:
     (a 227 MB transformer over 16 samples: 11 s and 2.5 GB folded, 18 s and 2.1 GB not)."""
     from npuprep.runtime.session import make_session
 
-    weights = sum(i.ByteSize() for i in model.graph.initializer)
-    return make_session(model, threads=threads, prepack=False, optimize=weights <= LARGE_WEIGHTS)
+    return make_session(model, threads=threads, prepack=False, optimize=folds_weight_casts(model))
+
+
+def folds_weight_casts(model: onnx.ModelProto) -> bool:
+    """Whether a session on `model` may fold the Casts that round or widen its weights into a
+    second copy of them: yes up to LARGE_WEIGHTS of weights (speed), no past it (memory)."""
+    return sum(i.ByteSize() for i in model.graph.initializer) <= LARGE_WEIGHTS

@@ -15,7 +15,7 @@ import numpy as np
 from npuprep.data import Feed
 from npuprep.numerics import NumberFormat
 from npuprep.report.output_verdicts import output_passes
-from npuprep.verify.compare import LARGE_WEIGHTS
+from npuprep.verify.compare import folds_weight_casts
 
 
 @dataclass(frozen=True)
@@ -57,11 +57,10 @@ def check_outputs(reference: Any, lowered: Any, fmt: NumberFormat, samples: Sequ
     # One session at a time (the outputs are small, the weights are not): the reference, the
     # emulation, then the lowered model as it is, which proves it loads and runs.
     expected = _outputs(reference, samples)
-    # Past LARGE_WEIGHTS without graph rewrites: onnxruntime would fold the Casts that widen
+    # Past LARGE_WEIGHTS (folds_weight_casts) without graph rewrites: onnxruntime would fold the Casts that widen
     # stored weights into a second, FP32 copy of them (the rounding pairs are kept either way).
     emulation = emulated if emulated is not None else emulate_lowered(lowered, fmt, saturate=saturate).model
-    folded = sum(i.ByteSize() for i in emulation.graph.initializer) <= LARGE_WEIGHTS
-    got = _outputs(emulation, samples, optimize=folded, produced="the emulated model")
+    got = _outputs(emulation, samples, optimize=folds_weight_casts(emulation), produced="the emulated model")
     del emulation
     _outputs(lowered, samples, produced="the lowered model")
     host = host_scales or {}
