@@ -26,7 +26,7 @@ from npuprep.analyse.finding import Findings
 from npuprep.data import Feed
 from npuprep.errors import NpuprepError
 from npuprep.ledger.ledger import build_ledger
-from npuprep.model_io import Model, fingerprint, with_weights
+from npuprep.model_io import Model, WeightScratch, anchored, fingerprint
 from npuprep.numerics import NumberFormat, eight_bit_format
 from npuprep.plan import Plan
 from npuprep.plan.planner import make_plan
@@ -42,6 +42,9 @@ from npuprep.verify.output_check import OutputCheck, check_outputs
 from npuprep.verify.pin_rounds import Build, PinRounds, sample_shapes
 
 SCHEMA_VERSION = 1
+# Models with at least this many bytes of weights keep their lowered weights in a scratch
+# file while they are verified (npuprep.model_io.WeightScratch), not in memory.
+SCRATCH_BYTES = 256 * 2**20
 DEFAULT_RTOL = 1e-2
 
 
@@ -206,8 +209,8 @@ def convert(
                            "npuprep.convert_8bit.convert_8bit writes its QDQ model")
     stage = progress or (lambda _: None)
     stage("findings")
-    # Rules read constants and the rewrite lowers every weight: a light model gets its values.
-    model = with_weights(model)
+    # Rules and rewrites read each weight from the user's file as they need it.
+    model = anchored(model)
     top_k = _checked_top_k(model, top_k)
     target = profile.resolve(precision)
     prepared, findings, plan = plan_for_target(model, target, stats, samples, plan, stage)
@@ -339,7 +342,8 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
     pinned |= {n for n, inp in applied.input_nodes.items() if not _fits_format(stats, inp, fmt)}
     lower_fmt = target.weights
     stage("lowering")
-    lowered = lower(applied.model, lower_fmt, pinned_nodes=sorted(pinned), io_types=io_types)
+    lowered = lower(applied.model, lower_fmt, pinned_nodes=sorted(pinned), io_types=io_types,
+                    scratch=WeightScratch() if _weight_bytes(applied.model) >= SCRATCH_BYTES else None)
     pinned |= set(lowered.pinned_nodes)
     if opset is not None:
         from npuprep.opsets import convert_opset
@@ -378,6 +382,12 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
         declined=tuple(applied.declined), notes=tuple(notes), host_scales=host_scales,
         boundary=frozenset(set(applied.fp32_nodes) | (set(applied.input_nodes) & pinned)),
         fp32_reasons=dict(applied.fp32_reasons))
+
+
+def _weight_bytes(model: Any) -> int:
+    from npuprep.graph import tensor_nbytes
+
+    return sum(tensor_nbytes(i) for i in model.graph.initializer)
 
 
 def _folded_at_build(model: Any, lowered: Any) -> set[str]:

@@ -93,8 +93,11 @@ def run(args: argparse.Namespace) -> int:
     check_rtol(args.rtol, "--rtol")
     if args.plan and args.plan_only:
         raise NpuprepError("--plan and --plan-only together: the plan already exists")
-    run_ = begin(args, inputs=("data", "holdout", "stats", "plan"))
-    profile, model, outputs = run_.profile, run_.model, run_.outputs
+    from npuprep.model_io import anchored
+
+    # Weights stay in the user's files; each stage reads one as it needs it.
+    run_ = begin(args, inputs=("data", "holdout", "stats", "plan"), weights="file")
+    profile, model, outputs = run_.profile, anchored(run_.model), run_.outputs
     if args.rtol is None:
         args.rtol = 5e-2 if _eight_bit(args.precision or profile.default_precision) else 1e-2
     exports = parse_exports(args.export) if args.export else default_exports(profile.report_format)

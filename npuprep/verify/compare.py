@@ -548,4 +548,6 @@ def _session(model: onnx.ModelProto, threads: int | None) -> Any:
 def folds_weight_casts(model: onnx.ModelProto) -> bool:
     """Whether a session on `model` may fold the Casts that round or widen its weights into a
     second copy of them: yes up to LARGE_WEIGHTS of weights (speed), no past it (memory)."""
-    return sum(i.ByteSize() for i in model.graph.initializer) <= LARGE_WEIGHTS
+    from npuprep.graph import tensor_nbytes
+
+    return sum(tensor_nbytes(i) for i in model.graph.initializer) < LARGE_WEIGHTS

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from npuprep.graph import _captured_names, copy_fields
+from npuprep.graph import _captured_names, copy_fields, is_anchored
 
 CAND = "cand::"
 ISO = "iso::"
@@ -383,13 +383,14 @@ class _Reductions:
 
 def _same_initializers(ref: onnx.GraphProto, cand: onnx.GraphProto) -> set[str]:
     """Names of the candidate's initialisers equal to the reference's of that name (type,
-    shape and bytes), compared one tensor at a time."""
+    shape and bytes, or the same range of the same file), compared one tensor at a time."""
     mine = {i.name: i for i in ref.initializer}
     same = set()
     for init in cand.initializer:
         other = mine.get(init.name)
         if (other is not None and other.data_type == init.data_type and other.dims == init.dims
-                and other.data_location == init.data_location == onnx.TensorProto.DEFAULT
+                and (other.data_location == init.data_location == onnx.TensorProto.DEFAULT
+                     or is_anchored(other) and is_anchored(init))
                 and other.SerializeToString() == init.SerializeToString()):
             same.add(init.name)
     return same

@@ -62,7 +62,7 @@ def check_outputs(reference: Any, lowered: Any, fmt: NumberFormat, samples: Sequ
     emulation = emulated if emulated is not None else emulate_lowered(lowered, fmt, saturate=saturate).model
     got = _outputs(emulation, samples, optimize=folds_weight_casts(emulation), produced="the emulated model")
     del emulation
-    _outputs(lowered, samples, produced="the lowered model")
+    _outputs(lowered, samples, optimize=folds_weight_casts(lowered), produced="the lowered model")
     host = host_scales or {}
     errors = OutputErrors(top_k=dict(top_k or {}), tie_rtol=rtol)
     for r, c in zip(expected, got, strict=True):
