@@ -135,6 +135,19 @@ def is_anchored(tensor: onnx.TensorProto) -> bool:
     return location.startswith("/")
 
 
+def with_values(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` with its anchored tensors' bytes read in (a copy; `model` itself when none
+    is): for a tool that reads the file on its own."""
+    if not any(is_anchored(t) for t in onnx.external_data_helper._get_all_tensors(model)):
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for tensor in onnx.external_data_helper._get_all_tensors(copy):
+        if is_anchored(tensor):
+            tensor.CopyFrom(read_in(tensor))
+    return copy
+
+
 def unanchored(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of `model` for onnx's checker, which refuses absolute external locations: each
     anchored main-graph initialiser becomes a graph input of its type and shape (what the

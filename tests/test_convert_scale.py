@@ -134,3 +134,47 @@ def test_a_model_past_two_gigabytes_of_external_data_converts(tmp_path):
     got = run(make_session(str(out)), {"ids": ids})["y"]
     want = (ids.astype(np.float32)[..., None] % 997) * 0.01 + np.arange(width, dtype=np.float32) * 1e-3
     np.testing.assert_allclose(got, want.astype(np.float16).astype(np.float32), rtol=0, atol=0)
+
+
+def test_max_memory_stops_a_run_that_passes_it_with_nothing_written(tmp_path):
+    # the MLP with a 50 MB budget (python and onnxruntime alone need more) -> exit 2, no files
+    _, path = _mlp(tmp_path)
+    data = tmp_path / "calib"
+    data.mkdir()
+    for i, feed in enumerate(_samples()):
+        np.savez(data / f"{i}.npz", **feed)
+    out = tmp_path / "out"
+    done = run_cli("convert", path, "-t", "a2000", "--data", data, "-o", out / "m.onnx",
+                   "--max-memory", "50M")
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--max-memory 0.05 GiB: the run passed it" in lines[0]
+    assert not out.exists() or not any(out.iterdir())
+    bad = run_cli("convert", path, "-t", "a2000", "--data", data, "-o", out / "m.onnx",
+                  "--max-memory", "lots")
+    assert bad.returncode == 2 and "--max-memory 'lots': not a size" in bad.stderr
+    done = run_cli("convert", path, "-t", "a2000", "--data", data, "-o", out / "m.onnx",
+                   "--max-memory", "8G", "--json")
+    assert done.returncode == 0, done.stderr
+    import json
+
+    cost = json.loads(done.stdout)["resources"]
+    assert cost["max_memory_mb"] == 8192 and 10 < cost["peak_rss_mb"] < 8192
+
+
+def test_a_budget_turns_off_the_memory_for_speed_trades(monkeypatch):
+    # x -> MatMul(W 512x512) -> y: folding its weight Casts costs a copy; a tiny budget refuses it
+    import npuprep.resources as resources
+    from npuprep.verify.compare import folds_weight_casts
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 512])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 512])],
+        [numpy_helper.from_array(np.ones((512, 512), np.float32), "W")])
+    model = helper.make_model(graph)
+    assert folds_weight_casts(model)
+    monkeypatch.setattr(resources, "_budget", resources.resident_bytes() + 2**20)
+    assert not folds_weight_casts(model)
+    assert resources.parse_size("3.5GiB", "--max-memory") == int(3.5 * 2**30)
+    assert resources.parse_size("800M", "--max-memory") == 800 * 2**20

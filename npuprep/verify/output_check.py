@@ -76,9 +76,13 @@ def _outputs(model: Any, samples: Sequence[Feed], optimize: bool = True,
              produced: str | None = None) -> list[dict[str, np.ndarray]]:
     """Every output of `model` on each sample; the session is gone when this returns. Each
     model is fed its own input types (a model with FP16 inputs has FP32 ones once widened)."""
+    from npuprep.graph import tensor_nbytes
+    from npuprep.resources import affordable
     from npuprep.runtime.session import make_session, run
 
-    session = make_session(model, optimize=optimize, produced=produced)
+    # Prepacked weights are a second copy: made only where the memory budget allows.
+    prepack = affordable(sum(tensor_nbytes(i) for i in model.graph.initializer))
+    session = make_session(model, optimize=optimize, prepack=prepack, produced=produced)
     types = {i.name: i.type for i in session.get_inputs()}
     return [run(session, {k: _as_input(v, types.get(k, "")) for k, v in feed.items()})
             for feed in samples]
