@@ -74,4 +74,6 @@ def emulate_lowered(model: onnx.ModelProto, fmt: NumberFormat, *, saturate: bool
         nodes.insert(first_reader[cast.output[0]], cast)
     del wide.graph.node[:]
     wide.graph.node.extend(nodes)
-    return emulate(wide, fmt, saturate=saturate, pinned_nodes=high_nodes | {n.name for n in widened})
+    # Weights rounded in the graph: a kept-FP32 table or weight is never copied to be rounded.
+    return emulate(wide, fmt, saturate=saturate, pinned_nodes=high_nodes | {n.name for n in widened},
+                   weights_in_graph=True)
