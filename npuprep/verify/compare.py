@@ -227,7 +227,7 @@ def compare_models(
     if pairs:
         keep = [o.name for o in ref.graph.output] if reference_outputs is not None else []
         model, layout = merged_graph(ref, cand, pairs, limit=limit, isolate=isolate, keep=keep)
-        streams = 1 if threads else plan_streams(0, len(samples) if isinstance(samples, Sized) else None)
+        streams = 1 if threads else sample_streams(len(samples) if isinstance(samples, Sized) else None)
         session = _session(model, threads or session_threads(streams))
         del model  # the session holds the weights now
         names = list(layout.stats) + [n for row in sorted(layout.sizes) for n in layout.sizes[row]]
@@ -522,6 +522,14 @@ def _rel(d2: float, r2: float) -> float:
     if r2 == 0:
         return 0.0 if d2 == 0 else math.inf
     return math.sqrt(d2 / r2)
+
+
+def sample_streams(count: int | None) -> int:
+    """Samples run at once (calibration's rule, npuprep.calibrate.run.plan_streams), or one
+    under a memory budget: each stream holds a run's activations."""
+    from npuprep.resources import budget
+
+    return 1 if budget() is not None else plan_streams(0, count)
 
 
 def run_in_streams(session: Any, samples: Iterable[Feed], names: list[str],

@@ -96,13 +96,13 @@ def _outputs(model: Any, samples: Sequence[Feed], optimize: bool = True,
              produced: str | None = None) -> list[dict[str, np.ndarray]]:
     """Every output of `model` on each sample; the session is gone when this returns. Each
     model is fed its own input types (a model with FP16 inputs has FP32 ones once widened)."""
-    from npuprep.calibrate.run import plan_streams, session_threads
+    from npuprep.calibrate.run import session_threads
     from npuprep.runtime.session import make_session, release_freed_memory
-    from npuprep.verify.compare import run_in_streams
+    from npuprep.verify.compare import run_in_streams, sample_streams
 
     # No prepacked copy of the weights: each session runs few samples (the reference only
     # the held-out ones, the model as lowered one), and the copy would double its memory.
-    streams = plan_streams(0, len(samples))
+    streams = sample_streams(len(samples))
     session = make_session(model, optimize=optimize, prepack=False, produced=produced, lean=True,
                            threads=session_threads(streams))
     types = {i.name: i.type for i in session.get_inputs()}
