@@ -106,7 +106,9 @@ def attribute_error(model: onnx.ModelProto, fmt: NumberFormat, samples: Sequence
     MAX_ONE_BY_ONE candidates, only those of the worst groups are ranked one by one, and the
     other groups count in the sum as wholes. One session serves every measured set: each
     candidate's rounding has its own switch (npuprep.verify.switched)."""
+    from npuprep.calibrate.run import session_threads
     from npuprep.runtime.session import make_session, run
+    from npuprep.verify.compare import run_in_streams, sample_streams
     from npuprep.verify.switched import switched_emulation
 
     ops = {node_label(n): n.op_type for s in walk_graphs(model.graph) for n in s.graph.node}
@@ -116,12 +118,15 @@ def attribute_error(model: onnx.ModelProto, fmt: NumberFormat, samples: Sequence
     expected = [run(reference, feed) for feed in feeds]
     del reference
     switched = switched_emulation(model, fmt, saturate=saturate, candidates=wanted)
-    session = make_session(switched.model, produced="the emulated model")
+    streams = sample_streams(len(feeds))
+    session = make_session(switched.model, produced="the emulated model", lean=True,
+                           threads=session_threads(streams))
     outputs = [o.name for o in model.graph.output]
 
     def error_of(rounded: set[str]) -> float:
         on = switched.feed(rounded)
-        return _worst_error([run(session, feed | on, outputs) for feed in feeds], expected)
+        got = run_in_streams(session, [feed | on for feed in feeds], outputs, streams)
+        return _worst_error(list(got), expected)
 
     rest = 0.0
     if len(wanted) > MAX_ONE_BY_ONE:
