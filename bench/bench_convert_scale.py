@@ -136,6 +136,9 @@ def main() -> None:
             for _ in range(args.repeat):
                 wrapper = [sys.executable, str(Path(__file__).resolve()), "--child", *pin, *cmd]
                 runs.append(json.loads(subprocess.run(wrapper, capture_output=True, text=True).stdout or "{}"))
+            if not all("seconds" in r for r in runs):
+                row[what] = {"skipped": "killed (out of memory?)"}
+                continue
             row[what] = {"seconds": statistics.median(r["seconds"] for r in runs),
                          "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
                          "rc": runs[-1]["rc"], "stderr_tail": runs[-1]["stderr_tail"], "runs": runs}
