@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pytest
 import onnx
+import pytest
 from conftest import run_cli
 from onnx import numpy_helper, parser
 
