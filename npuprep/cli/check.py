@@ -100,10 +100,14 @@ def run(args: argparse.Namespace) -> int:
         if eight is not None:
             from dataclasses import replace
 
+            from npuprep.analyse.eight_bit import scale_clip_findings
             from npuprep.plan.eight_bit import decide
 
             plan = replace(plan, precision=eight.name,
                            eight_bit=decide(model.proto, stats, eight, plan.pinned_nodes()))
+            findings = findings.merged(scale_clip_findings(
+                model.proto, stats, eight, [x.node for x in plan.eight_bit
+                                            if x.precision == eight.name]))
         if args.html:
             from npuprep.cli.report import tensor_order
             from npuprep.report.render_html import render
@@ -111,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
             # The plan rides along: the chart marks exactly its actions, as convert would take them.
             page = check_report(model, profile, findings, fail_on) | {
                 "profile": profile.to_dict(), "plan": plan.to_dict()}
+            if eight is not None:
+                page["precision"] = eight.name  # the chart draws FP8's 448 line
             if stats is not None:
                 page["stats"] = stats.to_dict()
             files.text(args.html, render(page, order=tensor_order(model.proto)))
