@@ -53,8 +53,9 @@ def gather_findings(args: argparse.Namespace, model: Any, target: Any, stats: An
     return findings_for(model, target, stats, as_stored=True)
 
 
-def _measured_stats(args: argparse.Namespace, model: Any) -> Any:
-    """Stats from --stats, or calibrated on the fly from --data/--synthetic; None without either."""
+def _measured_stats(args: argparse.Namespace, model: Any, detail: str = "auto") -> Any:
+    """Stats from --stats, or calibrated on the fly from --data/--synthetic; None without either.
+    `detail="all"` for 8-bit scales, as convert calibrates for them (percentile, MSE)."""
     from npuprep.errors import NpuprepError
 
     if getattr(args, "stats", None):
@@ -72,7 +73,8 @@ def _measured_stats(args: argparse.Namespace, model: Any) -> Any:
         return None
     from npuprep.calibrate import calibrate
 
-    return calibrate(model, samples, show_progress=not getattr(args, "json", False) and sys.stderr.isatty())
+    return calibrate(model, samples, show_progress=not getattr(args, "json", False) and sys.stderr.isatty(),
+                     detail=detail)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if args.html:
         outputs.writes(args.html, "--html")
     with outputs.open() as files:
-        stats = _measured_stats(args, model)
+        stats = _measured_stats(args, model, "all" if eight is not None else "auto")
         findings = gather_findings(args, model, target, stats)
         # Findings and plan on the graph convert plans: exact pre-plan rewrites (a folded
         # mean, removed control flow) change what is there to find.

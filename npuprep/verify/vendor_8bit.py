@@ -4,6 +4,8 @@
     FP32 model + dataset -> toolkit INT8, npuprep's wider layers in FP16      "hybrid"
     FP32 source + dataset -> toolkit INT8 alone (the baseline)                "vendor_int8"
 
+Where the toolkit runs a layer of the imported QDQ model in FP16 and so refuses its INT8
+weights, the import is retried with that layer's weights in float (`fp16_tensors`).
 The chosen path (DEFAULT_PATH, else the other npuprep path where the toolkit refuses it)
 gives the VendorCheck's verdict and its accuracy_analysis; every path's error sits beside
 npuprep's own (the QDQ model in onnxruntime) in `eight_bit`.
@@ -11,6 +13,7 @@ npuprep's own (the QDQ model in onnxruntime) in `eight_bit`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +21,10 @@ from typing import Any
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from npuprep.data import Feed
+from npuprep.errors import NpuprepError
 from npuprep.graph import node_label
 from npuprep.report.output_verdicts import output_passes
 from npuprep.verify.vendor import VENDORS, VendorCheck, vendor_output_errors
@@ -31,6 +36,37 @@ DEFAULT_PATH = "qdq_import"
 # Ops the toolkit folds into the layer before them: that layer's tensor is the later one's.
 _FUSED_AFTER = ("BatchNormalization", "Relu", "Clip", "LeakyRelu", "Sigmoid", "HardSigmoid",
                 "HardSwish", "Add")
+
+
+# `build: Invalid w_par['dtype'] = float16 for W_dq8!`: the toolkit chose FP16 for the layer
+# reading that dequantised weight (rknn-toolkit2 2.5.0, on a MatMul or Conv whose input
+# tensor also feeds a layer kept wider).
+_FP16_WEIGHT = re.compile(r"Invalid w_par\['dtype'\] = float16 for (\S+?)!")
+# Imports retried with one more such weight in float each: a build takes seconds to a minute.
+MAX_IMPORT_ROUNDS = 8
+
+
+def float_weights(model: onnx.ModelProto, tensor: str) -> onnx.ModelProto:
+    """`model` with the DequantizeLinear producing `tensor` from constant INT8 weights
+    replaced by the float weights it gives (one initialiser of the same name)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    node = next((n for n in g.node if n.op_type == "DequantizeLinear" and tensor in n.output), None)
+    inits = {i.name: i for i in g.initializer}
+    if node is None or any(i not in inits for i in node.input if i):
+        raise NpuprepError(f"rknn: '{tensor}' is not a dequantised constant weight")
+    w, scale, *rest = (numpy_helper.to_array(inits[i]).astype(np.float64) for i in node.input if i)
+    zero = rest[0] if rest else np.zeros_like(scale)
+    axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+    if scale.ndim == 1 and w.ndim > 1:
+        shape = [1] * w.ndim
+        shape[axis] = -1
+        scale, zero = scale.reshape(shape), zero.reshape(shape)
+    value = ((w - zero) * scale).astype(np.float32)
+    g.node.remove(node)
+    g.initializer.append(numpy_helper.from_array(value, tensor))
+    return out
 
 
 @dataclass(frozen=True)
@@ -103,7 +139,6 @@ def vendor_check_8bit(
 ) -> VendorCheck:
     """`result` (an 8-bit ConversionResult) through the vendor's INT8 three ways on `samples`
     (held-out), the toolkit's quantiser calibrated on `calibration`; the verdict is `path`'s."""
-    from npuprep.errors import NpuprepError
     from npuprep.vendors.rockchip import require_python, run_rknn
 
     if vendor not in VENDORS:
@@ -130,13 +165,22 @@ def vendor_check_8bit(
         verdict = name != "qdq_import" and (name == path or (name in PATHS[:2]
                                                              and not runs.get(path)))
         where = Path(work_dir) / name if work_dir is not None else None
-        done = run_rknn(model, feeds, python=exe, target_platform=target_platform,
-                        accuracy=verdict, work_dir=where, **extra)
+        widened: list[str] = []
+        while True:
+            done = run_rknn(model, feeds, python=exe, target_platform=target_platform,
+                            accuracy=verdict, work_dir=where, **extra)
+            refused = _FP16_WEIGHT.search(done.refusal) if not done else None
+            if name != "qdq_import" or refused is None or len(widened) >= MAX_IMPORT_ROUNDS:
+                break
+            # The toolkit runs this layer in FP16 and refuses its INT8 weights: keep it wider.
+            widened.append(refused.group(1))
+            model = float_weights(model, refused.group(1))
         runs[name] = done
         outputs = vendor_output_errors(reference, samples, done.outputs, {}, rtol, top_k) if done else {}
+        fp16 = widened if name == "qdq_import" else _lines(done.extra.get("hybrid_fp16"))
         paths[name] = VendorPath(
             path=name, built=bool(done), stage=done.stage, rtol=rtol, refusal=done.refusal,
-            outputs=outputs, fp16_tensors=tuple(_lines(done.extra.get("hybrid_fp16"))),
+            outputs=outputs, fp16_tensors=tuple(fp16),
             unknown_tensors=tuple(_lines(done.extra.get("hybrid_unknown"))))
     chosen = path if runs[path] else next((p for p in PATHS[:2] if runs[p]), path)
     done, picked = runs[chosen], paths[chosen]
