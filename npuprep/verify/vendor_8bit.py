@@ -173,8 +173,11 @@ def vendor_check_8bit(
             if name != "qdq_import" or refused is None or len(widened) >= MAX_IMPORT_ROUNDS:
                 break
             # The toolkit runs this layer in FP16 and refuses its INT8 weights: keep it wider.
+            try:
+                model = float_weights(model, refused.group(1))
+            except NpuprepError:
+                break  # not one of our weight DequantizeLinears: the refusal stands
             widened.append(refused.group(1))
-            model = float_weights(model, refused.group(1))
         runs[name] = done
         outputs = vendor_output_errors(reference, samples, done.outputs, {}, rtol, top_k) if done else {}
         fp16 = widened if name == "qdq_import" else _lines(done.extra.get("hybrid_fp16"))
@@ -186,7 +189,7 @@ def vendor_check_8bit(
     done, picked = runs[chosen], paths[chosen]
     held = getattr(result, "holdout", None)
     own = list(held.outputs.values()) if held is not None else []
-    eight = {"format": "int8", "chosen": chosen, "asked": path,
+    eight = {"format": result.eight_bit["format"], "chosen": chosen, "asked": path,
              "npuprep_rel_l2": max((float(o["rel_l2"]) for o in own), default=None),
              "npuprep_max_abs_error": max((float(o["max_abs_error"]) for o in own), default=None),
              "paths": [paths[p].to_dict() for p in PATHS]}
