@@ -13,12 +13,13 @@ from conftest import run_cli
 from onnx import helper, numpy_helper, parser
 from test_eight_bit import SOFTMAX, _convert, _model
 
+from npuprep.errors import NpuprepError
 from npuprep.model_io import load_model
 from npuprep.plan import dump_plan
 from npuprep.plan.eight_bit import LayerPrecision
 from npuprep.probe.int8_clip import classify_clipping
 from npuprep.runtime.session import make_session, run
-from npuprep.verify.vendor_8bit import float_weights, paths_table, wider_tensors
+from npuprep.verify.vendor_8bit import float_layer, paths_table, wider_tensors
 
 RNG = np.random.default_rng(11)
 
@@ -147,23 +148,30 @@ def test_the_hybrid_names_a_wider_layer_by_its_output_and_the_outputs_fused_into
     assert wider_tensors(proto, layers) == [["a", "b", "r"]]
 
 
-def test_float_weights_replaces_a_per_channel_dequantise_by_the_values_it_gives():
+def test_float_layer_takes_a_layer_out_of_int8_weights_and_inputs_alike():
     w8 = np.array([[[[10]], [[-20]]], [[[127]], [[-128]]]], np.int8)  # [2, 2, 1, 1]
     scale = np.array([0.5, 0.01], np.float32)
-    # x -> Conv(DequantizeLinear(w8, scale, 0, axis=0)) -> y
+    # x -> Q -> DQ -> Conv(DequantizeLinear(w8, scale, 0, axis=0)) -> y
     graph = helper.make_graph(
-        [helper.make_node("DequantizeLinear", ["w8", "ws", "wz"], ["w_dq8"], axis=0),
-         helper.make_node("Conv", ["x", "w_dq8"], ["y"])], "g",
+        [helper.make_node("QuantizeLinear", ["x", "xs"], ["xq"]),
+         helper.make_node("DequantizeLinear", ["xq", "xs"], ["x_dq8"]),
+         helper.make_node("DequantizeLinear", ["w8", "ws", "wz"], ["w_dq8"], axis=0),
+         helper.make_node("Conv", ["x_dq8", "w_dq8"], ["y"])], "g",
         [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 2, 1, 1])],
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 2, 1, 1])],
         [numpy_helper.from_array(w8, "w8"), numpy_helper.from_array(scale, "ws"),
-         numpy_helper.from_array(np.zeros(2, np.int8), "wz")])
+         numpy_helper.from_array(np.zeros(2, np.int8), "wz"),
+         numpy_helper.from_array(np.array(0.1, np.float32), "xs")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
     model.ir_version = 9
-    wide = float_weights(model, "w_dq8")
-    assert [n.op_type for n in wide.graph.node] == ["Conv"]
-    feed = {"x": np.array([1.0, 2.0], np.float32).reshape(1, 2, 1, 1)}
-    assert np.array_equal(run(make_session(wide), feed)["y"], run(make_session(model), feed)["y"])
+    wide = float_layer(model, "w_dq8")
+    assert [(n.op_type, list(n.input)) for n in wide.graph.node] == [("Conv", ["x", "w_dq8"])]
+    x = np.array([1.03, 2.07], np.float32)
+    w = (w8.reshape(2, 2) * scale[:, None]).astype(np.float32)
+    got = run(make_session(wide), {"x": x.reshape(1, 2, 1, 1)})["y"].reshape(2)
+    assert np.allclose(got, w @ x, rtol=1e-6)
+    with pytest.raises(NpuprepError):
+        float_layer(model, "x_dq8")  # an activation, not a constant weight
 
 
 def test_the_terminal_table_puts_npuprep_first_and_marks_the_verdict():

@@ -5,7 +5,7 @@
     FP32 source + dataset -> toolkit INT8 alone (the baseline)                "vendor_int8"
 
 Where the toolkit runs a layer of the imported QDQ model in FP16 and so refuses its INT8
-weights, the import is retried with that layer's weights in float (`fp16_tensors`).
+weights, the import is retried with that layer in float, weights and inputs (`fp16_tensors`).
 The chosen path (DEFAULT_PATH, else the other npuprep path where the toolkit refuses it)
 gives the VendorCheck's verdict and its accuracy_analysis; every path's error sits beside
 npuprep's own (the QDQ model in onnxruntime) in `eight_bit`.
@@ -46,15 +46,18 @@ _FP16_WEIGHT = re.compile(r"Invalid w_par\['dtype'\] = float16 for (\S+?)!")
 MAX_IMPORT_ROUNDS = 8
 
 
-def float_weights(model: onnx.ModelProto, tensor: str) -> onnx.ModelProto:
-    """`model` with the DequantizeLinear producing `tensor` from constant INT8 weights
-    replaced by the float weights it gives (one initialiser of the same name)."""
+def float_layer(model: onnx.ModelProto, tensor: str) -> onnx.ModelProto:
+    """`model` with the layers reading dequantised weight `tensor` in float: the weight's
+    DequantizeLinear replaced by the values it gives (an initialiser of the same name), and
+    their activation inputs read before their QuantizeLinear/DequantizeLinear pair."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
-    node = next((n for n in g.node if n.op_type == "DequantizeLinear" and tensor in n.output), None)
+    producer = {o: n for n in g.node for o in n.output}
+    node = producer.get(tensor)
     inits = {i.name: i for i in g.initializer}
-    if node is None or any(i not in inits for i in node.input if i):
+    if node is None or node.op_type != "DequantizeLinear" or \
+            any(i not in inits for i in node.input if i):
         raise NpuprepError(f"rknn: '{tensor}' is not a dequantised constant weight")
     w, scale, *rest = (numpy_helper.to_array(inits[i]).astype(np.float64) for i in node.input if i)
     zero = rest[0] if rest else np.zeros_like(scale)
@@ -63,9 +66,24 @@ def float_weights(model: onnx.ModelProto, tensor: str) -> onnx.ModelProto:
         shape = [1] * w.ndim
         shape[axis] = -1
         scale, zero = scale.reshape(shape), zero.reshape(shape)
-    value = ((w - zero) * scale).astype(np.float32)
     g.node.remove(node)
-    g.initializer.append(numpy_helper.from_array(value, tensor))
+    g.initializer.append(numpy_helper.from_array(((w - zero) * scale).astype(np.float32), tensor))
+    for layer in g.node:
+        if tensor not in layer.input:
+            continue
+        for i, name in enumerate(layer.input):
+            dq = producer.get(name)
+            q = producer.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" \
+                else None
+            if q is not None and q.op_type == "QuantizeLinear":
+                layer.input[i] = q.input[0]
+    used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+    # Drop the Q/DQ pairs no layer reads any more (the toolkit would quantise them anyway).
+    while dead := [n for n in g.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")
+                   and not any(o in used for o in n.output)]:
+        for n in dead:
+            g.node.remove(n)
+        used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
     return out
 
 
@@ -174,7 +192,7 @@ def vendor_check_8bit(
                 break
             # The toolkit runs this layer in FP16 and refuses its INT8 weights: keep it wider.
             try:
-                model = float_weights(model, refused.group(1))
+                model = float_layer(model, refused.group(1))
             except NpuprepError:
                 break  # not one of our weight DequantizeLinears: the refusal stands
             widened.append(refused.group(1))
