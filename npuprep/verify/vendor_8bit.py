@@ -43,7 +43,7 @@ _FUSED_AFTER = ("BatchNormalization", "Relu", "Clip", "LeakyRelu", "Sigmoid", "H
 # tensor also feeds a layer kept wider).
 _FP16_WEIGHT = re.compile(r"Invalid w_par\['dtype'\] = float16 for (\S+?)!")
 # Imports retried with one more such weight in float each: a build takes seconds to a minute.
-MAX_IMPORT_ROUNDS = 8
+MAX_IMPORT_ROUNDS = 24
 
 
 def float_layer(model: onnx.ModelProto, tensor: str) -> onnx.ModelProto:
