@@ -53,8 +53,9 @@ def gather_findings(args: argparse.Namespace, model: Any, target: Any, stats: An
     return findings_for(model, target, stats, as_stored=True)
 
 
-def _measured_stats(args: argparse.Namespace, model: Any) -> Any:
-    """Stats from --stats, or calibrated on the fly from --data/--synthetic; None without either."""
+def _measured_stats(args: argparse.Namespace, model: Any, detail: str = "auto") -> Any:
+    """Stats from --stats, or calibrated on the fly from --data/--synthetic; None without either.
+    `detail="all"` for 8-bit scales, as convert calibrates for them (percentile, MSE)."""
     from npuprep.errors import NpuprepError
 
     if getattr(args, "stats", None):
@@ -72,7 +73,8 @@ def _measured_stats(args: argparse.Namespace, model: Any) -> Any:
         return None
     from npuprep.calibrate import calibrate
 
-    return calibrate(model, samples, show_progress=not getattr(args, "json", False) and sys.stderr.isatty())
+    return calibrate(model, samples, show_progress=not getattr(args, "json", False) and sys.stderr.isatty(),
+                     detail=detail)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if args.html:
         outputs.writes(args.html, "--html")
     with outputs.open() as files:
-        stats = _measured_stats(args, model)
+        stats = _measured_stats(args, model, "all" if eight is not None else "auto")
         findings = gather_findings(args, model, target, stats)
         # Findings and plan on the graph convert plans: exact pre-plan rewrites (a folded
         # mean, removed control flow) change what is there to find.
@@ -100,10 +102,14 @@ def run(args: argparse.Namespace) -> int:
         if eight is not None:
             from dataclasses import replace
 
+            from npuprep.analyse.eight_bit import scale_clip_findings
             from npuprep.plan.eight_bit import decide
 
             plan = replace(plan, precision=eight.name,
                            eight_bit=decide(model.proto, stats, eight, plan.pinned_nodes()))
+            findings = findings.merged(scale_clip_findings(
+                model.proto, stats, eight, [x.node for x in plan.eight_bit
+                                            if x.precision == eight.name]))
         if args.html:
             from npuprep.cli.report import tensor_order
             from npuprep.report.render_html import render
@@ -111,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
             # The plan rides along: the chart marks exactly its actions, as convert would take them.
             page = check_report(model, profile, findings, fail_on) | {
                 "profile": profile.to_dict(), "plan": plan.to_dict()}
+            if eight is not None:
+                page["precision"] = eight.name  # the chart draws FP8's 448 line
             if stats is not None:
                 page["stats"] = stats.to_dict()
             files.text(args.html, render(page, order=tensor_order(model.proto)))

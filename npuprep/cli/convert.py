@@ -170,7 +170,8 @@ def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, p
             shown(name)
 
         eight = _eight_bit(args.precision or profile.default_precision)
-        result = _convert_8bit(args, model, profile, calibration, stats, plan, holdout, stage) \
+        result = _convert_8bit(args, model, profile, calibration, stats, plan, holdout, stage,
+                               samples) \
             if eight else convert(
             model, profile, list(calibration), stats=stats, plan=plan, precision=args.precision,
             io_types=args.io_types, rtol=args.rtol, holdout=list(holdout) if holdout else None,
@@ -180,7 +181,8 @@ def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, p
         )
         if split is not None:
             result = replace(result, notes=(split.said, *result.notes))
-        vendor = _vendor_check(args, model, result, list(samples), paths, files) \
+        vendor = _vendor_check(args, model, result, list(samples), paths, files,
+                               (list(calibration), list(holdout or samples))) \
             if args.verify_with else None
     report = stage_conversion(result, paths, files, vendor, resources=watch.to_dict())
     from npuprep.report.cause import failure_cause
@@ -196,13 +198,15 @@ def _eight_bit(precision: str) -> bool:
 
 
 def _convert_8bit(args: argparse.Namespace, model: Any, profile: Any, samples: Any, stats: Any,
-                  plan: Any, holdout: Any, stage: Any) -> Any:
+                  plan: Any, holdout: Any, stage: Any, given: Any) -> Any:
+    """`given`: the samples as loaded, which describe themselves (`samples` may be the
+    calibration part of the split, a plain list)."""
     from npuprep.convert_8bit import convert_8bit
 
     return convert_8bit(model, profile, list(samples), precision=args.precision or
                         profile.default_precision, stats=stats, plan=plan, rtol=args.rtol,
                         holdout=list(holdout) if holdout else None,
-                        samples_description=samples.describe(), synthetic=samples.synthetic,
+                        samples_description=given.describe(), synthetic=given.synthetic,
                         scale_rule=args.scale_rule, min_8bit_share=args.min_8bit_share / 100,
                         opset=args.opset, top_k=parse_top_k(args.top_k), progress=stage)
 
@@ -223,13 +227,20 @@ def _remove_older_report(outputs: Any, output: Path) -> None:
 
 
 def _vendor_check(args: argparse.Namespace, model: Any, result: Any, samples: list,
-                  paths: dict[str, Path], files: Any) -> Any:
-    """The converted model built and run by the vendor toolchain; its layer report beside -o."""
+                  paths: dict[str, Path], files: Any, split: tuple[list, list]) -> Any:
+    """The converted model built and run by the vendor toolchain; its layer report beside -o.
+    An 8-bit one runs the held-out samples (`split`: calibration, held-out) three ways."""
     from npuprep.verify.vendor import vendor_check, with_layers
+    from npuprep.verify.vendor_8bit import vendor_check_8bit
 
-    check = vendor_check(model.proto, result.lowered.model, samples, vendor=args.verify_with,
-                         python=args.vendor_python, rtol=args.rtol,
-                         host_scales=getattr(result, "host_scales", None))
+    if result.eight_bit:
+        check = vendor_check_8bit(model.proto, result, *split, vendor=args.verify_with,
+                                  python=args.vendor_python, rtol=args.rtol,
+                                  top_k=parse_top_k(args.top_k))
+    else:
+        check = vendor_check(model.proto, result.lowered.model, samples, vendor=args.verify_with,
+                             python=args.vendor_python, rtol=args.rtol,
+                             host_scales=getattr(result, "host_scales", None))
     report_path = paths["vendor_error_analysis"]
     if check.accuracy_report:
         files.text(report_path, check.accuracy_report)
@@ -339,6 +350,10 @@ def _print_vendor(vendor: dict[str, Any] | None) -> None:
         print(f"accuracy_analysis: non-finite layers {names}")
     if vendor["range_warnings"]:
         print(f"the toolkit warns these tensors leave FP16: {', '.join(vendor['range_warnings'][:8])}")
+    if vendor.get("eight_bit"):
+        from npuprep.verify.vendor_8bit import paths_table
+
+        print_table(*paths_table(vendor["eight_bit"]))
 
 
 def _agreement(errors: dict[str, Any]) -> str:

@@ -63,9 +63,40 @@ def run(args: argparse.Namespace) -> int:
         return _classify(args)
     if not args.target:
         raise NpuprepError("--target is required (a built-in profile name or a YAML path)")
+    if (args.fmt or "") == "int8":
+        return _run_int8(args)
     if args.export_kit:
         return _export(args)
     return _run_local(args)
+
+
+def _run_int8(args: argparse.Namespace) -> int:
+    """INT8 has no overflow of its own: the probe is its quantiser's clipping (probe/int8_clip)."""
+    from npuprep.errors import NpuprepError
+    from npuprep.probe.int8_clip import run_clip_probe
+
+    if args.model or args.export_kit or args.write_profile:
+        raise NpuprepError("--precision int8 runs the INT8 clipping probe only (no MODEL, "
+                           "--export-kit or --write-profile)")
+    if args.backend not in ("emulate", "rknn"):
+        raise NpuprepError(f"--precision int8 runs on --backend emulate or rknn, not {args.backend}")
+    profile = _profile(args)
+    result = run_clip_probe(args.backend, python=args.vendor_python)
+    basis = "measured (rknn)" if args.backend == "rknn" else "QDQ semantics (emulated)"
+    doc = {"schema_version": SCHEMA_VERSION, "kind": "probe", "fingerprint": "",
+           "target": profile.name, "format": "int8", "backend": result.backend, "basis": basis,
+           "probes": [result.to_dict()], "overall": {"verdict": result.verdict,
+                                                    "reason": result.reason}}
+    if args.json:
+        print_json(doc)
+        return 0
+    evidence = ", ".join(f"{fmt(a)} -> {fmt(b)}" for a, b in result.pairs[:2])
+    print_table(f"INT8 clipping probe: {profile.name} on {result.backend}, {basis}",
+                ["probe", "verdict", "calibrated |x|", "ref -> observed", "in-range max abs err"],
+                [("int8_clip", result.verdict, fmt(result.calibrated), evidence,
+                  fmt(result.in_range_error))])
+    say(f"overall: {result.verdict} ({result.reason}; {basis})", always=True)
+    return 0
 
 
 def _check_outputs(args: argparse.Namespace) -> None:

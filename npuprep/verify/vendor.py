@@ -41,6 +41,7 @@ class VendorCheck:
     range_warnings: tuple[str, ...] = ()
     accuracy_report: str = ""
     layers: Any = None  # crosscheck.Crosscheck of the accuracy report, when one was written
+    eight_bit: dict[str, Any] = field(default_factory=dict)  # verify.vendor_8bit's paths
 
     def __bool__(self) -> bool:
         return self.built and all(output_passes(o, self.rtol) for o in self.outputs.values())
@@ -56,7 +57,7 @@ class VendorCheck:
             "samples": self.samples, "outputs": {k: dict(v) for k, v in sorted(self.outputs.items())},
             "host_scales": dict(sorted(self.host_scales.items())),
             "range_warnings": list(self.range_warnings), "layers": layers,
-        }
+        } | ({"eight_bit": self.eight_bit} if self.eight_bit else {})
 
 
 def vendor_check(
@@ -74,7 +75,6 @@ def vendor_check(
     """Build `candidate` with the vendor toolchain, run its simulator on `samples`, compare the
     outputs (times `host_scales`) with `reference`'s FP32 outputs."""
     from npuprep.errors import NpuprepError
-    from npuprep.runtime.session import make_session, run
     from npuprep.vendors.rockchip import require_python, run_rknn
 
     if vendor not in VENDORS:
@@ -90,9 +90,19 @@ def vendor_check(
                   accuracy_report=done.accuracy_report)
     if not done:
         return VendorCheck(built=False, refusal=done.refusal, **common)
+    outputs = vendor_output_errors(reference, samples, done.outputs, scales, rtol)
+    return VendorCheck(built=True, outputs=outputs, **common)
+
+
+def vendor_output_errors(reference: onnx.ModelProto, samples: Sequence[Feed],
+                   got_all: Sequence[Mapping[str, np.ndarray]], scales: Mapping[str, float],
+                   rtol: float, top_k: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
+    """Per output: the vendor's outputs (times `scales`) against `reference` in onnxruntime."""
+    from npuprep.runtime.session import make_session, run
+
     ref = make_session(reference)
-    errors = OutputErrors(tie_rtol=rtol)
-    for sample, got in zip(samples, done.outputs, strict=False):
+    errors = OutputErrors(top_k=dict(top_k or {}), tie_rtol=rtol)
+    for sample, got in zip(samples, got_all, strict=False):
         # The toolkit takes float32 feeds; the reference its own input types (a bool flag).
         expected = run(ref, {k: np.asarray(v) for k, v in sample.items()})
         for name, rv in expected.items():
@@ -100,8 +110,7 @@ def vendor_check(
                 continue
             cv = np.asarray(got[name], dtype=np.float64) * scales.get(name, 1.0)
             errors.add(name, rv, cv.reshape(np.shape(rv)) if cv.size == np.size(rv) else cv)
-    outputs = errors.result()
-    return VendorCheck(built=True, outputs=outputs, **common)
+    return errors.result()
 
 
 def with_layers(check: VendorCheck, candidate: Any, profile: Any, report_path: str) -> VendorCheck:
