@@ -14,6 +14,7 @@ Each stage is its own module; this file only chains them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -416,8 +417,11 @@ def _host_scales(model: Model, applied: Any, profile: TargetProfile, stats: Any,
         host[name] = factor
         scales[name] = 1.0 / factor
         fp32_nodes.remove(str(done.details["removed"]))
-        notes.append(f"output '{name}' leaves the device scaled by 1/{factor:g} ({why}); "
-                     f"multiply it by {factor:g} on the host (report key host_scales)")
+        # 1/4 and 4 read best; an underflow's 2^-29 does not as 1.86265e-09.
+        e = round(math.log2(factor))
+        by, times = (f"1/{factor:g}", f"{factor:g}") if e >= 0 else (f"2^{-e}", f"2^{e}")
+        notes.append(f"output '{name}' leaves the device scaled by {by} ({why}); "
+                     f"multiply it by {times} on the host (report key host_scales)")
     return (replace(applied, model=current, fp32_nodes=tuple(fp32_nodes), tensor_scales=scales),
             host, tuple(notes))
 
