@@ -70,7 +70,7 @@ def _rotation(cat: gs.Node, dims: dict) -> tuple[gs.Tensor, int, int, int] | str
     if second.inputs[0] is not x:
         return None
     shape = dims.get(x.name)
-    if shape is None:
+    if not shape:
         return f"the rank of {x.name} is unknown"
     rank = len(shape)
     axis = int(cat.attrs.get("axis", 0)) % rank

@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from npuprep.graph import node_label, node_reads, topological_order
+from npuprep.graph import node_label, node_reads, tensor_types, topological_order
 
 # Quoted names and bracketed lists: the same failure names other tensors in a part.
 _NAMES = re.compile(r"'[^']*'|\"[^\"]*\"|\[[^\]]*\]|\d+")
@@ -94,13 +94,14 @@ def bisect(model: onnx.ModelProto, failure: Attempt, values: Mapping[str, np.nda
     reference run; `build` builds one part with the vendor tool.
     """
     order = topological_order(model.graph)
+    cutter = Cutter(model, values)
     builds = 0
 
     def fails(keep: Sequence[int]) -> bool:
         nonlocal builds
         if builds >= max_builds:
             raise _OutOfBuilds
-        part = sub_model(model, [order[i] for i in keep], values)
+        part = cutter.part([order[i] for i in keep])
         if part is None:
             return False
         builds += 1
@@ -144,42 +145,65 @@ def sub_model(model: onnx.ModelProto, nodes: Sequence[onnx.NodeProto],
               values: Mapping[str, np.ndarray]) -> tuple[onnx.ModelProto, dict[str, np.ndarray]] | None:
     """The part of `model` made of `nodes` (in topological order) and its one sample, or None
     when a tensor it needs has no reference value or it has no output."""
-    graph = model.graph
-    inits = {t.name: t for t in graph.initializer}
-    graph_inputs = [i for i in graph.input if i.name not in inits]
-    constant = _constant_tensors(graph, set(inits))
-    made = {o for n in nodes for o in n.output if o}
-    kept = {id(n) for n in nodes}
-    reads = list(dict.fromkeys(i for n in nodes for i in node_reads(n)))
-    feeds: dict[str, np.ndarray] = {}
-    inputs, new_inits = [], []
-    for name in reads:
-        if name in made:
-            continue
-        if name in inits:
-            new_inits.append(inits[name])
-            continue
-        if name not in values:
+    return Cutter(model, values).part(nodes)
+
+
+class Cutter:
+    """Parts of one model, fed from one sample's reference values (what every part shares,
+    worked out once: shape inference alone takes a while on a large graph)."""
+
+    def __init__(self, model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> None:
+        graph = model.graph
+        self.model, self.values = model, values
+        self.inits = {t.name: t for t in graph.initializer}
+        self.originals = {i.name: i for i in graph.input if i.name not in self.inits}
+        self.constant = _constant_tensors(graph, set(self.inits))
+        self.types = tensor_types(model)
+        self.reads = [(id(n), node_reads(n)) for n in graph.node]
+        self.graph_outputs = {o.name for o in graph.output}
+
+    def value(self, name: str) -> np.ndarray:
+        """The reference value in the model's own type (the values may be FP32, the model lowered)."""
+        value = np.asarray(self.values[name])
+        if name in self.types:
+            value = value.astype(helper.tensor_dtype_to_np_dtype(self.types[name]), copy=False)
+        return value
+
+    def part(self, nodes: Sequence[onnx.NodeProto]) -> tuple[onnx.ModelProto, dict[str, np.ndarray]] | None:
+        made = {o for n in nodes for o in n.output if o}
+        kept = {id(n) for n in nodes}
+        reads = [i for n in nodes for i in node_reads(n)]
+        # The graph's own inputs first, in its order (a vendor tool names inputs by position).
+        order = [*(i for i in self.originals if i in set(reads)), *reads]
+        feeds: dict[str, np.ndarray] = {}
+        inputs, new_inits = [], []
+        for name in dict.fromkeys(order):
+            if name in made:
+                continue
+            if name in self.inits:
+                new_inits.append(self.inits[name])
+                continue
+            if name not in self.values:
+                return None
+            value = self.value(name)
+            original = self.originals.get(name)
+            if original is None and (name in self.constant
+                                     or not np.issubdtype(value.dtype, np.floating)):
+                new_inits.append(numpy_helper.from_array(value, name))
+                continue
+            feeds[name] = value
+            inputs.append(original if original is not None else _info(name, value))
+        outside = {i for key, r in self.reads if key not in kept for i in r} | self.graph_outputs
+        outputs = [o for n in nodes for o in n.output if o and o in outside]
+        if not outputs:
+            outputs = [o for o in nodes[-1].output if o]
+        if not outputs or any(o not in self.values for o in outputs):
             return None
-        value = np.asarray(values[name])
-        original = next((i for i in graph_inputs if i.name == name), None)
-        if original is None and (name in constant or not np.issubdtype(value.dtype, np.floating)):
-            new_inits.append(numpy_helper.from_array(value, name))
-            continue
-        feeds[name] = value
-        inputs.append(original if original is not None else _info(name, value))
-    outside = {i for n in graph.node if id(n) not in kept
-               for i in node_reads(n)} | {o.name for o in graph.output}
-    outputs = [o for n in nodes for o in n.output if o and o in outside]
-    if not outputs:
-        outputs = [o for o in nodes[-1].output if o]
-    if not outputs or any(o not in values for o in outputs):
-        return None
-    part = helper.make_graph(list(nodes), f"{graph.name}_part", inputs,
-                             [_info(o, np.asarray(values[o])) for o in outputs], new_inits)
-    out = helper.make_model(part, opset_imports=list(model.opset_import))
-    out.ir_version = model.ir_version
-    return out, feeds
+        graph = helper.make_graph(list(nodes), f"{self.model.graph.name}_part", inputs,
+                                  [_info(o, self.value(o)) for o in outputs], new_inits)
+        out = helper.make_model(graph, opset_imports=list(self.model.opset_import))
+        out.ir_version = self.model.ir_version
+        return out, feeds
 
 
 def _info(name: str, value: np.ndarray) -> onnx.ValueInfoProto:

@@ -22,7 +22,6 @@ import onnx
 from onnx import helper
 
 from npuprep.data import Feed
-from npuprep.graph import tensor_types
 from npuprep.vendors.bisection import Attempt, Bisection, Build, bisect
 
 # Each branch is computed whether taken or not: exact, and the only form the toolkit takes.
@@ -79,11 +78,10 @@ def reference_values(model: onnx.ModelProto, feed: Feed) -> dict[str, np.ndarray
 
     exposed = onnx.ModelProto()
     exposed.CopyFrom(model)
-    types = tensor_types(model)
     present = {o.name for o in exposed.graph.output}
-    wanted = [o for n in model.graph.node for o in n.output
-              if o and o not in present and o in types]
-    exposed.graph.output.extend(helper.make_tensor_value_info(o, types[o], None) for o in wanted)
+    wanted = [o for n in model.graph.node for o in n.output if o and o not in present]
+    # Untyped: onnxruntime types them itself, also where onnx's inference cannot (ai.onnx.ml).
+    exposed.graph.output.extend(helper.make_empty_tensor_value_info(o) for o in wanted)
     values = run(make_session(exposed, optimize=False), dict(feed))
     return {**{k: np.asarray(v) for k, v in feed.items()}, **values}
 

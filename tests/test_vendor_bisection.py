@@ -1,0 +1,140 @@
+"""A vendor tool's crash or refusal bisected to its nodes (a fake vendor here), and the exact rewrite of what it names."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from npuprep.graph import topological_order
+from npuprep.rewrite.slice_rotation import rotations_as_one_op
+from npuprep.runtime.session import make_session, run
+from npuprep.vendors.bisection import Attempt, bisect, sub_model
+from npuprep.verify.vendor_bisect import bisect_vendor, reference_values, rknn_build
+from tests.conftest import model_from_text
+
+FAKE_JOB = Path(__file__).parent / "fixtures" / "fake_rknn_job.py"
+
+# x[1,8] -> Relu -> Sin | Cos -> Concat -> emb[1,16] -> Concat(Slice(emb, 8:), Slice(emb, :8)) -> Mul(2) -> y
+FLIP = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1,8] x) => (float[1,16] y)
+  <int64[1] h = {8}, int64[1] zero = {0}, int64[1] big = {9223372036854775807},
+   int64[1] axis = {1}, float two = {2.0}> {
+  r = Relu(x)
+  s = Sin(r)
+  c = Cos(r)
+  emb = Concat <axis = -1> (s, c)
+  hi = Slice(emb, h, big, axis)
+  lo = Slice(emb, zero, h, axis)
+  flipped = Concat <axis = -1> (hi, lo)
+  y = Mul(flipped, two)
+}
+"""
+# x[2,16] -> Concat(Slice(x, 5:16), Slice(x, 0:5)) -> y (x not itself a Concat: a Gather)
+ROTATE = """
+<ir_version: 8, opset_import: ["" : 17]>
+g ({x_type} x) => (float[2,16] y)
+  <int64[1] h = {{5}}, int64[1] zero = {{0}}, int64[1] n = {{16}}, int64[1] axis = {{1}}> {{
+  hi = Slice(x, h, n, axis)
+  lo = Slice(x, zero, h, {lo_axis})
+  y = Concat <axis = 1> (hi, lo)
+}}
+"""
+
+
+def _feed(shape: tuple[int, ...] = (1, 8)) -> dict[str, np.ndarray]:
+    return {"x": np.random.default_rng(0).standard_normal(shape).astype(np.float32)}
+
+
+@pytest.fixture
+def fake_vendor(tmp_path, monkeypatch):
+    """An executable that runs the fake job script where the vendor's python would run rknn_job.py."""
+    exe = tmp_path / "python"
+    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_JOB}" "$@"\n')
+    exe.chmod(0o755)
+    monkeypatch.delenv("FAKE_RKNN_REFUSE_OP", raising=False)
+    monkeypatch.setenv("FAKE_RKNN_CRASH_OP", "Slice")
+    return exe
+
+
+def test_a_crash_on_slices_is_narrowed_to_the_rotation_and_rewritten_exactly(fake_vendor):
+    model = model_from_text(FLIP)
+    build = rknn_build(fake_vendor)
+    failure = build(model, _feed())
+    assert not failure and failure.stage == "build (crashed)"
+    found = bisect_vendor(model, _feed(), failure, build)
+    assert found.bisection.nodes == ("node_of_hi",)  # the fake crashes on any Slice
+    assert found.bisection.line.startswith("rknn-toolkit2 crashes in build on node ")
+    assert "(op Slice)" in found.bisection.line and "signal 11" in found.bisection.line
+    assert found and found.retry.ok
+    assert "rotation" in found.fix and not any(n.op_type == "Slice" for n in found.fixed.graph.node)
+    before = run(make_session(model), _feed())["y"]
+    np.testing.assert_array_equal(run(make_session(found.fixed), _feed())["y"], before)
+
+
+def test_a_crash_with_no_known_rewrite_is_named_and_says_so(fake_vendor, monkeypatch):
+    monkeypatch.setenv("FAKE_RKNN_CRASH_OP", "Cos")
+    model = model_from_text(FLIP)
+    build = rknn_build(fake_vendor)
+    found = bisect_vendor(model, _feed(), build(model, _feed()), build)
+    assert found.bisection.nodes == ("node_of_c",) and not found
+    assert found.lines[1] == "no exact ONNX rewrite is known for it"
+
+
+def test_bisection_finds_a_pair_that_fails_only_together():
+    # a fake build that fails when Sin feeds a Concat in the same part (a fusion bug)
+    model = model_from_text(FLIP)
+
+    def build(part: onnx.ModelProto, feed: dict) -> Attempt:
+        made = {o: n.op_type for n in part.graph.node for o in n.output}
+        bad = any(n.op_type == "Concat" and made.get(i) == "Sin" for n in part.graph.node
+                  for i in n.input)
+        return Attempt(not bad, "build" if bad else "done", "TypeError: 'NoneType' at 's'" if bad else "")
+
+    values = reference_values(model, _feed())
+    found = bisect(model, build(model, {}), values, build)
+    assert found.ops == ("Sin", "Concat") and found.builds <= 16
+    assert found.line.endswith("together: TypeError: 'NoneType' at 's'")
+    capped = bisect(model, build(model, {}), values, build, max_builds=2)
+    assert not capped and "stopped after 2 builds" in capped.line
+
+
+def test_a_part_takes_cut_activations_as_inputs_and_gives_the_reference_values():
+    model = model_from_text(FLIP)
+    values = reference_values(model, _feed())
+    order = topological_order(model.graph)
+    middle = [n for n in order if n.op_type in ("Sin", "Cos", "Concat")][:3]  # s, c, emb
+    part, feeds = sub_model(model, middle, values)
+    assert [i.name for i in part.graph.input] == ["r"] and set(feeds) == {"r"}
+    assert {o.name for o in part.graph.output} == {"emb"}
+    onnx.checker.check_model(part)
+    np.testing.assert_allclose(run(make_session(part), feeds)["emb"], values["emb"], rtol=1e-6)
+
+
+def test_a_rotation_of_a_plain_tensor_becomes_one_gather():
+    model = model_from_text(ROTATE.format(x_type="float[2,16]", lo_axis="axis"))
+    done = rotations_as_one_op(model)
+    assert done and [n.op_type for n in done.model.graph.node] == ["Gather"]
+    x = _feed((2, 16))
+    np.testing.assert_array_equal(run(make_session(done.model), x)["y"],
+                                  run(make_session(model), x)["y"])
+
+
+def test_what_is_not_a_rotation_is_left_and_an_unknown_rank_declines():
+    overlapping = model_from_text(ROTATE.format(x_type="float[2,16]", lo_axis="axis")
+                                  .replace("h = {5}", "h = {4}", 1)
+                                  .replace("lo = Slice(x, zero, h", "lo = Slice(x, zero, n"))
+    kept = rotations_as_one_op(overlapping)
+    assert not kept and kept.model is overlapping and "no Concat of two Slices" in kept.reason
+    shapeless = model_from_text(ROTATE.format(x_type="float[2,16]", lo_axis="axis"))
+    shapeless.graph.input[0].type.tensor_type.ClearField("shape")  # a rank nobody wrote down
+    unknown = rotations_as_one_op(shapeless)
+    assert not unknown and "the rank of x is unknown" in unknown.reason
+    symbolic = model_from_text(ROTATE.format(x_type="float[a,b]", lo_axis="axis"))
+    assert "no static size along axis 1" in rotations_as_one_op(symbolic).reason
+    sized = rotations_as_one_op(symbolic, {"x": (2, 16)})  # measured on a sample
+    assert sized and [n.op_type for n in sized.model.graph.node] == ["Gather"]
