@@ -138,3 +138,30 @@ def test_what_is_not_a_rotation_is_left_and_an_unknown_rank_declines():
     assert "no static size along axis 1" in rotations_as_one_op(symbolic).reason
     sized = rotations_as_one_op(symbolic, {"x": (2, 16)})  # measured on a sample
     assert sized and [n.op_type for n in sized.model.graph.node] == ["Gather"]
+
+
+def test_vendor_check_after_a_crash_is_of_the_rewritten_model_that_builds(fake_vendor):
+    from npuprep.verify.vendor import vendor_check
+
+    model = model_from_text(FLIP)
+    samples = [_feed(), {"x": _feed()["x"] * 3}]
+    plain = vendor_check(model, model, samples, python=str(fake_vendor))
+    assert not plain and not plain.built and plain.bisection is None
+    check = vendor_check(model, model, samples, python=str(fake_vendor), bisect=True)
+    assert check and check.built and check.outputs["y"]["rel_l2"] <= 1e-6
+    assert check.bisection["nodes"] == ["node_of_hi"] and check.bisection["retry"]["ok"]
+    assert not any(n.op_type == "Slice" for n in check.fixed_model.graph.node)
+
+
+def test_check_vendor_names_the_node_and_the_rewrite_that_builds(fake_vendor, tmp_path):
+    from tests.conftest import run_cli
+
+    path = tmp_path / "flip.onnx"
+    onnx.save(model_from_text(FLIP), str(path))
+    done = run_cli("check", path, "--target", "rk3588", "--synthetic", "1", "--vendor", "rknn",
+                   "--vendor-python", fake_vendor)
+    said = " ".join(done.stdout.split())
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "rknn-toolkit2 crashes in build on node node_of_hi (op Slice)" in said
+    assert "rotation(s) as one op; the vendor tool then builds" in said
+    assert all(len(line) <= 100 for line in done.stdout.splitlines())

@@ -22,6 +22,7 @@ import onnx
 from onnx import helper
 
 from npuprep.data import Feed
+from npuprep.graph import attribute, node_label, topological_order
 from npuprep.vendors.bisection import Attempt, Bisection, Build, bisect
 
 # Each branch is computed whether taken or not: exact, and the only form the toolkit takes.
@@ -41,19 +42,24 @@ class VendorBisection:
         """True when a rewrite made the vendor tool build the model."""
         return self.retry is not None and self.retry.ok
 
+    declined: str = ""
+    pattern: str = ""
+
     @property
     def lines(self) -> tuple[str, ...]:
-        said = [self.bisection.line]
-        if self.fix and self.retry is not None:
+        said = [self.bisection.line, *([self.pattern] if self.pattern else [])]
+        if self.retry is not None:
             after = "builds" if self.retry.ok else (f"still fails in {self.retry.stage}: "
                                                     f"{self.retry.said}")
             said.append(f"rewritten: {self.fix}; the vendor tool then {after}")
+        elif self.declined:
+            said.append(f"the exact rewrite for it declined: {self.declined}")
         elif self.bisection:
             said.append("no exact ONNX rewrite is known for it")
         return tuple(said)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.bisection.to_dict(), "fix": self.fix,
+        return {**self.bisection.to_dict(), "fix": self.fix, "declined": self.declined,
                 "retry": None if self.retry is None else {
                     "ok": self.retry.ok, "stage": self.retry.stage, "said": self.retry.said},
                 "lines": list(self.lines)}
@@ -72,8 +78,13 @@ def rknn_build(python: str | Path | None = None, target_platform: str = "rk3588"
     return build
 
 
-def reference_values(model: onnx.ModelProto, feed: Feed) -> dict[str, np.ndarray]:
-    """Every main-graph tensor's value on one sample (graph inputs included), by name."""
+def reference_values(model: onnx.ModelProto, feed: Feed,
+                     candidate: onnx.ModelProto | None = None) -> dict[str, np.ndarray]:
+    """Every main-graph tensor's value on one sample (graph inputs included), by name.
+
+    With `candidate` (the lowered model, whose FP16 ops onnxruntime's CPU may lack), the
+    values are `model`'s, plus those of the Casts the lowering added, cast in numpy.
+    """
     from npuprep.runtime.session import make_session, run
 
     exposed = onnx.ModelProto()
@@ -82,8 +93,13 @@ def reference_values(model: onnx.ModelProto, feed: Feed) -> dict[str, np.ndarray
     wanted = [o for n in model.graph.node for o in n.output if o and o not in present]
     # Untyped: onnxruntime types them itself, also where onnx's inference cannot (ai.onnx.ml).
     exposed.graph.output.extend(helper.make_empty_tensor_value_info(o) for o in wanted)
-    values = run(make_session(exposed, optimize=False), dict(feed))
-    return {**{k: np.asarray(v) for k, v in feed.items()}, **values}
+    values = {**{k: np.asarray(v) for k, v in feed.items()},
+              **run(make_session(exposed, optimize=False), dict(feed))}
+    for node in topological_order(candidate.graph) if candidate is not None else ():
+        if node.op_type == "Cast" and node.input[0] in values and node.output[0] not in values:
+            to = helper.tensor_dtype_to_np_dtype(int(attribute(node, "to")))
+            values[node.output[0]] = values[node.input[0]].astype(to)
+    return values
 
 
 def _all_branches(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> Any:
@@ -104,15 +120,37 @@ FIXES: Mapping[str, Callable[[onnx.ModelProto, Mapping[str, np.ndarray]], Any]] 
 
 
 def bisect_vendor(model: onnx.ModelProto, feed: Feed, failure: Attempt, build: Build, *,
-                  vendor: str = "rknn-toolkit2", max_builds: int = 48) -> VendorBisection:
-    """Narrow `failure` to its nodes, rewrite them where FIXES knows how, build again."""
-    values = reference_values(model, feed)
+                  reference: onnx.ModelProto | None = None, vendor: str = "rknn-toolkit2",
+                  max_builds: int = 48) -> VendorBisection:
+    """Narrow `failure` (of `model`) to its nodes, rewrite them where FIXES knows how, build
+    again. `reference`: the FP32 model `model` was lowered from, run for the parts' values."""
+    values = (reference_values(reference, feed, model) if reference is not None
+              else reference_values(model, feed))
     found = bisect(model, failure, values, build, vendor=vendor, max_builds=max_builds)
+    pattern = _inputs_only_in_branches(model, found)
     op = next((o for o in found.ops if o in FIXES), None)
     if op is None:
-        return VendorBisection(found)
+        return VendorBisection(found, pattern=pattern)
     done = FIXES[op](model, values)
     if not done:
-        return VendorBisection(found, fix=f"declined: {done.reason}")
+        return VendorBisection(found, declined=done.reason, pattern=pattern)
     feeds = {k: np.asarray(v) for k, v in feed.items()}
-    return VendorBisection(found, fix=done.reason, fixed=done.model, retry=build(done.model, feeds))
+    return VendorBisection(found, fix=done.reason, fixed=done.model,
+                           retry=build(done.model, feeds), pattern=pattern)
+
+
+def _inputs_only_in_branches(model: onnx.ModelProto, found: Bisection) -> str:
+    """`graph inputs a, b are read only inside If_0's branches`, for a control-flow node found."""
+    from npuprep.graph import consumers
+
+    flows = {node_label(n): n for n in model.graph.node
+             if node_label(n) in found.nodes and n.op_type in ("If", "Loop", "Scan")}
+    readers = consumers(model.graph)
+    said = []
+    for label, node in flows.items():
+        only = [i.name for i in model.graph.input
+                if readers.get(i.name) == [node] and i.name not in node.input]
+        if only:
+            said.append(f"graph input{'s' if len(only) > 1 else ''} {', '.join(only)} "
+                        f"{'are' if len(only) > 1 else 'is'} read only inside {label}'s branches")
+    return "; ".join(said)
