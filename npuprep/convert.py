@@ -14,7 +14,6 @@ Each stage is its own module; this file only chains them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -396,7 +395,7 @@ def _host_scales(model: Model, applied: Any, profile: TargetProfile, stats: Any,
                  samples: Sequence[Feed]) -> tuple[Any, dict[str, float], tuple[str, ...]]:
     """Rescale exits at graph outputs whose true range exceeds the limit leave the device
     scaled (npuprep.plan.host_scale decides, npuprep.rewrite.output_scale rewrites)."""
-    from npuprep.plan.host_scale import host_scaled_outputs
+    from npuprep.plan.host_scale import factor_words, host_scaled_outputs
     from npuprep.rewrite.output_scale import leave_output_scaled
 
     producer = {o: n.name for n in applied.model.graph.node for o in n.output}
@@ -417,9 +416,8 @@ def _host_scales(model: Model, applied: Any, profile: TargetProfile, stats: Any,
         host[name] = factor
         scales[name] = 1.0 / factor
         fp32_nodes.remove(str(done.details["removed"]))
-        # 1/4 and 4 read best; an underflow's 2^-29 does not as 1.86265e-09.
-        e = round(math.log2(factor))
-        by, times = (f"1/{factor:g}", f"{factor:g}") if e >= 0 else (f"2^{-e}", f"2^{e}")
+        times = factor_words(factor)
+        by = factor_words(1.0 / factor) if factor < 1 else f"1/{times}"
         notes.append(f"output '{name}' leaves the device scaled by {by} ({why}); "
                      f"multiply it by {times} on the host (report key host_scales)")
     return (replace(applied, model=current, fp32_nodes=tuple(fp32_nodes), tensor_scales=scales),

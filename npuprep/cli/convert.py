@@ -323,10 +323,12 @@ def _print_vendor(vendor: dict[str, Any] | None) -> None:
             say(line)
         print(f"{name} refused the converted model in {vendor['stage']}: {vendor['refusal']}")
         return
+    from npuprep.plan.host_scale import factor_words
+
     scales = vendor["host_scales"]
     print_table(f"Outputs in {name}", ["output", "Inf/NaN", "max abs err", "rel L2", "host scale"],
                 [(k, o["nonfinite"], o["max_abs_error"], o["rel_l2"],
-                  f"x{scales[k]:g}" if k in scales else "")
+                  f"x{factor_words(scales[k])}" if k in scales else "")
                  for k, o in vendor["outputs"].items()])
     layers = vendor.get("layers")
     if layers and layers["non_finite"]:

@@ -14,6 +14,7 @@ host, where the user's code (or `undo_host_scales`) multiplies the output back.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -42,6 +43,12 @@ def host_scaled_outputs(exits: Iterable[str], absmax: Mapping[str, float],
             chosen[name] = (f"true range {top:.4g} lies under the smallest {fmt.name} normal "
                             f"{fmt.min_normal:.3g} and {runs}")
     return chosen
+
+
+def factor_words(factor: float) -> str:
+    """A host scale for people: `4`, `64`, and an underflow's `2^-29` (not 1.86265e-09)."""
+    e = round(math.log2(factor))
+    return f"{factor:g}" if e >= 0 else f"2^{e}"
 
 
 def undo_host_scales(outputs: Mapping[str, np.ndarray],
