@@ -165,3 +165,29 @@ def test_check_vendor_names_the_node_and_the_rewrite_that_builds(fake_vendor, tm
     assert "rknn-toolkit2 crashes in build on node node_of_hi (op Slice)" in said
     assert "rotation(s) as one op; the vendor tool then builds" in said
     assert all(len(line) <= 100 for line in done.stdout.splitlines())
+
+
+# x[1,32] -> Concat(Slice(x, 16:, steps 1), Slice(x, :16, steps 1)): diffusers' flip_sin_to_cos
+STEPPED = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1,32] x) => (float[1,32] y)
+  <int64[1] h = {16}, int64[1] zero = {0}, int64[1] big = {9223372036854775807},
+   int64[1] axis = {1}, int64[1] one = {1}> {
+  hi = Slice(x, h, big, axis, one)
+  lo = Slice(x, zero, h, axis, one)
+  y = Concat <axis = -1> (hi, lo)
+}
+"""
+
+
+def test_the_real_toolkit_crash_on_a_stepped_rotation_is_found_and_rewritten(rknn_python):
+    model = model_from_text(STEPPED)
+    feed = {"x": np.arange(32, dtype=np.float32).reshape(1, 32)}
+    build = rknn_build(rknn_python)
+    failure = build(model, feed)
+    assert failure.stage == "build (crashed)", failure  # rknn-toolkit2 2.5.0: SIGSEGV
+    found = bisect_vendor(model, feed, failure, build)
+    assert found.bisection.ops == ("Slice", "Slice", "Concat"), found.lines
+    assert found and [n.op_type for n in found.fixed.graph.node] == ["Gather"]
+    np.testing.assert_array_equal(run(make_session(found.fixed), feed)["y"],
+                                  run(make_session(model), feed)["y"])

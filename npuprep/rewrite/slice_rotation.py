@@ -1,8 +1,8 @@
 """A rotation written as two Slices is one op: `Concat(Slice(x, h:), Slice(x, :h))` -> `Gather(x, [h..n-1, 0..h-1])`.
 
 Exporters write a half swap this way (diffusers' `flip_sin_to_cos` timestep embedding:
-`cat([emb[:, h:], emb[:, :h]])`), and rknn-toolkit2 2.5.0's build dies of SIGSEGV on it
-(measured on a diffusers UNet, BENCHMARKS.md). Where x is itself `Concat(a, b)` split at h
+`cat([emb[:, h:], emb[:, :h]])`), and rknn-toolkit2 2.5.0's build dies of SIGSEGV on it when
+the Slices carry their `steps` input (measured on a diffusers UNet, BENCHMARKS.md). Where x is itself `Concat(a, b)` split at h
 along the same axis the rotation is `Concat(b, a)`; otherwise a Gather with constant indices.
 Both only move values: exact in any precision. The Concat's name and output are kept.
 """
