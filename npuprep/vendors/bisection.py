@@ -2,7 +2,7 @@
 
     build(model) crashes -> build(nodes[:k]) for the shortest prefix that fails the same way
         -> build(nodes[s:k]) for the latest start that still does -> drop each node the failure
-        does not need -> "rknn-toolkit2 build crashes (signal 11) on node X (op Y)"
+        does not need -> "rknn-toolkit2 build crashes (SIGSEGV) on node X (op Y)"
 
 As Polygraphy's `debug reduce` does: the graph is cut at tensors (in topological order), the
 cut tensors become the part's inputs (floating-point activations, fed their values from one
@@ -17,6 +17,7 @@ here, the caller gives the reference values.
 from __future__ import annotations
 
 import re
+import signal
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ from npuprep.graph import node_label, node_reads, tensor_types, topological_orde
 _NAMES = re.compile(r"'[^']*'|\"[^\"]*\"|\[[^\]]*\]|\d+")
 # Ops whose value follows from the (fixed) input sizes alone.
 _SHAPE_OPS = frozenset({"Shape", "Size", "Constant", "ConstantOfShape"})
+# run_rknn's words for a crash: `the vendor process crashed (signal 11) in build`.
+_SIGNAL = re.compile(r"crashed \(signal (\d+)\)")
 # Past this many nodes, dropping nodes one at a time costs more builds than it tells.
 MAX_MINIMISE = 16
 
@@ -71,14 +74,16 @@ class Bisection:
     @property
     def line(self) -> str:
         """One line: which nodes break the vendor tool, in its own words."""
-        what = "crashes" if "crashed" in self.failure.stage else "refuses the model"
         stage = self.failure.stage.replace(" (crashed)", "")
-        if not self.nodes:
-            return (f"{self.vendor} {what} in {stage}; not narrowed to nodes ({self.why_not}): "
-                    f"{self.failure.said}")
-        named = ", ".join(f"{n} (op {o})" for n, o in zip(self.nodes, self.ops, strict=True))
-        where = f"node {named}" if len(self.nodes) == 1 else f"nodes {named} together"
-        return f"{self.vendor} {what} in {stage} on {where}: {self.failure.said}"
+        crash = _SIGNAL.search(self.failure.said) if "crashed" in self.failure.stage else None
+        if self.nodes:
+            named = ", ".join(f"{n} (op {o})" for n, o in zip(self.nodes, self.ops, strict=True))
+            where = f"node {named}" if len(self.nodes) == 1 else f"nodes {named} together"
+        else:
+            where = f"the model (not narrowed to nodes: {self.why_not})"
+        if crash is not None:
+            return f"{self.vendor} {stage} crashes ({_signal_name(int(crash.group(1)))}) on {where}"
+        return f"{self.vendor} {stage} refuses {where}: {self.failure.said}"
 
     def to_dict(self) -> dict[str, object]:
         return {"vendor": self.vendor, "found": bool(self), "line": self.line,
@@ -135,6 +140,13 @@ def bisect(model: onnx.ModelProto, failure: Attempt, values: Mapping[str, np.nda
     nodes = [order[i] for i in keep]
     return Bisection(vendor, failure, tuple(node_label(n) for n in nodes),
                      tuple(n.op_type for n in nodes), builds)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 class _OutOfBuilds(Exception):
