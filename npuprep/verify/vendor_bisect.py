@@ -83,7 +83,7 @@ def reference_values(model: onnx.ModelProto, feed: Feed,
     """Every main-graph tensor's value on one sample (graph inputs included), by name.
 
     With `candidate` (the lowered model, whose FP16 ops onnxruntime's CPU may lack), the
-    values are `model`'s, plus those of the Casts the lowering added, cast in numpy.
+    values are `model`'s, plus those of the Casts and Identities the lowering added.
     """
     from npuprep.runtime.session import make_session, run
 
@@ -96,9 +96,13 @@ def reference_values(model: onnx.ModelProto, feed: Feed,
     values = {**{k: np.asarray(v) for k, v in feed.items()},
               **run(make_session(exposed, optimize=False), dict(feed))}
     for node in topological_order(candidate.graph) if candidate is not None else ():
-        if node.op_type == "Cast" and node.input[0] in values and node.output[0] not in values:
-            to = helper.tensor_dtype_to_np_dtype(int(attribute(node, "to")))
-            values[node.output[0]] = values[node.input[0]].astype(to)
+        if node.op_type not in ("Cast", "Identity") or node.input[0] not in values \
+                or node.output[0] in values:
+            continue
+        value = values[node.input[0]]
+        if node.op_type == "Cast":
+            value = value.astype(helper.tensor_dtype_to_np_dtype(int(attribute(node, "to"))))
+        values[node.output[0]] = value
     return values
 
 
