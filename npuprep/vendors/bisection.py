@@ -27,7 +27,7 @@ from onnx import helper, numpy_helper
 
 from npuprep.graph import node_label, node_reads, tensor_types, topological_order
 
-# Quoted names and bracketed lists: the same failure names other tensors in a part.
+# Quoted names, bracketed lists and numbers: the same failure names other tensors in a part.
 _NAMES = re.compile(r"'[^']*'|\"[^\"]*\"|\[[^\]]*\]|\d+")
 # Ops whose value follows from the (fixed) input sizes alone.
 _SHAPE_OPS = frozenset({"Shape", "Size", "Constant", "ConstantOfShape"})
@@ -107,7 +107,7 @@ def bisect(model: onnx.ModelProto, failure: Attempt, values: Mapping[str, np.nda
         if builds >= max_builds:
             raise _OutOfBuilds
         part = cutter.part([order[i] for i in keep])
-        if part is None:
+        if part is None:  # a cut with no reference value: such a part is not tried
             return False
         builds += 1
         got = build(*part)

@@ -1,7 +1,7 @@
 """When the vendor tool refuses or crashes: bisect to the nodes, rewrite them where an exact rewrite exists, retry.
 
     rknn-toolkit2 crashes in build -> parts built one by one (npuprep.vendors.bisection)
-        -> "rknn-toolkit2 crashes in build on node X (op Y): ..." -> exact rewrite of X -> build again
+        -> "rknn-toolkit2 build crashes (SIGSEGV) on node X (op Y)" -> exact rewrite of X -> build again
 
 The parts are fed one sample's reference values (onnxruntime, every main-graph tensor). An
 exact rewrite exists for some ops the toolkit cannot take: an If (its branches computed in
@@ -22,7 +22,7 @@ import onnx
 from onnx import helper
 
 from npuprep.data import Feed
-from npuprep.graph import attribute, node_label, topological_order
+from npuprep.graph import attribute, consumers, node_label, topological_order
 from npuprep.vendors.bisection import Attempt, Bisection, Build, bisect
 
 # Each branch is computed whether taken or not: exact, and the only form the toolkit takes.
@@ -145,8 +145,6 @@ def bisect_vendor(model: onnx.ModelProto, feed: Feed, failure: Attempt, build: B
 
 def _inputs_only_in_branches(model: onnx.ModelProto, found: Bisection) -> str:
     """`graph inputs a, b are read only inside If_0's branches`, for a control-flow node found."""
-    from npuprep.graph import consumers
-
     flows = {node_label(n): n for n in model.graph.node
              if node_label(n) in found.nodes and n.op_type in ("If", "Loop", "Scan")}
     readers = consumers(model.graph)
