@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -191,3 +192,21 @@ def test_the_real_toolkit_crash_on_a_stepped_rotation_is_found_and_rewritten(rkn
     assert found and [n.op_type for n in found.fixed.graph.node] == ["Gather"]
     np.testing.assert_array_equal(run(make_session(found.fixed), feed)["y"],
                                   run(make_session(model), feed)["y"])
+
+
+def test_convert_verify_with_writes_the_rewritten_model_the_vendor_builds(fake_vendor, tmp_path):
+    from tests.conftest import run_cli
+
+    path, data = tmp_path / "flip.onnx", tmp_path / "data"
+    onnx.save(model_from_text(FLIP), str(path))
+    data.mkdir()
+    for i in range(4):
+        np.savez(data / f"s{i}.npz", x=_feed()["x"] * (i + 1))
+    done = run_cli("convert", path, "--target", "rk3588", "--data", data, "--verify-with", "rknn",
+                   "--vendor-python", fake_vendor, "-o", tmp_path / "out.onnx")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "build crashes (SIGSEGV) on node node_of_hi (op Slice)" in " ".join(done.stdout.split())
+    written = onnx.load(str(tmp_path / "out.onnx"))
+    assert not any(n.op_type == "Slice" for n in written.graph.node)
+    vendor = json.loads((tmp_path / "out.report.json").read_text())["vendor"]
+    assert vendor["passed"] and vendor["bisection"]["retry"]["ok"]
