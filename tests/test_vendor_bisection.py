@@ -210,3 +210,30 @@ def test_convert_verify_with_writes_the_rewritten_model_the_vendor_builds(fake_v
     assert not any(n.op_type == "Slice" for n in written.graph.node)
     vendor = json.loads((tmp_path / "out.report.json").read_text())["vendor"]
     assert vendor["passed"] and vendor["bisection"]["retry"]["ok"]
+
+
+# c, x -> If(c, then: Relu(x), else: Neg(x)) -> y: x is read only inside the branches
+BRANCHES = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (bool c, float[2,3] x) => (float[2,3] y) {
+  y = If (c) <then_branch = g1 () => (float[2,3] t) { t = Relu(x) },
+              else_branch = g2 () => (float[2,3] e) { e = Neg(x) }>
+}
+"""
+
+
+def test_a_refused_if_is_named_with_its_inputs_and_computed_as_where(fake_vendor, monkeypatch):
+    monkeypatch.setenv("FAKE_RKNN_REFUSE_OP", "If")
+    model = model_from_text(BRANCHES)
+    feed = {"c": np.array(False), "x": _feed((2, 3))["x"]}
+    build = rknn_build(fake_vendor)
+    failure = build(model, feed)
+    assert failure.stage == "load_onnx" and "is invalid" in failure.said
+    found = bisect_vendor(model, feed, failure, build)
+    assert found.bisection.ops == ("If",)
+    assert found.lines[0].startswith("rknn-toolkit2 load_onnx refuses node node_of_y (op If): ")
+    assert found.lines[1] == "graph input x is read only inside node_of_y's branches"
+    assert found and "Where" in [n.op_type for n in found.fixed.graph.node]
+    for c in (False, True):
+        np.testing.assert_array_equal(run(make_session(found.fixed), {**feed, "c": np.array(c)})["y"],
+                                      run(make_session(model), {**feed, "c": np.array(c)})["y"])
