@@ -22,6 +22,7 @@ import onnx
 from onnx import helper
 
 from npuprep.data import Feed
+from npuprep.errors import NpuprepError
 from npuprep.graph import attribute, consumers, node_label, topological_order
 from npuprep.vendors.bisection import Attempt, Bisection, Build, bisect
 
@@ -71,8 +72,11 @@ def rknn_build(python: str | Path | None = None, target_platform: str = "rk3588"
     from npuprep.vendors.rockchip import run_rknn
 
     def build(part: onnx.ModelProto, feed: dict[str, np.ndarray]) -> Attempt:
-        done = run_rknn(part, [feed], python=python, target_platform=target_platform,
-                        timeout=timeout)
+        try:
+            done = run_rknn(part, [feed], python=python, target_platform=target_platform,
+                            timeout=timeout)
+        except NpuprepError as exc:  # a part past the time limit fails another way
+            return Attempt(False, "npuprep", str(exc))
         return Attempt(done.ok, done.stage, done.refusal)
 
     return build
