@@ -149,16 +149,19 @@ def _vendor_build(args: argparse.Namespace, model: Any) -> dict[str, Any]:
     """MODEL built by the vendor tool on one sample (--data's first, else a synthetic one);
     a refusal or crash bisected to its nodes (npuprep.verify.vendor_bisect)."""
     from npuprep.cli.common import open_samples, synthetic_from_args
+    from npuprep.vendors.bisection import Attempt
+    from npuprep.vendors.rockchip import run_rknn
     from npuprep.verify.vendor_bisect import bisect_vendor, rknn_build
 
     samples = open_samples(args, model.proto) or synthetic_from_args(args, model.proto, 1)
     feed = next(iter(samples))
     platform = "rk3588"  # the platform `convert --verify-with rknn` builds for
-    build = rknn_build(args.vendor_python, platform)
-    first = build(model.proto, {k: v for k, v in feed.items()})
-    if first:
+    # The whole model first, where a vendor python that is not one is the user's error (exit 2).
+    done = run_rknn(model.proto, [dict(feed)], python=args.vendor_python, target_platform=platform)
+    if done:
         return {"built": True, "lines": [f"rknn-toolkit2 builds the model for {platform}"]}
-    found = bisect_vendor(model.proto, feed, first, build)
+    found = bisect_vendor(model.proto, feed, Attempt(False, done.stage, done.refusal),
+                          rknn_build(args.vendor_python, platform))
     return {"built": False, **found.to_dict()}
 
 
