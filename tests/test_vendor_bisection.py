@@ -237,3 +237,14 @@ def test_a_refused_if_is_named_with_its_inputs_and_computed_as_where(fake_vendor
     for c in (False, True):
         np.testing.assert_array_equal(run(make_session(found.fixed), {**feed, "c": np.array(c)})["y"],
                                       run(make_session(model), {**feed, "c": np.array(c)})["y"])
+
+
+def test_check_vendor_with_a_python_that_is_not_there_is_one_line_and_exit_2(tmp_path):
+    from tests.conftest import run_cli
+
+    path = tmp_path / "flip.onnx"
+    onnx.save(model_from_text(FLIP), str(path))
+    done = run_cli("check", path, "--target", "rk3588", "--vendor", "rknn",
+                   "--vendor-python", tmp_path / "missing")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "--vendor-python" in done.stderr and "is not a file" in done.stderr
