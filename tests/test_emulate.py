@@ -285,27 +285,36 @@ def test_emulation_of_a_safe_graph_matches_the_real_fp16_lowering():
 @pytest.mark.parametrize(("fmt", "saturate"), [(FP16, False), (FP16, True), (E4M3, True)])
 def test_weights_rounded_in_the_graph_give_the_same_numbers_and_keep_the_initialisers(fmt, saturate):
     # x -> MatMul(x, W)[mm] -> h -> Add(h, W2)[add, pinned] -> y ; W2 also read by mm2: h2 = x @ W2
+    # ; Gather(E, ids) -> g ; Max(x, M) -> m (ops that only move or select: their outputs round)
     rng = np.random.default_rng(3)
     w = (rng.standard_normal((4, 4)) * 300).astype(np.float32)  # beyond E4M3's 448 once multiplied
     w2 = rng.standard_normal((4, 4)).astype(np.float32) * 1.001
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
          helper.make_node("Add", ["h", "W2"], ["y"], name="add"),
-         helper.make_node("MatMul", ["x", "W2"], ["h2"], name="mm2")],
+         helper.make_node("MatMul", ["x", "W2"], ["h2"], name="mm2"),
+         helper.make_node("Gather", ["E", "ids"], ["g"], name="lookup"),
+         helper.make_node("Max", ["x", "M"], ["m"], name="max")],
         "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4]),
-         helper.make_tensor_value_info("h2", TensorProto.FLOAT, [4, 4])],
-        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(w2, "W2")])
+         helper.make_tensor_value_info("h2", TensorProto.FLOAT, [4, 4]),
+         helper.make_tensor_value_info("g", TensorProto.FLOAT, [3, 4]),
+         helper.make_tensor_value_info("m", TensorProto.FLOAT, [4, 4])],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(w2, "W2"),
+         numpy_helper.from_array((rng.standard_normal((8, 4)) * 300).astype(np.float32), "E"),
+         numpy_helper.from_array(np.array([1, 5, 7], dtype=np.int64), "ids"),
+         numpy_helper.from_array((rng.standard_normal((4, 4)) * 1.001).astype(np.float32), "M")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
     copies = emulate(model, fmt, saturate=saturate, pinned_nodes=["add"])
     in_graph = emulate(model, fmt, saturate=saturate, pinned_nodes=["add"], weights_in_graph=True)
     assert [i.SerializeToString() for i in in_graph.model.graph.initializer] == \
         [i.SerializeToString() for i in model.graph.initializer]
-    assert set(in_graph.rounded_weights) == set(copies.rounded_weights) == {"W", "W2"}
+    assert set(in_graph.rounded_weights) == set(copies.rounded_weights) == {"W", "W2", "E", "M"}
     feed = {"x": rng.standard_normal((4, 4)).astype(np.float32)}
     a, b = run_model(copies.model, feed), run_model(in_graph.model, feed)
-    for name in ("y", "h2"):
+    for name in ("y", "h2", "g", "m"):
         np.testing.assert_array_equal(a[name], b[name])
+    assert not np.array_equal(b["g"], numpy_helper.to_array(model.graph.initializer[2])[[1, 5, 7]])
 
 
 def test_a_lowered_models_large_weights_are_widened_by_a_cast_and_emulate_the_same():

@@ -10,11 +10,11 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from npuprep.graph import node_label, tensor_types, walk_graphs
+from npuprep.graph import node_label, tensor_nbytes, tensor_types, to_array, walk_graphs
 from npuprep.numerics import NumberFormat
 from npuprep.verify.emulate import Emulation, emulate
 
-# Low-format initialisers above this size are widened by a Cast node rather than a wide copy.
+# Low-format initialisers of at least this size are widened by a Cast node rather than a wide copy.
 _CAST_IN_GRAPH_BYTES = 1 << 16
 
 
@@ -36,7 +36,7 @@ def emulate_lowered(model: onnx.ModelProto, fmt: NumberFormat, *, saturate: bool
         for init in g.initializer:
             if init.data_type != low:
                 continue
-            if scope.is_main and init.ByteSize() > _CAST_IN_GRAPH_BYTES and init.name not in io_names:
+            if scope.is_main and tensor_nbytes(init) >= _CAST_IN_GRAPH_BYTES and init.name not in io_names:
                 # Large weights stay stored in the low format and are widened by a Cast at
                 # run time: no FP32 copy of them is ever made.
                 stored = init.name + "__stored"
@@ -45,7 +45,7 @@ def emulate_lowered(model: onnx.ModelProto, fmt: NumberFormat, *, saturate: bool
                 init.name = stored
             else:
                 init.CopyFrom(numpy_helper.from_array(
-                    numpy_helper.to_array(init).astype("float32"), init.name))
+                    to_array(init).astype("float32"), init.name))
         for vi in list(g.input) + list(g.output) + list(g.value_info):
             tt = vi.type.tensor_type
             if tt.elem_type == low:
@@ -61,7 +61,19 @@ def emulate_lowered(model: onnx.ModelProto, fmt: NumberFormat, *, saturate: bool
                         and attr.t.data_type == low:
                     attr.t.CopyFrom(numpy_helper.from_array(
                         numpy_helper.to_array(attr.t).astype("float32"), attr.t.name))
-    nodes = widened + list(wide.graph.node)
+    # Each Cast right before its first reader: a session running nodes in this order holds
+    # one widened weight at a time.
+    first_reader = {c.output[0]: 0 for c in widened}  # read only in a body: first of all
+    for index, node in reversed(list(enumerate(wide.graph.node))):
+        for name in node.input:
+            if name in first_reader:
+                first_reader[name] = index
+    # (reversed: the lowest index a name is read at is the one that stays)
+    nodes = list(wide.graph.node)
+    for cast in sorted(widened, key=lambda c: -first_reader[c.output[0]]):
+        nodes.insert(first_reader[cast.output[0]], cast)
     del wide.graph.node[:]
     wide.graph.node.extend(nodes)
-    return emulate(wide, fmt, saturate=saturate, pinned_nodes=high_nodes | {n.name for n in widened})
+    # Weights rounded in the graph: a kept-FP32 table or weight is never copied to be rounded.
+    return emulate(wide, fmt, saturate=saturate, pinned_nodes=high_nodes | {n.name for n in widened},
+                   weights_in_graph=True)
