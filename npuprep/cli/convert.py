@@ -184,6 +184,8 @@ def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, p
         vendor = _vendor_check(args, model, result, list(samples), paths, files,
                                (list(calibration), list(holdout or samples))) \
             if args.verify_with else None
+        if vendor is not None and vendor.fixed_model is not None:
+            result = _with_vendor_fix(result, vendor)
     report = stage_conversion(result, paths, files, vendor, resources=watch.to_dict())
     from npuprep.report.cause import failure_cause
 
@@ -240,14 +242,23 @@ def _vendor_check(args: argparse.Namespace, model: Any, result: Any, samples: li
     else:
         check = vendor_check(model.proto, result.lowered.model, samples, vendor=args.verify_with,
                              python=args.vendor_python, rtol=args.rtol,
-                             host_scales=getattr(result, "host_scales", None))
+                             host_scales=getattr(result, "host_scales", None), bisect=True)
     report_path = paths["vendor_error_analysis"]
     if check.accuracy_report:
         files.text(report_path, check.accuracy_report)
     else:
         del paths["vendor_error_analysis"]  # the report names only files of its set
-    return with_layers(check, _as_model(result.lowered.model, paths["model"]), result.profile,
-                       str(report_path))
+    built = check.fixed_model if check.fixed_model is not None else result.lowered.model
+    return with_layers(check, _as_model(built, paths["model"]), result.profile, str(report_path))
+
+
+def _with_vendor_fix(result: Any, vendor: Any) -> Any:
+    """The conversion with the exact rewrite that made the vendor tool build it (verify.vendor_bisect)."""
+    from dataclasses import replace
+
+    lines = vendor.bisection["lines"]
+    return replace(result, lowered=replace(result.lowered, model=vendor.fixed_model),
+                   notes=(*result.notes, f"{lines[0]}; {'; '.join(lines[1:])} (the model written)"))
 
 
 def _as_model(proto: Any, output: Path) -> Any:
@@ -331,18 +342,23 @@ def _where(action: Any) -> str:
 
 
 def _print_vendor(vendor: dict[str, Any] | None) -> None:
-    from npuprep.cli.common import print_table
+    from npuprep.cli.common import print_table, say
 
     if vendor is None:
         return
     name = f"rknn-toolkit2's simulator ({vendor['target_platform']})"
     if not vendor["built"]:
+        # A rewrite that made it build is a note of the conversion instead.
+        for line in (vendor.get("bisection") or {}).get("lines", ()):
+            say(line)
         print(f"{name} refused the converted model in {vendor['stage']}: {vendor['refusal']}")
         return
+    from npuprep.plan.host_scale import factor_words
+
     scales = vendor["host_scales"]
     print_table(f"Outputs in {name}", ["output", "Inf/NaN", "max abs err", "rel L2", "host scale"],
                 [(k, o["nonfinite"], o["max_abs_error"], o["rel_l2"],
-                  f"x{scales[k]:g}" if k in scales else "")
+                  f"x{factor_words(scales[k])}" if k in scales else "")
                  for k, o in vendor["outputs"].items()])
     layers = vendor.get("layers")
     if layers and layers["non_finite"]:
