@@ -441,12 +441,13 @@ def _print_summary(report: dict[str, Any], io_types: str = "fp32") -> None:
     # is only where it shows.
     source = (f"largest own share '{traced[0]['node']}' ({percent(traced[0]['share'])} of it), "
               f"first seen at '{first['node']}'" if traced and first else
-              f"first divergent node '{first['node']}'" if first else "")
+              f"first divergent node '{first['node']}'" if first else
+              "no single layer is over the tolerance under the layer-by-layer emulation")
+    overflowed = any((first or {}).get(k) for k in ("inf_count", "nan_count", "saturated_count"))
     precision = (f"outputs off by rel L2 {number(worst)} with no Inf/NaN ({report['precision'].upper()} precision; "
                  f"--top-k or --rtol are yours): {source}"
-                 if first and finite and not any(first.get(k) for k in
-                                                 ("inf_count", "nan_count", "saturated_count"))
-                 else "")
+                 if finite and not overflowed
+                 and (first or not (outputs_ok or report.get("failure_cause"))) else "")
     if precision:
         _say_where_the_error_sits(report)
     verdict = "PASSED" if report["passed"] else (
