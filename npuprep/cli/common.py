@@ -289,12 +289,13 @@ def say(text: str = "", *, always: bool = False) -> None:
 
 
 def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]],
-                cut_end: Sequence[str] = ()) -> None:
-    """A plain aligned table within OUTPUT.width (names shortened in the middle, the `cut_end`
-    columns at the end), greppable when piped; nothing with -q."""
+                cut_end: Sequence[str] = (), wrap: Sequence[str] = ()) -> None:
+    """A plain aligned table within OUTPUT.width (names keep the part that differs, the
+    `cut_end` columns are cut at the end, the `wrap` columns' sentences wrap), greppable when
+    piped; nothing with -q."""
     if OUTPUT.quiet:
         return
-    sys.stdout.write("\n".join(table_lines(title, columns, rows, OUTPUT.width, cut_end)) + "\n")
+    sys.stdout.write("\n".join(table_lines(title, columns, rows, OUTPUT.width, cut_end, wrap)) + "\n")
 
 
 def fmt(v: Any) -> str:

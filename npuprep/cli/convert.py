@@ -381,7 +381,7 @@ def _print_summary(report: dict[str, Any], io_types: str = "fp32") -> None:
         listed, left = capped(rows, 20, out().show_all)
         print_table(f"Actions ({len(rows)}; why: -v or the report)" if not full else "Actions",
                     ["#", "action", "where", "reason", *(["why"] if full else [])], listed,
-                    cut_end=("reason", "why"))
+                    cut_end=("reason",), wrap=("why",))
         if left:
             say(f"... and {left} more actions (--show-all)")
     for key, title in (("verification", "Outputs under emulated target numerics"),
@@ -403,7 +403,7 @@ def _print_summary(report: dict[str, Any], io_types: str = "fp32") -> None:
         print_table("FP32 islands, costliest first", ["nodes", "FLOPs", "share", "why"],
                     [(_nodes(i["nodes"]), number(i["flops"]),
                       percent(i["flops"] / max(share["total_flops"], 1)), i["why"])
-                     for i in capped(share["islands"], 5, out().show_all)[0]], cut_end=("why",))
+                     for i in capped(share["islands"], 5, out().show_all)[0]], wrap=("why",))
         if (left := capped(share["islands"], 5, out().show_all)[1]):
             say(f"... and {left} more FP32 islands (--show-all, or the report)")
     eight = report.get("eight_bit")
