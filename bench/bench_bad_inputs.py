@@ -84,6 +84,38 @@ def _m(w: Path) -> None:
     relu(w / "m.onnx")
 
 
+def odd(path: Path, kind: str) -> Path:
+    """x -> one odd node -> y: `domain` (com.microsoft Gelu), `if` (an If on a constant),
+    `nan` (Add of a NaN weight), `empty` (no node: y is x), `uint8` (a uint8 input, Cast)."""
+    x = h.make_tensor_value_info("x", T.UINT8 if kind == "uint8" else T.FLOAT, [1, 4])
+    y = h.make_tensor_value_info("y", T.FLOAT, [1, 4])
+    inits, opsets = [], [h.make_opsetid("", 17)]
+    if kind == "domain":
+        nodes = [h.make_node("Gelu", ["x"], ["y"], domain="com.microsoft")]
+        opsets.append(h.make_opsetid("com.microsoft", 1))
+    elif kind == "if":
+        inits = [nh.from_array(np.array(True), "c")]
+        branch = h.make_graph([h.make_node("Relu", ["x"], ["r"])], "b", [], [h.make_tensor_value_info("r", T.FLOAT, [1, 4])])
+        nodes = [h.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=branch)]
+    elif kind == "nan":
+        inits = [nh.from_array(np.full((1, 4), np.nan, np.float32), "w")]
+        nodes = [h.make_node("Add", ["x", "w"], ["y"])]
+    elif kind == "empty":
+        nodes, y = [], h.make_tensor_value_info("x", T.FLOAT, [1, 4])
+    else:
+        nodes = [h.make_node("Cast", ["x"], ["y"], to=T.FLOAT)]
+    onnx.save(h.make_model(h.make_graph(nodes, "g", [x], [y], inits), opset_imports=opsets), path)
+    return path
+
+
+def _plan_of_another(w: Path) -> None:
+    _m(w)
+    relu(w / "other.onnx", name="other", out="z")
+    subprocess.run([sys.executable, "-m", "npuprep", "convert", "other.onnx", "-t", "generic", "--synthetic",
+                    "2", "--plan-only", "-o", "other.plan.yaml"], cwd=w, capture_output=True, check=True)
+    (w / "r.csv").write_text("node,precision\nrelu,fp16\n")
+
+
 def _ex(w: Path) -> None:
     shutil.copy(example_model_path(), w / "ex.onnx")
     shutil.copytree(example_data_dir(), w / "D")
@@ -150,7 +182,20 @@ def cases() -> list[Case]:
         Case("models", "dynamic dim 1e10", ["check", "d.onnx", "-t", "generic", "--synthetic", "1",
                                             "--input-shape", "x:1x10000000000"],
              lambda w: relu(w / "d.onnx", dims=(1, "n"))),
+        *(Case("models", f"odd: {k}", ["convert", f"{k}.onnx", "-t", "generic", "--synthetic", "2"],
+               lambda w, k=k: odd(w / f"{k}.onnx", k), may_work=True)
+          for k in ("domain", "if", "nan", "empty", "uint8")),
         # -- flags
+        Case("flags", "top-k past the classes", [*conv, "--top-k", "y:10"], _m),
+        Case("flags", "io-types target", [*conv, "--io-types", "target"], _m, may_work=True),
+        Case("flags", "crosscheck foreign plan", ["crosscheck", "m.onnx", "--report", "r.csv", "-t", "generic", "--plan",
+                                                  "other.plan.yaml"], _plan_of_another),
+        Case("flags", "vendor-python prints garbage", ["convert", "m.onnx", "-t", "rk3588", "--synthetic", "2",
+                                                       "--verify-with", "rknn", "--vendor-python", "v.sh"],
+             lambda w: (_m(w), (w / "v.sh").write_text("#!/bin/sh\necho garbage\n"), os.chmod(w / "v.sh", 0o755))),
+        Case("flags", "vendor-python plain python", ["convert", "m.onnx", "-t", "rk3588", "--synthetic", "2",
+                                                     "--verify-with", "rknn", "--vendor-python", sys.executable],
+             _m),
         Case("flags", "input-range bad form", [*check, "--synthetic", "1", "--input-range", "x:1"], _m),
         Case("flags", "input-range unknown", [*check, "--synthetic", "1", "--input-range", "q:0:1"], _m),
         Case("flags", "input-range lo>hi", [*check, "--synthetic", "1", "--input-range", "x:5:1"], _m),
@@ -224,9 +269,9 @@ def cases() -> list[Case]:
              lambda w: (w / "F").mkdir()),
         Case("files", "stats merge garbage", ["stats", "merge", "a.json", "b.json", "-o", "s.json"],
              lambda w: ((w / "a.json").write_text("{}"), (w / "b.json").write_text("[]"))),
-        Case("files", "crosscheck report garbage", ["crosscheck", "m.onnx", "r.csv", "-t", "generic"],
+        Case("files", "crosscheck report garbage", ["crosscheck", "m.onnx", "--report", "r.csv", "-t", "generic"],
              _write("r.csv", "\x00\x01\x02")),
-        Case("files", "crosscheck empty csv", ["crosscheck", "m.onnx", "r.csv", "-t", "generic"],
+        Case("files", "crosscheck empty csv", ["crosscheck", "m.onnx", "--report", "r.csv", "-t", "generic"],
              _write("r.csv", "")),
         Case("files", "checklist garbage stats", ["checklist", "m.onnx", "-t", "generic", "--stats", "s.json"],
              _write("s.json", "{")),
