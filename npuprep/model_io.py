@@ -17,10 +17,10 @@ from typing import Literal
 
 import numpy as np
 import onnx
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from npuprep.errors import NpuprepError
-from npuprep.graph import is_anchored, read_in
+from npuprep.graph import copy_fields, is_anchored, read_in
 
 # Protobuf cannot serialise a message of 2 GiB or more; such models keep weights outside.
 PROTOBUF_LIMIT = 2**31 - 1
@@ -539,16 +539,16 @@ def write_model_files(
                          if is_anchored(t))
     if external_data is None:
         external_data = proto.ByteSize() + anchored_bytes > PROTOBUF_LIMIT - 64 * 2**20
+    if not external_data:
+        if anchored_bytes:
+            _write_streamed(proto, tmp_model)
+        else:
+            write_bytes(tmp_model, proto.SerializeToString(deterministic=True))
+        return False
     model = onnx.ModelProto()
     model.CopyFrom(proto)
     tensors = [t for t in onnx.external_data_helper._get_all_tensors(model)
-               if is_anchored(t) or (external_data and t.HasField("raw_data")
-                                     and len(t.raw_data) >= EXTERNAL_MIN_BYTES)]
-    if not external_data:
-        for tensor in tensors:
-            tensor.CopyFrom(read_in(tensor))
-        write_bytes(tmp_model, model.SerializeToString(deterministic=True))
-        return False
+               if is_anchored(t) or (t.HasField("raw_data") and len(t.raw_data) >= EXTERNAL_MIN_BYTES)]
     with open(tmp_data, "wb") as fh:
         for tensor in tensors:
             # Each tensor starts on a page boundary, so a reader can map it in place.
@@ -566,6 +566,67 @@ def write_model_files(
         os.fsync(fh.fileno())
     write_bytes(tmp_model, model.SerializeToString(deterministic=True))
     return True
+
+
+def _write_streamed(proto: onnx.ModelProto, path: Path) -> None:
+    """`proto` as one file with every anchored tensor's bytes inline, written one
+    initialiser at a time: neither the whole model nor its serialised copy is ever in
+    memory. The bytes are those of proto.SerializeToString(deterministic=True) with the
+    values read in: fields in number order, the graph's initialisers between its fields
+    below and above theirs."""
+    holder = onnx.ModelProto()
+    copy_fields(proto.graph, holder.graph, skip="initializer")
+    for tensor in onnx.external_data_helper._get_all_tensors(holder):
+        if is_anchored(tensor):  # a body's or an attribute's tensor: small, read in
+            tensor.CopyFrom(read_in(tensor))
+    graph_lo, graph_hi = _split_fields(holder.graph, _GRAPH_INITIALIZER)
+    model_lo, model_hi = _split_fields(proto, _MODEL_GRAPH)
+    sizes = [_inline_size(init) for init in proto.graph.initializer]
+    graph_len = len(graph_lo) + len(graph_hi) + sum(1 + len(_varint_bytes(n)) + n for n in sizes)
+    with open(path, "wb") as fh:
+        fh.write(model_lo)
+        fh.write(_varint_bytes(_MODEL_GRAPH << 3 | 2) + _varint_bytes(graph_len))
+        fh.write(graph_lo)
+        for init, size in zip(proto.graph.initializer, sizes, strict=True):
+            data = (read_in(init) if is_anchored(init) else init).SerializeToString(deterministic=True)
+            assert len(data) == size, (init.name, len(data), size)
+            fh.write(_varint_bytes(_GRAPH_INITIALIZER << 3 | 2) + _varint_bytes(size))
+            fh.write(data)
+            del data
+        fh.write(graph_hi)
+        fh.write(model_hi)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _split_fields(message: Message, number: int) -> tuple[bytes, bytes]:
+    """The deterministic serialisation of `message`'s fields numbered below `number` and
+    above it (`number` itself left out: the caller writes it)."""
+    low, high = type(message)(), type(message)()
+    for desc, value in message.ListFields():
+        if desc.number == number:
+            continue
+        target = low if desc.number < number else high
+        field = getattr(target, desc.name)
+        if hasattr(value, "extend"):
+            field.extend(value)
+        elif hasattr(value, "CopyFrom"):
+            field.CopyFrom(value)
+        else:
+            setattr(target, desc.name, value)
+    return low.SerializeToString(deterministic=True), high.SerializeToString(deterministic=True)
+
+
+def _inline_size(tensor: onnx.TensorProto) -> int:
+    """Serialised size of `tensor` with an anchored tensor's bytes inline, not reading them."""
+    if not is_anchored(tensor):
+        return tensor.ByteSize()
+    meta = onnx.TensorProto()
+    meta.CopyFrom(tensor)
+    meta.ClearField("data_location")
+    del meta.external_data[:]
+    n = _anchored_length(tensor)
+    return meta.ByteSize() + 1 + len(_varint_bytes(n)) + n  # raw_data: one tag byte, length, bytes
 
 
 # Tensors of at least this many bytes go to the data file (onnx.save_model's threshold

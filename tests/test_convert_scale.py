@@ -178,3 +178,19 @@ def test_a_budget_turns_off_the_memory_for_speed_trades(monkeypatch):
     assert not folds_weight_casts(model)
     assert resources.parse_size("3.5GiB", "--max-memory") == int(3.5 * 2**30)
     assert resources.parse_size("800M", "--max-memory") == 800 * 2**20
+
+
+def test_an_anchored_model_written_in_one_file_parses_to_its_values(tmp_path):
+    # the MLP anchored, one initialiser inline (b) -> one .onnx file streamed -> onnx.load == values read in
+    from npuprep.graph import with_values
+
+    _, path = _mlp(tmp_path)
+    light = anchored(load_model(path, weights="file")).proto
+    light.graph.initializer.append(numpy_helper.from_array(np.arange(3, dtype=np.float32), "b"))
+    out = tmp_path / "one.onnx"
+    assert not write_model_files(light, out, tmp_path / "unused.data", "unused.data",
+                                 external_data=False)
+    written = onnx.load(str(out))
+    assert written.SerializeToString(deterministic=True) == \
+        with_values(light).SerializeToString(deterministic=True)
+    onnx.checker.check_model(written, full_check=True)

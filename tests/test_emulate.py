@@ -338,3 +338,29 @@ def test_a_lowered_models_large_weights_are_widened_by_a_cast_and_emulate_the_sa
     expected = (x.astype(np.float16).astype(np.float32) @ w.astype(np.float32)).astype(np.float16)
     np.testing.assert_allclose(run_model(emulation, {"x": x})["y"], expected.astype(np.float32),
                                rtol=2e-3, atol=2e-3)
+
+
+def test_a_lowered_lookup_widens_the_rows_it_reads_not_its_table():
+    # ids -> Gather(T:fp16 256x256, 128 KiB) -> e16 -> Mul(e16, e16) -> y16 -> Cast -> y
+    from npuprep.verify.widen import emulate_lowered
+
+    rng = np.random.default_rng(9)
+    table = (rng.standard_normal((256, 256)) * 200).astype(np.float16)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["T", "ids"], ["e16"], name="lookup"),
+         helper.make_node("Mul", ["e16", "e16"], ["y16"], name="square"),
+         helper.make_node("Cast", ["y16"], ["y"], to=TensorProto.FLOAT, name="out_cast")],
+        "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 256])],
+        [numpy_helper.from_array(table, "T")])
+    lowered = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    emulation = emulate_lowered(lowered, FP16, saturate=False).model
+    assert {i.name: i.data_type for i in emulation.graph.initializer} == {"T": TensorProto.FLOAT16}
+    assert not any(n.op_type == "Cast" and n.input[0] == "T" for n in emulation.graph.node)
+    ids = np.array([0, 7, 255], dtype=np.int64)
+    got = run_model(emulation, {"ids": ids})["y"]
+    rows = table[ids].astype(np.float32)
+    with np.errstate(over="ignore"):
+        want = (rows * rows).astype(np.float16).astype(np.float32)  # overflows to Inf past 65504
+    np.testing.assert_array_equal(got, want)
+    assert np.isinf(got).any()

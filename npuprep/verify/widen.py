@@ -30,13 +30,26 @@ def emulate_lowered(model: onnx.ModelProto, fmt: NumberFormat, *, saturate: bool
     wide.CopyFrom(model)
     high_nodes: set[str] = set()
     widened: list[onnx.NodeProto] = []
+    widened_after: dict[str, list[onnx.NodeProto]] = {}  # reader label -> Casts of its outputs
     io_names = {vi.name for vi in list(model.graph.input) + list(model.graph.output)}
+    lookups = _lookup_readers(wide.graph, types, low)
     for scope in walk_graphs(wide.graph):
         g = scope.graph
         for init in g.initializer:
             if init.data_type != low:
                 continue
-            if scope.is_main and tensor_nbytes(init) >= _CAST_IN_GRAPH_BYTES and init.name not in io_names:
+            big = scope.is_main and tensor_nbytes(init) >= _CAST_IN_GRAPH_BYTES and init.name not in io_names
+            if big and init.name in lookups:
+                # Read only by ops that move values (an embedding Gather): they read the
+                # stored table and their outputs are widened, so a lookup widens its rows,
+                # not the whole table on every run.
+                for reader in lookups[init.name]:
+                    for pos, out in enumerate(reader.output):
+                        reader.output[pos] = f"{out}__stored"
+                        widened_after.setdefault(node_label(reader), []).append(helper.make_node(
+                            "Cast", [f"{out}__stored"], [out], to=TensorProto.FLOAT, name=f"widen_{out}"))
+                continue
+            if big:
                 # Large weights stay stored in the low format and are widened by a Cast at
                 # run time: no FP32 copy of them is ever made.
                 stored = init.name + "__stored"
@@ -72,6 +85,37 @@ def emulate_lowered(model: onnx.ModelProto, fmt: NumberFormat, *, saturate: bool
     nodes = list(wide.graph.node)
     for cast in sorted(widened, key=lambda c: -first_reader[c.output[0]]):
         nodes.insert(first_reader[cast.output[0]], cast)
+    ordered = [m for n in nodes for m in (n, *widened_after.get(node_label(n), ()))]
     del wide.graph.node[:]
-    wide.graph.node.extend(nodes)
-    return emulate(wide, fmt, saturate=saturate, pinned_nodes=high_nodes | {n.name for n in widened})
+    wide.graph.node.extend(ordered)
+    casts = {n.name for n in widened} | {c.name for cs in widened_after.values() for c in cs}
+    # Weights rounded in the graph: a kept-FP32 table or weight is never copied to be rounded.
+    return emulate(wide, fmt, saturate=saturate, pinned_nodes=high_nodes | casts,
+                   weights_in_graph=True)
+
+
+# Ops whose first input is the only float one and whose outputs are values of it.
+_LOOKUP_OPS = frozenset({"Gather", "GatherElements", "GatherND", "Slice", "Reshape", "Transpose",
+                         "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+
+
+def _lookup_readers(graph: onnx.GraphProto, types: dict[str, int],
+                    low: int) -> dict[str, list[onnx.NodeProto]]:
+    """Main-graph initialisers stored in `low` whose every reader is a _LOOKUP_OPS node
+    reading it as its first input only (and no body reads it), with those readers."""
+    from npuprep.graph import _captured_names
+
+    inits = {i.name for i in graph.initializer if i.data_type == low}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    barred: set[str] = set()
+    for node in graph.node:
+        barred |= _captured_names(node) & inits
+        for pos, name in enumerate(node.input):
+            if name not in inits:
+                continue
+            if pos != 0 or node.op_type not in _LOOKUP_OPS or \
+                    not all(types.get(o) == low for o in node.output if o):
+                barred.add(name)
+            else:
+                readers.setdefault(name, []).append(node)
+    return {name: nodes for name, nodes in readers.items() if name not in barred}
