@@ -191,7 +191,7 @@ def _print_eight_bit(plan: Any) -> None:
     if wider:
         print_table(f"Kept wider than {plan.precision} (the plan's eight_bit list)",
                     ["node", "runs in", "why"], [(x.node, x.precision, x.why) for x in wider],
-                    cut_end=("why",))
+                    wrap=("why",))
     say(f"{plan.precision}: {len(layers) - len(wider)} Conv/MatMul/Gemm layer(s) in 8 bits, "
         f"{len(wider)} node(s) kept wider")
 

@@ -412,7 +412,7 @@ def _print_summary(report: dict[str, Any], io_types: str = "fp32") -> None:
         listed, left = capped(rows, 20, out().show_all)
         print_table(f"Actions ({len(rows)}; why: -v or the report)" if not full else "Actions",
                     ["#", "action", "where", "reason", *(["why"] if full else [])], listed,
-                    cut_end=("reason", "why"))
+                    cut_end=("reason",), wrap=("why",))
         if left:
             say(f"... and {left} more actions (--show-all)")
     for key, title in (("verification", "Outputs under emulated target numerics"),
@@ -434,7 +434,7 @@ def _print_summary(report: dict[str, Any], io_types: str = "fp32") -> None:
         print_table("FP32 islands, costliest first", ["nodes", "FLOPs", "share", "why"],
                     [(_nodes(i["nodes"]), number(i["flops"]),
                       percent(i["flops"] / max(share["total_flops"], 1)), i["why"])
-                     for i in capped(share["islands"], 5, out().show_all)[0]], cut_end=("why",))
+                     for i in capped(share["islands"], 5, out().show_all)[0]], wrap=("why",))
         if (left := capped(share["islands"], 5, out().show_all)[1]):
             say(f"... and {left} more FP32 islands (--show-all, or the report)")
     eight = report.get("eight_bit")
@@ -472,12 +472,13 @@ def _print_summary(report: dict[str, Any], io_types: str = "fp32") -> None:
     # is only where it shows.
     source = (f"largest own share '{traced[0]['node']}' ({percent(traced[0]['share'])} of it), "
               f"first seen at '{first['node']}'" if traced and first else
-              f"first divergent node '{first['node']}'" if first else "")
+              f"first divergent node '{first['node']}'" if first else
+              "no single layer is over the tolerance under the layer-by-layer emulation")
+    overflowed = any((first or {}).get(k) for k in ("inf_count", "nan_count", "saturated_count"))
     precision = (f"outputs off by rel L2 {number(worst)} with no Inf/NaN ({report['precision'].upper()} precision; "
                  f"--top-k or --rtol are yours): {source}"
-                 if first and finite and not any(first.get(k) for k in
-                                                 ("inf_count", "nan_count", "saturated_count"))
-                 else "")
+                 if finite and not overflowed
+                 and (first or not (outputs_ok or report.get("failure_cause"))) else "")
     if precision:
         _say_where_the_error_sits(report)
     verdict = "PASSED" if report["passed"] else (

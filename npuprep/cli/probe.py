@@ -217,6 +217,8 @@ def _run_local(args: argparse.Namespace) -> int:
         "note": _note(args, profile, fmt_), "basis": basis,
         "data": _data_said(args, model.proto) if args.model else "",
     }
+    if (downstream := _shown_downstream(layer)) is not None:
+        doc["overall"] = _overall_with_downstream(results, downstream)
     if args.write_profile:
         from npuprep.probe.kit import write_profile
 
@@ -289,6 +291,29 @@ def _classify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shown_downstream(layer: Any) -> dict[str, Any] | None:
+    """Where the amplified layer's own output stays in range (its weights allow no larger
+    gain) but a tensor after it overflows: that tensor's behaviour, which is the probe's
+    finding. None when the layer itself overflowed, nothing did, or the model overflows
+    without the probe."""
+    from npuprep.probe.classify import Verdict
+
+    first = None if layer is None else layer.first_shows
+    if not first or layer.pre_existing or layer.verdict != Verdict.NO_OVERFLOW:
+        return None
+    return first if Verdict(first["verdict"]).conclusive else None
+
+
+def _overall_with_downstream(results: list[Any], downstream: dict[str, Any]) -> dict[str, Any]:
+    """The overall verdict with the layer probe judged where its overflow shows."""
+    from npuprep.probe.classify import Verdict, overall
+
+    name = f"layer (downstream, at {downstream['tensor']})"
+    verdicts = [(name, Verdict(downstream["verdict"]))]
+    verdicts += [(r.name, r.classification.verdict) for r in results[1:]]
+    return overall(verdicts).to_dict()
+
+
 def _show(args: argparse.Namespace, doc: dict[str, Any], layer: Any) -> None:
     if args.json:
         print_json(doc)
@@ -301,7 +326,8 @@ def _show(args: argparse.Namespace, doc: dict[str, Any], layer: Any) -> None:
     for p in doc["probes"]:
         pair = p["pairs"][0] if p["pairs"] else None
         evidence = f"{fmt(pair['reference'])} -> {fmt(pair['observed'])}" if pair else ""
-        verdict = p["verdict"] + (" (wider)" if p["wider"] else "") + (" (assumed)" if assumed else "")
+        verdict = ("in range" if p["name"] == "layer" and _shown_downstream(layer) else p["verdict"]) \
+            + (" (wider)" if p["wider"] else "") + (" (assumed)" if assumed else "")
         rows.append((p["name"], p["unit"], verdict, p["counts"]["over"], evidence,
                      *([p["reason"]] if full else [])))
     print_table(f"Overflow probe: {doc.get('target', '')} {doc['format']} on {doc['backend']}, "
@@ -311,6 +337,9 @@ def _show(args: argparse.Namespace, doc: dict[str, Any], layer: Any) -> None:
         first = layer.first_shows
         where = (f"first shows at tensor '{first['tensor']}' ({first['op_type']} '{first['node']}'): "
                  f"{first['verdict']}") if first else "no tensor shows an overflow behaviour"
+        if _shown_downstream(layer):
+            where = (f"its own output stays in range (max |x| {fmt(layer.result.classification.reference_absmax)}"
+                     f" < {fmt(doc['threshold'])}); the overflow {where.replace('first shows', 'shows downstream')}")
         say(f"layer '{layer.layer.node}' x{layer.gain:g} (max gain {fmt(layer.max_gain)}); {where}")
         pre = layer.pre_existing
         if pre:
