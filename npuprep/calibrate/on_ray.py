@@ -137,22 +137,24 @@ def _join(ray: Any, address: str | None) -> None:
 
 def _shutdown(ray: Any) -> None:
     """ray.shutdown with SIGINT and SIGTERM held until it returns: a signal inside it stopped
-    Ray's core halfway, and its own threads then ended the process with exit 1. Delivered
+    Ray's core halfway, and its own threads then ended the process with exit 1. Sent again
     after, the signal ends the run as anywhere else (one line, 130/143)."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    main = threading.current_thread() is threading.main_thread()
-    if main:
-        handlers = {s: signal.getsignal(s) for s in held}
-        signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    if threading.current_thread() is not threading.main_thread():
+        ray.shutdown()
+        return
+    held: list[int] = []
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for sig in handlers:
+        signal.signal(sig, lambda signum, frame: held.append(signum))
     try:
         ray.shutdown()
     finally:
-        if main:
-            # Ray's shutdown puts back the handlers it found at its start: ours come first.
-            for sig, handler in handlers.items():
-                if handler is not None:
-                    signal.signal(sig, handler)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+        # Ray's shutdown may put back handlers of its own: the caller's come first.
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+        for signum in dict.fromkeys(held):
+            os.kill(os.getpid(), signum)
 
 
 @contextlib.contextmanager
