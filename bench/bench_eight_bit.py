@@ -54,6 +54,8 @@ def npuprep(precision: str, model: Path, entry: Path, out: Path, decided: tuple[
            str(entry / "heldout"), "-o", str(out), "--json", "--export", "none",
            *(a for o in decided for a in ("--top-k", f"{o}:1"))]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    # convert's own report (its plan, what it kept wider and why) beside the model.
+    out.with_suffix(".convert.json").write_text(done.stdout)
     if not out.exists():
         return (done.stderr.strip().splitlines() or ["no output"])[-1]
     return ""

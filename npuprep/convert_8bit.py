@@ -67,6 +67,7 @@ def convert_8bit(
     from npuprep.rewrite.lower import Lowered
     from npuprep.verify.compare import DEFAULT_ATOL, compare_models
     from npuprep.verify.eight_bit import (
+        balance_outliers,
         eight_bit_nodes,
         on_target,
         quantise,
@@ -94,11 +95,23 @@ def convert_8bit(
     pinned = plan.pinned_nodes() | set(applied.fp32_nodes)
     base = with_opset(applied.model, eight)
     layers = plan.eight_bit or decide(base, stats, eight, pinned, scale_rule)
+    notes = list(flow_notes)
+    balanced: dict[str, tuple[str, float]] = {}
+    if not eight.is_float:
+        # FP8 keeps its relative precision across channels; INT8's one scale does not.
+        stage("balancing outlier channels into the weights")
+        found = balance_outliers(work.proto, base, eight_bit_nodes(layers, eight), stats, eight,
+                                 samples, saturate=True, rule=scale_rule,
+                                 tensor_scales=applied.tensor_scales)
+        base, stats, balanced = found.model, found.stats, found.tensors
+        if balanced:
+            notes.append(f"{len(balanced)} INT8 MatMul input(s) with outlier channels (up to "
+                         f"{max(r for _, r in balanced.values()):.3g}x the median channel) divided "
+                         "per channel, their weights multiplied (SmoothQuant)")
     macs = _macs(base, samples)
     # INT8 QuantizeLinear always clamps; FP8 saturates only where the profile says the
     # hardware does (unknown is the loud case: NaN past 448).
     saturate = bool(profile.fp8_saturate) if eight.is_float else True
-    notes = list(flow_notes)
     if eight.is_float and not saturate and scale_rule != "absmax":
         notes.append(f"scale rule {scale_rule} -> absmax: {profile.name} does not saturate FP8 "
                      "(fp8_saturate), so a clipped value would be NaN")
@@ -192,6 +205,7 @@ def convert_8bit(
             "mac_share": shares, "min_8bit_share": min_8bit_share,
             "sensitivity": [s.to_dict() for s in ranking], "kept_wider": widened,
             "kept_wider_cost": _cost(widened, macs),
+            "balanced": {x: {"tensor": xs, "outlier_ratio": r} for x, (xs, r) in balanced.items()},
             "input_shapes": {k: list(v) for k, v in sample_shapes(samples).items()},
         },
     )

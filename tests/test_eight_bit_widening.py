@@ -141,3 +141,56 @@ def test_an_fp8_model_whose_weights_reach_onnxruntime_as_arrays_runs():
     qdq = quantise(proto, ["mm"], calibrate(model, feeds, detail="all"), fp8, saturate=True).model
     ref, got = (run(make_session(m), feeds[0])["y"] for m in (proto, qdq))
     assert _rel_l2(ref, got) < 5e-2
+
+
+# x (channel 0 up to 40, the others up to 1) -> MatMul(W) -> y
+OUTLIER = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[32, 16] x) => (float[32, 8] y) { [mm] y = MatMul (x, W) }
+"""
+
+
+def _outlier_feeds(outlier: float) -> list[dict[str, np.ndarray]]:
+    feeds = []
+    for _ in range(4):
+        x = RNG.uniform(-1, 1, (32, 16)).astype(np.float32)
+        x[:, 0] *= outlier
+        feeds.append({"x": x})
+    return feeds
+
+
+def test_an_int8_matmul_input_with_an_outlier_channel_is_balanced_into_the_weight(tmp_path):
+    from npuprep.convert_8bit import convert_8bit
+    from npuprep.profiles import load_profile
+
+    proto = _model(OUTLIER, {"W": RNG.standard_normal((16, 8))})
+    path = tmp_path / "m.onnx"
+    onnx.save(proto, path)
+    model = Model(proto=proto, path=str(path), digest=fingerprint(proto))
+    feeds = _outlier_feeds(40.0)
+    stats = calibrate(model, feeds, detail="all")
+    result = convert_8bit(model, load_profile("a2000"), feeds, precision="int8", stats=stats,
+                          rtol=5e-2, holdout=_outlier_feeds(40.0))
+    assert result.eight_bit["balanced"]["x"]["outlier_ratio"] > 20
+    qdq = result.lowered.model
+    assert any(n.op_type == "Mul" and n.input[0] == "x" for n in qdq.graph.node)
+    # One scale for x would leave channels 1..15 about three INT8 levels.
+    plain = quantise(proto, ["mm"], stats, INT8, saturate=True).model
+    ref = run(make_session(proto), feeds[0])["y"]
+    ours = run(make_session(qdq), feeds[0])["y"]
+    assert _rel_l2(ref, ours) < 0.5 * _rel_l2(ref, run(make_session(plain), feeds[0])["y"])
+    assert result.passed and result.eight_bit["mac_share"]["int8"] == 1.0
+
+
+def test_an_input_without_outlier_channels_is_left_alone():
+    from npuprep.rewrite.smooth import smooth
+    from npuprep.verify.eight_bit import balance_outliers
+
+    proto = _model(OUTLIER, {"W": RNG.standard_normal((16, 8))})
+    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+    feeds = _outlier_feeds(1.0)
+    stats = calibrate(model, feeds, detail="all")
+    found = balance_outliers(proto, proto, ["mm"], stats, INT8, feeds, saturate=True)
+    assert found.tensors == {} and found.model is proto
+    declined = smooth(proto, {"x": np.ones(16, np.float32)}, {"x": ["mm"]})
+    assert not declined and "no MatMul input" in declined.reason

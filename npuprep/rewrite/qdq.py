@@ -102,8 +102,8 @@ def insert_qdq(model: onnx.ModelProto, nodes: Mapping[str, Mapping[str, Activati
     if not done:
         return RewriteResult(model, False, "no node could be quantised", {"declined": declined})
     g.node.extend(new_nodes)
-    _sort(g)
-    _drop_unused_weights(g)
+    sort_nodes(g)
+    drop_unused_weights(g)
     return RewriteResult(out, True, f"{len(done)} node(s) quantised to {fmt.name}",
                          {"quantised": done, "declined": declined})
 
@@ -146,7 +146,7 @@ def _zero(name: str, fmt: EightBitFormat, shape: tuple[int, ...], *, unsigned: b
     return numpy_helper.from_array(np.zeros(shape, np.uint8 if unsigned else np.int8), name)
 
 
-def _drop_unused_weights(g: onnx.GraphProto) -> None:
+def drop_unused_weights(g: onnx.GraphProto) -> None:
     """FP32 weights every consumer of which now reads the 8-bit copy leave the file."""
     from npuprep.graph import walk_graphs
 
@@ -158,7 +158,7 @@ def _drop_unused_weights(g: onnx.GraphProto) -> None:
         g.initializer.extend(kept)
 
 
-def _sort(g: onnx.GraphProto) -> None:
+def sort_nodes(g: onnx.GraphProto) -> None:
     """Order the graph's nodes so each comes after the producers of its inputs."""
     from npuprep.graph import topological_order
 

@@ -9,15 +9,16 @@ of them wider undoes the cancellation (alone, each looks like the worst layer).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import onnx
 
 from npuprep.calibrate.scales import DEFAULT_RULE, clip_for
+from npuprep.calibrate.stats import RangeStats
 from npuprep.data import Feed
-from npuprep.graph import node_label
+from npuprep.graph import constant_value, node_label
 from npuprep.numerics import EightBitFormat, NumberFormat
 from npuprep.opsets import model_opset, upgrade_opset
 from npuprep.plan.eight_bit import LayerPrecision, activation_inputs
@@ -25,6 +26,9 @@ from npuprep.rewrite.qdq import ActivationScale, insert_qdq
 from npuprep.rewrite.result import RewriteResult
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+# An INT8 MatMul input whose largest channel reaches this many times its median channel has
+# outlier channels worth balancing into the weight (npuprep.rewrite.smooth).
+OUTLIER_RATIO = 4.0
 # Samples each one-layer run is measured on: the ranking needs an order, not a verdict.
 RANK_SAMPLES = 4
 
@@ -77,6 +81,90 @@ def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: Any, fmt: Eigh
     return insert_qdq(model, wanted, fmt, saturate=saturate)
 
 
+@dataclass(frozen=True)
+class Balanced:
+    """The model with outlier channels balanced into weights, its stats (with the new tensors),
+    and the tensors balanced: x -> (x / s, largest / median channel abs-max)."""
+
+    model: onnx.ModelProto
+    stats: Any
+    tensors: dict[str, tuple[str, float]]
+
+
+def balance_outliers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
+                     stats: Any, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
+                     rule: str = DEFAULT_RULE, tensor_scales: Mapping[str, float] | None = None,
+                     headroom: float = 1.0) -> Balanced:
+    """The INT8 MatMuls among `nodes` whose input has outlier channels read it divided by s
+    per channel, their weights multiplied by it (npuprep.rewrite.smooth), where that lowers
+    the error of those MatMuls quantised alone: a channel whose outliers are a few rare
+    values is better served by the clip of `rule`, which the balanced tensor (abs-max only)
+    cannot place."""
+    from npuprep.calibrate.channels import channel_absmax
+    from npuprep.rewrite.smooth import smooth, smoothable, smoothing_factors
+
+    g = model.graph
+    wanted = set(nodes)
+    readers: dict[str, list[str]] = {}
+    for node in g.node:
+        if node_label(node) in wanted and smoothable(g, node) and node.input[0] in stats.tensors:
+            readers.setdefault(node.input[0], []).append(node_label(node))
+    per_channel = channel_absmax(model, list(readers), samples)
+    weights = {node_label(n): constant_value(g, n.input[1]) for n in g.node
+               if node_label(n) in wanted}
+    factors, ratios = {}, {}
+    for x, found in per_channel.items():
+        top = found.max(axis=0)
+        ratio = float(top.max() / max(float(np.median(top)), 1e-12))
+        if ratio >= OUTLIER_RATIO:
+            factors[x] = smoothing_factors(top, [weights[n] for n in readers[x]])
+            ratios[x] = ratio
+    every = smooth(model, factors, readers)
+    if not every:
+        return Balanced(model, stats, {})
+    tensors = dict(stats.tensors)
+    for x, xs in dict(every.details["smoothed"]).items():
+        tensors[xs] = _divided(stats.tensors[x], xs, per_channel[x] / factors[x])
+    balanced_stats = replace(stats, tensors=tensors)
+    error = _errors(reference, samples)
+    kept = {x: s for x, s in factors.items()
+            if error(quantise(every.model, readers[x], balanced_stats, fmt, saturate=saturate,
+                              rule=rule, tensor_scales=tensor_scales, headroom=headroom).model)
+            < error(quantise(model, readers[x], stats, fmt, saturate=saturate, rule=rule,
+                             tensor_scales=tensor_scales, headroom=headroom).model)}
+    done = smooth(model, kept, readers)
+    if not done:
+        return Balanced(model, stats, {})
+    smoothed = dict(done.details["smoothed"])
+    return Balanced(done.model, balanced_stats, {x: (xs, ratios[x]) for x, xs in smoothed.items()})
+
+
+def _errors(reference: onnx.ModelProto, samples: Sequence[Feed]) -> Any:
+    """A function: model -> its outputs' pooled rel L2 against `reference` on RANK_SAMPLES."""
+    from npuprep.runtime.session import make_session, run
+
+    feeds = list(samples)[:RANK_SAMPLES]
+    ref_session = make_session(reference)
+    refs = [run(ref_session, f) for f in feeds]
+    del ref_session
+
+    def error(model: onnx.ModelProto) -> float:
+        session = make_session(model)
+        return _pooled_rel_l2(refs, [run(session, f) for f in feeds])
+
+    return error
+
+
+def _divided(r: RangeStats, name: str, per_channel: np.ndarray) -> RangeStats:
+    """Stats of x / s from x's and the per-sample, per-channel abs-max of x / s: abs-max only
+    (no histogram, so a histogram rule reads the abs-max)."""
+    per_sample = per_channel.max(axis=1)
+    top = float(per_sample.max())
+    return replace(r, tensor=name, min=0.0 if r.min >= 0 else -top, max=top, absmax=top,
+                   exp_hist={}, over={}, under={}, zero_count=0, detailed_count=0,
+                   per_sample_absmax=tuple(float(v) for v in per_sample), seen_in=None)
+
+
 def on_target(qdq: onnx.ModelProto, wide: NumberFormat, pinned_nodes: Iterable[str], *,
               saturate: bool) -> onnx.ModelProto:
     """What the board computes: the QDQ model with every tensor outside the pinned nodes
@@ -97,18 +185,12 @@ def rank_layers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Seque
                 tensor_scales: Mapping[str, float] | None = None,
                 headroom: float = 1.0) -> list[Sensitivity]:
     """Each of `nodes` kept wider while the others are quantised, the largest gain first."""
-    from npuprep.runtime.session import make_session, run
-
-    feeds = list(samples)[:RANK_SAMPLES]
-    ref_session = make_session(reference)
-    refs = [run(ref_session, f) for f in feeds]
-    del ref_session
+    measure = _errors(reference, samples)
 
     def error(quantised: Sequence[str]) -> float:
         built = quantise(model, quantised, stats, fmt, saturate=saturate, rule=rule,
                          tensor_scales=tensor_scales, headroom=headroom)
-        session = make_session(built.model if built else model)
-        return _pooled_rel_l2(refs, [run(session, f) for f in feeds])
+        return measure(built.model if built else model)
 
     every = error(nodes)
     found = []
