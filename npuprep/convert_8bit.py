@@ -4,10 +4,12 @@ The artefact is the rewritten FP32 model with QuantizeLinear/DequantizeLinear at
 multiply-adds (npuprep.rewrite.qdq); the rest stays FP32 in the file, for the compiler to
 run in its wider format. Verification runs that QDQ model itself in onnxruntime (QDQ is
 exact ONNX semantics), with every tensor outside the pins rounded to the target's FP16 where
-its profile has one (what the board computes). When the outputs fail, the 8-bit layers are
-ranked by what keeping each wider gains and the best are kept wider, while the 8-bit share
-of the multiply-adds stays at or above `min_8bit_share`. The widening aims at
-JUDGE_MARGIN x rtol on the calibration samples: their scales fit them, unseen samples err more.
+its profile has one (what the board computes). INT8 MatMul inputs with outlier channels are
+balanced into their weights first, where that measures better (npuprep.rewrite.smooth). When
+the outputs fail, the 8-bit layers are ranked by what keeping each wider gains per
+multiply-add, and the best are kept wider while the 8-bit share of the multiply-adds stays at
+or above `min_8bit_share`. The widening aims at JUDGE_MARGIN x rtol on the calibration
+samples: their scales fit them, unseen samples err more.
 """
 
 from __future__ import annotations
@@ -146,6 +148,8 @@ def convert_8bit(
         ranking = rank_layers(work.proto, base, eight_bit_nodes(layers, eight), stats, eight,
                               samples, saturate=saturate, rule=scale_rule,
                               tensor_scales=applied.tensor_scales, headroom=headroom)
+        # What each layer gains per multiply-add it takes out of 8 bits: the share buys most.
+        ranking.sort(key=lambda s: -s.gain / max(macs.get(s.node, 0), 1))
         count, done = 1, 0
         first = layers
         while not judged(check) and rounds <= MAX_WIDEN_ROUNDS and done < count <= len(ranking):

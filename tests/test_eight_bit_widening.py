@@ -194,3 +194,21 @@ def test_an_input_without_outlier_channels_is_left_alone():
     assert found.tensors == {} and found.model is proto
     declined = smooth(proto, {"x": np.ones(16, np.float32)}, {"x": ["mm"]})
     assert not declined and "no MatMul input" in declined.reason
+
+
+def test_a_gelu_like_input_gets_uint8_with_a_zero_point_and_less_error_than_symmetric_int8():
+    proto = _model(ONE, {"W": RNG.standard_normal((8, 4))})
+    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+    # GELU outputs: down to about -0.17, up to several units.
+    feeds = []
+    for _ in range(4):
+        x = RNG.standard_normal((16, 8)).astype(np.float32) * 2
+        feeds.append({"x": (x * 0.5 * (1 + np.tanh(0.8 * x))).astype(np.float32)})
+    stats = calibrate(model, feeds, detail="all")
+    qdq = quantise(proto, ["mm"], stats, INT8, saturate=True, rule="absmax").model
+    zp = next(i for i in qdq.graph.initializer if i.name == "x_zp8")
+    assert zp.data_type == onnx.TensorProto.UINT8 and 0 < numpy_helper.to_array(zp) < 20
+    step = numpy_helper.to_array(next(i for i in qdq.graph.initializer if i.name == "x_scale8"))
+    assert step < 0.6 * clip_for(stats.tensors["x"], INT8, "absmax", extrapolate=True).value / 127
+    ref, got = (run(make_session(m), feeds[0])["y"] for m in (proto, qdq))
+    assert _rel_l2(ref, got) < 2e-2

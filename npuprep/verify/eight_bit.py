@@ -3,7 +3,10 @@ gains: every other layer quantised, this one not, run in onnxruntime, rel L2 of 
 
 Leaving one layer out of the full 8-bit model, rather than quantising it alone, sees errors
 that cancel: the two branches of a classifier-free guidance err alike, and keeping only one
-of them wider undoes the cancellation (alone, each looks like the worst layer).
+of them wider undoes the cancellation (alone, each looks like the worst layer). Also here:
+the INT8 activation scales (symmetric, or uint8 with a zero point for a skewed tensor), the
+outlier channels balanced into weights where that measures better, and the QDQ model as the
+board computes it (`on_target`: the wider layers in FP16).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from npuprep.rewrite.qdq import ActivationScale, insert_qdq
 from npuprep.rewrite.result import RewriteResult
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+# An INT8 activation reaching below zero by less than this share of its top is stored as
+# uint8 with a zero point (asymmetric), not as symmetric INT8.
+SKEWED = 0.25
 # An INT8 MatMul input whose largest channel reaches this many times its median channel has
 # outlier channels worth balancing into the weight (npuprep.rewrite.smooth).
 OUTLIER_RATIO = 4.0
@@ -74,9 +80,9 @@ def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: Any, fmt: Eigh
         scales = {}
         for name in activation_inputs(model.graph, node):
             r = stats.tensors[name]
-            unsigned = r.min >= 0 and not fmt.is_float
-            step = clip_for(r, fmt, rule, extrapolate=True).scale(fmt, unsigned=unsigned) * rescaled.get(name, 1.0) * headroom
-            scales[name] = ActivationScale(step, unsigned)
+            scales[name] = _activation_scale(r, clip_for(r, fmt, rule, extrapolate=True).value
+                                             * rescaled.get(name, 1.0) * headroom,
+                                             rescaled.get(name, 1.0) * headroom, fmt)
         wanted[label] = scales
     return insert_qdq(model, wanted, fmt, saturate=saturate)
 
@@ -177,6 +183,20 @@ def on_target(qdq: onnx.ModelProto, wide: NumberFormat, pinned_nodes: Iterable[s
         return qdq
     exact = {node_label(n) for n in qdq.graph.node if n.op_type in QDQ_OPS}
     return emulate(qdq, wide, saturate=saturate, pinned_nodes=exact | set(pinned_nodes)).model
+
+
+def _activation_scale(r: RangeStats, top: float, factor: float,
+                      fmt: EightBitFormat) -> ActivationScale:
+    """INT8 of [-top, top], or uint8 of [low, top] with a zero point where the tensor barely
+    goes negative (a GELU's -0.17): symmetric INT8 would spend half its levels there. `top`
+    is the clip; the measured minimum scales by `factor` like it."""
+    low = max(r.min * factor, -top)
+    if fmt.is_float or top <= 0 or low < -SKEWED * top:
+        return ActivationScale(top / fmt.qmax if top > 0 else 1.0)
+    if low >= 0:
+        return ActivationScale(top / 255.0, unsigned=True)
+    step = (top - low) / 255.0
+    return ActivationScale(step, unsigned=True, zero_point=int(round(-low / step)))
 
 
 def rank_layers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
