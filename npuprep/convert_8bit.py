@@ -5,10 +5,10 @@ multiply-adds (npuprep.rewrite.qdq); the rest stays FP32 in the file, for the co
 run in its wider format. Verification runs that QDQ model itself in onnxruntime (QDQ is
 exact ONNX semantics), with every tensor outside the pins rounded to the target's FP16 where
 its profile has one (what the board computes). INT8 MatMul inputs with outlier channels are
-balanced into their weights first, where that measures better (npuprep.rewrite.smooth). When
-the outputs fail, the 8-bit layers are ranked by what keeping each wider gains per
-multiply-add, and the best are kept wider while the 8-bit share of the multiply-adds stays at
-or above `min_8bit_share`. The widening aims at JUDGE_MARGIN x rtol on the calibration
+balanced into their weights first, and each INT8 activation takes the scale rule that
+measures best for it, where the rules' clips differ. When the outputs fail, the 8-bit layers
+are ranked by what keeping each wider gains, and the best are kept wider while the 8-bit
+share of the multiply-adds stays at or above `min_8bit_share`. The widening aims at JUDGE_MARGIN x rtol on the calibration
 samples: their scales fit them, unseen samples err more.
 """
 
@@ -70,6 +70,7 @@ def convert_8bit(
     from npuprep.verify.compare import DEFAULT_ATOL, compare_models
     from npuprep.verify.eight_bit import (
         balance_outliers,
+        choose_rules,
         eight_bit_nodes,
         on_target,
         quantise,
@@ -99,6 +100,7 @@ def convert_8bit(
     layers = plan.eight_bit or decide(base, stats, eight, pinned, scale_rule)
     notes = list(flow_notes)
     balanced: dict[str, tuple[str, float]] = {}
+    tensor_rules: dict[str, str] = {}
     if not eight.is_float:
         # FP8 keeps its relative precision across channels; INT8's one scale does not.
         stage("balancing outlier channels into the weights")
@@ -106,6 +108,10 @@ def convert_8bit(
                                  samples, saturate=True, rule=scale_rule,
                                  tensor_scales=applied.tensor_scales)
         base, stats, balanced = found.model, found.stats, found.tensors
+        stage("choosing each activation's scale rule by its measured error")
+        tensor_rules = choose_rules(work.proto, base, eight_bit_nodes(layers, eight), stats,
+                                    eight, samples, saturate=True,
+                                    tensor_scales=applied.tensor_scales)
         if balanced:
             notes.append(f"{len(balanced)} INT8 MatMul input(s) with outlier channels (up to "
                          f"{max(r for _, r in balanced.values()):.3g}x the median channel) divided "
@@ -130,7 +136,8 @@ def convert_8bit(
 
     def build(chosen: Sequence[LayerPrecision]) -> tuple[Any, OutputCheck]:
         qdq = quantise(base, eight_bit_nodes(chosen, eight), stats, eight, saturate=saturate,
-                       rule=scale_rule, tensor_scales=applied.tensor_scales, headroom=headroom)
+                       rule=scale_rule, tensor_scales=applied.tensor_scales, headroom=headroom,
+                       tensor_rules=tensor_rules)
         built = qdq.model
         check = check_outputs(work.proto, built, wide, samples, saturate=saturate, rtol=rtol,
                               emulated=on_target(built, wide, pins(chosen), saturate=saturate),
@@ -142,14 +149,13 @@ def convert_8bit(
 
     stage(f"quantising to {eight.name}")
     built, check = build(layers)
-    rounds, ranking, widened = 1, [], []
+    rounds, ranking, widened, needs_more = 1, [], [], ""
     if not judged(check):
         stage("ranking the 8-bit layers by their own error")
         ranking = rank_layers(work.proto, base, eight_bit_nodes(layers, eight), stats, eight,
                               samples, saturate=saturate, rule=scale_rule,
-                              tensor_scales=applied.tensor_scales, headroom=headroom)
-        # What each layer gains per multiply-add it takes out of 8 bits: the share buys most.
-        ranking.sort(key=lambda s: -s.gain / max(macs.get(s.node, 0), 1))
+                              tensor_scales=applied.tensor_scales, headroom=headroom,
+                              tensor_rules=tensor_rules)
         count, done = 1, 0
         first = layers
         while not judged(check) and rounds <= MAX_WIDEN_ROUNDS and done < count <= len(ranking):
@@ -161,10 +167,10 @@ def convert_8bit(
                         >= min_8bit_share]
                 if not fits:
                     more = [s.node for s in ranking[done:count]]
-                    notes.append(f"the outputs need more than {eight.name} at {', '.join(more)} "
-                                 f"too ({_cost(more, macs):.1%} of the multiply-adds): that would "
-                                 f"leave less than {min_8bit_share:.0%} in 8 bits "
-                                 "(--min-8bit-share); stopped")
+                    needs_more = (f"the outputs need more than {eight.name} at {', '.join(more)} "
+                                  f"too ({_cost(more, macs):.1%} of the multiply-adds): that would "
+                                  f"leave less than {min_8bit_share:.0%} in 8 bits "
+                                  "(--min-8bit-share); stopped")
                     break
                 count = fits[0]
                 trial = _widen(first, ranking[:count], eight)
@@ -173,6 +179,8 @@ def convert_8bit(
             built, check = build(trial)
             layers, widened, done = trial, [s.node for s in ranking[:count]], count
             count = len(ranking) if count < len(ranking) < 2 * count else 2 * count
+    if needs_more and not check:
+        notes.append(needs_more)
     if opset is not None:
         from npuprep.opsets import convert_opset
 
@@ -209,6 +217,7 @@ def convert_8bit(
             "mac_share": shares, "min_8bit_share": min_8bit_share,
             "sensitivity": [s.to_dict() for s in ranking], "kept_wider": widened,
             "kept_wider_cost": _cost(widened, macs),
+            "tensor_rules": dict(sorted(tensor_rules.items())),
             "balanced": {x: {"tensor": xs, "outlier_ratio": r} for x, (xs, r) in balanced.items()},
             "input_shapes": {k: list(v) for k, v in sample_shapes(samples).items()},
         },

@@ -212,3 +212,24 @@ def test_a_gelu_like_input_gets_uint8_with_a_zero_point_and_less_error_than_symm
     assert step < 0.6 * clip_for(stats.tensors["x"], INT8, "absmax", extrapolate=True).value / 127
     ref, got = (run(make_session(m), feeds[0])["y"] for m in (proto, qdq))
     assert _rel_l2(ref, got) < 2e-2
+
+
+def test_each_activation_takes_the_scale_rule_with_the_least_measured_error():
+    from npuprep.verify.eight_bit import choose_rules
+
+    proto = _model(ONE, {"W": RNG.standard_normal((8, 4))})
+    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+    feeds = [{"x": RNG.standard_normal((16, 8)).astype(np.float32)} for _ in range(4)]
+    feeds[0]["x"][0, 0] = 60.0  # one outlier: abs-max, percentile and MSE clip differently
+    stats = calibrate(model, feeds, detail="all")
+    chosen = choose_rules(proto, proto, ["mm"], stats, INT8, feeds, saturate=True)
+    assert set(chosen) == {"x"}
+
+    def error(rule: str) -> float:
+        qdq = make_session(quantise(proto, ["mm"], stats, INT8, saturate=True, rule=rule).model)
+        ref = make_session(proto)
+        return sum(_rel_l2(run(ref, f)["y"], run(qdq, f)["y"]) ** 2 for f in feeds)
+
+    errors = {rule: error(rule) for rule in ("absmax", "percentile", "mse")}
+    assert errors[chosen["x"]] <= min(errors.values()) * 1.01
+    assert max(errors.values()) > 1.3 * min(errors.values())

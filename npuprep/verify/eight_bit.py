@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from npuprep.calibrate.scales import DEFAULT_RULE, clip_for
+from npuprep.calibrate.scales import DEFAULT_RULE, SCALE_RULES, clip_for
 from npuprep.calibrate.stats import RangeStats
 from npuprep.data import Feed
 from npuprep.graph import constant_value, node_label
@@ -66,10 +66,13 @@ def with_opset(model: onnx.ModelProto, fmt: EightBitFormat) -> onnx.ModelProto:
 
 def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: Any, fmt: EightBitFormat, *,
              saturate: bool, rule: str = DEFAULT_RULE,
-             tensor_scales: Mapping[str, float] | None = None, headroom: float = 1.0) -> RewriteResult:
-    """`model` (at a QDQ opset) with `nodes` quantised: activation scales by `rule` from `stats`;
-    a tensor the plan rescaled (`tensor_scales`: rewritten = s x measured) gets s x its clip,
-    and every clip is widened by `headroom` (values of the quantised model reach past FP32's)."""
+             tensor_scales: Mapping[str, float] | None = None, headroom: float = 1.0,
+             tensor_rules: Mapping[str, str] | None = None) -> RewriteResult:
+    """`model` (at a QDQ opset) with `nodes` quantised: activation scales by `rule` (or the
+    tensor's own in `tensor_rules`) from `stats`; a tensor the plan rescaled (`tensor_scales`:
+    rewritten = s x measured) gets s x its clip, and every clip is widened by `headroom`
+    (values of the quantised model reach past FP32's)."""
+    own = tensor_rules or {}
     rescaled = tensor_scales or {}
     by_label = {node_label(n): n for n in model.graph.node}
     wanted: dict[str, dict[str, ActivationScale]] = {}
@@ -80,7 +83,8 @@ def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: Any, fmt: Eigh
         scales = {}
         for name in activation_inputs(model.graph, node):
             r = stats.tensors[name]
-            scales[name] = _activation_scale(r, clip_for(r, fmt, rule, extrapolate=True).value
+            clip = clip_for(r, fmt, own.get(name, rule), extrapolate=True)
+            scales[name] = _activation_scale(r, clip.value
                                              * rescaled.get(name, 1.0) * headroom,
                                              rescaled.get(name, 1.0) * headroom, fmt)
         wanted[label] = scales
@@ -161,6 +165,32 @@ def _errors(reference: onnx.ModelProto, samples: Sequence[Feed]) -> Any:
     return error
 
 
+def choose_rules(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
+                 stats: Any, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
+                 tensor_scales: Mapping[str, float] | None = None) -> dict[str, str]:
+    """Per activation of `nodes` whose rules place different clips: the rule whose clip gives
+    the least output error with that tensor's 8-bit readers quantised alone."""
+    g = model.graph
+    readers: dict[str, list[str]] = {}
+    for node in g.node:
+        if node_label(node) in set(nodes):
+            for name in activation_inputs(g, node):
+                readers.setdefault(name, []).append(node_label(node))
+    error = _errors(reference, samples)
+    chosen = {}
+    for name, labels in readers.items():
+        clips: dict[float, str] = {}
+        for rule in SCALE_RULES:
+            clips.setdefault(clip_for(stats.tensors[name], fmt, rule).value, rule)
+        if len(clips) < 2:
+            continue
+        measured = {rule: error(quantise(model, labels, stats, fmt, saturate=saturate, rule=rule,
+                                         tensor_scales=tensor_scales).model)
+                    for rule in clips.values()}
+        chosen[name] = min(measured, key=lambda r: measured[r])
+    return chosen
+
+
 def _divided(r: RangeStats, name: str, per_channel: np.ndarray) -> RangeStats:
     """Stats of x / s from x's and the per-sample, per-channel abs-max of x / s: abs-max only
     (no histogram, so a histogram rule reads the abs-max)."""
@@ -203,13 +233,14 @@ def rank_layers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Seque
                 stats: Any, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
                 rule: str = DEFAULT_RULE,
                 tensor_scales: Mapping[str, float] | None = None,
-                headroom: float = 1.0) -> list[Sensitivity]:
+                headroom: float = 1.0,
+                tensor_rules: Mapping[str, str] | None = None) -> list[Sensitivity]:
     """Each of `nodes` kept wider while the others are quantised, the largest gain first."""
     measure = _errors(reference, samples)
 
     def error(quantised: Sequence[str]) -> float:
         built = quantise(model, quantised, stats, fmt, saturate=saturate, rule=rule,
-                         tensor_scales=tensor_scales, headroom=headroom)
+                         tensor_scales=tensor_scales, headroom=headroom, tensor_rules=tensor_rules)
         return measure(built.model if built else model)
 
     every = error(nodes)
