@@ -1,19 +1,26 @@
-"""convert at scale: a chain of width x width MatMul+Relu layers stored as external data.
+"""convert at scale: a chain of width x width MatMul+Relu layers stored as external data, and the
+227 MB-weight transformer of bench_calibrate, beside plain inference, calibration and AutoCast.
 
-Run: python bench/bench_convert_scale.py [--sizes 0.2,1,2.4] [--samples 4] [--out bench/_work/scale]
+Run: python bench/bench_convert_scale.py [--sizes 0.2,1,2.4] [--transformer] [--samples 4]
+     [--repeat 3] [--cpus 0,1] [--only plain,calibrate,convert,autocast] [--out bench/_work/scale]
 
-Per size (GB of weights): builds the model (bench/_work/scale/GB/model.onnx + model.onnx.data,
-kept between runs) and its samples, then times three whole processes, each with its peak RSS
-(ru_maxrss of the child): plain onnxruntime inference of the model on the samples, `npuprep
-calibrate`, and `npuprep convert --target a2000`. Writes OUT.md (the table for BENCHMARKS.md)
-and OUT.json. The machine must have the weights' size free on disk per model.
+Per model: builds it once (OUT/<name>/model.onnx + model.onnx.data, kept between runs) and its
+samples, then times whole processes, each with its peak RSS (ru_maxrss of the child), the
+median of --repeat runs: plain onnxruntime inference of the model on the samples, `npuprep
+calibrate`, `npuprep convert --target a2000`, and NVIDIA's AutoCast (nvidia-modelopt in its own
+venv, $NPUPREP_MODELOPT_PYTHON, default ~/.cache/npuprep/modelopt-venv; FP16 with the same
+samples as calibration data, keep_io_types, CPU). --cpus pins every process to those cores
+(taskset). Writes OUT/result.md (the table for BENCHMARKS.md) and OUT/result.json. The machine
+must have the weights' size free on disk per model.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -24,6 +31,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 HERE = Path(__file__).resolve().parent
+MODELOPT = Path(os.environ.get("NPUPREP_MODELOPT_PYTHON",
+                               Path.home() / ".cache/npuprep/modelopt-venv/bin/python"))
 PLAIN = """
 import sys, glob, numpy as np, onnxruntime as ort
 s = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
@@ -61,43 +70,101 @@ def build_chain(folder: Path, gigabytes: float, samples: int, batch: int = 1) ->
     return path
 
 
+def build_transformer_model(folder: Path, samples: int) -> Path:
+    """bench_calibrate's transformer (8 layers, d=768: 227 MB of FP32 weights) as external data,
+    and `samples` random inputs of shape [1, 128, 768]."""
+    path = folder / "model.onnx"
+    if path.is_file() and (folder / "calib").is_dir():
+        return path
+    sys.path.insert(0, str(HERE))
+    from bench_calibrate import build_transformer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(build_transformer(layers=8), str(path), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=1024)
+    rng = np.random.default_rng(0)
+    (folder / "calib").mkdir(exist_ok=True)
+    for i in range(samples):
+        np.savez(folder / "calib" / f"{i:03d}.npz", x=rng.standard_normal((1, 128, 768)).astype(np.float32))
+    return path
+
+
+def commands(what: str, model: Path, folder: Path) -> list[str] | None:
+    exe = Path(sys.executable).parent / "npuprep"
+    if what == "plain":
+        return [sys.executable, "-c", PLAIN, str(model), str(folder / "calib")]
+    if what == "calibrate":
+        return [str(exe), "calibrate", str(model), "--data", str(folder / "calib"), "-o", str(folder / "stats.json")]
+    if what == "convert":
+        return [str(exe), "convert", str(model), "-t", "a2000", "--data", str(folder / "calib"),
+                "-o", str(folder / "out" / "model.a2000.onnx"), "--export", "none"]
+    if what == "autocast" and MODELOPT.is_file():
+        return [str(MODELOPT), "-m", "modelopt.onnx.autocast", "--onnx_path", str(model),
+                "--output_path", str(folder / "out" / "model.autocast.onnx"), "--low_precision_type",
+                "fp16", "--calibration_data", str(folder / "calib"), "--keep_io_types", "--providers", "cpu"]
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", default="0.2,1,2.4")
+    ap.add_argument("--sizes", default="0.2,1,2.4", help="chain models, GB of weights ('' for none)")
+    ap.add_argument("--transformer", action="store_true", help="also the 227 MB transformer (16 samples)")
     ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--cpus", default="", help="taskset CPU list for every process, e.g. 0,1")
     ap.add_argument("--out", default=str(HERE / "_work" / "scale"))
-    ap.add_argument("--only", default="plain,calibrate,convert")
+    ap.add_argument("--only", default="plain,calibrate,convert,autocast")
     args = ap.parse_args()
     out = Path(args.out)
-    exe = Path(sys.executable).parent / "npuprep"
+    models = [(f"{size:g}GB", build_chain(out / f"{size:g}GB", size, args.samples))
+              for size in (float(s) for s in args.sizes.split(",") if s)]
+    if args.transformer:
+        models.append(("transformer", build_transformer_model(out / "transformer", 16)))
+    pin = ["taskset", "-c", args.cpus] if args.cpus else []
     rows = []
-    for size in (float(s) for s in args.sizes.split(",")):
-        folder = out / f"{size:g}GB"
-        model = build_chain(folder, size, args.samples)
+    for name, model in models:
+        folder = model.parent
         weights = (folder / "model.onnx.data").stat().st_size / 1e9
-        row: dict[str, object] = {"size_gb": round(weights, 2)}
-        # Each measurement in its own python so ru_maxrss is that process's alone.
+        row: dict[str, object] = {"model": name, "size_gb": round(weights, 3)}
         for what in args.only.split(","):
-            if what == "plain":
-                cmd = [sys.executable, "-c", PLAIN, str(model), str(folder / "calib")]
-            elif what == "calibrate":
-                cmd = [str(exe), "calibrate", str(model), "--data", str(folder / "calib"),
-                       "-o", str(folder / "stats.json")]
-            else:
-                cmd = [str(exe), "convert", str(model), "-t", "a2000", "--data", str(folder / "calib"),
-                       "-o", str(folder / "out" / "model.a2000.onnx"), "--export", "none"]
-            wrapper = [sys.executable, str(Path(__file__).resolve()), "--child", *cmd]
-            row[what] = json.loads(subprocess.run(wrapper, capture_output=True, text=True).stdout or "{}")
-            print(size, what, row[what], flush=True)
+            cmd = commands(what, model, folder)
+            if cmd is None:
+                row[what] = {"skipped": "no modelopt venv"}
+                continue
+            runs = []
+            # Each measurement in its own python so ru_maxrss is that process's alone.
+            for _ in range(args.repeat):
+                wrapper = [sys.executable, str(Path(__file__).resolve()), "--child", *pin, *cmd]
+                runs.append(json.loads(subprocess.run(wrapper, capture_output=True, text=True).stdout or "{}"))
+            if not all("seconds" in r for r in runs):
+                row[what] = {"skipped": "killed (out of memory?)"}
+                continue
+            row[what] = {"seconds": statistics.median(r["seconds"] for r in runs),
+                         "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
+                         "rc": runs[-1]["rc"], "stderr_tail": runs[-1]["stderr_tail"], "runs": runs}
+            print(name, what, {k: v for k, v in row[what].items() if k != "runs"}, flush=True)
         rows.append(row)
     (out / "result.json").write_text(json.dumps(rows, indent=1))
-    lines = ["| weights GB | plain s / MB | calibrate s / MB | convert s / MB (exit) |", "|---|---|---|---|"]
+    whats = [w for w in ("plain", "calibrate", "convert", "autocast") if w in args.only.split(",")]
+    lines = ["| model | weights GB | " + " | ".join(f"{w} s / MB" for w in whats)
+             + " | convert peak / plain | convert time / calibrate |",
+             "|---|---|" + "---|" * len(whats) + "---|---|"]
     for r in rows:
-        cells = [f"{r[w]['seconds']} / {r[w]['peak_rss_mb']}" + (f" ({r[w]['rc']})" if w == "convert" else "")
-                 if isinstance(r.get(w), dict) and r[w] else "-" for w in ("plain", "calibrate", "convert")]
-        lines.append(f"| {r['size_gb']} | " + " | ".join(cells) + " |")
+        cells = []
+        for w in whats:
+            m = r.get(w) or {}
+            cells.append(f"{m['seconds']:g} / {m['peak_rss_mb']:g}" + (f" (exit {m['rc']})" if m.get("rc") else "")
+                         if "seconds" in m else m.get("skipped", "-"))
+        lines.append(f"| {r['model']} | {r['size_gb']} | " + " | ".join(cells)
+                     + f" | {_ratio(r, 'convert', 'plain', 'peak_rss_mb')} | {_ratio(r, 'convert', 'calibrate', 'seconds')} |")
     (out / "result.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _ratio(row: dict, a: str, b: str, key: str) -> str:
+    if "seconds" in (row.get(a) or {}) and "seconds" in (row.get(b) or {}):
+        return f"{row[a][key] / row[b][key]:.2f}x"
+    return "-"
 
 
 def child(cmd: list[str]) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from npuprep.graph import copy_fields, infer_tensors, walk_graphs
+from npuprep.graph import copy_fields, infer_tensors, is_anchored, to_array, walk_graphs
 
 BF16 = TensorProto.BFLOAT16
 FLOAT = TensorProto.FLOAT
@@ -99,7 +99,7 @@ def widen_array(value: np.ndarray) -> np.ndarray:
 
 
 def _widened_tensor(tensor: onnx.TensorProto) -> onnx.TensorProto:
-    if tensor.data_location == TensorProto.EXTERNAL:
+    if tensor.data_location == TensorProto.EXTERNAL and not is_anchored(tensor):
         # A placeholder whose values reach onnxruntime as an array (widened by the caller).
         out = onnx.TensorProto()
         out.CopyFrom(tensor)
@@ -108,4 +108,4 @@ def _widened_tensor(tensor: onnx.TensorProto) -> onnx.TensorProto:
             if entry.key == "length":
                 entry.value = str(2 * int(entry.value))
         return out
-    return numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float32), tensor.name)
+    return numpy_helper.from_array(to_array(tensor).astype(np.float32), tensor.name)

@@ -26,7 +26,7 @@ from npuprep.analyse.finding import Findings
 from npuprep.data import Feed
 from npuprep.errors import NpuprepError
 from npuprep.ledger.ledger import build_ledger
-from npuprep.model_io import Model, fingerprint, with_weights
+from npuprep.model_io import Model, WeightScratch, anchored, fingerprint
 from npuprep.numerics import NumberFormat, eight_bit_format
 from npuprep.plan import Plan
 from npuprep.plan.planner import make_plan
@@ -38,10 +38,13 @@ from npuprep.rewrite.lower import lower
 from npuprep.rewrite.passes import prepare_for_target
 from npuprep.verify.compare import DEFAULT_ATOL, compare_models, emulation_notes
 from npuprep.verify.emulate import emulate
-from npuprep.verify.output_check import OutputCheck, check_outputs
+from npuprep.verify.output_check import OutputCheck, check_output_sets
 from npuprep.verify.pin_rounds import Build, PinRounds, sample_shapes
 
 SCHEMA_VERSION = 1
+# Models with at least this many bytes of weights keep their lowered weights in a scratch
+# file while they are verified (npuprep.model_io.WeightScratch), not in memory.
+SCRATCH_BYTES = 64 * 2**20
 DEFAULT_RTOL = 1e-2
 
 
@@ -206,8 +209,8 @@ def convert(
                            "npuprep.convert_8bit.convert_8bit writes its QDQ model")
     stage = progress or (lambda _: None)
     stage("findings")
-    # Rules read constants and the rewrite lowers every weight: a light model gets its values.
-    model = with_weights(model)
+    # Rules and rewrites read each weight from the user's file as they need it.
+    model = anchored(model)
     top_k = _checked_top_k(model, top_k)
     target = profile.resolve(precision)
     prepared, findings, plan = plan_for_target(model, target, stats, samples, plan, stage)
@@ -339,7 +342,8 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
     pinned |= {n for n, inp in applied.input_nodes.items() if not _fits_format(stats, inp, fmt)}
     lower_fmt = target.weights
     stage("lowering")
-    lowered = lower(applied.model, lower_fmt, pinned_nodes=sorted(pinned), io_types=io_types)
+    lowered = lower(applied.model, lower_fmt, pinned_nodes=sorted(pinned), io_types=io_types,
+                    scratch=WeightScratch() if _weight_bytes(applied.model) >= SCRATCH_BYTES else None)
     pinned |= set(lowered.pinned_nodes)
     if opset is not None:
         from npuprep.opsets import convert_opset
@@ -352,8 +356,9 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
     emulation = emulate(applied.model, fmt, saturate=saturate,
                         pinned_nodes=_folded_at_build(applied.model, lowered) if no_pin
                         else pinned | set(lowered.fp32_output_nodes), weights_in_graph=True)
+    reference: list[dict[str, np.ndarray]] = []
     layers = compare_models(model.proto, emulation.model, samples, rtol=rtol, atol=DEFAULT_ATOL,
-                            tensor_scales=applied.tensor_scales, fmt=fmt)
+                            tensor_scales=applied.tensor_scales, fmt=fmt, reference_outputs=reference)
     notes = list(emulation_notes(profile, saturate)) + list(host_notes)
     if no_pin:
         notes.append(f"target {profile.name} cannot pin FP32 (fp32_pinning: none): every node "
@@ -364,20 +369,24 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
     everywhere = emulation.model if no_pin else None
     del emulation  # its copy of the graph is not needed for the output check elsewhere
     stage("checking the outputs")
-    output_check = check_outputs(model.proto, lowered.model, lower_fmt, samples,
-                                 saturate=saturate, rtol=rtol, io_types=io_types,
-                                 host_scales=host_scales, emulated=everywhere, top_k=top_k)
-    held = None
-    if holdout is not None:
-        held = check_outputs(model.proto, lowered.model, lower_fmt, holdout,
-                             saturate=saturate, rtol=rtol, io_types=io_types,
-                             host_scales=host_scales, emulated=everywhere, top_k=top_k)
+    checks = check_output_sets(model.proto, lowered.model, lower_fmt,
+                               [samples] + ([holdout] if holdout is not None else []),
+                               saturate=saturate, rtol=rtol, io_types=io_types,
+                               host_scales=host_scales, emulated=everywhere, top_k=top_k,
+                               expected=reference)
+    output_check, held = checks[0], (checks[1] if holdout is not None else None)
     return Build(
         rewritten=applied.model, lowered=lowered, tensor_scales=applied.tensor_scales,
         pinned=frozenset(pinned), layers=layers, output_check=output_check, holdout=held,
         declined=tuple(applied.declined), notes=tuple(notes), host_scales=host_scales,
         boundary=frozenset(set(applied.fp32_nodes) | (set(applied.input_nodes) & pinned)),
         fp32_reasons=dict(applied.fp32_reasons))
+
+
+def _weight_bytes(model: Any) -> int:
+    from npuprep.graph import tensor_nbytes
+
+    return sum(tensor_nbytes(i) for i in model.graph.initializer)
 
 
 def _folded_at_build(model: Any, lowered: Any) -> set[str]:

@@ -118,8 +118,79 @@ def constant_value(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
 
 
 def to_array(tensor: onnx.TensorProto) -> np.ndarray:
-    """A TensorProto as numpy; BF16 and FP8 come back in their ml_dtypes types."""
+    """A TensorProto as numpy; BF16 and FP8 come back in their ml_dtypes types. A tensor
+    anchored to its file (external data at an absolute location, see
+    npuprep.model_io.anchored) is read from there, so a weight is only in memory while a
+    stage uses it."""
+    if is_anchored(tensor):
+        return numpy_helper.to_array(read_in(tensor))
     return numpy_helper.to_array(tensor)
+
+
+def is_anchored(tensor: onnx.TensorProto) -> bool:
+    """External data at an absolute location: a weight left in the user's file."""
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return False
+    location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+    return location.startswith("/")
+
+
+def with_values(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` with its anchored tensors' bytes read in (a copy; `model` itself when none
+    is): for a tool that reads the file on its own."""
+    if not any(is_anchored(t) for t in onnx.external_data_helper._get_all_tensors(model)):
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for tensor in onnx.external_data_helper._get_all_tensors(copy):
+        if is_anchored(tensor):
+            tensor.CopyFrom(read_in(tensor))
+    return copy
+
+
+def unanchored(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `model` for onnx's checker, which refuses absolute external locations: each
+    anchored main-graph initialiser becomes a graph input of its type and shape (what the
+    checker and shape inference read of it), any other anchored tensor is read in."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    inputs = {i.name for i in copy.graph.input}
+    kept = []
+    for init in copy.graph.initializer:
+        if not is_anchored(init):
+            kept.append(init)
+        elif init.name not in inputs:
+            copy.graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    if len(kept) != len(copy.graph.initializer):
+        del copy.graph.initializer[:]
+        copy.graph.initializer.extend(kept)
+    for tensor in onnx.external_data_helper._get_all_tensors(copy):
+        if is_anchored(tensor):
+            tensor.CopyFrom(read_in(tensor))
+    return copy
+
+
+def external_info(tensor: onnx.TensorProto) -> tuple[str, int, int | None]:
+    """(location, offset, length or None) of a tensor stored as external data."""
+    info = {e.key: e.value for e in tensor.external_data}
+    length = info.get("length")
+    return info["location"], int(info.get("offset", 0)), int(length) if length is not None else None
+
+
+def read_in(tensor: onnx.TensorProto, folder: str = "") -> onnx.TensorProto:
+    """A copy of an external tensor with its bytes read into raw_data (its location
+    relative to `folder`, or absolute)."""
+    location, offset, length = external_info(tensor)
+    with open(f"{folder}/{location}" if folder and not location.startswith("/") else location,
+              "rb") as fh:
+        fh.seek(offset)
+        data = fh.read(length) if length is not None else fh.read()
+    loaded = onnx.TensorProto()
+    loaded.CopyFrom(tensor)
+    loaded.ClearField("data_location")  # as a tensor that was never external serialises
+    del loaded.external_data[:]
+    loaded.raw_data = data
+    return loaded
 
 
 def attribute(node: onnx.NodeProto, name: str, default: object = None) -> object:
@@ -205,15 +276,16 @@ def weightless(model: onnx.ModelProto) -> onnx.ModelProto:
     g.value_info.extend(src.value_info)
     declared = {vi.name for vi in src.input}
     for init in src.initializer:
-        if _nbytes(init) <= _SKELETON_KEEP_BYTES:
+        if tensor_nbytes(init) <= _SKELETON_KEEP_BYTES:
             g.initializer.append(init)
         elif init.name not in declared:
             g.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
     return out
 
 
-def _nbytes(tensor: onnx.TensorProto) -> int:
-    """Size of a tensor's data from its dims (ByteSize() fails on a >2 GB tensor)."""
+def tensor_nbytes(tensor: onnx.TensorProto) -> int:
+    """Size of a tensor's data from its dims, wherever its bytes are (ByteSize() fails on a
+    >2 GB tensor and counts no external data)."""
     try:
         itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
     except (KeyError, TypeError, ValueError):

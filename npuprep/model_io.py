@@ -6,7 +6,9 @@ import hashlib
 import mmap
 import os
 import sys
+import tempfile
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -15,9 +17,10 @@ from typing import Literal
 
 import numpy as np
 import onnx
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from npuprep.errors import NpuprepError
+from npuprep.graph import copy_fields, is_anchored, read_in
 
 # Protobuf cannot serialise a message of 2 GiB or more; such models keep weights outside.
 PROTOBUF_LIMIT = 2**31 - 1
@@ -366,8 +369,9 @@ def _hashed_pieces(proto: onnx.ModelProto, base_dir: str | Path | None) -> Itera
 def _value_piece(init: onnx.TensorProto, base_dir: str | Path | None) -> _Piece:
     """The bytes _value_bytes gives for the tensor with its external data (if any) loaded:
     a file range where they are the file's bytes as they are."""
-    if base_dir is None or init.data_location != onnx.TensorProto.EXTERNAL:
+    if init.data_location != onnx.TensorProto.EXTERNAL or (base_dir is None and not is_anchored(init)):
         return _value_bytes(init)
+    base_dir = base_dir or "/"  # an anchored tensor's location is absolute
     if sys.byteorder != "little" or init.data_type in _PACKED_TYPES:
         return _value_bytes(_loaded(init, base_dir))
     info = {e.key: e.value for e in init.external_data}
@@ -456,18 +460,55 @@ def with_weights(model: Model) -> Model:
     return Model(proto=proto, path=model.path, digest=model.digest)
 
 
+def anchored(model: Model) -> Model:
+    """`model` with every external tensor's location made absolute (symlinks followed): its
+    weights stay in the user's files and every stage reads one when it needs it
+    (npuprep.graph.to_array), while rewritten copies of the graph carry no weight bytes.
+    onnxruntime sessions read the files in place (npuprep.runtime.session.make_session);
+    writing a model copies their bytes (write_model_files). Same path and fingerprint."""
+    if not uses_external_data(model.proto):
+        return model
+    folder = Path(model.path).parent
+    proto = onnx.ModelProto()
+    proto.CopyFrom(model.proto)
+    for tensor in onnx.external_data_helper._get_all_tensors(proto):
+        for entry in tensor.external_data:
+            if entry.key == "location" and not entry.value.startswith("/"):
+                entry.value = str((folder / entry.value).resolve())
+    return Model(proto=proto, path=model.path, digest=model.digest)
+
+
+class WeightScratch:
+    """A temporary file for the large tensors npuprep makes while it converts (the lowered
+    weights): the graph names each by its absolute location (an anchored tensor, see
+    anchored), so it carries no weight bytes; sessions map the file and writing the model
+    copies from it. The folder goes when the last holder of this object does.
+    `folder`: where to make it (default: the system's temporary folder)."""
+
+    def __init__(self, folder: str | Path | None = None) -> None:
+        self._home = tempfile.TemporaryDirectory(prefix="npuprep-weights-", dir=folder)
+        self.path = Path(self._home.name) / "weights.bin"
+        self._file = open(self.path, "wb")  # noqa: SIM115 - open for the object's life
+        self._finalizer = weakref.finalize(self, self._file.close)
+
+    def anchor(self, value: np.ndarray, name: str) -> onnx.TensorProto:
+        """`value` written to the file, as a tensor named `name` that refers to it."""
+        tensor = onnx.numpy_helper.from_array(value, name)
+        offset = -(-self._file.tell() // _DATA_ALIGN) * _DATA_ALIGN
+        self._file.seek(offset)
+        self._file.write(tensor.raw_data)
+        self._file.flush()  # sessions read it by path while the file stays open
+        length = len(tensor.raw_data)
+        tensor.ClearField("raw_data")
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        for key, text in (("location", str(self.path)), ("offset", str(offset)), ("length", str(length))):
+            tensor.external_data.add(key=key, value=text)
+        return tensor
+
+
 def _loaded(tensor: onnx.TensorProto, folder: str | Path) -> onnx.TensorProto:
     """A copy of an external tensor with its data read into raw_data."""
-    info = {e.key: e.value for e in tensor.external_data}
-    with open(Path(folder) / info["location"], "rb") as fh:
-        fh.seek(int(info.get("offset", 0)))
-        data = fh.read(int(info["length"])) if "length" in info else fh.read()
-    loaded = onnx.TensorProto()
-    loaded.CopyFrom(tensor)
-    loaded.data_location = onnx.TensorProto.DEFAULT
-    del loaded.external_data[:]
-    loaded.raw_data = data
-    return loaded
+    return read_in(tensor, str(folder))
 
 
 def _value_bytes(init: onnx.TensorProto) -> bytes:
@@ -491,33 +532,114 @@ def write_model_files(
     *, external_data: bool | None = None,
 ) -> bool:
     """Write `proto` to `tmp_model` (fsynced); with external data, its weights to `tmp_data`
-    and the model naming them `data_name` (their final name). Returns whether it used the
-    weights file."""
+    and the model naming them `data_name` (their final name). Tensors anchored to the
+    user's files (see anchored) are copied from there, one at a time. Returns whether it
+    used the weights file."""
+    anchored_bytes = sum(_anchored_length(t) for t in onnx.external_data_helper._get_all_tensors(proto)
+                         if is_anchored(t))
     if external_data is None:
-        external_data = proto.ByteSize() > PROTOBUF_LIMIT - 64 * 2**20
+        external_data = proto.ByteSize() + anchored_bytes > PROTOBUF_LIMIT - 64 * 2**20
     if not external_data:
-        write_bytes(tmp_model, proto.SerializeToString(deterministic=True))
+        if anchored_bytes:
+            _write_streamed(proto, tmp_model)
+        else:
+            write_bytes(tmp_model, proto.SerializeToString(deterministic=True))
         return False
     model = onnx.ModelProto()
     model.CopyFrom(proto)
-    onnx.save_model(
-        model,
-        str(tmp_model),
-        save_as_external_data=True,
-        all_tensors_to_one_file=True,
-        location=tmp_data.name,
-        size_threshold=1024,
-    )
-    # Point the model at the final data file name before both are renamed into place.
-    final = onnx.load(str(tmp_model), load_external_data=False)
-    for tensor in onnx.external_data_helper._get_all_tensors(final):
-        for entry in tensor.external_data:
-            if entry.key == "location":
-                entry.value = data_name
-    write_bytes(tmp_model, final.SerializeToString(deterministic=True))
-    with open(tmp_data, "rb+") as fh:
+    tensors = [t for t in onnx.external_data_helper._get_all_tensors(model)
+               if is_anchored(t) or (t.HasField("raw_data") and len(t.raw_data) >= EXTERNAL_MIN_BYTES)]
+    with open(tmp_data, "wb") as fh:
+        for tensor in tensors:
+            # Each tensor starts on a page boundary, so a reader can map it in place.
+            offset = -(-fh.tell() // _DATA_ALIGN) * _DATA_ALIGN
+            fh.seek(offset)
+            data = read_in(tensor).raw_data if is_anchored(tensor) else tensor.raw_data
+            fh.write(data)
+            tensor.ClearField("raw_data")
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            del tensor.external_data[:]
+            for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(len(data)))):
+                tensor.external_data.add(key=key, value=value)
+            del data
+        fh.flush()
         os.fsync(fh.fileno())
+    write_bytes(tmp_model, model.SerializeToString(deterministic=True))
     return True
+
+
+def _write_streamed(proto: onnx.ModelProto, path: Path) -> None:
+    """`proto` as one file with every anchored tensor's bytes inline, written one
+    initialiser at a time: neither the whole model nor its serialised copy is ever in
+    memory. The bytes are those of proto.SerializeToString(deterministic=True) with the
+    values read in: fields in number order, the graph's initialisers between its fields
+    below and above theirs."""
+    holder = onnx.ModelProto()
+    copy_fields(proto.graph, holder.graph, skip="initializer")
+    for tensor in onnx.external_data_helper._get_all_tensors(holder):
+        if is_anchored(tensor):  # a body's or an attribute's tensor: small, read in
+            tensor.CopyFrom(read_in(tensor))
+    graph_lo, graph_hi = _split_fields(holder.graph, _GRAPH_INITIALIZER)
+    model_lo, model_hi = _split_fields(proto, _MODEL_GRAPH)
+    sizes = [_inline_size(init) for init in proto.graph.initializer]
+    graph_len = len(graph_lo) + len(graph_hi) + sum(1 + len(_varint_bytes(n)) + n for n in sizes)
+    with open(path, "wb") as fh:
+        fh.write(model_lo)
+        fh.write(_varint_bytes(_MODEL_GRAPH << 3 | 2) + _varint_bytes(graph_len))
+        fh.write(graph_lo)
+        for init, size in zip(proto.graph.initializer, sizes, strict=True):
+            data = (read_in(init) if is_anchored(init) else init).SerializeToString(deterministic=True)
+            assert len(data) == size, (init.name, len(data), size)
+            fh.write(_varint_bytes(_GRAPH_INITIALIZER << 3 | 2) + _varint_bytes(size))
+            fh.write(data)
+            del data
+        fh.write(graph_hi)
+        fh.write(model_hi)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _split_fields(message: Message, number: int) -> tuple[bytes, bytes]:
+    """The deterministic serialisation of `message`'s fields numbered below `number` and
+    above it (`number` itself left out: the caller writes it)."""
+    low, high = type(message)(), type(message)()
+    for desc, value in message.ListFields():
+        if desc.number == number:
+            continue
+        target = low if desc.number < number else high
+        field = getattr(target, desc.name)
+        if hasattr(value, "extend"):
+            field.extend(value)
+        elif hasattr(value, "CopyFrom"):
+            field.CopyFrom(value)
+        else:
+            setattr(target, desc.name, value)
+    return low.SerializeToString(deterministic=True), high.SerializeToString(deterministic=True)
+
+
+def _inline_size(tensor: onnx.TensorProto) -> int:
+    """Serialised size of `tensor` with an anchored tensor's bytes inline, not reading them."""
+    if not is_anchored(tensor):
+        return tensor.ByteSize()
+    meta = onnx.TensorProto()
+    meta.CopyFrom(tensor)
+    meta.ClearField("data_location")
+    del meta.external_data[:]
+    n = _anchored_length(tensor)
+    return meta.ByteSize() + 1 + len(_varint_bytes(n)) + n  # raw_data: one tag byte, length, bytes
+
+
+# Tensors of at least this many bytes go to the data file (onnx.save_model's threshold
+# as npuprep used it); each starts at a multiple of _DATA_ALIGN.
+EXTERNAL_MIN_BYTES = 1024
+_DATA_ALIGN = 4096
+
+
+def _anchored_length(tensor: onnx.TensorProto) -> int:
+    info = {e.key: e.value for e in tensor.external_data}
+    if "length" in info:
+        return int(info["length"])
+    return os.path.getsize(info["location"]) - int(info.get("offset", 0))
 
 
 def write_bytes(path: Path, data: bytes) -> None:

@@ -285,27 +285,36 @@ def test_emulation_of_a_safe_graph_matches_the_real_fp16_lowering():
 @pytest.mark.parametrize(("fmt", "saturate"), [(FP16, False), (FP16, True), (E4M3, True)])
 def test_weights_rounded_in_the_graph_give_the_same_numbers_and_keep_the_initialisers(fmt, saturate):
     # x -> MatMul(x, W)[mm] -> h -> Add(h, W2)[add, pinned] -> y ; W2 also read by mm2: h2 = x @ W2
+    # ; Gather(E, ids) -> g ; Max(x, M) -> m (ops that only move or select: their outputs round)
     rng = np.random.default_rng(3)
     w = (rng.standard_normal((4, 4)) * 300).astype(np.float32)  # beyond E4M3's 448 once multiplied
     w2 = rng.standard_normal((4, 4)).astype(np.float32) * 1.001
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
          helper.make_node("Add", ["h", "W2"], ["y"], name="add"),
-         helper.make_node("MatMul", ["x", "W2"], ["h2"], name="mm2")],
+         helper.make_node("MatMul", ["x", "W2"], ["h2"], name="mm2"),
+         helper.make_node("Gather", ["E", "ids"], ["g"], name="lookup"),
+         helper.make_node("Max", ["x", "M"], ["m"], name="max")],
         "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4]),
-         helper.make_tensor_value_info("h2", TensorProto.FLOAT, [4, 4])],
-        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(w2, "W2")])
+         helper.make_tensor_value_info("h2", TensorProto.FLOAT, [4, 4]),
+         helper.make_tensor_value_info("g", TensorProto.FLOAT, [3, 4]),
+         helper.make_tensor_value_info("m", TensorProto.FLOAT, [4, 4])],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(w2, "W2"),
+         numpy_helper.from_array((rng.standard_normal((8, 4)) * 300).astype(np.float32), "E"),
+         numpy_helper.from_array(np.array([1, 5, 7], dtype=np.int64), "ids"),
+         numpy_helper.from_array((rng.standard_normal((4, 4)) * 1.001).astype(np.float32), "M")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
     copies = emulate(model, fmt, saturate=saturate, pinned_nodes=["add"])
     in_graph = emulate(model, fmt, saturate=saturate, pinned_nodes=["add"], weights_in_graph=True)
     assert [i.SerializeToString() for i in in_graph.model.graph.initializer] == \
         [i.SerializeToString() for i in model.graph.initializer]
-    assert set(in_graph.rounded_weights) == set(copies.rounded_weights) == {"W", "W2"}
+    assert set(in_graph.rounded_weights) == set(copies.rounded_weights) == {"W", "W2", "E", "M"}
     feed = {"x": rng.standard_normal((4, 4)).astype(np.float32)}
     a, b = run_model(copies.model, feed), run_model(in_graph.model, feed)
-    for name in ("y", "h2"):
+    for name in ("y", "h2", "g", "m"):
         np.testing.assert_array_equal(a[name], b[name])
+    assert not np.array_equal(b["g"], numpy_helper.to_array(model.graph.initializer[2])[[1, 5, 7]])
 
 
 def test_a_lowered_models_large_weights_are_widened_by_a_cast_and_emulate_the_same():
@@ -329,3 +338,29 @@ def test_a_lowered_models_large_weights_are_widened_by_a_cast_and_emulate_the_sa
     expected = (x.astype(np.float16).astype(np.float32) @ w.astype(np.float32)).astype(np.float16)
     np.testing.assert_allclose(run_model(emulation, {"x": x})["y"], expected.astype(np.float32),
                                rtol=2e-3, atol=2e-3)
+
+
+def test_a_lowered_lookup_widens_the_rows_it_reads_not_its_table():
+    # ids -> Gather(T:fp16 256x256, 128 KiB) -> e16 -> Mul(e16, e16) -> y16 -> Cast -> y
+    from npuprep.verify.widen import emulate_lowered
+
+    rng = np.random.default_rng(9)
+    table = (rng.standard_normal((256, 256)) * 200).astype(np.float16)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["T", "ids"], ["e16"], name="lookup"),
+         helper.make_node("Mul", ["e16", "e16"], ["y16"], name="square"),
+         helper.make_node("Cast", ["y16"], ["y"], to=TensorProto.FLOAT, name="out_cast")],
+        "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 256])],
+        [numpy_helper.from_array(table, "T")])
+    lowered = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    emulation = emulate_lowered(lowered, FP16, saturate=False).model
+    assert {i.name: i.data_type for i in emulation.graph.initializer} == {"T": TensorProto.FLOAT16}
+    assert not any(n.op_type == "Cast" and n.input[0] == "T" for n in emulation.graph.node)
+    ids = np.array([0, 7, 255], dtype=np.int64)
+    got = run_model(emulation, {"ids": ids})["y"]
+    rows = table[ids].astype(np.float32)
+    with np.errstate(over="ignore"):
+        want = (rows * rows).astype(np.float16).astype(np.float32)  # overflows to Inf past 65504
+    np.testing.assert_array_equal(got, want)
+    assert np.isinf(got).any()

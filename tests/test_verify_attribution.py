@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 from conftest import run_cli
 from onnx import numpy_helper, parser
 
@@ -240,3 +241,38 @@ def test_a_cancellation_is_fixed_by_keeping_both_elementwise_nodes_fp32_for_a_sl
     assert max(o["rel_l2"] for o in result.output_check.outputs.values()) < 1e-3
     assert result.share.macs == 0.0 and result.share.flops < 0.02
     assert "keeping 2 of them in FP32" in " ".join(result.notes)
+
+
+@pytest.mark.parametrize(("fmt_name", "saturate"), [("fp16", False), ("fp8_e4m3", True)])
+def test_switched_rounding_gives_each_sets_own_emulation_bit_for_bit(fmt_name, saturate):
+    # x -> MatMul(W)[mm] -> Add(B)[add] -> Relu[relu] -> Transpose[tr] -> Mul(h, h)[sq] -> y ; W also read by mm2
+    from npuprep.verify.switched import switched_emulation
+
+    rng = np.random.default_rng(7)
+    model = parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 19]>
+    g (float[4, 8] x) => (float[8, 4] y, float[4, 8] y2) {
+        [mm] h = MatMul (x, W)
+        [add] a = Add (h, B)
+        [relu] r = Relu (a)
+        [tr] t = Transpose <perm = [1, 0]> (r)
+        [sq] y = Mul (t, t)
+        [mm2] y2 = MatMul (x, W)
+    }
+    """)
+    fmt = get_format(fmt_name)
+    model.graph.initializer.extend([
+        numpy_helper.from_array((rng.standard_normal((8, 8)) * 3).astype(np.float32), "W"),
+        numpy_helper.from_array((rng.standard_normal((8,)) * 0.1 + 0.01).astype(np.float32), "B")])
+    labels = ["mm", "add", "relu", "tr", "sq", "mm2"]
+    switched = switched_emulation(model, fmt, saturate=saturate, candidates=labels)
+    session = make_session(switched.model)
+    feed = {"x": (rng.standard_normal((4, 8)) * 5.001).astype(np.float32)}
+    for on in ({"mm"}, {"sq"}, {"tr"}, {"mm", "add", "relu"}, {"mm2"}, set(labels), set()):
+        want = run(make_session(emulate(model, fmt, saturate=saturate,
+                                        pinned_nodes=set(labels) - on).model), feed)
+        got = run(session, feed | switched.feed(on))
+        for name in ("y", "y2"):
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{sorted(on)} {name}")
+    assert not np.array_equal(run(session, feed | switched.feed({"sq"}))["y"],
+                              run(session, feed | switched.feed(set()))["y"])

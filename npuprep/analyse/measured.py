@@ -7,7 +7,7 @@ import statistics
 
 from npuprep.analyse.finding import Finding, Findings
 from npuprep.calibrate.stats import CalibrationStats, RangeStats
-from npuprep.graph import walk_graphs
+from npuprep.graph import to_array, walk_graphs
 from npuprep.model_io import Model
 from npuprep.numerics import NumberFormat
 from npuprep.ops import LINEAR_WITH_WEIGHTS
@@ -208,7 +208,6 @@ def _downstream_of_mask_constants(model: Model) -> set[str]:
     """Tensors computed from a constant holding -inf (or FP32 lowest), every scope: where
     their -inf comes from, it was put there on purpose (a Log of 0 is not among them)."""
     import onnx
-    from onnx import numpy_helper
 
     from npuprep.graph import attribute
 
@@ -216,7 +215,7 @@ def _downstream_of_mask_constants(model: Model) -> set[str]:
         # Weights left on disk (calibrate does not load them) are no mask constants.
         if t.data_type not in (1, 10, 11, 16) or t.data_location == onnx.TensorProto.EXTERNAL:
             return False
-        value = numpy_helper.to_array(t)
+        value = to_array(t)
         return value.size > 0 and bool((value.astype("float64") <= _MASK_VALUE).any())
 
     tainted: set[str] = set()

@@ -35,5 +35,9 @@ def calibrate(
                                 show_progress=show_progress)
     if executor != "local":
         raise NpuprepError(f"unknown executor {executor!r} (use 'local' or 'ray')")
-    return calibrate_here(model, samples, jobs=jobs, streams=streams, show_progress=show_progress,
-                          detail=detail, n_cores=n_cores, on_progress=on_progress)
+    from npuprep.runtime.session import release_freed_memory
+
+    stats = calibrate_here(model, samples, jobs=jobs, streams=streams, show_progress=show_progress,
+                           detail=detail, n_cores=n_cores, on_progress=on_progress)
+    release_freed_memory()  # the next stage starts from what the statistics need
+    return stats

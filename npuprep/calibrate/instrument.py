@@ -82,7 +82,7 @@ from npuprep.calibrate.layout import (
     Slot,
     Wiring,
 )
-from npuprep.graph import infer_tensors, node_label, producers
+from npuprep.graph import infer_tensors, node_label, producers, to_array
 from npuprep.model_io import model_opset
 from npuprep.numerics import FLOAT_ONNX_TYPES
 
@@ -315,7 +315,7 @@ def _known_constants(graph: onnx.GraphProto) -> tuple[set[str], dict[str, float]
             continue
         if math.prod(tensor.dims) > _CHECKED_CONSTANT:
             continue
-        values = numpy_helper.to_array(tensor).astype(np.float64)
+        values = to_array(tensor).astype(np.float64)
         if np.isfinite(values).all():
             finite.add(name)
             if (values >= 0).all():

@@ -18,12 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from npuprep.calibrate.layout import OVER_FORMATS
 from npuprep.calibrate.stats import CalibrationStats, RangeStats, read_stats_doc, stats_from_dict
 from npuprep.errors import NpuprepError
-from npuprep.graph import node_label, tensor_types, walk_graphs
+from npuprep.graph import node_label, tensor_types, to_array, walk_graphs
 from npuprep.model_io import Model
 from npuprep.numerics import FLOAT_ONNX_TYPES, get_format
 from npuprep.provenance import Source, find_source
@@ -117,7 +116,7 @@ def _positive_scalars(graph: onnx.GraphProto) -> dict[str, float]:
     for name, t in tensors:
         if math.prod(t.dims) != 1 or t.data_location == onnx.TensorProto.EXTERNAL:
             continue
-        value = float(np.asarray(numpy_helper.to_array(t), dtype=np.float64).reshape(-1)[0])
+        value = float(np.asarray(to_array(t), dtype=np.float64).reshape(-1)[0])
         if math.isfinite(value) and value > 0:
             found[name] = value
     return found

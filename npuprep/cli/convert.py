@@ -68,6 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-fp32-share", type=_percent, default=10.0, metavar="PERCENT",
                    help="fail (exit 1) when more than this share of the FLOPs stays FP32 "
                         "(default 10%%)")
+    p.add_argument("--max-memory", metavar="SIZE",
+                   help="resident-memory budget, e.g. 8G: memory-for-speed trades stay off when "
+                        "they would pass it, and a run that still does stops (exit 2) with "
+                        "nothing written; the report states the peak either way")
     p.add_argument("--report-json", dest="report", metavar="OUT.json",
                    help="JSON report path (default: <output>.report.json)")
     # `--report` names an input (crosscheck's compiler report); the old output spelling still works.
@@ -93,8 +97,11 @@ def run(args: argparse.Namespace) -> int:
     check_rtol(args.rtol, "--rtol")
     if args.plan and args.plan_only:
         raise NpuprepError("--plan and --plan-only together: the plan already exists")
-    run_ = begin(args, inputs=("data", "holdout", "stats", "plan"))
-    profile, model, outputs = run_.profile, run_.model, run_.outputs
+    from npuprep.model_io import anchored
+
+    # Weights stay in the user's files; each stage reads one as it needs it.
+    run_ = begin(args, inputs=("data", "holdout", "stats", "plan"), weights="file")
+    profile, model, outputs = run_.profile, anchored(run_.model), run_.outputs
     if args.rtol is None:
         args.rtol = 5e-2 if _eight_bit(args.precision or profile.default_precision) else 1e-2
     exports = parse_exports(args.export) if args.export else default_exports(profile.report_format)
@@ -109,13 +116,20 @@ def run(args: argparse.Namespace) -> int:
     declare(outputs, paths)
     if args.report and not args.plan_only:
         _remove_older_report(outputs, output)
-    with outputs.open() as files:
-        samples = open_samples(args, model.proto)
-        if args.plan_only:
-            plan = _plan_only(args, model, profile, _stats(args, model, samples), samples, output,
-                              files)
-        else:
-            report, passed = _convert(args, model, profile, samples, paths, files)
+    from npuprep.resources import MemoryWatch, parse_size
+
+    budget = parse_size(args.max_memory, "--max-memory") if args.max_memory else None
+    try:
+        with MemoryWatch(budget) as watch, outputs.open() as files:
+            samples = open_samples(args, model.proto)
+            if args.plan_only:
+                plan = _plan_only(args, model, profile, _stats(args, model, samples), samples,
+                                  output, files)
+            else:
+                report, passed = _convert(args, model, profile, samples, paths, files, watch)
+    except KeyboardInterrupt as exc:
+        watch.check(exc)
+        raise
     if args.plan_only:
         _print_plan(args, plan, output)
         return 0
@@ -127,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, paths: dict[str, Path],
-             files: Any) -> tuple[dict[str, Any], bool]:
+             files: Any, watch: Any) -> tuple[dict[str, Any], bool]:
     from dataclasses import replace
 
     from npuprep.convert import convert
@@ -145,11 +159,16 @@ def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, p
         split = split_holdout(samples)
         holdout = split.held_out or None
     calibration = split.calibration if split is not None else samples
+    watch.stage("calibrating")
     stats = _stats(args, model, calibration)
     from npuprep.cli.common import progress_stages
     from npuprep.report.artefacts import stage_conversion
 
-    with progress_stages("converting", not args.json) as stage:
+    with progress_stages("converting", not args.json) as shown:
+        def stage(name: str) -> None:
+            watch.stage(name)
+            shown(name)
+
         eight = _eight_bit(args.precision or profile.default_precision)
         result = _convert_8bit(args, model, profile, calibration, stats, plan, holdout, stage) \
             if eight else convert(
@@ -163,7 +182,7 @@ def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, p
             result = replace(result, notes=(split.said, *result.notes))
         vendor = _vendor_check(args, model, result, list(samples), paths, files) \
             if args.verify_with else None
-    report = stage_conversion(result, paths, files, vendor)
+    report = stage_conversion(result, paths, files, vendor, resources=watch.to_dict())
     from npuprep.report.cause import failure_cause
 
     report["failure_cause"] = failure_cause(report)
@@ -402,6 +421,11 @@ def _print_summary(report: dict[str, Any], io_types: str = "fp32") -> None:
         from npuprep.report.ledger_md import pins_line
 
         say(pins_line(report["ledger"]))
+    if report.get("resources"):
+        from npuprep.report.render_md import resources_line
+
+        line = resources_line(report["resources"])[2:]
+        say(line[0].upper() + line[1:])
     for note in report.get("notes", []):
         say(f"note: {note}")
     first = report.get("first_divergent")

@@ -79,9 +79,11 @@ def declare(outputs: Any, paths: dict[str, Path]) -> None:
             outputs.writes(path, ROLES[role])
 
 
-def stage_conversion(result: Any, paths: dict[str, Path], files: Any, vendor: Any = None) -> dict[str, Any]:
+def stage_conversion(result: Any, paths: dict[str, Path], files: Any, vendor: Any = None,
+                     resources: dict[str, Any] | None = None) -> dict[str, Any]:
     """Stage `result` (a ConversionResult) in `files` (an open output set, which puts them in
-    place together); return the report, its `artefacts` naming every file of the set."""
+    place together); return the report, its `artefacts` naming every file of the set.
+    `resources`: what the run cost (npuprep.resources.MemoryWatch.to_dict)."""
     from npuprep.json_io import dump_json
     from npuprep.model_io import Model
     from npuprep.names import comment
@@ -130,6 +132,8 @@ def stage_conversion(result: Any, paths: dict[str, Path], files: Any, vendor: An
     # The report names every file of its set (and the model's fingerprint), so a file
     # left from another run is never taken for part of this one.
     report["artefacts"] = {role: str(path) for role, path in paths.items()}
+    if resources is not None:
+        report["resources"] = resources
     files.text(paths["report_json"], dump_json(report))
     files.text(paths["report_md"], convert_markdown(report))
     if "report_html" in paths:

@@ -45,6 +45,16 @@ def fixed_tensors(result: dict[str, Any]) -> set[str]:
     return names - {""}
 
 
+def resources_line(resources: dict[str, Any]) -> str:
+    """What the run cost: wall time and peak resident memory, and the stage at the peak."""
+    stages = resources.get("stages_peak_rss_mb") or {}
+    top = max(stages, key=lambda s: stages[s]) if stages else ""
+    budget = resources.get("max_memory_mb")
+    return (f"- run: {resources['wall_s']:g} s, peak resident memory {resources['peak_rss_mb']} MB"
+            + (f" (highest while {md_text(top)})" if top else "")
+            + (f", within --max-memory {budget} MB" if budget else ""))
+
+
 def convert_markdown(result: dict[str, Any]) -> str:
     """The Markdown summary of a `convert` result dict (ConversionResult.to_dict())."""
     ver = result.get("verification") or {}
@@ -61,6 +71,7 @@ def convert_markdown(result: dict[str, Any]) -> str:
         f"- Cast nodes inserted: {result['cast_count']}",
         f"- FP32 nodes: {pins_said(result)}",
         f"- verification rounds: {result['rounds']}",
+        *([resources_line(result["resources"])] if result.get("resources") else []),
         "",
         "## Actions",
         "",

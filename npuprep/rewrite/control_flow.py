@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from npuprep.graph import TensorInfo, infer_tensors, node_label
+from npuprep.graph import TensorInfo, infer_tensors, node_label, to_array
 from npuprep.model_io import model_opset
 from npuprep.rewrite import graph_ops as go
 from npuprep.rewrite.result import RewriteResult, sites_result
@@ -123,7 +123,7 @@ def constant_condition(model: onnx.ModelProto, name: str) -> bool | None:
     # An initialiser that is also a graph input is only a default: the caller may feed it.
     inits = {i.name: i for i in graph.initializer if i.name not in inputs}
     if name in inits:
-        value = onnx.numpy_helper.to_array(inits[name])
+        value = to_array(inits[name])
         return bool(value.reshape(-1)[0]) if value.size == 1 else None
     shapes = None
     cone: dict[int, onnx.NodeProto] = {}

@@ -8,9 +8,9 @@ import tempfile
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx import numpy_helper
 
 from npuprep.errors import NpuprepError
+from npuprep.graph import to_array, unanchored
 from npuprep.model_io import PROTOBUF_LIMIT
 
 # Graph surgeon logs its warnings (a BF16 initialiser it cannot type) on stdout, which would
@@ -43,7 +43,7 @@ def check_model(model: onnx.ModelProto) -> None:
     A failure here is a bug in a rewrite, not a user mistake, so it keeps its traceback.
     """
     if model.ByteSize() < PROTOBUF_LIMIT - 64 * 2**20:
-        onnx.checker.check_model(model, full_check=True)
+        onnx.checker.check_model(unanchored(model), full_check=True)
         return
     with tempfile.TemporaryDirectory(prefix="npuprep-check-") as tmp:
         path = os.path.join(tmp, "model.onnx")
@@ -114,7 +114,7 @@ def const_value(tensor: gs.Tensor) -> np.ndarray | None:
         # Read an untouched initialiser from its proto: graph surgeon mis-reads BF16 data.
         proto = getattr(getattr(tensor, "_values", None), "tensor", None)
         if isinstance(proto, onnx.TensorProto):
-            return numpy_helper.to_array(proto)
+            return to_array(proto)
         return np.asarray(tensor.values)
     node = producer(tensor)
     if node is not None and node.op in ("Cast", "Identity") and node.inputs:
@@ -160,6 +160,13 @@ def replace_input(node: gs.Node, index: int, tensor: gs.Tensor) -> None:
     node.inputs[index] = tensor
 
 
+def set_values(constant: gs.Constant, value: np.ndarray) -> None:
+    """Give an initialiser new values, held in the graph: one that was external data
+    (left in the user's file) no longer is."""
+    constant.values = value
+    constant.data_location = None
+
+
 def set_constant_input(
     node: gs.Node, index: int, value: np.ndarray, name: str, cache: dict[str, gs.Constant]
 ) -> None:
@@ -171,7 +178,7 @@ def set_constant_input(
     """
     current = node.inputs[index]
     if isinstance(current, gs.Constant) and len(current.outputs) == 1:
-        current.values = value
+        set_values(current, value)
         return
     if name not in cache:
         cache[name] = gs.Constant(name, np.ascontiguousarray(value))

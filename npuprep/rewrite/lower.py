@@ -30,13 +30,15 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from npuprep.errors import NpuprepError
-from npuprep.graph import copy_fields, node_label, topological_order, walk_graphs
-from npuprep.model_io import PROTOBUF_LIMIT
+from npuprep.graph import copy_fields, node_label, to_array, topological_order, walk_graphs
+from npuprep.model_io import PROTOBUF_LIMIT, WeightScratch
 from npuprep.numerics import NumberFormat, get_format
 from npuprep.ops import FP32_ONLY_INPUTS
 from npuprep.rewrite.graph_ops import check_model
 
 FLOAT = TensorProto.FLOAT
+# Lowered initialisers at least this large go to the scratch file when lower() has one.
+SCRATCH_MIN_BYTES = 64 * 2**10
 # Ops kept FP32 whatever the plan: their output type is fixed by an attribute or tied to
 # FP32-only inputs, or they are quantisation/random ops.
 FORCED_FP32_OPS = frozenset({
@@ -78,6 +80,9 @@ class Lowered:
     normalised_bf16: tuple[str, ...] = ()
     flushed_weights: dict[str, int] = field(default_factory=dict)
     fp32_output_nodes: tuple[str, ...] = ()
+    # Where the model's large lowered weights are kept (lower(scratch=...)): held here so
+    # the file lives as long as the model that refers to it.
+    scratch: WeightScratch | None = None
 
 
 @dataclass
@@ -94,7 +99,7 @@ class _Weight:
         """The FP32 values, read from the initialiser on each access: a model's weights are
         never all held as arrays at once (one at a time, as each is checked or converted)."""
         if self.init is not None:
-            return numpy_helper.to_array(self.init)
+            return to_array(self.init)
         assert self.const_value is not None
         return self.const_value
 
@@ -105,11 +110,13 @@ def lower(
     *,
     pinned_nodes: Iterable[str] = (),
     io_types: str = "fp32",
+    scratch: WeightScratch | None = None,
 ) -> Lowered:
     """Lower `model` to `fmt` (fp16 or bf16), keeping `pinned_nodes` in FP32.
 
     `io_types="fp32"` keeps float graph inputs and outputs FP32 (Casts at the boundary);
-    `"target"` gives them the target type.
+    `"target"` gives them the target type. With `scratch`, lowered initialisers of at least
+    SCRATCH_MIN_BYTES are written there and the model refers to them (it holds no weight).
     """
     fmt = get_format(fmt) if isinstance(fmt, str) else fmt
     if fmt.name not in ("fp16", "bf16"):
@@ -122,13 +129,14 @@ def lower(
     # The checker the lowered model must pass requires a graph name; some exporters leave none.
     work.graph.name = work.graph.name or "main_graph"
     normalised = _normalise_bf16(work)
-    return _Lowering(work, fmt, set(pinned_nodes), io_types, normalised).run()
+    return _Lowering(work, fmt, set(pinned_nodes), io_types, normalised, scratch).run()
 
 
 class _Lowering:
     def __init__(self, model: onnx.ModelProto, fmt: NumberFormat, pinned: set[str],
-                 io_types: str, normalised: list[str]) -> None:
+                 io_types: str, normalised: list[str], scratch: WeightScratch | None = None) -> None:
         self.model = model
+        self.scratch = scratch
         self.fmt = fmt
         self.low_type = fmt.onnx_type
         self.pinned = pinned
@@ -177,7 +185,8 @@ class _Lowering:
         return Lowered(self.model, self.fmt.name, self.io_types, self.casts, tuple(pinned),
                        dict(sorted(self.forced.items())), tuple(converted), tuple(duplicated),
                        tuple(kept), dict(sorted(self.mapped.items())), tuple(self.normalised),
-                       dict(sorted(self.flushed.items())), tuple(sorted(self.fp32_outputs)))
+                       dict(sorted(self.flushed.items())), tuple(sorted(self.fp32_outputs)),
+                       self.scratch)
 
     def _index(self) -> None:
         for scope in self.scopes:
@@ -322,7 +331,10 @@ class _Lowering:
         return low
 
     def _set_weight(self, w: _Weight, name: str, value: np.ndarray, *, replace: bool) -> None:
-        tensor = numpy_helper.from_array(value, name)
+        if self.scratch is not None and w.init is not None and value.nbytes >= SCRATCH_MIN_BYTES:
+            tensor = self.scratch.anchor(value, name)
+        else:
+            tensor = numpy_helper.from_array(value, name)
         if w.init is not None:
             if replace:
                 w.init.CopyFrom(tensor)
@@ -501,7 +513,7 @@ def _normalise_bf16(model: onnx.ModelProto) -> list[str]:
             src = inits.get(node.input[0]) if node.op_type == "Cast" and node.input else None
             if src is None or _attr_int(node, "to") != FLOAT or src.data_type not in (FLOAT, bf16):
                 continue
-            value = numpy_helper.to_array(src).astype(np.float32)
+            value = to_array(src).astype(np.float32)
             g.initializer.append(numpy_helper.from_array(value, node.output[0]))
             g.node.remove(node)
             changed.append(node_label(node))
@@ -509,7 +521,7 @@ def _normalise_bf16(model: onnx.ModelProto) -> list[str]:
                 g.initializer.remove(src)
         for init in g.initializer:
             if init.data_type == bf16:
-                init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float32), init.name))
+                init.CopyFrom(numpy_helper.from_array(to_array(init).astype(np.float32), init.name))
                 changed.append(init.name)
         for node in g.node:
             if node.op_type == "Cast" and _attr_int(node, "to") == bf16:
@@ -657,7 +669,7 @@ def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
 def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
     for attr in node.attribute:
         if attr.name == "value":
-            return numpy_helper.to_array(attr.t)
+            return to_array(attr.t)
         if attr.name == "value_float":
             return np.array(attr.f, dtype=np.float32)
         if attr.name == "value_floats":
@@ -668,7 +680,7 @@ def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
 def _attr_tensor(node: onnx.NodeProto, name: str) -> np.ndarray | None:
     for attr in node.attribute:
         if attr.name == name and attr.type == onnx.AttributeProto.TENSOR:
-            return numpy_helper.to_array(attr.t)
+            return to_array(attr.t)
     if node.op_type == "Constant" and name == "value":
         return _constant_node_value(node)
     return None

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import onnx
 
-from npuprep.graph import node_label
+from npuprep.graph import node_label, to_array
 from npuprep.rewrite.result import RewriteResult
 
 
@@ -55,12 +55,12 @@ def _constant_factor(graph: onnx.GraphProto, node: onnx.NodeProto) -> tuple[floa
     consts = {n.output[0]: n for n in graph.node if n.op_type == "Constant"}
     for pos, name in enumerate(node.input):
         if name in inits:
-            value = onnx.numpy_helper.to_array(inits[name])
+            value = to_array(inits[name])
         elif name in consts:
             attr = next((a for a in consts[name].attribute if a.name == "value"), None)
             if attr is None:
                 continue
-            value = onnx.numpy_helper.to_array(attr.t)
+            value = to_array(attr.t)
         else:
             continue
         if value.size != 1:

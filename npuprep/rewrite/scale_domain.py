@@ -658,7 +658,7 @@ class DomainSolver:
             assert scaled is not None
             if isinstance(tensor, gs.Constant) and self._all_readers_take(tensor, e):
                 # Every reader takes the same factor: edit in place, no copy, name kept.
-                tensor.values = scaled
+                go.set_values(tensor, scaled)
                 cache[name] = tensor
             else:
                 go.set_constant_input(node, idx, scaled, name, cache)

@@ -6,7 +6,7 @@ import contextlib
 import ctypes
 import functools
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +39,10 @@ def session_options(*, threads: int | None = None, optimize: bool | str = True) 
         )
     if threads:
         opts.intra_op_num_threads = threads
+    # The ready node of lowest index runs next (proto order): the rounding and widening
+    # chains npuprep places right before a weight's reader then hold one weight's copy at a
+    # time, where onnxruntime's default order ran every such chain first.
+    opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     return opts
 
 
@@ -49,6 +53,7 @@ def make_session(
     optimize: bool | str = True,
     prepack: bool = True,
     produced: str | None = None,
+    lean: bool = False,
 ) -> ort.InferenceSession:
     """A CPU session. A proto's large initialisers reach onnxruntime as arrays beside a
     weightless serialised graph (split_weights): no copy of the weights is ever serialised,
@@ -63,12 +68,17 @@ def make_session(
     opts = session_options(threads=threads, optimize=optimize)
     if not prepack:
         opts.add_session_config_entry("session.disable_prepacking", "1")
+    if lean:
+        _lean(opts)
     if isinstance(model, bytes | str | Path):
         with _load_errors(produced):
             return _cpu_session(model if isinstance(model, bytes) else str(model), opts)
     if has_bf16(model):
         model = widen_bf16(model)
     skeleton, weights = split_weights(model)
+    folder = _read_in_place(skeleton, weights)
+    if folder is not None:
+        opts.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
     values = [ort.OrtValue.ortvalue_from_numpy(w) for w in weights.values()]
     if weights:
         opts.add_external_initializers(list(weights), values)
@@ -77,6 +87,67 @@ def make_session(
     # onnxruntime reads the arrays in place: they live as long as the session.
     session._npuprep_weights = (values, weights)  # type: ignore[attr-defined]
     return session
+
+
+def _lean(opts: ort.SessionOptions) -> None:
+    """No memory pattern and no arena, buffers served by malloc's heap instead.
+
+    Measured on calibration graphs: the memory pattern cost ~80 MB of peak and no speed,
+    the arena ~60 MB (it keeps the detail branches' buffers) and no speed once malloc
+    serves large buffers from its heap (see _reuse_freed_buffers). Worker threads keep
+    onnxruntime's default spinning: without it, waking them for each of the many small
+    kernels made a 2-thread session 1.6x slower (transformer, 2 cores)."""
+    opts.enable_mem_pattern = False
+    opts.enable_cpu_mem_arena = False
+    _reuse_freed_buffers()
+
+
+def _read_in_place(skeleton: onnx.ModelProto, weights: dict[str, np.ndarray]) -> str | None:
+    """Point the skeleton's anchored tensors (npuprep.model_io.anchored) at the one folder
+    onnxruntime will read them from, which it maps instead of copying (a session holds no
+    private copy of the user's weights); anchored tensors in any other folder are read into
+    `weights`. Returns that folder, or None when no tensor is anchored."""
+    from npuprep.graph import is_anchored, read_in, tensor_nbytes, to_array
+
+    for tensor in _node_tensors(skeleton.graph.node):
+        if is_anchored(tensor):
+            tensor.CopyFrom(read_in(tensor))  # a body's constant: not a main-graph initialiser
+    anchored = [t for t in skeleton.graph.initializer if is_anchored(t)]
+    if not anchored:
+        return None
+    sizes: dict[str, int] = {}
+    for tensor in anchored:
+        home = _location(tensor).parent
+        sizes[str(home)] = sizes.get(str(home), 0) + tensor_nbytes(tensor)
+    folder = max(sizes, key=lambda f: sizes[f])
+    for tensor in anchored:
+        where = _location(tensor)
+        if str(where.parent) != folder:
+            weights[tensor.name] = to_array(tensor)
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    entry.value = "npuprep-in-memory"
+            continue
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = where.name
+    return folder
+
+
+def _node_tensors(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.TensorProto]:
+    """Tensors in node attributes and in bodies (their initialisers too), all levels."""
+    for node in nodes:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            for body in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from body.initializer
+                yield from _node_tensors(body.node)
+
+
+def _location(tensor: onnx.TensorProto) -> Path:
+    return Path(next(e.value for e in tensor.external_data if e.key == "location"))
 
 
 def _cpu_session(source: bytes | str, opts: ort.SessionOptions) -> ort.InferenceSession:
@@ -115,6 +186,18 @@ def run(
 # heap (arena) for every thread.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 _MMAP_THRESHOLD = 64 * 2**20
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the system: the buffers _reuse_freed_buffers keeps
+    for the next run are dead weight once a stage's last session is gone (calibration left
+    ~300 MB resident on a 340 MB transformer). glibc only, else nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return
 
 
 @functools.cache
@@ -157,13 +240,7 @@ def make_session_external(
     opts = session_options(threads=threads, optimize=optimize)
     if not prepack:
         opts.add_session_config_entry("session.disable_prepacking", "1")
-    # Measured on calibration graphs: the memory pattern cost ~80 MB of peak and no speed,
-    # the arena ~60 MB (it keeps the detail branches' buffers) and no speed once malloc
-    # serves large buffers from its heap (see _reuse_freed_buffers).
-    # Worker threads keep onnxruntime's default spinning: without it, waking them for each
-    # of the many small kernels made a 2-thread session 1.6x slower (transformer, 2 cores).
-    opts.enable_mem_pattern = False
-    opts.enable_cpu_mem_arena = False
+    _lean(opts)
     # onnxruntime's default order runs the whole model before any side branch that feeds only
     # the statistics outputs, so each activation stayed alive to the end and was reduced
     # cold from memory. Priority order runs the ready node of lowest index (proto order)

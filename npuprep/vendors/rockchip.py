@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 
 from npuprep.errors import NpuprepError
+from npuprep.graph import with_values
 
 ENV_PYTHON = "NPUPREP_RKNN_PYTHON"
 DEFAULT_VENV = Path.home() / ".cache" / "npuprep" / "rknn-venv"
@@ -141,7 +142,8 @@ def _run_in(work: Path, exe: Path, model: onnx.ModelProto, samples: Sequence[dic
             target_platform: str, accuracy: bool, export_rknn: str | None,
             timeout: float, quantize_on: Sequence[dict[str, np.ndarray]] | None = None) -> RknnRun:
     inputs = _fixed_inputs(model, samples[0])
-    onnx.save(model, str(work / "model.onnx"))
+    # The toolkit reads the file on its own: weights npuprep left in their files go inline.
+    onnx.save(with_values(model), str(work / "model.onnx"))
     files = []
     for i, sample in enumerate(samples):
         row = []

@@ -104,17 +104,29 @@ def attribute_error(model: onnx.ModelProto, fmt: NumberFormat, samples: Sequence
     error each gives when it alone computes in `fmt`, on `samples`, with overflow as
     `saturate` says. Shares are of the candidates' summed squared error; past
     MAX_ONE_BY_ONE candidates, only those of the worst groups are ranked one by one, and the
-    other groups count in the sum as wholes."""
+    other groups count in the sum as wholes. One session serves every measured set: each
+    candidate's rounding has its own switch (npuprep.verify.switched)."""
+    from npuprep.calibrate.run import session_threads
     from npuprep.runtime.session import make_session, run
+    from npuprep.verify.compare import run_in_streams, sample_streams
+    from npuprep.verify.switched import switched_emulation
 
     ops = {node_label(n): n.op_type for s in walk_graphs(model.graph) for n in s.graph.node}
     wanted = [n for n in dict.fromkeys(candidates) if n in ops]
     feeds = [dict(s) for s in samples]
     reference = make_session(model)
     expected = [run(reference, feed) for feed in feeds]
+    del reference
+    switched = switched_emulation(model, fmt, saturate=saturate, candidates=wanted)
+    streams = sample_streams(len(feeds))
+    session = make_session(switched.model, produced="the emulated model", lean=True,
+                           threads=session_threads(streams))
+    outputs = [o.name for o in model.graph.output]
 
     def error_of(rounded: set[str]) -> float:
-        return _own_error(model, fmt, saturate, set(ops) - rounded, feeds, expected)
+        on = switched.feed(rounded)
+        got = run_in_streams(session, [feed | on for feed in feeds], outputs, streams)
+        return _worst_error(list(got), expected)
 
     rest = 0.0
     if len(wanted) > MAX_ONE_BY_ONE:
@@ -134,21 +146,15 @@ def attribute_error(model: onnx.ModelProto, fmt: NumberFormat, samples: Sequence
     return Attribution(tuple(layers), len(feeds), len(dict.fromkeys(candidates)))
 
 
-def _own_error(model: onnx.ModelProto, fmt: NumberFormat, saturate: bool, pinned: set[str],
-               feeds: Sequence[Mapping[str, Any]], expected: Sequence[Mapping[str, Any]]) -> float:
-    """Worst output rel L2, pooled over `feeds`, of `model` emulated in `fmt` but `pinned`."""
-    from npuprep.runtime.session import make_session, run
-    from npuprep.verify.emulate import emulate
+def _worst_error(got: Sequence[Mapping[str, Any]], expected: Sequence[Mapping[str, Any]]) -> float:
+    """Worst output rel L2 of `got` against `expected`, pooled over the samples."""
     from npuprep.verify.output_errors import OutputErrors
 
-    session = make_session(emulate(model, fmt, saturate=saturate, pinned_nodes=pinned).model,
-                           produced="the emulated model")
     errors = OutputErrors()
-    for feed, want in zip(feeds, expected, strict=True):
-        got = run(session, feed)
+    for values, want in zip(got, expected, strict=True):
         for name, value in want.items():
             if np.issubdtype(np.asarray(value).dtype, np.floating):
-                errors.add(name, value, got[name])
+                errors.add(name, value, values[name])
     # An Inf/NaN is the largest error there is.
     return max((np.inf if o["nonfinite"] else o["rel_l2"] for o in errors.result().values()),
                default=0.0)

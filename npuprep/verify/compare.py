@@ -10,13 +10,16 @@ second, targeted pass that counts them.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import onnx
 
+from npuprep.calibrate.run import plan_streams
 from npuprep.errors import NpuprepError
 from npuprep.graph import infer_tensors, node_label, producers, topological_order, walk_graphs
 from npuprep.model_io import fingerprint, model_opset
@@ -192,6 +195,7 @@ def compare_models(
     isolate: bool = False,
     worst: int = 5,
     threads: int | None = None,
+    reference_outputs: list[dict[str, np.ndarray]] | None = None,
 ) -> CompareResult:
     """Compare every float tensor the two models share by name, on the same samples.
 
@@ -201,8 +205,10 @@ def compare_models(
     reference goes beyond it. `tensor_scales` {name: s} means candidate = s * reference.
     `samples` should be re-iterable (a SampleSet or a list): a second pass counts Inf/NaN
     and saturated values where the first one saw any; a one-shot iterator is listed first.
+    `reference_outputs`, a list, receives the reference's graph outputs of each sample (the
+    output check needs no reference run of its own on them).
     """
-    from npuprep.runtime.session import run
+    from npuprep.runtime.session import release_freed_memory
 
     overrides = dict(overrides or {})
     scales = dict(tensor_scales or {})
@@ -219,17 +225,22 @@ def compare_models(
     flagged: dict[int, set[int]] = {}
     n_samples = 0
     if pairs:
-        model, layout = merged_graph(ref, cand, pairs, limit=limit, isolate=isolate)
+        keep = [o.name for o in ref.graph.output] if reference_outputs is not None else []
+        model, layout = merged_graph(ref, cand, pairs, limit=limit, isolate=isolate, keep=keep)
+        # One sample at a time: the merged graph holds two models' activations and rounded
+        # weights per run (a second stream cost the 227 MB transformer 50 MB, 12% of its peak).
         session = _session(model, threads)
         del model  # the session holds the weights now
         names = list(layout.stats) + [n for row in sorted(layout.sizes) for n in layout.sizes[row]]
-        for index, feed in enumerate(samples):
-            values = run(session, dict(feed), names)
+        for index, values in enumerate(run_in_streams(session, samples, names + keep, 1)):
+            if reference_outputs is not None:
+                reference_outputs.append({n: values[n] for n in keep})
             rows = acc.add([values[n] for n in layout.stats], _sizes(layout, values), limit)
             if rows:
                 flagged[index] = rows
             n_samples += 1
         del session
+        release_freed_memory()
         if flagged:
             _count_pass(ref, cand, pairs, flagged, samples, acc, limit, threads)
     else:
@@ -514,6 +525,35 @@ def _rel(d2: float, r2: float) -> float:
     return math.sqrt(d2 / r2)
 
 
+def sample_streams(count: int | None) -> int:
+    """Samples run at once (calibration's rule, npuprep.calibrate.run.plan_streams), or one
+    under a memory budget: each stream holds a run's activations."""
+    from npuprep.resources import budget
+
+    return 1 if budget() is not None else plan_streams(0, count)
+
+
+def run_in_streams(session: Any, samples: Iterable[Feed], names: list[str],
+                streams: int) -> Iterator[dict[str, np.ndarray]]:
+    """`names` of each sample in order, `streams` samples running at once on threads sharing
+    the session (as calibration runs them: small kernels keep one core each busier than two
+    cores one run)."""
+    from npuprep.runtime.session import run
+
+    if streams == 1:
+        for feed in samples:
+            yield run(session, dict(feed), names)
+        return
+    with ThreadPoolExecutor(streams) as pool:
+        pending: deque[Future[dict[str, np.ndarray]]] = deque()
+        for feed in samples:
+            pending.append(pool.submit(run, session, dict(feed), names))
+            if len(pending) >= streams:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
 def _count_pass(ref: onnx.ModelProto, cand: onnx.ModelProto, pairs: list[Pair],
                 flagged: dict[int, set[int]], samples: Iterable[Feed], acc: _Accumulator,
                 limit: float | None, threads: int | None) -> None:
@@ -531,7 +571,7 @@ def _count_pass(ref: onnx.ModelProto, cand: onnx.ModelProto, pairs: list[Pair],
 
 
 # Above this many bytes of weights, the compare session keeps memory before speed.
-LARGE_WEIGHTS = 512 * 2**20
+LARGE_WEIGHTS = 64 * 2**20
 
 
 def _session(model: onnx.ModelProto, threads: int | None) -> Any:
@@ -542,10 +582,16 @@ def _session(model: onnx.ModelProto, threads: int | None) -> Any:
     (a 227 MB transformer over 16 samples: 11 s and 2.5 GB folded, 18 s and 2.1 GB not)."""
     from npuprep.runtime.session import make_session
 
-    return make_session(model, threads=threads, prepack=False, optimize=folds_weight_casts(model))
+    return make_session(model, threads=threads, prepack=False, optimize=folds_weight_casts(model),
+                        lean=True)
 
 
 def folds_weight_casts(model: onnx.ModelProto) -> bool:
     """Whether a session on `model` may fold the Casts that round or widen its weights into a
-    second copy of them: yes up to LARGE_WEIGHTS of weights (speed), no past it (memory)."""
-    return sum(i.ByteSize() for i in model.graph.initializer) <= LARGE_WEIGHTS
+    second copy of them: yes up to LARGE_WEIGHTS of weights (speed), no past it or past the
+    run's memory budget (npuprep.resources)."""
+    from npuprep.graph import tensor_nbytes
+    from npuprep.resources import affordable
+
+    weights = sum(tensor_nbytes(i) for i in model.graph.initializer)
+    return weights < LARGE_WEIGHTS and affordable(2 * weights)

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from npuprep.graph import _captured_names, copy_fields
+from npuprep.graph import _captured_names, copy_fields, is_anchored
 
 CAND = "cand::"
 ISO = "iso::"
@@ -62,16 +62,19 @@ def merged_graph(
     isolate: bool,
     detail: Iterable[str] = (),
     base: bool = True,
+    keep: Iterable[str] = (),
 ) -> tuple[onnx.ModelProto, Layout]:
     """The reference, the prefixed candidate and the error reductions in one model.
 
     Outputs (see Layout): the error scalars of every pair when `base`; counts of
-    Inf/NaN/saturated values and the reference's extremes for the tensors in `detail`.
+    Inf/NaN/saturated values and the reference's extremes for the tensors in `detail`;
+    the reference's own outputs named in `keep`, after them.
     """
     detail = set(detail)
     out = onnx.ModelProto()
     out.CopyFrom(ref)
     g = out.graph
+    kept = [o for o in g.output if o.name in set(keep)]
     del g.output[:]
     ref_inputs = {vi.name: vi for vi in g.input}
     shared: set[str] = set()
@@ -117,6 +120,7 @@ def merged_graph(
             red.compare(row, pair, isolate=isolate, base=base, detail=pair.name in detail,
                         sink=per_pair[row], iso_sink=iso_reductions)
     layout = red.finish()
+    g.output.extend(kept)
     ordered = _interleave(ref_nodes, cand_nodes, pairs, per_pair) + iso_nodes + iso_reductions
     del g.node[:]
     g.node.extend(ordered)
@@ -383,13 +387,14 @@ class _Reductions:
 
 def _same_initializers(ref: onnx.GraphProto, cand: onnx.GraphProto) -> set[str]:
     """Names of the candidate's initialisers equal to the reference's of that name (type,
-    shape and bytes), compared one tensor at a time."""
+    shape and bytes, or the same range of the same file), compared one tensor at a time."""
     mine = {i.name: i for i in ref.initializer}
     same = set()
     for init in cand.initializer:
         other = mine.get(init.name)
         if (other is not None and other.data_type == init.data_type and other.dims == init.dims
-                and other.data_location == init.data_location == onnx.TensorProto.DEFAULT
+                and (other.data_location == init.data_location == onnx.TensorProto.DEFAULT
+                     or is_anchored(other) and is_anchored(init))
                 and other.SerializeToString() == init.SerializeToString()):
             same.add(init.name)
     return same

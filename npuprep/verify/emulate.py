@@ -22,7 +22,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from npuprep.errors import NpuprepError
-from npuprep.graph import infer_tensors, node_label, walk_graphs
+from npuprep.graph import infer_tensors, node_label, to_array, walk_graphs
 from npuprep.numerics import NumberFormat
 from npuprep.ops import DATA_MOVEMENT_OPS, FP32_ONLY_INPUTS
 from npuprep.opsets import WORKING_OPSET, at_least, check_opset_supported
@@ -97,6 +97,8 @@ def emulate(
         local_producers = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
         readers = _reader_index(graph)
         inits = {i.name: i for i in graph.initializer}
+        position = {id(n): i for i, n in enumerate(graph.node)}
+        round_after: set[int] = set()  # indices of nodes whose outputs round their weight
         new_nodes: list[onnx.NodeProto] = []
 
         if round_weights:
@@ -107,15 +109,26 @@ def emulate(
                 unpinned = [n for n in weight_readers if node_label(n) not in pinned]
                 if not unpinned:
                     continue
+                if weights_in_graph and all(n.op_type in DATA_MOVEMENT_OPS and name in n.input
+                                            for n in unpinned):
+                    # Rounding is monotone and elementwise, so an op that only moves or
+                    # selects values may round its output instead: an embedding lookup then
+                    # rounds the rows it reads, not its whole table on every run.
+                    round_after.update(position[id(n)] for n in unpinned)
+                    weights.append(name)
+                    continue
                 # A subgraph that captures the weight reads it by name: it gets a rounded copy.
                 if weights_in_graph and all(name in n.input for n in unpinned):
                     alias = builder.fresh(name)
                     for node in unpinned:
                         _rename_input(node, name, alias)
-                    new_nodes += builder.chain(name, alias)
+                    # Right before its first reader: a session running nodes in this order
+                    # holds one rounded weight at a time, not all of them from the start.
+                    first = min(position[id(n)] for n in unpinned)
+                    builder.before.setdefault(first, []).extend(builder.chain(name, alias))
                     weights.append(name)
                     continue
-                value = numpy_helper.to_array(init)
+                value = to_array(init)
                 low = fmt.round(value, saturate=saturate)
                 if np.array_equal(low, value, equal_nan=True):
                     continue
@@ -152,9 +165,10 @@ def emulate(
             rounded.append(name)
 
         for index, node in enumerate(graph.node):
+            new_nodes += builder.before.pop(index, [])
             new_nodes.append(node)
             new_nodes += builder.after.pop(index, [])
-            if node_label(node) in pinned or not stores_rounded_values(node):
+            if node_label(node) in pinned or not (stores_rounded_values(node) or index in round_after):
                 continue
             for i, name in enumerate(node.output):
                 if not name or types.get(name) != TensorProto.FLOAT or name in fp32_only:
@@ -192,12 +206,14 @@ class _ChainBuilder:
         self.counter = 0
         self.constants: list[onnx.NodeProto] = []
         self.after: dict[int, list[onnx.NodeProto]] = {}
+        self.before: dict[int, list[onnx.NodeProto]] = {}
         self.bounds: tuple[str, str] | None = None
         self.compare_op = "Greater"
 
     def new_scope(self) -> None:
         self.constants = []
         self.after = {}
+        self.before = {}
         self.bounds = None
 
     def fresh(self, base: str) -> str:

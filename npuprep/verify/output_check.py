@@ -51,37 +51,67 @@ def check_outputs(reference: Any, lowered: Any, fmt: NumberFormat, samples: Sequ
     outputs in `top_k` are also judged by their top-K classes (npuprep.verify.output_errors), where
     a position whose FP32 top values lie within `rtol` of each other is a tie, not a decision.
     """
+    return check_output_sets(reference, lowered, fmt, [samples], saturate=saturate, rtol=rtol,
+                             io_types=io_types, host_scales=host_scales, emulated=emulated,
+                             top_k=top_k)[0]
+
+
+def check_output_sets(reference: Any, lowered: Any, fmt: NumberFormat,
+                      sample_sets: Sequence[Sequence[Feed]], *, saturate: bool, rtol: float,
+                      io_types: str = "fp32", host_scales: dict[str, float] | None = None,
+                      emulated: Any = None, top_k: Mapping[str, int] | None = None,
+                      expected: Sequence[dict[str, np.ndarray]] = ()) -> list[OutputCheck]:
+    """check_outputs on several sets of samples (calibration, held out) with one session per
+    model: an OutputCheck per set. `expected`: the reference's outputs on the first samples,
+    already run (npuprep.verify.compare.compare_models gives them)."""
     from npuprep.verify.output_errors import OutputErrors
     from npuprep.verify.widen import emulate_lowered
 
+    samples = [feed for feeds in sample_sets for feed in feeds]
     # One session at a time (the outputs are small, the weights are not): the reference, the
-    # emulation, then the lowered model as it is, which proves it loads and runs.
-    expected = _outputs(reference, samples)
+    # emulation, then the lowered model as it is on one sample, which proves it loads and runs.
+    expected = list(expected[:len(samples)])
+    if len(expected) < len(samples):
+        expected += _outputs(reference, samples[len(expected):])
     # Past LARGE_WEIGHTS (folds_weight_casts) without graph rewrites: onnxruntime would fold the Casts that widen
     # stored weights into a second, FP32 copy of them (the rounding pairs are kept either way).
     emulation = emulated if emulated is not None else emulate_lowered(lowered, fmt, saturate=saturate).model
     got = _outputs(emulation, samples, optimize=folds_weight_casts(emulation), produced="the emulated model")
     del emulation
-    _outputs(lowered, samples, produced="the lowered model")
+    _outputs(lowered, samples[:1], optimize=folds_weight_casts(lowered), produced="the lowered model")
     host = host_scales or {}
-    errors = OutputErrors(top_k=dict(top_k or {}), tie_rtol=rtol)
-    for r, c in zip(expected, got, strict=True):
-        for name, rv in r.items():
-            if np.issubdtype(np.asarray(rv).dtype, np.floating):
-                errors.add(name, rv, np.asarray(c[name], dtype=np.float64) * host.get(name, 1.0))
-    return OutputCheck(rtol=rtol, samples=len(expected), outputs=errors.result())
+    checks, start = [], 0
+    for feeds in sample_sets:
+        errors = OutputErrors(top_k=dict(top_k or {}), tie_rtol=rtol)
+        for r, c in zip(expected[start:start + len(feeds)], got[start:start + len(feeds)], strict=True):
+            for name, rv in r.items():
+                if np.issubdtype(np.asarray(rv).dtype, np.floating):
+                    errors.add(name, rv, np.asarray(c[name], dtype=np.float64) * host.get(name, 1.0))
+        checks.append(OutputCheck(rtol=rtol, samples=len(feeds), outputs=errors.result()))
+        start += len(feeds)
+    return checks
 
 
 def _outputs(model: Any, samples: Sequence[Feed], optimize: bool = True,
              produced: str | None = None) -> list[dict[str, np.ndarray]]:
     """Every output of `model` on each sample; the session is gone when this returns. Each
     model is fed its own input types (a model with FP16 inputs has FP32 ones once widened)."""
-    from npuprep.runtime.session import make_session, run
+    from npuprep.calibrate.run import session_threads
+    from npuprep.runtime.session import make_session, release_freed_memory
+    from npuprep.verify.compare import run_in_streams, sample_streams
 
-    session = make_session(model, optimize=optimize, produced=produced)
+    # No prepacked copy of the weights: each session runs few samples (the reference only
+    # the held-out ones, the model as lowered one), and the copy would double its memory.
+    streams = sample_streams(len(samples))
+    session = make_session(model, optimize=optimize, prepack=False, produced=produced, lean=True,
+                           threads=session_threads(streams))
     types = {i.name: i.type for i in session.get_inputs()}
-    return [run(session, {k: _as_input(v, types.get(k, "")) for k, v in feed.items()})
-            for feed in samples]
+    names = [o.name for o in session.get_outputs()]
+    feeds = [{k: _as_input(v, types.get(k, "")) for k, v in feed.items()} for feed in samples]
+    outputs = list(run_in_streams(session, feeds, names, streams))
+    del session
+    release_freed_memory()
+    return outputs
 
 
 def _as_input(value: np.ndarray, ort_type: str) -> np.ndarray:
