@@ -57,17 +57,9 @@ def sample_headroom(r: RangeStats) -> float:
     return 1.0 + SPREAD_SIGMAS * spread / top
 
 
-def clip_for(r: RangeStats, fmt: EightBitFormat, rule: str = DEFAULT_RULE, *,
-             extrapolate: bool = False) -> Clip:
-    """The clip `rule` places on tensor `r` for `fmt`; `extrapolate` raises it by
-    `sample_headroom(r)` for samples calibration has not seen."""
-    clip = _clip(r, fmt, rule)
-    if not extrapolate:
-        return clip
-    return Clip(clip.value * sample_headroom(r), clip.rule, clip.fallback)
-
-
-def _clip(r: RangeStats, fmt: EightBitFormat, rule: str) -> Clip:
+def clip_for(r: RangeStats, fmt: EightBitFormat, rule: str = DEFAULT_RULE) -> Clip:
+    """The clip `rule` places on tensor `r` for `fmt` (on the samples seen; quantisation
+    raises it by `sample_headroom(r)` for those it has not seen)."""
     if rule not in SCALE_RULES:
         raise ValueError(f"unknown scale rule {rule!r}")
     if rule == "absmax" or r.absmax <= 0 or not math.isfinite(r.absmax):

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from npuprep.calibrate.scales import DEFAULT_RULE, SCALE_RULES, clip_for
+from npuprep.calibrate.scales import DEFAULT_RULE, SCALE_RULES, clip_for, sample_headroom
 from npuprep.calibrate.stats import RangeStats
 from npuprep.data import Feed
 from npuprep.graph import constant_value, node_label
@@ -83,10 +83,12 @@ def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: Any, fmt: Eigh
         scales = {}
         for name in activation_inputs(model.graph, node):
             r = stats.tensors[name]
-            clip = clip_for(r, fmt, own.get(name, rule), extrapolate=True)
-            scales[name] = _activation_scale(r, clip.value
-                                             * rescaled.get(name, 1.0) * headroom,
-                                             rescaled.get(name, 1.0) * headroom, fmt)
+            # FP8's headroom for NaN past 448 already covers an unseen sample's larger values.
+            spread = sample_headroom(r)
+            widen = max(headroom, spread) if fmt.is_float else headroom * spread
+            factor = rescaled.get(name, 1.0) * widen
+            clip = clip_for(r, fmt, own.get(name, rule)).value * factor
+            scales[name] = _activation_scale(r, clip, factor, fmt)
         wanted[label] = scales
     return insert_qdq(model, wanted, fmt, saturate=saturate)
 
