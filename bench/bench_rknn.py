@@ -1,6 +1,6 @@
 """The zoo and the real-model corpus on a real NPU toolchain: rknn-toolkit2 2.5.0 (rk3588, FP16).
 
-Run: python bench/bench_rknn.py [--keep DIR] [--samples N] [NAME ...] [--corpus [NAME ...]]
+Run: python bench/bench_rknn.py [--keep DIR] [--samples N] [--bisect] [NAME ...] [--corpus [NAME ...]]
 (needs the rknn venv: bash npuprep/vendors/make_rknn_venv.sh; corpus models come from
 bench/corpus.py's cache, built first with `python bench/corpus.py`)
 
@@ -39,6 +39,20 @@ import corpus  # noqa: E402 - the sibling script, run from anywhere
 
 
 def cell(check) -> str:
+    return _cell(check) + bisected(check.bisection)
+
+
+def bisected(found: dict | None) -> str:
+    """With --bisect: the nodes the toolkit broke on and the rewrite tried."""
+    if not found:
+        return ""
+    nodes = ", ".join(f"`{n}` ({o})" for n, o in zip(found["nodes"], found["ops"], strict=True))
+    fix = found["fix"] or (f"rewrite declined: {found['declined'][:100]}" if found["declined"]
+                           else "no exact rewrite known")
+    return f"; bisected in {found['builds']} builds to {nodes or found['why_not']}; {fix}"
+
+
+def _cell(check) -> str:
     if not check.built:
         # `onnx.onnx_cpp2py_export.checker.ValidationError: ...` -> `ValidationError: ...`
         head, colon, rest = check.refusal.partition(": ")
@@ -103,7 +117,7 @@ def corpus_model(name: str) -> tuple[Model, list, list, list]:
 
 
 def measure(name: str, model: Model, calib: list, runs: list, holdout: list, work: Path,
-            profile: TargetProfile) -> tuple[str, ...]:
+            profile: TargetProfile, bisect: bool = False) -> tuple[str, ...]:
     """One table row: the vendor alone, convert, the vendor after convert."""
     alone = vendor(model.proto, model.proto, runs, work_dir=work / name / "fp32")
     try:
@@ -112,7 +126,7 @@ def measure(name: str, model: Model, calib: list, runs: list, holdout: list, wor
     except Exception as exc:  # npuprep's own failure: its row says so, the run goes on
         return (alone, f"convert failed: {short_error(exc)}", "-", "-", "-", "-", "-")
     after = vendor(model.proto, result.lowered.model, runs, host_scales=result.host_scales,
-                   work_dir=work / name / "converted")
+                   work_dir=work / name / "converted", bisect=bisect)
     held = emulated(result.holdout) if result.holdout is not None else "-"
     done = {a.action for a in result.plan.actions}
     # Control flow removed before planning is a note of the plan, not an action.
@@ -131,6 +145,9 @@ def main() -> None:
                         help="corpus models too (no NAME: every built corpus model)")
     parser.add_argument("--keep", help="keep the vendor's work folders here")
     parser.add_argument("--samples", type=int, default=4, help="samples per model (default 4)")
+    parser.add_argument("--bisect", action="store_true",
+                        help="where the toolkit refuses or crashes on the converted model, bisect "
+                             "to the nodes and retry their exact rewrite (as convert --verify-with)")
     args = parser.parse_args()
     profile = load_profile("rk3588")
     zoo_names = args.names or ([] if args.corpus is not None else [*ZOO, "planner"])
@@ -146,7 +163,8 @@ def main() -> None:
             try:
                 model, calib, runs, holdout = (corpus_model(name) if from_corpus
                                                else zoo_model(name, work))
-                row = measure(name, model, calib, runs[: args.samples], holdout, work, profile)
+                row = measure(name, model, calib, runs[: args.samples], holdout, work, profile,
+                              args.bisect)
             except Exception as exc:  # a model npuprep cannot even load: one row, exact error
                 row = (f"failed: {short_error(exc)}", "-", "-", "-", "-", "-", "-")
             rows.append((name, *row, f"{time.perf_counter() - t0:.0f} s"))

@@ -404,7 +404,7 @@ def _host_scales(model: Model, applied: Any, profile: TargetProfile, stats: Any,
                  samples: Sequence[Feed]) -> tuple[Any, dict[str, float], tuple[str, ...]]:
     """Rescale exits at graph outputs whose true range exceeds the limit leave the device
     scaled (npuprep.plan.host_scale decides, npuprep.rewrite.output_scale rewrites)."""
-    from npuprep.plan.host_scale import host_scaled_outputs
+    from npuprep.plan.host_scale import factor_words, host_scaled_outputs
     from npuprep.rewrite.output_scale import leave_output_scaled
 
     producer = {o: n.name for n in applied.model.graph.node for o in n.output}
@@ -425,8 +425,10 @@ def _host_scales(model: Model, applied: Any, profile: TargetProfile, stats: Any,
         host[name] = factor
         scales[name] = 1.0 / factor
         fp32_nodes.remove(str(done.details["removed"]))
-        notes.append(f"output '{name}' leaves the device scaled by 1/{factor:g} ({why}); "
-                     f"multiply it by {factor:g} on the host (report key host_scales)")
+        times = factor_words(factor)
+        by = factor_words(1.0 / factor) if factor < 1 else f"1/{times}"
+        notes.append(f"output '{name}' leaves the device scaled by {by} ({why}); "
+                     f"multiply it by {times} on the host (report key host_scales)")
     return (replace(applied, model=current, fp32_nodes=tuple(fp32_nodes), tensor_scales=scales),
             host, tuple(notes))
 

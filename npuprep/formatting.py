@@ -8,6 +8,7 @@ reports always carry the full text, so nothing shortened here is lost.
 from __future__ import annotations
 
 import math
+import re
 import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,10 @@ ELLIPSIS = "…"
 GAP = "  "
 # A column is never shrunk below this many characters (or its header), so it stays legible.
 MIN_CELL = 6
+# A column of sentences, which wrap, keeps at least this many characters a line.
+MIN_WRAPPED = 24
+# `a, b, c (+4)` or `a, b +4`: names (no spaces) listed, then how many more there are.
+_LISTED = re.compile(r"(?P<items>[^ ,]+(?:, [^ ,]+)*)(?P<more> \(\+(?P<n>\d+)\)| \+(?P<m>\d+))?")
 
 
 @dataclass(frozen=True)
@@ -63,21 +68,49 @@ def fold_names(names: Sequence[str], width: int) -> list[str]:
     """Names that tell each other apart in `width` characters: the prefix they all share is folded
     to `…` and the end is cut, so `…layer.3/attention/self/Add` keeps the layer number that a cut
     in the middle removes. Names that fit stay whole."""
-    long = [n for n in names if len(n) > width]
-    prefix = _common_prefix(long)
-    out = []
-    for name in names:
-        if len(name) <= width:
-            out.append(name)
-        elif prefix and len(name) > len(prefix):
-            start = len(prefix)
-            # Fold no more than needed: give back shared segments while the rest still fits.
-            while (back := name.rfind("/", 0, start - 1)) > 0 and len(name) - back - 1 < width:
-                start = back + 1
-            out.append(shorten(ELLIPSIS + name[start:], width, at="end"))
-        else:
-            out.append(shorten(name, width))
-    return out
+    prefix = _common_prefix([n for n in names if len(n) > width])
+    return [_fold(name, prefix, width) for name in names]
+
+
+def _fold(name: str, prefix: str, width: int) -> str:
+    if len(name) <= width:
+        return name
+    if prefix and len(name) > len(prefix):
+        start = len(prefix)
+        # Fold no more than needed: give back shared segments while the rest still fits.
+        while (back := name.rfind("/", 0, start - 1)) > 0 and len(name) - back - 1 < width:
+            start = back + 1
+        return shorten(ELLIPSIS + name[start:], width, at="end")
+    return shorten(name, width)
+
+
+def _name_and_rest(text: str, width: int) -> tuple[str, str]:
+    """A cell as the name to shorten and the text after it, kept whole: a list of names loses
+    its last names to its `(+N)` count first (`a, b (+10)` -> `a (+11)`), and in `name (x2^1)`
+    only the name is shortened."""
+    listed = _LISTED.fullmatch(text)
+    if listed:
+        items = listed["items"].split(", ")
+        more = int(listed["n"] or listed["m"] or 0)
+        style = " +{}" if listed["m"] else " (+{})"
+        while len(items) > 1 and len(", ".join(items) + style.format(more)) > width:
+            items.pop()
+            more += 1
+        rest = style.format(more) if more else ""
+        return (", ".join(items), rest) if len(items) > 1 else (items[0], rest)
+    name, space, rest = text.partition(" ")
+    return (name, space + rest) if space else (text, "")
+
+
+def fit_names(cells: Sequence[str], width: int) -> list[str]:
+    """A column of names, some with text after them, in `width` characters: the text stays whole
+    and the names tell each other apart (`fold_names`); a cell whose text leaves a name too
+    little room is cut in the middle."""
+    parts = [_name_and_rest(c, width) if len(c) > width else (c, "") for c in cells]
+    prefix = _common_prefix([n for n, r in parts if len(n) + len(r) > width])
+    return [name + rest if len(name) + len(rest) <= width else
+            _fold(name, prefix, width - len(rest)) + rest if width - len(rest) >= MIN_CELL else
+            shorten(name + rest, width) for name, rest in parts]
 
 
 def number(value: Any) -> str:
@@ -157,26 +190,33 @@ def fit_widths(natural: Sequence[int], minimum: Sequence[int], budget: int) -> l
 
 
 def table_lines(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]],
-                width: int | None = WIDTH, cut_end: Sequence[str] = ()) -> list[str]:
+                width: int | None = WIDTH, cut_end: Sequence[str] = (),
+                wrap: Sequence[str] = ()) -> list[str]:
     """A plain aligned table (title, header, rule, rows), no line wider than `width` (None: no limit).
 
-    Cells are cut in the middle, those of the `cut_end` columns (evidence lists) at the end.
+    Names keep the part that differs (`fit_names`); the `cut_end` columns (evidence lists) are
+    cut at the end; the `wrap` columns (sentences) continue on the lines below, whole.
     """
     cells = [[cell(v) for v in r] for r in rows]
-    at = ["end" if c in cut_end else "middle" for c in columns]
+    at = ["wrap" if c in wrap else "end" if c in cut_end else "middle" for c in columns]
     natural = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
     if width is None:
         widths = natural
     else:
-        minimum = [min(n, max(MIN_CELL, len(c))) for n, c in zip(natural, columns, strict=True)]
+        minimum = [min(n, max(MIN_WRAPPED if a == "wrap" else MIN_CELL, len(c)))
+                   for n, c, a in zip(natural, columns, at, strict=True)]
         widths = fit_widths(natural, minimum, width - len(GAP) * (len(columns) - 1))
     lines = [shorten(title, width) if width else title,
              GAP.join(shorten(c, w).ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip(),
              GAP.join("-" * w for w in widths)]
-    folded = [fold_names([r[i] for r in cells], w) if a == "middle" else [shorten(r[i], w, a) for r in cells]
+    folded = [fit_names([r[i] for r in cells], w) if a == "middle" else
+              [r[i] for r in cells] if a == "wrap" else [shorten(r[i], w, a) for r in cells]
               for i, (w, a) in enumerate(zip(widths, at, strict=True))]
-    lines += [GAP.join(col[k].ljust(w) for col, w in zip(folded, widths, strict=True)).rstrip()
-              for k in range(len(cells))]
+    for k in range(len(cells)):
+        parts = [textwrap.wrap(col[k], w, break_on_hyphens=False) or [""] if a == "wrap" else [col[k]]
+                 for col, w, a in zip(folded, widths, at, strict=True)]
+        lines += [GAP.join((p[j] if j < len(p) else "").ljust(w) for p, w in zip(parts, widths, strict=True))
+                  .rstrip() for j in range(max(len(p) for p in parts))]
     return lines
 
 

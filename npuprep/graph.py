@@ -70,6 +70,11 @@ def consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
     return result
 
 
+def node_reads(node: onnx.NodeProto) -> list[str]:
+    """Every tensor a node reads: its inputs, then what its subgraphs read from outside."""
+    return [i for i in dict.fromkeys([*node.input, *sorted(_captured_names(node))]) if i]
+
+
 def _captured_names(node: onnx.NodeProto) -> set[str]:
     """Outer-scope names a node's subgraphs read without declaring them."""
     names: set[str] = set()

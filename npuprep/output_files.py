@@ -31,6 +31,7 @@ from typing import Any
 import onnx
 
 from npuprep.errors import NpuprepError
+from npuprep.formatting import shorten
 from npuprep.model_io import external_locations, light_proto, write_bytes, write_model_files
 from npuprep.names import shown
 
@@ -90,9 +91,25 @@ def _check_name_lengths(out: _Entry, existing: Path) -> None:
     names = [*out.real.parts[1:-1], temp_name(out.real).name if not out.folder else out.real.name]
     longest = max(names, key=lambda n: len(os.fsencode(n)))
     if len(os.fsencode(longest)) > limit:
-        raise NpuprepError(f"{out.what} {shown(out.path)}: a name in it is too long for the file system "
+        raise NpuprepError(f"{out.what} {shorten(shown(out.path), 60)}: a name in it is too long for the file system "
                            f"({len(os.fsencode(longest))} bytes with npuprep's temporary suffix, at most "
                            f"{limit}); choose a shorter one")
+
+
+class WriteError(NpuprepError):
+    """A staged output could not be written (a full disk, a lost mount): nothing was put in
+    place. `strerror` is the system's reason, for callers that name the file their own way."""
+
+    def __init__(self, path: str, exc: OSError) -> None:
+        self.strerror = str(exc.strerror or exc)
+        super().__init__(f"{path}: cannot write ({self.strerror}); no file of this run was put in place")
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name in it too long: _check_name_lengths says which
+        return False
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -212,6 +229,11 @@ class OutputPlan:
                 # The next run would read it as one of them (a model written as a sample).
                 raise NpuprepError(f"{out.what} {name}: lies in {inp.what} {shown(inp.path)}, where "
                                    f"every {' or '.join(inp.patterns)} file is read; choose another path")
+        parent = out.real if out.folder else out.real.parent
+        while not _exists(parent):
+            parent = parent.parent
+        # First: a name too long makes every look at the path an OSError.
+        _check_name_lengths(out, parent)
         if out.folder:
             if out.real.exists() and not out.real.is_dir():
                 raise NpuprepError(f"{out.what} {name}: exists and is not a folder")
@@ -219,10 +241,6 @@ class OutputPlan:
             raise NpuprepError(f"{out.what} {name}: is a folder; give a file name")
         elif out.real.exists() and not out.real.is_file():
             raise NpuprepError(f"{out.what} {name}: exists and is not a regular file")
-        parent = out.real if out.folder else out.real.parent
-        while not parent.exists():
-            parent = parent.parent
-        _check_name_lengths(out, parent)
         if not parent.is_dir():
             raise NpuprepError(f"{out.what} {name}: {shown(parent)} is a file, not a folder")
         if not os.access(parent, os.W_OK | os.X_OK):
@@ -287,8 +305,7 @@ class OutputSet:
             written = write_model_files(proto, temps[final], temps[data_final], data_final.name,
                                         external_data=external_data)
         except OSError as exc:
-            raise NpuprepError(f"{shown(path)}: cannot write ({exc.strerror or exc}); "
-                               "no file of this run was put in place") from None
+            raise WriteError(shown(path), exc) from None
         if not written:
             temps[data_final].unlink(missing_ok=True)
             del self._staged[data_final]
@@ -303,8 +320,7 @@ class OutputSet:
         try:
             write(tmp)
         except OSError as exc:
-            raise NpuprepError(f"{shown(self._outputs[final].path)}: cannot write ({exc.strerror or exc}); "
-                               "no file of this run was put in place") from None
+            raise WriteError(shown(self._outputs[final].path), exc) from None
 
     def commit(self) -> None:
         """Rename every staged file into place (models last), with SIGINT/SIGTERM deferred

@@ -155,3 +155,58 @@ def test_bad_addresses_are_one_line_before_ray_starts(tmp_path):
         assert not (tmp_path / "s.json").exists()
     for good in ("auto", "ray://head:10001", "10.0.0.1:6379", None):
         check_address(good)
+
+
+def test_sigterm_during_a_ray_run_ends_in_one_line_and_cleans_up(local_ray, tmp_path):
+    # Ray installs its own SIGTERM handler (a stack dump, exit 134, the lock left behind);
+    # npuprep puts its own back, so the run ends as any other: one line, 143, nothing changed.
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path, _ = zoo_on_disk(tmp_path / "z", "conv_stack")
+    out = tmp_path / "s.json"
+    out.write_text("an earlier run's stats\n")
+    address = ray.get_runtime_context().gcs_address
+    # 2000 samples take far longer than the 3 s after which the signal comes.
+    proc = subprocess.Popen([sys.executable, "-m", "npuprep", "calibrate", path, "--synthetic", "2000",
+                             "--ray", address, "-o", out], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    lock = tmp_path / ".s.json.lock"
+    deadline = time.monotonic() + 60
+    while not lock.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(3)  # joined the cluster (about 1 s) and running its tasks
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and err.strip() == "npuprep: terminated", err
+    assert out.read_text() == "an earlier run's stats\n" and not lock.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json", "z"]
+
+
+def test_sigterm_inside_ray_init_reaches_npuprep_s_handler():
+    # A fake ray.init that does what Ray's does first: SIGTERM -> sys.exit(15); then the signal.
+    import signal
+    import sys
+    import types
+
+    from npuprep.calibrate.on_ray import _join
+
+    class Ended(Exception):
+        pass
+
+    def ours(signum, frame):
+        raise Ended(signum)
+
+    def init(**kwargs):
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, ours)
+    try:
+        with pytest.raises(Ended):
+            _join(types.SimpleNamespace(init=init), None)
+        assert signal.getsignal(signal.SIGTERM) is ours
+    finally:
+        signal.signal(signal.SIGTERM, previous)

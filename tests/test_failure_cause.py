@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 from conftest import run_cli
@@ -10,14 +12,15 @@ from onnx import TensorProto, helper, numpy_helper
 from npuprep.report.cause import failure_cause
 
 
-def _random_logit_classifier(tmp_path):
-    # x -> Gemm(W1 ~ 1e-12) -> Relu -> Gemm(W2 ~ 4) -> logits ~1e-10
+def _random_logit_classifier(tmp_path, squash=False):
+    # x -> Gemm(W1 ~ 1e-12) -> Relu -> Gemm(W2 ~ 4) -> logits ~1e-10 [-> Tanh when squash]
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array((rng.standard_normal((64, 64)) * 1e-12).astype(np.float32), "W1"),
              numpy_helper.from_array((rng.standard_normal((64, 10)) * 4.0).astype(np.float32), "W2")]
     nodes = [helper.make_node("Gemm", ["x", "W1"], ["h"], name="fc1"),
              helper.make_node("Relu", ["h"], ["r"], name="relu"),
-             helper.make_node("Gemm", ["r", "W2"], ["logits"], name="fc2")]
+             helper.make_node("Gemm", ["r", "W2"], ["z" if squash else "logits"], name="fc2")]
+    nodes += [helper.make_node("Tanh", ["z"], ["logits"], name="squash")] if squash else []
     graph = helper.make_graph(nodes, "random_logits",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
                               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 10])],
@@ -31,9 +34,20 @@ def _random_logit_classifier(tmp_path):
     return path, data
 
 
-def test_random_logit_classifier_failed_line_names_underflow_first(tmp_path):
-    # rk3588 runs the lift's compensating Mul in FP16: logits of 1e-10 flush; the line says so
+def test_random_logit_classifier_on_rk3588_leaves_the_logits_scaled_up_for_the_host(tmp_path):
+    # rk3588 would run the lift's compensating Mul in FP16 and flush the logits: the host does it
     path, data = _random_logit_classifier(tmp_path)
+    proc = run_cli("convert", path, "-t", "rk3588", "--data", data, "-o", tmp_path / "c.onnx")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = " ".join(proc.stdout.split())
+    assert "multiply it by 2^-" in said and "smallest fp16 normal" in said
+    factor = json.loads((tmp_path / "c.report.json").read_text())["host_scales"]["logits"]
+    assert 0 < factor < 1
+
+
+def test_random_logit_classifier_failed_line_names_underflow_first(tmp_path):
+    # a Tanh after the logits stops the lift before the output: logits of 1e-10 flush in FP16
+    path, data = _random_logit_classifier(tmp_path, squash=True)
     proc = run_cli("convert", path, "-t", "rk3588", "--data", data, "-o", tmp_path / "c.onnx")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     verdict = " ".join(proc.stdout.split("\nFAILED: ")[-1].split())

@@ -105,6 +105,23 @@ def test_compare_after_convert_passes_on_the_lowered_mask(ws):
     assert not any("Add_output" in line for line in worst), worst
 
 
+def test_compare_labels_masks_as_masks_in_terminal_json_and_html(ws, tmp_path):
+    # Every -inf row is a mask here: labelled `ok:mask`, grey diamonds, never a red cross.
+    r = run_cli("compare", ws / "bert.onnx", ws / "bert.a2000.onnx", "--data", ws / "data", "--worst", "100",
+                "--html", tmp_path / "cmp.html")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ok:ref-nan" not in r.stdout and r.stdout.count("ok:mask") >= LAYERS + 1
+    assert "ok:mask = an intentional -inf mask" in " ".join(r.stdout.split())
+    doc = json.loads(run_cli("compare", ws / "bert.onnx", ws / "bert.a2000.onnx", "--data", ws / "data",
+                             "--json").stdout)
+    assert {f"/m/encoder/layer.{i}/attention/self/Add_output_0" for i in range(LAYERS)} <= set(doc["masks"])
+    page = (tmp_path / "cmp.html").read_text()
+    charts = page.split('id="headroom-chart"')[1].split('id="errors"')[0]
+    assert ": non-finite" not in charts and "mask (-inf on purpose)" in charts
+    assert "Grey diamonds: intentional -inf masks" in charts
+    assert "the reference holds non-finite values" not in page and "an intentional -inf mask" in page
+
+
 def test_calibrate_marks_masks_and_ranks_them_last(ws):
     rows = [line for line in (ws / "calibrate.txt").read_text().splitlines() if line.startswith(("…", "/", "s", "q"))]
     assert "mask" not in rows[0] and "inf" not in rows[0].split()[1]

@@ -94,12 +94,29 @@ def test_names_shorten_in_the_middle_and_numbers_read_as_numbers():
     assert max(map(len, lines)) <= 100 and lines[-1].split() == ["short", "6.06e14"]
 
 
+def test_a_name_with_text_keeps_its_end_and_the_text_and_sentences_wrap():
+    layer = "/m/encoder/layer.{}/attention/self/Softmax"
+    # A list of names gives its last names to the count; the name keeps the part that differs.
+    rows = [(f"{layer.format(3)}, {layer.format(4)} (+10)",), (f"{layer.format(11)} (x2^1)",),
+            ("/m/short",)]
+    first, second, third = (line.rstrip() for line in table_lines("t", ["node"], rows, width=28)[3:])
+    assert first.startswith("…layer.3/") and first.endswith(" (+11)") and len(first) <= 28
+    assert second.startswith("…layer.11/") and second.endswith(" (x2^1)") and len(second) <= 28
+    assert third == "/m/short"
+    why = "the softmax input is shifted in FP32: its fp16 rounding would be a relative error of exp"
+    lines = table_lines("t", ["#", "why"], [(1, why), (2, "short")], width=40, wrap=("why",))
+    assert max(map(len, lines)) <= 40 and "…" not in "".join(lines)
+    body = lines[3:]
+    assert body[0].startswith("1  the softmax") and body[-1].split() == ["2", "short"]
+    assert " ".join(" ".join(line.split()[1 if i == 0 else 0:]) for i, line in enumerate(body[:-1])) == why
+
+
 class _Row:
     """The fields of a TensorCompareResult that compare's verdict column reads."""
 
-    def __init__(self, passed, reason="", rel_l2=0.0, rtol=0.01, saturated_count=0):
+    def __init__(self, passed, reason="", rel_l2=0.0, rtol=0.01, saturated_count=0, tensor="t"):
         self.passed, self.reason, self.rel_l2, self.rtol = passed, reason, rel_l2, rtol
-        self.saturated_count = saturated_count
+        self.saturated_count, self.tensor = saturated_count, tensor
 
     def __bool__(self):
         return self.passed
@@ -112,6 +129,8 @@ def test_compare_rows_say_why_they_are_ok_or_failed():
     assert verdict_code(_Row(True, rel_l2=0.47)) == "ok:<atol"
     assert verdict_code(_Row(True, "the reference holds non-finite values; error metrics undefined",
                              rel_l2=math.nan)) == "ok:ref-nan"
+    assert verdict_code(_Row(True, "the reference holds non-finite values; error metrics undefined",
+                             rel_l2=math.nan, tensor="m"), frozenset({"m"})) == "ok:mask"
     assert verdict_code(_Row(False, "3 Inf and 0 NaN values where the reference is finite")) == "FAIL:inf/nan"
     assert verdict_code(_Row(False, "4 values pinned at +-65504", saturated_count=4)) == "FAIL:saturated"
     assert verdict_code(_Row(False, "rel L2 0.5 > 0.01 and max abs error 3 > 0.001")) == "FAIL:rtol+atol"

@@ -33,7 +33,7 @@ def measured_findings(
     kept_fp32 = _kept_fp32(model) if as_stored else set()
     found: list[Finding] = []
     masks: list[tuple[RangeStats, str]] = []
-    from_masks = _downstream_of_mask_constants(model)
+    from_masks = downstream_of_mask_constants(model)
     inputs = {(scope.path, i.name) for scope in walk_graphs(model.graph) for i in scope.graph.input}
     for key in sorted(stats.tensors):
         s = stats.tensors[key]
@@ -173,7 +173,7 @@ def _outlier(samples_over: int, s: RangeStats) -> str:
 def mask_tensors(model: Model, stats: CalibrationStats) -> set[str]:
     """The measured tensors that hold an intentional -inf mask (computed from a mask constant,
     -inf their only non-finite value): labelled `mask` and listed last, never a failure."""
-    from_masks = _downstream_of_mask_constants(model)
+    from_masks = downstream_of_mask_constants(model)
     return {s.tensor for s in stats.tensors.values() if s.tensor in from_masks and is_mask_like(s)}
 
 
@@ -204,7 +204,7 @@ def _mask_finding(masks: list[tuple[RangeStats, str]], fmt: NumberFormat) -> Fin
 _MASK_VALUE = -1e30
 
 
-def _downstream_of_mask_constants(model: Model) -> set[str]:
+def downstream_of_mask_constants(model: Model) -> set[str]:
     """Tensors computed from a constant holding -inf (or FP32 lowest), every scope: where
     their -inf comes from, it was put there on purpose (a Log of 0 is not among them)."""
     import onnx

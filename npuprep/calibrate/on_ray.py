@@ -107,10 +107,17 @@ def _join(ray: Any, address: str | None) -> None:
     stderr; only errors are shown. Ray replaces the SIGTERM and SIGINT handlers with its own
     (a stack dump, exit 134, no clean-up): the caller's are put back."""
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    terminated = False
     try:
         with _stderr_dropped():
             ray.init(address=address or None, include_dashboard=False, logging_level=logging.ERROR,
                      log_to_driver=False)
+    except SystemExit as exc:
+        # Ray's handler, set for the time of ray.init, turns SIGTERM into sys.exit(15): the
+        # signal is sent again once the caller's handler is back (which then ends the run).
+        if exc.code != signal.SIGTERM:
+            raise
+        terminated = True
     except ConnectionError as exc:
         raise NpuprepError(f"Ray: cannot join the cluster at {address}: {exc}") from None
     except (ValueError, RuntimeError) as exc:
@@ -124,6 +131,8 @@ def _join(ray: Any, address: str | None) -> None:
             for sig, handler in handlers.items():
                 if handler is not None:
                     signal.signal(sig, handler)
+        if terminated:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 @contextlib.contextmanager

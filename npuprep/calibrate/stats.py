@@ -62,6 +62,14 @@ class RangeStats:
         """True when the detail covers every element."""
         return self.detailed_count == self.count
 
+    def top_exponent(self) -> int | None:
+        """floor(log2) of the largest finite |x|, None when no value is finite and nonzero.
+        From abs-max when it is finite; past an Inf (a -inf mask) from the histogram's
+        highest bin, which counts finite values only."""
+        if math.isfinite(self.absmax):
+            return math.floor(math.log2(self.absmax)) if self.absmax > 0 else None
+        return max(self.exp_hist) if self.exp_hist else None
+
     def fraction_above(self, threshold: float) -> float | None:
         """Share of elements with |x| > threshold (Inf counts, NaN does not).
 

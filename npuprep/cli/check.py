@@ -37,6 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", help="check measured ranges against this format (e.g. fp8_e4m3) "
                                        "instead of the target's default precision")
     p.add_argument("--html", metavar="OUT.html", help="also write a self-contained HTML report")
+    p.add_argument("--vendor", choices=("rknn",),
+                   help="also build MODEL with the vendor toolchain (rknn: rknn-toolkit2 for the "
+                        "target's platform); when it refuses or crashes, bisect to the nodes "
+                        "that break it and try their exact rewrite")
+    p.add_argument("--vendor-python", metavar="PATH",
+                   help="python of the vendor venv (default: $NPUPREP_RKNN_PYTHON, then "
+                        "~/.cache/npuprep/rknn-venv)")
 
 
 def gather_findings(args: argparse.Namespace, model: Any, target: Any, stats: Any = None) -> Any:
@@ -53,8 +60,9 @@ def gather_findings(args: argparse.Namespace, model: Any, target: Any, stats: An
     return findings_for(model, target, stats, as_stored=True)
 
 
-def _measured_stats(args: argparse.Namespace, model: Any) -> Any:
-    """Stats from --stats, or calibrated on the fly from --data/--synthetic; None without either."""
+def _measured_stats(args: argparse.Namespace, model: Any, detail: str = "auto") -> Any:
+    """Stats from --stats, or calibrated on the fly from --data/--synthetic; None without either.
+    `detail="all"` for 8-bit scales, as convert calibrates for them (percentile, MSE)."""
     from npuprep.errors import NpuprepError
 
     if getattr(args, "stats", None):
@@ -72,7 +80,8 @@ def _measured_stats(args: argparse.Namespace, model: Any) -> Any:
         return None
     from npuprep.calibrate import calibrate
 
-    return calibrate(model, samples, show_progress=not getattr(args, "json", False) and sys.stderr.isatty())
+    return calibrate(model, samples, show_progress=not getattr(args, "json", False) and sys.stderr.isatty(),
+                     detail=detail)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if args.html:
         outputs.writes(args.html, "--html")
     with outputs.open() as files:
-        stats = _measured_stats(args, model)
+        stats = _measured_stats(args, model, "all" if eight is not None else "auto")
         findings = gather_findings(args, model, target, stats)
         # Findings and plan on the graph convert plans: exact pre-plan rewrites (a folded
         # mean, removed control flow) change what is there to find.
@@ -100,10 +109,14 @@ def run(args: argparse.Namespace) -> int:
         if eight is not None:
             from dataclasses import replace
 
+            from npuprep.analyse.eight_bit import scale_clip_findings
             from npuprep.plan.eight_bit import decide
 
             plan = replace(plan, precision=eight.name,
                            eight_bit=decide(model.proto, stats, eight, plan.pinned_nodes()))
+            findings = findings.merged(scale_clip_findings(
+                model.proto, stats, eight, [x.node for x in plan.eight_bit
+                                            if x.precision == eight.name]))
         if args.html:
             from npuprep.cli.report import tensor_order
             from npuprep.report.render_html import render
@@ -111,12 +124,17 @@ def run(args: argparse.Namespace) -> int:
             # The plan rides along: the chart marks exactly its actions, as convert would take them.
             page = check_report(model, profile, findings, fail_on) | {
                 "profile": profile.to_dict(), "plan": plan.to_dict()}
+            if eight is not None:
+                page["precision"] = eight.name  # the chart draws FP8's 448 line
             if stats is not None:
                 page["stats"] = stats.to_dict()
             files.text(args.html, render(page, order=tensor_order(model.proto)))
     failing = findings.reaching(fail_on)
+    vendor = _vendor_build(args, model) if args.vendor else None
     if args.json:
         doc = check_report(model, profile, findings, fail_on) | {"plan": plan.to_dict()}
+        if vendor is not None:
+            doc["vendor"] = vendor
         if stats is not None:
             # The ranges behind the measured findings: `npuprep report` draws them, as --html does.
             doc["stats"] = stats.to_dict()
@@ -130,7 +148,29 @@ def run(args: argparse.Namespace) -> int:
         _print_plan(plan, measured=stats is not None)
         if eight is not None:
             _print_eight_bit(plan)
-    return 1 if failing else 0
+        for line in (vendor or {}).get("lines", ()):
+            say(line)
+    return 1 if failing or (vendor is not None and not vendor["built"]) else 0
+
+
+def _vendor_build(args: argparse.Namespace, model: Any) -> dict[str, Any]:
+    """MODEL built by the vendor tool on one sample (--data's first, else a synthetic one);
+    a refusal or crash bisected to its nodes (npuprep.verify.vendor_bisect)."""
+    from npuprep.cli.common import open_samples, synthetic_from_args
+    from npuprep.vendors.bisection import Attempt
+    from npuprep.vendors.rockchip import run_rknn
+    from npuprep.verify.vendor_bisect import bisect_vendor, rknn_build
+
+    samples = open_samples(args, model.proto) or synthetic_from_args(args, model.proto, 1)
+    feed = next(iter(samples))
+    platform = "rk3588"  # the platform `convert --verify-with rknn` builds for
+    # The whole model first, where a vendor python that is not one is the user's error (exit 2).
+    done = run_rknn(model.proto, [dict(feed)], python=args.vendor_python, target_platform=platform)
+    if done:
+        return {"built": True, "lines": [f"rknn-toolkit2 builds the model for {platform}"]}
+    found = bisect_vendor(model.proto, feed, Attempt(False, done.stage, done.refusal),
+                          rknn_build(args.vendor_python, platform))
+    return {"built": False, **found.to_dict()}
 
 
 def _eight_bit(args: argparse.Namespace) -> Any:
@@ -151,7 +191,7 @@ def _print_eight_bit(plan: Any) -> None:
     if wider:
         print_table(f"Kept wider than {plan.precision} (the plan's eight_bit list)",
                     ["node", "runs in", "why"], [(x.node, x.precision, x.why) for x in wider],
-                    cut_end=("why",))
+                    wrap=("why",))
     say(f"{plan.precision}: {len(layers) - len(wider)} Conv/MatMul/Gemm layer(s) in 8 bits, "
         f"{len(wider)} node(s) kept wider")
 

@@ -38,7 +38,8 @@ def add_data(p: argparse.ArgumentParser, required: bool = False) -> None:
     g = p.add_argument_group("samples")
     src = g.add_mutually_exclusive_group(required=required)
     src.add_argument("--data", "-d", help=".npz sample, directory of .npz, batched .npz or Polygraphy JSON")
-    src.add_argument("--synthetic", type=int, metavar="N", help="N seeded random samples (reports say so)")
+    src.add_argument("--synthetic", type=positive_int, metavar="N",
+                     help="N seeded random samples (reports say so)")
     g.add_argument("--batched", action="store_true", help="split a single .npz along axis 0")
     g.add_argument("--seed", type=_seed, default=0, help="seed for --synthetic (default 0)")
     g.add_argument("--input-range", action="append", type=input_range, default=[], metavar="NAME:LO:HI",
@@ -51,7 +52,7 @@ def add_data(p: argparse.ArgumentParser, required: bool = False) -> None:
 
 def add_jobs(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", "-j", type=_count, default=1,
-                   help="calibration processes over sample ranges (default 1); 'auto': one per core when "
+                   help="calibration processes over sample ranges (default 1); 'auto' (or 0): one per core when "
                         "each gets at least 32 samples, else 1")
     p.add_argument("--streams", type=_count, default=0,
                    help="samples calibrated at once in each process, on threads sharing one session, each "
@@ -166,6 +167,11 @@ def begin(args: argparse.Namespace, *, inputs: Sequence[str] = (), model: bool =
         raise NpuprepError(f"--precision {args.precision}: target '{profile.name}' lists {target.fmt.name} as "
                            "unsupported (dtypes.unsupported in its profile); choose another precision or target")
     loaded = load_model(getattr(args, model_arg), weights=weights) if model else None
+    if loaded is not None:
+        from npuprep.opsets import check_opset_supported
+
+        # Before any work: a static check would otherwise pass a model no stage can read.
+        check_opset_supported(loaded.proto, str(getattr(args, model_arg)))
     plan = OutputPlan()
     if model:
         plan.reads_model(getattr(args, model_arg), model_what)
@@ -289,12 +295,13 @@ def say(text: str = "", *, always: bool = False) -> None:
 
 
 def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]],
-                cut_end: Sequence[str] = ()) -> None:
-    """A plain aligned table within OUTPUT.width (names shortened in the middle, the `cut_end`
-    columns at the end), greppable when piped; nothing with -q."""
+                cut_end: Sequence[str] = (), wrap: Sequence[str] = ()) -> None:
+    """A plain aligned table within OUTPUT.width (names keep the part that differs, the
+    `cut_end` columns are cut at the end, the `wrap` columns' sentences wrap), greppable when
+    piped; nothing with -q."""
     if OUTPUT.quiet:
         return
-    sys.stdout.write("\n".join(table_lines(title, columns, rows, OUTPUT.width, cut_end)) + "\n")
+    sys.stdout.write("\n".join(table_lines(title, columns, rows, OUTPUT.width, cut_end, wrap)) + "\n")
 
 
 def fmt(v: Any) -> str:

@@ -163,20 +163,22 @@ def run(args: argparse.Namespace) -> int:
             overrides=overrides, tensor_scales=scales, fmt=fmt_, isolate=args.isolate, worst=args.worst,
         )
         result = replace(result, notes=result.notes + notes)
+        masks = mask_rows(ref, result)
         if args.report:
-            files.text(args.report, render_markdown(result, args))
+            files.text(args.report, render_markdown(result, args, masks))
         if args.html:
             from npuprep.report.render_html import render
 
-            page = result.to_dict()
+            page = result.to_dict() | {"masks": sorted(masks)}
             if profile is not None:
                 page["profile"] = profile.to_dict()
             files.text(args.html, render(page))
         vendor = _vendor(args, ref, samples, profile, scales) if args.with_vendor else None
     if args.json:
-        print_json(result if vendor is None else result.to_dict() | {"vendor": vendor.to_dict()})
+        print_json(result.to_dict() | {"masks": sorted(masks)}
+                   | ({} if vendor is None else {"vendor": vendor.to_dict()}))
     else:
-        _print(result)
+        _print(result, masks)
         if vendor is not None:
             from npuprep.cli.convert import _print_vendor
 
@@ -306,23 +308,33 @@ def _columns(isolate: bool, full: bool = True) -> list[str]:
     return cols + ["verdict"]
 
 
-def _row(t: Any, isolate: bool, full: bool = True) -> list[Any]:
+def mask_rows(ref: Any, result: Any) -> frozenset[str]:
+    """Passing tensors whose reference is non-finite because a mask constant (-inf, or FP32's
+    lowest) reaches them: intentional masks, labelled `ok:mask`, never a failure."""
+    from npuprep.analyse.measured import downstream_of_mask_constants
+
+    bad = {t.tensor for t in result.tensors if t and t.ref_nonfinite_count}
+    return frozenset(bad & downstream_of_mask_constants(ref)) if bad else frozenset()
+
+
+def _row(t: Any, isolate: bool, full: bool = True, masks: frozenset[str] = frozenset()) -> list[Any]:
     if not full:
         return [t.tensor, t.op_type, t.max_abs_error, t.rel_l2, *([t.isolated_rel_l2] if isolate else []),
-                t.cosine, t.cand_absmax, f"{t.inf_count}/{t.nan_count}", verdict_code(t)]
+                t.cosine, t.cand_absmax, f"{t.inf_count}/{t.nan_count}", verdict_code(t, masks)]
     row = [t.tensor, t.node, t.op_type, t.max_abs_error, t.rel_l2, t.cosine, t.cand_absmax,
            "-" if t.headroom is None else t.headroom, f"{t.inf_count}/{t.nan_count}",
            t.saturated_count]
     if isolate:
         row += [t.isolated_max_abs_error, t.isolated_rel_l2]
-    return row + [verdict_code(t)]
+    return row + [verdict_code(t, masks)]
 
 
-def verdict_code(t: Any) -> str:
-    """`ok`, or why a row with large numbers is still ok (`ok:<atol`, `ok:ref-nan`), or `FAIL:code`."""
+def verdict_code(t: Any, masks: frozenset[str] = frozenset()) -> str:
+    """`ok`, or why a row with large numbers is still ok (`ok:<atol`, `ok:mask`, `ok:ref-nan`),
+    or `FAIL:code`."""
     if t:
         if "reference holds non-finite" in t.reason:
-            return "ok:ref-nan"
+            return "ok:mask" if t.tensor in masks else "ok:ref-nan"
         if not t.rel_l2 <= t.rtol:
             return "ok:<atol"
         return "ok"
@@ -335,15 +347,18 @@ def verdict_code(t: Any) -> str:
     return "FAIL:rtol+atol"
 
 
-def _print(result: Any) -> None:
+def _print(result: Any, masks: frozenset[str] = frozenset()) -> None:
     full = out().verbose or out().width is None
     say(f"{len(result.tensors)} tensors compared on {result.samples_description}; "
         f"format {result.fmt or 'none'}; rtol {result.rtol:g}, atol {result.atol:g}")
     print_table(f"Worst {len(result.worst)} tensors", _columns(result.isolate, full),
-                [_row(t, result.isolate, full) for t in result.worst])
-    if not full and any(verdict_code(t) != "ok" and t for t in result.worst):
-        say("ok:<atol = rel L2 over rtol but every error under atol; ok:ref-nan = the reference itself "
-            "is non-finite")
+                [_row(t, result.isolate, full, masks) for t in result.worst])
+    codes = {verdict_code(t, masks) for t in result.worst if t}
+    if not full and codes - {"ok"}:
+        say("; ".join(text for code, text in (
+            ("ok:<atol", "ok:<atol = rel L2 over rtol but every error under atol"),
+            ("ok:mask", "ok:mask = an intentional -inf mask (from a mask constant), kept as a mask"),
+            ("ok:ref-nan", "ok:ref-nan = the reference itself is non-finite")) if code in codes))
     first = result.first_divergent
     if first is not None:
         say(f"first divergent node: {first.node} ({first.op_type}) -> tensor '{first.tensor}': "
@@ -361,7 +376,7 @@ def _print(result: Any) -> None:
         "the thresholds", always=True)
 
 
-def render_markdown(result: Any, args: argparse.Namespace) -> str:
+def render_markdown(result: Any, args: argparse.Namespace, masks: frozenset[str] = frozenset()) -> str:
     """The compare result as a Markdown report."""
 
     def cell(v: Any) -> str:
@@ -391,7 +406,8 @@ def render_markdown(result: Any, args: argparse.Namespace) -> str:
     for title, rows in (("Worst tensors", result.worst), ("All tensors (topological order)", result.tensors)):
         lines += [f"## {title}", "", "| " + " | ".join(cell(h) for h in header) + " |",
                   "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(cell(v) for v in _row(t, result.isolate)) + " |" for t in rows]
+        lines += ["| " + " | ".join(cell(v) for v in _row(t, result.isolate, masks=masks)) + " |"
+                  for t in rows]
         lines.append("")
     if result.unobserved:
         lines += ["## Not compared", ""]

@@ -170,7 +170,8 @@ def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, p
             shown(name)
 
         eight = _eight_bit(args.precision or profile.default_precision)
-        result = _convert_8bit(args, model, profile, calibration, stats, plan, holdout, stage) \
+        result = _convert_8bit(args, model, profile, calibration, stats, plan, holdout, stage,
+                               samples) \
             if eight else convert(
             model, profile, list(calibration), stats=stats, plan=plan, precision=args.precision,
             io_types=args.io_types, rtol=args.rtol, holdout=list(holdout) if holdout else None,
@@ -180,8 +181,11 @@ def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, p
         )
         if split is not None:
             result = replace(result, notes=(split.said, *result.notes))
-        vendor = _vendor_check(args, model, result, list(samples), paths, files) \
+        vendor = _vendor_check(args, model, result, list(samples), paths, files,
+                               (list(calibration), list(holdout or samples))) \
             if args.verify_with else None
+        if vendor is not None and vendor.fixed_model is not None:
+            result = _with_vendor_fix(result, vendor)
     report = stage_conversion(result, paths, files, vendor, resources=watch.to_dict())
     from npuprep.report.cause import failure_cause
 
@@ -196,13 +200,15 @@ def _eight_bit(precision: str) -> bool:
 
 
 def _convert_8bit(args: argparse.Namespace, model: Any, profile: Any, samples: Any, stats: Any,
-                  plan: Any, holdout: Any, stage: Any) -> Any:
+                  plan: Any, holdout: Any, stage: Any, given: Any) -> Any:
+    """`given`: the samples as loaded, which describe themselves (`samples` may be the
+    calibration part of the split, a plain list)."""
     from npuprep.convert_8bit import convert_8bit
 
     return convert_8bit(model, profile, list(samples), precision=args.precision or
                         profile.default_precision, stats=stats, plan=plan, rtol=args.rtol,
                         holdout=list(holdout) if holdout else None,
-                        samples_description=samples.describe(), synthetic=samples.synthetic,
+                        samples_description=given.describe(), synthetic=given.synthetic,
                         scale_rule=args.scale_rule, min_8bit_share=args.min_8bit_share / 100,
                         opset=args.opset, top_k=parse_top_k(args.top_k), progress=stage)
 
@@ -223,20 +229,36 @@ def _remove_older_report(outputs: Any, output: Path) -> None:
 
 
 def _vendor_check(args: argparse.Namespace, model: Any, result: Any, samples: list,
-                  paths: dict[str, Path], files: Any) -> Any:
-    """The converted model built and run by the vendor toolchain; its layer report beside -o."""
+                  paths: dict[str, Path], files: Any, split: tuple[list, list]) -> Any:
+    """The converted model built and run by the vendor toolchain; its layer report beside -o.
+    An 8-bit one runs the held-out samples (`split`: calibration, held-out) three ways."""
     from npuprep.verify.vendor import vendor_check, with_layers
+    from npuprep.verify.vendor_8bit import vendor_check_8bit
 
-    check = vendor_check(model.proto, result.lowered.model, samples, vendor=args.verify_with,
-                         python=args.vendor_python, rtol=args.rtol,
-                         host_scales=getattr(result, "host_scales", None))
+    if result.eight_bit:
+        check = vendor_check_8bit(model.proto, result, *split, vendor=args.verify_with,
+                                  python=args.vendor_python, rtol=args.rtol,
+                                  top_k=parse_top_k(args.top_k))
+    else:
+        check = vendor_check(model.proto, result.lowered.model, samples, vendor=args.verify_with,
+                             python=args.vendor_python, rtol=args.rtol,
+                             host_scales=getattr(result, "host_scales", None), bisect=True)
     report_path = paths["vendor_error_analysis"]
     if check.accuracy_report:
         files.text(report_path, check.accuracy_report)
     else:
         del paths["vendor_error_analysis"]  # the report names only files of its set
-    return with_layers(check, _as_model(result.lowered.model, paths["model"]), result.profile,
-                       str(report_path))
+    built = check.fixed_model if check.fixed_model is not None else result.lowered.model
+    return with_layers(check, _as_model(built, paths["model"]), result.profile, str(report_path))
+
+
+def _with_vendor_fix(result: Any, vendor: Any) -> Any:
+    """The conversion with the exact rewrite that made the vendor tool build it (verify.vendor_bisect)."""
+    from dataclasses import replace
+
+    lines = vendor.bisection["lines"]
+    return replace(result, lowered=replace(result.lowered, model=vendor.fixed_model),
+                   notes=(*result.notes, f"{lines[0]}; {'; '.join(lines[1:])} (the model written)"))
 
 
 def _as_model(proto: Any, output: Path) -> Any:
@@ -320,18 +342,23 @@ def _where(action: Any) -> str:
 
 
 def _print_vendor(vendor: dict[str, Any] | None) -> None:
-    from npuprep.cli.common import print_table
+    from npuprep.cli.common import print_table, say
 
     if vendor is None:
         return
     name = f"rknn-toolkit2's simulator ({vendor['target_platform']})"
     if not vendor["built"]:
+        # A rewrite that made it build is a note of the conversion instead.
+        for line in (vendor.get("bisection") or {}).get("lines", ()):
+            say(line)
         print(f"{name} refused the converted model in {vendor['stage']}: {vendor['refusal']}")
         return
+    from npuprep.plan.host_scale import factor_words
+
     scales = vendor["host_scales"]
     print_table(f"Outputs in {name}", ["output", "Inf/NaN", "max abs err", "rel L2", "host scale"],
                 [(k, o["nonfinite"], o["max_abs_error"], o["rel_l2"],
-                  f"x{scales[k]:g}" if k in scales else "")
+                  f"x{factor_words(scales[k])}" if k in scales else "")
                  for k, o in vendor["outputs"].items()])
     layers = vendor.get("layers")
     if layers and layers["non_finite"]:
@@ -339,6 +366,10 @@ def _print_vendor(vendor: dict[str, Any] | None) -> None:
         print(f"accuracy_analysis: non-finite layers {names}")
     if vendor["range_warnings"]:
         print(f"the toolkit warns these tensors leave FP16: {', '.join(vendor['range_warnings'][:8])}")
+    if vendor.get("eight_bit"):
+        from npuprep.verify.vendor_8bit import paths_table
+
+        print_table(*paths_table(vendor["eight_bit"]))
 
 
 def _agreement(errors: dict[str, Any]) -> str:
@@ -381,7 +412,7 @@ def _print_summary(report: dict[str, Any], io_types: str = "fp32") -> None:
         listed, left = capped(rows, 20, out().show_all)
         print_table(f"Actions ({len(rows)}; why: -v or the report)" if not full else "Actions",
                     ["#", "action", "where", "reason", *(["why"] if full else [])], listed,
-                    cut_end=("reason", "why"))
+                    cut_end=("reason",), wrap=("why",))
         if left:
             say(f"... and {left} more actions (--show-all)")
     for key, title in (("verification", "Outputs under emulated target numerics"),
@@ -403,7 +434,7 @@ def _print_summary(report: dict[str, Any], io_types: str = "fp32") -> None:
         print_table("FP32 islands, costliest first", ["nodes", "FLOPs", "share", "why"],
                     [(_nodes(i["nodes"]), number(i["flops"]),
                       percent(i["flops"] / max(share["total_flops"], 1)), i["why"])
-                     for i in capped(share["islands"], 5, out().show_all)[0]], cut_end=("why",))
+                     for i in capped(share["islands"], 5, out().show_all)[0]], wrap=("why",))
         if (left := capped(share["islands"], 5, out().show_all)[1]):
             say(f"... and {left} more FP32 islands (--show-all, or the report)")
     eight = report.get("eight_bit")
@@ -441,12 +472,13 @@ def _print_summary(report: dict[str, Any], io_types: str = "fp32") -> None:
     # is only where it shows.
     source = (f"largest own share '{traced[0]['node']}' ({percent(traced[0]['share'])} of it), "
               f"first seen at '{first['node']}'" if traced and first else
-              f"first divergent node '{first['node']}'" if first else "")
+              f"first divergent node '{first['node']}'" if first else
+              "no single layer is over the tolerance under the layer-by-layer emulation")
+    overflowed = any((first or {}).get(k) for k in ("inf_count", "nan_count", "saturated_count"))
     precision = (f"outputs off by rel L2 {number(worst)} with no Inf/NaN ({report['precision'].upper()} precision; "
                  f"--top-k or --rtol are yours): {source}"
-                 if first and finite and not any(first.get(k) for k in
-                                                 ("inf_count", "nan_count", "saturated_count"))
-                 else "")
+                 if finite and not overflowed
+                 and (first or not (outputs_ok or report.get("failure_cause"))) else "")
     if precision:
         _say_where_the_error_sits(report)
     verdict = "PASSED" if report["passed"] else (

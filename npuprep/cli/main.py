@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+from typing import NoReturn
 
 from npuprep import __version__
 from npuprep.cli.bug import ENVIRONMENT_ERRNOS, report_bug
@@ -35,9 +36,16 @@ COMMANDS: dict[str, str] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a mistake in the arguments as one line (no usage block above it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The CLI's parser; with `command`, only that command's (start-up imports only its module)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="npuprep",
         description="Make FP32/BF16-trained ONNX models safe and fast on FP16/FP8 targets.",
     )

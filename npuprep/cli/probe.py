@@ -63,9 +63,40 @@ def run(args: argparse.Namespace) -> int:
         return _classify(args)
     if not args.target:
         raise NpuprepError("--target is required (a built-in profile name or a YAML path)")
+    if (args.fmt or "") == "int8":
+        return _run_int8(args)
     if args.export_kit:
         return _export(args)
     return _run_local(args)
+
+
+def _run_int8(args: argparse.Namespace) -> int:
+    """INT8 has no overflow of its own: the probe is its quantiser's clipping (probe/int8_clip)."""
+    from npuprep.errors import NpuprepError
+    from npuprep.probe.int8_clip import run_clip_probe
+
+    if args.model or args.export_kit or args.write_profile:
+        raise NpuprepError("--precision int8 runs the INT8 clipping probe only (no MODEL, "
+                           "--export-kit or --write-profile)")
+    if args.backend not in ("emulate", "rknn"):
+        raise NpuprepError(f"--precision int8 runs on --backend emulate or rknn, not {args.backend}")
+    profile = _profile(args)
+    result = run_clip_probe(args.backend, python=args.vendor_python)
+    basis = "measured (rknn)" if args.backend == "rknn" else "QDQ semantics (emulated)"
+    doc = {"schema_version": SCHEMA_VERSION, "kind": "probe", "fingerprint": "",
+           "target": profile.name, "format": "int8", "backend": result.backend, "basis": basis,
+           "probes": [result.to_dict()], "overall": {"verdict": result.verdict,
+                                                    "reason": result.reason}}
+    if args.json:
+        print_json(doc)
+        return 0
+    evidence = ", ".join(f"{fmt(a)} -> {fmt(b)}" for a, b in result.pairs[:2])
+    print_table(f"INT8 clipping probe: {profile.name} on {result.backend}, {basis}",
+                ["probe", "verdict", "calibrated |x|", "ref -> observed", "in-range max abs err"],
+                [("int8_clip", result.verdict, fmt(result.calibrated), evidence,
+                  fmt(result.in_range_error))])
+    say(f"overall: {result.verdict} ({result.reason}; {basis})", always=True)
+    return 0
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -186,6 +217,8 @@ def _run_local(args: argparse.Namespace) -> int:
         "note": _note(args, profile, fmt_), "basis": basis,
         "data": _data_said(args, model.proto) if args.model else "",
     }
+    if (downstream := _shown_downstream(layer)) is not None:
+        doc["overall"] = _overall_with_downstream(results, downstream)
     if args.write_profile:
         from npuprep.probe.kit import write_profile
 
@@ -258,6 +291,29 @@ def _classify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shown_downstream(layer: Any) -> dict[str, Any] | None:
+    """Where the amplified layer's own output stays in range (its weights allow no larger
+    gain) but a tensor after it overflows: that tensor's behaviour, which is the probe's
+    finding. None when the layer itself overflowed, nothing did, or the model overflows
+    without the probe."""
+    from npuprep.probe.classify import Verdict
+
+    first = None if layer is None else layer.first_shows
+    if not first or layer.pre_existing or layer.verdict != Verdict.NO_OVERFLOW:
+        return None
+    return first if Verdict(first["verdict"]).conclusive else None
+
+
+def _overall_with_downstream(results: list[Any], downstream: dict[str, Any]) -> dict[str, Any]:
+    """The overall verdict with the layer probe judged where its overflow shows."""
+    from npuprep.probe.classify import Verdict, overall
+
+    name = f"layer (downstream, at {downstream['tensor']})"
+    verdicts = [(name, Verdict(downstream["verdict"]))]
+    verdicts += [(r.name, r.classification.verdict) for r in results[1:]]
+    return overall(verdicts).to_dict()
+
+
 def _show(args: argparse.Namespace, doc: dict[str, Any], layer: Any) -> None:
     if args.json:
         print_json(doc)
@@ -270,7 +326,8 @@ def _show(args: argparse.Namespace, doc: dict[str, Any], layer: Any) -> None:
     for p in doc["probes"]:
         pair = p["pairs"][0] if p["pairs"] else None
         evidence = f"{fmt(pair['reference'])} -> {fmt(pair['observed'])}" if pair else ""
-        verdict = p["verdict"] + (" (wider)" if p["wider"] else "") + (" (assumed)" if assumed else "")
+        verdict = ("in range" if p["name"] == "layer" and _shown_downstream(layer) else p["verdict"]) \
+            + (" (wider)" if p["wider"] else "") + (" (assumed)" if assumed else "")
         rows.append((p["name"], p["unit"], verdict, p["counts"]["over"], evidence,
                      *([p["reason"]] if full else [])))
     print_table(f"Overflow probe: {doc.get('target', '')} {doc['format']} on {doc['backend']}, "
@@ -280,6 +337,9 @@ def _show(args: argparse.Namespace, doc: dict[str, Any], layer: Any) -> None:
         first = layer.first_shows
         where = (f"first shows at tensor '{first['tensor']}' ({first['op_type']} '{first['node']}'): "
                  f"{first['verdict']}") if first else "no tensor shows an overflow behaviour"
+        if _shown_downstream(layer):
+            where = (f"its own output stays in range (max |x| {fmt(layer.result.classification.reference_absmax)}"
+                     f" < {fmt(doc['threshold'])}); the overflow {where.replace('first shows', 'shows downstream')}")
         say(f"layer '{layer.layer.node}' x{layer.gain:g} (max gain {fmt(layer.max_gain)}); {where}")
         pre = layer.pre_existing
         if pre:

@@ -172,11 +172,17 @@ def crosscheck(
     nodes = sorted(set(placed) | compute | set(sensitive) | set(pins),
                    key=lambda n: (index.position.get(n, len(index.position)), n))
     keeps = decision.precision if decision is not None else profile.default_precision
+    eight_bit = decision.eight_bit if decision is not None else frozenset()
     for node in nodes:
         verdicts.append(_verdict(node, index, placed.get(node, []), reformats.get(node, []),
                                  sensitive.get(node, []), pins.get(node, ""), report, profile,
                                  settled.get(node, {}), _keeps(decision, node, keeps),
-                                 decision is not None))
+                                 decision is not None, node in eight_bit))
+    wider = [v for v in verdicts if v.evidence.get("wider_than_planned")]
+    if wider:
+        names = ", ".join(v.node for v in wider[:5]) + (f" (+{len(wider) - 5})" if len(wider) > 5 else "")
+        notes.append(f"{len(wider)} layer(s) the plan puts in {keeps} run wider in the compiler "
+                     f"({names}): slower than planned, not less accurate")
     order = {k: i for i, k in enumerate(DISPLAY_ORDER)}
     ranked = sorted(enumerate(verdicts), key=lambda iv: (order[iv[1].verdict], iv[0]))
     return Crosscheck(
@@ -230,7 +236,7 @@ def _unmapped_reason(record: LayerRecord, name: str) -> str:
 def _verdict(node: str, index: NodeIndex, records: list[LayerRecord], reformats: list[LayerRecord],
              found: list[Finding], pin: str, report: CompilerReport,
              profile: TargetProfile, settled: dict[str, str] | None = None,
-             keeps: str = "", decided: bool = False) -> Verdict:
+             keeps: str = "", decided: bool = False, planned_8bit: bool = False) -> Verdict:
     op_type = index.op_types.get(node, "")
     pinned = bool(pin)
     settled = settled or {}
@@ -287,6 +293,10 @@ def _verdict(node: str, index: NodeIndex, records: list[LayerRecord], reformats:
         return Verdict(node, "mismatch", reason=f"the plan makes it safe in {keeps} ({plan_why}), "
                        f"the compiler runs it in {runs_in}", **common)
     reason = f"runs in {runs_in or 'a precision the report does not give'}"
+    if planned_8bit and runs_in and not evidence.get("runs_in_assumed") and _narrower(keeps, runs_in):
+        # Wider than the plan's 8 bits costs speed, never accuracy: a note, not a failure.
+        evidence["wider_than_planned"] = keeps
+        reason += f", wider than the plan's {keeps} (slower than planned, not less accurate)"
     if rules:
         reason += f", enough for {', '.join(rules)}"
     if settled and not pinned:

@@ -21,6 +21,7 @@ import onnx
 from npuprep import json_io
 from npuprep.analyse.finding import Finding
 from npuprep.crosscheck.check import VERDICTS
+from npuprep.crosscheck.plan_view import EIGHT_BIT
 from npuprep.crosscheck.readers import DEFAULT_REPORT_NAME, HOW_TO_GET
 from npuprep.errors import NpuprepError
 from npuprep.formatting import number
@@ -333,8 +334,50 @@ def _precision_list(ctx: _Context, plan: Any, decision: Any, story: Story, measu
                      f"--plan-only -o {ctx.ws}/plan.yaml")
         steps.append(f"review {ctx.ws}/plan.yaml, then npuprep convert ... --plan {ctx.ws}/plan.yaml "
                      "writes the model and the compiler's precision constraint files")
+    eight = _eight_bit(ctx, decision, converted)
+    if eight is not None:
+        evidence.append(eight[0])
+        steps += eight[1]
     done = (plan is not None or converted is not None) and not bf16
     return Item("precision", title, done, tuple(evidence), tuple(steps))
+
+
+def _eight_bit(ctx: _Context, decision: Any, converted: tuple[str, dict[str, Any]] | None,
+               ) -> tuple[str, list[str]] | None:
+    """For an 8-bit conversion (the plan's precision, or the workspace's convert report):
+    what it decided, and the steps that carry its artefacts (dataset, QDQ model, scales) to
+    the compiler; None otherwise."""
+    doc = converted[1] if converted is not None else {}
+    eight = doc.get("eight_bit") or {}
+    fmt = eight.get("format") or (decision.precision if decision.precision in EIGHT_BIT else "")
+    if not fmt:
+        return None
+    layers = getattr(decision, "eight_bit", ())
+    wider = [x.node for x in layers if x.precision != fmt]
+    share = eight.get("mac_share", {}).get(fmt)
+    said = (f"8-bit ({fmt}"
+            + (f", scales {eight['scale_rule']}" if eight.get("scale_rule") else "") + ")"
+            + (f": {share:.0%} of the Conv/MatMul/Gemm multiply-adds in {fmt}"
+               if share is not None else "")
+            + f"; {len(wider)} nodes kept wider (the plan's eight_bit list)")
+    model = (doc.get("artefacts") or {}).get("model") or doc.get("output") or \
+        f"{ctx.ws}/model_{fmt}.onnx"
+    steps = [] if converted is not None else [
+        f"npuprep convert {ctx.model_arg} --target {ctx.target_arg} --precision {fmt} --data DATA "
+        f"-o {ctx.ws}/model_{fmt}.onnx" + (" --verify-with rknn" if ctx.profile.report_format ==
+                                          "rknn" else "")]
+    steps += [
+        f"the QDQ model `{model}` carries the scales (QuantizeLinear/DequantizeLinear at the "
+        f"{fmt} layers): give the compiler that file (a pre-quantised model), not the FP32 one",
+        "the calibration dataset is the --data samples: a compiler that calibrates itself "
+        "(rknn-toolkit2's dataset.txt, trtexec --calib) takes the same samples",
+        f"the layers kept wider ({', '.join(f'`{n}`' for n in wider[:5])}"
+        f"{' ...' if len(wider) > 5 else ''}) must stay FP16 in the compiler (rknn-toolkit2: "
+        "hybrid quantisation; TensorRT: layer precision); crosscheck its report with --plan"
+        if wider else f"every flagged node is in the plan's {fmt} decision; crosscheck the "
+        "compiler's report with --plan to see it did the same",
+    ]
+    return said, steps
 
 
 _SHOWN = 6

@@ -45,6 +45,8 @@ class PlanDecision:
     declined: dict[tuple[str, str, str], str] = field(default_factory=dict)
     # 8-bit plans: nodes kept wider than the 8-bit format -> (fp16 | fp32, why).
     wider: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # 8-bit plans: nodes the plan puts in the 8-bit format (a compiler running one wider is a note).
+    eight_bit: frozenset[str] = frozenset()
 
     def settles(self, finding: Finding) -> str:
         """Why the plan needs no FP32 for `finding` ("" when it does not settle it)."""
@@ -141,8 +143,9 @@ def decision_of(plan: Any, index: NodeIndex, path: str, kind: str = "plan") -> P
     declined = {(r.rule, r.node, r.tensor): f"{d.remedy} declined: {d.reason}"
                 for d in plan.declined for r in d.findings}
     wider = {x.node: (x.precision, x.why) for x in plan.eight_bit if x.precision != plan.precision}
+    eight = frozenset(x.node for x in plan.eight_bit if x.precision == plan.precision)
     return PlanDecision(path, kind, plan.fingerprint, plan.precision, pins, safe, answered,
-                        (), declined, wider)
+                        (), declined, wider, eight)
 
 
 def _named_nodes(plan: Any) -> set[str]:

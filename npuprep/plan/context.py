@@ -7,7 +7,6 @@ the graph.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -180,11 +179,12 @@ class PlanContext:
             tensor = todo.pop(0)
             node = self.produced_by.get(tensor)
             r = self.range_of(tensor)
-            if tensor in seen or node is None or r is None or not r.absmax > 0:
+            top = None if r is None else r.top_exponent()
+            if tensor in seen or node is None or top is None:
                 continue
             seen.add(tensor)
             label = node_label(node)
-            half_step = 2.0 ** math.floor(math.log2(r.absmax)) * self.fmt.eps / 2
+            half_step = 2.0 ** top * self.fmt.eps / 2
             if label in members or label in extra or half_step <= EXP_INPUT_ERROR:
                 continue
             if node.op_type in LINEAR_WITH_WEIGHTS:

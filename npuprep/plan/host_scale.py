@@ -1,16 +1,20 @@
-"""Host-side output scaling: which graph outputs leave the device scaled by 2^-k (decision only).
+"""Host-side output scaling: which graph outputs leave the device scaled by 2^k (decision only).
 
     output y (true range 1.1e5 > limit), rescale exit Mul(y', 4) on a target that cannot
     pin -> y leaves the device as y' = y / 4; the host multiplies by 4
+    output z (true range 1.6e-10 < FP16's smallest normal), exit Mul(z', 2^-29) -> z leaves
+    the device as z' = z x 2^29; the host multiplies by 2^-29
 
 A rescale absorbed "at a graph output" ends in a compensating Mul that must run in FP32
 to hold the output's true range. A target whose compiler runs every node in FP16
-(`fp32_pinning: none`) runs that Mul in FP16 too and gives Inf, so the compensation moves
-to the host, where the user's code (or `undo_host_scales`) multiplies the output back.
+(`fp32_pinning: none`) runs that Mul in FP16 too and gives Inf above the format, or flushes
+to 0 / rounds as subnormals below its smallest normal, so the compensation moves to the
+host, where the user's code (or `undo_host_scales`) multiplies the output back.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -23,16 +27,28 @@ def host_scaled_outputs(exits: Iterable[str], absmax: Mapping[str, float],
     """Outputs (among rescale exits) to leave scaled on the device, each with the reason.
 
     Only for targets that cannot pin, and only where the output's true range exceeds the
-    profile's safe limit: an output that fits keeps its compensation on the device.
+    profile's safe limit or lies wholly under the format's smallest normal (an all-zero
+    output needs nothing): an output that fits keeps its compensation on the device.
     """
     if profile.fp32_pinning is not Pinning.NONE:
         return {}
-    limit = profile.limit()
-    return {
-        name: (f"true range {absmax[name]:.4g} exceeds the limit {limit:.6g} and target "
-               f"{profile.name} runs the compensating Mul in {profile.default_precision}")
-        for name in exits if absmax.get(name, 0.0) > limit
-    }
+    limit, fmt = profile.limit(), profile.format
+    runs = f"target {profile.name} runs the compensating Mul in {profile.default_precision}"
+    chosen = {}
+    for name in exits:
+        top = absmax.get(name, 0.0)
+        if top > limit:
+            chosen[name] = f"true range {top:.4g} exceeds the limit {limit:.6g} and {runs}"
+        elif 0.0 < top < fmt.min_normal:
+            chosen[name] = (f"true range {top:.4g} lies under the smallest {fmt.name} normal "
+                            f"{fmt.min_normal:.3g} and {runs}")
+    return chosen
+
+
+def factor_words(factor: float) -> str:
+    """A host scale for people: `4`, `64`, and an underflow's `2^-29` (not 1.86265e-09)."""
+    e = round(math.log2(factor))
+    return f"{factor:g}" if e >= 0 else f"2^{e}"
 
 
 def undo_host_scales(outputs: Mapping[str, np.ndarray],

@@ -10,8 +10,7 @@ what only a pin could fix.
 
 from __future__ import annotations
 
-import math
-
+from npuprep.calibrate.stats import RangeStats
 from npuprep.graph import node_label
 from npuprep.plan.actions import PinFp32
 from npuprep.plan.context import PlanContext
@@ -36,9 +35,9 @@ def wide_phases(ctx: PlanContext) -> None:
             by_phase.setdefault(node.input[0], []).append(label)
     for phase, readers in sorted(by_phase.items(), key=lambda kv: ctx.order[kv[1][0]]):
         r = ctx.range_of(phase)
-        if r is None or _half_step(ctx, r.absmax) <= PHASE_ERROR:
+        if r is None or _half_step(ctx, r) <= PHASE_ERROR:
             continue
-        step = 2 * _half_step(ctx, r.absmax)
+        step = 2 * _half_step(ctx, r)
         nodes = [n for n in [*_coarse_producers(ctx, phase), *readers] if n not in ctx.forbid]
         said = (f"{', '.join(readers)} read phase {phase} up to {r.absmax:.4g} rad, where "
                 f"{ctx.fmt.name}'s spacing is {step:.3g} rad")
@@ -54,8 +53,9 @@ def wide_phases(ctx: PlanContext) -> None:
                 "stay FP32 (cheap elementwise nodes)"))
 
 
-def _half_step(ctx: PlanContext, absmax: float) -> float:
-    return 2.0 ** math.floor(math.log2(absmax)) * ctx.fmt.eps / 2 if absmax > 0 else 0.0
+def _half_step(ctx: PlanContext, r: RangeStats) -> float:
+    top = r.top_exponent()
+    return 0.0 if top is None else 2.0**top * ctx.fmt.eps / 2
 
 
 def _coarse_producers(ctx: PlanContext, phase: str) -> list[str]:

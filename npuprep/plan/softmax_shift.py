@@ -48,7 +48,9 @@ def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outc
                     "measures")
         return SoftmaxShift(exp=exp, covers=found.tensors, findings=(problem.ref,),
                         measured=measured, why=why)
-    why += (f"; {found.x} (absmax {r.absmax:.3g}) is too coarse in {ctx.fmt.name} for exp: "
+    size = f"absmax {r.absmax:.3g}" if math.isfinite(r.absmax) else \
+        f"finite values below 2^{(r.top_exponent() or 0) + 1}, and -inf"
+    why += (f"; {found.x} ({size}) is too coarse in {ctx.fmt.name} for exp: "
             f"{', '.join([*precise, 'the subtraction'])} run in FP32, elementwise")
     shift = SoftmaxShift(exp=exp, covers=found.tensors, fp32_shift=True, findings=(problem.ref,),
                      measured=measured, why=why)
@@ -66,9 +68,10 @@ def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outc
 def _coarse_input(ctx: PlanContext, x: str) -> bool:
     """A graph input (FP32 at the boundary) whose target rounding exceeds EXP_INPUT_ERROR."""
     r = ctx.range_of(x)
-    if x not in ctx.graph_inputs or r is None or not r.absmax > 0:
+    top = None if r is None else r.top_exponent()
+    if x not in ctx.graph_inputs or top is None:
         return False
-    return 2.0 ** math.floor(math.log2(r.absmax)) * ctx.fmt.eps / 2 > EXP_INPUT_ERROR
+    return 2.0 ** top * ctx.fmt.eps / 2 > EXP_INPUT_ERROR
 
 
 def _exp_of(ctx: PlanContext, problem: Problem) -> str:

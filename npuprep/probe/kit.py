@@ -24,7 +24,7 @@ from onnx import helper
 from npuprep import json_io
 from npuprep.errors import NpuprepError
 from npuprep.numerics import NumberFormat, get_format
-from npuprep.output_files import save_model, write_text_atomic
+from npuprep.output_files import WriteError, save_model, write_text_atomic
 from npuprep.probe.classify import Verdict, classify
 from npuprep.probe.micro import ProbeModel, target_elem_type
 from npuprep.probe.runner import ProbeReport, ProbeResult, reference_outputs
@@ -135,7 +135,7 @@ def export_kit(directory: str | Path, probes: list[ProbeModel], fmt: NumberForma
     try:
         _write_files(out, entries, manifest_probes, manifest, target, runner)
         _put_in_place(out, final)
-    except OSError as exc:
+    except (OSError, WriteError) as exc:
         raise NpuprepError(f"{final}: cannot write the kit ({exc.strerror or exc}); the folder is as it "
                            "was") from None
     finally:

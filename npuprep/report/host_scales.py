@@ -15,7 +15,7 @@ def host_scales_block(host_scales: Mapping[str, float]) -> str:
         return ""
     lines = [
         "# host-side output scaling: these outputs leave the device divided by the factor",
-        "# (their true range exceeds the target's format); multiply them by it on the host,",
+        "# (their true range lies outside the target's format); multiply them by it on the host,",
         "# e.g. npuprep.plan.host_scale.undo_host_scales(outputs, host_scales).",
         "host_scales:",
     ]

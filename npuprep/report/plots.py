@@ -28,6 +28,8 @@ REMEDY_COLOR = {"rescale": "#27ae60", "clamp": "#f39c12", "pin_fp32": "#8e44ad",
 NAMED_TICKS = 40
 # Beyond this many tensors, per-point markers only blur the line.
 DOTTED_UP_TO = 200
+# An intentional -inf mask: a grey diamond, apart from the red crosses of non-finite failures.
+MASK = {"marker": "D", "s": 36, "color": "#7f8c8d", "zorder": 5, "label": "mask (-inf on purpose)"}
 # Legends sit right of the plot, where they cannot hide data or the first-divergent mark.
 LEGEND = {"loc": "upper left", "bbox_to_anchor": (1.005, 1.0), "fontsize": 8, "frameon": False}
 
@@ -92,8 +94,12 @@ def _y(v: float | None, floor: float, ceiling: float) -> float | None:
 
 def _plot_magnitudes(ax: Any, xs: Sequence[int], values: Sequence[float | None], floor: float,
                      ceiling: float, *, label: str, color: str, marker: str = "o",
-                     linestyle: str = "-", hollow: bool = False) -> None:
-    """A log-scale line of magnitudes; zeros sit on the floor, non-finite on the ceiling."""
+                     linestyle: str = "-", hollow: bool = False,
+                     masks: Sequence[bool] = ()) -> None:
+    """A log-scale line of magnitudes; zeros sit on the floor, non-finite on the ceiling, and
+    the points of `masks` (intentional -inf masks) as masks, out of the line."""
+    masked = {x for x, m in zip(xs, masks, strict=False) if m}
+    values = [None if x in masked else v for x, v in zip(xs, values, strict=True)]
     ys = [_y(v, floor, ceiling) for v in values]
     dense = len(xs) > DOTTED_UP_TO
     ax.plot(xs, [math.nan if y is None else y for y in ys], color=color, linestyle=linestyle,
@@ -103,6 +109,14 @@ def _plot_magnitudes(ax: Any, xs: Sequence[int], values: Sequence[float | None],
     if bad:
         ax.scatter(bad, [ceiling] * len(bad), marker="X", s=50, color="#c0392b", zorder=5,
                    label=f"{label}: non-finite")
+
+
+def _plot_masks(ax: Any, xs: Sequence[int], values: Sequence[float | None], masks: Sequence[bool],
+                floor: float, ceiling: float) -> None:
+    """The mask points: at their value where it is finite, else on the ceiling."""
+    at = [(x, _y(v, floor, ceiling) or ceiling) for x, v, m in zip(xs, values, masks, strict=True) if m]
+    if at:
+        ax.scatter([x for x, _ in at], [y for _, y in at], **MASK)
 
 
 def _hover(ax: Any, key: str, xs: Sequence[int], values: Sequence[float | None], floor: float,
@@ -161,16 +175,20 @@ def headroom_svg(points: Sequence[TensorPoint], limits: Sequence[Limit],
                 bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
     # A stats object names the node, not its op: say which, never "(input)" for a computed tensor.
     titles = [f"#{i} {p.tensor} ({p.op_type or (f'node {p.node}' if p.node else 'graph input')}): "
-              f"abs-max {number(p.absmax) or '-'}"
+              + ("mask (-inf on purpose); " if p.mask else "")
+              + f"abs-max {number(p.absmax) or '-'}"
               + (f" before, {number(p.absmax_after) or '-'} after" if has_after else "")
               for i, p in enumerate(points)]
+    masks = [p.mask for p in points]
     if has_after:
-        _plot_magnitudes(ax, xs, before, floor, ceiling, label="abs-max before", **BEFORE)
-        _plot_magnitudes(ax, xs, after, floor, ceiling, label="abs-max after", **AFTER)
+        _plot_magnitudes(ax, xs, before, floor, ceiling, label="abs-max before", masks=masks, **BEFORE)
+        _plot_magnitudes(ax, xs, after, floor, ceiling, label="abs-max after", masks=masks, **AFTER)
         hover = _hover(ax, "after", xs, after, floor, ceiling, titles)
     else:
-        _plot_magnitudes(ax, xs, before, floor, ceiling, label="abs-max", color=AFTER["color"])
+        _plot_magnitudes(ax, xs, before, floor, ceiling, label="abs-max", color=AFTER["color"],
+                         masks=masks)
         hover = {}
+    _plot_masks(ax, xs, after if has_after else before, masks, floor, ceiling)
     hover |= _hover(ax, "before", xs, before, floor, ceiling, titles)
     kinds = sorted({m.kind for m in marks})
     rug = ax.get_xaxis_transform()
@@ -225,18 +243,22 @@ def error_svg(series: ErrorSeries) -> str:
         floor, ceiling = min(observed) / 10, max(observed) * 10
         ax.set_yscale("log")
         ax.set_ylim(floor / 2, ceiling * 3)
+        masks = [p.mask for p in pts]
         _plot_magnitudes(ax, xs, accumulated, floor, ceiling, label=f"{name} (accumulated)",
-                         color="#2471a3")
+                         color="#2471a3", masks=masks)
         if any(v is not None for v in isolated):
             _plot_magnitudes(ax, xs, isolated, floor, ceiling, label=f"{name} (isolated)",
-                             color="#e67e22", marker="s", linestyle="--", hollow=True)
+                             color="#e67e22", marker="s", linestyle="--", hollow=True, masks=masks)
+        # A mask has no error to show (its reference is -inf): it sits on the ceiling as a mask.
+        _plot_masks(ax, xs, [None] * len(pts), masks, floor, ceiling)
         if threshold is not None and threshold > 0:
             # A tensor fails only above both lines (rel L2 > rtol and max abs > atol).
             ax.axhline(threshold, color="#c0392b", linestyle=":", linewidth=1.2,
                        label=f"{word} {threshold:g} (fails above both)")
         titles = [f"#{i} {p.tensor} ({p.op_type}): {name} {number(a) or '-'}"
                   + (f", isolated {number(b)}" if b is not None else "")
-                  + ("" if p.passed is None else ", ok" if p.passed else ", FAILED")
+                  + ("" if p.passed is None else ", mask (-inf on purpose), ok" if p.mask
+                     else ", ok" if p.passed else ", FAILED")
                   for i, (p, a, b) in enumerate(zip(pts, accumulated, isolated, strict=True))]
         hover |= _hover(ax, name.split()[0], xs, accumulated, floor, ceiling, titles)
         failed = [x for x, p in zip(xs, pts, strict=True) if p.passed is False]

@@ -23,7 +23,6 @@ from npuprep.report.series import (
     error_series,
     in_order,
     limits,
-    mask_names,
     profile_of,
     remedy_marks,
     tensor_points,
@@ -206,8 +205,9 @@ def _charts_html(result: Mapping[str, Any], plots: bool, order: Sequence[str]) -
             "by name (give the model for topological order: npuprep report --model)"
         caption = (f"Largest magnitude of every tensor {ordered} (log scale) against "
                    "the target limits: " + "; ".join(lim.label for lim in lims) + ".")
-        if mask_names(result):
-            caption += " Tensors holding an intentional -inf mask are drawn at their finite maximum."
+        if any(p.mask for p in points):
+            caption += (" Grey diamonds: tensors holding an intentional -inf mask, at their finite "
+                        "maximum where the result records it, else on the top edge.")
         if any(p.absmax_after is not None for p in points):
             caption += " Grey dashed, open circles: before the remedies; blue solid: after."
         if marks:
@@ -220,6 +220,9 @@ def _charts_html(result: Mapping[str, Any], plots: bool, order: Sequence[str]) -
         caption = ("Error of each tensor against the reference, in topological order (log scale); "
                    "dotted red: the thresholds (a tensor fails above both). Hover a point for its "
                    "tensor and values.")
+        if any(p.mask for p in errors.points):
+            caption += (" Grey diamonds: intentional -inf masks, whose error is undefined "
+                        "(the reference is -inf there); they pass.")
         if errors.first_divergent is not None:
             caption += f" First divergent node: {errors.first_divergent_label}."
         else:

@@ -26,6 +26,8 @@ class TensorPoint:
     op_type: str
     absmax: float | None
     absmax_after: float | None = None
+    # An intentional -inf mask: drawn as a mask, never as a non-finite failure.
+    mask: bool = False
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class ErrorPoint:
     isolated_rel_l2: float | None
     isolated_max_abs: float | None
     passed: bool | None
+    mask: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,9 +160,11 @@ def in_order(result: Mapping[str, Any], order: Sequence[str] = ()) -> bool:
 
 
 def mask_names(result: Mapping[str, Any]) -> frozenset[str]:
-    """Tensors the result says hold an intentional -inf mask (check's range.mask finding, or
-    calibrate's summary rows marked `mask`): charted finite, never as non-finite."""
-    names: set[str] = set()
+    """Tensors the result says hold an intentional -inf mask (check's range.mask finding,
+    calibrate's summary rows marked `mask`, compare's `masks`): charted as masks, never as
+    non-finite."""
+    listed = result.get("masks")
+    names: set[str] = {str(t) for t in listed} if isinstance(listed, list) else set()
     found = result.get("findings")
     found = found.get("findings", []) if isinstance(found, Mapping) else found
     for f in found if isinstance(found, list) else []:
@@ -176,7 +181,8 @@ def _stats_tensors(stats: Mapping[str, Any], order: Sequence[str],
                    masks: frozenset[str] = frozenset()) -> list[TensorPoint]:
     items = stats_entries(stats, order)
     return [TensorPoint(str(v.get("tensor", "")), str(v.get("node", "")), str(v.get("op_type", "")),
-                        _absmax(v, str(v.get("tensor", "")) in masks)) for v in items]
+                        _absmax(v, str(v.get("tensor", "")) in masks), mask=str(v.get("tensor", "")) in masks)
+            for v in items]
 
 
 def _first(entry: Mapping[str, Any], *keys: str) -> Any:
@@ -229,18 +235,19 @@ def tensor_points(result: Mapping[str, Any], order: Sequence[str] = ()) -> tuple
     (tensor names in topological order) sorts a stats object, which is keyed by name."""
     kind = result.get("kind")
     tensors = result.get("tensors")
+    masks = mask_names(result)
     if kind == "convert" and isinstance(tensors, list):
         return tuple(
             TensorPoint(str(t.get("tensor", "")), str(t.get("node", "")), str(t.get("op_type", "")),
-                        number(t.get("absmax_before")), number(t.get("absmax_after")))
+                        number(t.get("absmax_before")), number(t.get("absmax_after")),
+                        mask=str(t.get("tensor", "")) in masks)
             for t in tensors if isinstance(t, Mapping))
     if kind == "compare" and isinstance(tensors, list):
         entries = [compare_entry(t) for t in tensors if isinstance(t, Mapping)]
         return tuple(
             TensorPoint(e["tensor"], e["node"], e["op_type"],
-                        math.inf if e["nonfinite"] else e["absmax"])
+                        math.inf if e["nonfinite"] else e["absmax"], mask=e["tensor"] in masks)
             for e in entries)
-    masks = mask_names(result)
     if kind == "stats":
         return tuple(_stats_tensors(result, order, masks))
     stats = result.get("stats")
@@ -333,9 +340,10 @@ def error_series(result: Mapping[str, Any]) -> ErrorSeries | None:
     if cmp is None or not isinstance(cmp.get("tensors"), list):
         return None
     entries = [compare_entry(t) for t in cmp["tensors"] if isinstance(t, Mapping)]
+    masks = mask_names(result) | mask_names(cmp)
     points = tuple(
         ErrorPoint(e["tensor"], e["node"], e["op_type"], e["rel_l2"], e["max_abs"],
-                   e["isolated_rel_l2"], e["isolated_max_abs"], e["passed"])
+                   e["isolated_rel_l2"], e["isolated_max_abs"], e["passed"], mask=e["tensor"] in masks)
         for e in entries)
     first = cmp.get("first_divergent")
     index, label = None, ""

@@ -16,12 +16,14 @@ from npuprep.report.series import (
     action_where,
     compare_entry,
     compare_of,
+    mask_names,
     number,
     plan_of,
     stats_entries,
 )
 
 SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2}
+MASK_REASON = "an intentional -inf mask (from a mask constant): the reference is -inf there, so no error"
 
 
 @dataclass(frozen=True)
@@ -136,8 +138,10 @@ def compare_table(result: Mapping[str, Any]) -> Table | None:
     numeric = [k for k in numeric if any(e[k] is not None for e in entries)]
     cols = (Column("#", "num"), Column("tensor"), Column("node"), Column("op_type"),
             *(Column(k, "num") for k in numeric), Column("passed"), Column("reason"))
+    masks = mask_names(result) | mask_names(cmp or {})
     rows = tuple((i, e["tensor"], e["node"], e["op_type"], *(e[k] for k in numeric),
-                  "" if e["passed"] is None else str(e["passed"]), e["reason"])
+                  "" if e["passed"] is None else str(e["passed"]),
+                  MASK_REASON if e["tensor"] in masks and e["passed"] else e["reason"])
                  for i, e in enumerate(entries))
     return Table("errors", f"Error per tensor ({len(entries)})", cols, rows)
 

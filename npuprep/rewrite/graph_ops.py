@@ -147,8 +147,8 @@ def is_float_array(value: np.ndarray | None) -> bool:
 
 def exact_pow2_scale(value: np.ndarray, exponent: int) -> np.ndarray | None:
     """`value * 2**exponent` in its own dtype, or None if that is not exact (over/underflow)."""
-    scaled = (value.astype(np.float64) * 2.0**exponent).astype(value.dtype)
     with np.errstate(over="ignore", invalid="ignore"):
+        scaled = (value.astype(np.float64) * 2.0**exponent).astype(value.dtype)
         back = scaled.astype(np.float64) * 2.0**-exponent
     if not np.array_equal(back, value.astype(np.float64), equal_nan=True):
         return None

@@ -45,8 +45,10 @@ def leave_output_scaled(model: onnx.ModelProto, output: str) -> RewriteResult:
     kept = [vi for vi in g.value_info if vi.name != data]
     del g.value_info[:]
     g.value_info.extend(kept)
-    return RewriteResult(out, True, f"'{output}' leaves the device scaled by 1/{factor:g}; "
-                         f"the host multiplies it by {factor:g}",
+    e = round(math.log2(factor))
+    by, times = (f"1/{factor:g}", f"{factor:g}") if e >= 0 else (f"2^{-e}", f"2^{e}")
+    return RewriteResult(out, True, f"'{output}' leaves the device scaled by {by}; "
+                         f"the host multiplies it by {times}",
                          {"host_scales": {output: factor}, "removed": node_label(producer)})
 
 

@@ -15,6 +15,11 @@ Job spec keys (paths relative to the spec's folder):
   output_dir       where sample i's output j goes as `s{i}_o{j}.npy`
   accuracy_dir     optional: run accuracy_analysis on sample 0 into this folder
   export_rknn      optional: write the built `.rknn` file here
+  dataset          optional: dataset file; the build is then the toolkit's INT8
+  hybrid_fp16      optional, with dataset: tensors whose producing layer stays FP16
+                   (hybrid_quantization_step1/step2); an entry may be a list of
+                   alternatives, the first its quantization.cfg lists is taken; entries with
+                   none listed are reported in result["hybrid_unknown"]
 result.json: {"ok", "stage", "api", "outputs": [[paths]], "shapes"}; on failure "stage"
 names the step whose return code was not 0 (the vendor's log says why).
 """
@@ -84,12 +89,17 @@ def run(spec_path):
         if rknn.load_onnx(model=model, inputs=[i["name"] for i in inputs],
                           input_size_list=[list(i["shape"]) or [1] for i in inputs]) != 0:
             return finish(STAGE["now"])
-        at("build")
         # INT8: the toolkit's own quantisation, calibrated on the dataset file npuprep wrote
         # (one line per sample, its inputs' .npy files separated by spaces).
         dataset = _path(base, spec["dataset"]) if spec.get("dataset") else None
-        if rknn.build(do_quantization=dataset is not None, dataset=dataset) != 0:
-            return finish(STAGE["now"])
+        if dataset is not None and spec.get("hybrid_fp16"):
+            rknn = _hybrid(rknn, cls, spec, model, dataset, result, at)
+            if rknn is None:
+                return finish(STAGE["now"])
+        else:
+            at("build")
+            if rknn.build(do_quantization=dataset is not None, dataset=dataset) != 0:
+                return finish(STAGE["now"])
         at("export_rknn")
         if spec.get("export_rknn") and rknn.export_rknn(_path(base, spec["export_rknn"])) != 0:
             return finish(STAGE["now"])
@@ -122,6 +132,49 @@ def run(spec_path):
             return finish(STAGE["now"])
     rknn.release()
     return finish("done", ok=True)
+
+
+def _hybrid(rknn, cls, spec, model, dataset, result, at):
+    """The toolkit's INT8 with the named tensors' layers in FP16: step1 writes the
+    quantization.cfg, whose `custom_quantize_layers` takes `tensor: float16`; step2 builds."""
+    at("hybrid_quantization_step1")
+    if rknn.hybrid_quantization_step1(dataset=dataset) != 0:
+        return None
+    # step1 writes <model stem>.{model,data,quantization.cfg} into the working folder.
+    stem = os.path.splitext(os.path.basename(model))[0]
+    cfg_path = stem + ".quantization.cfg"
+    from ruamel.yaml import YAML  # the toolkit's own YAML library (it writes this file with it)
+
+    yaml = YAML(typ="safe")
+    with open(cfg_path) as f:
+        cfg = yaml.load(f)
+    listed = set(cfg.get("quantize_parameters") or {})
+    wanted, unknown = [], []
+    for entry in spec["hybrid_fp16"]:
+        # A list holds alternatives, first choice first: a layer the toolkit fused into the
+        # next one (Conv + BatchNormalization) is known by the fused layer's output.
+        names = [entry] if isinstance(entry, str) else entry
+        found = [t for t in names if t in listed]
+        if found:
+            wanted.append(found[0])
+        else:
+            unknown.append(names[0])
+    wanted = list(dict.fromkeys(wanted))
+    result["hybrid_fp16"] = wanted
+    result["hybrid_unknown"] = unknown
+    cfg["custom_quantize_layers"] = dict((t, "float16") for t in wanted)
+    with open(cfg_path, "w") as f:
+        yaml.dump(cfg, f)
+    rknn.release()
+    rknn = cls(verbose=False)
+    at("config")
+    if rknn.config(target_platform=spec["target_platform"]) != 0:
+        return None
+    at("hybrid_quantization_step2")
+    if rknn.hybrid_quantization_step2(model_input=stem + ".model", data_input=stem + ".data",
+                                      model_quantization_cfg=cfg_path) != 0:
+        return None
+    return rknn
 
 
 if __name__ == "__main__":

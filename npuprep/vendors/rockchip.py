@@ -116,11 +116,15 @@ def run_rknn(
     work_dir: str | Path | None = None,
     timeout: float = 600.0,
     quantize_on: Sequence[dict[str, np.ndarray]] | None = None,
+    hybrid_fp16: Sequence[str | Sequence[str]] = (),
 ) -> RknnRun:
     """Build `model` in FP16 for `target_platform`, run the simulator on `samples`.
 
     With `quantize_on` (calibration samples) the build is the toolkit's INT8
-    (`do_quantization=True` on a dataset file written from them).
+    (`do_quantization=True` on a dataset file written from them); with `hybrid_fp16` too,
+    the layers producing those tensors stay FP16 (its hybrid quantisation; an entry may
+    list alternatives, first choice first; the run's `extra` lists, one a line, the names
+    it took and those its graph does not have).
 
     With `accuracy`, sample 0 also goes through accuracy_analysis and the run carries the
     text of its error_analysis.txt. `work_dir` keeps the files (else a temporary folder).
@@ -131,16 +135,17 @@ def run_rknn(
     if work_dir is None:
         with tempfile.TemporaryDirectory(prefix="npuprep-rknn-") as tmp:
             return _run_in(Path(tmp), exe, model, samples, target_platform, accuracy,
-                           export_rknn, timeout, quantize_on)
+                           export_rknn, timeout, quantize_on, hybrid_fp16)
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     return _run_in(work, exe, model, samples, target_platform, accuracy, export_rknn, timeout,
-                   quantize_on)
+                   quantize_on, hybrid_fp16)
 
 
 def _run_in(work: Path, exe: Path, model: onnx.ModelProto, samples: Sequence[dict[str, np.ndarray]],
             target_platform: str, accuracy: bool, export_rknn: str | None,
-            timeout: float, quantize_on: Sequence[dict[str, np.ndarray]] | None = None) -> RknnRun:
+            timeout: float, quantize_on: Sequence[dict[str, np.ndarray]] | None = None,
+            hybrid_fp16: Sequence[str | Sequence[str]] = ()) -> RknnRun:
     inputs = _fixed_inputs(model, samples[0])
     # The toolkit reads the file on its own: weights npuprep left in their files go inline.
     onnx.save(with_values(model), str(work / "model.onnx"))
@@ -167,6 +172,8 @@ def _run_in(work: Path, exe: Path, model: onnx.ModelProto, samples: Sequence[dic
             lines.append(" ".join(str((work / r).resolve()) for r in row))
         (work / "dataset.txt").write_text("\n".join(lines) + "\n")
         spec["dataset"] = "dataset.txt"
+        if hybrid_fp16:
+            spec["hybrid_fp16"] = [t if isinstance(t, str) else list(t) for t in hybrid_fp16]
     if export_rknn:
         spec["export_rknn"] = str(Path(export_rknn).resolve())
     (work / "job.json").write_text(json.dumps(spec, indent=1))
@@ -214,6 +221,7 @@ def _run_in(work: Path, exe: Path, model: onnx.ModelProto, samples: Sequence[dic
         range_warnings=tuple(range_warnings(log)),
         accuracy_report=report.read_text() if report.is_file() else "",
         rknn_file=str(export_rknn or ""),
+        extra={k: "\n".join(result[k]) for k in ("hybrid_fp16", "hybrid_unknown") if k in result},
     )
 
 

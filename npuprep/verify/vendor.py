@@ -41,6 +41,11 @@ class VendorCheck:
     range_warnings: tuple[str, ...] = ()
     accuracy_report: str = ""
     layers: Any = None  # crosscheck.Crosscheck of the accuracy report, when one was written
+    eight_bit: dict[str, Any] = field(default_factory=dict)  # verify.vendor_8bit's paths
+    # When the tool refused or crashed: the nodes it breaks on (verify.vendor_bisect), and the
+    # exactly rewritten model it then built, which this check is of.
+    bisection: dict[str, Any] | None = None
+    fixed_model: Any = field(default=None, repr=False)
 
     def __bool__(self) -> bool:
         return self.built and all(output_passes(o, self.rtol) for o in self.outputs.values())
@@ -56,7 +61,8 @@ class VendorCheck:
             "samples": self.samples, "outputs": {k: dict(v) for k, v in sorted(self.outputs.items())},
             "host_scales": dict(sorted(self.host_scales.items())),
             "range_warnings": list(self.range_warnings), "layers": layers,
-        }
+            "bisection": self.bisection,
+        } | ({"eight_bit": self.eight_bit} if self.eight_bit else {})
 
 
 def vendor_check(
@@ -70,11 +76,14 @@ def vendor_check(
     rtol: float = 1e-2,
     host_scales: Mapping[str, float] | None = None,
     work_dir: str | Path | None = None,
+    bisect: bool = False,
 ) -> VendorCheck:
     """Build `candidate` with the vendor toolchain, run its simulator on `samples`, compare the
-    outputs (times `host_scales`) with `reference`'s FP32 outputs."""
+    outputs (times `host_scales`) with `reference`'s FP32 outputs.
+
+    With `bisect`, a refusal or crash is narrowed to its nodes; where an exact rewrite of them
+    builds, the check is of the rewritten model (`fixed_model`)."""
     from npuprep.errors import NpuprepError
-    from npuprep.runtime.session import make_session, run
     from npuprep.vendors.rockchip import require_python, run_rknn
 
     if vendor not in VENDORS:
@@ -89,10 +98,24 @@ def vendor_check(
                   range_warnings=tuple(dict.fromkeys(w["tensor"] for w in done.range_warnings)),
                   accuracy_report=done.accuracy_report)
     if not done:
+        if bisect:
+            return _after_refusal(reference, candidate, samples, done, exe, target_platform, rtol,
+                                  scales, work_dir, VendorCheck(built=False, refusal=done.refusal,
+                                                                **common))
         return VendorCheck(built=False, refusal=done.refusal, **common)
+    outputs = vendor_output_errors(reference, samples, done.outputs, scales, rtol)
+    return VendorCheck(built=True, outputs=outputs, **common)
+
+
+def vendor_output_errors(reference: onnx.ModelProto, samples: Sequence[Feed],
+                   got_all: Sequence[Mapping[str, np.ndarray]], scales: Mapping[str, float],
+                   rtol: float, top_k: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
+    """Per output: the vendor's outputs (times `scales`) against `reference` in onnxruntime."""
+    from npuprep.runtime.session import make_session, run
+
     ref = make_session(reference)
-    errors = OutputErrors(tie_rtol=rtol)
-    for sample, got in zip(samples, done.outputs, strict=False):
+    errors = OutputErrors(top_k=dict(top_k or {}), tie_rtol=rtol)
+    for sample, got in zip(samples, got_all, strict=False):
         # The toolkit takes float32 feeds; the reference its own input types (a bool flag).
         expected = run(ref, {k: np.asarray(v) for k, v in sample.items()})
         for name, rv in expected.items():
@@ -100,8 +123,26 @@ def vendor_check(
                 continue
             cv = np.asarray(got[name], dtype=np.float64) * scales.get(name, 1.0)
             errors.add(name, rv, cv.reshape(np.shape(rv)) if cv.size == np.size(rv) else cv)
-    outputs = errors.result()
-    return VendorCheck(built=True, outputs=outputs, **common)
+    return errors.result()
+
+
+def _after_refusal(reference: onnx.ModelProto, candidate: onnx.ModelProto,
+                   samples: Sequence[Feed], done: Any, exe: Any, target_platform: str, rtol: float,
+                   scales: dict[str, float], work_dir: Any, refused: VendorCheck) -> VendorCheck:
+    """`refused` with the nodes the tool breaks on; the check of the exact rewrite that builds."""
+    from dataclasses import replace
+
+    from npuprep.vendors.bisection import Attempt
+    from npuprep.verify.vendor_bisect import bisect_vendor, rknn_build
+
+    found = bisect_vendor(candidate, samples[0], Attempt(False, done.stage, done.refusal),
+                          rknn_build(exe, target_platform), reference=reference)
+    if not found:
+        return replace(refused, bisection=found.to_dict())
+    again = vendor_check(reference, found.fixed, samples, python=str(exe),
+                         target_platform=target_platform, rtol=rtol, host_scales=scales,
+                         work_dir=work_dir)
+    return replace(again, bisection=found.to_dict(), fixed_model=found.fixed)
 
 
 def with_layers(check: VendorCheck, candidate: Any, profile: Any, report_path: str) -> VendorCheck:
