@@ -169,15 +169,16 @@ def test_sigterm_during_a_ray_run_ends_in_one_line_and_cleans_up(local_ray, tmp_
     out = tmp_path / "s.json"
     out.write_text("an earlier run's stats\n")
     address = ray.get_runtime_context().gcs_address
-    # 2000 samples take far longer than the 3 s after which the signal comes.
-    proc = subprocess.Popen([sys.executable, "-m", "npuprep", "calibrate", path, "--synthetic", "2000",
+    # 50000 samples take far longer (2000 took ~2 s on 2 cores) than the 1 s after which the
+    # signal comes, so it lands while Ray's tasks run.
+    proc = subprocess.Popen([sys.executable, "-m", "npuprep", "calibrate", path, "--synthetic", "50000",
                              "--ray", address, "-o", out], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     lock = tmp_path / ".s.json.lock"
     deadline = time.monotonic() + 60
     while not lock.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(3)  # joined the cluster (about 1 s) and running its tasks
+    time.sleep(1)  # the lock is taken once the cluster is joined: its tasks are running
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143 and err.strip() == "npuprep: terminated", err
@@ -208,5 +209,35 @@ def test_sigterm_inside_ray_init_reaches_npuprep_s_handler():
         with pytest.raises(Ended):
             _join(types.SimpleNamespace(init=init), None)
         assert signal.getsignal(signal.SIGTERM) is ours
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_signal_inside_ray_shutdown_ends_the_run_after_it_returns():
+    # fake ray.shutdown: SIGTERM arrives inside it, then Ray resets the handler to the default
+    import os
+    import signal
+    import types
+
+    from npuprep.calibrate.on_ray import _shutdown
+
+    class Ended(Exception):
+        pass
+
+    def ours(signum, frame):
+        raise Ended(signum)
+
+    done = []
+
+    def shutdown():
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        done.append("shut down")
+
+    previous = signal.signal(signal.SIGTERM, ours)
+    try:
+        with pytest.raises(Ended):
+            _shutdown(types.SimpleNamespace(shutdown=shutdown))
+        assert done == ["shut down"] and signal.getsignal(signal.SIGTERM) is ours
     finally:
         signal.signal(signal.SIGTERM, previous)
