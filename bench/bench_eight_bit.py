@@ -5,8 +5,8 @@ Run: nice -n 10 python bench/bench_eight_bit.py [--only NAME ...] [--tools npupr
      [--out bench/_work/eight_bit]
 
 Per corpus model (bench/corpus.py builds them) and tool:
-- npuprep_int8 / npuprep_fp8 (npuprep_int8_absmax, ..._percentile: another --scale-rule than
-  mse): `npuprep convert --precision int8|fp8_e4m3 --target a2000` on
+- npuprep_int8 / npuprep_fp8 (npuprep_int8_absmax, ..._mse: another --scale-rule than
+  the default): `npuprep convert --precision int8|fp8_e4m3 --target a2000` on
   the calibration samples, held out on the others, `--top-k OUT:1` for decided outputs;
 - ort_int8: `quantize_static(QDQ, per_channel=True, QInt8 activations and weights)`, MinMax
   calibration on the same samples;
@@ -47,12 +47,15 @@ def _feeds(folder: Path) -> list[dict[str, np.ndarray]]:
 
 
 def npuprep(precision: str, model: Path, entry: Path, out: Path, decided: tuple[str, ...],
-            rule: str = "mse") -> str:
-    cmd = [sys.executable, "-m", "npuprep", "convert", str(model), "--target", "a2000", "--scale-rule", rule,
-           "--precision", precision, "--data", str(entry / "calib"), "--holdout",
+            rule: str | None = None) -> str:
+    """`convert` with its default scale rule unless `rule` names one."""
+    cmd = [sys.executable, "-m", "npuprep", "convert", str(model), "--target", "a2000",
+           *(("--scale-rule", rule) if rule else ()), "--precision", precision, "--data", str(entry / "calib"), "--holdout",
            str(entry / "heldout"), "-o", str(out), "--json", "--export", "none",
            *(a for o in decided for a in ("--top-k", f"{o}:1"))]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    # convert's own report (its plan, what it kept wider and why) beside the model.
+    out.with_suffix(".convert.json").write_text(done.stdout)
     if not out.exists():
         return (done.stderr.strip().splitlines() or ["no output"])[-1]
     return ""

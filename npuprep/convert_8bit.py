@@ -3,9 +3,13 @@
 The artefact is the rewritten FP32 model with QuantizeLinear/DequantizeLinear at the 8-bit
 multiply-adds (npuprep.rewrite.qdq); the rest stays FP32 in the file, for the compiler to
 run in its wider format. Verification runs that QDQ model itself in onnxruntime (QDQ is
-exact ONNX semantics). When the outputs fail, the 8-bit layers are ranked by the error each
-adds alone and the worst are kept wider, while the 8-bit share of the multiply-adds stays at
-or above `min_8bit_share`.
+exact ONNX semantics), with every tensor outside the pins rounded to the target's FP16 where
+its profile has one (what the board computes). INT8 MatMul inputs with outlier channels are
+balanced into their weights first, and each INT8 activation takes the scale rule that
+measures best for it, where the rules' clips differ. When the outputs fail, the 8-bit layers
+are ranked by what keeping each wider gains, and the best are kept wider while the 8-bit
+share of the multiply-adds stays at or above `min_8bit_share`. The widening aims at JUDGE_MARGIN x rtol on the calibration
+samples: their scales fit them, unseen samples err more.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from npuprep.plan.eight_bit import MAC_OPS, LayerPrecision, decide
 from npuprep.profiles import TargetProfile
 from npuprep.provenance import record_source
 from npuprep.report.flops import node_flops
+from npuprep.report.output_verdicts import output_passes
 from npuprep.verify.output_check import OutputCheck, check_outputs
 from npuprep.verify.pin_rounds import sample_shapes
 
@@ -34,6 +39,8 @@ DEFAULT_MIN_8BIT_SHARE = 0.5
 # Wider-kept layers per round grow 1, 2, 4, ...: a handful of rounds reach any count.
 MAX_WIDEN_ROUNDS = 8
 FP8_NAN_HEADROOM = 2.0
+# The calibration samples set the scales: the widening stops below this share of rtol there.
+JUDGE_MARGIN = 0.8
 
 
 def convert_8bit(
@@ -61,7 +68,15 @@ def convert_8bit(
     from npuprep.rewrite.apply import apply_plan
     from npuprep.rewrite.lower import Lowered
     from npuprep.verify.compare import DEFAULT_ATOL, compare_models
-    from npuprep.verify.eight_bit import eight_bit_nodes, quantise, rank_layers, with_opset
+    from npuprep.verify.eight_bit import (
+        balance_outliers,
+        choose_rules,
+        eight_bit_nodes,
+        on_target,
+        quantise,
+        rank_layers,
+        with_opset,
+    )
 
     eight = eight_bit_format(precision)
     if eight is None:
@@ -83,11 +98,28 @@ def convert_8bit(
     pinned = plan.pinned_nodes() | set(applied.fp32_nodes)
     base = with_opset(applied.model, eight)
     layers = plan.eight_bit or decide(base, stats, eight, pinned, scale_rule)
+    notes = list(flow_notes)
+    balanced: dict[str, tuple[str, float]] = {}
+    tensor_rules: dict[str, str] = {}
+    if not eight.is_float:
+        # FP8 keeps its relative precision across channels; INT8's one scale does not.
+        stage("balancing outlier channels into the weights")
+        found = balance_outliers(work.proto, base, eight_bit_nodes(layers, eight), stats, eight,
+                                 samples, saturate=True, rule=scale_rule,
+                                 tensor_scales=applied.tensor_scales)
+        base, stats, balanced = found.model, found.stats, found.tensors
+        stage("choosing each activation's scale rule by its measured error")
+        tensor_rules = choose_rules(work.proto, base, eight_bit_nodes(layers, eight), stats,
+                                    eight, samples, saturate=True,
+                                    tensor_scales=applied.tensor_scales)
+        if balanced:
+            notes.append(f"{len(balanced)} INT8 MatMul input(s) with outlier channels (up to "
+                         f"{max(r for _, r in balanced.values()):.3g}x the median channel) divided "
+                         "per channel, their weights multiplied (SmoothQuant)")
     macs = _macs(base, samples)
     # INT8 QuantizeLinear always clamps; FP8 saturates only where the profile says the
     # hardware does (unknown is the loud case: NaN past 448).
     saturate = bool(profile.fp8_saturate) if eight.is_float else True
-    notes = list(flow_notes)
     if eight.is_float and not saturate and scale_rule != "absmax":
         notes.append(f"scale rule {scale_rule} -> absmax: {profile.name} does not saturate FP8 "
                      "(fp8_saturate), so a clipped value would be NaN")
@@ -99,25 +131,34 @@ def convert_8bit(
         notes.append(f"FP8 scales keep {headroom:g}x headroom over the abs-max: {profile.name} "
                      "may give NaN past 448")
 
+    def pins(chosen: Sequence[LayerPrecision]) -> set[str]:
+        return pinned | {x.node for x in chosen if x.precision == "fp32"}
+
     def build(chosen: Sequence[LayerPrecision]) -> tuple[Any, OutputCheck]:
         qdq = quantise(base, eight_bit_nodes(chosen, eight), stats, eight, saturate=saturate,
-                       rule=scale_rule, tensor_scales=applied.tensor_scales, headroom=headroom)
+                       rule=scale_rule, tensor_scales=applied.tensor_scales, headroom=headroom,
+                       tensor_rules=tensor_rules)
         built = qdq.model
         check = check_outputs(work.proto, built, wide, samples, saturate=saturate, rtol=rtol,
-                              emulated=built, top_k=top_k)
+                              emulated=on_target(built, wide, pins(chosen), saturate=saturate),
+                              top_k=top_k)
         return built, check
+
+    def judged(check: OutputCheck) -> bool:
+        return all(output_passes(o, JUDGE_MARGIN * rtol) for o in check.outputs.values())
 
     stage(f"quantising to {eight.name}")
     built, check = build(layers)
-    rounds, ranking, widened = 1, [], []
-    if not check:
+    rounds, ranking, widened, needs_more = 1, [], [], ""
+    if not judged(check):
         stage("ranking the 8-bit layers by their own error")
         ranking = rank_layers(work.proto, base, eight_bit_nodes(layers, eight), stats, eight,
                               samples, saturate=saturate, rule=scale_rule,
-                              tensor_scales=applied.tensor_scales, headroom=headroom)
+                              tensor_scales=applied.tensor_scales, headroom=headroom,
+                              tensor_rules=tensor_rules)
         count, done = 1, 0
         first = layers
-        while not check and rounds <= MAX_WIDEN_ROUNDS and done < count <= len(ranking):
+        while not judged(check) and rounds <= MAX_WIDEN_ROUNDS and done < count <= len(ranking):
             trial = _widen(first, ranking[:count], eight)
             if mac_share(trial, macs, eight)[eight.name] < min_8bit_share:
                 # The longest prefix of the ranking the budget still takes, if longer than the last.
@@ -125,9 +166,11 @@ def convert_8bit(
                         if mac_share(_widen(first, ranking[:c], eight), macs, eight)[eight.name]
                         >= min_8bit_share]
                 if not fits:
-                    notes.append(f"keeping the {done + 1} most sensitive 8-bit layers wider would "
-                                 f"leave less than {min_8bit_share:.0%} of the multiply-adds in 8 "
-                                 "bits; stopped")
+                    more = [s.node for s in ranking[done:count]]
+                    needs_more = (f"the outputs need more than {eight.name} at {', '.join(more)} "
+                                  f"too ({_cost(more, macs):.1%} of the multiply-adds): that would "
+                                  f"leave less than {min_8bit_share:.0%} in 8 bits "
+                                  "(--min-8bit-share); stopped")
                     break
                 count = fits[0]
                 trial = _widen(first, ranking[:count], eight)
@@ -136,6 +179,8 @@ def convert_8bit(
             built, check = build(trial)
             layers, widened, done = trial, [s.node for s in ranking[:count]], count
             count = len(ranking) if count < len(ranking) < 2 * count else 2 * count
+    if needs_more and not check:
+        notes.append(needs_more)
     if opset is not None:
         from npuprep.opsets import convert_opset
 
@@ -147,10 +192,12 @@ def convert_8bit(
     if holdout is not None:
         stage("checking the held-out samples")
         held = check_outputs(work.proto, built, wide, holdout, saturate=saturate, rtol=rtol,
-                             emulated=built, top_k=top_k)
+                             emulated=on_target(built, wide, pins(layers), saturate=saturate),
+                             top_k=top_k)
     shares = mac_share(layers, macs, eight)
     notes.append(f"the ONNX artefact is QDQ {eight.name} at the 8-bit layers and FP32 elsewhere; "
-                 f"the layers kept wider run in the compiler's {wide.name}")
+                 f"the layers kept wider run in the compiler's {wide.name}, and verification "
+                 f"rounds them to {wide.name} (the pins stay FP32)")
     if eight.is_float:
         notes.append(f"FP8 QuantizeLinear saturate={int(saturate)} (profile fp8_saturate: "
                      f"{profile.to_dict()['fp8_saturate']})")
@@ -170,6 +217,8 @@ def convert_8bit(
             "mac_share": shares, "min_8bit_share": min_8bit_share,
             "sensitivity": [s.to_dict() for s in ranking], "kept_wider": widened,
             "kept_wider_cost": _cost(widened, macs),
+            "tensor_rules": dict(sorted(tensor_rules.items())),
+            "balanced": {x: {"tensor": xs, "outlier_ratio": r} for x, (xs, r) in balanced.items()},
             "input_shapes": {k: list(v) for k, v in sample_shapes(samples).items()},
         },
     )
@@ -195,8 +244,8 @@ def mac_share(layers: Sequence[LayerPrecision], macs: Mapping[str, int],
 
 def _widen(layers: Sequence[LayerPrecision], worst: Sequence[Any],
            fmt: EightBitFormat) -> list[LayerPrecision]:
-    why = {s.node: f"sensitivity: alone in {fmt.name} it moves the outputs by rel L2 {s.rel_l2:.3g}"
-           for s in worst}
+    why = {s.node: f"sensitivity: kept wider alone, the outputs' rel L2 falls by {s.gain:.3g} "
+                   f"to {s.rel_l2:.3g}" for s in worst}
     return [LayerPrecision(x.node, "fp16", why[x.node]) if x.node in why else x for x in layers]
 
 

@@ -1,8 +1,10 @@
 """8-bit scales from calibration statistics: clip(|x|) by abs-max, percentile or MSE -> scale.
 
-Read from the statistics calibration already keeps (abs-max, the exponent histogram), never
-from another pass over the data. The histogram's bins are powers of two, so percentile and
-MSE clips are placed on a quarter-octave grid below the abs-max.
+Read from the statistics calibration already keeps (abs-max, the exponent histogram, the
+abs-max of each sample), never from another pass over the data. The histogram's bins are
+powers of two, so percentile and MSE clips are placed on a quarter-octave grid below the
+abs-max. A clip set on n samples is exceeded by about one new sample in n + 1; where the
+samples' own abs-maxima spread, the clip is raised by that spread (`sample_headroom`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ SCALE_RULES = ("absmax", "percentile", "mse")
 DEFAULT_RULE = "percentile"
 # The share of elements a percentile clip may cut off.
 PERCENTILE = 99.99
+# The clip extends this many standard deviations of the per-sample abs-maxima past their largest.
+SPREAD_SIGMAS = 2.0
+# Fewer samples give no spread worth extrapolating from.
+MIN_SPREAD_SAMPLES = 3
 # Candidate clips for MSE: abs-max x 2^(-j/4), j = 0..GRID (down to 1/64 of the abs-max).
 _GRID = 24
 
@@ -39,8 +45,21 @@ class Clip:
         return self.value / top if self.value > 0 else 1.0
 
 
+def sample_headroom(r: RangeStats) -> float:
+    """Factor (>= 1) by which an unseen sample's abs-max may pass the calibration's: the largest
+    per-sample abs-max plus SPREAD_SIGMAS standard deviations of them, over the largest."""
+    per_sample = [v for v in r.per_sample_absmax if math.isfinite(v)]
+    top = max(per_sample, default=0.0)
+    if len(per_sample) < MIN_SPREAD_SAMPLES or top <= 0:
+        return 1.0
+    mean = sum(per_sample) / len(per_sample)
+    spread = math.sqrt(sum((v - mean) ** 2 for v in per_sample) / (len(per_sample) - 1))
+    return 1.0 + SPREAD_SIGMAS * spread / top
+
+
 def clip_for(r: RangeStats, fmt: EightBitFormat, rule: str = DEFAULT_RULE) -> Clip:
-    """The clip `rule` places on tensor `r` for `fmt`."""
+    """The clip `rule` places on tensor `r` for `fmt` (on the samples seen; quantisation
+    raises it by `sample_headroom(r)` for those it has not seen)."""
     if rule not in SCALE_RULES:
         raise ValueError(f"unknown scale rule {rule!r}")
     if rule == "absmax" or r.absmax <= 0 or not math.isfinite(r.absmax):

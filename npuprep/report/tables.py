@@ -202,17 +202,18 @@ def attribution_table(result: Mapping[str, Any]) -> Table | None:
 
 
 def eight_bit_table(result: Mapping[str, Any]) -> Table | None:
-    """An 8-bit plan: each node's precision and why, with its sensitivity where it was ranked."""
+    """An 8-bit plan: each node's precision and why, with what keeping it wider alone gains
+    (the outputs' rel L2 falls by `gain`) where it was ranked."""
     plan = result.get("plan")
     layers = list(_dicts(plan.get("eight_bit"))) if isinstance(plan, Mapping) else []
     if not layers:
         return None
-    ranked = {s.get("node"): s.get("rel_l2") for s in _dicts((result.get("eight_bit") or {}).get("sensitivity"))}
+    ranked = {s.get("node"): s.get("gain") for s in _dicts((result.get("eight_bit") or {}).get("sensitivity"))}
     rows = tuple((_text(x, "node"), _text(x, "precision"), ranked.get(x.get("node")), _text(x, "why"))
                  for x in layers)
     share = (result.get("eight_bit") or {}).get("mac_share") or {}
     split = ", ".join(f"{100 * v:.0f}% {k}" for k, v in share.items())
-    cols = (Column("node"), Column("precision"), Column("own_rel_l2", "num"), Column("why"))
+    cols = (Column("node"), Column("precision"), Column("gain_if_wider", "num"), Column("why"))
     return Table("eight_bit", f"8-bit decision per node (multiply-adds: {split})" if split else
                  "8-bit decision per node", cols, rows)
 

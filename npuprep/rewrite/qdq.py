@@ -26,10 +26,12 @@ MAC_OPS = ("Conv", "MatMul", "Gemm")
 
 @dataclass(frozen=True)
 class ActivationScale:
-    """Per-tensor scale of an activation; `unsigned` for a non-negative INT8 tensor (uint8)."""
+    """Per-tensor scale of an activation; `unsigned` for an INT8 tensor stored as uint8 (a
+    non-negative one, or a skewed one with `zero_point`: real = scale x (stored - zero_point))."""
 
     scale: float
     unsigned: bool = False
+    zero_point: int = 0
 
 
 def weight_axis(node: onnx.NodeProto, rank: int) -> int | None:
@@ -74,7 +76,7 @@ def insert_qdq(model: onnx.ModelProto, nodes: Mapping[str, Mapping[str, Activati
         zp = fresh(f"{tensor}_zp8")
         q, dq = fresh(f"{tensor}_q8"), fresh(f"{tensor}_dq8")
         g.initializer.append(numpy_helper.from_array(np.array(s.scale, np.float32), scale))
-        g.initializer.append(_zero(zp, fmt, (), unsigned=s.unsigned))
+        g.initializer.append(_zero(zp, fmt, (), unsigned=s.unsigned, value=s.zero_point))
         extra = {"saturate": int(saturate)} if fmt.is_float else {}
         new_nodes.append(helper.make_node("QuantizeLinear", [tensor, scale, zp], [q],
                                           name=fresh(f"{tensor}_Q8"), **extra))
@@ -102,8 +104,8 @@ def insert_qdq(model: onnx.ModelProto, nodes: Mapping[str, Mapping[str, Activati
     if not done:
         return RewriteResult(model, False, "no node could be quantised", {"declined": declined})
     g.node.extend(new_nodes)
-    _sort(g)
-    _drop_unused_weights(g)
+    sort_nodes(g)
+    drop_unused_weights(g)
     return RewriteResult(out, True, f"{len(done)} node(s) quantised to {fmt.name}",
                          {"quantised": done, "declined": declined})
 
@@ -140,13 +142,14 @@ def _weight(g: onnx.GraphProto, node: onnx.NodeProto, w: np.ndarray, fmt: EightB
     return out
 
 
-def _zero(name: str, fmt: EightBitFormat, shape: tuple[int, ...], *, unsigned: bool) -> onnx.TensorProto:
+def _zero(name: str, fmt: EightBitFormat, shape: tuple[int, ...], *, unsigned: bool,
+          value: int = 0) -> onnx.TensorProto:
     if fmt.is_float:
         return helper.make_tensor(name, fmt.onnx_type, shape, bytes(int(np.prod(shape))), raw=True)
-    return numpy_helper.from_array(np.zeros(shape, np.uint8 if unsigned else np.int8), name)
+    return numpy_helper.from_array(np.full(shape, value, np.uint8 if unsigned else np.int8), name)
 
 
-def _drop_unused_weights(g: onnx.GraphProto) -> None:
+def drop_unused_weights(g: onnx.GraphProto) -> None:
     """FP32 weights every consumer of which now reads the 8-bit copy leave the file."""
     from npuprep.graph import walk_graphs
 
@@ -158,7 +161,7 @@ def _drop_unused_weights(g: onnx.GraphProto) -> None:
         g.initializer.extend(kept)
 
 
-def _sort(g: onnx.GraphProto) -> None:
+def sort_nodes(g: onnx.GraphProto) -> None:
     """Order the graph's nodes so each comes after the producers of its inputs."""
     from npuprep.graph import topological_order
 

@@ -267,6 +267,9 @@ def make_session_external(
 
 # Initialisers above this size reach onnxruntime as arrays, not inside the serialised graph.
 INLINE_BYTES = 4096
+# onnxruntime makes no OrtValue from an FP8 array (ml_dtypes): FP8 weights stay in the graph.
+_INLINE_TYPES = frozenset({onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E4M3FNUZ,
+                           onnx.TensorProto.FLOAT8E5M2, onnx.TensorProto.FLOAT8E5M2FNUZ})
 
 
 def split_weights(
@@ -281,7 +284,8 @@ def split_weights(
     weights: dict[str, np.ndarray] = {}
     for init in proto.graph.initializer:
         external = init.data_location == onnx.TensorProto.EXTERNAL
-        if (external and base_dir is None) or (not external and init.ByteSize() <= INLINE_BYTES):
+        if (external and base_dir is None) or (not external and (
+                init.ByteSize() <= INLINE_BYTES or init.data_type in _INLINE_TYPES)):
             skeleton.graph.initializer.append(init)
             continue
         weights[init.name] = external_array(init, base_dir) if external else numpy_helper.to_array(init)

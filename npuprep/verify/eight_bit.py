@@ -1,38 +1,56 @@
-"""The QDQ model the plan's 8-bit decisions give, and each 8-bit layer's own error: quantise
-one layer at a time, run it in onnxruntime, rel L2 of the outputs (as attribution does for FP16).
+"""The QDQ model the plan's 8-bit decisions give, and what keeping each 8-bit layer wider
+gains: every other layer quantised, this one not, run in onnxruntime, rel L2 of the outputs.
+
+Leaving one layer out of the full 8-bit model, rather than quantising it alone, sees errors
+that cancel: the two branches of a classifier-free guidance err alike, and keeping only one
+of them wider undoes the cancellation (alone, each looks like the worst layer). Also here:
+the INT8 activation scales (symmetric, or uint8 with a zero point for a skewed tensor), the
+outlier channels balanced into weights where that measures better, and the QDQ model as the
+board computes it (`on_target`: the wider layers in FP16).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import onnx
 
-from npuprep.calibrate.scales import DEFAULT_RULE, clip_for
+from npuprep.calibrate.scales import DEFAULT_RULE, SCALE_RULES, clip_for, sample_headroom
+from npuprep.calibrate.stats import RangeStats
 from npuprep.data import Feed
-from npuprep.graph import node_label
-from npuprep.numerics import EightBitFormat
+from npuprep.graph import constant_value, node_label
+from npuprep.numerics import EightBitFormat, NumberFormat
 from npuprep.opsets import model_opset, upgrade_opset
 from npuprep.plan.eight_bit import LayerPrecision, activation_inputs
 from npuprep.rewrite.qdq import ActivationScale, insert_qdq
 from npuprep.rewrite.result import RewriteResult
 
+QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+# An INT8 activation reaching below zero by less than this share of its top is stored as
+# uint8 with a zero point (asymmetric), not as symmetric INT8.
+SKEWED = 0.25
+# An INT8 MatMul input whose largest channel reaches this many times its median channel has
+# outlier channels worth balancing into the weight (npuprep.rewrite.smooth).
+OUTLIER_RATIO = 4.0
 # Samples each one-layer run is measured on: the ranking needs an order, not a verdict.
 RANK_SAMPLES = 4
 
 
 @dataclass(frozen=True)
 class Sensitivity:
-    """One 8-bit layer's own error: the outputs' pooled rel L2 with only it quantised."""
+    """One 8-bit layer's weight in the error: the outputs' pooled rel L2 with every other
+    ranked layer in 8 bits and this one wider, and what that gains over all of them in 8 bits
+    (negative where keeping it wider alone undoes a cancellation)."""
 
     node: str
     rel_l2: float
+    gain: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {"node": self.node, "rel_l2": self.rel_l2}
+        return {"node": self.node, "rel_l2": self.rel_l2, "gain": self.gain}
 
 
 def eight_bit_nodes(layers: Iterable[LayerPrecision], fmt: EightBitFormat) -> list[str]:
@@ -48,10 +66,13 @@ def with_opset(model: onnx.ModelProto, fmt: EightBitFormat) -> onnx.ModelProto:
 
 def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: Any, fmt: EightBitFormat, *,
              saturate: bool, rule: str = DEFAULT_RULE,
-             tensor_scales: Mapping[str, float] | None = None, headroom: float = 1.0) -> RewriteResult:
-    """`model` (at a QDQ opset) with `nodes` quantised: activation scales by `rule` from `stats`;
-    a tensor the plan rescaled (`tensor_scales`: rewritten = s x measured) gets s x its clip,
-    and every clip is widened by `headroom` (values of the quantised model reach past FP32's)."""
+             tensor_scales: Mapping[str, float] | None = None, headroom: float = 1.0,
+             tensor_rules: Mapping[str, str] | None = None) -> RewriteResult:
+    """`model` (at a QDQ opset) with `nodes` quantised: activation scales by `rule` (or the
+    tensor's own in `tensor_rules`) from `stats`; a tensor the plan rescaled (`tensor_scales`:
+    rewritten = s x measured) gets s x its clip, and every clip is widened by `headroom`
+    (values of the quantised model reach past FP32's)."""
+    own = tensor_rules or {}
     rescaled = tensor_scales or {}
     by_label = {node_label(n): n for n in model.graph.node}
     wanted: dict[str, dict[str, ActivationScale]] = {}
@@ -62,33 +83,174 @@ def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: Any, fmt: Eigh
         scales = {}
         for name in activation_inputs(model.graph, node):
             r = stats.tensors[name]
-            unsigned = r.min >= 0 and not fmt.is_float
-            step = clip_for(r, fmt, rule).scale(fmt, unsigned=unsigned) * rescaled.get(name, 1.0) * headroom
-            scales[name] = ActivationScale(step, unsigned)
+            # FP8's headroom for NaN past 448 already covers an unseen sample's larger values.
+            spread = sample_headroom(r)
+            widen = max(headroom, spread) if fmt.is_float else headroom * spread
+            factor = rescaled.get(name, 1.0) * widen
+            clip = clip_for(r, fmt, own.get(name, rule)).value * factor
+            scales[name] = _activation_scale(r, clip, factor, fmt)
         wanted[label] = scales
     return insert_qdq(model, wanted, fmt, saturate=saturate)
+
+
+@dataclass(frozen=True)
+class Balanced:
+    """The model with outlier channels balanced into weights, its stats (with the new tensors),
+    and the tensors balanced: x -> (x / s, largest / median channel abs-max)."""
+
+    model: onnx.ModelProto
+    stats: Any
+    tensors: dict[str, tuple[str, float]]
+
+
+def balance_outliers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
+                     stats: Any, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
+                     rule: str = DEFAULT_RULE, tensor_scales: Mapping[str, float] | None = None,
+                     headroom: float = 1.0) -> Balanced:
+    """The INT8 MatMuls among `nodes` whose input has outlier channels read it divided by s
+    per channel, their weights multiplied by it (npuprep.rewrite.smooth), where that lowers
+    the error of those MatMuls quantised alone: a channel whose outliers are a few rare
+    values is better served by the clip of `rule`, which the balanced tensor (abs-max only)
+    cannot place."""
+    from npuprep.calibrate.channels import channel_absmax
+    from npuprep.rewrite.smooth import smooth, smoothable, smoothing_factors
+
+    g = model.graph
+    wanted = set(nodes)
+    readers: dict[str, list[str]] = {}
+    for node in g.node:
+        if node_label(node) in wanted and smoothable(g, node) and node.input[0] in stats.tensors:
+            readers.setdefault(node.input[0], []).append(node_label(node))
+    per_channel = channel_absmax(model, list(readers), samples)
+    weights = {node_label(n): constant_value(g, n.input[1]) for n in g.node
+               if node_label(n) in wanted}
+    factors, ratios = {}, {}
+    for x, found in per_channel.items():
+        top = found.max(axis=0)
+        ratio = float(top.max() / max(float(np.median(top)), 1e-12))
+        if ratio >= OUTLIER_RATIO:
+            factors[x] = smoothing_factors(top, [weights[n] for n in readers[x]])
+            ratios[x] = ratio
+    every = smooth(model, factors, readers)
+    if not every:
+        return Balanced(model, stats, {})
+    tensors = dict(stats.tensors)
+    for x, xs in dict(every.details["smoothed"]).items():
+        tensors[xs] = _divided(stats.tensors[x], xs, per_channel[x] / factors[x])
+    balanced_stats = replace(stats, tensors=tensors)
+    error = _errors(reference, samples)
+    kept = {x: s for x, s in factors.items()
+            if error(quantise(every.model, readers[x], balanced_stats, fmt, saturate=saturate,
+                              rule=rule, tensor_scales=tensor_scales, headroom=headroom).model)
+            < error(quantise(model, readers[x], stats, fmt, saturate=saturate, rule=rule,
+                             tensor_scales=tensor_scales, headroom=headroom).model)}
+    done = smooth(model, kept, readers)
+    if not done:
+        return Balanced(model, stats, {})
+    smoothed = dict(done.details["smoothed"])
+    return Balanced(done.model, balanced_stats, {x: (xs, ratios[x]) for x, xs in smoothed.items()})
+
+
+def _errors(reference: onnx.ModelProto, samples: Sequence[Feed]) -> Any:
+    """A function: model -> its outputs' pooled rel L2 against `reference` on RANK_SAMPLES."""
+    from npuprep.runtime.session import make_session, run
+
+    feeds = list(samples)[:RANK_SAMPLES]
+    ref_session = make_session(reference)
+    refs = [run(ref_session, f) for f in feeds]
+    del ref_session
+
+    def error(model: onnx.ModelProto) -> float:
+        session = make_session(model)
+        return _pooled_rel_l2(refs, [run(session, f) for f in feeds])
+
+    return error
+
+
+def choose_rules(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
+                 stats: Any, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
+                 tensor_scales: Mapping[str, float] | None = None) -> dict[str, str]:
+    """Per activation of `nodes` whose rules place different clips: the rule whose clip gives
+    the least output error with that tensor's 8-bit readers quantised alone."""
+    g = model.graph
+    readers: dict[str, list[str]] = {}
+    for node in g.node:
+        if node_label(node) in set(nodes):
+            for name in activation_inputs(g, node):
+                readers.setdefault(name, []).append(node_label(node))
+    error = _errors(reference, samples)
+    chosen = {}
+    for name, labels in readers.items():
+        clips: dict[float, str] = {}
+        for rule in SCALE_RULES:
+            clips.setdefault(clip_for(stats.tensors[name], fmt, rule).value, rule)
+        if len(clips) < 2:
+            continue
+        measured = {rule: error(quantise(model, labels, stats, fmt, saturate=saturate, rule=rule,
+                                         tensor_scales=tensor_scales).model)
+                    for rule in clips.values()}
+        chosen[name] = min(measured, key=lambda r: measured[r])
+    return chosen
+
+
+def _divided(r: RangeStats, name: str, per_channel: np.ndarray) -> RangeStats:
+    """Stats of x / s from x's and the per-sample, per-channel abs-max of x / s: abs-max only
+    (no histogram, so a histogram rule reads the abs-max)."""
+    per_sample = per_channel.max(axis=1)
+    top = float(per_sample.max())
+    return replace(r, tensor=name, min=0.0 if r.min >= 0 else -top, max=top, absmax=top,
+                   exp_hist={}, over={}, under={}, zero_count=0, detailed_count=0,
+                   per_sample_absmax=tuple(float(v) for v in per_sample), seen_in=None)
+
+
+def on_target(qdq: onnx.ModelProto, wide: NumberFormat, pinned_nodes: Iterable[str], *,
+              saturate: bool) -> onnx.ModelProto:
+    """What the board computes: the QDQ model with every tensor outside the pinned nodes
+    rounded to `wide` (FP16), the 8-bit layers' outputs too; QuantizeLinear/DequantizeLinear
+    stay exact (their scales are FP32 constants of the compiler). `qdq` itself where the
+    wider format is FP32."""
+    from npuprep.verify.emulate import emulate
+
+    if wide.name == "fp32":
+        return qdq
+    exact = {node_label(n) for n in qdq.graph.node if n.op_type in QDQ_OPS}
+    return emulate(qdq, wide, saturate=saturate, pinned_nodes=exact | set(pinned_nodes)).model
+
+
+def _activation_scale(r: RangeStats, top: float, factor: float,
+                      fmt: EightBitFormat) -> ActivationScale:
+    """INT8 of [-top, top], or uint8 of [low, top] with a zero point where the tensor barely
+    goes negative (a GELU's -0.17): symmetric INT8 would spend half its levels there. `top`
+    is the clip; the measured minimum scales by `factor` like it."""
+    low = max(r.min * factor, -top)
+    if fmt.is_float or top <= 0 or low < -SKEWED * top:
+        return ActivationScale(top / fmt.qmax if top > 0 else 1.0)
+    if low >= 0:
+        return ActivationScale(top / 255.0, unsigned=True)
+    step = (top - low) / 255.0
+    return ActivationScale(step, unsigned=True, zero_point=int(round(-low / step)))
 
 
 def rank_layers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
                 stats: Any, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
                 rule: str = DEFAULT_RULE,
                 tensor_scales: Mapping[str, float] | None = None,
-                headroom: float = 1.0) -> list[Sensitivity]:
-    """Each of `nodes` quantised alone, worst first."""
-    from npuprep.runtime.session import make_session, run
+                headroom: float = 1.0,
+                tensor_rules: Mapping[str, str] | None = None) -> list[Sensitivity]:
+    """Each of `nodes` kept wider while the others are quantised, the largest gain first."""
+    measure = _errors(reference, samples)
 
-    feeds = list(samples)[:RANK_SAMPLES]
-    ref_session = make_session(reference)
-    refs = [run(ref_session, f) for f in feeds]
+    def error(quantised: Sequence[str]) -> float:
+        built = quantise(model, quantised, stats, fmt, saturate=saturate, rule=rule,
+                         tensor_scales=tensor_scales, headroom=headroom, tensor_rules=tensor_rules)
+        return measure(built.model if built else model)
+
+    every = error(nodes)
     found = []
     for label in nodes:
-        single = quantise(model, [label], stats, fmt, saturate=saturate, rule=rule,
-                          tensor_scales=tensor_scales, headroom=headroom)
-        if not single:
-            continue
-        session = make_session(single.model)
-        found.append(Sensitivity(label, _pooled_rel_l2(refs, [run(session, f) for f in feeds])))
-    return sorted(found, key=lambda s: -s.rel_l2)
+        without = error([n for n in nodes if n != label])
+        found.append(Sensitivity(label, without, every - without))
+    return sorted(found, key=lambda s: -s.gain)
 
 
 def _pooled_rel_l2(refs: list[dict[str, np.ndarray]], got: list[dict[str, np.ndarray]]) -> float:

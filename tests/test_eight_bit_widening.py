@@ -1,0 +1,236 @@
+"""8-bit widening that holds on unseen samples: clips extrapolate the per-sample spread, the
+ranking sees errors that cancel, and verification rounds the wider layers to FP16."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+from conftest import run_cli
+from onnx import numpy_helper, parser
+
+from npuprep.calibrate import calibrate
+from npuprep.calibrate.scales import clip_for, sample_headroom
+from npuprep.model_io import Model, fingerprint
+from npuprep.numerics import eight_bit_format, get_format
+from npuprep.runtime.session import make_session, run
+from npuprep.verify.eight_bit import on_target, quantise, rank_layers
+
+RNG = np.random.default_rng(11)
+INT8 = eight_bit_format("int8")
+
+
+def _model(text: str, weights: dict[str, np.ndarray]) -> onnx.ModelProto:
+    proto = parser.parse_model(text)
+    for name, value in weights.items():
+        proto.graph.initializer.append(numpy_helper.from_array(value.astype(np.float32), name))
+    return proto
+
+
+def _rel_l2(ref: np.ndarray, got: np.ndarray) -> float:
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+# x -> MatMul(W) -> y, calibrated on samples whose abs-max spreads from 1 to 2
+ONE = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[16, 8] x) => (float[16, 4] y) { [mm] y = MatMul (x, W) }
+"""
+
+
+def test_a_clip_set_on_spread_samples_extrapolates_and_an_unseen_larger_sample_stays_within():
+    proto = _model(ONE, {"W": RNG.standard_normal((8, 4))})
+    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+    feeds = [{"x": (a * RNG.uniform(-1, 1, (16, 8))).astype(np.float32)} for a in (1.0, 1.3, 1.6, 2.0)]
+    stats = calibrate(model, feeds, detail="all")
+    r = stats.tensors["x"]
+    assert sample_headroom(r) > 1.2
+        # A new sample reaching 2.5: the calibration's abs-max (2.0) would clip its top values.
+    unseen = {"x": (2.5 * RNG.uniform(-1, 1, (16, 8))).astype(np.float32)}
+    ref = run(make_session(proto), unseen)["y"]
+    got = run(make_session(quantise(proto, ["mm"], stats, INT8, saturate=True, rule="absmax").model),
+              unseen)["y"]
+    assert _rel_l2(ref, got) < 2e-2
+
+
+# h1 = x.W, h2 = x.W (the same weights), v = x.V;  y = 8 h1 - 7 h2 + v: the branches' 8-bit
+# errors cancel when both are quantised
+GUIDED = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[16, 8] x) => (float[16, 4] y) {
+    [cond] h1 = MatMul (x, W)
+    [uncond] h2 = MatMul (x, W2)
+    [side] v = MatMul (x, V)
+    a = Mul (h1, eight)
+    b = Mul (h2, seven)
+    d = Sub (a, b)
+    y = Add (d, v)
+}
+"""
+
+
+def test_the_ranking_keeps_wider_what_gains_and_not_one_of_two_cancelling_branches():
+    w = RNG.standard_normal((8, 4))
+    proto = _model(GUIDED, {"W": w, "W2": w, "V": 0.3 * RNG.standard_normal((8, 4)),
+                            "eight": np.array(8.0), "seven": np.array(7.0)})
+    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+    feeds = [{"x": RNG.standard_normal((16, 8)).astype(np.float32)} for _ in range(4)]
+    stats = calibrate(model, feeds, detail="all")
+    ranking = rank_layers(proto, proto, ["cond", "uncond", "side"], stats, INT8, feeds,
+                          saturate=True)
+    gains = {s.node: s.gain for s in ranking}
+    # Alone, either branch errs 8x; kept wider alone, it undoes the cancellation.
+    assert ranking[0].node == "side" and gains["side"] > 0
+    assert gains["cond"] < 0 and gains["uncond"] < 0
+
+
+# x -> MatMul(W) -> h;  y = (h + 4096) - 4096: FP16 keeps 4096 + h to steps of 4
+OFFSET = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[16, 8] x) => (float[16, 4] y) {
+    [mm] h = MatMul (x, W)
+    [lift] t = Add (h, big)
+    [drop] y = Sub (t, big)
+}
+"""
+
+
+def test_verification_rounds_the_layers_kept_wider_to_fp16_and_leaves_the_pins_fp32():
+    proto = _model(OFFSET, {"W": RNG.standard_normal((8, 4)), "big": np.array(4096.0)})
+    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+    feeds = [{"x": RNG.standard_normal((16, 8)).astype(np.float32)} for _ in range(4)]
+    stats = calibrate(model, feeds, detail="all")
+    qdq = quantise(proto, ["mm"], stats, INT8, saturate=True).model
+    fp16 = get_format("fp16")
+    ref = run(make_session(proto), feeds[0])["y"]
+    as_written = run(make_session(qdq), feeds[0])["y"]
+    board = run(make_session(on_target(qdq, fp16, (), saturate=True)), feeds[0])["y"]
+    pinned = run(make_session(on_target(qdq, fp16, ("lift", "drop"), saturate=True)), feeds[0])["y"]
+    assert _rel_l2(ref, as_written) < 2e-2 and _rel_l2(ref, pinned) < 2e-2
+    assert _rel_l2(ref, board) > 0.1
+
+
+def test_the_bundled_example_passes_held_out_in_int8_and_an_fp8_failure_names_the_layers(tmp_path):
+    int8 = run_cli("convert", "--target", "a2000", "--precision", "int8", "-o", tmp_path / "i.onnx",
+                   "--json", "--export", "none")
+    report = json.loads(int8.stdout)
+    assert int8.returncode == 0 and report["passed"] and report["holdout"]["passed"]
+    assert report["eight_bit"]["mac_share"]["int8"] >= 0.8
+    fp8 = run_cli("convert", "--target", "a2000", "--precision", "fp8_e4m3", "-o", tmp_path / "f.onnx",
+                  "--json", "--export", "none")
+    report = json.loads(fp8.stdout)
+    assert fp8.returncode == 1 and not report["holdout"]["passed"]
+    needs = [n for n in report["notes"] if "need more than fp8_e4m3" in n]
+    assert needs and "hid_mm" in needs[0] and "of the multiply-adds" in needs[0]
+
+
+# x -> MatMul(W: 64 x 128, FP8 past the inline size) -> y
+WIDE = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[4, 64] x) => (float[4, 128] y) { [mm] y = MatMul (x, W) }
+"""
+
+
+def test_an_fp8_model_whose_weights_reach_onnxruntime_as_arrays_runs():
+    proto = _model(WIDE, {"W": RNG.standard_normal((64, 128))})
+    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+    feeds = [{"x": RNG.standard_normal((4, 64)).astype(np.float32)} for _ in range(2)]
+    fp8 = eight_bit_format("fp8_e4m3")
+    qdq = quantise(proto, ["mm"], calibrate(model, feeds, detail="all"), fp8, saturate=True).model
+    ref, got = (run(make_session(m), feeds[0])["y"] for m in (proto, qdq))
+    assert _rel_l2(ref, got) < 5e-2
+
+
+# x (channel 0 up to 40, the others up to 1) -> MatMul(W) -> y
+OUTLIER = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[32, 16] x) => (float[32, 8] y) { [mm] y = MatMul (x, W) }
+"""
+
+
+def _outlier_feeds(outlier: float) -> list[dict[str, np.ndarray]]:
+    feeds = []
+    for _ in range(4):
+        x = RNG.uniform(-1, 1, (32, 16)).astype(np.float32)
+        x[:, 0] *= outlier
+        feeds.append({"x": x})
+    return feeds
+
+
+def test_an_int8_matmul_input_with_an_outlier_channel_is_balanced_into_the_weight(tmp_path):
+    from npuprep.convert_8bit import convert_8bit
+    from npuprep.profiles import load_profile
+
+    proto = _model(OUTLIER, {"W": RNG.standard_normal((16, 8))})
+    path = tmp_path / "m.onnx"
+    onnx.save(proto, path)
+    model = Model(proto=proto, path=str(path), digest=fingerprint(proto))
+    feeds = _outlier_feeds(40.0)
+    stats = calibrate(model, feeds, detail="all")
+    result = convert_8bit(model, load_profile("a2000"), feeds, precision="int8", stats=stats,
+                          rtol=5e-2, holdout=_outlier_feeds(40.0))
+    assert result.eight_bit["balanced"]["x"]["outlier_ratio"] > 20
+    qdq = result.lowered.model
+    assert any(n.op_type == "Mul" and n.input[0] == "x" for n in qdq.graph.node)
+    # One scale for x would leave channels 1..15 about three INT8 levels.
+    plain = quantise(proto, ["mm"], stats, INT8, saturate=True).model
+    ref = run(make_session(proto), feeds[0])["y"]
+    ours = run(make_session(qdq), feeds[0])["y"]
+    assert _rel_l2(ref, ours) < 0.5 * _rel_l2(ref, run(make_session(plain), feeds[0])["y"])
+    assert result.passed and result.eight_bit["mac_share"]["int8"] == 1.0
+
+
+def test_an_input_without_outlier_channels_is_left_alone():
+    from npuprep.rewrite.smooth import smooth
+    from npuprep.verify.eight_bit import balance_outliers
+
+    proto = _model(OUTLIER, {"W": RNG.standard_normal((16, 8))})
+    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+    feeds = _outlier_feeds(1.0)
+    stats = calibrate(model, feeds, detail="all")
+    found = balance_outliers(proto, proto, ["mm"], stats, INT8, feeds, saturate=True)
+    assert found.tensors == {} and found.model is proto
+    declined = smooth(proto, {"x": np.ones(16, np.float32)}, {"x": ["mm"]})
+    assert not declined and "no MatMul input" in declined.reason
+
+
+def test_a_gelu_like_input_gets_uint8_with_a_zero_point_and_less_error_than_symmetric_int8():
+    proto = _model(ONE, {"W": RNG.standard_normal((8, 4))})
+    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+    # GELU outputs: down to about -0.17, up to several units.
+    feeds = []
+    for _ in range(4):
+        x = RNG.standard_normal((16, 8)).astype(np.float32) * 2
+        feeds.append({"x": (x * 0.5 * (1 + np.tanh(0.8 * x))).astype(np.float32)})
+    stats = calibrate(model, feeds, detail="all")
+    qdq = quantise(proto, ["mm"], stats, INT8, saturate=True, rule="absmax").model
+    zp = next(i for i in qdq.graph.initializer if i.name == "x_zp8")
+    assert zp.data_type == onnx.TensorProto.UINT8 and 0 < numpy_helper.to_array(zp) < 20
+    step = numpy_helper.to_array(next(i for i in qdq.graph.initializer if i.name == "x_scale8"))
+    r = stats.tensors["x"]
+    assert step < 0.6 * clip_for(r, INT8, "absmax").value * sample_headroom(r) / 127
+    ref, got = (run(make_session(m), feeds[0])["y"] for m in (proto, qdq))
+    assert _rel_l2(ref, got) < 2e-2
+
+
+def test_each_activation_takes_the_scale_rule_with_the_least_measured_error():
+    from npuprep.verify.eight_bit import choose_rules
+
+    proto = _model(ONE, {"W": RNG.standard_normal((8, 4))})
+    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+    rng = np.random.default_rng(5)
+    feeds = [{"x": rng.standard_normal((16, 8)).astype(np.float32)} for _ in range(4)]
+    feeds[0]["x"][0, 0] = 60.0  # one outlier: abs-max, percentile and MSE clip differently
+    stats = calibrate(model, feeds, detail="all")
+    chosen = choose_rules(proto, proto, ["mm"], stats, INT8, feeds, saturate=True)
+    assert set(chosen) == {"x"}
+
+    def error(rule: str) -> float:
+        qdq = make_session(quantise(proto, ["mm"], stats, INT8, saturate=True, rule=rule).model)
+        ref = make_session(proto)
+        return sum(_rel_l2(run(ref, f)["y"], run(qdq, f)["y"]) ** 2 for f in feeds)
+
+    errors = {rule: error(rule) for rule in ("absmax", "percentile", "mse")}
+    assert errors[chosen["x"]] <= min(errors.values()) * 1.01
+    assert max(errors.values()) > 1.1 * min(errors.values())
