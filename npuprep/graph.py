@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -138,6 +138,21 @@ def is_anchored(tensor: onnx.TensorProto) -> bool:
         return False
     location = next((e.value for e in tensor.external_data if e.key == "location"), "")
     return location.startswith("/")
+
+
+def name_maker(graph: onnx.GraphProto) -> Callable[[str], str]:
+    """A function giving names no tensor of `graph`'s main level uses yet (`base`, then
+    `base_1`, ...), each name once."""
+    names = {n for node in graph.node for n in (*node.input, *node.output)} | {i.name for i in graph.initializer}
+
+    def fresh(base: str) -> str:
+        name, i = base, 1
+        while name in names:
+            name, i = f"{base}_{i}", i + 1
+        names.add(name)
+        return name
+
+    return fresh
 
 
 def with_values(model: onnx.ModelProto) -> onnx.ModelProto:

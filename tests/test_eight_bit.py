@@ -225,7 +225,8 @@ def test_the_bundled_example_converts_to_fp8_and_int8_and_the_models_load(tmp_pa
         assert session.get_inputs()
 
 
-def test_crosscheck_calls_a_layer_the_plan_keeps_wider_but_the_compiler_runs_in_int8_a_mismatch(tmp_path):
+def softmax_plan(tmp_path):
+    """The written-out softmax model on disk and its INT8 plan.yaml."""
     model = _model(tmp_path, SOFTMAX, {"W": RNG.standard_normal((8, 16)), "V": RNG.standard_normal((16, 4))})
     model.proto.graph.initializer.append(numpy_helper.from_array(np.array([1], np.int64), "axes"))
     onnx.save(model.proto, model.path)
@@ -233,6 +234,11 @@ def test_crosscheck_calls_a_layer_the_plan_keeps_wider_but_the_compiler_runs_in_
     feeds = [{"x": (0.3 * RNG.standard_normal((16, 8))).astype(np.float32)} for _ in range(4)]
     plan = tmp_path / "plan.yaml"
     plan.write_text(dump_plan(_convert(model, feeds, "int8").plan))
+    return model, plan
+
+
+def test_crosscheck_calls_a_layer_the_plan_keeps_wider_but_the_compiler_runs_in_int8_a_mismatch(tmp_path):
+    model, plan = softmax_plan(tmp_path)
     report = tmp_path / "layers.csv"
     report.write_text("node,precision\nlogits,int8\nexp,int8\nnormalise,fp16\nmix,int8\n")
     done = run_cli("crosscheck", model.path, "-r", report, "-t", "a2000", "--plan", plan, "--json")

@@ -11,11 +11,9 @@ import onnx
 import pytest
 from conftest import run_cli
 from onnx import helper, numpy_helper, parser
-from test_eight_bit import SOFTMAX, _convert, _model
+from test_eight_bit import _model, softmax_plan
 
 from npuprep.errors import NpuprepError
-from npuprep.model_io import load_model
-from npuprep.plan import dump_plan
 from npuprep.plan.eight_bit import LayerPrecision
 from npuprep.probe.int8_clip import classify_clipping
 from npuprep.runtime.session import make_session, run
@@ -78,19 +76,8 @@ def test_check_fp8_draws_the_448_line_and_an_abs_max_clip_clips_nothing(tmp_path
     assert "fp8_e4m3 max 448" not in html.read_text()
 
 
-def _softmax(tmp_path):
-    model = _model(tmp_path, SOFTMAX, {"W": RNG.standard_normal((8, 16)), "V": RNG.standard_normal((16, 4))})
-    model.proto.graph.initializer.append(numpy_helper.from_array(np.array([1], np.int64), "axes"))
-    onnx.save(model.proto, model.path)
-    model = load_model(model.path)
-    feeds = [{"x": (0.3 * RNG.standard_normal((16, 8))).astype(np.float32)} for _ in range(4)]
-    plan = tmp_path / "plan.yaml"
-    plan.write_text(dump_plan(_convert(model, feeds, "int8").plan))
-    return model, plan
-
-
 def test_crosscheck_an_int8_layer_the_compiler_runs_wider_is_a_note_not_a_failure(tmp_path):
-    model, plan = _softmax(tmp_path)
+    model, plan = softmax_plan(tmp_path)
     report = tmp_path / "layers.csv"
     # The plan puts logits and mix in INT8; the compiler runs mix in FP16.
     report.write_text("node,precision\nlogits,int8\nexp,fp16\nnormalise,fp16\nmix,fp16\n")
@@ -104,7 +91,7 @@ def test_crosscheck_an_int8_layer_the_compiler_runs_wider_is_a_note_not_a_failur
 
 
 def test_checklist_of_an_int8_plan_carries_the_qdq_model_dataset_and_kept_wider_layers(tmp_path):
-    model, plan = _softmax(tmp_path)
+    model, plan = softmax_plan(tmp_path)
     done = run_cli("checklist", model.path, "--target", "rk3588", "--plan", plan, "--json")
     assert done.returncode == 0, done.stderr
     item = next(i for i in json.loads(done.stdout)["items"] if i["key"] == "precision")

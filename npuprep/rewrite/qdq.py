@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from npuprep.graph import attribute, constant_value, node_label, tensor_types
+from npuprep.graph import attribute, constant_value, name_maker, node_label, tensor_types
 from npuprep.numerics import EightBitFormat
 from npuprep.rewrite.result import RewriteResult
 
@@ -56,18 +56,11 @@ def insert_qdq(model: onnx.ModelProto, nodes: Mapping[str, Mapping[str, Activati
     out.CopyFrom(model)
     g = out.graph
     types = tensor_types(model)
-    names = {n for node in g.node for n in (*node.input, *node.output)} | {i.name for i in g.initializer}
+    fresh = name_maker(g)
     pairs: dict[str, str] = {}
     new_nodes: list[onnx.NodeProto] = []
     declined: dict[str, str] = {}
     done: list[str] = []
-
-    def fresh(base: str) -> str:
-        name, i = base, 1
-        while name in names:
-            name, i = f"{base}_{i}", i + 1
-        names.add(name)
-        return name
 
     def activation(tensor: str, s: ActivationScale) -> str:
         if tensor in pairs:

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from npuprep.graph import constant_value, node_label
+from npuprep.graph import constant_value, name_maker, node_label
 from npuprep.rewrite.result import RewriteResult
 
 
@@ -45,14 +45,7 @@ def smooth(model: onnx.ModelProto, factors: Mapping[str, np.ndarray],
     out.CopyFrom(model)
     g = out.graph
     by_label = {node_label(n): n for n in g.node}
-    names = {n for node in g.node for n in (*node.input, *node.output)} | {i.name for i in g.initializer}
-
-    def fresh(base: str) -> str:
-        name, i = base, 1
-        while name in names:
-            name, i = f"{base}_{i}", i + 1
-        names.add(name)
-        return name
+    fresh = name_maker(g)
 
     smoothed: dict[str, str] = {}
     added: list[onnx.NodeProto] = []
