@@ -358,7 +358,10 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
                         else pinned | set(lowered.fp32_output_nodes), weights_in_graph=True)
     reference: list[dict[str, np.ndarray]] = []
     layers = compare_models(model.proto, emulation.model, samples, rtol=rtol, atol=DEFAULT_ATOL,
-                            tensor_scales=applied.tensor_scales, fmt=fmt, reference_outputs=reference)
+                            tensor_scales=applied.tensor_scales, fmt=fmt, reference_outputs=reference,
+                            # The candidate is the emulation of the rewritten model, named by
+                            # its source: hashing either would read every weight again.
+                            fingerprints=(model.fingerprint, f"{fmt.name}-emulated:{model.fingerprint}"))
     notes = list(emulation_notes(profile, saturate)) + list(host_notes)
     if no_pin:
         notes.append(f"target {profile.name} cannot pin FP32 (fp32_pinning: none): every node "

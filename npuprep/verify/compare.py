@@ -196,6 +196,7 @@ def compare_models(
     worst: int = 5,
     threads: int | None = None,
     reference_outputs: list[dict[str, np.ndarray]] | None = None,
+    fingerprints: tuple[str, str] | None = None,
 ) -> CompareResult:
     """Compare every float tensor the two models share by name, on the same samples.
 
@@ -206,7 +207,8 @@ def compare_models(
     `samples` should be re-iterable (a SampleSet or a list): a second pass counts Inf/NaN
     and saturated values where the first one saw any; a one-shot iterator is listed first.
     `reference_outputs`, a list, receives the reference's graph outputs of each sample (the
-    output check needs no reference run of its own on them).
+    output check needs no reference run of its own on them). `fingerprints` (reference,
+    candidate) name models the caller already knows (hashing a model reads all its weights).
     """
     from npuprep.runtime.session import release_freed_memory
 
@@ -260,7 +262,8 @@ def compare_models(
                                 isolated_max_abs_error=own, isolated_rel_l2=own)
     results = sorted(by_name.values(), key=lambda t: (t.order, t.tensor))
     return CompareResult(
-        fingerprint=fingerprint(ref), candidate_fingerprint=fingerprint(cand),
+        fingerprint=fingerprints[0] if fingerprints else fingerprint(ref),
+        candidate_fingerprint=fingerprints[1] if fingerprints else fingerprint(cand),
         tensors=tuple(results), samples=n_samples,
         samples_description=getattr(samples, "describe", lambda: f"{n_samples} samples")(),
         rtol=rtol, atol=atol, overrides=overrides, fmt=fmt.name if fmt else None,
