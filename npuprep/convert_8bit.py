@@ -23,7 +23,7 @@ from npuprep.convert import DEFAULT_RTOL, ConversionResult, _checked_top_k, plan
 from npuprep.data import Feed
 from npuprep.errors import NpuprepError
 from npuprep.graph import node_label
-from npuprep.model_io import Model, with_weights
+from npuprep.model_io import Model, anchored
 from npuprep.numerics import EightBitFormat, eight_bit_format
 from npuprep.plan import Plan
 from npuprep.plan.eight_bit import MAC_OPS, LayerPrecision, decide
@@ -86,7 +86,7 @@ def convert_8bit(
                            "or --stats")
     stage = progress or (lambda _: None)
     stage("findings")
-    model = with_weights(model)
+    model = anchored(model)  # weights read from the user's files as each stage needs them
     top_k = _checked_top_k(model, top_k)
     # The layers kept wider run in FP16: the FP16 remedies keep them in range.
     target = profile.resolve("fp16")
