@@ -25,6 +25,7 @@ from npuprep.analyse import findings_for
 from npuprep.analyse.finding import Findings
 from npuprep.data import Feed
 from npuprep.errors import NpuprepError
+from npuprep.graph import weight_bytes
 from npuprep.ledger.ledger import build_ledger
 from npuprep.model_io import Model, WeightScratch, anchored, fingerprint
 from npuprep.numerics import NumberFormat, eight_bit_format
@@ -343,7 +344,7 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
     lower_fmt = target.weights
     stage("lowering")
     lowered = lower(applied.model, lower_fmt, pinned_nodes=sorted(pinned), io_types=io_types,
-                    scratch=WeightScratch() if _weight_bytes(applied.model) >= SCRATCH_BYTES else None)
+                    scratch=WeightScratch() if weight_bytes(applied.model) >= SCRATCH_BYTES else None)
     pinned |= set(lowered.pinned_nodes)
     if opset is not None:
         from npuprep.opsets import convert_opset
@@ -384,12 +385,6 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
         declined=tuple(applied.declined), notes=tuple(notes), host_scales=host_scales,
         boundary=frozenset(set(applied.fp32_nodes) | (set(applied.input_nodes) & pinned)),
         fp32_reasons=dict(applied.fp32_reasons))
-
-
-def _weight_bytes(model: Any) -> int:
-    from npuprep.graph import tensor_nbytes
-
-    return sum(tensor_nbytes(i) for i in model.graph.initializer)
 
 
 def _folded_at_build(model: Any, lowered: Any) -> set[str]:

@@ -303,6 +303,11 @@ def weightless(model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
+def weight_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the main graph's initialisers, wherever they are stored."""
+    return sum(tensor_nbytes(i) for i in model.graph.initializer)
+
+
 def tensor_nbytes(tensor: onnx.TensorProto) -> int:
     """Size of a tensor's data from its dims, wherever its bytes are (ByteSize() fails on a
     >2 GB tensor and counts no external data)."""

@@ -20,7 +20,7 @@ import onnx
 from google.protobuf.message import DecodeError, Message
 
 from npuprep.errors import NpuprepError
-from npuprep.graph import copy_fields, is_anchored, read_in
+from npuprep.graph import copy_fields, is_anchored, read_in, with_values
 
 # Protobuf cannot serialise a message of 2 GiB or more; such models keep weights outside.
 PROTOBUF_LIMIT = 2**31 - 1
@@ -574,11 +574,9 @@ def _write_streamed(proto: onnx.ModelProto, path: Path) -> None:
     memory. The bytes are those of proto.SerializeToString(deterministic=True) with the
     values read in: fields in number order, the graph's initialisers between its fields
     below and above theirs."""
-    holder = onnx.ModelProto()
-    copy_fields(proto.graph, holder.graph, skip="initializer")
-    for tensor in onnx.external_data_helper._get_all_tensors(holder):
-        if is_anchored(tensor):  # a body's or an attribute's tensor: small, read in
-            tensor.CopyFrom(read_in(tensor))
+    skeleton = onnx.ModelProto()
+    copy_fields(proto.graph, skeleton.graph, skip="initializer")
+    holder = with_values(skeleton)  # a body's or an attribute's tensor: small, read in
     graph_lo, graph_hi = _split_fields(holder.graph, _GRAPH_INITIALIZER)
     model_lo, model_hi = _split_fields(proto, _MODEL_GRAPH)
     sizes = [_inline_size(init) for init in proto.graph.initializer]

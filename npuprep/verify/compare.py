@@ -593,8 +593,8 @@ def folds_weight_casts(model: onnx.ModelProto) -> bool:
     """Whether a session on `model` may fold the Casts that round or widen its weights into a
     second copy of them: yes up to LARGE_WEIGHTS of weights (speed), no past it or past the
     run's memory budget (npuprep.resources)."""
-    from npuprep.graph import tensor_nbytes
+    from npuprep.graph import weight_bytes
     from npuprep.resources import affordable
 
-    weights = sum(tensor_nbytes(i) for i in model.graph.initializer)
+    weights = weight_bytes(model)
     return weights < LARGE_WEIGHTS and affordable(2 * weights)
