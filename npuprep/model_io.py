@@ -471,10 +471,13 @@ def anchored(model: Model) -> Model:
     folder = Path(model.path).parent
     proto = onnx.ModelProto()
     proto.CopyFrom(model.proto)
+    resolved: dict[str, str] = {}  # one lookup per file, not per tensor
     for tensor in onnx.external_data_helper._get_all_tensors(proto):
         for entry in tensor.external_data:
             if entry.key == "location" and not entry.value.startswith("/"):
-                entry.value = str((folder / entry.value).resolve())
+                if entry.value not in resolved:
+                    resolved[entry.value] = str((folder / entry.value).resolve())
+                entry.value = resolved[entry.value]
     return Model(proto=proto, path=model.path, digest=model.digest)
 
 
