@@ -358,8 +358,10 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
                         pinned_nodes=_folded_at_build(applied.model, lowered) if no_pin
                         else pinned | set(lowered.fp32_output_nodes), weights_in_graph=True)
     reference: list[dict[str, np.ndarray]] = []
+    emulated: list[dict[str, np.ndarray]] = []
     layers = compare_models(model.proto, emulation.model, samples, rtol=rtol, atol=DEFAULT_ATOL,
                             tensor_scales=applied.tensor_scales, fmt=fmt, reference_outputs=reference,
+                            candidate_outputs=emulated,
                             # The candidate is the emulation of the rewritten model, named by
                             # its source: hashing either would read every weight again.
                             fingerprints=(model.fingerprint, f"{fmt.name}-emulated:{model.fingerprint}"))
@@ -377,7 +379,7 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
                                [samples] + ([holdout] if holdout is not None else []),
                                saturate=saturate, rtol=rtol, io_types=io_types,
                                host_scales=host_scales, emulated=everywhere, top_k=top_k,
-                               expected=reference)
+                               expected=reference, emulated_outputs=emulated)
     output_check, held = checks[0], (checks[1] if holdout is not None else None)
     return Build(
         rewritten=applied.model, lowered=lowered, tensor_scales=applied.tensor_scales,

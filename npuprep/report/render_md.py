@@ -113,6 +113,11 @@ def convert_markdown(result: dict[str, Any]) -> str:
     for name, o in (ver.get("outputs") or {}).items():
         lines.append(_row([name, o["nonfinite"], o["max_abs_error"], o["rel_l2"], ver.get("rtol"),
                            _top_k(o) or "-"]))
+    if ver.get("samples_emulated_in_compare"):
+        lines += ["", f"{ver['samples_emulated_in_compare']} of {ver.get('samples')} calibration samples' "
+                  "emulated outputs are the layer-by-layer compare's: the same emulation where the "
+                  "target cannot pin, else one that gave the lowered model's emulated outputs bit "
+                  "for bit on the first sample."]
     if any("top_k" in o for o in (ver.get("outputs") or {}).values()):
         lines += ["", "An output judged by its top-K classes passes when they agree at every position "
                   "where FP32 decides, whatever its rel L2 (`--top-k`); a position whose FP32 "

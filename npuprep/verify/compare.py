@@ -196,6 +196,7 @@ def compare_models(
     worst: int = 5,
     threads: int | None = None,
     reference_outputs: list[dict[str, np.ndarray]] | None = None,
+    candidate_outputs: list[dict[str, np.ndarray]] | None = None,
     fingerprints: tuple[str, str] | None = None,
 ) -> CompareResult:
     """Compare every float tensor the two models share by name, on the same samples.
@@ -207,7 +208,8 @@ def compare_models(
     `samples` should be re-iterable (a SampleSet or a list): a second pass counts Inf/NaN
     and saturated values where the first one saw any; a one-shot iterator is listed first.
     `reference_outputs`, a list, receives the reference's graph outputs of each sample (the
-    output check needs no reference run of its own on them). `fingerprints` (reference,
+    output check needs no reference run of its own on them); `candidate_outputs` the
+    candidate's, by the same names (nor an emulation run of its own). `fingerprints` (reference,
     candidate) name models the caller already knows (hashing a model reads all its weights).
     """
     from npuprep.runtime.session import release_freed_memory
@@ -228,15 +230,21 @@ def compare_models(
     n_samples = 0
     if pairs:
         keep = [o.name for o in ref.graph.output] if reference_outputs is not None else []
-        model, layout = merged_graph(ref, cand, pairs, limit=limit, isolate=isolate, keep=keep)
+        model, layout = merged_graph(
+            ref, cand, pairs, limit=limit, isolate=isolate, keep=keep,
+            keep_candidate=[o.name for o in cand.graph.output] if candidate_outputs is not None else ())
+        theirs = layout.candidate_outputs
         # One sample at a time: the merged graph holds two models' activations and rounded
         # weights per run (a second stream cost the 227 MB transformer 50 MB, 12% of its peak).
         session = _session(model, threads)
         del model  # the session holds the weights now
         names = list(layout.stats) + [n for row in sorted(layout.sizes) for n in layout.sizes[row]]
-        for index, values in enumerate(run_in_streams(session, samples, names + keep, 1)):
+        fetch = names + keep + sorted(set(theirs.values()) - set(keep))
+        for index, values in enumerate(run_in_streams(session, samples, fetch, 1)):
             if reference_outputs is not None:
                 reference_outputs.append({n: values[n] for n in keep})
+            if candidate_outputs is not None:
+                candidate_outputs.append({n: values[merged] for n, merged in theirs.items()})
             rows = acc.add([values[n] for n in layout.stats], _sizes(layout, values), limit)
             if rows:
                 flagged[index] = rows

@@ -14,7 +14,7 @@ compared tensor, so each node's own error is measured apart from the error that 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import onnx
@@ -51,6 +51,7 @@ class Layout:
     stats: tuple[str, ...]  # len(pairs) x (BASE_COLUMNS [+ ISO_COLUMNS])
     sizes: dict[int, tuple[str, str, str]]  # row -> Size of ref, cand, diff (dynamic shapes only)
     detail: tuple[str, ...]  # detail rows x DETAIL_COLUMNS
+    candidate_outputs: dict[str, str] = field(default_factory=dict)  # output -> merged name
 
 
 def merged_graph(
@@ -63,12 +64,15 @@ def merged_graph(
     detail: Iterable[str] = (),
     base: bool = True,
     keep: Iterable[str] = (),
+    keep_candidate: Iterable[str] = (),
 ) -> tuple[onnx.ModelProto, Layout]:
     """The reference, the prefixed candidate and the error reductions in one model.
 
     Outputs (see Layout): the error scalars of every pair when `base`; counts of
     Inf/NaN/saturated values and the reference's extremes for the tensors in `detail`;
-    the reference's own outputs named in `keep`, after them.
+    the reference's own outputs named in `keep`, after them; then the candidate's outputs
+    named in `keep_candidate` under their merged names (Layout.candidate_outputs; one that
+    is a shared input or weight is the reference's tensor, kept under its own name).
     """
     detail = set(detail)
     out = onnx.ModelProto()
@@ -121,6 +125,14 @@ def merged_graph(
                         sink=per_pair[row], iso_sink=iso_reductions)
     layout = red.finish()
     g.output.extend(kept)
+    wanted = set(keep_candidate)
+    merged_names = {o.name: cand_name(o.name) for o in cand.graph.output if o.name in wanted}
+    taken = {o.name for o in g.output}
+    for vi in body.output:
+        if vi.name in set(merged_names.values()) - taken:
+            g.output.append(vi)
+            taken.add(vi.name)
+    layout = replace(layout, candidate_outputs=merged_names)
     ordered = _interleave(ref_nodes, cand_nodes, pairs, per_pair) + iso_nodes + iso_reductions
     del g.node[:]
     g.node.extend(ordered)

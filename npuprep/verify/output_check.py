@@ -29,12 +29,15 @@ class OutputCheck:
     rtol: float
     samples: int
     outputs: dict[str, dict[str, Any]]
+    # Samples whose emulated outputs the compare pass gave (the same numbers, not run again).
+    from_compare: int = 0
 
     def __bool__(self) -> bool:
         return all(output_passes(o, self.rtol) for o in self.outputs.values())
 
     def to_dict(self) -> dict[str, Any]:
         return {"passed": bool(self), "rtol": self.rtol, "samples": self.samples,
+                "samples_emulated_in_compare": self.from_compare,
                 "outputs": {k: dict(v) for k, v in sorted(self.outputs.items())}}
 
 
@@ -60,10 +63,14 @@ def check_output_sets(reference: Any, lowered: Any, fmt: NumberFormat,
                       sample_sets: Sequence[Sequence[Feed]], *, saturate: bool, rtol: float,
                       io_types: str = "fp32", host_scales: dict[str, float] | None = None,
                       emulated: Any = None, top_k: Mapping[str, int] | None = None,
-                      expected: Sequence[dict[str, np.ndarray]] = ()) -> list[OutputCheck]:
+                      expected: Sequence[dict[str, np.ndarray]] = (),
+                      emulated_outputs: Sequence[dict[str, np.ndarray]] = ()) -> list[OutputCheck]:
     """check_outputs on several sets of samples (calibration, held out) with one session per
     model: an OutputCheck per set. `expected`: the reference's outputs on the first samples,
-    already run (npuprep.verify.compare.compare_models gives them)."""
+    already run (npuprep.verify.compare.compare_models gives them). `emulated_outputs`: an
+    emulation's outputs on the first samples, already run: `emulated`'s own, or, without
+    `emulated`, the plan's emulation's, which stand for the lowered model's only where its
+    emulation gives the first of them bit for bit (else it runs on every sample)."""
     from npuprep.verify.output_errors import OutputErrors
     from npuprep.verify.widen import emulate_lowered
 
@@ -76,7 +83,20 @@ def check_output_sets(reference: Any, lowered: Any, fmt: NumberFormat,
     # Past LARGE_WEIGHTS (folds_weight_casts) without graph rewrites: onnxruntime would fold the Casts that widen
     # stored weights into a second, FP32 copy of them (the rounding pairs are kept either way).
     emulation = emulated if emulated is not None else emulate_lowered(lowered, fmt, saturate=saturate).model
-    got = _outputs(emulation, samples, optimize=folds_weight_casts(emulation), produced="the emulated model")
+    known = list(emulated_outputs[:len(samples)])
+    reused = len(known)
+    if emulated is None and known:
+        # The lowered model's emulation must give the plan's numbers on a sample already run.
+        first, *rest = _outputs(emulation, [samples[0], *samples[reused:]],
+                                optimize=folds_weight_casts(emulation), produced="the emulated model")
+        if not _identical(first, known[0]):
+            known = [first, *_outputs(emulation, samples[1:reused], optimize=folds_weight_casts(emulation),
+                                      produced="the emulated model")]
+            reused = 0
+        got = known + rest
+    else:
+        got = known + _outputs(emulation, samples[reused:], optimize=folds_weight_casts(emulation),
+                               produced="the emulated model")
     del emulation
     _outputs(lowered, samples[:1], optimize=folds_weight_casts(lowered), produced="the lowered model")
     host = host_scales or {}
@@ -87,9 +107,19 @@ def check_output_sets(reference: Any, lowered: Any, fmt: NumberFormat,
             for name, rv in r.items():
                 if np.issubdtype(np.asarray(rv).dtype, np.floating):
                     errors.add(name, rv, np.asarray(c[name], dtype=np.float64) * host.get(name, 1.0))
-        checks.append(OutputCheck(rtol=rtol, samples=len(feeds), outputs=errors.result()))
+        checks.append(OutputCheck(rtol=rtol, samples=len(feeds), outputs=errors.result(),
+                                  from_compare=max(0, min(reused - start, len(feeds)))))
         start += len(feeds)
     return checks
+
+
+def _identical(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> bool:
+    """The same outputs, bit for bit (NaN where the other has NaN)."""
+    def same(x: np.ndarray, y: np.ndarray) -> bool:
+        floats = np.issubdtype(x.dtype, np.floating) and np.issubdtype(y.dtype, np.floating)
+        return x.shape == y.shape and np.array_equal(x, y, equal_nan=floats)
+
+    return a.keys() == b.keys() and all(same(np.asarray(a[k]), np.asarray(b[k])) for k in a)
 
 
 def _outputs(model: Any, samples: Sequence[Feed], optimize: bool = True,
@@ -100,6 +130,8 @@ def _outputs(model: Any, samples: Sequence[Feed], optimize: bool = True,
     from npuprep.runtime.session import make_session, release_freed_memory
     from npuprep.verify.compare import run_in_streams, sample_streams
 
+    if not samples:
+        return []
     # No prepacked copy of the weights: each session runs few samples (the reference only
     # the held-out ones, the model as lowered one), and the copy would double its memory.
     streams = sample_streams(len(samples))
