@@ -496,13 +496,16 @@ class WeightScratch:
 
     def anchor(self, value: np.ndarray, name: str) -> onnx.TensorProto:
         """`value` written to the file, as a tensor named `name` that refers to it."""
-        tensor = onnx.numpy_helper.from_array(value, name)
+        data = np.ascontiguousarray(value)
+        if sys.byteorder != "little":  # ONNX stores raw data little-endian
+            data = data.byteswap()
+        tensor = onnx.TensorProto(name=name, dims=data.shape,
+                                  data_type=onnx.helper.np_dtype_to_tensor_dtype(data.dtype))
         offset = -(-self._file.tell() // _DATA_ALIGN) * _DATA_ALIGN
         self._file.seek(offset)
-        self._file.write(tensor.raw_data)
+        self._file.write(data.reshape(-1).view(np.uint8))  # no copy of the bytes
         self._file.flush()  # sessions read it by path while the file stays open
-        length = len(tensor.raw_data)
-        tensor.ClearField("raw_data")
+        length = data.nbytes
         tensor.data_location = onnx.TensorProto.EXTERNAL
         for key, text in (("location", str(self.path)), ("offset", str(offset)), ("length", str(length))):
             tensor.external_data.add(key=key, value=text)

@@ -262,10 +262,7 @@ class _Lowering:
             if w is None or pos in FP32_ONLY_INPUTS.get(node.op_type, ()):
                 continue
             if name not in self.out_of_range:
-                value = w.value
-                over = ~(np.abs(value) <= limit)
-                self.out_of_range[name] = (bool(over.any()), bool(np.all(value[over] < 0)),
-                                           float(np.nanmax(np.abs(value), initial=0.0)))
+                self.out_of_range[name] = _beyond(w.value, limit)
             beyond, negative_only, largest = self.out_of_range[name]
             if not beyond or (node.op_type in _MASK_OPS and negative_only):
                 continue
@@ -318,14 +315,17 @@ class _Lowering:
         return converted, duplicated, kept
 
     def _to_low(self, name: str, value: np.ndarray, users: list[onnx.NodeProto]) -> np.ndarray:
-        over = ~(np.abs(value) <= self.fmt.max)
-        if over.any():
+        beyond = self.out_of_range[name][0] if name in self.out_of_range else \
+            _beyond(value, self.fmt.max)[0]
+        if beyond:
+            over = ~(np.abs(value) <= self.fmt.max)
             # Only masks reach here (other weights beyond range pinned their node).
             assert all(u.op_type in _MASK_OPS for u in users) and np.all(value[over] < 0)
             value = np.where(over, np.float32(-self.fmt.max), value)
             self.mapped[name] = int(over.sum())
         low = value.astype(self.fmt.np_dtype)
-        flushed = int(np.count_nonzero((low == 0) & (value != 0)))
+        # Rounding maps only zeros and values under the smallest subnormal to zero.
+        flushed = int(np.count_nonzero(low == 0)) - int(np.count_nonzero(value == 0))
         if flushed:
             self.flushed[name] = flushed
         return low
@@ -704,3 +704,15 @@ def _set_attr_int(node: onnx.NodeProto, name: str, value: int) -> None:
     for attr in node.attribute:
         if attr.name == name:
             attr.i = value
+
+
+def _beyond(value: np.ndarray, limit: float) -> tuple[bool, bool, float]:
+    """(any value beyond +-limit or NaN, all of those negative, largest magnitude) of a weight,
+    in passes that allocate nothing where none is beyond (the common case)."""
+    if value.size == 0:
+        return False, True, 0.0
+    top, bottom = float(value.max()), float(value.min())
+    if top <= limit and -bottom <= limit:
+        return False, True, max(top, -bottom)
+    over = ~(np.abs(value) <= limit)
+    return True, bool(np.all(value[over] < 0)), float(np.nanmax(np.abs(value), initial=0.0))
