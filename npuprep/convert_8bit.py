@@ -33,6 +33,7 @@ from npuprep.report.flops import node_flops
 from npuprep.report.output_verdicts import output_passes
 from npuprep.verify.output_check import OutputCheck, check_outputs
 from npuprep.verify.pin_rounds import sample_shapes
+from npuprep.verify.widening import widen_in_rounds
 
 # Below this share of 8-bit multiply-adds the model has not been converted to 8 bits.
 DEFAULT_MIN_8BIT_SHARE = 0.5
@@ -149,36 +150,23 @@ def convert_8bit(
 
     stage(f"quantising to {eight.name}")
     built, check = build(layers)
-    rounds, ranking, widened, needs_more = 1, [], [], ""
-    if not judged(check):
-        stage("ranking the 8-bit layers by their own error")
-        ranking = rank_layers(work.proto, base, eight_bit_nodes(layers, eight), stats, eight,
-                              samples, saturate=saturate, rule=scale_rule,
-                              tensor_scales=applied.tensor_scales, headroom=headroom,
-                              tensor_rules=tensor_rules)
-        count, done = 1, 0
-        first = layers
-        while not judged(check) and rounds <= MAX_WIDEN_ROUNDS and done < count <= len(ranking):
-            trial = _widen(first, ranking[:count], eight)
-            if mac_share(trial, macs, eight)[eight.name] < min_8bit_share:
-                # The longest prefix of the ranking the budget still takes, if longer than the last.
-                fits = [c for c in range(count - 1, done, -1)
-                        if mac_share(_widen(first, ranking[:c], eight), macs, eight)[eight.name]
-                        >= min_8bit_share]
-                if not fits:
-                    more = [s.node for s in ranking[done:count]]
-                    needs_more = (f"the outputs need more than {eight.name} at {', '.join(more)} "
-                                  f"too ({_cost(more, macs):.1%} of the multiply-adds): that would "
-                                  f"leave less than {min_8bit_share:.0%} in 8 bits "
-                                  "(--min-8bit-share); stopped")
-                    break
-                count = fits[0]
-                trial = _widen(first, ranking[:count], eight)
-            rounds += 1
-            stage(f"round {rounds}, {count} layer(s) kept wider")
-            built, check = build(trial)
-            layers, widened, done = trial, [s.node for s in ranking[:count]], count
-            count = len(ranking) if count < len(ranking) < 2 * count else 2 * count
+
+    def rank(nodes: list[str]) -> list[Any]:
+        stage(f"ranking {len(nodes)} 8-bit layer(s) by their own error")
+        return rank_layers(work.proto, base, nodes, stats, eight, samples, saturate=saturate,
+                           rule=scale_rule, tensor_scales=applied.tensor_scales,
+                           headroom=headroom, tensor_rules=tensor_rules)
+
+    widening = widen_in_rounds(layers, eight, built, check, rank=rank, build=build,
+                               judged=judged, share=lambda c: mac_share(c, macs, eight)[eight.name],
+                               cost=lambda n: _cost([n], macs), min_share=min_8bit_share, max_rounds=MAX_WIDEN_ROUNDS)
+    layers, built, check, rounds = widening.layers, widening.built, widening.check, widening.rounds
+    ranking, widened, needs_more = (widening.rankings or [[]])[0], widening.widened, ""
+    if widening.needs_more:
+        more = widening.needs_more
+        needs_more = (f"the outputs need more than {eight.name} at {', '.join(more)} too "
+                      f"({_cost(more, macs):.1%} of the multiply-adds): that would leave less "
+                      f"than {min_8bit_share:.0%} in 8 bits (--min-8bit-share); stopped")
     if needs_more and not check:
         notes.append(needs_more)
     if opset is not None:
@@ -216,6 +204,8 @@ def convert_8bit(
             "format": eight.name, "scale_rule": scale_rule, "saturate": saturate,
             "mac_share": shares, "min_8bit_share": min_8bit_share,
             "sensitivity": [s.to_dict() for s in ranking], "kept_wider": widened,
+            "rerankings": [[s.to_dict() for s in r] for r in widening.rankings[1:]],
+            "rank_runs": widening.rank_runs,
             "kept_wider_cost": _cost(widened, macs),
             "tensor_rules": dict(sorted(tensor_rules.items())),
             "balanced": {x: {"tensor": xs, "outlier_ratio": r} for x, (xs, r) in balanced.items()},
@@ -240,13 +230,6 @@ def mac_share(layers: Sequence[LayerPrecision], macs: Mapping[str, int],
     for node, n in macs.items():
         out[where.get(node, "fp16")] += n / total
     return out
-
-
-def _widen(layers: Sequence[LayerPrecision], worst: Sequence[Any],
-           fmt: EightBitFormat) -> list[LayerPrecision]:
-    why = {s.node: f"sensitivity: kept wider alone, the outputs' rel L2 falls by {s.gain:.3g} "
-                   f"to {s.rel_l2:.3g}" for s in worst}
-    return [LayerPrecision(x.node, "fp16", why[x.node]) if x.node in why else x for x in layers]
 
 
 def _cost(nodes: Sequence[str], macs: Mapping[str, int]) -> float:
