@@ -1,0 +1,89 @@
+"""8-bit widening re-ranks the layers left in 8 bits after each round, and spends the budget
+by gain per multiply-add."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import numpy_helper, parser
+
+from npuprep.calibrate import calibrate
+from npuprep.convert_8bit import JUDGE_MARGIN, convert_8bit
+from npuprep.model_io import Model, fingerprint
+from npuprep.numerics import eight_bit_format
+from npuprep.profiles import load_profile
+from npuprep.runtime.session import make_session, run
+from npuprep.verify.eight_bit import Sensitivity, quantise, rank_layers
+from npuprep.verify.widening import MIN_COST, by_gain_per_cost
+
+RNG = np.random.default_rng(5)
+FP8 = eight_bit_format("fp8_e4m3")
+
+# x -> MatMul(W) in three layers d, a, b (the same weights: the same 8-bit error e);
+# y = Concat(10 d + a, 4 b): the error is (11e, 4e) with all three in 8 bits
+THREE = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[16, 8] x) => (float[16, 8] y) {
+    [d] hd = MatMul (x, Wd)
+    [a] ha = MatMul (x, Wa)
+    [b] hb = MatMul (x, Wb)
+    sd = Mul (hd, ten)
+    u = Add (sd, ha)
+    v = Mul (hb, four)
+    y = Concat <axis = 1> (u, v)
+}
+"""
+
+
+def _setup() -> tuple[onnx.ModelProto, Model, list[dict[str, np.ndarray]]]:
+    proto = parser.parse_model(THREE)
+    w = RNG.standard_normal((8, 4))
+    for name, value in {"Wd": w, "Wa": w, "Wb": w, "ten": np.array(10.0),
+                        "four": np.array(4.0)}.items():
+        proto.graph.initializer.append(numpy_helper.from_array(np.asarray(value, np.float32), name))
+    feeds = [{"x": RNG.standard_normal((16, 8)).astype(np.float32)} for _ in range(4)]
+    return proto, Model(proto=proto, path="m.onnx", digest=fingerprint(proto)), feeds
+
+
+def _error(proto: onnx.ModelProto, quantised: list[str], stats: object,
+           feeds: list[dict[str, np.ndarray]]) -> float:
+    built = quantise(proto, quantised, stats, FP8, saturate=False, headroom=2.0).model
+    ref, got = make_session(proto), make_session(built)
+    num = sum(float(np.sum((run(got, f)["y"] - run(ref, f)["y"]) ** 2)) for f in feeds)
+    return float(np.sqrt(num / sum(float(np.sum(run(ref, f)["y"] ** 2)) for f in feeds)))
+
+
+def test_ranking_once_widens_the_wrong_second_layer_and_re_ranking_the_right_one():
+    proto, model, feeds = _setup()
+    stats = calibrate(model, feeds, detail="all")
+    first = rank_layers(proto, proto, ["d", "a", "b"], stats, FP8, feeds, saturate=False,
+                        headroom=2.0)
+    # With d in 8 bits its error (10e) dominates: a (along it) ranks above b (across it).
+    assert [s.node for s in first] == ["d", "a", "b"]
+    # Once d is wider the order turns: a alone leaves (0, 4e), b alone (e, 0).
+    again = rank_layers(proto, proto, ["a", "b"], stats, FP8, feeds, saturate=False, headroom=2.0)
+    assert [s.node for s in again] == ["b", "a"]
+    with_a, with_b = _error(proto, ["b"], stats, feeds), _error(proto, ["a"], stats, feeds)
+    assert with_a > 3 * with_b  # 4e against e
+    rtol = np.sqrt(with_a * with_b) / JUDGE_MARGIN  # between the two
+    assert with_a > JUDGE_MARGIN * rtol > with_b
+    result = convert_8bit(model, load_profile("a2000"), feeds, precision="fp8_e4m3", stats=stats,
+                          rtol=float(rtol), min_8bit_share=0.3)
+    # Ranking once would keep d and a wider (rel L2 with_a, over the aim) and then be out of
+    # budget (all three wider leaves none in 8 bits); re-ranking keeps d and b, within.
+    assert result.eight_bit["kept_wider"] == ["d", "b"]
+    assert [s["node"] for s in result.eight_bit["sensitivity"]] == ["d", "a", "b"]
+    assert [s["node"] for s in result.eight_bit["rerankings"][0]] == ["b", "a"]
+    assert result.output_check and result.output_check.outputs["y"]["rel_l2"] < JUDGE_MARGIN * rtol
+    assert result.eight_bit["rank_runs"] == 4 + 3  # three ranked, then two
+    assert abs(result.eight_bit["mac_share"]["fp8_e4m3"] - 1 / 3) < 1e-6
+
+
+def test_the_budget_goes_to_the_most_gain_per_multiply_add_and_layers_that_lose_go_last():
+    macs = {"big": 0.6, "small": 0.05, "free": 0.0, "worse": 0.01}
+    ranking = [Sensitivity("big", 0.1, 0.03), Sensitivity("small", 0.11, 0.02),
+               Sensitivity("free", 0.129, 1e-4), Sensitivity("worse", 0.14, -0.01)]
+    ordered = by_gain_per_cost(ranking, macs.__getitem__)
+    # small: 0.02 / 0.05 = 0.4 per share; big: 0.05; free counts as MIN_COST: 1e-4 / 1e-3 = 0.1
+    assert [s.node for s in ordered] == ["small", "free", "big", "worse"]
+    assert 1e-4 / MIN_COST < 0.02 / 0.05
