@@ -324,8 +324,10 @@ class _Lowering:
             value = np.where(over, np.float32(-self.fmt.max), value)
             self.mapped[name] = int(over.sum())
         low = value.astype(self.fmt.np_dtype)
-        # Rounding maps only zeros and values under the smallest subnormal to zero.
-        flushed = int(np.count_nonzero(low == 0)) - int(np.count_nonzero(value == 0))
+        # Rounding maps only zeros and values under the smallest subnormal to zero. A 16-bit
+        # zero is its bits bar the sign clear (an integer test: numpy compares FP16 slowly).
+        zeros = int(np.count_nonzero((low.view(np.uint16) & np.uint16(0x7FFF)) == 0))
+        flushed = zeros - int(np.count_nonzero(value == 0))
         if flushed:
             self.flushed[name] = flushed
         return low
