@@ -79,7 +79,7 @@ def make_session(
     folder = _read_in_place(skeleton, weights)
     if folder is not None:
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
-    values = [ort.OrtValue.ortvalue_from_numpy(w) for w in weights.values()]
+    values = [ort_value(w) for w in weights.values()]
     if weights:
         opts.add_external_initializers(list(weights), values)
     with _load_errors(produced):
@@ -255,7 +255,7 @@ def make_session_external(
         model = widen_bf16(model)
         weights = {name: widen_array(value) for name, value in weights.items()}
     names = list(weights)
-    values = [ort.OrtValue.ortvalue_from_numpy(weights[n]) for n in names]
+    values = [ort_value(weights[n]) for n in names]
     if names:
         opts.add_external_initializers(names, values)
     source = model if isinstance(model, str) else model.SerializeToString()
@@ -267,9 +267,22 @@ def make_session_external(
 
 # Initialisers above this size reach onnxruntime as arrays, not inside the serialised graph.
 INLINE_BYTES = 4096
-# onnxruntime makes no OrtValue from an FP8 array (ml_dtypes): FP8 weights stay in the graph.
-_INLINE_TYPES = frozenset({onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E4M3FNUZ,
-                           onnx.TensorProto.FLOAT8E5M2, onnx.TensorProto.FLOAT8E5M2FNUZ})
+
+
+def ort_value(array: np.ndarray) -> ort.OrtValue:
+    """An OrtValue over `array`'s memory (no copy). onnxruntime makes none from an ml_dtypes
+    FP8 array ("only supported from non-string numpy arrays", 1.32), so those go as their
+    bytes with the ONNX type named: FP8 weights then load as arrays or mapped from a file
+    like any other, never serialised inside the graph."""
+    if array.dtype.kind == "V":  # an ml_dtypes type
+        onnx_type = onnx.helper.np_dtype_to_tensor_dtype(array.dtype)
+        if onnx_type in _FP8_TYPES:
+            return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint8), onnx_type)
+    return ort.OrtValue.ortvalue_from_numpy(array)
+
+
+_FP8_TYPES = frozenset({onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E4M3FNUZ,
+                        onnx.TensorProto.FLOAT8E5M2, onnx.TensorProto.FLOAT8E5M2FNUZ})
 
 
 def split_weights(
@@ -284,8 +297,7 @@ def split_weights(
     weights: dict[str, np.ndarray] = {}
     for init in proto.graph.initializer:
         external = init.data_location == onnx.TensorProto.EXTERNAL
-        if (external and base_dir is None) or (not external and (
-                init.ByteSize() <= INLINE_BYTES or init.data_type in _INLINE_TYPES)):
+        if (external and base_dir is None) or (not external and init.ByteSize() <= INLINE_BYTES):
             skeleton.graph.initializer.append(init)
             continue
         weights[init.name] = external_array(init, base_dir) if external else numpy_helper.to_array(init)
