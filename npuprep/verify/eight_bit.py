@@ -162,12 +162,12 @@ def _errors(reference: onnx.ModelProto, samples: Sequence[Feed]) -> Any:
     from npuprep.runtime.session import make_session, run
 
     feeds = list(samples)[:RANK_SAMPLES]
-    ref_session = make_session(reference)
+    ref_session = make_session(reference, prepack=False)
     refs = [run(ref_session, f) for f in feeds]
     del ref_session
 
     def error(model: onnx.ModelProto) -> float:
-        session = make_session(model)
+        session = make_session(model, prepack=False)
         return _pooled_rel_l2(refs, [run(session, f) for f in feeds])
 
     return error
