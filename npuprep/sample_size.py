@@ -75,6 +75,6 @@ def _nbytes(vi: onnx.ValueInfoProto) -> int:
     if not vi.type.HasField("tensor_type") or tensor.elem_type in (0, onnx.TensorProto.STRING):
         return 0
     dims = tensor.shape.dim
-    if not all(d.HasField("dim_value") for d in dims):
+    if not all(d.HasField("dim_value") and d.dim_value >= 0 for d in dims):
         return 0
     return math.prod(d.dim_value for d in dims) * helper.tensor_dtype_to_np_dtype(tensor.elem_type).itemsize

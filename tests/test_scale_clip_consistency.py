@@ -31,18 +31,12 @@ g (float[64, 64] x) => (float[64, 64] y) <float[64, 64] W> {
 """
 
 
-def _written_clips(path: Path) -> dict[str, tuple[float, str]]:
-    """Activation -> (clip, stored type) from the QuantizeLinear scales of a QDQ model."""
+def _written(path: Path) -> dict[str, tuple[float, str, int]]:
+    """Activation -> (scale, stored type, zero point) of the QuantizeLinears of a QDQ model."""
     model = onnx.load(path)
     inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
-    out = {}
-    for node in model.graph.node:
-        if node.op_type == "QuantizeLinear" and node.input[0] not in inits:
-            scale, zero = float(inits[node.input[1]]), inits[node.input[2]]
-            assert int(zero) == 0
-            top = 255 if zero.dtype == np.uint8 else 127
-            out[node.input[0]] = (scale * top, "uint8" if top == 255 else "int8")
-    return out
+    return {n.input[0]: (float(inits[n.input[1]]), inits[n.input[2]].dtype.name, int(inits[n.input[2]]))
+            for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] not in inits}
 
 
 def test_check_shows_the_clip_convert_writes(tmp_path: Path) -> None:
@@ -61,12 +55,15 @@ def test_check_shows_the_clip_convert_writes(tmp_path: Path) -> None:
                    "--no-holdout", "-o", "out.onnx", cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     eight = json.loads((tmp_path / "out.report.json").read_text())["eight_bit"]
-    written = _written_clips(tmp_path / "out.onnx")
+    written = _written(tmp_path / "out.onnx")
     assert set(written) == set(found) == {"x", "r"}
     for tensor, ev in found.items():
         rule = eight["tensor_rules"].get(tensor, eight["scale_rule"])
-        clip = ev["candidates"][rule]["clip"] if "candidates" in ev else ev["clip"]
-        assert written[tensor] == (pytest.approx(clip, rel=1e-6), ev["stored"])
+        shown = ev["candidates"][rule] if "candidates" in ev else ev
+        # The scale in the file is an FP32 number: equal to check's to FP32's precision.
+        assert written[tensor] == (pytest.approx(shown["scale"], rel=1e-7), shown["stored"],
+                                   shown["zero_point"])
+    assert written["r"][1] == "uint8"  # a Relu's output: uint8 in both
     # x's percentile clip sits below its abs-max: convert weighs both, check lists both.
     assert set(found["x"]["candidates"]) >= {"absmax", "percentile"}
     # The clip check shows is raised for unseen samples past the rule's own.

@@ -64,10 +64,10 @@ def scale_clip_findings(model: onnx.ModelProto, stats: Any, fmt: EightBitFormat,
             widen = widening(r, fmt, headroom)
             clips = {other: _written(r, fmt, other, widen)
                      for other in ((rule,) if fmt.is_float else (rule, *SCALE_RULES))}
-            # Rules that place the same clip are one candidate (convert measures each clip once).
-            candidates = {c.value: c for c in reversed(clips.values())}
+            # Convert weighs the rules only where their clips differ.
+            distinct = len({c.value for c in clips.values()}) > 1
             found.append(_finding(node, label, name, fmt, clips[rule], r, widen,
-                                  list(candidates.values()) if len(candidates) > 1 else []))
+                                  clips if distinct else {}))
     return Findings(tuple(found))
 
 
@@ -76,31 +76,42 @@ def _written(r: Any, fmt: EightBitFormat, rule: str, widen: float) -> Clip:
     return Clip(placed.value * widen, placed.rule, placed.fallback)
 
 
-def _share(r: Any, clip: Clip) -> float:
+def _share(r: Any, clip: Clip) -> float | None:
+    """Share of values above the clip; None where the histogram cannot tell."""
     return r.fraction_above(clip.value) if clip.value < r.absmax else 0.0
 
 
-def _finding(node: onnx.NodeProto, label: str, tensor: str, fmt: EightBitFormat, clip: Clip,
-             r: Any, widen: float, candidates: list[Clip]) -> Finding:
+def _said(share: float | None) -> str:
+    return "an unknown share" if share is None else f"{100 * share:.2g}%"
+
+
+def _stored(r: Any, clip: Clip, widen: float, fmt: EightBitFormat) -> dict[str, Any]:
     scale, unsigned, zero_point = stored_as(r, clip.value, widen, fmt)
-    stored = "uint8" if unsigned else fmt.name
-    share = _share(r, clip)
-    warn = share > CLIP_WARNING
-    cut = (f"clips {100 * share:.2g}% of its values (abs-max {r.absmax:.3g})" if clip.value < r.absmax
+    return {"clip": clip.value, "clipped_fraction": _share(r, clip), "scale": scale,
+            "stored": "uint8" if unsigned else fmt.name, "zero_point": zero_point}
+
+
+def _finding(node: onnx.NodeProto, label: str, tensor: str, fmt: EightBitFormat, clip: Clip,
+             r: Any, widen: float, candidates: dict[str, Clip]) -> Finding:
+    written = _stored(r, clip, widen, fmt)
+    share = written["clipped_fraction"]
+    warn = share is None or share > CLIP_WARNING
+    cut = (f"clips {_said(share)} of its values (abs-max {r.absmax:.3g})" if clip.value < r.absmax
            else f"clips nothing (abs-max {r.absmax:.3g})")
-    others = ", ".join(f"{c.rule} {c.value:.3g} (clips {100 * _share(r, c):.2g}%)" for c in candidates
-                       if c.rule != clip.rule)
+    # Rules placing the same clip are said once (convert measures each clip once).
+    other = {c.value: c for c in reversed(candidates.values()) if c.value != clip.value}
+    others = ", ".join(f"{c.rule} {c.value:.3g} (clips {_said(_share(r, c))})"
+                       for c in reversed(other.values()))
     choice = f"; convert weighs it against {others} by measured error" if others else ""
     return Finding(
         rule="range.scale_clip", severity=Severity.WARNING if warn else Severity.INFO,
         node=label, op_type=node.op_type, tensor=tensor,
-        message=(f"{stored} scale {scale:.3g} ({clip.rule} clip at {clip.value:.3g}) on "
-                 f"'{tensor}' {cut}{choice}"),
-        evidence={"format": fmt.name, "clipped_fraction": share, "clip": clip.value,
-                  "absmax": r.absmax, "scale": scale, "stored": stored, "zero_point": zero_point,
-                  "scale_rule": clip.rule, "unseen_sample_widening": widen,
-                  **({"candidates": {c.rule: {"clip": c.value, "clipped_fraction": _share(r, c)}
-                                     for c in candidates}} if candidates else {}),
+        message=(f"{written['stored']} scale {written['scale']:.3g} ({clip.rule} clip at "
+                 f"{clip.value:.3g}) on '{tensor}' {cut}{choice}"),
+        evidence={"format": fmt.name, **written, "absmax": r.absmax, "scale_rule": clip.rule,
+                  "unseen_sample_widening": widen,
+                  **({"candidates": {rule: _stored(r, c, widen, fmt) for rule, c in candidates.items()}}
+                     if candidates else {}),
                   **({"fallback": clip.fallback} if clip.fallback else {})},
         remedy="none",
         remedy_text=("values past the clip become +-clip; --scale-rule absmax clips none "
