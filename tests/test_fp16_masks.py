@@ -21,30 +21,36 @@ MASK = np.array([[0, -np.inf, 0, -np.inf]], np.float16)
 FP16_MAX = get_format("fp16").max
 
 
-def masked(elem: int, *, cast_up: bool, reader: str = "Add") -> onnx.ModelProto:
+def masked(elem: int, *, cast_up: bool, reader: str = "Add", initialiser: bool = False) -> onnx.ModelProto:
     """Constant(mask, FP16) [-> Cast(elem)] -> reader(x, mask) = s -> Softmax -> y; s and y
-    are both outputs (the masked scores returned as they are)."""
-    nodes = [helper.make_node("Constant", [], ["m16"], value=numpy_helper.from_array(MASK, "m16"))]
+    are both outputs (the masked scores returned as they are). `initialiser`: the mask is one."""
+    inits = [numpy_helper.from_array(MASK, "m16")] if initialiser else []
+    nodes = [] if initialiser else [
+        helper.make_node("Constant", [], ["m16"], value=numpy_helper.from_array(MASK, "m16"))]
     if cast_up:
         nodes.append(helper.make_node("Cast", ["m16"], ["m"], to=elem))
     nodes += [helper.make_node(reader, ["x", "m" if cast_up else "m16"], ["s"], name="masked"),
               helper.make_node("Softmax", ["s"], ["y"], name="probs")]
     graph = helper.make_graph(nodes, "masked", [helper.make_tensor_value_info("x", elem, [1, 4])],
-                              [helper.make_tensor_value_info(o, elem, [1, 4]) for o in ("s", "y")])
+                              [helper.make_tensor_value_info(o, elem, [1, 4]) for o in ("s", "y")], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     onnx.checker.check_model(model, full_check=True)
     return model
 
 
 def _constant(model: onnx.ModelProto, name: str) -> np.ndarray:
+    for init in model.graph.initializer:
+        if init.name == name:
+            return numpy_helper.to_array(init)
     node = next(n for n in model.graph.node if n.op_type == "Constant" and n.output[0] == name)
     return numpy_helper.to_array(node.attribute[0].t)
 
 
+@pytest.mark.parametrize("initialiser", [False, True], ids=["constant", "initialiser"])
 @pytest.mark.parametrize("elem, cast_up", [(TensorProto.FLOAT16, False), (TensorProto.FLOAT, True)],
-                         ids=["fp16_model", "fp16_constant_cast_up"])
-def test_an_fp16_minus_inf_mask_becomes_minus_max(elem: int, cast_up: bool) -> None:
-    lowered = lower(masked(elem, cast_up=cast_up), "fp16")
+                         ids=["fp16_model", "fp16_mask_cast_up"])
+def test_an_fp16_minus_inf_mask_becomes_minus_max(elem: int, cast_up: bool, initialiser: bool) -> None:
+    lowered = lower(masked(elem, cast_up=cast_up, initialiser=initialiser), "fp16")
     assert lowered.mapped_masks == {"m16": 2}
     low = _constant(lowered.model, "m16")
     assert low.dtype == np.float16 and list(low[0]) == [0, -FP16_MAX, 0, -FP16_MAX]
