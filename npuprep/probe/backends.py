@@ -76,8 +76,12 @@ def cast_feeds(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str
 
 def _session_run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     from npuprep.runtime.session import make_session, run
+    from npuprep.verify.compare import folds_weight_casts
 
-    return run(make_session(model), cast_feeds(model, feeds))
+    # One run: a prepacked copy of the weights, or folded rounded ones, would only double the
+    # memory of a large model.
+    return run(make_session(model, prepack=False, lean=True, optimize=folds_weight_casts(model)),
+               cast_feeds(model, feeds))
 
 
 class EmulateBackend:
@@ -94,7 +98,8 @@ class EmulateBackend:
     def run(self, probe: ProbeModel, tensors: Sequence[str] = ()) -> dict[str, np.ndarray]:
         from npuprep.verify.emulate import emulate
 
-        emulated = emulate(probe.reference, self.fmt, saturate=self.saturate).model
+        # Weights rounded in the graph: an anchored model's weights stay in its files.
+        emulated = emulate(probe.reference, self.fmt, saturate=self.saturate, weights_in_graph=True).model
         return _session_run(expose(emulated, tensors), probe.feeds)
 
 

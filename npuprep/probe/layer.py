@@ -21,9 +21,11 @@ from npuprep.graph import (
     constant_value,
     float_tensor_names,
     node_label,
+    tensor_nbytes,
     tensor_types,
     topological_order,
 )
+from npuprep.model_io import WeightScratch
 from npuprep.numerics import NumberFormat
 from npuprep.probe.backends import Backend, output_info
 from npuprep.probe.classify import Classification, Verdict, classify
@@ -37,6 +39,8 @@ WEIGHT_LIMIT = 0.5
 # "Clearly crosses": the raised gain aims at this multiple of the overflow threshold.
 MARGIN = 2.0
 MAX_RAISES = 4
+# Amplified weights of this size or more wait in a temporary file, not in the probe's graph.
+SCRATCH_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -85,8 +89,11 @@ def weight_absmax(model: onnx.ModelProto, choice: LayerChoice) -> float:
     return max((float(v.max()) for v in values if v.size), default=0.0)
 
 
-def amplify(model: onnx.ModelProto, choice: LayerChoice, gain: float) -> onnx.ModelProto:
-    """A copy with the layer's weights times `gain` (fresh initialisers) and its output exposed."""
+def amplify(model: onnx.ModelProto, choice: LayerChoice, gain: float,
+            scratch: WeightScratch | None = None) -> onnx.ModelProto:
+    """A copy with the layer's weights times `gain` (fresh initialisers) and its output exposed.
+    With `scratch`, an amplified weight of SCRATCH_BYTES or more is written there and the copy
+    refers to it (a large model's copies then carry no weight bytes)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
@@ -97,12 +104,14 @@ def amplify(model: onnx.ModelProto, choice: LayerChoice, gain: float) -> onnx.Mo
         value = constant_value(graph, name)
         scaled = (np.asarray(value, np.float64) * gain).astype(value.dtype)
         fresh = f"{name}__probe_gain"
-        graph.initializer.append(numpy_helper.from_array(scaled, fresh))
+        graph.initializer.append(scratch.anchor(scaled, fresh) if scratch is not None and scaled.nbytes >= SCRATCH_BYTES
+                                 else numpy_helper.from_array(scaled, fresh))
         node.input[i] = fresh
     used = {n for nd in graph.node for n in nd.input}
-    keep = [init for init in graph.initializer if init.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(keep)
+    # Deleted in place: rebuilding the list would copy every kept initialiser once more.
+    for index in reversed(range(len(graph.initializer))):
+        if graph.initializer[index].name not in used:
+            del graph.initializer[index]
     if choice.tensor not in {o.name for o in graph.output}:
         elem = tensor_types(model).get(choice.tensor, onnx.TensorProto.FLOAT)
         graph.output.append(output_info(model, choice.tensor, elem))
@@ -177,8 +186,11 @@ def _amplified(model: onnx.ModelProto, feeds: dict[str, np.ndarray], fmt: Number
 
 def _probe(model: onnx.ModelProto, choice: LayerChoice, gain: float,
            feeds: dict[str, np.ndarray]) -> ProbeModel:
-    return ProbeModel("layer", f"{choice.op_type} '{choice.node}' x{gain:g}", amplify(model, choice, gain),
-                      None, dict(feeds), (choice.tensor,))
+    scratch = WeightScratch() if any(tensor_nbytes(i) >= SCRATCH_BYTES for i in model.graph.initializer
+                                     if i.name in choice.weights) else None
+    return ProbeModel("layer", f"{choice.op_type} '{choice.node}' x{gain:g}",
+                      amplify(model, choice, gain, scratch), None, dict(feeds), (choice.tensor,),
+                      scratch=scratch)
 
 
 def _absmax(x: np.ndarray) -> float:
