@@ -113,3 +113,25 @@ def test_the_ledger_kit_carries_the_weights_of_an_external_data_model(tmp_path):
     shutil.rmtree(tmp_path / "src")  # the kit goes to the board without the user's files
     got = run(make_session(str(kit / "models" / "fp32.onnx")), feed)["y"]
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_probe_kit_of_a_model_with_a_scratch_file_carries_its_weights(tmp_path, monkeypatch):
+    from npuprep.probe.kit import export_kit
+    from npuprep.probe.layer import layer_probe_model
+
+    (tmp_path / "src").mkdir()
+    path = _external(tmp_path / "src")
+    feeds = {"x": RNG.uniform(-1, 1, (2, 128)).astype(np.float32)}
+    probe, *_ = layer_probe_model(load_model(path).proto, feeds, FP16, layer="mm1")
+    export_kit(tmp_path / "kit_memory", [probe], FP16, target="a2000")
+    monkeypatch.setattr(probe_layer_module, "SCRATCH_BYTES", 1024)
+    light, *_ = layer_probe_model(anchored(load_model(path, weights="file")).proto, feeds, FP16, layer="mm1")
+    assert light.scratch is not None
+    export_kit(tmp_path / "kit_file", [light], FP16, target="a2000")
+    del light
+    shutil.rmtree(tmp_path / "src")  # the kit stands on its own
+    a, b = (onnx.load(str(tmp_path / kit / "models" / "layer.onnx")) for kit in ("kit_memory", "kit_file"))
+    assert not any(i.data_location == TensorProto.EXTERNAL for i in b.graph.initializer)
+    feed = {"x": feeds["x"]}
+    for out_a, out_b in zip(make_session(a).run(None, feed), make_session(b).run(None, feed), strict=True):
+        np.testing.assert_array_equal(out_a, out_b)

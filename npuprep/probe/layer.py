@@ -21,9 +21,9 @@ from npuprep.graph import (
     constant_value,
     float_tensor_names,
     node_label,
-    tensor_nbytes,
     tensor_types,
     topological_order,
+    weight_bytes,
 )
 from npuprep.model_io import WeightScratch
 from npuprep.numerics import NumberFormat
@@ -39,8 +39,9 @@ WEIGHT_LIMIT = 0.5
 # "Clearly crosses": the raised gain aims at this multiple of the overflow threshold.
 MARGIN = 2.0
 MAX_RAISES = 4
-# Amplified weights of this size or more wait in a temporary file, not in the probe's graph.
-SCRATCH_BYTES = 16 * 2**20
+# A model with this many bytes of weights or more gets a temporary file for the weights the
+# probe makes (the amplified layer, a kit's lowered weights), not carried in its graphs.
+SCRATCH_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,8 @@ def weight_absmax(model: onnx.ModelProto, choice: LayerChoice) -> float:
 def amplify(model: onnx.ModelProto, choice: LayerChoice, gain: float,
             scratch: WeightScratch | None = None) -> onnx.ModelProto:
     """A copy with the layer's weights times `gain` (fresh initialisers) and its output exposed.
-    With `scratch`, an amplified weight of SCRATCH_BYTES or more is written there and the copy
-    refers to it (a large model's copies then carry no weight bytes)."""
+    With `scratch`, the amplified weights are written there and the copy refers to them (a
+    large model's copies then carry no weight bytes)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
@@ -104,7 +105,7 @@ def amplify(model: onnx.ModelProto, choice: LayerChoice, gain: float,
         value = constant_value(graph, name)
         scaled = (np.asarray(value, np.float64) * gain).astype(value.dtype)
         fresh = f"{name}__probe_gain"
-        graph.initializer.append(scratch.anchor(scaled, fresh) if scratch is not None and scaled.nbytes >= SCRATCH_BYTES
+        graph.initializer.append(scratch.anchor(scaled, fresh) if scratch is not None
                                  else numpy_helper.from_array(scaled, fresh))
         node.input[i] = fresh
     used = {n for nd in graph.node for n in nd.input}
@@ -186,8 +187,7 @@ def _amplified(model: onnx.ModelProto, feeds: dict[str, np.ndarray], fmt: Number
 
 def _probe(model: onnx.ModelProto, choice: LayerChoice, gain: float,
            feeds: dict[str, np.ndarray]) -> ProbeModel:
-    scratch = WeightScratch() if any(tensor_nbytes(i) >= SCRATCH_BYTES for i in model.graph.initializer
-                                     if i.name in choice.weights) else None
+    scratch = WeightScratch() if weight_bytes(model) >= SCRATCH_BYTES else None
     return ProbeModel("layer", f"{choice.op_type} '{choice.node}' x{gain:g}",
                       amplify(model, choice, gain, scratch), None, dict(feeds), (choice.tensor,),
                       scratch=scratch)
