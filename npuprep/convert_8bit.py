@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from npuprep.calibrate.scales import DEFAULT_RULE
+from npuprep.calibrate.scales import DEFAULT_RULE, FP8_NAN_HEADROOM
 from npuprep.convert import DEFAULT_RTOL, ConversionResult, _checked_top_k, plan_for_target
 from npuprep.data import Feed
 from npuprep.errors import NpuprepError
@@ -39,7 +39,6 @@ from npuprep.verify.pin_rounds import sample_shapes
 DEFAULT_MIN_8BIT_SHARE = 0.5
 # Wider-kept layers per round grow 1, 2, 4, ...: a handful of rounds reach any count.
 MAX_WIDEN_ROUNDS = 8
-FP8_NAN_HEADROOM = 2.0
 # The calibration samples set the scales: the widening stops below this share of rtol there.
 JUDGE_MARGIN = 0.8
 

@@ -290,7 +290,9 @@ def infer_tensors(model: onnx.ModelProto) -> TensorInfo:
             if tt.elem_type:
                 types[vi.name] = tt.elem_type
             if tt.HasField("shape"):
-                d = tuple(x.dim_value if x.HasField("dim_value") else None for x in tt.shape.dim)
+                # A negative size (Paddle2ONNX writes -1 for a dynamic batch) is no size.
+                d = tuple(x.dim_value if x.HasField("dim_value") and x.dim_value >= 0 else None
+                          for x in tt.shape.dim)
                 dims[vi.name] = d
                 if None not in d:
                     shapes[vi.name] = d  # type: ignore[assignment]

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from npuprep.calibrate.scales import DEFAULT_RULE, SCALE_RULES, clip_for, sample_headroom
+from npuprep.calibrate.scales import DEFAULT_RULE, SCALE_RULES, clip_for, stored_as, widening
 from npuprep.calibrate.stats import RangeStats
 from npuprep.data import Feed
 from npuprep.graph import constant_value, node_label
@@ -30,9 +30,6 @@ from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.rewrite.result import RewriteResult
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
-# An INT8 activation reaching below zero by less than this share of its top is stored as
-# uint8 with a zero point (asymmetric), not as symmetric INT8.
-SKEWED = 0.25
 # An INT8 MatMul input whose largest channel reaches this many times its median channel has
 # outlier channels worth balancing into the weight (npuprep.rewrite.smooth).
 OUTLIER_RATIO = 4.0
@@ -86,10 +83,7 @@ def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: Any, fmt: Eigh
         scales = {}
         for name in activation_inputs(model.graph, node):
             r = stats.tensors[name]
-            # FP8's headroom for NaN past 448 already covers an unseen sample's larger values.
-            spread = sample_headroom(r)
-            widen = max(headroom, spread) if fmt.is_float else headroom * spread
-            factor = rescaled.get(name, 1.0) * widen
+            factor = rescaled.get(name, 1.0) * widening(r, fmt, headroom)
             clip = clip_for(r, fmt, own.get(name, rule)).value * factor
             scales[name] = _activation_scale(r, clip, factor, fmt)
         wanted[label] = scales
@@ -229,16 +223,8 @@ def on_target(qdq: onnx.ModelProto, wide: NumberFormat, pinned_nodes: Iterable[s
 
 def _activation_scale(r: RangeStats, top: float, factor: float,
                       fmt: EightBitFormat) -> ActivationScale:
-    """INT8 of [-top, top], or uint8 of [low, top] with a zero point where the tensor barely
-    goes negative (a GELU's -0.17): symmetric INT8 would spend half its levels there. `top`
-    is the clip; the measured minimum scales by `factor` like it."""
-    low = max(r.min * factor, -top)
-    if fmt.is_float or top <= 0 or low < -SKEWED * top:
-        return ActivationScale(top / fmt.qmax if top > 0 else 1.0)
-    if low >= 0:
-        return ActivationScale(top / 255.0, unsigned=True)
-    step = (top - low) / 255.0
-    return ActivationScale(step, unsigned=True, zero_point=int(round(-low / step)))
+    scale, unsigned, zero_point = stored_as(r, top, factor, fmt)
+    return ActivationScale(scale, unsigned=unsigned, zero_point=zero_point)
 
 
 def rank_layers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
