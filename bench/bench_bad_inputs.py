@@ -69,6 +69,26 @@ def external(path: Path, location: str) -> Path:
     return path
 
 
+def refused(path: Path) -> Path:
+    """x -> MatMul(w 3x3, external data) -> y: onnx.checker passes it, onnxruntime refuses."""
+    w = nh.from_array(np.ones((3, 3), np.float32), "w")
+    g = h.make_graph([h.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                     [h.make_tensor_value_info("x", T.FLOAT, [1, 4])], [h.make_tensor_value_info("y", T.FLOAT, [1, 3])], [w])
+    onnx.save(h.make_model(g, opset_imports=[h.make_opsetid("", 17)]), path, save_as_external_data=True,
+              location=path.stem + ".data", size_threshold=0)
+    return path
+
+
+def fp16_mask(path: Path) -> Path:
+    """An FP16 model: s = x + Constant(-inf mask), returned, and Softmax(s)."""
+    mask = nh.from_array(np.array([[0, -np.inf, 0, -np.inf]], np.float16), "m")
+    g = h.make_graph([h.make_node("Constant", [], ["m"], value=mask), h.make_node("Add", ["x", "m"], ["s"]),
+                      h.make_node("Softmax", ["s"], ["y"])], "g", [h.make_tensor_value_info("x", T.FLOAT16, [1, 4])],
+                     [h.make_tensor_value_info(o, T.FLOAT16, [1, 4]) for o in ("s", "y")])
+    onnx.save(h.make_model(g, opset_imports=[h.make_opsetid("", 17)]), path)
+    return path
+
+
 @dataclass
 class Case:
     cls: str
@@ -182,6 +202,13 @@ def cases() -> list[Case]:
         Case("models", "dynamic dim 1e10", ["check", "d.onnx", "-t", "generic", "--synthetic", "1",
                                             "--input-shape", "x:1x10000000000"],
              lambda w: relu(w / "d.onnx", dims=(1, "n"))),
+        Case("models", "dynamic dim 1e9", ["convert", "d.onnx", "-t", "generic", "--synthetic", "2",
+                                           "--input-shape", "x:1x1000000000"],
+             lambda w: relu(w / "d.onnx", dims=(1, "n"))),
+        Case("models", "onnxruntime refuses (external data)", ["calibrate", "r.onnx", "--synthetic", "1"],
+             lambda w: refused(w / "r.onnx")),
+        Case("models", "fp16 -inf mask returned", ["convert", "k.onnx", "-t", "a2000", "--synthetic", "2"],
+             lambda w: fp16_mask(w / "k.onnx"), may_work=True),
         *(Case("models", f"odd: {k}", ["convert", f"{k}.onnx", "-t", "generic", "--synthetic", "2"],
                lambda w, k=k: odd(w / f"{k}.onnx", k), may_work=True)
           for k in ("domain", "if", "nan", "empty", "uint8")),

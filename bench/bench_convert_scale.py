@@ -3,11 +3,13 @@
 
 Run: python bench/bench_convert_scale.py [--sizes 0.2,1,2.4] [--transformer] [--samples 4]
      [--repeat 3] [--cpus 0,1] [--only plain,calibrate,convert,autocast] [--out bench/_work/scale]
+     [--precision fp16,int8,fp8_e4m3]
 
 Per model: builds it once (OUT/<name>/model.onnx + model.onnx.data, kept between runs) and its
 samples, then times whole processes, each with its peak RSS (ru_maxrss of the child), the
 median of --repeat runs: plain onnxruntime inference of the model on the samples, `npuprep
-calibrate`, `npuprep convert --target a2000`, and NVIDIA's AutoCast (nvidia-modelopt in its own
+calibrate`, `npuprep convert --target a2000` once per --precision (`convert` for fp16,
+`convert_int8` / `convert_fp8_e4m3` for the 8-bit ones, with --data), and NVIDIA's AutoCast (nvidia-modelopt in its own
 venv, $NPUPREP_MODELOPT_PYTHON, default ~/.cache/npuprep/modelopt-venv; FP16 with the same
 samples as calibration data, keep_io_types, CPU). --cpus pins every process to those cores
 (taskset). Writes OUT/result.md (the table for BENCHMARKS.md) and OUT/result.json. The machine
@@ -23,6 +25,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -91,6 +94,11 @@ def build_transformer_model(folder: Path, samples: int) -> Path:
 
 def commands(what: str, model: Path, folder: Path) -> list[str] | None:
     exe = Path(sys.executable).parent / "npuprep"
+    if what.startswith("convert_"):
+        precision = what.removeprefix("convert_")
+        return [str(exe), "convert", str(model), "-t", "a2000", "--precision", precision, "--data",
+                str(folder / "calib"), "-o", str(folder / "out" / f"model.a2000.{precision}.onnx"),
+                "--export", "none"]
     if what == "plain":
         return [sys.executable, "-c", PLAIN, str(model), str(folder / "calib")]
     if what == "calibrate":
@@ -114,7 +122,14 @@ def main() -> None:
     ap.add_argument("--cpus", default="", help="taskset CPU list for every process, e.g. 0,1")
     ap.add_argument("--out", default=str(HERE / "_work" / "scale"))
     ap.add_argument("--only", default="plain,calibrate,convert,autocast")
+    ap.add_argument("--max-rss-mb", type=int, default=0,
+                    help="kill a run whose resident memory passes this (0: never)")
+    ap.add_argument("--precision", default="fp16",
+                    help="convert's precisions, e.g. fp16,int8,fp8_e4m3 (fp16 is `convert`)")
     args = ap.parse_args()
+    converts = [p if p == "fp16" else f"convert_{p}" for p in args.precision.split(",") if p]
+    only = [w for x in args.only.split(",")
+            for w in ([c.replace("fp16", "convert") for c in converts] if x == "convert" else [x])]
     out = Path(args.out)
     models = [(f"{size:g}GB", build_chain(out / f"{size:g}GB", size, args.samples))
               for size in (float(s) for s in args.sizes.split(",") if s)]
@@ -126,7 +141,7 @@ def main() -> None:
         folder = model.parent
         weights = (folder / "model.onnx.data").stat().st_size / 1e9
         row: dict[str, object] = {"model": name, "size_gb": round(weights, 3)}
-        for what in args.only.split(","):
+        for what in only:
             cmd = commands(what, model, folder)
             if cmd is None:
                 row[what] = {"skipped": "no modelopt venv"}
@@ -134,7 +149,8 @@ def main() -> None:
             runs = []
             # Each measurement in its own python so ru_maxrss is that process's alone.
             for _ in range(args.repeat):
-                wrapper = [sys.executable, str(Path(__file__).resolve()), "--child", *pin, *cmd]
+                wrapper = [sys.executable, str(Path(__file__).resolve()), "--child", str(args.max_rss_mb),
+                           *pin, *cmd]
                 runs.append(json.loads(subprocess.run(wrapper, capture_output=True, text=True).stdout or "{}"))
             if not all("seconds" in r for r in runs):
                 row[what] = {"skipped": "killed (out of memory?)"}
@@ -145,10 +161,11 @@ def main() -> None:
             print(name, what, {k: v for k, v in row[what].items() if k != "runs"}, flush=True)
         rows.append(row)
     (out / "result.json").write_text(json.dumps(rows, indent=1))
-    whats = [w for w in ("plain", "calibrate", "convert", "autocast") if w in args.only.split(",")]
+    whats = only
+    converted = [w for w in whats if w.startswith("convert")]
     lines = ["| model | weights GB | " + " | ".join(f"{w} s / MB" for w in whats)
-             + " | convert peak / plain | convert time / calibrate |",
-             "|---|---|" + "---|" * len(whats) + "---|---|"]
+             + "".join(f" | {w} peak / plain | {w} time / calibrate" for w in converted) + " |",
+             "|---|---|" + "---|" * len(whats) + "---|---|" * len(converted)]
     for r in rows:
         cells = []
         for w in whats:
@@ -156,7 +173,8 @@ def main() -> None:
             cells.append(f"{m['seconds']:g} / {m['peak_rss_mb']:g}" + (f" (exit {m['rc']})" if m.get("rc") else "")
                          if "seconds" in m else m.get("skipped", "-"))
         lines.append(f"| {r['model']} | {r['size_gb']} | " + " | ".join(cells)
-                     + f" | {_ratio(r, 'convert', 'plain', 'peak_rss_mb')} | {_ratio(r, 'convert', 'calibrate', 'seconds')} |")
+                     + "".join(f" | {_ratio(r, w, 'plain', 'peak_rss_mb')} | {_ratio(r, w, 'calibrate', 'seconds')}"
+                               for w in converted) + " |")
     (out / "result.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -167,18 +185,39 @@ def _ratio(row: dict, a: str, b: str, key: str) -> str:
     return "-"
 
 
-def child(cmd: list[str]) -> None:
+def child(max_rss_mb: int, cmd: list[str]) -> None:
+    """Run `cmd`, killed once its resident memory passes `max_rss_mb` (0: never) so that a
+    run that would take the shared machine's memory ends as a row instead."""
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        killed = ""
+        while proc.poll() is None:
+            time.sleep(0.2)
+            if max_rss_mb and _rss_mb(proc.pid) > max_rss_mb:
+                proc.kill()
+                killed = f"killed past {max_rss_mb} MB resident"
+        proc.wait()
+        err.seek(0)
+        lines = err.read().strip().splitlines()
     wall = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    tail = (proc.stderr.strip().splitlines() or [""])[-1][:160]
     print(json.dumps({"seconds": round(wall, 1), "rc": proc.returncode, "peak_rss_mb": round(peak / 1024),
-                      "stderr_tail": tail}))
+                      "stderr_tail": killed or (lines or [""])[-1][:160]}))
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2:])
+        child(int(sys.argv[2]), sys.argv[3:])
     else:
         main()

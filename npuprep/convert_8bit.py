@@ -18,12 +18,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from npuprep.calibrate.scales import DEFAULT_RULE
+from npuprep.calibrate.scales import DEFAULT_RULE, FP8_NAN_HEADROOM
 from npuprep.convert import DEFAULT_RTOL, ConversionResult, _checked_top_k, plan_for_target
 from npuprep.data import Feed
 from npuprep.errors import NpuprepError
-from npuprep.graph import node_label
-from npuprep.model_io import Model, anchored
+from npuprep.graph import node_label, weight_bytes
+from npuprep.model_io import Model, WeightScratch, anchored
 from npuprep.numerics import EightBitFormat, eight_bit_format
 from npuprep.plan import Plan
 from npuprep.plan.eight_bit import MAC_OPS, LayerPrecision, decide
@@ -31,6 +31,7 @@ from npuprep.profiles import TargetProfile
 from npuprep.provenance import record_source
 from npuprep.report.flops import node_flops
 from npuprep.report.output_verdicts import output_passes
+from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.verify.output_check import OutputCheck, check_outputs
 from npuprep.verify.pin_rounds import sample_shapes
 from npuprep.verify.widening import widen_in_rounds
@@ -39,7 +40,6 @@ from npuprep.verify.widening import widen_in_rounds
 DEFAULT_MIN_8BIT_SHARE = 0.5
 # Wider-kept layers per round grow 1, 2, 4, ...: a handful of rounds reach any count.
 MAX_WIDEN_ROUNDS = 8
-FP8_NAN_HEADROOM = 2.0
 # The calibration samples set the scales: the widening stops below this share of rtol there.
 JUDGE_MARGIN = 0.8
 
@@ -66,6 +66,7 @@ def convert_8bit(
     (and `holdout`); scales by `scale_rule` from `stats`. The passed result holds its
     outputs within `rtol` (or the `top_k` decisions) with at least `min_8bit_share` of the
     Conv/MatMul/Gemm multiply-adds in 8 bits."""
+    from npuprep.convert import SCRATCH_BYTES  # FP16 convert's threshold, as it is now
     from npuprep.rewrite.apply import apply_plan
     from npuprep.rewrite.lower import Lowered
     from npuprep.verify.compare import DEFAULT_ATOL, compare_models
@@ -98,6 +99,9 @@ def convert_8bit(
     applied = apply_plan(work.proto, plan)
     pinned = plan.pinned_nodes() | set(applied.fp32_nodes)
     base = with_opset(applied.model, eight)
+    # Every QDQ model below quantises its weights through one store: each once, and a large
+    # model's 8-bit (and balanced) weights in a scratch file, as FP16 convert lowers them.
+    weights = WeightStore(WeightScratch() if weight_bytes(base) >= SCRATCH_BYTES else None)
     layers = plan.eight_bit or decide(base, stats, eight, pinned, scale_rule)
     notes = list(flow_notes)
     balanced: dict[str, tuple[str, float]] = {}
@@ -107,12 +111,12 @@ def convert_8bit(
         stage("balancing outlier channels into the weights")
         found = balance_outliers(work.proto, base, eight_bit_nodes(layers, eight), stats, eight,
                                  samples, saturate=True, rule=scale_rule,
-                                 tensor_scales=applied.tensor_scales)
+                                 tensor_scales=applied.tensor_scales, weights=weights)
         base, stats, balanced = found.model, found.stats, found.tensors
         stage("choosing each activation's scale rule by its measured error")
         tensor_rules = choose_rules(work.proto, base, eight_bit_nodes(layers, eight), stats,
                                     eight, samples, saturate=True,
-                                    tensor_scales=applied.tensor_scales)
+                                    tensor_scales=applied.tensor_scales, weights=weights)
         if balanced:
             notes.append(f"{len(balanced)} INT8 MatMul input(s) with outlier channels (up to "
                          f"{max(r for _, r in balanced.values()):.3g}x the median channel) divided "
@@ -138,7 +142,7 @@ def convert_8bit(
     def build(chosen: Sequence[LayerPrecision]) -> tuple[Any, OutputCheck]:
         qdq = quantise(base, eight_bit_nodes(chosen, eight), stats, eight, saturate=saturate,
                        rule=scale_rule, tensor_scales=applied.tensor_scales, headroom=headroom,
-                       tensor_rules=tensor_rules)
+                       tensor_rules=tensor_rules, weights=weights)
         built = qdq.model
         check = check_outputs(work.proto, built, wide, samples, saturate=saturate, rtol=rtol,
                               emulated=on_target(built, wide, pins(chosen), saturate=saturate),
@@ -155,11 +159,12 @@ def convert_8bit(
         stage(f"ranking {len(nodes)} 8-bit layer(s) by their own error")
         return rank_layers(work.proto, base, nodes, stats, eight, samples, saturate=saturate,
                            rule=scale_rule, tensor_scales=applied.tensor_scales,
-                           headroom=headroom, tensor_rules=tensor_rules)
+                           headroom=headroom, tensor_rules=tensor_rules, weights=weights)
 
     widening = widen_in_rounds(layers, eight, built, check, rank=rank, build=build,
                                judged=judged, share=lambda c: mac_share(c, macs, eight)[eight.name],
-                               cost=lambda n: _cost([n], macs), min_share=min_8bit_share, max_rounds=MAX_WIDEN_ROUNDS)
+                               cost=lambda n: _cost([n], macs), min_share=min_8bit_share,
+                               max_rounds=MAX_WIDEN_ROUNDS)
     layers, built, check, rounds = widening.layers, widening.built, widening.check, widening.rounds
     ranking, widened, needs_more = (widening.rankings or [[]])[0], widening.widened, ""
     if widening.needs_more:
@@ -193,7 +198,7 @@ def convert_8bit(
     plan = replace(plan, precision=eight.name, eight_bit=tuple(layers))
     pinned_all = tuple(sorted(x.node for x in layers if x.precision == "fp32") + sorted(pinned))
     lowered = Lowered(model=built, fmt=eight.name, io_types="fp32", cast_count=0,
-                      pinned_nodes=tuple(sorted(set(pinned_all))))
+                      pinned_nodes=tuple(sorted(set(pinned_all))), scratch=weights.scratch)
     return ConversionResult(
         source=model, profile=profile, fmt=wide, findings=findings, plan=plan,
         rewritten=applied.model, lowered=lowered, tensor_scales=applied.tensor_scales,

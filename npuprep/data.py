@@ -17,6 +17,8 @@ import numpy as np
 import onnx
 
 from npuprep.errors import NpuprepError
+from npuprep.resources import budget as memory_budget
+from npuprep.sample_size import sample_size
 
 Feed = dict[str, np.ndarray]
 # What names a sample in a stats file: its file name (directories), else its index.
@@ -255,6 +257,8 @@ def synthetic_samples(model: onnx.ModelProto, count: int, seed: int = 0, *,
         elif s.name in masks:
             s = replace(s, mask=True)
         out.append(s)
+    if shapes:
+        _check_fits(model, out, shapes)
     return SampleSet("synthetic", "synthetic", tuple(out), count=count, seed=seed)
 
 
@@ -290,14 +294,22 @@ def _override_shape(spec: InputSpec, dims: tuple[int, ...]) -> tuple[int, ...]:
         if want is not None and want != got:
             raise NpuprepError(f"--input-shape {spec.name}: dimension {axis} is fixed at {want} in the model, "
                                f"not {got}")
-    size = math.prod(dims) * spec.dtype.itemsize
-    memory = _physical_memory()
-    if memory and size > memory // 4:
-        # Allocating it would fail (or swap) long after the command started.
-        raise NpuprepError(f"--input-shape {spec.name}: {'x'.join(map(str, dims))} {spec.dtype.name} is "
-                           f"{size / 2**30:.3g} GiB per sample, over a quarter of this machine's "
-                           f"{memory / 2**30:.3g} GiB; give smaller dimensions")
     return dims
+
+
+def _check_fits(model: onnx.ModelProto, specs: list[InputSpec], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Refuse input sizes whose run cannot fit this machine (or --max-memory): it would fail
+    or swap long after the command started."""
+    need = sample_size(model, {s.name: tuple(d or 1 for d in s.shape) for s in specs})
+    limits = [(m, w) for m, w in ((_physical_memory(), "this machine's memory"),
+                                  (memory_budget(), "--max-memory")) if m]
+    limit, what = min(limits, default=(0, ""))
+    if not limit or need.run_bytes <= limit:
+        return
+    given = " ".join(f"{n}:{'x'.join(map(str, d))}" for n, d in shapes.items())
+    raise NpuprepError(f"--input-shape {given}: a run needs at least {need.run_bytes / 2**30:.3g} GiB "
+                       f"(node '{need.node}' reads and writes {need.node_bytes / 2**30:.3g} GiB per "
+                       f"sample), over {what} ({limit / 2**30:.3g} GiB); give smaller dimensions")
 
 
 def _physical_memory() -> int:

@@ -13,14 +13,14 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 import numpy as np
 import onnx
 from google.protobuf.message import DecodeError, Message
 
 from npuprep.errors import NpuprepError
-from npuprep.graph import copy_fields, is_anchored, read_in, with_values
+from npuprep.graph import copy_fields, external_info, is_anchored, read_in, with_values
 
 # Protobuf cannot serialise a message of 2 GiB or more; such models keep weights outside.
 PROTOBUF_LIMIT = 2**31 - 1
@@ -560,14 +560,16 @@ def write_model_files(
             # Each tensor starts on a page boundary, so a reader can map it in place.
             offset = -(-fh.tell() // _DATA_ALIGN) * _DATA_ALIGN
             fh.seek(offset)
-            data = read_in(tensor).raw_data if is_anchored(tensor) else tensor.raw_data
-            fh.write(data)
+            if is_anchored(tensor):
+                length = _copy_anchored(tensor, fh)
+            else:
+                length = len(tensor.raw_data)
+                fh.write(tensor.raw_data)
             tensor.ClearField("raw_data")
             tensor.data_location = onnx.TensorProto.EXTERNAL
             del tensor.external_data[:]
-            for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(len(data)))):
+            for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(length))):
                 tensor.external_data.add(key=key, value=value)
-            del data
         fh.flush()
         os.fsync(fh.fileno())
     write_bytes(tmp_model, model.SerializeToString(deterministic=True))
@@ -592,15 +594,49 @@ def _write_streamed(proto: onnx.ModelProto, path: Path) -> None:
         fh.write(_varint_bytes(_MODEL_GRAPH << 3 | 2) + _varint_bytes(graph_len))
         fh.write(graph_lo)
         for init, size in zip(proto.graph.initializer, sizes, strict=True):
-            data = (read_in(init) if is_anchored(init) else init).SerializeToString(deterministic=True)
-            assert len(data) == size, (init.name, len(data), size)
             fh.write(_varint_bytes(_GRAPH_INITIALIZER << 3 | 2) + _varint_bytes(size))
-            fh.write(data)
-            del data
+            if not is_anchored(init):
+                fh.write(init.SerializeToString(deterministic=True))
+                continue
+            # The tensor's fields around raw_data, its bytes copied from their file between.
+            meta = onnx.TensorProto()
+            meta.CopyFrom(init)
+            meta.ClearField("data_location")
+            del meta.external_data[:]
+            low, high = _split_fields(meta, _TENSOR_RAW_DATA)
+            length = _anchored_length(init)
+            fh.write(low + _varint_bytes(_TENSOR_RAW_DATA << 3 | 2) + _varint_bytes(length))
+            copied = _copy_anchored(init, fh)
+            fh.write(high)
+            assert copied == length and len(low) + len(high) + 1 + len(_varint_bytes(length)) + length == size, \
+                (init.name, size)
         fh.write(graph_hi)
         fh.write(model_hi)
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def _copy_anchored(tensor: onnx.TensorProto, out: BinaryIO) -> int:
+    """Copy an anchored tensor's stored bytes into `out` through one reused buffer (never the
+    whole tensor in memory); returns how many."""
+    location, offset, length = external_info(tensor)
+    remaining = length if length is not None else os.path.getsize(location) - offset
+    total = remaining
+    buffer = memoryview(bytearray(min(remaining, _COPY_CHUNK)))
+    with open(location, "rb") as src:
+        src.seek(offset)
+        while remaining:
+            got = src.readinto(buffer[:min(remaining, len(buffer))])
+            if not got:
+                raise NpuprepError(f"{location}: tensor '{tensor.name}' needs {total} bytes at offset "
+                                   f"{offset}, the file ends {remaining} bytes short")
+            out.write(buffer[:got])
+            remaining -= got
+    return total
+
+
+_COPY_CHUNK = 16 * 2**20
+_TENSOR_RAW_DATA = 9  # TensorProto.raw_data's field number
 
 
 def _split_fields(message: Message, number: int) -> tuple[bytes, bytes]:

@@ -256,11 +256,11 @@ def test_bad_format_and_io_types_are_user_errors():
 
 
 def test_tiny_weights_are_reported_when_they_flush():
-    # x -> Mul(x, [1e-9, 1]) -> y
+    # x -> Mul(x, [1e-9, -1e-9, 1, 0, -0, 6e-8]) -> y : two flush, zeros were zeros already
     model = build(HEAD + """
-    g (float[2] x) => (float[2] y) <float[2] t> { y = Mul(x, t) }""",
-        t=np.array([1e-9, 1.0], np.float32))
-    assert lower(model, "fp16").flushed_weights == {"t": 1}
+    g (float[6] x) => (float[6] y) <float[6] t> { y = Mul(x, t) }""",
+        t=np.array([1e-9, -1e-9, 1.0, 0.0, -0.0, 6e-8], np.float32))
+    assert lower(model, "fp16").flushed_weights == {"t": 2}
 
 
 def test_bf16_target_lowers_and_passes_the_checker():

@@ -186,6 +186,8 @@ class Prepared:
     weights: dict[str, np.ndarray]
     folder: Path | None
     detail: str
+    # The user's file, named when onnxruntime refuses the graph.
+    source: str = ""
 
     def open(
         self, threads: int | None, detailed: Collection[str] | None, nan_checked: Collection[str] | None = None,
@@ -199,14 +201,15 @@ class Prepared:
         inst = instrument(self.graph, detail=self.detail, detailed=detailed, nan_checked=nan_checked, lean=lean)
         if self.folder is None:
             return inst, make_session_external(inst.model, self.weights, threads=threads, optimize="all",
-                                               prepack=prepack)
+                                               prepack=prepack, source=self.source or None)
         fd, name = tempfile.mkstemp(prefix=".npuprep-calibrate-", suffix=".onnx", dir=self.folder)
         os.close(fd)
         try:
             # Bytes, not onnx.save_model: that writes any raw_data an external tensor holds
             # into the tensor's data file, which may be the input model itself.
             Path(name).write_bytes(inst.model.SerializeToString())
-            return inst, make_session_external(name, threads=threads, optimize="all", prepack=prepack)
+            return inst, make_session_external(name, threads=threads, optimize="all", prepack=prepack,
+                                               source=self.source or None)
         finally:
             os.unlink(name)
 
@@ -233,9 +236,9 @@ def prepare(model: Model, detail: str) -> Prepared:
         if graph is model.proto or external_locations(graph) - {path.name}:
             found = external_home(graph, folder)
             if found is not None and os.access(found[1], os.W_OK):
-                return Prepared(_working(found[0], model), {}, found[1], detail)
+                return Prepared(_working(found[0], model), {}, found[1], detail, model.path)
     skeleton, weights = split_weights(model.proto, folder)
-    return Prepared(_working(skeleton, model), weights, None, detail)
+    return Prepared(_working(skeleton, model), weights, None, detail, model.path)
 
 
 def _working(graph: onnx.ModelProto, model: Model) -> onnx.ModelProto:

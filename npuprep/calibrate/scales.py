@@ -23,6 +23,12 @@ PERCENTILE = 99.99
 SPREAD_SIGMAS = 2.0
 # Fewer samples give no spread worth extrapolating from.
 MIN_SPREAD_SAMPLES = 3
+# A non-saturating FP8 gives NaN past 448: its scales keep one binade over the abs-max, and
+# its clips fall back to abs-max (a clipped value would be NaN).
+FP8_NAN_HEADROOM = 2.0
+# An INT8 activation reaching below zero by less than this share of its top is stored as
+# uint8 with a zero point (asymmetric), not as symmetric INT8.
+SKEWED = 0.25
 # Candidate clips for MSE: abs-max x 2^(-j/4), j = 0..GRID (down to 1/64 of the abs-max).
 _GRID = 24
 
@@ -55,6 +61,28 @@ def sample_headroom(r: RangeStats) -> float:
     mean = sum(per_sample) / len(per_sample)
     spread = math.sqrt(sum((v - mean) ** 2 for v in per_sample) / (len(per_sample) - 1))
     return 1.0 + SPREAD_SIGMAS * spread / top
+
+
+def widening(r: RangeStats, fmt: EightBitFormat, headroom: float = 1.0) -> float:
+    """The factor quantisation raises a clip by: the unseen samples' `sample_headroom`, times
+    `headroom` (FP8's: the larger of the two covers both)."""
+    spread = sample_headroom(r)
+    return max(headroom, spread) if fmt.is_float else headroom * spread
+
+
+def stored_as(r: RangeStats, top: float, factor: float,
+              fmt: EightBitFormat) -> tuple[float, bool, int]:
+    """(scale, unsigned, zero point) of an activation clipped at `top`: INT8 of [-top, top], or
+    uint8 of [low, top] (a zero point where the tensor barely goes negative, a GELU's -0.17:
+    symmetric INT8 would spend half its levels there). The measured minimum scales by `factor`
+    like the clip."""
+    low = max(r.min * factor, -top)
+    if fmt.is_float or top <= 0 or low < -SKEWED * top:
+        return (top / fmt.qmax if top > 0 else 1.0), False, 0
+    if low >= 0:
+        return top / 255.0, True, 0
+    step = (top - low) / 255.0
+    return step, True, int(round(-low / step))
 
 
 def clip_for(r: RangeStats, fmt: EightBitFormat, rule: str = DEFAULT_RULE) -> Clip:

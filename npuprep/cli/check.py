@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats", "-s", help="measured ranges from `npuprep calibrate` (instead of --data)")
     p.add_argument("--precision", help="check measured ranges against this format (e.g. fp8_e4m3) "
                                        "instead of the target's default precision")
+    p.add_argument("--scale-rule", choices=("absmax", "percentile", "mse"), default="percentile",
+                   help="8-bit only: the scale rule convert is given (default percentile); "
+                        "range.scale_clip shows its clip and, for INT8, the others convert weighs")
     p.add_argument("--html", metavar="OUT.html", help="also write a self-contained HTML report")
     p.add_argument("--vendor", choices=("rknn",),
                    help="also build MODEL with the vendor toolchain (rknn: rknn-toolkit2 for the "
@@ -116,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
                            eight_bit=decide(model.proto, stats, eight, plan.pinned_nodes()))
             findings = findings.merged(scale_clip_findings(
                 model.proto, stats, eight, [x.node for x in plan.eight_bit
-                                            if x.precision == eight.name]))
+                                            if x.precision == eight.name],
+                args.scale_rule, saturate=bool(profile.fp8_saturate)))
         if args.html:
             from npuprep.cli.report import tensor_order
             from npuprep.report.render_html import render

@@ -148,12 +148,14 @@ class Invocation:
 
 
 def begin(args: argparse.Namespace, *, inputs: Sequence[str] = (), model: bool = True,
-          weights: str = "memory", model_arg: str = "model",
+          weights: str = "file", model_arg: str = "model",
           model_what: str = "the input model") -> Invocation:
     """The preamble every command shares: load the target (when the command has --target) and
     the model (argument `model_arg`), and declare the model, its external data, the profile
-    file and `inputs` (names in INPUT_ARGUMENTS) as files no output may land on."""
-    from npuprep.model_io import load_model
+    file and `inputs` (names in INPUT_ARGUMENTS) as files no output may land on. The model's
+    weights stay in its files (`weights="file"`, anchored: each stage reads one when it needs
+    it and sessions map them), so no command holds a large model's weights twice."""
+    from npuprep.model_io import anchored, load_model
     from npuprep.output_files import SAMPLE_FILES, WORKSPACE_FILES, OutputPlan
     from npuprep.profiles import load_profile
 
@@ -167,6 +169,8 @@ def begin(args: argparse.Namespace, *, inputs: Sequence[str] = (), model: bool =
         raise NpuprepError(f"--precision {args.precision}: target '{profile.name}' lists {target.fmt.name} as "
                            "unsupported (dtypes.unsupported in its profile); choose another precision or target")
     loaded = load_model(getattr(args, model_arg), weights=weights) if model else None
+    if loaded is not None and weights == "file":
+        loaded = anchored(loaded)
     if loaded is not None:
         from npuprep.opsets import check_opset_supported
 

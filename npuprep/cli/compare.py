@@ -83,7 +83,7 @@ def _as_exported_note(ref: Any, profile: Any) -> tuple[str, ...]:
 
 def run(args: argparse.Namespace) -> int:
     from npuprep.errors import NpuprepError
-    from npuprep.model_io import load_model
+    from npuprep.model_io import anchored, load_model
     from npuprep.verify.compare import (
         DEFAULT_ATOL,
         compare_models,
@@ -126,7 +126,9 @@ def run(args: argparse.Namespace) -> int:
                                    "(fp32_pinning: none); its device runs every node in "
                                    f"{profile.default_precision}")
             fmt_ = profile.format
-            emulation = emulate(ref.proto, fmt_, saturate=profile.saturates, pinned_nodes=args.pin)
+            # Weights rounded in the graph: the compare graph then holds one set of them.
+            emulation = emulate(ref.proto, fmt_, saturate=profile.saturates, pinned_nodes=args.pin,
+                                weights_in_graph=True)
             known = _node_labels(ref.proto)
             unknown = [n for n in args.pin if n not in known]
             if unknown:
@@ -135,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
             notes = (emulation_notes(profile, emulation.saturate) + upgrade_notes(emulation)
                      + _as_exported_note(ref, profile))
         else:
-            cand_proto = load_model(args.cand).proto
+            cand_proto = anchored(load_model(args.cand, weights="file")).proto
             if scales is None:
                 scales, scale_note = _recorded_scales(ref, cand_proto)
                 notes += scale_note

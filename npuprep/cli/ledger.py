@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
     from npuprep.errors import NpuprepError
     from npuprep.ledger.ledger import build_ledger
-    from npuprep.model_io import load_model
+    from npuprep.model_io import anchored, load_model
     from npuprep.output_files import SAMPLE_FILES, OutputPlan
     from npuprep.profiles import load_profile
 
@@ -71,8 +71,9 @@ def run(args: argparse.Namespace) -> int:
     outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
     outputs.reads_profile(args.target)
     profile = load_profile(args.target)
-    model = load_model(args.model)
-    converted = load_model(args.converted) if args.converted else None
+    # Weights stay in their files: the estimate reads shapes, a timing kit copies them.
+    model = anchored(load_model(args.model, weights="file"))
+    converted = anchored(load_model(args.converted, weights="file")) if args.converted else None
     models = {"fp32": model.proto, **({"converted": converted.proto} if converted else {})}
     if args.export_kit:
         from npuprep.ledger.kit import kit_files
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         weights = {i.name for i in model.proto.graph.initializer}
         names = [i.name for i in model.proto.graph.input if i.name not in weights]
         for path in kit_files(args.export_kit, list(models), names):
-            outputs.writes(path, "a file of the --export-kit kit")
+            (outputs.writes_model if path.suffix == ".onnx" else outputs.writes)(path, "a file of the --export-kit kit")
     outputs.check()
 
     throughput = profile.throughput

@@ -181,7 +181,7 @@ def _backend(args: argparse.Namespace, profile: Any, fmt_: Any):
 
 def _run_local(args: argparse.Namespace) -> int:
     from npuprep.errors import NpuprepError
-    from npuprep.model_io import load_model
+    from npuprep.model_io import anchored, load_model
     from npuprep.probe.layer import probe_layer
     from npuprep.probe.runner import ProbeReport, run_micro_probes
 
@@ -199,7 +199,7 @@ def _run_local(args: argparse.Namespace) -> int:
     with progress_stages("probing", not args.json) as stage:
         if args.model:
             stage("loading the model")
-            model = load_model(args.model)
+            model = anchored(load_model(args.model, weights="file"))
             fingerprint = model.fingerprint
             layer = probe_layer(model.proto, _feeds(args, model), fmt_, backend, layer=args.layer,
                                 gain=args.gain, raise_gain=not args.fixed_gain, progress=stage)
@@ -250,7 +250,7 @@ def _note(args: argparse.Namespace, profile: Any, fmt_: Any) -> str:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from npuprep.model_io import load_model
+    from npuprep.model_io import anchored, load_model
     from npuprep.probe.kit import export_kit
     from npuprep.probe.layer import layer_probe_model
     from npuprep.probe.micro import micro_probes
@@ -260,7 +260,7 @@ def _export(args: argparse.Namespace) -> int:
     probes = []
     fingerprint = ""
     if args.model:
-        model = load_model(args.model)
+        model = anchored(load_model(args.model, weights="file"))
         fingerprint = model.fingerprint
         probe, *_ = layer_probe_model(model.proto, _feeds(args, model), fmt_, layer=args.layer,
                                       gain=args.gain, raise_gain=not args.fixed_gain)

@@ -21,6 +21,7 @@ import onnx
 from npuprep.errors import NpuprepError
 from npuprep.json_io import loads
 from npuprep.ledger.ledger import CONVERTED, Ledger
+from npuprep.model_io import fingerprint
 from npuprep.output_files import OutputSet
 
 KIND = "ledger-kit"
@@ -43,7 +44,8 @@ def _stem(name: str) -> str:
 
 
 def kit_files(directory: str | Path, models: Sequence[str], inputs: Sequence[str]) -> list[Path]:
-    """The files `export_kit` writes for these model and input names (declare them first)."""
+    """The files `export_kit` writes for these model and input names (declare them first; a
+    model's `<name>.onnx.data` comes with it, see OutputPlan.writes_model)."""
     d = Path(directory)
     return [d / "manifest.json", d / "time_models.py", d / "README.md",
             *(d / "models" / f"{name}.onnx" for name in models),
@@ -59,9 +61,9 @@ def export_kit(files: OutputSet, directory: str | Path, models: Mapping[str, onn
     digest = hashlib.sha256()
     entries = []
     for name, proto in models.items():
-        data = proto.SerializeToString()
-        digest.update(data)
-        files.bytes(d / "models" / f"{name}.onnx", data)
+        digest.update(fingerprint(proto).encode())
+        # Weights left in the user's files are copied into the kit (external data past 2 GB).
+        files.model(proto, d / "models" / f"{name}.onnx")
         entries.append({"name": name, "model": f"models/{name}.onnx",
                         "estimated_ms": estimates.get(CONVERTED if name == CONVERTED else "fp32")})
     inputs = []

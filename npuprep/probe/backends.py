@@ -9,7 +9,7 @@ precision (None: lower `probe.reference` yourself); `probe.feeds` holds FP32 inp
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import onnx
@@ -76,8 +76,12 @@ def cast_feeds(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str
 
 def _session_run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     from npuprep.runtime.session import make_session, run
+    from npuprep.verify.compare import folds_weight_casts
 
-    return run(make_session(model), cast_feeds(model, feeds))
+    # One run: a prepacked copy of the weights, or folded rounded ones, would only double the
+    # memory of a large model.
+    return run(make_session(model, prepack=False, lean=True, optimize=folds_weight_casts(model)),
+               cast_feeds(model, feeds))
 
 
 class EmulateBackend:
@@ -94,7 +98,8 @@ class EmulateBackend:
     def run(self, probe: ProbeModel, tensors: Sequence[str] = ()) -> dict[str, np.ndarray]:
         from npuprep.verify.emulate import emulate
 
-        emulated = emulate(probe.reference, self.fmt, saturate=self.saturate).model
+        # Weights rounded in the graph: an anchored model's weights stay in its files.
+        emulated = emulate(probe.reference, self.fmt, saturate=self.saturate, weights_in_graph=True).model
         return _session_run(expose(emulated, tensors), probe.feeds)
 
 
@@ -119,7 +124,7 @@ class OrtBackend:
         self.name = "ort" if io == "fp16" else "ort(fp32 io)"
 
     def run(self, probe: ProbeModel, tensors: Sequence[str] = ()) -> dict[str, np.ndarray]:
-        model = probe.target if probe.target is not None else lower_model(probe.reference, self.fmt)
+        model = probe.target if probe.target is not None else lower_model(probe.reference, self.fmt, probe.scratch)
         model = expose(model, tensors)
         if self.io == "fp16":
             model = store_outputs(model, self.fmt)
@@ -144,13 +149,14 @@ def store_outputs(model: onnx.ModelProto, fmt: NumberFormat) -> onnx.ModelProto:
     return out
 
 
-def lower_model(model: onnx.ModelProto, fmt: NumberFormat) -> onnx.ModelProto:
-    """The model in `fmt` with FP32 inputs and outputs: npuprep.rewrite.lower where present."""
+def lower_model(model: onnx.ModelProto, fmt: NumberFormat, scratch: Any = None) -> onnx.ModelProto:
+    """The model in `fmt` with FP32 inputs and outputs: npuprep.rewrite.lower where present.
+    `scratch` (a WeightScratch the caller keeps alive) holds its large lowered weights."""
     try:
         from npuprep.rewrite.lower import lower
     except ImportError:
         return simple_lower(model, fmt)
-    return lower(model, fmt).model
+    return lower(model, fmt, scratch=scratch).model
 
 
 def simple_lower(model: onnx.ModelProto, fmt: NumberFormat) -> onnx.ModelProto:

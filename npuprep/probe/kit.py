@@ -47,7 +47,7 @@ def kit_model(probe: ProbeModel, fmt: NumberFormat) -> onnx.ModelProto:
         return probe.target
     if target_elem_type(fmt) == onnx.TensorProto.FLOAT:
         return probe.reference
-    return store_outputs(lower_model(probe.reference, fmt), fmt)
+    return store_outputs(lower_model(probe.reference, fmt, probe.scratch), fmt)
 
 
 def _le_bytes(arr: np.ndarray) -> bytes:

@@ -23,7 +23,9 @@ from npuprep.graph import (
     node_label,
     tensor_types,
     topological_order,
+    weight_bytes,
 )
+from npuprep.model_io import WeightScratch
 from npuprep.numerics import NumberFormat
 from npuprep.probe.backends import Backend, output_info
 from npuprep.probe.classify import Classification, Verdict, classify
@@ -37,6 +39,9 @@ WEIGHT_LIMIT = 0.5
 # "Clearly crosses": the raised gain aims at this multiple of the overflow threshold.
 MARGIN = 2.0
 MAX_RAISES = 4
+# A model with this many bytes of weights or more gets a temporary file for the weights the
+# probe makes (the amplified layer, a kit's lowered weights), not carried in its graphs.
+SCRATCH_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -85,8 +90,11 @@ def weight_absmax(model: onnx.ModelProto, choice: LayerChoice) -> float:
     return max((float(v.max()) for v in values if v.size), default=0.0)
 
 
-def amplify(model: onnx.ModelProto, choice: LayerChoice, gain: float) -> onnx.ModelProto:
-    """A copy with the layer's weights times `gain` (fresh initialisers) and its output exposed."""
+def amplify(model: onnx.ModelProto, choice: LayerChoice, gain: float,
+            scratch: WeightScratch | None = None) -> onnx.ModelProto:
+    """A copy with the layer's weights times `gain` (fresh initialisers) and its output exposed.
+    With `scratch`, the amplified weights are written there and the copy refers to them (a
+    large model's copies then carry no weight bytes)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
@@ -97,12 +105,14 @@ def amplify(model: onnx.ModelProto, choice: LayerChoice, gain: float) -> onnx.Mo
         value = constant_value(graph, name)
         scaled = (np.asarray(value, np.float64) * gain).astype(value.dtype)
         fresh = f"{name}__probe_gain"
-        graph.initializer.append(numpy_helper.from_array(scaled, fresh))
+        graph.initializer.append(scratch.anchor(scaled, fresh) if scratch is not None
+                                 else numpy_helper.from_array(scaled, fresh))
         node.input[i] = fresh
     used = {n for nd in graph.node for n in nd.input}
-    keep = [init for init in graph.initializer if init.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(keep)
+    # Deleted in place: rebuilding the list would copy every kept initialiser once more.
+    for index in reversed(range(len(graph.initializer))):
+        if graph.initializer[index].name not in used:
+            del graph.initializer[index]
     if choice.tensor not in {o.name for o in graph.output}:
         elem = tensor_types(model).get(choice.tensor, onnx.TensorProto.FLOAT)
         graph.output.append(output_info(model, choice.tensor, elem))
@@ -177,8 +187,10 @@ def _amplified(model: onnx.ModelProto, feeds: dict[str, np.ndarray], fmt: Number
 
 def _probe(model: onnx.ModelProto, choice: LayerChoice, gain: float,
            feeds: dict[str, np.ndarray]) -> ProbeModel:
-    return ProbeModel("layer", f"{choice.op_type} '{choice.node}' x{gain:g}", amplify(model, choice, gain),
-                      None, dict(feeds), (choice.tensor,))
+    scratch = WeightScratch() if weight_bytes(model) >= SCRATCH_BYTES else None
+    return ProbeModel("layer", f"{choice.op_type} '{choice.node}' x{gain:g}",
+                      amplify(model, choice, gain, scratch), None, dict(feeds), (choice.tensor,),
+                      scratch=scratch)
 
 
 def _absmax(x: np.ndarray) -> float:

@@ -7,6 +7,7 @@ in a one-node graph, in FP32 (the reference) and in the target precision.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx
@@ -32,6 +33,9 @@ class ProbeModel:
     feeds: dict[str, np.ndarray]
     outputs: tuple[str, ...]
     notes: dict[str, str] = field(default_factory=dict)
+    # The temporary file (npuprep.model_io.WeightScratch) holding weights the reference graph
+    # refers to instead of carrying them (an amplified layer of a large model): kept alive here.
+    scratch: Any = None
 
 
 def target_elem_type(fmt: NumberFormat) -> int:

@@ -13,7 +13,8 @@ The traps other converters fall into are avoided on purpose:
 - an initialiser read by pinned and unpinned nodes is duplicated, never re-typed under the
   pinned one;
 - weights beyond the target range are never clipped: their node stays FP32 and the
-  result says so; mask constants (-inf or FP32 lowest in an additive mask) become -max;
+  result says so; mask constants (-inf or FP32 lowest in an additive mask) become -max,
+  FP16 ones too (a model already FP16, or a mask stored FP16 and Cast up): -inf -> -65504;
 - value_info is dropped (stale), nodes are sorted, names are derived from tensor names,
   so the output is byte-identical across runs; the result passes onnx.checker.
 """
@@ -170,6 +171,7 @@ class _Lowering:
 
     def run(self) -> Lowered:
         self._index()
+        self._map_fp16_masks()
         self._decide()
         converted, duplicated, kept = self._convert_weights()
         self._rename_main_outputs()
@@ -209,6 +211,42 @@ class _Lowering:
                     value = _constant_node_value(node)
                     if value is not None and value.dtype == np.float32:
                         self.weights[node.output[0]] = _Weight(node.output[0], g, None, node, value)
+
+    def _map_fp16_masks(self) -> None:
+        """FP16 constants read only as masks (through Casts and Identities) take -max for
+        -inf, as FP32 masks do when lowered: the target stores no -inf it was not given."""
+        readers: dict[str, list[onnx.NodeProto]] = {}
+        for scope in self.scopes:
+            for node in scope.graph.node:
+                for name in node.input:
+                    readers.setdefault(name, []).append(node)
+        returned = {o.name for s in self.scopes for o in s.graph.output}
+
+        def only_masks(name: str) -> bool:
+            users = readers.get(name, [])
+            return bool(users) and name not in returned and all(
+                u.op_type in _MASK_OPS or (u.op_type in ("Cast", "Identity") and only_masks(u.output[0]))
+                for u in users)
+
+        lowest = np.float16(-np.finfo(np.float16).max)
+        for scope in self.scopes:
+            overridable = {vi.name for vi in scope.graph.input}
+            found = [(i.name, i, None) for i in scope.graph.initializer
+                     if i.data_type == TensorProto.FLOAT16 and i.name not in overridable]
+            found += [(n.output[0], None, n) for n in scope.graph.node if n.op_type == "Constant"
+                      and n.output and (v := _constant_node_value(n)) is not None and v.dtype == np.float16]
+            for name, init, node in found:
+                value = to_array(init) if init is not None else _constant_node_value(node)
+                bad = ~np.isfinite(value)
+                if not bad.any() or not np.all(value[bad] == -np.inf) or not only_masks(name):
+                    continue
+                tensor = numpy_helper.from_array(np.where(bad, lowest, value), name)
+                if init is not None:
+                    init.CopyFrom(tensor)
+                else:
+                    del node.attribute[:]
+                    node.attribute.append(helper.make_attribute("value", tensor))
+                self.mapped[name] = int(bad.sum())
 
     def _decide(self) -> None:
         high_scopes: set[int] = set()
@@ -324,8 +362,10 @@ class _Lowering:
             value = np.where(over, np.float32(-self.fmt.max), value)
             self.mapped[name] = int(over.sum())
         low = value.astype(self.fmt.np_dtype)
-        # Rounding maps only zeros and values under the smallest subnormal to zero.
-        flushed = int(np.count_nonzero(low == 0)) - int(np.count_nonzero(value == 0))
+        # Rounding maps only zeros and values under the smallest subnormal to zero. A 16-bit
+        # zero is its bits bar the sign clear (an integer test: numpy compares FP16 slowly).
+        zeros = int(np.count_nonzero((low.view(np.uint16) & np.uint16(0x7FFF)) == 0))
+        flushed = zeros - int(np.count_nonzero(value == 0))
         if flushed:
             self.flushed[name] = flushed
         return low

@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from npuprep.graph import attribute, constant_value, name_maker, node_label, tensor_types
 from npuprep.numerics import EightBitFormat
+from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.rewrite.result import RewriteResult
 
 MAC_OPS = ("Conv", "MatMul", "Gemm")
@@ -46,12 +46,14 @@ def weight_axis(node: onnx.NodeProto, rank: int) -> int | None:
 
 
 def insert_qdq(model: onnx.ModelProto, nodes: Mapping[str, Mapping[str, ActivationScale]],
-               fmt: EightBitFormat, *, saturate: bool) -> RewriteResult:
+               fmt: EightBitFormat, *, saturate: bool, weights: WeightStore | None = None) -> RewriteResult:
     """Quantise the inputs of `nodes` (label -> {activation tensor: scale}) to `fmt`.
 
-    A node's constant input 1 is its weight (quantised per channel here); every other input
-    named in its mapping is quantised per tensor. Declines a node whose inputs are not FP32.
+    A node's constant input 1 is its weight (quantised per channel here, through `weights`:
+    made once per conversion and kept where the store keeps them); every other input named
+    in its mapping is quantised per tensor. Declines a node whose inputs are not FP32.
     """
+    weights = weights or WeightStore()
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
@@ -87,9 +89,9 @@ def insert_qdq(model: onnx.ModelProto, nodes: Mapping[str, Mapping[str, Activati
         if any(types.get(i, TensorProto.FLOAT) != TensorProto.FLOAT for i in inputs):
             declined[label] = "an input is not FP32"
             continue
-        weight = constant_value(g, node.input[1]) if len(node.input) > 1 else None
-        if weight is not None and weight.dtype == np.float32:
-            node.input[1] = _weight(g, node, weight, fmt, fresh, saturate)
+        weight = _fp32_weight(g, node.input[1]) if len(node.input) > 1 else None
+        if weight is not None:
+            node.input[1] = _weight(g, node, weight, fmt, fresh, saturate, weights)
         for i, name in enumerate(node.input):
             if name in wanted and not (i == 1 and weight is not None):
                 node.input[i] = activation(name, wanted[name])
@@ -103,36 +105,32 @@ def insert_qdq(model: onnx.ModelProto, nodes: Mapping[str, Mapping[str, Activati
                          {"quantised": done, "declined": declined})
 
 
-def _weight(g: onnx.GraphProto, node: onnx.NodeProto, w: np.ndarray, fmt: EightBitFormat,
-            fresh: Callable[[str], str], saturate: bool) -> str:
+def _weight(g: onnx.GraphProto, node: onnx.NodeProto, w: onnx.TensorProto | np.ndarray,
+            fmt: EightBitFormat, fresh: Callable[[str], str], saturate: bool,
+            weights: WeightStore) -> str:
     """The quantised copy of `node`'s weight behind a DequantizeLinear; its output's name."""
-    axis = weight_axis(node, w.ndim)
-    if axis is None:
-        absmax = np.array(np.abs(w).max(initial=0.0), np.float32)
-    else:
-        other = tuple(a for a in range(w.ndim) if a != axis)
-        absmax = np.abs(w).max(axis=other, initial=0.0).astype(np.float32)
-    scale = np.where(absmax > 0, absmax / np.float32(fmt.qmax), np.float32(1.0)).astype(np.float32)
-    shaped = scale if axis is None else scale.reshape([-1 if a == axis else 1 for a in range(w.ndim)])
-    scaled = w / shaped
     base = node.input[1]
     q_name, s_name, z_name = fresh(f"{base}_w8"), fresh(f"{base}_wscale8"), fresh(f"{base}_wzp8")
-    if fmt.is_float:
-        # The weight's own abs-max sets its scale, so nothing reaches past qmax.
-        values = np.clip(scaled, -fmt.qmax, fmt.qmax) if saturate else scaled
-        stored = values.astype(ml_dtypes.float8_e4m3fn)
-        g.initializer.append(helper.make_tensor(q_name, fmt.onnx_type, w.shape,
-                                                stored.view(np.uint8).tobytes(), raw=True))
-    else:
-        stored = np.clip(np.rint(scaled), -fmt.qmax, fmt.qmax).astype(np.int8)
-        g.initializer.append(numpy_helper.from_array(stored, q_name))
-    g.initializer.append(numpy_helper.from_array(scale, s_name))
-    g.initializer.append(_zero(z_name, fmt, scale.shape, unsigned=False))
+    made = weights.quantised(w, weight_axis(node, len(w.dims) if isinstance(w, onnx.TensorProto) else w.ndim),
+                             fmt, saturate=saturate, name=q_name)
+    g.initializer.append(made.stored)
+    g.initializer.append(numpy_helper.from_array(made.scale, s_name))
+    g.initializer.append(_zero(z_name, fmt, made.scale.shape, unsigned=False))
     out = fresh(f"{base}_dq8")
-    extra = {} if axis is None else {"axis": axis}
+    extra = {} if made.axis is None else {"axis": made.axis}
     g.node.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [out],
                                    name=fresh(f"{base}_DQ8"), **extra))
     return out
+
+
+def _fp32_weight(g: onnx.GraphProto, name: str) -> onnx.TensorProto | np.ndarray | None:
+    """`name`'s FP32 initialiser as it is stored (not read: the store reads it when it has not
+    quantised it before), or the FP32 value of another constant, else None."""
+    init = next((i for i in g.initializer if i.name == name), None)
+    if init is not None and init.data_type == TensorProto.FLOAT:
+        return init
+    value = constant_value(g, name) if name else None
+    return value if value is not None and value.dtype == np.float32 else None
 
 
 def _zero(name: str, fmt: EightBitFormat, shape: tuple[int, ...], *, unsigned: bool,

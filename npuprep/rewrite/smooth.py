@@ -10,7 +10,7 @@ folds into the producer's affine (a LayerNorm's gamma).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -37,10 +37,13 @@ def smoothing_factors(x_absmax: np.ndarray, weights: Sequence[np.ndarray]) -> np
 
 
 def smooth(model: onnx.ModelProto, factors: Mapping[str, np.ndarray],
-           readers: Mapping[str, Sequence[str]]) -> RewriteResult:
+           readers: Mapping[str, Sequence[str]], *,
+           place: Callable[[np.ndarray, str], onnx.TensorProto] | None = None) -> RewriteResult:
     """Divide tensor x (`factors`: x -> s) by s before the MatMuls `readers[x]` (labels),
-    whose weight rows are multiplied by s (a new initialiser each). The new tensors are
-    named in details["smoothed"] (x -> x / s)."""
+    whose weight rows are multiplied by s (a new initialiser each, made by `place`: inline
+    by default, a large model's scratch file in convert). The new tensors are named in
+    details["smoothed"] (x -> x / s)."""
+    place = place or numpy_helper.from_array
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
@@ -60,7 +63,7 @@ def smooth(model: onnx.ModelProto, factors: Mapping[str, np.ndarray],
         for node in nodes:
             w = constant_value(g, node.input[1])
             scaled = fresh(f"{node.input[1]}_smoothed")
-            g.initializer.append(numpy_helper.from_array((s[:, None] * w).astype(np.float32), scaled))
+            g.initializer.append(place((s[:, None] * w).astype(np.float32), scaled))
             node.input[0], node.input[1] = xs, scaled
         smoothed[x] = xs
     if not smoothed:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import re
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ from npuprep.bf16 import has_bf16, widen_array, widen_bf16
 from npuprep.errors import InternalError, NpuprepError
 from npuprep.graph import copy_fields
 from npuprep.model_io import external_array
+from npuprep.names import shown
 
 # onnxruntime's layer-norm fusions match a decomposed LayerNorm through a Cast at its input
 # and keep the Cast's input: an FP32 norm fed by a rounded (FP16) tensor becomes one
@@ -54,6 +56,7 @@ def make_session(
     prepack: bool = True,
     produced: str | None = None,
     lean: bool = False,
+    source: str | None = None,
 ) -> ort.InferenceSession:
     """A CPU session. A proto's large initialisers reach onnxruntime as arrays beside a
     weightless serialised graph (split_weights): no copy of the weights is ever serialised,
@@ -71,7 +74,7 @@ def make_session(
     if lean:
         _lean(opts)
     if isinstance(model, bytes | str | Path):
-        with _load_errors(produced):
+        with _load_errors(produced, source):
             return _cpu_session(model if isinstance(model, bytes) else str(model), opts)
     if has_bf16(model):
         model = widen_bf16(model)
@@ -79,10 +82,10 @@ def make_session(
     folder = _read_in_place(skeleton, weights)
     if folder is not None:
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
-    values = [ort.OrtValue.ortvalue_from_numpy(w) for w in weights.values()]
+    values = [ort_value(w) for w in weights.values()]
     if weights:
         opts.add_external_initializers(list(weights), values)
-    with _load_errors(produced):
+    with _load_errors(produced, source):
         session = _cpu_session(skeleton.SerializeToString(), opts)
     # onnxruntime reads the arrays in place: they live as long as the session.
     session._npuprep_weights = (values, weights)  # type: ignore[attr-defined]
@@ -156,9 +159,10 @@ def _cpu_session(source: bytes | str, opts: ort.SessionOptions) -> ort.Inference
 
 
 @contextlib.contextmanager
-def _load_errors(produced: str | None = None) -> Iterator[None]:
-    """onnxruntime's refusal to load a model, as one NpuprepError line (its first line), or
-    an InternalError for a model npuprep `produced`."""
+def _load_errors(produced: str | None = None, source: str | None = None) -> Iterator[None]:
+    """onnxruntime's refusal to load a model, as one NpuprepError line naming the user's file
+    (`source`) and the node onnxruntime names, or an InternalError for a model npuprep
+    `produced`."""
     try:
         yield
     except (ort.capi.onnxruntime_pybind11_state.Fail,
@@ -167,7 +171,29 @@ def _load_errors(produced: str | None = None) -> Iterator[None]:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if produced:
             raise InternalError(f"onnxruntime cannot load {produced} npuprep made: {first}") from None
-        raise NpuprepError(f"onnxruntime cannot load the model: {first}") from None
+        said = refusal(first)
+        if source:
+            raise NpuprepError(f"{shown(source)}: onnxruntime cannot load it: {said}") from None
+        raise NpuprepError(f"onnxruntime cannot load the model: {said}") from None
+
+
+_STATUS = re.compile(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ")
+# The file onnxruntime loaded is npuprep's temporary graph where a session reads weights in
+# place: never the name to give the user.
+_LOADED_FROM = re.compile(r"^Load model from .*? failed: ?")
+_NODE_OP = re.compile(r"^Node \((.*?)\) Op \((.*?)\) ")
+_IN_NODE = re.compile(r" in node \((.*?)\)")
+
+
+def refusal(text: str) -> str:
+    """onnxruntime's load error without its status prefix and the path it loaded from, the
+    node first where it names one: `node 'mm' (MatMul): [ShapeInferenceError] ...`."""
+    text = _LOADED_FROM.sub("", _STATUS.sub("", text.strip()))
+    if m := _NODE_OP.match(text):
+        return f"node '{shown(m[1])}' ({shown(m[2])}): {text[m.end():]}"
+    if m := _IN_NODE.search(text):
+        return f"node '{shown(m[1])}': {(text[:m.start()] + text[m.end():]).rstrip('.')}"
+    return text
 
 
 def run(
@@ -227,6 +253,7 @@ def make_session_external(
     threads: int | None = None,
     optimize: bool | str = True,
     prepack: bool = True,
+    source: str | None = None,
 ) -> ort.InferenceSession:
     """A session for a graph of many small kernels, its large initialisers given as arrays.
 
@@ -235,7 +262,8 @@ def make_session_external(
     keeps peak memory near a session loaded from a file. The session keeps the arrays alive.
     A path is loaded as it is (its own external data). `prepack=False` builds it without
     onnxruntime's prepacked weights: faster to build, slower MatMuls. A proto holding BF16
-    is widened to FP32 exactly first, its BF16 arrays too (npuprep.bf16).
+    is widened to FP32 exactly first, its BF16 arrays too (npuprep.bf16). `source`: the user's
+    file the graph is instrumented from, named in a refusal.
     """
     opts = session_options(threads=threads, optimize=optimize)
     if not prepack:
@@ -255,21 +283,34 @@ def make_session_external(
         model = widen_bf16(model)
         weights = {name: widen_array(value) for name, value in weights.items()}
     names = list(weights)
-    values = [ort.OrtValue.ortvalue_from_numpy(weights[n]) for n in names]
+    values = [ort_value(weights[n]) for n in names]
     if names:
         opts.add_external_initializers(names, values)
-    source = model if isinstance(model, str) else model.SerializeToString()
-    with _load_errors():
-        session = _cpu_session(source, opts)
+    serialised = model if isinstance(model, str) else model.SerializeToString()
+    with _load_errors(source=source):
+        session = _cpu_session(serialised, opts)
     session._npuprep_weights = (values, weights)  # type: ignore[attr-defined]
     return session
 
 
 # Initialisers above this size reach onnxruntime as arrays, not inside the serialised graph.
 INLINE_BYTES = 4096
-# onnxruntime makes no OrtValue from an FP8 array (ml_dtypes): FP8 weights stay in the graph.
-_INLINE_TYPES = frozenset({onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E4M3FNUZ,
-                           onnx.TensorProto.FLOAT8E5M2, onnx.TensorProto.FLOAT8E5M2FNUZ})
+
+
+def ort_value(array: np.ndarray) -> ort.OrtValue:
+    """An OrtValue over `array`'s memory (no copy). onnxruntime makes none from an ml_dtypes
+    FP8 array ("only supported from non-string numpy arrays", 1.32), so those go as their
+    bytes with the ONNX type named: FP8 weights then load as arrays or mapped from a file
+    like any other, never serialised inside the graph."""
+    if array.dtype.kind == "V":  # an ml_dtypes type
+        onnx_type = onnx.helper.np_dtype_to_tensor_dtype(array.dtype)
+        if onnx_type in _FP8_TYPES:
+            return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint8), onnx_type)
+    return ort.OrtValue.ortvalue_from_numpy(array)
+
+
+_FP8_TYPES = frozenset({onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E4M3FNUZ,
+                        onnx.TensorProto.FLOAT8E5M2, onnx.TensorProto.FLOAT8E5M2FNUZ})
 
 
 def split_weights(
@@ -284,8 +325,7 @@ def split_weights(
     weights: dict[str, np.ndarray] = {}
     for init in proto.graph.initializer:
         external = init.data_location == onnx.TensorProto.EXTERNAL
-        if (external and base_dir is None) or (not external and (
-                init.ByteSize() <= INLINE_BYTES or init.data_type in _INLINE_TYPES)):
+        if (external and base_dir is None) or (not external and init.ByteSize() <= INLINE_BYTES):
             skeleton.graph.initializer.append(init)
             continue
         weights[init.name] = external_array(init, base_dir) if external else numpy_helper.to_array(init)

@@ -108,18 +108,20 @@ def attribute_error(model: onnx.ModelProto, fmt: NumberFormat, samples: Sequence
     candidate's rounding has its own switch (npuprep.verify.switched)."""
     from npuprep.calibrate.run import session_threads
     from npuprep.runtime.session import make_session, run
-    from npuprep.verify.compare import run_in_streams, sample_streams
+    from npuprep.verify.compare import folds_weight_casts, run_in_streams, sample_streams
     from npuprep.verify.switched import switched_emulation
 
     ops = {node_label(n): n.op_type for s in walk_graphs(model.graph) for n in s.graph.node}
     wanted = [n for n in dict.fromkeys(candidates) if n in ops]
     feeds = [dict(s) for s in samples]
-    reference = make_session(model)
+    # Prepacked weights (a second copy) only where the memory-for-speed trades are on.
+    prepack = folds_weight_casts(model)
+    reference = make_session(model, prepack=prepack, lean=True)
     expected = [run(reference, feed) for feed in feeds]
     del reference
     switched = switched_emulation(model, fmt, saturate=saturate, candidates=wanted)
     streams = sample_streams(len(feeds))
-    session = make_session(switched.model, produced="the emulated model", lean=True,
+    session = make_session(switched.model, produced="the emulated model", lean=True, prepack=prepack,
                            threads=session_threads(streams))
     outputs = [o.name for o in model.graph.output]
 

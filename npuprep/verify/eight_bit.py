@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from npuprep.calibrate.scales import DEFAULT_RULE, SCALE_RULES, clip_for, sample_headroom
+from npuprep.calibrate.scales import DEFAULT_RULE, SCALE_RULES, clip_for, stored_as, widening
 from npuprep.calibrate.stats import RangeStats
 from npuprep.data import Feed
 from npuprep.graph import constant_value, node_label
@@ -26,12 +26,10 @@ from npuprep.numerics import EightBitFormat, NumberFormat
 from npuprep.opsets import model_opset, upgrade_opset
 from npuprep.plan.eight_bit import LayerPrecision, activation_inputs
 from npuprep.rewrite.qdq import ActivationScale, insert_qdq
+from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.rewrite.result import RewriteResult
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
-# An INT8 activation reaching below zero by less than this share of its top is stored as
-# uint8 with a zero point (asymmetric), not as symmetric INT8.
-SKEWED = 0.25
 # An INT8 MatMul input whose largest channel reaches this many times its median channel has
 # outlier channels worth balancing into the weight (npuprep.rewrite.smooth).
 OUTLIER_RATIO = 4.0
@@ -67,11 +65,13 @@ def with_opset(model: onnx.ModelProto, fmt: EightBitFormat) -> onnx.ModelProto:
 def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: Any, fmt: EightBitFormat, *,
              saturate: bool, rule: str = DEFAULT_RULE,
              tensor_scales: Mapping[str, float] | None = None, headroom: float = 1.0,
-             tensor_rules: Mapping[str, str] | None = None) -> RewriteResult:
+             tensor_rules: Mapping[str, str] | None = None,
+             weights: WeightStore | None = None) -> RewriteResult:
     """`model` (at a QDQ opset) with `nodes` quantised: activation scales by `rule` (or the
     tensor's own in `tensor_rules`) from `stats`; a tensor the plan rescaled (`tensor_scales`:
     rewritten = s x measured) gets s x its clip, and every clip is widened by `headroom`
-    (values of the quantised model reach past FP32's)."""
+    (values of the quantised model reach past FP32's). `weights`: the conversion's store of
+    8-bit weights (npuprep.rewrite.qdq_weights), shared by every model it builds."""
     own = tensor_rules or {}
     rescaled = tensor_scales or {}
     by_label = {node_label(n): n for n in model.graph.node}
@@ -83,14 +83,11 @@ def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: Any, fmt: Eigh
         scales = {}
         for name in activation_inputs(model.graph, node):
             r = stats.tensors[name]
-            # FP8's headroom for NaN past 448 already covers an unseen sample's larger values.
-            spread = sample_headroom(r)
-            widen = max(headroom, spread) if fmt.is_float else headroom * spread
-            factor = rescaled.get(name, 1.0) * widen
+            factor = rescaled.get(name, 1.0) * widening(r, fmt, headroom)
             clip = clip_for(r, fmt, own.get(name, rule)).value * factor
             scales[name] = _activation_scale(r, clip, factor, fmt)
         wanted[label] = scales
-    return insert_qdq(model, wanted, fmt, saturate=saturate)
+    return insert_qdq(model, wanted, fmt, saturate=saturate, weights=weights)
 
 
 @dataclass(frozen=True)
@@ -106,7 +103,7 @@ class Balanced:
 def balance_outliers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
                      stats: Any, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
                      rule: str = DEFAULT_RULE, tensor_scales: Mapping[str, float] | None = None,
-                     headroom: float = 1.0) -> Balanced:
+                     headroom: float = 1.0, weights: WeightStore | None = None) -> Balanced:
     """The INT8 MatMuls among `nodes` whose input has outlier channels read it divided by s
     per channel, their weights multiplied by it (npuprep.rewrite.smooth), where that lowers
     the error of those MatMuls quantised alone: a channel whose outliers are a few rare
@@ -122,16 +119,18 @@ def balance_outliers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: 
         if node_label(node) in wanted and smoothable(g, node) and node.input[0] in stats.tensors:
             readers.setdefault(node.input[0], []).append(node_label(node))
     per_channel = channel_absmax(model, list(readers), samples)
-    weights = {node_label(n): constant_value(g, n.input[1]) for n in g.node
-               if node_label(n) in wanted}
+    by_label = {node_label(n): n for n in g.node}
     factors, ratios = {}, {}
     for x, found in per_channel.items():
         top = found.max(axis=0)
         ratio = float(top.max() / max(float(np.median(top)), 1e-12))
         if ratio >= OUTLIER_RATIO:
-            factors[x] = smoothing_factors(top, [weights[n] for n in readers[x]])
+            # Only these readers' weights, one tensor's at a time: not every 8-bit weight at once.
+            factors[x] = smoothing_factors(top, [constant_value(g, by_label[n].input[1])
+                                                 for n in readers[x]])
             ratios[x] = ratio
-    every = smooth(model, factors, readers)
+    place = weights.place if weights is not None else None
+    every = smooth(model, factors, readers, place=place)
     if not every:
         return Balanced(model, stats, {})
     tensors = dict(stats.tensors)
@@ -141,10 +140,11 @@ def balance_outliers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: 
     error = _errors(reference, samples)
     kept = {x: s for x, s in factors.items()
             if error(quantise(every.model, readers[x], balanced_stats, fmt, saturate=saturate,
-                              rule=rule, tensor_scales=tensor_scales, headroom=headroom).model)
+                              rule=rule, tensor_scales=tensor_scales, headroom=headroom,
+                              weights=weights).model)
             < error(quantise(model, readers[x], stats, fmt, saturate=saturate, rule=rule,
-                             tensor_scales=tensor_scales, headroom=headroom).model)}
-    done = smooth(model, kept, readers)
+                             tensor_scales=tensor_scales, headroom=headroom, weights=weights).model)}
+    done = smooth(model, kept, readers, place=place)
     if not done:
         return Balanced(model, stats, {})
     smoothed = dict(done.details["smoothed"])
@@ -156,12 +156,12 @@ def _errors(reference: onnx.ModelProto, samples: Sequence[Feed]) -> Any:
     from npuprep.runtime.session import make_session, run
 
     feeds = list(samples)[:RANK_SAMPLES]
-    ref_session = make_session(reference)
+    ref_session = make_session(reference, prepack=False)
     refs = [run(ref_session, f) for f in feeds]
     del ref_session
 
     def error(model: onnx.ModelProto) -> float:
-        session = make_session(model)
+        session = make_session(model, prepack=False)
         return _pooled_rel_l2(refs, [run(session, f) for f in feeds])
 
     return error
@@ -169,7 +169,8 @@ def _errors(reference: onnx.ModelProto, samples: Sequence[Feed]) -> Any:
 
 def choose_rules(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
                  stats: Any, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
-                 tensor_scales: Mapping[str, float] | None = None) -> dict[str, str]:
+                 tensor_scales: Mapping[str, float] | None = None,
+                 weights: WeightStore | None = None) -> dict[str, str]:
     """Per activation of `nodes` whose rules place different clips: the rule whose clip gives
     the least output error with that tensor's 8-bit readers quantised alone."""
     g = model.graph
@@ -187,7 +188,7 @@ def choose_rules(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequ
         if len(clips) < 2:
             continue
         measured = {rule: error(quantise(model, labels, stats, fmt, saturate=saturate, rule=rule,
-                                         tensor_scales=tensor_scales).model)
+                                         tensor_scales=tensor_scales, weights=weights).model)
                     for rule in clips.values()}
         chosen[name] = min(measured, key=lambda r: measured[r])
     return chosen
@@ -214,21 +215,16 @@ def on_target(qdq: onnx.ModelProto, wide: NumberFormat, pinned_nodes: Iterable[s
     if wide.name == "fp32":
         return qdq
     exact = {node_label(n) for n in qdq.graph.node if n.op_type in QDQ_OPS}
-    return emulate(qdq, wide, saturate=saturate, pinned_nodes=exact | set(pinned_nodes)).model
+    # FP32 weights are rounded by nodes in the graph, so they stay in their files (not read
+    # in and copied rounded: the layers kept wider of a large model hold most of its bytes).
+    return emulate(qdq, wide, saturate=saturate, pinned_nodes=exact | set(pinned_nodes),
+                   weights_in_graph=True).model
 
 
 def _activation_scale(r: RangeStats, top: float, factor: float,
                       fmt: EightBitFormat) -> ActivationScale:
-    """INT8 of [-top, top], or uint8 of [low, top] with a zero point where the tensor barely
-    goes negative (a GELU's -0.17): symmetric INT8 would spend half its levels there. `top`
-    is the clip; the measured minimum scales by `factor` like it."""
-    low = max(r.min * factor, -top)
-    if fmt.is_float or top <= 0 or low < -SKEWED * top:
-        return ActivationScale(top / fmt.qmax if top > 0 else 1.0)
-    if low >= 0:
-        return ActivationScale(top / 255.0, unsigned=True)
-    step = (top - low) / 255.0
-    return ActivationScale(step, unsigned=True, zero_point=int(round(-low / step)))
+    scale, unsigned, zero_point = stored_as(r, top, factor, fmt)
+    return ActivationScale(scale, unsigned=unsigned, zero_point=zero_point)
 
 
 def rank_layers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
@@ -236,13 +232,15 @@ def rank_layers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Seque
                 rule: str = DEFAULT_RULE,
                 tensor_scales: Mapping[str, float] | None = None,
                 headroom: float = 1.0,
-                tensor_rules: Mapping[str, str] | None = None) -> list[Sensitivity]:
+                tensor_rules: Mapping[str, str] | None = None,
+                weights: WeightStore | None = None) -> list[Sensitivity]:
     """Each of `nodes` kept wider while the others are quantised, the largest gain first."""
     measure = _errors(reference, samples)
 
     def error(quantised: Sequence[str]) -> float:
         built = quantise(model, quantised, stats, fmt, saturate=saturate, rule=rule,
-                         tensor_scales=tensor_scales, headroom=headroom, tensor_rules=tensor_rules)
+                         tensor_scales=tensor_scales, headroom=headroom, tensor_rules=tensor_rules,
+                         weights=weights)
         return measure(built.model if built else model)
 
     every = error(nodes)
