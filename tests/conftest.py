@@ -7,9 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
-from onnx import parser
+from onnx import TensorProto, helper, numpy_helper, parser
 
 
 def save_zoo(name: str, folder: Path, model_file: str = "m.onnx", data_dir: str = "data") -> tuple[Path, Path]:
@@ -187,3 +188,25 @@ def rknn_python() -> str:
     if found is None:
         pytest.skip(f"rknn-toolkit2 venv missing; {SETUP_HINT}")
     return str(found)
+
+
+def external_mlp(folder: Path, rng: np.random.Generator, *, name: str = "m", width: int = 256,
+                 batch: int = 4, scale: float = 0.1) -> tuple[onnx.ModelProto, str]:
+    """The model (weights inline) and the path of its copy saved with external data."""
+    # x[batch,width] -> MatMul(W1) -> Relu -> MatMul(W2) -> y, weights in <name>.onnx.data
+    w1 = (rng.standard_normal((width, width)) * scale).astype(np.float32)
+    w2 = (rng.standard_normal((width, width)) * scale).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+         helper.make_node("Relu", ["h"], ["r"], name="relu"),
+         helper.make_node("MatMul", ["r", "w2"], ["y"], name="mm2")],
+        "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, width])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = Path(folder) / f"{name}.onnx"
+    saved = onnx.ModelProto()
+    saved.CopyFrom(model)  # onnx.save moves the weights of the proto it saves out to the file
+    onnx.save(saved, str(path), save_as_external_data=True, location=f"{name}.onnx.data",
+              size_threshold=1024)
+    return model, str(path)

@@ -9,8 +9,8 @@ import shutil
 
 import numpy as np
 import onnx
-from conftest import run_cli
-from onnx import TensorProto, helper, numpy_helper
+from conftest import external_mlp, run_cli
+from onnx import TensorProto
 
 import npuprep.probe.layer as probe_layer_module
 from npuprep.graph import is_anchored
@@ -24,21 +24,8 @@ RNG = np.random.default_rng(26)
 FP16 = get_format("fp16")
 
 
-def _external(tmp_path, name: str = "m") -> str:
-    # x[2,128] -> MatMul(W 128x128) -> Relu -> MatMul(V 128x128) -> y, weights in m.onnx.data
-    w = (RNG.standard_normal((128, 128)) * 0.2).astype(np.float32)
-    v = (RNG.standard_normal((128, 128)) * 0.2).astype(np.float32)
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm1"),
-         helper.make_node("Relu", ["h"], ["r"], name="relu"),
-         helper.make_node("MatMul", ["r", "v"], ["y"], name="mm2")],
-        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 128])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 128])],
-        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(v, "v")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    path = tmp_path / f"{name}.onnx"
-    onnx.save(model, str(path), save_as_external_data=True, location=f"{name}.onnx.data", size_threshold=1024)
-    return str(path)
+def _external(folder) -> str:
+    return external_mlp(folder, RNG, width=128, batch=2, scale=0.2)[1]
 
 
 def _data(tmp_path) -> str:
@@ -57,7 +44,7 @@ def test_compare_emulate_reads_the_weights_from_their_file(tmp_path, monkeypatch
     real = compare._session
 
     def recording(merged, threads):
-        seen.append({i.name: is_anchored(i) for i in merged.graph.initializer if i.name in ("w", "v")})
+        seen.append({i.name: is_anchored(i) for i in merged.graph.initializer if i.name in ("w1", "w2")})
         return real(merged, threads)
 
     monkeypatch.setattr(compare, "_session", recording)
@@ -65,7 +52,7 @@ def test_compare_emulate_reads_the_weights_from_their_file(tmp_path, monkeypatch
 
     assert main(["compare", model, "--emulate", "--target", "a2000", "--data", data, "--json"]) == 0
     # One set of weights, left in the user's file for both sides of the merged graph.
-    assert seen and seen[0] == {"w": True, "v": True}
+    assert seen and seen[0] == {"w1": True, "w2": True}
 
 
 def test_the_compare_cli_gives_the_numbers_of_weights_held_in_memory(tmp_path):

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import onnx
 import pytest
-from conftest import run_cli
+from conftest import external_mlp, run_cli
 from onnx import TensorProto, helper, numpy_helper
 
 import npuprep.convert as convert_module
@@ -23,23 +23,7 @@ RNG = np.random.default_rng(31)
 
 
 def _mlp(tmp_path, name: str = "m") -> tuple[onnx.ModelProto, str]:
-    # x[4,256] -> MatMul(W1 256x256) -> Relu -> MatMul(W2 256x256) -> y, weights in m.onnx.data
-    w1 = (RNG.standard_normal((256, 256)) * 0.1).astype(np.float32)
-    w2 = (RNG.standard_normal((256, 256)) * 0.1).astype(np.float32)
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
-         helper.make_node("Relu", ["h"], ["r"], name="relu"),
-         helper.make_node("MatMul", ["r", "w2"], ["y"], name="mm2")],
-        "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 256])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 256])],
-        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    path = tmp_path / f"{name}.onnx"
-    saved = onnx.ModelProto()
-    saved.CopyFrom(model)  # onnx.save moves the weights of the proto it saves out to the file
-    onnx.save(saved, str(path), save_as_external_data=True, location=f"{name}.onnx.data",
-              size_threshold=1024)
-    return model, str(path)
+    return external_mlp(tmp_path, RNG, name=name)
 
 
 def _samples(n: int = 4) -> list[dict[str, np.ndarray]]:
