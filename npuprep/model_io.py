@@ -446,8 +446,9 @@ def external_array(tensor: onnx.TensorProto, folder: str | Path) -> np.ndarray:
 def with_weights(model: Model) -> Model:
     """`model` with every external tensor's values read in (same path and fingerprint): what a
     stage that reads or rewrites weights needs after `load_model(path, weights="file")`."""
-    if not uses_external_data(model.proto):
-        return model
+    if all(is_anchored(t) for t in onnx.external_data_helper._get_all_tensors(model.proto)
+           if t.data_location == onnx.TensorProto.EXTERNAL):
+        return model  # inline only, or anchored already (the CLI anchors before convert does)
     folder = Path(model.path).parent
     proto = onnx.ModelProto()
     proto.CopyFrom(model.proto)
@@ -466,8 +467,9 @@ def anchored(model: Model) -> Model:
     (npuprep.graph.to_array), while rewritten copies of the graph carry no weight bytes.
     onnxruntime sessions read the files in place (npuprep.runtime.session.make_session);
     writing a model copies their bytes (write_model_files). Same path and fingerprint."""
-    if not uses_external_data(model.proto):
-        return model
+    if all(is_anchored(t) for t in onnx.external_data_helper._get_all_tensors(model.proto)
+           if t.data_location == onnx.TensorProto.EXTERNAL):
+        return model  # inline only, or anchored already (the CLI anchors before convert does)
     folder = Path(model.path).parent
     proto = onnx.ModelProto()
     proto.CopyFrom(model.proto)

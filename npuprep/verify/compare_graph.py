@@ -127,11 +127,8 @@ def merged_graph(
     g.output.extend(kept)
     wanted = set(keep_candidate)
     merged_names = {o.name: cand_name(o.name) for o in cand.graph.output if o.name in wanted}
-    taken = {o.name for o in g.output}
-    for vi in body.output:
-        if vi.name in set(merged_names.values()) - taken:
-            g.output.append(vi)
-            taken.add(vi.name)
+    missing = set(merged_names.values()) - {o.name for o in g.output}
+    g.output.extend(vi for vi in body.output if vi.name in missing)
     layout = replace(layout, candidate_outputs=merged_names)
     ordered = _interleave(ref_nodes, cand_nodes, pairs, per_pair) + iso_nodes + iso_reductions
     del g.node[:]
