@@ -1,4 +1,4 @@
-"""What a converted model records about its source: `metadata_props` -> (source fingerprint, tensor scales).
+"""What a converted model records about itself: `metadata_props` -> `Source`, `ConversionRecord`.
 
 `convert` writes the fingerprint of the model it started from and the power-of-two scale
 each rescaled tensor carries (the converted tensor holds `scale` times the source's values),
@@ -18,6 +18,10 @@ import onnx
 
 SOURCE_KEY = "npuprep.source_fingerprint"
 SCALES_KEY = "npuprep.tensor_scales"
+# The whole record of a conversion (JSON): what convert did and decided, so that every other
+# command given the converted model reaches convert's verdict, not one of its own.
+RECORD_KEY = "npuprep.conversion"
+RECORD_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -69,3 +73,109 @@ def find_source(model: Any) -> Source | None:
         return Source(str(data["fingerprint"]), {str(t): float(v) for t, v in scales.items() if v != 1.0})
     except (TypeError, ValueError, AttributeError):
         return None
+
+
+@dataclass(frozen=True)
+class Gates:
+    """What a conversion had to meet: each output's rel L2 (`rtol`, `atol` for near-zero
+    outputs), top-k agreement of decided outputs, the FP32 share of FLOPs (FP16/BF16) or the
+    8-bit share of multiply-adds (INT8/FP8)."""
+
+    rtol: float
+    atol: float
+    top_k: dict[str, int] = field(default_factory=dict)
+    max_fp32_share: float | None = None
+    min_8bit_share: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rtol": self.rtol, "atol": self.atol, "top_k": dict(sorted(self.top_k.items())),
+                "max_fp32_share": self.max_fp32_share, "min_8bit_share": self.min_8bit_share}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Gates:
+        return cls(rtol=float(data["rtol"]), atol=float(data["atol"]),
+                   top_k={str(k): int(v) for k, v in (data.get("top_k") or {}).items()},
+                   max_fp32_share=_optional_float(data.get("max_fp32_share")),
+                   min_8bit_share=_optional_float(data.get("min_8bit_share")))
+
+
+@dataclass(frozen=True)
+class ConversionRecord:
+    """What one conversion did, stored in the converted model itself.
+
+    `plan` is the applied plan as `Plan.to_dict()` (verification rounds' pins included);
+    `stats_fingerprint` names the statistics it planned on (None: calibrated in the run);
+    `calibration_ids`/`holdout_ids` the samples it planned and verified on; `passed` and
+    `cause` its verdict (`cause`: the FAILED line's reason, '' when it passed).
+    """
+
+    source: Source
+    target: str
+    precision: str
+    gates: Gates
+    plan: dict[str, Any]
+    passed: bool
+    cause: str = ""
+    stats_fingerprint: str | None = None
+    calibration_ids: tuple[str, ...] = ()
+    holdout_ids: tuple[str, ...] = ()
+    host_scales: dict[str, float] = field(default_factory=dict)
+    version: int = RECORD_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "source_fingerprint": self.source.fingerprint,
+            "tensor_scales": {t: s for t, s in sorted(self.source.tensor_scales.items())},
+            "target": self.target,
+            "precision": self.precision,
+            "gates": self.gates.to_dict(),
+            "passed": self.passed,
+            "cause": self.cause,
+            "stats_fingerprint": self.stats_fingerprint,
+            "calibration_ids": list(self.calibration_ids),
+            "holdout_ids": list(self.holdout_ids),
+            "host_scales": {o: s for o, s in sorted(self.host_scales.items())},
+            "plan": self.plan,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ConversionRecord:
+        scales = data.get("tensor_scales") or {}
+        return cls(
+            source=Source(str(data["source_fingerprint"]),
+                          {str(t): float(v) for t, v in scales.items()}),
+            target=str(data["target"]), precision=str(data["precision"]),
+            gates=Gates.from_dict(data["gates"]), plan=dict(data["plan"]),
+            passed=bool(data["passed"]), cause=str(data.get("cause") or ""),
+            stats_fingerprint=data.get("stats_fingerprint"),
+            calibration_ids=tuple(str(i) for i in data.get("calibration_ids") or ()),
+            holdout_ids=tuple(str(i) for i in data.get("holdout_ids") or ()),
+            host_scales={str(o): float(v) for o, v in (data.get("host_scales") or {}).items()},
+            version=int(data.get("version", RECORD_VERSION)),
+        )
+
+
+def record_conversion(proto: onnx.ModelProto, record: ConversionRecord) -> None:
+    """Write (or replace) the conversion record, and the source record it contains."""
+    record_source(proto, record.source.fingerprint, record.source.tensor_scales)
+    props = {p.key: p.value for p in proto.metadata_props}
+    props[RECORD_KEY] = json.dumps(record.to_dict(), sort_keys=True, separators=(",", ":"))
+    onnx.helper.set_model_props(proto, props)
+
+
+def read_conversion(proto: onnx.ModelProto) -> ConversionRecord | None:
+    """The conversion record of a model npuprep converted; None for any other model, one
+    converted before the record existed, or a record that does not parse."""
+    props = {p.key: p.value for p in proto.metadata_props}
+    text = props.get(RECORD_KEY)
+    if not text:
+        return None
+    try:
+        return ConversionRecord.from_dict(json.loads(text))
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
