@@ -54,18 +54,21 @@ def test_bad_input_exits_2_with_one_line(save):
     assert "no_such_target" in r.stderr
 
 
-def test_gather_findings_is_the_one_place_findings_come_from(save):
+def test_plan_check_is_the_one_place_findings_come_from(save):
     path = save(EXP)
     args = argparse.Namespace(model=str(path), target="generic", json=True, fail_on="error")
-    findings = check.gather_findings(args, load_model(path), load_profile("generic").resolve())
-    assert [f.rule for f in findings] == ["hazard.exp"] and findings
+    planned = check.plan_check(args, load_model(path), load_profile("generic").resolve(), None)
+    assert [f.rule for f in planned.findings] == ["hazard.exp"] and planned.findings
+    # Each finding carries what the plan did for it.
+    assert [f.planned for f in planned.findings] == [planned.plan.actions[0].action]
 
 
 def test_findings_that_read_the_same_share_one_table_row(save):
     # x -> Exp -> Exp -> Exp -> Exp -> Exp -> y: five identical hazards, one row
     chain = " ".join(f"e{i} = Exp ({'x' if i == 0 else f'e{i - 1}'})" for i in range(4))
     path = save(HEAD + f"g (float[4] x) => (float[4] y) {{ {chain} y = Exp (e3) }}")
-    findings = check.gather_findings(argparse.Namespace(), load_model(path), load_profile("generic").resolve())
+    findings = check.plan_check(argparse.Namespace(), load_model(path),
+                                load_profile("generic").resolve(), None).findings
     assert len(findings) == 5
     [row] = check._rows(findings)
     # The sentence rides last, counted; the table shows it with --wide, -v prints it whole below.
@@ -143,6 +146,8 @@ def test_html_draws_no_remedy_where_the_plan_has_none(save, tmp_path):
     checked = run_cli("check", save(EXP), "--target", "a2000", "--data", tmp_path / "d", "--html", page,
                       "--json")
     doc = json.loads(checked.stdout)
-    assert any(f["remedy"] in ("clamp", "pin_fp32") for f in doc["findings"])
+    # The rule suggested a remedy; the plan took none, and the finding says so.
+    assert any(f["suggested_remedy"] in ("clamp", "pin_fp32") for f in doc["findings"])
+    assert {f["remedy"] for f in doc["findings"]} == {"none"}
     assert doc["plan"]["actions"] == [] and _remedy_marks(page.read_text()) == []
     assert "headroom-chart" in page.read_text()

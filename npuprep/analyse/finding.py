@@ -18,8 +18,11 @@ class Finding:
     """One hazard at one node or tensor.
 
     `rule` is a dotted id (`dtype.unsupported`, `hazard.exp`, `range.overflow`, ...);
-    `evidence` holds the numbers behind the verdict; `remedy` is one of `rescale`,
-    `pin_fp32`, `clamp`, `convert_dtype`, `fold`, `none`, with `remedy_text` saying it in words.
+    `evidence` holds the numbers behind the verdict; `remedy` is what the rule suggests
+    (`rescale`, `pin_fp32`, `clamp`, `convert_dtype`, `fold`, `none`; the planner reads it),
+    with `remedy_text` saying it in words. `planned` is what the plan did for it (set by
+    npuprep.plan.remedies; "" before planning): people are shown that one, never a suggestion
+    the plan did not take.
     """
 
     rule: str
@@ -32,6 +35,12 @@ class Finding:
     evidence: dict[str, Any] = field(default_factory=dict)
     remedy: str = "none"
     remedy_text: str = ""
+    planned: str = ""
+
+    @property
+    def shown_remedy(self) -> str:
+        """The remedy to show: the plan's when planned, else the rule's suggestion."""
+        return self.planned or self.remedy
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -43,7 +52,8 @@ class Finding:
             "scope": self.scope,
             "message": self.message,
             "evidence": dict(self.evidence),
-            "remedy": self.remedy,
+            "remedy": self.shown_remedy,
+            "suggested_remedy": self.remedy,
             "remedy_text": self.remedy_text,
         }
 
@@ -53,7 +63,9 @@ class Finding:
             rule=d["rule"], severity=Severity.parse(d["severity"]), node=d["node"],
             op_type=d["op_type"], message=d["message"], tensor=d.get("tensor", ""),
             scope=d.get("scope", "main"), evidence=dict(d.get("evidence", {})),
-            remedy=d.get("remedy", "none"), remedy_text=d.get("remedy_text", ""),
+            remedy=d.get("suggested_remedy", d.get("remedy", "none")),
+            remedy_text=d.get("remedy_text", ""),
+            planned=d.get("remedy", "") if "suggested_remedy" in d else "",
         )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from npuprep.cli.common import (
     add_data,
@@ -17,6 +17,12 @@ from npuprep.cli.common import (
     say,
 )
 from npuprep.names import shown
+
+if TYPE_CHECKING:
+    from npuprep.calibrate.stats import RangeStats
+    from npuprep.model_io import Model
+    from npuprep.plan.decide import Planned
+    from npuprep.profiles import ResolvedTarget
 
 help = "report where MODEL will leave the target's range (static rules; no rewrite)"
 
@@ -47,20 +53,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vendor-python", metavar="PATH",
                    help="python of the vendor venv (default: $NPUPREP_RKNN_PYTHON, then "
                         "~/.cache/npuprep/rknn-venv)")
-
-
-def gather_findings(args: argparse.Namespace, model: Any, target: Any, stats: Any = None) -> Any:
-    """All findings for this invocation: the static rules, then whatever the options add.
-
-    `stats` are measured ranges already at hand; without them the options say where to get
-    them (--stats, --data, --synthetic) or the check stays static.
-    """
-    from npuprep.analyse import findings_for
-
-    if stats is None:
-        stats = _measured_stats(args, model)
-    # A conversion's own FP32 islands are its decision, not a finding against it.
-    return findings_for(model, target, stats, as_stored=True)
 
 
 def _measured_stats(args: argparse.Namespace, model: Any, detail: str = "auto") -> Any:
@@ -105,10 +97,8 @@ def run(args: argparse.Namespace) -> int:
         outputs.writes(args.html, "--html")
     with outputs.open() as files:
         stats = _measured_stats(args, model, "all" if eight is not None else "auto")
-        findings = gather_findings(args, model, target, stats)
-        # Findings and plan on the graph convert plans: exact pre-plan rewrites (a folded
-        # mean, removed control flow) change what is there to find.
-        model, findings, plan, rewrites = _plan(args, model, target, stats, findings)
+        planned = plan_check(args, model, target, stats)
+        model, findings, plan, rewrites = planned.model, planned.findings, planned.plan, planned.notes
         if eight is not None:
             from dataclasses import replace
 
@@ -144,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
             doc["stats"] = stats.to_dict()
         print_json(doc)
     else:
-        _print(model, profile, findings, fail_on, plan)
+        _print(model, profile, findings, fail_on)
         if stats is not None and stats.mapping_note:
             say(f"note: {stats.mapping_note}")
         for note in rewrites:
@@ -200,26 +190,18 @@ def _print_eight_bit(plan: Any) -> None:
         f"{len(wider)} node(s) kept wider")
 
 
-def _plan(args: argparse.Namespace, model: Any, target: Any, stats: Any,
-          findings: Any) -> tuple[Any, Any, Any, tuple[str, ...]]:
+def plan_check(args: argparse.Namespace, model: Model, target: ResolvedTarget,
+               stats: RangeStats | None) -> Planned:
     """The graph convert plans (fusions a compiler makes, no control flow where the target
-    takes none), its findings, what `convert` would do with them (the planner's own
-    decision, so check and convert tell one story; verification rounds may add pins to it),
-    and the notes saying how that graph differs from the model."""
-    from dataclasses import replace
-
+    takes none), its findings, and what convert would do with them (npuprep.plan.decide:
+    one story for check and convert; verification rounds may add pins to it). A conversion's
+    own FP32 islands and stored formats are its decision, not findings against it."""
     from npuprep.cli.common import open_samples
-    from npuprep.plan.planner import make_plan
-    from npuprep.rewrite.passes import prepare_for_target
+    from npuprep.plan.decide import plan_for
 
     samples = open_samples(args, model.proto) if stats is not None else None
-    prepared = prepare_for_target(model, target, stats,
-                                  list(samples) if samples is not None else None)
-    work, stats, notes = prepared.model, prepared.stats, prepared.notes
-    if work is not model:
-        findings = gather_findings(args, work, target, stats)
-    plan = make_plan(work, target, stats, findings)
-    return work, findings, replace(plan, notes=(*notes, *plan.notes)), notes
+    return plan_for(model, target, stats, list(samples) if samples is not None else None,
+                    as_stored=True)
 
 
 def _print_plan(plan: Any, *, measured: bool) -> None:
@@ -282,28 +264,13 @@ def _evidence_text(evidence: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def _planned(members: list[Any], plan: Any) -> str:
-    """What the plan does for these findings: its action, or `none` (measured safe, or no
-    remedy), so the column never says pin_fp32 beside "0 node(s) pinned"."""
-    if plan is None:
-        return str(members[0].remedy)
-    refs = {(m.rule, m.node, m.tensor) for m in members}
-    for action in plan.actions:
-        if any((r.rule, r.node, r.tensor) in refs for r in getattr(action, "findings", ())):
-            return action.action
-    pins = plan.pinned_nodes()
-    if any(m.node in pins for m in members):
-        return "pin_fp32"
-    declined = {(r.rule, r.node, r.tensor) for d in plan.declined for r in d.findings}
-    return "declined" if refs & declined else "none"
-
-
-def _rows(findings: Any, plan: Any = None) -> list[tuple[str, ...]]:
+def _rows(findings: Any) -> list[tuple[str, ...]]:
     """Table rows, most severe first, each with its sentence and how-to last; findings that
-    read the same (say, one per layer) share a row."""
+    read the same (say, one per layer) and that the plan remedies alike share a row. The
+    remedy column is what the plan did (`Finding.planned`), never a pin it did not make."""
     groups: dict[tuple[str, ...], list[Any]] = {}
     for f in findings:
-        key = (f.rule, str(f.severity), f.op_type, f.scope, f.message, f.remedy_text)
+        key = (f.rule, str(f.severity), f.op_type, f.scope, f.message, f.remedy_text, f.shown_remedy)
         groups.setdefault(key, []).append(f)
     rows = []
     for members in sorted(groups.values(), key=lambda g: -int(g[0].severity)):
@@ -314,15 +281,15 @@ def _rows(findings: Any, plan: Any = None) -> list[tuple[str, ...]]:
         where = nodes if f.scope == "main" else f"{nodes} [{f.scope}]"
         message = f.message if len(members) == 1 else f"{len(members)}x: {f.message}"
         rows.append((str(f.severity), f.rule, where, f.op_type, _evidence_text(f.evidence),
-                     _planned(members, plan), message, f.remedy_text))
+                     f.shown_remedy, message, f.remedy_text))
     return rows
 
 
-def _print(model: Any, profile: Any, findings: Any, fail_on: Any, plan: Any = None) -> None:
+def _print(model: Any, profile: Any, findings: Any, fail_on: Any) -> None:
     say(f"model  {shown(model.path)}  (opset {model.opset}, fingerprint {model.fingerprint})")
     say(f"target {shown(profile.name)}  ({profile.default_precision}, overflow {profile.overflow})")
     if len(findings):
-        rows = _rows(findings, plan)
+        rows = _rows(findings)
         columns = ["severity", "rule", "node", "op", "evidence", "remedy"]
         # The sentences stay in --json and the reports; --wide shows them as columns, and -v
         # whole under the table (a column would cut them to the width).

@@ -41,9 +41,10 @@ def run(args: argparse.Namespace) -> int:
     from npuprep.cli.common import begin, out, print_json, print_table, say
     from npuprep.crosscheck.check import crosscheck
     from npuprep.crosscheck.names import NodeIndex
-    from npuprep.crosscheck.plan_view import read_decision
+    from npuprep.crosscheck.plan_view import read_decision, recorded_decision
     from npuprep.crosscheck.readers import read_report
     from npuprep.crosscheck.render import COLUMNS, SHORT_COLUMNS, row, short_row, to_markdown
+    from npuprep.provenance import read_conversion
 
     run_ = begin(args, inputs=("report", "stats", "plan"))
     profile, model, outputs = run_.profile, run_.model, run_.outputs
@@ -62,6 +63,10 @@ def run(args: argparse.Namespace) -> int:
         findings = findings.merged(measured_findings(model, run_.target, stats))
         if stats.mapping_note:
             report = replace(report, notes=(*report.notes, stats.mapping_note))
+    record = read_conversion(model.proto)
+    if decision is None and record is not None:
+        # A conversion carries its applied plan: convert's decisions decide, as with --plan.
+        decision = recorded_decision(record, model, index)
     if decision is None and args.stats:
         decision = planner_decision(model, run_.target, stats, findings, index)
     if decision is None:
@@ -112,32 +117,19 @@ def failure_line(result: Any) -> str:
 
 def planner_decision(model: Any, target: Any, stats: Any, findings: Any, index: Any) -> Any:
     """Without --plan, the planner's own decision on these stats (what check and convert
-    would do), so a node they call safe is no mismatch here; None for a conversion, whose
-    decisions are in its plan files."""
-    from dataclasses import replace
-
-    from npuprep.analyse import findings_for
+    would do: npuprep.plan.decide), so a node they call safe is no mismatch here; None for a
+    conversion without its record, whose decisions are in its plan files."""
     from npuprep.crosscheck.plan_view import decision_of
-    from npuprep.plan.planner import make_plan
+    from npuprep.plan.decide import plan_for
     from npuprep.provenance import find_source
-    from npuprep.rewrite.passes import prepare_for_target
 
     if find_source(model) is not None:
         return None
-    # The graph check and convert plan on (a compiler's fusions made first): their story.
-    prepared = prepare_for_target(model, target, stats)
-    if prepared.model is not model:
-        findings = findings_for(prepared.model, target, prepared.stats)
-    plan = make_plan(prepared.model, target, prepared.stats, findings)
-    decision = decision_of(plan, index, "the planner's plan on these stats (check's and convert's; "
-                           "no --plan given)", kind="planner")
+    planned = plan_for(model, target, stats, findings=findings)
     # The compiler was given this model, not the rewritten one: a rescale or a shift the plan
     # would make is not in it, so only its pins and its measured verdicts count.
-    rewrites = [a.action for a in plan.actions if a.action != "pin_fp32"]
-    notes = (f"the plan's {len(rewrites)} other remedies ({', '.join(sorted(set(rewrites)))}) make "
-             "nodes safe only in convert's model: crosscheck the conversion with --plan "
-             "<out>.precision.yaml for those",) if rewrites else ()
-    return replace(decision, safe={}, answered={}, notes=notes)
+    return decision_of(planned.plan, index, "the planner's plan on these stats (check's and "
+                       "convert's; no --plan given)", kind="planner", rewritten=False)
 
 
 def _plan_hint(model: Any) -> tuple[str, ...]:

@@ -161,7 +161,8 @@ def crosscheck(
     notes = list(report.notes)
     if decision is not None:
         notes += list(decision.notes)
-        source = decision.path if decision.kind == "planner" else f"the {decision.kind} file {decision.path}"
+        source = decision.path if decision.kind in ("planner", "record") \
+            else f"the {decision.kind} file {decision.path}"
         notes.append(f"{source} decides: {len(pins)} nodes pinned to "
                      f"FP32, {len(settled)} nodes it keeps in {decision.precision} despite a "
                      "finding or by a remedy")
@@ -173,11 +174,15 @@ def crosscheck(
                    key=lambda n: (index.position.get(n, len(index.position)), n))
     keeps = decision.precision if decision is not None else profile.default_precision
     eight_bit = decision.eight_bit if decision is not None else frozenset()
+    absent = decision.absent if decision is not None else {}
     for node in nodes:
+        lacking = [absent[k] for f in sensitive.get(node, [])
+                   if (k := (f.rule, f.node, f.tensor)) in absent]
         verdicts.append(_verdict(node, index, placed.get(node, []), reformats.get(node, []),
                                  sensitive.get(node, []), pins.get(node, ""), report, profile,
                                  settled.get(node, {}), _keeps(decision, node, keeps),
-                                 decision is not None, node in eight_bit))
+                                 decision is not None, node in eight_bit,
+                                 "; ".join(dict.fromkeys(lacking))))
     wider = [v for v in verdicts if v.evidence.get("wider_than_planned")]
     if wider:
         names = ", ".join(v.node for v in wider[:5]) + (f" (+{len(wider) - 5})" if len(wider) > 5 else "")
@@ -236,7 +241,8 @@ def _unmapped_reason(record: LayerRecord, name: str) -> str:
 def _verdict(node: str, index: NodeIndex, records: list[LayerRecord], reformats: list[LayerRecord],
              found: list[Finding], pin: str, report: CompilerReport,
              profile: TargetProfile, settled: dict[str, str] | None = None,
-             keeps: str = "", decided: bool = False, planned_8bit: bool = False) -> Verdict:
+             keeps: str = "", decided: bool = False, planned_8bit: bool = False,
+             lacking: str = "") -> Verdict:
     op_type = index.op_types.get(node, "")
     pinned = bool(pin)
     settled = settled or {}
@@ -285,7 +291,9 @@ def _verdict(node: str, index: NodeIndex, records: list[LayerRecord], reformats:
         return Verdict(node, "pin-ignored", reason=f"the plan pins it to FP32 ({pin}), the "
                        f"compiler runs it in {runs_in}", **common)
     if found and runs_in not in adequate:
-        unanswered = "; the plan did not make it safe" if decided else ""
+        # `lacking`: the plan's rewrite would make it safe, but this model does not carry it.
+        unanswered = f"; the plan {lacking}" if lacking else \
+            "; the plan did not make it safe" if decided else ""
         return Verdict(node, "mismatch", reason=f"{', '.join(rules)}: needs {needs}, the compiler "
                        f"runs it in {runs_in}{unanswered}", **common)
     plan_why = "; ".join(dict.fromkeys(settled.values()))

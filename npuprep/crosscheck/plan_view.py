@@ -20,7 +20,7 @@ from npuprep.crosscheck.names import NodeIndex
 from npuprep.crosscheck.record import PRECISION_ORDER
 from npuprep.errors import NpuprepError
 from npuprep.model_io import Model
-from npuprep.provenance import find_source, read_source
+from npuprep.provenance import RECORD_KEY, ConversionRecord, find_source, read_source
 from npuprep.yaml_io import read_yaml
 
 # Findings from measured ranges; every other rule is static (an op or a pattern).
@@ -47,9 +47,14 @@ class PlanDecision:
     wider: dict[str, tuple[str, str]] = field(default_factory=dict)
     # 8-bit plans: nodes the plan puts in the 8-bit format (a compiler running one wider is a note).
     eight_bit: frozenset[str] = frozenset()
+    # Findings the plan answers by rewriting the graph (rescale, softmax shift, clamp) when the
+    # model checked is the plan's source, which lacks those rewrites: key -> the remedy it lacks.
+    absent: dict[tuple[str, str, str], str] = field(default_factory=dict)
 
     def settles(self, finding: Finding) -> str:
         """Why the plan needs no FP32 for `finding` ("" when it does not settle it)."""
+        if (finding.rule, finding.node, finding.tensor) in self.absent:
+            return ""  # the remedy that would settle it is not in this model
         why = self.answered.get((finding.rule, finding.node, finding.tensor)) or self.safe.get(finding.node)
         if why:
             return why
@@ -79,7 +84,8 @@ def _from_plan(path: str | Path, data: dict[str, Any], model: Model, index: Node
     from npuprep.plan import Plan, load_plan
 
     note = ""
-    if data.get("fingerprint") == model.fingerprint:
+    source_model = data.get("fingerprint") == model.fingerprint
+    if source_model:
         plan = load_plan(path, model)
     else:
         # The compiler is given the converted model, whose fingerprint differs from the model
@@ -101,23 +107,42 @@ def _from_plan(path: str | Path, data: dict[str, Any], model: Model, index: Node
                                f"({model.fingerprint}), and names none of its nodes")
         note = (f"plan {path} was made for model {plan.fingerprint} (before conversion?); "
                 f"all {len(plan.pinned_nodes())} pinned nodes are in this model")
-    decision = decision_of(plan, index, str(path))
+    # The plan's source lacks its rewrites: they cannot make a node safe in the compiler's run.
+    decision = decision_of(plan, index, str(path), rewritten=not source_model)
     notes = [note] if note else []
     if read_source(model.proto) is not None:
         notes.append("plan.yaml holds the plan's pins; the FP32 nodes rewriting and lowering added "
                      "(a softmax shift's subtraction, a rescale's exit) are in the conversion's "
                      ".precision.yaml: give that to --plan to check them too")
-    return replace(decision, notes=tuple(notes))
+    return replace(decision, notes=(*notes, *decision.notes))
 
 
-def decision_of(plan: Any, index: NodeIndex, path: str, kind: str = "plan") -> PlanDecision:
+def recorded_decision(record: ConversionRecord, model: Model, index: NodeIndex) -> PlanDecision:
+    """The decision of the conversion `model` records about itself (npuprep.provenance): its
+    applied plan, verification pins included, so crosscheck reaches convert's verdict. A
+    recorded plan that does not read is one line naming the model and the key."""
+    from npuprep.plan import Plan
+
+    plan = Plan.from_dict(record.plan, f"{model.path}: metadata {RECORD_KEY}: plan")
+    return decision_of(plan, index, f"the conversion's record in {model.path} (its applied plan, "
+                       f"{record.target}, {record.precision})", kind="record")
+
+
+def decision_of(plan: Any, index: NodeIndex, path: str, kind: str = "plan", *,
+                rewritten: bool = True) -> PlanDecision:
     """A plan's pins and what its other remedies make safe (crosscheck without --plan reads
-    the planner's own plan, as check and convert do)."""
+    the planner's own plan, as check and convert do, or a conversion's recorded one).
+
+    `rewritten`: the model checked carries the plan's rewrites (a conversion). Its source
+    does not: the findings a rescale, softmax shift or clamp answers stay open (`absent`),
+    and a note counts those remedies, which exist only in the converted model."""
     from npuprep.plan import Clamp, PinFp32, Rescale, SoftmaxShift
 
     pins: dict[str, str] = {}
     safe: dict[str, str] = {}
     answered: dict[tuple[str, str, str], str] = {}
+    absent: dict[tuple[str, str, str], str] = {}
+    missing: dict[str, int] = {}
     allowed = plan.pinned_nodes()
     for action in plan.actions:
         if isinstance(action, PinFp32):
@@ -136,6 +161,12 @@ def decision_of(plan: Any, index: NodeIndex, path: str, kind: str = "plan") -> P
             nodes = list(action.consumers)
         else:
             continue
+        if not rewritten:
+            lacking = f"{why}: only in the converted model, not in this one"
+            for ref in action.findings:
+                absent.setdefault((ref.rule, ref.node, ref.tensor), lacking)
+            missing[action.action] = missing.get(action.action, 0) + 1
+            continue
         for ref in action.findings:
             answered.setdefault((ref.rule, ref.node, ref.tensor), why)
             nodes.append(ref.node)
@@ -144,8 +175,12 @@ def decision_of(plan: Any, index: NodeIndex, path: str, kind: str = "plan") -> P
                 for d in plan.declined for r in d.findings}
     wider = {x.node: (x.precision, x.why) for x in plan.eight_bit if x.precision != plan.precision}
     eight = frozenset(x.node for x in plan.eight_bit if x.precision == plan.precision)
+    notes = (f"the plan's {sum(missing.values())} rewrites ("
+             + ", ".join(f"{n} {a}" for a, n in sorted(missing.items()))
+             + ") exist only in the converted model, not in this one: the findings they answer "
+             "count here as open; crosscheck the conversion's own compiler report",) if missing else ()
     return PlanDecision(path, kind, plan.fingerprint, plan.precision, pins, safe, answered,
-                        (), declined, wider, eight)
+                        notes, declined, wider, eight, absent)
 
 
 def _named_nodes(plan: Any) -> set[str]:

@@ -17,6 +17,7 @@ from npuprep.data import Feed
 from npuprep.model_io import Model
 from npuprep.plan.plan import Plan
 from npuprep.plan.planner import make_plan
+from npuprep.plan.remedies import remedied
 from npuprep.profiles import ResolvedTarget
 from npuprep.rewrite.passes import prepare_for_target
 
@@ -24,7 +25,8 @@ from npuprep.rewrite.passes import prepare_for_target
 @dataclass(frozen=True)
 class Planned:
     """The planned graph (`model`: the source after the pre-plan passes, or the source itself),
-    its stats (completed with tensors the passes made), findings, plan, and the notes that
+    its stats (completed with tensors the passes made), findings (each with what the plan did
+    for it, `Finding.planned`), plan, and the notes that
     say how the planned graph differs from the source."""
 
     model: Model
@@ -47,8 +49,11 @@ def plan_for(model: Model, target: ResolvedTarget, stats: RangeStats | None = No
     prepared = prepare_for_target(model, target, stats, samples)
     if findings is None or prepared.model is not model:
         findings = findings_for(prepared.model, target, prepared.stats, as_stored=as_stored)
+    # Findings leave with what the plan did for each (`Finding.planned`), never a suggestion
+    # the plan did not take.
     if plan is not None:
-        return Planned(prepared.model, prepared.stats, findings, plan, prepared.notes, False)
+        return Planned(prepared.model, prepared.stats, remedied(findings, plan), plan,
+                       prepared.notes, False)
     made = make_plan(prepared.model, target, prepared.stats, findings)
     made = replace(made, notes=(*prepared.notes, *made.notes))
-    return Planned(prepared.model, prepared.stats, findings, made, prepared.notes)
+    return Planned(prepared.model, prepared.stats, remedied(findings, made), made, prepared.notes)
