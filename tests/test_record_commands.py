@@ -1,0 +1,96 @@
+"""Commands given a conversion read its record, so their verdict is convert's.
+
+graph: x -> MatMul(W, big) -> h -> LayerNorm written out (ReduceMean, Sub, Pow, ReduceMean,
+       Add eps, Sqrt, Div) -> n -> MatMul(W2) -> l -> Exp -> e -> ReduceSum -> s -> Div(e, s) -> y
+h^2 overflows FP16 (the plan rescales mm1, the LayerNorm absorbs it) and Exp(l) overflows
+(the plan subtracts the max first): convert passes on a2000 with every node in FP16.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from conftest import run_cli
+from conversion_util import as_stored_report, convert_recorded
+from onnx import TensorProto, helper, numpy_helper
+
+from npuprep.provenance import RECORD_KEY
+
+
+def _source() -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    node = helper.make_node
+    nodes = [node("MatMul", ["x", "W"], ["h"], name="mm1"),
+             node("ReduceMean", ["h"], ["mu"], name="ln_mean", axes=[-1]),
+             node("Sub", ["h", "mu"], ["d"], name="ln_sub"),
+             node("Pow", ["d", "two"], ["sq"], name="ln_pow"),
+             node("ReduceMean", ["sq"], ["var"], name="ln_var", axes=[-1]),
+             node("Add", ["var", "eps"], ["ve"], name="ln_add"),
+             node("Sqrt", ["ve"], ["sd"], name="ln_sqrt"),
+             node("Div", ["d", "sd"], ["n"], name="ln_div"),
+             node("MatMul", ["n", "W2"], ["l"], name="mm2"),
+             node("Exp", ["l"], ["e"], name="sm_exp"),
+             node("ReduceSum", ["e", "axes"], ["s"], name="sm_sum", keepdims=1),
+             node("Div", ["e", "s"], ["y"], name="sm_div")]
+    weights = [numpy_helper.from_array((rng.standard_normal((8, 8)) * 40).astype(np.float32), "W"),
+               numpy_helper.from_array((rng.standard_normal((8, 4)) * 6).astype(np.float32), "W2"),
+               numpy_helper.from_array(np.array([2], np.float32), "two"),
+               numpy_helper.from_array(np.array([1e-5], np.float32), "eps"),
+               numpy_helper.from_array(np.array([-1], np.int64), "axes")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("record")
+    source, data, out = folder / "m.onnx", folder / "data", folder / "m16.onnx"
+    onnx.save(_source(), str(source))
+    data.mkdir()
+    rng = np.random.default_rng(1)
+    for i in range(8):
+        np.savez(data / f"s{i}.npz", x=(rng.standard_normal((1, 8)) * 3 + 2).astype(np.float32))
+    report = convert_recorded(source, data, "a2000", out)
+    assert report["passed"] and {a["action"] for a in report["plan"]["actions"]} == {"rescale", "softmax_shift"}
+    stats = folder / "stats.json"
+    assert run_cli("calibrate", source, "--data", data, "-o", stats).returncode == 0
+    return {"source": source, "data": data, "out": out, "stats": stats,
+            "csv": as_stored_report(out, folder / "layers.csv"), "folder": folder}
+
+
+def _crosscheck(model: Path, csv: Path, *extra: object) -> tuple[int, dict]:
+    done = run_cli("crosscheck", model, "--report", csv, "--target", "a2000", "--json", *extra)
+    assert done.returncode in (0, 1), done.stderr
+    return done.returncode, json.loads(done.stdout)
+
+
+def test_crosscheck_of_a_conversion_decides_by_its_recorded_plan(converted, tmp_path):
+    # Every node in the precision the conversion wrote, source stats, no --plan: convert's verdict.
+    rc, doc = _crosscheck(converted["out"], converted["csv"], "--stats", converted["stats"])
+    assert rc == 0 and doc["passed"] and doc["counts"]["mismatch"] == 0
+    assert any("conversion's record" in n for n in doc["notes"])
+    # The same model without its record: generic rules on LayerNorm/softmax "need fp32".
+    proto = onnx.load(str(converted["out"]))
+    kept = {p.key: p.value for p in proto.metadata_props if p.key != RECORD_KEY}
+    helper.set_model_props(proto, kept)
+    bare = tmp_path / "bare.onnx"
+    onnx.save(proto, str(bare))
+    rc, doc = _crosscheck(bare, converted["csv"], "--stats", converted["stats"])
+    assert rc == 1 and doc["counts"]["mismatch"] > 0
+
+
+def test_crosscheck_of_the_source_counts_the_plans_rewrites_as_absent(converted):
+    # The conversion's plan given with the source model: its rescale and shift are not in it.
+    rc, doc = _crosscheck(converted["source"], converted["csv"], "--plan",
+                          converted["out"].with_suffix(".plan.yaml"))
+    assert rc == 1 and not doc["passed"]
+    assert any("exist only in the converted model" in n and "1 rescale, 1 softmax_shift" in n
+               for n in doc["notes"])
+    failing = {v["node"]: v["reason"] for v in doc["verdicts"] if v["verdict"] == "mismatch"}
+    assert {"ln_pow", "sm_exp"} <= set(failing)
+    assert "only in the converted model" in failing["sm_exp"]
