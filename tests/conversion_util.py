@@ -14,7 +14,13 @@ from typing import Any
 import onnx
 from conftest import run_cli
 
-from npuprep.provenance import ConversionRecord, Gates, read_conversion, read_source, record_conversion
+from npuprep.provenance import (
+    ConversionRecord,
+    Gates,
+    read_conversion,
+    read_source,
+    record_conversion,
+)
 from npuprep.verify.compare import DEFAULT_ATOL
 
 

@@ -94,3 +94,31 @@ def test_crosscheck_of_the_source_counts_the_plans_rewrites_as_absent(converted)
     failing = {v["node"]: v["reason"] for v in doc["verdicts"] if v["verdict"] == "mismatch"}
     assert {"ln_pow", "sm_exp"} <= set(failing)
     assert "only in the converted model" in failing["sm_exp"]
+
+
+def test_compare_judges_a_conversion_by_its_recorded_gate(tmp_path):
+    # x (about 1000) -> Sub(c = 1000) -> t -> Add(x) -> y
+    # FP16 stores x to 0.5 near 1000: t (in [0, 1]) is off by half its size, y by 1e-4 of it.
+    text = ('<ir_version: 8, opset_import: ["" : 17]> g (float[64] x) => (float[64] y) '
+            '<float c = {1000.0}> { t = Sub (x, c) y = Add (t, x) }')
+    source = tmp_path / "m.onnx"
+    onnx.save(onnx.parser.parse_model(text), str(source))
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(2)
+    for i in range(4):
+        np.savez(data / f"s{i}.npz", x=(1000 + rng.random(64)).astype(np.float32))
+    out = tmp_path / "m16.onnx"
+    assert convert_recorded(source, data, "a2000", out)["passed"]
+    done = run_cli("compare", source, out, "--data", data, "--target", "a2000", "--json")
+    doc = json.loads(done.stdout)
+    rows = {t["tensor"]: t for t in doc["tensors"]}
+    assert done.returncode == 0 and doc["passed"] and doc["gate"]["outputs"] == ["y"]
+    assert rows["y"]["passed"] and not rows["t"]["passed"]  # t is where to look, not a failure
+    assert doc["first_divergent"]["tensor"] == "t"
+    # Two models without a record between them: every tensor decides, as before.
+    proto = onnx.load(str(out))
+    helper.set_model_props(proto, {p.key: p.value for p in proto.metadata_props if p.key != RECORD_KEY})
+    onnx.save(proto, str(tmp_path / "bare.onnx"))
+    done = run_cli("compare", source, tmp_path / "bare.onnx", "--data", data, "--target", "a2000", "--json")
+    assert done.returncode == 1 and json.loads(done.stdout)["gate"] is None

@@ -117,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         scales = _read_scales(args.scales) if args.scales else None
         samples = open_samples(args, ref.proto)
         notes: tuple[str, ...] = ()
+        gate = None
         if args.emulate:
             from npuprep.profiles import Pinning
             from npuprep.verify.emulate import emulate
@@ -138,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
                      + _as_exported_note(ref, profile))
         else:
             cand_proto = anchored(load_model(args.cand, weights="file")).proto
+            gate = conversion_gate(ref, cand_proto, args)
             if scales is None:
                 scales, scale_note = _recorded_scales(ref, cand_proto)
                 notes += scale_note
@@ -158,13 +160,15 @@ def run(args: argparse.Namespace) -> int:
             elif stored is not None:
                 notes += ("the candidate ran as-is on onnxruntime's CPU provider, which computes parts "
                          f"of a {stored.name} model in FP32 and hides overflow",)
+        rtol = default_rtol(fmt_) if gate is None else gate.rtol
+        atol = DEFAULT_ATOL if gate is None else gate.atol
         result = compare_models(
             ref.proto, cand_proto, _Progress(samples, not args.json),
-            rtol=default_rtol(fmt_) if args.rtol is None else args.rtol,
-            atol=DEFAULT_ATOL if args.atol is None else args.atol,
+            rtol=rtol if args.rtol is None else args.rtol,
+            atol=atol if args.atol is None else args.atol,
             overrides=overrides, tensor_scales=scales, fmt=fmt_, isolate=args.isolate, worst=args.worst,
         )
-        result = replace(result, notes=result.notes + notes)
+        result = replace(result, notes=result.notes + notes, gate=gate)
         masks = mask_rows(ref, result)
         if args.report:
             files.text(args.report, render_markdown(result, args, masks))
@@ -236,6 +240,23 @@ def _is_number(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def conversion_gate(ref: Any, cand: Any, args: argparse.Namespace) -> Any:
+    """When CAND is a conversion of REF that records its gate: judge it as convert did, by
+    the graph outputs at the record's rtol/atol (--rtol/--atol still override); None for two
+    unrelated models, which keep compare's own tensor-by-tensor verdict."""
+    from npuprep.provenance import read_conversion
+    from npuprep.verify.compare import OutputGate
+
+    record = read_conversion(cand)
+    if record is None or record.source.fingerprint != ref.fingerprint:
+        return None
+    outputs = tuple(o.name for o in ref.proto.graph.output)
+    return OutputGate(outputs, record.gates.rtol if args.rtol is None else args.rtol,
+                      record.gates.atol if args.atol is None else args.atol,
+                      f"the conversion's record ({record.target}, {record.precision}: convert "
+                      f"{'passed' if record.passed else 'FAILED'})")
 
 
 def _recorded_scales(ref: Any, cand: Any) -> tuple[dict[str, float] | None, tuple[str, ...]]:
@@ -363,8 +384,9 @@ def _print(result: Any, masks: frozenset[str] = frozenset()) -> None:
             ("ok:ref-nan", "ok:ref-nan = the reference itself is non-finite")) if code in codes))
     first = result.first_divergent
     if first is not None:
-        say(f"first divergent node: {first.node} ({first.op_type}) -> tensor '{first.tensor}': "
-            f"{first.reason}")
+        # Judged by a conversion's outputs, a divergent internal tensor is where to look.
+        label = "where to look, first divergent node" if result else "first divergent node"
+        say(f"{label}: {first.node} ({first.op_type}) -> tensor '{first.tensor}': {first.reason}")
         if result.isolate and first.isolated_rel_l2 is not None:
             say(f"  own error with reference inputs: rel L2 {fmt(first.isolated_rel_l2)}, "
                 f"max abs {fmt(first.isolated_max_abs_error)}")
@@ -373,9 +395,21 @@ def _print(result: Any, masks: frozenset[str] = frozenset()) -> None:
             "see --json")
     for note in result.notes:
         say(f"note: {note}")
+    say(verdict_line(result), always=True)
+
+
+def verdict_line(result: Any) -> str:
+    """PASSED or FAILED and what it rests on: every tensor, or a conversion's outputs (then
+    the internal tensors over the thresholds are where to look)."""
     failed = sum(1 for t in result.tensors if not t)
-    say(f"{'PASSED' if result else 'FAILED'}: {failed} of {len(result.tensors)} tensors cross "
-        "the thresholds", always=True)
+    verdict = "PASSED" if result else "FAILED"
+    if result.gate is None:
+        return f"{verdict}: {failed} of {len(result.tensors)} tensors cross the thresholds"
+    outputs = sum(1 for t in result.judged if not t)
+    inside = failed - outputs
+    return (f"{verdict}: {outputs} of {len(result.gate.outputs)} outputs cross the gate of "
+            f"{result.gate.source}" + (f"; {inside} internal tensors cross the thresholds "
+                                       "(where to look, not failures)" if inside else ""))
 
 
 def render_markdown(result: Any, args: argparse.Namespace, masks: frozenset[str] = frozenset()) -> str:
@@ -393,8 +427,7 @@ def render_markdown(result: Any, args: argparse.Namespace, masks: frozenset[str]
         f"- samples: {md_text(result.samples_description)}",
         f"- format: {result.fmt or 'none'}; thresholds: rel L2 > {result.rtol:g} and max abs error > "
         f"{result.atol:g}" + (f"; {len(result.overrides)} per-tensor overrides" if result.overrides else ""),
-        f"- verdict: **{'PASSED' if result else 'FAILED'}** "
-        f"({sum(1 for t in result.tensors if not t)} of {len(result.tensors)} tensors fail)",
+        f"- verdict: **{md_text(verdict_line(result))}**",
         "",
     ]
     first = result.first_divergent

@@ -110,8 +110,25 @@ class TensorCompareResult:
 
 
 @dataclass(frozen=True)
+class OutputGate:
+    """A conversion's own gate, from its record (npuprep.provenance): the graph `outputs`
+    decide at `rtol`/`atol`, as they did in convert; internal tensors that cross the
+    thresholds are where to look, not failures."""
+
+    outputs: tuple[str, ...]
+    rtol: float
+    atol: float
+    source: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"outputs": list(self.outputs), "rtol": self.rtol, "atol": self.atol,
+                "source": self.source}
+
+
+@dataclass(frozen=True)
 class CompareResult:
-    """All compared tensors in topological order; truthy when every one passes."""
+    """All compared tensors in topological order; truthy when every one passes, or, judged
+    by a conversion's `gate`, when every graph output does."""
 
     fingerprint: str
     candidate_fingerprint: str
@@ -126,10 +143,20 @@ class CompareResult:
     worst_count: int = 5
     unobserved: dict[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    gate: OutputGate | None = None
+
+    @property
+    def judged(self) -> tuple[TensorCompareResult, ...]:
+        """The tensors the verdict rests on: the gate's outputs, else every tensor."""
+        if self.gate is None:
+            return self.tensors
+        return tuple(t for t in self.tensors if t.tensor in self.gate.outputs)
 
     @property
     def passed(self) -> bool:
-        return all(self.tensors)
+        judged = self.judged
+        # A gate's output that was not compared cannot pass.
+        return all(judged) and (self.gate is None or len(judged) == len(self.gate.outputs))
 
     def __bool__(self) -> bool:
         return self.passed
@@ -168,6 +195,7 @@ class CompareResult:
             "tensors": [t.to_dict() for t in self.tensors],
             "unobserved": dict(sorted(self.unobserved.items())),
             "notes": list(self.notes),
+            "gate": self.gate.to_dict() if self.gate is not None else None,
         }
 
 
