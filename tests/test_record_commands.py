@@ -122,3 +122,15 @@ def test_compare_judges_a_conversion_by_its_recorded_gate(tmp_path):
     onnx.save(proto, str(tmp_path / "bare.onnx"))
     done = run_cli("compare", source, tmp_path / "bare.onnx", "--data", data, "--target", "a2000", "--json")
     assert done.returncode == 1 and json.loads(done.stdout)["gate"] is None
+
+
+def test_a_passed_records_headroom_is_its_decision_a_failed_ones_is_not():
+    # A value short of headroom (inside FP16's range) that convert kept FP16 and verified.
+    from npuprep.analyse.finding import Finding
+    from npuprep.crosscheck.plan_view import PlanDecision
+    from npuprep.profiles import Severity
+
+    short = Finding("range.headroom", Severity.WARNING, "Pow_1", "Pow", "reaches 76% of fp16 max", "p")
+    passed = PlanDecision("record", "record", "f", "fp16", verified=True)
+    assert "verified in fp16" in passed.settles(short)
+    assert PlanDecision("record", "record", "f", "fp16", verified=False).settles(short) == ""

@@ -50,6 +50,9 @@ class PlanDecision:
     # Findings the plan answers by rewriting the graph (rescale, softmax shift, clamp) when the
     # model checked is the plan's source, which lacks those rewrites: key -> the remedy it lacks.
     absent: dict[tuple[str, str, str], str] = field(default_factory=dict)
+    # A conversion's record that passed: what it kept in its format was verified there, so a
+    # value short of headroom (still inside the format's range) is its accepted decision.
+    verified: bool = False
 
     def settles(self, finding: Finding) -> str:
         """Why the plan needs no FP32 for `finding` ("" when it does not settle it)."""
@@ -60,6 +63,8 @@ class PlanDecision:
             return why
         if not finding.rule.startswith(MEASURED_RULES):
             return f"the plan keeps it in {self.precision}"
+        if finding.rule == "range.headroom" and self.verified:
+            return f"inside {self.precision}'s range, short of headroom: verified in {self.precision} by convert"
         if finding.rule == "range.underflow":
             key = (finding.rule, finding.node, finding.tensor)
             return f"underflow left as is in {self.precision}" + (
@@ -124,8 +129,9 @@ def recorded_decision(record: ConversionRecord, model: Model, index: NodeIndex) 
     from npuprep.plan import Plan
 
     plan = Plan.from_dict(record.plan, f"{model.path}: metadata {RECORD_KEY}: plan")
-    return decision_of(plan, index, f"the conversion's record in {model.path} (its applied plan, "
-                       f"{record.target}, {record.precision})", kind="record")
+    decided = decision_of(plan, index, f"the conversion's record in {model.path} (its applied "
+                          f"plan, {record.target}, {record.precision})", kind="record")
+    return replace(decided, verified=record.passed)
 
 
 def decision_of(plan: Any, index: NodeIndex, path: str, kind: str = "plan", *,
