@@ -134,3 +134,22 @@ def test_a_passed_records_headroom_is_its_decision_a_failed_ones_is_not():
     passed = PlanDecision("record", "record", "f", "fp16", verified=True)
     assert "verified in fp16" in passed.settles(short)
     assert PlanDecision("record", "record", "f", "fp16", verified=False).settles(short) == ""
+
+
+def test_checklist_sends_the_compiler_and_crosscheck_to_the_conversion(converted, tmp_path, monkeypatch):
+    # After `convert -t orin` into W, the compiler must get the converted model (only it
+    # carries the rescale and the shift), with convert's trtexec line, and crosscheck it.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "W").mkdir()
+    convert_recorded(converted["source"], converted["data"], "orin", Path("W/m.orin.onnx"))
+    done = run_cli("checklist", converted["source"], "--target", "orin", "--workspace", "W", "--json",
+                   cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    steps = {i["key"]: i["steps"] for i in json.loads(done.stdout)["items"]}
+    trtexec, crosscheck = steps["crosscheck"]
+    written = Path("W/m.orin.trtexec.txt").read_text().splitlines()[0]
+    assert trtexec.startswith("trtexec --onnx=W/m.orin.onnx ")
+    assert trtexec.replace("--onnx=W/m.orin.onnx", "--onnx=m.orin.onnx").startswith(written)
+    assert "--exportLayerInfo=W/layers.json" in trtexec
+    assert crosscheck.startswith("npuprep crosscheck W/m.orin.onnx ") and "--plan" not in crosscheck
+    assert str(converted["source"]) not in trtexec + crosscheck

@@ -25,7 +25,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from npuprep.analyse import findings_for
     from npuprep.cli.common import begin, dump_json
     from npuprep.crosscheck.checklist import build_checklist, scan_workspace, to_markdown
 
@@ -45,7 +44,6 @@ def run(args: argparse.Namespace) -> int:
         from npuprep.calibrate import load_stats
 
         stats = load_stats(stats_arg, model)
-    findings = findings_for(model, run_.target, stats)
     plan = None
     if args.plan:
         from npuprep.plan import load_plan
@@ -53,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         plan = load_plan(args.plan, model)
     checklist = build_checklist(model, profile, model_arg=args.model, target_arg=args.target,
                                 stats=stats, stats_arg=stats_arg, workspace=workspace,
-                                findings=findings, top_n=args.top, plan=plan, plan_arg=args.plan or "")
+                                top_n=args.top, plan=plan, plan_arg=args.plan or "")
     text = dump_json(checklist.to_dict()) if args.json else to_markdown(checklist)
     if args.output:
         with outputs.open() as files:

@@ -11,6 +11,7 @@ open item says the command to run. The precision item tells the plan's story
 from __future__ import annotations
 
 import math
+import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,21 +158,21 @@ def build_checklist(
     stats: Any = None,
     stats_arg: str = "",
     workspace: Workspace | None = None,
-    findings: Iterable[Finding] = (),
+    findings: Iterable[Finding] | None = None,
     top_n: int = 10,
     plan: Any = None,
     plan_arg: str = "",
 ) -> Checklist:
     """The checklist for `model` on `profile`; `*_arg` are the paths as the user typed them.
 
-    `findings` (static and measured) name the nodes the precision list must keep wide. The
-    plan is `plan` (read from `plan_arg`), else the workspace's plan file, else the planner's
-    own decision on these stats and findings (what `convert --plan-only` would write): the
-    precision item says per flagged node what that plan does, as check and convert do.
+    `findings` (static and measured; None: found here) name the nodes the precision list must
+    keep wide. The plan is `plan` (read from `plan_arg`), else the workspace's plan file, else
+    the planner's own decision on these stats and findings (what `convert --plan-only` would
+    write; npuprep.plan.decide): the precision item says per flagged node what that plan does,
+    as check and convert do.
     """
     ws_arg = workspace.path if workspace else "W"
     notes = list(workspace.notes) if workspace else []
-    findings = list(findings)
     if stats is None and workspace is not None:
         found = workspace.latest("stats", workspace.family(model))
         if found:
@@ -181,24 +182,18 @@ def build_checklist(
         plan_arg = workspace.plan_path if plan is not None else ""
     ctx = _Context(model, profile, model_arg, target_arg, ws_arg, stats_arg or f"{ws_arg}/stats.json",
                    plan_arg or f"{ws_arg}/plan.yaml", workspace)
-    from npuprep.analyse import findings_for
-    from npuprep.plan.planner import make_plan
-    from npuprep.rewrite.passes import prepare_for_target
+    from npuprep.analyse.finding import Findings
+    from npuprep.plan.decide import plan_for
+    from npuprep.report.story import plan_story
 
     # The graph convert plans: a written-out mean folded, no control flow where the target
     # takes none; a given plan was made on it too.
-    target = profile.resolve()
-    prepared = prepare_for_target(model, target, stats)
-    planned, stats = prepared.model, prepared.stats
-    if planned is not model:
-        findings = list(findings_for(planned, target, stats))
-    decision = plan
-    if decision is None:
-        decision = make_plan(planned, target, stats, findings)
-        notes += prepared.notes
-    from npuprep.report.story import plan_story
-
-    story = plan_story(planned, profile, decision, findings, stats)
+    planned = plan_for(model, profile.resolve(), stats, plan=plan,
+                       findings=None if findings is None else Findings(tuple(findings)))
+    stats, decision = planned.stats, planned.plan
+    if planned.planned_here:
+        notes += planned.notes
+    story = plan_story(planned.model, profile, decision, list(planned.findings), stats)
     items = (
         _calibrate(ctx, stats),
         _precision_list(ctx, plan, decision, story, stats is not None),
@@ -442,13 +437,25 @@ def _crosscheck(ctx: _Context, have_plan: bool, have_stats: bool) -> Item:
     fmt = ctx.profile.report_format
     title = f"Crosscheck the compiler's per-layer precision report ({fmt}) against the findings"
     report = f"{ctx.ws}/{DEFAULT_REPORT_NAME[fmt]}"
-    source = (f" --plan {ctx.plan_arg}" if have_plan
-              else f" --stats {ctx.stats_arg}" if have_stats else "")
-    steps = (
-        HOW_TO_GET[fmt].format(model=ctx.model_arg, report=report),
-        f"npuprep crosscheck {ctx.model_arg} --report {report} --target {ctx.target_arg} "
-        f"--report-format {fmt}{source} --json > {ctx.ws}/crosscheck.json",
-    )
+    converted = ctx.workspace.conversion(ctx.model) if ctx.workspace is not None else None
+    if converted is not None:
+        # Only the conversion carries the rescales and shifts that keep it in range: the
+        # compiler gets it, and crosscheck reads its record (its plan decides, no --plan).
+        model = converted_model(converted[1]) or ctx.model_arg
+        stats = f" --stats {ctx.stats_arg}" if have_stats else ""
+        steps = (
+            compiler_step(fmt, model, report, converted[1]),
+            f"npuprep crosscheck {model} --report {report} --target {ctx.target_arg} "
+            f"--report-format {fmt}{stats} --json > {ctx.ws}/crosscheck.json",
+        )
+    else:
+        source = (f" --plan {ctx.plan_arg}" if have_plan
+                  else f" --stats {ctx.stats_arg}" if have_stats else "")
+        steps = (
+            HOW_TO_GET[fmt].format(model=ctx.model_arg, report=report),
+            f"npuprep crosscheck {ctx.model_arg} --report {report} --target {ctx.target_arg} "
+            f"--report-format {fmt}{source} --json > {ctx.ws}/crosscheck.json",
+        )
     found = ctx.artefact("crosscheck", same_model=True)
     if found is None:
         return Item("crosscheck", title, False, (), steps)
@@ -465,6 +472,32 @@ def _crosscheck(ctx: _Context, have_plan: bool, have_stats: bool) -> Item:
         f"pin the failing nodes (edit {ctx.plan_arg}), rebuild with the constraint file, "
         "and rerun the crosscheck",)
     return Item("crosscheck", title, True, tuple(evidence), fix, failed=not passed)
+
+
+def converted_model(convert_doc: dict[str, Any]) -> str:
+    """The converted model a convert report names ("" when it names none)."""
+    artefacts = convert_doc.get("artefacts") or {}
+    return str(artefacts.get("model") or convert_doc.get("output") or "")
+
+
+def compiler_step(fmt: str, model: str, report: str, convert_doc: dict[str, Any]) -> str:
+    """How to get the compiler's report for the converted `model`: for TensorRT, the trtexec
+    line convert wrote (its precision constraints) on that model, exporting the layer info."""
+    trtexec = (convert_doc.get("artefacts") or {}).get("trtexec")
+    line = _first_command(trtexec) if fmt == "trt_json" and trtexec else ""
+    if not line:
+        return HOW_TO_GET[fmt].format(model=model, report=report)
+    # The file names the model beside it; the step runs from where convert was run.
+    words = [f"--onnx={model}" if w.startswith("--onnx=") else w for w in shlex.split(line)]
+    return shlex.join([*words, "--profilingVerbosity=detailed", f"--exportLayerInfo={report}"])
+
+
+def _first_command(path: str) -> str:
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return ""
+    return next((x.strip() for x in lines if x.startswith("trtexec ")), "")
 
 
 def riskiest_tensors(stats: Any, profile: TargetProfile, top_n: int,
@@ -510,7 +543,12 @@ def _compare(ctx: _Context, stats: Any, top_n: int, masks: tuple[str, ...] = ())
     else:
         steps.append(f"npuprep calibrate {ctx.model_arg} --data DATA -o {ctx.ws}/stats.json")
         steps.append("the statistics name the riskiest tensors to dump on the board")
-    steps.append(f"npuprep compare {ctx.model_arg} --emulate --target {ctx.target_arg} --data DATA "
+    converted = ctx.workspace.conversion(ctx.model) if ctx.workspace is not None else None
+    model = converted_model(converted[1]) if converted is not None else ""
+    # A conversion is compared with its source on held-out samples, by convert's own gate.
+    steps.append(f"npuprep compare {ctx.model_arg} {model} --target {ctx.target_arg} --data HELDOUT "
+                 f"--json > {ctx.ws}/compare.json" if model and model != ctx.model_arg else
+                 f"npuprep compare {ctx.model_arg} --emulate --target {ctx.target_arg} --data DATA "
                  f"--json > {ctx.ws}/compare.json")
     steps.append("run the same fixed batch on the board, dump the tensors named above and check them "
                  "against the emulation's values (max abs error and headroom, not cosine alone)")
