@@ -31,6 +31,7 @@ from npuprep.model_io import Model, WeightScratch, anchored, fingerprint
 from npuprep.numerics import NumberFormat, eight_bit_format
 from npuprep.plan import Plan
 from npuprep.plan.planner import make_plan
+from npuprep.plan.remedies import remedied
 from npuprep.profiles import Pinning, ResolvedTarget, TargetProfile
 from npuprep.provenance import record_source
 from npuprep.report.share import DEFAULT_MAX_FP32_SHARE, fp32_share
@@ -112,7 +113,8 @@ class ConversionResult:
             "precision": self.eight_bit["format"] if self.eight_bit else self.fmt.name,
             "passed": self.passed,
             "samples": {"description": self.samples_description, "synthetic": self.synthetic},
-            "findings": self.findings.to_dict(),
+            # Each finding with what the applied plan did for it, not the rule's suggestion.
+            "findings": remedied(self.findings, self.plan, self.host_scales).to_dict(),
             "plan": self.plan.to_dict(),
             "actions": [a.to_dict() for a in self.plan.actions],
             "declined": [d.to_dict() for d in (*self.plan.declined, *self.declined)],

@@ -153,3 +153,26 @@ def test_checklist_sends_the_compiler_and_crosscheck_to_the_conversion(converted
     assert "--exportLayerInfo=W/layers.json" in trtexec
     assert crosscheck.startswith("npuprep crosscheck W/m.orin.onnx ") and "--plan" not in crosscheck
     assert str(converted["source"]) not in trtexec + crosscheck
+
+
+def test_each_findings_remedy_is_what_the_plan_did(converted, tmp_path):
+    # The rules suggest pins for the LayerNorm and the softmax; the plan rescales and shifts.
+    done = run_cli("check", converted["source"], "--target", "a2000", "--data", converted["data"], "--json")
+    check = json.loads(done.stdout)
+    report = json.loads(converted["out"].with_suffix(".report.json").read_text())
+    for doc in (check, report):
+        remedies = {(f["rule"], f["node"]): f["remedy"] for f in doc["findings"]}
+        assert remedies[("range.overflow", "ln_pow")] == "rescale"
+        assert remedies[("pattern.layernorm", "ln_pow")] == "rescale"
+        assert remedies[("range.overflow", "sm_exp")] == "softmax_shift"
+        assert remedies[("pattern.softmax", "sm_exp")] == "softmax_shift"
+        assert "pin_fp32" not in remedies.values() and doc["plan"]["actions"]
+        assert any(f["suggested_remedy"] == "pin_fp32" for f in doc["findings"])
+    # The table says it too, and the page convert's report renders recommends no pin.
+    table = run_cli("check", converted["source"], "--target", "a2000", "--data", converted["data"],
+                    "--wide").stdout
+    assert "softmax_shift" in table and "pin_fp32" not in table
+    page = tmp_path / "report.html"
+    assert run_cli("report", converted["out"].with_suffix(".report.json"), "-o", page).returncode == 0
+    findings = page.read_text().split('id="table-findings"')[1].split("</table>")[0]
+    assert "rescale" in findings and "pin_fp32" not in findings and "FP32" not in findings

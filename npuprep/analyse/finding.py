@@ -13,6 +13,25 @@ SENSITIVE_RULES = ("hazard.", "pattern.", "autocast.", "range.overflow", "range.
                    "range.underflow")
 
 
+# What each remedy a plan can make does, in words (`Finding.planned`).
+PLANNED_WORDS = {
+    "rescale": "the plan rescales it by a power of two (exact)",
+    "softmax_shift": "the plan subtracts the max before the Exp (exact)",
+    "clamp": "the plan clamps it",
+    "pin_fp32": "the plan pins it to FP32",
+    "host_scale": "the output leaves the device scaled; the host multiplies it back",
+    "none": "the plan leaves it in the target's format (measured safe, or no remedy holds)",
+}
+
+
+def remedy_words(remedy: str, suggested: str, remedy_text: str) -> str:
+    """How a finding is remedied, in words: the rule's `remedy_text` when the plan did what the
+    rule suggested, else what the plan did (a page never recommends a pin nobody made)."""
+    if remedy == suggested or remedy not in PLANNED_WORDS:
+        return remedy_text
+    return PLANNED_WORDS[remedy]
+
+
 @dataclass(frozen=True)
 class Finding:
     """One hazard at one node or tensor.
@@ -41,6 +60,10 @@ class Finding:
     def shown_remedy(self) -> str:
         """The remedy to show: the plan's when planned, else the rule's suggestion."""
         return self.planned or self.remedy
+
+    @property
+    def shown_remedy_text(self) -> str:
+        return remedy_words(self.shown_remedy, self.remedy, self.remedy_text)
 
     def to_dict(self) -> dict[str, Any]:
         return {

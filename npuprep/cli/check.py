@@ -270,7 +270,7 @@ def _rows(findings: Any) -> list[tuple[str, ...]]:
     remedy column is what the plan did (`Finding.planned`), never a pin it did not make."""
     groups: dict[tuple[str, ...], list[Any]] = {}
     for f in findings:
-        key = (f.rule, str(f.severity), f.op_type, f.scope, f.message, f.remedy_text, f.shown_remedy)
+        key = (f.rule, str(f.severity), f.op_type, f.scope, f.message, f.shown_remedy_text, f.shown_remedy)
         groups.setdefault(key, []).append(f)
     rows = []
     for members in sorted(groups.values(), key=lambda g: -int(g[0].severity)):
@@ -281,7 +281,7 @@ def _rows(findings: Any) -> list[tuple[str, ...]]:
         where = nodes if f.scope == "main" else f"{nodes} [{f.scope}]"
         message = f.message if len(members) == 1 else f"{len(members)}x: {f.message}"
         rows.append((str(f.severity), f.rule, where, f.op_type, _evidence_text(f.evidence),
-                     f.shown_remedy, message, f.remedy_text))
+                     f.shown_remedy, message, f.shown_remedy_text))
     return rows
 
 

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from npuprep.analyse.finding import remedy_words
 from npuprep.report.pin_count import pins_said
 from npuprep.report.series import (
     action_where,
@@ -72,7 +73,9 @@ def findings_table(result: Mapping[str, Any]) -> Table | None:
             Column("remedy_text"))
     rows = tuple((str(f.get("severity", "")).lower(), _text(f, "rule"), _text(f, "node"),
                   _text(f, "op_type"), _text(f, "tensor"), _text(f, "message"),
-                  _text(f, "evidence"), _text(f, "remedy"), _text(f, "remedy_text"))
+                  _text(f, "evidence"), _text(f, "remedy"),
+                  remedy_words(str(f.get("remedy", "")), str(f.get("suggested_remedy", f.get("remedy", ""))),
+                               _text(f, "remedy_text")))
                  for f in findings)
     return Table("findings", f"Findings ({len(rows)})", cols, rows)
 
