@@ -176,3 +176,22 @@ def test_each_findings_remedy_is_what_the_plan_did(converted, tmp_path):
     assert run_cli("report", converted["out"].with_suffix(".report.json"), "-o", page).returncode == 0
     findings = page.read_text().split('id="table-findings"')[1].split("</table>")[0]
     assert "rescale" in findings and "pin_fp32" not in findings and "FP32" not in findings
+
+
+def test_ledger_of_a_conversion_names_the_pins_its_record_holds(converted, tmp_path):
+    # The recorded plan with one more pin (as a verification round adds): the ledger names it.
+    from dataclasses import replace
+
+    from npuprep.plan import PinFp32, Plan
+    from npuprep.provenance import read_conversion, record_conversion
+
+    proto = onnx.load(str(converted["out"]))
+    record = read_conversion(proto)
+    plan = Plan.from_dict(record.plan)
+    pinned = replace(plan, actions=(*plan.actions, PinFp32(nodes=("sm_div",), why="verification")))
+    record_conversion(proto, replace(record, plan=pinned.to_dict()))
+    path = tmp_path / "pinned.onnx"
+    onnx.save(proto, str(path))
+    done = run_cli("ledger", converted["source"], path, "--target", "a2000", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["pinned_nodes"] == ["sm_div"]

@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         from npuprep.plan.plan import load_plan
 
         pinned = sorted(load_plan(args.plan, model).pinned_nodes())
+    elif converted is not None:
+        pinned = _recorded_pins(converted)
     feeds = _feeds(args, model)
     shapes = {k: tuple(v.shape) for k, v in feeds.items()}
     ledger = build_ledger(model.proto, profile, name=args.model, input_shapes=shapes,
@@ -118,6 +120,19 @@ def run(args: argparse.Namespace) -> int:
         say(f"kit written to {args.export_kit}: run time_models.py there (README.md), then "
             "--measured results.json")
     return 0
+
+
+def _recorded_pins(converted: Any) -> list[str] | None:
+    """The FP32 pins of the plan a conversion records (npuprep.provenance), verification's
+    included: the ledger names the pins convert made; None for a model without a record."""
+    from npuprep.plan.plan import Plan
+    from npuprep.provenance import RECORD_KEY, read_conversion
+
+    record = read_conversion(converted.proto)
+    if record is None:
+        return None
+    plan = Plan.from_dict(record.plan, f"{converted.path}: metadata {RECORD_KEY}: plan")
+    return sorted(plan.pinned_nodes())
 
 
 def _feeds(args: argparse.Namespace, model: Any) -> dict[str, Any]:
