@@ -195,3 +195,13 @@ def test_ledger_of_a_conversion_names_the_pins_its_record_holds(converted, tmp_p
     done = run_cli("ledger", converted["source"], path, "--target", "a2000", "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["pinned_nodes"] == ["sm_div"]
+
+
+def test_check_of_a_conversion_shows_the_plan_it_records(converted):
+    from npuprep.provenance import read_conversion
+
+    record = read_conversion(onnx.load(str(converted["out"])))
+    done = run_cli("check", converted["out"], "--target", "a2000", "--stats", converted["stats"], "--json")
+    assert json.loads(done.stdout)["plan"]["actions"] == record.plan["actions"]
+    table = run_cli("check", converted["out"], "--target", "a2000", "--stats", converted["stats"]).stdout
+    assert "convert planned 2 action(s)" in table and "the conversion's record" in table

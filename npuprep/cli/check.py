@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
             say(f"note: {stats.mapping_note}")
         for note in rewrites:
             say(f"note: {note}")
-        _print_plan(plan, measured=stats is not None)
+        _print_plan(plan, measured=stats is not None, recorded=not planned.planned_here)
         if eight is not None:
             _print_eight_bit(plan)
         for line in (vendor or {}).get("lines", ()):
@@ -195,27 +195,39 @@ def plan_check(args: argparse.Namespace, model: Model, target: ResolvedTarget,
     """The graph convert plans (fusions a compiler makes, no control flow where the target
     takes none), its findings, and what convert would do with them (npuprep.plan.decide:
     one story for check and convert; verification rounds may add pins to it). A conversion's
-    own FP32 islands and stored formats are its decision, not findings against it."""
+    own FP32 islands and stored formats are its decision, not findings against it, and the
+    plan it records (npuprep.provenance) is the plan: each finding says what convert did."""
     from npuprep.cli.common import open_samples
     from npuprep.plan.decide import plan_for
+    from npuprep.plan.plan import Plan
+    from npuprep.provenance import RECORD_KEY, read_conversion
 
+    record = read_conversion(model.proto)
+    recorded = None if record is None else Plan.from_dict(
+        record.plan, f"{model.path}: metadata {RECORD_KEY}: plan")
     samples = open_samples(args, model.proto) if stats is not None else None
     return plan_for(model, target, stats, list(samples) if samples is not None else None,
-                    as_stored=True)
+                    plan=recorded, as_stored=True)
 
 
-def _print_plan(plan: Any, *, measured: bool) -> None:
+def _print_plan(plan: Any, *, measured: bool, recorded: bool = False) -> None:
+    """What convert would do, or (`recorded`: a conversion's own record) what it did."""
     from npuprep.cli.convert import _reason_code, _where
 
     basis = "measured ranges" if measured else "static rules only (give --data for measured ranges)"
+    if recorded:
+        basis = "the conversion's record"
     if plan.actions:
-        print_table(f"What convert would do ({basis}; why: --json or convert --plan-only)",
+        title = "What convert did" if recorded else "What convert would do"
+        print_table(f"{title} ({basis}; why: --json or convert --plan-only)",
                     ["#", "action", "where", "reason"],
                     [(i, a.action, _where(a), _reason_code(a.to_dict()))
                      for i, a in enumerate(plan.actions, 1)], cut_end=("reason",))
     pinned = len(plan.pinned_nodes())
-    say(f"convert would plan {len(plan.actions)} action(s), {pinned} node(s) pinned to FP32, "
-        f"{len(plan.declined)} remedy(ies) declined ({basis}); verification may pin more")
+    said = "convert planned" if recorded else "convert would plan"
+    more = "verification pins included" if recorded else "verification may pin more"
+    say(f"{said} {len(plan.actions)} action(s), {pinned} node(s) pinned to FP32, "
+        f"{len(plan.declined)} remedy(ies) declined ({basis}); {more}")
 
 
 def check_report(model: Any, profile: Any, findings: Any, fail_on: Any) -> dict[str, Any]:
