@@ -205,3 +205,19 @@ def test_check_of_a_conversion_shows_the_plan_it_records(converted):
     assert json.loads(done.stdout)["plan"]["actions"] == record.plan["actions"]
     table = run_cli("check", converted["out"], "--target", "a2000", "--stats", converted["stats"]).stdout
     assert "convert planned 2 action(s)" in table and "the conversion's record" in table
+
+
+def test_a_recorded_top_k_gate_passes_an_output_whose_decisions_agree():
+    # Scores off by far more than rtol, the same top-1 class at each position: convert's gate.
+    from npuprep.verify.compare import CompareResult, OutputGate
+
+    ref = [{"p": np.array([[0.7, 0.2, 0.1], [0.1, 0.6, 0.3]], np.float32)}]
+    cand = [{"p": np.array([[0.5, 0.3, 0.2], [0.2, 0.5, 0.3]], np.float32)}]
+
+    def judged(top_k: dict[str, int]) -> CompareResult:
+        gate = OutputGate(("p",), 1e-2, 1e-3, "a record", top_k=top_k)
+        return CompareResult("r", "c", (), 1, "1 sample", 1e-2, 1e-3, {}, "fp16", False,
+                             gate=gate, output_errors=gate.judge(ref, cand))
+
+    assert judged({"p": 1}) and judged({"p": 1}).output_errors["p"]["rel_l2"] > 0.1
+    assert not judged({}) and judged({}).failing_outputs == ["p"]

@@ -162,13 +162,18 @@ def run(args: argparse.Namespace) -> int:
                          f"of a {stored.name} model in FP32 and hides overflow",)
         rtol = default_rtol(fmt_) if gate is None else gate.rtol
         atol = DEFAULT_ATOL if gate is None else gate.atol
+        # A gate judges the graph outputs of this same run, as convert's output check does.
+        ref_outputs: list[dict[str, Any]] | None = [] if gate is not None else None
+        cand_outputs: list[dict[str, Any]] | None = [] if gate is not None else None
         result = compare_models(
             ref.proto, cand_proto, _Progress(samples, not args.json),
             rtol=rtol if args.rtol is None else args.rtol,
             atol=atol if args.atol is None else args.atol,
             overrides=overrides, tensor_scales=scales, fmt=fmt_, isolate=args.isolate, worst=args.worst,
+            reference_outputs=ref_outputs, candidate_outputs=cand_outputs,
         )
-        result = replace(result, notes=result.notes + notes, gate=gate)
+        result = replace(result, notes=result.notes + notes, gate=gate, output_errors=(
+            gate.judge(ref_outputs or [], cand_outputs or []) if gate is not None else {}))
         masks = mask_rows(ref, result)
         if args.report:
             files.text(args.report, render_markdown(result, args, masks))
@@ -256,7 +261,8 @@ def conversion_gate(ref: Any, cand: Any, args: argparse.Namespace) -> Any:
     return OutputGate(outputs, record.gates.rtol if args.rtol is None else args.rtol,
                       record.gates.atol if args.atol is None else args.atol,
                       f"the conversion's record ({record.target}, {record.precision}: convert "
-                      f"{'passed' if record.passed else 'FAILED'})")
+                      f"{'passed' if record.passed else 'FAILED'})",
+                      top_k=dict(record.gates.top_k), host_scales=dict(record.host_scales))
 
 
 def _recorded_scales(ref: Any, cand: Any) -> tuple[dict[str, float] | None, tuple[str, ...]]:
@@ -390,6 +396,11 @@ def _print(result: Any, masks: frozenset[str] = frozenset()) -> None:
         if result.isolate and first.isolated_rel_l2 is not None:
             say(f"  own error with reference inputs: rel L2 {fmt(first.isolated_rel_l2)}, "
                 f"max abs {fmt(first.isolated_max_abs_error)}")
+    for name, errors in sorted(result.output_errors.items()):
+        agree = errors.get("top_k_agreement")
+        say(f"output {name}: rel L2 {fmt(errors['rel_l2'])}, {errors['nonfinite']} Inf/NaN"
+            + (f", top-{errors['top_k']} agreement {agree:.0%}" if agree is not None else "")
+            + f" (gate: rel L2 {result.gate.rtol:g})")
     if result.unobserved:
         say(f"{len(result.unobserved)} tensors not compared (inside subgraphs or not shared); "
             "see --json")
@@ -405,9 +416,9 @@ def verdict_line(result: Any) -> str:
     verdict = "PASSED" if result else "FAILED"
     if result.gate is None:
         return f"{verdict}: {failed} of {len(result.tensors)} tensors cross the thresholds"
-    outputs = sum(1 for t in result.judged if not t)
-    inside = failed - outputs
-    return (f"{verdict}: {outputs} of {len(result.gate.outputs)} outputs cross the gate of "
+    outputs = len(result.failing_outputs)
+    inside = sum(1 for t in result.tensors if not t and t.tensor not in result.gate.outputs)
+    return (f"{verdict}: {outputs} of {len(result.gate.outputs)} outputs fail the gate of "
             f"{result.gate.source}" + (f"; {inside} internal tensors cross the thresholds "
                                        "(where to look, not failures)" if inside else ""))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -24,6 +24,8 @@ from npuprep.errors import NpuprepError
 from npuprep.graph import infer_tensors, node_label, producers, topological_order, walk_graphs
 from npuprep.model_io import fingerprint, model_opset
 from npuprep.numerics import FLOAT_ONNX_TYPES, NumberFormat
+from npuprep.plan.host_scale import undo_host_scales
+from npuprep.report.output_verdicts import output_passes
 from npuprep.verify.compare_graph import (
     BASE_COLUMNS,
     DETAIL_COLUMNS,
@@ -32,6 +34,7 @@ from npuprep.verify.compare_graph import (
     Pair,
     merged_graph,
 )
+from npuprep.verify.output_errors import OutputErrors
 
 SCHEMA_VERSION = 1
 Feed = Mapping[str, np.ndarray]
@@ -112,17 +115,32 @@ class TensorCompareResult:
 @dataclass(frozen=True)
 class OutputGate:
     """A conversion's own gate, from its record (npuprep.provenance): the graph `outputs`
-    decide at `rtol`/`atol`, as they did in convert; internal tensors that cross the
-    thresholds are where to look, not failures."""
+    decide as they did in convert (no Inf/NaN, pooled rel L2 within `rtol`, or the same top-K
+    decisions for outputs in `top_k`; `host_scales` multiplied back first); internal tensors
+    that cross the thresholds are where to look, not failures."""
 
     outputs: tuple[str, ...]
     rtol: float
     atol: float
     source: str
+    top_k: dict[str, int] = field(default_factory=dict)
+    host_scales: dict[str, float] = field(default_factory=dict)
+
+    def judge(self, reference: Sequence[Mapping[str, np.ndarray]],
+              candidate: Sequence[Mapping[str, np.ndarray]]) -> dict[str, dict[str, Any]]:
+        """Each output's errors over the samples, measured as convert's output check does."""
+        errors = OutputErrors(top_k=self.top_k, tie_rtol=self.rtol)
+        for ref, cand in zip(reference, candidate, strict=True):
+            cand = undo_host_scales(cand, self.host_scales)
+            for name in self.outputs:
+                if name in ref and name in cand:
+                    errors.add(name, ref[name], cand[name])
+        return errors.result()
 
     def to_dict(self) -> dict[str, Any]:
         return {"outputs": list(self.outputs), "rtol": self.rtol, "atol": self.atol,
-                "source": self.source}
+                "top_k": dict(sorted(self.top_k.items())),
+                "host_scales": dict(sorted(self.host_scales.items())), "source": self.source}
 
 
 @dataclass(frozen=True)
@@ -144,19 +162,22 @@ class CompareResult:
     unobserved: dict[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     gate: OutputGate | None = None
+    # With a gate: each output's errors as convert measures them (OutputGate.judge).
+    output_errors: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
-    def judged(self) -> tuple[TensorCompareResult, ...]:
-        """The tensors the verdict rests on: the gate's outputs, else every tensor."""
+    def failing_outputs(self) -> list[str]:
+        """The gate's outputs that fail it (one not measured fails)."""
         if self.gate is None:
-            return self.tensors
-        return tuple(t for t in self.tensors if t.tensor in self.gate.outputs)
+            return []
+        return [o for o in self.gate.outputs
+                if o not in self.output_errors or not output_passes(self.output_errors[o], self.gate.rtol)]
 
     @property
     def passed(self) -> bool:
-        judged = self.judged
-        # A gate's output that was not compared cannot pass.
-        return all(judged) and (self.gate is None or len(judged) == len(self.gate.outputs))
+        if self.gate is not None:
+            return not self.failing_outputs
+        return all(self.tensors)
 
     def __bool__(self) -> bool:
         return self.passed
@@ -196,6 +217,7 @@ class CompareResult:
             "unobserved": dict(sorted(self.unobserved.items())),
             "notes": list(self.notes),
             "gate": self.gate.to_dict() if self.gate is not None else None,
+            "output_errors": {k: dict(v) for k, v in sorted(self.output_errors.items())},
         }
 
 
