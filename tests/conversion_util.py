@@ -14,6 +14,7 @@ from typing import Any
 import onnx
 from conftest import run_cli
 
+from npuprep.graph import node_label
 from npuprep.provenance import (
     ConversionRecord,
     Gates,
@@ -52,6 +53,6 @@ def as_stored_report(converted: Path, csv: Path) -> Path:
     rows = ["node,precision"]
     for n in m.graph.node:
         in_half = any(types.get(t) == half for t in [*n.input, *n.output])
-        rows.append(f"{n.name},{'fp16' if in_half else 'fp32'}")
+        rows.append(f"{node_label(n)},{'fp16' if in_half else 'fp32'}")
     csv.write_text("\n".join(rows) + "\n")
     return csv
