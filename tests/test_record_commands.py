@@ -221,3 +221,14 @@ def test_a_recorded_top_k_gate_passes_an_output_whose_decisions_agree():
 
     assert judged({"p": 1}) and judged({"p": 1}).output_errors["p"]["rel_l2"] > 0.1
     assert not judged({}) and judged({}).failing_outputs == ["p"]
+
+
+def test_checklist_of_a_conversion_takes_its_recorded_plan(converted):
+    done = run_cli("checklist", converted["out"], "--target", "a2000", "--stats", converted["stats"],
+                   "--json")
+    items = {i["key"]: i for i in json.loads(done.stdout)["items"]}
+    assert items["precision"]["done"]
+    assert any("its conversion record" in e and "1 rescale, 1 softmax_shift" in e
+               for e in items["precision"]["evidence"])
+    crosscheck = items["crosscheck"]["steps"][-1]
+    assert crosscheck.startswith(f"npuprep crosscheck {converted['out']} ") and "--plan" not in crosscheck

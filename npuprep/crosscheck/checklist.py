@@ -177,6 +177,10 @@ def build_checklist(
         found = workspace.latest("stats", workspace.family(model))
         if found:
             stats, stats_arg = _load_stats(found[0], model, notes)
+    # A conversion's own record holds the plan it applied: that one, no file needed.
+    recorded = _recorded_plan(model) if plan is None else None
+    if recorded is not None:
+        plan, plan_arg = recorded, f"{model_arg} (its conversion record)"
     if plan is None and workspace is not None and workspace.plan_path:
         plan = _load_plan(workspace.plan_path, model, notes)
         plan_arg = workspace.plan_path if plan is not None else ""
@@ -198,7 +202,7 @@ def build_checklist(
         _calibrate(ctx, stats),
         _precision_list(ctx, plan, decision, story, stats is not None),
         _probe(ctx),
-        _crosscheck(ctx, plan is not None, stats is not None),
+        _crosscheck(ctx, plan is not None and recorded is None, stats is not None),
         _compare(ctx, stats, top_n, story.masks),
         _speed(ctx),
         _memory(ctx),
@@ -245,6 +249,17 @@ def _load_stats(path: str, model: Model, notes: list[str]) -> tuple[Any, str]:
     except NpuprepError as exc:
         notes.append(f"stats not used: {exc}")
         return None, ""
+
+
+def _recorded_plan(model: Model) -> Any:
+    """The plan a conversion records about itself (npuprep.provenance); None for other models."""
+    from npuprep.plan import Plan
+    from npuprep.provenance import RECORD_KEY, read_conversion
+
+    record = read_conversion(model.proto)
+    if record is None:
+        return None
+    return Plan.from_dict(record.plan, f"{model.path}: metadata {RECORD_KEY}: plan")
 
 
 def _load_plan(path: str, model: Model, notes: list[str]) -> Any:
