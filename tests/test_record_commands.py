@@ -116,6 +116,8 @@ def test_compare_judges_a_conversion_by_its_recorded_gate(tmp_path):
     assert done.returncode == 0 and doc["passed"] and doc["gate"]["outputs"] == ["y"]
     assert rows["y"]["passed"] and not rows["t"]["passed"]  # t is where to look, not a failure
     assert doc["first_divergent"]["tensor"] == "t"
+    table = run_cli("compare", source, out, "--data", data, "--target", "a2000").stdout
+    assert "look:rtol+atol" in table and "FAIL:" not in table
     # Two models without a record between them: every tensor decides, as before.
     proto = onnx.load(str(out))
     helper.set_model_props(proto, {p.key: p.value for p in proto.metadata_props if p.key != RECORD_KEY})

@@ -346,16 +346,21 @@ def mask_rows(ref: Any, result: Any) -> frozenset[str]:
     return frozenset(bad & downstream_of_mask_constants(ref)) if bad else frozenset()
 
 
-def _row(t: Any, isolate: bool, full: bool = True, masks: frozenset[str] = frozenset()) -> list[Any]:
+def _row(t: Any, isolate: bool, full: bool = True, masks: frozenset[str] = frozenset(),
+         gate: Any = None) -> list[Any]:
+    code = verdict_code(t, masks)
+    if gate is not None and not t and t.tensor not in gate.outputs:
+        # Judged by a conversion's outputs: an internal tensor over the thresholds is a lead.
+        code = code.replace("FAIL:", "look:")
     if not full:
         return [t.tensor, t.op_type, t.max_abs_error, t.rel_l2, *([t.isolated_rel_l2] if isolate else []),
-                t.cosine, t.cand_absmax, f"{t.inf_count}/{t.nan_count}", verdict_code(t, masks)]
+                t.cosine, t.cand_absmax, f"{t.inf_count}/{t.nan_count}", code]
     row = [t.tensor, t.node, t.op_type, t.max_abs_error, t.rel_l2, t.cosine, t.cand_absmax,
            "-" if t.headroom is None else t.headroom, f"{t.inf_count}/{t.nan_count}",
            t.saturated_count]
     if isolate:
         row += [t.isolated_max_abs_error, t.isolated_rel_l2]
-    return row + [verdict_code(t, masks)]
+    return row + [code]
 
 
 def verdict_code(t: Any, masks: frozenset[str] = frozenset()) -> str:
@@ -381,7 +386,7 @@ def _print(result: Any, masks: frozenset[str] = frozenset()) -> None:
     say(f"{len(result.tensors)} tensors compared on {result.samples_description}; "
         f"format {result.fmt or 'none'}; rtol {result.rtol:g}, atol {result.atol:g}")
     print_table(f"Worst {len(result.worst)} tensors", _columns(result.isolate, full),
-                [_row(t, result.isolate, full, masks) for t in result.worst])
+                [_row(t, result.isolate, full, masks, result.gate) for t in result.worst])
     codes = {verdict_code(t, masks) for t in result.worst if t}
     if not full and codes - {"ok"}:
         say("; ".join(text for code, text in (
@@ -452,7 +457,8 @@ def render_markdown(result: Any, args: argparse.Namespace, masks: frozenset[str]
     for title, rows in (("Worst tensors", result.worst), ("All tensors (topological order)", result.tensors)):
         lines += [f"## {title}", "", "| " + " | ".join(cell(h) for h in header) + " |",
                   "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(cell(v) for v in _row(t, result.isolate, masks=masks)) + " |"
+        lines += ["| " + " | ".join(cell(v) for v in _row(t, result.isolate, masks=masks,
+                                                          gate=result.gate)) + " |"
                   for t in rows]
         lines.append("")
     if result.unobserved:
