@@ -19,10 +19,12 @@ from npuprep.cli.common import (
 from npuprep.names import shown
 
 if TYPE_CHECKING:
+    from npuprep.analyse.finding import Findings
     from npuprep.calibrate.stats import RangeStats
     from npuprep.model_io import Model
     from npuprep.plan.decide import Planned
-    from npuprep.profiles import ResolvedTarget
+    from npuprep.plan.plan import Plan
+    from npuprep.profiles import ResolvedTarget, Severity, TargetProfile
 
 help = "report where MODEL will leave the target's range (static rules; no rewrite)"
 
@@ -55,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "~/.cache/npuprep/rknn-venv)")
 
 
-def _measured_stats(args: argparse.Namespace, model: Any, detail: str = "auto") -> Any:
+def _measured_stats(args: argparse.Namespace, model: Model, detail: str = "auto") -> RangeStats | None:
     """Stats from --stats, or calibrated on the fly from --data/--synthetic; None without either.
     `detail="all"` for 8-bit scales, as convert calibrates for them (percentile, MSE)."""
     from npuprep.errors import NpuprepError
@@ -147,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failing or (vendor is not None and not vendor["built"]) else 0
 
 
-def _vendor_build(args: argparse.Namespace, model: Any) -> dict[str, Any]:
+def _vendor_build(args: argparse.Namespace, model: Model) -> dict[str, Any]:
     """MODEL built by the vendor tool on one sample (--data's first, else a synthetic one);
     a refusal or crash bisected to its nodes (npuprep.verify.vendor_bisect)."""
     from npuprep.cli.common import open_samples, synthetic_from_args
@@ -179,7 +181,7 @@ def _eight_bit(args: argparse.Namespace) -> Any:
     return eight
 
 
-def _print_eight_bit(plan: Any) -> None:
+def _print_eight_bit(plan: Plan) -> None:
     layers = plan.eight_bit
     wider = [x for x in layers if x.precision != plan.precision]
     if wider:
@@ -210,7 +212,7 @@ def plan_check(args: argparse.Namespace, model: Model, target: ResolvedTarget,
                     plan=recorded, as_stored=True)
 
 
-def _print_plan(plan: Any, *, measured: bool, recorded: bool = False) -> None:
+def _print_plan(plan: Plan, *, measured: bool, recorded: bool = False) -> None:
     """What convert would do, or (`recorded`: a conversion's own record) what it did."""
     from npuprep.cli.convert import _reason_code, _where
 
@@ -230,7 +232,8 @@ def _print_plan(plan: Any, *, measured: bool, recorded: bool = False) -> None:
         f"{len(plan.declined)} remedy(ies) declined ({basis}); {more}")
 
 
-def check_report(model: Any, profile: Any, findings: Any, fail_on: Any) -> dict[str, Any]:
+def check_report(model: Model, profile: TargetProfile, findings: Findings,
+                 fail_on: Severity) -> dict[str, Any]:
     """The `--json` object: schema version, kind, fingerprint, model, target, findings, summary."""
     return {
         "schema_version": SCHEMA_VERSION,
@@ -248,7 +251,7 @@ def check_report(model: Any, profile: Any, findings: Any, fail_on: Any) -> dict[
     }
 
 
-def _summary(findings: Any) -> dict[str, int]:
+def _summary(findings: Findings) -> dict[str, int]:
     from npuprep.profiles import Severity
 
     counts = {str(s): 0 for s in Severity}
@@ -276,7 +279,7 @@ def _evidence_text(evidence: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def _rows(findings: Any) -> list[tuple[str, ...]]:
+def _rows(findings: Findings) -> list[tuple[str, ...]]:
     """Table rows, most severe first, each with its sentence and how-to last; findings that
     read the same (say, one per layer) and that the plan remedies alike share a row. The
     remedy column is what the plan did (`Finding.planned`), never a pin it did not make."""
@@ -297,7 +300,7 @@ def _rows(findings: Any) -> list[tuple[str, ...]]:
     return rows
 
 
-def _print(model: Any, profile: Any, findings: Any, fail_on: Any) -> None:
+def _print(model: Model, profile: TargetProfile, findings: Findings, fail_on: Severity) -> None:
     say(f"model  {shown(model.path)}  (opset {model.opset}, fingerprint {model.fingerprint})")
     say(f"target {shown(profile.name)}  ({profile.default_precision}, overflow {profile.overflow})")
     if len(findings):

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from npuprep.cli.common import add_json, add_target
+
+if TYPE_CHECKING:
+    from npuprep.analyse.finding import Findings
+    from npuprep.calibrate.stats import RangeStats
+    from npuprep.crosscheck.check import Crosscheck
+    from npuprep.crosscheck.names import NodeIndex
+    from npuprep.crosscheck.plan_view import PlanDecision
+    from npuprep.model_io import Model
+    from npuprep.profiles import ResolvedTarget
 
 help = "check a compiler's per-layer precision report against the nodes npuprep found sensitive"
 
@@ -101,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 COUNTED = ("ok", "missing", "unmapped")
 
 
-def failure_line(result: Any) -> str:
+def failure_line(result: Crosscheck) -> str:
     """PASSED, or FAILED naming the non-finite layers first, then what else failed."""
     if result:
         return "PASSED"
@@ -115,7 +124,8 @@ def failure_line(result: Any) -> str:
     return "FAILED: " + "; ".join(parts)
 
 
-def planner_decision(model: Any, target: Any, stats: Any, findings: Any, index: Any) -> Any:
+def planner_decision(model: Model, target: ResolvedTarget, stats: RangeStats | None,
+                     findings: Findings, index: NodeIndex) -> PlanDecision | None:
     """Without --plan, the planner's own decision on these stats (what check and convert
     would do: npuprep.plan.decide), so a node they call safe is no mismatch here; None for a
     conversion without its record, whose decisions are in its plan files."""
@@ -132,7 +142,7 @@ def planner_decision(model: Any, target: Any, stats: Any, findings: Any, index: 
                        "convert's; no --plan given)", kind="planner", rewritten=False)
 
 
-def _plan_hint(model: Any) -> tuple[str, ...]:
+def _plan_hint(model: Model) -> tuple[str, ...]:
     """For a conversion checked without --plan: where its decisions are."""
     from npuprep.provenance import find_source
 
