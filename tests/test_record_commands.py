@@ -118,6 +118,18 @@ def test_compare_judges_a_conversion_by_its_recorded_gate(tmp_path):
     assert doc["first_divergent"]["tensor"] == "t"
     table = run_cli("compare", source, out, "--data", data, "--target", "a2000").stdout
     assert "look:rtol+atol" in table and "FAIL:" not in table
+    # Samples the conversion calibrated on are named: its gate was met on others.
+    from dataclasses import replace
+
+    from npuprep.provenance import read_conversion, record_conversion
+
+    proto = onnx.load(str(out))
+    record_conversion(proto, replace(read_conversion(proto), calibration_ids=("s0.npz", "s1.npz"),
+                                     holdout_ids=("s3.npz",)))
+    onnx.save(proto, str(out))
+    notes = json.loads(run_cli("compare", source, out, "--data", data, "--target", "a2000",
+                               "--json").stdout)["notes"]
+    assert any("2 of these samples (s0.npz, s1.npz)" in n and "(s3.npz)" in n for n in notes)
     # Two models without a record between them: every tensor decides, as before.
     proto = onnx.load(str(out))
     helper.set_model_props(proto, {p.key: p.value for p in proto.metadata_props if p.key != RECORD_KEY})

@@ -139,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
                      + _as_exported_note(ref, profile))
         else:
             cand_proto = anchored(load_model(args.cand, weights="file")).proto
-            gate = conversion_gate(ref, cand_proto, args)
+            gate, gate_notes = conversion_gate(ref, cand_proto, args, samples)
+            notes += gate_notes
             if scales is None:
                 scales, scale_note = _recorded_scales(ref, cand_proto)
                 notes += scale_note
@@ -247,22 +248,29 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def conversion_gate(ref: Any, cand: Any, args: argparse.Namespace) -> Any:
+def conversion_gate(ref: Any, cand: Any, args: argparse.Namespace,
+                    samples: Any) -> tuple[Any, tuple[str, ...]]:
     """When CAND is a conversion of REF that records its gate: judge it as convert did, by
-    the graph outputs at the record's rtol/atol (--rtol/--atol still override); None for two
-    unrelated models, which keep compare's own tensor-by-tensor verdict."""
+    the graph outputs at the record's rtol/atol (--rtol/--atol still override), and a note
+    when --data holds samples the conversion calibrated and planned on (its gate was met on
+    others); (None, ()) for two unrelated models, which keep compare's own verdict."""
     from npuprep.provenance import read_conversion
     from npuprep.verify.compare import OutputGate
 
     record = read_conversion(cand)
     if record is None or record.source.fingerprint != ref.fingerprint:
-        return None
+        return None, ()
+    seen = sorted({str(i) for i in samples.sample_ids()} & set(record.calibration_ids))
+    notes = (f"{len(seen)} of these samples ({', '.join(seen[:3])}{' ...' if len(seen) > 3 else ''}) "
+             "are ones the conversion calibrated and planned on; give the held-out ones "
+             f"({', '.join(record.holdout_ids[:3]) or 'none recorded'}) to see what convert's gate "
+             "saw",) if seen else ()
     outputs = tuple(o.name for o in ref.proto.graph.output)
     return OutputGate(outputs, record.gates.rtol if args.rtol is None else args.rtol,
                       record.gates.atol if args.atol is None else args.atol,
                       f"the conversion's record ({record.target}, {record.precision}: convert "
                       f"{'passed' if record.passed else 'FAILED'})",
-                      top_k=dict(record.gates.top_k), host_scales=dict(record.host_scales))
+                      top_k=dict(record.gates.top_k), host_scales=dict(record.host_scales)), notes
 
 
 def _recorded_scales(ref: Any, cand: Any) -> tuple[dict[str, float] | None, tuple[str, ...]]:
