@@ -48,7 +48,7 @@ def check_outputs(reference: Any, lowered: Any, fmt: NumberFormat, samples: Sequ
     """Run the reference and the lowered model's emulation; per-output Inf/NaN and errors.
 
     The lowered model is judged by widening it back to FP32 with explicit rounding wherever
-    it stores the low format (npuprep.verify.widen), and it is also run as-is on
+    it stores the low format (npuprep.verify.emulate_lowered), and it is also run as-is on
     onnxruntime, which proves it loads and runs. `emulated` replaces that widening (a target
     that cannot pin: every node rounded); outputs in `host_scales` are multiplied back first;
     outputs in `top_k` are also judged by their top-K classes (npuprep.verify.output_errors), where
@@ -71,8 +71,8 @@ def check_output_sets(reference: Any, lowered: Any, fmt: NumberFormat,
     emulation's outputs on the first samples, already run: `emulated`'s own, or, without
     `emulated`, the plan's emulation's, which stand for the lowered model's only where its
     emulation gives the first of them bit for bit (else it runs on every sample)."""
+    from npuprep.verify.emulate_lowered import emulate_lowered
     from npuprep.verify.output_errors import OutputErrors
-    from npuprep.verify.widen import emulate_lowered
 
     samples = [feed for feeds in sample_sets for feed in feeds]
     # One session at a time (the outputs are small, the weights are not): the reference, the
