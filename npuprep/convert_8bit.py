@@ -26,7 +26,7 @@ from npuprep.graph import node_label, weight_bytes
 from npuprep.model_io import Model, WeightScratch, anchored
 from npuprep.numerics import EightBitFormat, eight_bit_format
 from npuprep.plan import Plan
-from npuprep.plan.eight_bit import MAC_OPS, LayerPrecision, decide
+from npuprep.plan.layer_precision import MAC_OPS, LayerPrecision, decide
 from npuprep.profiles import TargetProfile
 from npuprep.provenance import record_source
 from npuprep.report.flops import node_flops

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
             from dataclasses import replace
 
             from npuprep.analyse.eight_bit import scale_clip_findings
-            from npuprep.plan.eight_bit import decide
+            from npuprep.plan.layer_precision import decide
 
             plan = replace(plan, precision=eight.name,
                            eight_bit=decide(model.proto, stats, eight, plan.pinned_nodes()))

@@ -24,7 +24,7 @@ from npuprep.data import Feed
 from npuprep.graph import constant_value, node_label
 from npuprep.numerics import EightBitFormat, NumberFormat
 from npuprep.opsets import model_opset, upgrade_opset
-from npuprep.plan.eight_bit import LayerPrecision, activation_inputs
+from npuprep.plan.layer_precision import LayerPrecision, activation_inputs
 from npuprep.rewrite.qdq import ActivationScale, insert_qdq
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.rewrite.result import RewriteResult

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from npuprep.numerics import EightBitFormat
-from npuprep.plan.eight_bit import LayerPrecision
+from npuprep.plan.layer_precision import LayerPrecision
 
 # A layer holding less of the multiply-adds than this counts as this much: a free layer
 # that gains little does not take a round's place ahead of one that gains much.
