@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         if eight is not None:
             from dataclasses import replace
 
-            from npuprep.analyse.eight_bit import scale_clip_findings
+            from npuprep.analyse.scale_clip import scale_clip_findings
             from npuprep.plan.layer_precision import decide
 
             plan = replace(plan, precision=eight.name,
