@@ -70,7 +70,7 @@ def convert_8bit(
     from npuprep.rewrite.apply import apply_plan
     from npuprep.rewrite.lower import Lowered
     from npuprep.verify.compare import DEFAULT_ATOL, compare_models
-    from npuprep.verify.eight_bit import (
+    from npuprep.verify.qdq_model import (
         balance_outliers,
         choose_rules,
         eight_bit_nodes,

@@ -4,7 +4,7 @@ Range first: a multiply-add whose input is unmeasured, holds Inf/NaN, or that it
 scale would mostly flush to zero stays wider. The small ops around them (squares, exp,
 divisions, reductions, normalisation statistics, softmax, sinusoids) are never quantised;
 the plan names them with the range or resolution 8 bits would lose. Sensitivity comes
-later (npuprep.verify.eight_bit ranks the 8-bit layers by the error each adds alone).
+later (npuprep.verify.qdq_model ranks the 8-bit layers by the error each adds alone).
 """
 
 from __future__ import annotations
