@@ -15,8 +15,10 @@ from npuprep.cli.common import (
     print_json,
     print_table,
     say,
+    scale_rule,
 )
 from npuprep.names import shown
+from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 
 help = "report where MODEL will leave the target's range (static rules; no rewrite)"
 
@@ -36,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats", "-s", help="measured ranges from `npuprep calibrate` (instead of --data)")
     p.add_argument("--precision", help="check measured ranges against this format (e.g. fp8_e4m3) "
                                        "instead of the target's default precision")
-    p.add_argument("--scale-rule", choices=("absmax", "percentile", "mse"), default="percentile",
+    p.add_argument("--scale-rule", type=scale_rule, choices=tuple(ScaleRule), default=DEFAULT_RULE,
                    help="8-bit only: the scale rule convert is given (default percentile); "
                         "range.scale_clip shows its clip and, for INT8, the others convert weighs")
     p.add_argument("--html", metavar="OUT.html", help="also write a self-contained HTML report")

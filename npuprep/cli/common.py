@@ -17,6 +17,7 @@ from npuprep.formatting import WIDTH, Output, cell, table_lines, wrap
 from npuprep.json_io import dump_json, to_jsonable  # noqa: F401 - re-exported for the commands
 from npuprep.names import shown
 from npuprep.progress import progress_counter
+from npuprep.scale_rules import ScaleRule
 
 T = TypeVar("T")
 
@@ -100,6 +101,15 @@ def nonnegative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return value
+
+
+def scale_rule(text: str) -> ScaleRule:
+    """`--scale-rule`: one of ScaleRule's words, refused in argparse's own words for a choice."""
+    try:
+        return ScaleRule(text)
+    except ValueError:
+        words = ", ".join(repr(r.value) for r in ScaleRule)
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {words})") from None
 
 
 def _finite(text: str) -> float:

@@ -16,9 +16,10 @@ from typing import Any
 
 import onnx
 
-from npuprep.calibrate.scales import DEFAULT_RULE, clip_for
+from npuprep.calibrate.scales import clip_for
 from npuprep.graph import constant_value, node_label
 from npuprep.numerics import EightBitFormat
+from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 
 MAC_OPS = ("Conv", "MatMul", "Gemm")
 # An 8-bit input whose scale flushes more than this share of its nonzero values stays wider.
@@ -46,7 +47,7 @@ def activation_inputs(graph: onnx.GraphProto, node: onnx.NodeProto) -> list[str]
 
 
 def decide(model: onnx.ModelProto, stats: Any, fmt: EightBitFormat, pinned: Iterable[str] = (),
-           rule: str = DEFAULT_RULE) -> tuple[LayerPrecision, ...]:
+           rule: ScaleRule = DEFAULT_RULE) -> tuple[LayerPrecision, ...]:
     """Per node of the main graph: 8-bit for the multiply-adds whose inputs 8 bits hold,
     the wider format and its reason for the rest that matter (multiply-adds, small ops)."""
     pinned = set(pinned)
@@ -69,7 +70,7 @@ def decide(model: onnx.ModelProto, stats: Any, fmt: EightBitFormat, pinned: Iter
 
 
 def _range_reason(g: onnx.GraphProto, node: onnx.NodeProto, stats: Any, fmt: EightBitFormat,
-                  rule: str) -> str:
+                  rule: ScaleRule) -> str:
     for name in activation_inputs(g, node):
         r = None if stats is None else stats.tensors.get(name)
         if r is None:
@@ -86,7 +87,7 @@ def _range_reason(g: onnx.GraphProto, node: onnx.NodeProto, stats: Any, fmt: Eig
 
 
 def _clipping(g: onnx.GraphProto, node: onnx.NodeProto, stats: Any, fmt: EightBitFormat,
-              rule: str) -> str:
+              rule: ScaleRule) -> str:
     """Why 8 bits hold the inputs: within the scaled range, and what the scales clip."""
     clipped = []
     for name in activation_inputs(g, node):

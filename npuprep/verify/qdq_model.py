@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from npuprep.calibrate.scales import DEFAULT_RULE, SCALE_RULES, clip_for, stored_as, widening
+from npuprep.calibrate.scales import clip_for, stored_as, widening
 from npuprep.calibrate.stats import RangeStats
 from npuprep.data import Feed
 from npuprep.graph import constant_value, node_label
@@ -28,6 +28,7 @@ from npuprep.plan.layer_precision import LayerPrecision, activation_inputs
 from npuprep.rewrite.qdq import ActivationScale, insert_qdq
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.rewrite.result import RewriteResult
+from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 # An INT8 MatMul input whose largest channel reaches this many times its median channel has
@@ -63,9 +64,9 @@ def with_opset(model: onnx.ModelProto, fmt: EightBitFormat) -> onnx.ModelProto:
 
 
 def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: Any, fmt: EightBitFormat, *,
-             saturate: bool, rule: str = DEFAULT_RULE,
+             saturate: bool, rule: ScaleRule = DEFAULT_RULE,
              tensor_scales: Mapping[str, float] | None = None, headroom: float = 1.0,
-             tensor_rules: Mapping[str, str] | None = None,
+             tensor_rules: Mapping[str, ScaleRule] | None = None,
              weights: WeightStore | None = None) -> RewriteResult:
     """`model` (at a QDQ opset) with `nodes` quantised: activation scales by `rule` (or the
     tensor's own in `tensor_rules`) from `stats`; a tensor the plan rescaled (`tensor_scales`:
@@ -102,7 +103,7 @@ class Balanced:
 
 def balance_outliers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
                      stats: Any, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
-                     rule: str = DEFAULT_RULE, tensor_scales: Mapping[str, float] | None = None,
+                     rule: ScaleRule = DEFAULT_RULE, tensor_scales: Mapping[str, float] | None = None,
                      headroom: float = 1.0, weights: WeightStore | None = None) -> Balanced:
     """The INT8 MatMuls among `nodes` whose input has outlier channels read it divided by s
     per channel, their weights multiplied by it (npuprep.rewrite.smooth), where that lowers
@@ -170,7 +171,7 @@ def _errors(reference: onnx.ModelProto, samples: Sequence[Feed]) -> Any:
 def choose_rules(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
                  stats: Any, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
                  tensor_scales: Mapping[str, float] | None = None,
-                 weights: WeightStore | None = None) -> dict[str, str]:
+                 weights: WeightStore | None = None) -> dict[str, ScaleRule]:
     """Per activation of `nodes` whose rules place different clips: the rule whose clip gives
     the least output error with that tensor's 8-bit readers quantised alone."""
     g = model.graph
@@ -182,8 +183,8 @@ def choose_rules(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequ
     error = _errors(reference, samples)
     chosen = {}
     for name, labels in readers.items():
-        clips: dict[float, str] = {}
-        for rule in SCALE_RULES:
+        clips: dict[float, ScaleRule] = {}
+        for rule in ScaleRule:
             clips.setdefault(clip_for(stats.tensors[name], fmt, rule).value, rule)
         if len(clips) < 2:
             continue
@@ -229,10 +230,10 @@ def _activation_scale(r: RangeStats, top: float, factor: float,
 
 def rank_layers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
                 stats: Any, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
-                rule: str = DEFAULT_RULE,
+                rule: ScaleRule = DEFAULT_RULE,
                 tensor_scales: Mapping[str, float] | None = None,
                 headroom: float = 1.0,
-                tensor_rules: Mapping[str, str] | None = None,
+                tensor_rules: Mapping[str, ScaleRule] | None = None,
                 weights: WeightStore | None = None) -> list[Sensitivity]:
     """Each of `nodes` kept wider while the others are quantised, the largest gain first."""
     measure = _errors(reference, samples)
