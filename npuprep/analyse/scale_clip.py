@@ -23,8 +23,8 @@ from npuprep.calibrate.scales import (
     FP8_NAN_HEADROOM,
     Clip,
     clip_for,
+    clip_raise_factor,
     stored_as,
-    widening,
 )
 from npuprep.graph import constant_value, node_label
 from npuprep.numerics import EightBitFormat
@@ -60,7 +60,7 @@ def scale_clip_findings(model: onnx.ModelProto, stats: Any, fmt: EightBitFormat,
             if r is None or not r.absmax > 0:
                 continue
             seen.add(name)
-            widen = widening(r, fmt, headroom)
+            widen = clip_raise_factor(r, fmt, headroom)
             clips = {other: _written(r, fmt, other, widen)
                      for other in ((rule,) if fmt.is_float else (rule, *ScaleRule))}
             # Convert weighs the rules only where their clips differ.

@@ -62,7 +62,7 @@ def sample_headroom(r: RangeStats) -> float:
     return 1.0 + SPREAD_SIGMAS * spread / top
 
 
-def widening(r: RangeStats, fmt: EightBitFormat, headroom: float = 1.0) -> float:
+def clip_raise_factor(r: RangeStats, fmt: EightBitFormat, headroom: float = 1.0) -> float:
     """The factor quantisation raises a clip by: the unseen samples' `sample_headroom`, times
     `headroom` (FP8's: the larger of the two covers both)."""
     spread = sample_headroom(r)

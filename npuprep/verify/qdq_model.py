@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from npuprep.calibrate.scales import clip_for, stored_as, widening
+from npuprep.calibrate.scales import clip_for, clip_raise_factor, stored_as
 from npuprep.calibrate.stats import RangeStats
 from npuprep.data import Feed
 from npuprep.graph import constant_value, node_label
@@ -84,7 +84,7 @@ def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: Any, fmt: Eigh
         scales = {}
         for name in activation_inputs(model.graph, node):
             r = stats.tensors[name]
-            factor = rescaled.get(name, 1.0) * widening(r, fmt, headroom)
+            factor = rescaled.get(name, 1.0) * clip_raise_factor(r, fmt, headroom)
             clip = clip_for(r, fmt, own.get(name, rule)).value * factor
             scales[name] = _activation_scale(r, clip, factor, fmt)
         wanted[label] = scales
