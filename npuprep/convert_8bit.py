@@ -25,8 +25,9 @@ from npuprep.errors import NpuprepError
 from npuprep.graph import node_label, weight_bytes
 from npuprep.model_io import Model, WeightScratch, anchored
 from npuprep.numerics import EightBitFormat, eight_bit_format
+from npuprep.ops import QUANTISED_MAC_OPS
 from npuprep.plan import Plan
-from npuprep.plan.layer_precision import MAC_OPS, LayerPrecision, decide
+from npuprep.plan.layer_precision import LayerPrecision, decide
 from npuprep.profiles import TargetProfile
 from npuprep.provenance import record_source
 from npuprep.report.flops import node_flops
@@ -223,7 +224,7 @@ def _macs(model: Any, samples: Sequence[Feed]) -> dict[str, int]:
     """Multiply-adds (FLOPs / 2) of every Conv/MatMul/Gemm, at the first sample's sizes."""
     ops = {node_label(n): n.op_type for n in model.graph.node}
     flops = node_flops(model, sample_shapes(samples))
-    return {k: v // 2 for k, v in flops.items() if ops.get(k) in MAC_OPS}
+    return {k: v // 2 for k, v in flops.items() if ops.get(k) in QUANTISED_MAC_OPS}
 
 
 def mac_share(layers: Sequence[LayerPrecision], macs: Mapping[str, int],

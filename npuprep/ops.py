@@ -20,8 +20,16 @@ DATA_MOVEMENT_OPS = frozenset({
     "SpaceToDepth", "MaxPool", "ReduceMax", "ReduceMin", "Relu", "Max", "Min", "Where",
 })
 
-# Ops with learned weights that a power-of-two rescale can act on.
-LINEAR_WITH_WEIGHTS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
+# Multiply-accumulate ops, the bulk of a network's arithmetic: op -> positions of its weight
+# (input 1; a MatMul's may be an activation) and bias (input 2, where the op has one). A
+# constant weight absorbs a power-of-two rescale; the ledger counts their MACs.
+MAC_WEIGHT_INPUTS: dict[str, tuple[int, ...]] = {
+    "Conv": (1, 2), "ConvTranspose": (1, 2), "Gemm": (1, 2), "MatMul": (1,),
+}
+MAC_OPS = frozenset(MAC_WEIGHT_INPUTS)
+# The MAC ops an 8-bit plan quantises (plan.layer_precision): ConvTranspose stays wider, as
+# the quantiser has no per-channel rule for its weight (output channels on axis 1).
+QUANTISED_MAC_OPS = MAC_OPS - {"ConvTranspose"}
 
 # Ops that pass a value through unchanged in magnitude; guards and patterns look through them.
 PASSTHROUGH_OPS = frozenset({"Identity", "Cast", "Reshape", "Unsqueeze", "Squeeze", "Expand",
@@ -88,7 +96,7 @@ CARRIES_MAGNITUDE = frozenset({
     "Split", "Gather", "Expand", "Tile", "Where", "Exp",
 })
 # Ops whose output a static pin finding marks as large.
-MAKES_MAGNITUDE = CARRIES_MAGNITUDE | LINEAR_WITH_WEIGHTS
+MAKES_MAGNITUDE = CARRIES_MAGNITUDE | MAC_OPS
 # Ops whose output carries their inputs' absolute rounding errors unchanged.
 ADDITIVE = frozenset({
     "Add", "Sub", "Neg", "Sum", "Concat", "Reshape", "Transpose", "Squeeze", "Unsqueeze",

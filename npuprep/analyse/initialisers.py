@@ -12,7 +12,7 @@ from npuprep.analyse.context import Context, ScopeView
 from npuprep.analyse.finding import Finding
 from npuprep.graph import attribute, node_label, to_array
 from npuprep.numerics import FLOAT_ONNX_TYPES, NumberFormat
-from npuprep.ops import LINEAR_WITH_WEIGHTS
+from npuprep.ops import MAC_OPS
 from npuprep.profiles import Severity
 
 # Values are scanned in slices so a multi-GB weight never needs a second full-size copy.
@@ -136,7 +136,7 @@ def _role(view: ScopeView, name: str) -> tuple[onnx.NodeProto | None, str]:
             pos = list(user.input).index(name)
             return user, f"BatchNormalization {_BN_INPUTS.get(pos, 'input')}"
     for user in users:
-        if user.op_type in LINEAR_WITH_WEIGHTS:
+        if user.op_type in MAC_OPS:
             return user, f"{user.op_type} weight"
     return (users[0], users[0].op_type) if users else (None, "unused")
 

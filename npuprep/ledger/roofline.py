@@ -22,7 +22,6 @@ BYTES_PER_ELEMENT: dict[str, float] = {
 # A compiler turns these into views or folds them at build time: no time on the device.
 FREE_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Shape", "Size",
                       "Constant", "ConstantOfShape", "DequantizeLinear"})
-MAC_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
 GATHER_OPS = frozenset({"Gather", "GatherElements", "GatherND"})
 
 

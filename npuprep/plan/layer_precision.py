@@ -19,9 +19,9 @@ import onnx
 from npuprep.calibrate.scales import clip_for
 from npuprep.graph import constant_value, node_label
 from npuprep.numerics import EightBitFormat
+from npuprep.ops import QUANTISED_MAC_OPS
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 
-MAC_OPS = ("Conv", "MatMul", "Gemm")
 # An 8-bit input whose scale flushes more than this share of its nonzero values stays wider.
 FLUSH_LIMIT = 0.5
 WIDER = ("fp16", "fp32")
@@ -57,10 +57,10 @@ def decide(model: onnx.ModelProto, stats: Any, fmt: EightBitFormat, pinned: Iter
         label = node_label(node)
         wider = "fp32" if label in pinned else "fp16"
         small = _small_op_reason(node, fmt)
-        if label in pinned and (node.op_type in MAC_OPS or small):
+        if label in pinned and (node.op_type in QUANTISED_MAC_OPS or small):
             out.append(LayerPrecision(label, "fp32", "pinned FP32 by the plan" + (
                 f"; {small}{_measured(node, stats)}" if small else "")))
-        elif node.op_type in MAC_OPS:
+        elif node.op_type in QUANTISED_MAC_OPS:
             why = _range_reason(g, node, stats, fmt, rule)
             out.append(LayerPrecision(label, wider, why) if why else
                        LayerPrecision(label, fmt.name, _clipping(g, node, stats, fmt, rule)))

@@ -17,7 +17,7 @@ from typing import Any
 import onnx
 
 from npuprep.graph import constant_value, node_label
-from npuprep.ops import LINEAR_WITH_WEIGHTS, SCALE_INVARIANT_NORMS, SCALE_WALK_BACK
+from npuprep.ops import MAC_OPS, SCALE_INVARIANT_NORMS, SCALE_WALK_BACK
 from npuprep.plan.actions import Declined, FindingRef, Rescale
 from npuprep.plan.context import Outcome, PlanContext, Problem
 from npuprep.rewrite.rescale import apply_rescale, check_rescale
@@ -241,10 +241,10 @@ def entries_for(ctx: PlanContext, tensor: str) -> tuple[list[str], str]:
             # join): the domain can start on that tensor, behind an exact Mul.
             candidates.append(current)
             return candidates, ""
-        past_entry = entry and node.op_type in LINEAR_WITH_WEIGHTS | set(SCALE_INVARIANT_NORMS)
+        past_entry = entry and node.op_type in MAC_OPS | set(SCALE_INVARIANT_NORMS)
         if entry:
             candidates.append(label)
-        if entry and node.op_type in LINEAR_WITH_WEIGHTS | set(SCALE_INVARIANT_NORMS):
+        if entry and node.op_type in MAC_OPS | set(SCALE_INVARIANT_NORMS):
             follow: tuple[int, ...] | None = (0,) if constant_value(graph, node.input[0]) is None \
                 else (1,)
         else:
@@ -265,7 +265,7 @@ def entries_for(ctx: PlanContext, tensor: str) -> tuple[list[str], str]:
 
 def is_entry(ctx: PlanContext, node: onnx.NodeProto) -> bool:
     graph = ctx.nodes[node_label(node)][1]
-    if node.op_type in LINEAR_WITH_WEIGHTS or SCALE_INVARIANT_NORMS.get(node.op_type):
+    if node.op_type in MAC_OPS or SCALE_INVARIANT_NORMS.get(node.op_type):
         return len(node.input) > 1 and constant_value(graph, node.input[1]) is not None
     return node.op_type in ("Mul", "Div") and has_constant_input(ctx, node)
 
