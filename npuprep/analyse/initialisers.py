@@ -12,7 +12,7 @@ from npuprep.analyse.context import Context, ScopeView
 from npuprep.analyse.finding import Finding
 from npuprep.graph import attribute, node_label, to_array
 from npuprep.numerics import FLOAT_ONNX_TYPES, NumberFormat
-from npuprep.ops import MAC_OPS
+from npuprep.ops import MAC_OPS, PASSTHROUGH_OPS
 from npuprep.profiles import Severity
 
 # Values are scanned in slices so a multi-GB weight never needs a second full-size copy.
@@ -22,8 +22,7 @@ _CHUNK = 1 << 22
 # layer loses a visible part of what its weights contribute and the finding is raised.
 UNDERFLOW_MASS = 0.01
 # Consumers through which an additive mask reaches its Add unchanged in value.
-_MASK_CARRIERS = frozenset({"Where", "Expand", "Reshape", "Unsqueeze", "Squeeze", "Cast",
-                            "Identity", "Concat", "Tile", "Transpose"})
+_MASK_CARRIERS = PASSTHROUGH_OPS | {"Where", "Concat", "Tile"}
 # BatchNormalization inputs: 1 scale, 2 bias, 3 mean, 4 variance.
 _BN_INPUTS = {1: "scale", 2: "bias", 3: "mean", 4: "variance"}
 

@@ -85,9 +85,8 @@ from npuprep.calibrate.layout import (
 from npuprep.graph import infer_tensors, node_label, producers, to_array
 from npuprep.model_io import model_opset
 from npuprep.numerics import FLOAT_ONNX_TYPES
+from npuprep.ops import LAYOUT_OPS
 
-# Ops whose output holds exactly the input's values, so it shares the input's statistics.
-_ALIAS_OPS = {"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose"}
 # Ops whose output holds no NaN when every float input is finite: elementwise maps that can
 # only overflow to +-Inf (which max and min see), sums of finite values (once Inf, a sum stays
 # Inf), data movement. Not here: Div, Pow, Sqrt, Log (0/0, domain), MatMul/Gemm/Conv (products
@@ -434,7 +433,7 @@ def _alias_source(node: onnx.NodeProto | None, ctx: Wiring) -> str | None:
     """The tensor whose values a node's output repeats exactly, if any."""
     if node is None or not node.input:
         return None
-    if node.op_type in _ALIAS_OPS or (node.op_type == "Dropout" and len(node.input) < 3):
+    if node.op_type in LAYOUT_OPS or (node.op_type == "Dropout" and len(node.input) < 3):
         return node.input[0]
     if node.op_type == "Cast":
         to = next((a.i for a in node.attribute if a.name == "to"), None)

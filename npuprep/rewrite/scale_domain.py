@@ -21,6 +21,7 @@ from npuprep.ops import (
     COMMUTES_WITH_SCALING,
     COMPARISONS,
     JOINS_SCALES,
+    LAYOUT_OPS,
     MAC_OPS,
     MAC_WEIGHT_INPUTS,
     SCALE_FREE_OUTPUTS,
@@ -710,8 +711,7 @@ class DomainSolver:
 
 # Ops between a linear node and the Log that can absorb its scale (a mel filterbank's
 # transposes, the floor), and how far the Log may be.
-_TO_LOG = frozenset({"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Max", "Add",
-                     "Clip", "Relu"})
+_TO_LOG = LAYOUT_OPS | {"Max", "Add", "Clip", "Relu"}
 _TO_LOG_STEPS = 4
 
 

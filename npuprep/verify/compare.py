@@ -24,6 +24,7 @@ from npuprep.errors import NpuprepError
 from npuprep.graph import infer_tensors, node_label, producers, topological_order, walk_graphs
 from npuprep.model_io import fingerprint, model_opset
 from npuprep.numerics import FLOAT_ONNX_TYPES, NumberFormat
+from npuprep.ops import LAYOUT_OPS
 from npuprep.verify.compare_graph import (
     BASE_COLUMNS,
     DETAIL_COLUMNS,
@@ -359,9 +360,10 @@ def _same_opset(ref: onnx.ModelProto, cand: onnx.ModelProto) -> tuple[onnx.Model
     return ref, cand
 
 
-# Ops that only reshape or permute: their output holds exactly their input's values.
-LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity",
-                        "DepthToSpace", "SpaceToDepth"})
+# LAYOUT_OPS and the block rearrangements: a tensor both models make by one of them from the
+# same compared input holds exactly that input's values. Calibration does not alias the block
+# rearrangements (it reads an alias's per-channel pools, which they move across channels).
+ALIASED_BY_COMPARE = LAYOUT_OPS | {"DepthToSpace", "SpaceToDepth"}
 
 
 def _layout_aliases(
@@ -380,7 +382,7 @@ def _layout_aliases(
     aliases: dict[str, str] = {}
     for pair in pairs:
         a, b = ref_prod.get(pair.name), cand_prod.get(pair.name)
-        if a is None or b is None or a.op_type not in LAYOUT_OPS or pair.name in overrides:
+        if a is None or b is None or a.op_type not in ALIASED_BY_COMPARE or pair.name in overrides:
             continue
         if (b.op_type, list(b.input), list(b.attribute)) != (a.op_type, list(a.input), list(a.attribute)):
             continue
