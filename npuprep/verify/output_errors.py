@@ -21,7 +21,8 @@ undecided (top two 0.50 / 0.49) is the model's conditioning there, not the conve
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,6 +112,20 @@ class OutputErrors:
                 row["top1_ties"] = a["top1_ties"]
             out[name] = row
         return out
+
+
+def worst_pooled_rel_l2(got: Sequence[Mapping[str, Any]],
+                        expected: Sequence[Mapping[str, Any]]) -> float:
+    """The worst float output's rel L2 of `got` against `expected`, pooled over the samples
+    (their squared errors summed over their squared references): the one number that ranks
+    candidates by their outputs' error. An Inf/NaN output is the largest error there is."""
+    errors = OutputErrors()
+    for values, want in zip(got, expected, strict=True):
+        for name, value in want.items():
+            if np.issubdtype(np.asarray(value).dtype, np.floating):
+                errors.add(name, value, values[name])
+    return max((math.inf if o["nonfinite"] else o["rel_l2"] for o in errors.result().values()),
+               default=0.0)
 
 
 def _concentration(ref: np.ndarray, diff: np.ndarray) -> dict[str, Any]:

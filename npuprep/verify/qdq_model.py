@@ -11,7 +11,7 @@ board computes it (`on_target`: the wider layers in FP16).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -29,6 +29,7 @@ from npuprep.rewrite.qdq import ActivationScale, insert_qdq
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.rewrite.result import RewriteResult
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
+from npuprep.verify.output_errors import worst_pooled_rel_l2
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 # An INT8 MatMul input whose largest channel reaches this many times its median channel has
@@ -152,7 +153,8 @@ def balance_outliers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: 
     return Balanced(done.model, balanced_stats, {x: (xs, ratios[x]) for x, xs in smoothed.items()})
 
 
-def _errors(reference: onnx.ModelProto, samples: Sequence[Feed]) -> Any:
+def _errors(reference: onnx.ModelProto,
+            samples: Sequence[Feed]) -> Callable[[onnx.ModelProto], float]:
     """A function: model -> its outputs' pooled rel L2 against `reference` on RANK_SAMPLES."""
     from npuprep.runtime.session import make_session, run
 
@@ -163,7 +165,7 @@ def _errors(reference: onnx.ModelProto, samples: Sequence[Feed]) -> Any:
 
     def error(model: onnx.ModelProto) -> float:
         session = make_session(model, prepack=False)
-        return _pooled_rel_l2(refs, [run(session, f) for f in feeds])
+        return worst_pooled_rel_l2([run(session, f) for f in feeds], refs)
 
     return error
 
@@ -251,20 +253,3 @@ def rank_layers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Seque
         found.append(Sensitivity(label, without, every - without))
     return sorted(found, key=lambda s: -s.gain)
 
-
-def _pooled_rel_l2(refs: list[dict[str, np.ndarray]], got: list[dict[str, np.ndarray]]) -> float:
-    """The worst output's rel L2, pooled over the samples."""
-    worst = 0.0
-    for name in refs[0] if refs else ():
-        num = den = 0.0
-        for r, g in zip(refs, got, strict=True):
-            a = np.asarray(r[name], np.float64)
-            if not np.issubdtype(a.dtype, np.floating):
-                continue
-            num += float(np.sum((np.asarray(g[name], np.float64) - a) ** 2))
-            den += float(np.sum(a**2))
-        if den > 0:
-            worst = max(worst, float(np.sqrt(num / den)))
-        elif num > 0:
-            worst = float("inf")
-    return worst
