@@ -26,6 +26,7 @@ from npuprep.calibrate.scales import (
     clip_raise_factor,
     stored_as,
 )
+from npuprep.calibrate.stats import CalibrationStats, RangeStats
 from npuprep.graph import constant_value, node_label
 from npuprep.numerics import EightBitFormat
 from npuprep.profiles import Severity
@@ -36,7 +37,7 @@ from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 CLIP_WARNING = 1e-3
 
 
-def scale_clip_findings(model: onnx.ModelProto, stats: Any, fmt: EightBitFormat,
+def scale_clip_findings(model: onnx.ModelProto, stats: CalibrationStats | None, fmt: EightBitFormat,
                         eight_bit_nodes: Iterable[str], rule: ScaleRule = DEFAULT_RULE, *,
                         saturate: bool = True) -> Findings:
     """One finding per measured activation input of each node in `eight_bit_nodes`: where the
@@ -70,12 +71,12 @@ def scale_clip_findings(model: onnx.ModelProto, stats: Any, fmt: EightBitFormat,
     return Findings(tuple(found))
 
 
-def _written(r: Any, fmt: EightBitFormat, rule: ScaleRule, widen: float) -> Clip:
+def _written(r: RangeStats, fmt: EightBitFormat, rule: ScaleRule, widen: float) -> Clip:
     placed = clip_for(r, fmt, rule)
     return Clip(placed.value * widen, placed.rule, placed.fallback)
 
 
-def _share(r: Any, clip: Clip) -> float | None:
+def _share(r: RangeStats, clip: Clip) -> float | None:
     """Share of values above the clip; None where the histogram cannot tell."""
     return r.fraction_above(clip.value) if clip.value < r.absmax else 0.0
 
@@ -84,14 +85,14 @@ def _said(share: float | None) -> str:
     return "an unknown share" if share is None else f"{100 * share:.2g}%"
 
 
-def _stored(r: Any, clip: Clip, widen: float, fmt: EightBitFormat) -> dict[str, Any]:
+def _stored(r: RangeStats, clip: Clip, widen: float, fmt: EightBitFormat) -> dict[str, Any]:
     scale, unsigned, zero_point = stored_as(r, clip.value, widen, fmt)
     return {"clip": clip.value, "clipped_fraction": _share(r, clip), "scale": scale,
             "stored": "uint8" if unsigned else fmt.name, "zero_point": zero_point}
 
 
 def _finding(node: onnx.NodeProto, label: str, tensor: str, fmt: EightBitFormat, clip: Clip,
-             r: Any, widen: float, candidates: dict[ScaleRule, Clip]) -> Finding:
+             r: RangeStats, widen: float, candidates: dict[ScaleRule, Clip]) -> Finding:
     written = _stored(r, clip, widen, fmt)
     share = written["clipped_fraction"]
     warn = share is None or share > CLIP_WARNING

@@ -17,6 +17,7 @@ from typing import Any
 import onnx
 
 from npuprep.calibrate.scales import clip_for
+from npuprep.calibrate.stats import CalibrationStats
 from npuprep.graph import constant_value, node_label
 from npuprep.numerics import EightBitFormat
 from npuprep.ops import QUANTISED_MAC_OPS
@@ -46,7 +47,7 @@ def activation_inputs(graph: onnx.GraphProto, node: onnx.NodeProto) -> list[str]
             if name and not (i == 1 and constant_value(graph, name) is not None)]
 
 
-def decide(model: onnx.ModelProto, stats: Any, fmt: EightBitFormat, pinned: Iterable[str] = (),
+def decide(model: onnx.ModelProto, stats: CalibrationStats | None, fmt: EightBitFormat, pinned: Iterable[str] = (),
            rule: ScaleRule = DEFAULT_RULE) -> tuple[LayerPrecision, ...]:
     """Per node of the main graph: 8-bit for the multiply-adds whose inputs 8 bits hold,
     the wider format and its reason for the rest that matter (multiply-adds, small ops)."""
@@ -69,7 +70,7 @@ def decide(model: onnx.ModelProto, stats: Any, fmt: EightBitFormat, pinned: Iter
     return tuple(out)
 
 
-def _range_reason(g: onnx.GraphProto, node: onnx.NodeProto, stats: Any, fmt: EightBitFormat,
+def _range_reason(g: onnx.GraphProto, node: onnx.NodeProto, stats: CalibrationStats | None, fmt: EightBitFormat,
                   rule: ScaleRule) -> str:
     for name in activation_inputs(g, node):
         r = None if stats is None else stats.tensors.get(name)
@@ -86,7 +87,7 @@ def _range_reason(g: onnx.GraphProto, node: onnx.NodeProto, stats: Any, fmt: Eig
     return ""
 
 
-def _clipping(g: onnx.GraphProto, node: onnx.NodeProto, stats: Any, fmt: EightBitFormat,
+def _clipping(g: onnx.GraphProto, node: onnx.NodeProto, stats: CalibrationStats, fmt: EightBitFormat,
               rule: ScaleRule) -> str:
     """Why 8 bits hold the inputs: within the scaled range, and what the scales clip."""
     clipped = []
@@ -101,7 +102,7 @@ def _clipping(g: onnx.GraphProto, node: onnx.NodeProto, stats: Any, fmt: EightBi
     return base + ("; " + "; ".join(clipped) if clipped else "")
 
 
-def _measured(node: onnx.NodeProto, stats: Any) -> str:
+def _measured(node: onnx.NodeProto, stats: CalibrationStats | None) -> str:
     r = None if stats is None or not node.input else stats.tensors.get(node.input[0])
     return f" (measured |x| up to {r.absmax:.3g})" if r is not None else ""
 

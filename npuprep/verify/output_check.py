@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import onnx
 
 from npuprep.data import Feed
 from npuprep.numerics import NumberFormat
@@ -41,10 +42,11 @@ class OutputCheck:
                 "outputs": {k: dict(v) for k, v in sorted(self.outputs.items())}}
 
 
-def check_outputs(reference: Any, lowered: Any, fmt: NumberFormat, samples: Sequence[Feed], *,
+def check_outputs(reference: onnx.ModelProto, lowered: onnx.ModelProto, fmt: NumberFormat, samples: Sequence[Feed], *,
                   saturate: bool, rtol: float, io_types: str = "fp32",
                   host_scales: dict[str, float] | None = None,
-                  emulated: Any = None, top_k: Mapping[str, int] | None = None) -> OutputCheck:
+                  emulated: onnx.ModelProto | None = None,
+                  top_k: Mapping[str, int] | None = None) -> OutputCheck:
     """Run the reference and the lowered model's emulation; per-output Inf/NaN and errors.
 
     The lowered model is judged by widening it back to FP32 with explicit rounding wherever
@@ -59,10 +61,11 @@ def check_outputs(reference: Any, lowered: Any, fmt: NumberFormat, samples: Sequ
                              top_k=top_k)[0]
 
 
-def check_output_sets(reference: Any, lowered: Any, fmt: NumberFormat,
+def check_output_sets(reference: onnx.ModelProto, lowered: onnx.ModelProto, fmt: NumberFormat,
                       sample_sets: Sequence[Sequence[Feed]], *, saturate: bool, rtol: float,
                       io_types: str = "fp32", host_scales: dict[str, float] | None = None,
-                      emulated: Any = None, top_k: Mapping[str, int] | None = None,
+                      emulated: onnx.ModelProto | None = None,
+                      top_k: Mapping[str, int] | None = None,
                       expected: Sequence[dict[str, np.ndarray]] = (),
                       emulated_outputs: Sequence[dict[str, np.ndarray]] = ()) -> list[OutputCheck]:
     """check_outputs on several sets of samples (calibration, held out) with one session per
@@ -121,7 +124,7 @@ def _identical(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> bool
     return a.keys() == b.keys() and all(same(np.asarray(a[k]), np.asarray(b[k])) for k in a)
 
 
-def _outputs(model: Any, samples: Sequence[Feed], optimize: bool = True,
+def _outputs(model: onnx.ModelProto, samples: Sequence[Feed], optimize: bool = True,
              produced: str | None = None) -> list[dict[str, np.ndarray]]:
     """Every output of `model` on each sample; the session is gone when this returns. Each
     model is fed its own input types (a model with FP16 inputs has FP32 ones once widened)."""

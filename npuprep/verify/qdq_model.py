@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 
 from npuprep.calibrate.scales import clip_for, clip_raise_factor, stored_as
-from npuprep.calibrate.stats import RangeStats
+from npuprep.calibrate.stats import CalibrationStats, RangeStats
 from npuprep.data import Feed
 from npuprep.graph import constant_value, node_label
 from npuprep.numerics import EightBitFormat, NumberFormat
@@ -64,7 +64,7 @@ def with_opset(model: onnx.ModelProto, fmt: EightBitFormat) -> onnx.ModelProto:
     return upgrade_opset(model, fmt.min_opset, why=f"{fmt.name} QDQ needs opset {fmt.min_opset}")
 
 
-def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: Any, fmt: EightBitFormat, *,
+def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: CalibrationStats, fmt: EightBitFormat, *,
              saturate: bool, rule: ScaleRule = DEFAULT_RULE,
              tensor_scales: Mapping[str, float] | None = None, headroom: float = 1.0,
              tensor_rules: Mapping[str, ScaleRule] | None = None,
@@ -98,12 +98,12 @@ class Balanced:
     and the tensors balanced: x -> (x / s, largest / median channel abs-max)."""
 
     model: onnx.ModelProto
-    stats: Any
+    stats: CalibrationStats
     tensors: dict[str, tuple[str, float]]
 
 
 def balance_outliers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
-                     stats: Any, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
+                     stats: CalibrationStats, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
                      rule: ScaleRule = DEFAULT_RULE, tensor_scales: Mapping[str, float] | None = None,
                      headroom: float = 1.0, weights: WeightStore | None = None) -> Balanced:
     """The INT8 MatMuls among `nodes` whose input has outlier channels read it divided by s
@@ -171,7 +171,7 @@ def _errors(reference: onnx.ModelProto,
 
 
 def choose_rules(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
-                 stats: Any, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
+                 stats: CalibrationStats, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
                  tensor_scales: Mapping[str, float] | None = None,
                  weights: WeightStore | None = None) -> dict[str, ScaleRule]:
     """Per activation of `nodes` whose rules place different clips: the rule whose clip gives
@@ -231,7 +231,7 @@ def _activation_scale(r: RangeStats, top: float, factor: float,
 
 
 def rank_layers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
-                stats: Any, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
+                stats: CalibrationStats, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
                 rule: ScaleRule = DEFAULT_RULE,
                 tensor_scales: Mapping[str, float] | None = None,
                 headroom: float = 1.0,

@@ -18,7 +18,10 @@ import numpy as np
 import onnx
 
 from npuprep.data import Feed
+from npuprep.model_io import Model
+from npuprep.profiles import TargetProfile
 from npuprep.report.output_verdicts import output_passes
+from npuprep.vendors.rockchip import RknnRun
 from npuprep.verify.output_errors import OutputErrors
 
 VENDORS = ("rknn",)
@@ -127,8 +130,9 @@ def vendor_output_errors(reference: onnx.ModelProto, samples: Sequence[Feed],
 
 
 def _after_refusal(reference: onnx.ModelProto, candidate: onnx.ModelProto,
-                   samples: Sequence[Feed], done: Any, exe: Any, target_platform: str, rtol: float,
-                   scales: dict[str, float], work_dir: Any, refused: VendorCheck) -> VendorCheck:
+                   samples: Sequence[Feed], done: RknnRun, exe: Path, target_platform: str,
+                   rtol: float, scales: dict[str, float], work_dir: str | Path | None,
+                   refused: VendorCheck) -> VendorCheck:
     """`refused` with the nodes the tool breaks on; the check of the exact rewrite that builds."""
     from dataclasses import replace
 
@@ -145,7 +149,8 @@ def _after_refusal(reference: onnx.ModelProto, candidate: onnx.ModelProto,
     return replace(again, bisection=found.to_dict(), fixed_model=found.fixed)
 
 
-def with_layers(check: VendorCheck, candidate: Any, profile: Any, report_path: str) -> VendorCheck:
+def with_layers(check: VendorCheck, candidate: Model, profile: TargetProfile,
+                report_path: str) -> VendorCheck:
     """`check` with its accuracy_analysis report read back through crosscheck (against the
     model the vendor built: its tensor names are the report's layer names)."""
     from dataclasses import replace
