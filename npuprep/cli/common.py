@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from npuprep.formatting import WIDTH, Output, cell, table_lines, wrap
 
@@ -18,6 +18,11 @@ from npuprep.json_io import dump_json, to_jsonable  # noqa: F401 - re-exported f
 from npuprep.names import shown
 from npuprep.progress import progress_counter
 from npuprep.scale_rules import ScaleRule
+
+if TYPE_CHECKING:
+    import onnx
+
+    from npuprep.data import SampleSet
 
 T = TypeVar("T")
 
@@ -213,7 +218,7 @@ def into_folder(path: str | None, default_name: str) -> str | None:
     return path
 
 
-def open_samples(args: argparse.Namespace, model: Any) -> Any:
+def open_samples(args: argparse.Namespace, model: onnx.ModelProto) -> SampleSet | None:
     """The SampleSet chosen by --data/--synthetic, or None when neither was given."""
     from npuprep.data import load_samples
 
@@ -231,7 +236,7 @@ def open_samples(args: argparse.Namespace, model: Any) -> Any:
     return None
 
 
-def synthetic_from_args(args: argparse.Namespace, model: Any, count: int) -> Any:
+def synthetic_from_args(args: argparse.Namespace, model: onnx.ModelProto, count: int) -> SampleSet:
     """`count` synthetic samples with the --input-range/--input-shape given on the command line."""
     from npuprep.data import synthetic_samples
 
