@@ -16,11 +16,13 @@ from typing import Any
 
 import onnx
 
+from npuprep.calibrate.stats import RangeStats
 from npuprep.graph import constant_value, node_label
 from npuprep.ops import MAC_OPS, SCALE_INVARIANT_NORMS, SCALE_WALK_BACK
 from npuprep.plan.actions import Declined, FindingRef, Rescale
 from npuprep.plan.context import Outcome, PlanContext, Problem
 from npuprep.rewrite.rescale import apply_rescale, check_rescale
+from npuprep.rewrite.scale_domain import RescaleCheck
 
 # A rescale is declined when it would push more than this share of a domain tensor's
 # values below the target's smallest normal (where they lose precision or flush to 0).
@@ -163,7 +165,7 @@ def pushed_constant(ctx: PlanContext, entry: str, k: int) -> str:
             f"{ctx.fmt.name}'s max {ctx.fmt.max:.6g}: lowering would keep their nodes FP32")
 
 
-def underflow_veto(ctx: PlanContext, entry: str, k: int, t: str, p: int, r: Any) -> str:
+def underflow_veto(ctx: PlanContext, entry: str, k: int, t: str, p: int, r: RangeStats) -> str:
     """Why scaling `t` by 2^p flushes too much of it, or "" when it does not."""
     if p >= 0:
         return ""
@@ -195,7 +197,7 @@ def underflow_veto(ctx: PlanContext, entry: str, k: int, t: str, p: int, r: Any)
             f"{fmt.name} normal ({fmt.min_normal:.3g})")
 
 
-def rescale_action(ctx: PlanContext, entry: str, check: Any, refs: tuple[FindingRef, ...],
+def rescale_action(ctx: PlanContext, entry: str, check: RescaleCheck, refs: tuple[FindingRef, ...],
                    tensor: str, absmax: float, how: str) -> Rescale:
     k = check.k
     domain = {t: p for t, p in sorted(check.exponents.items()) if p != 0}
