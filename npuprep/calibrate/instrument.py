@@ -85,21 +85,20 @@ from npuprep.calibrate.layout import (
 from npuprep.graph import infer_tensors, node_label, producers, to_array
 from npuprep.model_io import model_opset
 from npuprep.numerics import FLOAT_ONNX_TYPES
-from npuprep.ops import LAYOUT_OPS
+from npuprep.ops import GATHER_OPS, LAYOUT_OPS
 
 # Ops whose output holds no NaN when every float input is finite: elementwise maps that can
 # only overflow to +-Inf (which max and min see), sums of finite values (once Inf, a sum stays
 # Inf), data movement. Not here: Div, Pow, Sqrt, Log (0/0, domain), MatMul/Gemm/Conv (products
 # that overflow to both +Inf and -Inf), normalisations (Inf / Inf), ops with a NaN attribute.
-_NAN_SAFE_OPS = frozenset({
+_NAN_SAFE_OPS = LAYOUT_OPS | GATHER_OPS | {
     "Abs", "Add", "AveragePool", "Cast", "Ceil", "Celu", "Clip", "Concat", "Cos", "Elu", "Erf",
-    "Exp", "Expand", "Flatten", "Floor", "Gather", "GatherElements", "GatherND", "Gelu",
-    "GlobalAveragePool", "GlobalMaxPool", "HardSigmoid", "HardSwish", "Identity", "LeakyRelu",
-    "LogSoftmax", "Max", "MaxPool", "Min", "Mul", "Neg", "PRelu", "Reciprocal", "ReduceMax",
-    "ReduceMean", "ReduceMin", "ReduceSum", "ReduceSumSquare", "Relu", "Reshape", "Round", "Selu",
-    "Sigmoid", "Sign", "Sin", "Slice", "Softmax", "Softplus", "Softsign", "Split", "Squeeze",
-    "Sub", "Sum", "Tanh", "Tile", "Transpose", "Unsqueeze", "Where",
-})
+    "Exp", "Expand", "Floor", "Gelu", "GlobalAveragePool", "GlobalMaxPool", "HardSigmoid",
+    "HardSwish", "LeakyRelu", "LogSoftmax", "Max", "MaxPool", "Min", "Mul", "Neg", "PRelu",
+    "Reciprocal", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceSum", "ReduceSumSquare", "Relu",
+    "Round", "Selu", "Sigmoid", "Sign", "Sin", "Slice", "Softmax", "Softplus", "Softsign",
+    "Split", "Sub", "Sum", "Tanh", "Tile", "Where",
+}
 _WIDENING = {
     TensorProto.FLOAT: {TensorProto.DOUBLE},
     TensorProto.FLOAT16: {TensorProto.FLOAT, TensorProto.DOUBLE},

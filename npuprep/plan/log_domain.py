@@ -18,6 +18,7 @@ from typing import Any
 import onnx
 
 from npuprep.graph import constant_value, node_label
+from npuprep.ops import LAYOUT_OPS
 from npuprep.plan.actions import Clamp, Declined, PinFp32, Rescale
 from npuprep.plan.context import Outcome, PlanContext, Problem
 from npuprep.plan.rescale_domain import (
@@ -34,10 +35,10 @@ from npuprep.profiles import Pinning
 from npuprep.rewrite.rescale import check_rescale
 
 # Ops a power spectrum passes through on its way to the Log; the scale rides along.
-CHAIN_OPS = frozenset({
+CHAIN_OPS = LAYOUT_OPS | {
     "Add", "Sum", "Max", "Clip", "Mul", "Pow", "Sqrt", "ReduceSum", "ReduceMean", "MatMul",
-    "Reshape", "Transpose", "Slice", "Concat", "Abs", "Identity", "Squeeze", "Unsqueeze",
-})
+    "Slice", "Concat", "Abs",
+}
 # How many nodes past the overflowing tensor the Log may sit.
 MAX_CHAIN = 12
 
