@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from npuprep.calibrate.scales import DEFAULT_RULE, FP8_NAN_HEADROOM
+from npuprep.calibrate.scales import FP8_NAN_HEADROOM
 from npuprep.convert import DEFAULT_RTOL, ConversionResult, _checked_top_k, plan_for_target
 from npuprep.data import Feed
 from npuprep.errors import NpuprepError
@@ -33,6 +33,7 @@ from npuprep.provenance import record_source
 from npuprep.report.flops import node_flops
 from npuprep.report.output_verdicts import output_passes
 from npuprep.rewrite.qdq_weights import WeightStore
+from npuprep.scale_rules import DEFAULT_RULE
 from npuprep.verify.output_check import OutputCheck, check_outputs
 from npuprep.verify.pin_rounds import sample_shapes
 from npuprep.verify.widening import widen_in_rounds
