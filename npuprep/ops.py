@@ -19,6 +19,10 @@ FP32_ONLY_INPUTS: dict[str, frozenset[int]] = {
 LAYOUT_OPS = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose"})
 # The layout ops that keep the values in order: a compiler makes them views, no copy, no time.
 VIEW_OPS = LAYOUT_OPS - {"Transpose"}
+# Block moves hold exactly their input's values too (compare aliases them with LAYOUT_OPS),
+# but across channels: calibration, which reads a layout op's output through its input's
+# per-channel pools, measures them itself.
+BLOCK_MOVE_OPS = frozenset({"DepthToSpace", "SpaceToDepth"})
 # Values known from the constants and the input sizes alone: nothing computed at run time.
 CONSTANT_OPS = frozenset({"Constant", "ConstantOfShape", "Shape", "Size"})
 # Ops that hold or forward data without computing a value: absent from a compiler's report
@@ -28,9 +32,9 @@ GATHER_OPS = frozenset({"Gather", "GatherElements", "GatherND"})
 
 # Ops whose float outputs carry no values worth rounding (they only move or reshape data
 # already rounded upstream); rounding them again is harmless but costs a Cast pair each.
-DATA_MOVEMENT_OPS = LAYOUT_OPS | GATHER_OPS | {
-    "Slice", "Concat", "Split", "Expand", "Tile", "Pad", "DepthToSpace", "SpaceToDepth",
-    "MaxPool", "ReduceMax", "ReduceMin", "Relu", "Max", "Min", "Where",
+DATA_MOVEMENT_OPS = LAYOUT_OPS | BLOCK_MOVE_OPS | GATHER_OPS | {
+    "Slice", "Concat", "Split", "Expand", "Tile", "Pad", "MaxPool", "ReduceMax", "ReduceMin",
+    "Relu", "Max", "Min", "Where",
 }
 
 # Multiply-accumulate ops, the bulk of a network's arithmetic: op -> positions of its weight

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from npuprep.cli.common import add_data, add_json, add_target, out, print_json, print_table, say
-
-if TYPE_CHECKING:
-    from npuprep.model_io import Model
 
 help = ("estimate per format what the model costs on the target (roofline from published peaks), "
         "what the FP32 pins cost; board timing kit and measured results")
@@ -123,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _feeds(args: argparse.Namespace, model: Model) -> dict[str, Any]:
+def _feeds(args: argparse.Namespace, model: Any) -> dict[str, Any]:
     """One sample: sizes dynamic inputs for the FLOPs and feeds the kit (--data, else synthetic)."""
     from npuprep.cli.common import open_samples, synthetic_from_args
 

@@ -24,7 +24,6 @@ from npuprep.errors import NpuprepError
 from npuprep.graph import infer_tensors, node_label, producers, topological_order, walk_graphs
 from npuprep.model_io import fingerprint, model_opset
 from npuprep.numerics import FLOAT_ONNX_TYPES, NumberFormat
-from npuprep.ops import LAYOUT_OPS
 from npuprep.verify.compare_graph import (
     BASE_COLUMNS,
     DETAIL_COLUMNS,
@@ -360,12 +359,6 @@ def _same_opset(ref: onnx.ModelProto, cand: onnx.ModelProto) -> tuple[onnx.Model
     return ref, cand
 
 
-# LAYOUT_OPS and the block rearrangements: a tensor both models make by one of them from the
-# same compared input holds exactly that input's values. Calibration does not alias the block
-# rearrangements (it reads an alias's per-channel pools, which they move across channels).
-ALIASED_BY_COMPARE = LAYOUT_OPS | {"DepthToSpace", "SpaceToDepth"}
-
-
 def _layout_aliases(
     ref: onnx.ModelProto, cand: onnx.ModelProto, pairs: list[Pair],
     overrides: Mapping[str, tuple[float, float]],
@@ -377,12 +370,15 @@ def _layout_aliases(
     reducing it again would only cost time. Such a tensor takes u's numbers under its own
     name, and its own (isolated) error is 0 by construction.
     """
+    from npuprep.ops import BLOCK_MOVE_OPS, LAYOUT_OPS
+
+    aliased = LAYOUT_OPS | BLOCK_MOVE_OPS
     ref_prod, cand_prod = producers(ref.graph), producers(cand.graph)
     by_name = {p.name: p for p in pairs}
     aliases: dict[str, str] = {}
     for pair in pairs:
         a, b = ref_prod.get(pair.name), cand_prod.get(pair.name)
-        if a is None or b is None or a.op_type not in ALIASED_BY_COMPARE or pair.name in overrides:
+        if a is None or b is None or a.op_type not in aliased or pair.name in overrides:
             continue
         if (b.op_type, list(b.input), list(b.attribute)) != (a.op_type, list(a.input), list(a.attribute)):
             continue

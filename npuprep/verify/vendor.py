@@ -18,8 +18,6 @@ import numpy as np
 import onnx
 
 from npuprep.data import Feed
-from npuprep.model_io import Model
-from npuprep.profiles import TargetProfile
 from npuprep.report.output_verdicts import output_passes
 from npuprep.vendors.rockchip import RknnRun
 from npuprep.verify.output_errors import OutputErrors
@@ -149,8 +147,7 @@ def _after_refusal(reference: onnx.ModelProto, candidate: onnx.ModelProto,
     return replace(again, bisection=found.to_dict(), fixed_model=found.fixed)
 
 
-def with_layers(check: VendorCheck, candidate: Model, profile: TargetProfile,
-                report_path: str) -> VendorCheck:
+def with_layers(check: VendorCheck, candidate: Any, profile: Any, report_path: str) -> VendorCheck:
     """`check` with its accuracy_analysis report read back through crosscheck (against the
     model the vendor built: its tensor names are the report's layer names)."""
     from dataclasses import replace
