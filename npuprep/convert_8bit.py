@@ -18,20 +18,22 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from npuprep.calibrate.scales import DEFAULT_RULE, FP8_NAN_HEADROOM
+from npuprep.calibrate.scales import FP8_NAN_HEADROOM
 from npuprep.convert import DEFAULT_RTOL, ConversionResult, _checked_top_k, plan_for_target
 from npuprep.data import Feed
 from npuprep.errors import NpuprepError
 from npuprep.graph import node_label, weight_bytes
 from npuprep.model_io import Model, WeightScratch, anchored
 from npuprep.numerics import EightBitFormat, eight_bit_format
+from npuprep.ops import QUANTISED_MAC_OPS
 from npuprep.plan import Plan
-from npuprep.plan.eight_bit import MAC_OPS, LayerPrecision, decide
+from npuprep.plan.layer_precision import LayerPrecision, decide
 from npuprep.profiles import TargetProfile
 from npuprep.provenance import record_source
 from npuprep.report.flops import node_flops
 from npuprep.report.output_verdicts import output_passes
 from npuprep.rewrite.qdq_weights import WeightStore
+from npuprep.scale_rules import DEFAULT_RULE
 from npuprep.verify.output_check import OutputCheck, check_outputs
 from npuprep.verify.pin_rounds import sample_shapes
 from npuprep.verify.widening import widen_in_rounds
@@ -70,7 +72,7 @@ def convert_8bit(
     from npuprep.rewrite.apply import apply_plan
     from npuprep.rewrite.lower import Lowered
     from npuprep.verify.compare import DEFAULT_ATOL, compare_models
-    from npuprep.verify.eight_bit import (
+    from npuprep.verify.qdq_model import (
         balance_outliers,
         choose_rules,
         eight_bit_nodes,
@@ -223,7 +225,7 @@ def _macs(model: Any, samples: Sequence[Feed]) -> dict[str, int]:
     """Multiply-adds (FLOPs / 2) of every Conv/MatMul/Gemm, at the first sample's sizes."""
     ops = {node_label(n): n.op_type for n in model.graph.node}
     flops = node_flops(model, sample_shapes(samples))
-    return {k: v // 2 for k, v in flops.items() if ops.get(k) in MAC_OPS}
+    return {k: v // 2 for k, v in flops.items() if ops.get(k) in QUANTISED_MAC_OPS}
 
 
 def mac_share(layers: Sequence[LayerPrecision], macs: Mapping[str, int],

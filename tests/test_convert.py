@@ -21,7 +21,7 @@ from npuprep.profiles import load_profile
 from npuprep.rewrite.apply import apply_plan
 from npuprep.runtime.session import make_session, run
 from npuprep.verify.emulate import emulate
-from npuprep.verify.widen import emulate_lowered
+from npuprep.verify.emulate_lowered import emulate_lowered
 
 F16 = get_format("fp16")
 

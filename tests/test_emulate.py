@@ -319,7 +319,7 @@ def test_weights_rounded_in_the_graph_give_the_same_numbers_and_keep_the_initial
 
 def test_a_lowered_models_large_weights_are_widened_by_a_cast_and_emulate_the_same():
     # x -> MatMul(x, W:fp16 as stored) -> y, W 64x512 (64 KiB in FP16: widened in the graph)
-    from npuprep.verify.widen import emulate_lowered
+    from npuprep.verify.emulate_lowered import emulate_lowered
 
     rng = np.random.default_rng(5)
     w = rng.standard_normal((64, 512)).astype(np.float16)
@@ -342,7 +342,7 @@ def test_a_lowered_models_large_weights_are_widened_by_a_cast_and_emulate_the_sa
 
 def test_a_lowered_lookup_widens_the_rows_it_reads_not_its_table():
     # ids -> Gather(T:fp16 256x256, 128 KiB) -> e16 -> Mul(e16, e16) -> y16 -> Cast -> y
-    from npuprep.verify.widen import emulate_lowered
+    from npuprep.verify.emulate_lowered import emulate_lowered
 
     rng = np.random.default_rng(9)
     table = (rng.standard_normal((256, 256)) * 200).astype(np.float16)

@@ -13,7 +13,7 @@ from npuprep.model_io import Model, fingerprint
 from npuprep.plan.host_scale import host_scaled_outputs
 from npuprep.profiles import load_profile
 from npuprep.runtime.session import make_session, run
-from npuprep.verify.widen import emulate_lowered
+from npuprep.verify.emulate_lowered import emulate_lowered
 from tests.conftest import model_from_text
 
 # x[2,8] -> MatMul(w ~1e-10) -> logits ~1e-10 (an untrained classifier's head)

@@ -10,7 +10,7 @@ from npuprep.calibrate.stats import CalibrationStats, RangeStats
 from npuprep.graph import to_array, walk_graphs
 from npuprep.model_io import Model
 from npuprep.numerics import NumberFormat
-from npuprep.ops import LINEAR_WITH_WEIGHTS
+from npuprep.ops import MAC_OPS
 from npuprep.profiles import ResolvedTarget, Severity, TargetProfile
 
 # A tensor underflows when at least this share of its nonzero finite values lies below the
@@ -56,7 +56,7 @@ def measured_findings(
             continue
         if fmt.name == "fp32" or s.tensor in kept_fp32:
             continue
-        remedy = "rescale" if op in LINEAR_WITH_WEIGHTS else "pin_fp32"
+        remedy = "rescale" if op in MAC_OPS else "pin_fp32"
         remedy_text = (
             "scale the producer's weights by 2^-k so the tensor fits, or pin it to FP32"
             if remedy == "rescale" else "pin the producing node to FP32, or clamp it where the values are bounded"

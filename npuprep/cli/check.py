@@ -15,8 +15,10 @@ from npuprep.cli.common import (
     print_json,
     print_table,
     say,
+    scale_rule,
 )
 from npuprep.names import shown
+from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 
 if TYPE_CHECKING:
     from npuprep.analyse.finding import Findings
@@ -44,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats", "-s", help="measured ranges from `npuprep calibrate` (instead of --data)")
     p.add_argument("--precision", help="check measured ranges against this format (e.g. fp8_e4m3) "
                                        "instead of the target's default precision")
-    p.add_argument("--scale-rule", choices=("absmax", "percentile", "mse"), default="percentile",
+    p.add_argument("--scale-rule", type=scale_rule, choices=tuple(ScaleRule), default=DEFAULT_RULE,
                    help="8-bit only: the scale rule convert is given (default percentile); "
                         "range.scale_clip shows its clip and, for INT8, the others convert weighs")
     p.add_argument("--html", metavar="OUT.html", help="also write a self-contained HTML report")
@@ -104,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
         if eight is not None:
             from dataclasses import replace
 
-            from npuprep.analyse.eight_bit import scale_clip_findings
-            from npuprep.plan.eight_bit import decide
+            from npuprep.analyse.scale_clip import scale_clip_findings
+            from npuprep.plan.layer_precision import decide
 
             plan = replace(plan, precision=eight.name,
                            eight_bit=decide(model.proto, stats, eight, plan.pinned_nodes()))

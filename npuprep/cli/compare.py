@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
             stored = _stored_format(cand_proto)
             fmt_ = profile.format if profile else stored
             if stored is not None and not args.as_is:
-                from npuprep.verify.widen import emulate_lowered
+                from npuprep.verify.emulate_lowered import emulate_lowered
 
                 # Overflow behaviour comes from the target; without one, IEEE (loud) is assumed.
                 saturate = profile.saturates if profile else False

@@ -15,7 +15,8 @@ import onnx
 from onnx import TensorProto, helper
 
 from npuprep.graph import node_label, walk_graphs
-from npuprep.ledger.roofline import BYTES_PER_ELEMENT, MAC_OPS, NodeCost, cast_cost, node_cost
+from npuprep.ledger.roofline import BYTES_PER_ELEMENT, NodeCost, cast_cost, node_cost
+from npuprep.ops import MAC_OPS
 from npuprep.profiles import Throughput
 
 FLOAT_TYPES = {TensorProto.FLOAT: "fp32", TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16"}

@@ -16,7 +16,8 @@ import onnx
 
 from npuprep.graph import tensor_types
 from npuprep.ledger.formats import converted_costs, planned_costs
-from npuprep.ledger.roofline import MAC_OPS, Estimate, NodeCost
+from npuprep.ledger.roofline import Estimate, NodeCost
+from npuprep.ops import MAC_OPS
 from npuprep.profiles import Pinning, TargetProfile, Throughput
 from npuprep.report.flops import node_flops, tensor_shapes
 

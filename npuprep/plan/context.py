@@ -23,7 +23,7 @@ from npuprep.graph import (
 )
 from npuprep.model_io import Model
 from npuprep.numerics import NumberFormat
-from npuprep.ops import ADDITIVE, CARRIES_MAGNITUDE, LINEAR_WITH_WEIGHTS
+from npuprep.ops import ADDITIVE, CARRIES_MAGNITUDE, MAC_OPS
 from npuprep.plan.actions import Action, Clamp, Declined, FindingRef, PinFp32, Rescale, SoftmaxShift
 from npuprep.profiles import TargetProfile
 
@@ -187,7 +187,7 @@ class PlanContext:
             half_step = 2.0 ** top * self.fmt.eps / 2
             if label in members or label in extra or half_step <= EXP_INPUT_ERROR:
                 continue
-            if node.op_type in LINEAR_WITH_WEIGHTS:
+            if node.op_type in MAC_OPS:
                 # A matmul runs in FP32 only for range, never for this precision: its
                 # output's rounding stays, and verification measures what it costs.
                 continue

@@ -23,6 +23,7 @@ import onnx
 
 from npuprep.graph import node_label, walk_graphs
 from npuprep.numerics import NumberFormat
+from npuprep.verify.output_errors import worst_pooled_rel_l2
 
 # A node holding less of the squared error than this is not worth a pin, however cheap.
 MIN_SHARE = 0.01
@@ -128,7 +129,7 @@ def attribute_error(model: onnx.ModelProto, fmt: NumberFormat, samples: Sequence
     def error_of(rounded: set[str]) -> float:
         on = switched.feed(rounded)
         got = run_in_streams(session, [feed | on for feed in feeds], outputs, streams)
-        return _worst_error(list(got), expected)
+        return worst_pooled_rel_l2(list(got), expected)
 
     rest = 0.0
     if len(wanted) > MAX_ONE_BY_ONE:
@@ -146,20 +147,6 @@ def attribute_error(model: onnx.ModelProto, fmt: NumberFormat, samples: Sequence
                                 int(flops.get(node, 0)))
                      for node, e in errors.items()), key=lambda x: (-x.rel_l2, x.node))
     return Attribution(tuple(layers), len(feeds), len(dict.fromkeys(candidates)))
-
-
-def _worst_error(got: Sequence[Mapping[str, Any]], expected: Sequence[Mapping[str, Any]]) -> float:
-    """Worst output rel L2 of `got` against `expected`, pooled over the samples."""
-    from npuprep.verify.output_errors import OutputErrors
-
-    errors = OutputErrors()
-    for values, want in zip(got, expected, strict=True):
-        for name, value in want.items():
-            if np.issubdtype(np.asarray(value).dtype, np.floating):
-                errors.add(name, value, values[name])
-    # An Inf/NaN is the largest error there is.
-    return max((np.inf if o["nonfinite"] else o["rel_l2"] for o in errors.result().values()),
-               default=0.0)
 
 
 def describe(attribution: Attribution, pins: Sequence[LayerError], error: float,

@@ -409,11 +409,6 @@ def _same_opset(ref: onnx.ModelProto, cand: onnx.ModelProto) -> tuple[onnx.Model
     return ref, cand
 
 
-# Ops that only reshape or permute: their output holds exactly their input's values.
-LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity",
-                        "DepthToSpace", "SpaceToDepth"})
-
-
 def _layout_aliases(
     ref: onnx.ModelProto, cand: onnx.ModelProto, pairs: list[Pair],
     overrides: Mapping[str, tuple[float, float]],
@@ -425,12 +420,15 @@ def _layout_aliases(
     reducing it again would only cost time. Such a tensor takes u's numbers under its own
     name, and its own (isolated) error is 0 by construction.
     """
+    from npuprep.ops import BLOCK_MOVE_OPS, LAYOUT_OPS
+
+    aliased = LAYOUT_OPS | BLOCK_MOVE_OPS
     ref_prod, cand_prod = producers(ref.graph), producers(cand.graph)
     by_name = {p.name: p for p in pairs}
     aliases: dict[str, str] = {}
     for pair in pairs:
         a, b = ref_prod.get(pair.name), cand_prod.get(pair.name)
-        if a is None or b is None or a.op_type not in LAYOUT_OPS or pair.name in overrides:
+        if a is None or b is None or a.op_type not in aliased or pair.name in overrides:
             continue
         if (b.op_type, list(b.input), list(b.attribute)) != (a.op_type, list(a.input), list(a.attribute)):
             continue

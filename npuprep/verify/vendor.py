@@ -19,6 +19,7 @@ import onnx
 
 from npuprep.data import Feed
 from npuprep.report.output_verdicts import output_passes
+from npuprep.vendors.rockchip import RknnRun
 from npuprep.verify.output_errors import OutputErrors
 
 VENDORS = ("rknn",)
@@ -127,8 +128,9 @@ def vendor_output_errors(reference: onnx.ModelProto, samples: Sequence[Feed],
 
 
 def _after_refusal(reference: onnx.ModelProto, candidate: onnx.ModelProto,
-                   samples: Sequence[Feed], done: Any, exe: Any, target_platform: str, rtol: float,
-                   scales: dict[str, float], work_dir: Any, refused: VendorCheck) -> VendorCheck:
+                   samples: Sequence[Feed], done: RknnRun, exe: Path, target_platform: str,
+                   rtol: float, scales: dict[str, float], work_dir: str | Path | None,
+                   refused: VendorCheck) -> VendorCheck:
     """`refused` with the nodes the tool breaks on; the check of the exact rewrite that builds."""
     from dataclasses import replace
 
