@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from npuprep import json_io
 from npuprep.cli.common import (
@@ -27,6 +27,13 @@ from npuprep.cli.common import (
     say,
 )
 from npuprep.names import md_cell, md_code, md_text
+
+if TYPE_CHECKING:
+    import onnx
+
+    from npuprep.data import SampleSet
+    from npuprep.model_io import Model
+    from npuprep.verify.compare import CompareResult, OutputGate
 
 help = "compare two models (or a model and its emulation on a target) tensor by tensor"
 
@@ -248,8 +255,8 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def conversion_gate(ref: Any, cand: Any, args: argparse.Namespace,
-                    samples: Any) -> tuple[Any, tuple[str, ...]]:
+def conversion_gate(ref: Model, cand: onnx.ModelProto, args: argparse.Namespace,
+                    samples: SampleSet) -> tuple[OutputGate | None, tuple[str, ...]]:
     """When CAND is a conversion of REF that records its gate: judge it as convert did, by
     the graph outputs at the record's rtol/atol (--rtol/--atol still override), and a note
     when --data holds samples the conversion calibrated and planned on (its gate was met on
@@ -355,7 +362,7 @@ def mask_rows(ref: Any, result: Any) -> frozenset[str]:
 
 
 def _row(t: Any, isolate: bool, full: bool = True, masks: frozenset[str] = frozenset(),
-         gate: Any = None) -> list[Any]:
+         gate: OutputGate | None = None) -> list[Any]:
     code = verdict_code(t, masks)
     if gate is not None and not t and t.tensor not in gate.outputs:
         # Judged by a conversion's outputs: an internal tensor over the thresholds is a lead.
@@ -422,7 +429,7 @@ def _print(result: Any, masks: frozenset[str] = frozenset()) -> None:
     say(verdict_line(result), always=True)
 
 
-def verdict_line(result: Any) -> str:
+def verdict_line(result: CompareResult) -> str:
     """PASSED or FAILED and what it rests on: every tensor, or a conversion's outputs (then
     the internal tensors over the thresholds are where to look)."""
     failed = sum(1 for t in result.tensors if not t)

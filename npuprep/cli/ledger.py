@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from npuprep.cli.common import add_data, add_json, add_target, out, print_json, print_table, say
+
+if TYPE_CHECKING:
+    from npuprep.model_io import Model
 
 help = ("estimate per format what the model costs on the target (roofline from published peaks), "
         "what the FP32 pins cost; board timing kit and measured results")
@@ -122,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recorded_pins(converted: Any) -> list[str] | None:
+def _recorded_pins(converted: Model) -> list[str] | None:
     """The FP32 pins of the plan a conversion records (npuprep.provenance), verification's
     included: the ledger names the pins convert made; None for a model without a record."""
     from npuprep.plan.plan import Plan
