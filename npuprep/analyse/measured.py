@@ -11,7 +11,7 @@ from npuprep.graph import to_array, walk_graphs
 from npuprep.model_io import Model
 from npuprep.numerics import NumberFormat
 from npuprep.ops import LINEAR_WITH_WEIGHTS
-from npuprep.profiles import ResolvedTarget, Severity, TargetProfile
+from npuprep.profiles import ResolvedTarget, Severity
 
 # A tensor underflows when at least this share of its nonzero finite values lies below the
 # format's smallest normal (those lose precision or flush to zero).
@@ -41,7 +41,7 @@ def measured_findings(
             continue  # measured on the source, gone from this graph (a folded sum)
         op = ops.get((s.scope, s.tensor), "")
         where = dict(node=s.node, op_type=op, tensor=s.tensor, scope=s.scope)
-        base = _evidence(s, fmt, profile, stats)
+        base = _evidence(s, target, stats)
         if s.tensor in from_masks and is_mask_like(s):
             masks.append((s, op))
             continue
@@ -61,7 +61,7 @@ def measured_findings(
             "scale the producer's weights by 2^-k so the tensor fits, or pin it to FP32"
             if remedy == "rescale" else "pin the producing node to FP32, or clamp it where the values are bounded"
         )
-        limit = profile.limit(fmt)
+        limit = target.limit
         if s.absmax > fmt.max:
             n_over = s.over.get(fmt.name, 0)
             samples_over = sum(1 for v in s.per_sample_absmax if v > fmt.max)
@@ -119,16 +119,17 @@ def _kept_fp32(model: Model) -> set[str]:
     return {name for name, t in types.items() if t == TensorProto.FLOAT and name not in casts}
 
 
-def _evidence(s: RangeStats, fmt: NumberFormat, profile: TargetProfile, stats: CalibrationStats) -> dict:
+def _evidence(s: RangeStats, target: ResolvedTarget, stats: CalibrationStats) -> dict:
     per_sample = [v for v in s.per_sample_absmax if not math.isnan(v)]
+    fmt = target.fmt
     return {
         "format": fmt.name,
         "absmax": s.absmax,
         "min": s.min,
         "max": s.max,
         "format_max": fmt.max,
-        "limit": profile.limit(fmt),
-        "headroom": profile.headroom,
+        "limit": target.limit,
+        "headroom": target.profile.headroom,
         "use_of_max": s.absmax / fmt.max if not math.isnan(s.absmax) else None,
         "nan_count": s.nan_count,
         "inf_count": s.inf_count,

@@ -25,7 +25,7 @@ from npuprep.model_io import Model
 from npuprep.numerics import NumberFormat
 from npuprep.ops import ADDITIVE, CARRIES_MAGNITUDE, LINEAR_WITH_WEIGHTS
 from npuprep.plan.actions import Action, Clamp, Declined, FindingRef, PinFp32, Rescale, SoftmaxShift
-from npuprep.profiles import TargetProfile
+from npuprep.profiles import ResolvedTarget, TargetProfile
 
 # Relative error an Exp output may inherit from the rounding of its input: |x| >= 32
 # in FP16 (a step of 2^-5 there) is past it. Below that the error stays under the default
@@ -60,8 +60,7 @@ class PlanContext:
     """The planning state for one model: graph index, measurements, actions so far."""
 
     model: Model
-    profile: TargetProfile
-    fmt: NumberFormat
+    target: ResolvedTarget
     stats: Any
     forbid: frozenset[str]
     rescales: list[Rescale] = field(default_factory=list)
@@ -75,7 +74,9 @@ class PlanContext:
     checks: dict[tuple[str, int], Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.limit = self.profile.limit(self.fmt)
+        self.profile: TargetProfile = self.target.profile
+        self.fmt: NumberFormat = self.target.fmt
+        self.limit = self.target.limit
         self.nodes: dict[str, tuple[onnx.NodeProto, onnx.GraphProto, str]] = {}
         self.order: dict[str, int] = {}
         self.produced_by: dict[str, onnx.NodeProto] = {}

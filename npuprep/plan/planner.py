@@ -47,7 +47,7 @@ def make_plan(
     `forbid_pin` names nodes no FP32 island may contain.
     """
     profile, fmt = target.profile, target.fmt
-    ctx = PlanContext(model, profile, fmt, stats, frozenset(forbid_pin))
+    ctx = PlanContext(model, target, stats, frozenset(forbid_pin))
     for f in sorted(findings, key=ctx.order_key):
         _handle(ctx, f)
     if stats is not None:

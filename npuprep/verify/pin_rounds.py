@@ -164,7 +164,7 @@ class PinRounds:
         chosen = [self.samples[at], *(s for i, s in enumerate(self.samples) if i != at)]
         # The outputs are judged in the format the artefact stores (FP16 for an FP8 target).
         attribution = attribute_error(rewritten, self.target.weights, chosen[:ATTRIBUTION_SAMPLES],
-                                      saturate=self.target.profile.saturates,
+                                      saturate=self.target.saturates_in(self.target.weights),
                                       candidates=candidates, flops=flops)
         pins = attribution.pins_for(worst["rel_l2"], self.rtol, room)
         self.notes.append(f"round {round_no}: {describe(attribution, pins, worst['rel_l2'], total)}")

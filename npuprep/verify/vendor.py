@@ -145,7 +145,7 @@ def _after_refusal(reference: onnx.ModelProto, candidate: onnx.ModelProto,
     return replace(again, bisection=found.to_dict(), fixed_model=found.fixed)
 
 
-def with_layers(check: VendorCheck, candidate: Any, profile: Any, report_path: str) -> VendorCheck:
+def with_layers(check: VendorCheck, candidate: Any, target: Any, report_path: str) -> VendorCheck:
     """`check` with its accuracy_analysis report read back through crosscheck (against the
     model the vendor built: its tensor names are the report's layer names)."""
     from dataclasses import replace
@@ -158,4 +158,4 @@ def with_layers(check: VendorCheck, candidate: Any, profile: Any, report_path: s
         return check
     index = NodeIndex(candidate)
     report = read_rknn(report_path, check.accuracy_report, index)
-    return replace(check, layers=crosscheck(candidate, report, profile, index=index))
+    return replace(check, layers=crosscheck(candidate, report, target, index=index))
