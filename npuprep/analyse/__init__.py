@@ -66,11 +66,15 @@ def static_findings(model: Model, target: ResolvedTarget) -> Findings:
 
 def findings_for(model: Model, target: ResolvedTarget, stats: Any = None, *,
                  as_stored: bool = False) -> Findings:
-    """The static findings, merged with the measured ones when `stats` are given
-    (`as_stored`: see npuprep.analyse.measured.measured_findings)."""
+    """The static findings, merged with the measured ones when `stats` are given: ranges
+    (npuprep.analyse.measured; `as_stored`: see measured_findings) and the format's precision
+    (npuprep.analyse.precision)."""
     findings = static_findings(model, target)
     if stats is None:
         return findings
-    from npuprep.analyse.measured import measured_findings
+    from npuprep.analyse.measured import kept_fp32, measured_findings
+    from npuprep.analyse.precision import cancellation_findings
 
-    return findings.merged(measured_findings(model, target, stats, as_stored=as_stored))
+    skip = kept_fp32(model) if as_stored else set()
+    return findings.merged(measured_findings(model, target, stats, as_stored=as_stored)) \
+        .merged(cancellation_findings(model, target, stats, skip))

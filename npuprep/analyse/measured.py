@@ -30,7 +30,7 @@ def measured_findings(
     """
     profile, fmt = target.profile, target.fmt
     ops = _producer_ops(model)
-    kept_fp32 = _kept_fp32(model) if as_stored else set()
+    stored_fp32 = kept_fp32(model) if as_stored else set()
     found: list[Finding] = []
     masks: list[tuple[RangeStats, str]] = []
     from_masks = downstream_of_mask_constants(model)
@@ -54,7 +54,7 @@ def measured_findings(
                 remedy_text="find where the FP32 model produces them (bad inputs, division by zero, log of 0)",
             ))
             continue
-        if fmt.name == "fp32" or s.tensor in kept_fp32:
+        if fmt.name == "fp32" or s.tensor in stored_fp32:
             continue
         remedy = "rescale" if op in LINEAR_WITH_WEIGHTS else "pin_fp32"
         remedy_text = (
@@ -101,7 +101,7 @@ def measured_findings(
     return Findings(tuple(sorted(found, key=lambda f: (-int(f.severity), f.rule, f.tensor))))
 
 
-def _kept_fp32(model: Model) -> set[str]:
+def kept_fp32(model: Model) -> set[str]:
     """Tensors computed in FP32 by a model that stores others in FP16/BF16 (a conversion's
     islands); empty for a model that is FP32 throughout."""
     from onnx import TensorProto
