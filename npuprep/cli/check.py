@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from npuprep.cli.common import (
     add_data,
@@ -17,6 +17,9 @@ from npuprep.cli.common import (
     say,
 )
 from npuprep.names import shown
+
+if TYPE_CHECKING:
+    from npuprep.profiles import ResolvedTarget
 
 help = "report where MODEL will leave the target's range (static rules; no rewrite)"
 
@@ -236,7 +239,7 @@ def _print_plan(plan: Any, *, measured: bool) -> None:
         f"{len(plan.declined)} remedy(ies) declined ({basis}); verification may pin more")
 
 
-def check_report(model: Any, target: Any, findings: Any, fail_on: Any) -> dict[str, Any]:
+def check_report(model: Any, target: ResolvedTarget, findings: Any, fail_on: Any) -> dict[str, Any]:
     """The `--json` object: schema version, kind, fingerprint, model, target, findings, summary;
     `format` is the resolved one (`--precision bf16` says bf16)."""
     profile = target.profile
@@ -320,7 +323,7 @@ def _rows(findings: Any, plan: Any = None) -> list[tuple[str, ...]]:
     return rows
 
 
-def _print(model: Any, target: Any, findings: Any, fail_on: Any, plan: Any = None) -> None:
+def _print(model: Any, target: ResolvedTarget, findings: Any, fail_on: Any, plan: Any = None) -> None:
     profile = target.profile
     say(f"model  {shown(model.path)}  (opset {model.opset}, fingerprint {model.fingerprint})")
     say(f"target {shown(profile.name)}  ({target.fmt.name}, overflow {profile.overflow})")

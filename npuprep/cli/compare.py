@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from npuprep import json_io
 from npuprep.cli.common import (
@@ -27,6 +27,9 @@ from npuprep.cli.common import (
     say,
 )
 from npuprep.names import md_cell, md_code, md_text
+
+if TYPE_CHECKING:
+    from npuprep.profiles import ResolvedTarget
 
 help = "compare two models (or a model and its emulation on a target) tensor by tensor"
 
@@ -67,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_json(p)
 
 
-def _as_exported_note(ref: Any, target: Any) -> tuple[str, ...]:
+def _as_exported_note(ref: Any, target: ResolvedTarget) -> tuple[str, ...]:
     """A note when `convert` would plan on another graph than the one emulated here (the
     fusions a compiler makes): a failure here may be gone there."""
     from npuprep.rewrite.passes import prepare_for_target

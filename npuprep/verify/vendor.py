@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 
 from npuprep.data import Feed
+from npuprep.profiles import ResolvedTarget
 from npuprep.report.output_verdicts import output_passes
 from npuprep.verify.output_errors import OutputErrors
 
@@ -145,7 +146,8 @@ def _after_refusal(reference: onnx.ModelProto, candidate: onnx.ModelProto,
     return replace(again, bisection=found.to_dict(), fixed_model=found.fixed)
 
 
-def with_layers(check: VendorCheck, candidate: Any, target: Any, report_path: str) -> VendorCheck:
+def with_layers(check: VendorCheck, candidate: Any, target: ResolvedTarget,
+                report_path: str) -> VendorCheck:
     """`check` with its accuracy_analysis report read back through crosscheck (against the
     model the vendor built: its tensor names are the report's layer names)."""
     from dataclasses import replace
