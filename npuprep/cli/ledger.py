@@ -98,10 +98,11 @@ def run(args: argparse.Namespace) -> int:
         plan = load_plan(args.plan, model)
         pinned, precision = sorted(plan.pinned_nodes()), plan.precision
     elif converted is not None:
+        from npuprep.ledger.formats import stored_precision
         from npuprep.provenance import read_conversion
 
         record = read_conversion(converted.proto)
-        precision = record.precision if record is not None else None
+        precision = record.precision if record is not None else stored_precision(converted.proto)
     target = profile.resolve(precision if precision in formats() else None)
     feeds = _feeds(args, model)
     shapes = {k: tuple(v.shape) for k, v in feeds.items()}
