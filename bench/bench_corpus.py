@@ -274,7 +274,8 @@ def bench_model(entry: dict, root: Path, out: Path, target: str) -> Row:
             try:
                 report = json.loads(stdout)
             except json.JSONDecodeError:  # --json must print JSON only: a finding, not a crash
-                outcome.error = f"--json printed more than JSON: `{stdout.splitlines()[0][:100]}`"
+                first = (stdout.splitlines() or ["(nothing)"])[0][:100]
+                outcome.error = f"--json printed more than JSON: `{first}`"
                 continue
             row.actions = dict(Counter(a["action"] for a in report.get("actions", [])))
             row.flops_fp32_share = report.get("flops_fp32_share")
