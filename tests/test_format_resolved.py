@@ -23,6 +23,7 @@ from npuprep.model_io import Model, fingerprint
 from npuprep.numerics import get_format
 from npuprep.plan.planner import make_plan
 from npuprep.profiles import TargetProfile, load_profile
+from npuprep.rewrite.lower import lower
 from npuprep.verify.emulate import emulate
 
 A100 = load_profile("a100")  # FP16 by default, BF16 a fast path
@@ -151,3 +152,15 @@ def test_convert_in_bf16_says_bf16_and_shifts_coarse_logits(tmp_path: Path):
     assert any(n.startswith("emulated bf16 on target 'a100'") for n in result.notes)
     assert result.ledger is not None and result.ledger["precision"] == "bf16"
     assert "fp16" not in {row["format"] for row in result.ledger["formats"]}
+
+
+def test_lowering_to_bf16_declares_the_opset_its_ops_need():
+    # x -> Pow(x, 2) -> y at opset 14: Pow's exponent takes BF16 from opset 15 on.
+    model = _model("""
+        <ir_version: 8, opset_import: ["" : 14]>
+        g (float[4] x) => (float[4] y) { y = Pow(x, two) }
+        """, two=2.0)
+    lowered = lower(model.proto, "bf16").model
+    assert lowered.opset_import[0].version == 15
+    onnx.checker.check_model(lowered, full_check=True)
+    assert lower(model.proto, "fp16").model.opset_import[0].version == 14
