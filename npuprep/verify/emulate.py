@@ -32,8 +32,8 @@ FP8_MIN_OPSET = 19
 
 LIMITS = (
     "emulation rounds every tensor a node stores, but cannot show low-precision accumulation inside "
-    "one op (a Conv or MatMul with FP16 accumulators) or vendor kernels that compute wider "
-    "or narrower than their I/O format"
+    "one op (a Conv or MatMul that accumulates in its I/O format, not FP32) or vendor kernels "
+    "that compute wider or narrower than their I/O format"
 )
 
 
