@@ -207,8 +207,8 @@ def convert(
     everywhere (a classifier judged by its decisions). `progress` is told each stage as it
     starts (the CLI's spinner).
     """
-    if eight_bit_format(precision or profile.default_precision) is not None:
-        raise NpuprepError(f"{precision or profile.default_precision} is an 8-bit format: "
+    if eight_bit_format(profile.precision_of(precision)) is not None:
+        raise NpuprepError(f"{profile.precision_of(precision)} is an 8-bit format: "
                            "npuprep.convert_8bit.convert_8bit writes its QDQ model")
     stage = progress or (lambda _: None)
     stage("findings")
@@ -240,7 +240,7 @@ def convert(
     record_source(build.lowered.model, model.fingerprint, build.tensor_scales)
     share = fp32_share(build.rewritten, _fp32_groups(plan, build, stats, target.fmt),
                        limit=max_fp32_share, input_shapes=sample_shapes(samples))
-    ledger = build_ledger(build.rewritten, target.profile, name=model.path,
+    ledger = build_ledger(build.rewritten, target, name=model.path,
                           input_shapes=sample_shapes(samples), pinned=sorted(build.pinned),
                           converted=build.lowered.model).to_dict(nodes=False)
     return ConversionResult(
@@ -339,7 +339,7 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
     # A target that cannot pin runs every node in its format: emulate it so (a PASSED then
     # matches the device) and move output compensations it cannot hold to the host.
     no_pin = profile.fp32_pinning is Pinning.NONE
-    applied, host_scales, host_notes = _host_scales(model, applied, profile, stats, samples) \
+    applied, host_scales, host_notes = _host_scales(model, applied, target, stats, samples) \
         if no_pin else (applied, {}, ())
     pinned = set(plan.pinned_nodes()) | set(applied.fp32_nodes)
     pinned |= {n for n, inp in applied.input_nodes.items() if not _fits_format(stats, inp, fmt)}
@@ -367,7 +367,7 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
                             # The candidate is the emulation of the rewritten model, named by
                             # its source: hashing either would read every weight again.
                             fingerprints=(model.fingerprint, f"{fmt.name}-emulated:{model.fingerprint}"))
-    notes = list(emulation_notes(profile, saturate)) + list(host_notes)
+    notes = list(emulation_notes(target, saturate)) + list(host_notes)
     if no_pin:
         notes.append(f"target {profile.name} cannot pin FP32 (fp32_pinning: none): every node "
                      f"is emulated in {fmt.name}, FP32 islands of the ONNX file included")
@@ -402,7 +402,7 @@ def _folded_at_build(model: Any, lowered: Any) -> set[str]:
     return {n for n in lowered.forced_fp32 if ops.get(n) == "BatchNormalization"}
 
 
-def _host_scales(model: Model, applied: Any, profile: TargetProfile, stats: Any,
+def _host_scales(model: Model, applied: Any, target: ResolvedTarget, stats: Any,
                  samples: Sequence[Feed]) -> tuple[Any, dict[str, float], tuple[str, ...]]:
     """Rescale exits at graph outputs whose true range exceeds the limit leave the device
     scaled (npuprep.plan.host_scale decides, npuprep.rewrite.output_scale rewrites)."""
@@ -414,7 +414,7 @@ def _host_scales(model: Model, applied: Any, profile: TargetProfile, stats: Any,
              if producer.get(o.name) in set(applied.fp32_nodes)]
     if not exits:
         return applied, {}, ()
-    chosen = host_scaled_outputs(exits, _output_absmax(model, stats, samples, exits), profile)
+    chosen = host_scaled_outputs(exits, _output_absmax(model, stats, samples, exits), target)
     current, fp32_nodes = applied.model, list(applied.fp32_nodes)
     scales, host, notes = dict(applied.tensor_scales), {}, []
     for name, why in chosen.items():

@@ -58,7 +58,7 @@ def _squares_upstream(view: ScopeView, name: str) -> onnx.NodeProto | None:
 def find(ctx: Context) -> list[Finding]:
     fmt = ctx.fmt
     hazard = ctx.profile.severity["hazard"]
-    clamp_exp_at = math.log(ctx.profile.limit())
+    clamp_exp_at = math.log(ctx.target.limit)
     findings: list[Finding] = []
 
     for view, node in ctx.float_nodes():

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from npuprep.model_io import Model
     from npuprep.plan.decide import Planned
     from npuprep.plan.plan import Plan
-    from npuprep.profiles import ResolvedTarget, Severity, TargetProfile
+    from npuprep.profiles import ResolvedTarget, Severity
 
 help = "report where MODEL will leave the target's range (static rules; no rewrite)"
 
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
             from npuprep.report.render_html import render
 
             # The plan rides along: the chart marks exactly its actions, as convert would take them.
-            page = check_report(model, profile, findings, fail_on) | {
+            page = check_report(model, target, findings, fail_on) | {
                 "profile": profile.to_dict(), "plan": plan.to_dict()}
             if eight is not None:
                 page["precision"] = eight.name  # the chart draws FP8's 448 line
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     failing = findings.reaching(fail_on)
     vendor = _vendor_build(args, model) if args.vendor else None
     if args.json:
-        doc = check_report(model, profile, findings, fail_on) | {"plan": plan.to_dict()}
+        doc = check_report(model, target, findings, fail_on) | {"plan": plan.to_dict()}
         if vendor is not None:
             doc["vendor"] = vendor
         if stats is not None:
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
             doc["stats"] = stats.to_dict()
         print_json(doc)
     else:
-        _print(model, profile, findings, fail_on)
+        _print(model, target, findings, fail_on)
         if stats is not None and stats.mapping_note:
             say(f"note: {stats.mapping_note}")
         for note in rewrites:
@@ -234,9 +234,11 @@ def _print_plan(plan: Plan, *, measured: bool, recorded: bool = False) -> None:
         f"{len(plan.declined)} remedy(ies) declined ({basis}); {more}")
 
 
-def check_report(model: Model, profile: TargetProfile, findings: Findings,
+def check_report(model: Model, target: ResolvedTarget, findings: Findings,
                  fail_on: Severity) -> dict[str, Any]:
-    """The `--json` object: schema version, kind, fingerprint, model, target, findings, summary."""
+    """The `--json` object: schema version, kind, fingerprint, model, target, findings, summary;
+    `format` is the resolved one (`--precision bf16` says bf16)."""
+    profile = target.profile
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": "check",
@@ -244,7 +246,7 @@ def check_report(model: Model, profile: TargetProfile, findings: Findings,
         "model": model.path,
         "target": profile.name,
         "target_path": profile.path,
-        "format": profile.default_precision,
+        "format": target.fmt.name,
         "opset": model.opset,
         "fail_on": str(fail_on),
         "passed": not findings.reaching(fail_on),
@@ -302,9 +304,10 @@ def _rows(findings: Findings) -> list[tuple[str, ...]]:
     return rows
 
 
-def _print(model: Model, profile: TargetProfile, findings: Findings, fail_on: Severity) -> None:
+def _print(model: Model, target: ResolvedTarget, findings: Findings, fail_on: Severity) -> None:
+    profile = target.profile
     say(f"model  {shown(model.path)}  (opset {model.opset}, fingerprint {model.fingerprint})")
-    say(f"target {shown(profile.name)}  ({profile.default_precision}, overflow {profile.overflow})")
+    say(f"target {shown(profile.name)}  ({target.fmt.name}, overflow {profile.overflow})")
     if len(findings):
         rows = _rows(findings)
         columns = ["severity", "rule", "node", "op", "evidence", "remedy"]

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     run_ = begin(args, inputs=("data", "holdout", "stats", "plan"), weights="file")
     profile, model, outputs = run_.profile, anchored(run_.model), run_.outputs
     if args.rtol is None:
-        args.rtol = 5e-2 if _eight_bit(args.precision or profile.default_precision) else 1e-2
+        args.rtol = 5e-2 if _eight_bit(profile.precision_of(args.precision)) else 1e-2
     exports = parse_exports(args.export) if args.export else default_exports(profile.report_format)
     # Not `<stem>.<target>.plan.yaml`: convert writes the plan it applied there, over a draft.
     default_ext = ".draft.plan.yaml" if args.plan_only else ".onnx"
@@ -171,7 +171,7 @@ def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, p
             watch.stage(name)
             shown(name)
 
-        eight = _eight_bit(args.precision or profile.default_precision)
+        eight = _eight_bit(profile.precision_of(args.precision))
         result = _convert_8bit(args, model, profile, calibration, stats, plan, holdout, stage,
                                samples) \
             if eight else convert(
@@ -207,8 +207,8 @@ def _convert_8bit(args: argparse.Namespace, model: Any, profile: Any, samples: A
     calibration part of the split, a plain list)."""
     from npuprep.convert_8bit import convert_8bit
 
-    return convert_8bit(model, profile, list(samples), precision=args.precision or
-                        profile.default_precision, stats=stats, plan=plan, rtol=args.rtol,
+    return convert_8bit(model, profile, list(samples),
+                        precision=profile.precision_of(args.precision), stats=stats, plan=plan, rtol=args.rtol,
                         holdout=list(holdout) if holdout else None,
                         samples_description=given.describe(), synthetic=given.synthetic,
                         scale_rule=args.scale_rule, min_8bit_share=args.min_8bit_share / 100,
@@ -251,7 +251,8 @@ def _vendor_check(args: argparse.Namespace, model: Any, result: Any, samples: li
     else:
         del paths["vendor_error_analysis"]  # the report names only files of its set
     built = check.fixed_model if check.fixed_model is not None else result.lowered.model
-    return with_layers(check, _as_model(built, paths["model"]), result.profile, str(report_path))
+    return with_layers(check, _as_model(built, paths["model"]), result.profile.resolve(result.fmt.name),
+                       str(report_path))
 
 
 def _with_vendor_fix(result: Any, vendor: Any) -> Any:

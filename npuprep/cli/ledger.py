@@ -9,6 +9,7 @@ from npuprep.cli.common import add_data, add_json, add_target, out, print_json, 
 
 if TYPE_CHECKING:
     from npuprep.model_io import Model
+    from npuprep.provenance import ConversionRecord
 
 help = ("estimate per format what the model costs on the target (roofline from published peaks), "
         "what the FP32 pins cost; board timing kit and measured results")
@@ -61,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from npuprep.errors import NpuprepError
     from npuprep.ledger.ledger import build_ledger
     from npuprep.model_io import anchored, load_model
+    from npuprep.numerics import formats
     from npuprep.output_files import SAMPLE_FILES, OutputPlan
     from npuprep.profiles import load_profile
 
@@ -92,15 +94,25 @@ def run(args: argparse.Namespace) -> int:
         throughput = replace(throughput, peak_tflops={**throughput.peak_tflops, **dict(args.peak)},
                              bandwidth_gbs=args.bandwidth or throughput.bandwidth_gbs)
     pinned = None
+    # The format the plan or the conversion was made for (`--precision bf16`), else the default.
+    precision = None
     if args.plan:
         from npuprep.plan.plan import load_plan
 
-        pinned = sorted(load_plan(args.plan, model).pinned_nodes())
+        plan = load_plan(args.plan, model)
+        pinned, precision = sorted(plan.pinned_nodes()), plan.precision
     elif converted is not None:
-        pinned = _recorded_pins(converted)
+        from npuprep.ledger.formats import stored_precision
+        from npuprep.provenance import read_conversion
+
+        record = read_conversion(converted.proto)
+        precision = record.precision if record is not None else stored_precision(converted.proto)
+        if record is not None:
+            pinned = _recorded_pins(record, converted)
+    target = profile.resolve(precision if precision in formats() else None)
     feeds = _feeds(args, model)
     shapes = {k: tuple(v.shape) for k, v in feeds.items()}
-    ledger = build_ledger(model.proto, profile, name=args.model, input_shapes=shapes,
+    ledger = build_ledger(model.proto, target, name=args.model, input_shapes=shapes,
                           throughput=throughput, pinned=pinned,
                           converted=converted.proto if converted else None)
     doc: dict[str, Any] = ledger.to_dict()
@@ -125,15 +137,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recorded_pins(converted: Model) -> list[str] | None:
+def _recorded_pins(record: ConversionRecord, converted: Model) -> list[str]:
     """The FP32 pins of the plan a conversion records (npuprep.provenance), verification's
-    included: the ledger names the pins convert made; None for a model without a record."""
+    included: the ledger names the pins convert made."""
     from npuprep.plan.plan import Plan
-    from npuprep.provenance import RECORD_KEY, read_conversion
+    from npuprep.provenance import RECORD_KEY
 
-    record = read_conversion(converted.proto)
-    if record is None:
-        return None
     plan = Plan.from_dict(record.plan, f"{converted.path}: metadata {RECORD_KEY}: plan")
     return sorted(plan.pinned_nodes())
 

@@ -130,9 +130,8 @@ def _profile(args: argparse.Namespace):
 
 
 def _format(args: argparse.Namespace, profile: Any):
-    from npuprep.numerics import get_format
-
-    return get_format(args.fmt) if args.fmt else profile.format
+    """The format to probe, resolved once: --precision, else the profile's default."""
+    return profile.resolve(args.fmt).fmt
 
 
 def _declared_saturate(profile: Any, fmt_: Any) -> bool | None:
@@ -181,7 +180,7 @@ def _backend(args: argparse.Namespace, profile: Any, fmt_: Any):
                                f"probe {fmt_.name}")
         return RknnBackend(args.vendor_python)
     if args.backend == "emulate":
-        # Unknown is emulated as the loud case (as TargetProfile.saturates does); the note says so.
+        # Unknown is emulated as the loud case (as ResolvedTarget.saturate does); the note says so.
         return EmulateBackend(fmt_, saturate=bool(_declared_saturate(profile, fmt_)))
     return OrtBackend(fmt_, io="fp16" if args.backend == "ort" else "fp32")
 

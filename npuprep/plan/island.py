@@ -24,6 +24,8 @@ from npuprep.rewrite.pin import Island, grow_island, island_of, merge_islands
 
 def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outcome:
     f, ref, tensor = problem.finding, problem.ref, problem.tensor
+    if problem.kind == "precision":
+        return None  # within range: plan.precision keeps it exact, no island to grow
     if problem.kind == "static" and f.remedy != "pin_fp32":
         return None
     if problem.kind == "underflow" and f.severity < Severity.ERROR:

@@ -92,7 +92,7 @@ class FoldAffines(_Fusion):
 
     def run(self, model: onnx.ModelProto, target: ResolvedTarget) -> RewriteResult:
         # Folded parameters are judged in the format the artefact stores them in.
-        return fold_affines(model, target.weights, largest=target.profile.limit(target.weights))
+        return fold_affines(model, target.weights, largest=target.limit_in(target.weights))
 
 
 class FuseHardswish(_Fusion):

@@ -57,6 +57,7 @@ class Attribution:
     layers: tuple[LayerError, ...]
     samples: int
     candidates: int = 0
+    fmt: str = "fp16"  # the format each candidate was rounded to
 
     def pins_for(self, error: float, rtol: float, room: float) -> tuple[LayerError, ...]:
         """The nodes whose shares, taken out of `error`, leave a predicted rel L2 within
@@ -74,7 +75,7 @@ class Attribution:
         return min(sets, key=lambda s: (sum(x.flops for x in s), len(s))) if sets else ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"samples": self.samples, "candidates": self.candidates,
+        return {"samples": self.samples, "candidates": self.candidates, "format": self.fmt,
                 "layers": [layer.to_dict() for layer in self.layers]}
 
 
@@ -146,7 +147,7 @@ def attribute_error(model: onnx.ModelProto, fmt: NumberFormat, samples: Sequence
     layers = sorted((LayerError(node, ops[node], float(e), float(e ** 2 / total) if total else 0.0,
                                 int(flops.get(node, 0)))
                      for node, e in errors.items()), key=lambda x: (-x.rel_l2, x.node))
-    return Attribution(tuple(layers), len(feeds), len(dict.fromkeys(candidates)))
+    return Attribution(tuple(layers), len(feeds), len(dict.fromkeys(candidates)), fmt.name)
 
 
 def describe(attribution: Attribution, pins: Sequence[LayerError], error: float,
@@ -165,7 +166,7 @@ def describe(attribution: Attribution, pins: Sequence[LayerError], error: float,
     which = (f"{measured} nodes within the FLOPs budget" if measured >= attribution.candidates
              else f"the {measured} nodes of the worst groups of {attribution.candidates} "
                   "within the FLOPs budget")
-    said = (f"FP16 error by node ({which}, each alone rounded, the rest FP32, on "
+    said = (f"{attribution.fmt.upper()} error by node ({which}, each alone rounded, the rest FP32, on "
             f"{attribution.samples} sample(s)): {listed}")
     if pins:
         held = sum(x.share for x in pins)
@@ -176,4 +177,5 @@ def describe(attribution: Attribution, pins: Sequence[LayerError], error: float,
     top = attribution.layers[0] if attribution.layers else None
     if top is not None and top.share >= 0.5:
         return f"{said} (a larger --max-fp32-share lets more of them be kept)"
-    return f"{said}: FP16's precision spread over the model, not one layer to keep in FP32"
+    return (f"{said}: {attribution.fmt.upper()}'s precision spread over the model, not one layer "
+            "to keep in FP32")

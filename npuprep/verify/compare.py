@@ -25,6 +25,7 @@ from npuprep.graph import infer_tensors, node_label, producers, topological_orde
 from npuprep.model_io import fingerprint, model_opset
 from npuprep.numerics import FLOAT_ONNX_TYPES, NumberFormat
 from npuprep.plan.host_scale import undo_host_scales
+from npuprep.profiles import ResolvedTarget
 from npuprep.report.output_verdicts import output_passes
 from npuprep.verify.compare_graph import (
     BASE_COLUMNS,
@@ -331,7 +332,7 @@ def compare_models(
 
 def compare_emulated(
     model: onnx.ModelProto,
-    profile: Any,
+    target: ResolvedTarget,
     samples: Iterable[Feed],
     *,
     pinned_nodes: Iterable[str] = (),
@@ -341,15 +342,15 @@ def compare_emulated(
     isolate: bool = False,
     worst: int = 5,
 ) -> CompareResult:
-    """Compare `model` with its own emulation on `profile`'s target (a TargetProfile).
+    """Compare `model` with its own emulation on `target` (a profile resolved to a format).
 
-    Overflow behaviour comes from the profile (`profile.saturates`); an `unknown` profile
+    Overflow behaviour comes from the profile (`target.saturate`); an `unknown` profile
     is emulated as the loud case, and the result's notes say the board must be probed.
     """
     from npuprep.verify.emulate import emulate
 
-    fmt = profile.format
-    emulation = emulate(model, fmt, saturate=profile.saturates, pinned_nodes=pinned_nodes,
+    fmt = target.fmt
+    emulation = emulate(model, fmt, saturate=target.saturate, pinned_nodes=pinned_nodes,
                         weights_in_graph=True)
     result = compare_models(
         model, emulation.model, samples,
@@ -357,7 +358,7 @@ def compare_emulated(
         atol=DEFAULT_ATOL if atol is None else atol,
         overrides=overrides, fmt=fmt, isolate=isolate, worst=worst,
     )
-    return replace(result, notes=result.notes + emulation_notes(profile, emulation.saturate)
+    return replace(result, notes=result.notes + emulation_notes(target, emulation.saturate)
                    + upgrade_notes(emulation))
 
 
@@ -379,11 +380,13 @@ def default_rtol(fmt: NumberFormat | None) -> float:
     return 1e-2 if fmt is None else max(1e-2, 2 * fmt.eps)
 
 
-def emulation_notes(profile: Any, saturate: bool) -> tuple[str, ...]:
+def emulation_notes(target: ResolvedTarget, saturate: bool) -> tuple[str, ...]:
+    """What the emulation assumed: the resolved format (`--precision bf16` says bf16), its
+    overflow, and what the profile leaves to a probe."""
     from npuprep.profiles import OverflowMode
     from npuprep.verify.emulate import LIMITS
 
-    fmt = profile.format
+    profile, fmt = target.profile, target.fmt
     notes = [f"emulated {fmt.name} on target '{profile.name}', overflow "
              f"{'saturates to +-' + format(fmt.max, 'g') if saturate else 'gives Inf/NaN'}",
              LIMITS]

@@ -127,7 +127,7 @@ class PinRounds:
         if found:
             targets = tuple(x.node for x in found)
             why = (f"{len(found)} layer(s) holding {100 * sum(x.share for x in found):.0f}% of "
-                   "the layers' own FP16 squared error")
+                   f"the layers' own {self.target.weights.name.upper()} squared error")
         else:
             targets = _nodes_to_pin(build.rewritten, first.node, set(build.pinned))
             why = (f"first divergent node {first.node} (rel L2 {first.rel_l2:.3g}, max abs "
@@ -136,7 +136,7 @@ class PinRounds:
         if not targets:
             return None
         self.notes.append(f"round {round_no}: outputs failed verification; " + (
-            "the layers holding its FP16 error" if found else
+            f"the layers holding its {self.target.weights.name.upper()} error" if found else
             f"first divergent node '{first.node}' ({first.op_type})")
             + f": pinned {', '.join(targets)} and retried")
         return PinFp32(nodes=targets, exit_tensors=(), forced=False,
@@ -166,7 +166,7 @@ class PinRounds:
         chosen = [self.samples[at], *(s for i, s in enumerate(self.samples) if i != at)]
         # The outputs are judged in the format the artefact stores (FP16 for an FP8 target).
         attribution = attribute_error(rewritten, self.target.weights, chosen[:ATTRIBUTION_SAMPLES],
-                                      saturate=self.target.profile.saturates,
+                                      saturate=self.target.saturates_in(self.target.weights),
                                       candidates=candidates, flops=flops)
         pins = attribution.pins_for(worst["rel_l2"], self.rtol, room)
         self.notes.append(f"round {round_no}: {describe(attribution, pins, worst['rel_l2'], total)}")
