@@ -97,19 +97,30 @@ def test_crosscheck_of_the_source_counts_the_plans_rewrites_as_absent(converted)
 
 
 def test_compare_judges_a_conversion_by_its_recorded_gate(tmp_path):
-    # x (about 1000) -> Sub(c = 1000) -> t -> Add(x) -> y
+    # source:    x (about 1000) -> Sub(c = 1000) -> t -> Add(x) -> y
+    # converted: x -> Cast(fp16) -> Sub(c fp16) -> t -> Add -> Cast(fp32) -> y, with its record
     # FP16 stores x to 0.5 near 1000: t (in [0, 1]) is off by half its size, y by 1e-4 of it.
-    text = ('<ir_version: 8, opset_import: ["" : 17]> g (float[64] x) => (float[64] y) '
-            '<float c = {1000.0}> { t = Sub (x, c) y = Add (t, x) }')
-    source = tmp_path / "m.onnx"
-    onnx.save(onnx.parser.parse_model(text), str(source))
+    from npuprep.model_io import load_model
+    from npuprep.plan import Plan
+    from npuprep.provenance import ConversionRecord, Gates, Source, record_conversion
+
+    head = '<ir_version: 8, opset_import: ["" : 17]> g (float[64] x) => (float[64] y) '
+    source, out = tmp_path / "m.onnx", tmp_path / "m16.onnx"
+    onnx.save(onnx.parser.parse_model(head + "<float c = {1000.0}> { t = Sub (x, c) y = Add (t, x) }"),
+              str(source))
+    converted = onnx.parser.parse_model(
+        head + "<float16 c = {25552}> { h = Cast <to = 10> (x) t = Sub (h, c) s = Add (t, h) "
+        "y = Cast <to = 1> (s) }")  # 25552: the bits of FP16 1000.0
+    fingerprint = load_model(source).fingerprint
+    record_conversion(converted, ConversionRecord(
+        Source(fingerprint), "a2000", "fp16", Gates(rtol=1e-2, atol=1e-3),
+        Plan(fingerprint, "a2000", "fp16").to_dict(), passed=True))
+    onnx.save(converted, str(out))
     data = tmp_path / "data"
     data.mkdir()
     rng = np.random.default_rng(2)
     for i in range(4):
         np.savez(data / f"s{i}.npz", x=(1000 + rng.random(64)).astype(np.float32))
-    out = tmp_path / "m16.onnx"
-    assert convert_recorded(source, data, "a2000", out)["passed"]
     done = run_cli("compare", source, out, "--data", data, "--target", "a2000", "--json")
     doc = json.loads(done.stdout)
     rows = {t["tensor"]: t for t in doc["tensors"]}
