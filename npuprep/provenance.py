@@ -9,6 +9,7 @@ converted before this record existed is recognised by the `<out>.report.json` be
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,6 +176,13 @@ def read_conversion(proto: onnx.ModelProto) -> ConversionRecord | None:
         return ConversionRecord.from_dict(json.loads(text))
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
+
+
+def stats_fingerprint(stats: dict[str, Any]) -> str:
+    """A digest of calibration statistics (CalibrationStats.to_dict()): the same statistics,
+    wherever they were saved, give the same digest."""
+    text = json.dumps(stats, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def _optional_float(value: Any) -> float | None:
