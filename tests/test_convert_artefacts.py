@@ -9,8 +9,7 @@ from __future__ import annotations
 import onnx
 from conftest import run_cli
 
-from npuprep.calibrate import calibrate
-from npuprep.convert import convert
+from npuprep.convert import CALIBRATE, SPLIT, convert
 from npuprep.data import load_samples
 from npuprep.examples import example_data_dir, example_model_path
 from npuprep.model_io import load_model
@@ -29,8 +28,8 @@ def test_api_save_on_a_light_external_data_model_writes_what_the_cli_writes(tmp_
               location="m.onnx.data", size_threshold=64)
     model = load_model(src / "m.onnx", weights="file")
     samples = load_samples(str(example_data_dir()), model.proto)
-    result = convert(model, load_profile("orin"), list(samples), stats=calibrate(model, samples),
-                     samples_description=samples.describe())
+    # what the CLI does with --data: 1 in 4 held out, calibrated on the rest
+    result = convert(model, load_profile("orin"), samples, holdout=SPLIT, stats=CALIBRATE)
     assert result
     report = result.save(tmp_path / "api" / "m.orin.onnx")
     assert _names(tmp_path / "api") == ["m.orin.onnx", "m.orin.plan.yaml", "m.orin.report.json",

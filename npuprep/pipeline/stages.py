@@ -89,6 +89,7 @@ class Run:
     holdout_asked: Samples | Literal["split"] | None = None
     stats: CalibrationStats | Literal["calibrate"] | None = None
     user_plan: Plan | None = None
+    stats_from_caller: bool = False  # `stats` were given, not calibrated in this run
     # hold_out: the samples planned and verified on, and those held out
     calibration: Samples = ()
     held_out: Sequence[Feed] | None = None
@@ -104,7 +105,7 @@ class Run:
     @property
     def stats_given(self) -> CalibrationStats | None:
         """Statistics the caller gave (not calibrated in this run)."""
-        return self.stats if isinstance(self.stats, CalibrationStats) else None
+        return self.stats if self.stats_from_caller and isinstance(self.stats, CalibrationStats) else None
 
 
 Stage = Callable[[Run], Run]
@@ -342,7 +343,8 @@ def _start(model: Model, profile: TargetProfile, samples: Samples, settings: Set
     # Rules and rewrites read each weight from the user's file as they need it.
     return Run(model=anchored(model), profile=profile, settings=settings, samples=samples,
                stage=progress or (lambda _: None), holdout_asked=holdout, stats=stats,
-               user_plan=plan, use=SampleUse(description=description, synthetic=synthetic))
+               user_plan=plan, stats_from_caller=isinstance(stats, CalibrationStats),
+               use=SampleUse(description=description, synthetic=synthetic))
 
 
 def _rtol(settings: Settings) -> float:
