@@ -85,17 +85,20 @@ def overlap(data: SampleSet, holdout: SampleSet) -> list[str]:
 
 
 def seen_by_stats(stats_source: Mapping[str, Any], stats_ids: Iterable[str | int],
-                  samples: SampleSet, ids: Iterable[str | int]) -> list[str]:
-    """The ids among `ids` (samples of `samples`) that statistics calibrated on
-    `stats_source` (CalibrationStats.source) with `stats_ids` saw: same source, same id.
-    Statistics that do not say where their samples came from saw none that can be named."""
-    source = stats_source.get("source")
-    if not source or stats_source.get("kind") != samples.kind:
+                  samples: SampleSet) -> list[str]:
+    """The ids of the `samples` that statistics calibrated on `stats_source`
+    (CalibrationStats.source) with `stats_ids` saw: the same file, or the same index of the
+    same source. Statistics that do not say where their samples came from saw none that
+    can be named."""
+    kind, source = stats_source.get("kind"), str(stats_source.get("source") or "")
+    if not source:
         return []
-    if samples.kind == "synthetic":
-        if stats_source.get("seed") != samples.seed:
-            return []
-    elif Path(str(source)).resolve() != Path(samples.source).resolve():
-        return []
-    seen = {str(i) for i in stats_ids}
-    return [str(i) for i in ids if str(i) in seen]
+    if kind == "dir":
+        seen = {str((Path(source) / str(i)).resolve()) for i in stats_ids}
+    elif kind == "npz":
+        seen = {str(Path(source).resolve())}
+    else:
+        where = stats_source.get("seed") if kind == "synthetic" else Path(source).resolve()
+        seen = {f"{kind}:{where}[{i}]" for i in stats_ids}
+    return [str(i) for i, key in zip(samples.sample_ids(), sample_keys(samples), strict=True)
+            if key in seen]

@@ -371,7 +371,8 @@ def _seen(given: CalibrationStats | None, samples: Samples, ids: Sequence[str]) 
 
     if given is None or not isinstance(samples, SampleSet):
         return []
-    return seen_by_stats(given.source, given.sample_ids, samples, ids)
+    seen = set(seen_by_stats(given.source, given.sample_ids, samples))
+    return [i for i in ids if i in seen]
 
 
 def _source(samples: Samples) -> str:
