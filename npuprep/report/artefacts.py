@@ -84,15 +84,14 @@ def declare(outputs: Any, paths: dict[str, Path]) -> None:
             outputs.removes_stale(path, what)
 
 
-# Files a conversion may write beside OUT.onnx (besides its model, plan and reports).
-_COMPANIONS = (*(suffix for _, suffix in EXPORTS.values()), ".report.html",
-               *(f".{v}_error_analysis.txt" for v in ("rknn",)))
+# Constraint files a conversion may write beside OUT.onnx.
+_COMPANIONS = tuple(suffix for _, suffix in EXPORTS.values())
 
 
 def older_artefacts(paths: dict[str, Path]) -> list[tuple[Path, str]]:
     """Files of an earlier conversion to `paths["model"]` that this set does not write: those
     its report (`<out>.report.json`, or this run's report path) lists as its own set, and the
-    companions beside the model (constraint files, HTML, vendor reports) that name it."""
+    companions beside the model (constraint files) that npuprep wrote for it."""
     import json
 
     output = paths["model"]
@@ -123,13 +122,14 @@ def older_artefacts(paths: dict[str, Path]) -> list[tuple[Path, str]]:
 
 
 def _names(path: Path, model_name: str) -> bool:
-    """`path` is an npuprep companion that names `model_name` near its top."""
+    """`path` is a constraint file npuprep wrote for `model_name`: a trtexec line building it,
+    or a file that opens with npuprep's header (named after the model by artefact_paths)."""
     try:
         with path.open(encoding="utf-8", errors="replace") as f:
             head = f.read(4096)
     except OSError:
         return False
-    return "npuprep" in head and model_name in head
+    return head.startswith("# npuprep ") or f"--onnx={model_name}" in head.split("\n", 1)[0]
 
 
 def stage_conversion(result: Any, paths: dict[str, Path], files: Any,
