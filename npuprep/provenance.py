@@ -17,6 +17,8 @@ from typing import Any
 
 import onnx
 
+from npuprep.json_io import to_jsonable
+
 SOURCE_KEY = "npuprep.source_fingerprint"
 SCALES_KEY = "npuprep.tensor_scales"
 # The whole record of a conversion (JSON): what convert did and decided, so that every other
@@ -161,7 +163,9 @@ def record_conversion(proto: onnx.ModelProto, record: ConversionRecord) -> None:
     """Write (or replace) the conversion record, and the source record it contains."""
     record_source(proto, record.source.fingerprint, record.source.tensor_scales)
     props = {p.key: p.value for p in proto.metadata_props}
-    props[RECORD_KEY] = json.dumps(record.to_dict(), sort_keys=True, separators=(",", ":"))
+    # numpy numbers and non-finite floats as report.json writes them (npuprep.json_io)
+    props[RECORD_KEY] = json.dumps(to_jsonable(record.to_dict()), sort_keys=True,
+                                   separators=(",", ":"), allow_nan=False)
     onnx.helper.set_model_props(proto, props)
 
 
