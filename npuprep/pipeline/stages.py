@@ -169,9 +169,6 @@ def plan(run: Run) -> Run:
     """The target resolved once, then prepare, find, plan (npuprep.plan.decide.plan_for).
     8-bit conversions plan their wider layers in FP16: its remedies keep them in range."""
     s = run.settings
-    if s.eight_bit and run.stats is None:
-        raise NpuprepError(f"--precision {s.precision} sets its scales from calibration: give "
-                           "--data or --stats")
     target = run.profile.resolve("fp16" if s.eight_bit else s.precision)
     run.stage("findings")
     stats = run.stats if isinstance(run.stats, CalibrationStats) else None
@@ -187,6 +184,9 @@ def build(run: Run) -> Run:
     samples, held = list(run.feeds), (list(run.held_out) if run.held_out else None)
     rtol = _rtol(s)
     eight = eight_bit_format(s.precision or "")
+    if eight is not None and planned.stats is None:
+        raise NpuprepError(f"--precision {s.precision} sets its scales from calibration: give "
+                           "--data or --stats")
     if eight is not None:
         result = quantise_and_verify(run.model, planned, target, eight, samples, held,
                                      use=run.use, rtol=rtol, scale_rule=s.scale_rule,
