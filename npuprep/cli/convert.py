@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from npuprep.cli.common import (
     add_data,
@@ -16,6 +16,15 @@ from npuprep.cli.common import (
     positive_int,
 )
 from npuprep.errors import NpuprepError
+
+if TYPE_CHECKING:
+    from npuprep.calibrate.stats import CalibrationStats
+    from npuprep.data import SampleSet
+    from npuprep.model_io import Model
+    from npuprep.output_files import OutputSet
+    from npuprep.plan import Plan
+    from npuprep.profiles import TargetProfile
+    from npuprep.resources import MemoryWatch
 
 help = "plan, rewrite and lower MODEL for the target, verify it under emulation, write reports"
 
@@ -132,12 +141,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report)
     else:
-        _print_summary(report, io_types=args.io_types)
+        _print_summary(report)
     return 0 if passed else 1
 
 
-def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, paths: dict[str, Path],
-             files: Any, watch: Any) -> tuple[dict[str, Any], bool]:
+def _convert(args: argparse.Namespace, model: Model, profile: TargetProfile,
+             samples: SampleSet | None, paths: dict[str, Path], files: OutputSet,
+             watch: MemoryWatch) -> tuple[dict[str, Any], bool]:
     """The arguments handed to the pipeline (npuprep.pipeline), its result staged as one set."""
     from contextlib import ExitStack
 
@@ -200,15 +210,15 @@ def _artefact_paths(args: argparse.Namespace, output: Path, exports: tuple[str, 
                           vendor=args.verify_with)
 
 
-def _stats(args: argparse.Namespace, model: Any) -> Any:
+def _stats(args: argparse.Namespace, model: Model) -> CalibrationStats | None:
     """The --stats given (mapped onto the model when they are its source's), else None."""
     from npuprep.calibrate import load_stats
 
     return load_stats(args.stats, model) if args.stats else None
 
 
-def _plan_only(args: argparse.Namespace, model: Any, profile: Any, samples: Any, output: Path,
-               files: Any) -> Any:
+def _plan_only(args: argparse.Namespace, model: Model, profile: TargetProfile,
+               samples: SampleSet | None, output: Path, files: OutputSet) -> Plan:
     from npuprep.pipeline import CALIBRATE, draft_plan
     from npuprep.plan import dump_plan
 
@@ -291,7 +301,7 @@ def _nodes(nodes: list[str]) -> str:
     return ", ".join(nodes[:3]) + (f" +{len(nodes) - 3}" if len(nodes) > 3 else "")
 
 
-def _print_summary(report: dict[str, Any], io_types: str = "fp32") -> None:
+def _print_summary(report: dict[str, Any]) -> None:
     from npuprep.cli.common import out, print_table, say
     from npuprep.formatting import capped, number, percent
     from npuprep.report.pin_count import pins_said
