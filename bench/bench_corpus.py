@@ -1,6 +1,8 @@
 """The real-model corpus through `npuprep` and through onnxconverter-common, as a user runs them.
 
 Run: python bench/bench_corpus.py [--only NAME ...] [--target a2000] [--out bench/_work/corpus]
+     python bench/bench_corpus.py --extra2 DIR [--out ...]   the ten models that
+       ../shared/corpus/extra2_models.sh DIR builds (calib/ and holdout/ samples per model)
 
 Per corpus model (bench/corpus.py builds them; this script builds what is missing):
 - `npuprep check/calibrate/convert/compare --emulate` as subprocesses (the CLI a user types),
@@ -248,11 +250,12 @@ def load_samples(folder: Path) -> list[dict[str, np.ndarray]]:
 def bench_model(entry: dict, root: Path, out: Path, target: str) -> Row:
     name = entry["name"]
     model_path = root / entry["path"]
-    calib, heldout = root / name / "calib", root / name / "heldout"
+    calib, heldout = root / name / "calib", root / name / entry.get("heldout_dir", "heldout")
     work = out / name
     work.mkdir(parents=True, exist_ok=True)
+    decided_by = entry["decided_by"] if "decided_by" in entry else corpus.SPECS[name].decided_by
     row = Row(name, entry["opset"], entry["size_bytes"] / 1e6, entry["kind"],
-              decided_by=list(corpus.SPECS[name].decided_by))
+              decided_by=list(decided_by))
     m = str(model_path)
     converted = work / "converted.onnx"
     converted.unlink(missing_ok=True)
@@ -271,7 +274,8 @@ def bench_model(entry: dict, root: Path, out: Path, target: str) -> Row:
             try:
                 report = json.loads(stdout)
             except json.JSONDecodeError:  # --json must print JSON only: a finding, not a crash
-                outcome.error = f"--json printed more than JSON: `{stdout.splitlines()[0][:100]}`"
+                first = (stdout.splitlines() or ["(nothing)"])[0][:100]
+                outcome.error = f"--json printed more than JSON: `{first}`"
                 continue
             row.actions = dict(Counter(a["action"] for a in report.get("actions", [])))
             row.flops_fp32_share = report.get("flops_fp32_share")
@@ -375,14 +379,20 @@ def main() -> int:
     ap.add_argument("--target", default="a2000")
     ap.add_argument("--out", type=Path, default=Path("bench/_work/corpus"))
     ap.add_argument("--render", action="store_true", help="only re-render OUT.md from OUT.json")
+    ap.add_argument("--extra2", type=Path, metavar="DIR",
+                    help="the models extra2_models.sh built in DIR instead of bench/corpus.py's")
     args = ap.parse_args()
     if args.render:
         rows = [row_from_json(d) for d in json.loads(args.out.with_suffix(".json").read_text())]
         write_table(rows, args.out, args.target)
         return 0
-    root = corpus.corpus_dir()
-    names = args.only or list(corpus.SPECS)
-    entries = []
+    if args.extra2:
+        root, entries = args.extra2, extra2_entries(args.extra2, args.only)
+        names = []
+    else:
+        root = corpus.corpus_dir()
+        names = args.only or list(corpus.SPECS)
+        entries = []
     for name in names:
         try:
             entries.append(corpus.build_one(corpus.SPECS[name], root))
@@ -397,6 +407,16 @@ def main() -> int:
     (args.out.with_suffix(".json")).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
     write_table(rows, args.out, args.target)
     return 0
+
+
+def extra2_entries(folder: Path, only: list[str] | None) -> list[dict]:
+    """bench_model's entries for the models extra2_models.sh wrote: NAME.onnx, NAME/calib,
+    NAME/holdout; no output is judged by its decisions (none is a classifier's argmax)."""
+    manifest = json.loads((folder / "extra2_manifest.json").read_text())
+    return [{"name": name, "path": e["file"], "opset": e["opsets"].get("ai.onnx", 0),
+             "size_bytes": e["size_bytes"], "kind": e["kind"], "decided_by": [],
+             "heldout_dir": "holdout"}
+            for name, e in manifest.items() if not only or name in only]
 
 
 def write_table(rows: list[Row], out: Path, target: str) -> None:
