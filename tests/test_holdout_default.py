@@ -65,7 +65,7 @@ def test_holdout_that_overlaps_data_is_refused_with_one_line(tmp_path):
                        "-o", tmp_path / "a.onnx")
         assert proc.returncode == 2, proc.stdout + proc.stderr
         lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and "are --data samples too" in lines[0], proc.stderr
+        assert len(lines) == 1 and "also in --data" in lines[0], proc.stderr
         assert not (tmp_path / "a.onnx").exists()
 
 

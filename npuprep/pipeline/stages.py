@@ -126,8 +126,8 @@ def hold_out(run: Run) -> Run:
         if isinstance(samples, SampleSet) and isinstance(asked, SampleSet):
             shared = overlap(samples, asked)
             if shared:
-                raise NpuprepError(f"--holdout {asked.source}: {_some(shared)} are --data samples "
-                                   f"too ({samples.source}); held-out samples must be others")
+                raise NpuprepError(f"--holdout {asked.source}: {_some(shared)} also in --data; "
+                                   "a held-out check needs samples the plan has not seen")
         seen = _seen(given, asked, held_ids)
         if seen:
             raise NpuprepError(f"--holdout {_source(asked)}: {_some(seen)} are among the samples the "
@@ -380,7 +380,7 @@ def _source(samples: Samples) -> str:
 
 
 def _some(ids: Sequence[str]) -> str:
-    shown = ", ".join(ids[:3]) + (f" and {len(ids) - 3} more" if len(ids) > 3 else "")
+    shown = ", ".join(ids[:2]) + (f" and {len(ids) - 2} more" if len(ids) > 2 else "")
     return f"{len(ids)} sample{'s' if len(ids) != 1 else ''} ({shown})"
 
 
