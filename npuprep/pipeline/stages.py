@@ -85,7 +85,7 @@ class Run:
     profile: TargetProfile
     settings: Settings
     samples: Samples
-    stage: Callable[[str], None]
+    progress: Callable[[str], None]  # told each step as it starts (the CLI's spinner)
     holdout_asked: Samples | Literal["split"] | None = None
     stats: CalibrationStats | Literal["calibrate"] | None = None
     user_plan: Plan | None = None
@@ -157,7 +157,7 @@ def calibrate(run: Run) -> Run:
         return run
     from npuprep.calibrate import calibrate as measure
 
-    run.stage("calibrating")
+    run.progress("calibrating")
     s = run.settings
     # 8-bit scales read the exponent histogram of every element (percentile, MSE).
     stats = measure(run.model, run.calibration, jobs=s.jobs, streams=s.streams,
@@ -170,7 +170,7 @@ def plan(run: Run) -> Run:
     8-bit conversions plan their wider layers in FP16: its remedies keep them in range."""
     s = run.settings
     target = run.profile.resolve("fp16" if s.eight_bit else s.precision)
-    run.stage("findings")
+    run.progress("findings")
     stats = run.stats if isinstance(run.stats, CalibrationStats) else None
     feeds = list(run.calibration)
     planned = plan_for(run.model, target, stats, feeds or None, plan=run.user_plan)
@@ -191,12 +191,12 @@ def build(run: Run) -> Run:
         result = quantise_and_verify(run.model, planned, target, eight, samples, held,
                                      use=run.use, rtol=rtol, scale_rule=s.scale_rule,
                                      min_8bit_share=s.min_8bit_share, opset=s.opset,
-                                     top_k=s.top_k, stage=run.stage)
+                                     top_k=s.top_k, stage=run.progress)
     else:
         result = lower_and_verify(run.model, planned, target, samples, held, use=run.use,
                                   io_types=s.io_types, rtol=rtol, max_rounds=s.max_rounds,
                                   max_fp32_share=s.max_fp32_share, opset=s.opset,
-                                  top_k=s.top_k, stage=run.stage)
+                                  top_k=s.top_k, stage=run.progress)
     return replace(run, result=replace(result, notes=(*run.notes, *result.notes)))
 
 
@@ -210,7 +210,7 @@ def vendor_check(run: Run) -> Run:
     from npuprep.verify.vendor import with_layers
     from npuprep.verify.vendor_8bit import vendor_check_8bit
 
-    run.stage(f"building with {s.verify_with}")
+    run.progress(f"building with {s.verify_with}")
     if result.eight_bit:
         held = list(run.held_out) if run.held_out else list(run.samples)
         check = vendor_check_8bit(run.model.proto, result, list(run.feeds), held,
@@ -342,7 +342,7 @@ def _start(model: Model, profile: TargetProfile, samples: Samples, settings: Set
         description, synthetic = description or samples.describe(), synthetic or samples.synthetic
     # Rules and rewrites read each weight from the user's file as they need it.
     return Run(model=anchored(model), profile=profile, settings=settings, samples=samples,
-               stage=progress or (lambda _: None), holdout_asked=holdout, stats=stats,
+               progress=progress or (lambda _: None), holdout_asked=holdout, stats=stats,
                user_plan=plan, stats_from_caller=isinstance(stats, CalibrationStats),
                use=SampleUse(description=description, synthetic=synthetic))
 
