@@ -107,3 +107,23 @@ def test_share_gate_failure_names_the_weights_an_underflow_scale_pushed_up(tmp_p
         "underflow: lifting fc1, fc2 out of fp16's subnormals pushes weights of fc2 past fp16 "
         f"({w2:.6g} .. {w2:.6g}), which keeps them FP32")
     assert result.verdict.said.startswith(f"FAILED: {result.verdict.cause}; then ")
+
+
+def test_a_hazard_only_a_pin_fixes_is_the_cause_on_a_target_that_cannot_pin():
+    # t -> Mul(freqs) -> Sin | Cos -> ... with t up to 1000 on rk3588: FP16's phase spacing
+    # makes Sin/Cos noise; the plan's note names the pin rk3588 cannot grant, and the FAILED
+    # line says so first
+    from test_phase import _model, _timesteps
+
+    model, samples = _model(), _timesteps(6, 1)
+    result = convert(model, load_profile("rk3588"), samples, stats=CALIBRATE, max_rounds=1,
+                     max_fp32_share=1.0)
+    assert not result.output_check and result.verdict.gate is Gate.OUTPUTS
+    assert result.verdict.cause.startswith("sin, cos read phase phase up to ")
+    assert result.verdict.cause.endswith("only an FP32 pin of phase_mul, sin, cos could fix it, "
+                                         "and target rk3588 cannot pin")
+    assert result.verdict.said.startswith(f"FAILED: {result.verdict.cause}; then ")
+    # the same conversion on a target that pins: the pin is made and no cause is said
+    pinned = convert(model, load_profile("generic"), samples, stats=CALIBRATE, max_rounds=1,
+                     max_fp32_share=1.0)
+    assert pinned and pinned.verdict.cause == ""

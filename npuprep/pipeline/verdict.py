@@ -16,10 +16,11 @@ import numpy as np
 import onnx
 
 from npuprep.formatting import number, percent
-from npuprep.graph import node_label
+from npuprep.graph import node_label, to_array
 from npuprep.numerics import NumberFormat
 from npuprep.pipeline.result import ConversionResult, Gate, Verdict
 from npuprep.plan.actions import Clamp, Rescale
+from npuprep.profiles import Pinning
 from npuprep.report.output_verdicts import output_passes
 from npuprep.verify.output_check import OutputCheck
 
@@ -127,12 +128,10 @@ def _underflowing_output(result: ConversionResult) -> str:
             if found is None or output_passes(errors, check.rtol):
                 continue
             absmax = found.evidence.get("absmax", 0.0)
-            # A lift the planner declined is why the output stayed down there.
-            why = next((f" (rescale declined: {d.reason})" for d in declined
-                        if d.remedy == "rescale" and any(r.tensor == name for r in d.findings)), "")
-            left = f"range.underflow at {name}:"
-            why = why or next((" " + n.split("underflow left as is ", 1)[1] for n in result.plan.notes
-                               if n.startswith(left) and "underflow left as is " in n), "")
+            # A remedy the planner declined is why the output stayed down there: a lift first.
+            mine = sorted((d for d in declined if any(r.tensor == name for r in d.findings)),
+                          key=lambda d: d.remedy != "rescale")
+            why = f" ({mine[0].remedy} declined: {mine[0].reason})" if mine else ""
             return (f"underflow: output {name} lives at |x| <= {absmax:.3g}, under the smallest "
                     f"{fmt.name} normal ({fmt.min_normal:.3g}), and comes out with rel L2 "
                     f"{errors['rel_l2']:.3g}{why}")
@@ -168,7 +167,7 @@ def _weights_beyond(model: onnx.ModelProto, nodes: set[str],
         for name in node.input:
             if name not in inits:
                 continue
-            largest = float(np.max(np.abs(onnx.numpy_helper.to_array(inits[name])), initial=0.0))
+            largest = float(np.max(np.abs(to_array(inits[name])), initial=0.0))
             if largest > fmt.max:
                 found[label] = (name, largest)
                 break
@@ -177,8 +176,11 @@ def _weights_beyond(model: onnx.ModelProto, nodes: set[str],
 
 def _needs_a_pin(result: ConversionResult) -> str:
     """A hazard the plan found that only an FP32 pin fixes, on a target that cannot pin: the
-    plan's note (a coarse phase), or the why of the clamp at a Log chain's floor."""
-    said = [*result.plan.notes, *(a.why for a in result.plan.actions if isinstance(a, Clamp))]
-    found = next((n for n in said if "only an FP32 pin" in n), "")
-    # A clamp's why opens with the Log input's span: the pin is what the line must say.
-    return found[found.find("target "):] if found.startswith("the input") else found
+    Log chain the plan floored instead (a `log` clamp: its why from the target on), or a
+    coarse phase (the plan records it as a note, there being no action to carry it)."""
+    if result.profile.fp32_pinning is not Pinning.NONE:
+        return ""
+    floored = next((a.why for a in result.plan.actions if isinstance(a, Clamp) and a.kind == "log"), "")
+    if floored:
+        return floored[floored.find("target "):]
+    return next((n for n in result.plan.notes if "only an FP32 pin" in n), "")
