@@ -13,10 +13,13 @@ A held-out check on samples the plan has seen is not one: `--holdout` samples th
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from npuprep.data import Feed, SampleSet
 
@@ -82,6 +85,22 @@ def overlap(data: SampleSet, holdout: SampleSet) -> list[str]:
     shared = set(sample_keys(data))
     return [str(i) for i, key in zip(holdout.sample_ids(), sample_keys(holdout), strict=True)
             if key in shared]
+
+
+def same_feeds(data: Iterable[Feed], holdout: Iterable[Feed]) -> list[str]:
+    """The positions (as ids) of the `holdout` feeds whose every array equals a `data` feed's:
+    feeds in memory have no file to compare."""
+    shared = {_digest(f) for f in data}
+    return [str(i) for i, f in enumerate(holdout) if _digest(f) in shared]
+
+
+def _digest(feed: Feed) -> str:
+    h = hashlib.sha256()
+    for name in sorted(feed):
+        value = np.ascontiguousarray(feed[name])
+        h.update(f"{name}:{value.dtype}:{value.shape};".encode())
+        h.update(value.tobytes())
+    return h.hexdigest()
 
 
 def seen_by_stats(stats_source: Mapping[str, Any], stats_ids: Iterable[str | int],

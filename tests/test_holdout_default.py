@@ -111,3 +111,19 @@ def test_stats_calibrated_on_the_other_samples_keep_the_held_out_check(tmp_path)
     assert report["holdout"]["samples"] == 2
     said = next(n for n in report["notes"] if n.startswith("held out 2 of 8"))
     assert "planned on the --stats given" in said and "calibrated and planned" not in said
+
+
+def test_held_out_feeds_equal_to_calibration_feeds_are_refused_through_the_api(tmp_path):
+    # convert(samples=[a, b], holdout=[copy of b]): feeds in memory compared by value
+    from npuprep.errors import NpuprepError
+    from npuprep.model_io import load_model
+    from npuprep.pipeline import convert
+    from npuprep.profiles import load_profile
+
+    path, _ = _exp_model(tmp_path, [1.0])
+    a, b = ({"x": np.full((1, 16), v, np.float32)} for v in (1.0, 2.0))
+    with pytest.raises(NpuprepError, match=r"--holdout \(feeds\): 1 sample \(0\) also in --data"):
+        convert(load_model(path), load_profile("generic"), [a, b], holdout=[{"x": b["x"].copy()}])
+    other = convert(load_model(path), load_profile("generic"), [a, b],
+                    holdout=[{"x": np.full((1, 16), 3.0, np.float32)}])
+    assert other.holdout is not None and other.holdout.samples == 1

@@ -115,7 +115,7 @@ def hold_out(run: Run) -> Run:
     """The calibration part and the held-out part; a held-out check on samples the plan has
     seen is not one: --holdout samples that are --data samples, or that the --stats were
     calibrated on, are refused, and the default split holds out none the --stats saw."""
-    from npuprep.holdout import overlap, split_holdout
+    from npuprep.holdout import overlap, same_feeds, split_holdout
 
     samples, asked, given = run.samples, run.holdout_asked, run.stats_given
     ids = _ids(samples)
@@ -123,11 +123,12 @@ def hold_out(run: Run) -> Run:
         return replace(run, calibration=samples, use=_use(run, ids, ()))
     if asked != SPLIT:
         held_ids = _ids(asked)
-        if isinstance(samples, SampleSet) and isinstance(asked, SampleSet):
-            shared = overlap(samples, asked)
-            if shared:
-                raise NpuprepError(f"--holdout {asked.source}: {_some(shared)} also in --data; "
-                                   "a held-out check needs samples the plan has not seen")
+        # Files are compared by path; feeds in memory by their values.
+        both = isinstance(samples, SampleSet) and isinstance(asked, SampleSet)
+        shared = overlap(samples, asked) if both else same_feeds(samples, asked)
+        if shared:
+            raise NpuprepError(f"--holdout {_source(asked)}: {_some(shared)} also in --data; "
+                               "a held-out check needs samples the plan has not seen")
         seen = _seen(given, asked, held_ids)
         if seen:
             raise NpuprepError(f"--holdout {_source(asked)}: {_some(seen)} are among the samples the "
