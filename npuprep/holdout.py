@@ -87,11 +87,11 @@ def overlap(data: SampleSet, holdout: SampleSet) -> list[str]:
             if key in shared]
 
 
-def same_feeds(data: Iterable[Feed], holdout: Iterable[Feed]) -> list[str]:
-    """The positions (as ids) of the `holdout` feeds whose every array equals a `data` feed's:
-    feeds in memory have no file to compare."""
+def same_feeds(data: Iterable[Feed], holdout: Iterable[Feed]) -> list[int]:
+    """The positions of the `holdout` feeds whose every array equals a `data` feed's: a
+    copied file, or feeds in memory, which have no file to compare."""
     shared = {_digest(f) for f in data}
-    return [str(i) for i, f in enumerate(holdout) if _digest(f) in shared]
+    return [i for i, f in enumerate(holdout) if _digest(f) in shared]
 
 
 def _digest(feed: Feed) -> str:

@@ -58,14 +58,17 @@ def test_passing_on_calibration_and_failing_held_out_is_failed(tmp_path):
 
 
 def test_holdout_that_overlaps_data_is_refused_with_one_line(tmp_path):
-    # --holdout data/ (the --data folder itself) and one of its files: no held-out check, exit 2
+    # --holdout data/ (the --data folder itself), one of its files, a copy of one: exit 2
     path, data = _exp_model(tmp_path, [4.0] * 4)
-    for holdout in (data, data / "s2.npz"):
+    (tmp_path / "copy.npz").write_bytes((data / "s1.npz").read_bytes())
+    for holdout in (data, data / "s2.npz", tmp_path / "copy.npz"):
         proc = run_cli("convert", path, "-t", "generic", "--data", data, "--holdout", holdout,
                        "-o", tmp_path / "a.onnx")
         assert proc.returncode == 2, proc.stdout + proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and "also in --data" in lines[0], proc.stderr
+        assert lines[0].split(f"{holdout}: ", 1)[1].startswith(f"1 sample ({holdout.name})" if holdout.suffix
+                                                      else "4 samples (s0.npz, s1.npz and 2 more)")
         assert not (tmp_path / "a.onnx").exists()
 
 

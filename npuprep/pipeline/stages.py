@@ -122,10 +122,11 @@ def hold_out(run: Run) -> Run:
     if asked is None:
         return replace(run, calibration=samples, use=_use(run, ids, ()))
     if asked != SPLIT:
-        held_ids = _ids(asked)
-        # Files are compared by path; feeds in memory by their values.
+        held_ids, held = _ids(asked), list(asked)
+        # The same file, or a copy of it (or the same feed in memory): compared by value too.
         both = isinstance(samples, SampleSet) and isinstance(asked, SampleSet)
-        shared = overlap(samples, asked) if both else same_feeds(samples, asked)
+        shared = (overlap(samples, asked) if both else []) or \
+            [held_ids[i] for i in same_feeds(samples, held)]
         if shared:
             raise NpuprepError(f"--holdout {_source(asked)}: {_some(shared)} also in --data; "
                                "a held-out check needs samples the plan has not seen")
@@ -133,8 +134,7 @@ def hold_out(run: Run) -> Run:
         if seen:
             raise NpuprepError(f"--holdout {_source(asked)}: {_some(seen)} are among the samples the "
                                "--stats were calibrated on; held-out samples must be unseen")
-        return replace(run, calibration=samples, held_out=list(asked),
-                       use=_use(run, ids, held_ids))
+        return replace(run, calibration=samples, held_out=held, use=_use(run, ids, held_ids))
     if not isinstance(samples, SampleSet):
         raise NpuprepError("holdout='split' holds out part of a SampleSet (npuprep.data."
                            "load_samples); give held-out feeds as `holdout` instead")
