@@ -110,6 +110,11 @@ def _nonfinite_reason(checks: list[OutputCheck], io_types: str) -> str:
     return f"'{name}' has {o['nonfinite']} Inf/NaN under emulation, at no node before the output"
 
 
+# An output is said to fail by underflow when at least this share of its values lie under
+# the format's smallest normal.
+MOSTLY = 0.5
+
+
 def failure_cause(result: ConversionResult) -> str:
     """One clause naming the underflow (or the pin a target cannot grant) behind a failure,
     or "" when none shows. The conversion planned its wider layers in `result.fmt`."""
@@ -128,13 +133,17 @@ def _underflowing_output(result: ConversionResult) -> str:
             if found is None or output_passes(errors, check.rtol):
                 continue
             absmax = found.evidence.get("absmax", 0.0)
+            share = found.evidence.get("share_below_min_normal", 1.0)
+            if share < MOSTLY:
+                continue  # a few values flushed to zero do not make an output's error
             # A remedy the planner declined is why the output stayed down there: a lift first.
             mine = sorted((d for d in declined if any(r.tensor == name for r in d.findings)),
                           key=lambda d: d.remedy != "rescale")
             why = f" ({mine[0].remedy} declined: {mine[0].reason})" if mine else ""
-            return (f"underflow: output {name} lives at |x| <= {absmax:.3g}, under the smallest "
-                    f"{fmt.name} normal ({fmt.min_normal:.3g}), and comes out with rel L2 "
-                    f"{errors['rel_l2']:.3g}{why}")
+            lives = (f"lives at |x| <= {absmax:.3g}, under" if absmax < fmt.min_normal
+                     else f"has {share:.0%} of its values under")
+            return (f"underflow: output {name} {lives} the smallest {fmt.name} normal "
+                    f"({fmt.min_normal:.3g}), and comes out with rel L2 {errors['rel_l2']:.3g}{why}")
     return ""
 
 
