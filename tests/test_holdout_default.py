@@ -66,9 +66,10 @@ def test_holdout_that_overlaps_data_is_refused_with_one_line(tmp_path):
                        "-o", tmp_path / "a.onnx")
         assert proc.returncode == 2, proc.stdout + proc.stderr
         lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and "also in --data" in lines[0], proc.stderr
-        assert lines[0].split(f"{holdout}: ", 1)[1].startswith(f"1 sample ({holdout.name})" if holdout.suffix
-                                                      else "4 samples (s0.npz, s1.npz and 2 more)")
+        assert len(lines) == 1 and "a held-out check needs samples the plan has not seen" in lines[0]
+        assert lines[0].split(f"{holdout}: ", 1)[1].startswith(
+            "every sample equals a --data sample in value" if holdout.name == "copy.npz" else
+            f"1 sample ({holdout.name})" if holdout.suffix else "4 samples (s0.npz, s1.npz and 2 more)")
         assert not (tmp_path / "a.onnx").exists()
 
 
@@ -117,7 +118,8 @@ def test_stats_calibrated_on_the_other_samples_keep_the_held_out_check(tmp_path)
 
 
 def test_held_out_feeds_equal_to_calibration_feeds_are_refused_through_the_api(tmp_path):
-    # convert(samples=[a, b], holdout=[copy of b]): feeds in memory compared by value
+    # convert(samples=[a, b], holdout=[copy of b]): feeds in memory compared by value; all
+    # equal is refused, some equal is said
     from npuprep.errors import NpuprepError
     from npuprep.model_io import load_model
     from npuprep.pipeline import convert
@@ -125,8 +127,11 @@ def test_held_out_feeds_equal_to_calibration_feeds_are_refused_through_the_api(t
 
     path, _ = _exp_model(tmp_path, [1.0])
     a, b = ({"x": np.full((1, 16), v, np.float32)} for v in (1.0, 2.0))
-    with pytest.raises(NpuprepError, match=r"--holdout \(feeds\): 1 sample \(0\) also in --data"):
+    with pytest.raises(NpuprepError, match=r"--holdout \(feeds\): every sample equals a --data"):
         convert(load_model(path), load_profile("generic"), [a, b], holdout=[{"x": b["x"].copy()}])
+    # one of two held-out feeds repeats a calibration feed (real data does): verified, and said
     other = convert(load_model(path), load_profile("generic"), [a, b],
-                    holdout=[{"x": np.full((1, 16), 3.0, np.float32)}])
-    assert other.holdout is not None and other.holdout.samples == 1
+                    holdout=[{"x": np.full((1, 16), 3.0, np.float32)}, {"x": a["x"].copy()}])
+    assert other.holdout is not None and other.holdout.samples == 2
+    assert other.notes[0] == ("1 sample (1) of --holdout equal --data samples in value: they "
+                              "check nothing the calibration samples do not")

@@ -123,18 +123,25 @@ def hold_out(run: Run) -> Run:
         return replace(run, calibration=samples, use=_use(run, ids, ()))
     if asked != SPLIT:
         held_ids, held = _ids(asked), list(asked)
-        # The same file, or a copy of it (or the same feed in memory): compared by value too.
         both = isinstance(samples, SampleSet) and isinstance(asked, SampleSet)
-        shared = (overlap(samples, asked) if both else []) or \
-            [held_ids[i] for i in same_feeds(samples, held)]
+        shared = overlap(samples, asked) if both else []
         if shared:
             raise NpuprepError(f"--holdout {_source(asked)}: {_some(shared)} also in --data; "
                                "a held-out check needs samples the plan has not seen")
+        # Equal values: a copy of the --data set is no held-out set; a few equal samples
+        # (real data repeats itself) check nothing new, and the notes say so.
+        same = [held_ids[i] for i in same_feeds(samples, held)]
+        if same and len(same) == len(held):
+            raise NpuprepError(f"--holdout {_source(asked)}: every sample equals a --data sample "
+                               "in value; a held-out check needs samples the plan has not seen")
+        notes = (f"{_some(same)} of --holdout equal --data samples in value: they check "
+                 "nothing the calibration samples do not",) if same else ()
         seen = _seen(given, asked, held_ids)
         if seen:
             raise NpuprepError(f"--holdout {_source(asked)}: {_some(seen)} are among the samples the "
                                "--stats were calibrated on; held-out samples must be unseen")
-        return replace(run, calibration=samples, held_out=held, use=_use(run, ids, held_ids))
+        return replace(run, calibration=samples, held_out=held, use=_use(run, ids, held_ids),
+                       notes=notes)
     if not isinstance(samples, SampleSet):
         raise NpuprepError("holdout='split' holds out part of a SampleSet (npuprep.data."
                            "load_samples); give held-out feeds as `holdout` instead")
