@@ -27,7 +27,7 @@ import corpus  # noqa: E402 - the sibling script, run from anywhere
 from npuprep.graph import node_label  # noqa: E402
 from npuprep.model_io import load_model  # noqa: E402
 from npuprep.numerics import get_format  # noqa: E402
-from npuprep.ops import LINEAR_WITH_WEIGHTS  # noqa: E402
+from npuprep.ops import MAC_OPS  # noqa: E402
 from npuprep.profiles import load_profile  # noqa: E402
 from npuprep.report.flops import node_flops  # noqa: E402
 from npuprep.rewrite.passes import prepare_for_target  # noqa: E402
@@ -71,7 +71,7 @@ def main() -> int:
     shapes = {k: tuple(v.shape) for k, v in samples[0].items()}
     flops = node_flops(model, shapes)
     total = sum(flops.values())
-    linear = [node_label(n) for n in model.graph.node if n.op_type in LINEAR_WITH_WEIGHTS]
+    linear = [node_label(n) for n in model.graph.node if n.op_type in MAC_OPS]
     print(f"{args.model}: {len(samples)} samples (calib then heldout), {len(linear)} "
           f"Conv/MatMul/Gemm, {total:.3g} FLOPs")
     for level in LEVELS:

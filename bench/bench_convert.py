@@ -28,7 +28,7 @@ from npuprep.model_io import load_model
 from npuprep.numerics import get_format
 from npuprep.profiles import load_profile
 from npuprep.runtime.session import make_session, run
-from npuprep.verify.widen import emulate_lowered
+from npuprep.verify.emulate_lowered import emulate_lowered
 
 
 def nonfinite(reference: onnx.ModelProto, lowered: onnx.ModelProto, feeds) -> tuple[int, float]:

@@ -92,7 +92,7 @@ def main() -> int:
         index = NodeIndex(model)
         t_index = time.perf_counter() - t0
         t0 = time.perf_counter()
-        findings = static_findings(model, profile)
+        findings = static_findings(model, profile.resolve())
         t_findings = time.perf_counter() - t0
         print(f"model: {len(model.graph.node)} nodes; NodeIndex {t_index:.3f} s; "
               f"static_findings {t_findings:.3f} s ({len(findings)} findings)")
@@ -103,7 +103,7 @@ def main() -> int:
             parsed = read_report(rpath, index)
             t_read = time.perf_counter() - t0
             t0 = time.perf_counter()
-            result = crosscheck(model, parsed, profile, findings=findings, index=index)
+            result = crosscheck(model, parsed, profile.resolve(), findings=findings, index=index)
             t_check = time.perf_counter() - t0
             print(f"{label}: {len(parsed.records)} layers read in {t_read:.3f} s; verdicts in "
                   f"{t_check:.3f} s; counts {result.counts}")

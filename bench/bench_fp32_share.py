@@ -4,7 +4,7 @@ Run: python bench/bench_fp32_share.py [--target generic] [--out bench/_work/fp32
 
 Each model of `examples/zoo.py`, the bundled planner and the hazard shapes of the FP16-share
 issue (built here, 64 x 256) is calibrated on its samples and converted; the outputs of the lowered model are judged under emulated FP16 (explicit Cast
-pairs, npuprep.verify.widen). The shares are computed here from the pinned nodes and the
+pairs, npuprep.verify.emulate_lowered). The shares are computed here from the pinned nodes and the
 per-node FLOPs, so the same script measures any version of `convert`.
 """
 

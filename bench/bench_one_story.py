@@ -10,7 +10,8 @@ Each check is the user's command line and whether its verdict agrees with conver
 3. --holdout equal to --data is refused (exit 2).
 4. compare SOURCE CONVERTED on the held-out samples gives convert's verdict (exit codes agree).
 5. check --json: no finding says remedy pin_fp32 for a node the plan does not pin.
-6. convert --precision bf16 on a100 says bf16 in every line (no "fp16") and passes.
+6. convert --precision bf16 on a100 says bf16 in every line (no "fp16"); its verdict is shown
+   (BF16's 8-bit significand against a 1e-2 gate: a pass is not guaranteed).
 Writes OUT.md (the table) and OUT.json.
 """
 
@@ -122,8 +123,9 @@ def checks(name: str, model: Path, calib: Path, held: Path, target4: str, work: 
     rc6, out6 = npuprep("convert", model, "-t", "a100", "--precision", "bf16", "--data", calib,
                         *holdout, "-o", work / f"{name}.bf16.onnx")
     says_fp16 = [ln for ln in out6.splitlines() if "fp16" in ln.lower()]
-    res["6 bf16 is bf16"] = {"holds": rc6 == 0 and not says_fp16, "exit": rc6,
-                             "fp16_lines": says_fp16[:3]}
+    last = out6.strip().splitlines()[-1][:90] if out6.strip() else ""
+    res["6 bf16 is bf16"] = {"holds": rc6 in (0, 1) and not says_fp16, "exit": rc6,
+                             "fp16_lines": says_fp16[:3], "verdict": last}
     return res
 
 

@@ -3,7 +3,7 @@
 Run: python bench/bench_zoo.py [--target generic] [--out bench/_work/zoo.md]
 
 Both conversions are judged the same way: the converted model is widened back to FP32
-with explicit rounding wherever it stores FP16 (npuprep.verify.widen), which reproduces a
+with explicit rounding wherever it stores FP16 (npuprep.verify.emulate_lowered), which reproduces a
 target that honours the model's types; onnxruntime's CPU run of the FP16 model is shown
 beside it, because that run computes partly in FP32 and hides overflow.
 """
@@ -28,7 +28,7 @@ from npuprep.model_io import load_model
 from npuprep.numerics import get_format
 from npuprep.profiles import load_profile
 from npuprep.runtime.session import make_session, run
-from npuprep.verify.widen import emulate_lowered
+from npuprep.verify.emulate_lowered import emulate_lowered
 
 
 def judge(reference: onnx.ModelProto, candidate: onnx.ModelProto, samples, *, emulate: bool) -> dict:

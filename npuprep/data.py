@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 
 from npuprep.errors import NpuprepError
+from npuprep.ops import PASSTHROUGH_OPS
 from npuprep.resources import budget as memory_budget
 from npuprep.sample_size import sample_size
 
@@ -319,8 +320,6 @@ def _physical_memory() -> int:
         return 0
 
 
-# Ops that pass indices through unchanged on the way to a Gather.
-_INDEX_PASSTHROUGH = ("Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Expand")
 
 
 def index_limits(model: onnx.ModelProto) -> dict[str, int]:
@@ -351,7 +350,7 @@ def index_limits(model: onnx.ModelProto) -> dict[str, int]:
 
 def _reached(start: str, readers: dict[str, list[onnx.NodeProto]]) -> Iterator[tuple[onnx.NodeProto, str]]:
     """(node, tensor it reads) for each node reading `start`, or what an index-preserving op
-    (_INDEX_PASSTHROUGH, followed rather than yielded) made of it."""
+    (PASSTHROUGH_OPS, followed rather than yielded) made of it."""
     frontier, seen = [start], set()
     while frontier:
         name = frontier.pop()
@@ -359,7 +358,7 @@ def _reached(start: str, readers: dict[str, list[onnx.NodeProto]]) -> Iterator[t
             continue
         seen.add(name)
         for node in readers.get(name, []):
-            if node.op_type in _INDEX_PASSTHROUGH and node.input[0] == name:
+            if node.op_type in PASSTHROUGH_OPS and node.input[0] == name:
                 frontier.append(node.output[0])
             else:
                 yield node, name

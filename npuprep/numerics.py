@@ -37,6 +37,17 @@ class NumberFormat:
         return float(self.max + 2.0 ** (math.floor(math.log2(self.max)) - mantissa_bits - 1))
 
     @property
+    def significand_bits(self) -> int:
+        """Significant bits, the implicit one included: BF16 8, FP16 11, FP32 24."""
+        return round(-math.log2(self.eps)) + 1
+
+    @property
+    def unit_roundoff(self) -> float:
+        """Largest relative error of one rounding to nearest (half of eps): a format's
+        precision, as `max` is its range. BF16 2^-8, FP16 2^-11."""
+        return self.eps / 2
+
+    @property
     def exp_limit(self) -> float:
         """Largest x for which exp(x) is still finite in this format."""
         return math.log(self.max)

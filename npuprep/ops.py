@@ -12,20 +12,44 @@ FP32_ONLY_INPUTS: dict[str, frozenset[int]] = {
     "NonMaxSuppression": frozenset({0, 1, 3, 4}),
 }
 
+# --- layout: ops that move values without computing new ones ---------------------------
+
+# The output holds exactly the input's values, reshaped or permuted: its statistics, errors
+# and extremes are the input's (calibration shares its row, compare its numbers).
+LAYOUT_OPS = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose"})
+# The layout ops that keep the values in order: a compiler makes them views, no copy, no time.
+VIEW_OPS = LAYOUT_OPS - {"Transpose"}
+# Block moves hold exactly their input's values too (compare aliases them with LAYOUT_OPS),
+# but across channels: calibration, which reads a layout op's output through its input's
+# per-channel pools, measures them itself.
+BLOCK_MOVE_OPS = frozenset({"DepthToSpace", "SpaceToDepth"})
+# Values known from the constants and the input sizes alone: nothing computed at run time.
+CONSTANT_OPS = frozenset({"Constant", "ConstantOfShape", "Shape", "Size"})
+# Ops that hold or forward data without computing a value: absent from a compiler's report
+# or a device's timeline, they say nothing about precision or cost.
+NON_COMPUTE_OPS = VIEW_OPS | CONSTANT_OPS
+GATHER_OPS = frozenset({"Gather", "GatherElements", "GatherND"})
+
 # Ops whose float outputs carry no values worth rounding (they only move or reshape data
 # already rounded upstream); rounding them again is harmless but costs a Cast pair each.
-DATA_MOVEMENT_OPS = frozenset({
-    "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Identity", "Slice", "Gather",
-    "GatherElements", "GatherND", "Concat", "Split", "Expand", "Tile", "Pad", "DepthToSpace",
-    "SpaceToDepth", "MaxPool", "ReduceMax", "ReduceMin", "Relu", "Max", "Min", "Where",
-})
+DATA_MOVEMENT_OPS = LAYOUT_OPS | BLOCK_MOVE_OPS | GATHER_OPS | {
+    "Slice", "Concat", "Split", "Expand", "Tile", "Pad", "MaxPool", "ReduceMax", "ReduceMin",
+    "Relu", "Max", "Min", "Where",
+}
 
-# Ops with learned weights that a power-of-two rescale can act on.
-LINEAR_WITH_WEIGHTS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
+# Multiply-accumulate ops, the bulk of a network's arithmetic: op -> positions of its weight
+# (input 1; a MatMul's may be an activation) and bias (input 2, where the op has one). A
+# constant weight absorbs a power-of-two rescale; the ledger counts their MACs.
+MAC_WEIGHT_INPUTS: dict[str, tuple[int, ...]] = {
+    "Conv": (1, 2), "ConvTranspose": (1, 2), "Gemm": (1, 2), "MatMul": (1,),
+}
+MAC_OPS = frozenset(MAC_WEIGHT_INPUTS)
+# The MAC ops an 8-bit plan quantises (plan.layer_precision): ConvTranspose stays wider, as
+# the quantiser has no per-channel rule for its weight (output channels on axis 1).
+QUANTISED_MAC_OPS = MAC_OPS - {"ConvTranspose"}
 
 # Ops that pass a value through unchanged in magnitude; guards and patterns look through them.
-PASSTHROUGH_OPS = frozenset({"Identity", "Cast", "Reshape", "Unsqueeze", "Squeeze", "Expand",
-                             "Flatten", "Transpose"})
+PASSTHROUGH_OPS = LAYOUT_OPS | {"Cast", "Expand"}
 
 # --- positive scaling: f(s * x) for s = 2^-k > 0 -----------------------------------------
 
@@ -81,16 +105,12 @@ BOUNDED_OUTPUTS: dict[str, tuple[float, float]] = {
 
 # Ops that pass a large magnitude on: sums, products, reductions, data movement. Linear
 # layers with unknown weights, roots, divisions and normalisations end it.
-CARRIES_MAGNITUDE = frozenset({
+CARRIES_MAGNITUDE = LAYOUT_OPS | {
     "Add", "Sub", "Mul", "Sum", "Mean", "Max", "Min", "Neg", "Abs", "Relu", "Pow",
     "ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceSumSquare", "ReduceL1",
-    "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Concat", "Slice",
-    "Split", "Gather", "Expand", "Tile", "Where", "Exp",
-})
+    "Concat", "Slice", "Split", "Gather", "Expand", "Tile", "Where", "Exp",
+}
 # Ops whose output a static pin finding marks as large.
-MAKES_MAGNITUDE = CARRIES_MAGNITUDE | LINEAR_WITH_WEIGHTS
+MAKES_MAGNITUDE = CARRIES_MAGNITUDE | MAC_OPS
 # Ops whose output carries their inputs' absolute rounding errors unchanged.
-ADDITIVE = frozenset({
-    "Add", "Sub", "Neg", "Sum", "Concat", "Reshape", "Transpose", "Squeeze", "Unsqueeze",
-    "Slice", "Gather", "Identity", "Flatten",
-})
+ADDITIVE = LAYOUT_OPS | {"Add", "Sub", "Neg", "Sum", "Concat", "Slice", "Gather"}

@@ -142,3 +142,29 @@ def _restore_weights(model: onnx.ModelProto, parked: dict[str, onnx.TensorProto]
             location = next((e.value for e in init.external_data if e.key == "location"), "")
             if location in parked:
                 init.CopyFrom(parked[location])
+
+
+def bf16_opset(model: onnx.ModelProto, skip: frozenset[str] = frozenset()) -> int:
+    """The lowest default-domain opset, the model's own or newer, in which every op the model
+    uses (but `skip`, ops lowering keeps FP32) takes BF16 wherever it takes FP32: ONNX added
+    BF16 op by op (Add 13, Pow's exponent 15, Where 16, Conv 22). None newer than the
+    installed onnx knows; an op that never takes BF16 does not count."""
+    current = model_opset(model)
+    ops = {n.op_type for s in walk_graphs(model.graph) for n in s.graph.node
+           if n.domain in ("", "ai.onnx") and n.op_type not in skip}
+    need = current
+    for op in sorted(ops):
+        since = next((v for v in range(current, newest_opset() + 1) if _takes_bf16(op, v)), None)
+        if since is not None:
+            need = max(need, since)
+    return need
+
+
+def _takes_bf16(op: str, opset: int) -> bool:
+    """Whether `op` at `opset` lists tensor(bfloat16) in every type constraint with float."""
+    try:
+        schema = onnx.defs.get_schema(op, opset, "")
+    except onnx.defs.SchemaError:
+        return False
+    return all("tensor(bfloat16)" in c.allowed_type_strs for c in schema.type_constraints
+               if "tensor(float)" in c.allowed_type_strs)

@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import onnx
 
@@ -295,7 +294,7 @@ class OutputSet:
     def text(self, path: str | os.PathLike[str], text: str) -> Path:
         return self.bytes(path, text.encode("utf-8"))
 
-    def model(self, proto: Any, path: str | os.PathLike[str], *, external_data: bool | None = None) -> Path:
+    def model(self, proto: onnx.ModelProto, path: str | os.PathLike[str], *, external_data: bool | None = None) -> Path:
         """Stage a model (and its weights file when it needs one); the model is renamed last."""
         final = self._final(path)
         data_final = final.parent / (final.name + ".data")

@@ -109,28 +109,17 @@ class TargetProfile:
     throughput: Throughput = field(default_factory=Throughput)
     path: str = ""
 
-    @property
-    def format(self) -> NumberFormat:
-        """The number format non-pinned compute runs in."""
-        return get_format(self.default_precision)
-
-    @property
-    def saturates(self) -> bool:
-        """Overflow behaviour to emulate: saturate only when the profile says so.
-
-        `unknown` is emulated as the loud case; reports tell the user to probe.
-        """
-        if self.format.name.startswith("fp8"):
-            return bool(self.fp8_saturate)
-        return self.overflow is OverflowMode.SATURATE
-
-    def limit(self, fmt: NumberFormat | None = None) -> float:
-        """Safe magnitude: headroom x max finite of the format."""
-        return self.headroom * (fmt or self.format).max
+    def precision_of(self, asked: str | None) -> str:
+        """The precision a run computes in: `asked` (`--precision`), else the profile's default.
+        A name, so 8-bit ones (int8, which has no NumberFormat) resolve here too."""
+        return asked or self.default_precision
 
     def resolve(self, precision: str | None = None) -> ResolvedTarget:
-        """This profile with the format a run computes in (`precision`, else the default)."""
-        return ResolvedTarget(self, get_format(precision or self.default_precision))
+        """This profile with the format a run computes in (`precision`, else the default).
+
+        The only way to a format: the profile offers no format, limit or overflow mode of its
+        own, so nothing downstream can read the default after a command chose another."""
+        return ResolvedTarget(self, get_format(self.precision_of(precision)))
 
     def to_dict(self) -> dict[str, Any]:
         """The profile as YAML-ready data, in the file's own key layout."""
@@ -176,15 +165,24 @@ class ResolvedTarget:
 
     @property
     def saturate(self) -> bool:
-        """Overflow behaviour to emulate in `fmt`: saturate only when the profile says so."""
-        if self.fmt.name.startswith("fp8"):
+        """Overflow behaviour to emulate in `fmt`: saturate only when the profile says so
+        (`unknown` is emulated as the loud case; reports tell the user to probe)."""
+        return self.saturates_in(self.fmt)
+
+    def saturates_in(self, fmt: NumberFormat) -> bool:
+        """Overflow behaviour in a format this run stores (`weights`, FP16 beside FP8)."""
+        if fmt.name.startswith("fp8"):
             return bool(self.profile.fp8_saturate)
         return self.profile.overflow is OverflowMode.SATURATE
 
     @property
     def limit(self) -> float:
         """Safe magnitude in `fmt`: the profile's headroom x its max finite."""
-        return self.profile.limit(self.fmt)
+        return self.limit_in(self.fmt)
+
+    def limit_in(self, fmt: NumberFormat) -> float:
+        """Safe magnitude in another format this run stores (`weights`): headroom x its max."""
+        return self.profile.headroom * fmt.max
 
 
 def load_profile(name_or_path: str | Path) -> TargetProfile:

@@ -24,10 +24,12 @@ def build(text: str, **weights: np.ndarray) -> onnx.ModelProto:
     return model
 
 
-def findings(model: onnx.ModelProto | str, target: str | TargetProfile = "generic") -> list[Finding]:
+def findings(model: onnx.ModelProto | str, target: str | TargetProfile = "generic",
+             precision: str | None = None) -> list[Finding]:
+    """The static findings on `target` (a name or a profile) in `precision` (else its default)."""
     proto = model_from_text(model) if isinstance(model, str) else model
     profile = target if isinstance(target, TargetProfile) else load_profile(target)
-    return list(static_findings(Model(proto, "test.onnx", fingerprint(proto)), profile))
+    return list(static_findings(Model(proto, "test.onnx", fingerprint(proto)), profile.resolve(precision)))
 
 
 def rules(model: onnx.ModelProto | str, target: str = "generic") -> list[str]:

@@ -19,7 +19,7 @@ g (float[batch,3,h,w] images, float[1,4] k) => (float[batch,3,h,w] y, float[1,4]
 
 def _rules(target: str) -> list[tuple[str, str]]:
     proto = model_from_text(TEXT)
-    found = static_findings(Model(proto, "m.onnx", fingerprint(proto)), load_profile(target))
+    found = static_findings(Model(proto, "m.onnx", fingerprint(proto)), load_profile(target).resolve())
     return [(f.rule, f.node) for f in found if f.rule.startswith("input.")]
 
 

@@ -41,7 +41,7 @@ def test_without_workspace_every_item_is_open_with_a_command(model_path):
     model = load_model(model_path)
     profile = load_profile("orin")
     checklist = build_checklist(model, profile, model_arg=str(model_path), target_arg="orin",
-                                findings=static_findings(model, profile))
+                                findings=static_findings(model, profile.resolve()))
     assert [i.key for i in checklist.items] == [
         "calibrate", "precision", "probe", "crosscheck", "compare", "speed", "memory"]
     assert not any(i.done for i in checklist.items) and not checklist
@@ -105,8 +105,8 @@ def write_workspace(ws, model, *, probe_backend="board (outputs)", crosscheck_fi
                    actions=(PinFp32(nodes=("/norm/Mul",)),)), ws / "plan.yaml")
     index = NodeIndex(model)
     profile = load_profile("orin")
-    result = crosscheck(model, read_report(FIXTURES / "trt_detailed.json", index), profile,
-                        findings=static_findings(model, profile), index=index).to_dict()
+    result = crosscheck(model, read_report(FIXTURES / "trt_detailed.json", index), profile.resolve(),
+                        findings=static_findings(model, profile.resolve()), index=index).to_dict()
     if crosscheck_fingerprint is not None:
         result["fingerprint"] = crosscheck_fingerprint
     (ws / "crosscheck.json").write_text(dump_json(result))
@@ -168,7 +168,7 @@ def test_riskiest_tensors_rank_non_finite_then_largest():
         "c": SimpleNamespace(node="n_c", absmax=math.inf),
         "d": SimpleNamespace(node="n_d", absmax=40000.0),
     }, unobserved={})
-    top = riskiest_tensors(stats, load_profile("generic"), 3)
+    top = riskiest_tensors(stats, load_profile("generic").resolve(), 3)
     assert [t for t, *_ in top] == ["c", "b", "d"]
     assert top[1][3] == pytest.approx(70000.0 / 65504.0)
 

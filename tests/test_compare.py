@@ -109,7 +109,7 @@ def test_isolation_charges_an_overflow_to_its_producer():
       [minus] y = Sub(sq, x)
     }""")
     samples = [{"x": np.array([1.0001, 300.0], np.float32)}]
-    result = compare_emulated(model, load_profile("generic"), samples, isolate=True)
+    result = compare_emulated(model, load_profile("generic").resolve(), samples, isolate=True)
     sq, y = result.tensor("sq"), result.tensor("y")
     assert sq.inf_count == 1 and not sq and not y
     assert y.isolated_rel_l2 is not None and math.isinf(y.isolated_max_abs_error)
@@ -128,7 +128,7 @@ def test_isolation_feeds_rounded_reference_inputs_so_cancellation_shows_where_it
     model.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(np.array(1.0001, np.float32), "one"))
     model.graph.node[1].input[1] = "unit"
     model.graph.initializer.append(onnx.numpy_helper.from_array(np.array(1.0, np.float32), "unit"))
-    result = compare_emulated(model, load_profile("generic"), [{"x": np.array([1.0], np.float32)}],
+    result = compare_emulated(model, load_profile("generic").resolve(), [{"x": np.array([1.0], np.float32)}],
                               isolate=True, rtol=1e-2, atol=1e-6)
     a, b = result.tensor("a"), result.tensor("b")
     assert a.isolated_rel_l2 == pytest.approx(a.rel_l2) and a.rel_l2 < 1e-3
@@ -171,7 +171,7 @@ def planner():
 
 def test_planner_generic_shows_inf_at_the_node_that_overflows(planner):
     model, samples = planner
-    result = compare_emulated(model, load_profile("generic"), samples)
+    result = compare_emulated(model, load_profile("generic").resolve(), samples)
     expected = first_overflowing_node(model, samples)
     first = result.first_divergent
     assert not result and first.node == expected
@@ -192,7 +192,7 @@ def saturating_profile(tmp_path: Path, precision: str = "fp16", fp8_saturate: st
 
 def test_planner_saturating_profile_pins_at_max_and_still_names_the_node(planner, tmp_path):
     model, samples = planner
-    result = compare_emulated(model, load_profile(saturating_profile(tmp_path)), samples)
+    result = compare_emulated(model, load_profile(saturating_profile(tmp_path)).resolve(), samples)
     first = result.first_divergent
     assert first.node == first_overflowing_node(model, samples)
     assert first.inf_count == 0 and first.nan_count == 0
@@ -204,8 +204,8 @@ def test_planner_saturating_profile_pins_at_max_and_still_names_the_node(planner
 def test_pinning_the_overflowing_node_moves_the_first_divergence(planner):
     model, samples = planner
     profile = load_profile("generic")
-    first = compare_emulated(model, profile, samples).first_divergent
-    pinned = compare_emulated(model, profile, samples, pinned_nodes=[first.node])
+    first = compare_emulated(model, profile.resolve(), samples).first_divergent
+    pinned = compare_emulated(model, profile.resolve(), samples, pinned_nodes=[first.node])
     assert pinned.tensor(first.tensor).inf_count == 0
     assert pinned.first_divergent is None or pinned.first_divergent.order > first.order
 
@@ -222,14 +222,14 @@ def _square_model(opset: int) -> onnx.ModelProto:
 
 def test_fp8_gives_nan_without_saturation_and_448_with_it(tmp_path):
     samples = [{"x": np.array([1.0, 2.0, 30.0, 4.0], np.float32)}]
-    loud = compare_emulated(_square_model(17), load_profile(saturating_profile(tmp_path, "fp8_e4m3", "false")),
+    loud = compare_emulated(_square_model(17), load_profile(saturating_profile(tmp_path, "fp8_e4m3", "false")).resolve(),
                             samples)
     assert loud.first_divergent.node == "square" and loud.first_divergent.nan_count == 1
-    once = compare_emulated(_square_model(17), load_profile(saturating_profile(tmp_path, "fp8_e4m3", "false")),
+    once = compare_emulated(_square_model(17), load_profile(saturating_profile(tmp_path, "fp8_e4m3", "false")).resolve(),
                             iter(samples))
     assert once.first_divergent.nan_count == 1 and once.samples == 1
     assert any("declares opset 17" in n for n in loud.notes)
-    quiet = compare_emulated(_square_model(19), load_profile(saturating_profile(tmp_path, "fp8_e4m3", "true")),
+    quiet = compare_emulated(_square_model(19), load_profile(saturating_profile(tmp_path, "fp8_e4m3", "true")).resolve(),
                              samples)
     sq = quiet.tensor("sq")
     assert quiet.first_divergent.node == "square"
@@ -237,7 +237,7 @@ def test_fp8_gives_nan_without_saturation_and_448_with_it(tmp_path):
 
 
 def test_unknown_overflow_says_inf_was_assumed_and_to_probe():
-    result = compare_emulated(_square_model(17), load_profile("a2000"),
+    result = compare_emulated(_square_model(17), load_profile("a2000").resolve(),
                               [{"x": np.array([1.0, 2.0, 3.0, 4.0], np.float32)}])
     assert result
     assert any("unknown" in n and "Inf was assumed" in n and "probe" in n for n in result.notes)
@@ -284,7 +284,7 @@ def test_subgraph_tensors_and_unshared_tensors_are_reported_not_skipped_silently
                           [onnx.numpy_helper.from_array(np.array(16.0, np.float32), "sixteen")]),
         opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     samples = [{"x": np.array([300.0, 1.0], np.float32), "c": np.array(True)}]
-    result = compare_emulated(model, load_profile("generic"), samples, isolate=True)
+    result = compare_emulated(model, load_profile("generic").resolve(), samples, isolate=True)
     assert {t.tensor for t in result.tensors} == {"y", "z"}
     assert result.first_divergent.node == "branch"
     assert "inside main/branch.then_branch" in result.unobserved["t"]
@@ -306,7 +306,7 @@ def test_mismatched_inputs_are_a_user_error():
 
 def test_result_json_carries_schema_kind_and_first_divergent(planner):
     model, samples = planner
-    result = compare_emulated(model, load_profile("generic"), samples[:2], worst=3)
+    result = compare_emulated(model, load_profile("generic").resolve(), samples[:2], worst=3)
     data = json.loads(dump_json(result))
     assert data["schema_version"] == 1 and data["kind"] == "compare"
     assert data["fingerprint"] == result.fingerprint and len(data["fingerprint"]) == 16
@@ -315,7 +315,7 @@ def test_result_json_carries_schema_kind_and_first_divergent(planner):
                                             "cosine", "headroom", "inf_count", "saturated_count"}
     assert data["first_divergent"]["max_abs_error"] == "inf"
     assert len(data["worst"]) == 3 and len(data["tensors"]) == len(result.tensors)
-    assert dump_json(result) == dump_json(compare_emulated(model, load_profile("generic"), samples[:2],
+    assert dump_json(result) == dump_json(compare_emulated(model, load_profile("generic").resolve(), samples[:2],
                                                            worst=3))
 
 

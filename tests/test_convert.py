@@ -21,7 +21,7 @@ from npuprep.profiles import load_profile
 from npuprep.rewrite.apply import apply_plan
 from npuprep.runtime.session import make_session, run
 from npuprep.verify.emulate import emulate
-from npuprep.verify.widen import emulate_lowered
+from npuprep.verify.emulate_lowered import emulate_lowered
 
 F16 = get_format("fp16")
 
@@ -85,7 +85,7 @@ def test_rescaled_fp32_graph_computes_the_same_function(tmp_path, name):
 
     profile = load_profile("generic")
     stats = calibrate(model, samples)
-    findings = static_findings(model, profile).merged(measured_findings(model, profile.resolve(), stats))
+    findings = static_findings(model, profile.resolve()).merged(measured_findings(model, profile.resolve(), stats))
     plan = make_plan(model, profile.resolve(), stats, findings)
     assert plan.rescales() and not plan.pins()
     applied = apply_plan(model.proto, plan)

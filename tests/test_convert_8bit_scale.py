@@ -23,7 +23,7 @@ from npuprep.pipeline import convert
 from npuprep.profiles import load_profile
 from npuprep.rewrite.qdq_weights import WeightStore, quantise_weight
 from npuprep.runtime.session import make_session, run
-from npuprep.verify.eight_bit import on_target, quantise
+from npuprep.verify.qdq_model import on_target, quantise
 
 RNG = np.random.default_rng(38)
 EIGHT_BIT_TYPES = (TensorProto.INT8, TensorProto.FLOAT8E4M3FN)

@@ -39,7 +39,7 @@ def test_a_conv_fused_with_its_batchnorm_maps_to_both(conv_bn):
 
 def test_q_inf_layers_are_never_ok_and_fail_the_run(conv_bn):
     report = read_report(FIXTURES / "conv_bn_overflow.txt", NodeIndex(conv_bn))
-    result = crosscheck(conv_bn, report, load_profile("rk3588"))
+    result = crosscheck(conv_bn, report, load_profile("rk3588").resolve())
     verdicts = {v.node: v for v in result.verdicts}
     assert {n for n, v in verdicts.items() if v.verdict == "non-finite"} == {"conv2", "bn2", "relu2"}
     assert "the layer itself leaves the range" in verdicts["bn2"].reason
@@ -49,7 +49,7 @@ def test_q_inf_layers_are_never_ok_and_fail_the_run(conv_bn):
 
 def test_the_finite_report_passes(conv_bn):
     report = read_report(FIXTURES / "conv_bn_ok.txt", NodeIndex(conv_bn))
-    result = crosscheck(conv_bn, report, load_profile("rk3588"))
+    result = crosscheck(conv_bn, report, load_profile("rk3588").resolve())
     assert result and result.counts["non-finite"] == 0 and result.counts["ok"] == 6
 
 
@@ -93,6 +93,6 @@ def test_vendor_suffixes_and_instances_map_to_our_nodes(tmp_path):
     assert layers["[exNorm] h2_tp_rs_sw"].onnx_nodes == ("ln_final",)
     assert layers["[Add] h2-rs"].onnx_nodes == ("residual1",)
     result = crosscheck(model, read_report(FIXTURES / "zoo_residual_outliers.txt",
-                                           NodeIndex(model)), load_profile("rk3588"))
+                                           NodeIndex(model)), load_profile("rk3588").resolve())
     assert not result and result.counts["unmapped"] == 0
     assert {v.node for v in result.of("non-finite")} >= {"embed", "ln0", "residual0"}

@@ -30,7 +30,7 @@ def model(save):
 
 def run(model, report_path: Path, target: str = "orin", fmt: str = "auto", **kwargs):
     index = NodeIndex(model)
-    return crosscheck(model, read_report(report_path, index, fmt), load_profile(target), index=index,
+    return crosscheck(model, read_report(report_path, index, fmt), load_profile(target).resolve(), index=index,
                       **kwargs)
 
 

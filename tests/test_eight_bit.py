@@ -22,6 +22,7 @@ from npuprep.plan import dump_plan, load_plan
 from npuprep.profiles import load_profile
 from npuprep.rewrite.qdq import insert_qdq
 from npuprep.runtime.session import make_session, run
+from npuprep.scale_rules import ScaleRule
 
 RNG = np.random.default_rng(7)
 
@@ -175,6 +176,26 @@ def test_a_histogram_rule_without_a_complete_histogram_falls_back_to_absmax():
     partial = RangeStats(**{**r.__dict__, "detailed_count": 10})
     clip = clip_for(partial, eight_bit_format("int8"), "mse")
     assert clip.value == r.absmax and clip.rule == "absmax" and "incomplete" in clip.fallback
+
+
+def test_a_scale_rule_named_by_its_word_places_the_enum_rules_clip_and_an_unknown_word_is_refused():
+    values = RNG.standard_normal(10_000).astype(np.float32)
+    values[0] = 50.0
+    r, fmt = _stats(values), eight_bit_format("int8")
+    for rule in ScaleRule:
+        by_word = clip_for(r, fmt, rule.value)
+        assert by_word == clip_for(r, fmt, rule) and by_word.rule is rule
+    assert len({clip_for(r, fmt, rule).value for rule in ScaleRule}) == 3
+    with pytest.raises(ValueError):
+        clip_for(r, fmt, "median")
+
+
+def test_check_refuses_an_unknown_scale_rule_in_one_line_naming_the_rules(tmp_path):
+    r = run_cli("check", str(tmp_path / "absent.onnx"), "--target", "a2000", "--scale-rule", "median")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "npuprep check: error: argument --scale-rule: invalid choice: 'median' "
+        "(choose from 'absmax', 'percentile', 'mse')")
 
 
 def test_insert_qdq_declines_a_node_whose_inputs_are_not_fp32():

@@ -14,7 +14,7 @@ from onnx import helper, numpy_helper, parser
 from test_eight_bit import _model, softmax_plan
 
 from npuprep.errors import NpuprepError
-from npuprep.plan.eight_bit import LayerPrecision
+from npuprep.plan.layer_precision import LayerPrecision
 from npuprep.probe.int8_clip import classify_clipping
 from npuprep.runtime.session import make_session, run
 from npuprep.verify.vendor_8bit import float_layer, paths_table, wider_tensors

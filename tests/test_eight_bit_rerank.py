@@ -14,7 +14,7 @@ from npuprep.pipeline import convert
 from npuprep.pipeline.quantise_and_verify import JUDGE_MARGIN
 from npuprep.profiles import load_profile
 from npuprep.runtime.session import make_session, run
-from npuprep.verify.eight_bit import Sensitivity, quantise, rank_layers
+from npuprep.verify.qdq_model import Sensitivity, quantise, rank_layers
 from npuprep.verify.widening import MIN_COST, by_gain_per_cost
 
 RNG = np.random.default_rng(5)

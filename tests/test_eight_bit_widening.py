@@ -15,7 +15,7 @@ from npuprep.calibrate.scales import clip_for, sample_headroom
 from npuprep.model_io import Model, fingerprint
 from npuprep.numerics import eight_bit_format, get_format
 from npuprep.runtime.session import make_session, run
-from npuprep.verify.eight_bit import on_target, quantise, rank_layers
+from npuprep.verify.qdq_model import on_target, quantise, rank_layers
 
 RNG = np.random.default_rng(11)
 INT8 = eight_bit_format("int8")
@@ -183,7 +183,7 @@ def test_an_int8_matmul_input_with_an_outlier_channel_is_balanced_into_the_weigh
 
 def test_an_input_without_outlier_channels_is_left_alone():
     from npuprep.rewrite.smooth import smooth
-    from npuprep.verify.eight_bit import balance_outliers
+    from npuprep.verify.qdq_model import balance_outliers
 
     proto = _model(OUTLIER, {"W": RNG.standard_normal((16, 8))})
     model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
@@ -215,7 +215,7 @@ def test_a_gelu_like_input_gets_uint8_with_a_zero_point_and_less_error_than_symm
 
 
 def test_each_activation_takes_the_scale_rule_with_the_least_measured_error():
-    from npuprep.verify.eight_bit import choose_rules
+    from npuprep.verify.qdq_model import choose_rules
 
     proto = _model(ONE, {"W": RNG.standard_normal((8, 4))})
     model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))

@@ -319,7 +319,7 @@ def test_weights_rounded_in_the_graph_give_the_same_numbers_and_keep_the_initial
 
 def test_a_lowered_models_large_weights_are_widened_by_a_cast_and_emulate_the_same():
     # x -> MatMul(x, W:fp16 as stored) -> y, W 64x512 (64 KiB in FP16: widened in the graph)
-    from npuprep.verify.widen import emulate_lowered
+    from npuprep.verify.emulate_lowered import emulate_lowered
 
     rng = np.random.default_rng(5)
     w = rng.standard_normal((64, 512)).astype(np.float16)
@@ -342,7 +342,7 @@ def test_a_lowered_models_large_weights_are_widened_by_a_cast_and_emulate_the_sa
 
 def test_a_lowered_lookup_widens_the_rows_it_reads_not_its_table():
     # ids -> Gather(T:fp16 256x256, 128 KiB) -> e16 -> Mul(e16, e16) -> y16 -> Cast -> y
-    from npuprep.verify.widen import emulate_lowered
+    from npuprep.verify.emulate_lowered import emulate_lowered
 
     rng = np.random.default_rng(9)
     table = (rng.standard_normal((256, 256)) * 200).astype(np.float16)
@@ -364,3 +364,43 @@ def test_a_lowered_lookup_widens_the_rows_it_reads_not_its_table():
         want = (rows * rows).astype(np.float16).astype(np.float32)  # overflows to Inf past 65504
     np.testing.assert_array_equal(got, want)
     assert np.isinf(got).any()
+
+
+def _loop_gathering_outer_table() -> onnx.ModelProto:
+    # table (outer initialiser); Loop(3) { row = Gather(table, i); acc' = acc + row } -> y
+    body = helper.make_graph(
+        [helper.make_node("Cast", ["i"], ["i64"], to=TensorProto.INT64),
+         helper.make_node("Gather", ["table", "i64"], ["row"], axis=0),
+         helper.make_node("Add", ["acc_in", "row"], ["acc_out"]),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])],
+        "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_in", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, [2])])
+    table = np.array([[1.0001, 2.0], [3.0, 4.0002], [5.0, 6.0]], np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["n", "cond", "x"], ["y"], body=body)],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+        [numpy_helper.from_array(table, "table"),
+         numpy_helper.from_array(np.array(3, np.int64), "n"),
+         numpy_helper.from_array(np.array(True), "cond")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_loop_body_reading_an_outer_weight_gets_it_rounded():
+    """A Gather inside a Loop body reads the outer table (g2p_en's greedy decoder did, and
+    emulation crashed): the body reads a rounded copy, so the sum comes out in FP16."""
+    model = _loop_gathering_outer_table()
+    x = np.zeros(2, np.float32)
+    emulation = emulate(model, FP16, saturate=False, weights_in_graph=True)
+    got = run_model(emulation.model, {"x": x})["y"]
+    table = numpy_helper.to_array(model.graph.initializer[0])
+    rounded = table.astype(np.float16).astype(np.float32)
+    acc = x.copy()
+    for row in rounded:
+        acc = (acc + row).astype(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(got, acc)
+    assert not np.array_equal(got, table.sum(axis=0))

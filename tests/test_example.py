@@ -53,7 +53,7 @@ def test_naive_fp16_really_overflows_where_fp32_is_finite():
 
 def test_check_finds_the_planners_hazards():
     model = load_model(example_model_path())
-    found = static_findings(model, load_profile("a2000"))
+    found = static_findings(model, load_profile("a2000").resolve())
     by_rule: dict[str, list] = {}
     for f in found:
         by_rule.setdefault(f.rule, []).append(f)

@@ -60,10 +60,10 @@ def test_declines_what_is_not_an_exact_output_compensation(text, reason):
 
 def test_only_targets_that_cannot_pin_scale_outputs_that_exceed_the_limit():
     rk = load_profile("rk3588")
-    assert host_scaled_outputs(["y", "z"], {"y": 1.1e5, "z": 10.0}, rk).keys() == {"y"}
+    assert host_scaled_outputs(["y", "z"], {"y": 1.1e5, "z": 10.0}, rk.resolve()).keys() == {"y"}
     generic = load_profile("generic")
     assert generic.fp32_pinning is Pinning.PER_NODE
-    assert host_scaled_outputs(["y"], {"y": 1.1e5}, generic) == {}
+    assert host_scaled_outputs(["y"], {"y": 1.1e5}, generic.resolve()) == {}
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from npuprep.model_io import Model, fingerprint
 from npuprep.plan.host_scale import host_scaled_outputs
 from npuprep.profiles import load_profile
 from npuprep.runtime.session import make_session, run
-from npuprep.verify.widen import emulate_lowered
+from npuprep.verify.emulate_lowered import emulate_lowered
 from tests.conftest import model_from_text
 
 # x[2,8] -> MatMul(w ~1e-10) -> logits ~1e-10 (an untrained classifier's head)
@@ -37,9 +37,9 @@ def tiny():
 
 def test_only_outputs_wholly_under_the_smallest_normal_are_scaled_up():
     rk = load_profile("rk3588")
-    chosen = host_scaled_outputs(["tiny", "zero", "fits"], {"tiny": 1e-9, "zero": 0.0, "fits": 0.5}, rk)
+    chosen = host_scaled_outputs(["tiny", "zero", "fits"], {"tiny": 1e-9, "zero": 0.0, "fits": 0.5}, rk.resolve())
     assert chosen.keys() == {"tiny"} and "under the smallest fp16 normal" in chosen["tiny"]
-    assert host_scaled_outputs(["tiny"], {"tiny": 1e-9}, load_profile("a2000")) == {}
+    assert host_scaled_outputs(["tiny"], {"tiny": 1e-9}, load_profile("a2000").resolve()) == {}
 
 
 def test_rk3588_leaves_tiny_logits_scaled_and_the_host_scale_restores_them(tiny):
@@ -53,7 +53,7 @@ def test_rk3588_leaves_tiny_logits_scaled_and_the_host_scale_restores_them(tiny)
         assert out["nonfinite"] == 0 and out["rel_l2"] <= 1e-2
     # Every node rounded to FP16 (Cast pairs in FP32): the device's output sits in FP16's
     # normal range, and divided back on the host it is the FP32 output.
-    emulated = emulate_lowered(result.lowered.model, load_profile("rk3588").format,
+    emulated = emulate_lowered(result.lowered.model, load_profile("rk3588").resolve().fmt,
                                saturate=False).model
     device = run(make_session(emulated), held[0])["logits"]
     assert np.abs(device).min() > 0 and np.abs(device).max() > 6.1e-5

@@ -16,7 +16,7 @@ README = ROOT.parent / "README.md"
 
 # Low to high; a unit may import its own floor and those below it, never one above.
 FLOORS: tuple[frozenset[str], ...] = tuple(frozenset(f.split()) for f in (
-    "errors numerics names formatting yaml_io json_io progress provenance profile_names ops "
+    "errors numerics names formatting yaml_io json_io progress provenance profile_names ops scale_rules "
     "graph bf16 vendors resources npuprep",
     "model_io output_files data holdout profiles opsets sample_size",
     "runtime",
@@ -182,3 +182,69 @@ def test_no_module_is_over_800_lines():
     long = {p.relative_to(ROOT).as_posix(): n for p in ROOT.rglob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > 800}
     assert long == {}
+
+
+# Parameters annotated plainly `Any` in the package (236 before issue 36): typing lowers it,
+# nothing may raise it. Lower this number when you type more.
+MAX_ANY_PARAMETERS = 182
+
+
+def _any_parameters(root: Path) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                a = node.args
+                for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg):
+                    if arg is not None and arg.annotation is not None \
+                            and ast.unparse(arg.annotation) == "Any":
+                        found.append(f"{path.relative_to(root).as_posix()}:{node.name}({arg.arg})")
+    return found
+
+
+def test_parameters_typed_any_do_not_grow():
+    found = _any_parameters(ROOT)
+    assert len(found) <= MAX_ANY_PARAMETERS, f"{len(found)} > {MAX_ANY_PARAMETERS}: {found}"
+
+
+def _op_sets_outside_ops(root: Path) -> list[str]:
+    """Module-level sets of op names that restate ops.py's MAC or layout table."""
+    from npuprep.ops import LAYOUT_OPS, MAC_OPS
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path == root / "ops.py":
+            continue
+        for stmt in ast.parse(path.read_text(encoding="utf-8")).body:
+            if not isinstance(stmt, ast.Assign | ast.AnnAssign) or stmt.value is None:
+                continue
+            # The value itself, frozenset(...)'s argument, the operands of a union; not a
+            # mapping's values (crosscheck/rknn.py: the vendor's own layer types).
+            todo, names = [stmt.value], set()
+            while todo:
+                node = todo.pop()
+                if isinstance(node, ast.Set | ast.Tuple | ast.List):
+                    names |= {e.value for e in node.elts if isinstance(e, ast.Constant)}
+                elif isinstance(node, ast.Call):
+                    todo.extend(node.args)
+                elif isinstance(node, ast.BinOp):
+                    todo.extend((node.left, node.right))
+            if len(names & MAC_OPS) >= 3 or len(names & LAYOUT_OPS) >= 4:
+                found.append(f"{path.relative_to(root).as_posix()}:{stmt.lineno}")
+    return found
+
+
+def test_op_tables_are_stated_once_in_ops_py():
+    assert _op_sets_outside_ops(ROOT) == []
+
+
+def test_the_checks_see_an_any_parameter_and_a_restated_op_table(tmp_path):
+    # f(x: Any), g(y: list[Any]) (only the first counts); a module-level MAC set, a layout tuple
+    pkg = tmp_path / "npuprep"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("from typing import Any\ndef f(x: Any, y: list[Any]) -> Any: ...\n")
+    (pkg / "b.py").write_text('MACS = frozenset({"Conv", "MatMul", "Gemm"})\n'
+                              'VIEWS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")\n'
+                              'RKNN = {"Conv": {"Conv", "MatMul", "Gemm"}}\n')
+    assert _any_parameters(pkg) == ["a.py:f(x)"]
+    assert _op_sets_outside_ops(pkg) == ["b.py:1", "b.py:2"]

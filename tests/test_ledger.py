@@ -22,7 +22,7 @@ g (float[16777216] x) => (float[16777216] y) { r = Relu(x)  s = Neg(r)  y = Abs(
 
 
 def _speedup(text: str, target: str, fmt: str) -> float:
-    ledger = build_ledger(model_from_text(text), load_profile(target))
+    ledger = build_ledger(model_from_text(text), load_profile(target).resolve())
     row = next(r for r in ledger.rows() if r["format"] == fmt)
     return row["speedup_vs_fp32"]
 
@@ -36,7 +36,7 @@ def test_the_article_compute_bound_matmul_gains_16x_on_a100_and_2x_on_rtx5000ada
 @pytest.mark.parametrize("target", ["a100", "rtx5000ada"])
 def test_the_article_memory_bound_chain_gains_2x_on_both(target):
     assert _speedup(CHAIN, target, "bf16") == pytest.approx(2.0, rel=1e-9)
-    ledger = build_ledger(model_from_text(CHAIN), load_profile(target))
+    ledger = build_ledger(model_from_text(CHAIN), load_profile(target).resolve())
     assert all(r["memory_bound_share"] == pytest.approx(1.0) for r in ledger.rows())
 
 
@@ -52,7 +52,7 @@ def test_pins_cost_counts_the_fp32_node_and_the_casts_at_its_borders():
     # x -> Relu(r) -> Exp(e, pinned FP32) -> Abs -> y: casts fp16->fp32 before Exp, back after it
     model = model_from_text(CHAIN.replace("s = Neg(r)", "s = Exp(r)"))
     label = node_label(next(n for n in model.graph.node if n.op_type == "Exp"))
-    ledger = build_ledger(model, load_profile("a100"), pinned=[label])
+    ledger = build_ledger(model, load_profile("a100").resolve(), pinned=[label])
     converted = ledger.get("converted")
     casts = sorted(n.node for n in converted.nodes if n.cast)
     # graph input and output casts, and the two around the pinned Exp
@@ -78,7 +78,7 @@ def test_a_converted_model_is_read_as_written_with_its_casts():
                                   opset_imports=[helper.make_opsetid("", 17)])
     source = model_from_text("""<ir_version: 8, opset_import: ["" : 17]>
 g (float[1024] x) => (float[1024] y) { r = Relu(x)  y = Exp(r) }""")
-    ledger = build_ledger(source, load_profile("a100"), converted=converted)
+    ledger = build_ledger(source, load_profile("a100").resolve(), converted=converted)
     nodes = {n.node: n for n in ledger.get("converted").nodes}
     assert (nodes["relu"].fmt, nodes["relu"].bytes) == ("fp16", 1024 * 4)
     assert (nodes["exp"].fmt, nodes["exp"].bytes) == ("fp32", 1024 * 8)
@@ -86,7 +86,7 @@ g (float[1024] x) => (float[1024] y) { r = Relu(x)  y = Exp(r) }""")
     assert ledger.get("converted").casts == 2
     assert nodes["to32"].fmt == "fp16"  # a Cast runs on the unit of its narrower side
     # rk3588 cannot pin: its compiler runs the FP32 Exp in FP16
-    rk = build_ledger(source, load_profile("rk3588"), converted=converted,
+    rk = build_ledger(source, load_profile("rk3588").resolve(), converted=converted,
                       throughput=Throughput(peak_tflops={"fp16": 1.5}, bandwidth_gbs=34.1))
     assert {n.node: n.fmt for n in rk.get("converted").nodes}["exp"] == "fp16"
     assert rk.get("converted").estimated_ms is not None
@@ -104,19 +104,19 @@ def test_a_qdq_matmul_runs_at_int8_and_its_dequantize_is_fused():
              helper.make_node("MatMul", ["x", "wf"], ["y"], name="mm")]
     model = helper.make_model(helper.make_graph(nodes, "g", [x], [y], [w, s]),
                               opset_imports=[helper.make_opsetid("", 17)])
-    ledger = build_ledger(model, load_profile("a100"), converted=model)
+    ledger = build_ledger(model, load_profile("a100").resolve(), converted=model)
     nodes = {n.node: n for n in ledger.get("converted").nodes}
     assert nodes["mm"].fmt == "int8" and nodes["dq"].bound == "free"
     assert nodes["mm"].bytes == 64 * 64 * (4 + 1 + 4)
 
 
 def test_unknown_figures_stay_unknown_and_say_whom_to_ask():
-    ledger = build_ledger(model_from_text(CHAIN), load_profile("rk3588"))
+    ledger = build_ledger(model_from_text(CHAIN), load_profile("rk3588").resolve())
     fp16 = ledger.get("fp16")
     assert fp16.estimated_ms is None
     assert "throughput.peak_tflops.fp16" in fp16.unknown and "ask the vendor" in fp16.unknown
     set_by_user = Throughput(peak_tflops={"fp16": 3.0}, bandwidth_gbs=30.0)
-    known = build_ledger(model_from_text(CHAIN), load_profile("rk3588"), throughput=set_by_user)
+    known = build_ledger(model_from_text(CHAIN), load_profile("rk3588").resolve(), throughput=set_by_user)
     assert known.get("fp16").estimated_ms == pytest.approx(1e3 * 16777216 * 12 / 30e9)
 
 
@@ -159,5 +159,5 @@ def test_a_gather_reads_the_rows_it_picks_not_the_whole_table():
     model = helper.make_model(helper.make_graph([helper.make_node("Gather", ["table", "ids"], ["y"],
                                                                   name="g")], "g", [ids], [y], [table]),
                               opset_imports=[helper.make_opsetid("", 17)])
-    node = build_ledger(model, load_profile("a100")).get("fp16").nodes[0]
+    node = build_ledger(model, load_profile("a100").resolve()).get("fp16").nodes[0]
     assert node.bytes == 8 * 8 + 2 * 8 * 64 * 2

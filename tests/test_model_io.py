@@ -54,7 +54,7 @@ def test_model_over_2gb_of_external_weights_loads_and_is_analysed(tmp_path: Path
     model = load_model(tmp_path / "big.onnx")
     assert model.opset == 17
     # The weights were read in full: the analysis finds the one planted value among 2^29 zeros.
-    found = [f for f in static_findings(model, load_profile("generic")) if f.rule == "init.out_of_range"]
+    found = [f for f in static_findings(model, load_profile("generic").resolve()) if f.rule == "init.out_of_range"]
     assert len(found) == 1 and found[0].tensor == "W"
     assert found[0].evidence["count"] == 1 and found[0].evidence["worst"] == 1e6
     assert fingerprint(model.proto) == model.fingerprint
@@ -75,7 +75,7 @@ def test_bf16_initialisers_and_casts_load_as_bf16(save):
     loaded = to_array(model.graph.initializer[0])
     assert loaded.dtype == ml_dtypes.bfloat16
     assert loaded.astype(np.float32).tolist() == w.astype(np.float32).tolist()
-    rules = {(f.rule, f.evidence["kind"]) for f in static_findings(model, load_profile("a2000"))
+    rules = {(f.rule, f.evidence["kind"]) for f in static_findings(model, load_profile("a2000").resolve())
              if f.rule.startswith("dtype.")}
     assert {("dtype.unsupported", "constant"), ("dtype.unsupported", "cast")} <= rules
 
@@ -100,7 +100,7 @@ def test_if_loop_and_scan_bodies_are_visited(save):
     }
     """
     model = load_model(save(text))
-    by_rule = {f.rule: f for f in static_findings(model, load_profile("generic"))}
+    by_rule = {f.rule: f for f in static_findings(model, load_profile("generic").resolve())}
     assert by_rule["hazard.exp"].scope == "main/node_of_r.then_branch"
     assert by_rule["hazard.square"].scope == "main/node_of_lv.body"
     assert by_rule["hazard.log"].scope == "main/node_of_acc.body"

@@ -139,10 +139,10 @@ def test_convert_takes_the_compare_pass_outputs_with_the_same_verdict(tmp_path, 
     # The same numbers as the check without them (a target that cannot pin runs the compare
     # pass's own emulation of every node).
     monkeypatch.undo()
-    everywhere = emulate(result.rewritten, FP16, saturate=profile.saturates, weights_in_graph=True).model \
+    everywhere = emulate(result.rewritten, FP16, saturate=profile.resolve().saturate, weights_in_graph=True).model \
         if profile.fp32_pinning is Pinning.NONE else None
     full = check_output_sets(load_model(path).proto, result.lowered.model, FP16, [calib, held],
-                             saturate=profile.saturates, rtol=result.output_check.rtol,
+                             saturate=profile.resolve().saturate, rtol=result.output_check.rtol,
                              emulated=everywhere, host_scales=result.host_scales)
     assert full[0].outputs == result.output_check.outputs
     assert full[1].outputs == result.holdout.outputs

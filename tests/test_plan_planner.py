@@ -24,7 +24,7 @@ from npuprep.rewrite.rescale import apply_rescale
 from npuprep.runtime.session import make_session, run
 
 GENERIC = load_profile("generic")
-LIMIT = GENERIC.limit()  # 0.5 x 65504
+LIMIT = GENERIC.resolve().limit  # 0.5 x 65504
 
 
 def calibrated(model: Model, feeds: list[dict[str, np.ndarray]], tmp_path: Path,
@@ -146,7 +146,7 @@ def test_compiler_decides_turns_the_pin_into_a_request(tmp_path):
 def test_no_pinning_declines_a_clamp_that_would_change_measured_values(tmp_path):
     model = as_model(SOFTMAX)
     stats = calibrated(model, samples(4, (2, 4), 12.0), tmp_path)
-    assert stats.tensors["e"].absmax > GENERIC.format.max
+    assert stats.tensors["e"].absmax > GENERIC.resolve().fmt.max
     profile = dataclasses.replace(GENERIC, fp32_pinning=Pinning.NONE)
     plan = make_plan(model, profile.resolve(), stats, [overflow(stats, "e", "exp", "Exp")])
     # ln(limit) = 10.396 lies inside the measured inputs: clipping there changes the answer.
@@ -183,7 +183,7 @@ def test_forbidden_nodes_decline_the_pin_with_the_reason(tmp_path):
 
 def test_static_findings_shift_or_clamp_where_the_rule_says():
     model = as_model(WRITTEN_SOFTMAX)
-    findings = static_findings(model, GENERIC)
+    findings = static_findings(model, GENERIC.resolve())
     plan = make_plan(model, GENERIC.resolve(), None, findings)
     # pattern.softmax: the exact max shift comes before any FP32 island, measured or not.
     (shift,) = plan.actions
@@ -196,7 +196,7 @@ def test_static_findings_shift_or_clamp_where_the_rule_says():
         [exp] y = Exp (x)
     }
     """)
-    plan = make_plan(lone, GENERIC.resolve(), None, static_findings(lone, GENERIC))
+    plan = make_plan(lone, GENERIC.resolve(), None, static_findings(lone, GENERIC.resolve()))
     (clamp,) = plan.actions
     assert isinstance(clamp, Clamp) and (clamp.kind, clamp.hi, clamp.consumers) == ("exp", 10.396, ("exp",))
 
@@ -204,7 +204,7 @@ def test_static_findings_shift_or_clamp_where_the_rule_says():
 def test_measured_safe_hazard_gets_a_note_not_an_action(tmp_path):
     model = as_model(WRITTEN_SOFTMAX)
     stats = calibrated(model, samples(4, (2, 4), 1.0), tmp_path)
-    plan = make_plan(model, GENERIC.resolve(), stats, static_findings(model, GENERIC))
+    plan = make_plan(model, GENERIC.resolve(), stats, static_findings(model, GENERIC.resolve()))
     assert plan.actions == ()
     assert len(plan.notes) == 1 and plan.notes[0].startswith("pattern.softmax at y: measured absmax")
     assert "no action" in plan.notes[0]
@@ -240,7 +240,7 @@ def test_stats_veto_a_rescale_that_would_flush_small_values_and_the_pin_says_why
     stats = calibrated(model, samples(2, (64, 4), 1.0), tmp_path)
     h = stats.tensors["h"]
     k = math.ceil(math.log2(h.absmax / LIMIT))
-    fmt_min = GENERIC.format.min_normal
+    fmt_min = GENERIC.resolve().fmt.min_normal
     pushed = h.fraction_below(fmt_min * 2.0**k) - h.fraction_below(fmt_min)
     assert pushed > 0.01  # the planted trap: k is feasible for the graph, not for the values
     plan = make_plan(model, GENERIC.resolve(), stats, [overflow(stats, "h", "mm1", "MatMul")])
@@ -266,7 +266,7 @@ def test_underflow_is_rescaled_up_by_a_power_of_two(tmp_path):
     model = as_model(TINY)
     stats = calibrated(model, samples(4, (8, 2), 1.0), tmp_path)
     h = stats.tensors["h"]
-    fmt = GENERIC.format
+    fmt = GENERIC.resolve().fmt
     assert h.fraction_below(fmt.min_normal) > 0.5
     finding = Finding(rule="range.underflow", severity=Severity.WARNING, node="mm1",
                       op_type="MatMul", message="below min normal", tensor="h")
@@ -299,7 +299,7 @@ def test_static_layernorm_pattern_pins_its_members_from_the_mean_to_the_division
         [div] y = Div (d, sd)
     }
     """)
-    findings = static_findings(model, GENERIC)
+    findings = static_findings(model, GENERIC.resolve())
     assert [f.rule for f in findings] == ["pattern.layernorm"]
     plan = make_plan(model, GENERIC.resolve(), None, findings)
     (pin,) = plan.actions
@@ -366,8 +366,8 @@ def test_without_histograms_the_precision_floor_decides_the_underflow_veto(tmp_p
     assert s.fraction_below(1.0) is None  # every sample of s was ordinary: no histogram
     plan = make_plan(model, GENERIC.resolve(), stats, [overflow(stats, "h", "mm1", "MatMul")])
     k = math.ceil(math.log2(stats.tensors["h"].absmax / LIMIT))
-    floor = s.absmax * 2.0**-k * GENERIC.format.eps
-    assert (floor < GENERIC.format.min_normal) is vetoed
+    floor = s.absmax * 2.0**-k * GENERIC.resolve().fmt.eps
+    assert (floor < GENERIC.resolve().fmt.min_normal) is vetoed
     if vetoed:
         reasons = [d.reason for d in plan.declined if d.remedy == "rescale"]
         assert reasons[0].startswith(f"2^-{k} on mm1 brings s to ")
@@ -381,7 +381,7 @@ def test_headroom_warning_without_a_feasible_rescale_is_a_note_until_it_is_an_er
     model = as_model(SOFTMAX)
     feeds = [{"x": np.full((2, 4), 10.6, dtype=np.float32)}]  # exp(10.6) = 40135: > limit, < max
     stats = calibrated(model, feeds, tmp_path)
-    assert LIMIT < stats.tensors["e"].absmax < GENERIC.format.max
+    assert LIMIT < stats.tensors["e"].absmax < GENERIC.resolve().fmt.max
     warning = dataclasses.replace(overflow(stats, "e", "exp", "Exp"), rule="range.headroom",
                                   severity=Severity.WARNING)
     plan = make_plan(model, GENERIC.resolve(), stats, [warning])
@@ -404,7 +404,7 @@ def test_static_island_carries_a_square_through_its_sum_to_the_root():
         [add] y = Add (n, x)
     }
     """)
-    findings = static_findings(model, GENERIC)
+    findings = static_findings(model, GENERIC.resolve())
     assert {f.node for f in findings} >= {"square", "sum"}
     plan = make_plan(model, GENERIC.resolve(), None, findings)
     (pin,) = plan.actions
@@ -443,7 +443,7 @@ def test_a_weight_past_the_format_is_rescaled_into_it_and_absorbed_by_the_norm(t
         [ln] y = LayerNormalization <axis = -1, epsilon = 0.00001> (h, gamma, beta)
     }
     """)
-    findings = [f for f in static_findings(model, GENERIC) if f.rule == "init.out_of_range"]
+    findings = [f for f in static_findings(model, GENERIC.resolve()) if f.rule == "init.out_of_range"]
     assert [(f.node, f.remedy) for f in findings] == [("mm", "rescale")]
     feeds = samples(3, (4, 4), 1.0)
     stats = calibrated(model, feeds, tmp_path)
@@ -481,7 +481,7 @@ def test_a_large_exp_input_pulls_its_producer_into_the_island(tmp_path, prior, j
     ref = values(model, feeds)["y"]
 
     def error(pinned: set[str]) -> float:
-        emulated = emulate(model.proto, GENERIC.format, saturate=False, pinned_nodes=pinned).model
+        emulated = emulate(model.proto, GENERIC.resolve().fmt, saturate=False, pinned_nodes=pinned).model
         y = values(Model(emulated, "e.onnx", ""), feeds)["y"]
         return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
 
@@ -527,7 +527,7 @@ def test_a_constant_the_rescale_brings_into_range_needs_no_pin(tmp_path):
 
     feeds = samples(3, (4, 8), 1000.0)
     stats = calibrated(model, feeds, tmp_path)
-    findings = static_findings(model, GENERIC).merged(measured_findings(model, GENERIC.resolve(), stats))
+    findings = static_findings(model, GENERIC.resolve()).merged(measured_findings(model, GENERIC.resolve(), stats))
     assert any(f.rule == "init.out_of_range" and f.tensor == "c" for f in findings)
     plan = make_plan(model, GENERIC.resolve(), stats, findings)
     assert [a.action for a in plan.actions] == ["rescale"]

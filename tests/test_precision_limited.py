@@ -21,13 +21,16 @@ from npuprep.verify.output_errors import OutputErrors
 
 GENERIC = load_profile("generic")
 
-# x -> Add(x, 1000) -> big -> Sub(big, 1000) -> y   (FP16 keeps x to 0.5 steps around 1000)
-CANCEL = """
+# x -> Gemm(x, I, bias 1000) -> big -> Sub(big, 1000) -> y   (FP16 keeps x to 0.5 steps around
+# 1000). The shift is a layer with weights: no plan pins it for precision, and verification's
+# FP32 budget cannot hold it, so FP16's precision, not its range, fails the output.
+_IDENTITY = ", ".join("1.0" if i == j else "0.0" for i in range(8) for j in range(8))
+CANCEL = f"""
 <ir_version: 8, opset_import: ["" : 17]>
-g (float[64, 8] x) => (float[64, 8] y) <float c = {1000.0}> {
-    [shift] big = Add (x, c)
+g (float[64, 8] x) => (float[64, 8] y) <float[8, 8] w = {{{_IDENTITY}}}, float c = {{1000.0}}> {{
+    [shift] big = Gemm (x, w, c)
     [unshift] y = Sub (big, c)
-}
+}}
 """
 
 # x -> MatMul(W) -> logits (~6, well separated per row) -> Softmax -> p
@@ -81,7 +84,7 @@ def test_a_verification_pin_that_does_not_improve_the_outputs_is_dropped(tmp_pat
     feeds = [{"x": rng.standard_normal((64, 8)).astype(np.float32)} for _ in range(2)]
     samples = load_samples(_data(tmp_path, feeds), proto)
     result = convert(model, GENERIC, list(samples), stats=calibrate(model, samples))
-    # The Sub cancels what FP16 already lost in the Add: pinning the Sub alone cannot help.
+    # The Sub cancels what FP16 already lost in the Gemm: pinning the Sub alone cannot help.
     worst = max(o["rel_l2"] for o in result.output_check.outputs.values())
     assert worst > 1e-2 and not result.passed
     assert "unshift" not in result.pinned_nodes
@@ -194,8 +197,8 @@ def test_the_verdict_tells_precision_from_overflow(tmp_path):
     assert proc.returncode == 1, proc.stderr
     verdict = " ".join(proc.stdout[proc.stdout.index("FAILED"):].split())
     assert verdict.startswith("FAILED: outputs off by rel L2 0.1")
-    assert "with no Inf/NaN (FP16 precision; --top-k or --rtol are yours): first divergent node " \
-           "'unshift'" in verdict
+    assert "with no Inf/NaN (FP16 precision; --top-k or --rtol are yours): largest own share " \
+        in verdict and "first seen at 'unshift'" in verdict
     assert max(map(len, proc.stdout.splitlines())) <= 100
 
 

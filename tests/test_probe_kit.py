@@ -137,7 +137,7 @@ def test_write_profile_records_the_measured_mode(fp16_kit, tmp_path):
     r = run_cli("probe", "--classify", kit, "--outputs", out, "--target", "a2000", "--write-profile", prof)
     assert r.returncode == 0, r.stderr
     profile = load_profile(prof)
-    assert str(profile.overflow) == "saturate" and profile.saturates
+    assert str(profile.overflow) == "saturate" and profile.resolve().saturate
     assert profile.sources["overflow"].startswith("measured by npuprep probe on board")
     assert profile.name == "measured" and profile.fp32_pinning == load_profile("a2000").fp32_pinning
 

@@ -34,11 +34,11 @@ def test_builtins_load_with_the_design_facts():
     assert "bf16" in a2000.unsupported_dtypes and a2000.overflow is OverflowMode.UNKNOWN
     assert a2000.fp32_pinning is Pinning.COMPILER_DECIDES
     assert "bf16" in orin.slow_dtypes and "fp8_e4m3" in orin.unsupported_dtypes
-    assert orin.overflow is OverflowMode.INF and not orin.saturates
+    assert orin.overflow is OverflowMode.INF and not orin.resolve().saturate
     assert all("fp64" in p.unsupported_dtypes for p in (a2000, orin, generic))
     for p in (a2000, orin, generic):
-        assert p.format is get_format("fp16")
-        assert p.limit() == p.headroom * get_format("fp16").max
+        assert p.resolve().fmt is get_format("fp16")
+        assert p.resolve().limit == p.headroom * get_format("fp16").max
         assert p.sources and all(isinstance(v, str) and v for v in p.sources.values())
 
 
@@ -46,8 +46,8 @@ def test_user_profile_from_path(tmp_path: Path):
     path = tmp_path / "myboard.yaml"
     path.write_text(GOOD)
     p = load_profile(str(path))
-    assert p.name == "myboard" and p.saturates and p.headroom == 0.25
-    assert p.limit() == 0.25 * 65504
+    assert p.name == "myboard" and p.resolve().saturate and p.headroom == 0.25
+    assert p.resolve().limit == 0.25 * 65504
     assert p.severity["hazard"] is Severity.ERROR and p.keeps_fp32_ops == ("Softmax",)
     assert load_profile(path).to_dict()["dtypes"]["unsupported"] == ["bf16"]
 

@@ -15,7 +15,7 @@ from conftest import run_cli
 from onnx import numpy_helper
 from rewrite_util import build
 
-from npuprep.analyse.eight_bit import scale_clip_findings
+from npuprep.analyse.scale_clip import scale_clip_findings
 from npuprep.calibrate.scales import FP8_NAN_HEADROOM, sample_headroom
 from npuprep.calibrate.stats import RangeStats
 from npuprep.numerics import eight_bit_format

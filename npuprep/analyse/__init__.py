@@ -9,7 +9,7 @@ from npuprep.analyse import autocast, dtypes, initialisers, inputs, patterns, sm
 from npuprep.analyse.context import build_context
 from npuprep.analyse.finding import Finding, Findings
 from npuprep.model_io import Model
-from npuprep.profiles import ResolvedTarget, TargetProfile
+from npuprep.profiles import ResolvedTarget
 
 __all__ = ["STATIC_RULES", "Finding", "Findings", "findings_for", "static_findings"]
 
@@ -36,14 +36,15 @@ STATIC_RULES: dict[str, str] = {
 }
 
 
-def static_findings(model: Model, profile: TargetProfile) -> Findings:
+def static_findings(model: Model, target: ResolvedTarget) -> Findings:
     """Every rule that needs no data, over the main graph and all If/Loop/Scan bodies.
 
     A pattern finding lists its member nodes in `evidence["members"]`; the small-op
     findings at those members are folded into it (`evidence["covers"]`), and autocast notes
-    are dropped where a hazard already names the node, so each place appears once.
+    are dropped where a hazard already names the node, so each place appears once. Limits
+    are the resolved format's (`target.fmt`).
     """
-    ctx = build_context(model, profile)
+    ctx = build_context(model, target)
     found_patterns = patterns.find(ctx)
     members = {(f.scope, m) for f in found_patterns for m in f.evidence["members"]}
     hazards: list[Finding] = []
@@ -65,11 +66,15 @@ def static_findings(model: Model, profile: TargetProfile) -> Findings:
 
 def findings_for(model: Model, target: ResolvedTarget, stats: Any = None, *,
                  as_stored: bool = False) -> Findings:
-    """The static findings, merged with the measured ones when `stats` are given
-    (`as_stored`: see npuprep.analyse.measured.measured_findings)."""
-    findings = static_findings(model, target.profile)
+    """The static findings, merged with the measured ones when `stats` are given: ranges
+    (npuprep.analyse.measured; `as_stored`: see measured_findings) and the format's precision
+    (npuprep.analyse.precision)."""
+    findings = static_findings(model, target)
     if stats is None:
         return findings
-    from npuprep.analyse.measured import measured_findings
+    from npuprep.analyse.measured import kept_fp32, measured_findings
+    from npuprep.analyse.precision import cancellation_findings
 
-    return findings.merged(measured_findings(model, target, stats, as_stored=as_stored))
+    skip = kept_fp32(model) if as_stored else set()
+    return findings.merged(measured_findings(model, target, stats, as_stored=as_stored)) \
+        .merged(cancellation_findings(model, target, stats, skip))

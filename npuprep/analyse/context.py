@@ -20,7 +20,7 @@ from npuprep.graph import (
 from npuprep.model_io import Model
 from npuprep.numerics import FLOAT_ONNX_TYPES, NumberFormat
 from npuprep.ops import PASSTHROUGH_OPS
-from npuprep.profiles import TargetProfile
+from npuprep.profiles import ResolvedTarget, TargetProfile
 
 # Constants with more elements than this are weights, not eps / exponents / guidance weights.
 _SCALAR_MAX_ELEMENTS = 4096
@@ -109,14 +109,19 @@ class Context:
     """The model, the target and the lookups the rules share."""
 
     model: Model
-    profile: TargetProfile
+    target: ResolvedTarget
     scopes: list[ScopeView]
     shapes: dict[str, tuple[int | None, ...]]
     types: dict[str, int]
 
     @property
+    def profile(self) -> TargetProfile:
+        return self.target.profile
+
+    @property
     def fmt(self) -> NumberFormat:
-        return self.profile.format
+        """The format the run computes in, as resolved (`--precision`), never the default."""
+        return self.target.fmt
 
     def is_float(self, name: str) -> bool:
         """Whether a tensor holds floats (or its type is unknown): integer shape math is no hazard."""
@@ -138,7 +143,7 @@ class Context:
                 yield view, node
 
 
-def build_context(model: Model, profile: TargetProfile) -> Context:
+def build_context(model: Model, target: ResolvedTarget) -> Context:
     scopes: list[ScopeView] = []
     by_path: dict[str, ScopeView] = {}
     for s in walk_graphs(model.graph):
@@ -150,7 +155,7 @@ def build_context(model: Model, profile: TargetProfile) -> Context:
         by_path[s.path] = view
         scopes.append(view)
     info = infer_tensors(model.proto)
-    return Context(model, profile, scopes, info.dims, info.types)
+    return Context(model, target, scopes, info.dims, info.types)
 
 
 def scalar(value: np.ndarray | None) -> float | None:

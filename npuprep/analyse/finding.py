@@ -8,9 +8,9 @@ from typing import Any
 
 from npuprep.profiles import Severity
 
-# Rules whose finding means "this node needs more than the target's default precision".
+# Rules whose finding means "this node needs more than the format the run computes in".
 SENSITIVE_RULES = ("hazard.", "pattern.", "autocast.", "range.overflow", "range.headroom",
-                   "range.underflow")
+                   "range.underflow", "precision.")
 
 
 @dataclass(frozen=True)

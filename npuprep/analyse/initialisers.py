@@ -12,7 +12,7 @@ from npuprep.analyse.context import Context, ScopeView
 from npuprep.analyse.finding import Finding
 from npuprep.graph import attribute, node_label, to_array
 from npuprep.numerics import FLOAT_ONNX_TYPES, NumberFormat
-from npuprep.ops import LINEAR_WITH_WEIGHTS
+from npuprep.ops import MAC_OPS, PASSTHROUGH_OPS
 from npuprep.profiles import Severity
 
 # Values are scanned in slices so a multi-GB weight never needs a second full-size copy.
@@ -22,8 +22,7 @@ _CHUNK = 1 << 22
 # layer loses a visible part of what its weights contribute and the finding is raised.
 UNDERFLOW_MASS = 0.01
 # Consumers through which an additive mask reaches its Add unchanged in value.
-_MASK_CARRIERS = frozenset({"Where", "Expand", "Reshape", "Unsqueeze", "Squeeze", "Cast",
-                            "Identity", "Concat", "Tile", "Transpose"})
+_MASK_CARRIERS = PASSTHROUGH_OPS | {"Where", "Concat", "Tile"}
 # BatchNormalization inputs: 1 scale, 2 bias, 3 mean, 4 variance.
 _BN_INPUTS = {1: "scale", 2: "bias", 3: "mean", 4: "variance"}
 
@@ -136,7 +135,7 @@ def _role(view: ScopeView, name: str) -> tuple[onnx.NodeProto | None, str]:
             pos = list(user.input).index(name)
             return user, f"BatchNormalization {_BN_INPUTS.get(pos, 'input')}"
     for user in users:
-        if user.op_type in LINEAR_WITH_WEIGHTS:
+        if user.op_type in MAC_OPS:
             return user, f"{user.op_type} weight"
     return (users[0], users[0].op_type) if users else (None, "unused")
 

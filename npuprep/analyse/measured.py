@@ -10,8 +10,8 @@ from npuprep.calibrate.stats import CalibrationStats, RangeStats
 from npuprep.graph import to_array, walk_graphs
 from npuprep.model_io import Model
 from npuprep.numerics import NumberFormat
-from npuprep.ops import LINEAR_WITH_WEIGHTS
-from npuprep.profiles import ResolvedTarget, Severity, TargetProfile
+from npuprep.ops import MAC_OPS
+from npuprep.profiles import ResolvedTarget, Severity
 
 # A tensor underflows when at least this share of its nonzero finite values lies below the
 # format's smallest normal (those lose precision or flush to zero).
@@ -30,7 +30,7 @@ def measured_findings(
     """
     profile, fmt = target.profile, target.fmt
     ops = _producer_ops(model)
-    kept_fp32 = _kept_fp32(model) if as_stored else set()
+    stored_fp32 = kept_fp32(model) if as_stored else set()
     found: list[Finding] = []
     masks: list[tuple[RangeStats, str]] = []
     from_masks = downstream_of_mask_constants(model)
@@ -41,7 +41,7 @@ def measured_findings(
             continue  # measured on the source, gone from this graph (a folded sum)
         op = ops.get((s.scope, s.tensor), "")
         where = dict(node=s.node, op_type=op, tensor=s.tensor, scope=s.scope)
-        base = _evidence(s, fmt, profile, stats)
+        base = _evidence(s, target, stats)
         if s.tensor in from_masks and is_mask_like(s):
             masks.append((s, op))
             continue
@@ -54,14 +54,14 @@ def measured_findings(
                 remedy_text="find where the FP32 model produces them (bad inputs, division by zero, log of 0)",
             ))
             continue
-        if fmt.name == "fp32" or s.tensor in kept_fp32:
+        if fmt.name == "fp32" or s.tensor in stored_fp32:
             continue
-        remedy = "rescale" if op in LINEAR_WITH_WEIGHTS else "pin_fp32"
+        remedy = "rescale" if op in MAC_OPS else "pin_fp32"
         remedy_text = (
             "scale the producer's weights by 2^-k so the tensor fits, or pin it to FP32"
             if remedy == "rescale" else "pin the producing node to FP32, or clamp it where the values are bounded"
         )
-        limit = profile.limit(fmt)
+        limit = target.limit
         if s.absmax > fmt.max:
             n_over = s.over.get(fmt.name, 0)
             samples_over = sum(1 for v in s.per_sample_absmax if v > fmt.max)
@@ -101,7 +101,7 @@ def measured_findings(
     return Findings(tuple(sorted(found, key=lambda f: (-int(f.severity), f.rule, f.tensor))))
 
 
-def _kept_fp32(model: Model) -> set[str]:
+def kept_fp32(model: Model) -> set[str]:
     """Tensors computed in FP32 by a model that stores others in FP16/BF16 (a conversion's
     islands); empty for a model that is FP32 throughout."""
     from onnx import TensorProto
@@ -119,16 +119,17 @@ def _kept_fp32(model: Model) -> set[str]:
     return {name for name, t in types.items() if t == TensorProto.FLOAT and name not in casts}
 
 
-def _evidence(s: RangeStats, fmt: NumberFormat, profile: TargetProfile, stats: CalibrationStats) -> dict:
+def _evidence(s: RangeStats, target: ResolvedTarget, stats: CalibrationStats) -> dict:
     per_sample = [v for v in s.per_sample_absmax if not math.isnan(v)]
+    fmt = target.fmt
     return {
         "format": fmt.name,
         "absmax": s.absmax,
         "min": s.min,
         "max": s.max,
         "format_max": fmt.max,
-        "limit": profile.limit(fmt),
-        "headroom": profile.headroom,
+        "limit": target.limit,
+        "headroom": target.profile.headroom,
         "use_of_max": s.absmax / fmt.max if not math.isnan(s.absmax) else None,
         "nan_count": s.nan_count,
         "inf_count": s.inf_count,

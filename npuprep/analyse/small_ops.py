@@ -18,7 +18,7 @@ from npuprep.analyse.matching import (
     upper_bound,
 )
 from npuprep.graph import node_label
-from npuprep.ops import LINEAR_WITH_WEIGHTS
+from npuprep.ops import MAC_OPS
 from npuprep.profiles import Severity
 
 # From this many summed elements on, values averaging max/256 (256 in FP16) overflow the sum.
@@ -31,7 +31,7 @@ def _has_weighted_producer(view: ScopeView, name: str) -> bool:
     # Centring (Sub of a mean), bias Adds and Relu carry a power-of-two scale unchanged.
     while node is not None and node.op_type in ("Sub", "Add", "Relu") and node.input:
         node = view.source(node.input[0])
-    return (node is not None and node.op_type in LINEAR_WITH_WEIGHTS
+    return (node is not None and node.op_type in MAC_OPS
             and any(view.is_constant(i) for i in node.input[1:2]))
 
 
@@ -58,7 +58,7 @@ def _squares_upstream(view: ScopeView, name: str) -> onnx.NodeProto | None:
 def find(ctx: Context) -> list[Finding]:
     fmt = ctx.fmt
     hazard = ctx.profile.severity["hazard"]
-    clamp_exp_at = math.log(ctx.profile.limit())
+    clamp_exp_at = math.log(ctx.target.limit)
     findings: list[Finding] = []
 
     for view, node in ctx.float_nodes():

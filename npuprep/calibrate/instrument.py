@@ -85,22 +85,20 @@ from npuprep.calibrate.layout import (
 from npuprep.graph import infer_tensors, node_label, producers, to_array
 from npuprep.model_io import model_opset
 from npuprep.numerics import FLOAT_ONNX_TYPES
+from npuprep.ops import GATHER_OPS, LAYOUT_OPS
 
-# Ops whose output holds exactly the input's values, so it shares the input's statistics.
-_ALIAS_OPS = {"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose"}
 # Ops whose output holds no NaN when every float input is finite: elementwise maps that can
 # only overflow to +-Inf (which max and min see), sums of finite values (once Inf, a sum stays
 # Inf), data movement. Not here: Div, Pow, Sqrt, Log (0/0, domain), MatMul/Gemm/Conv (products
 # that overflow to both +Inf and -Inf), normalisations (Inf / Inf), ops with a NaN attribute.
-_NAN_SAFE_OPS = frozenset({
+_NAN_SAFE_OPS = LAYOUT_OPS | GATHER_OPS | {
     "Abs", "Add", "AveragePool", "Cast", "Ceil", "Celu", "Clip", "Concat", "Cos", "Elu", "Erf",
-    "Exp", "Expand", "Flatten", "Floor", "Gather", "GatherElements", "GatherND", "Gelu",
-    "GlobalAveragePool", "GlobalMaxPool", "HardSigmoid", "HardSwish", "Identity", "LeakyRelu",
-    "LogSoftmax", "Max", "MaxPool", "Min", "Mul", "Neg", "PRelu", "Reciprocal", "ReduceMax",
-    "ReduceMean", "ReduceMin", "ReduceSum", "ReduceSumSquare", "Relu", "Reshape", "Round", "Selu",
-    "Sigmoid", "Sign", "Sin", "Slice", "Softmax", "Softplus", "Softsign", "Split", "Squeeze",
-    "Sub", "Sum", "Tanh", "Tile", "Transpose", "Unsqueeze", "Where",
-})
+    "Exp", "Expand", "Floor", "Gelu", "GlobalAveragePool", "GlobalMaxPool", "HardSigmoid",
+    "HardSwish", "LeakyRelu", "LogSoftmax", "Max", "MaxPool", "Min", "Mul", "Neg", "PRelu",
+    "Reciprocal", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceSum", "ReduceSumSquare", "Relu",
+    "Round", "Selu", "Sigmoid", "Sign", "Sin", "Slice", "Softmax", "Softplus", "Softsign",
+    "Split", "Sub", "Sum", "Tanh", "Tile", "Where",
+}
 _WIDENING = {
     TensorProto.FLOAT: {TensorProto.DOUBLE},
     TensorProto.FLOAT16: {TensorProto.FLOAT, TensorProto.DOUBLE},
@@ -434,7 +432,7 @@ def _alias_source(node: onnx.NodeProto | None, ctx: Wiring) -> str | None:
     """The tensor whose values a node's output repeats exactly, if any."""
     if node is None or not node.input:
         return None
-    if node.op_type in _ALIAS_OPS or (node.op_type == "Dropout" and len(node.input) < 3):
+    if node.op_type in LAYOUT_OPS or (node.op_type == "Dropout" and len(node.input) < 3):
         return node.input[0]
     if node.op_type == "Cast":
         to = next((a.i for a in node.attribute if a.name == "to"), None)

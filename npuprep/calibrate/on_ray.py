@@ -19,6 +19,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
+from types import ModuleType
 from typing import Any
 
 from npuprep.calibrate.merge import merge_stats
@@ -102,7 +103,7 @@ def check_address(address: str | None) -> None:
                            "ray://HOST:PORT")
 
 
-def _join(ray: Any, address: str | None) -> None:
+def _join(ray: ModuleType, address: str | None) -> None:
     """ray.init, its refusals as one line. Ray's core logs each failed connection attempt to
     stderr; only errors are shown. Ray replaces the SIGTERM and SIGINT handlers with its own
     (a stack dump, exit 134, no clean-up): the caller's are put back."""
@@ -135,7 +136,7 @@ def _join(ray: Any, address: str | None) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _shutdown(ray: Any) -> None:
+def _shutdown(ray: ModuleType) -> None:
     """ray.shutdown with SIGINT and SIGTERM held until it returns: a signal inside it stopped
     Ray's core halfway, and its own threads then ended the process with exit 1. Sent again
     after, the signal ends the run as anywhere else (one line, 130/143)."""
@@ -196,7 +197,7 @@ class _Done:
         return sum(self.done)
 
 
-def _gather(ray: Any, refs: list[Any], counter: Any, total: int, show: bool, retries: int) -> list[dict[str, Any]]:
+def _gather(ray: ModuleType, refs: list[Any], counter: Any, total: int, show: bool, retries: int) -> list[dict[str, Any]]:
     """Every task's result, in shard order, with a progress bar over the samples done."""
     from ray.exceptions import RayError, RayTaskError
 

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 from npuprep.calibrate.stats import RangeStats
 from npuprep.numerics import EightBitFormat
+from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 
-SCALE_RULES = ("absmax", "percentile", "mse")
-DEFAULT_RULE = "percentile"
 # The share of elements a percentile clip may cut off.
 PERCENTILE = 99.99
 # The clip extends this many standard deviations of the per-sample abs-maxima past their largest.
@@ -42,7 +41,7 @@ class Clip:
     """
 
     value: float
-    rule: str
+    rule: ScaleRule
     fallback: str = ""
 
     def scale(self, fmt: EightBitFormat, *, unsigned: bool = False) -> float:
@@ -63,7 +62,7 @@ def sample_headroom(r: RangeStats) -> float:
     return 1.0 + SPREAD_SIGMAS * spread / top
 
 
-def widening(r: RangeStats, fmt: EightBitFormat, headroom: float = 1.0) -> float:
+def clip_raise_factor(r: RangeStats, fmt: EightBitFormat, headroom: float = 1.0) -> float:
     """The factor quantisation raises a clip by: the unseen samples' `sample_headroom`, times
     `headroom` (FP8's: the larger of the two covers both)."""
     spread = sample_headroom(r)
@@ -85,17 +84,18 @@ def stored_as(r: RangeStats, top: float, factor: float,
     return step, True, int(round(-low / step))
 
 
-def clip_for(r: RangeStats, fmt: EightBitFormat, rule: str = DEFAULT_RULE) -> Clip:
+def clip_for(r: RangeStats, fmt: EightBitFormat, rule: ScaleRule = DEFAULT_RULE) -> Clip:
     """The clip `rule` places on tensor `r` for `fmt` (on the samples seen; quantisation
     raises it by `sample_headroom(r)` for those it has not seen)."""
-    if rule not in SCALE_RULES:
-        raise ValueError(f"unknown scale rule {rule!r}")
-    if rule == "absmax" or r.absmax <= 0 or not math.isfinite(r.absmax):
-        return Clip(r.absmax, "absmax")
+    # A caller of the Python API may name the rule by its word ("mse"); an unknown word is a
+    # ValueError here rather than a silent MSE below.
+    rule = ScaleRule(rule)
+    if rule is ScaleRule.ABSMAX or r.absmax <= 0 or not math.isfinite(r.absmax):
+        return Clip(r.absmax, ScaleRule.ABSMAX)
     if not r.complete or r.detailed_count == 0:
-        return Clip(r.absmax, "absmax", f"{rule}: histogram incomplete, abs-max used")
+        return Clip(r.absmax, ScaleRule.ABSMAX, f"{rule}: histogram incomplete, abs-max used")
     bins = _bins(r)
-    if rule == "percentile":
+    if rule is ScaleRule.PERCENTILE:
         return Clip(_percentile(bins, r.absmax), rule)
     return Clip(_mse(bins, r.absmax, fmt), rule)
 

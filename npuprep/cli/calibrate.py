@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from npuprep.cli.common import (
     add_data,
@@ -18,6 +18,10 @@ from npuprep.cli.common import (
     say,
 )
 from npuprep.formatting import capped, percent
+
+if TYPE_CHECKING:
+    from npuprep.calibrate.stats import CalibrationStats
+    from npuprep.model_io import Model
 
 help = "measure every float tensor's range on samples (in-graph statistics) and write stats.json"
 
@@ -99,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def summary_rows(stats: Any, top: int, masks: set[str] = frozenset()) -> list[dict[str, Any]]:
+def summary_rows(stats: CalibrationStats, top: int, masks: set[str] = frozenset()) -> list[dict[str, Any]]:
     """The tensors nearest the limits: highest abs-max first, non-finite ones on top, the
     `masks` (intentional -inf) after every other tensor, labelled."""
     from npuprep.numerics import get_format
@@ -122,7 +126,7 @@ def summary_rows(stats: Any, top: int, masks: set[str] = frozenset()) -> list[di
     return rows
 
 
-def _print(model: Any, stats: Any, args: argparse.Namespace) -> None:
+def _print(model: Model, stats: CalibrationStats, args: argparse.Namespace) -> None:
     say(f"model   {model.path}  (fingerprint {model.fingerprint})")
     shard = f"  (shard {args.shard[0]}/{args.shard[1]})" if args.shard else ""
     say(f"samples {stats.samples}{shard}")
@@ -156,7 +160,7 @@ def _print(model: Any, stats: Any, args: argparse.Namespace) -> None:
         say(f"wrote {args.output}", always=True)
 
 
-def _masks(model: Any, stats: Any) -> set[str]:
+def _masks(model: Model, stats: CalibrationStats) -> set[str]:
     from npuprep.analyse.measured import mask_tensors
 
     return mask_tensors(model, stats)

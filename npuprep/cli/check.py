@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from npuprep.cli.common import (
     add_data,
@@ -15,8 +15,13 @@ from npuprep.cli.common import (
     print_json,
     print_table,
     say,
+    scale_rule,
 )
 from npuprep.names import shown
+from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
+
+if TYPE_CHECKING:
+    from npuprep.profiles import ResolvedTarget
 
 help = "report where MODEL will leave the target's range (static rules; no rewrite)"
 
@@ -36,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats", "-s", help="measured ranges from `npuprep calibrate` (instead of --data)")
     p.add_argument("--precision", help="check measured ranges against this format (e.g. fp8_e4m3) "
                                        "instead of the target's default precision")
-    p.add_argument("--scale-rule", choices=("absmax", "percentile", "mse"), default="percentile",
+    p.add_argument("--scale-rule", type=scale_rule, choices=tuple(ScaleRule), default=DEFAULT_RULE,
                    help="8-bit only: the scale rule convert is given (default percentile); "
                         "range.scale_clip shows its clip and, for INT8, the others convert weighs")
     p.add_argument("--html", metavar="OUT.html", help="also write a self-contained HTML report")
@@ -112,8 +117,8 @@ def run(args: argparse.Namespace) -> int:
         if eight is not None:
             from dataclasses import replace
 
-            from npuprep.analyse.eight_bit import scale_clip_findings
-            from npuprep.plan.eight_bit import decide
+            from npuprep.analyse.scale_clip import scale_clip_findings
+            from npuprep.plan.layer_precision import decide
 
             plan = replace(plan, precision=eight.name,
                            eight_bit=decide(model.proto, stats, eight, plan.pinned_nodes()))
@@ -126,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
             from npuprep.report.render_html import render
 
             # The plan rides along: the chart marks exactly its actions, as convert would take them.
-            page = check_report(model, profile, findings, fail_on) | {
+            page = check_report(model, target, findings, fail_on) | {
                 "profile": profile.to_dict(), "plan": plan.to_dict()}
             if eight is not None:
                 page["precision"] = eight.name  # the chart draws FP8's 448 line
@@ -136,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     failing = findings.reaching(fail_on)
     vendor = _vendor_build(args, model) if args.vendor else None
     if args.json:
-        doc = check_report(model, profile, findings, fail_on) | {"plan": plan.to_dict()}
+        doc = check_report(model, target, findings, fail_on) | {"plan": plan.to_dict()}
         if vendor is not None:
             doc["vendor"] = vendor
         if stats is not None:
@@ -144,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
             doc["stats"] = stats.to_dict()
         print_json(doc)
     else:
-        _print(model, profile, findings, fail_on, plan)
+        _print(model, target, findings, fail_on, plan)
         if stats is not None and stats.mapping_note:
             say(f"note: {stats.mapping_note}")
         for note in rewrites:
@@ -236,8 +241,10 @@ def _print_plan(plan: Any, *, measured: bool) -> None:
         f"{len(plan.declined)} remedy(ies) declined ({basis}); verification may pin more")
 
 
-def check_report(model: Any, profile: Any, findings: Any, fail_on: Any) -> dict[str, Any]:
-    """The `--json` object: schema version, kind, fingerprint, model, target, findings, summary."""
+def check_report(model: Any, target: ResolvedTarget, findings: Any, fail_on: Any) -> dict[str, Any]:
+    """The `--json` object: schema version, kind, fingerprint, model, target, findings, summary;
+    `format` is the resolved one (`--precision bf16` says bf16)."""
+    profile = target.profile
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": "check",
@@ -245,7 +252,7 @@ def check_report(model: Any, profile: Any, findings: Any, fail_on: Any) -> dict[
         "model": model.path,
         "target": profile.name,
         "target_path": profile.path,
-        "format": profile.default_precision,
+        "format": target.fmt.name,
         "opset": model.opset,
         "fail_on": str(fail_on),
         "passed": not findings.reaching(fail_on),
@@ -318,9 +325,10 @@ def _rows(findings: Any, plan: Any = None) -> list[tuple[str, ...]]:
     return rows
 
 
-def _print(model: Any, profile: Any, findings: Any, fail_on: Any, plan: Any = None) -> None:
+def _print(model: Any, target: ResolvedTarget, findings: Any, fail_on: Any, plan: Any = None) -> None:
+    profile = target.profile
     say(f"model  {shown(model.path)}  (opset {model.opset}, fingerprint {model.fingerprint})")
-    say(f"target {shown(profile.name)}  ({profile.default_precision}, overflow {profile.overflow})")
+    say(f"target {shown(profile.name)}  ({target.fmt.name}, overflow {profile.overflow})")
     if len(findings):
         rows = _rows(findings, plan)
         columns = ["severity", "rule", "node", "op", "evidence", "remedy"]

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from npuprep.formatting import WIDTH, Output, cell, table_lines, wrap
 
@@ -17,6 +17,12 @@ from npuprep.formatting import WIDTH, Output, cell, table_lines, wrap
 from npuprep.json_io import dump_json, to_jsonable  # noqa: F401 - re-exported for the commands
 from npuprep.names import shown
 from npuprep.progress import progress_counter
+from npuprep.scale_rules import ScaleRule
+
+if TYPE_CHECKING:
+    import onnx
+
+    from npuprep.data import SampleSet
 
 T = TypeVar("T")
 
@@ -100,6 +106,15 @@ def nonnegative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return value
+
+
+def scale_rule(text: str) -> ScaleRule:
+    """`--scale-rule`: one of ScaleRule's words, refused in argparse's own words for a choice."""
+    try:
+        return ScaleRule(text)
+    except ValueError:
+        words = ", ".join(repr(r.value) for r in ScaleRule)
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {words})") from None
 
 
 def _finite(text: str) -> float:
@@ -203,7 +218,7 @@ def into_folder(path: str | None, default_name: str) -> str | None:
     return path
 
 
-def open_samples(args: argparse.Namespace, model: Any) -> Any:
+def open_samples(args: argparse.Namespace, model: onnx.ModelProto) -> SampleSet | None:
     """The SampleSet chosen by --data/--synthetic, or None when neither was given."""
     from npuprep.data import load_samples
 
@@ -221,7 +236,7 @@ def open_samples(args: argparse.Namespace, model: Any) -> Any:
     return None
 
 
-def synthetic_from_args(args: argparse.Namespace, model: Any, count: int) -> Any:
+def synthetic_from_args(args: argparse.Namespace, model: onnx.ModelProto, count: int) -> SampleSet:
     """`count` synthetic samples with the --input-range/--input-shape given on the command line."""
     from npuprep.data import synthetic_samples
 

@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from npuprep import json_io
 from npuprep.cli.common import (
@@ -27,6 +27,9 @@ from npuprep.cli.common import (
     say,
 )
 from npuprep.names import md_cell, md_code, md_text
+
+if TYPE_CHECKING:
+    from npuprep.profiles import ResolvedTarget
 
 help = "compare two models (or a model and its emulation on a target) tensor by tensor"
 
@@ -67,12 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_json(p)
 
 
-def _as_exported_note(ref: Any, profile: Any) -> tuple[str, ...]:
+def _as_exported_note(ref: Any, target: ResolvedTarget) -> tuple[str, ...]:
     """A note when `convert` would plan on another graph than the one emulated here (the
     fusions a compiler makes): a failure here may be gone there."""
     from npuprep.rewrite.passes import prepare_for_target
 
-    prepared = prepare_for_target(ref, profile.resolve())
+    prepared = prepare_for_target(ref, target)
     changes = prepared.notes
     if prepared.model is ref or not changes:
         return ()
@@ -106,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     if args.report and args.report.endswith(".onnx"):
         raise NpuprepError(f"--report {args.report}: the report is Markdown, not a model")
     run_ = begin(args, inputs=("data", "scales"), model_arg="ref", model_what="the reference model")
-    ref, profile, outputs = run_.model, run_.profile, run_.outputs
+    ref, profile, target, outputs = run_.model, run_.profile, run_.target, run_.outputs
     outputs.reads_model(args.cand, "the candidate model")
     if args.report:
         outputs.writes(args.report, "--report")
@@ -124,30 +127,30 @@ def run(args: argparse.Namespace) -> int:
             if args.pin and profile.fp32_pinning is Pinning.NONE:
                 raise NpuprepError(f"--pin: target {profile.name} cannot keep nodes in FP32 "
                                    "(fp32_pinning: none); its device runs every node in "
-                                   f"{profile.default_precision}")
-            fmt_ = profile.format
+                                   f"{target.fmt.name}")
+            fmt_ = target.fmt
             # Weights rounded in the graph: the compare graph then holds one set of them.
-            emulation = emulate(ref.proto, fmt_, saturate=profile.saturates, pinned_nodes=args.pin,
+            emulation = emulate(ref.proto, fmt_, saturate=target.saturate, pinned_nodes=args.pin,
                                 weights_in_graph=True)
             known = _node_labels(ref.proto)
             unknown = [n for n in args.pin if n not in known]
             if unknown:
                 raise NpuprepError(f"--pin names node '{unknown[0]}', which {args.ref} does not have")
             cand_proto = emulation.model
-            notes = (emulation_notes(profile, emulation.saturate) + upgrade_notes(emulation)
-                     + _as_exported_note(ref, profile))
+            notes = (emulation_notes(target, emulation.saturate) + upgrade_notes(emulation)
+                     + _as_exported_note(ref, target))
         else:
             cand_proto = anchored(load_model(args.cand, weights="file")).proto
             if scales is None:
                 scales, scale_note = _recorded_scales(ref, cand_proto)
                 notes += scale_note
             stored = _stored_format(cand_proto)
-            fmt_ = profile.format if profile else stored
+            fmt_ = target.fmt if target else stored
             if stored is not None and not args.as_is:
-                from npuprep.verify.widen import emulate_lowered
+                from npuprep.verify.emulate_lowered import emulate_lowered
 
                 # Overflow behaviour comes from the target; without one, IEEE (loud) is assumed.
-                saturate = profile.saturates if profile else False
+                saturate = target.saturates_in(stored) if target else False
                 cand_proto = emulate_lowered(cand_proto, stored, saturate=saturate).model
                 notes += (f"the candidate stores {stored.name}: compared as the target computes it, "
                          f"widened to FP32 with explicit rounding wherever it stores {stored.name} "
@@ -202,7 +205,8 @@ def _vendor(args: argparse.Namespace, ref: Any, samples: Any, profile: Any,
     check = vendor_check(ref.proto, cand.proto, list(samples), vendor=args.with_vendor,
                          python=args.vendor_python, host_scales=host,
                          rtol=1e-2 if args.rtol is None else args.rtol)
-    return with_layers(check, cand, profile or load_profile("rk3588"), f"{args.cand} (accuracy_analysis)")
+    target = profile.resolve() if profile else load_profile("rk3588").resolve()
+    return with_layers(check, cand, target, f"{args.cand} (accuracy_analysis)")
 
 
 def _read_host_scales(path: str) -> dict[str, float]:

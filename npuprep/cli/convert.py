@@ -14,8 +14,10 @@ from npuprep.cli.common import (
     add_target,
     positive_float,
     positive_int,
+    scale_rule,
 )
 from npuprep.errors import NpuprepError
+from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 
 if TYPE_CHECKING:
     from npuprep.calibrate.stats import CalibrationStats
@@ -42,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", help="output path (default: <model>.<target>.onnx here)")
     p.add_argument("--precision", help="compute format to target (default: the profile's); int8 "
                    "or fp8_e4m3 write a QDQ model (Conv/MatMul/Gemm in 8 bits, the rest wider)")
-    p.add_argument("--scale-rule", choices=("absmax", "percentile", "mse"), default="percentile",
+    p.add_argument("--scale-rule", type=scale_rule, choices=tuple(ScaleRule), default=DEFAULT_RULE,
                    help="8-bit activation scales from the calibration statistics (default "
                         "percentile)")
     p.add_argument("--min-8bit-share", type=_percent, default=50.0, metavar="PERCENT",

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         outputs.check()
     index = NodeIndex(model)
     report = read_report(args.report, index, args.report_format)
-    findings = static_findings(model, profile)
+    findings = static_findings(model, run_.target)
     decision = read_decision(args.plan, model, index) if args.plan else None
     if args.stats:
         from npuprep.analyse.measured import measured_findings
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         decision = planner_decision(model, run_.target, stats, findings, index)
     if decision is None:
         report = replace(report, notes=(*report.notes, *_plan_hint(model)))
-    result = crosscheck(model, report, profile, findings=findings, index=index, decision=decision)
+    result = crosscheck(model, report, run_.target, findings=findings, index=index, decision=decision)
     if args.report_md:
         with outputs.open() as files:
             files.text(args.report_md, to_markdown(result))

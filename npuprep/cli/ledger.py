@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from npuprep.errors import NpuprepError
     from npuprep.ledger.ledger import build_ledger
     from npuprep.model_io import anchored, load_model
+    from npuprep.numerics import formats
     from npuprep.output_files import SAMPLE_FILES, OutputPlan
     from npuprep.profiles import load_profile
 
@@ -89,13 +90,23 @@ def run(args: argparse.Namespace) -> int:
         throughput = replace(throughput, peak_tflops={**throughput.peak_tflops, **dict(args.peak)},
                              bandwidth_gbs=args.bandwidth or throughput.bandwidth_gbs)
     pinned = None
+    # The format the plan or the conversion was made for (`--precision bf16`), else the default.
+    precision = None
     if args.plan:
         from npuprep.plan.plan import load_plan
 
-        pinned = sorted(load_plan(args.plan, model).pinned_nodes())
+        plan = load_plan(args.plan, model)
+        pinned, precision = sorted(plan.pinned_nodes()), plan.precision
+    elif converted is not None:
+        from npuprep.ledger.formats import stored_precision
+        from npuprep.provenance import read_conversion
+
+        record = read_conversion(converted.proto)
+        precision = record.precision if record is not None else stored_precision(converted.proto)
+    target = profile.resolve(precision if precision in formats() else None)
     feeds = _feeds(args, model)
     shapes = {k: tuple(v.shape) for k, v in feeds.items()}
-    ledger = build_ledger(model.proto, profile, name=args.model, input_shapes=shapes,
+    ledger = build_ledger(model.proto, target, name=args.model, input_shapes=shapes,
                           throughput=throughput, pinned=pinned,
                           converted=converted.proto if converted else None)
     doc: dict[str, Any] = ledger.to_dict()

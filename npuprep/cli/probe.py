@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from npuprep.cli.common import (
     add_data,
@@ -17,6 +17,13 @@ from npuprep.cli.common import (
     progress_stages,
     say,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
+    import onnx
+
+    from npuprep.model_io import Model
+    from npuprep.probe.layer import LayerProbe
 
 help = "measure how the target overflows (inf, nan, saturate, other): locally or via a board kit"
 
@@ -123,9 +130,8 @@ def _profile(args: argparse.Namespace):
 
 
 def _format(args: argparse.Namespace, profile: Any):
-    from npuprep.numerics import get_format
-
-    return get_format(args.fmt) if args.fmt else profile.format
+    """The format to probe, resolved once: --precision, else the profile's default."""
+    return profile.resolve(args.fmt).fmt
 
 
 def _declared_saturate(profile: Any, fmt_: Any) -> bool | None:
@@ -143,14 +149,14 @@ def _names(args: argparse.Namespace) -> tuple[str, ...] | None:
     return tuple(n.strip() for n in args.probes.split(",") if n.strip()) if args.probes else None
 
 
-def _feeds(args: argparse.Namespace, model: Any) -> dict:
+def _feeds(args: argparse.Namespace, model: Model) -> dict[str, np.ndarray]:
     from npuprep.cli.common import open_samples, synthetic_from_args
 
     samples = open_samples(args, model.proto) or synthetic_from_args(args, model.proto, 1)
     return next(iter(samples))
 
 
-def _data_said(args: argparse.Namespace, proto: Any) -> str:
+def _data_said(args: argparse.Namespace, proto: onnx.ModelProto) -> str:
     """What the layer probe ran on; without --data, one random sample, said so (the verdict
     then speaks of that input, not of the model's real range)."""
     if args.data:
@@ -174,7 +180,7 @@ def _backend(args: argparse.Namespace, profile: Any, fmt_: Any):
                                f"probe {fmt_.name}")
         return RknnBackend(args.vendor_python)
     if args.backend == "emulate":
-        # Unknown is emulated as the loud case (as TargetProfile.saturates does); the note says so.
+        # Unknown is emulated as the loud case (as ResolvedTarget.saturate does); the note says so.
         return EmulateBackend(fmt_, saturate=bool(_declared_saturate(profile, fmt_)))
     return OrtBackend(fmt_, io="fp16" if args.backend == "ort" else "fp32")
 
@@ -291,7 +297,7 @@ def _classify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shown_downstream(layer: Any) -> dict[str, Any] | None:
+def _shown_downstream(layer: LayerProbe | None) -> dict[str, Any] | None:
     """Where the amplified layer's own output stays in range (its weights allow no larger
     gain) but a tensor after it overflows: that tensor's behaviour, which is the probe's
     finding. None when the layer itself overflowed, nothing did, or the model overflows
@@ -314,7 +320,7 @@ def _overall_with_downstream(results: list[Any], downstream: dict[str, Any]) -> 
     return overall(verdicts).to_dict()
 
 
-def _show(args: argparse.Namespace, doc: dict[str, Any], layer: Any) -> None:
+def _show(args: argparse.Namespace, doc: dict[str, Any], layer: LayerProbe | None) -> None:
     if args.json:
         print_json(doc)
         return

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from npuprep import json_io
 from npuprep.errors import NpuprepError
 from npuprep.names import shown
+
+if TYPE_CHECKING:
+    import onnx
 
 help = "render any command's --json (check, calibrate, compare, convert, crosscheck, probe) as one HTML page"
 
@@ -39,8 +42,8 @@ def write_html(result: Any, path: str | Path, *, plots: bool = True,
     return _write(result, path, plots=plots, order=order)
 
 
-def tensor_order(model: Any) -> list[str]:
-    """Every tensor name of `model` (a ModelProto) in topological order, bodies after their
+def tensor_order(model: onnx.ModelProto) -> list[str]:
+    """Every tensor name of `model` in topological order, bodies after their
     graph: graph inputs, then each node's outputs."""
     from npuprep.graph import topological_order, walk_graphs
 

@@ -26,7 +26,7 @@ from npuprep.crosscheck.record import (
     narrowest,
 )
 from npuprep.model_io import Model
-from npuprep.profiles import TargetProfile
+from npuprep.profiles import ResolvedTarget
 
 SCHEMA_VERSION = 1
 VERDICTS = ("ok", "non-finite", "mismatch", "pin-ignored", "unknown", "unmapped", "missing")
@@ -110,7 +110,7 @@ class Crosscheck:
 def crosscheck(
     model: Model,
     report: CompilerReport,
-    profile: TargetProfile,
+    target: ResolvedTarget,
     *,
     findings: Findings | Iterable[Finding] = (),
     pinned_nodes: Iterable[str] = (),
@@ -121,7 +121,9 @@ def crosscheck(
 
     `decision` (a plan or precision file, read by npuprep.crosscheck.plan_view) gives the
     pins with their reasons and the findings its remedies settle; `pinned_nodes` adds pins.
+    A node the report gives no dtype for is assumed to run in `target.fmt`.
     """
+    profile, runs_in = target.profile, target.fmt.name
     index = index or NodeIndex(model)
     pins = dict(decision.pins) if decision is not None else {}
     for n in pinned_nodes:
@@ -167,15 +169,15 @@ def crosscheck(
                      "finding or by a remedy")
     if not report.dtypes_reported:
         notes.append(f"the report gives no dtypes: nodes are assumed to run in the target's "
-                     f"default precision ({profile.default_precision})")
+                     f"precision ({runs_in})")
     compute = set(index.compute_nodes())
     nodes = sorted(set(placed) | compute | set(sensitive) | set(pins),
                    key=lambda n: (index.position.get(n, len(index.position)), n))
-    keeps = decision.precision if decision is not None else profile.default_precision
+    keeps = decision.precision if decision is not None else runs_in
     eight_bit = decision.eight_bit if decision is not None else frozenset()
     for node in nodes:
         verdicts.append(_verdict(node, index, placed.get(node, []), reformats.get(node, []),
-                                 sensitive.get(node, []), pins.get(node, ""), report, profile,
+                                 sensitive.get(node, []), pins.get(node, ""), report, target,
                                  settled.get(node, {}), _keeps(decision, node, keeps),
                                  decision is not None, node in eight_bit))
     wider = [v for v in verdicts if v.evidence.get("wider_than_planned")]
@@ -235,7 +237,7 @@ def _unmapped_reason(record: LayerRecord, name: str) -> str:
 
 def _verdict(node: str, index: NodeIndex, records: list[LayerRecord], reformats: list[LayerRecord],
              found: list[Finding], pin: str, report: CompilerReport,
-             profile: TargetProfile, settled: dict[str, str] | None = None,
+             target: ResolvedTarget, settled: dict[str, str] | None = None,
              keeps: str = "", decided: bool = False, planned_8bit: bool = False) -> Verdict:
     op_type = index.op_types.get(node, "")
     pinned = bool(pin)
@@ -262,7 +264,7 @@ def _verdict(node: str, index: NodeIndex, records: list[LayerRecord], reformats:
                        reason=f"{why}, but no report layer names it (folded, renamed or dropped)")
     runs_in = narrowest([r.precision_of(index.outputs.get(node, ())) for r in records])
     if not runs_in and not report.dtypes_reported:
-        runs_in = profile.default_precision
+        runs_in = target.fmt.name
         evidence["runs_in_assumed"] = True
     flags = tuple(
         f"Reformat layer '{r.layer}' converts to {narrowest(r.out_dtypes)} next to this node"

@@ -29,7 +29,8 @@ from npuprep.formatting import ratio as ratio_text
 from npuprep.graph import attribute, tensor_types, walk_graphs
 from npuprep.model_io import Model
 from npuprep.names import md_code, shown
-from npuprep.profiles import OverflowMode, TargetProfile
+from npuprep.numerics import formats
+from npuprep.profiles import OverflowMode, ResolvedTarget, TargetProfile
 from npuprep.report.story import FATE_TEXT, FATES, Story
 
 SCHEMA_VERSION = 1
@@ -179,7 +180,10 @@ def build_checklist(
     if plan is None and workspace is not None and workspace.plan_path:
         plan = _load_plan(workspace.plan_path, model, notes)
         plan_arg = workspace.plan_path if plan is not None else ""
-    ctx = _Context(model, profile, model_arg, target_arg, ws_arg, stats_arg or f"{ws_arg}/stats.json",
+    # The format the given plan was made for (a `--precision bf16` conversion's), else the default.
+    target = profile.resolve(plan.precision if plan is not None and plan.precision in formats()
+                             else None)
+    ctx = _Context(model, target, model_arg, target_arg, ws_arg, stats_arg or f"{ws_arg}/stats.json",
                    plan_arg or f"{ws_arg}/plan.yaml", workspace)
     from npuprep.analyse import findings_for
     from npuprep.plan.planner import make_plan
@@ -187,7 +191,6 @@ def build_checklist(
 
     # The graph convert plans: a written-out mean folded, no control flow where the target
     # takes none; a given plan was made on it too.
-    target = profile.resolve()
     prepared = prepare_for_target(model, target, stats)
     planned, stats = prepared.model, prepared.stats
     if planned is not model:
@@ -210,7 +213,7 @@ def build_checklist(
     )
     header = (
         f"Model `{model_arg}` (fingerprint `{model.fingerprint}`), target `{profile.name}`: "
-        f"{profile.default_precision} by default, overflow `{profile.overflow}`, FP32 pinning "
+        f"{target.fmt.name} by default, overflow `{profile.overflow}`, FP32 pinning "
         f"`{profile.fp32_pinning}`, compiler {profile.compiler_name or 'unknown'} "
         f"(report format `{profile.report_format}`).",
         f"Workspace: `{ws_arg}`." if workspace else
@@ -223,13 +226,17 @@ def build_checklist(
 @dataclass(frozen=True)
 class _Context:
     model: Model
-    profile: TargetProfile
+    target: ResolvedTarget
     model_arg: str
     target_arg: str
     ws: str
     stats_arg: str
     plan_arg: str
     workspace: Workspace | None
+
+    @property
+    def profile(self) -> TargetProfile:
+        return self.target.profile
 
     def artefact(self, kind: str, same_model: bool) -> tuple[str, dict[str, Any]] | None:
         """The workspace's artefact of `kind`; with `same_model`, only this model's."""
@@ -289,8 +296,8 @@ def _precision_list(ctx: _Context, plan: Any, decision: Any, story: Story, measu
     `plan` is a plan file (reviewed or written by convert); without one, `decision` is the
     planner's own (the item stays open until a plan file exists).
     """
-    p = ctx.profile
-    title = f"Confirm the precision list ({p.default_precision} by default, FP32 where pinned) " \
+    p, fmt = ctx.target.profile, ctx.target.fmt
+    title = f"Confirm the precision list ({fmt.name} by default, FP32 where pinned) " \
             "and that no BF16 reaches the compiler"
     evidence: list[str] = []
     steps: list[str] = []
@@ -300,7 +307,7 @@ def _precision_list(ctx: _Context, plan: Any, decision: Any, story: Story, measu
         shown = ", ".join(f"`{t}`" for t in bf16[:8]) + (" ..." if len(bf16) > 8 else "")
         evidence.append(f"BF16 found in the model ({len(bf16)} tensors: {shown}); BF16 is {verdict}")
         steps.append(f"npuprep convert {ctx.model_arg} --target {ctx.target_arg} --stats {ctx.stats_arg} "
-                     f"-o {ctx.ws}/model_{p.default_precision}.onnx")
+                     f"-o {ctx.ws}/model_{fmt.name}.onnx")
     else:
         evidence.append("no BF16 tensor or Cast to BF16 in the model")
     basis = "measured ranges" if measured else "static rules only: calibrate for measured ranges"
@@ -467,14 +474,14 @@ def _crosscheck(ctx: _Context, have_plan: bool, have_stats: bool) -> Item:
     return Item("crosscheck", title, True, tuple(evidence), fix, failed=not passed)
 
 
-def riskiest_tensors(stats: Any, profile: TargetProfile, top_n: int,
+def riskiest_tensors(stats: Any, target: ResolvedTarget, top_n: int,
                      masks: Iterable[str] = ()) -> list[tuple[str, str, float, float]]:
     """(tensor, producer, absmax, absmax / format max), largest first; non-finite first of all.
 
     `masks` (tensors holding an intentional -inf mask) are left out: they are no risk.
     """
     rows = []
-    fmt_max = profile.format.max
+    fmt_max = target.fmt.max
     skip = set(masks)
     for name, r in stats.tensors.items():
         if name in skip:
@@ -487,23 +494,23 @@ def riskiest_tensors(stats: Any, profile: TargetProfile, top_n: int,
 
 
 def _compare(ctx: _Context, stats: Any, top_n: int, masks: tuple[str, ...] = ()) -> Item:
-    p = ctx.profile
+    p, fmt = ctx.target.profile, ctx.target.fmt
     title = "Compare board and emulation on a fixed batch, layer by layer"
     evidence: list[str] = []
     steps: list[str] = []
     if masks:
         evidence.append(f"{len(masks)} tensors hold an intentional -inf mask (first `{masks[0]}`): "
                         "one warning (range.mask), no risk; check on the board that the mask "
-                        f"value -max ({-p.format.max:g}) survives the compiler")
+                        f"value -max ({-fmt.max:g}) survives the compiler")
     if stats is not None:
-        risky = riskiest_tensors(stats, p, top_n, masks)
-        limit = p.limit()
+        risky = riskiest_tensors(stats, ctx.target, top_n, masks)
+        limit = ctx.target.limit
         listed = "; ".join(
-            (f"`{t}` ({node or 'input'}): absmax {number(absmax)} = {_share(ratio)} {p.format.name} max"
+            (f"`{t}` ({node or 'input'}): absmax {number(absmax)} = {_share(ratio)} {fmt.name} max"
              + (" OVER the safe limit" if absmax > limit else "") if math.isfinite(absmax)
              else f"`{t}` ({node or 'input'}): non-finite values ({number(absmax)})")
             for t, node, absmax, ratio in risky)
-        evidence.append(f"riskiest tensors by abs-max vs {p.format.name} max {p.format.max:g} "
+        evidence.append(f"riskiest tensors by abs-max vs {fmt.name} max {fmt.max:g} "
                         f"(safe limit {limit:g} at headroom {p.headroom:g}): {listed}")
         dump = ", ".join(t for t, *_ in risky)
         steps.append(f"on the board, dump these tensors for the fixed batch: {dump}")

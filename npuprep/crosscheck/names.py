@@ -5,13 +5,7 @@ from __future__ import annotations
 from npuprep.graph import node_label, tensor_types, topological_order, walk_graphs
 from npuprep.model_io import Model
 from npuprep.numerics import FLOAT_ONNX_TYPES
-
-# Ops that hold or forward data without computing a value: their absence from a
-# compiler's report says nothing about precision.
-NON_COMPUTE_OPS = frozenset({
-    "Constant", "Identity", "Shape", "Size", "Reshape", "Flatten", "Squeeze", "Unsqueeze",
-    "ConstantOfShape",
-})
+from npuprep.ops import NON_COMPUTE_OPS
 
 
 class NodeIndex:

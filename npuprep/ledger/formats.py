@@ -14,14 +14,21 @@ from collections.abc import Callable, Mapping
 import onnx
 from onnx import TensorProto, helper
 
-from npuprep.graph import node_label, walk_graphs
-from npuprep.ledger.roofline import BYTES_PER_ELEMENT, MAC_OPS, NodeCost, cast_cost, node_cost
+from npuprep.graph import node_label, tensor_types, walk_graphs
+from npuprep.ledger.roofline import BYTES_PER_ELEMENT, NodeCost, cast_cost, node_cost
+from npuprep.ops import MAC_OPS
 from npuprep.profiles import Throughput
 
 FLOAT_TYPES = {TensorProto.FLOAT: "fp32", TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16"}
 FORMAT_OF_TYPE = {**FLOAT_TYPES, TensorProto.FLOAT8E4M3FN: "fp8_e4m3", TensorProto.FLOAT8E5M2: "fp8_e5m2",
                   TensorProto.INT8: "int8", TensorProto.UINT8: "int8"}
 Shapes = Mapping[str, tuple[int, ...]]
+
+
+def stored_precision(model: onnx.ModelProto) -> str | None:
+    """The low float format a converted model stores (bf16 or fp16); None where it stores none."""
+    stored = {FLOAT_TYPES.get(t) for t in tensor_types(model).values()}
+    return next((f for f in ("bf16", "fp16") if f in stored), None)
 
 
 def _itemsize(elem_type: int | None) -> float:

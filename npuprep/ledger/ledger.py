@@ -16,8 +16,9 @@ import onnx
 
 from npuprep.graph import tensor_types
 from npuprep.ledger.formats import converted_costs, planned_costs
-from npuprep.ledger.roofline import MAC_OPS, Estimate, NodeCost
-from npuprep.profiles import Pinning, TargetProfile, Throughput
+from npuprep.ledger.roofline import Estimate, NodeCost
+from npuprep.ops import MAC_OPS
+from npuprep.profiles import Pinning, ResolvedTarget, TargetProfile, Throughput
 from npuprep.report.flops import node_flops, tensor_shapes
 
 SCHEMA_VERSION = 1
@@ -114,17 +115,19 @@ def _unknown(profile: TargetProfile, throughput: Throughput, costs: Sequence[Nod
     return f"{profile.name} publishes no {', '.join(missing)} (ask the vendor, or set it)"
 
 
-def build_ledger(model: onnx.ModelProto, profile: TargetProfile, *, name: str = "",
+def build_ledger(model: onnx.ModelProto, target: ResolvedTarget, *, name: str = "",
                  input_shapes: Mapping[str, tuple[int, ...]] | None = None,
                  throughput: Throughput | None = None, pinned: Sequence[str] | None = None,
                  converted: onnx.ModelProto | None = None) -> Ledger:
-    """The ledger of the FP32 `model` on `profile`; the converted row from `pinned` (a plan's
-    FP32 nodes, Casts at their borders) or from a `converted` model as written."""
+    """The ledger of the FP32 `model` on `target` in its resolved format (`--precision bf16`
+    rows are BF16's); the converted row from `pinned` (a plan's FP32 nodes, Casts at their
+    borders) or from a `converted` model as written."""
+    profile = target.profile
     tp = throughput or profile.throughput
     shapes = tensor_shapes(model, input_shapes)
     types = tensor_types(model)
     flops = node_flops(model, input_shapes)
-    precision = profile.default_precision
+    precision = target.fmt.name
 
     def uniform(fmt: str) -> Estimate:
         costs = planned_costs(model, lambda n, label: fmt, tp, shapes, types, flops, casts=False)

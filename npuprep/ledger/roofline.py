@@ -14,16 +14,15 @@ from typing import Any
 
 import onnx
 
+from npuprep.ops import GATHER_OPS, NON_COMPUTE_OPS
 from npuprep.profiles import Throughput
 
 BYTES_PER_ELEMENT: dict[str, float] = {
     "fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "int4": 0.5,
 }
-# A compiler turns these into views or folds them at build time: no time on the device.
-FREE_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Shape", "Size",
-                      "Constant", "ConstantOfShape", "DequantizeLinear"})
-MAC_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
-GATHER_OPS = frozenset({"Gather", "GatherElements", "GatherND"})
+# A compiler turns these into views or folds them at build time: no time on the device (a
+# weight's DequantizeLinear is folded into the weight).
+FREE_OPS = NON_COMPUTE_OPS | {"DequantizeLinear"}
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from npuprep.numerics import NumberFormat
 from npuprep.pipeline.result import ConversionResult, SampleUse
 from npuprep.plan import Plan
 from npuprep.plan.decide import Planned
-from npuprep.profiles import Pinning, ResolvedTarget, TargetProfile
+from npuprep.profiles import Pinning, ResolvedTarget
 from npuprep.provenance import record_source
 from npuprep.report.share import fp32_share
 from npuprep.rewrite.apply import apply_plan
@@ -66,7 +66,7 @@ def lower_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     record_source(build.lowered.model, source.fingerprint, build.tensor_scales)
     share = fp32_share(build.rewritten, _fp32_groups(plan, build, stats, target.fmt),
                        limit=max_fp32_share, input_shapes=sample_shapes(samples))
-    ledger = build_ledger(build.rewritten, target.profile, name=source.path,
+    ledger = build_ledger(build.rewritten, target, name=source.path,
                           input_shapes=sample_shapes(samples), pinned=sorted(build.pinned),
                           converted=build.lowered.model).to_dict(nodes=False)
     return ConversionResult(
@@ -134,7 +134,7 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
     # A target that cannot pin runs every node in its format: emulate it so (a PASSED then
     # matches the device) and move output compensations it cannot hold to the host.
     no_pin = profile.fp32_pinning is Pinning.NONE
-    applied, host_scales, host_notes = _host_scales(model, applied, profile, stats, samples) \
+    applied, host_scales, host_notes = _host_scales(model, applied, target, stats, samples) \
         if no_pin else (applied, {}, ())
     pinned = set(plan.pinned_nodes()) | set(applied.fp32_nodes)
     pinned |= {n for n, inp in applied.input_nodes.items() if not _fits_format(stats, inp, fmt)}
@@ -162,7 +162,7 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
                             # The candidate is the emulation of the rewritten model, named by
                             # its source: hashing either would read every weight again.
                             fingerprints=(model.fingerprint, f"{fmt.name}-emulated:{model.fingerprint}"))
-    notes = list(emulation_notes(profile, saturate)) + list(host_notes)
+    notes = list(emulation_notes(target, saturate)) + list(host_notes)
     if no_pin:
         notes.append(f"target {profile.name} cannot pin FP32 (fp32_pinning: none): every node "
                      f"is emulated in {fmt.name}, FP32 islands of the ONNX file included")
@@ -197,7 +197,7 @@ def _folded_at_build(model: Any, lowered: Any) -> set[str]:
     return {n for n in lowered.forced_fp32 if ops.get(n) == "BatchNormalization"}
 
 
-def _host_scales(model: Model, applied: Any, profile: TargetProfile, stats: Any,
+def _host_scales(model: Model, applied: Any, target: ResolvedTarget, stats: Any,
                  samples: Sequence[Feed]) -> tuple[Any, dict[str, float], tuple[str, ...]]:
     """Rescale exits at graph outputs whose true range exceeds the limit leave the device
     scaled (npuprep.plan.host_scale decides, npuprep.rewrite.output_scale rewrites)."""
@@ -209,7 +209,7 @@ def _host_scales(model: Model, applied: Any, profile: TargetProfile, stats: Any,
              if producer.get(o.name) in set(applied.fp32_nodes)]
     if not exits:
         return applied, {}, ()
-    chosen = host_scaled_outputs(exits, _output_absmax(model, stats, samples, exits), profile)
+    chosen = host_scaled_outputs(exits, _output_absmax(model, stats, samples, exits), target)
     current, fp32_nodes = applied.model, list(applied.fp32_nodes)
     scales, host, notes = dict(applied.tensor_scales), {}, []
     for name, why in chosen.items():

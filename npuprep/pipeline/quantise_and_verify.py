@@ -24,9 +24,10 @@ from npuprep.data import Feed
 from npuprep.graph import node_label, weight_bytes
 from npuprep.model_io import Model, WeightScratch
 from npuprep.numerics import EightBitFormat
+from npuprep.ops import QUANTISED_MAC_OPS
 from npuprep.pipeline.result import ConversionResult, EightBitResult, SampleUse
 from npuprep.plan.decide import Planned
-from npuprep.plan.eight_bit import MAC_OPS, LayerPrecision, decide
+from npuprep.plan.layer_precision import LayerPrecision, decide
 from npuprep.profiles import ResolvedTarget
 from npuprep.provenance import record_source
 from npuprep.report.flops import node_flops
@@ -35,7 +36,9 @@ from npuprep.rewrite.apply import apply_plan
 from npuprep.rewrite.lower import Lowered
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.verify.compare import DEFAULT_ATOL, compare_models
-from npuprep.verify.eight_bit import (
+from npuprep.verify.output_check import OutputCheck, check_outputs
+from npuprep.verify.pin_rounds import sample_shapes
+from npuprep.verify.qdq_model import (
     balance_outliers,
     choose_rules,
     eight_bit_nodes,
@@ -44,8 +47,6 @@ from npuprep.verify.eight_bit import (
     rank_layers,
     with_opset,
 )
-from npuprep.verify.output_check import OutputCheck, check_outputs
-from npuprep.verify.pin_rounds import sample_shapes
 from npuprep.verify.widening import widen_in_rounds
 
 # Below this share of 8-bit multiply-adds the model has not been converted to 8 bits.
@@ -193,7 +194,7 @@ def _macs(model: Any, samples: Sequence[Feed]) -> dict[str, int]:
     """Multiply-adds (FLOPs / 2) of every Conv/MatMul/Gemm, at the first sample's sizes."""
     ops = {node_label(n): n.op_type for n in model.graph.node}
     flops = node_flops(model, sample_shapes(samples))
-    return {k: v // 2 for k, v in flops.items() if ops.get(k) in MAC_OPS}
+    return {k: v // 2 for k, v in flops.items() if ops.get(k) in QUANTISED_MAC_OPS}
 
 
 def mac_share(layers: Sequence[LayerPrecision], macs: Mapping[str, int],

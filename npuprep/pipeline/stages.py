@@ -24,7 +24,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from npuprep.calibrate.scales import DEFAULT_RULE
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed, SampleSet
 from npuprep.errors import NpuprepError
@@ -39,6 +38,7 @@ from npuprep.plan.decide import Planned, plan_for
 from npuprep.profiles import ResolvedTarget, TargetProfile
 from npuprep.provenance import ConversionRecord, Gates, Source, record_conversion, stats_fingerprint
 from npuprep.report.share import DEFAULT_MAX_FP32_SHARE
+from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 from npuprep.verify.compare import DEFAULT_ATOL
 from npuprep.verify.vendor import VendorCheck
 
@@ -63,7 +63,7 @@ class Settings:
     max_rounds: int = 3
     max_fp32_share: float = DEFAULT_MAX_FP32_SHARE
     min_8bit_share: float = DEFAULT_MIN_8BIT_SHARE
-    scale_rule: str = DEFAULT_RULE
+    scale_rule: ScaleRule = DEFAULT_RULE
     opset: int | None = None
     top_k: Mapping[str, int] = field(default_factory=dict)
     verify_with: str | None = None  # a vendor toolchain (npuprep.verify.vendor.VENDORS)
@@ -229,7 +229,7 @@ def vendor_check(run: Run) -> Run:
                          python=s.vendor_python, rtol=_rtol(s), host_scales=result.host_scales,
                          bisect=True)
     built = check.fixed_model if check.fixed_model is not None else result.lowered.model
-    check = with_layers(check, _named(built, run.model), result.profile,
+    check = with_layers(check, _named(built, run.model), result.profile.resolve(result.fmt.name),
                         f"{s.verify_with}_error_analysis.txt")
     if check.fixed_model is not None:
         result = _with_vendor_fix(result, check)
@@ -284,7 +284,7 @@ def convert(
     max_rounds: int = 3,
     max_fp32_share: float = DEFAULT_MAX_FP32_SHARE,
     min_8bit_share: float = DEFAULT_MIN_8BIT_SHARE,
-    scale_rule: str = DEFAULT_RULE,
+    scale_rule: ScaleRule = DEFAULT_RULE,
     opset: int | None = None,
     top_k: Mapping[str, int] | None = None,
     verify_with: str | None = None,
@@ -309,7 +309,7 @@ def convert(
     toolchain. The lowered model keeps the model's opset unless `opset` asks for another.
     `progress` is told each stage as it starts (the CLI's spinner)."""
     settings = Settings(
-        precision=precision or profile.default_precision, io_types=io_types, rtol=rtol,
+        precision=profile.precision_of(precision), io_types=io_types, rtol=rtol,
         max_rounds=max_rounds, max_fp32_share=max_fp32_share, min_8bit_share=min_8bit_share,
         scale_rule=scale_rule, opset=opset, top_k={}, verify_with=verify_with,
         vendor_python=vendor_python, jobs=jobs, streams=streams, show_progress=show_progress)
@@ -328,7 +328,7 @@ def draft_plan(model: Model, profile: TargetProfile, samples: Samples | None, *,
                show_progress: bool = False) -> Plan:
     """The plan `convert` would start from (calibrated on every sample: nothing is held
     out, since nothing is verified): what `npuprep convert --plan-only` writes."""
-    settings = Settings(precision=precision or profile.default_precision, jobs=jobs,
+    settings = Settings(precision=profile.precision_of(precision), jobs=jobs,
                         streams=streams, show_progress=show_progress)
     if samples is None and stats == CALIBRATE:
         stats = None

@@ -13,6 +13,7 @@ from typing import Any
 import onnx
 
 from npuprep.analyse.finding import Finding
+from npuprep.analyse.precision import INHERITED_ERROR
 from npuprep.graph import (
     consumers,
     node_label,
@@ -23,15 +24,16 @@ from npuprep.graph import (
 )
 from npuprep.model_io import Model
 from npuprep.numerics import NumberFormat
-from npuprep.ops import ADDITIVE, CARRIES_MAGNITUDE, LINEAR_WITH_WEIGHTS
+from npuprep.ops import ADDITIVE, CARRIES_MAGNITUDE, MAC_OPS
 from npuprep.plan.actions import Action, Clamp, Declined, FindingRef, PinFp32, Rescale, SoftmaxShift
-from npuprep.profiles import TargetProfile
+from npuprep.profiles import ResolvedTarget, TargetProfile
 
 # Relative error an Exp output may inherit from the rounding of its input: |x| >= 32
-# in FP16 (a step of 2^-5 there) is past it. Below that the error stays under the default
-# 1% verification threshold and pinning the producer (often a big matmul) would cost more
-# than it buys; verification still pins it when the outputs say otherwise.
-EXP_INPUT_ERROR = 2.0**-7
+# in FP16 (a step of 2^-5 there) is past it, |x| >= 4 in BF16. Below that the error stays
+# under the default 1% verification threshold and pinning the producer (often a big matmul)
+# would cost more than it buys; verification still pins it when the outputs say otherwise.
+# The same bound as a cancellation's (npuprep.analyse.precision).
+EXP_INPUT_ERROR = INHERITED_ERROR
 # Rules whose evidence is a measured range on one tensor.
 RANGE_RULES = ("range.overflow", "range.headroom")
 
@@ -43,8 +45,9 @@ Outcome = Action | list[Action] | tuple[Declined, ...] | None
 @dataclass(frozen=True)
 class Problem:
     """One finding to answer. `kind`: `overflow` (a measured tensor past the limit),
-    `static` (a rule's remedy, nothing measured), `weights` (a constant beyond the format)
-    or `underflow`. `absmax` is the measured (or worst constant) magnitude, None unmeasured;
+    `static` (a rule's remedy, nothing measured), `weights` (a constant beyond the format),
+    `underflow`, or `precision` (within range, but the format's significand is too short
+    there: a cancellation, a softmax's logits too coarse for exp). `absmax` is the measured (or worst constant) magnitude, None unmeasured;
     `seeds` are the nodes a static rule asks to pin."""
 
     finding: Finding
@@ -60,8 +63,7 @@ class PlanContext:
     """The planning state for one model: graph index, measurements, actions so far."""
 
     model: Model
-    profile: TargetProfile
-    fmt: NumberFormat
+    target: ResolvedTarget
     stats: Any
     forbid: frozenset[str]
     rescales: list[Rescale] = field(default_factory=list)
@@ -75,7 +77,9 @@ class PlanContext:
     checks: dict[tuple[str, int], Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.limit = self.profile.limit(self.fmt)
+        self.profile: TargetProfile = self.target.profile
+        self.fmt: NumberFormat = self.target.fmt
+        self.limit = self.target.limit
         self.nodes: dict[str, tuple[onnx.NodeProto, onnx.GraphProto, str]] = {}
         self.order: dict[str, int] = {}
         self.produced_by: dict[str, onnx.NodeProto] = {}
@@ -167,11 +171,13 @@ class PlanContext:
         value = r.fraction_below(bound) if below else r.fraction_above(bound)
         return None if value is None else float(value)
 
-    def precise_producers(self, tensors: list[str], members: set[str]) -> list[str]:
+    def precise_producers(self, tensors: list[str], members: set[str],
+                          tolerance: float = EXP_INPUT_ERROR) -> list[str]:
         """Producers (outside `members`) of `tensors`, and through additive ops of what is
         summed into them, whose rounding to the target would be an absolute error above
-        EXP_INPUT_ERROR: an Exp reading them turns it into that relative error. Elementwise
-        producers only: Conv/MatMul/Gemm are left to verification."""
+        `tolerance`: EXP_INPUT_ERROR for an Exp, which turns it into that relative error; a
+        cancellation's output scale times it for a Sub. Elementwise producers only:
+        Conv/MatMul/Gemm are left to verification."""
         todo = list(tensors)
         extra: list[str] = []
         seen: set[str] = set()
@@ -185,9 +191,9 @@ class PlanContext:
             seen.add(tensor)
             label = node_label(node)
             half_step = 2.0 ** top * self.fmt.eps / 2
-            if label in members or label in extra or half_step <= EXP_INPUT_ERROR:
+            if label in members or label in extra or half_step <= tolerance:
                 continue
-            if node.op_type in LINEAR_WITH_WEIGHTS:
+            if node.op_type in MAC_OPS:
                 # A matmul runs in FP32 only for range, never for this precision: its
                 # output's rounding stays, and verification measures what it costs.
                 continue

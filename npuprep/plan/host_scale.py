@@ -19,21 +19,21 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from npuprep.profiles import Pinning, TargetProfile
+from npuprep.profiles import Pinning, ResolvedTarget
 
 
 def host_scaled_outputs(exits: Iterable[str], absmax: Mapping[str, float],
-                        profile: TargetProfile) -> dict[str, str]:
+                        target: ResolvedTarget) -> dict[str, str]:
     """Outputs (among rescale exits) to leave scaled on the device, each with the reason.
 
     Only for targets that cannot pin, and only where the output's true range exceeds the
-    profile's safe limit or lies wholly under the format's smallest normal (an all-zero
+    target's safe limit or lies wholly under the format's smallest normal (an all-zero
     output needs nothing): an output that fits keeps its compensation on the device.
     """
+    profile, limit, fmt = target.profile, target.limit, target.fmt
     if profile.fp32_pinning is not Pinning.NONE:
         return {}
-    limit, fmt = profile.limit(), profile.format
-    runs = f"target {profile.name} runs the compensating Mul in {profile.default_precision}"
+    runs = f"target {profile.name} runs the compensating Mul in {fmt.name}"
     chosen = {}
     for name in exits:
         top = absmax.get(name, 0.0)

@@ -15,7 +15,7 @@ from dataclasses import replace
 import onnx
 
 from npuprep.graph import node_label
-from npuprep.ops import LINEAR_WITH_WEIGHTS, MAKES_MAGNITUDE
+from npuprep.ops import MAC_OPS, MAKES_MAGNITUDE
 from npuprep.plan.actions import Declined, PinFp32
 from npuprep.plan.context import RANGE_RULES, Outcome, PlanContext, Problem
 from npuprep.profiles import Pinning, Severity
@@ -24,6 +24,8 @@ from npuprep.rewrite.pin import Island, grow_island, island_of, merge_islands
 
 def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outcome:
     f, ref, tensor = problem.finding, problem.ref, problem.tensor
+    if problem.kind == "precision":
+        return None  # within range: plan.precision keeps it exact, no island to grow
     if problem.kind == "static" and f.remedy != "pin_fp32":
         return None
     if problem.kind == "underflow" and f.severity < Severity.ERROR:
@@ -35,7 +37,7 @@ def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outc
         # profile calls this an error, and never takes a matmul for it.
         if f.severity < Severity.ERROR:
             return None
-        linear = [s for s in seeds if ctx.node(s).op_type in LINEAR_WITH_WEIGHTS]
+        linear = [s for s in seeds if ctx.node(s).op_type in MAC_OPS]
         if linear:
             return (Declined("pin_fp32", tensor, (
                 f"{tensor} (absmax {problem.absmax:.6g}) fits {ctx.fmt.name} (max "
@@ -74,7 +76,7 @@ def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outc
         why += (f"; {', '.join(precise)} join the island: Exp turns the {ctx.fmt.name} "
                 "rounding of its input into a relative error of its output")
     linear = [n for n in sorted(members, key=ctx.order.__getitem__)
-              if ctx.node(n).op_type in LINEAR_WITH_WEIGHTS and n not in seeds and n not in precise]
+              if ctx.node(n).op_type in MAC_OPS and n not in seeds and n not in precise]
     for n in linear:
         over = [i for i in ctx.node(n).input if i and not ctx.representable(i)]
         why += (f"; {ctx.node(n).op_type} {n} joins: its input {', '.join(over)} cannot be "
@@ -112,7 +114,7 @@ def _grow(ctx: PlanContext, seeds: list[str]) -> list[Island]:
 def _may_join(ctx: PlanContext, label: str, tensor: str) -> bool:
     """A Conv/MatMul/Gemm joins an island only when the tensor it reads does not fit the
     format at all; elementwise and reduction nodes join whenever the tensor is past the limit."""
-    if ctx.node(label).op_type not in LINEAR_WITH_WEIGHTS:
+    if ctx.node(label).op_type not in MAC_OPS:
         return True
     return not ctx.representable(tensor)
 
@@ -181,7 +183,7 @@ def merged_pins(ctx: PlanContext) -> list[PinFp32]:
     grown = [i for group in grown for i in group]
     merged = merge_islands(ctx.model.proto, grown, ctx.fits, types=ctx.types)
     if any(set(m.nodes) & ctx.forbid for m in merged) or any(
-            ctx.node(n).op_type in LINEAR_WITH_WEIGHTS and n not in _planned(ctx)
+            ctx.node(n).op_type in MAC_OPS and n not in _planned(ctx)
             for m in merged for n in m.nodes):
         # Bridging pulled in a forbidden node or a matmul: merge only what touches.
         merged = merge_islands(ctx.model.proto, grown, ctx.fits, max_gap=0, types=ctx.types)

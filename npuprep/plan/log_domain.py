@@ -15,7 +15,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import onnx
+
 from npuprep.graph import constant_value, node_label
+from npuprep.ops import LAYOUT_OPS
 from npuprep.plan.actions import Clamp, Declined, PinFp32, Rescale
 from npuprep.plan.context import Outcome, PlanContext, Problem
 from npuprep.plan.rescale_domain import (
@@ -32,10 +35,10 @@ from npuprep.profiles import Pinning
 from npuprep.rewrite.rescale import check_rescale
 
 # Ops a power spectrum passes through on its way to the Log; the scale rides along.
-CHAIN_OPS = frozenset({
+CHAIN_OPS = LAYOUT_OPS | {
     "Add", "Sum", "Max", "Clip", "Mul", "Pow", "Sqrt", "ReduceSum", "ReduceMean", "MatMul",
-    "Reshape", "Transpose", "Slice", "Concat", "Abs", "Identity", "Squeeze", "Unsqueeze",
-})
+    "Slice", "Concat", "Abs",
+}
 # How many nodes past the overflowing tensor the Log may sit.
 MAX_CHAIN = 12
 
@@ -76,7 +79,7 @@ def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outc
         + out.why))
 
 
-def _wide_chain(ctx: PlanContext, problem: Problem, log: Any, span: str) -> list[Any]:
+def _wide_chain(ctx: PlanContext, problem: Problem, log: onnx.NodeProto, span: str) -> list[Any]:
     """[Rescale, PinFp32]: the squares..Log chain kept FP32, and what feeds the squares (an
     STFT's re and im) scaled into the target format, so the transform that makes them stays
     in it; [] when the chain cannot be told apart, the target cannot pin or no scale holds."""
@@ -117,7 +120,7 @@ def _wide_chain(ctx: PlanContext, problem: Problem, log: Any, span: str) -> list
     return []
 
 
-def _floored_in_fp16(ctx: PlanContext, problem: Problem, log: Any, span: str) -> list[Any]:
+def _floored_in_fp16(ctx: PlanContext, problem: Problem, log: onnx.NodeProto, span: str) -> list[Any]:
     """[Rescale, Clamp] for a target that cannot pin: the chain scaled into the format and
     the Log input floored at the smallest subnormal (a value flushed to 0 would give -inf).
     Exact above that floor; below it (digital silence, the model's own floor) the log reads
@@ -161,7 +164,7 @@ def _out_of_range(ctx: PlanContext, entry: str, k: int, t: str, p: int) -> bool:
     return r is None or r.absmax * 2.0**p > ctx.limit or bool(underflow_veto(ctx, entry, k, t, p, r))
 
 
-def _chain_back(ctx: PlanContext, log: Any) -> tuple[set[str], list[str]]:
+def _chain_back(ctx: PlanContext, log: onnx.NodeProto) -> tuple[set[str], list[str]]:
     """The nodes from the squares to `log` (through CHAIN_OPS) and the squared tensors."""
     chain: set[str] = {node_label(log)}
     sources: list[str] = []
@@ -178,7 +181,7 @@ def _chain_back(ctx: PlanContext, log: Any) -> tuple[set[str], list[str]]:
     return chain, sorted(set(sources))
 
 
-def _is_square(ctx: PlanContext, node: Any) -> bool:
+def _is_square(ctx: PlanContext, node: onnx.NodeProto) -> bool:
     if node.op_type == "Mul":
         return len(node.input) == 2 and node.input[0] == node.input[1]
     if node.op_type != "Pow" or len(node.input) < 2:

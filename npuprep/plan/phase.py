@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from npuprep.calibrate.stats import RangeStats
 from npuprep.graph import node_label
+from npuprep.ops import PASSTHROUGH_OPS
 from npuprep.plan.actions import PinFp32
 from npuprep.plan.context import PlanContext
 from npuprep.profiles import Pinning
@@ -20,9 +21,7 @@ from npuprep.profiles import Pinning
 PHASE_ERROR = 2.0**-8
 PERIODIC = frozenset({"Sin", "Cos"})
 # Ops a phase is computed with: the product with the frequencies, shifts, reshapes, casts.
-PHASE_OPS = frozenset({"Mul", "Add", "Sub", "Div", "Neg", "Exp", "Unsqueeze", "Squeeze",
-                       "Reshape", "Expand", "Cast", "Identity", "Concat", "Transpose", "Flatten",
-                       "Tile"})
+PHASE_OPS = PASSTHROUGH_OPS | {"Mul", "Add", "Sub", "Div", "Neg", "Exp", "Concat", "Tile"}
 # At most this many producers join a phase's pin (a phase is a few nodes from its inputs).
 MAX_PRODUCERS = 16
 

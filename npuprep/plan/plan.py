@@ -25,7 +25,7 @@ from npuprep.plan.actions import (
     Rescale,
     SoftmaxShift,
 )
-from npuprep.plan.eight_bit import LayerPrecision
+from npuprep.plan.layer_precision import LayerPrecision
 from npuprep.yaml_io import YamlReader, read_yaml, type_name
 
 SCHEMA_VERSION = 1

@@ -2,7 +2,9 @@
 
 The remedies, one file each, in the order written once in REMEDIES: the softmax shift
 (exact rewrite), a rescale absorbed by a Log (a power spectrum's), a power-of-two rescale of the tensor's scale domain, the underflow
-scale-up, an FP32 island, a clamp. Each proposes an action or declines with a reason; the
+scale-up, a cancellation kept FP32 (precision), an FP32 island, a clamp. Problems are of the
+resolved format: its range (overflow, headroom, underflow) and its precision (a
+cancellation, a softmax's logits too coarse for exp: BF16's hazards, where the range fits). Each proposes an action or declines with a reason; the
 reasons of the declined ones travel into the chosen action's why, or into a note when
 none holds. Findings that measurement shows safe get a note instead of an action. The
 planner reads the graph; it never changes it.
@@ -16,7 +18,16 @@ from typing import Any
 from npuprep.analyse.finding import Finding, Findings
 from npuprep.model_io import Model
 from npuprep.ops import MAKES_MAGNITUDE
-from npuprep.plan import clamp, island, log_domain, phase, rescale_domain, softmax_shift, underflow
+from npuprep.plan import (
+    clamp,
+    island,
+    log_domain,
+    phase,
+    precision,
+    rescale_domain,
+    softmax_shift,
+    underflow,
+)
 from npuprep.plan.actions import FindingRef
 from npuprep.plan.context import EXP_INPUT_ERROR, RANGE_RULES, Outcome, PlanContext, Problem
 from npuprep.plan.plan import Plan
@@ -26,7 +37,7 @@ Remedy = Callable[[PlanContext, Problem, tuple[str, ...]], Outcome]
 # Cheapest exact first; each remedy decides which kinds of problem it answers.
 REMEDIES: tuple[Remedy, ...] = (
     softmax_shift.propose, log_domain.propose, rescale_domain.propose, underflow.propose,
-    island.propose, clamp.propose,
+    precision.propose, island.propose, clamp.propose,
 )
 _DECLINED_AS = {"softmax_shift": "softmax shift", "rescale": "rescale", "pin_fp32": "FP32 pin",
                 "clamp": "clamp"}
@@ -47,7 +58,7 @@ def make_plan(
     `forbid_pin` names nodes no FP32 island may contain.
     """
     profile, fmt = target.profile, target.fmt
-    ctx = PlanContext(model, profile, fmt, stats, frozenset(forbid_pin))
+    ctx = PlanContext(model, target, stats, frozenset(forbid_pin))
     for f in sorted(findings, key=ctx.order_key):
         _handle(ctx, f)
     if stats is not None:
@@ -113,6 +124,12 @@ def _handle(ctx: PlanContext, f: Finding) -> None:
     if f.rule == "init.out_of_range":
         _weights(ctx, f, ref)
         return
+    if f.rule.startswith("precision.") and f.tensor:
+        if not ctx.attach(ref, f.tensor):
+            r = ctx.range_of(f.tensor)
+            solve(ctx, Problem(f, ref, f.tensor, "precision", None if r is None else
+                               float(r.absmax), (f.node,)))
+        return
     if f.rule.startswith("init."):
         if f.severity >= Severity.WARNING:
             ctx.notes.append(f"{ref}: no plan action; lowering rounds this constant "
@@ -155,7 +172,10 @@ def _measured(ctx: PlanContext, f: Finding, ref: FindingRef, tensor: str) -> Non
                          f"{r.inf_count} Inf values; no precision change can fix that")
         return
     if r is not None and r.absmax <= ctx.limit:
-        ctx.notes.append(_safe_note(ctx, f, ref, r.absmax))
+        problem = Problem(f, ref, tensor, "precision", float(r.absmax))
+        # In range; a softmax's logits may still be too coarse in the format for exp.
+        if not (softmax_shift.too_coarse(ctx, problem) and solve(ctx, problem)):
+            ctx.notes.append(_safe_note(ctx, f, ref, r.absmax))
         return
     solve(ctx, Problem(f, ref, tensor, "overflow", None if r is None else float(r.absmax)))
 

@@ -16,11 +16,13 @@ from typing import Any
 
 import onnx
 
+from npuprep.calibrate.stats import RangeStats
 from npuprep.graph import constant_value, node_label
-from npuprep.ops import LINEAR_WITH_WEIGHTS, SCALE_INVARIANT_NORMS, SCALE_WALK_BACK
+from npuprep.ops import MAC_OPS, SCALE_INVARIANT_NORMS, SCALE_WALK_BACK
 from npuprep.plan.actions import Declined, FindingRef, Rescale
 from npuprep.plan.context import Outcome, PlanContext, Problem
 from npuprep.rewrite.rescale import apply_rescale, check_rescale
+from npuprep.rewrite.scale_domain import RescaleCheck
 
 # A rescale is declined when it would push more than this share of a domain tensor's
 # values below the target's smallest normal (where they lose precision or flush to 0).
@@ -163,7 +165,7 @@ def pushed_constant(ctx: PlanContext, entry: str, k: int) -> str:
             f"{ctx.fmt.name}'s max {ctx.fmt.max:.6g}: lowering would keep their nodes FP32")
 
 
-def underflow_veto(ctx: PlanContext, entry: str, k: int, t: str, p: int, r: Any) -> str:
+def underflow_veto(ctx: PlanContext, entry: str, k: int, t: str, p: int, r: RangeStats) -> str:
     """Why scaling `t` by 2^p flushes too much of it, or "" when it does not."""
     if p >= 0:
         return ""
@@ -195,7 +197,7 @@ def underflow_veto(ctx: PlanContext, entry: str, k: int, t: str, p: int, r: Any)
             f"{fmt.name} normal ({fmt.min_normal:.3g})")
 
 
-def rescale_action(ctx: PlanContext, entry: str, check: Any, refs: tuple[FindingRef, ...],
+def rescale_action(ctx: PlanContext, entry: str, check: RescaleCheck, refs: tuple[FindingRef, ...],
                    tensor: str, absmax: float, how: str) -> Rescale:
     k = check.k
     domain = {t: p for t, p in sorted(check.exponents.items()) if p != 0}
@@ -241,10 +243,10 @@ def entries_for(ctx: PlanContext, tensor: str) -> tuple[list[str], str]:
             # join): the domain can start on that tensor, behind an exact Mul.
             candidates.append(current)
             return candidates, ""
-        past_entry = entry and node.op_type in LINEAR_WITH_WEIGHTS | set(SCALE_INVARIANT_NORMS)
+        past_entry = entry and node.op_type in MAC_OPS | set(SCALE_INVARIANT_NORMS)
         if entry:
             candidates.append(label)
-        if entry and node.op_type in LINEAR_WITH_WEIGHTS | set(SCALE_INVARIANT_NORMS):
+        if entry and node.op_type in MAC_OPS | set(SCALE_INVARIANT_NORMS):
             follow: tuple[int, ...] | None = (0,) if constant_value(graph, node.input[0]) is None \
                 else (1,)
         else:
@@ -265,7 +267,7 @@ def entries_for(ctx: PlanContext, tensor: str) -> tuple[list[str], str]:
 
 def is_entry(ctx: PlanContext, node: onnx.NodeProto) -> bool:
     graph = ctx.nodes[node_label(node)][1]
-    if node.op_type in LINEAR_WITH_WEIGHTS or SCALE_INVARIANT_NORMS.get(node.op_type):
+    if node.op_type in MAC_OPS or SCALE_INVARIANT_NORMS.get(node.op_type):
         return len(node.input) > 1 and constant_value(graph, node.input[1]) is not None
     return node.op_type in ("Mul", "Div") and has_constant_input(ctx, node)
 

@@ -18,7 +18,7 @@ from npuprep.rewrite.softmax_shift import find_written_softmax
 
 
 def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outcome:
-    if problem.kind not in ("overflow", "static"):
+    if problem.kind not in ("overflow", "static", "precision"):
         return None
     exp = _exp_of(ctx, problem)
     if not exp:
@@ -63,6 +63,17 @@ def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outc
                   why=(f"the softmax input {found.x} is shifted in FP32: its {ctx.fmt.name} "
                        "rounding would be a relative error of exp's output"))
     return [shift, pin]
+
+
+def too_coarse(ctx: PlanContext, problem: Problem) -> bool:
+    """A written-out softmax whose logits the format rounds too coarsely for exp, though
+    nothing overflows (BF16: |x| >= 4 has a step of 2^-5): a precision problem this remedy
+    answers with the same shift, in FP32."""
+    exp = _exp_of(ctx, problem)
+    found = find_written_softmax(ctx.model.proto, exp) if exp else None
+    if not found:
+        return False
+    return bool(ctx.precise_producers([found.x], set())) or _coarse_input(ctx, found.x)
 
 
 def _coarse_input(ctx: PlanContext, x: str) -> bool:

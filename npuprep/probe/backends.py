@@ -9,7 +9,7 @@ precision (None: lower `probe.reference` yourself); `probe.feeds` holds FP32 inp
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import onnx
@@ -17,6 +17,7 @@ from onnx import TensorProto, helper
 
 from npuprep.errors import NpuprepError
 from npuprep.graph import tensor_types
+from npuprep.model_io import WeightScratch
 from npuprep.numerics import NumberFormat
 from npuprep.probe.micro import ProbeModel
 
@@ -149,7 +150,8 @@ def store_outputs(model: onnx.ModelProto, fmt: NumberFormat) -> onnx.ModelProto:
     return out
 
 
-def lower_model(model: onnx.ModelProto, fmt: NumberFormat, scratch: Any = None) -> onnx.ModelProto:
+def lower_model(model: onnx.ModelProto, fmt: NumberFormat,
+                scratch: WeightScratch | None = None) -> onnx.ModelProto:
     """The model in `fmt` with FP32 inputs and outputs: npuprep.rewrite.lower where present.
     `scratch` (a WeightScratch the caller keeps alive) holds its large lowered weights."""
     try:

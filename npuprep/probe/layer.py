@@ -27,13 +27,12 @@ from npuprep.graph import (
 )
 from npuprep.model_io import WeightScratch
 from npuprep.numerics import NumberFormat
+from npuprep.ops import MAC_WEIGHT_INPUTS
 from npuprep.probe.backends import Backend, output_info
 from npuprep.probe.classify import Classification, Verdict, classify
 from npuprep.probe.micro import ProbeModel
 from npuprep.probe.runner import ProbeResult, reference_outputs
 
-# Weight (and bias) input positions of the linear ops the probe amplifies.
-WEIGHT_INPUTS = {"Conv": (1, 2), "ConvTranspose": (1, 2), "Gemm": (1, 2), "MatMul": (1,)}
 # Amplified weights stay below this fraction of max, so the weights themselves never overflow.
 WEIGHT_LIMIT = 0.5
 # "Clearly crosses": the raised gain aims at this multiple of the overflow threshold.
@@ -59,9 +58,9 @@ def pick_layer(model: onnx.ModelProto, layer: str | None = None) -> LayerChoice:
     graph = model.graph
     candidates = []
     for node in topological_order(graph):
-        if node.op_type not in WEIGHT_INPUTS:
+        if node.op_type not in MAC_WEIGHT_INPUTS:
             continue
-        positions = WEIGHT_INPUTS[node.op_type]
+        positions = MAC_WEIGHT_INPUTS[node.op_type]
         if node.op_type == "MatMul" and constant_value(graph, node.input[1]) is None:
             positions = (0,)
         weights = tuple(node.input[p] for p in positions

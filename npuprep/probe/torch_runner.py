@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -49,7 +50,7 @@ def torch_format() -> TorchFormat:
     return TorchFormat("fp16", float(fi.max), float(fi.eps))
 
 
-def _ops(torch: Any) -> dict[str, Callable[..., Any]]:
+def _ops(torch: ModuleType) -> dict[str, Callable[..., Any]]:
     """Each micro-probe's op, taking the design's inputs then weights, as in the ONNX graph."""
     f = torch.nn.functional
     return {

@@ -161,12 +161,13 @@ ATTRIBUTED_SHOWN = 10
 
 
 def _attribution_lines(result: dict[str, Any]) -> list[str]:
-    """Per round that traced a precision failure: the layers by their own FP16 error."""
+    """Per round that traced a precision failure: the layers by their own error in the format."""
     total = max((result.get("fp32_share") or {}).get("total_flops") or 0, 1)
     lines: list[str] = []
     for traced in result.get("error_attribution") or []:
         layers = traced["layers"]
-        lines += ["", f"## Where the FP16 error comes from (round {traced['round']})", "",
+        fmt = str(traced.get("format") or "fp16").upper()
+        lines += ["", f"## Where the {fmt} error comes from (round {traced['round']})", "",
                   f"Each of {len(layers)} nodes rounded alone, the rest FP32, on "
                   f"{traced['samples']} sample(s); a share is of the layers' summed squared "
                   "error (independent roundings add up in it). Pinned after this round: "

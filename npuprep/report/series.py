@@ -106,18 +106,20 @@ def precision_of(result: Mapping[str, Any]) -> str:
 
 
 def limits(result: Mapping[str, Any]) -> tuple[Limit, ...]:
-    """FP16's max finite and min normal always; headroom x max of the compute format (FP16 when that is
-    wider) when the profile gives a headroom; the FP8 max when FP8 is the compute format."""
+    """The stored format's max finite and min normal (BF16's for a BF16 run, else FP16's);
+    headroom x max of the compute format (FP16 when that is wider, BF16 aside) when the profile
+    gives a headroom; the FP8 max when FP8 is the compute format."""
     fp16 = get_format("fp16")
-    out = [Limit(f"fp16 max {fp16.max:.0f}", float(fp16.max), "max"),
-           Limit(f"fp16 min normal {fp16.min_normal:.3g} (below: subnormal, then 0)",
-                 float(fp16.min_normal), "min_normal")]
     try:
         fmt = get_format(precision_of(result))
     except NpuprepError:  # int8 or an unknown name: judged against FP16
         fmt = fp16
-    if fmt.max > fp16.max:  # fp32/bf16 compute: FP16 is still the range that matters here
+    if fmt.max > fp16.max and fmt.name != "bf16":  # fp32 compute: FP16 is the range that matters
         fmt = fp16
+    stored = fmt if fmt.name == "bf16" else fp16
+    out = [Limit(f"{stored.name} max {stored.max:g}", float(stored.max), "max"),
+           Limit(f"{stored.name} min normal {stored.min_normal:.3g} (below: subnormal, then 0)",
+                 float(stored.min_normal), "min_normal")]
     if fmt.name.startswith("fp8"):
         out.append(Limit(f"{fmt.name} max {fmt.max:g}", float(fmt.max), "fp8"))
     headroom = number(profile_of(result).get("headroom"))

@@ -14,7 +14,7 @@ from typing import Any
 import onnx
 
 from npuprep.graph import node_label, walk_graphs
-from npuprep.ops import LINEAR_WITH_WEIGHTS
+from npuprep.ops import MAC_OPS
 from npuprep.report.flops import node_flops
 
 # The default largest share of FLOPs `convert` lets stay FP32 before it fails.
@@ -112,7 +112,7 @@ def fp32_share(model: onnx.ModelProto,
     flops = node_flops(model, input_shapes)
     ops = {node_label(n): n.op_type for s in walk_graphs(model.graph) for n in s.graph.node}
     total = sum(flops.values())
-    macs = {k: v for k, v in flops.items() if ops.get(k) in LINEAR_WITH_WEIGHTS}
+    macs = {k: v for k, v in flops.items() if ops.get(k) in MAC_OPS}
     total_macs = sum(macs.values())
     seen: set[str] = set()
     islands: list[IslandCost] = []

@@ -21,11 +21,11 @@ from npuprep.analyse.finding import Finding, is_sensitive
 from npuprep.formatting import number
 from npuprep.graph import node_label, producers, walk_graphs
 from npuprep.model_io import Model
-from npuprep.numerics import formats, get_format
+from npuprep.numerics import formats
 from npuprep.plan.actions import Clamp, FindingRef, PinFp32, Rescale, SoftmaxShift
 from npuprep.plan.host_scale import host_scaled_outputs
 from npuprep.plan.plan import Plan
-from npuprep.profiles import TargetProfile
+from npuprep.profiles import ResolvedTarget, TargetProfile
 
 _ABSMAX = re.compile(r"absmax (-?(?:inf|nan|[0-9.]+(?:e[-+]?[0-9]+)?))")
 # Most telling first: a node with several findings shows the fate that matters most.
@@ -97,7 +97,8 @@ def plan_story(model: Model, profile: TargetProfile, plan: Plan, findings: Itera
                stats: Any = None) -> Story:
     """Each node the findings flag or the plan pins, with what `plan` does there, in graph order."""
     index = _Index(model)
-    limit = profile.limit(get_format(plan.precision if plan.precision in formats() else "fp16"))
+    # The plan records the format it was made for; an 8-bit plan's float part is FP16.
+    target = profile.resolve(plan.precision if plan.precision in formats() else "fp16")
     pinned = plan.pinned_nodes()
     flagged: dict[str, list[Finding]] = {n: [] for n in pinned}
     masks: list[str] = []
@@ -111,7 +112,7 @@ def plan_story(model: Model, profile: TargetProfile, plan: Plan, findings: Itera
         for member in dict.fromkeys([node, *f.evidence.get("members", ())]):
             if member in index.op_types:
                 flagged.setdefault(member, []).append(f)
-    judge = _Judge(plan, profile, stats, limit, index)
+    judge = _Judge(plan, target, stats, index)
     stories = []
     for node in sorted(flagged, key=index.key):
         found = flagged[node]
@@ -152,9 +153,9 @@ class _Index:
 class _Judge:
     """Reads the plan's decision on one finding: the action naming it, else its note."""
 
-    def __init__(self, plan: Plan, profile: TargetProfile, stats: Any, limit: float,
-                 index: _Index) -> None:
-        self.plan, self.profile, self.stats, self.limit, self.index = plan, profile, stats, limit, index
+    def __init__(self, plan: Plan, target: ResolvedTarget, stats: Any, index: _Index) -> None:
+        self.plan, self.target, self.stats, self.index = plan, target, stats, index
+        self.limit = target.limit
         self.by_ref: dict[FindingRef, Any] = {}
         for a in plan.actions:
             for ref in a.findings:
@@ -215,7 +216,7 @@ class _Judge:
                  f"(limit {number(self.limit)})"
         exits = [t for t in rs.domain if t in self.index.outputs]
         true = {t: a for t in exits if (a := self.absmax(t)) is not None}
-        hosted = host_scaled_outputs(exits, true, self.profile)
+        hosted = host_scaled_outputs(exits, true, self.target)
         if hosted:
             return "host-scaled", detail + f"; {', '.join(sorted(hosted))} leaves scaled"
         return "rescaled", detail

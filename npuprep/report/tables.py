@@ -180,12 +180,14 @@ def outputs_table(result: Mapping[str, Any]) -> Table | None:
 
 
 def attribution_table(result: Mapping[str, Any]) -> Table | None:
-    """convert's error attribution: per round, each layer's own FP16 error, its share of the
+    """convert's error attribution: per round, each layer's own error in the run's format, its share of the
     layers' summed squared error and of the FLOPs, and whether the round pinned it."""
     share = result.get("fp32_share")
     total = _num(share, "total_flops") if isinstance(share, Mapping) else None
     rows = []
+    fmt = "FP16"
     for traced in _dicts(result.get("error_attribution")):
+        fmt = str(traced.get("format") or "fp16").upper()
         pinned = set(traced.get("pinned") or ())
         kept = "dropped" if traced.get("dropped") else "yes"
         for layer in _dicts(traced.get("layers")):
@@ -198,7 +200,7 @@ def attribution_table(result: Mapping[str, Any]) -> Table | None:
         return None
     cols = (Column("round", "num"), Column("node"), Column("op"), Column("own_rel_l2", "num"),
             Column("error_share", "num"), Column("flops_share", "num"), Column("pinned"))
-    return Table("attribution", f"FP16 error by node ({len(rows)} rows)", cols, tuple(rows))
+    return Table("attribution", f"{fmt} error by node ({len(rows)} rows)", cols, tuple(rows))
 
 
 def eight_bit_table(result: Mapping[str, Any]) -> Table | None:

@@ -18,7 +18,7 @@ from npuprep.errors import NpuprepError
 from npuprep.graph import node_label, tensor_types, walk_graphs
 from npuprep.model_io import model_opset
 from npuprep.numerics import NumberFormat
-from npuprep.ops import BOUNDED_OUTPUTS
+from npuprep.ops import BOUNDED_OUTPUTS, LAYOUT_OPS
 from npuprep.rewrite import graph_ops as go
 from npuprep.rewrite.result import RewriteResult
 
@@ -198,8 +198,8 @@ def bounds(tensor: gs.Tensor, depth: int = 8) -> Bounds:
         (alo, ahi), (blo, bhi) = inner(0), inner(1)
         return (alo + blo if alo is not None and blo is not None else None,
                 ahi + bhi if ahi is not None and bhi is not None else None)
-    if op in ("ReduceMean", "ReduceMax", "ReduceMin", "Identity", "Reshape", "Transpose",
-              "Flatten", "Squeeze", "Unsqueeze", "MaxPool", "AveragePool", "GlobalAveragePool"):
+    if op in LAYOUT_OPS or op in ("ReduceMean", "ReduceMax", "ReduceMin", "MaxPool", "AveragePool",
+                                  "GlobalAveragePool"):
         return inner()
     if op == "Max":
         los = [bounds(t, depth - 1)[0] for t in node.inputs]

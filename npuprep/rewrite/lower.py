@@ -35,6 +35,7 @@ from npuprep.graph import copy_fields, node_label, to_array, topological_order, 
 from npuprep.model_io import PROTOBUF_LIMIT, WeightScratch
 from npuprep.numerics import NumberFormat, get_format
 from npuprep.ops import FP32_ONLY_INPUTS
+from npuprep.opsets import at_least, bf16_opset
 from npuprep.rewrite.graph_ops import check_model
 
 FLOAT = TensorProto.FLOAT
@@ -129,6 +130,9 @@ def lower(
     work.CopyFrom(model)
     # The checker the lowered model must pass requires a graph name; some exporters leave none.
     work.graph.name = work.graph.name or "main_graph"
+    if fmt.name == "bf16":
+        # ONNX added BF16 op by op: a model lowered to it declares the opset its ops need.
+        work, _ = at_least(work, bf16_opset(work, FORCED_FP32_OPS), why="lowering to BF16")
     normalised = _normalise_bf16(work)
     return _Lowering(work, fmt, set(pinned_nodes), io_types, normalised, scratch).run()
 

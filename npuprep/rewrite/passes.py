@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Protocol
 
 import onnx
 
+from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
 from npuprep.model_io import Model
 from npuprep.profiles import ControlFlow, ResolvedTarget
@@ -91,7 +92,7 @@ class FoldAffines(_Fusion):
 
     def run(self, model: onnx.ModelProto, target: ResolvedTarget) -> RewriteResult:
         # Folded parameters are judged in the format the artefact stores them in.
-        return fold_affines(model, target.weights, largest=target.profile.limit(target.weights))
+        return fold_affines(model, target.weights, largest=target.limit_in(target.weights))
 
 
 class FuseHardswish(_Fusion):
@@ -148,12 +149,12 @@ class Prepared:
     statistics still belong to the user's model (a kept tensor keeps its name)."""
 
     model: Model
-    stats: Any
+    stats: CalibrationStats | None
     notes: tuple[str, ...]
     passes: tuple[PassDetails, ...] = ()
 
 
-def prepare_for_target(model: Model, target: ResolvedTarget, stats: Any = None,
+def prepare_for_target(model: Model, target: ResolvedTarget, stats: CalibrationStats | None = None,
                        samples: Sequence[Feed] | None = None) -> Prepared:
     """`model` as `target`'s compiler takes it (PRE_PLAN_PASSES). Tensors the source never
     computed (a branch the samples never took, a fused op's new tensor) are measured on
@@ -167,8 +168,8 @@ def prepare_for_target(model: Model, target: ResolvedTarget, stats: Any = None,
     return Prepared(work, stats, tuple(notes), passes)
 
 
-def _unmeasured_stats(work: Model, stats: Any,
-                      samples: Sequence[Feed] | None) -> tuple[Any, list[str]]:
+def _unmeasured_stats(work: Model, stats: CalibrationStats, samples: Sequence[Feed] | None,
+                      ) -> tuple[CalibrationStats, list[str]]:
     """`stats` completed with the tensors the source model never computed on these samples
     and the planned graph does, except those of statically bounded ops
     (npuprep.ops.BOUNDED_OUTPUTS)."""

@@ -21,8 +21,6 @@ from npuprep.numerics import EightBitFormat
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.rewrite.result import RewriteResult
 
-MAC_OPS = ("Conv", "MatMul", "Gemm")
-
 
 @dataclass(frozen=True)
 class ActivationScale:

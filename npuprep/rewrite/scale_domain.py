@@ -21,7 +21,9 @@ from npuprep.ops import (
     COMMUTES_WITH_SCALING,
     COMPARISONS,
     JOINS_SCALES,
-    LINEAR_WITH_WEIGHTS,
+    LAYOUT_OPS,
+    MAC_OPS,
+    MAC_WEIGHT_INPUTS,
     SCALE_FREE_OUTPUTS,
     SCALE_INVARIANT_NORMS,
     SCALE_POWERS,
@@ -173,7 +175,7 @@ class DomainSolver:
         self._enter_node(node, p, f"entry {self.entry}")
 
     def _has_entry_weights(self, node: gs.Node) -> bool:
-        if node.op in LINEAR_WITH_WEIGHTS:
+        if node.op in MAC_OPS:
             return self._weight_index(node) is not None
         if node.op in AFFINE_NORMS:
             return True
@@ -184,7 +186,7 @@ class DomainSolver:
         if name in self.exps:
             prod = go.producer(tensor)
             if (self.exps[name] == 0 and p != 0 and prod is not None
-                    and self.roles.get(id(prod)) == "absorb" and prod.op in LINEAR_WITH_WEIGHTS
+                    and self.roles.get(id(prod)) == "absorb" and prod.op in MAC_OPS
                     and id(prod) not in self.propagate_at):
                 # The linear consumer absorbed the scale, but a residual needs it scaled.
                 raise Retry({id(prod)}, propagate=True)
@@ -284,12 +286,12 @@ class DomainSolver:
         label = go.node_label(node)
         op = node.op
         self._role(node, "entry")
-        if op in LINEAR_WITH_WEIGHTS:
+        if op in MAC_OPS:
             w_idx = self._weight_index(node)
             if w_idx is None:
                 raise Decline(f"{op} '{label}' has no constant weight to scale ({why})")
             self._weight_edit(node, w_idx, p, "weight")
-            bias = 2 if op in ("Conv", "ConvTranspose", "Gemm") else None
+            bias = 2 if 2 in MAC_WEIGHT_INPUTS[op] else None
             if bias is not None and len(node.inputs) > bias and node.inputs[bias].name:
                 if not go.is_float_array(go.const_value(node.inputs[bias])):
                     raise Decline(f"{op} '{label}' has a bias that is not a constant ({why})")
@@ -361,7 +363,7 @@ class DomainSolver:
             self._role(node, "propagate")
             self._request(_squared(node), p // 2, node)
             self._assign(tensor, p, why)
-        elif op in LINEAR_WITH_WEIGHTS or op in AFFINE_NORMS or op in ("Mul", "Div"):
+        elif op in MAC_OPS or op in AFFINE_NORMS or op in ("Mul", "Div"):
             try:
                 self._enter_node(node, p, why)
             except Decline as exc:
@@ -410,7 +412,7 @@ class DomainSolver:
         if op in ("Mul", "Div"):
             self._visit_mul_div(node)
             return
-        if op in ("MatMul", "Gemm", "Conv", "ConvTranspose"):
+        if op in MAC_OPS:
             self._visit_linear(node, scaled)
             return
         if op in SCALE_INVARIANT_NORMS:
@@ -527,7 +529,7 @@ class DomainSolver:
         if any(i not in data for i in scaled):
             raise Decline(f"scaled tensor feeds the bias of {op} '{label}'")
         p = sum(self._p(node.inputs[i]) for i in data)
-        bias = 2 if op in ("Conv", "ConvTranspose", "Gemm") else None
+        bias = 2 if 2 in MAC_WEIGHT_INPUTS[op] else None
         if bias is not None and len(node.inputs) > bias and node.inputs[bias].name:
             if go.const_value(node.inputs[bias]) is None:
                 raise Decline(f"{op} '{label}' has a non-constant bias that cannot follow the scale")
@@ -709,8 +711,7 @@ class DomainSolver:
 
 # Ops between a linear node and the Log that can absorb its scale (a mel filterbank's
 # transposes, the floor), and how far the Log may be.
-_TO_LOG = frozenset({"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Max", "Add",
-                     "Clip", "Relu"})
+_TO_LOG = LAYOUT_OPS | {"Max", "Add", "Clip", "Relu"}
 _TO_LOG_STEPS = 4
 
 

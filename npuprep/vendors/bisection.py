@@ -26,11 +26,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from npuprep.graph import node_label, node_reads, tensor_types, topological_order
+from npuprep.ops import CONSTANT_OPS
 
 # Quoted names, bracketed lists and numbers: the same failure names other tensors in a part.
 _NAMES = re.compile(r"'[^']*'|\"[^\"]*\"|\[[^\]]*\]|\d+")
-# Ops whose value follows from the (fixed) input sizes alone.
-_SHAPE_OPS = frozenset({"Shape", "Size", "Constant", "ConstantOfShape"})
 # run_rknn's words for a crash: `the vendor process crashed (signal 11) in build`.
 _SIGNAL = re.compile(r"crashed \(signal (\d+)\)")
 # Past this many nodes, dropping nodes one at a time costs more builds than it tells.
@@ -227,6 +226,6 @@ def _constant_tensors(graph: onnx.GraphProto, inits: set[str]) -> set[str]:
     """Tensors that follow from initialisers and the fixed input sizes alone."""
     constant = set(inits)
     for node in topological_order(graph):
-        if node.op_type in _SHAPE_OPS or all(i in constant for i in node_reads(node)):
+        if node.op_type in CONSTANT_OPS or all(i in constant for i in node_reads(node)):
             constant.update(o for o in node.output if o)
     return constant

@@ -23,6 +23,7 @@ import onnx
 
 from npuprep.graph import node_label, walk_graphs
 from npuprep.numerics import NumberFormat
+from npuprep.verify.output_errors import worst_pooled_rel_l2
 
 # A node holding less of the squared error than this is not worth a pin, however cheap.
 MIN_SHARE = 0.01
@@ -56,6 +57,7 @@ class Attribution:
     layers: tuple[LayerError, ...]
     samples: int
     candidates: int = 0
+    fmt: str = "fp16"  # the format each candidate was rounded to
 
     def pins_for(self, error: float, rtol: float, room: float) -> tuple[LayerError, ...]:
         """The nodes whose shares, taken out of `error`, leave a predicted rel L2 within
@@ -73,7 +75,7 @@ class Attribution:
         return min(sets, key=lambda s: (sum(x.flops for x in s), len(s))) if sets else ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"samples": self.samples, "candidates": self.candidates,
+        return {"samples": self.samples, "candidates": self.candidates, "format": self.fmt,
                 "layers": [layer.to_dict() for layer in self.layers]}
 
 
@@ -128,7 +130,7 @@ def attribute_error(model: onnx.ModelProto, fmt: NumberFormat, samples: Sequence
     def error_of(rounded: set[str]) -> float:
         on = switched.feed(rounded)
         got = run_in_streams(session, [feed | on for feed in feeds], outputs, streams)
-        return _worst_error(list(got), expected)
+        return worst_pooled_rel_l2(list(got), expected)
 
     rest = 0.0
     if len(wanted) > MAX_ONE_BY_ONE:
@@ -145,21 +147,7 @@ def attribute_error(model: onnx.ModelProto, fmt: NumberFormat, samples: Sequence
     layers = sorted((LayerError(node, ops[node], float(e), float(e ** 2 / total) if total else 0.0,
                                 int(flops.get(node, 0)))
                      for node, e in errors.items()), key=lambda x: (-x.rel_l2, x.node))
-    return Attribution(tuple(layers), len(feeds), len(dict.fromkeys(candidates)))
-
-
-def _worst_error(got: Sequence[Mapping[str, Any]], expected: Sequence[Mapping[str, Any]]) -> float:
-    """Worst output rel L2 of `got` against `expected`, pooled over the samples."""
-    from npuprep.verify.output_errors import OutputErrors
-
-    errors = OutputErrors()
-    for values, want in zip(got, expected, strict=True):
-        for name, value in want.items():
-            if np.issubdtype(np.asarray(value).dtype, np.floating):
-                errors.add(name, value, values[name])
-    # An Inf/NaN is the largest error there is.
-    return max((np.inf if o["nonfinite"] else o["rel_l2"] for o in errors.result().values()),
-               default=0.0)
+    return Attribution(tuple(layers), len(feeds), len(dict.fromkeys(candidates)), fmt.name)
 
 
 def describe(attribution: Attribution, pins: Sequence[LayerError], error: float,
@@ -178,7 +166,7 @@ def describe(attribution: Attribution, pins: Sequence[LayerError], error: float,
     which = (f"{measured} nodes within the FLOPs budget" if measured >= attribution.candidates
              else f"the {measured} nodes of the worst groups of {attribution.candidates} "
                   "within the FLOPs budget")
-    said = (f"FP16 error by node ({which}, each alone rounded, the rest FP32, on "
+    said = (f"{attribution.fmt.upper()} error by node ({which}, each alone rounded, the rest FP32, on "
             f"{attribution.samples} sample(s)): {listed}")
     if pins:
         held = sum(x.share for x in pins)
@@ -189,4 +177,5 @@ def describe(attribution: Attribution, pins: Sequence[LayerError], error: float,
     top = attribution.layers[0] if attribution.layers else None
     if top is not None and top.share >= 0.5:
         return f"{said} (a larger --max-fp32-share lets more of them be kept)"
-    return f"{said}: FP16's precision spread over the model, not one layer to keep in FP32"
+    return (f"{said}: {attribution.fmt.upper()}'s precision spread over the model, not one layer "
+            "to keep in FP32")

@@ -24,6 +24,7 @@ from npuprep.errors import NpuprepError
 from npuprep.graph import infer_tensors, node_label, producers, topological_order, walk_graphs
 from npuprep.model_io import fingerprint, model_opset
 from npuprep.numerics import FLOAT_ONNX_TYPES, NumberFormat
+from npuprep.profiles import ResolvedTarget
 from npuprep.verify.compare_graph import (
     BASE_COLUMNS,
     DETAIL_COLUMNS,
@@ -281,7 +282,7 @@ def compare_models(
 
 def compare_emulated(
     model: onnx.ModelProto,
-    profile: Any,
+    target: ResolvedTarget,
     samples: Iterable[Feed],
     *,
     pinned_nodes: Iterable[str] = (),
@@ -291,15 +292,15 @@ def compare_emulated(
     isolate: bool = False,
     worst: int = 5,
 ) -> CompareResult:
-    """Compare `model` with its own emulation on `profile`'s target (a TargetProfile).
+    """Compare `model` with its own emulation on `target` (a profile resolved to a format).
 
-    Overflow behaviour comes from the profile (`profile.saturates`); an `unknown` profile
+    Overflow behaviour comes from the profile (`target.saturate`); an `unknown` profile
     is emulated as the loud case, and the result's notes say the board must be probed.
     """
     from npuprep.verify.emulate import emulate
 
-    fmt = profile.format
-    emulation = emulate(model, fmt, saturate=profile.saturates, pinned_nodes=pinned_nodes,
+    fmt = target.fmt
+    emulation = emulate(model, fmt, saturate=target.saturate, pinned_nodes=pinned_nodes,
                         weights_in_graph=True)
     result = compare_models(
         model, emulation.model, samples,
@@ -307,7 +308,7 @@ def compare_emulated(
         atol=DEFAULT_ATOL if atol is None else atol,
         overrides=overrides, fmt=fmt, isolate=isolate, worst=worst,
     )
-    return replace(result, notes=result.notes + emulation_notes(profile, emulation.saturate)
+    return replace(result, notes=result.notes + emulation_notes(target, emulation.saturate)
                    + upgrade_notes(emulation))
 
 
@@ -329,11 +330,13 @@ def default_rtol(fmt: NumberFormat | None) -> float:
     return 1e-2 if fmt is None else max(1e-2, 2 * fmt.eps)
 
 
-def emulation_notes(profile: Any, saturate: bool) -> tuple[str, ...]:
+def emulation_notes(target: ResolvedTarget, saturate: bool) -> tuple[str, ...]:
+    """What the emulation assumed: the resolved format (`--precision bf16` says bf16), its
+    overflow, and what the profile leaves to a probe."""
     from npuprep.profiles import OverflowMode
     from npuprep.verify.emulate import LIMITS
 
-    fmt = profile.format
+    profile, fmt = target.profile, target.fmt
     notes = [f"emulated {fmt.name} on target '{profile.name}', overflow "
              f"{'saturates to +-' + format(fmt.max, 'g') if saturate else 'gives Inf/NaN'}",
              LIMITS]
@@ -359,11 +362,6 @@ def _same_opset(ref: onnx.ModelProto, cand: onnx.ModelProto) -> tuple[onnx.Model
     return ref, cand
 
 
-# Ops that only reshape or permute: their output holds exactly their input's values.
-LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity",
-                        "DepthToSpace", "SpaceToDepth"})
-
-
 def _layout_aliases(
     ref: onnx.ModelProto, cand: onnx.ModelProto, pairs: list[Pair],
     overrides: Mapping[str, tuple[float, float]],
@@ -375,12 +373,15 @@ def _layout_aliases(
     reducing it again would only cost time. Such a tensor takes u's numbers under its own
     name, and its own (isolated) error is 0 by construction.
     """
+    from npuprep.ops import BLOCK_MOVE_OPS, LAYOUT_OPS
+
+    aliased = LAYOUT_OPS | BLOCK_MOVE_OPS
     ref_prod, cand_prod = producers(ref.graph), producers(cand.graph)
     by_name = {p.name: p for p in pairs}
     aliases: dict[str, str] = {}
     for pair in pairs:
         a, b = ref_prod.get(pair.name), cand_prod.get(pair.name)
-        if a is None or b is None or a.op_type not in LAYOUT_OPS or pair.name in overrides:
+        if a is None or b is None or a.op_type not in aliased or pair.name in overrides:
             continue
         if (b.op_type, list(b.input), list(b.attribute)) != (a.op_type, list(a.input), list(a.attribute)):
             continue

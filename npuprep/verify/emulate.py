@@ -32,8 +32,8 @@ FP8_MIN_OPSET = 19
 
 LIMITS = (
     "emulation rounds every tensor a node stores, but cannot show low-precision accumulation inside "
-    "one op (a Conv or MatMul with FP16 accumulators) or vendor kernels that compute wider "
-    "or narrower than their I/O format"
+    "one op (a Conv or MatMul that accumulates in its I/O format, not FP32) or vendor kernels "
+    "that compute wider or narrower than their I/O format"
 )
 
 
@@ -98,6 +98,8 @@ def emulate(
         readers = _reader_index(graph)
         inits = {i.name: i for i in graph.initializer}
         position = {id(n): i for i, n in enumerate(graph.node)}
+        # A reader inside a Loop/If/Scan body runs where its top-level node runs.
+        owner = _owners(graph)
         round_after: set[int] = set()  # indices of nodes whose outputs round their weight
         new_nodes: list[onnx.NodeProto] = []
 
@@ -110,7 +112,7 @@ def emulate(
                 if not unpinned:
                     continue
                 if weights_in_graph and all(n.op_type in DATA_MOVEMENT_OPS and name in n.input
-                                            for n in unpinned):
+                                            and id(n) in position for n in unpinned):
                     # Rounding is monotone and elementwise, so an op that only moves or
                     # selects values may round its output instead: an embedding lookup then
                     # rounds the rows it reads, not its whole table on every run.
@@ -124,7 +126,7 @@ def emulate(
                         _rename_input(node, name, alias)
                     # Right before its first reader: a session running nodes in this order
                     # holds one rounded weight at a time, not all of them from the start.
-                    first = min(position[id(n)] for n in unpinned)
+                    first = min(owner[id(n)] for n in unpinned)
                     builder.before.setdefault(first, []).extend(builder.chain(name, alias))
                     weights.append(name)
                     continue
@@ -308,6 +310,21 @@ def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
             yield attr.g
         elif attr.type == onnx.AttributeProto.GRAPHS:
             yield from attr.graphs
+
+
+def _owners(graph: onnx.GraphProto) -> dict[int, int]:
+    """id of every node, nested ones included -> index of the top-level node it runs under."""
+    owner: dict[int, int] = {}
+
+    def add(node: onnx.NodeProto, at: int) -> None:
+        owner[id(node)] = at
+        for sub in _subgraphs(node):
+            for inner in sub.node:
+                add(inner, at)
+
+    for i, node in enumerate(graph.node):
+        add(node, i)
+    return owner
 
 
 def _reader_index(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:

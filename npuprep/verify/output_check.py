@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import onnx
 
 from npuprep.data import Feed
 from npuprep.numerics import NumberFormat
@@ -41,14 +42,15 @@ class OutputCheck:
                 "outputs": {k: dict(v) for k, v in sorted(self.outputs.items())}}
 
 
-def check_outputs(reference: Any, lowered: Any, fmt: NumberFormat, samples: Sequence[Feed], *,
+def check_outputs(reference: onnx.ModelProto, lowered: onnx.ModelProto, fmt: NumberFormat, samples: Sequence[Feed], *,
                   saturate: bool, rtol: float, io_types: str = "fp32",
                   host_scales: dict[str, float] | None = None,
-                  emulated: Any = None, top_k: Mapping[str, int] | None = None) -> OutputCheck:
+                  emulated: onnx.ModelProto | None = None,
+                  top_k: Mapping[str, int] | None = None) -> OutputCheck:
     """Run the reference and the lowered model's emulation; per-output Inf/NaN and errors.
 
     The lowered model is judged by widening it back to FP32 with explicit rounding wherever
-    it stores the low format (npuprep.verify.widen), and it is also run as-is on
+    it stores the low format (npuprep.verify.emulate_lowered), and it is also run as-is on
     onnxruntime, which proves it loads and runs. `emulated` replaces that widening (a target
     that cannot pin: every node rounded); outputs in `host_scales` are multiplied back first;
     outputs in `top_k` are also judged by their top-K classes (npuprep.verify.output_errors), where
@@ -59,10 +61,11 @@ def check_outputs(reference: Any, lowered: Any, fmt: NumberFormat, samples: Sequ
                              top_k=top_k)[0]
 
 
-def check_output_sets(reference: Any, lowered: Any, fmt: NumberFormat,
+def check_output_sets(reference: onnx.ModelProto, lowered: onnx.ModelProto, fmt: NumberFormat,
                       sample_sets: Sequence[Sequence[Feed]], *, saturate: bool, rtol: float,
                       io_types: str = "fp32", host_scales: dict[str, float] | None = None,
-                      emulated: Any = None, top_k: Mapping[str, int] | None = None,
+                      emulated: onnx.ModelProto | None = None,
+                      top_k: Mapping[str, int] | None = None,
                       expected: Sequence[dict[str, np.ndarray]] = (),
                       emulated_outputs: Sequence[dict[str, np.ndarray]] = ()) -> list[OutputCheck]:
     """check_outputs on several sets of samples (calibration, held out) with one session per
@@ -71,8 +74,8 @@ def check_output_sets(reference: Any, lowered: Any, fmt: NumberFormat,
     emulation's outputs on the first samples, already run: `emulated`'s own, or, without
     `emulated`, the plan's emulation's, which stand for the lowered model's only where its
     emulation gives the first of them bit for bit (else it runs on every sample)."""
+    from npuprep.verify.emulate_lowered import emulate_lowered
     from npuprep.verify.output_errors import OutputErrors
-    from npuprep.verify.widen import emulate_lowered
 
     samples = [feed for feeds in sample_sets for feed in feeds]
     # One session at a time (the outputs are small, the weights are not): the reference, the
@@ -121,7 +124,7 @@ def _identical(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> bool
     return a.keys() == b.keys() and all(same(np.asarray(a[k]), np.asarray(b[k])) for k in a)
 
 
-def _outputs(model: Any, samples: Sequence[Feed], optimize: bool = True,
+def _outputs(model: onnx.ModelProto, samples: Sequence[Feed], optimize: bool = True,
              produced: str | None = None) -> list[dict[str, np.ndarray]]:
     """Every output of `model` on each sample; the session is gone when this returns. Each
     model is fed its own input types (a model with FP16 inputs has FP32 ones once widened)."""

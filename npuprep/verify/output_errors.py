@@ -21,7 +21,8 @@ undecided (top two 0.50 / 0.49) is the model's conditioning there, not the conve
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +61,7 @@ class OutputErrors:
             err2, ref2 = float((diff ** 2).sum()), float((np.where(ref_bad, 0.0, ref) ** 2).sum())
         a["err2"] += err2
         a["ref2"] += ref2
-        rel = float(np.sqrt(err2 / ref2)) if ref2 > 0 else float(np.sqrt(err2))
+        rel = rel_l2(err2, ref2)
         if ref.shape == cand.shape and ref.ndim >= 1 and ref.shape[-1] >= 2 and err2 > 0 and (
                 name not in self._worst or rel > self._worst[name]["rel_l2"]):
             self._worst[name] = {"sample": int(a["samples"]), "rel_l2": rel,
@@ -92,7 +93,7 @@ class OutputErrors:
         for name, a in self._acc.items():
             row: dict[str, Any] = {
                 "nonfinite": a["nonfinite"], "max_abs_error": a["max_abs_error"],
-                "rel_l2": float(np.sqrt(a["err2"] / a["ref2"])) if a["ref2"] > 0 else float(np.sqrt(a["err2"])),
+                "rel_l2": rel_l2(a["err2"], a["ref2"]),
             }
             if a.get("reference_nonfinite"):
                 row["reference_nonfinite"] = a["reference_nonfinite"]
@@ -111,6 +112,26 @@ class OutputErrors:
                 row["top1_ties"] = a["top1_ties"]
             out[name] = row
         return out
+
+
+def rel_l2(err2: float, ref2: float) -> float:
+    """sqrt(sum of squared errors / sum of squared references); against an all-zero reference
+    the error's own L2 norm (a gate then reads it as an absolute error)."""
+    return math.sqrt(err2 / ref2) if ref2 > 0 else math.sqrt(err2)
+
+
+def worst_pooled_rel_l2(got: Sequence[Mapping[str, Any]],
+                        expected: Sequence[Mapping[str, Any]]) -> float:
+    """The worst float output's rel L2 of `got` against `expected`, pooled over the samples
+    (their squared errors summed over their squared references): the one number that ranks
+    candidates by their outputs' error. An Inf/NaN output is the largest error there is."""
+    errors = OutputErrors()
+    for values, want in zip(got, expected, strict=True):
+        for name, value in want.items():
+            if np.issubdtype(np.asarray(value).dtype, np.floating):
+                errors.add(name, value, values[name])
+    return max((math.inf if o["nonfinite"] else o["rel_l2"] for o in errors.result().values()),
+               default=0.0)
 
 
 def _concentration(ref: np.ndarray, diff: np.ndarray) -> dict[str, Any]:

@@ -15,11 +15,12 @@ The rounds' notes and each attribution (for the report) accumulate on the object
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import onnx
 from onnx import TensorProto
 
 from npuprep.data import Feed
@@ -27,8 +28,9 @@ from npuprep.graph import infer_tensors, node_label, producers, walk_graphs
 from npuprep.plan import PinFp32, Plan
 from npuprep.profiles import Pinning, ResolvedTarget
 from npuprep.report.flops import node_flops
+from npuprep.rewrite.lower import Lowered
 from npuprep.verify.attribution import attribute_error, describe
-from npuprep.verify.compare import CompareResult
+from npuprep.verify.compare import CompareResult, TensorCompareResult
 from npuprep.verify.emulate import stores_rounded_values
 from npuprep.verify.output_check import OutputCheck
 
@@ -40,8 +42,8 @@ ATTRIBUTION_SAMPLES = 4
 class Build:
     """One verification round: the plan applied, lowered, emulated and checked."""
 
-    rewritten: Any  # onnx.ModelProto, FP32, same function (up to clamps)
-    lowered: Any  # npuprep.rewrite.lower.Lowered
+    rewritten: onnx.ModelProto  # FP32, same function (up to clamps)
+    lowered: Lowered
     tensor_scales: dict[str, float]
     pinned: frozenset[str]
     layers: CompareResult
@@ -75,7 +77,7 @@ def improved(before: OutputCheck | None, after: OutputCheck | None) -> bool:
     return worst_rel_l2(after) <= 0.9 * worst_rel_l2(before)
 
 
-def precision_only(check: OutputCheck | None, first: Any) -> bool:
+def precision_only(check: OutputCheck | None, first: TensorCompareResult | None) -> bool:
     """Failed with finite outputs and no overflow where the error shows: FP16's rounding."""
     if check is None or check or any(o["nonfinite"] for o in check.outputs.values()):
         return False
@@ -108,7 +110,7 @@ class PinRounds:
         return False
 
     def propose(self, build: Build, plan: Plan, round_no: int,
-                stage: Any = lambda _: None) -> PinFp32 | None:
+                stage: Callable[[str], None] = lambda _: None) -> PinFp32 | None:
         """The pin for round `round_no + 1` after `build` failed, or None (nothing to pin,
         or the target cannot pin)."""
         first = build.layers.first_divergent
@@ -125,7 +127,7 @@ class PinRounds:
         if found:
             targets = tuple(x.node for x in found)
             why = (f"{len(found)} layer(s) holding {100 * sum(x.share for x in found):.0f}% of "
-                   "the layers' own FP16 squared error")
+                   f"the layers' own {self.target.weights.name.upper()} squared error")
         else:
             targets = _nodes_to_pin(build.rewritten, first.node, set(build.pinned))
             why = (f"first divergent node {first.node} (rel L2 {first.rel_l2:.3g}, max abs "
@@ -134,7 +136,7 @@ class PinRounds:
         if not targets:
             return None
         self.notes.append(f"round {round_no}: outputs failed verification; " + (
-            "the layers holding its FP16 error" if found else
+            f"the layers holding its {self.target.weights.name.upper()} error" if found else
             f"first divergent node '{first.node}' ({first.op_type})")
             + f": pinned {', '.join(targets)} and retried")
         return PinFp32(nodes=targets, exit_tensors=(), forced=False,
@@ -164,7 +166,7 @@ class PinRounds:
         chosen = [self.samples[at], *(s for i, s in enumerate(self.samples) if i != at)]
         # The outputs are judged in the format the artefact stores (FP16 for an FP8 target).
         attribution = attribute_error(rewritten, self.target.weights, chosen[:ATTRIBUTION_SAMPLES],
-                                      saturate=self.target.profile.saturates,
+                                      saturate=self.target.saturates_in(self.target.weights),
                                       candidates=candidates, flops=flops)
         pins = attribution.pins_for(worst["rel_l2"], self.rtol, room)
         self.notes.append(f"round {round_no}: {describe(attribution, pins, worst['rel_l2'], total)}")
@@ -173,7 +175,7 @@ class PinRounds:
         return pins
 
 
-def _nodes_to_pin(rewritten: Any, node: str, pinned: set[str]) -> tuple[str, ...]:
+def _nodes_to_pin(rewritten: onnx.ModelProto, node: str, pinned: set[str]) -> tuple[str, ...]:
     """The divergent node itself; if it is already FP32, the rounding came in through its
     inputs, so pin their producers instead."""
     if node not in pinned:

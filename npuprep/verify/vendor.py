@@ -18,7 +18,9 @@ import numpy as np
 import onnx
 
 from npuprep.data import Feed
+from npuprep.profiles import ResolvedTarget
 from npuprep.report.output_verdicts import output_passes
+from npuprep.vendors.rockchip import RknnRun
 from npuprep.verify.output_errors import OutputErrors
 
 VENDORS = ("rknn",)
@@ -127,8 +129,9 @@ def vendor_output_errors(reference: onnx.ModelProto, samples: Sequence[Feed],
 
 
 def _after_refusal(reference: onnx.ModelProto, candidate: onnx.ModelProto,
-                   samples: Sequence[Feed], done: Any, exe: Any, target_platform: str, rtol: float,
-                   scales: dict[str, float], work_dir: Any, refused: VendorCheck) -> VendorCheck:
+                   samples: Sequence[Feed], done: RknnRun, exe: Path, target_platform: str,
+                   rtol: float, scales: dict[str, float], work_dir: str | Path | None,
+                   refused: VendorCheck) -> VendorCheck:
     """`refused` with the nodes the tool breaks on; the check of the exact rewrite that builds."""
     from dataclasses import replace
 
@@ -145,7 +148,8 @@ def _after_refusal(reference: onnx.ModelProto, candidate: onnx.ModelProto,
     return replace(again, bisection=found.to_dict(), fixed_model=found.fixed)
 
 
-def with_layers(check: VendorCheck, candidate: Any, profile: Any, report_path: str) -> VendorCheck:
+def with_layers(check: VendorCheck, candidate: Any, target: ResolvedTarget,
+                report_path: str) -> VendorCheck:
     """`check` with its accuracy_analysis report read back through crosscheck (against the
     model the vendor built: its tensor names are the report's layer names)."""
     from dataclasses import replace
@@ -158,4 +162,4 @@ def with_layers(check: VendorCheck, candidate: Any, profile: Any, report_path: s
         return check
     index = NodeIndex(candidate)
     report = read_rknn(report_path, check.accuracy_report, index)
-    return replace(check, layers=crosscheck(candidate, report, profile, index=index))
+    return replace(check, layers=crosscheck(candidate, report, target, index=index))

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+
+import onnx
 
 from npuprep.numerics import EightBitFormat
-from npuprep.plan.eight_bit import LayerPrecision
+from npuprep.plan.layer_precision import LayerPrecision
+from npuprep.verify.output_check import OutputCheck
+from npuprep.verify.qdq_model import Sensitivity
 
 # A layer holding less of the multiply-adds than this counts as this much: a free layer
 # that gains little does not take a round's place ahead of one that gains much.
@@ -26,19 +29,20 @@ class Widening:
     """What the rounds kept wider, the last model built and its check, and every ranking."""
 
     layers: list[LayerPrecision]
-    built: Any
-    check: Any
+    built: onnx.ModelProto
+    check: OutputCheck
     rounds: int = 1
-    rankings: list[list[Any]] = field(default_factory=list)
+    rankings: list[list[Sensitivity]] = field(default_factory=list)
     widened: list[str] = field(default_factory=list)
     needs_more: list[str] = field(default_factory=list)  # ranked next, over the budget
     rank_runs: int = 0
 
 
-def widen_in_rounds(layers: Sequence[LayerPrecision], fmt: EightBitFormat, built: Any, check: Any, *,
-                    rank: Callable[[list[str]], list[Any]],
-                    build: Callable[[list[LayerPrecision]], tuple[Any, Any]],
-                    judged: Callable[[Any], bool],
+def widen_in_rounds(layers: Sequence[LayerPrecision], fmt: EightBitFormat, built: onnx.ModelProto,
+                    check: OutputCheck, *,
+                    rank: Callable[[list[str]], list[Sensitivity]],
+                    build: Callable[[list[LayerPrecision]], tuple[onnx.ModelProto, OutputCheck]],
+                    judged: Callable[[OutputCheck], bool],
                     share: Callable[[list[LayerPrecision]], float],
                     cost: Callable[[str], float],
                     min_share: float, max_rounds: int) -> Widening:
@@ -72,7 +76,8 @@ def widen_in_rounds(layers: Sequence[LayerPrecision], fmt: EightBitFormat, built
     return done
 
 
-def by_gain_per_cost(ranking: Sequence[Any], cost: Callable[[str], float]) -> list[Any]:
+def by_gain_per_cost(ranking: Sequence[Sensitivity],
+                     cost: Callable[[str], float]) -> list[Sensitivity]:
     """Layers that gain, by gain per share of the multiply-adds they hold (at least
     MIN_COST), then the rest by gain: the budget buys the most error per multiply-add."""
     gaining = [s for s in ranking if s.gain > 0]
@@ -80,7 +85,7 @@ def by_gain_per_cost(ranking: Sequence[Any], cost: Callable[[str], float]) -> li
             + sorted((s for s in ranking if s.gain <= 0), key=lambda s: -s.gain))
 
 
-def _widen(layers: Sequence[LayerPrecision], best: Sequence[Any], fmt: EightBitFormat,
+def _widen(layers: Sequence[LayerPrecision], best: Sequence[Sensitivity], fmt: EightBitFormat,
            ranking: int) -> list[LayerPrecision]:
     after = "" if ranking == 1 else f" (ranking {ranking}, after the wider ones before it)"
     why = {s.node: f"sensitivity{after}: kept wider alone, the outputs' rel L2 falls by "

@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from npuprep.graph import node_label, tensor_nbytes, tensor_types, to_array, walk_graphs
 from npuprep.numerics import NumberFormat
+from npuprep.ops import GATHER_OPS, LAYOUT_OPS
 from npuprep.verify.emulate import Emulation, emulate
 
 # Low-format initialisers of at least this size are widened by a Cast node rather than a wide copy.
@@ -95,8 +96,7 @@ def emulate_lowered(model: onnx.ModelProto, fmt: NumberFormat, *, saturate: bool
 
 
 # Ops whose first input is the only float one and whose outputs are values of it.
-_LOOKUP_OPS = frozenset({"Gather", "GatherElements", "GatherND", "Slice", "Reshape", "Transpose",
-                         "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+_LOOKUP_OPS = GATHER_OPS | LAYOUT_OPS | {"Slice"}
 
 
 def _lookup_readers(graph: onnx.GraphProto, types: dict[str, int],

@@ -4,7 +4,7 @@ Range first: a multiply-add whose input is unmeasured, holds Inf/NaN, or that it
 scale would mostly flush to zero stays wider. The small ops around them (squares, exp,
 divisions, reductions, normalisation statistics, softmax, sinusoids) are never quantised;
 the plan names them with the range or resolution 8 bits would lose. Sensitivity comes
-later (npuprep.verify.eight_bit ranks the 8-bit layers by the error each adds alone).
+later (npuprep.verify.qdq_model ranks the 8-bit layers by the error each adds alone).
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ from typing import Any
 
 import onnx
 
-from npuprep.calibrate.scales import DEFAULT_RULE, clip_for
+from npuprep.calibrate.scales import clip_for
+from npuprep.calibrate.stats import CalibrationStats
 from npuprep.graph import constant_value, node_label
 from npuprep.numerics import EightBitFormat
+from npuprep.ops import QUANTISED_MAC_OPS
+from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 
-MAC_OPS = ("Conv", "MatMul", "Gemm")
 # An 8-bit input whose scale flushes more than this share of its nonzero values stays wider.
 FLUSH_LIMIT = 0.5
 WIDER = ("fp16", "fp32")
@@ -45,8 +47,8 @@ def activation_inputs(graph: onnx.GraphProto, node: onnx.NodeProto) -> list[str]
             if name and not (i == 1 and constant_value(graph, name) is not None)]
 
 
-def decide(model: onnx.ModelProto, stats: Any, fmt: EightBitFormat, pinned: Iterable[str] = (),
-           rule: str = DEFAULT_RULE) -> tuple[LayerPrecision, ...]:
+def decide(model: onnx.ModelProto, stats: CalibrationStats | None, fmt: EightBitFormat, pinned: Iterable[str] = (),
+           rule: ScaleRule = DEFAULT_RULE) -> tuple[LayerPrecision, ...]:
     """Per node of the main graph: 8-bit for the multiply-adds whose inputs 8 bits hold,
     the wider format and its reason for the rest that matter (multiply-adds, small ops)."""
     pinned = set(pinned)
@@ -56,10 +58,10 @@ def decide(model: onnx.ModelProto, stats: Any, fmt: EightBitFormat, pinned: Iter
         label = node_label(node)
         wider = "fp32" if label in pinned else "fp16"
         small = _small_op_reason(node, fmt)
-        if label in pinned and (node.op_type in MAC_OPS or small):
+        if label in pinned and (node.op_type in QUANTISED_MAC_OPS or small):
             out.append(LayerPrecision(label, "fp32", "pinned FP32 by the plan" + (
                 f"; {small}{_measured(node, stats)}" if small else "")))
-        elif node.op_type in MAC_OPS:
+        elif node.op_type in QUANTISED_MAC_OPS:
             why = _range_reason(g, node, stats, fmt, rule)
             out.append(LayerPrecision(label, wider, why) if why else
                        LayerPrecision(label, fmt.name, _clipping(g, node, stats, fmt, rule)))
@@ -68,8 +70,8 @@ def decide(model: onnx.ModelProto, stats: Any, fmt: EightBitFormat, pinned: Iter
     return tuple(out)
 
 
-def _range_reason(g: onnx.GraphProto, node: onnx.NodeProto, stats: Any, fmt: EightBitFormat,
-                  rule: str) -> str:
+def _range_reason(g: onnx.GraphProto, node: onnx.NodeProto, stats: CalibrationStats | None, fmt: EightBitFormat,
+                  rule: ScaleRule) -> str:
     for name in activation_inputs(g, node):
         r = None if stats is None else stats.tensors.get(name)
         if r is None:
@@ -85,8 +87,8 @@ def _range_reason(g: onnx.GraphProto, node: onnx.NodeProto, stats: Any, fmt: Eig
     return ""
 
 
-def _clipping(g: onnx.GraphProto, node: onnx.NodeProto, stats: Any, fmt: EightBitFormat,
-              rule: str) -> str:
+def _clipping(g: onnx.GraphProto, node: onnx.NodeProto, stats: CalibrationStats, fmt: EightBitFormat,
+              rule: ScaleRule) -> str:
     """Why 8 bits hold the inputs: within the scaled range, and what the scales clip."""
     clipped = []
     for name in activation_inputs(g, node):
@@ -100,7 +102,7 @@ def _clipping(g: onnx.GraphProto, node: onnx.NodeProto, stats: Any, fmt: EightBi
     return base + ("; " + "; ".join(clipped) if clipped else "")
 
 
-def _measured(node: onnx.NodeProto, stats: Any) -> str:
+def _measured(node: onnx.NodeProto, stats: CalibrationStats | None) -> str:
     r = None if stats is None or not node.input else stats.tensors.get(node.input[0])
     return f" (measured |x| up to {r.absmax:.3g})" if r is not None else ""
 

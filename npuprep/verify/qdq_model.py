@@ -11,23 +11,25 @@ board computes it (`on_target`: the wider layers in FP16).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import onnx
 
-from npuprep.calibrate.scales import DEFAULT_RULE, SCALE_RULES, clip_for, stored_as, widening
-from npuprep.calibrate.stats import RangeStats
+from npuprep.calibrate.scales import clip_for, clip_raise_factor, stored_as
+from npuprep.calibrate.stats import CalibrationStats, RangeStats
 from npuprep.data import Feed
 from npuprep.graph import constant_value, node_label
 from npuprep.numerics import EightBitFormat, NumberFormat
 from npuprep.opsets import model_opset, upgrade_opset
-from npuprep.plan.eight_bit import LayerPrecision, activation_inputs
+from npuprep.plan.layer_precision import LayerPrecision, activation_inputs
 from npuprep.rewrite.qdq import ActivationScale, insert_qdq
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.rewrite.result import RewriteResult
+from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
+from npuprep.verify.output_errors import worst_pooled_rel_l2
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 # An INT8 MatMul input whose largest channel reaches this many times its median channel has
@@ -62,10 +64,10 @@ def with_opset(model: onnx.ModelProto, fmt: EightBitFormat) -> onnx.ModelProto:
     return upgrade_opset(model, fmt.min_opset, why=f"{fmt.name} QDQ needs opset {fmt.min_opset}")
 
 
-def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: Any, fmt: EightBitFormat, *,
-             saturate: bool, rule: str = DEFAULT_RULE,
+def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: CalibrationStats, fmt: EightBitFormat, *,
+             saturate: bool, rule: ScaleRule = DEFAULT_RULE,
              tensor_scales: Mapping[str, float] | None = None, headroom: float = 1.0,
-             tensor_rules: Mapping[str, str] | None = None,
+             tensor_rules: Mapping[str, ScaleRule] | None = None,
              weights: WeightStore | None = None) -> RewriteResult:
     """`model` (at a QDQ opset) with `nodes` quantised: activation scales by `rule` (or the
     tensor's own in `tensor_rules`) from `stats`; a tensor the plan rescaled (`tensor_scales`:
@@ -83,7 +85,7 @@ def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: Any, fmt: Eigh
         scales = {}
         for name in activation_inputs(model.graph, node):
             r = stats.tensors[name]
-            factor = rescaled.get(name, 1.0) * widening(r, fmt, headroom)
+            factor = rescaled.get(name, 1.0) * clip_raise_factor(r, fmt, headroom)
             clip = clip_for(r, fmt, own.get(name, rule)).value * factor
             scales[name] = _activation_scale(r, clip, factor, fmt)
         wanted[label] = scales
@@ -96,13 +98,13 @@ class Balanced:
     and the tensors balanced: x -> (x / s, largest / median channel abs-max)."""
 
     model: onnx.ModelProto
-    stats: Any
+    stats: CalibrationStats
     tensors: dict[str, tuple[str, float]]
 
 
 def balance_outliers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
-                     stats: Any, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
-                     rule: str = DEFAULT_RULE, tensor_scales: Mapping[str, float] | None = None,
+                     stats: CalibrationStats, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
+                     rule: ScaleRule = DEFAULT_RULE, tensor_scales: Mapping[str, float] | None = None,
                      headroom: float = 1.0, weights: WeightStore | None = None) -> Balanced:
     """The INT8 MatMuls among `nodes` whose input has outlier channels read it divided by s
     per channel, their weights multiplied by it (npuprep.rewrite.smooth), where that lowers
@@ -151,7 +153,8 @@ def balance_outliers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: 
     return Balanced(done.model, balanced_stats, {x: (xs, ratios[x]) for x, xs in smoothed.items()})
 
 
-def _errors(reference: onnx.ModelProto, samples: Sequence[Feed]) -> Any:
+def _errors(reference: onnx.ModelProto,
+            samples: Sequence[Feed]) -> Callable[[onnx.ModelProto], float]:
     """A function: model -> its outputs' pooled rel L2 against `reference` on RANK_SAMPLES."""
     from npuprep.runtime.session import make_session, run
 
@@ -162,15 +165,15 @@ def _errors(reference: onnx.ModelProto, samples: Sequence[Feed]) -> Any:
 
     def error(model: onnx.ModelProto) -> float:
         session = make_session(model, prepack=False)
-        return _pooled_rel_l2(refs, [run(session, f) for f in feeds])
+        return worst_pooled_rel_l2([run(session, f) for f in feeds], refs)
 
     return error
 
 
 def choose_rules(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
-                 stats: Any, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
+                 stats: CalibrationStats, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
                  tensor_scales: Mapping[str, float] | None = None,
-                 weights: WeightStore | None = None) -> dict[str, str]:
+                 weights: WeightStore | None = None) -> dict[str, ScaleRule]:
     """Per activation of `nodes` whose rules place different clips: the rule whose clip gives
     the least output error with that tensor's 8-bit readers quantised alone."""
     g = model.graph
@@ -182,8 +185,8 @@ def choose_rules(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequ
     error = _errors(reference, samples)
     chosen = {}
     for name, labels in readers.items():
-        clips: dict[float, str] = {}
-        for rule in SCALE_RULES:
+        clips: dict[float, ScaleRule] = {}
+        for rule in ScaleRule:
             clips.setdefault(clip_for(stats.tensors[name], fmt, rule).value, rule)
         if len(clips) < 2:
             continue
@@ -228,11 +231,11 @@ def _activation_scale(r: RangeStats, top: float, factor: float,
 
 
 def rank_layers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
-                stats: Any, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
-                rule: str = DEFAULT_RULE,
+                stats: CalibrationStats, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
+                rule: ScaleRule = DEFAULT_RULE,
                 tensor_scales: Mapping[str, float] | None = None,
                 headroom: float = 1.0,
-                tensor_rules: Mapping[str, str] | None = None,
+                tensor_rules: Mapping[str, ScaleRule] | None = None,
                 weights: WeightStore | None = None) -> list[Sensitivity]:
     """Each of `nodes` kept wider while the others are quantised, the largest gain first."""
     measure = _errors(reference, samples)
@@ -250,20 +253,3 @@ def rank_layers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Seque
         found.append(Sensitivity(label, without, every - without))
     return sorted(found, key=lambda s: -s.gain)
 
-
-def _pooled_rel_l2(refs: list[dict[str, np.ndarray]], got: list[dict[str, np.ndarray]]) -> float:
-    """The worst output's rel L2, pooled over the samples."""
-    worst = 0.0
-    for name in refs[0] if refs else ():
-        num = den = 0.0
-        for r, g in zip(refs, got, strict=True):
-            a = np.asarray(r[name], np.float64)
-            if not np.issubdtype(a.dtype, np.floating):
-                continue
-            num += float(np.sum((np.asarray(g[name], np.float64) - a) ** 2))
-            den += float(np.sum(a**2))
-        if den > 0:
-            worst = max(worst, float(np.sqrt(num / den)))
-        elif num > 0:
-            worst = float("inf")
-    return worst

@@ -20,32 +20,32 @@ import onnx
 
 from npuprep.analyse.finding import Finding, Findings
 from npuprep.calibrate.scales import (
-    DEFAULT_RULE,
     FP8_NAN_HEADROOM,
-    SCALE_RULES,
     Clip,
     clip_for,
+    clip_raise_factor,
     stored_as,
-    widening,
 )
+from npuprep.calibrate.stats import CalibrationStats, RangeStats
 from npuprep.graph import constant_value, node_label
 from npuprep.numerics import EightBitFormat
 from npuprep.profiles import Severity
+from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 
 # Above this share of a tensor's values clipped, the finding is a warning: a percentile clip
 # cuts 0.01% by design; ten times that is the tail of the distribution, not outliers.
 CLIP_WARNING = 1e-3
 
 
-def scale_clip_findings(model: onnx.ModelProto, stats: Any, fmt: EightBitFormat,
-                        eight_bit_nodes: Iterable[str], rule: str = DEFAULT_RULE, *,
+def scale_clip_findings(model: onnx.ModelProto, stats: CalibrationStats | None, fmt: EightBitFormat,
+                        eight_bit_nodes: Iterable[str], rule: ScaleRule = DEFAULT_RULE, *,
                         saturate: bool = True) -> Findings:
     """One finding per measured activation input of each node in `eight_bit_nodes`: where the
     scale convert writes clips it and the share of values clipped (0 for an abs-max clip).
     `saturate`: whether the target's FP8 saturates (convert's abs-max fallback where not)."""
     headroom = 1.0
     if fmt.is_float and not saturate:
-        rule, headroom = "absmax", FP8_NAN_HEADROOM
+        rule, headroom = ScaleRule.ABSMAX, FP8_NAN_HEADROOM
     wanted = set(eight_bit_nodes)
     g = model.graph
     found: list[Finding] = []
@@ -61,9 +61,9 @@ def scale_clip_findings(model: onnx.ModelProto, stats: Any, fmt: EightBitFormat,
             if r is None or not r.absmax > 0:
                 continue
             seen.add(name)
-            widen = widening(r, fmt, headroom)
+            widen = clip_raise_factor(r, fmt, headroom)
             clips = {other: _written(r, fmt, other, widen)
-                     for other in ((rule,) if fmt.is_float else (rule, *SCALE_RULES))}
+                     for other in ((rule,) if fmt.is_float else (rule, *ScaleRule))}
             # Convert weighs the rules only where their clips differ.
             distinct = len({c.value for c in clips.values()}) > 1
             found.append(_finding(node, label, name, fmt, clips[rule], r, widen,
@@ -71,12 +71,12 @@ def scale_clip_findings(model: onnx.ModelProto, stats: Any, fmt: EightBitFormat,
     return Findings(tuple(found))
 
 
-def _written(r: Any, fmt: EightBitFormat, rule: str, widen: float) -> Clip:
+def _written(r: RangeStats, fmt: EightBitFormat, rule: ScaleRule, widen: float) -> Clip:
     placed = clip_for(r, fmt, rule)
     return Clip(placed.value * widen, placed.rule, placed.fallback)
 
 
-def _share(r: Any, clip: Clip) -> float | None:
+def _share(r: RangeStats, clip: Clip) -> float | None:
     """Share of values above the clip; None where the histogram cannot tell."""
     return r.fraction_above(clip.value) if clip.value < r.absmax else 0.0
 
@@ -85,14 +85,14 @@ def _said(share: float | None) -> str:
     return "an unknown share" if share is None else f"{100 * share:.2g}%"
 
 
-def _stored(r: Any, clip: Clip, widen: float, fmt: EightBitFormat) -> dict[str, Any]:
+def _stored(r: RangeStats, clip: Clip, widen: float, fmt: EightBitFormat) -> dict[str, Any]:
     scale, unsigned, zero_point = stored_as(r, clip.value, widen, fmt)
     return {"clip": clip.value, "clipped_fraction": _share(r, clip), "scale": scale,
             "stored": "uint8" if unsigned else fmt.name, "zero_point": zero_point}
 
 
 def _finding(node: onnx.NodeProto, label: str, tensor: str, fmt: EightBitFormat, clip: Clip,
-             r: Any, widen: float, candidates: dict[str, Clip]) -> Finding:
+             r: RangeStats, widen: float, candidates: dict[ScaleRule, Clip]) -> Finding:
     written = _stored(r, clip, widen, fmt)
     share = written["clipped_fraction"]
     warn = share is None or share > CLIP_WARNING
@@ -108,9 +108,9 @@ def _finding(node: onnx.NodeProto, label: str, tensor: str, fmt: EightBitFormat,
         node=label, op_type=node.op_type, tensor=tensor,
         message=(f"{written['stored']} scale {written['scale']:.3g} ({clip.rule} clip at "
                  f"{clip.value:.3g}) on '{tensor}' {cut}{choice}"),
-        evidence={"format": fmt.name, **written, "absmax": r.absmax, "scale_rule": clip.rule,
+        evidence={"format": fmt.name, **written, "absmax": r.absmax, "scale_rule": clip.rule.value,
                   "unseen_sample_widening": widen,
-                  **({"candidates": {rule: _stored(r, c, widen, fmt) for rule, c in candidates.items()}}
+                  **({"candidates": {rule.value: _stored(r, c, widen, fmt) for rule, c in candidates.items()}}
                      if candidates else {}),
                   **({"fallback": clip.fallback} if clip.fallback else {})},
         remedy="none",

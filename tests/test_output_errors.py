@@ -1,0 +1,56 @@
+"""The one pooled rel L2 that ranks candidates (8-bit layers, FP16 attribution): squared errors
+summed over the samples before the ratio, the worst float output, Inf/NaN the largest error."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from onnx import parser
+
+from npuprep.runtime.session import make_session, run
+from npuprep.verify.output_errors import worst_pooled_rel_l2
+
+# x -> y = Mul(x, k), n = Cast<int64>(x), r = Sqrt(x): a float output, an integer one, and
+# one that is NaN where x < 0
+GRAPH = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[4] x) => (float[4] y, int64[4] n, float[4] r) {
+    k = Constant <value = float {{K}}> ()
+    y = Mul (x, k)
+    n = Cast <to = 7> (x)
+    r = Sqrt (x)
+}
+"""
+
+
+def _outputs(k: float, samples: list[np.ndarray]) -> list[dict[str, np.ndarray]]:
+    session = make_session(parser.parse_model(GRAPH.replace("{{K}}", "{" + repr(k) + "}")))
+    return [run(session, {"x": x}) for x in samples]
+
+
+def test_pooled_over_samples_worst_output_and_integer_outputs_skipped():
+    # A small sample and a large one, y off by 1% on both and by 51.5% on the small one:
+    # pooling weighs the large sample's squares, a mean of per-sample ratios would not.
+    small, large = np.array([1, 2, 3, 4], np.float32), np.array([100, 200, 300, 400], np.float32)
+    ref, got = _outputs(1.0, [small, large]), _outputs(1.01, [small, large])
+    got[0]["y"] = got[0]["y"] * 1.5  # the small sample's error grows to 51.5%
+    got[0]["n"] = got[0]["n"] + 1000  # an integer output is not judged by rel L2
+    pairs = list(zip(got, ref, strict=True))
+    y_err2 = sum(float(np.sum((g["y"].astype(np.float64) - r["y"]) ** 2)) for g, r in pairs)
+    y_ref2 = sum(float(np.sum(r["y"].astype(np.float64) ** 2)) for r in ref)
+    pooled = math.sqrt(y_err2 / y_ref2)
+    assert worst_pooled_rel_l2(got, ref) == pytest.approx(pooled, rel=1e-12)
+    mean_of_ratios = np.mean([np.linalg.norm(g["y"] - r["y"]) / np.linalg.norm(r["y"])
+                              for g, r in pairs])
+    assert pooled < 0.02 < mean_of_ratios
+
+
+def test_a_nan_output_is_the_largest_error_and_identical_outputs_are_zero():
+    x = np.array([1, 4, 9, 16], np.float32)
+    ref = _outputs(1.0, [x])
+    assert worst_pooled_rel_l2(ref, ref) == 0.0
+    nan = _outputs(1.0, [np.array([1, 4, -9, 16], np.float32)])
+    nan[0]["y"] = ref[0]["y"]
+    assert math.isnan(nan[0]["r"][2]) and worst_pooled_rel_l2(nan, ref) == math.inf
