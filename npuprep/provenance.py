@@ -9,12 +9,15 @@ converted before this record existed is recognised by the `<out>.report.json` be
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import onnx
+
+from npuprep.json_io import to_jsonable
 
 SOURCE_KEY = "npuprep.source_fingerprint"
 SCALES_KEY = "npuprep.tensor_scales"
@@ -160,7 +163,9 @@ def record_conversion(proto: onnx.ModelProto, record: ConversionRecord) -> None:
     """Write (or replace) the conversion record, and the source record it contains."""
     record_source(proto, record.source.fingerprint, record.source.tensor_scales)
     props = {p.key: p.value for p in proto.metadata_props}
-    props[RECORD_KEY] = json.dumps(record.to_dict(), sort_keys=True, separators=(",", ":"))
+    # numpy numbers and non-finite floats as report.json writes them (npuprep.json_io)
+    props[RECORD_KEY] = json.dumps(to_jsonable(record.to_dict()), sort_keys=True,
+                                   separators=(",", ":"), allow_nan=False)
     onnx.helper.set_model_props(proto, props)
 
 
@@ -175,6 +180,13 @@ def read_conversion(proto: onnx.ModelProto) -> ConversionRecord | None:
         return ConversionRecord.from_dict(json.loads(text))
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
+
+
+def stats_fingerprint(stats: dict[str, Any]) -> str:
+    """A digest of calibration statistics (CalibrationStats.to_dict()): the same statistics,
+    wherever they were saved, give the same digest."""
+    text = json.dumps(stats, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def _optional_float(value: Any) -> float | None:

@@ -12,14 +12,14 @@ import pytest
 from conftest import external_mlp
 from onnx import TensorProto
 
-import npuprep.convert as convert_module
 import npuprep.model_io as model_io
+import npuprep.pipeline.lower_and_verify as convert_module
 import npuprep.rewrite.qdq_weights as qdq_weights
 from npuprep.calibrate import calibrate
-from npuprep.convert_8bit import convert_8bit
 from npuprep.graph import external_info, is_anchored
 from npuprep.model_io import WeightScratch, anchored, load_model
 from npuprep.numerics import eight_bit_format
+from npuprep.pipeline import convert
 from npuprep.profiles import load_profile
 from npuprep.rewrite.qdq_weights import WeightStore, quantise_weight
 from npuprep.runtime.session import make_session, run
@@ -110,7 +110,7 @@ def test_8bit_weights_in_a_scratch_file_give_the_same_artefact_and_verdict(tmp_p
     reports = {}
     for scratch_bytes in (2**62, 0):
         monkeypatch.setattr(convert_module, "SCRATCH_BYTES", scratch_bytes)
-        result = convert_8bit(load_model(path, weights="file"), load_profile("a2000"), samples,
+        result = convert(load_model(path, weights="file"), load_profile("a2000"), samples,
                               precision=precision, stats=stats)
         eight = _eight_bit_weights(result.lowered.model)
         assert eight and all(is_anchored(i) is (scratch_bytes == 0) for i in eight)
@@ -129,7 +129,7 @@ def test_a_written_8bit_model_past_the_protobuf_limit_keeps_its_weights_in_a_dat
     samples = _samples()
     stats = calibrate(load_model(path), samples, detail="all")
     monkeypatch.setattr(convert_module, "SCRATCH_BYTES", 0)
-    result = convert_8bit(load_model(path, weights="file"), load_profile("a2000"), samples,
+    result = convert(load_model(path, weights="file"), load_profile("a2000"), samples,
                           precision=precision, stats=stats)
     monkeypatch.setattr(model_io, "PROTOBUF_LIMIT", 64 * 2**20 + 1024)
     target = tmp_path / "out" / f"m.{precision}.onnx"

@@ -6,11 +6,12 @@ external data converts.
 
 from __future__ import annotations
 
+import json
+
 import onnx
 from conftest import run_cli
 
-from npuprep.calibrate import calibrate
-from npuprep.convert import convert
+from npuprep.convert import CALIBRATE, SPLIT, convert
 from npuprep.data import load_samples
 from npuprep.examples import example_data_dir, example_model_path
 from npuprep.model_io import load_model
@@ -29,8 +30,8 @@ def test_api_save_on_a_light_external_data_model_writes_what_the_cli_writes(tmp_
               location="m.onnx.data", size_threshold=64)
     model = load_model(src / "m.onnx", weights="file")
     samples = load_samples(str(example_data_dir()), model.proto)
-    result = convert(model, load_profile("orin"), list(samples), stats=calibrate(model, samples),
-                     samples_description=samples.describe())
+    # what the CLI does with --data: 1 in 4 held out, calibrated on the rest
+    result = convert(model, load_profile("orin"), samples, holdout=SPLIT, stats=CALIBRATE)
     assert result
     report = result.save(tmp_path / "api" / "m.orin.onnx")
     assert _names(tmp_path / "api") == ["m.orin.onnx", "m.orin.plan.yaml", "m.orin.report.json",
@@ -66,3 +67,25 @@ def test_plan_only_default_is_not_the_path_convert_writes(tmp_path):
                 cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert _names(tmp_path) == ["planner.orin.draft.plan.yaml"]
+
+
+def test_a_new_conversion_replaces_the_whole_set_an_older_one_left(tmp_path):
+    # convert -t orin -o out.onnx (out.trtexec.txt) -> convert -t a2000 --export rknn: the
+    # trtexec file (listed by the older report) goes; a user's own out.horizon.yaml stays
+    out = tmp_path / "out.onnx"
+    assert run_cli("convert", "-t", "orin", "-o", out).returncode == 0
+    assert (tmp_path / "out.trtexec.txt").is_file()
+    (tmp_path / "out.horizon.yaml").write_text("node_info: {}  # mine\n")
+    proc = run_cli("convert", "-t", "a2000", "--export", "rknn", "-o", out, "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert _names(tmp_path) == ["out.horizon.yaml", "out.onnx", "out.plan.yaml", "out.report.json",
+                                "out.report.md", "out.rknn.yaml"]
+    assert set(json.loads(proc.stdout)["artefacts"]) == {"model", "plan", "rknn_custom_quantize_layers",
+                                                         "report_json", "report_md"}
+    # without the older report: the rknn file npuprep wrote for out.onnx is recognised by its
+    # header, the trtexec file by the model it builds
+    (tmp_path / "out.report.json").unlink()
+    (tmp_path / "out.trtexec.txt").write_text("trtexec --onnx=out.onnx --fp16\n")
+    assert run_cli("convert", "-t", "generic", "-o", out, "--export", "none").returncode == 0
+    assert _names(tmp_path) == ["out.horizon.yaml", "out.onnx", "out.plan.yaml", "out.report.json",
+                                "out.report.md"]

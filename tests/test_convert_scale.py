@@ -12,7 +12,7 @@ import pytest
 from conftest import external_mlp, run_cli
 from onnx import TensorProto, helper, numpy_helper
 
-import npuprep.convert as convert_module
+import npuprep.pipeline.lower_and_verify as convert_module
 from npuprep.convert import convert
 from npuprep.graph import is_anchored, to_array
 from npuprep.model_io import anchored, load_model, write_model_files

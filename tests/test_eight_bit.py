@@ -15,9 +15,9 @@ from onnx import TensorProto, numpy_helper, parser
 from npuprep.calibrate import calibrate
 from npuprep.calibrate.scales import clip_for
 from npuprep.calibrate.stats import RangeStats
-from npuprep.convert_8bit import convert_8bit
 from npuprep.model_io import Model, fingerprint, load_model
 from npuprep.numerics import eight_bit_format
+from npuprep.pipeline import convert
 from npuprep.plan import dump_plan, load_plan
 from npuprep.profiles import load_profile
 from npuprep.rewrite.qdq import insert_qdq
@@ -38,7 +38,7 @@ def _model(tmp_path: Path, text: str, weights: dict[str, np.ndarray]) -> Model:
 
 def _convert(model: Model, feeds: list[dict[str, np.ndarray]], precision: str, **kw: object):
     stats = calibrate(model, feeds, detail="all")
-    return convert_8bit(model, load_profile("a2000"), feeds, precision=precision, stats=stats,
+    return convert(model, load_profile("a2000"), feeds, precision=precision, stats=stats,
                         rtol=5e-2, **kw)
 
 
@@ -79,7 +79,7 @@ def test_a_squared_distance_up_to_30_stays_out_of_fp8_and_the_rest_converts(tmp_
     ours = run(make_session(qdq), feeds[0])
     ref = run(make_session(model.proto), feeds[0])
     assert np.linalg.norm(ours["y"] - ref["y"]) / np.linalg.norm(ref["y"]) < 5e-2
-    assert result.passed and result.eight_bit["mac_share"]["fp8_e4m3"] == pytest.approx(1.0)
+    assert result.passed and result.eight_bit.mac_share["fp8_e4m3"] == pytest.approx(1.0)
 
 
 # x -> Conv(W1) -> a -> Relu -> Conv(W2) -> y;  W2's output channel 0 is 1000x the others
@@ -111,7 +111,7 @@ def test_a_conv_with_one_outlier_output_channel_gets_per_channel_weights_and_pas
     ref, ours = (run(make_session(m), feeds[0])["y"][0] for m in (model.proto, qdq))
     per_channel = np.linalg.norm((ours - ref).reshape(4, -1), axis=1) / np.linalg.norm(ref.reshape(4, -1), axis=1)
     assert per_channel.max() < 5e-2
-    assert result.passed and result.eight_bit["mac_share"]["int8"] == pytest.approx(1.0)
+    assert result.passed and result.eight_bit.mac_share["int8"] == pytest.approx(1.0)
 
 
 # z = MatMul(x, W); e = Exp(z - max z); p = e / sum e -> MatMul(V) -> y
@@ -226,7 +226,7 @@ def test_the_plan_carries_the_8bit_decision_and_an_edit_keeps_a_layer_wider(tmp_
     assert {x.node: x.precision for x in plan.eight_bit}["mix"] == "fp16"
     second = _convert(model, feeds, "int8", plan=plan)
     assert "p" not in _quantised_inputs(second.lowered.model)
-    assert second.eight_bit["mac_share"]["fp16"] > 0
+    assert second.eight_bit.mac_share["fp16"] > 0
 
 
 def test_the_bundled_example_converts_to_fp8_and_int8_and_the_models_load(tmp_path):

@@ -8,9 +8,10 @@ import onnx
 from onnx import numpy_helper, parser
 
 from npuprep.calibrate import calibrate
-from npuprep.convert_8bit import JUDGE_MARGIN, convert_8bit
 from npuprep.model_io import Model, fingerprint
 from npuprep.numerics import eight_bit_format
+from npuprep.pipeline import convert
+from npuprep.pipeline.quantise_and_verify import JUDGE_MARGIN
 from npuprep.profiles import load_profile
 from npuprep.runtime.session import make_session, run
 from npuprep.verify.qdq_model import Sensitivity, quantise, rank_layers
@@ -67,16 +68,16 @@ def test_ranking_once_widens_the_wrong_second_layer_and_re_ranking_the_right_one
     assert with_a > 3 * with_b  # 4e against e
     rtol = np.sqrt(with_a * with_b) / JUDGE_MARGIN  # between the two
     assert with_a > JUDGE_MARGIN * rtol > with_b
-    result = convert_8bit(model, load_profile("a2000"), feeds, precision="fp8_e4m3", stats=stats,
+    result = convert(model, load_profile("a2000"), feeds, precision="fp8_e4m3", stats=stats,
                           rtol=float(rtol), min_8bit_share=0.3)
     # Ranking once would keep d and a wider (rel L2 with_a, over the aim) and then be out of
     # budget (all three wider leaves none in 8 bits); re-ranking keeps d and b, within.
-    assert result.eight_bit["kept_wider"] == ["d", "b"]
-    assert [s["node"] for s in result.eight_bit["sensitivity"]] == ["d", "a", "b"]
-    assert [s["node"] for s in result.eight_bit["rerankings"][0]] == ["b", "a"]
+    assert result.eight_bit.kept_wider == ("d", "b")
+    assert [s.node for s in result.eight_bit.sensitivity] == ["d", "a", "b"]
+    assert [s.node for s in result.eight_bit.rerankings[0]] == ["b", "a"]
     assert result.output_check and result.output_check.outputs["y"]["rel_l2"] < JUDGE_MARGIN * rtol
-    assert result.eight_bit["rank_runs"] == 4 + 3  # three ranked, then two
-    assert abs(result.eight_bit["mac_share"]["fp8_e4m3"] - 1 / 3) < 1e-6
+    assert result.eight_bit.rank_runs == 4 + 3  # three ranked, then two
+    assert abs(result.eight_bit.mac_share["fp8_e4m3"] - 1 / 3) < 1e-6
 
 
 def test_the_budget_goes_to_the_most_gain_per_multiply_add_and_layers_that_lose_go_last():

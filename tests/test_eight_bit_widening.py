@@ -159,7 +159,7 @@ def _outlier_feeds(outlier: float) -> list[dict[str, np.ndarray]]:
 
 
 def test_an_int8_matmul_input_with_an_outlier_channel_is_balanced_into_the_weight(tmp_path):
-    from npuprep.convert_8bit import convert_8bit
+    from npuprep.pipeline import convert
     from npuprep.profiles import load_profile
 
     proto = _model(OUTLIER, {"W": RNG.standard_normal((16, 8))})
@@ -168,9 +168,9 @@ def test_an_int8_matmul_input_with_an_outlier_channel_is_balanced_into_the_weigh
     model = Model(proto=proto, path=str(path), digest=fingerprint(proto))
     feeds = _outlier_feeds(40.0)
     stats = calibrate(model, feeds, detail="all")
-    result = convert_8bit(model, load_profile("a2000"), feeds, precision="int8", stats=stats,
+    result = convert(model, load_profile("a2000"), feeds, precision="int8", stats=stats,
                           rtol=5e-2, holdout=_outlier_feeds(40.0))
-    assert result.eight_bit["balanced"]["x"]["outlier_ratio"] > 20
+    assert result.eight_bit.balanced["x"][1] > 20
     qdq = result.lowered.model
     assert any(n.op_type == "Mul" and n.input[0] == "x" for n in qdq.graph.node)
     # One scale for x would leave channels 1..15 about three INT8 levels.
@@ -178,7 +178,7 @@ def test_an_int8_matmul_input_with_an_outlier_channel_is_balanced_into_the_weigh
     ref = run(make_session(proto), feeds[0])["y"]
     ours = run(make_session(qdq), feeds[0])["y"]
     assert _rel_l2(ref, ours) < 0.5 * _rel_l2(ref, run(make_session(plain), feeds[0])["y"])
-    assert result.passed and result.eight_bit["mac_share"]["int8"] == 1.0
+    assert result.passed and result.eight_bit.mac_share["int8"] == 1.0
 
 
 def test_an_input_without_outlier_channels_is_left_alone():

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import onnx
-from conftest import run_cli
+from conftest import model_from_text, run_cli
 from onnx import TensorProto, helper, numpy_helper
 
-from npuprep.report.cause import failure_cause
+from npuprep.calibrate import calibrate
+from npuprep.data import load_samples
+from npuprep.model_io import load_model
+from npuprep.pipeline import CALIBRATE, Gate, Verdict, convert
+from npuprep.profiles import load_profile
 
 
 def _random_logit_classifier(tmp_path, squash=False):
@@ -56,18 +61,91 @@ def test_random_logit_classifier_failed_line_names_underflow_first(tmp_path):
     assert "; then outputs over their tolerance" in verdict
 
 
-def test_no_cause_for_a_pass_or_a_failure_without_underflow():
-    passed = {"passed": True, "precision": "fp16"}
-    overflow = {"passed": False, "precision": "fp16", "findings": [], "actions": [],
-                "verification": {"rtol": 0.01, "outputs": {"y": {"nonfinite": 3, "rel_l2": 1.0}}}}
-    assert failure_cause(passed) == "" and failure_cause(overflow) == ""
+def _classifier(tmp_path):
+    # x -> Gemm(W1 ~ 1e-12) -> Relu -> Gemm(W2 ~ 4) -> logits ~1e-10, as a Model and its samples
+    path, data = _random_logit_classifier(tmp_path)
+    model = load_model(path)
+    return model, load_samples(str(data), model.proto)
 
 
-def test_share_gate_failure_names_the_weights_an_underflow_scale_pushed_up():
-    # a user plan lifts fc2 by 2^20: W2 past FP16, fc2 kept FP32; the cause precedes the gate
-    report = {"passed": False, "precision": "fp16",
-              "actions": [{"action": "rescale", "entry": "fc2", "k": -20, "absorbers": []}],
-              "forced_fp32": {"fc2": "weight 'W2' reaches 849825, beyond fp16 max 65504 (kept FP32, not clipped)"}}
-    assert failure_cause(report) == ("underflow: lifting fc2 out of fp16's subnormals pushes "
-                                     "weights of fc2 past fp16 (849825 .. 849825), which keeps "
-                                     "them FP32")
+def test_no_cause_for_a_pass_or_a_failure_without_underflow(tmp_path):
+    model, samples = _classifier(tmp_path)
+    passed = convert(model, load_profile("generic"), samples, stats=CALIBRATE)
+    assert passed.verdict == Verdict(passed=True) and passed.verdict.said == "PASSED"
+    # the same model with an empty plan: logits of 1e-10 flush to 0 in FP16, no remedy tried
+    failed = convert(model, load_profile("generic"), samples, stats=CALIBRATE,
+                     plan=replace(passed.plan, actions=()))
+    assert not failed and failed.verdict.gate is Gate.OUTPUTS
+    assert failed.verdict.cause.startswith("underflow: output logits lives at |x| <= ")
+    # x -> Exp: the FP16 overflow past x = 11.09 is no underflow; the cause stays empty
+    onnx.save(model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1, 4] x) => (float[1, 4] y) { y = Exp(x) }
+    """), str(tmp_path / "exp.onnx"))
+    exp = load_model(tmp_path / "exp.onnx")
+    feeds = [{"x": np.full((1, 4), 12.0, np.float32)}]
+    over = convert(exp, load_profile("generic"), feeds, stats=CALIBRATE, max_rounds=1,
+                   plan=replace(passed.plan, actions=(), declined=(), notes=()))
+    assert not over and over.verdict.cause == ""
+    assert over.verdict.said.startswith("FAILED: first divergent node"), over.verdict
+
+
+def test_share_gate_failure_names_the_weights_an_underflow_scale_pushed_up(tmp_path):
+    # the planner lifts fc1 by 2^-k1 (W2 absorbs 2^k1) and fc2 just enough; a user plan lifts
+    # fc2 by 2^(15-k1) instead: W2 (~4) grows 2^15 past FP16's max, so fc2 stays FP32
+    model, samples = _classifier(tmp_path)
+    plan = convert(model, load_profile("generic"), samples, stats=CALIBRATE).plan
+    first, second = plan.actions
+    assert (first.entry, second.entry) == ("fc1", "fc2") and first.k < 0
+    pushed = replace(second, k=first.k - 15, domain={"logits": 15 - first.k})
+    result = convert(model, load_profile("generic"), samples, stats=CALIBRATE,
+                     plan=replace(plan, actions=(first, pushed)))
+    assert result.output_check and not result.share and result.verdict.gate is Gate.FP32_SHARE
+    w2 = np.abs(onnx.numpy_helper.to_array(
+        next(t for t in result.rewritten.graph.initializer if t.name == "W2"))).max()
+    assert w2 > 65504
+    assert result.verdict.cause == (
+        "underflow: lifting fc1, fc2 out of fp16's subnormals pushes weights of fc2 past fp16 "
+        f"({w2:.6g} .. {w2:.6g}), which keeps them FP32")
+    assert result.verdict.said.startswith(f"FAILED: {result.verdict.cause}; then ")
+
+
+def test_a_hazard_only_a_pin_fixes_is_the_cause_on_a_target_that_cannot_pin():
+    # t -> Mul(freqs) -> Sin | Cos -> ... with t up to 1000 on rk3588: FP16's phase spacing
+    # makes Sin/Cos noise; the plan's note names the pin rk3588 cannot grant, and the FAILED
+    # line says so first
+    from test_phase import _model, _timesteps
+
+    model, samples = _model(), _timesteps(6, 1)
+    result = convert(model, load_profile("rk3588"), samples, stats=CALIBRATE, max_rounds=1,
+                     max_fp32_share=1.0)
+    assert not result.output_check and result.verdict.gate is Gate.OUTPUTS
+    assert result.verdict.cause.startswith("sin, cos read phase phase up to ")
+    assert result.verdict.cause.endswith("only an FP32 pin of phase_mul, sin, cos could fix it, "
+                                         "and target rk3588 cannot pin")
+    assert result.verdict.said.startswith(f"FAILED: {result.verdict.cause}; then ")
+    # the same conversion on a target that pins: the pin is made and no cause is said
+    pinned = convert(model, load_profile("generic"), samples, stats=CALIBRATE, max_rounds=1,
+                     max_fp32_share=1.0)
+    assert pinned and pinned.verdict.cause == ""
+
+
+def test_an_output_with_a_few_values_under_the_normals_is_no_underflow_cause(tmp_path):
+    # x -> Sigmoid -> y with 1 in 8 values of x at -12 (y = 6e-6, under FP16's 6.1e-5): the
+    # finding is raised, but flushing those values is not why a tight rtol fails
+    onnx.save(model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1, 64] x) => (float[1, 64] y) { y = Sigmoid(x) }
+    """), str(tmp_path / "s.onnx"))
+    model = load_model(tmp_path / "s.onnx")
+    rng = np.random.default_rng(0)
+    feeds = []
+    for _ in range(3):
+        x = rng.uniform(-2, 2, (1, 64)).astype(np.float32)
+        x[0, ::8] = -12.0
+        feeds.append({"x": x})
+    result = convert(model, load_profile("generic"), feeds, stats=calibrate(model, feeds, detail="all"),
+                     rtol=1e-6, max_rounds=1)
+    under = [f for f in result.findings if f.rule == "range.underflow" and f.tensor == "y"]
+    assert under and 0 < under[0].evidence["share_below_min_normal"] < 0.5
+    assert not result and result.verdict.cause == ""

@@ -29,8 +29,8 @@ FLOORS: tuple[frozenset[str], ...] = tuple(frozenset(f.split()) for f in (
     "verify",
     "probe",
     "ledger",
+    "pipeline",
     "convert",
-    "convert_8bit",
     "cli __main__",
 ))
 

@@ -202,7 +202,7 @@ def begin(args: argparse.Namespace, *, inputs: Sequence[str] = (), model: bool =
 
 
 def _float_precision(precision: str | None) -> str | None:
-    """The float format a run's findings and plan use: INT8 (QDQ, see npuprep.convert_8bit)
+    """The float format a run's findings and plan use: INT8 (QDQ, see npuprep.pipeline.quantise_and_verify)
     has no float range and plans its wider layers in FP16; FP8 keeps its own."""
     from npuprep.numerics import eight_bit_format
 

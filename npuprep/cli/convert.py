@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from npuprep.cli.common import (
     add_data,
@@ -17,6 +18,15 @@ from npuprep.cli.common import (
 )
 from npuprep.errors import NpuprepError
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
+
+if TYPE_CHECKING:
+    from npuprep.calibrate.stats import CalibrationStats
+    from npuprep.data import SampleSet
+    from npuprep.model_io import Model
+    from npuprep.output_files import OutputSet
+    from npuprep.plan import Plan
+    from npuprep.profiles import TargetProfile
+    from npuprep.resources import MemoryWatch
 
 help = "plan, rewrite and lower MODEL for the target, verify it under emulation, write reports"
 
@@ -104,8 +114,6 @@ def run(args: argparse.Namespace) -> int:
     # Weights stay in the user's files; each stage reads one as it needs it.
     run_ = begin(args, inputs=("data", "holdout", "stats", "plan"), weights="file")
     profile, model, outputs = run_.profile, anchored(run_.model), run_.outputs
-    if args.rtol is None:
-        args.rtol = 5e-2 if _eight_bit(profile.precision_of(args.precision)) else 1e-2
     exports = parse_exports(args.export) if args.export else default_exports(profile.report_format)
     # Not `<stem>.<target>.plan.yaml`: convert writes the plan it applied there, over a draft.
     default_ext = ".draft.plan.yaml" if args.plan_only else ".onnx"
@@ -116,8 +124,6 @@ def run(args: argparse.Namespace) -> int:
     args.html = into_folder(args.html, f"{output.with_suffix('').name}.report.html")
     paths = _artefact_paths(args, output, exports)
     declare(outputs, paths)
-    if args.report and not args.plan_only:
-        _remove_older_report(outputs, output)
     from npuprep.resources import MemoryWatch, parse_size
 
     budget = parse_size(args.max_memory, "--max-memory") if args.max_memory else None
@@ -125,8 +131,7 @@ def run(args: argparse.Namespace) -> int:
         with MemoryWatch(budget) as watch, outputs.open() as files:
             samples = open_samples(args, model.proto)
             if args.plan_only:
-                plan = _plan_only(args, model, profile, _stats(args, model, samples), samples,
-                                  output, files)
+                plan = _plan_only(args, model, profile, samples, output, files)
             else:
                 report, passed = _convert(args, model, profile, samples, paths, files, watch)
     except KeyboardInterrupt as exc:
@@ -138,136 +143,49 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report)
     else:
-        _print_summary(report, io_types=args.io_types)
+        _print_summary(report)
     return 0 if passed else 1
 
 
-def _convert(args: argparse.Namespace, model: Any, profile: Any, samples: Any, paths: dict[str, Path],
-             files: Any, watch: Any) -> tuple[dict[str, Any], bool]:
-    from dataclasses import replace
+def _convert(args: argparse.Namespace, model: Model, profile: TargetProfile,
+             samples: SampleSet | None, paths: dict[str, Path], files: OutputSet,
+             watch: MemoryWatch) -> tuple[dict[str, Any], bool]:
+    """The arguments handed to the pipeline (npuprep.pipeline), its result staged as one set."""
+    from contextlib import ExitStack
 
-    from npuprep.convert import convert
+    from npuprep.cli.common import progress_stages
     from npuprep.data import load_samples
+    from npuprep.pipeline import CALIBRATE, SPLIT, convert
     from npuprep.plan import load_plan
+    from npuprep.report.artefacts import stage_conversion
 
     if samples is None:
         raise NpuprepError("convert verifies on samples: give --data D or --synthetic N")
-    plan = load_plan(args.plan, model) if args.plan else None
-    holdout = load_samples(args.holdout, model.proto, batched=args.batched) if args.holdout else None
-    split = None
-    if holdout is None and not args.no_holdout:
-        from npuprep.holdout import split_holdout
+    holdout = load_samples(args.holdout, model.proto, batched=args.batched) if args.holdout else \
+        None if args.no_holdout else SPLIT
+    with ExitStack() as spinning:
+        shown: list[Callable[[str], None]] = []
 
-        split = split_holdout(samples)
-        holdout = split.held_out or None
-    calibration = split.calibration if split is not None else samples
-    watch.stage("calibrating")
-    stats = _stats(args, model, calibration)
-    from npuprep.cli.common import progress_stages
-    from npuprep.report.artefacts import stage_conversion
-
-    with progress_stages("converting", not args.json) as shown:
         def stage(name: str) -> None:
             watch.stage(name)
-            shown(name)
+            # Calibration draws its own progress bar; the spinner starts after it (one live
+            # display at a time).
+            if name != "calibrating":
+                if not shown:
+                    shown.append(spinning.enter_context(progress_stages("converting", not args.json)))
+                shown[0](name)
 
-        eight = _eight_bit(profile.precision_of(args.precision))
-        result = _convert_8bit(args, model, profile, calibration, stats, plan, holdout, stage,
-                               samples) \
-            if eight else convert(
-            model, profile, list(calibration), stats=stats, plan=plan, precision=args.precision,
-            io_types=args.io_types, rtol=args.rtol, holdout=list(holdout) if holdout else None,
-            samples_description=samples.describe(), synthetic=samples.synthetic,
-            max_rounds=args.max_rounds, opset=args.opset, max_fp32_share=args.max_fp32_share / 100,
-            top_k=parse_top_k(args.top_k), progress=stage,
-        )
-        if split is not None:
-            result = replace(result, notes=(split.said, *result.notes))
-        vendor = _vendor_check(args, model, result, list(samples), paths, files,
-                               (list(calibration), list(holdout or samples))) \
-            if args.verify_with else None
-        if vendor is not None and vendor.fixed_model is not None:
-            result = _with_vendor_fix(result, vendor)
-    report = stage_conversion(result, paths, files, vendor, resources=watch.to_dict())
-    from npuprep.report.cause import failure_cause
-
-    report["failure_cause"] = failure_cause(report)
-    return report, bool(report["passed"])
-
-
-def _eight_bit(precision: str) -> bool:
-    from npuprep.numerics import eight_bit_format
-
-    return eight_bit_format(precision) is not None
-
-
-def _convert_8bit(args: argparse.Namespace, model: Any, profile: Any, samples: Any, stats: Any,
-                  plan: Any, holdout: Any, stage: Any, given: Any) -> Any:
-    """`given`: the samples as loaded, which describe themselves (`samples` may be the
-    calibration part of the split, a plain list)."""
-    from npuprep.convert_8bit import convert_8bit
-
-    return convert_8bit(model, profile, list(samples),
-                        precision=profile.precision_of(args.precision), stats=stats, plan=plan, rtol=args.rtol,
-                        holdout=list(holdout) if holdout else None,
-                        samples_description=given.describe(), synthetic=given.synthetic,
-                        scale_rule=args.scale_rule, min_8bit_share=args.min_8bit_share / 100,
-                        opset=args.opset, top_k=parse_top_k(args.top_k), progress=stage)
-
-
-def _remove_older_report(outputs: Any, output: Path) -> None:
-    """The default report beside -o, when --report-json names another: removed only where an
-    earlier convert wrote it for this -o (it would pass for this run's), else left alone."""
-    import json
-
-    older = Path(f"{output.with_suffix('')}.report.json")
-    try:
-        artefacts = json.loads(older.read_text(encoding="utf-8")).get("artefacts", {})
-        ours = Path(str(artefacts.get("model", ""))).name == output.name
-    except (OSError, ValueError, AttributeError):
-        ours = False
-    if ours:
-        outputs.removes_stale(older, "an older report beside -o")
-
-
-def _vendor_check(args: argparse.Namespace, model: Any, result: Any, samples: list,
-                  paths: dict[str, Path], files: Any, split: tuple[list, list]) -> Any:
-    """The converted model built and run by the vendor toolchain; its layer report beside -o.
-    An 8-bit one runs the held-out samples (`split`: calibration, held-out) three ways."""
-    from npuprep.verify.vendor import vendor_check, with_layers
-    from npuprep.verify.vendor_8bit import vendor_check_8bit
-
-    if result.eight_bit:
-        check = vendor_check_8bit(model.proto, result, *split, vendor=args.verify_with,
-                                  python=args.vendor_python, rtol=args.rtol,
-                                  top_k=parse_top_k(args.top_k))
-    else:
-        check = vendor_check(model.proto, result.lowered.model, samples, vendor=args.verify_with,
-                             python=args.vendor_python, rtol=args.rtol,
-                             host_scales=getattr(result, "host_scales", None), bisect=True)
-    report_path = paths["vendor_error_analysis"]
-    if check.accuracy_report:
-        files.text(report_path, check.accuracy_report)
-    else:
-        del paths["vendor_error_analysis"]  # the report names only files of its set
-    built = check.fixed_model if check.fixed_model is not None else result.lowered.model
-    return with_layers(check, _as_model(built, paths["model"]), result.profile.resolve(result.fmt.name),
-                       str(report_path))
-
-
-def _with_vendor_fix(result: Any, vendor: Any) -> Any:
-    """The conversion with the exact rewrite that made the vendor tool build it (verify.vendor_bisect)."""
-    from dataclasses import replace
-
-    lines = vendor.bisection["lines"]
-    return replace(result, lowered=replace(result.lowered, model=vendor.fixed_model),
-                   notes=(*result.notes, f"{lines[0]}; {'; '.join(lines[1:])} (the model written)"))
-
-
-def _as_model(proto: Any, output: Path) -> Any:
-    from npuprep.model_io import Model, fingerprint
-
-    return Model(proto=proto, path=str(output), digest=fingerprint(proto))
+        result = convert(
+            model, profile, samples, stats=_stats(args, model) or CALIBRATE,
+            plan=load_plan(args.plan, model) if args.plan else None, holdout=holdout,
+            precision=args.precision, io_types=args.io_types, rtol=args.rtol,
+            max_rounds=args.max_rounds, max_fp32_share=args.max_fp32_share / 100,
+            min_8bit_share=args.min_8bit_share / 100, scale_rule=args.scale_rule,
+            opset=args.opset, top_k=parse_top_k(args.top_k), verify_with=args.verify_with,
+            vendor_python=args.vendor_python, jobs=args.jobs, streams=args.streams,
+            show_progress=not args.json, progress=stage)
+    report = stage_conversion(result, paths, files, resources=watch.to_dict())
+    return report, result.passed
 
 
 def _percent(text: str) -> float:
@@ -294,34 +212,21 @@ def _artefact_paths(args: argparse.Namespace, output: Path, exports: tuple[str, 
                           vendor=args.verify_with)
 
 
-def _stats(args: argparse.Namespace, model: Any, samples: Any) -> Any:
-    from npuprep.calibrate import calibrate, load_stats
+def _stats(args: argparse.Namespace, model: Model) -> CalibrationStats | None:
+    """The --stats given (mapped onto the model when they are its source's), else None."""
+    from npuprep.calibrate import load_stats
 
-    if args.stats:
-        return load_stats(args.stats, model)
-    if samples is None:
-        return None
-    # 8-bit scales read the exponent histogram of every element (percentile, MSE).
-    detail = "all" if _eight_bit(args.precision or "") else "auto"
-    return calibrate(model, samples, jobs=args.jobs, streams=args.streams, show_progress=not args.json,
-                     detail=detail)
+    return load_stats(args.stats, model) if args.stats else None
 
 
-def _plan_only(args: argparse.Namespace, model: Any, profile: Any, stats: Any, samples: Any,
-               output: Path, files: Any) -> Any:
-    from dataclasses import replace
-
-    from npuprep.analyse import findings_for
+def _plan_only(args: argparse.Namespace, model: Model, profile: TargetProfile,
+               samples: SampleSet | None, output: Path, files: OutputSet) -> Plan:
+    from npuprep.pipeline import CALIBRATE, draft_plan
     from npuprep.plan import dump_plan
-    from npuprep.plan.planner import make_plan
-    from npuprep.rewrite.passes import prepare_for_target
 
-    target = profile.resolve("fp16" if _eight_bit(args.precision or "") else args.precision)
-    prepared = prepare_for_target(model, target, stats,
-                                  list(samples) if samples is not None else None)
-    findings = findings_for(prepared.model, target, prepared.stats)
-    plan = make_plan(prepared.model, target, prepared.stats, findings)
-    plan = replace(plan, notes=(*prepared.notes, *plan.notes))
+    plan = draft_plan(model, profile, samples, stats=_stats(args, model) or CALIBRATE,
+                      precision=args.precision, jobs=args.jobs, streams=args.streams,
+                      show_progress=not args.json)
     files.text(output, dump_plan(plan))
     return plan
 
@@ -398,7 +303,7 @@ def _nodes(nodes: list[str]) -> str:
     return ", ".join(nodes[:3]) + (f" +{len(nodes) - 3}" if len(nodes) > 3 else "")
 
 
-def _print_summary(report: dict[str, Any], io_types: str = "fp32") -> None:
+def _print_summary(report: dict[str, Any]) -> None:
     from npuprep.cli.common import out, print_table, say
     from npuprep.formatting import capped, number, percent
     from npuprep.report.pin_count import pins_said
@@ -462,72 +367,10 @@ def _print_summary(report: dict[str, Any], io_types: str = "fp32") -> None:
         say(line[0].upper() + line[1:])
     for note in report.get("notes", []):
         say(f"note: {note}")
-    first = report.get("first_divergent")
-    outputs_ok = (report.get("verification") or {}).get("passed", True) and \
-        (report.get("holdout") or {}).get("passed", True)
-    checks = [c for c in (report.get("verification"), report.get("holdout")) if c]
-    finite = all(o["nonfinite"] == 0 for c in checks for o in c["outputs"].values())
-    worst = max((o["rel_l2"] for c in checks for o in c["outputs"].values()), default=0.0)
-    # No Inf/NaN and no overflow left: the outputs are off by FP16's precision, which no range
-    # remedy changes; say so, and which levers are the user's.
-    traced = (report.get("error_attribution") or [{}])[-1].get("layers")
-    # Where the error was traced to its layers, they are its source; the first divergent node
-    # is only where it shows.
-    source = (f"largest own share '{traced[0]['node']}' ({percent(traced[0]['share'])} of it), "
-              f"first seen at '{first['node']}'" if traced and first else
-              f"first divergent node '{first['node']}'" if first else
-              "no single layer is over the tolerance under the layer-by-layer emulation")
-    overflowed = any((first or {}).get(k) for k in ("inf_count", "nan_count", "saturated_count"))
-    precision = (f"outputs off by rel L2 {number(worst)} with no Inf/NaN ({report['precision'].upper()} precision; "
-                 f"--top-k or --rtol are yours): {source}"
-                 if finite and not overflowed
-                 and (first or not (outputs_ok or report.get("failure_cause"))) else "")
-    if precision:
+    verdict = report["verdict"]
+    if verdict["precision_limited"]:
         _say_where_the_error_sits(report)
-    verdict = "PASSED" if report["passed"] else (
-        f"FAILED: {overfit}" if (overfit := _overfit(report)) else
-        f"FAILED: {precision}" if precision else
-        f"FAILED: first divergent node '{first['node']}' ({first['op_type']})" if first else
-        f"FAILED: {report['fp32_share']['headline']}" if outputs_ok and report.get("fp32_share")
-        else f"FAILED: {why}" if (why := _nonfinite_reason(checks, io_types)) else "FAILED")
-    if report.get("failure_cause"):
-        # The cause first, then the gate it tripped.
-        gate = verdict.removeprefix("FAILED").removeprefix(": ") or (
-            "outputs over their tolerance" if not outputs_ok else "")
-        verdict = f"FAILED: {report['failure_cause']}" + (f"; then {gate}" if gate else "")
-    say(f"{verdict}; report: {report['artefacts']['report_md']}", always=True)
-
-
-def _overfit(report: dict[str, Any]) -> str:
-    """The verdict's cause when the calibration samples pass and the held-out ones do not."""
-    from npuprep.formatting import number
-
-    ver, held = report.get("verification") or {}, report.get("holdout") or {}
-    if not ver.get("passed") or not held or held.get("passed"):
-        return ""
-    outs = held["outputs"].values()
-    bad = sum(o["nonfinite"] for o in outs)
-    worst = max((o["rel_l2"] for o in outs), default=0.0)
-    was = max((o["rel_l2"] for o in ver["outputs"].values()), default=0.0)
-    return (f"held-out samples fail (rel L2 {number(worst)}"
-            + (f", {bad} Inf/NaN" if bad else "")
-            + f") where the calibration samples pass (rel L2 {number(was)}): the conversion "
-            "fits the samples it was planned on")
-
-
-def _nonfinite_reason(checks: list[dict[str, Any]], io_types: str) -> str:
-    """Why outputs are Inf/NaN where no node diverged first: FP32 itself, or the FP16 outputs."""
-    rows = [(name, o) for c in checks for name, o in c["outputs"].items() if o["nonfinite"]]
-    if not rows:
-        return ""
-    name, o = rows[0]
-    if o.get("reference_nonfinite"):
-        return (f"the FP32 model itself gives {o['reference_nonfinite']} Inf/NaN in '{name}' on these "
-                "samples (an Inf in the model or out-of-range samples): nothing to compare there")
-    if io_types == "target":
-        return (f"'{name}' has {o['nonfinite']} Inf/NaN: with --io-types target the graph's inputs and "
-                "outputs are FP16 and its values pass FP16's largest; keep them FP32 (--io-types fp32)")
-    return f"'{name}' has {o['nonfinite']} Inf/NaN under emulation, at no node before the output"
+    say(f"{verdict['said']}; report: {report['artefacts']['report_md']}", always=True)
 
 
 def _say_where_the_error_sits(report: dict[str, Any]) -> None:

@@ -71,15 +71,68 @@ def artefact_paths(output: str | Path, *, exports: Sequence[str], report_path: s
 
 
 def declare(outputs: Any, paths: dict[str, Path]) -> None:
-    """Tell an OutputPlan (npuprep.output_files) every file of the set, before any work."""
+    """Tell an OutputPlan (npuprep.output_files) every file of the set, before any work, and
+    the files an earlier conversion to the same model wrote that this set does not: they are
+    removed with it, so none of them reads as part of the new set."""
     for role, path in paths.items():
         if role == "model":
             outputs.writes_model(path, "-o")
         else:
             outputs.writes(path, ROLES[role])
+    if "model" in paths:
+        for path, what in older_artefacts(paths):
+            outputs.removes_stale(path, what)
 
 
-def stage_conversion(result: Any, paths: dict[str, Path], files: Any, vendor: Any = None,
+# Constraint files a conversion may write beside OUT.onnx.
+_COMPANIONS = tuple(suffix for _, suffix in EXPORTS.values())
+
+
+def older_artefacts(paths: dict[str, Path]) -> list[tuple[Path, str]]:
+    """Files of an earlier conversion to `paths["model"]` that this set does not write: those
+    its report (`<out>.report.json`, or this run's report path) lists as its own set, and the
+    companions beside the model (constraint files) that npuprep wrote for it."""
+    import json
+
+    output = paths["model"]
+    ours = {p.resolve() for p in paths.values()}
+    base = output.with_suffix("")
+    found: dict[Path, str] = {}
+    for report in dict.fromkeys((Path(f"{base}.report.json"), paths.get("report_json", output))):
+        try:
+            data = json.loads(report.read_text(encoding="utf-8"))
+            listed = data.get("artefacts", {}) if data.get("kind") == "convert" else {}
+            mine = Path(str(listed.get("model", ""))).name == output.name
+        except (OSError, ValueError, AttributeError):
+            continue
+        if not mine:
+            continue
+        found[report] = "an older report of this -o"
+        for role, path in listed.items():
+            older = Path(str(path))
+            # Only files beside -o or the report: an older run's relative paths may name
+            # another folder from here.
+            if role != "model" and older.parent.resolve() in (output.parent.resolve(), report.parent.resolve()):
+                found[older] = f"an older {ROLES.get(role, role)}"
+    for suffix in _COMPANIONS:
+        companion = Path(f"{base}{suffix}")
+        if companion not in found and _names(companion, output.name):
+            found[companion] = "an older file written beside -o for this model"
+    return [(p, what) for p, what in found.items() if p.resolve() not in ours and p.is_file()]
+
+
+def _names(path: Path, model_name: str) -> bool:
+    """`path` is a constraint file npuprep wrote for `model_name`: a trtexec line building it,
+    or a file that opens with npuprep's header (named after the model by artefact_paths)."""
+    try:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return head.startswith("# npuprep ") or f"--onnx={model_name}" in head.split("\n", 1)[0]
+
+
+def stage_conversion(result: Any, paths: dict[str, Path], files: Any,
                      resources: dict[str, Any] | None = None) -> dict[str, Any]:
     """Stage `result` (a ConversionResult) in `files` (an open output set, which puts them in
     place together); return the report, its `artefacts` naming every file of the set.
@@ -124,11 +177,13 @@ def stage_conversion(result: Any, paths: dict[str, Path], files: Any, vendor: An
         texts["rknn_custom_quantize_layers"] = constraints.rknn_custom_quantize_layers(plan, low_model) + host
     if "precision_yaml" in paths:
         texts["precision_yaml"] = constraints.precision_yaml(plan, low_model) + host
+    vendor = result.vendor
+    if vendor is not None and vendor.accuracy_report and "vendor_error_analysis" in paths:
+        texts["vendor_error_analysis"] = vendor.accuracy_report
+    else:
+        paths.pop("vendor_error_analysis", None)  # the report names only files of its set
     for role, text in texts.items():
         files.text(paths[role], text)
-    if vendor is not None:
-        report["vendor"] = vendor.to_dict()
-        report["passed"] = bool(report["passed"] and vendor)
     # The report names every file of its set (and the model's fingerprint), so a file
     # left from another run is never taken for part of this one.
     report["artefacts"] = {role: str(path) for role, path in paths.items()}
@@ -153,7 +208,8 @@ def save_conversion(result: Any, output: str | Path, *, exports: Sequence[str] |
 
     if exports is None:
         exports = default_exports(result.profile.report_format)
-    paths = artefact_paths(output, exports=exports, report_path=report_path, html=html)
+    paths = artefact_paths(output, exports=exports, report_path=report_path, html=html,
+                           vendor=result.vendor.vendor if result.vendor is not None else None)
     outputs = OutputPlan()
     for path in protected:
         outputs.reads_model(path)

@@ -55,13 +55,21 @@ def resources_line(resources: dict[str, Any]) -> str:
             + (f", within --max-memory {budget} MB" if budget else ""))
 
 
+def _verdict(result: dict[str, Any]) -> str:
+    """**PASSED**, or **FAILED**: the cause, then the gate it tripped (as the pipeline said it)."""
+    if result["passed"]:
+        return "**PASSED**"
+    said = (result.get("verdict") or {}).get("said", "FAILED").removeprefix("FAILED").lstrip(": ")
+    return "**FAILED**" + (f": {md_text(said)}" if said else "")
+
+
 def convert_markdown(result: dict[str, Any]) -> str:
     """The Markdown summary of a `convert` result dict (ConversionResult.to_dict())."""
     ver = result.get("verification") or {}
     lines = [
         f"# npuprep convert: {md_text(result['model'])} -> {md_text(result['target'])} ({result['precision']})",
         "",
-        f"- verdict: **{'PASSED' if result['passed'] else 'FAILED'}**",
+        f"- verdict: {_verdict(result)}",
         f"- output: {md_code(result.get('output') or '-')}",
         f"- model fingerprint: `{result['fingerprint']}`; output fingerprint: `{result['output_fingerprint']}`",
         f"- samples: {md_text(result['samples']['description'])}"

@@ -207,7 +207,7 @@ def vendor_check_8bit(
     done, picked = runs[chosen], paths[chosen]
     held = getattr(result, "holdout", None)
     own = list(held.outputs.values()) if held is not None else []
-    eight = {"format": result.eight_bit["format"], "chosen": chosen, "asked": path,
+    eight = {"format": result.eight_bit.format, "chosen": chosen, "asked": path,
              "npuprep_rel_l2": max((float(o["rel_l2"]) for o in own), default=None),
              "npuprep_max_abs_error": max((float(o["max_abs_error"]) for o in own), default=None),
              "paths": [paths[p].to_dict() for p in PATHS]}

@@ -1,4 +1,4 @@
-"""The 8-bit pipeline: plan (FP16 remedies + per-node 8-bit decision) -> QDQ model -> verify it.
+"""The 8-bit build: the plan (FP16 remedies + per-node 8-bit decision) -> QDQ model -> verify it.
 
 The artefact is the rewritten FP32 model with QuantizeLinear/DequantizeLinear at the 8-bit
 multiply-adds (npuprep.rewrite.qdq); the rest stays FP32 in the file, for the compiler to
@@ -18,24 +18,35 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import npuprep.pipeline.lower_and_verify as lower_and_verify
 from npuprep.calibrate.scales import FP8_NAN_HEADROOM
-from npuprep.convert import DEFAULT_RTOL, ConversionResult, _checked_top_k, plan_for_target
 from npuprep.data import Feed
-from npuprep.errors import NpuprepError
 from npuprep.graph import node_label, weight_bytes
-from npuprep.model_io import Model, WeightScratch, anchored
-from npuprep.numerics import EightBitFormat, eight_bit_format
+from npuprep.model_io import Model, WeightScratch
+from npuprep.numerics import EightBitFormat
 from npuprep.ops import QUANTISED_MAC_OPS
-from npuprep.plan import Plan
+from npuprep.pipeline.result import ConversionResult, EightBitResult, SampleUse
+from npuprep.plan.decide import Planned
 from npuprep.plan.layer_precision import LayerPrecision, decide
-from npuprep.profiles import TargetProfile
+from npuprep.profiles import ResolvedTarget
 from npuprep.provenance import record_source
 from npuprep.report.flops import node_flops
 from npuprep.report.output_verdicts import output_passes
+from npuprep.rewrite.apply import apply_plan
+from npuprep.rewrite.lower import Lowered
 from npuprep.rewrite.qdq_weights import WeightStore
-from npuprep.scale_rules import DEFAULT_RULE
+from npuprep.verify.compare import DEFAULT_ATOL, compare_models
 from npuprep.verify.output_check import OutputCheck, check_outputs
 from npuprep.verify.pin_rounds import sample_shapes
+from npuprep.verify.qdq_model import (
+    balance_outliers,
+    choose_rules,
+    eight_bit_nodes,
+    on_target,
+    quantise,
+    rank_layers,
+    with_opset,
+)
 from npuprep.verify.widening import widen_in_rounds
 
 # Below this share of 8-bit multiply-adds the model has not been converted to 8 bits.
@@ -46,64 +57,26 @@ MAX_WIDEN_ROUNDS = 8
 JUDGE_MARGIN = 0.8
 
 
-def convert_8bit(
-    model: Model,
-    profile: TargetProfile,
-    samples: Sequence[Feed],
-    *,
-    precision: str,
-    stats: Any,
-    plan: Plan | None = None,
-    rtol: float = DEFAULT_RTOL,
-    holdout: Sequence[Feed] | None = None,
-    samples_description: str = "",
-    synthetic: bool = False,
-    scale_rule: str = DEFAULT_RULE,
-    min_8bit_share: float = DEFAULT_MIN_8BIT_SHARE,
-    opset: int | None = None,
-    top_k: Mapping[str, int] | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> ConversionResult:
-    """`model` as a QDQ model in `precision` (`int8`, `fp8_e4m3`), verified on `samples`
-    (and `holdout`); scales by `scale_rule` from `stats`. The passed result holds its
-    outputs within `rtol` (or the `top_k` decisions) with at least `min_8bit_share` of the
-    Conv/MatMul/Gemm multiply-adds in 8 bits."""
-    from npuprep.convert import SCRATCH_BYTES  # FP16 convert's threshold, as it is now
-    from npuprep.rewrite.apply import apply_plan
-    from npuprep.rewrite.lower import Lowered
-    from npuprep.verify.compare import DEFAULT_ATOL, compare_models
-    from npuprep.verify.qdq_model import (
-        balance_outliers,
-        choose_rules,
-        eight_bit_nodes,
-        on_target,
-        quantise,
-        rank_layers,
-        with_opset,
-    )
-
-    eight = eight_bit_format(precision)
-    if eight is None:
-        raise NpuprepError(f"'{precision}' is not an 8-bit format (int8, fp8_e4m3)")
-    if stats is None:
-        raise NpuprepError(f"--precision {precision} sets its scales from calibration: give --data "
-                           "or --stats")
-    stage = progress or (lambda _: None)
-    stage("findings")
-    model = anchored(model)  # weights read from the user's files as each stage needs them
-    top_k = _checked_top_k(model, top_k)
-    # The layers kept wider run in FP16: the FP16 remedies keep them in range.
-    target = profile.resolve("fp16")
-    wide = target.fmt
-    prepared, findings, plan = plan_for_target(model, target, stats, samples, plan, stage)
-    work, stats, flow_notes = prepared.model, prepared.stats, prepared.notes
+def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
+                        eight: EightBitFormat, samples: Sequence[Feed],
+                        holdout: Sequence[Feed] | None, *, use: SampleUse, rtol: float,
+                        scale_rule: str, min_8bit_share: float, opset: int | None,
+                        top_k: Mapping[str, int], stage: Callable[[str], None]) -> ConversionResult:
+    """`planned` (planned for `target`, the wider format) as a QDQ model in `eight`, verified
+    on `samples` (and `holdout`); scales by `scale_rule`. Its outputs are to hold within
+    `rtol` (or the `top_k` decisions) with at least `min_8bit_share` of the Conv/MatMul/Gemm
+    multiply-adds in 8 bits."""
+    profile, wide = target.profile, target.fmt
+    work, stats, plan, flow_notes = planned.model, planned.stats, planned.plan, planned.notes
+    model = source
     stage("rewriting")
     applied = apply_plan(work.proto, plan)
     pinned = plan.pinned_nodes() | set(applied.fp32_nodes)
     base = with_opset(applied.model, eight)
     # Every QDQ model below quantises its weights through one store: each once, and a large
     # model's 8-bit (and balanced) weights in a scratch file, as FP16 convert lowers them.
-    weights = WeightStore(WeightScratch() if weight_bytes(base) >= SCRATCH_BYTES else None)
+    weights = WeightStore(WeightScratch() if weight_bytes(base) >= lower_and_verify.SCRATCH_BYTES
+                          else None)
     layers = plan.eight_bit or decide(base, stats, eight, pinned, scale_rule)
     notes = list(flow_notes)
     balanced: dict[str, tuple[str, float]] = {}
@@ -202,22 +175,18 @@ def convert_8bit(
     lowered = Lowered(model=built, fmt=eight.name, io_types="fp32", cast_count=0,
                       pinned_nodes=tuple(sorted(set(pinned_all))), scratch=weights.scratch)
     return ConversionResult(
-        source=model, profile=profile, fmt=wide, findings=findings, plan=plan,
+        source=model, profile=profile, fmt=wide, findings=planned.findings, plan=plan,
         rewritten=applied.model, lowered=lowered, tensor_scales=applied.tensor_scales,
         pinned_nodes=lowered.pinned_nodes, output_check=check, layers=compared, holdout=held,
-        flops_fp32_share=shares["fp32"], rounds=rounds, samples_description=samples_description,
-        synthetic=synthetic, stats=stats, declined=applied.declined, notes=tuple(notes),
-        eight_bit={
-            "format": eight.name, "scale_rule": scale_rule, "saturate": saturate,
-            "mac_share": shares, "min_8bit_share": min_8bit_share,
-            "sensitivity": [s.to_dict() for s in ranking], "kept_wider": widened,
-            "rerankings": [[s.to_dict() for s in r] for r in widening.rankings[1:]],
-            "rank_runs": widening.rank_runs,
-            "kept_wider_cost": _cost(widened, macs),
-            "tensor_rules": dict(sorted(tensor_rules.items())),
-            "balanced": {x: {"tensor": xs, "outlier_ratio": r} for x, (xs, r) in balanced.items()},
-            "input_shapes": {k: list(v) for k, v in sample_shapes(samples).items()},
-        },
+        flops_fp32_share=shares["fp32"], rounds=rounds, samples=use, stats=stats,
+        declined=applied.declined, notes=tuple(notes),
+        eight_bit=EightBitResult(
+            format=eight.name, scale_rule=scale_rule, saturate=saturate, mac_share=shares,
+            min_8bit_share=min_8bit_share, sensitivity=tuple(ranking),
+            kept_wider=tuple(widened), rerankings=tuple(tuple(r) for r in widening.rankings[1:]),
+            rank_runs=widening.rank_runs, kept_wider_cost=_cost(widened, macs),
+            tensor_rules=dict(tensor_rules), balanced=dict(balanced),
+            input_shapes={k: tuple(v) for k, v in sample_shapes(samples).items()}),
     )
 
 

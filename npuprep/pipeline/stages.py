@@ -1,0 +1,423 @@
+"""One conversion pipeline for every format, as a declared list of stages:
+
+    STAGES = (hold_out, calibrate, plan, build, vendor_check, verdict, record)
+
+    hold_out      the held-out part of the samples (or the --holdout ones), refused when the
+                  plan has seen them                                     npuprep/holdout.py
+    calibrate     the statistics of the calibration part (unless given)  calibrate/
+    plan          prepare, find, plan for the resolved target            plan/decide.py
+    build         fp16, bf16: rounds of rewrite -> lower -> verify       pipeline/lower_and_verify.py
+                  int8, fp8_e4m3: rewrite -> quantise -> verify, keep the most sensitive layers
+                  wider                                                  pipeline/quantise_and_verify.py
+    vendor_check  the vendor toolchain builds and simulates it (--verify-with)  verify/vendor*.py
+    verdict       passed, the gate that tripped, the cause               pipeline/verdict.py
+    record        what the conversion did, into the converted model     provenance.py
+
+Each stage takes the run so far and returns it with its part filled in (a frozen dataclass,
+as onnxscript's PassManager passes a model through its passes); `convert` runs them all,
+`draft_plan` the first three. The CLI parses arguments and renders; it runs no stage itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from npuprep.calibrate.stats import CalibrationStats
+from npuprep.data import Feed, SampleSet
+from npuprep.errors import NpuprepError
+from npuprep.model_io import Model, anchored
+from npuprep.numerics import eight_bit_format
+from npuprep.pipeline.lower_and_verify import lower_and_verify
+from npuprep.pipeline.quantise_and_verify import DEFAULT_MIN_8BIT_SHARE, quantise_and_verify
+from npuprep.pipeline.result import ConversionResult, SampleUse
+from npuprep.pipeline.verdict import judge
+from npuprep.plan import Plan
+from npuprep.plan.decide import Planned, plan_for
+from npuprep.profiles import ResolvedTarget, TargetProfile
+from npuprep.provenance import ConversionRecord, Gates, Source, record_conversion, stats_fingerprint
+from npuprep.report.share import DEFAULT_MAX_FP32_SHARE
+from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
+from npuprep.verify.compare import DEFAULT_ATOL
+from npuprep.verify.vendor import VendorCheck
+
+DEFAULT_RTOL = 1e-2
+# 8-bit scales round every activation: the outputs are judged at a wider default tolerance.
+DEFAULT_RTOL_8BIT = 5e-2
+# `holdout=SPLIT`: hold out 1 in 4 of the samples (npuprep.holdout); `stats=CALIBRATE`:
+# calibrate on the part kept. Together they are what `npuprep convert --data D` does.
+SPLIT = "split"
+CALIBRATE = "calibrate"
+
+Samples = SampleSet | Sequence[Feed]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the user asked of one conversion (the CLI's options), every format's knobs."""
+
+    precision: str | None = None  # None: the profile's default
+    io_types: str = "fp32"
+    rtol: float | None = None  # None: DEFAULT_RTOL, or DEFAULT_RTOL_8BIT for 8 bits
+    max_rounds: int = 3
+    max_fp32_share: float = DEFAULT_MAX_FP32_SHARE
+    min_8bit_share: float = DEFAULT_MIN_8BIT_SHARE
+    scale_rule: ScaleRule = DEFAULT_RULE
+    opset: int | None = None
+    top_k: Mapping[str, int] = field(default_factory=dict)
+    verify_with: str | None = None  # a vendor toolchain (npuprep.verify.vendor.VENDORS)
+    vendor_python: str | None = None
+    jobs: int = 1
+    streams: int = 0
+    show_progress: bool = False
+
+    @property
+    def eight_bit(self) -> bool:
+        return eight_bit_format(self.precision or "") is not None
+
+
+@dataclass(frozen=True)
+class Run:
+    """One conversion on its way through STAGES: what was given, then what each stage made."""
+
+    model: Model
+    profile: TargetProfile
+    settings: Settings
+    samples: Samples
+    progress: Callable[[str], None]  # told each step as it starts (the CLI's spinner)
+    holdout_asked: Samples | Literal["split"] | None = None
+    stats: CalibrationStats | Literal["calibrate"] | None = None
+    user_plan: Plan | None = None
+    stats_from_caller: bool = False  # `stats` were given, not calibrated in this run
+    # hold_out: the samples planned and verified on, and those held out
+    calibration: Samples = ()
+    held_out: Sequence[Feed] | None = None
+    feeds: Sequence[Feed] = ()  # the calibration part, read once (plan)
+    use: SampleUse = SampleUse()
+    notes: tuple[str, ...] = ()
+    # plan
+    target: ResolvedTarget | None = None
+    planned: Planned | None = None
+    # build, vendor_check, verdict, record
+    result: ConversionResult | None = None
+
+    @property
+    def stats_given(self) -> CalibrationStats | None:
+        """Statistics the caller gave (not calibrated in this run)."""
+        return self.stats if self.stats_from_caller and isinstance(self.stats, CalibrationStats) else None
+
+
+Stage = Callable[[Run], Run]
+
+
+def hold_out(run: Run) -> Run:
+    """The calibration part and the held-out part; a held-out check on samples the plan has
+    seen is not one: --holdout samples that are --data samples, or that the --stats were
+    calibrated on, are refused, and the default split holds out none the --stats saw."""
+    from npuprep.holdout import overlap, same_feeds, split_holdout
+
+    samples, asked, given = run.samples, run.holdout_asked, run.stats_given
+    ids = _ids(samples)
+    if asked is None:
+        return replace(run, calibration=samples, use=_use(run, ids, ()))
+    if asked != SPLIT:
+        held_ids, held = _ids(asked), list(asked)
+        both = isinstance(samples, SampleSet) and isinstance(asked, SampleSet)
+        shared = overlap(samples, asked) if both else []
+        if shared:
+            raise NpuprepError(f"--holdout {_source(asked)}: {_some(shared)} also in --data; "
+                               "a held-out check needs samples the plan has not seen")
+        # Equal values: a copy of the --data set is no held-out set; a few equal samples
+        # (real data repeats itself) check nothing new, and the notes say so.
+        same = [held_ids[i] for i in same_feeds(samples, held)]
+        if same and len(same) == len(held):
+            raise NpuprepError(f"--holdout {_source(asked)}: every sample equals a --data sample "
+                               "in value; a held-out check needs samples the plan has not seen")
+        notes = (f"{_some(same)} of --holdout equal --data samples in value: they check "
+                 "nothing the calibration samples do not",) if same else ()
+        seen = _seen(given, asked, held_ids)
+        if seen:
+            raise NpuprepError(f"--holdout {_source(asked)}: {_some(seen)} are among the samples the "
+                               "--stats were calibrated on; held-out samples must be unseen")
+        return replace(run, calibration=samples, held_out=held, use=_use(run, ids, held_ids),
+                       notes=notes)
+    if not isinstance(samples, SampleSet):
+        raise NpuprepError("holdout='split' holds out part of a SampleSet (npuprep.data."
+                           "load_samples); give held-out feeds as `holdout` instead")
+    split = split_holdout(samples, stats_given=given is not None)
+    seen = _seen(given, samples, split.held_out_ids)
+    if seen:
+        # The stats planned on every sample the split would hold out: verifying on them again
+        # is no held-out check, and saying so is the truthful verdict.
+        said = (f"no held-out check: the --stats were calibrated on the --data samples "
+                f"that would be held out ({_some(seen)}); verified on all {len(ids)} --data "
+                "samples (--holdout names samples the stats did not see)")
+        return replace(run, calibration=samples, use=_use(run, ids, ()), notes=(said,))
+    kept = tuple(i for i in ids if i not in set(split.held_out_ids))
+    return replace(run, calibration=split.calibration, held_out=split.held_out or None,
+                   use=_use(run, kept, split.held_out_ids), notes=(split.said,))
+
+
+def calibrate(run: Run) -> Run:
+    """Statistics of the calibration part, unless the caller gave them (or asked for none)."""
+    if run.stats != CALIBRATE:
+        return run
+    from npuprep.calibrate import calibrate as measure
+
+    run.progress("calibrating")
+    s = run.settings
+    # 8-bit scales read the exponent histogram of every element (percentile, MSE).
+    stats = measure(run.model, run.calibration, jobs=s.jobs, streams=s.streams,
+                    show_progress=s.show_progress, detail="all" if s.eight_bit else "auto")
+    return replace(run, stats=stats)
+
+
+def plan(run: Run) -> Run:
+    """The target resolved once, then prepare, find, plan (npuprep.plan.decide.plan_for).
+    8-bit conversions plan their wider layers in FP16: its remedies keep them in range."""
+    s = run.settings
+    target = run.profile.resolve("fp16" if s.eight_bit else s.precision)
+    run.progress("findings")
+    stats = run.stats if isinstance(run.stats, CalibrationStats) else None
+    feeds = list(run.calibration)
+    planned = plan_for(run.model, target, stats, feeds or None, plan=run.user_plan)
+    return replace(run, target=target, planned=planned, feeds=feeds)
+
+
+def build(run: Run) -> Run:
+    """The plan applied and lowered (FP16/BF16) or quantised (INT8/FP8), and verified."""
+    s, planned, target = run.settings, run.planned, run.target
+    assert planned is not None and target is not None, "build runs after plan"
+    samples, held = list(run.feeds), (list(run.held_out) if run.held_out else None)
+    rtol = _rtol(s)
+    eight = eight_bit_format(s.precision or "")
+    if eight is not None and planned.stats is None:
+        raise NpuprepError(f"--precision {s.precision} sets its scales from calibration: give "
+                           "--data or --stats")
+    if eight is not None:
+        result = quantise_and_verify(run.model, planned, target, eight, samples, held,
+                                     use=run.use, rtol=rtol, scale_rule=s.scale_rule,
+                                     min_8bit_share=s.min_8bit_share, opset=s.opset,
+                                     top_k=s.top_k, stage=run.progress)
+    else:
+        result = lower_and_verify(run.model, planned, target, samples, held, use=run.use,
+                                  io_types=s.io_types, rtol=rtol, max_rounds=s.max_rounds,
+                                  max_fp32_share=s.max_fp32_share, opset=s.opset,
+                                  top_k=s.top_k, stage=run.progress)
+    return replace(run, result=replace(result, notes=(*run.notes, *result.notes)))
+
+
+def vendor_check(run: Run) -> Run:
+    """The converted model built and simulated by the vendor toolchain (--verify-with); an
+    exact rewrite that made a refusing tool build it becomes the model written."""
+    s, result = run.settings, run.result
+    if s.verify_with is None or result is None:
+        return run
+    from npuprep.verify.vendor import vendor_check as simulate
+    from npuprep.verify.vendor import with_layers
+    from npuprep.verify.vendor_8bit import vendor_check_8bit
+
+    run.progress(f"building with {s.verify_with}")
+    if result.eight_bit:
+        held = list(run.held_out) if run.held_out else list(run.samples)
+        check = vendor_check_8bit(run.model.proto, result, list(run.feeds), held,
+                                  vendor=s.verify_with, python=s.vendor_python, rtol=_rtol(s),
+                                  top_k=dict(s.top_k))
+    else:
+        check = simulate(run.model.proto, result.lowered.model, list(run.samples), vendor=s.verify_with,
+                         python=s.vendor_python, rtol=_rtol(s), host_scales=result.host_scales,
+                         bisect=True)
+    built = check.fixed_model if check.fixed_model is not None else result.lowered.model
+    check = with_layers(check, _named(built, run.model), result.profile.resolve(result.fmt.name),
+                        f"{s.verify_with}_error_analysis.txt")
+    if check.fixed_model is not None:
+        result = _with_vendor_fix(result, check)
+    return replace(run, result=replace(result, vendor=check))
+
+
+def verdict(run: Run) -> Run:
+    """Passed, the gate that tripped and the cause: computed once, before anything is written."""
+    assert run.result is not None, "verdict runs after build"
+    return replace(run, result=replace(run.result, verdict=judge(run.result)))
+
+
+def record(run: Run) -> Run:
+    """What the conversion did, written into the converted model itself (metadata_props):
+    the plan as applied, the statistics and samples it used, its gates and its verdict."""
+    s, result = run.settings, run.result
+    assert result is not None and result.verdict is not None, "record runs after verdict"
+    given = run.stats_given
+    gates = Gates(rtol=_rtol(s), atol=DEFAULT_ATOL, top_k=dict(s.top_k),
+                  max_fp32_share=None if s.eight_bit else s.max_fp32_share,
+                  min_8bit_share=s.min_8bit_share if s.eight_bit else None)
+    made = ConversionRecord(
+        source=Source(run.model.fingerprint, dict(result.tensor_scales)),
+        target=result.profile.name, precision=result.precision, gates=gates,
+        plan=result.plan.to_dict(), passed=result.verdict.passed,
+        cause="" if result.verdict.passed else result.verdict.said.removeprefix("FAILED").lstrip(": "),
+        stats_fingerprint=stats_fingerprint(given.to_dict()) if given is not None else None,
+        calibration_ids=result.samples.calibration_ids, holdout_ids=result.samples.holdout_ids,
+        host_scales=dict(result.host_scales))
+    record_conversion(result.lowered.model, made)
+    return replace(run, result=replace(result, record=made))
+
+
+STAGES: tuple[Stage, ...] = (hold_out, calibrate, plan, build, vendor_check, verdict, record)
+# Up to the plan: what `convert --plan-only` writes.
+PLAN_STAGES: tuple[Stage, ...] = (calibrate, plan)
+
+
+def convert(
+    model: Model,
+    profile: TargetProfile,
+    samples: Samples,
+    *,
+    stats: CalibrationStats | Literal["calibrate"] | None = None,
+    plan: Plan | None = None,
+    holdout: Samples | Literal["split"] | None = None,
+    precision: str | None = None,
+    io_types: str = "fp32",
+    rtol: float | None = None,
+    samples_description: str = "",
+    synthetic: bool = False,
+    max_rounds: int = 3,
+    max_fp32_share: float = DEFAULT_MAX_FP32_SHARE,
+    min_8bit_share: float = DEFAULT_MIN_8BIT_SHARE,
+    scale_rule: ScaleRule = DEFAULT_RULE,
+    opset: int | None = None,
+    top_k: Mapping[str, int] | None = None,
+    verify_with: str | None = None,
+    vendor_python: str | None = None,
+    jobs: int = 1,
+    streams: int = 0,
+    show_progress: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> ConversionResult:
+    """Plan (unless `plan` is given), rewrite, lower or quantise, and verify `model` for
+    `profile` in `precision` (None: the profile's default; fp16, bf16, int8, fp8_e4m3).
+
+    `samples`: a SampleSet (npuprep.data.load_samples) or a list of feeds; verification runs
+    on them. `holdout`: feeds (or a SampleSet) not used for calibration to verify on too, or
+    SPLIT to hold out 1 in 4 of `samples`. `stats`: calibration statistics, CALIBRATE to
+    measure them on the calibration part, None to plan from static findings only (8 bits
+    need statistics). `holdout=SPLIT, stats=CALIBRATE` is what `npuprep convert --data D`
+    does. The result fails when an output misses `rtol` (default 1e-2, 5e-2 for 8 bits;
+    `top_k` {output: K} also passes an output whose top-K classes agree), when more than
+    `max_fp32_share` of the FLOPs stay FP32 (FP16/BF16), or when less than `min_8bit_share`
+    of the multiply-adds run in 8 bits. `verify_with` ("rknn") also builds it with the vendor
+    toolchain. The lowered model keeps the model's opset unless `opset` asks for another.
+    `progress` is told each stage as it starts (the CLI's spinner)."""
+    settings = Settings(
+        precision=profile.precision_of(precision), io_types=io_types, rtol=rtol,
+        max_rounds=max_rounds, max_fp32_share=max_fp32_share, min_8bit_share=min_8bit_share,
+        scale_rule=scale_rule, opset=opset, top_k={}, verify_with=verify_with,
+        vendor_python=vendor_python, jobs=jobs, streams=streams, show_progress=show_progress)
+    run = _start(model, profile, samples, settings, progress, holdout=holdout, stats=stats,
+                 plan=plan, described=(samples_description, synthetic))
+    run = replace(run, settings=replace(settings, top_k=_checked_top_k(run.model, top_k)))
+    for stage in STAGES:
+        run = stage(run)
+    assert run.result is not None
+    return run.result
+
+
+def draft_plan(model: Model, profile: TargetProfile, samples: Samples | None, *,
+               stats: CalibrationStats | Literal["calibrate"] | None = None,
+               precision: str | None = None, jobs: int = 1, streams: int = 0,
+               show_progress: bool = False) -> Plan:
+    """The plan `convert` would start from (calibrated on every sample: nothing is held
+    out, since nothing is verified): what `npuprep convert --plan-only` writes."""
+    settings = Settings(precision=profile.precision_of(precision), jobs=jobs,
+                        streams=streams, show_progress=show_progress)
+    if samples is None and stats == CALIBRATE:
+        stats = None
+    run = _start(model, profile, samples or (), settings, None, holdout=None, stats=stats,
+                 plan=None, described=("", False))
+    run = replace(run, calibration=run.samples)
+    for stage in PLAN_STAGES:
+        run = stage(run)
+    assert run.planned is not None
+    return run.planned.plan
+
+
+def _start(model: Model, profile: TargetProfile, samples: Samples, settings: Settings,
+           progress: Callable[[str], None] | None, *, holdout: Samples | Literal["split"] | None,
+           stats: CalibrationStats | Literal["calibrate"] | None, plan: Plan | None,
+           described: tuple[str, bool]) -> Run:
+    description, synthetic = described
+    if isinstance(samples, SampleSet):
+        description, synthetic = description or samples.describe(), synthetic or samples.synthetic
+    # Rules and rewrites read each weight from the user's file as they need it.
+    return Run(model=anchored(model), profile=profile, settings=settings, samples=samples,
+               progress=progress or (lambda _: None), holdout_asked=holdout, stats=stats,
+               user_plan=plan, stats_from_caller=isinstance(stats, CalibrationStats),
+               use=SampleUse(description=description, synthetic=synthetic))
+
+
+def _rtol(settings: Settings) -> float:
+    if settings.rtol is not None:
+        return settings.rtol
+    return DEFAULT_RTOL_8BIT if settings.eight_bit else DEFAULT_RTOL
+
+
+def _ids(samples: Samples) -> tuple[str, ...]:
+    if isinstance(samples, SampleSet):
+        return tuple(str(i) for i in samples.sample_ids())
+    return tuple(str(i) for i in range(len(samples)))
+
+
+def _use(run: Run, calibration_ids: tuple[str, ...], holdout_ids: tuple[str, ...]) -> SampleUse:
+    given = run.stats_given
+    # Statistics given by the caller say which samples they were calibrated on.
+    ids = tuple(str(i) for i in given.sample_ids) if given is not None else calibration_ids
+    return replace(run.use, calibration_ids=ids, holdout_ids=holdout_ids)
+
+
+def _seen(given: CalibrationStats | None, samples: Samples, ids: Sequence[str]) -> list[str]:
+    from npuprep.holdout import seen_by_stats
+
+    if given is None or not isinstance(samples, SampleSet):
+        return []
+    seen = set(seen_by_stats(given.source, given.sample_ids, samples))
+    return [i for i in ids if i in seen]
+
+
+def _source(samples: Samples) -> str:
+    return samples.source if isinstance(samples, SampleSet) else "(feeds)"
+
+
+def _some(ids: Sequence[str]) -> str:
+    shown = ", ".join(ids[:2]) + (f" and {len(ids) - 2} more" if len(ids) > 2 else "")
+    return f"{len(ids)} sample{'s' if len(ids) != 1 else ''} ({shown})"
+
+
+def _named(proto: object, source: Model) -> Model:
+    """The model a vendor built, named for its layer report."""
+    from npuprep.model_io import fingerprint
+
+    return Model(proto=proto, path=f"{source.path}.converted.onnx", digest=fingerprint(proto))
+
+
+def _with_vendor_fix(result: ConversionResult, vendor: VendorCheck) -> ConversionResult:
+    """The conversion with the exact rewrite that made the vendor tool build it
+    (verify.vendor_bisect)."""
+    lines = (vendor.bisection or {})["lines"]
+    return replace(result, lowered=replace(result.lowered, model=vendor.fixed_model),
+                   notes=(*result.notes, f"{lines[0]}; {'; '.join(lines[1:])} (the model written)"))
+
+
+def _checked_top_k(model: Model, top_k: Mapping[str, int] | None) -> dict[str, int]:
+    outputs = {o.name for o in model.proto.graph.output}
+    for name, k in (top_k or {}).items():
+        if name not in outputs:
+            raise NpuprepError(f"--top-k names '{name}', which is not an output of {model.path} "
+                               f"(outputs: {', '.join(sorted(outputs))})")
+        if not isinstance(k, int) or k < 1:
+            raise NpuprepError(f"--top-k {name}: K must be a whole number >= 1, not {k!r}")
+        out = next(o for o in model.proto.graph.output if o.name == name)
+        dims = out.type.tensor_type.shape.dim
+        if dims and dims[-1].HasField("dim_value") and k >= dims[-1].dim_value:
+            raise NpuprepError(f"--top-k {name}:{k}: output '{name}' has {dims[-1].dim_value} classes along "
+                               f"its last axis; K must be smaller (K = all of them judges nothing)")
+    return dict(top_k or {})
