@@ -8,6 +8,7 @@ measured range the plan did not answer is one.
 from __future__ import annotations
 
 import json
+import shutil
 
 import onnx
 from conftest import run_cli
@@ -16,6 +17,7 @@ from test_crosscheck_readers import norm_model
 
 from npuprep.model_io import load_model
 from npuprep.plan import PinFp32, Plan, save_plan
+from npuprep.provenance import RECORD_KEY
 
 # What the orin conversion of test_conversion_stats.source_model keeps in FP32: the Exp->Log
 # island (plan pin) and the softmax shift's subtraction (a rewrite's pin, in precision.yaml only).
@@ -61,10 +63,22 @@ def test_precision_yaml_pins_must_run_in_fp32(conversion, tmp_path):  # noqa: F8
                       "--stats", stats, "--json")
     assert planned.returncode == 0, planned.stdout + planned.stderr
     assert "underflow left as is" in _verdicts(planned)["Cast_p"]["reason"]
-    unplanned = run_cli("crosscheck", converted, "-r", honoured, "-t", "orin", "--stats", stats, "--json")
+    # Without --plan the conversion's own record decides, as --plan does.
+    recorded = run_cli("crosscheck", converted, "-r", honoured, "-t", "orin", "--stats", stats, "--json")
+    assert recorded.returncode == 0, recorded.stdout
+    assert _verdicts(recorded)["Cast_p"]["verdict"] == "ok"
+    # A conversion without its record (made before it existed): no plan decides.
+    proto = onnx.load(str(converted))
+    onnx.helper.set_model_props(proto, {p.key: p.value for p in proto.metadata_props
+                                        if p.key != RECORD_KEY})
+    bare = converted.with_name("bare.onnx")
+    onnx.save(proto, str(bare))
+    shutil.copy(converted.with_suffix(".precision.yaml"), bare.with_suffix(".precision.yaml"))
+    unplanned = run_cli("crosscheck", bare, "-r", honoured, "-t", "orin", "--stats", stats, "--json")
     assert unplanned.returncode == 1
     assert _verdicts(unplanned)["Cast_p"]["verdict"] == "mismatch"
-    assert any(f"--plan {precision} lets its plan decide" in n for n in json.loads(unplanned.stdout)["notes"])
+    assert any(f"--plan {bare.with_suffix('.precision.yaml')} lets its plan decide" in n
+               for n in json.loads(unplanned.stdout)["notes"])
 
 
 def test_plan_yaml_names_the_remedy_that_made_a_node_safe(conversion, tmp_path):  # noqa: F811
