@@ -25,6 +25,9 @@ from pathlib import Path
 
 import onnx
 
+# Unnamed nodes (ppocr_det's) as crosscheck names them.
+from npuprep.graph import node_label
+
 HERE = Path(__file__).resolve().parent
 CORPUS = Path.home() / ".cache/npuprep/corpus"
 
@@ -57,14 +60,14 @@ def report_as_converted(converted: Path, out: Path) -> Path:
     rows = ["node,precision"]
     for n in m.graph.node:
         low = any(types.get(t) == half for t in [*n.input, *n.output])
-        rows.append(f"{n.name},{'fp16' if low else 'fp32'}")
+        rows.append(f"{node_label(n)},{'fp16' if low else 'fp32'}")
     out.write_text("\n".join(rows) + "\n")
     return out
 
 
 def all_fp16_report(model: Path, out: Path) -> Path:
     m = onnx.load(str(model), load_external_data=False)
-    out.write_text("node,precision\n" + "".join(f"{n.name},fp16\n" for n in m.graph.node))
+    out.write_text("node,precision\n" + "".join(f"{node_label(n)},fp16\n" for n in m.graph.node))
     return out
 
 
