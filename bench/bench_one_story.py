@@ -29,6 +29,9 @@ import onnx
 from npuprep.graph import node_label
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+from conversion_util import as_stored_report  # noqa: E402 - the tests' own report builder
+
 CORPUS = Path.home() / ".cache/npuprep/corpus"
 
 
@@ -50,21 +53,6 @@ def npuprep(*args: str) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def report_as_converted(converted: Path, out: Path) -> Path:
-    """A compiler report running every node in the precision the conversion wrote."""
-    m = onnx.load(str(converted), load_external_data=False)
-    types = {v.name: v.type.tensor_type.elem_type
-             for v in [*m.graph.value_info, *m.graph.output, *m.graph.input]}
-    types.update({i.name: i.data_type for i in m.graph.initializer})
-    half = onnx.TensorProto.FLOAT16
-    rows = ["node,precision"]
-    for n in m.graph.node:
-        low = any(types.get(t) == half for t in [*n.input, *n.output])
-        rows.append(f"{node_label(n)},{'fp16' if low else 'fp32'}")
-    out.write_text("\n".join(rows) + "\n")
-    return out
-
-
 def all_fp16_report(model: Path, out: Path) -> Path:
     m = onnx.load(str(model), load_external_data=False)
     out.write_text("node,precision\n" + "".join(f"{node_label(n)},fp16\n" for n in m.graph.node))
@@ -81,7 +69,7 @@ def checks(name: str, model: Path, calib: Path, held: Path, target4: str, work: 
                        "--json")
     a2000 = json.loads(text[text.index("{"):]) if "{" in text else {}
     # 1
-    report = report_as_converted(conv, work / "as_converted.csv")
+    report = as_stored_report(conv, work / "as_converted.csv")
     rc1, out1 = npuprep("crosscheck", conv, "--report", report, "--stats", work / "stats.json",
                         "-t", "a2000", "--json")
     doc = json.loads(out1[out1.index("{"):]) if "{" in out1 else {}
