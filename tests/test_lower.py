@@ -437,3 +437,27 @@ def test_nodes_after_an_ml_op_have_a_type_and_are_lowered():
     assert set(low.forced_fp32) == {"scaler"}, low.forced_fp32
     weights = {i.name: i.data_type for i in low.model.graph.initializer}
     assert weights["W"] == TensorProto.FLOAT16
+
+
+def test_default_fill_of_constant_of_shape_is_lowered_with_its_scatter():
+    # x -> Gather(src) -> MatMul(W) = messages; ConstantOfShape(Shape(x)) (no value: FP32 zeros)
+    #   -> ScatterElements(add) of the messages -> Where(ok, sum, zeros) -> y
+    model = build(HEAD + """
+    g (float[6,4] x) => (float[6,4] y) <float[4,4] W, int64[10,4] dst, int64[10] src,
+                                        bool[6,4] ok> {
+      sh = Shape(x)
+      zeros = ConstantOfShape(sh)
+      msg = Gather(x, src)
+      h = MatMul(msg, W)
+      s = ScatterElements<axis=0, reduction="add">(zeros, dst, h)
+      y = Where(ok, s, zeros)
+    }""", W=_w(4, 4), dst=np.repeat(RNG.integers(0, 6, size=(10, 1)), 4, axis=1),
+                  src=RNG.integers(0, 6, size=10), ok=RNG.random((6, 4)) > 0.3)
+    low = lower(model, FP16)
+    onnx.checker.check_model(low.model, full_check=True)
+    # A summing scatter accumulates: it stays FP32 (and onnxruntime has no FP16 kernel).
+    assert any("accumulates" in why for why in low.forced_fp32.values())
+    fill, = _ops(low.model, "ConstantOfShape")
+    assert fill.attribute[0].t.data_type == TensorProto.FLOAT16
+    feeds = {"x": RNG.normal(size=(6, 4)).astype(np.float32)}
+    assert rel_err(outputs(model, feeds)["y"], outputs(low.model, feeds)["y"]) < 1e-2

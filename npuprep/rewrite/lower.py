@@ -54,6 +54,10 @@ _FIXED_FLOAT_OUTPUTS = {("LayerNormalization", 1), ("LayerNormalization", 2)}
 # Ops where a large negative constant is a mask (added, selected or compared), not a weight.
 _MASK_OPS = frozenset({"Add", "Where", "Min", "Max"})
 _CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
+# Scatters that sum or multiply into their data accumulate in their I/O format (a graph
+# network's message sums), and onnxruntime (1.32) has no FP16 kernel for them: kept FP32.
+_ACCUMULATING_SCATTERS = frozenset({"ScatterElements", "ScatterND"})
+_ACCUMULATING_REDUCTIONS = frozenset({b"add", b"mul"})
 
 
 @dataclass(frozen=True)
@@ -268,6 +272,9 @@ class _Lowering:
                     reason = "pinned"
                 elif node.op_type in FORCED_FP32_OPS or node.domain not in ("", "ai.onnx"):
                     reason = f"{node.op_type} stays FP32 (type fixed by attribute or FP32-only inputs)"
+                elif node.op_type in _ACCUMULATING_SCATTERS and _attr_bytes(
+                        node, "reduction") in _ACCUMULATING_REDUCTIONS:
+                    reason = f"{node.op_type} accumulates (reduction) and stays FP32"
                 elif id(node) in shape_nodes:
                     reason = "computes a shape or an FP32-only input"
                 elif node.op_type != "Constant" and any(
@@ -311,8 +318,8 @@ class _Lowering:
             return (f"weight '{name}' reaches {largest:g}, beyond "
                     f"{self.fmt.name} max {limit:g} (kept FP32, not clipped)")
         if node.op_type == "ConstantOfShape":
-            value = _attr_tensor(node, "value")
-            if value is not None and value.dtype == np.float32 and not np.all(np.abs(value) <= limit):
+            value = _fill_value(node)
+            if value.dtype == np.float32 and not np.all(np.abs(value) <= limit):
                 if not np.all(value < 0):
                     return f"ConstantOfShape value {value.reshape(-1)[0]:g} is beyond {self.fmt.name} range"
         return None
@@ -488,8 +495,8 @@ class _Lowering:
             if low and node.op_type == "Cast" and _attr_int(node, "to") == FLOAT:
                 _set_attr_int(node, "to", self.low_type)
             if low and node.op_type == "ConstantOfShape":
-                value = _attr_tensor(node, "value")
-                if value is not None and value.dtype == np.float32:
+                value = _fill_value(node)
+                if value.dtype == np.float32:
                     value = np.maximum(value, np.float32(-self.fmt.max)).astype(self.fmt.np_dtype)
                     _set_attr_tensor(node, "value", value)
             new_nodes.append(node)
@@ -730,11 +737,23 @@ def _attr_tensor(node: onnx.NodeProto, name: str) -> np.ndarray | None:
     return None
 
 
+def _fill_value(node: onnx.NodeProto) -> np.ndarray:
+    """A ConstantOfShape's value; without the attribute the spec fills FP32 zeros, which
+    must be lowered too or its readers (ScatterElements' data, Where) see mixed types."""
+    value = _attr_tensor(node, "value")
+    return np.zeros(1, np.float32) if value is None else value
+
+
 def _set_attr_tensor(node: onnx.NodeProto, name: str, value: np.ndarray) -> None:
     for attr in node.attribute:
         if attr.name == name:
             attr.t.CopyFrom(numpy_helper.from_array(value, attr.t.name))
             return
+    node.attribute.append(helper.make_attribute(name, numpy_helper.from_array(value)))
+
+
+def _attr_bytes(node: onnx.NodeProto, name: str) -> bytes | None:
+    return next((a.s for a in node.attribute if a.name == name), None)
 
 
 def _attr_int(node: onnx.NodeProto, name: str) -> int | None:
