@@ -70,6 +70,14 @@ def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outc
             return wide
         return (declined,)
     out = try_rescale(ctx, problem.ref, problem.tensor, problem.absmax)
+    if isinstance(out, tuple) and all(isinstance(d, Declined) for d in out):
+        # The Log's input fits, but inside the chain (the power spectrum before a mel filter
+        # bank's sum) the span does not: keep the chain wide and its sources in the format.
+        reason = "; ".join(d.reason for d in out)
+        wide = _wide_chain(ctx, problem, log, reason) or _floored_in_fp16(ctx, problem, log, reason)
+        if wide:
+            ctx.declined.extend(out)
+            return wide
     if not isinstance(out, Rescale) or label not in out.absorbers:
         return out
     return replace(out, why=(

@@ -125,7 +125,7 @@ def checked(ctx: PlanContext, entry: str, k: int, focus: str = "",
             if k_focus != k:
                 k = k_focus
                 continue
-        worst, worst_tensor = 0.0, ""
+        worst, worst_tensor, worst_p = 0.0, "", -k
         for t, p in sorted(check.exponents.items()):
             if p == 0:
                 continue
@@ -138,12 +138,13 @@ def checked(ctx: PlanContext, entry: str, k: int, focus: str = "",
             if reason:
                 return None, reason
             if r.absmax * 2.0**p > worst:
-                worst, worst_tensor = r.absmax * 2.0**p, t
+                worst, worst_tensor, worst_p = r.absmax * 2.0**p, t, p
         if worst <= ctx.limit:
             return check, check.reason
         if k < 0:
             break
-        k += needed_k(worst, ctx.limit)
+        # A tensor carrying the scale to a power (a square) needs k deepened by that much less.
+        k += needed_k(worst, ctx.limit, per=max(1.0, -worst_p / k))
     return None, (f"{pow2(-k)} on {entry} leaves {worst_tensor} at {worst:.6g}, over the limit "
                   f"{ctx.limit:.6g}")
 
