@@ -152,3 +152,72 @@ def test_target_that_cannot_pin_scales_the_chain_and_floors_the_log_input():
     assert "only an FP32 pin of the chain into log" in clamp.why
     (y,) = result.output_check.outputs.values()
     assert y["nonfinite"] == 0
+
+
+MELS = 4
+
+
+def _mel_model() -> onnx.ModelProto:
+    # wav -> Unsqueeze -> Conv(cos), Conv(sin) -> Unsqueeze, Transpose -> Pow 2 -> Add
+    #     -> MatMul(mel filter bank) -> Clip(1e-10, inf) -> Log -> y   (openWakeWord's front end)
+    t, freqs, window = np.arange(FRAME), np.arange(1, BINS + 1), np.hanning(FRAME)
+    cos = (np.cos(2 * np.pi * np.outer(freqs, t) / FRAME) * window)[:, None, :]
+    sin = (np.sin(2 * np.pi * np.outer(freqs, t) / FRAME) * window)[:, None, :]
+    mel_w = np.zeros((BINS, MELS), np.float32)
+    for band, b in enumerate((0, 1, 5, 7)):  # two bands on loud bins, two on quiet ones
+        mel_w[b, band] = 1e-5
+    weights = {"cos_w": cos.astype(np.float32), "sin_w": sin.astype(np.float32), "mel_w": mel_w,
+               "two": np.array(2.0, np.float32), "lo": np.array(1e-10, np.float32),
+               "hi": np.array(np.inf, np.float32), "ax1": np.array([1], np.int64)}
+    nodes = [helper.make_node("Unsqueeze", ["wav", "ax1"], ["wav3"], name="as_channels")]
+    for part, w in (("re", "cos_w"), ("im", "sin_w")):
+        nodes += [
+            helper.make_node("Conv", ["wav3", w], [f"{part}_c"], name=f"conv_{part}", strides=[HOP]),
+            helper.make_node("Unsqueeze", [f"{part}_c", "ax1"], [f"{part}_u"], name=f"unsq_{part}"),
+            helper.make_node("Transpose", [f"{part}_u"], [part], name=f"tr_{part}", perm=[0, 1, 3, 2]),
+            helper.make_node("Pow", [part, "two"], [f"{part}2"], name=f"sq_{part}")]
+    nodes += [helper.make_node("Add", ["re2", "im2"], ["pw"], name="power"),
+              helper.make_node("MatMul", ["pw", "mel_w"], ["mel"], name="mel"),
+              helper.make_node("Clip", ["mel", "lo", "hi"], ["floored"], name="floor"),
+              helper.make_node("Log", ["floored"], ["y"], name="log")]
+    graph = helper.make_graph(
+        nodes, "melspec",
+        [helper.make_tensor_value_info("wav", TensorProto.FLOAT, [1, (FRAMES - 1) * HOP + FRAME])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, FRAMES, MELS])],
+        [numpy_helper.from_array(v, n) for n, v in weights.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _tones(n: int, seed: int) -> list[dict[str, np.ndarray]]:
+    """Loud tones on bins 1-3, tones 50 dB down on bins 5-8, peaks at int16 scale."""
+    rng = np.random.default_rng(seed)
+    t = np.arange((FRAMES - 1) * HOP + FRAME)
+    level = np.array([1, 1, 1, 0, 3e-3, 3e-3, 3e-3, 3e-3])
+    out = []
+    for _ in range(n):
+        amps, phases = rng.uniform(0.3, 1.0, BINS) * level, rng.uniform(0, 2 * np.pi, BINS)
+        wav = sum(a * np.cos(2 * np.pi * f * t / FRAME + p)
+                  for f, a, p in zip(range(1, BINS + 1), amps, phases, strict=True))
+        out.append({"wav": (wav / np.abs(wav).max() * 32767).reshape(1, -1).astype(np.float32)})
+    return out
+
+
+def test_stft_through_layout_ops_goes_fp16_when_only_the_chain_is_too_wide():
+    # the Log's input (the mel bands) fits FP16's normal range once scaled, the power spectrum
+    # before the filter bank does not: the Convs are scaled (through Unsqueeze, Transpose) into
+    # FP16 and only the squares..Log chain stays FP32
+    proto = _mel_model()
+    model = Model(proto=proto, path="mel.onnx", digest="mel")
+    samples = _tones(6, 1)
+    stats = calibrate(model, samples)
+    mel, pw = stats.tensors["mel"], stats.tensors["pw"]
+    room = 32752 / 2.0**-14
+    assert mel.absmax / mel.min < room < pw.absmax / mel.min
+    result = convert(model, load_profile("generic"), samples, stats=stats, holdout=_tones(3, 2))
+    assert result, result.to_dict()["verdict"]
+    assert set(result.pinned_nodes) == {"sq_re", "sq_im", "power", "mel", "floor", "log"}
+    (scaled,) = [r for r in result.plan.rescales() if "log" in r.absorbers]
+    assert {"re", "im", "re_u", "im_u"} <= set(scaled.domain)
+    for check in (result.output_check, result.holdout):
+        (y,) = check.outputs.values()
+        assert y["nonfinite"] == 0 and y["rel_l2"] <= 1e-2
