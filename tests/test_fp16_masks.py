@@ -85,3 +85,35 @@ def test_convert_verifies_a_model_returning_fp16_masked_scores(tmp_path: Path, e
     s = report["verification"]["outputs"]["s"]
     # The source's -inf positions are no error (as for an FP32 mask); the lowered s is finite.
     assert s["nonfinite"] == 0 and s["reference_nonfinite"] == 6
+
+
+def test_a_minus_1e9_mask_is_lowered_to_minus_max_and_nothing_is_pinned() -> None:
+    # q -> MatMul(W) -> Add(., neg) -> Softmax -> y; neg holds 0 or -1e9 (not -inf, beyond FP16)
+    from npuprep.calibrate import calibrate
+    from npuprep.convert import convert
+    from npuprep.model_io import Model
+    from npuprep.profiles import load_profile
+
+    rng = np.random.default_rng(5)
+    neg = np.where(rng.random((2, 8)) > 0.3, 0.0, -1e9).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["q", "W"], ["s"], name="scores"),
+             helper.make_node("Add", ["s", "neg"], ["t"], name="masked"),
+             helper.make_node("Softmax", ["t"], ["y"], name="probs")]
+    graph = helper.make_graph(
+        nodes, "masked", [helper.make_tensor_value_info("q", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
+        [numpy_helper.from_array(rng.normal(size=(8, 8)).astype(np.float32), "W"),
+         numpy_helper.from_array(neg, "neg")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = Model(proto=proto, path="masked.onnx", digest="masked")
+    samples = [{"q": rng.normal(size=(2, 8)).astype(np.float32)} for _ in range(6)]
+    stats = calibrate(model, samples)
+    assert stats.tensors["t"].min < -FP16_MAX and np.isfinite(stats.tensors["t"].min)
+    result = convert(model, load_profile("generic"), samples, stats=stats)
+    assert result, result.to_dict()["verdict"]
+    assert not result.pinned_nodes
+    assert [f.rule for f in result.findings if f.tensor == "t"] == ["range.mask"]
+    lowered = _constant(result.lowered.model, "neg")
+    assert lowered.min() == -FP16_MAX and lowered.dtype == np.float16
+    feeds = samples[0]
+    assert rel_err(outputs(proto, feeds)["y"], outputs(result.lowered.model, feeds)["y"]) < 1e-2

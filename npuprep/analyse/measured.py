@@ -34,6 +34,7 @@ def measured_findings(
     found: list[Finding] = []
     masks: list[tuple[RangeStats, str]] = []
     from_masks = downstream_of_mask_constants(model)
+    from_large_masks = _downstream_of_large_masks(model, fmt)
     inputs = {(scope.path, i.name) for scope in walk_graphs(model.graph) for i in scope.graph.input}
     for key in sorted(stats.tensors):
         s = stats.tensors[key]
@@ -42,7 +43,8 @@ def measured_findings(
         op = ops.get((s.scope, s.tensor), "")
         where = dict(node=s.node, op_type=op, tensor=s.tensor, scope=s.scope)
         base = _evidence(s, target, stats)
-        if s.tensor in from_masks and is_mask_like(s):
+        if (s.tensor in from_masks and is_mask_like(s)) or (
+                s.tensor in from_large_masks and _large_mask_like(s, fmt, target.limit)):
             masks.append((s, op))
             continue
         if s.nan_count or s.inf_count:
@@ -184,15 +186,63 @@ def is_mask_like(s: RangeStats) -> bool:
     return s.inf_count > 0 and s.nan_count == 0 and s.min == -math.inf and math.isfinite(s.max)
 
 
+def _large_mask_like(s: RangeStats, fmt: NumberFormat, limit: float) -> bool:
+    """Finite, beyond the format only below (where a -1e9 mask value was added), within the
+    limit above: lowering stores the mask constant as -max, and these values follow it."""
+    return (s.nan_count == 0 and s.inf_count == 0 and s.min < -fmt.max
+            and math.isfinite(s.min) and s.max <= limit)
+
+
+# Ops that carry an additive mask's large negative values on to where they are added
+# (Softmax, a MatMul... end it: what they make is no mask any more).
+_MASK_PATH = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose",
+                        "Cast", "Expand", "Where", "Concat", "Tile", "Slice", "Gather", "Add",
+                        "Sub", "Mul", "Min", "Max"})
+
+
+def _downstream_of_large_masks(model: Model, fmt: NumberFormat) -> set[str]:
+    """Tensors made along _MASK_PATH from a constant whose only values beyond `fmt` are
+    negative (a -1e9 mask where FP16 tops out at 65504; -inf is downstream_of_mask_constants')."""
+    import onnx
+
+    from npuprep.graph import attribute
+
+    def large_mask(t) -> bool:  # noqa: ANN001 - TensorProto
+        if t.data_type not in (1, 10, 11, 16) or t.data_location == onnx.TensorProto.EXTERNAL:
+            return False
+        value = to_array(t).astype("float64")
+        return value.size > 0 and bool((value < -fmt.max).any()) and bool((value <= fmt.max).all())
+
+    tainted: set[str] = set()
+    for scope in walk_graphs(model.graph):
+        tainted |= {i.name for i in scope.graph.initializer if large_mask(i)}
+        for node in scope.graph.node:
+            value = attribute(node, "value") if node.op_type == "Constant" else None
+            if value is not None and hasattr(value, "data_type") and large_mask(value):
+                tainted.update(o for o in node.output if o)
+    changed = bool(tainted)
+    while changed:
+        changed = False
+        for scope in walk_graphs(model.graph):
+            for node in scope.graph.node:
+                if node.op_type in _MASK_PATH and any(i in tainted for i in node.input) \
+                        and not all(o in tainted for o in node.output if o):
+                    tainted.update(o for o in node.output if o)
+                    changed = True
+    return tainted
+
+
 def _mask_finding(masks: list[tuple[RangeStats, str]], fmt: NumberFormat) -> Finding:
-    """One warning for every tensor holding only -inf as its non-finite values."""
+    """One warning for every tensor holding only -inf (or a large negative mask value) beyond
+    the format."""
     first, op = masks[0]
     names = [s.tensor for s, _ in masks]
     finite_absmax = max((max(abs(s.max), 0.0) for s, _ in masks), default=0.0)
     return Finding(
         rule="range.mask", severity=Severity.WARNING, node=first.node, op_type=op,
         tensor=first.tensor, scope=first.scope,
-        message=f"{len(masks)} tensor(s) hold -inf and no other non-finite value (first: "
+        message=f"{len(masks)} tensor(s) hold -inf or a mask value below -{fmt.max:.6g} and "
+                f"nothing else beyond {fmt.name} (first: "
                 f"{first.tensor}): an additive mask, intentional; lowering stores mask "
                 f"constants as {fmt.name}'s -max",
         evidence={"tensors": names, "count": len(masks), "largest_finite": finite_absmax},
