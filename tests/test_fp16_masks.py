@@ -117,3 +117,39 @@ def test_a_minus_1e9_mask_is_lowered_to_minus_max_and_nothing_is_pinned() -> Non
     assert lowered.min() == -FP16_MAX and lowered.dtype == np.float16
     feeds = samples[0]
     assert rel_err(outputs(proto, feeds)["y"], outputs(result.lowered.model, feeds)["y"]) < 1e-2
+
+
+def test_a_scalar_minus_1e9_spread_by_a_mul_is_a_mask_too() -> None:
+    # m (0/1) -> Sub(1, m) -> Mul(., -1e9) -> Add(scores, .) -> Softmax -> y: the Mul's -1e9
+    # becomes -65504 (x {0, 1}: the same mask), nothing is pinned; a -1e9 that scales data
+    # (no mask follows: Mul -> output) keeps its node FP32
+    from npuprep.calibrate import calibrate
+    from npuprep.convert import convert
+    from npuprep.model_io import Model
+    from npuprep.profiles import load_profile
+
+    rng = np.random.default_rng(6)
+    nodes = [helper.make_node("MatMul", ["q", "W"], ["s"], name="scores"),
+             helper.make_node("Sub", ["one", "m"], ["inv"], name="invert"),
+             helper.make_node("Mul", ["inv", "big"], ["add"], name="spread"),
+             helper.make_node("Add", ["s", "add"], ["t"], name="masked"),
+             helper.make_node("Softmax", ["t"], ["y"], name="probs")]
+    graph = helper.make_graph(
+        nodes, "masked", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 8]) for n in "qm"],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
+        [numpy_helper.from_array(rng.normal(size=(8, 8)).astype(np.float32), "W"),
+         numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+         numpy_helper.from_array(np.array(-1e9, np.float32), "big")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = Model(proto=proto, path="masked.onnx", digest="masked")
+    samples = [{"q": rng.normal(size=(2, 8)).astype(np.float32),
+                "m": (rng.random((2, 8)) > 0.3).astype(np.float32)} for _ in range(6)]
+    result = convert(model, load_profile("generic"), samples, stats=calibrate(model, samples))
+    assert result, result.to_dict()["verdict"]
+    assert not result.pinned_nodes and not result.lowered.forced_fp32
+    assert float(_constant(result.lowered.model, "big")) == -FP16_MAX
+    assert rel_err(outputs(proto, samples[0])["y"], outputs(result.lowered.model, samples[0])["y"]) < 1e-2
+    # The same -1e9 scaling a graph output is no mask: its node stays FP32, unclipped.
+    proto.graph.output.append(helper.make_tensor_value_info("add", TensorProto.FLOAT, [2, 8]))
+    low = lower(proto, "fp16")
+    assert "spread" in low.forced_fp32 and float(_constant(low.model, "big")) == -1e9

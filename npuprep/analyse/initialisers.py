@@ -11,7 +11,7 @@ import onnx
 from npuprep.analyse.context import Context, ScopeView
 from npuprep.analyse.finding import Finding
 from npuprep.graph import attribute, node_label, to_array
-from npuprep.numerics import FLOAT_ONNX_TYPES, NumberFormat
+from npuprep.numerics import FLOAT_ONNX_TYPES, MASK_SCALE, NumberFormat
 from npuprep.ops import MAC_OPS, PASSTHROUGH_OPS
 from npuprep.profiles import Severity
 
@@ -116,12 +116,13 @@ def _constants(view: ScopeView) -> Iterator[tuple[str, str, np.ndarray]]:
             yield node.output[0], "fp32", view.constant(node.output[0])
 
 
-def _feeds_add(view: ScopeView, name: str, depth: int = 4) -> bool:
-    """Whether the tensor reaches an Add (or Sub) through mask-carrying ops."""
+def _feeds_add(view: ScopeView, name: str, depth: int = 4, scalar: bool = False) -> bool:
+    """Whether the tensor reaches an Add (or Sub) through mask-carrying ops; a `scalar` mask
+    value also through the Mul that spreads it over a 0/1 mask (`(1 - m) * -1e9`)."""
     for user in view.consumer.get(name, []):
         if user.op_type in ("Add", "Sub"):
             return True
-        if depth and user.op_type in _MASK_CARRIERS:
+        if depth and (user.op_type in _MASK_CARRIERS or (scalar and user.op_type == "Mul")):
             if any(_feeds_add(view, out, depth - 1) for out in user.output if out):
                 return True
     return False
@@ -156,7 +157,8 @@ def find(ctx: Context) -> list[Finding]:
 
             mask_values = summary.neg_inf + summary.negative_overflow
             is_mask = (mask_values > 0 and summary.overflow == summary.negative_overflow
-                       and summary.pos_inf == 0 and _feeds_add(view, name))
+                       and summary.pos_inf == 0 and _feeds_add(
+                           view, name, scalar=summary.size == 1 and summary.worst <= MASK_SCALE))
             if is_mask:
                 most_negative = -np.inf if summary.neg_inf else summary.worst
                 findings.append(Finding(

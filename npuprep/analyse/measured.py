@@ -10,7 +10,7 @@ from npuprep.calibrate.stats import CalibrationStats, RangeStats
 from npuprep.graph import to_array, walk_graphs
 from npuprep.model_io import Model
 from npuprep.numerics import NumberFormat
-from npuprep.ops import MAC_OPS
+from npuprep.ops import MAC_OPS, PASSTHROUGH_OPS
 from npuprep.profiles import ResolvedTarget, Severity
 
 # A tensor underflows when at least this share of its nonzero finite values lies below the
@@ -195,9 +195,8 @@ def _large_mask_like(s: RangeStats, fmt: NumberFormat, limit: float) -> bool:
 
 # Ops that carry an additive mask's large negative values on to where they are added
 # (Softmax, a MatMul... end it: what they make is no mask any more).
-_MASK_PATH = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose",
-                        "Cast", "Expand", "Where", "Concat", "Tile", "Slice", "Gather", "Add",
-                        "Sub", "Mul", "Min", "Max"})
+_MASK_PATH = PASSTHROUGH_OPS | {"Where", "Concat", "Tile", "Slice", "Gather", "Add", "Sub", "Mul",
+                                "Min", "Max"}
 
 
 def _downstream_of_large_masks(model: Model, fmt: NumberFormat) -> set[str]:

@@ -33,10 +33,11 @@ from onnx import TensorProto, helper, numpy_helper
 from npuprep.errors import NpuprepError
 from npuprep.graph import copy_fields, node_label, to_array, topological_order, walk_graphs
 from npuprep.model_io import PROTOBUF_LIMIT, WeightScratch
-from npuprep.numerics import NumberFormat, get_format
+from npuprep.numerics import MASK_SCALE, NumberFormat, get_format
 from npuprep.ops import FP32_ONLY_INPUTS
 from npuprep.opsets import at_least, bf16_opset
 from npuprep.rewrite.graph_ops import check_model
+from npuprep.rewrite.lower_masks import map_fp16_masks, mask_readers
 
 FLOAT = TensorProto.FLOAT
 # Lowered initialisers at least this large go to the scratch file when lower() has one.
@@ -51,8 +52,6 @@ FORCED_FP32_OPS = frozenset({
 # Outputs whose type does not follow the node's inputs (LayerNormalization statistics use
 # stash_type, FP32 by default).
 _FIXED_FLOAT_OUTPUTS = {("LayerNormalization", 1), ("LayerNormalization", 2)}
-# Ops where a large negative constant is a mask (added, selected or compared), not a weight.
-_MASK_OPS = frozenset({"Add", "Where", "Min", "Max"})
 _CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
 # Scatters that sum or multiply into their data accumulate in their I/O format (a graph
 # network's message sums), and onnxruntime (1.32) has no FP16 kernel for them: kept FP32.
@@ -162,6 +161,7 @@ class _Lowering:
         self.cast_cache: dict[tuple[int, str, int], str] = {}
         self.weights: dict[str, _Weight] = {}
         self.mapped: dict[str, int] = {}
+        self.mask_readers: set[int] = set()
         self.flushed: dict[str, int] = {}
         self.out_of_range: dict[str, tuple[bool, bool, float]] = {}
         self.names = {name for s in self.scopes for name in _names(s.graph)}
@@ -179,7 +179,11 @@ class _Lowering:
 
     def run(self) -> Lowered:
         self._index()
-        self._map_fp16_masks()
+        self.mapped.update(map_fp16_masks(self.scopes, _constant_node_value))
+        scalars = {name for name, w in self.weights.items() if (
+            _numel(w.init) if w.init is not None else np.size(w.const_value)) == 1
+            and float(w.value.reshape(-1)[0]) <= MASK_SCALE}
+        self.mask_readers = mask_readers(self.scopes, scalars)
         self._decide()
         converted, duplicated, kept = self._convert_weights()
         self._rename_main_outputs()
@@ -219,42 +223,6 @@ class _Lowering:
                     value = _constant_node_value(node)
                     if value is not None and value.dtype == np.float32:
                         self.weights[node.output[0]] = _Weight(node.output[0], g, None, node, value)
-
-    def _map_fp16_masks(self) -> None:
-        """FP16 constants read only as masks (through Casts and Identities) take -max for
-        -inf, as FP32 masks do when lowered: the target stores no -inf it was not given."""
-        readers: dict[str, list[onnx.NodeProto]] = {}
-        for scope in self.scopes:
-            for node in scope.graph.node:
-                for name in node.input:
-                    readers.setdefault(name, []).append(node)
-        returned = {o.name for s in self.scopes for o in s.graph.output}
-
-        def only_masks(name: str) -> bool:
-            users = readers.get(name, [])
-            return bool(users) and name not in returned and all(
-                u.op_type in _MASK_OPS or (u.op_type in ("Cast", "Identity") and only_masks(u.output[0]))
-                for u in users)
-
-        lowest = np.float16(-np.finfo(np.float16).max)
-        for scope in self.scopes:
-            overridable = {vi.name for vi in scope.graph.input}
-            found = [(i.name, i, None) for i in scope.graph.initializer
-                     if i.data_type == TensorProto.FLOAT16 and i.name not in overridable]
-            found += [(n.output[0], None, n) for n in scope.graph.node if n.op_type == "Constant"
-                      and n.output and (v := _constant_node_value(n)) is not None and v.dtype == np.float16]
-            for name, init, node in found:
-                value = to_array(init) if init is not None else _constant_node_value(node)
-                bad = ~np.isfinite(value)
-                if not bad.any() or not np.all(value[bad] == -np.inf) or not only_masks(name):
-                    continue
-                tensor = numpy_helper.from_array(np.where(bad, lowest, value), name)
-                if init is not None:
-                    init.CopyFrom(tensor)
-                else:
-                    del node.attribute[:]
-                    node.attribute.append(helper.make_attribute("value", tensor))
-                self.mapped[name] = int(bad.sum())
 
     def _decide(self) -> None:
         high_scopes: set[int] = set()
@@ -313,7 +281,7 @@ class _Lowering:
             if name not in self.out_of_range:
                 self.out_of_range[name] = _beyond(w.value, limit)
             beyond, negative_only, largest = self.out_of_range[name]
-            if not beyond or (node.op_type in _MASK_OPS and negative_only):
+            if not beyond or (id(node) in self.mask_readers and negative_only):
                 continue
             return (f"weight '{name}' reaches {largest:g}, beyond "
                     f"{self.fmt.name} max {limit:g} (kept FP32, not clipped)")
@@ -369,7 +337,7 @@ class _Lowering:
         if beyond:
             over = ~(np.abs(value) <= self.fmt.max)
             # Only masks reach here (other weights beyond range pinned their node).
-            assert all(u.op_type in _MASK_OPS for u in users) and np.all(value[over] < 0)
+            assert all(id(u) in self.mask_readers for u in users) and np.all(value[over] < 0)
             value = np.where(over, np.float32(-self.fmt.max), value)
             self.mapped[name] = int(over.sum())
         low = value.astype(self.fmt.np_dtype)
