@@ -221,3 +221,66 @@ def test_stft_through_layout_ops_goes_fp16_when_only_the_chain_is_too_wide():
     for check in (result.output_check, result.holdout):
         (y,) = check.outputs.values()
         assert y["nonfinite"] == 0 and y["rel_l2"] <= 1e-2
+
+
+def _log_power_model() -> onnx.ModelProto:
+    # wav -> Conv(cos), Conv(sin) -> re*re + im*im -> Sqrt -> Pow 2 -> Max(1e-12, .) -> Log
+    #     -> Div(ln 10) -> y   (DNSMOS P.835's front end: no overflow, a floor far under FP16)
+    t, freqs, window = np.arange(FRAME), np.arange(1, BINS + 1), np.hanning(FRAME)
+    cos = (np.cos(2 * np.pi * np.outer(freqs, t) / FRAME) * window)[:, None, :]
+    sin = (np.sin(2 * np.pi * np.outer(freqs, t) / FRAME) * window)[:, None, :]
+    weights = {"cos_w": cos.astype(np.float32), "sin_w": sin.astype(np.float32),
+               "two": np.array(2.0, np.float32), "floor_c": np.array(1e-12, np.float32),
+               "ln10": np.array(np.log(10), np.float32)}
+    nodes = [helper.make_node("Conv", ["wav", "cos_w"], ["re"], name="stft_re", strides=[HOP]),
+             helper.make_node("Conv", ["wav", "sin_w"], ["im"], name="stft_im", strides=[HOP]),
+             helper.make_node("Mul", ["re", "re"], ["re2"], name="sq_re"),
+             helper.make_node("Mul", ["im", "im"], ["im2"], name="sq_im"),
+             helper.make_node("Add", ["re2", "im2"], ["pw"], name="power"),
+             helper.make_node("Sqrt", ["pw"], ["mag"], name="magnitude"),
+             helper.make_node("Pow", ["mag", "two"], ["pw2"], name="pow"),
+             helper.make_node("Max", ["floor_c", "pw2"], ["floored"], name="floor"),
+             helper.make_node("Log", ["floored"], ["ln"], name="log"),
+             helper.make_node("Div", ["ln", "ln10"], ["y"], name="log10")]
+    graph = helper.make_graph(
+        nodes, "log_power",
+        [helper.make_tensor_value_info("wav", TensorProto.FLOAT, [1, 1, (FRAMES - 1) * HOP + FRAME])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, BINS, FRAMES])],
+        [numpy_helper.from_array(v, n) for n, v in weights.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _faded_speech(n: int, seed: int) -> list[dict[str, np.ndarray]]:
+    """Tones at +-0.6 full scale, a fade-in 80 dB down and zero padding at the end."""
+    rng = np.random.default_rng(seed)
+    t = np.arange((FRAMES - 1) * HOP + FRAME)
+    out = []
+    for _ in range(n):
+        amps, phases = rng.uniform(0.3, 1.0, BINS), rng.uniform(0, 2 * np.pi, BINS)
+        wav = sum(a * np.cos(2 * np.pi * f * t / FRAME + p)
+                  for f, a, p in zip(range(1, BINS + 1), amps, phases, strict=True))
+        wav = wav / np.abs(wav).max() * 0.6
+        wav[: 3 * HOP] *= 1e-4
+        wav[-2 * HOP:] = 0.0
+        out.append({"wav": wav.reshape(1, 1, -1).astype(np.float32)})
+    return out
+
+
+def test_power_under_fp16_before_a_far_floor_keeps_the_chain_fp32():
+    # the power underflows FP16 (quiet frames) and the Log reads a 1e-12 floor (padding): no
+    # scale keeps both ends, so squares..Log stay FP32 and the STFT Convs stay FP16; before,
+    # FP16 flushed the floor to 0 and the Log gave -inf
+    proto = _log_power_model()
+    model = Model(proto=proto, path="log_power.onnx", digest="log_power")
+    samples = _faded_speech(6, 1)
+    stats = calibrate(model, samples)
+    assert stats.tensors["pw"].fraction_below(2.0**-14) > 0.01
+    assert stats.tensors["floored"].absmax < 65504 and stats.tensors["floored"].min < 1e-11
+    result = convert(model, load_profile("generic"), samples, stats=stats,
+                     holdout=_faded_speech(3, 2), max_fp32_share=1.0)
+    assert result, result.to_dict()["verdict"]
+    assert set(result.pinned_nodes) == {"sq_re", "sq_im", "power", "magnitude", "pow", "floor",
+                                        "log"}
+    for check in (result.output_check, result.holdout):
+        (y,) = check.outputs.values()
+        assert y["nonfinite"] == 0 and y["rel_l2"] <= 1e-2

@@ -45,6 +45,8 @@ MAX_CHAIN = 12
 
 def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outcome:
     """A Rescale absorbed by a Log, or why not; None when no Log follows the tensor."""
+    if problem.kind == "underflow":
+        return _underflow_into_log(ctx, problem)
     if problem.kind != "overflow" or problem.absmax is None:
         return None
     log = log_after(ctx, problem.tensor)
@@ -167,6 +169,37 @@ def _floored_in_fp16(ctx: PlanContext, problem: Problem, log: onnx.NodeProto, sp
     return []
 
 
+def _underflow_into_log(ctx: PlanContext, problem: Problem) -> Outcome:
+    """A power spectrum under the smallest normal on its way to a Log whose input spans wider
+    than the format (a floor of 1e-12 beside 1e3): no power of two lifts it, and what flushes
+    to 0 reads the floor's log, not its own. The chain from the squares stays FP32; the
+    transform that makes them (fitting the format) stays in it. None where this is not so."""
+    log = log_after(ctx, problem.tensor)
+    if log is None or ctx.profile.fp32_pinning is Pinning.NONE:
+        return None
+    x = log.input[0]
+    r = ctx.range_of(x)
+    room = ctx.limit / ctx.fmt.min_normal
+    if r is None or (r.min > 0 and r.max / r.min <= room):
+        return None  # one scale fits the Log's input: the underflow remedy lifts it
+    chain, _ = _chain_back(ctx, log)
+    if ctx.producer_label(problem.tensor) not in chain:
+        return None
+    nodes = tuple(sorted(chain, key=ctx.order.__getitem__))
+    under = ctx.range_of(problem.tensor)
+    share = under.fraction_below(ctx.fmt.min_normal) if under is not None else None
+    return PinFp32(
+        nodes=nodes, exit_tensors=tuple(log.output), findings=(problem.ref,),
+        measured={"absmax": float(under.absmax if under is not None else 0.0)},
+        request=ctx.profile.fp32_pinning is Pinning.COMPILER_DECIDES,
+        why=(f"{problem.tensor} lies under the smallest {ctx.fmt.name} normal"
+             + (f" ({share:.1%})" if share is not None else "")
+             + f" on its way to Log {node_label(log)}, whose input {x} spans {r.min:.3g} .. "
+             f"{r.max:.3g}, wider than the {ctx.fmt.name} normal range under the limit "
+             f"(x{room:.3g}): no power of two keeps both ends; the chain {nodes[0]}..{nodes[-1]} "
+             f"stays FP32"))
+
+
 def _out_of_range(ctx: PlanContext, entry: str, k: int, t: str, p: int) -> bool:
     r = ctx.range_of(t)
     return r is None or r.absmax * 2.0**p > ctx.limit or bool(underflow_veto(ctx, entry, k, t, p, r))
@@ -182,7 +215,10 @@ def _chain_back(ctx: PlanContext, log: onnx.NodeProto) -> tuple[set[str], list[s
         if node is None or node.op_type not in CHAIN_OPS or node_label(node) in chain:
             continue
         chain.add(node_label(node))
-        if _is_square(ctx, node):
+        below = ctx.produced_by.get(node.input[0])
+        # A square of a Sqrt (|X|^2 as sqrt(re^2 + im^2)^2) is no source: the power is
+        # made by the squares under the Sqrt.
+        if _is_square(ctx, node) and (below is None or below.op_type != "Sqrt"):
             sources.append(node.input[0])
             continue
         todo.extend(i for i in node.input if i and i not in ctx.graph_inputs)
