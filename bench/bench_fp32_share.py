@@ -26,7 +26,7 @@ from npuprep.examples.zoo import ZOO
 from npuprep.graph import node_label, walk_graphs
 from npuprep.model_io import load_model
 from npuprep.profiles import load_profile
-from npuprep.report.flops import node_flops
+from npuprep.flops import node_flops
 
 LINEAR = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 

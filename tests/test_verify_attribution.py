@@ -17,7 +17,7 @@ from npuprep.data import load_samples
 from npuprep.model_io import Model, fingerprint
 from npuprep.numerics import get_format
 from npuprep.profiles import load_profile
-from npuprep.report.flops import node_flops
+from npuprep.flops import node_flops
 from npuprep.runtime.session import make_session, run
 from npuprep.verify.attribution import Attribution, LayerError, attribute_error, describe
 from npuprep.verify.emulate import emulate

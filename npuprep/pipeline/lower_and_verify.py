@@ -23,7 +23,7 @@ from npuprep.plan import Plan
 from npuprep.plan.decide import Planned
 from npuprep.profiles import Pinning, ResolvedTarget
 from npuprep.provenance import record_source
-from npuprep.report.share import fp32_share
+from npuprep.verify.fp32_share import fp32_share
 from npuprep.rewrite.apply import apply_plan
 from npuprep.rewrite.lower import lower
 from npuprep.verify.compare import DEFAULT_ATOL, compare_models, emulation_notes

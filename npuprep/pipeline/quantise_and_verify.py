@@ -30,7 +30,7 @@ from npuprep.plan.decide import Planned
 from npuprep.plan.layer_precision import LayerPrecision, decide
 from npuprep.profiles import ResolvedTarget
 from npuprep.provenance import record_source
-from npuprep.report.flops import node_flops
+from npuprep.flops import node_flops
 from npuprep.report.output_verdicts import output_passes
 from npuprep.rewrite.apply import apply_plan
 from npuprep.rewrite.lower import Lowered

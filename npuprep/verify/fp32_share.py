@@ -15,7 +15,7 @@ import onnx
 
 from npuprep.graph import node_label, walk_graphs
 from npuprep.ops import MAC_OPS
-from npuprep.report.flops import node_flops
+from npuprep.flops import node_flops
 
 # The default largest share of FLOPs `convert` lets stay FP32 before it fails.
 DEFAULT_MAX_FP32_SHARE = 0.10
