@@ -21,6 +21,7 @@ from typing import Any
 import npuprep.pipeline.lower_and_verify as lower_and_verify
 from npuprep.calibrate.scales import FP8_NAN_HEADROOM
 from npuprep.data import Feed
+from npuprep.flops import node_flops
 from npuprep.graph import node_label, weight_bytes
 from npuprep.model_io import Model, WeightScratch
 from npuprep.numerics import EightBitFormat
@@ -30,7 +31,6 @@ from npuprep.plan.decide import Planned
 from npuprep.plan.layer_precision import LayerPrecision, decide
 from npuprep.profiles import ResolvedTarget
 from npuprep.provenance import record_source
-from npuprep.flops import node_flops
 from npuprep.report.output_verdicts import output_passes
 from npuprep.rewrite.apply import apply_plan
 from npuprep.rewrite.lower import Lowered

@@ -25,10 +25,10 @@ from npuprep.verify.output_check import OutputCheck
 
 if TYPE_CHECKING:
     from npuprep.calibrate.stats import CalibrationStats
-    from npuprep.verify.fp32_share import Fp32Share
     from npuprep.rewrite.lower import Lowered
     from npuprep.verify.compare import CompareResult
     from npuprep.verify.eight_bit import Sensitivity
+    from npuprep.verify.fp32_share import Fp32Share
     from npuprep.verify.vendor import VendorCheck
 
 SCHEMA_VERSION = 1
