@@ -21,8 +21,8 @@ from npuprep.numerics import NumberFormat
 from npuprep.pipeline.result import ConversionResult, Gate, Verdict
 from npuprep.plan.actions import Rescale
 from npuprep.profiles import Pinning
-from npuprep.report.output_verdicts import output_passes
 from npuprep.verify.output_check import OutputCheck
+from npuprep.verify.output_errors import output_passes
 
 
 def judge(result: ConversionResult) -> Verdict:

@@ -495,7 +495,7 @@ class _Parser(YamlReader):
             findings=self.finding_refs(d.get("findings"), f"{key}.findings"),
         )
 
-    def unpinnable(self, data: Any, key: str) -> Unpinnable:
+    def unpinnable(self, data: object, key: str) -> Unpinnable:
         d = self.mapping(data, key, ("hazard", "tensor", "nodes", "why"))
         for req in ("hazard", "tensor", "why"):
             if req not in d:
