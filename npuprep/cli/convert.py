@@ -61,8 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-holdout", action="store_true",
                    help="calibrate and verify on every --data sample (no held-out check)")
     p.add_argument("--rtol", type=positive_float,
-                   help="largest relative L2 error of each output (default 1e-2; 5e-2 for int8 "
-                        "and fp8_e4m3)")
+                   help="largest relative L2 error of each output (default 1e-2, or two units of "
+                        "the format's rounding where coarser: bf16 1.56e-2; 5e-2 for int8 and "
+                        "fp8_e4m3), compare's default too")
     p.add_argument("--top-k", action="append", default=[], metavar="OUTPUT:K",
                    help="also pass OUTPUT when its top-K classes along the last axis agree at every "
                         "position where FP32 decides (a classifier or recogniser judged by its "
