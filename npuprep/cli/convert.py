@@ -99,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from npuprep.cli.common import begin, check_rtol, into_folder, open_samples, print_json
     from npuprep.names import file_part
-    from npuprep.report.artefacts import declare, default_exports, parse_exports
+    from npuprep.pipeline.artefacts import declare, default_exports, parse_exports
 
     if args.model is None:
         from npuprep.examples import example_data_dir, example_model_path
@@ -157,8 +157,8 @@ def _convert(args: argparse.Namespace, model: Model, profile: TargetProfile,
     from npuprep.cli.common import progress_stages
     from npuprep.data import load_samples
     from npuprep.pipeline import CALIBRATE, SPLIT, convert
+    from npuprep.pipeline.artefacts import stage_conversion
     from npuprep.plan import load_plan
-    from npuprep.report.artefacts import stage_conversion
 
     if samples is None:
         raise NpuprepError("convert verifies on samples: give --data D or --synthetic N")
@@ -202,7 +202,7 @@ def _percent(text: str) -> float:
 
 def _artefact_paths(args: argparse.Namespace, output: Path, exports: tuple[str, ...]) -> dict[str, Path]:
     """Every file this convert writes, by role: the model first."""
-    from npuprep.report.artefacts import artefact_paths
+    from npuprep.pipeline.artefacts import artefact_paths
 
     if args.plan_only:
         if args.report or args.html:

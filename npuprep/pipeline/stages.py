@@ -37,9 +37,9 @@ from npuprep.plan import Plan
 from npuprep.plan.decide import Planned, plan_for
 from npuprep.profiles import ResolvedTarget, TargetProfile
 from npuprep.provenance import ConversionRecord, Gates, Source, record_conversion, stats_fingerprint
-from npuprep.report.share import DEFAULT_MAX_FP32_SHARE
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 from npuprep.verify.compare import DEFAULT_ATOL, default_rtol
+from npuprep.verify.fp32_share import DEFAULT_MAX_FP32_SHARE
 from npuprep.verify.vendor import VendorCheck
 
 DEFAULT_RTOL = 1e-2
