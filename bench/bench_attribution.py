@@ -24,12 +24,12 @@ import onnxruntime as ort
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corpus  # noqa: E402 - the sibling script, run from anywhere
 
+from npuprep.flops import node_flops  # noqa: E402
 from npuprep.graph import node_label  # noqa: E402
 from npuprep.model_io import load_model  # noqa: E402
 from npuprep.numerics import get_format  # noqa: E402
 from npuprep.ops import MAC_OPS  # noqa: E402
 from npuprep.profiles import load_profile  # noqa: E402
-from npuprep.report.flops import node_flops  # noqa: E402
 from npuprep.rewrite.passes import prepare_for_target  # noqa: E402
 from npuprep.verify.attribution import attribute_error  # noqa: E402
 from npuprep.verify.emulate import emulate  # noqa: E402

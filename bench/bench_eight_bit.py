@@ -34,7 +34,7 @@ import onnx
 sys.path.insert(0, str(Path(__file__).parent))
 import corpus  # noqa: E402
 
-from npuprep.report.flops import node_flops  # noqa: E402
+from npuprep.flops import node_flops  # noqa: E402
 from npuprep.runtime.session import make_session, run  # noqa: E402
 
 TOOLS = ("npuprep_int8", "npuprep_fp8", "ort_int8", "modelopt_int8")

@@ -23,10 +23,10 @@ from npuprep.convert import convert
 from npuprep.data import load_samples
 from npuprep.examples import example_data_dir, example_model_path
 from npuprep.examples.zoo import ZOO
+from npuprep.flops import node_flops
 from npuprep.graph import node_label, walk_graphs
 from npuprep.model_io import load_model
 from npuprep.profiles import load_profile
-from npuprep.report.flops import node_flops
 
 LINEAR = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 

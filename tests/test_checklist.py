@@ -304,8 +304,8 @@ def test_checklist_tells_the_plan_convert_makes_per_flagged_node(tmp_path):
 def test_story_reads_the_planners_notes():
     # x -> Exp -> y: the plan left the finding as a note; the story says why, with its numbers.
     from npuprep.analyse.finding import Finding
+    from npuprep.plan.story import plan_story
     from npuprep.profiles import Severity
-    from npuprep.report.story import plan_story
 
     model = load_model_text("""
     <ir_version: 8, opset_import: ["" : 17]>

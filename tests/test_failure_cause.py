@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import html
 import json
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -13,7 +15,10 @@ from onnx import TensorProto, helper, numpy_helper
 from npuprep.calibrate import calibrate
 from npuprep.data import load_samples
 from npuprep.model_io import load_model
+from npuprep.names import md_text
 from npuprep.pipeline import CALIBRATE, Gate, Verdict, convert
+from npuprep.plan.actions import Hazard
+from npuprep.plan.plan import load_plan
 from npuprep.profiles import load_profile
 
 
@@ -110,20 +115,33 @@ def test_share_gate_failure_names_the_weights_an_underflow_scale_pushed_up(tmp_p
     assert result.verdict.said.startswith(f"FAILED: {result.verdict.cause}; then ")
 
 
-def test_a_hazard_only_a_pin_fixes_is_the_cause_on_a_target_that_cannot_pin():
+def test_a_hazard_only_a_pin_fixes_is_the_cause_on_a_target_that_cannot_pin(tmp_path):
     # t -> Mul(freqs) -> Sin | Cos -> ... with t up to 1000 on rk3588: FP16's phase spacing
-    # makes Sin/Cos noise; the plan's note names the pin rk3588 cannot grant, and the FAILED
-    # line says so first
+    # makes Sin/Cos noise; the plan's Unpinnable names the pin rk3588 cannot grant, and the
+    # FAILED line (report.json, .md and .html alike) says so first
     from test_phase import _model, _timesteps
 
     model, samples = _model(), _timesteps(6, 1)
     result = convert(model, load_profile("rk3588"), samples, stats=CALIBRATE, max_rounds=1,
                      max_fp32_share=1.0)
     assert not result.output_check and result.verdict.gate is Gate.OUTPUTS
+    assert [u.hazard for u in result.plan.unpinnable] == [Hazard.COARSE_PHASE]
     assert result.verdict.cause.startswith("sin, cos read phase phase up to ")
     assert result.verdict.cause.endswith("only an FP32 pin of phase_mul, sin, cos could fix it, "
                                          "and target rk3588 cannot pin")
     assert result.verdict.said.startswith(f"FAILED: {result.verdict.cause}; then ")
+    result.save(tmp_path / "m16.onnx", html=tmp_path / "m16.html")
+    stored = json.loads((tmp_path / "m16.report.json").read_text())["verdict"]
+    assert stored["cause"] == result.verdict.cause and stored["said"] == result.verdict.said
+    page = (tmp_path / "m16.html").read_text()
+    (shown,) = re.findall(r'<p class="verdict-said" id="verdict-said">(.*?)</p>', page)
+    assert "FAILED: " + html.unescape(shown) == stored["said"]
+    assert f"- verdict: **FAILED**: {md_text(html.unescape(shown))}" in (
+        tmp_path / "m16.report.md").read_text()
+    # the plan as written keeps the record: converting with it names the same cause
+    again = convert(model, load_profile("rk3588"), samples, stats=CALIBRATE, max_rounds=1,
+                    max_fp32_share=1.0, plan=load_plan(tmp_path / "m16.plan.yaml", model))
+    assert again.verdict.cause == result.verdict.cause
     # the same conversion on a target that pins: the pin is made and no cause is said
     pinned = convert(model, load_profile("generic"), samples, stats=CALIBRATE, max_rounds=1,
                      max_fp32_share=1.0)

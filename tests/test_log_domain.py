@@ -9,6 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 from npuprep.calibrate import calibrate
 from npuprep.convert import convert
 from npuprep.model_io import Model
+from npuprep.plan.actions import Hazard
 from npuprep.profiles import load_profile
 from npuprep.rewrite.rescale import apply_rescale
 from npuprep.runtime.session import make_session, run
@@ -150,6 +151,10 @@ def test_target_that_cannot_pin_scales_the_chain_and_floors_the_log_input():
     (clamp,) = result.plan.clamps()
     assert clamp.tensor == "floored" and clamp.kind == "log" and clamp.lo > 0
     assert "only an FP32 pin of the chain into log" in clamp.why
+    # the pin it cannot make, typed: what a failure would name as its cause
+    (needed,) = result.plan.unpinnable
+    assert (needed.hazard, needed.tensor) == (Hazard.LOG_FLOOR, "floored")
+    assert set(needed.nodes) == CHAIN and clamp.why.endswith(needed.why)
     (y,) = result.output_check.outputs.values()
     assert y["nonfinite"] == 0
 

@@ -9,7 +9,7 @@ from onnx import TensorProto as T
 from onnx import helper
 from onnx import numpy_helper as nh
 
-from npuprep.report.flops import node_flops
+from npuprep.flops import node_flops
 from tests.conftest import run_cli
 
 vi = helper.make_tensor_value_info

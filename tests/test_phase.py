@@ -10,6 +10,8 @@ from npuprep.analyse import findings_for
 from npuprep.calibrate import calibrate
 from npuprep.convert import convert
 from npuprep.model_io import Model
+from npuprep.plan.actions import Hazard
+from npuprep.plan.plan import load_plan, save_plan
 from npuprep.plan.planner import make_plan
 from npuprep.profiles import load_profile
 
@@ -66,17 +68,23 @@ def test_timestep_embedding_passes_on_held_out_timesteps():
     assert not plain.holdout
 
 
-def test_small_phases_stay_fp16_and_a_target_that_cannot_pin_gets_a_note():
-    # t in [0, 3]: no pin; t in [0, 1000] on rk3588: a note naming the pin it cannot have
+def test_small_phases_stay_fp16_and_a_target_that_cannot_pin_records_the_pin_it_needs(tmp_path):
+    # t in [0, 3]: no pin; t in [0, 1000] on rk3588: an Unpinnable naming the pin it cannot
+    # have, kept through plan.yaml
     model = _model()
     small = _timesteps(4, 1, top=3.0)
     stats = calibrate(model, small)
     generic = load_profile("generic").resolve()
     plan = make_plan(model, generic, stats, findings_for(model, generic, stats))
     assert not plan.pinned_nodes()
+    rk = load_profile("rk3588").resolve()
+    assert not make_plan(model, rk, stats, findings_for(model, rk, stats)).unpinnable
     big = _timesteps(4, 1)
     stats = calibrate(model, big)
-    rk = load_profile("rk3588").resolve()
     plan = make_plan(model, rk, stats, findings_for(model, rk, stats))
-    said = [n for n in plan.notes if "read phase phase" in n]
-    assert said and "only an FP32 pin of phase_mul, sin, cos could fix it" in said[0]
+    (hazard,) = plan.unpinnable
+    assert (hazard.hazard, hazard.tensor, hazard.nodes) == (
+        Hazard.COARSE_PHASE, "phase", ("phase_mul", "sin", "cos"))
+    assert "only an FP32 pin of phase_mul, sin, cos could fix it" in hazard.why
+    assert not plan.pinned_nodes() and not any("read phase" in n for n in plan.notes)
+    assert load_plan(save_plan(plan, tmp_path / "plan.yaml"), model) == plan

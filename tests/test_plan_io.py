@@ -13,10 +13,12 @@ from npuprep.plan import (
     Clamp,
     Declined,
     FindingRef,
+    Hazard,
     PinFp32,
     Plan,
     Rescale,
     SoftmaxShift,
+    Unpinnable,
     load_plan,
     save_plan,
 )
@@ -65,6 +67,8 @@ def sample_plan(fingerprint: str) -> Plan:
         forbid_pin=("relu",),
         notes=("hazard.square at q: measured absmax 3 is within the limit; no action",
                "a note a user wrote\nover two lines, with 'quotes' and # a hash"),
+        unpinnable=(Unpinnable(Hazard.COARSE_PHASE, "r", ("relu", "exp"),
+                               "exp reads phase r up to 1000 rad: only an FP32 pin could fix it"),),
     )
 
 
@@ -128,6 +132,10 @@ def test_user_edits_are_accepted(model, tmp_path):
         (lambda d: d["actions"][3].update(exp="ghost"), "actions[3].exp"),
         (lambda d: d["actions"][3].update(fp32_shift="yes"), "actions[3].fp32_shift"),
         (lambda d: d["actions"][3].update(covers=["e", "ghost"]), "actions[3].covers[1]"),
+        (lambda d: d["unpinnable"][0].update(hazard="magic"), "unpinnable[0].hazard"),
+        (lambda d: d["unpinnable"][0].update(tensor="ghost"), "unpinnable[0].tensor"),
+        (lambda d: d["unpinnable"][0].update(nodes=["relu", "ghost"]), "unpinnable[0].nodes[1]"),
+        (lambda d: d["unpinnable"][0].pop("why"), "unpinnable[0].why"),
         (lambda d: d.update(forbid_pin="relu"), "forbid_pin"),
         (lambda d: d.update(precision="fp12"), "precision"),
         (lambda d: d.update(fingerprint="0123456789abcdef"), "fingerprint"),

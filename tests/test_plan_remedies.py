@@ -311,7 +311,7 @@ def test_the_fp32_share_gate_names_the_costliest_island_and_its_declined_remedy(
 
 
 def test_the_share_counts_only_fp32_nodes_and_ranks_islands():
-    from npuprep.report.share import fp32_share
+    from npuprep.verify.fp32_share import fp32_share
 
     proto = parser.parse_model(WIDE)
     share = fp32_share(proto, [(("relu",), "relu", ""), (("mm1", "relu"), "mm1", "rescale declined: x")],

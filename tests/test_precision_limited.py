@@ -16,8 +16,8 @@ from npuprep.convert import convert
 from npuprep.data import load_samples
 from npuprep.model_io import Model, fingerprint
 from npuprep.profiles import load_profile
-from npuprep.report.output_verdicts import describe_worst, output_passes
-from npuprep.verify.output_errors import OutputErrors
+from npuprep.report.output_verdicts import describe_worst
+from npuprep.verify.output_errors import OutputErrors, output_passes
 
 GENERIC = load_profile("generic")
 

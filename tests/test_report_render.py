@@ -334,3 +334,21 @@ def test_objects_and_numpy_values_render_like_their_json() -> None:
     assert "absmax=9e+05, limit=3.275e+04" in page  # evidence keys in JSON (sorted) order
     assert '<td class="num" data-v="900000.0">900000</td>' in page
     assert '<td class="sev-error" data-v="2">error</td>' in page
+
+
+def test_a_failed_conversion_shows_its_verdict_sentence_and_a_pass_only_its_badge() -> None:
+    # report.json's verdict -> the sentence under the FAILED badge (escaped); PASSED: none
+    failed = convert_result()
+    failed["verdict"] = {"passed": False, "gate": "outputs", "reason": "first divergent node 'e'",
+                         "cause": "underflow: output <y> lives at |x| <= 1e-9",
+                         "said": "FAILED: underflow: output <y> lives at |x| <= 1e-9; "
+                                 "then first divergent node 'e'"}
+    page = render(failed, plots=False)
+    (said,) = re.findall(r'<p class="verdict-said" id="verdict-said">(.*?)</p>', page)
+    assert said == ("underflow: output &lt;y&gt; lives at |x| &lt;= 1e-9; then first divergent "
+                    "node &#x27;e&#x27;")
+    # a failure with no cause known: the gate's reason alone
+    failed["verdict"] |= {"cause": "", "said": "FAILED: first divergent node 'e'"}
+    assert "node &#x27;e&#x27;</p>" in render(failed, plots=False)
+    passed = convert_result() | {"passed": True, "verdict": {"passed": True, "said": "PASSED"}}
+    assert 'id="verdict-said"' not in render(passed, plots=False)

@@ -14,10 +14,10 @@ from onnx import numpy_helper, parser
 from npuprep.calibrate import calibrate
 from npuprep.convert import convert
 from npuprep.data import load_samples
+from npuprep.flops import node_flops
 from npuprep.model_io import Model, fingerprint
 from npuprep.numerics import get_format
 from npuprep.profiles import load_profile
-from npuprep.report.flops import node_flops
 from npuprep.runtime.session import make_session, run
 from npuprep.verify.attribution import Attribution, LayerError, attribute_error, describe
 from npuprep.verify.emulate import emulate

@@ -61,8 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-holdout", action="store_true",
                    help="calibrate and verify on every --data sample (no held-out check)")
     p.add_argument("--rtol", type=positive_float,
-                   help="largest relative L2 error of each output (default 1e-2; 5e-2 for int8 "
-                        "and fp8_e4m3)")
+                   help="largest relative L2 error of each output (default 1e-2, or two units of "
+                        "the format's rounding where coarser: bf16 1.56e-2; 5e-2 for int8 and "
+                        "fp8_e4m3), compare's default too")
     p.add_argument("--top-k", action="append", default=[], metavar="OUTPUT:K",
                    help="also pass OUTPUT when its top-K classes along the last axis agree at every "
                         "position where FP32 decides (a classifier or recogniser judged by its "
@@ -98,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from npuprep.cli.common import begin, check_rtol, into_folder, open_samples, print_json
     from npuprep.names import file_part
-    from npuprep.report.artefacts import declare, default_exports, parse_exports
+    from npuprep.pipeline.artefacts import declare, default_exports, parse_exports
 
     if args.model is None:
         from npuprep.examples import example_data_dir, example_model_path
@@ -156,8 +157,8 @@ def _convert(args: argparse.Namespace, model: Model, profile: TargetProfile,
     from npuprep.cli.common import progress_stages
     from npuprep.data import load_samples
     from npuprep.pipeline import CALIBRATE, SPLIT, convert
+    from npuprep.pipeline.artefacts import stage_conversion
     from npuprep.plan import load_plan
-    from npuprep.report.artefacts import stage_conversion
 
     if samples is None:
         raise NpuprepError("convert verifies on samples: give --data D or --synthetic N")
@@ -201,7 +202,7 @@ def _percent(text: str) -> float:
 
 def _artefact_paths(args: argparse.Namespace, output: Path, exports: tuple[str, ...]) -> dict[str, Path]:
     """Every file this convert writes, by role: the model first."""
-    from npuprep.report.artefacts import artefact_paths
+    from npuprep.pipeline.artefacts import artefact_paths
 
     if args.plan_only:
         if args.report or args.html:

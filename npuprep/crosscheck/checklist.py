@@ -5,7 +5,7 @@ Items: calibrate, confirm the precision list (no BF16 to the compiler), probe th
 layer by layer, measure speed, measure memory. An item is ticked only by evidence found
 in the workspace (W/*.json by "kind", W/plan.yaml or the W/*.plan.yaml convert writes); an
 open item says the command to run. The precision item tells the plan's story
-(`report/story.py`): per flagged node what the plan does, with convert's counts.
+(`plan/story.py`): per flagged node what the plan does, with convert's counts.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from npuprep.graph import attribute, tensor_types, walk_graphs
 from npuprep.model_io import Model
 from npuprep.names import md_code, shown
 from npuprep.numerics import formats
+from npuprep.plan.story import FATE_TEXT, FATES, Story
 from npuprep.profiles import OverflowMode, ResolvedTarget, TargetProfile
-from npuprep.report.story import FATE_TEXT, FATES, Story
 
 SCHEMA_VERSION = 1
 ARTEFACT_KINDS = ("stats", "probe", "crosscheck", "compare", "convert")
@@ -192,7 +192,7 @@ def build_checklist(
                    plan_arg or f"{ws_arg}/plan.yaml", workspace)
     from npuprep.analyse.finding import Findings
     from npuprep.plan.decide import plan_for
-    from npuprep.report.story import plan_story
+    from npuprep.plan.story import plan_story
 
     # The graph convert plans: a written-out mean folded, no control flow where the target
     # takes none; a given plan was made on it too.

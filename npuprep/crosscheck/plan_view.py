@@ -26,7 +26,7 @@ from npuprep.yaml_io import read_yaml
 # Findings from measured ranges; every other rule is static (an op or a pattern).
 MEASURED_RULES = ("range.",)
 EIGHT_BIT = ("int8", "fp8_e4m3")
-# Reasons in a precision file for nodes the lowering alone kept wide (see report/artefacts.py).
+# Reasons in a precision file for nodes the lowering alone kept wide (see pipeline/artefacts.py).
 LOWERED = ("as lowered", "kept FP32 by lowering", "pinned FP32: kept FP32 by lowering")
 
 

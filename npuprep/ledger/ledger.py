@@ -14,12 +14,12 @@ from typing import Any
 
 import onnx
 
+from npuprep.flops import node_flops, tensor_shapes
 from npuprep.graph import tensor_types
 from npuprep.ledger.formats import converted_costs, planned_costs
 from npuprep.ledger.roofline import Estimate, NodeCost
 from npuprep.ops import MAC_OPS
 from npuprep.profiles import Pinning, ResolvedTarget, TargetProfile, Throughput
-from npuprep.report.flops import node_flops, tensor_shapes
 
 SCHEMA_VERSION = 1
 KIND = "ledger"

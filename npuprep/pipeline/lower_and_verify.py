@@ -23,11 +23,11 @@ from npuprep.plan import Plan
 from npuprep.plan.decide import Planned
 from npuprep.profiles import Pinning, ResolvedTarget
 from npuprep.provenance import record_source
-from npuprep.report.share import fp32_share
 from npuprep.rewrite.apply import apply_plan
 from npuprep.rewrite.lower import lower
 from npuprep.verify.compare import DEFAULT_ATOL, compare_models, emulation_notes
 from npuprep.verify.emulate import emulate
+from npuprep.verify.fp32_share import fp32_share
 from npuprep.verify.output_check import check_output_sets
 from npuprep.verify.pin_rounds import Build, PinRounds, sample_shapes
 

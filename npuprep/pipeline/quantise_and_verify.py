@@ -21,6 +21,7 @@ from typing import Any
 import npuprep.pipeline.lower_and_verify as lower_and_verify
 from npuprep.calibrate.scales import FP8_NAN_HEADROOM
 from npuprep.data import Feed
+from npuprep.flops import node_flops
 from npuprep.graph import node_label, weight_bytes
 from npuprep.model_io import Model, WeightScratch
 from npuprep.numerics import EightBitFormat
@@ -30,13 +31,12 @@ from npuprep.plan.decide import Planned
 from npuprep.plan.layer_precision import LayerPrecision, decide
 from npuprep.profiles import ResolvedTarget
 from npuprep.provenance import record_source
-from npuprep.report.flops import node_flops
-from npuprep.report.output_verdicts import output_passes
 from npuprep.rewrite.apply import apply_plan
 from npuprep.rewrite.lower import Lowered
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.verify.compare import DEFAULT_ATOL, compare_models
 from npuprep.verify.output_check import OutputCheck, check_outputs
+from npuprep.verify.output_errors import output_passes
 from npuprep.verify.pin_rounds import sample_shapes
 from npuprep.verify.qdq_model import (
     balance_outliers,

@@ -25,10 +25,10 @@ from npuprep.verify.output_check import OutputCheck
 
 if TYPE_CHECKING:
     from npuprep.calibrate.stats import CalibrationStats
-    from npuprep.report.share import Fp32Share
     from npuprep.rewrite.lower import Lowered
     from npuprep.verify.compare import CompareResult
     from npuprep.verify.eight_bit import Sensitivity
+    from npuprep.verify.fp32_share import Fp32Share
     from npuprep.verify.vendor import VendorCheck
 
 SCHEMA_VERSION = 1
@@ -230,10 +230,10 @@ class ConversionResult:
              protected: Sequence[str | Path] = ()) -> dict[str, Any]:
         """Write what `npuprep convert` writes: the model at `path`, `<path>.plan.yaml`,
         `<path>.report.json`, `<path>.report.md`, and the constraint files of `exports`
-        (None: the target compiler's; names in npuprep.report.artefacts.EXPORTS); an earlier
+        (None: the target compiler's; names in npuprep.pipeline.artefacts.EXPORTS); an earlier
         conversion's files for `path` that this set does not write are removed with it.
         Returns the report, its `artefacts` naming every file written."""
-        from npuprep.report.artefacts import save_conversion
+        from npuprep.pipeline.artefacts import save_conversion
 
         return save_conversion(self, path, exports=exports, report_path=report_path, html=html,
                                protected=protected)

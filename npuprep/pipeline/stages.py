@@ -28,7 +28,7 @@ from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed, SampleSet
 from npuprep.errors import NpuprepError
 from npuprep.model_io import Model, anchored
-from npuprep.numerics import eight_bit_format
+from npuprep.numerics import eight_bit_format, get_format
 from npuprep.pipeline.lower_and_verify import lower_and_verify
 from npuprep.pipeline.quantise_and_verify import DEFAULT_MIN_8BIT_SHARE, quantise_and_verify
 from npuprep.pipeline.result import ConversionResult, SampleUse
@@ -37,9 +37,9 @@ from npuprep.plan import Plan
 from npuprep.plan.decide import Planned, plan_for
 from npuprep.profiles import ResolvedTarget, TargetProfile
 from npuprep.provenance import ConversionRecord, Gates, Source, record_conversion, stats_fingerprint
-from npuprep.report.share import DEFAULT_MAX_FP32_SHARE
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
-from npuprep.verify.compare import DEFAULT_ATOL
+from npuprep.verify.compare import DEFAULT_ATOL, default_rtol
+from npuprep.verify.fp32_share import DEFAULT_MAX_FP32_SHARE
 from npuprep.verify.vendor import VendorCheck
 
 DEFAULT_RTOL = 1e-2
@@ -302,7 +302,7 @@ def convert(
     SPLIT to hold out 1 in 4 of `samples`. `stats`: calibration statistics, CALIBRATE to
     measure them on the calibration part, None to plan from static findings only (8 bits
     need statistics). `holdout=SPLIT, stats=CALIBRATE` is what `npuprep convert --data D`
-    does. The result fails when an output misses `rtol` (default 1e-2, 5e-2 for 8 bits;
+    does. The result fails when an output misses `rtol` (default 1e-2, BF16 1.56e-2, 8 bits 5e-2;
     `top_k` {output: K} also passes an output whose top-K classes agree), when more than
     `max_fp32_share` of the FLOPs stay FP32 (FP16/BF16), or when less than `min_8bit_share`
     of the multiply-adds run in 8 bits. `verify_with` ("rknn") also builds it with the vendor
@@ -356,9 +356,13 @@ def _start(model: Model, profile: TargetProfile, samples: Samples, settings: Set
 
 
 def _rtol(settings: Settings) -> float:
+    """The user's rtol, else compare's default for the format (1%, or two units of its
+    rounding where coarser: BF16 1.56%), so both commands hold a conversion to one gate."""
     if settings.rtol is not None:
         return settings.rtol
-    return DEFAULT_RTOL_8BIT if settings.eight_bit else DEFAULT_RTOL
+    if settings.eight_bit:
+        return DEFAULT_RTOL_8BIT
+    return default_rtol(get_format(settings.precision)) if settings.precision else DEFAULT_RTOL
 
 
 def _ids(samples: Samples) -> tuple[str, ...]:

@@ -19,10 +19,10 @@ from npuprep.formatting import number, percent
 from npuprep.graph import node_label, to_array
 from npuprep.numerics import NumberFormat
 from npuprep.pipeline.result import ConversionResult, Gate, Verdict
-from npuprep.plan.actions import Clamp, Rescale
+from npuprep.plan.actions import Rescale
 from npuprep.profiles import Pinning
-from npuprep.report.output_verdicts import output_passes
 from npuprep.verify.output_check import OutputCheck
+from npuprep.verify.output_errors import output_passes
 
 
 def judge(result: ConversionResult) -> Verdict:
@@ -184,12 +184,8 @@ def _weights_beyond(model: onnx.ModelProto, nodes: set[str],
 
 
 def _needs_a_pin(result: ConversionResult) -> str:
-    """A hazard the plan found that only an FP32 pin fixes, on a target that cannot pin: the
-    Log chain the plan floored instead (a `log` clamp: its why from the target on), or a
-    coarse phase (the plan records it as a note, there being no action to carry it)."""
+    """A hazard the plan found that only an FP32 pin fixes, on a target that cannot pin (a
+    coarse phase, a Log chain floored instead): the plan's first `Unpinnable`, as it said it."""
     if result.profile.fp32_pinning is not Pinning.NONE:
         return ""
-    floored = next((a.why for a in result.plan.actions if isinstance(a, Clamp) and a.kind == "log"), "")
-    if floored:
-        return floored[floored.find("target "):]
-    return next((n for n in result.plan.notes if "only an FP32 pin" in n), "")
+    return next((u.why for u in result.plan.unpinnable), "")

@@ -1,8 +1,10 @@
-"""Plan actions: Rescale, Clamp, PinFp32 and Declined, each carrying its finding and its why."""
+"""Plan actions: Rescale, Clamp, PinFp32 and Declined, each carrying its finding and its why;
+Unpinnable, a hazard only a pin fixes on a target that cannot pin."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Literal
 
 from npuprep.analyse.finding import Finding
@@ -194,6 +196,32 @@ class Declined:
             "reason": self.reason,
             "findings": [f.to_dict() for f in self.findings],
         }
+
+
+class Hazard(StrEnum):
+    """What only an FP32 pin fixes: a Sin/Cos phase too coarse for the format's spacing, or
+    a Log chain floored at the smallest subnormal where a pin would keep it exact."""
+
+    COARSE_PHASE = "coarse_phase"
+    LOG_FLOOR = "log_floor"
+
+
+@dataclass(frozen=True)
+class Unpinnable:
+    """A hazard only an FP32 pin of `nodes` fixes, found on a target that cannot pin.
+
+    `tensor` is where it shows (the phase, the Log's input); `why` is the sentence a failed
+    conversion names as its cause. Kept typed so the verdict reads it, not the plan's notes.
+    """
+
+    hazard: Hazard
+    tensor: str
+    nodes: tuple[str, ...]
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"hazard": self.hazard.value, "tensor": self.tensor, "nodes": list(self.nodes),
+                "why": self.why}
 
 
 Action = SoftmaxShift | Rescale | Clamp | PinFp32

@@ -25,7 +25,16 @@ from npuprep.graph import (
 from npuprep.model_io import Model
 from npuprep.numerics import NumberFormat
 from npuprep.ops import ADDITIVE, CARRIES_MAGNITUDE, MAC_OPS
-from npuprep.plan.actions import Action, Clamp, Declined, FindingRef, PinFp32, Rescale, SoftmaxShift
+from npuprep.plan.actions import (
+    Action,
+    Clamp,
+    Declined,
+    FindingRef,
+    PinFp32,
+    Rescale,
+    SoftmaxShift,
+    Unpinnable,
+)
 from npuprep.profiles import ResolvedTarget, TargetProfile
 
 # Relative error an Exp output may inherit from the rounding of its input: |x| >= 32
@@ -72,6 +81,7 @@ class PlanContext:
     islands: list[PinFp32] = field(default_factory=list)
     declined: list[Declined] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    unpinnable: list[Unpinnable] = field(default_factory=list)
     # (entry, k) -> constants that rescale scales: {name: {exponent, absmax, min_nonzero}}
     scaled_cache: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     checks: dict[tuple[str, int], Any] = field(default_factory=dict)

@@ -19,7 +19,7 @@ import onnx
 
 from npuprep.graph import constant_value, node_label
 from npuprep.ops import LAYOUT_OPS
-from npuprep.plan.actions import Clamp, Declined, PinFp32, Rescale
+from npuprep.plan.actions import Clamp, Declined, Hazard, PinFp32, Rescale, Unpinnable
 from npuprep.plan.context import Outcome, PlanContext, Problem
 from npuprep.plan.rescale_domain import (
     checked,
@@ -155,16 +155,20 @@ def _floored_in_fp16(ctx: PlanContext, problem: Problem, log: onnx.NodeProto, sp
         share = r.fraction_below(lo) if r is not None else None
         rescale = rescale_action(ctx, entry, check, (problem.ref,), problem.tensor,
                                  problem.absmax or 0.0, "")
-        said = (f"{span}; target {ctx.profile.name} cannot pin the chain, so {x} is scaled by "
-                f"{pow2(p)} and floored at {ctx.fmt.name}'s smallest subnormal ({lo:.3g} "
-                f"unscaled): exact above it" + (f", {share:.2%} of the calibration values lie "
-                                                 "below it" if share is not None else "")
-                + f"; only an FP32 pin of the chain into {node_label(log)} could keep those")
+        pin_needed = (f"target {ctx.profile.name} cannot pin the chain, so {x} is scaled by "
+                      f"{pow2(p)} and floored at {ctx.fmt.name}'s smallest subnormal ({lo:.3g} "
+                      f"unscaled): exact above it" + (f", {share:.2%} of the calibration values "
+                                                       "lie below it" if share is not None else "")
+                      + f"; only an FP32 pin of the chain into {node_label(log)} could keep those")
+        said = f"{span}; {pin_needed}"
         clamp = Clamp(x, lo, None, "log", (node_label(log),), (problem.ref,),
                       {"floor": lo, **({"share_below": share} if share is not None else {})},
                       said)
         # One floor per Log input, set for the latest scale (a later problem may deepen k).
         ctx.clamps[:] = [c for c in ctx.clamps if c.tensor != x]
+        ctx.unpinnable[:] = [u for u in ctx.unpinnable if u.tensor != x]
+        ctx.unpinnable.append(Unpinnable(Hazard.LOG_FLOOR, x, tuple(sorted(
+            chain, key=ctx.order.__getitem__)), pin_needed))
         return [replace(rescale, why=f"{said}; " + rescale.why), clamp]
     return []
 

@@ -4,8 +4,9 @@ A timestep embedding's phase reaches 1000 rad, where FP16's spacing is 0.5 rad: 
 Cos of it are noise, though nothing overflows and the calibration samples may still pass.
 Found from the measured range of every main-graph Sin/Cos input: where its target rounding
 exceeds PHASE_ERROR (|phase| >= 8 rad in FP16), the Sin/Cos and the elementwise producers
-of the phase (the Mul by the frequencies, the timestep's reshapes) stay FP32. These are cheap nodes. A target that cannot pin gets a note naming
-what only a pin could fix.
+of the phase (the Mul by the frequencies, the timestep's reshapes) stay FP32. These are cheap
+nodes. A target that cannot pin gets an `Unpinnable` record naming what only a pin could fix:
+a failure's cause.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from npuprep.calibrate.stats import RangeStats
 from npuprep.graph import node_label
 from npuprep.ops import PASSTHROUGH_OPS
-from npuprep.plan.actions import PinFp32
+from npuprep.plan.actions import Hazard, PinFp32, Unpinnable
 from npuprep.plan.context import PlanContext
 from npuprep.profiles import Pinning
 
@@ -27,7 +28,7 @@ MAX_PRODUCERS = 16
 
 
 def wide_phases(ctx: PlanContext) -> None:
-    """Record an FP32 pin (or, where the target cannot pin, a note) per coarse phase."""
+    """Record an FP32 pin (or, where the target cannot pin, an `Unpinnable`) per coarse phase."""
     by_phase: dict[str, list[str]] = {}
     for label, (node, _graph, scope) in ctx.nodes.items():
         if node.op_type in PERIODIC and scope == "main" and node.input:
@@ -41,8 +42,10 @@ def wide_phases(ctx: PlanContext) -> None:
         said = (f"{', '.join(readers)} read phase {phase} up to {r.absmax:.4g} rad, where "
                 f"{ctx.fmt.name}'s spacing is {step:.3g} rad")
         if ctx.profile.fp32_pinning is Pinning.NONE:
-            ctx.notes.append(f"{said}: only an FP32 pin of {', '.join(nodes)} could fix it, and "
-                             f"target {ctx.profile.name} cannot pin")
+            ctx.unpinnable.append(Unpinnable(
+                Hazard.COARSE_PHASE, phase, tuple(sorted(nodes, key=ctx.order.__getitem__)),
+                f"{said}: only an FP32 pin of {', '.join(nodes)} could fix it, and target "
+                f"{ctx.profile.name} cannot pin"))
             continue
         ctx.islands.append(PinFp32(
             nodes=tuple(sorted(nodes, key=ctx.order.__getitem__)), exit_tensors=(),

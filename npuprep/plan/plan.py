@@ -21,9 +21,11 @@ from npuprep.plan.actions import (
     Clamp,
     Declined,
     FindingRef,
+    Hazard,
     PinFp32,
     Rescale,
     SoftmaxShift,
+    Unpinnable,
 )
 from npuprep.plan.layer_precision import LayerPrecision
 from npuprep.yaml_io import YamlReader, read_yaml, type_name
@@ -50,6 +52,8 @@ class Plan:
     declined: tuple[Declined, ...] = ()
     forbid_pin: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    # Hazards only an FP32 pin fixes, on a target that cannot pin: a failure's cause.
+    unpinnable: tuple[Unpinnable, ...] = ()
     # 8-bit conversions: what each multiply-add and small op runs in, and why.
     eight_bit: tuple[LayerPrecision, ...] = ()
     schema_version: int = SCHEMA_VERSION
@@ -83,6 +87,7 @@ class Plan:
             "actions": [a.to_dict() for a in self.actions],
             "declined": [d.to_dict() for d in self.declined],
             "notes": list(self.notes),
+            "unpinnable": [u.to_dict() for u in self.unpinnable],
         } | ({"eight_bit": [x.to_dict() for x in self.eight_bit]} if self.eight_bit else {})
 
     @classmethod
@@ -132,6 +137,11 @@ def dump_plan(plan: Plan) -> str:
     else:
         out.append("declined: []")
     out.extend(_emit_key("notes", list(plan.notes), 0))
+    if plan.unpinnable:
+        out.append("# Hazards only an FP32 pin fixes, which this target cannot make.")
+        out.append("unpinnable:")
+        for u in plan.unpinnable:
+            out.extend(_emit_item(u.to_dict(), 1, {}))
     if plan.eight_bit:
         out.append("# What each multiply-add (and each small op kept wider) runs in: edit a")
         out.append("# precision to fp16 or fp32 to keep that layer wider, or to the 8-bit format.")
@@ -222,7 +232,7 @@ def load_plan(path: str | Path, model: Model) -> Plan:
 
 
 _TOP = ("schema_version", "kind", "fingerprint", "target", "precision", "forbid_pin",
-        "actions", "declined", "notes", "eight_bit")
+        "actions", "declined", "notes", "unpinnable", "eight_bit")
 _REQUIRED_TOP = ("schema_version", "kind", "fingerprint", "target", "precision")
 _KEYS = {
     "softmax_shift": ("action", "exp", "covers", "fp32_shift", "findings", "measured", "why"),
@@ -339,6 +349,8 @@ class _Parser(YamlReader):
             if name in forced:
                 raise self.fail(f"forbid_pin[{i}]", f"node '{name}' is also force-pinned by an action")
         notes = tuple(self.text(n, f"notes[{i}]") for i, n in enumerate(self.items(top.get("notes"), "notes")))
+        unpinnable = tuple(self.unpinnable(u, f"unpinnable[{i}]")
+                           for i, u in enumerate(self.items(top.get("unpinnable"), "unpinnable")))
         eight = tuple(self.layer(x, f"eight_bit[{i}]", precision)
                       for i, x in enumerate(self.items(top.get("eight_bit"), "eight_bit")))
         return Plan(
@@ -349,6 +361,7 @@ class _Parser(YamlReader):
             declined=declined,
             forbid_pin=forbid,
             notes=notes,
+            unpinnable=unpinnable,
             eight_bit=eight,
             schema_version=version,
         )
@@ -481,6 +494,18 @@ class _Parser(YamlReader):
             reason=self.string(d["reason"], f"{key}.reason"),
             findings=self.finding_refs(d.get("findings"), f"{key}.findings"),
         )
+
+    def unpinnable(self, data: object, key: str) -> Unpinnable:
+        d = self.mapping(data, key, ("hazard", "tensor", "nodes", "why"))
+        for req in ("hazard", "tensor", "why"):
+            if req not in d:
+                raise self.fail(f"{key}.{req}", "required key is missing")
+        hazard = self.string(d["hazard"], f"{key}.hazard")
+        if hazard not in set(Hazard):
+            raise self.fail(f"{key}.hazard", f"{hazard!r} is not one of {', '.join(Hazard)}")
+        return Unpinnable(hazard=Hazard(hazard), tensor=self.tensor(self.string(d["tensor"], f"{key}.tensor"), f"{key}.tensor"),
+                          nodes=self.nodes(d.get("nodes"), f"{key}.nodes"),
+                          why=self.string(d["why"], f"{key}.why"))
 
     def finding_refs(self, value: Any, key: str) -> tuple[FindingRef, ...]:
         refs = []

@@ -75,6 +75,7 @@ def make_plan(
         declined=tuple(ctx.declined),
         forbid_pin=tuple(sorted(ctx.forbid)),
         notes=tuple(ctx.notes),
+        unpinnable=tuple(ctx.unpinnable),
     )
 
 

@@ -1,20 +1,14 @@
-"""Verdict sentences on a report's output errors: passed or not, where the error sits, ties.
+"""Verdict sentences on a report's output errors: where the error sits, ties.
 
 Pure functions of the dicts that npuprep.verify.output_errors.OutputErrors measures (and the
-convert report stores), so the terminal, the Markdown report and convert's notes say the same.
+convert report stores, with the outputs that failed), so the terminal, the Markdown report
+and convert's notes say the same; the rule that passes an output is `output_passes` there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
-
-
-def output_passes(errors: Mapping[str, Any], rtol: float) -> bool:
-    """No Inf/NaN, and rel L2 within `rtol` or, when judged by top-K, every decision the same."""
-    if errors["nonfinite"]:
-        return False
-    return errors["rel_l2"] <= rtol or errors.get("top_k_agreement") == 1.0
 
 
 def describe_worst(errors: Mapping[str, Any]) -> str:
@@ -43,13 +37,15 @@ def describe_worst(errors: Mapping[str, Any]) -> str:
 
 def where_errors_sit(report: Mapping[str, Any]) -> list[tuple[str, str, Mapping[str, Any], str]]:
     """(which samples, output, errors, describe_worst) for each output of a convert report
-    that failed with no Inf/NaN and has a worst-sample record: calibration, then holdout."""
+    that failed (as its check recorded) with no Inf/NaN and has a worst-sample record:
+    calibration, then holdout."""
     found = []
     for which, key in (("calibration samples", "verification"), ("holdout", "holdout")):
         check = report.get(key) or {}
+        failed = set(check.get("failed") or ())
         for name, errors in (check.get("outputs") or {}).items():
             said = describe_worst(errors)
-            if said and not errors["nonfinite"] and not output_passes(errors, check.get("rtol", 0.0)):
+            if said and not errors["nonfinite"] and name in failed:
                 found.append((which, name, errors, said))
     return found
 

@@ -30,6 +30,7 @@ from npuprep.report.series import (
 from npuprep.report.tables import (
     SEVERITY_RANK,
     Table,
+    failure_said,
     notes,
     profile_rows,
     summary,
@@ -46,6 +47,7 @@ h1{font-size:1.5em;margin:.8em 0 .2em}h2{font-size:1.15em;margin:1.6em 0 .4em;
 border-bottom:1px solid #d5d8dc;padding-bottom:.2em}
 .verdict{display:inline-block;padding:.1em .6em;border-radius:3px;font-weight:600;color:#fff}
 .verdict.pass{background:#1e8449}.verdict.fail{background:#c0392b}.verdict.none{background:#7f8c8d}
+.verdict-said{margin:.4em 0 0;color:#922b21;font-weight:600}
 table{border-collapse:collapse;margin:.4em 0;font-size:12.5px}
 td,th{border:1px solid #d5d8dc;padding:.25em .5em;vertical-align:top;text-align:left}
 th{background:#f4f6f7;white-space:nowrap}
@@ -174,6 +176,12 @@ def _nav_html(made: tuple[Table, ...], has_profile: bool, has_charts: bool = Tru
     return "<nav>" + " &middot; ".join(f'<a href="#{_e(k)}">{_e(v)}</a>' for k, v in links) + "</nav>"
 
 
+def _said_html(said: str) -> str:
+    """A failure's sentence beside its badge (report.md's, from report.json's verdict): the
+    cause first, then the gate that tripped."""
+    return f'<p class="verdict-said" id="verdict-said">{_e(said)}</p>' if said else ""
+
+
 def _notes_html(items: list[str]) -> str:
     """The notes, folded (a <details> a reader opens): dozens of them must not push the chart down."""
     if not items:
@@ -300,7 +308,7 @@ def render(result: Mapping[str, Any] | Any, *, plots: bool = True, order: Sequen
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>{_e(title)}</title><style>{CSS}</style></head><body>",
         f'<header><h1>{_e(title)}</h1><span class="verdict {badge[0]}" id="verdict">{badge[1]}'
-        "</span></header>",
+        "</span>" + _said_html(failure_said(result)) + "</header>",
         _nav_html(made, bool(profile), bool(charts_part)),
         f'<section id="summary"><h2>Summary</h2>{_kv_table(summary(result), "summary-table")}</section>',
         charts_part,

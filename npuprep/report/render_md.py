@@ -8,6 +8,7 @@ from npuprep.names import md_cell, md_code, md_text, shown
 from npuprep.report.ledger_md import ledger_markdown
 from npuprep.report.output_verdicts import ties_said, where_errors_sit
 from npuprep.report.pin_count import pins_said
+from npuprep.report.tables import failure_said
 
 
 def _num(v: Any) -> str:
@@ -59,7 +60,7 @@ def _verdict(result: dict[str, Any]) -> str:
     """**PASSED**, or **FAILED**: the cause, then the gate it tripped (as the pipeline said it)."""
     if result["passed"]:
         return "**PASSED**"
-    said = (result.get("verdict") or {}).get("said", "FAILED").removeprefix("FAILED").lstrip(": ")
+    said = failure_said(result)
     return "**FAILED**" + (f": {md_text(said)}" if said else "")
 
 

@@ -325,6 +325,16 @@ def verdict(result: Mapping[str, Any]) -> bool | None:
     return all(outcomes) if outcomes else None
 
 
+def failure_said(result: Mapping[str, Any]) -> str:
+    """What a failed conversion's stored verdict says after "FAILED": its cause, then the gate
+    that tripped, as the pipeline said it once in report.json ("" when it passed or has none)."""
+    if result.get("passed") is not False:
+        return ""
+    stored = result.get("verdict")
+    said = str(stored.get("said") or "") if isinstance(stored, Mapping) else ""
+    return said.removeprefix("FAILED").lstrip(": ")
+
+
 def summary(result: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Key facts for the page head: what, which model, which target, the verdict's numbers."""
     rows: list[tuple[str, str]] = []

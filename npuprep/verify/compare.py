@@ -26,7 +26,6 @@ from npuprep.model_io import fingerprint, model_opset
 from npuprep.numerics import FLOAT_ONNX_TYPES, NumberFormat
 from npuprep.plan.host_scale import undo_host_scales
 from npuprep.profiles import ResolvedTarget
-from npuprep.report.output_verdicts import output_passes
 from npuprep.verify.compare_graph import (
     BASE_COLUMNS,
     DETAIL_COLUMNS,
@@ -35,7 +34,7 @@ from npuprep.verify.compare_graph import (
     Pair,
     merged_graph,
 )
-from npuprep.verify.output_errors import OutputErrors
+from npuprep.verify.output_errors import OutputErrors, output_passes
 
 SCHEMA_VERSION = 1
 Feed = Mapping[str, np.ndarray]

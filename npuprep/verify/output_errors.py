@@ -34,6 +34,14 @@ from npuprep.errors import NpuprepError
 WORST_POSITIONS = 0.01
 
 
+def output_passes(errors: Mapping[str, Any], rtol: float) -> bool:
+    """The gate of one output's errors (as `OutputErrors` measures them): no Inf/NaN, and rel
+    L2 within `rtol` or, when judged by top-K, every decision the same."""
+    if errors["nonfinite"]:
+        return False
+    return errors["rel_l2"] <= rtol or errors.get("top_k_agreement") == 1.0
+
+
 @dataclass
 class OutputErrors:
     """Accumulates per-output errors over samples; `top_k` maps an output to its K;

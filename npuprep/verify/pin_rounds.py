@@ -24,10 +24,10 @@ import onnx
 from onnx import TensorProto
 
 from npuprep.data import Feed
+from npuprep.flops import node_flops
 from npuprep.graph import infer_tensors, node_label, producers, walk_graphs
 from npuprep.plan import PinFp32, Plan
 from npuprep.profiles import Pinning, ResolvedTarget
-from npuprep.report.flops import node_flops
 from npuprep.rewrite.lower import Lowered
 from npuprep.verify.attribution import attribute_error, describe
 from npuprep.verify.compare import CompareResult, TensorCompareResult

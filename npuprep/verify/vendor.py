@@ -19,9 +19,8 @@ import onnx
 
 from npuprep.data import Feed
 from npuprep.profiles import ResolvedTarget
-from npuprep.report.output_verdicts import output_passes
 from npuprep.vendors.rockchip import RknnRun
-from npuprep.verify.output_errors import OutputErrors
+from npuprep.verify.output_errors import OutputErrors, output_passes
 
 VENDORS = ("rknn",)
 

@@ -26,7 +26,7 @@ from onnx import numpy_helper
 from npuprep.data import Feed
 from npuprep.errors import NpuprepError
 from npuprep.graph import node_label
-from npuprep.report.output_verdicts import output_passes
+from npuprep.verify.output_errors import output_passes
 from npuprep.verify.vendor import VENDORS, VendorCheck, vendor_output_errors
 
 PATHS = ("qdq_import", "hybrid", "vendor_int8")

@@ -1,4 +1,4 @@
-"""FLOPs per node from inferred shapes; npuprep.report.share turns them into the FP32 share.
+"""FLOPs per node from inferred shapes; npuprep.verify.fp32_share turns them into the FP32 share.
 
 A model with dynamic axes (a recogniser's width, a detector's image size) has no FLOPs until
 its inputs have sizes: pass those of a real sample (`input_shapes`), or a 3x32xW Conv stack

@@ -13,9 +13,9 @@ from typing import Any
 
 import onnx
 
+from npuprep.flops import node_flops
 from npuprep.graph import node_label, walk_graphs
 from npuprep.ops import MAC_OPS
-from npuprep.report.flops import node_flops
 
 # The default largest share of FLOPs `convert` lets stay FP32 before it fails.
 DEFAULT_MAX_FP32_SHARE = 0.10
