@@ -461,3 +461,18 @@ def test_default_fill_of_constant_of_shape_is_lowered_with_its_scatter():
     assert fill.attribute[0].t.data_type == TensorProto.FLOAT16
     feeds = {"x": RNG.normal(size=(6, 4)).astype(np.float32)}
     assert rel_err(outputs(model, feeds)["y"], outputs(low.model, feeds)["y"]) < 1e-2
+
+
+@pytest.mark.parametrize("window", ["HannWindow", "HammingWindow", "BlackmanWindow"])
+def test_a_generated_window_keeps_its_fp32_type_and_its_reader_a_cast(window):
+    # n -> {window}() (FP32 by output_datatype's default) -> Mul(x, w) -> y
+    model = build(HEAD + f"""
+    g (float[4,16] x) => (float[4,16] y) <int64 n> {{
+      w = {window}(n)
+      y = Mul(x, w)
+    }}""", n=np.array(16, np.int64))
+    low = lower(model, FP16)
+    onnx.checker.check_model(low.model, full_check=True)
+    assert "node_of_w" in low.forced_fp32 and "node_of_y" not in low.pinned_nodes
+    feeds = {"x": RNG.normal(size=(4, 16)).astype(np.float32)}
+    assert rel_err(outputs(model, feeds)["y"], outputs(low.model, feeds)["y"]) < 1e-2

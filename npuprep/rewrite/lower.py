@@ -43,11 +43,13 @@ FLOAT = TensorProto.FLOAT
 # Lowered initialisers at least this large go to the scratch file when lower() has one.
 SCRATCH_MIN_BYTES = 64 * 2**10
 # Ops kept FP32 whatever the plan: their output type is fixed by an attribute or tied to
-# FP32-only inputs, or they are quantisation/random ops.
+# FP32-only inputs (the window and mel-matrix generators: `output_datatype`, FP32 unless
+# set), or they are quantisation/random ops.
 FORCED_FP32_OPS = frozenset({
     "Range", "RoiAlign", "NonMaxSuppression", "EyeLike", "RandomNormal", "RandomUniform",
     "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "DequantizeLinear",
-    "QuantizeLinear", "DynamicQuantizeLinear",
+    "QuantizeLinear", "DynamicQuantizeLinear", "HannWindow", "HammingWindow", "BlackmanWindow",
+    "MelWeightMatrix", "TfIdfVectorizer",
 })
 # Outputs whose type does not follow the node's inputs (LayerNormalization statistics use
 # stash_type, FP32 by default).
