@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
+
+import onnx
 
 from npuprep.analyse.finding import Finding, Findings
 from npuprep.calibrate.stats import CalibrationStats, RangeStats
@@ -202,33 +205,14 @@ _MASK_PATH = PASSTHROUGH_OPS | {"Where", "Concat", "Tile", "Slice", "Gather", "A
 def _downstream_of_large_masks(model: Model, fmt: NumberFormat) -> set[str]:
     """Tensors made along _MASK_PATH from a constant whose only values beyond `fmt` are
     negative (a -1e9 mask where FP16 tops out at 65504; -inf is downstream_of_mask_constants')."""
-    import onnx
 
-    from npuprep.graph import attribute
-
-    def large_mask(t) -> bool:  # noqa: ANN001 - TensorProto
+    def large_mask(t: onnx.TensorProto) -> bool:
         if t.data_type not in (1, 10, 11, 16) or t.data_location == onnx.TensorProto.EXTERNAL:
             return False
         value = to_array(t).astype("float64")
         return value.size > 0 and bool((value < -fmt.max).any()) and bool((value <= fmt.max).all())
 
-    tainted: set[str] = set()
-    for scope in walk_graphs(model.graph):
-        tainted |= {i.name for i in scope.graph.initializer if large_mask(i)}
-        for node in scope.graph.node:
-            value = attribute(node, "value") if node.op_type == "Constant" else None
-            if value is not None and hasattr(value, "data_type") and large_mask(value):
-                tainted.update(o for o in node.output if o)
-    changed = bool(tainted)
-    while changed:
-        changed = False
-        for scope in walk_graphs(model.graph):
-            for node in scope.graph.node:
-                if node.op_type in _MASK_PATH and any(i in tainted for i in node.input) \
-                        and not all(o in tainted for o in node.output if o):
-                    tainted.update(o for o in node.output if o)
-                    changed = True
-    return tainted
+    return _downstream_of(model, large_mask, ("Constant",), _MASK_PATH)
 
 
 def _mask_finding(masks: list[tuple[RangeStats, str]], fmt: NumberFormat) -> Finding:
@@ -257,30 +241,38 @@ _MASK_VALUE = -1e30
 def downstream_of_mask_constants(model: Model) -> set[str]:
     """Tensors computed from a constant holding -inf (or FP32 lowest), every scope: where
     their -inf comes from, it was put there on purpose (a Log of 0 is not among them)."""
-    import onnx
 
-    from npuprep.graph import attribute
-
-    def holds_mask(t) -> bool:  # noqa: ANN001 - TensorProto
+    def holds_mask(t: onnx.TensorProto) -> bool:
         # Weights left on disk (calibrate does not load them) are no mask constants.
         if t.data_type not in (1, 10, 11, 16) or t.data_location == onnx.TensorProto.EXTERNAL:
             return False
         value = to_array(t)
         return value.size > 0 and bool((value.astype("float64") <= _MASK_VALUE).any())
 
+    return _downstream_of(model, holds_mask, ("Constant", "ConstantOfShape"), None)
+
+
+def _downstream_of(model: Model, is_source: Callable[[onnx.TensorProto], bool], constant_ops: tuple[str, ...],
+                   path_ops: frozenset[str] | set[str] | None) -> set[str]:
+    """Tensors computed from a constant (initialiser or `constant_ops`' value) that
+    `is_source` accepts, through `path_ops` (None: through every op), every scope."""
+    from npuprep.graph import attribute
+
     tainted: set[str] = set()
     for scope in walk_graphs(model.graph):
-        tainted |= {i.name for i in scope.graph.initializer if holds_mask(i)}
+        tainted |= {i.name for i in scope.graph.initializer if is_source(i)}
         for node in scope.graph.node:
-            value = attribute(node, "value") if node.op_type in ("Constant", "ConstantOfShape") else None
-            if value is not None and hasattr(value, "data_type") and holds_mask(value):
+            value = attribute(node, "value") if node.op_type in constant_ops else None
+            if value is not None and hasattr(value, "data_type") and is_source(value):
                 tainted.update(o for o in node.output if o)
     changed = bool(tainted)
     while changed:
         changed = False
         for scope in walk_graphs(model.graph):
             for node in scope.graph.node:
-                if any(i in tainted for i in node.input) and not all(o in tainted for o in node.output if o):
+                if (path_ops is None or node.op_type in path_ops) \
+                        and any(i in tainted for i in node.input) \
+                        and not all(o in tainted for o in node.output if o):
                     tainted.update(o for o in node.output if o)
                     changed = True
     return tainted
