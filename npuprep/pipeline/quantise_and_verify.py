@@ -22,6 +22,7 @@ import npuprep.pipeline.lower_and_verify as lower_and_verify
 from npuprep.calibrate.scales import FP8_NAN_HEADROOM
 from npuprep.data import Feed
 from npuprep.flops import node_flops
+from npuprep.formatting import ratio
 from npuprep.graph import node_label, weight_bytes
 from npuprep.model_io import Model, WeightScratch
 from npuprep.numerics import EightBitFormat
@@ -94,7 +95,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                                     tensor_scales=applied.tensor_scales, weights=weights)
         if balanced:
             notes.append(f"{len(balanced)} INT8 MatMul input(s) with outlier channels (up to "
-                         f"{max(r for _, r in balanced.values()):.3g}x the median channel) divided "
+                         f"{ratio(max(r for _, r in balanced.values()))} the median channel) divided "
                          "per channel, their weights multiplied (SmoothQuant)")
     macs = _macs(base, samples)
     # INT8 QuantizeLinear always clamps; FP8 saturates only where the profile says the
