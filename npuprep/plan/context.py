@@ -7,6 +7,7 @@ the graph.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -188,9 +189,21 @@ class PlanContext:
         `tolerance`: EXP_INPUT_ERROR for an Exp, which turns it into that relative error; a
         cancellation's output scale times it for a Sub. Elementwise producers only:
         Conv/MatMul/Gemm are left to verification."""
-        todo = list(tensors)
         extra: list[str] = []
-        seen: set[str] = set()
+        for node in self.coarse_producers(tensors, tolerance, stop=members):
+            label = node_label(node)
+            # A matmul runs in FP32 only for range, never for this precision: its output's
+            # rounding stays, and verification measures what it costs.
+            if node.op_type not in MAC_OPS and label not in extra:
+                extra.append(label)
+        return extra
+
+    def coarse_producers(self, tensors: list[str], tolerance: float,
+                         stop: set[str] | frozenset[str] = frozenset()) -> Iterator[onnx.NodeProto]:
+        """Producers of `tensors`, and through additive ops of what is summed into them,
+        whose rounding to the target is a step above `tolerance`, nearest first; nodes in
+        `stop` are neither given nor walked through."""
+        todo, seen = list(tensors), set()
         while todo:
             tensor = todo.pop(0)
             node = self.produced_by.get(tensor)
@@ -199,18 +212,11 @@ class PlanContext:
             if tensor in seen or node is None or top is None:
                 continue
             seen.add(tensor)
-            label = node_label(node)
-            half_step = 2.0 ** top * self.fmt.eps / 2
-            if label in members or label in extra or half_step <= tolerance:
+            if node_label(node) in stop or 2.0 ** top * self.fmt.eps / 2 <= tolerance:
                 continue
-            if node.op_type in MAC_OPS:
-                # A matmul runs in FP32 only for range, never for this precision: its
-                # output's rounding stays, and verification measures what it costs.
-                continue
-            extra.append(label)
+            yield node
             if node.op_type in ADDITIVE:
                 todo.extend(i for i in node.input if i)
-        return extra
 
     # ------------------------------------------------------------ graph
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from npuprep.analyse.precision import INHERITED_ERROR
 from npuprep.graph import node_label
-from npuprep.ops import ADDITIVE, MAC_OPS
+from npuprep.ops import MAC_OPS
 from npuprep.plan.actions import Declined, PinFp32
 from npuprep.plan.context import Outcome, PlanContext, Problem
 from npuprep.profiles import Pinning
@@ -63,19 +63,6 @@ def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outc
 def _rounded_linear(ctx: PlanContext, tensors: list[str], tolerance: float) -> list[str]:
     """Conv/MatMul/Gemm nodes whose output reaches `tensors` (directly or summed in) with a
     rounding step above `tolerance`: they stay in the format, so their error stays too."""
-    todo, seen, found = list(tensors), set(), []
-    while todo:
-        tensor = todo.pop()
-        node = ctx.produced_by.get(tensor)
-        r = ctx.range_of(tensor)
-        top = None if r is None else r.top_exponent()
-        if tensor in seen or node is None or top is None:
-            continue
-        seen.add(tensor)
-        if 2.0 ** top * ctx.fmt.eps / 2 <= tolerance:
-            continue
-        if node.op_type in MAC_OPS:
-            found.append(node_label(node))
-        elif node.op_type in ADDITIVE:
-            todo.extend(i for i in node.input if i)
+    found = [node_label(n) for n in ctx.coarse_producers(tensors, tolerance)
+             if n.op_type in MAC_OPS]
     return sorted(found, key=lambda n: ctx.order.get(n, 0))
