@@ -139,16 +139,20 @@ def _join(ray: ModuleType, address: str | None) -> None:
 def _shutdown(ray: ModuleType) -> None:
     """ray.shutdown with SIGINT and SIGTERM held until it returns: a signal inside it stopped
     Ray's core halfway, and its own threads then ended the process with exit 1. Sent again
-    after, the signal ends the run as anywhere else (one line, 130/143)."""
+    after, the signal ends the run as anywhere else (one line, 130/143). Ray's C++ core logs
+    the tasks it cancels on the way out ("Failed to push error to driver") to fd 2: dropped,
+    as the run's own line says how it ended."""
     if threading.current_thread() is not threading.main_thread():
-        ray.shutdown()
+        with _stderr_dropped():
+            ray.shutdown()
         return
     held: list[int] = []
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     for sig in handlers:
         signal.signal(sig, lambda signum, frame: held.append(signum))
     try:
-        ray.shutdown()
+        with _stderr_dropped():
+            ray.shutdown()
     finally:
         # Ray's shutdown may put back handlers of its own: the caller's come first.
         for sig, handler in handlers.items():
@@ -161,7 +165,8 @@ def _shutdown(ray: ModuleType) -> None:
 @contextlib.contextmanager
 def _stderr_dropped() -> Iterator[None]:
     """File descriptor 2 into a discarded file: Ray's C++ core writes a warning per failed
-    connection attempt there, past Python's logging."""
+    connection attempt, and an error per task cancelled at shutdown, there, past Python's
+    logging."""
     sys.stderr.flush()
     saved = os.dup(2)
     try:
