@@ -9,12 +9,14 @@ from onnx import numpy_helper, parser
 
 from npuprep.calibrate import calibrate
 from npuprep.model_io import Model, fingerprint
-from npuprep.numerics import eight_bit_format
+from npuprep.numerics import eight_bit_format, get_format
 from npuprep.pipeline import convert
 from npuprep.pipeline.quantise_and_verify import JUDGE_MARGIN
 from npuprep.profiles import load_profile
 from npuprep.runtime.session import make_session, run
-from npuprep.verify.qdq_model import Sensitivity, quantise, rank_layers
+from npuprep.scale_rules import DEFAULT_RULE
+from npuprep.verify.qdq_model import Sensitivity, quantise
+from npuprep.verify.qdq_trials import Trials, rank_layers, switched_qdq
 from npuprep.verify.widening import MIN_COST, by_gain_per_cost
 
 RNG = np.random.default_rng(5)
@@ -57,12 +59,16 @@ def _error(proto: onnx.ModelProto, quantised: list[str], stats: object,
 def test_ranking_once_widens_the_wrong_second_layer_and_re_ranking_the_right_one():
     proto, model, feeds = _setup()
     stats = calibrate(model, feeds, detail="all")
-    first = rank_layers(proto, proto, ["d", "a", "b"], stats, FP8, feeds, saturate=False,
-                        headroom=2.0)
+    # One session for both rankings: every layer behind its own switch.
+    switched = switched_qdq(proto, ["d", "a", "b"], stats, FP8, [DEFAULT_RULE], saturate=False,
+                            headroom=2.0)
+    trials = Trials(proto, switched, get_format("fp32"), (), feeds, saturate=False,
+                    default=DEFAULT_RULE)
+    first = rank_layers(trials, ["d", "a", "b"], ["d", "a", "b"], {})
     # With d in 8 bits its error (10e) dominates: a (along it) ranks above b (across it).
     assert [s.node for s in first] == ["d", "a", "b"]
     # Once d is wider the order turns: a alone leaves (0, 4e), b alone (e, 0).
-    again = rank_layers(proto, proto, ["a", "b"], stats, FP8, feeds, saturate=False, headroom=2.0)
+    again = rank_layers(trials, ["a", "b"], ["a", "b"], {})
     assert [s.node for s in again] == ["b", "a"]
     with_a, with_b = _error(proto, ["b"], stats, feeds), _error(proto, ["a"], stats, feeds)
     assert with_a > 3 * with_b  # 4e against e

@@ -35,25 +35,24 @@ from npuprep.provenance import record_source
 from npuprep.rewrite.apply import apply_plan
 from npuprep.rewrite.lower import Lowered
 from npuprep.rewrite.qdq_weights import WeightStore
+from npuprep.scale_rules import ScaleRule
 from npuprep.verify.compare import DEFAULT_ATOL, compare_models
 from npuprep.verify.output_check import OutputCheck, check_outputs
 from npuprep.verify.output_errors import output_passes
 from npuprep.verify.pin_rounds import sample_shapes
 from npuprep.verify.qdq_model import (
+    Sensitivity,
     balance_outliers,
-    choose_rules,
     eight_bit_nodes,
     on_target,
     quantise,
-    rank_layers,
     with_opset,
 )
-from npuprep.verify.widening import widen_in_rounds
+from npuprep.verify.qdq_trials import Trials, choose_rules, rank_layers, switched_qdq
+from npuprep.verify.widening import CurvePoint, widen_by_ranking
 
 # Below this share of 8-bit multiply-adds the model has not been converted to 8 bits.
 DEFAULT_MIN_8BIT_SHARE = 0.5
-# Wider-kept layers per round grow 1, 2, 4, ...: a handful of rounds reach any count.
-MAX_WIDEN_ROUNDS = 8
 # The calibration samples set the scales: the widening stops below this share of rtol there.
 JUDGE_MARGIN = 0.8
 
@@ -80,24 +79,6 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                           else None)
     layers = plan.eight_bit or decide(base, stats, eight, pinned, scale_rule)
     notes = list(flow_notes)
-    balanced: dict[str, tuple[str, float]] = {}
-    tensor_rules: dict[str, str] = {}
-    if not eight.is_float:
-        # FP8 keeps its relative precision across channels; INT8's one scale does not.
-        stage("balancing outlier channels into the weights")
-        found = balance_outliers(work.proto, base, eight_bit_nodes(layers, eight), stats, eight,
-                                 samples, saturate=True, rule=scale_rule,
-                                 tensor_scales=applied.tensor_scales, weights=weights)
-        base, stats, balanced = found.model, found.stats, found.tensors
-        stage("choosing each activation's scale rule by its measured error")
-        tensor_rules = choose_rules(work.proto, base, eight_bit_nodes(layers, eight), stats,
-                                    eight, samples, saturate=True,
-                                    tensor_scales=applied.tensor_scales, weights=weights)
-        if balanced:
-            notes.append(f"{len(balanced)} INT8 MatMul input(s) with outlier channels (up to "
-                         f"{ratio(max(r for _, r in balanced.values()))} the median channel) divided "
-                         "per channel, their weights multiplied (SmoothQuant)")
-    macs = _macs(base, samples)
     # INT8 QuantizeLinear always clamps; FP8 saturates only where the profile says the
     # hardware does (unknown is the loud case: NaN past 448).
     saturate = bool(profile.fp8_saturate) if eight.is_float else True
@@ -111,38 +92,65 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     if headroom != 1.0:
         notes.append(f"FP8 scales keep {headroom:g}x headroom over the abs-max: {profile.name} "
                      "may give NaN past 448")
+    balanced: dict[str, tuple[str, float]] = {}
+    if not eight.is_float:
+        # FP8 keeps its relative precision across channels; INT8's one scale does not.
+        stage("balancing outlier channels into the weights")
+        found = balance_outliers(work.proto, base, eight_bit_nodes(layers, eight), stats, eight,
+                                 samples, saturate=True, rule=scale_rule,
+                                 tensor_scales=applied.tensor_scales, weights=weights)
+        base, stats, balanced = found.model, found.stats, found.tensors
+        if balanced:
+            notes.append(f"{len(balanced)} INT8 MatMul input(s) with outlier channels (up to "
+                         f"{ratio(max(r for _, r in balanced.values()))} the median channel) divided "
+                         "per channel, their weights multiplied (SmoothQuant)")
+    macs = _macs(base, samples)
+    eight_bit = eight_bit_nodes(layers, eight)
+    # Every trial below (rules, ranking, widening) is one run of one session: the QDQ model
+    # with each layer's 8-bit inputs behind switches (npuprep.verify.qdq_trials).
+    rules = list(ScaleRule) if not eight.is_float else [ScaleRule(scale_rule)]
+    stage(f"building the switchable {eight.name} model of {len(eight_bit)} layer(s)")
+    switched = switched_qdq(base, eight_bit, stats, eight, rules, saturate=saturate,
+                            tensor_scales=applied.tensor_scales, headroom=headroom,
+                            weights=weights)
+    trials = Trials(work.proto, switched, wide, pinned | {x.node for x in layers
+                                                          if x.precision == "fp32"},
+                    samples, saturate=saturate, default=ScaleRule(scale_rule))
+    tensor_rules: dict[str, ScaleRule] = {}
+    if not eight.is_float:
+        stage("choosing each activation's scale rule by its measured error")
+        tensor_rules = choose_rules(trials, base, eight_bit, stats, eight, rules)
 
     def pins(chosen: Sequence[LayerPrecision]) -> set[str]:
         return pinned | {x.node for x in chosen if x.precision == "fp32"}
 
-    def build(chosen: Sequence[LayerPrecision]) -> tuple[Any, OutputCheck]:
-        qdq = quantise(base, eight_bit_nodes(chosen, eight), stats, eight, saturate=saturate,
-                       rule=scale_rule, tensor_scales=applied.tensor_scales, headroom=headroom,
-                       tensor_rules=tensor_rules, weights=weights)
-        built = qdq.model
-        check = check_outputs(work.proto, built, wide, samples, saturate=saturate, rtol=rtol,
-                              emulated=on_target(built, wide, pins(chosen), saturate=saturate),
-                              top_k=top_k)
-        return built, check
-
     def judged(check: OutputCheck) -> bool:
         return all(output_passes(o, JUDGE_MARGIN * rtol) for o in check.outputs.values())
 
-    stage(f"quantising to {eight.name}")
-    built, check = build(layers)
+    def trial(chosen: Sequence[LayerPrecision]) -> OutputCheck:
+        return trials.check(eight_bit_nodes(chosen, eight), tensor_rules, rtol=rtol, top_k=top_k)
 
-    def rank(nodes: list[str]) -> list[Any]:
+    def rank(nodes: list[str], chosen: list[LayerPrecision]) -> list[Sensitivity]:
         stage(f"ranking {len(nodes)} 8-bit layer(s) by their own error")
-        return rank_layers(work.proto, base, nodes, stats, eight, samples, saturate=saturate,
-                           rule=scale_rule, tensor_scales=applied.tensor_scales,
-                           headroom=headroom, tensor_rules=tensor_rules, weights=weights)
+        return rank_layers(trials, nodes, eight_bit_nodes(chosen, eight), tensor_rules)
 
-    widening = widen_in_rounds(layers, eight, built, check, rank=rank, build=build,
-                               judged=judged, share=lambda c: mac_share(c, macs, eight)[eight.name],
-                               cost=lambda n: _cost([n], macs), min_share=min_8bit_share,
-                               max_rounds=MAX_WIDEN_ROUNDS)
-    layers, built, check, rounds = widening.layers, widening.built, widening.check, widening.rounds
-    ranking, widened, needs_more = (widening.rankings or [[]])[0], widening.widened, ""
+    stage(f"quantising to {eight.name}")
+    widening = widen_by_ranking(layers, eight, trial(layers), rank=rank, trial=trial,
+                                judged=judged,
+                                share=lambda c: mac_share(c, macs, eight)[eight.name],
+                                cost=lambda n: _cost([n], macs), min_share=min_8bit_share)
+    trial_runs = trials.runs
+    trials.close()
+    layers, widened, needs_more = widening.layers, widening.widened, ""
+    ranking = (widening.rankings or [[]])[0]
+    stage(f"building the {eight.name} model chosen")
+    built = quantise(base, eight_bit_nodes(layers, eight), stats, eight, saturate=saturate,
+                     rule=scale_rule, tensor_scales=applied.tensor_scales, headroom=headroom,
+                     tensor_rules=tensor_rules, weights=weights).model
+    check = check_outputs(work.proto, built, wide, samples, saturate=saturate, rtol=rtol,
+                          emulated=on_target(built, wide, pins(layers), saturate=saturate),
+                          top_k=top_k)
+    notes.append(_curve_note(widening.curve, eight.name, len(widened), trial_runs))
     if widening.needs_more:
         more = widening.needs_more
         needs_more = (f"the outputs need more than {eight.name} at {', '.join(more)} too "
@@ -179,13 +187,13 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         source=model, profile=profile, fmt=wide, findings=planned.findings, plan=plan,
         rewritten=applied.model, lowered=lowered, tensor_scales=applied.tensor_scales,
         pinned_nodes=lowered.pinned_nodes, output_check=check, layers=compared, holdout=held,
-        flops_fp32_share=shares["fp32"], rounds=rounds, samples=use, stats=stats,
+        flops_fp32_share=shares["fp32"], rounds=len(widening.curve), samples=use, stats=stats,
         declined=applied.declined, notes=tuple(notes),
         eight_bit=EightBitResult(
             format=eight.name, scale_rule=scale_rule, saturate=saturate, mac_share=shares,
             min_8bit_share=min_8bit_share, sensitivity=tuple(ranking),
             kept_wider=tuple(widened), rerankings=tuple(tuple(r) for r in widening.rankings[1:]),
-            rank_runs=widening.rank_runs, kept_wider_cost=_cost(widened, macs),
+            rank_runs=widening.rank_runs, curve=tuple(widening.curve), kept_wider_cost=_cost(widened, macs),
             tensor_rules=dict(tensor_rules), balanced=dict(balanced),
             input_shapes={k: tuple(v) for k, v in sample_shapes(samples).items()}),
     )
@@ -213,3 +221,13 @@ def _cost(nodes: Sequence[str], macs: Mapping[str, int]) -> float:
     """Share of the multiply-adds the kept-wider layers hold."""
     total = sum(macs.values()) or 1
     return sum(macs.get(n, 0) for n in nodes) / total
+
+
+def _curve_note(curve: Sequence[CurvePoint], fmt: str, kept: int, runs: int) -> str:
+    """The share/error points the search tried, in the order tried, the one chosen (`kept`
+    layers wider) marked."""
+    chosen = next((p for p in reversed(curve) if p.kept_wider == kept), None)
+    points = ", ".join(f"{p.share:.0%}{'*' if p is chosen else ''} -> {p.rel_l2:.3g}"
+                       for p in curve)
+    return (f"{fmt} share -> outputs' rel L2 on the calibration samples, as tried ({runs} "
+            f"trial runs on one session; * chosen): {points}")

@@ -27,9 +27,10 @@ if TYPE_CHECKING:
     from npuprep.calibrate.stats import CalibrationStats
     from npuprep.rewrite.lower import Lowered
     from npuprep.verify.compare import CompareResult
-    from npuprep.verify.eight_bit import Sensitivity
     from npuprep.verify.fp32_share import Fp32Share
+    from npuprep.verify.qdq_model import Sensitivity
     from npuprep.verify.vendor import VendorCheck
+    from npuprep.verify.widening import CurvePoint
 
 SCHEMA_VERSION = 1
 
@@ -93,6 +94,8 @@ class EightBitResult:
     # 8-bit node -> (its balanced input tensor, that input's outlier ratio)
     balanced: dict[str, tuple[str, float]]
     input_shapes: dict[str, tuple[int, ...]]
+    # Every choice the search tried: layers kept wider, 8-bit share, outputs' rel L2
+    curve: tuple[CurvePoint, ...] = ()
 
     @property
     def share_met(self) -> bool:
@@ -111,6 +114,7 @@ class EightBitResult:
             "balanced": {x: {"tensor": t, "outlier_ratio": r}
                          for x, (t, r) in sorted(self.balanced.items())},
             "input_shapes": {k: list(v) for k, v in self.input_shapes.items()},
+            "curve": [p.to_dict() for p in self.curve],
         }
 
 

@@ -69,7 +69,7 @@ def insert_qdq(model: onnx.ModelProto, nodes: Mapping[str, Mapping[str, Activati
         zp = fresh(f"{tensor}_zp8")
         q, dq = fresh(f"{tensor}_q8"), fresh(f"{tensor}_dq8")
         g.initializer.append(numpy_helper.from_array(np.array(s.scale, np.float32), scale))
-        g.initializer.append(_zero(zp, fmt, (), unsigned=s.unsigned, value=s.zero_point))
+        g.initializer.append(zero_point(zp, fmt, (), unsigned=s.unsigned, value=s.zero_point))
         extra = {"saturate": int(saturate)} if fmt.is_float else {}
         new_nodes.append(helper.make_node("QuantizeLinear", [tensor, scale, zp], [q],
                                           name=fresh(f"{tensor}_Q8"), **extra))
@@ -113,7 +113,7 @@ def _weight(g: onnx.GraphProto, node: onnx.NodeProto, w: onnx.TensorProto | np.n
                              fmt, saturate=saturate, name=q_name)
     g.initializer.append(made.stored)
     g.initializer.append(numpy_helper.from_array(made.scale, s_name))
-    g.initializer.append(_zero(z_name, fmt, made.scale.shape, unsigned=False))
+    g.initializer.append(zero_point(z_name, fmt, made.scale.shape, unsigned=False))
     out = fresh(f"{base}_dq8")
     extra = {} if made.axis is None else {"axis": made.axis}
     g.node.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [out],
@@ -131,7 +131,7 @@ def _fp32_weight(g: onnx.GraphProto, name: str) -> onnx.TensorProto | np.ndarray
     return value if value is not None and value.dtype == np.float32 else None
 
 
-def _zero(name: str, fmt: EightBitFormat, shape: tuple[int, ...], *, unsigned: bool,
+def zero_point(name: str, fmt: EightBitFormat, shape: tuple[int, ...], *, unsigned: bool,
           value: int = 0) -> onnx.TensorProto:
     if fmt.is_float:
         return helper.make_tensor(name, fmt.onnx_type, shape, bytes(int(np.prod(shape))), raw=True)

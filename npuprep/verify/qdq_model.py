@@ -35,7 +35,7 @@ QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 # An INT8 MatMul input whose largest channel reaches this many times its median channel has
 # outlier channels worth balancing into the weight (npuprep.rewrite.smooth).
 OUTLIER_RATIO = 4.0
-# Samples each one-layer run is measured on: the ranking needs an order, not a verdict.
+# Samples each balancing trial is measured on: it needs an order, not a verdict.
 RANK_SAMPLES = 4
 
 
@@ -82,14 +82,19 @@ def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: CalibrationSta
         node = by_label.get(label)
         if node is None:
             continue
-        scales = {}
-        for name in activation_inputs(model.graph, node):
-            r = stats.tensors[name]
-            factor = rescaled.get(name, 1.0) * clip_raise_factor(r, fmt, headroom)
-            clip = clip_for(r, fmt, own.get(name, rule)).value * factor
-            scales[name] = _activation_scale(r, clip, factor, fmt)
-        wanted[label] = scales
+        wanted[label] = {name: activation_scale(stats.tensors[name], fmt, own.get(name, rule),
+                                                rescaled.get(name, 1.0), headroom)
+                         for name in activation_inputs(model.graph, node)}
     return insert_qdq(model, wanted, fmt, saturate=saturate, weights=weights)
+
+
+def activation_scale(r: RangeStats, fmt: EightBitFormat, rule: ScaleRule, rescaled: float = 1.0,
+                     headroom: float = 1.0) -> ActivationScale:
+    """The scale of activation `r` by `rule`: its clip times the plan's rescale factor
+    `rescaled` and the unseen samples' headroom (clip_raise_factor)."""
+    factor = rescaled * clip_raise_factor(r, fmt, headroom)
+    clip = clip_for(r, fmt, rule).value * factor
+    return _activation_scale(r, clip, factor, fmt)
 
 
 @dataclass(frozen=True)
@@ -170,33 +175,6 @@ def _errors(reference: onnx.ModelProto,
     return error
 
 
-def choose_rules(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
-                 stats: CalibrationStats, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
-                 tensor_scales: Mapping[str, float] | None = None,
-                 weights: WeightStore | None = None) -> dict[str, ScaleRule]:
-    """Per activation of `nodes` whose rules place different clips: the rule whose clip gives
-    the least output error with that tensor's 8-bit readers quantised alone."""
-    g = model.graph
-    readers: dict[str, list[str]] = {}
-    for node in g.node:
-        if node_label(node) in set(nodes):
-            for name in activation_inputs(g, node):
-                readers.setdefault(name, []).append(node_label(node))
-    error = _errors(reference, samples)
-    chosen = {}
-    for name, labels in readers.items():
-        clips: dict[float, ScaleRule] = {}
-        for rule in ScaleRule:
-            clips.setdefault(clip_for(stats.tensors[name], fmt, rule).value, rule)
-        if len(clips) < 2:
-            continue
-        measured = {rule: error(quantise(model, labels, stats, fmt, saturate=saturate, rule=rule,
-                                         tensor_scales=tensor_scales, weights=weights).model)
-                    for rule in clips.values()}
-        chosen[name] = min(measured, key=lambda r: measured[r])
-    return chosen
-
-
 def _divided(r: RangeStats, name: str, per_channel: np.ndarray) -> RangeStats:
     """Stats of x / s from x's and the per-sample, per-channel abs-max of x / s: abs-max only
     (no histogram, so a histogram rule reads the abs-max)."""
@@ -228,28 +206,3 @@ def _activation_scale(r: RangeStats, top: float, factor: float,
                       fmt: EightBitFormat) -> ActivationScale:
     scale, unsigned, zero_point = stored_as(r, top, factor, fmt)
     return ActivationScale(scale, unsigned=unsigned, zero_point=zero_point)
-
-
-def rank_layers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
-                stats: CalibrationStats, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
-                rule: ScaleRule = DEFAULT_RULE,
-                tensor_scales: Mapping[str, float] | None = None,
-                headroom: float = 1.0,
-                tensor_rules: Mapping[str, ScaleRule] | None = None,
-                weights: WeightStore | None = None) -> list[Sensitivity]:
-    """Each of `nodes` kept wider while the others are quantised, the largest gain first."""
-    measure = _errors(reference, samples)
-
-    def error(quantised: Sequence[str]) -> float:
-        built = quantise(model, quantised, stats, fmt, saturate=saturate, rule=rule,
-                         tensor_scales=tensor_scales, headroom=headroom, tensor_rules=tensor_rules,
-                         weights=weights)
-        return measure(built.model if built else model)
-
-    every = error(nodes)
-    found = []
-    for label in nodes:
-        without = error([n for n in nodes if n != label])
-        found.append(Sensitivity(label, without, every - without))
-    return sorted(found, key=lambda s: -s.gain)
-
