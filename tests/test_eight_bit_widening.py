@@ -15,7 +15,9 @@ from npuprep.calibrate.scales import clip_for, sample_headroom
 from npuprep.model_io import Model, fingerprint
 from npuprep.numerics import eight_bit_format, get_format
 from npuprep.runtime.session import make_session, run
-from npuprep.verify.qdq_model import on_target, quantise, rank_layers
+from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
+from npuprep.verify.qdq_model import on_target, quantise
+from npuprep.verify.qdq_trials import Trials, choose_rules, rank_layers, switched_qdq
 
 RNG = np.random.default_rng(11)
 INT8 = eight_bit_format("int8")
@@ -77,8 +79,11 @@ def test_the_ranking_keeps_wider_what_gains_and_not_one_of_two_cancelling_branch
     model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
     feeds = [{"x": RNG.standard_normal((16, 8)).astype(np.float32)} for _ in range(4)]
     stats = calibrate(model, feeds, detail="all")
-    ranking = rank_layers(proto, proto, ["cond", "uncond", "side"], stats, INT8, feeds,
-                          saturate=True)
+    nodes = ["cond", "uncond", "side"]
+    switched = switched_qdq(proto, nodes, stats, INT8, [DEFAULT_RULE], saturate=True)
+    trials = Trials(proto, switched, get_format("fp32"), (), feeds, saturate=True,
+                    default=DEFAULT_RULE)
+    ranking = rank_layers(trials, nodes, nodes, {})
     gains = {s.node: s.gain for s in ranking}
     # Alone, either branch errs 8x; kept wider alone, it undoes the cancellation.
     assert ranking[0].node == "side" and gains["side"] > 0
@@ -215,15 +220,16 @@ def test_a_gelu_like_input_gets_uint8_with_a_zero_point_and_less_error_than_symm
 
 
 def test_each_activation_takes_the_scale_rule_with_the_least_measured_error():
-    from npuprep.verify.qdq_model import choose_rules
-
     proto = _model(ONE, {"W": RNG.standard_normal((8, 4))})
     model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
     rng = np.random.default_rng(5)
     feeds = [{"x": rng.standard_normal((16, 8)).astype(np.float32)} for _ in range(4)]
     feeds[0]["x"][0, 0] = 60.0  # one outlier: abs-max, percentile and MSE clip differently
     stats = calibrate(model, feeds, detail="all")
-    chosen = choose_rules(proto, proto, ["mm"], stats, INT8, feeds, saturate=True)
+    switched = switched_qdq(proto, ["mm"], stats, INT8, list(ScaleRule), saturate=True)
+    trials = Trials(proto, switched, get_format("fp32"), (), feeds, saturate=True,
+                    default=DEFAULT_RULE)
+    chosen = choose_rules(trials, proto, ["mm"], stats, INT8, list(ScaleRule))
     assert set(chosen) == {"x"}
 
     def error(rule: str) -> float:
