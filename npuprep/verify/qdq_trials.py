@@ -12,7 +12,7 @@ per trial: the rule trials, the sensitivity ranking and every widening step shar
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ from npuprep.data import Feed
 from npuprep.graph import name_maker, node_label
 from npuprep.numerics import EightBitFormat, NumberFormat
 from npuprep.plan.layer_precision import activation_inputs
-from npuprep.rewrite.qdq import insert_qdq, sort_nodes, zero_point
+from npuprep.rewrite.qdq import ActivationScale, insert_qdq, sort_nodes, zero_point
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.output_check import OutputCheck
@@ -119,8 +119,9 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
     return SwitchedQdq(out, weight_switches, input_switches)
 
 
-def _qdq_pair(g: onnx.GraphProto, added: list[onnx.NodeProto], fresh: Any, tensor: str,
-              rule: ScaleRule, fmt: EightBitFormat, saturate: bool, s: Any) -> str:
+def _qdq_pair(g: onnx.GraphProto, added: list[onnx.NodeProto], fresh: Callable[[str], str],
+              tensor: str, rule: ScaleRule, fmt: EightBitFormat, saturate: bool,
+              s: ActivationScale) -> str:
     """A QuantizeLinear/DequantizeLinear pair of `tensor` at scale `s` (an ActivationScale)."""
     scale, zp = fresh(f"{tensor}_{rule}_scale8"), fresh(f"{tensor}_{rule}_zp8")
     q, dq = fresh(f"{tensor}_{rule}_q8"), fresh(f"{tensor}_{rule}_dq8")
