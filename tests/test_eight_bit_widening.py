@@ -17,7 +17,7 @@ from npuprep.numerics import eight_bit_format, get_format
 from npuprep.runtime.session import make_session, run
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 from npuprep.verify.qdq_model import on_target, quantise
-from npuprep.verify.qdq_trials import Trials, choose_rules, rank_layers, switched_qdq
+from npuprep.verify.qdq_trials import Trials, Variant, choose_rules, rank_layers, switched_qdq
 
 RNG = np.random.default_rng(11)
 INT8 = eight_bit_format("int8")
@@ -80,10 +80,9 @@ def test_the_ranking_keeps_wider_what_gains_and_not_one_of_two_cancelling_branch
     feeds = [{"x": RNG.standard_normal((16, 8)).astype(np.float32)} for _ in range(4)]
     stats = calibrate(model, feeds, detail="all")
     nodes = ["cond", "uncond", "side"]
-    switched = switched_qdq(proto, nodes, stats, INT8, [DEFAULT_RULE], saturate=True)
-    trials = Trials(proto, switched, get_format("fp32"), (), feeds, saturate=True,
-                    default=DEFAULT_RULE)
-    ranking = rank_layers(trials, nodes, nodes, {})
+    switched = switched_qdq(proto, nodes, stats, [Variant(INT8, (DEFAULT_RULE,), True)])
+    trials = Trials(proto, switched, get_format("fp32"), (), feeds, saturate=True)
+    ranking = rank_layers(trials, nodes, dict.fromkeys(nodes, "int8"), {})
     gains = {s.node: s.gain for s in ranking}
     # Alone, either branch errs 8x; kept wider alone, it undoes the cancellation.
     assert ranking[0].node == "side" and gains["side"] > 0
@@ -226,10 +225,9 @@ def test_each_activation_takes_the_scale_rule_with_the_least_measured_error():
     feeds = [{"x": rng.standard_normal((16, 8)).astype(np.float32)} for _ in range(4)]
     feeds[0]["x"][0, 0] = 60.0  # one outlier: abs-max, percentile and MSE clip differently
     stats = calibrate(model, feeds, detail="all")
-    switched = switched_qdq(proto, ["mm"], stats, INT8, list(ScaleRule), saturate=True)
-    trials = Trials(proto, switched, get_format("fp32"), (), feeds, saturate=True,
-                    default=DEFAULT_RULE)
-    chosen = choose_rules(trials, proto, ["mm"], stats, INT8, list(ScaleRule))
+    switched = switched_qdq(proto, ["mm"], stats, [Variant(INT8, tuple(ScaleRule), True)])
+    trials = Trials(proto, switched, get_format("fp32"), (), feeds, saturate=True)
+    chosen = choose_rules(trials, proto, ["mm"], stats, INT8, tuple(ScaleRule))
     assert set(chosen) == {"x"}
 
     def error(rule: str) -> float:

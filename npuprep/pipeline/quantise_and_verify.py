@@ -25,12 +25,12 @@ from npuprep.flops import node_flops
 from npuprep.formatting import ratio
 from npuprep.graph import node_label, weight_bytes
 from npuprep.model_io import Model, WeightScratch
-from npuprep.numerics import EightBitFormat
+from npuprep.numerics import EightBitFormat, eight_bit_format
 from npuprep.ops import QUANTISED_MAC_OPS
 from npuprep.pipeline.result import ConversionResult, EightBitResult, SampleUse
 from npuprep.plan.decide import Planned
 from npuprep.plan.layer_precision import LayerPrecision, decide
-from npuprep.profiles import ResolvedTarget
+from npuprep.profiles import ResolvedTarget, TargetProfile
 from npuprep.provenance import record_source
 from npuprep.rewrite.apply import apply_plan
 from npuprep.rewrite.lower import Lowered
@@ -48,7 +48,7 @@ from npuprep.verify.qdq_model import (
     quantise,
     with_opset,
 )
-from npuprep.verify.qdq_trials import Trials, choose_rules, rank_layers, switched_qdq
+from npuprep.verify.qdq_trials import Trials, Variant, choose_rules, rank_layers, switched_qdq
 from npuprep.verify.widening import CurvePoint, widen_by_ranking
 
 # Below this share of 8-bit multiply-adds the model has not been converted to 8 bits.
@@ -72,26 +72,23 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     stage("rewriting")
     applied = apply_plan(work.proto, plan)
     pinned = plan.pinned_nodes() | set(applied.fp32_nodes)
-    base = with_opset(applied.model, eight)
+    # On a target that runs INT8 and FP8 (the A2000), a layer one cannot hold may take the other.
+    other = eight_bit_format("fp8_e4m3" if not eight.is_float else "int8")
+    mixed = other is not None and other.name in profile.fast_dtypes
+    base = with_opset(applied.model, max((eight, other) if mixed and other else (eight,),
+                                         key=lambda f: f.min_opset))
     # Every QDQ model below quantises its weights through one store: each once, and a large
     # model's 8-bit (and balanced) weights in a scratch file, as FP16 convert lowers them.
     weights = WeightStore(WeightScratch() if weight_bytes(base) >= lower_and_verify.SCRATCH_BYTES
                           else None)
     layers = plan.eight_bit or decide(base, stats, eight, pinned, scale_rule)
     notes = list(flow_notes)
-    # INT8 QuantizeLinear always clamps; FP8 saturates only where the profile says the
-    # hardware does (unknown is the loud case: NaN past 448).
-    saturate = bool(profile.fp8_saturate) if eight.is_float else True
-    if eight.is_float and not saturate and scale_rule != "absmax":
-        notes.append(f"scale rule {scale_rule} -> absmax: {profile.name} does not saturate FP8 "
-                     "(fp8_saturate), so a clipped value would be NaN")
-        scale_rule = "absmax"
-    # A non-saturating FP8 gives NaN past 448; quantisation error upstream carries values past
-    # the FP32 abs-max, so the scale keeps one binade of headroom (E4M3 spans 2^-9..448).
-    headroom = FP8_NAN_HEADROOM if eight.is_float and not saturate else 1.0
-    if headroom != 1.0:
-        notes.append(f"FP8 scales keep {headroom:g}x headroom over the abs-max: {profile.name} "
-                     "may give NaN past 448")
+    main, why = _variant(profile, eight, ScaleRule(scale_rule))
+    notes += why
+    variants = [main]
+    if mixed and other is not None:
+        variants.append(_variant(profile, other, ScaleRule(scale_rule))[0])
+    saturate, scale_rule = main.saturate, main.rules[0]
     balanced: dict[str, tuple[str, float]] = {}
     if not eight.is_float:
         # FP8 keeps its relative precision across channels; INT8's one scale does not.
@@ -108,18 +105,17 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     eight_bit = eight_bit_nodes(layers, eight)
     # Every trial below (rules, ranking, widening) is one run of one session: the QDQ model
     # with each layer's 8-bit inputs behind switches (npuprep.verify.qdq_trials).
-    rules = list(ScaleRule) if not eight.is_float else [ScaleRule(scale_rule)]
-    stage(f"building the switchable {eight.name} model of {len(eight_bit)} layer(s)")
-    switched = switched_qdq(base, eight_bit, stats, eight, rules, saturate=saturate,
-                            tensor_scales=applied.tensor_scales, headroom=headroom,
-                            weights=weights)
+    stage(f"building the switchable {'/'.join(v.fmt.name for v in variants)} model of "
+          f"{len(eight_bit)} layer(s)")
+    switched = switched_qdq(base, eight_bit, stats, variants,
+                            tensor_scales=applied.tensor_scales, weights=weights)
     trials = Trials(work.proto, switched, wide, pinned | {x.node for x in layers
                                                           if x.precision == "fp32"},
-                    samples, saturate=saturate, default=ScaleRule(scale_rule))
+                    samples, saturate=saturate)
     tensor_rules: dict[str, ScaleRule] = {}
     if not eight.is_float:
         stage("choosing each activation's scale rule by its measured error")
-        tensor_rules = choose_rules(trials, base, eight_bit, stats, eight, rules)
+        tensor_rules = choose_rules(trials, base, eight_bit, stats, eight, main.rules)
 
     def pins(chosen: Sequence[LayerPrecision]) -> set[str]:
         return pinned | {x.node for x in chosen if x.precision == "fp32"}
@@ -128,29 +124,38 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         return all(output_passes(o, JUDGE_MARGIN * rtol) for o in check.outputs.values())
 
     def trial(chosen: Sequence[LayerPrecision]) -> OutputCheck:
-        return trials.check(eight_bit_nodes(chosen, eight), tensor_rules, rtol=rtol, top_k=top_k)
+        return trials.check(_assigned(chosen), tensor_rules, rtol=rtol, top_k=top_k)
 
     def rank(nodes: list[str], chosen: list[LayerPrecision]) -> list[Sensitivity]:
         stage(f"ranking {len(nodes)} 8-bit layer(s) by their own error")
-        return rank_layers(trials, nodes, eight_bit_nodes(chosen, eight), tensor_rules)
+        return rank_layers(trials, nodes, _assigned(chosen), tensor_rules)
 
     stage(f"quantising to {eight.name}")
     widening = widen_by_ranking(layers, eight, trial(layers), rank=rank, trial=trial,
-                                judged=judged,
-                                share=lambda c: mac_share(c, macs, eight)[eight.name],
-                                cost=lambda n: _cost([n], macs), min_share=min_8bit_share)
+                                judged=judged, share=lambda c: eight_bit_share(c, macs),
+                                cost=lambda n: _cost([n], macs), min_share=min_8bit_share,
+                                alternative=other.name if mixed and other else None)
     trial_runs = trials.runs
     trials.close()
     layers, widened, needs_more = widening.layers, widening.widened, ""
     ranking = (widening.rankings or [[]])[0]
     stage(f"building the {eight.name} model chosen")
-    built = quantise(base, eight_bit_nodes(layers, eight), stats, eight, saturate=saturate,
-                     rule=scale_rule, tensor_scales=applied.tensor_scales, headroom=headroom,
-                     tensor_rules=tensor_rules, weights=weights).model
+    built = base
+    for v in variants:
+        nodes = eight_bit_nodes(layers, v.fmt)
+        if nodes:
+            built = quantise(built, nodes, stats, v.fmt, saturate=v.saturate, rule=v.rules[0],
+                             tensor_scales=applied.tensor_scales, headroom=v.headroom,
+                             tensor_rules=tensor_rules if v is main else None,
+                             weights=weights).model
     check = check_outputs(work.proto, built, wide, samples, saturate=saturate, rtol=rtol,
                           emulated=on_target(built, wide, pins(layers), saturate=saturate),
                           top_k=top_k)
-    notes.append(_curve_note(widening.curve, eight.name, len(widened), trial_runs))
+    notes.append(_curve_note(widening.curve, trial_runs))
+    if widening.alternative and other is not None:
+        notes.append(f"{len(widening.alternative)} layer(s) {eight.name} could not hold run in "
+                     f"{other.name} ({_cost(widening.alternative, macs):.1%} of the "
+                     f"multiply-adds): {profile.name} runs both")
     if widening.needs_more:
         more = widening.needs_more
         needs_more = (f"the outputs need more than {eight.name} at {', '.join(more)} too "
@@ -213,7 +218,8 @@ def mac_share(layers: Sequence[LayerPrecision], macs: Mapping[str, int],
     total = sum(macs.values()) or 1
     out = dict.fromkeys((fmt.name, "fp16", "fp32"), 0.0)
     for node, n in macs.items():
-        out[where.get(node, "fp16")] += n / total
+        # The target's other 8-bit format, where some layers took it, gets its own share.
+        out[where.get(node, "fp16")] = out.get(where.get(node, "fp16"), 0.0) + n / total
     return out
 
 
@@ -223,11 +229,46 @@ def _cost(nodes: Sequence[str], macs: Mapping[str, int]) -> float:
     return sum(macs.get(n, 0) for n in nodes) / total
 
 
-def _curve_note(curve: Sequence[CurvePoint], fmt: str, kept: int, runs: int) -> str:
-    """The share/error points the search tried, in the order tried, the one chosen (`kept`
-    layers wider) marked."""
-    chosen = next((p for p in reversed(curve) if p.kept_wider == kept), None)
+def _curve_note(curve: Sequence[CurvePoint], runs: int) -> str:
+    """The share/error points the search tried, in the order tried, the chosen one marked
+    (the last passing one, else the last within the budget)."""
+    chosen = next((p for p in reversed(curve) if p.passed), curve[-1] if curve else None)
     points = ", ".join(f"{p.share:.0%}{'*' if p is chosen else ''} -> {p.rel_l2:.3g}"
                        for p in curve)
-    return (f"{fmt} share -> outputs' rel L2 on the calibration samples, as tried ({runs} "
+    return (f"8-bit share -> outputs' rel L2 on the calibration samples, as tried ({runs} "
             f"trial runs on one session; * chosen): {points}")
+
+
+def _variant(profile: TargetProfile, fmt: EightBitFormat,
+             rule: ScaleRule) -> tuple[Variant, list[str]]:
+    """How `fmt` quantises on `profile`: its rules (INT8 tries every rule per activation),
+    saturation and headroom, and notes where the profile changes the rule or the headroom."""
+    if not fmt.is_float:
+        # INT8 QuantizeLinear always clamps.
+        return Variant(fmt, (rule, *(r for r in ScaleRule if r != rule)), True), []
+    notes = []
+    # FP8 saturates only where the profile says the hardware does (unknown is the loud case:
+    # NaN past 448).
+    saturate = bool(profile.fp8_saturate)
+    if not saturate and rule != ScaleRule.ABSMAX:
+        notes.append(f"{fmt.name} scale rule {rule} -> absmax: {profile.name} does not saturate "
+                     "FP8 (fp8_saturate), so a clipped value would be NaN")
+        rule = ScaleRule.ABSMAX
+    # A non-saturating FP8 gives NaN past 448; quantisation error upstream carries values past
+    # the FP32 abs-max, so the scale keeps one binade of headroom (E4M3 spans 2^-9..448).
+    headroom = FP8_NAN_HEADROOM if not saturate else 1.0
+    if headroom != 1.0:
+        notes.append(f"{fmt.name} scales keep {headroom:g}x headroom over the abs-max: "
+                     f"{profile.name} may give NaN past 448")
+    return Variant(fmt, (rule,), saturate, headroom), notes
+
+
+def _assigned(layers: Sequence[LayerPrecision]) -> dict[str, str]:
+    """Layer -> its 8-bit format, for the layers in 8 bits."""
+    return {x.node: x.precision for x in layers if eight_bit_format(x.precision) is not None}
+
+
+def eight_bit_share(layers: Sequence[LayerPrecision], macs: Mapping[str, int]) -> float:
+    """Share of the Conv/MatMul/Gemm multiply-adds in 8 bits, INT8 and FP8 together."""
+    eight = _assigned(layers)
+    return sum(n for node, n in macs.items() if node in eight) / (sum(macs.values()) or 1)

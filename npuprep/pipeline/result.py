@@ -100,7 +100,13 @@ class EightBitResult:
     @property
     def share_met(self) -> bool:
         """At least `min_8bit_share` of the multiply-adds run in the 8-bit format."""
-        return self.mac_share[self.format] >= self.min_8bit_share
+        return self.eight_bit_share >= self.min_8bit_share
+
+    @property
+    def eight_bit_share(self) -> float:
+        """The share of the multiply-adds in 8 bits: the format's, and the target's other
+        8-bit format's where some layers took it."""
+        return sum(v for k, v in self.mac_share.items() if k not in ("fp16", "fp32"))
 
     def to_dict(self) -> dict[str, Any]:
         return {

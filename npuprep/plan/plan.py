@@ -370,7 +370,9 @@ class _Parser(YamlReader):
         d = self.mapping(data, key, ("node", "precision", "why"))
         if "node" not in d or "precision" not in d:
             raise self.fail(key, "needs node and precision")
-        allowed = ("fp16", "fp32", *((precision,) if eight_bit_format(precision) else ()))
+        # An 8-bit plan may run a layer in the other 8-bit format (a target with both).
+        allowed = ("fp16", "fp32", *((precision, *(f for f in ("int8", "fp8_e4m3") if f != precision))
+                                     if eight_bit_format(precision) else ()))
         chosen = self.string(d["precision"], f"{key}.precision")
         if chosen not in allowed:
             raise self.fail(f"{key}.precision", f"'{chosen}' is not one of {', '.join(allowed)}")

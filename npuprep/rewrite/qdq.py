@@ -56,7 +56,17 @@ def insert_qdq(model: onnx.ModelProto, nodes: Mapping[str, Mapping[str, Activati
     out.CopyFrom(model)
     g = out.graph
     types = tensor_types(model)
-    fresh = name_maker(g)
+    tensor_name = name_maker(g)
+    # Node names too: a model quantised once already (INT8 and FP8 layers) holds x_Q8.
+    nodes_named = {n.name for n in g.node}
+
+    def fresh(base: str) -> str:
+        name = tensor_name(base)
+        while name in nodes_named:
+            name = tensor_name(base)
+        nodes_named.add(name)
+        return name
+
     pairs: dict[str, str] = {}
     new_nodes: list[onnx.NodeProto] = []
     declined: dict[str, str] = {}
@@ -87,9 +97,9 @@ def insert_qdq(model: onnx.ModelProto, nodes: Mapping[str, Mapping[str, Activati
         if any(types.get(i, TensorProto.FLOAT) != TensorProto.FLOAT for i in inputs):
             declined[label] = "an input is not FP32"
             continue
-        weight = _fp32_weight(g, node.input[1]) if len(node.input) > 1 else None
+        weight = fp32_weight(g, node.input[1]) if len(node.input) > 1 else None
         if weight is not None:
-            node.input[1] = _weight(g, node, weight, fmt, fresh, saturate, weights)
+            node.input[1] = weight_dq(g, node, weight, fmt, fresh, saturate, weights)
         for i, name in enumerate(node.input):
             if name in wanted and not (i == 1 and weight is not None):
                 node.input[i] = activation(name, wanted[name])
@@ -103,7 +113,7 @@ def insert_qdq(model: onnx.ModelProto, nodes: Mapping[str, Mapping[str, Activati
                          {"quantised": done, "declined": declined})
 
 
-def _weight(g: onnx.GraphProto, node: onnx.NodeProto, w: onnx.TensorProto | np.ndarray,
+def weight_dq(g: onnx.GraphProto, node: onnx.NodeProto, w: onnx.TensorProto | np.ndarray,
             fmt: EightBitFormat, fresh: Callable[[str], str], saturate: bool,
             weights: WeightStore) -> str:
     """The quantised copy of `node`'s weight behind a DequantizeLinear; its output's name."""
@@ -121,7 +131,7 @@ def _weight(g: onnx.GraphProto, node: onnx.NodeProto, w: onnx.TensorProto | np.n
     return out
 
 
-def _fp32_weight(g: onnx.GraphProto, name: str) -> onnx.TensorProto | np.ndarray | None:
+def fp32_weight(g: onnx.GraphProto, name: str) -> onnx.TensorProto | np.ndarray | None:
     """`name`'s FP32 initialiser as it is stored (not read: the store reads it when it has not
     quantised it before), or the FP32 value of another constant, else None."""
     init = next((i for i in g.initializer if i.name == name), None)

@@ -1,13 +1,14 @@
 """Every trial of the 8-bit search on one session: each layer's 8-bit inputs behind switches.
 
-    x -> Q/DQ by rule r (one pair per tensor and rule) -> Where(on[L,x,r], dq_r, ... x) -> L
-    W -> DQ(W8) -> Where(on[L], dq, W) -> L
+    x -> Q/DQ per format f and rule r -> Where(on[L,x,f,r], dq_fr, ... x) -> L
+    W -> DQ(W8_f) per format f -> Where(on[L,f], dq_f, ... W) -> L
 
 With a layer's switches off it reads its FP32 inputs (rounded to the target's wider format
 where they enter it, as every node outside the pins is); with them on, it reads exactly what
 the QDQ model of npuprep.verify.qdq_model.quantise gives it. Any set of 8-bit layers, with
-any scale rule per activation, is then one run of one session, not a model built and loaded
-per trial: the rule trials, the sensitivity ranking and every widening step share it.
+any scale rule per activation and, on a target with both, INT8 or FP8 per layer, is then one
+run of one session, not a model built and loaded per trial: the rule trials, the sensitivity
+ranking and every widening step share it.
 """
 
 from __future__ import annotations
@@ -22,10 +23,16 @@ from onnx import TensorProto, helper, numpy_helper
 
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
-from npuprep.graph import name_maker, node_label
+from npuprep.graph import name_maker, node_label, tensor_types
 from npuprep.numerics import EightBitFormat, NumberFormat
 from npuprep.plan.layer_precision import activation_inputs
-from npuprep.rewrite.qdq import ActivationScale, insert_qdq, sort_nodes, zero_point
+from npuprep.rewrite.qdq import (
+    ActivationScale,
+    fp32_weight,
+    sort_nodes,
+    weight_dq,
+    zero_point,
+)
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.output_check import OutputCheck
@@ -37,40 +44,55 @@ TRIAL_SAMPLES = 4
 
 
 @dataclass(frozen=True)
+class Variant:
+    """One 8-bit format a layer may take: its activation rules (the first is the default),
+    whether its QuantizeLinear saturates, and the headroom its activation scales keep."""
+
+    fmt: EightBitFormat
+    rules: tuple[ScaleRule, ...]
+    saturate: bool
+    headroom: float = 1.0
+
+
+@dataclass(frozen=True)
 class SwitchedQdq:
     """The QDQ model with every candidate layer's 8-bit inputs behind boolean graph inputs."""
 
     model: onnx.ModelProto
-    weight_switches: dict[str, str]  # layer -> switch of its 8-bit weight
-    input_switches: dict[tuple[str, str, ScaleRule], str]  # (layer, tensor, rule) -> switch
+    variants: tuple[Variant, ...]
+    weight_switches: dict[tuple[str, str], str]  # (layer, format) -> switch of its 8-bit weight
+    # (layer, tensor, format, rule) -> switch of that activation's pair
+    input_switches: dict[tuple[str, str, str, ScaleRule], str]
 
-    def feed(self, on: Iterable[str], rules: Mapping[str, ScaleRule],
-             default: ScaleRule) -> dict[str, np.ndarray]:
-        """Switches for the layers `on` in 8 bits, each activation by its rule in `rules`
-        (else `default`), every other layer wider."""
-        chosen = set(on)
-        feed = {s: np.array(layer in chosen) for layer, s in self.weight_switches.items()}
-        for (layer, tensor, rule), s in self.input_switches.items():
-            feed[s] = np.array(layer in chosen and rules.get(tensor, default) == rule)
+    def feed(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule]) -> dict[str, np.ndarray]:
+        """Switches for the layers of `assign` (layer -> 8-bit format), each activation by its
+        rule in `rules` where its format has that rule (else the format's first), every
+        other layer wider."""
+        own = {v.fmt.name: v.rules for v in self.variants}
+        feed = {s: np.array(assign.get(layer) == fmt)
+                for (layer, fmt), s in self.weight_switches.items()}
+        for (layer, tensor, fmt, rule), s in self.input_switches.items():
+            wanted = rules.get(tensor, own[fmt][0])
+            feed[s] = np.array(assign.get(layer) == fmt and rule == (
+                wanted if wanted in own[fmt] else own[fmt][0]))
         return feed
 
 
 def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: CalibrationStats,
-                 fmt: EightBitFormat, rules: Sequence[ScaleRule], *, saturate: bool,
-                 tensor_scales: Mapping[str, float] | None = None, headroom: float = 1.0,
+                 variants: Sequence[Variant], *,
+                 tensor_scales: Mapping[str, float] | None = None,
                  weights: WeightStore | None = None) -> SwitchedQdq:
-    """`model` (at a QDQ opset) with `layers` switchable to `fmt`, each activation by any of
-    `rules`; scales as npuprep.verify.qdq_model.quantise places them."""
+    """`model` (at an opset whose QuantizeLinear takes every format of `variants`) with
+    `layers` switchable to each variant's format, each activation by any of its rules;
+    scales as npuprep.verify.qdq_model.quantise places them. A layer whose inputs are not
+    FP32 is left as it is."""
     rescaled = tensor_scales or {}
-    weighted = insert_qdq(model, {label: {} for label in layers}, fmt, saturate=saturate,
-                          weights=weights)
+    weights = weights or WeightStore()
     out = onnx.ModelProto()
-    out.CopyFrom(weighted.model)
+    out.CopyFrom(model)
     g = out.graph
+    types = tensor_types(model)
     fresh = name_maker(g)
-    source = {node_label(n): n for n in model.graph.node}
-    kept = {i.name for i in g.initializer}
-    originals = {i.name: i for i in model.graph.initializer}
     added: list[onnx.NodeProto] = []
     switches: list[str] = []
 
@@ -84,54 +106,60 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
         added.append(helper.make_node("Where", [on, yes, no], [chosen], name=fresh(f"{base}_Sel8")))
         return chosen
 
-    weight_switches: dict[str, str] = {}
-    input_switches: dict[tuple[str, str, ScaleRule], str] = {}
-    pairs: dict[tuple[str, ScaleRule], str] = {}
+    weight_switches: dict[tuple[str, str], str] = {}
+    input_switches: dict[tuple[str, str, str, ScaleRule], str] = {}
+    pairs: dict[tuple[str, str, ScaleRule], str] = {}
     wanted = set(layers)
     for node in g.node:
         label = node_label(node)
-        if label not in wanted or label not in source:
+        if label not in wanted or any(types.get(i, TensorProto.FLOAT) != TensorProto.FLOAT
+                                      for i in node.input[:2] if i):
             continue
-        before = source[label]
-        if len(node.input) > 1 and node.input[1] != before.input[1]:
-            weight_switches[label] = on = switch(label)
-            node.input[1] = where(on, node.input[1], before.input[1], before.input[1])
-            if before.input[1] in originals and before.input[1] not in kept:
-                g.initializer.append(originals[before.input[1]])
-                kept.add(before.input[1])
-        for name in dict.fromkeys(activation_inputs(model.graph, before)):
+        weight = fp32_weight(g, node.input[1]) if len(node.input) > 1 else None
+        activations = list(dict.fromkeys(activation_inputs(g, node)))
+        if weight is not None:
+            chosen = node.input[1]
+            for v in variants:
+                dq = weight_dq(g, node, weight, v.fmt, fresh, v.saturate, weights)
+                weight_switches[label, v.fmt.name] = on = switch(f"{label}_{v.fmt.name}")
+                chosen = where(on, dq, chosen, node.input[1])
+            node.input[1] = chosen
+        for name in activations:
             chosen = name
-            for rule in rules:
-                if (name, rule) not in pairs:
-                    pairs[name, rule] = _qdq_pair(g, added, fresh, name, rule, fmt, saturate,
-                                                  activation_scale(stats.tensors[name], fmt, rule,
-                                                                   rescaled.get(name, 1.0),
-                                                                   headroom))
-                input_switches[label, name, rule] = on = switch(f"{label}_{rule}")
-                chosen = where(on, pairs[name, rule], chosen, name)
+            for v in variants:
+                for rule in v.rules:
+                    key = (name, v.fmt.name, rule)
+                    if key not in pairs:
+                        scale = activation_scale(stats.tensors[name], v.fmt, rule,
+                                                 rescaled.get(name, 1.0), v.headroom)
+                        pairs[key] = _qdq_pair(g, added, fresh, name, f"{v.fmt.name}_{rule}",
+                                               v.fmt, v.saturate, scale)
+                    input_switches[label, name, v.fmt.name, rule] = on = switch(
+                        f"{label}_{v.fmt.name}_{rule}")
+                    chosen = where(on, pairs[key], chosen, name)
             for i, x in enumerate(node.input[:2]):
-                if x == name and not (i == 1 and label in weight_switches):
+                if x == name and not (i == 1 and weight is not None):
                     node.input[i] = chosen
     g.node.extend(added)
     for name in switches:
         g.input.append(helper.make_tensor_value_info(name, TensorProto.BOOL, []))
     sort_nodes(g)
-    return SwitchedQdq(out, weight_switches, input_switches)
+    return SwitchedQdq(out, tuple(variants), weight_switches, input_switches)
 
 
 def _qdq_pair(g: onnx.GraphProto, added: list[onnx.NodeProto], fresh: Callable[[str], str],
-              tensor: str, rule: ScaleRule, fmt: EightBitFormat, saturate: bool,
+              tensor: str, tag: str, fmt: EightBitFormat, saturate: bool,
               s: ActivationScale) -> str:
-    """A QuantizeLinear/DequantizeLinear pair of `tensor` at scale `s` (an ActivationScale)."""
-    scale, zp = fresh(f"{tensor}_{rule}_scale8"), fresh(f"{tensor}_{rule}_zp8")
-    q, dq = fresh(f"{tensor}_{rule}_q8"), fresh(f"{tensor}_{rule}_dq8")
+    """A QuantizeLinear/DequantizeLinear pair of `tensor` at scale `s`, `tag` in its names."""
+    scale, zp = fresh(f"{tensor}_{tag}_scale8"), fresh(f"{tensor}_{tag}_zp8")
+    q, dq = fresh(f"{tensor}_{tag}_q8"), fresh(f"{tensor}_{tag}_dq8")
     g.initializer.append(numpy_helper.from_array(np.array(s.scale, np.float32), scale))
     g.initializer.append(zero_point(zp, fmt, (), unsigned=s.unsigned, value=s.zero_point))
     extra = {"saturate": int(saturate)} if fmt.is_float else {}
     added.append(helper.make_node("QuantizeLinear", [tensor, scale, zp], [q],
-                                  name=fresh(f"{tensor}_{rule}_Q8"), **extra))
+                                  name=fresh(f"{tensor}_{tag}_Q8"), **extra))
     added.append(helper.make_node("DequantizeLinear", [q, scale, zp], [dq],
-                                  name=fresh(f"{tensor}_{rule}_DQ8")))
+                                  name=fresh(f"{tensor}_{tag}_DQ8")))
     return dq
 
 
@@ -140,17 +168,16 @@ class Trials:
     is a set of 8-bit layers and the activations' rules, measured by one run per sample."""
 
     def __init__(self, reference: onnx.ModelProto, switched: SwitchedQdq, wide: NumberFormat,
-                 pinned: Iterable[str], samples: Sequence[Feed], *, saturate: bool,
-                 default: ScaleRule) -> None:
+                 pinned: Iterable[str], samples: Sequence[Feed], *, saturate: bool) -> None:
         from npuprep.runtime.session import make_session, run
 
-        self.switched, self.default, self.samples = switched, default, list(samples)
+        self.switched, self.samples = switched, list(samples)
         ref = make_session(reference, prepack=False)
         self.expected = [run(ref, dict(f)) for f in self.samples]
         del ref
-        exact = {node_label(n) for n in switched.model.graph.node if n.op_type == "Where"
-                 and n.input[0] in set(switched.weight_switches.values())
-                 | set(switched.input_switches.values())}
+        every = set(switched.weight_switches.values()) | set(switched.input_switches.values())
+        exact = {node_label(n) for n in switched.model.graph.node
+                 if n.op_type == "Where" and n.input[0] in every}
         emulated = on_target(switched.model, wide, exact | set(pinned), saturate=saturate)
         self.session: Any = make_session(emulated, prepack=True)
         self.names = [o.name for o in self.session.get_outputs()]
@@ -160,40 +187,42 @@ class Trials:
         """Free the session (its weights) once the search is done."""
         self.session = None
 
-    def outputs(self, on: Iterable[str], rules: Mapping[str, ScaleRule],
+    def outputs(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule],
                 count: int | None = None) -> list[dict[str, np.ndarray]]:
-        """The outputs of the first `count` samples (all: None) with `on` in 8 bits."""
+        """The outputs of the first `count` samples (all: None) with the layers of `assign`
+        in their 8-bit format (layer -> format)."""
         from npuprep.runtime.session import run
 
-        switches = self.switched.feed(on, rules, self.default)
+        switches = self.switched.feed(assign, rules)
         chosen = self.samples[:count]
         self.runs += 1
         return [run(self.session, {**f, **switches}, self.names) for f in chosen]
 
-    def error(self, on: Iterable[str], rules: Mapping[str, ScaleRule]) -> float:
+    def error(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule]) -> float:
         """The outputs' worst pooled rel L2 on the first TRIAL_SAMPLES samples."""
-        got = self.outputs(on, rules, TRIAL_SAMPLES)
+        got = self.outputs(assign, rules, TRIAL_SAMPLES)
         return worst_pooled_rel_l2(got, self.expected[:len(got)])
 
-    def check(self, on: Iterable[str], rules: Mapping[str, ScaleRule], *, rtol: float,
+    def check(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule], *, rtol: float,
               top_k: Mapping[str, int]) -> OutputCheck:
         """The outputs' check on every sample, as check_outputs judges a built model."""
         errors = OutputErrors(top_k=dict(top_k), tie_rtol=rtol)
-        for r, c in zip(self.expected, self.outputs(on, rules), strict=True):
+        for r, c in zip(self.expected, self.outputs(assign, rules), strict=True):
             for name, rv in r.items():
                 if np.issubdtype(np.asarray(rv).dtype, np.floating):
                     errors.add(name, rv, np.asarray(c[name], dtype=np.float64))
         return OutputCheck(rtol=rtol, samples=len(self.samples), outputs=errors.result())
 
 
-def rank_layers(trials: Trials, nodes: Sequence[str], eight_bit: Sequence[str],
+def rank_layers(trials: Trials, nodes: Sequence[str], assign: Mapping[str, str],
                 rules: Mapping[str, ScaleRule]) -> list[Sensitivity]:
-    """Each of `nodes` kept wider alone, every other layer of `eight_bit` in 8 bits: what
-    that gains over all of them in 8 bits, the largest gain first (len(nodes) + 1 runs)."""
-    every = trials.error(eight_bit, rules)
+    """Each of `nodes` kept wider alone, every other layer of `assign` (layer -> 8-bit
+    format) in 8 bits: what that gains over all of them in 8 bits, the largest gain first
+    (len(nodes) + 1 runs)."""
+    every = trials.error(assign, rules)
     found = []
     for label in nodes:
-        without = trials.error([n for n in eight_bit if n != label], rules)
+        without = trials.error({n: f for n, f in assign.items() if n != label}, rules)
         found.append(Sensitivity(label, without, every - without))
     return sorted(found, key=lambda s: -s.gain)
 
@@ -218,6 +247,7 @@ def choose_rules(trials: Trials, model: onnx.ModelProto, nodes: Sequence[str],
             clips.setdefault(clip_for(stats.tensors[name], fmt, rule).value, rule)
         if len(clips) < 2:
             continue
-        measured = {rule: trials.error(labels, {name: rule}) for rule in clips.values()}
+        measured = {rule: trials.error(dict.fromkeys(labels, fmt.name), {name: rule})
+                    for rule in clips.values()}
         chosen[name] = min(measured, key=lambda r: measured[r])
     return chosen

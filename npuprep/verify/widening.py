@@ -30,17 +30,20 @@ MAX_RANKINGS = 2
 
 @dataclass(frozen=True)
 class CurvePoint:
-    """One trial of the search: layers kept wider, the 8-bit share of the multiply-adds, the
-    outputs' worst rel L2 on the calibration samples, and whether the aim was met."""
+    """One trial of the search: how many layers left the conversion's 8-bit format and for
+    what (`to`: fp16, or the target's other 8-bit format), the 8-bit share of the
+    multiply-adds, the outputs' worst rel L2 on the calibration samples, and whether the aim
+    was met."""
 
-    kept_wider: int
+    changed: int
+    to: str
     share: float
     rel_l2: float
     passed: bool
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kept_wider": self.kept_wider, "share": self.share, "rel_l2": self.rel_l2,
-                "passed": self.passed}
+        return {"changed": self.changed, "to": self.to, "share": self.share,
+                "rel_l2": self.rel_l2, "passed": self.passed}
 
 
 @dataclass
@@ -50,10 +53,22 @@ class Widening:
     layers: list[LayerPrecision]
     check: OutputCheck
     rankings: list[list[Sensitivity]] = field(default_factory=list)
-    widened: list[str] = field(default_factory=list)
+    widened: list[str] = field(default_factory=list)  # kept FP16
+    alternative: list[str] = field(default_factory=list)  # in the other 8-bit format
     needs_more: list[str] = field(default_factory=list)  # ranked next, over the budget
     rank_runs: int = 0
     curve: list[CurvePoint] = field(default_factory=list)
+
+
+@dataclass
+class _Heads:
+    """The heads of one ranking tried: the shortest passing, the longest failing within the
+    budget, each one's layers and check, and the layers past the budget."""
+
+    passing: int = 0
+    failing: int = 0
+    tried: dict[int, tuple[list[LayerPrecision], OutputCheck]] = field(default_factory=dict)
+    over_budget: list[str] = field(default_factory=list)
 
 
 def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, check: OutputCheck,
@@ -61,14 +76,17 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
                      trial: Callable[[list[LayerPrecision]], OutputCheck],
                      judged: Callable[[OutputCheck], bool],
                      share: Callable[[list[LayerPrecision]], float],
-                     cost: Callable[[str], float], min_share: float) -> Widening:
+                     cost: Callable[[str], float], min_share: float,
+                     alternative: str | None = None) -> Widening:
     """Keep the fewest 8-bit layers wider for `judged(check)`, while `share` (the 8-bit share
-    of the multiply-adds) stays at or above `min_share`.
+    of the multiply-adds) stays at or above `min_share`. With an `alternative` 8-bit format
+    (a target that runs INT8 and FP8), the heads of each ranking are first tried in it: a
+    layer INT8 cannot hold may hold in FP8 (or the reverse) and stays in 8 bits.
 
-    `rank(nodes, layers)` gives each of `nodes` (those still in 8 bits in `layers`) with its
+    `rank(nodes, layers)` gives each of `nodes` (those still in `fmt` in `layers`) with its
     `gain` when kept wider alone; `trial(layers)` checks the outputs of that choice."""
     done = Widening(list(layers), check)
-    done.curve.append(_point(0, share(done.layers), check, judged))
+    done.curve.append(CurvePoint(0, fmt.name, share(done.layers), _worst(check), judged(check)))
     start: list[LayerPrecision] = list(layers)
     fixed: list[str] = []
     while not judged(done.check) and len(done.rankings) < MAX_RANKINGS:
@@ -78,57 +96,78 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
         ranking = by_gain_per_cost(rank(left, start), cost)
         done.rankings.append(ranking)
         done.rank_runs += len(left) + 1
-        tried: dict[int, tuple[list[LayerPrecision], OutputCheck]] = {}
 
-        def attempt(n: int, ranking: list[Sensitivity] = ranking,
-                    start: list[LayerPrecision] = start,
-                    tried: dict[int, tuple[list[LayerPrecision], OutputCheck]] = tried,
-                    before: int = len(fixed)) -> bool | None:
-            chosen = _widen(start, ranking[:n], fmt, len(done.rankings))
-            if share(chosen) < min_share:
-                return None
-            tried[n] = (chosen, trial(chosen))
-            done.curve.append(_point(before + n, share(chosen), tried[n][1], judged))
-            return judged(tried[n][1])
+        def heads(to: str, ranking: list[Sensitivity] = ranking,
+                  start: list[LayerPrecision] = start, before: int = len(fixed)) -> _Heads:
+            return _shortest_head(done, ranking, start, fmt, to, before, trial=trial,
+                                  judged=judged, share=share, min_share=min_share)
 
-        failing, passing, n = 0, 0, 1
-        while True:
-            ok = attempt(n)
-            if ok is None:
-                done.needs_more = [s.node for s in ranking[failing:n]]
+        if alternative is not None:
+            found = heads(alternative)
+            if found.passing:
+                done.layers, done.check = found.tried[found.passing]
+                done.widened = list(fixed)
+                done.alternative = [s.node for s in ranking[:found.passing]]
                 break
-            if ok:
-                passing = n
-                break
-            failing = n
-            if n == len(ranking):
-                break
-            n = min(2 * n, len(ranking))
-        if passing:
-            while passing - failing > 1:
-                mid = (failing + passing) // 2
-                if attempt(mid):
-                    passing = mid
-                else:
-                    failing = mid
-            done.layers, done.check = tried[passing]
-            done.widened = fixed + [s.node for s in ranking[:passing]]
+        found = heads("fp16")
+        done.needs_more = found.over_budget
+        if found.passing:
+            done.layers, done.check = found.tried[found.passing]
+            done.widened = fixed + [s.node for s in ranking[:found.passing]]
             done.needs_more = []
             break
-        if not failing:
+        if not found.failing:
             break
-        done.layers, done.check = tried[failing]
-        done.widened = fixed + [s.node for s in ranking[:failing]]
-        head = ranking[:max(1, failing // 2)]
+        done.layers, done.check = found.tried[found.failing]
+        done.widened = fixed + [s.node for s in ranking[:found.failing]]
+        head = ranking[:max(1, found.failing // 2)]
         fixed = fixed + [s.node for s in head]
-        start = _widen(start, head, fmt, len(done.rankings))
+        start = _widen(start, head, fmt, "fp16", len(done.rankings))
     return done
 
 
-def _point(kept: int, share: float, check: OutputCheck,
-           judged: Callable[[OutputCheck], bool]) -> CurvePoint:
-    worst = max((o.get("rel_l2", 0.0) for o in check.outputs.values()), default=0.0)
-    return CurvePoint(kept, share, float(worst), judged(check))
+def _shortest_head(done: Widening, ranking: list[Sensitivity], start: list[LayerPrecision],
+                   fmt: EightBitFormat, to: str, before: int, *,
+                   trial: Callable[[list[LayerPrecision]], OutputCheck],
+                   judged: Callable[[OutputCheck], bool],
+                   share: Callable[[list[LayerPrecision]], float], min_share: float) -> _Heads:
+    """Heads of 1, 2, 4, ... of `ranking` moved `to`, until one passes or leaves less than
+    `min_share` in 8 bits; then the shortest passing one, halving. Each trial is a point."""
+    found = _Heads()
+
+    def attempt(n: int) -> bool | None:
+        chosen = _widen(start, ranking[:n], fmt, to, len(done.rankings))
+        if share(chosen) < min_share:
+            return None
+        found.tried[n] = (chosen, trial(chosen))
+        check = found.tried[n][1]
+        done.curve.append(CurvePoint(before + n, to, share(chosen), _worst(check), judged(check)))
+        return judged(check)
+
+    n = 1
+    while True:
+        ok = attempt(n)
+        if ok is None:
+            found.over_budget = [s.node for s in ranking[found.failing:n]]
+            break
+        if ok:
+            found.passing = n
+            break
+        found.failing = n
+        if n == len(ranking):
+            break
+        n = min(2 * n, len(ranking))
+    while found.passing and found.passing - found.failing > 1:
+        mid = (found.failing + found.passing) // 2
+        if attempt(mid):
+            found.passing = mid
+        else:
+            found.failing = mid
+    return found
+
+
+def _worst(check: OutputCheck) -> float:
+    return float(max((o.get("rel_l2", 0.0) for o in check.outputs.values()), default=0.0))
 
 
 def by_gain_per_cost(ranking: Sequence[Sensitivity],
@@ -141,9 +180,9 @@ def by_gain_per_cost(ranking: Sequence[Sensitivity],
 
 
 def _widen(layers: Sequence[LayerPrecision], best: Sequence[Sensitivity], fmt: EightBitFormat,
-           ranking: int) -> list[LayerPrecision]:
+           to: str, ranking: int) -> list[LayerPrecision]:
     after = "" if ranking == 1 else f" (ranking {ranking}, after the wider ones before it)"
     why = {s.node: f"sensitivity{after}: kept wider alone, the outputs' rel L2 falls by "
-                   f"{s.gain:.3g} to {s.rel_l2:.3g}" for s in best}
-    return [LayerPrecision(x.node, "fp16", why[x.node]) if x.node in why and
+                   f"{s.gain:.3g} to {s.rel_l2:.3g}; in {to}" for s in best}
+    return [LayerPrecision(x.node, to, why[x.node]) if x.node in why and
             x.precision == fmt.name else x for x in layers]

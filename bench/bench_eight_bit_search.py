@@ -1,0 +1,71 @@
+"""8-bit convert, stage by stage: where the time of `convert --precision int8|fp8_e4m3` goes.
+
+    python bench/bench_eight_bit_search.py MODEL_DIR [MODEL_DIR ...] --precision int8
+
+Each MODEL_DIR holds model.onnx, calib/ and heldout/ (the corpus layout). Prints, per model,
+the seconds of each stage (as convert reports them to its progress callback), the 8-bit share
+of the multiply-adds, the outputs' rel L2 on the calibration and held-out samples, the layers
+kept wider, the trial runs and the share/error curve the search tried.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from npuprep.data import load_samples
+from npuprep.model_io import load_model
+from npuprep.pipeline.stages import CALIBRATE, convert
+from npuprep.profiles import load_profile
+
+
+def _worst(check: object) -> float:
+    outputs = getattr(check, "outputs", {}) or {}
+    return max((o.get("rel_l2", 0.0) for o in outputs.values()), default=float("nan"))
+
+
+def bench(folder: Path, precision: str, target: str) -> dict[str, object]:
+    model = load_model(folder / "model.onnx")
+    calib = load_samples(folder / "calib", model.proto)
+    held = load_samples(folder / "heldout", model.proto)
+    stages: list[tuple[str, float]] = []
+    start = last = time.perf_counter()
+
+    def progress(name: str) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        if stages:
+            stages[-1] = (stages[-1][0], now - last)
+        stages.append((name, 0.0))
+        last = now
+
+    result = convert(model, load_profile(target), calib, holdout=held, stats=CALIBRATE,
+                     precision=precision, progress=progress)
+    end = time.perf_counter()
+    if stages:
+        stages[-1] = (stages[-1][0], end - last)
+    eight = result.eight_bit
+    assert eight is not None
+    return {"model": folder.name, "precision": precision, "seconds": round(end - start, 1),
+            "passed": bool(result.output_check) and (result.holdout is None or bool(result.holdout)),
+            "share": round(eight.mac_share[eight.format], 4),
+            "rel_l2": _worst(result.output_check), "heldout_rel_l2": _worst(result.holdout),
+            "kept_wider": len(eight.kept_wider), "rank_runs": eight.rank_runs,
+            "curve": [p.to_dict() for p in eight.curve],
+            "stages": [(n, round(s, 1)) for n, s in stages if s >= 0.05]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folders", nargs="+", type=Path)
+    parser.add_argument("--precision", default="int8")
+    parser.add_argument("--target", default="a2000")
+    args = parser.parse_args()
+    for folder in args.folders:
+        print(json.dumps(bench(folder, args.precision, args.target)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
