@@ -20,6 +20,7 @@ from typing import Any
 
 import npuprep.pipeline.lower_and_verify as lower_and_verify
 from npuprep.calibrate.scales import FP8_NAN_HEADROOM
+from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
 from npuprep.flops import node_flops
 from npuprep.formatting import ratio
@@ -81,7 +82,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     # model's 8-bit (and balanced) weights in a scratch file, as FP16 convert lowers them.
     weights = WeightStore(WeightScratch() if weight_bytes(base) >= lower_and_verify.SCRATCH_BYTES
                           else None)
-    layers = plan.eight_bit or decide(base, stats, eight, pinned, scale_rule)
+    layers = plan.eight_bit or _decided(base, stats, eight, other if mixed else None, pinned,
+                                        ScaleRule(scale_rule))
     notes = list(flow_notes)
     main, why = _variant(profile, eight, ScaleRule(scale_rule))
     notes += why
@@ -106,8 +108,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     # Every trial below (rules, ranking, widening) is one run of one session: the QDQ model
     # with each layer's 8-bit inputs behind switches (npuprep.verify.qdq_trials).
     stage(f"building the switchable {'/'.join(v.fmt.name for v in variants)} model of "
-          f"{len(eight_bit)} layer(s)")
-    switched = switched_qdq(base, eight_bit, stats, variants,
+          f"{len(_assigned(layers))} layer(s)")
+    switched = switched_qdq(base, list(_assigned(layers)), stats, variants,
                             tensor_scales=applied.tensor_scales, weights=weights)
     trials = Trials(work.proto, switched, wide, pinned | {x.node for x in layers
                                                           if x.precision == "fp32"},
@@ -261,6 +263,21 @@ def _variant(profile: TargetProfile, fmt: EightBitFormat,
         notes.append(f"{fmt.name} scales keep {headroom:g}x headroom over the abs-max: "
                      f"{profile.name} may give NaN past 448")
     return Variant(fmt, (rule,), saturate, headroom), notes
+
+
+def _decided(model: Any, stats: CalibrationStats, eight: EightBitFormat,
+             other: EightBitFormat | None, pinned: set[str],
+             rule: ScaleRule) -> tuple[LayerPrecision, ...]:
+    """Each node's 8-bit decision in `eight`; with the target's `other` 8-bit format, a
+    layer whose input `eight` cannot hold (INT8's one scale flushing a tensor that spans
+    decades) takes `other` where that holds it."""
+    layers = decide(model, stats, eight, pinned, rule)
+    if other is None:
+        return layers
+    alt = {x.node: x for x in decide(model, stats, other, pinned, rule)}
+    return tuple(LayerPrecision(x.node, other.name, f"{x.why}; {alt[x.node].why}")
+                 if x.precision == "fp16" and alt[x.node].precision == other.name else x
+                 for x in layers)
 
 
 def _assigned(layers: Sequence[LayerPrecision]) -> dict[str, str]:
