@@ -1,0 +1,97 @@
+"""INT8 and FP8 per layer on a target that runs both (the A2000): a layer whose input spans
+decades keeps 8 bits in FP8 where INT8's one scale loses it, instead of going FP16."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import onnx
+from onnx import numpy_helper, parser
+
+from npuprep.calibrate import calibrate
+from npuprep.model_io import Model, fingerprint
+from npuprep.numerics import eight_bit_format
+from npuprep.pipeline import convert
+from npuprep.pipeline.quantise_and_verify import JUDGE_MARGIN
+from npuprep.profiles import load_profile
+from npuprep.runtime.session import make_session, run
+from npuprep.verify.qdq_model import quantise
+
+# x (log-normal magnitudes) -> MatMul "wide"; z (normal) -> MatMul "plain"; y = both side by side
+TWO = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[64, 16] x, float[64, 16] z) => (float[64, 16] y) {
+    [wide] h = MatMul (x, W1)
+    [plain] v = MatMul (z, W2)
+    y = Concat <axis = 1> (h, v)
+}
+"""
+
+
+def _setup(sigma: float) -> tuple[onnx.ModelProto, Model, list[dict[str, np.ndarray]]]:
+    rng = np.random.default_rng(3)
+    proto = parser.parse_model(TWO)
+    for name in ("W1", "W2"):
+        proto.graph.initializer.append(
+            numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), name))
+    feeds = []
+    for _ in range(8):
+        x = np.sign(rng.standard_normal((64, 16))) * np.exp(rng.normal(0, sigma, (64, 16)))
+        feeds.append({"x": x.astype(np.float32),
+                      "z": rng.standard_normal((64, 16)).astype(np.float32)})
+    return proto, Model(proto=proto, path="m.onnx", digest=fingerprint(proto)), feeds
+
+
+def _wide_error(proto: onnx.ModelProto, built: onnx.ModelProto,
+                feeds: list[dict[str, np.ndarray]]) -> float:
+    """rel L2 of y's first half (h, the wide layer's output) over the samples."""
+    ref, got = make_session(proto), make_session(built)
+    num = sum(float(np.sum((run(got, f)["y"][:, :8] - run(ref, f)["y"][:, :8]) ** 2)) for f in feeds)
+    return float(np.sqrt(num / sum(float(np.sum(run(ref, f)["y"][:, :8] ** 2)) for f in feeds)))
+
+
+def _errors(proto: onnx.ModelProto, stats: object,
+            feeds: list[dict[str, np.ndarray]]) -> tuple[float, float]:
+    """(the best INT8 rule's, FP8's) error with the wide layer alone in 8 bits."""
+    int8 = min(_wide_error(proto, quantise(proto, ["wide"], stats, eight_bit_format("int8"),
+                                           saturate=True, rule=rule).model, feeds)
+               for rule in ("absmax", "percentile", "mse"))
+    fp8 = _wide_error(proto, quantise(proto, ["wide"], stats, eight_bit_format("fp8_e4m3"),
+                                      saturate=False, rule="absmax", headroom=2.0).model, feeds)
+    return int8, fp8
+
+
+def test_a_layer_whose_input_int8_flushes_runs_in_fp8_not_fp16():
+    proto, model, feeds = _setup(sigma=2.0)
+    stats = calibrate(model, feeds, detail="all")
+    int8, fp8 = _errors(proto, stats, feeds)
+    assert int8 > 2 * fp8  # measured: FP8's relative steps hold what INT8's one scale cannot
+    result = convert(model, load_profile("a2000"), feeds, precision="int8", stats=stats, rtol=0.06)
+    chosen = {x.node: x.precision for x in result.plan.eight_bit}
+    assert chosen == {"wide": "fp8_e4m3", "plain": "int8"}
+    assert result.eight_bit.eight_bit_share == 1.0 and result.output_check
+    assert "flushes" in next(x.why for x in result.plan.eight_bit if x.node == "wide")
+
+
+def test_a_layer_int8_holds_too_coarsely_takes_fp8_before_fp16_and_the_curve_says_so():
+    proto, model, feeds = _setup(sigma=1.3)
+    stats = calibrate(model, feeds, detail="all")
+    int8, fp8 = _errors(proto, stats, feeds)
+    rtol = 0.06
+    assert int8 > JUDGE_MARGIN * rtol > fp8  # INT8 misses the aim on this layer, FP8 meets it
+    result = convert(model, load_profile("a2000"), feeds, precision="int8", stats=stats, rtol=rtol)
+    chosen = {x.node: x.precision for x in result.plan.eight_bit}
+    assert chosen == {"wide": "fp8_e4m3", "plain": "int8"}
+    assert result.eight_bit.kept_wider == () and result.eight_bit.eight_bit_share == 1.0
+    assert result.output_check and result.output_check.outputs["y"]["rel_l2"] < JUDGE_MARGIN * rtol
+    # The curve: all INT8 first (failing), then the ranking's head in FP8 (passing), at 100%.
+    curve = result.eight_bit.curve
+    assert not curve[0].passed and curve[0].to == "int8"
+    assert curve[-1].passed and curve[-1].to == "fp8_e4m3" and curve[-1].share == 1.0
+    # Without FP8 on the target, the same layer goes FP16: half the multiply-adds.
+    a2000 = load_profile("a2000")
+    int8_only = replace(a2000, fast_dtypes=tuple(d for d in a2000.fast_dtypes if d != "fp8_e4m3"))
+    alone = convert(model, int8_only, feeds, precision="int8", stats=stats, rtol=rtol)
+    assert {x.node: x.precision for x in alone.plan.eight_bit}["wide"] == "fp16"
+    assert alone.eight_bit.eight_bit_share == 0.5
