@@ -1,4 +1,5 @@
-"""Per-channel abs-max of chosen tensors: `x[..., C]` over each sample -> array[samples, C].
+"""Per-channel statistics of chosen tensors: abs-max per sample `x[..., C]` -> array[samples, C],
+and means per channel of any axis.
 
 The range statistics keep one abs-max per tensor; migrating an outlier channel of a MatMul's
 input into its weight (npuprep.rewrite.smooth) needs it per channel (the last axis), read in
@@ -7,7 +8,7 @@ one extra pass of the FP32 model over the calibration samples, for those tensors
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -35,3 +36,28 @@ def channel_absmax(model: onnx.ModelProto, tensors: Sequence[str],
             flat = np.abs(np.asarray(value, np.float32)).reshape(-1, value.shape[-1])
             found[name].append(flat.max(axis=0, initial=0.0))
     return {t: np.stack(v) for t, v in found.items()}
+
+
+def channel_means(model: onnx.ModelProto, tensors: Mapping[str, int],
+                  samples: Sequence[Feed]) -> dict[str, np.ndarray]:
+    """tensor -> its mean per channel of axis `tensors[tensor]`, over every other axis and
+    every sample (the input means bias correction reads, npuprep.rewrite.bias_correction)."""
+    from npuprep.runtime.session import make_session, run
+
+    if not tensors:
+        return {}
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    declared = {o.name for o in probe.graph.output}
+    probe.graph.output.extend(helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None)
+                              for t in tensors if t not in declared)
+    session = make_session(probe)
+    sums: dict[str, np.ndarray] = {}
+    counts: dict[str, int] = dict.fromkeys(tensors, 0)
+    for feed in samples:
+        for name, value in run(session, feed, list(tensors)).items():
+            moved = np.moveaxis(np.asarray(value, np.float64), tensors[name], -1)
+            flat = moved.reshape(-1, moved.shape[-1])
+            sums[name] = sums.get(name, 0.0) + flat.sum(axis=0)
+            counts[name] += flat.shape[0]
+    return {t: (sums[t] / max(counts[t], 1)).astype(np.float32) for t in sums}

@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import onnx
+
 import npuprep.pipeline.lower_and_verify as lower_and_verify
 from npuprep.calibrate.scales import FP8_NAN_HEADROOM
 from npuprep.calibrate.stats import CalibrationStats
@@ -34,6 +36,7 @@ from npuprep.plan.layer_precision import LayerPrecision, decide
 from npuprep.profiles import ResolvedTarget, TargetProfile
 from npuprep.provenance import record_source
 from npuprep.rewrite.apply import apply_plan
+from npuprep.rewrite.bias_correction import with_biases
 from npuprep.rewrite.lower import Lowered
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
@@ -109,8 +112,10 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     # with each layer's 8-bit inputs behind switches (npuprep.verify.qdq_trials).
     stage(f"building the switchable {'/'.join(v.fmt.name for v in variants)} model of "
           f"{len(_assigned(layers))} layer(s)")
+    stage("measuring the 8-bit layers' input means (bias correction)")
+    means = _input_means(base, list(_assigned(layers)), samples)
     switched = switched_qdq(base, list(_assigned(layers)), stats, variants,
-                            tensor_scales=applied.tensor_scales, weights=weights)
+                            tensor_scales=applied.tensor_scales, weights=weights, means=means)
     trials = Trials(work.proto, switched, wide, pinned | {x.node for x in layers
                                                           if x.precision == "fp32"},
                     samples, saturate=saturate)
@@ -118,6 +123,18 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     if not eight.is_float:
         stage("choosing each activation's scale rule by its measured error")
         tensor_rules = choose_rules(trials, base, eight_bit, stats, eight, main.rules)
+    if switched.bias_switches:
+        # Each correction removes its layer's mean output error on these samples; the set is
+        # kept where the outputs say it helps with every layer in 8 bits.
+        stage("measuring bias correction")
+        before = trials.error(_assigned(layers), tensor_rules)
+        trials.corrected = {layer for layer, _ in switched.bias_switches}
+        after = trials.error(_assigned(layers), tensor_rules)
+        if after >= before:
+            trials.corrected = set()
+        notes.append(f"bias correction of {len(switched.bias_switches)} layer(s)' 8-bit weight "
+                     f"rounding: outputs' rel L2 {before:.3g} -> {after:.3g} with all in 8 bits, "
+                     + ("kept" if trials.corrected else "not kept"))
 
     def pins(chosen: Sequence[LayerPrecision]) -> set[str]:
         return pinned | {x.node for x in chosen if x.precision == "fp32"}
@@ -150,6 +167,9 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                              tensor_scales=applied.tensor_scales, headroom=v.headroom,
                              tensor_rules=tensor_rules if v is main else None,
                              weights=weights).model
+    chosen = _assigned(layers)
+    built = with_biases(built, [fixed for (layer, fmt), fixed in switched.biases.items()
+                                if chosen.get(layer) == fmt and layer in trials.corrected])
     check = check_outputs(work.proto, built, wide, samples, saturate=saturate, rtol=rtol,
                           emulated=on_target(built, wide, pins(layers), saturate=saturate),
                           top_k=top_k)
@@ -265,7 +285,7 @@ def _variant(profile: TargetProfile, fmt: EightBitFormat,
     return Variant(fmt, (rule,), saturate, headroom), notes
 
 
-def _decided(model: Any, stats: CalibrationStats, eight: EightBitFormat,
+def _decided(model: onnx.ModelProto, stats: CalibrationStats, eight: EightBitFormat,
              other: EightBitFormat | None, pinned: set[str],
              rule: ScaleRule) -> tuple[LayerPrecision, ...]:
     """Each node's 8-bit decision in `eight`; with the target's `other` 8-bit format, a
@@ -278,6 +298,21 @@ def _decided(model: Any, stats: CalibrationStats, eight: EightBitFormat,
     return tuple(LayerPrecision(x.node, other.name, f"{x.why}; {alt[x.node].why}")
                  if x.precision == "fp16" and alt[x.node].precision == other.name else x
                  for x in layers)
+
+
+def _input_means(model: onnx.ModelProto, layers: Sequence[str], samples: Sequence[Feed]) -> dict[str, Any]:
+    """Per-channel means of the inputs of `layers` that add a bias (npuprep.rewrite.bias_correction)."""
+    from npuprep.calibrate.channels import channel_means
+    from npuprep.rewrite.bias_correction import bias_slot
+
+    wanted = set(layers)
+    axes = {}
+    for node in model.graph.node:
+        if node_label(node) in wanted:
+            slot = bias_slot(model.graph, node)
+            if slot is not None:
+                axes[node.input[0]] = slot.mean_axis
+    return channel_means(model, axes, samples)
 
 
 def _assigned(layers: Sequence[LayerPrecision]) -> dict[str, str]:

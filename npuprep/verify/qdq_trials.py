@@ -14,7 +14,7 @@ ranking and every widening step share it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -23,17 +23,19 @@ from onnx import TensorProto, helper, numpy_helper
 
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
-from npuprep.graph import name_maker, node_label, tensor_types
+from npuprep.graph import constant_value, name_maker, node_label, tensor_types, to_array
 from npuprep.numerics import EightBitFormat, NumberFormat
 from npuprep.plan.layer_precision import activation_inputs
+from npuprep.rewrite.bias_correction import BiasSlot, bias_slot, corrected_bias
 from npuprep.rewrite.qdq import (
     ActivationScale,
     fp32_weight,
     sort_nodes,
+    weight_axis,
     weight_dq,
     zero_point,
 )
-from npuprep.rewrite.qdq_weights import WeightStore
+from npuprep.rewrite.qdq_weights import WeightStore, quantise_weight
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.output_check import OutputCheck
 from npuprep.verify.output_errors import OutputErrors, worst_pooled_rel_l2
@@ -63,14 +65,21 @@ class SwitchedQdq:
     weight_switches: dict[tuple[str, str], str]  # (layer, format) -> switch of its 8-bit weight
     # (layer, tensor, format, rule) -> switch of that activation's pair
     input_switches: dict[tuple[str, str, str, ScaleRule], str]
+    # (layer, format) -> switch of its corrected bias, and what the artefact writes for it
+    bias_switches: dict[tuple[str, str], str] = field(default_factory=dict)
+    biases: dict[tuple[str, str], tuple[BiasSlot, np.ndarray]] = field(default_factory=dict)
 
-    def feed(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule]) -> dict[str, np.ndarray]:
+    def feed(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule],
+             corrected: Iterable[str] = ()) -> dict[str, np.ndarray]:
         """Switches for the layers of `assign` (layer -> 8-bit format), each activation by its
-        rule in `rules` where its format has that rule (else the format's first), every
-        other layer wider."""
+        rule in `rules` where its format has that rule (else the format's first), the layers
+        in `corrected` with their corrected bias, every other layer wider."""
         own = {v.fmt.name: v.rules for v in self.variants}
+        fixed = set(corrected)
         feed = {s: np.array(assign.get(layer) == fmt)
                 for (layer, fmt), s in self.weight_switches.items()}
+        feed.update({s: np.array(assign.get(layer) == fmt and layer in fixed)
+                     for (layer, fmt), s in self.bias_switches.items()})
         for (layer, tensor, fmt, rule), s in self.input_switches.items():
             wanted = rules.get(tensor, own[fmt][0])
             feed[s] = np.array(assign.get(layer) == fmt and rule == (
@@ -81,11 +90,14 @@ class SwitchedQdq:
 def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: CalibrationStats,
                  variants: Sequence[Variant], *,
                  tensor_scales: Mapping[str, float] | None = None,
-                 weights: WeightStore | None = None) -> SwitchedQdq:
+                 weights: WeightStore | None = None,
+                 means: Mapping[str, np.ndarray] | None = None) -> SwitchedQdq:
     """`model` (at an opset whose QuantizeLinear takes every format of `variants`) with
     `layers` switchable to each variant's format, each activation by any of its rules;
-    scales as npuprep.verify.qdq_model.quantise places them. A layer whose inputs are not
-    FP32 is left as it is."""
+    scales as npuprep.verify.qdq_model.quantise places them. A layer whose input has a mean
+    in `means` (per channel) and that adds a bias also gets its bias corrected for each
+    format's weight rounding behind a switch. A layer whose inputs are not FP32 is left as
+    it is."""
     rescaled = tensor_scales or {}
     weights = weights or WeightStore()
     out = onnx.ModelProto()
@@ -108,6 +120,10 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
 
     weight_switches: dict[tuple[str, str], str] = {}
     input_switches: dict[tuple[str, str, str, ScaleRule], str] = {}
+    bias_switches: dict[tuple[str, str], str] = {}
+    biases: dict[tuple[str, str], tuple[BiasSlot, np.ndarray]] = {}
+    bias_inputs: dict[BiasSlot, str] = {}
+    input_means = means or {}
     pairs: dict[tuple[str, str, ScaleRule], str] = {}
     wanted = set(layers)
     for node in g.node:
@@ -117,13 +133,25 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
             continue
         weight = fp32_weight(g, node.input[1]) if len(node.input) > 1 else None
         activations = list(dict.fromkeys(activation_inputs(g, node)))
+        slot = bias_slot(model.graph, node) if weight is not None else None
+        mean = input_means.get(node.input[0]) if slot is not None else None
         if weight is not None:
-            chosen = node.input[1]
+            chosen, bias = node.input[1], slot.tensor if slot is not None else ""
             for v in variants:
                 dq = weight_dq(g, node, weight, v.fmt, fresh, v.saturate, weights)
                 weight_switches[label, v.fmt.name] = on = switch(f"{label}_{v.fmt.name}")
                 chosen = where(on, dq, chosen, node.input[1])
+                fixed = None if slot is None or mean is None else _corrected(
+                    g, node, weight, v, slot, mean)
+                if slot is not None and fixed is not None:
+                    value = fresh(f"{slot.tensor}_{v.fmt.name}_corrected")
+                    g.initializer.append(numpy_helper.from_array(fixed, value))
+                    bias_switches[label, v.fmt.name] = on = switch(f"{label}_{v.fmt.name}_bias")
+                    biases[label, v.fmt.name] = (slot, fixed)
+                    bias = where(on, value, bias, slot.tensor)
             node.input[1] = chosen
+            if slot is not None and bias != slot.tensor:
+                bias_inputs[slot] = bias
         for name in activations:
             chosen = name
             for v in variants:
@@ -140,11 +168,30 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
             for i, x in enumerate(node.input[:2]):
                 if x == name and not (i == 1 and weight is not None):
                     node.input[i] = chosen
+    for n in g.node:
+        for slot, bias in bias_inputs.items():
+            if node_label(n) == slot.node and n.input[slot.index] == slot.tensor:
+                n.input[slot.index] = bias
     g.node.extend(added)
     for name in switches:
         g.input.append(helper.make_tensor_value_info(name, TensorProto.BOOL, []))
     sort_nodes(g)
-    return SwitchedQdq(out, tuple(variants), weight_switches, input_switches)
+    return SwitchedQdq(out, tuple(variants), weight_switches, input_switches, bias_switches,
+                       biases)
+
+
+def _corrected(g: onnx.GraphProto, node: onnx.NodeProto, weight: onnx.TensorProto | np.ndarray,
+               v: Variant, slot: BiasSlot, mean: np.ndarray) -> np.ndarray | None:
+    """The bias of `node` corrected for its weight's rounding in `v`'s format."""
+    w = weight if isinstance(weight, np.ndarray) else to_array(weight)
+    axis = weight_axis(node, w.ndim)
+    stored, scale = quantise_weight(w, axis, v.fmt, saturate=v.saturate)
+    shape = [1] * w.ndim
+    if axis is not None:
+        shape[axis] = -1
+    dequantised = stored.astype(np.float32) * scale.reshape(shape)
+    bias = constant_value(g, slot.tensor)
+    return None if bias is None else corrected_bias(node, w, dequantised, bias, mean)
 
 
 def _qdq_pair(g: onnx.GraphProto, added: list[onnx.NodeProto], fresh: Callable[[str], str],
@@ -172,6 +219,8 @@ class Trials:
         from npuprep.runtime.session import make_session, run
 
         self.switched, self.samples = switched, list(samples)
+        # Layers whose corrected bias the trials use (where they run in 8 bits).
+        self.corrected: set[str] = set()
         ref = make_session(reference, prepack=False)
         self.expected = [run(ref, dict(f)) for f in self.samples]
         del ref
@@ -193,7 +242,7 @@ class Trials:
         in their 8-bit format (layer -> format)."""
         from npuprep.runtime.session import run
 
-        switches = self.switched.feed(assign, rules)
+        switches = self.switched.feed(assign, rules, self.corrected)
         chosen = self.samples[:count]
         self.runs += 1
         return [run(self.session, {**f, **switches}, self.names) for f in chosen]
