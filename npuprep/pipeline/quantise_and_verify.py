@@ -5,11 +5,14 @@ multiply-adds (npuprep.rewrite.qdq); the rest stays FP32 in the file, for the co
 run in its wider format. Verification runs that QDQ model itself in onnxruntime (QDQ is
 exact ONNX semantics), with every tensor outside the pins rounded to the target's FP16 where
 its profile has one (what the board computes). INT8 MatMul inputs with outlier channels are
-balanced into their weights first, and each INT8 activation takes the scale rule that
-measures best for it, where the rules' clips differ. When the outputs fail, the 8-bit layers
-are ranked by what keeping each wider gains, and the best are kept wider while the 8-bit
-share of the multiply-adds stays at or above `min_8bit_share`. The widening aims at JUDGE_MARGIN x rtol on the calibration
-samples: their scales fit them, unseen samples err more.
+balanced into their weights first. Then one session of the QDQ model with every layer's
+8-bit inputs behind switches (npuprep.verify.qdq_trials) measures every choice: each INT8
+activation's scale rule, the bias correction, the ranking of the layers by what keeping each
+wider gains, and the heads of that ranking tried in the target's other 8-bit format (INT8
+and FP8 on the A2000) and then FP16, while the 8-bit share of the multiply-adds stays at or
+above `min_8bit_share`. The search aims at JUDGE_MARGIN x rtol on the calibration samples:
+their scales fit them, unseen samples err more. The model chosen is then built once and
+checked, compared layer by layer and held out as any conversion is.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The QDQ model the plan's 8-bit decisions give, and what keeping each 8-bit layer wider
-gains: every other layer quantised, this one not, run in onnxruntime, rel L2 of the outputs.
+"""The QDQ model the plan's 8-bit decisions give (`quantise`), and `Sensitivity`: what
+keeping one 8-bit layer wider gains, every other layer quantised (npuprep.verify.qdq_trials
+measures it on one session).
 
 Leaving one layer out of the full 8-bit model, rather than quantising it alone, sees errors
 that cancel: the two branches of a classifier-free guidance err alike, and keeping only one

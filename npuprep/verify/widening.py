@@ -6,8 +6,9 @@ share of the multiply-adds, and heads of 1, 2, 4, ... of that order are tried un
 passes; the shortest passing head is then found by halving between the last failing and the
 first passing. Where no head within the budget passes, the layers left in 8 bits are ranked
 once more with the first half of the last failing head kept wider: one layer that dominates
-the error hides how the others' errors add or cancel. Every head tried is a point of the
-share/error curve the result reports.
+the error hides how the others' errors add or cancel. On a target with a second 8-bit format
+(INT8 and FP8), each ranking's heads are tried in that format first: they stay in 8 bits.
+Every head tried is a point of the share/error curve the result reports.
 """
 
 from __future__ import annotations
