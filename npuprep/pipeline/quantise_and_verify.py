@@ -44,7 +44,7 @@ from npuprep.rewrite.lower import Lowered
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.compare import DEFAULT_ATOL, compare_models
-from npuprep.verify.output_check import OutputCheck, check_outputs
+from npuprep.verify.output_check import OutputCheck, check_output_sets, check_outputs
 from npuprep.verify.output_errors import output_passes
 from npuprep.verify.pin_rounds import sample_shapes
 from npuprep.verify.qdq_model import (
@@ -173,9 +173,10 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     chosen = _assigned(layers)
     built = with_biases(built, [fixed for (layer, fmt), fixed in switched.biases.items()
                                 if chosen.get(layer) == fmt and layer in trials.corrected])
-    check = check_outputs(work.proto, built, wide, samples, saturate=saturate, rtol=rtol,
-                          emulated=on_target(built, wide, pins(layers), saturate=saturate),
-                          top_k=top_k)
+    # The reference's outputs on these samples are the trials' (run once).
+    check = check_output_sets(work.proto, built, wide, [samples], saturate=saturate, rtol=rtol,
+                              emulated=on_target(built, wide, pins(layers), saturate=saturate),
+                              top_k=top_k, expected=trials.expected)[0]
     notes.append(_curve_note(widening.curve, trial_runs))
     if widening.alternative and other is not None:
         notes.append(f"{len(widening.alternative)} layer(s) {eight.name} could not hold run in "
