@@ -95,3 +95,25 @@ def test_a_layer_int8_holds_too_coarsely_takes_fp8_before_fp16_and_the_curve_say
     alone = convert(model, int8_only, feeds, precision="int8", stats=stats, rtol=rtol)
     assert {x.node: x.precision for x in alone.plan.eight_bit}["wide"] == "fp16"
     assert alone.eight_bit.eight_bit_share == 0.5
+
+
+def test_a_trial_on_the_switched_session_gives_the_built_models_numbers():
+    from npuprep.numerics import get_format
+    from npuprep.scale_rules import ScaleRule
+    from npuprep.verify.qdq_model import on_target, with_opset
+    from npuprep.verify.qdq_trials import Trials, Variant, switched_qdq
+
+    proto, model, feeds = _setup(sigma=1.3)
+    stats = calibrate(model, feeds, detail="all")
+    int8, fp8 = eight_bit_format("int8"), eight_bit_format("fp8_e4m3")
+    base = with_opset(proto, fp8)
+    variants = [Variant(int8, tuple(ScaleRule), True), Variant(fp8, (ScaleRule.ABSMAX,), False, 2.0)]
+    switched = switched_qdq(base, ["wide", "plain"], stats, variants)
+    fp16 = get_format("fp16")
+    trials = Trials(proto, switched, fp16, (), feeds, saturate=True)
+    got = trials.outputs({"wide": "fp8_e4m3", "plain": "int8"}, {"z": ScaleRule.MSE})
+    built = quantise(base, ["plain"], stats, int8, saturate=True, tensor_rules={"z": "mse"}).model
+    built = quantise(built, ["wide"], stats, fp8, saturate=False, rule="absmax", headroom=2.0).model
+    board = make_session(on_target(built, fp16, (), saturate=True))
+    for feed, trial in zip(feeds, got, strict=True):
+        np.testing.assert_array_equal(trial["y"], run(board, feed)["y"])

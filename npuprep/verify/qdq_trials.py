@@ -137,12 +137,22 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
         mean = input_means.get(node.input[0]) if slot is not None else None
         if weight is not None:
             chosen, bias = node.input[1], slot.tensor if slot is not None else ""
+            # A model whose weights fit in memory gets each 8-bit weight dequantised once here:
+            # onnxruntime never folds a DequantizeLinear, so every trial run would repeat it.
+            w = None if weights.scratch is not None else (
+                weight if isinstance(weight, np.ndarray) else to_array(weight))
             for v in variants:
-                dq = weight_dq(g, node, weight, v.fmt, fresh, v.saturate, weights)
+                if w is None:
+                    dq = weight_dq(g, node, weight, v.fmt, fresh, v.saturate, weights)
+                    exact = None
+                else:
+                    exact = _dequantised(node, w, v)
+                    dq = fresh(f"{node.input[1]}_{v.fmt.name}_dq8")
+                    g.initializer.append(numpy_helper.from_array(exact, dq))
                 weight_switches[label, v.fmt.name] = on = switch(f"{label}_{v.fmt.name}")
                 chosen = where(on, dq, chosen, node.input[1])
                 fixed = None if slot is None or mean is None else _corrected(
-                    g, node, weight, v, slot, mean)
+                    g, node, weight, v, slot, mean, exact)
                 if slot is not None and fixed is not None:
                     value = fresh(f"{slot.tensor}_{v.fmt.name}_corrected")
                     g.initializer.append(numpy_helper.from_array(fixed, value))
@@ -181,17 +191,24 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
 
 
 def _corrected(g: onnx.GraphProto, node: onnx.NodeProto, weight: onnx.TensorProto | np.ndarray,
-               v: Variant, slot: BiasSlot, mean: np.ndarray) -> np.ndarray | None:
+               v: Variant, slot: BiasSlot, mean: np.ndarray,
+               dequantised: np.ndarray | None) -> np.ndarray | None:
     """The bias of `node` corrected for its weight's rounding in `v`'s format."""
     w = weight if isinstance(weight, np.ndarray) else to_array(weight)
+    exact = dequantised if dequantised is not None else _dequantised(node, w, v)
+    bias = constant_value(g, slot.tensor)
+    return None if bias is None else corrected_bias(node, w, exact, bias, mean)
+
+
+def _dequantised(node: onnx.NodeProto, w: np.ndarray, v: Variant) -> np.ndarray:
+    """`w` as its 8-bit copy in `v`'s format dequantises it: DequantizeLinear's own float32
+    product of the stored value and its channel's scale."""
     axis = weight_axis(node, w.ndim)
     stored, scale = quantise_weight(w, axis, v.fmt, saturate=v.saturate)
     shape = [1] * w.ndim
     if axis is not None:
         shape[axis] = -1
-    dequantised = stored.astype(np.float32) * scale.reshape(shape)
-    bias = constant_value(g, slot.tensor)
-    return None if bias is None else corrected_bias(node, w, dequantised, bias, mean)
+    return (stored.astype(np.float32) * scale.reshape(shape)).astype(np.float32)
 
 
 def _qdq_pair(g: onnx.GraphProto, added: list[onnx.NodeProto], fresh: Callable[[str], str],

@@ -101,7 +101,8 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
         def heads(to: str, ranking: list[Sensitivity] = ranking,
                   start: list[LayerPrecision] = start, before: int = len(fixed)) -> _Heads:
             return _shortest_head(done, ranking, start, fmt, to, before, trial=trial,
-                                  judged=judged, share=share, min_share=min_share)
+                                  judged=judged, share=share, min_share=min_share,
+                                  whole_first=to == alternative)
 
         if alternative is not None:
             found = heads(alternative)
@@ -131,9 +132,12 @@ def _shortest_head(done: Widening, ranking: list[Sensitivity], start: list[Layer
                    fmt: EightBitFormat, to: str, before: int, *,
                    trial: Callable[[list[LayerPrecision]], OutputCheck],
                    judged: Callable[[OutputCheck], bool],
-                   share: Callable[[list[LayerPrecision]], float], min_share: float) -> _Heads:
+                   share: Callable[[list[LayerPrecision]], float], min_share: float,
+                   whole_first: bool = False) -> _Heads:
     """Heads of 1, 2, 4, ... of `ranking` moved `to`, until one passes or leaves less than
-    `min_share` in 8 bits; then the shortest passing one, halving. Each trial is a point."""
+    `min_share` in 8 bits; then the shortest passing one, halving. Each trial is a point.
+    `whole_first`: the whole ranking is tried first, and no head when it fails (the other
+    8-bit format errs like this one on a model whose error is spread over every layer)."""
     found = _Heads()
 
     def attempt(n: int) -> bool | None:
@@ -145,6 +149,8 @@ def _shortest_head(done: Widening, ranking: list[Sensitivity], start: list[Layer
         done.curve.append(CurvePoint(before + n, to, share(chosen), _worst(check), judged(check)))
         return judged(check)
 
+    if whole_first and not attempt(len(ranking)):
+        return found
     n = 1
     while True:
         ok = attempt(n)
