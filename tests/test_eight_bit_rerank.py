@@ -58,7 +58,7 @@ def _error(proto: onnx.ModelProto, quantised: list[str], stats: object,
     return float(np.sqrt(num / sum(float(np.sum(run(ref, f)["y"] ** 2)) for f in feeds)))
 
 
-def test_ranking_once_widens_the_wrong_second_layer_and_re_ranking_the_right_one():
+def test_the_gains_rank_the_wrong_second_layer_and_the_errors_alone_the_right_one():
     proto, model, feeds = _setup()
     stats = calibrate(model, feeds, detail="all")
     # One session for both rankings: every layer behind its own switch.
@@ -80,13 +80,16 @@ def test_ranking_once_widens_the_wrong_second_layer_and_re_ranking_the_right_one
     fp8_only = replace(a2000, fast_dtypes=tuple(d for d in a2000.fast_dtypes if d != "int8"))
     result = convert(model, fp8_only, feeds, precision="fp8_e4m3", stats=stats,
                      rtol=float(rtol), min_8bit_share=0.3)
-    # Ranking once would keep d and a wider (rel L2 with_a, over the aim) and then be out of
-    # budget (all three wider leaves none in 8 bits); re-ranking keeps d and b, within.
+    # Ranked by gain alone, the head would keep d and a wider (rel L2 with_a, over the aim) and
+    # then be out of budget. Each layer's error alone (10e, e, 4e) does not hide behind d's:
+    # one ranking by error alone per multiply-add keeps d and b, within, with no re-ranking.
     assert result.eight_bit.kept_wider == ("d", "b")
-    assert [s.node for s in result.eight_bit.sensitivity] == ["d", "a", "b"]
-    assert [s.node for s in result.eight_bit.rerankings[0]] == ["b", "a"]
+    assert [s.node for s in result.eight_bit.sensitivity] == ["d", "b", "a"]
+    alone = {s.node: s.alone for s in result.eight_bit.sensitivity}
+    assert alone["d"] > 2 * alone["b"] > 4 * alone["a"]  # 10e, 4e, e
+    assert result.eight_bit.rerankings == ()
     assert result.output_check and result.output_check.outputs["y"]["rel_l2"] < JUDGE_MARGIN * rtol
-    assert result.eight_bit.rank_runs == 4 + 3  # three ranked, then two
+    assert result.eight_bit.rank_runs == 7  # three ranked, each left out and alone, plus all
     assert abs(result.eight_bit.mac_share["fp8_e4m3"] - 1 / 3) < 1e-6
 
 
@@ -98,3 +101,14 @@ def test_the_budget_goes_to_the_most_gain_per_multiply_add_and_layers_that_lose_
     # small: 0.02 / 0.05 = 0.4 per share; big: 0.05; free counts as MIN_COST: 1e-4 / 1e-3 = 0.1
     assert [s.node for s in ordered] == ["small", "free", "big", "worse"]
     assert 1e-4 / MIN_COST < 0.02 / 0.05
+
+
+def test_errors_alone_order_the_budget_and_a_layer_that_cancels_goes_last():
+    macs = {"branch": 0.3, "noisy": 0.3, "small": 0.3}
+    # branch: alone 0.3 but kept wider alone raises the error by 0.1 (it cancels another);
+    # noisy: a gain of -0.001 is noise beside its error alone, 0.02: it holds error.
+    ranking = [Sensitivity("branch", 0.2, -0.1, 0.3), Sensitivity("small", 0.1, 0.001, 0.01),
+               Sensitivity("noisy", 0.1, -0.001, 0.02)]
+    ordered = by_gain_per_cost(ranking, macs.__getitem__)
+    assert [s.node for s in ordered] == ["noisy", "small", "branch"]
+    assert ranking[0].cancels and not ranking[2].cancels

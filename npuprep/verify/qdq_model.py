@@ -43,15 +43,23 @@ RANK_SAMPLES = 4
 @dataclass(frozen=True)
 class Sensitivity:
     """One 8-bit layer's weight in the error: the outputs' pooled rel L2 with every other
-    ranked layer in 8 bits and this one wider, and what that gains over all of them in 8 bits
-    (negative where keeping it wider alone undoes a cancellation)."""
+    ranked layer in 8 bits and this one wider, what that gains over all of them in 8 bits
+    (negative where keeping it wider alone undoes a cancellation), and the outputs' rel L2
+    with this layer alone in 8 bits (`alone`; None where not measured)."""
 
     node: str
     rel_l2: float
     gain: float
+    alone: float | None = None
+
+    @property
+    def cancels(self) -> bool:
+        """Keeping it wider alone raises the error by more than half its own error: it
+        cancels another layer's (a guidance branch), and widening it first would hurt."""
+        return self.gain < 0 and (self.alone is None or -self.gain > self.alone / 2)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"node": self.node, "rel_l2": self.rel_l2, "gain": self.gain}
+        return {"node": self.node, "rel_l2": self.rel_l2, "gain": self.gain, "alone": self.alone}
 
 
 def eight_bit_nodes(layers: Iterable[LayerPrecision], fmt: EightBitFormat) -> list[str]:

@@ -283,13 +283,16 @@ class Trials:
 def rank_layers(trials: Trials, nodes: Sequence[str], assign: Mapping[str, str],
                 rules: Mapping[str, ScaleRule]) -> list[Sensitivity]:
     """Each of `nodes` kept wider alone, every other layer of `assign` (layer -> 8-bit
-    format) in 8 bits: what that gains over all of them in 8 bits, the largest gain first
-    (len(nodes) + 1 runs)."""
+    format) in 8 bits: what that gains over all of them in 8 bits; and each alone in 8 bits:
+    its own error, which does not depend on the others (2 len(nodes) + 1 runs). Where the
+    error is spread over many layers, the gains are differences of nearly equal numbers and
+    the errors alone are the clearer signal; the gains show the layers that cancel."""
     every = trials.error(assign, rules)
     found = []
     for label in nodes:
         without = trials.error({n: f for n, f in assign.items() if n != label}, rules)
-        found.append(Sensitivity(label, without, every - without))
+        alone = trials.error({label: assign[label]}, rules)
+        found.append(Sensitivity(label, without, every - without, alone))
     return sorted(found, key=lambda s: -s.gain)
 
 

@@ -1,8 +1,9 @@
 """Which 8-bit layers to keep wider: one ranking, then the shortest head of it that passes.
 
-The layers are ranked once by what keeping each wider alone gains with every other layer in
-8 bits (npuprep.verify.qdq_trials: one run per layer on one session), ordered by gain per
-share of the multiply-adds, and heads of 1, 2, 4, ... of that order are tried until one
+The layers are ranked once by their error alone in 8 bits and by what keeping each wider
+alone gains with every other layer in 8 bits (npuprep.verify.qdq_trials: two runs per layer
+on one session), ordered by the error power each holds per share of the multiply-adds (the
+layers that cancel another's error last), and heads of 1, 2, 4, ... of that order are tried until one
 passes; the shortest passing head is then found by halving between the last failing and the
 first passing. Where no head within the budget passes, the layers left in 8 bits are ranked
 once more with the first half of the last failing head kept wider: one layer that dominates
@@ -96,7 +97,7 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
             break
         ranking = by_gain_per_cost(rank(left, start), cost)
         done.rankings.append(ranking)
-        done.rank_runs += len(left) + 1
+        done.rank_runs += 2 * len(left) + 1
 
         def heads(to: str, ranking: list[Sensitivity] = ranking,
                   start: list[LayerPrecision] = start, before: int = len(fixed)) -> _Heads:
@@ -179,17 +180,26 @@ def _worst(check: OutputCheck) -> float:
 
 def by_gain_per_cost(ranking: Sequence[Sensitivity],
                      cost: Callable[[str], float]) -> list[Sensitivity]:
-    """Layers that gain, by gain per share of the multiply-adds they hold (at least
-    MIN_COST), then the rest by gain: the budget buys the most error per multiply-add."""
-    gaining = [s for s in ranking if s.gain > 0]
-    return (sorted(gaining, key=lambda s: -s.gain / max(cost(s.node), MIN_COST))
-            + sorted((s for s in ranking if s.gain <= 0), key=lambda s: -s.gain))
+    """The budget buys the most error per multiply-add: layers by the error power they hold
+    per share of the multiply-adds (at least MIN_COST): their error alone squared where it
+    was measured (errors of independent layers add in power), else their gain; then the
+    layers that do not gain, and last those that cancel another's error."""
+    def held(s: Sensitivity) -> float:
+        return s.alone ** 2 if s.alone is not None else s.gain
+
+    gaining = [s for s in ranking if not s.cancels and held(s) > 0 and
+               (s.alone is not None or s.gain > 0)]
+    rest = [s for s in ranking if s not in gaining]
+    return (sorted(gaining, key=lambda s: -held(s) / max(cost(s.node), MIN_COST))
+            + sorted(rest, key=lambda s: (s.cancels, -s.gain)))
 
 
 def _widen(layers: Sequence[LayerPrecision], best: Sequence[Sensitivity], fmt: EightBitFormat,
            to: str, ranking: int) -> list[LayerPrecision]:
     after = "" if ranking == 1 else f" (ranking {ranking}, after the wider ones before it)"
     why = {s.node: f"sensitivity{after}: kept wider alone, the outputs' rel L2 falls by "
-                   f"{s.gain:.3g} to {s.rel_l2:.3g}; in {to}" for s in best}
+                   f"{s.gain:.3g} to {s.rel_l2:.3g}"
+                   + ("" if s.alone is None else f"; alone in 8 bits {s.alone:.3g}")
+                   + f"; in {to}" for s in best}
     return [LayerPrecision(x.node, to, why[x.node]) if x.node in why and
             x.precision == fmt.name else x for x in layers]
