@@ -105,9 +105,9 @@ def test_the_budget_goes_to_the_most_gain_per_multiply_add_and_layers_that_lose_
 
 def test_errors_alone_order_the_budget_and_a_layer_that_cancels_goes_last():
     macs = {"branch": 0.3, "noisy": 0.3, "small": 0.3}
-    # branch: alone 0.3 but kept wider alone raises the error by 0.1 (it cancels another);
+    # branch: alone 0.3, and kept wider alone it raises the error by 0.25 (it cancels another);
     # noisy: a gain of -0.001 is noise beside its error alone, 0.02: it holds error.
-    ranking = [Sensitivity("branch", 0.2, -0.1, 0.3), Sensitivity("small", 0.1, 0.001, 0.01),
+    ranking = [Sensitivity("branch", 0.35, -0.25, 0.3), Sensitivity("small", 0.1, 0.001, 0.01),
                Sensitivity("noisy", 0.1, -0.001, 0.02)]
     ordered = by_gain_per_cost(ranking, macs.__getitem__)
     assert [s.node for s in ordered] == ["noisy", "small", "branch"]
