@@ -223,7 +223,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         eight_bit=EightBitResult(
             format=eight.name, scale_rule=scale_rule, saturate=saturate, mac_share=shares,
             min_8bit_share=min_8bit_share, sensitivity=tuple(ranking),
-            kept_wider=tuple(widened), rerankings=tuple(tuple(r) for r in widening.rankings[1:]),
+            kept_wider=tuple(widened),
             rank_runs=widening.rank_runs, curve=tuple(widening.curve), kept_wider_cost=_cost(widened, macs),
             tensor_rules=dict(tensor_rules), balanced=dict(balanced),
             input_shapes={k: tuple(v) for k, v in sample_shapes(samples).items()}),

@@ -78,7 +78,7 @@ class Verdict:
 class EightBitResult:
     """What an INT8/FP8 conversion chose: the format and its scale rule, the share of the
     Conv/MatMul/Gemm multiply-adds in each format, the layers kept wider and why (their
-    ranking by sensitivity, re-ranked each round), and the per-tensor choices."""
+    ranking by sensitivity, and every choice it tried), and the per-tensor choices."""
 
     format: str
     scale_rule: str
@@ -87,7 +87,6 @@ class EightBitResult:
     min_8bit_share: float
     sensitivity: tuple[Sensitivity, ...]
     kept_wider: tuple[str, ...]
-    rerankings: tuple[tuple[Sensitivity, ...], ...]
     rank_runs: int
     kept_wider_cost: float
     tensor_rules: dict[str, str]
@@ -114,7 +113,6 @@ class EightBitResult:
             "mac_share": dict(self.mac_share), "min_8bit_share": self.min_8bit_share,
             "sensitivity": [s.to_dict() for s in self.sensitivity],
             "kept_wider": list(self.kept_wider),
-            "rerankings": [[s.to_dict() for s in r] for r in self.rerankings],
             "rank_runs": self.rank_runs, "kept_wider_cost": self.kept_wider_cost,
             "tensor_rules": dict(sorted(self.tensor_rules.items())),
             "balanced": {x: {"tensor": t, "outlier_ratio": r}

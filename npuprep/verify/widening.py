@@ -3,13 +3,13 @@
 The layers are ranked once by their error alone in 8 bits and by what keeping each wider
 alone gains with every other layer in 8 bits (npuprep.verify.qdq_trials: two runs per layer
 on one session), ordered by the error power each holds per share of the multiply-adds (the
-layers that cancel another's error last), and heads of 1, 2, 4, ... of that order are tried until one
-passes; the shortest passing head is then found by halving between the last failing and the
-first passing. Where no head within the budget passes, the layers left in 8 bits are ranked
-once more with the first half of the last failing head kept wider: one layer that dominates
-the error hides how the others' errors add or cancel. On a target with a second 8-bit format
-(INT8 and FP8), each ranking's heads are tried in that format first: they stay in 8 bits.
-Every head tried is a point of the share/error curve the result reports.
+layers that cancel another's error last). A layer's error alone does not hide behind a
+dominant layer's, so no re-ranking after widening the head is needed. Heads of 1, 2, 4, ...
+of that order are tried until one passes (or the longest the budget takes); the shortest
+passing head is then found by halving between the last failing and the first passing. On a
+target with a second 8-bit format (INT8 and FP8), the heads are tried in that format first
+(where the whole ranking in it passes): they stay in 8 bits. Every head tried is a point of
+the share/error curve the result reports.
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ from npuprep.verify.qdq_model import Sensitivity
 # A layer holding less of the multiply-adds than this counts as this much: a free layer
 # that gains little does not take a round's place ahead of one that gains much.
 MIN_COST = 1e-3
-# Rankings at most: the first, and one with the head that dominated it kept wider.
-MAX_RANKINGS = 2
 
 
 @dataclass(frozen=True)
@@ -89,48 +87,34 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
     `gain` when kept wider alone; `trial(layers)` checks the outputs of that choice."""
     done = Widening(list(layers), check)
     done.curve.append(CurvePoint(0, fmt.name, share(done.layers), _worst(check), judged(check)))
-    start: list[LayerPrecision] = list(layers)
-    fixed: list[str] = []
-    while not judged(done.check) and len(done.rankings) < MAX_RANKINGS:
-        left = [x.node for x in start if x.precision == fmt.name]
-        if not left:
-            break
-        ranking = by_gain_per_cost(rank(left, start), cost)
-        done.rankings.append(ranking)
-        done.rank_runs += 2 * len(left) + 1
+    left = [x.node for x in layers if x.precision == fmt.name]
+    if judged(check) or not left:
+        return done
+    ranking = by_gain_per_cost(rank(left, list(layers)), cost)
+    done.rankings.append(ranking)
+    done.rank_runs += 2 * len(left) + 1
 
-        def heads(to: str, ranking: list[Sensitivity] = ranking,
-                  start: list[LayerPrecision] = start, before: int = len(fixed)) -> _Heads:
-            return _shortest_head(done, ranking, start, fmt, to, before, trial=trial,
-                                  judged=judged, share=share, min_share=min_share,
-                                  whole_first=to == alternative)
+    def heads(to: str) -> _Heads:
+        return _shortest_head(done, ranking, list(layers), fmt, to, trial=trial, judged=judged,
+                              share=share, min_share=min_share, whole_first=to == alternative)
 
-        if alternative is not None:
-            found = heads(alternative)
-            if found.passing:
-                done.layers, done.check = found.tried[found.passing]
-                done.widened = list(fixed)
-                done.alternative = [s.node for s in ranking[:found.passing]]
-                break
-        found = heads("fp16")
-        done.needs_more = found.over_budget
+    if alternative is not None:
+        found = heads(alternative)
         if found.passing:
             done.layers, done.check = found.tried[found.passing]
-            done.widened = fixed + [s.node for s in ranking[:found.passing]]
-            done.needs_more = []
-            break
-        if not found.failing:
-            break
-        done.layers, done.check = found.tried[found.failing]
-        done.widened = fixed + [s.node for s in ranking[:found.failing]]
-        head = ranking[:max(1, found.failing // 2)]
-        fixed = fixed + [s.node for s in head]
-        start = _widen(start, head, fmt, "fp16", len(done.rankings))
+            done.alternative = [s.node for s in ranking[:found.passing]]
+            return done
+    found = heads("fp16")
+    done.needs_more = [] if found.passing else found.over_budget
+    kept = found.passing or found.failing
+    if kept:
+        done.layers, done.check = found.tried[kept]
+        done.widened = [s.node for s in ranking[:kept]]
     return done
 
 
 def _shortest_head(done: Widening, ranking: list[Sensitivity], start: list[LayerPrecision],
-                   fmt: EightBitFormat, to: str, before: int, *,
+                   fmt: EightBitFormat, to: str, *,
                    trial: Callable[[list[LayerPrecision]], OutputCheck],
                    judged: Callable[[OutputCheck], bool],
                    share: Callable[[list[LayerPrecision]], float], min_share: float,
@@ -142,12 +126,12 @@ def _shortest_head(done: Widening, ranking: list[Sensitivity], start: list[Layer
     found = _Heads()
 
     def attempt(n: int) -> bool | None:
-        chosen = _widen(start, ranking[:n], fmt, to, len(done.rankings))
+        chosen = _widen(start, ranking[:n], fmt, to)
         if share(chosen) < min_share:
             return None
         found.tried[n] = (chosen, trial(chosen))
         check = found.tried[n][1]
-        done.curve.append(CurvePoint(before + n, to, share(chosen), _worst(check), judged(check)))
+        done.curve.append(CurvePoint(n, to, share(chosen), _worst(check), judged(check)))
         return judged(check)
 
     if whole_first and not attempt(len(ranking)):
@@ -157,6 +141,13 @@ def _shortest_head(done: Widening, ranking: list[Sensitivity], start: list[Layer
         ok = attempt(n)
         if ok is None:
             found.over_budget = [s.node for s in ranking[found.failing:n]]
+            # The longest head the budget still takes, between the last failing and this one.
+            within = [k for k in range(n - 1, found.failing, -1)
+                      if share(_widen(start, ranking[:k], fmt, to)) >= min_share]
+            if within and attempt(within[0]):
+                found.passing = within[0]
+            elif within:
+                found.failing = within[0]
             break
         if ok:
             found.passing = n
@@ -195,9 +186,8 @@ def by_gain_per_cost(ranking: Sequence[Sensitivity],
 
 
 def _widen(layers: Sequence[LayerPrecision], best: Sequence[Sensitivity], fmt: EightBitFormat,
-           to: str, ranking: int) -> list[LayerPrecision]:
-    after = "" if ranking == 1 else f" (ranking {ranking}, after the wider ones before it)"
-    why = {s.node: f"sensitivity{after}: kept wider alone, the outputs' rel L2 falls by "
+           to: str) -> list[LayerPrecision]:
+    why = {s.node: f"sensitivity: kept wider alone, the outputs' rel L2 falls by "
                    f"{s.gain:.3g} to {s.rel_l2:.3g}"
                    + ("" if s.alone is None else f"; alone in 8 bits {s.alone:.3g}")
                    + f"; in {to}" for s in best}
