@@ -143,14 +143,23 @@ def _stft_model() -> onnx.ModelProto:
     return model
 
 
-def test_an_stft_op_takes_the_scale_and_only_the_chain_to_the_log_is_planned_fp32():
-    # The ONNX STFT is linear in its signal: wav x 2^-k brings its bins within FP16, and only
-    # the squares..Log chain (whose input spans wider than FP16, the near-empty bins) stays FP32.
-    from npuprep.plan.decide import plan_for
+def _noisy_audio(n: int, seed: int) -> list[dict[str, np.ndarray]]:
+    """_audio with a noise floor at 1% of full scale, as a recording has: no bin is empty."""
+    rng = np.random.default_rng(seed + 100)
+    return [{"wav": (f["wav"] + 327.67 * rng.standard_normal(f["wav"].shape)).astype(np.float32)}
+            for f in _audio(n, seed)]
 
+
+def test_an_stft_op_takes_the_scale_and_only_the_chain_to_the_log_stays_fp32():
+    # The ONNX STFT is linear in its signal: wav x 2^-k brings its bins within FP16, and only
+    # the squares..Log chain (whose input spans wider than FP16's normal range) stays FP32.
     model = Model(proto=_stft_model(), path="stft.onnx", digest="stft")
-    samples = _audio(4, 1)
-    planned = plan_for(model, load_profile("generic").resolve(), stats=calibrate(model, samples))
-    (rescale,) = planned.plan.rescales()
+    samples = _noisy_audio(4, 1)
+    result = convert(model, load_profile("generic"), samples, stats=calibrate(model, samples),
+                     holdout=_noisy_audio(2, 2))
+    assert result, result.to_dict()["verification"]
+    (rescale,) = result.plan.rescales()
     assert rescale.entry == "wav" and rescale.k > 0 and "log" in rescale.absorbers
-    assert set(planned.plan.pinned_nodes()) == {"square", "power", "floor", "log"}
+    assert set(result.pinned_nodes) == {"square", "power", "floor", "log"}
+    # The transform's multiply-adds are counted, and they run in FP16.
+    assert result.flops_fp32_share < 0.01
