@@ -163,3 +163,59 @@ def test_an_stft_op_takes_the_scale_and_only_the_chain_to_the_log_stays_fp32():
     assert set(result.pinned_nodes) == {"square", "power", "floor", "log"}
     # The transform's multiply-adds are counted, and they run in FP16.
     assert result.flops_fp32_share < 0.01
+
+
+def _quiet_transform() -> onnx.ModelProto:
+    """wav -> Conv(cos|sin x 4e-2: a length-normalised basis, as a CQT has) -> re, im (mostly
+    under FP16's smallest normal) -> re*re + im*im -> Add(1e-10) -> Log -> y."""
+    t = np.arange(FRAME)
+    freqs = np.arange(1, BINS + 1)
+    window = np.hanning(FRAME) * 4e-2
+    cos = (np.cos(2 * np.pi * np.outer(freqs, t) / FRAME) * window)[:, None, :]
+    sin = (np.sin(2 * np.pi * np.outer(freqs, t) / FRAME) * window)[:, None, :]
+    inits = [numpy_helper.from_array(np.concatenate([cos, sin]).astype(np.float32), "basis"),
+             _i64("s0", [0]), _i64("s8", [BINS]), _i64("s16", [2 * BINS]), _i64("ax1", [1]),
+             _f32("eps", 1e-10)]
+    nodes = [helper.make_node("Conv", ["wav", "basis"], ["spec"], name="transform", strides=[HOP]),
+             helper.make_node("Slice", ["spec", "s0", "s8", "ax1"], ["re"], name="take_re"),
+             helper.make_node("Slice", ["spec", "s8", "s16", "ax1"], ["im"], name="take_im"),
+             helper.make_node("Mul", ["re", "re"], ["re2"], name="sq_re"),
+             helper.make_node("Mul", ["im", "im"], ["im2"], name="sq_im"),
+             helper.make_node("Add", ["re2", "im2"], ["pw"], name="power"),
+             helper.make_node("Add", ["pw", "eps"], ["floored"], name="floor"),
+             helper.make_node("Log", ["floored"], ["y"], name="log")]
+    graph = helper.make_graph(
+        nodes, "quiet_transform",
+        [helper.make_tensor_value_info("wav", TensorProto.FLOAT, [1, 1, (FRAMES - 1) * HOP + FRAME])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, BINS, FRAMES])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _quiet_audio(n: int, seed: int) -> list[dict[str, np.ndarray]]:
+    """_audio at unit scale, 30 dB quieter each sample, with the first frames digital silence (the
+    Log reads its 1e-10 floor there, so its input spans wider than FP16)."""
+    out = []
+    for i, f in enumerate(_audio(n, seed)):
+        wav = f["wav"] / 32767.0 * 0.03 ** i
+        wav[..., : 2 * HOP + FRAME] = 0.0
+        out.append({"wav": wav.astype(np.float32)})
+    return out
+
+
+def test_a_transform_under_fp16s_normal_range_is_lifted_into_it_before_its_fp32_log_chain():
+    # The Log's input spans 1e-10 .. 0.8: the squares..Log chain stays FP32. The transform's
+    # bins, under FP16's smallest normal, would keep a few bits each; the transform's weights
+    # x 2^j lift them, the chain carries 2^2j to the Log, which absorbs it.
+    model = Model(proto=_quiet_transform(), path="quiet.onnx", digest="quiet")
+    samples = _quiet_audio(4, 1)
+    stats = calibrate(model, samples)
+    assert stats.tensors["floored"].max > 1e-10 * 2 ** 30
+    result = convert(model, load_profile("generic"), samples, stats=stats,
+                     holdout=_quiet_audio(3, 2))
+    assert result, result.to_dict()["verification"]
+    lift = next(r for r in result.plan.rescales() if "before the FP32 chain" in r.why)
+    assert lift.k < 0 and lift.entry == "transform" and "log" in lift.absorbers
+    assert "transform" not in result.pinned_nodes
+    assert {"sq_re", "sq_im", "power", "floor", "log"} <= set(result.pinned_nodes)

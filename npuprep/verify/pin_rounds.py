@@ -201,8 +201,15 @@ class PinRounds:
             return None
         self.widenings += 1
         held = sum(x.share for x in chosen)
-        targets = tuple(n for n in _with_paths(self._model, tuple(x.node for x in chosen),
-                                               self._fp32) if n not in plan.forbid_pin)
+        # The layers between them and the FP32 nodes too, where the budget holds them: a
+        # pinned layer whose output an FP16 layer reads is rounded there all the same (a
+        # CQT's low-pass Conv feeding the next octave's Convs).
+        nodes = tuple(x.node for x in chosen)
+        flops = node_flops(self._model, sample_shapes(self.samples))
+        targets = _with_paths(self._model, nodes, self._fp32, through_layers=True)
+        if sum(flops.get(n, 0) for n in targets) > room:
+            targets = _with_paths(self._model, nodes, self._fp32)
+        targets = tuple(n for n in targets if n not in plan.forbid_pin)
         pin = replace(dropped, nodes=targets, why=(
             f"{dropped.why.split(':')[0]}, widened after round {round_no}: {len(chosen)} layer(s) "
             f"holding {100 * held:.0f}% of the layers' own "
@@ -253,14 +260,16 @@ class PinRounds:
 
 
 # How far a pinned node's output is followed to the FP32 nodes it reaches.
-MAX_PATH = 16
+MAX_PATH = 32
 
 
-def _with_paths(model: onnx.ModelProto, nodes: tuple[str, ...], fp32: set[str]) -> tuple[str, ...]:
+def _with_paths(model: onnx.ModelProto, nodes: tuple[str, ...], fp32: set[str], *,
+                through_layers: bool = False) -> tuple[str, ...]:
     """`nodes` and the nodes on their paths (within MAX_PATH) to each other and to FP32 nodes,
-    but multiply-accumulate layers (the attribution weighs those): an FP32 output that an FP16
-    node reads is rounded there, so the error a pinned Conv no longer makes is made by the
-    Unsqueeze and Concat between it and the FP32 Log instead. Main graph only."""
+    multiply-accumulate layers only `through_layers` (the attribution weighs those first): an
+    FP32 output that an FP16 node reads is rounded there, so the error a pinned Conv no longer
+    makes is made by the Unsqueeze and Concat between it and the FP32 Log instead. Main graph
+    only."""
     graph = model.graph
     by_label = {node_label(n): n for n in graph.node}
     made_by, read_by = producers(graph), consumers(graph)
@@ -278,7 +287,7 @@ def _with_paths(model: onnx.ModelProto, nodes: tuple[str, ...], fp32: set[str]) 
     above = reach((fp32 | set(nodes)) & set(by_label),
                   lambda n: [made_by[i] for i in n.input if i in made_by])
     between = {n for n in below & above - fp32 - set(nodes)
-               if by_label[n].op_type not in MAC_OPS
+               if (through_layers or by_label[n].op_type not in MAC_OPS)
                and any(types.get(o) == TensorProto.FLOAT for o in by_label[n].output)}
     order = {node_label(n): i for i, n in enumerate(graph.node)}
     return tuple(sorted(set(nodes) | between, key=lambda n: order.get(n, -1)))
