@@ -266,10 +266,10 @@ MAX_PATH = 32
 def _with_paths(model: onnx.ModelProto, nodes: tuple[str, ...], fp32: set[str], *,
                 through_layers: bool = False) -> tuple[str, ...]:
     """`nodes` and the nodes on their paths (within MAX_PATH) to each other and to FP32 nodes,
-    multiply-accumulate layers only `through_layers` (the attribution weighs those first): an
-    FP32 output that an FP16 node reads is rounded there, so the error a pinned Conv no longer
-    makes is made by the Unsqueeze and Concat between it and the FP32 Log instead. Main graph
-    only."""
+    multiply-accumulate layers and what feeds `nodes` only `through_layers` (the attribution
+    weighs layers first): an FP32 output that an FP16 node reads is rounded there, so the
+    error a pinned Conv no longer makes is made by the Unsqueeze and Concat between it and the
+    FP32 Log instead. Main graph only."""
     graph = model.graph
     by_label = {node_label(n): n for n in graph.node}
     made_by, read_by = producers(graph), consumers(graph)
@@ -283,11 +283,17 @@ def _with_paths(model: onnx.ModelProto, nodes: tuple[str, ...], fp32: set[str], 
             seen |= frontier
         return seen
 
+    def upward(n: onnx.NodeProto) -> list[onnx.NodeProto]:
+        return [made_by[i] for i in n.input if i in made_by]
+
     below = reach(set(nodes), lambda n: [m for o in n.output for m in read_by.get(o, [])])
-    above = reach((fp32 | set(nodes)) & set(by_label),
-                  lambda n: [made_by[i] for i in n.input if i in made_by])
-    between = {n for n in below & above - fp32 - set(nodes)
-               if (through_layers or by_label[n].op_type not in MAC_OPS)
+    above = reach((fp32 | set(nodes)) & set(by_label), upward)
+    # Through the layers, what feeds them too: an FP32 layer reading an FP16 input gets the
+    # input's rounding all the same (a transform's quiet bins under its audio's FP16 steps).
+    feeding = reach(set(nodes), upward) if through_layers else set()
+    between = {n for n in (below & above) | feeding
+               if n not in fp32 and n not in nodes
+               and (through_layers or by_label[n].op_type not in MAC_OPS)
                and any(types.get(o) == TensorProto.FLOAT for o in by_label[n].output)}
     order = {node_label(n): i for i, n in enumerate(graph.node)}
     return tuple(sorted(set(nodes) | between, key=lambda n: order.get(n, -1)))
