@@ -62,8 +62,17 @@ def lower_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                 break
             plan = replace(tried[0], actions=(*tried[0].actions, wider))
             continue
-        if _passed(build) or proposed == max_rounds - 1:
+        if _passed(build):
             break
+        if proposed == max_rounds - 1:
+            # The rounds are spent: an attributed pin still short of the gate is taken wider
+            # (rounds.widen says when there is nothing wider to take).
+            wider = rounds.widen(round_no, plan)
+            if wider is None:
+                break
+            tried = (plan, build, round_no)
+            plan = replace(plan, actions=(*plan.actions, wider))
+            continue
         pin = rounds.propose(build, plan, round_no, stage)
         if pin is None:
             break

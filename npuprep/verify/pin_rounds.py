@@ -179,9 +179,10 @@ class PinRounds:
         return pin
 
     def widen(self, round_no: int, plan: Plan) -> PinFp32 | None:
-        """After round `round_no`'s attributed pin bought too little (`keeps` dropped it): twice
-        as many of the attribution's nodes, largest share first, that fit the FLOPs room, as
-        the pin to verify in its place; None when it was no attributed pin, the widenings are
+        """After round `round_no`'s attributed pin bought too little (`keeps` dropped it), or
+        left the outputs over the gate when the rounds are spent: twice as many of the
+        attribution's nodes, largest share first, that fit the FLOPs room, as the pin to verify
+        in its place (or beside it); None when it was no attributed pin, the widenings are
         spent, or no larger set fits (then the failure is FP16's precision within the budget)."""
         if self._ranked is None or self.widenings >= MAX_WIDENINGS:
             return None
@@ -213,8 +214,8 @@ class PinRounds:
         pin = replace(dropped, nodes=targets, why=(
             f"{dropped.why.split(':')[0]}, widened after round {round_no}: {len(chosen)} layer(s) "
             f"holding {100 * held:.0f}% of the layers' own "
-            f"{self.target.weights.name.upper()} squared error (rel L2 {error:.3g}; the pin of "
-            f"{len(dropped.nodes)} did not lower it by a tenth)"))
+            f"{self.target.weights.name.upper()} squared error (rel L2 {error:.3g} over the gate "
+            f"with the pin of {len(dropped.nodes)})"))
         self._ranked = (attribution, error, room, replace(pin, nodes=tuple(x.node for x in chosen)))
         self.notes.append(f"round {round_no}: widened the attributed pin from "
                           f"{len(dropped.nodes)} "
