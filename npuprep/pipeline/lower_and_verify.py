@@ -41,7 +41,8 @@ def lower_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                      use: SampleUse, io_types: str, rtol: float, max_rounds: int,
                      max_fp32_share: float, opset: int | None, top_k: Mapping[str, int],
                      stage: Callable[[str], None]) -> ConversionResult:
-    """`planned` built for `target` in up to `max_rounds` verification rounds; its FP32
+    """`planned` built for `target` in up to `max_rounds` verification rounds (and up to
+    pin_rounds.MAX_WIDENINGS more where an attributed pin falls short of the gate); its FP32
     share (failing over `max_fp32_share`) and the ledger of what its pins cost."""
     work, stats, plan = planned.model, planned.stats, planned.plan
     rounds = PinRounds(target, samples, rtol=rtol, max_fp32_share=max_fp32_share,
