@@ -25,7 +25,7 @@ def test_ledger_prints_every_format_and_json_lists_them(save):
         assert word in r.stdout
     doc = json.loads(run_cli("ledger", path, "--target", "a100", "--json").stdout)
     formats = {f["format"]: f for f in doc["formats"]}
-    assert set(formats) == {"fp32", "fp16", "bf16", "int8 plan"}
+    assert set(formats) == {"fp32", "tf32", "fp16", "bf16", "int8 plan"}
     for f in formats.values():
         assert {"format", "estimated_ms", "speedup_vs_fp32", "memory_bound_share"} <= set(f)
     assert formats["fp32"]["speedup_vs_fp32"] == 1.0 and formats["fp16"]["speedup_vs_fp32"] > 1.5

@@ -15,8 +15,10 @@ from typing import Any
 import onnx
 
 from npuprep.flops import node_flops, tensor_shapes
+from npuprep.formatting import percent, ratio
 from npuprep.graph import tensor_types
 from npuprep.ledger.formats import converted_costs, planned_costs
+from npuprep.ledger.ranges import SpeedupRange, speedup_range
 from npuprep.ledger.roofline import Estimate, NodeCost
 from npuprep.ops import MAC_OPS
 from npuprep.profiles import Pinning, ResolvedTarget, TargetProfile, Throughput
@@ -24,8 +26,9 @@ from npuprep.profiles import Pinning, ResolvedTarget, TargetProfile, Throughput
 SCHEMA_VERSION = 1
 KIND = "ledger"
 CAVEAT = ("estimate: roofline max(FLOPs / dense peak, bytes / bandwidth) per node, from published "
-          "figures; no fusion, caching or launch overhead. Measure on the board (--export-kit).")
-EIGHT_BIT = ("int8", "fp8_e4m3")
+          "figures, scaled by the profile's sustained efficiency, plus its per-node launch cost; "
+          "no caching. Measure on the board (--export-kit), fit with --measured.")
+EIGHT_BIT = ("int8", "fp8_e4m3", "fp8_e5m2")
 CONVERTED = "converted"
 
 
@@ -52,8 +55,31 @@ class Ledger:
         return self.estimates[0].estimated_ms
 
     def speedup(self, estimate: Estimate) -> float | None:
+        if estimate is self.estimates[0]:
+            return 1.0
         ms = estimate.estimated_ms
         return self.fp32_ms / ms if ms and self.fp32_ms is not None else None
+
+    def speedup_vs_tf32(self, estimate: Estimate) -> float | None:
+        tf32 = self.get("tf32")
+        ms = estimate.estimated_ms
+        base = tf32.estimated_ms if tf32 is not None else None
+        return base / ms if base is not None and ms else None
+
+    def why(self, estimate: Estimate, span: SpeedupRange | str | None) -> str:
+        """One sentence: where the row's speed-up comes from."""
+        s = self.speedup(estimate)
+        if estimate is self.estimates[0]:
+            return "the baseline"
+        if s is not None:
+            share = estimate.memory_bound_share or 0.0
+            return (f"{ratio(s)}: {percent(share)} of the estimated {estimate.label} time is "
+                    f"memory-bound at this batch")
+        if isinstance(span, SpeedupRange):
+            return (f"{ratio(span.low.speedup)} to {ratio(span.high.speedup)}: it moves "
+                    f"{ratio(span.bytes_ratio)} fewer bytes than FP32; low end at "
+                    f"{span.low.because()}; high end at {span.high.because()}")
+        return f"no figure: {span}" if span else "no figure"
 
     @property
     def focus(self) -> Estimate:
@@ -82,8 +108,14 @@ class Ledger:
         rows = []
         for e in self.estimates:
             counts = e.bound_counts()
+            span: SpeedupRange | str | None = None
+            if self.speedup(e) is None:
+                span = speedup_range(self.estimates[0], e, self.throughput)
             rows.append({"format": e.label, "estimated_ms": e.estimated_ms,
                          "speedup_vs_fp32": self.speedup(e),
+                         **(span.to_dict() if isinstance(span, SpeedupRange) else {}),
+                         "speedup_vs_tf32": self.speedup_vs_tf32(e), "why": self.why(e, span),
+                         "fused_nodes": sum(1 for n in e.nodes if n.fused),
                          "memory_bound_share": e.memory_bound_share,
                          "compute_bound_nodes": counts["compute"], "memory_bound_nodes": counts["memory"],
                          "casts": e.casts, "flops": sum(n.flops for n in e.nodes),
@@ -124,37 +156,37 @@ def build_ledger(model: onnx.ModelProto, target: ResolvedTarget, *, name: str = 
     borders) or from a `converted` model as written."""
     profile = target.profile
     tp = throughput or profile.throughput
-    shapes = tensor_shapes(model, input_shapes)
-    types = tensor_types(model)
-    flops = node_flops(model, input_shapes)
+    # Every row is costed on one graph: the converted one where given (its rewrites change its
+    # nodes), so "all FP16" and "converted" differ only by the pins and their Casts.
+    graph = converted if converted is not None else model
+    shapes = tensor_shapes(graph, input_shapes)
+    types = tensor_types(graph)
+    flops = node_flops(graph, input_shapes, shapes=shapes)
     precision = target.fmt.name
 
-    def uniform(fmt: str) -> Estimate:
-        costs = planned_costs(model, lambda n, label: fmt, tp, shapes, types, flops, casts=False)
-        return Estimate(fmt, tuple(costs), _unknown(profile, tp, costs))
+    def mixed(label: str, mac: str, rest: str) -> Estimate:
+        costs = planned_costs(graph, lambda n, _: mac if n.op_type in MAC_OPS else rest, tp, shapes,
+                              types, flops, casts=False)
+        return Estimate(label, tuple(costs), _unknown(profile, tp, costs))
 
-    estimates = [uniform("fp32"), uniform(precision)]
+    estimates = [mixed("fp32", "fp32", "fp32")]
+    # Ampere and later run FP32 Conv/MatMul as TF32 by default (TensorRT, cuDNN, cuBLAS).
+    if "tf32" in (*profile.fast_dtypes, *profile.supported_dtypes) and precision != "tf32":
+        estimates.append(mixed("tf32", "tf32", "fp32"))
+    estimates.append(mixed(precision, precision, precision))
     if "bf16" in profile.fast_dtypes and precision != "bf16" and tp.peak("bf16") is not None:
-        estimates.append(uniform("bf16"))
-    eight = next((f for f in EIGHT_BIT if f in profile.fast_dtypes), None)
-    if eight is not None and eight != precision:
-        costs = planned_costs(model, lambda n, label: eight if n.op_type in MAC_OPS else precision,
-                              tp, shapes, types, flops, casts=False)
-        estimates.append(Estimate(f"{eight} plan", tuple(costs),
-                                  _unknown(profile, tp, costs)))
+        estimates.append(mixed("bf16", "bf16", "bf16"))
+    for eight in EIGHT_BIT:
+        if eight in profile.fast_dtypes and eight != precision:
+            estimates.append(mixed(f"{eight} plan", eight, precision))
     costs_c: list[NodeCost] | None = None
     baseline = None
     if converted is not None:
-        c_shapes = tensor_shapes(converted, input_shapes)
-        c_types = tensor_types(converted)
-        c_flops = node_flops(converted, input_shapes)
         # A target that cannot pin runs the converted model's FP32 nodes in its own precision.
         cannot_pin = profile.fp32_pinning is Pinning.NONE
-        costs_c = converted_costs(converted, tp, c_shapes, c_types, c_flops,
+        costs_c = converted_costs(converted, tp, shapes, types, flops,
                                   fp32_runs_as=precision if cannot_pin else None)
-        flat = planned_costs(converted, lambda n, label: precision, tp, c_shapes, c_types, c_flops,
-                             casts=False)
-        baseline = Estimate(f"converted, all {precision}", tuple(flat), _unknown(profile, tp, flat))
+        baseline = estimates[[e.label for e in estimates].index(precision)]
     elif pinned is not None:
         keep = set(pinned)
         costs_c = planned_costs(model, lambda n, label: "fp32" if label in keep else precision,
