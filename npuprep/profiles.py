@@ -70,8 +70,9 @@ class Throughput:
     unit: str = ""
     peak_tflops: dict[str, float | None] = field(default_factory=dict)
     bandwidth_gbs: float | None = None
-    # Sustained share of the roofline per format (measured GEMMs reach ~0.75 of a datasheet
-    # peak); 1 where nothing was measured. `npuprep ledger --measured` fits it.
+    # Sustained share of each format's peak (measured GEMMs reach ~0.75 of a datasheet peak)
+    # and of the bandwidth (key `bandwidth`); 1 where nothing was measured, over 1 where a
+    # published figure understates the die. `npuprep ledger --measured` fits them.
     efficiency: dict[str, float] = field(default_factory=dict)
     launch_us: float = 0.0  # per executed node: kernel launch or NPU dispatch
     fuses_elementwise: bool = False  # the compiler folds activations into their producer
@@ -351,7 +352,8 @@ def _throughput(r: _Reader, value: Any, sources: dict[str, Any]) -> Throughput:
         raise r.fail("sources.peak", "a published peak needs its source (datasheet name or URL)")
     if bandwidth is not None and "bandwidth" not in sources:
         raise r.fail("sources.bandwidth", "a published bandwidth needs its source")
-    effs = r.mapping(top.get("efficiency", {}) or {}, "throughput.efficiency", set(THROUGHPUT_FORMATS))
+    effs = r.mapping(top.get("efficiency", {}) or {}, "throughput.efficiency",
+                     {*THROUGHPUT_FORMATS, "bandwidth"})
     efficiency = {str(k): _share(r, v, f"throughput.efficiency.{k}") for k, v in effs.items()}
     launch = top.get("launch_us", 0.0)
     if isinstance(launch, bool) or not isinstance(launch, int | float) or launch < 0:
@@ -359,6 +361,8 @@ def _throughput(r: _Reader, value: Any, sources: dict[str, Any]) -> Throughput:
     fuses = top.get("fuses_elementwise", False)
     if not isinstance(fuses, bool):
         raise r.fail("throughput.fuses_elementwise", f"expected true or false, got {fuses!r}")
+    if fuses and "fusion" not in sources:
+        raise r.fail("sources.fusion", "fuses_elementwise needs its source (the compiler's documentation)")
     if (efficiency or launch) and "efficiency" not in sources:
         raise r.fail("sources.efficiency", "a sustained efficiency or launch cost needs its source "
                                            "(a measurement: `npuprep ledger --measured` writes one)")
@@ -375,8 +379,8 @@ def _throughput(r: _Reader, value: Any, sources: dict[str, Any]) -> Throughput:
 
 
 def _share(r: _Reader, value: Any, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
-        raise r.fail(key, f"expected a share in (0, 1], got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise r.fail(key, f"expected a positive share of the figure reached, got {value!r}")
     return float(value)
 
 

@@ -77,9 +77,11 @@ def planned_costs(model: onnx.ModelProto, fmt_of: Callable[[onnx.NodeProto, str]
             computes = False
         fmt = fmt_of(node, label) if computes else "fp32"
         size = BYTES_PER_ELEMENT[fmt]
-        # A node fuses only into a producer of its own format (a format border is a kernel's).
+        # Where Casts are modelled, a node fuses only into a producer of its own format (the
+        # Cast between them is a kernel of its own); a TF32 or 8-bit MAC's epilogue runs the
+        # activation in the row's other format.
         src = fusions.get(i)
-        fused = src if src is not None and fmts.get(src) == fmt else None
+        fused = src if src is not None and (not casts or fmts.get(src) == fmt) else None
         for o in node.output:
             fmts[o] = fmt
         costs.append(node_cost(node, label, fmt, flops.get(label, 0), shapes,

@@ -10,8 +10,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,10 @@ import onnx
 from npuprep.errors import NpuprepError
 from npuprep.json_io import loads
 from npuprep.ledger.ledger import CONVERTED, Ledger
+from npuprep.ledger.roofline import Estimate
 from npuprep.model_io import fingerprint
 from npuprep.output_files import OutputSet
+from npuprep.profiles import Throughput
 
 KIND = "ledger-kit"
 RESULTS_KIND = "ledger-results"
@@ -43,6 +46,14 @@ def _stem(name: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name) or "_"
 
 
+def kit_fingerprint(models: Mapping[str, onnx.ModelProto]) -> str:
+    """What ties a results.json to the models it timed: their fingerprints, in kit order."""
+    digest = hashlib.sha256()
+    for proto in models.values():
+        digest.update(fingerprint(proto).encode())
+    return digest.hexdigest()[:16]
+
+
 def kit_files(directory: str | Path, models: Sequence[str], inputs: Sequence[str]) -> list[Path]:
     """The files `export_kit` writes for these model and input names (declare them first; a
     model's `<name>.onnx.data` comes with it, see OutputPlan.writes_model)."""
@@ -53,26 +64,28 @@ def kit_files(directory: str | Path, models: Sequence[str], inputs: Sequence[str
 
 
 def export_kit(files: OutputSet, directory: str | Path, models: Mapping[str, onnx.ModelProto],
-               feeds: Mapping[str, np.ndarray], ledger: Ledger) -> dict[str, Any]:
+               feeds: Mapping[str, np.ndarray], ledger: Ledger,
+               converted_trt: Sequence[str] = ("--fp16",)) -> dict[str, Any]:
     """Stage the kit: `models` by name ('fp32', 'converted'), one input sample, the runner,
-    a README with every backend's steps, a manifest with the ledger's estimates."""
+    a README with every backend's steps, a manifest with the ledger's estimates.
+    `converted_trt`: the trtexec flags convert wrote for the converted model (its FP32 pins
+    obeyed); the FP32 model gets `--noTF32` (TensorRT runs FP32 as TF32 unless told)."""
     d = Path(directory)
     estimates = {e.label: e.estimated_ms for e in ledger.estimates}
-    digest = hashlib.sha256()
     entries = []
     for name, proto in models.items():
-        digest.update(fingerprint(proto).encode())
         # Weights left in the user's files are copied into the kit (external data past 2 GB).
         files.model(proto, d / "models" / f"{name}.onnx")
         entries.append({"name": name, "model": f"models/{name}.onnx",
-                        "estimated_ms": estimates.get(CONVERTED if name == CONVERTED else "fp32")})
+                        "estimated_ms": estimates.get(CONVERTED if name == CONVERTED else "fp32"),
+                        "trtexec_flags": ["--noTF32"] if name == "fp32" else list(converted_trt)})
     inputs = []
     for name, arr in feeds.items():
         stem = _stem(name)
         files.bytes(d / "inputs" / f"{stem}.npy", _npy(np.asarray(arr)))
         inputs.append({"name": name, "file": f"inputs/{stem}.npy", "shape": list(np.shape(arr)),
                        "dtype": str(np.asarray(arr).dtype)})
-    manifest = {"kind": KIND, "schema_version": 1, "fingerprint": digest.hexdigest()[:16],
+    manifest = {"kind": KIND, "schema_version": 1, "fingerprint": kit_fingerprint(models),
                 "target": ledger.target, "model": ledger.model, "warmup": WARMUP, "runs": RUNS,
                 "models": entries, "inputs": inputs}
     files.text(d / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -85,7 +98,7 @@ def _readme(manifest: Mapping[str, Any]) -> str:
     shapes = ",".join(f"{i['name']}:{'x'.join(str(s) for s in i['shape'])}" for i in manifest["inputs"])
     trt = []
     for m in manifest["models"]:
-        flags = "" if m["name"] == "fp32" else " --fp16"
+        flags = "".join(f" {shlex.quote(a)}" for a in m["trtexec_flags"])
         trt.append(f"trtexec --onnx={m['model']}{flags} --shapes={shapes} --warmUp=0 "
                    f"--duration=0 --iterations={manifest['runs'] + manifest['warmup']} --avgRuns=1 "
                    f"--percentile=50,90 --useSpinWait --exportTimes={m['name']}_times.json")
@@ -178,3 +191,70 @@ def measured_rows(ledger: Ledger, results: Mapping[str, Any]) -> list[MeasuredRo
         rows.append(MeasuredRow(name, estimate.estimated_ms if estimate else None,
                                 float(m["median_ms"]), m.get("p90_ms"), m.get("peak_memory_mb")))
     return rows
+
+
+def check_results(results: Mapping[str, Any], path: str | Path,
+                  models: Mapping[str, onnx.ModelProto]) -> None:
+    """Refuse a results.json timed on other models than these (another model's kit)."""
+    expected, found = kit_fingerprint(models), results.get("kit")
+    if found != expected:
+        raise NpuprepError(f"{path}: key 'kit': fingerprint {found!r} is not this model's "
+                           f"{expected!r} (results of another model or conversion)")
+
+
+def measured_on(results: Mapping[str, Any]) -> str:
+    """The backend and machine the timings come from, for the line that states them."""
+    backends = sorted({str(m.get("backend") or "unknown backend") for m in results["models"].values()})
+    device = results.get("device") or {}
+    machine = ", ".join(str(device[k]) for k in ("gpu", "machine", "platform") if device.get(k))
+    return f"{'; '.join(backends)} on {machine or 'an unnamed machine'}"
+
+
+@dataclass(frozen=True)
+class Fit:
+    """measured = scale * roofline + launches * launch_us, fitted on the measured rows."""
+
+    scale: float  # every sustained efficiency is divided by it
+    launch_us: float
+    throughput: Throughput
+    rows: tuple[tuple[str, float, float, float], ...]  # model, measured, before, after (ms)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"efficiency_scale": 1 / self.scale, "launch_us": self.launch_us,
+                "efficiency": dict(self.throughput.efficiency),
+                "rows": [{"model": m, "median_ms": t, "estimated_ms": b, "fitted_ms": a}
+                         for m, t, b, a in self.rows]}
+
+
+def _launches(estimate: Estimate) -> int:
+    return sum(1 for n in estimate.nodes if n.bound not in ("free",) and not n.fused)
+
+
+def fit_throughput(ledger: Ledger, results: Mapping[str, Any]) -> Fit | None:
+    """Scale and per-node launch cost that put the estimates on the measured medians: exact for
+    two rows, least squares beyond; the launch cost held at 0 where the fit would make it
+    negative. None where no row has an estimate (a figure unknown)."""
+    tp = ledger.throughput
+    points = []
+    for row in measured_rows(ledger, results):
+        estimate = ledger.get(CONVERTED if row.name == CONVERTED else row.name)
+        if estimate is None or estimate.estimated_ms is None:
+            continue
+        n = _launches(estimate)
+        points.append((row.name, row.median_ms, estimate.estimated_ms,
+                       estimate.estimated_ms - n * tp.launch_us / 1e3, n))
+    if not points:
+        return None
+    roof = np.array([p[3] for p in points])
+    launches = np.array([p[4] for p in points], dtype=float)
+    measured = np.array([p[1] for p in points])
+    scale, launch_ms = float(measured @ roof / (roof @ roof)), 0.0
+    if len(points) >= 2:
+        solved, *_ = np.linalg.lstsq(np.stack([roof, launches], axis=1), measured, rcond=None)
+        if solved[0] > 0 and solved[1] >= 0:
+            scale, launch_ms = float(solved[0]), float(solved[1])
+    formats = [f for f, v in tp.peak_tflops.items() if v is not None]
+    efficiency = {f: round(tp.efficiency_of(f) / scale, 6) for f in (*formats, "bandwidth")}
+    fitted = replace(tp, efficiency=efficiency, launch_us=round(launch_ms * 1e3, 6))
+    rows = tuple((name, t, before, scale * r + n * launch_ms) for name, t, before, r, n in points)
+    return Fit(scale, launch_ms * 1e3, fitted, rows)

@@ -76,9 +76,9 @@ class Ledger:
             return (f"{ratio(s)}: {percent(share)} of the estimated {estimate.label} time is "
                     f"memory-bound at this batch")
         if isinstance(span, SpeedupRange):
-            return (f"{ratio(span.low.speedup)} to {ratio(span.high.speedup)}: it moves "
-                    f"{ratio(span.bytes_ratio)} fewer bytes than FP32; low end at "
-                    f"{span.low.because()}; high end at {span.high.because()}")
+            return (f"{ratio(span.low.speedup)} to {ratio(span.high.speedup)} (FP32 moves "
+                    f"{ratio(span.bytes_ratio)} its bytes): low end at {span.low.because()}; "
+                    f"high end at {span.high.because()}")
         return f"no figure: {span}" if span else "no figure"
 
     @property

@@ -1,7 +1,7 @@
 """A speed-up range where the profile lacks a peak or the bandwidth: what the known figures allow.
 
 Measured in time units of one byte at the memory bandwidth, a node costs
-`max(flops / (ridge * ratio[fmt]), bytes) / efficiency[fmt]`, where `ridge` is FP32's ridge
+`max(flops / (ridge * ratio[fmt] * eff[fmt]), bytes / eff[bandwidth])`, where `ridge` is FP32's ridge
 point (peak FLOPs per byte of bandwidth) and `ratio[fmt]` the format's peak over FP32's. The
 bandwidth cancels from a speed-up, so a row needs only those two: taken from the published
 figures where both are known, else from the profile's `throughput.assumed` ranges (each with
@@ -79,7 +79,8 @@ def _ratio(tp: Throughput, fmt: str) -> tuple[tuple[float, ...], bool] | None:
 
 
 def _time(nodes: Sequence[NodeCost], ridge: float, ratio: dict[str, float], tp: Throughput) -> float:
-    return sum(max(n.flops / (ridge * ratio[n.fmt]), n.bytes) / tp.efficiency_of(n.fmt)
+    memory = tp.efficiency_of("bandwidth")
+    return sum(max(n.flops / (ridge * ratio[n.fmt] * tp.efficiency_of(n.fmt)), n.bytes / memory)
                for n in nodes if n.bound != "free")
 
 

@@ -1,8 +1,8 @@
-"""Per node `max(flops / peak[fmt], bytes / bandwidth) / efficiency[fmt] + launch`.
+"""Per node `max(flops / (peak[fmt] * eff[fmt]), bytes / (bandwidth * eff[bandwidth])) + launch`.
 
-An estimate: one dense peak per format for the unit that runs the model, the share of it a
-sustained kernel reaches (the profile's `efficiency`, 1 unless measured), one memory
-bandwidth, every node reads its inputs and writes its outputs once (no cache reuse) and costs
+An estimate: one dense peak per format for the unit that runs the model and one memory
+bandwidth, each scaled by the share a sustained kernel reaches (the profile's `efficiency`, 1
+unless measured), every node reads its inputs and writes its outputs once (no cache reuse) and costs
 the profile's per-node launch. Where the profile says the compiler fuses, an activation or
 elementwise op that is its producer's only reader runs in that producer's epilogue: it moves
 only its other operands and launches nothing. Reshape-like views and constant folding move
@@ -63,9 +63,9 @@ def roofline_ms(flops: float, nbytes: float, fmt: str, throughput: Throughput, *
     bandwidth = throughput.bandwidth_gbs
     if peak is None or bandwidth is None:
         return None, "unknown"
-    compute = 1e3 * flops / (peak * 1e12)
-    memory = 1e3 * nbytes / (bandwidth * 1e9)
-    ms = max(compute, memory) / throughput.efficiency_of(fmt) + launches * throughput.launch_us / 1e3
+    compute = 1e3 * flops / (peak * 1e12 * throughput.efficiency_of(fmt))
+    memory = 1e3 * nbytes / (bandwidth * 1e9 * throughput.efficiency_of("bandwidth"))
+    ms = max(compute, memory) + launches * throughput.launch_us / 1e3
     return ms, "compute" if compute >= memory else "memory"
 
 
@@ -87,7 +87,10 @@ def node_cost(node: onnx.NodeProto, label: str, fmt: str, flops: int,
     if gather:
         # A gather reads the rows it picks (as many as it writes), not the whole table.
         nbytes += int(math.prod(shapes.get(node.output[0], ())) * itemsize(node.output[0]))
-    ms, bound = roofline_ms(flops, nbytes, fmt, throughput, launches=0 if fused_from else 1)
+    # A fused op's arithmetic hides under its producer's memory traffic: only its other
+    # operands cost time.
+    ms, bound = roofline_ms(0 if fused_from else flops, nbytes, fmt, throughput,
+                            launches=0 if fused_from else 1)
     return NodeCost(label, node.op_type, fmt, flops, nbytes, ms, bound, node.op_type == "Cast",
                     fused_from is not None)
 

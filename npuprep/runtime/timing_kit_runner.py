@@ -28,6 +28,9 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Where IO binding puts the inputs and outputs for each execution provider.
+DEVICE_OF_PROVIDER = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "cuda",
+                      "CPUExecutionProvider": "cpu"}
 
 
 def _read(path):
@@ -60,6 +63,10 @@ def device_state():
         if freq:
             devfreq[os.path.basename(dev)] = freq  # Rockchip NPU, Jetson GPU clocks
     state["devfreq_hz"] = devfreq
+    if shutil.which("nvidia-smi"):  # the GPU a CUDA provider runs on
+        query = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm",
+                                "--format=csv,noheader"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        state["gpu"] = query.stdout.decode(errors="replace").strip()
     if shutil.which("nvpmodel"):  # Jetson power mode
         query = subprocess.run(["nvpmodel", "-q"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         state["nvpmodel"] = query.stdout.decode(errors="replace").strip()
@@ -88,6 +95,48 @@ def _peak_rss_mb():
     return peak / 1024.0 if sys.platform != "darwin" else peak / 2 ** 20  # kB on Linux
 
 
+def _time_ort(entry, feeds, args):
+    """onnxruntime with inputs and outputs bound on the provider's device (IO binding), so the
+    timing is the model's, not the copies over PCIe; the asked-for provider or a refusal."""
+    import onnxruntime as ort
+
+    providers = args.providers.split(",") if args.providers else ["CPUExecutionProvider"]
+    available = ort.get_available_providers()
+    if providers[0] not in available:
+        raise SystemExit("refused: {} is not in this onnxruntime ({} has {}); install the build "
+                         "that has it".format(providers[0], ort.__version__, ", ".join(available)))
+    session = ort.InferenceSession(os.path.join(HERE, entry["model"]), providers=providers)
+    if session.get_providers()[0] != providers[0]:
+        raise SystemExit(f"refused: {providers[0]} did not load (onnxruntime fell back to {session.get_providers()[0]}); its libraries "
+                         "(CUDA, cuDNN, TensorRT) are missing or mismatched")
+    device = DEVICE_OF_PROVIDER.get(providers[0], "cpu")
+    binding = session.io_binding()
+    for name, arr in feeds.items():
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr, device, 0))
+    for out in session.get_outputs():
+        binding.bind_output(out.name, device, 0)
+
+    def run():
+        session.run_with_iobinding(binding)
+        if device != "cpu":
+            binding.synchronize_outputs()
+
+    result = _time(run, args.warmup, args.runs)
+    result["backend"] = "onnxruntime " + ort.__version__ + " " + ",".join(session.get_providers())
+    result["provider"], result["device"] = providers[0], device
+    result["io_binding"] = "inputs and outputs on " + device
+    result["versions"] = {"onnxruntime": ort.__version__, "numpy": np.__version__,
+                          "python": platform.python_version()}
+    return result
+
+
+def _rknn_version(rknn):
+    try:
+        return str(rknn.get_sdk_version())
+    except Exception:  # noqa: BLE001 - older RKNNLite builds lack it; the timing still stands
+        return "unknown"
+
+
 def time_one(name, args):
     """Time one model in this process and print its JSON line."""
     with open(os.path.join(HERE, "manifest.json")) as fh:
@@ -95,12 +144,7 @@ def time_one(name, args):
     entry = next(m for m in manifest["models"] if m["name"] == name)
     feeds = _inputs(manifest)
     if args.backend == "ort":
-        import onnxruntime as ort
-
-        providers = args.providers.split(",") if args.providers else ["CPUExecutionProvider"]
-        session = ort.InferenceSession(os.path.join(HERE, entry["model"]), providers=providers)
-        result = _time(lambda: session.run(None, feeds), args.warmup, args.runs)
-        result["backend"] = "onnxruntime " + ort.__version__ + " " + ",".join(session.get_providers())
+        result = _time_ort(entry, feeds, args)
     else:
         from rknnlite.api import RKNNLite
 
@@ -112,6 +156,8 @@ def time_one(name, args):
         data = [feeds[i["name"]] for i in manifest["inputs"]]
         result = _time(lambda: rknn.inference(inputs=data, data_format="nchw"), args.warmup, args.runs)
         result["backend"] = "RKNNLite"
+        result["provider"], result["device"] = "RKNNLite", "NPU"
+        result["versions"] = {"rknn_runtime": _rknn_version(rknn), "numpy": np.__version__}
     result["peak_memory_mb"] = _peak_rss_mb()
     result["memory_counter"] = "process peak resident set (ru_maxrss)"
     print(json.dumps(result))
@@ -129,6 +175,8 @@ def from_trtexec(pairs, warmup):
         models[name] = {"median_ms": statistics.median(times),
                         "p90_ms": times[int(0.9 * (len(times) - 1))], "min_ms": times[0],
                         "runs": len(times), "backend": "trtexec (GPU compute time)",
+                        "provider": "TensorRT", "device": "cuda",
+                        "versions": {"trtexec": "see trtexec's log ('TensorRT version')"},
                         "peak_memory_mb": None,
                         "memory_counter": "see trtexec's log: 'Total GPU memory' / engine size"}
     return models
@@ -160,7 +208,10 @@ def main():
                    "--backend", args.backend, "--warmup", str(args.warmup), "--runs", str(args.runs)]
             if args.providers:
                 cmd += ["--providers", args.providers]
-            line = subprocess.run(cmd, check=True, stdout=subprocess.PIPE).stdout.decode().strip()
+            done = subprocess.run(cmd, stdout=subprocess.PIPE)
+            if done.returncode != 0:
+                return 2  # the child said why (a refused provider) on stderr
+            line = done.stdout.decode().strip()
             results["models"][entry["name"]] = json.loads(line.splitlines()[-1])
             print(entry["name"], results["models"][entry["name"]])
     with open(args.out, "w") as fh:
