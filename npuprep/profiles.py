@@ -378,13 +378,13 @@ def _throughput(r: _Reader, value: Any, sources: dict[str, Any]) -> Throughput:
                       fuses_elementwise=fuses, assumed_ridge_fp32=ridge, assumed_peak_vs_fp32=peak_vs)
 
 
-def _share(r: _Reader, value: Any, key: str) -> float:
+def _share(r: _Reader, value: object, key: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise r.fail(key, f"expected a positive share of the figure reached, got {value!r}")
     return float(value)
 
 
-def _range(r: _Reader, value: Any, key: str) -> tuple[float, float]:
+def _range(r: _Reader, value: object, key: str) -> tuple[float, float]:
     """`[low, high]`, both positive, low <= high."""
     if (not isinstance(value, list) or len(value) != 2
             or any(isinstance(v, bool) or not isinstance(v, int | float) or not v > 0 for v in value)

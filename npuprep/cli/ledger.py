@@ -191,7 +191,7 @@ def _feeds(args: argparse.Namespace, model: Any) -> dict[str, Any]:
     return dict(next(iter(samples)))
 
 
-def _refuse_symbolic_dims(args: argparse.Namespace, model: Any) -> None:
+def _refuse_symbolic_dims(args: argparse.Namespace, model: Model) -> None:
     """Without --data, a dim no --input-shape sizes would be costed at 1: refused instead (a
     detector at 1x1 pixels is estimated 500x too fast)."""
     from npuprep.errors import NpuprepError
