@@ -6,7 +6,8 @@
 Per model and target: estimated ms of all-FP32, all-FP16 and the 8-bit plan, FP16's speed-up
 and memory-bound share, and with --converted DIR (holding NAME.TARGET.onnx from `npuprep
 convert`) the converted row and what its pins and casts cost. Figures a profile leaves unknown
-stay `unknown` unless set with --peak/--bandwidth (say where such a figure comes from).
+have no time unless set with --peak/--bandwidth (say where such a figure comes from); their
+speed-ups are then the range the profile's known and assumed figures allow.
 Samples: the model's first calib/*.npz (FLOPs at its shapes). Prints Markdown.
 """
 
@@ -30,6 +31,14 @@ def _x(v: float | None) -> str:
     return "-" if v is None else f"{v:.2g}x"
 
 
+def _speedup(row: dict) -> str:
+    """The row's speed-up over FP32, or the range its known and assumed figures allow."""
+    span = row.get("speedup_range")
+    if row.get("speedup_vs_fp32") is None and span:
+        return f"{span[0]:.2g}-{span[1]:.2g}x"
+    return _x(row.get("speedup_vs_fp32"))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", nargs="+", default=["a2000", "rk3588", "a100", "rtx5000ada"])
@@ -42,8 +51,9 @@ def main() -> int:
     if args.only:
         models = [m for m in models if m.name in args.only]
     print("| model | target | GFLOP | MB moved FP32 / FP16 | FP32 ms | FP16 ms | FP16 vs FP32 "
-          "| memory-bound (FP16) | 8-bit plan ms | converted ms | pins+casts ms (share) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| FP16 vs TF32 | memory-bound (FP16) | 8-bit plan ms (vs FP32) | converted ms | "
+          "pins+casts ms (share) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for folder in models:
         calib = sorted((folder / "calib").glob("*.npz"))
         for target in args.targets:
@@ -72,9 +82,11 @@ def main() -> int:
             moved = f"{rows['fp32']['bytes'] / 1e6:.3g} / {fp16.get('bytes', 0) / 1e6:.3g}"
             print(f"| {folder.name} | {target} | {rows['fp32']['flops'] / 1e9:.3g} | {moved} | "
                   f"{_ms(rows['fp32']['estimated_ms'])} | "
-                  f"{_ms(fp16.get('estimated_ms'))} | {_x(fp16.get('speedup_vs_fp32'))} | "
+                  f"{_ms(fp16.get('estimated_ms'))} | {_speedup(fp16)} | "
+                  f"{_x(fp16.get('speedup_vs_tf32')) if 'tf32' in rows else 'no TF32'} | "
                   f"{'-' if fp16.get('memory_bound_share') is None else format(fp16['memory_bound_share'], '.0%')} | "
-                  f"{_ms(eight.get('estimated_ms'))} | {_ms(conv['estimated_ms']) if conv else '-'} | "
+                  f"{_ms(eight.get('estimated_ms'))} ({_speedup(eight) if eight else '-'}) | "
+                  f"{_ms(conv['estimated_ms']) if conv else '-'} | "
                   f"{cost} |", flush=True)
     return 0
 

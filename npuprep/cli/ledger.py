@@ -244,6 +244,10 @@ def _print(doc: dict[str, Any]) -> None:
     if tf32 is not None and row is not None and row["speedup_vs_tf32"] is not None:
         say(f"{doc['precision']} over TF32 (what FP32 Conv/MatMul run as by default there): "
             f"{ratio(row['speedup_vs_tf32'])}")
+    if doc["unsized_tensors"]:
+        names = doc["unsized_tensors"]
+        say(f"{len(names)} tensor(s) without an inferred shape count as one element each "
+            f"(first: {', '.join(names[:3])}); --input-shape or static shapes size them")
     if any(r["unknown"] for r in doc["formats"]):
         say(f"times unknown: {next(r['unknown'] for r in doc['formats'] if r['unknown'])}")
     pins = doc["pins"]

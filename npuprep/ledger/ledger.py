@@ -16,7 +16,7 @@ import onnx
 
 from npuprep.flops import node_flops, tensor_shapes
 from npuprep.formatting import percent, ratio
-from npuprep.graph import tensor_types
+from npuprep.graph import node_label, tensor_types
 from npuprep.ledger.formats import converted_costs, planned_costs
 from npuprep.ledger.ranges import SpeedupRange, speedup_range
 from npuprep.ledger.roofline import Estimate, NodeCost
@@ -46,6 +46,8 @@ class Ledger:
     # The converted graph itself with every node in the target's precision and no Casts: what
     # the pins and casts are measured against (a converted model's rewrites change its nodes).
     baseline: Estimate | None = None
+    # Computed tensors shape inference could not size: each counts as one element.
+    unsized: tuple[str, ...] = ()
 
     def get(self, label: str) -> Estimate | None:
         return next((e for e in self.estimates if e.label == label), None)
@@ -131,6 +133,7 @@ class Ledger:
                 "caveat": CAVEAT, "throughput": self.throughput.to_dict(),
                 "sources": dict(self.sources), "formats": self.rows(), "pins": self.pins_cost(),
                 "pinned_nodes": list(self.pinned), "costliest_of": focus.label,
+                "unsized_tensors": list(self.unsized),
                 "costliest": [n.to_dict() for n in focus.costliest(10)],
                 **({"nodes": {e.label: [n.to_dict() for n in e.nodes if n.bound != "free"]
                               for e in self.estimates}} if nodes else {})}
@@ -194,6 +197,10 @@ def build_ledger(model: onnx.ModelProto, target: ResolvedTarget, *, name: str = 
     if costs_c is not None:
         estimates.append(Estimate(CONVERTED, tuple(costs_c),
                                   _unknown(profile, tp, costs_c)))
-    sources = {k: v for k, v in profile.sources.items() if k in ("peak", "bandwidth", "throughput")}
+    sources = {k: v for k, v in profile.sources.items()
+               if k in ("peak", "bandwidth", "throughput", "efficiency", "fusion", "assumed")}
+    computed = {n.node for n in estimates[0].nodes if n.bound != "free"}
+    unsized = tuple(o for node in graph.graph.node if node_label(node) in computed
+                    for o in node.output if o and o not in shapes)
     return Ledger(name, profile.name, precision, tp, tuple(estimates), tuple(sorted(pinned or ())),
-                  sources, baseline)
+                  sources, baseline, unsized)
