@@ -87,6 +87,11 @@ class Throughput:
     def efficiency_of(self, fmt: str) -> float:
         return self.efficiency.get(fmt, 1.0)
 
+    def bandwidth_efficiency(self, fmt: str) -> float:
+        """The bandwidth share a node in `fmt` reaches: `bandwidth_<fmt>` where a fit set one
+        (a CPU without FP16 kernels converts as it goes), else `bandwidth`."""
+        return self.efficiency.get(f"bandwidth_{fmt}", self.efficiency_of("bandwidth"))
+
     def to_dict(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
             "unit": self.unit,
@@ -353,7 +358,7 @@ def _throughput(r: _Reader, value: Any, sources: dict[str, Any]) -> Throughput:
     if bandwidth is not None and "bandwidth" not in sources:
         raise r.fail("sources.bandwidth", "a published bandwidth needs its source")
     effs = r.mapping(top.get("efficiency", {}) or {}, "throughput.efficiency",
-                     {*THROUGHPUT_FORMATS, "bandwidth"})
+                     {*THROUGHPUT_FORMATS, "bandwidth", *(f"bandwidth_{f}" for f in THROUGHPUT_FORMATS)})
     efficiency = {str(k): _share(r, v, f"throughput.efficiency.{k}") for k, v in effs.items()}
     launch = top.get("launch_us", 0.0)
     if isinstance(launch, bool) or not isinstance(launch, int | float) or launch < 0:

@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measured", metavar="RESULTS", help="the kit's results.json: measured beside "
                                                           "estimated, gaps over 2x flagged, and the "
                                                           "sustained efficiency and per-node cost fitted")
+    p.add_argument("--fit-on", choices=("median", "min"), default="median",
+                   help="with --measured: the statistic the fit matches (min on a loaded machine, "
+                        "where the median is the scheduler's)")
     p.add_argument("--fitted-profile", metavar="YAML", help="with --measured: write the target's "
                                                             "profile with the fitted figures here "
                                                             "(pass it back with --target)")
@@ -137,15 +140,21 @@ def run(args: argparse.Namespace) -> int:
 
         results = read_results(args.measured)
         check_results(results, args.measured, models)
-        fit = fit_throughput(ledger, results)
+        fit = fit_throughput(ledger, results, f"{args.fit_on}_ms")
         doc["measured"] = {"device": results.get("device"), "measured_on": measured_on(results),
                            "estimated_for": profile.throughput.unit or profile.name,
                            "rows": [r.to_dict() for r in measured_rows(ledger, results)],
                            "fit": fit.to_dict() if fit else None}
         if fit is not None:
-            sources = {**profile.sources, "efficiency": (
+            given = ", ".join([*(f"--peak {f}={v}" for f, v in args.peak),
+                               *([f"--bandwidth {args.bandwidth}"] if args.bandwidth else [])])
+            sources = {**profile.sources,
+                       **({"peak": f"set on the command line ({given})"} if args.peak else {}),
+                       **({"bandwidth": f"set on the command line ({given})"}
+                          if args.bandwidth else {}),
+                       "efficiency": (
                 f"Fitted by npuprep ledger --measured on {args.model} ({measured_on(results)}): "
-                f"measured = {fit.scale:.4g} x roofline + {fit.launch_us:.4g} us per node")}
+                f"{fit.statistic} = {fit.scale:.4g} x roofline + {fit.launch_us:.4g} us per node")}
             fitted_profile = replace(profile, throughput=fit.throughput, sources=sources)
     if args.export_kit or fitted_profile is not None and args.fitted_profile:
         with outputs.open() as files:
@@ -281,7 +290,7 @@ def _print(doc: dict[str, Any]) -> None:
             say(f"Fit: sustained efficiency x{number(fit['efficiency_scale'])}, "
                 f"{number(fit['launch_us'])} us per node: "
                 + ", ".join(f"{r['model']} {number(r['fitted_ms'])} ms (measured "
-                            f"{number(r['median_ms'])})" for r in fit["rows"]))
+                            f"{number(r['measured_ms'])})" for r in fit["rows"]))
         if doc.get("fitted_profile"):
             say(f"fitted profile written to {doc['fitted_profile']}: pass it back with --target")
     if not out().quiet:

@@ -79,8 +79,8 @@ def _ratio(tp: Throughput, fmt: str) -> tuple[tuple[float, ...], bool] | None:
 
 
 def _time(nodes: Sequence[NodeCost], ridge: float, ratio: dict[str, float], tp: Throughput) -> float:
-    memory = tp.efficiency_of("bandwidth")
-    return sum(max(n.flops / (ridge * ratio[n.fmt] * tp.efficiency_of(n.fmt)), n.bytes / memory)
+    return sum(max(n.flops / (ridge * ratio[n.fmt] * tp.efficiency_of(n.fmt)),
+                   n.bytes / tp.bandwidth_efficiency(n.fmt))
                for n in nodes if n.bound != "free")
 
 

@@ -64,7 +64,7 @@ def roofline_ms(flops: float, nbytes: float, fmt: str, throughput: Throughput, *
     if peak is None or bandwidth is None:
         return None, "unknown"
     compute = 1e3 * flops / (peak * 1e12 * throughput.efficiency_of(fmt))
-    memory = 1e3 * nbytes / (bandwidth * 1e9 * throughput.efficiency_of("bandwidth"))
+    memory = 1e3 * nbytes / (bandwidth * 1e9 * throughput.bandwidth_efficiency(fmt))
     ms = max(compute, memory) + launches * throughput.launch_us / 1e3
     return ms, "compute" if compute >= memory else "memory"
 

@@ -2,6 +2,7 @@
 
     onnxruntime (any EP):  python time_models.py [--providers CUDAExecutionProvider,CPUExecutionProvider]
     Rockchip board:        python time_models.py --backend rknnlite     # models/<name>.rknn
+    torch only (CUDA):     python time_models.py --backend torch        # needs onnx; the ops below
     Jetson Orin:           run the trtexec lines of README.md, then
                            python time_models.py --from-trtexec fp32=fp32_times.json ...
     host:                  npuprep ledger MODEL --target T [CONVERTED] --measured results.json
@@ -130,6 +131,80 @@ def _time_ort(entry, feeds, args):
     return result
 
 
+TORCH_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 7: "int64", 6: "int32"}
+
+
+def _torch_op(torch, node, args, attrs):
+    """One ONNX node as eager torch kernels (the handful a GEMM chain, a conv net and a
+    transformer block use); anything else is refused by name."""
+    f = torch.nn.functional
+    op = node.op_type
+    if op == "MatMul":
+        return torch.matmul(*args)
+    if op in ("Add", "Mul", "Sub", "Div"):
+        return {"Add": torch.add, "Mul": torch.mul, "Sub": torch.sub, "Div": torch.div}[op](*args)
+    if op == "Relu":
+        return torch.relu(args[0])
+    if op == "Gelu":
+        return f.gelu(args[0])
+    if op == "Softmax":
+        return torch.softmax(args[0], dim=attrs.get("axis", -1))
+    if op == "Cast":
+        return args[0].to(getattr(torch, TORCH_DTYPES[attrs["to"]]))
+    if op == "Reshape":
+        return args[0].reshape([int(d) for d in args[1].tolist()])
+    if op == "Transpose":
+        return args[0].permute(*attrs["perm"])
+    if op == "GlobalAveragePool":
+        return args[0].mean(dim=(2, 3), keepdim=True)
+    if op == "LayerNormalization":
+        shape = args[0].shape[attrs.get("axis", -1):]
+        return f.layer_norm(args[0], shape, args[1], args[2] if len(args) > 2 else None,
+                            attrs.get("epsilon", 1e-5))
+    if op == "Conv":
+        pads = attrs.get("pads", [0, 0, 0, 0])
+        return f.conv2d(args[0], args[1], args[2] if len(args) > 2 else None,
+                        stride=attrs.get("strides", 1), padding=pads[:2],
+                        dilation=attrs.get("dilations", 1), groups=attrs.get("group", 1))
+    raise SystemExit(f"refused: the torch backend has no kernel for {op} ({node.name}); use onnxruntime, "
+                     "RKNNLite or trtexec")
+
+
+def _time_torch(entry, feeds, args):
+    """Eager torch on CUDA, inputs and weights on the device, outputs left there; one kernel
+    (or a few) per node, no fusion: what the ledger estimates without fusion."""
+    import onnx
+    import torch
+    from onnx import helper, numpy_helper
+
+    if not torch.cuda.is_available():
+        raise SystemExit("refused: torch sees no CUDA device")
+    model = onnx.load(os.path.join(HERE, entry["model"]))
+    dev = torch.device("cuda")
+    values = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()).to(dev)
+              for t in model.graph.initializer}
+    inputs = {k: torch.from_numpy(v).to(dev) for k, v in feeds.items()}
+    nodes = [(n, {a.name: helper.get_attribute_value(a) for a in n.attribute}) for n in model.graph.node]
+    outputs = [o.name for o in model.graph.output]
+
+    def run():
+        env = dict(values, **inputs)
+        for node, attrs in nodes:
+            env[node.output[0]] = _torch_op(torch, node, [env[i] for i in node.input if i], attrs)
+        torch.cuda.synchronize()
+        return [env[o] for o in outputs]
+
+    with torch.inference_mode():
+        result = _time(run, args.warmup, args.runs)
+    result["backend"] = "torch " + torch.__version__ + " eager CUDA " + str(torch.version.cuda)
+    result["provider"], result["device"] = "torch eager", torch.cuda.get_device_name(0)
+    result["io_binding"] = "inputs, weights and outputs on cuda"
+    result["peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20
+    result["versions"] = {"torch": torch.__version__, "cuda": str(torch.version.cuda),
+                          "onnx": onnx.__version__, "numpy": np.__version__}
+    return result
+
+
 def _rknn_version(rknn):
     try:
         return str(rknn.get_sdk_version())
@@ -145,6 +220,8 @@ def time_one(name, args):
     feeds = _inputs(manifest)
     if args.backend == "ort":
         result = _time_ort(entry, feeds, args)
+    elif args.backend == "torch":
+        result = _time_torch(entry, feeds, args)
     else:
         from rknnlite.api import RKNNLite
 
@@ -158,8 +235,11 @@ def time_one(name, args):
         result["backend"] = "RKNNLite"
         result["provider"], result["device"] = "RKNNLite", "NPU"
         result["versions"] = {"rknn_runtime": _rknn_version(rknn), "numpy": np.__version__}
-    result["peak_memory_mb"] = _peak_rss_mb()
-    result["memory_counter"] = "process peak resident set (ru_maxrss)"
+    if "peak_memory_mb" not in result:
+        result["peak_memory_mb"] = _peak_rss_mb()
+        result["memory_counter"] = "process peak resident set (ru_maxrss)"
+    else:
+        result["memory_counter"] = "torch.cuda.max_memory_allocated"
     print(json.dumps(result))
 
 
@@ -184,7 +264,7 @@ def from_trtexec(pairs, warmup):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=("ort", "rknnlite"), default="ort")
+    parser.add_argument("--backend", choices=("ort", "rknnlite", "torch"), default="ort")
     parser.add_argument("--providers", help="onnxruntime execution providers, comma-separated")
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--runs", type=int, default=200)
