@@ -78,7 +78,8 @@ class Ledger:
             return (f"{ratio(s)}: {percent(share)} of the estimated {estimate.label} time is "
                     f"memory-bound at this batch")
         if isinstance(span, SpeedupRange):
-            return (f"{ratio(span.low.speedup)} to {ratio(span.high.speedup)} (FP32 moves "
+            low, high = ratio(span.low.speedup), ratio(span.high.speedup)
+            return (f"{low if low == high else f'{low} to {high}'} (FP32 moves "
                     f"{ratio(span.bytes_ratio)} its bytes): low end at {span.low.because()}; "
                     f"high end at {span.high.because()}")
         return f"no figure: {span}" if span else "no figure"
