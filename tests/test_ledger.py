@@ -141,6 +141,20 @@ def test_a_profile_peak_needs_a_source_and_a_positive_number():
         parse_profile(_profile({"peak_tflops": {"fp99": 1}}, {"peak": "x"}), "t.yaml")
 
 
+def test_assumed_ranges_efficiency_and_fusion_need_their_sources_and_sane_values():
+    assumed = {"assumed": {"ridge_fp32": [4, 64], "peak_vs_fp32": {"fp16": [1, 16]}}}
+    good = parse_profile(_profile(assumed, {"assumed": "doc"}), "t.yaml")
+    assert good.throughput.assumed_peak_vs_fp32 == {"fp16": (1.0, 16.0)}
+    with pytest.raises(NpuprepError, match="key 'sources.assumed'"):
+        parse_profile(_profile(assumed, {}), "t.yaml")
+    with pytest.raises(NpuprepError, match="key 'throughput.assumed.ridge_fp32'"):
+        parse_profile(_profile({"assumed": {"ridge_fp32": [64, 4]}}, {"assumed": "d"}), "t.yaml")
+    with pytest.raises(NpuprepError, match="key 'sources.efficiency'"):
+        parse_profile(_profile({"efficiency": {"fp16": 0.7}}, {}), "t.yaml")
+    with pytest.raises(NpuprepError, match="key 'sources.fusion'"):
+        parse_profile(_profile({"fuses_elementwise": True}, {}), "t.yaml")
+
+
 def test_every_published_builtin_figure_carries_its_source():
     from npuprep.profiles import builtin_names
 
