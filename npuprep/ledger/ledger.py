@@ -1,9 +1,12 @@
 """The ledger: estimated time per format, what the pins cost, the costliest nodes, the bound mix.
 
-Rows: all FP32; all in the target's precision (FP16) and in BF16 where the target runs it fast;
-an 8-bit plan (Conv/MatMul/Gemm in INT8 or FP8, the rest in the target's precision) where the
-target has one; and the plan as converted (its pins and the Casts at their borders, FP32 graph
-inputs and outputs included). An estimate from published peaks: the board kit measures.
+Rows, all on one graph (the converted one where given): all FP32; TF32 (Conv/MatMul/Gemm, the
+rest FP32) where the target has it, the baseline GPUs run FP32 as; all in the target's
+precision (FP16) and in BF16 where the target runs it fast; an 8-bit plan per fast 8-bit format
+(Conv/MatMul/Gemm in INT8 or FP8, the rest in the target's precision); and the plan as
+converted (its pins and the Casts at their borders, FP32 graph inputs and outputs included).
+A row whose time needs a figure the profile lacks gets the speed-up range the known and
+assumed figures allow (ranges.py). An estimate from published peaks: the board kit measures.
 """
 
 from __future__ import annotations
