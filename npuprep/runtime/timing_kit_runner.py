@@ -179,10 +179,15 @@ def _time_torch(entry, feeds, args):
 
     if not torch.cuda.is_available():
         raise SystemExit("refused: torch sees no CUDA device")
+    # FP32 is FP32, as trtexec --noTF32 (cuDNN runs FP32 convolutions as TF32 by default).
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     model = onnx.load(os.path.join(HERE, entry["model"]))
     dev = torch.device("cuda")
-    values = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()).to(dev)
-              for t in model.graph.initializer}
+    # Integer initialisers (Reshape's shapes) stay on the host: reading one back from the
+    # device would synchronise in the middle of the run.
+    values = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()) for t in model.graph.initializer}
+    values = {k: v.to(dev) if v.is_floating_point() else v for k, v in values.items()}
     inputs = {k: torch.from_numpy(v).to(dev) for k, v in feeds.items()}
     nodes = [(n, {a.name: helper.get_attribute_value(a) for a in n.attribute}) for n in model.graph.node]
     outputs = [o.name for o in model.graph.output]
