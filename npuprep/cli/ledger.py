@@ -250,9 +250,12 @@ def _print(doc: dict[str, Any]) -> None:
         say(f"{r['format']}: {r['why']}")
     tf32 = next((r for r in doc["formats"] if r["format"] == "tf32"), None)
     row = next((r for r in doc["formats"] if r["format"] == doc["precision"]), None)
-    if tf32 is not None and row is not None and row["speedup_vs_tf32"] is not None:
-        say(f"{doc['precision']} over TF32 (what FP32 Conv/MatMul run as by default there): "
-            f"{ratio(row['speedup_vs_tf32'])}")
+    if tf32 is not None and row is not None and (row["speedup_vs_tf32"] or
+                                                 row.get("speedup_vs_tf32_range")):
+        span = row.get("speedup_vs_tf32_range")
+        value = (ratio(row["speedup_vs_tf32"]) if row["speedup_vs_tf32"] else
+                 _speedup({"speedup_vs_fp32": None, "speedup_range": span}))
+        say(f"{doc['precision']} over TF32 (what FP32 Conv/MatMul run as by default there): {value}")
     if doc["unsized_tensors"]:
         names = doc["unsized_tensors"]
         say(f"{len(names)} tensor(s) without an inferred shape count as one element each "

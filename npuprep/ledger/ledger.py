@@ -71,6 +71,16 @@ class Ledger:
         base = tf32.estimated_ms if tf32 is not None else None
         return base / ms if base is not None and ms else None
 
+    def _tf32_range(self, estimate: Estimate) -> dict[str, Any]:
+        """`speedup_vs_tf32_range` where TF32's or the row's time is unknown (the two formats'
+        assumed ranges taken independently: a wider range than the die allows, never narrower)."""
+        tf32 = self.get("tf32")
+        if tf32 is None or estimate is tf32 or self.speedup_vs_tf32(estimate) is not None:
+            return {}
+        span = speedup_range(tf32, estimate, self.throughput)
+        return ({"speedup_vs_tf32_range": [span.low.speedup, span.high.speedup]}
+                if isinstance(span, SpeedupRange) else {})
+
     def why(self, estimate: Estimate, span: SpeedupRange | str | None) -> str:
         """One sentence: where the row's speed-up comes from."""
         s = self.speedup(estimate)
@@ -120,7 +130,8 @@ class Ledger:
             rows.append({"format": e.label, "estimated_ms": e.estimated_ms,
                          "speedup_vs_fp32": self.speedup(e),
                          **(span.to_dict() if isinstance(span, SpeedupRange) else {}),
-                         "speedup_vs_tf32": self.speedup_vs_tf32(e), "why": self.why(e, span),
+                         "speedup_vs_tf32": self.speedup_vs_tf32(e),
+                         **self._tf32_range(e), "why": self.why(e, span),
                          "fused_nodes": sum(1 for n in e.nodes if n.fused),
                          "memory_bound_share": e.memory_bound_share,
                          "compute_bound_nodes": counts["compute"], "memory_bound_nodes": counts["memory"],
