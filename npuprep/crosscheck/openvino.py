@@ -1,0 +1,82 @@
+"""OpenVINO's runtime report (npuprep/vendors/openvino.py: `runtime_report`) -> LayerRecords.
+
+    {"format": "openvino_runtime", "hint": "bf16", "layers": [
+      {"name": "z", "type": "Subgraph", "runtime_precision": "f32",
+       "original_names": ["n2_Exp", "n3_Mul", "z"], ...}, ...]}
+
+Each executed layer names the ONNX nodes it came from; a node that writes a graph output
+is named after that output, and the plugin adds suffixes to the parts it splits off
+(`MatMul_3/transpose_b`, `z.0`). Layers it inserts (Reorder, Convert_123 between precisions)
+move or re-type data: they are no compute. Inputs, outputs and constants are skipped.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from npuprep.crosscheck.names import NodeIndex
+from npuprep.crosscheck.record import CompilerReport, LayerRecord, malformed
+from npuprep.vendors.openvino import PRECISIONS, REPORT_FORMAT
+
+_SKIPPED = {"Input", "Output", "Const", "Parameter", "Result"}
+# Layers that only move or re-type data between precisions and layouts.
+_MOVES = {"Reorder", "Convert"}
+_SPLIT_OFF = re.compile(r"(/[^/]+|\.\d+)$")
+
+
+def looks_like(data: Any) -> bool:
+    return isinstance(data, dict) and data.get("format") == REPORT_FORMAT
+
+
+def read_openvino(path: str, data: Any, index: NodeIndex) -> CompilerReport:
+    """A record per executed layer; its nodes run in the layer's runtimePrecision."""
+    if not looks_like(data) or not isinstance(data.get("layers"), list):
+        raise malformed(path, "top level", f"not an OpenVINO runtime report (expected "
+                        f"{{\"format\": \"{REPORT_FORMAT}\", \"layers\": [...]}})")
+    records = []
+    for i, layer in enumerate(data["layers"]):
+        where = f"layers[{i}]"
+        if not isinstance(layer, dict) or not isinstance(layer.get("name"), str):
+            raise malformed(path, where, "a layer needs a 'name'")
+        kind = str(layer.get("type", ""))
+        if kind in _SKIPPED:
+            continue
+        nodes, unresolved = [], []
+        for name in layer.get("original_names", ()) or ():
+            label = _node_for(str(name), index)
+            if label:
+                nodes.append(label)
+            elif not _inserted(str(name), kind):
+                unresolved.append(str(name))
+        precision = PRECISIONS.get(str(layer.get("runtime_precision", "")), "")
+        outs = tuple(PRECISIONS.get(str(p), "") for p in layer.get("output_precisions", ()) or ())
+        records.append(LayerRecord(
+            layer=layer["name"], onnx_nodes=tuple(dict.fromkeys(nodes)), op_type=kind,
+            device=str(data.get("device", "")), in_dtypes=(), out_dtypes=outs,
+            compute_dtype=precision, compute=kind not in _MOVES and bool(nodes or unresolved),
+            unresolved=tuple(unresolved),
+            metrics={"primitive": layer["primitive"]} if layer.get("primitive") else {},
+            where=where))
+    hint = data.get("hint", "")
+    return CompilerReport(path=path, format="openvino", records=tuple(records),
+                          notes=(f"OpenVINO {data.get('openvino', '')} on "
+                                 f"{data.get('device', '')}, INFERENCE_PRECISION_HINT {hint}",))
+
+
+def _node_for(name: str, index: NodeIndex) -> str | None:
+    """The ONNX node `name` stands for: a node name, an output tensor, or either split off."""
+    while name:
+        label = index.resolve(name) or index.producer.get(name)
+        if label:
+            return label
+        shorter = _SPLIT_OFF.sub("", name)
+        if shorter == name:
+            return None
+        name = shorter
+    return None
+
+
+def _inserted(name: str, kind: str) -> bool:
+    """A layer OpenVINO made itself (a Convert or constant between precisions)."""
+    return kind in _MOVES or bool(re.fullmatch(r"(Convert|Constant|Multiply|Subtract)_\d+", name))

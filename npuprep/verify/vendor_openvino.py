@@ -1,0 +1,81 @@
+"""OpenVINO's own run of a conversion vs FP32: outputs' error, and what it ran in which precision.
+
+    rewritten FP32 model (or the 8-bit QDQ model) --INFERENCE_PRECISION_HINT--> OpenVINO CPU
+        -> outputs x host scale vs the reference's FP32 outputs     VendorCheck.outputs
+        -> runtime graph's runtimePrecision per layer vs the plan   VendorCheck.layers
+
+OpenVINO lowers the model itself: an ONNX file's FP16 Cast islands do not survive its CPU
+plugin (measured, target_profiles/openvino-cpu.yaml), so it is given the FP32 graph with the
+plan's exact rewrites and the precision as a hint, which is how its users deploy.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import onnx
+
+from npuprep.data import Feed
+from npuprep.model_io import Model, fingerprint
+from npuprep.profiles import ResolvedTarget
+from npuprep.verify.vendor import VendorCheck, vendor_output_errors
+
+
+def openvino_check(reference: onnx.ModelProto, candidate: onnx.ModelProto,
+                   samples: Sequence[Feed], target: ResolvedTarget, *, plan: Any = None,
+                   precision: str | None = None, rtol: float = 1e-2,
+                   host_scales: Mapping[str, float] | None = None,
+                   top_k: Mapping[str, int] | None = None, device: str = "CPU") -> VendorCheck:
+    """Compile `candidate` with OpenVINO for `precision` (default: the target's format), run
+    `samples`, compare with `reference` in FP32, and crosscheck its runtime layers against
+    `plan` (the conversion's)."""
+    from npuprep.errors import NpuprepError
+    from npuprep.vendors.openvino import run_openvino
+
+    fmt = precision or target.fmt.name
+    feeds = [dict(s) for s in samples]
+    scales = dict(host_scales or {})
+    common = dict(vendor="openvino", target_platform=f"{device}", rtol=rtol,
+                  samples=len(feeds), host_scales=scales)
+    try:
+        done = run_openvino(candidate, feeds, fmt, default=target.profile.default_precision,
+                            device=device)
+    except NpuprepError as e:
+        return VendorCheck(built=False, stage="compile", refusal=str(e), **common)
+    report = done.report()
+    outputs = vendor_output_errors(reference, samples, done.outputs, scales, rtol, top_k)
+    layers = runtime_crosscheck(candidate, report, target, plan)
+    return VendorCheck(built=True, stage=f"hint {done.hint}", outputs=outputs,
+                       accuracy_report=json.dumps(report, indent=1), layers=layers,
+                       **{**common, "target_platform": f"{device}, hint {done.hint}"})
+
+
+def runtime_crosscheck(model: onnx.ModelProto, report: dict[str, Any], target: ResolvedTarget,
+                       plan: Any = None) -> Any:
+    """crosscheck of OpenVINO's runtime report against `plan` (a Plan), on `model`."""
+    from npuprep.crosscheck.check import crosscheck
+    from npuprep.crosscheck.names import NodeIndex
+    from npuprep.crosscheck.openvino import read_openvino
+    from npuprep.crosscheck.plan_view import decision_of
+
+    named = Model(proto=model, path="the converted model", digest=fingerprint(model))
+    index = NodeIndex(named)
+    read = read_openvino("openvino runtime model", report, index)
+    decision = None if plan is None else decision_of(plan, index, "the conversion's plan")
+    return crosscheck(named, read, target, index=index, decision=decision)
+
+
+def precisions_run(report: dict[str, Any]) -> dict[str, int]:
+    """How many compute layers of a runtime report ran in each precision (f32: 12, bf16: 18)."""
+    counts: dict[str, int] = {}
+    for layer in report.get("layers", ()):
+        if layer.get("type") in ("Input", "Output", "Const", "Reorder", "Convert"):
+            continue
+        if not layer.get("original_names"):
+            continue
+        key = layer.get("runtime_precision", "")
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
+
