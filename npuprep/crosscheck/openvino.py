@@ -22,7 +22,9 @@ from npuprep.vendors.openvino import PRECISIONS, REPORT_FORMAT
 _SKIPPED = {"Input", "Output", "Const", "Parameter", "Result"}
 # Layers that only move or re-type data between precisions and layouts.
 _MOVES = {"Reorder", "Convert"}
-_SPLIT_OFF = re.compile(r"(/[^/]+|\.\d+)$")
+_SPLIT_OFF = re.compile(r"(/[^/]+|\.\d+|:\d+)$")
+# `risk_logits_compressed_to_f16`: the Convert OpenVINO puts after a node to store it in f16.
+_COMPRESSED = re.compile(r"(.+)_compressed_to_f16(?:[.:]\d+)?")
 
 
 def looks_like(data: Any) -> bool:
@@ -42,18 +44,31 @@ def read_openvino(path: str, data: Any, index: NodeIndex) -> CompilerReport:
         kind = str(layer.get("type", ""))
         if kind in _SKIPPED:
             continue
-        nodes, unresolved = [], []
+        nodes, unresolved, compressed = [], [], []
         for name in layer.get("original_names", ()) or ():
+            squeezed = _COMPRESSED.fullmatch(str(name))
+            if squeezed:
+                # OpenVINO's Convert of a node's output to f16, inside this layer.
+                compressed += index.outputs.get(_node_for(squeezed.group(1), index) or "", ())
+                continue
             label = _node_for(str(name), index)
             if label:
                 nodes.append(label)
             elif not _inserted(str(name), kind):
                 unresolved.append(str(name))
         precision = PRECISIONS.get(str(layer.get("runtime_precision", "")), "")
-        outs = tuple(PRECISIONS.get(str(p), "") for p in layer.get("output_precisions", ()) or ())
+        outs = [PRECISIONS.get(str(p), "") for p in layer.get("output_precisions", ()) or ()]
+        # The layer's last node writes what leaves it, in the layer's output precision (a
+        # Subgraph computed in f32 may store `..._compressed_to_f16`); the others run in its
+        # runtimePrecision.
+        last = index.outputs.get(nodes[-1], ()) if nodes else ()
         records.append(LayerRecord(
             layer=layer["name"], onnx_nodes=tuple(dict.fromkeys(nodes)), op_type=kind,
-            device=str(data.get("device", "")), in_dtypes=(), out_dtypes=outs,
+            device=str(data.get("device", "")), in_dtypes=(),
+            # A node stored in f16 first: precision_of takes the first dtype given for a tensor.
+            out_dtypes=(*("fp16",) * len(compressed),
+                        *(outs[:1] * len(last) if outs else ("",) * len(last))),
+            out_tensors=(*compressed, *last),
             compute_dtype=precision, compute=kind not in _MOVES and bool(nodes or unresolved),
             unresolved=tuple(unresolved),
             metrics={"primitive": layer["primitive"]} if layer.get("primitive") else {},
@@ -79,4 +94,6 @@ def _node_for(name: str, index: NodeIndex) -> str | None:
 
 def _inserted(name: str, kind: str) -> bool:
     """A layer OpenVINO made itself (a Convert or constant between precisions)."""
-    return kind in _MOVES or bool(re.fullmatch(r"(Convert|Constant|Multiply|Subtract)_\d+", name))
+    base = _SPLIT_OFF.sub("", name)
+    return kind in _MOVES or name.endswith("_decompressed_to_f32") or bool(
+        re.fullmatch(r"(Convert|Constant|Multiply|Subtract|Add)_\d+", base))
