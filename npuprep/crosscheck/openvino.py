@@ -13,7 +13,6 @@ move or re-type data: they are no compute. Inputs, outputs and constants are ski
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from npuprep.crosscheck.names import NodeIndex
 from npuprep.crosscheck.record import CompilerReport, LayerRecord, malformed
@@ -27,13 +26,13 @@ _SPLIT_OFF = re.compile(r"(/[^/]+|\.\d+|:\d+)$")
 _COMPRESSED = re.compile(r"(.+)_compressed_to_f16(?:[.:]\d+)?")
 
 
-def looks_like(data: Any) -> bool:
+def looks_like(data: object) -> bool:
     return isinstance(data, dict) and data.get("format") == REPORT_FORMAT
 
 
-def read_openvino(path: str, data: Any, index: NodeIndex) -> CompilerReport:
+def read_openvino(path: str, data: object, index: NodeIndex) -> CompilerReport:
     """A record per executed layer; its nodes run in the layer's runtimePrecision."""
-    if not looks_like(data) or not isinstance(data.get("layers"), list):
+    if not isinstance(data, dict) or not looks_like(data) or not isinstance(data.get("layers"), list):
         raise malformed(path, "top level", f"not an OpenVINO runtime report (expected "
                         f"{{\"format\": \"{REPORT_FORMAT}\", \"layers\": [...]}})")
     records = []

@@ -125,14 +125,14 @@ def compile_onnx(model: onnx.ModelProto, hint: str, device: str = "CPU") -> Any:
                                f"hint {hint}: {_first_line(e)}") from None
 
 
-def runtime_layers(compiled: Any) -> tuple[RuntimeLayer, ...]:
+def runtime_layers(compiled: object) -> tuple[RuntimeLayer, ...]:
     """The executed layers of a compiled model, in execution order."""
     layers = []
-    for op in compiled.get_runtime_model().get_ordered_ops():
+    for op in compiled.get_runtime_model().get_ordered_ops():  # type: ignore[attr-defined]
         info = op.get_rt_info()
 
-        def text(key: str, info: Any = info) -> str:
-            return str(info[key].astype(str)) if key in info else ""
+        def text(key: str, info: object = info) -> str:
+            return str(info[key].astype(str)) if key in info else ""  # type: ignore[index,operator]
 
         layers.append(RuntimeLayer(
             name=op.get_friendly_name(), layer_type=text("layerType"),

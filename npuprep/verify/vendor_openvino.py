@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import onnx
 
@@ -22,9 +22,13 @@ from npuprep.model_io import Model, fingerprint
 from npuprep.profiles import ResolvedTarget
 from npuprep.verify.vendor import VendorCheck, vendor_output_errors
 
+if TYPE_CHECKING:
+    from npuprep.crosscheck.check import Crosscheck
+    from npuprep.plan import Plan
+
 
 def openvino_check(reference: onnx.ModelProto, candidate: onnx.ModelProto,
-                   samples: Sequence[Feed], target: ResolvedTarget, *, plan: Any = None,
+                   samples: Sequence[Feed], target: ResolvedTarget, *, plan: Plan | None = None,
                    precision: str | None = None, rtol: float = 1e-2,
                    host_scales: Mapping[str, float] | None = None,
                    top_k: Mapping[str, int] | None = None, device: str = "CPU") -> VendorCheck:
@@ -53,7 +57,7 @@ def openvino_check(reference: onnx.ModelProto, candidate: onnx.ModelProto,
 
 
 def runtime_crosscheck(model: onnx.ModelProto, report: dict[str, Any], target: ResolvedTarget,
-                       plan: Any = None) -> Any:
+                       plan: Plan | None = None) -> Crosscheck:
     """crosscheck of OpenVINO's runtime report against `plan` (a Plan), on `model`."""
     from npuprep.crosscheck.check import crosscheck
     from npuprep.crosscheck.names import NodeIndex
@@ -65,17 +69,4 @@ def runtime_crosscheck(model: onnx.ModelProto, report: dict[str, Any], target: R
     read = read_openvino("openvino runtime model", report, index)
     decision = None if plan is None else decision_of(plan, index, "the conversion's plan")
     return crosscheck(named, read, target, index=index, decision=decision)
-
-
-def precisions_run(report: dict[str, Any]) -> dict[str, int]:
-    """How many compute layers of a runtime report ran in each precision (f32: 12, bf16: 18)."""
-    counts: dict[str, int] = {}
-    for layer in report.get("layers", ()):
-        if layer.get("type") in ("Input", "Output", "Const", "Reorder", "Convert"):
-            continue
-        if not layer.get("original_names"):
-            continue
-        key = layer.get("runtime_precision", "")
-        counts[key] = counts.get(key, 0) + 1
-    return dict(sorted(counts.items()))
 

@@ -1,0 +1,97 @@
+"""OpenVINO in the loop: its runtime report read by crosscheck, its real FP16/BF16 kernels.
+
+Skipped where `openvino` is not installed (CI installs npuprep[openvino], so they run there).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import parser
+
+from npuprep.crosscheck.check import crosscheck
+from npuprep.crosscheck.names import NodeIndex
+from npuprep.crosscheck.openvino import read_openvino
+from npuprep.errors import NpuprepError
+from npuprep.model_io import Model, fingerprint
+from npuprep.profiles import load_profile
+from npuprep.runtime.session import make_session, run
+
+pytest.importorskip("openvino")
+
+from npuprep.vendors.openvino import run_openvino  # noqa: E402
+from npuprep.verify.vendor_openvino import openvino_check  # noqa: E402
+
+
+def _mlp() -> onnx.ModelProto:
+    # x -> mm (MatMul, W) -> ex (Exp) -> sq (Mul ex*ex) -> z (Add sq+x)
+    eye = ", ".join("1" if i == j else "0" for i in range(16) for j in range(16))
+    m = parser.parse_model(f"""<ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,16] x) => (float[2,16] z) {{
+      w = Constant<value = float[16,16] {{{eye}}}>()
+      h = MatMul(x, w)
+      e = Exp(h)
+      s = Mul(e, e)
+      z = Add(s, x)
+    }}""")
+    for node, name in zip(m.graph.node, ("w", "mm", "ex", "sq", "add"), strict=True):
+        node.name = name
+    return m
+
+
+def _model(proto: onnx.ModelProto) -> Model:
+    return Model(proto=proto, path="mlp.onnx", digest=fingerprint(proto))
+
+
+def test_bf16_hint_crosscheck_reads_bf16_matmul_and_fp32_elementwise() -> None:
+    proto = _mlp()
+    x = np.full((2, 16), 0.5, np.float32)
+    done = run_openvino(proto, [{"x": x}], "bf16")
+    model = _model(proto)
+    index = NodeIndex(model)
+    report = read_openvino("runtime.json", json.loads(json.dumps(done.report())), index)
+    result = crosscheck(model, report, load_profile("openvino-cpu").resolve("bf16"), index=index)
+    runs = {v.node: v.runs_in for v in result.verdicts}
+    # The CPU plugin runs the MatMul on its BF16 kernel and keeps the fused Exp/Mul/Add in FP32.
+    assert runs["mm"] == "bf16"
+    assert runs["ex"] == runs["sq"] == runs["add"] == "fp32"
+    # BF16 rounding of 0.5 is exact: the outputs match FP32 onnxruntime to BF16's precision.
+    expected = run(make_session(proto), {"x": x})["z"]
+    np.testing.assert_allclose(done.outputs[0]["z"], expected, rtol=1e-2)
+
+
+def test_f16_hint_overflows_loudly_and_crosscheck_names_the_ignored_pin() -> None:
+    # x = 6: Exp gives 403, Exp^2 = 1.6e5 > 65504: Inf in FP16, finite in FP32.
+    proto = _mlp()
+    x = np.full((2, 16), 6.0, np.float32)
+    target = load_profile("openvino-cpu").resolve("fp16")
+    check = openvino_check(proto, proto, [{"x": x}], target, precision="fp16")
+    assert check.built and not check
+    assert check.outputs["z"]["nonfinite"] == 32
+    assert np.isfinite(run(make_session(proto), {"x": x})["z"]).all()
+    model = _model(proto)
+    report = read_openvino("r.json", json.loads(check.accuracy_report), NodeIndex(model))
+    pinned = crosscheck(model, report, target, pinned_nodes=("sq",))
+    assert [v.node for v in pinned.of("pin-ignored")] == ["sq"]
+
+
+def test_report_that_is_not_openvinos_is_one_clear_error() -> None:
+    model = _model(_mlp())
+    with pytest.raises(NpuprepError, match=r"r\.json: top level: not an OpenVINO runtime report"):
+        read_openvino("r.json", {"format": "openvino_runtime"}, NodeIndex(model))
+
+
+def test_unnamed_graph_output_node_maps_by_its_tensor() -> None:
+    # OpenVINO names the node that writes a graph output after the output (`z`, `z.0`).
+    proto = _mlp()
+    proto.graph.node[-1].name = ""
+    model = _model(proto)
+    index = NodeIndex(model)
+    data = {"format": "openvino_runtime", "layers": [
+        {"name": "z.0", "type": "Subgraph", "runtime_precision": "f16",
+         "output_precisions": ["f32"], "original_names": ["ex", "sq", "z", "z.0"]}]}
+    record = read_openvino("r.json", data, index).records[0]
+    assert record.onnx_nodes == ("ex", "sq", index.producer["z"])
