@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 
 from npuprep.errors import NpuprepError
+from npuprep.graph import with_values
 
 REPORT_FORMAT = "openvino_runtime"
 INSTALL_HINT = "install it with: pip install 'npuprep[openvino]'"
@@ -112,8 +113,10 @@ def compile_onnx(model: onnx.ModelProto, hint: str, device: str = "CPU") -> Any:
     core = ov.Core()
     with tempfile.TemporaryDirectory(prefix="npuprep-openvino-") as tmp:
         path = Path(tmp) / "model.onnx"
-        # Weights go beside the file: a model over 2 GB cannot be one protobuf.
-        onnx.save(model, str(path), save_as_external_data=model.ByteSize() > 1 << 30)
+        # OpenVINO reads the file on its own: weights npuprep left in their source's files go
+        # in, then beside this file when large (a model over 2 GB cannot be one protobuf).
+        full = with_values(model)
+        onnx.save(full, str(path), save_as_external_data=full.ByteSize() > 1 << 30)
         try:
             read = core.read_model(str(path))
         except RuntimeError as e:
@@ -167,7 +170,16 @@ def run_openvino(model: onnx.ModelProto, samples: Sequence[Mapping[str, np.ndarr
 
 
 def _first_line(error: Exception) -> str:
+    """OpenVINO's reason in one line: its summary of unconverted ops when it gives one, else
+    its first line that is not a source location or a generic heading."""
     lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
-    # OpenVINO's exceptions start with "Exception from src/...cpp:NN:" before the message.
-    said = [ln for ln in lines if not ln.startswith(("Exception from", "Check "))]
-    return (said or lines or ["no message"])[0][:200]
+    if "Summary:" in lines:
+        said = [ln.lstrip("- ") for ln in lines[lines.index("Summary:") + 1:]]
+    else:
+        said = [ln for ln in lines if not ln.startswith(_GENERIC)]
+    return "; ".join(said or lines or ["no message"])[:300]
+
+
+# Lines of OpenVINO's exceptions that say where, not why.
+_GENERIC = ("Exception from", "Check ", "Loading input model", "FrontEnd API failed",
+            "Model wasn't fully converted", "Failed operations detailed log", "While validating")
