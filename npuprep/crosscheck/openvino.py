@@ -94,5 +94,6 @@ def _node_for(name: str, index: NodeIndex) -> str | None:
 def _inserted(name: str, kind: str) -> bool:
     """A layer OpenVINO made itself (a Convert or constant between precisions)."""
     base = _SPLIT_OFF.sub("", name)
-    return kind in _MOVES or name.endswith("_decompressed_to_f32") or bool(
-        re.fullmatch(r"(Convert|Constant|Multiply|Subtract|Add)_\d+", base))
+    # `..._flatten_reshape`: the Reshape of a Conv bias it adds for its fused kernel.
+    return kind in _MOVES or name.endswith(("_decompressed_to_f32", "_flatten_reshape")) or bool(
+        re.fullmatch(r"(Convert|Constant|Multiply|Subtract|Add|Reshape)_\d+", base))

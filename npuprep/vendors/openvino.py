@@ -146,6 +146,13 @@ def runtime_layers(compiled: object) -> tuple[RuntimeLayer, ...]:
     return tuple(layers)
 
 
+def report_of(model: onnx.ModelProto, precision: str, *, default: str = "bf16",
+              device: str = "CPU") -> dict[str, Any]:
+    """The runtime report of `model` compiled for `precision`, without running it."""
+    hint = hint_for(precision, default)
+    return runtime_report(runtime_layers(compile_onnx(model, hint, device)), device, hint, version())
+
+
 def run_openvino(model: onnx.ModelProto, samples: Sequence[Mapping[str, np.ndarray]],
                  precision: str, *, default: str = "bf16", device: str = "CPU") -> OpenvinoRun:
     """Compile `model` with the hint for `precision` and run it on every sample."""
