@@ -95,3 +95,59 @@ def test_unnamed_graph_output_node_maps_by_its_tensor() -> None:
          "output_precisions": ["f32"], "original_names": ["ex", "sq", "z", "z.0"]}]}
     record = read_openvino("r.json", data, index).records[0]
     assert record.onnx_nodes == ("ex", "sq", index.producer["z"])
+
+
+def test_probe_through_openvino_fp16_is_loud_and_bf16_keeps_fp32_range() -> None:
+    from npuprep.numerics import get_format
+    from npuprep.probe.openvino_backend import OpenvinoBackend
+    from npuprep.probe.runner import run_micro_probes
+
+    # The Mul probe's product is 1.3e5: past FP16's 65504, well inside BF16's range.
+    fp16 = run_micro_probes(OpenvinoBackend("fp16"), get_format("fp16"), ("mul",))
+    bf16 = run_micro_probes(OpenvinoBackend("bf16"), get_format("bf16"), ("mul",))
+    assert [r.verdict for r in fp16.results] == ["inf"]
+    assert [r.verdict for r in bf16.results] == ["no-overflow"]
+
+
+def test_int8_clip_probe_on_openvinos_int8_path_saturates() -> None:
+    from npuprep.probe.int8_clip import run_clip_probe
+
+    assert run_clip_probe("openvino").verdict == "saturate"
+
+
+def test_crosscheck_cli_vendor_report_saved_and_read_back(tmp_path) -> None:
+    from conftest import run_cli
+
+    path = tmp_path / "mlp.onnx"
+    onnx.save(_mlp(), str(path))
+    saved = tmp_path / "rt.json"
+    made = run_cli("crosscheck", path, "--vendor", "openvino", "--target", "openvino-cpu",
+                   "--save-report", saved, "--json")
+    again = run_cli("crosscheck", path, "--report", saved, "--target", "openvino-cpu", "--json")
+    assert made.returncode == again.returncode == 0, made.stderr + again.stderr
+    first, second = json.loads(made.stdout), json.loads(again.stdout)
+    assert second["report_format"] == "openvino"
+    runs = {v["node"]: v["runs_in"] for v in second["verdicts"]}
+    assert runs["mm"] == "bf16" and runs["ex"] == "fp32"
+    assert first["counts"] == second["counts"]
+    both = run_cli("crosscheck", path, "--report", saved, "--vendor", "openvino",
+                   "--target", "openvino-cpu")
+    assert both.returncode == 2 and "not both" in both.stderr
+
+
+def test_convert_verify_with_openvino_gives_its_outputs_verdict_and_runtime_precisions() -> None:
+    from npuprep.convert import convert
+    from npuprep.pipeline import CALIBRATE
+
+    rng = np.random.default_rng(0)
+    samples = [{"x": rng.uniform(-1, 1, (2, 16)).astype(np.float32)} for _ in range(4)]
+    result = convert(_model(_mlp()), load_profile("openvino-cpu"), samples, stats=CALIBRATE,
+                     verify_with="openvino")
+    check = result.vendor
+    assert check is not None and check.built and check
+    assert check.target_platform == "CPU, hint bf16"
+    # Its error is BF16's: at most a few BF16 ulps (2^-8 relative), never zero, never large.
+    assert 0 < check.outputs["z"]["rel_l2"] < 2 ** -6
+    assert check.layers is not None and bool(check.layers)
+    assert {v.node: v.runs_in for v in check.layers.verdicts}["mm"] == "bf16"
+    assert json.loads(check.accuracy_report)["hint"] == "bf16"

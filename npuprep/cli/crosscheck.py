@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     from npuprep.calibrate.stats import RangeStats
     from npuprep.crosscheck.check import Crosscheck
     from npuprep.crosscheck.names import NodeIndex
-    from npuprep.crosscheck.record import CompilerReport
     from npuprep.crosscheck.plan_view import PlanDecision
+    from npuprep.crosscheck.record import CompilerReport
     from npuprep.model_io import Model
     from npuprep.output_files import OutputPlan
     from npuprep.profiles import ResolvedTarget
