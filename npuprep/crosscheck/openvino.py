@@ -92,8 +92,9 @@ def _node_for(name: str, index: NodeIndex) -> str | None:
 
 
 def _inserted(name: str, kind: str) -> bool:
-    """A layer OpenVINO made itself (a Convert or constant between precisions)."""
+    """A name OpenVINO made itself (a Convert between precisions, an MVN it fused): the ONNX
+    names it ran are resolved before this is asked."""
     base = _SPLIT_OFF.sub("", name)
     # `..._flatten_reshape`: the Reshape of a Conv bias it adds for its fused kernel.
     return kind in _MOVES or name.endswith(("_decompressed_to_f32", "_flatten_reshape")) or bool(
-        re.fullmatch(r"(Convert|Constant|Multiply|Subtract|Add|Reshape)_\d+", base))
+        re.fullmatch(r"[A-Z][A-Za-z0-9]*_\d+", base))  # its own `OpType_N` (MVN_36, Convert_12)
