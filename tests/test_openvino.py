@@ -151,3 +151,18 @@ def test_convert_verify_with_openvino_gives_its_outputs_verdict_and_runtime_prec
     assert check.layers is not None and bool(check.layers)
     assert {v.node: v.runs_in for v in check.layers.verdicts}["mm"] == "bf16"
     assert json.loads(check.accuracy_report)["hint"] == "bf16"
+
+
+def test_fullyconnected_named_after_its_bias_carries_the_matmul_not_the_weight_transpose() -> None:
+    # OpenVINO: `mm/transpose_b` (f32) is the weight's transpose; the FullyConnected that ran
+    # mm keeps only the name of the node it absorbed after it (`ex` here).
+    model = _model(_mlp())
+    index = NodeIndex(model)
+    data = {"format": "openvino_runtime", "layers": [
+        {"name": "mm/transpose_b", "type": "Transpose", "runtime_precision": "f32",
+         "output_precisions": ["f32"], "original_names": ["mm/transpose_b"]},
+        {"name": "ex", "type": "FullyConnected", "runtime_precision": "bf16",
+         "output_precisions": ["bf16"], "original_names": ["ex"]}]}
+    report = read_openvino("r.json", data, index)
+    result = crosscheck(model, report, load_profile("openvino-cpu").resolve("bf16"), index=index)
+    assert {v.node: v.runs_in for v in result.verdicts}["mm"] == "bf16"

@@ -277,6 +277,9 @@ def _print_vendor(vendor: dict[str, Any] | None) -> None:
         print(f"accuracy_analysis: non-finite layers {names}")
     if layers and vendor["vendor"] == "openvino":
         print(_openvino_layers(layers))
+        for note in layers.get("notes", ()):
+            if note.startswith("OpenVINO ran"):
+                say(note)
     if vendor["range_warnings"]:
         print(f"the toolkit warns these tensors leave FP16: {', '.join(vendor['range_warnings'][:8])}")
     if vendor.get("eight_bit"):

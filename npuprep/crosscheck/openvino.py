@@ -21,6 +21,8 @@ from npuprep.vendors.openvino import PRECISIONS, REPORT_FORMAT
 _SKIPPED = {"Input", "Output", "Const", "Parameter", "Result"}
 # Layers that only move or re-type data between precisions and layouts.
 _MOVES = {"Reorder", "Convert"}
+_MAC_LAYERS = {"FullyConnected", "Convolution", "MatMul", "Deconvolution"}
+_MACS = {"MatMul", "Gemm", "Conv", "ConvTranspose"}
 _SPLIT_OFF = re.compile(r"(/[^/]+|\.\d+|:\d+)$")
 # `risk_logits_compressed_to_f16`: the Convert OpenVINO puts after a node to store it in f16.
 _COMPRESSED = re.compile(r"(.+)_compressed_to_f16(?:[.:]\d+)?")
@@ -43,7 +45,7 @@ def read_openvino(path: str, data: object, index: NodeIndex) -> CompilerReport:
         kind = str(layer.get("type", ""))
         if kind in _SKIPPED:
             continue
-        nodes, unresolved, compressed = [], [], []
+        nodes, unresolved, compressed, whole = [], [], [], False
         for name in layer.get("original_names", ()) or ():
             squeezed = _COMPRESSED.fullmatch(str(name))
             if squeezed:
@@ -53,8 +55,12 @@ def read_openvino(path: str, data: object, index: NodeIndex) -> CompilerReport:
             label = _node_for(str(name), index)
             if label:
                 nodes.append(label)
+                # `cond_in_mm/transpose_b` is a part it split off the node (the weight's
+                # transpose before a fused FullyConnected), not where the node ran.
+                whole = whole or "/" not in str(name)
             elif not _inserted(str(name), kind):
                 unresolved.append(str(name))
+        nodes = _with_fused_mac(kind, nodes, index)
         precision = PRECISIONS.get(str(layer.get("runtime_precision", "")), "")
         outs = [PRECISIONS.get(str(p), "") for p in layer.get("output_precisions", ()) or ()]
         # The layer's last node writes what leaves it, in the layer's output precision (a
@@ -68,7 +74,8 @@ def read_openvino(path: str, data: object, index: NodeIndex) -> CompilerReport:
             out_dtypes=(*("fp16",) * len(compressed),
                         *(outs[:1] * len(last) if outs else ("",) * len(last))),
             out_tensors=(*compressed, *last),
-            compute_dtype=precision, compute=kind not in _MOVES and bool(nodes or unresolved),
+            compute_dtype=precision,
+            compute=kind not in _MOVES and (whole or bool(unresolved and not nodes)),
             unresolved=tuple(unresolved),
             metrics={"primitive": layer["primitive"]} if layer.get("primitive") else {},
             where=where))
@@ -76,6 +83,18 @@ def read_openvino(path: str, data: object, index: NodeIndex) -> CompilerReport:
     return CompilerReport(path=path, format="openvino", records=tuple(records),
                           notes=(f"OpenVINO {data.get('openvino', '')} on "
                                  f"{data.get('device', '')}, INFERENCE_PRECISION_HINT {hint}",))
+
+
+def _with_fused_mac(kind: str, nodes: list[str], index: NodeIndex) -> list[str]:
+    """A FullyConnected or Convolution named only after the bias Add it absorbed: the MatMul
+    or Conv feeding that Add is in it too (OpenVINO keeps the last node's name)."""
+    if kind not in _MAC_LAYERS or not nodes or any(index.op_types.get(n) in _MACS for n in nodes):
+        return nodes
+    first = index.node(nodes[0])
+    feeding = [index.producer[i] for i in (first.input if first is not None else ())
+               if i in index.producer]
+    macs = [n for n in feeding if index.op_types.get(n) in _MACS]
+    return [macs[0], *nodes] if len(macs) == 1 else nodes
 
 
 def _node_for(name: str, index: NodeIndex) -> str | None:

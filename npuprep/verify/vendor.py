@@ -58,7 +58,8 @@ class VendorCheck:
                       "non_finite": [v.to_dict() for v in self.layers.of("non-finite")],
                       # Nodes the compiler ran otherwise than the plan decided.
                       "disagree": [v.node for v in self.layers.verdicts
-                                   if v.verdict in ("mismatch", "pin-ignored")]}
+                                   if v.verdict in ("mismatch", "pin-ignored")],
+                      "notes": list(self.layers.notes)}
         return {
             "vendor": self.vendor, "target_platform": self.target_platform, "passed": bool(self),
             "built": self.built, "stage": self.stage, "refusal": self.refusal, "rtol": self.rtol,

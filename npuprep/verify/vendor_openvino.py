@@ -12,7 +12,9 @@ plan's exact rewrites and the precision as a hint, which is how its users deploy
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import onnx
@@ -68,5 +70,23 @@ def runtime_crosscheck(model: onnx.ModelProto, report: dict[str, Any], target: R
     index = NodeIndex(named)
     read = read_openvino("openvino runtime model", report, index)
     decision = None if plan is None else decision_of(plan, index, "the conversion's plan")
-    return crosscheck(named, read, target, index=index, decision=decision)
+    checked = crosscheck(named, read, target, index=index, decision=decision)
+    return replace(checked, notes=(*checked.notes, *_wider(checked, target.fmt.name)))
+
+
+def _wider(checked: Crosscheck, planned: str) -> tuple[str, ...]:
+    """Where OpenVINO decided otherwise and it costs no accuracy: nodes the plan leaves in the
+    target format that it ran wider (under bf16 it keeps elementwise, Softmax and Reduce f32)."""
+    from npuprep.crosscheck.record import PRECISION_ORDER
+
+    if planned not in PRECISION_ORDER:
+        return ()
+    wider = Counter(v.op_type for v in checked.verdicts if v.verdict == "ok" and v.runs_in
+                    in PRECISION_ORDER and PRECISION_ORDER.index(v.runs_in) <
+                    PRECISION_ORDER.index(planned))
+    if not wider:
+        return ()
+    ops = ", ".join(f"{op} {n}" for op, n in wider.most_common(6))
+    return (f"OpenVINO ran {sum(wider.values())} nodes the plan leaves in {planned} wider, its "
+            f"own choice ({ops}): slower than planned, not less accurate",)
 
