@@ -50,14 +50,14 @@ def read_openvino(path: str, data: object, index: NodeIndex) -> CompilerReport:
             squeezed = _COMPRESSED.fullmatch(str(name))
             if squeezed:
                 # OpenVINO's Convert of a node's output to f16, inside this layer.
-                compressed += index.outputs.get(_node_for(squeezed.group(1), index) or "", ())
+                compressed += index.outputs.get(_node_for(squeezed.group(1), index)[0] or "", ())
                 continue
-            label = _node_for(str(name), index)
+            label, split_off = _node_for(str(name), index)
             if label:
                 nodes.append(label)
                 # `cond_in_mm/transpose_b` is a part it split off the node (the weight's
                 # transpose before a fused FullyConnected), not where the node ran.
-                whole = whole or "/" not in str(name)
+                whole = whole or not split_off
             elif not _inserted(str(name), kind):
                 unresolved.append(str(name))
         nodes = _with_fused_mac(kind, nodes, index)
@@ -97,17 +97,20 @@ def _with_fused_mac(kind: str, nodes: list[str], index: NodeIndex) -> list[str]:
     return [macs[0], *nodes] if len(macs) == 1 else nodes
 
 
-def _node_for(name: str, index: NodeIndex) -> str | None:
-    """The ONNX node `name` stands for: a node name, an output tensor, or either split off."""
+def _node_for(name: str, index: NodeIndex) -> tuple[str | None, bool]:
+    """The ONNX node `name` stands for (a node name, an output tensor, or either with a part
+    split off), and whether a `/part` had to be cut off to find it."""
+    split_off = False
     while name:
         label = index.resolve(name) or index.producer.get(name)
         if label:
-            return label
+            return label, split_off
         shorter = _SPLIT_OFF.sub("", name)
         if shorter == name:
-            return None
+            return None, False
+        split_off = split_off or name[len(shorter):].startswith("/")
         name = shorter
-    return None
+    return None, False
 
 
 def _inserted(name: str, kind: str) -> bool:
