@@ -21,6 +21,7 @@ from npuprep.vendors.openvino import PRECISIONS, REPORT_FORMAT
 _SKIPPED = {"Input", "Output", "Const", "Parameter", "Result"}
 # Layers that only move or re-type data between precisions and layouts.
 _MOVES = {"Reorder", "Convert"}
+_WEIGHT_PREP = {"/transpose_a", "/transpose_b"}
 _MAC_LAYERS = {"FullyConnected", "Convolution", "MatMul", "Deconvolution"}
 _MACS = {"MatMul", "Gemm", "Conv", "ConvTranspose"}
 _SPLIT_OFF = re.compile(r"(/[^/]+|\.\d+|:\d+)$")
@@ -55,8 +56,8 @@ def read_openvino(path: str, data: object, index: NodeIndex) -> CompilerReport:
             label, split_off = _node_for(str(name), index)
             if label:
                 nodes.append(label)
-                # `cond_in_mm/transpose_b` is a part it split off the node (the weight's
-                # transpose before a fused FullyConnected), not where the node ran.
+                # `cond_in_mm/transpose_b` is the weight's transpose OpenVINO split off the
+                # node before a fused FullyConnected, not where the node ran.
                 whole = whole or not split_off
             elif not _inserted(str(name), kind):
                 unresolved.append(str(name))
@@ -99,7 +100,8 @@ def _with_fused_mac(kind: str, nodes: list[str], index: NodeIndex) -> list[str]:
 
 def _node_for(name: str, index: NodeIndex) -> tuple[str | None, bool]:
     """The ONNX node `name` stands for (a node name, an output tensor, or either with a part
-    split off), and whether a `/part` had to be cut off to find it."""
+    split off), and whether the part cut off was its weight's preparation (`/transpose_b`),
+    not the node itself (`Conv/WithoutBiases` is the Conv)."""
     split_off = False
     while name:
         label = index.resolve(name) or index.producer.get(name)
@@ -108,7 +110,7 @@ def _node_for(name: str, index: NodeIndex) -> tuple[str | None, bool]:
         shorter = _SPLIT_OFF.sub("", name)
         if shorter == name:
             return None, False
-        split_off = split_off or name[len(shorter):].startswith("/")
+        split_off = split_off or name[len(shorter):] in _WEIGHT_PREP
         name = shorter
     return None, False
 
