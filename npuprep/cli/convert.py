@@ -292,8 +292,8 @@ def _openvino_layers(layers: dict[str, Any]) -> str:
     """What OpenVINO ran against the plan, in one line."""
     counts = ", ".join(f"{k} {n}" for k, n in layers["counts"].items() if n)
     disagree = layers.get("disagree", [])
-    said = "agrees with the plan" if layers["passed"] else \
-        "differs from the plan at " + ", ".join(disagree[:6]) + \
+    said = "agree with the plan" if layers["passed"] else \
+        "differ from the plan at " + ", ".join(disagree[:6]) + \
         (f" and {len(disagree) - 6} more" if len(disagree) > 6 else "")
     return f"OpenVINO's runtime precisions {said} ({counts})"
 
