@@ -16,6 +16,7 @@ import re
 
 from npuprep.crosscheck.names import NodeIndex
 from npuprep.crosscheck.record import CompilerReport, LayerRecord, malformed
+from npuprep.ops import MAC_OPS
 from npuprep.vendors.openvino import PRECISIONS, REPORT_FORMAT
 
 _SKIPPED = {"Input", "Output", "Const", "Parameter", "Result"}
@@ -23,7 +24,6 @@ _SKIPPED = {"Input", "Output", "Const", "Parameter", "Result"}
 _MOVES = {"Reorder", "Convert"}
 _WEIGHT_PREP = {"/transpose_a", "/transpose_b"}
 _MAC_LAYERS = {"FullyConnected", "Convolution", "MatMul", "Deconvolution"}
-_MACS = {"MatMul", "Gemm", "Conv", "ConvTranspose"}
 _SPLIT_OFF = re.compile(r"(/[^/]+|\.\d+|:\d+)$")
 # `risk_logits_compressed_to_f16`: the Convert OpenVINO puts after a node to store it in f16.
 _COMPRESSED = re.compile(r"(.+)_compressed_to_f16(?:[.:]\d+)?")
@@ -89,12 +89,12 @@ def read_openvino(path: str, data: object, index: NodeIndex) -> CompilerReport:
 def _with_fused_mac(kind: str, nodes: list[str], index: NodeIndex) -> list[str]:
     """A FullyConnected or Convolution named only after the bias Add it absorbed: the MatMul
     or Conv feeding that Add is in it too (OpenVINO keeps the last node's name)."""
-    if kind not in _MAC_LAYERS or not nodes or any(index.op_types.get(n) in _MACS for n in nodes):
+    if kind not in _MAC_LAYERS or not nodes or any(index.op_types.get(n) in MAC_OPS for n in nodes):
         return nodes
     first = index.node(nodes[0])
     feeding = [index.producer[i] for i in (first.input if first is not None else ())
                if i in index.producer]
-    macs = [n for n in feeding if index.op_types.get(n) in _MACS]
+    macs = [n for n in feeding if index.op_types.get(n) in MAC_OPS]
     return [macs[0], *nodes] if len(macs) == 1 else nodes
 
 
