@@ -24,7 +24,7 @@ _RUN_KEYS = ("output", "artefacts", "resources")
 
 def test_the_stages_are_declared_in_order():
     assert [s.__name__ for s in STAGES] == ["hold_out", "calibrate", "plan", "build",
-                                            "vendor_check", "verdict", "record"]
+                                            "vendor_check", "user_load", "verdict", "record"]
 
 
 @pytest.mark.parametrize("precision", ["fp16", "int8"])

@@ -1,6 +1,6 @@
 """One conversion pipeline for every format, as a declared list of stages:
 
-    STAGES = (hold_out, calibrate, plan, build, vendor_check, verdict, record)
+    STAGES = (hold_out, calibrate, plan, build, vendor_check, user_load, verdict, record)
 
     hold_out      the held-out part of the samples (or the --holdout ones), refused when the
                   plan has seen them                                     npuprep/holdout.py
@@ -10,6 +10,8 @@
                   int8, fp8_e4m3: rewrite -> quantise -> verify, keep the most sensitive layers
                   wider                                                  pipeline/quantise_and_verify.py
     vendor_check  the vendor toolchain builds and simulates it (--verify-with)  verify/vendor*.py
+    user_load     the model loaded and run once as users load it (default session options, a
+                  forked child); a known onnxruntime refusal avoided       runtime/user_load.py
     verdict       passed, the gate that tripped, the cause               pipeline/verdict.py
     record        what the conversion did, into the converted model     provenance.py
 
@@ -236,6 +238,37 @@ def vendor_check(run: Run) -> Run:
     return replace(run, result=replace(result, vendor=check))
 
 
+def user_load(run: Run) -> Run:
+    """The model to be written, loaded and run on one sample by onnxruntime with default
+    session options (every fusion on), as a user loads it; npuprep's own sessions verified it
+    with fusions that look through Casts off. A norm fused across an FP16 -> FP32 Cast (a
+    load-time type error) is written so that it is not fused; any other refusal or crash is
+    one line, and nothing is written."""
+    from npuprep.rewrite.square_as_product import squares_as_products
+    from npuprep.runtime.user_load import load_as_users_do, onnxruntime_version
+
+    result = run.result
+    assert result is not None, "user_load runs after build"
+    feeds = list(run.held_out or ()) or list(run.feeds)
+    feed = feeds[0] if feeds else None
+    run.progress("loading it as users do")
+    said = load_as_users_do(result.lowered.model, feed)
+    if said is not None and "LayerNormFusion" in said:
+        fixed, squares = squares_as_products(result.lowered.model)
+        if squares and load_as_users_do(fixed, feed) is None:
+            note = (f"{len(squares)} norm square{'s' if len(squares) > 1 else ''} ({squares[0]}"
+                    f"{' ...' if len(squares) > 1 else ''}) written Mul(x, x), not Pow(x, 2): onnxruntime's "
+                    "LayerNormFusion fuses them across an FP16 -> FP32 Cast into a node it refuses to load")
+            result = replace(result, lowered=replace(result.lowered, model=fixed),
+                             notes=(*result.notes, note))
+            said = None
+    if said is not None:
+        raise NpuprepError(f"{run.model.path}: the converted model does not load in onnxruntime "
+                           f"{onnxruntime_version()} with default session options, as users load it "
+                           f"({said}); nothing was written")
+    return replace(run, result=result)
+
+
 def verdict(run: Run) -> Run:
     """Passed, the gate that tripped and the cause: computed once, before anything is written."""
     assert run.result is not None, "verdict runs after build"
@@ -263,7 +296,7 @@ def record(run: Run) -> Run:
     return replace(run, result=replace(result, record=made))
 
 
-STAGES: tuple[Stage, ...] = (hold_out, calibrate, plan, build, vendor_check, verdict, record)
+STAGES: tuple[Stage, ...] = (hold_out, calibrate, plan, build, vendor_check, user_load, verdict, record)
 # Up to the plan: what `convert --plan-only` writes.
 PLAN_STAGES: tuple[Stage, ...] = (calibrate, plan)
 
