@@ -132,10 +132,9 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
     stage("rewriting")
     applied = apply_plan(model.proto, plan)
     # A target that cannot pin runs every node in its format: emulate it so (a PASSED then
-    # matches the device) and move output compensations it cannot hold to the host.
+    # matches the device). Output compensations the device cannot hold move to the host.
     no_pin = profile.fp32_pinning is Pinning.NONE
-    applied, host_scales, host_notes = _host_scales(model, applied, target, stats, samples) \
-        if no_pin else (applied, {}, ())
+    applied, host_scales, host_notes = _host_scales(model, applied, target, stats, samples)
     pinned = set(plan.pinned_nodes()) | set(applied.fp32_nodes)
     pinned |= {n for n, inp in applied.input_nodes.items() if not _fits_format(stats, inp, fmt)}
     lower_fmt = target.weights
@@ -199,8 +198,9 @@ def _folded_at_build(model: Any, lowered: Any) -> set[str]:
 
 def _host_scales(model: Model, applied: Any, target: ResolvedTarget, stats: Any,
                  samples: Sequence[Feed]) -> tuple[Any, dict[str, float], tuple[str, ...]]:
-    """Rescale exits at graph outputs whose true range exceeds the limit leave the device
-    scaled (npuprep.plan.host_scale decides, npuprep.rewrite.output_scale rewrites)."""
+    """Rescale exits at graph outputs the device cannot hold (over the limit where it cannot
+    pin, under the smallest normal anywhere) leave the device scaled
+    (npuprep.plan.host_scale decides, npuprep.rewrite.output_scale rewrites)."""
     from npuprep.plan.host_scale import factor_words, host_scaled_outputs
     from npuprep.rewrite.output_scale import leave_output_scaled
 
