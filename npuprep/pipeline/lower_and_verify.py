@@ -161,7 +161,7 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
                             # The candidate is the emulation of the rewritten model, named by
                             # its source: hashing either would read every weight again.
                             fingerprints=(model.fingerprint, f"{fmt.name}-emulated:{model.fingerprint}"))
-    notes = list(emulation_notes(target, saturate)) + list(host_notes)
+    notes = list(emulation_notes(target, saturate)) + list(host_notes) + _flushed_weights(lowered, lower_fmt)
     if no_pin:
         notes.append(f"target {profile.name} cannot pin FP32 (fp32_pinning: none): every node "
                      f"is emulated in {fmt.name}, FP32 islands of the ONNX file included")
@@ -183,6 +183,19 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
         declined=tuple(applied.declined), notes=tuple(notes), host_scales=host_scales,
         boundary=frozenset(set(applied.fp32_nodes) | (set(applied.input_nodes) & pinned)),
         fp32_reasons=dict(applied.fp32_reasons))
+
+
+def _flushed_weights(lowered: Any, fmt: NumberFormat) -> list[str]:
+    """The weights with non-zero values under the format's smallest subnormal, which the model
+    written stores as 0: named, so a loss the outputs' check passes is still seen."""
+    flushed = sorted(lowered.flushed_weights.items(), key=lambda kv: (-kv[1], kv[0]))
+    if not flushed:
+        return []
+    named = ", ".join(f"'{name}' ({count})" for name, count in flushed[:3])
+    more = f" and {len(flushed) - 3} more" if len(flushed) > 3 else ""
+    return [f"non-zero weights under the smallest {fmt.name} subnormal ({fmt.min_subnormal:.3g}) are "
+            f"0 in the model written: {named}{more} (values per weight); the outputs' check includes "
+            "their loss (a layer they matter to fails it, and verification keeps it FP32)"]
 
 
 def _folded_at_build(model: Any, lowered: Any) -> set[str]:
