@@ -12,7 +12,7 @@ from npuprep.convert import convert
 from npuprep.model_io import Model, fingerprint
 from npuprep.plan import PinFp32, Plan
 from npuprep.profiles import load_profile
-from npuprep.rewrite.square_as_product import squares_as_products
+from npuprep.rewrite.default_session import squares_as_products
 from npuprep.runtime.session import make_session, run
 from npuprep.runtime.user_load import load_as_users_do
 

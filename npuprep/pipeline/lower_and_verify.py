@@ -24,7 +24,7 @@ from npuprep.plan.decide import Planned
 from npuprep.profiles import Pinning, ResolvedTarget
 from npuprep.provenance import record_source
 from npuprep.rewrite.apply import apply_plan
-from npuprep.rewrite.lower import lower
+from npuprep.rewrite.lower import Lowered, lower
 from npuprep.verify.compare import DEFAULT_ATOL, compare_models, emulation_notes
 from npuprep.verify.emulate import emulate
 from npuprep.verify.fp32_share import fp32_share
@@ -185,7 +185,7 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
         fp32_reasons=dict(applied.fp32_reasons))
 
 
-def _flushed_weights(lowered: Any, fmt: NumberFormat) -> list[str]:
+def _flushed_weights(lowered: Lowered, fmt: NumberFormat) -> list[str]:
     """The weights with non-zero values under the format's smallest subnormal, which the model
     written stores as 0: named, so a loss the outputs' check passes is still seen."""
     flushed = sorted(lowered.flushed_weights.items(), key=lambda kv: (-kv[1], kv[0]))

@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+import onnx
+
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed, SampleSet
 from npuprep.errors import NpuprepError
@@ -241,10 +243,9 @@ def vendor_check(run: Run) -> Run:
 def user_load(run: Run) -> Run:
     """The model to be written, loaded and run on one sample by onnxruntime with default
     session options (every fusion on), as a user loads it; npuprep's own sessions verified it
-    with fusions that look through Casts off. A norm fused across an FP16 -> FP32 Cast (a
-    load-time type error) is written so that it is not fused; any other refusal or crash is
-    one line, and nothing is written."""
-    from npuprep.rewrite.square_as_product import squares_as_products
+    with fusions that look through Casts off. What onnxruntime is known to refuse is written
+    so it takes it (rewrite/default_session.py); any other refusal or crash is one line, and
+    nothing is written."""
     from npuprep.runtime.user_load import load_as_users_do, onnxruntime_version
 
     result = run.result
@@ -252,21 +253,36 @@ def user_load(run: Run) -> Run:
     feeds = list(run.held_out or ()) or list(run.feeds)
     feed = feeds[0] if feeds else None
     run.progress("loading it as users do")
-    said = load_as_users_do(result.lowered.model, feed)
-    if said is not None and "LayerNormFusion" in said:
-        fixed, squares = squares_as_products(result.lowered.model)
-        if squares and load_as_users_do(fixed, feed) is None:
-            note = (f"{len(squares)} norm square{'s' if len(squares) > 1 else ''} ({squares[0]}"
-                    f"{' ...' if len(squares) > 1 else ''}) written Mul(x, x), not Pow(x, 2): onnxruntime's "
-                    "LayerNormFusion fuses them across an FP16 -> FP32 Cast into a node it refuses to load")
-            result = replace(result, lowered=replace(result.lowered, model=fixed),
-                             notes=(*result.notes, note))
-            said = None
+    model, note = result.lowered.model, None
+    said = load_as_users_do(model, feed)
+    fixed = _avoided(model, said)
+    if fixed is not None:
+        model, note = fixed
+        said = load_as_users_do(model, feed)
     if said is not None:
         raise NpuprepError(f"{run.model.path}: the converted model does not load in onnxruntime "
                            f"{onnxruntime_version()} with default session options, as users load it "
                            f"({said}); nothing was written")
+    if note is not None:
+        result = replace(result, lowered=replace(result.lowered, model=model),
+                         notes=(*result.notes, note))
     return replace(run, result=result)
+
+
+def _avoided(model: onnx.ModelProto, said: str | None) -> tuple[onnx.ModelProto, str] | None:
+    """`model` rewritten to avoid the refusal onnxruntime `said`, and the note; None if it is
+    no pattern we know."""
+    from npuprep.rewrite.default_session import squares_as_products
+
+    if said is not None and "LayerNormFusion" in said:
+        fixed, squares = squares_as_products(model)
+        if not squares:
+            return None
+        return fixed, (f"{len(squares)} norm square{'s' if len(squares) > 1 else ''} ({squares[0]}"
+                       f"{' ...' if len(squares) > 1 else ''}) written Mul(x, x), not Pow(x, 2): "
+                       "onnxruntime's LayerNormFusion fuses them across an FP16 -> FP32 Cast into a "
+                       "node it refuses to load")
+    return None
 
 
 def verdict(run: Run) -> Run:

@@ -61,7 +61,7 @@ def _load_and_run(proto: onnx.ModelProto, feed: dict[str, np.ndarray], writer: C
     # Each step is told before it starts, so a crash names the step it happened in.
     stage = "writing it"
     # Its warnings (an initializer it drops) are the user's to see when they load it, not ours.
-    ort.set_default_logger_severity(3)
+    ort.set_default_logger_severity(4)
     try:
         with tempfile.TemporaryDirectory(prefix="npuprep-user-load-") as folder:
             path = Path(folder) / "model.onnx"

@@ -1,9 +1,10 @@
-"""A norm's square written `Mul(x, x)` instead of `Pow(x, 2)`, so onnxruntime does not fuse it.
+"""The lowered model written so that onnxruntime's default session (every fusion and layout
+pass on, as users load it) takes it: the patterns it refuses, each rewritten exactly.
 
-onnxruntime's LayerNormFusion (every session with default options) matches the decomposed
-norm `ReduceMean, Sub, Pow 2, ReduceMean, Add, Sqrt, Div` through the Cast that widens an
-FP16 tensor into a norm kept FP32, and fuses it into one LayerNormalization with an FP16
-input and FP32 weights, which onnxruntime then refuses to load ("bound to different types",
+A norm's square as `Mul(x, x)`, not `Pow(x, 2)`: onnxruntime's LayerNormFusion matches the
+decomposed norm `ReduceMean, Sub, Pow 2, ReduceMean, Add, Sqrt, Div` through the Cast that
+widens an FP16 tensor into a norm kept FP32, and fuses it into one LayerNormalization with an
+FP16 input and FP32 weights, which it then refuses to load ("bound to different types",
 1.32). A `Mul` is not its pattern; `x * x` is one rounding of the exact square, as `Pow(x, 2)`.
 Only Pows of a constant 2 (one element, at most one axis, so the shape is unchanged) that
 feed a `ReduceMean` (the variance of a norm) are rewritten; node and tensor names are kept.
@@ -54,3 +55,4 @@ def _is_two(tensor: onnx.TensorProto | None) -> bool:
         return False
     value = numpy_helper.to_array(tensor)
     return value.size == 1 and float(value.reshape(-1)[0]) == 2.0
+
