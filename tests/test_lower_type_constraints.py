@@ -68,3 +68,29 @@ def test_the_joined_inputs_share_one_type_after_lowering(case, pinned):
     got = ort.InferenceSession(low.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]
     ref = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]
     assert np.linalg.norm(got - ref) <= 1e-2 * np.linalg.norm(ref)
+
+
+# x[1, 2049*2] -> Reshape(x, [Cast<int64>(Mul(2049.0, 1.0)), -1]) -> y: a size computed in float
+# from constants alone (as a ViT computes its position grid's side, 1369 ** 0.5)
+_SIZED = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1, 4098] x) => (float[2049, 2] y) <float side = {2049.0}, float one = {1.0}, int64[1] rest = {-1}> {
+  s = Mul(side, one)
+  n = Cast<to=7>(s)
+  n1 = Unsqueeze(n, zero)
+  shape = Concat<axis=0>(n1, rest)
+  y = Reshape(x, shape)
+}
+"""
+
+
+def test_a_size_computed_in_float_from_constants_stays_fp32():
+    # FP16 rounds 2049 to 2048: the Reshape would fail, and onnxruntime would not fold it
+    proto = onnx.parser.parse_model(_SIZED.replace("int64[1] rest = {-1}>", "int64[1] rest = {-1}, int64[1] zero = {0}>"))
+    low = lower(proto, "fp16")
+    mul = next(n for n in low.model.graph.node if n.op_type == "Mul")
+    types = {t.name: t.data_type for t in low.model.graph.initializer}
+    assert types[mul.input[0]] == types[mul.input[1]] == onnx.TensorProto.FLOAT
+    x = RNG.normal(0, 1, (1, 4098)).astype(np.float32)
+    got = ort.InferenceSession(low.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert got.shape == (2049, 2) and np.array_equal(got, x.reshape(2049, 2).astype(np.float16).astype(np.float32))
