@@ -161,6 +161,8 @@ class ConversionResult:
     # Set by the verdict stage, before anything is written; the record by the record stage.
     verdict: Verdict | None = None
     record: ConversionRecord | None = None
+    # Each float output -> the rule that judged it (top-1 or rel L2, and who chose it).
+    judged_by: dict[str, str] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -195,6 +197,7 @@ class ConversionResult:
             "precision": self.precision,
             "passed": self.passed,
             "verdict": verdict,
+            "judged_by": dict(self.judged_by),
             "failure_cause": verdict["cause"] if verdict else "",
             "samples": {"description": self.samples.description, "synthetic": self.samples.synthetic,
                         "calibration_ids": list(self.samples.calibration_ids),
