@@ -58,10 +58,10 @@ def main() -> None:
                 if not np.issubdtype(expected[0][name].dtype, np.floating):
                     continue
                 if name in decided:
-                    held = np.mean([np.mean(np.argmax(a, -1) == np.argmax(b, -1)) for a, b in zip(r, c)])
+                    held = np.mean([np.mean(np.argmax(a, -1) == np.argmax(b, -1)) for a, b in zip(r, c, strict=True)])
                     worst = max(worst, 1.0 - float(held))
                     continue
-                num = sum(float(np.sum((b - a) ** 2)) for a, b in zip(r, c))
+                num = sum(float(np.sum((b - a) ** 2)) for a, b in zip(r, c, strict=True))
                 den = sum(float(np.sum(a ** 2)) for a in r)
                 worst = max(worst, min(1.0, (num / den) ** 0.5 if den else num ** 0.5))
             return 1.0 - worst
