@@ -379,7 +379,9 @@ def _print_summary(report: dict[str, Any]) -> None:
     verdict = report["verdict"]
     if verdict["precision_limited"]:
         _say_where_the_error_sits(report)
-    say(f"{verdict['said']}; report: {report['artefacts']['report_md']}", always=True)
+    # A FAILED model is not written under -o (npuprep.pipeline.artefacts): said on the one line.
+    written = "" if verdict["passed"] else f"; model written as {report['artefacts']['model']}, not -o"
+    say(f"{verdict['said']}{written}; report: {report['artefacts']['report_md']}", always=True)
 
 
 def _say_where_the_error_sits(report: dict[str, Any]) -> None:
