@@ -108,7 +108,7 @@ def test_convert_judges_a_classifier_by_its_decisions_and_fails_by_name_under_re
     assert strict.returncode == 1, strict.stdout + strict.stderr
     failed = tmp_path / "c.FAILED.onnx"
     assert failed.is_file() and not out.exists()
-    assert f"model written as {failed}, not -o; report:" in " ".join(strict.stdout.split())
+    assert f"c.report.md; model: {failed}, not -o" in " ".join(strict.stdout.split())
     report = json.loads((tmp_path / "c.report.json").read_text())
     assert report["output"] == str(failed) and report["artefacts"]["model"] == str(failed)
     assert report["judged_by"] == {"p": "rel L2 (--metric rel-l2)"}

@@ -380,8 +380,8 @@ def _print_summary(report: dict[str, Any]) -> None:
     if verdict["precision_limited"]:
         _say_where_the_error_sits(report)
     # A FAILED model is not written under -o (npuprep.pipeline.artefacts): said on the one line.
-    written = "" if verdict["passed"] else f"; model written as {report['artefacts']['model']}, not -o"
-    say(f"{verdict['said']}{written}; report: {report['artefacts']['report_md']}", always=True)
+    written = "" if verdict["passed"] else f"; model: {report['artefacts']['model']}, not -o"
+    say(f"{verdict['said']}; report: {report['artefacts']['report_md']}{written}", always=True)
 
 
 def _say_where_the_error_sits(report: dict[str, Any]) -> None:
