@@ -91,7 +91,7 @@ def judged_outputs(model: onnx.ModelProto, samples: Sequence[Feed], metric: Metr
                       default=_declared_classes(model, name))
         if name in top_k:
             chosen[name], judged[name] = top_k[name], f"top-{top_k[name]} (--top-k)"
-        elif name in found:
+        elif name in found and classes != 1:  # one class decides nothing (0: not known)
             chosen[name], judged[name] = 1, f"top-1 (auto: {found[name]})"
         elif metric is Metric.TOP1 and classes >= 2:
             chosen[name], judged[name] = 1, "top-1 (--metric top1)"
