@@ -231,7 +231,8 @@ class ConversionResult:
     def save(self, path: str | Path, *, exports: Sequence[str] | None = None,
              report_path: str | Path | None = None, html: str | Path | None = None,
              protected: Sequence[str | Path] = ()) -> dict[str, Any]:
-        """Write what `npuprep convert` writes: the model at `path`, `<path>.plan.yaml`,
+        """Write what `npuprep convert` writes: the model at `path` (at `<path>.FAILED.onnx`
+        when the conversion failed: npuprep.pipeline.artefacts), `<path>.plan.yaml`,
         `<path>.report.json`, `<path>.report.md`, and the constraint files of `exports`
         (None: the target compiler's; names in npuprep.pipeline.artefacts.EXPORTS); an earlier
         conversion's files for `path` that this set does not write are removed with it.
