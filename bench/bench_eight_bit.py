@@ -87,7 +87,10 @@ def npuprep(precision: str, entry: Entry, out: Path, decided: tuple[str, ...],
            *(("--scale-rule", rule) if rule else ()), "--precision", precision, "--data",
            str(entry.calib), "--holdout", str(entry.heldout), "-o", str(out), "--json",
            "--export", "none", *(a for o in decided for a in ("--top-k", f"{o}:1"))]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3 * PEER_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return f"no model after {3 * PEER_TIMEOUT} s (stopped)"
     # convert's own report (its plan, what it kept wider and why) beside the model.
     out.with_suffix(".convert.json").write_text(done.stdout)
     if not out.exists():
