@@ -14,13 +14,20 @@ import onnx
 
 from npuprep.graph import attribute, node_label, walk_graphs, weightless
 
+DATA_PROP_ELEMENTS = 2 ** 24
+
 
 def _shapes(model: onnx.ModelProto,
             input_shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, tuple[int, ...]]:
     # Weightless: inference serialises the model, and its weights are not needed.
     model = _with_input_shapes(model, input_shapes or {})
+    # Data propagation (shapes computed by Shape/Gather/Concat chains) holds values as big as
+    # the inputs: a rank-1 input of 2^26 elements took 9.7 GB. Above DATA_PROP_ELEMENTS it is
+    # left out and shapes only data could give stay unknown.
+    largest = max((math.prod(s) for s in (input_shapes or {}).values()), default=0)
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False,
+                                                     data_prop=largest <= DATA_PROP_ELEMENTS)
     except Exception:  # noqa: BLE001 - best effort; unknown shapes count as one element
         inferred = model
     shapes: dict[str, tuple[int, ...]] = {}
@@ -61,11 +68,13 @@ def _with_input_shapes(model: onnx.ModelProto,
 
 
 def node_flops(model: onnx.ModelProto,
-               input_shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, int]:
+               input_shapes: Mapping[str, tuple[int, ...]] | None = None, *,
+               shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, int]:
     """Node label -> FLOPs (multiply-adds count 2); elementwise ops count one per output.
     `input_shapes` sizes dynamic graph inputs (a sample's shapes); shapes still unknown
-    count as one element."""
-    shapes = _shapes(model, input_shapes)
+    count as one element. `shapes`: tensor_shapes' result already at hand (one inference)."""
+    if shapes is None:
+        shapes = _shapes(model, input_shapes)
     flops: dict[str, int] = {}
     for scope in walk_graphs(model.graph):
         for node in scope.graph.node:

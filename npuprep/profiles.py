@@ -70,14 +70,45 @@ class Throughput:
     unit: str = ""
     peak_tflops: dict[str, float | None] = field(default_factory=dict)
     bandwidth_gbs: float | None = None
+    # Sustained share of each format's peak (measured GEMMs reach ~0.75 of a datasheet peak)
+    # and of the bandwidth (key `bandwidth`); 1 where nothing was measured, over 1 where a
+    # published figure understates the die. `npuprep ledger --measured` fits them.
+    efficiency: dict[str, float] = field(default_factory=dict)
+    launch_us: float = 0.0  # per executed node: kernel launch or NPU dispatch
+    fuses_elementwise: bool = False  # the compiler folds activations into their producer
+    # Where a figure is unknown: the FP32 ridge point (FLOPs per byte) and each format's peak
+    # over FP32's, as [low, high] ranges with a source: the ledger's speed-up ranges.
+    assumed_ridge_fp32: tuple[float, float] | None = None
+    assumed_peak_vs_fp32: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def peak(self, fmt: str) -> float | None:
         return self.peak_tflops.get(fmt)
 
+    def efficiency_of(self, fmt: str) -> float:
+        return self.efficiency.get(fmt, 1.0)
+
+    def bandwidth_efficiency(self, fmt: str) -> float:
+        """The bandwidth share a node in `fmt` reaches: `bandwidth_<fmt>` where a fit set one
+        (a CPU without FP16 kernels converts as it goes), else `bandwidth`."""
+        return self.efficiency.get(f"bandwidth_{fmt}", self.efficiency_of("bandwidth"))
+
     def to_dict(self) -> dict[str, Any]:
-        return {"unit": self.unit,
-                "peak_tflops": {k: "unknown" if v is None else v for k, v in self.peak_tflops.items()},
-                "bandwidth_gbs": "unknown" if self.bandwidth_gbs is None else self.bandwidth_gbs}
+        doc: dict[str, Any] = {
+            "unit": self.unit,
+            "peak_tflops": {k: "unknown" if v is None else v for k, v in self.peak_tflops.items()},
+            "bandwidth_gbs": "unknown" if self.bandwidth_gbs is None else self.bandwidth_gbs}
+        if self.efficiency:
+            doc["efficiency"] = dict(self.efficiency)
+        if self.launch_us:
+            doc["launch_us"] = self.launch_us
+        if self.fuses_elementwise:
+            doc["fuses_elementwise"] = True
+        if self.assumed_ridge_fp32 or self.assumed_peak_vs_fp32:
+            doc["assumed"] = {
+                **({"ridge_fp32": list(self.assumed_ridge_fp32)} if self.assumed_ridge_fp32 else {}),
+                **({"peak_vs_fp32": {k: list(v) for k, v in self.assumed_peak_vs_fp32.items()}}
+                   if self.assumed_peak_vs_fp32 else {})}
+        return doc
 
 
 @dataclass(frozen=True)
@@ -316,7 +347,8 @@ def _throughput(r: _Reader, value: Any, sources: dict[str, Any]) -> Throughput:
     """`throughput:`; every published figure needs `sources.peak` / `sources.bandwidth`."""
     if value is None:
         return Throughput()
-    top = r.mapping(value, "throughput", {"unit", "peak_tflops", "bandwidth_gbs"})
+    top = r.mapping(value, "throughput", {"unit", "peak_tflops", "bandwidth_gbs", "efficiency",
+                                          "launch_us", "fuses_elementwise", "assumed"})
     peaks = r.mapping(top.get("peak_tflops", {}) or {}, "throughput.peak_tflops",
                       set(THROUGHPUT_FORMATS))
     peak = {str(k): _figure(r, v, f"throughput.peak_tflops.{k}") for k, v in peaks.items()}
@@ -325,5 +357,42 @@ def _throughput(r: _Reader, value: Any, sources: dict[str, Any]) -> Throughput:
         raise r.fail("sources.peak", "a published peak needs its source (datasheet name or URL)")
     if bandwidth is not None and "bandwidth" not in sources:
         raise r.fail("sources.bandwidth", "a published bandwidth needs its source")
+    effs = r.mapping(top.get("efficiency", {}) or {}, "throughput.efficiency",
+                     {*THROUGHPUT_FORMATS, "bandwidth", *(f"bandwidth_{f}" for f in THROUGHPUT_FORMATS)})
+    efficiency = {str(k): _share(r, v, f"throughput.efficiency.{k}") for k, v in effs.items()}
+    launch = top.get("launch_us", 0.0)
+    if isinstance(launch, bool) or not isinstance(launch, int | float) or launch < 0:
+        raise r.fail("throughput.launch_us", f"expected a number of microseconds >= 0, got {launch!r}")
+    fuses = top.get("fuses_elementwise", False)
+    if not isinstance(fuses, bool):
+        raise r.fail("throughput.fuses_elementwise", f"expected true or false, got {fuses!r}")
+    if fuses and "fusion" not in sources:
+        raise r.fail("sources.fusion", "fuses_elementwise needs its source (the compiler's documentation)")
+    if (efficiency or launch) and "efficiency" not in sources:
+        raise r.fail("sources.efficiency", "a sustained efficiency or launch cost needs its source "
+                                           "(a measurement: `npuprep ledger --measured` writes one)")
+    assumed = r.mapping(top.get("assumed", {}) or {}, "throughput.assumed", {"ridge_fp32", "peak_vs_fp32"})
+    ridge = _range(r, assumed["ridge_fp32"], "throughput.assumed.ridge_fp32") if "ridge_fp32" in assumed else None
+    ratios = r.mapping(assumed.get("peak_vs_fp32", {}) or {}, "throughput.assumed.peak_vs_fp32",
+                       set(THROUGHPUT_FORMATS))
+    peak_vs = {str(k): _range(r, v, f"throughput.assumed.peak_vs_fp32.{k}") for k, v in ratios.items()}
+    if (ridge or peak_vs) and "assumed" not in sources:
+        raise r.fail("sources.assumed", "an assumed range needs its source (the documents it is drawn from)")
     return Throughput(unit=r.string(top.get("unit", ""), "throughput.unit"), peak_tflops=peak,
-                      bandwidth_gbs=bandwidth)
+                      bandwidth_gbs=bandwidth, efficiency=efficiency, launch_us=float(launch),
+                      fuses_elementwise=fuses, assumed_ridge_fp32=ridge, assumed_peak_vs_fp32=peak_vs)
+
+
+def _share(r: _Reader, value: object, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise r.fail(key, f"expected a positive share of the figure reached, got {value!r}")
+    return float(value)
+
+
+def _range(r: _Reader, value: object, key: str) -> tuple[float, float]:
+    """`[low, high]`, both positive, low <= high."""
+    if (not isinstance(value, list) or len(value) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int | float) or not v > 0 for v in value)
+            or value[0] > value[1]):
+        raise r.fail(key, f"expected [low, high] with 0 < low <= high, got {value!r}")
+    return float(value[0]), float(value[1])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -60,8 +62,10 @@ def test_pins_cost_counts_the_fp32_node_and_the_casts_at_its_borders():
                      "Cast(y) fp16->fp32"]
     pins = ledger.pins_cost()
     n, bw = 16777216, 2039e9
-    # Exp at fp32 (8 B/elt) instead of fp16 (4), plus four casts of 6 B/elt each
-    assert pins["extra_ms"] == pytest.approx(1e3 * n * (4 + 4 * 6) / bw, rel=1e-9)
+    # a100 fuses: all-FP16 runs Exp and Abs in Relu's epilogue (they cost nothing); the Casts
+    # split the chain, so Exp at fp32 (8 B/elt) and Abs (4) move their tensors, plus four
+    # casts of 6 B/elt each
+    assert pins["extra_ms"] == pytest.approx(1e3 * n * (8 + 4 + 4 * 6) / bw, rel=1e-9)
     assert pins["extra_share"] == pytest.approx(pins["extra_ms"] / converted.estimated_ms)
     assert pins["casts"] == 4
 
@@ -137,6 +141,20 @@ def test_a_profile_peak_needs_a_source_and_a_positive_number():
         parse_profile(_profile({"peak_tflops": {"fp99": 1}}, {"peak": "x"}), "t.yaml")
 
 
+def test_assumed_ranges_efficiency_and_fusion_need_their_sources_and_sane_values():
+    assumed = {"assumed": {"ridge_fp32": [4, 64], "peak_vs_fp32": {"fp16": [1, 16]}}}
+    good = parse_profile(_profile(assumed, {"assumed": "doc"}), "t.yaml")
+    assert good.throughput.assumed_peak_vs_fp32 == {"fp16": (1.0, 16.0)}
+    with pytest.raises(NpuprepError, match="key 'sources.assumed'"):
+        parse_profile(_profile(assumed, {}), "t.yaml")
+    with pytest.raises(NpuprepError, match="key 'throughput.assumed.ridge_fp32'"):
+        parse_profile(_profile({"assumed": {"ridge_fp32": [64, 4]}}, {"assumed": "d"}), "t.yaml")
+    with pytest.raises(NpuprepError, match="key 'sources.efficiency'"):
+        parse_profile(_profile({"efficiency": {"fp16": 0.7}}, {}), "t.yaml")
+    with pytest.raises(NpuprepError, match="key 'sources.fusion'"):
+        parse_profile(_profile({"fuses_elementwise": True}, {}), "t.yaml")
+
+
 def test_every_published_builtin_figure_carries_its_source():
     from npuprep.profiles import builtin_names
 
@@ -161,3 +179,75 @@ def test_a_gather_reads_the_rows_it_picks_not_the_whole_table():
                               opset_imports=[helper.make_opsetid("", 17)])
     node = build_ledger(model, load_profile("a100").resolve()).get("fp16").nodes[0]
     assert node.bytes == 8 * 8 + 2 * 8 * 64 * 2
+
+
+@pytest.mark.parametrize("target", ["a2000", "rk3588", "orin"])
+def test_every_row_has_a_speedup_or_a_range_with_each_end_named(target):
+    for text in (MATMUL, CHAIN):
+        ledger = build_ledger(model_from_text(text), load_profile(target).resolve())
+        for row in ledger.rows():
+            if row["speedup_vs_fp32"] is None:
+                low, high = row["speedup_range"]
+                assert 0 < low <= high
+                assert "assumed" in row["range_low_assumes"] + row["range_high_assumes"]
+            assert row["why"]
+            if row["format"] == "fp16" and target == "orin":  # TF32 there: FP16 over it too
+                low, high = row["speedup_vs_tf32_range"]
+                assert 0 < low <= high
+
+
+def test_a_memory_bound_chain_is_2x_at_both_ends_and_a_matmul_spans_the_peak_ratios():
+    # CHAIN: 1 FLOP per 8 bytes, under every assumed ridge: FP16 halves the bytes, nothing else
+    chain = {r["format"]: r for r in build_ledger(model_from_text(CHAIN),
+                                                  load_profile("a2000").resolve()).rows()}
+    assert chain["fp16"]["speedup_range"] == pytest.approx([2.0, 2.0])
+    # MATMUL: 683 FLOP/B, compute-bound at any assumed ridge: the peak ratio's range, 1x..16x
+    mm = {r["format"]: r for r in build_ledger(model_from_text(MATMUL),
+                                               load_profile("a2000").resolve()).rows()}
+    assert mm["fp16"]["speedup_range"] == pytest.approx([1.0, 16.0], rel=1e-3)
+    assert "FP16 peak 1x FP32 (assumed)" in mm["fp16"]["range_low_assumes"]
+
+
+def test_h200_keeps_the_measured_speedups_within_15_percent_and_has_a_tf32_row():
+    # measured on one H200 (BENCHMARKS.md): 14.7x on an 8192^3 GEMM, 1.98x on a memory-bound chain
+    mm = {r["format"]: r for r in build_ledger(model_from_text(MATMUL),
+                                               load_profile("h200").resolve()).rows()}
+    assert mm["fp16"]["speedup_vs_fp32"] == pytest.approx(14.7, rel=0.15)
+    # the profile's sustained efficiencies: FP16 0.71 of 989.5, TF32 0.73 of 494.5
+    assert mm["fp16"]["speedup_vs_tf32"] == pytest.approx(989.5 * 0.71 / (494.5 * 0.73), rel=1e-6)
+    chain = {r["format"]: r for r in build_ledger(model_from_text(CHAIN),
+                                                  load_profile("h200").resolve()).rows()}
+    assert chain["fp16"]["speedup_vs_fp32"] == pytest.approx(1.98, rel=0.15)
+    assert chain["tf32"]["speedup_vs_fp32"] == pytest.approx(1.0)
+
+
+def test_fused_activations_move_nothing_and_each_kernel_pays_its_launch():
+    # a[4096,4096] -> MatMul -> Relu -> Neg: with fusion one kernel, without three
+    text = MATMUL.replace("{ y = MatMul(a, b) }", "{ m = MatMul(a, b)  r = Relu(m)  y = Neg(r) }")
+    base = Throughput(peak_tflops={"fp32": 20.0, "fp16": 80.0}, bandwidth_gbs=1000.0, launch_us=5.0)
+    fused = replace(base, fuses_elementwise=True)
+    matmul_ms = 1e3 * 2 * 4096 ** 3 / 20e12
+    one = build_ledger(model_from_text(text), load_profile("a100").resolve(), throughput=fused)
+    assert one.get("fp32").estimated_ms == pytest.approx(matmul_ms + 5e-3)
+    three = build_ledger(model_from_text(text), load_profile("a100").resolve(), throughput=base)
+    elementwise_ms = 2 * 1e3 * 4096 * 4096 * 8 / 1e12
+    assert three.get("fp32").estimated_ms == pytest.approx(matmul_ms + elementwise_ms + 15e-3)
+
+
+def test_a_huge_rank1_input_is_costed_without_data_propagation_memory():
+    # x[2^26] -> Mul(x, x) -> Shape -> Reshape -> Relu: data propagation took 9.7 GB here
+    code = """
+import resource
+from npuprep.flops import tensor_shapes
+from tests.conftest import model_from_text
+m = model_from_text('''<ir_version: 8, opset_import: ["" : 17]>
+g (float[n] x) => (float[n] out) { y = Mul(x, x)  s = Shape(y)  z = Reshape(y, s)  out = Relu(z) }''')
+tensor_shapes(m, {"x": (2 ** 26,)})
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+"""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert int(run.stdout.split()[-1]) < 1000  # MB

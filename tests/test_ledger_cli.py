@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import run_cli
 
 # x[1,8,64,64] -> Conv(w 8x8x3x3) -> Relu -> y
@@ -25,7 +27,7 @@ def test_ledger_prints_every_format_and_json_lists_them(save):
         assert word in r.stdout
     doc = json.loads(run_cli("ledger", path, "--target", "a100", "--json").stdout)
     formats = {f["format"]: f for f in doc["formats"]}
-    assert set(formats) == {"fp32", "fp16", "bf16", "int8 plan"}
+    assert set(formats) == {"fp32", "tf32", "fp16", "bf16", "int8 plan"}
     for f in formats.values():
         assert {"format", "estimated_ms", "speedup_vs_fp32", "memory_bound_share"} <= set(f)
     assert formats["fp32"]["speedup_vs_fp32"] == 1.0 and formats["fp16"]["speedup_vs_fp32"] > 1.5
@@ -136,3 +138,75 @@ def test_a_plan_prices_its_pins_with_casts_at_their_borders(tmp_path: Path):
     pins = doc["pins"]
     assert pins["fp32_nodes"] == len(doc["pinned_nodes"]) and pins["casts"] >= 2
     assert pins["extra_ms"] > 0 and pins["fp32_nodes_ms"] > 0
+
+
+def test_symbolic_dims_without_sizes_are_refused_naming_them(save):
+    # x[batch,8,h,64] -> Relu -> y: costing batch and h at 1 would be silently wrong
+    path = save("""<ir_version: 8, opset_import: ["" : 17]>
+g (float[batch,8,h,64] x) => (float[batch,8,h,64] y) { y = Relu(x) }""")
+    r = run_cli("ledger", path, "--target", "h200")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "x[0]=batch, x[2]=h" in r.stderr
+    sized = run_cli("ledger", path, "--target", "h200", "--input-shape", "x:2x8x16x64", "--json")
+    assert json.loads(sized.stdout)["formats"][0]["bytes"] == 2 * 2 * 8 * 16 * 64 * 4
+
+
+# a[256,256], b -> MatMul -> y, and the same in FP16 between Casts: two rows that differ
+MM = """<ir_version: 8, opset_import: ["" : 17]>
+g (float[256,256] a, float[256,256] b) => (float[256,256] y) { y = MatMul(a, b) }"""
+MM16 = """<ir_version: 8, opset_import: ["" : 17]>
+g (float[256,256] a, float[256,256] b) => (float[256,256] y) {
+  ah = Cast<to=10>(a)  bh = Cast<to=10>(b)  yh = MatMul(ah, bh)  y = Cast<to=1>(yh) }"""
+
+
+def _results(tmp_path: Path, kit: str, medians: dict[str, float]) -> Path:
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"kind": "ledger-results", "schema_version": 1, "kit": kit,
+                                "device": {"machine": "x86_64", "platform": "Linux-test"},
+                                "models": {k: {"median_ms": v, "backend": "onnxruntime 1.x CPU"}
+                                           for k, v in medians.items()}}))
+    return path
+
+
+def test_measured_refuses_another_models_results(save, tmp_path: Path):
+    r = run_cli("ledger", save(MM), save(MM16, "c.onnx"), "--target", "h200", "--measured",
+                _results(tmp_path, "0123456789abcdef", {"fp32": 1.0, "converted": 0.5}))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "results.json: key 'kit'" in r.stderr and "another model" in r.stderr
+
+
+def test_the_fit_recovers_efficiency_and_launch_cost_and_its_profile_reproduces_them(
+        save, tmp_path: Path):
+    from npuprep.ledger.kit import kit_fingerprint
+    from npuprep.model_io import load_model
+
+    model, converted = save(MM), save(MM16, "c.onnx")
+    doc = json.loads(run_cli("ledger", model, converted, "--target", "h200", "--json").stdout)
+    rows = {r["format"]: r for r in doc["formats"]}
+    launches = {k: sum(1 for n in doc["nodes"][k] if not n["fused"]) for k in ("fp32", "converted")}
+    # the board is 3x slower than the profile's roofline and pays 7 us per kernel
+    measured = {k: 3 * rows[k]["estimated_ms"] + launches[k] * 7e-3 for k in launches}
+    kit = kit_fingerprint({"fp32": load_model(model).proto, "converted": load_model(converted).proto})
+    fitted = tmp_path / "fitted.yaml"
+    r = run_cli("ledger", model, converted, "--target", "h200", "--measured",
+                _results(tmp_path, kit, measured), "--fitted-profile", fitted, "--json")
+    assert r.returncode == 0, r.stderr
+    fit = json.loads(r.stdout)["measured"]["fit"]
+    assert fit["efficiency_scale"] == pytest.approx(1 / 3) and fit["launch_us"] == pytest.approx(7.0)
+    assert "onnxruntime 1.x CPU on x86_64" in json.loads(r.stdout)["measured"]["measured_on"]
+    again = json.loads(run_cli("ledger", model, converted, "--target", fitted, "--json").stdout)
+    for row in again["formats"]:
+        if row["format"] in measured:
+            assert row["estimated_ms"] == pytest.approx(measured[row["format"]], rel=1e-4)
+
+
+def test_the_kit_refuses_a_provider_this_onnxruntime_lacks(save, tmp_path: Path):
+    kit = tmp_path / "kit"
+    assert run_cli("ledger", save(CONV), "--target", "h200", "--export-kit", kit).returncode == 0
+    readme = (kit / "README.md").read_text()
+    assert "trtexec --onnx=models/fp32.onnx --noTF32" in readme
+    run = subprocess.run([sys.executable, str(kit / "time_models.py"), "--warmup", "1", "--runs", "1",
+                          "--providers", "NoSuchExecutionProvider,CPUExecutionProvider"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "refused: NoSuchExecutionProvider" in run.stderr
+    assert not (kit / "results.json").exists()

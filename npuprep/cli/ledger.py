@@ -51,7 +51,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--export-kit", metavar="DIR", help="write the board timing kit (FP32 and converted "
                                                         "models, an input, time_models.py, README)")
     p.add_argument("--measured", metavar="RESULTS", help="the kit's results.json: measured beside "
-                                                          "estimated, gaps over 2x flagged")
+                                                          "estimated, gaps over 2x flagged, and the "
+                                                          "sustained efficiency and per-node cost fitted")
+    p.add_argument("--fit-on", choices=("median", "min"), default="median",
+                   help="with --measured: the statistic the fit matches (min on a loaded machine, "
+                        "where the median is the scheduler's)")
+    p.add_argument("--fitted-profile", metavar="YAML", help="with --measured: write the target's "
+                                                            "profile with the fitted figures here "
+                                                            "(pass it back with --target)")
     add_data(p)
     add_json(p)
 
@@ -75,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
     outputs.reads(args.measured, "the --measured results")
     outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
     outputs.reads_profile(args.target)
+    if args.fitted_profile:
+        if not args.measured:
+            raise NpuprepError("--fitted-profile needs --measured (the results it is fitted on)")
+        outputs.writes(args.fitted_profile, "the --fitted-profile file")
     profile = load_profile(args.target)
     # Weights stay in their files: the estimate reads shapes, a timing kit copies them.
     model = anchored(load_model(args.model, weights="file"))
@@ -94,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         throughput = replace(throughput, peak_tflops={**throughput.peak_tflops, **dict(args.peak)},
                              bandwidth_gbs=args.bandwidth or throughput.bandwidth_gbs)
     pinned = None
+    converted_trt: list[str] = ["--fp16"]
     # The format the plan or the conversion was made for (`--precision bf16`), else the default.
     precision = None
     if args.plan:
@@ -108,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         record = read_conversion(converted.proto)
         precision = record.precision if record is not None else stored_precision(converted.proto)
         if record is not None:
-            pinned = _recorded_pins(record, converted)
+            pinned, converted_trt = _recorded_pins(record, converted)
     target = profile.resolve(precision if precision in formats() else None)
     feeds = _feeds(args, model)
     shapes = {k: tuple(v.shape) for k, v in feeds.items()}
@@ -116,17 +128,46 @@ def run(args: argparse.Namespace) -> int:
                           throughput=throughput, pinned=pinned,
                           converted=converted.proto if converted else None)
     doc: dict[str, Any] = ledger.to_dict()
+    fitted_profile = None
     if args.measured:
-        from npuprep.ledger.kit import measured_rows, read_results
+        from npuprep.ledger.kit import (
+            check_results,
+            fit_throughput,
+            measured_on,
+            measured_rows,
+            read_results,
+        )
 
         results = read_results(args.measured)
-        doc["measured"] = {"device": results.get("device"),
-                           "rows": [r.to_dict() for r in measured_rows(ledger, results)]}
-    if args.export_kit:
-        from npuprep.ledger.kit import export_kit
-
+        check_results(results, args.measured, models)
+        fit = fit_throughput(ledger, results, f"{args.fit_on}_ms")
+        doc["measured"] = {"device": results.get("device"), "measured_on": measured_on(results),
+                           "estimated_for": profile.throughput.unit or profile.name,
+                           "rows": [r.to_dict() for r in measured_rows(ledger, results)],
+                           "fit": fit.to_dict() if fit else None}
+        if fit is not None:
+            given = ", ".join([*(f"--peak {f}={v}" for f, v in args.peak),
+                               *([f"--bandwidth {args.bandwidth}"] if args.bandwidth else [])])
+            sources = {**profile.sources,
+                       **({"peak": f"set on the command line ({given})"} if args.peak else {}),
+                       **({"bandwidth": f"set on the command line ({given})"}
+                          if args.bandwidth else {}),
+                       "efficiency": (
+                f"Fitted by npuprep ledger --measured on {args.model} ({measured_on(results)}): "
+                f"{fit.statistic} = {fit.scale:.4g} x roofline + {fit.launch_us:.4g} us per node")}
+            fitted_profile = replace(profile, throughput=fit.throughput, sources=sources)
+    if args.export_kit or fitted_profile is not None and args.fitted_profile:
         with outputs.open() as files:
-            doc["kit"] = export_kit(files, args.export_kit, models, feeds, ledger)
+            if args.export_kit:
+                from npuprep.ledger.kit import export_kit
+
+                doc["kit"] = export_kit(files, args.export_kit, models, feeds, ledger, converted_trt)
+            if fitted_profile is not None and args.fitted_profile:
+                import yaml
+
+                files.text(args.fitted_profile, yaml.safe_dump(fitted_profile.to_dict(),
+                                                               sort_keys=False, width=100))
+                doc["fitted_profile"] = args.fitted_profile
     if args.json:
         print_json(doc)
         return 0
@@ -137,22 +178,45 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recorded_pins(record: ConversionRecord, converted: Model) -> list[str]:
+def _recorded_pins(record: ConversionRecord, converted: Model) -> tuple[list[str], list[str]]:
     """The FP32 pins of the plan a conversion records (npuprep.provenance), verification's
-    included: the ledger names the pins convert made."""
+    included: the ledger names the pins convert made; and the trtexec flags convert writes
+    for them (the kit builds the converted model with its precision constraints)."""
     from npuprep.plan.plan import Plan
     from npuprep.provenance import RECORD_KEY
+    from npuprep.report.constraints import trt_flags
 
     plan = Plan.from_dict(record.plan, f"{converted.path}: metadata {RECORD_KEY}: plan")
-    return sorted(plan.pinned_nodes())
+    return sorted(plan.pinned_nodes()), list(trt_flags(plan, converted).args)
 
 
 def _feeds(args: argparse.Namespace, model: Any) -> dict[str, Any]:
     """One sample: sizes dynamic inputs for the FLOPs and feeds the kit (--data, else synthetic)."""
     from npuprep.cli.common import open_samples, synthetic_from_args
 
+    if not args.data:
+        _refuse_symbolic_dims(args, model)
     samples = open_samples(args, model.proto) or synthetic_from_args(args, model.proto, 1)
     return dict(next(iter(samples)))
+
+
+def _refuse_symbolic_dims(args: argparse.Namespace, model: Model) -> None:
+    """Without --data, a dim no --input-shape sizes would be costed at 1: refused instead (a
+    detector at 1x1 pixels is estimated 500x too fast)."""
+    from npuprep.errors import NpuprepError
+
+    sized = dict(args.input_shape or [])
+    weights = {i.name for i in model.proto.graph.initializer}
+    open_dims = []
+    for vi in model.proto.graph.input:
+        if vi.name in weights or vi.name in sized or not vi.type.HasField("tensor_type"):
+            continue
+        dims = vi.type.tensor_type.shape.dim
+        open_dims += [f"{vi.name}[{i}]={d.dim_param or '?'}" for i, d in enumerate(dims)
+                      if not d.HasField("dim_value")]
+    if open_dims:
+        raise NpuprepError(f"{model.path}: symbolic dims {', '.join(open_dims)} have no size: give "
+                           "--data (a real sample) or --input-shape NAME:DIMS")
 
 
 def _ms(value: float | None) -> str:
@@ -161,19 +225,43 @@ def _ms(value: float | None) -> str:
     return "unknown" if value is None else number(value)
 
 
+def _speedup(row: dict[str, Any]) -> str:
+    """`9.7x`, or `1.3-12x` where only a range is known."""
+    from npuprep.formatting import ratio
+
+    span = row.get("speedup_range")
+    if row["speedup_vs_fp32"] is None and span:
+        low, high = ratio(span[0]), ratio(span[1])
+        return low if low == high else f"{low[:-1]}-{high}"
+    return ratio(row["speedup_vs_fp32"])
+
+
 def _print(doc: dict[str, Any]) -> None:
     from npuprep.formatting import number, percent, ratio
 
     say(f"Ledger of {doc['model']} on {doc['target']} ({doc['throughput']['unit'] or 'unit not named'})")
     print_table("Estimated time per format", ["format", "est. ms", "vs FP32", "memory-bound time",
                                               "compute/memory nodes", "casts"],
-                [(r["format"], _ms(r["estimated_ms"]), ratio(r["speedup_vs_fp32"]),
+                [(r["format"], _ms(r["estimated_ms"]), _speedup(r),
                   percent(r["memory_bound_share"]),
                   f"{r['compute_bound_nodes']}/{r['memory_bound_nodes']}", r["casts"])
                  for r in doc["formats"]])
-    for r in doc["formats"]:
-        if r["unknown"]:
-            say(f"{r['format']}: unknown: {r['unknown']}")
+    for r in doc["formats"][1:]:
+        say(f"{r['format']}: {r['why']}")
+    tf32 = next((r for r in doc["formats"] if r["format"] == "tf32"), None)
+    row = next((r for r in doc["formats"] if r["format"] == doc["precision"]), None)
+    if tf32 is not None and row is not None and (row["speedup_vs_tf32"] or
+                                                 row.get("speedup_vs_tf32_range")):
+        span = row.get("speedup_vs_tf32_range")
+        value = (ratio(row["speedup_vs_tf32"]) if row["speedup_vs_tf32"] else
+                 _speedup({"speedup_vs_fp32": None, "speedup_range": span}))
+        say(f"{doc['precision']} over TF32 (what FP32 Conv/MatMul run as by default there): {value}")
+    if doc["unsized_tensors"]:
+        names = doc["unsized_tensors"]
+        say(f"{len(names)} tensor(s) without an inferred shape count as one element each "
+            f"(first: {', '.join(names[:3])}); --input-shape or static shapes size them")
+    if any(r["unknown"] for r in doc["formats"]):
+        say(f"times unknown: {next(r['unknown'] for r in doc['formats'] if r['unknown'])}")
     pins = doc["pins"]
     if pins is not None:
         if pins["extra_ms"] is None:
@@ -192,11 +280,21 @@ def _print(doc: dict[str, Any]) -> None:
                   number(n["bytes"] / 1e6), _ms(n["estimated_ms"]), n["bound"]) for n in rows])
     measured = doc.get("measured")
     if measured:
+        say(f"Measured with {measured['measured_on']}; estimated for {measured['estimated_for']}: "
+            "a gap between two machines is the machines', not the model's")
         print_table("Measured beside estimated", ["model", "est. ms", "median ms", "p90 ms",
                                                   "measured/est.", "peak MB", "gap"],
                     [(r["model"], _ms(r["estimated_ms"]), number(r["median_ms"]), number(r["p90_ms"]),
                       ratio(r["measured_vs_estimated"]), number(r["peak_memory_mb"]),
                       "over 2x" if r["gap_over_2x"] else "")
                      for r in measured["rows"]])
+        fit = measured["fit"]
+        if fit:
+            say(f"Fit: sustained efficiency x{number(fit['efficiency_scale'])}, "
+                f"{number(fit['launch_us'])} us per node: "
+                + ", ".join(f"{r['model']} {number(r['fitted_ms'])} ms (measured "
+                            f"{number(r['measured_ms'])})" for r in fit["rows"]))
+        if doc.get("fitted_profile"):
+            say(f"fitted profile written to {doc['fitted_profile']}: pass it back with --target")
     if not out().quiet:
         say(doc["caveat"])

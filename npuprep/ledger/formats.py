@@ -10,12 +10,13 @@ DequantizeLinear at the 8-bit type it dequantises (a compiler fuses the pair).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 import onnx
 from onnx import TensorProto, helper
 
 from npuprep.graph import node_label, tensor_types, walk_graphs
-from npuprep.ledger.roofline import BYTES_PER_ELEMENT, NodeCost, cast_cost, node_cost
+from npuprep.ledger.roofline import BYTES_PER_ELEMENT, NodeCost, cast_cost, fused_inputs, node_cost
 from npuprep.ops import MAC_OPS
 from npuprep.profiles import Throughput
 
@@ -48,6 +49,13 @@ def _nodes(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str]]:
     return [(n, node_label(n)) for s in walk_graphs(model.graph) for n in s.graph.node]
 
 
+def _fusions(model: onnx.ModelProto, nodes: list[tuple[onnx.NodeProto, str]],
+             throughput: Throughput) -> dict[int, str]:
+    if not throughput.fuses_elementwise:
+        return {}
+    return fused_inputs([n for n, _ in nodes], {o.name for o in model.graph.output})
+
+
 def planned_costs(model: onnx.ModelProto, fmt_of: Callable[[onnx.NodeProto, str], str],
                   throughput: Throughput, shapes: Shapes, types: Mapping[str, int],
                   flops: Mapping[str, int], *, casts: bool) -> list[NodeCost]:
@@ -60,15 +68,25 @@ def planned_costs(model: onnx.ModelProto, fmt_of: Callable[[onnx.NodeProto, str]
     produced: dict[str, str] = {i.name: "fp32" for i in model.graph.input}
     costs: list[NodeCost] = []
     boundary: dict[tuple[str, str], NodeCost] = {}
-    for node, label in _nodes(model):
+    nodes = _nodes(model)
+    fusions = _fusions(model, nodes, throughput)
+    fmts: dict[str, str] = {}
+    for i, (node, label) in enumerate(nodes):
         computes = any(o in floats for o in node.output)
         if node.op_type == "Cast" and not casts:
             computes = False
         fmt = fmt_of(node, label) if computes else "fp32"
         size = BYTES_PER_ELEMENT[fmt]
+        # Where Casts are modelled, a node fuses only into a producer of its own format (the
+        # Cast between them is a kernel of its own); a TF32 or 8-bit MAC's epilogue runs the
+        # activation in the row's other format.
+        src = fusions.get(i)
+        fused = src if src is not None and (not casts or fmts.get(src) == fmt) else None
+        for o in node.output:
+            fmts[o] = fmt
         costs.append(node_cost(node, label, fmt, flops.get(label, 0), shapes,
                                lambda t, size=size: size if t in floats else _itemsize(types.get(t)),
-                               throughput, free=not computes))
+                               throughput, free=not computes, fused_from=fused))
         if casts and computes:
             for t in node.input:
                 src = produced.get(t)
@@ -94,7 +112,9 @@ def converted_costs(model: onnx.ModelProto, throughput: Throughput, shapes: Shap
     dequantised = {n.output[0]: types.get(n.input[0]) for n, _ in _nodes(model)
                    if n.op_type == "DequantizeLinear" and n.output}
     costs: list[NodeCost] = []
-    for node, label in _nodes(model):
+    nodes = _nodes(model)
+    fusions = _fusions(model, nodes, throughput)
+    for i, (node, label) in enumerate(nodes):
         outs = [types.get(o) for o in node.output if o]
         quantised = [dequantised[t] for t in node.input if t in dequantised]
         if node.op_type in MAC_OPS and quantised:
@@ -113,9 +133,8 @@ def converted_costs(model: onnx.ModelProto, throughput: Throughput, shapes: Shap
             return _itemsize(dequantised[t] if t in dequantised else types.get(t))
 
         cost = node_cost(node, label, fmt or "fp32", flops.get(label, 0), shapes, size, throughput,
-                         free=not computes)
+                         free=not computes, fused_from=fusions.get(i))
         if node.op_type == "QuantizeLinear" and computes:
-            cost = NodeCost(cost.node, cost.op_type, cost.fmt, cost.flops, cost.bytes, cost.ms,
-                            cost.bound, cast=True)
+            cost = replace(cost, cast=True)
         costs.append(cost)
     return costs

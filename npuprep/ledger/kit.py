@@ -10,8 +10,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,10 @@ import onnx
 from npuprep.errors import NpuprepError
 from npuprep.json_io import loads
 from npuprep.ledger.ledger import CONVERTED, Ledger
+from npuprep.ledger.roofline import Estimate
 from npuprep.model_io import fingerprint
 from npuprep.output_files import OutputSet
+from npuprep.profiles import Throughput
 
 KIND = "ledger-kit"
 RESULTS_KIND = "ledger-results"
@@ -43,6 +46,14 @@ def _stem(name: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name) or "_"
 
 
+def kit_fingerprint(models: Mapping[str, onnx.ModelProto]) -> str:
+    """What ties a results.json to the models it timed: their fingerprints, in kit order."""
+    digest = hashlib.sha256()
+    for proto in models.values():
+        digest.update(fingerprint(proto).encode())
+    return digest.hexdigest()[:16]
+
+
 def kit_files(directory: str | Path, models: Sequence[str], inputs: Sequence[str]) -> list[Path]:
     """The files `export_kit` writes for these model and input names (declare them first; a
     model's `<name>.onnx.data` comes with it, see OutputPlan.writes_model)."""
@@ -53,26 +64,28 @@ def kit_files(directory: str | Path, models: Sequence[str], inputs: Sequence[str
 
 
 def export_kit(files: OutputSet, directory: str | Path, models: Mapping[str, onnx.ModelProto],
-               feeds: Mapping[str, np.ndarray], ledger: Ledger) -> dict[str, Any]:
+               feeds: Mapping[str, np.ndarray], ledger: Ledger,
+               converted_trt: Sequence[str] = ("--fp16",)) -> dict[str, Any]:
     """Stage the kit: `models` by name ('fp32', 'converted'), one input sample, the runner,
-    a README with every backend's steps, a manifest with the ledger's estimates."""
+    a README with every backend's steps, a manifest with the ledger's estimates.
+    `converted_trt`: the trtexec flags convert wrote for the converted model (its FP32 pins
+    obeyed); the FP32 model gets `--noTF32` (TensorRT runs FP32 as TF32 unless told)."""
     d = Path(directory)
     estimates = {e.label: e.estimated_ms for e in ledger.estimates}
-    digest = hashlib.sha256()
     entries = []
     for name, proto in models.items():
-        digest.update(fingerprint(proto).encode())
         # Weights left in the user's files are copied into the kit (external data past 2 GB).
         files.model(proto, d / "models" / f"{name}.onnx")
         entries.append({"name": name, "model": f"models/{name}.onnx",
-                        "estimated_ms": estimates.get(CONVERTED if name == CONVERTED else "fp32")})
+                        "estimated_ms": estimates.get(CONVERTED if name == CONVERTED else "fp32"),
+                        "trtexec_flags": ["--noTF32"] if name == "fp32" else list(converted_trt)})
     inputs = []
     for name, arr in feeds.items():
         stem = _stem(name)
         files.bytes(d / "inputs" / f"{stem}.npy", _npy(np.asarray(arr)))
         inputs.append({"name": name, "file": f"inputs/{stem}.npy", "shape": list(np.shape(arr)),
                        "dtype": str(np.asarray(arr).dtype)})
-    manifest = {"kind": KIND, "schema_version": 1, "fingerprint": digest.hexdigest()[:16],
+    manifest = {"kind": KIND, "schema_version": 1, "fingerprint": kit_fingerprint(models),
                 "target": ledger.target, "model": ledger.model, "warmup": WARMUP, "runs": RUNS,
                 "models": entries, "inputs": inputs}
     files.text(d / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -85,7 +98,7 @@ def _readme(manifest: Mapping[str, Any]) -> str:
     shapes = ",".join(f"{i['name']}:{'x'.join(str(s) for s in i['shape'])}" for i in manifest["inputs"])
     trt = []
     for m in manifest["models"]:
-        flags = "" if m["name"] == "fp32" else " --fp16"
+        flags = "".join(f" {shlex.quote(a)}" for a in m["trtexec_flags"])
         trt.append(f"trtexec --onnx={m['model']}{flags} --shapes={shapes} --warmUp=0 "
                    f"--duration=0 --iterations={manifest['runs'] + manifest['warmup']} --avgRuns=1 "
                    f"--percentile=50,90 --useSpinWait --exportTimes={m['name']}_times.json")
@@ -100,6 +113,16 @@ def _readme(manifest: Mapping[str, Any]) -> str:
         "## onnxruntime (any execution provider)",
         "",
         "    python time_models.py --providers CUDAExecutionProvider,CPUExecutionProvider",
+        "",
+        "Inputs and outputs are bound on the provider's device (IO binding): the timing is the",
+        "model's, not the copies. A provider this onnxruntime lacks is refused, never replaced.",
+        "",
+        "## torch only (CUDA, no onnxruntime-gpu)",
+        "",
+        "Eager torch kernels, one per node (no fusion), for the ops of GEMM, conv and transformer",
+        "blocks; any other op is refused by name. Needs torch and onnx:",
+        "",
+        "    python time_models.py --backend torch",
         "",
         "## Rockchip board (RKNNLite)",
         "",
@@ -178,3 +201,128 @@ def measured_rows(ledger: Ledger, results: Mapping[str, Any]) -> list[MeasuredRo
         rows.append(MeasuredRow(name, estimate.estimated_ms if estimate else None,
                                 float(m["median_ms"]), m.get("p90_ms"), m.get("peak_memory_mb")))
     return rows
+
+
+def check_results(results: Mapping[str, Any], path: str | Path,
+                  models: Mapping[str, onnx.ModelProto]) -> None:
+    """Refuse a results.json timed on other models than these (another model's kit)."""
+    expected, found = kit_fingerprint(models), results.get("kit")
+    if found != expected:
+        raise NpuprepError(f"{path}: key 'kit': fingerprint {found!r} is not this model's "
+                           f"{expected!r} (results of another model or conversion)")
+
+
+def measured_on(results: Mapping[str, Any]) -> str:
+    """The backend and machine the timings come from, for the line that states them."""
+    backends = sorted({str(m.get("backend") or "unknown backend") for m in results["models"].values()})
+    device = results.get("device") or {}
+    machine = ", ".join(str(device[k]) for k in ("gpu", "machine", "platform") if device.get(k))
+    return f"{'; '.join(backends)} on {machine or 'an unnamed machine'}"
+
+
+@dataclass(frozen=True)
+class Fit:
+    """measured = scale * roofline + launches * launch_us, fitted on the measured rows."""
+
+    scale: float  # every sustained efficiency is divided by it
+    launch_us: float
+    throughput: Throughput
+    rows: tuple[tuple[str, float, float, float], ...]  # model, measured, before, after (ms)
+    statistic: str = "median_ms"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"efficiency_scale": 1 / self.scale, "launch_us": self.launch_us,
+                "efficiency": dict(self.throughput.efficiency), "fitted_on": self.statistic,
+                "rows": [{"model": m, "measured_ms": t, "estimated_ms": b, "fitted_ms": a}
+                         for m, t, b, a in self.rows]}
+
+
+def _launches(estimate: Estimate) -> int:
+    return sum(1 for n in estimate.nodes if n.bound not in ("free",) and not n.fused)
+
+
+def fit_throughput(ledger: Ledger, results: Mapping[str, Any], statistic: str = "median_ms") -> Fit | None:
+    """Scale and per-node launch cost that put the estimates on the measured `statistic`
+    (`min_ms` on a loaded machine, where the median is the scheduler's): exact for two rows,
+    least squares beyond; the launch cost held at 0 where the fit would make it negative. None
+    where no row has an estimate (a figure unknown)."""
+    tp = ledger.throughput
+    points = []
+    for row in measured_rows(ledger, results):
+        estimate = ledger.get(CONVERTED if row.name == CONVERTED else row.name)
+        measured = results["models"][row.name].get(statistic)
+        if estimate is None or estimate.estimated_ms is None or not isinstance(measured, int | float):
+            continue
+        n = _launches(estimate)
+        points.append((row.name, float(measured), estimate.estimated_ms,
+                       estimate.estimated_ms - n * tp.launch_us / 1e3, n))
+    if not points:
+        return None
+    roof = np.array([p[3] for p in points])
+    launches = np.array([p[4] for p in points], dtype=float)
+    measured = np.array([p[1] for p in points])
+    formats = [f for f, v in tp.peak_tflops.items() if v is not None]
+    if len(points) >= 2:
+        solved, *_ = np.linalg.lstsq(np.stack([roof, launches], axis=1), measured, rcond=None)
+        if solved[0] > 0 and solved[1] >= 0:
+            scale, launch_ms = float(solved[0]), float(solved[1])
+            fitted = replace(tp, launch_us=round(launch_ms * 1e3, 6), efficiency={
+                f: round(tp.efficiency_of(f) / scale, 6) for f in (*formats, "bandwidth")})
+            rows = tuple((name, t, before, scale * r + n * launch_ms) for name, t, before, r, n in points)
+            return Fit(scale, launch_ms * 1e3, fitted, rows, statistic)
+    # One scale cannot hold both rows (a CPU without FP16 kernels runs FP16 slower than FP32):
+    # each format's nodes get their own, FP32's from the FP32 row, the rest from the other.
+    by_format = _per_format_scales(ledger, points)
+    if by_format is None:
+        scale = float(measured @ roof / (roof @ roof))
+        by_format = {f: scale for f in formats}
+    efficiency: dict[str, float] = {}
+    for f in formats:
+        s = by_format.get(f, by_format.get("fp32", 1.0))
+        efficiency[f] = round(tp.efficiency_of(f) / s, 6)
+        efficiency[f"bandwidth_{f}"] = round(tp.bandwidth_efficiency(f) / s, 6)
+    fitted = replace(tp, efficiency=efficiency, launch_us=0.0)
+    rows = tuple((name, t, before, _scaled_ms(ledger, name, by_format)) for name, t, before, _, _ in points)
+    return Fit(by_format.get("fp32", 1.0), 0.0, fitted, rows, statistic)
+
+
+def _row(ledger: Ledger, name: str) -> Estimate:
+    estimate = ledger.get(CONVERTED if name == CONVERTED else name)
+    assert estimate is not None  # fit_throughput kept only rows with an estimate
+    return estimate
+
+
+def _roofline_by_format(ledger: Ledger, name: str) -> dict[str, float]:
+    """A row's roofline time (launches left out) per node format, in ms."""
+    launch = ledger.throughput.launch_us / 1e3
+    out: dict[str, float] = {}
+    for n in _row(ledger, name).nodes:
+        if n.ms:
+            out[n.fmt] = out.get(n.fmt, 0.0) + n.ms - (0.0 if n.fused else launch)
+    return out
+
+
+def _scaled_ms(ledger: Ledger, name: str, scales: Mapping[str, float]) -> float:
+    return sum(scales.get(f, scales.get("fp32", 1.0)) * ms
+               for f, ms in _roofline_by_format(ledger, name).items())
+
+
+def _per_format_scales(ledger: Ledger, points: Sequence[tuple[str, float, float, float, int]]
+                       ) -> dict[str, float] | None:
+    """FP32's scale from the all-FP32 row, the other formats' from the other row; None where
+    the rows do not allow it (no FP32 row, or a scale that is not positive)."""
+    measured = {name: t for name, t, *_ in points}
+    if "fp32" not in measured or len(measured) < 2:
+        return None
+    fp32 = _roofline_by_format(ledger, "fp32").get("fp32")
+    if not fp32:
+        return None
+    s32 = measured["fp32"] / fp32
+    other = next(name for name in measured if name != "fp32")
+    parts = _roofline_by_format(ledger, other)
+    rest = sum(ms for f, ms in parts.items() if f != "fp32")
+    left = measured[other] - s32 * parts.get("fp32", 0.0)
+    if rest <= 0 or left <= 0:
+        return None
+    return {"fp32": s32, **{f: left / rest for f in parts if f != "fp32"}}
+

@@ -1,14 +1,18 @@
-"""Per node `max(flops / peak[fmt], bytes / bandwidth)`: time, and compute- or memory-bound.
+"""Per node `max(flops / (peak[fmt] * eff[fmt]), bytes / (bandwidth * eff[bandwidth])) + launch`.
 
-An estimate: one dense peak per format for the unit that runs the model, one memory
-bandwidth, every node reads its inputs and writes its outputs once (no fusion, no cache
-reuse, no launch overhead). Reshape-like views and constant folding move nothing.
+An estimate: one dense peak per format for the unit that runs the model and one memory
+bandwidth, each scaled by the share a sustained kernel reaches (the profile's `efficiency`, 1
+unless measured), every node reads its inputs and writes its outputs once (no cache reuse) and costs
+the profile's per-node launch. Where the profile says the compiler fuses, an activation or
+elementwise op that is its producer's only reader runs in that producer's epilogue: it moves
+only its other operands and launches nothing. Reshape-like views and constant folding move
+nothing.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +27,11 @@ BYTES_PER_ELEMENT: dict[str, float] = {
 # A compiler turns these into views or folds them at build time: no time on the device (a
 # weight's DequantizeLinear is folded into the weight).
 FREE_OPS = NON_COMPUTE_OPS | {"DequantizeLinear"}
+# What compilers fold into the producing kernel's epilogue (TensorRT's pointwise fusion, NPU
+# compilers' activation fusion): unary activations and binary elementwise ops.
+FUSABLE_OPS = frozenset({"Relu", "LeakyRelu", "PRelu", "Sigmoid", "Tanh", "Clip", "HardSigmoid",
+                         "HardSwish", "Gelu", "Erf", "Elu", "Selu", "Softplus", "Mish", "Add", "Sub",
+                         "Mul", "Div", "Neg", "Abs", "Exp", "Sqrt", "Pow", "BatchNormalization"})
 
 
 @dataclass(frozen=True)
@@ -37,14 +46,16 @@ class NodeCost:
     ms: float | None  # None: the profile lacks the peak or the bandwidth
     bound: str  # compute | memory | free | unknown
     cast: bool = False
+    fused: bool = False  # runs in its producer's epilogue
 
     def to_dict(self) -> dict[str, Any]:
         return {"node": self.node, "op_type": self.op_type, "format": self.fmt,
                 "flops": self.flops, "bytes": self.bytes, "estimated_ms": self.ms,
-                "bound": self.bound, "cast": self.cast}
+                "bound": self.bound, "cast": self.cast, "fused": self.fused}
 
 
-def roofline_ms(flops: float, nbytes: float, fmt: str, throughput: Throughput) -> tuple[float | None, str]:
+def roofline_ms(flops: float, nbytes: float, fmt: str, throughput: Throughput, *,
+                launches: int = 1) -> tuple[float | None, str]:
     """(milliseconds, bound) of one node; (None, 'unknown') when a needed figure is unknown."""
     if flops == 0 and nbytes == 0:
         return 0.0, "free"
@@ -52,27 +63,54 @@ def roofline_ms(flops: float, nbytes: float, fmt: str, throughput: Throughput) -
     bandwidth = throughput.bandwidth_gbs
     if peak is None or bandwidth is None:
         return None, "unknown"
-    compute = 1e3 * flops / (peak * 1e12)
-    memory = 1e3 * nbytes / (bandwidth * 1e9)
-    return (compute, "compute") if compute >= memory else (memory, "memory")
+    compute = 1e3 * flops / (peak * 1e12 * throughput.efficiency_of(fmt))
+    memory = 1e3 * nbytes / (bandwidth * 1e9 * throughput.bandwidth_efficiency(fmt))
+    ms = max(compute, memory) + launches * throughput.launch_us / 1e3
+    return ms, "compute" if compute >= memory else "memory"
 
 
 def node_cost(node: onnx.NodeProto, label: str, fmt: str, flops: int,
               shapes: Mapping[str, tuple[int, ...]], itemsize: Callable[[str], float],
-              throughput: Throughput, *, free: bool = False) -> NodeCost:
+              throughput: Throughput, *, free: bool = False, fused_from: str | None = None) -> NodeCost:
     """The node's cost at `fmt`: each distinct input and output moved once at `itemsize`
-    (a gather's table only as far as it is read)."""
+    (a gather's table only as far as it is read). `fused_from`: the producer's output this
+    node reads in that producer's epilogue (neither it nor this node's output goes to memory
+    apart from the producer's write, which the producer pays)."""
     if free or node.op_type in FREE_OPS:
         return NodeCost(label, node.op_type, fmt, 0, 0, 0.0, "free", node.op_type == "Cast")
     gather = node.op_type in GATHER_OPS and bool(node.output)
     inputs = node.input[1:] if gather else node.input
     names = dict.fromkeys(t for t in (*inputs, *node.output) if t)
+    if fused_from is not None:
+        names = dict.fromkeys(t for t in node.input if t and t != fused_from)
     nbytes = int(sum(math.prod(shapes.get(t, ())) * itemsize(t) for t in names))
     if gather:
         # A gather reads the rows it picks (as many as it writes), not the whole table.
         nbytes += int(math.prod(shapes.get(node.output[0], ())) * itemsize(node.output[0]))
-    ms, bound = roofline_ms(flops, nbytes, fmt, throughput)
-    return NodeCost(label, node.op_type, fmt, flops, nbytes, ms, bound, node.op_type == "Cast")
+    # A fused op's arithmetic hides under its producer's memory traffic: only its other
+    # operands cost time.
+    ms, bound = roofline_ms(0 if fused_from else flops, nbytes, fmt, throughput,
+                            launches=0 if fused_from else 1)
+    return NodeCost(label, node.op_type, fmt, flops, nbytes, ms, bound, node.op_type == "Cast",
+                    fused_from is not None)
+
+
+def fused_inputs(nodes: Sequence[onnx.NodeProto], graph_outputs: Collection[str]) -> dict[int, str]:
+    """Node index -> the producer output it fuses on: a FUSABLE_OPS node whose first input
+    comes from a computing node that no other node (nor the graph's output) reads."""
+    producer = {o: n for n in nodes for o in n.output}
+    readers: dict[str, int] = {}
+    for n in nodes:
+        for t in dict.fromkeys(n.input):
+            readers[t] = readers.get(t, 0) + 1
+    fused: dict[int, str] = {}
+    for i, n in enumerate(nodes):
+        src = n.input[0] if n.op_type in FUSABLE_OPS and n.input else ""
+        p = producer.get(src)
+        if (p is not None and p.op_type not in FREE_OPS and p.op_type != "Cast"
+                and readers.get(src) == 1 and src not in graph_outputs):
+            fused[i] = src
+    return fused
 
 
 def cast_cost(tensor: str, elements: int, src: str, dst: str, throughput: Throughput) -> NodeCost:

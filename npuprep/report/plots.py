@@ -282,8 +282,29 @@ def error_svg(series: ErrorSeries) -> str:
     return _to_svg(fig, "error", hover)
 
 
+def _speedup_svg(formats: Sequence[dict[str, Any]]) -> str:
+    rows = [r for r in formats if r.get("speedup_vs_fp32") or r.get("speedup_range")]
+    fig, (ax,) = _figure(0.5 + 0.45 * max(len(rows), 1))
+    ends = [(r["speedup_vs_fp32"],) * 2 if r.get("speedup_vs_fp32") else tuple(r["speedup_range"])
+            for r in rows]
+    # A known speed-up is a thin bar at its value; a range spans its two ends.
+    ax.barh([r["format"] for r in rows], [max(hi - lo, 0.02 * hi) for lo, hi in ends],
+            left=[lo for lo, _ in ends], color="#2471a3")
+    for y, (lo, hi) in enumerate(ends):
+        ax.annotate(f" {lo:.2g}x" if lo == hi else f" {lo:.2g}x to {hi:.2g}x", (hi, y), va="center",
+                    fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("speed-up over FP32 (a range where the target publishes no peak or bandwidth)")
+    ax.set_xlim(0, max([hi for _, hi in ends] or [1.0]) * 1.35)
+    return _to_svg(fig, "ledger")
+
+
 def ledger_svg(formats: Sequence[dict[str, Any]]) -> str:
-    """Estimated time per format (the ledger's `formats` rows): compute- and memory-bound parts."""
+    """Estimated time per format (the ledger's `formats` rows): compute- and memory-bound parts;
+    where a row's time is unknown, every row's speed-up over FP32 (its range, where that is all
+    the known figures give)."""
+    if any(r.get("estimated_ms") is None for r in formats):
+        return _speedup_svg(formats)
     rows = [r for r in formats if r.get("estimated_ms") is not None]
     fig, (ax,) = _figure(0.5 + 0.45 * max(len(rows), 1))
     labels = [r["format"] for r in rows]

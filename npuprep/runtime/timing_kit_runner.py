@@ -2,6 +2,7 @@
 
     onnxruntime (any EP):  python time_models.py [--providers CUDAExecutionProvider,CPUExecutionProvider]
     Rockchip board:        python time_models.py --backend rknnlite     # models/<name>.rknn
+    torch only (CUDA):     python time_models.py --backend torch        # needs onnx; the ops below
     Jetson Orin:           run the trtexec lines of README.md, then
                            python time_models.py --from-trtexec fp32=fp32_times.json ...
     host:                  npuprep ledger MODEL --target T [CONVERTED] --measured results.json
@@ -28,6 +29,9 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Where IO binding puts the inputs and outputs for each execution provider.
+DEVICE_OF_PROVIDER = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "cuda",
+                      "CPUExecutionProvider": "cpu"}
 
 
 def _read(path):
@@ -60,6 +64,10 @@ def device_state():
         if freq:
             devfreq[os.path.basename(dev)] = freq  # Rockchip NPU, Jetson GPU clocks
     state["devfreq_hz"] = devfreq
+    if shutil.which("nvidia-smi"):  # the GPU a CUDA provider runs on
+        query = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm",
+                                "--format=csv,noheader"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        state["gpu"] = query.stdout.decode(errors="replace").strip()
     if shutil.which("nvpmodel"):  # Jetson power mode
         query = subprocess.run(["nvpmodel", "-q"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         state["nvpmodel"] = query.stdout.decode(errors="replace").strip()
@@ -88,6 +96,127 @@ def _peak_rss_mb():
     return peak / 1024.0 if sys.platform != "darwin" else peak / 2 ** 20  # kB on Linux
 
 
+def _time_ort(entry, feeds, args):
+    """onnxruntime with inputs and outputs bound on the provider's device (IO binding), so the
+    timing is the model's, not the copies over PCIe; the asked-for provider or a refusal."""
+    import onnxruntime as ort
+
+    providers = args.providers.split(",") if args.providers else ["CPUExecutionProvider"]
+    available = ort.get_available_providers()
+    if providers[0] not in available:
+        raise SystemExit("refused: {} is not in this onnxruntime ({} has {}); install the build "
+                         "that has it".format(providers[0], ort.__version__, ", ".join(available)))
+    session = ort.InferenceSession(os.path.join(HERE, entry["model"]), providers=providers)
+    if session.get_providers()[0] != providers[0]:
+        raise SystemExit(f"refused: {providers[0]} did not load (onnxruntime fell back to {session.get_providers()[0]}); its libraries "
+                         "(CUDA, cuDNN, TensorRT) are missing or mismatched")
+    device = DEVICE_OF_PROVIDER.get(providers[0], "cpu")
+    binding = session.io_binding()
+    for name, arr in feeds.items():
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr, device, 0))
+    for out in session.get_outputs():
+        binding.bind_output(out.name, device, 0)
+
+    def run():
+        session.run_with_iobinding(binding)
+        if device != "cpu":
+            binding.synchronize_outputs()
+
+    result = _time(run, args.warmup, args.runs)
+    result["backend"] = "onnxruntime " + ort.__version__ + " " + ",".join(session.get_providers())
+    result["provider"], result["device"] = providers[0], device
+    result["io_binding"] = "inputs and outputs on " + device
+    result["versions"] = {"onnxruntime": ort.__version__, "numpy": np.__version__,
+                          "python": platform.python_version()}
+    return result
+
+
+TORCH_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 7: "int64", 6: "int32"}
+
+
+def _torch_op(torch, node, args, attrs):
+    """One ONNX node as eager torch kernels (the handful a GEMM chain, a conv net and a
+    transformer block use); anything else is refused by name."""
+    f = torch.nn.functional
+    op = node.op_type
+    if op == "MatMul":
+        return torch.matmul(*args)
+    if op in ("Add", "Mul", "Sub", "Div"):
+        return {"Add": torch.add, "Mul": torch.mul, "Sub": torch.sub, "Div": torch.div}[op](*args)
+    if op == "Relu":
+        return torch.relu(args[0])
+    if op == "Gelu":
+        return f.gelu(args[0])
+    if op == "Softmax":
+        return torch.softmax(args[0], dim=attrs.get("axis", -1))
+    if op == "Cast":
+        return args[0].to(getattr(torch, TORCH_DTYPES[attrs["to"]]))
+    if op == "Reshape":
+        return args[0].reshape([int(d) for d in args[1].tolist()])
+    if op == "Transpose":
+        return args[0].permute(*attrs["perm"])
+    if op == "GlobalAveragePool":
+        return args[0].mean(dim=(2, 3), keepdim=True)
+    if op == "LayerNormalization":
+        shape = args[0].shape[attrs.get("axis", -1):]
+        return f.layer_norm(args[0], shape, args[1], args[2] if len(args) > 2 else None,
+                            attrs.get("epsilon", 1e-5))
+    if op == "Conv":
+        pads = attrs.get("pads", [0, 0, 0, 0])
+        return f.conv2d(args[0], args[1], args[2] if len(args) > 2 else None,
+                        stride=attrs.get("strides", 1), padding=pads[:2],
+                        dilation=attrs.get("dilations", 1), groups=attrs.get("group", 1))
+    raise SystemExit(f"refused: the torch backend has no kernel for {op} ({node.name}); use onnxruntime, "
+                     "RKNNLite or trtexec")
+
+
+def _time_torch(entry, feeds, args):
+    """Eager torch on CUDA, inputs and weights on the device, outputs left there; one kernel
+    (or a few) per node, no fusion: what the ledger estimates without fusion."""
+    import onnx
+    import torch
+    from onnx import helper, numpy_helper
+
+    if not torch.cuda.is_available():
+        raise SystemExit("refused: torch sees no CUDA device")
+    # FP32 is FP32, as trtexec --noTF32 (cuDNN runs FP32 convolutions as TF32 by default).
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = onnx.load(os.path.join(HERE, entry["model"]))
+    dev = torch.device("cuda")
+    # Integer initialisers (Reshape's shapes) stay on the host: reading one back from the
+    # device would synchronise in the middle of the run.
+    values = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()) for t in model.graph.initializer}
+    values = {k: v.to(dev) if v.is_floating_point() else v for k, v in values.items()}
+    inputs = {k: torch.from_numpy(v).to(dev) for k, v in feeds.items()}
+    nodes = [(n, {a.name: helper.get_attribute_value(a) for a in n.attribute}) for n in model.graph.node]
+    outputs = [o.name for o in model.graph.output]
+
+    def run():
+        env = dict(values, **inputs)
+        for node, attrs in nodes:
+            env[node.output[0]] = _torch_op(torch, node, [env[i] for i in node.input if i], attrs)
+        torch.cuda.synchronize()
+        return [env[o] for o in outputs]
+
+    with torch.inference_mode():
+        result = _time(run, args.warmup, args.runs)
+    result["backend"] = "torch " + torch.__version__ + " eager CUDA " + str(torch.version.cuda)
+    result["provider"], result["device"] = "torch eager", torch.cuda.get_device_name(0)
+    result["io_binding"] = "inputs, weights and outputs on cuda"
+    result["peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20
+    result["versions"] = {"torch": torch.__version__, "cuda": str(torch.version.cuda),
+                          "onnx": onnx.__version__, "numpy": np.__version__}
+    return result
+
+
+def _rknn_version(rknn):
+    try:
+        return str(rknn.get_sdk_version())
+    except Exception:  # noqa: BLE001 - older RKNNLite builds lack it; the timing still stands
+        return "unknown"
+
+
 def time_one(name, args):
     """Time one model in this process and print its JSON line."""
     with open(os.path.join(HERE, "manifest.json")) as fh:
@@ -95,12 +224,9 @@ def time_one(name, args):
     entry = next(m for m in manifest["models"] if m["name"] == name)
     feeds = _inputs(manifest)
     if args.backend == "ort":
-        import onnxruntime as ort
-
-        providers = args.providers.split(",") if args.providers else ["CPUExecutionProvider"]
-        session = ort.InferenceSession(os.path.join(HERE, entry["model"]), providers=providers)
-        result = _time(lambda: session.run(None, feeds), args.warmup, args.runs)
-        result["backend"] = "onnxruntime " + ort.__version__ + " " + ",".join(session.get_providers())
+        result = _time_ort(entry, feeds, args)
+    elif args.backend == "torch":
+        result = _time_torch(entry, feeds, args)
     else:
         from rknnlite.api import RKNNLite
 
@@ -112,8 +238,13 @@ def time_one(name, args):
         data = [feeds[i["name"]] for i in manifest["inputs"]]
         result = _time(lambda: rknn.inference(inputs=data, data_format="nchw"), args.warmup, args.runs)
         result["backend"] = "RKNNLite"
-    result["peak_memory_mb"] = _peak_rss_mb()
-    result["memory_counter"] = "process peak resident set (ru_maxrss)"
+        result["provider"], result["device"] = "RKNNLite", "NPU"
+        result["versions"] = {"rknn_runtime": _rknn_version(rknn), "numpy": np.__version__}
+    if "peak_memory_mb" not in result:
+        result["peak_memory_mb"] = _peak_rss_mb()
+        result["memory_counter"] = "process peak resident set (ru_maxrss)"
+    else:
+        result["memory_counter"] = "torch.cuda.max_memory_allocated"
     print(json.dumps(result))
 
 
@@ -129,6 +260,8 @@ def from_trtexec(pairs, warmup):
         models[name] = {"median_ms": statistics.median(times),
                         "p90_ms": times[int(0.9 * (len(times) - 1))], "min_ms": times[0],
                         "runs": len(times), "backend": "trtexec (GPU compute time)",
+                        "provider": "TensorRT", "device": "cuda",
+                        "versions": {"trtexec": "see trtexec's log ('TensorRT version')"},
                         "peak_memory_mb": None,
                         "memory_counter": "see trtexec's log: 'Total GPU memory' / engine size"}
     return models
@@ -136,7 +269,7 @@ def from_trtexec(pairs, warmup):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=("ort", "rknnlite"), default="ort")
+    parser.add_argument("--backend", choices=("ort", "rknnlite", "torch"), default="ort")
     parser.add_argument("--providers", help="onnxruntime execution providers, comma-separated")
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--runs", type=int, default=200)
@@ -160,7 +293,10 @@ def main():
                    "--backend", args.backend, "--warmup", str(args.warmup), "--runs", str(args.runs)]
             if args.providers:
                 cmd += ["--providers", args.providers]
-            line = subprocess.run(cmd, check=True, stdout=subprocess.PIPE).stdout.decode().strip()
+            done = subprocess.run(cmd, stdout=subprocess.PIPE)
+            if done.returncode != 0:
+                return 2  # the child said why (a refused provider) on stderr
+            line = done.stdout.decode().strip()
             results["models"][entry["name"]] = json.loads(line.splitlines()[-1])
             print(entry["name"], results["models"][entry["name"]])
     with open(args.out, "w") as fh:
