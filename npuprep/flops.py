@@ -91,7 +91,21 @@ def node_flops(model: onnx.ModelProto,
                 # A rank-1 MatMul operand is a vector: its length is the reduced dimension.
                 k = a[-1] if op == "MatMul" or not attribute(node, "transA", 0) else a[-2]
                 flops[node_label(node)] = 2 * n_out * k
+            elif op in ("STFT", "DFT"):
+                # Counted as the direct transform a compiler lowers it to (a Conv or MatMul
+                # by the Fourier basis): one multiply-add per output value and input sample.
+                flops[node_label(node)] = 2 * n_out * _transform_length(node, shapes, a)
             else:
                 flops[node_label(node)] = n_out
     return flops
+
+
+def _transform_length(node: onnx.NodeProto, shapes: Mapping[str, tuple[int, ...]],
+                      signal: tuple[int, ...]) -> int:
+    """Samples per transformed frame: an STFT's window length, a DFT's axis length (1 unknown)."""
+    if node.op_type == "STFT":
+        window = shapes.get(node.input[2], ()) if len(node.input) > 2 and node.input[2] else ()
+        return window[0] if window else 1
+    axis = int(attribute(node, "axis", 1) or 1)
+    return signal[axis] if len(signal) > axis else 1
 

@@ -62,6 +62,8 @@ COMMUTES_WITH_SCALING: dict[str, tuple[int, ...]] = {
         "Gather", "GatherElements", "GatherND", "Compress", "ReverseSequence", "Split",
         "Expand", "Tile", "DepthToSpace", "SpaceToDepth", "CumSum", "TopK", "ReduceMean",
         "ReduceSum", "ReduceMax", "ReduceMin", "ReduceL1", "ReduceL2",
+        # A Fourier transform is linear in its signal (the window, input 2, is not scaled).
+        "STFT", "DFT",
     )
 }
 # Ops whose outputs (beyond output 0) carry the data too; default: output 0 only.

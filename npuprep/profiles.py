@@ -296,7 +296,7 @@ def parse_profile(data: Any, source: str) -> TargetProfile:
     report_format = r.choice(
         compiler.get("report_format", "generic"),
         "compiler.report_format",
-        ("trt_json", "horizon", "rknn", "generic"),
+        ("trt_json", "horizon", "rknn", "openvino", "generic"),
     )
     inputs = r.mapping(top.get("inputs", {}) or {}, "inputs", {"shapes", "layout"})
     sources = r.mapping(top.get("sources", {}) or {}, "sources")

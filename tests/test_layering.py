@@ -248,3 +248,10 @@ def test_the_checks_see_an_any_parameter_and_a_restated_op_table(tmp_path):
                               'RKNN = {"Conv": {"Conv", "MatMul", "Gemm"}}\n')
     assert _any_parameters(pkg) == ["a.py:f(x)"]
     assert _op_sets_outside_ops(pkg) == ["b.py:1", "b.py:2"]
+
+
+def test_only_the_openvino_vendor_module_imports_openvino():
+    # OpenVINO is an optional extra: one module imports it, so every other one loads without it.
+    importers = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py")
+                       if any(m.split(".")[0] == "openvino" for m in _imports(p)))
+    assert importers == ["vendors/openvino.py"]

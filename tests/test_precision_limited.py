@@ -249,3 +249,42 @@ def test_a_precision_failure_says_where_its_error_sits(tmp_path):
 
     worst = json.loads((tmp_path / "c.report.json").read_text())["verification"]["outputs"]["y"]["worst_sample"]
     assert worst["of"] == 64 and worst["share"] < 0.2
+
+
+# x -> Gemm(W, 1) -> h (1 +- 0.01) -> Unsqueeze -> u -> Log (FP32, the user's pin) -> y (~0.01)
+# x -> MatMul(V) -> z                                   (the FP16 bulk of the FLOPs)
+# FP16 keeps h to steps of 1/1024, ~3% of y. Pinning the Gemm alone buys nothing: the FP16
+# Unsqueeze between it and the FP32 Log rounds h again; the chain to the Log must be kept.
+NEAR_ONE_LOG = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[64, 16] x) => (float[1, 64, 4] y, float[64, 256] z) <int64[1] axes = {0}> {
+    [mm] h = Gemm (x, W, one)
+    [unsq] u = Unsqueeze (h, axes)
+    [log] y = Log (u)
+    [bulk] z = MatMul (x, V)
+}
+"""
+
+
+def test_a_precision_failure_keeps_the_attributed_chain_wider_up_to_the_fp32_nodes(tmp_path):
+    from npuprep.plan import PinFp32, Plan
+
+    rng = np.random.default_rng(4)
+    proto = parser.parse_model(NEAR_ONE_LOG)
+    proto.graph.initializer.extend([
+        onnx.numpy_helper.from_array((rng.standard_normal((16, 4)) * 0.0025).astype(np.float32), "W"),
+        onnx.numpy_helper.from_array(np.ones(4, np.float32), "one"),
+        onnx.numpy_helper.from_array((rng.standard_normal((16, 256)) / 4).astype(np.float32), "V")])
+    model = Model(proto, "near_one_log.onnx", fingerprint(proto))
+    feeds = [{"x": rng.standard_normal((64, 16)).astype(np.float32)} for _ in range(3)]
+    plan = Plan(fingerprint=model.fingerprint, target="generic", precision="fp16",
+                actions=(PinFp32(nodes=("log",), forced=True, why="the user keeps the Log"),))
+    result = convert(model, GENERIC, feeds, plan=plan)
+    assert result.passed, result.notes
+    assert {"mm", "unsq", "log"} <= set(result.pinned_nodes) and "bulk" not in result.pinned_nodes
+    worst = max(o["rel_l2"] for o in result.output_check.outputs.values())
+    assert worst <= 1e-2
+    # What it cost is said: the round's pin names the layers and the FP32 share stays small.
+    pin = next(a for a in result.plan.actions if "verification round" in getattr(a, "why", ""))
+    assert pin.nodes == ("mm", "unsq") and "squared error" in pin.why
+    assert result.flops_fp32_share < 0.05

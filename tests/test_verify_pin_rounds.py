@@ -83,3 +83,22 @@ def test_a_pin_that_bought_too_little_is_dropped_and_its_attribution_marked():
     assert not rounds.keeps(before, after, 2)
     assert rounds.attributions[0]["dropped"] and "did not improve the outputs" in rounds.notes[-1]
     assert rounds.keeps(before, _build(_check(0.004), None), 2)
+
+
+def test_an_attributed_pin_that_bought_too_little_is_widened_by_the_ranking_until_none_is_wider():
+    from npuprep.plan import PinFp32
+    from npuprep.verify.attribution import Attribution, LayerError
+
+    ranked = Attribution((LayerError("big", "Exp", 0.03, 0.6, 4), LayerError("after", "Relu", 0.02, 0.4, 4)),
+                         samples=1)
+    rounds = PinRounds(load_profile("generic").resolve(), samples=[], rtol=1e-2, max_fp32_share=1.0,
+                       _ranked=(ranked, 0.03, 100.0, PinFp32(nodes=("big",), why="verification round 1: x")),
+                       _model=GRAPH)
+    pin = rounds.widen(2, _plan())
+    assert pin is not None and pin.nodes == ("big", "after") and "widened after round 2" in pin.why
+    assert "widened the attributed pin from 1 to 2 layer(s)" in rounds.notes[-1]
+    # Both ranked nodes are pinned now: nothing wider to take, and the failure stands.
+    assert rounds.widen(3, _plan()) is None and "no wider set" in rounds.notes[-1]
+    # Nor without an attributed pin to start from.
+    assert PinRounds(load_profile("generic").resolve(), samples=[], rtol=1e-2,
+                     max_fp32_share=1.0).widen(2, _plan()) is None

@@ -78,9 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-rounds", type=positive_int, default=3,
                    help="verification rounds; each pins the layers a precision error comes "
                         "from, or else the first divergent node (default 3)")
-    p.add_argument("--verify-with", choices=("rknn",),
+    p.add_argument("--verify-with", choices=("rknn", "openvino"),
                    help="also build the converted model with the vendor toolchain and run its "
-                        "simulator on the samples (rknn: rknn-toolkit2, in its own venv)")
+                        "simulator on the samples (rknn: rknn-toolkit2, in its own venv; "
+                        "openvino: OpenVINO's CPU plugin, npuprep[openvino])")
     p.add_argument("--vendor-python", metavar="PATH",
                    help="python of the vendor venv (default: $NPUPREP_RKNN_PYTHON, then "
                         "~/.cache/npuprep/rknn-venv)")
@@ -262,7 +263,8 @@ def _print_vendor(vendor: dict[str, Any] | None) -> None:
 
     if vendor is None:
         return
-    name = f"rknn-toolkit2's simulator ({vendor['target_platform']})"
+    name = (f"OpenVINO ({vendor['target_platform']})" if vendor["vendor"] == "openvino"
+            else f"rknn-toolkit2's simulator ({vendor['target_platform']})")
     if not vendor["built"]:
         # A rewrite that made it build is a note of the conversion instead.
         for line in (vendor.get("bisection") or {}).get("lines", ()):
@@ -280,12 +282,27 @@ def _print_vendor(vendor: dict[str, Any] | None) -> None:
     if layers and layers["non_finite"]:
         names = ", ".join(dict.fromkeys(x for v in layers["non_finite"] for x in v["layers"]))
         print(f"accuracy_analysis: non-finite layers {names}")
+    if layers and vendor["vendor"] == "openvino":
+        print(_openvino_layers(layers))
+        for note in layers.get("notes", ()):
+            if note.startswith("OpenVINO ran"):
+                say(note)
     if vendor["range_warnings"]:
         print(f"the toolkit warns these tensors leave FP16: {', '.join(vendor['range_warnings'][:8])}")
     if vendor.get("eight_bit"):
         from npuprep.verify.vendor_8bit import paths_table
 
         print_table(*paths_table(vendor["eight_bit"]))
+
+
+def _openvino_layers(layers: dict[str, Any]) -> str:
+    """What OpenVINO ran against the plan, in one line."""
+    counts = ", ".join(f"{k} {n}" for k, n in layers["counts"].items() if n)
+    disagree = layers.get("disagree", [])
+    said = "agree with the plan" if layers["passed"] else \
+        "differ from the plan at " + ", ".join(disagree[:6]) + \
+        (f" and {len(disagree) - 6} more" if len(disagree) > 6 else "")
+    return f"OpenVINO's runtime precisions {said} ({counts})"
 
 
 def _agreement(errors: dict[str, Any]) -> str:

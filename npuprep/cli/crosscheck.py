@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from npuprep.cli.common import add_json, add_target
+from npuprep.errors import NpuprepError
 
 if TYPE_CHECKING:
     from npuprep.analyse.finding import Findings
@@ -14,19 +15,28 @@ if TYPE_CHECKING:
     from npuprep.crosscheck.check import Crosscheck
     from npuprep.crosscheck.names import NodeIndex
     from npuprep.crosscheck.plan_view import PlanDecision
+    from npuprep.crosscheck.record import CompilerReport
     from npuprep.model_io import Model
+    from npuprep.output_files import OutputPlan
     from npuprep.profiles import ResolvedTarget
 
 help = "check a compiler's per-layer precision report against the nodes npuprep found sensitive"
 
-FORMAT_CHOICES = ("auto", "trt_json", "generic", "horizon", "rknn")
+FORMAT_CHOICES = ("auto", "trt_json", "generic", "horizon", "rknn", "openvino")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="the ONNX model the compiler was given")
-    p.add_argument("--report", "-r", required=True,
+    p.add_argument("--report", "-r",
                    help="the compiler's report: TensorRT --exportLayerInfo JSON, CSV/JSON "
-                        "node,precision, hb_mapper log, or RKNN error_analysis.txt")
+                        "node,precision, hb_mapper log, RKNN error_analysis.txt, or OpenVINO's "
+                        "runtime report (convert --verify-with openvino writes one)")
+    p.add_argument("--vendor", choices=("openvino",),
+                   help="instead of --report: compile MODEL with this toolchain (openvino: its "
+                        "CPU plugin, the target format as INFERENCE_PRECISION_HINT) and read "
+                        "its own per-layer precisions")
+    p.add_argument("--save-report", metavar="OUT.json",
+                   help="with --vendor: also write the report it produced")
     add_target(p)
     # --format (still read, hidden) is a number format elsewhere: one flag, one meaning.
     p.add_argument("--format", dest="report_format", choices=FORMAT_CHOICES, default="auto",
@@ -55,13 +65,22 @@ def run(args: argparse.Namespace) -> int:
     from npuprep.crosscheck.render import COLUMNS, SHORT_COLUMNS, row, short_row, to_markdown
     from npuprep.provenance import read_conversion
 
+    if (args.report is None) == (args.vendor is None):
+        raise NpuprepError("crosscheck: give --report R (the compiler's report) or --vendor "
+                           "openvino (npuprep compiles MODEL and reads OpenVINO's own), not both")
+    if args.save_report and not args.vendor:
+        raise NpuprepError("--save-report writes the report --vendor produces; give --vendor")
     run_ = begin(args, inputs=("report", "stats", "plan"))
     profile, model, outputs = run_.profile, run_.model, run_.outputs
-    if args.report_md:
-        outputs.writes(args.report_md, "--report-md")
-        outputs.check()
+    for path, what in ((args.report_md, "--report-md"), (args.save_report, "--save-report")):
+        if path:
+            outputs.writes(path, what)
+    outputs.check()
     index = NodeIndex(model)
-    report = read_report(args.report, index, args.report_format)
+    if args.vendor:
+        report = _vendor_report(args, model, run_.target, index, outputs)
+    else:
+        report = read_report(args.report, index, args.report_format)
     findings = static_findings(model, run_.target)
     decision = read_decision(args.plan, model, index) if args.plan else None
     if args.stats:
@@ -104,6 +123,20 @@ def run(args: argparse.Namespace) -> int:
             say(f"note: {note}")
         say(failure_line(result), always=True)
     return 0 if result else 1
+
+
+def _vendor_report(args: argparse.Namespace, model: Model, target: ResolvedTarget,
+                   index: NodeIndex, outputs: OutputPlan) -> CompilerReport:
+    """OpenVINO's runtime report of MODEL compiled for the target's format (saved when asked)."""
+    from npuprep import json_io
+    from npuprep.crosscheck.openvino import read_openvino
+    from npuprep.vendors.openvino import report_of
+
+    made = report_of(model.proto, target.fmt.name, default=target.profile.default_precision)
+    if args.save_report:
+        with outputs.open() as files:
+            files.text(args.save_report, json_io.dump_json(made))
+    return read_openvino(args.save_report or f"openvino's runtime model of {model.path}", made, index)
 
 
 # Verdicts counted, not listed, unless --show-all: a report names hundreds of layers, most of them fine.

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 help = "measure how the target overflows (inf, nan, saturate, other): locally or via a board kit"
 
 SCHEMA_VERSION = 1
-BACKENDS = ("emulate", "ort", "ort-fp32-io", "rknn")
+BACKENDS = ("emulate", "ort", "ort-fp32-io", "rknn", "openvino")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=BACKENDS, default="emulate",
                    help="emulate: profile semantics; ort: FP16 model on onnxruntime, tensors stored "
                         "in FP16; ort-fp32-io: same with FP32 outputs (shows wider compute); "
-                        "rknn: rknn-toolkit2's FP16 build in its simulator (--vendor-python)")
+                        "rknn: rknn-toolkit2's FP16 build in its simulator (--vendor-python); "
+                        "openvino: OpenVINO's CPU plugin, the format as its precision hint")
     p.add_argument("--vendor-python", metavar="PATH",
                    help="python of the rknn-toolkit2 venv (default: $NPUPREP_RKNN_PYTHON, then "
                         "~/.cache/npuprep/rknn-venv)")
@@ -85,11 +86,12 @@ def _run_int8(args: argparse.Namespace) -> int:
     if args.model or args.export_kit or args.write_profile:
         raise NpuprepError("--precision int8 runs the INT8 clipping probe only (no MODEL, "
                            "--export-kit or --write-profile)")
-    if args.backend not in ("emulate", "rknn"):
-        raise NpuprepError(f"--precision int8 runs on --backend emulate or rknn, not {args.backend}")
+    if args.backend not in ("emulate", "rknn", "openvino"):
+        raise NpuprepError(f"--precision int8 runs on --backend emulate, rknn or openvino, not "
+                           f"{args.backend}")
     profile = _profile(args)
     result = run_clip_probe(args.backend, python=args.vendor_python)
-    basis = "measured (rknn)" if args.backend == "rknn" else "QDQ semantics (emulated)"
+    basis = "QDQ semantics (emulated)" if args.backend == "emulate" else f"measured ({args.backend})"
     doc = {"schema_version": SCHEMA_VERSION, "kind": "probe", "fingerprint": "",
            "target": profile.name, "format": "int8", "backend": result.backend, "basis": basis,
            "probes": [result.to_dict()], "overall": {"verdict": result.verdict,
@@ -179,6 +181,10 @@ def _backend(args: argparse.Namespace, profile: Any, fmt_: Any):
             raise NpuprepError(f"--backend rknn builds FP16 (do_quantization=False); it cannot "
                                f"probe {fmt_.name}")
         return RknnBackend(args.vendor_python)
+    if args.backend == "openvino":
+        from npuprep.probe.openvino_backend import OpenvinoBackend
+
+        return OpenvinoBackend(fmt_.name)
     if args.backend == "emulate":
         # Unknown is emulated as the loud case (as ResolvedTarget.saturate does); the note says so.
         return EmulateBackend(fmt_, saturate=bool(_declared_saturate(profile, fmt_)))

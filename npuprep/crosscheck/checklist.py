@@ -382,8 +382,9 @@ def _eight_bit(ctx: _Context, decision: Any, converted: tuple[str, dict[str, Any
         f"{ctx.ws}/model_{fmt}.onnx"
     steps = [] if converted is not None else [
         f"npuprep convert {ctx.model_arg} --target {ctx.target_arg} --precision {fmt} --data DATA "
-        f"-o {ctx.ws}/model_{fmt}.onnx" + (" --verify-with rknn" if ctx.profile.report_format ==
-                                          "rknn" else "")]
+        f"-o {ctx.ws}/model_{fmt}.onnx" + (f" --verify-with {ctx.profile.report_format}"
+                                          if ctx.profile.report_format in ("rknn", "openvino")
+                                          else "")]
     steps += [
         f"the QDQ model `{model}` carries the scales (QuantizeLinear/DequantizeLinear at the "
         f"{fmt} layers): give the compiler that file (a pre-quantised model), not the FP32 one",
@@ -430,6 +431,10 @@ def _probe(ctx: _Context) -> Item:
         f"npuprep probe --classify {kit} --outputs {ctx.ws}/probe_outputs --target {ctx.target_arg} "
         f"--json > {ctx.ws}/probe.json",
     )
+    if ctx.profile.report_format == "openvino":
+        # OpenVINO's CPU plugin is the target itself: its real FP16 kernels answer here.
+        steps = (f"npuprep probe --target {ctx.target_arg} --backend openvino --precision fp16 "
+                 f"--json > {ctx.ws}/probe.json",)
     found = ctx.artefact("probe", same_model=False)
     if found is None:
         why = (f"the profile does not know how `{ctx.profile.name}` overflows: only the board can tell"
@@ -445,7 +450,8 @@ def _probe(ctx: _Context) -> Item:
                 if verdict == "mixed" else "unknown")
     evidence = [f"`{path}`: overall `{verdict}` ({loudness}) on {backend or 'an unnamed backend'}"
                 + (f": {overall['reason']}" if isinstance(overall, dict) and overall.get("reason") else "")]
-    on_board = backend.startswith("board")
+    on_board = backend.startswith("board") or (ctx.profile.report_format == "openvino"
+                                               and backend.startswith("openvino"))
     if not on_board:
         evidence.append("this probe ran on the host, not on the board: it shows the profile, "
                         "not the hardware")

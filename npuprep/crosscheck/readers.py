@@ -7,14 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from npuprep import json_io
-from npuprep.crosscheck import horizon, rknn
+from npuprep.crosscheck import horizon, openvino, rknn
 from npuprep.crosscheck.generic import read_generic_csv, read_generic_json
 from npuprep.crosscheck.names import NodeIndex
 from npuprep.crosscheck.record import CompilerReport, malformed
 from npuprep.crosscheck.trt_json import read_trt_json
 from npuprep.errors import NpuprepError
 
-FORMATS = ("auto", "trt_json", "generic", "horizon", "rknn")
+FORMATS = ("auto", "trt_json", "generic", "horizon", "rknn", "openvino")
 
 # How to obtain each report; the checklist and error messages quote these.
 HOW_TO_GET = {
@@ -23,11 +23,14 @@ HOW_TO_GET = {
     "horizon": "hb_mapper makertbin --config config.yaml --model-type onnx 2>&1 | tee {report}",
     "rknn": "rknn.accuracy_analysis(inputs=[...], output_dir='snapshot') "
             "(report: snapshot/error_analysis.txt)",
+    "openvino": "npuprep crosscheck {model} --vendor openvino --target openvino-cpu "
+                "--save-report {report}",
     "generic": "ask the compiler vendor for the per-node precision list as CSV 'node,precision'",
 }
 DEFAULT_REPORT_NAME = {
     "trt_json": "layers.json", "horizon": "hb_mapper_makertbin.log",
     "rknn": "snapshot/error_analysis.txt", "generic": "precision.csv",
+    "openvino": "openvino_runtime.json",
 }
 
 
@@ -51,6 +54,8 @@ def read_report(path: str | Path, index: NodeIndex, fmt: str = "auto") -> Compil
         return horizon.read_horizon(name, text, index)
     if fmt == "rknn":
         return rknn.read_rknn(name, text, index)
+    if fmt == "openvino":
+        return openvino.read_openvino(name, _json(name, text), index)
     if _looks_like_json(text):
         return read_generic_json(name, _json(name, text), index)
     return read_generic_csv(name, text, index)
@@ -60,6 +65,8 @@ def detect_format(path: str, text: str) -> str:
     """The report format a file's content follows."""
     if _looks_like_json(text):
         data = _json(path, text)
+        if openvino.looks_like(data):
+            return "openvino"
         if isinstance(data, dict) and "Layers" in data:
             return "trt_json"
         if isinstance(data, list) and data and isinstance(data[0], dict) and "count" in data[0]:
@@ -77,7 +84,7 @@ def detect_format(path: str, text: str) -> str:
     if "node" in columns and "precision" in columns:
         return "generic"
     raise NpuprepError(f"{path}: cannot tell the report format from its content; pass --report-format "
-                       "trt_json, generic, horizon or rknn")
+                       "trt_json, generic, horizon, rknn or openvino")
 
 
 def _looks_like_json(text: str) -> bool:

@@ -25,7 +25,8 @@ EXPORTS = {
     "yaml": ("precision_yaml", ".precision.yaml"),
 }
 # A profile's compiler report format -> the constraint file its compiler reads.
-COMPILER_EXPORT = {"trt_json": "trt", "horizon": "horizon", "rknn": "rknn", "generic": "yaml"}
+COMPILER_EXPORT = {"trt_json": "trt", "horizon": "horizon", "rknn": "rknn", "generic": "yaml",
+                   "openvino": "yaml"}
 
 
 def parse_exports(text: str) -> tuple[str, ...]:
@@ -77,7 +78,9 @@ def artefact_paths(output: str | Path, *, exports: Sequence[str], report_path: s
     if html:
         paths["report_html"] = Path(html)
     if vendor:
-        paths["vendor_error_analysis"] = Path(f"{base}.{vendor}_error_analysis.txt")
+        # OpenVINO's layer report is its runtime graph's precisions (crosscheck reads it).
+        paths["vendor_error_analysis"] = Path(f"{base}.openvino_runtime.json" if vendor == "openvino"
+                                              else f"{base}.{vendor}_error_analysis.txt")
     return paths
 
 

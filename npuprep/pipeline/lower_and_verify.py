@@ -41,26 +41,44 @@ def lower_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                      use: SampleUse, io_types: str, rtol: float, max_rounds: int,
                      max_fp32_share: float, opset: int | None, top_k: Mapping[str, int],
                      stage: Callable[[str], None]) -> ConversionResult:
-    """`planned` built for `target` in up to `max_rounds` verification rounds; its FP32
+    """`planned` built for `target` in up to `max_rounds` verification rounds (and up to
+    pin_rounds.MAX_WIDENINGS more where an attributed pin falls short of the gate); its FP32
     share (failing over `max_fp32_share`) and the ledger of what its pins cost."""
     work, stats, plan = planned.model, planned.stats, planned.plan
     rounds = PinRounds(target, samples, rtol=rtol, max_fp32_share=max_fp32_share,
                        notes=list(planned.notes))
-    tried: tuple[Plan, Build] | None = None  # the plan before the last verification pin
-    for round_no in range(1, max_rounds + 1):
+    # The plan before the last verification pin, its build and its round.
+    tried: tuple[Plan, Build, int] | None = None
+    round_no, proposed = 0, 0
+    while True:
+        round_no += 1
         build = _build(work, target, plan, samples, io_types=io_types, rtol=rtol,
                        holdout=holdout, stats=stats, opset=opset, top_k=top_k,
                        stage=lambda s, r=round_no: stage(f"round {r}, {s}"))
         if tried is not None and not rounds.keeps(tried[1], build, round_no):
-            plan, build = tried
-            round_no -= 1
+            # An attributed pin that bought too little is taken wider, not given up on.
+            wider = rounds.widen(round_no, tried[0])
+            if wider is None:
+                plan, build, round_no = tried
+                break
+            plan = replace(tried[0], actions=(*tried[0].actions, wider))
+            continue
+        if _passed(build):
             break
-        if build.output_check or round_no == max_rounds:
-            break
+        if proposed == max_rounds - 1:
+            # The rounds are spent: an attributed pin still short of the gate is taken wider
+            # (rounds.widen says when there is nothing wider to take).
+            wider = rounds.widen(round_no, plan)
+            if wider is None:
+                break
+            tried = (plan, build, round_no)
+            plan = replace(plan, actions=(*plan.actions, wider))
+            continue
         pin = rounds.propose(build, plan, round_no, stage)
         if pin is None:
             break
-        tried = (plan, build)
+        proposed += 1
+        tried = (plan, build, round_no)
         plan = replace(plan, actions=(*plan.actions, pin))
     # The converted model names its source, so the source's stats apply to it by name.
     record_source(build.lowered.model, source.fingerprint, build.tensor_scales)
@@ -79,6 +97,11 @@ def lower_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         notes=tuple(rounds.notes) + build.notes, share=share, host_scales=build.host_scales,
         error_attribution=tuple(rounds.attributions), ledger=ledger,
     )
+
+
+def _passed(build: Build) -> bool:
+    """The outputs pass on the calibration samples and, where there are any, the held-out ones."""
+    return bool(build.output_check) and (build.holdout is None or bool(build.holdout))
 
 
 def _fp32_groups(plan: Plan, build: Build, stats: Any,

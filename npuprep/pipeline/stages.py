@@ -237,6 +237,8 @@ def vendor_check(run: Run) -> Run:
     from npuprep.verify.vendor_8bit import vendor_check_8bit
 
     run.progress(f"building with {s.verify_with}")
+    if s.verify_with == "openvino":
+        return replace(run, result=replace(result, vendor=_openvino_check(run, result)))
     if result.eight_bit:
         held = list(run.held_out) if run.held_out else list(run.samples)
         check = vendor_check_8bit(run.model.proto, result, list(run.feeds), held,
@@ -252,6 +254,19 @@ def vendor_check(run: Run) -> Run:
     if check.fixed_model is not None:
         result = _with_vendor_fix(result, check)
     return replace(run, result=replace(result, vendor=check))
+
+
+def _openvino_check(run: Run, result: ConversionResult) -> VendorCheck:
+    """OpenVINO given the FP32 graph with the plan's rewrites (the QDQ model for 8 bits) and
+    the format as its precision hint, on the held-out samples."""
+    from npuprep.verify.vendor_openvino import openvino_check
+
+    held = list(run.held_out) if run.held_out else list(run.samples)
+    model = result.lowered.model if result.eight_bit else result.rewritten
+    target = result.profile.resolve(result.fmt.name)
+    return openvino_check(run.model.proto, model, held, target, plan=result.plan,
+                          rtol=_rtol(run.settings), host_scales=result.host_scales,
+                          top_k=dict(run.settings.top_k))
 
 
 def verdict(run: Run) -> Run:

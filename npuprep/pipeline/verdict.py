@@ -108,7 +108,9 @@ def _vendor_failed(result: ConversionResult) -> str:
         return ""
     if not v.built:
         return f"{v.vendor} refused the converted model in {v.stage}: {v.refusal}"
-    return f"outputs over their tolerance in {v.vendor}'s simulator ({v.target_platform})"
+    # rknn-toolkit2 simulates the board; OpenVINO runs on its real device.
+    run = "simulator" if v.vendor == "rknn" else "run"
+    return f"outputs over their tolerance in {v.vendor}'s {run} ({v.target_platform})"
 
 
 def _nonfinite_reason(checks: list[OutputCheck], io_types: str) -> str:

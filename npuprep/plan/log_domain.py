@@ -12,6 +12,7 @@ npuprep.rewrite.rescale carries the scale, npuprep.rewrite.log_offset compensate
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -22,6 +23,7 @@ from npuprep.ops import LAYOUT_OPS
 from npuprep.plan.actions import Clamp, Declined, Hazard, PinFp32, Rescale, Unpinnable
 from npuprep.plan.context import Outcome, PlanContext, Problem
 from npuprep.plan.rescale_domain import (
+    UNDERFLOW_SHARE,
     checked,
     entries_for,
     needed_k,
@@ -186,13 +188,13 @@ def _underflow_into_log(ctx: PlanContext, problem: Problem) -> Outcome:
     room = ctx.limit / ctx.fmt.min_normal
     if r is None or (r.min > 0 and r.max / r.min <= room):
         return None  # one scale fits the Log's input: the underflow remedy lifts it
-    chain, _ = _chain_back(ctx, log)
+    chain, sources = _chain_back(ctx, log)
     if ctx.producer_label(problem.tensor) not in chain:
         return None
     nodes = tuple(sorted(chain, key=ctx.order.__getitem__))
     under = ctx.range_of(problem.tensor)
     share = under.fraction_below(ctx.fmt.min_normal) if under is not None else None
-    return PinFp32(
+    pin = PinFp32(
         nodes=nodes, exit_tensors=tuple(log.output), findings=(problem.ref,),
         measured={"absmax": float(under.absmax if under is not None else 0.0)},
         request=ctx.profile.fp32_pinning is Pinning.COMPILER_DECIDES,
@@ -202,6 +204,44 @@ def _underflow_into_log(ctx: PlanContext, problem: Problem) -> Outcome:
              f"{r.max:.3g}, wider than the {ctx.fmt.name} normal range under the limit "
              f"(x{room:.3g}): no power of two keeps both ends; the chain {nodes[0]}..{nodes[-1]} "
              f"stays FP32"))
+    lift = _lifted_sources(ctx, problem, chain, sources)
+    return [lift, pin] if lift is not None else pin
+
+
+def _lifted_sources(ctx: PlanContext, problem: Problem, chain: set[str],
+                    sources: list[str]) -> Rescale | None:
+    """The transform that feeds an FP32 chain's squares (a CQT's Convs), lifted by 2^j out of
+    FP16's subnormal range, where its small bins keep a few bits only and the Log magnifies
+    what they lose; the chain, FP32, takes the scale to the Log, which absorbs it. The
+    largest lift that keeps every tensor outside the chain within the limit, the farthest
+    entry first (a graph input, or a Conv whose domain joins every Conv of the transform);
+    None when the sources are normal already or no lift fits."""
+    ranges = [ctx.range_of(t) for t in sources]
+    if not sources or any(r is None for r in ranges):
+        return None
+    absmax = max(float(r.absmax) for r in ranges)
+    shares = [r.fraction_below(ctx.fmt.min_normal) for r in ranges]
+    # Without a histogram the squares' own underflow (the problem) says the sources are small.
+    known = [x for x in shares if x is not None]
+    if absmax <= 0 or (len(known) == len(shares) and max(known) <= UNDERFLOW_SHARE):
+        return None
+    under = f"{max(known):.1%} of " if known else "the small values of "
+    fits = int(math.floor(math.log2(ctx.limit / absmax)))
+    inside = frozenset(o for n in chain for o in ctx.node(n).output)
+    # Farthest first: the entry nearest the squares (a Mul by a constant) lifts only what
+    # the chain computes, not the transform before it.
+    entries = [*sorted(ctx.graph_inputs), *reversed(entries_for(ctx, sources[0])[0])]
+    for j in range(fits, 0, -1):
+        for entry in entries:
+            check, _ = checked(ctx, entry, -j, sources[0], exempt=inside)
+            if check is None or any(check.exponents.get(t, 0) != j for t in sources):
+                continue
+            lift = rescale_action(ctx, entry, check, (problem.ref,), sources[0], absmax, "")
+            return replace(lift, why=(
+                f"{under}{', '.join(sources)} lie under the smallest {ctx.fmt.name} "
+                f"normal before the FP32 chain into {', '.join(sorted(chain))[:80]}: lifted "
+                f"into it so the transform keeps its precision in {ctx.fmt.name}; " + lift.why))
+    return None
 
 
 def _out_of_range(ctx: PlanContext, entry: str, k: int, t: str, p: int) -> bool:
@@ -220,8 +260,10 @@ def _chain_back(ctx: PlanContext, log: onnx.NodeProto) -> tuple[set[str], list[s
             continue
         chain.add(node_label(node))
         below = ctx.produced_by.get(node.input[0])
-        # A square of a Sqrt (|X|^2 as sqrt(re^2 + im^2)^2) is no source: the power is
-        # made by the squares under the Sqrt.
+        while below is not None and below.op_type in LAYOUT_OPS:
+            below = ctx.produced_by.get(below.input[0])
+        # A square of a Sqrt (|X|^2 as sqrt(re^2 + im^2)^2, transposed or not) is no source:
+        # the power is made by the squares under the Sqrt.
         if _is_square(ctx, node) and (below is None or below.op_type != "Sqrt"):
             sources.append(node.input[0])
             continue

@@ -101,6 +101,10 @@ def rescaled_constant(ctx: PlanContext, name: str) -> tuple[str, float] | None:
     return None
 
 
+# How npuprep.rewrite.scale_domain declines a scale that a Sqrt or a Pow turns fractional.
+FRACTIONAL_POWER = "not an integer power of two"
+
+
 def checked(ctx: PlanContext, entry: str, k: int, focus: str = "",
             exempt: frozenset[str] = frozenset()) -> tuple[Any | None, str]:
     """check_rescale, then the stats: every domain tensor within the limit (k grows until
@@ -112,6 +116,11 @@ def checked(ctx: PlanContext, entry: str, k: int, focus: str = "",
         if (entry, k) not in ctx.checks:
             ctx.checks[(entry, k)] = check_rescale(ctx.model.proto, entry, k)
         check = ctx.checks[(entry, k)]
+        if not check and FRACTIONAL_POWER in check.reason:
+            # A root or a power (Sqrt, Pow 1.5) makes 2^k a fractional power: the next deeper
+            # k whose powers are whole keeps every scale exact (deepening stays within limit).
+            k += 1 if k > 0 else -1
+            continue
         if not check:
             return None, check.reason
         p_focus = check.exponents.get(focus, 0) if focus else 0

@@ -100,7 +100,8 @@ def probe_feed() -> dict[str, np.ndarray]:
 
 def run_clip_probe(backend: str = "emulate", *, python: str | Path | None = None,
                    target_platform: str = "rk3588") -> ClipProbe:
-    """The probe on `backend` (`emulate`: QDQ in onnxruntime; `rknn`: the toolkit's INT8)."""
+    """The probe on `backend` (`emulate`: QDQ in onnxruntime; `rknn`: the toolkit's INT8;
+    `openvino`: the QDQ model on OpenVINO's INT8 path)."""
     from npuprep.runtime.session import make_session, run
 
     feed = probe_feed()
@@ -118,8 +119,16 @@ def run_clip_probe(backend: str = "emulate", *, python: str | Path | None = None
                                f"{done.refusal}")
         observed = np.asarray(done.outputs[0]["y"], np.float32).reshape(reference.shape)
         name = f"rknn({target_platform} simulator, INT8 build)"
+    elif backend == "openvino":
+        from npuprep.vendors.openvino import run_openvino
+
+        # The QDQ model as deployed: OpenVINO's low-precision transformations run it in INT8.
+        done = run_openvino(_model(qdq=True), [feed], "fp32")
+        observed = np.asarray(done.outputs[0]["y"], np.float32).reshape(reference.shape)
+        name = f"openvino({done.device}, QDQ on its INT8 path)"
     else:
-        raise NpuprepError(f"the INT8 clipping probe runs on emulate or rknn, not '{backend}'")
+        raise NpuprepError(f"the INT8 clipping probe runs on emulate, rknn or openvino, not "
+                           f"'{backend}'")
     return classify_clipping(reference, observed, name)
 
 

@@ -22,7 +22,7 @@ from npuprep.profiles import ResolvedTarget
 from npuprep.vendors.rockchip import RknnRun
 from npuprep.verify.output_errors import OutputErrors, output_passes
 
-VENDORS = ("rknn",)
+VENDORS = ("rknn", "openvino")  # openvino: verify/vendor_openvino.py
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,11 @@ class VendorCheck:
         layers = None
         if self.layers is not None:
             layers = {"passed": bool(self.layers), "counts": self.layers.counts,
-                      "non_finite": [v.to_dict() for v in self.layers.of("non-finite")]}
+                      "non_finite": [v.to_dict() for v in self.layers.of("non-finite")],
+                      # Nodes the compiler ran otherwise than the plan decided.
+                      "disagree": [v.node for v in self.layers.verdicts
+                                   if v.verdict in ("mismatch", "pin-ignored")],
+                      "notes": list(self.layers.notes)}
         return {
             "vendor": self.vendor, "target_platform": self.target_platform, "passed": bool(self),
             "built": self.built, "stage": self.stage, "refusal": self.refusal, "rtol": self.rtol,

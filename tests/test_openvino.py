@@ -1,0 +1,168 @@
+"""OpenVINO in the loop: its runtime report read by crosscheck, its real FP16/BF16 kernels.
+
+Skipped where `openvino` is not installed (CI installs npuprep[openvino], so they run there).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import parser
+
+from npuprep.crosscheck.check import crosscheck
+from npuprep.crosscheck.names import NodeIndex
+from npuprep.crosscheck.openvino import read_openvino
+from npuprep.errors import NpuprepError
+from npuprep.model_io import Model, fingerprint
+from npuprep.profiles import load_profile
+from npuprep.runtime.session import make_session, run
+
+pytest.importorskip("openvino")
+
+from npuprep.vendors.openvino import run_openvino  # noqa: E402
+from npuprep.verify.vendor_openvino import openvino_check  # noqa: E402
+
+
+def _mlp() -> onnx.ModelProto:
+    # x -> mm (MatMul, W) -> ex (Exp) -> sq (Mul ex*ex) -> z (Add sq+x)
+    eye = ", ".join("1" if i == j else "0" for i in range(16) for j in range(16))
+    m = parser.parse_model(f"""<ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,16] x) => (float[2,16] z) {{
+      w = Constant<value = float[16,16] {{{eye}}}>()
+      h = MatMul(x, w)
+      e = Exp(h)
+      s = Mul(e, e)
+      z = Add(s, x)
+    }}""")
+    for node, name in zip(m.graph.node, ("w", "mm", "ex", "sq", "add"), strict=True):
+        node.name = name
+    return m
+
+
+def _model(proto: onnx.ModelProto) -> Model:
+    return Model(proto=proto, path="mlp.onnx", digest=fingerprint(proto))
+
+
+def test_bf16_hint_crosscheck_reads_bf16_matmul_and_fp32_elementwise() -> None:
+    proto = _mlp()
+    x = np.full((2, 16), 0.5, np.float32)
+    done = run_openvino(proto, [{"x": x}], "bf16")
+    model = _model(proto)
+    index = NodeIndex(model)
+    report = read_openvino("runtime.json", json.loads(json.dumps(done.report())), index)
+    result = crosscheck(model, report, load_profile("openvino-cpu").resolve("bf16"), index=index)
+    runs = {v.node: v.runs_in for v in result.verdicts}
+    # The CPU plugin runs the MatMul on its BF16 kernel and keeps the fused Exp/Mul/Add in FP32.
+    assert runs["mm"] == "bf16"
+    assert runs["ex"] == runs["sq"] == runs["add"] == "fp32"
+    # BF16 rounding of 0.5 is exact: the outputs match FP32 onnxruntime to BF16's precision.
+    expected = run(make_session(proto), {"x": x})["z"]
+    np.testing.assert_allclose(done.outputs[0]["z"], expected, rtol=1e-2)
+
+
+def test_f16_hint_overflows_loudly_and_crosscheck_names_the_ignored_pin() -> None:
+    # x = 6: Exp gives 403, Exp^2 = 1.6e5 > 65504: Inf in FP16, finite in FP32.
+    proto = _mlp()
+    x = np.full((2, 16), 6.0, np.float32)
+    target = load_profile("openvino-cpu").resolve("fp16")
+    check = openvino_check(proto, proto, [{"x": x}], target, precision="fp16")
+    assert check.built and not check
+    assert check.outputs["z"]["nonfinite"] == 32
+    assert np.isfinite(run(make_session(proto), {"x": x})["z"]).all()
+    model = _model(proto)
+    report = read_openvino("r.json", json.loads(check.accuracy_report), NodeIndex(model))
+    pinned = crosscheck(model, report, target, pinned_nodes=("sq",))
+    assert [v.node for v in pinned.of("pin-ignored")] == ["sq"]
+
+
+def test_report_that_is_not_openvinos_is_one_clear_error() -> None:
+    model = _model(_mlp())
+    with pytest.raises(NpuprepError, match=r"r\.json: top level: not an OpenVINO runtime report"):
+        read_openvino("r.json", {"format": "openvino_runtime"}, NodeIndex(model))
+
+
+def test_unnamed_graph_output_node_maps_by_its_tensor() -> None:
+    # OpenVINO names the node that writes a graph output after the output (`z`, `z.0`).
+    proto = _mlp()
+    proto.graph.node[-1].name = ""
+    model = _model(proto)
+    index = NodeIndex(model)
+    data = {"format": "openvino_runtime", "layers": [
+        {"name": "z.0", "type": "Subgraph", "runtime_precision": "f16",
+         "output_precisions": ["f32"], "original_names": ["ex", "sq", "z", "z.0"]}]}
+    record = read_openvino("r.json", data, index).records[0]
+    assert record.onnx_nodes == ("ex", "sq", index.producer["z"])
+
+
+def test_probe_through_openvino_fp16_is_loud_and_bf16_keeps_fp32_range() -> None:
+    from npuprep.numerics import get_format
+    from npuprep.probe.openvino_backend import OpenvinoBackend
+    from npuprep.probe.runner import run_micro_probes
+
+    # The Mul probe's product is 1.3e5: past FP16's 65504, well inside BF16's range.
+    fp16 = run_micro_probes(OpenvinoBackend("fp16"), get_format("fp16"), ("mul",))
+    bf16 = run_micro_probes(OpenvinoBackend("bf16"), get_format("bf16"), ("mul",))
+    assert [r.verdict for r in fp16.results] == ["inf"]
+    assert [r.verdict for r in bf16.results] == ["no-overflow"]
+
+
+def test_int8_clip_probe_on_openvinos_int8_path_saturates() -> None:
+    from npuprep.probe.int8_clip import run_clip_probe
+
+    assert run_clip_probe("openvino").verdict == "saturate"
+
+
+def test_crosscheck_cli_vendor_report_saved_and_read_back(tmp_path) -> None:
+    from conftest import run_cli
+
+    path = tmp_path / "mlp.onnx"
+    onnx.save(_mlp(), str(path))
+    saved = tmp_path / "rt.json"
+    made = run_cli("crosscheck", path, "--vendor", "openvino", "--target", "openvino-cpu",
+                   "--save-report", saved, "--json")
+    again = run_cli("crosscheck", path, "--report", saved, "--target", "openvino-cpu", "--json")
+    assert made.returncode == again.returncode == 0, made.stderr + again.stderr
+    first, second = json.loads(made.stdout), json.loads(again.stdout)
+    assert second["report_format"] == "openvino"
+    runs = {v["node"]: v["runs_in"] for v in second["verdicts"]}
+    assert runs["mm"] == "bf16" and runs["ex"] == "fp32"
+    assert first["counts"] == second["counts"]
+    both = run_cli("crosscheck", path, "--report", saved, "--vendor", "openvino",
+                   "--target", "openvino-cpu")
+    assert both.returncode == 2 and "not both" in both.stderr
+
+
+def test_convert_verify_with_openvino_gives_its_outputs_verdict_and_runtime_precisions() -> None:
+    from npuprep.convert import convert
+    from npuprep.pipeline import CALIBRATE
+
+    rng = np.random.default_rng(0)
+    samples = [{"x": rng.uniform(-1, 1, (2, 16)).astype(np.float32)} for _ in range(4)]
+    result = convert(_model(_mlp()), load_profile("openvino-cpu"), samples, stats=CALIBRATE,
+                     verify_with="openvino")
+    check = result.vendor
+    assert check is not None and check.built and check
+    assert check.target_platform == "CPU, hint bf16"
+    # Its error is BF16's: at most a few BF16 ulps (2^-8 relative), never zero, never large.
+    assert 0 < check.outputs["z"]["rel_l2"] < 2 ** -6
+    assert check.layers is not None and bool(check.layers)
+    assert {v.node: v.runs_in for v in check.layers.verdicts}["mm"] == "bf16"
+    assert json.loads(check.accuracy_report)["hint"] == "bf16"
+
+
+def test_fullyconnected_named_after_its_bias_carries_the_matmul_not_the_weight_transpose() -> None:
+    # OpenVINO: `mm/transpose_b` (f32) is the weight's transpose; the FullyConnected that ran
+    # mm keeps only the name of the node it absorbed after it (`ex` here).
+    model = _model(_mlp())
+    index = NodeIndex(model)
+    data = {"format": "openvino_runtime", "layers": [
+        {"name": "mm/transpose_b", "type": "Transpose", "runtime_precision": "f32",
+         "output_precisions": ["f32"], "original_names": ["mm/transpose_b"]},
+        {"name": "ex", "type": "FullyConnected", "runtime_precision": "bf16",
+         "output_precisions": ["bf16"], "original_names": ["ex"]}]}
+    report = read_openvino("r.json", data, index)
+    result = crosscheck(model, report, load_profile("openvino-cpu").resolve("bf16"), index=index)
+    assert {v.node: v.runs_in for v in result.verdicts}["mm"] == "bf16"
