@@ -23,7 +23,7 @@ _RUN_KEYS = ("output", "artefacts", "resources")
 
 
 def test_the_stages_are_declared_in_order():
-    assert [s.__name__ for s in STAGES] == ["hold_out", "calibrate", "plan", "build",
+    assert [s.__name__ for s in STAGES] == ["hold_out", "goal", "calibrate", "plan", "build",
                                             "vendor_check", "user_load", "verdict", "record"]
 
 
