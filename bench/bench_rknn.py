@@ -1,8 +1,11 @@
 """The zoo and the real-model corpus on a real NPU toolchain: rknn-toolkit2 2.5.0 (rk3588, FP16).
 
 Run: python bench/bench_rknn.py [--keep DIR] [--samples N] [--bisect] [NAME ...] [--corpus [NAME ...]]
+[--extra DIR [NAME ...]]
 (needs the rknn venv: bash npuprep/vendors/make_rknn_venv.sh; corpus models come from
-bench/corpus.py's cache, built first with `python bench/corpus.py`)
+bench/corpus.py's cache, built first with `python bench/corpus.py`; `--extra DIR` models are
+DIR/NAME.onnx with DIR/NAME/calib/ and DIR/NAME/holdout/, as ../shared/corpus/extra2_models.sh
+writes them)
 
 Per model: the vendor path alone on the FP32 model (load_onnx, build(do_quantization=
 False), simulator) and `npuprep convert --target rk3588` then the same vendor path, each
@@ -116,6 +119,14 @@ def corpus_model(name: str) -> tuple[Model, list, list, list]:
     return model, calib, heldout, heldout
 
 
+def extra_model(folder: Path, name: str) -> tuple[Model, list, list, list]:
+    """A model from an --extra folder: NAME.onnx, NAME/calib/ samples, NAME/holdout/ samples."""
+    model = load_model(folder / f"{name}.onnx")
+    calib = list(load_samples(folder / name / "calib", model.proto))
+    holdout = list(load_samples(folder / name / "holdout", model.proto))
+    return model, calib, holdout, holdout
+
+
 def measure(name: str, model: Model, calib: list, runs: list, holdout: list, work: Path,
             profile: TargetProfile, bisect: bool = False) -> tuple[str, ...]:
     """One table row: the vendor alone, convert, the vendor after convert."""
@@ -143,6 +154,8 @@ def main() -> None:
                         "--corpus is given)")
     parser.add_argument("--corpus", nargs="*", metavar="NAME",
                         help="corpus models too (no NAME: every built corpus model)")
+    parser.add_argument("--extra", nargs="+", metavar="DIR_OR_NAME",
+                        help="models of a folder too: DIR, then NAMEs (none: every DIR/NAME.onnx)")
     parser.add_argument("--keep", help="keep the vendor's work folders here")
     parser.add_argument("--samples", type=int, default=4, help="samples per model (default 4)")
     parser.add_argument("--bisect", action="store_true",
@@ -150,18 +163,22 @@ def main() -> None:
                              "to the nodes and retry their exact rewrite (as convert --verify-with)")
     args = parser.parse_args()
     profile = load_profile("rk3588")
-    zoo_names = args.names or ([] if args.corpus is not None else [*ZOO, "planner"])
+    zoo_names = args.names or ([] if args.corpus is not None or args.extra else [*ZOO, "planner"])
     corpus_names = args.corpus
     if corpus_names == []:
         corpus_names = sorted(p.parent.name for p in corpus.corpus_dir().glob("*/entry.json"))
-    jobs = [(n, False) for n in zoo_names] + [(n, True) for n in corpus_names or []]
+    jobs = [(n, "zoo") for n in zoo_names] + [(n, "corpus") for n in corpus_names or []]
+    if args.extra:
+        extra = Path(args.extra[0])
+        jobs += [(n, "extra") for n in args.extra[1:] or sorted(p.stem for p in extra.glob("*.onnx"))]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.keep or tmp)
-        for name, from_corpus in jobs:
+        for name, source in jobs:
             t0 = time.perf_counter()
             try:
-                model, calib, runs, holdout = (corpus_model(name) if from_corpus
+                model, calib, runs, holdout = (corpus_model(name) if source == "corpus" else
+                                               extra_model(extra, name) if source == "extra"
                                                else zoo_model(name, work))
                 row = measure(name, model, calib, runs[: args.samples], holdout, work, profile,
                               args.bisect)

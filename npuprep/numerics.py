@@ -107,8 +107,9 @@ def formats() -> dict[str, NumberFormat]:
 
 # Integer and other names a profile may list as supported or unsupported.
 # A scalar at or below this, multiplied into an additive mask (`(1 - m) * -1e9`), is a mask
-# value: far past any scale a model multiplies by (-1e4 fits FP16 and needs nothing).
-MASK_SCALE = -1e8
+# value: exporters write -1e4, -1e5 ... -1e9 and -inf, past any scale a model multiplies data
+# by. Only those beyond the format change at lowering (-1e4 fits FP16 and is kept as it is).
+MASK_SCALE = -1e4
 
 NON_FLOAT_DTYPES = ("int4", "int8", "int16", "int32", "uint8", "fp64", "tf32")
 ALL_DTYPE_NAMES = tuple(formats()) + NON_FLOAT_DTYPES

@@ -125,6 +125,8 @@ def test_the_bundled_example_passes_held_out_in_int8_and_an_fp8_failure_names_th
                   "--json", "--export", "none")
     report = json.loads(fp8.stdout)
     assert fp8.returncode == 1 and not report["holdout"]["passed"]
+    # Not under the name asked for: a deployment script picking up f.onnx finds nothing.
+    assert (tmp_path / "f.FAILED.onnx").is_file() and not (tmp_path / "f.onnx").exists()
     needs = [n for n in report["notes"] if "need more than fp8_e4m3" in n]
     assert needs and "hid_mm" in needs[0] and "of the multiply-adds" in needs[0]
 

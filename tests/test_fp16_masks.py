@@ -119,10 +119,11 @@ def test_a_minus_1e9_mask_is_lowered_to_minus_max_and_nothing_is_pinned() -> Non
     assert rel_err(outputs(proto, feeds)["y"], outputs(result.lowered.model, feeds)["y"]) < 1e-2
 
 
-def test_a_scalar_minus_1e9_spread_by_a_mul_is_a_mask_too() -> None:
+@pytest.mark.parametrize("value", [-1e5, -1e9])
+def test_a_scalar_minus_1e9_spread_by_a_mul_is_a_mask_too(value: float) -> None:
     # m (0/1) -> Sub(1, m) -> Mul(., -1e9) -> Add(scores, .) -> Softmax -> y: the Mul's -1e9
-    # becomes -65504 (x {0, 1}: the same mask), nothing is pinned; a -1e9 that scales data
-    # (no mask follows: Mul -> output) keeps its node FP32
+    # (or -1e5: beyond FP16 too) becomes -65504 (x {0, 1}: the same mask), nothing is pinned;
+    # a -1e9 that scales data (no mask follows: Mul -> output) keeps its node FP32
     from npuprep.calibrate import calibrate
     from npuprep.convert import convert
     from npuprep.model_io import Model
@@ -139,7 +140,7 @@ def test_a_scalar_minus_1e9_spread_by_a_mul_is_a_mask_too() -> None:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
         [numpy_helper.from_array(rng.normal(size=(8, 8)).astype(np.float32), "W"),
          numpy_helper.from_array(np.array(1.0, np.float32), "one"),
-         numpy_helper.from_array(np.array(-1e9, np.float32), "big")])
+         numpy_helper.from_array(np.array(value, np.float32), "big")])
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model = Model(proto=proto, path="masked.onnx", digest="masked")
     samples = [{"q": rng.normal(size=(2, 8)).astype(np.float32),
@@ -152,4 +153,4 @@ def test_a_scalar_minus_1e9_spread_by_a_mul_is_a_mask_too() -> None:
     # The same -1e9 scaling a graph output is no mask: its node stays FP32, unclipped.
     proto.graph.output.append(helper.make_tensor_value_info("add", TensorProto.FLOAT, [2, 8]))
     low = lower(proto, "fp16")
-    assert "spread" in low.forced_fp32 and float(_constant(low.model, "big")) == -1e9
+    assert "spread" in low.forced_fp32 and float(_constant(low.model, "big")) == np.float32(value)

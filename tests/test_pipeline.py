@@ -23,8 +23,8 @@ _RUN_KEYS = ("output", "artefacts", "resources")
 
 
 def test_the_stages_are_declared_in_order():
-    assert [s.__name__ for s in STAGES] == ["hold_out", "calibrate", "plan", "build",
-                                            "vendor_check", "verdict", "record"]
+    assert [s.__name__ for s in STAGES] == ["hold_out", "goal", "calibrate", "plan", "build",
+                                            "vendor_check", "user_load", "verdict", "record"]
 
 
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
@@ -82,7 +82,9 @@ def test_every_conversion_records_what_it_did_in_the_model(tmp_path):
     # FP16 rounds exp's outputs by ~5e-4: a 1e-6 tolerance fails them
     failed = convert(exp, load_profile("generic"), feeds, stats=stats, rtol=1e-6, max_rounds=1)
     failed.save(tmp_path / "x.onnx")
-    record = read_conversion(onnx.load(str(tmp_path / "x.onnx")))
+    # a FAILED model is written beside the requested name, never under it
+    assert not (tmp_path / "x.onnx").exists()
+    record = read_conversion(onnx.load(str(tmp_path / "x.FAILED.onnx")))
     assert not failed and record is not None and not record.passed
     assert record.cause == failed.verdict.said.removeprefix("FAILED: ") and record.cause
     assert record.stats_fingerprint == stats_fingerprint(stats.to_dict())

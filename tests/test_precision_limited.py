@@ -134,8 +134,10 @@ def test_a_flip_where_fp32_is_tied_within_rtol_is_a_tie_not_a_decision():
 def test_convert_judges_a_classifier_by_its_decisions_with_top_k(tmp_path):
     path, data = _classifier(tmp_path)
     strict = run_cli("convert", path, "--target", "generic", "--data", data, "--rtol", "1e-4",
-                     "-o", tmp_path / "strict.onnx", "--max-rounds", "1")
+                     "-o", tmp_path / "strict.onnx", "--max-rounds", "1", "--metric", "rel-l2")
     assert strict.returncode == 1, strict.stdout
+    # FAILED is never written under the name asked for.
+    assert (tmp_path / "strict.FAILED.onnx").is_file() and not (tmp_path / "strict.onnx").exists()
     judged = run_cli("convert", path, "--target", "generic", "--data", data, "--rtol", "1e-4",
                      "-o", tmp_path / "judged.onnx", "--max-rounds", "1", "--top-k", "p:1")
     assert judged.returncode == 0, judged.stdout
@@ -166,7 +168,7 @@ def test_convert_with_top_k_counts_a_flipped_fp32_tie_apart_and_passes(tmp_path)
                  dtype=np.float32)
     data = _data(tmp_path, [{"x": x}])
     plain = run_cli("convert", path, "--target", "generic", "--data", data,
-                    "-o", tmp_path / "plain.onnx", "--max-rounds", "1")
+                    "-o", tmp_path / "plain.onnx", "--max-rounds", "1", "--metric", "rel-l2")
     assert plain.returncode == 1, plain.stdout
     said = " ".join(plain.stdout.split())
     # The tie flipped, every decided position held: the note says how to judge by decisions.
@@ -195,7 +197,7 @@ def test_top_k_names_an_output_and_a_whole_k(tmp_path):
 def test_the_verdict_tells_precision_from_overflow(tmp_path):
     proc = _convert_cancellation(tmp_path)
     assert proc.returncode == 1, proc.stderr
-    verdict = " ".join(proc.stdout[proc.stdout.index("FAILED"):].split())
+    verdict = " ".join(proc.stdout[proc.stdout.index("\nFAILED") + 1:].split())
     assert verdict.startswith("FAILED: outputs off by rel L2 0.1")
     assert "with no Inf/NaN (FP16 precision; --top-k or --rtol are yours): largest own share " \
         in verdict and "first seen at 'unshift'" in verdict

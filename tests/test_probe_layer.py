@@ -155,6 +155,23 @@ g (float[1,2] x) => (float[1,2] y) <float[2,2] w = {1, 2, 3, 4}> {
     assert [o.name for o in amp.graph.output] == ["y", "a"]
 
 
+def test_amplify_keeps_a_weight_an_if_branch_reads_from_outside():
+    # x -> MatMul(w) -> a ; If(c) then Mul(a, v) else a -> y   (v read only inside the branch)
+    model = model_from_text("""<ir_version: 8, opset_import: ["" : 17]>
+g (float[1,2] x, bool c) => (float[1,2] y) <float[2,2] w = {1, 2, 3, 4}, float[2] v = {2, 3}> {
+  a = MatMul(x, w)
+  y = If(c) <then_branch = t () => (float[1,2] ty) { ty = Mul(a, v) },
+             else_branch = e () => (float[1,2] ey) { ey = Identity(a) }>
+}""")
+    amp = amplify(model, pick_layer(model, "a"), 8.0)
+    assert "v" in {i.name for i in amp.graph.initializer}
+    import onnxruntime as ort
+
+    feed = {"x": np.ones((1, 2), np.float32), "c": np.array(True)}
+    y, a = ort.InferenceSession(amp.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)
+    assert np.array_equal(a, [[32, 48]]) and np.array_equal(y, [[64, 144]])
+
+
 def test_bad_gain_is_a_user_error():
     with pytest.raises(NpuprepError, match="--gain must be a positive number"):
         probe_layer(_conv(), _feeds(), FP16, OrtBackend(FP16), gain=0)

@@ -64,11 +64,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest relative L2 error of each output (default 1e-2, or two units of "
                         "the format's rounding where coarser: bf16 1.56e-2; 5e-2 for int8 and "
                         "fp8_e4m3), compare's default too")
+    # The values of npuprep.verify.output_check.Metric (not imported: the CLI starts light).
+    p.add_argument("--metric", choices=("auto", "rel-l2", "top1"), default="auto",
+                   help="how outputs are judged: auto (default) judges outputs a consumer decides "
+                        "by argmax (Softmax, probabilities, peaked logits of a final Gemm/MatMul, "
+                        "an ArgMax in the graph) by their top-1 decision and the rest by rel L2; "
+                        "rel-l2 every output by rel L2; top1 every output with classes by top-1")
     p.add_argument("--top-k", action="append", default=[], metavar="OUTPUT:K",
-                   help="also pass OUTPUT when its top-K classes along the last axis agree at every "
-                        "position where FP32 decides (a classifier or recogniser judged by its "
-                        "decisions; FP32 values within --rtol of each other are a tie; its rel L2 "
-                        "is still reported); repeatable")
+                   help="judge OUTPUT by its top-K classes along the last axis, whatever --metric "
+                        "says: it passes when they agree at every position where FP32 decides "
+                        "(FP32 values within --rtol of each other are a tie; its rel L2 is still "
+                        "reported); repeatable")
     p.add_argument("--max-rounds", type=positive_int, default=3,
                    help="verification rounds; each pins the layers a precision error comes "
                         "from, or else the first divergent node (default 3)")
@@ -183,7 +189,8 @@ def _convert(args: argparse.Namespace, model: Model, profile: TargetProfile,
             precision=args.precision, io_types=args.io_types, rtol=args.rtol,
             max_rounds=args.max_rounds, max_fp32_share=args.max_fp32_share / 100,
             min_8bit_share=args.min_8bit_share / 100, scale_rule=args.scale_rule,
-            opset=args.opset, top_k=parse_top_k(args.top_k), verify_with=args.verify_with,
+            opset=args.opset, top_k=parse_top_k(args.top_k), metric=args.metric,
+            verify_with=args.verify_with,
             vendor_python=args.vendor_python, jobs=args.jobs, streams=args.streams,
             show_progress=not args.json, progress=stage)
     report = stage_conversion(result, paths, files, resources=watch.to_dict())
@@ -348,12 +355,13 @@ def _print_summary(report: dict[str, Any]) -> None:
             continue
         outputs = check.get("outputs") or {}
         judged = any("top_k" in o for o in outputs.values())
+        rules = report.get("judged_by") or {}
         print_table(f"{title} ({check.get('samples', 0)} samples)" if check else title,
                     ["output", "Inf/NaN", "max abs err", "rel L2",
-                     *(["top-K agree"] if judged else [])],
+                     *(["top-K agree"] if judged else []), "judged by"],
                     [(k, o["nonfinite"], number(o["max_abs_error"]), number(o["rel_l2"]),
-                      *([_agreement(o)] if judged else []))
-                     for k, o in outputs.items()])
+                      *([_agreement(o)] if judged else []), rules.get(k, "rel L2"))
+                     for k, o in outputs.items()], wrap=("judged by",))
     _print_vendor(report.get("vendor"))
     share = report.get("fp32_share") or {}
     if share.get("islands"):
@@ -388,7 +396,9 @@ def _print_summary(report: dict[str, Any]) -> None:
     verdict = report["verdict"]
     if verdict["precision_limited"]:
         _say_where_the_error_sits(report)
-    say(f"{verdict['said']}; report: {report['artefacts']['report_md']}", always=True)
+    # A FAILED model is not written under -o (npuprep.pipeline.artefacts): said on the one line.
+    written = "" if verdict["passed"] else f"; model: {report['artefacts']['model']}, not -o"
+    say(f"{verdict['said']}; report: {report['artefacts']['report_md']}{written}", always=True)
 
 
 def _say_where_the_error_sits(report: dict[str, Any]) -> None:

@@ -1,6 +1,9 @@
 """What a conversion writes: `out.onnx` -> `out.onnx`, `out.plan.yaml`, `out.report.json`, `out.report.md` (+ constraint files asked for).
 
-The model, its plan and its reports always; a compiler's precision-constraint file only for
+The model, its plan and its reports always; a FAILED conversion's model as `out.FAILED.onnx`,
+never under the requested name, so a deployment script that picks up `out.onnx` never ships
+one (an older `out.onnx` goes with the rest of the older set: the reports beside it now say
+why this one failed). A compiler's precision-constraint file only for
 the target's own compiler (its profile's `compiler.report_format`) or those named in
 `exports` (`trt`, `horizon`, `rknn`, `yaml`). `ConversionResult.save` and the CLI both write
 through `save_conversion`, so the Python API and `npuprep convert` leave the same files.
@@ -50,15 +53,23 @@ ROLES = {
     "rknn_custom_quantize_layers": "the RKNN file written beside -o",
     "report_json": "the JSON report", "report_md": "the Markdown report written beside -o",
     "report_html": "--html", "vendor_error_analysis": "the vendor's layer report written beside -o",
+    "failed_model": "the FAILED model written beside -o",
 }
+
+
+def failed_name(output: str | Path) -> Path:
+    """Where a conversion that failed its gates writes its model: `out.onnx` -> `out.FAILED.onnx`."""
+    output = Path(output)
+    return Path(f"{output.with_suffix('')}.FAILED{output.suffix or '.onnx'}")
 
 
 def artefact_paths(output: str | Path, *, exports: Sequence[str], report_path: str | Path | None = None,
                    html: str | Path | None = None, vendor: str | None = None) -> dict[str, Path]:
-    """Every file a conversion writes, by role, the model first."""
+    """Every file a conversion may write, by role, the model first (`failed_model`: where it
+    goes instead when the conversion fails)."""
     output = Path(output)
     base = output.with_suffix("")
-    paths = {"model": output, "plan": Path(f"{base}.plan.yaml")}
+    paths = {"model": output, "failed_model": failed_name(output), "plan": Path(f"{base}.plan.yaml")}
     for name in exports:
         key, suffix = EXPORTS[name]
         paths[key] = Path(f"{base}{suffix}")
@@ -78,8 +89,11 @@ def declare(outputs: Any, paths: dict[str, Path]) -> None:
     the files an earlier conversion to the same model wrote that this set does not: they are
     removed with it, so none of them reads as part of the new set."""
     for role, path in paths.items():
-        if role == "model":
-            outputs.writes_model(path, "-o")
+        if role in ("model", "failed_model"):
+            # One of the two is written (the verdict says which); the other's older copy goes.
+            what = "-o" if role == "model" else ROLES[role]
+            outputs.writes(path, what, optional=True)
+            outputs.writes(f"{path}.data", f"the weights file of {what}", optional=True)
         else:
             outputs.writes(path, ROLES[role])
     if "model" in paths:
@@ -105,7 +119,7 @@ def older_artefacts(paths: dict[str, Path]) -> list[tuple[Path, str]]:
         try:
             data = json.loads(report.read_text(encoding="utf-8"))
             listed = data.get("artefacts", {}) if data.get("kind") == "convert" else {}
-            mine = Path(str(listed.get("model", ""))).name == output.name
+            mine = Path(str(listed.get("model", ""))).name in (output.name, failed_name(output).name)
         except (OSError, ValueError, AttributeError):
             continue
         if not mine:
@@ -115,7 +129,7 @@ def older_artefacts(paths: dict[str, Path]) -> list[tuple[Path, str]]:
             older = Path(str(path))
             # Only files beside -o or the report: an older run's relative paths may name
             # another folder from here.
-            if role != "model" and older.parent.resolve() in (output.parent.resolve(), report.parent.resolve()):
+            if role not in ("model", "failed_model") and older.parent.resolve() in (output.parent.resolve(), report.parent.resolve()):
                 found[older] = f"an older {ROLES.get(role, role)}"
     for suffix in _COMPANIONS:
         companion = Path(f"{base}{suffix}")
@@ -148,6 +162,11 @@ def stage_conversion(result: Any, paths: dict[str, Path], files: Any,
     from npuprep.report.host_scales import host_scales_block
     from npuprep.report.render_md import convert_markdown
 
+    paths = dict(paths)
+    # A conversion that failed its gates is never written under the requested name.
+    if not result.passed:
+        paths["model"] = paths["failed_model"]
+    del paths["failed_model"]
     output = paths["model"]
     lowered = result.lowered.model
     files.model(lowered, output)

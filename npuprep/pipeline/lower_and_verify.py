@@ -24,7 +24,7 @@ from npuprep.plan.decide import Planned
 from npuprep.profiles import Pinning, ResolvedTarget
 from npuprep.provenance import record_source
 from npuprep.rewrite.apply import apply_plan
-from npuprep.rewrite.lower import lower
+from npuprep.rewrite.lower import Lowered, lower
 from npuprep.verify.compare import DEFAULT_ATOL, compare_models, emulation_notes
 from npuprep.verify.emulate import emulate
 from npuprep.verify.fp32_share import fp32_share
@@ -155,10 +155,9 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
     stage("rewriting")
     applied = apply_plan(model.proto, plan)
     # A target that cannot pin runs every node in its format: emulate it so (a PASSED then
-    # matches the device) and move output compensations it cannot hold to the host.
+    # matches the device). Output compensations the device cannot hold move to the host.
     no_pin = profile.fp32_pinning is Pinning.NONE
-    applied, host_scales, host_notes = _host_scales(model, applied, target, stats, samples) \
-        if no_pin else (applied, {}, ())
+    applied, host_scales, host_notes = _host_scales(model, applied, target, stats, samples)
     pinned = set(plan.pinned_nodes()) | set(applied.fp32_nodes)
     pinned |= {n for n, inp in applied.input_nodes.items() if not _fits_format(stats, inp, fmt)}
     lower_fmt = target.weights
@@ -185,7 +184,7 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
                             # The candidate is the emulation of the rewritten model, named by
                             # its source: hashing either would read every weight again.
                             fingerprints=(model.fingerprint, f"{fmt.name}-emulated:{model.fingerprint}"))
-    notes = list(emulation_notes(target, saturate)) + list(host_notes)
+    notes = list(emulation_notes(target, saturate)) + list(host_notes) + _flushed_weights(lowered, lower_fmt)
     if no_pin:
         notes.append(f"target {profile.name} cannot pin FP32 (fp32_pinning: none): every node "
                      f"is emulated in {fmt.name}, FP32 islands of the ONNX file included")
@@ -209,6 +208,19 @@ def _build(model: Model, target: ResolvedTarget, plan: Plan,
         fp32_reasons=dict(applied.fp32_reasons))
 
 
+def _flushed_weights(lowered: Lowered, fmt: NumberFormat) -> list[str]:
+    """The weights with non-zero values under the format's smallest subnormal, which the model
+    written stores as 0: named, so a loss the outputs' check passes is still seen."""
+    flushed = sorted(lowered.flushed_weights.items(), key=lambda kv: (-kv[1], kv[0]))
+    if not flushed:
+        return []
+    named = ", ".join(f"'{name}' ({count})" for name, count in flushed[:3])
+    more = f" and {len(flushed) - 3} more" if len(flushed) > 3 else ""
+    return [f"non-zero weights under the smallest {fmt.name} subnormal ({fmt.min_subnormal:.3g}) are "
+            f"0 in the model written: {named}{more} (values per weight); the outputs' check includes "
+            "their loss (a layer they matter to fails it, and verification keeps it FP32)"]
+
+
 def _folded_at_build(model: Any, lowered: Any) -> set[str]:
     """BatchNormalizations whose weights lowering kept FP32: a compiler that cannot pin still
     folds them into a scale and shift in FP32 at build time (rknn-toolkit2 reports a fused
@@ -222,8 +234,9 @@ def _folded_at_build(model: Any, lowered: Any) -> set[str]:
 
 def _host_scales(model: Model, applied: Any, target: ResolvedTarget, stats: Any,
                  samples: Sequence[Feed]) -> tuple[Any, dict[str, float], tuple[str, ...]]:
-    """Rescale exits at graph outputs whose true range exceeds the limit leave the device
-    scaled (npuprep.plan.host_scale decides, npuprep.rewrite.output_scale rewrites)."""
+    """Rescale exits at graph outputs the device cannot hold (over the limit where it cannot
+    pin, under the smallest normal anywhere) leave the device scaled
+    (npuprep.plan.host_scale decides, npuprep.rewrite.output_scale rewrites)."""
     from npuprep.plan.host_scale import factor_words, host_scaled_outputs
     from npuprep.rewrite.output_scale import leave_output_scaled
 

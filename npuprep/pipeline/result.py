@@ -169,6 +169,8 @@ class ConversionResult:
     # Set by the verdict stage, before anything is written; the record by the record stage.
     verdict: Verdict | None = None
     record: ConversionRecord | None = None
+    # Each float output -> the rule that judged it (top-1 or rel L2, and who chose it).
+    judged_by: dict[str, str] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -203,6 +205,7 @@ class ConversionResult:
             "precision": self.precision,
             "passed": self.passed,
             "verdict": verdict,
+            "judged_by": dict(self.judged_by),
             "failure_cause": verdict["cause"] if verdict else "",
             "samples": {"description": self.samples.description, "synthetic": self.samples.synthetic,
                         "calibration_ids": list(self.samples.calibration_ids),
@@ -236,7 +239,8 @@ class ConversionResult:
     def save(self, path: str | Path, *, exports: Sequence[str] | None = None,
              report_path: str | Path | None = None, html: str | Path | None = None,
              protected: Sequence[str | Path] = ()) -> dict[str, Any]:
-        """Write what `npuprep convert` writes: the model at `path`, `<path>.plan.yaml`,
+        """Write what `npuprep convert` writes: the model at `path` (at `<path>.FAILED.onnx`
+        when the conversion failed: npuprep.pipeline.artefacts), `<path>.plan.yaml`,
         `<path>.report.json`, `<path>.report.md`, and the constraint files of `exports`
         (None: the target compiler's; names in npuprep.pipeline.artefacts.EXPORTS); an earlier
         conversion's files for `path` that this set does not write are removed with it.

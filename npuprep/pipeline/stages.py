@@ -1,15 +1,19 @@
 """One conversion pipeline for every format, as a declared list of stages:
 
-    STAGES = (hold_out, calibrate, plan, build, vendor_check, verdict, record)
+    STAGES = (hold_out, goal, calibrate, plan, build, vendor_check, user_load, verdict, record)
 
     hold_out      the held-out part of the samples (or the --holdout ones), refused when the
                   plan has seen them                                     npuprep/holdout.py
+    goal          which rule judges each output: top-1 where a consumer decides by argmax,
+                  else rel L2 (--metric, --top-k)                        verify/output_check.py
     calibrate     the statistics of the calibration part (unless given)  calibrate/
     plan          prepare, find, plan for the resolved target            plan/decide.py
     build         fp16, bf16: rounds of rewrite -> lower -> verify       pipeline/lower_and_verify.py
                   int8, fp8_e4m3: rewrite -> quantise -> verify, keep the most sensitive layers
                   wider                                                  pipeline/quantise_and_verify.py
     vendor_check  the vendor toolchain builds and simulates it (--verify-with)  verify/vendor*.py
+    user_load     the model loaded and run once as users load it (default session options, a
+                  forked child); a known onnxruntime refusal avoided       runtime/user_load.py
     verdict       passed, the gate that tripped, the cause               pipeline/verdict.py
     record        what the conversion did, into the converted model     provenance.py
 
@@ -23,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
+
+import onnx
 
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed, SampleSet
@@ -40,6 +46,7 @@ from npuprep.provenance import ConversionRecord, Gates, Source, record_conversio
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 from npuprep.verify.compare import DEFAULT_ATOL, default_rtol
 from npuprep.verify.fp32_share import DEFAULT_MAX_FP32_SHARE
+from npuprep.verify.output_check import GOAL_SAMPLES, Metric, judged_outputs
 from npuprep.verify.vendor import VendorCheck
 
 DEFAULT_RTOL = 1e-2
@@ -66,6 +73,7 @@ class Settings:
     scale_rule: ScaleRule = DEFAULT_RULE
     opset: int | None = None
     top_k: Mapping[str, int] = field(default_factory=dict)
+    metric: Metric = Metric.AUTO
     verify_with: str | None = None  # a vendor toolchain (npuprep.verify.vendor.VENDORS)
     vendor_python: str | None = None
     jobs: int = 1
@@ -96,6 +104,8 @@ class Run:
     feeds: Sequence[Feed] = ()  # the calibration part, read once (plan)
     use: SampleUse = SampleUse()
     notes: tuple[str, ...] = ()
+    # goal: each float output -> the rule that judges it, in words
+    judged_by: Mapping[str, str] = field(default_factory=dict)
     # plan
     target: ResolvedTarget | None = None
     planned: Planned | None = None
@@ -159,6 +169,17 @@ def hold_out(run: Run) -> Run:
                    use=_use(run, kept, split.held_out_ids), notes=(split.said,))
 
 
+def goal(run: Run) -> Run:
+    """The user's goal: the outputs judged by their top-1 decision (the --top-k given, and
+    under --metric auto those a consumer decides by argmax), the rest by rel L2."""
+    s = run.settings
+    samples = run.calibration
+    first = list(samples.iter_range(0, min(GOAL_SAMPLES, len(samples)))) \
+        if isinstance(samples, SampleSet) else list(samples[:GOAL_SAMPLES])
+    top_k, judged = judged_outputs(run.model.proto, first, s.metric, s.top_k)
+    return replace(run, settings=replace(s, top_k=top_k), judged_by=judged)
+
+
 def calibrate(run: Run) -> Run:
     """Statistics of the calibration part, unless the caller gave them (or asked for none)."""
     if run.stats != CALIBRATE:
@@ -205,7 +226,8 @@ def build(run: Run) -> Run:
                                   io_types=s.io_types, rtol=rtol, max_rounds=s.max_rounds,
                                   max_fp32_share=s.max_fp32_share, opset=s.opset,
                                   top_k=s.top_k, stage=run.progress)
-    return replace(run, result=replace(result, notes=(*run.notes, *result.notes)))
+    return replace(run, result=replace(result, notes=(*run.notes, *result.notes),
+                                       judged_by=dict(run.judged_by)))
 
 
 def vendor_check(run: Run) -> Run:
@@ -236,6 +258,51 @@ def vendor_check(run: Run) -> Run:
     if check.fixed_model is not None:
         result = _with_vendor_fix(result, check)
     return replace(run, result=replace(result, vendor=check))
+
+
+def user_load(run: Run) -> Run:
+    """The model to be written, loaded and run on one sample by onnxruntime with default
+    session options (every fusion on), as a user loads it; npuprep's own sessions verified it
+    with fusions that look through Casts off. What onnxruntime is known to refuse is written
+    so it takes it (rewrite/default_session.py); any other refusal or crash is one line, and
+    nothing is written."""
+    from npuprep.runtime.user_load import load_as_users_do, onnxruntime_version
+
+    result = run.result
+    assert result is not None, "user_load runs after build"
+    feeds = list(run.held_out or ()) or list(run.feeds)
+    feed = feeds[0] if feeds else None
+    run.progress("loading it as users do")
+    model, note = result.lowered.model, None
+    said = load_as_users_do(model, feed)
+    fixed = _avoided(model, said)
+    if fixed is not None:
+        model, note = fixed
+        said = load_as_users_do(model, feed)
+    if said is not None:
+        raise NpuprepError(f"{run.model.path}: the converted model does not load in onnxruntime "
+                           f"{onnxruntime_version()} with default session options, as users load it "
+                           f"({said}); nothing was written")
+    if note is not None:
+        result = replace(result, lowered=replace(result.lowered, model=model),
+                         notes=(*result.notes, note))
+    return replace(run, result=result)
+
+
+def _avoided(model: onnx.ModelProto, said: str | None) -> tuple[onnx.ModelProto, str] | None:
+    """`model` rewritten to avoid the refusal onnxruntime `said`, and the note; None if it is
+    no pattern we know."""
+    from npuprep.rewrite.default_session import squares_as_products
+
+    if said is not None and "LayerNormFusion" in said:
+        fixed, squares = squares_as_products(model)
+        if not squares:
+            return None
+        return fixed, (f"{len(squares)} norm square{'s' if len(squares) > 1 else ''} ({squares[0]}"
+                       f"{' ...' if len(squares) > 1 else ''}) written Mul(x, x), not Pow(x, 2): "
+                       "onnxruntime's LayerNormFusion fuses them across an FP16 -> FP32 Cast into a "
+                       "node it refuses to load")
+    return None
 
 
 def _openvino_check(run: Run, result: ConversionResult) -> VendorCheck:
@@ -278,7 +345,8 @@ def record(run: Run) -> Run:
     return replace(run, result=replace(result, record=made))
 
 
-STAGES: tuple[Stage, ...] = (hold_out, calibrate, plan, build, vendor_check, verdict, record)
+STAGES: tuple[Stage, ...] = (hold_out, goal, calibrate, plan, build, vendor_check, user_load, verdict,
+                             record)
 # Up to the plan: what `convert --plan-only` writes.
 PLAN_STAGES: tuple[Stage, ...] = (calibrate, plan)
 
@@ -302,6 +370,7 @@ def convert(
     scale_rule: ScaleRule = DEFAULT_RULE,
     opset: int | None = None,
     top_k: Mapping[str, int] | None = None,
+    metric: Metric | str = Metric.AUTO,
     verify_with: str | None = None,
     vendor_python: str | None = None,
     jobs: int = 1,
@@ -318,7 +387,9 @@ def convert(
     measure them on the calibration part, None to plan from static findings only (8 bits
     need statistics). `holdout=SPLIT, stats=CALIBRATE` is what `npuprep convert --data D`
     does. The result fails when an output misses `rtol` (default 1e-2, BF16 1.56e-2, 8 bits 5e-2;
-    `top_k` {output: K} also passes an output whose top-K classes agree), when more than
+    `top_k` {output: K} also passes an output whose top-K classes agree; `metric` "auto" adds
+    K=1 for the outputs a consumer decides by argmax, "rel-l2" none, "top1" every output with
+    classes), when more than
     `max_fp32_share` of the FLOPs stay FP32 (FP16/BF16), or when less than `min_8bit_share`
     of the multiply-adds run in 8 bits. `verify_with` ("rknn") also builds it with the vendor
     toolchain. The lowered model keeps the model's opset unless `opset` asks for another.
@@ -326,8 +397,9 @@ def convert(
     settings = Settings(
         precision=profile.precision_of(precision), io_types=io_types, rtol=rtol,
         max_rounds=max_rounds, max_fp32_share=max_fp32_share, min_8bit_share=min_8bit_share,
-        scale_rule=scale_rule, opset=opset, top_k={}, verify_with=verify_with,
-        vendor_python=vendor_python, jobs=jobs, streams=streams, show_progress=show_progress)
+        scale_rule=scale_rule, opset=opset, top_k={}, metric=Metric(metric),
+        verify_with=verify_with, vendor_python=vendor_python, jobs=jobs, streams=streams,
+        show_progress=show_progress)
     run = _start(model, profile, samples, settings, progress, holdout=holdout, stats=stats,
                  plan=plan, described=(samples_description, synthetic))
     run = replace(run, settings=replace(settings, top_k=_checked_top_k(run.model, top_k)))

@@ -36,6 +36,11 @@ def judge(result: ConversionResult) -> Verdict:
     if tripped is None:
         return Verdict(passed=True)
     cause = failure_cause(result)
+    short = _eight_bit_short(result)
+    if tripped is Gate.EIGHT_BIT_SHARE:
+        # Every gate before it held: the share is the whole reason, and the outputs that
+        # held are said, so a FAILED at 33% 8-bit does not read as an accuracy failure.
+        return Verdict(passed=False, gate=tripped, reason=short + _outputs_held(checks), cause=cause)
     outputs_ok = all(checks)
     first = result.first_divergent
     finite = all(o["nonfinite"] == 0 for c in checks for o in c.outputs.values())
@@ -45,9 +50,12 @@ def judge(result: ConversionResult) -> Verdict:
               or (_precision_limited(result, checks) if limited else "")
               or (f"first divergent node '{first.node}' ({first.op_type})" if first is not None else "")
               or (result.share.headline() if outputs_ok and result.share is not None else "")
-              or _eight_bit_short(result) or _vendor_failed(result)
+              or short or _vendor_failed(result)
               or _nonfinite_reason(checks, result.io_types)
               or ("outputs over their tolerance" if cause and not outputs_ok else ""))
+    if short and short not in reason:
+        # Both gates failed: the outputs and the 8-bit share, each named.
+        reason = f"{reason}; and {short}" if reason else short
     return Verdict(passed=False, gate=tripped, reason=reason, cause=cause, precision_limited=limited)
 
 
@@ -84,6 +92,14 @@ def _eight_bit_short(result: ConversionResult) -> str:
         return ""
     return (f"{percent(e.mac_share[e.format])} of the multiply-adds in {e.format}, under "
             f"--min-8bit-share {percent(e.min_8bit_share)}")
+
+
+def _outputs_held(checks: list[OutputCheck]) -> str:
+    """`(the outputs hold: worst rel L2 0.0035, top-1 held)` for outputs that passed."""
+    worst = max((o["rel_l2"] for c in checks for o in c.outputs.values()), default=0.0)
+    decided = [o for c in checks for o in c.outputs.values() if "top_k" in o]
+    held = ", every top-K decision held" if decided and all(o["top_k_agreement"] == 1.0 for o in decided) else ""
+    return f" (the outputs pass: worst rel L2 {number(worst)}{held})" if checks else ""
 
 
 def _vendor_failed(result: ConversionResult) -> str:

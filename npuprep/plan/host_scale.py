@@ -9,7 +9,10 @@ A rescale absorbed "at a graph output" ends in a compensating Mul that must run 
 to hold the output's true range. A target whose compiler runs every node in FP16
 (`fp32_pinning: none`) runs that Mul in FP16 too and gives Inf above the format, or flushes
 to 0 / rounds as subnormals below its smallest normal, so the compensation moves to the
-host, where the user's code (or `undo_host_scales`) multiplies the output back.
+host, where the user's code (or `undo_host_scales`) multiplies the output back. An output
+wholly under the smallest normal leaves scaled on every target: a Mul back to it on the
+device gives subnormals or 0 wherever it runs in the format (a compiler that decides, an
+FP16 output), and on the host it costs one multiply.
 """
 
 from __future__ import annotations
@@ -26,22 +29,23 @@ def host_scaled_outputs(exits: Iterable[str], absmax: Mapping[str, float],
                         target: ResolvedTarget) -> dict[str, str]:
     """Outputs (among rescale exits) to leave scaled on the device, each with the reason.
 
-    Only for targets that cannot pin, and only where the output's true range exceeds the
-    target's safe limit or lies wholly under the format's smallest normal (an all-zero
-    output needs nothing): an output that fits keeps its compensation on the device.
+    Where the output's true range lies wholly under the format's smallest normal (an
+    all-zero output needs nothing), on every target; where it exceeds the target's safe
+    limit, only on targets that cannot pin (elsewhere the FP32 Mul holds it). An output
+    that fits keeps its compensation on the device.
     """
     profile, limit, fmt = target.profile, target.limit, target.fmt
-    if profile.fp32_pinning is not Pinning.NONE:
-        return {}
-    runs = f"target {profile.name} runs the compensating Mul in {fmt.name}"
+    cannot_pin = profile.fp32_pinning is Pinning.NONE
+    runs = (f"target {profile.name} runs the compensating Mul in {fmt.name}" if cannot_pin else
+            f"a Mul back to it on the device gives {fmt.name} subnormals or 0 wherever it runs in {fmt.name}")
     chosen = {}
     for name in exits:
         top = absmax.get(name, 0.0)
-        if top > limit:
+        if top > limit and cannot_pin:
             chosen[name] = f"true range {top:.4g} exceeds the limit {limit:.6g} and {runs}"
         elif 0.0 < top < fmt.min_normal:
             chosen[name] = (f"true range {top:.4g} lies under the smallest {fmt.name} normal "
-                            f"{fmt.min_normal:.3g} and {runs}")
+                            f"{fmt.min_normal:.3g}; {runs}")
     return chosen
 
 

@@ -21,6 +21,7 @@ from npuprep.graph import (
     constant_value,
     float_tensor_names,
     node_label,
+    node_reads,
     tensor_types,
     topological_order,
     weight_bytes,
@@ -107,7 +108,8 @@ def amplify(model: onnx.ModelProto, choice: LayerChoice, gain: float,
         graph.initializer.append(scratch.anchor(scaled, fresh) if scratch is not None
                                  else numpy_helper.from_array(scaled, fresh))
         node.input[i] = fresh
-    used = {n for nd in graph.node for n in nd.input}
+    # What If/Loop bodies read from outside counts as used too (oww_hey_jarvis's If).
+    used = {n for nd in graph.node for n in node_reads(nd)}
     # Deleted in place: rebuilding the list would copy every kept initialiser once more.
     for index in reversed(range(len(graph.initializer))):
         if graph.initializer[index].name not in used:

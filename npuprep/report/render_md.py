@@ -117,11 +117,12 @@ def convert_markdown(result: dict[str, Any]) -> str:
                         t["absmax_after"], t.get("stored_as", "-"), t["headroom_after"], t["scale"]])
                   for t in rows]
     lines += ["", "## Output error (lowered model, emulated target numerics)", ""]
-    lines += ["| output | Inf/NaN | max abs error | rel L2 | limit | top-K agreement |",
-              "|---|---|---|---|---|---|"]
+    lines += ["| output | Inf/NaN | max abs error | rel L2 | limit | top-K agreement | judged by |",
+              "|---|---|---|---|---|---|---|"]
+    rules = result.get("judged_by") or {}
     for name, o in (ver.get("outputs") or {}).items():
         lines.append(_row([name, o["nonfinite"], o["max_abs_error"], o["rel_l2"], ver.get("rtol"),
-                           _top_k(o) or "-"]))
+                           _top_k(o) or "-", rules.get(name, "rel L2")]))
     if ver.get("samples_emulated_in_compare"):
         lines += ["", f"{ver['samples_emulated_in_compare']} of {ver.get('samples')} calibration samples' "
                   "emulated outputs are the layer-by-layer compare's: the same emulation where the "
@@ -129,8 +130,9 @@ def convert_markdown(result: dict[str, Any]) -> str:
                   "for bit on the first sample."]
     if any("top_k" in o for o in (ver.get("outputs") or {}).values()):
         lines += ["", "An output judged by its top-K classes passes when they agree at every position "
-                  "where FP32 decides, whatever its rel L2 (`--top-k`); a position whose FP32 "
-                  "values lie within the limit of each other is a tie, not a decision."]
+                  "where FP32 decides, whatever its rel L2 (`--top-k`, or `--metric auto` for an "
+                  "output a consumer decides by argmax); a position whose FP32 values lie within "
+                  "the limit of each other is a tie, not a decision."]
     if result.get("holdout"):
         lines += ["", "Holdout samples:", ""]
         for name, o in result["holdout"]["outputs"].items():

@@ -628,6 +628,10 @@ def _numel(init: onnx.TensorProto) -> int:
     return int(np.prod(list(init.dims))) if init.dims else 1
 
 
+_INTEGER_TYPES = frozenset({TensorProto.INT64, TensorProto.INT32, TensorProto.INT16, TensorProto.INT8,
+                            TensorProto.UINT64, TensorProto.UINT32, TensorProto.UINT16, TensorProto.UINT8})
+
+
 def _shape_computations(graph: onnx.GraphProto, types: dict[str, int],
                         weights: dict[str, _Weight]) -> set[int]:
     """Nodes with float outputs that compute shapes or FP32-only inputs (kept FP32)."""
@@ -638,8 +642,15 @@ def _shape_computations(graph: onnx.GraphProto, types: dict[str, int],
     # computed shape joins in (OneHot's depth, a Reshape of the input).
     constants = set(weights) | {i.name for i in graph.initializer} | {
         o for n in graph.node if n.op_type == "Constant" for o in n.output if o}
+    # Floats computed from constants alone (a position grid's side, `1369 ** 0.5`) that a Cast
+    # makes integers: a size or an index, which FP16 rounds (2049 -> 2048) and which
+    # onnxruntime no longer folds in a default session once it is FP16 (vit_s_focus).
+    folded: dict[str, onnx.NodeProto] = {}
     for node in topological_order(graph):
         ins = [i for i in node.input if i]
+        if ins and node.op_type not in _CONTROL_FLOW and all(i in constants for i in ins):
+            constants.update(o for o in node.output if o)
+            folded.update((o, node) for o in node.output if o)
         if node.op_type in ("Shape", "Size"):
             derived.update(o for o in node.output if o)
             continue
@@ -659,6 +670,15 @@ def _shape_computations(graph: onnx.GraphProto, types: dict[str, int],
     graph_outputs = {o.name for o in graph.output}
     todo = [n for node in graph.node for pos, n in enumerate(node.input)
             if n and pos in FP32_ONLY_INPUTS.get(node.op_type, ()) and types.get(n) == FLOAT]
+    casts = [n for n in graph.node if n.op_type == "Cast" and n.input and n.input[0] in folded
+             and _attr_int(n, "to") in _INTEGER_TYPES and types.get(n.input[0]) == FLOAT]
+    found.update(id(n) for n in casts)  # the Cast reads the FP32 value, not an FP16 copy
+    sized = [n.input[0] for n in casts]
+    while sized:
+        node = folded.get(sized.pop())
+        if node is not None and id(node) not in found:
+            found.add(id(node))
+            sized.extend(i for i in node.input if i in folded)
     while todo:
         name = todo.pop()
         node = produced.get(name)

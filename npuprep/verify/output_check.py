@@ -2,19 +2,27 @@
 
     lowered.onnx -> widen (explicit rounding where it stores the low format) -> run beside FP32
     -> per output: Inf/NaN, max abs error, rel L2, top-K decisions (OutputCheck, truthy on a pass)
+
+Which rule judges each output is the user's goal (`judged_outputs`): an output whose consumer
+decides by argmax (class scores, CTC probabilities or logits) is judged by its top-1 decision
+unless the user says otherwise (`--metric rel-l2`), since the rel L2 of scores nobody reads
+is error nobody sees; every other output by its rel L2.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
 import onnx
 
 from npuprep.data import Feed
+from npuprep.errors import NpuprepError
 from npuprep.numerics import NumberFormat
+from npuprep.ops import VIEW_OPS
 from npuprep.verify.compare import folds_weight_casts
 from npuprep.verify.output_errors import output_passes
 
@@ -42,6 +50,130 @@ class OutputCheck:
                 "failed": sorted(k for k, o in self.outputs.items() if not output_passes(o, self.rtol)),
                 "samples_emulated_in_compare": self.from_compare,
                 "outputs": {k: dict(v) for k, v in sorted(self.outputs.items())}}
+
+
+class Metric(StrEnum):
+    """How outputs are judged (`--metric`): `auto` finds the argmax-decided outputs and judges
+    them by top-1, the rest by rel L2; `rel-l2` every output by rel L2; `top1` every output
+    with classes along its last axis by top-1. `--top-k OUTPUT:K` names one output's K first."""
+
+    AUTO = "auto"
+    REL_L2 = "rel-l2"
+    TOP1 = "top1"
+
+
+# A final affine output is logits (not a regression or an embedding) when it has at least this
+# many classes and its softmax puts at least PEAKED on one class at most positions: a trained
+# classifier is sure of most of its inputs, a box, a score or an embedding has no such peak.
+MIN_LOGIT_CLASSES = 10
+PEAKED = 0.5
+MOST_POSITIONS = 0.5
+# Samples run through the FP32 model to read the outputs' values (the first ones given).
+GOAL_SAMPLES = 2
+
+
+def judged_outputs(model: onnx.ModelProto, samples: Sequence[Feed], metric: Metric | str,
+                   top_k: Mapping[str, int]) -> tuple[dict[str, int], dict[str, str]]:
+    """The gate's `top_k` {output: K} and, per float output, the rule that judges it in words
+    (`top-1 (auto: Softmax over its last axis)`, `rel L2`, `top-3 (--top-k)`). `samples`:
+    a few feeds whose FP32 outputs tell probabilities and logits apart from other values."""
+    metric = Metric(metric)
+    floats = [o.name for o in model.graph.output
+              if o.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
+                                                  onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16)]
+    values = _outputs(model, list(samples[:GOAL_SAMPLES]), produced="the FP32 model") \
+        if metric is not Metric.REL_L2 and floats and samples else []
+    found = decided_outputs(model, values) if metric is Metric.AUTO else {}
+    chosen: dict[str, int] = {}
+    judged: dict[str, str] = {}
+    for name in floats:
+        classes = min((np.asarray(v[name]).shape[-1] for v in values if np.asarray(v[name]).ndim),
+                      default=_declared_classes(model, name))
+        if name in top_k:
+            chosen[name], judged[name] = top_k[name], f"top-{top_k[name]} (--top-k)"
+        elif name in found and classes != 1:  # one class decides nothing (0: not known)
+            chosen[name], judged[name] = 1, f"top-1 (auto: {found[name]})"
+        elif metric is Metric.TOP1 and classes >= 2:
+            chosen[name], judged[name] = 1, "top-1 (--metric top1)"
+        else:
+            judged[name] = "rel L2" + (" (--metric rel-l2)" if metric is Metric.REL_L2 else "")
+    if metric is Metric.TOP1 and not chosen:
+        raise NpuprepError("--metric top1: no output of the model has classes along its last axis "
+                           f"(outputs: {', '.join(floats)}); use --metric rel-l2")
+    return chosen, judged
+
+
+def decided_outputs(model: onnx.ModelProto,
+                    values: Sequence[Mapping[str, np.ndarray]] = ()) -> dict[str, str]:
+    """Graph outputs a consumer decides by argmax, each with why: the output of a Softmax or
+    LogSoftmax over its last axis; an output the graph itself feeds to ArgMax or TopK; values
+    that are probabilities along the last axis (a softmax written out); or the logits of a
+    final Gemm/MatMul (+ bias) with >= MIN_LOGIT_CLASSES classes whose softmax is peaked on
+    `values` (the FP32 outputs on a few samples). View ops (Reshape, Identity...) between are
+    looked through."""
+    graph = model.graph
+    made = {o: n for n in graph.node for o in n.output}
+    read: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for i in n.input:
+            read.setdefault(i, []).append(n)
+    consts = {t.name for t in graph.initializer} | {o for n in graph.node if n.op_type == "Constant"
+                                                    for o in n.output}
+    # Before opset 13 a Softmax's axis defaults to 1 (and flattens the axes after it).
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+    found: dict[str, str] = {}
+    for out in graph.output:
+        name = out.name
+        node = made.get(name)
+        while node is not None and node.op_type in VIEW_OPS and node.input:
+            node = made.get(node.input[0])
+        arrays = [np.asarray(v[name], np.float64) for v in values if name in v]
+        rank = arrays[0].ndim if arrays else len(out.type.tensor_type.shape.dim)
+        if node is not None and node.op_type in ("Softmax", "LogSoftmax") and \
+                _attr(node, "axis", -1 if opset >= 13 else 1) in (-1, rank - 1):
+            found[name] = f"{node.op_type} over its last axis"
+        elif any(r.op_type in ("ArgMax", "TopK") for r in read.get(name, ())):
+            found[name] = "the graph takes its argmax"
+        elif arrays and all(a.ndim >= 1 and a.shape[-1] >= 2 for a in arrays) and all(
+                a.min() >= 0 and np.allclose(a.sum(-1), 1, atol=1e-3) for a in arrays):
+            found[name] = "probabilities along its last axis"
+        elif node is not None and _affine(node, made, consts) and arrays and all(
+                a.ndim >= 1 and a.shape[-1] >= MIN_LOGIT_CLASSES for a in arrays) and \
+                _peaked_share(arrays) >= MOST_POSITIONS:
+            found[name] = f"logits of a final {_affine(node, made, consts)}, peaked softmax"
+    return found
+
+
+def _affine(node: onnx.NodeProto, made: Mapping[str, onnx.NodeProto], consts: set[str]) -> str:
+    """`Gemm` or `MatMul` when `node` is one, or a bias Add after one; else ""."""
+    if node.op_type in ("Gemm", "MatMul"):
+        return node.op_type
+    if node.op_type == "Add" and len(node.input) == 2:
+        for a, b in (node.input, node.input[::-1]):
+            inner = made.get(a)
+            if b in consts and inner is not None and inner.op_type in ("Gemm", "MatMul"):
+                return inner.op_type
+    return ""
+
+
+def _peaked_share(arrays: Sequence[np.ndarray]) -> float:
+    """The share of positions (rows along the last axis) whose softmax tops PEAKED."""
+    rows = np.concatenate([a.reshape(-1, a.shape[-1]) for a in arrays])
+    shifted = np.exp(rows - rows.max(-1, keepdims=True))
+    top = (shifted / shifted.sum(-1, keepdims=True)).max(-1)
+    return float(np.mean(top >= PEAKED)) if top.size else 0.0
+
+
+def _attr(node: onnx.NodeProto, name: str, default: int) -> int:
+    return next((int(onnx.helper.get_attribute_value(a)) for a in node.attribute if a.name == name),
+                default)
+
+
+def _declared_classes(model: onnx.ModelProto, name: str) -> int:
+    """The declared size of an output's last axis, 0 when unknown."""
+    out = next(o for o in model.graph.output if o.name == name)
+    dims = out.type.tensor_type.shape.dim
+    return dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else 0
 
 
 def check_outputs(reference: onnx.ModelProto, lowered: onnx.ModelProto, fmt: NumberFormat, samples: Sequence[Feed], *,
