@@ -132,7 +132,7 @@ def _vendor_report(args: argparse.Namespace, model: Model, target: ResolvedTarge
     from npuprep.crosscheck.openvino import read_openvino
     from npuprep.vendors.openvino import report_of
 
-    made = report_of(model.proto, target.fmt.name, default=target.profile.default_precision)
+    made = report_of(model.proto, target.fmt.name, default=target.weights.name)
     if args.save_report:
         with outputs.open() as files:
             files.text(args.save_report, json_io.dump_json(made))

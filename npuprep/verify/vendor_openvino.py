@@ -46,7 +46,7 @@ def openvino_check(reference: onnx.ModelProto, candidate: onnx.ModelProto,
     common = dict(vendor="openvino", target_platform=f"{device}", rtol=rtol,
                   samples=len(feeds), host_scales=scales)
     try:
-        done = run_openvino(candidate, feeds, fmt, default=target.profile.default_precision,
+        done = run_openvino(candidate, feeds, fmt, default=target.weights.name,
                             device=device)
     except NpuprepError as e:
         return VendorCheck(built=False, stage="compile", refusal=str(e), **common)
