@@ -124,7 +124,8 @@ def test_pins_are_the_largest_layers_that_bring_the_prediction_within_rtol_and_t
 def test_convert_pins_the_layer_that_makes_the_error_not_the_softmax_that_shows_it(tmp_path):
     model, feeds, _, data = _chain(tmp_path)
     samples = list(load_samples(data, model.proto))
-    result = convert(model, load_profile("generic"), samples, stats=calibrate(model, samples))
+    result = convert(model, load_profile("generic"), samples, stats=calibrate(model, samples),
+                     metric="rel-l2")  # the probabilities themselves, not their argmax
     assert result.passed and result.pinned_nodes == ("diff",)
     assert max(o["rel_l2"] for o in result.output_check.outputs.values()) < 2e-3
     said = " ".join(result.notes)
@@ -160,7 +161,8 @@ def test_an_attributed_pin_dropped_again_is_marked_so_in_the_json_and_the_report
     samples = list(load_samples(data, model.proto))
     # As if the pinned round had not been 10% better: the pin is dropped again.
     monkeypatch.setattr(pipeline, "improved", lambda before, after: False)
-    result = convert(model, load_profile("generic"), samples, stats=calibrate(model, samples))
+    result = convert(model, load_profile("generic"), samples, stats=calibrate(model, samples),
+                     metric="rel-l2")  # the probabilities themselves, not their argmax
     assert not result.passed and "diff" not in result.pinned_nodes
     report = result.to_dict()
     assert [(t["pinned"], t["dropped"]) for t in report["error_attribution"]] == [(["diff"], True)]
@@ -173,7 +175,7 @@ def test_an_attributed_pin_dropped_again_is_marked_so_in_the_json_and_the_report
 def test_convert_says_when_no_layer_within_the_budget_holds_the_error(tmp_path):
     _, _, path, data = _chain(tmp_path)
     # `diff` is 1% of the FLOPs, the Softmax 0.13%: with a 0.05% budget no node may be pinned.
-    proc = run_cli("convert", path, "--target", "generic", "--data", data,
+    proc = run_cli("convert", path, "--target", "generic", "--data", data, "--metric", "rel-l2",
                    "--max-fp32-share", "0.05", "-o", tmp_path / "o.onnx", "--json")
     assert proc.returncode == 1
     import json
