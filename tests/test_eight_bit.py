@@ -241,6 +241,9 @@ def test_the_bundled_example_converts_to_fp8_and_int8_and_the_models_load(tmp_pa
         shares = json.loads(done.stdout)["eight_bit"]["mac_share"]
         assert sum(shares.values()) == pytest.approx(1.0) and precision in shares
         assert "8-bit decision per node" in html.read_text()
+        if done.returncode == 1:  # a FAILED model is written beside the requested name
+            assert not out.exists()
+            out = out.with_suffix(".FAILED.onnx")
         session = make_session(onnx.load(out))
         assert any(n.op_type == "QuantizeLinear" for n in onnx.load(out).graph.node)
         assert session.get_inputs()
