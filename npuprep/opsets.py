@@ -84,6 +84,7 @@ def upgrade_opset(model: onnx.ModelProto, opset: int, *, why: str) -> onnx.Model
             f"{why}: the model declares opset {old} and onnx's version converter could not "
             f"convert it to {opset} ({first}); convert it yourself first"
         ) from None
+    _drop_contradicted_shapes(new)
     _restore_weights(new, parked)
     before = {o for s in walk_graphs(model.graph) for n in s.graph.node for o in n.output if o}
     after = {o for s in walk_graphs(new.graph) for n in s.graph.node for o in n.output if o}
@@ -94,6 +95,38 @@ def upgrade_opset(model: onnx.ModelProto, opset: int, *, why: str) -> onnx.Model
             "convert the model yourself first"
         )
     return new
+
+
+def _drop_contradicted_shapes(model: onnx.ModelProto) -> None:
+    """Declared shapes (graph outputs, value_info) that the new opset's shape inference
+    contradicts are replaced by the inferred ones. An exporter's stale shape (ddddocr's
+    output declared [1, seqlen], computed [20, 1, 8210]) only draws a warning from
+    onnxruntime, but newer opsets infer through it and onnx's checker then refuses the model."""
+    try:
+        onnx.shape_inference.infer_shapes(model, strict_mode=True)
+        return
+    except onnx.shape_inference.InferenceError as exc:
+        if "existing shape differ" not in str(exc):
+            return
+    bare = onnx.ModelProto()
+    bare.CopyFrom(model)
+    for info in (*bare.graph.output, *bare.graph.value_info):
+        info.type.tensor_type.ClearField("shape")
+    inferred = onnx.shape_inference.infer_shapes(bare)
+    found = {v.name: v.type.tensor_type for v in (*inferred.graph.output, *inferred.graph.value_info)}
+    for info in (*model.graph.output, *model.graph.value_info):
+        declared, got = info.type.tensor_type, found.get(info.name)
+        if (got is not None and declared.HasField("shape") and got.HasField("shape")
+                and _contradicts(declared.shape, got.shape)):
+            declared.shape.CopyFrom(got.shape)
+
+
+def _contradicts(declared: onnx.TensorShapeProto, inferred: onnx.TensorShapeProto) -> bool:
+    """Ranks differ, or a dim both fix to different sizes."""
+    if len(declared.dim) != len(inferred.dim):
+        return True
+    return any(a.HasField("dim_value") and b.HasField("dim_value") and a.dim_value != b.dim_value
+               for a, b in zip(declared.dim, inferred.dim, strict=True))
 
 
 def _park_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, onnx.TensorProto]]:

@@ -161,3 +161,34 @@ def test_probe_runs_on_an_old_opset(tmp_path):
     done = run_cli("probe", path, "--target", "generic")
     assert done.returncode in (0, 1), done.stderr[-2000:]
     assert "Traceback" not in done.stderr and "overall" in done.stdout
+
+
+def test_a_stale_declared_output_shape_is_dropped_where_a_newer_opset_contradicts_it(tmp_path):
+    # x[2,3,4] -> Shape -> Gather(0), Gather(1) -> Unsqueeze -> Concat(.., [-1]) -> Reshape -> y
+    # declared y[1, n] (rank 2, as an exporter wrote it); Reshape computes [2, 3, 4] (rank 3).
+    # Opset 12 accepts the stale shape; from 14 inference reads the shape and the checker refused.
+    model = onnx.parser.parse_model("""
+        <ir_version: 7, opset_import: ["" : 12]>
+        g (float[2, 3, 4] x) => (float[1, n] y) {
+            s = Shape (x)
+            a = Gather <axis = 0> (s, i0)
+            b = Gather <axis = 0> (s, i1)
+            ua = Unsqueeze <axes = [0]> (a)
+            ub = Unsqueeze <axes = [0]> (b)
+            shape = Concat <axis = 0> (ua, ub, rest)
+            y = Reshape (x, shape)
+        }""")
+    model.graph.initializer.extend([numpy_helper.from_array(np.array(0, np.int64), "i0"),
+                                    numpy_helper.from_array(np.array(1, np.int64), "i1"),
+                                    numpy_helper.from_array(np.array([-1], np.int64), "rest")])
+    onnx.checker.check_model(model, full_check=True)
+    new = upgrade_opset(model, 17, why="test")
+    onnx.checker.check_model(new, full_check=True)
+    (y,) = new.graph.output
+    assert y.type.tensor_type.elem_type == TensorProto.FLOAT
+    assert len(y.type.tensor_type.shape.dim) == 3  # the rank Reshape computes
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    assert run(make_session(new), {"x": x})["y"].shape == (2, 3, 4)
+    # A declared shape inference agrees with is kept.
+    kept = upgrade_opset(old_model(11), 13, why="test")
+    assert all(o.type.tensor_type.HasField("shape") for o in kept.graph.output)
