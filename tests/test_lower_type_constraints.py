@@ -8,6 +8,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from npuprep.numerics import get_format
 from npuprep.rewrite.lower import lower
 
 RNG = np.random.default_rng(3737)
@@ -94,3 +95,28 @@ def test_a_size_computed_in_float_from_constants_stays_fp32():
     x = RNG.normal(0, 1, (1, 4098)).astype(np.float32)
     got = ort.InferenceSession(low.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     assert got.shape == (2049, 2) and np.array_equal(got, x.reshape(2049, 2).astype(np.float16).astype(np.float32))
+
+
+def test_bf16_lowering_drops_the_value_info_of_the_if_bodies_it_rewrote():
+    # c, x -> If(then: y = Mul(x, Constant 1.5), else: y = Neg(x)) -> y ; the then-body
+    # declares its constant FP32 in value_info (as onnx's version converter writes it)
+    from onnx import TensorProto, helper
+
+    k = helper.make_node("Constant", [], ["k"], value=helper.make_tensor("kv", TensorProto.FLOAT, [1], [1.5]))
+    then = helper.make_graph([k, helper.make_node("Mul", ["x", "k"], ["yt"])], "then", [],
+                             [helper.make_tensor_value_info("yt", TensorProto.FLOAT, [2])],
+                             value_info=[helper.make_tensor_value_info("k", TensorProto.FLOAT, [1])])
+    other = helper.make_graph([helper.make_node("Neg", ["x"], ["ye"])], "else", [],
+                              [helper.make_tensor_value_info("ye", TensorProto.FLOAT, [2])])
+    graph = helper.make_graph(
+        [helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)], "g",
+        [helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)], ir_version=10)
+    lowered = lower(model, get_format("bf16")).model  # onnx.checker inside: a stale FP32 k failed it
+    (body,) = [a.g for n in lowered.graph.node if n.op_type == "If" for a in n.attribute
+               if a.name == "then_branch"]
+    assert not body.value_info
+    (const,) = [n for n in body.node if n.op_type == "Constant"]
+    assert const.attribute[0].t.data_type == TensorProto.BFLOAT16

@@ -193,7 +193,8 @@ class _Lowering:
         for scope in reversed(self.scopes):
             self._lower_scope(scope)
         self._fix_main_io()
-        for scope in reversed(self.scopes):
+        # The model's own bodies now: the scopes indexed above are the copies lowering replaced.
+        for scope in reversed(list(walk_graphs(self.model.graph))):
             _sort(scope.graph)
             del scope.graph.value_info[:]
         check_model(self.model)
