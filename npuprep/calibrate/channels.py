@@ -8,7 +8,8 @@ one extra pass of the FP32 model over the calibration samples, for those tensors
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -20,16 +21,11 @@ from npuprep.data import Feed
 def channel_absmax(model: onnx.ModelProto, tensors: Sequence[str],
                    samples: Sequence[Feed]) -> dict[str, np.ndarray]:
     """tensor -> abs-max per sample and last-axis channel ([samples, channels])."""
-    from npuprep.runtime.session import make_session, run
+    from npuprep.runtime.session import run
 
     if not tensors:
         return {}
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    declared = {o.name for o in probe.graph.output}
-    probe.graph.output.extend(helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None)
-                              for t in tensors if t not in declared)
-    session = make_session(probe)
+    session = _probe_session(model, tensors)
     found: dict[str, list[np.ndarray]] = {t: [] for t in tensors}
     for feed in samples:
         for name, value in run(session, feed, list(tensors)).items():
@@ -42,16 +38,11 @@ def channel_means(model: onnx.ModelProto, tensors: Mapping[str, int],
                   samples: Sequence[Feed]) -> dict[str, np.ndarray]:
     """tensor -> its mean per channel of axis `tensors[tensor]`, over every other axis and
     every sample (the input means bias correction reads, npuprep.rewrite.bias_correction)."""
-    from npuprep.runtime.session import make_session, run
+    from npuprep.runtime.session import run
 
     if not tensors:
         return {}
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    declared = {o.name for o in probe.graph.output}
-    probe.graph.output.extend(helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None)
-                              for t in tensors if t not in declared)
-    session = make_session(probe)
+    session = _probe_session(model, tensors)
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, int] = dict.fromkeys(tensors, 0)
     for feed in samples:
@@ -61,3 +52,15 @@ def channel_means(model: onnx.ModelProto, tensors: Mapping[str, int],
             sums[name] = sums.get(name, 0.0) + flat.sum(axis=0)
             counts[name] += flat.shape[0]
     return {t: (sums[t] / max(counts[t], 1)).astype(np.float32) for t in sums}
+
+
+def _probe_session(model: onnx.ModelProto, tensors: Iterable[str]) -> Any:
+    """A session of `model` that also returns `tensors` as outputs."""
+    from npuprep.runtime.session import make_session
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    declared = {o.name for o in probe.graph.output}
+    probe.graph.output.extend(helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None)
+                              for t in tensors if t not in declared)
+    return make_session(probe)

@@ -75,16 +75,7 @@ def insert_qdq(model: onnx.ModelProto, nodes: Mapping[str, Mapping[str, Activati
     def activation(tensor: str, s: ActivationScale) -> str:
         if tensor in pairs:
             return pairs[tensor]
-        scale = fresh(f"{tensor}_scale8")
-        zp = fresh(f"{tensor}_zp8")
-        q, dq = fresh(f"{tensor}_q8"), fresh(f"{tensor}_dq8")
-        g.initializer.append(numpy_helper.from_array(np.array(s.scale, np.float32), scale))
-        g.initializer.append(zero_point(zp, fmt, (), unsigned=s.unsigned, value=s.zero_point))
-        extra = {"saturate": int(saturate)} if fmt.is_float else {}
-        new_nodes.append(helper.make_node("QuantizeLinear", [tensor, scale, zp], [q],
-                                          name=fresh(f"{tensor}_Q8"), **extra))
-        new_nodes.append(helper.make_node("DequantizeLinear", [q, scale, zp], [dq],
-                                          name=fresh(f"{tensor}_DQ8")))
+        dq = qdq_pair(g, new_nodes, fresh, tensor, tensor, fmt, saturate, s)
         pairs[tensor] = dq
         return dq
 
@@ -111,6 +102,21 @@ def insert_qdq(model: onnx.ModelProto, nodes: Mapping[str, Mapping[str, Activati
     drop_unused_weights(g)
     return RewriteResult(out, True, f"{len(done)} node(s) quantised to {fmt.name}",
                          {"quantised": done, "declined": declined})
+
+
+def qdq_pair(g: onnx.GraphProto, added: list[onnx.NodeProto], fresh: Callable[[str], str],
+             tensor: str, stem: str, fmt: EightBitFormat, saturate: bool, s: ActivationScale) -> str:
+    """A QuantizeLinear/DequantizeLinear pair of `tensor` at scale `s` (its nodes appended to
+    `added`, its scale and zero point to `g`), named from `stem`; the dequantised tensor."""
+    scale, zp = fresh(f"{stem}_scale8"), fresh(f"{stem}_zp8")
+    q, dq = fresh(f"{stem}_q8"), fresh(f"{stem}_dq8")
+    g.initializer.append(numpy_helper.from_array(np.array(s.scale, np.float32), scale))
+    g.initializer.append(zero_point(zp, fmt, (), unsigned=s.unsigned, value=s.zero_point))
+    extra = {"saturate": int(saturate)} if fmt.is_float else {}
+    added.append(helper.make_node("QuantizeLinear", [tensor, scale, zp], [q], name=fresh(f"{stem}_Q8"),
+                                  **extra))
+    added.append(helper.make_node("DequantizeLinear", [q, scale, zp], [dq], name=fresh(f"{stem}_DQ8")))
+    return dq
 
 
 def weight_dq(g: onnx.GraphProto, node: onnx.NodeProto, w: onnx.TensorProto | np.ndarray,

@@ -13,7 +13,7 @@ ranking and every widening step share it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,12 +28,11 @@ from npuprep.numerics import EightBitFormat, NumberFormat
 from npuprep.plan.layer_precision import activation_inputs
 from npuprep.rewrite.bias_correction import BiasSlot, bias_slot, corrected_bias
 from npuprep.rewrite.qdq import (
-    ActivationScale,
     fp32_weight,
+    qdq_pair,
     sort_nodes,
     weight_axis,
     weight_dq,
-    zero_point,
 )
 from npuprep.rewrite.qdq_weights import WeightStore, quantise_weight
 from npuprep.scale_rules import ScaleRule
@@ -170,7 +169,7 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
                     if key not in pairs:
                         scale = activation_scale(stats.tensors[name], v.fmt, rule,
                                                  rescaled.get(name, 1.0), v.headroom)
-                        pairs[key] = _qdq_pair(g, added, fresh, name, f"{v.fmt.name}_{rule}",
+                        pairs[key] = qdq_pair(g, added, fresh, name, f"{name}_{v.fmt.name}_{rule}",
                                                v.fmt, v.saturate, scale)
                     input_switches[label, name, v.fmt.name, rule] = on = switch(
                         f"{label}_{v.fmt.name}_{rule}")
@@ -209,22 +208,6 @@ def _dequantised(node: onnx.NodeProto, w: np.ndarray, v: Variant) -> np.ndarray:
     if axis is not None:
         shape[axis] = -1
     return (stored.astype(np.float32) * scale.reshape(shape)).astype(np.float32)
-
-
-def _qdq_pair(g: onnx.GraphProto, added: list[onnx.NodeProto], fresh: Callable[[str], str],
-              tensor: str, tag: str, fmt: EightBitFormat, saturate: bool,
-              s: ActivationScale) -> str:
-    """A QuantizeLinear/DequantizeLinear pair of `tensor` at scale `s`, `tag` in its names."""
-    scale, zp = fresh(f"{tensor}_{tag}_scale8"), fresh(f"{tensor}_{tag}_zp8")
-    q, dq = fresh(f"{tensor}_{tag}_q8"), fresh(f"{tensor}_{tag}_dq8")
-    g.initializer.append(numpy_helper.from_array(np.array(s.scale, np.float32), scale))
-    g.initializer.append(zero_point(zp, fmt, (), unsigned=s.unsigned, value=s.zero_point))
-    extra = {"saturate": int(saturate)} if fmt.is_float else {}
-    added.append(helper.make_node("QuantizeLinear", [tensor, scale, zp], [q],
-                                  name=fresh(f"{tensor}_{tag}_Q8"), **extra))
-    added.append(helper.make_node("DequantizeLinear", [q, scale, zp], [dq],
-                                  name=fresh(f"{tensor}_{tag}_DQ8")))
-    return dq
 
 
 class Trials:
