@@ -13,6 +13,9 @@ Per corpus model (bench/corpus.py builds them), one at a time:
            verdict, its own held-out rel L2 (emulated BF16), OpenVINO's rel L2 on the converted
            graph, and the crosscheck of OpenVINO's runtime precisions against the plan
   int8     the same with `--precision int8`: the QDQ model on OpenVINO (i8/u8 layers counted)
+  --qdq DIR  every DIR/NAME.TOOL.onnx (another quantizer's QDQ model, e.g. NNCF's from
+           bench_eight_bit.py) on OpenVINO at the 8-bit hint: worst-output rel L2 against
+           onnxruntime FP32 on the held-out samples and its runtime layers, beside npuprep's
 Writes OUT.md and OUT.json.
 """
 
@@ -128,16 +131,53 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def qdq_rows(names: list[str], folder: Path) -> list[dict]:
+    """Other quantizers' QDQ models of `names` run by OpenVINO (hint fp16 beside the 8-bit
+    layers, as npuprep's INT8 models are run)."""
+    rows = []
+    for name in names:
+        entry = corpus.corpus_dir() / name
+        source = load_model(entry / "model.onnx")
+        held = list(load_samples(entry / "heldout", source.proto))
+        for path in sorted(folder.glob(f"{name}.*.onnx")):
+            tool = path.name.removeprefix(f"{name}.").removesuffix(".onnx")
+            start = time.perf_counter()
+            try:
+                done = run_openvino(load_model(path).proto, held, "int8", default="fp16")
+            except NpuprepError as e:
+                rows.append({"model": name, "tool": tool, "refused": str(e)})
+                continue
+            errors = vendor_output_errors(source.proto, held, done.outputs, {}, 5e-2)
+            rows.append({"model": name, "tool": tool, "rel_l2": worst(errors),
+                         "layers": precisions(done.report()), "s": time.perf_counter() - start})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def qdq_markdown(rows: list[dict]) -> str:
+    lines = ["| model | QDQ model | OpenVINO rel L2 | runtime layers |", "|---|---|---|---|"]
+    for r in rows:
+        said = f"refused: {r['refused']}" if "refused" in r else f"{r['rel_l2']:.3g}"
+        lines.append(f"| {r['model']} | {r['tool']} | {said} | {_layers(r.get('layers', {}))} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--int8", action="store_true", help="also convert --precision int8")
     ap.add_argument("--out", default="bench/_work/openvino")
+    ap.add_argument("--qdq", type=Path, metavar="DIR", help="run DIR/NAME.TOOL.onnx QDQ models only")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names = args.only or sorted(p.name for p in corpus.corpus_dir().iterdir()
                                 if (p / "model.onnx").is_file())
+    if args.qdq:
+        rows = qdq_rows(names, args.qdq)
+        out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+        out.with_suffix(".md").write_text(qdq_markdown(rows))
+        return
     rows = []
     for name in names:
         row = {"model": name, "source": source_row(name)}
