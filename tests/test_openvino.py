@@ -109,6 +109,19 @@ def test_probe_through_openvino_fp16_is_loud_and_bf16_keeps_fp32_range() -> None
     assert [r.verdict for r in bf16.results] == ["no-overflow"]
 
 
+def test_probe_of_a_format_openvino_has_no_hint_for_is_one_line_exit_2() -> None:
+    # probe --backend openvino --precision fp8_e4m3: the hint would fall back to bf16 and
+    # measure that instead, so it is refused
+    from tests.conftest import run_cli
+
+    done = run_cli("probe", "--target", "openvino-cpu", "--backend", "openvino",
+                   "--precision", "fp8_e4m3")
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    assert done.stderr.strip().splitlines() == [
+        "npuprep: error: --backend openvino has no precision hint for fp8_e4m3 (it runs fp32, "
+        "bf16, fp16); it cannot probe fp8_e4m3"]
+
+
 def test_int8_clip_probe_on_openvinos_int8_path_saturates() -> None:
     from npuprep.probe.int8_clip import run_clip_probe
 

@@ -171,10 +171,10 @@ def _data_said(args: argparse.Namespace, proto: onnx.ModelProto) -> str:
 
 
 def _backend(args: argparse.Namespace, profile: Any, fmt_: Any):
+    from npuprep.errors import NpuprepError
     from npuprep.probe.backends import EmulateBackend, OrtBackend
 
     if args.backend == "rknn":
-        from npuprep.errors import NpuprepError
         from npuprep.probe.rknn_backend import RknnBackend
 
         if fmt_.name != "fp16":
@@ -183,7 +183,12 @@ def _backend(args: argparse.Namespace, profile: Any, fmt_: Any):
         return RknnBackend(args.vendor_python)
     if args.backend == "openvino":
         from npuprep.probe.openvino_backend import OpenvinoBackend
+        from npuprep.vendors.openvino import HINTS
 
+        if fmt_.name not in HINTS:
+            # Its hint would fall back to another format and probe that one instead.
+            raise NpuprepError(f"--backend openvino has no precision hint for {fmt_.name} "
+                               f"(it runs {', '.join(HINTS)}); it cannot probe {fmt_.name}")
         return OpenvinoBackend(fmt_.name)
     if args.backend == "emulate":
         # Unknown is emulated as the loud case (as ResolvedTarget.saturate does); the note says so.
