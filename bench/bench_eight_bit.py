@@ -137,9 +137,8 @@ def opset13(model: Path, out: Path) -> Path:
     return upgraded
 
 
-def nncf(entry: Entry, out: Path, decided: tuple[str, ...], accuracy_aware: bool) -> str:
-    cmd = [str(NNCF), str(Path(__file__).parent / "peer_nncf.py"), str(entry.model), str(entry.calib),
-           str(out), *(("--accuracy-aware", ",".join(decided)) if accuracy_aware else ())]
+def _run_peer(cmd: list[str], out: Path) -> str:
+    """Run a peer's command that writes `out`; "" when it did, else why not (its last line)."""
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=PEER_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -148,6 +147,12 @@ def nncf(entry: Entry, out: Path, decided: tuple[str, ...], accuracy_aware: bool
         lines = [x for x in (done.stderr + done.stdout).strip().splitlines() if x.strip()]
         return (lines or ["no output"])[-1][:200]
     return ""
+
+
+def nncf(entry: Entry, out: Path, decided: tuple[str, ...], accuracy_aware: bool) -> str:
+    cmd = [str(NNCF), str(Path(__file__).parent / "peer_nncf.py"), str(entry.model), str(entry.calib),
+           str(out), *(("--accuracy-aware", ",".join(decided)) if accuracy_aware else ())]
+    return _run_peer(cmd, out)
 
 
 def modelopt(mode: str, entry: Entry, out: Path) -> str:
@@ -160,14 +165,7 @@ def modelopt(mode: str, entry: Entry, out: Path) -> str:
     cmd = [str(MODELOPT), "-m", "modelopt.onnx.quantization", "--onnx_path", str(entry.model),
            "--quantize_mode", mode, "--calibration_data_path", str(calib),
            "--calibration_eps", "cpu", "--output_path", str(out)]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=PEER_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        return f"no model after {PEER_TIMEOUT} s (stopped)"
-    if not out.exists():
-        lines = [x for x in (done.stderr + done.stdout).strip().splitlines() if x.strip()]
-        return (lines or ["no output"])[-1][:200]
-    return ""
+    return _run_peer(cmd, out)
 
 
 # Ops that move 8-bit values without computing new ones: NNCF puts its Q/DQ pair before a
