@@ -55,7 +55,15 @@ from npuprep.verify.qdq_model import (
     quantise,
     with_opset,
 )
-from npuprep.verify.qdq_trials import Trials, Variant, choose_rules, rank_layers, switched_qdq
+from npuprep.verify.qdq_trials import (
+    RunsFactory,
+    Trials,
+    Variant,
+    choose_rules,
+    rank_layers,
+    reference_outputs,
+    switched_qdq,
+)
 from npuprep.verify.widening import CurvePoint, widen_by_ranking
 
 # Below this share of 8-bit multiply-adds the model has not been converted to 8 bits.
@@ -68,11 +76,13 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                         eight: EightBitFormat, samples: Sequence[Feed],
                         holdout: Sequence[Feed] | None, *, use: SampleUse, rtol: float,
                         scale_rule: str, min_8bit_share: float, opset: int | None,
-                        top_k: Mapping[str, int], stage: Callable[[str], None]) -> ConversionResult:
+                        top_k: Mapping[str, int], stage: Callable[[str], None],
+                        runner: RunsFactory | None = None) -> ConversionResult:
     """`planned` (planned for `target`, the wider format) as a QDQ model in `eight`, verified
     on `samples` (and `holdout`); scales by `scale_rule`. Its outputs are to hold within
     `rtol` (or the `top_k` decisions) with at least `min_8bit_share` of the Conv/MatMul/Gemm
-    multiply-adds in 8 bits."""
+    multiply-adds in 8 bits. `runner`: where the search's trial runs run (default: this
+    process; npuprep.calibrate.on_ray.SessionsOnRay: Ray actors)."""
     profile, wide = target.profile, target.fmt
     work, stats, plan, flow_notes = planned.model, planned.stats, planned.plan, planned.notes
     model = source
@@ -119,25 +129,40 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     means = _input_means(base, list(_assigned(layers)), samples)
     switched = switched_qdq(base, list(_assigned(layers)), stats, variants,
                             tensor_scales=applied.tensor_scales, weights=weights, means=means)
-    trials = Trials(work.proto, switched, wide, pinned | {x.node for x in layers
-                                                          if x.precision == "fp32"},
-                    samples, saturate=saturate)
+    kept_wider = pinned | {x.node for x in layers if x.precision == "fp32"}
+    expected = reference_outputs(work.proto, samples)
+    # The checks of the widening steps run on the board's numbers (FP16 around the 8-bit
+    # layers); the choices that only order candidates (rules, bias correction, the ranking)
+    # run on the QDQ model in FP32 around its pairs: the same order at a fraction of the cost
+    # of rounding every tensor. A model whose weights stay in a scratch file keeps one session.
+    search = Trials(work.proto, switched, wide, kept_wider, samples, saturate=saturate,
+                    emulated=weights.scratch is not None, expected=expected, runs=runner)
+    checks: list[Trials] = [search] if weights.scratch is not None else []
+
+    def trials() -> Trials:
+        """The emulated session, built at the first widening check."""
+        if not checks:
+            checks.append(Trials(work.proto, switched, wide, kept_wider, samples,
+                                 saturate=saturate, expected=expected, runs=runner))
+            checks[0].corrected = search.corrected
+        return checks[0]
+
     tensor_rules: dict[str, ScaleRule] = {}
-    if not eight.is_float:
-        stage("choosing each activation's scale rule by its measured error")
-        tensor_rules = choose_rules(trials, base, eight_bit, stats, eight, main.rules)
     if switched.bias_switches:
         # Each correction removes its layer's mean output error on these samples; the set is
         # kept where the outputs say it helps with every layer in 8 bits.
         stage("measuring bias correction")
-        before = trials.error(_assigned(layers), tensor_rules)
-        trials.corrected = {layer for layer, _ in switched.bias_switches}
-        after = trials.error(_assigned(layers), tensor_rules)
+        before = search.error(_assigned(layers), tensor_rules)
+        search.corrected = {layer for layer, _ in switched.bias_switches}
+        after = search.error(_assigned(layers), tensor_rules)
         if after >= before:
-            trials.corrected = set()
+            search.corrected = set()
         notes.append(f"bias correction of {len(switched.bias_switches)} layer(s)' 8-bit weight "
                      f"rounding: outputs' rel L2 {before:.3g} -> {after:.3g} with all in 8 bits, "
-                     + ("kept" if trials.corrected else "not kept"))
+                     + ("kept" if search.corrected else "not kept"))
+    if not eight.is_float:
+        stage("choosing each activation's scale rule by its measured error")
+        tensor_rules = choose_rules(search, base, eight_bit, stats, eight, main.rules)
 
     def pins(chosen: Sequence[LayerPrecision]) -> set[str]:
         return pinned | {x.node for x in chosen if x.precision == "fp32"}
@@ -146,19 +171,24 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         return all(output_passes(o, JUDGE_MARGIN * rtol) for o in check.outputs.values())
 
     def trial(chosen: Sequence[LayerPrecision]) -> OutputCheck:
-        return trials.check(_assigned(chosen), tensor_rules, rtol=rtol, top_k=top_k)
+        return trials().check(_assigned(chosen), tensor_rules, rtol=rtol, top_k=top_k)
 
     def rank(nodes: list[str], chosen: list[LayerPrecision]) -> list[Sensitivity]:
         stage(f"ranking {len(nodes)} 8-bit layer(s) by their own error")
-        return rank_layers(trials, nodes, _assigned(chosen), tensor_rules)
+        ranked = rank_layers(search, nodes, _assigned(chosen), tensor_rules)
+        if search not in checks:
+            search.close()
+        stage(f"trying the heads of the ranking ({len(nodes)} layer(s))")
+        return ranked
 
     stage(f"quantising to {eight.name}")
     widening = widen_by_ranking(layers, eight, trial(layers), rank=rank, trial=trial,
                                 judged=judged, share=lambda c: eight_bit_share(c, macs),
                                 cost=lambda n: _cost([n], macs), min_share=min_8bit_share,
                                 alternative=other.name if mixed and other else None)
-    trial_runs = trials.runs
-    trials.close()
+    trial_runs = search.runs + sum(t.runs for t in checks if t is not search)
+    for t in (search, *checks):
+        t.close()
     layers, widened, needs_more = widening.layers, widening.widened, ""
     ranking = (widening.rankings or [[]])[0]
     stage(f"building the {eight.name} model chosen")
@@ -172,11 +202,11 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                              weights=weights).model
     chosen = _assigned(layers)
     built = with_biases(built, [fixed for (layer, fmt), fixed in switched.biases.items()
-                                if chosen.get(layer) == fmt and layer in trials.corrected])
+                                if chosen.get(layer) == fmt and layer in search.corrected])
     # The reference's outputs on these samples are the trials' (run once).
     check = check_output_sets(work.proto, built, wide, [samples], saturate=saturate, rtol=rtol,
                               emulated=on_target(built, wide, pins(layers), saturate=saturate),
-                              top_k=top_k, expected=trials.expected)[0]
+                              top_k=top_k, expected=expected)[0]
     notes.append(_curve_note(widening.curve, trial_runs))
     if widening.alternative and other is not None:
         notes.append(f"{len(widening.alternative)} layer(s) {eight.name} could not hold run in "

@@ -13,9 +13,9 @@ ranking and every widening step share it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnx
@@ -210,47 +210,119 @@ def _dequantised(node: onnx.NodeProto, w: np.ndarray, v: Variant) -> np.ndarray:
     return (stored.astype(np.float32) * scale.reshape(shape)).astype(np.float32)
 
 
+class LocalRuns:
+    """Trial runs in this process: one session of the trial model, built once."""
+
+    def __init__(self, model: onnx.ModelProto, samples: Sequence[Feed]) -> None:
+        from npuprep.runtime.session import make_session
+
+        self.samples = list(samples)
+        self.session: Any = make_session(model, prepack=True)
+        self.names = [o.name for o in self.session.get_outputs()]
+
+    def run(self, jobs: Sequence[tuple[int, Mapping[str, np.ndarray]]]) -> list[dict[str, np.ndarray]]:
+        """The outputs of each job: (sample index, switches)."""
+        from npuprep.runtime.session import run
+
+        return [run(self.session, {**self.samples[i], **switches}, self.names)
+                for i, switches in jobs]
+
+    def close(self) -> None:
+        self.session = None
+
+
+class TrialRuns(Protocol):
+    """Where the trial runs run: this process (LocalRuns) or Ray actors
+    (npuprep.calibrate.on_ray.SessionsOnRay); every job gives the same outputs in both."""
+
+    def run(self, jobs: Sequence[tuple[int, Mapping[str, np.ndarray]]]) -> list[dict[str, np.ndarray]]: ...
+
+    def close(self) -> None: ...
+
+
+# Where the trial runs run: given the trial model and the samples.
+RunsFactory = Callable[[onnx.ModelProto, Sequence[Feed]], TrialRuns]
+
+
+def reference_outputs(reference: onnx.ModelProto, samples: Sequence[Feed]) -> list[dict[str, np.ndarray]]:
+    """The FP32 reference's outputs on `samples` (run once for every trial and check)."""
+    from npuprep.runtime.session import make_session, run
+
+    ref = make_session(reference, prepack=False)
+    return [run(ref, dict(f)) for f in samples]
+
+
 class Trials:
-    """One session of a SwitchedQdq on the target, the reference's outputs run once: a trial
-    is a set of 8-bit layers and the activations' rules, measured by one run per sample."""
+    """One session of a SwitchedQdq, the reference's outputs run once: a trial is a set of
+    8-bit layers and the activations' rules, measured by one run per sample. `emulated`: the
+    tensors outside the switches and `pinned` rounded to the target's `wide` format, as the
+    board computes (the check of a widening step); without it the trial model is the QDQ
+    model in FP32 around the Q/DQ pairs, which orders the 8-bit choices (rules, ranking) at
+    a fraction of the cost. Trials whose switches are the same run once (their error is
+    kept)."""
 
     def __init__(self, reference: onnx.ModelProto, switched: SwitchedQdq, wide: NumberFormat,
-                 pinned: Iterable[str], samples: Sequence[Feed], *, saturate: bool) -> None:
-        from npuprep.runtime.session import make_session, run
-
+                 pinned: Iterable[str], samples: Sequence[Feed], *, saturate: bool,
+                 emulated: bool = True, expected: list[dict[str, np.ndarray]] | None = None,
+                 runs: RunsFactory | None = None) -> None:
         self.switched, self.samples = switched, list(samples)
         # Layers whose corrected bias the trials use (where they run in 8 bits).
         self.corrected: set[str] = set()
-        ref = make_session(reference, prepack=False)
-        self.expected = [run(ref, dict(f)) for f in self.samples]
-        del ref
-        every = set(switched.weight_switches.values()) | set(switched.input_switches.values())
-        exact = {node_label(n) for n in switched.model.graph.node
-                 if n.op_type == "Where" and n.input[0] in every}
-        emulated = on_target(switched.model, wide, exact | set(pinned), saturate=saturate)
-        self.session: Any = make_session(emulated, prepack=True)
-        self.names = [o.name for o in self.session.get_outputs()]
+        self.expected = expected if expected is not None else reference_outputs(reference, samples)
+        model = switched.model
+        if emulated:
+            every = set(switched.weight_switches.values()) | set(switched.input_switches.values())
+            exact = {node_label(n) for n in switched.model.graph.node
+                     if n.op_type == "Where" and n.input[0] in every}
+            model = on_target(switched.model, wide, exact | set(pinned), saturate=saturate)
+        self.runner: TrialRuns | None = (runs or LocalRuns)(model, self.samples)
         self.runs = 0
+        self._errors: dict[bytes, float] = {}
+        self._order = sorted(set(switched.weight_switches.values())
+                             | set(switched.input_switches.values())
+                             | set(switched.bias_switches.values()))
 
     def close(self) -> None:
         """Free the session (its weights) once the search is done."""
-        self.session = None
+        if self.runner is not None:
+            self.runner.close()
+        self.runner = None
+
+    def _switches(self, assign: Mapping[str, str],
+                  rules: Mapping[str, ScaleRule]) -> dict[str, np.ndarray]:
+        return self.switched.feed(assign, rules, self.corrected)
+
+    def _key(self, switches: Mapping[str, np.ndarray]) -> bytes:
+        return np.packbits([bool(switches[s]) for s in self._order]).tobytes()
+
+    def _outputs(self, trials: Sequence[dict[str, np.ndarray]],
+                 count: int) -> list[list[dict[str, np.ndarray]]]:
+        """Every trial's outputs on the first `count` samples, in one batch of jobs."""
+        assert self.runner is not None, "the trials were closed"
+        n = min(count, len(self.samples))
+        got = self.runner.run([(i, switches) for switches in trials for i in range(n)])
+        self.runs += len(trials)
+        return [got[k * n:(k + 1) * n] for k in range(len(trials))]
 
     def outputs(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule],
                 count: int | None = None) -> list[dict[str, np.ndarray]]:
         """The outputs of the first `count` samples (all: None) with the layers of `assign`
         in their 8-bit format (layer -> format)."""
-        from npuprep.runtime.session import run
+        return self._outputs([self._switches(assign, rules)], count or len(self.samples))[0]
 
-        switches = self.switched.feed(assign, rules, self.corrected)
-        chosen = self.samples[:count]
-        self.runs += 1
-        return [run(self.session, {**f, **switches}, self.names) for f in chosen]
+    def errors(self, trials: Sequence[tuple[Mapping[str, str], Mapping[str, ScaleRule]]]) -> list[float]:
+        """Each trial's (assign, rules) outputs' worst pooled rel L2 on the first
+        TRIAL_SAMPLES samples; the trials not run before run as one batch."""
+        feeds = [self._switches(a, r) for a, r in trials]
+        keys = [self._key(f) for f in feeds]
+        todo = {k: f for k, f in zip(keys, feeds, strict=True) if k not in self._errors}
+        for k, got in zip(todo, self._outputs(list(todo.values()), TRIAL_SAMPLES), strict=True):
+            self._errors[k] = worst_pooled_rel_l2(got, self.expected[:len(got)])
+        return [self._errors[k] for k in keys]
 
     def error(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule]) -> float:
         """The outputs' worst pooled rel L2 on the first TRIAL_SAMPLES samples."""
-        got = self.outputs(assign, rules, TRIAL_SAMPLES)
-        return worst_pooled_rel_l2(got, self.expected[:len(got)])
+        return self.errors([(assign, rules)])[0]
 
     def check(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule], *, rtol: float,
               top_k: Mapping[str, int]) -> OutputCheck:
@@ -270,12 +342,13 @@ def rank_layers(trials: Trials, nodes: Sequence[str], assign: Mapping[str, str],
     its own error, which does not depend on the others (2 len(nodes) + 1 runs). Where the
     error is spread over many layers, the gains are differences of nearly equal numbers and
     the errors alone are the clearer signal; the gains show the layers that cancel."""
-    every = trials.error(assign, rules)
-    found = []
+    asked: list[tuple[Mapping[str, str], Mapping[str, ScaleRule]]] = [(assign, rules)]
     for label in nodes:
-        without = trials.error({n: f for n, f in assign.items() if n != label}, rules)
-        alone = trials.error({label: assign[label]}, rules)
-        found.append(Sensitivity(label, without, every - without, alone))
+        asked += [({n: f for n, f in assign.items() if n != label}, rules),
+                  ({label: assign[label]}, rules)]
+    every, *pairs = trials.errors(asked)
+    found = [Sensitivity(label, without, every - without, alone)
+             for label, without, alone in zip(nodes, pairs[::2], pairs[1::2], strict=True)]
     return sorted(found, key=lambda s: -s.gain)
 
 
@@ -292,14 +365,18 @@ def choose_rules(trials: Trials, model: onnx.ModelProto, nodes: Sequence[str],
         if node_label(node) in wanted:
             for name in activation_inputs(model.graph, node):
                 readers.setdefault(name, []).append(node_label(node))
-    chosen = {}
-    for name, labels in readers.items():
+    candidates: dict[str, list[ScaleRule]] = {}
+    for name in readers:
         clips: dict[float, ScaleRule] = {}
         for rule in rules:
             clips.setdefault(clip_for(stats.tensors[name], fmt, rule).value, rule)
-        if len(clips) < 2:
-            continue
-        measured = {rule: trials.error(dict.fromkeys(labels, fmt.name), {name: rule})
-                    for rule in clips.values()}
-        chosen[name] = min(measured, key=lambda r: measured[r])
+        if len(clips) > 1:
+            candidates[name] = list(clips.values())
+    asked = [(dict.fromkeys(readers[name], fmt.name), {name: rule})
+             for name, each in candidates.items() for rule in each]
+    measured = iter(trials.errors(asked))
+    chosen = {}
+    for name, each in candidates.items():
+        errors = {rule: next(measured) for rule in each}
+        chosen[name] = min(errors, key=lambda r: errors[r])
     return chosen
