@@ -5,6 +5,11 @@ task reads the model and its slice of the samples from the shared path, runs `ca
 on its share of the CPUs and returns the whole shard's statistics; the driver merges them
 exactly (npuprep.calibrate.merge). A task whose worker dies is run again by Ray (its task
 retries) from its first sample: the driver only ever merges complete shards.
+
+The 8-bit search's trial runs (npuprep.verify.qdq_trials) run here too, with `--ray`:
+SessionsOnRay holds one session of the trial model per actor and deals each batch of runs
+(a ranking's, a widening check's samples) to the actors; the outputs are those of the same
+runs in one process.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from types import ModuleType
 from typing import Any
@@ -60,12 +65,7 @@ def calibrate_on_ray(
         raise NpuprepError("executor='ray': the workers read the model themselves: give a model file")
     if cpus_per_task < 1:
         raise NpuprepError(f"Ray: CPUs per task must be at least 1, got {cpus_per_task}")
-    check_address(address)
-    ray = _import_ray()
-    started = not ray.is_initialized()
-    if started:
-        _join(ray, address)
-    try:
+    with joined(address) as ray:
         cpus = int(ray.cluster_resources().get("CPU", 0))
         if cpus_per_task > cpus:
             # Ray would wait for such a worker for ever.
@@ -82,14 +82,28 @@ def calibrate_on_ray(
         refs = [remote.remote(model_path, part, detail, streams, cpus_per_task, counter, i)
                 for i, part in enumerate(parts)]
         docs = _gather(ray, refs, counter, len(samples), show_progress, retries)
-    finally:
-        if started:
-            _shutdown(ray)
     merged = merge_stats([(f"Ray shard {i + 1}/{n}", stats_from_dict(doc)) for i, doc in enumerate(docs)])
     if merged.fingerprint != model.fingerprint:
         raise NpuprepError(f"{model.path}: the Ray workers read another model at {model_path} "
                            f"(fingerprint {merged.fingerprint}, here {model.fingerprint})")
     return merged
+
+
+@contextlib.contextmanager
+def joined(address: str | None) -> Iterator[ModuleType]:
+    """Ray for the time of the block: the one this process is connected to, else the
+    cluster at `address` joined (None: a local Ray started) and left again at the end, with
+    the caller's SIGINT/SIGTERM handlers kept (npuprep's one-line ending)."""
+    check_address(address)
+    ray = _import_ray()
+    started = not ray.is_initialized()
+    if started:
+        _join(ray, address)
+    try:
+        yield ray
+    finally:
+        if started:
+            _shutdown(ray)
 
 
 def check_address(address: str | None) -> None:
@@ -204,20 +218,28 @@ class _Done:
 
 def _gather(ray: ModuleType, refs: list[Any], counter: Any, total: int, show: bool, retries: int) -> list[dict[str, Any]]:
     """Every task's result, in shard order, with a progress bar over the samples done."""
+    with _task_errors("a shard", retries), \
+            progress_counter(total, "calibrating on Ray", show) as set_done:
+        pending = list(refs)
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.25)
+            if counter is not None:
+                set_done(ray.get(counter.total.remote()))
+        results = ray.get(refs)
+        # The tasks' last counts may still be in flight to the counter actor: every shard
+        # is done, so every sample is.
+        set_done(total)
+        return results
+
+
+@contextlib.contextmanager
+def _task_errors(what: str, retries: int) -> Iterator[None]:
+    """A task's NpuprepError as itself, Ray's failures as one line (what failed, after how
+    many tries)."""
     from ray.exceptions import RayError, RayTaskError
 
     try:
-        with progress_counter(total, "calibrating on Ray", show) as set_done:
-            pending = list(refs)
-            while pending:
-                _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.25)
-                if counter is not None:
-                    set_done(ray.get(counter.total.remote()))
-            results = ray.get(refs)
-            # The tasks' last counts may still be in flight to the counter actor: every shard
-            # is done, so every sample is.
-            set_done(total)
-            return results
+        yield
     except RayTaskError as exc:
         if isinstance(exc.cause, NpuprepError):
             raise NpuprepError(str(exc.cause)) from None
@@ -225,7 +247,103 @@ def _gather(ray: ModuleType, refs: list[Any], counter: Any, total: int, show: bo
     except RayError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         tries = f"{retries + 1} tries" if retries else "1 try"
-        raise NpuprepError(f"Ray: a shard failed after {tries} ({type(exc).__name__}: {first})") from None
+        raise NpuprepError(f"Ray: {what} failed after {tries} ({type(exc).__name__}: {first})") from None
+
+
+class SessionsOnRay:
+    """Runs of models on Ray actors, one per `cpus_per_actor` CPUs of the cluster, started
+    once: called with a model and its samples (as npuprep.verify.qdq_trials.RunsFactory), it
+    puts both into Ray's object store once and each actor builds a session of the model (as
+    this process would: npuprep.runtime.session.make_session); each batch of jobs (sample
+    index, extra feeds) is dealt to the actors and the outputs come back in the jobs' order.
+    An actor whose worker dies is restarted up to `retries` times and its call run again."""
+
+    def __init__(self, ray: ModuleType, *, cpus_per_actor: int = 1, retries: int = 3) -> None:
+        if cpus_per_actor < 1:
+            raise NpuprepError(f"Ray: CPUs per task must be at least 1, got {cpus_per_actor}")
+        cpus = int(ray.cluster_resources().get("CPU", 0))
+        if cpus_per_actor > cpus:
+            # Ray would wait for such an actor for ever.
+            raise NpuprepError(f"--ray-cpus {cpus_per_actor}: the Ray cluster has {cpus} CPUs; "
+                               f"give at most {cpus}")
+        self.ray, self.retries, self.cpus = ray, retries, cpus_per_actor
+        actor = ray.remote(num_cpus=cpus_per_actor, max_restarts=retries,
+                           max_task_retries=retries)(_Sessions)
+        self.actors = [actor.remote(cpus_per_actor) for _ in range(max(1, cpus // cpus_per_actor))]
+        self.models = 0
+
+    def __call__(self, model: Any, samples: Iterable[Feed]) -> _RunsOnRay:
+        if model.ByteSize() >= 2**31:
+            raise NpuprepError("--ray: the 8-bit trial model is over protobuf's 2 GB and cannot be "
+                               "sent to the Ray workers; run without --ray")
+        self.models += 1
+        # In a list, the references reach the actors unresolved: an actor restarted after its
+        # worker died reads the model again from them.
+        refs = [self.ray.put(model.SerializeToString()), self.ray.put([dict(f) for f in samples])]
+        runs = _RunsOnRay(self, self.models, refs)
+        with _task_errors("loading a trial model", self.retries):
+            self.ray.get([a.load.remote(self.models, refs) for a in self.actors])
+        return runs
+
+    def close(self) -> None:
+        """The actors ended (their sessions freed)."""
+        for a in self.actors:
+            self.ray.kill(a)
+        self.actors = []
+
+
+class _RunsOnRay:
+    """One model's runs on the actors of a SessionsOnRay (npuprep.verify.qdq_trials.TrialRuns)."""
+
+    def __init__(self, pool: SessionsOnRay, key: int, refs: list[Any]) -> None:
+        self.pool, self.key, self.refs = pool, key, refs
+
+    def run(self, jobs: Sequence[tuple[int, Mapping[str, Any]]]) -> list[dict[str, Any]]:
+        """Each job's outputs: the jobs dealt to the actors in turn, one call per actor."""
+        actors = self.pool.actors
+        n = len(actors)
+        shares = [list(jobs[k::n]) for k in range(n)]
+        with _task_errors("a trial run", self.pool.retries):
+            done = self.pool.ray.get([a.run.remote(self.key, self.refs, share)
+                                      for a, share in zip(actors, shares, strict=True) if share])
+        out: list[dict[str, Any]] = [{} for _ in jobs]
+        for k, results in enumerate(done):
+            out[k::n] = results
+        return out
+
+    def close(self) -> None:
+        """The actors' sessions of this model freed."""
+        self.pool.ray.get([a.drop.remote(self.key) for a in self.pool.actors])
+
+
+class _Sessions:
+    """A Ray actor: sessions of serialised models and their samples, run on request."""
+
+    def __init__(self, cpus: int) -> None:
+        self.cpus = cpus
+        self.open: dict[int, tuple[Any, list[Feed], list[str]]] = {}
+
+    def load(self, key: int, refs: list[Any]) -> None:
+        import onnx
+        import ray
+
+        from npuprep.runtime.session import make_session
+
+        model, samples = ray.get(refs)
+        session = make_session(onnx.load_from_string(model), threads=self.cpus, prepack=True)
+        self.open[key] = (session, samples, [o.name for o in session.get_outputs()])
+
+    def run(self, key: int, refs: list[Any],
+            jobs: list[tuple[int, Mapping[str, Any]]]) -> list[dict[str, Any]]:
+        from npuprep.runtime.session import run
+
+        if key not in self.open:
+            self.load(key, refs)
+        session, samples, names = self.open[key]
+        return [run(session, {**samples[i], **extra}, names) for i, extra in jobs]
+
+    def drop(self, key: int) -> None:
+        self.open.pop(key, None)
 
 
 def _absolute(shard: SampleSet) -> SampleSet:

@@ -97,6 +97,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # `--report` names an input (crosscheck's compiler report); the old output spelling still works.
     p.add_argument("--report", dest="report", help=argparse.SUPPRESS)
     p.add_argument("--html", help="also write a self-contained HTML report here")
+    p.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                   help="run the 8-bit search's trials (rules, ranking, widening checks) as Ray "
+                        "actors (pip install 'npuprep[ray]'): on a local Ray without ADDRESS, else "
+                        "on the cluster at ADDRESS ('auto', 'ray://host:10001')")
+    p.add_argument("--ray-cpus", type=positive_int, default=1, metavar="N",
+                   help="CPUs per Ray actor with --ray (default 1)")
     p.add_argument("--export", metavar="LIST",
                    help="constraint files to write: trt, horizon, rknn, yaml (comma-separated) or none "
                         "(default: the target compiler's own)")
@@ -192,7 +198,7 @@ def _convert(args: argparse.Namespace, model: Model, profile: TargetProfile,
             opset=args.opset, top_k=parse_top_k(args.top_k), metric=args.metric,
             verify_with=args.verify_with,
             vendor_python=args.vendor_python, jobs=args.jobs, streams=args.streams,
-            show_progress=not args.json, progress=stage)
+            show_progress=not args.json, progress=stage, ray=args.ray, ray_cpus=args.ray_cpus)
     report = stage_conversion(result, paths, files, resources=watch.to_dict())
     return report, result.passed
 

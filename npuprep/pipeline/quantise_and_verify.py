@@ -31,7 +31,7 @@ from npuprep.flops import node_flops
 from npuprep.formatting import ratio
 from npuprep.graph import node_label, weight_bytes
 from npuprep.model_io import Model, WeightScratch
-from npuprep.numerics import EightBitFormat, eight_bit_format
+from npuprep.numerics import EightBitFormat, NumberFormat, eight_bit_format
 from npuprep.ops import QUANTISED_MAC_OPS
 from npuprep.pipeline.result import ConversionResult, EightBitResult, SampleUse
 from npuprep.plan.decide import Planned
@@ -59,6 +59,7 @@ from npuprep.verify.qdq_trials import (
     RunsFactory,
     Trials,
     Variant,
+    alone_from_rule_trials,
     choose_rules,
     rank_layers,
     reference_outputs,
@@ -127,42 +128,31 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
           f"{len(_assigned(layers))} layer(s)")
     stage("measuring the 8-bit layers' input means (bias correction)")
     means = _input_means(base, list(_assigned(layers)), samples)
-    switched = switched_qdq(base, list(_assigned(layers)), stats, variants,
-                            tensor_scales=applied.tensor_scales, weights=weights, means=means)
-    kept_wider = pinned | {x.node for x in layers if x.precision == "fp32"}
-    expected = reference_outputs(work.proto, samples)
-    # The checks of the widening steps run on the board's numbers (FP16 around the 8-bit
-    # layers); the choices that only order candidates (rules, bias correction, the ranking)
-    # run on the QDQ model in FP32 around its pairs: the same order at a fraction of the cost
-    # of rounding every tensor. A model whose weights stay in a scratch file keeps one session.
-    search = Trials(work.proto, switched, wide, kept_wider, samples, saturate=saturate,
-                    emulated=weights.scratch is not None, expected=expected, runs=runner)
-    checks: list[Trials] = [search] if weights.scratch is not None else []
-
-    def trials() -> Trials:
-        """The emulated session, built at the first widening check."""
-        if not checks:
-            checks.append(Trials(work.proto, switched, wide, kept_wider, samples,
-                                 saturate=saturate, expected=expected, runs=runner))
-            checks[0].corrected = search.corrected
-        return checks[0]
-
+    sessions = _TrialSessions(
+        work.proto, base, layers, stats, variants, wide, samples, saturate=saturate,
+        kept_wider=pinned | {x.node for x in layers if x.precision == "fp32"},
+        tensor_scales=applied.tensor_scales, weights=weights, means=means, runner=runner)
+    search = sessions.search()
     tensor_rules: dict[str, ScaleRule] = {}
-    if switched.bias_switches:
+    if search.switched.bias_switches:
         # Each correction removes its layer's mean output error on these samples; the set is
         # kept where the outputs say it helps with every layer in 8 bits.
         stage("measuring bias correction")
         before = search.error(_assigned(layers), tensor_rules)
-        search.corrected = {layer for layer, _ in switched.bias_switches}
+        search.corrected = {layer for layer, _ in search.switched.bias_switches}
         after = search.error(_assigned(layers), tensor_rules)
         if after >= before:
             search.corrected = set()
-        notes.append(f"bias correction of {len(switched.bias_switches)} layer(s)' 8-bit weight "
-                     f"rounding: outputs' rel L2 {before:.3g} -> {after:.3g} with all in 8 bits, "
-                     + ("kept" if search.corrected else "not kept"))
+        sessions.corrected = search.corrected
+        notes.append(f"bias correction of {len(search.switched.bias_switches)} layer(s)' 8-bit "
+                     f"weight rounding: outputs' rel L2 {before:.3g} -> {after:.3g} with all in "
+                     "8 bits, " + ("kept" if search.corrected else "not kept"))
+    known: dict[str, float] = {}
     if not eight.is_float:
         stage("choosing each activation's scale rule by its measured error")
         tensor_rules = choose_rules(search, base, eight_bit, stats, eight, main.rules)
+        known = alone_from_rule_trials(search, base, eight_bit, eight, tensor_rules)
+    sessions.rules = tensor_rules
 
     def pins(chosen: Sequence[LayerPrecision]) -> set[str]:
         return pinned | {x.node for x in chosen if x.precision == "fp32"}
@@ -171,13 +161,12 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         return all(output_passes(o, JUDGE_MARGIN * rtol) for o in check.outputs.values())
 
     def trial(chosen: Sequence[LayerPrecision]) -> OutputCheck:
-        return trials().check(_assigned(chosen), tensor_rules, rtol=rtol, top_k=top_k)
+        return sessions.checks().check(_assigned(chosen), tensor_rules, rtol=rtol, top_k=top_k)
 
     def rank(nodes: list[str], chosen: list[LayerPrecision]) -> list[Sensitivity]:
         stage(f"ranking {len(nodes)} 8-bit layer(s) by their own error")
-        ranked = rank_layers(search, nodes, _assigned(chosen), tensor_rules)
-        if search not in checks:
-            search.close()
+        ranked = rank_layers(sessions.ranking(), nodes, _assigned(chosen), tensor_rules,
+                             known=known)
         stage(f"trying the heads of the ranking ({len(nodes)} layer(s))")
         return ranked
 
@@ -186,9 +175,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                                 judged=judged, share=lambda c: eight_bit_share(c, macs),
                                 cost=lambda n: _cost([n], macs), min_share=min_8bit_share,
                                 alternative=other.name if mixed and other else None)
-    trial_runs = search.runs + sum(t.runs for t in checks if t is not search)
-    for t in (search, *checks):
-        t.close()
+    trial_runs, corrected, biases = sessions.runs, sessions.corrected, sessions.biases()
+    sessions.close()
     layers, widened, needs_more = widening.layers, widening.widened, ""
     ranking = (widening.rankings or [[]])[0]
     stage(f"building the {eight.name} model chosen")
@@ -201,12 +189,12 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                              tensor_rules=tensor_rules if v is main else None,
                              weights=weights).model
     chosen = _assigned(layers)
-    built = with_biases(built, [fixed for (layer, fmt), fixed in switched.biases.items()
-                                if chosen.get(layer) == fmt and layer in search.corrected])
+    built = with_biases(built, [fixed for (layer, fmt), fixed in biases.items()
+                                if chosen.get(layer) == fmt and layer in corrected])
     # The reference's outputs on these samples are the trials' (run once).
     check = check_output_sets(work.proto, built, wide, [samples], saturate=saturate, rtol=rtol,
                               emulated=on_target(built, wide, pins(layers), saturate=saturate),
-                              top_k=top_k, expected=expected)[0]
+                              top_k=top_k, expected=sessions.expected)[0]
     notes.append(_curve_note(widening.curve, trial_runs))
     if widening.alternative and other is not None:
         notes.append(f"{len(widening.alternative)} layer(s) {eight.name} could not hold run in "
@@ -258,6 +246,83 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
             tensor_rules=dict(tensor_rules), balanced=dict(balanced),
             input_shapes={k: tuple(v) for k, v in sample_shapes(samples).items()}),
     )
+
+
+class _TrialSessions:
+    """The search's trial sessions, each built when first asked for: `search` (the rule
+    choice and bias correction: every rule of each format, FP32 around the pairs), `ranking`
+    (the rules chosen only, FP32 around the pairs) and `checks` (the widening steps: every
+    format of the target, the rules chosen, FP16 around them as the board computes). Every
+    pair in a switched model is computed in every run, switched on or not, so each phase
+    holds only the pairs it switches; rounding every tensor costs as much again, and orders
+    the candidates no differently. A model whose weights stay in a scratch file keeps one
+    session for all (every rule, emulated): its weights once in memory."""
+
+    def __init__(self, reference: onnx.ModelProto, base: onnx.ModelProto,
+                 layers: Sequence[LayerPrecision], stats: CalibrationStats,
+                 variants: Sequence[Variant], wide: NumberFormat, samples: Sequence[Feed], *,
+                 saturate: bool, kept_wider: set[str], tensor_scales: Mapping[str, float],
+                 weights: WeightStore, means: Mapping[str, Any],
+                 runner: RunsFactory | None) -> None:
+        self.reference, self.base, self.stats, self.variants = reference, base, stats, variants
+        self.assigned = _assigned(layers)
+        self.wide, self.samples, self.saturate, self.kept_wider = wide, samples, saturate, kept_wider
+        self.tensor_scales, self.weights, self.means, self.runner = (tensor_scales, weights,
+                                                                     means, runner)
+        self.expected = reference_outputs(reference, samples)
+        self.corrected: set[str] = set()
+        self.rules: dict[str, ScaleRule] = {}
+        self.one = weights.scratch is not None
+        self.open: dict[str, Trials] = {}
+        self.runs = 0
+
+    def _trials(self, phase: str, variants: Sequence[Variant], *, chosen: bool,
+                emulated: bool) -> Trials:
+        if self.one:
+            phase, variants, chosen, emulated = "one", self.variants, False, True
+        if phase not in self.open:
+            switched = switched_qdq(self.base, list(self.assigned), self.stats, variants,
+                                    tensor_scales=self.tensor_scales, weights=self.weights,
+                                    means=self.means, rules=self.rules if chosen else None)
+            trials = Trials(self.reference, switched, self.wide, self.kept_wider, self.samples,
+                            saturate=self.saturate, emulated=emulated or self.one,
+                            expected=self.expected, runs=self.runner)
+            trials.corrected = self.corrected
+            self.open[phase] = trials
+        return self.open[phase]
+
+    def _present(self) -> list[Variant]:
+        """The formats some layer starts in: what the search phases switch."""
+        formats = set(self.assigned.values())
+        return [v for v in self.variants if v.fmt.name in formats]
+
+    def search(self) -> Trials:
+        return self._trials("search", self._present(), chosen=False, emulated=False)
+
+    def ranking(self) -> Trials:
+        self._close("search")
+        return self._trials("ranking", self._present(), chosen=True, emulated=False)
+
+    def checks(self) -> Trials:
+        self._close("search")
+        return self._trials("checks", self.variants, chosen=True, emulated=True)
+
+    def biases(self) -> dict[tuple[str, str], Any]:
+        """Each (layer, format)'s corrected bias, as the artefact writes it."""
+        last = self.open.get("checks") or self.open.get("one")
+        return last.switched.biases if last is not None else {}
+
+    def _close(self, phase: str) -> None:
+        if phase in self.open:
+            trials = self.open.pop(phase)
+            self.runs += trials.runs
+            trials.close()
+
+    def close(self) -> None:
+        for phase in list(self.open):
+            self.runs += self.open[phase].runs
+            self.open[phase].close()
+        self.open.clear()
 
 
 def _macs(model: Any, samples: Sequence[Feed]) -> dict[str, int]:

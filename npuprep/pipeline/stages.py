@@ -24,7 +24,8 @@ as onnxscript's PassManager passes a model through its passes); `convert` runs t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -47,6 +48,7 @@ from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 from npuprep.verify.compare import DEFAULT_ATOL, default_rtol
 from npuprep.verify.fp32_share import DEFAULT_MAX_FP32_SHARE
 from npuprep.verify.output_check import GOAL_SAMPLES, Metric, judged_outputs
+from npuprep.verify.qdq_trials import RunsFactory
 from npuprep.verify.vendor import VendorCheck
 
 DEFAULT_RTOL = 1e-2
@@ -79,6 +81,8 @@ class Settings:
     jobs: int = 1
     streams: int = 0
     show_progress: bool = False
+    ray: str | None = None  # the 8-bit search's trials on Ray: "" a local Ray, else its address
+    ray_cpus: int = 1
 
     @property
     def eight_bit(self) -> bool:
@@ -216,11 +220,15 @@ def build(run: Run) -> Run:
     if eight is not None and planned.stats is None:
         raise NpuprepError(f"--precision {s.precision} sets its scales from calibration: give "
                            "--data or --stats")
+    if s.ray is not None and eight is None:
+        raise NpuprepError("--ray runs the 8-bit search's trials on Ray: it applies to "
+                           "--precision int8 or fp8_e4m3")
     if eight is not None:
-        result = quantise_and_verify(run.model, planned, target, eight, samples, held,
-                                     use=run.use, rtol=rtol, scale_rule=s.scale_rule,
-                                     min_8bit_share=s.min_8bit_share, opset=s.opset,
-                                     top_k=s.top_k, stage=run.progress)
+        with _trial_runs(s) as runner:
+            result = quantise_and_verify(run.model, planned, target, eight, samples, held,
+                                         use=run.use, rtol=rtol, scale_rule=s.scale_rule,
+                                         min_8bit_share=s.min_8bit_share, opset=s.opset,
+                                         top_k=s.top_k, stage=run.progress, runner=runner)
     else:
         result = lower_and_verify(run.model, planned, target, samples, held, use=run.use,
                                   io_types=s.io_types, rtol=rtol, max_rounds=s.max_rounds,
@@ -228,6 +236,23 @@ def build(run: Run) -> Run:
                                   top_k=s.top_k, stage=run.progress)
     return replace(run, result=replace(result, notes=(*run.notes, *result.notes),
                                        judged_by=dict(run.judged_by)))
+
+
+@contextlib.contextmanager
+def _trial_runs(s: Settings) -> Iterator[RunsFactory | None]:
+    """Where the 8-bit search's trial runs run: this process, or (`--ray`) Ray actors for the
+    time of the search (npuprep.calibrate.on_ray)."""
+    if s.ray is None:
+        yield None
+        return
+    from npuprep.calibrate.on_ray import SessionsOnRay, joined
+
+    with joined(s.ray or None) as ray:
+        sessions = SessionsOnRay(ray, cpus_per_actor=s.ray_cpus)
+        try:
+            yield sessions
+        finally:
+            sessions.close()
 
 
 def vendor_check(run: Run) -> Run:
@@ -387,6 +412,8 @@ def convert(
     streams: int = 0,
     show_progress: bool = False,
     progress: Callable[[str], None] | None = None,
+    ray: str | None = None,
+    ray_cpus: int = 1,
 ) -> ConversionResult:
     """Plan (unless `plan` is given), rewrite, lower or quantise, and verify `model` for
     `profile` in `precision` (None: the profile's default; fp16, bf16, int8, fp8_e4m3).
@@ -403,13 +430,15 @@ def convert(
     `max_fp32_share` of the FLOPs stay FP32 (FP16/BF16), or when less than `min_8bit_share`
     of the multiply-adds run in 8 bits. `verify_with` ("rknn") also builds it with the vendor
     toolchain. The lowered model keeps the model's opset unless `opset` asks for another.
-    `progress` is told each stage as it starts (the CLI's spinner)."""
+    `progress` is told each stage as it starts (the CLI's spinner). `ray` ("" a local Ray, or
+    a cluster's address) runs the 8-bit search's trials as Ray actors of `ray_cpus` CPUs each
+    (the result is the same as in one process)."""
     settings = Settings(
         precision=profile.precision_of(precision), io_types=io_types, rtol=rtol,
         max_rounds=max_rounds, max_fp32_share=max_fp32_share, min_8bit_share=min_8bit_share,
         scale_rule=scale_rule, opset=opset, top_k={}, metric=Metric(metric),
         verify_with=verify_with, vendor_python=vendor_python, jobs=jobs, streams=streams,
-        show_progress=show_progress)
+        show_progress=show_progress, ray=ray, ray_cpus=ray_cpus)
     run = _start(model, profile, samples, settings, progress, holdout=holdout, stats=stats,
                  plan=plan, described=(samples_description, synthetic))
     run = replace(run, settings=replace(settings, top_k=_checked_top_k(run.model, top_k)))
