@@ -27,6 +27,8 @@ from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
+import onnx
+
 from npuprep.calibrate.merge import merge_stats
 from npuprep.calibrate.run import calibrate_here
 from npuprep.calibrate.stats import CalibrationStats, stats_from_dict
@@ -272,7 +274,7 @@ class SessionsOnRay:
         self.actors = [actor.remote(cpus_per_actor) for _ in range(max(1, cpus // cpus_per_actor))]
         self.models = 0
 
-    def __call__(self, model: Any, samples: Iterable[Feed]) -> _RunsOnRay:
+    def __call__(self, model: onnx.ModelProto, samples: Iterable[Feed]) -> _RunsOnRay:
         if model.ByteSize() >= 2**31:
             raise NpuprepError("--ray: the 8-bit trial model is over protobuf's 2 GB and cannot be "
                                "sent to the Ray workers; run without --ray")
@@ -324,7 +326,6 @@ class _Sessions:
         self.open: dict[int, tuple[Any, list[Feed], list[str]]] = {}
 
     def load(self, key: int, refs: list[Any]) -> None:
-        import onnx
         import ray
 
         from npuprep.runtime.session import make_session
