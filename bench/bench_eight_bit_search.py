@@ -2,7 +2,8 @@
 
     python bench/bench_eight_bit_search.py MODEL_DIR [MODEL_DIR ...] --precision int8
 
-Each MODEL_DIR holds model.onnx, calib/ and heldout/ (the corpus layout). Prints, per model,
+Each MODEL_DIR holds model.onnx, calib/ and heldout/ (the corpus layout), or is an extra2
+model's folder (DIR/NAME/calib/, DIR/NAME/holdout/ beside DIR/NAME.onnx). Prints, per model,
 the wall and CPU seconds of each stage (as convert reports them to its progress callback), the 8-bit share
 of the multiply-adds, the outputs' rel L2 on the calibration and held-out samples, the layers
 kept wider, the trial runs and the share/error curve the search tried.
@@ -27,9 +28,12 @@ def _worst(check: object) -> float:
 
 
 def bench(folder: Path, precision: str, target: str) -> dict[str, object]:
-    model = load_model(folder / "model.onnx")
+    extra2 = folder.with_suffix(".onnx")
+    path, held_out = ((folder / "model.onnx", "heldout") if (folder / "model.onnx").exists()
+                      else (extra2, "holdout"))
+    model = load_model(path)
     calib = load_samples(folder / "calib", model.proto)
-    held = load_samples(folder / "heldout", model.proto)
+    held = load_samples(folder / held_out, model.proto)
     # (stage, wall seconds, CPU seconds of every thread): the CPU time holds on a shared machine.
     stages: list[tuple[str, float, float]] = []
     start = last = time.perf_counter()

@@ -59,7 +59,6 @@ from npuprep.verify.qdq_trials import (
     RunsFactory,
     Trials,
     Variant,
-    alone_from_rule_trials,
     choose_rules,
     rank_layers,
     reference_outputs,
@@ -134,6 +133,9 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         tensor_scales=applied.tensor_scales, weights=weights, means=means, runner=runner)
     search = sessions.search()
     tensor_rules: dict[str, ScaleRule] = {}
+    if not eight.is_float:
+        stage("choosing each activation's scale rule by its measured error")
+        tensor_rules = choose_rules(search, base, eight_bit, stats, eight, main.rules)
     if search.switched.bias_switches:
         # Each correction removes its layer's mean output error on these samples; the set is
         # kept where the outputs say it helps with every layer in 8 bits.
@@ -147,11 +149,6 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         notes.append(f"bias correction of {len(search.switched.bias_switches)} layer(s)' 8-bit "
                      f"weight rounding: outputs' rel L2 {before:.3g} -> {after:.3g} with all in "
                      "8 bits, " + ("kept" if search.corrected else "not kept"))
-    known: dict[str, float] = {}
-    if not eight.is_float:
-        stage("choosing each activation's scale rule by its measured error")
-        tensor_rules = choose_rules(search, base, eight_bit, stats, eight, main.rules)
-        known = alone_from_rule_trials(search, base, eight_bit, eight, tensor_rules)
     sessions.rules = tensor_rules
 
     def pins(chosen: Sequence[LayerPrecision]) -> set[str]:
@@ -165,8 +162,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
 
     def rank(nodes: list[str], chosen: list[LayerPrecision]) -> list[Sensitivity]:
         stage(f"ranking {len(nodes)} 8-bit layer(s) by their own error")
-        ranked = rank_layers(sessions.ranking(), nodes, _assigned(chosen), tensor_rules,
-                             known=known)
+        ranked = rank_layers(sessions.ranking(), nodes, _assigned(chosen), tensor_rules)
         stage(f"trying the heads of the ranking ({len(nodes)} layer(s))")
         return ranked
 
@@ -250,13 +246,13 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
 
 class _TrialSessions:
     """The search's trial sessions, each built when first asked for: `search` (the rule
-    choice and bias correction: every rule of each format, FP32 around the pairs), `ranking`
-    (the rules chosen only, FP32 around the pairs) and `checks` (the widening steps: every
-    format of the target, the rules chosen, FP16 around them as the board computes). Every
-    pair in a switched model is computed in every run, switched on or not, so each phase
-    holds only the pairs it switches; rounding every tensor costs as much again, and orders
-    the candidates no differently. A model whose weights stay in a scratch file keeps one
-    session for all (every rule, emulated): its weights once in memory."""
+    choice and bias correction: every rule of the formats the layers start in, FP32 around
+    the pairs, which orders the rules as the FP16 around them does), `ranking` (those formats,
+    the rules chosen only) and `checks` (the widening steps: every format of the target, the
+    rules chosen); these two with FP16 around the pairs as the board computes. Every pair in
+    a switched model is computed in every run, switched on or not, so each phase holds only
+    the pairs it switches. A model whose weights stay in a scratch file keeps one session for
+    all (every rule, emulated): its weights once in memory."""
 
     def __init__(self, reference: onnx.ModelProto, base: onnx.ModelProto,
                  layers: Sequence[LayerPrecision], stats: CalibrationStats,
@@ -301,7 +297,7 @@ class _TrialSessions:
 
     def ranking(self) -> Trials:
         self._close("search")
-        return self._trials("ranking", self._present(), chosen=True, emulated=False)
+        return self._trials("ranking", self._present(), chosen=True, emulated=True)
 
     def checks(self) -> Trials:
         self._close("search")

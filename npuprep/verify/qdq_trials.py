@@ -344,44 +344,21 @@ class Trials:
 
 
 def rank_layers(trials: Trials, nodes: Sequence[str], assign: Mapping[str, str],
-                rules: Mapping[str, ScaleRule],
-                known: Mapping[str, float] | None = None) -> list[Sensitivity]:
+                rules: Mapping[str, ScaleRule]) -> list[Sensitivity]:
     """Each of `nodes` kept wider alone, every other layer of `assign` (layer -> 8-bit
     format) in 8 bits: what that gains over all of them in 8 bits; and each alone in 8 bits:
     its own error, which does not depend on the others (2 len(nodes) + 1 runs). Where the
     error is spread over many layers, the gains are differences of nearly equal numbers and
-    the errors alone are the clearer signal; the gains show the layers that cancel. `known`:
-    errors alone already measured (alone_from_rule_trials), not run again."""
-    known = known or {}
+    the errors alone are the clearer signal; the gains show the layers that cancel. The runs
+    go as one batch (on Ray, spread over its actors)."""
     asked: list[tuple[Mapping[str, str], Mapping[str, ScaleRule]]] = [(assign, rules)]
-    asked += [({n: f for n, f in assign.items() if n != label}, rules) for label in nodes]
-    todo = [label for label in nodes if label not in known]
-    asked += [({label: assign[label]}, rules) for label in todo]
-    every, *measured = trials.errors(asked)
-    alone = {**known, **dict(zip(todo, measured[len(nodes):], strict=True))}
-    found = [Sensitivity(label, without, every - without, alone[label])
-             for label, without in zip(nodes, measured[:len(nodes)], strict=False)]
+    for label in nodes:
+        asked += [({n: f for n, f in assign.items() if n != label}, rules),
+                  ({label: assign[label]}, rules)]
+    every, *pairs = trials.errors(asked)
+    found = [Sensitivity(label, without, every - without, alone)
+             for label, without, alone in zip(nodes, pairs[::2], pairs[1::2], strict=True)]
     return sorted(found, key=lambda s: -s.gain)
-
-
-def alone_from_rule_trials(trials: Trials, model: onnx.ModelProto, nodes: Sequence[str],
-                           fmt: EightBitFormat, rules: Mapping[str, ScaleRule]) -> dict[str, float]:
-    """Each of `nodes` whose one activation only it reads, and whose rule was chosen by
-    measurement (choose_rules on `trials`): its error alone in `fmt`, which that rule trial
-    measured (its readers alone in 8 bits are this layer alone; the trial is not run again)."""
-    wanted = set(nodes)
-    readers: dict[str, list[str]] = {}
-    inputs: dict[str, list[str]] = {}
-    for node in model.graph.node:
-        if node_label(node) in wanted:
-            inputs[node_label(node)] = names = list(dict.fromkeys(activation_inputs(model.graph, node)))
-            for name in names:
-                readers.setdefault(name, []).append(node_label(node))
-    single = {label: names[0] for label, names in inputs.items()
-              if len(names) == 1 and names[0] in rules and readers[names[0]] == [label]}
-    errors = trials.errors([({label: fmt.name}, {name: rules[name]})
-                            for label, name in single.items()])
-    return dict(zip(single, errors, strict=True))
 
 
 def choose_rules(trials: Trials, model: onnx.ModelProto, nodes: Sequence[str],
