@@ -7,8 +7,11 @@ With a layer's switches off it reads its FP32 inputs (rounded to the target's wi
 where they enter it, as every node outside the pins is); with them on, it reads exactly what
 the QDQ model of npuprep.verify.qdq_model.quantise gives it. Any set of 8-bit layers, with
 any scale rule per activation and, on a target with both, INT8 or FP8 per layer, is then one
-run of one session, not a model built and loaded per trial: the rule trials, the sensitivity
-ranking and every widening step share it.
+run of one session, not a model built and loaded per trial. Every pair is computed in every
+run, switched on or not, so the search builds one such session per phase holding only the
+pairs it switches (npuprep.pipeline.quantise_and_verify). A batch of trials (a ranking's, a
+rule choice's) is handed to the session's runner at once: this process (LocalRuns), or Ray
+actors (npuprep.calibrate.on_ray.SessionsOnRay) that run the same jobs to the same outputs.
 """
 
 from __future__ import annotations
