@@ -353,7 +353,7 @@ def _curve_note(curve: Sequence[CurvePoint], runs: int) -> str:
     points = ", ".join(f"{p.share:.0%}{'*' if p is chosen else ''} -> {p.rel_l2:.3g}"
                        for p in curve)
     return (f"8-bit share -> outputs' rel L2 on the calibration samples, as tried ({runs} "
-            f"trial runs on one session; * chosen): {points}")
+            f"trial runs, a session per phase; * chosen): {points}")
 
 
 def _variant(profile: TargetProfile, fmt: EightBitFormat,
