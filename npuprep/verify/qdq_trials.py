@@ -264,28 +264,24 @@ def reference_outputs(reference: onnx.ModelProto, samples: Sequence[Feed]) -> li
 
 
 class Trials:
-    """One session of a SwitchedQdq, the reference's outputs run once: a trial is a set of
-    8-bit layers and the activations' rules, measured by one run per sample. `emulated`: the
-    tensors outside the switches and `pinned` rounded to the target's `wide` format, as the
-    board computes (the check of a widening step); without it the trial model is the QDQ
-    model in FP32 around the Q/DQ pairs, which orders the 8-bit choices (rules, ranking) at
-    a fraction of the cost. Trials whose switches are the same run once (their error is
-    kept)."""
+    """One session of a SwitchedQdq on the target (the tensors outside the switches and
+    `pinned` rounded to `wide`, as the board computes), the reference's outputs run once
+    (or given: `expected`): a trial is a set of 8-bit layers and the activations' rules,
+    measured by one run per sample, where `runs` runs them (default: this process). Trials
+    whose switches are the same run once (their error is kept)."""
 
     def __init__(self, reference: onnx.ModelProto, switched: SwitchedQdq, wide: NumberFormat,
                  pinned: Iterable[str], samples: Sequence[Feed], *, saturate: bool,
-                 emulated: bool = True, expected: list[dict[str, np.ndarray]] | None = None,
+                 expected: list[dict[str, np.ndarray]] | None = None,
                  runs: RunsFactory | None = None) -> None:
         self.switched, self.samples = switched, list(samples)
         # Layers whose corrected bias the trials use (where they run in 8 bits).
         self.corrected: set[str] = set()
         self.expected = expected if expected is not None else reference_outputs(reference, samples)
-        model = switched.model
-        if emulated:
-            every = set(switched.weight_switches.values()) | set(switched.input_switches.values())
-            exact = {node_label(n) for n in switched.model.graph.node
-                     if n.op_type == "Where" and n.input[0] in every}
-            model = on_target(switched.model, wide, exact | set(pinned), saturate=saturate)
+        every = set(switched.weight_switches.values()) | set(switched.input_switches.values())
+        exact = {node_label(n) for n in switched.model.graph.node
+                 if n.op_type == "Where" and n.input[0] in every}
+        model = on_target(switched.model, wide, exact | set(pinned), saturate=saturate)
         self.runner: TrialRuns | None = (runs or LocalRuns)(model, self.samples)
         self.runs = 0
         self._errors: dict[bytes, float] = {}
