@@ -99,15 +99,16 @@ def _readme(manifest: Mapping[str, Any]) -> str:
     trt = []
     for m in manifest["models"]:
         flags = "".join(f" {shlex.quote(a)}" for a in m["trtexec_flags"])
-        trt.append(f"trtexec --onnx={m['model']}{flags} --shapes={shapes} --warmUp=0 "
+        trt.append(f"trtexec --onnx={m['model']}{flags} --shapes={shapes} --warmUp=500 "
                    f"--duration=0 --iterations={manifest['runs'] + manifest['warmup']} --avgRuns=1 "
                    f"--percentile=50,90 --useSpinWait --exportTimes={m['name']}_times.json")
     return "\n".join([
         f"# Timing kit for {manifest['model']} on {manifest['target']}",
         "",
         "Times the FP32 and converted models the way the ledger's estimate must be checked:",
-        f"{manifest['warmup']} warm-up runs, then the median and p90 of {manifest['runs']}, each model",
-        "in its own process, peak memory by the runtime's own counter, the device state noted.",
+        f"at least {manifest['warmup']} warm-up runs and until the clock has ramped up (two batch",
+        f"medians agree), then the median and p90 of {manifest['runs']}, each model in its own",
+        "process, peak memory by the runtime's own counter, the device state and clocks noted.",
         "Let the board settle first (no other load, fixed clocks where the board allows).",
         "",
         "## onnxruntime (any execution provider)",
@@ -133,9 +134,8 @@ def _readme(manifest: Mapping[str, Any]) -> str:
         "",
         "## Jetson Orin (TensorRT)",
         "",
-        f"Each line runs {manifest['warmup'] + manifest['runs']} timed iterations; `--from-trtexec` "
-        f"drops the first {manifest['warmup']}",
-        "as warm-up. Lock the clocks first (`sudo nvpmodel -m 0 && sudo jetson_clocks`); trtexec's",
+        f"Each line warms the GPU for 500 ms, then runs {manifest['warmup'] + manifest['runs']} "
+        f"timed iterations; `--from-trtexec` drops the first {manifest['warmup']} too. Lock the clocks first (`sudo nvpmodel -m 0 && sudo jetson_clocks`); trtexec's",
         "log gives the engine's device memory.",
         "",
         *(f"    {line}" for line in trt),
