@@ -73,7 +73,10 @@ g (float[{t},256] x) => (float[{t},256] y) {{
 
 
 # Sizes: "cpu" for this machine, "gpu" large enough for a die (kits under 64 MiB in all).
-SIZES = {"cpu": {"m": 256, "n": 1, "t": 128}, "gpu": {"m": 2048, "n": 8, "t": 1024}}
+SIZES = {"cpu": {"m": 256, "n": 1, "t": 128}, "gpu": {"m": 2048, "n": 8, "t": 1024},
+         # every run shorter than a scheduler slice on a shared machine: a run's minimum is then
+         # one nobody else interrupted (the GEMM chain at m=256 takes 25 ms)
+         "cpu-short": {"m": 32, "n": 1, "t": 128}}
 
 
 def _kit_models(folder: Path, size: str) -> dict[str, Path]:

@@ -31,6 +31,7 @@ from npuprep.profiles import Throughput
 # breakers, far below any measured row.
 CLASS_SHRINK = 1e-6
 PRIOR = 1e-8
+SCALE_FLOOR = 1e-3  # a fitted efficiency is at most 1000x the profile's
 METHOD = ("non-negative least squares of the relative error of every measured row; class "
           "costs shrunk towards one per-node cost, every figure towards the profile's, where "
           "the rows do not tell them apart")
@@ -88,7 +89,9 @@ class Fit:
     throughput: Throughput
     points: tuple[FitPoint, ...]
     statistic: str = "median_ms"
-    held: tuple[str, ...] = ()  # formats whose rows' time the launches explain: profile's kept
+    # Formats whose time the rows put at nothing (the launch costs explain it): their
+    # efficiency is the floor's, not a measurement.
+    unbounded: tuple[str, ...] = ()
 
     def fitted_ms(self, point: FitPoint) -> float:
         costs = {c: self.launch_us_by_class.get(c, self.launch_us) for c in point.launches}
@@ -101,7 +104,7 @@ class Fit:
     def to_dict(self) -> dict[str, Any]:
         return {"method": METHOD, "fitted_on": self.statistic, "kits": list(self.kits),
                 "efficiency_scale": {f: 1 / s for f, s in self.scales.items()},
-                "held_at_profile": list(self.held),
+                "efficiency_unbounded": list(self.unbounded),
                 "launch_us": self.launch_us, "launch_us_by_class": dict(self.launch_us_by_class),
                 "run_us": self.run_us, "efficiency": dict(self.throughput.efficiency),
                 "rows": [{"kit": p.kit, "model": p.row, "measured_ms": p.measured_ms,
@@ -175,27 +178,19 @@ def fit_throughput(points: Sequence[FitPoint], throughput: Throughput,
         penalise(PRIOR, {f"L:{c}": 1 / per_node_us}, throughput.launch_of(c) / per_node_us)
     penalise(PRIOR, {"run": 1 / per_run_us}, throughput.run_us / per_run_us)
     a, b = np.vstack([rows, *penalties]), np.concatenate([target, wanted])
-    held: list[str] = []
-    while True:
-        solved = nnls(a, b)
-        # A format whose time the rows put at nothing (all under the launch costs) has no
-        # efficiency to write: it keeps the profile's, and the rest is fitted again.
-        vanished = [f for f in formats if f not in held and solved[col[f"s:{f}"]] <= 1e-9]
-        if not vanished:
-            break
-        for f in vanished:
-            b = b - a[:, col[f"s:{f}"]]
-            a[:, col[f"s:{f}"]] = 0.0
-        held += vanished
-    scales = {f: 1.0 if f in held else float(solved[col[f"s:{f}"]]) for f in formats}
+    # s_f >= SCALE_FLOOR (solved as SCALE_FLOOR + a non-negative part): where the rows put a
+    # format's time at nothing (all of it under the launch costs) the efficiency written is
+    # the largest the floor allows, and the fit says so (`unbounded`).
+    floor = np.array([SCALE_FLOOR if name.startswith("s:") else 0.0 for name in names])
+    solved = nnls(a, b - a @ floor) + floor
+    scales = {f: float(solved[col[f"s:{f}"]]) for f in formats}
+    unbounded = tuple(f for f, v in scales.items() if v <= SCALE_FLOOR * (1 + 1e-6))
     by_class = {c: round(float(solved[col[f"L:{c}"]]), 4) for c in classes}
     launch, run = round(float(solved[col["launch"]]), 4), round(float(solved[col["run"]]), 4)
     efficiency = dict(throughput.efficiency)
     for f, s in scales.items():
-        if f in held:
-            continue
         efficiency[f] = round(throughput.efficiency_of(f) / s, 6)
         efficiency[f"bandwidth_{f}"] = round(throughput.bandwidth_efficiency(f) / s, 6)
     fitted = replace(throughput, efficiency=efficiency, launch_us=launch, run_us=run,
                      launch_us_by_class={**throughput.launch_us_by_class, **by_class})
-    return Fit(scales, launch, by_class, run, fitted, tuple(points), statistic, tuple(held))
+    return Fit(scales, launch, by_class, run, fitted, tuple(points), statistic, unbounded)
