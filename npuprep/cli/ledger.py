@@ -340,6 +340,9 @@ def _print(doc: dict[str, Any]) -> None:
             say("launch per node: " + ", ".join(f"{c} {number(v)} us" for c, v in
                                                 fit["launch_us_by_class"].items())
                 + f"; per run {number(fit['run_us'])} us")
+            for fmt in fit["efficiency_unbounded"]:
+                say(f"{fmt}: the rows put its time under the launch costs; its efficiency is the "
+                    "fit's ceiling (1000x the profile's), not a measurement")
             print_table("Fitted beside measured", ["kit", "row", "measured ms", "before fit ms",
                                                    "fitted ms", "fitted/measured"],
                         [(r["kit"], r["model"], number(r["measured_ms"]), number(r["estimated_ms"]),
