@@ -346,7 +346,7 @@ def _print(doc: dict[str, Any]) -> None:
             print_table("Fitted beside measured", ["kit", "row", "measured ms", "before fit ms",
                                                    "fitted ms", "fitted/measured"],
                         [(r["kit"], r["model"], number(r["measured_ms"]), number(r["estimated_ms"]),
-                          number(r["fitted_ms"]), ratio(r["fitted_vs_measured"]))
+                          number(r["fitted_ms"]), f"{r['fitted_vs_measured']:.2f}")
                          for r in fit["rows"]])
         if doc.get("fitted_profile"):
             say(f"fitted profile written to {doc['fitted_profile']}: pass it back with --target")
