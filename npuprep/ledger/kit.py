@@ -146,6 +146,12 @@ def _readme(manifest: Mapping[str, Any]) -> str:
         "",
         "    npuprep ledger MODEL --target T [CONVERTED.onnx] --measured results.json",
         "",
+        "Kits of other models timed on the same board fit the profile together (efficiency per",
+        "format, launch cost per op class, cost per run); each results.json stays in its kit:",
+        "",
+        "    npuprep ledger MODEL --target T [CONVERTED.onnx] --measured results.json \\",
+        "        --measured ../kit_other/results.json --fitted-profile fitted.yaml",
+        "",
     ])
 
 
