@@ -203,10 +203,67 @@ def kit_fit(folder: Path, args: argparse.Namespace) -> int:
     return 0
 
 
+def kit_sensitivity(folder: Path, args: argparse.Namespace) -> int:
+    """The held-out rows of the three leave-one-out fits (kits timed and fitted by --kit-fit
+    first), with one ingredient of the fit changed at a time. Prints Markdown."""
+    from dataclasses import replace
+
+    from npuprep.ledger.fit import CLASS_SHRINK, fit_points, fit_throughput
+    from npuprep.ledger.kit import read_kit, read_results
+    from npuprep.ledger.ledger import build_ledger
+    from npuprep.profiles import load_profile
+
+    if args.target != "generic":
+        profile = load_profile(str(folder / "eager.yaml"))
+        base = profile.throughput
+    else:
+        profile = load_profile("generic")
+        peaks = {f: float(v) for f, v in (p.split("=") for p in args.cpu_peak.split(","))}
+        base = replace(profile.throughput, peak_tflops=peaks, bandwidth_gbs=float(args.cpu_bandwidth))
+    names = ["gemm_chain", "conv_net", "transformer"]
+    stat = f"{args.fit_on}_ms"
+
+    def points(throughput):  # noqa: ANN001, ANN202 - a bench helper
+        out = {}
+        for name in names:
+            path = folder / f"kit_{name}" / "results.json"
+            results = read_results(path)
+            kit = read_kit(path, results)
+            ledger = build_ledger(kit.models["fp32"], profile.resolve("fp16"), throughput=throughput,
+                                  input_shapes=kit.input_shapes, converted=kit.models["converted"])
+            out[name] = fit_points(name, ledger, results, stat)
+        return out
+
+    charged = replace(base, view_ops=frozenset())
+    variants = [("this fit", base, {}),
+                ("Transpose charged as a copy", charged if base.view_ops else None, {}),
+                ("one launch cost for every class", base, {"class_shrink": 1e6}),
+                ("no per-run cost", base, {"per_run": False}),
+                *((f"class costs pulled together at {w:g} (default {CLASS_SHRINK:g})", base,
+                   {"class_shrink": w}) for w in (1e-3, 1e-2))]
+    print("| fit | " + " | ".join(f"{n} held out" for n in names) + " |")
+    print("|---|---|---|---|")
+    for label, throughput, options in variants:
+        if throughput is None:
+            continue
+        pts = points(throughput)
+        cells = []
+        for held in names:
+            fit = fit_throughput([p for n in names if n != held for p in pts[n]], throughput, stat,
+                                 **options)
+            ratios = {p.row: fit.fitted_ms(p) / p.measured_ms for p in pts[held]} if fit else {}
+            cells.append(" / ".join(f"{ratios[r]:.2f}" if abs(ratios[r] - 1) <= 0.15 else
+                                    f"**{ratios[r]:.2f}**" for r in ("fp32", "converted")))
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kit-fit", type=Path, metavar="DIR", help="time, fit and cross-check the "
                                                                       "three kit models in DIR")
+    parser.add_argument("--kit-sensitivity", type=Path, metavar="DIR",
+                        help="the leave-one-out fits of --kit-fit DIR with one ingredient changed")
     parser.add_argument("--providers", default="CPUExecutionProvider")
     parser.add_argument("--cpu-peak", default="fp32=0.1,fp16=0.1", help="nominal seeds of the fit")
     parser.add_argument("--cpu-bandwidth", default="10")
@@ -224,6 +281,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.kit_fit:
         return kit_fit(args.kit_fit, args)
+    if args.kit_sensitivity:
+        return kit_sensitivity(args.kit_sensitivity, args)
     models = sorted(p.parent for p in CORPUS.glob("*/entry.json"))
     if args.only:
         models = [m for m in models if m.name in args.only]

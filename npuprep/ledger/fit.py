@@ -137,9 +137,11 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x
 
 
-def fit_throughput(points: Sequence[FitPoint], throughput: Throughput,
-                   statistic: str = "median_ms") -> Fit | None:
-    """One fit over every point (module docstring); None where no point has an estimate."""
+def fit_throughput(points: Sequence[FitPoint], throughput: Throughput, statistic: str = "median_ms",
+                   *, class_shrink: float = CLASS_SHRINK, per_run: bool = True) -> Fit | None:
+    """One fit over every point (module docstring); None where no point has an estimate.
+    `class_shrink`: the weight pulling each class cost towards the common one (large: one
+    cost for every class); `per_run`: fit the per-run cost (else the profile's is kept)."""
     if not points:
         return None
     formats = sorted({f for p in points for f in p.roofline_ms})
@@ -153,9 +155,10 @@ def fit_throughput(points: Sequence[FitPoint], throughput: Throughput,
             rows[i, col[f"s:{f}"]] = ms
         for c, n in p.launches.items():
             rows[i, col[f"L:{c}"]] = n / 1e3  # figures in microseconds, times in ms
-        rows[i, col["run"]] = 1 / 1e3
+        rows[i, col["run"]] = 1 / 1e3 if per_run else 0.0
     rows /= measured[:, None]  # relative error: each row's residual over its own time
-    target = np.ones(len(points))
+    # Held at the profile's, the per-run cost is part of every row's time before the fit.
+    target = 1 - (0.0 if per_run else throughput.run_us / 1e3) / measured
     # Penalties in the rows' units: a class cost against a typical node's share of a row, the
     # run cost against a typical row.
     nodes = np.array([max(sum(p.launches.values()), 1) for p in points])
@@ -174,7 +177,7 @@ def fit_throughput(points: Sequence[FitPoint], throughput: Throughput,
         penalise(PRIOR, {f"s:{f}": 1.0}, 1.0)
     penalise(PRIOR, {"launch": 1 / per_node_us}, throughput.launch_us / per_node_us)
     for c in classes:
-        penalise(CLASS_SHRINK, {f"L:{c}": 1 / per_node_us, "launch": -1 / per_node_us}, 0.0)
+        penalise(class_shrink, {f"L:{c}": 1 / per_node_us, "launch": -1 / per_node_us}, 0.0)
         penalise(PRIOR, {f"L:{c}": 1 / per_node_us}, throughput.launch_of(c) / per_node_us)
     penalise(PRIOR, {"run": 1 / per_run_us}, throughput.run_us / per_run_us)
     a, b = np.vstack([rows, *penalties]), np.concatenate([target, wanted])
