@@ -121,7 +121,8 @@ ADDITIVE = LAYOUT_OPS | {"Add", "Sub", "Neg", "Sum", "Concat", "Slice", "Gather"
 
 # Each class carries its own per-node launch (or dispatch) cost in a target profile
 # (`throughput.launch_us_by_class`). `view`: what moves nothing (the views and aliases above,
-# shape arithmetic); it launches nothing unless a profile says so. `layout`: layout ops that
+# Shape and constants); it launches nothing unless a profile says so. (The ledger folds shape
+# arithmetic on integer tensors whatever its class: no float output, no kernel.) `layout`: layout ops that
 # copy (Transpose, block moves), unless the profile names them views (`throughput.view_ops`).
 LAUNCH_CLASS_OPS: dict[str, frozenset[str]] = {
     "view": NON_COMPUTE_OPS,

@@ -7,8 +7,9 @@ the launch cost of its class (`ops.LAUNCH_CLASSES`: a GEMM, an elementwise op, a
 each at the profile's figure), and every run the profile's per-inference cost. Where the
 profile says the compiler fuses, an activation or elementwise op that is its producer's only
 reader runs in that producer's epilogue: it moves only its other operands and launches nothing.
-Views and aliases (Reshape, Squeeze, Identity..., shape arithmetic, and the layout ops the
-profile names views) move nothing and launch nothing unless the profile gives views a cost.
+Views and aliases (Reshape, Squeeze, Identity, Shape..., and the layout ops the profile names
+views) move nothing and launch nothing unless the profile gives views a cost; integer shape
+arithmetic is folded (formats.py).
 """
 
 from __future__ import annotations
