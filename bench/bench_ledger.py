@@ -124,7 +124,7 @@ def _npuprep(*argv: str) -> subprocess.CompletedProcess[str]:
 def _fit(folder: Path, models: dict[str, Path], names: list[str], target: list[str], fit_on: str,
          label: str) -> Path:
     """Fit the profile on the kits of `names` at once (`--measured` once per kit); its path."""
-    fitted = folder / f"fitted_{label}.yaml"
+    fitted = folder / f"fitted_{label.replace(' ', '_')}.yaml"
     first = names[0]
     measured = [a for name in names for a in ("--measured", str(folder / f"kit_{name}" / "results.json"))]
     doc = json.loads(_npuprep("ledger", str(models[first]), str(folder / f"{first}.fp16.onnx"), *target,
@@ -185,8 +185,7 @@ def kit_fit(folder: Path, args: argparse.Namespace) -> int:
     sets = {"all three": names, **{f"without {left}": [n for n in names if n != left] for left in names}}
     print("| fitted on | efficiency (x profile) | launch us per node | us per run |")
     print("|---|---|---|---|")
-    fitted = {label: _fit(folder, models, kits, target, args.fit_on, label.replace(" ", "_"))
-              for label, kits in sets.items()}
+    fitted = {label: _fit(folder, models, kits, target, args.fit_on, label) for label, kits in sets.items()}
     print()
     print("| fitted on | model | row | measured ms | estimated ms (fitted profile) | estimated / measured |")
     print("|---|---|---|---|---|---|")
