@@ -8,8 +8,8 @@ The ledger's time of a row is linear in what the fit sets:
 (launches left out); `s_f` divides that format's efficiency (compute and bandwidth alike);
 `n_c` counts the nodes of launch class c that launch (ops.LAUNCH_CLASSES), `L_c` is their cost;
 `run` is the per-inference cost. The fit minimises the squared *relative* error of every
-measured row (each row counts alike, whatever its length) under s_f, L_c, run >= 0
-(non-negative least squares). Where the rows do not tell the figures apart (a class no row
+measured row (each row counts alike, whatever its length) under L_c, run >= 0 and
+s_f >= SCALE_FLOOR (non-negative least squares). Where the rows do not tell the figures apart (a class no row
 holds, two models with as many nodes as each other), two weak penalties pick the solution:
 each class cost shrinks towards one common per-node cost (weight CLASS_SHRINK), and every
 figure towards the profile's own (weight PRIOR). Both are small against any measured row.
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from npuprep.ledger.ledger import CONVERTED, Ledger
+from npuprep.ledger.ledger import Ledger
 from npuprep.ledger.roofline import Estimate
 from npuprep.profiles import Throughput
 
@@ -57,7 +57,7 @@ def fit_points(kit: str, ledger: Ledger, results: Mapping[str, Any], statistic: 
     """The FP32 and converted rows of one kit's results that have an estimate and the statistic."""
     points = []
     for name, timings in results["models"].items():
-        estimate = ledger.get(CONVERTED if name == CONVERTED else name)
+        estimate = ledger.get(name)
         measured = timings.get(statistic)
         if estimate is None or estimate.estimated_ms is None or not isinstance(measured, int | float):
             continue
