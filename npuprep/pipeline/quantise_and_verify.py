@@ -171,8 +171,9 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                                 judged=judged, share=lambda c: eight_bit_share(c, macs),
                                 cost=lambda n: _cost([n], macs), min_share=min_8bit_share,
                                 alternative=other.name if mixed and other else None)
-    trial_runs, corrected, biases = sessions.runs, sessions.corrected, sessions.biases()
+    corrected, biases = sessions.corrected, sessions.biases()
     sessions.close()
+    trial_runs = sessions.runs
     layers, widened, needs_more = widening.layers, widening.widened, ""
     ranking = (widening.rankings or [[]])[0]
     stage(f"building the {eight.name} model chosen")
