@@ -45,6 +45,9 @@ from npuprep.verify.qdq_model import Sensitivity, activation_scale, on_target
 
 # Samples a ranking or rule trial is measured on: it needs an order, not a verdict.
 TRIAL_SAMPLES = 4
+# Trials handed to the runner at once (x TRIAL_SAMPLES runs: Ray spreads them over its
+# actors); their outputs are held until their errors are taken.
+BATCH_TRIALS = 16
 
 
 @dataclass(frozen=True)
@@ -325,12 +328,16 @@ class Trials:
 
     def errors(self, trials: Sequence[tuple[Mapping[str, str], Mapping[str, ScaleRule]]]) -> list[float]:
         """Each trial's (assign, rules) outputs' worst pooled rel L2 on the first
-        TRIAL_SAMPLES samples; the trials not run before run as one batch."""
+        TRIAL_SAMPLES samples; the trials not run before run in batches of BATCH_TRIALS."""
         feeds = [self._switches(a, r) for a, r in trials]
         keys = [self._key(f) for f in feeds]
-        todo = {k: f for k, f in zip(keys, feeds, strict=True) if k not in self._errors}
-        for k, got in zip(todo, self._outputs(list(todo.values()), TRIAL_SAMPLES), strict=True):
-            self._errors[k] = worst_pooled_rel_l2(got, self.expected[:len(got)])
+        todo = list({k: f for k, f in zip(keys, feeds, strict=True) if k not in self._errors}.items())
+        # A batch's outputs are held until its errors are taken: BATCH_TRIALS at a time.
+        for start in range(0, len(todo), BATCH_TRIALS):
+            batch = todo[start:start + BATCH_TRIALS]
+            for (k, _), got in zip(batch, self._outputs([f for _, f in batch], TRIAL_SAMPLES),
+                                   strict=True):
+                self._errors[k] = worst_pooled_rel_l2(got, self.expected[:len(got)])
         return [self._errors[k] for k in keys]
 
     def error(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule]) -> float:
@@ -355,7 +362,7 @@ def rank_layers(trials: Trials, nodes: Sequence[str], assign: Mapping[str, str],
     its own error, which does not depend on the others (2 len(nodes) + 1 runs). Where the
     error is spread over many layers, the gains are differences of nearly equal numbers and
     the errors alone are the clearer signal; the gains show the layers that cancel. The runs
-    go as one batch (on Ray, spread over its actors)."""
+    go in batches (on Ray, spread over its actors)."""
     asked: list[tuple[Mapping[str, str], Mapping[str, ScaleRule]]] = [(assign, rules)]
     for label in nodes:
         asked += [({n: f for n, f in assign.items() if n != label}, rules),
