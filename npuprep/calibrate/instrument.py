@@ -18,7 +18,8 @@ plain inference, so with `detail="auto"` it runs only for a tensor-sample that i
 *ordinary*. Ordinary means finite with LO <= abs-max <= HI: then no value exceeds any format's
 max (all counts above are exactly 0), and values below a format's smallest normal lie below
 the tensor's own precision floor (abs-max x eps) for every format npuprep knows.
-`detail="all"` runs it everywhere. `detailed=` (a set of tensor names) keeps the detail
+`detail="fp16"` is "auto" exact for FP16 and BF16 only, with their wider ordinary range
+(npuprep.calibrate.layout.Scope). `detail="all"` runs it everywhere. `detailed=` (a set of tensor names) keeps the detail
 only for those tensors; any other tensor-sample that is not ordinary is flagged (FLAGGED in
 its "detailed" count) so the caller can rerun the sample on a graph that details it: the
 detail branches are most of a session's creation time, and few tensors ever need them.
@@ -76,11 +77,12 @@ from npuprep.calibrate.detail import (
 )
 from npuprep.calibrate.layout import (
     ELEMS,
-    HI,
-    LO,
+    SCOPES,
     WIDTH,
+    Scope,
     Slot,
     Wiring,
+    scope_of,
 )
 from npuprep.graph import infer_tensors, node_label, producers, to_array
 from npuprep.model_io import model_opset
@@ -121,6 +123,7 @@ class Instrumented:
     # Row of a tensor without the L1 pass -> rows of the float inputs that must all be finite
     # for it to be NaN-free.
     nan_inputs: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    scope: Scope = SCOPES["auto"]  # its ordinary range (see npuprep.calibrate.layout.Scope)
 
     @cached_property
     def _gated_outside(self) -> np.ndarray:
@@ -134,9 +137,9 @@ class Instrumented:
 
     def ordinary(self, fx: np.ndarray, fn: np.ndarray, rows: np.ndarray, l1: np.ndarray) -> np.ndarray:
         """Per row, False where a row gated outside the graph is not ordinary (the in-graph
-        gate's test: finite, LO <= abs-max <= HI, or empty); True for every other row."""
+        gate's test: finite, lo <= abs-max <= hi, or empty); True for every other row."""
         absmax = np.fmax(fx, -fn)
-        fine = (rows[:, 0] == 0) | (np.isfinite(l1) & (absmax >= LO) & (absmax <= HI))
+        fine = (rows[:, 0] == 0) | (np.isfinite(l1) & (absmax >= self.scope.lo) & (absmax <= self.scope.hi))
         return ~self._gated_outside | fine
 
 
@@ -153,19 +156,20 @@ def instrument(
     `detailed`: with detail "auto", the tensors that get the detail branch (default: all);
     `nan_checked`: the tensors that keep the L1 pass where it could be skipped (default: all);
     `lean`: of the detailed main-graph tensors, those that get the lean detail in every sample
-    (see `lean_detail_nodes`). The rows (slots) are the same whatever they hold.
+    (see `lean_detail_nodes`). The rows (slots) are the same whatever they hold. `detail`
+    "fp16" is "auto" with the FP16/BF16 scope's ordinary range (npuprep.calibrate.layout).
     """
-    if detail not in ("auto", "all"):
-        raise ValueError(f"detail must be 'auto' or 'all', got {detail!r}")
+    scope = scope_of(detail)
+    detail = "all" if detail == "all" else "auto"
     info = infer_tensors(model)
-    ctx = Wiring(types=info.types, shapes=info.shapes, opset=model_opset(model), detail=detail,
+    ctx = Wiring(types=info.types, shapes=info.shapes, opset=model_opset(model), detail=detail, scope=scope,
                detailed=None if detailed is None else frozenset(detailed),
                nan_checked=None if nan_checked is None or detail == "all" else frozenset(nan_checked),
                lean=frozenset(lean) if detail == "auto" and detailed is not None else frozenset())
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
-    graph.initializer.extend(shared_constants())
+    graph.initializer.extend(shared_constants(scope))
     names, slots = _instrument_graph(graph, "main", ctx)
     for size in sorted(ctx.sizes):
         row = np.zeros(WIDTH, np.int64)
@@ -180,7 +184,8 @@ def instrument(
         graph.output.append(helper.make_tensor_value_info(name, elem, [len(slots) * width]))
     row_of = {slot.tensor: i for i, slot in enumerate(slots) if slot.scope == "main"}
     nan_inputs = {row_of[t]: tuple(row_of[ctx.alias_of.get(i, i)] for i in inputs) for t, inputs in ctx.trusting.items()}
-    return Instrumented(out, tuple(names), tuple(slots), ctx.aliases, ctx.alias_of, ctx.unobserved, nan_inputs)
+    return Instrumented(out, tuple(names), tuple(slots), ctx.aliases, ctx.alias_of, ctx.unobserved, nan_inputs,
+                        scope)
 
 
 def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: Wiring) -> tuple[tuple[str, ...], list[Slot]]:

@@ -37,6 +37,46 @@ SMALLEST_MAX = min(get_format(f).max for f in OVER_FORMATS)
 
 
 @dataclass(frozen=True)
+class Scope:
+    """The formats a calibration is exact for, and the ordinary range of abs-max that follows.
+
+    A tensor-sample with lo <= abs-max <= hi (and finite) gets no detail: no value is above
+    any of `formats`' max (hi < smallest_max) and whatever lies under a format's smallest
+    normal lies under the tensor's own precision floor (lo >= min_normal / eps). `hi` stays a
+    power of two at most half the smallest max, so the share above the profiles' headroom
+    limit (0.5 x max) is read from the histogram exactly (RangeStats.fraction_above).
+    """
+
+    name: str
+    lo: float
+    hi: float
+    formats: tuple[str, ...]
+
+    @property
+    def smallest_max(self) -> float:
+        return min(get_format(f).max for f in self.formats)
+
+
+# "auto" (and "all", which details everything): exact for every format in OVER_FORMATS.
+# "fp16": exact for FP16 and BF16 only (an FP16 or BF16 conversion reads nothing else): a
+# conv net on raw 0..255 pixels holds activations of ~1e3 in every layer, past FP8's max,
+# which the "auto" scope would detail everywhere (issue 37: 10x the calibration's time).
+SCOPES = {
+    "auto": Scope("auto", LO, HI, OVER_FORMATS),
+    "all": Scope("all", LO, HI, OVER_FORMATS),
+    "fp16": Scope("fp16", 2.0**-4, 2.0**14, ("fp16", "bf16")),
+}
+DETAILS = tuple(SCOPES)
+
+
+def scope_of(detail: str) -> Scope:
+    """The Scope of a calibration's `detail` ("auto", "all", "fp16")."""
+    if detail not in SCOPES:
+        raise ValueError(f"detail must be one of {', '.join(DETAILS)}, got {detail!r}")
+    return SCOPES[detail]
+
+
+@dataclass(frozen=True)
 class Slot:
     """One observed tensor: its row in the FX/FN/I outputs."""
 
@@ -53,7 +93,8 @@ class Wiring:
     types: dict[str, int]
     shapes: dict[str, tuple[int, ...]]
     opset: int
-    detail: str
+    detail: str  # "auto" or "all" (a scope's name picks its range: `scope`)
+    scope: Scope = SCOPES["auto"]
     detailed: frozenset[str] | None = None
     nan_checked: frozenset[str] | None = None
     lean: frozenset[str] = frozenset()
