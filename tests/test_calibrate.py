@@ -539,3 +539,43 @@ def test_a_session_without_prepacked_weights_asks_onnxruntime_for_none(prepack):
         assert options.get_session_config_entry("session.disable_prepacking") == "1"
     x = np.ones((2, 4), np.float32)
     assert np.array_equal(run(session, {"x": x})["y"], x @ w)
+
+
+def test_fp16_scope_is_exact_for_fp16_and_bf16_and_details_less(special):
+    # The same graph calibrated for FP16/BF16 only: x (abs-max 100, past "auto"'s ordinary
+    # range, inside the fp16 scope's [2^-4, 2^14]) goes undetailed; big (4e5) keeps its detail.
+    from npuprep.calibrate.layout import SCOPES
+
+    model, samples = special
+    full = calibrate(model, samples, detail="all")
+    auto = calibrate(model, samples, detail="auto")
+    fp16 = calibrate(model, samples, detail="fp16")
+    scope = SCOPES["fp16"]
+    limit = 0.5 * 65504.0  # the profiles' headroom limit
+    assert fp16.detail == "fp16"
+    for name, f in full.tensors.items():
+        s = fp16.tensors[name]
+        for key in ("min", "max", "absmax", "count", "nan_count", "inf_count", "per_sample_absmax"):
+            assert getattr(s, key) == getattr(f, key), (name, key)
+        assert s.over == {fmt: f.over[fmt] for fmt in ("fp16", "bf16")}, name
+        assert s.fraction_above(limit) == f.fraction_above(limit), name
+        if s.complete:
+            assert (s.zero_count, s.exp_hist) == (f.zero_count, f.exp_hist), name
+        else:
+            assert all(scope.lo <= v <= scope.hi for v in f.per_sample_absmax), name
+    assert auto.tensors["x"].complete and fp16.tensors["x"].detailed_count == 0
+    assert fp16.tensors["big"].complete and fp16.tensors["big"].over["fp16"] > 0
+    # Saved and read back: the scope's range travels with the stats.
+    assert fp16.tensors["x"].ordinary_hi == scope.hi
+    assert type(fp16.tensors["x"]).from_dict(fp16.tensors["x"].to_dict()) == fp16.tensors["x"]
+
+
+def test_fp16_scoped_stats_are_refused_for_an_fp8_target(special):
+    from npuprep.analyse.measured import measured_findings
+    from npuprep.profiles import load_profile
+
+    model, samples = special
+    fp16 = calibrate(model, samples, detail="fp16")
+    assert measured_findings(model, load_profile("a2000").resolve("fp16"), fp16) is not None
+    with pytest.raises(NpuprepError, match="detail 'fp16'.*not fp8_e4m3"):
+        measured_findings(model, load_profile("a2000").resolve("fp8_e4m3"), fp16)
