@@ -579,3 +579,42 @@ def test_fp16_scoped_stats_are_refused_for_an_fp8_target(special):
     assert measured_findings(model, load_profile("a2000").resolve("fp16"), fp16) is not None
     with pytest.raises(NpuprepError, match="detail 'fp16'.*not fp8_e4m3"):
         measured_findings(model, load_profile("a2000").resolve("fp8_e4m3"), fp16)
+
+
+# x -> Mul(x, x) -> sq -> Add(sq, 1e-10) -> fl -> Log -> y ;  x -> Mul(x, 300) -> big
+POWER_LOG = """
+<ir_version: 8, opset_import: ["" : 18]>
+power_log (float[4,64] x) => (float[4,64] y, float[4,64] big) {
+    sq = Mul(x, x)
+    eps = Constant<value = float {1e-10}>()
+    fl = Add(sq, eps)
+    y = Log(fl)
+    c = Constant<value = float {300.0}>()
+    big = Mul(x, c)
+}
+"""
+
+
+def test_fp16_scope_keeps_the_detail_of_a_power_spectrum_on_its_way_into_a_log(tmp_path, save):
+    # A spectrum spanning 1e-14 .. 324: most of it under FP16's smallest normal, which the
+    # Log magnifies; past 64 (and far past FP16's 2^-4 floor) the fp16 scope would call it
+    # ordinary, so the chain into the Log keeps "auto"'s range. `big` (abs-max ~5e3) has no Log.
+    from npuprep.calibrate.instrument import log_chains
+
+    model = load_model(save(POWER_LOG))
+    rng = np.random.default_rng(3)
+    arrays = []
+    for _ in range(3):
+        x = (rng.uniform(1e-7, 1e-5, (4, 64)) * rng.choice([-1, 1], (4, 64))).astype(np.float32)
+        x[0, :4] = rng.uniform(10, 18, 4)
+        arrays.append(x)
+    samples = load_samples(write_samples(tmp_path, arrays), model.proto)
+    assert log_chains(model.proto.graph) == {"fl", "sq", "x"}
+    full = calibrate(model, samples, detail="all")
+    fp16 = calibrate(model, samples, detail="fp16")
+    min_normal = 2.0**-14
+    for name in ("sq", "fl"):
+        assert fp16.tensors[name].complete and fp16.tensors[name].ordinary_hi == HI
+        below = fp16.tensors[name].fraction_below(min_normal)
+        assert below == full.tensors[name].fraction_below(min_normal) and below > 0.9
+    assert fp16.tensors["big"].absmax > HI and fp16.tensors["big"].detailed_count == 0

@@ -393,6 +393,8 @@ CONST_ONE_DIM = "__npuprep_c_one_dim"
 CONST_ZERO_F = "__npuprep_c_zero_f"
 CONST_LO = "__npuprep_c_lo"
 CONST_HI = "__npuprep_c_hi"
+CONST_LO_NARROW = "__npuprep_c_lo_narrow"
+CONST_HI_NARROW = "__npuprep_c_hi_narrow"
 CONST_ZEROS_TAIL = "__npuprep_c_zeros_tail"
 CONST_NEG_INF = "__npuprep_c_neg_inf"
 CONST_POS_INF = "__npuprep_c_pos_inf"
@@ -440,6 +442,8 @@ def shared_constants(scope: Scope = SCOPES["auto"]) -> list[onnx.TensorProto]:
         CONST_ZERO_F: np.array([0.0], np.float32),
         CONST_LO: np.array(scope.lo, np.float32),
         CONST_HI: np.array(scope.hi, np.float32),
+        CONST_LO_NARROW: np.array(scope.range_of(True)[0], np.float32),
+        CONST_HI_NARROW: np.array(scope.range_of(True)[1], np.float32),
         CONST_ZEROS_TAIL: np.zeros(WIDTH - 1, np.int64),
         CONST_NEG_INF: np.array(-np.inf, np.float32),
         CONST_POS_INF: np.array(np.inf, np.float32),

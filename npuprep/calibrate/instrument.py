@@ -60,7 +60,9 @@ from npuprep.calibrate.detail import (
     CONST_FLAG_ROW,
     CONST_FLAT,
     CONST_HI,
+    CONST_HI_NARROW,
     CONST_LO,
+    CONST_LO_NARROW,
     CONST_NEG_CHANNELS,
     CONST_ONE_DIM,
     CONST_ONES,
@@ -87,7 +89,7 @@ from npuprep.calibrate.layout import (
 from npuprep.graph import infer_tensors, node_label, producers, to_array
 from npuprep.model_io import model_opset
 from npuprep.numerics import FLOAT_ONNX_TYPES
-from npuprep.ops import GATHER_OPS, LAYOUT_OPS
+from npuprep.ops import GATHER_OPS, LAYOUT_OPS, MAC_OPS, SCALE_WALK_BACK
 
 # Ops whose output holds no NaN when every float input is finite: elementwise maps that can
 # only overflow to +-Inf (which max and min see), sums of finite values (once Inf, a sum stays
@@ -129,6 +131,12 @@ class Instrumented:
     def _gated_outside(self) -> np.ndarray:
         return np.array([s.gated_outside for s in self.slots], bool)
 
+    @cached_property
+    def ranges(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's ordinary range (lo, hi): the scope's, the "auto" one for narrow rows."""
+        lo, hi = zip(*(self.scope.range_of(s.narrow) for s in self.slots), strict=True) if self.slots else ((), ())
+        return np.array(lo, np.float64), np.array(hi, np.float64)
+
     def read(self, values: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """FX, FN, I and L1 (see the module docstring) out of the session's `outputs`."""
         fnl, ii = (np.asarray(v) for v in values)
@@ -139,7 +147,8 @@ class Instrumented:
         """Per row, False where a row gated outside the graph is not ordinary (the in-graph
         gate's test: finite, lo <= abs-max <= hi, or empty); True for every other row."""
         absmax = np.fmax(fx, -fn)
-        fine = (rows[:, 0] == 0) | (np.isfinite(l1) & (absmax >= self.scope.lo) & (absmax <= self.scope.hi))
+        lo, hi = self.ranges
+        fine = (rows[:, 0] == 0) | (np.isfinite(l1) & (absmax >= lo) & (absmax <= hi))
         return ~self._gated_outside | fine
 
 
@@ -163,6 +172,7 @@ def instrument(
     detail = "all" if detail == "all" else "auto"
     info = infer_tensors(model)
     ctx = Wiring(types=info.types, shapes=info.shapes, opset=model_opset(model), detail=detail, scope=scope,
+               narrow=log_chains(model.graph) if scope.hi > SCOPES["auto"].hi else frozenset(),
                detailed=None if detailed is None else frozenset(detailed),
                nan_checked=None if nan_checked is None or detail == "all" else frozenset(nan_checked),
                lean=frozenset(lean) if detail == "auto" and detailed is not None else frozenset())
@@ -186,6 +196,48 @@ def instrument(
     nan_inputs = {row_of[t]: tuple(row_of[ctx.alias_of.get(i, i)] for i in inputs) for t, inputs in ctx.trusting.items()}
     return Instrumented(out, tuple(names), tuple(slots), ctx.aliases, ctx.alias_of, ctx.unobserved, nan_inputs,
                         scope)
+
+
+# How far back from a Log the chain that feeds it is followed (a power spectrum's squares,
+# sums, floors, a filter bank, layout ops; lengths measured on the extra2 front ends: 4-9).
+_LOG_CHAIN_DEPTH = 16
+
+
+def log_chains(graph: onnx.GraphProto) -> frozenset[str]:
+    """The main graph's tensors on their way into a Log: back from each Log through the ops a
+    scale walks back through (squares, sums, floors, layout; npuprep.ops.SCALE_WALK_BACK) and
+    a MatMul/Gemm with a constant weight (a filter bank), to the transform that makes them (a
+    Conv's output, included).
+
+    Their small values matter whatever their abs-max: a power spectrum spans 1e-12 .. 358
+    (basic_pitch), 75% of it under FP16's smallest normal, and the Log turns what FP16 loses
+    there into large errors. The "ordinary" test behind a wide scope (values under abs-max x
+    eps are negligible) does not hold for them, so they keep the "auto" range and its detail.
+    """
+    made = producers(graph)
+    constant = {i.name for i in graph.initializer} | {
+        o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    found: set[str] = set()
+    frontier = [n.input[0] for n in graph.node if n.op_type == "Log" and n.input]
+    for _ in range(_LOG_CHAIN_DEPTH):
+        following: list[str] = []
+        for tensor in frontier:
+            if not tensor or tensor in found or tensor in constant:
+                continue
+            found.add(tensor)
+            node = made.get(tensor)
+            if node is None or node.domain not in ("", "ai.onnx"):
+                continue
+            if node.op_type in MAC_OPS:
+                bank = node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in constant
+                following += [node.input[0]] if bank else []
+                continue
+            if node.op_type not in SCALE_WALK_BACK:
+                continue
+            positions = SCALE_WALK_BACK[node.op_type]
+            following += [i for k, i in enumerate(node.input) if positions is None or k in positions]
+        frontier = following
+    return frozenset(found)
 
 
 def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: Wiring) -> tuple[tuple[str, ...], list[Slot]]:
@@ -224,7 +276,7 @@ def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: Wiring) -> tuple[
         else:
             new_nodes.extend(nodes)
         pieces.append(piece)
-        slots.append(Slot(tensor, scope, node_name, outside))
+        slots.append(Slot(tensor, scope, node_name, outside, scope == "main" and tensor in ctx.narrow))
 
     for vi in graph.input:
         if vi.name not in inits:
@@ -513,7 +565,8 @@ def _tensor_stats(
     if l1:
         nodes += [helper.make_node("Mul", [sm, CONST_ZERO_F], [z]), helper.make_node("Add", [am, z], [score])]
     nodes += [
-        helper.make_node("Clip", [score, CONST_LO, CONST_HI], [clipped]),
+        helper.make_node("Clip", [score, *((CONST_LO_NARROW, CONST_HI_NARROW) if tensor in ctx.narrow
+                                           else (CONST_LO, CONST_HI))], [clipped]),
         helper.make_node("Equal", [clipped, score], [ok]),
     ]
     if ctx.detailed is not None and tensor not in ctx.detailed:

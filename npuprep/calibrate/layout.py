@@ -56,6 +56,10 @@ class Scope:
     def smallest_max(self) -> float:
         return min(get_format(f).max for f in self.formats)
 
+    def range_of(self, narrow: bool) -> tuple[float, float]:
+        """(lo, hi) of a row: a narrow row keeps the "auto" range (see Slot.narrow)."""
+        return (LO, HI) if narrow else (self.lo, self.hi)
+
 
 # "auto" (and "all", which details everything): exact for every format in OVER_FORMATS.
 # "fp16": exact for FP16 and BF16 only (an FP16 or BF16 conversion reads nothing else): a
@@ -86,6 +90,9 @@ class Slot:
     # True when no gate in the graph decides whether the row is ordinary: the caller checks
     # abs-max and the L1 output and flags it (see Instrumented.ordinary).
     gated_outside: bool = False
+    # True when the row keeps the "auto" ordinary range whatever the scope (a tensor on its
+    # way into a Log, see instrument.log_chains).
+    narrow: bool = False
 
 
 @dataclass
@@ -95,6 +102,8 @@ class Wiring:
     opset: int
     detail: str  # "auto" or "all" (a scope's name picks its range: `scope`)
     scope: Scope = SCOPES["auto"]
+    # Main-graph tensors that keep the "auto" ordinary range in a wider scope.
+    narrow: frozenset[str] = frozenset()
     detailed: frozenset[str] | None = None
     nan_checked: frozenset[str] | None = None
     lean: frozenset[str] = frozenset()

@@ -91,11 +91,12 @@ def calibrate_here(
     keys = _keys(inst)
     scope = inst.scope
     for i, slot in enumerate(inst.slots):
-        stats[keys[i]] = acc.row(i, slot.tensor, slot.scope, slot.node, scope)
+        stats[keys[i]] = acc.row(i, slot.tensor, slot.scope, slot.node, scope, slot.narrow)
     row_of = {slot.tensor: i for i, slot in enumerate(inst.slots)}
     for tensor, root in inst.alias_of.items():
         slot = inst.aliases[tensor]
-        stats[tensor] = acc.row(row_of[root], slot.tensor, slot.scope, slot.node, scope)
+        stats[tensor] = acc.row(row_of[root], slot.tensor, slot.scope, slot.node, scope,
+                                inst.slots[row_of[root]].narrow)
     return CalibrationStats(
         fingerprint=model.fingerprint, samples=samples.describe(), synthetic=samples.synthetic,
         sample_count=acc.samples, detail=detail, tensors=stats, unobserved=dict(inst.unobserved),
@@ -338,13 +339,13 @@ class Folding:
                 if self.opened is not opened:
                     continue
                 if unsure is None:
-                    absmax, scope = np.fmax(fx, -fn), inst.scope
-                    edge = ~((absmax >= _EDGE * scope.lo) & (absmax <= scope.hi / _EDGE))
+                    absmax, (lo, hi) = np.fmax(fx, -fn), inst.ranges
+                    edge = ~((absmax >= _EDGE * lo) & (absmax <= hi / _EDGE))
                     # A tensor outside the range gets the lean detail (in every sample) unless
                     # this sample shows a NaN or Inf, or |x| above a format's max; one only near
                     # the edges gets the full detail behind its If (it runs only when needed); a
                     # lean row that flagged needed what only the full detail has.
-                    plain = np.isfinite(l1) & (absmax <= scope.smallest_max)
+                    plain = np.isfinite(l1) & (absmax <= inst.scope.smallest_max)
                     fresh = self._tensors(flagged & plain) - self.detailed
                     self.lean = (self.lean - self._tensors(flagged)) | fresh
                     self.detailed |= self._tensors(flagged | edge)

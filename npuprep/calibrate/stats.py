@@ -266,9 +266,11 @@ class Accumulator:
             mine.extend(theirs)
         self.samples += other.samples
 
-    def row(self, i: int, tensor: str, scope: str, node: str, exact: Scope = SCOPES["auto"]) -> RangeStats:
+    def row(self, i: int, tensor: str, scope: str, node: str, exact: Scope = SCOPES["auto"],
+            narrow: bool = False) -> RangeStats:
         """Row i's RangeStats; `exact`: what the calibration was exact for (its ordinary range,
-        the formats whose counts above their max are kept)."""
+        the formats whose counts above their max are kept); `narrow`: the row kept the "auto"
+        range (npuprep.calibrate.layout.Slot)."""
         c = self.counts[i]
         hist = c[_H0:]
         nan = int(c[_COL["nan"]])
@@ -291,5 +293,5 @@ class Accumulator:
             zero_count=int(hist[0]), exp_hist=exp_hist,
             over={f: int(c[_COL[f"over_{f}"]]) for f in exact.formats},
             under=under, per_sample_absmax=per_sample, detailed_count=int(c[_COL["detailed"]]),
-            seen_in=seen_in, ordinary_hi=exact.hi,
+            seen_in=seen_in, ordinary_hi=exact.range_of(narrow)[1],
         )
