@@ -133,7 +133,7 @@ def _handle(ctx: PlanContext, f: Finding) -> None:
                                float(r.absmax), (f.node,)))
         return
     if f.rule == "init.underflow" and f.remedy == "rescale" and f.severity >= Severity.WARNING \
-            and f.node in ctx.nodes:
+            and f.node in ctx.nodes and ctx.stats is not None:
         # A layer's weights that FP16 stores as 0 or a few-bit subnormal: lifted, or kept FP32.
         solve(ctx, Problem(f, ref, f.tensor, "tiny_weights", None, (f.node,)),
               (f"{f.tensor} would lose its small values in {ctx.fmt.name}",))

@@ -10,6 +10,7 @@ within the limit, compensated where the scale domain closes (a linear consumer, 
 graph output multiplied back in FP32; npuprep.rewrite.rescale) and checked against the
 measured ranges of every tensor the scale reaches. Where no such rescale holds, the problem
 goes on to the FP32 island (the layer, its weight stored FP32); the reasons say why.
+Planned with measured ranges only (the planner asks): without them the finding stays a note.
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outc
     if problem.kind != "tiny_weights":
         return None
     f, ref, weight = problem.finding, problem.ref, problem.tensor
-    if ctx.stats is None:
-        return (Declined("rescale", f.node, "rescale needs measured ranges (run with --data)", (ref,)),)
     graph = ctx.nodes[f.node][1]
     values = constant_value(graph, weight)
     if values is None:
