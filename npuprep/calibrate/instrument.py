@@ -19,7 +19,8 @@ plain inference, so with `detail="auto"` it runs only for a tensor-sample that i
 max (all counts above are exactly 0), and values below a format's smallest normal lie below
 the tensor's own precision floor (abs-max x eps) for every format npuprep knows.
 `detail="fp16"` is "auto" exact for FP16 and BF16 only, with their wider ordinary range
-(npuprep.calibrate.layout.Scope). `detail="all"` runs it everywhere. `detailed=` (a set of tensor names) keeps the detail
+(npuprep.calibrate.layout.Scope). `detail="all"` runs it everywhere. `detailed=` (a set of
+tensor names) keeps the detail
 only for those tensors; any other tensor-sample that is not ordinary is flagged (FLAGGED in
 its "detailed" count) so the caller can rerun the sample on a graph that details it: the
 detail branches are most of a session's creation time, and few tensors ever need them.
@@ -134,8 +135,8 @@ class Instrumented:
     @cached_property
     def ranges(self) -> tuple[np.ndarray, np.ndarray]:
         """Each row's ordinary range (lo, hi): the scope's, the "auto" one for narrow rows."""
-        lo, hi = zip(*(self.scope.range_of(s.narrow) for s in self.slots), strict=True) if self.slots else ((), ())
-        return np.array(lo, np.float64), np.array(hi, np.float64)
+        pairs = [self.scope.range_of(s.narrow) for s in self.slots]
+        return np.array([lo for lo, _ in pairs], np.float64), np.array([hi for _, hi in pairs], np.float64)
 
     def read(self, values: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """FX, FN, I and L1 (see the module docstring) out of the session's `outputs`."""
@@ -229,7 +230,8 @@ def log_chains(graph: onnx.GraphProto) -> frozenset[str]:
             if node is None or node.domain not in ("", "ai.onnx"):
                 continue
             if node.op_type in MAC_OPS:
-                bank = node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in constant
+                bank = (node.op_type in ("MatMul", "Gemm") and len(node.input) > 1
+                        and node.input[1] in constant)
                 following += [node.input[0]] if bank else []
                 continue
             if node.op_type not in SCALE_WALK_BACK:

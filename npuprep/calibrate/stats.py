@@ -46,7 +46,8 @@ class RangeStats:
     format to the count of |x| above its max, for the formats the calibration was exact for
     (its Scope: with detail "fp16", FP16 and BF16 only); `under` to the count of
     0 < |x| < its smallest normal (detailed elements). `ordinary_hi`: the largest abs-max a
-    tensor-sample left undetailed may have had (the scope's hi, scaled with the tensor). `per_sample_absmax` holds one abs-max per sample
+    tensor-sample left undetailed may have had (the scope's hi, scaled with the tensor).
+    `per_sample_absmax` holds one abs-max per sample
     the tensor was seen in (held elements), in sample order; `seen_in` the positions of
     those samples in CalibrationStats.sample_ids, None when it was seen in every sample.
     """

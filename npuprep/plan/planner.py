@@ -2,7 +2,8 @@
 
 The remedies, one file each, in the order written once in REMEDIES: the softmax shift
 (exact rewrite), a rescale absorbed by a Log (a power spectrum's), a power-of-two rescale of the tensor's scale domain, the underflow
-scale-up, a layer's weights lifted out of the subnormals, a cancellation kept FP32 (precision), an FP32 island, a clamp. Problems are of the
+scale-up, a layer's weights lifted out of the subnormals, a cancellation kept FP32 (precision),
+an FP32 island, a clamp. Problems are of the
 resolved format: its range (overflow, headroom, underflow) and its precision (a
 cancellation, a softmax's logits too coarse for exp: BF16's hazards, where the range fits). Each proposes an action or declines with a reason; the
 reasons of the declined ones travel into the chosen action's why, or into a note when
