@@ -61,7 +61,9 @@ def make_plan(
     """
     profile, fmt = target.profile, target.fmt
     ctx = PlanContext(model, target, stats, frozenset(forbid_pin))
-    for f in sorted(findings, key=ctx.order_key):
+    # Tiny weights last: a measured underflow at their layer plans a lift that stores them too
+    # (the weight's own lift then joins it instead of pinning the layer beside it).
+    for f in sorted(findings, key=lambda f: (f.rule == "init.underflow", ctx.order_key(f))):
         _handle(ctx, f)
     if stats is not None:
         # Not a range problem: a phase too coarse for Sin/Cos overflows nothing.
