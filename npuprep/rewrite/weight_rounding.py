@@ -1,0 +1,258 @@
+"""8-bit weights rounded for the layer's output, not each weight alone (SeqMSE, GPTQ/AdaRound).
+
+    nearest:  W8 = round(W / s),  s = abs-max / qmax per output channel
+    here:     s' = the grid scale with the least ||X (W - W8 s')^T||^2 (SeqMSE),
+              then each weight rounded up or down, in order, so the next weights of its
+              channel absorb its error through H = X^T X (GPTQ's update, AdaRound's choice:
+              never past the two 8-bit neighbours of the FP32 weight)
+
+Round-to-nearest minimises each weight's own error; the layer's output sums many of them
+over correlated inputs, and a channel's scale set by its one largest weight spends levels on
+a range the others never use. Both are fitted on half the calibration samples and measured,
+channel by channel, on the other half against round-to-nearest: a channel keeps whichever
+of the three measures least there (overfitting a few samples loses to nearest and is not
+kept). INT8 levels are the integers to +-127; FP8 E4M3's are its finite values to +-448, with
+a per-channel scale as INT8's. The store (npuprep.rewrite.qdq_weights) then gives every QDQ
+model of the conversion these values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import onnx
+
+from npuprep.calibrate.layer_inputs import InputMoments, input_moments, layer_geometry
+from npuprep.data import Feed
+from npuprep.graph import constant_value, node_label, weight_bytes
+from npuprep.numerics import EightBitFormat
+from npuprep.rewrite.qdq import fp32_weight, weight_axis
+from npuprep.rewrite.qdq_weights import WeightStore, quantise_weight
+
+# Scales tried per output channel: the abs-max's times these factors (a clip of the largest
+# weights in exchange for finer steps for the rest).
+SCALE_FACTORS = tuple(1.0 - 0.025 * j for j in range(13))
+# H is damped by this share of its mean diagonal before it is inverted (GPTQ's 1%): a few
+# samples leave it singular, and the damping keeps each step's update small.
+DAMPING = 0.01
+# Columns of a weight rounded before the rest of the row takes their errors at once.
+BLOCK = 128
+# Models with more weight than this are not rounded here: every rounded weight is kept in
+# memory (8-bit) and each read whole once.
+MAX_WEIGHT_BYTES = 512 * 2**20
+
+
+@dataclass(frozen=True)
+class RoundedWeight:
+    """A weight's 8-bit values (`stored`, in the weight's layout) and per-channel FP32
+    `scale`; the layer's output error on the check samples, relative to its output's
+    (sqrt of sum |X D^T|^2 / sum |X W^T|^2), with round-to-nearest (`nearest`) and with
+    these values (`error`); `changed`: output channels not at round-to-nearest."""
+
+    stored: np.ndarray
+    scale: np.ndarray
+    nearest: float
+    error: float
+    changed: int
+
+
+@dataclass(frozen=True)
+class LayerRounding:
+    """One layer's rounding in one format, for the conversion's record."""
+
+    node: str
+    format: str
+    nearest: float
+    error: float
+    changed: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"node": self.node, "format": self.format, "nearest": self.nearest,
+                "error": self.error, "changed": self.changed}
+
+
+def levels(fmt: EightBitFormat) -> np.ndarray:
+    """The values a scaled 8-bit weight may take, sorted: integers to +-qmax (INT8), or
+    every finite E4M3FN value to +-qmax."""
+    if not fmt.is_float:
+        return np.arange(-fmt.qmax, fmt.qmax + 1, dtype=np.float64)
+    every = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return np.unique(every[np.isfinite(every) & (np.abs(every) <= fmt.qmax)])
+
+
+def round_weight(node: onnx.NodeProto, w: np.ndarray, fmt: EightBitFormat, fit: InputMoments,
+                 check: InputMoments, *, saturate: bool = True) -> RoundedWeight | None:
+    """`w` (the weight of `node`) in `fmt` rounded for the layer's output on the `fit`
+    moments, each output channel keeping the rounding whose output error on `check` is
+    least (round-to-nearest among them); None where no channel gains or `node`'s weight
+    rows are not read here."""
+    geometry = layer_geometry(node, w)
+    axis = weight_axis(node, w.ndim)
+    if geometry is None or axis is None or fit.gram.shape[0] != geometry[0]:
+        return None
+    grid = levels(fmt)
+    stored0, scale0 = quantise_weight(w, axis, fmt, saturate=saturate)
+    rows = _rows(node, w)  # [groups, out per group, K]
+    s0 = scale0.astype(np.float64).reshape(rows.shape[:2])
+    searched = _search_scales(rows, s0, fit.gram.astype(np.float32), grid)
+    # (scale, values in steps of it) per candidate: nearest, the searched scale, and rounded
+    # in order at the searched scale.
+    candidates = [(s0, _rows(node, stored0.astype(np.float64))),
+                  (searched, _on_grid(rows / searched[..., None], grid)),
+                  (searched, _sequential(rows, searched, fit.gram, grid))]
+    h_check = check.gram.astype(np.float32)
+    errors = np.stack([_channel_errors(rows - q * s[..., None], h_check)
+                       for s, q in candidates])  # [3, groups, out per group]
+    best = errors.argmin(axis=0)
+    if not np.any(best):
+        return None
+    scale = np.choose(best, [s for s, _ in candidates])
+    steps = np.choose(best[..., None], [q for _, q in candidates])
+    signal = float(_channel_errors(rows, h_check).sum()) or 1.0
+    chosen = np.take_along_axis(errors, best[None], axis=0)[0]
+    dtype = ml_dtypes.float8_e4m3fn if fmt.is_float else np.int8
+    return RoundedWeight(_from_rows(node, steps, w.shape).astype(dtype),
+                         scale.reshape(-1).astype(np.float32),
+                         float(np.sqrt(errors[0].sum() / signal)),
+                         float(np.sqrt(chosen.sum() / signal)), int(np.count_nonzero(best)))
+
+
+def round_layers(model: onnx.ModelProto, layers: Sequence[str],
+                 formats: Sequence[tuple[EightBitFormat, bool]], samples: Sequence[Feed],
+                 weights: WeightStore) -> list[LayerRounding]:
+    """Round the weights of `layers` in each (format, saturate) of `formats` for their
+    outputs on `samples` (fitted on the even ones, measured on the odd ones), and give the
+    roundings that measure better to `weights`, which every QDQ model then reads. A weight
+    that more than one node reads keeps round-to-nearest (one rounding cannot fit both)."""
+    g = model.graph
+    if weight_bytes(model) > MAX_WEIGHT_BYTES or not layers:
+        return []
+    readers: dict[str, int] = {}
+    for n in g.node:
+        for i in n.input:
+            readers[i] = readers.get(i, 0) + 1
+    by_label = {node_label(n): n for n in g.node}
+    own = [x for x in layers if x in by_label and len(by_label[x].input) > 1
+           and readers.get(by_label[x].input[1], 0) == 1]
+    parts = [samples[0::2], samples[1::2]] if len(samples) > 1 else [samples, samples]
+    fit, check = input_moments(model, own, parts)
+    done = []
+    for label in own:
+        if label not in fit or label not in check:
+            continue
+        node = by_label[label]
+        w = constant_value(g, node.input[1])
+        source = fp32_weight(g, node.input[1])
+        if w is None or source is None:
+            continue
+        for fmt, saturate in formats:
+            r = round_weight(node, w, fmt, fit[label], check[label], saturate=saturate)
+            if r is None:
+                continue
+            weights.prefer(source, weight_axis(node, w.ndim), fmt, saturate=saturate,
+                           stored=r.stored, scale=r.scale)
+            done.append(LayerRounding(label, fmt.name, r.nearest, r.error, r.changed))
+    return done
+
+
+def _rows(node: onnx.NodeProto, w: np.ndarray) -> np.ndarray:
+    """`w` as [groups, output channels per group, K]: the rows an input row multiplies."""
+    groups, k = layer_geometry(node, w) or (1, 0)
+    if node.op_type == "Conv":
+        return w.reshape(groups, w.shape[0] // groups, k).astype(np.float64)
+    transposed = node.op_type == "Gemm" and bool(_attr(node, "transB"))
+    return (w if transposed else w.T)[None].astype(np.float64)
+
+
+def _from_rows(node: onnx.NodeProto, rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    if node.op_type == "Conv":
+        return rows.reshape(shape)
+    transposed = node.op_type == "Gemm" and bool(_attr(node, "transB"))
+    return rows[0] if transposed else rows[0].T
+
+
+def _attr(node: onnx.NodeProto, name: str) -> int:
+    from npuprep.graph import attribute
+
+    return int(attribute(node, name, 0))
+
+
+def _channel_errors(d: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """Per group and output channel, d H d^T: the output error's sum of squares over the
+    input rows H was summed from ([G, O])."""
+    d32 = d.astype(np.float32)
+    return np.einsum("gok,gok->go", np.matmul(d32, h), d32, dtype=np.float64)
+
+
+def _on_grid(v: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """Each of `v` (in steps of its scale) at the nearest of `grid` (ties: the even INT8
+    integer, as np.rint; FP8: the lower neighbour)."""
+    lo, hi = _neighbours(v, grid)
+    if grid[1] - grid[0] == 1.0 and np.all(np.diff(grid) == 1.0):
+        return np.clip(np.rint(v), grid[0], grid[-1])
+    return np.where(hi - v < v - lo, hi, lo)
+
+
+def _neighbours(v: np.ndarray, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The grid values at or below and at or above `v` (the ends where `v` is past them)."""
+    upper = np.clip(np.searchsorted(grid, v, side="left"), 0, len(grid) - 1)
+    lower = np.clip(np.searchsorted(grid, v, side="right") - 1, 0, len(grid) - 1)
+    return grid[lower], grid[upper]
+
+
+def _search_scales(rows: np.ndarray, s0: np.ndarray, h: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """Per output channel, the scale of s0 x SCALE_FACTORS whose round-to-nearest weight gives
+    the least output error on `h` (SeqMSE's grid search)."""
+    best, best_err = s0.copy(), np.full(s0.shape, np.inf)
+    for f in SCALE_FACTORS:
+        s = s0 * f
+        err = _channel_errors(rows - _on_grid(rows / s[..., None], grid) * s[..., None], h)
+        better = err < best_err
+        best, best_err = np.where(better, s, best), np.where(better, err, best_err)
+    return best
+
+
+def _sequential(rows: np.ndarray, scale: np.ndarray, gram: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """Each group's weights (in steps of `scale`) rounded column by column, each to the
+    neighbour of its FP32 value nearest to it plus the errors of the columns before it,
+    carried forward through H's inverse (GPTQ, Frantar et al. 2023, with AdaRound's
+    up-or-down constraint). Returns the rounded values in steps."""
+    out = np.empty_like(rows)
+    for gi in range(rows.shape[0]):
+        v = rows[gi] / scale[gi][:, None]
+        lo, hi = _neighbours(v, grid)
+        u = _inverse_factor(gram[gi])
+        work = v.copy()
+        q = np.empty_like(v)
+        k = v.shape[1]
+        for start in range(0, k, BLOCK):
+            stop = min(start + BLOCK, k)
+            errs = np.empty((v.shape[0], stop - start))
+            for i in range(start, stop):
+                q[:, i] = np.clip(_on_grid(work[:, i], grid), lo[:, i], hi[:, i])
+                e = (work[:, i] - q[:, i]) / u[i, i]
+                work[:, i + 1:stop] -= e[:, None] * u[i, i + 1:stop][None, :]
+                errs[:, i - start] = e
+            work[:, stop:] -= errs @ u[start:stop, stop:]
+        out[gi] = q
+    return out
+
+
+def _inverse_factor(gram: np.ndarray) -> np.ndarray:
+    """The upper Cholesky factor U of the damped H's inverse (H^-1 = U^T U); inputs that
+    never move (a zero diagonal) get a unit diagonal, so their columns round to nearest."""
+    h = gram.astype(np.float64).copy()
+    diag = np.diag(h).copy()
+    dead = diag <= 0
+    h[dead, :] = 0.0
+    h[:, dead] = 0.0
+    h[dead, dead] = 1.0
+    live = diag[~dead]
+    h[np.diag_indices_from(h)] += DAMPING * (float(live.mean()) if live.size else 1.0)
+    lower = np.linalg.cholesky(h)
+    inv_lower = np.linalg.inv(lower)
+    return np.linalg.cholesky(inv_lower.T @ inv_lower).T
