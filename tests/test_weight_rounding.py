@@ -115,8 +115,10 @@ def test_conv_moments_give_the_conv_output_error() -> None:
     assert predicted == pytest.approx(actual, rel=1e-4)
 
 
-def test_shared_weight_keeps_nearest() -> None:
-    """A weight two layers read is not rounded for either: one rounding cannot fit both."""
+def test_shared_weight_is_rounded_for_both_readers() -> None:
+    """A weight two 8-bit layers read (a guidance's two branches) gets one rounding, fitted
+    to both layers' inputs: their summed output error is lower than nearest's; a third
+    reader outside the 8-bit layers leaves it at nearest."""
     model = parser.parse_model("""
     <ir_version: 8, opset_import: ["" : 19]>
     g (float[64, 32] x, float[64, 32] z) => (float[64, 24] y, float[64, 24] v) {
@@ -126,6 +128,9 @@ def test_shared_weight_keeps_nearest() -> None:
     """)
     proto, feeds = _dense()
     model.graph.initializer.extend(proto.graph.initializer)
-    both = [{"x": f["x"], "z": f["x"][::-1].copy()} for f in feeds]
+    both = [{"x": f["x"], "z": f["x"][:, ::-1].copy()} for f in feeds]
+    fmt = eight_bit_format("int8")
     store = WeightStore()
-    assert round_layers(model, ["a", "b"], [(eight_bit_format("int8"), True)], both, store) == []
+    (done,) = round_layers(model, ["a", "b"], [(fmt, True)], both, store)
+    assert done.node == "a, b" and done.error < done.nearest
+    assert round_layers(model, ["a"], [(fmt, True)], both, WeightStore()) == []

@@ -127,36 +127,59 @@ def round_layers(model: onnx.ModelProto, layers: Sequence[str],
     """Round the weights of `layers` in each (format, saturate) of `formats` for their
     outputs on `samples` (fitted on the even ones, measured on the odd ones), and give the
     roundings that measure better to `weights`, which every QDQ model then reads. A weight
-    that more than one node reads keeps round-to-nearest (one rounding cannot fit both)."""
+    several of `layers` read alike (the two branches of a classifier-free guidance) is
+    rounded for their outputs together (their moments summed); one read by anything else
+    keeps round-to-nearest."""
     g = model.graph
     if weight_bytes(model) > MAX_WEIGHT_BYTES or not layers:
         return []
-    readers: dict[str, int] = {}
-    for n in g.node:
-        for i in n.input:
-            readers[i] = readers.get(i, 0) + 1
     by_label = {node_label(n): n for n in g.node}
-    own = [x for x in layers if x in by_label and len(by_label[x].input) > 1
-           and readers.get(by_label[x].input[1], 0) == 1]
-    parts = [samples[0::2], samples[1::2]] if len(samples) > 1 else [samples, samples]
-    fit, check = input_moments(model, own, parts)
-    done = []
-    for label in own:
-        if label not in fit or label not in check:
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        for i in dict.fromkeys(n.input):
+            readers.setdefault(i, []).append(n)
+    wanted = set(layers)
+    groups: dict[str, list[str]] = {}
+    for label in layers:
+        node = by_label.get(label)
+        if node is None or len(node.input) < 2:
             continue
-        node = by_label[label]
-        w = constant_value(g, node.input[1])
-        source = fp32_weight(g, node.input[1])
+        shared = readers.get(node.input[1], [])
+        if all(node_label(r) in wanted and _alike(r, node) for r in shared):
+            groups.setdefault(node.input[1], []).append(label)
+    parts = [samples[0::2], samples[1::2]] if len(samples) > 1 else [samples, samples]
+    fit, check = input_moments(model, [x for xs in groups.values() for x in xs], parts)
+    done = []
+    for name, labels in groups.items():
+        if not all(x in fit and x in check for x in labels):
+            continue
+        node = by_label[labels[0]]
+        w = constant_value(g, name)
+        source = fp32_weight(g, name)
         if w is None or source is None:
             continue
         for fmt, saturate in formats:
-            r = round_weight(node, w, fmt, fit[label], check[label], saturate=saturate)
+            r = round_weight(node, w, fmt, _summed(fit, labels), _summed(check, labels),
+                             saturate=saturate)
             if r is None:
                 continue
             weights.prefer(source, weight_axis(node, w.ndim), fmt, saturate=saturate,
                            stored=r.stored, scale=r.scale)
-            done.append(LayerRounding(label, fmt.name, r.nearest, r.error, r.changed))
+            done.append(LayerRounding(", ".join(labels), fmt.name, r.nearest, r.error, r.changed))
     return done
+
+
+def _alike(a: onnx.NodeProto, b: onnx.NodeProto) -> bool:
+    """Two readers of one weight that read it as the same rows: same op, same attributes,
+    the weight in the same place."""
+    return (a.op_type == b.op_type and list(a.attribute) == list(b.attribute)
+            and len(a.input) > 1 and a.input[1] == b.input[1])
+
+
+def _summed(moments: dict[str, InputMoments], labels: Sequence[str]) -> InputMoments:
+    if len(labels) == 1:
+        return moments[labels[0]]
+    return InputMoments(sum(moments[x].gram for x in labels), sum(moments[x].rows for x in labels))
 
 
 def _rows(node: onnx.NodeProto, w: np.ndarray) -> np.ndarray:
