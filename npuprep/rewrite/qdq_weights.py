@@ -59,9 +59,14 @@ class WeightStore:
                *, saturate: bool, stored: np.ndarray, scale: np.ndarray) -> None:
         """Quantise `source` to these 8-bit values and scale (a rounding chosen for the
         layer's output) rather than to nearest, in every model built from now on."""
-        key = self._key(source, axis, fmt, saturate)
-        self._preferred[key] = (stored, scale)
-        self._done.pop(key, None)
+        # An anchored weight is known by its place in its file and, where a caller read it
+        # in (the trials of a model small enough to hold), by its values: both find it.
+        sources = [source] + ([to_array(source)] if isinstance(source, onnx.TensorProto)
+                              and is_anchored(source) else [])
+        for each in sources:
+            key = self._key(each, axis, fmt, saturate)
+            self._preferred[key] = (stored, scale)
+            self._done.pop(key, None)
 
     def values(self, source: onnx.TensorProto | np.ndarray, axis: int | None, fmt: EightBitFormat,
                *, saturate: bool) -> tuple[np.ndarray, np.ndarray]:
