@@ -121,14 +121,22 @@ def test_the_bundled_example_passes_held_out_in_int8_and_an_fp8_failure_names_th
     report = json.loads(int8.stdout)
     assert int8.returncode == 0 and report["passed"] and report["holdout"]["passed"]
     assert report["eight_bit"]["mac_share"]["int8"] >= 0.8
+    # FP8 errs more than INT8 on the guidance (all FP8 0.156, all INT8 0.059): the layers kept
+    # FP16 are chosen from the all-INT8 point, and it passes in 8 bits on the A2000's INT8.
+    mixed = run_cli("convert", "--target", "a2000", "--precision", "fp8_e4m3", "-o",
+                    tmp_path / "m.onnx", "--json", "--export", "none")
+    report = json.loads(mixed.stdout)
+    assert mixed.returncode == 0 and report["holdout"]["passed"]
+    assert report["eight_bit"]["mac_share"]["int8"] >= 0.8
+    # With less room to keep layers wider, it fails and names them.
     fp8 = run_cli("convert", "--target", "a2000", "--precision", "fp8_e4m3", "-o", tmp_path / "f.onnx",
-                  "--json", "--export", "none")
+                  "--json", "--export", "none", "--min-8bit-share", "95")
     report = json.loads(fp8.stdout)
     assert fp8.returncode == 1 and not report["holdout"]["passed"]
     # Not under the name asked for: a deployment script picking up f.onnx finds nothing.
     assert (tmp_path / "f.FAILED.onnx").is_file() and not (tmp_path / "f.onnx").exists()
     needs = [n for n in report["notes"] if "need more than fp8_e4m3" in n]
-    assert needs and "hid_mm" in needs[0] and "of the multiply-adds" in needs[0]
+    assert needs and "_mm" in needs[0] and "of the multiply-adds" in needs[0]
 
 
 # x -> MatMul(W: 64 x 128, FP8 past the inline size) -> y
