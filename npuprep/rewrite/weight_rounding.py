@@ -35,7 +35,7 @@ from npuprep.rewrite.qdq_weights import WeightStore, quantise_weight
 
 # Scales tried per output channel: the abs-max's times these factors (a clip of the largest
 # weights in exchange for finer steps for the rest).
-SCALE_FACTORS = tuple(1.0 - 0.025 * j for j in range(13))
+SCALE_FACTORS = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.8, 0.75)
 # H is damped by this share of its mean diagonal before it is inverted (GPTQ's 1%): a few
 # samples leave it singular, and the damping keeps each step's update small.
 DAMPING = 0.01
@@ -85,25 +85,26 @@ def levels(fmt: EightBitFormat) -> np.ndarray:
 
 
 def round_weight(node: onnx.NodeProto, w: np.ndarray, fmt: EightBitFormat, fit: InputMoments,
-                 check: InputMoments, *, saturate: bool = True) -> RoundedWeight | None:
+                 check: InputMoments, *, saturate: bool = True,
+                 factor: np.ndarray | None = None) -> RoundedWeight | None:
     """`w` (the weight of `node`) in `fmt` rounded for the layer's output on the `fit`
     moments, each output channel keeping the rounding whose output error on `check` is
     least (round-to-nearest among them); None where no channel gains or `node`'s weight
-    rows are not read here."""
+    rows are not read here. `factor`: inverse_factor(fit.gram), where the caller has it."""
     geometry = layer_geometry(node, w)
     axis = weight_axis(node, w.ndim)
     if geometry is None or axis is None or fit.gram.shape[0] != geometry[0]:
         return None
-    grid = levels(fmt)
     stored0, scale0 = quantise_weight(w, axis, fmt, saturate=saturate)
     rows = _rows(node, w)  # [groups, out per group, K]
     s0 = scale0.astype(np.float64).reshape(rows.shape[:2])
-    searched = _search_scales(rows, s0, fit.gram.astype(np.float32), grid)
+    searched = _search_scales(rows, s0, fit.gram.astype(np.float32), fmt)
     # (scale, values in steps of it) per candidate: nearest, the searched scale, and rounded
     # in order at the searched scale.
     candidates = [(s0, _rows(node, stored0.astype(np.float64))),
-                  (searched, _on_grid(rows / searched[..., None], grid)),
-                  (searched, _sequential(rows, searched, fit.gram, grid))]
+                  (searched, _nearest(rows / searched[..., None], fmt)),
+                  (searched, _sequential(rows, searched, fmt, inverse_factor(fit.gram)
+                                         if factor is None else factor))]
     h_check = check.gram.astype(np.float32)
     errors = np.stack([_channel_errors(rows - q * s[..., None], h_check)
                        for s, q in candidates])  # [3, groups, out per group]
@@ -158,9 +159,11 @@ def round_layers(model: onnx.ModelProto, layers: Sequence[str],
         source = fp32_weight(g, name)
         if w is None or source is None:
             continue
+        moments = _summed(fit, labels)
+        factor = inverse_factor(moments.gram)
         for fmt, saturate in formats:
-            r = round_weight(node, w, fmt, _summed(fit, labels), _summed(check, labels),
-                             saturate=saturate)
+            r = round_weight(node, w, fmt, moments, _summed(check, labels), saturate=saturate,
+                             factor=factor)
             if r is None:
                 continue
             weights.prefer(source, weight_axis(node, w.ndim), fmt, saturate=saturate,
@@ -211,71 +214,74 @@ def _channel_errors(d: np.ndarray, h: np.ndarray) -> np.ndarray:
     return np.einsum("gok,gok->go", np.matmul(d32, h), d32, dtype=np.float64)
 
 
-def _on_grid(v: np.ndarray, grid: np.ndarray) -> np.ndarray:
-    """Each of `v` (in steps of its scale) at the nearest of `grid` (ties: the even INT8
-    integer, as np.rint; FP8: the lower neighbour)."""
-    lo, hi = _neighbours(v, grid)
-    if grid[1] - grid[0] == 1.0 and np.all(np.diff(grid) == 1.0):
-        return np.clip(np.rint(v), grid[0], grid[-1])
-    return np.where(hi - v < v - lo, hi, lo)
+def _nearest(v: np.ndarray, fmt: EightBitFormat) -> np.ndarray:
+    """Each of `v` (in steps of its scale) at its nearest 8-bit value, as QuantizeLinear
+    rounds: INT8 half to even, FP8 E4M3's own round-to-nearest-even; clipped to +-qmax."""
+    clipped = np.clip(v, -fmt.qmax, fmt.qmax)
+    if fmt.is_float:
+        return clipped.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return np.rint(clipped)
 
 
-def _neighbours(v: np.ndarray, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The grid values at or below and at or above `v` (the ends where `v` is past them)."""
+def _neighbours(v: np.ndarray, fmt: EightBitFormat) -> tuple[np.ndarray, np.ndarray]:
+    """The 8-bit values at or below and at or above `v` (the ends where `v` is past them)."""
+    if not fmt.is_float:
+        return (np.clip(np.floor(v), -fmt.qmax, fmt.qmax), np.clip(np.ceil(v), -fmt.qmax, fmt.qmax))
+    grid = levels(fmt)
     upper = np.clip(np.searchsorted(grid, v, side="left"), 0, len(grid) - 1)
     lower = np.clip(np.searchsorted(grid, v, side="right") - 1, 0, len(grid) - 1)
     return grid[lower], grid[upper]
 
 
-def _search_scales(rows: np.ndarray, s0: np.ndarray, h: np.ndarray, grid: np.ndarray) -> np.ndarray:
+def _search_scales(rows: np.ndarray, s0: np.ndarray, h: np.ndarray, fmt: EightBitFormat) -> np.ndarray:
     """Per output channel, the scale of s0 x SCALE_FACTORS whose round-to-nearest weight gives
     the least output error on `h` (SeqMSE's grid search)."""
     best, best_err = s0.copy(), np.full(s0.shape, np.inf)
     for f in SCALE_FACTORS:
         s = s0 * f
-        err = _channel_errors(rows - _on_grid(rows / s[..., None], grid) * s[..., None], h)
+        err = _channel_errors(rows - _nearest(rows / s[..., None], fmt) * s[..., None], h)
         better = err < best_err
         best, best_err = np.where(better, s, best), np.where(better, err, best_err)
     return best
 
 
-def _sequential(rows: np.ndarray, scale: np.ndarray, gram: np.ndarray, grid: np.ndarray) -> np.ndarray:
+def _sequential(rows: np.ndarray, scale: np.ndarray, fmt: EightBitFormat, u: np.ndarray) -> np.ndarray:
     """Each group's weights (in steps of `scale`) rounded column by column, each to the
     neighbour of its FP32 value nearest to it plus the errors of the columns before it,
     carried forward through H's inverse (GPTQ, Frantar et al. 2023, with AdaRound's
-    up-or-down constraint). Returns the rounded values in steps."""
-    out = np.empty_like(rows)
-    for gi in range(rows.shape[0]):
-        v = rows[gi] / scale[gi][:, None]
-        lo, hi = _neighbours(v, grid)
-        u = _inverse_factor(gram[gi])
-        work = v.copy()
-        q = np.empty_like(v)
-        k = v.shape[1]
-        for start in range(0, k, BLOCK):
-            stop = min(start + BLOCK, k)
-            errs = np.empty((v.shape[0], stop - start))
-            for i in range(start, stop):
-                q[:, i] = np.clip(_on_grid(work[:, i], grid), lo[:, i], hi[:, i])
-                e = (work[:, i] - q[:, i]) / u[i, i]
-                work[:, i + 1:stop] -= e[:, None] * u[i, i + 1:stop][None, :]
-                errs[:, i - start] = e
-            work[:, stop:] -= errs @ u[start:stop, stop:]
-        out[gi] = q
-    return out
+    up-or-down constraint); every group at once, `u` the inverse_factor of the fitted H.
+    Returns the rounded values in steps."""
+    v = rows / scale[..., None]  # [G, O, K]
+    lo, hi = _neighbours(v, fmt)
+    work = v.copy()
+    q = np.empty_like(v)
+    k = v.shape[2]
+    for start in range(0, k, BLOCK):
+        stop = min(start + BLOCK, k)
+        errs = np.empty(v.shape[:2] + (stop - start,))
+        for i in range(start, stop):
+            q[..., i] = np.clip(_nearest(work[..., i], fmt), lo[..., i], hi[..., i])
+            e = (work[..., i] - q[..., i]) / u[:, i, i][:, None]
+            work[..., i + 1:stop] -= e[..., None] * u[:, None, i, i + 1:stop]
+            errs[..., i - start] = e
+        work[..., stop:] -= np.matmul(errs, u[:, start:stop, stop:])
+    return q
 
 
-def _inverse_factor(gram: np.ndarray) -> np.ndarray:
-    """The upper Cholesky factor U of the damped H's inverse (H^-1 = U^T U); inputs that
-    never move (a zero diagonal) get a unit diagonal, so their columns round to nearest."""
+def inverse_factor(gram: np.ndarray) -> np.ndarray:
+    """Per group, the upper Cholesky factor U of the damped H's inverse (H^-1 = U^T U);
+    inputs that never move (a zero diagonal) get a unit diagonal, so their columns round to
+    nearest."""
     h = gram.astype(np.float64).copy()
-    diag = np.diag(h).copy()
+    diag = np.diagonal(h, axis1=1, axis2=2).copy()  # [G, K]
     dead = diag <= 0
-    h[dead, :] = 0.0
-    h[:, dead] = 0.0
-    h[dead, dead] = 1.0
-    live = diag[~dead]
-    h[np.diag_indices_from(h)] += DAMPING * (float(live.mean()) if live.size else 1.0)
-    lower = np.linalg.cholesky(h)
-    inv_lower = np.linalg.inv(lower)
-    return np.linalg.cholesky(inv_lower.T @ inv_lower).T
+    h[dead[:, :, None] & np.ones_like(dead[:, None, :])] = 0.0
+    h[dead[:, None, :] & np.ones_like(dead[:, :, None])] = 0.0
+    live_mean = np.where(dead, 0.0, diag).sum(axis=1) / np.maximum((~dead).sum(axis=1), 1)
+    live_mean = np.where(live_mean > 0, live_mean, 1.0)
+    index = np.arange(h.shape[1])
+    h[:, index, index] += np.where(dead, 1.0, 0.0) + DAMPING * live_mean[:, None]
+    # H = V V^T with V upper (Cholesky of H with its axes reversed, reversed back): then
+    # H^-1 = U^T U with U = V^-1, upper; one factorisation and one inverse.
+    reversed_lower = np.linalg.cholesky(h[:, ::-1, ::-1])
+    return np.linalg.inv(reversed_lower[:, ::-1, ::-1])
