@@ -41,6 +41,10 @@ SCALE_FACTORS = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.8, 0.75)
 DAMPING = 0.01
 # Columns of a weight rounded before the rest of the row takes their errors at once.
 BLOCK = 128
+# A layer whose output channels x K^2 (one evaluation of every channel's output error from H)
+# passes this is left at nearest: a CTC head's 8210 x 1024 would cost more than the rest of
+# its model's search (and its few rows per sample leave H far from determined anyway).
+MAX_LAYER_WORK = 2**30
 # Models with more weight than this are not rounded here: every rounded weight is kept in
 # memory (8-bit) and each read whole once.
 MAX_WEIGHT_BYTES = 512 * 2**20
@@ -157,7 +161,7 @@ def round_layers(model: onnx.ModelProto, layers: Sequence[str],
         node = by_label[labels[0]]
         w = constant_value(g, name)
         source = fp32_weight(g, name)
-        if w is None or source is None:
+        if w is None or source is None or _work(fit[labels[0]], w) > MAX_LAYER_WORK:
             continue
         moments = _summed(fit, labels)
         factor = inverse_factor(moments.gram)
@@ -170,6 +174,12 @@ def round_layers(model: onnx.ModelProto, layers: Sequence[str],
                            stored=r.stored, scale=r.scale)
             done.append(LayerRounding(", ".join(labels), fmt.name, r.nearest, r.error, r.changed))
     return done
+
+
+def _work(moments: InputMoments, w: np.ndarray) -> int:
+    """Output channels x K^2: what one evaluation of every channel's error costs."""
+    groups, k = moments.gram.shape[0], moments.gram.shape[1]
+    return (w.size // (groups * k)) * groups * k * k
 
 
 def _alike(a: onnx.NodeProto, b: onnx.NodeProto) -> bool:
