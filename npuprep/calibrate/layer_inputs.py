@@ -22,10 +22,10 @@ from npuprep.data import Feed
 from npuprep.graph import attribute, constant_value, node_label
 
 # Conv output positions read per sample (chosen at random, the same for every run).
-MAX_ROWS = 2048
+MAX_ROWS = 1024
 # A layer whose K (input length per output) passes this is left out: its H alone would take
-# K^2 x 8 bytes (128 MB at 4096) and the rounding K^3.
-MAX_K = 4096
+# K^2 x 8 bytes (32 MB at 2048) and the rounding K^3.
+MAX_K = 2048
 
 
 @dataclass(frozen=True)
