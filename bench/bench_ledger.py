@@ -6,9 +6,9 @@
 
 --kit-fit: a GEMM chain, a conv net and a transformer block (built here, converted to FP16 by
 `npuprep convert --target generic --synthetic 8`), each timed with its kit on this machine's
-onnxruntime (IO binding), fitted with `--measured --fitted-profile`, and each fitted profile
-then used on all three models: the estimate beside the measured median, on its own model and
-across models. The nominal figures (--cpu-peak, --cpu-bandwidth) only seed the fit. On a GPU:
+onnxruntime (IO binding), fitted with `--measured ... --fitted-profile` on all three kits at
+once and on each pair (the third held out), and each fitted profile then used on all three
+models: the estimate beside the measured median (bold: more than 15% off). The nominal figures (--cpu-peak, --cpu-bandwidth) only seed the fit. On a GPU:
 `--size gpu --target h200 --prepare-only` here, `time_models.py --backend torch` in each kit
 there, then the same command again with the results.json files in place.
 
@@ -73,7 +73,10 @@ g (float[{t},256] x) => (float[{t},256] y) {{
 
 
 # Sizes: "cpu" for this machine, "gpu" large enough for a die (kits under 64 MiB in all).
-SIZES = {"cpu": {"m": 256, "n": 1, "t": 128}, "gpu": {"m": 2048, "n": 8, "t": 1024}}
+SIZES = {"cpu": {"m": 256, "n": 1, "t": 128}, "gpu": {"m": 2048, "n": 8, "t": 1024},
+         # every run shorter than a scheduler slice on a shared machine: a run's minimum is then
+         # one nobody else interrupted (the GEMM chain at m=256 takes 25 ms)
+         "cpu-short": {"m": 32, "n": 1, "t": 128}}
 
 
 def _kit_models(folder: Path, size: str) -> dict[str, Path]:
@@ -118,9 +121,26 @@ def _npuprep(*argv: str) -> subprocess.CompletedProcess[str]:
     return run
 
 
+def _fit(folder: Path, models: dict[str, Path], names: list[str], target: list[str], fit_on: str,
+         label: str) -> Path:
+    """Fit the profile on the kits of `names` at once (`--measured` once per kit); its path."""
+    fitted = folder / f"fitted_{label.replace(' ', '_')}.yaml"
+    first = names[0]
+    measured = [a for name in names for a in ("--measured", str(folder / f"kit_{name}" / "results.json"))]
+    doc = json.loads(_npuprep("ledger", str(models[first]), str(folder / f"{first}.fp16.onnx"), *target,
+                              "--fit-on", fit_on, *measured, "--fitted-profile", str(fitted),
+                              "--json").stdout)
+    fit = doc["measured"]["fit"]
+    scales = ", ".join(f"{f} x{v:.3g}" for f, v in fit["efficiency_scale"].items())
+    launches = ", ".join(f"{c} {v:.3g}" for c, v in fit["launch_us_by_class"].items())
+    print(f"| {label} | {scales} | {launches} | {fit['run_us']:.3g} |")
+    return fitted
+
+
 def kit_fit(folder: Path, args: argparse.Namespace) -> int:
     """Build, convert and export the three kits; time them here (unless --prepare-only or the
-    kit already holds results.json from the device); fit and cross-check. Prints Markdown."""
+    kit already holds results.json from the device); fit on all three at once and on each pair
+    (leave one out), and put every fit's estimate beside every measured row. Prints Markdown."""
     import time
 
     import yaml
@@ -130,16 +150,16 @@ def kit_fit(folder: Path, args: argparse.Namespace) -> int:
     figures = [f"--peak={p}" for p in args.cpu_peak.split(",")] + [f"--bandwidth={args.cpu_bandwidth}"]
     target = ["--target", "generic", *figures]
     if args.target != "generic":
-        # Eager torch launches one kernel per node: the profile without the compiler's fusion.
+        # Eager torch launches one kernel per node (no fusion) and makes a Transpose a strided
+        # view (permute launches nothing).
         doc = load_profile(args.target).to_dict()
         doc["throughput"].pop("fuses_elementwise", None)
+        doc["throughput"]["view_ops"] = ["Transpose"]
         doc["name"] = f"{args.target}-eager"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "eager.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
         target = ["--target", str(folder / "eager.yaml")]
     models = _kit_models(folder, args.size)
-    measured: dict[str, dict[str, float]] = {}
-    fitted: dict[str, Path] = {}
     for name, path in models.items():
         converted = folder / f"{name}.fp16.onnx"
         if not converted.exists():
@@ -156,26 +176,84 @@ def kit_fit(folder: Path, args: argparse.Namespace) -> int:
             if run.returncode != 0:
                 raise SystemExit(f"{name}: time_models.py: {run.stderr.strip()}")
             print(f"{name}: timed in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-        fitted[name] = folder / f"fitted_{name}.yaml"
-        doc = json.loads(_npuprep("ledger", str(path), str(converted), *target, "--fit-on", args.fit_on,
-                                  "--measured", str(kit / "results.json"), "--fitted-profile",
-                                  str(fitted[name]), "--json").stdout)
-        fit = doc["measured"]["fit"]
-        measured[name] = {r["model"]: r["measured_ms"] for r in fit["rows"]}
-        print(f"{name}: measured on {doc['measured']['measured_on']}; fit x{fit['efficiency_scale']:.3g}"
-              f" efficiency, {fit['launch_us']:.3g} us per node", file=sys.stderr)
     if args.prepare_only:
         return 0
+    stat = f"{args.fit_on}_ms"
+    measured = {name: {row: m[stat] for row, m in json.loads(
+        (folder / f"kit_{name}" / "results.json").read_text())["models"].items()} for name in models}
+    names = list(models)
+    sets = {"all three": names, **{f"without {left}": [n for n in names if n != left] for left in names}}
+    print("| fitted on | efficiency (x profile) | launch us per node | us per run |")
+    print("|---|---|---|---|")
+    fitted = {label: _fit(folder, models, kits, target, args.fit_on, label) for label, kits in sets.items()}
+    print()
     print("| fitted on | model | row | measured ms | estimated ms (fitted profile) | estimated / measured |")
     print("|---|---|---|---|---|---|")
-    for source, profile in fitted.items():
+    for label, profile in fitted.items():
         for name, path in models.items():
             doc = json.loads(_npuprep("ledger", str(path), str(folder / f"{name}.fp16.onnx"),
                                       "--target", str(profile), "--json").stdout)
             rows = {r["format"]: r for r in doc["formats"]}
+            held = "" if name in sets[label] else " (held out)"
             for row in ("fp32", "converted"):
                 est, got = rows[row]["estimated_ms"], measured[name][row]
-                print(f"| {source} | {name} | {row} | {got:.3g} | {est:.3g} | {est / got:.2f} |")
+                ratio = f"{est / got:.2f}" if abs(est / got - 1) <= 0.15 else f"**{est / got:.2f}**"
+                print(f"| {label} | {name}{held} | {row} | {got:.3g} | {est:.3g} | {ratio} |")
+    return 0
+
+
+def kit_sensitivity(folder: Path, args: argparse.Namespace) -> int:
+    """The held-out rows of the three leave-one-out fits (kits timed and fitted by --kit-fit
+    first), with one ingredient of the fit changed at a time. Prints Markdown."""
+    from dataclasses import replace
+
+    from npuprep.ledger.fit import CLASS_SHRINK, fit_points, fit_throughput
+    from npuprep.ledger.kit import read_kit, read_results
+    from npuprep.ledger.ledger import build_ledger
+    from npuprep.profiles import load_profile
+
+    if args.target != "generic":
+        profile = load_profile(str(folder / "eager.yaml"))
+        base = profile.throughput
+    else:
+        profile = load_profile("generic")
+        peaks = {f: float(v) for f, v in (p.split("=") for p in args.cpu_peak.split(","))}
+        base = replace(profile.throughput, peak_tflops=peaks, bandwidth_gbs=float(args.cpu_bandwidth))
+    names = ["gemm_chain", "conv_net", "transformer"]
+    stat = f"{args.fit_on}_ms"
+
+    def points(throughput):  # noqa: ANN001, ANN202 - a bench helper
+        out = {}
+        for name in names:
+            path = folder / f"kit_{name}" / "results.json"
+            results = read_results(path)
+            kit = read_kit(path, results)
+            ledger = build_ledger(kit.models["fp32"], profile.resolve("fp16"), throughput=throughput,
+                                  input_shapes=kit.input_shapes, converted=kit.models["converted"])
+            out[name] = fit_points(name, ledger, results, stat)
+        return out
+
+    charged = replace(base, view_ops=frozenset())
+    variants = [("this fit", base, {}),
+                ("Transpose charged as a copy", charged if base.view_ops else None, {}),
+                ("one launch cost for every class", base, {"class_shrink": 1e6}),
+                ("no per-run cost", base, {"per_run": False}),
+                *((f"class costs pulled together at {w:g} (default {CLASS_SHRINK:g})", base,
+                   {"class_shrink": w}) for w in (1e-3, 1e-2))]
+    print("| fit | " + " | ".join(f"{n} held out" for n in names) + " |")
+    print("|---|---|---|---|")
+    for label, throughput, options in variants:
+        if throughput is None:
+            continue
+        pts = points(throughput)
+        cells = []
+        for held in names:
+            fit = fit_throughput([p for n in names if n != held for p in pts[n]], throughput, stat,
+                                 **options)
+            ratios = {p.row: fit.fitted_ms(p) / p.measured_ms for p in pts[held]} if fit else {}
+            cells.append(" / ".join(f"{ratios[r]:.2f}" if abs(ratios[r] - 1) <= 0.15 else
+                                    f"**{ratios[r]:.2f}**" for r in ("fp32", "converted")))
+        print(f"| {label} | " + " | ".join(cells) + " |")
     return 0
 
 
@@ -183,6 +261,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kit-fit", type=Path, metavar="DIR", help="time, fit and cross-check the "
                                                                       "three kit models in DIR")
+    parser.add_argument("--kit-sensitivity", type=Path, metavar="DIR",
+                        help="the leave-one-out fits of --kit-fit DIR with one ingredient changed")
     parser.add_argument("--providers", default="CPUExecutionProvider")
     parser.add_argument("--cpu-peak", default="fp32=0.1,fp16=0.1", help="nominal seeds of the fit")
     parser.add_argument("--cpu-bandwidth", default="10")
@@ -200,6 +280,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.kit_fit:
         return kit_fit(args.kit_fit, args)
+    if args.kit_sensitivity:
+        return kit_sensitivity(args.kit_sensitivity, args)
     models = sorted(p.parent for p in CORPUS.glob("*/entry.json"))
     if args.only:
         models = [m for m in models if m.name in args.only]

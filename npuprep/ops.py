@@ -116,3 +116,35 @@ CARRIES_MAGNITUDE = LAYOUT_OPS | {
 MAKES_MAGNITUDE = CARRIES_MAGNITUDE | MAC_OPS
 # Ops whose output carries their inputs' absolute rounding errors unchanged.
 ADDITIVE = LAYOUT_OPS | {"Add", "Sub", "Neg", "Sum", "Concat", "Slice", "Gather"}
+
+# --- launch classes: what a runtime dispatches per node, for the ledger's launch cost -------
+
+# Each class carries its own per-node launch (or dispatch) cost in a target profile
+# (`throughput.launch_us_by_class`). `view`: what moves nothing (the views and aliases above,
+# Shape and constants); it launches nothing unless a profile says so. (The ledger folds shape
+# arithmetic on integer tensors whatever its class: no float output, no kernel.) `layout`: layout ops that
+# copy (Transpose, block moves), unless the profile names them views (`throughput.view_ops`).
+LAUNCH_CLASS_OPS: dict[str, frozenset[str]] = {
+    "view": NON_COMPUTE_OPS,
+    "layout": (LAYOUT_OPS - VIEW_OPS) | BLOCK_MOVE_OPS,
+    "mac": MAC_OPS,
+    "normalisation": frozenset(SCALE_INVARIANT_NORMS) | {"Softmax", "LogSoftmax"},
+    "reduction": frozenset({
+        "ReduceMax", "ReduceMin", "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL1",
+        "ReduceL2", "ReduceProd", "ReduceLogSum", "ReduceLogSumExp", "GlobalAveragePool",
+        "GlobalMaxPool", "AveragePool", "MaxPool", "LpPool", "ArgMax", "ArgMin", "TopK", "CumSum"}),
+    "cast": frozenset({"Cast", "QuantizeLinear", "DequantizeLinear"}),
+    "elementwise": frozenset({
+        "Add", "Sub", "Mul", "Div", "Pow", "Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal",
+        "Relu", "LeakyRelu", "PRelu", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh", "Gelu", "Erf",
+        "Elu", "Selu", "Softplus", "Mish", "Clip", "Max", "Min", "Sum", "Mean", "Where", "Sin",
+        "Cos", "Floor", "Ceil", "Round", "Sign", "Not", "And", "Or", "Xor", *COMPARISONS}),
+}
+# Every other op (gathers, slices, resizes, control flow...): its own class.
+OTHER_LAUNCH_CLASS = "other"
+LAUNCH_CLASSES = (*LAUNCH_CLASS_OPS, OTHER_LAUNCH_CLASS)
+
+
+def launch_class(op_type: str) -> str:
+    """The launch class of an op (LAUNCH_CLASS_OPS), `other` where none lists it."""
+    return next((c for c, ops in LAUNCH_CLASS_OPS.items() if op_type in ops), OTHER_LAUNCH_CLASS)

@@ -9,6 +9,7 @@ from typing import Any
 
 from npuprep.errors import NpuprepError
 from npuprep.numerics import ALL_DTYPE_NAMES, NumberFormat, formats, get_format
+from npuprep.ops import LAUNCH_CLASSES, LAYOUT_OPS, launch_class
 from npuprep.profile_names import builtin_dir, builtin_names
 from npuprep.yaml_io import YamlReader, read_yaml
 
@@ -75,6 +76,13 @@ class Throughput:
     # published figure understates the die. `npuprep ledger --measured` fits them.
     efficiency: dict[str, float] = field(default_factory=dict)
     launch_us: float = 0.0  # per executed node: kernel launch or NPU dispatch
+    # Per launch class (ops.LAUNCH_CLASSES) where it differs from `launch_us`; views (class
+    # `view`) launch nothing unless listed here.
+    launch_us_by_class: dict[str, float] = field(default_factory=dict)
+    run_us: float = 0.0  # per inference: submitting the run and waiting for its end
+    # Layout ops this backend makes views (eager torch's Transpose is a strided view): they
+    # move nothing and launch as class `view`.
+    view_ops: frozenset[str] = frozenset()
     fuses_elementwise: bool = False  # the compiler folds activations into their producer
     # Where a figure is unknown: the FP32 ridge point (FLOPs per byte) and each format's peak
     # over FP32's, as [low, high] ranges with a source: the ledger's speed-up ranges.
@@ -83,6 +91,15 @@ class Throughput:
 
     def peak(self, fmt: str) -> float | None:
         return self.peak_tflops.get(fmt)
+
+    def launch_of(self, launch_class: str) -> float:
+        """Microseconds one node of `launch_class` costs to launch."""
+        if launch_class in self.launch_us_by_class:
+            return self.launch_us_by_class[launch_class]
+        return 0.0 if launch_class == "view" else self.launch_us
+
+    def launch_class_of(self, op_type: str) -> str:
+        return "view" if op_type in self.view_ops else launch_class(op_type)
 
     def efficiency_of(self, fmt: str) -> float:
         return self.efficiency.get(fmt, 1.0)
@@ -101,6 +118,12 @@ class Throughput:
             doc["efficiency"] = dict(self.efficiency)
         if self.launch_us:
             doc["launch_us"] = self.launch_us
+        if self.launch_us_by_class:
+            doc["launch_us_by_class"] = dict(self.launch_us_by_class)
+        if self.run_us:
+            doc["run_us"] = self.run_us
+        if self.view_ops:
+            doc["view_ops"] = sorted(self.view_ops)
         if self.fuses_elementwise:
             doc["fuses_elementwise"] = True
         if self.assumed_ridge_fp32 or self.assumed_peak_vs_fp32:
@@ -348,7 +371,8 @@ def _throughput(r: _Reader, value: Any, sources: dict[str, Any]) -> Throughput:
     if value is None:
         return Throughput()
     top = r.mapping(value, "throughput", {"unit", "peak_tflops", "bandwidth_gbs", "efficiency",
-                                          "launch_us", "fuses_elementwise", "assumed"})
+                                          "launch_us", "launch_us_by_class", "run_us", "view_ops",
+                                          "fuses_elementwise", "assumed"})
     peaks = r.mapping(top.get("peak_tflops", {}) or {}, "throughput.peak_tflops",
                       set(THROUGHPUT_FORMATS))
     peak = {str(k): _figure(r, v, f"throughput.peak_tflops.{k}") for k, v in peaks.items()}
@@ -360,15 +384,22 @@ def _throughput(r: _Reader, value: Any, sources: dict[str, Any]) -> Throughput:
     effs = r.mapping(top.get("efficiency", {}) or {}, "throughput.efficiency",
                      {*THROUGHPUT_FORMATS, "bandwidth", *(f"bandwidth_{f}" for f in THROUGHPUT_FORMATS)})
     efficiency = {str(k): _share(r, v, f"throughput.efficiency.{k}") for k, v in effs.items()}
-    launch = top.get("launch_us", 0.0)
-    if isinstance(launch, bool) or not isinstance(launch, int | float) or launch < 0:
-        raise r.fail("throughput.launch_us", f"expected a number of microseconds >= 0, got {launch!r}")
+    launch = _microseconds(r, top.get("launch_us", 0.0), "throughput.launch_us")
+    classes = r.mapping(top.get("launch_us_by_class", {}) or {}, "throughput.launch_us_by_class",
+                        set(LAUNCH_CLASSES))
+    by_class = {str(k): _microseconds(r, v, f"throughput.launch_us_by_class.{k}")
+                for k, v in classes.items()}
+    run_us = _microseconds(r, top.get("run_us", 0.0), "throughput.run_us")
+    views = r.strings(top.get("view_ops"), "throughput.view_ops")
+    for op in views:
+        if op not in LAYOUT_OPS:
+            raise r.fail("throughput.view_ops", f"{op!r} is not a layout op ({', '.join(sorted(LAYOUT_OPS))})")
     fuses = top.get("fuses_elementwise", False)
     if not isinstance(fuses, bool):
         raise r.fail("throughput.fuses_elementwise", f"expected true or false, got {fuses!r}")
     if fuses and "fusion" not in sources:
         raise r.fail("sources.fusion", "fuses_elementwise needs its source (the compiler's documentation)")
-    if (efficiency or launch) and "efficiency" not in sources:
+    if (efficiency or launch or by_class or run_us) and "efficiency" not in sources:
         raise r.fail("sources.efficiency", "a sustained efficiency or launch cost needs its source "
                                            "(a measurement: `npuprep ledger --measured` writes one)")
     assumed = r.mapping(top.get("assumed", {}) or {}, "throughput.assumed", {"ridge_fp32", "peak_vs_fp32"})
@@ -379,8 +410,15 @@ def _throughput(r: _Reader, value: Any, sources: dict[str, Any]) -> Throughput:
     if (ridge or peak_vs) and "assumed" not in sources:
         raise r.fail("sources.assumed", "an assumed range needs its source (the documents it is drawn from)")
     return Throughput(unit=r.string(top.get("unit", ""), "throughput.unit"), peak_tflops=peak,
-                      bandwidth_gbs=bandwidth, efficiency=efficiency, launch_us=float(launch),
+                      bandwidth_gbs=bandwidth, efficiency=efficiency, launch_us=launch,
+                      launch_us_by_class=by_class, run_us=run_us, view_ops=frozenset(views),
                       fuses_elementwise=fuses, assumed_ridge_fp32=ridge, assumed_peak_vs_fp32=peak_vs)
+
+
+def _microseconds(r: _Reader, value: object, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise r.fail(key, f"expected a number of microseconds >= 0, got {value!r}")
+    return float(value)
 
 
 def _share(r: _Reader, value: object, key: str) -> float:

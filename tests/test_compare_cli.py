@@ -108,3 +108,36 @@ def test_a_lowered_candidate_is_widened_so_its_overflow_shows(tmp_path, save):
     as_is = run_cli("compare", ref, cand, "--data", tmp_path / "x.npz", "--as-is", "--json")
     assert as_is.returncode in (0, 1), as_is.stderr
     assert any("ran as-is" in n for n in json.loads(as_is.stdout)["notes"])
+
+
+# x -> MatMul(W) -> logits -> Softmax -> p   (a classifier; the candidate's W is 20% larger)
+CLASSIFIER = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[4, 6] x) => (float[4, 5] p) <float[6, 5] w = {{{w}}}> {{
+  [fc] logits = MatMul(x, w)
+  [softmax] p = Softmax <axis = -1> (logits)
+}}"""
+
+
+def test_metric_judges_the_outputs_by_their_decisions(tmp_path, save):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 5)) * 3.0
+    text = ", ".join(f"{v:.6f}" for v in w.ravel())
+    louder = ", ".join(f"{v:.6f}" for v in (w * 1.2).ravel())
+    ref = save(CLASSIFIER.format(w=text), "ref.onnx")
+    cand = save(CLASSIFIER.format(w=louder), "cand.onnx")
+    x = rng.standard_normal((4, 6)).astype(np.float32)
+    np.savez(tmp_path / "x.npz", x=x)
+    data = tmp_path / "x.npz"
+    # The sharper softmax moves every probability (rel L2 well over 1%) but no decision.
+    plain = run_cli("compare", ref, cand, "--data", data, "--json")
+    assert plain.returncode == 1 and json.loads(plain.stdout)["passed"] is False
+    decided = run_cli("compare", ref, cand, "--data", data, "--metric", "auto", "--json")
+    assert decided.returncode == 0, decided.stdout
+    result = json.loads(decided.stdout)
+    assert result["gate"]["top_k"] == {"p": 1} and result["output_errors"]["p"]["rel_l2"] > 1e-2
+    assert any("p by top-1 (auto: Softmax over its last axis)" in n for n in result["notes"])
+    by_value = run_cli("compare", ref, cand, "--data", data, "--metric", "rel-l2")
+    assert by_value.returncode == 1 and "outputs fail the gate of --metric rel-l2" in by_value.stdout
+    bad = run_cli("compare", ref, cand, "--data", data, "--top-k", "p:zero")
+    assert bad.returncode == 2 and "--top-k p:zero" in bad.stderr

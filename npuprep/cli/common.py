@@ -351,3 +351,35 @@ def progress_stages(description: str, enabled: bool) -> Iterator[Callable[[str],
                   transient=True) as bar:
         task = bar.add_task(description, total=None)
         yield lambda stage: bar.update(task, description=f"{description}: {stage}")
+
+
+def parse_top_k(items: list[str]) -> dict[str, int]:
+    """`OUTPUT:K` -> {output: K}; output names may themselves contain ':'."""
+    from npuprep.errors import NpuprepError
+
+    top_k: dict[str, int] = {}
+    for item in items:
+        name, _, k = item.rpartition(":")
+        if not name or not k.isdigit() or int(k) < 1:
+            raise NpuprepError(f"--top-k {item}: expected OUTPUT:K with K a whole number >= 1")
+        top_k[name] = int(k)
+    return top_k
+
+
+def add_goal(p: argparse.ArgumentParser, default_metric: str | None = "auto") -> None:
+    """--metric and --top-k: how the graph outputs are judged (convert's goal; compare's too)."""
+    # The values of npuprep.verify.output_check.Metric (not imported: the CLI starts light).
+    p.add_argument("--metric", choices=("auto", "rel-l2", "top1"), default=default_metric,
+                   help=("how outputs are judged: " if default_metric else
+                         "judge REF and CAND by their graph outputs, as convert does (internal "
+                         "tensors become where to look), the record's rule replaced: ")
+                        + "auto" + (" (default)" if default_metric == "auto" else "")
+                        + " judges outputs a consumer decides "
+                        "by argmax (Softmax, probabilities, peaked logits of a final Gemm/MatMul, "
+                        "an ArgMax in the graph) by their top-1 decision and the rest by rel L2; "
+                        "rel-l2 every output by rel L2; top1 every output with classes by top-1")
+    p.add_argument("--top-k", action="append", default=[], metavar="OUTPUT:K",
+                   help="judge OUTPUT by its top-K classes along the last axis, whatever --metric "
+                        "says: it passes when they agree at every position where FP32 decides "
+                        "(FP32 values within --rtol of each other are a tie; its rel L2 is still "
+                        "reported); repeatable")

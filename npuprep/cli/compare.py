@@ -13,12 +13,14 @@ from typing import TYPE_CHECKING, Any
 from npuprep import json_io
 from npuprep.cli.common import (
     add_data,
+    add_goal,
     add_json,
     begin,
     fmt,
     nonnegative_float,
     open_samples,
     out,
+    parse_top_k,
     positive_float,
     positive_int,
     print_json,
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
 
     from npuprep.data import SampleSet
     from npuprep.model_io import Model
+    from npuprep.numerics import NumberFormat
     from npuprep.profiles import ResolvedTarget
     from npuprep.verify.compare import CompareResult, OutputGate
 
@@ -58,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "fails when both are exceeded")
     p.add_argument("--tol", action="append", default=[], metavar="NAME:RTOL[:ATOL]",
                    help="per-tensor thresholds (repeatable)")
+    add_goal(p, default_metric=None)
     p.add_argument("--isolate", action="store_true",
                    help="also feed each node the reference's inputs: its own error apart from "
                         "accumulated error (runs the candidate twice)")
@@ -169,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
             elif stored is not None:
                 notes += ("the candidate ran as-is on onnxruntime's CPU provider, which computes parts "
                          f"of a {stored.name} model in FP32 and hides overflow",)
+        gate, goal_notes = goal_gate(ref, args, samples, gate, fmt_)
+        notes += goal_notes
         rtol = default_rtol(fmt_) if gate is None else gate.rtol
         atol = DEFAULT_ATOL if gate is None else gate.atol
         # A gate judges the graph outputs of this same run, as convert's output check does.
@@ -280,6 +286,29 @@ def conversion_gate(ref: Model, cand: onnx.ModelProto, args: argparse.Namespace,
                       f"the conversion's record ({record.target}, {record.precision}: convert "
                       f"{'passed' if record.passed else 'FAILED'})",
                       top_k=dict(record.gates.top_k), host_scales=dict(record.host_scales)), notes
+
+
+def goal_gate(ref: Model, args: argparse.Namespace, samples: SampleSet, gate: OutputGate | None,
+              fmt_: NumberFormat | None) -> tuple[OutputGate | None, tuple[str, ...]]:
+    """--metric/--top-k: the graph outputs judged by the rule convert's goal stage would choose
+    (over a record's rule, whose rtol/atol stay), each output's rule said in a note."""
+    if args.metric is None and not args.top_k:
+        return gate, ()
+    from npuprep.verify.compare import DEFAULT_ATOL, OutputGate, default_rtol
+    from npuprep.verify.output_check import GOAL_SAMPLES, judged_outputs
+
+    first = list(samples.iter_range(0, min(GOAL_SAMPLES, len(samples))))
+    top_k, judged = judged_outputs(ref.proto, first, args.metric or "auto", parse_top_k(args.top_k))
+    said = "; ".join(f"{name} by {rule}" for name, rule in sorted(judged.items()))
+    if gate is not None:
+        return replace(gate, top_k=top_k), (f"outputs judged as asked, not by the record's rule: "
+                                            f"{said}",)
+    rtol = args.rtol if args.rtol is not None else default_rtol(fmt_)
+    outputs = tuple(o.name for o in ref.proto.graph.output)
+    rule = f"--metric {args.metric}" if args.metric else "--top-k"
+    return (OutputGate(outputs, rtol, DEFAULT_ATOL if args.atol is None else args.atol, rule,
+                       top_k=top_k),
+            (f"outputs judged by {rule}: {said}; internal tensors are where to look",))
 
 
 def _recorded_scales(ref: Any, cand: Any) -> tuple[dict[str, float] | None, tuple[str, ...]]:

@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 from npuprep.cli.common import (
     add_data,
+    add_goal,
     add_jobs,
     add_json,
     add_target,
+    parse_top_k,
     positive_float,
     positive_int,
     scale_rule,
@@ -64,17 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest relative L2 error of each output (default 1e-2, or two units of "
                         "the format's rounding where coarser: bf16 1.56e-2; 5e-2 for int8 and "
                         "fp8_e4m3), compare's default too")
-    # The values of npuprep.verify.output_check.Metric (not imported: the CLI starts light).
-    p.add_argument("--metric", choices=("auto", "rel-l2", "top1"), default="auto",
-                   help="how outputs are judged: auto (default) judges outputs a consumer decides "
-                        "by argmax (Softmax, probabilities, peaked logits of a final Gemm/MatMul, "
-                        "an ArgMax in the graph) by their top-1 decision and the rest by rel L2; "
-                        "rel-l2 every output by rel L2; top1 every output with classes by top-1")
-    p.add_argument("--top-k", action="append", default=[], metavar="OUTPUT:K",
-                   help="judge OUTPUT by its top-K classes along the last axis, whatever --metric "
-                        "says: it passes when they agree at every position where FP32 decides "
-                        "(FP32 values within --rtol of each other are a tie; its rel L2 is still "
-                        "reported); repeatable")
+    add_goal(p)
     p.add_argument("--max-rounds", type=positive_int, default=3,
                    help="verification rounds; each pins the layers a precision error comes "
                         "from, or else the first divergent node (default 3)")
@@ -311,17 +303,6 @@ def _agreement(errors: dict[str, Any]) -> str:
     if "top_k" not in errors:
         return ""
     return f"top-{errors['top_k']} {100 * errors['top_k_agreement']:.4g}%{ties_said(errors)}"
-
-
-def parse_top_k(items: list[str]) -> dict[str, int]:
-    """`OUTPUT:K` -> {output: K}; output names may themselves contain ':'."""
-    top_k: dict[str, int] = {}
-    for item in items:
-        name, _, k = item.rpartition(":")
-        if not name or not k.isdigit() or int(k) < 1:
-            raise NpuprepError(f"--top-k {item}: expected OUTPUT:K with K a whole number >= 1")
-        top_k[name] = int(k)
-    return top_k
 
 
 def _nodes(nodes: list[str]) -> str:

@@ -8,7 +8,12 @@ from typing import TYPE_CHECKING, Any
 from npuprep.cli.common import add_data, add_json, add_target, out, print_json, print_table, say
 
 if TYPE_CHECKING:
+    import onnx
+
+    from npuprep.ledger.kit import Kit
+    from npuprep.ledger.ledger import Ledger
     from npuprep.model_io import Model
+    from npuprep.profiles import TargetProfile, Throughput
     from npuprep.provenance import ConversionRecord
 
 help = ("estimate per format what the model costs on the target (roofline from published peaks), "
@@ -50,9 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidth", type=_bandwidth, metavar="GBS", help="set the memory bandwidth (GB/s)")
     p.add_argument("--export-kit", metavar="DIR", help="write the board timing kit (FP32 and converted "
                                                         "models, an input, time_models.py, README)")
-    p.add_argument("--measured", metavar="RESULTS", help="the kit's results.json: measured beside "
-                                                          "estimated, gaps over 2x flagged, and the "
-                                                          "sustained efficiency and per-node cost fitted")
+    p.add_argument("--measured", metavar="RESULTS", action="append",
+                   help="the kit's results.json: measured beside estimated, gaps over 2x flagged, "
+                        "and the sustained efficiency per format and the launch cost per op class "
+                        "fitted; repeat it with other models' results.json, each in its own kit "
+                        "folder, to fit them all at once")
     p.add_argument("--fit-on", choices=("median", "min"), default="median",
                    help="with --measured: the statistic the fit matches (min on a loaded machine, "
                         "where the median is the scheduler's)")
@@ -79,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     outputs.reads_model(args.model)
     outputs.reads_model(args.converted, "the converted model")
     outputs.reads(args.plan, "the --plan file")
-    outputs.reads(args.measured, "the --measured results")
+    for path in args.measured or []:
+        outputs.reads(path, "the --measured results")
     outputs.reads(args.data, "the --data samples", SAMPLE_FILES)
     outputs.reads_profile(args.target)
     if args.fitted_profile:
@@ -130,32 +138,7 @@ def run(args: argparse.Namespace) -> int:
     doc: dict[str, Any] = ledger.to_dict()
     fitted_profile = None
     if args.measured:
-        from npuprep.ledger.kit import (
-            check_results,
-            fit_throughput,
-            measured_on,
-            measured_rows,
-            read_results,
-        )
-
-        results = read_results(args.measured)
-        check_results(results, args.measured, models)
-        fit = fit_throughput(ledger, results, f"{args.fit_on}_ms")
-        doc["measured"] = {"device": results.get("device"), "measured_on": measured_on(results),
-                           "estimated_for": profile.throughput.unit or profile.name,
-                           "rows": [r.to_dict() for r in measured_rows(ledger, results)],
-                           "fit": fit.to_dict() if fit else None}
-        if fit is not None:
-            given = ", ".join([*(f"--peak {f}={v}" for f, v in args.peak),
-                               *([f"--bandwidth {args.bandwidth}"] if args.bandwidth else [])])
-            sources = {**profile.sources,
-                       **({"peak": f"set on the command line ({given})"} if args.peak else {}),
-                       **({"bandwidth": f"set on the command line ({given})"}
-                          if args.bandwidth else {}),
-                       "efficiency": (
-                f"Fitted by npuprep ledger --measured on {args.model} ({measured_on(results)}): "
-                f"{fit.statistic} = {fit.scale:.4g} x roofline + {fit.launch_us:.4g} us per node")}
-            fitted_profile = replace(profile, throughput=fit.throughput, sources=sources)
+        fitted_profile = _measured(args, doc, ledger, models, profile, throughput)
     if args.export_kit or fitted_profile is not None and args.fitted_profile:
         with outputs.open() as files:
             if args.export_kit:
@@ -176,6 +159,67 @@ def run(args: argparse.Namespace) -> int:
         say(f"kit written to {args.export_kit}: run time_models.py there (README.md), then "
             "--measured results.json")
     return 0
+
+
+def _measured(args: argparse.Namespace, doc: dict[str, Any], ledger: Ledger,
+              models: dict[str, onnx.ModelProto], profile: TargetProfile,
+              throughput: Throughput) -> TargetProfile | None:
+    """`--measured`: the model's own results beside its estimate; every kit's rows fitted at
+    once (ledger/fit.py); the profile with the fitted figures, None where nothing fits."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from npuprep.ledger.fit import METHOD, fit_points, fit_throughput
+    from npuprep.ledger.kit import check_results, measured_on, measured_rows, read_kit, read_results
+
+    statistic = f"{args.fit_on}_ms"
+    first = args.measured[0]
+    results = read_results(first)
+    check_results(results, first, models)
+    points = fit_points(Path(args.model).stem, ledger, results, statistic)
+    kits = [{"kit": Path(args.model).stem, "results": str(first), "measured_on": measured_on(results)}]
+    for path in args.measured[1:]:
+        other = read_results(path)
+        kit = read_kit(path, other)
+        name = Path(kit.model).stem
+        points += fit_points(name, _kit_ledger(kit, profile, throughput), other, statistic)
+        kits.append({"kit": name, "results": str(path), "measured_on": measured_on(other)})
+    fit = fit_throughput(points, throughput, statistic)
+    doc["measured"] = {"device": results.get("device"), "measured_on": measured_on(results),
+                       "estimated_for": profile.throughput.unit or profile.name, "kits": kits,
+                       "rows": [r.to_dict() for r in measured_rows(ledger, results)],
+                       "fit": fit.to_dict() if fit else None}
+    if fit is None:
+        return None
+    given = ", ".join([*(f"--peak {f}={v}" for f, v in args.peak),
+                       *([f"--bandwidth {args.bandwidth}"] if args.bandwidth else [])])
+    on = "; ".join(dict.fromkeys(k["measured_on"] for k in kits))
+    classes = ", ".join(f"{c} {v:.4g}" for c, v in fit.launch_us_by_class.items())
+    sources = {**profile.sources,
+               **({"peak": f"set on the command line ({given})"} if args.peak else {}),
+               **({"bandwidth": f"set on the command line ({given})"} if args.bandwidth else {}),
+               "efficiency": (
+        f"Fitted by npuprep ledger --measured on {', '.join(fit.kits)} ({on}), {fit.statistic}, "
+        f"{METHOD}: efficiency divided by {', '.join(f'{f} {s:.4g}' for f, s in fit.scales.items())}; "
+        f"launch us per node {classes} (others {fit.launch_us:.4g}); {fit.run_us:.4g} us per run")}
+    return replace(profile, throughput=fit.throughput, sources=sources)
+
+
+def _kit_ledger(kit: Kit, profile: TargetProfile, throughput: Throughput) -> Ledger:
+    """The ledger of a further kit's models, at its own input sizes, in its conversion's format."""
+    from npuprep.ledger.formats import stored_precision
+    from npuprep.ledger.ledger import build_ledger
+    from npuprep.numerics import formats
+    from npuprep.provenance import read_conversion
+
+    converted = kit.models.get("converted")
+    precision = None
+    if converted is not None:
+        record = read_conversion(converted)
+        precision = record.precision if record is not None else stored_precision(converted)
+    target = profile.resolve(precision if precision in formats() else None)
+    return build_ledger(kit.models["fp32"], target, name=kit.model, input_shapes=kit.input_shapes,
+                        throughput=throughput, converted=converted)
 
 
 def _recorded_pins(record: ConversionRecord, converted: Model) -> tuple[list[str], list[str]]:
@@ -290,10 +334,20 @@ def _print(doc: dict[str, Any]) -> None:
                      for r in measured["rows"]])
         fit = measured["fit"]
         if fit:
-            say(f"Fit: sustained efficiency x{number(fit['efficiency_scale'])}, "
-                f"{number(fit['launch_us'])} us per node: "
-                + ", ".join(f"{r['model']} {number(r['fitted_ms'])} ms (measured "
-                            f"{number(r['measured_ms'])})" for r in fit["rows"]))
+            say(f"Fit over {len(fit['rows'])} rows of {', '.join(fit['kits'])} "
+                f"({fit['fitted_on']}): sustained efficiency "
+                + ", ".join(f"{f} x{number(v)}" for f, v in fit["efficiency_scale"].items()))
+            say("launch per node: " + ", ".join(f"{c} {number(v)} us" for c, v in
+                                                fit["launch_us_by_class"].items())
+                + f"; per run {number(fit['run_us'])} us")
+            for fmt in fit["efficiency_unbounded"]:
+                say(f"{fmt}: the rows put its time under the launch costs; its efficiency is the "
+                    "fit's ceiling (1000x the profile's), not a measurement")
+            print_table("Fitted beside measured", ["kit", "row", "measured ms", "before fit ms",
+                                                   "fitted ms", "fitted/measured"],
+                        [(r["kit"], r["model"], number(r["measured_ms"]), number(r["estimated_ms"]),
+                          number(r["fitted_ms"]), f"{r['fitted_vs_measured']:.2f}")
+                         for r in fit["rows"]])
         if doc.get("fitted_profile"):
             say(f"fitted profile written to {doc['fitted_profile']}: pass it back with --target")
     if not out().quiet:

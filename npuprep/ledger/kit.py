@@ -2,7 +2,9 @@
 
 `export_kit` stages the kit in an OutputSet (written as a set or not at all); `read_results`
 reads what the runner wrote; `measured_rows` puts each measured median beside the ledger's
-estimate and flags a gap of more than 2x either way.
+estimate and flags a gap of more than 2x either way; `read_kit` reads the models and input
+sizes of the kit a further results.json sits in, checked against its fingerprint (fit.py fits
+them all at once).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import io
 import json
 import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +24,8 @@ import onnx
 from npuprep.errors import NpuprepError
 from npuprep.json_io import loads
 from npuprep.ledger.ledger import CONVERTED, Ledger
-from npuprep.ledger.roofline import Estimate
-from npuprep.model_io import fingerprint
+from npuprep.model_io import anchored, fingerprint, load_model
 from npuprep.output_files import OutputSet
-from npuprep.profiles import Throughput
 
 KIND = "ledger-kit"
 RESULTS_KIND = "ledger-results"
@@ -99,15 +99,16 @@ def _readme(manifest: Mapping[str, Any]) -> str:
     trt = []
     for m in manifest["models"]:
         flags = "".join(f" {shlex.quote(a)}" for a in m["trtexec_flags"])
-        trt.append(f"trtexec --onnx={m['model']}{flags} --shapes={shapes} --warmUp=0 "
+        trt.append(f"trtexec --onnx={m['model']}{flags} --shapes={shapes} --warmUp=500 "
                    f"--duration=0 --iterations={manifest['runs'] + manifest['warmup']} --avgRuns=1 "
                    f"--percentile=50,90 --useSpinWait --exportTimes={m['name']}_times.json")
     return "\n".join([
         f"# Timing kit for {manifest['model']} on {manifest['target']}",
         "",
         "Times the FP32 and converted models the way the ledger's estimate must be checked:",
-        f"{manifest['warmup']} warm-up runs, then the median and p90 of {manifest['runs']}, each model",
-        "in its own process, peak memory by the runtime's own counter, the device state noted.",
+        f"at least {manifest['warmup']} warm-up runs and until the clock has ramped up (two batch",
+        f"medians agree), then the median and p90 of {manifest['runs']}, each model in its own",
+        "process, peak memory by the runtime's own counter, the device state and clocks noted.",
         "Let the board settle first (no other load, fixed clocks where the board allows).",
         "",
         "## onnxruntime (any execution provider)",
@@ -133,9 +134,8 @@ def _readme(manifest: Mapping[str, Any]) -> str:
         "",
         "## Jetson Orin (TensorRT)",
         "",
-        f"Each line runs {manifest['warmup'] + manifest['runs']} timed iterations; `--from-trtexec` "
-        f"drops the first {manifest['warmup']}",
-        "as warm-up. Lock the clocks first (`sudo nvpmodel -m 0 && sudo jetson_clocks`); trtexec's",
+        f"Each line warms the GPU for 500 ms, then runs {manifest['warmup'] + manifest['runs']} "
+        f"timed iterations; `--from-trtexec` drops the first {manifest['warmup']} too. Lock the clocks first (`sudo nvpmodel -m 0 && sudo jetson_clocks`); trtexec's",
         "log gives the engine's device memory.",
         "",
         *(f"    {line}" for line in trt),
@@ -145,6 +145,12 @@ def _readme(manifest: Mapping[str, Any]) -> str:
         "## Back on the host",
         "",
         "    npuprep ledger MODEL --target T [CONVERTED.onnx] --measured results.json",
+        "",
+        "Kits of other models timed on the same board fit the profile together (efficiency per",
+        "format, launch cost per op class, cost per run); each results.json stays in its kit:",
+        "",
+        "    npuprep ledger MODEL --target T [CONVERTED.onnx] --measured results.json \\",
+        "        --measured ../kit_other/results.json --fitted-profile fitted.yaml",
         "",
     ])
 
@@ -221,108 +227,35 @@ def measured_on(results: Mapping[str, Any]) -> str:
 
 
 @dataclass(frozen=True)
-class Fit:
-    """measured = scale * roofline + launches * launch_us, fitted on the measured rows."""
+class Kit:
+    """A kit folder read back: its models by name and its input sizes."""
 
-    scale: float  # every sustained efficiency is divided by it
-    launch_us: float
-    throughput: Throughput
-    rows: tuple[tuple[str, float, float, float], ...]  # model, measured, before, after (ms)
-    statistic: str = "median_ms"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"efficiency_scale": 1 / self.scale, "launch_us": self.launch_us,
-                "efficiency": dict(self.throughput.efficiency), "fitted_on": self.statistic,
-                "rows": [{"model": m, "measured_ms": t, "estimated_ms": b, "fitted_ms": a}
-                         for m, t, b, a in self.rows]}
+    model: str  # the model it was exported for (manifest `model`)
+    models: dict[str, onnx.ModelProto]
+    input_shapes: dict[str, tuple[int, ...]]
 
 
-def _launches(estimate: Estimate) -> int:
-    return sum(1 for n in estimate.nodes if n.bound not in ("free",) and not n.fused)
-
-
-def fit_throughput(ledger: Ledger, results: Mapping[str, Any], statistic: str = "median_ms") -> Fit | None:
-    """Scale and per-node launch cost that put the estimates on the measured `statistic`
-    (`min_ms` on a loaded machine, where the median is the scheduler's): exact for two rows,
-    least squares beyond; the launch cost held at 0 where the fit would make it negative. None
-    where no row has an estimate (a figure unknown)."""
-    tp = ledger.throughput
-    points = []
-    for row in measured_rows(ledger, results):
-        estimate = ledger.get(CONVERTED if row.name == CONVERTED else row.name)
-        measured = results["models"][row.name].get(statistic)
-        if estimate is None or estimate.estimated_ms is None or not isinstance(measured, int | float):
-            continue
-        n = _launches(estimate)
-        points.append((row.name, float(measured), estimate.estimated_ms,
-                       estimate.estimated_ms - n * tp.launch_us / 1e3, n))
-    if not points:
-        return None
-    roof = np.array([p[3] for p in points])
-    launches = np.array([p[4] for p in points], dtype=float)
-    measured = np.array([p[1] for p in points])
-    formats = [f for f, v in tp.peak_tflops.items() if v is not None]
-    if len(points) >= 2:
-        solved, *_ = np.linalg.lstsq(np.stack([roof, launches], axis=1), measured, rcond=None)
-        if solved[0] > 0 and solved[1] >= 0:
-            scale, launch_ms = float(solved[0]), float(solved[1])
-            fitted = replace(tp, launch_us=round(launch_ms * 1e3, 6), efficiency={
-                f: round(tp.efficiency_of(f) / scale, 6) for f in (*formats, "bandwidth")})
-            rows = tuple((name, t, before, scale * r + n * launch_ms) for name, t, before, r, n in points)
-            return Fit(scale, launch_ms * 1e3, fitted, rows, statistic)
-    # One scale cannot hold both rows (a CPU without FP16 kernels runs FP16 slower than FP32):
-    # each format's nodes get their own, FP32's from the FP32 row, the rest from the other.
-    by_format = _per_format_scales(ledger, points)
-    if by_format is None:
-        scale = float(measured @ roof / (roof @ roof))
-        by_format = {f: scale for f in formats}
-    efficiency: dict[str, float] = {}
-    for f in formats:
-        s = by_format.get(f, by_format.get("fp32", 1.0))
-        efficiency[f] = round(tp.efficiency_of(f) / s, 6)
-        efficiency[f"bandwidth_{f}"] = round(tp.bandwidth_efficiency(f) / s, 6)
-    fitted = replace(tp, efficiency=efficiency, launch_us=0.0)
-    rows = tuple((name, t, before, _scaled_ms(ledger, name, by_format)) for name, t, before, _, _ in points)
-    return Fit(by_format.get("fp32", 1.0), 0.0, fitted, rows, statistic)
-
-
-def _row(ledger: Ledger, name: str) -> Estimate:
-    estimate = ledger.get(CONVERTED if name == CONVERTED else name)
-    assert estimate is not None  # fit_throughput kept only rows with an estimate
-    return estimate
-
-
-def _roofline_by_format(ledger: Ledger, name: str) -> dict[str, float]:
-    """A row's roofline time (launches left out) per node format, in ms."""
-    launch = ledger.throughput.launch_us / 1e3
-    out: dict[str, float] = {}
-    for n in _row(ledger, name).nodes:
-        if n.ms:
-            out[n.fmt] = out.get(n.fmt, 0.0) + n.ms - (0.0 if n.fused else launch)
-    return out
-
-
-def _scaled_ms(ledger: Ledger, name: str, scales: Mapping[str, float]) -> float:
-    return sum(scales.get(f, scales.get("fp32", 1.0)) * ms
-               for f, ms in _roofline_by_format(ledger, name).items())
-
-
-def _per_format_scales(ledger: Ledger, points: Sequence[tuple[str, float, float, float, int]]
-                       ) -> dict[str, float] | None:
-    """FP32's scale from the all-FP32 row, the other formats' from the other row; None where
-    the rows do not allow it (no FP32 row, or a scale that is not positive)."""
-    measured = {name: t for name, t, *_ in points}
-    if "fp32" not in measured or len(measured) < 2:
-        return None
-    fp32 = _roofline_by_format(ledger, "fp32").get("fp32")
-    if not fp32:
-        return None
-    s32 = measured["fp32"] / fp32
-    other = next(name for name in measured if name != "fp32")
-    parts = _roofline_by_format(ledger, other)
-    rest = sum(ms for f, ms in parts.items() if f != "fp32")
-    left = measured[other] - s32 * parts.get("fp32", 0.0)
-    if rest <= 0 or left <= 0:
-        return None
-    return {"fp32": s32, **{f: left / rest for f in parts if f != "fp32"}}
-
+def read_kit(results_path: str | Path, results: Mapping[str, Any]) -> Kit:
+    """The kit `results_path` sits in, its models checked against the results' fingerprint:
+    a results.json copied into another model's kit is refused (exit 2, one line)."""
+    folder = Path(results_path).parent
+    manifest_path = folder / "manifest.json"
+    try:
+        manifest = loads(manifest_path.read_text(encoding="utf-8"))
+    except OSError:
+        raise NpuprepError(f"{results_path}: no kit beside it ({manifest_path} missing): a further "
+                           "--measured must sit in the kit folder it timed") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise NpuprepError(f"{manifest_path}: not JSON ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("kind") != KIND:
+        raise NpuprepError(f"{manifest_path}: key 'kind': expected '{KIND}'")
+    models = {}
+    for entry in manifest.get("models") or []:
+        path = folder / str(entry["model"])
+        models[str(entry["name"])] = anchored(load_model(path, weights="file")).proto
+    found = results.get("kit")
+    if found != kit_fingerprint(models):
+        raise NpuprepError(f"{results_path}: key 'kit': fingerprint {found!r} is not its kit's "
+                           f"models' {kit_fingerprint(models)!r} (results of another model)")
+    shapes = {str(i["name"]): tuple(int(d) for d in i["shape"]) for i in manifest.get("inputs") or []}
+    return Kit(str(manifest.get("model") or folder.name), models, shapes)

@@ -29,8 +29,8 @@ from npuprep.profiles import Pinning, ResolvedTarget, TargetProfile, Throughput
 SCHEMA_VERSION = 1
 KIND = "ledger"
 CAVEAT = ("estimate: roofline max(FLOPs / dense peak, bytes / bandwidth) per node, from published "
-          "figures, scaled by the profile's sustained efficiency, plus its per-node launch cost; "
-          "no caching. Measure on the board (--export-kit), fit with --measured.")
+          "figures, scaled by the profile's sustained efficiency, plus the launch cost of its op "
+          "class and a per-run cost; no caching. Measure on the board (--export-kit), fit with --measured.")
 EIGHT_BIT = ("int8", "fp8_e4m3", "fp8_e5m2")
 CONVERTED = "converted"
 
@@ -185,7 +185,7 @@ def build_ledger(model: onnx.ModelProto, target: ResolvedTarget, *, name: str = 
     def mixed(label: str, mac: str, rest: str) -> Estimate:
         costs = planned_costs(graph, lambda n, _: mac if n.op_type in MAC_OPS else rest, tp, shapes,
                               types, flops, casts=False)
-        return Estimate(label, tuple(costs), _unknown(profile, tp, costs))
+        return Estimate(label, tuple(costs), _unknown(profile, tp, costs), tp.run_us / 1e3)
 
     estimates = [mixed("fp32", "fp32", "fp32")]
     # Ampere and later run FP32 Conv/MatMul as TF32 by default (TensorRT, cuDNN, cuBLAS).
@@ -210,8 +210,8 @@ def build_ledger(model: onnx.ModelProto, target: ResolvedTarget, *, name: str = 
         costs_c = planned_costs(model, lambda n, label: "fp32" if label in keep else precision,
                                 tp, shapes, types, flops, casts=True)
     if costs_c is not None:
-        estimates.append(Estimate(CONVERTED, tuple(costs_c),
-                                  _unknown(profile, tp, costs_c)))
+        estimates.append(Estimate(CONVERTED, tuple(costs_c), _unknown(profile, tp, costs_c),
+                                  tp.run_us / 1e3))
     sources = {k: v for k, v in profile.sources.items()
                if k in ("peak", "bandwidth", "throughput", "efficiency", "fusion", "assumed")}
     computed = {n.node for n in estimates[0].nodes if n.bound != "free"}

@@ -3,10 +3,13 @@
 An estimate: one dense peak per format for the unit that runs the model and one memory
 bandwidth, each scaled by the share a sustained kernel reaches (the profile's `efficiency`, 1
 unless measured), every node reads its inputs and writes its outputs once (no cache reuse) and costs
-the profile's per-node launch. Where the profile says the compiler fuses, an activation or
-elementwise op that is its producer's only reader runs in that producer's epilogue: it moves
-only its other operands and launches nothing. Reshape-like views and constant folding move
-nothing.
+the launch cost of its class (`ops.LAUNCH_CLASSES`: a GEMM, an elementwise op, a reduction...
+each at the profile's figure), and every run the profile's per-inference cost. Where the
+profile says the compiler fuses, an activation or elementwise op that is its producer's only
+reader runs in that producer's epilogue: it moves only its other operands and launches nothing.
+Views and aliases (Reshape, Squeeze, Identity, Shape..., and the layout ops the profile names
+views) move nothing and launch nothing unless the profile gives views a cost; integer shape
+arithmetic is folded (formats.py).
 """
 
 from __future__ import annotations
@@ -18,15 +21,15 @@ from typing import Any
 
 import onnx
 
-from npuprep.ops import GATHER_OPS, NON_COMPUTE_OPS
+from npuprep.ops import GATHER_OPS, launch_class
 from npuprep.profiles import Throughput
 
 BYTES_PER_ELEMENT: dict[str, float] = {
     "fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "int4": 0.5,
 }
-# A compiler turns these into views or folds them at build time: no time on the device (a
-# weight's DequantizeLinear is folded into the weight).
-FREE_OPS = NON_COMPUTE_OPS | {"DequantizeLinear"}
+# A weight's DequantizeLinear is folded into the weight at build time; a compiler turns views
+# into no kernel at all (launch class `view`).
+FOLDED_OPS = frozenset({"DequantizeLinear"})
 # What compilers fold into the producing kernel's epilogue (TensorRT's pointwise fusion, NPU
 # compilers' activation fusion): unary activations and binary elementwise ops.
 FUSABLE_OPS = frozenset({"Relu", "LeakyRelu", "PRelu", "Sigmoid", "Tanh", "Clip", "HardSigmoid",
@@ -47,16 +50,25 @@ class NodeCost:
     bound: str  # compute | memory | free | unknown
     cast: bool = False
     fused: bool = False  # runs in its producer's epilogue
+    launch_class: str = "view"  # ops.LAUNCH_CLASSES; what a launch of this node costs
+    launch_ms: float = 0.0  # the launch within `ms`
+
+    @property
+    def launches(self) -> bool:
+        """Whether the node pays a launch (not fused, not folded, a view only where views cost)."""
+        return self.launch_ms > 0 or not self.fused and self.bound != "free"
 
     def to_dict(self) -> dict[str, Any]:
         return {"node": self.node, "op_type": self.op_type, "format": self.fmt,
                 "flops": self.flops, "bytes": self.bytes, "estimated_ms": self.ms,
-                "bound": self.bound, "cast": self.cast, "fused": self.fused}
+                "bound": self.bound, "cast": self.cast, "fused": self.fused,
+                "launch_class": self.launch_class, "launch_ms": self.launch_ms}
 
 
 def roofline_ms(flops: float, nbytes: float, fmt: str, throughput: Throughput, *,
-                launches: int = 1) -> tuple[float | None, str]:
-    """(milliseconds, bound) of one node; (None, 'unknown') when a needed figure is unknown."""
+                launch_us: float = 0.0) -> tuple[float | None, str]:
+    """(milliseconds, bound) of one node plus its launch; (None, 'unknown') when a needed
+    figure is unknown."""
     if flops == 0 and nbytes == 0:
         return 0.0, "free"
     peak = throughput.peak(fmt)
@@ -65,7 +77,7 @@ def roofline_ms(flops: float, nbytes: float, fmt: str, throughput: Throughput, *
         return None, "unknown"
     compute = 1e3 * flops / (peak * 1e12 * throughput.efficiency_of(fmt))
     memory = 1e3 * nbytes / (bandwidth * 1e9 * throughput.bandwidth_efficiency(fmt))
-    ms = max(compute, memory) + launches * throughput.launch_us / 1e3
+    ms = max(compute, memory) + launch_us / 1e3
     return ms, "compute" if compute >= memory else "memory"
 
 
@@ -76,8 +88,12 @@ def node_cost(node: onnx.NodeProto, label: str, fmt: str, flops: int,
     (a gather's table only as far as it is read). `fused_from`: the producer's output this
     node reads in that producer's epilogue (neither it nor this node's output goes to memory
     apart from the producer's write, which the producer pays)."""
-    if free or node.op_type in FREE_OPS:
-        return NodeCost(label, node.op_type, fmt, 0, 0, 0.0, "free", node.op_type == "Cast")
+    kind = throughput.launch_class_of(node.op_type)
+    if free or kind == "view" or node.op_type in FOLDED_OPS:
+        # Folded at build time (free), or a view: only a launch where the profile says views cost.
+        launch = throughput.launch_of("view") / 1e3 if kind == "view" and not free else 0.0
+        return NodeCost(label, node.op_type, fmt, 0, 0, launch, "free", node.op_type == "Cast",
+                        launch_class=kind, launch_ms=launch)
     gather = node.op_type in GATHER_OPS and bool(node.output)
     inputs = node.input[1:] if gather else node.input
     names = dict.fromkeys(t for t in (*inputs, *node.output) if t)
@@ -89,10 +105,10 @@ def node_cost(node: onnx.NodeProto, label: str, fmt: str, flops: int,
         nbytes += int(math.prod(shapes.get(node.output[0], ())) * itemsize(node.output[0]))
     # A fused op's arithmetic hides under its producer's memory traffic: only its other
     # operands cost time.
-    ms, bound = roofline_ms(0 if fused_from else flops, nbytes, fmt, throughput,
-                            launches=0 if fused_from else 1)
+    launch_us = 0.0 if fused_from else throughput.launch_of(kind)
+    ms, bound = roofline_ms(0 if fused_from else flops, nbytes, fmt, throughput, launch_us=launch_us)
     return NodeCost(label, node.op_type, fmt, flops, nbytes, ms, bound, node.op_type == "Cast",
-                    fused_from is not None)
+                    fused_from is not None, kind, launch_us / 1e3)
 
 
 def fused_inputs(nodes: Sequence[onnx.NodeProto], graph_outputs: Collection[str]) -> dict[int, str]:
@@ -107,7 +123,7 @@ def fused_inputs(nodes: Sequence[onnx.NodeProto], graph_outputs: Collection[str]
     for i, n in enumerate(nodes):
         src = n.input[0] if n.op_type in FUSABLE_OPS and n.input else ""
         p = producer.get(src)
-        if (p is not None and p.op_type not in FREE_OPS and p.op_type != "Cast"
+        if (p is not None and launch_class(p.op_type) not in ("view", "cast")
                 and readers.get(src) == 1 and src not in graph_outputs):
             fused[i] = src
     return fused
@@ -118,8 +134,10 @@ def cast_cost(tensor: str, elements: int, src: str, dst: str, throughput: Throug
     the unit of its narrower side."""
     nbytes = int(elements * (BYTES_PER_ELEMENT[src] + BYTES_PER_ELEMENT[dst]))
     unit = src if dst == "fp32" else dst
-    ms, bound = roofline_ms(elements, nbytes, unit, throughput)
-    return NodeCost(f"Cast({tensor}) {src}->{dst}", "Cast", unit, elements, nbytes, ms, bound, True)
+    launch_us = throughput.launch_of("cast")
+    ms, bound = roofline_ms(elements, nbytes, unit, throughput, launch_us=launch_us)
+    return NodeCost(f"Cast({tensor}) {src}->{dst}", "Cast", unit, elements, nbytes, ms, bound, True,
+                    launch_class="cast", launch_ms=launch_us / 1e3)
 
 
 @dataclass(frozen=True)
@@ -129,12 +147,13 @@ class Estimate:
     label: str
     nodes: tuple[NodeCost, ...]
     unknown: str = ""  # why the time is unknown
+    run_ms: float = 0.0  # per inference, beside the nodes (the profile's run_us)
 
     @property
     def estimated_ms(self) -> float | None:
         if any(n.ms is None for n in self.nodes):
             return None
-        return sum(n.ms or 0.0 for n in self.nodes)
+        return sum(n.ms or 0.0 for n in self.nodes) + self.run_ms
 
     def ms_where(self, keep: Callable[[NodeCost], bool]) -> float | None:
         if self.estimated_ms is None:

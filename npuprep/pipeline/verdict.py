@@ -70,7 +70,7 @@ def _precision_limited(result: ConversionResult, checks: list[OutputCheck]) -> s
               f"first divergent node '{first.node}'" if first is not None else
               "no single layer is over the tolerance under the layer-by-layer emulation")
     return (f"outputs off by rel L2 {number(worst)} with no Inf/NaN ({result.precision.upper()} "
-            f"precision; --top-k or --rtol are yours): {source}")
+            f"precision; --metric, --top-k or --rtol are yours): {source}")
 
 
 def _overfit(calibration: OutputCheck | None, held: OutputCheck | None) -> str:

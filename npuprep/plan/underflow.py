@@ -3,7 +3,9 @@
 The mirror of a rescale down: the smallest power of two that lifts all but a small share
 of the tensor out of the subnormal range without passing the limit. Where the domain
 reaches a graph output, the rewrite multiplies it back by 2^-j in FP32, after the output
-Cast, so the caller sees the reference's values.
+Cast, so the caller sees the reference's values; an output whose true range lies wholly under
+the smallest normal leaves the device scaled instead and the host multiplies it back
+(`plan/host_scale.py`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import replace
 
 from npuprep.plan.actions import Declined
 from npuprep.plan.context import Outcome, PlanContext, Problem
+from npuprep.plan.host_scale import host_scaled_outputs
 from npuprep.plan.rescale_domain import UNDERFLOW_SHARE, checked, entries_for, pow2, rescale_action
 
 
@@ -50,8 +53,14 @@ def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outc
             ctx.declined.extend(declines)
             action = rescale_action(ctx, entry, check, (ref,), tensor, r.absmax, "")
             exits = [e for e in check.exits if e in ctx.graph_outputs]
-            how = (f"; {', '.join(exits)} multiplied back by {pow2(-j)} in FP32 after the "
-                   "output Cast" if exits else "")
+            true = {e: a.absmax for e in exits if (a := ctx.range_of(e)) is not None}
+            hosted = sorted(host_scaled_outputs(exits, true, ctx.target))
+            on_device = [e for e in exits if e not in hosted]
+            how = "".join((
+                f"; {', '.join(on_device)} multiplied back by {pow2(-j)} in FP32 after the "
+                "output Cast" if on_device else "",
+                f"; {', '.join(hosted)} leaves the device scaled, the host multiplies it back "
+                f"by {pow2(-j)}" if hosted else ""))
             return replace(action, why=(f"{base:.1%} of {tensor} lies below the smallest "
                                         f"{ctx.fmt.name} normal; " + action.why + how))
         declines.append(Declined("rescale", entry, reason, (ref,)))

@@ -29,7 +29,8 @@ def ledger_markdown(ledger: Mapping[str, Any]) -> list[str]:
     unit = ledger["throughput"].get("unit") or "the target"
     lines = ["", "## What the pins cost (estimate)", "",
              f"Roofline per node on {md_text(unit)}: max(FLOPs / dense peak, bytes / bandwidth), from "
-             "the profile's published figures, its sustained efficiency, launch cost and fusion. "
+             "the profile's published figures, its sustained efficiency, launch cost per op class, "
+             "per-run cost and fusion. "
              "An estimate: time it on the board with `npuprep ledger --export-kit`.", "",
              "| format | estimated ms | vs FP32 | memory-bound time | casts |", "|---|---|---|---|---|"]
     for r in ledger["formats"]:

@@ -7,11 +7,14 @@
                            python time_models.py --from-trtexec fp32=fp32_times.json ...
     host:                  npuprep ledger MODEL --target T [CONVERTED] --measured results.json
 
-Each model runs in its own process: 50 warm-up runs, then the median and p90 of 200 timed
-runs (--warmup/--runs change them), and its peak memory by the runtime's own counter (the
-process's peak resident set, ru_maxrss, for onnxruntime on CPU and for RKNNLite; trtexec's
-own figures for TensorRT). The device's state (load, governor, temperatures, clocks) is
-recorded before the runs. Python 3.8 compatible; needs only numpy and the backend.
+Each model runs in its own process. It is warmed first, so an idle clock does not time its
+first runs: at least 50 runs (--warmup) and 0.3 s of work, then batches of runs until two
+consecutive batch medians agree within 5% (at most 10 s, --warm-max-s). Then the median and p90 of 200
+timed runs (--runs), and its peak memory by the runtime's own counter (the process's peak
+resident set, ru_maxrss, for onnxruntime on CPU and for RKNNLite; trtexec's own figures for
+TensorRT). The device's state (load, governor, temperatures, clocks) is recorded before the
+runs, and each model's clocks before its warm-up and after its timed runs, where the device
+lets them be read. Python 3.8 compatible; needs only numpy and the backend.
 """
 
 import argparse
@@ -74,21 +77,67 @@ def device_state():
     return state
 
 
+def clocks():
+    """The clocks a timing depends on, where they can be read: the GPU's SM clock
+    (nvidia-smi), devfreq devices (Rockchip NPU, Jetson GPU), CPU 0's frequency."""
+    state = {}
+    if shutil.which("nvidia-smi"):
+        query = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        state["gpu_sm"] = query.stdout.decode(errors="replace").strip()
+    for dev in sorted(glob.glob("/sys/class/devfreq/*")):
+        freq = _read(dev + "/cur_freq")
+        if freq:
+            state[os.path.basename(dev) + "_hz"] = freq
+    khz = _read("/sys/devices/system/cpu/cpu0/cpufreq/scaling_cur_freq")
+    if khz:
+        state["cpu0_khz"] = khz
+    return state
+
+
 def _inputs(manifest):
     return {i["name"]: np.load(os.path.join(HERE, i["file"])) for i in manifest["inputs"]}
 
 
-def _time(run, warmup, runs):
-    for _ in range(warmup):
-        run()
+WARM_S, WARM_BATCH, WARM_AGREE = 0.3, 20, 0.05
+
+
+def _timed(run, n):
     times = []
-    for _ in range(runs):
+    for _ in range(n):
         start = time.perf_counter()
         run()
         times.append(1e3 * (time.perf_counter() - start))
-    times.sort()
-    return {"median_ms": statistics.median(times), "p90_ms": times[int(0.9 * (len(times) - 1))],
-            "min_ms": times[0], "runs": runs, "warmup": warmup}
+    return times
+
+
+def _warm(run, warmup, most_s):
+    """At least `warmup` runs and WARM_S seconds of work, then batches until two consecutive
+    batch medians agree within WARM_AGREE (the clock has ramped up), at most `most_s`."""
+    start = time.perf_counter()
+    done = len(_timed(run, warmup))
+    while time.perf_counter() - start < WARM_S:
+        done += len(_timed(run, WARM_BATCH))
+    previous = statistics.median(_timed(run, WARM_BATCH))
+    done += WARM_BATCH
+    settled = False
+    while time.perf_counter() - start < most_s:
+        median = statistics.median(_timed(run, WARM_BATCH))
+        done += WARM_BATCH
+        if abs(median - previous) <= WARM_AGREE * max(median, previous):
+            settled = True
+            break
+        previous = median
+    return {"warmup": done, "warmup_s": time.perf_counter() - start, "warmup_settled": settled}
+
+
+def _time(run, args):
+    before = clocks()
+    warm = _warm(run, args.warmup, args.warm_max_s)
+    runs = args.runs
+    times = sorted(_timed(run, runs))
+    return dict(warm, median_ms=statistics.median(times), p90_ms=times[int(0.9 * (len(times) - 1))],
+                min_ms=times[0], runs=runs, clock_before=before, clock_after=clocks())
 
 
 def _peak_rss_mb():
@@ -122,7 +171,7 @@ def _time_ort(entry, feeds, args):
         if device != "cpu":
             binding.synchronize_outputs()
 
-    result = _time(run, args.warmup, args.runs)
+    result = _time(run, args)
     result["backend"] = "onnxruntime " + ort.__version__ + " " + ",".join(session.get_providers())
     result["provider"], result["device"] = providers[0], device
     result["io_binding"] = "inputs and outputs on " + device
@@ -200,7 +249,7 @@ def _time_torch(entry, feeds, args):
         return [env[o] for o in outputs]
 
     with torch.inference_mode():
-        result = _time(run, args.warmup, args.runs)
+        result = _time(run, args)
     result["backend"] = "torch " + torch.__version__ + " eager CUDA " + str(torch.version.cuda)
     result["provider"], result["device"] = "torch eager", torch.cuda.get_device_name(0)
     result["io_binding"] = "inputs, weights and outputs on cuda"
@@ -236,7 +285,7 @@ def time_one(name, args):
         if rknn.init_runtime() != 0:
             raise SystemExit("init_runtime failed")
         data = [feeds[i["name"]] for i in manifest["inputs"]]
-        result = _time(lambda: rknn.inference(inputs=data, data_format="nchw"), args.warmup, args.runs)
+        result = _time(lambda: rknn.inference(inputs=data, data_format="nchw"), args)
         result["backend"] = "RKNNLite"
         result["provider"], result["device"] = "RKNNLite", "NPU"
         result["versions"] = {"rknn_runtime": _rknn_version(rknn), "numpy": np.__version__}
@@ -273,6 +322,8 @@ def main():
     parser.add_argument("--providers", help="onnxruntime execution providers, comma-separated")
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--warm-max-s", type=float, default=10.0,
+                        help="the longest warm-up waits for two batch medians to agree")
     parser.add_argument("--out", default=os.path.join(HERE, "results.json"))
     parser.add_argument("--from-trtexec", nargs="+", metavar="NAME=TIMES.json",
                         help="turn trtexec --exportTimes files into results.json")
@@ -290,7 +341,8 @@ def main():
     else:
         for entry in manifest["models"]:
             cmd = [sys.executable, os.path.abspath(__file__), "--one", entry["name"],
-                   "--backend", args.backend, "--warmup", str(args.warmup), "--runs", str(args.runs)]
+                   "--backend", args.backend, "--warmup", str(args.warmup), "--runs", str(args.runs),
+                   "--warm-max-s", str(args.warm_max_s)]
             if args.providers:
                 cmd += ["--providers", args.providers]
             done = subprocess.run(cmd, stdout=subprocess.PIPE)
