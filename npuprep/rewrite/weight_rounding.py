@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -28,7 +27,7 @@ import onnx
 
 from npuprep.calibrate.layer_inputs import InputMoments, input_moments, layer_geometry
 from npuprep.data import Feed
-from npuprep.graph import constant_value, node_label, weight_bytes
+from npuprep.graph import attribute, constant_value, node_label, weight_bytes
 from npuprep.numerics import EightBitFormat
 from npuprep.rewrite.qdq import fp32_weight, weight_axis
 from npuprep.rewrite.qdq_weights import WeightStore, quantise_weight
@@ -66,17 +65,14 @@ class RoundedWeight:
 
 @dataclass(frozen=True)
 class LayerRounding:
-    """One layer's rounding in one format, for the conversion's record."""
+    """One layer's rounding in one format (its layers, joined where they share the weight),
+    its output error with nearest and with the rounding kept, the channels changed."""
 
     node: str
     format: str
     nearest: float
     error: float
     changed: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"node": self.node, "format": self.format, "nearest": self.nearest,
-                "error": self.error, "changed": self.changed}
 
 
 def levels(fmt: EightBitFormat) -> np.ndarray:
@@ -200,21 +196,15 @@ def _rows(node: onnx.NodeProto, w: np.ndarray) -> np.ndarray:
     groups, k = layer_geometry(node, w) or (1, 0)
     if node.op_type == "Conv":
         return w.reshape(groups, w.shape[0] // groups, k).astype(np.float64)
-    transposed = node.op_type == "Gemm" and bool(_attr(node, "transB"))
+    transposed = node.op_type == "Gemm" and bool(attribute(node, "transB", 0))
     return (w if transposed else w.T)[None].astype(np.float64)
 
 
 def _from_rows(node: onnx.NodeProto, rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     if node.op_type == "Conv":
         return rows.reshape(shape)
-    transposed = node.op_type == "Gemm" and bool(_attr(node, "transB"))
+    transposed = node.op_type == "Gemm" and bool(attribute(node, "transB", 0))
     return rows[0] if transposed else rows[0].T
-
-
-def _attr(node: onnx.NodeProto, name: str) -> int:
-    from npuprep.graph import attribute
-
-    return int(attribute(node, name, 0))
 
 
 def _channel_errors(d: np.ndarray, h: np.ndarray) -> np.ndarray:
