@@ -8,8 +8,9 @@ dominant layer's, so no re-ranking after widening the head is needed. Heads of 1
 of that order are tried until one passes (or the longest the budget takes); the shortest
 passing head is then found by halving between the last failing and the first passing. On a
 target with a second 8-bit format (INT8 and FP8), the heads are tried in that format first
-(where the whole ranking in it passes): they stay in 8 bits. Every head tried is a point of
-the share/error curve the result reports.
+(where the whole ranking in it passes): they stay in 8 bits. Where it does not pass but errs
+less than the asked format, the heads kept FP16 are tried from both, and the better search
+kept. Every head tried is a point of the share/error curve the result reports.
 """
 
 from __future__ import annotations
