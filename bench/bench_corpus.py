@@ -3,6 +3,7 @@
 Run: python bench/bench_corpus.py [--only NAME ...] [--target a2000] [--out bench/_work/corpus]
      python bench/bench_corpus.py --extra2 DIR [--out ...]   the ten models that
        ../shared/corpus/extra2_models.sh DIR builds (calib/ and holdout/ samples per model)
+     [--autocast]   also NVIDIA ModelOpt's AutoCast on each model (slow; off by default)
 
 Per corpus model (bench/corpus.py builds them; this script builds what is missing):
 - `npuprep check/calibrate/convert/compare --emulate` as subprocesses (the CLI a user types),
@@ -20,6 +21,12 @@ Per corpus model (bench/corpus.py builds them; this script builds what is missin
   against the original FP32 model: worst relative L2 error over samples, max abs error
   where both are finite, and the count of Inf/NaN where the FP32 output is finite.
 The judge is written here, independent of npuprep's own emulation, and works at any opset.
+- with `--autocast`, ModelOpt's AutoCast (`python -m modelopt.onnx.autocast --low_precision_type
+  fp16 --keep_io_types --providers cpu --calibration_data calib/`, nvidia-modelopt in its own
+  venv: $NPUPREP_MODELOPT_PYTHON, default ~/.cache/npuprep/e8goal/modelopt-venv) timed as a
+  process (killed past --autocast-max-mb resident or --autocast-timeout s) and its model
+  judged by the same held-out judge; clean means rel L2 <= 1e-2, no Inf/NaN and at most 10%
+  of the Conv/MatMul/Gemm multiply-adds FP32, the gate npuprep's verdict applies.
 
 Writes OUT.md (the table for BENCHMARKS.md) and OUT.json (every measurement).
 """
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -48,6 +56,10 @@ import corpus  # noqa: E402 - the sibling script, run from anywhere
 
 COMMANDS = ("check", "calibrate", "convert", "compare")
 FP16 = TensorProto.FLOAT16
+MODELOPT = Path(os.environ.get("NPUPREP_MODELOPT_PYTHON",
+                               Path.home() / ".cache/npuprep/e8goal/modelopt-venv/bin/python"))
+# The gate npuprep's verdict applies (held-out rel L2, FP32 share of the multiply-adds).
+GATE_REL_L2, GATE_FP32_MACS = 1e-2, 0.10
 
 
 @dataclass
@@ -85,6 +97,25 @@ class Row:
     naive_loads: str = ""
     naive_error: Judgement | str | None = None
     decided_by: list[str] = field(default_factory=list)
+    autocast: AutoCast | None = None
+
+
+@dataclass
+class AutoCast:
+    """ModelOpt AutoCast on one model: its wall time and peak RSS, what went wrong (if it
+    did), and its model under the held-out judge with its FP32 share of multiply-adds."""
+
+    seconds: float
+    peak_mb: float
+    error: str = ""
+    judged: Judgement | str | None = None
+    macs_fp32_share: float | None = None
+
+    @property
+    def clean(self) -> bool:
+        j = self.judged
+        return (not self.error and isinstance(j, Judgement) and j.nonfinite == 0 and j.rel_l2 <= GATE_REL_L2
+                and self.macs_fp32_share is not None and self.macs_fp32_share <= GATE_FP32_MACS)
 
 
 def first_error(stderr: str) -> str:
@@ -247,7 +278,68 @@ def load_samples(folder: Path) -> list[dict[str, np.ndarray]]:
     return [dict(np.load(p)) for p in sorted(folder.glob("*.npz"))]
 
 
-def bench_model(entry: dict, root: Path, out: Path, target: str) -> Row:
+def run_autocast(model: Path, calib: Path, heldout: Path, out: Path, max_mb: int, timeout: float) -> AutoCast:
+    """AutoCast FP16 on `model` as its user runs it, timed as a whole process, killed past
+    `max_mb` resident or `timeout` s; its model judged on `heldout` like npuprep's."""
+    if not MODELOPT.is_file():
+        return AutoCast(0.0, 0.0, f"not run: no modelopt venv at {MODELOPT}")
+    out.unlink(missing_ok=True)
+    cmd = [str(MODELOPT), "-m", "modelopt.onnx.autocast", "--onnx_path", str(model), "--output_path",
+           str(out), "--low_precision_type", "fp16", "--calibration_data", str(calib), "--keep_io_types",
+           "--providers", "cpu"]
+    t0, peak, killed = time.perf_counter(), 0.0, ""
+    with open(out.with_suffix(".log"), "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            time.sleep(0.2)
+            peak = max(peak, _rss_mb(proc.pid))
+            if peak > max_mb or time.perf_counter() - t0 > timeout:
+                proc.kill()
+                killed = (f"killed past {max_mb} MB resident" if peak > max_mb
+                          else f"killed after {timeout:g} s")
+        proc.wait()
+    seconds = time.perf_counter() - t0
+    if killed or proc.returncode or not out.exists():
+        tail = [ln for ln in out.with_suffix(".log").read_text(errors="replace").splitlines() if ln.strip()]
+        return AutoCast(seconds, peak, killed or f"exit {proc.returncode}: {(tail or ['?'])[-1].strip()[:140]}")
+    converted = onnx.load(str(out))
+    samples = load_samples(heldout)
+    return AutoCast(seconds, peak, "", try_judge(session(str(model)), converted, samples),
+                    _fp32_mac_share(converted, samples[0] if samples else {}))
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _fp32_mac_share(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> float | None:
+    """Share of the Conv/MatMul/Gemm multiply-adds of `model` whose output it types FP32 (an
+    FP16 model's nodes left wide), at `feed`'s input shapes."""
+    from npuprep.flops import node_flops
+    from npuprep.graph import node_label
+
+    try:
+        flops = node_flops(model, {k: tuple(v.shape) for k, v in feed.items()})
+        low = fp16_tensors(model)
+    except Exception:  # a model shape inference refuses: no share, said as '-'
+        return None
+    total = wide = 0
+    for g in graphs(model.graph):
+        for node in g.node:
+            if node.op_type in ("Conv", "ConvTranspose", "MatMul", "Gemm") and node.output:
+                n = flops.get(node_label(node), 0)
+                total += n
+                wide += 0 if node.output[0] in low else n
+    return wide / total if total else 0.0
+
+
+def bench_model(entry: dict, root: Path, out: Path, target: str, autocast: tuple[int, float] | None = None) -> Row:
     name = entry["name"]
     model_path = root / entry["path"]
     calib, heldout = root / name / "calib", root / name / entry.get("heldout_dir", "heldout")
@@ -285,6 +377,8 @@ def bench_model(entry: dict, root: Path, out: Path, target: str) -> Row:
     if converted.exists():
         row.npuprep_loads = loads(str(converted)) + checker(converted) + opset_change(m, converted)
         row.npuprep_error = try_judge(reference, onnx.load(str(converted)), samples)
+    if autocast is not None:
+        row.autocast = run_autocast(model_path, calib, heldout, work / "autocast.onnx", *autocast)
 
     from onnxconverter_common.float16 import convert_float_to_float16
 
@@ -337,9 +431,11 @@ def row_from_json(d: dict) -> Row:
     def judgement(v: dict | str | None) -> Judgement | str | None:
         return Judgement(**v) if isinstance(v, dict) else v
 
-    row = Row(**{k: v for k, v in d.items() if k not in ("commands", "npuprep_error", "naive_error")})
+    row = Row(**{k: v for k, v in d.items() if k not in ("commands", "npuprep_error", "naive_error", "autocast")})
     row.commands = {k: Outcome(**v) for k, v in d["commands"].items()}
     row.npuprep_error, row.naive_error = judgement(d["npuprep_error"]), judgement(d["naive_error"])
+    if d.get("autocast"):
+        row.autocast = AutoCast(**{**d["autocast"], "judged": judgement(d["autocast"]["judged"])})
     return row
 
 
@@ -364,6 +460,42 @@ def table(rows: list[Row], target: str) -> str:
     return "\n".join(lines)
 
 
+def judged_clean(j: Judgement | str | None, macs: float | None) -> bool:
+    """The gate on the bench's own judge: held-out rel L2, no Inf/NaN, FP32 multiply-adds."""
+    return (isinstance(j, Judgement) and j.nonfinite == 0 and j.rel_l2 <= GATE_REL_L2
+            and macs is not None and macs <= GATE_FP32_MACS)
+
+
+def autocast_table(rows: list[Row]) -> str:
+    """npuprep's convert beside AutoCast's, per model: time, held-out judge, FP32 MACs, clean."""
+    lines = ["| model | npuprep convert s (exit) | npuprep rel L2 / Inf-NaN | npuprep FP32 MACs | clean "
+             "| AutoCast s | AutoCast peak MB | AutoCast rel L2 / Inf-NaN | AutoCast FP32 MACs | clean |",
+             "|" + "---|" * 10]
+    for r in rows:
+        a, conv = r.autocast, r.commands.get("convert")
+        if a is None or conv is None:
+            continue
+        mine = r.npuprep_error
+        theirs = a.error or (a.judged if isinstance(a.judged, str) else
+                             "-" if a.judged is None else f"{a.judged.rel_l2:.2g} / {a.judged.nonfinite}")
+        lines.append(
+            f"| {r.name} | {conv.seconds:.1f} ({conv.rc}) | "
+            f"{mine if isinstance(mine, str) or mine is None else f'{mine.rel_l2:.2g} / {mine.nonfinite}'} | "
+            f"{_percent(r.macs_fp32_share)} | {'yes' if judged_clean(mine, r.macs_fp32_share) else 'no'} | "
+            f"{a.seconds:.1f} | {a.peak_mb:.0f} | {theirs} | {_percent(a.macs_fp32_share)} | "
+            f"{'yes' if a.clean else 'no'} |")
+    counted = [r for r in rows if r.autocast is not None]
+    ours = sum(judged_clean(r.npuprep_error, r.macs_fp32_share) for r in counted)
+    theirs = sum(r.autocast.clean for r in counted if r.autocast is not None)
+    lines.append(f"\nClean (held-out rel L2 <= {GATE_REL_L2:g}, no Inf/NaN, FP32 multiply-adds <= "
+                 f"{100 * GATE_FP32_MACS:g}%): npuprep {ours} of {len(counted)}, AutoCast {theirs} of {len(counted)}.")
+    return "\n".join(lines)
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.1f}%"
+
+
 def failures(rows: list[Row]) -> str:
     out = []
     for r in rows:
@@ -381,6 +513,11 @@ def main() -> int:
     ap.add_argument("--render", action="store_true", help="only re-render OUT.md from OUT.json")
     ap.add_argument("--extra2", type=Path, metavar="DIR",
                     help="the models extra2_models.sh built in DIR instead of bench/corpus.py's")
+    ap.add_argument("--autocast", action="store_true",
+                    help="also ModelOpt's AutoCast FP16 on each model, timed and judged alike")
+    ap.add_argument("--autocast-max-mb", type=int, default=8000,
+                    help="kill AutoCast past this resident memory (default 8000)")
+    ap.add_argument("--autocast-timeout", type=float, default=1800, help="kill AutoCast after this many s")
     args = ap.parse_args()
     if args.render:
         rows = [row_from_json(d) for d in json.loads(args.out.with_suffix(".json").read_text())]
@@ -401,7 +538,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for entry in entries:
-        row = bench_model(entry, root, args.out, args.target)
+        row = bench_model(entry, root, args.out, args.target,
+                          (args.autocast_max_mb, args.autocast_timeout) if args.autocast else None)
         rows.append(row)
         print(table([row], args.target).splitlines()[-1], flush=True)
     (args.out.with_suffix(".json")).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
@@ -421,6 +559,8 @@ def extra2_entries(folder: Path, only: list[str] | None) -> list[dict]:
 
 def write_table(rows: list[Row], out: Path, target: str) -> None:
     md = table(rows, target) + "\n\nCommands that failed (exit 2, or a traceback):\n\n" + failures(rows) + "\n"
+    if any(r.autocast is not None for r in rows):
+        md += "\nnpuprep beside AutoCast (same held-out judge):\n\n" + autocast_table(rows) + "\n"
     out.with_suffix(".md").write_text(md)
     print(f"\nwritten {out.with_suffix('.md')} and .json")
 

@@ -1,12 +1,16 @@
 """Convert's time and peak memory on a fully convolutional U-Net at 1x1x512x416 (issue 37).
 
-Run: python bench/bench_fcn_convert.py --out /tmp/fcn [--samples 3] [--build-only]
+Run: python bench/bench_fcn_convert.py --out /tmp/fcn [--samples 3] [--pixels 255] [--build-only]
+     [--autocast]   also ModelOpt's AutoCast on the same model and samples (bench_corpus's runner)
 
 An unseen FCN at 512x416 inputs did not finish converting in 30 minutes. This builds a
 plausible stand-in: a U-Net-ish encoder/decoder of 14 Conv+BatchNorm+ReLU layers (32-64
 channels, two MaxPool downs, two Resize ups with skip Concats), one 1x1 head and a Sigmoid,
 with `--samples` random images in `OUT/data/`. It then times `npuprep convert --target
-a2000` on it in a child process and reports the child's wall time and peak RSS.
+a2000` on it in a child process and reports the child's wall time and peak RSS; with
+`--autocast`, AutoCast's FP16 conversion of the same model with the same samples as its
+calibration data, timed the same way and judged on the last sample (npuprep holds that one
+out: 1 in 4 of --data) by bench_corpus's emulated-FP16 judge, beside npuprep's model.
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=3)
     ap.add_argument("--pixels", type=float, default=255.0, help="input range 0..PIXELS")
     ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--autocast", action="store_true", help="also time and judge ModelOpt's AutoCast")
     args = ap.parse_args()
     model, data = write_inputs(args.out, args.samples, args.pixels)
     if args.build_only:
@@ -111,6 +116,30 @@ def main() -> None:
     wall = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
     print(f"convert exit {rc}: {wall:.1f} s wall, peak RSS {peak:.2f} GB")
+    if args.autocast:
+        autocast(model, data, args.out)
+
+
+def autocast(model: Path, data: Path, out: Path) -> None:
+    """AutoCast on the same model and samples, and both conversions under the same judge."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_corpus  # the sibling script: its AutoCast runner and emulated-FP16 judge
+
+    held = out / "judged"
+    held.mkdir(exist_ok=True)
+    last = sorted(data.glob("*.npz"))[-1]
+    (held / last.name).write_bytes(last.read_bytes())
+    ran = bench_corpus.run_autocast(model, data, held, out / "autocast.onnx", 32000, 3600)
+    print(f"AutoCast: {ran.seconds:.1f} s wall, peak RSS {ran.peak_mb / 1024:.2f} GB{', ' + ran.error if ran.error else ''}; "
+          f"emulated FP16 on {last.name}: {bench_corpus.fmt_judgement(ran.judged)} (rel L2 / max abs / Inf-NaN), "
+          f"FP32 MACs {bench_corpus._percent(ran.macs_fp32_share)}")
+    converted = out / "converted.onnx"
+    if converted.exists():
+        import onnx
+
+        judged = bench_corpus.try_judge(bench_corpus.session(str(model)), onnx.load(str(converted)),
+                                        bench_corpus.load_samples(held))
+        print(f"npuprep: emulated FP16 on {last.name}: {bench_corpus.fmt_judgement(judged)}")
 
 
 if __name__ == "__main__":

@@ -539,3 +539,82 @@ def test_a_session_without_prepacked_weights_asks_onnxruntime_for_none(prepack):
         assert options.get_session_config_entry("session.disable_prepacking") == "1"
     x = np.ones((2, 4), np.float32)
     assert np.array_equal(run(session, {"x": x})["y"], x @ w)
+
+
+def test_fp16_scope_is_exact_for_fp16_and_bf16_and_details_less(special):
+    # The same graph calibrated for FP16/BF16 only: x (abs-max 100, past "auto"'s ordinary
+    # range, inside the fp16 scope's [2^-4, 2^14]) goes undetailed; big (4e5) keeps its detail.
+    from npuprep.calibrate.layout import SCOPES
+
+    model, samples = special
+    full = calibrate(model, samples, detail="all")
+    auto = calibrate(model, samples, detail="auto")
+    fp16 = calibrate(model, samples, detail="fp16")
+    scope = SCOPES["fp16"]
+    limit = 0.5 * 65504.0  # the profiles' headroom limit
+    assert fp16.detail == "fp16"
+    for name, f in full.tensors.items():
+        s = fp16.tensors[name]
+        for key in ("min", "max", "absmax", "count", "nan_count", "inf_count", "per_sample_absmax"):
+            assert getattr(s, key) == getattr(f, key), (name, key)
+        assert s.over == {fmt: f.over[fmt] for fmt in ("fp16", "bf16")}, name
+        assert s.fraction_above(limit) == f.fraction_above(limit), name
+        if s.complete:
+            assert (s.zero_count, s.exp_hist) == (f.zero_count, f.exp_hist), name
+        else:
+            assert all(scope.lo <= v <= scope.hi for v in f.per_sample_absmax), name
+    assert auto.tensors["x"].complete and fp16.tensors["x"].detailed_count == 0
+    assert fp16.tensors["big"].complete and fp16.tensors["big"].over["fp16"] > 0
+    # Saved and read back: the scope's range travels with the stats.
+    assert fp16.tensors["x"].ordinary_hi == scope.hi
+    assert type(fp16.tensors["x"]).from_dict(fp16.tensors["x"].to_dict()) == fp16.tensors["x"]
+
+
+def test_fp16_scoped_stats_are_refused_for_an_fp8_target(special):
+    from npuprep.analyse.measured import measured_findings
+    from npuprep.profiles import load_profile
+
+    model, samples = special
+    fp16 = calibrate(model, samples, detail="fp16")
+    assert measured_findings(model, load_profile("a2000").resolve("fp16"), fp16) is not None
+    with pytest.raises(NpuprepError, match="detail 'fp16'.*not fp8_e4m3"):
+        measured_findings(model, load_profile("a2000").resolve("fp8_e4m3"), fp16)
+
+
+# x -> Mul(x, x) -> sq -> Add(sq, 1e-10) -> fl -> Log -> y ;  x -> Mul(x, 300) -> big
+POWER_LOG = """
+<ir_version: 8, opset_import: ["" : 18]>
+power_log (float[4,64] x) => (float[4,64] y, float[4,64] big) {
+    sq = Mul(x, x)
+    eps = Constant<value = float {1e-10}>()
+    fl = Add(sq, eps)
+    y = Log(fl)
+    c = Constant<value = float {300.0}>()
+    big = Mul(x, c)
+}
+"""
+
+
+def test_fp16_scope_keeps_the_detail_of_a_power_spectrum_on_its_way_into_a_log(tmp_path, save):
+    # A spectrum spanning 1e-14 .. 324: most of it under FP16's smallest normal, which the
+    # Log magnifies; past 64 (and far past FP16's 2^-4 floor) the fp16 scope would call it
+    # ordinary, so the chain into the Log keeps "auto"'s range. `big` (abs-max ~5e3) has no Log.
+    from npuprep.calibrate.instrument import log_chains
+
+    model = load_model(save(POWER_LOG))
+    rng = np.random.default_rng(3)
+    arrays = []
+    for _ in range(3):
+        x = (rng.uniform(1e-7, 1e-5, (4, 64)) * rng.choice([-1, 1], (4, 64))).astype(np.float32)
+        x[0, :4] = rng.uniform(10, 18, 4)
+        arrays.append(x)
+    samples = load_samples(write_samples(tmp_path, arrays), model.proto)
+    assert log_chains(model.proto.graph) == {"fl", "sq", "x"}
+    full = calibrate(model, samples, detail="all")
+    fp16 = calibrate(model, samples, detail="fp16")
+    min_normal = 2.0**-14
+    for name in ("sq", "fl"):
+        assert fp16.tensors[name].complete and fp16.tensors[name].ordinary_hi == HI
+        below = fp16.tensors[name].fraction_below(min_normal)
+        assert below == full.tensors[name].fraction_below(min_normal) and below > 0.9
+    assert fp16.tensors["big"].absmax > HI and fp16.tensors["big"].detailed_count == 0

@@ -183,9 +183,14 @@ def test_data_movement_ops_get_no_rounding_chain_and_resize_scales_stay_fp32():
       y = Resize <mode = "nearest"> (r, , s)
     }""")
     emu = emulate(model, FP16, saturate=False)
-    assert "sq" in emu.rounded_tensors and "y" in emu.rounded_tensors
-    assert "r" not in emu.rounded_tensors
+    assert "sq" in emu.rounded_tensors
+    # A nearest Resize copies values, like the Reshape: the value is still FP16's (below).
+    assert "r" not in emu.rounded_tensors and "y" not in emu.rounded_tensors
     assert "s" not in emu.rounded_weights
+    linear = onnx.ModelProto()
+    linear.CopyFrom(model)
+    linear.graph.node[-1].attribute[0].s = b"linear"
+    assert "y" in emulate(linear, FP16, saturate=False).rounded_tensors
     x = np.full((1, 1, 2, 2), 1.0001, np.float32)
     y = run_model(emu.model, {"x": x})["y"]
     assert y.shape == (1, 1, 4, 4) and (y == np.float32(np.float16(np.float16(1.0001) ** 2))).all()

@@ -248,10 +248,16 @@ def test_a_cancellation_is_planned_fp32_both_elementwise_nodes_for_a_sliver_of_f
     assert any(r.rule == "precision.cancellation" for p in result.plan.pins() for r in p.findings)
 
 
+@pytest.mark.parametrize("switch", ["Where", "If"])
 @pytest.mark.parametrize(("fmt_name", "saturate"), [("fp16", False), ("fp8_e4m3", True)])
-def test_switched_rounding_gives_each_sets_own_emulation_bit_for_bit(fmt_name, saturate):
+def test_switched_rounding_gives_each_sets_own_emulation_bit_for_bit(fmt_name, saturate, switch, monkeypatch):
     # x -> MatMul(W)[mm] -> Add(B)[add] -> Relu[relu] -> Transpose[tr] -> Mul(h, h)[sq] -> y ; W also read by mm2
+    # (switched by a Where per tensor, or by an If as large tensors are)
+    import npuprep.verify.switched as switched_module
     from npuprep.verify.switched import switched_emulation
+
+    if switch == "If":
+        monkeypatch.setattr(switched_module, "IF_FROM_ELEMENTS", 1)
 
     rng = np.random.default_rng(7)
     model = parser.parse_model("""
@@ -271,6 +277,7 @@ def test_switched_rounding_gives_each_sets_own_emulation_bit_for_bit(fmt_name, s
         numpy_helper.from_array((rng.standard_normal((8,)) * 0.1 + 0.01).astype(np.float32), "B")])
     labels = ["mm", "add", "relu", "tr", "sq", "mm2"]
     switched = switched_emulation(model, fmt, saturate=saturate, candidates=labels)
+    assert {n.op_type for n in switched.model.graph.node} >= {switch}
     session = make_session(switched.model)
     feed = {"x": (rng.standard_normal((4, 8)) * 5.001).astype(np.float32)}
     for on in ({"mm"}, {"sq"}, {"tr"}, {"mm", "add", "relu"}, {"mm2"}, set(labels), set()):

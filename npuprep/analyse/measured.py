@@ -9,7 +9,9 @@ from collections.abc import Callable
 import onnx
 
 from npuprep.analyse.finding import Finding, Findings
+from npuprep.calibrate.layout import OVER_FORMATS, SCOPES, scope_of
 from npuprep.calibrate.stats import CalibrationStats, RangeStats
+from npuprep.errors import NpuprepError
 from npuprep.graph import to_array, walk_graphs
 from npuprep.model_io import Model
 from npuprep.numerics import NumberFormat
@@ -32,6 +34,11 @@ def measured_findings(
     ONNX types, says what ran in FP16.
     """
     profile, fmt = target.profile, target.fmt
+    covered = scope_of(stats.detail).formats if stats.detail in SCOPES else OVER_FORMATS
+    if fmt.name in OVER_FORMATS and fmt.name not in covered:
+        raise NpuprepError(f"statistics calibrated with detail {stats.detail!r} count values past the "
+                           f"max of {' and '.join(covered)} only, not {fmt.name}: calibrate with detail "
+                           "'auto' for it")
     ops = _producer_ops(model)
     stored_fp32 = kept_fp32(model) if as_stored else set()
     found: list[Finding] = []

@@ -25,7 +25,7 @@ def channel_absmax(model: onnx.ModelProto, tensors: Sequence[str],
 
     if not tensors:
         return {}
-    session = _probe_session(model, tensors)
+    session = probe_session(model, tensors)
     found: dict[str, list[np.ndarray]] = {t: [] for t in tensors}
     for feed in samples:
         for name, value in run(session, feed, list(tensors)).items():
@@ -42,7 +42,7 @@ def channel_means(model: onnx.ModelProto, tensors: Mapping[str, int],
 
     if not tensors:
         return {}
-    session = _probe_session(model, tensors)
+    session = probe_session(model, tensors)
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, int] = dict.fromkeys(tensors, 0)
     for feed in samples:
@@ -54,7 +54,7 @@ def channel_means(model: onnx.ModelProto, tensors: Mapping[str, int],
     return {t: (sums[t] / max(counts[t], 1)).astype(np.float32) for t in sums}
 
 
-def _probe_session(model: onnx.ModelProto, tensors: Iterable[str]) -> Any:
+def probe_session(model: onnx.ModelProto, tensors: Iterable[str]) -> Any:
     """A session of `model` that also returns `tensors` as outputs."""
     from npuprep.runtime.session import make_session
 

@@ -18,14 +18,13 @@ from onnx import TensorProto, helper, numpy_helper
 from npuprep.calibrate.layout import (
     FLAGGED,
     HEADER,
-    HI,
     HIST_BINS,
     HIST_OFFSET,
-    LO,
     OVER_FORMATS,
-    SMALLEST_MAX,
+    SCOPES,
     SUBNORMAL_SHIFT,
     WIDTH,
+    Scope,
     Wiring,
 )
 from npuprep.numerics import get_format
@@ -139,7 +138,8 @@ def detail_nodes(
     neg, top = n("neg"), n("absmax")
     nodes += [helper.make_node("Neg", [fn], [neg]), helper.make_node("Max", [fx, neg], [top])]
     counts = [size, size, nan_c]
-    # Counts above the formats' maxima are 0 unless abs-max passes the smallest of them. Each
+    # Counts above the formats' maxima are 0 unless abs-max passes the smallest of the scope's
+    # (a format outside the scope may count 0 wrongly: RangeStats leaves its count out). Each
     # NaN is an Inf in |x| here, above every max: the NaN count comes off.
     big, bigs = n("big"), n("bigs")
     over_names = [n("over") for _ in OVER_FORMATS]
@@ -393,6 +393,8 @@ CONST_ONE_DIM = "__npuprep_c_one_dim"
 CONST_ZERO_F = "__npuprep_c_zero_f"
 CONST_LO = "__npuprep_c_lo"
 CONST_HI = "__npuprep_c_hi"
+CONST_LO_NARROW = "__npuprep_c_lo_narrow"
+CONST_HI_NARROW = "__npuprep_c_hi_narrow"
 CONST_ZEROS_TAIL = "__npuprep_c_zeros_tail"
 CONST_NEG_INF = "__npuprep_c_neg_inf"
 CONST_POS_INF = "__npuprep_c_pos_inf"
@@ -431,13 +433,17 @@ def over_const(fmt: str) -> str:
     return f"__npuprep_c_max_{fmt}"
 
 
-def shared_constants() -> list[onnx.TensorProto]:
+def shared_constants(scope: Scope = SCOPES["auto"]) -> list[onnx.TensorProto]:
+    """The constants every instrumented graph shares; the ordinary range and the abs-max past
+    which the counts above the formats' maxima run are `scope`'s."""
     values = {
         CONST_FLAT: np.array([-1], np.int64),
         CONST_ONE_DIM: np.array([1], np.int64),
         CONST_ZERO_F: np.array([0.0], np.float32),
-        CONST_LO: np.array(LO, np.float32),
-        CONST_HI: np.array(HI, np.float32),
+        CONST_LO: np.array(scope.lo, np.float32),
+        CONST_HI: np.array(scope.hi, np.float32),
+        CONST_LO_NARROW: np.array(scope.range_of(True)[0], np.float32),
+        CONST_HI_NARROW: np.array(scope.range_of(True)[1], np.float32),
         CONST_ZEROS_TAIL: np.zeros(WIDTH - 1, np.int64),
         CONST_NEG_INF: np.array(-np.inf, np.float32),
         CONST_POS_INF: np.array(np.inf, np.float32),
@@ -456,7 +462,7 @@ def shared_constants() -> list[onnx.TensorProto]:
         CONST_MIN_NORMAL: np.array(np.finfo(np.float32).tiny, np.float32),
         CONST_SUBNORMAL_SCALE: np.array(2.0**SUBNORMAL_SHIFT, np.float32),
         CONST_SUBNORMAL_SHIFT: np.array(SUBNORMAL_SHIFT, np.int32),
-        CONST_SMALLEST_MAX: np.array([SMALLEST_MAX], np.float32),
+        CONST_SMALLEST_MAX: np.array([scope.smallest_max], np.float32),
         CONST_ZERO_OVER: np.zeros(len(OVER_FORMATS), np.int64),
         CONST_FLAG_ROW: FLAGGED * np.eye(1, WIDTH, HEADER.index("detailed"), np.int64)[0],
         CONST_ZERO_I32_S: np.array(0, np.int32),

@@ -18,7 +18,9 @@ plain inference, so with `detail="auto"` it runs only for a tensor-sample that i
 *ordinary*. Ordinary means finite with LO <= abs-max <= HI: then no value exceeds any format's
 max (all counts above are exactly 0), and values below a format's smallest normal lie below
 the tensor's own precision floor (abs-max x eps) for every format npuprep knows.
-`detail="all"` runs it everywhere. `detailed=` (a set of tensor names) keeps the detail
+`detail="fp16"` is "auto" exact for FP16 and BF16 only, with their wider ordinary range
+(npuprep.calibrate.layout.Scope). `detail="all"` runs it everywhere. `detailed=` (a set of
+tensor names) keeps the detail
 only for those tensors; any other tensor-sample that is not ordinary is flagged (FLAGGED in
 its "detailed" count) so the caller can rerun the sample on a graph that details it: the
 detail branches are most of a session's creation time, and few tensors ever need them.
@@ -59,7 +61,9 @@ from npuprep.calibrate.detail import (
     CONST_FLAG_ROW,
     CONST_FLAT,
     CONST_HI,
+    CONST_HI_NARROW,
     CONST_LO,
+    CONST_LO_NARROW,
     CONST_NEG_CHANNELS,
     CONST_ONE_DIM,
     CONST_ONES,
@@ -76,16 +80,17 @@ from npuprep.calibrate.detail import (
 )
 from npuprep.calibrate.layout import (
     ELEMS,
-    HI,
-    LO,
+    SCOPES,
     WIDTH,
+    Scope,
     Slot,
     Wiring,
+    scope_of,
 )
 from npuprep.graph import infer_tensors, node_label, producers, to_array
 from npuprep.model_io import model_opset
 from npuprep.numerics import FLOAT_ONNX_TYPES
-from npuprep.ops import GATHER_OPS, LAYOUT_OPS
+from npuprep.ops import GATHER_OPS, LAYOUT_OPS, MAC_OPS, SCALE_WALK_BACK
 
 # Ops whose output holds no NaN when every float input is finite: elementwise maps that can
 # only overflow to +-Inf (which max and min see), sums of finite values (once Inf, a sum stays
@@ -121,10 +126,17 @@ class Instrumented:
     # Row of a tensor without the L1 pass -> rows of the float inputs that must all be finite
     # for it to be NaN-free.
     nan_inputs: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    scope: Scope = SCOPES["auto"]  # its ordinary range (see npuprep.calibrate.layout.Scope)
 
     @cached_property
     def _gated_outside(self) -> np.ndarray:
         return np.array([s.gated_outside for s in self.slots], bool)
+
+    @cached_property
+    def ranges(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's ordinary range (lo, hi): the scope's, the "auto" one for narrow rows."""
+        pairs = [self.scope.range_of(s.narrow) for s in self.slots]
+        return np.array([lo for lo, _ in pairs], np.float64), np.array([hi for _, hi in pairs], np.float64)
 
     def read(self, values: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """FX, FN, I and L1 (see the module docstring) out of the session's `outputs`."""
@@ -134,9 +146,10 @@ class Instrumented:
 
     def ordinary(self, fx: np.ndarray, fn: np.ndarray, rows: np.ndarray, l1: np.ndarray) -> np.ndarray:
         """Per row, False where a row gated outside the graph is not ordinary (the in-graph
-        gate's test: finite, LO <= abs-max <= HI, or empty); True for every other row."""
+        gate's test: finite, lo <= abs-max <= hi, or empty); True for every other row."""
         absmax = np.fmax(fx, -fn)
-        fine = (rows[:, 0] == 0) | (np.isfinite(l1) & (absmax >= LO) & (absmax <= HI))
+        lo, hi = self.ranges
+        fine = (rows[:, 0] == 0) | (np.isfinite(l1) & (absmax >= lo) & (absmax <= hi))
         return ~self._gated_outside | fine
 
 
@@ -153,19 +166,21 @@ def instrument(
     `detailed`: with detail "auto", the tensors that get the detail branch (default: all);
     `nan_checked`: the tensors that keep the L1 pass where it could be skipped (default: all);
     `lean`: of the detailed main-graph tensors, those that get the lean detail in every sample
-    (see `lean_detail_nodes`). The rows (slots) are the same whatever they hold.
+    (see `lean_detail_nodes`). The rows (slots) are the same whatever they hold. `detail`
+    "fp16" is "auto" with the FP16/BF16 scope's ordinary range (npuprep.calibrate.layout).
     """
-    if detail not in ("auto", "all"):
-        raise ValueError(f"detail must be 'auto' or 'all', got {detail!r}")
+    scope = scope_of(detail)
+    detail = "all" if detail == "all" else "auto"
     info = infer_tensors(model)
-    ctx = Wiring(types=info.types, shapes=info.shapes, opset=model_opset(model), detail=detail,
+    ctx = Wiring(types=info.types, shapes=info.shapes, opset=model_opset(model), detail=detail, scope=scope,
+               narrow=log_chains(model.graph) if scope.hi > SCOPES["auto"].hi else frozenset(),
                detailed=None if detailed is None else frozenset(detailed),
                nan_checked=None if nan_checked is None or detail == "all" else frozenset(nan_checked),
                lean=frozenset(lean) if detail == "auto" and detailed is not None else frozenset())
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
-    graph.initializer.extend(shared_constants())
+    graph.initializer.extend(shared_constants(scope))
     names, slots = _instrument_graph(graph, "main", ctx)
     for size in sorted(ctx.sizes):
         row = np.zeros(WIDTH, np.int64)
@@ -180,7 +195,51 @@ def instrument(
         graph.output.append(helper.make_tensor_value_info(name, elem, [len(slots) * width]))
     row_of = {slot.tensor: i for i, slot in enumerate(slots) if slot.scope == "main"}
     nan_inputs = {row_of[t]: tuple(row_of[ctx.alias_of.get(i, i)] for i in inputs) for t, inputs in ctx.trusting.items()}
-    return Instrumented(out, tuple(names), tuple(slots), ctx.aliases, ctx.alias_of, ctx.unobserved, nan_inputs)
+    return Instrumented(out, tuple(names), tuple(slots), ctx.aliases, ctx.alias_of, ctx.unobserved, nan_inputs,
+                        scope)
+
+
+# How far back from a Log the chain that feeds it is followed (a power spectrum's squares,
+# sums, floors, a filter bank, layout ops; lengths measured on the extra2 front ends: 4-9).
+_LOG_CHAIN_DEPTH = 16
+
+
+def log_chains(graph: onnx.GraphProto) -> frozenset[str]:
+    """The main graph's tensors on their way into a Log: back from each Log through the ops a
+    scale walks back through (squares, sums, floors, layout; npuprep.ops.SCALE_WALK_BACK) and
+    a MatMul/Gemm with a constant weight (a filter bank), to the transform that makes them (a
+    Conv's output, included).
+
+    Their small values matter whatever their abs-max: a power spectrum spans 1e-12 .. 358
+    (basic_pitch), 75% of it under FP16's smallest normal, and the Log turns what FP16 loses
+    there into large errors. The "ordinary" test behind a wide scope (values under abs-max x
+    eps are negligible) does not hold for them, so they keep the "auto" range and its detail.
+    """
+    made = producers(graph)
+    constant = {i.name for i in graph.initializer} | {
+        o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    found: set[str] = set()
+    frontier = [n.input[0] for n in graph.node if n.op_type == "Log" and n.input]
+    for _ in range(_LOG_CHAIN_DEPTH):
+        following: list[str] = []
+        for tensor in frontier:
+            if not tensor or tensor in found or tensor in constant:
+                continue
+            found.add(tensor)
+            node = made.get(tensor)
+            if node is None or node.domain not in ("", "ai.onnx"):
+                continue
+            if node.op_type in MAC_OPS:
+                bank = (node.op_type in ("MatMul", "Gemm") and len(node.input) > 1
+                        and node.input[1] in constant)
+                following += [node.input[0]] if bank else []
+                continue
+            if node.op_type not in SCALE_WALK_BACK:
+                continue
+            positions = SCALE_WALK_BACK[node.op_type]
+            following += [i for k, i in enumerate(node.input) if positions is None or k in positions]
+        frontier = following
+    return frozenset(found)
 
 
 def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: Wiring) -> tuple[tuple[str, ...], list[Slot]]:
@@ -219,7 +278,7 @@ def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: Wiring) -> tuple[
         else:
             new_nodes.extend(nodes)
         pieces.append(piece)
-        slots.append(Slot(tensor, scope, node_name, outside))
+        slots.append(Slot(tensor, scope, node_name, outside, scope == "main" and tensor in ctx.narrow))
 
     for vi in graph.input:
         if vi.name not in inits:
@@ -508,7 +567,8 @@ def _tensor_stats(
     if l1:
         nodes += [helper.make_node("Mul", [sm, CONST_ZERO_F], [z]), helper.make_node("Add", [am, z], [score])]
     nodes += [
-        helper.make_node("Clip", [score, CONST_LO, CONST_HI], [clipped]),
+        helper.make_node("Clip", [score, *((CONST_LO_NARROW, CONST_HI_NARROW) if tensor in ctx.narrow
+                                           else (CONST_LO, CONST_HI))], [clipped]),
         helper.make_node("Equal", [clipped, score], [ok]),
     ]
     if ctx.detailed is not None and tensor not in ctx.detailed:

@@ -37,6 +37,50 @@ SMALLEST_MAX = min(get_format(f).max for f in OVER_FORMATS)
 
 
 @dataclass(frozen=True)
+class Scope:
+    """The formats a calibration is exact for, and the ordinary range of abs-max that follows.
+
+    A tensor-sample with lo <= abs-max <= hi (and finite) gets no detail: no value is above
+    any of `formats`' max (hi < smallest_max) and whatever lies under a format's smallest
+    normal lies under the tensor's own precision floor (lo >= min_normal / eps). `hi` stays a
+    power of two at most half the smallest max, so the share above the profiles' headroom
+    limit (0.5 x max) is read from the histogram exactly (RangeStats.fraction_above).
+    """
+
+    name: str
+    lo: float
+    hi: float
+    formats: tuple[str, ...]
+
+    @property
+    def smallest_max(self) -> float:
+        return min(get_format(f).max for f in self.formats)
+
+    def range_of(self, narrow: bool) -> tuple[float, float]:
+        """(lo, hi) of a row: a narrow row keeps the "auto" range (see Slot.narrow)."""
+        return (LO, HI) if narrow else (self.lo, self.hi)
+
+
+# "auto" (and "all", which details everything): exact for every format in OVER_FORMATS.
+# "fp16": exact for FP16 and BF16 only (an FP16 or BF16 conversion reads nothing else): a
+# conv net on raw 0..255 pixels holds activations of ~1e3 in every layer, past FP8's max,
+# which the "auto" scope would detail everywhere (issue 37: 10x the calibration's time).
+SCOPES = {
+    "auto": Scope("auto", LO, HI, OVER_FORMATS),
+    "all": Scope("all", LO, HI, OVER_FORMATS),
+    "fp16": Scope("fp16", 2.0**-4, 2.0**14, ("fp16", "bf16")),
+}
+DETAILS = tuple(SCOPES)
+
+
+def scope_of(detail: str) -> Scope:
+    """The Scope of a calibration's `detail` ("auto", "all", "fp16")."""
+    if detail not in SCOPES:
+        raise ValueError(f"detail must be one of {', '.join(DETAILS)}, got {detail!r}")
+    return SCOPES[detail]
+
+
+@dataclass(frozen=True)
 class Slot:
     """One observed tensor: its row in the FX/FN/I outputs."""
 
@@ -46,6 +90,9 @@ class Slot:
     # True when no gate in the graph decides whether the row is ordinary: the caller checks
     # abs-max and the L1 output and flags it (see Instrumented.ordinary).
     gated_outside: bool = False
+    # True when the row keeps the "auto" ordinary range whatever the scope (a tensor on its
+    # way into a Log, see instrument.log_chains).
+    narrow: bool = False
 
 
 @dataclass
@@ -53,7 +100,10 @@ class Wiring:
     types: dict[str, int]
     shapes: dict[str, tuple[int, ...]]
     opset: int
-    detail: str
+    detail: str  # "auto" or "all" (a scope's name picks its range: `scope`)
+    scope: Scope = SCOPES["auto"]
+    # Main-graph tensors that keep the "auto" ordinary range in a wider scope.
+    narrow: frozenset[str] = frozenset()
     detailed: frozenset[str] | None = None
     nan_checked: frozenset[str] | None = None
     lean: frozenset[str] = frozenset()

@@ -150,7 +150,7 @@ def scaled_stats(s: RangeStats, scale: float) -> RangeStats:
     return replace(
         s, min=s.min * scale, max=s.max * scale, absmax=absmax, exp_hist=hist,
         detailed_count=detailed, over=over, under=under,
-        per_sample_absmax=tuple(v * scale for v in s.per_sample_absmax),
+        per_sample_absmax=tuple(v * scale for v in s.per_sample_absmax), ordinary_hi=s.ordinary_hi * scale,
     )
 
 

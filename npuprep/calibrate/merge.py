@@ -116,6 +116,7 @@ def _merge_rows(rows: list[tuple[RangeStats, tuple[str | int, ...]]], position: 
         over=_sum_maps([r.over for r, _ in rows]), under=_sum_maps([r.under for r, _ in rows]),
         per_sample_absmax=tuple(v for _, v in seen), detailed_count=sum(r.detailed_count for r, _ in rows),
         seen_in=None if len(seen) == len(position) else tuple(j for j, _ in seen),
+        ordinary_hi=base.ordinary_hi,
     )
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 
 from npuprep.calibrate.instrument import Instrumented, instrument
-from npuprep.calibrate.layout import FLAGGED, HEADER, HI, LO, SMALLEST_MAX, WIDTH
+from npuprep.calibrate.layout import FLAGGED, HEADER, WIDTH, scope_of
 from npuprep.calibrate.stats import Accumulator, CalibrationStats
 from npuprep.data import Feed, FeedStream, SampleSet
 from npuprep.errors import NpuprepError
@@ -47,8 +47,11 @@ def calibrate_here(
     each (see `_fold_parallel`); 0 picks the count (see `plan_jobs`); an iterable runs in
     this process. `n_cores`: the cores to
     plan for (default: those this process may run on). `on_progress` is called with the
-    count of samples done as it grows.
+    count of samples done as it grows. `detail`: "auto" (exact for every format), "fp16"
+    (exact for FP16 and BF16 only, much cheaper on large activations) or "all" (every
+    tensor-sample detailed); see npuprep.calibrate.layout.Scope.
     """
+    scope_of(detail)  # a wrong name refused before any work
     check_opset_supported(model.proto, model.path or "model")
     if not isinstance(samples, SampleSet):
         samples = FeedStream(samples, model.proto)
@@ -86,12 +89,14 @@ def calibrate_here(
         acc, inst = _fold_parallel(prepared, samples, jobs, streams, threads, show_progress, on_progress)
     stats = {}
     keys = _keys(inst)
+    scope = inst.scope
     for i, slot in enumerate(inst.slots):
-        stats[keys[i]] = acc.row(i, slot.tensor, slot.scope, slot.node)
+        stats[keys[i]] = acc.row(i, slot.tensor, slot.scope, slot.node, scope, slot.narrow)
     row_of = {slot.tensor: i for i, slot in enumerate(inst.slots)}
     for tensor, root in inst.alias_of.items():
         slot = inst.aliases[tensor]
-        stats[tensor] = acc.row(row_of[root], slot.tensor, slot.scope, slot.node)
+        stats[tensor] = acc.row(row_of[root], slot.tensor, slot.scope, slot.node, scope,
+                                inst.slots[row_of[root]].narrow)
     return CalibrationStats(
         fingerprint=model.fingerprint, samples=samples.describe(), synthetic=samples.synthetic,
         sample_count=acc.samples, detail=detail, tensors=stats, unobserved=dict(inst.unobserved),
@@ -259,7 +264,7 @@ def _keys(inst: Instrumented) -> list[str]:
 class Folding:
     """Samples run through instrumented sessions and folded into one Accumulator.
 
-    With detail "auto" the first session details no tensor (creating the detail branches is
+    With detail "auto" (or "fp16") the first session details no tensor (creating the detail branches is
     most of a session's start-up, and few tensors need them) and skips the L1 pass wherever
     the inputs' rows can prove a tensor NaN-free. A sample that flags a tensor runs again
     on a session that details it, and every tensor whose abs-max in that sample lies near
@@ -275,7 +280,7 @@ class Folding:
         """`settled`: start from what another Folding has learnt (which tensors get the detail,
         the lean detail, the L1 pass) instead of from nothing."""
         self.prepared, self.threads = prepared, threads
-        on_demand = prepared.detail == "auto"
+        on_demand = prepared.detail != "all"
         self.detailed: frozenset[str] | None = frozenset() if on_demand else None
         self.nan_checked: frozenset[str] | None = frozenset() if on_demand else None
         self.lean: frozenset[str] = frozenset()
@@ -334,13 +339,13 @@ class Folding:
                 if self.opened is not opened:
                     continue
                 if unsure is None:
-                    absmax = np.fmax(fx, -fn)
-                    edge = ~((absmax >= _EDGE * LO) & (absmax <= HI / _EDGE))
+                    absmax, (lo, hi) = np.fmax(fx, -fn), inst.ranges
+                    edge = ~((absmax >= _EDGE * lo) & (absmax <= hi / _EDGE))
                     # A tensor outside the range gets the lean detail (in every sample) unless
                     # this sample shows a NaN or Inf, or |x| above a format's max; one only near
                     # the edges gets the full detail behind its If (it runs only when needed); a
                     # lean row that flagged needed what only the full detail has.
-                    plain = np.isfinite(l1) & (absmax <= SMALLEST_MAX)
+                    plain = np.isfinite(l1) & (absmax <= inst.scope.smallest_max)
                     fresh = self._tensors(flagged & plain) - self.detailed
                     self.lean = (self.lean - self._tensors(flagged)) | fresh
                     self.detailed |= self._tensors(flagged | edge)

@@ -11,7 +11,16 @@ from typing import Any
 import numpy as np
 
 from npuprep import json_io
-from npuprep.calibrate.layout import HEADER, HIST_BINS, HIST_OFFSET, OVER_FORMATS, WIDTH
+from npuprep.calibrate.layout import (
+    HEADER,
+    HI,
+    HIST_BINS,
+    HIST_OFFSET,
+    OVER_FORMATS,
+    SCOPES,
+    WIDTH,
+    Scope,
+)
 from npuprep.errors import NpuprepError
 from npuprep.json_io import json_number as _num
 from npuprep.numerics import get_format
@@ -34,8 +43,11 @@ class RangeStats:
     `detail="auto"` every tensor-sample that was not ordinary (see
     npuprep.calibrate.instrument); nan_count, inf_count and `over` are exact either way.
     `exp_hist` maps floor(log2|x|) to a count (zeros apart, Inf/NaN apart); `over` maps a
-    format to the count of |x| above its max; `under` to the count of 0 < |x| < its
-    smallest normal (detailed elements). `per_sample_absmax` holds one abs-max per sample
+    format to the count of |x| above its max, for the formats the calibration was exact for
+    (its Scope: with detail "fp16", FP16 and BF16 only); `under` to the count of
+    0 < |x| < its smallest normal (detailed elements). `ordinary_hi`: the largest abs-max a
+    tensor-sample left undetailed may have had (the scope's hi, scaled with the tensor).
+    `per_sample_absmax` holds one abs-max per sample
     the tensor was seen in (held elements), in sample order; `seen_in` the positions of
     those samples in CalibrationStats.sample_ids, None when it was seen in every sample.
     """
@@ -56,6 +68,7 @@ class RangeStats:
     per_sample_absmax: tuple[float, ...]
     detailed_count: int
     seen_in: tuple[int, ...] | None = None
+    ordinary_hi: float = HI
 
     @property
     def complete(self) -> bool:
@@ -75,17 +88,15 @@ class RangeStats:
 
         Exact when threshold >= abs-max or is a format's max; otherwise read from the
         histogram, counting the bin that holds the threshold as above (a bound from above).
-        None when the detail is incomplete and threshold < HI (ordinary samples may hold
-        values up to HI that the histogram did not see).
+        None when the detail is incomplete and threshold < ordinary_hi (ordinary samples may
+        hold values up to it that the histogram did not see).
         """
-        from npuprep.calibrate.layout import HI
-
         if self.count == 0 or not threshold < self.absmax:
             return 0.0
         for fmt, n in self.over.items():
             if threshold == get_format(fmt).max:
                 return n / self.count
-        if not self.complete and threshold < HI:
+        if not self.complete and threshold < self.ordinary_hi:
             return None
         above = sum(c for e, c in self.exp_hist.items() if 2.0 ** (e + 1) > threshold)
         return (above + self.inf_count) / self.count
@@ -112,6 +123,7 @@ class RangeStats:
             "over": dict(sorted(self.over.items())), "under": dict(sorted(self.under.items())),
             "per_sample_absmax": [_num(v) for v in self.per_sample_absmax],
             "seen_in": None if self.seen_in is None else list(self.seen_in),
+            "ordinary_hi": self.ordinary_hi,
         }
 
     @classmethod
@@ -126,6 +138,7 @@ class RangeStats:
             under={k: int(v) for k, v in d["under"].items()},
             per_sample_absmax=tuple(_float(v) for v in d["per_sample_absmax"]),
             seen_in=None if d.get("seen_in") is None else tuple(int(v) for v in d["seen_in"]),
+            ordinary_hi=float(d.get("ordinary_hi", HI)),
         )
 
 
@@ -254,7 +267,11 @@ class Accumulator:
             mine.extend(theirs)
         self.samples += other.samples
 
-    def row(self, i: int, tensor: str, scope: str, node: str) -> RangeStats:
+    def row(self, i: int, tensor: str, scope: str, node: str, exact: Scope = SCOPES["auto"],
+            narrow: bool = False) -> RangeStats:
+        """Row i's RangeStats; `exact`: what the calibration was exact for (its ordinary range,
+        the formats whose counts above their max are kept); `narrow`: the row kept the "auto"
+        range (npuprep.calibrate.layout.Slot)."""
         c = self.counts[i]
         hist = c[_H0:]
         nan = int(c[_COL["nan"]])
@@ -275,7 +292,7 @@ class Accumulator:
             tensor=tensor, scope=scope, node=node, min=mn, max=mx, absmax=absmax,
             count=count, nan_count=nan, inf_count=int(hist[HIST_BINS - 1]) - nan,
             zero_count=int(hist[0]), exp_hist=exp_hist,
-            over={f: int(c[_COL[f"over_{f}"]]) for f in OVER_FORMATS},
+            over={f: int(c[_COL[f"over_{f}"]]) for f in exact.formats},
             under=under, per_sample_absmax=per_sample, detailed_count=int(c[_COL["detailed"]]),
-            seen_in=seen_in,
+            seen_in=seen_in, ordinary_hi=exact.range_of(narrow)[1],
         )

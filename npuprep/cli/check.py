@@ -61,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _measured_stats(args: argparse.Namespace, model: Model, detail: str = "auto") -> RangeStats | None:
     """Stats from --stats, or calibrated on the fly from --data/--synthetic; None without either.
-    `detail="all"` for 8-bit scales, as convert calibrates for them (percentile, MSE)."""
+    `detail="all"` for 8-bit scales, as convert calibrates for them (percentile, MSE);
+    "fp16" for an FP16 or BF16 target, exact for those formats only."""
     from npuprep.errors import NpuprepError
 
     if getattr(args, "stats", None):
@@ -100,7 +101,9 @@ def run(args: argparse.Namespace) -> int:
     if args.html:
         outputs.writes(args.html, "--html")
     with outputs.open() as files:
-        stats = _measured_stats(args, model, "all" if eight is not None else "auto")
+        # As convert calibrates: every element for 8-bit, FP16/BF16's own scope for those.
+        detail = "all" if eight is not None else "fp16" if target.fmt.name in ("fp16", "bf16") else "auto"
+        stats = _measured_stats(args, model, detail)
         planned = plan_check(args, model, target, stats)
         model, findings, plan, rewrites = planned.model, planned.findings, planned.plan, planned.notes
         if eight is not None:

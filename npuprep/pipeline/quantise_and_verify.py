@@ -121,6 +121,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                          "per channel, their weights multiplied (SmoothQuant)")
     macs = _macs(base, samples)
     eight_bit = eight_bit_nodes(layers, eight)
+    stage("rounding the 8-bit weights for their layers' outputs")
+    notes += _round_weights(base, list(_assigned(layers)), variants, samples, weights)
     # Every trial below (rules, ranking, widening) is one run of one session: the QDQ model
     # with each layer's 8-bit inputs behind switches (npuprep.verify.qdq_trials).
     stage(f"building the switchable {'/'.join(v.fmt.name for v in variants)} model of "
@@ -388,6 +390,30 @@ def _decided(model: onnx.ModelProto, stats: CalibrationStats, eight: EightBitFor
     return tuple(LayerPrecision(x.node, other.name, f"{x.why}; {alt[x.node].why}")
                  if x.precision == "fp16" and alt[x.node].precision == other.name else x
                  for x in layers)
+
+
+def _round_weights(model: onnx.ModelProto, layers: Sequence[str], variants: Sequence[Variant],
+                   samples: Sequence[Feed], weights: WeightStore) -> list[str]:
+    """The 8-bit weights of `layers` rounded for their outputs in each variant's format
+    (npuprep.rewrite.weight_rounding: every QDQ model below reads them from `weights`); a
+    note per format."""
+    from npuprep.rewrite.weight_rounding import round_layers
+
+    done = round_layers(model, layers, [(v.fmt, v.saturate) for v in variants], samples, weights)
+    notes = []
+    for v in variants:
+        mine = [r for r in done if r.format == v.fmt.name]
+        if mine:
+            notes.append(f"{len(mine)} layer(s)' {v.fmt.name} weights rounded for their outputs "
+                         f"(scale and up/down by output error): layer rel L2 on the unfitted "
+                         f"calibration half, median {_median([r.nearest for r in mine]):.3g} -> "
+                         f"{_median([r.error for r in mine]):.3g}")
+    return notes
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else 0.0
 
 
 def _input_means(model: onnx.ModelProto, layers: Sequence[str], samples: Sequence[Feed]) -> dict[str, Any]:

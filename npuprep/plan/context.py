@@ -56,7 +56,8 @@ Outcome = Action | list[Action] | tuple[Declined, ...] | None
 class Problem:
     """One finding to answer. `kind`: `overflow` (a measured tensor past the limit),
     `static` (a rule's remedy, nothing measured), `weights` (a constant beyond the format),
-    `underflow`, or `precision` (within range, but the format's significand is too short
+    `tiny_weights` (a layer's weights the format stores as 0 or subnormals), `underflow`, or
+    `precision` (within range, but the format's significand is too short
     there: a cancellation, a softmax's logits too coarse for exp). `absmax` is the measured (or worst constant) magnitude, None unmeasured;
     `seeds` are the nodes a static rule asks to pin."""
 

@@ -2,7 +2,8 @@
 
 The remedies, one file each, in the order written once in REMEDIES: the softmax shift
 (exact rewrite), a rescale absorbed by a Log (a power spectrum's), a power-of-two rescale of the tensor's scale domain, the underflow
-scale-up, a cancellation kept FP32 (precision), an FP32 island, a clamp. Problems are of the
+scale-up, a layer's weights lifted out of the subnormals, a cancellation kept FP32 (precision),
+an FP32 island, a clamp. Problems are of the
 resolved format: its range (overflow, headroom, underflow) and its precision (a
 cancellation, a softmax's logits too coarse for exp: BF16's hazards, where the range fits). Each proposes an action or declines with a reason; the
 reasons of the declined ones travel into the chosen action's why, or into a note when
@@ -26,6 +27,7 @@ from npuprep.plan import (
     precision,
     rescale_domain,
     softmax_shift,
+    tiny_weights,
     underflow,
 )
 from npuprep.plan.actions import FindingRef
@@ -37,7 +39,7 @@ Remedy = Callable[[PlanContext, Problem, tuple[str, ...]], Outcome]
 # Cheapest exact first; each remedy decides which kinds of problem it answers.
 REMEDIES: tuple[Remedy, ...] = (
     softmax_shift.propose, log_domain.propose, rescale_domain.propose, underflow.propose,
-    precision.propose, island.propose, clamp.propose,
+    tiny_weights.propose, precision.propose, island.propose, clamp.propose,
 )
 _DECLINED_AS = {"softmax_shift": "softmax shift", "rescale": "rescale", "pin_fp32": "FP32 pin",
                 "clamp": "clamp"}
@@ -59,7 +61,9 @@ def make_plan(
     """
     profile, fmt = target.profile, target.fmt
     ctx = PlanContext(model, target, stats, frozenset(forbid_pin))
-    for f in sorted(findings, key=ctx.order_key):
+    # Tiny weights last: a measured underflow at their layer plans a lift that stores them too
+    # (the weight's own lift then joins it instead of pinning the layer beside it).
+    for f in sorted(findings, key=lambda f: (f.rule == "init.underflow", ctx.order_key(f))):
         _handle(ctx, f)
     if stats is not None:
         # Not a range problem: a phase too coarse for Sin/Cos overflows nothing.
@@ -130,6 +134,12 @@ def _handle(ctx: PlanContext, f: Finding) -> None:
             r = ctx.range_of(f.tensor)
             solve(ctx, Problem(f, ref, f.tensor, "precision", None if r is None else
                                float(r.absmax), (f.node,)))
+        return
+    if f.rule == "init.underflow" and f.remedy == "rescale" and f.severity >= Severity.WARNING \
+            and f.node in ctx.nodes and ctx.stats is not None:
+        # A layer's weights that FP16 stores as 0 or a few-bit subnormal: lifted, or kept FP32.
+        solve(ctx, Problem(f, ref, f.tensor, "tiny_weights", None, (f.node,)),
+              (f"{f.tensor} would lose its small values in {ctx.fmt.name}",))
         return
     if f.rule.startswith("init."):
         if f.severity >= Severity.WARNING:

@@ -52,6 +52,33 @@ class WeightStore:
     def __init__(self, scratch: WeightScratch | None = None) -> None:
         self.scratch = scratch
         self._done: dict[tuple[object, ...], QuantisedWeight] = {}
+        # Weights rounded for their layer's output (npuprep.rewrite.weight_rounding), by key.
+        self._preferred: dict[tuple[object, ...], tuple[np.ndarray, np.ndarray]] = {}
+
+    def prefer(self, source: onnx.TensorProto | np.ndarray, axis: int | None, fmt: EightBitFormat,
+               *, saturate: bool, stored: np.ndarray, scale: np.ndarray) -> None:
+        """Quantise `source` to these 8-bit values and scale (a rounding chosen for the
+        layer's output) rather than to nearest, in every model built from now on."""
+        # An anchored weight is known by its place in its file and, where a caller read it
+        # in (the trials of a model small enough to hold), by its values: both find it.
+        sources = [source] + ([to_array(source)] if isinstance(source, onnx.TensorProto)
+                              and is_anchored(source) else [])
+        for each in sources:
+            key = self._key(each, axis, fmt, saturate)
+            self._preferred[key] = (stored, scale)
+            self._done.pop(key, None)
+
+    def values(self, source: onnx.TensorProto | np.ndarray, axis: int | None, fmt: EightBitFormat,
+               *, saturate: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(the 8-bit values, the FP32 scale) the store writes for `source`, as arrays."""
+        key = self._key(source, axis, fmt, saturate)
+        found = self._preferred.get(key)
+        return found if found is not None else quantise_weight(source, axis, fmt, saturate=saturate)
+
+    @staticmethod
+    def _key(source: onnx.TensorProto | np.ndarray, axis: int | None, fmt: EightBitFormat,
+             saturate: bool) -> tuple[object, ...]:
+        return (_identity(source), axis, fmt.name, saturate)
 
     def quantised(self, source: onnx.TensorProto | np.ndarray, axis: int | None, fmt: EightBitFormat,
                   *, saturate: bool, name: str) -> QuantisedWeight:
@@ -59,10 +86,10 @@ class WeightStore:
         channel `axis` (None: one scale), stored as a tensor named `name`."""
         if isinstance(source, onnx.TensorProto) and not is_anchored(source):
             source = to_array(source)  # once, for the digest and both passes
-        key = (_identity(source), axis, fmt.name, saturate)
+        key = self._key(source, axis, fmt, saturate)
         found = self._done.get(key)
         if found is None:
-            stored, scale = quantise_weight(source, axis, fmt, saturate=saturate)
+            stored, scale = self.values(source, axis, fmt, saturate=saturate)
             found = QuantisedWeight(self._tensor(stored, name, fmt), scale, axis)
             self._done[key] = found
         if found.stored.name == name:

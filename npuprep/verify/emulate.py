@@ -294,6 +294,11 @@ def stores_rounded_values(node: onnx.NodeProto) -> bool:
     """
     if node.op_type == "Cast":
         return _cast_to(node) == TensorProto.FLOAT
+    if node.op_type in ("Resize", "Upsample"):
+        # Nearest-neighbour resizing copies input values (an FCN's decoder upsampling): no
+        # rounding of its own, so attribution never ranks it as a layer to keep FP32.
+        mode = next((a.s for a in node.attribute if a.name == "mode"), b"nearest")
+        return mode != b"nearest"
     return node.op_type not in DATA_MOVEMENT_OPS
 
 

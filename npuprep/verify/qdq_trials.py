@@ -37,7 +37,7 @@ from npuprep.rewrite.qdq import (
     weight_axis,
     weight_dq,
 )
-from npuprep.rewrite.qdq_weights import WeightStore, quantise_weight
+from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.output_check import OutputCheck
 from npuprep.verify.output_errors import OutputErrors, worst_pooled_rel_l2
@@ -159,13 +159,13 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
                     dq = weight_dq(g, node, weight, v.fmt, fresh, v.saturate, weights)
                     exact = None
                 else:
-                    exact = _dequantised(node, w, v)
+                    exact = _dequantised(node, w, v, weights)
                     dq = fresh(f"{node.input[1]}_{v.fmt.name}_dq8")
                     g.initializer.append(numpy_helper.from_array(exact, dq))
                 weight_switches[label, v.fmt.name] = on = switch(f"{label}_{v.fmt.name}")
                 chosen = where(on, dq, chosen, node.input[1])
                 fixed = None if slot is None or mean is None else _corrected(
-                    g, node, weight, v, slot, mean, exact)
+                    g, node, weight, v, slot, mean, exact, weights)
                 if slot is not None and fixed is not None:
                     value = fresh(f"{slot.tensor}_{v.fmt.name}_corrected")
                     g.initializer.append(numpy_helper.from_array(fixed, value))
@@ -211,19 +211,20 @@ def _own_rule(v: Variant, rule: ScaleRule | None) -> ScaleRule:
 
 def _corrected(g: onnx.GraphProto, node: onnx.NodeProto, weight: onnx.TensorProto | np.ndarray,
                v: Variant, slot: BiasSlot, mean: np.ndarray,
-               dequantised: np.ndarray | None) -> np.ndarray | None:
+               dequantised: np.ndarray | None, weights: WeightStore) -> np.ndarray | None:
     """The bias of `node` corrected for its weight's rounding in `v`'s format."""
     w = weight if isinstance(weight, np.ndarray) else to_array(weight)
-    exact = dequantised if dequantised is not None else _dequantised(node, w, v)
+    exact = dequantised if dequantised is not None else _dequantised(node, w, v, weights)
     bias = constant_value(g, slot.tensor)
     return None if bias is None else corrected_bias(node, w, exact, bias, mean)
 
 
-def _dequantised(node: onnx.NodeProto, w: np.ndarray, v: Variant) -> np.ndarray:
-    """`w` as its 8-bit copy in `v`'s format dequantises it: DequantizeLinear's own float32
-    product of the stored value and its channel's scale."""
+def _dequantised(node: onnx.NodeProto, w: np.ndarray, v: Variant, weights: WeightStore) -> np.ndarray:
+    """`w` as its 8-bit copy in `v`'s format (the store's: nearest, or rounded for the layer)
+    dequantises it: DequantizeLinear's own float32 product of the stored value and its
+    channel's scale."""
     axis = weight_axis(node, w.ndim)
-    stored, scale = quantise_weight(w, axis, v.fmt, saturate=v.saturate)
+    stored, scale = weights.values(w, axis, v.fmt, saturate=v.saturate)
     shape = [1] * w.ndim
     if axis is not None:
         shape[axis] = -1

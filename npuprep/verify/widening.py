@@ -8,8 +8,9 @@ dominant layer's, so no re-ranking after widening the head is needed. Heads of 1
 of that order are tried until one passes (or the longest the budget takes); the shortest
 passing head is then found by halving between the last failing and the first passing. On a
 target with a second 8-bit format (INT8 and FP8), the heads are tried in that format first
-(where the whole ranking in it passes): they stay in 8 bits. Every head tried is a point of
-the share/error curve the result reports.
+(where the whole ranking in it passes): they stay in 8 bits. Where it does not pass but errs
+less than the asked format, the heads kept FP16 are tried from both, and the better search
+kept. Every head tried is a point of the share/error curve the result reports.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from npuprep.numerics import EightBitFormat
+from npuprep.numerics import EightBitFormat, eight_bit_format
 from npuprep.plan.layer_precision import LayerPrecision
 from npuprep.verify.output_check import OutputCheck
 from npuprep.verify.qdq_model import Sensitivity
@@ -98,19 +99,45 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
         return _shortest_head(done, ranking, list(layers), fmt, to, trial=trial, judged=judged,
                               share=share, min_share=min_share, whole_first=to == alternative)
 
+    starts = [(list(layers), fmt, check)]
     if alternative is not None:
         found = heads(alternative)
         if found.passing:
             done.layers, done.check = found.tried[found.passing]
             done.alternative = [s.node for s in ranking[:found.passing]]
             return done
-    found = heads("fp16")
+        whole = found.tried.get(len(ranking))
+        if whole is not None and _worst(whole[1]) < _worst(check):
+            # Every layer in the other format errs less than in this one (the example's
+            # guidance in INT8: 0.059 against FP8's 0.156): heads kept FP16 are also tried
+            # from there, and the better of the two searches is kept (from FP8, MiniLM's
+            # spread error needs more layers FP16 than from INT8).
+            starts.append((whole[0], eight_bit_format(alternative) or fmt, whole[1]))
+    searches = []
+    for start, start_fmt, start_check in starts:
+        found = _shortest_head(done, ranking, start, start_fmt, "fp16", trial=trial,
+                               judged=judged, share=share, min_share=min_share)
+        searches.append((_ended(found, start_check), found, start_fmt, start, start_check))
+    # The better search: one that passes, with fewer layers kept wider; else the one whose
+    # chosen head errs less.
+    _, found, start_fmt, start, start_check = min(searches, key=lambda x: x[0])
+    done.layers, done.check = start, start_check
     done.needs_more = [] if found.passing else found.over_budget
     kept = found.passing or found.failing
     if kept:
         done.layers, done.check = found.tried[kept]
         done.widened = [s.node for s in ranking[:kept]]
+    if start_fmt is not fmt:
+        done.alternative = [s.node for s in ranking[len(done.widened):]]
     return done
+
+
+def _ended(found: _Heads, start: OutputCheck) -> tuple[bool, int, float]:
+    """How a search ended, smaller is better: failing, the layers kept wider where it
+    passes, the chosen head's error (the start's where no head was tried)."""
+    kept = found.passing or found.failing
+    error = _worst(found.tried[kept][1]) if kept in found.tried else _worst(start)
+    return (not found.passing, found.passing, error)
 
 
 def _shortest_head(done: Widening, ranking: list[Sensitivity], start: list[LayerPrecision],

@@ -1,0 +1,136 @@
+"""8-bit weights rounded for the layer's output (SeqMSE scale search, GPTQ-style up/down
+rounding): the layer's output error on unseen inputs is lower than round-to-nearest's, and
+the written QDQ model computes exactly the dequantised weights onnxruntime is given."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper, parser
+
+from npuprep.calibrate.layer_inputs import input_moments
+from npuprep.numerics import eight_bit_format
+from npuprep.rewrite.qdq import insert_qdq
+from npuprep.rewrite.qdq_weights import WeightStore
+from npuprep.rewrite.weight_rounding import levels, round_layers
+from npuprep.runtime.session import make_session, run
+
+# x [64, 32] -> MatMul "fc" (W [32, 24]) -> y
+DENSE = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[64, 32] x) => (float[64, 24] y) {
+    [fc] y = MatMul (x, W)
+}
+"""
+
+# x [1, 8, 10, 9] -> Conv "conv" (W [8, 2, 3, 3], group 4, stride 2, pads 1 0 1 2, dilation 1 2) -> y
+GROUPED = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[1, 8, 10, 9] x) => (float[1, 8, 5, 4] y) {
+    [conv] y = Conv <group = 4, strides = [2, 2], pads = [1, 0, 1, 2], dilations = [1, 2]> (x, W)
+}
+"""
+
+
+def _dense(seed: int = 0) -> tuple[onnx.ModelProto, list[dict[str, np.ndarray]]]:
+    """A dense layer whose inputs are correlated (a low-rank mix plus a little noise) and whose
+    weights have a few large values per column: what nearest rounding serves worst."""
+    rng = np.random.default_rng(seed)
+    proto = parser.parse_model(DENSE)
+    w = rng.standard_normal((32, 24)) * 0.2
+    w[rng.integers(0, 32, 24), np.arange(24)] *= 6.0
+    proto.graph.initializer.append(numpy_helper.from_array(w.astype(np.float32), "W"))
+    mix = rng.standard_normal((6, 32))
+    feeds = [{"x": (rng.standard_normal((64, 6)) @ mix + 0.05 * rng.standard_normal((64, 32)))
+              .astype(np.float32)} for _ in range(12)]
+    return proto, feeds
+
+
+def _weight_only(proto: onnx.ModelProto, label: str, fmt_name: str,
+                 store: WeightStore) -> onnx.ModelProto:
+    """The QDQ model with only `label`'s weight in 8 bits (its input stays FP32)."""
+    return insert_qdq(proto, {label: {}}, eight_bit_format(fmt_name), saturate=True,
+                      weights=store).model
+
+
+def _rel_error(model: onnx.ModelProto, proto: onnx.ModelProto,
+               feeds: list[dict[str, np.ndarray]]) -> float:
+    ref, got = make_session(proto), make_session(model)
+    num = sum(float(np.sum((run(got, f)["y"] - run(ref, f)["y"]) ** 2)) for f in feeds)
+    return float(np.sqrt(num / sum(float(np.sum(run(ref, f)["y"] ** 2)) for f in feeds)))
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "fp8_e4m3"])
+def test_rounded_layer_errs_less_than_nearest_on_unseen_inputs(fmt_name: str) -> None:
+    proto, feeds = _dense()
+    calib, unseen = feeds[:8], feeds[8:]
+    nearest = _rel_error(_weight_only(proto, "fc", fmt_name, WeightStore()), proto, unseen)
+    store = WeightStore()
+    done = round_layers(proto, ["fc"], [(eight_bit_format(fmt_name), True)], calib, store)
+    assert [(r.node, r.format) for r in done] == [("fc", fmt_name)]
+    assert done[0].error < done[0].nearest  # on the calibration half it was not fitted on
+    rounded = _rel_error(_weight_only(proto, "fc", fmt_name, store), proto, unseen)
+    assert rounded < 0.9 * nearest, (rounded, nearest)
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "fp8_e4m3"])
+def test_written_model_computes_the_rounded_weights(fmt_name: str) -> None:
+    """The QDQ model's output is x @ (stored x scale): the values the store was given, on the
+    format's grid, within one step of the FP32 weight's neighbours."""
+    proto, feeds = _dense(1)
+    fmt = eight_bit_format(fmt_name)
+    store = WeightStore()
+    round_layers(proto, ["fc"], [(fmt, True)], feeds[:8], store)
+    w = numpy_helper.to_array(proto.graph.initializer[0])
+    stored, scale = store.values(proto.graph.initializer[0], 1, fmt, saturate=True)
+    steps = stored.astype(np.float64)
+    assert np.all(np.isin(steps, levels(fmt)))
+    dequantised = stored.astype(np.float32) * scale[None, :]
+    assert np.abs(dequantised - w).max() <= 2 * float(scale.max()) * (1 if fmt_name == "int8" else 32)
+    built = _weight_only(proto, "fc", fmt_name, store)
+    session = make_session(built)
+    for f in feeds[8:]:
+        expected = f["x"] @ dequantised
+        np.testing.assert_allclose(run(session, f)["y"], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_conv_moments_give_the_conv_output_error() -> None:
+    """sum over channels of d H d^T (H from the Conv's input patches) is the squared output
+    of the same Conv with weight D: the patches follow the group, stride, pads, dilation."""
+    rng = np.random.default_rng(2)
+    proto = parser.parse_model(GROUPED)
+    proto.graph.initializer.append(
+        numpy_helper.from_array(rng.standard_normal((8, 2, 3, 3)).astype(np.float32), "W"))
+    feeds = [{"x": rng.standard_normal((1, 8, 10, 9)).astype(np.float32)} for _ in range(2)]
+    (moments,) = input_moments(proto, ["conv"], [feeds])
+    gram = moments["conv"].gram
+    assert gram.shape == (4, 18, 18) and moments["conv"].rows == 2 * 5 * 4
+    d = rng.standard_normal((8, 2, 3, 3)).astype(np.float32)
+    rows = d.reshape(4, 2, 18).astype(np.float64)
+    predicted = float(np.einsum("gok,gkl,gol->", rows, gram, rows))
+    proto.graph.initializer[0].CopyFrom(numpy_helper.from_array(d, "W"))
+    session = make_session(proto)
+    actual = sum(float(np.sum(run(session, f)["y"].astype(np.float64) ** 2)) for f in feeds)
+    assert predicted == pytest.approx(actual, rel=1e-4)
+
+
+def test_shared_weight_is_rounded_for_both_readers() -> None:
+    """A weight two 8-bit layers read (a guidance's two branches) gets one rounding, fitted
+    to both layers' inputs: their summed output error is lower than nearest's; a third
+    reader outside the 8-bit layers leaves it at nearest."""
+    model = parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 19]>
+    g (float[64, 32] x, float[64, 32] z) => (float[64, 24] y, float[64, 24] v) {
+        [a] y = MatMul (x, W)
+        [b] v = MatMul (z, W)
+    }
+    """)
+    proto, feeds = _dense()
+    model.graph.initializer.extend(proto.graph.initializer)
+    both = [{"x": f["x"], "z": f["x"][:, ::-1].copy()} for f in feeds]
+    fmt = eight_bit_format("int8")
+    store = WeightStore()
+    (done,) = round_layers(model, ["a", "b"], [(fmt, True)], both, store)
+    assert done.node == "a, b" and done.error < done.nearest
+    assert round_layers(model, ["a"], [(fmt, True)], both, WeightStore()) == []
