@@ -46,8 +46,11 @@ def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outc
     if planned is not None:
         if planned.entry == f.node and j is not None and -planned.k >= j:
             return replace(planned, findings=planned.findings + (ref,))  # already lifted enough
-        return (Declined("rescale", f.node, f"{f.node} already takes the rescale of {planned.entry} "
-                         f"({pow2(-planned.k)})", (ref,)),)
+        if planned.entry != f.node:
+            return (Declined("rescale", f.node, f"{f.node} already takes the rescale of "
+                             f"{planned.entry} ({pow2(-planned.k)})", (ref,)),)
+        # The layer's own lift (an underflow of its output) is too shallow for its weights:
+        # deepened below, if the deeper lift holds, it replaces it and keeps its findings.
     if j is None:
         return (Declined("rescale", f.node, (
             f"no power of two lifts {weight}'s small values out of {ctx.fmt.name}'s subnormals with "
@@ -66,11 +69,15 @@ def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outc
     action = rescale_action(ctx, f.node, check, (ref,), weight, top, "")
     lost = f.evidence.get("flush_count", 0)
     share = f.evidence.get("mass_fraction", 0.0)
-    return replace(action, absmax_after=top * 2.0**lifted, why=(
-        f"{lost} value(s) of weight {weight} round to 0 in {ctx.fmt.name} and {share:.1%} of its "
-        f"magnitude lies under its smallest normal; {weight} x {pow2(lifted)} (exact) stores them, "
-        f"largest {top:.3g} -> {top * 2.0**lifted:.3g}, absorbed by "
-        f"{', '.join(action.absorbers) or 'nothing'}"))
+    why = (f"{lost} value(s) of weight {weight} round to 0 in {ctx.fmt.name} and {share:.1%} of its "
+           f"magnitude lies under its smallest normal; {weight} x {pow2(lifted)} (exact) stores them, "
+           f"largest {top:.3g} -> {top * 2.0**lifted:.3g}, absorbed by "
+           f"{', '.join(action.absorbers) or 'nothing'}")
+    if planned is not None:
+        why += f" (deepens the {pow2(-planned.k)} its output's underflow asked: {planned.why})"
+        return replace(action, absmax_after=top * 2.0**lifted, why=why,
+                       findings=planned.findings + action.findings)
+    return replace(action, absmax_after=top * 2.0**lifted, why=why)
 
 
 def _lift(values: np.ndarray, ctx: PlanContext) -> int | None:
