@@ -1,15 +1,15 @@
 """Every trial of the 8-bit search on one session: each layer's 8-bit inputs behind switches.
 
-    x -> Q/DQ per format f and rule r -> Where(on[L,x,f,r], dq_fr, ... x) -> L
+    x -> If(on[L,x,f,r], Q/DQ_fr(x), ... x) per format f and rule r -> L
     W -> DQ(W8_f) per format f -> Where(on[L,f], dq_f, ... W) -> L
 
 With a layer's switches off it reads its FP32 inputs (rounded to the target's wider format
 where they enter it, as every node outside the pins is); with them on, it reads exactly what
 the QDQ model of npuprep.verify.qdq_model.quantise gives it. Any set of 8-bit layers, with
 any scale rule per activation and, on a target with both, INT8 or FP8 per layer, is then one
-run of one session, not a model built and loaded per trial. Every pair is computed in every
-run, switched on or not, so the search builds one such session per phase holding only the
-pairs it switches (npuprep.pipeline.quantise_and_verify). A batch of trials (a ranking's, a
+run of one session, not a model built and loaded per trial. An activation's pair is computed
+only where its switch is on (an If); a weight's is a constant behind a Where. The search
+builds one such session per phase holding only the pairs it switches (npuprep.pipeline.quantise_and_verify). A batch of trials (a ranking's, a
 rule choice's) is handed to the session's runner at once: this process (LocalRuns), or Ray
 actors (npuprep.calibrate.on_ray.SessionsOnRay) that run the same jobs to the same outputs.
 """
@@ -31,6 +31,7 @@ from npuprep.numerics import EightBitFormat, NumberFormat
 from npuprep.plan.layer_precision import activation_inputs
 from npuprep.rewrite.bias_correction import BiasSlot, bias_slot, corrected_bias
 from npuprep.rewrite.qdq import (
+    ActivationScale,
     fp32_weight,
     qdq_pair,
     sort_nodes,
@@ -127,13 +128,29 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
         added.append(helper.make_node("Where", [on, yes, no], [chosen], name=fresh(f"{base}_Sel8")))
         return chosen
 
+    def gated_pair(on: str, tensor: str, stem: str, v: Variant, scale: ActivationScale,
+                   previous: str) -> str:
+        # An If, not a Where: a Where computes its pair in every run, switched on or not (most
+        # of a trial run's cost), an If only where its switch is on; the values are the same.
+        inner: list[onnx.NodeProto] = []
+        dq = qdq_pair(g, inner, fresh, tensor, stem, v.fmt, v.saturate, scale)
+        kept, chosen = fresh(f"{stem}_kept8"), fresh(f"{stem}_sel8")
+        added.append(helper.make_node(
+            "If", [on], [chosen], name=fresh(f"{stem}_Sel8"),
+            then_branch=helper.make_graph(inner, fresh(f"{stem}_on8"), [], [
+                helper.make_tensor_value_info(dq, TensorProto.FLOAT, None)]),
+            else_branch=helper.make_graph([helper.make_node("Identity", [previous], [kept])],
+                                          fresh(f"{stem}_off8"), [], [
+                helper.make_tensor_value_info(kept, TensorProto.FLOAT, None)])))
+        return chosen
+
     weight_switches: dict[tuple[str, str], str] = {}
     input_switches: dict[tuple[str, str, str, ScaleRule], str] = {}
     bias_switches: dict[tuple[str, str], str] = {}
     biases: dict[tuple[str, str], tuple[BiasSlot, np.ndarray]] = {}
     bias_inputs: dict[BiasSlot, str] = {}
     input_means = means or {}
-    pairs: dict[tuple[str, str, ScaleRule], str] = {}
+    scales: dict[tuple[str, str, ScaleRule], ActivationScale] = {}
     wanted = set(layers)
 
     def own(label: str) -> list[Variant]:
@@ -180,14 +197,13 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
             for v in own(label):
                 for rule in v.rules if rules is None else (_own_rule(v, rules.get(name)),):
                     key = (name, v.fmt.name, rule)
-                    if key not in pairs:
-                        scale = activation_scale(stats.tensors[name], v.fmt, rule,
-                                                 rescaled.get(name, 1.0), v.headroom)
-                        pairs[key] = qdq_pair(g, added, fresh, name, f"{name}_{v.fmt.name}_{rule}",
-                                               v.fmt, v.saturate, scale)
+                    if key not in scales:
+                        scales[key] = activation_scale(stats.tensors[name], v.fmt, rule,
+                                                       rescaled.get(name, 1.0), v.headroom)
                     input_switches[label, name, v.fmt.name, rule] = on = switch(
                         f"{label}_{v.fmt.name}_{rule}")
-                    chosen = where(on, pairs[key], chosen, name)
+                    chosen = gated_pair(on, name, f"{name}_{v.fmt.name}_{rule}", v, scales[key],
+                                        chosen)
             for i, x in enumerate(node.input[:2]):
                 if x == name and not (i == 1 and weight is not None):
                     node.input[i] = chosen
@@ -289,8 +305,12 @@ class Trials:
         self.corrected: set[str] = set()
         self.expected = expected if expected is not None else reference_outputs(reference, samples)
         every = set(switched.weight_switches.values()) | set(switched.input_switches.values())
-        exact = {node_label(n) for n in switched.model.graph.node
-                 if n.op_type == "Where" and n.input[0] in every}
+        gates = [n for n in switched.model.graph.node
+                 if n.op_type in ("Where", "If") and n.input[0] in every]
+        # The switches and the Q/DQ pairs inside their branches stay exact, as the pairs do.
+        exact = {node_label(n) for n in gates} | {
+            node_label(inner) for n in gates for a in n.attribute if a.type == a.GRAPH
+            for inner in a.g.node}
         model = on_target(switched.model, wide, exact | set(pinned), saturate=saturate)
         self.runner: TrialRuns | None = (runs or LocalRuns)(model, self.samples)
         self.runs = 0
