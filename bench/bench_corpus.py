@@ -53,6 +53,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corpus  # noqa: E402 - the sibling script, run from anywhere
+from bench_convert_scale import _rss_mb  # noqa: E402 - one resident-memory reader
 
 COMMANDS = ("check", "calibrate", "convert", "compare")
 FP16 = TensorProto.FLOAT16
@@ -306,16 +307,6 @@ def run_autocast(model: Path, calib: Path, heldout: Path, out: Path, max_mb: int
     samples = load_samples(heldout)
     return AutoCast(seconds, peak, "", try_judge(session(str(model)), converted, samples),
                     _fp32_mac_share(converted, samples[0] if samples else {}))
-
-
-def _rss_mb(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
 
 
 def _fp32_mac_share(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> float | None:

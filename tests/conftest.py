@@ -210,3 +210,12 @@ def external_mlp(folder: Path, rng: np.random.Generator, *, name: str = "m", wid
     onnx.save(saved, str(path), save_as_external_data=True, location=f"{name}.onnx.data",
               size_threshold=1024)
     return model, str(path)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray on 2 CPUs for the test module (its start-up takes seconds)."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'npuprep[ray]')")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield ray
+    ray.shutdown()

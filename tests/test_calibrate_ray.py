@@ -22,14 +22,6 @@ from npuprep.model_io import load_model
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'npuprep[ray]')")
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    """One local Ray on 2 CPUs for the module (its start-up takes seconds)."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    yield ray
-    ray.shutdown()
-
-
 def zoo_on_disk(folder: Path, name: str) -> tuple[Path, Path]:
     """A zoo model saved as a file, its samples as a folder of .npz."""
     z = ZOO[name]()

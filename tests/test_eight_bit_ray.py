@@ -17,14 +17,6 @@ from npuprep.profiles import load_profile
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'npuprep[ray]')")
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    """One local Ray on 2 CPUs for the module (its start-up takes seconds)."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    yield ray
-    ray.shutdown()
-
-
 # x (log-normal magnitudes) -> MatMul "wide" -> h;  z -> MatMul "plain" -> v -> MatMul "next";
 # y = both side by side: "wide" is what INT8's one scale holds worst
 GRAPH = """
