@@ -141,3 +141,7 @@ def test_metric_judges_the_outputs_by_their_decisions(tmp_path, save):
     assert by_value.returncode == 1 and "outputs fail the gate of --metric rel-l2" in by_value.stdout
     bad = run_cli("compare", ref, cand, "--data", data, "--top-k", "p:zero")
     assert bad.returncode == 2 and "--top-k p:zero" in bad.stderr
+    report = tmp_path / "r.md"
+    unknown = run_cli("compare", ref, cand, "--data", data, "--top-k", "nosuch:2", "--report-md", report)
+    assert unknown.returncode == 2 and "'nosuch', which is not an output" in unknown.stderr
+    assert not report.exists()

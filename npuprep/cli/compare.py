@@ -294,11 +294,13 @@ def goal_gate(ref: Model, args: argparse.Namespace, samples: SampleSet, gate: Ou
     (over a record's rule, whose rtol/atol stay), each output's rule said in a note."""
     if args.metric is None and not args.top_k:
         return gate, ()
+    from npuprep.pipeline.stages import checked_top_k
     from npuprep.verify.compare import DEFAULT_ATOL, OutputGate, default_rtol
     from npuprep.verify.output_check import GOAL_SAMPLES, judged_outputs
 
+    asked = checked_top_k(ref, parse_top_k(args.top_k))
     first = list(samples.iter_range(0, min(GOAL_SAMPLES, len(samples))))
-    top_k, judged = judged_outputs(ref.proto, first, args.metric or "auto", parse_top_k(args.top_k))
+    top_k, judged = judged_outputs(ref.proto, first, args.metric or "auto", asked)
     said = "; ".join(f"{name} by {rule}" for name, rule in sorted(judged.items()))
     if gate is not None:
         return replace(gate, top_k=top_k), (f"outputs judged as asked, not by the record's rule: "

@@ -444,7 +444,7 @@ def convert(
         show_progress=show_progress, ray=ray, ray_cpus=ray_cpus)
     run = _start(model, profile, samples, settings, progress, holdout=holdout, stats=stats,
                  plan=plan, described=(samples_description, synthetic))
-    run = replace(run, settings=replace(settings, top_k=_checked_top_k(run.model, top_k)))
+    run = replace(run, settings=replace(settings, top_k=checked_top_k(run.model, top_k)))
     for stage in STAGES:
         run = stage(run)
     assert run.result is not None
@@ -540,7 +540,8 @@ def _with_vendor_fix(result: ConversionResult, vendor: VendorCheck) -> Conversio
                    notes=(*result.notes, f"{lines[0]}; {'; '.join(lines[1:])} (the model written)"))
 
 
-def _checked_top_k(model: Model, top_k: Mapping[str, int] | None) -> dict[str, int]:
+def checked_top_k(model: Model, top_k: Mapping[str, int] | None) -> dict[str, int]:
+    """`--top-k` checked against the model's outputs (convert's and compare's one rule)."""
     outputs = {o.name for o in model.proto.graph.output}
     for name, k in (top_k or {}).items():
         if name not in outputs:
