@@ -18,15 +18,13 @@ model of the conversion these values.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import onnx
+from threadpoolctl import threadpool_limits
 
 from npuprep.calibrate.layer_inputs import InputMoments, input_moments, layer_geometry
 from npuprep.data import Feed
@@ -136,7 +134,9 @@ def round_layers(model: onnx.ModelProto, layers: Sequence[str],
     keeps round-to-nearest."""
     if weight_bytes(model) > MAX_WEIGHT_BYTES or not layers:
         return []
-    with _one_blas_thread():
+    # Its products are small (K <= 2048): on a shared machine a second BLAS thread spins while
+    # the first waits for a core (ddddocr_ocr's rounding: 13.7 CPU s on two threads, 2.8 on one).
+    with threadpool_limits(1, user_api="blas"):
         return _round_layers(model, layers, formats, samples, weights)
 
 
@@ -295,30 +295,3 @@ def inverse_factor(gram: np.ndarray) -> np.ndarray:
     # H^-1 = U^T U with U = V^-1, upper; one factorisation and one inverse.
     reversed_lower = np.linalg.cholesky(h[:, ::-1, ::-1])
     return np.linalg.inv(reversed_lower[:, ::-1, ::-1])
-
-
-@contextlib.contextmanager
-def _one_blas_thread() -> Iterator[None]:
-    """numpy's bundled OpenBLAS on one thread while the block runs: its products here are
-    small (K <= 2048), and on a shared machine a second BLAS thread spins while the first
-    waits for a core (ddddocr_ocr's rounding: 13.7 CPU s on two threads, 2.8 on one). A numpy
-    built on another BLAS is left as it is."""
-    found = None
-    for path in sorted((Path(np.__file__).parent.parent / "numpy.libs").glob("*openblas*.so*")):
-        lib = ctypes.CDLL(str(path))
-        for stem in ("scipy_openblas", "openblas"):
-            for suffix in ("64_", ""):
-                get = getattr(lib, f"{stem}_get_num_threads{suffix}", None)
-                put = getattr(lib, f"{stem}_set_num_threads{suffix}", None)
-                if get is not None and put is not None and found is None:
-                    found = (get, put)
-    if found is None:
-        yield
-        return
-    get, put = found
-    before = int(get())
-    put(1)
-    try:
-        yield
-    finally:
-        put(before)
