@@ -284,7 +284,8 @@ class _TrialSessions:
                                     means=self.means, rules=self.rules if chosen else None,
                                     formats=self.assigned if own else None)
             trials = Trials(self.reference, switched, self.wide, self.kept_wider, self.samples,
-                            saturate=self.saturate, expected=self.expected, runs=self.runner)
+                            saturate=self.saturate, expected=self.expected, runs=self.runner,
+                            fold_weights=not self.one)
             trials.corrected = self.corrected
             self.open[phase] = trials
         return self.open[phase]

@@ -43,6 +43,7 @@ from npuprep.scale_rules import ScaleRule
 from npuprep.verify.output_check import OutputCheck
 from npuprep.verify.output_errors import OutputErrors, worst_pooled_rel_l2
 from npuprep.verify.qdq_model import Sensitivity, activation_scale, on_target
+from npuprep.verify.weight_switches import fold_weight_switches
 
 # Samples a ranking or rule trial is measured on: it needs an order, not a verdict.
 TRIAL_SAMPLES = 4
@@ -248,21 +249,35 @@ def _dequantised(node: onnx.NodeProto, w: np.ndarray, v: Variant, weights: Weigh
 
 
 class LocalRuns:
-    """Trial runs in this process: one session of the trial model, built once."""
+    """Trial runs in this process: one session of the trial model, built once, of one
+    thread, run by one thread per core at a time (onnxruntime runs a session from several
+    threads at once). A trial run is ~2000 small nodes (the rounding chains, the switches):
+    split over 2 threads each node waited for the other thread, and a run took twice the
+    CPU time and, on a loaded machine, twice the wall time of one thread (ppocr_det, 2 cores:
+    0.147 against 0.075 CPU s); the jobs of a batch are independent and share the cores whole."""
 
     def __init__(self, model: onnx.ModelProto, samples: Sequence[Feed]) -> None:
+        from npuprep.calibrate.run import cores
         from npuprep.runtime.session import make_session
 
         self.samples = list(samples)
-        self.session: Any = make_session(model, prepack=True)
+        self.session: Any = make_session(model, prepack=True, threads=1)
         self.names = [o.name for o in self.session.get_outputs()]
+        self.workers = cores()
 
     def run(self, jobs: Sequence[tuple[int, Mapping[str, np.ndarray]]]) -> list[dict[str, np.ndarray]]:
         """The outputs of each job: (sample index, switches)."""
+        from concurrent.futures import ThreadPoolExecutor
+
         from npuprep.runtime.session import run
 
-        return [run(self.session, {**self.samples[i], **switches}, self.names)
-                for i, switches in jobs]
+        def one(job: tuple[int, Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+            return run(self.session, {**self.samples[job[0]], **job[1]}, self.names)
+
+        if self.workers < 2 or len(jobs) < 2:
+            return [one(job) for job in jobs]
+        with ThreadPoolExecutor(min(self.workers, len(jobs))) as pool:
+            return list(pool.map(one, jobs))
 
     def close(self) -> None:
         self.session = None
@@ -294,12 +309,14 @@ class Trials:
     `pinned` rounded to `wide`, as the board computes), the reference's outputs run once
     (or given: `expected`): a trial is a set of 8-bit layers and the activations' rules,
     measured by one run per sample, where `runs` runs them (default: this process). Trials
-    whose switches are the same run once (their error is kept)."""
+    whose switches are the same run once (their error is kept). `fold_weights`: each layer's
+    weight choices worked out once, the layer in Ifs (npuprep.verify.weight_switches); not
+    for a model whose weights stay in a scratch file (each choice would be held in memory)."""
 
     def __init__(self, reference: onnx.ModelProto, switched: SwitchedQdq, wide: NumberFormat,
                  pinned: Iterable[str], samples: Sequence[Feed], *, saturate: bool,
                  expected: list[dict[str, np.ndarray]] | None = None,
-                 runs: RunsFactory | None = None) -> None:
+                 runs: RunsFactory | None = None, fold_weights: bool = True) -> None:
         self.switched, self.samples = switched, list(samples)
         # Layers whose corrected bias the trials use (where they run in 8 bits).
         self.corrected: set[str] = set()
@@ -312,6 +329,8 @@ class Trials:
             node_label(inner) for n in gates for a in n.attribute if a.type == a.GRAPH
             for inner in a.g.node}
         model = on_target(switched.model, wide, exact | set(pinned), saturate=saturate)
+        if fold_weights:
+            model = fold_weight_switches(model, switched.weight_switches.values())
         self.runner: TrialRuns | None = (runs or LocalRuns)(model, self.samples)
         self.runs = 0
         self._errors: dict[bytes, float] = {}
