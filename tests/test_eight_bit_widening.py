@@ -195,6 +195,28 @@ def test_an_int8_matmul_input_with_an_outlier_channel_is_balanced_into_the_weigh
     assert result.passed and result.eight_bit.mac_share["int8"] == 1.0
 
 
+def _alone(proto: onnx.ModelProto, feeds: list[dict[str, np.ndarray]]):
+    """The balancing's measure: each group of layers alone in INT8, on one session."""
+    from npuprep.verify.qdq_trials import errors_alone
+
+    variant = Variant(INT8, (DEFAULT_RULE,), True)
+    return lambda model, stats, groups: errors_alone(proto, model, groups, stats, variant, feeds)
+
+
+def test_the_balancings_one_session_errors_are_the_quantised_models_own():
+    from npuprep.verify.output_errors import worst_pooled_rel_l2
+
+    proto = _model(OUTLIER, {"W": RNG.standard_normal((16, 8))})
+    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+    feeds = _outlier_feeds(40.0)
+    stats = calibrate(model, feeds, detail="all")
+    got = _alone(proto, feeds)(proto, stats, [["mm"], []])
+    built = make_session(quantise(proto, ["mm"], stats, INT8, saturate=True).model)
+    ref = make_session(proto)
+    assert got[0] == worst_pooled_rel_l2([run(built, f) for f in feeds], [run(ref, f) for f in feeds])
+    assert got[0] > 1e-3 and got[1] == 0.0  # nothing in 8 bits: the reference itself
+
+
 def test_an_input_without_outlier_channels_is_left_alone():
     from npuprep.rewrite.smooth import smooth
     from npuprep.verify.qdq_model import balance_outliers
@@ -203,7 +225,7 @@ def test_an_input_without_outlier_channels_is_left_alone():
     model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
     feeds = _outlier_feeds(1.0)
     stats = calibrate(model, feeds, detail="all")
-    found = balance_outliers(proto, proto, ["mm"], stats, INT8, feeds, saturate=True)
+    found = balance_outliers(proto, ["mm"], stats, feeds, measure=_alone(proto, feeds))
     assert found.tensors == {} and found.model is proto
     declined = smooth(proto, {"x": np.ones(16, np.float32)}, {"x": ["mm"]})
     assert not declined and "no MatMul input" in declined.reason

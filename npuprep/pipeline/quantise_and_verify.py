@@ -60,6 +60,7 @@ from npuprep.verify.qdq_trials import (
     Trials,
     Variant,
     choose_rules,
+    errors_alone,
     rank_layers,
     reference_outputs,
     switched_qdq,
@@ -111,9 +112,16 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     if not eight.is_float:
         # FP8 keeps its relative precision across channels; INT8's one scale does not.
         stage("balancing outlier channels into the weights")
-        found = balance_outliers(work.proto, base, eight_bit_nodes(layers, eight), stats, eight,
-                                 samples, saturate=True, rule=scale_rule,
-                                 tensor_scales=applied.tensor_scales, weights=weights)
+        alone = Variant(eight, (scale_rule,), True)
+
+        def measure(model: onnx.ModelProto, stats: CalibrationStats,
+                    groups: list[list[str]]) -> list[float]:
+            return errors_alone(work.proto, model, groups, stats, alone, samples,
+                                tensor_scales=applied.tensor_scales, weights=weights,
+                                runs=runner)
+
+        found = balance_outliers(base, eight_bit_nodes(layers, eight), stats, samples,
+                                 measure=measure, weights=weights)
         base, stats, balanced = found.model, found.stats, found.tensors
         if balanced:
             notes.append(f"{len(balanced)} INT8 MatMul input(s) with outlier channels (up to "

@@ -30,14 +30,11 @@ from npuprep.rewrite.qdq import ActivationScale, insert_qdq
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.rewrite.result import RewriteResult
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
-from npuprep.verify.output_errors import worst_pooled_rel_l2
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 # An INT8 MatMul input whose largest channel reaches this many times its median channel has
 # outlier channels worth balancing into the weight (npuprep.rewrite.smooth).
 OUTLIER_RATIO = 4.0
-# Samples each balancing trial is measured on: it needs an order, not a verdict.
-RANK_SAMPLES = 4
 
 
 @dataclass(frozen=True)
@@ -116,15 +113,19 @@ class Balanced:
     tensors: dict[str, tuple[str, float]]
 
 
-def balance_outliers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
-                     stats: CalibrationStats, fmt: EightBitFormat, samples: Sequence[Feed], *, saturate: bool,
-                     rule: ScaleRule = DEFAULT_RULE, tensor_scales: Mapping[str, float] | None = None,
-                     headroom: float = 1.0, weights: WeightStore | None = None) -> Balanced:
+# (model, its stats, groups of layers) -> the outputs' error with each group alone in 8 bits
+# (npuprep.verify.qdq_trials.errors_alone: one session for every group).
+ErrorsAlone = Callable[[onnx.ModelProto, CalibrationStats, list[list[str]]], list[float]]
+
+
+def balance_outliers(model: onnx.ModelProto, nodes: Sequence[str], stats: CalibrationStats,
+                     samples: Sequence[Feed], *, measure: ErrorsAlone,
+                     weights: WeightStore | None = None) -> Balanced:
     """The INT8 MatMuls among `nodes` whose input has outlier channels read it divided by s
     per channel, their weights multiplied by it (npuprep.rewrite.smooth), where that lowers
-    the error of those MatMuls quantised alone: a channel whose outliers are a few rare
-    values is better served by the clip of `rule`, which the balanced tensor (abs-max only)
-    cannot place."""
+    the error of those MatMuls quantised alone (`measure`: in 8 bits by the conversion's
+    rule): a channel whose outliers are a few rare values is better served by the clip of
+    the rule, which the balanced tensor (abs-max only) cannot place."""
     from npuprep.calibrate.channels import channel_absmax
     from npuprep.rewrite.smooth import smooth, smoothable, smoothing_factors
 
@@ -153,35 +154,17 @@ def balance_outliers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: 
     for x, xs in dict(every.details["smoothed"]).items():
         tensors[xs] = _divided(stats.tensors[x], xs, per_channel[x] / factors[x])
     balanced_stats = replace(stats, tensors=tensors)
-    error = _errors(reference, samples)
-    kept = {x: s for x, s in factors.items()
-            if error(quantise(every.model, readers[x], balanced_stats, fmt, saturate=saturate,
-                              rule=rule, tensor_scales=tensor_scales, headroom=headroom,
-                              weights=weights).model)
-            < error(quantise(model, readers[x], stats, fmt, saturate=saturate, rule=rule,
-                             tensor_scales=tensor_scales, headroom=headroom, weights=weights).model)}
+    # Each tensor's readers quantised alone, balanced and not: two trial sessions, every
+    # tensor's trial a run of them (a session per trial cost MiniLM 12-14 CPU s).
+    groups = [readers[x] for x in factors]
+    before = measure(model, stats, groups)
+    after = measure(every.model, balanced_stats, groups)
+    kept = {x: s for (x, s), a, b in zip(factors.items(), after, before, strict=True) if a < b}
     done = smooth(model, kept, readers, place=place)
     if not done:
         return Balanced(model, stats, {})
     smoothed = dict(done.details["smoothed"])
     return Balanced(done.model, balanced_stats, {x: (xs, ratios[x]) for x, xs in smoothed.items()})
-
-
-def _errors(reference: onnx.ModelProto,
-            samples: Sequence[Feed]) -> Callable[[onnx.ModelProto], float]:
-    """A function: model -> its outputs' pooled rel L2 against `reference` on RANK_SAMPLES."""
-    from npuprep.runtime.session import make_session, run
-
-    feeds = list(samples)[:RANK_SAMPLES]
-    ref_session = make_session(reference, prepack=False)
-    refs = [run(ref_session, f) for f in feeds]
-    del ref_session
-
-    def error(model: onnx.ModelProto) -> float:
-        session = make_session(model, prepack=False)
-        return worst_pooled_rel_l2([run(session, f) for f in feeds], refs)
-
-    return error
 
 
 def _divided(r: RangeStats, name: str, per_channel: np.ndarray) -> RangeStats:
