@@ -366,18 +366,28 @@ class Trials:
         in their 8-bit format (layer -> format)."""
         return self._outputs([self._switches(assign, rules)], count or len(self.samples))[0]
 
-    def errors(self, trials: Sequence[tuple[Mapping[str, str], Mapping[str, ScaleRule]]]) -> list[float]:
+    def errors(self, trials: Sequence[tuple[Mapping[str, str], Mapping[str, ScaleRule]]], *,
+               seen: Callable[[int, list[dict[str, np.ndarray]]], None] | None = None) -> list[float]:
         """Each trial's (assign, rules) outputs' worst pooled rel L2 on the first
-        TRIAL_SAMPLES samples; the trials not run before run in batches of BATCH_TRIALS."""
+        TRIAL_SAMPLES samples; the trials not run before run in batches of BATCH_TRIALS.
+        `seen(i, outputs)`: called with the outputs of every trial i, while its batch is
+        held (every trial then runs, run before or not)."""
         feeds = [self._switches(a, r) for a, r in trials]
         keys = [self._key(f) for f in feeds]
-        todo = list({k: f for k, f in zip(keys, feeds, strict=True) if k not in self._errors}.items())
+        todo: dict[bytes, list[int]] = {}
+        for i, k in enumerate(keys):
+            if seen is not None or k not in self._errors:
+                todo.setdefault(k, []).append(i)
+        batches = list(todo.items())
         # A batch's outputs are held until its errors are taken: BATCH_TRIALS at a time.
-        for start in range(0, len(todo), BATCH_TRIALS):
-            batch = todo[start:start + BATCH_TRIALS]
-            for (k, _), got in zip(batch, self._outputs([f for _, f in batch], TRIAL_SAMPLES),
-                                   strict=True):
+        for start in range(0, len(batches), BATCH_TRIALS):
+            batch = batches[start:start + BATCH_TRIALS]
+            for (k, first), got in zip(batch, self._outputs([feeds[i[0]] for _, i in batch],
+                                                             TRIAL_SAMPLES), strict=True):
                 self._errors[k] = worst_pooled_rel_l2(got, self.expected[:len(got)])
+                if seen is not None:
+                    for i in first:
+                        seen(i, got)
         return [self._errors[k] for k in keys]
 
     def error(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule]) -> float:
@@ -417,19 +427,44 @@ def errors_alone(reference: onnx.ModelProto, model: onnx.ModelProto,
 
 def rank_layers(trials: Trials, nodes: Sequence[str], assign: Mapping[str, str],
                 rules: Mapping[str, ScaleRule]) -> list[Sensitivity]:
-    """Each of `nodes` kept wider alone, every other layer of `assign` (layer -> 8-bit
-    format) in 8 bits: what that gains over all of them in 8 bits; and each alone in 8 bits:
-    its own error, which does not depend on the others (2 len(nodes) + 1 runs). Where the
-    error is spread over many layers, the gains are differences of nearly equal numbers and
-    the errors alone are the clearer signal; the gains show the layers that cancel. The runs
+    """Each of `nodes` alone in 8 bits (every other layer wider): its own error, which does
+    not depend on the others; and what keeping it wider alone gains with every other layer
+    of `assign` (layer -> 8-bit format) in 8 bits, estimated from the same run: the output
+    deviations of layers quantised together add (to first order), so the outputs without
+    layer L are those of all of them less L's own deviation (len(nodes) + 2 runs, where
+    leaving each out ran once more per layer). The estimate sees the errors that cancel (two
+    guidance branches: tests/test_eight_bit_widening.py). Where every layer in 8 bits gives
+    Inf/NaN there is nothing to subtract from, and each layer is left out by a run. The runs
     go in batches (on Ray, spread over its actors)."""
-    asked: list[tuple[Mapping[str, str], Mapping[str, ScaleRule]]] = [(assign, rules)]
-    for label in nodes:
-        asked += [({n: f for n, f in assign.items() if n != label}, rules),
-                  ({label: assign[label]}, rules)]
-    every, *pairs = trials.errors(asked)
-    found = [Sensitivity(label, without, every - without, alone)
-             for label, without, alone in zip(nodes, pairs[::2], pairs[1::2], strict=True)]
+    floats = [name for name, v in trials.expected[0].items()
+              if np.issubdtype(np.asarray(v).dtype, np.floating)]
+    held: dict[int, list[dict[str, np.ndarray]]] = {}
+
+    def keep(i: int, got: list[dict[str, np.ndarray]]) -> None:
+        held[i] = [{n: np.asarray(o[n], np.float64) for n in floats} for o in got]
+
+    every, _ = trials.errors([(assign, rules), ({}, rules)], seen=keep)
+    if not np.isfinite(every):
+        asked = [({n: f for n, f in assign.items() if n != label}, rules) for label in nodes]
+        alone = trials.errors([({label: assign[label]}, rules) for label in nodes])
+        found = [Sensitivity(label, without, every - without, own)
+                 for label, without, own in zip(nodes, trials.errors(asked), alone, strict=True)]
+        return sorted(found, key=lambda s: -s.gain)
+    all_in, none_in = held[0], held[1]
+    estimated: dict[int, float] = {}
+
+    def without(i: int, got: list[dict[str, np.ndarray]]) -> None:
+        # All in 8 bits, less this layer's own deviation from the wider model.
+        rest = [{n: a[n] - (np.asarray(o[n], np.float64) - z[n]) for n in floats}
+                for a, o, z in zip(all_in, got, none_in, strict=True)]
+        estimated[i] = worst_pooled_rel_l2(rest, trials.expected[:len(rest)])
+
+    alone = trials.errors([({label: assign[label]}, rules) for label in nodes], seen=without)
+    found = []
+    for i, (label, own) in enumerate(zip(nodes, alone, strict=True)):
+        # An Inf/NaN alone (with every layer finite): no estimate; its own error ranks it.
+        rest = estimated[i] if np.isfinite(estimated[i]) else every
+        found.append(Sensitivity(label, rest, every - rest, own))
     return sorted(found, key=lambda s: -s.gain)
 
 

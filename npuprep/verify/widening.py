@@ -93,7 +93,8 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
         return done
     ranking = by_gain_per_cost(rank(left, list(layers)), cost)
     done.rankings.append(ranking)
-    done.rank_runs += 2 * len(left) + 1
+    # Each layer alone, all of them and none (npuprep.verify.qdq_trials.rank_layers).
+    done.rank_runs += len(left) + 2
 
     def heads(to: str) -> _Heads:
         return _shortest_head(done, ranking, list(layers), fmt, to, trial=trial, judged=judged,
