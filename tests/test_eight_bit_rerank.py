@@ -89,7 +89,9 @@ def test_the_gains_rank_the_wrong_second_layer_and_the_errors_alone_the_right_on
     assert alone["d"] > 2 * alone["b"] > 4 * alone["a"]  # 10e, 4e, e
     assert len(result.eight_bit.sensitivity) == 3  # one ranking
     assert result.output_check and result.output_check.outputs["y"]["rel_l2"] < JUDGE_MARGIN * rtol
-    assert result.eight_bit.rank_runs == 5  # three ranked alone, plus all and none in 8 bits
+    # Three ranked alone, all and none in 8 bits, and the two layers the heads reached left
+    # out (their gains measured, not estimated)
+    assert result.eight_bit.rank_runs == 7
     assert abs(result.eight_bit.mac_share["fp8_e4m3"] - 1 / 3) < 1e-6
 
 
@@ -112,3 +114,29 @@ def test_errors_alone_order_the_budget_and_a_layer_that_cancels_goes_last():
     ordered = by_gain_per_cost(ranking, macs.__getitem__)
     assert [s.node for s in ordered] == ["noisy", "small", "branch"]
     assert ranking[0].cancels and not ranking[2].cancels
+
+
+def test_a_head_is_measured_before_it_is_tried_and_a_layer_measured_to_cancel_goes_last():
+    from npuprep.verify.widening import _Ranking
+
+    macs = dict.fromkeys(["branch", "noisy", "small", "tail"], 0.25)
+    # Estimated (from the layers alone): nothing cancels; measured: branch does.
+    estimated = [Sensitivity("branch", 0.1, 0.01, 0.3), Sensitivity("noisy", 0.1, 0.01, 0.02),
+                 Sensitivity("small", 0.1, 0.01, 0.01), Sensitivity("tail", 0.1, 0.01, 0.005)]
+    measured = {"branch": Sensitivity("branch", 0.35, -0.25, 0.3),
+                "noisy": Sensitivity("noisy", 0.1, 0.005, 0.02),
+                "small": Sensitivity("small", 0.1, 0.002, 0.01)}
+    asked: list[list[str]] = []
+
+    def leave_out(nodes: list[str]) -> list[Sensitivity]:
+        asked.append(nodes)
+        return [measured[n] for n in nodes]
+
+    ranking = _Ranking(estimated, macs.__getitem__, leave_out)
+    assert [s.node for s in ranking.peek(1)] == ["branch"]  # the estimate's order
+    assert [s.node for s in ranking.head(1)] == ["noisy"]  # branch measured: it cancels
+    assert asked == [["branch"], ["noisy"]]
+    assert [s.node for s in ranking.head(2)] == ["noisy", "small"] and asked[-1] == ["small"]
+    # The whole ranking is a set: nothing more to measure; tail was never left out.
+    assert {s.node for s in ranking.head(4)} == set(macs) and len(asked) == 3
+    assert [s.node for s in ranking.order] == ["noisy", "small", "tail", "branch"]

@@ -61,6 +61,7 @@ from npuprep.verify.qdq_trials import (
     Variant,
     choose_rules,
     errors_alone,
+    leave_one_out,
     rank_layers,
     reference_outputs,
     switched_qdq,
@@ -170,17 +171,24 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     def trial(chosen: Sequence[LayerPrecision]) -> OutputCheck:
         return sessions.checks().check(_assigned(chosen), tensor_rules, rtol=rtol, top_k=top_k)
 
+    ranked_from: dict[str, str] = {}
+
     def rank(nodes: list[str], chosen: list[LayerPrecision]) -> list[Sensitivity]:
         stage(f"ranking {len(nodes)} 8-bit layer(s) by their own error")
-        ranked = rank_layers(sessions.ranking(), nodes, _assigned(chosen), tensor_rules)
+        ranked_from.update(_assigned(chosen))
+        ranked = rank_layers(sessions.ranking(), nodes, ranked_from, tensor_rules)
         stage(f"trying the heads of the ranking ({len(nodes)} layer(s))")
         return ranked
+
+    def leave_out(nodes: list[str]) -> list[Sensitivity]:
+        return leave_one_out(sessions.ranking(), nodes, ranked_from, tensor_rules)
 
     stage(f"quantising to {eight.name}")
     widening = widen_by_ranking(layers, eight, trial(layers), rank=rank, trial=trial,
                                 judged=judged, share=lambda c: eight_bit_share(c, macs),
                                 cost=lambda n: _cost([n], macs), min_share=min_8bit_share,
-                                alternative=other.name if mixed and other else None)
+                                alternative=other.name if mixed and other else None,
+                                leave_out=leave_out)
     corrected, biases = sessions.corrected, sessions.biases()
     sessions.close()
     trial_runs = sessions.runs

@@ -78,23 +78,23 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
                      judged: Callable[[OutputCheck], bool],
                      share: Callable[[list[LayerPrecision]], float],
                      cost: Callable[[str], float], min_share: float,
-                     alternative: str | None = None) -> Widening:
+                     alternative: str | None = None,
+                     leave_out: Callable[[list[str]], list[Sensitivity]] | None = None) -> Widening:
     """Keep the fewest 8-bit layers wider for `judged(check)`, while `share` (the 8-bit share
     of the multiply-adds) stays at or above `min_share`. With an `alternative` 8-bit format
     (a target that runs INT8 and FP8), the heads of each ranking are first tried in it: a
     layer INT8 cannot hold may hold in FP8 (or the reverse) and stays in 8 bits.
 
     `rank(nodes, layers)` gives each of `nodes` (those still in `fmt` in `layers`) with its
-    `gain` when kept wider alone; `trial(layers)` checks the outputs of that choice."""
+    `gain` when kept wider alone; `trial(layers)` checks the outputs of that choice. With
+    `leave_out(nodes)` (their gains measured, each left out by a run), `rank`'s gains are
+    estimates, measured for the layers of each head before it is tried (_Ranking)."""
     done = Widening(list(layers), check)
     done.curve.append(CurvePoint(0, fmt.name, share(done.layers), _worst(check), judged(check)))
     left = [x.node for x in layers if x.precision == fmt.name]
     if judged(check) or not left:
         return done
-    ranking = by_gain_per_cost(rank(left, list(layers)), cost)
-    done.rankings.append(ranking)
-    # Each layer alone, all of them and none (npuprep.verify.qdq_trials.rank_layers).
-    done.rank_runs += len(left) + 2
+    ranking = _Ranking(rank(left, list(layers)), cost, leave_out)
 
     def heads(to: str) -> _Heads:
         return _shortest_head(done, ranking, list(layers), fmt, to, trial=trial, judged=judged,
@@ -105,8 +105,8 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
         found = heads(alternative)
         if found.passing:
             done.layers, done.check = found.tried[found.passing]
-            done.alternative = [s.node for s in ranking[:found.passing]]
-            return done
+            done.alternative = [s.node for s in ranking.head(found.passing)]
+            return ranking.done(done)
         whole = found.tried.get(len(ranking))
         if whole is not None and _worst(whole[1]) < _worst(check):
             # Every layer in the other format errs less than in this one (the example's
@@ -127,10 +127,50 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
     kept = found.passing or found.failing
     if kept:
         done.layers, done.check = found.tried[kept]
-        done.widened = [s.node for s in ranking[:kept]]
+        done.widened = [s.node for s in ranking.head(kept)]
     if start_fmt is not fmt:
-        done.alternative = [s.node for s in ranking[len(done.widened):]]
-    return done
+        done.alternative = [s.node for s in ranking.order[len(done.widened):]]
+    return ranking.done(done)
+
+
+class _Ranking:
+    """The ranking by gain per multiply-add, whose leave-one-out gains may be estimates
+    (npuprep.verify.qdq_trials.rank_layers) until a head reaches them: `head(n)` measures
+    the first n (`leave_out`) and orders again until the first n are measured. A layer
+    measured to cancel another's error goes last (by_gain_per_cost), as with every gain
+    measured; the other layers keep their places (ordered by their errors alone), so every
+    head tried is the head the fully measured ranking has."""
+
+    def __init__(self, estimated: list[Sensitivity], cost: Callable[[str], float],
+                 leave_out: Callable[[list[str]], list[Sensitivity]] | None) -> None:
+        self.order, self.cost, self.leave_out = by_gain_per_cost(estimated, cost), cost, leave_out
+        self.measured: set[str] = set() if leave_out else {s.node for s in estimated}
+        self.estimated = len(estimated)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def head(self, n: int) -> list[Sensitivity]:
+        """The first n, their gains measured (the whole ranking needs none: it is a set)."""
+        while n < len(self.order) and self.leave_out is not None:
+            todo = [s.node for s in self.order[:n] if s.node not in self.measured]
+            if not todo:
+                break
+            found = {s.node: s for s in self.leave_out(todo)}
+            self.measured |= set(found)
+            self.order = by_gain_per_cost([found.get(s.node, s) for s in self.order], self.cost)
+        return self.order[:n]
+
+    def peek(self, n: int) -> list[Sensitivity]:
+        """The first n as ranked so far (for a budget check, not a trial)."""
+        return self.order[:n]
+
+    def done(self, widening: Widening) -> Widening:
+        widening.rankings.append(self.order)
+        # Each layer alone, all of them and none (npuprep.verify.qdq_trials.rank_layers),
+        # and each layer a head reached left out.
+        widening.rank_runs += self.estimated + 2 + (len(self.measured) if self.leave_out else 0)
+        return widening
 
 
 def _ended(found: _Heads, start: OutputCheck) -> tuple[bool, int, float]:
@@ -141,7 +181,7 @@ def _ended(found: _Heads, start: OutputCheck) -> tuple[bool, int, float]:
     return (not found.passing, found.passing, error)
 
 
-def _shortest_head(done: Widening, ranking: list[Sensitivity], start: list[LayerPrecision],
+def _shortest_head(done: Widening, ranking: _Ranking, start: list[LayerPrecision],
                    fmt: EightBitFormat, to: str, *,
                    trial: Callable[[list[LayerPrecision]], OutputCheck],
                    judged: Callable[[OutputCheck], bool],
@@ -154,7 +194,9 @@ def _shortest_head(done: Widening, ranking: list[Sensitivity], start: list[Layer
     found = _Heads()
 
     def attempt(n: int) -> bool | None:
-        chosen = _widen(start, ranking[:n], fmt, to)
+        if share(_widen(start, ranking.peek(n), fmt, to)) < min_share:
+            return None
+        chosen = _widen(start, ranking.head(n), fmt, to)
         if share(chosen) < min_share:
             return None
         found.tried[n] = (chosen, trial(chosen))
@@ -168,13 +210,14 @@ def _shortest_head(done: Widening, ranking: list[Sensitivity], start: list[Layer
     while True:
         ok = attempt(n)
         if ok is None:
-            found.over_budget = [s.node for s in ranking[found.failing:n]]
+            found.over_budget = [s.node for s in ranking.peek(n)[found.failing:]]
             # The longest head the budget still takes, between the last failing and this one.
             within = [k for k in range(n - 1, found.failing, -1)
-                      if share(_widen(start, ranking[:k], fmt, to)) >= min_share]
-            if within and attempt(within[0]):
+                      if share(_widen(start, ranking.peek(k), fmt, to)) >= min_share]
+            ok = attempt(within[0]) if within else None
+            if ok:
                 found.passing = within[0]
-            elif within:
+            elif ok is not None:
                 found.failing = within[0]
             break
         if ok:
