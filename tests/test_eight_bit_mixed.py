@@ -117,3 +117,52 @@ def test_a_trial_on_the_switched_session_gives_the_built_models_numbers():
     board = make_session(on_target(built, fp16, (), saturate=True))
     for feed, trial in zip(feeds, got, strict=True):
         np.testing.assert_array_equal(trial["y"], run(board, feed)["y"])
+
+
+# x -> Conv(W, B) "conv" -> y (a bias the 8-bit trials correct behind their own switch)
+CONV = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[1, 4, 8, 8] x) => (float[1, 6, 8, 8] y) {
+    [conv] y = Conv <pads = [1, 1, 1, 1]> (x, W, B)
+}
+"""
+
+
+def test_a_switched_layer_moved_into_if_branches_gives_the_same_numbers_or_is_left_as_it_is(
+        monkeypatch):
+    import npuprep.verify.weight_switches as weight_switches
+    from npuprep.numerics import get_format
+    from npuprep.scale_rules import ScaleRule
+    from npuprep.verify.qdq_model import on_target
+    from npuprep.verify.qdq_trials import Variant, switched_qdq
+
+    rng = np.random.default_rng(7)
+    proto = parser.parse_model(CONV)
+    proto.graph.initializer.extend([
+        numpy_helper.from_array(rng.standard_normal((6, 4, 3, 3)).astype(np.float32), "W"),
+        numpy_helper.from_array(rng.standard_normal(6).astype(np.float32), "B")])
+    feeds = [{"x": (rng.standard_normal((1, 4, 8, 8)) + 0.5).astype(np.float32)} for _ in range(4)]
+    stats = calibrate(Model(proto=proto, path="m.onnx", digest=fingerprint(proto)), feeds,
+                      detail="all")
+    int8, fp8 = eight_bit_format("int8"), eight_bit_format("fp8_e4m3")
+    means = {"x": np.mean([f["x"].mean(axis=(0, 2, 3)) for f in feeds], axis=0)}
+    switched = switched_qdq(proto, ["conv"], stats, [Variant(int8, tuple(ScaleRule), True),
+                                                     Variant(fp8, (ScaleRule.ABSMAX,), False, 2.0)],
+                            means=means)
+    assert switched.bias_switches  # the bias has its own switch, outside the branches
+    board = on_target(switched.model, get_format("fp16"), (), saturate=True)
+    wanted = switched.weight_switches.values()
+    folded = weight_switches.fold_weight_switches(board, wanted)
+    ops = [n.op_type for n in folded.graph.node]
+    assert "If" in ops and "Conv" not in ops  # the Conv sits in the branches
+    assert not any(n.op_type == "Where" and n.input[0] in set(wanted) for n in folded.graph.node)
+    plain, moved = make_session(board, threads=1), make_session(folded, threads=1)
+    for assign, corrected in (({}, ()), ({"conv": "int8"}, ()), ({"conv": "int8"}, ("conv",)),
+                              ({"conv": "fp8_e4m3"}, ("conv",))):
+        on = switched.feed(assign, {"x": ScaleRule.MSE}, corrected)
+        for feed in feeds:
+            np.testing.assert_array_equal(run(moved, {**feed, **on})["y"],
+                                          run(plain, {**feed, **on})["y"])
+    # Over the memory the choices may take, the weights stay chosen in every run.
+    monkeypatch.setattr(weight_switches, "FOLD_MAX_BYTES", 6 * 4 * 9 * 4 * 3 - 1)
+    assert weight_switches.fold_weight_switches(board, wanted) is board

@@ -300,8 +300,7 @@ class _TrialSessions:
                                     means=self.means, rules=self.rules if chosen else None,
                                     formats=self.assigned if own else None)
             trials = Trials(self.reference, switched, self.wide, self.kept_wider, self.samples,
-                            saturate=self.saturate, expected=self.expected, runs=self.runner,
-                            fold_weights=not self.one)
+                            saturate=self.saturate, expected=self.expected, runs=self.runner)
             trials.corrected = self.corrected
             self.open[phase] = trials
         return self.open[phase]

@@ -309,14 +309,13 @@ class Trials:
     `pinned` rounded to `wide`, as the board computes), the reference's outputs run once
     (or given: `expected`): a trial is a set of 8-bit layers and the activations' rules,
     measured by one run per sample, where `runs` runs them (default: this process). Trials
-    whose switches are the same run once (their error is kept). `fold_weights`: each layer's
-    weight choices worked out once, the layer in Ifs (npuprep.verify.weight_switches); not
-    for a model whose weights stay in a scratch file (each choice would be held in memory)."""
+    whose switches are the same run once (their error is kept). Each layer's weight choices
+    are worked out once, the layer in Ifs (npuprep.verify.weight_switches)."""
 
     def __init__(self, reference: onnx.ModelProto, switched: SwitchedQdq, wide: NumberFormat,
                  pinned: Iterable[str], samples: Sequence[Feed], *, saturate: bool,
                  expected: list[dict[str, np.ndarray]] | None = None,
-                 runs: RunsFactory | None = None, fold_weights: bool = True) -> None:
+                 runs: RunsFactory | None = None) -> None:
         self.switched, self.samples = switched, list(samples)
         # Layers whose corrected bias the trials use (where they run in 8 bits).
         self.corrected: set[str] = set()
@@ -329,8 +328,7 @@ class Trials:
             node_label(inner) for n in gates for a in n.attribute if a.type == a.GRAPH
             for inner in a.g.node}
         model = on_target(switched.model, wide, exact | set(pinned), saturate=saturate)
-        if fold_weights:
-            model = fold_weight_switches(model, switched.weight_switches.values())
+        model = fold_weight_switches(model, switched.weight_switches.values())
         self.runner: TrialRuns | None = (runs or LocalRuns)(model, self.samples)
         self.runs = 0
         self._errors: dict[bytes, float] = {}
@@ -418,7 +416,7 @@ def errors_alone(reference: onnx.ModelProto, model: onnx.ModelProto,
     switched = switched_qdq(model, [x for group in groups for x in group], stats, [variant],
                             tensor_scales=tensor_scales, weights=weights)
     trials = Trials(reference, switched, get_format("fp32"), (), list(samples)[:TRIAL_SAMPLES],
-                    saturate=variant.saturate, runs=runs, fold_weights=weights.scratch is None)
+                    saturate=variant.saturate, runs=runs)
     try:
         return trials.errors([(dict.fromkeys(group, variant.fmt.name), {}) for group in groups])
     finally:

@@ -21,8 +21,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from npuprep.graph import walk_graphs
+from npuprep.graph import tensor_nbytes, walk_graphs
 from npuprep.ops import QUANTISED_MAC_OPS
+
+# Every choice of every switched weight is held in memory (an FP32 constant each, and
+# onnxruntime's prepacked copy): up to this many bytes of them (MiniLM: 87 MB, 3 choices),
+# above it the weights stay where they are (a large model's scratch file) and are chosen
+# in every run.
+FOLD_MAX_BYTES = 512 * 2**20
 
 
 def fold_weight_switches(model: onnx.ModelProto, switches: Iterable[str]) -> onnx.ModelProto:
@@ -50,7 +56,8 @@ def fold_weight_switches(model: onnx.ModelProto, switches: Iterable[str]) -> onn
         owner.update(dict.fromkeys(found, len(layers)))
         layers.append((node, sorted(found)))
     layers = [(node, on) for k, (node, on) in enumerate(layers) if all(owner[s] == k for s in on)]
-    if not layers:
+    if not layers or chooses.held_bytes([n.input[1] for n, _ in layers],
+                                        1 + max(len(on) for _, on in layers)) > FOLD_MAX_BYTES:
         return model
     # One model of every chosen weight, run once with every switch off and once per k with
     # each layer's k-th switch on: the values the trial model's own nodes give.
@@ -110,6 +117,24 @@ class _Cones:
                     self.nodes.append(node)
         self.memo[name] = found
         return found
+
+    def held_bytes(self, outputs: list[str], choices: int) -> int:
+        """Bytes of `choices` FP32 copies of the largest FP32 constant behind each output."""
+        sizes = {i.name: tensor_nbytes(i) for i in self.g.initializer
+                 if i.data_type == TensorProto.FLOAT}
+        total = 0
+        for name in outputs:
+            todo, seen, largest = [name], set(), 0
+            while todo:
+                t = todo.pop()
+                if t in seen:
+                    continue
+                seen.add(t)
+                largest = max(largest, sizes.get(t, 0))
+                if t in self.producer:
+                    todo += list(self.producer[t].input)
+            total += largest * choices
+        return total
 
     def model(self, outputs: list[str], inputs: list[str], source: onnx.ModelProto) -> onnx.ModelProto:
         """The nodes computing `outputs` from the constants and `inputs` (boolean switches)."""
