@@ -115,10 +115,16 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
             # spread error needs more layers FP16 than from INT8).
             starts.append((whole[0], eight_bit_format(alternative) or fmt, whole[1]))
     searches = []
+    longest = len(ranking)
     for start, start_fmt, start_check in starts:
         found = _shortest_head(done, ranking, start, start_fmt, "fp16", trial=trial,
-                               judged=judged, share=share, min_share=min_share)
+                               judged=judged, share=share, min_share=min_share,
+                               longest=longest)
         searches.append((_ended(found, start_check), found, start_fmt, start, start_check))
+        # A later search is kept only where it passes with fewer layers wider (or as many,
+        # erring less): no longer head of it is tried (ppocr_det's heads from FP8 went to
+        # 53 layers, each failing, after those from INT8 passed at 15).
+        longest = min(longest, found.passing or longest)
     # The better search: one that passes, with fewer layers kept wider; else the one whose
     # chosen head errs less.
     _, found, start_fmt, start, start_check = min(searches, key=lambda x: x[0])
@@ -186,15 +192,20 @@ def _shortest_head(done: Widening, ranking: _Ranking, start: list[LayerPrecision
                    trial: Callable[[list[LayerPrecision]], OutputCheck],
                    judged: Callable[[OutputCheck], bool],
                    share: Callable[[list[LayerPrecision]], float], min_share: float,
-                   whole_first: bool = False) -> _Heads:
+                   whole_first: bool = False, longest: int | None = None) -> _Heads:
     """Heads of 1, 2, 4, ... of `ranking` moved `to`, until one passes or leaves less than
     `min_share` in 8 bits; then the shortest passing one, halving. Each trial is a point.
     `whole_first`: the whole ranking is tried first, and no head when it fails (the other
-    8-bit format errs like this one on a model whose error is spread over every layer)."""
+    8-bit format errs like this one on a model whose error is spread over every layer).
+    `longest`: no head longer is tried, as if the budget ended there."""
     found = _Heads()
+    last = len(ranking) if longest is None else longest
+
+    def within(n: int) -> bool:
+        return n <= last and share(_widen(start, ranking.peek(n), fmt, to)) >= min_share
 
     def attempt(n: int) -> bool | None:
-        if share(_widen(start, ranking.peek(n), fmt, to)) < min_share:
+        if not within(n):
             return None
         chosen = _widen(start, ranking.head(n), fmt, to)
         if share(chosen) < min_share:
@@ -212,13 +223,12 @@ def _shortest_head(done: Widening, ranking: _Ranking, start: list[LayerPrecision
         if ok is None:
             found.over_budget = [s.node for s in ranking.peek(n)[found.failing:]]
             # The longest head the budget still takes, between the last failing and this one.
-            within = [k for k in range(n - 1, found.failing, -1)
-                      if share(_widen(start, ranking.peek(k), fmt, to)) >= min_share]
-            ok = attempt(within[0]) if within else None
+            taken = next((k for k in range(n - 1, found.failing, -1) if within(k)), 0)
+            ok = attempt(taken) if taken else None
             if ok:
-                found.passing = within[0]
+                found.passing = taken
             elif ok is not None:
-                found.failing = within[0]
+                found.failing = taken
             break
         if ok:
             found.passing = n
