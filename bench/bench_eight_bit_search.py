@@ -4,7 +4,8 @@
 
 Each MODEL_DIR holds model.onnx, calib/ and heldout/ (the corpus layout), or is an extra2
 model's folder (DIR/NAME/calib/, DIR/NAME/holdout/ beside DIR/NAME.onnx). Prints, per model,
-the wall and CPU seconds of each stage (as convert reports them to its progress callback), the 8-bit share
+the wall and CPU seconds of each stage (as convert reports them to its progress callback), the
+machine's load average before and after (it may be shared), the 8-bit share
 of the multiply-adds, the outputs' rel L2 on the calibration and held-out samples, the layers
 kept wider, the trial runs and the share/error curve the search tried.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -36,6 +38,8 @@ def bench(folder: Path, precision: str, target: str) -> dict[str, object]:
     held = load_samples(folder / held_out, model.proto)
     # (stage, wall seconds, CPU seconds of every thread): the CPU time holds on a shared machine.
     stages: list[tuple[str, float, float]] = []
+    # The machine may be shared: the 1-minute load average before and after, beside the times.
+    load = [round(os.getloadavg()[0], 1)]
     start = last = time.perf_counter()
     start_cpu = last_cpu = time.process_time()
 
@@ -54,8 +58,9 @@ def bench(folder: Path, precision: str, target: str) -> dict[str, object]:
         stages[-1] = (stages[-1][0], end - last, end_cpu - last_cpu)
     eight = result.eight_bit
     assert eight is not None
+    load.append(round(os.getloadavg()[0], 1))
     return {"model": folder.name, "precision": precision, "seconds": round(end - start, 1),
-            "cpu_seconds": round(end_cpu - start_cpu, 1),
+            "cpu_seconds": round(end_cpu - start_cpu, 1), "load": load,
             "passed": bool(result.output_check) and (result.holdout is None or bool(result.holdout)),
             "share": round(eight.eight_bit_share, 4), "mac_share": eight.mac_share,
             "rel_l2": _worst(result.output_check), "heldout_rel_l2": _worst(result.holdout),
