@@ -163,6 +163,19 @@ def test_a_switched_layer_moved_into_if_branches_gives_the_same_numbers_or_is_le
         for feed in feeds:
             np.testing.assert_array_equal(run(moved, {**feed, **on})["y"],
                                           run(plain, {**feed, **on})["y"])
+    # A trial (the Conv in its branches, one session thread) gives the built model's numbers
+    # at one thread (onnxruntime's Conv may sum in another order on two: ppocr_det, 1e-5).
+    from npuprep.rewrite.bias_correction import with_biases
+    from npuprep.verify.qdq_trials import Trials
+
+    trials = Trials(proto, switched, get_format("fp16"), (), feeds, saturate=True)
+    trials.corrected = {"conv"}
+    got = trials.outputs({"conv": "int8"}, {"x": ScaleRule.MSE})
+    built = quantise(proto, ["conv"], stats, int8, saturate=True, tensor_rules={"x": "mse"}).model
+    built = with_biases(built, [switched.biases["conv", "int8"]])
+    on_board = make_session(on_target(built, get_format("fp16"), (), saturate=True), threads=1)
+    for feed, trial in zip(feeds, got, strict=True):
+        np.testing.assert_array_equal(trial["y"], run(on_board, feed)["y"])
     # Over the memory the choices may take, the weights stay chosen in every run.
     monkeypatch.setattr(weight_switches, "FOLD_MAX_BYTES", 6 * 4 * 9 * 4 * 3 - 1)
     assert weight_switches.fold_weight_switches(board, wanted) is board
