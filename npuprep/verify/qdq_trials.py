@@ -8,10 +8,14 @@ where they enter it, as every node outside the pins is); with them on, it reads 
 the QDQ model of npuprep.verify.qdq_model.quantise gives it. Any set of 8-bit layers, with
 any scale rule per activation and, on a target with both, INT8 or FP8 per layer, is then one
 run of one session, not a model built and loaded per trial. An activation's pair is computed
-only where its switch is on (an If); a weight's is a constant behind a Where. The search
-builds one such session per phase holding only the pairs it switches (npuprep.pipeline.quantise_and_verify). A batch of trials (a ranking's, a
-rule choice's) is handed to the session's runner at once: this process (LocalRuns), or Ray
-actors (npuprep.calibrate.on_ray.SessionsOnRay) that run the same jobs to the same outputs.
+only where its switch is on (an If); a weight's choice is worked out once and the layer sits
+in If branches, each reading its choice as a constant (npuprep.verify.weight_switches). The
+search builds one such session per phase holding only the pairs it switches
+(npuprep.pipeline.quantise_and_verify). A batch of trials (a ranking's, a rule choice's) is
+handed to the session's runner at once: this process (LocalRuns: one session thread, a run
+per core at a time), or Ray actors (npuprep.calibrate.on_ray.SessionsOnRay, one thread each)
+that run the same jobs to the same outputs. The numbers are the built model's to float
+rounding (sums in another order: a prepacked weight, one thread).
 """
 
 from __future__ import annotations
