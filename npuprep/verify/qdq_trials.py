@@ -13,7 +13,7 @@ in If branches, each reading its choice as a constant (npuprep.verify.weight_swi
 search builds one such session per phase holding only the pairs it switches
 (npuprep.pipeline.quantise_and_verify). A batch of trials (a ranking's, a rule choice's) is
 handed to the session's runner at once: this process (LocalRuns: one session thread, a run
-per core at a time), or Ray actors (npuprep.calibrate.on_ray.SessionsOnRay, one thread each)
+per core at a time), or Ray actors (npuprep.calibrate.on_ray.SessionsOnRay)
 that run the same jobs to the same outputs. The numbers are the built model's to float
 rounding (sums in another order: a prepacked weight, one thread).
 """
