@@ -14,8 +14,9 @@ search builds one such session per phase holding only the pairs it switches
 (npuprep.pipeline.quantise_and_verify). A batch of trials (a ranking's, a rule choice's) is
 handed to the session's runner at once: this process (LocalRuns: one session thread, a run
 per core at a time), or Ray actors (npuprep.calibrate.on_ray.SessionsOnRay)
-that run the same jobs to the same outputs. The numbers are the built model's to float
-rounding (sums in another order: a prepacked weight, one thread).
+that run the same jobs to the same outputs. The sessions have one thread each and no
+prepacked weights: the built model's numbers at one thread, bit for bit (onnxruntime's Conv
+may sum in another order on two threads: ppocr_det, 1e-5).
 """
 
 from __future__ import annotations
@@ -254,18 +255,19 @@ def _dequantised(node: onnx.NodeProto, w: np.ndarray, v: Variant, weights: Weigh
 
 class LocalRuns:
     """Trial runs in this process: one session of the trial model, built once, of one
-    thread, run by one thread per core at a time (onnxruntime runs a session from several
-    threads at once). A trial run is ~2000 small nodes (the rounding chains, the switches):
-    split over 2 threads each node waited for the other thread, and a run took twice the
-    CPU time and, on a loaded machine, twice the wall time of one thread (ppocr_det, 2 cores:
-    0.147 against 0.075 CPU s); the jobs of a batch are independent and share the cores whole."""
+    thread and no prepacked weights (npuprep.verify.weight_switches), run by one thread per
+    core at a time (onnxruntime runs a session from several threads at once). A trial run
+    is ~2000 small nodes (the rounding chains, the switches): split over 2 threads each node
+    waited for the other thread, and a run took twice the CPU time and, on a loaded machine,
+    twice the wall time of one thread (ppocr_det, 2 cores: 0.147 against 0.075 CPU s); the
+    jobs of a batch are independent and share the cores whole."""
 
     def __init__(self, model: onnx.ModelProto, samples: Sequence[Feed]) -> None:
         from npuprep.calibrate.run import cores
         from npuprep.runtime.session import make_session
 
         self.samples = list(samples)
-        self.session: Any = make_session(model, prepack=True, threads=1)
+        self.session: Any = make_session(model, prepack=False, threads=1)
         self.names = [o.name for o in self.session.get_outputs()]
         self.workers = cores()
 

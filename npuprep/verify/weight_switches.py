@@ -3,16 +3,17 @@
     W, W8 -> Where(on, dq(W8), W) -> round -> L(x, .)   becomes   If(on, L(x, c8), L(x, c))
 
 In the trial model of the 8-bit search (npuprep.verify.qdq_trials) a layer's weight is chosen
-by its switches: the FP32 weight or its dequantised 8-bit copy, then rounded to the board's
-FP16 as it enters the layer. Computed in every run, that choice cost a quarter of a ppocr_det
-trial run (onnxruntime's Where with a scalar condition: 11 ms for one 384x384 weight), and a
-weight that is not a constant is not prepacked (a MiniLM MatMul behind a Where: 2.1 ms against
-1.1 ms). Each choice is worked out here once, by onnxruntime on the same nodes, and the layer
-moves into the branches of an If on its switches, each branch reading its choice as a constant
-(onnxruntime prepacks a constant a branch reads, measured: 1.1 ms as in the plain model). The
-runs give the switched model's numbers to float rounding: a prepacked MatMul may sum in another
-order (MiniLM's 128x384 by 384x1536: 5e-7 relative, an FP16 step where that crosses a rounding
-boundary); the layers of tests/test_eight_bit_mixed.py give them bit for bit.
+by its switches: the FP32 weight or its dequantised 8-bit copy (a DequantizeLinear per run
+for a model whose 8-bit weights stay in a scratch file), then rounded to the board's FP16 as
+it enters the layer. Computed in every run, that choice cost a quarter of a ppocr_det trial
+run (onnxruntime's Where with a scalar condition: 11 ms for one 384x384 weight; a MiniLM
+MatMul behind a Where took 2.1 ms against 1.4 ms). Each choice is worked out here once, by
+onnxruntime on the same nodes, and the layer moves into the branches of an If on its
+switches, each branch reading its choice as a constant: a ppocr_det run 0.079 -> 0.055 CPU s.
+The trial sessions do not prepack (it would be 1.1 ms): a prepacked MatMul sums in another
+order (MiniLM's 128x384 by 384x1536: 5e-7 relative), and MiniLM's FP8 search, its outputs
+sensitive to an FP16 step in its first layer, then chose another point. Without prepacking
+the runs give the switched model's numbers bit for bit (tests/test_eight_bit_mixed.py).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from onnx import TensorProto, helper, numpy_helper
 from npuprep.graph import tensor_nbytes, walk_graphs
 from npuprep.ops import QUANTISED_MAC_OPS
 
-# Every choice of every switched weight is held in memory (an FP32 constant each, and
-# onnxruntime's prepacked copy): up to this many bytes of them (MiniLM: 87 MB, 3 choices),
+# Every choice of every switched weight is held in memory (an FP32 constant each): up to
+# this many bytes of them (MiniLM: 87 MB, 3 choices),
 # above it the weights stay where they are (a large model's scratch file) and are chosen
 # in every run.
 FOLD_MAX_BYTES = 512 * 2**20
