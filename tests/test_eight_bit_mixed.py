@@ -179,3 +179,32 @@ def test_a_switched_layer_moved_into_if_branches_gives_the_same_numbers_or_is_le
     # Over the memory the choices may take, the weights stay chosen in every run.
     monkeypatch.setattr(weight_switches, "FOLD_MAX_BYTES", 6 * 4 * 9 * 4 * 3 - 1)
     assert weight_switches.fold_weight_switches(board, wanted) is board
+
+
+def test_a_transformer_sized_fp8_matmul_trial_gives_the_built_models_numbers_bit_for_bit():
+    # x [128, 384] -> MatMul(W [384, 1536]) -> y: onnxruntime sums a prepacked weight in
+    # another order at this size; the trial session does not prepack.
+    from npuprep.numerics import get_format
+    from npuprep.scale_rules import ScaleRule
+    from npuprep.verify.qdq_model import on_target
+    from npuprep.verify.qdq_trials import Trials, Variant, switched_qdq
+
+    rng = np.random.default_rng(9)
+    proto = parser.parse_model("""
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[128, 384] x) => (float[128, 1536] y) { [mm] y = MatMul (x, W) }
+""")
+    proto.graph.initializer.append(
+        numpy_helper.from_array((0.05 * rng.standard_normal((384, 1536))).astype(np.float32), "W"))
+    feeds = [{"x": rng.standard_normal((128, 384)).astype(np.float32)} for _ in range(2)]
+    stats = calibrate(Model(proto=proto, path="m.onnx", digest=fingerprint(proto)), feeds,
+                      detail="all")
+    fp8 = eight_bit_format("fp8_e4m3")
+    variant = Variant(fp8, (ScaleRule.ABSMAX,), False, 2.0)
+    trials = Trials(proto, switched_qdq(proto, ["mm"], stats, [variant]), get_format("fp16"),
+                    (), feeds, saturate=False)
+    got = trials.outputs({"mm": "fp8_e4m3"}, {})
+    built = quantise(proto, ["mm"], stats, fp8, saturate=False, rule="absmax", headroom=2.0).model
+    board = make_session(on_target(built, get_format("fp16"), (), saturate=False), threads=1)
+    for feed, trial in zip(feeds, got, strict=True):
+        np.testing.assert_array_equal(trial["y"], run(board, feed)["y"])
