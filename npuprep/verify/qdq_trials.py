@@ -494,31 +494,18 @@ def choose_rules(trials: Trials, model: onnx.ModelProto, nodes: Sequence[str],
         if node_label(node) in wanted:
             for name in activation_inputs(model.graph, node):
                 readers.setdefault(name, []).append(node_label(node))
-    candidates: dict[str, list[ScaleRule]] = {}  # by their clips, smallest first
+    candidates: dict[str, list[ScaleRule]] = {}
     for name in readers:
         clips: dict[float, ScaleRule] = {}
         for rule in rules:
             clips.setdefault(clip_for(stats.tensors[name], fmt, rule).value, rule)
         if len(clips) > 1:
-            candidates[name] = [clips[c] for c in sorted(clips)]
-    errors: dict[str, dict[ScaleRule, float]] = {name: {} for name in candidates}
-
-    def measure(asked: dict[str, list[ScaleRule]]) -> None:
-        trials_asked = [(dict.fromkeys(readers[name], fmt.name), {name: rule})
-                        for name, each in asked.items() for rule in each]
-        measured = iter(trials.errors(trials_asked))
-        for name, each in asked.items():
-            errors[name].update((rule, next(measured)) for rule in each)
-
-    def best(name: str) -> ScaleRule:
-        # Ties go to the rule asked first, as `rules` orders them.
-        return min((r for r in rules if r in errors[name]), key=lambda r: errors[name][r])
-
-    # The outputs' error against the clip falls, then rises (clipping, then rounding): of
-    # three or more clips the largest is measured only where the largest of the others errs
-    # least (ppocr_det INT8: the largest, abs-max, was never the best of three; 12 of 84
-    # runs saved).
-    measure({name: each[:-1] if len(each) > 2 else each for name, each in candidates.items()})
-    measure({name: each[-1:] for name, each in candidates.items()
-             if len(each) > 2 and best(name) == each[-2]})
-    return {name: best(name) for name in candidates}
+            candidates[name] = list(clips.values())
+    asked = [(dict.fromkeys(readers[name], fmt.name), {name: rule})
+             for name, each in candidates.items() for rule in each]
+    measured = iter(trials.errors(asked))
+    chosen = {}
+    for name, each in candidates.items():
+        errors = {rule: next(measured) for rule in each}
+        chosen[name] = min(errors, key=lambda r: errors[r])
+    return chosen
