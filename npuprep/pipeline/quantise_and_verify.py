@@ -10,9 +10,10 @@ balanced into their weights first. Then one session of the QDQ model with every 
 activation's scale rule, the bias correction, the ranking of the layers by what keeping each
 wider gains, and the heads of that ranking tried in the target's other 8-bit format (INT8
 and FP8 on the A2000) and then FP16, while the 8-bit share of the multiply-adds stays at or
-above `min_8bit_share`. The search aims at JUDGE_MARGIN x rtol on the calibration samples:
-their scales fit them, unseen samples err more. The model chosen is then built once and
-checked, compared layer by layer and held out as any conversion is.
+above `min_8bit_share`. The search aims at JUDGE_MARGIN x rtol on the calibration samples
+(decisions: held with DECISION_MARGIN x the error): their scales fit them, unseen samples
+err more. The model chosen is then built once and checked, compared layer by layer and held
+out as any conversion is.
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ from npuprep.verify.widening import CurvePoint, widen_by_ranking
 DEFAULT_MIN_8BIT_SHARE = 0.5
 # The calibration samples set the scales: the widening stops below this share of rtol there.
 JUDGE_MARGIN = 0.8
+# ... and a decided output's decisions must hold there with the error scaled by this
+# (ddddocr_ocr FP8: a head whose calibration decisions held at 1x and 1.25x, 4 of 134
+# positions flipping at 2x, flipped a held-out decision).
+DECISION_MARGIN = 2.0
 
 
 def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
@@ -157,10 +162,12 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         return pinned | {x.node for x in chosen if x.precision == "fp32"}
 
     def judged(check: OutputCheck) -> bool:
-        return all(output_passes(o, JUDGE_MARGIN * rtol) for o in check.outputs.values())
+        return all(output_passes(o, JUDGE_MARGIN * rtol, at_margin=True)
+                   for o in check.outputs.values())
 
     def trial(chosen: Sequence[LayerPrecision]) -> OutputCheck:
-        return sessions.checks().check(_assigned(chosen), tensor_rules, rtol=rtol, top_k=top_k)
+        return sessions.checks().check(_assigned(chosen), tensor_rules, rtol=rtol, top_k=top_k,
+                                       margin=DECISION_MARGIN)
 
     def rank(nodes: list[str], chosen: list[LayerPrecision]) -> list[Sensitivity]:
         stage(f"ranking {len(nodes)} 8-bit layer(s) by their own error")

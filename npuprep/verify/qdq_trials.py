@@ -366,9 +366,10 @@ class Trials:
         return self.errors([(assign, rules)])[0]
 
     def check(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule], *, rtol: float,
-              top_k: Mapping[str, int]) -> OutputCheck:
-        """The outputs' check on every sample, as check_outputs judges a built model."""
-        errors = OutputErrors(top_k=dict(top_k), tie_rtol=rtol)
+              top_k: Mapping[str, int], margin: float = 1.0) -> OutputCheck:
+        """The outputs' check on every sample, as check_outputs judges a built model; the
+        top-K decisions also with the error scaled by `margin` (OutputErrors)."""
+        errors = OutputErrors(top_k=dict(top_k), tie_rtol=rtol, margin=margin)
         for r, c in zip(self.expected, self.outputs(assign, rules), strict=True):
             for name, rv in r.items():
                 if np.issubdtype(np.asarray(rv).dtype, np.floating):
