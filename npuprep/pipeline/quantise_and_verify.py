@@ -49,9 +49,11 @@ from npuprep.verify.output_check import OutputCheck, check_output_sets, check_ou
 from npuprep.verify.output_errors import output_passes
 from npuprep.verify.pin_rounds import sample_shapes
 from npuprep.verify.qdq_model import (
+    Equalised,
     Sensitivity,
     balance_outliers,
     eight_bit_nodes,
+    equalise_channels,
     on_target,
     quantise,
     with_opset,
@@ -124,6 +126,15 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
             notes.append(f"{len(balanced)} INT8 MatMul input(s) with outlier channels (up to "
                          f"{ratio(max(r for _, r in balanced.values()))} the median channel) divided "
                          "per channel, their weights multiplied (SmoothQuant)")
+    int8 = next((v for v in variants if not v.fmt.is_float), None)
+    if int8 is not None:
+        stage("equalising Conv inputs' channels into their producers")
+        equalised = equalise_channels(work.proto, base, list(_assigned(layers)), stats, int8.fmt,
+                                      samples, rule=int8.rules[0],
+                                      tensor_scales=applied.tensor_scales, weights=weights)
+        base, stats = equalised.model, equalised.stats
+        if equalised.before:
+            notes.append(_equalised_note(equalised))
     macs = _macs(base, samples)
     eight_bit = eight_bit_nodes(layers, eight)
     stage("rounding the 8-bit weights for their layers' outputs")
@@ -397,6 +408,15 @@ def _decided(model: onnx.ModelProto, stats: CalibrationStats, eight: EightBitFor
     return tuple(LayerPrecision(x.node, other.name, f"{x.why}; {alt[x.node].why}")
                  if x.precision == "fp16" and alt[x.node].precision == other.name else x
                  for x in layers)
+
+
+def _equalised_note(done: Equalised) -> str:
+    count = len({c.tensor for c in done.chains})
+    return (f"{count} Conv input(s) equalised into their producers (each channel's range raised "
+            f"to the largest's): outputs' rel L2 with their readers in INT8 {done.before:.3g} -> "
+            f"{done.after:.3g}" if count else
+            f"Conv inputs' channels not equalised: outputs' rel L2 with their readers in INT8 "
+            f"{done.before:.3g} -> {done.after:.3g}")
 
 
 def _round_weights(model: onnx.ModelProto, layers: Sequence[str], variants: Sequence[Variant],

@@ -6,7 +6,8 @@ Leaving one layer out of the full 8-bit model, rather than quantising it alone, 
 that cancel: the two branches of a classifier-free guidance err alike, and keeping only one
 of them wider undoes the cancellation (alone, each looks like the worst layer). Also here:
 the INT8 activation scales (symmetric, or uint8 with a zero point for a skewed tensor), the
-outlier channels balanced into weights where that measures better, and the QDQ model as the
+outlier channels balanced into weights and Conv inputs' channels equalised into their
+producers where that measures better, and the QDQ model as the
 board computes it (`on_target`: the wider layers in FP16).
 """
 
@@ -26,6 +27,7 @@ from npuprep.graph import constant_value, node_label
 from npuprep.numerics import EightBitFormat, NumberFormat
 from npuprep.opsets import model_opset, upgrade_opset
 from npuprep.plan.layer_precision import LayerPrecision, activation_inputs
+from npuprep.rewrite.equalise import Chain
 from npuprep.rewrite.qdq import ActivationScale, insert_qdq
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.rewrite.result import RewriteResult
@@ -165,6 +167,60 @@ def balance_outliers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: 
         return Balanced(model, stats, {})
     smoothed = dict(done.details["smoothed"])
     return Balanced(done.model, balanced_stats, {x: (xs, ratios[x]) for x, xs in smoothed.items()})
+
+
+@dataclass(frozen=True)
+class Equalised:
+    """The model with Conv inputs' channels equalised into their producers, its stats (the
+    tensors it changed measured again), the chains equalised, and the outputs' rel L2 with
+    their readers in INT8 before and after (0, 0 where none was tried)."""
+
+    model: onnx.ModelProto
+    stats: CalibrationStats
+    chains: tuple[Chain, ...] = ()
+    before: float = 0.0
+    after: float = 0.0
+
+
+def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
+                      stats: CalibrationStats, int8: EightBitFormat, samples: Sequence[Feed], *,
+                      rule: ScaleRule, tensor_scales: Mapping[str, float],
+                      weights: WeightStore | None = None) -> Equalised:
+    """The Conv inputs among `nodes` whose producer can take their channels' ranges
+    (npuprep.rewrite.equalise), equalised where the outputs with those readers in INT8 gain
+    (one measurement for all of them); the changed tensors are calibrated again, so every
+    rule reads their own histogram. A tensor the plan rescaled is left alone."""
+    from npuprep.calibrate.channels import channel_absmax
+    from npuprep.calibrate.executors import calibrate
+    from npuprep.model_io import Model
+    from npuprep.rewrite.equalise import chains, equalise, factors
+
+    by_label = {node_label(n): n for n in model.graph.node}
+
+    def touched(c: Chain) -> list[str]:
+        return [by_label[c.producer].output[0], *(by_label[b].output[0] for b in c.between)]
+
+    found = [c for c in chains(model.graph, nodes) if c.tensor in stats.tensors
+             and not any(t in tensor_scales for t in touched(c))]
+    if not found:
+        return Equalised(model, stats)
+    per_channel = channel_absmax(model, [c.tensor for c in found], samples, axis=1)
+    scales = {c.tensor: factors(per_channel[c.tensor].max(axis=0)) for c in found}
+    done = equalise(model, found, scales, place=weights.place if weights is not None else None)
+    if not done:
+        return Equalised(model, stats)
+    again = calibrate(Model(done.model, "", "equalised"), samples, detail="all").tensors
+    changed = {t for c in found for t in touched(c)}
+    new_stats = replace(stats, tensors={**stats.tensors, **{t: again[t] for t in changed if t in again}})
+    readers = [r for c in found for r in c.readers]
+    error = _errors(reference, samples)
+    before = error(quantise(model, readers, stats, int8, saturate=True, rule=rule,
+                            tensor_scales=tensor_scales, weights=weights).model)
+    after = error(quantise(done.model, readers, new_stats, int8, saturate=True, rule=rule,
+                           tensor_scales=tensor_scales, weights=weights).model)
+    if after >= before:
+        return Equalised(model, stats, (), before, after)
+    return Equalised(done.model, new_stats, tuple(found), before, after)
 
 
 def _errors(reference: onnx.ModelProto,
