@@ -131,7 +131,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         stage("equalising Conv inputs' channels into their producers")
         equalised = equalise_channels(work.proto, base, list(_assigned(layers)), stats, int8.fmt,
                                       samples, rule=int8.rules[0],
-                                      tensor_scales=applied.tensor_scales, weights=weights)
+                                      tensor_scales=applied.tensor_scales, path=work.path,
+                                      weights=weights)
         base, stats = equalised.model, equalised.stats
         if equalised.before:
             notes.append(_equalised_note(equalised))

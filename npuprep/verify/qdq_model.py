@@ -184,15 +184,16 @@ class Equalised:
 
 def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
                       stats: CalibrationStats, int8: EightBitFormat, samples: Sequence[Feed], *,
-                      rule: ScaleRule, tensor_scales: Mapping[str, float],
+                      rule: ScaleRule, tensor_scales: Mapping[str, float], path: str = "",
                       weights: WeightStore | None = None) -> Equalised:
     """The Conv inputs among `nodes` whose producer can take their channels' ranges
     (npuprep.rewrite.equalise), equalised where the outputs with those readers in INT8 gain
     (one measurement for all of them); the changed tensors are calibrated again, so every
-    rule reads their own histogram. A tensor the plan rescaled is left alone."""
+    rule reads their own histogram. A tensor the plan rescaled is left alone. `path`: the
+    file whose folder holds the weights a light load left external."""
     from npuprep.calibrate.channels import channel_absmax
     from npuprep.calibrate.executors import calibrate
-    from npuprep.model_io import Model
+    from npuprep.model_io import Model, uses_external_data
     from npuprep.rewrite.equalise import chains, equalise, factors
 
     by_label = {node_label(n): n for n in model.graph.node}
@@ -209,7 +210,9 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
     done = equalise(model, found, scales, place=weights.place if weights is not None else None)
     if not done:
         return Equalised(model, stats)
-    again = calibrate(Model(done.model, "", "equalised"), samples, detail="all").tensors
+    # Weights a light load left in the file are read from beside it, as calibration read them.
+    home = path if uses_external_data(done.model) else ""
+    again = calibrate(Model(done.model, home, "equalised"), samples, detail="all").tensors
     changed = {t for c in found for t in touched(c)}
     new_stats = replace(stats, tensors={**stats.tensors, **{t: again[t] for t in changed if t in again}})
     readers = [r for c in found for r in c.readers]
