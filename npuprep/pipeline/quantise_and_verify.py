@@ -54,11 +54,13 @@ from npuprep.verify.qdq_model import (
     balance_outliers,
     eight_bit_nodes,
     equalise_channels,
+    model_errors,
     on_target,
     quantise,
     with_opset,
 )
 from npuprep.verify.qdq_trials import (
+    TRIAL_SAMPLES,
     RunsFactory,
     Trials,
     Variant,
@@ -139,13 +141,17 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     macs = _macs(base, samples)
     eight_bit = eight_bit_nodes(layers, eight)
     stage("rounding the 8-bit weights for their layers' outputs")
-    notes += _round_weights(base, list(_assigned(layers)), variants, samples, weights)
+    notes += _round_weights(work.proto, base, _assigned(layers), variants, samples, weights,
+                            stats, applied.tensor_scales)
     # Every trial below (rules, ranking, widening) is one run of one session: the QDQ model
     # with each layer's 8-bit inputs behind switches (npuprep.verify.qdq_trials).
     stage(f"building the switchable {'/'.join(v.fmt.name for v in variants)} model of "
           f"{len(_assigned(layers))} layer(s)")
     stage("measuring the 8-bit layers' input means (bias correction)")
-    means = _input_means(base, list(_assigned(layers)), samples)
+    # The means come from the samples the trials do not run (where there are more): bias
+    # correction is kept by its gain on samples it was not fitted to (dnsmos_p835 FP8: fitted
+    # on all and measured on four of them it was kept, and its held-out error doubled).
+    means = _input_means(base, list(_assigned(layers)), samples[TRIAL_SAMPLES:] or samples)
     sessions = _TrialSessions(
         work.proto, base, layers, stats, variants, wide, samples, saturate=saturate,
         kept_wider=pinned | {x.node for x in layers if x.precision == "fp32"},
@@ -420,22 +426,47 @@ def _equalised_note(done: Equalised) -> str:
             f"{done.before:.3g} -> {done.after:.3g}")
 
 
-def _round_weights(model: onnx.ModelProto, layers: Sequence[str], variants: Sequence[Variant],
-                   samples: Sequence[Feed], weights: WeightStore) -> list[str]:
-    """The 8-bit weights of `layers` rounded for their outputs in each variant's format
-    (npuprep.rewrite.weight_rounding: every QDQ model below reads them from `weights`); a
-    note per format."""
+def _round_weights(reference: onnx.ModelProto, model: onnx.ModelProto,
+                   assigned: Mapping[str, str], variants: Sequence[Variant],
+                   samples: Sequence[Feed], weights: WeightStore, stats: CalibrationStats,
+                   tensor_scales: Mapping[str, float]) -> list[str]:
+    """The 8-bit weights of the `assigned` layers rounded for their outputs in each
+    variant's format (npuprep.rewrite.weight_rounding: every QDQ model below reads them
+    from `weights`), kept per format where the model's outputs with every layer in it gain
+    on the calibration samples the rounding was not fitted to (each layer's own error can
+    fall while the outputs' rises: dnsmos_p835's three scores per sample in FP8, 0.035 ->
+    0.081); a note per format."""
     from npuprep.rewrite.weight_rounding import round_layers
 
+    layers = list(assigned)
     done = round_layers(model, layers, [(v.fmt, v.saturate) for v in variants], samples, weights)
     notes = []
+    # The rounding is fitted on the even samples; a model small enough to hold twice is
+    # measured on the odd ones, both ways.
+    error = model_errors(reference, samples[1::2] or samples) if weights.scratch is None else None
     for v in variants:
         mine = [r for r in done if r.format == v.fmt.name]
-        if mine:
-            notes.append(f"{len(mine)} layer(s)' {v.fmt.name} weights rounded for their outputs "
-                         f"(scale and up/down by output error): layer rel L2 on the unfitted "
-                         f"calibration half, median {_median([r.nearest for r in mine]):.3g} -> "
-                         f"{_median([r.error for r in mine]):.3g}")
+        if not mine:
+            continue
+        said = ""
+        if error is not None:
+            def outputs(store: WeightStore, fmt: EightBitFormat = v.fmt, v: Variant = v) -> float:
+                return error(quantise(model, layers, stats, fmt, saturate=v.saturate,
+                                      rule=v.rules[0], tensor_scales=tensor_scales,
+                                      headroom=v.headroom, weights=store).model)
+
+            nearest, rounded = outputs(WeightStore()), outputs(weights)
+            said = (f"; outputs' rel L2 with every layer in {v.fmt.name} on the unfitted "
+                    f"samples {nearest:.3g} -> {rounded:.3g}")
+            if rounded >= nearest:
+                weights.forget(v.fmt)
+                notes.append(f"{v.fmt.name} weights left at round-to-nearest: rounded for "
+                             f"their layers' outputs{said}")
+                continue
+        notes.append(f"{len(mine)} layer(s)' {v.fmt.name} weights rounded for their outputs "
+                     f"(scale and up/down by output error): layer rel L2 on the unfitted "
+                     f"calibration half, median {_median([r.nearest for r in mine]):.3g} -> "
+                     f"{_median([r.error for r in mine]):.3g}{said}")
     return notes
 
 

@@ -155,7 +155,7 @@ def balance_outliers(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: 
     for x, xs in dict(every.details["smoothed"]).items():
         tensors[xs] = _divided(stats.tensors[x], xs, per_channel[x] / factors[x])
     balanced_stats = replace(stats, tensors=tensors)
-    error = _errors(reference, samples)
+    error = model_errors(reference, samples)
     kept = {x: s for x, s in factors.items()
             if error(quantise(every.model, readers[x], balanced_stats, fmt, saturate=saturate,
                               rule=rule, tensor_scales=tensor_scales, headroom=headroom,
@@ -216,7 +216,7 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
     changed = {t for c in found for t in touched(c)}
     new_stats = replace(stats, tensors={**stats.tensors, **{t: again[t] for t in changed if t in again}})
     readers = [r for c in found for r in c.readers]
-    error = _errors(reference, samples)
+    error = model_errors(reference, samples)
     before = error(quantise(model, readers, stats, int8, saturate=True, rule=rule,
                             tensor_scales=tensor_scales, weights=weights).model)
     after = error(quantise(done.model, readers, new_stats, int8, saturate=True, rule=rule,
@@ -226,7 +226,7 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
     return Equalised(done.model, new_stats, tuple(found), before, after)
 
 
-def _errors(reference: onnx.ModelProto,
+def model_errors(reference: onnx.ModelProto,
             samples: Sequence[Feed]) -> Callable[[onnx.ModelProto], float]:
     """A function: model -> its outputs' pooled rel L2 against `reference` on RANK_SAMPLES."""
     from npuprep.runtime.session import make_session, run
