@@ -72,7 +72,7 @@ def test_equalised_channels_keep_the_function_and_cut_the_int8_error():
     feeds, unseen = _feeds(8), _feeds(4)
     stats = calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
     done = equalise_channels(proto, proto, ["c2", "c3"], stats, INT8, feeds,
-                             rule=ScaleRule.ABSMAX, tensor_scales={})
+                             rules=(ScaleRule.ABSMAX,), tensor_scales={})
     assert len(done.chains) == 1 and done.after < 0.6 * done.before
     # FP32: the same function (up to rounding).
     assert _rel_l2(done.model, proto, unseen) < 1e-6
@@ -92,7 +92,7 @@ def test_readers_that_weigh_the_loud_channels_alike_decline_it():
     feeds = _feeds(8)
     stats = calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
     done = equalise_channels(proto, proto, ["c2", "c3"], stats, INT8, feeds,
-                             rule=ScaleRule.ABSMAX, tensor_scales={})
+                             rules=(ScaleRule.ABSMAX,), tensor_scales={})
     assert done.after >= done.before > 0 and done.chains == () and done.model is proto
     assert done.stats is stats
 

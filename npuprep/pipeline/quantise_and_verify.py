@@ -132,7 +132,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     if int8 is not None:
         stage("equalising Conv inputs' channels into their producers")
         equalised = equalise_channels(work.proto, base, list(_assigned(layers)), stats, int8.fmt,
-                                      samples, rule=int8.rules[0],
+                                      samples, rules=int8.rules,
                                       tensor_scales=applied.tensor_scales, path=work.path,
                                       weights=weights)
         base, stats = equalised.model, equalised.stats
@@ -420,9 +420,9 @@ def _decided(model: onnx.ModelProto, stats: CalibrationStats, eight: EightBitFor
 def _equalised_note(done: Equalised) -> str:
     count = len({c.tensor for c in done.chains})
     return (f"{count} Conv input(s) equalised into their producers (each channel's range raised "
-            f"to the largest's): outputs' rel L2 with their readers in INT8 {done.before:.3g} -> "
+            f"to the largest's): outputs' rel L2 with every layer in INT8 {done.before:.3g} -> "
             f"{done.after:.3g}" if count else
-            f"Conv inputs' channels not equalised: outputs' rel L2 with their readers in INT8 "
+            f"Conv inputs' channels not equalised: outputs' rel L2 with every layer in INT8 "
             f"{done.before:.3g} -> {done.after:.3g}")
 
 
