@@ -52,13 +52,15 @@ def walk_graphs(graph: onnx.GraphProto, path: str = "main") -> Iterator[GraphSco
 
 def node_scopes(graph: onnx.GraphProto) -> dict[str, tuple[onnx.NodeProto, tuple[onnx.GraphProto, ...]]]:
     """Node label -> the node and the graphs its inputs may name: its own graph first, then
-    each enclosing one out to `graph` (a body reads the weights its owner's scope holds)."""
+    each enclosing one out to `graph` (a body reads the weights its owner's scope holds). A
+    label several scopes use is the first one's in walk_graphs' order."""
     found: dict[str, tuple[onnx.NodeProto, tuple[onnx.GraphProto, ...]]] = {}
 
     def visit(g: onnx.GraphProto, outer: tuple[onnx.GraphProto, ...]) -> None:
         chain = (g, *outer)
         for node in g.node:
             found.setdefault(node_label(node), (node, chain))
+        for node in g.node:
             for attr in node.attribute:
                 for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
                     visit(sub, chain)

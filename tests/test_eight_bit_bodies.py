@@ -13,14 +13,14 @@ from onnx import numpy_helper, parser
 from npuprep.calibrate import calibrate
 from npuprep.calibrate.layer_macs import layer_macs
 from npuprep.model_io import Model, fingerprint
-from npuprep.numerics import eight_bit_format
+from npuprep.numerics import eight_bit_format, get_format
 from npuprep.pipeline import convert
 from npuprep.plan.layer_precision import decide
 from npuprep.profiles import load_profile
 from npuprep.runtime.session import make_session, run
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.qdq_model import quantise
-from npuprep.verify.qdq_trials import Variant, switched_qdq
+from npuprep.verify.qdq_trials import Trials, Variant, rank_layers, switched_qdq
 
 RNG = np.random.default_rng(11)
 
@@ -116,6 +116,11 @@ def test_the_search_switches_a_body_layer_to_exactly_its_qdq_model(tmp_path):
     assert np.array_equal(on, run(make_session(built), feed)["y"])
     assert np.array_equal(off, run(make_session(model.proto), feed)["y"])
     assert not np.array_equal(on, off)
+    # The ranking measures the body's layer like the main graph's (on FP16 around the pairs).
+    trials = Trials(model.proto, switched, get_format("fp16"), (), [feed], saturate=True)
+    ranked = {s.node: s for s in rank_layers(trials, ["proj", "cell"],
+                                             {"proj": "int8", "cell": "int8"}, {})}
+    assert ranked["cell"].alone > 0 and ranked["proj"].alone > 0
 
 
 def test_a_body_layer_whose_input_spans_decades_stays_wider_in_int8_and_says_which(tmp_path):
@@ -132,3 +137,54 @@ def test_a_body_layer_whose_input_spans_decades_stays_wider_in_int8_and_says_whi
                               for _ in range(4)], detail="all")
     assert {x.node: x.precision for x in decide(model.proto, plain, eight_bit_format("int8"))} \
         == {"cell": "int8"}
+
+
+# If(c){ then: MatMul(x, W) | else: MatMul(x, W2) -> Relu } -> r;
+# Scan over xs { MatMul(s, U) -> y; a + y -> a }, U the body's own weight -> acc, ys
+BRANCHED = """
+<ir_version: 8, opset_import: ["" : 17]>
+branched (float[4, 16] x, bool c, float[5, 4, 16] xs) => (float[4, 16] r, float[4, 16] acc, float[5, 4, 16] ys) {
+    r = If(c) <
+        then_branch = thenb () => (float[4, 16] t) { [then_mm] t = MatMul(x, W) },
+        else_branch = elseb () => (float[4, 16] e) { [else_mm] e0 = MatMul(x, W2)  e = Relu(e0) }
+    >
+    acc, ys = Scan(x, xs) <
+        num_scan_inputs = 1,
+        body = sb (float[4, 16] a, float[4, 16] s) => (float[4, 16] a2, float[4, 16] y) {
+            [scan_mm] y = MatMul(s, U)
+            a2 = Add(a, y)
+        }
+    >
+}
+"""
+
+
+def test_if_branches_and_a_scan_body_with_its_own_weight_convert_to_fp8_and_hold(tmp_path):
+    proto = parser.parse_model(BRANCHED)
+    for name in ("W", "W2"):
+        proto.graph.initializer.append(
+            numpy_helper.from_array(RNG.standard_normal((16, 16)).astype(np.float32), name))
+    scan = next(n for n in proto.graph.node if n.op_type == "Scan")
+    next(a for a in scan.attribute if a.name == "body").g.initializer.append(
+        numpy_helper.from_array(RNG.standard_normal((16, 16)).astype(np.float32), "U"))
+    onnx.save(proto, tmp_path / "model.onnx")
+    model = Model(proto=proto, path=str(tmp_path / "model.onnx"), digest=fingerprint(proto))
+    feeds = [{"x": RNG.standard_normal((4, 16)).astype(np.float32), "c": np.array(i % 2 == 0),
+              "xs": RNG.standard_normal((5, 4, 16)).astype(np.float32)} for i in range(4)]
+    stats = calibrate(model, feeds, detail="all")
+    # Each branch ran on half the samples; the Scan body 5 times per sample.
+    assert layer_macs(model.proto, stats, {}) == {"then_mm": 512, "else_mm": 512,
+                                                  "scan_mm": 5 * 1024}
+    result = convert(model, load_profile("a2000"), feeds, precision="fp8_e4m3", stats=stats,
+                     rtol=5e-2)
+    assert set(result.eight_bit.kept_wider) == set() and result.output_check
+    qdq = result.lowered.model
+    onnx.checker.check_model(qdq, full_check=True)
+    body = next(a.g for n in qdq.graph.node if n.op_type == "Scan" for a in n.attribute
+                if a.name == "body")
+    # The body's own FP32 weight left it: its 8-bit copy is the main graph's.
+    assert [i.name for i in body.initializer] == []
+    ours, ref = make_session(qdq), make_session(model.proto)
+    for feed in feeds[:2]:
+        got, want = run(ours, feed), run(ref, feed)
+        assert all(0 < _rel_l2(got[k], want[k]) < 5e-2 for k in want)

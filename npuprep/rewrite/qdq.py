@@ -96,7 +96,8 @@ def insert_qdq(model: onnx.ModelProto, nodes: Mapping[str, Mapping[str, Activati
         for node in scope.node:
             label = node_label(node)
             wanted = nodes.get(label)
-            if wanted is None:
+            # A label two scopes share names the first node (node_scopes): that one only.
+            if wanted is None or label in done or label in declined:
                 continue
             inputs = [i for i in node.input[:2] if i]
             if any(types.get(i, TensorProto.FLOAT) != TensorProto.FLOAT for i in inputs):
@@ -187,13 +188,15 @@ def zero_point(name: str, fmt: EightBitFormat, shape: tuple[int, ...], *, unsign
 
 
 def drop_unused_weights(g: onnx.GraphProto) -> None:
-    """FP32 weights every consumer of which now reads the 8-bit copy leave the file."""
-    used = {i for scope in walk_graphs(g) for n in scope.graph.node for i in n.input}
-    used |= {o.name for o in g.output}
-    kept = [i for i in g.initializer if i.name in used]
-    if len(kept) < len(g.initializer):
-        del g.initializer[:]
-        g.initializer.extend(kept)
+    """FP32 weights every consumer of which now reads the 8-bit copy leave the file: the main
+    graph's and a body's own (its 8-bit copy lives in the main graph)."""
+    for scope in walk_graphs(g):
+        used = {i for inner in walk_graphs(scope.graph) for n in inner.graph.node for i in n.input}
+        used |= {o.name for o in scope.graph.output}
+        kept = [i for i in scope.graph.initializer if i.name in used]
+        if len(kept) < len(scope.graph.initializer):
+            del scope.graph.initializer[:]
+            scope.graph.initializer.extend(kept)
 
 
 def sort_nodes(g: onnx.GraphProto) -> None:

@@ -174,6 +174,7 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
         if label not in wanted or any(types.get(i, TensorProto.FLOAT) != TensorProto.FLOAT
                                       for i in node.input[:2] if i):
             continue
+        wanted.discard(label)  # a label two scopes share names the first node (node_scopes)
         added = added_to.setdefault(id(scope), [])
         chain = chains[label][1]
         weight = scope_weight(chain, node.input[1]) if len(node.input) > 1 else None
