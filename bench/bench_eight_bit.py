@@ -241,10 +241,16 @@ def judge(reference: Path, candidate: Path, entry: Entry, decided: tuple[str, ..
     den: dict[str, float] = {}
     held: dict[str, bool] = {}
     nonfinite = 0
+    # Integer outputs (a greedy decoder's ids): held-out samples whose every one is unchanged.
+    same_ints = int_samples = 0
     for feed in _feeds(entry.heldout):
         r = run(ref, feed)
         c = run(cand, {k: v.astype(np.float16) if types.get(k) == "tensor(float16)" else v
                        for k, v in feed.items()})
+        ints = [k for k, v in r.items() if np.issubdtype(v.dtype, np.integer)]
+        if ints:
+            int_samples += 1
+            same_ints += all(r[k].shape == c[k].shape and np.array_equal(r[k], c[k]) for k in ints)
         for name, rv in r.items():
             if not np.issubdtype(rv.dtype, np.floating):
                 continue
@@ -259,7 +265,8 @@ def judge(reference: Path, candidate: Path, entry: Entry, decided: tuple[str, ..
     # Each output within tolerance, or, decided, every top-1 held.
     outputs_ok = not nonfinite and all(r <= RTOL or held.get(k, False) for k, r in rels.items())
     return {"rel_l2": rel if not nonfinite else float("inf"), "nonfinite": nonfinite,
-            "top1_holds": all(held.values()) if held else None, "outputs_ok": outputs_ok}
+            "top1_holds": all(held.values()) if held else None, "outputs_ok": outputs_ok,
+            "int_outputs_same": f"{same_ints}/{int_samples}" if int_samples else None}
 
 
 def measure(entry: Entry, tools: list[str], out_dir: Path) -> list[dict]:
