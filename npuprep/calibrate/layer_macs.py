@@ -54,3 +54,15 @@ def _measured(node: onnx.NodeProto, chain: Sequence[onnx.GraphProto],
     else:
         return None
     return round(r.count / stats.sample_count * k)
+
+
+def body_note(model: onnx.ModelProto, macs: Mapping[str, int]) -> list[str]:
+    """A note on the layers of If/Loop/Scan bodies among `macs` and their share (none: no note)."""
+    inside = [label for label, (_, chain) in node_scopes(model.graph).items()
+              if len(chain) > 1 and label in macs]
+    if not inside:
+        return []
+    share = sum(macs[x] for x in inside) / (sum(macs.values()) or 1)
+    return [f"{len(inside)} layer(s) inside If/Loop/Scan bodies ({share:.1%} of the multiply-adds, "
+            "counted as often as calibration saw each body run): decided and searched like the "
+            "main graph's, their Q/DQ in the body"]

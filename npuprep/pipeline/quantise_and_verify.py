@@ -24,7 +24,7 @@ from typing import Any
 import onnx
 
 import npuprep.pipeline.lower_and_verify as lower_and_verify
-from npuprep.calibrate.layer_macs import layer_macs
+from npuprep.calibrate.layer_macs import body_note, layer_macs
 from npuprep.calibrate.scales import FP8_NAN_HEADROOM
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
@@ -119,6 +119,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                          f"{ratio(max(r for _, r in balanced.values()))} the median channel) divided "
                          "per channel, their weights multiplied (SmoothQuant)")
     macs = _macs(base, stats, samples)
+    notes += body_note(base, macs)
     eight_bit = eight_bit_nodes(layers, eight)
     stage("rounding the 8-bit weights for their layers' outputs")
     notes += _round_weights(base, list(_assigned(layers)), variants, samples, weights)
