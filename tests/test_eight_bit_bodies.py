@@ -140,14 +140,14 @@ def test_a_body_layer_whose_input_spans_decades_stays_wider_in_int8_and_says_whi
         == {"cell": "int8"}
 
 
-# If(c){ then: MatMul(x, W) | else: MatMul(x, W2) -> Relu } -> r;
+# If(c){ then: MatMul(x, W) | else: Relu(x) -> MatMul(W2) } -> r;
 # Scan over xs { MatMul(s, U) -> y; a + y -> a }, U the body's own weight -> acc, ys
 BRANCHED = """
 <ir_version: 8, opset_import: ["" : 17]>
 branched (float[4, 16] x, bool c, float[5, 4, 16] xs) => (float[4, 16] r, float[4, 16] acc, float[5, 4, 16] ys) {
     r = If(c) <
         then_branch = thenb () => (float[4, 16] t) { [then_mm] t = MatMul(x, W) },
-        else_branch = elseb () => (float[4, 16] e) { [else_mm] e0 = MatMul(x, W2)  e = Relu(e0) }
+        else_branch = elseb () => (float[4, 16] e) { xr = Relu(x)  [else_mm] e = MatMul(xr, W2) }
     >
     acc, ys = Scan(x, xs) <
         num_scan_inputs = 1,
@@ -160,7 +160,7 @@ branched (float[4, 16] x, bool c, float[5, 4, 16] xs) => (float[4, 16] r, float[
 """
 
 
-def test_if_branches_and_a_scan_body_with_its_own_weight_convert_to_fp8_and_hold(tmp_path):
+def _branched(tmp_path: Path) -> Model:
     proto = parser.parse_model(BRANCHED)
     for name in ("W", "W2"):
         proto.graph.initializer.append(
@@ -169,9 +169,26 @@ def test_if_branches_and_a_scan_body_with_its_own_weight_convert_to_fp8_and_hold
     next(a for a in scan.attribute if a.name == "body").g.initializer.append(
         numpy_helper.from_array(RNG.standard_normal((16, 16)).astype(np.float32), "U"))
     onnx.save(proto, tmp_path / "model.onnx")
-    model = Model(proto=proto, path=str(tmp_path / "model.onnx"), digest=fingerprint(proto))
-    feeds = [{"x": RNG.standard_normal((4, 16)).astype(np.float32), "c": np.array(i % 2 == 0),
-              "xs": RNG.standard_normal((5, 4, 16)).astype(np.float32)} for i in range(4)]
+    return Model(proto=proto, path=str(tmp_path / "model.onnx"), digest=fingerprint(proto))
+
+
+def _branch_feeds(taken: list[bool]) -> list[dict[str, np.ndarray]]:
+    return [{"x": RNG.standard_normal((4, 16)).astype(np.float32), "c": np.array(c),
+             "xs": RNG.standard_normal((5, 4, 16)).astype(np.float32)} for c in taken]
+
+
+def test_a_branch_the_samples_never_take_stays_wider_and_says_so(tmp_path):
+    model = _branched(tmp_path)
+    stats = calibrate(model, _branch_feeds([True, True]), detail="all")
+    layers = {x.node: x for x in decide(model.proto, stats, eight_bit_format("int8"))}
+    assert layers["then_mm"].precision == layers["scan_mm"].precision == "int8"
+    assert layers["else_mm"].precision == "fp16" and "never computed" in layers["else_mm"].why
+    assert layer_macs(model.proto, stats, {})["else_mm"] == 0
+
+
+def test_if_branches_and_a_scan_body_with_its_own_weight_convert_to_fp8_and_hold(tmp_path):
+    model = _branched(tmp_path)
+    feeds = _branch_feeds([True, False, True, False])
     stats = calibrate(model, feeds, detail="all")
     # Each branch ran on half the samples; the Scan body 5 times per sample.
     assert layer_macs(model.proto, stats, {}) == {"then_mm": 512, "else_mm": 512,

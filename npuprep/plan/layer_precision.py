@@ -79,6 +79,9 @@ def _range_reason(g: onnx.GraphProto, node: onnx.NodeProto, stats: CalibrationSt
         r = None if stats is None else stats.tensors.get(name)
         if r is None:
             return f"input '{name}' was not measured"
+        if r.count == 0:
+            return (f"input '{name}' was never computed on the calibration samples (a branch "
+                    "or body they did not run)")
         if r.nan_count or r.inf_count or not math.isfinite(r.absmax):
             return f"input '{name}' holds Inf/NaN"
         clip = clip_for(r, fmt, rule)
