@@ -25,15 +25,14 @@ from typing import Any
 import onnx
 
 import npuprep.pipeline.lower_and_verify as lower_and_verify
+from npuprep.calibrate.layer_macs import body_note, layer_macs
 from npuprep.calibrate.scales import FP8_NAN_HEADROOM
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
-from npuprep.flops import node_flops
 from npuprep.formatting import ratio
 from npuprep.graph import node_label, weight_bytes
 from npuprep.model_io import Model, WeightScratch
 from npuprep.numerics import EightBitFormat, NumberFormat, eight_bit_format
-from npuprep.ops import QUANTISED_MAC_OPS
 from npuprep.pipeline.result import ConversionResult, EightBitResult, SampleUse
 from npuprep.plan.decide import Planned
 from npuprep.plan.layer_precision import LayerPrecision, decide
@@ -138,7 +137,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         base, stats = equalised.model, equalised.stats
         if equalised.before:
             notes.append(_equalised_note(equalised))
-    macs = _macs(base, samples)
+    macs = _macs(base, stats, samples)
+    notes += body_note(base, macs)
     eight_bit = eight_bit_nodes(layers, eight)
     stage("rounding the 8-bit weights for their layers' outputs")
     notes += _round_weights(work.proto, base, _assigned(layers), variants, samples, weights,
@@ -343,11 +343,10 @@ class _TrialSessions:
         self.open.clear()
 
 
-def _macs(model: Any, samples: Sequence[Feed]) -> dict[str, int]:
-    """Multiply-adds (FLOPs / 2) of every Conv/MatMul/Gemm, at the first sample's sizes."""
-    ops = {node_label(n): n.op_type for n in model.graph.node}
-    flops = node_flops(model, sample_shapes(samples))
-    return {k: v // 2 for k, v in flops.items() if ops.get(k) in QUANTISED_MAC_OPS}
+def _macs(model: Any, stats: CalibrationStats, samples: Sequence[Feed]) -> dict[str, int]:
+    """Multiply-adds (FLOPs / 2) of every Conv/MatMul/Gemm, at the first sample's sizes; a
+    Loop/Scan/If body's layer as often as calibration saw it run (npuprep.calibrate.layer_macs)."""
+    return layer_macs(model, stats, sample_shapes(samples))
 
 
 def mac_share(layers: Sequence[LayerPrecision], macs: Mapping[str, int],

@@ -23,7 +23,7 @@ import onnx
 from npuprep.calibrate.scales import clip_for, clip_raise_factor, stored_as
 from npuprep.calibrate.stats import CalibrationStats, RangeStats
 from npuprep.data import Feed
-from npuprep.graph import constant_value, node_label
+from npuprep.graph import constant_value, node_label, node_scopes, walk_graphs
 from npuprep.numerics import EightBitFormat, NumberFormat
 from npuprep.opsets import model_opset, upgrade_opset
 from npuprep.plan.layer_precision import LayerPrecision, activation_inputs
@@ -87,15 +87,15 @@ def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: CalibrationSta
     8-bit weights (npuprep.rewrite.qdq_weights), shared by every model it builds."""
     own = tensor_rules or {}
     rescaled = tensor_scales or {}
-    by_label = {node_label(n): n for n in model.graph.node}
+    scopes = node_scopes(model.graph)  # a layer of a body reads its weight from outside
     wanted: dict[str, dict[str, ActivationScale]] = {}
     for label in nodes:
-        node = by_label.get(label)
-        if node is None:
+        if label not in scopes:
             continue
+        node, (g, *outer) = scopes[label]
         wanted[label] = {name: activation_scale(stats.tensors[name], fmt, own.get(name, rule),
                                                 rescaled.get(name, 1.0), headroom)
-                         for name in activation_inputs(model.graph, node)}
+                         for name in activation_inputs(g, node, outer)}
     return insert_qdq(model, wanted, fmt, saturate=saturate, weights=weights)
 
 
@@ -269,7 +269,8 @@ def on_target(qdq: onnx.ModelProto, wide: NumberFormat, pinned_nodes: Iterable[s
 
     if wide.name == "fp32":
         return qdq
-    exact = {node_label(n) for n in qdq.graph.node if n.op_type in QDQ_OPS}
+    exact = {node_label(n) for scope in walk_graphs(qdq.graph) for n in scope.graph.node
+             if n.op_type in QDQ_OPS}
     # FP32 weights are rounded by nodes in the graph, so they stay in their files (not read
     # in and copied rounded: the layers kept wider of a large model hold most of its bytes).
     return emulate(qdq, wide, saturate=saturate, pinned_nodes=exact | set(pinned_nodes),
