@@ -45,7 +45,11 @@ import onnx
 sys.path.insert(0, str(Path(__file__).parent))
 import corpus  # noqa: E402
 
+from npuprep.calibrate import calibrate  # noqa: E402
+from npuprep.calibrate.layer_macs import layer_macs  # noqa: E402
 from npuprep.flops import node_flops  # noqa: E402
+from npuprep.graph import walk_graphs  # noqa: E402
+from npuprep.model_io import load_model  # noqa: E402
 from npuprep.runtime.session import make_session, run  # noqa: E402
 from npuprep.verify.output_check import GOAL_SAMPLES, decided_outputs  # noqa: E402
 from npuprep.verify.output_check import _outputs as fp32_outputs  # noqa: E402
@@ -102,7 +106,7 @@ def npuprep(precision: str, entry: Entry, out: Path, decided: tuple[str, ...],
     return ""
 
 
-def ort_int8(model: Path, entry: Entry, out: Path) -> str:
+def ort_int8(model: Path, entry: Entry, out: Path, subgraphs: bool = False) -> str:
     from onnxruntime.quantization import (
         CalibrationDataReader,
         QuantFormat,
@@ -119,7 +123,9 @@ def ort_int8(model: Path, entry: Entry, out: Path) -> str:
 
     try:
         quantize_static(str(model), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
-                        activation_type=QuantType.QInt8, weight_type=QuantType.QInt8)
+                        activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+                        # ort_int8_subgraph: the layers of If/Loop/Scan bodies too
+                        extra_options={"EnableSubgraph": True} if subgraphs else None)
     except Exception as exc:  # noqa: BLE001 - a peer's failure is a measurement
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
     return ""
@@ -174,10 +180,16 @@ MOVES_8BIT = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze
                         "MaxPool", "Slice"})
 
 
-def eight_bit_share(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> float:
+def eight_bit_share(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]],
+                    measured: dict[str, int] | None = None) -> float:
     """Share of Conv/MatMul/Gemm multiply-adds whose float inputs all come from a DequantizeLinear
-    (through ops that only move 8-bit values)."""
-    nodes = {o: n for n in model.graph.node for o in n.output}
+    (through ops that only move 8-bit values), the layers of If/Loop/Scan bodies included: a
+    body's layer counts its `measured` multiply-adds per sample (as often as it ran on the
+    reference, `body_macs`), else one run's."""
+    scopes = [s.graph for s in walk_graphs(model.graph)]
+    # Names are unique across scopes (SSA): a body's layer may read a DQ of its own body or
+    # of the graph around it.
+    nodes = {o: n for g in scopes for n in g.node for o in n.output}
 
     def source(name: str) -> str:
         node = nodes.get(name)
@@ -188,16 +200,31 @@ def eight_bit_share(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) 
     produced = {o: source(o) for o in nodes}
     flops = node_flops(model, shapes)
     total = eight = 0
-    for n in model.graph.node:
-        if n.op_type not in ("Conv", "MatMul", "Gemm", "MatMulInteger", "ConvInteger", "QLinearConv",
-                             "QLinearMatMul"):
-            continue
-        f = flops.get(n.name or f"node_of_{n.output[0]}", 0)
-        total += f
-        if n.op_type.startswith(("QLinear",)) or n.op_type.endswith("Integer") or all(
-                produced.get(i) == "DequantizeLinear" for i in n.input[:2]):
-            eight += f
+    for g in scopes:
+        for n in g.node:
+            if n.op_type not in ("Conv", "MatMul", "Gemm", "MatMulInteger", "ConvInteger",
+                                 "QLinearConv", "QLinearMatMul"):
+                continue
+            label = n.name or f"node_of_{n.output[0]}"
+            f = (measured or {}).get(label, flops.get(label, 0) // 2)
+            total += f
+            if n.op_type.startswith(("QLinear",)) or n.op_type.endswith("Integer") or all(
+                    produced.get(i) == "DequantizeLinear" for i in n.input[:2]):
+                eight += f
     return eight / total if total else 0.0
+
+
+def body_macs(entry: Entry, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """Multiply-adds per sample of the reference's layers inside If/Loop/Scan bodies, as often
+    as they ran on the calibration samples (npuprep.calibrate.layer_macs); empty where no
+    multiply-add sits in a body (no calibration run then)."""
+    model = onnx.load(entry.model)
+    if not any(n.op_type in ("Conv", "MatMul", "Gemm") for s in walk_graphs(model.graph)
+               if not s.is_main for n in s.graph.node):
+        return {}
+    loaded = load_model(str(entry.model))
+    stats = calibrate(loaded, _feeds(entry.calib))
+    return layer_macs(loaded.proto, stats, shapes)
 
 
 def decided_of(entry: Entry) -> tuple[str, ...]:
@@ -214,10 +241,16 @@ def judge(reference: Path, candidate: Path, entry: Entry, decided: tuple[str, ..
     den: dict[str, float] = {}
     held: dict[str, bool] = {}
     nonfinite = 0
+    # Integer outputs (a greedy decoder's ids): held-out samples whose every one is unchanged.
+    same_ints = int_samples = 0
     for feed in _feeds(entry.heldout):
         r = run(ref, feed)
         c = run(cand, {k: v.astype(np.float16) if types.get(k) == "tensor(float16)" else v
                        for k, v in feed.items()})
+        ints = [k for k, v in r.items() if np.issubdtype(v.dtype, np.integer)]
+        if ints:
+            int_samples += 1
+            same_ints += all(r[k].shape == c[k].shape and np.array_equal(r[k], c[k]) for k in ints)
         for name, rv in r.items():
             if not np.issubdtype(rv.dtype, np.floating):
                 continue
@@ -232,13 +265,15 @@ def judge(reference: Path, candidate: Path, entry: Entry, decided: tuple[str, ..
     # Each output within tolerance, or, decided, every top-1 held.
     outputs_ok = not nonfinite and all(r <= RTOL or held.get(k, False) for k, r in rels.items())
     return {"rel_l2": rel if not nonfinite else float("inf"), "nonfinite": nonfinite,
-            "top1_holds": all(held.values()) if held else None, "outputs_ok": outputs_ok}
+            "top1_holds": all(held.values()) if held else None, "outputs_ok": outputs_ok,
+            "int_outputs_same": f"{same_ints}/{int_samples}" if int_samples else None}
 
 
 def measure(entry: Entry, tools: list[str], out_dir: Path) -> list[dict]:
     name, model = entry.name, entry.model
     decided = decided_of(entry)
     shapes = {k: tuple(v.shape) for k, v in _feeds(entry.calib)[0].items()}
+    measured = body_macs(entry, shapes)
     rows = []
     for tool in tools:
         out = out_dir / f"{name}.{tool}.onnx"
@@ -248,8 +283,8 @@ def measure(entry: Entry, tools: list[str], out_dir: Path) -> list[dict]:
             parts = tool.split("_")
             error = npuprep("int8" if parts[1] == "int8" else "fp8_e4m3", entry, out, decided,
                             *parts[2:])
-        elif tool == "ort_int8":
-            error = ort_int8(model, entry, out)
+        elif tool in ("ort_int8", "ort_int8_subgraph"):
+            error = ort_int8(model, entry, out, subgraphs=tool == "ort_int8_subgraph")
         elif tool == "ort_int8_op13":
             try:
                 error = ort_int8(opset13(model, out), entry, out)
@@ -264,7 +299,7 @@ def measure(entry: Entry, tools: list[str], out_dir: Path) -> list[dict]:
         if not error:
             try:
                 row |= judge(model, out, entry, decided)
-                row["share_8bit"] = eight_bit_share(onnx.load(out), shapes)
+                row["share_8bit"] = eight_bit_share(onnx.load(out), shapes, measured)
             except Exception as exc:  # noqa: BLE001 - a model that does not load is a measurement
                 row["error"] = f"does not run: {type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
         row["decided"] = list(decided)
@@ -308,7 +343,7 @@ def main() -> None:
             entry = Entry(row["model"], args.extra2)
             shapes = {k: tuple(v.shape) for k, v in _feeds(entry.calib)[0].items()}
             row["share_8bit"] = eight_bit_share(onnx.load(out / f"{row['model']}.{row['tool']}.onnx"),
-                                                shapes)
+                                                shapes, body_macs(entry, shapes))
             row["clean"] = bool(row["within"] and row["share_8bit"] >= MIN_SHARE)
         out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
         out.with_suffix(".md").write_text(table(rows))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +48,35 @@ def walk_graphs(graph: onnx.GraphProto, path: str = "main") -> Iterator[GraphSco
                     if scope.owner is None:
                         scope = GraphScope(scope.graph, scope.path, node)
                     yield scope
+
+
+def node_scopes(graph: onnx.GraphProto) -> dict[str, tuple[onnx.NodeProto, tuple[onnx.GraphProto, ...]]]:
+    """Node label -> the node and the graphs its inputs may name: its own graph first, then
+    each enclosing one out to `graph` (a body reads the weights its owner's scope holds). A
+    label several scopes use is the first one's in walk_graphs' order."""
+    found: dict[str, tuple[onnx.NodeProto, tuple[onnx.GraphProto, ...]]] = {}
+
+    def visit(g: onnx.GraphProto, outer: tuple[onnx.GraphProto, ...]) -> None:
+        chain = (g, *outer)
+        for node in g.node:
+            found.setdefault(node_label(node), (node, chain))
+        for node in g.node:
+            for attr in node.attribute:
+                for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+                    visit(sub, chain)
+
+    visit(graph, ())
+    return found
+
+
+def scope_constant(chain: Sequence[onnx.GraphProto], name: str) -> np.ndarray | None:
+    """`name`'s constant value as the first graph of `chain` (a body, then the graphs around
+    it) that holds it gives it, else None."""
+    for g in chain:
+        value = constant_value(g, name)
+        if value is not None:
+            return value
+    return None
 
 
 def node_label(node: onnx.NodeProto) -> str:
@@ -172,9 +201,12 @@ def is_anchored(tensor: onnx.TensorProto) -> bool:
 
 
 def name_maker(graph: onnx.GraphProto) -> Callable[[str], str]:
-    """A function giving names no tensor of `graph`'s main level uses yet (`base`, then
-    `base_1`, ...), each name once."""
-    names = {n for node in graph.node for n in (*node.input, *node.output)} | {i.name for i in graph.initializer}
+    """A function giving names no tensor of `graph` or its bodies uses yet (`base`, then
+    `base_1`, ...), each name once: a body's new tensor must not shadow an outer one."""
+    names = {n for scope in walk_graphs(graph) for node in scope.graph.node
+             for n in (*node.input, *node.output)}
+    names |= {i.name for scope in walk_graphs(graph) for i in scope.graph.initializer}
+    names |= {i.name for scope in walk_graphs(graph) if not scope.is_main for i in scope.graph.input}
 
     def fresh(base: str) -> str:
         name, i = base, 1

@@ -10,7 +10,7 @@ import pytest
 from onnx import parser
 
 from npuprep.runtime.session import make_session, run
-from npuprep.verify.output_errors import worst_pooled_rel_l2
+from npuprep.verify.output_errors import OutputErrors, output_passes, worst_pooled_rel_l2
 
 # x -> y = Mul(x, k), n = Cast<int64>(x), r = Sqrt(x): a float output, an integer one, and
 # one that is NaN where x < 0
@@ -54,3 +54,36 @@ def test_a_nan_output_is_the_largest_error_and_identical_outputs_are_zero():
     nan = _outputs(1.0, [np.array([1, 4, -9, 16], np.float32)])
     nan[0]["y"] = ref[0]["y"]
     assert math.isnan(nan[0]["r"][2]) and worst_pooled_rel_l2(nan, ref) == math.inf
+
+
+# x -> logits = MatMul(x, W): three classes per row, the candidate's W off by dW
+LOGITS = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[N, 2] x, float[2, 3] w) => (float[N, 3] logits) {
+    logits = MatMul (x, w)
+}
+"""
+
+
+def test_a_decision_held_by_a_hair_fails_the_search_margin_and_a_clear_one_passes():
+    session = make_session(parser.parse_model(LOGITS))
+    x = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
+    w = np.array([[1.0, 0.8, 0.0], [0.0, 0.2, 1.0]], np.float32)  # row 0: 1.0 vs 0.8
+    ref = run(session, {"x": x, "w": w})["logits"]
+    # The candidate closes 60% of row 0's 0.2 lead: its top-1 holds, twice its error flips it.
+    near = run(session, {"x": x, "w": w + np.array([[-0.06, 0.06, 0], [0, 0, 0]], np.float32)})
+    errors = OutputErrors(top_k={"logits": 1}, tie_rtol=0.05, margin=2.0)
+    errors.add("logits", ref, near["logits"])
+    row = errors.result()["logits"]
+    assert row["top_k_agreement"] == 1.0 and row["top_k_agreement_at_margin"] == 0.5
+    assert row["rel_l2"] > 0.04  # not within the rel L2 aim: the decisions decide
+    assert output_passes(row, 0.04) and not output_passes(row, 0.04, at_margin=True)
+    # A third of that error (20% of the lead) holds at twice the error too.
+    clear = run(session, {"x": x, "w": w + np.array([[-0.02, 0.02, 0], [0, 0, 0]], np.float32)})
+    errors = OutputErrors(top_k={"logits": 1}, tie_rtol=0.05, margin=2.0)
+    errors.add("logits", ref, clear["logits"])
+    assert output_passes(errors.result()["logits"], 1e-3, at_margin=True)
+    # Without a margin no key is added: every other check's rows stay as they were.
+    plain = OutputErrors(top_k={"logits": 1}, tie_rtol=0.05)
+    plain.add("logits", ref, near["logits"])
+    assert "top_k_agreement_at_margin" not in plain.result()["logits"]

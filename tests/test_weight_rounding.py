@@ -134,3 +134,36 @@ def test_shared_weight_is_rounded_for_both_readers() -> None:
     (done,) = round_layers(model, ["a", "b"], [(fmt, True)], both, store)
     assert done.node == "a, b" and done.error < done.nearest
     assert round_layers(model, ["a"], [(fmt, True)], both, WeightStore()) == []
+
+
+def test_rounding_kept_where_the_model_outputs_gain_and_forgotten_back_to_nearest() -> None:
+    from npuprep.calibrate import calibrate
+    from npuprep.model_io import Model, fingerprint
+    from npuprep.pipeline.quantise_and_verify import _round_weights
+    from npuprep.rewrite.qdq_weights import quantise_weight
+    from npuprep.scale_rules import ScaleRule
+    from npuprep.verify.qdq_model import quantise
+    from npuprep.verify.qdq_trials import Variant
+
+    proto, feeds = _dense(3)
+    stats = calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
+    int8 = eight_bit_format("int8")
+    variant = Variant(int8, (ScaleRule.ABSMAX,), True)
+    store = WeightStore()
+    notes = _round_weights(proto, proto, {"fc": "int8"}, [variant], feeds, store, stats, {})
+    assert len(notes) == 1 and "rounded for their outputs" in notes[0]
+
+    def built(weights: WeightStore) -> onnx.ModelProto:
+        return quantise(proto, ["fc"], stats, int8, saturate=True, rule=ScaleRule.ABSMAX,
+                        weights=weights).model
+
+    # The note's numbers are the two QDQ models' on the odd (unfitted) samples.
+    odd = feeds[1::2][:4]
+    nearest, rounded = _rel_error(built(WeightStore()), proto, odd), _rel_error(built(store), proto, odd)
+    assert rounded < nearest and f"{nearest:.3g} -> {rounded:.3g}" in notes[0]
+    # A rounding the outputs refuse is forgotten: the store gives nearest again.
+    store.forget(int8)
+    w = numpy_helper.to_array(proto.graph.initializer[0])
+    for got, want in zip(store.values(w, 1, int8, saturate=True),
+                         quantise_weight(w, 1, int8, saturate=True), strict=True):
+        assert np.array_equal(got, want)

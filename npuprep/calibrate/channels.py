@@ -1,4 +1,4 @@
-"""Per-channel statistics of chosen tensors: abs-max per sample `x[..., C]` -> array[samples, C],
+"""Per-channel statistics of chosen tensors: abs-max per sample and channel -> array[samples, C],
 and means per channel of any axis.
 
 The range statistics keep one abs-max per tensor; migrating an outlier channel of a MatMul's
@@ -18,9 +18,10 @@ from onnx import helper
 from npuprep.data import Feed
 
 
-def channel_absmax(model: onnx.ModelProto, tensors: Sequence[str],
-                   samples: Sequence[Feed]) -> dict[str, np.ndarray]:
-    """tensor -> abs-max per sample and last-axis channel ([samples, channels])."""
+def channel_absmax(model: onnx.ModelProto, tensors: Sequence[str], samples: Sequence[Feed], *,
+                   axis: int = -1) -> dict[str, np.ndarray]:
+    """tensor -> abs-max per sample and channel of `axis` (the last: a MatMul's input; 1: a
+    Conv's) as [samples, channels]."""
     from npuprep.runtime.session import run
 
     if not tensors:
@@ -29,7 +30,8 @@ def channel_absmax(model: onnx.ModelProto, tensors: Sequence[str],
     found: dict[str, list[np.ndarray]] = {t: [] for t in tensors}
     for feed in samples:
         for name, value in run(session, feed, list(tensors)).items():
-            flat = np.abs(np.asarray(value, np.float32)).reshape(-1, value.shape[-1])
+            moved = np.moveaxis(np.abs(np.asarray(value, np.float32)), axis, -1)
+            flat = moved.reshape(-1, moved.shape[-1])
             found[name].append(flat.max(axis=0, initial=0.0))
     return {t: np.stack(v) for t, v in found.items()}
 

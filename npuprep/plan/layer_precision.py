@@ -10,7 +10,7 @@ later (npuprep.verify.qdq_model ranks the 8-bit layers by the error each adds al
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ import onnx
 
 from npuprep.calibrate.scales import clip_for
 from npuprep.calibrate.stats import CalibrationStats
-from npuprep.graph import constant_value, node_label
+from npuprep.graph import node_scopes, scope_constant
 from npuprep.numerics import EightBitFormat
 from npuprep.ops import QUANTISED_MAC_OPS
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
@@ -41,41 +41,47 @@ class LayerPrecision:
         return {"node": self.node, "precision": self.precision, "why": self.why}
 
 
-def activation_inputs(graph: onnx.GraphProto, node: onnx.NodeProto) -> list[str]:
-    """The inputs of a multiply-add that are not constants (input 1 is its weight if constant)."""
+def activation_inputs(graph: onnx.GraphProto, node: onnx.NodeProto,
+                      outer: Sequence[onnx.GraphProto] = ()) -> list[str]:
+    """The inputs of a multiply-add that are not constants (input 1 is its weight if constant);
+    for a node of a body, `outer` holds the graphs around it (a weight its owner's scope holds)."""
     return [name for i, name in enumerate(node.input[:2])
-            if name and not (i == 1 and constant_value(graph, name) is not None)]
+            if name and not (i == 1 and scope_constant((graph, *outer), name) is not None)]
 
 
 def decide(model: onnx.ModelProto, stats: CalibrationStats | None, fmt: EightBitFormat, pinned: Iterable[str] = (),
            rule: ScaleRule = DEFAULT_RULE) -> tuple[LayerPrecision, ...]:
-    """Per node of the main graph: 8-bit for the multiply-adds whose inputs 8 bits hold,
-    the wider format and its reason for the rest that matter (multiply-adds, small ops)."""
+    """Per node of the main graph and of every If/Loop/Scan body: 8-bit for the multiply-adds
+    whose inputs 8 bits hold (a body's inputs as calibration measured them over every
+    iteration), the wider format and its reason for the rest that matter (multiply-adds,
+    small ops)."""
     pinned = set(pinned)
-    g = model.graph
+    scopes = node_scopes(model.graph)
     out: list[LayerPrecision] = []
-    for node in g.node:
-        label = node_label(node)
+    for label, (node, (g, *outer)) in scopes.items():
         wider = "fp32" if label in pinned else "fp16"
         small = _small_op_reason(node, fmt)
         if label in pinned and (node.op_type in QUANTISED_MAC_OPS or small):
             out.append(LayerPrecision(label, "fp32", "pinned FP32 by the plan" + (
                 f"; {small}{_measured(node, stats)}" if small else "")))
         elif node.op_type in QUANTISED_MAC_OPS:
-            why = _range_reason(g, node, stats, fmt, rule)
+            why = _range_reason(g, node, stats, fmt, rule, outer)
             out.append(LayerPrecision(label, wider, why) if why else
-                       LayerPrecision(label, fmt.name, _clipping(g, node, stats, fmt, rule)))
+                       LayerPrecision(label, fmt.name, _clipping(g, node, stats, fmt, rule, outer)))
         elif small:
             out.append(LayerPrecision(label, wider, small + _measured(node, stats)))
     return tuple(out)
 
 
 def _range_reason(g: onnx.GraphProto, node: onnx.NodeProto, stats: CalibrationStats | None, fmt: EightBitFormat,
-                  rule: ScaleRule) -> str:
-    for name in activation_inputs(g, node):
+                  rule: ScaleRule, outer: Sequence[onnx.GraphProto] = ()) -> str:
+    for name in activation_inputs(g, node, outer):
         r = None if stats is None else stats.tensors.get(name)
         if r is None:
             return f"input '{name}' was not measured"
+        if r.count == 0:
+            return (f"input '{name}' was never computed on the calibration samples (a branch "
+                    "or body they did not run)")
         if r.nan_count or r.inf_count or not math.isfinite(r.absmax):
             return f"input '{name}' holds Inf/NaN"
         clip = clip_for(r, fmt, rule)
@@ -88,10 +94,10 @@ def _range_reason(g: onnx.GraphProto, node: onnx.NodeProto, stats: CalibrationSt
 
 
 def _clipping(g: onnx.GraphProto, node: onnx.NodeProto, stats: CalibrationStats, fmt: EightBitFormat,
-              rule: ScaleRule) -> str:
+              rule: ScaleRule, outer: Sequence[onnx.GraphProto] = ()) -> str:
     """Why 8 bits hold the inputs: within the scaled range, and what the scales clip."""
     clipped = []
-    for name in activation_inputs(g, node):
+    for name in activation_inputs(g, node, outer):
         r = stats.tensors[name]
         clip = clip_for(r, fmt, rule)
         share = r.fraction_above(clip.value) if clip.value < r.absmax else 0.0

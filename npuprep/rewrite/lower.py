@@ -39,6 +39,8 @@ from npuprep.opsets import at_least, bf16_opset
 from npuprep.rewrite.graph_ops import check_model
 from npuprep.rewrite.lower_masks import map_fp16_masks, mask_readers
 
+_CHUNK = 1 << 20  # elements a weight is rounded in at a time
+
 FLOAT = TensorProto.FLOAT
 # Lowered initialisers at least this large go to the scratch file when lower() has one.
 SCRATCH_MIN_BYTES = 64 * 2**10
@@ -343,11 +345,18 @@ class _Lowering:
             assert all(id(u) in self.mask_readers for u in users) and np.all(value[over] < 0)
             value = np.where(over, np.float32(-self.fmt.max), value)
             self.mapped[name] = int(over.sum())
-        low = value.astype(self.fmt.np_dtype)
-        # Rounding maps only zeros and values under the smallest subnormal to zero. A 16-bit
-        # zero is its bits bar the sign clear (an integer test: numpy compares FP16 slowly).
-        zeros = int(np.count_nonzero((low.view(np.uint16) & np.uint16(0x7FFF)) == 0))
-        flushed = zeros - int(np.count_nonzero(value == 0))
+        low = np.empty(value.shape, self.fmt.np_dtype)
+        wide, narrow = value.reshape(-1), low.reshape(-1)
+        flushed = 0
+        # In chunks: a weight's whole-array temporaries cost more than the rounding on a GB
+        # table (each fresh page is a fault).
+        for start in range(0, wide.size, _CHUNK):
+            part, out = wide[start:start + _CHUNK], narrow[start:start + _CHUNK]
+            out[...] = part
+            # Rounding maps only zeros and values under the smallest subnormal to zero. A 16-bit
+            # zero is its bits bar the sign clear (an integer test: numpy compares FP16 slowly).
+            flushed += int(np.count_nonzero((out.view(np.uint16) & np.uint16(0x7FFF)) == 0))
+            flushed -= int(np.count_nonzero(part == 0))
         if flushed:
             self.flushed[name] = flushed
         return low

@@ -9,14 +9,22 @@ FLOAT8E4M3FN; its QuantizeLinear saturates or not as the caller says (`saturate=
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from npuprep.graph import attribute, constant_value, name_maker, node_label, tensor_types
+from npuprep.graph import (
+    attribute,
+    constant_value,
+    name_maker,
+    node_label,
+    node_scopes,
+    tensor_types,
+    walk_graphs,
+)
 from npuprep.numerics import EightBitFormat
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.rewrite.result import RewriteResult
@@ -58,7 +66,7 @@ def insert_qdq(model: onnx.ModelProto, nodes: Mapping[str, Mapping[str, Activati
     types = tensor_types(model)
     tensor_name = name_maker(g)
     # Node names too: a model quantised once already (INT8 and FP8 layers) holds x_Q8.
-    nodes_named = {n.name for n in g.node}
+    nodes_named = {n.name for scope in walk_graphs(g) for n in scope.graph.node}
 
     def fresh(base: str) -> str:
         name = tensor_name(base)
@@ -67,38 +75,49 @@ def insert_qdq(model: onnx.ModelProto, nodes: Mapping[str, Mapping[str, Activati
         nodes_named.add(name)
         return name
 
-    pairs: dict[str, str] = {}
-    new_nodes: list[onnx.NodeProto] = []
+    # A layer of an If/Loop/Scan body gets its pairs and DequantizeLinear in its body, beside
+    # it (the pattern a compiler fuses); every scale and 8-bit weight is an initialiser of the
+    # main graph, which every body may read: a weight read by several bodies is stored once.
+    scopes = [s.graph for s in walk_graphs(g)]
+    chains = node_scopes(g)
+    pairs: dict[tuple[int, str], str] = {}
+    added: dict[int, list[onnx.NodeProto]] = {}
     declined: dict[str, str] = {}
     done: list[str] = []
 
-    def activation(tensor: str, s: ActivationScale) -> str:
-        if tensor in pairs:
-            return pairs[tensor]
-        dq = qdq_pair(g, new_nodes, fresh, tensor, tensor, fmt, saturate, s)
-        pairs[tensor] = dq
-        return dq
+    def activation(scope: onnx.GraphProto, tensor: str, s: ActivationScale) -> str:
+        key = (id(scope), tensor)
+        if key not in pairs:
+            pairs[key] = qdq_pair(g, added.setdefault(id(scope), []), fresh, tensor, tensor, fmt,
+                                  saturate, s)
+        return pairs[key]
 
-    for node in g.node:
-        label = node_label(node)
-        wanted = nodes.get(label)
-        if wanted is None:
-            continue
-        inputs = [i for i in node.input[:2] if i]
-        if any(types.get(i, TensorProto.FLOAT) != TensorProto.FLOAT for i in inputs):
-            declined[label] = "an input is not FP32"
-            continue
-        weight = fp32_weight(g, node.input[1]) if len(node.input) > 1 else None
-        if weight is not None:
-            node.input[1] = weight_dq(g, node, weight, fmt, fresh, saturate, weights)
-        for i, name in enumerate(node.input):
-            if name in wanted and not (i == 1 and weight is not None):
-                node.input[i] = activation(name, wanted[name])
-        done.append(label)
+    for scope in scopes:
+        for node in scope.node:
+            label = node_label(node)
+            wanted = nodes.get(label)
+            # A label two scopes share names the first node (node_scopes): that one only.
+            if wanted is None or label in done or label in declined:
+                continue
+            inputs = [i for i in node.input[:2] if i]
+            if any(types.get(i, TensorProto.FLOAT) != TensorProto.FLOAT for i in inputs):
+                declined[label] = "an input is not FP32"
+                continue
+            weight = (scope_weight(chains[label][1], node.input[1]) if len(node.input) > 1
+                      else None)
+            if weight is not None:
+                node.input[1] = weight_dq(g, node, weight, fmt, fresh, saturate, weights,
+                                          into=added.setdefault(id(scope), []))
+            for i, name in enumerate(node.input):
+                if name in wanted and not (i == 1 and weight is not None):
+                    node.input[i] = activation(scope, name, wanted[name])
+            done.append(label)
     if not done:
         return RewriteResult(model, False, "no node could be quantised", {"declined": declined})
-    g.node.extend(new_nodes)
-    sort_nodes(g)
+    # Bodies first, innermost first: sorting a graph copies its nodes, bodies and all.
+    for scope in reversed(scopes):
+        scope.node.extend(added.get(id(scope), []))
+        sort_nodes(scope)
     drop_unused_weights(g)
     return RewriteResult(out, True, f"{len(done)} node(s) quantised to {fmt.name}",
                          {"quantised": done, "declined": declined})
@@ -120,9 +139,10 @@ def qdq_pair(g: onnx.GraphProto, added: list[onnx.NodeProto], fresh: Callable[[s
 
 
 def weight_dq(g: onnx.GraphProto, node: onnx.NodeProto, w: onnx.TensorProto | np.ndarray,
-            fmt: EightBitFormat, fresh: Callable[[str], str], saturate: bool,
-            weights: WeightStore) -> str:
-    """The quantised copy of `node`'s weight behind a DequantizeLinear; its output's name."""
+              fmt: EightBitFormat, fresh: Callable[[str], str], saturate: bool,
+              weights: WeightStore, into: list[onnx.NodeProto] | None = None) -> str:
+    """The quantised copy of `node`'s weight (initialisers of `g`) behind a DequantizeLinear
+    appended to `into` (default: `g`'s nodes); its output's name."""
     base = node.input[1]
     q_name, s_name, z_name = fresh(f"{base}_w8"), fresh(f"{base}_wscale8"), fresh(f"{base}_wzp8")
     made = weights.quantised(w, weight_axis(node, len(w.dims) if isinstance(w, onnx.TensorProto) else w.ndim),
@@ -132,9 +152,22 @@ def weight_dq(g: onnx.GraphProto, node: onnx.NodeProto, w: onnx.TensorProto | np
     g.initializer.append(zero_point(z_name, fmt, made.scale.shape, unsigned=False))
     out = fresh(f"{base}_dq8")
     extra = {} if made.axis is None else {"axis": made.axis}
-    g.node.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [out],
-                                   name=fresh(f"{base}_DQ8"), **extra))
+    dq = helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [out],
+                          name=fresh(f"{base}_DQ8"), **extra)
+    (g.node if into is None else into).append(dq)
     return out
+
+
+def scope_weight(chain: Sequence[onnx.GraphProto], name: str) -> onnx.TensorProto | np.ndarray | None:
+    """`fp32_weight` of `name` in the first graph of `chain` (a node's graph, then those
+    around it) that holds it as a constant."""
+    for graph in chain:
+        found = fp32_weight(graph, name)
+        if found is not None:
+            return found
+        if constant_value(graph, name) is not None:
+            return None
+    return None
 
 
 def fp32_weight(g: onnx.GraphProto, name: str) -> onnx.TensorProto | np.ndarray | None:
@@ -155,15 +188,15 @@ def zero_point(name: str, fmt: EightBitFormat, shape: tuple[int, ...], *, unsign
 
 
 def drop_unused_weights(g: onnx.GraphProto) -> None:
-    """FP32 weights every consumer of which now reads the 8-bit copy leave the file."""
-    from npuprep.graph import walk_graphs
-
-    used = {i for scope in walk_graphs(g) for n in scope.graph.node for i in n.input}
-    used |= {o.name for o in g.output}
-    kept = [i for i in g.initializer if i.name in used]
-    if len(kept) < len(g.initializer):
-        del g.initializer[:]
-        g.initializer.extend(kept)
+    """FP32 weights every consumer of which now reads the 8-bit copy leave the file: the main
+    graph's and a body's own (its 8-bit copy lives in the main graph)."""
+    for scope in walk_graphs(g):
+        used = {i for inner in walk_graphs(scope.graph) for n in inner.graph.node for i in n.input}
+        used |= {o.name for o in scope.graph.output}
+        kept = [i for i in scope.graph.initializer if i.name in used]
+        if len(kept) < len(scope.graph.initializer):
+            del scope.graph.initializer[:]
+            scope.graph.initializer.extend(kept)
 
 
 def sort_nodes(g: onnx.GraphProto) -> None:

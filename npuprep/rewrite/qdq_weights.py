@@ -68,6 +68,12 @@ class WeightStore:
             self._preferred[key] = (stored, scale)
             self._done.pop(key, None)
 
+    def forget(self, fmt: EightBitFormat) -> None:
+        """Round every weight of `fmt` to nearest again (a rounding the outputs refused)."""
+        for key in [k for k in self._preferred if k[2] == fmt.name]:
+            del self._preferred[key]
+            self._done.pop(key, None)
+
     def values(self, source: onnx.TensorProto | np.ndarray, axis: int | None, fmt: EightBitFormat,
                *, saturate: bool) -> tuple[np.ndarray, np.ndarray]:
         """(the 8-bit values, the FP32 scale) the store writes for `source`, as arrays."""

@@ -31,14 +31,22 @@ from onnx import TensorProto, helper, numpy_helper
 
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
-from npuprep.graph import constant_value, name_maker, node_label, tensor_types, to_array
+from npuprep.graph import (
+    constant_value,
+    name_maker,
+    node_label,
+    node_scopes,
+    tensor_types,
+    to_array,
+    walk_graphs,
+)
 from npuprep.numerics import EightBitFormat, NumberFormat
 from npuprep.plan.layer_precision import activation_inputs
 from npuprep.rewrite.bias_correction import BiasSlot, bias_slot, corrected_bias
 from npuprep.rewrite.qdq import (
     ActivationScale,
-    fp32_weight,
     qdq_pair,
+    scope_weight,
     sort_nodes,
     weight_axis,
     weight_dq,
@@ -121,6 +129,11 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
     g = out.graph
     types = tensor_types(model)
     fresh = name_maker(g)
+    # A body's layer gets its gates in its body (its switches, scales and weights are the
+    # main graph's, which every body reads): `added` is the nodes of the scope walked now.
+    scopes = [s.graph for s in walk_graphs(g)]
+    chains = node_scopes(g)
+    added_to: dict[int, list[onnx.NodeProto]] = {}
     added: list[onnx.NodeProto] = []
     switches: list[str] = []
 
@@ -162,13 +175,16 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
     def own(label: str) -> list[Variant]:
         return [v for v in variants if formats is None or formats.get(label) == v.fmt.name]
 
-    for node in g.node:
+    for node, scope in ((n, s) for s in scopes for n in s.node):
         label = node_label(node)
         if label not in wanted or any(types.get(i, TensorProto.FLOAT) != TensorProto.FLOAT
                                       for i in node.input[:2] if i):
             continue
-        weight = fp32_weight(g, node.input[1]) if len(node.input) > 1 else None
-        activations = list(dict.fromkeys(activation_inputs(g, node)))
+        wanted.discard(label)  # a label two scopes share names the first node (node_scopes)
+        added = added_to.setdefault(id(scope), [])
+        chain = chains[label][1]
+        weight = scope_weight(chain, node.input[1]) if len(node.input) > 1 else None
+        activations = list(dict.fromkeys(activation_inputs(scope, node, chain[1:])))
         slot = bias_slot(model.graph, node) if weight is not None else None
         mean = input_means.get(node.input[0]) if slot is not None else None
         if weight is not None:
@@ -179,7 +195,7 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
                 weight if isinstance(weight, np.ndarray) else to_array(weight))
             for v in own(label):
                 if w is None:
-                    dq = weight_dq(g, node, weight, v.fmt, fresh, v.saturate, weights)
+                    dq = weight_dq(g, node, weight, v.fmt, fresh, v.saturate, weights, into=added)
                     exact = None
                 else:
                     exact = _dequantised(node, w, v, weights)
@@ -217,10 +233,12 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
         for slot, bias in bias_inputs.items():
             if node_label(n) == slot.node and n.input[slot.index] == slot.tensor:
                 n.input[slot.index] = bias
-    g.node.extend(added)
     for name in switches:
         g.input.append(helper.make_tensor_value_info(name, TensorProto.BOOL, []))
-    sort_nodes(g)
+    # Bodies first, innermost first: sorting a graph copies its nodes, bodies and all.
+    for scope in reversed(scopes):
+        scope.node.extend(added_to.get(id(scope), []))
+        sort_nodes(scope)
     return SwitchedQdq(out, tuple(variants), weight_switches, input_switches, bias_switches,
                        biases)
 
@@ -327,7 +345,7 @@ class Trials:
         self.corrected: set[str] = set()
         self.expected = expected if expected is not None else reference_outputs(reference, samples)
         every = set(switched.weight_switches.values()) | set(switched.input_switches.values())
-        gates = [n for n in switched.model.graph.node
+        gates = [n for scope in walk_graphs(switched.model.graph) for n in scope.graph.node
                  if n.op_type in ("Where", "If") and n.input[0] in every]
         # The switches and the Q/DQ pairs inside their branches stay exact, as the pairs do.
         exact = {node_label(n) for n in gates} | {
@@ -399,9 +417,10 @@ class Trials:
         return self.errors([(assign, rules)])[0]
 
     def check(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule], *, rtol: float,
-              top_k: Mapping[str, int]) -> OutputCheck:
-        """The outputs' check on every sample, as check_outputs judges a built model."""
-        errors = OutputErrors(top_k=dict(top_k), tie_rtol=rtol)
+              top_k: Mapping[str, int], margin: float = 1.0) -> OutputCheck:
+        """The outputs' check on every sample, as check_outputs judges a built model; the
+        top-K decisions also with the error scaled by `margin` (OutputErrors)."""
+        errors = OutputErrors(top_k=dict(top_k), tie_rtol=rtol, margin=margin)
         for r, c in zip(self.expected, self.outputs(assign, rules), strict=True):
             for name, rv in r.items():
                 if np.issubdtype(np.asarray(rv).dtype, np.floating):
@@ -488,12 +507,13 @@ def choose_rules(trials: Trials, model: onnx.ModelProto, nodes: Sequence[str],
     gives the least output error with that tensor's 8-bit readers alone in 8 bits."""
     from npuprep.calibrate.scales import clip_for
 
-    wanted = set(nodes)
+    scopes = node_scopes(model.graph)
     readers: dict[str, list[str]] = {}
-    for node in model.graph.node:
-        if node_label(node) in wanted:
-            for name in activation_inputs(model.graph, node):
-                readers.setdefault(name, []).append(node_label(node))
+    for label in nodes:
+        if label in scopes:
+            node, (g, *outer) = scopes[label]
+            for name in activation_inputs(g, node, outer):
+                readers.setdefault(name, []).append(label)
     candidates: dict[str, list[ScaleRule]] = {}
     for name in readers:
         clips: dict[float, ScaleRule] = {}

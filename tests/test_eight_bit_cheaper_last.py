@@ -1,0 +1,58 @@
+"""The widening's last step: the shortest passing head with its last layer swapped for a
+cheaper later one where that passes too (more of the multiply-adds stay 8-bit)."""
+
+from __future__ import annotations
+
+import math
+
+from npuprep.numerics import eight_bit_format
+from npuprep.plan.layer_precision import LayerPrecision
+from npuprep.verify.output_check import OutputCheck
+from npuprep.verify.qdq_model import Sensitivity
+from npuprep.verify.widening import widen_by_ranking
+
+INT8 = eight_bit_format("int8")
+# mtcnn_pnet's shape: a tiny bbox head erring most, then layers of 20%, 15% and 63%.
+COST = {"head": 0.02, "mid": 0.20, "low": 0.15, "big": 0.63}
+AIM = 0.04
+
+
+def _search(alone: dict[str, float]) -> tuple[list[str], float, list[tuple[float, bool]]]:
+    """widen_by_ranking where independent layers' errors add in power (as measured errors
+    alone do): the layers kept FP16, the 8-bit share, and the curve (share, passed)."""
+    def error(layers: list[LayerPrecision]) -> float:
+        return math.sqrt(sum(alone[x.node] ** 2 for x in layers if x.precision == "int8"))
+
+    def check(layers: list[LayerPrecision]) -> OutputCheck:
+        return OutputCheck(rtol=0.05, samples=1, outputs={
+            "y": {"nonfinite": 0, "rel_l2": error(layers), "max_abs_error": 0.0}})
+
+    def share(layers: list[LayerPrecision]) -> float:
+        return sum(COST[x.node] for x in layers if x.precision == "int8")
+
+    def rank(nodes: list[str], layers: list[LayerPrecision]) -> list[Sensitivity]:
+        every = error(layers)
+        return [Sensitivity(n, math.sqrt(max(every ** 2 - alone[n] ** 2, 0.0)),
+                            every - math.sqrt(max(every ** 2 - alone[n] ** 2, 0.0)), alone[n])
+                for n in nodes]
+
+    layers = [LayerPrecision(n, "int8", "") for n in COST]
+    done = widen_by_ranking(layers, INT8, check(layers), rank=rank, trial=check,
+                            judged=lambda c: c.outputs["y"]["rel_l2"] <= AIM, share=share,
+                            cost=COST.__getitem__, min_share=0.5)
+    assert math.isclose(error(done.layers), done.check.outputs["y"]["rel_l2"])
+    return done.widened, share(done.layers), [(p.share, p.passed) for p in done.curve]
+
+
+def test_a_cheaper_last_layer_that_passes_keeps_more_in_8_bits():
+    widened, kept, curve = _search({"head": 0.08, "mid": 0.03, "low": 0.022, "big": 0.02})
+    # Heads: [head] fails (0.042), [head, mid] passes at 78%; [head, low] passes (0.036) at 83%.
+    assert widened == ["head", "low"] and math.isclose(kept, 0.83)
+    assert (0.78, True) in [(round(s, 2), p) for s, p in curve]
+
+
+def test_a_cheaper_last_layer_that_fails_leaves_the_head_as_it_was():
+    widened, kept, curve = _search({"head": 0.08, "mid": 0.036, "low": 0.022, "big": 0.02})
+    # [head, low] leaves mid's 0.036 and big's 0.02: 0.041, over the aim; tried, not kept.
+    assert widened == ["head", "mid"] and math.isclose(kept, 0.78)
+    assert [(round(s, 2), p) for s, p in curve][-1] == (0.83, False)

@@ -1,0 +1,110 @@
+"""Cross-layer equalisation (npuprep.rewrite.equalise): a Conv's output channels scaled into
+the Convs that read them, through ops that commute with a positive factor per channel."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import numpy_helper, parser
+
+from npuprep.calibrate import calibrate
+from npuprep.model_io import Model, fingerprint
+from npuprep.numerics import eight_bit_format
+from npuprep.rewrite.equalise import chains, equalise, factors
+from npuprep.runtime.session import make_session, run
+from npuprep.scale_rules import ScaleRule
+from npuprep.verify.qdq_model import equalise_channels, quantise
+
+INT8 = eight_bit_format("int8")
+RNG = np.random.default_rng(40)
+
+# x -> Conv c1 (8 channels, W1, B1) -> PRelu(slope) -> MaxPool -> h -> Conv c2 (W2) -> y;
+# h is also read by Conv c3 (W3) -> z
+CHAIN = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[1, 3, 12, 12] x) => (float[1, 4, 9, 9] y, float[1, 2, 9, 9] z) {
+    a = Conv <pads = [1, 1, 1, 1]> (x, W1, B1)
+    p = PRelu (a, slope)
+    h = MaxPool <kernel_shape = [2, 2]> (p)
+    [c2] y = Conv <kernel_shape = [3, 3]> (h, W2)
+    [c3] z = Conv <kernel_shape = [3, 3]> (h, W3)
+}
+"""
+# The same, but h is also a graph output: its values may not change.
+SEEN = CHAIN.replace("float[1, 2, 9, 9] z)", "float[1, 2, 9, 9] z, float[1, 8, 11, 11] h)")
+
+
+def _model(text: str, *, weighed: bool = True) -> onnx.ModelProto:
+    # Channel c of c1 reaches 2^(c/2), and the readers weigh it by the inverse (every channel
+    # counts alike, as a regression head's do): one INT8 scale leaves the quiet channels,
+    # which count as much, a few levels.
+    spread = 2.0 ** (np.arange(8) / 2)
+    readers = (1 / spread if weighed else np.ones(8)).reshape(1, 8, 1, 1)
+    weights = {"W1": RNG.standard_normal((8, 3, 3, 3)) * spread.reshape(8, 1, 1, 1),
+               "B1": RNG.standard_normal(8), "slope": np.full((8, 1, 1), 0.2),
+               "W2": RNG.standard_normal((4, 8, 3, 3)) * readers,
+               "W3": RNG.standard_normal((2, 8, 3, 3)) * readers}
+    proto = parser.parse_model(text)
+    proto.graph.initializer.extend(numpy_helper.from_array(v.astype(np.float32), k)
+                                   for k, v in weights.items())
+    return proto
+
+
+def _feeds(n: int) -> list[dict[str, np.ndarray]]:
+    return [{"x": RNG.standard_normal((1, 3, 12, 12)).astype(np.float32)} for _ in range(n)]
+
+
+def _rel_l2(model: onnx.ModelProto, ref: onnx.ModelProto, feeds: list) -> float:
+    got, want = make_session(model), make_session(ref)
+    err2 = ref2 = 0.0
+    for f in feeds:
+        a, b = run(got, f), run(want, f)
+        err2 += sum(float(((a[k] - b[k]) ** 2).sum()) for k in b)
+        ref2 += sum(float((b[k] ** 2).sum()) for k in b)
+    return (err2 / ref2) ** 0.5
+
+
+def test_equalised_channels_keep_the_function_and_cut_the_int8_error():
+    proto = _model(CHAIN)
+    found = chains(proto.graph, ["c2", "c3"])
+    assert [(c.producer, c.tensor, c.readers, c.between) for c in found] == [
+        ("node_of_a", "h", ("c2", "c3"), ("node_of_p", "node_of_h"))]
+    feeds, unseen = _feeds(8), _feeds(4)
+    stats = calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
+    done = equalise_channels(proto, proto, ["c2", "c3"], stats, INT8, feeds,
+                             rules=(ScaleRule.ABSMAX,), tensor_scales={})
+    assert len(done.chains) == 1 and done.after < 0.6 * done.before
+    # FP32: the same function (up to rounding).
+    assert _rel_l2(done.model, proto, unseen) < 1e-6
+    # INT8 at c2 and c3 on unseen samples: the quiet channels get their levels back.
+    plain = quantise(proto, ["c2", "c3"], stats, INT8, saturate=True, rule=ScaleRule.ABSMAX).model
+    ours = quantise(done.model, ["c2", "c3"], done.stats, INT8, saturate=True,
+                    rule=ScaleRule.ABSMAX).model
+    assert _rel_l2(ours, proto, unseen) < 0.6 * _rel_l2(plain, proto, unseen)
+    # The tensor's stats were measured again: its abs-max is now every channel's.
+    assert done.stats.tensors["h"].absmax > stats.tensors["h"].absmax * 0.99
+
+
+def test_readers_that_weigh_the_loud_channels_alike_decline_it():
+    # Every channel weighed alike: the loud channels carry the outputs, and what the quiet
+    # channels' activations gain their readers' weights (divided by up to 11) lose.
+    proto = _model(CHAIN, weighed=False)
+    feeds = _feeds(8)
+    stats = calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
+    done = equalise_channels(proto, proto, ["c2", "c3"], stats, INT8, feeds,
+                             rules=(ScaleRule.ABSMAX,), tensor_scales={})
+    assert done.after >= done.before > 0 and done.chains == () and done.model is proto
+    assert done.stats is stats
+
+
+def test_a_tensor_that_leaves_the_graph_or_balanced_channels_are_left_alone():
+    assert chains(_model(SEEN).graph, ["c2", "c3"]) == []
+    # Only c2 is 8-bit: c3 reads h too, so h cannot change.
+    assert chains(_model(CHAIN).graph, ["c2"]) == []
+    proto = _model(CHAIN)
+    found = chains(proto.graph, ["c2", "c3"])
+    assert (factors(np.full(8, 3.0)) == 1.0).all()
+    declined = equalise(proto, found, {"h": factors(np.full(8, 3.0))})
+    assert not declined and "no Conv input" in declined.reason
+    # A silent channel stays as it is; the quietest live one is raised at most MAX_FACTOR.
+    assert factors(np.array([0.0, 1e-3, 1.0])).tolist() == [1.0, 16.0, 1.0]
