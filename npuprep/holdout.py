@@ -121,3 +121,26 @@ def seen_by_stats(stats_source: Mapping[str, Any], stats_ids: Iterable[str | int
         seen = {f"{kind}:{where}[{i}]" for i in stats_ids}
     return [str(i) for i, key in zip(samples.sample_ids(), sample_keys(samples), strict=True)
             if key in seen]
+
+
+# Held-out inputs past this many times the calibration samples' largest |value| are named
+# when the held-out check fails: scales planned on quieter samples clip louder ones.
+LOUDER = 2.0
+
+
+def louder_inputs(calibration: Iterable[Mapping[str, Any]],
+                  held_out: Iterable[Mapping[str, Any]]) -> dict[str, tuple[float, float]]:
+    """Float inputs whose held-out samples reach over LOUDER x the calibration samples'
+    largest |value|: input -> (calibration's largest |value|, held-out's), loudest first."""
+    def peaks(feeds: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for feed in feeds:
+            for name, value in feed.items():
+                a = np.asarray(value)
+                if np.issubdtype(a.dtype, np.floating) and a.size:
+                    out[name] = max(out.get(name, 0.0), float(np.max(np.abs(a))))
+        return out
+
+    seen, held = peaks(calibration), peaks(held_out)
+    louder = {n: (seen.get(n, 0.0), h) for n, h in held.items() if h > LOUDER * seen.get(n, 0.0)}
+    return dict(sorted(louder.items(), key=lambda kv: -kv[1][1] / max(kv[1][0], 1e-30)))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import model_from_text, run_cli
 
-from npuprep.holdout import held_out_positions
+from npuprep.holdout import held_out_positions, louder_inputs
 
 
 @pytest.mark.parametrize(("count", "held"), [(1, []), (2, [1]), (3, [2]), (4, [3]),
@@ -55,6 +55,21 @@ def test_passing_on_calibration_and_failing_held_out_is_failed(tmp_path):
     verdict = " ".join(proc.stdout.split("\nFAILED: ")[-1].split())
     assert verdict.startswith("held-out samples fail (rel L2"), proc.stdout
     assert "where the calibration samples pass" in verdict
+    # The range the plan never saw is named, with the numbers behind it.
+    said = verdict.split("held-out input 'x' reaches ")[1]
+    ratio = float(said.split("x the calibration samples' largest |value|")[0])
+    peaks = [float(np.abs(np.load(data / f"s{i}.npz")["x"]).max()) for i in range(8)]
+    assert ratio == pytest.approx(max(peaks[3], peaks[7]) / max(peaks[:3] + peaks[4:7]), rel=0.05)
+
+
+def test_louder_inputs_names_float_inputs_past_twice_the_calibration_range():
+    # x: 0.0077 -> 0.32 (41x, named); y: 1 -> 1.5 (not past 2x); ids: integers (never)
+    calib = [{"x": np.float32([0.0077, -0.001]), "y": np.float32([1.0]), "ids": np.int64([1])}]
+    held = [{"x": np.float32([-0.32]), "y": np.float32([1.5]), "ids": np.int64([900])}]
+    assert louder_inputs(calib, held) == {"x": (pytest.approx(0.0077), pytest.approx(0.32))}
+    silent = [{"x": np.zeros(2, np.float32)}]
+    assert louder_inputs(silent, [{"x": np.float32([0.5])}]) == {"x": (0.0, 0.5)}
+    assert louder_inputs(held, calib) == {}
 
 
 def test_holdout_that_overlaps_data_is_refused_with_one_line(tmp_path):

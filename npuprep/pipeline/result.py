@@ -171,6 +171,8 @@ class ConversionResult:
     record: ConversionRecord | None = None
     # Each float output -> the rule that judged it (top-1 or rel L2, and who chose it).
     judged_by: dict[str, str] = field(default_factory=dict)
+    # Inputs the held-out samples drive past the calibration samples' range (holdout.louder_inputs).
+    louder_inputs: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:

@@ -359,7 +359,10 @@ def _openvino_check(run: Run, result: ConversionResult) -> VendorCheck:
 def verdict(run: Run) -> Run:
     """Passed, the gate that tripped and the cause: computed once, before anything is written."""
     assert run.result is not None, "verdict runs after build"
-    return replace(run, result=replace(run.result, verdict=judge(run.result)))
+    from npuprep.holdout import louder_inputs
+    louder = louder_inputs(run.feeds, run.held_out) if run.held_out else {}
+    result = replace(run.result, louder_inputs=louder)
+    return replace(run, result=replace(result, verdict=judge(result)))
 
 
 def record(run: Run) -> Run:

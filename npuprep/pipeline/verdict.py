@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from npuprep.formatting import number, percent
+from npuprep.formatting import number, percent, ratio
 from npuprep.graph import node_label, to_array
 from npuprep.numerics import NumberFormat
 from npuprep.pipeline.result import ConversionResult, Gate, Verdict
@@ -46,7 +46,7 @@ def judge(result: ConversionResult) -> Verdict:
     finite = all(o["nonfinite"] == 0 for c in checks for o in c.outputs.values())
     overflowed = first is not None and bool(first.inf_count or first.nan_count or first.saturated_count)
     limited = finite and not overflowed and (first is not None or not (outputs_ok or cause))
-    reason = (_overfit(result.output_check, result.holdout)
+    reason = (_overfit(result.output_check, result.holdout, result.louder_inputs)
               or (_precision_limited(result, checks) if limited else "")
               or (f"first divergent node '{first.node}' ({first.op_type})" if first is not None else "")
               or (result.share.headline() if outputs_ok and result.share is not None else "")
@@ -73,17 +73,26 @@ def _precision_limited(result: ConversionResult, checks: list[OutputCheck]) -> s
             f"precision; --metric, --top-k or --rtol are yours): {source}")
 
 
-def _overfit(calibration: OutputCheck | None, held: OutputCheck | None) -> str:
-    """The calibration samples pass and the held-out ones do not."""
+def _overfit(calibration: OutputCheck | None, held: OutputCheck | None,
+             louder: dict[str, tuple[float, float]]) -> str:
+    """The calibration samples pass and the held-out ones do not; where held-out inputs
+    go past the calibration samples' range, the loudest is named (a range the plan never saw)."""
     if not calibration or held is None or held:
         return ""
     outs = held.outputs.values()
     bad = sum(o["nonfinite"] for o in outs)
     worst = max((o["rel_l2"] for o in outs), default=0.0)
     was = max((o["rel_l2"] for o in calibration.outputs.values()), default=0.0)
-    return (f"held-out samples fail (rel L2 {number(worst)}" + (f", {bad} Inf/NaN" if bad else "")
+    said = (f"held-out samples fail (rel L2 {number(worst)}" + (f", {bad} Inf/NaN" if bad else "")
             + f") where the calibration samples pass (rel L2 {number(was)}): the conversion "
             "fits the samples it was planned on")
+    if not louder:
+        return said
+    name, (seen, reached) = next(iter(louder.items()))
+    where = (f"{ratio(reached / seen)} the calibration samples' largest |value| "
+             f"({number(reached)} against {number(seen)})" if seen else
+             f"|value| {number(reached)} where every calibration sample holds 0")
+    return f"{said}; held-out input '{name}' reaches {where}: calibrate on samples as loud as deployment's"
 
 
 def _eight_bit_short(result: ConversionResult) -> str:
