@@ -12,6 +12,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper, parser
 
+from npuprep.model_io import Model, fingerprint
+
 
 def save_zoo(name: str, folder: Path, model_file: str = "m.onnx", data_dir: str = "data") -> tuple[Path, Path]:
     """A zoo model saved with its samples as a folder of .npz, as a user would have them."""
@@ -47,6 +49,16 @@ def save(tmp_path: Path):
         return path
 
     return _save
+
+
+def model_with_weights(tmp_path: Path, text: str, weights: dict[str, np.ndarray]) -> Model:
+    """ONNX text with FP32 initialisers added, saved under tmp_path, as npuprep loads it."""
+    proto = parser.parse_model(text)
+    for name, value in weights.items():
+        proto.graph.initializer.append(numpy_helper.from_array(value.astype(np.float32), name))
+    path = tmp_path / "model.onnx"
+    onnx.save(proto, path)
+    return Model(proto=proto, path=str(path), digest=fingerprint(proto))
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

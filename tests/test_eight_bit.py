@@ -4,18 +4,17 @@ reason, weights per output channel, and the QDQ model itself run to verify it.""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
-from conftest import run_cli
+from conftest import model_with_weights, run_cli
 from onnx import TensorProto, numpy_helper, parser
 
 from npuprep.calibrate import calibrate
 from npuprep.calibrate.scales import clip_for
 from npuprep.calibrate.stats import RangeStats
-from npuprep.model_io import Model, fingerprint, load_model
+from npuprep.model_io import Model, load_model
 from npuprep.numerics import eight_bit_format
 from npuprep.pipeline import convert
 from npuprep.plan import dump_plan, load_plan
@@ -25,15 +24,6 @@ from npuprep.runtime.session import make_session, run
 from npuprep.scale_rules import ScaleRule
 
 RNG = np.random.default_rng(7)
-
-
-def _model(tmp_path: Path, text: str, weights: dict[str, np.ndarray]) -> Model:
-    proto = parser.parse_model(text)
-    for name, value in weights.items():
-        proto.graph.initializer.append(numpy_helper.from_array(value.astype(np.float32), name))
-    path = tmp_path / "model.onnx"
-    onnx.save(proto, path)
-    return Model(proto=proto, path=str(path), digest=fingerprint(proto))
 
 
 def _convert(model: Model, feeds: list[dict[str, np.ndarray]], precision: str, **kw: object):
@@ -63,7 +53,7 @@ g (float[32, 8] x) => (float[32, 4] h, float[32, 4] y) {
 
 
 def test_a_squared_distance_up_to_30_stays_out_of_fp8_and_the_rest_converts(tmp_path):
-    model = _model(tmp_path, SQUARED, {"W": RNG.standard_normal((8, 4)), "c": np.zeros((8,)),
+    model = model_with_weights(tmp_path, SQUARED, {"W": RNG.standard_normal((8, 4)), "c": np.zeros((8,)),
                                        "V": RNG.standard_normal((8, 4))})
     feeds = [{"x": RNG.uniform(-30, 30, (32, 8)).astype(np.float32)} for _ in range(4)]
     result = _convert(model, feeds, "fp8_e4m3")
@@ -96,7 +86,7 @@ g (float[1, 4, 8, 8] x) => (float[1, 4, 8, 8] y) {
 def test_a_conv_with_one_outlier_output_channel_gets_per_channel_weights_and_passes(tmp_path):
     w2 = RNG.standard_normal((4, 8, 3, 3))
     w2[0] *= 1000
-    model = _model(tmp_path, CONVS, {"W1": RNG.standard_normal((8, 4, 3, 3)), "W2": w2})
+    model = model_with_weights(tmp_path, CONVS, {"W1": RNG.standard_normal((8, 4, 3, 3)), "W2": w2})
     feeds = [{"x": RNG.standard_normal((1, 4, 8, 8)).astype(np.float32)} for _ in range(4)]
     result = _convert(model, feeds, "int8")
     qdq = result.lowered.model
@@ -130,7 +120,7 @@ g (float[16, 8] x) => (float[16, 4] y) {
 
 
 def test_a_written_out_softmax_keeps_its_exp_wider(tmp_path):
-    model = _model(tmp_path, SOFTMAX, {"W": RNG.standard_normal((8, 16)), "V": RNG.standard_normal((16, 4))})
+    model = model_with_weights(tmp_path, SOFTMAX, {"W": RNG.standard_normal((8, 16)), "V": RNG.standard_normal((16, 4))})
     model.proto.graph.initializer.append(numpy_helper.from_array(np.array([1], np.int64), "axes"))
     # Logits of about +-2: the probabilities stay within one INT8 scale's reach.
     feeds = [{"x": (0.3 * RNG.standard_normal((16, 8))).astype(np.float32)} for _ in range(4)]
@@ -212,7 +202,7 @@ def test_insert_qdq_declines_a_node_whose_inputs_are_not_fp32():
 
 
 def test_the_plan_carries_the_8bit_decision_and_an_edit_keeps_a_layer_wider(tmp_path):
-    model = _model(tmp_path, SOFTMAX, {"W": RNG.standard_normal((8, 16)), "V": RNG.standard_normal((16, 4))})
+    model = model_with_weights(tmp_path, SOFTMAX, {"W": RNG.standard_normal((8, 16)), "V": RNG.standard_normal((16, 4))})
     model.proto.graph.initializer.append(numpy_helper.from_array(np.array([1], np.int64), "axes"))
     onnx.save(model.proto, model.path)
     model = load_model(model.path)
@@ -251,7 +241,7 @@ def test_the_bundled_example_converts_to_fp8_and_int8_and_the_models_load(tmp_pa
 
 def softmax_plan(tmp_path):
     """The written-out softmax model on disk and its INT8 plan.yaml."""
-    model = _model(tmp_path, SOFTMAX, {"W": RNG.standard_normal((8, 16)), "V": RNG.standard_normal((16, 4))})
+    model = model_with_weights(tmp_path, SOFTMAX, {"W": RNG.standard_normal((8, 16)), "V": RNG.standard_normal((16, 4))})
     model.proto.graph.initializer.append(numpy_helper.from_array(np.array([1], np.int64), "axes"))
     onnx.save(model.proto, model.path)
     model = load_model(model.path)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from conftest import model_with_weights
 from onnx import numpy_helper, parser
 
 from npuprep.calibrate import calibrate
@@ -58,22 +59,13 @@ spread (float[4, 16] x) => (float[4, 16] last, float[3, 4, 16] ms) {
 """
 
 
-def _model(tmp_path: Path, text: str, weights: dict[str, np.ndarray]) -> Model:
-    proto = parser.parse_model(text)
-    for name, value in weights.items():
-        proto.graph.initializer.append(numpy_helper.from_array(value.astype(np.float32), name))
-    path = tmp_path / "model.onnx"
-    onnx.save(proto, path)
-    return Model(proto=proto, path=str(path), digest=fingerprint(proto))
-
-
 def _rel_l2(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
 
 
 def test_a_loop_bodys_matmul_converts_to_int8_behind_qdq_in_the_body_and_holds(tmp_path):
     weights = {"V": RNG.standard_normal((16, 16)) * 0.3, "W": RNG.standard_normal((16, 16)) * 0.4}
-    model = _model(tmp_path, LOOPED, weights)
+    model = model_with_weights(tmp_path, LOOPED, weights)
     feeds = [{"x": RNG.standard_normal((4, 16)).astype(np.float32)} for _ in range(6)]
     stats = calibrate(model, feeds, detail="all")
     # The body's layer runs 3 times per sample: three times the main graph's same-sized layer.
@@ -104,7 +96,7 @@ def test_a_loop_bodys_matmul_converts_to_int8_behind_qdq_in_the_body_and_holds(t
 
 def test_the_search_switches_a_body_layer_to_exactly_its_qdq_model(tmp_path):
     weights = {"V": RNG.standard_normal((16, 16)) * 0.3, "W": RNG.standard_normal((16, 16)) * 0.4}
-    model = _model(tmp_path, LOOPED, weights)
+    model = model_with_weights(tmp_path, LOOPED, weights)
     feed = {"x": RNG.standard_normal((4, 16)).astype(np.float32)}
     stats = calibrate(model, [feed], detail="all")
     int8 = eight_bit_format("int8")
@@ -125,7 +117,7 @@ def test_the_search_switches_a_body_layer_to_exactly_its_qdq_model(tmp_path):
 
 
 def test_a_body_layer_whose_input_spans_decades_stays_wider_in_int8_and_says_which(tmp_path):
-    model = _model(tmp_path, SPREAD, {"W": RNG.standard_normal((16, 16))})
+    model = model_with_weights(tmp_path, SPREAD, {"W": RNG.standard_normal((16, 16))})
     # Magnitudes from 1e-6 to 1e2: INT8's one scale flushes most of them to zero.
     spread = [(10.0 ** RNG.uniform(-6, 2, (4, 16)) * RNG.choice([-1, 1], (4, 16))).astype(np.float32)
               for _ in range(4)]
