@@ -9,9 +9,9 @@ import json
 import numpy as np
 import onnx
 import pytest
-from conftest import run_cli
+from conftest import model_with_weights, run_cli
 from onnx import helper, numpy_helper, parser
-from test_eight_bit import _model, softmax_plan
+from test_eight_bit import softmax_plan
 
 from npuprep.errors import NpuprepError
 from npuprep.plan.layer_precision import LayerPrecision
@@ -31,7 +31,7 @@ g (float[512, 8] x) => (float[512, 4] y) {
 
 
 def _proj(tmp_path):
-    model = _model(tmp_path, PROJ, {"W": RNG.standard_normal((8, 4))})
+    model = model_with_weights(tmp_path, PROJ, {"W": RNG.standard_normal((8, 4))})
     data = tmp_path / "data"
     data.mkdir()
     feeds = []

@@ -9,8 +9,8 @@ import json
 
 import numpy as np
 import pytest
-from conftest import run_cli
-from test_eight_bit import CONVS, _convert, _model
+from conftest import model_with_weights, run_cli
+from test_eight_bit import CONVS, _convert
 
 from npuprep.runtime.session import make_session, run
 from npuprep.vendors.rockchip import run_rknn, vendor_python
@@ -28,7 +28,7 @@ def _rel(got: list[np.ndarray], ref: list[np.ndarray]) -> float:
 def test_an_int8_model_through_the_rknn_simulator(tmp_path):
     rng = np.random.default_rng(1)
     # x -> Conv -> Relu -> Conv -> y, weights of about unit gain
-    model = _model(tmp_path, CONVS, {"W1": rng.standard_normal((8, 4, 3, 3)) / 6,
+    model = model_with_weights(tmp_path, CONVS, {"W1": rng.standard_normal((8, 4, 3, 3)) / 6,
                                      "W2": rng.standard_normal((4, 8, 3, 3)) / 8})
     feeds = [{"x": rng.standard_normal((1, 4, 8, 8)).astype(np.float32)} for _ in range(6)]
     calib, held = feeds[:4], feeds[4:]
@@ -49,7 +49,7 @@ def test_an_int8_model_through_the_rknn_simulator(tmp_path):
 def _two_convs(tmp_path):
     rng = np.random.default_rng(1)
     # x -> Conv -> Relu -> Conv -> y, weights of about unit gain
-    return _model(tmp_path, CONVS, {"W1": rng.standard_normal((8, 4, 3, 3)) / 6,
+    return model_with_weights(tmp_path, CONVS, {"W1": rng.standard_normal((8, 4, 3, 3)) / 6,
                                     "W2": rng.standard_normal((4, 8, 3, 3)) / 8}), rng
 
 
