@@ -235,7 +235,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     check = check_output_sets(work.proto, built, wide, [samples], saturate=saturate, rtol=rtol,
                               emulated=on_target(built, wide, pins(layers), saturate=saturate),
                               top_k=top_k, expected=sessions.expected)[0]
-    notes.append(_curve_note(widening.curve, trial_runs))
+    notes.append(_curve_note(widening.curve, trial_runs, widening.check.worst_rel_l2))
     if widening.alternative and other is not None:
         notes.append(f"{len(widening.alternative)} layer(s) {eight.name} could not hold run in "
                      f"{other.name} ({_cost(widening.alternative, macs):.1%} of the "
@@ -384,10 +384,11 @@ def _cost(nodes: Sequence[str], macs: Mapping[str, int]) -> float:
     return sum(macs.get(n, 0) for n in nodes) / total
 
 
-def _curve_note(curve: Sequence[CurvePoint], runs: int) -> str:
-    """The share/error points the search tried, in the order tried, the chosen one marked
-    (the last passing one, else the last within the budget)."""
-    chosen = next((p for p in reversed(curve) if p.passed), curve[-1] if curve else None)
+def _curve_note(curve: Sequence[CurvePoint], runs: int, chosen_rel_l2: float) -> str:
+    """The share/error points the search tried, in the order tried, the chosen one marked:
+    the last tried whose error is the chosen check's (with two searches, or a shorter head
+    tried after it, the last passing point need not be the one kept)."""
+    chosen = next((p for p in reversed(curve) if p.rel_l2 == chosen_rel_l2), None)
     points = ", ".join(f"{p.share:.0%}{'*' if p is chosen else ''} -> {p.rel_l2:.3g}"
                        for p in curve)
     return (f"8-bit share -> outputs' rel L2 on the calibration samples, as tried ({runs} "

@@ -44,6 +44,11 @@ class OutputCheck:
     def __bool__(self) -> bool:
         return all(output_passes(o, self.rtol) for o in self.outputs.values())
 
+    @property
+    def worst_rel_l2(self) -> float:
+        """The largest rel L2 error of the outputs (0 with none)."""
+        return float(max((o.get("rel_l2", 0.0) for o in self.outputs.values()), default=0.0))
+
     def to_dict(self) -> dict[str, Any]:
         # The outputs that failed are stored so a report renders them without the gate's rule.
         return {"passed": bool(self), "rtol": self.rtol, "samples": self.samples,

@@ -81,7 +81,7 @@ def failing_check(build: Build) -> OutputCheck:
 
 
 def worst_rel_l2(check: OutputCheck | None) -> float:
-    return max((o["rel_l2"] for o in check.outputs.values()), default=0.0) if check is not None else 0.0
+    return check.worst_rel_l2 if check is not None else 0.0
 
 
 def improved(before: OutputCheck | None, after: OutputCheck | None) -> bool:

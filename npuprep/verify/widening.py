@@ -96,7 +96,8 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
     `leave_out(nodes)` (their gains measured, each left out by a run), `rank`'s gains are
     estimates, measured for the layers of each head before it is tried (_Ranking)."""
     done = Widening(list(layers), check)
-    done.curve.append(CurvePoint(0, fmt.name, share(done.layers), _worst(check), judged(check)))
+    done.curve.append(CurvePoint(0, fmt.name, share(done.layers), check.worst_rel_l2,
+                                 judged(check)))
     left = [x.node for x in layers if x.precision == fmt.name]
     if judged(check) or not left:
         return done
@@ -114,7 +115,7 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
             done.alternative = [s.node for s in ranking.head(found.passing)]
             return ranking.done(done)
         whole = found.tried.get(len(ranking))
-        if whole is not None and _worst(whole[1]) < _worst(check):
+        if whole is not None and whole[1].worst_rel_l2 < check.worst_rel_l2:
             # Every layer in the other format errs less than in this one (the example's
             # guidance in INT8: 0.059 against FP8's 0.156): heads kept FP16 are also tried
             # from there, and the better of the two searches is kept (from FP8, MiniLM's
@@ -189,7 +190,7 @@ def _ended(found: _Heads, start: OutputCheck) -> tuple[bool, int, float]:
     """How a search ended, smaller is better: failing, the layers kept wider where it
     passes, the chosen head's error (the start's where no head was tried)."""
     kept = found.passing or found.failing
-    error = _worst(found.tried[kept][1]) if kept in found.tried else _worst(start)
+    error = found.tried[kept][1].worst_rel_l2 if kept in found.tried else start.worst_rel_l2
     return (not found.passing, found.passing, error)
 
 
@@ -218,7 +219,7 @@ def _shortest_head(done: Widening, ranking: _Ranking, start: list[LayerPrecision
             return None
         found.tried[n] = (chosen, trial(chosen))
         check = found.tried[n][1]
-        done.curve.append(CurvePoint(n, to, share(chosen), _worst(check), judged(check)))
+        done.curve.append(CurvePoint(n, to, share(chosen), check.worst_rel_l2, judged(check)))
         return judged(check)
 
     if whole_first and not attempt(len(ranking)):
@@ -279,15 +280,11 @@ def _cheaper_last(found: _Heads, ranking: _Ranking, start: list[LayerPrecision],
         order = [*first, swapped]
         chosen = _widen(start, order, fmt, to)
         check = trial(chosen)
-        done.curve.append(CurvePoint(n, to, kept, _worst(check), judged(check)))
+        done.curve.append(CurvePoint(n, to, kept, check.worst_rel_l2, judged(check)))
         if judged(check):
             found.order = [*order, *(s for s in rest if s is not swapped)]
             found.tried[n] = (chosen, check)
             return
-
-
-def _worst(check: OutputCheck) -> float:
-    return float(max((o.get("rel_l2", 0.0) for o in check.outputs.values()), default=0.0))
 
 
 def by_gain_per_cost(ranking: Sequence[Sensitivity],
