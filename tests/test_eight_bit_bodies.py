@@ -198,3 +198,21 @@ def test_if_branches_and_a_scan_body_with_its_own_weight_convert_to_fp8_and_hold
     for feed in feeds[:2]:
         got, want = run(ours, feed), run(ref, feed)
         assert all(0 < _rel_l2(got[k], want[k]) < 5e-2 for k in want)
+
+
+def test_a_layer_shape_inference_cannot_size_counts_its_measured_multiply_adds(tmp_path):
+    # x[32] -> Reshape(s, a graph input: [4, 8]) -> MatMul(W 8x16) -> y[4, 16]: no static size
+    text = """
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[32] x, int64[2] s) => (float[4, 16] y) {
+        r = Reshape(x, s)
+        y = MatMul(r, W)
+    }
+    """
+    model = model_with_weights(tmp_path, text, {"W": RNG.standard_normal((8, 16))})
+    feeds = [{"x": RNG.standard_normal(32).astype(np.float32), "s": np.array([4, 8], np.int64)}
+             for _ in range(3)]
+    shapes = {k: v.shape for k, v in feeds[0].items()}
+    [label] = layer_macs(model.proto, None, shapes)
+    assert layer_macs(model.proto, None, shapes)[label] < 4 * 16 * 8  # sizes unknown
+    assert layer_macs(model.proto, calibrate(model, feeds), shapes) == {label: 4 * 16 * 8}

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import onnx
 
 from npuprep.calibrate.stats import CalibrationStats
-from npuprep.flops import node_flops
+from npuprep.flops import node_flops, tensor_shapes
 from npuprep.graph import attribute, node_scopes, scope_constant
 from npuprep.ops import QUANTISED_MAC_OPS
 
@@ -26,13 +26,17 @@ def layer_macs(model: onnx.ModelProto, stats: CalibrationStats | None,
                input_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
     """Multiply-adds per sample (FLOPs / 2) of every Conv/MatMul/Gemm of the model and its
     bodies, at `input_shapes` (a sample's sizes); a body's layer as often as `stats` measured
-    its output (one run's, from shapes, where its output or weight is unknown)."""
-    flops = node_flops(model, input_shapes)
+    its output (one run's, from shapes, where its output or weight is unknown), and so is a
+    main-graph layer whose sizes shape inference cannot tell (a ViT's token axis after
+    a computed Reshape: from shapes, it would count one multiply-add)."""
+    shapes = tensor_shapes(model, input_shapes)
+    flops = node_flops(model, input_shapes, shapes=shapes)
     out: dict[str, int] = {}
     for label, (node, chain) in node_scopes(model.graph).items():
         if node.op_type not in QUANTISED_MAC_OPS:
             continue
-        measured = _measured(node, chain, stats) if len(chain) > 1 else None
+        unsized = any(t not in shapes for t in (*node.input[:2], *node.output[:1]) if t)
+        measured = _measured(node, chain, stats) if len(chain) > 1 or unsized else None
         out[label] = measured if measured is not None else flops.get(label, 0) // 2
     return out
 
