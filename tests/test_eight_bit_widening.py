@@ -205,7 +205,7 @@ def _alone(proto: onnx.ModelProto, feeds: list[dict[str, np.ndarray]]):
     from npuprep.verify.qdq_trials import errors_alone
 
     variant = Variant(INT8, (DEFAULT_RULE,), True)
-    return lambda model, stats, groups: errors_alone(proto, model, groups, stats, variant, feeds)
+    return lambda model, stats, groups, on: errors_alone(proto, model, groups, stats, variant, on)
 
 
 def test_the_balancings_one_session_errors_are_the_quantised_models_own():
@@ -215,7 +215,7 @@ def test_the_balancings_one_session_errors_are_the_quantised_models_own():
     model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
     feeds = _outlier_feeds(40.0)
     stats = calibrate(model, feeds, detail="all")
-    got = _alone(proto, feeds)(proto, stats, [["mm"], []])
+    got = _alone(proto, feeds)(proto, stats, [["mm"], []], feeds)
     built = make_session(quantise(proto, ["mm"], stats, INT8, saturate=True).model)
     ref = make_session(proto)
     assert got[0] == worst_pooled_rel_l2([run(built, f) for f in feeds], [run(ref, f) for f in feeds])
@@ -233,7 +233,7 @@ def test_an_input_without_outlier_channels_is_left_alone():
     found = balance_outliers(proto, ["mm"], stats, feeds, measure=_alone(proto, feeds))
     assert found.tensors == {} and found.model is proto
     declined = smooth(proto, {"x": np.ones(16, np.float32)}, {"x": ["mm"]})
-    assert not declined and "no MatMul input" in declined.reason
+    assert not declined and "no MatMul or Conv input" in declined.reason
 
 
 def test_a_gelu_like_input_gets_uint8_with_a_zero_point_and_less_error_than_symmetric_int8():
