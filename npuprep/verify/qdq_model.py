@@ -136,8 +136,8 @@ def balance_outliers(model: onnx.ModelProto, nodes: Sequence[str], stats: Calibr
                      weights: WeightStore | None = None) -> Balanced:
     """The INT8 MatMuls and Convs among `nodes` whose input has outlier channels read it
     divided by s per channel, their weights multiplied by it (npuprep.rewrite.smooth), where
-    that lowers the error of those layers quantised alone (`measure`, by the conversion's
-    rule) on calibration samples the factors were not fitted to, at the better of
+    that lowers the error of those layers quantised alone (`measure`, abs-max scales) on
+    calibration samples the factors and scales were not fitted to, at the better of
     SMOOTHING_ALPHAS. A channel whose outliers are a few rare values is better served by the
     clip of the rule, which the balanced tensor (abs-max only) cannot place; and factors
     fitted to the channels a few samples happened to raise clip the next sample's other
@@ -184,16 +184,17 @@ def balance_outliers(model: onnx.ModelProto, nodes: Sequence[str], stats: Calibr
     if not w_absmax:
         return Balanced(model, stats, {})
     place = weights.place if weights is not None else None
-    # Fitted on the even calibration samples, measured on the odd ones (both on all of one).
+    # Fitted on the even calibration samples, factors and scales (abs-max) alike, and measured
+    # on the odd ones, balanced and not: the odd samples stand for unseen ones.
     fitted, check = (slice(0, None, 2), list(samples[1::2])) if len(samples) > 1 else (
         slice(None), list(samples))
 
-    def balanced(factors: dict[str, np.ndarray]) -> tuple[RewriteResult, CalibrationStats]:
+    def balanced(factors: dict[str, np.ndarray],
+                 rows: slice) -> tuple[RewriteResult, CalibrationStats]:
         done = smooth(model, factors, readers, place=place)
         tensors = dict(stats.tensors)
-        # The scales see every calibration sample, as the conversion's do.
         for x, xs in dict(done.details.get("smoothed", {})).items():
-            tensors[xs] = _divided(stats.tensors[x], xs, per_channel[x] / factors[x])
+            tensors[xs] = _divided(stats.tensors[x], xs, per_channel[x][rows] / factors[x])
         return done, replace(stats, tensors=tensors)
 
     def factors(alpha: float, rows: slice, tensors: Iterable[str]) -> dict[str, np.ndarray]:
@@ -203,20 +204,22 @@ def balance_outliers(model: onnx.ModelProto, nodes: Sequence[str], stats: Calibr
     # Each tensor's readers quantised alone, balanced and not: a trial session per way, every
     # tensor's trial a run of it (a session per trial cost MiniLM 12-14 CPU s).
     groups = [readers[x] for x in w_absmax]
-    least = dict(zip(w_absmax, measure(model, stats, groups, check), strict=True))
+    unbalanced = replace(stats, tensors={**stats.tensors, **{
+        x: _divided(stats.tensors[x], x, per_channel[x][fitted]) for x in w_absmax}})
+    least = dict(zip(w_absmax, measure(model, unbalanced, groups, check), strict=True))
     alpha_of: dict[str, float] = {}
     for alpha in SMOOTHING_ALPHAS:
-        done, done_stats = balanced(factors(alpha, fitted, w_absmax))
+        done, done_stats = balanced(factors(alpha, fitted, w_absmax), fitted)
         if done:
             for x, error in zip(w_absmax, measure(done.model, done_stats, groups, check),
                                 strict=True):
                 if error < least[x]:
                     least[x], alpha_of[x] = error, alpha
-    # The factors kept are fitted on every calibration sample.
+    # Those kept are fitted on every calibration sample.
     kept = {x: f for alpha in set(alpha_of.values())
             for x, f in factors(alpha, slice(None), [x for x in alpha_of
                                                       if alpha_of[x] == alpha]).items()}
-    done, done_stats = balanced(kept)
+    done, done_stats = balanced(kept, slice(None))
     if not done:
         return Balanced(model, stats, {})
     smoothed = dict(done.details["smoothed"])
