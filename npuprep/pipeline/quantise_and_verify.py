@@ -4,8 +4,8 @@ The artefact is the rewritten FP32 model with QuantizeLinear/DequantizeLinear at
 multiply-adds (npuprep.rewrite.qdq); the rest stays FP32 in the file, for the compiler to
 run in its wider format. Verification runs that QDQ model itself in onnxruntime (QDQ is
 exact ONNX semantics), with every tensor outside the pins rounded to the target's FP16 where
-its profile has one (what the board computes). INT8 MatMul and Conv inputs with outlier
-channels are balanced into their weights first. Then one session of the QDQ model with every layer's
+its profile has one (what the board computes). INT8 MatMul inputs with outlier channels are
+balanced into their weights first. Then one session of the QDQ model with every layer's
 8-bit inputs behind switches (npuprep.verify.qdq_trials) measures every choice: each INT8
 activation's scale rule, the bias correction, the ranking of the layers by what keeping each
 wider gains, and the heads of that ranking tried in the target's other 8-bit format (INT8
@@ -133,7 +133,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                                  measure=measure, weights=weights)
         base, stats, balanced = found.model, found.stats, found.tensors
         if balanced:
-            notes.append(f"{len(balanced)} INT8 MatMul/Conv input(s) with outlier channels (up to "
+            notes.append(f"{len(balanced)} INT8 MatMul input(s) with outlier channels (up to "
                          f"{ratio(max(r for _, r in balanced.values()))} the median channel) divided "
                          "per channel, their weights multiplied (SmoothQuant)")
     int8 = next((v for v in variants if not v.fmt.is_float), None)

@@ -38,13 +38,6 @@ QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 # An INT8 MatMul input whose largest channel reaches this many times its median channel has
 # outlier channels worth balancing into the weight (npuprep.rewrite.smooth).
 OUTLIER_RATIO = 4.0
-# ... and a Conv input (a SiLU output, which equalisation cannot pass): ddddocr_det's stage-2
-# inputs, largest channel 2.5-4.7x the median and the smallest a tenth of it, err 2-8x less
-# in INT8 balanced.
-CONV_SPREAD = 2.0
-# SmoothQuant's split of the range between x and W (0.5), and every channel of x given the
-# same range (1): ddddocr_det's Conv_61 input errs least at 0.5, Conv_64's at 1.
-SMOOTHING_ALPHAS = (0.5, 1.0)
 # Samples each equalisation trial is measured on: it needs an order, not a verdict.
 RANK_SAMPLES = 4
 
@@ -134,96 +127,66 @@ ErrorsAlone = Callable[[onnx.ModelProto, CalibrationStats, list[list[str]], Sequ
 def balance_outliers(model: onnx.ModelProto, nodes: Sequence[str], stats: CalibrationStats,
                      samples: Sequence[Feed], *, measure: ErrorsAlone,
                      weights: WeightStore | None = None) -> Balanced:
-    """The INT8 MatMuls and Convs among `nodes` whose input has outlier channels read it
-    divided by s per channel, their weights multiplied by it (npuprep.rewrite.smooth), where
-    that lowers the error of those layers quantised alone (`measure`, abs-max scales) on
-    calibration samples the factors and scales were not fitted to, at the better of
-    SMOOTHING_ALPHAS. A channel whose outliers are a few rare values is better served by the
-    clip of the rule, which the balanced tensor (abs-max only) cannot place; and factors
-    fitted to the channels a few samples happened to raise clip the next sample's other
-    channels (unet_tiny's context: fitted on all 8 calibration samples and measured on 4 of
-    them, kept, and 2 of 4 held-out samples erred 0.46-0.56 against 0.06 without). A Conv
-    input that cross-layer equalisation can take (npuprep.rewrite.equalise: no op added) is
-    left to it."""
+    """The INT8 MatMuls among `nodes` whose input has outlier channels read it divided by s
+    per channel, their weights multiplied by it (npuprep.rewrite.smooth), where that lowers
+    the error of those MatMuls quantised alone (`measure`, abs-max scales) on calibration
+    samples the factors and scales were not fitted to. A channel whose outliers are a few
+    rare values is better served by the clip of the rule, which the balanced tensor (abs-max
+    only) cannot place; and factors fitted to the channels a few samples happened to raise
+    clip the next sample's other channels (unet_tiny's context: fitted on all 8 calibration
+    samples and measured on 4 of them it was kept, and 2 of 4 held-out samples erred
+    0.46-0.56 against 0.06 without)."""
     from npuprep.calibrate.channels import channel_absmax
-    from npuprep.rewrite.equalise import chains
-    from npuprep.rewrite.smooth import (
-        channel_axis,
-        input_channel_absmax,
-        smooth,
-        smoothable,
-        smoothing_factors,
-    )
+    from npuprep.rewrite.smooth import smooth, smoothable, smoothing_factors
 
     g = model.graph
     wanted = set(nodes)
-    equalisable = {c.tensor for c in chains(g, nodes)}
     readers: dict[str, list[str]] = {}
-    by_label = {node_label(n): n for n in g.node}
     for node in g.node:
-        x = node.input[0] if node.input else ""
-        if node_label(node) in wanted and smoothable(g, node) and x in stats.tensors \
-                and x not in equalisable:
-            readers.setdefault(x, []).append(node_label(node))
-    # One channel axis per tensor: a tensor read by MatMuls and Convs at once is left alone.
-    readers = {x: r for x, r in readers.items() if len({by_label[n].op_type for n in r}) == 1}
-    axes = {x: channel_axis(by_label[r[0]]) for x, r in readers.items()}
-    per_channel = {}
-    for axis in set(axes.values()):
-        per_channel.update(channel_absmax(model, [x for x in readers if axes[x] == axis], samples,
-                                          axis=axis))
-    w_absmax, ratios = {}, {}
+        if node_label(node) in wanted and smoothable(g, node) and node.input[0] in stats.tensors:
+            readers.setdefault(node.input[0], []).append(node_label(node))
+    per_channel = channel_absmax(model, list(readers), samples)
+    by_label = {node_label(n): n for n in g.node}
+    outliers = {}
     for x, found in per_channel.items():
         top = found.max(axis=0)
         ratio = float(top.max() / max(float(np.median(top)), 1e-12))
-        if ratio >= (CONV_SPREAD if axes[x] == 1 else OUTLIER_RATIO):
-            # Only these readers' weights, one tensor's at a time: not every 8-bit weight at once.
-            w_absmax[x] = [input_channel_absmax(by_label[n], constant_value(g, by_label[n].input[1]))
-                           for n in readers[x]]
-            ratios[x] = ratio
-    if not w_absmax:
+        if ratio >= OUTLIER_RATIO:
+            outliers[x] = ratio
+    if not outliers:
         return Balanced(model, stats, {})
     place = weights.place if weights is not None else None
-    # Fitted on the even calibration samples, factors and scales (abs-max) alike, and measured
+    # Fitted on the even calibration samples, factors and abs-max scales alike, and measured
     # on the odd ones, balanced and not: the odd samples stand for unseen ones.
     fitted, check = (slice(0, None, 2), list(samples[1::2])) if len(samples) > 1 else (
         slice(None), list(samples))
 
-    def balanced(factors: dict[str, np.ndarray],
-                 rows: slice) -> tuple[RewriteResult, CalibrationStats]:
+    def balanced(rows: slice, tensors: Iterable[str]) -> tuple[RewriteResult, CalibrationStats]:
+        # Only these readers' weights, one tensor's at a time: not every 8-bit weight at once.
+        factors = {x: smoothing_factors(per_channel[x][rows].max(axis=0),
+                                        [constant_value(g, by_label[n].input[1]) for n in readers[x]])
+                   for x in tensors}
         done = smooth(model, factors, readers, place=place)
-        tensors = dict(stats.tensors)
+        found = dict(stats.tensors)
         for x, xs in dict(done.details.get("smoothed", {})).items():
-            tensors[xs] = _divided(stats.tensors[x], xs, per_channel[x][rows] / factors[x])
-        return done, replace(stats, tensors=tensors)
+            found[xs] = _divided(stats.tensors[x], xs, per_channel[x][rows] / factors[x])
+        return done, replace(stats, tensors=found)
 
-    def factors(alpha: float, rows: slice, tensors: Iterable[str]) -> dict[str, np.ndarray]:
-        return {x: smoothing_factors(per_channel[x][rows].max(axis=0), w_absmax[x], alpha)
-                for x in tensors}
-
-    # Each tensor's readers quantised alone, balanced and not: a trial session per way, every
-    # tensor's trial a run of it (a session per trial cost MiniLM 12-14 CPU s).
-    groups = [readers[x] for x in w_absmax]
+    # Each tensor's readers quantised alone, balanced and not: two trial sessions, every
+    # tensor's trial a run of them (a session per trial cost MiniLM 12-14 CPU s).
+    groups = [readers[x] for x in outliers]
     unbalanced = replace(stats, tensors={**stats.tensors, **{
-        x: _divided(stats.tensors[x], x, per_channel[x][fitted]) for x in w_absmax}})
-    least = dict(zip(w_absmax, measure(model, unbalanced, groups, check), strict=True))
-    alpha_of: dict[str, float] = {}
-    for alpha in SMOOTHING_ALPHAS:
-        done, done_stats = balanced(factors(alpha, fitted, w_absmax), fitted)
-        if done:
-            for x, error in zip(w_absmax, measure(done.model, done_stats, groups, check),
-                                strict=True):
-                if error < least[x]:
-                    least[x], alpha_of[x] = error, alpha
+        x: _divided(stats.tensors[x], x, per_channel[x][fitted]) for x in outliers}})
+    before = measure(model, unbalanced, groups, check)
+    every, every_stats = balanced(fitted, outliers)
+    after = measure(every.model, every_stats, groups, check)
     # Those kept are fitted on every calibration sample.
-    kept = {x: f for alpha in set(alpha_of.values())
-            for x, f in factors(alpha, slice(None), [x for x in alpha_of
-                                                      if alpha_of[x] == alpha]).items()}
-    done, done_stats = balanced(kept, slice(None))
+    done, done_stats = balanced(slice(None), [x for x, a, b in zip(outliers, after, before,
+                                                                  strict=True) if a < b])
     if not done:
         return Balanced(model, stats, {})
-    smoothed = dict(done.details["smoothed"])
-    return Balanced(done.model, done_stats, {x: (xs, ratios[x]) for x, xs in smoothed.items()})
+    return Balanced(done.model, done_stats, {x: (xs, outliers[x]) for x, xs in
+                                             dict(done.details["smoothed"]).items()})
 
 
 @dataclass(frozen=True)
