@@ -16,7 +16,9 @@ handed to the session's runner at once: this process (LocalRuns: one session thr
 per core at a time), or Ray actors (npuprep.calibrate.on_ray.SessionsOnRay)
 that run the same jobs to the same outputs. The sessions have one thread each and no
 prepacked weights: the built model's numbers at one thread, bit for bit (onnxruntime's Conv
-may sum in another order on two threads: ppocr_det, 1e-5).
+may sum in another order on two threads: ppocr_det, 1e-5). So a trial one phase's session
+ran, a later phase's takes instead of running it (TrialOutputs: the rule choice's trial of a
+layer's input at the rule chosen is the ranking's trial of that layer alone).
 """
 
 from __future__ import annotations
@@ -417,7 +419,10 @@ class Trials:
 
     def meaning(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule]) -> Meaning:
         """What the trial (assign, rules) switches on, in any session of the search."""
-        return frozenset(self._means[s] for s, on in self._switches(assign, rules).items() if on)
+        return self._meaning(self._switches(assign, rules))
+
+    def _meaning(self, switches: Mapping[str, np.ndarray]) -> Meaning:
+        return frozenset(self._means[s] for s, on in switches.items() if on)
 
     def _outputs(self, trials: Sequence[dict[str, np.ndarray]],
                  count: int) -> list[list[dict[str, np.ndarray]]]:
@@ -449,8 +454,7 @@ class Trials:
         batches = []
         for k, first in todo.items():
             # A trial an earlier phase's session ran (TrialOutputs) is not run again.
-            given = None if self.shared is None else self.shared.take(
-                frozenset(self._means[s] for s, on in feeds[first[0]].items() if on))
+            given = None if self.shared is None else self.shared.take(self._meaning(feeds[first[0]]))
             if given is None or len(given) != min(TRIAL_SAMPLES, len(self.samples)):
                 batches.append((k, first))
                 continue
