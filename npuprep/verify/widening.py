@@ -135,6 +135,21 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
     # The better search: one that passes, with fewer layers kept wider; else the one whose
     # chosen head errs less.
     _, found, start_fmt, start, start_check = min(searches, key=lambda x: x[0])
+    alone = None if found.passing else ranking.by_errors_alone()
+    if alone is not None:
+        # No head passed within the budget: the heads by errors alone, no gain read. From an
+        # all-8-bit start far off the aim, leaving one layer out can raise the error without
+        # any cancellation (ddddocr_det INT8 from 0.227: the four backbone layers erring most
+        # alone filed as cancelling, ranked last, past the budget; kept FP16 with two more,
+        # the model errs 0.036-0.044 at 93% INT8).
+        again = _shortest_head(done, alone, list(layers), fmt, "fp16", trial=trial,
+                               judged=judged, share=share, min_share=min_share)
+        if again.passing:
+            done.layers, done.check = again.tried[again.passing]
+            done.widened = [s.node for s in (again.order or alone.head(again.passing))
+                            [:again.passing]]
+            ranking.done(done).rankings.append(alone.order)
+            return done
     done.layers, done.check = start, start_check
     done.needs_more = [] if found.passing else found.over_budget
     kept = found.passing or found.failing
@@ -173,6 +188,19 @@ class _Ranking:
             self.measured |= set(found)
             self.order = by_gain_per_cost([found.get(s.node, s) for s in self.order], self.cost)
         return self.order[:n]
+
+    def by_errors_alone(self) -> _Ranking | None:
+        """The same layers by the error power each holds alone per share of the multiply-adds,
+        no gain read (those not measured alone after, as ranked): None where that is this
+        order, or nothing was measured alone."""
+        alone = sorted((s for s in self.order if s.alone is not None),
+                       key=lambda s: -(s.alone or 0.0) ** 2 / max(self.cost(s.node), MIN_COST))
+        order = alone + [s for s in self.order if s.alone is None]
+        if not alone or [s.node for s in order] == [s.node for s in self.order]:
+            return None
+        ranked = _Ranking([], self.cost, None)
+        ranked.order, ranked.measured, ranked.estimated = order, {s.node for s in order}, self.estimated
+        return ranked
 
     def peek(self, n: int) -> list[Sensitivity]:
         """The first n as ranked so far (for a budget check, not a trial)."""
