@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 import onnx
+import pytest
 from onnx import numpy_helper, parser
 
 from npuprep.calibrate import calibrate
@@ -141,6 +142,8 @@ def test_an_fp8_conversion_keeps_at_least_as_much_in_8_bits_as_the_int8_conversi
     # The FP8 search's own answer is on the curve beside the INT8 search's.
     assert any(p.passed and p.to == "fp16" and p.share == 0.5 for p in curve)
     assert any("kept the int8 conversion's" in n for n in fp8.notes)
+    # The model built gives the kept trial's numbers: its INT8 layer by the rule chosen.
+    assert fp8.output_check.worst_rel_l2 == pytest.approx(curve[-1].rel_l2, rel=1e-4)
 
 
 def test_at_the_same_8_bit_share_the_lower_error_is_kept_unless_the_ledger_makes_fp8_cheaper():

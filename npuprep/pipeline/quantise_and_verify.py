@@ -268,7 +268,10 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         if nodes:
             built = quantise(built, nodes, stats, v.fmt, saturate=v.saturate, rule=v.rules[0],
                              tensor_scales=applied.tensor_scales, headroom=v.headroom,
-                             tensor_rules=tensor_rules if v is main else None,
+                             # Each format by the rules it has, as the trials fed them
+                             # (an FP8 conversion's INT8 layers by the rules chosen).
+                             tensor_rules={t: r for t, r in tensor_rules.items()
+                                           if r in v.rules},
                              weights=weights).model
     chosen = _assigned(layers)
     built = with_biases(built, [fixed for (layer, fmt), fixed in biases.items()
