@@ -101,7 +101,9 @@ def _wide_chain(ctx: PlanContext, problem: Problem, log: onnx.NodeProto, span: s
     ranges = [ctx.range_of(t) for t in sources]
     if not sources or any(r is None for r in ranges):
         return []
-    absmax = max(float(r.absmax) * 2.0**ctx.planned_exponent(t) for r, t in zip(ranges, sources, strict=True))
+    # k sized for the sources as the plan's rescales so far leave them (their scales add).
+    absmax = max(float(r.absmax) * 2.0**ctx.planned_exponent(t)
+                 for r, t in zip(ranges, sources, strict=True))
     if absmax <= ctx.limit:
         return []  # the sources fit: the island alone keeps the chain
     k = needed_k(absmax, ctx.limit)
@@ -219,8 +221,6 @@ def _lifted_sources(ctx: PlanContext, problem: Problem, chain: set[str],
     ranges = [ctx.range_of(t) for t in sources]
     if not sources or any(r is None for r in ranges):
         return None
-    # Sized for the sources as the plan leaves them: a rescale planned for their own
-    # underflow (a CQT's normalising Mul) has lifted them already, and the lift adds to it.
     absmax = max(float(r.absmax) for r in ranges)
     shares = [r.fraction_below(ctx.fmt.min_normal) for r in ranges]
     # Without a histogram the squares' own underflow (the problem) says the sources are small.
