@@ -148,3 +148,11 @@ LAUNCH_CLASSES = (*LAUNCH_CLASS_OPS, OTHER_LAUNCH_CLASS)
 def launch_class(op_type: str) -> str:
     """The launch class of an op (LAUNCH_CLASS_OPS), `other` where none lists it."""
     return next((c for c, ops in LAUNCH_CLASS_OPS.items() if op_type in ops), OTHER_LAUNCH_CLASS)
+
+
+# Ops whose small integer results (shapes, sizes, indices) npuprep.flops evaluates itself where
+# ONNX shape inference's data propagation stops (it knows no Where, Equal, Range, Expand...).
+SHAPE_ARITHMETIC_OPS = VIEW_OPS | CONSTANT_OPS | COMPARISONS | {
+    "Shape", "Where", "Not", "And", "Or", "Range", "Gather", "Concat", "Slice", "Cast", "Add",
+    "Sub", "Mul", "Div", "Mod", "Max", "Min", "Abs", "Neg", "ReduceProd", "Expand", "Floor",
+    "Ceil", "Sqrt"}
