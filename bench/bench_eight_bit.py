@@ -35,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -270,6 +271,12 @@ def judge(reference: Path, candidate: Path, entry: Entry, decided: tuple[str, ..
             "int_outputs_same": f"{same_ints}/{int_samples}" if int_samples else None}
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its finished children."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def measure(entry: Entry, tools: list[str], out_dir: Path) -> list[dict]:
     name, model = entry.name, entry.model
     decided = decided_of(entry)
@@ -278,7 +285,7 @@ def measure(entry: Entry, tools: list[str], out_dir: Path) -> list[dict]:
     rows = []
     for tool in tools:
         out = out_dir / f"{name}.{tool}.onnx"
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), _cpu_seconds()
         if tool.startswith("npuprep"):
             # npuprep_int8, npuprep_fp8, or with a scale rule: npuprep_int8_absmax
             parts = tool.split("_")
@@ -295,8 +302,10 @@ def measure(entry: Entry, tools: list[str], out_dir: Path) -> list[dict]:
             error = nncf(entry, out, decided, accuracy_aware=tool.endswith("_aa"))
         else:
             error = modelopt(tool.removeprefix("modelopt_"), entry, out)
+        # CPU seconds (the tool's processes and this one's) compare tools fairly on a shared
+        # machine, where wall time depends on who else runs.
         row = {"model": name, "tool": tool, "seconds": round(time.perf_counter() - start, 1),
-               "error": error}
+               "cpu_seconds": round(_cpu_seconds() - cpu, 1), "error": error}
         if not error:
             try:
                 row |= judge(model, out, entry, decided)
@@ -318,18 +327,22 @@ def measure(entry: Entry, tools: list[str], out_dir: Path) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | tool | held-out rel L2 | top-1 holds | 8-bit MACs | within | clean | time |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | tool | held-out rel L2 | top-1 holds | 8-bit MACs | within | clean | time |"
+             " CPU |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["error"]:
             lines.append(f"| {r['model']} | {r['tool']} | {r['error'][:90]} | | | no | no | "
-                         f"{r['seconds']:.0f} s |")
+                         f"{r['seconds']:.0f} s | {_cpu(r)} |")
             continue
         top = {None: "", True: "yes", False: "no"}[r["top1_holds"]]
         lines.append(f"| {r['model']} | {r['tool']} | {r['rel_l2']:.3g} | {top} | "
                      f"{100 * r['share_8bit']:.0f}% | {'yes' if r['within'] else 'no'} | "
-                     f"{'yes' if r['clean'] else 'no'} | {r['seconds']:.0f} s |")
+                     f"{'yes' if r['clean'] else 'no'} | {r['seconds']:.0f} s | {_cpu(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def _cpu(row: dict) -> str:
+    return f"{row['cpu_seconds']:.0f} s" if "cpu_seconds" in row else ""
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ model's folder (DIR/NAME/calib/, DIR/NAME/holdout/ beside DIR/NAME.onnx). Prints
 the wall and CPU seconds of each stage (as convert reports them to its progress callback), the
 machine's load average before and after (it may be shared), the 8-bit share
 of the multiply-adds, the outputs' rel L2 on the calibration and held-out samples, the layers
-kept wider, the trial runs and the share/error curve the search tried.
+kept wider, the trial runs, the share/error curve the search tried and convert's notes.
 """
 
 from __future__ import annotations
@@ -66,6 +66,9 @@ def bench(folder: Path, precision: str, target: str) -> dict[str, object]:
             "rel_l2": _worst(result.output_check), "heldout_rel_l2": _worst(result.holdout),
             "kept_wider": len(eight.kept_wider), "rank_runs": eight.rank_runs,
             "curve": [p.to_dict() for p in eight.curve],
+            # What each measured choice decided (equalisation, balancing, rounding, bias
+            # correction): a faster run must decide as the slower one did.
+            "notes": list(result.notes),
             "stages": [(n, round(w, 1), round(c, 1)) for n, w, c in stages if w >= 0.05]}
 
 

@@ -139,6 +139,18 @@ def test_auto_detail_is_exact_where_it_runs_and_counts_stay_exact(special):
     assert auto.tensors["x"].complete and auto.tensors["root"].complete
 
 
+@pytest.mark.parametrize("detail", ["all", "auto"])
+def test_a_few_tensors_measure_as_they_do_among_all(special, detail):
+    # flat repeats x and bigroot's input root may be NaN: observed without x and root, each
+    # gets its own reductions, and every field is what the whole calibration gives it.
+    model, samples = special
+    every = calibrate(model, samples, detail=detail)
+    few = calibrate(model, samples, detail=detail, tensors=["flat", "bigroot", "small"])
+    assert set(few.tensors) == {"flat", "bigroot", "small"}
+    for name, got in few.tensors.items():
+        assert got.to_dict() == every.tensors[name].to_dict(), name
+
+
 def test_aliases_share_their_sources_statistics(special):
     model, samples = special
     stats = calibrate(model, samples, detail="all")

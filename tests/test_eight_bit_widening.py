@@ -17,7 +17,14 @@ from npuprep.numerics import eight_bit_format, get_format
 from npuprep.runtime.session import make_session, run
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 from npuprep.verify.qdq_model import on_target, quantise
-from npuprep.verify.qdq_trials import Trials, Variant, choose_rules, rank_layers, switched_qdq
+from npuprep.verify.qdq_trials import (
+    TrialOutputs,
+    Trials,
+    Variant,
+    choose_rules,
+    rank_layers,
+    switched_qdq,
+)
 
 RNG = np.random.default_rng(11)
 INT8 = eight_bit_format("int8")
@@ -275,6 +282,44 @@ def test_each_activation_takes_the_scale_rule_with_the_least_measured_error():
     errors = {rule: error(rule) for rule in ("absmax", "percentile", "mse")}
     assert errors[chosen["x"]] <= min(errors.values()) * 1.01
     assert max(errors.values()) > 1.1 * min(errors.values())
+
+
+# x -> MatMul(W) [a] -> h -> Relu -> r -> MatMul(V) [b] -> y
+TWO = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[16, 8] x) => (float[16, 4] y) {
+    [a] h = MatMul (x, W)
+    r = Relu (h)
+    [b] y = MatMul (r, V)
+}
+"""
+
+
+def test_the_ranking_takes_the_rule_choices_trials_and_ranks_as_if_it_ran_them():
+    proto = _model(TWO, {"W": RNG.standard_normal((8, 8)), "V": RNG.standard_normal((8, 4))})
+    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+    rng = np.random.default_rng(7)
+    feeds = [{"x": rng.standard_normal((16, 8)).astype(np.float32)} for _ in range(4)]
+    feeds[0]["x"][0, 0] = 60.0  # an outlier: abs-max and MSE clip x apart
+    stats = calibrate(model, feeds, detail="all")
+    nodes, wide = ["a", "b"], get_format("fp16")
+    variant = Variant(INT8, tuple(ScaleRule), True)
+    assign = dict.fromkeys(nodes, "int8")
+    shared = TrialOutputs()
+
+    def session(rules: dict | None, with_shared: bool) -> Trials:
+        switched = switched_qdq(proto, nodes, stats, [variant], rules=rules, formats=assign)
+        return Trials(proto, switched, wide, (), feeds, saturate=True,
+                      shared=shared if with_shared else None)
+
+    chosen = choose_rules(session(None, True), proto, nodes, stats, INT8, tuple(ScaleRule))
+    assert set(chosen) == {"x"}  # r's rules clip alike: b gets no rule trial
+    # The ranking's session (the rules chosen only) takes a's trial alone ...
+    taking, running = session(chosen, True), session(chosen, False)
+    took, ran = (rank_layers(t, nodes, assign, chosen) for t in (taking, running))
+    assert (taking.runs, running.runs) == (3, 4) and not shared.held
+    # ... and ranks exactly as the session that ran them: the same outputs, bit for bit.
+    assert [s.to_dict() for s in took] == [s.to_dict() for s in ran]
 
 
 def test_the_fp16_heads_start_from_whichever_8bit_format_ends_better():

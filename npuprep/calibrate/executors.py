@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from npuprep.calibrate.on_ray import calibrate_on_ray
 from npuprep.calibrate.run import calibrate_here
@@ -24,11 +24,15 @@ def calibrate(
     address: str | None = None,
     n_cores: int | None = None,
     on_progress: Callable[[int], None] | None = None,
+    tensors: Collection[str] | None = None,
 ) -> CalibrationStats:
     """Range statistics of every float tensor over `samples` (npuprep.calibrate.run.calibrate_here
-    says how they run on this machine). `executor="ray"` runs shards of a SampleSet as Ray
-    tasks, on a local Ray or, with `address`, a cluster (npuprep.calibrate.on_ray)."""
+    says how they run on this machine), or of `tensors` only (here, not on Ray: a pass that
+    fills in a few). `executor="ray"` runs shards of a SampleSet as Ray tasks, on a local Ray
+    or, with `address`, a cluster (npuprep.calibrate.on_ray)."""
     if executor == "ray":
+        if tensors is not None:
+            raise NpuprepError("executor='ray' calibrates every tensor: tensors= runs here")
         if jobs not in (0, 1):
             raise NpuprepError(f"executor='ray' runs one process per shard: jobs={jobs} does not apply")
         return calibrate_on_ray(model, samples, address=address, detail=detail, streams=streams,
@@ -38,6 +42,6 @@ def calibrate(
     from npuprep.runtime.session import release_freed_memory
 
     stats = calibrate_here(model, samples, jobs=jobs, streams=streams, show_progress=show_progress,
-                           detail=detail, n_cores=n_cores, on_progress=on_progress)
+                           detail=detail, n_cores=n_cores, on_progress=on_progress, tensors=tensors)
     release_freed_memory()  # the next stage starts from what the statistics need
     return stats

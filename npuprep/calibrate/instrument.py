@@ -160,6 +160,7 @@ def instrument(
     detailed: Collection[str] | None = None,
     nan_checked: Collection[str] | None = None,
     lean: Collection[str] = (),
+    only: Collection[str] | None = None,
 ) -> Instrumented:
     """A copy of `model` whose extra outputs carry per-tensor statistics of one sample.
 
@@ -168,6 +169,8 @@ def instrument(
     `lean`: of the detailed main-graph tensors, those that get the lean detail in every sample
     (see `lean_detail_nodes`). The rows (slots) are the same whatever they hold. `detail`
     "fp16" is "auto" with the FP16/BF16 scope's ordinary range (npuprep.calibrate.layout).
+    `only`: the tensors observed (default: every float tensor); each measures as it does
+    among all of them.
     """
     scope = scope_of(detail)
     detail = "all" if detail == "all" else "auto"
@@ -176,7 +179,8 @@ def instrument(
                narrow=log_chains(model.graph) if scope.hi > SCOPES["auto"].hi else frozenset(),
                detailed=None if detailed is None else frozenset(detailed),
                nan_checked=None if nan_checked is None or detail == "all" else frozenset(nan_checked),
-               lean=frozenset(lean) if detail == "auto" and detailed is not None else frozenset())
+               lean=frozenset(lean) if detail == "auto" and detailed is not None else frozenset(),
+               only=None if only is None else frozenset(only))
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
@@ -258,7 +262,7 @@ def _instrument_graph(graph: onnx.GraphProto, scope: str, ctx: Wiring) -> tuple[
 
     def observe(tensor: str, node_name: str) -> None:
         elem = ctx.types.get(tensor)
-        if elem not in FLOAT_ONNX_TYPES:
+        if elem not in FLOAT_ONNX_TYPES or (ctx.only is not None and tensor not in ctx.only):
             return
         observed.add(tensor)
         src = _alias_source(made.get(tensor), ctx)

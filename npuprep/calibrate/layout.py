@@ -107,6 +107,9 @@ class Wiring:
     detailed: frozenset[str] | None = None
     nan_checked: frozenset[str] | None = None
     lean: frozenset[str] = frozenset()
+    # The tensors to observe (None: every float tensor): a pass that fills in a few tensors
+    # instruments only those, so its session is a fraction of a whole calibration's to build.
+    only: frozenset[str] | None = None
     loop_depth: int = 0
     nchwc: set[str] = field(default_factory=set)
     minmax: dict[str, tuple[str, str]] = field(default_factory=dict)

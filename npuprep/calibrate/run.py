@@ -35,8 +35,10 @@ def calibrate_here(
     detail: str = "auto",
     n_cores: int | None = None,
     on_progress: Callable[[int], None] | None = None,
+    tensors: Collection[str] | None = None,
 ) -> CalibrationStats:
-    """Range statistics of every float tensor over `samples` (see npuprep.calibrate.instrument).
+    """Range statistics of every float tensor over `samples` (see npuprep.calibrate.instrument),
+    or of `tensors` only (a few filled in: the instrumented session is then far cheaper to build).
 
     `samples`: a SampleSet (files, see npuprep.data), or any iterable of feed dicts (a
     generator over a data loader), read once, in order, with or without a length.
@@ -63,7 +65,7 @@ def calibrate_here(
     if count is not None:
         jobs = plan_jobs(jobs, count, n_cores)
     streams = plan_streams(streams, count, jobs, n_cores)
-    prepared = prepare(model, detail)
+    prepared = prepare(model, detail, tensors)
     # Given cores (a Ray task's share of a machine) are shared out even to one run.
     threads = session_threads(jobs * streams) if n_cores is None else max(1, n_cores // (jobs * streams))
     if jobs == 1:
@@ -193,6 +195,7 @@ class Prepared:
     detail: str
     # The user's file, named when onnxruntime refuses the graph.
     source: str = ""
+    only: frozenset[str] | None = None  # the tensors observed (None: every float tensor)
 
     def open(
         self, threads: int | None, detailed: Collection[str] | None, nan_checked: Collection[str] | None = None,
@@ -203,7 +206,8 @@ class Prepared:
         prepacked weights unless `prepack` is False."""
         from npuprep.runtime.session import make_session_external
 
-        inst = instrument(self.graph, detail=self.detail, detailed=detailed, nan_checked=nan_checked, lean=lean)
+        inst = instrument(self.graph, detail=self.detail, detailed=detailed, nan_checked=nan_checked, lean=lean,
+                          only=self.only)
         if self.folder is None:
             return inst, make_session_external(inst.model, self.weights, threads=threads, optimize="all",
                                                prepack=prepack, source=self.source or None)
@@ -219,7 +223,7 @@ class Prepared:
             os.unlink(name)
 
 
-def prepare(model: Model, detail: str) -> Prepared:
+def prepare(model: Model, detail: str, only: Collection[str] | None = None) -> Prepared:
     """Ready `model` for instrumented sessions, its weights left on disk for onnxruntime
     to read wherever it can.
 
@@ -229,6 +233,7 @@ def prepare(model: Model, detail: str) -> Prepared:
     to serialise). The graphs go where the data files really are (see external_home). Any
     other model, and any whose data files lie apart or in a folder that is not writable,
     hands onnxruntime its weights as arrays, those stored externally read from disk.
+    `only`: the tensors to observe (default: every float tensor).
     """
     from npuprep.bf16 import has_bf16
     from npuprep.model_io import external_home, external_locations, light_proto, uses_external_data
@@ -241,9 +246,11 @@ def prepare(model: Model, detail: str) -> Prepared:
         if graph is model.proto or external_locations(graph) - {path.name}:
             found = external_home(graph, folder)
             if found is not None and os.access(found[1], os.W_OK):
-                return Prepared(_working(found[0], model), {}, found[1], detail, model.path)
+                return Prepared(_working(found[0], model), {}, found[1], detail, model.path,
+                                frozenset(only) if only is not None else None)
     skeleton, weights = split_weights(model.proto, folder)
-    return Prepared(_working(skeleton, model), weights, None, detail, model.path)
+    return Prepared(_working(skeleton, model), weights, None, detail, model.path,
+                    frozenset(only) if only is not None else None)
 
 
 def _working(graph: onnx.ModelProto, model: Model) -> onnx.ModelProto:

@@ -61,6 +61,7 @@ from npuprep.verify.qdq_model import (
 from npuprep.verify.qdq_trials import (
     TRIAL_SAMPLES,
     RunsFactory,
+    TrialOutputs,
     Trials,
     Variant,
     choose_rules,
@@ -224,6 +225,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
             stage(f"ranking {len(nodes)} {fmt.name} layer(s) by their own error")
             ranked_from.update(_assigned(chosen))
             ranked = rank_layers(trials(), nodes, ranked_from, tensor_rules)
+            sessions.shared.clear()  # the rule choice's trials the ranking did not take
             stage(f"trying the heads of the ranking ({len(nodes)} layer(s))")
             return ranked
 
@@ -362,6 +364,8 @@ class _TrialSessions:
         self.corrected: set[str] = set()
         self.rules: dict[str, ScaleRule] = {}
         self.one = weights.scratch is not None
+        # The rule choice's trials the ranking runs too, run once (TrialOutputs).
+        self.shared = TrialOutputs()
         self.open: dict[str, Trials] = {}
         self.runs = 0
 
@@ -375,7 +379,8 @@ class _TrialSessions:
                                     means=self.means, rules=self.rules if chosen else None,
                                     formats=(formats or self.assigned) if own else None)
             trials = Trials(self.reference, switched, self.wide, self.kept_wider, self.samples,
-                            saturate=self.saturate, expected=self.expected, runs=self.runner)
+                            saturate=self.saturate, expected=self.expected, runs=self.runner,
+                            shared=self.shared)
             trials.corrected = self.corrected
             self.open[phase] = trials
         return self.open[phase]

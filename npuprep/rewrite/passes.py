@@ -189,7 +189,9 @@ def _unmeasured_stats(work: Model, stats: CalibrationStats, samples: Sequence[Fe
         return stats, [f"{len(missing)} tensor(s) the source model does not compute on these "
                        f"samples have no measured range yet ({', '.join(missing[:3])}); convert, "
                        "or check with --data, measures them on its samples"]
-    fresh = calibrate(work, samples, detail=stats.detail)  # the scope the other stats have
+    # The scope the other stats have; those tensors only (a whole second calibration cost
+    # ppocr_det a third of its first: most of it building the instrumented session).
+    fresh = calibrate(work, samples, detail=stats.detail, tensors=missing)
     filled = {t: fresh.tensors[t] for t in missing if t in fresh.tensors}
     return replace(stats, tensors={**stats.tensors, **filled}), [
         f"measured {len(filled)} tensor(s) the source model never computed on these samples "

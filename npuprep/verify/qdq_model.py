@@ -218,8 +218,9 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
         return Equalised(model, stats)
     # Weights a light load left in the file are read from beside it, as calibration read them.
     home = path if uses_external_data(done.model) else ""
-    again = calibrate(Model(done.model, home, "equalised"), samples, detail="all").tensors
     changed = {t for c in found for t in touched(c)}
+    again = calibrate(Model(done.model, home, "equalised"), samples, detail="all",
+                      tensors=changed).tensors
     new_stats = replace(stats, tensors={**stats.tensors, **{t: again[t] for t in changed if t in again}})
     error = model_errors(reference, samples)
 

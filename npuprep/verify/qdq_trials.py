@@ -16,7 +16,9 @@ handed to the session's runner at once: this process (LocalRuns: one session thr
 per core at a time), or Ray actors (npuprep.calibrate.on_ray.SessionsOnRay)
 that run the same jobs to the same outputs. The sessions have one thread each and no
 prepacked weights: the built model's numbers at one thread, bit for bit (onnxruntime's Conv
-may sum in another order on two threads: ppocr_det, 1e-5).
+may sum in another order on two threads: ppocr_det, 1e-5). So a trial one phase's session
+ran, a later phase's takes instead of running it (TrialOutputs: the rule choice's trial of a
+layer's input at the rule chosen is the ranking's trial of that layer alone).
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ TRIAL_SAMPLES = 4
 # Trials handed to the runner at once (x TRIAL_SAMPLES runs: Ray spreads them over its
 # actors); their outputs are held until their errors are taken.
 BATCH_TRIALS = 16
+# Outputs one phase's trials hand to a later phase's session (TrialOutputs): up to this many
+# bytes (ppocr_det: 33 rule trials of 6.6 MB each).
+SHARED_OUTPUT_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -307,6 +312,42 @@ class LocalRuns:
         self.session = None
 
 
+# What a trial switches on, whatever session runs it: ("weight", layer, format),
+# ("input", layer, tensor, format, rule) and ("bias", layer, format) for each switch on.
+Meaning = frozenset[tuple[str, ...]]
+
+
+class TrialOutputs:
+    """Trial outputs one phase's session hands to a later phase's (a session per phase:
+    npuprep.pipeline.quantise_and_verify), by what the trial switches on: the rule choice's
+    trial of an activation's reader alone at the rule chosen is the ranking's trial of that
+    layer alone, run once. The sessions of one search quantise alike (the same model,
+    statistics, weights and samples), and a pair switched off passes its tensor through, so
+    the two sessions give that trial the same outputs bit for bit (one thread, no
+    prepacking). Each is taken once; at most `max_bytes` are held."""
+
+    def __init__(self, max_bytes: int = SHARED_OUTPUT_BYTES) -> None:
+        self.max_bytes, self.held = max_bytes, 0
+        self._outputs: dict[Meaning, list[dict[str, np.ndarray]]] = {}
+
+    def put(self, meaning: Meaning, outputs: list[dict[str, np.ndarray]]) -> None:
+        size = sum(np.asarray(v).nbytes for o in outputs for v in o.values())
+        if meaning not in self._outputs and self.held + size <= self.max_bytes:
+            self._outputs[meaning] = outputs
+            self.held += size
+
+    def clear(self) -> None:
+        """Drop what no later trial took."""
+        self._outputs.clear()
+        self.held = 0
+
+    def take(self, meaning: Meaning) -> list[dict[str, np.ndarray]] | None:
+        found = self._outputs.pop(meaning, None)
+        if found is not None:
+            self.held -= sum(np.asarray(v).nbytes for o in found for v in o.values())
+        return found
+
+
 class TrialRuns(Protocol):
     """Where the trial runs run: this process (LocalRuns) or Ray actors
     (npuprep.calibrate.on_ray.SessionsOnRay); every job gives the same outputs in both."""
@@ -339,8 +380,8 @@ class Trials:
     def __init__(self, reference: onnx.ModelProto, switched: SwitchedQdq, wide: NumberFormat,
                  pinned: Iterable[str], samples: Sequence[Feed], *, saturate: bool,
                  expected: list[dict[str, np.ndarray]] | None = None,
-                 runs: RunsFactory | None = None) -> None:
-        self.switched, self.samples = switched, list(samples)
+                 runs: RunsFactory | None = None, shared: TrialOutputs | None = None) -> None:
+        self.switched, self.samples, self.shared = switched, list(samples), shared
         # Layers whose corrected bias the trials use (where they run in 8 bits).
         self.corrected: set[str] = set()
         self.expected = expected if expected is not None else reference_outputs(reference, samples)
@@ -359,6 +400,9 @@ class Trials:
         self._order = sorted(set(switched.weight_switches.values())
                              | set(switched.input_switches.values())
                              | set(switched.bias_switches.values()))
+        self._means = {name: (kind, *key) for kind, switches in (
+            ("weight", switched.weight_switches), ("input", switched.input_switches),
+            ("bias", switched.bias_switches)) for key, name in switches.items()}
 
     def close(self) -> None:
         """Free the session (its weights) once the search is done."""
@@ -372,6 +416,13 @@ class Trials:
 
     def _key(self, switches: Mapping[str, np.ndarray]) -> bytes:
         return np.packbits([bool(switches[s]) for s in self._order]).tobytes()
+
+    def meaning(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule]) -> Meaning:
+        """What the trial (assign, rules) switches on, in any session of the search."""
+        return self._meaning(self._switches(assign, rules))
+
+    def _meaning(self, switches: Mapping[str, np.ndarray]) -> Meaning:
+        return frozenset(self._means[s] for s, on in switches.items() if on)
 
     def _outputs(self, trials: Sequence[dict[str, np.ndarray]],
                  count: int) -> list[list[dict[str, np.ndarray]]]:
@@ -400,7 +451,17 @@ class Trials:
         for i, k in enumerate(keys):
             if seen is not None or k not in self._errors:
                 todo.setdefault(k, []).append(i)
-        batches = list(todo.items())
+        batches = []
+        for k, first in todo.items():
+            # A trial an earlier phase's session ran (TrialOutputs) is not run again.
+            given = None if self.shared is None else self.shared.take(self._meaning(feeds[first[0]]))
+            if given is None or len(given) != min(TRIAL_SAMPLES, len(self.samples)):
+                batches.append((k, first))
+                continue
+            self._errors[k] = worst_pooled_rel_l2(given, self.expected[:len(given)])
+            if seen is not None:
+                for i in first:
+                    seen(i, given)
         # A batch's outputs are held until its errors are taken: BATCH_TRIALS at a time.
         for start in range(0, len(batches), BATCH_TRIALS):
             batch = batches[start:start + BATCH_TRIALS]
@@ -523,9 +584,30 @@ def choose_rules(trials: Trials, model: onnx.ModelProto, nodes: Sequence[str],
             candidates[name] = list(clips.values())
     asked = [(dict.fromkeys(readers[name], fmt.name), {name: rule})
              for name, each in candidates.items() for rule in each]
-    measured = iter(trials.errors(asked))
+    # Each tensor's trial at its best rule so far, for the ranking's session (TrialOutputs):
+    # a reader alone at the rule chosen is the ranking's trial of that layer alone.
+    best: dict[int, tuple[float, list[dict[str, np.ndarray]]]] = {}
+    tensor_of = [k for k, each in enumerate(candidates.values()) for _ in each]
+    room = [trials.shared.max_bytes - trials.shared.held if trials.shared is not None else 0]
+
+    def keep(i: int, got: list[dict[str, np.ndarray]]) -> None:
+        error, k = worst_pooled_rel_l2(got, trials.expected[:len(got)]), tensor_of[i]
+        if k in best:
+            if not error < best[k][0]:
+                return
+        else:  # a tensor's first trial takes its room; a better rule's outputs replace it
+            size = sum(np.asarray(v).nbytes for o in got for v in o.values())
+            if size > room[0]:
+                return
+            room[0] -= size
+        best[k] = (error, got)
+
+    measured = iter(trials.errors(asked, seen=keep if trials.shared is not None else None))
     chosen = {}
-    for name, each in candidates.items():
+    for k, (name, each) in enumerate(candidates.items()):
         errors = {rule: next(measured) for rule in each}
         chosen[name] = min(errors, key=lambda r: errors[r])
+        if trials.shared is not None and k in best and best[k][0] == errors[chosen[name]]:
+            trials.shared.put(trials.meaning(dict.fromkeys(readers[name], fmt.name),
+                                             {name: chosen[name]}), best[k][1])
     return chosen
