@@ -345,6 +345,11 @@ def tensor_types(model: onnx.ModelProto) -> dict[str, int]:
     return infer_tensors(model).types
 
 
+# A schema output's type string -> its element type, where the string names one type.
+_FIXED_TENSOR_TYPES = {"tensor(float)": onnx.TensorProto.FLOAT, "tensor(double)": onnx.TensorProto.DOUBLE,
+                       "tensor(int64)": onnx.TensorProto.INT64, "tensor(string)": onnx.TensorProto.STRING}
+
+
 def weightless(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of `model` for shape inference: small initialisers kept, large ones become
     typed graph inputs of the same shape (no weight bytes copied)."""
@@ -365,7 +370,31 @@ def weightless(model: onnx.ModelProto) -> onnx.ModelProto:
             g.initializer.append(init)
         elif init.name not in declared:
             g.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    typed = {vi.name for vi in (*src.input, *src.output, *src.value_info)}
+    g.value_info.extend(onnx.helper.make_tensor_value_info(name, elem_type, None)
+                        for name, elem_type in _schema_typed_outputs(src, out.opset_import)
+                        if name not in typed)
     return out
+
+
+def _schema_typed_outputs(graph: onnx.GraphProto, opsets: Sequence[onnx.OperatorSetIdProto]
+                          ) -> Iterator[tuple[str, int]]:
+    """(tensor, element type) of main-graph node outputs whose op's schema fixes one type but
+    gives no inference: ai.onnx.ml's Scaler, Imputer, Normalizer always write float, and
+    without the type onnx's inference stops there (skl2onnx's Scaler -> Sub -> MatMul)."""
+    versions = {o.domain or "": o.version for o in opsets}
+    for node in graph.node:
+        domain = node.domain or ""
+        if domain != "ai.onnx.ml" or domain not in versions:
+            continue
+        try:
+            schema = onnx.defs.get_schema(node.op_type, versions[domain], domain)
+        except onnx.defs.SchemaError:
+            continue
+        for name, formal in zip(node.output, schema.outputs, strict=False):
+            elem = _FIXED_TENSOR_TYPES.get(formal.type_str)
+            if name and elem is not None:
+                yield name, elem
 
 
 def weight_bytes(model: onnx.ModelProto) -> int:

@@ -4,6 +4,7 @@ reason, weights per output channel, and the QDQ model itself run to verify it.""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -26,10 +27,15 @@ from npuprep.scale_rules import ScaleRule
 RNG = np.random.default_rng(7)
 
 
-def _convert(model: Model, feeds: list[dict[str, np.ndarray]], precision: str, **kw: object):
+def _convert(model: Model, feeds: list[dict[str, np.ndarray]], precision: str,
+             fp8_only: bool = False, **kw: object):
     stats = calibrate(model, feeds, detail="all")
-    return convert(model, load_profile("a2000"), feeds, precision=precision, stats=stats,
-                        rtol=5e-2, **kw)
+    target = load_profile("a2000")
+    if fp8_only:
+        # FP8's own mechanics: on the A2000 an FP8 conversion keeps INT8 where it errs less
+        # at the same share (tests/test_eight_bit_mixed.py).
+        target = replace(target, fast_dtypes=tuple(d for d in target.fast_dtypes if d != "int8"))
+    return convert(model, target, feeds, precision=precision, stats=stats, rtol=5e-2, **kw)
 
 
 def _layers(result: object) -> dict[str, object]:
@@ -56,7 +62,7 @@ def test_a_squared_distance_up_to_30_stays_out_of_fp8_and_the_rest_converts(tmp_
     model = model_with_weights(tmp_path, SQUARED, {"W": RNG.standard_normal((8, 4)), "c": np.zeros((8,)),
                                        "V": RNG.standard_normal((8, 4))})
     feeds = [{"x": RNG.uniform(-30, 30, (32, 8)).astype(np.float32)} for _ in range(4)]
-    result = _convert(model, feeds, "fp8_e4m3")
+    result = _convert(model, feeds, "fp8_e4m3", fp8_only=True)
     layers = _layers(result)
     assert layers["square"].precision == "fp16" and "21.2" in layers["square"].why
     assert layers["proj"].precision == layers["head"].precision == "fp8_e4m3"

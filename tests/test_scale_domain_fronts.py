@@ -11,6 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 from npuprep.calibrate import calibrate
 from npuprep.convert import convert
 from npuprep.model_io import Model
+from npuprep.plan.decide import plan_for
 from npuprep.profiles import load_profile
 
 FRAME, HOP, BINS, FRAMES, MELS = 256, 128, 8, 8, 4
@@ -219,3 +220,80 @@ def test_a_transform_under_fp16s_normal_range_is_lifted_into_it_before_its_fp32_
     assert lift.k < 0 and lift.entry == "transform" and "log" in lift.absorbers
     assert "transform" not in result.pinned_nodes
     assert {"sq_re", "sq_im", "power", "floor", "log"} <= set(result.pinned_nodes)
+
+
+def _normalised_transform() -> onnx.ModelProto:
+    """wav -> Conv(cos|sin x 1e-6) -> spec -> Transpose -> Mul(14: a CQT's length
+    normalisation) -> normed -> re, im -> re*re + im*im -> Add(1e-12) -> Log -> y."""
+    t = np.arange(FRAME)
+    freqs = np.arange(1, BINS + 1)
+    window = np.hanning(FRAME) * 1e-6
+    cos = (np.cos(2 * np.pi * np.outer(freqs, t) / FRAME) * window)[:, None, :]
+    sin = (np.sin(2 * np.pi * np.outer(freqs, t) / FRAME) * window)[:, None, :]
+    inits = [numpy_helper.from_array(np.concatenate([cos, sin]).astype(np.float32), "basis"),
+             _i64("s0", [0]), _i64("s8", [BINS]), _i64("s16", [2 * BINS]), _i64("ax2", [2]),
+             _f32("eps", 1e-12), _f32("norm", 14.0)]
+    nodes = [helper.make_node("Conv", ["wav", "basis"], ["spec"], name="transform", strides=[HOP]),
+             helper.make_node("Transpose", ["spec"], ["spec_t"], name="to_time", perm=[0, 2, 1]),
+             helper.make_node("Mul", ["spec_t", "norm"], ["normed"], name="normalise"),
+             helper.make_node("Slice", ["normed", "s0", "s8", "ax2"], ["re"], name="take_re"),
+             helper.make_node("Slice", ["normed", "s8", "s16", "ax2"], ["im"], name="take_im"),
+             helper.make_node("Mul", ["re", "re"], ["re2"], name="sq_re"),
+             helper.make_node("Mul", ["im", "im"], ["im2"], name="sq_im"),
+             helper.make_node("Add", ["re2", "im2"], ["pw"], name="power"),
+             helper.make_node("Add", ["pw", "eps"], ["floored"], name="floor"),
+             helper.make_node("Log", ["floored"], ["y"], name="log")]
+    graph = helper.make_graph(
+        nodes, "normalised_transform",
+        [helper.make_tensor_value_info("wav", TensorProto.FLOAT, [1, 1, (FRAMES - 1) * HOP + FRAME])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, FRAMES, BINS])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _swelling_audio(n: int, seed: int) -> list[dict[str, np.ndarray]]:
+    """Tones up to 1e4 swelling from e^-14 of that, after digital silence: the transform's
+    bins span 7 decades, a third of them under FP16's smallest normal."""
+    rng = np.random.default_rng(seed)
+    t = np.arange((FRAMES - 1) * HOP + FRAME)
+    out = []
+    for _ in range(n):
+        wav = sum(rng.uniform(0.3, 1.0) * np.cos(2 * np.pi * f * t / FRAME + rng.uniform(0, 6.28))
+                  for f in range(1, BINS + 1))
+        wav = wav / np.abs(wav).max() * 1e4 * np.exp(-25.0 * (1 - t / t.size))
+        wav[: 2 * HOP + FRAME] = 0.0
+        out.append({"wav": wav.reshape(1, 1, -1).astype(np.float32)})
+    return out
+
+
+def test_a_lift_before_an_fp32_log_chain_takes_the_place_of_a_lift_inside_it_not_on_top():
+    # With every tensor's exponent histogram (as an 8-bit conversion calibrates), the
+    # normalising Mul's own underflow is planned first: Mul x 2^8. The lift of the transform
+    # feeding the FP32 squares..Log chain then reaches `normed` too; each within the limit
+    # alone, both gave 0.46 x 2^24 there, Inf in FP16 (basic_pitch's CQT: its Mul x 2^2 and its
+    # Convs x 2^10, 76800; FAILED in FP8 and FP16 alike). The lift now takes the Mul's place.
+    model = Model(proto=_normalised_transform(), path="cqt.onnx", digest="cqt")
+    samples = _swelling_audio(4, 1)
+    stats = calibrate(model, samples, detail="all")
+    generic = load_profile("generic")
+    plan = plan_for(model, generic.resolve("fp16"), stats, samples).plan
+    limit = generic.resolve("fp16").limit
+    pinned = plan.pinned_nodes()
+    for tensor in ("spec", "normed", "re", "im"):
+        assert _total_exponent(plan, tensor) > 0 and tensor not in pinned
+        assert stats.tensors[tensor].absmax * 2.0**_total_exponent(plan, tensor) <= limit, (
+            tensor, plan.rescales())
+    (lift,) = plan.rescales()
+    assert lift.entry == "transform"
+    assert {ref.tensor for ref in lift.findings} >= {"normed", "re2"}
+    holdout = _swelling_audio(2, 2)
+    assert convert(model, generic, samples, stats=stats, holdout=holdout)
+    fp8 = convert(model, load_profile("a2000"), samples, stats=stats, holdout=holdout,
+                  precision="fp8_e4m3")
+    assert fp8, fp8.to_dict()["verdict"]
+
+
+def _total_exponent(plan: object, tensor: str) -> int:
+    """The power of two every rescale of `plan` puts on `tensor`, together."""
+    return sum(rs.domain.get(tensor, 0) for rs in plan.rescales())  # type: ignore[attr-defined]

@@ -71,7 +71,7 @@ from npuprep.verify.qdq_trials import (
     reference_outputs,
     switched_qdq,
 )
-from npuprep.verify.widening import CurvePoint, widen_by_ranking
+from npuprep.verify.widening import CurvePoint, Widening, widen_by_ranking
 
 # Below this share of 8-bit multiply-adds the model has not been converted to 8 bits.
 DEFAULT_MIN_8BIT_SHARE = 0.5
@@ -111,6 +111,13 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                           else None)
     layers = plan.eight_bit or _decided(base, stats, eight, other if mixed else None, pinned,
                                         ScaleRule(scale_rule))
+    # An FP8 conversion on a target that runs INT8 too also searches as the INT8 conversion
+    # does (its decisions, rules and ranking), and keeps the better of the two
+    # (_better_search): every layer of it may be INT8, so it never keeps less in 8 bits.
+    int8_start = (_int8_start(layers, _decided(base, stats, other, eight, pinned,
+                                               ScaleRule(scale_rule)))
+                  if mixed and other is not None and eight.is_float and not plan.eight_bit
+                  else None)
     notes = list(flow_notes)
     main, why = _variant(profile, eight, ScaleRule(scale_rule))
     notes += why
@@ -184,6 +191,13 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         notes.append(f"bias correction of {len(search.switched.bias_switches)} layer(s)' 8-bit "
                      f"weight rounding: outputs' rel L2 {before:.3g} -> {after:.3g} with all in "
                      "8 bits, " + ("kept" if search.corrected else "not kept"))
+    if int8_start is not None:
+        # Its INT8 layers' activations get their rules as the INT8 conversion chooses them.
+        stage("choosing each INT8 activation's scale rule by its measured error")
+        int8 = variants[1]
+        tensor_rules = choose_rules(sessions.every_rule_in(int8.fmt), base,
+                                    eight_bit_nodes(int8_start, int8.fmt), stats, int8.fmt,
+                                    int8.rules)
     sessions.rules = tensor_rules
 
     def pins(chosen: Sequence[LayerPrecision]) -> set[str]:
@@ -197,25 +211,53 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         return sessions.checks().check(_assigned(chosen), tensor_rules, rtol=rtol, top_k=top_k,
                                        margin=DECISION_MARGIN)
 
-    ranked_from: dict[str, str] = {}
+    def ranker(fmt: EightBitFormat) -> tuple[Callable[[list[str], list[LayerPrecision]],
+                                                       list[Sensitivity]],
+                                              Callable[[list[str]], list[Sensitivity]]]:
+        """Rank and leave-out for a search in `fmt`: on the ranking session where its layers
+        start in their own formats, else on the checks' (every format)."""
+        ranked_from: dict[str, str] = {}
 
-    def rank(nodes: list[str], chosen: list[LayerPrecision]) -> list[Sensitivity]:
-        stage(f"ranking {len(nodes)} 8-bit layer(s) by their own error")
-        ranked_from.update(_assigned(chosen))
-        ranked = rank_layers(sessions.ranking(), nodes, ranked_from, tensor_rules)
-        sessions.shared.clear()  # the rule choice's trials the ranking did not take
-        stage(f"trying the heads of the ranking ({len(nodes)} layer(s))")
-        return ranked
+        def trials() -> Trials:
+            return sessions.ranking() if fmt is eight else sessions.checks()
 
-    def leave_out(nodes: list[str]) -> list[Sensitivity]:
-        return leave_one_out(sessions.ranking(), nodes, ranked_from, tensor_rules)
+        def rank(nodes: list[str], chosen: list[LayerPrecision]) -> list[Sensitivity]:
+            stage(f"ranking {len(nodes)} {fmt.name} layer(s) by their own error")
+            ranked_from.update(_assigned(chosen))
+            ranked = rank_layers(trials(), nodes, ranked_from, tensor_rules)
+            sessions.shared.clear()  # the rule choice's trials the ranking did not take
+            stage(f"trying the heads of the ranking ({len(nodes)} layer(s))")
+            return ranked
 
-    stage(f"quantising to {eight.name}")
-    widening = widen_by_ranking(layers, eight, trial(layers), rank=rank, trial=trial,
+        def leave_out(nodes: list[str]) -> list[Sensitivity]:
+            return leave_one_out(trials(), nodes, ranked_from, tensor_rules)
+
+        return rank, leave_out
+
+    def search_from(start: Sequence[LayerPrecision], fmt: EightBitFormat,
+                    alternative: EightBitFormat | None) -> Widening:
+        rank, leave_out = ranker(fmt)
+        return widen_by_ranking(start, fmt, trial(start), rank=rank, trial=trial,
                                 judged=judged, share=lambda c: eight_bit_share(c, macs),
                                 cost=lambda n: _cost([n], macs), min_share=min_8bit_share,
-                                alternative=other.name if mixed and other else None,
+                                alternative=alternative.name if alternative else None,
                                 leave_out=leave_out)
+
+    stage(f"quantising to {eight.name}")
+    widening = search_from(layers, eight, other if mixed else None)
+    if int8_start is not None and other is not None:
+        stage(f"quantising to {other.name} as its conversion does")
+        if judged(widening.check) and eight_bit_share(widening.layers, macs) >= 1.0:
+            # All in 8 bits already: only the INT8 conversion's start can match that share
+            # (and err less), its search is not run.
+            check = trial(int8_start)
+            as_int8 = Widening(list(int8_start), check, curve=[CurvePoint(
+                0, other.name, eight_bit_share(int8_start, macs), check.worst_rel_l2,
+                judged(check))])
+        else:
+            as_int8 = search_from(int8_start, other, eight)
+        widening, said = _better_search(widening, as_int8, profile, judged, macs, eight, other)
+        notes.append(said)
     corrected, biases = sessions.corrected, sessions.biases()
     sessions.close()
     trial_runs = sessions.runs
@@ -228,7 +270,10 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         if nodes:
             built = quantise(built, nodes, stats, v.fmt, saturate=v.saturate, rule=v.rules[0],
                              tensor_scales=applied.tensor_scales, headroom=v.headroom,
-                             tensor_rules=tensor_rules if v is main else None,
+                             # Each format by the rules it has, as the trials fed them
+                             # (an FP8 conversion's INT8 layers by the rules chosen).
+                             tensor_rules={t: r for t, r in tensor_rules.items()
+                                           if r in v.rules},
                              weights=weights).model
     chosen = _assigned(layers)
     built = with_biases(built, [fixed for (layer, fmt), fixed in biases.items()
@@ -239,8 +284,11 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                               top_k=top_k, expected=sessions.expected)[0]
     notes.append(_curve_note(widening.curve, trial_runs, widening.check.worst_rel_l2))
     if widening.alternative and other is not None:
-        notes.append(f"{len(widening.alternative)} layer(s) {eight.name} could not hold run in "
-                     f"{other.name} ({_cost(widening.alternative, macs):.1%} of the "
+        # The search kept may be the INT8 conversion's, whose other format is this one.
+        into = {x.node: x.precision for x in layers}.get(widening.alternative[0], other.name)
+        held = other.name if into == eight.name else eight.name
+        notes.append(f"{len(widening.alternative)} layer(s) {held} could not hold run in "
+                     f"{into} ({_cost(widening.alternative, macs):.1%} of the "
                      f"multiply-adds): {profile.name} runs both")
     if widening.needs_more:
         more = widening.needs_more
@@ -321,14 +369,15 @@ class _TrialSessions:
         self.open: dict[str, Trials] = {}
         self.runs = 0
 
-    def _trials(self, phase: str, *, chosen: bool, own: bool) -> Trials:
+    def _trials(self, phase: str, *, chosen: bool, own: bool,
+                formats: Mapping[str, str] | None = None) -> Trials:
         if self.one:
             phase, chosen, own = "one", False, False
         if phase not in self.open:
             switched = switched_qdq(self.base, list(self.assigned), self.stats, self.variants,
                                     tensor_scales=self.tensor_scales, weights=self.weights,
                                     means=self.means, rules=self.rules if chosen else None,
-                                    formats=self.assigned if own else None)
+                                    formats=(formats or self.assigned) if own else None)
             trials = Trials(self.reference, switched, self.wide, self.kept_wider, self.samples,
                             saturate=self.saturate, expected=self.expected, runs=self.runner,
                             shared=self.shared)
@@ -339,13 +388,24 @@ class _TrialSessions:
     def search(self) -> Trials:
         return self._trials("search", chosen=False, own=True)
 
-    def ranking(self) -> Trials:
+    def every_rule_in(self, fmt: EightBitFormat) -> Trials:
+        """Every layer switchable to `fmt` alone, by every rule of it: an FP8 conversion's
+        INT8 rule choice (closed once the rules are chosen)."""
         self._close("search")
+        return self._trials(f"rules {fmt.name}", chosen=False, own=True,
+                            formats=dict.fromkeys(self.assigned, fmt.name))
+
+    def ranking(self) -> Trials:
+        self._close_rule_choice()
         return self._trials("ranking", chosen=True, own=True)
 
     def checks(self) -> Trials:
-        self._close("search")
+        self._close_rule_choice()
         return self._trials("checks", chosen=True, own=False)
+
+    def _close_rule_choice(self) -> None:
+        for phase in [p for p in self.open if p == "search" or p.startswith("rules ")]:
+            self._close(phase)
 
     def biases(self) -> dict[tuple[str, str], Any]:
         """Each (layer, format)'s corrected bias, as the artefact writes it."""
@@ -437,6 +497,56 @@ def _decided(model: onnx.ModelProto, stats: CalibrationStats, eight: EightBitFor
     return tuple(LayerPrecision(x.node, other.name, f"{x.why}; {alt[x.node].why}")
                  if x.precision == "fp16" and alt[x.node].precision == other.name else x
                  for x in layers)
+
+
+def _int8_start(layers: Sequence[LayerPrecision],
+                int8_decided: Sequence[LayerPrecision]) -> list[LayerPrecision]:
+    """The INT8 conversion's start for the layers `layers` keeps in 8 bits: INT8 where INT8
+    holds the input, FP8 where only it does (npuprep.plan.layer_precision.decide); the rest
+    as `layers` has them (the search's switches are those of `layers`' 8-bit layers)."""
+    as_int8 = {x.node: x for x in int8_decided if eight_bit_format(x.precision) is not None}
+    return [as_int8.get(x.node, x) if eight_bit_format(x.precision) is not None else x
+            for x in layers]
+
+
+def fp8_cheaper(profile: TargetProfile, fp8: EightBitFormat, int8: EightBitFormat) -> bool:
+    """Does the profile's ledger make `fp8` layers cheaper than `int8` ones: a higher peak
+    where both are published, else an assumed speed-up over FP32 at least as high at both
+    ends and higher at one (the A2000: both unknown, both assumed 2x-32x: not cheaper)."""
+    t = profile.throughput
+    a, b = t.peak(fp8.name), t.peak(int8.name)
+    if a is not None and b is not None:
+        return a > b
+    ra, rb = t.assumed_peak_vs_fp32.get(fp8.name), t.assumed_peak_vs_fp32.get(int8.name)
+    return ra is not None and rb is not None and ra[0] >= rb[0] and ra[1] >= rb[1] and ra != rb
+
+
+def _better_search(asked: Widening, as_int8: Widening, profile: TargetProfile,
+                   judged: Callable[[OutputCheck], bool], macs: Mapping[str, int],
+                   fp8: EightBitFormat, int8: EightBitFormat) -> tuple[Widening, str]:
+    """The FP8 conversion's own search or the INT8 conversion's, whichever passes with more
+    of the multiply-adds in 8 bits; at the same share the one erring less on the calibration
+    samples (more held-out margin: convnext_t FP8, 0.029 with most layers FP8 against 0.017
+    all INT8, failed held-out at 0.052), unless the profile's ledger makes FP8 cheaper
+    (fp8_cheaper), then the one with more in FP8. Both searches' points stay on the curve."""
+    cheaper = fp8_cheaper(profile, fp8, int8)
+
+    def key(w: Widening) -> tuple[bool, float, float, float]:
+        shares = mac_share(w.layers, macs, fp8)
+        return (not judged(w.check), -round(eight_bit_share(w.layers, macs), 6),
+                -round(shares[fp8.name], 6) if cheaper else 0.0, w.check.worst_rel_l2)
+
+    kept = min((asked, as_int8), key=key)
+    rule = (f"{profile.name}'s ledger makes {fp8.name} cheaper: more in it" if cheaper else
+            f"at the same share the lower error ({profile.name}'s ledger does not make "
+            f"{fp8.name} cheaper than {int8.name})")
+    said = (f"searched as the {fp8.name} conversion ({eight_bit_share(asked.layers, macs):.1%} "
+            f"8-bit, rel L2 {asked.check.worst_rel_l2:.3g}) and as the {int8.name} conversion "
+            f"({eight_bit_share(as_int8.layers, macs):.1%}, {as_int8.check.worst_rel_l2:.3g}): "
+            f"kept the {(fp8 if kept is asked else int8).name} conversion's: the more 8-bit "
+            f"share that passes, {rule}")
+    return replace(kept, curve=asked.curve + as_int8.curve,
+                   rank_runs=asked.rank_runs + as_int8.rank_runs), said
 
 
 def _equalised_note(done: Equalised) -> str:

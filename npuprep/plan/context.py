@@ -7,7 +7,7 @@ the graph.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -120,6 +120,12 @@ class PlanContext:
         r = self.stats.tensors.get(tensor)
         # A tensor in a branch no sample took was never observed: it is unmeasured.
         return r if r is not None and r.count else None
+
+    def planned_exponent(self, tensor: str, besides: Collection[str] = ()) -> int:
+        """The power of two the rescales planned so far put on `tensor`, all of them (their
+        domains may overlap: the rewrite applies each in turn, so the scales multiply), those
+        of the entries `besides` apart (a rescale of one of them replaces it)."""
+        return sum(rs.domain.get(tensor, 0) for rs in self.rescales if rs.entry not in besides)
 
     def fits(self, tensor: str) -> bool:
         """Does `tensor` fit the target with headroom? Unmeasured tensors fit, except the
@@ -254,7 +260,8 @@ class PlanContext:
         for i, rs in enumerate(self.rescales):
             p = rs.domain.get(tensor)
             r = self.range_of(tensor)
-            if p is not None and r is not None and r.absmax * 2.0**p <= self.limit:
+            if p is not None and r is not None and \
+                    r.absmax * 2.0**self.planned_exponent(tensor) <= self.limit:
                 self.rescales[i] = replace(rs, findings=rs.findings + (ref,))
                 return True
         for i, sh in enumerate(self.shifts):

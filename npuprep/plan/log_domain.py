@@ -101,7 +101,9 @@ def _wide_chain(ctx: PlanContext, problem: Problem, log: onnx.NodeProto, span: s
     ranges = [ctx.range_of(t) for t in sources]
     if not sources or any(r is None for r in ranges):
         return []
-    absmax = max(float(r.absmax) for r in ranges)
+    # k sized for the sources as the plan's rescales so far leave them (their scales add).
+    absmax = max(float(r.absmax) * 2.0**ctx.planned_exponent(t)
+                 for r, t in zip(ranges, sources, strict=True))
     if absmax <= ctx.limit:
         return []  # the sources fit: the island alone keeps the chain
     k = needed_k(absmax, ctx.limit)
@@ -233,10 +235,17 @@ def _lifted_sources(ctx: PlanContext, problem: Problem, chain: set[str],
     entries = [*sorted(ctx.graph_inputs), *reversed(entries_for(ctx, sources[0])[0])]
     for j in range(fits, 0, -1):
         for entry in entries:
-            check, _ = checked(ctx, entry, -j, sources[0], exempt=inside)
+            lifted = _lifted_within(ctx, entry, -j)
+            check, _ = checked(ctx, entry, -j, sources[0], exempt=inside, replaces=lifted)
             if check is None or any(check.exponents.get(t, 0) != j for t in sources):
                 continue
-            lift = rescale_action(ctx, entry, check, (problem.ref,), sources[0], absmax, "")
+            # The lifts it covers go (their scales would add), and one of its own entry it
+            # replaces: their findings are this one's.
+            taken = [rs for rs in ctx.rescales if rs.entry in (*lifted, entry)]
+            ctx.rescales[:] = [rs for rs in ctx.rescales if rs.entry not in lifted]
+            refs = tuple(dict.fromkeys((*(ref for rs in taken for ref in rs.findings),
+                                        problem.ref)))
+            lift = rescale_action(ctx, entry, check, refs, sources[0], absmax, "")
             return replace(lift, why=(
                 f"{under}{', '.join(sources)} lie under the smallest {ctx.fmt.name} "
                 f"normal before the FP32 chain into {', '.join(sorted(chain))[:80]}: lifted "
@@ -244,9 +253,24 @@ def _lifted_sources(ctx: PlanContext, problem: Problem, chain: set[str],
     return None
 
 
+def _lifted_within(ctx: PlanContext, entry: str, k: int) -> tuple[str, ...]:
+    """Entries of the rescales planned so far that lift tensors only where `entry` x 2^-k
+    (k < 0) lifts each of them at least as much (a CQT's normalising Mul, lifted for its own
+    underflow, inside the lift of the Convs before it): that lift can take their place."""
+    if (entry, k) not in ctx.checks:
+        ctx.checks[(entry, k)] = check_rescale(ctx.model.proto, entry, k)
+    check = ctx.checks[(entry, k)]
+    if not check:
+        return ()
+    return tuple(rs.entry for rs in ctx.rescales if rs.entry != entry and rs.domain and all(
+        0 < p <= check.exponents.get(t, 0) for t, p in rs.domain.items()))
+
+
 def _out_of_range(ctx: PlanContext, entry: str, k: int, t: str, p: int) -> bool:
     r = ctx.range_of(t)
-    return r is None or r.absmax * 2.0**p > ctx.limit or bool(underflow_veto(ctx, entry, k, t, p, r))
+    total = p + ctx.planned_exponent(t, besides=(entry,))
+    return r is None or r.absmax * 2.0**total > ctx.limit or bool(
+        underflow_veto(ctx, entry, k, t, total, r))
 
 
 def _chain_back(ctx: PlanContext, log: onnx.NodeProto) -> tuple[set[str], list[str]]:

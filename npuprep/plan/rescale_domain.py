@@ -54,7 +54,7 @@ def propose(ctx: PlanContext, problem: Problem, before: tuple[str, ...]) -> Outc
 def try_rescale(ctx: PlanContext, ref: FindingRef, tensor: str, absmax: float) -> Outcome:
     for rs in ctx.rescales:
         if tensor in rs.domain:
-            need = rs.k + needed_k(absmax * 2.0 ** rs.domain[tensor], ctx.limit)
+            need = rs.k + needed_k(absmax * 2.0 ** ctx.planned_exponent(tensor), ctx.limit)
             check, reason = checked(ctx, rs.entry, need, tensor)
             if check is None:
                 return (Declined("rescale", rs.entry, reason, (ref,)),)
@@ -106,10 +106,15 @@ FRACTIONAL_POWER = "not an integer power of two"
 
 
 def checked(ctx: PlanContext, entry: str, k: int, focus: str = "",
-            exempt: frozenset[str] = frozenset()) -> tuple[Any | None, str]:
+            exempt: frozenset[str] = frozenset(),
+            replaces: tuple[str, ...] = ()) -> tuple[Any | None, str]:
     """check_rescale, then the stats: every domain tensor within the limit (k grows until
     it is) and none pushed under the smallest normal in a harmful share (`exempt` tensors
-    excepted: a chain whose Log input the caller floors above 0)."""
+    excepted: a chain whose Log input the caller floors above 0), each with the scales the
+    plan's other rescales already put on it (basic_pitch's CQT: its Mul x 2^2 for its own
+    underflow, then its Convs x 2^10 for the Log chain's, each within the limit alone and
+    the Mul's output at 76800 with both); `replaces`: entries whose rescales this one takes
+    the place of."""
     fitted = not focus or k < 0
     worst, worst_tensor = 0.0, ""
     for _ in range(MAX_DEEPEN):
@@ -143,11 +148,12 @@ def checked(ctx: PlanContext, entry: str, k: int, focus: str = "",
                 return None, f"no measured range for domain tensor {t}"
             if t in exempt:
                 continue  # the caller answers for what flushes there (a floored Log chain)
-            reason = underflow_veto(ctx, entry, k, t, p, r)
+            total = p + ctx.planned_exponent(t, besides=(entry, *replaces))
+            reason = underflow_veto(ctx, entry, k, t, total, r)
             if reason:
                 return None, reason
-            if r.absmax * 2.0**p > worst:
-                worst, worst_tensor, worst_p = r.absmax * 2.0**p, t, p
+            if r.absmax * 2.0**total > worst:
+                worst, worst_tensor, worst_p = r.absmax * 2.0**total, t, p
         if worst <= ctx.limit:
             return check, check.reason
         if k < 0:
