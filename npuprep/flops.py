@@ -68,9 +68,11 @@ def _fold_shape_values(inferred: onnx.ModelProto) -> dict[str, np.ndarray]:
     g = inferred.graph
     sized = {vi.name: vi for vi in (*g.input, *g.value_info, *g.output)
              if all(d.HasField("dim_value") for d in vi.type.tensor_type.shape.dim)}
-    # Small float constants too: a patch count computed through Sqrt or Div of floats.
+    # Small float constants too: a patch count computed through Sqrt or Div of floats. Bytes
+    # in an external file are weights, never shape arithmetic.
     values: dict[str, np.ndarray] = {
-        i.name: numpy_helper.to_array(i) for i in g.initializer if math.prod(i.dims) <= FOLD_ELEMENTS}
+        i.name: numpy_helper.to_array(i) for i in g.initializer
+        if math.prod(i.dims) <= FOLD_ELEMENTS and i.data_location != onnx.TensorProto.EXTERNAL}
     needed = _feeding_unsized(g, sized)
     folded: dict[str, np.ndarray] = {}
     for node in g.node:
