@@ -17,7 +17,8 @@ COST = {"head": 0.02, "mid": 0.20, "low": 0.15, "big": 0.63}
 AIM = 0.04
 
 
-def _search(alone: dict[str, float]) -> tuple[list[str], float, list[tuple[float, bool]]]:
+def _search(alone: dict[str, float], cost: dict[str, float] = COST
+            ) -> tuple[list[str], float, list[tuple[float, bool]]]:
     """widen_by_ranking where independent layers' errors add in power (as measured errors
     alone do): the layers kept FP16, the 8-bit share, and the curve (share, passed)."""
     def error(layers: list[LayerPrecision]) -> float:
@@ -28,7 +29,7 @@ def _search(alone: dict[str, float]) -> tuple[list[str], float, list[tuple[float
             "y": {"nonfinite": 0, "rel_l2": error(layers), "max_abs_error": 0.0}})
 
     def share(layers: list[LayerPrecision]) -> float:
-        return sum(COST[x.node] for x in layers if x.precision == "int8")
+        return sum(cost[x.node] for x in layers if x.precision == "int8")
 
     def rank(nodes: list[str], layers: list[LayerPrecision]) -> list[Sensitivity]:
         every = error(layers)
@@ -36,10 +37,10 @@ def _search(alone: dict[str, float]) -> tuple[list[str], float, list[tuple[float
                             every - math.sqrt(max(every ** 2 - alone[n] ** 2, 0.0)), alone[n])
                 for n in nodes]
 
-    layers = [LayerPrecision(n, "int8", "") for n in COST]
+    layers = [LayerPrecision(n, "int8", "") for n in cost]
     done = widen_by_ranking(layers, INT8, check(layers), rank=rank, trial=check,
                             judged=lambda c: c.outputs["y"]["rel_l2"] <= AIM, share=share,
-                            cost=COST.__getitem__, min_share=0.5)
+                            cost=cost.__getitem__, min_share=0.5)
     assert math.isclose(error(done.layers), done.check.outputs["y"]["rel_l2"])
     return done.widened, share(done.layers), [(p.share, p.passed) for p in done.curve]
 
@@ -56,3 +57,29 @@ def test_a_cheaper_last_layer_that_fails_leaves_the_head_as_it_was():
     # [head, low] leaves mid's 0.036 and big's 0.02: 0.041, over the aim; tried, not kept.
     assert widened == ["head", "mid"] and math.isclose(kept, 0.78)
     assert [(round(s, 2), p) for s, p in curve][-1] == (0.83, False)
+
+
+# The head layer, mid, four equally cheap layers c1-c4 and big: mid is the passing head's last.
+CHEAP = {"head": 0.02, "mid": 0.20, "c1": 0.05, "c2": 0.05, "c3": 0.05, "c4": 0.05, "big": 0.58}
+
+
+def test_swaps_of_layers_erring_less_than_a_failed_one_are_not_tried():
+    alone = {"head": 0.08, "mid": 0.03, "c1": 0.014, "c2": 0.008, "c3": 0.006, "c4": 0.005,
+             "big": 0.025}
+    widened, kept, curve = _search(alone, CHEAP)
+    # [head, mid] passes at 78% (0.031); c1 kept FP16 instead of mid errs 0.0406: fails, and
+    # c2-c4, erring less alone at the same share, would leave more error: not tried.
+    assert widened == ["head", "mid"] and math.isclose(kept, 0.78)
+    swaps = [(round(s, 2), p) for s, p in curve if round(s, 2) == 0.93]
+    assert swaps == [(0.93, False)]
+
+
+def test_among_equally_cheap_layers_the_one_erring_most_is_swapped_in():
+    alone = {"head": 0.08, "mid": 0.03, "c1": 0.014, "c2": 0.008, "c3": 0.006, "c4": 0.005,
+             "big": 0.022}
+    widened, kept, curve = _search(alone, CHEAP)
+    # In mid's place c4, c3 and c2 fail (0.041, 0.0409, 0.0405) and c1 passes (0.0389): c1,
+    # erring most alone of the four, is tried first and is the one swap tried.
+    assert widened == ["head", "c1"] and math.isclose(kept, 0.93)
+    assert [(round(s, 2), p) for s, p in curve][-1] == (0.93, True)
+    assert sum(round(s, 2) == 0.93 for s, _ in curve) == 1
