@@ -30,9 +30,10 @@ g (float[64, 16] x, float[64, 16] z) => (float[64, 16] y) {
 """
 
 
-def _setup(sigma: float) -> tuple[onnx.ModelProto, Model, list[dict[str, np.ndarray]]]:
+def _setup(sigma: float, text: str = TWO) -> tuple[onnx.ModelProto, Model, list[dict[str, np.ndarray]]]:
+    """`text` with W1, W2 drawn; x spans e^(+-sigma) in magnitude, z is normal."""
     rng = np.random.default_rng(3)
-    proto = parser.parse_model(TWO)
+    proto = parser.parse_model(text)
     for name in ("W1", "W2"):
         proto.graph.initializer.append(
             numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), name))
@@ -111,17 +112,7 @@ g (float[64, 16] x, float[64, 16] z) => (float[64, 8] h, float[64, 8] v) {
 def _apart() -> tuple[Model, list[dict[str, np.ndarray]], object]:
     """TWO's layers with an output each: INT8's one scale flushes `wide`'s input, FP8's
     three mantissa bits hold `plain`'s normal input more coarsely than INT8."""
-    rng = np.random.default_rng(3)
-    proto = parser.parse_model(APART)
-    for name in ("W1", "W2"):
-        proto.graph.initializer.append(
-            numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), name))
-    feeds = []
-    for _ in range(8):
-        x = np.sign(rng.standard_normal((64, 16))) * np.exp(rng.normal(0, 2.0, (64, 16)))
-        feeds.append({"x": x.astype(np.float32),
-                      "z": rng.standard_normal((64, 16)).astype(np.float32)})
-    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+    _, model, feeds = _setup(2.0, APART)
     return model, feeds, calibrate(model, feeds, detail="all")
 
 

@@ -90,14 +90,19 @@ def _front(case: str) -> onnx.ModelProto:
 def _audio(n: int, seed: int) -> list[dict[str, np.ndarray]]:
     """Tones on every bin at int16 scale: power up to ~1e11, never near the floor."""
     rng = np.random.default_rng(seed)
-    t = np.arange((FRAMES - 1) * HOP + FRAME)
     out = []
     for _ in range(n):
-        wav = sum(rng.uniform(0.3, 1.0) * np.cos(2 * np.pi * f * t / FRAME + rng.uniform(0, 6.28))
-                  for f in range(1, BINS + 1))
+        wav = _tones(rng)
         wav = wav / np.abs(wav).max() * rng.uniform(0.6, 1.0) * 32767.0
         out.append({"wav": wav.reshape(1, 1, -1).astype(np.float32)})
     return out
+
+
+def _tones(rng: np.random.Generator) -> np.ndarray:
+    """A tone on every bin, random amplitude and phase, over the frames' samples."""
+    t = np.arange((FRAMES - 1) * HOP + FRAME)
+    return sum(rng.uniform(0.3, 1.0) * np.cos(2 * np.pi * f * t / FRAME + rng.uniform(0, 6.28))
+               for f in range(1, BINS + 1))
 
 
 CASES = ["unsqueeze_transpose", "concat_reducesum", "sqrt_pow", "filter_bank", "clip", "add_eps"]
@@ -166,33 +171,46 @@ def test_an_stft_op_takes_the_scale_and_only_the_chain_to_the_log_stays_fp32():
     assert result.flops_fp32_share < 0.01
 
 
-def _quiet_transform() -> onnx.ModelProto:
-    """wav -> Conv(cos|sin x 4e-2: a length-normalised basis, as a CQT has) -> re, im (mostly
-    under FP16's smallest normal) -> re*re + im*im -> Add(1e-10) -> Log -> y."""
+def _transform_log(name: str, window: float, eps: float, norm: float | None = None) -> onnx.ModelProto:
+    """wav -> Conv(cos|sin x window) -> spec [-> Transpose -> Mul(norm)] -> re, im -> re*re +
+    im*im -> Add(eps) -> Log -> y (bins on axis 1, or on axis 2 after the Transpose)."""
     t = np.arange(FRAME)
     freqs = np.arange(1, BINS + 1)
-    window = np.hanning(FRAME) * 4e-2
-    cos = (np.cos(2 * np.pi * np.outer(freqs, t) / FRAME) * window)[:, None, :]
-    sin = (np.sin(2 * np.pi * np.outer(freqs, t) / FRAME) * window)[:, None, :]
+    taper = np.hanning(FRAME) * window
+    cos = (np.cos(2 * np.pi * np.outer(freqs, t) / FRAME) * taper)[:, None, :]
+    sin = (np.sin(2 * np.pi * np.outer(freqs, t) / FRAME) * taper)[:, None, :]
+    axis = 1 if norm is None else 2
     inits = [numpy_helper.from_array(np.concatenate([cos, sin]).astype(np.float32), "basis"),
-             _i64("s0", [0]), _i64("s8", [BINS]), _i64("s16", [2 * BINS]), _i64("ax1", [1]),
-             _f32("eps", 1e-10)]
-    nodes = [helper.make_node("Conv", ["wav", "basis"], ["spec"], name="transform", strides=[HOP]),
-             helper.make_node("Slice", ["spec", "s0", "s8", "ax1"], ["re"], name="take_re"),
-             helper.make_node("Slice", ["spec", "s8", "s16", "ax1"], ["im"], name="take_im"),
-             helper.make_node("Mul", ["re", "re"], ["re2"], name="sq_re"),
-             helper.make_node("Mul", ["im", "im"], ["im2"], name="sq_im"),
-             helper.make_node("Add", ["re2", "im2"], ["pw"], name="power"),
-             helper.make_node("Add", ["pw", "eps"], ["floored"], name="floor"),
-             helper.make_node("Log", ["floored"], ["y"], name="log")]
+             _i64("s0", [0]), _i64("s8", [BINS]), _i64("s16", [2 * BINS]), _i64("ax", [axis]),
+             _f32("eps", eps)]
+    nodes = [helper.make_node("Conv", ["wav", "basis"], ["spec"], name="transform", strides=[HOP])]
+    bins = "spec"
+    if norm is not None:
+        inits.append(_f32("norm", norm))
+        nodes += [helper.make_node("Transpose", ["spec"], ["spec_t"], name="to_time", perm=[0, 2, 1]),
+                  helper.make_node("Mul", ["spec_t", "norm"], ["normed"], name="normalise")]
+        bins = "normed"
+    nodes += [helper.make_node("Slice", [bins, "s0", "s8", "ax"], ["re"], name="take_re"),
+              helper.make_node("Slice", [bins, "s8", "s16", "ax"], ["im"], name="take_im"),
+              helper.make_node("Mul", ["re", "re"], ["re2"], name="sq_re"),
+              helper.make_node("Mul", ["im", "im"], ["im2"], name="sq_im"),
+              helper.make_node("Add", ["re2", "im2"], ["pw"], name="power"),
+              helper.make_node("Add", ["pw", "eps"], ["floored"], name="floor"),
+              helper.make_node("Log", ["floored"], ["y"], name="log")]
+    out = [1, BINS, FRAMES] if norm is None else [1, FRAMES, BINS]
     graph = helper.make_graph(
-        nodes, "quiet_transform",
+        nodes, name,
         [helper.make_tensor_value_info("wav", TensorProto.FLOAT, [1, 1, (FRAMES - 1) * HOP + FRAME])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, BINS, FRAMES])], inits)
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, out)], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     onnx.checker.check_model(model, full_check=True)
     return model
 
+
+def _quiet_transform() -> onnx.ModelProto:
+    """wav -> Conv(cos|sin x 4e-2: a length-normalised basis, as a CQT has) -> re, im (mostly
+    under FP16's smallest normal) -> re*re + im*im -> Add(1e-10) -> Log -> y."""
+    return _transform_log("quiet_transform", 4e-2, 1e-10)
 
 def _quiet_audio(n: int, seed: int) -> list[dict[str, np.ndarray]]:
     """_audio at unit scale, 30 dB quieter each sample, with the first frames digital silence (the
@@ -225,31 +243,7 @@ def test_a_transform_under_fp16s_normal_range_is_lifted_into_it_before_its_fp32_
 def _normalised_transform() -> onnx.ModelProto:
     """wav -> Conv(cos|sin x 1e-6) -> spec -> Transpose -> Mul(14: a CQT's length
     normalisation) -> normed -> re, im -> re*re + im*im -> Add(1e-12) -> Log -> y."""
-    t = np.arange(FRAME)
-    freqs = np.arange(1, BINS + 1)
-    window = np.hanning(FRAME) * 1e-6
-    cos = (np.cos(2 * np.pi * np.outer(freqs, t) / FRAME) * window)[:, None, :]
-    sin = (np.sin(2 * np.pi * np.outer(freqs, t) / FRAME) * window)[:, None, :]
-    inits = [numpy_helper.from_array(np.concatenate([cos, sin]).astype(np.float32), "basis"),
-             _i64("s0", [0]), _i64("s8", [BINS]), _i64("s16", [2 * BINS]), _i64("ax2", [2]),
-             _f32("eps", 1e-12), _f32("norm", 14.0)]
-    nodes = [helper.make_node("Conv", ["wav", "basis"], ["spec"], name="transform", strides=[HOP]),
-             helper.make_node("Transpose", ["spec"], ["spec_t"], name="to_time", perm=[0, 2, 1]),
-             helper.make_node("Mul", ["spec_t", "norm"], ["normed"], name="normalise"),
-             helper.make_node("Slice", ["normed", "s0", "s8", "ax2"], ["re"], name="take_re"),
-             helper.make_node("Slice", ["normed", "s8", "s16", "ax2"], ["im"], name="take_im"),
-             helper.make_node("Mul", ["re", "re"], ["re2"], name="sq_re"),
-             helper.make_node("Mul", ["im", "im"], ["im2"], name="sq_im"),
-             helper.make_node("Add", ["re2", "im2"], ["pw"], name="power"),
-             helper.make_node("Add", ["pw", "eps"], ["floored"], name="floor"),
-             helper.make_node("Log", ["floored"], ["y"], name="log")]
-    graph = helper.make_graph(
-        nodes, "normalised_transform",
-        [helper.make_tensor_value_info("wav", TensorProto.FLOAT, [1, 1, (FRAMES - 1) * HOP + FRAME])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, FRAMES, BINS])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    onnx.checker.check_model(model, full_check=True)
-    return model
+    return _transform_log("normalised_transform", 1e-6, 1e-12, norm=14.0)
 
 
 def _swelling_audio(n: int, seed: int) -> list[dict[str, np.ndarray]]:
@@ -259,8 +253,7 @@ def _swelling_audio(n: int, seed: int) -> list[dict[str, np.ndarray]]:
     t = np.arange((FRAMES - 1) * HOP + FRAME)
     out = []
     for _ in range(n):
-        wav = sum(rng.uniform(0.3, 1.0) * np.cos(2 * np.pi * f * t / FRAME + rng.uniform(0, 6.28))
-                  for f in range(1, BINS + 1))
+        wav = _tones(rng)
         wav = wav / np.abs(wav).max() * 1e4 * np.exp(-25.0 * (1 - t / t.size))
         wav[: 2 * HOP + FRAME] = 0.0
         out.append({"wav": wav.reshape(1, 1, -1).astype(np.float32)})
