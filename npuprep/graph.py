@@ -201,12 +201,13 @@ def is_anchored(tensor: onnx.TensorProto) -> bool:
 
 
 def name_maker(graph: onnx.GraphProto) -> Callable[[str], str]:
-    """A function giving names no tensor of `graph` or its bodies uses yet (`base`, then
-    `base_1`, ...), each name once: a body's new tensor must not shadow an outer one."""
+    """A function giving names no tensor, node or input of `graph` or its bodies uses yet
+    (`base`, then `base_1`, ...), each name once: a body's new tensor must not shadow an outer
+    one, and a new node or subgraph may take one too."""
     names = {n for scope in walk_graphs(graph) for node in scope.graph.node
-             for n in (*node.input, *node.output)}
+             for n in (*node.input, *node.output, node.name)}
     names |= {i.name for scope in walk_graphs(graph) for i in scope.graph.initializer}
-    names |= {i.name for scope in walk_graphs(graph) if not scope.is_main for i in scope.graph.input}
+    names |= {i.name for scope in walk_graphs(graph) for i in scope.graph.input}
 
     def fresh(base: str) -> str:
         name, i = base, 1

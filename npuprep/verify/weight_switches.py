@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from npuprep.graph import tensor_nbytes, walk_graphs
+from npuprep.graph import name_maker, tensor_nbytes, walk_graphs
 from npuprep.ops import QUANTISED_MAC_OPS
 
 # Every choice of every switched weight is held in memory (an FP32 constant each): up to
@@ -74,7 +74,7 @@ def fold_weight_switches(model: onnx.ModelProto, switches: Iterable[str]) -> onn
         on_k = {on[k]: np.array(True) for _, on in layers if k < len(on)}
         values.append(run(session, {**off, **on_k}, weights))
     del session
-    fresh = _namer(g)
+    fresh = name_maker(g)
     for node, on in layers:
         w = node.input[1]
         names = []
@@ -191,22 +191,6 @@ def _into_branches(g: onnx.GraphProto, node: onnx.NodeProto, switches: list[str]
                                 then_branch=branch(then), else_branch=branch(rest))
 
     node.CopyFrom(choice(0, list(node.output)))
-
-
-def _namer(g: onnx.GraphProto) -> Callable[[str], str]:
-    """Names no tensor, node or initialiser of `g` or its subgraphs uses yet."""
-    taken = {n for scope in walk_graphs(g) for node in scope.graph.node
-             for n in (*node.input, *node.output, node.name)}
-    taken |= {i.name for i in g.initializer} | {i.name for i in g.input}
-
-    def fresh(base: str) -> str:
-        name, i = base, 1
-        while name in taken:
-            name, i = f"{base}_{i}", i + 1
-        taken.add(name)
-        return name
-
-    return fresh
 
 
 def _drop_dead(g: onnx.GraphProto, candidates: list[onnx.NodeProto]) -> None:
