@@ -58,6 +58,7 @@ from npuprep.scale_rules import ScaleRule
 from npuprep.verify.output_check import OutputCheck
 from npuprep.verify.output_errors import OutputErrors, worst_pooled_rel_l2
 from npuprep.verify.qdq_model import Sensitivity, activation_scale, on_target
+from npuprep.verify.trial_pieces import crossing, cut_into_pieces, first_pieces
 from npuprep.verify.weight_switches import fold_weight_switches
 
 # Samples a ranking or rule trial is measured on: it needs an order, not a verdict.
@@ -277,39 +278,85 @@ def _dequantised(node: onnx.NodeProto, w: np.ndarray, v: Variant, weights: Weigh
 
 
 class LocalRuns:
-    """Trial runs in this process: one session of the trial model, built once, of one
-    thread and no prepacked weights (npuprep.verify.weight_switches), run by one thread per
-    core at a time (onnxruntime runs a session from several threads at once). A trial run
-    is ~2000 small nodes (the rounding chains, the switches): split over 2 threads each node
-    waited for the other thread, and a run took twice the CPU time and, on a loaded machine,
-    twice the wall time of one thread (ppocr_det, 2 cores: 0.147 against 0.075 CPU s); the
-    jobs of a batch are independent and share the cores whole."""
+    """Trial runs in this process: the trial model in pieces (npuprep.verify.trial_pieces),
+    a session each, built once, of one thread and no prepacked weights
+    (npuprep.verify.weight_switches), run by one thread per core at a time (onnxruntime runs
+    a session from several threads at once). A trial run is ~2000 small nodes (the rounding
+    chains, the switches): split over 2 threads each node waited for the other thread, and
+    a run took twice the CPU time and, on a loaded machine, twice the wall time of one thread
+    (ppocr_det, 2 cores: 0.147 against 0.075 CPU s); the jobs of a batch are independent and
+    share the cores whole. The first TRIAL_SAMPLES samples' values at each cut with every
+    switch off are kept, and a job on one of them starts at the last cut before its first
+    switch on: a layer alone reruns only what follows it."""
 
     def __init__(self, model: onnx.ModelProto, samples: Sequence[Feed]) -> None:
         from npuprep.calibrate.run import cores
         from npuprep.runtime.session import make_session
 
         self.samples = list(samples)
-        self.session: Any = make_session(model, prepack=False, threads=1)
-        self.names = [o.name for o in self.session.get_outputs()]
+        shapes = {k: np.shape(v) for k, v in self.samples[0].items()} if self.samples else {}
+        self.pieces = cut_into_pieces(model, shapes)
+        self.sessions: list[Any] = [make_session(p.model, prepack=False, threads=1)
+                                    for p in self.pieces]
+        self.names = [o.name for o in model.graph.output]
+        self.first = first_pieces(self.pieces, [i.name for i in model.graph.input])
+        self.entering = [crossing(self.pieces, k) for k in range(len(self.pieces))]
+        # sample -> the values entering each piece (and the outputs) with every switch off
+        self.kept: dict[int, list[dict[str, np.ndarray]]] = {}
         self.workers = cores()
+
+    def _start(self, switches: Mapping[str, np.ndarray]) -> int:
+        return min((self.first.get(s, 0) for s, on in switches.items() if bool(on)),
+                   default=len(self.pieces))
+
+    def _from(self, k: int, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`values` (what enters piece k) with the pieces from k on run."""
+        for j in range(k, len(self.pieces)):
+            self._from_one(j, values)
+        return values
+
+    def _keep(self, i: int, switches: Mapping[str, np.ndarray]) -> None:
+        values: dict[str, np.ndarray] = {**self.samples[i], **{s: np.array(False) for s in switches}}
+        kept = []
+        for k in range(len(self.pieces)):
+            kept.append({n: values[n] for n in self.entering[k]})
+            self._from_one(k, values)
+        kept.append({n: values[n] for n in self.names})
+        self.kept[i] = kept
+
+    def _from_one(self, k: int, values: dict[str, np.ndarray]) -> None:
+        from npuprep.runtime.session import run
+
+        piece = self.pieces[k]
+        values.update(run(self.sessions[k], {n: values[n] for n in piece.inputs}, piece.outputs))
 
     def run(self, jobs: Sequence[tuple[int, Mapping[str, np.ndarray]]]) -> list[dict[str, np.ndarray]]:
         """The outputs of each job: (sample index, switches)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from npuprep.runtime.session import run
-
         def one(job: tuple[int, Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-            return run(self.session, {**self.samples[job[0]], **job[1]}, self.names)
+            i, switches = job
+            k = self._start(switches) if i in self.kept else 0
+            values = {**self.samples[i], **switches}
+            if k:
+                values.update(self.kept[i][k])
+            if k == len(self.pieces):
+                return dict(self.kept[i][k])
+            out = self._from(k, values)
+            return {n: out[n] for n in self.names}
 
-        if self.workers < 2 or len(jobs) < 2:
-            return [one(job) for job in jobs]
-        with ThreadPoolExecutor(min(self.workers, len(jobs))) as pool:
+        # A job on a kept sample that starts past the first piece needs that sample's values.
+        keep = {i: s for i, s in jobs if i < TRIAL_SAMPLES and i not in self.kept
+                and len(self.pieces) > 1 and self._start(s) > 0}
+        with ThreadPoolExecutor(max(1, min(self.workers, len(jobs)))) as pool:
+            list(pool.map(lambda item: self._keep(*item), keep.items()))
+            if self.workers < 2 or len(jobs) < 2:
+                return [one(job) for job in jobs]
             return list(pool.map(one, jobs))
 
     def close(self) -> None:
-        self.session = None
+        self.sessions = []
+        self.kept = {}
 
 
 # What a trial switches on, whatever session runs it: ("weight", layer, format),

