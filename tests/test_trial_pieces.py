@@ -1,0 +1,81 @@
+"""The 8-bit search's trial model in pieces: a trial starting at a cut (its earlier pieces'
+values kept from the all-off run) gives what the whole model gives, bit for bit, and does not
+run the pieces before its first switch."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from onnx import numpy_helper, parser
+
+from npuprep.calibrate import calibrate
+from npuprep.model_io import Model, fingerprint
+from npuprep.numerics import eight_bit_format, get_format
+from npuprep.runtime.session import make_session, run
+from npuprep.scale_rules import ScaleRule
+from npuprep.verify.qdq_model import on_target
+from npuprep.verify.qdq_trials import TRIAL_SAMPLES, LocalRuns, Variant, switched_qdq
+from npuprep.verify.weight_switches import fold_weight_switches
+
+# x -> Conv a -> Relu -> Conv b -> Relu -> Conv c -> Relu -> Conv d -> y
+CHAIN = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[1, 8, 24, 24] x) => (float[1, 8, 24, 24] y) {
+    [a] h1 = Conv <pads = [1, 1, 1, 1]> (x, Wa)
+    r1 = Relu (h1)
+    [b] h2 = Conv <pads = [1, 1, 1, 1]> (r1, Wb)
+    r2 = Relu (h2)
+    [c] h3 = Conv <pads = [1, 1, 1, 1]> (r2, Wc)
+    r3 = Relu (h3)
+    [d] y = Conv <pads = [1, 1, 1, 1]> (r3, Wd)
+}
+"""
+LAYERS = ("a", "b", "c", "d")
+
+
+class _Counted:
+    """A session whose runs are counted."""
+
+    def __init__(self, session: object) -> None:
+        self.session, self.runs = session, 0
+
+    def run(self, *args: object) -> object:
+        self.runs += 1
+        return self.session.run(*args)  # type: ignore[attr-defined]
+
+    def get_outputs(self) -> object:
+        return self.session.get_outputs()  # type: ignore[attr-defined]
+
+
+def test_a_trial_from_a_cut_gives_the_whole_model_s_outputs_and_skips_the_pieces_before_it():
+    rng = np.random.default_rng(5)
+    proto = parser.parse_model(CHAIN)
+    for name in LAYERS:
+        w = rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.3
+        proto.graph.initializer.append(numpy_helper.from_array(w, f"W{name}"))
+    feeds = [{"x": rng.standard_normal((1, 8, 24, 24)).astype(np.float32)} for _ in range(6)]
+    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+    stats = calibrate(model, feeds, detail="all")
+    switched = switched_qdq(proto, list(LAYERS), stats,
+                            [Variant(eight_bit_format("int8"), (ScaleRule.ABSMAX,), True)])
+    trial = on_target(switched.model, get_format("fp16"), set(), saturate=True)
+    trial = fold_weight_switches(trial, switched.weight_switches.values())
+    runs = LocalRuns(trial, feeds)
+    assert len(runs.pieces) > 1
+    whole = make_session(trial, prepack=False, threads=1)
+    # Every set of layers in INT8, on a kept sample and one past them.
+    jobs = [(i, switched.feed(dict.fromkeys(on, "int8"), {}))
+            for r in range(len(LAYERS) + 1) for on in itertools.combinations(LAYERS, r)
+            for i in (0, TRIAL_SAMPLES + 1)]
+    got = runs.run(jobs)
+    for (i, switches), out in zip(jobs, got, strict=True):
+        expected = run(whole, {**feeds[i], **switches})
+        assert np.array_equal(out["y"], expected["y"])
+    # The last layer alone on a kept sample starts past the first piece: it is not run.
+    last = switched.feed({"d": "int8"}, {})
+    assert runs._start(last) > 0
+    first = runs.sessions[0] = _Counted(runs.sessions[0])
+    alone = runs.run([(0, last)])[0]
+    assert first.runs == 0
+    assert np.array_equal(alone["y"], run(whole, {**feeds[0], **last})["y"])
