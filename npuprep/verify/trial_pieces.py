@@ -34,8 +34,7 @@ PIECES = 8
 # The all-off values kept at the cuts, per sample: the cuts crossed by more are left out,
 # the earliest first (a trial starting there saves the least).
 KEPT_BYTES_PER_SAMPLE = 64 * 2**20
-# The producers a cut may separate from their readers (see the module's docstring); a
-# Constant is copied into every piece that reads it instead.
+# The producers a cut may separate from their readers (see the module's docstring).
 _CUTTABLE = frozenset({"Cast", "If"})
 
 
@@ -59,26 +58,34 @@ def cut_into_pieces(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]
     g = model.graph
     nodes = list(g.node)
     reads = [node_reads(n) for n in nodes]
-    made = {o: k for k, n in enumerate(nodes) for o in n.output if o}
     last_read: dict[str, int] = {}
     for k, names in enumerate(reads):
         for name in names:
             last_read[name] = k
     for out in g.output:
         last_read[out.name] = len(nodes)
-    # A Constant's value is copied, not carried across a cut.
-    made = {o: k for o, k in made.items() if nodes[k].op_type != "Constant"}
+    # What is computed from constants alone (a Constant, a Cast of one) is computed again
+    # in each piece that reads it, not carried across a cut: onnxruntime folds it, and a
+    # piece of such values only would be no model it loads.
+    varying = {i.name for i in g.input} - {i.name for i in g.initializer}
+    fixed: dict[str, int] = {}
+    for k, (node, names) in enumerate(zip(nodes, reads, strict=True)):
+        target = varying if any(t in varying for t in names) else fixed
+        for out in (o for o in node.output if o):
+            if target is fixed:
+                fixed[out] = k
+            else:
+                varying.add(out)
+    made = {o: k for k, n in enumerate(nodes) for o in n.output if o and o not in fixed}
     size = _sizes(model, shapes)
     cost = _costs(model, nodes, size)
-    cuts = _cuts(nodes, [i.name for i in g.input], made, last_read, cost, sum(cost) or 1.0,
-                 count)
+    cuts = _cuts(nodes, made, last_read, cost, sum(cost) or 1.0, count)
     cuts = _within(cuts, made, last_read, size, kept_bytes)
     if not cuts:
         return [Piece(model, tuple(i.name for i in g.input), tuple(o.name for o in g.output))]
     types = infer_tensors(model).types
     bounds = [0, *cuts, len(nodes)]
-    constants = {o: n for n in nodes if n.op_type == "Constant" for o in n.output}
-    return [_piece(model, nodes[a:b], reads[a:b], a, b, made, last_read, types, constants)
+    return [_piece(model, nodes, reads, a, b, made, fixed, last_read, types)
             for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
@@ -98,23 +105,17 @@ def crossing(pieces: Sequence[Piece], k: int) -> set[str]:
     return made & later
 
 
-def _cuts(nodes: Sequence[onnx.NodeProto], inputs: Sequence[str], made: Mapping[str, int],
+def _cuts(nodes: Sequence[onnx.NodeProto], made: Mapping[str, int],
           last_read: Mapping[str, int], cost: Sequence[float], total: float,
           count: int) -> list[int]:
     """Cut positions (a cut at k: nodes before k in earlier pieces) nearest at or before each
-    cost quantile where only cuttable producers' values cross."""
+    cost quantile where only cuttable producers' values cross, at least one."""
     live: set[str] = set()
     spent, target, chosen = 0.0, 1, []
     ok = [True] * (len(nodes) + 1)
-    # A value computed from constants alone would be folded away: a piece of such values
-    # only (or of nothing a later piece reads) is no model onnxruntime loads.
-    varying = set(inputs)
     for k, node in enumerate(nodes):
         live = {t for t in live if last_read.get(t, -1) >= k}
-        ok[k] = bool(live) and all(nodes[made[t]].op_type in _CUTTABLE and t in varying
-                                   for t in live)
-        if any(t in varying for t in node_reads(node)):
-            varying.update(node.output)
+        ok[k] = bool(live) and all(nodes[made[t]].op_type in _CUTTABLE for t in live)
         live |= {o for o in node.output if o in made and last_read.get(o, -1) > k}
     safe_before = -1
     for k in range(len(nodes)):
@@ -198,25 +199,32 @@ def _constant_dims(name: str, model: onnx.ModelProto) -> tuple[int, ...]:
     return ()
 
 
-def _piece(model: onnx.ModelProto, nodes: Sequence[onnx.NodeProto], reads: Sequence[list[str]],
-           start: int, end: int, made: Mapping[str, int], last_read: Mapping[str, int],
-           types: Mapping[str, int], constants: Mapping[str, onnx.NodeProto]) -> Piece:
+def _piece(model: onnx.ModelProto, every: Sequence[onnx.NodeProto], reads: Sequence[list[str]],
+           start: int, end: int, made: Mapping[str, int], fixed: Mapping[str, int],
+           last_read: Mapping[str, int], types: Mapping[str, int]) -> Piece:
+    """Nodes [start, end) of `every`, with the constant values they read from before start
+    computed again (their nodes copied ahead of them)."""
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     inputs = {i.name: i for i in g.input}
     graph_outputs = {o.name: o for o in g.output}
-    wanted = list(dict.fromkeys(t for names in reads for t in names))
-    own = {o for n in nodes for o in n.output}
-    copied = list({id(constants[t]): constants[t] for t in wanted
-                   if t in constants and t not in own}.values())
-    from_before = [t for t in wanted if t not in inits and t not in constants
+    copied: set[int] = set()
+    todo = [t for names in reads[start:end] for t in names if fixed.get(t, end) < start]
+    while todo:
+        k = fixed[todo.pop()]
+        if k not in copied:
+            copied.add(k)
+            todo += [t for t in reads[k] if t in fixed]
+    order = [*sorted(copied), *range(start, end)]
+    wanted = list(dict.fromkeys(t for k in order for t in reads[k]))
+    from_before = [t for t in wanted if t not in inits and t not in fixed
                    and (t in inputs or made.get(t, end) < start)]
-    outputs = [o for n in nodes for o in n.output if o and (o in graph_outputs or (
-        o not in constants and last_read.get(o, -1) >= end))]
+    outputs = [o for k in range(start, end) for o in every[k].output
+               if o and (o in graph_outputs or (o in made and last_read.get(o, -1) >= end))]
     piece = onnx.ModelProto()
     copy_fields(model, piece, skip="graph")
     piece.graph.name = g.name
-    piece.graph.node.extend([*copied, *nodes])
+    piece.graph.node.extend(every[k] for k in order)
     piece.graph.initializer.extend(inits[t] for t in wanted if t in inits)
     piece.graph.input.extend(inputs[t] if t in inputs else _typed(t, types, g)
                              for t in from_before)
