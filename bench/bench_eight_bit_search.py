@@ -7,7 +7,8 @@ model's folder (DIR/NAME/calib/, DIR/NAME/holdout/ beside DIR/NAME.onnx). Prints
 the wall and CPU seconds of each stage (as convert reports them to its progress callback), the
 machine's load average before and after (it may be shared), the 8-bit share
 of the multiply-adds, the outputs' rel L2 on the calibration and held-out samples, the layers
-kept wider, the trial runs, the share/error curve the search tried and convert's notes.
+kept wider, the trial runs, the share/error curve the search tried and convert's notes. Each
+stage is also printed to stderr as it starts (a large model's convert runs for many minutes).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -50,6 +52,8 @@ def bench(folder: Path, precision: str, target: str) -> dict[str, object]:
             stages[-1] = (stages[-1][0], now - last, cpu - last_cpu)
         stages.append((name, 0.0, 0.0))
         last, last_cpu = now, cpu
+        print(f"[{now - start:7.1f} s, {cpu - start_cpu:7.1f} CPU s, load "
+              f"{os.getloadavg()[0]:.1f}] {name}", file=sys.stderr, flush=True)
 
     result = convert(model, load_profile(target), calib, holdout=held, stats=CALIBRATE,
                      precision=precision, progress=progress)
