@@ -13,7 +13,9 @@ in If branches, each reading its choice as a constant (npuprep.verify.weight_swi
 search builds one such session per phase holding only the pairs it switches
 (npuprep.pipeline.quantise_and_verify). A batch of trials (a ranking's, a rule choice's) is
 handed to the session's runner at once: this process (LocalRuns: one session thread, a run
-per core at a time), or Ray actors (npuprep.calibrate.on_ray.SessionsOnRay)
+per core at a time, the model in pieces so a trial on the first samples starts at the last cut
+before its first switch: npuprep.verify.trial_pieces), or Ray actors
+(npuprep.calibrate.on_ray.SessionsOnRay)
 that run the same jobs to the same outputs. The sessions have one thread each and no
 prepacked weights: the built model's numbers at one thread, bit for bit (onnxruntime's Conv
 may sum in another order on two threads: ppocr_det, 1e-5). So a trial one phase's session
