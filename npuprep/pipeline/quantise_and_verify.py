@@ -50,6 +50,7 @@ from npuprep.verify.pin_rounds import sample_shapes
 from npuprep.verify.qdq_model import (
     Equalised,
     Sensitivity,
+    balance_conv_inputs,
     balance_outliers,
     eight_bit_nodes,
     equalise_channels,
@@ -154,6 +155,21 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         base, stats = equalised.model, equalised.stats
         if equalised.before:
             notes.append(_equalised_note(equalised))
+    if not eight.is_float:
+        # Conv inputs whose writer equalisation cannot pass (a hard-swish) or did not take.
+        stage("balancing Conv inputs' channels into their weights")
+        convs = balance_conv_inputs(base, eight_bit_nodes(layers, eight), stats, samples,
+                                    measure=measure, path=work.path, weights=weights,
+                                    left_alone={*applied.tensor_scales,
+                                                *(c.tensor for c in equalised.chains)})
+        base, stats = convs.model, convs.stats
+        balanced.update(convs.tensors)
+        if convs.tensors:
+            folded = sum(x == xs for x, (xs, _) in convs.tensors.items())
+            notes.append(f"{len(convs.tensors)} INT8 Conv input(s) divided per channel, their "
+                         f"weights' input channels multiplied (SmoothQuant; {folded} folded into "
+                         f"the constants of the op writing them, {len(convs.tensors) - folded} "
+                         "by an added Mul), kept by their layers' error alone on unfitted samples")
     macs = _macs(base, stats, samples)
     notes += body_note(base, macs)
     eight_bit = eight_bit_nodes(layers, eight)
