@@ -106,7 +106,7 @@ def smooth(model: onnx.ModelProto, factors: Mapping[str, np.ndarray],
             node.input[0], node.input[1] = xs, scaled
         smoothed[x] = xs
     if not smoothed:
-        return RewriteResult(model, False, "no MatMul or Conv input had channels to balance")
+        return RewriteResult(model, False, "no MatMul input (nor Conv input) had channels to balance")
     from npuprep.rewrite.qdq import drop_unused_weights, sort_nodes
 
     g.node.extend(added)
