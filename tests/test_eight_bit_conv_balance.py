@@ -41,8 +41,17 @@ g (float[1, 16, 8, 8] x) => (float[1, 8, 8, 8] y) {
     [pw] y = Conv <kernel_shape = [1, 1]> (xa, W)
 }
 """
-# The same, but xa also leaves the graph: its values may not change, so a Mul is added.
+# The same, but xa also leaves the graph: its values may not change.
 SEEN = AFFINE.replace("float[1, 8, 8, 8] y)", "float[1, 8, 8, 8] y, float[1, 16, 8, 8] xa)")
+GATED = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1, 16, 8, 8] x) => (float[1, 8, 8, 8] y) {
+    p = GlobalAveragePool (x)
+    gate = Sigmoid (p)
+    xa = Mul (x, gate)
+    [pw] y = Conv <kernel_shape = [1, 1]> (xa, W)
+}
+"""
 
 
 def _with(text: str, weights: dict[str, np.ndarray]) -> onnx.ModelProto:
@@ -122,16 +131,25 @@ def test_a_pointwise_conv_input_is_balanced_into_its_weights_through_the_affine_
     assert _rel_l2(ours, proto, unseen) < 0.5 * _rel_l2(plain, proto, unseen)
 
 
-def test_an_input_read_elsewhere_takes_a_mul_and_one_left_alone_stays():
-    proto = _affine(SEEN)
+def test_a_gated_input_divides_its_gate_and_one_needing_a_whole_mul_stays():
+    # x -> GlobalAveragePool -> Sigmoid -> gate (one value per channel); xa = x * gate -> pw
+    # (a squeeze-and-excitation block's output, ppocr_rec's Conv.24 and Conv.28)
+    proto = _with(GATED, {"W": RNG.standard_normal((8, 16, 1, 1)) / SPREAD.reshape(1, 16, 1, 1)})
     feeds, unseen = _spread_feeds(8), _spread_feeds(4)
     stats = _stats(proto, feeds)
     found = balance_conv_inputs(proto, ["pw"], stats, feeds, measure=_measure(proto),
                                 left_alone=())
-    (x, (read, _)), = found.tensors.items()
-    assert x == "xa" and read != "xa" and read in found.stats.tensors
-    assert sorted(n.op_type for n in found.model.graph.node) == ["Add", "Conv", "Mul", "Mul"]
-    assert _rel_l2(found.model, proto, unseen) < 1e-6  # xa itself leaves the graph unchanged
+    assert list(found.tensors) == ["xa"] and found.tensors["xa"][0] == "xa"
+    mul = next(n for n in found.model.graph.node if n.op_type == "Mul" and "gate" in n.input)
+    assert sorted(n.op_type for n in found.model.graph.node) == [
+        "Conv", "GlobalAveragePool", "Mul", "Mul", "Sigmoid"] and mul.output[0] != "xa"
+    assert _rel_l2(found.model, proto, unseen) < 1e-6
     kept = balance_conv_inputs(proto, ["pw"], stats, feeds, measure=_measure(proto),
                                left_alone={"xa"})
     assert kept.tensors == {} and kept.model is proto
+    # xa also leaves the graph: only a Mul over the whole of it could divide the Conv's input
+    # (a pass over a feature map: ddddocr_det's SiLU outputs), so it is left alone.
+    seen = _affine(SEEN)
+    seen_stats = _stats(seen, feeds)
+    assert balance_conv_inputs(seen, ["pw"], seen_stats, feeds, measure=_measure(seen),
+                               left_alone=()).tensors == {}

@@ -12,8 +12,10 @@ equalisation cannot pass the hard-swish.
 The division costs nothing where the op writing x already multiplies it by a constant:
 Mul(h, a) [-> Add(., b)] (PP-LCNetV3's learnable affine after each hard-swish) or a
 BatchNormalization take a/s, b/s (their constants become per channel); the division is then
-folded there and x keeps its name. Elsewhere a Mul by 1/s is inserted (a compiler folds it
-into a LayerNorm's gamma, or runs it as one elementwise op).
+folded there and x keeps its name. Where x = Mul(h, gate) with one gate value per channel (a
+squeeze-and-excitation block's), the gate is divided: a Mul on C values. Elsewhere a Mul by
+1/s is inserted on x itself (a compiler folds it into a LayerNorm's gamma, or runs it as one
+elementwise op over the whole tensor: details["whole"] names those).
 """
 
 from __future__ import annotations
@@ -59,13 +61,16 @@ def smoothing_factors(x_absmax: np.ndarray, weights: Sequence[np.ndarray], *,
 
 def smooth(model: onnx.ModelProto, factors: Mapping[str, np.ndarray],
            readers: Mapping[str, Sequence[str]], *,
-           place: Callable[[np.ndarray, str], onnx.TensorProto] | None = None) -> RewriteResult:
+           place: Callable[[np.ndarray, str], onnx.TensorProto] | None = None,
+           sizes: Mapping[str, int] | None = None) -> RewriteResult:
     """Divide tensor x (`factors`: x -> s) by s before the layers `readers[x]` (labels),
     whose weights' input channels are multiplied by s (a new initialiser each, made by
     `place`: inline by default, a large model's scratch file in convert). The tensors the
     readers now read are named in details["smoothed"] (x -> x / s: x itself where the
-    division was folded into the op writing it, details["folded"] lists those; every tensor
-    whose values changed, in details["changed"])."""
+    division was folded into the op writing it or its gate, details["folded"] lists those;
+    every tensor whose values changed, in details["changed"]; those divided by a Mul over a
+    tensor larger than one value per channel, in details["whole"]). `sizes`: tensor -> its
+    number of values, where known (a gate is found by it)."""
     place = place or numpy_helper.from_array
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -77,6 +82,8 @@ def smooth(model: onnx.ModelProto, factors: Mapping[str, np.ndarray],
 
     smoothed: dict[str, str] = {}
     folded: list[str] = []
+    whole: list[str] = []
+    sizes = sizes or {}
     changed: list[str] = []
     added: list[onnx.NodeProto] = []
     for x, s in factors.items():
@@ -87,6 +94,9 @@ def smooth(model: onnx.ModelProto, factors: Mapping[str, np.ndarray],
             if nodes[0].op_type == "Conv" else s
         only_these = x not in outputs and {id(n) for n in read.get(x, [])} <= {id(n) for n in nodes}
         divided = _fold(g, x, per_channel, made, read, fresh) if only_these else []
+        if not divided and only_these:
+            divided, gate_mul = _divide_gate(g, x, per_channel, made, read, sizes, fresh)
+            added += gate_mul
         if divided:
             xs = x
             folded.append(x)
@@ -97,6 +107,8 @@ def smooth(model: onnx.ModelProto, factors: Mapping[str, np.ndarray],
             xs = fresh(f"{x}_smoothed")
             added.append(helper.make_node("Mul", [x, inv], [xs], name=fresh(f"{x}_Smooth")))
             changed.append(xs)
+            if sizes.get(x, 0) != s.size:
+                whole.append(x)
         for node in nodes:
             w = constant_value(g, node.input[1])
             assert w is not None, node_label(node)
@@ -113,7 +125,29 @@ def smooth(model: onnx.ModelProto, factors: Mapping[str, np.ndarray],
     sort_nodes(g)
     drop_unused_weights(g)
     return RewriteResult(out, True, f"{len(smoothed)} layer input(s) balanced into their weights",
-                         {"smoothed": smoothed, "folded": folded, "changed": changed})
+                         {"smoothed": smoothed, "folded": folded, "changed": changed,
+                          "whole": whole})
+
+
+def _divide_gate(g: onnx.GraphProto, x: str, s: np.ndarray, made: Mapping[str, onnx.NodeProto],
+                 read: Mapping[str, list[onnx.NodeProto]], sizes: Mapping[str, int],
+                 fresh: Callable[[str], str]) -> tuple[list[str], list[onnx.NodeProto]]:
+    """x = Mul(h, gate) with one gate value per channel, the gate read by this Mul alone:
+    the gate divided by s instead of x (a Mul on C values); the tensors changed and the Mul
+    added, else nothing."""
+    node = made.get(x)
+    if node is None or node.op_type != "Mul" or len(node.input) != 2:
+        return [], []
+    for k, gate in enumerate(node.input):
+        if sizes.get(gate) == s.size and len(read.get(gate, [])) == 1 and \
+                constant_value(g, gate) is None:
+            inv = fresh(f"{gate}_smooth_inv")
+            g.initializer.append(numpy_helper.from_array((1.0 / s).astype(np.float32), inv))
+            divided = fresh(f"{gate}_smoothed")
+            node.input[k] = divided
+            return [divided, x], [helper.make_node("Mul", [gate, inv], [divided],
+                                                   name=fresh(f"{gate}_Smooth"))]
+    return [], []
 
 
 def _rank(graph: onnx.GraphProto, conv: onnx.NodeProto) -> int:
