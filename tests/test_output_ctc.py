@@ -11,8 +11,9 @@ from onnx import numpy_helper, parser
 from npuprep.cli.common import parse_top_k
 from npuprep.errors import NpuprepError
 from npuprep.numerics import get_format
+from npuprep.runtime.session import make_session, run
 from npuprep.verify.output_check import check_outputs
-from npuprep.verify.output_errors import CTC_TEXT, ctc_text
+from npuprep.verify.output_errors import CTC_TEXT, OutputErrors, ctc_text, output_passes
 
 STEPS, CLASSES = 6, 5
 # Each step's class (0 = blank): the text "1 3 3" (the two 3s apart by a blank).
@@ -61,6 +62,21 @@ def test_a_peak_moved_by_one_step_keeps_the_text_and_a_changed_character_does_no
     # The blank between the two 3s taken by a 3: "1 3" is another text.
     merged = _check(_head({(3, 3): 12.0}), CTC_TEXT)
     assert not merged and merged.outputs["y"]["top_k_agreement"] == 0.0
+
+
+def test_a_text_held_only_at_the_margin_does_not_pass_the_search():
+    # The first character half moved: its step is blank at 1x and the next not yet its class
+    # (0.51 blank / 0.42): the text lost it; at twice the error the move is whole, the same text.
+    half = _head({(0, 1): -4.0, (0, 0): 4.0, (1, 1): 2.9, (1, 0): -2.9})
+    errors = OutputErrors(top_k={"y": CTC_TEXT}, tie_rtol=5e-2, margin=2.0)
+    ref, cand = (run(make_session(m), _samples()[0])["y"] for m in (_head({}), half))
+    errors.add("y", ref, cand)
+    row = errors.result()["y"]
+    alone = OutputErrors(top_k={"y": CTC_TEXT}, tie_rtol=5e-2)
+    alone.add("y", ref, ref + 2.0 * (cand - ref))
+    assert row["top_k_agreement"] == 0.0 and alone.result()["y"]["top_k_agreement"] == 1.0
+    assert row["top_k_agreement_at_margin"] == 0.0
+    assert not output_passes(row, 5e-2, at_margin=True)
 
 
 def test_ctc_decoding_and_the_flag():
