@@ -131,7 +131,7 @@ def test_a_pointwise_conv_input_is_balanced_into_its_weights_through_the_affine_
     assert _rel_l2(ours, proto, unseen) < 0.5 * _rel_l2(plain, proto, unseen)
 
 
-def test_a_gated_input_divides_its_gate_and_one_needing_a_whole_mul_stays():
+def test_a_gated_input_divides_its_gate_and_one_read_elsewhere_takes_a_whole_mul():
     # x -> GlobalAveragePool -> Sigmoid -> gate (one value per channel); xa = x * gate -> pw
     # (a squeeze-and-excitation block's output, ppocr_rec's Conv.24 and Conv.28)
     proto = _with(GATED, {"W": RNG.standard_normal((8, 16, 1, 1)) / SPREAD.reshape(1, 16, 1, 1)})
@@ -147,9 +147,13 @@ def test_a_gated_input_divides_its_gate_and_one_needing_a_whole_mul_stays():
     kept = balance_conv_inputs(proto, ["pw"], stats, feeds, measure=_measure(proto),
                                left_alone={"xa"})
     assert kept.tensors == {} and kept.model is proto
-    # xa also leaves the graph: only a Mul over the whole of it could divide the Conv's input
-    # (a pass over a feature map: ddddocr_det's SiLU outputs), so it is left alone.
+    assert found.whole == ()
+    # xa also leaves the graph: only a Mul over the whole of it can divide the Conv's input
+    # (a pass over the tensor at run time, as for ddddocr_det's SiLU outputs), and xa stays.
     seen = _affine(SEEN)
-    seen_stats = _stats(seen, feeds)
-    assert balance_conv_inputs(seen, ["pw"], seen_stats, feeds, measure=_measure(seen),
-                               left_alone=()).tensors == {}
+    whole = balance_conv_inputs(seen, ["pw"], _stats(seen, feeds), feeds, measure=_measure(seen),
+                                left_alone=())
+    (x, (read, _)), = whole.tensors.items()
+    assert x == "xa" and read != "xa" and whole.whole == ("xa",)
+    assert sorted(n.op_type for n in whole.model.graph.node) == ["Add", "Conv", "Mul", "Mul"]
+    assert _rel_l2(whole.model, seen, unseen) < 1e-6

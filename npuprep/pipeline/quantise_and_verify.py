@@ -165,11 +165,12 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         base, stats = convs.model, convs.stats
         balanced.update(convs.tensors)
         if convs.tensors:
-            folded = sum(x == xs for x, (xs, _) in convs.tensors.items())
+            whole = len(convs.whole)
             notes.append(f"{len(convs.tensors)} INT8 Conv input(s) divided per channel, their "
-                         f"weights' input channels multiplied (SmoothQuant; {folded} folded into "
-                         f"the constants of the op writing them, {len(convs.tensors) - folded} "
-                         "by an added Mul), kept by their layers' error alone on unfitted samples")
+                         f"weights' input channels multiplied (SmoothQuant; "
+                         f"{len(convs.tensors) - whole} folded into the constants of the op "
+                         f"writing them or a Mul on one value per channel, {whole} by a Mul over "
+                         "the whole tensor), kept by their layers' error alone on unfitted samples")
     macs = _macs(base, stats, samples)
     notes += body_note(base, macs)
     eight_bit = eight_bit_nodes(layers, eight)

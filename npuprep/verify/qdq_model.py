@@ -111,11 +111,13 @@ def activation_scale(r: RangeStats, fmt: EightBitFormat, rule: ScaleRule, rescal
 @dataclass(frozen=True)
 class Balanced:
     """The model with outlier channels balanced into weights, its stats (with the new tensors),
-    and the tensors balanced: x -> (x / s, largest / median channel abs-max)."""
+    the tensors balanced: x -> (x / s, largest / median channel abs-max), and those divided by
+    a Mul over the whole tensor."""
 
     model: onnx.ModelProto
     stats: CalibrationStats
     tensors: dict[str, tuple[str, float]]
+    whole: tuple[str, ...] = ()
 
 
 # (model, its stats, groups of layers, samples) -> the outputs' error with each group alone
@@ -202,11 +204,10 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
     again (every rule reads their own histogram): ddddocr_det's balanced Conv inputs with
     abs-max stats only lost their percentile and MSE clips, held-out 0.054 -> 0.111. The
     tensors `left_alone` (the plan rescaled them, or equalisation took them) stay. `path`: the file whose folder holds the weights a light
-    load left external. A division that would need a Mul over the whole of x (a SiLU output:
-    ddddocr_det's 43 Conv inputs, 92.4% -> 88.2% INT8 at the same gate, each Mul a pass over a
-    feature map) is not made: only those folded into constants or put on a per-channel
-    gate, or on a tensor of one value per channel. Balanced.tensors: x -> (what the readers
-    read, largest / median channel abs-max)."""
+    load left external. Balanced.tensors: x -> (what the readers read, largest / median
+    channel abs-max); Balanced.whole: those divided by a Mul over the whole of x (its writer
+    takes no constant: a SiLU's, or x is read elsewhere), an elementwise pass over x at run
+    time."""
     from npuprep.calibrate.channels import channel_absmax
     from npuprep.calibrate.executors import calibrate
     from npuprep.flops import tensor_shapes
@@ -248,16 +249,14 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
     before = measure(model, stats, groups, check)
     every, every_stats = balanced(fitted, readers)
     after = measure(every.model, every_stats, groups, check)
-    whole = set(every.details.get("whole", ())) if every else set()
     done, done_stats = balanced(slice(None), [x for x, a, b in zip(readers, after, before,
-                                                                  strict=True)
-                                              if a < b and x not in whole])
+                                                                  strict=True) if a < b])
     if not done:
         return Balanced(model, stats, {})
     top = {x: per_channel[x].max(axis=0) for x in readers}
     return Balanced(done.model, done_stats, {
         x: (xs, float(top[x].max() / max(float(np.median(top[x])), 1e-12)))
-        for x, xs in dict(done.details["smoothed"]).items()})
+        for x, xs in dict(done.details["smoothed"]).items()}, tuple(done.details["whole"]))
 
 
 @dataclass(frozen=True)
