@@ -19,11 +19,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 from npuprep.graph import name_maker, node_label, node_scopes
+from npuprep.ops import QUANTISED_MAC_OPS
 from npuprep.rewrite.qdq import sort_nodes
 from npuprep.rewrite.result import RewriteResult
-
-# The ops split here: linear in input 0 (weight input 1, an optional bias input 2 / C).
-SPLIT_OPS = ("Conv", "MatMul", "Gemm")
 
 
 def split_input(model: onnx.ModelProto, label: str, scale: float) -> RewriteResult:
@@ -33,7 +31,7 @@ def split_input(model: onnx.ModelProto, label: str, scale: float) -> RewriteResu
     scopes = node_scopes(model.graph)
     if label not in scopes:
         return RewriteResult(model, False, f"no node '{label}'")
-    if scopes[label][0].op_type not in SPLIT_OPS:
+    if scopes[label][0].op_type not in QUANTISED_MAC_OPS:
         return RewriteResult(model, False, f"'{label}' is a {scopes[label][0].op_type}, not "
                                            "a multiply-add")
     out = onnx.ModelProto()

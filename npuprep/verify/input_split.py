@@ -20,8 +20,9 @@ from npuprep.calibrate.scales import clip_raise_factor
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
 from npuprep.graph import node_scopes
+from npuprep.ops import QUANTISED_MAC_OPS
 from npuprep.plan.layer_precision import LayerPrecision, activation_inputs
-from npuprep.rewrite.input_split import SPLIT_OPS, split_input
+from npuprep.rewrite.input_split import split_input
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.qdq_trials import RunsFactory, Variant, errors_alone
@@ -71,7 +72,7 @@ def split_wide_inputs(reference: onnx.ModelProto, model: onnx.ModelProto,
             continue
         node, (g, *outer) = scopes[layer.node]
         inputs = activation_inputs(g, node, outer)
-        if node.op_type not in SPLIT_OPS or inputs != [node.input[0]]:
+        if node.op_type not in QUANTISED_MAC_OPS or inputs != [node.input[0]]:
             continue
         r = stats.tensors.get(inputs[0])
         # One abs-max per sample (a Loop body's tensor has one per iteration: not read here).
