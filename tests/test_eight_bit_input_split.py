@@ -94,7 +94,7 @@ def test_split_is_exact_in_fp32_and_holds_what_one_scale_cannot() -> None:
 
     def worst_sample(m: onnx.ModelProto) -> float:
         session = make_session(m)
-        return max(worst_pooled_rel_l2([run(session, f)], [r]) for f, r in zip(feeds, refs))
+        return max(worst_pooled_rel_l2([run(session, f)], [r]) for f, r in zip(feeds, refs, strict=True))
 
     alone = {name: worst_sample(quantise(model, ["stft"], stats, eight_bit_format(name),
                                          saturate=True).model)
