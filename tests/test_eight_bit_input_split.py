@@ -12,6 +12,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from npuprep.model_io import Model
 from npuprep.numerics import eight_bit_format
+from npuprep.pipeline.stages import CALIBRATE, convert
+from npuprep.profiles import load_profile
 from npuprep.rewrite.input_split import split_input
 from npuprep.runtime.session import make_session, run
 from npuprep.verify.output_errors import worst_pooled_rel_l2
@@ -78,9 +80,10 @@ def test_split_is_exact_in_fp32_and_holds_what_one_scale_cannot() -> None:
     model, feeds = stft_model(), chunks(1, 6)
     # Calibration forks its runs: before this process holds a session.
     stats = calibrate(Model(model, "", "stft"), feeds, detail="all")
-    # The scale the rounded part's own pair takes (abs-max, the samples' spread as headroom).
-    scale = activation_scale(stats.tensors["audio"], eight_bit_format("int8"), "absmax").scale
-    split = split_input(model, "stft", scale)
+    # At the scale the rounded part's own pair takes (abs-max, the samples' spread as headroom).
+    int8 = eight_bit_format("int8")
+    split = split_input(model, "stft", activation_scale(stats.tensors["audio"], int8, "absmax"),
+                        int8)
     # The rounded part reads as its input does; the residual and the parts are measured.
     parts = [str(split.details["residual"]), *split.details["parts"]]  # type: ignore[misc]
     split_stats = replace(stats, tensors={
@@ -106,3 +109,17 @@ def test_split_is_exact_in_fp32_and_holds_what_one_scale_cannot() -> None:
     assert min(alone.values()) > 0.1, alone
     assert pair < min(alone.values()) / 2, (pair, alone)
 
+
+
+def test_convert_runs_the_stft_in_two_int8_passes() -> None:
+    # The quiet chunks underflow FP16: the plan rescales the audio by 2 at the input
+    # (audio__scaled), which the 8-bit decision must read too.
+    result = convert(Model(stft_model(), "", "stft"), load_profile("a2000"), chunks(2, 8),
+                     holdout=chunks(3, 4), stats=CALIBRATE, precision="int8")
+    assert result.eight_bit is not None
+    layers = {x.node: x.precision for x in result.plan.eight_bit}
+    assert layers["stft"] == "int8" and layers["stft_residual"] == "int8", result.notes
+    # Before: the STFT FP16 ("input 'audio__scaled' was not measured"), 3% in 8 bits, FAILED.
+    assert result.eight_bit.eight_bit_share >= 0.9
+    assert result.holdout is not None and result.holdout.worst_rel_l2 <= 5e-2
+    assert result, result.verdict

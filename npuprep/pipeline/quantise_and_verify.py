@@ -26,6 +26,7 @@ import onnx
 
 import npuprep.pipeline.lower_and_verify as lower_and_verify
 from npuprep.calibrate.layer_macs import body_note, layer_macs
+from npuprep.calibrate.mapping import with_scaled_entries
 from npuprep.calibrate.scales import FP8_NAN_HEADROOM
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
@@ -100,6 +101,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     model = source
     stage("rewriting")
     applied = apply_plan(work.proto, plan)
+    # A rescale's entry at a graph input is a new tensor: its stats, scaled, for its readers.
+    stats = with_scaled_entries(stats, applied.model)
     pinned = plan.pinned_nodes() | set(applied.fp32_nodes)
     # On a target that runs INT8 and FP8 (the A2000), a layer one cannot hold may take the other.
     other = eight_bit_format("fp8_e4m3" if not eight.is_float else "int8")

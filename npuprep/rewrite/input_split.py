@@ -14,20 +14,23 @@ Q/DQ pairs as any other's); the pair costs twice the layer's multiply-adds, in I
 
 from __future__ import annotations
 
-import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from npuprep.graph import name_maker, node_label, node_scopes
+from npuprep.numerics import EightBitFormat
 from npuprep.ops import QUANTISED_MAC_OPS
-from npuprep.rewrite.qdq import sort_nodes
+from npuprep.rewrite.qdq import ActivationScale, qdq_pair, sort_nodes
 from npuprep.rewrite.result import RewriteResult
 
 
-def split_input(model: onnx.ModelProto, label: str, scale: float) -> RewriteResult:
-    """`model` with layer `label`'s input 0 split at INT8 scale `scale` (the rounded part
+def split_input(model: onnx.ModelProto, label: str, scale: ActivationScale,
+                int8: EightBitFormat) -> RewriteResult:
+    """`model` with layer `label`'s input 0 split at `scale` in `int8` (the rounded part
     read by `label`, the residual by a new layer `label`_residual); details: `rounded`,
-    `residual` (tensor names), `layer` (the new layer's label), `parts` (the two outputs)."""
+    `residual` (tensor names), `layer` (the new layer's label), `parts` (the two outputs).
+    `scale` is the one the rounded part's own pair takes (npuprep.verify.qdq_model
+    .activation_scale), so that pair rounds nothing more."""
     scopes = node_scopes(model.graph)
     if label not in scopes:
         return RewriteResult(model, False, f"no node '{label}'")
@@ -40,11 +43,10 @@ def split_input(model: onnx.ModelProto, label: str, scale: float) -> RewriteResu
     node, (scope, *_) = node_scopes(g)[label]
     fresh = name_maker(g)
     x, y = node.input[0], node.output[0]
-    scale_name, zero = fresh(f"{x}_split_scale"), fresh(f"{x}_split_zp")
-    # Scales live in the main graph, which every body reads (as npuprep.rewrite.qdq's do).
-    g.initializer.append(numpy_helper.from_array(np.array(scale, np.float32), scale_name))
-    g.initializer.append(numpy_helper.from_array(np.array(0, np.int8), zero))
-    q, hi, r = fresh(f"{x}_split_q"), fresh(f"{x}_rounded"), fresh(f"{x}_residual")
+    # The pair's scale lives in the main graph, which every body reads.
+    added: list[onnx.NodeProto] = []
+    hi = qdq_pair(g, added, fresh, x, f"{x}_rounded", int8, True, scale)
+    r = fresh(f"{x}_residual")
     y_hi, y_lo = fresh(f"{y}_rounded_part"), fresh(f"{y}_residual_part")
     residual_label = fresh(f"{label}_residual")
     residual = onnx.NodeProto()
@@ -55,9 +57,7 @@ def split_input(model: onnx.ModelProto, label: str, scale: float) -> RewriteResu
     residual.input[0], residual.output[0] = r, y_lo
     node.input[0], node.output[0] = hi, y_hi
     scope.node.extend([
-        helper.make_node("QuantizeLinear", [x, scale_name, zero], [q], name=fresh(f"{x}_split_Q")),
-        helper.make_node("DequantizeLinear", [q, scale_name, zero], [hi],
-                         name=fresh(f"{x}_split_DQ")),
+        *added,
         helper.make_node("Sub", [x, hi], [r], name=fresh(f"{x}_split_Sub")),
         residual,
         helper.make_node("Add", [y_hi, y_lo], [y], name=fresh(f"{y}_split_Add")),

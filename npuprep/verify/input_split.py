@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import onnx
 
-from npuprep.calibrate.scales import clip_raise_factor
+from npuprep.calibrate.mapping import scaled_stats
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
 from npuprep.graph import node_scopes
@@ -25,6 +25,7 @@ from npuprep.plan.layer_precision import LayerPrecision, activation_inputs
 from npuprep.rewrite.input_split import split_input
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
+from npuprep.verify.qdq_model import activation_scale
 from npuprep.verify.qdq_trials import RunsFactory, Variant, errors_alone
 
 # Largest over smallest per-sample abs-max of a layer's input past which one INT8 scale
@@ -93,8 +94,12 @@ def split_wide_inputs(reference: onnx.ModelProto, model: onnx.ModelProto,
         own = {v.fmt.name: worst(model, stats, [layer.node], v) for v in variants}
         if min(own.values()) <= aim:
             continue
-        scale = r.absmax * clip_raise_factor(r, int8.fmt) / int8.fmt.qmax
-        done = split_input(model, layer.node, scale)
+        # The input's values as the rewritten model holds them (a rescaled tensor's stats are
+        # those measured, its factor in `tensor_scales`), its abs-max scale as its pair takes it.
+        values = scaled_stats(r, tensor_scales.get(inputs[0], 1.0))
+        done = split_input(model, layer.node,
+                           activation_scale(values, int8.fmt, ScaleRule.ABSMAX, 1.0,
+                                            int8.headroom), int8.fmt)
         if not done:
             continue
         rounded, residual = str(done.details["rounded"]), str(done.details["residual"])
@@ -106,7 +111,7 @@ def split_wide_inputs(reference: onnx.ModelProto, model: onnx.ModelProto,
         # scale (abs-max; no histogram, so no rule clips it).
         new_stats = replace(stats, tensors={
             **stats.tensors, **again,
-            rounded: replace(r, tensor=rounded, exp_hist={}, over={}, under={},
+            rounded: replace(values, tensor=rounded, exp_hist={}, over={}, under={},
                              zero_count=0, detailed_count=0)})
         pair = worst(done.model, new_stats, [layer.node, part], exact)
         said = ", ".join(f"{k} {e:.3g}" for k, e in own.items())
