@@ -5,6 +5,7 @@ two INT8 passes (the input rounded, and its residual) do."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -13,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from npuprep.model_io import Model
 from npuprep.numerics import eight_bit_format
 from npuprep.pipeline.stages import CALIBRATE, convert
+from npuprep.plan.plan import load_plan, save_plan
 from npuprep.profiles import load_profile
 from npuprep.rewrite.input_split import split_input
 from npuprep.runtime.session import make_session, run
@@ -123,3 +125,18 @@ def test_convert_runs_the_stft_in_two_int8_passes() -> None:
     assert result.eight_bit.eight_bit_share >= 0.9
     assert result.holdout is not None and result.holdout.worst_rel_l2 <= 5e-2
     assert result, result.verdict
+
+
+def test_the_written_plan_splits_again(tmp_path: Path) -> None:
+    # plan.yaml names the residual pass, a node only the conversion makes: it loads, and
+    # convert with it makes the same split (no measurement: the plan decided it).
+    model = Model(stft_model(), "", "stft")
+    first = convert(model, load_profile("a2000"), chunks(2, 8), holdout=chunks(3, 4),
+                    stats=CALIBRATE, precision="int8")
+    plan = load_plan(save_plan(first.plan, tmp_path / "plan.yaml"), model)
+    again = convert(model, load_profile("a2000"), chunks(2, 8), holdout=chunks(3, 4),
+                    stats=CALIBRATE, precision="int8", plan=plan)
+    assert again.eight_bit is not None and again, again.verdict
+    assert again.eight_bit.eight_bit_share == first.eight_bit.eight_bit_share == 1.0
+    assert again.holdout is not None and first.holdout is not None
+    assert abs(again.holdout.worst_rel_l2 - first.holdout.worst_rel_l2) < 1e-3

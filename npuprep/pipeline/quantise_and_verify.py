@@ -45,7 +45,7 @@ from npuprep.rewrite.lower import Lowered
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.compare import DEFAULT_ATOL, compare_models
-from npuprep.verify.input_split import Splits, split_wide_inputs
+from npuprep.verify.input_split import Splits, planned_splits, split_wide_inputs
 from npuprep.verify.output_check import OutputCheck, check_output_sets, check_outputs
 from npuprep.verify.output_errors import output_passes
 from npuprep.verify.pin_rounds import sample_shapes
@@ -129,15 +129,17 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     if mixed and other is not None:
         variants.append(_variant(profile, other, ScaleRule(scale_rule))[0])
     saturate, scale_rule = main.saturate, main.rules[0]
-    if not plan.eight_bit:
-        stage("splitting inputs no one 8-bit scale holds")
-        split = split_wide_inputs(work.proto, base, layers, stats, samples, variants,
-                                  aim=JUDGE_MARGIN * rtol, tensor_scales=applied.tensor_scales,
-                                  weights=weights, path=work.path, runs=runner)
-        base, stats, notes = split.model, split.stats, notes + list(split.notes)
-        layers = tuple(_with_splits(layers, split))
-        if int8_start is not None:
-            int8_start = _with_splits(int8_start, split)
+    stage("splitting inputs no one 8-bit scale holds")
+    split = (planned_splits(base, layers, stats, samples, variants,
+                            tensor_scales=applied.tensor_scales, path=work.path)
+             if plan.eight_bit else
+             split_wide_inputs(work.proto, base, layers, stats, samples, variants,
+                               aim=JUDGE_MARGIN * rtol, tensor_scales=applied.tensor_scales,
+                               weights=weights, path=work.path, runs=runner))
+    base, stats, notes = split.model, split.stats, notes + list(split.notes)
+    layers = tuple(_with_splits(layers, split))
+    if int8_start is not None:
+        int8_start = _with_splits(int8_start, split)
     balanced: dict[str, tuple[str, float]] = {}
     if not eight.is_float:
         # FP8 keeps its relative precision across channels; INT8's one scale does not.

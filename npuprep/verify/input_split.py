@@ -21,7 +21,7 @@ from npuprep.calibrate.stats import CalibrationStats, RangeStats
 from npuprep.data import Feed
 from npuprep.graph import node_scopes
 from npuprep.ops import QUANTISED_MAC_OPS
-from npuprep.plan.layer_precision import LayerPrecision, activation_inputs
+from npuprep.plan.layer_precision import RESIDUAL_OF, LayerPrecision, activation_inputs
 from npuprep.rewrite.input_split import split_input
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
@@ -163,8 +163,29 @@ def _split(model: onnx.ModelProto, chosen: Sequence[_Candidate], stats: Calibrat
         decided[c.layer] = LayerPrecision(c.layer, int8.fmt.name, f"its input spans "
                                           f"{c.spread:.0f}x between samples: two INT8 passes, "
                                           f"the input rounded and its residual ({part})")
-        residuals[c.layer] = LayerPrecision(part, int8.fmt.name, f"the residual pass of {c.layer}")
+        residuals[c.layer] = LayerPrecision(part, int8.fmt.name, RESIDUAL_OF + c.layer)
     home = path if uses_external_data(model) else ""
     again = calibrate(Model(model, home, "split"), samples, detail="all", tensors=measure).tensors
     return Splits(model, replace(stats, tensors={**stats.tensors, **again, **rounded}), decided,
                   residuals)
+
+
+def planned_splits(model: onnx.ModelProto, layers: Sequence[LayerPrecision],
+                   stats: CalibrationStats, samples: Sequence[Feed], variants: Sequence[Variant],
+                   *, tensor_scales: Mapping[str, float], path: str = "") -> Splits:
+    """The splits a given plan records (a residual pass in its `eight_bit` list, as convert
+    wrote it), made again without measuring: the plan decided them."""
+    int8 = next((v for v in variants if not v.fmt.is_float), None)
+    split = {x.why[len(RESIDUAL_OF):] for x in layers if x.why.startswith(RESIDUAL_OF)}
+    scopes = node_scopes(model.graph)
+    chosen = []
+    for layer in split & set(scopes):
+        node, _ = scopes[layer]
+        r = stats.tensors.get(node.input[0])
+        if r is not None:
+            chosen.append(_Candidate(layer, node.input[0], r, 0.0, ()))
+    if int8 is None or not chosen:
+        return Splits(model, stats, {}, {})
+    done = _split(model, chosen, stats, samples, int8, tensor_scales, path)
+    # The plan's own lines stand (its reasons, as the user left them).
+    return replace(done, layers={}, residuals={})
