@@ -27,6 +27,8 @@ from npuprep.rewrite.scale_domain import RescaleCheck
 # A rescale is declined when it would push more than this share of a domain tensor's
 # values below the target's smallest normal (where they lose precision or flush to 0).
 UNDERFLOW_SHARE = 0.01
+# Readers that only sum what they read (a mean is a scaled sum).
+SUMMING_OPS = ("Add", "Sum", "ReduceSum", "ReduceMean")
 # How many entries are tried when walking back from an overflowing tensor.
 MAX_ENTRY_TRIES = 4
 # How many times k is deepened when another domain tensor is still over the limit.
@@ -187,9 +189,10 @@ def underflow_veto(ctx: PlanContext, entry: str, k: int, t: str, p: int, r: Rang
         return ""
     fmt = ctx.fmt
     readers = ctx.readers.get(t, [])
-    if readers and t not in ctx.graph_outputs and all(n.op_type in ("Add", "Sum") for n in readers):
-        # An addend (a power spectrum's re^2): what it loses under the smallest normal is at
-        # most half a subnormal step, small against its sum, which is judged on its own.
+    if readers and t not in ctx.graph_outputs and all(n.op_type in SUMMING_OPS for n in readers):
+        # An addend (a power spectrum's re^2, a LayerNorm's squared deviations): what it loses
+        # under the smallest normal is at most half a subnormal step, small against its sum,
+        # which is judged on its own.
         return ""
     if t in ctx.log_inputs and r.min * 2.0**p < fmt.min_normal:
         # A Log's input flushed to 0 gives -inf: no share of it may leave the normal range.
