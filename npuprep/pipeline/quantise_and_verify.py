@@ -173,7 +173,10 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     if not eight.is_float:
         # Conv inputs whose writer equalisation cannot pass (a hard-swish) or did not take.
         stage("balancing Conv inputs' channels into their weights")
-        convs = balance_conv_inputs(base, eight_bit_nodes(layers, eight), stats, samples,
+        # A split input's two passes hold its scale by construction (npuprep.verify.input_split).
+        passes = {*split.layers, *(r.node for r in split.residuals.values())}
+        convs = balance_conv_inputs(base, [n for n in eight_bit_nodes(layers, eight)
+                                           if n not in passes], stats, samples,
                                     measure=measure, path=work.path, weights=weights,
                                     left_alone={*applied.tensor_scales,
                                                 *(c.tensor for c in equalised.chains)})
