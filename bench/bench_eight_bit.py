@@ -21,7 +21,8 @@ DIR/NAME/calib/, DIR/NAME/holdout/). Per model and tool:
   bench/peer_nncf.py in NNCF's own venv ($NPUPREP_NNCF_PYTHON).
 Each output model is judged here on the held-out samples against the FP32 model: each
 output's pooled rel L2, whether every top-1 decision of a decided output holds (decided: the
-corpus's `decided_by` and what npuprep's --metric auto finds, for every tool alike), and the
+corpus's `decided_by` and what npuprep's --metric auto finds, for every tool alike; a CTC
+recogniser's output, the corpus's `read_as_ctc`: every sample's greedy CTC text), and the
 share of Conv/MatMul/Gemm multiply-adds whose inputs all come through a DequantizeLinear
 (8-bit). Clean (issue 40's rule): loads as written, every output within 5e-2 rel L2 or, when
 decided, every top-1 held, and at least 60% of the multiply-adds 8-bit; for npuprep also its own
@@ -55,6 +56,7 @@ from npuprep.model_io import load_model  # noqa: E402
 from npuprep.runtime.session import make_session, run  # noqa: E402
 from npuprep.verify.output_check import GOAL_SAMPLES, decided_outputs  # noqa: E402
 from npuprep.verify.output_check import _outputs as fp32_outputs  # noqa: E402
+from npuprep.verify.output_errors import ctc_text  # noqa: E402
 
 TOOLS = ("npuprep_int8", "npuprep_fp8", "ort_int8", "modelopt_int8")
 PEERS = ("ort_int8", "ort_int8_op13", "modelopt_int8", "modelopt_fp8", "nncf_int8", "nncf_int8_aa")
@@ -78,10 +80,12 @@ class Entry:
         if extra2 is not None and (extra2 / f"{name}.onnx").exists():
             self.model, folder, held = extra2 / f"{name}.onnx", extra2 / name, "holdout"
             self.spec_decided: tuple[str, ...] = ()
+            self.read_as_ctc: tuple[str, ...] = ()
         else:
             folder = corpus.corpus_dir() / name
             self.model, held = folder / "model.onnx", "heldout"
             self.spec_decided = tuple(corpus.SPECS[name].decided_by)
+            self.read_as_ctc = tuple(corpus.SPECS[name].read_as_ctc)
         self.calib, self.heldout = folder / "calib", folder / held
 
 
@@ -92,7 +96,8 @@ def npuprep(precision: str, entry: Entry, out: Path, decided: tuple[str, ...],
     cmd = [sys.executable, "-m", "npuprep", "convert", str(entry.model), "--target", "a2000",
            *(("--scale-rule", rule) if rule else ()), "--precision", precision, "--data",
            str(entry.calib), "--holdout", str(entry.heldout), "-o", str(out), "--json",
-           "--export", "none", *(a for o in decided for a in ("--top-k", f"{o}:1"))]
+           "--export", "none", *(a for o in decided for a in (
+               "--top-k", f"{o}:{'ctc' if o in entry.read_as_ctc else 1}"))]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=3 * PEER_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -260,7 +265,13 @@ def judge(reference: Path, candidate: Path, entry: Entry, decided: tuple[str, ..
             nonfinite += int(np.sum(~np.isfinite(cv) & np.isfinite(rv)))
             num[name] = num.get(name, 0.0) + float(np.nansum((cv - rv) ** 2))
             den[name] = den.get(name, 0.0) + float(np.sum(np.asarray(rv, np.float64) ** 2))
-            if name in decided:
+            if name in entry.read_as_ctc:  # the text a CTC decoder reads, sequence by sequence
+                steps = rv.shape[-2]
+                held[name] = held.get(name, True) and all(
+                    ctc_text(a) == ctc_text(b) for a, b in zip(
+                        np.argmax(rv, -1).reshape(-1, steps), np.argmax(cv, -1).reshape(-1, steps),
+                        strict=True))
+            elif name in decided:
                 held[name] = held.get(name, True) and bool(np.all(np.argmax(rv, -1) == np.argmax(cv, -1)))
     rels = {k: (math.sqrt(num[k] / den[k]) if den[k] else math.sqrt(num[k])) for k in num}
     rel = max(rels.values(), default=0.0)

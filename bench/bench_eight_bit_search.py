@@ -1,6 +1,7 @@
 """8-bit convert, stage by stage: where the time of `convert --precision int8|fp8_e4m3` goes.
 
     python bench/bench_eight_bit_search.py MODEL_DIR [MODEL_DIR ...] --precision int8
+        [--top-k OUTPUT:K | OUTPUT:ctc]
 
 Each MODEL_DIR holds model.onnx, calib/ and heldout/ (the corpus layout), or is an extra2
 model's folder (DIR/NAME/calib/, DIR/NAME/holdout/ beside DIR/NAME.onnx). Prints, per model,
@@ -20,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from npuprep.cli.common import parse_top_k
 from npuprep.data import load_samples
 from npuprep.model_io import load_model
 from npuprep.pipeline.stages import CALIBRATE, convert
@@ -31,7 +33,8 @@ def _worst(check: object) -> float:
     return max((o.get("rel_l2", 0.0) for o in outputs.values()), default=float("nan"))
 
 
-def bench(folder: Path, precision: str, target: str) -> dict[str, object]:
+def bench(folder: Path, precision: str, target: str,
+          top_k: dict[str, int] | None = None) -> dict[str, object]:
     extra2 = folder.with_suffix(".onnx")
     path, held_out = ((folder / "model.onnx", "heldout") if (folder / "model.onnx").exists()
                       else (extra2, "holdout"))
@@ -56,7 +59,7 @@ def bench(folder: Path, precision: str, target: str) -> dict[str, object]:
               f"{os.getloadavg()[0]:.1f}] {name}", file=sys.stderr, flush=True)
 
     result = convert(model, load_profile(target), calib, holdout=held, stats=CALIBRATE,
-                     precision=precision, progress=progress)
+                     precision=precision, progress=progress, top_k=top_k)
     end, end_cpu = time.perf_counter(), time.process_time()
     if stages:
         stages[-1] = (stages[-1][0], end - last, end_cpu - last_cpu)
@@ -81,9 +84,12 @@ def main() -> None:
     parser.add_argument("folders", nargs="+", type=Path)
     parser.add_argument("--precision", default="int8")
     parser.add_argument("--target", default="a2000")
+    parser.add_argument("--top-k", action="append", default=[], metavar="OUTPUT:K",
+                        help="as convert's (OUTPUT:ctc: a CTC recogniser judged by its text)")
     args = parser.parse_args()
     for folder in args.folders:
-        print(json.dumps(bench(folder, args.precision, args.target)), flush=True)
+        print(json.dumps(bench(folder, args.precision, args.target, parse_top_k(args.top_k))),
+              flush=True)
 
 
 if __name__ == "__main__":

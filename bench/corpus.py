@@ -97,6 +97,9 @@ class Spec:
     # Outputs whose user reads their argmax (a class, a CTC character per position): convert
     # judges them by their top-1 decisions as well as by rel L2 (`--top-k OUTPUT:1`).
     decided_by: tuple[str, ...] = field(default_factory=tuple)
+    # Of those, the outputs a CTC decoder reads (argmax per step, repeats merged, blank 0
+    # dropped): judged by their text, sample by sample (`--top-k OUTPUT:ctc`).
+    read_as_ctc: tuple[str, ...] = field(default_factory=tuple)
 
 
 class WheelUnavailable(RuntimeError):
@@ -564,7 +567,7 @@ SPECS: dict[str, Spec] = {
         Spec("ppocr_rec", "ocr text recogniser (PP-OCRv4 rec, SVTR)",
              Wheel(*RAPIDOCR, "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx"),
              from_wheel(ocr_rec_sample(48, 320)), "rendered text lines 48x320",
-             decided_by=("softmax_11.tmp_0",)),
+             decided_by=("softmax_11.tmp_0",), read_as_ctc=("softmax_11.tmp_0",)),
         Spec("ddddocr_ocr", "captcha ocr (CNN + LSTM, pytorch 1.9 export)",
              Wheel(*DDDDOCR, "ddddocr/common.onnx"), from_wheel(ddddocr_ocr_sample),
              "rendered captchas 64x160, grey"),
@@ -606,7 +609,7 @@ SPECS: dict[str, Spec] = {
         Spec("ppocr_rec_external", "ppocr_rec re-saved with external data",
              Wheel(*RAPIDOCR, "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx"),
              derived("ppocr_rec", save_external), "same samples as ppocr_rec",
-             decided_by=("softmax_11.tmp_0",)),
+             decided_by=("softmax_11.tmp_0",), read_as_ctc=("softmax_11.tmp_0",)),
         Spec("nudenet_bf16", "nudenet_320n with BF16 weights behind Cast(to=FLOAT)", NUDENET,
              derived("nudenet_320n", to_bf16_weights), "same samples as nudenet_320n"),
     )

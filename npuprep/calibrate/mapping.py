@@ -90,6 +90,24 @@ def map_to_conversion(stats: CalibrationStats, model: Model, source: Source) -> 
     )
 
 
+def with_scaled_entries(stats: CalibrationStats, model: onnx.ModelProto) -> CalibrationStats:
+    """`stats` (measured on the source, kept by name) plus the tensors a rewrite of it made as
+    a measured tensor times a positive scalar, each scaled exactly: a rescale's entry at a
+    graph input (`audio -> Mul 2 -> audio__scaled`) is read by a layer an 8-bit plan
+    quantises (an STFT Conv on quiet audio), which needs its range."""
+    types = tensor_types(model)
+    found = dict(stats.tensors)
+    for scope in walk_graphs(model.graph):
+        scalars = _positive_scalars(scope.graph)
+        for node in scope.graph.node:
+            link = _link(node, types, scalars)
+            if (link is not None and node.op_type == "Mul" and link[0] in found
+                    and node.output[0] not in found):
+                found[node.output[0]] = replace(scaled_stats(found[link[0]], link[1]),
+                                                tensor=node.output[0], node=node_label(node))
+    return replace(stats, tensors=found) if len(found) > len(stats.tensors) else stats
+
+
 def _link(node: onnx.NodeProto, types: dict[str, int],
           scalars: dict[str, float]) -> tuple[str, float] | None:
     """(input, factor) when `node`'s float output is its float input times a known factor."""

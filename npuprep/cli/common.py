@@ -354,14 +354,20 @@ def progress_stages(description: str, enabled: bool) -> Iterator[Callable[[str],
 
 
 def parse_top_k(items: list[str]) -> dict[str, int]:
-    """`OUTPUT:K` -> {output: K}; output names may themselves contain ':'."""
+    """`OUTPUT:K` -> {output: K}, `OUTPUT:ctc` -> {output: CTC_TEXT}; output names may
+    themselves contain ':'."""
     from npuprep.errors import NpuprepError
+    from npuprep.verify.output_errors import CTC_TEXT
 
     top_k: dict[str, int] = {}
     for item in items:
         name, _, k = item.rpartition(":")
+        if name and k == "ctc":
+            top_k[name] = CTC_TEXT
+            continue
         if not name or not k.isdigit() or int(k) < 1:
-            raise NpuprepError(f"--top-k {item}: expected OUTPUT:K with K a whole number >= 1")
+            raise NpuprepError(f"--top-k {item}: expected OUTPUT:K with K a whole number >= 1, "
+                               "or OUTPUT:ctc")
         top_k[name] = int(k)
     return top_k
 
@@ -382,4 +388,6 @@ def add_goal(p: argparse.ArgumentParser, default_metric: str | None = "auto") ->
                    help="judge OUTPUT by its top-K classes along the last axis, whatever --metric "
                         "says: it passes when they agree at every position where FP32 decides "
                         "(FP32 values within --rtol of each other are a tie; its rel L2 is still "
-                        "reported); repeatable")
+                        "reported); OUTPUT:ctc judges a CTC recogniser's steps x classes by their "
+                        "greedy decoding (argmax per step, repeats merged, blank class 0 dropped), "
+                        "text by text; repeatable")

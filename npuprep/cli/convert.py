@@ -304,11 +304,11 @@ def _openvino_layers(layers: dict[str, Any]) -> str:
 
 
 def _agreement(errors: dict[str, Any]) -> str:
-    from npuprep.report.output_verdicts import ties_said
+    from npuprep.report.output_verdicts import decision_said, ties_said
 
     if "top_k" not in errors:
         return ""
-    return f"top-{errors['top_k']} {100 * errors['top_k_agreement']:.4g}%{ties_said(errors)}"
+    return f"{decision_said(errors)} {100 * errors['top_k_agreement']:.4g}%{ties_said(errors)}"
 
 
 def _nodes(nodes: list[str]) -> str:

@@ -26,6 +26,7 @@ import onnx
 
 import npuprep.pipeline.lower_and_verify as lower_and_verify
 from npuprep.calibrate.layer_macs import body_note, layer_macs
+from npuprep.calibrate.mapping import with_scaled_entries
 from npuprep.calibrate.scales import FP8_NAN_HEADROOM
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
@@ -44,12 +45,14 @@ from npuprep.rewrite.lower import Lowered
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.compare import DEFAULT_ATOL, compare_models
+from npuprep.verify.input_split import Splits, planned_splits, split_wide_inputs
 from npuprep.verify.output_check import OutputCheck, check_output_sets, check_outputs
 from npuprep.verify.output_errors import output_passes
 from npuprep.verify.pin_rounds import sample_shapes
 from npuprep.verify.qdq_model import (
     Equalised,
     Sensitivity,
+    balance_conv_inputs,
     balance_outliers,
     eight_bit_nodes,
     equalise_channels,
@@ -99,6 +102,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     model = source
     stage("rewriting")
     applied = apply_plan(work.proto, plan)
+    # A rescale's entry at a graph input is a new tensor: its stats, scaled, for its readers.
+    stats = with_scaled_entries(stats, applied.model)
     pinned = plan.pinned_nodes() | set(applied.fp32_nodes)
     # On a target that runs INT8 and FP8 (the A2000), a layer one cannot hold may take the other.
     other = eight_bit_format("fp8_e4m3" if not eight.is_float else "int8")
@@ -125,6 +130,17 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     if mixed and other is not None:
         variants.append(_variant(profile, other, ScaleRule(scale_rule))[0])
     saturate, scale_rule = main.saturate, main.rules[0]
+    stage("splitting inputs no one 8-bit scale holds")
+    split = (planned_splits(base, layers, stats, samples, variants,
+                            tensor_scales=applied.tensor_scales, path=work.path)
+             if plan.eight_bit else
+             split_wide_inputs(work.proto, base, layers, stats, samples, variants,
+                               aim=JUDGE_MARGIN * rtol, tensor_scales=applied.tensor_scales,
+                               weights=weights, path=work.path, runs=runner))
+    base, stats, notes = split.model, split.stats, notes + list(split.notes)
+    layers = tuple(_with_splits(layers, split))
+    if int8_start is not None:
+        int8_start = _with_splits(int8_start, split)
     balanced: dict[str, tuple[str, float]] = {}
     if not eight.is_float:
         # FP8 keeps its relative precision across channels; INT8's one scale does not.
@@ -154,6 +170,25 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         base, stats = equalised.model, equalised.stats
         if equalised.before:
             notes.append(_equalised_note(equalised))
+    if not eight.is_float:
+        # Conv inputs whose writer equalisation cannot pass (a hard-swish) or did not take.
+        stage("balancing Conv inputs' channels into their weights")
+        # A split input's two passes hold its scale by construction (npuprep.verify.input_split).
+        passes = {*split.layers, *(r.node for r in split.residuals.values())}
+        convs = balance_conv_inputs(base, [n for n in eight_bit_nodes(layers, eight)
+                                           if n not in passes], stats, samples,
+                                    measure=measure, path=work.path, weights=weights,
+                                    left_alone={*applied.tensor_scales,
+                                                *(c.tensor for c in equalised.chains)})
+        base, stats = convs.model, convs.stats
+        balanced.update(convs.tensors)
+        if convs.tensors:
+            whole = len(convs.whole)
+            notes.append(f"{len(convs.tensors)} INT8 Conv input(s) divided per channel, their "
+                         f"weights' input channels multiplied (SmoothQuant; "
+                         f"{len(convs.tensors) - whole} folded into the constants of the op "
+                         f"writing them or a Mul on one value per channel, {whole} by a Mul over "
+                         "the whole tensor), kept by their layers' error alone on unfitted samples")
     macs = _macs(base, stats, samples)
     notes += body_note(base, macs)
     eight_bit = eight_bit_nodes(layers, eight)
@@ -620,6 +655,17 @@ def _input_means(model: onnx.ModelProto, layers: Sequence[str], samples: Sequenc
             if slot is not None:
                 axes[node.input[0]] = slot.mean_axis
     return channel_means(model, axes, samples)
+
+
+def _with_splits(layers: Sequence[LayerPrecision], split: Splits) -> list[LayerPrecision]:
+    """`layers` with the split layers' decisions (npuprep.verify.input_split), each followed
+    by its residual pass."""
+    out: list[LayerPrecision] = []
+    for x in layers:
+        out.append(split.layers.get(x.node, x))
+        if x.node in split.residuals:
+            out.append(split.residuals[x.node])
+    return out
 
 
 def _assigned(layers: Sequence[LayerPrecision]) -> dict[str, str]:

@@ -48,6 +48,7 @@ from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 from npuprep.verify.compare import DEFAULT_ATOL, default_rtol
 from npuprep.verify.fp32_share import DEFAULT_MAX_FP32_SHARE
 from npuprep.verify.output_check import GOAL_SAMPLES, Metric, judged_outputs
+from npuprep.verify.output_errors import CTC_TEXT
 from npuprep.verify.qdq_trials import RunsFactory
 from npuprep.verify.vendor import VendorCheck
 
@@ -550,6 +551,8 @@ def checked_top_k(model: Model, top_k: Mapping[str, int] | None) -> dict[str, in
         if name not in outputs:
             raise NpuprepError(f"--top-k names '{name}', which is not an output of {model.path} "
                                f"(outputs: {', '.join(sorted(outputs))})")
+        if k == CTC_TEXT:
+            continue  # judged by its CTC text (npuprep.verify.output_errors)
         if not isinstance(k, int) or k < 1:
             raise NpuprepError(f"--top-k {name}: K must be a whole number >= 1, not {k!r}")
         out = next(o for o in model.proto.graph.output if o.name == name)

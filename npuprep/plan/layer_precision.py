@@ -23,6 +23,9 @@ from npuprep.numerics import EightBitFormat
 from npuprep.ops import QUANTISED_MAC_OPS
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 
+# How a layer's residual pass is named in a plan's `why` (npuprep.verify.input_split: its input
+# in two INT8 passes): the pass is made by the conversion, so the source has no such node.
+RESIDUAL_OF = "the residual pass of "
 # An 8-bit input whose scale flushes more than this share of its nonzero values stays wider.
 FLUSH_LIMIT = 0.5
 WIDER = ("fp16", "fp32")

@@ -27,7 +27,7 @@ from npuprep.plan.actions import (
     SoftmaxShift,
     Unpinnable,
 )
-from npuprep.plan.layer_precision import LayerPrecision
+from npuprep.plan.layer_precision import RESIDUAL_OF, LayerPrecision
 from npuprep.yaml_io import YamlReader, read_yaml, type_name
 
 SCHEMA_VERSION = 1
@@ -376,8 +376,12 @@ class _Parser(YamlReader):
         chosen = self.string(d["precision"], f"{key}.precision")
         if chosen not in allowed:
             raise self.fail(f"{key}.precision", f"'{chosen}' is not one of {', '.join(allowed)}")
-        return LayerPrecision(self.node(self.string(d["node"], f"{key}.node"), f"{key}.node"), chosen,
-                              self.text(d.get("why", ""), f"{key}.why") if d.get("why") else "")
+        why = self.text(d.get("why", ""), f"{key}.why") if d.get("why") else ""
+        node = self.string(d["node"], f"{key}.node")
+        # A residual pass is made by the conversion: the layer it splits must be in the model.
+        made = why.startswith(RESIDUAL_OF)
+        self.node(why[len(RESIDUAL_OF):] if made else node, f"{key}.why" if made else f"{key}.node")
+        return LayerPrecision(node, chosen, why)
 
     def action(self, data: Any, key: str) -> Action:
         if not isinstance(data, dict):

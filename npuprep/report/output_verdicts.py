@@ -50,6 +50,11 @@ def where_errors_sit(report: Mapping[str, Any]) -> list[tuple[str, str, Mapping[
     return found
 
 
+def decision_said(errors: Mapping[str, Any]) -> str:
+    """How an output judged by its decisions is judged, in words: 'top-K' or 'CTC text'."""
+    return "CTC text" if errors.get("ctc_text") else f"top-{errors['top_k']}"
+
+
 def ties_said(errors: Mapping[str, Any]) -> str:
     """' (2 ties, 1 flipped)' for an output judged by --top-k whose reference had ties, else ''."""
     ties = errors.get("top_k_ties", 0)

@@ -6,7 +6,7 @@ from typing import Any
 
 from npuprep.names import md_cell, md_code, md_text, shown
 from npuprep.report.ledger_md import ledger_markdown
-from npuprep.report.output_verdicts import ties_said, where_errors_sit
+from npuprep.report.output_verdicts import decision_said, ties_said, where_errors_sit
 from npuprep.report.pin_count import pins_said
 from npuprep.report.tables import failure_said
 
@@ -193,4 +193,5 @@ def _top_k(errors: dict[str, Any]) -> str:
     """`top-1 agreement 100%` for an output judged by its decisions, else ''."""
     if "top_k" not in errors:
         return ""
-    return f"top-{errors['top_k']} agreement {100 * errors['top_k_agreement']:.4g}%{ties_said(errors)}"
+    return (f"{decision_said(errors)} agreement {100 * errors['top_k_agreement']:.4g}%"
+            f"{ties_said(errors)}")

@@ -3,6 +3,12 @@
     Conv(W1, B1) -> [Relu | PRelu | LeakyRelu | MaxPool]* -> x -> Conv(W2), Conv(W3) ...
     W1[c], B1[c] x s_c and W2[:, c], W3[:, c] / s_c: the same function in FP32
 
+A grouped reader (a depthwise Conv: each output channel reads one input channel) takes 1/s_c
+on the weights of the output channels that read channel c: W2[o, i] / s_(input channel of
+o's group + i). Its INT8 weight scales are per output channel, so a depthwise reader loses
+nothing at all: the activation's channels get per-channel levels for free (ppocr_rec's
+first depthwise Conv reads channels spanning 1.0-18.2 with one scale).
+
 An INT8 activation has one scale for every channel, set by its largest channel: a channel
 that reaches 4 where another reaches 16 keeps a quarter of the levels. Scaling each channel
 of x up to the largest channel's range (s_c = max / max_c, Nagel et al. 2019, with the
@@ -46,7 +52,7 @@ class Chain:
 
 
 def chains(graph: onnx.GraphProto, readers: Sequence[str]) -> list[Chain]:
-    """Every tensor whose readers are all Convs among `readers` (ungrouped, constant
+    """Every tensor whose readers are all Convs among `readers` (constant
     weights) and that a Conv with constant weights writes through per-channel homogeneous
     ops only, each tensor on the way read by the next op alone and no graph output."""
     made, read = producers(graph), consumers(graph)
@@ -111,7 +117,7 @@ def equalise(model: onnx.ModelProto, found: Sequence[Chain], scales: Mapping[str
             reader = by_label[label]
             w = constant_value(g, reader.input[1])
             assert w is not None, label
-            replace_input(reader, 1, w / s.reshape(1, -1, *[1] * (w.ndim - 2)))
+            replace_input(reader, 1, w / _per_weight(s, w.shape, attribute(reader, "group", 1)))
         done[chain.tensor] = chain.producer
     if not done:
         return RewriteResult(model, False, "no Conv input had channels to equalise")
@@ -122,10 +128,22 @@ def equalise(model: onnx.ModelProto, found: Sequence[Chain], scales: Mapping[str
                          {"equalised": done})
 
 
+def _per_weight(s: np.ndarray, shape: Sequence[int], group: int) -> np.ndarray:
+    """The factor of each (output, input) channel pair of a Conv weight `shape` (O, I/group,
+    k...) that reads channels scaled by `s`, broadcastable over the kernel."""
+    out, per_group = shape[0], shape[1]
+    first = (np.arange(out) // (out // group)) * per_group  # the group's first input channel
+    pairs = s[first[:, None] + np.arange(per_group)[None, :]]
+    return pairs.reshape(out, per_group, *[1] * (len(shape) - 2))
+
+
 def _reads_as_conv(graph: onnx.GraphProto, node: onnx.NodeProto, x: str, wanted: set[str]) -> bool:
-    return (node.op_type == "Conv" and node_label(node) in wanted and node.input[0] == x
-            and x not in node.input[1:] and attribute(node, "group", 1) == 1
-            and constant_value(graph, node.input[1]) is not None)
+    w = constant_value(graph, node.input[1]) if node.op_type == "Conv" and len(node.input) > 1 \
+        else None
+    group = attribute(node, "group", 1)
+    # Grouped readers too (depthwise): each weight names its input channel (_per_weight).
+    return (w is not None and node_label(node) in wanted and node.input[0] == x
+            and x not in node.input[1:] and w.ndim >= 3 and w.shape[0] % group == 0)
 
 
 def _scalable(graph: onnx.GraphProto, node: onnx.NodeProto) -> bool:

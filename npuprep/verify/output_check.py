@@ -24,7 +24,7 @@ from npuprep.errors import NpuprepError
 from npuprep.numerics import NumberFormat
 from npuprep.ops import VIEW_OPS
 from npuprep.verify.compare import folds_weight_casts
-from npuprep.verify.output_errors import output_passes
+from npuprep.verify.output_errors import CTC_TEXT, output_passes
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,8 @@ def judged_outputs(model: onnx.ModelProto, samples: Sequence[Feed], metric: Metr
         classes = min((np.asarray(v[name]).shape[-1] for v in values if np.asarray(v[name]).ndim),
                       default=_declared_classes(model, name))
         if name in top_k:
-            chosen[name], judged[name] = top_k[name], f"top-{top_k[name]} (--top-k)"
+            chosen[name], judged[name] = top_k[name], (
+                f"{'CTC text' if top_k[name] == CTC_TEXT else f'top-{top_k[name]}'} (--top-k)")
         elif name in found and classes != 1:  # one class decides nothing (0: not known)
             chosen[name], judged[name] = 1, f"top-1 (auto: {found[name]})"
         elif metric is Metric.TOP1 and classes >= 2:

@@ -20,6 +20,13 @@ a decision that held by a hair there flips on them (ddddocr_ocr's CTC head in FP
 top-1 of the 8 calibration samples held, 4 of their 134 positions flip at twice the error,
 and a held-out position flipped).
 
+A CTC recogniser's output (time steps x classes, a blank class between characters) is read
+by its greedy decoding: the argmax per step, repeats merged, blanks dropped. An output whose
+K is CTC_TEXT (`--top-k OUTPUT:ctc`) is judged by that text per sequence, which holds where a
+character's peak moves by one step (ppocr_rec INT8, held-out: steps 1 and 2 trade a 0.99
+character and a 1.0 blank, every text the same); a step that is a tie keeps the reference's
+class, as a tie flipped fails nothing above.
+
 Where the error sits tells the two apart: the worst sample's share of squared error at its
 worst 1% of positions (every index but the last axis), and the FP32 model's top two values
 at the worst position. An error concentrated at a few positions where the reference is
@@ -39,6 +46,10 @@ from npuprep.errors import NpuprepError
 
 # The share of the worst positions whose squared error is summed ("the worst 1%").
 WORST_POSITIONS = 0.01
+# The K of an output judged by its greedy CTC decoding rather than each step's top-K.
+CTC_TEXT = 0
+# The class a CTC decoding drops (PaddleOCR's blank, and torch's CTCLoss default).
+CTC_BLANK = 0
 
 
 def output_passes(errors: Mapping[str, Any], rtol: float, *, at_margin: bool = False) -> bool:
@@ -98,6 +109,8 @@ class OutputErrors:
             a["rows"] += int(decided.sum())
             a["top1_ties"] += int((~decided).sum())
         k = self.top_k.get(name)
+        if k == CTC_TEXT and name in self.top_k:
+            self._add_texts(a, ref, cand)
         if k and ref.ndim >= 1 and ref.shape[-1] <= k:
             # A symbolic last axis smaller than K: no position could ever be judged.
             raise NpuprepError(f"--top-k {name}:{k}: output '{name}' has {ref.shape[-1]} classes along its "
@@ -113,6 +126,26 @@ class OutputErrors:
             a["ties"] += int((~decided).sum())
             a["ties_flipped"] += int((~same[~decided]).sum())
 
+    def _add_texts(self, a: dict[str, float], ref: np.ndarray, cand: np.ndarray) -> None:
+        """One CTC output's sequences (every axis but the last two): texts the same, and the
+        same with the error scaled by the margin; steps that are ties, and those flipped."""
+        if ref.ndim < 2 or ref.shape != cand.shape:
+            raise NpuprepError(f"--top-k ...:ctc needs steps x classes on the last two axes; the "
+                               f"output has shape {ref.shape}")
+        decided = _decided(ref, 1, self.tie_rtol)
+        held = _same_text(ref, cand, decided)
+        a["agree"] += int(held.sum())
+        if self.margin != 1.0:
+            with np.errstate(invalid="ignore", over="ignore"):
+                scaled = ref + self.margin * (cand - ref)
+            # Held at both: a text is not monotonic in the error as one step's top-1 is (a
+            # peak half moved loses its character at 1x and is whole again at 2x: ppocr_rec
+            # FP8, a trial passing at 2x whose model lost a text of 8 at 1x).
+            a["agree_at_margin"] += int((held & _same_text(ref, scaled, decided)).sum())
+        a["positions"] += int(np.prod(ref.shape[:-2]))
+        a["ties"] += int((~decided).sum())
+        a["ties_flipped"] += int((~_same_top_k(ref, cand, 1)[~decided]).sum())
+
     def result(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         for name, a in self._acc.items():
@@ -124,6 +157,8 @@ class OutputErrors:
                 row["reference_nonfinite"] = a["reference_nonfinite"]
             if name in self.top_k:
                 row["top_k"] = self.top_k[name]
+                if self.top_k[name] == CTC_TEXT:
+                    row["ctc_text"] = True  # agreement: sequences whose text held
                 row["top_k_agreement"] = (a["agree"] / a["positions"] if a["positions"]
                                           else float(a["ties"] > 0))
                 row["top_k_positions"] = a["positions"]
@@ -189,6 +224,23 @@ def _decided(ref: np.ndarray, k: int, tie_rtol: float) -> np.ndarray:
     larger = np.maximum(np.abs(two[..., 0]), np.abs(two[..., 1]))
     with np.errstate(invalid="ignore"):  # Inf - Inf where FP32 itself overflowed: undecided
         return (two[..., 0] - two[..., 1]) > tie_rtol * larger
+
+
+def ctc_text(path: np.ndarray) -> list[int]:
+    """The greedy CTC decoding of one sequence of class ids: repeats merged, blanks dropped."""
+    kept = np.ones(path.shape, dtype=bool)
+    kept[1:] = path[1:] != path[:-1]
+    return [int(c) for c in path[kept & (path != CTC_BLANK)]]
+
+
+def _same_text(ref: np.ndarray, cand: np.ndarray, decided: np.ndarray) -> np.ndarray:
+    """Per sequence: the candidate's greedy CTC text (the reference's class at the steps
+    that are ties) is the reference's."""
+    want = ref.argmax(axis=-1)
+    got = np.where(decided, np.nan_to_num(cand, nan=-np.inf).argmax(axis=-1), want)
+    steps = ref.shape[-2]
+    want, got = want.reshape(-1, steps), got.reshape(-1, steps)
+    return np.array([ctc_text(w) == ctc_text(g) for w, g in zip(want, got, strict=True)])
 
 
 def _same_top_k(ref: np.ndarray, cand: np.ndarray, k: int) -> np.ndarray:

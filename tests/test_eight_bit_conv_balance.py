@@ -1,0 +1,159 @@
+"""Conv inputs whose channels span a decade, before INT8: equalised into a depthwise reader
+(npuprep.rewrite.equalise) and balanced into a pointwise reader's weights with the division
+folded into the affine op that writes the input (npuprep.verify.qdq_model.balance_conv_inputs)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import numpy_helper, parser
+
+from npuprep.calibrate import calibrate
+from npuprep.model_io import Model, fingerprint
+from npuprep.numerics import eight_bit_format
+from npuprep.rewrite.equalise import chains
+from npuprep.runtime.session import make_session, run
+from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
+from npuprep.verify.qdq_model import balance_conv_inputs, equalise_channels, quantise
+from npuprep.verify.qdq_trials import Variant, errors_alone
+
+INT8 = eight_bit_format("int8")
+RNG = np.random.default_rng(41)
+# Channel c reaches SPREAD[c] (1 to 32x); the readers weigh it by the inverse, so every
+# channel counts alike and one INT8 scale leaves the quiet ones a few levels.
+SPREAD = 2.0 ** (np.arange(16) / 3)
+
+# x -> Conv c1 (16 channels) -> h -> depthwise Conv dw (group 16) -> y
+DEPTHWISE = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1, 3, 10, 10] x) => (float[1, 16, 8, 8] y) {
+    h = Conv <pads = [1, 1, 1, 1]> (x, W1, B1)
+    [dw] y = Conv <kernel_shape = [3, 3], group = 16> (h, W2)
+}
+"""
+# x (16 channels) -> Mul(a) -> Add(b) -> xa -> pointwise Conv pw -> y   (a learnable affine
+# after a hard-swish, as PP-LCNetV3 writes every pointwise Conv's input)
+AFFINE = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1, 16, 8, 8] x) => (float[1, 8, 8, 8] y) {
+    m = Mul (x, a)
+    xa = Add (m, b)
+    [pw] y = Conv <kernel_shape = [1, 1]> (xa, W)
+}
+"""
+# The same, but xa also leaves the graph: its values may not change.
+SEEN = AFFINE.replace("float[1, 8, 8, 8] y)", "float[1, 8, 8, 8] y, float[1, 16, 8, 8] xa)")
+GATED = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1, 16, 8, 8] x) => (float[1, 8, 8, 8] y) {
+    p = GlobalAveragePool (x)
+    gate = Sigmoid (p)
+    xa = Mul (x, gate)
+    [pw] y = Conv <kernel_shape = [1, 1]> (xa, W)
+}
+"""
+
+
+def _with(text: str, weights: dict[str, np.ndarray]) -> onnx.ModelProto:
+    proto = parser.parse_model(text)
+    proto.graph.initializer.extend(numpy_helper.from_array(np.asarray(v, np.float32), k)
+                                   for k, v in weights.items())
+    return proto
+
+
+def _affine(text: str = AFFINE) -> onnx.ModelProto:
+    w = RNG.standard_normal((8, 16, 1, 1)) / SPREAD.reshape(1, 16, 1, 1)
+    return _with(text, {"a": np.float32(0.5), "b": np.float32(0.1), "W": w})
+
+
+def _spread_feeds(n: int) -> list[dict[str, np.ndarray]]:
+    return [{"x": (RNG.standard_normal((1, 16, 8, 8)) * SPREAD.reshape(1, 16, 1, 1)).astype(np.float32)}
+            for _ in range(n)]
+
+
+def _measure(proto: onnx.ModelProto):
+    variant = Variant(INT8, (DEFAULT_RULE,), True)
+    return lambda model, stats, groups, on: errors_alone(proto, model, groups, stats, variant, on)
+
+
+def _rel_l2(model: onnx.ModelProto, ref: onnx.ModelProto, feeds: list) -> float:
+    got, want = make_session(model), make_session(ref)
+    err2 = ref2 = 0.0
+    for f in feeds:
+        a, b = run(got, f), run(want, f)
+        err2 += sum(float(((a[k] - b[k]) ** 2).sum()) for k in b)
+        ref2 += sum(float((b[k] ** 2).sum()) for k in b)
+    return (err2 / ref2) ** 0.5
+
+
+def _stats(proto: onnx.ModelProto, feeds: list):
+    return calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
+
+
+def test_a_depthwise_reader_takes_its_input_channels_equalised():
+    spread = SPREAD.reshape(16, 1, 1, 1)
+    proto = _with(DEPTHWISE, {"W1": RNG.standard_normal((16, 3, 3, 3)) * spread,
+                              "B1": RNG.standard_normal(16),
+                              "W2": RNG.standard_normal((16, 1, 3, 3)) / spread})
+    # A grouped reader was not a chain: ppocr_rec's first depthwise Conv kept one scale for
+    # channels spanning 1.0-18.2 (alone in INT8 it erred 0.21).
+    assert [(c.producer, c.readers) for c in chains(proto.graph, ["dw"])] == [("node_of_h", ("dw",))]
+    feeds = [{"x": RNG.standard_normal((1, 3, 10, 10)).astype(np.float32)} for _ in range(12)]
+    stats = _stats(proto, feeds[:8])
+    done = equalise_channels(proto, proto, ["dw"], stats, INT8, feeds[:8],
+                             rules=(ScaleRule.ABSMAX,), tensor_scales={})
+    assert len(done.chains) == 1 and done.after < 0.5 * done.before
+    assert _rel_l2(done.model, proto, feeds[8:]) < 1e-6
+    plain = quantise(proto, ["dw"], stats, INT8, saturate=True, rule=ScaleRule.ABSMAX).model
+    ours = quantise(done.model, ["dw"], done.stats, INT8, saturate=True, rule=ScaleRule.ABSMAX).model
+    assert _rel_l2(ours, proto, feeds[8:]) < 0.5 * _rel_l2(plain, proto, feeds[8:])
+
+
+def test_a_pointwise_conv_input_is_balanced_into_its_weights_through_the_affine_before_it():
+    proto = _affine()
+    feeds, unseen = _spread_feeds(8), _spread_feeds(4)
+    stats = _stats(proto, feeds)
+    found = balance_conv_inputs(proto, ["pw"], stats, feeds, measure=_measure(proto),
+                                left_alone=())
+    # Folded: the affine's constants are divided per channel, no op is added, xa keeps its name.
+    assert list(found.tensors) == ["xa"] and found.tensors["xa"][0] == "xa"
+    assert [n.op_type for n in found.model.graph.node] == ["Mul", "Add", "Conv"]
+    a = next(i for i in found.model.graph.initializer if i.name == found.model.graph.node[0].input[1])
+    assert numpy_helper.to_array(a).shape == (16, 1, 1)
+    assert _rel_l2(found.model, proto, unseen) < 1e-6
+    # Measured again, histogram and all, so each rule reads its own values (with the abs-max
+    # alone a percentile or MSE rule can only read the abs-max: ddddocr_det's lost clips).
+    r = found.stats.tensors["xa"]
+    assert r.exp_hist and r.detailed_count == 8 * 16 * 64
+    assert r.absmax < 0.5 * stats.tensors["xa"].absmax
+    plain = quantise(proto, ["pw"], stats, INT8, saturate=True).model
+    ours = quantise(found.model, ["pw"], found.stats, INT8, saturate=True).model
+    assert _rel_l2(ours, proto, unseen) < 0.5 * _rel_l2(plain, proto, unseen)
+
+
+def test_a_gated_input_divides_its_gate_and_one_read_elsewhere_takes_a_whole_mul():
+    # x -> GlobalAveragePool -> Sigmoid -> gate (one value per channel); xa = x * gate -> pw
+    # (a squeeze-and-excitation block's output, ppocr_rec's Conv.24 and Conv.28)
+    proto = _with(GATED, {"W": RNG.standard_normal((8, 16, 1, 1)) / SPREAD.reshape(1, 16, 1, 1)})
+    feeds, unseen = _spread_feeds(8), _spread_feeds(4)
+    stats = _stats(proto, feeds)
+    found = balance_conv_inputs(proto, ["pw"], stats, feeds, measure=_measure(proto),
+                                left_alone=())
+    assert list(found.tensors) == ["xa"] and found.tensors["xa"][0] == "xa"
+    mul = next(n for n in found.model.graph.node if n.op_type == "Mul" and "gate" in n.input)
+    assert sorted(n.op_type for n in found.model.graph.node) == [
+        "Conv", "GlobalAveragePool", "Mul", "Mul", "Sigmoid"] and mul.output[0] != "xa"
+    assert _rel_l2(found.model, proto, unseen) < 1e-6
+    kept = balance_conv_inputs(proto, ["pw"], stats, feeds, measure=_measure(proto),
+                               left_alone={"xa"})
+    assert kept.tensors == {} and kept.model is proto
+    assert found.whole == ()
+    # xa also leaves the graph: only a Mul over the whole of it can divide the Conv's input
+    # (a pass over the tensor at run time, as for ddddocr_det's SiLU outputs), and xa stays.
+    seen = _affine(SEEN)
+    whole = balance_conv_inputs(seen, ["pw"], _stats(seen, feeds), feeds, measure=_measure(seen),
+                                left_alone=())
+    (x, (read, _)), = whole.tensors.items()
+    assert x == "xa" and read != "xa" and whole.whole == ("xa",)
+    assert sorted(n.op_type for n in whole.model.graph.node) == ["Add", "Conv", "Mul", "Mul"]
+    assert _rel_l2(whole.model, seen, unseen) < 1e-6

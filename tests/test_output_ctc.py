@@ -1,0 +1,88 @@
+"""A CTC recogniser judged by its text (`--top-k OUTPUT:ctc`): a character's peak moving by
+one step is the same text; a character changed is not (npuprep.verify.output_errors)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper, parser
+
+from npuprep.cli.common import parse_top_k
+from npuprep.errors import NpuprepError
+from npuprep.numerics import get_format
+from npuprep.runtime.session import make_session, run
+from npuprep.verify.output_check import check_outputs
+from npuprep.verify.output_errors import CTC_TEXT, OutputErrors, ctc_text, output_passes
+
+STEPS, CLASSES = 6, 5
+# Each step's class (0 = blank): the text "1 3 3" (the two 3s apart by a blank).
+PATH = [1, 0, 3, 0, 3, 0]
+
+# logits x (1 x steps x classes) -> Add(D) -> Softmax over the classes -> y
+CTC_HEAD = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1, 6, 5] x) => (float[1, 6, 5] y) {
+    z = Add (x, D)
+    y = Softmax <axis = -1> (z)
+}
+"""
+
+
+def _head(moved: dict[tuple[int, int], float]) -> onnx.ModelProto:
+    """The head with logit (step, class) raised by `moved[(step, class)]` (a candidate's error)."""
+    d = np.zeros((1, STEPS, CLASSES), np.float32)
+    for (t, c), v in moved.items():
+        d[0, t, c] = v
+    proto = parser.parse_model(CTC_HEAD)
+    proto.graph.initializer.append(numpy_helper.from_array(d, "D"))
+    return proto
+
+
+def _samples() -> list[dict[str, np.ndarray]]:
+    x = np.zeros((1, STEPS, CLASSES), np.float32)
+    x[0, np.arange(STEPS), PATH] = 6.0  # every step decided: 0.94 against 0.015
+    return [{"x": x}]
+
+
+def _check(candidate: onnx.ModelProto, k: int):
+    # The candidate as it is (emulated=): its error is the one it was built with.
+    return check_outputs(_head({}), candidate, get_format("fp16"), _samples(), saturate=True,
+                         rtol=5e-2, top_k={"y": k}, emulated=candidate)
+
+
+def test_a_peak_moved_by_one_step_keeps_the_text_and_a_changed_character_does_not():
+    # The first character moves from step 0 to step 1 (its blank to step 0): two decided steps
+    # flip, the text is the same.
+    moved = _head({(0, 1): -12.0, (0, 0): 12.0, (1, 1): 12.0, (1, 0): -12.0})
+    per_step, as_text = _check(moved, 1), _check(moved, CTC_TEXT)
+    assert not per_step and per_step.outputs["y"]["top_k_agreement"] == pytest.approx(4 / 6)
+    assert as_text and as_text.outputs["y"]["top_k_agreement"] == 1.0
+    assert as_text.outputs["y"]["rel_l2"] > 0.5  # what rel L2 would call a failure
+    # The blank between the two 3s taken by a 3: "1 3" is another text.
+    merged = _check(_head({(3, 3): 12.0}), CTC_TEXT)
+    assert not merged and merged.outputs["y"]["top_k_agreement"] == 0.0
+
+
+def test_a_text_held_only_at_the_margin_does_not_pass_the_search():
+    # The first character half moved: its step is blank at 1x and the next not yet its class
+    # (0.51 blank / 0.42): the text lost it; at twice the error the move is whole, the same text.
+    half = _head({(0, 1): -4.0, (0, 0): 4.0, (1, 1): 2.9, (1, 0): -2.9})
+    errors = OutputErrors(top_k={"y": CTC_TEXT}, tie_rtol=5e-2, margin=2.0)
+    ref, cand = (run(make_session(m), _samples()[0])["y"] for m in (_head({}), half))
+    errors.add("y", ref, cand)
+    row = errors.result()["y"]
+    alone = OutputErrors(top_k={"y": CTC_TEXT}, tie_rtol=5e-2)
+    alone.add("y", ref, ref + 2.0 * (cand - ref))
+    assert row["top_k_agreement"] == 0.0 and alone.result()["y"]["top_k_agreement"] == 1.0
+    assert row["top_k_agreement_at_margin"] == 0.0
+    assert not output_passes(row, 5e-2, at_margin=True)
+
+
+def test_ctc_decoding_and_the_flag():
+    assert ctc_text(np.array(PATH)) == [1, 3, 3]
+    assert ctc_text(np.array([2, 2, 0, 0, 2, 4, 4])) == [2, 2, 4]
+    assert parse_top_k(["softmax_11.tmp_0:ctc", "a:b:3"]) == {"softmax_11.tmp_0": CTC_TEXT,
+                                                               "a:b": 3}
+    with pytest.raises(NpuprepError, match="OUTPUT:ctc"):
+        parse_top_k(["y:0"])
