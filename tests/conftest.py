@@ -13,6 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper, parser
 
 from npuprep.model_io import Model, fingerprint
+from npuprep.runtime.session import make_session, run
 
 
 def save_zoo(name: str, folder: Path, model_file: str = "m.onnx", data_dir: str = "data") -> tuple[Path, Path]:
@@ -59,6 +60,17 @@ def model_with_weights(tmp_path: Path, text: str, weights: dict[str, np.ndarray]
     path = tmp_path / "model.onnx"
     onnx.save(proto, path)
     return Model(proto=proto, path=str(path), digest=fingerprint(proto))
+
+
+def pooled_rel_l2(model: onnx.ModelProto, ref: onnx.ModelProto, feeds: list) -> float:
+    """Rel L2 of `model`'s outputs against `ref`'s, pooled over every output and feed."""
+    got, want = make_session(model), make_session(ref)
+    err2 = ref2 = 0.0
+    for f in feeds:
+        a, b = run(got, f), run(want, f)
+        err2 += sum(float(((a[k] - b[k]) ** 2).sum()) for k in b)
+        ref2 += sum(float((b[k] ** 2).sum()) for k in b)
+    return (err2 / ref2) ** 0.5
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

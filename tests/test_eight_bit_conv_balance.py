@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+from conftest import pooled_rel_l2
 from onnx import numpy_helper, parser
 
 from npuprep.calibrate import calibrate
 from npuprep.model_io import Model, fingerprint
 from npuprep.numerics import eight_bit_format
 from npuprep.rewrite.equalise import chains
-from npuprep.runtime.session import make_session, run
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 from npuprep.verify.qdq_model import balance_conv_inputs, equalise_channels, quantise
 from npuprep.verify.qdq_trials import Variant, errors_alone
@@ -76,16 +76,6 @@ def _measure(proto: onnx.ModelProto):
     return lambda model, stats, groups, on: errors_alone(proto, model, groups, stats, variant, on)
 
 
-def _rel_l2(model: onnx.ModelProto, ref: onnx.ModelProto, feeds: list) -> float:
-    got, want = make_session(model), make_session(ref)
-    err2 = ref2 = 0.0
-    for f in feeds:
-        a, b = run(got, f), run(want, f)
-        err2 += sum(float(((a[k] - b[k]) ** 2).sum()) for k in b)
-        ref2 += sum(float((b[k] ** 2).sum()) for k in b)
-    return (err2 / ref2) ** 0.5
-
-
 def _stats(proto: onnx.ModelProto, feeds: list):
     return calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
 
@@ -103,10 +93,10 @@ def test_a_depthwise_reader_takes_its_input_channels_equalised():
     done = equalise_channels(proto, proto, ["dw"], stats, INT8, feeds[:8],
                              rules=(ScaleRule.ABSMAX,), tensor_scales={})
     assert len(done.chains) == 1 and done.after < 0.5 * done.before
-    assert _rel_l2(done.model, proto, feeds[8:]) < 1e-6
+    assert pooled_rel_l2(done.model, proto, feeds[8:]) < 1e-6
     plain = quantise(proto, ["dw"], stats, INT8, saturate=True, rule=ScaleRule.ABSMAX).model
     ours = quantise(done.model, ["dw"], done.stats, INT8, saturate=True, rule=ScaleRule.ABSMAX).model
-    assert _rel_l2(ours, proto, feeds[8:]) < 0.5 * _rel_l2(plain, proto, feeds[8:])
+    assert pooled_rel_l2(ours, proto, feeds[8:]) < 0.5 * pooled_rel_l2(plain, proto, feeds[8:])
 
 
 def test_a_pointwise_conv_input_is_balanced_into_its_weights_through_the_affine_before_it():
@@ -120,7 +110,7 @@ def test_a_pointwise_conv_input_is_balanced_into_its_weights_through_the_affine_
     assert [n.op_type for n in found.model.graph.node] == ["Mul", "Add", "Conv"]
     a = next(i for i in found.model.graph.initializer if i.name == found.model.graph.node[0].input[1])
     assert numpy_helper.to_array(a).shape == (16, 1, 1)
-    assert _rel_l2(found.model, proto, unseen) < 1e-6
+    assert pooled_rel_l2(found.model, proto, unseen) < 1e-6
     # Measured again, histogram and all, so each rule reads its own values (with the abs-max
     # alone a percentile or MSE rule can only read the abs-max: ddddocr_det's lost clips).
     r = found.stats.tensors["xa"]
@@ -128,7 +118,7 @@ def test_a_pointwise_conv_input_is_balanced_into_its_weights_through_the_affine_
     assert r.absmax < 0.5 * stats.tensors["xa"].absmax
     plain = quantise(proto, ["pw"], stats, INT8, saturate=True).model
     ours = quantise(found.model, ["pw"], found.stats, INT8, saturate=True).model
-    assert _rel_l2(ours, proto, unseen) < 0.5 * _rel_l2(plain, proto, unseen)
+    assert pooled_rel_l2(ours, proto, unseen) < 0.5 * pooled_rel_l2(plain, proto, unseen)
 
 
 def test_a_gated_input_divides_its_gate_and_one_read_elsewhere_takes_a_whole_mul():
@@ -143,7 +133,7 @@ def test_a_gated_input_divides_its_gate_and_one_read_elsewhere_takes_a_whole_mul
     mul = next(n for n in found.model.graph.node if n.op_type == "Mul" and "gate" in n.input)
     assert sorted(n.op_type for n in found.model.graph.node) == [
         "Conv", "GlobalAveragePool", "Mul", "Mul", "Sigmoid"] and mul.output[0] != "xa"
-    assert _rel_l2(found.model, proto, unseen) < 1e-6
+    assert pooled_rel_l2(found.model, proto, unseen) < 1e-6
     kept = balance_conv_inputs(proto, ["pw"], stats, feeds, measure=_measure(proto),
                                left_alone={"xa"})
     assert kept.tensors == {} and kept.model is proto
@@ -156,4 +146,4 @@ def test_a_gated_input_divides_its_gate_and_one_read_elsewhere_takes_a_whole_mul
     (x, (read, _)), = whole.tensors.items()
     assert x == "xa" and read != "xa" and whole.whole == ("xa",)
     assert sorted(n.op_type for n in whole.model.graph.node) == ["Add", "Conv", "Mul", "Mul"]
-    assert _rel_l2(whole.model, seen, unseen) < 1e-6
+    assert pooled_rel_l2(whole.model, seen, unseen) < 1e-6

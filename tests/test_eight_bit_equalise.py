@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+from conftest import pooled_rel_l2
 from onnx import numpy_helper, parser
 
 from npuprep.calibrate import calibrate
 from npuprep.model_io import Model, fingerprint
 from npuprep.numerics import eight_bit_format
 from npuprep.rewrite.equalise import chains, equalise, factors
-from npuprep.runtime.session import make_session, run
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.qdq_model import equalise_channels, quantise
 
@@ -54,16 +54,6 @@ def _feeds(n: int) -> list[dict[str, np.ndarray]]:
     return [{"x": RNG.standard_normal((1, 3, 12, 12)).astype(np.float32)} for _ in range(n)]
 
 
-def _rel_l2(model: onnx.ModelProto, ref: onnx.ModelProto, feeds: list) -> float:
-    got, want = make_session(model), make_session(ref)
-    err2 = ref2 = 0.0
-    for f in feeds:
-        a, b = run(got, f), run(want, f)
-        err2 += sum(float(((a[k] - b[k]) ** 2).sum()) for k in b)
-        ref2 += sum(float((b[k] ** 2).sum()) for k in b)
-    return (err2 / ref2) ** 0.5
-
-
 def test_equalised_channels_keep_the_function_and_cut_the_int8_error():
     proto = _model(CHAIN)
     found = chains(proto.graph, ["c2", "c3"])
@@ -75,12 +65,12 @@ def test_equalised_channels_keep_the_function_and_cut_the_int8_error():
                              rules=(ScaleRule.ABSMAX,), tensor_scales={})
     assert len(done.chains) == 1 and done.after < 0.6 * done.before
     # FP32: the same function (up to rounding).
-    assert _rel_l2(done.model, proto, unseen) < 1e-6
+    assert pooled_rel_l2(done.model, proto, unseen) < 1e-6
     # INT8 at c2 and c3 on unseen samples: the quiet channels get their levels back.
     plain = quantise(proto, ["c2", "c3"], stats, INT8, saturate=True, rule=ScaleRule.ABSMAX).model
     ours = quantise(done.model, ["c2", "c3"], done.stats, INT8, saturate=True,
                     rule=ScaleRule.ABSMAX).model
-    assert _rel_l2(ours, proto, unseen) < 0.6 * _rel_l2(plain, proto, unseen)
+    assert pooled_rel_l2(ours, proto, unseen) < 0.6 * pooled_rel_l2(plain, proto, unseen)
     # The tensor's stats were measured again: its abs-max is now every channel's.
     assert done.stats.tensors["h"].absmax > stats.tensors["h"].absmax * 0.99
 

@@ -126,6 +126,23 @@ ErrorsAlone = Callable[[onnx.ModelProto, CalibrationStats, list[list[str]], Sequ
                        list[float]]
 
 
+Balancing = Callable[[slice, Iterable[str]], tuple[RewriteResult, CalibrationStats]]
+
+
+def _kept_where_unfitted_err_less(model: onnx.ModelProto, stats: CalibrationStats,
+                                  tensors: list[str], groups: list[list[str]], fitted: slice,
+                                  check: Sequence[Feed], balanced: Balancing,
+                                  measure: ErrorsAlone) -> tuple[RewriteResult, CalibrationStats]:
+    """`balanced` over the `tensors` whose readers (`groups`, quantised alone) err less on the
+    `check` samples with factors fitted on the `fitted` ones than without; those kept are
+    fitted again on every calibration sample."""
+    before = measure(model, stats, groups, check)
+    every, every_stats = balanced(fitted, tensors)
+    after = measure(every.model, every_stats, groups, check)
+    return balanced(slice(None), [x for x, a, b in zip(tensors, after, before, strict=True)
+                                  if a < b])
+
+
 def balance_outliers(model: onnx.ModelProto, nodes: Sequence[str], stats: CalibrationStats,
                      samples: Sequence[Feed], *, measure: ErrorsAlone,
                      weights: WeightStore | None = None) -> Balanced:
@@ -177,15 +194,11 @@ def balance_outliers(model: onnx.ModelProto, nodes: Sequence[str], stats: Calibr
 
     # Each tensor's readers quantised alone, balanced and not: two trial sessions, every
     # tensor's trial a run of them (a session per trial cost MiniLM 12-14 CPU s).
-    groups = [readers[x] for x in outliers]
     unbalanced = replace(stats, tensors={**stats.tensors, **{
         x: _divided(stats.tensors[x], x, per_channel[x][fitted]) for x in outliers}})
-    before = measure(model, unbalanced, groups, check)
-    every, every_stats = balanced(fitted, outliers)
-    after = measure(every.model, every_stats, groups, check)
-    # Those kept are fitted on every calibration sample.
-    done, done_stats = balanced(slice(None), [x for x, a, b in zip(outliers, after, before,
-                                                                  strict=True) if a < b])
+    done, done_stats = _kept_where_unfitted_err_less(model, unbalanced, list(outliers),
+                                                     [readers[x] for x in outliers], fitted,
+                                                     check, balanced, measure)
     if not done:
         return Balanced(model, stats, {})
     return Balanced(done.model, done_stats, {x: (xs, outliers[x]) for x, xs in
@@ -245,12 +258,9 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
         return done, replace(stats, tensors={**stats.tensors, **{t: again[t] for t in changed
                                                                  if t in again}})
 
-    groups = list(readers.values())
-    before = measure(model, stats, groups, check)
-    every, every_stats = balanced(fitted, readers)
-    after = measure(every.model, every_stats, groups, check)
-    done, done_stats = balanced(slice(None), [x for x, a, b in zip(readers, after, before,
-                                                                  strict=True) if a < b])
+    done, done_stats = _kept_where_unfitted_err_less(model, stats, list(readers),
+                                                     list(readers.values()), fitted, check,
+                                                     balanced, measure)
     if not done:
         return Balanced(model, stats, {})
     top = {x: per_channel[x].max(axis=0) for x in readers}
