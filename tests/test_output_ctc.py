@@ -10,7 +10,9 @@ from onnx import numpy_helper, parser
 
 from npuprep.cli.common import parse_top_k
 from npuprep.errors import NpuprepError
+from npuprep.model_io import Model
 from npuprep.numerics import get_format
+from npuprep.pipeline.stages import checked_top_k
 from npuprep.runtime.session import make_session, run
 from npuprep.verify.output_check import check_outputs
 from npuprep.verify.output_errors import CTC_TEXT, OutputErrors, ctc_text, output_passes
@@ -86,3 +88,16 @@ def test_ctc_decoding_and_the_flag():
                                                                "a:b": 3}
     with pytest.raises(NpuprepError, match="OUTPUT:ctc"):
         parse_top_k(["y:0"])
+
+
+def test_ctc_on_an_output_without_steps_is_refused_in_one_line():
+    # x (5) -> Softmax -> y: one axis of classes, no steps to decode
+    proto = parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[5] x) => (float[5] y) { y = Softmax <axis = -1> (x) }
+    """)
+    model = Model(proto, "flat.onnx", "flat")
+    with pytest.raises(NpuprepError, match=r"^--top-k y:ctc: output 'y' has 1 axis\(es\); a CTC"):
+        checked_top_k(model, {"y": CTC_TEXT})
+    assert checked_top_k(Model(parser.parse_model(CTC_HEAD), "ctc.onnx", "ctc"),
+                         {"y": CTC_TEXT}) == {"y": CTC_TEXT}

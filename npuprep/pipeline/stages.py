@@ -551,12 +551,16 @@ def checked_top_k(model: Model, top_k: Mapping[str, int] | None) -> dict[str, in
         if name not in outputs:
             raise NpuprepError(f"--top-k names '{name}', which is not an output of {model.path} "
                                f"(outputs: {', '.join(sorted(outputs))})")
-        if k == CTC_TEXT:
-            continue  # judged by its CTC text (npuprep.verify.output_errors)
-        if not isinstance(k, int) or k < 1:
-            raise NpuprepError(f"--top-k {name}: K must be a whole number >= 1, not {k!r}")
         out = next(o for o in model.proto.graph.output if o.name == name)
         dims = out.type.tensor_type.shape.dim
+        if k == CTC_TEXT:
+            # Judged by its CTC text (npuprep.verify.output_errors): steps x classes last.
+            if out.type.tensor_type.HasField("shape") and len(dims) < 2:
+                raise NpuprepError(f"--top-k {name}:ctc: output '{name}' has {len(dims)} axis(es); "
+                                   "a CTC output is steps x classes (its last two axes)")
+            continue
+        if not isinstance(k, int) or k < 1:
+            raise NpuprepError(f"--top-k {name}: K must be a whole number >= 1, not {k!r}")
         if dims and dims[-1].HasField("dim_value") and k >= dims[-1].dim_value:
             raise NpuprepError(f"--top-k {name}:{k}: output '{name}' has {dims[-1].dim_value} classes along "
                                f"its last axis; K must be smaller (K = all of them judges nothing)")
