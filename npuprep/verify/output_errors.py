@@ -109,7 +109,7 @@ class OutputErrors:
             a["rows"] += int(decided.sum())
             a["top1_ties"] += int((~decided).sum())
         k = self.top_k.get(name)
-        if k == CTC_TEXT and name in self.top_k:
+        if k == CTC_TEXT:
             self._add_texts(a, ref, cand)
         if k and ref.ndim >= 1 and ref.shape[-1] <= k:
             # A symbolic last axis smaller than K: no position could ever be judged.
