@@ -20,7 +20,7 @@ so the pieces compute what the whole model does (tests/test_trial_pieces.py).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import onnx
@@ -99,10 +99,11 @@ def first_pieces(pieces: Sequence[Piece], names: Sequence[str]) -> dict[str, int
     return {n: first.get(n, len(pieces)) for n in names}
 
 
-def crossing(pieces: Sequence[Piece], k: int) -> set[str]:
-    """The values piece `k` and those after it read from the pieces before it."""
+def crossing(pieces: Sequence[Piece], k: int, graph_outputs: Collection[str]) -> set[str]:
+    """The values piece `k` and those after it read from the pieces before it, and the graph
+    outputs those made (an LSTM's last state, written by the first piece)."""
     made = {o for p in pieces[:k] for o in p.outputs}
-    later = {i for p in pieces[k:] for i in p.inputs} | set(pieces[-1].outputs)
+    later = {i for p in pieces[k:] for i in p.inputs} | set(graph_outputs)
     return made & later
 
 
