@@ -10,7 +10,9 @@ balanced into their weights first. Then one session of the QDQ model with every 
 activation's scale rule, the bias correction, the ranking of the layers by what keeping each
 wider gains, and the heads of that ranking tried in the target's other 8-bit format (INT8
 and FP8 on the A2000) and then FP16, while the 8-bit share of the multiply-adds stays at or
-above `min_8bit_share`. The search aims at JUDGE_MARGIN x rtol on the calibration samples
+above `min_8bit_share`. An FP8 conversion on such a target searches as the INT8 conversion
+does first, then as itself, trying no head that leaves less in 8 bits than a passing INT8
+search (it could not be kept). The search aims at JUDGE_MARGIN x rtol on the calibration samples
 (decisions: held with DECISION_MARGIN x the error): their scales fit them, unseen samples
 err more. The model chosen is then built once and checked, compared layer by layer and held
 out as any conversion is.
