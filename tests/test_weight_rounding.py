@@ -167,3 +167,24 @@ def test_rounding_kept_where_the_model_outputs_gain_and_forgotten_back_to_neares
     for got, want in zip(store.values(w, 1, int8, saturate=True),
                          quantise_weight(w, 1, int8, saturate=True), strict=True):
         assert np.array_equal(got, want)
+
+
+def test_the_triangular_inverse_by_halves_is_the_inverse_and_rounds_alike() -> None:
+    # H's factor inverted by halves (two groups, K past two halvings and odd) against numpy's
+    # general inverse: the same matrix to rounding, and the same rounded weights from it.
+    from npuprep.rewrite.weight_rounding import TRIANGULAR_LEAF, _sequential, upper_inverse
+
+    rng = np.random.default_rng(4)
+    k = 4 * TRIANGULAR_LEAF + 3
+    x = rng.standard_normal((3 * k, k)) * rng.random(k)
+    gram = np.stack([x.T @ x, 2 * x.T @ x + np.eye(k)])
+    v = np.linalg.cholesky(gram[:, ::-1, ::-1])[:, ::-1, ::-1]
+    by_halves, whole = upper_inverse(v), np.linalg.inv(v)
+    assert np.array_equal(np.tril(by_halves, -1), np.zeros_like(by_halves))
+    assert np.abs(by_halves - whole).max() <= 1e-12 * np.abs(whole).max()
+    assert np.allclose(np.matmul(v, by_halves), np.eye(k), atol=1e-9)
+    rows = rng.standard_normal((2, 16, k)) * 0.05
+    for fmt in (eight_bit_format("int8"), eight_bit_format("fp8_e4m3")):
+        scale = np.abs(rows).max(axis=2) / fmt.qmax
+        assert np.array_equal(_sequential(rows, scale, fmt, by_halves),
+                              _sequential(rows, scale, fmt, whole))
