@@ -598,9 +598,15 @@ def _better_search(asked: Widening, as_int8: Widening, profile: TargetProfile,
     rule = (f"{profile.name}'s ledger makes {fp8.name} cheaper: more in it" if cheaper else
             f"at the same share the lower error ({profile.name}'s ledger does not make "
             f"{fp8.name} cheaper than {int8.name})")
+    def failing(w: Widening) -> str:
+        # The FP8 search tries no head under a passing INT8 search's share: where none of
+        # its heads passes, the point named is its longest failing one.
+        return "" if judged(w.check) else ", failing"
+
     said = (f"searched as the {fp8.name} conversion ({eight_bit_share(asked.layers, macs):.1%} "
-            f"8-bit, rel L2 {asked.check.worst_rel_l2:.3g}) and as the {int8.name} conversion "
-            f"({eight_bit_share(as_int8.layers, macs):.1%}, {as_int8.check.worst_rel_l2:.3g}): "
+            f"8-bit, rel L2 {asked.check.worst_rel_l2:.3g}{failing(asked)}) and as the "
+            f"{int8.name} conversion ({eight_bit_share(as_int8.layers, macs):.1%}, "
+            f"{as_int8.check.worst_rel_l2:.3g}{failing(as_int8)}): "
             f"kept the {(fp8 if kept is asked else int8).name} conversion's: the more 8-bit "
             f"share that passes, {rule}")
     return replace(kept, curve=asked.curve + as_int8.curve,
