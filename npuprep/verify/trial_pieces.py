@@ -39,7 +39,7 @@ PIECES = 8
 # the earliest first (a trial starting there saves the least).
 KEPT_BYTES_PER_SAMPLE = 64 * 2**20
 # Values entering the cuts in trials with a switch on before them (Prefixes), all samples
-# together: ppocr_det's 8 samples cross ~10 MB per trial run.
+# together: at most 8 x KEPT_BYTES_PER_SAMPLE per trial of 8 samples.
 PREFIX_BYTES = 512 * 2**20
 # The producers a cut may separate from their readers (see the module's docstring).
 _CUTTABLE = frozenset({"Cast", "If"})
