@@ -186,8 +186,8 @@ def worst_pooled_rel_l2(got: Sequence[Mapping[str, Any]],
     (their squared errors summed over their squared references): the one number that ranks
     candidates by their outputs' error. An Inf/NaN output is the largest error there is."""
     # The sums OutputErrors.add pools, alone: its decisions and concentration are not read
-    # here and cost twice the sums (ppocr_det's 640x640 map: 43 against 14 ms for 4 samples,
-    # against ~200 ms for the trial run itself).
+    # here and cost twice the sums or more (4 samples of ppocr_det's 320x320 map: 6.6 against
+    # 2.2 ms; of a 640x640 one 41 against 19 ms; bench/bench_eight_bit_kernels.py).
     sums: dict[str, list[float]] = {}
     for values, want in zip(got, expected, strict=True):
         for name, value in want.items():
