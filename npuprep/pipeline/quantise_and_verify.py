@@ -45,6 +45,7 @@ from npuprep.rewrite.lower import Lowered
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.compare import DEFAULT_ATOL, compare_models
+from npuprep.verify.decision_margin import decision_error
 from npuprep.verify.input_split import Splits, planned_splits, split_wide_inputs
 from npuprep.verify.output_check import OutputCheck, check_output_sets, check_outputs
 from npuprep.verify.output_errors import output_passes
@@ -207,7 +208,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     sessions = _TrialSessions(
         work.proto, base, layers, stats, variants, wide, samples, saturate=saturate,
         kept_wider=pinned | {x.node for x in layers if x.precision == "fp32"},
-        tensor_scales=applied.tensor_scales, weights=weights, means=means, runner=runner)
+        tensor_scales=applied.tensor_scales, weights=weights, means=means, runner=runner,
+        score=_decision_score(top_k, JUDGE_MARGIN * rtol, rtol))
     search = sessions.search()
     tensor_rules: dict[str, ScaleRule] = {}
     if not eight.is_float:
@@ -243,8 +245,17 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                    for o in check.outputs.values())
 
     def trial(chosen: Sequence[LayerPrecision]) -> OutputCheck:
-        return sessions.checks().check(_assigned(chosen), tensor_rules, rtol=rtol, top_k=top_k,
-                                       margin=DECISION_MARGIN)
+        got = sessions.checks().check(_assigned(chosen), tensor_rules, rtol=rtol, top_k=top_k,
+                                      margin=DECISION_MARGIN)
+        import os
+        import sys
+        if os.environ.get("E8REC8_DEBUG"):
+            sc = sessions.checks().error(_assigned(chosen), tensor_rules)
+            o = next(iter(got.outputs.values()))
+            print(f"DBG share {eight_bit_share(chosen, macs):.3f} rel {got.worst_rel_l2:.4f} "
+                  f"score4 {sc:.4f} texts {o.get('top_k_agreement')} "
+                  f"at2 {o.get('top_k_agreement_at_margin')} pass {judged(got)}", file=sys.stderr)
+        return got
 
     def ranker(fmt: EightBitFormat) -> tuple[Callable[[list[str], list[LayerPrecision]],
                                                        list[Sensitivity]],
@@ -389,7 +400,8 @@ class _TrialSessions:
                  variants: Sequence[Variant], wide: NumberFormat, samples: Sequence[Feed], *,
                  saturate: bool, kept_wider: set[str], tensor_scales: Mapping[str, float],
                  weights: WeightStore, means: Mapping[str, Any],
-                 runner: RunsFactory | None) -> None:
+                 runner: RunsFactory | None, score: Any = None) -> None:
+        self.score = score
         self.reference, self.base, self.stats, self.variants = reference, base, stats, variants
         self.assigned = _assigned(layers)
         self.wide, self.samples, self.saturate, self.kept_wider = wide, samples, saturate, kept_wider
@@ -417,6 +429,10 @@ class _TrialSessions:
                             saturate=self.saturate, expected=self.expected, runs=self.runner,
                             shared=self.shared)
             trials.corrected = self.corrected
+            import os
+            mode = os.environ.get("E8REC8_SCORE", "all")
+            if self.score is not None and (mode == "all" or (mode == "rank" and phase in ("ranking", "checks"))):
+                trials.score = self.score
             self.open[phase] = trials
         return self.open[phase]
 
@@ -458,6 +474,16 @@ class _TrialSessions:
             self.runs += self.open[phase].runs
             self.open[phase].close()
         self.open.clear()
+
+
+def _decision_score(top_k: Mapping[str, int], aim: float, rtol: float) -> Any:
+    if not top_k:
+        return None
+
+    def score(got: Any, expected: Any) -> float:
+        return decision_error(got, expected, top_k=top_k, aim=aim, margin=DECISION_MARGIN,
+                              tie_rtol=rtol)
+    return score
 
 
 def _macs(model: Any, stats: CalibrationStats, samples: Sequence[Feed]) -> dict[str, int]:

@@ -445,6 +445,11 @@ class Trials:
         model = fold_weight_switches(model, switched.weight_switches.values())
         self.runner: TrialRuns | None = (runs or LocalRuns)(model, self.samples)
         self.runs = 0
+        # What a trial's error is (outputs, expected -> a number): the outputs' worst pooled
+        # rel L2, or the gate's own units where outputs are judged by their decisions
+        # (npuprep.verify.decision_margin).
+        self.score: Callable[[Sequence[Mapping[str, np.ndarray]],
+                              Sequence[Mapping[str, np.ndarray]]], float] = worst_pooled_rel_l2
         self._errors: dict[bytes, float] = {}
         self._order = sorted(set(switched.weight_switches.values())
                              | set(switched.input_switches.values())
@@ -507,7 +512,7 @@ class Trials:
             if given is None or len(given) != min(TRIAL_SAMPLES, len(self.samples)):
                 batches.append((k, first))
                 continue
-            self._errors[k] = worst_pooled_rel_l2(given, self.expected[:len(given)])
+            self._errors[k] = self.score(given, self.expected[:len(given)])
             if seen is not None:
                 for i in first:
                     seen(i, given)
@@ -516,7 +521,7 @@ class Trials:
             batch = batches[start:start + BATCH_TRIALS]
             for (k, first), got in zip(batch, self._outputs([feeds[i[0]] for _, i in batch],
                                                              TRIAL_SAMPLES), strict=True):
-                self._errors[k] = worst_pooled_rel_l2(got, self.expected[:len(got)])
+                self._errors[k] = self.score(got, self.expected[:len(got)])
                 if seen is not None:
                     for i in first:
                         seen(i, got)
@@ -587,7 +592,7 @@ def rank_layers(trials: Trials, nodes: Sequence[str], assign: Mapping[str, str],
         # All in 8 bits, less this layer's own deviation from the wider model.
         rest = [{n: a[n] - (np.asarray(o[n], np.float64) - z[n]) for n in floats}
                 for a, o, z in zip(all_in, got, none_in, strict=True)]
-        estimated[i] = worst_pooled_rel_l2(rest, trials.expected[:len(rest)])
+        estimated[i] = trials.score(rest, trials.expected[:len(rest)])
 
     alone = trials.errors([({label: assign[label]}, rules) for label in nodes], seen=without)
     found = []
@@ -640,7 +645,7 @@ def choose_rules(trials: Trials, model: onnx.ModelProto, nodes: Sequence[str],
     room = [trials.shared.max_bytes - trials.shared.held if trials.shared is not None else 0]
 
     def keep(i: int, got: list[dict[str, np.ndarray]]) -> None:
-        error, k = worst_pooled_rel_l2(got, trials.expected[:len(got)]), tensor_of[i]
+        error, k = trials.score(got, trials.expected[:len(got)]), tensor_of[i]
         if k in best:
             if not error < best[k][0]:
                 return
