@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import onnx
 
 import npuprep.pipeline.lower_and_verify as lower_and_verify
@@ -143,25 +144,30 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     if int8_start is not None:
         int8_start = _with_splits(int8_start, split)
     balanced: dict[str, tuple[str, float]] = {}
-    if not eight.is_float:
+    int8 = next((v for v in variants if not v.fmt.is_float), None)
+    # Each INT8 layer's error alone at its format's default rule: what a balancing keeps by.
+    alone = None if int8 is None else Variant(int8.fmt, (int8.rules[0],), True)
+
+    def measure(model: onnx.ModelProto, stats: CalibrationStats,
+                groups: list[list[str]], on: Sequence[Feed]) -> list[float]:
+        assert alone is not None
+        return errors_alone(work.proto, model, groups, stats, alone, on,
+                            tensor_scales=applied.tensor_scales, weights=weights, runs=runner)
+
+    # The INT8 layers: the INT8 conversion's, or those of an FP8 conversion's INT8 search
+    # (balanced as the INT8 conversion balances them, so that search is the INT8 one).
+    int8_layers = (eight_bit_nodes(layers, eight) if not eight.is_float else
+                   eight_bit_nodes(int8_start, other) if int8_start is not None and other else [])
+    if int8_layers:
         # FP8 keeps its relative precision across channels; INT8's one scale does not.
         stage("balancing outlier channels into the weights")
-        alone = Variant(eight, (scale_rule,), True)
-
-        def measure(model: onnx.ModelProto, stats: CalibrationStats,
-                    groups: list[list[str]], on: Sequence[Feed]) -> list[float]:
-            return errors_alone(work.proto, model, groups, stats, alone, on,
-                                tensor_scales=applied.tensor_scales, weights=weights,
-                                runs=runner)
-
-        found = balance_outliers(base, eight_bit_nodes(layers, eight), stats, samples,
+        found = balance_outliers(base, int8_layers, stats, samples,
                                  measure=measure, weights=weights)
         base, stats, balanced = found.model, found.stats, found.tensors
         if balanced:
             notes.append(f"{len(balanced)} INT8 MatMul input(s) with outlier channels (up to "
                          f"{ratio(max(r for _, r in balanced.values()))} the median channel) divided "
                          "per channel, their weights multiplied (SmoothQuant)")
-    int8 = next((v for v in variants if not v.fmt.is_float), None)
     if int8 is not None:
         stage("equalising Conv inputs' channels into their producers")
         equalised = equalise_channels(work.proto, base, list(_assigned(layers)), stats, int8.fmt,
@@ -171,13 +177,13 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         base, stats = equalised.model, equalised.stats
         if equalised.before:
             notes.append(_equalised_note(equalised))
-    if not eight.is_float:
+    if int8_layers:
         # Conv inputs whose writer equalisation cannot pass (a hard-swish) or did not take.
         stage("balancing Conv inputs' channels into their weights")
         # A split input's two passes hold its scale by construction (npuprep.verify.input_split).
         passes = {*split.layers, *(r.node for r in split.residuals.values())}
-        convs = balance_conv_inputs(base, [n for n in eight_bit_nodes(layers, eight)
-                                           if n not in passes], stats, samples,
+        convs = balance_conv_inputs(base, [n for n in int8_layers if n not in passes],
+                                    stats, samples,
                                     measure=measure, path=work.path, weights=weights,
                                     left_alone={*applied.tensor_scales,
                                                 *(c.tensor for c in equalised.chains)})
@@ -245,17 +251,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                    for o in check.outputs.values())
 
     def trial(chosen: Sequence[LayerPrecision]) -> OutputCheck:
-        got = sessions.checks().check(_assigned(chosen), tensor_rules, rtol=rtol, top_k=top_k,
-                                      margin=DECISION_MARGIN)
-        import os
-        import sys
-        if os.environ.get("E8REC8_DEBUG"):
-            sc = sessions.checks().error(_assigned(chosen), tensor_rules)
-            o = next(iter(got.outputs.values()))
-            print(f"DBG share {eight_bit_share(chosen, macs):.3f} rel {got.worst_rel_l2:.4f} "
-                  f"score4 {sc:.4f} texts {o.get('top_k_agreement')} "
-                  f"at2 {o.get('top_k_agreement_at_margin')} pass {judged(got)}", file=sys.stderr)
-        return got
+        return sessions.checks().check(_assigned(chosen), tensor_rules, rtol=rtol, top_k=top_k,
+                                       margin=DECISION_MARGIN)
 
     def ranker(fmt: EightBitFormat) -> tuple[Callable[[list[str], list[LayerPrecision]],
                                                        list[Sensitivity]],
@@ -400,7 +397,10 @@ class _TrialSessions:
                  variants: Sequence[Variant], wide: NumberFormat, samples: Sequence[Feed], *,
                  saturate: bool, kept_wider: set[str], tensor_scales: Mapping[str, float],
                  weights: WeightStore, means: Mapping[str, Any],
-                 runner: RunsFactory | None, score: Any = None) -> None:
+                 runner: RunsFactory | None,
+                 score: Callable[[Sequence[Mapping[str, np.ndarray]],
+                                  Sequence[Mapping[str, np.ndarray]]], float] | None = None
+                 ) -> None:
         self.score = score
         self.reference, self.base, self.stats, self.variants = reference, base, stats, variants
         self.assigned = _assigned(layers)
@@ -429,10 +429,6 @@ class _TrialSessions:
                             saturate=self.saturate, expected=self.expected, runs=self.runner,
                             shared=self.shared)
             trials.corrected = self.corrected
-            import os
-            mode = os.environ.get("E8REC8_SCORE", "all")
-            if self.score is not None and (mode == "all" or (mode == "rank" and phase in ("ranking", "checks"))):
-                trials.score = self.score
             self.open[phase] = trials
         return self.open[phase]
 
@@ -448,11 +444,19 @@ class _TrialSessions:
 
     def ranking(self) -> Trials:
         self._close_rule_choice()
-        return self._trials("ranking", chosen=True, own=True)
+        return self._judged(self._trials("ranking", chosen=True, own=True))
 
     def checks(self) -> Trials:
         self._close_rule_choice()
-        return self._trials("checks", chosen=True, own=False)
+        return self._judged(self._trials("checks", chosen=True, own=False))
+
+    def _judged(self, trials: Trials) -> Trials:
+        # The ranking and the widening's steps compare trials as the gate judges them
+        # (`score`); the rule choice and bias correction keep rel L2: a clip or a bias is
+        # chosen for every value, not for the weakest decision of four samples.
+        if self.score is not None:
+            trials.scored_by(self.score)
+        return trials
 
     def _close_rule_choice(self) -> None:
         for phase in [p for p in self.open if p == "search" or p.startswith("rules ")]:
@@ -476,11 +480,16 @@ class _TrialSessions:
         self.open.clear()
 
 
-def _decision_score(top_k: Mapping[str, int], aim: float, rtol: float) -> Any:
+def _decision_score(top_k: Mapping[str, int], aim: float, rtol: float
+                    ) -> Callable[[Sequence[Mapping[str, np.ndarray]],
+                                   Sequence[Mapping[str, np.ndarray]]], float] | None:
+    """The search's error where outputs are judged by their decisions (in the gate's units:
+    npuprep.verify.decision_margin); None where every output is judged by rel L2."""
     if not top_k:
         return None
 
-    def score(got: Any, expected: Any) -> float:
+    def score(got: Sequence[Mapping[str, np.ndarray]],
+              expected: Sequence[Mapping[str, np.ndarray]]) -> float:
         return decision_error(got, expected, top_k=top_k, aim=aim, margin=DECISION_MARGIN,
                               tie_rtol=rtol)
     return score

@@ -458,6 +458,13 @@ class Trials:
             ("weight", switched.weight_switches), ("input", switched.input_switches),
             ("bias", switched.bias_switches)) for key, name in switches.items()}
 
+    def scored_by(self, score: Callable[[Sequence[Mapping[str, np.ndarray]],
+                                         Sequence[Mapping[str, np.ndarray]]], float]) -> None:
+        """Trials' errors from here on by `score` (the errors kept are in the old units)."""
+        if score is not self.score:
+            self.score = score
+            self._errors.clear()
+
     def close(self) -> None:
         """Free the session (its weights) once the search is done."""
         if self.runner is not None:
