@@ -141,3 +141,8 @@ def test_an_fp8_conversions_int8_search_balances_conv_inputs_as_the_int8_convers
     assert int8 and fp8 and set(fp8.eight_bit.balanced) == set(int8.eight_bit.balanced) == {"xa"}
     assert fp8.eight_bit.mac_share["int8"] == 1.0
     assert fp8.output_check.worst_rel_l2 == int8.output_check.worst_rel_l2 < 0.016
+    # At rtol 0.05 all-FP8 meets the aim (0.034 under 0.04): the INT8 search does not run, and
+    # no input is balanced for it (FP8 layers reading a balanced input, every channel near
+    # its abs-max, lose the headroom the quiet channels gave: ppocr_cls's NaN held out).
+    loose = convert(model, a2000, feeds, precision="fp8_e4m3", stats=stats, rtol=0.05)
+    assert loose and loose.eight_bit.balanced == {}
