@@ -42,9 +42,10 @@ def decision_error(got: Sequence[Mapping[str, np.ndarray]],
                 continue
             errors.add(name, value, values[name])
             k = top_k.get(name)
-            if k is not None:
-                ref = np.asarray(value, dtype=np.float64)
-                cand = np.asarray(values[name], dtype=np.float64)
+            ref = np.asarray(value, dtype=np.float64)
+            cand = np.asarray(values[name], dtype=np.float64)
+            # No classes to decide between (the gate reads its rel L2 alone): no margin.
+            if k is not None and ref.shape == cand.shape and ref.ndim >= 1 and ref.shape[-1] >= 2:
                 eaten[name] = max(eaten.get(name, 0.0), margin_eaten(ref, cand, k, tie_rtol))
     worst = 0.0
     for name, row in errors.result().items():
@@ -59,9 +60,8 @@ def decision_error(got: Sequence[Mapping[str, np.ndarray]],
 
 def margin_eaten(ref: np.ndarray, cand: np.ndarray, k: int, tie_rtol: float) -> float:
     """The largest share of a decided position's margin the error takes (0 where nothing is
-    decided; Inf where the candidate is not finite). `k`: the top-K judged, or CTC_TEXT."""
-    if ref.shape != cand.shape or ref.ndim < 1 or ref.shape[-1] < 2:
-        return 0.0
+    decided; Inf where the candidate is not finite). `ref` and `cand`: the same shape, classes
+    along the last axis (at least 2). `k`: the top-K judged, or CTC_TEXT."""
     if not np.isfinite(cand).all():
         return math.inf
     classes = ref.shape[-1]
