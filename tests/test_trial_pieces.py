@@ -16,6 +16,7 @@ from npuprep.runtime.session import make_session, run
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.qdq_model import on_target
 from npuprep.verify.qdq_trials import TRIAL_SAMPLES, LocalRuns, Variant, switched_qdq
+from npuprep.verify.trial_pieces import cut_into_pieces
 from npuprep.verify.weight_switches import fold_weight_switches
 
 # x -> Conv a -> Relu -> Conv b -> Relu -> Conv c -> Relu -> Conv d -> y
@@ -79,3 +80,69 @@ def test_a_trial_from_a_cut_gives_the_whole_model_s_outputs_and_skips_the_pieces
     alone = runs.run([(0, last)])[0]
     assert first.runs == 0
     assert np.array_equal(alone["y"], run(whole, {**feeds[0], **last})["y"])
+
+
+# x -> Cast -> Cast -> a; W -> Clip -> Cast (constants only, 64x more elements than x);
+# a -> MatMul(W rounded) -> Cast -> Cast -> y
+CONSTANT_MIDDLE = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[1, 64] x) => (float[1, 64] y) {
+    h = Cast <to = 10> (x)
+    a = Cast <to = 1> (h)
+    lo = Constant <value = float {-2.0}> ()
+    hi = Constant <value = float {2.0}> ()
+    wc = Clip (W, lo, hi)
+    wh = Cast <to = 10> (wc)
+    wr = Cast <to = 1> (wh)
+    [m] p = MatMul (a, wr)
+    q = Cast <to = 10> (p)
+    y = Cast <to = 1> (q)
+}
+"""
+
+
+def test_no_piece_is_constant_arithmetic_alone():
+    rng = np.random.default_rng(2)
+    proto = parser.parse_model(CONSTANT_MIDDLE)
+    proto.graph.initializer.append(
+        numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "W"))
+    pieces = cut_into_pieces(proto, {"x": (1, 64)})
+    assert len(pieces) > 1
+    feed = {"x": rng.standard_normal((1, 64)).astype(np.float32)}
+    values = dict(feed)
+    for piece in pieces:
+        assert piece.inputs and piece.outputs
+        values.update(run(make_session(piece.model), {t: values[t] for t in piece.inputs}))
+    np.testing.assert_array_equal(values["y"], run(make_session(proto), feed)["y"])
+
+
+# x -> Cast -> Cast -> a (an output too: an LSTM's last state) -> MatMul(W) -> Cast -> Cast -> p;
+# y = Where(switch, p + 1, p)
+EARLY_OUTPUT = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[1, 64] x, bool s) => (float[1, 64] y, float[1, 64] a) {
+    h = Cast <to = 10> (x)
+    a = Cast <to = 1> (h)
+    m = MatMul (a, W)
+    q = Cast <to = 10> (m)
+    p = Cast <to = 1> (q)
+    one = Constant <value = float {1.0}> ()
+    up = Add (p, one)
+    y = Where (s, up, p)
+}
+"""
+
+
+def test_a_trial_from_a_cut_gives_the_graph_outputs_earlier_pieces_write():
+    rng = np.random.default_rng(3)
+    proto = parser.parse_model(EARLY_OUTPUT)
+    proto.graph.initializer.append(
+        numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "W"))
+    feeds = [{"x": rng.standard_normal((1, 64)).astype(np.float32)} for _ in range(2)]
+    runs = LocalRuns(proto, feeds)
+    on = {"s": np.array(True)}
+    assert len(runs.pieces) > 1 and runs._start(on) > 0
+    [got] = runs.run([(0, on)])
+    expected = run(make_session(proto), {**feeds[0], **on})
+    assert got.keys() == expected.keys() == {"y", "a"}
+    assert all(np.array_equal(got[k], expected[k]) for k in expected)

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 
 import npuprep.pipeline.lower_and_verify as lower_and_verify
-from npuprep.calibrate.layer_macs import body_note, layer_macs
+from npuprep.calibrate.layer_macs import body_note, layer_macs, recurrent_note
 from npuprep.calibrate.mapping import with_scaled_entries
 from npuprep.calibrate.scales import FP8_NAN_HEADROOM
 from npuprep.calibrate.stats import CalibrationStats
@@ -204,7 +204,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                          f"writing them or a Mul on one value per channel, {whole} by a Mul over "
                          "the whole tensor), kept by their layers' error alone on unfitted samples")
     macs = _macs(base, stats, samples)
-    notes += body_note(base, macs)
+    notes += body_note(base, macs) + recurrent_note(base, macs, sample_shapes(samples))
     eight_bit = eight_bit_nodes(layers, eight)
     stage("rounding the 8-bit weights for their layers' outputs")
     notes += _round_weights(work.proto, base, _assigned(layers), variants, samples, weights,

@@ -302,7 +302,7 @@ class LocalRuns:
                                     for p in self.pieces]
         self.names = [o.name for o in model.graph.output]
         self.first = first_pieces(self.pieces, [i.name for i in model.graph.input])
-        self.entering = [crossing(self.pieces, k) for k in range(len(self.pieces))]
+        self.entering = [crossing(self.pieces, k, self.names) for k in range(len(self.pieces))]
         # sample -> the values entering each piece (and the outputs) with every switch off
         self.kept: dict[int, list[dict[str, np.ndarray]]] = {}
         self.workers = cores()

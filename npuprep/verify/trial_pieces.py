@@ -20,7 +20,7 @@ so the pieces compute what the whole model does (tests/test_trial_pieces.py).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import onnx
@@ -80,7 +80,8 @@ def cut_into_pieces(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]
     size = _sizes(model, shapes)
     cost = _costs(model, nodes, size)
     cuts = _cuts(nodes, made, last_read, cost, sum(cost) or 1.0, count)
-    cuts = _within(cuts, made, last_read, size, kept_bytes)
+    cuts = _computing(_within(cuts, made, last_read, size, kept_bytes), set(made.values()),
+                      len(nodes))
     if not cuts:
         return [Piece(model, tuple(i.name for i in g.input), tuple(o.name for o in g.output))]
     types = infer_tensors(model).types
@@ -98,10 +99,11 @@ def first_pieces(pieces: Sequence[Piece], names: Sequence[str]) -> dict[str, int
     return {n: first.get(n, len(pieces)) for n in names}
 
 
-def crossing(pieces: Sequence[Piece], k: int) -> set[str]:
-    """The values piece `k` and those after it read from the pieces before it."""
+def crossing(pieces: Sequence[Piece], k: int, graph_outputs: Collection[str]) -> set[str]:
+    """The values piece `k` and those after it read from the pieces before it, and the graph
+    outputs those made (an LSTM's last state, written by the first piece)."""
     made = {o for p in pieces[:k] for o in p.outputs}
-    later = {i for p in pieces[k:] for i in p.inputs} | set(pieces[-1].outputs)
+    later = {i for p in pieces[k:] for i in p.inputs} | set(graph_outputs)
     return made & later
 
 
@@ -142,6 +144,21 @@ def _within(cuts: list[int], made: Mapping[str, int], last_read: Mapping[str, in
         budget -= need
         kept.append(cut)
     return sorted(kept)
+
+
+def _computing(cuts: list[int], computing: set[int], end: int) -> list[int]:
+    """The cuts that leave every piece a node computing from the graph inputs (positions in
+    `computing`): a piece of constant arithmetic only (an LSTM weight's rounding) would be
+    computed again where it is read, leaving a model without inputs or outputs."""
+    kept: list[int] = []
+    start = 0
+    for cut in cuts:
+        if any(start <= k < cut for k in computing):
+            kept.append(cut)
+            start = cut
+    if kept and not any(kept[-1] <= k < end for k in computing):
+        kept.pop()
+    return kept
 
 
 def _sizes(model: onnx.ModelProto, given: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
