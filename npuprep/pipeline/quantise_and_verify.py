@@ -68,6 +68,7 @@ from npuprep.verify.qdq_trials import (
     RunsFactory,
     TrialOutputs,
     Trials,
+    TrialScore,
     Variant,
     choose_rules,
     errors_alone,
@@ -405,9 +406,7 @@ class _TrialSessions:
                  saturate: bool, kept_wider: set[str], tensor_scales: Mapping[str, float],
                  weights: WeightStore, means: Mapping[str, Any],
                  runner: RunsFactory | None,
-                 score: Callable[[Sequence[Mapping[str, np.ndarray]],
-                                  Sequence[Mapping[str, np.ndarray]]], float] | None = None
-                 ) -> None:
+                 score: TrialScore | None = None) -> None:
         self.score = score
         self.reference, self.base, self.stats, self.variants = reference, base, stats, variants
         self.assigned = _assigned(layers)
@@ -508,9 +507,7 @@ def _start_passes(reference: onnx.ModelProto, base: onnx.ModelProto,
     return all(output_passes(o, JUDGE_MARGIN * rtol) for o in check.outputs.values())
 
 
-def _decision_score(top_k: Mapping[str, int], aim: float, rtol: float
-                    ) -> Callable[[Sequence[Mapping[str, np.ndarray]],
-                                   Sequence[Mapping[str, np.ndarray]]], float] | None:
+def _decision_score(top_k: Mapping[str, int], aim: float, rtol: float) -> TrialScore | None:
     """The search's error where outputs are judged by their decisions (in the gate's units:
     npuprep.verify.decision_margin); None where every output is judged by rel L2."""
     if not top_k:

@@ -65,6 +65,9 @@ from npuprep.verify.weight_switches import fold_weight_switches
 
 # Samples a ranking or rule trial is measured on: it needs an order, not a verdict.
 TRIAL_SAMPLES = 4
+# A trial's error from its outputs and the reference's (per sample, output name -> values).
+TrialScore = Callable[[Sequence[Mapping[str, np.ndarray]], Sequence[Mapping[str, np.ndarray]]],
+                      float]
 # Trials handed to the runner at once (x TRIAL_SAMPLES runs: Ray spreads them over its
 # actors); their outputs are held until their errors are taken.
 BATCH_TRIALS = 16
@@ -448,8 +451,7 @@ class Trials:
         # What a trial's error is (outputs, expected -> a number): the outputs' worst pooled
         # rel L2, or the gate's own units where outputs are judged by their decisions
         # (npuprep.verify.decision_margin).
-        self.score: Callable[[Sequence[Mapping[str, np.ndarray]],
-                              Sequence[Mapping[str, np.ndarray]]], float] = worst_pooled_rel_l2
+        self.score: TrialScore = worst_pooled_rel_l2
         self._errors: dict[bytes, float] = {}
         self._order = sorted(set(switched.weight_switches.values())
                              | set(switched.input_switches.values())
@@ -458,8 +460,7 @@ class Trials:
             ("weight", switched.weight_switches), ("input", switched.input_switches),
             ("bias", switched.bias_switches)) for key, name in switches.items()}
 
-    def scored_by(self, score: Callable[[Sequence[Mapping[str, np.ndarray]],
-                                         Sequence[Mapping[str, np.ndarray]]], float]) -> None:
+    def scored_by(self, score: TrialScore) -> None:
         """Trials' errors from here on by `score` (the errors kept are in the old units)."""
         if score is not self.score:
             self.score = score
@@ -502,8 +503,8 @@ class Trials:
 
     def errors(self, trials: Sequence[tuple[Mapping[str, str], Mapping[str, ScaleRule]]], *,
                seen: Callable[[int, list[dict[str, np.ndarray]]], None] | None = None) -> list[float]:
-        """Each trial's (assign, rules) outputs' worst pooled rel L2 on the first
-        TRIAL_SAMPLES samples; the trials not run before run in batches of BATCH_TRIALS.
+        """Each trial's (assign, rules) error (`score`: the outputs' worst pooled rel L2 unless
+        set) on the first TRIAL_SAMPLES samples; the trials not run before run in batches of BATCH_TRIALS.
         `seen(i, outputs)`: called with the outputs of every trial i, while its batch is
         held (every trial then runs, run before or not)."""
         feeds = [self._switches(a, r) for a, r in trials]
@@ -535,7 +536,7 @@ class Trials:
         return [self._errors[k] for k in keys]
 
     def error(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule]) -> float:
-        """The outputs' worst pooled rel L2 on the first TRIAL_SAMPLES samples."""
+        """The trial's error (`score`) on the first TRIAL_SAMPLES samples."""
         return self.errors([(assign, rules)])[0]
 
     def check(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule], *, rtol: float,
