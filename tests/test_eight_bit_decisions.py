@@ -125,6 +125,7 @@ def test_layers_are_ranked_by_the_decisions_they_move_not_by_rel_l2():
     assert result and result.eight_bit.kept_wider == ("small",)
     assert result.eight_bit.eight_bit_share > 0.9
     assert result.output_check.outputs["y"]["top_k_agreement"] == 1.0
+    assert any("margin their error eats at y (top-1)" in n for n in result.notes)
 
 
 def test_an_fp8_conversions_int8_search_balances_conv_inputs_as_the_int8_conversion_does():

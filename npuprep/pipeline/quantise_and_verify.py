@@ -49,7 +49,7 @@ from npuprep.verify.compare import DEFAULT_ATOL, compare_models
 from npuprep.verify.decision_margin import decision_error
 from npuprep.verify.input_split import Splits, planned_splits, split_wide_inputs
 from npuprep.verify.output_check import OutputCheck, check_output_sets, check_outputs
-from npuprep.verify.output_errors import output_passes
+from npuprep.verify.output_errors import CTC_TEXT, output_passes
 from npuprep.verify.pin_rounds import sample_shapes
 from npuprep.verify.qdq_model import (
     Equalised,
@@ -224,6 +224,11 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         kept_wider=pinned | {x.node for x in layers if x.precision == "fp32"},
         tensor_scales=applied.tensor_scales, weights=weights, means=means, runner=runner,
         score=_decision_score(top_k, JUDGE_MARGIN * rtol, rtol))
+    if top_k:
+        judged_by = ", ".join(f"{name} ({'CTC text' if k == CTC_TEXT else f'top-{k}'})"
+                              for name, k in top_k.items())
+        notes.append(f"the search ranks layers and compares trials by the share of each decided "
+                     f"margin their error eats at {judged_by}, where that is under the rel L2")
     search = sessions.search()
     tensor_rules: dict[str, ScaleRule] = {}
     if not eight.is_float:
