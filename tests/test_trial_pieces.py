@@ -82,6 +82,43 @@ def test_a_trial_from_a_cut_gives_the_whole_model_s_outputs_and_skips_the_pieces
     assert np.array_equal(alone["y"], run(whole, {**feeds[0], **last})["y"])
 
 
+def test_a_trial_differing_from_an_earlier_one_late_starts_at_its_difference_bit_for_bit():
+    rng = np.random.default_rng(7)
+    proto = parser.parse_model(CHAIN)
+    for name in LAYERS:
+        w = rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.3
+        proto.graph.initializer.append(numpy_helper.from_array(w, f"W{name}"))
+    feeds = [{"x": rng.standard_normal((1, 8, 24, 24)).astype(np.float32)}
+             for _ in range(TRIAL_SAMPLES + 2)]
+    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+    stats = calibrate(model, feeds, detail="all")
+    switched = switched_qdq(proto, list(LAYERS), stats,
+                            [Variant(eight_bit_format("int8"), (ScaleRule.ABSMAX,), True)])
+    trial = on_target(switched.model, get_format("fp16"), set(), saturate=True)
+    trial = fold_weight_switches(trial, switched.weight_switches.values())
+    runs = LocalRuns(trial, feeds)
+    whole = make_session(trial, prepack=False, threads=1)
+    past = TRIAL_SAMPLES + 1  # a sample whose all-off values are not kept
+    # a, b, c in INT8, then a, b, c, d: the second differs in d alone (a late piece).
+    head = switched.feed(dict.fromkeys("abc", "int8"), {})
+    more = switched.feed(dict.fromkeys("abcd", "int8"), {})
+    d_from = runs._start(switched.feed({"d": "int8"}, {}))
+    assert d_from > 1 and runs.prefixes.keys(head)[d_from] == runs.prefixes.keys(more)[d_from]
+    runs.run([(past, head)])
+    first = runs.sessions[0] = _Counted(runs.sessions[0])
+    got = runs.run([(past, more), (past, head)])
+    assert first.runs == 0  # both started past the first piece, the second at the outputs
+    for switches, out in zip((more, head), got, strict=True):
+        assert np.array_equal(out["y"], run(whole, {**feeds[past], **switches})["y"])
+    # Every set of layers, each after every other, on a kept sample and one past them: the
+    # same outputs as the whole model, whichever earlier trial each started from.
+    jobs = [(i, switched.feed(dict.fromkeys(on, "int8"), {}))
+            for r in range(len(LAYERS) + 1) for on in itertools.combinations(LAYERS, r)
+            for i in (0, past)]
+    for (i, switches), out in zip(jobs, runs.run(jobs), strict=True):
+        assert np.array_equal(out["y"], run(whole, {**feeds[i], **switches})["y"])
+
+
 # x -> Cast -> Cast -> a; W -> Clip -> Cast (constants only, 64x more elements than x);
 # a -> MatMul(W rounded) -> Cast -> Cast -> y
 CONSTANT_MIDDLE = """

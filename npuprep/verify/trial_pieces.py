@@ -19,9 +19,13 @@ so the pieces compute what the whole model does (tests/test_trial_pieces.py).
 
 from __future__ import annotations
 
+import bisect
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import onnx
 from onnx import TensorProto, helper
@@ -34,6 +38,9 @@ PIECES = 8
 # The all-off values kept at the cuts, per sample: the cuts crossed by more are left out,
 # the earliest first (a trial starting there saves the least).
 KEPT_BYTES_PER_SAMPLE = 64 * 2**20
+# Values entering the cuts in trials with a switch on before them (Prefixes), all samples
+# together: at most 8 x KEPT_BYTES_PER_SAMPLE per trial of 8 samples.
+PREFIX_BYTES = 512 * 2**20
 # The producers a cut may separate from their readers (see the module's docstring).
 _CUTTABLE = frozenset({"Cast", "If"})
 
@@ -259,3 +266,54 @@ def _typed(name: str, types: Mapping[str, int], graph: onnx.GraphProto) -> onnx.
                 branch = next(a.g for a in node.attribute if a.name == "then_branch")
                 elem = branch.output[list(node.output).index(name)].type.tensor_type.elem_type
     return helper.make_tensor_value_info(name, elem or TensorProto.FLOAT, None)
+
+
+class Prefixes:
+    """Values entering a cut, by sample and by the switches read before it, kept for later
+    trials that set those switches alike: what enters piece k depends on the sample and on
+    the switches the pieces before k read, nothing else. A widening's trials differ in a
+    few layers each (a head and its cheaper-last swaps; leave-one-out's "all but one"), so
+    each starts at the last cut before its first difference from a trial run before it.
+    At most `max_bytes` held, the least recently used dropped first. Thread-safe: a batch's
+    jobs run on a thread per core."""
+
+    def __init__(self, pieces: Sequence[Piece], first: Mapping[str, int], *,
+                 max_bytes: int = PREFIX_BYTES) -> None:
+        self.count, self.first, self.max_bytes = len(pieces), first, max_bytes
+        self.held = 0
+        self._values: OrderedDict[tuple[int, int, bytes], tuple[dict[str, Any], int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def keys(self, switches: Mapping[str, Any]) -> list[bytes]:
+        """Per cut k (0 .. the piece count, the last the outputs): the switches read before
+        piece k, as bytes."""
+        order = sorted(switches, key=lambda s: (self.first.get(s, 0), s))
+        firsts = [self.first.get(s, 0) for s in order]
+        bits = bytes(bool(switches[s]) for s in order)
+        return [bits[:bisect.bisect_left(firsts, k)] for k in range(self.count + 1)]
+
+    def latest(self, i: int, keys: Sequence[bytes], after: int) -> tuple[int, dict[str, Any]] | None:
+        """The last cut past `after` whose values sample `i` with these switches has held."""
+        with self._lock:
+            for k in range(self.count, after, -1):
+                found = self._values.get((i, k, keys[k]))
+                if found is not None:
+                    self._values.move_to_end((i, k, keys[k]))
+                    return k, found[0]
+        return None
+
+    def put(self, i: int, k: int, key: bytes, values: dict[str, Any]) -> None:
+        size = sum(int(getattr(v, "nbytes", 0)) for v in values.values())
+        with self._lock:
+            if (i, k, key) in self._values or size > self.max_bytes:
+                return
+            self._values[(i, k, key)] = (values, size)
+            self.held += size
+            while self.held > self.max_bytes:
+                _, (_, dropped) = self._values.popitem(last=False)
+                self.held -= dropped
+
+    def clear(self) -> None:
+        with self._lock:
+            self._values.clear()
+            self.held = 0
