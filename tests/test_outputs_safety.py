@@ -604,4 +604,7 @@ def test_sigint_during_calibrate_streams_exits_130_not_134(tmp_path: Path) -> No
     assert proc.returncode in (0, 130, -2), err
     assert "Traceback" not in err and "terminate called" not in err
     assert not [p for p in tmp_path.iterdir() if p.name.endswith((".tmp", ".lock"))]
-    assert proc.returncode in (0, -2) or not (tmp_path / "s.json").exists()
+    # Interrupted before its outputs landed: none; after (the closing lines, on a loaded
+    # machine): the whole file, as written at once.
+    if (tmp_path / "s.json").exists():
+        assert json.loads((tmp_path / "s.json").read_text())["tensors"]
