@@ -30,6 +30,7 @@ from npuprep.calibrate.mapping import with_scaled_entries
 from npuprep.calibrate.scales import FP8_NAN_HEADROOM
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
+from npuprep.detections import Decision
 from npuprep.formatting import ratio
 from npuprep.graph import node_label, weight_bytes
 from npuprep.model_io import Model, WeightScratch
@@ -90,7 +91,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                         eight: EightBitFormat, samples: Sequence[Feed],
                         holdout: Sequence[Feed] | None, *, use: SampleUse, rtol: float,
                         scale_rule: str, min_8bit_share: float, opset: int | None,
-                        top_k: Mapping[str, int], stage: Callable[[str], None],
+                        top_k: Mapping[str, Decision], stage: Callable[[str], None],
                         runner: RunsFactory | None = None) -> ConversionResult:
     """`planned` (planned for `target`, the wider format) as a QDQ model in `eight`, verified
     on `samples` (and `holdout`); scales by `scale_rule`. Its outputs are to hold within
