@@ -341,7 +341,7 @@ def _print_summary(report: dict[str, Any]) -> None:
                      *(["decisions"] if judged else []), "judged by"],
                     [(k, o["nonfinite"], number(o["max_abs_error"]), number(o["rel_l2"]),
                       *([agreement_said(o)] if judged else []), rules.get(k, "rel L2"))
-                     for k, o in outputs.items()], wrap=("judged by",))
+                     for k, o in outputs.items()], wrap=("decisions", "judged by"))
     _print_vendor(report.get("vendor"))
     share = report.get("fp32_share") or {}
     if share.get("islands"):
