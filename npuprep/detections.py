@@ -68,7 +68,7 @@ def decision_to_json(rule: Decision) -> int | dict[str, Any]:
     return rule.to_dict() if isinstance(rule, Detection) else int(rule)
 
 
-def decision_from_json(data: Any) -> Decision:
+def decision_from_json(data: int | dict[str, Any]) -> Decision:
     return Detection.from_dict(data) if isinstance(data, dict) else int(data)
 
 
