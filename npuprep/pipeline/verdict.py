@@ -108,6 +108,9 @@ def _outputs_held(checks: list[OutputCheck]) -> str:
     worst = max((o["rel_l2"] for c in checks for o in c.outputs.values()), default=0.0)
     decided = [o for c in checks for o in c.outputs.values() if "top_k" in o]
     held = ", every top-K decision held" if decided and all(o["top_k_agreement"] == 1.0 for o in decided) else ""
+    detected = [o for c in checks for o in c.outputs.values() if "detect_agreement" in o]
+    if detected and all(o["detect_agreement"] == 1.0 for o in detected):
+        held += ", every detection held"
     return f" (the outputs pass: worst rel L2 {number(worst)}{held})" if checks else ""
 
 
