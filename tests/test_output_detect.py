@@ -104,12 +104,16 @@ def test_the_search_counts_a_detection_only_where_it_holds_at_twice_the_error():
 
 def test_a_score_within_rtol_of_the_threshold_is_a_tie_not_a_decision():
     ref = _reference()
-    ref["score"][0, 4, 0] = 0.51  # within 5e-2 x 0.5 of the threshold
+    ref["score"][0, 4, 0] = 0.54  # within 5e-2 (x max(1, 0.5)) of the threshold
+    ref["score"][0, 5, 0] = 0.56  # past it: a decision
     score = ref["score"].copy()
-    score[0, 4, 0] = 0.49
+    score[0, 4, 0] = 0.46
     row = _errors(parse_detect([SPEC]), ref, _outputs(score, ref["box"]))["score"]
     assert row["detect_ties"] == 1 and row["detect_ties_flipped"] == 1
     assert row["detect_agreement"] == 1.0 and row["detect_entries"] == 17
+    score[0, 5, 0] = 0.49
+    row = _errors(parse_detect([SPEC]), ref, _outputs(score, ref["box"]))["score"]
+    assert row["detect_agreement"] == pytest.approx(16 / 17)
 
 
 def test_a_detector_counts_its_maps_together_and_none_detected_falls_back_to_rel_l2():

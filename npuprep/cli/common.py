@@ -409,8 +409,9 @@ def add_goal(p: argparse.ArgumentParser, default_metric: str | None = "auto") ->
     p.add_argument("--detect", action="append", default=[],
                    metavar="SCORES[=BOXES],...:THRESHOLD",
                    help="judge a detector by its detections: each SCORES output passes when every "
-                        "(position, class) whose FP32 score is further than --rtol x THRESHOLD from "
-                        "THRESHOLD stays on its side of it; each BOXES output (every axis but the "
+                        "(position, class) whose FP32 score is further than --rtol x max(1, "
+                        "THRESHOLD) from THRESHOLD stays on its side of it (0.5 +- 0.05 for "
+                        "probabilities in 8 bits: closer is a tie, counted apart); each BOXES output (every axis but the "
                         "last matching SCORES) by its rel L2 at the positions FP32 detects in "
                         "SCORES, background left out; the SCORES of one --detect are one detector, "
                         "its detections counted together (none on the samples: rel L2 judges, and "

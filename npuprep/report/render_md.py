@@ -141,7 +141,7 @@ def convert_markdown(result: dict[str, Any]) -> str:
                   "the limit of each other is a tie, not a decision."]
     if any("detect" in o for o in (ver.get("outputs") or {}).values()):
         lines += ["", "A detector's score output (`--detect`) passes when every (position, class) "
-                  "whose FP32 score lies further than the limit x the threshold from it stays on "
+                  "whose FP32 score lies further than the limit x max(1, threshold) from it stays on "
                   "its side; a box output by its rel L2 at the positions FP32 detects. "
                   "Detections per sample, calibration: " + "; ".join(
                       f"{md_code(n)} {', '.join(map(str, o['detections']))}"

@@ -28,8 +28,9 @@ character and a 1.0 blank, every text the same); a step that is a tie keeps the 
 class, as a tie flipped fails nothing above.
 
 A detector (`--detect`, npuprep.detections) is judged by its detections: a score output
-passes when every (position, class) entry FP32 decides (its score further than `tie_rtol` x
-|threshold| from the threshold) stays on the same side of the threshold (with the error
+passes when every (position, class) entry FP32 decides (its score further than the tolerance,
+`tie_rtol` x max(1, |threshold|), from the threshold: probabilities compared on their own 0..1
+scale, a 0.5 threshold +- 0.05 at the 8-bit rtol) stays on the same side of it (with the error
 scaled by `margin` too: `detect_agreement_at_margin`); a box output tied to it by its rel L2
 at the positions FP32 detects there, background left out (its error scaled by the margin is
 the rel L2 times the margin: the search's rtol already holds it). A detector's detections are
@@ -185,7 +186,7 @@ class OutputErrors:
         a, t = self._acc[name], rule.threshold
         with np.errstate(invalid="ignore", over="ignore"):
             above = ref > t
-            decided = np.abs(ref - t) > self.tie_rtol * abs(t)  # NaN in FP32: undecided
+            decided = np.abs(ref - t) > detection_band(t, self.tie_rtol)  # NaN: undecided
             same = (np.nan_to_num(cand, nan=-np.inf) > t) == above
             scaled = np.nan_to_num(ref + self.margin * (cand - ref), nan=-np.inf)
         detected = decided & above
@@ -289,6 +290,14 @@ class OutputErrors:
                 row["top1_ties"] = a["top1_ties"]
             out[name] = row
         return out
+
+
+def detection_band(threshold: float, rtol: float) -> float:
+    """How far from `threshold` a score must lie to be a decision rather than a tie: `rtol` of
+    the larger of 1 and the threshold. Scores are probabilities in most detectors (0..1, the
+    threshold inside): relative to a threshold of 0.1 the band would be 0.005, finer than
+    their error at any format; a detector whose scores are larger keeps the relative band."""
+    return rtol * max(1.0, abs(threshold))
 
 
 def rel_l2(err2: float, ref2: float) -> float:
