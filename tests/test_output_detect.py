@@ -20,6 +20,7 @@ from npuprep.errors import NpuprepError
 from npuprep.model_io import Model
 from npuprep.pipeline.stages import checked_top_k
 from npuprep.provenance import Gates
+from npuprep.report.output_verdicts import agreement_said
 from npuprep.verify.output_errors import OutputErrors, output_passes
 
 # s -> Sigmoid -> score (positions x classes) ; b -> Relu -> box (positions x 4 sides)
@@ -83,6 +84,7 @@ def test_background_error_passes_a_moved_detection_and_a_box_error_where_detecte
     rows = _errors(rules, ref, _outputs(lost, box))
     assert rows["score"]["detect_agreement"] == pytest.approx(17 / 18)
     assert not output_passes(rows["score"], 5e-2)
+    assert agreement_said(rows["score"]) == "1 of 18 decided scores changed side (2 detections)"
     # A detected position's box off by 10% fails its box output, whatever the background does.
     moved = box.copy()
     moved[0, 2] *= 1.1
@@ -188,7 +190,7 @@ def test_convert_judges_a_detector_by_its_detections_and_says_how_many(tmp_path:
     judged = run_cli(*common, "--detect", SPEC, "-o", tmp_path / "det16.onnx")
     assert judged.returncode == 0, judged.stdout + judged.stderr
     # The terminal's decisions column (wrapped in its cell).
-    assert "detections held 100% (4" in judged.stdout and "rel L2 0 at 4 detections" in judged.stdout
+    assert "detections held (4" in judged.stdout and "rel L2 0 at 4 detections" in judged.stdout
     report = json.loads((tmp_path / "det16.report.json").read_text())
     assert report["judged_by"] == {"score": "detections at > 0.5 (--detect)",
                                    "box": "rel L2 at the detections of score (> 0.5) (--detect)"}
@@ -197,7 +199,7 @@ def test_convert_judges_a_detector_by_its_detections_and_says_how_many(tmp_path:
     assert rows["box"]["rel_l2"] > 1e-5 and rows["box"]["rel_l2_at_detections"] == 0.0
     # compare reads the detector from the conversion's record: the same rule, the same verdict.
     compared = run_cli("compare", path, tmp_path / "det16.onnx", "--data", data)
-    assert "detections held 100% (4 detections, 2-2 per sample)" in " ".join(
+    assert "detections held (4 detections, 2-2 per sample)" in " ".join(
         compared.stdout.split()), compared.stdout
     # Nothing above 0.99: the rule judges nothing, falls back to rel L2 and fails, saying so.
     empty = run_cli(*common, "--detect", "score=box:0.99", "-o", tmp_path / "empty.onnx")

@@ -57,8 +57,8 @@ def judged_by_decisions(errors: Mapping[str, Any]) -> bool:
 
 def agreement_said(errors: Mapping[str, Any]) -> str:
     """The decisions' cell of an output judged by them, else '': 'top-1 100% (2 ties, 0
-    flipped)', 'detections held 100% (41 detections, 5-9 per sample)', 'rel L2 0.012 at 41
-    detections', or why a detector's rule fell back to rel L2."""
+    flipped)', 'detections held (41 detections, 5-9 per sample)', '2 of 9120 decided scores
+    changed side (...)', 'rel L2 0.012 at 41 detections', or why a detector's rule fell back."""
     if "detect" in errors:
         if "detect_fallback" in errors:
             return f"no detections: rel L2 {errors['rel_l2']:.3g}"
@@ -68,7 +68,11 @@ def agreement_said(errors: Mapping[str, Any]) -> str:
         if "rel_l2_at_detections" in errors:
             return f"rel L2 {errors['rel_l2_at_detections']:.3g} at {counts}"
         ties = errors.get("detect_ties", 0)
-        return (f"detections held {100 * errors['detect_agreement']:.4g}% ({counts}"
+        # Counted, not a share: every background entry FP32 decides is in the denominator.
+        moved = round((1 - errors["detect_agreement"]) * errors["detect_entries"])
+        said = (f"{moved} of {errors['detect_entries']} decided scores changed side" if moved
+                else "detections held")
+        return (f"{said} ({counts}"
                 + (f"; {ties} within rtol, {errors['detect_ties_flipped']} flipped" if ties else "")
                 + ")")
     if "top_k" not in errors:
