@@ -204,3 +204,13 @@ def test_convert_judges_a_detector_by_its_detections_and_says_how_many(tmp_path:
     # Nothing above 0.99: the rule judges nothing, falls back to rel L2 and fails, saying so.
     empty = run_cli(*common, "--detect", "score=box:0.99", "-o", tmp_path / "empty.onnx")
     assert empty.returncode == 1 and "no detections: rel L2" in " ".join(empty.stdout.split())
+    # A score of 0.50002 (decided at this rtol) that FP16 rounds to 0.5: the verdict names the
+    # detection lost, not the rel L2 of the rest.
+    edge = _feed()
+    edge["s"][0, 4, 0] = 8e-5
+    edge["b"][0, 4] = [5, 6, 7, 8]  # a detection now: its box exact in FP16 too
+    np.savez(data / "0.npz", **edge)
+    lost = run_cli(*common, "--detect", SPEC, "-o", tmp_path / "lost.onnx")
+    said = " ".join(lost.stdout.split())
+    assert lost.returncode == 1 and "FAILED: outputs off (score: 1 decided score changed side)" \
+        in said, lost.stdout

@@ -80,6 +80,16 @@ def agreement_said(errors: Mapping[str, Any]) -> str:
     return f"{decision_said(errors)} {100 * errors['top_k_agreement']:.4g}%{ties_said(errors)}"
 
 
+def detection_failure_said(errors: Mapping[str, Any]) -> str:
+    """Why an output judged by a detector's detections failed, in a few words: '2 decided
+    scores changed side' or 'rel L2 0.061 at its 41 detections'."""
+    if "rel_l2_at_detections" in errors:
+        return (f"rel L2 {errors['rel_l2_at_detections']:.3g} at its "
+                f"{sum(errors['detections'])} detections")
+    moved = round((1 - errors["detect_agreement"]) * errors["detect_entries"])
+    return f"{moved} decided score{'s' if moved != 1 else ''} changed side"
+
+
 def decision_said(errors: Mapping[str, Any]) -> str:
     """How an output judged by its decisions is judged, in words: 'top-K' or 'CTC text'."""
     return "CTC text" if errors.get("ctc_text") else f"top-{errors['top_k']}"
