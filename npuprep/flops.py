@@ -16,7 +16,7 @@ from onnx import numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from npuprep.graph import attribute, node_label, walk_graphs, weightless
-from npuprep.ops import SHAPE_ARITHMETIC_OPS
+from npuprep.ops import RECURRENT_GATES, RECURRENT_OPS, SHAPE_ARITHMETIC_OPS
 
 DATA_PROP_ELEMENTS = 2 ** 24
 # Shape arithmetic is a few int64 values; a tensor larger than this is data, not a shape.
@@ -187,6 +187,8 @@ def node_flops(model: onnx.ModelProto,
                 # A rank-1 MatMul operand is a vector: its length is the reduced dimension.
                 k = a[-1] if op == "MatMul" or not attribute(node, "transA", 0) else a[-2]
                 flops[node_label(node)] = 2 * n_out * k
+            elif op in RECURRENT_OPS and len(a) == 3 and len(w) == 3:
+                flops[node_label(node)] = _recurrent_flops(op, a, w)
             elif op in ("STFT", "DFT"):
                 # Counted as the direct transform a compiler lowers it to (a Conv or MatMul
                 # by the Fourier basis): one multiply-add per output value and input sample.
@@ -194,6 +196,15 @@ def node_flops(model: onnx.ModelProto,
             else:
                 flops[node_label(node)] = n_out
     return flops
+
+
+def _recurrent_flops(op: str, x: tuple[int, ...], w: tuple[int, ...]) -> int:
+    """An RNN/GRU/LSTM's gate products: per step, batch row and direction, W (gates x hidden
+    by input) on the input and R (gates x hidden by hidden) on the state. X is [seq, batch,
+    input] (or batch first: the product is the same), W [directions, gates x hidden, input]."""
+    directions, gate_rows, inputs = w
+    hidden = gate_rows // RECURRENT_GATES[op]
+    return 2 * x[0] * x[1] * directions * gate_rows * (inputs + hidden)
 
 
 def _transform_length(node: onnx.NodeProto, shapes: Mapping[str, tuple[int, ...]],

@@ -47,6 +47,11 @@ MAC_OPS = frozenset(MAC_WEIGHT_INPUTS)
 # The MAC ops an 8-bit plan quantises (plan.layer_precision): ConvTranspose stays wider, as
 # the quantiser has no per-channel rule for its weight (output channels on axis 1).
 QUANTISED_MAC_OPS = MAC_OPS - {"ConvTranspose"}
+# Recurrent layers: a gate matrix product per step (W on the input, R on the state), most of
+# an LSTM speaker encoder's or GRU decoder's arithmetic. No rescale rule or 8-bit rule covers
+# them (their weights feed gate nonlinearities at every step), so they stay in the wider format.
+RECURRENT_GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
+RECURRENT_OPS = frozenset(RECURRENT_GATES)
 
 # Ops that pass a value through unchanged in magnitude; guards and patterns look through them.
 PASSTHROUGH_OPS = LAYOUT_OPS | {"Cast", "Expand"}
@@ -127,7 +132,7 @@ ADDITIVE = LAYOUT_OPS | {"Add", "Sub", "Neg", "Sum", "Concat", "Slice", "Gather"
 LAUNCH_CLASS_OPS: dict[str, frozenset[str]] = {
     "view": NON_COMPUTE_OPS,
     "layout": (LAYOUT_OPS - VIEW_OPS) | BLOCK_MOVE_OPS,
-    "mac": MAC_OPS,
+    "mac": MAC_OPS | RECURRENT_OPS,
     "normalisation": frozenset(SCALE_INVARIANT_NORMS) | {"Softmax", "LogSoftmax"},
     "reduction": frozenset({
         "ReduceMax", "ReduceMin", "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL1",

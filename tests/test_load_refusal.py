@@ -53,3 +53,25 @@ def test_onnxruntime_s_wording_is_trimmed_to_the_node_and_the_reason() -> None:
     # No node named: the reason as onnxruntime gives it, less its status prefix.
     assert refusal("[ONNXRuntimeError] : 10 : INVALID_GRAPH : This is an invalid model.") == \
         "This is an invalid model."
+
+
+def test_a_kernel_onnxruntime_cannot_build_is_the_user_s_model_refused_in_one_line(tmp_path: Path) -> None:
+    # x [2, 5, 3] (batch first) -> GRU(layout=1) -> y: valid ONNX, no CPU kernel for layout 1
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((1, 12, 3)).astype(np.float32), "w")
+    r = numpy_helper.from_array(rng.standard_normal((1, 12, 4)).astype(np.float32), "r")
+    g = helper.make_graph([helper.make_node("GRU", ["x", "w", "r"], ["y"], name="gru",
+                                            hidden_size=4, layout=1)], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, 1, 4])],
+                          [w, r])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
+    onnx.checker.check_model(model)
+    onnx.save(model, tmp_path / "m.onnx")
+    for metric in ("auto", "rel-l2"):
+        done = run_cli("convert", "m.onnx", "--target", "a2000", "--synthetic", "4",
+                       "--metric", metric, "--out", "o.onnx", cwd=tmp_path)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert done.stderr.startswith("npuprep: error: m.onnx: onnxruntime cannot load it: "
+                                      "layout_ == 0 was false. Batchwise recurrent operations")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]

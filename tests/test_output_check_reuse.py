@@ -65,9 +65,9 @@ def _counted_runs(monkeypatch) -> list[tuple[str | None, int]]:
     calls: list[tuple[str | None, int]] = []
     real = output_check._outputs
 
-    def counted(model, samples, optimize=True, produced=None):
+    def counted(model, samples, optimize=True, produced=None, source=None):
         calls.append((produced, len(samples)))
-        return real(model, samples, optimize=optimize, produced=produced)
+        return real(model, samples, optimize=optimize, produced=produced, source=source)
 
     monkeypatch.setattr(output_check, "_outputs", counted)
     return calls

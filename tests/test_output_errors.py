@@ -87,3 +87,25 @@ def test_a_decision_held_by_a_hair_fails_the_search_margin_and_a_clear_one_passe
     plain = OutputErrors(top_k={"logits": 1}, tie_rtol=0.05)
     plain.add("logits", ref, near["logits"])
     assert "top_k_agreement_at_margin" not in plain.result()["logits"]
+
+
+def test_the_pooled_rel_l2_is_output_errors_own_bit_for_bit():
+    # Its sums alone (no decisions read), so every ranking and rule trial measures what a check
+    # of the same outputs reports: the same number to the last bit, Inf/NaN in either side.
+    rng = np.random.default_rng(11)
+    ref = [{"a": rng.standard_normal((3, 40)).astype(np.float32),
+            "b": rng.random((2, 5, 7)).astype(np.float32)} for _ in range(3)]
+    got = [{k: v + rng.standard_normal(v.shape).astype(np.float32) * 0.03 for k, v in r.items()}
+           for r in ref]
+    ref[1]["a"][0, 3] = np.inf  # no error defined where FP32 itself is Inf
+    for inf_in_b in (False, True):
+        if inf_in_b:
+            got[2]["b"][1, 2, 3] = np.nan
+        errors = OutputErrors()
+        for g, r in zip(got, ref, strict=True):
+            for name in r:
+                errors.add(name, r[name], g[name])
+        each = errors.result()
+        assert worst_pooled_rel_l2(got, ref) == max(
+            math.inf if o["nonfinite"] else o["rel_l2"] for o in each.values())
+        assert math.isinf(worst_pooled_rel_l2(got, ref)) == inf_in_b

@@ -16,6 +16,7 @@ from npuprep.runtime.session import make_session, run
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.qdq_model import on_target
 from npuprep.verify.qdq_trials import TRIAL_SAMPLES, LocalRuns, Variant, switched_qdq
+from npuprep.verify.trial_pieces import cut_into_pieces
 from npuprep.verify.weight_switches import fold_weight_switches
 
 # x -> Conv a -> Relu -> Conv b -> Relu -> Conv c -> Relu -> Conv d -> y
@@ -79,3 +80,106 @@ def test_a_trial_from_a_cut_gives_the_whole_model_s_outputs_and_skips_the_pieces
     alone = runs.run([(0, last)])[0]
     assert first.runs == 0
     assert np.array_equal(alone["y"], run(whole, {**feeds[0], **last})["y"])
+
+
+def test_a_trial_differing_from_an_earlier_one_late_starts_at_its_difference_bit_for_bit():
+    rng = np.random.default_rng(7)
+    proto = parser.parse_model(CHAIN)
+    for name in LAYERS:
+        w = rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.3
+        proto.graph.initializer.append(numpy_helper.from_array(w, f"W{name}"))
+    feeds = [{"x": rng.standard_normal((1, 8, 24, 24)).astype(np.float32)}
+             for _ in range(TRIAL_SAMPLES + 2)]
+    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+    stats = calibrate(model, feeds, detail="all")
+    switched = switched_qdq(proto, list(LAYERS), stats,
+                            [Variant(eight_bit_format("int8"), (ScaleRule.ABSMAX,), True)])
+    trial = on_target(switched.model, get_format("fp16"), set(), saturate=True)
+    trial = fold_weight_switches(trial, switched.weight_switches.values())
+    runs = LocalRuns(trial, feeds)
+    whole = make_session(trial, prepack=False, threads=1)
+    past = TRIAL_SAMPLES + 1  # a sample whose all-off values are not kept
+    # a, b, c in INT8, then a, b, c, d: the second differs in d alone (a late piece).
+    head = switched.feed(dict.fromkeys("abc", "int8"), {})
+    more = switched.feed(dict.fromkeys("abcd", "int8"), {})
+    d_from = runs._start(switched.feed({"d": "int8"}, {}))
+    assert d_from > 1 and runs.prefixes.keys(head)[d_from] == runs.prefixes.keys(more)[d_from]
+    runs.run([(past, head)])
+    first = runs.sessions[0] = _Counted(runs.sessions[0])
+    got = runs.run([(past, more), (past, head)])
+    assert first.runs == 0  # both started past the first piece, the second at the outputs
+    for switches, out in zip((more, head), got, strict=True):
+        assert np.array_equal(out["y"], run(whole, {**feeds[past], **switches})["y"])
+    # Every set of layers, each after every other, on a kept sample and one past them: the
+    # same outputs as the whole model, whichever earlier trial each started from.
+    jobs = [(i, switched.feed(dict.fromkeys(on, "int8"), {}))
+            for r in range(len(LAYERS) + 1) for on in itertools.combinations(LAYERS, r)
+            for i in (0, past)]
+    for (i, switches), out in zip(jobs, runs.run(jobs), strict=True):
+        assert np.array_equal(out["y"], run(whole, {**feeds[i], **switches})["y"])
+
+
+# x -> Cast -> Cast -> a; W -> Clip -> Cast (constants only, 64x more elements than x);
+# a -> MatMul(W rounded) -> Cast -> Cast -> y
+CONSTANT_MIDDLE = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[1, 64] x) => (float[1, 64] y) {
+    h = Cast <to = 10> (x)
+    a = Cast <to = 1> (h)
+    lo = Constant <value = float {-2.0}> ()
+    hi = Constant <value = float {2.0}> ()
+    wc = Clip (W, lo, hi)
+    wh = Cast <to = 10> (wc)
+    wr = Cast <to = 1> (wh)
+    [m] p = MatMul (a, wr)
+    q = Cast <to = 10> (p)
+    y = Cast <to = 1> (q)
+}
+"""
+
+
+def test_no_piece_is_constant_arithmetic_alone():
+    rng = np.random.default_rng(2)
+    proto = parser.parse_model(CONSTANT_MIDDLE)
+    proto.graph.initializer.append(
+        numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "W"))
+    pieces = cut_into_pieces(proto, {"x": (1, 64)})
+    assert len(pieces) > 1
+    feed = {"x": rng.standard_normal((1, 64)).astype(np.float32)}
+    values = dict(feed)
+    for piece in pieces:
+        assert piece.inputs and piece.outputs
+        values.update(run(make_session(piece.model), {t: values[t] for t in piece.inputs}))
+    np.testing.assert_array_equal(values["y"], run(make_session(proto), feed)["y"])
+
+
+# x -> Cast -> Cast -> a (an output too: an LSTM's last state) -> MatMul(W) -> Cast -> Cast -> p;
+# y = Where(switch, p + 1, p)
+EARLY_OUTPUT = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[1, 64] x, bool s) => (float[1, 64] y, float[1, 64] a) {
+    h = Cast <to = 10> (x)
+    a = Cast <to = 1> (h)
+    m = MatMul (a, W)
+    q = Cast <to = 10> (m)
+    p = Cast <to = 1> (q)
+    one = Constant <value = float {1.0}> ()
+    up = Add (p, one)
+    y = Where (s, up, p)
+}
+"""
+
+
+def test_a_trial_from_a_cut_gives_the_graph_outputs_earlier_pieces_write():
+    rng = np.random.default_rng(3)
+    proto = parser.parse_model(EARLY_OUTPUT)
+    proto.graph.initializer.append(
+        numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "W"))
+    feeds = [{"x": rng.standard_normal((1, 64)).astype(np.float32)} for _ in range(2)]
+    runs = LocalRuns(proto, feeds)
+    on = {"s": np.array(True)}
+    assert len(runs.pieces) > 1 and runs._start(on) > 0
+    [got] = runs.run([(0, on)])
+    expected = run(make_session(proto), {**feeds[0], **on})
+    assert got.keys() == expected.keys() == {"y", "a"}
+    assert all(np.array_equal(got[k], expected[k]) for k in expected)

@@ -167,3 +167,56 @@ def test_rounding_kept_where_the_model_outputs_gain_and_forgotten_back_to_neares
     for got, want in zip(store.values(w, 1, int8, saturate=True),
                          quantise_weight(w, 1, int8, saturate=True), strict=True):
         assert np.array_equal(got, want)
+
+
+def test_the_triangular_inverse_by_halves_is_the_inverse_and_rounds_alike() -> None:
+    # H's factor inverted by halves (two groups, K past two halvings and odd) against numpy's
+    # general inverse: the same matrix to rounding, and the same rounded weights from it.
+    from npuprep.rewrite.weight_rounding import TRIANGULAR_LEAF, _sequential, upper_inverse
+
+    rng = np.random.default_rng(4)
+    k = 4 * TRIANGULAR_LEAF + 3
+    x = rng.standard_normal((3 * k, k)) * rng.random(k)
+    gram = np.stack([x.T @ x, 2 * x.T @ x + np.eye(k)])
+    v = np.linalg.cholesky(gram[:, ::-1, ::-1])[:, ::-1, ::-1]
+    by_halves, whole = upper_inverse(v), np.linalg.inv(v)
+    assert np.array_equal(np.tril(by_halves, -1), np.zeros_like(by_halves))
+    assert np.abs(by_halves - whole).max() <= 1e-12 * np.abs(whole).max()
+    assert np.allclose(np.matmul(v, by_halves), np.eye(k), atol=1e-9)
+    rows = rng.standard_normal((2, 16, k)) * 0.05
+    for fmt in (eight_bit_format("int8"), eight_bit_format("fp8_e4m3")):
+        scale = np.abs(rows).max(axis=2) / fmt.qmax
+        assert np.array_equal(_sequential(rows, scale, fmt, by_halves),
+                              _sequential(rows, scale, fmt, whole))
+
+
+def _rounded_in_order(rows: np.ndarray, scale: np.ndarray, fmt: object, u: np.ndarray) -> np.ndarray:
+    """GPTQ's loop as written in the paper's layout ([G, O, K], a column at a time)."""
+    from npuprep.rewrite.weight_rounding import _nearest, _neighbours
+
+    v = rows / scale[..., None]
+    lo, hi = _neighbours(v, fmt)  # type: ignore[arg-type]
+    work, q = v.copy(), np.empty_like(v)
+    for i in range(v.shape[2]):
+        q[..., i] = np.clip(_nearest(work[..., i], fmt), lo[..., i], hi[..., i])  # type: ignore[arg-type]
+        work[..., i + 1:] -= ((work[..., i] - q[..., i]) / u[:, i, i][:, None])[..., None] \
+            * u[:, None, i, i + 1:]
+    return q
+
+
+def test_rounding_column_by_column_in_blocks_rounds_as_the_plain_loop() -> None:
+    # Blocks of BLOCK columns (their errors carried on by one product) in [G, K, O]: the same
+    # up/down choices as the plain loop over [G, O, K] (K past one block, two groups), and
+    # many of them not round-to-nearest.
+    from npuprep.rewrite.weight_rounding import BLOCK, _nearest, _sequential, inverse_factor
+
+    rng = np.random.default_rng(6)
+    k = BLOCK + 37
+    x = rng.standard_normal((4 * k, k)) * rng.random(k)
+    u = inverse_factor(np.stack([x.T @ x, x.T @ x * 3]))
+    rows = rng.standard_normal((2, 24, k)) * 0.05
+    for fmt in (eight_bit_format("int8"), eight_bit_format("fp8_e4m3")):
+        scale = np.abs(rows).max(axis=2) / fmt.qmax
+        got, plain = _sequential(rows, scale, fmt, u), _rounded_in_order(rows, scale, fmt, u)
+        assert np.array_equal(got, plain)
+        assert np.count_nonzero(got != _nearest(rows / scale[..., None], fmt)) > got.size // 20

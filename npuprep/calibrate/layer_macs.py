@@ -18,8 +18,9 @@ import onnx
 
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.flops import node_flops, tensor_shapes
+from npuprep.formatting import percent
 from npuprep.graph import attribute, node_scopes, scope_constant
-from npuprep.ops import QUANTISED_MAC_OPS
+from npuprep.ops import QUANTISED_MAC_OPS, RECURRENT_OPS
 
 
 def layer_macs(model: onnx.ModelProto, stats: CalibrationStats | None,
@@ -70,3 +71,20 @@ def body_note(model: onnx.ModelProto, macs: Mapping[str, int]) -> list[str]:
     return [f"{len(inside)} layer(s) inside If/Loop/Scan bodies ({share:.1%} of the multiply-adds, "
             "counted as often as calibration saw each body run): decided and searched like the "
             "main graph's, their Q/DQ in the body"]
+
+
+def recurrent_note(model: onnx.ModelProto, macs: Mapping[str, int],
+                   input_shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """A note on the RNN/GRU/LSTM layers, which stay in the wider format, and their part of
+    all multiply-adds beside the Conv/MatMul/Gemm ones `macs` counts (none: no note)."""
+    flops = node_flops(model, input_shapes)
+    ops = {label: node.op_type for label, (node, _) in node_scopes(model.graph).items()
+           if node.op_type in RECURRENT_OPS}
+    recurrent = sum(flops.get(label, 0) // 2 for label in ops)
+    if not ops:
+        return []
+    part = recurrent / ((recurrent + sum(macs.values())) or 1)
+    kinds = "/".join(sorted(set(ops.values())))
+    return [f"{len(ops)} recurrent layer(s) ({kinds}) hold {percent(part)} of all multiply-adds and "
+            "stay in the wider format (no 8-bit rule covers their gates); the 8-bit share counts "
+            "the Conv/MatMul/Gemm ones only"]

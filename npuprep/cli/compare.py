@@ -300,7 +300,8 @@ def goal_gate(ref: Model, args: argparse.Namespace, samples: SampleSet, gate: Ou
 
     asked = checked_top_k(ref, parse_decisions(args.top_k, args.detect))
     first = list(samples.iter_range(0, min(GOAL_SAMPLES, len(samples))))
-    top_k, judged = judged_outputs(ref.proto, first, args.metric or "auto", asked)
+    top_k, judged = judged_outputs(ref.proto, first, args.metric or "auto", asked,
+                                   source=ref.path)
     said = "; ".join(f"{name} by {rule}" for name, rule in sorted(judged.items()))
     if gate is not None:
         return replace(gate, top_k=top_k), (f"outputs judged as asked, not by the record's rule: "

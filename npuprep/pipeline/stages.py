@@ -182,7 +182,8 @@ def goal(run: Run) -> Run:
     samples = run.calibration
     first = list(samples.iter_range(0, min(GOAL_SAMPLES, len(samples)))) \
         if isinstance(samples, SampleSet) else list(samples[:GOAL_SAMPLES])
-    top_k, judged = judged_outputs(run.model.proto, first, s.metric, s.top_k)
+    top_k, judged = judged_outputs(run.model.proto, first, s.metric, s.top_k,
+                                   source=run.model.path)
     return replace(run, settings=replace(s, top_k=top_k), judged_by=judged)
 
 

@@ -32,7 +32,9 @@ CAST_BLIND_FUSIONS = ("LayerNormFusionL1", "LayerNormFusionL2", "SimplifiedLayer
 def session_options(*, threads: int | None = None, optimize: bool | str = True) -> ort.SessionOptions:
     """`optimize`: True (basic), False (none) or "all" (every fusion, for measured speed)."""
     opts = ort.SessionOptions()
-    opts.log_severity_level = 3
+    # Fatal only: a refusal to load reaches the user as one line (_load_errors), not also as
+    # onnxruntime's own log line before it.
+    opts.log_severity_level = 4
     if optimize == "all":
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     else:
@@ -181,6 +183,8 @@ _STATUS = re.compile(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ")
 # The file onnxruntime loaded is npuprep's temporary graph where a session reads weights in
 # place: never the name to give the user.
 _LOADED_FROM = re.compile(r"^Load model from .*? failed: ?")
+# A kernel's refusal to be built names onnxruntime's source line and C++ constructor first.
+_KERNEL_AT = re.compile(r"^Exception during initialization: \S+:\d+ \S+\(.*?\) ")
 _NODE_OP = re.compile(r"^Node \((.*?)\) Op \((.*?)\) ")
 _IN_NODE = re.compile(r" in node \((.*?)\)")
 
@@ -188,7 +192,7 @@ _IN_NODE = re.compile(r" in node \((.*?)\)")
 def refusal(text: str) -> str:
     """onnxruntime's load error without its status prefix and the path it loaded from, the
     node first where it names one: `node 'mm' (MatMul): [ShapeInferenceError] ...`."""
-    text = _LOADED_FROM.sub("", _STATUS.sub("", text.strip()))
+    text = _KERNEL_AT.sub("", _LOADED_FROM.sub("", _STATUS.sub("", text.strip())))
     if m := _NODE_OP.match(text):
         return f"node '{shown(m[1])}' ({shown(m[2])}): {text[m.end():]}"
     if m := _IN_NODE.search(text):

@@ -1,4 +1,4 @@
-"""The FP32 share of a converted model: FLOPs and Conv/MatMul/Gemm multiply-adds kept in FP32, per island.
+"""The FP32 share of a converted model: FLOPs and multiply-adds kept in FP32, per island.
 
 A conversion that keeps most of the compute in FP32 has failed its user even when its
 outputs are exact: the target runs FP32 slowly or on a CPU fallback. This ranks the FP32
@@ -15,7 +15,7 @@ import onnx
 
 from npuprep.flops import node_flops
 from npuprep.graph import node_label, walk_graphs
-from npuprep.ops import MAC_OPS
+from npuprep.ops import MAC_OPS, RECURRENT_OPS
 
 # The default largest share of FLOPs `convert` lets stay FP32 before it fails.
 DEFAULT_MAX_FP32_SHARE = 0.10
@@ -42,10 +42,10 @@ class IslandCost:
 
 @dataclass(frozen=True)
 class Fp32Share:
-    """Share of FLOPs (`flops`) and of Conv/MatMul/Gemm multiply-adds (`macs`) kept FP32,
-    against `limit` (a share of FLOPs). Truthy when the FLOPs share of the islands that are
-    not required (`avoidable`) is within the limit; `islands` are ranked by FLOPs,
-    costliest first."""
+    """Share of FLOPs (`flops`) and of the multiply-adds of Conv/MatMul/Gemm and recurrent
+    layers (`macs`) kept FP32, against `limit` (a share of FLOPs). Truthy when the FLOPs share
+    of the islands that are not required (`avoidable`) is within the limit; `islands` are
+    ranked by FLOPs, costliest first."""
 
     flops: float
     macs: float
@@ -67,7 +67,7 @@ class Fp32Share:
         """One line: the shares, and when over the limit the costliest island and the
         remedy declined for it."""
         line = (f"FP32 share: {100 * self.flops:.1f}% of FLOPs, {100 * self.macs:.1f}% of "
-                f"Conv/MatMul/Gemm multiply-adds")
+                f"multiply-adds")
         required = [i for i in self.islands if i.required]
         if required:
             line += (f" ({100 * sum(i.flops for i in required) / max(self.total_flops, 1):.1f}% "
@@ -112,7 +112,7 @@ def fp32_share(model: onnx.ModelProto,
     flops = node_flops(model, input_shapes)
     ops = {node_label(n): n.op_type for s in walk_graphs(model.graph) for n in s.graph.node}
     total = sum(flops.values())
-    macs = {k: v for k, v in flops.items() if ops.get(k) in MAC_OPS}
+    macs = {k: v for k, v in flops.items() if ops.get(k) in MAC_OPS | RECURRENT_OPS}
     total_macs = sum(macs.values())
     seen: set[str] = set()
     islands: list[IslandCost] = []

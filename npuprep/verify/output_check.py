@@ -79,15 +79,17 @@ GOAL_SAMPLES = 2
 
 
 def judged_outputs(model: onnx.ModelProto, samples: Sequence[Feed], metric: Metric | str,
-                   top_k: Mapping[str, Decision]) -> tuple[dict[str, Decision], dict[str, str]]:
-    """The gate's `top_k` {output: K or Detection} and, per float output, the rule that judges it in words
-    (`top-1 (auto: Softmax over its last axis)`, `rel L2`, `top-3 (--top-k)`). `samples`:
-    a few feeds whose FP32 outputs tell probabilities and logits apart from other values."""
+                   top_k: Mapping[str, Decision], *,
+                   source: str | None = None) -> tuple[dict[str, Decision], dict[str, str]]:
+    """The gate's `top_k` {output: K or Detection} and, per float output, the rule that
+    judges it in words (`top-1 (auto: Softmax over its last axis)`, `rel L2`, `top-3 (--top-k)`). `samples`:
+    a few feeds whose FP32 outputs tell probabilities and logits apart from other values.
+    `source`: the user's file `model` is (onnxruntime's refusal to run it is the input's)."""
     metric = Metric(metric)
     floats = [o.name for o in model.graph.output
               if o.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
                                                   onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16)]
-    values = _outputs(model, list(samples[:GOAL_SAMPLES]), produced="the FP32 model") \
+    values = _outputs(model, list(samples[:GOAL_SAMPLES]), source=source) \
         if metric is not Metric.REL_L2 and floats and samples else []
     found = decided_outputs(model, values) if metric is Metric.AUTO else {}
     chosen: dict[str, Decision] = {}
@@ -269,7 +271,7 @@ def _identical(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> bool
 
 
 def _outputs(model: onnx.ModelProto, samples: Sequence[Feed], optimize: bool = True,
-             produced: str | None = None) -> list[dict[str, np.ndarray]]:
+             produced: str | None = None, source: str | None = None) -> list[dict[str, np.ndarray]]:
     """Every output of `model` on each sample; the session is gone when this returns. Each
     model is fed its own input types (a model with FP16 inputs has FP32 ones once widened)."""
     from npuprep.calibrate.run import session_threads
@@ -282,7 +284,7 @@ def _outputs(model: onnx.ModelProto, samples: Sequence[Feed], optimize: bool = T
     # the held-out ones, the model as lowered one), and the copy would double its memory.
     streams = sample_streams(len(samples))
     session = make_session(model, optimize=optimize, prepack=False, produced=produced, lean=True,
-                           threads=session_threads(streams))
+                           threads=session_threads(streams), source=source)
     types = {i.name: i.type for i in session.get_inputs()}
     names = [o.name for o in session.get_outputs()]
     feeds = [{k: _as_input(v, types.get(k, "")) for k, v in feed.items()} for feed in samples]

@@ -61,7 +61,7 @@ from npuprep.scale_rules import ScaleRule
 from npuprep.verify.output_check import OutputCheck
 from npuprep.verify.output_errors import OutputErrors, worst_pooled_rel_l2
 from npuprep.verify.qdq_model import Sensitivity, activation_scale, on_target
-from npuprep.verify.trial_pieces import crossing, cut_into_pieces, first_pieces
+from npuprep.verify.trial_pieces import Prefixes, crossing, cut_into_pieces, first_pieces
 from npuprep.verify.weight_switches import fold_weight_switches
 
 # Samples a ranking or rule trial is measured on: it needs an order, not a verdict.
@@ -290,7 +290,9 @@ class LocalRuns:
     (ppocr_det, 2 cores: 0.147 against 0.075 CPU s); the jobs of a batch are independent and
     share the cores whole. The first TRIAL_SAMPLES samples' values at each cut with every
     switch off are kept, and a job on one of them starts at the last cut before its first
-    switch on: a layer alone reruns only what follows it."""
+    switch on: a layer alone reruns only what follows it. The values a job crosses each cut
+    with are kept too (Prefixes), and a later job on that sample with the same switches
+    before a cut starts there."""
 
     def __init__(self, model: onnx.ModelProto, samples: Sequence[Feed]) -> None:
         from npuprep.calibrate.run import cores
@@ -303,20 +305,15 @@ class LocalRuns:
                                     for p in self.pieces]
         self.names = [o.name for o in model.graph.output]
         self.first = first_pieces(self.pieces, [i.name for i in model.graph.input])
-        self.entering = [crossing(self.pieces, k) for k in range(len(self.pieces))]
+        self.entering = [crossing(self.pieces, k, self.names) for k in range(len(self.pieces))]
         # sample -> the values entering each piece (and the outputs) with every switch off
         self.kept: dict[int, list[dict[str, np.ndarray]]] = {}
+        self.prefixes = Prefixes(self.pieces, self.first)
         self.workers = cores()
 
     def _start(self, switches: Mapping[str, np.ndarray]) -> int:
         return min((self.first.get(s, 0) for s, on in switches.items() if bool(on)),
                    default=len(self.pieces))
-
-    def _from(self, k: int, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """`values` (what enters piece k) with the pieces from k on run."""
-        for j in range(k, len(self.pieces)):
-            self._from_one(j, values)
-        return values
 
     def _keep(self, i: int, switches: Mapping[str, np.ndarray]) -> None:
         values: dict[str, np.ndarray] = {**self.samples[i], **{s: np.array(False) for s in switches}}
@@ -340,13 +337,22 @@ class LocalRuns:
         def one(job: tuple[int, Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
             i, switches = job
             k = self._start(switches) if i in self.kept else 0
+            keys = self.prefixes.keys(switches)
             values = {**self.samples[i], **switches}
-            if k:
+            later = self.prefixes.latest(i, keys, k)
+            if later is not None:
+                k = later[0]
+                values.update(later[1])
+            elif k:
                 values.update(self.kept[i][k])
-            if k == len(self.pieces):
-                return dict(self.kept[i][k])
-            out = self._from(k, values)
-            return {n: out[n] for n in self.names}
+            for j in range(k, len(self.pieces)):
+                self._from_one(j, values)
+                # All off before the cut on a kept sample: the all-off values are kept.
+                if i not in self.kept or any(keys[j + 1]):
+                    self.prefixes.put(i, j + 1, keys[j + 1], {
+                        n: values[n] for n in (self.entering[j + 1] if j + 1 < len(self.pieces)
+                                               else self.names)})
+            return {n: values[n] for n in self.names}
 
         # A job on a kept sample that starts past the first piece needs that sample's values.
         keep = {i: s for i, s in jobs if i < TRIAL_SAMPLES and i not in self.kept
@@ -360,6 +366,7 @@ class LocalRuns:
     def close(self) -> None:
         self.sessions = []
         self.kept = {}
+        self.prefixes.clear()
 
 
 # What a trial switches on, whatever session runs it: ("weight", layer, format),

@@ -19,9 +19,13 @@ so the pieces compute what the whole model does (tests/test_trial_pieces.py).
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Mapping, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import onnx
 from onnx import TensorProto, helper
@@ -34,6 +38,9 @@ PIECES = 8
 # The all-off values kept at the cuts, per sample: the cuts crossed by more are left out,
 # the earliest first (a trial starting there saves the least).
 KEPT_BYTES_PER_SAMPLE = 64 * 2**20
+# Values entering the cuts in trials with a switch on before them (Prefixes), all samples
+# together: at most 8 x KEPT_BYTES_PER_SAMPLE per trial of 8 samples.
+PREFIX_BYTES = 512 * 2**20
 # The producers a cut may separate from their readers (see the module's docstring).
 _CUTTABLE = frozenset({"Cast", "If"})
 
@@ -80,7 +87,8 @@ def cut_into_pieces(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]
     size = _sizes(model, shapes)
     cost = _costs(model, nodes, size)
     cuts = _cuts(nodes, made, last_read, cost, sum(cost) or 1.0, count)
-    cuts = _within(cuts, made, last_read, size, kept_bytes)
+    cuts = _computing(_within(cuts, made, last_read, size, kept_bytes), set(made.values()),
+                      len(nodes))
     if not cuts:
         return [Piece(model, tuple(i.name for i in g.input), tuple(o.name for o in g.output))]
     types = infer_tensors(model).types
@@ -98,10 +106,11 @@ def first_pieces(pieces: Sequence[Piece], names: Sequence[str]) -> dict[str, int
     return {n: first.get(n, len(pieces)) for n in names}
 
 
-def crossing(pieces: Sequence[Piece], k: int) -> set[str]:
-    """The values piece `k` and those after it read from the pieces before it."""
+def crossing(pieces: Sequence[Piece], k: int, graph_outputs: Collection[str]) -> set[str]:
+    """The values piece `k` and those after it read from the pieces before it, and the graph
+    outputs those made (an LSTM's last state, written by the first piece)."""
     made = {o for p in pieces[:k] for o in p.outputs}
-    later = {i for p in pieces[k:] for i in p.inputs} | set(pieces[-1].outputs)
+    later = {i for p in pieces[k:] for i in p.inputs} | set(graph_outputs)
     return made & later
 
 
@@ -142,6 +151,21 @@ def _within(cuts: list[int], made: Mapping[str, int], last_read: Mapping[str, in
         budget -= need
         kept.append(cut)
     return sorted(kept)
+
+
+def _computing(cuts: list[int], computing: set[int], end: int) -> list[int]:
+    """The cuts that leave every piece a node computing from the graph inputs (positions in
+    `computing`): a piece of constant arithmetic only (an LSTM weight's rounding) would be
+    computed again where it is read, leaving a model without inputs or outputs."""
+    kept: list[int] = []
+    start = 0
+    for cut in cuts:
+        if any(start <= k < cut for k in computing):
+            kept.append(cut)
+            start = cut
+    if kept and not any(kept[-1] <= k < end for k in computing):
+        kept.pop()
+    return kept
 
 
 def _sizes(model: onnx.ModelProto, given: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
@@ -242,3 +266,54 @@ def _typed(name: str, types: Mapping[str, int], graph: onnx.GraphProto) -> onnx.
                 branch = next(a.g for a in node.attribute if a.name == "then_branch")
                 elem = branch.output[list(node.output).index(name)].type.tensor_type.elem_type
     return helper.make_tensor_value_info(name, elem or TensorProto.FLOAT, None)
+
+
+class Prefixes:
+    """Values entering a cut, by sample and by the switches read before it, kept for later
+    trials that set those switches alike: what enters piece k depends on the sample and on
+    the switches the pieces before k read, nothing else. A widening's trials differ in a
+    few layers each (a head and its cheaper-last swaps; leave-one-out's "all but one"), so
+    each starts at the last cut before its first difference from a trial run before it.
+    At most `max_bytes` held, the least recently used dropped first. Thread-safe: a batch's
+    jobs run on a thread per core."""
+
+    def __init__(self, pieces: Sequence[Piece], first: Mapping[str, int], *,
+                 max_bytes: int = PREFIX_BYTES) -> None:
+        self.count, self.first, self.max_bytes = len(pieces), first, max_bytes
+        self.held = 0
+        self._values: OrderedDict[tuple[int, int, bytes], tuple[dict[str, Any], int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def keys(self, switches: Mapping[str, Any]) -> list[bytes]:
+        """Per cut k (0 .. the piece count, the last the outputs): the switches read before
+        piece k, as bytes."""
+        order = sorted(switches, key=lambda s: (self.first.get(s, 0), s))
+        firsts = [self.first.get(s, 0) for s in order]
+        bits = bytes(bool(switches[s]) for s in order)
+        return [bits[:bisect.bisect_left(firsts, k)] for k in range(self.count + 1)]
+
+    def latest(self, i: int, keys: Sequence[bytes], after: int) -> tuple[int, dict[str, Any]] | None:
+        """The last cut past `after` whose values sample `i` with these switches has held."""
+        with self._lock:
+            for k in range(self.count, after, -1):
+                found = self._values.get((i, k, keys[k]))
+                if found is not None:
+                    self._values.move_to_end((i, k, keys[k]))
+                    return k, found[0]
+        return None
+
+    def put(self, i: int, k: int, key: bytes, values: dict[str, Any]) -> None:
+        size = sum(int(getattr(v, "nbytes", 0)) for v in values.values())
+        with self._lock:
+            if (i, k, key) in self._values or size > self.max_bytes:
+                return
+            self._values[(i, k, key)] = (values, size)
+            self.held += size
+            while self.held > self.max_bytes:
+                _, (_, dropped) = self._values.popitem(last=False)
+                self.held -= dropped
+
+    def clear(self) -> None:
+        with self._lock:
+            self._values.clear()
+            self.held = 0
