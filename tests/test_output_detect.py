@@ -130,6 +130,12 @@ def test_a_detector_counts_its_maps_together_and_none_detected_falls_back_to_rel
     row = errors.result()["quiet"]
     assert row["detections"] == [0] and row["detector_detections"] == 2
     assert row["rel_l2"] == pytest.approx(2.0) and output_passes(row, 5e-2)
+    # A box output whose score output was never measured judges nothing either.
+    unmeasured = OutputErrors(top_k=parse_detect(["score,other=box:0.5"]), tie_rtol=5e-2)
+    unmeasured.add("score", ref["score"], ref["score"])
+    unmeasured.add("box", ref["box"], ref["box"] * 1.1)
+    row = unmeasured.result()["box"]
+    assert "other was not measured" in row["detect_fallback"] and not output_passes(row, 5e-2)
     # A threshold nothing reaches judges nothing: rel L2 judges, and the row says so.
     rows = _errors(parse_detect(["score=box:0.99"]), ref,
                    _outputs(ref["score"] * 1.1, ref["box"] * 1.1))

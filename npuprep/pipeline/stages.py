@@ -590,8 +590,9 @@ def _check_detection(model: Model, name: str, rule: Detection) -> None:
     theirs = out[rule.scores].type.tensor_type.shape.dim
     declared = [(a.dim_value if a.HasField("dim_value") else None) for a in dims[:-1]]
     scores = [(a.dim_value if a.HasField("dim_value") else None) for a in theirs[:-1]]
-    if dims and theirs and (len(declared) != len(scores) or any(
-            a is not None and b is not None and a != b for a, b in zip(declared, scores, strict=True))):
+    differ = len(declared) != len(scores) or any(
+        a is not None and b is not None and a != b for a, b in zip(declared, scores, strict=False))
+    if dims and theirs and differ:
         raise NpuprepError(f"--detect {rule.scores}={name}: the box output's positions {declared} "
                            f"are not the score output's {scores} (every axis but the last must "
                            "match)")

@@ -82,8 +82,9 @@ def judged_outputs(model: onnx.ModelProto, samples: Sequence[Feed], metric: Metr
                    top_k: Mapping[str, Decision], *,
                    source: str | None = None) -> tuple[dict[str, Decision], dict[str, str]]:
     """The gate's `top_k` {output: K or Detection} and, per float output, the rule that
-    judges it in words (`top-1 (auto: Softmax over its last axis)`, `rel L2`, `top-3 (--top-k)`). `samples`:
-    a few feeds whose FP32 outputs tell probabilities and logits apart from other values.
+    judges it in words (`top-1 (auto: Softmax over its last axis)`, `rel L2`, `top-3
+    (--top-k)`, `detections at > 0.5 (--detect)`). `samples`: a few feeds whose FP32
+    outputs tell probabilities and logits apart from other values.
     `source`: the user's file `model` is (onnxruntime's refusal to run it is the input's)."""
     metric = Metric(metric)
     floats = [o.name for o in model.graph.output

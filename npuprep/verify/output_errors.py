@@ -237,6 +237,11 @@ class OutputErrors:
             row["detect_fallback"] = (f"no detection at > {rule.threshold:g} on these samples "
                                       f"(detector {', '.join(rule.detector)}): judged by rel L2")
             return row
+        if rule.scores is not None and len(self._detected.get(rule.scores, {})) < a["samples"]:
+            # A box output judged where its score output was never measured would judge nothing.
+            row["detect_fallback"] = (f"its score output {rule.scores} was not measured on every "
+                                      "sample: judged by rel L2")
+            return row
         if rule.scores is not None:
             row["rel_l2_at_detections"] = rel_l2(a.get("err2_at", 0.0), a.get("ref2_at", 0.0))
             row["max_abs_error_at_detections"] = a.get("max_abs_at", 0.0)
