@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import onnx
 
 import npuprep.pipeline.lower_and_verify as lower_and_verify
@@ -32,7 +33,7 @@ from npuprep.calibrate.mapping import with_scaled_entries
 from npuprep.calibrate.scales import FP8_NAN_HEADROOM
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
-from npuprep.detections import Decision
+from npuprep.detections import Decision, Detection
 from npuprep.formatting import ratio
 from npuprep.graph import node_label, weight_bytes
 from npuprep.model_io import Model, WeightScratch
@@ -48,9 +49,10 @@ from npuprep.rewrite.lower import Lowered
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.compare import DEFAULT_ATOL, compare_models
+from npuprep.verify.decision_margin import decision_error
 from npuprep.verify.input_split import Splits, planned_splits, split_wide_inputs
 from npuprep.verify.output_check import OutputCheck, check_output_sets, check_outputs
-from npuprep.verify.output_errors import output_passes
+from npuprep.verify.output_errors import CTC_TEXT, output_passes
 from npuprep.verify.pin_rounds import sample_shapes
 from npuprep.verify.qdq_model import (
     Equalised,
@@ -69,6 +71,7 @@ from npuprep.verify.qdq_trials import (
     RunsFactory,
     TrialOutputs,
     Trials,
+    TrialScore,
     Variant,
     choose_rules,
     errors_alone,
@@ -145,25 +148,37 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     if int8_start is not None:
         int8_start = _with_splits(int8_start, split)
     balanced: dict[str, tuple[str, float]] = {}
-    if not eight.is_float:
+    int8 = next((v for v in variants if not v.fmt.is_float), None)
+    # Each INT8 layer's error alone at its format's default rule: what a balancing keeps by.
+    alone = None if int8 is None else Variant(int8.fmt, (int8.rules[0],), True)
+
+    def measure(model: onnx.ModelProto, stats: CalibrationStats,
+                groups: list[list[str]], on: Sequence[Feed]) -> list[float]:
+        assert alone is not None
+        return errors_alone(work.proto, model, groups, stats, alone, on,
+                            tensor_scales=applied.tensor_scales, weights=weights, runs=runner)
+
+    # The INT8 layers: the INT8 conversion's, or those of an FP8 conversion's INT8 search
+    # (balanced as the INT8 conversion balances them, so that search is the INT8 one), where
+    # that search runs: not where the FP8 start passes (ppocr_cls: its FP8 layers reading
+    # balanced inputs, every channel now near the tensor's abs-max, gave NaN past FP8's
+    # headroom on a held-out sample; unbalanced, the INT8 start is kept and holds).
+    int8_layers = (eight_bit_nodes(layers, eight) if not eight.is_float else
+                   eight_bit_nodes(int8_start, other) if int8_start is not None and other
+                   and not _start_passes(work.proto, base, layers, stats, variants, wide,
+                                         samples, pinned=pinned, rtol=rtol, top_k=top_k,
+                                         tensor_scales=applied.tensor_scales, weights=weights)
+                   else [])
+    if int8_layers:
         # FP8 keeps its relative precision across channels; INT8's one scale does not.
         stage("balancing outlier channels into the weights")
-        alone = Variant(eight, (scale_rule,), True)
-
-        def measure(model: onnx.ModelProto, stats: CalibrationStats,
-                    groups: list[list[str]], on: Sequence[Feed]) -> list[float]:
-            return errors_alone(work.proto, model, groups, stats, alone, on,
-                                tensor_scales=applied.tensor_scales, weights=weights,
-                                runs=runner)
-
-        found = balance_outliers(base, eight_bit_nodes(layers, eight), stats, samples,
+        found = balance_outliers(base, int8_layers, stats, samples,
                                  measure=measure, weights=weights)
         base, stats, balanced = found.model, found.stats, found.tensors
         if balanced:
             notes.append(f"{len(balanced)} INT8 MatMul input(s) with outlier channels (up to "
                          f"{ratio(max(r for _, r in balanced.values()))} the median channel) divided "
                          "per channel, their weights multiplied (SmoothQuant)")
-    int8 = next((v for v in variants if not v.fmt.is_float), None)
     if int8 is not None:
         stage("equalising Conv inputs' channels into their producers")
         equalised = equalise_channels(work.proto, base, list(_assigned(layers)), stats, int8.fmt,
@@ -173,13 +188,13 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         base, stats = equalised.model, equalised.stats
         if equalised.before:
             notes.append(_equalised_note(equalised))
-    if not eight.is_float:
+    if int8_layers:
         # Conv inputs whose writer equalisation cannot pass (a hard-swish) or did not take.
         stage("balancing Conv inputs' channels into their weights")
         # A split input's two passes hold its scale by construction (npuprep.verify.input_split).
         passes = {*split.layers, *(r.node for r in split.residuals.values())}
-        convs = balance_conv_inputs(base, [n for n in eight_bit_nodes(layers, eight)
-                                           if n not in passes], stats, samples,
+        convs = balance_conv_inputs(base, [n for n in int8_layers if n not in passes],
+                                    stats, samples,
                                     measure=measure, path=work.path, weights=weights,
                                     left_alone={*applied.tensor_scales,
                                                 *(c.tensor for c in equalised.chains)})
@@ -210,7 +225,12 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     sessions = _TrialSessions(
         work.proto, base, layers, stats, variants, wide, samples, saturate=saturate,
         kept_wider=pinned | {x.node for x in layers if x.precision == "fp32"},
-        tensor_scales=applied.tensor_scales, weights=weights, means=means, runner=runner)
+        tensor_scales=applied.tensor_scales, weights=weights, means=means, runner=runner,
+        score=_decision_score(top_k, JUDGE_MARGIN * rtol, rtol))
+    if top_k:
+        judged_by = ", ".join(f"{name} ({_rule_said(k)})" for name, k in top_k.items())
+        notes.append(f"the search ranks layers and compares trials by the share of each decided "
+                     f"margin their error eats at {judged_by}, where that is under the rel L2")
     search = sessions.search()
     tensor_rules: dict[str, ScaleRule] = {}
     if not eight.is_float:
@@ -408,7 +428,9 @@ class _TrialSessions:
                  variants: Sequence[Variant], wide: NumberFormat, samples: Sequence[Feed], *,
                  saturate: bool, kept_wider: set[str], tensor_scales: Mapping[str, float],
                  weights: WeightStore, means: Mapping[str, Any],
-                 runner: RunsFactory | None) -> None:
+                 runner: RunsFactory | None,
+                 score: TrialScore | None = None) -> None:
+        self.score = score
         self.reference, self.base, self.stats, self.variants = reference, base, stats, variants
         self.assigned = _assigned(layers)
         self.wide, self.samples, self.saturate, self.kept_wider = wide, samples, saturate, kept_wider
@@ -451,11 +473,19 @@ class _TrialSessions:
 
     def ranking(self) -> Trials:
         self._close_rule_choice()
-        return self._trials("ranking", chosen=True, own=True)
+        return self._judged(self._trials("ranking", chosen=True, own=True))
 
     def checks(self) -> Trials:
         self._close_rule_choice()
-        return self._trials("checks", chosen=True, own=False)
+        return self._judged(self._trials("checks", chosen=True, own=False))
+
+    def _judged(self, trials: Trials) -> Trials:
+        # The ranking and the widening's steps compare trials as the gate judges them
+        # (`score`); the rule choice and bias correction keep rel L2: a clip or a bias is
+        # chosen for every value, not for the weakest decision of four samples.
+        if self.score is not None:
+            trials.scored_by(self.score)
+        return trials
 
     def _close_rule_choice(self) -> None:
         for phase in [p for p in self.open if p == "search" or p.startswith("rules ")]:
@@ -477,6 +507,45 @@ class _TrialSessions:
             self.runs += self.open[phase].runs
             self.open[phase].close()
         self.open.clear()
+
+
+def _start_passes(reference: onnx.ModelProto, base: onnx.ModelProto,
+                  layers: Sequence[LayerPrecision], stats: CalibrationStats,
+                  variants: Sequence[Variant], wide: NumberFormat, samples: Sequence[Feed], *,
+                  pinned: set[str], rtol: float, top_k: Mapping[str, Decision],
+                  tensor_scales: Mapping[str, float], weights: WeightStore) -> bool:
+    """Every layer of `layers` in its 8-bit format (weights rounded to nearest, no bias
+    correction) meets the search's aim on `samples`: the search keeps it at 100%."""
+    built = base
+    for v in variants:
+        nodes = eight_bit_nodes(layers, v.fmt)
+        if nodes:
+            built = quantise(built, nodes, stats, v.fmt, saturate=v.saturate, rule=v.rules[0],
+                             tensor_scales=tensor_scales, headroom=v.headroom,
+                             weights=weights).model
+    saturate = variants[0].saturate
+    check = check_output_sets(reference, built, wide, [samples], saturate=saturate, rtol=rtol,
+                              emulated=on_target(built, wide, pinned, saturate=saturate),
+                              top_k=top_k)[0]
+    return all(output_passes(o, JUDGE_MARGIN * rtol) for o in check.outputs.values())
+
+
+def _rule_said(rule: Decision) -> str:
+    return rule.said() if isinstance(rule, Detection) else (
+        "CTC text" if rule == CTC_TEXT else f"top-{rule}")
+
+
+def _decision_score(top_k: Mapping[str, Decision], aim: float, rtol: float) -> TrialScore | None:
+    """The search's error where outputs are judged by their decisions (in the gate's units:
+    npuprep.verify.decision_margin); None where every output is judged by rel L2."""
+    if not top_k:
+        return None
+
+    def score(got: Sequence[Mapping[str, np.ndarray]],
+              expected: Sequence[Mapping[str, np.ndarray]]) -> float:
+        return decision_error(got, expected, top_k=top_k, aim=aim, margin=DECISION_MARGIN,
+                              tie_rtol=rtol)
+    return score
 
 
 def _macs(model: Any, stats: CalibrationStats, samples: Sequence[Feed]) -> dict[str, int]:

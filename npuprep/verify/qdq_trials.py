@@ -66,6 +66,9 @@ from npuprep.verify.weight_switches import fold_weight_switches
 
 # Samples a ranking or rule trial is measured on: it needs an order, not a verdict.
 TRIAL_SAMPLES = 4
+# A trial's error from its outputs and the reference's (per sample, output name -> values).
+TrialScore = Callable[[Sequence[Mapping[str, np.ndarray]], Sequence[Mapping[str, np.ndarray]]],
+                      float]
 # Trials handed to the runner at once (x TRIAL_SAMPLES runs: Ray spreads them over its
 # actors); their outputs are held until their errors are taken.
 BATCH_TRIALS = 16
@@ -453,6 +456,10 @@ class Trials:
         model = fold_weight_switches(model, switched.weight_switches.values())
         self.runner: TrialRuns | None = (runs or LocalRuns)(model, self.samples)
         self.runs = 0
+        # What a trial's error is (outputs, expected -> a number): the outputs' worst pooled
+        # rel L2, or the gate's own units where outputs are judged by their decisions
+        # (npuprep.verify.decision_margin).
+        self.score: TrialScore = worst_pooled_rel_l2
         self._errors: dict[bytes, float] = {}
         self._order = sorted(set(switched.weight_switches.values())
                              | set(switched.input_switches.values())
@@ -460,6 +467,12 @@ class Trials:
         self._means = {name: (kind, *key) for kind, switches in (
             ("weight", switched.weight_switches), ("input", switched.input_switches),
             ("bias", switched.bias_switches)) for key, name in switches.items()}
+
+    def scored_by(self, score: TrialScore) -> None:
+        """Trials' errors from here on by `score` (the errors kept are in the old units)."""
+        if score is not self.score:
+            self.score = score
+            self._errors.clear()
 
     def close(self) -> None:
         """Free the session (its weights) once the search is done."""
@@ -498,8 +511,8 @@ class Trials:
 
     def errors(self, trials: Sequence[tuple[Mapping[str, str], Mapping[str, ScaleRule]]], *,
                seen: Callable[[int, list[dict[str, np.ndarray]]], None] | None = None) -> list[float]:
-        """Each trial's (assign, rules) outputs' worst pooled rel L2 on the first
-        TRIAL_SAMPLES samples; the trials not run before run in batches of BATCH_TRIALS.
+        """Each trial's (assign, rules) error (`score`: the outputs' worst pooled rel L2 unless
+        set) on the first TRIAL_SAMPLES samples; the trials not run before run in batches of BATCH_TRIALS.
         `seen(i, outputs)`: called with the outputs of every trial i, while its batch is
         held (every trial then runs, run before or not)."""
         feeds = [self._switches(a, r) for a, r in trials]
@@ -515,7 +528,7 @@ class Trials:
             if given is None or len(given) != min(TRIAL_SAMPLES, len(self.samples)):
                 batches.append((k, first))
                 continue
-            self._errors[k] = worst_pooled_rel_l2(given, self.expected[:len(given)])
+            self._errors[k] = self.score(given, self.expected[:len(given)])
             if seen is not None:
                 for i in first:
                     seen(i, given)
@@ -524,14 +537,14 @@ class Trials:
             batch = batches[start:start + BATCH_TRIALS]
             for (k, first), got in zip(batch, self._outputs([feeds[i[0]] for _, i in batch],
                                                              TRIAL_SAMPLES), strict=True):
-                self._errors[k] = worst_pooled_rel_l2(got, self.expected[:len(got)])
+                self._errors[k] = self.score(got, self.expected[:len(got)])
                 if seen is not None:
                     for i in first:
                         seen(i, got)
         return [self._errors[k] for k in keys]
 
     def error(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule]) -> float:
-        """The outputs' worst pooled rel L2 on the first TRIAL_SAMPLES samples."""
+        """The trial's error (`score`) on the first TRIAL_SAMPLES samples."""
         return self.errors([(assign, rules)])[0]
 
     def check(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule], *, rtol: float,
@@ -595,7 +608,7 @@ def rank_layers(trials: Trials, nodes: Sequence[str], assign: Mapping[str, str],
         # All in 8 bits, less this layer's own deviation from the wider model.
         rest = [{n: a[n] - (np.asarray(o[n], np.float64) - z[n]) for n in floats}
                 for a, o, z in zip(all_in, got, none_in, strict=True)]
-        estimated[i] = worst_pooled_rel_l2(rest, trials.expected[:len(rest)])
+        estimated[i] = trials.score(rest, trials.expected[:len(rest)])
 
     alone = trials.errors([({label: assign[label]}, rules) for label in nodes], seen=without)
     found = []
@@ -648,7 +661,7 @@ def choose_rules(trials: Trials, model: onnx.ModelProto, nodes: Sequence[str],
     room = [trials.shared.max_bytes - trials.shared.held if trials.shared is not None else 0]
 
     def keep(i: int, got: list[dict[str, np.ndarray]]) -> None:
-        error, k = worst_pooled_rel_l2(got, trials.expected[:len(got)]), tensor_of[i]
+        error, k = trials.score(got, trials.expected[:len(got)]), tensor_of[i]
         if k in best:
             if not error < best[k][0]:
                 return
