@@ -5,6 +5,7 @@ run the pieces before its first switch."""
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 from onnx import numpy_helper, parser
@@ -35,6 +36,25 @@ g (float[1, 8, 24, 24] x) => (float[1, 8, 24, 24] y) {
 LAYERS = ("a", "b", "c", "d")
 
 
+def _chain_trials(seed: int) -> tuple[list, Any, Any, LocalRuns]:
+    """CHAIN with random weights, its samples (the kept ones and two past them), its layers
+    behind INT8 switches, the FP16-emulated trial model and its runs in pieces."""
+    rng = np.random.default_rng(seed)
+    proto = parser.parse_model(CHAIN)
+    for name in LAYERS:
+        w = rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.3
+        proto.graph.initializer.append(numpy_helper.from_array(w, f"W{name}"))
+    feeds = [{"x": rng.standard_normal((1, 8, 24, 24)).astype(np.float32)}
+             for _ in range(TRIAL_SAMPLES + 2)]
+    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+    stats = calibrate(model, feeds, detail="all")
+    switched = switched_qdq(proto, list(LAYERS), stats,
+                            [Variant(eight_bit_format("int8"), (ScaleRule.ABSMAX,), True)])
+    trial = on_target(switched.model, get_format("fp16"), set(), saturate=True)
+    trial = fold_weight_switches(trial, switched.weight_switches.values())
+    return feeds, switched, trial, LocalRuns(trial, feeds)
+
+
 class _Counted:
     """A session whose runs are counted."""
 
@@ -50,19 +70,7 @@ class _Counted:
 
 
 def test_a_trial_from_a_cut_gives_the_whole_model_s_outputs_and_skips_the_pieces_before_it():
-    rng = np.random.default_rng(5)
-    proto = parser.parse_model(CHAIN)
-    for name in LAYERS:
-        w = rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.3
-        proto.graph.initializer.append(numpy_helper.from_array(w, f"W{name}"))
-    feeds = [{"x": rng.standard_normal((1, 8, 24, 24)).astype(np.float32)} for _ in range(6)]
-    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
-    stats = calibrate(model, feeds, detail="all")
-    switched = switched_qdq(proto, list(LAYERS), stats,
-                            [Variant(eight_bit_format("int8"), (ScaleRule.ABSMAX,), True)])
-    trial = on_target(switched.model, get_format("fp16"), set(), saturate=True)
-    trial = fold_weight_switches(trial, switched.weight_switches.values())
-    runs = LocalRuns(trial, feeds)
+    feeds, switched, trial, runs = _chain_trials(5)
     assert len(runs.pieces) > 1
     whole = make_session(trial, prepack=False, threads=1)
     # Every set of layers in INT8, on a kept sample and one past them.
@@ -83,20 +91,7 @@ def test_a_trial_from_a_cut_gives_the_whole_model_s_outputs_and_skips_the_pieces
 
 
 def test_a_trial_differing_from_an_earlier_one_late_starts_at_its_difference_bit_for_bit():
-    rng = np.random.default_rng(7)
-    proto = parser.parse_model(CHAIN)
-    for name in LAYERS:
-        w = rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.3
-        proto.graph.initializer.append(numpy_helper.from_array(w, f"W{name}"))
-    feeds = [{"x": rng.standard_normal((1, 8, 24, 24)).astype(np.float32)}
-             for _ in range(TRIAL_SAMPLES + 2)]
-    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
-    stats = calibrate(model, feeds, detail="all")
-    switched = switched_qdq(proto, list(LAYERS), stats,
-                            [Variant(eight_bit_format("int8"), (ScaleRule.ABSMAX,), True)])
-    trial = on_target(switched.model, get_format("fp16"), set(), saturate=True)
-    trial = fold_weight_switches(trial, switched.weight_switches.values())
-    runs = LocalRuns(trial, feeds)
+    feeds, switched, trial, runs = _chain_trials(7)
     whole = make_session(trial, prepack=False, threads=1)
     past = TRIAL_SAMPLES + 1  # a sample whose all-off values are not kept
     # a, b, c in INT8, then a, b, c, d: the second differs in d alone (a late piece).
