@@ -508,3 +508,39 @@ def test_a_block_output_without_weights_enters_through_an_exact_mul():
     assert _same_function(model, done.model, feeds) <= 1e-6
     declined = check_rescale(model, "s", 2)
     assert not declined and "not a float tensor" in declined.reason
+
+
+def test_rescales_skip_the_checker_each_and_apply_plan_checks_the_series_once(monkeypatch):
+    # x -> Conv(W1 large) -> Relu -> MaxPool -> Conv(W2) -> y, rescaled twice in one plan
+    from types import SimpleNamespace
+
+    from npuprep.rewrite import apply as apply_module
+    from npuprep.rewrite import graph_ops
+
+    model = conv_chain()
+    checked = apply_rescale(model, "node_of_a", 6)
+    unchecked = apply_rescale(model, "node_of_a", 6, run_checker=False)
+    assert (unchecked.model.SerializeToString(deterministic=True)
+            == checked.model.SerializeToString(deterministic=True))
+    assert unchecked.details == checked.details and unchecked.reason == checked.reason
+    series = [SimpleNamespace(entry="node_of_a", k=k, findings=()) for k in (6, 2)]
+    plan = SimpleNamespace(shifts=list, clamps=list, rescales=lambda: series)
+    seen: list[int] = []
+    real_check = graph_ops.check_model
+
+    def counted(m: onnx.ModelProto) -> None:
+        seen.append(len(m.graph.node))
+        real_check(m)
+
+    # Every checker call of the rewrites (graph_ops.finish) and of apply_plan, counted.
+    monkeypatch.setattr(graph_ops, "check_model", counted)
+    monkeypatch.setattr(apply_module, "check_model", counted)
+    applied = apply_module.apply_plan(model, plan)
+    assert seen == [len(applied.model.graph.node)]  # once, on the final model
+    one_by_one = apply_rescale(apply_rescale(model, "node_of_a", 6).model, "node_of_a", 2).model
+    assert (applied.model.SerializeToString(deterministic=True)
+            == one_by_one.SerializeToString(deterministic=True))
+    assert applied.applied == ("rescale node_of_a by 2^-6", "rescale node_of_a by 2^-2")
+    assert applied.tensor_scales == {"a": 2**-8, "r": 2**-8, "p": 2**-8}
+    feeds = {"x": RNG.normal(size=(1, 3, 6, 6)).astype(np.float32)}
+    assert _same_function(model, applied.model, feeds) <= 1e-5

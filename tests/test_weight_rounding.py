@@ -220,3 +220,42 @@ def test_rounding_column_by_column_in_blocks_rounds_as_the_plain_loop() -> None:
         got, plain = _sequential(rows, scale, fmt, u), _rounded_in_order(rows, scale, fmt, u)
         assert np.array_equal(got, plain)
         assert np.count_nonzero(got != _nearest(rows / scale[..., None], fmt)) > got.size // 20
+
+
+# x [16, 12] -> MatMul q (Wq), MatMul k (Wk), Gemm v (Wv, transB); q -> MatMul o (Wo) -> y
+SHARED_INPUT = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[16, 12] x) => (float[16, 12] q, float[16, 12] k, float[16, 12] v, float[16, 12] y) {
+    [q] q = MatMul (x, Wq)
+    [k] k = MatMul (x, Wk)
+    [v] v = Gemm <transB = 1> (x, Wv)
+    [o] y = MatMul (q, Wo)
+}
+"""
+
+
+def test_readers_of_one_input_share_its_moments_bit_for_bit() -> None:
+    rng = np.random.default_rng(3)
+    proto = parser.parse_model(SHARED_INPUT)
+    proto.graph.initializer.extend(
+        numpy_helper.from_array(rng.standard_normal((12, 12)).astype(np.float32), name)
+        for name in ("Wq", "Wk", "Wv", "Wo"))
+    feeds = [{"x": rng.standard_normal((16, 12)).astype(np.float32)} for _ in range(3)]
+    (found,) = input_moments(proto, ["q", "k", "v", "o"], [feeds])
+    session = make_session(proto)
+
+    def gram(xs: list[np.ndarray]) -> np.ndarray:
+        total = None
+        for x in xs:
+            one = np.matmul(x[None].transpose(0, 2, 1), x[None]).astype(np.float64)
+            total = one if total is None else total + one
+        return total
+
+    xs = [f["x"] for f in feeds]
+    for label in ("q", "k", "v"):
+        assert found[label].rows == 48
+        np.testing.assert_array_equal(found[label].gram, gram(xs))
+    # o reads another tensor: its own moments.
+    qs = [np.asarray(run(session, f)["q"], np.float32) for f in feeds]
+    np.testing.assert_array_equal(found["o"].gram, gram(qs))
+    assert not np.array_equal(found["o"].gram, found["q"].gram)

@@ -79,15 +79,24 @@ def input_moments(model: onnx.ModelProto, layers: Sequence[str], parts: Sequence
         rows: dict[str, int] = dict.fromkeys(chosen, 0)
         for feed in samples:
             values = run(session, feed, tensors)
+            # A MatMul's rows are its input's, whoever reads it: MiniLM's query, key and
+            # value projections share one H per sample. (A Conv's rows are drawn at random.)
+            by_input: dict[str, tuple[int, np.ndarray]] = {}
             for label, node in chosen.items():
-                x = np.asarray(values[node.input[0]], np.float32)
-                patches = (conv_rows(node, x, shapes[label], rng) if node.op_type == "Conv"
-                           else x.reshape(1, -1, x.shape[-1]))
-                if patches is None:
-                    continue
-                gram = np.matmul(patches.transpose(0, 2, 1), patches).astype(np.float64)
+                shared = by_input.get(node.input[0]) if node.op_type != "Conv" else None
+                if shared is None:
+                    x = np.asarray(values[node.input[0]], np.float32)
+                    patches = (conv_rows(node, x, shapes[label], rng) if node.op_type == "Conv"
+                               else x.reshape(1, -1, x.shape[-1]))
+                    if patches is None:
+                        continue
+                    shared = (patches.shape[1],
+                              np.matmul(patches.transpose(0, 2, 1), patches).astype(np.float64))
+                    if node.op_type != "Conv":
+                        by_input[node.input[0]] = shared
+                count, gram = shared
                 grams[label] = grams[label] + gram if label in grams else gram
-                rows[label] += patches.shape[1]
+                rows[label] += count
         found.append({k: InputMoments(v, rows[k]) for k, v in grams.items()})
     return found
 

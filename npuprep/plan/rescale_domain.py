@@ -96,7 +96,7 @@ def rescaled_constant(ctx: PlanContext, name: str) -> tuple[str, float] | None:
     for rs in ctx.rescales:
         key = (rs.entry, rs.k)
         if key not in ctx.scaled_cache:
-            done = apply_rescale(ctx.model.proto, rs.entry, rs.k)
+            done = apply_rescale(ctx.model.proto, rs.entry, rs.k, run_checker=False)
             ctx.scaled_cache[key] = dict(done.details.get("scaled_constants", {})) if done else {}
         if name in ctx.scaled_cache[key]:
             return rs.entry, float(ctx.scaled_cache[key][name]["absmax"])
@@ -171,7 +171,7 @@ def pushed_constant(ctx: PlanContext, entry: str, k: int) -> str:
     keep its node FP32), or "" when every scaled constant still fits."""
     key = (entry, k)
     if key not in ctx.scaled_cache:
-        done = apply_rescale(ctx.model.proto, entry, k)
+        done = apply_rescale(ctx.model.proto, entry, k, run_checker=False)
         ctx.scaled_cache[key] = dict(done.details.get("scaled_constants", {})) if done else {}
     past = {name: c for name, c in ctx.scaled_cache[key].items()
             if c["exponent"] > 0 and c["absmax"] > ctx.fmt.max}

@@ -96,7 +96,7 @@ def _lift(values: np.ndarray, ctx: PlanContext) -> int | None:
 def _pushed_under(ctx: PlanContext, entry: str, k: int) -> str:
     """Why the compensation (an absorber's weight times 2^k) would put another constant's
     magnitude under the format's smallest normal by the same test, or "" when none is."""
-    done = apply_rescale(ctx.model.proto, entry, k)
+    done = apply_rescale(ctx.model.proto, entry, k, run_checker=False)
     if not done:
         return done.reason
     for name, scaled in sorted(done.details.get("scaled_constants", {}).items()):

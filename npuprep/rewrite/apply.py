@@ -14,6 +14,7 @@ from typing import Any
 import onnx
 
 from npuprep.rewrite.clamp import apply_clamp, guard_denominator
+from npuprep.rewrite.graph_ops import check_model
 from npuprep.rewrite.rescale import apply_rescale
 from npuprep.rewrite.result import RewriteResult, Skipped
 from npuprep.rewrite.softmax_shift import apply_softmax_shift
@@ -67,7 +68,7 @@ def apply_plan(model: onnx.ModelProto, plan: Any) -> AppliedPlan:
         else:
             declined.append(Skipped("clamp", clamp.tensor, result.reason, clamp.findings))
     for rescale in plan.rescales():
-        result = apply_rescale(current, rescale.entry, rescale.k)
+        result = apply_rescale(current, rescale.entry, rescale.k, run_checker=False)
         if not result.modified:
             declined.append(Skipped("rescale", rescale.entry, result.reason, rescale.findings))
             continue
@@ -84,6 +85,9 @@ def apply_plan(model: onnx.ModelProto, plan: Any) -> AppliedPlan:
                 reasons[node] = (f"undoes the rescale of {rescale.entry} at a graph output, in "
                                  "FP32 after the output Cast")
         applied.append(f"rescale {rescale.entry} by 2^{-rescale.k}")
+    if any(a.startswith("rescale ") for a in applied):
+        # Once for the whole series: each full check re-infers every shape of the model.
+        check_model(current)
     # Tensors a rewrite made (a clamp's output) have no reference to be compared with.
     known = {t for n in model.graph.node for t in n.output} | {i.name for i in model.graph.input}
     scales = {t: s for t, s in sorted(scales.items()) if s != 1.0 and t in known}

@@ -208,9 +208,13 @@ def unique_name(graph: gs.Graph, base: str) -> str:
     return f"{base}_{i}"
 
 
-def finish(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
-    """Clean up once, sort, export into a copy of `like` and run the checker."""
+def finish(graph: gs.Graph, like: onnx.ModelProto,
+           run_checker: bool = True) -> onnx.ModelProto:
+    """Clean up once, sort, export into a copy of `like` and run the checker unless
+    `run_checker` is False (a caller that checks once after a series of rewrites, or one
+    that only reads the rewrite's details)."""
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
     model = export_model(graph, like)
-    check_model(model)
+    if run_checker:
+        check_model(model)
     return model

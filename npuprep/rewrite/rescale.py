@@ -46,7 +46,8 @@ def check_rescale(model: onnx.ModelProto, entry: str, k: int) -> RescaleCheck:
     return solver.check
 
 
-def apply_rescale(model: onnx.ModelProto, entry: str, k: int) -> RewriteResult:
+def apply_rescale(model: onnx.ModelProto, entry: str, k: int,
+                  run_checker: bool = True) -> RewriteResult:
     """Scale `entry` by s = 2^-k and compensate; the FP32 function is unchanged.
 
     details: "tensor_scales" {tensor: s_total} for every tensor whose values changed
@@ -54,7 +55,10 @@ def apply_rescale(model: onnx.ModelProto, entry: str, k: int) -> RewriteResult:
     at lowering), "input_nodes" {Mul on an entry graph input or tensor: that tensor} (FP32
     only needed while the tensor exceeds the target), "entries", "absorbers", "exits", "k", and "scaled_constants" {constant:
     exponent, absmax, min_nonzero} so a caller can see weights pushed towards the target's
-    subnormals (an epsilon scaled by s^2, say).
+    subnormals (an epsilon scaled by s^2, say). `run_checker=False` skips onnx.checker on the
+    result: its full check re-infers every shape of the model (seconds on a transformer), so
+    a series of rescales checks once at its end and a planner reading only the details not
+    at all.
     """
     graph = go.import_graph(model)
     _type_entry(graph, model, entry)
@@ -63,7 +67,7 @@ def apply_rescale(model: onnx.ModelProto, entry: str, k: int) -> RewriteResult:
     if not check:
         return RewriteResult(model, False, check.reason, {"k": k, "entry": entry})
     fp32_nodes = solver.apply(graph)
-    out = go.finish(graph, model)
+    out = go.finish(graph, model, run_checker)
     scales = {t: float(2.0**p) for t, p in sorted(check.exponents.items())
               if p != 0 and t not in solver.renamed}
     details = {
