@@ -22,7 +22,9 @@ DIR/NAME/calib/, DIR/NAME/holdout/). Per model and tool:
 Each output model is judged here on the held-out samples against the FP32 model: each
 output's pooled rel L2, whether every top-1 decision of a decided output holds (decided: the
 corpus's `decided_by` and what npuprep's --metric auto finds, for every tool alike; a CTC
-recogniser's output, the corpus's `read_as_ctc`: every sample's greedy CTC text), and the
+recogniser's output, the corpus's `read_as_ctc`: every sample's greedy CTC text; a detector's
+outputs, the corpus's `detect`: by their detections, as `convert --detect` judges them,
+npuprep.verify.output_errors, rel L2 kept beside it as `within_rel_l2`), and the
 share of Conv/MatMul/Gemm multiply-adds whose inputs all come through a DequantizeLinear
 (8-bit). Clean (issue 40's rule): loads as written, every output within 5e-2 rel L2 or, when
 decided, every top-1 held, and at least 60% of the multiply-adds 8-bit; for npuprep also its own
@@ -50,13 +52,15 @@ import corpus  # noqa: E402
 
 from npuprep.calibrate import calibrate  # noqa: E402
 from npuprep.calibrate.layer_macs import layer_macs  # noqa: E402
+from npuprep.detections import parse_detect  # noqa: E402
 from npuprep.flops import node_flops  # noqa: E402
 from npuprep.graph import walk_graphs  # noqa: E402
 from npuprep.model_io import load_model  # noqa: E402
+from npuprep.report.output_verdicts import agreement_said  # noqa: E402
 from npuprep.runtime.session import make_session, run  # noqa: E402
 from npuprep.verify.output_check import GOAL_SAMPLES, decided_outputs  # noqa: E402
 from npuprep.verify.output_check import _outputs as fp32_outputs  # noqa: E402
-from npuprep.verify.output_errors import ctc_text  # noqa: E402
+from npuprep.verify.output_errors import OutputErrors, ctc_text, output_passes  # noqa: E402
 
 TOOLS = ("npuprep_int8", "npuprep_fp8", "ort_int8", "modelopt_int8")
 PEERS = ("ort_int8", "ort_int8_op13", "modelopt_int8", "modelopt_fp8", "nncf_int8", "nncf_int8_aa")
@@ -81,11 +85,14 @@ class Entry:
             self.model, folder, held = extra2 / f"{name}.onnx", extra2 / name, "holdout"
             self.spec_decided: tuple[str, ...] = ()
             self.read_as_ctc: tuple[str, ...] = ()
+            self.detect: tuple[str, ...] = ()
         else:
             folder = corpus.corpus_dir() / name
             self.model, held = folder / "model.onnx", "heldout"
             self.spec_decided = tuple(corpus.SPECS[name].decided_by)
             self.read_as_ctc = tuple(corpus.SPECS[name].read_as_ctc)
+            self.detect = tuple(corpus.SPECS[name].detect)
+        self.detected = parse_detect(list(self.detect))
         self.calib, self.heldout = folder / "calib", folder / held
 
 
@@ -97,7 +104,8 @@ def npuprep(precision: str, entry: Entry, out: Path, decided: tuple[str, ...],
            *(("--scale-rule", rule) if rule else ()), "--precision", precision, "--data",
            str(entry.calib), "--holdout", str(entry.heldout), "-o", str(out), "--json",
            "--export", "none", *(a for o in decided for a in (
-               "--top-k", f"{o}:{'ctc' if o in entry.read_as_ctc else 1}"))]
+               "--top-k", f"{o}:{'ctc' if o in entry.read_as_ctc else 1}")),
+           *(a for spec in entry.detect for a in ("--detect", spec))]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=3 * PEER_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -238,7 +246,8 @@ def decided_of(entry: Entry) -> tuple[str, ...]:
     """The outputs judged by their top-1 decision: the corpus's own list and npuprep's finding."""
     model = onnx.load(entry.model)
     values = fp32_outputs(model, _feeds(entry.calib)[:GOAL_SAMPLES])
-    return tuple(dict.fromkeys((*entry.spec_decided, *decided_outputs(model, values))))
+    return tuple(o for o in dict.fromkeys((*entry.spec_decided, *decided_outputs(model, values)))
+                 if o not in entry.detected)  # a detector's outputs: judged by its detections
 
 
 def judge(reference: Path, candidate: Path, entry: Entry, decided: tuple[str, ...]) -> dict:
@@ -250,6 +259,7 @@ def judge(reference: Path, candidate: Path, entry: Entry, decided: tuple[str, ..
     nonfinite = 0
     # Integer outputs (a greedy decoder's ids): held-out samples whose every one is unchanged.
     same_ints = int_samples = 0
+    detections = OutputErrors(top_k=entry.detected, tie_rtol=RTOL)
     for feed in _feeds(entry.heldout):
         r = run(ref, feed)
         c = run(cand, {k: v.astype(np.float16) if types.get(k) == "tensor(float16)" else v
@@ -263,6 +273,8 @@ def judge(reference: Path, candidate: Path, entry: Entry, decided: tuple[str, ..
                 continue
             cv = np.asarray(c[name], np.float64)
             nonfinite += int(np.sum(~np.isfinite(cv) & np.isfinite(rv)))
+            if name in entry.detected:
+                detections.add(name, rv, cv)
             num[name] = num.get(name, 0.0) + float(np.nansum((cv - rv) ** 2))
             den[name] = den.get(name, 0.0) + float(np.sum(np.asarray(rv, np.float64) ** 2))
             if name in entry.read_as_ctc:  # the text a CTC decoder reads, sequence by sequence
@@ -275,10 +287,20 @@ def judge(reference: Path, candidate: Path, entry: Entry, decided: tuple[str, ..
                 held[name] = held.get(name, True) and bool(np.all(np.argmax(rv, -1) == np.argmax(cv, -1)))
     rels = {k: (math.sqrt(num[k] / den[k]) if den[k] else math.sqrt(num[k])) for k in num}
     rel = max(rels.values(), default=0.0)
-    # Each output within tolerance, or, decided, every top-1 held.
-    outputs_ok = not nonfinite and all(r <= RTOL or held.get(k, False) for k, r in rels.items())
+    # Each output within tolerance, or, decided, every top-1 held (today's rule: rel L2 for a
+    # detector's outputs too) ...
+    ok_rel_l2 = not nonfinite and all(r <= RTOL or held.get(k, False) for k, r in rels.items())
+    # ... and a detector's outputs by their detections alone (a rule with none: rel L2).
+    judged = detections.result()
+    outputs_ok = not nonfinite and all(
+        output_passes(judged[k], RTOL) if k in judged else r <= RTOL or held.get(k, False)
+        for k, r in rels.items())
     return {"rel_l2": rel if not nonfinite else float("inf"), "nonfinite": nonfinite,
             "top1_holds": all(held.values()) if held else None, "outputs_ok": outputs_ok,
+            "outputs_ok_rel_l2": ok_rel_l2,
+            **({"detections_held": all(output_passes(o, RTOL) for o in judged.values()),
+                "detections": {k: agreement_said(o) for k, o in sorted(judged.items())}}
+               if judged else {}),
             "int_outputs_same": f"{same_ints}/{int_samples}" if int_samples else None}
 
 
@@ -325,6 +347,8 @@ def measure(entry: Entry, tools: list[str], out_dir: Path) -> list[dict]:
                 row["error"] = f"does not run: {type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
         row["decided"] = list(decided)
         row["within"] = bool(not row["error"] and row["outputs_ok"])
+        if entry.detect:  # the same tool judged by rel L2 alone, as before --detect
+            row["within_rel_l2"] = bool(not row["error"] and row["outputs_ok_rel_l2"])
         if tool.startswith("npuprep") and not row["error"]:
             # onnxruntime's CPU run of the written FP16 parts computes some of them in FP32 and
             # hides an overflow the board shows; convert's verdict is on the emulated board.
@@ -338,7 +362,7 @@ def measure(entry: Entry, tools: list[str], out_dir: Path) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | tool | held-out rel L2 | top-1 holds | 8-bit MACs | within | clean | time |"
+    lines = ["| model | tool | held-out rel L2 | decisions hold | 8-bit MACs | within | clean | time |"
              " CPU |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["error"]:
@@ -346,8 +370,13 @@ def table(rows: list[dict]) -> str:
                          f"{r['seconds']:.0f} s | {_cpu(r)} |")
             continue
         top = {None: "", True: "yes", False: "no"}[r["top1_holds"]]
+        if "detections_held" in r:
+            top = f"detections: {'yes' if r['detections_held'] else 'no'}"
+        within = "yes" if r["within"] else "no"
+        if "within_rel_l2" in r:
+            within += f" (rel L2: {'yes' if r['within_rel_l2'] else 'no'})"
         lines.append(f"| {r['model']} | {r['tool']} | {r['rel_l2']:.3g} | {top} | "
-                     f"{100 * r['share_8bit']:.0f}% | {'yes' if r['within'] else 'no'} | "
+                     f"{100 * r['share_8bit']:.0f}% | {within} | "
                      f"{'yes' if r['clean'] else 'no'} | {r['seconds']:.0f} s | {_cpu(r)} |")
     return "\n".join(lines) + "\n"
 

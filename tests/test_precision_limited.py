@@ -199,7 +199,7 @@ def test_the_verdict_tells_precision_from_overflow(tmp_path):
     assert proc.returncode == 1, proc.stderr
     verdict = " ".join(proc.stdout[proc.stdout.index("\nFAILED") + 1:].split())
     assert verdict.startswith("FAILED: outputs off by rel L2 0.1")
-    assert "with no Inf/NaN (FP16 precision; --metric, --top-k or --rtol are yours): largest own share " \
+    assert "with no Inf/NaN (FP16 precision; --metric, --top-k, --detect or --rtol are yours): largest own share " \
         in verdict and "first seen at 'unshift'" in verdict
     assert max(map(len, proc.stdout.splitlines())) <= 100
 

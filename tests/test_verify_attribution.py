@@ -213,7 +213,7 @@ def test_a_failure_spread_over_layers_beyond_the_budget_is_said_so_and_pins_noth
     assert "no set of them within the FP32 FLOPs budget holds enough of it (a larger " \
            "--max-fp32-share lets more of them be kept)" in said
     verdict = said[said.index("FAILED"):]
-    assert "(FP16 precision; --metric, --top-k or --rtol are yours): largest own share 'diff_" in verdict
+    assert "(FP16 precision; --metric, --top-k, --detect or --rtol are yours): largest own share 'diff_" in verdict
     assert "first seen at 'softmax'" in verdict
     assert "pinned diff" not in said
 

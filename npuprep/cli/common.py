@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import onnx
 
     from npuprep.data import SampleSet
+    from npuprep.detections import Decision
 
 T = TypeVar("T")
 
@@ -372,6 +373,20 @@ def parse_top_k(items: list[str]) -> dict[str, int]:
     return top_k
 
 
+def parse_decisions(top_k: list[str], detect: list[str]) -> dict[str, Decision]:
+    """--top-k and --detect together: {output: K, CTC_TEXT or Detection}; an output named by
+    both is refused in one line."""
+    from npuprep.detections import parse_detect
+    from npuprep.errors import NpuprepError
+
+    by_k, by_detection = parse_top_k(top_k), parse_detect(detect)
+    both = sorted(set(by_k) & set(by_detection))
+    if both:
+        raise NpuprepError(f"output '{both[0]}' is named by --top-k and --detect; an output is "
+                           "judged by one rule")
+    return {**by_k, **by_detection}
+
+
 def add_goal(p: argparse.ArgumentParser, default_metric: str | None = "auto") -> None:
     """--metric and --top-k: how the graph outputs are judged (convert's goal; compare's too)."""
     # The values of npuprep.verify.output_check.Metric (not imported: the CLI starts light).
@@ -391,3 +406,15 @@ def add_goal(p: argparse.ArgumentParser, default_metric: str | None = "auto") ->
                         "reported); OUTPUT:ctc judges a CTC recogniser's steps x classes by their "
                         "greedy decoding (argmax per step, repeats merged, blank class 0 dropped), "
                         "text by text; repeatable")
+    p.add_argument("--detect", action="append", default=[],
+                   metavar="SCORES[=BOXES],...:THRESHOLD",
+                   help="judge a detector by its detections: each SCORES output passes when every "
+                        "(position, class) whose FP32 score is further than --rtol x max(1, "
+                        "THRESHOLD) from THRESHOLD stays on its side of it (0.5 +- 0.05 for "
+                        "probabilities in 8 bits: closer is a tie, counted apart); each BOXES "
+                        "output (every axis but the last matching SCORES) by its rel L2 at the "
+                        "positions FP32 detects in "
+                        "SCORES, background left out; the SCORES of one --detect are one detector, "
+                        "its detections counted together (none on the samples: rel L2 judges, and "
+                        "the report says so); e.g. --detect 'cls8=reg8,cls16=reg16:0.5'; "
+                        "repeatable")

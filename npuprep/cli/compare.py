@@ -20,7 +20,7 @@ from npuprep.cli.common import (
     nonnegative_float,
     open_samples,
     out,
-    parse_top_k,
+    parse_decisions,
     positive_float,
     positive_int,
     print_json,
@@ -292,13 +292,13 @@ def goal_gate(ref: Model, args: argparse.Namespace, samples: SampleSet, gate: Ou
               fmt_: NumberFormat | None) -> tuple[OutputGate | None, tuple[str, ...]]:
     """--metric/--top-k: the graph outputs judged by the rule convert's goal stage would choose
     (over a record's rule, whose rtol/atol stay), each output's rule said in a note."""
-    if args.metric is None and not args.top_k:
+    if args.metric is None and not args.top_k and not args.detect:
         return gate, ()
     from npuprep.pipeline.stages import checked_top_k
     from npuprep.verify.compare import DEFAULT_ATOL, OutputGate, default_rtol
     from npuprep.verify.output_check import GOAL_SAMPLES, judged_outputs
 
-    asked = checked_top_k(ref, parse_top_k(args.top_k))
+    asked = checked_top_k(ref, parse_decisions(args.top_k, args.detect))
     first = list(samples.iter_range(0, min(GOAL_SAMPLES, len(samples))))
     top_k, judged = judged_outputs(ref.proto, first, args.metric or "auto", asked,
                                    source=ref.path)
@@ -308,7 +308,8 @@ def goal_gate(ref: Model, args: argparse.Namespace, samples: SampleSet, gate: Ou
                                             f"{said}",)
     rtol = args.rtol if args.rtol is not None else default_rtol(fmt_)
     outputs = tuple(o.name for o in ref.proto.graph.output)
-    rule = f"--metric {args.metric}" if args.metric else "--top-k"
+    rule = (f"--metric {args.metric}" if args.metric else
+            "--top-k" if not args.detect else "--detect" if not args.top_k else "--top-k/--detect")
     return (OutputGate(outputs, rtol, DEFAULT_ATOL if args.atol is None else args.atol, rule,
                        top_k=top_k),
             (f"outputs judged by {rule}: {said}; internal tensors are where to look",))
@@ -431,6 +432,8 @@ def verdict_code(t: Any, masks: frozenset[str] = frozenset()) -> str:
 
 
 def _print(result: Any, masks: frozenset[str] = frozenset()) -> None:
+    from npuprep.report.output_verdicts import agreement_said
+
     full = out().verbose or out().width is None
     say(f"{len(result.tensors)} tensors compared on {result.samples_description}; "
         f"format {result.fmt or 'none'}; rtol {result.rtol:g}, atol {result.atol:g}")
@@ -452,9 +455,10 @@ def _print(result: Any, masks: frozenset[str] = frozenset()) -> None:
                 f"max abs {fmt(first.isolated_max_abs_error)}")
     for name, errors in sorted(result.output_errors.items()):
         agree = errors.get("top_k_agreement")
+        decisions = (f", {agreement_said(errors)}" if "detect" in errors else
+                     f", top-{errors['top_k']} agreement {agree:.0%}" if agree is not None else "")
         say(f"output {name}: rel L2 {fmt(errors['rel_l2'])}, {errors['nonfinite']} Inf/NaN"
-            + (f", top-{errors['top_k']} agreement {agree:.0%}" if agree is not None else "")
-            + f" (gate: rel L2 {result.gate.rtol:g})")
+            + decisions + f" (gate: rel L2 {result.gate.rtol:g})")
     if result.unobserved:
         say(f"{len(result.unobserved)} tensors not compared (inside subgraphs or not shared); "
             "see --json")

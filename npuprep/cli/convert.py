@@ -13,7 +13,7 @@ from npuprep.cli.common import (
     add_jobs,
     add_json,
     add_target,
-    parse_top_k,
+    parse_decisions,
     positive_float,
     positive_int,
     scale_rule,
@@ -187,7 +187,7 @@ def _convert(args: argparse.Namespace, model: Model, profile: TargetProfile,
             precision=args.precision, io_types=args.io_types, rtol=args.rtol,
             max_rounds=args.max_rounds, max_fp32_share=args.max_fp32_share / 100,
             min_8bit_share=args.min_8bit_share / 100, scale_rule=args.scale_rule,
-            opset=args.opset, top_k=parse_top_k(args.top_k), metric=args.metric,
+            opset=args.opset, top_k=parse_decisions(args.top_k, args.detect), metric=args.metric,
             verify_with=args.verify_with,
             vendor_python=args.vendor_python, jobs=args.jobs, streams=args.streams,
             show_progress=not args.json, progress=stage, ray=args.ray, ray_cpus=args.ray_cpus)
@@ -303,14 +303,6 @@ def _openvino_layers(layers: dict[str, Any]) -> str:
     return f"OpenVINO's runtime precisions {said} ({counts})"
 
 
-def _agreement(errors: dict[str, Any]) -> str:
-    from npuprep.report.output_verdicts import decision_said, ties_said
-
-    if "top_k" not in errors:
-        return ""
-    return f"{decision_said(errors)} {100 * errors['top_k_agreement']:.4g}%{ties_said(errors)}"
-
-
 def _nodes(nodes: list[str]) -> str:
     return ", ".join(nodes[:3]) + (f" +{len(nodes) - 3}" if len(nodes) > 3 else "")
 
@@ -318,6 +310,7 @@ def _nodes(nodes: list[str]) -> str:
 def _print_summary(report: dict[str, Any]) -> None:
     from npuprep.cli.common import out, print_table, say
     from npuprep.formatting import capped, number, percent
+    from npuprep.report.output_verdicts import agreement_said, judged_by_decisions
     from npuprep.report.pin_count import pins_said
     from npuprep.report.render_md import action_target
 
@@ -341,14 +334,14 @@ def _print_summary(report: dict[str, Any]) -> None:
         if key == "holdout" and not check:
             continue
         outputs = check.get("outputs") or {}
-        judged = any("top_k" in o for o in outputs.values())
+        judged = any(judged_by_decisions(o) for o in outputs.values())
         rules = report.get("judged_by") or {}
         print_table(f"{title} ({check.get('samples', 0)} samples)" if check else title,
                     ["output", "Inf/NaN", "max abs err", "rel L2",
-                     *(["top-K agree"] if judged else []), "judged by"],
+                     *(["decisions"] if judged else []), "judged by"],
                     [(k, o["nonfinite"], number(o["max_abs_error"]), number(o["rel_l2"]),
-                      *([_agreement(o)] if judged else []), rules.get(k, "rel L2"))
-                     for k, o in outputs.items()], wrap=("judged by",))
+                      *([agreement_said(o)] if judged else []), rules.get(k, "rel L2"))
+                     for k, o in outputs.items()], wrap=("decisions", "judged by"))
     _print_vendor(report.get("vendor"))
     share = report.get("fp32_share") or {}
     if share.get("islands"):
@@ -392,11 +385,11 @@ def _say_where_the_error_sits(report: dict[str, Any]) -> None:
     """For each output that failed on FP16 precision alone: where its worst sample's error
     sits, so an error at a few undecided positions reads apart from one everywhere."""
     from npuprep.cli.common import say
-    from npuprep.report.output_verdicts import where_errors_sit
+    from npuprep.report.output_verdicts import judged_by_decisions, where_errors_sit
 
     for which, name, errors, where in where_errors_sit(report):
         say(f"note: {name} on the {which}: {where}")
-        if errors.get("top1_agreement") == 1.0 and "top_k" not in errors:
+        if errors.get("top1_agreement") == 1.0 and not judged_by_decisions(errors):
             say(f"note: every top-1 decision of {name} on the {which} holds; if its "
                 f"decisions are what it is judged by: --top-k {name}:1")
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from npuprep.data import Feed
+from npuprep.detections import Decision
 from npuprep.graph import weight_bytes
 from npuprep.ledger.ledger import build_ledger
 from npuprep.model_io import Model, WeightScratch
@@ -39,7 +40,7 @@ SCRATCH_BYTES = 64 * 2**20
 def lower_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                      samples: Sequence[Feed], holdout: Sequence[Feed] | None, *,
                      use: SampleUse, io_types: str, rtol: float, max_rounds: int,
-                     max_fp32_share: float, opset: int | None, top_k: Mapping[str, int],
+                     max_fp32_share: float, opset: int | None, top_k: Mapping[str, Decision],
                      stage: Callable[[str], None]) -> ConversionResult:
     """`planned` built for `target` in up to `max_rounds` verification rounds (and up to
     pin_rounds.MAX_WIDENINGS more where an attributed pin falls short of the gate); its FP32
@@ -148,7 +149,7 @@ def _fixed_fp32_nodes(model: Any) -> set[str]:
 def _build(model: Model, target: ResolvedTarget, plan: Plan,
            samples: Sequence[Feed], *, io_types: str, rtol: float,
            holdout: Sequence[Feed] | None, stats: Any = None,
-           opset: int | None = None, top_k: Mapping[str, int] | None = None,
+           opset: int | None = None, top_k: Mapping[str, Decision] | None = None,
            stage: Callable[[str], None] = lambda _: None) -> Build:
     """One round: apply `plan`, lower, emulate layer by layer and check the outputs."""
     profile, fmt, saturate = target.profile, target.fmt, target.saturate

@@ -33,6 +33,7 @@ from npuprep.calibrate.mapping import with_scaled_entries
 from npuprep.calibrate.scales import FP8_NAN_HEADROOM
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
+from npuprep.detections import Decision, Detection
 from npuprep.formatting import ratio
 from npuprep.graph import node_label, weight_bytes
 from npuprep.model_io import Model, WeightScratch
@@ -95,7 +96,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                         eight: EightBitFormat, samples: Sequence[Feed],
                         holdout: Sequence[Feed] | None, *, use: SampleUse, rtol: float,
                         scale_rule: str, min_8bit_share: float, opset: int | None,
-                        top_k: Mapping[str, int], stage: Callable[[str], None],
+                        top_k: Mapping[str, Decision], stage: Callable[[str], None],
                         runner: RunsFactory | None = None) -> ConversionResult:
     """`planned` (planned for `target`, the wider format) as a QDQ model in `eight`, verified
     on `samples` (and `holdout`); scales by `scale_rule`. Its outputs are to hold within
@@ -227,8 +228,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         tensor_scales=applied.tensor_scales, weights=weights, means=means, runner=runner,
         score=_decision_score(top_k, JUDGE_MARGIN * rtol, rtol))
     if top_k:
-        judged_by = ", ".join(f"{name} ({'CTC text' if k == CTC_TEXT else f'top-{k}'})"
-                              for name, k in top_k.items())
+        judged_by = ", ".join(f"{name} ({_rule_said(k)})" for name, k in top_k.items())
         notes.append(f"the search ranks layers and compares trials by the share of each decided "
                      f"margin their error eats at {judged_by}, where that is under the rel L2")
     search = sessions.search()
@@ -512,7 +512,7 @@ class _TrialSessions:
 def _start_passes(reference: onnx.ModelProto, base: onnx.ModelProto,
                   layers: Sequence[LayerPrecision], stats: CalibrationStats,
                   variants: Sequence[Variant], wide: NumberFormat, samples: Sequence[Feed], *,
-                  pinned: set[str], rtol: float, top_k: Mapping[str, int],
+                  pinned: set[str], rtol: float, top_k: Mapping[str, Decision],
                   tensor_scales: Mapping[str, float], weights: WeightStore) -> bool:
     """Every layer of `layers` in its 8-bit format (weights rounded to nearest, no bias
     correction) meets the search's aim on `samples`: the search keeps it at 100%."""
@@ -530,7 +530,12 @@ def _start_passes(reference: onnx.ModelProto, base: onnx.ModelProto,
     return all(output_passes(o, JUDGE_MARGIN * rtol) for o in check.outputs.values())
 
 
-def _decision_score(top_k: Mapping[str, int], aim: float, rtol: float) -> TrialScore | None:
+def _rule_said(rule: Decision) -> str:
+    return rule.said() if isinstance(rule, Detection) else (
+        "CTC text" if rule == CTC_TEXT else f"top-{rule}")
+
+
+def _decision_score(top_k: Mapping[str, Decision], aim: float, rtol: float) -> TrialScore | None:
     """The search's error where outputs are judged by their decisions (in the gate's units:
     npuprep.verify.decision_margin); None where every output is judged by rel L2."""
     if not top_k:

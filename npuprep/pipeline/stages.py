@@ -33,6 +33,7 @@ import onnx
 
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed, SampleSet
+from npuprep.detections import Decision, Detection
 from npuprep.errors import NpuprepError
 from npuprep.model_io import Model, anchored
 from npuprep.numerics import eight_bit_format, get_format
@@ -75,7 +76,7 @@ class Settings:
     min_8bit_share: float = DEFAULT_MIN_8BIT_SHARE
     scale_rule: ScaleRule = DEFAULT_RULE
     opset: int | None = None
-    top_k: Mapping[str, int] = field(default_factory=dict)
+    top_k: Mapping[str, Decision] = field(default_factory=dict)
     metric: Metric = Metric.AUTO
     verify_with: str | None = None  # a vendor toolchain (npuprep.verify.vendor.VENDORS)
     vendor_python: str | None = None
@@ -412,7 +413,7 @@ def convert(
     min_8bit_share: float = DEFAULT_MIN_8BIT_SHARE,
     scale_rule: ScaleRule = DEFAULT_RULE,
     opset: int | None = None,
-    top_k: Mapping[str, int] | None = None,
+    top_k: Mapping[str, Decision] | None = None,
     metric: Metric | str = Metric.AUTO,
     verify_with: str | None = None,
     vendor_python: str | None = None,
@@ -545,15 +546,20 @@ def _with_vendor_fix(result: ConversionResult, vendor: VendorCheck) -> Conversio
                    notes=(*result.notes, f"{lines[0]}; {'; '.join(lines[1:])} (the model written)"))
 
 
-def checked_top_k(model: Model, top_k: Mapping[str, int] | None) -> dict[str, int]:
-    """`--top-k` checked against the model's outputs (convert's and compare's one rule)."""
+def checked_top_k(model: Model, top_k: Mapping[str, Decision] | None) -> dict[str, Decision]:
+    """`--top-k` and `--detect` checked against the model's outputs (convert's and compare's
+    one rule)."""
     outputs = {o.name for o in model.proto.graph.output}
     for name, k in (top_k or {}).items():
+        flag = "--detect" if isinstance(k, Detection) else "--top-k"
         if name not in outputs:
-            raise NpuprepError(f"--top-k names '{name}', which is not an output of {model.path} "
+            raise NpuprepError(f"{flag} names '{name}', which is not an output of {model.path} "
                                f"(outputs: {', '.join(sorted(outputs))})")
         out = next(o for o in model.proto.graph.output if o.name == name)
         dims = out.type.tensor_type.shape.dim
+        if isinstance(k, Detection):
+            _check_detection(model, name, k)
+            continue
         if k == CTC_TEXT:
             # Judged by its CTC text (npuprep.verify.output_errors): steps x classes last.
             if out.type.tensor_type.HasField("shape") and len(dims) < 2:
@@ -566,3 +572,27 @@ def checked_top_k(model: Model, top_k: Mapping[str, int] | None) -> dict[str, in
             raise NpuprepError(f"--top-k {name}:{k}: output '{name}' has {dims[-1].dim_value} classes along "
                                f"its last axis; K must be smaller (K = all of them judges nothing)")
     return dict(top_k or {})
+
+
+def _check_detection(model: Model, name: str, rule: Detection) -> None:
+    """A --detect output is a float tensor with a classes (or box values) axis last, and a box
+    output's other axes, where declared, are its score output's."""
+    out = {o.name: o for o in model.proto.graph.output}
+    dims = out[name].type.tensor_type.shape.dim
+    if out[name].type.tensor_type.HasField("shape") and len(dims) < 1:
+        raise NpuprepError(f"--detect {name}: output '{name}' is a scalar; a score output is "
+                           "positions x classes")
+    if rule.scores is None:
+        return
+    if rule.scores not in out:
+        raise NpuprepError(f"--detect {rule.scores}={name}: '{rule.scores}' is not an output of "
+                           f"{model.path}")
+    theirs = out[rule.scores].type.tensor_type.shape.dim
+    declared = [(a.dim_value if a.HasField("dim_value") else None) for a in dims[:-1]]
+    scores = [(a.dim_value if a.HasField("dim_value") else None) for a in theirs[:-1]]
+    differ = len(declared) != len(scores) or any(
+        a is not None and b is not None and a != b for a, b in zip(declared, scores, strict=False))
+    if dims and theirs and differ:
+        raise NpuprepError(f"--detect {rule.scores}={name}: the box output's positions {declared} "
+                           f"are not the score output's {scores} (every axis but the last must "
+                           "match)")

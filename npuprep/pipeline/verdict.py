@@ -21,6 +21,7 @@ from npuprep.numerics import NumberFormat
 from npuprep.pipeline.result import ConversionResult, Gate, Verdict
 from npuprep.plan.actions import Rescale
 from npuprep.profiles import Pinning
+from npuprep.report.output_verdicts import detection_failure_said
 from npuprep.verify.output_check import OutputCheck
 from npuprep.verify.output_errors import output_passes
 
@@ -69,8 +70,12 @@ def _precision_limited(result: ConversionResult, checks: list[OutputCheck]) -> s
               f"first seen at '{first.node}'" if traced and first is not None else
               f"first divergent node '{first.node}'" if first is not None else
               "no single layer is over the tolerance under the layer-by-layer emulation")
-    return (f"outputs off by rel L2 {number(worst)} with no Inf/NaN ({result.precision.upper()} "
-            f"precision; --metric, --top-k or --rtol are yours): {source}")
+    # A detector's output fails by its detections, not by the rel L2 of its background.
+    moved = [f"{name}: {detection_failure_said(o)}" for c in checks for name, o in c.outputs.items()
+             if "detect" in o and "detect_fallback" not in o and not output_passes(o, c.rtol)]
+    off = f"by rel L2 {number(worst)}" if not moved else f"({'; '.join(dict.fromkeys(moved))})"
+    return (f"outputs off {off} with no Inf/NaN ({result.precision.upper()} precision; "
+            f"--metric, --top-k, --detect or --rtol are yours): {source}")
 
 
 def _overfit(calibration: OutputCheck | None, held: OutputCheck | None,
@@ -108,6 +113,9 @@ def _outputs_held(checks: list[OutputCheck]) -> str:
     worst = max((o["rel_l2"] for c in checks for o in c.outputs.values()), default=0.0)
     decided = [o for c in checks for o in c.outputs.values() if "top_k" in o]
     held = ", every top-K decision held" if decided and all(o["top_k_agreement"] == 1.0 for o in decided) else ""
+    detected = [o for c in checks for o in c.outputs.values() if "detect_agreement" in o]
+    if detected and all(o["detect_agreement"] == 1.0 for o in detected):
+        held += ", every detection held"
     return f" (the outputs pass: worst rel L2 {number(worst)}{held})" if checks else ""
 
 

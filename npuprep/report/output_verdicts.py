@@ -50,6 +50,46 @@ def where_errors_sit(report: Mapping[str, Any]) -> list[tuple[str, str, Mapping[
     return found
 
 
+def judged_by_decisions(errors: Mapping[str, Any]) -> bool:
+    """The output was named to be judged by its decisions (--top-k, --detect, --metric)."""
+    return "top_k" in errors or "detect" in errors
+
+
+def agreement_said(errors: Mapping[str, Any]) -> str:
+    """The decisions' cell of an output judged by them, else '': 'top-1 100% (2 ties, 0
+    flipped)', 'detections held (41 detections, 5-9 per sample)', '2 of 9120 decided scores
+    changed side (...)', 'rel L2 0.012 at 41 detections', or why a detector's rule fell back."""
+    if "detect" in errors:
+        if "detect_fallback" in errors:
+            return f"no detections: rel L2 {errors['rel_l2']:.3g}"
+        per = errors["detections"]
+        counts = (f"{sum(per)} detection{'s' if sum(per) != 1 else ''}"
+                  + (f", {min(per)}-{max(per)} per sample" if len(per) > 1 else ""))
+        if "rel_l2_at_detections" in errors:
+            return f"rel L2 {errors['rel_l2_at_detections']:.3g} at {counts}"
+        ties = errors.get("detect_ties", 0)
+        # Counted, not a share: every background entry FP32 decides is in the denominator.
+        moved = round((1 - errors["detect_agreement"]) * errors["detect_entries"])
+        said = (f"{moved} of {errors['detect_entries']} decided scores changed side" if moved
+                else "detections held")
+        return (f"{said} ({counts}"
+                + (f"; {ties} within rtol, {errors['detect_ties_flipped']} flipped" if ties else "")
+                + ")")
+    if "top_k" not in errors:
+        return ""
+    return f"{decision_said(errors)} {100 * errors['top_k_agreement']:.4g}%{ties_said(errors)}"
+
+
+def detection_failure_said(errors: Mapping[str, Any]) -> str:
+    """Why an output judged by a detector's detections failed, in a few words: '2 decided
+    scores changed side' or 'rel L2 0.061 at its 41 detections'."""
+    if "rel_l2_at_detections" in errors:
+        return (f"rel L2 {errors['rel_l2_at_detections']:.3g} at its "
+                f"{sum(errors['detections'])} detections")
+    moved = round((1 - errors["detect_agreement"]) * errors["detect_entries"])
+    return f"{moved} decided score{'s' if moved != 1 else ''} changed side"
+
+
 def decision_said(errors: Mapping[str, Any]) -> str:
     """How an output judged by its decisions is judged, in words: 'top-K' or 'CTC text'."""
     return "CTC text" if errors.get("ctc_text") else f"top-{errors['top_k']}"

@@ -6,7 +6,13 @@ from typing import Any
 
 from npuprep.names import md_cell, md_code, md_text, shown
 from npuprep.report.ledger_md import ledger_markdown
-from npuprep.report.output_verdicts import decision_said, ties_said, where_errors_sit
+from npuprep.report.output_verdicts import (
+    agreement_said,
+    decision_said,
+    judged_by_decisions,
+    ties_said,
+    where_errors_sit,
+)
 from npuprep.report.pin_count import pins_said
 from npuprep.report.tables import failure_said
 
@@ -117,12 +123,12 @@ def convert_markdown(result: dict[str, Any]) -> str:
                         t["absmax_after"], t.get("stored_as", "-"), t["headroom_after"], t["scale"]])
                   for t in rows]
     lines += ["", "## Output error (lowered model, emulated target numerics)", ""]
-    lines += ["| output | Inf/NaN | max abs error | rel L2 | limit | top-K agreement | judged by |",
+    lines += ["| output | Inf/NaN | max abs error | rel L2 | limit | decisions | judged by |",
               "|---|---|---|---|---|---|---|"]
     rules = result.get("judged_by") or {}
     for name, o in (ver.get("outputs") or {}).items():
         lines.append(_row([name, o["nonfinite"], o["max_abs_error"], o["rel_l2"], ver.get("rtol"),
-                           _top_k(o) or "-", rules.get(name, "rel L2")]))
+                           _decisions(o) or "-", rules.get(name, "rel L2")]))
     if ver.get("samples_emulated_in_compare"):
         lines += ["", f"{ver['samples_emulated_in_compare']} of {ver.get('samples')} calibration samples' "
                   "emulated outputs are the layer-by-layer compare's: the same emulation where the "
@@ -133,10 +139,19 @@ def convert_markdown(result: dict[str, Any]) -> str:
                   "where FP32 decides, whatever its rel L2 (`--top-k`, or `--metric auto` for an "
                   "output a consumer decides by argmax); a position whose FP32 values lie within "
                   "the limit of each other is a tie, not a decision."]
+    if any("detect" in o for o in (ver.get("outputs") or {}).values()):
+        lines += ["", "A detector's score output (`--detect`) passes when every (position, class) "
+                  "whose FP32 score lies further than the limit x max(1, threshold) from it stays on "
+                  "its side; a box output by its rel L2 at the positions FP32 detects. "
+                  "Detections per sample, calibration: " + "; ".join(
+                      f"{md_code(n)} {', '.join(map(str, o['detections']))}"
+                      for n, o in ver["outputs"].items() if "detect" in o) + "."]
     if result.get("holdout"):
         lines += ["", "Holdout samples:", ""]
         for name, o in result["holdout"]["outputs"].items():
-            agree = f", {_top_k(o)}" if "top_k" in o else ""
+            agree = f", {_decisions(o)}" if judged_by_decisions(o) else ""
+            agree += (f" (detections per sample {', '.join(map(str, o['detections']))})"
+                      if "detect" in o else "")
             lines.append(f"- {md_code(name)}: Inf/NaN {o['nonfinite']}, max abs error {_num(o['max_abs_error'])}, "
                          f"rel L2 {_num(o['rel_l2'])}{agree}")
     where = where_errors_sit(result)
@@ -189,9 +204,10 @@ def _attribution_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _top_k(errors: dict[str, Any]) -> str:
-    """`top-1 agreement 100%` for an output judged by its decisions, else ''."""
+def _decisions(errors: dict[str, Any]) -> str:
+    """`top-1 agreement 100%` for an output judged by its top-K, a detector's cell for one
+    judged by --detect, else ''."""
     if "top_k" not in errors:
-        return ""
+        return agreement_said(errors)
     return (f"{decision_said(errors)} agreement {100 * errors['top_k_agreement']:.4g}%"
             f"{ties_said(errors)}")

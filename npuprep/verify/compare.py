@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 
 from npuprep.calibrate.run import plan_streams
+from npuprep.detections import Decision
 from npuprep.errors import NpuprepError
 from npuprep.graph import infer_tensors, node_label, producers, topological_order, walk_graphs
 from npuprep.model_io import fingerprint, model_opset
@@ -123,7 +124,7 @@ class OutputGate:
     rtol: float
     atol: float
     source: str
-    top_k: dict[str, int] = field(default_factory=dict)
+    top_k: dict[str, Decision] = field(default_factory=dict)
     host_scales: dict[str, float] = field(default_factory=dict)
 
     def judge(self, reference: Sequence[Mapping[str, np.ndarray]],

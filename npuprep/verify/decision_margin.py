@@ -16,6 +16,12 @@ it: a peak moved by one step) is no decision.
 aim exactly where the output passes by its rel L2 or its decisions hold at the margin (to
 first order in each position), so the search compares trials in the units of the gate it
 meets. Deviations of layers add in it as in rel L2 (each position's eaten is linear in d).
+
+A detector's outputs (`--detect`, npuprep.detections) pass by their detections alone: a score
+output's error is aim x margin x the largest share of a decided score's distance to the
+threshold that the error takes towards it; a box output's is its rel L2 at the positions FP32
+detects (the gate's own number). A detector with no detection on the samples falls back to
+rel L2, as the gate does.
 """
 
 from __future__ import annotations
@@ -25,17 +31,21 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from npuprep.verify.output_errors import CTC_BLANK, CTC_TEXT, ctc_text, rel_l2
+from npuprep.detections import Decision, Detection
+from npuprep.verify.output_errors import CTC_BLANK, CTC_TEXT, ctc_text, detection_band, rel_l2
 
 
 def decision_error(got: Sequence[Mapping[str, np.ndarray]],
-                   expected: Sequence[Mapping[str, np.ndarray]], *, top_k: Mapping[str, int],
+                   expected: Sequence[Mapping[str, np.ndarray]], *,
+                   top_k: Mapping[str, Decision],
                    aim: float, margin: float, tie_rtol: float) -> float:
     """The worst float output's error pooled over the samples: its rel L2, or for an output
     of `top_k` the smaller of that and `aim * margin` times the largest share of a decided
     margin the error eats (Inf for an Inf/NaN output)."""
     pooled: dict[str, list[float]] = {}  # output -> [squared error, squared reference]
     eaten: dict[str, float] = {}
+    detected: dict[tuple[str, ...], int] = {}  # a detector's detections, all its score outputs
+    at_detections: dict[str, list[float]] = {}  # a box output's sums where FP32 detects
     for values, want in zip(got, expected, strict=True):
         for name, value in want.items():
             if not np.issubdtype(np.asarray(value).dtype, np.floating):
@@ -50,16 +60,50 @@ def decision_error(got: Sequence[Mapping[str, np.ndarray]],
             sums[0] += float(np.square(np.where(defined, cand - ref, 0.0)).sum())
             sums[1] += float(np.square(np.where(defined, ref, 0.0)).sum())
             k = top_k.get(name)
+            if isinstance(k, Detection):
+                _add_detection(name, k, ref, cand, want, tie_rtol, detected, eaten, at_detections)
+                continue
             # No classes to decide between (the gate reads its rel L2 alone): no margin.
             if k is not None and ref.shape == cand.shape and ref.ndim >= 1 and ref.shape[-1] >= 2:
                 eaten[name] = max(eaten.get(name, 0.0), margin_eaten(ref, cand, k, tie_rtol))
     worst = 0.0
     for name, (err2, ref2) in pooled.items():
         error = rel_l2(err2, ref2)
-        if name in eaten:
+        rule = top_k.get(name)
+        if isinstance(rule, Detection):
+            if detected.get(rule.detector):  # else none judged: rel L2, as the gate falls back
+                error = (rel_l2(*at_detections.get(name, [0.0, 0.0])) if rule.scores is not None
+                         else aim * margin * eaten.get(name, 0.0))
+        elif name in eaten:
             error = min(error, aim * margin * eaten[name])
         worst = max(worst, error)
     return worst
+
+
+def _add_detection(name: str, rule: Detection, ref: np.ndarray, cand: np.ndarray,
+                   want: Mapping[str, np.ndarray], tie_rtol: float,
+                   detected: dict[tuple[str, ...], int], eaten: dict[str, float],
+                   at_detections: dict[str, list[float]]) -> None:
+    """One sample of a detector's output: a score output's share of its decided scores'
+    distance to the threshold the error takes towards it, or a box output's sums at the
+    positions its score output detects."""
+    scores = np.asarray(want[rule.scores if rule.scores is not None else name], np.float64)
+    t = rule.threshold
+    with np.errstate(invalid="ignore"):
+        decided = np.abs(scores - t) > detection_band(t, tie_rtol)
+    if rule.scores is not None:
+        at = (decided & (scores > t)).any(axis=-1)
+        if ref.shape[:-1] == at.shape:
+            sums = at_detections.setdefault(name, [0.0, 0.0])
+            sums[0] += float(np.square((cand - ref)[at]).sum())
+            sums[1] += float(np.square(ref[at]).sum())
+        return
+    detected[rule.detector] = detected.get(rule.detector, 0) + int((decided & (ref > t)).sum())
+    # Towards the threshold: down for a score above it, up for one below.
+    towards = np.where(ref > t, ref - cand, cand - ref)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.where(decided, np.maximum(towards, 0.0) / np.abs(ref - t), 0.0)
+    eaten[name] = max(eaten.get(name, 0.0), float(share.max(initial=0.0)))
 
 
 def margin_eaten(ref: np.ndarray, cand: np.ndarray, k: int, tie_rtol: float) -> float:

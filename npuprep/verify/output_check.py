@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 
 from npuprep.data import Feed
+from npuprep.detections import Decision, Detection
 from npuprep.errors import NpuprepError
 from npuprep.numerics import NumberFormat
 from npuprep.ops import VIEW_OPS
@@ -78,11 +79,12 @@ GOAL_SAMPLES = 2
 
 
 def judged_outputs(model: onnx.ModelProto, samples: Sequence[Feed], metric: Metric | str,
-                   top_k: Mapping[str, int], *,
-                   source: str | None = None) -> tuple[dict[str, int], dict[str, str]]:
-    """The gate's `top_k` {output: K} and, per float output, the rule that judges it in words
-    (`top-1 (auto: Softmax over its last axis)`, `rel L2`, `top-3 (--top-k)`). `samples`:
-    a few feeds whose FP32 outputs tell probabilities and logits apart from other values.
+                   top_k: Mapping[str, Decision], *,
+                   source: str | None = None) -> tuple[dict[str, Decision], dict[str, str]]:
+    """The gate's `top_k` {output: K or Detection} and, per float output, the rule that
+    judges it in words (`top-1 (auto: Softmax over its last axis)`, `rel L2`, `top-3
+    (--top-k)`, `detections at > 0.5 (--detect)`). `samples`: a few feeds whose FP32
+    outputs tell probabilities and logits apart from other values.
     `source`: the user's file `model` is (onnxruntime's refusal to run it is the input's)."""
     metric = Metric(metric)
     floats = [o.name for o in model.graph.output
@@ -91,14 +93,17 @@ def judged_outputs(model: onnx.ModelProto, samples: Sequence[Feed], metric: Metr
     values = _outputs(model, list(samples[:GOAL_SAMPLES]), source=source) \
         if metric is not Metric.REL_L2 and floats and samples else []
     found = decided_outputs(model, values) if metric is Metric.AUTO else {}
-    chosen: dict[str, int] = {}
+    chosen: dict[str, Decision] = {}
     judged: dict[str, str] = {}
     for name in floats:
         classes = min((np.asarray(v[name]).shape[-1] for v in values if np.asarray(v[name]).ndim),
                       default=_declared_classes(model, name))
-        if name in top_k:
-            chosen[name], judged[name] = top_k[name], (
-                f"{'CTC text' if top_k[name] == CTC_TEXT else f'top-{top_k[name]}'} (--top-k)")
+        rule = top_k.get(name)
+        if isinstance(rule, Detection):
+            chosen[name], judged[name] = rule, f"{rule.said()} (--detect)"
+        elif rule is not None:
+            chosen[name], judged[name] = rule, (
+                f"{'CTC text' if rule == CTC_TEXT else f'top-{rule}'} (--top-k)")
         elif name in found and classes != 1:  # one class decides nothing (0: not known)
             chosen[name], judged[name] = 1, f"top-1 (auto: {found[name]})"
         elif metric is Metric.TOP1 and classes >= 2:
@@ -188,7 +193,7 @@ def check_outputs(reference: onnx.ModelProto, lowered: onnx.ModelProto, fmt: Num
                   saturate: bool, rtol: float, io_types: str = "fp32",
                   host_scales: dict[str, float] | None = None,
                   emulated: onnx.ModelProto | None = None,
-                  top_k: Mapping[str, int] | None = None) -> OutputCheck:
+                  top_k: Mapping[str, Decision] | None = None) -> OutputCheck:
     """Run the reference and the lowered model's emulation; per-output Inf/NaN and errors.
 
     The lowered model is judged by widening it back to FP32 with explicit rounding wherever
@@ -207,7 +212,7 @@ def check_output_sets(reference: onnx.ModelProto, lowered: onnx.ModelProto, fmt:
                       sample_sets: Sequence[Sequence[Feed]], *, saturate: bool, rtol: float,
                       io_types: str = "fp32", host_scales: dict[str, float] | None = None,
                       emulated: onnx.ModelProto | None = None,
-                      top_k: Mapping[str, int] | None = None,
+                      top_k: Mapping[str, Decision] | None = None,
                       expected: Sequence[dict[str, np.ndarray]] = (),
                       emulated_outputs: Sequence[dict[str, np.ndarray]] = ()) -> list[OutputCheck]:
     """check_outputs on several sets of samples (calibration, held out) with one session per

@@ -27,6 +27,16 @@ character's peak moves by one step (ppocr_rec INT8, held-out: steps 1 and 2 trad
 character and a 1.0 blank, every text the same); a step that is a tie keeps the reference's
 class, as a tie flipped fails nothing above.
 
+A detector (`--detect`, npuprep.detections) is judged by its detections: a score output
+passes when every (position, class) entry FP32 decides (its score further than the tolerance,
+`tie_rtol` x max(1, |threshold|), from the threshold: probabilities compared on their own 0..1
+scale, a 0.5 threshold +- 0.05 at the 8-bit rtol) stays on the same side of it (with the error
+scaled by `margin` too: `detect_agreement_at_margin`); a box output tied to it by its rel L2
+at the positions FP32 detects there, background left out (its error scaled by the margin is
+the rel L2 times the margin: the search's rtol already holds it). A detector's detections are
+counted over all its score outputs; one with no detection on the samples judges nothing, so
+its outputs fall back to rel L2 and the row says so (`detect_fallback`).
+
 Where the error sits tells the two apart: the worst sample's share of squared error at its
 worst 1% of positions (every index but the last axis), and the FP32 model's top two values
 at the worst position. An error concentrated at a few positions where the reference is
@@ -42,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from npuprep.detections import Decision, Detection
 from npuprep.errors import NpuprepError
 
 # The share of the worst positions whose squared error is summed ("the worst 1%").
@@ -55,9 +66,16 @@ CTC_BLANK = 0
 def output_passes(errors: Mapping[str, Any], rtol: float, *, at_margin: bool = False) -> bool:
     """The gate of one output's errors (as `OutputErrors` measures them): no Inf/NaN, and rel
     L2 within `rtol` or, when judged by top-K, every decision the same (`at_margin`: the same
-    with the error scaled by the margin it was measured at, where it was)."""
+    with the error scaled by the margin it was measured at, where it was). An output judged by
+    a detector's detections passes by them alone: every decided score on its side of the
+    threshold, a box output's rel L2 at the detections within `rtol`."""
     if errors["nonfinite"]:
         return False
+    if "rel_l2_at_detections" in errors:
+        return errors["rel_l2_at_detections"] <= rtol
+    if "detect_agreement" in errors:
+        return errors["detect_agreement_at_margin" if at_margin and "detect_agreement_at_margin"
+                      in errors else "detect_agreement"] == 1.0
     agreement = errors.get("top_k_agreement_at_margin" if at_margin and
                            "top_k_agreement_at_margin" in errors else "top_k_agreement")
     return errors["rel_l2"] <= rtol or agreement == 1.0
@@ -65,15 +83,20 @@ def output_passes(errors: Mapping[str, Any], rtol: float, *, at_margin: bool = F
 
 @dataclass
 class OutputErrors:
-    """Accumulates per-output errors over samples; `top_k` maps an output to its K;
-    `tie_rtol` is the reference's relative margin at or below which a position is a tie;
-    `margin` (> 1): the top-K decisions are also counted with the error scaled by it."""
+    """Accumulates per-output errors over samples; `top_k` maps an output to the rule of its
+    decisions (K, CTC_TEXT or a Detection); `tie_rtol` is the reference's relative margin at or
+    below which a position is a tie; `margin` (> 1): the decisions are also counted with the
+    error scaled by it."""
 
-    top_k: Mapping[str, int] = field(default_factory=dict)
+    top_k: Mapping[str, Decision] = field(default_factory=dict)
     tie_rtol: float = 0.0
     margin: float = 1.0
-    _acc: dict[str, dict[str, float]] = field(default_factory=dict)
+    _acc: dict[str, dict[str, Any]] = field(default_factory=dict)
     _worst: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Per score output and sample: the positions FP32 detects (a box output is judged there).
+    _detected: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)
+    # Box outputs' samples added before their score output's: (box output, sample, ref, cand).
+    _pending: dict[str, list[tuple[str, int, np.ndarray, np.ndarray]]] = field(default_factory=dict)
 
     def add(self, name: str, reference: np.ndarray, candidate: np.ndarray) -> None:
         ref = np.asarray(reference, dtype=np.float64)
@@ -104,6 +127,12 @@ class OutputErrors:
             a["rows"] += int(decided.sum())
             a["top1_ties"] += int((~decided).sum())
         k = self.top_k.get(name)
+        if isinstance(k, Detection):
+            if k.scores is None:
+                self._add_scores(name, k, ref, cand, a["samples"] - 1)
+            else:
+                self._add_boxes(name, k.scores, ref, cand, a["samples"] - 1)
+            return
         if k == CTC_TEXT:
             self._add_texts(a, ref, cand)
         if k and ref.ndim >= 1 and ref.shape[-1] <= k:
@@ -141,8 +170,94 @@ class OutputErrors:
         a["ties"] += int((~decided).sum())
         a["ties_flipped"] += int((~_same_top_k(ref, cand, 1)[~decided]).sum())
 
+    def _add_scores(self, name: str, rule: Detection, ref: np.ndarray, cand: np.ndarray,
+                    sample: int) -> None:
+        """One score output's entries on one sample: those FP32 decides (further than the tie
+        band from the threshold) on the same side, at 1x and at the margin; its detections
+        (decided and above) per sample, and the positions they sit at for its box outputs."""
+        if ref.shape != cand.shape or ref.ndim < 1:
+            raise NpuprepError(f"--detect: output '{name}' has shape {cand.shape} in the candidate "
+                               f"and {ref.shape} in FP32; a score output is positions x classes")
+        a, t = self._acc[name], rule.threshold
+        with np.errstate(invalid="ignore", over="ignore"):
+            above = ref > t
+            decided = np.abs(ref - t) > detection_band(t, self.tie_rtol)  # NaN: undecided
+            same = (np.nan_to_num(cand, nan=-np.inf) > t) == above
+            scaled = np.nan_to_num(ref + self.margin * (cand - ref), nan=-np.inf)
+        detected = decided & above
+        a["agree"] += int(same[decided].sum())
+        a["agree_at_margin"] += int(((scaled > t) == above)[decided].sum())
+        a["positions"] += int(decided.sum())
+        a["ties"] += int((~decided).sum())
+        a["ties_flipped"] += int((~same[~decided]).sum())
+        a.setdefault("detections", {})[sample] = int(detected.sum())
+        at = self._detected.setdefault(name, {})[sample] = detected.any(axis=-1)
+        for box, i, r, c in [p for p in self._pending.get(name, []) if p[1] == sample]:
+            self._judge_boxes(box, name, at, r, c, i)
+        self._pending[name] = [p for p in self._pending.get(name, []) if p[1] != sample]
+
+    def _add_boxes(self, name: str, scores: str, ref: np.ndarray, cand: np.ndarray,
+                   sample: int) -> None:
+        at = self._detected.get(scores, {}).get(sample)
+        if at is None:  # its score output's sample comes later
+            self._pending.setdefault(scores, []).append((name, sample, ref, cand))
+            return
+        self._judge_boxes(name, scores, at, ref, cand, sample)
+
+    def _judge_boxes(self, name: str, scores: str, at: np.ndarray, ref: np.ndarray,
+                     cand: np.ndarray, sample: int) -> None:
+        """One box output's error on one sample at the positions `at` its score output detects."""
+        if ref.shape[:-1] != at.shape or ref.shape != cand.shape:
+            raise NpuprepError(f"--detect {scores}={name}: the box output's positions "
+                               f"{ref.shape[:-1]} are not the score output's {at.shape} (every "
+                               "axis but the last must match)")
+        a = self._acc[name]
+        with np.errstate(invalid="ignore", over="ignore"):
+            diff = np.where(np.isfinite(cand) & np.isfinite(ref), cand - ref, 0.0)[at]
+        a["err2_at"] = a.get("err2_at", 0.0) + float((diff ** 2).sum())
+        a["ref2_at"] = a.get("ref2_at", 0.0) + float((np.nan_to_num(ref[at]) ** 2).sum())
+        a["max_abs_at"] = max(a.get("max_abs_at", 0.0), float(np.abs(diff).max(initial=0.0)))
+        a.setdefault("detections", {})[sample] = int(at.sum())
+
+    def _detector_totals(self) -> dict[tuple[str, ...], int]:
+        """Each detector's detections over all its score outputs and samples."""
+        totals: dict[tuple[str, ...], int] = {}
+        for name, rule in self.top_k.items():
+            if isinstance(rule, Detection) and rule.scores is None and name in self._acc:
+                totals[rule.detector] = (totals.get(rule.detector, 0)
+                                         + sum(self._acc[name].get("detections", {}).values()))
+        return totals
+
+    def _detection_row(self, a: dict[str, Any], rule: Detection,
+                       total: int) -> dict[str, Any]:
+        per_sample = a.get("detections", {})
+        row: dict[str, Any] = {"detect": rule.to_dict(), "detector_detections": total,
+                               "detections": [per_sample.get(i, 0) for i in range(a["samples"])]}
+        if not total:
+            row["detect_fallback"] = (f"no detection at > {rule.threshold:g} on these samples "
+                                      f"(detector {', '.join(rule.detector)}): judged by rel L2")
+            return row
+        if rule.scores is not None and len(self._detected.get(rule.scores, {})) < a["samples"]:
+            # A box output judged where its score output was never measured would judge nothing.
+            row["detect_fallback"] = (f"its score output {rule.scores} was not measured on every "
+                                      "sample: judged by rel L2")
+            return row
+        if rule.scores is not None:
+            row["rel_l2_at_detections"] = rel_l2(a.get("err2_at", 0.0), a.get("ref2_at", 0.0))
+            row["max_abs_error_at_detections"] = a.get("max_abs_at", 0.0)
+            return row
+        row["detect_agreement"] = a["agree"] / a["positions"] if a["positions"] else 1.0
+        row["detect_entries"] = a["positions"]
+        row["detect_ties"], row["detect_ties_flipped"] = a["ties"], a["ties_flipped"]
+        if self.margin != 1.0:
+            row["detect_margin"] = self.margin
+            row["detect_agreement_at_margin"] = (a["agree_at_margin"] / a["positions"]
+                                                 if a["positions"] else 1.0)
+        return row
+
     def result(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
+        totals = self._detector_totals()
         for name, a in self._acc.items():
             row: dict[str, Any] = {
                 "nonfinite": a["nonfinite"], "max_abs_error": a["max_abs_error"],
@@ -150,7 +265,10 @@ class OutputErrors:
             }
             if a.get("reference_nonfinite"):
                 row["reference_nonfinite"] = a["reference_nonfinite"]
-            if name in self.top_k:
+            rule = self.top_k.get(name)
+            if isinstance(rule, Detection):
+                row |= self._detection_row(a, rule, totals.get(rule.detector, 0))
+            elif name in self.top_k:
                 row["top_k"] = self.top_k[name]
                 if self.top_k[name] == CTC_TEXT:
                     row["ctc_text"] = True  # agreement: sequences whose text held
@@ -172,6 +290,14 @@ class OutputErrors:
                 row["top1_ties"] = a["top1_ties"]
             out[name] = row
         return out
+
+
+def detection_band(threshold: float, rtol: float) -> float:
+    """How far from `threshold` a score must lie to be a decision rather than a tie: `rtol` of
+    the larger of 1 and the threshold. Scores are probabilities in most detectors (0..1, the
+    threshold inside): relative to a threshold of 0.1 the band would be 0.005, finer than
+    their error at any format; a detector whose scores are larger keeps the relative band."""
+    return rtol * max(1.0, abs(threshold))
 
 
 def rel_l2(err2: float, ref2: float) -> float:

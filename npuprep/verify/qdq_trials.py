@@ -35,6 +35,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
+from npuprep.detections import Decision
 from npuprep.graph import (
     constant_value,
     name_maker,
@@ -547,7 +548,7 @@ class Trials:
         return self.errors([(assign, rules)])[0]
 
     def check(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule], *, rtol: float,
-              top_k: Mapping[str, int], margin: float = 1.0) -> OutputCheck:
+              top_k: Mapping[str, Decision], margin: float = 1.0) -> OutputCheck:
         """The outputs' check on every sample, as check_outputs judges a built model; the
         top-K decisions also with the error scaled by `margin` (OutputErrors)."""
         errors = OutputErrors(top_k=dict(top_k), tie_rtol=rtol, margin=margin)

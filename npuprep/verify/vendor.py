@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 
 from npuprep.data import Feed
+from npuprep.detections import Decision
 from npuprep.profiles import ResolvedTarget
 from npuprep.vendors.rockchip import RknnRun
 from npuprep.verify.output_errors import OutputErrors, output_passes
@@ -114,7 +115,7 @@ def vendor_check(
 
 def vendor_output_errors(reference: onnx.ModelProto, samples: Sequence[Feed],
                    got_all: Sequence[Mapping[str, np.ndarray]], scales: Mapping[str, float],
-                   rtol: float, top_k: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
+                   rtol: float, top_k: Mapping[str, Decision] | None = None) -> dict[str, dict[str, Any]]:
     """Per output: the vendor's outputs (times `scales`) against `reference` in onnxruntime."""
     from npuprep.runtime.session import make_session, run
 

@@ -24,6 +24,7 @@ import onnx
 from onnx import numpy_helper
 
 from npuprep.data import Feed
+from npuprep.detections import Decision
 from npuprep.errors import NpuprepError
 from npuprep.graph import node_label
 from npuprep.verify.output_errors import output_passes
@@ -151,7 +152,7 @@ def vendor_check_8bit(
     python: str | None = None,
     target_platform: str = "rk3588",
     rtol: float = 5e-2,
-    top_k: Mapping[str, int] | None = None,
+    top_k: Mapping[str, Decision] | None = None,
     path: str = DEFAULT_PATH,
     work_dir: str | Path | None = None,
 ) -> VendorCheck:

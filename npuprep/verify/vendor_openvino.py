@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import onnx
 
 from npuprep.data import Feed
+from npuprep.detections import Decision
 from npuprep.model_io import Model, fingerprint
 from npuprep.profiles import ResolvedTarget
 from npuprep.verify.vendor import VendorCheck, vendor_output_errors
@@ -33,7 +34,7 @@ def openvino_check(reference: onnx.ModelProto, candidate: onnx.ModelProto,
                    samples: Sequence[Feed], target: ResolvedTarget, *, plan: Plan | None = None,
                    precision: str | None = None, rtol: float = 1e-2,
                    host_scales: Mapping[str, float] | None = None,
-                   top_k: Mapping[str, int] | None = None, device: str = "CPU") -> VendorCheck:
+                   top_k: Mapping[str, Decision] | None = None, device: str = "CPU") -> VendorCheck:
     """Compile `candidate` with OpenVINO for `precision` (default: the target's format), run
     `samples`, compare with `reference` in FP32, and crosscheck its runtime layers against
     `plan` (the conversion's)."""

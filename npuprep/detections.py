@@ -1,0 +1,105 @@
+"""A detector's outputs judged by its detections (`--detect`): the rule as data.
+
+A detector's user reads its score maps through a threshold (every (position, class) whose
+score passes it is a detection, NMS after) and reads a box map only where something was
+detected; nobody reads the rel L2 of background scores. `--detect` names one detector:
+
+    --detect 'SCORES[=BOXES],SCORES[=BOXES],...:THRESHOLD'
+    --detect 'cls8=reg8,cls16=reg16,cls32=reg32:0.5'    (a multi-scale head, one threshold)
+
+Each SCORES output is judged by its detections at THRESHOLD, and each BOXES output at the
+positions (every index but the last axis) its SCORES output detects. The score outputs of
+one `--detect` are one detector: its detections are counted together (a stride whose map
+holds only background is judged by keeping it so, while the other strides detect). Output
+names may contain ':' (the threshold is after the last one), not ',' or '='.
+
+How the rule is measured (sides of the threshold, ties, the margin) is
+npuprep.verify.output_errors; this module is the spec, its parsing and its JSON form
+(the conversion record keeps it: npuprep.provenance.Gates).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from npuprep.errors import NpuprepError
+
+SPEC = "SCORES[=BOXES],...:THRESHOLD"
+
+
+@dataclass(frozen=True)
+class Detection:
+    """One output of a detector: a score map (`scores` None) judged by its (position, class)
+    entries above `threshold`, or a box map judged at the positions its score map `scores`
+    detects. `detector`: every score output of the detector (detections counted together)."""
+
+    threshold: float
+    detector: tuple[str, ...]
+    scores: str | None = None
+
+    @property
+    def is_boxes(self) -> bool:
+        return self.scores is not None
+
+    def said(self) -> str:
+        """The rule in words: 'detections at 0.5' / 'rel L2 at the detections of cls8'."""
+        if self.scores is not None:
+            return f"rel L2 at the detections of {self.scores} (> {self.threshold:g})"
+        return f"detections at > {self.threshold:g}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"detect": self.threshold, "detector": list(self.detector),
+                **({"scores": self.scores} if self.scores is not None else {})}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Detection:
+        return cls(threshold=float(data["detect"]), detector=tuple(map(str, data["detector"])),
+                   scores=None if data.get("scores") is None else str(data["scores"]))
+
+
+# How an output is judged by the decisions read from it: K >= 1 (top-K classes along the
+# last axis), npuprep.verify.output_errors.CTC_TEXT (greedy CTC text), or a Detection.
+Decision = int | Detection
+
+
+def decision_to_json(rule: Decision) -> int | dict[str, Any]:
+    return rule.to_dict() if isinstance(rule, Detection) else int(rule)
+
+
+def decision_from_json(data: int | dict[str, Any]) -> Decision:
+    return Detection.from_dict(data) if isinstance(data, dict) else int(data)
+
+
+def parse_detect(items: list[str]) -> dict[str, Detection]:
+    """`--detect` specs -> {output: Detection}; a malformed spec, or an output named twice,
+    is refused in one line."""
+    found: dict[str, Detection] = {}
+    for item in items:
+        pairs, _, number = item.rpartition(":")
+        try:
+            threshold = float(number)
+        except ValueError:
+            threshold = math.nan
+        if not pairs or not math.isfinite(threshold):
+            raise NpuprepError(f"--detect {item}: expected {SPEC} with THRESHOLD a finite number "
+                               "(the score a detection passes)")
+        tied = [p.partition("=") for p in pairs.split(",")]
+        if any(not s or (eq and not b) or "=" in b for s, eq, b in tied):
+            raise NpuprepError(f"--detect {item}: expected {SPEC}; each item is a score output, "
+                               "or SCORES=BOXES with one box output")
+        scores = tuple(dict.fromkeys(s for s, _, _ in tied))
+        rules = {s: Detection(threshold, scores) for s in scores}
+        for s, _, b in tied:
+            if b and (b in rules or b in scores):
+                raise NpuprepError(f"--detect {item}: '{b}' is named twice (a score output is "
+                                   "not its own box output)")
+            if b:
+                rules[b] = Detection(threshold, scores, scores=s)
+        for name in rules:
+            if name in found:
+                raise NpuprepError(f"--detect {item}: output '{name}' is already judged by "
+                                   "another --detect")
+        found |= rules
+    return found
