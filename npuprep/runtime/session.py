@@ -281,6 +281,10 @@ def make_session_external(
     # reductions read warm data (transformer, 1 thread: 8.6 -> 4.4 ms per sample) and
     # activations die as in plain inference.
     opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    # A model already holding Q/DQ pairs is measured as it computes, in float after each DQ;
+    # onnxruntime's QDQ passes also abort (a failed assertion, exit 134) on a DQ whose output
+    # statistics branches read as an implicit input.
+    opts.add_session_config_entry("session.disable_quant_qdq", "1")
     _reuse_freed_buffers()
     weights = weights or {}
     if not isinstance(model, str) and has_bf16(model):
