@@ -1,6 +1,8 @@
-"""A model that already holds Q/DQ pairs (a pre-quantised input) converts to 8 bits: its
-calibration measures the float values after each DQ, and onnxruntime's QDQ passes, which abort
-on such a DQ read by statistics branches, stay out of the calibration session."""
+"""Models not in FP32 layers, to 8 bits. One that already holds Q/DQ pairs (pre-quantised)
+converts: its calibration measures the float values after each DQ, and onnxruntime's QDQ passes,
+which abort on such a DQ read by statistics branches, stay out of the calibration session. An
+FP16 model's layers stay FP16, said per layer, and the share says so (it claimed 100% INT8 and
+wrote the model unchanged)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper, parser
 
+from npuprep.model_io import load_model
+from npuprep.pipeline import convert
+from npuprep.profiles import load_profile
 from tests.conftest import run_cli
 
 # x -> QuantizeLinear -> DequantizeLinear -> d -> MatMul(W) -> y
@@ -40,3 +45,30 @@ def test_a_prequantised_model_converts_to_int8(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
     assert report["passed"] and report["eight_bit"]["mac_share"]["int8"] == 1.0
+
+
+# x (fp16) -> MatMul(W1 fp16) -> Relu -> MatMul(W2 fp16) -> y (fp16)
+HALF = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float16[4, 16] x) => (float16[4, 8] y) {
+    [mm1] h = MatMul (x, W1)
+    a = Relu (h)
+    [mm2] y = MatMul (a, W2)
+}
+"""
+
+
+def test_an_fp16_model_s_layers_stay_fp16_and_the_share_says_so(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    proto = parser.parse_model(HALF)
+    proto.graph.initializer.extend([
+        numpy_helper.from_array((rng.standard_normal((16, 32)) * 0.3).astype(np.float16), "W1"),
+        numpy_helper.from_array((rng.standard_normal((32, 8)) * 0.3).astype(np.float16), "W2")])
+    onnx.save(proto, tmp_path / "m.onnx")
+    feeds = [{"x": rng.standard_normal((4, 16)).astype(np.float16)} for _ in range(6)]
+    result = convert(load_model(tmp_path / "m.onnx"), load_profile("a2000"), feeds,
+                     precision="int8", stats="calibrate")
+    assert result.eight_bit.mac_share["int8"] == 0.0 and not result.passed
+    why = {x.node: x.why for x in result.plan.eight_bit}
+    assert why["mm1"].startswith("input 'x' is float16, not FP32")
+    assert why["mm2"].startswith("input 'a' is float16, not FP32")

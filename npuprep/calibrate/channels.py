@@ -16,6 +16,7 @@ import onnx
 from onnx import helper
 
 from npuprep.data import Feed
+from npuprep.graph import infer_tensors
 
 
 def channel_absmax(model: onnx.ModelProto, tensors: Sequence[str], samples: Sequence[Feed], *,
@@ -56,6 +57,10 @@ def channel_means(model: onnx.ModelProto, tensors: Mapping[str, int],
     return {t: (sums[t] / max(counts[t], 1)).astype(np.float32) for t in sums}
 
 
+_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
+                          onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE})
+
+
 def probe_session(model: onnx.ModelProto, tensors: Iterable[str]) -> Any:
     """A session of `model` that also returns `tensors` as outputs."""
     from npuprep.runtime.session import make_session
@@ -63,6 +68,13 @@ def probe_session(model: onnx.ModelProto, tensors: Iterable[str]) -> Any:
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     declared = {o.name for o in probe.graph.output}
-    probe.graph.output.extend(helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None)
-                              for t in tensors if t not in declared)
-    return make_session(probe)
+    g = model.graph
+    # An FP16 or BF16 model's tensors are declared as they are: as FLOAT, onnxruntime refuses it.
+    wide = all(t == onnx.TensorProto.FLOAT for t in
+               [*(i.type.tensor_type.elem_type for i in g.input), *(i.data_type for i in g.initializer)]
+               if t in _FLOAT_TYPES)
+    types = {} if wide else infer_tensors(model).types
+    probe.graph.output.extend(
+        helper.make_tensor_value_info(t, types.get(t, onnx.TensorProto.FLOAT), None)
+        for t in tensors if t not in declared)
+    return make_session(probe, produced="the model with its layers' inputs as outputs")

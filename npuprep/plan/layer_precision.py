@@ -18,7 +18,7 @@ import onnx
 
 from npuprep.calibrate.scales import clip_for
 from npuprep.calibrate.stats import CalibrationStats
-from npuprep.graph import node_scopes, scope_constant
+from npuprep.graph import node_scopes, scope_constant, tensor_types
 from npuprep.numerics import EightBitFormat
 from npuprep.ops import QUANTISED_MAC_OPS
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
@@ -60,6 +60,7 @@ def decide(model: onnx.ModelProto, stats: CalibrationStats | None, fmt: EightBit
     small ops)."""
     pinned = set(pinned)
     scopes = node_scopes(model.graph)
+    types = tensor_types(model)
     out: list[LayerPrecision] = []
     for label, (node, (g, *outer)) in scopes.items():
         wider = "fp32" if label in pinned else "fp16"
@@ -68,12 +69,23 @@ def decide(model: onnx.ModelProto, stats: CalibrationStats | None, fmt: EightBit
             out.append(LayerPrecision(label, "fp32", "pinned FP32 by the plan" + (
                 f"; {small}{_measured(node, stats)}" if small else "")))
         elif node.op_type in QUANTISED_MAC_OPS:
-            why = _range_reason(g, node, stats, fmt, rule, outer)
+            why = _type_reason(node, types) or _range_reason(g, node, stats, fmt, rule, outer)
             out.append(LayerPrecision(label, wider, why) if why else
                        LayerPrecision(label, fmt.name, _clipping(g, node, stats, fmt, rule, outer)))
         elif small:
             out.append(LayerPrecision(label, wider, small + _measured(node, stats)))
     return tuple(out)
+
+
+def _type_reason(node: onnx.NodeProto, types: dict[str, int]) -> str:
+    """Why a layer whose input or weight is not FP32 stays wider: Q/DQ pairs quantise FP32
+    (an FP16 model's layers are left as they are, in its own format)."""
+    for name in node.input[:2]:
+        elem = types.get(name, onnx.TensorProto.FLOAT) if name else onnx.TensorProto.FLOAT
+        if elem != onnx.TensorProto.FLOAT:
+            return (f"input '{name}' is {onnx.helper.tensor_dtype_to_np_dtype(elem).name}, not FP32 "
+                    "(8-bit Q/DQ reads FP32 layers: export the model in FP32)")
+    return ""
 
 
 def _range_reason(g: onnx.GraphProto, node: onnx.NodeProto, stats: CalibrationStats | None, fmt: EightBitFormat,

@@ -485,7 +485,7 @@ class Trials:
         return self.switched.feed(assign, rules, self.corrected)
 
     def _key(self, switches: Mapping[str, np.ndarray]) -> bytes:
-        return np.packbits([bool(switches[s]) for s in self._order]).tobytes()
+        return np.packbits(np.array([bool(switches[s]) for s in self._order], bool)).tobytes()
 
     def meaning(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule]) -> Meaning:
         """What the trial (assign, rules) switches on, in any session of the search."""
