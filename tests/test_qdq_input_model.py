@@ -15,6 +15,7 @@ from onnx import numpy_helper, parser
 
 from npuprep.model_io import load_model
 from npuprep.pipeline import convert
+from npuprep.pipeline.verdict import judge
 from npuprep.profiles import load_profile
 from tests.conftest import run_cli
 
@@ -72,3 +73,4 @@ def test_an_fp16_model_s_layers_stay_fp16_and_the_share_says_so(tmp_path: Path) 
     why = {x.node: x.why for x in result.plan.eight_bit}
     assert why["mm1"].startswith("input 'x' is float16, not FP32")
     assert why["mm2"].startswith("input 'a' is float16, not FP32")
+    assert "2 layer(s) not FP32, e.g. input 'x' is float16" in judge(result).reason

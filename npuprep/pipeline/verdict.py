@@ -104,8 +104,10 @@ def _eight_bit_short(result: ConversionResult) -> str:
     e = result.eight_bit
     if e is None or e.share_met:
         return ""
+    typed = [x.why for x in result.plan.eight_bit if ", not FP32" in x.why]
     return (f"{percent(e.mac_share[e.format])} of the multiply-adds in {e.format}, under "
-            f"--min-8bit-share {percent(e.min_8bit_share)}")
+            f"--min-8bit-share {percent(e.min_8bit_share)}"
+            + (f"; {len(typed)} layer(s) not FP32, e.g. {typed[0]}" if typed else ""))
 
 
 def _outputs_held(checks: list[OutputCheck]) -> str:
