@@ -307,10 +307,14 @@ def infer_tensors(model: onnx.ModelProto) -> TensorInfo:
     initialisers are typed graph inputs of the same shape.
     """
     skeleton = weightless(model)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=False)
-    except Exception:  # noqa: BLE001 - inference is best effort on exotic models
-        inferred = skeleton
+    inferred = _inferred(skeleton)
+    # Where onnx types no output (GroupNormalization-21 in onnx 1.23) the whole chain after it
+    # stays untyped: the schema's own type parameter, shared with a typed input, types it.
+    hinted = same_type_outputs(inferred.graph, skeleton.opset_import)
+    if hinted:
+        skeleton.graph.value_info.extend(onnx.helper.make_tensor_value_info(name, elem, None)
+                                         for name, elem in hinted.items())
+        inferred = _inferred(skeleton)
     types: dict[str, int] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     dims: dict[str, tuple[int | None, ...]] = {}
@@ -344,6 +348,39 @@ def infer_tensors(model: onnx.ModelProto) -> TensorInfo:
 def tensor_types(model: onnx.ModelProto) -> dict[str, int]:
     """Element type of every tensor whose type is known (after shape inference), all scopes."""
     return infer_tensors(model).types
+
+
+def _inferred(skeleton: onnx.ModelProto) -> onnx.ModelProto:
+    try:
+        return onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=False)
+    except Exception:  # noqa: BLE001 - inference is best effort on exotic models
+        return skeleton
+
+
+def same_type_outputs(graph: onnx.GraphProto, opsets: Sequence[onnx.OperatorSetIdProto]
+                       ) -> dict[str, int]:
+    """Main-graph node outputs inference left untyped whose schema gives them the type
+    parameter of an input whose type is known (`T` in, `T` out), in node order."""
+    typed = {vi.name: vi.type.tensor_type.elem_type
+             for vi in (*graph.input, *graph.output, *graph.value_info)
+             if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type}
+    typed.update({i.name: i.data_type for i in graph.initializer})
+    versions = {o.domain or "": o.version for o in opsets}
+    found: dict[str, int] = {}
+    for node in graph.node:
+        if all(not o or o in typed for o in node.output):
+            continue
+        try:
+            schema = onnx.defs.get_schema(node.op_type, versions.get(node.domain or "", 1),
+                                          node.domain or "")
+        except onnx.defs.SchemaError:
+            continue
+        for name, formal in zip(node.output, schema.outputs, strict=False):
+            source = next((i for i, f in zip(node.input, schema.inputs, strict=False)
+                           if i in typed and f.type_str == formal.type_str), None)
+            if name and name not in typed and source is not None:
+                typed[name] = found[name] = typed[source]
+    return found
 
 
 # A schema output's type string -> its element type, where the string names one type.

@@ -31,7 +31,14 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from npuprep.errors import NpuprepError
-from npuprep.graph import copy_fields, node_label, to_array, topological_order, walk_graphs
+from npuprep.graph import (
+    copy_fields,
+    node_label,
+    same_type_outputs,
+    to_array,
+    topological_order,
+    walk_graphs,
+)
 from npuprep.model_io import PROTOBUF_LIMIT, WeightScratch
 from npuprep.numerics import MASK_SCALE, NumberFormat, get_format
 from npuprep.ops import FP32_ONLY_INPUTS
@@ -592,15 +599,14 @@ def _infer_types(model: onnx.ModelProto) -> dict[str, int]:
                 init.name, init.data_type = name, FLOAT
                 init.dims.extend(dims)
     _declare_ml_outputs(skeleton)
-    if skeleton.ByteSize() < PROTOBUF_LIMIT - 64 * 2**20:
-        inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False)
-    else:
-        with tempfile.TemporaryDirectory(prefix="npuprep-lower-") as tmp:
-            src = os.path.join(tmp, "in.onnx")
-            dst = os.path.join(tmp, "out.onnx")
-            onnx.save_model(skeleton, src, save_as_external_data=True, location="in.data")
-            onnx.shape_inference.infer_shapes_path(src, dst)
-            inferred = onnx.load(dst, load_external_data=False)
+    inferred = _shape_inferred(skeleton)
+    # An output onnx leaves untyped (GroupNormalization-21) would leave every node after it
+    # FP32: its schema's type parameter, shared with a typed input, types it.
+    hinted = same_type_outputs(inferred.graph, skeleton.opset_import)
+    if hinted:
+        skeleton.graph.value_info.extend(helper.make_tensor_value_info(name, elem, None)
+                                         for name, elem in hinted.items())
+        inferred = _shape_inferred(skeleton)
     types: dict[str, int] = {}
     for scope in walk_graphs(inferred.graph):
         g = scope.graph
@@ -615,6 +621,17 @@ def _infer_types(model: onnx.ModelProto) -> dict[str, int]:
                 if value is not None:
                     types[node.output[0]] = helper.np_dtype_to_tensor_dtype(value.dtype)
     return types
+
+
+def _shape_inferred(skeleton: onnx.ModelProto) -> onnx.ModelProto:
+    if skeleton.ByteSize() < PROTOBUF_LIMIT - 64 * 2**20:
+        return onnx.shape_inference.infer_shapes(skeleton, strict_mode=False)
+    with tempfile.TemporaryDirectory(prefix="npuprep-lower-") as tmp:
+        src = os.path.join(tmp, "in.onnx")
+        dst = os.path.join(tmp, "out.onnx")
+        onnx.save_model(skeleton, src, save_as_external_data=True, location="in.data")
+        onnx.shape_inference.infer_shapes_path(src, dst)
+        return onnx.load(dst, load_external_data=False)
 
 
 # ai.onnx.ml ops whose first output is tensor(float) whatever their input (the ONNX-ML
