@@ -77,12 +77,12 @@ def recurrent_note(model: onnx.ModelProto, macs: Mapping[str, int],
                    input_shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
     """A note on the RNN/GRU/LSTM layers, which stay in the wider format, and their part of
     all multiply-adds beside the Conv/MatMul/Gemm ones `macs` counts (none: no note)."""
-    flops = node_flops(model, input_shapes)
     ops = {label: node.op_type for label, (node, _) in node_scopes(model.graph).items()
            if node.op_type in RECURRENT_OPS}
-    recurrent = sum(flops.get(label, 0) // 2 for label in ops)
     if not ops:
-        return []
+        return []  # no second shape inference for the models without one
+    flops = node_flops(model, input_shapes)
+    recurrent = sum(flops.get(label, 0) // 2 for label in ops)
     part = recurrent / ((recurrent + sum(macs.values())) or 1)
     kinds = "/".join(sorted(set(ops.values())))
     return [f"{len(ops)} recurrent layer(s) ({kinds}) hold {percent(part)} of all multiply-adds and "

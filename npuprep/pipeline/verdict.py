@@ -20,6 +20,7 @@ from npuprep.graph import node_label, to_array
 from npuprep.numerics import NumberFormat
 from npuprep.pipeline.result import ConversionResult, Gate, Verdict
 from npuprep.plan.actions import Rescale
+from npuprep.plan.layer_precision import NOT_FP32
 from npuprep.profiles import Pinning
 from npuprep.report.output_verdicts import detection_failure_said
 from npuprep.verify.output_check import OutputCheck
@@ -104,7 +105,7 @@ def _eight_bit_short(result: ConversionResult) -> str:
     e = result.eight_bit
     if e is None or e.share_met:
         return ""
-    typed = [x.why for x in result.plan.eight_bit if ", not FP32" in x.why]
+    typed = [x.why for x in result.plan.eight_bit if f", {NOT_FP32} (" in x.why]
     return (f"{percent(e.mac_share[e.format])} of the multiply-adds in {e.format}, under "
             f"--min-8bit-share {percent(e.min_8bit_share)}"
             + (f"; {len(typed)} layer(s) not FP32, e.g. {typed[0]}" if typed else ""))

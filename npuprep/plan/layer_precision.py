@@ -77,14 +77,18 @@ def decide(model: onnx.ModelProto, stats: CalibrationStats | None, fmt: EightBit
     return tuple(out)
 
 
+# The words of a layer's reason when its input is not FP32 (the verdict counts such layers).
+NOT_FP32 = "not FP32"
+
+
 def _type_reason(node: onnx.NodeProto, types: dict[str, int]) -> str:
     """Why a layer whose input or weight is not FP32 stays wider: Q/DQ pairs quantise FP32
     (an FP16 model's layers are left as they are, in its own format)."""
     for name in node.input[:2]:
         elem = types.get(name, onnx.TensorProto.FLOAT) if name else onnx.TensorProto.FLOAT
         if elem != onnx.TensorProto.FLOAT:
-            return (f"input '{name}' is {onnx.helper.tensor_dtype_to_np_dtype(elem).name}, not FP32 "
-                    "(8-bit Q/DQ reads FP32 layers: export the model in FP32)")
+            return (f"input '{name}' is {onnx.helper.tensor_dtype_to_np_dtype(elem).name}, "
+                    f"{NOT_FP32} (8-bit Q/DQ reads FP32 layers: export the model in FP32)")
     return ""
 
 
