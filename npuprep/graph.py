@@ -306,15 +306,7 @@ def infer_tensors(model: onnx.ModelProto) -> TensorInfo:
     seconds and fails past 2 GB; it runs on a weightless skeleton instead, where large
     initialisers are typed graph inputs of the same shape.
     """
-    skeleton = weightless(model)
-    inferred = _inferred(skeleton)
-    # Where onnx types no output (GroupNormalization-21 in onnx 1.23) the whole chain after it
-    # stays untyped: the schema's own type parameter, shared with a typed input, types it.
-    hinted = same_type_outputs(inferred.graph, skeleton.opset_import)
-    if hinted:
-        skeleton.graph.value_info.extend(onnx.helper.make_tensor_value_info(name, elem, None)
-                                         for name, elem in hinted.items())
-        inferred = _inferred(skeleton)
+    inferred = inferred_with_schema_types(weightless(model), _inferred)
     types: dict[str, int] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     dims: dict[str, tuple[int | None, ...]] = {}
@@ -355,6 +347,20 @@ def _inferred(skeleton: onnx.ModelProto) -> onnx.ModelProto:
         return onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=False)
     except Exception:  # noqa: BLE001 - inference is best effort on exotic models
         return skeleton
+
+
+def inferred_with_schema_types(skeleton: onnx.ModelProto,
+                               infer: Callable[[onnx.ModelProto], onnx.ModelProto]) -> onnx.ModelProto:
+    """`infer`(skeleton), run again where onnx typed no output of a node (GroupNormalization-21
+    in onnx 1.23) and so nothing after it: such outputs are declared first with the type their
+    schema's type parameter takes from a typed input (`skeleton` gains those declarations)."""
+    inferred = infer(skeleton)
+    hinted = same_type_outputs(inferred.graph, skeleton.opset_import)
+    if not hinted:
+        return inferred
+    skeleton.graph.value_info.extend(onnx.helper.make_tensor_value_info(name, elem, None)
+                                     for name, elem in hinted.items())
+    return infer(skeleton)
 
 
 def same_type_outputs(graph: onnx.GraphProto, opsets: Sequence[onnx.OperatorSetIdProto]

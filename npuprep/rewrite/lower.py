@@ -33,8 +33,8 @@ from onnx import TensorProto, helper, numpy_helper
 from npuprep.errors import NpuprepError
 from npuprep.graph import (
     copy_fields,
+    inferred_with_schema_types,
     node_label,
-    same_type_outputs,
     to_array,
     topological_order,
     walk_graphs,
@@ -599,14 +599,8 @@ def _infer_types(model: onnx.ModelProto) -> dict[str, int]:
                 init.name, init.data_type = name, FLOAT
                 init.dims.extend(dims)
     _declare_ml_outputs(skeleton)
-    inferred = _shape_inferred(skeleton)
-    # An output onnx leaves untyped (GroupNormalization-21) would leave every node after it
-    # FP32: its schema's type parameter, shared with a typed input, types it.
-    hinted = same_type_outputs(inferred.graph, skeleton.opset_import)
-    if hinted:
-        skeleton.graph.value_info.extend(helper.make_tensor_value_info(name, elem, None)
-                                         for name, elem in hinted.items())
-        inferred = _shape_inferred(skeleton)
+    # An output onnx leaves untyped (GroupNormalization-21) would leave every node after it FP32.
+    inferred = inferred_with_schema_types(skeleton, _shape_inferred)
     types: dict[str, int] = {}
     for scope in walk_graphs(inferred.graph):
         g = scope.graph
