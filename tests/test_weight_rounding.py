@@ -259,3 +259,55 @@ def test_readers_of_one_input_share_its_moments_bit_for_bit() -> None:
     qs = [np.asarray(run(session, f)["q"], np.float32) for f in feeds]
     np.testing.assert_array_equal(found["o"].gram, gram(qs))
     assert not np.array_equal(found["o"].gram, found["q"].gram)
+
+
+def test_layers_sharing_an_input_round_as_each_layer_alone_bit_for_bit() -> None:
+    """round_layers works out a shared input's H (float32 copies, the inverse factor) once
+    for q, k and v and each weight's signal once for both formats: every weight's values,
+    scales and errors equal round_weight's, which works each out for itself."""
+    from npuprep.rewrite.qdq import weight_axis
+    from npuprep.rewrite.weight_rounding import round_weight
+
+    rng = np.random.default_rng(5)
+    proto = parser.parse_model(SHARED_INPUT)
+    proto.graph.initializer.extend(
+        numpy_helper.from_array((rng.standard_normal((12, 12)) * rng.uniform(0.1, 3.0, 12))
+                                .astype(np.float32), name) for name in ("Wq", "Wk", "Wv", "Wo"))
+    mix = rng.standard_normal((4, 12))
+    feeds = [{"x": (rng.standard_normal((16, 4)) @ mix + 0.05 * rng.standard_normal((16, 12)))
+              .astype(np.float32)} for _ in range(6)]
+    formats = [(eight_bit_format("int8"), True), (eight_bit_format("fp8_e4m3"), False)]
+    store = WeightStore()
+    done = round_layers(proto, ["q", "k", "v", "o"], formats, feeds, store)
+    assert {d.node for d in done} >= {"q", "k", "v"}
+    fit, check = input_moments(proto, ["q", "k", "v", "o"], [feeds[0::2], feeds[1::2]])
+    nodes = {n.name: n for n in proto.graph.node}
+    weights = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    for d in done:
+        node, (fmt, saturate) = nodes[d.node], next(f for f in formats if f[0].name == d.format)
+        w = weights[node.input[1]]
+        alone = round_weight(node, w, fmt, fit[d.node], check[d.node], saturate=saturate)
+        assert alone is not None
+        assert (alone.nearest, alone.error, alone.changed) == (d.nearest, d.error, d.changed)
+        stored, scale = store.values(w, weight_axis(node, w.ndim), fmt, saturate=saturate)
+        np.testing.assert_array_equal(stored.view(np.uint8), alone.stored.view(np.uint8))
+        np.testing.assert_array_equal(scale, alone.scale)
+
+
+def test_fp8_neighbours_from_one_search_are_the_two_searches() -> None:
+    """Each value's FP8 levels at or below and at or above it from one search of the grid,
+    as from a search from each side: on the levels, between them, past both ends, -0.0."""
+    from npuprep.rewrite.weight_rounding import _neighbours
+
+    fmt = eight_bit_format("fp8_e4m3")
+    grid = levels(fmt)
+    rng = np.random.default_rng(0)
+    v = np.concatenate([[-0.0, 0.0, -1e9, 1e9], grid, (grid[1:] + grid[:-1]) / 2,
+                        rng.uniform(-500, 500, 4000), rng.standard_normal(4000) * 1e-3])
+    v = v[:len(v) // 6 * 6]  # [2, -1, 3]: a weight's rows as _sequential reads them
+    lower, upper = _neighbours(v.reshape(2, -1, 3), fmt)
+    last = len(grid) - 1
+    want_upper = grid[np.clip(np.searchsorted(grid, v, side="left"), 0, last)]
+    want_lower = grid[np.clip(np.searchsorted(grid, v, side="right") - 1, 0, last)]
+    np.testing.assert_array_equal(upper.reshape(-1), want_upper)
+    np.testing.assert_array_equal(lower.reshape(-1), want_lower)

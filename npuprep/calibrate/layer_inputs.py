@@ -75,29 +75,34 @@ def input_moments(model: onnx.ModelProto, layers: Sequence[str], parts: Sequence
     rng = np.random.default_rng(0)
     found = []
     for samples in parts:
-        grams: dict[str, np.ndarray] = {}
+        # A MatMul's rows are its input's, whoever reads it: MiniLM's query, key and value
+        # projections share one H (summed once, one array). A Conv's rows are drawn at
+        # random, its own H. The sums are taken in place, sample after sample, in float64:
+        # the same left fold as summing fresh copies, without a K x K array made per sample
+        # and reader (MiniLM: most of this function's time, its products being 32 rows).
+        sums: dict[str, np.ndarray] = {}
+        source: dict[str, str] = {}
         rows: dict[str, int] = dict.fromkeys(chosen, 0)
         for feed in samples:
             values = run(session, feed, tensors)
-            # A MatMul's rows are its input's, whoever reads it: MiniLM's query, key and
-            # value projections share one H per sample. (A Conv's rows are drawn at random.)
-            by_input: dict[str, tuple[int, np.ndarray]] = {}
+            counted: dict[str, int] = {}
             for label, node in chosen.items():
-                shared = by_input.get(node.input[0]) if node.op_type != "Conv" else None
-                if shared is None:
+                key = label if node.op_type == "Conv" else node.input[0]
+                if key not in counted:
                     x = np.asarray(values[node.input[0]], np.float32)
                     patches = (conv_rows(node, x, shapes[label], rng) if node.op_type == "Conv"
                                else x.reshape(1, -1, x.shape[-1]))
                     if patches is None:
                         continue
-                    shared = (patches.shape[1],
-                              np.matmul(patches.transpose(0, 2, 1), patches).astype(np.float64))
-                    if node.op_type != "Conv":
-                        by_input[node.input[0]] = shared
-                count, gram = shared
-                grams[label] = grams[label] + gram if label in grams else gram
-                rows[label] += count
-        found.append({k: InputMoments(v, rows[k]) for k, v in grams.items()})
+                    gram = np.matmul(patches.transpose(0, 2, 1), patches)
+                    if key in sums:
+                        np.add(sums[key], gram, out=sums[key])  # float32 widened exactly
+                    else:
+                        sums[key] = gram.astype(np.float64)
+                    counted[key] = patches.shape[1]
+                source[label] = key
+                rows[label] += counted[key]
+        found.append({k: InputMoments(sums[key], rows[k]) for k, key in source.items()})
     return found
 
 

@@ -95,34 +95,63 @@ def round_weight(node: onnx.NodeProto, w: np.ndarray, fmt: EightBitFormat, fit: 
     least (round-to-nearest among them); None where no channel gains or `node`'s weight
     rows are not read here. `factor`: inverse_factor(fit.gram), where the caller has it."""
     geometry = layer_geometry(node, w)
-    axis = weight_axis(node, w.ndim)
-    if geometry is None or axis is None or fit.gram.shape[0] != geometry[0]:
+    if geometry is None or fit.gram.shape[0] != geometry[0]:
         return None
-    stored0, scale0 = quantise_weight(w, axis, fmt, saturate=saturate)
-    rows = _rows(node, w)  # [groups, out per group, K]
-    s0 = scale0.astype(np.float64).reshape(rows.shape[:2])
-    searched = _search_scales(rows, s0, fit.gram.astype(np.float32), fmt)
-    # (scale, values in steps of it) per candidate: nearest, the searched scale, and rounded
-    # in order at the searched scale.
-    candidates = [(s0, _rows(node, stored0.astype(np.float64))),
-                  (searched, _nearest(rows / searched[..., None], fmt)),
-                  (searched, _sequential(rows, searched, fmt, inverse_factor(fit.gram)
-                                         if factor is None else factor))]
-    h_check = check.gram.astype(np.float32)
-    errors = np.stack([_channel_errors(rows - q * s[..., None], h_check)
-                       for s, q in candidates])  # [3, groups, out per group]
-    best = errors.argmin(axis=0)
-    if not np.any(best):
-        return None
-    scale = np.choose(best, [s for s, _ in candidates])
-    steps = np.choose(best[..., None], [q for _, q in candidates])
-    signal = float(_channel_errors(rows, h_check).sum()) or 1.0
-    chosen = np.take_along_axis(errors, best[None], axis=0)[0]
-    dtype = ml_dtypes.float8_e4m3fn if fmt.is_float else np.int8
-    return RoundedWeight(_from_rows(node, steps, w.shape).astype(dtype),
-                         scale.reshape(-1).astype(np.float32),
-                         float(np.sqrt(errors[0].sum() / signal)),
-                         float(np.sqrt(chosen.sum() / signal)), int(np.count_nonzero(best)))
+    return _Layer(node, w, _Moments(fit, check, factor)).rounded(fmt, saturate)
+
+
+class _Moments:
+    """A layer's fitted and check moments as the rounding reads them (H in float32, the
+    fitted H's inverse factor), worked out once for every format and every layer reading
+    the same input (MiniLM's query, key and value share one H)."""
+
+    def __init__(self, fit: InputMoments, check: InputMoments,
+                 factor: np.ndarray | None = None) -> None:
+        self.fit, self.check = fit.gram.astype(np.float32), check.gram.astype(np.float32)
+        self.factor = inverse_factor(fit.gram) if factor is None else factor
+
+
+class _Layer:
+    """One weight rounded in each format asked, its rows and output signal on the check
+    moments computed once for all of them."""
+
+    def __init__(self, node: onnx.NodeProto, w: np.ndarray, moments: _Moments) -> None:
+        self.node, self.w, self.moments = node, w, moments
+        self.rows = _rows(node, w)  # [groups, out per group, K]
+        self._signal: float | None = None
+
+    def signal(self) -> float:
+        if self._signal is None:
+            self._signal = float(_channel_errors(self.rows, self.moments.check).sum()) or 1.0
+        return self._signal
+
+    def rounded(self, fmt: EightBitFormat, saturate: bool) -> RoundedWeight | None:
+        node, w, rows, h = self.node, self.w, self.rows, self.moments
+        axis = weight_axis(node, w.ndim)
+        if axis is None:
+            return None
+        stored0, scale0 = quantise_weight(w, axis, fmt, saturate=saturate)
+        s0 = scale0.astype(np.float64).reshape(rows.shape[:2])
+        searched = _search_scales(rows, s0, h.fit, fmt)
+        # (scale, values in steps of it) per candidate: nearest, the searched scale, and
+        # rounded in order at the searched scale.
+        candidates = [(s0, _rows(node, stored0.astype(np.float64))),
+                      (searched, _nearest(rows / searched[..., None], fmt)),
+                      (searched, _sequential(rows, searched, fmt, h.factor))]
+        errors = np.stack([_channel_errors(rows - q * s[..., None], h.check)
+                           for s, q in candidates])  # [3, groups, out per group]
+        best = errors.argmin(axis=0)
+        if not np.any(best):
+            return None
+        scale = np.choose(best, [s for s, _ in candidates])
+        steps = np.choose(best[..., None], [q for _, q in candidates])
+        signal = self.signal()
+        chosen = np.take_along_axis(errors, best[None], axis=0)[0]
+        dtype = ml_dtypes.float8_e4m3fn if fmt.is_float else np.int8
+        return RoundedWeight(_from_rows(node, steps, w.shape).astype(dtype),
+                             scale.reshape(-1).astype(np.float32),
+                             float(np.sqrt(errors[0].sum() / signal)),
+                             float(np.sqrt(chosen.sum() / signal)), int(np.count_nonzero(best)))
 
 
 def round_layers(model: onnx.ModelProto, layers: Sequence[str],
@@ -163,6 +192,8 @@ def _round_layers(model: onnx.ModelProto, layers: Sequence[str],
     parts = [samples[0::2], samples[1::2]] if len(samples) > 1 else [samples, samples]
     fit, check = input_moments(model, [x for xs in groups.values() for x in xs], parts)
     done = []
+    # Layers reading one input share its moments (one H, input_moments): worked out once.
+    shared: dict[tuple[int, int], tuple[InputMoments, InputMoments, _Moments]] = {}
     for name, labels in groups.items():
         if not all(x in fit and x in check for x in labels):
             continue
@@ -171,11 +202,17 @@ def _round_layers(model: onnx.ModelProto, layers: Sequence[str],
         source = fp32_weight(g, name)
         if w is None or source is None or _work(fit[labels[0]], w) > MAX_LAYER_WORK:
             continue
-        moments = _summed(fit, labels)
-        factor = inverse_factor(moments.gram)
+        geometry = layer_geometry(node, w)
+        moments, checked = _summed(fit, labels), _summed(check, labels)
+        if geometry is None or weight_axis(node, w.ndim) is None \
+                or moments.gram.shape[0] != geometry[0]:
+            continue
+        key = (id(moments.gram), id(checked.gram))
+        if key not in shared:  # the arrays are held with their key: no id is reused
+            shared[key] = (moments, checked, _Moments(moments, checked))
+        layer = _Layer(node, w, shared[key][2])
         for fmt, saturate in formats:
-            r = round_weight(node, w, fmt, moments, _summed(check, labels), saturate=saturate,
-                             factor=factor)
+            r = layer.rounded(fmt, saturate)
             if r is None:
                 continue
             weights.prefer(source, weight_axis(node, w.ndim), fmt, saturate=saturate,
@@ -240,9 +277,12 @@ def _neighbours(v: np.ndarray, fmt: EightBitFormat) -> tuple[np.ndarray, np.ndar
     if not fmt.is_float:
         return (np.clip(np.floor(v), -fmt.qmax, fmt.qmax), np.clip(np.ceil(v), -fmt.qmax, fmt.qmax))
     grid = levels(fmt)
-    upper = np.clip(np.searchsorted(grid, v, side="left"), 0, len(grid) - 1)
-    lower = np.clip(np.searchsorted(grid, v, side="right") - 1, 0, len(grid) - 1)
-    return grid[lower], grid[upper]
+    # One search: the first level at or above v is v itself or the one after the level
+    # below (searching from the right as well cost MiniLM's FP8 rounding a second).
+    first = np.searchsorted(grid, v, side="left")
+    upper = np.clip(first, 0, len(grid) - 1)
+    below = np.where(grid[upper] == v, first, first - 1)
+    return grid[np.clip(below, 0, len(grid) - 1)], grid[upper]
 
 
 def _search_scales(rows: np.ndarray, s0: np.ndarray, h: np.ndarray, fmt: EightBitFormat) -> np.ndarray:
