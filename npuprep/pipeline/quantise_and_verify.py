@@ -68,6 +68,7 @@ from npuprep.verify.qdq_model import (
 )
 from npuprep.verify.qdq_trials import (
     TRIAL_SAMPLES,
+    ReferenceOutputs,
     RunsFactory,
     TrialOutputs,
     Trials,
@@ -77,7 +78,6 @@ from npuprep.verify.qdq_trials import (
     errors_alone,
     leave_one_out,
     rank_layers,
-    reference_outputs,
     switched_qdq,
 )
 from npuprep.verify.widening import CurvePoint, Widening, widen_by_ranking
@@ -151,12 +151,16 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     int8 = next((v for v in variants if not v.fmt.is_float), None)
     # Each INT8 layer's error alone at its format's default rule: what a balancing keeps by.
     alone = None if int8 is None else Variant(int8.fmt, (int8.rules[0],), True)
+    # The reference's outputs on the calibration samples, each run once for the balancings'
+    # measurements and the search's trials.
+    references = ReferenceOutputs(work.proto)
 
     def measure(model: onnx.ModelProto, stats: CalibrationStats,
                 groups: list[list[str]], on: Sequence[Feed]) -> list[float]:
         assert alone is not None
         return errors_alone(work.proto, model, groups, stats, alone, on,
-                            tensor_scales=applied.tensor_scales, weights=weights, runs=runner)
+                            tensor_scales=applied.tensor_scales, weights=weights, runs=runner,
+                            references=references)
 
     # The INT8 layers: the INT8 conversion's, or those of an FP8 conversion's INT8 search
     # (balanced as the INT8 conversion balances them, so that search is the INT8 one), where
@@ -226,7 +230,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         work.proto, base, layers, stats, variants, wide, samples, saturate=saturate,
         kept_wider=pinned | {x.node for x in layers if x.precision == "fp32"},
         tensor_scales=applied.tensor_scales, weights=weights, means=means, runner=runner,
-        score=_decision_score(top_k, JUDGE_MARGIN * rtol, rtol))
+        score=_decision_score(top_k, JUDGE_MARGIN * rtol, rtol), references=references)
+    references.close()
     if top_k:
         judged_by = ", ".join(f"{name} ({_rule_said(k)})" for name, k in top_k.items())
         notes.append(f"the search ranks layers and compares trials by the share of each decided "
@@ -428,7 +433,7 @@ class _TrialSessions:
                  variants: Sequence[Variant], wide: NumberFormat, samples: Sequence[Feed], *,
                  saturate: bool, kept_wider: set[str], tensor_scales: Mapping[str, float],
                  weights: WeightStore, means: Mapping[str, Any],
-                 runner: RunsFactory | None,
+                 runner: RunsFactory | None, references: ReferenceOutputs,
                  score: TrialScore | None = None) -> None:
         self.score = score
         self.reference, self.base, self.stats, self.variants = reference, base, stats, variants
@@ -436,7 +441,7 @@ class _TrialSessions:
         self.wide, self.samples, self.saturate, self.kept_wider = wide, samples, saturate, kept_wider
         self.tensor_scales, self.weights, self.means, self.runner = (tensor_scales, weights,
                                                                      means, runner)
-        self.expected = reference_outputs(reference, samples)
+        self.expected = references.of(samples)
         self.corrected: set[str] = set()
         self.rules: dict[str, ScaleRule] = {}
         self.one = weights.scratch is not None

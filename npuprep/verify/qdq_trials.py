@@ -423,10 +423,37 @@ RunsFactory = Callable[[onnx.ModelProto, Sequence[Feed]], TrialRuns]
 
 def reference_outputs(reference: onnx.ModelProto, samples: Sequence[Feed]) -> list[dict[str, np.ndarray]]:
     """The FP32 reference's outputs on `samples` (run once for every trial and check)."""
-    from npuprep.runtime.session import make_session, run
+    return ReferenceOutputs(reference).of(samples)
 
-    ref = make_session(reference, prepack=False)
-    return [run(ref, dict(f)) for f in samples]
+
+class ReferenceOutputs:
+    """The FP32 reference's outputs per sample, each sample run once on one session (built
+    when first needed, dropped by `close`): the balancings' trial sessions and the search's
+    compare with the same values (a session of MiniLM's reference per measurement cost
+    ~1 CPU s each). The same session options as reference_outputs, so the same numbers."""
+
+    def __init__(self, reference: onnx.ModelProto) -> None:
+        self.reference = reference
+        self._session: Any = None
+        # id(feed) -> (feed, outputs): the feed is held, so its id names it while here.
+        self._found: dict[int, tuple[Feed, dict[str, np.ndarray]]] = {}
+
+    def of(self, samples: Sequence[Feed]) -> list[dict[str, np.ndarray]]:
+        from npuprep.runtime.session import make_session, run
+
+        out = []
+        for feed in samples:
+            found = self._found.get(id(feed))
+            if found is None:
+                if self._session is None:
+                    self._session = make_session(self.reference, prepack=False)
+                found = self._found[id(feed)] = (feed, run(self._session, dict(feed)))
+            out.append(found[1])
+        return out
+
+    def close(self) -> None:
+        """Free the session (the outputs found stay)."""
+        self._session = None
 
 
 class Trials:
@@ -461,6 +488,7 @@ class Trials:
         # (npuprep.verify.decision_margin).
         self.score: TrialScore = worst_pooled_rel_l2
         self._errors: dict[bytes, float] = {}
+        self._checks: dict[tuple[bytes, float, float, str], OutputCheck] = {}
         self._order = sorted(set(switched.weight_switches.values())
                              | set(switched.input_switches.values())
                              | set(switched.bias_switches.values()))
@@ -550,29 +578,42 @@ class Trials:
     def check(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule], *, rtol: float,
               top_k: Mapping[str, Decision], margin: float = 1.0) -> OutputCheck:
         """The outputs' check on every sample, as check_outputs judges a built model; the
-        top-K decisions also with the error scaled by `margin` (OutputErrors)."""
+        top-K decisions also with the error scaled by `margin` (OutputErrors). A trial
+        checked before (the same switches: a head two searches share, an FP8 search's start
+        that its INT8 search tried as its other format) is not run again."""
+        switches = self._switches(assign, rules)
+        key = (self._key(switches), rtol, margin, repr(sorted(top_k.items())))
+        if key in self._checks:
+            return self._checks[key]
         errors = OutputErrors(top_k=dict(top_k), tie_rtol=rtol, margin=margin)
-        for r, c in zip(self.expected, self.outputs(assign, rules), strict=True):
+        outputs = self._outputs([switches], len(self.samples))[0]
+        for r, c in zip(self.expected, outputs, strict=True):
             for name, rv in r.items():
                 if np.issubdtype(np.asarray(rv).dtype, np.floating):
                     errors.add(name, rv, np.asarray(c[name], dtype=np.float64))
-        return OutputCheck(rtol=rtol, samples=len(self.samples), outputs=errors.result())
+        found = self._checks[key] = OutputCheck(rtol=rtol, samples=len(self.samples),
+                                                outputs=errors.result())
+        return found
 
 
 def errors_alone(reference: onnx.ModelProto, model: onnx.ModelProto,
                  groups: Sequence[Sequence[str]], stats: CalibrationStats, variant: Variant,
                  samples: Sequence[Feed], *, tensor_scales: Mapping[str, float] | None = None,
-                 weights: WeightStore | None = None, runs: RunsFactory | None = None) -> list[float]:
+                 weights: WeightStore | None = None, runs: RunsFactory | None = None,
+                 references: ReferenceOutputs | None = None) -> list[float]:
     """Each group of layers of `model` alone in `variant`'s format, every other node in
     FP32: the outputs' worst pooled rel L2 on TRIAL_SAMPLES samples, as the QDQ model of
-    npuprep.verify.qdq_model.quantise gives it; every group a run of one session."""
+    npuprep.verify.qdq_model.quantise gives it; every group a run of one session.
+    `references`: the reference's outputs, where the caller keeps them for several calls."""
     from npuprep.numerics import get_format
 
     weights = weights or WeightStore()
     switched = switched_qdq(model, [x for group in groups for x in group], stats, [variant],
                             tensor_scales=tensor_scales, weights=weights)
-    trials = Trials(reference, switched, get_format("fp32"), (), list(samples)[:TRIAL_SAMPLES],
-                    saturate=variant.saturate, runs=runs)
+    first = list(samples)[:TRIAL_SAMPLES]
+    trials = Trials(reference, switched, get_format("fp32"), (), first,
+                    saturate=variant.saturate, runs=runs,
+                    expected=None if references is None else references.of(first))
     try:
         return trials.errors([(dict.fromkeys(group, variant.fmt.name), {}) for group in groups])
     finally:

@@ -1,0 +1,90 @@
+"""What the 8-bit search has measured once it does not measure again: the reference's outputs
+(one session for the balancings' measurements and the search's trials) and a check of a
+trial the search tried before; bit for bit what measuring again gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import numpy_helper, parser
+
+from npuprep.calibrate import calibrate
+from npuprep.model_io import Model, fingerprint
+from npuprep.numerics import eight_bit_format, get_format
+from npuprep.scale_rules import ScaleRule
+from npuprep.verify.qdq_trials import (
+    ReferenceOutputs,
+    Trials,
+    Variant,
+    errors_alone,
+    reference_outputs,
+    switched_qdq,
+)
+
+# x [32, 16] -> MatMul "a" (Wa) -> Relu -> MatMul "b" (Wb) -> y
+TWO_LAYERS = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[32, 16] x) => (float[32, 8] y) {
+    [a] h = MatMul (x, Wa)
+    r = Relu (h)
+    [b] y = MatMul (r, Wb)
+}
+"""
+
+
+def _setup() -> tuple[onnx.ModelProto, list[dict[str, np.ndarray]], object]:
+    rng = np.random.default_rng(11)
+    proto = parser.parse_model(TWO_LAYERS)
+    proto.graph.initializer.extend([
+        numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), "Wa"),
+        numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "Wb")])
+    feeds = [{"x": rng.standard_normal((32, 16)).astype(np.float32)} for _ in range(8)]
+    stats = calibrate(Model(proto=proto, path="m.onnx", digest=fingerprint(proto)), feeds,
+                      detail="all")
+    return proto, feeds, stats
+
+
+def test_reference_outputs_run_each_sample_once_and_equal_a_fresh_session() -> None:
+    proto, feeds, _ = _setup()
+    kept = ReferenceOutputs(proto)
+    odd = kept.of(feeds[1::2])
+    every = kept.of(feeds)
+    # The odd samples' outputs are the ones found first (not run again), and every output
+    # is a fresh session's, bit for bit.
+    assert all(a is b for a, b in zip(odd, every[1::2], strict=True))
+    fresh = reference_outputs(proto, feeds)
+    for a, b in zip(every, fresh, strict=True):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert a[name].tobytes() == b[name].tobytes()
+    kept.close()
+    assert kept.of(feeds[:2])[0] is every[0]  # found outputs stay after the session is freed
+
+
+def test_errors_alone_on_kept_reference_outputs_are_the_same_errors() -> None:
+    proto, feeds, stats = _setup()
+    variant = Variant(eight_bit_format("int8"), (ScaleRule.PERCENTILE,), True)
+    groups = [["a"], ["b"], ["a", "b"]]
+    on = feeds[1::2]
+    fresh = errors_alone(proto, proto, groups, stats, variant, on)
+    kept = errors_alone(proto, proto, groups, stats, variant, on,
+                        references=ReferenceOutputs(proto))
+    assert kept == fresh and all(e > 0 for e in kept)
+
+
+def test_a_trial_checked_before_is_not_run_again_and_its_check_is_the_same() -> None:
+    proto, feeds, stats = _setup()
+    int8 = eight_bit_format("int8")
+    switched = switched_qdq(proto, ["a", "b"], stats, [Variant(int8, (ScaleRule.ABSMAX,), True)])
+    trials = Trials(proto, switched, get_format("fp16"), (), feeds, saturate=True)
+    both, one = {"a": "int8", "b": "int8"}, {"a": "int8"}
+    first = trials.check(both, {}, rtol=0.05, top_k={})
+    assert trials.runs == 1
+    again = trials.check(dict(both), {}, rtol=0.05, top_k={})
+    assert again is first and trials.runs == 1
+    other = trials.check(one, {}, rtol=0.05, top_k={})
+    assert trials.runs == 2 and other.worst_rel_l2 != first.worst_rel_l2
+    # Another gate is another check; the same trial on a fresh session gives the same numbers.
+    assert trials.check(both, {}, rtol=0.01, top_k={}) is not first and trials.runs == 3
+    fresh = Trials(proto, switched, get_format("fp16"), (), feeds, saturate=True)
+    assert fresh.check(both, {}, rtol=0.05, top_k={}).outputs == first.outputs
