@@ -311,3 +311,26 @@ def test_fp8_neighbours_from_one_search_are_the_two_searches() -> None:
     want_lower = grid[np.clip(np.searchsorted(grid, v, side="right") - 1, 0, last)]
     np.testing.assert_array_equal(upper.reshape(-1), want_upper)
     np.testing.assert_array_equal(lower.reshape(-1), want_lower)
+
+
+def test_layers_rounded_side_by_side_round_as_one_after_another() -> None:
+    """Two threads rounding the layers give the roundings, notes and order of one."""
+    from npuprep.rewrite.qdq import weight_axis
+
+    rng = np.random.default_rng(6)
+    proto = parser.parse_model(SHARED_INPUT)
+    proto.graph.initializer.extend(
+        numpy_helper.from_array(rng.standard_normal((12, 12)).astype(np.float32), name)
+        for name in ("Wq", "Wk", "Wv", "Wo"))
+    feeds = [{"x": rng.standard_normal((16, 12)).astype(np.float32)} for _ in range(6)]
+    formats = [(eight_bit_format("int8"), True), (eight_bit_format("fp8_e4m3"), False)]
+    stores = [WeightStore(), WeightStore()]
+    done = [round_layers(proto, ["q", "k", "v", "o"], formats, feeds, store, workers=n)
+            for store, n in zip(stores, (1, 2), strict=True)]
+    assert done[0] == done[1] and len(done[0]) > 4
+    nodes = {n.name: n for n in proto.graph.node}
+    for t in proto.graph.initializer:
+        w, node = numpy_helper.to_array(t), nodes[{"Wq": "q", "Wk": "k", "Wv": "v", "Wo": "o"}[t.name]]
+        for fmt, saturate in formats:
+            a, b = (s.values(w, weight_axis(node, w.ndim), fmt, saturate=saturate) for s in stores)
+            assert a[0].tobytes() == b[0].tobytes() and a[1].tobytes() == b[1].tobytes()
