@@ -178,3 +178,46 @@ def test_a_trial_from_a_cut_gives_the_graph_outputs_earlier_pieces_write():
     expected = run(make_session(proto), {**feeds[0], **on})
     assert got.keys() == expected.keys() == {"y", "a"}
     assert all(np.array_equal(got[k], expected[k]) for k in expected)
+
+
+# x -> Shape -> s (int64, read last); x -> Cast -> Cast -> MatMul m1 -> Cast -> Cast -> MatMul m2
+# -> Cast -> Cast -> MatMul m3 -> Cast -> Cast -> Reshape(., s) -> y
+SHAPE_READ_LAST = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[1, 64] x) => (float[1, 64] y) {
+    s = Shape (x)
+    h = Cast <to = 10> (x)
+    a = Cast <to = 1> (h)
+    [m1] p1 = MatMul (a, W1)
+    q1 = Cast <to = 10> (p1)
+    r1 = Cast <to = 1> (q1)
+    [m2] p2 = MatMul (r1, W2)
+    q2 = Cast <to = 10> (p2)
+    r2 = Cast <to = 1> (q2)
+    [m3] p3 = MatMul (r2, W3)
+    q3 = Cast <to = 10> (p3)
+    r3 = Cast <to = 1> (q3)
+    y = Reshape (r3, s)
+}
+"""
+
+
+def test_a_size_read_at_the_end_crosses_the_cuts_bit_for_bit():
+    """An input's shape, read by the last node (vit_s_focus's image size at its decoder's
+    Resize), no longer keeps the model in one piece: it crosses every cut as an integer
+    input, and the pieces give the whole model's outputs bit for bit."""
+    rng = np.random.default_rng(4)
+    proto = parser.parse_model(SHAPE_READ_LAST)
+    proto.graph.initializer.extend(
+        numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32) * 0.2, f"W{k}")
+        for k in (1, 2, 3))
+    pieces = cut_into_pieces(proto, {"x": (1, 64)})
+    assert len(pieces) > 2 and "s" in pieces[-1].inputs  # made in the first, read in the last
+    whole = make_session(proto, prepack=False, threads=1)
+    sessions = [make_session(p.model, prepack=False, threads=1) for p in pieces]
+    for _ in range(3):
+        feed = {"x": rng.standard_normal((1, 64)).astype(np.float32)}
+        values = dict(feed)
+        for piece, session in zip(pieces, sessions, strict=True):
+            values.update(run(session, {t: values[t] for t in piece.inputs}, list(piece.outputs)))
+        assert np.array_equal(values["y"], run(whole, feed)["y"])

@@ -43,6 +43,8 @@ KEPT_BYTES_PER_SAMPLE = 64 * 2**20
 PREFIX_BYTES = 512 * 2**20
 # The producers a cut may separate from their readers (see the module's docstring).
 _CUTTABLE = frozenset({"Cast", "If"})
+# The element types any producer's values may cross a cut in (see _cuts).
+_EXACT_TYPES = frozenset({TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL})
 
 
 @dataclass(frozen=True)
@@ -86,12 +88,12 @@ def cut_into_pieces(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]
     made = {o: k for k, n in enumerate(nodes) for o in n.output if o and o not in fixed}
     size = _sizes(model, shapes)
     cost = _costs(model, nodes, size)
-    cuts = _cuts(nodes, made, last_read, cost, sum(cost) or 1.0, count)
+    types = infer_tensors(model).types
+    cuts = _cuts(nodes, made, last_read, cost, sum(cost) or 1.0, count, types)
     cuts = _computing(_within(cuts, made, last_read, size, kept_bytes), set(made.values()),
                       len(nodes))
     if not cuts:
         return [Piece(model, tuple(i.name for i in g.input), tuple(o.name for o in g.output))]
-    types = infer_tensors(model).types
     bounds = [0, *cuts, len(nodes)]
     return [_piece(model, nodes, reads, a, b, made, fixed, last_read, types)
             for a, b in zip(bounds, bounds[1:], strict=False)]
@@ -116,15 +118,20 @@ def crossing(pieces: Sequence[Piece], k: int, graph_outputs: Collection[str]) ->
 
 def _cuts(nodes: Sequence[onnx.NodeProto], made: Mapping[str, int],
           last_read: Mapping[str, int], cost: Sequence[float], total: float,
-          count: int) -> list[int]:
+          count: int, types: Mapping[str, int]) -> list[int]:
     """Cut positions (a cut at k: nodes before k in earlier pieces) nearest at or before each
-    cost quantile where only cuttable producers' values cross, at least one."""
+    cost quantile where only cuttable producers' values cross, at least one. An integer or
+    boolean value (a size taken from the input's shape) crosses any cut: no fusion changes
+    what it holds, and no float arithmetic reads it as a number (vit_s_focus: the image's
+    height and width, read by the decoder's last Resize, crossed every place a cut could go,
+    and its trial model was one piece)."""
     live: set[str] = set()
     spent, target, chosen = 0.0, 1, []
     ok = [True] * (len(nodes) + 1)
     for k, node in enumerate(nodes):
         live = {t for t in live if last_read.get(t, -1) >= k}
-        ok[k] = bool(live) and all(nodes[made[t]].op_type in _CUTTABLE for t in live)
+        ok[k] = bool(live) and all(nodes[made[t]].op_type in _CUTTABLE
+                                   or types.get(t) in _EXACT_TYPES for t in live)
         live |= {o for o in node.output if o in made and last_read.get(o, -1) > k}
     safe_before = -1
     for k in range(len(nodes)):
