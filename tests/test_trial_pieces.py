@@ -221,3 +221,48 @@ def test_a_size_read_at_the_end_crosses_the_cuts_bit_for_bit():
         for piece, session in zip(pieces, sessions, strict=True):
             values.update(run(session, {t: values[t] for t in piece.inputs}, list(piece.outputs)))
         assert np.array_equal(values["y"], run(whole, feed)["y"])
+
+
+# x -> Less(x, 0) -> Where(., -1e4, 0) -> mask (float, read last); x -> Cast -> Cast -> MatMul m1
+# -> Cast -> Cast -> MatMul m2 -> Cast -> Cast -> MatMul m3 -> Cast -> Cast -> Add(., mask) -> y
+MASK_READ_LAST = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[1, 64] x) => (float[1, 64] y) {
+    zero = Constant <value = float {0.0}> ()
+    low = Constant <value = float {-10000.0}> ()
+    c = Less (x, zero)
+    mask = Where (c, low, zero)
+    h = Cast <to = 10> (x)
+    a = Cast <to = 1> (h)
+    [m1] p1 = MatMul (a, W1)
+    q1 = Cast <to = 10> (p1)
+    r1 = Cast <to = 1> (q1)
+    [m2] p2 = MatMul (r1, W2)
+    q2 = Cast <to = 10> (p2)
+    r2 = Cast <to = 1> (q2)
+    [m3] p3 = MatMul (r2, W3)
+    q3 = Cast <to = 10> (p3)
+    r3 = Cast <to = 1> (q3)
+    y = Add (r3, mask)
+}
+"""
+
+
+def test_a_mask_read_at_the_end_crosses_the_cuts_bit_for_bit():
+    """A Where's mask, read by the last node (MiniLM's attention mask, read by every layer),
+    no longer keeps the model in one piece, and the pieces give the whole model's outputs."""
+    rng = np.random.default_rng(8)
+    proto = parser.parse_model(MASK_READ_LAST)
+    proto.graph.initializer.extend(
+        numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32) * 0.2, f"W{k}")
+        for k in (1, 2, 3))
+    pieces = cut_into_pieces(proto, {"x": (1, 64)})
+    assert len(pieces) > 2 and "mask" in pieces[-1].inputs
+    whole = make_session(proto, prepack=False, threads=1)
+    sessions = [make_session(p.model, prepack=False, threads=1) for p in pieces]
+    for _ in range(3):
+        feed = {"x": rng.standard_normal((1, 64)).astype(np.float32)}
+        values = dict(feed)
+        for piece, session in zip(pieces, sessions, strict=True):
+            values.update(run(session, {t: values[t] for t in piece.inputs}, list(piece.outputs)))
+        assert np.array_equal(values["y"], run(whole, feed)["y"])

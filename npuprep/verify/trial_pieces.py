@@ -12,9 +12,10 @@ trial whose switches are all read at or after a cut runs the pieces from there
 
 Every run, a trial's or the all-off one, goes through the same pieces, so a trial starting at
 a cut computes what the run from the first piece computes, bit for bit. A cut is placed only
-where every tensor crossing it is a Cast's or an If's output (a rounding chain's end, a
-switched pair or layer) or a graph input: onnxruntime fuses no such producer with its reader,
-so the pieces compute what the whole model does (tests/test_trial_pieces.py).
+where every tensor crossing it is a Cast's, an If's or a Where's output (a rounding chain's
+end, a switched pair or layer, a mask), an integer (a size) or a graph input: onnxruntime
+fuses no such producer with its reader, so the pieces compute what the whole model does
+(tests/test_trial_pieces.py).
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ KEPT_BYTES_PER_SAMPLE = 64 * 2**20
 # Values entering the cuts in trials with a switch on before them (Prefixes), all samples
 # together: at most 8 x KEPT_BYTES_PER_SAMPLE per trial of 8 samples.
 PREFIX_BYTES = 512 * 2**20
-# The producers a cut may separate from their readers (see the module's docstring).
-_CUTTABLE = frozenset({"Cast", "If"})
+# The producers a cut may separate from their readers (see the module's docstring). A Where
+# is none of onnxruntime's basic fusions' first node either: MiniLM's attention mask (a
+# Where, kept unrounded), read by every layer, kept its trial model in one piece.
+_CUTTABLE = frozenset({"Cast", "If", "Where"})
 # The element types any producer's values may cross a cut in (see _cuts).
 _EXACT_TYPES = frozenset({TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL})
 
