@@ -61,3 +61,12 @@ def test_an_8bit_conversion_of_a_model_listing_its_weights_as_inputs(tmp_path):
         want = run(make_session(model), {"x": xs[0]})["y"]
         got = run(make_session(written), {"x": xs[0]})["y"]
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.05
+
+
+def test_the_saturation_probe_amplifies_a_weight_listed_as_an_input(tmp_path):
+    path = tmp_path / "legacy.onnx"
+    onnx.save(legacy_model(), str(path))
+    done = run_cli("probe", path, "--target", "a2000", "--json")
+    assert done.returncode in (0, 1), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "please report" not in done.stderr
+    assert "Conv" in done.stdout
