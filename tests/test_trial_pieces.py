@@ -180,11 +180,12 @@ def test_a_trial_from_a_cut_gives_the_graph_outputs_earlier_pieces_write():
     assert all(np.array_equal(got[k], expected[k]) for k in expected)
 
 
-# x -> Shape -> s (int64, read last); x -> Cast -> Cast -> MatMul m1 -> Cast -> Cast -> MatMul m2
-# -> Cast -> Cast -> MatMul m3 -> Cast -> Cast -> Reshape(., s) -> y
+# x [1, 1, 8, 8] -> Shape -> s (int64, read last); x -> Cast -> Cast -> MatMul m1 -> Cast -> Cast
+# -> MatMul m2 -> Cast -> Cast -> MatMul m3 -> Cast -> Cast -> + Resize(P, sizes = s) -> y
+# (P: a constant grid resized to the input's size, as a ViT's position embeddings)
 SHAPE_READ_LAST = """
 <ir_version: 8, opset_import: ["" : 19]>
-g (float[1, 64] x) => (float[1, 64] y) {
+g (float[1, 1, 8, 8] x) => (float[1, 1, 8, 8] y) {
     s = Shape (x)
     h = Cast <to = 10> (x)
     a = Cast <to = 1> (h)
@@ -197,7 +198,8 @@ g (float[1, 64] x) => (float[1, 64] y) {
     [m3] p3 = MatMul (r2, W3)
     q3 = Cast <to = 10> (p3)
     r3 = Cast <to = 1> (q3)
-    y = Reshape (r3, s)
+    grid = Resize <mode = "linear"> (P, , , s)
+    y = Add (r3, grid)
 }
 """
 
@@ -209,14 +211,17 @@ def test_a_size_read_at_the_end_crosses_the_cuts_bit_for_bit():
     rng = np.random.default_rng(4)
     proto = parser.parse_model(SHAPE_READ_LAST)
     proto.graph.initializer.extend(
-        numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32) * 0.2, f"W{k}")
+        numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32) * 0.2, f"W{k}")
         for k in (1, 2, 3))
-    pieces = cut_into_pieces(proto, {"x": (1, 64)})
-    assert len(pieces) > 2 and "s" in pieces[-1].inputs  # made in the first, read in the last
+    proto.graph.initializer.append(
+        numpy_helper.from_array(rng.standard_normal((1, 1, 4, 4)).astype(np.float32), "P"))
+    pieces = cut_into_pieces(proto, {"x": (1, 1, 8, 8)})
+    # Made in the first piece, read in the last (a Resize's sizes: declared with its rank).
+    assert len(pieces) > 2 and "s" in pieces[-1].inputs
     whole = make_session(proto, prepack=False, threads=1)
     sessions = [make_session(p.model, prepack=False, threads=1) for p in pieces]
     for _ in range(3):
-        feed = {"x": rng.standard_normal((1, 64)).astype(np.float32)}
+        feed = {"x": rng.standard_normal((1, 1, 8, 8)).astype(np.float32)}
         values = dict(feed)
         for piece, session in zip(pieces, sessions, strict=True):
             values.update(run(session, {t: values[t] for t in piece.inputs}, list(piece.outputs)))

@@ -91,14 +91,18 @@ def cut_into_pieces(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]
     made = {o: k for k, n in enumerate(nodes) for o in n.output if o and o not in fixed}
     size = _sizes(model, shapes)
     cost = _costs(model, nodes, size)
-    types = infer_tensors(model).types
-    cuts = _cuts(nodes, made, last_read, cost, sum(cost) or 1.0, count, types)
+    info = infer_tensors(model)
+    types = info.types
+    # Integer values of known rank (sizes): they may cross a cut, declared with their rank
+    # (onnxruntime refuses a Resize whose sizes input has none).
+    sized = {t: d for t, d in info.dims.items() if types.get(t) in _EXACT_TYPES}
+    cuts = _cuts(nodes, made, last_read, cost, sum(cost) or 1.0, count, sized)
     cuts = _computing(_within(cuts, made, last_read, size, kept_bytes), set(made.values()),
                       len(nodes))
     if not cuts:
         return [Piece(model, tuple(i.name for i in g.input), tuple(o.name for o in g.output))]
     bounds = [0, *cuts, len(nodes)]
-    return [_piece(model, nodes, reads, a, b, made, fixed, last_read, types)
+    return [_piece(model, nodes, reads, a, b, made, fixed, last_read, types, sized)
             for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
@@ -121,10 +125,11 @@ def crossing(pieces: Sequence[Piece], k: int, graph_outputs: Collection[str]) ->
 
 def _cuts(nodes: Sequence[onnx.NodeProto], made: Mapping[str, int],
           last_read: Mapping[str, int], cost: Sequence[float], total: float,
-          count: int, types: Mapping[str, int]) -> list[int]:
+          count: int, sized: Mapping[str, tuple[int | None, ...]]) -> list[int]:
     """Cut positions (a cut at k: nodes before k in earlier pieces) nearest at or before each
     cost quantile where only cuttable producers' values cross, at least one. An integer or
-    boolean value (a size taken from the input's shape) crosses any cut: no fusion changes
+    boolean value of known rank (`sized`: a size taken from the input's shape) crosses any
+    cut: no fusion changes
     what it holds, and no float arithmetic reads it as a number (vit_s_focus: the image's
     height and width, read by the decoder's last Resize, crossed every place a cut could go,
     and its trial model was one piece)."""
@@ -134,7 +139,7 @@ def _cuts(nodes: Sequence[onnx.NodeProto], made: Mapping[str, int],
     for k, node in enumerate(nodes):
         live = {t for t in live if last_read.get(t, -1) >= k}
         ok[k] = bool(live) and all(nodes[made[t]].op_type in _CUTTABLE
-                                   or types.get(t) in _EXACT_TYPES for t in live)
+                                   or t in sized for t in live)
         live |= {o for o in node.output if o in made and last_read.get(o, -1) > k}
     safe_before = -1
     for k in range(len(nodes)):
@@ -235,7 +240,8 @@ def _constant_dims(name: str, model: onnx.ModelProto) -> tuple[int, ...]:
 
 def _piece(model: onnx.ModelProto, every: Sequence[onnx.NodeProto], reads: Sequence[list[str]],
            start: int, end: int, made: Mapping[str, int], fixed: Mapping[str, int],
-           last_read: Mapping[str, int], types: Mapping[str, int]) -> Piece:
+           last_read: Mapping[str, int], types: Mapping[str, int],
+           sized: Mapping[str, tuple[int | None, ...]]) -> Piece:
     """Nodes [start, end) of `every`, with the constant values they read from before start
     computed again (their nodes copied ahead of them)."""
     g = model.graph
@@ -260,22 +266,25 @@ def _piece(model: onnx.ModelProto, every: Sequence[onnx.NodeProto], reads: Seque
     piece.graph.name = g.name
     piece.graph.node.extend(every[k] for k in order)
     piece.graph.initializer.extend(inits[t] for t in wanted if t in inits)
-    piece.graph.input.extend(inputs[t] if t in inputs else _typed(t, types, g)
+    piece.graph.input.extend(inputs[t] if t in inputs else _typed(t, types, g, sized.get(t))
                              for t in from_before)
-    piece.graph.output.extend(graph_outputs[t] if t in graph_outputs else _typed(t, types, g)
-                              for t in outputs)
+    piece.graph.output.extend(graph_outputs[t] if t in graph_outputs
+                              else _typed(t, types, g, sized.get(t)) for t in outputs)
     return Piece(piece, tuple(from_before), tuple(outputs))
 
 
-def _typed(name: str, types: Mapping[str, int], graph: onnx.GraphProto) -> onnx.ValueInfoProto:
-    """`name` declared by its element type (from inference, or an If's branch output)."""
+def _typed(name: str, types: Mapping[str, int], graph: onnx.GraphProto,
+           dims: tuple[int | None, ...] | None = None) -> onnx.ValueInfoProto:
+    """`name` declared by its element type (from inference, or an If's branch output), and
+    its `dims` where given."""
     elem = types.get(name)
     if elem is None:
         for node in graph.node:
             if node.op_type == "If" and name in node.output:
                 branch = next(a.g for a in node.attribute if a.name == "then_branch")
                 elem = branch.output[list(node.output).index(name)].type.tensor_type.elem_type
-    return helper.make_tensor_value_info(name, elem or TensorProto.FLOAT, None)
+    return helper.make_tensor_value_info(name, elem or TensorProto.FLOAT,
+                                         None if dims is None else list(dims))
 
 
 class Prefixes:
