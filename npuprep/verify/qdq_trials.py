@@ -59,7 +59,12 @@ from npuprep.rewrite.qdq import (
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.output_check import OutputCheck
-from npuprep.verify.output_errors import OutputErrors, worst_pooled_rel_l2
+from npuprep.verify.output_errors import (
+    OutputErrors,
+    PooledSums,
+    reference_squares,
+    worst_pooled_rel_l2,
+)
 from npuprep.verify.qdq_model import Sensitivity, activation_scale, on_target
 from npuprep.verify.trial_pieces import Prefixes, crossing, cut_into_pieces, first_pieces
 from npuprep.verify.weight_switches import fold_weight_switches
@@ -429,6 +434,19 @@ def reference_outputs(reference: onnx.ModelProto, samples: Sequence[Feed]) -> li
     return [run(ref, dict(f)) for f in samples]
 
 
+@dataclass
+class _Partial:
+    """A trial run a sample at a time: its switches, the samples it ran, their sums."""
+
+    feed: dict[str, np.ndarray]
+    ran: int = 0
+    sums: PooledSums = field(default_factory=PooledSums)
+
+    def error(self, count: int, squares: Mapping[str, float]) -> float:
+        """Its error where it ran all `count` samples, else the lower bound so far."""
+        return self.sums.worst() if self.ran == count else self.sums.worst(squares)
+
+
 class Trials:
     """One session of a SwitchedQdq on the target (the tensors outside the switches and
     `pinned` rounded to `wide`, as the board computes), the reference's outputs run once
@@ -461,6 +479,7 @@ class Trials:
         # (npuprep.verify.decision_margin).
         self.score: TrialScore = worst_pooled_rel_l2
         self._errors: dict[bytes, float] = {}
+        self._reference_squares: dict[str, float] | None = None
         self._order = sorted(set(switched.weight_switches.values())
                              | set(switched.input_switches.values())
                              | set(switched.bias_switches.values()))
@@ -543,6 +562,106 @@ class Trials:
                         seen(i, got)
         return [self._errors[k] for k in keys]
 
+    def errors_within(self, trials: Sequence[tuple[Mapping[str, str], Mapping[str, ScaleRule]]],
+                      bounds: Sequence[float]) -> list[float]:
+        """Each trial's error as `errors` gives it where that is at most its bound, else a
+        lower bound past it: the trials run a sample at a time, and one whose errors summed
+        so far already pass its bound stops (PooledSums; under another `score` than the
+        outputs' worst pooled rel L2, every trial runs whole)."""
+        if self.score is not worst_pooled_rel_l2:
+            return self.errors(trials)
+        runs = [_Partial(self._switches(a, r)) for a, r in trials]
+        self._advance(runs, range(self._count()), lambda i, low: low <= bounds[i])
+        return [r.error(self._count(), self._squares()) for r in runs]
+
+    def least_errors(self, groups: Sequence[Sequence[tuple[Mapping[str, str],
+                                                           Mapping[str, ScaleRule]]]], *,
+                     keep_bytes: int = 0) -> list[tuple[int, float, list[dict[str, np.ndarray]] | None]]:
+        """Per group of trials, the index of the one erring least (the first of equals), its
+        error as `errors` gives it, and its outputs where `keep_bytes` held them. Each trial
+        runs the first sample, the group's least there the rest, the others a sample at a time
+        while their errors so far do not pass it (PooledSums; as `errors_within`)."""
+        flat = [t for g in groups for t in g]
+        if self.score is not worst_pooled_rel_l2:
+            found = iter(self.errors(flat))
+            errors = [[next(found) for _ in g] for g in groups]
+            return [(min(range(len(e)), key=e.__getitem__), min(e), None) for e in errors]
+        group_of = [k for k, g in enumerate(groups) for _ in g]
+        runs = [_Partial(self._switches(a, r)) for a, r in flat]
+        n, squares = self._count(), self._squares()
+        # Each group's least so far on the first sample holds its outputs while there is room.
+        held: dict[int, tuple[int, list[dict[str, np.ndarray]]]] = {}
+        room = [keep_bytes]
+
+        def hold(i: int, sample: int, got: dict[str, np.ndarray]) -> None:
+            k, low = group_of[i], runs[i].sums.worst(squares)
+            if sample == 0 and (k not in held or low < runs[held[k][0]].sums.worst(squares)):
+                room[0] += sum(v.nbytes for o in held.pop(k, (0, []))[1] for v in o.values())
+                held[k] = (i, [])
+            size = sum(np.asarray(v).nbytes for v in got.values())
+            if k in held and held[k][0] == i:
+                if size > room[0]:
+                    room[0] += sum(v.nbytes for o in held.pop(k)[1] for v in o.values())
+                else:
+                    room[0] -= size
+                    held[k][1].append(got)
+
+        self._advance(runs, range(1), lambda i, low: True, seen=hold if keep_bytes else None)
+        leads: dict[int, int] = {}
+        for i, k in enumerate(group_of):
+            if k not in leads or runs[i].sums.worst(squares) < runs[leads[k]].sums.worst(squares):
+                leads[k] = i
+        chosen = set(leads.values())
+        self._advance(runs, range(1, n), lambda i, low: i in chosen,
+                      seen=hold if keep_bytes else None)
+        best = {k: (runs[i].error(n, squares), i) for k, i in leads.items()}
+
+        def within(i: int, low: float) -> bool:
+            error, lead = best[group_of[i]]
+            return low < error or (low == error and i < lead)
+
+        def finished(i: int) -> None:
+            best[group_of[i]] = min(best[group_of[i]], (runs[i].error(n, squares), i))
+
+        self._advance(runs, range(1, n), within, done=finished)
+        start = [group_of.index(k) for k in range(len(groups))]
+        return [(i - start[k], error, held[k][1] if k in held and held[k][0] == i
+                 and len(held[k][1]) == n else None) for k, (error, i) in sorted(best.items())]
+
+    def _count(self) -> int:  # the samples a trial runs
+        return min(TRIAL_SAMPLES, len(self.samples))
+
+    def _squares(self) -> dict[str, float]:
+        """Each float output's squared references summed over the trial samples."""
+        if self._reference_squares is None:
+            self._reference_squares = reference_squares(self.expected[:self._count()])
+        return self._reference_squares
+
+    def _advance(self, runs: list[_Partial], samples: range, go: Callable[[int, float], bool], *,
+                 seen: Callable[[int, int, dict[str, np.ndarray]], None] | None = None,
+                 done: Callable[[int], None] | None = None) -> None:
+        """Each of `samples` in turn, run by the trials that ran every one before it and
+        `go(i, the lower bound of its error so far)`; `seen(i, sample, outputs)` after each
+        run, `done(i)` once trial i ran all (its error kept, as `errors` keeps it)."""
+        assert self.runner is not None, "the trials were closed"
+        n, squares = self._count(), self._squares()
+        for sample in samples:
+            todo = [i for i, r in enumerate(runs) if r.ran == sample
+                    and go(i, r.sums.worst(squares))]
+            self.runs += sum(1 for i in todo if sample == 0)
+            for at in range(0, len(todo), BATCH_TRIALS * TRIAL_SAMPLES):
+                chunk = todo[at:at + BATCH_TRIALS * TRIAL_SAMPLES]
+                for i, got in zip(chunk, self.runner.run([(sample, runs[i].feed) for i in chunk]),
+                                  strict=True):
+                    runs[i].sums.add(got, self.expected[sample])
+                    runs[i].ran += 1
+                    if seen is not None:
+                        seen(i, sample, got)
+                    if runs[i].ran == n:
+                        self._errors[self._key(runs[i].feed)] = runs[i].error(n, squares)
+                        if done is not None:
+                            done(i)
+
     def error(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule]) -> float:
         """The trial's error (`score`) on the first TRIAL_SAMPLES samples."""
         return self.errors([(assign, rules)])[0]
@@ -562,19 +681,24 @@ class Trials:
 def errors_alone(reference: onnx.ModelProto, model: onnx.ModelProto,
                  groups: Sequence[Sequence[str]], stats: CalibrationStats, variant: Variant,
                  samples: Sequence[Feed], *, tensor_scales: Mapping[str, float] | None = None,
-                 weights: WeightStore | None = None, runs: RunsFactory | None = None) -> list[float]:
+                 weights: WeightStore | None = None, runs: RunsFactory | None = None,
+                 bounds: Sequence[float] | None = None,
+                 expected: list[dict[str, np.ndarray]] | None = None) -> list[float]:
     """Each group of layers of `model` alone in `variant`'s format, every other node in
     FP32: the outputs' worst pooled rel L2 on TRIAL_SAMPLES samples, as the QDQ model of
-    npuprep.verify.qdq_model.quantise gives it; every group a run of one session."""
+    npuprep.verify.qdq_model.quantise gives it; every group a run of one session. `bounds`:
+    per group, past it a lower bound will do (Trials.errors_within); `expected`: the
+    reference's outputs on those samples, where the caller has them."""
     from npuprep.numerics import get_format
 
     weights = weights or WeightStore()
     switched = switched_qdq(model, [x for group in groups for x in group], stats, [variant],
                             tensor_scales=tensor_scales, weights=weights)
     trials = Trials(reference, switched, get_format("fp32"), (), list(samples)[:TRIAL_SAMPLES],
-                    saturate=variant.saturate, runs=runs)
+                    saturate=variant.saturate, runs=runs, expected=expected)
+    asked = [(dict.fromkeys(group, variant.fmt.name), {}) for group in groups]
     try:
-        return trials.errors([(dict.fromkeys(group, variant.fmt.name), {}) for group in groups])
+        return trials.errors(asked) if bounds is None else trials.errors_within(asked, bounds)
     finally:
         trials.close()
 
@@ -652,32 +776,16 @@ def choose_rules(trials: Trials, model: onnx.ModelProto, nodes: Sequence[str],
             clips.setdefault(clip_for(stats.tensors[name], fmt, rule).value, rule)
         if len(clips) > 1:
             candidates[name] = list(clips.values())
-    asked = [(dict.fromkeys(readers[name], fmt.name), {name: rule})
-             for name, each in candidates.items() for rule in each]
-    # Each tensor's trial at its best rule so far, for the ranking's session (TrialOutputs):
-    # a reader alone at the rule chosen is the ranking's trial of that layer alone.
-    best: dict[int, tuple[float, list[dict[str, np.ndarray]]]] = {}
-    tensor_of = [k for k, each in enumerate(candidates.values()) for _ in each]
-    room = [trials.shared.max_bytes - trials.shared.held if trials.shared is not None else 0]
-
-    def keep(i: int, got: list[dict[str, np.ndarray]]) -> None:
-        error, k = trials.score(got, trials.expected[:len(got)]), tensor_of[i]
-        if k in best:
-            if not error < best[k][0]:
-                return
-        else:  # a tensor's first trial takes its room; a better rule's outputs replace it
-            size = sum(np.asarray(v).nbytes for o in got for v in o.values())
-            if size > room[0]:
-                return
-            room[0] -= size
-        best[k] = (error, got)
-
-    measured = iter(trials.errors(asked, seen=keep if trials.shared is not None else None))
+    # A tensor's readers alone at each rule: only the least's trial runs every sample (least_errors).
+    found = trials.least_errors(
+        [[(dict.fromkeys(readers[name], fmt.name), {name: rule}) for rule in each]
+         for name, each in candidates.items()],
+        keep_bytes=trials.shared.max_bytes - trials.shared.held if trials.shared is not None else 0)
     chosen = {}
-    for k, (name, each) in enumerate(candidates.items()):
-        errors = {rule: next(measured) for rule in each}
-        chosen[name] = min(errors, key=lambda r: errors[r])
-        if trials.shared is not None and k in best and best[k][0] == errors[chosen[name]]:
+    for (name, each), (k, _, outputs) in zip(candidates.items(), found, strict=True):
+        chosen[name] = each[k]
+        # A reader alone at the rule chosen is the ranking's trial of that layer alone.
+        if trials.shared is not None and outputs is not None:
             trials.shared.put(trials.meaning(dict.fromkeys(readers[name], fmt.name),
-                                             {name: chosen[name]}), best[k][1])
+                                             {name: chosen[name]}), outputs)
     return chosen
