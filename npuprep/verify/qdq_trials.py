@@ -589,44 +589,45 @@ class Trials:
         group_of = [k for k, g in enumerate(groups) for _ in g]
         runs = [_Partial(self._switches(a, r)) for a, r in flat]
         n, squares = self._count(), self._squares()
-        # Each group's least so far on the first sample holds its outputs while there is room.
-        held: dict[int, tuple[int, list[dict[str, np.ndarray]]]] = {}
+        # The outputs of the trials still in the running, held while there is room.
+        held: dict[int, list[dict[str, np.ndarray]]] = {}
         room = [keep_bytes]
 
         def hold(i: int, sample: int, got: dict[str, np.ndarray]) -> None:
-            k, low = group_of[i], runs[i].sums.worst(squares)
-            if sample == 0 and (k not in held or low < runs[held[k][0]].sums.worst(squares)):
-                room[0] += sum(v.nbytes for o in held.pop(k, (0, []))[1] for v in o.values())
-                held[k] = (i, [])
             size = sum(np.asarray(v).nbytes for v in got.values())
-            if k in held and held[k][0] == i:
-                if size > room[0]:
-                    room[0] += sum(v.nbytes for o in held.pop(k)[1] for v in o.values())
-                else:
-                    room[0] -= size
-                    held[k][1].append(got)
+            if size > room[0]:
+                drop(i)
+            elif sample == 0 or i in held:
+                room[0] -= size
+                held.setdefault(i, []).append(got)
 
-        self._advance(runs, range(1), lambda i, low: True, seen=hold if keep_bytes else None)
+        def drop(i: int) -> None:
+            room[0] += sum(np.asarray(v).nbytes for o in held.pop(i, []) for v in o.values())
+
+        keep = hold if keep_bytes else None
+        self._advance(runs, range(1), lambda i, low: True, seen=keep)
         leads: dict[int, int] = {}
         for i, k in enumerate(group_of):
             if k not in leads or runs[i].sums.worst(squares) < runs[leads[k]].sums.worst(squares):
                 leads[k] = i
         chosen = set(leads.values())
-        self._advance(runs, range(1, n), lambda i, low: i in chosen,
-                      seen=hold if keep_bytes else None)
+        self._advance(runs, range(1, n), lambda i, low: i in chosen, seen=keep)
         best = {k: (runs[i].error(n, squares), i) for k, i in leads.items()}
 
         def within(i: int, low: float) -> bool:
             error, lead = best[group_of[i]]
-            return low < error or (low == error and i < lead)
+            if low < error or (low == error and i < lead):
+                return True
+            drop(i)
+            return False
 
         def finished(i: int) -> None:
             best[group_of[i]] = min(best[group_of[i]], (runs[i].error(n, squares), i))
 
-        self._advance(runs, range(1, n), within, done=finished)
+        self._advance(runs, range(1, n), within, seen=keep, done=finished)
         start = [group_of.index(k) for k in range(len(groups))]
-        return [(i - start[k], error, held[k][1] if k in held and held[k][0] == i
-                 and len(held[k][1]) == n else None) for k, (error, i) in sorted(best.items())]
+        return [(i - start[k], error, held[i] if len(held.get(i, [])) == n else None)
+                for k, (error, i) in sorted(best.items())]
 
     def _count(self) -> int:  # the samples a trial runs
         return min(TRIAL_SAMPLES, len(self.samples))
