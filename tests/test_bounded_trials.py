@@ -13,6 +13,7 @@ from npuprep.calibrate import calibrate
 from npuprep.model_io import Model, fingerprint
 from npuprep.numerics import eight_bit_format, get_format
 from npuprep.scale_rules import ScaleRule
+from npuprep.verify.bounded_trials import errors_within, least_errors
 from npuprep.verify.output_errors import PooledSums, reference_squares, worst_pooled_rel_l2
 from npuprep.verify.qdq_trials import (
     LocalRuns,
@@ -78,7 +79,7 @@ def test_the_least_rule_is_the_one_every_trial_run_whole_gives_with_fewer_runs()
     whole = _trials(proto, feeds, stats)
     errors = whole.errors([t for g in _groups() for t in g])
     whole_jobs, Counted.jobs = Counted.jobs, 0
-    found = _trials(proto, feeds, stats).least_errors(_groups())
+    found = least_errors(_trials(proto, feeds, stats), _groups())
     per_group = [errors[k * 3:(k + 1) * 3] for k in range(3)]
     # The first of the least, and its error bit for bit.
     assert [(i, e) for i, e, _ in found] == [
@@ -94,7 +95,7 @@ def test_errors_within_their_bounds_are_exact_and_those_past_them_stop_at_a_lowe
     exact = _trials(proto, feeds, stats).errors(asked)
     bounds = [e * (1.01 if k % 2 else 0.3) for k, e in enumerate(exact)]
     Counted.jobs = 0
-    got = _trials(proto, feeds, stats).errors_within(asked, bounds)
+    got = errors_within(_trials(proto, feeds, stats), asked, bounds)
     for e, b, g in zip(exact, bounds, got, strict=True):
         assert g == e if e <= b else b < g <= e
     assert Counted.jobs < len(asked) * 4
@@ -130,3 +131,20 @@ def test_pooled_sums_bound_the_worst_pooled_rel_l2_from_below_and_meet_it_at_the
     assert bounds[0] < 0.5 * bounds[-1]
     got[2]["z"][0] = np.nan
     assert worst_pooled_rel_l2(got, expected) == math.inf
+
+
+def test_a_check_that_may_stop_fails_where_the_whole_check_fails_and_runs_fewer_samples():
+    proto, feeds, stats = _chain()
+    more = feeds + [{"x": f["x"][::-1].copy()} for f in feeds]  # 8 samples
+    every = {"a": "int8", "b": "int8", "c": "int8"}
+    whole = _trials(proto, more, stats).check(every, {}, rtol=0.05, top_k={})
+    assert not whole and whole.worst_rel_l2 > 0.1
+    Counted.jobs = 0
+    stopped = _trials(proto, more, stats).check(every, {}, rtol=0.05, top_k={}, stop_past=0.04)
+    # Failed as the whole check does, on fewer samples, its rel L2 a lower bound past the aim.
+    assert not stopped and stopped.samples == Counted.jobs < 8
+    assert 0.04 < stopped.worst_rel_l2 <= whole.worst_rel_l2
+    # Under an aim the whole check meets it runs every sample, bit for bit the whole check.
+    kept = _trials(proto, more, stats).check(every, {}, rtol=0.05, top_k={},
+                                             stop_past=2 * whole.worst_rel_l2)
+    assert kept.to_dict() == whole.to_dict()

@@ -278,9 +278,9 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         return all(output_passes(o, JUDGE_MARGIN * rtol, at_margin=True)
                    for o in check.outputs.values())
 
-    def trial(chosen: Sequence[LayerPrecision]) -> OutputCheck:
+    def trial(chosen: Sequence[LayerPrecision], stop_past: float | None = None) -> OutputCheck:
         return sessions.checks().check(_assigned(chosen), tensor_rules, rtol=rtol, top_k=top_k,
-                                       margin=DECISION_MARGIN)
+                                       margin=DECISION_MARGIN, stop_past=stop_past)
 
     def ranker(fmt: EightBitFormat) -> tuple[Callable[[list[str], list[LayerPrecision]],
                                                        list[Sensitivity]],
@@ -314,7 +314,9 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                                 share=lambda c: eight_bit_share(c, macs),
                                 cost=lambda n: _cost([n], macs), min_share=min_share,
                                 alternative=alternative.name if alternative else None,
-                                leave_out=leave_out)
+                                leave_out=leave_out,
+                                # A swap's check stops once an output errs past the aim for sure.
+                                stopping=lambda c: trial(c, stop_past=JUDGE_MARGIN * rtol))
 
     if int8_start is not None and other is not None:
         start_check = trial(layers)
@@ -590,8 +592,8 @@ def _curve_note(curve: Sequence[CurvePoint], runs: int, chosen_rel_l2: float) ->
     the last tried whose error is the chosen check's (with two searches, or a shorter head
     tried after it, the last passing point need not be the one kept)."""
     chosen = next((p for p in reversed(curve) if p.rel_l2 == chosen_rel_l2), None)
-    points = ", ".join(f"{p.share:.0%}{'*' if p is chosen else ''} -> {p.rel_l2:.3g}"
-                       for p in curve)
+    points = ", ".join(f"{p.share:.0%}{'*' if p is chosen else ''} -> "
+                       f"{'>=' if p.at_least else ''}{p.rel_l2:.3g}" for p in curve)
     return (f"8-bit share -> outputs' rel L2 on the calibration samples, as tried ({runs} "
             f"trial runs, a session per phase; * chosen): {points}")
 

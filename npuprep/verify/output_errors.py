@@ -341,9 +341,14 @@ class PooledSums:
                 pooled[2] += float(bad.sum())
 
     def worst(self, references: Mapping[str, float] | None = None) -> float:
-        return max((math.inf if bad else rel_l2(err2, ref2 if references is None
-                                                 else references[name])
-                    for name, (err2, ref2, bad) in self.sums.items()), default=0.0)
+        return max(self.lows(references).values(), default=0.0)
+
+    def lows(self, references: Mapping[str, float] | None = None) -> dict[str, float]:
+        """Per output, its pooled rel L2 (Inf where it held Inf/NaN); a lower bound of the
+        final one with every sample's squared `references`."""
+        return {name: math.inf if bad else rel_l2(err2, ref2 if references is None
+                                                  else references[name])
+                for name, (err2, ref2, bad) in self.sums.items()}
 
 
 def reference_squares(expected: Sequence[Mapping[str, Any]]) -> dict[str, float]:

@@ -58,6 +58,7 @@ from npuprep.rewrite.qdq import (
 )
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
+from npuprep.verify.bounded_trials import errors_within, least_errors
 from npuprep.verify.output_check import OutputCheck
 from npuprep.verify.output_errors import (
     OutputErrors,
@@ -434,19 +435,6 @@ def reference_outputs(reference: onnx.ModelProto, samples: Sequence[Feed]) -> li
     return [run(ref, dict(f)) for f in samples]
 
 
-@dataclass
-class _Partial:
-    """A trial run a sample at a time: its switches, the samples it ran, their sums."""
-
-    feed: dict[str, np.ndarray]
-    ran: int = 0
-    sums: PooledSums = field(default_factory=PooledSums)
-
-    def error(self, count: int, squares: Mapping[str, float]) -> float:
-        """Its error where it ran all `count` samples, else the lower bound so far."""
-        return self.sums.worst() if self.ran == count else self.sums.worst(squares)
-
-
 class Trials:
     """One session of a SwitchedQdq on the target (the tensors outside the switches and
     `pinned` rounded to `wide`, as the board computes), the reference's outputs run once
@@ -479,7 +467,7 @@ class Trials:
         # (npuprep.verify.decision_margin).
         self.score: TrialScore = worst_pooled_rel_l2
         self._errors: dict[bytes, float] = {}
-        self._reference_squares: dict[str, float] | None = None
+        self._check_squares: dict[str, float] | None = None
         self._order = sorted(set(switched.weight_switches.values())
                              | set(switched.input_switches.values())
                              | set(switched.bias_switches.values()))
@@ -505,6 +493,29 @@ class Trials:
 
     def _key(self, switches: Mapping[str, np.ndarray]) -> bytes:
         return np.packbits(np.array([bool(switches[s]) for s in self._order], bool)).tobytes()
+
+    def switches(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule]) -> dict[str, np.ndarray]:
+        """The session's switches for the trial (assign, rules)."""
+        return self._switches(assign, rules)
+
+    def remember(self, switches: Mapping[str, np.ndarray], error: float) -> None:
+        """The error of the trial these switches make, measured elsewhere (`errors` keeps it)."""
+        self._errors[self._key(switches)] = error
+
+    @property
+    def trial_samples(self) -> int:
+        """The samples a trial's error (`errors`) is measured on."""
+        return min(TRIAL_SAMPLES, len(self.samples))
+
+    @property
+    def batch_runs(self) -> int:
+        """The runs handed to the runner at once (their outputs held until taken)."""
+        return BATCH_TRIALS * TRIAL_SAMPLES
+
+    def run_on(self, sample: int, feeds: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        """Each of `feeds`' outputs on one sample (npuprep.verify.bounded_trials)."""
+        assert self.runner is not None, "the trials were closed"
+        return self.runner.run([(sample, f) for f in feeds])
 
     def meaning(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule]) -> Meaning:
         """What the trial (assign, rules) switches on, in any session of the search."""
@@ -562,121 +573,47 @@ class Trials:
                         seen(i, got)
         return [self._errors[k] for k in keys]
 
-    def errors_within(self, trials: Sequence[tuple[Mapping[str, str], Mapping[str, ScaleRule]]],
-                      bounds: Sequence[float]) -> list[float]:
-        """Each trial's error as `errors` gives it where that is at most its bound, else a
-        lower bound past it: the trials run a sample at a time, and one whose errors summed
-        so far already pass its bound stops (PooledSums; under another `score` than the
-        outputs' worst pooled rel L2, every trial runs whole)."""
-        if self.score is not worst_pooled_rel_l2:
-            return self.errors(trials)
-        runs = [_Partial(self._switches(a, r)) for a, r in trials]
-        self._advance(runs, range(self._count()), lambda i, low: low <= bounds[i])
-        return [r.error(self._count(), self._squares()) for r in runs]
-
-    def least_errors(self, groups: Sequence[Sequence[tuple[Mapping[str, str],
-                                                           Mapping[str, ScaleRule]]]], *,
-                     keep_bytes: int = 0) -> list[tuple[int, float, list[dict[str, np.ndarray]] | None]]:
-        """Per group of trials, the index of the one erring least (the first of equals), its
-        error as `errors` gives it, and its outputs where `keep_bytes` held them. Each trial
-        runs the first sample, the group's least there the rest, the others a sample at a time
-        while their errors so far do not pass it (PooledSums; as `errors_within`)."""
-        flat = [t for g in groups for t in g]
-        if self.score is not worst_pooled_rel_l2:
-            found = iter(self.errors(flat))
-            errors = [[next(found) for _ in g] for g in groups]
-            return [(min(range(len(e)), key=e.__getitem__), min(e), None) for e in errors]
-        group_of = [k for k, g in enumerate(groups) for _ in g]
-        runs = [_Partial(self._switches(a, r)) for a, r in flat]
-        n, squares = self._count(), self._squares()
-        # The outputs of the trials still in the running, held while there is room.
-        held: dict[int, list[dict[str, np.ndarray]]] = {}
-        room = [keep_bytes]
-
-        def hold(i: int, sample: int, got: dict[str, np.ndarray]) -> None:
-            size = sum(np.asarray(v).nbytes for v in got.values())
-            if size > room[0]:
-                drop(i)
-            elif sample == 0 or i in held:
-                room[0] -= size
-                held.setdefault(i, []).append(got)
-
-        def drop(i: int) -> None:
-            room[0] += sum(np.asarray(v).nbytes for o in held.pop(i, []) for v in o.values())
-
-        keep = hold if keep_bytes else None
-        self._advance(runs, range(1), lambda i, low: True, seen=keep)
-        leads: dict[int, int] = {}
-        for i, k in enumerate(group_of):
-            if k not in leads or runs[i].sums.worst(squares) < runs[leads[k]].sums.worst(squares):
-                leads[k] = i
-        chosen = set(leads.values())
-        self._advance(runs, range(1, n), lambda i, low: i in chosen, seen=keep)
-        best = {k: (runs[i].error(n, squares), i) for k, i in leads.items()}
-
-        def within(i: int, low: float) -> bool:
-            error, lead = best[group_of[i]]
-            if low < error or (low == error and i < lead):
-                return True
-            drop(i)
-            return False
-
-        def finished(i: int) -> None:
-            best[group_of[i]] = min(best[group_of[i]], (runs[i].error(n, squares), i))
-
-        self._advance(runs, range(1, n), within, seen=keep, done=finished)
-        start = [group_of.index(k) for k in range(len(groups))]
-        return [(i - start[k], error, held[i] if len(held.get(i, [])) == n else None)
-                for k, (error, i) in sorted(best.items())]
-
-    def _count(self) -> int:  # the samples a trial runs
-        return min(TRIAL_SAMPLES, len(self.samples))
-
-    def _squares(self) -> dict[str, float]:
-        """Each float output's squared references summed over the trial samples."""
-        if self._reference_squares is None:
-            self._reference_squares = reference_squares(self.expected[:self._count()])
-        return self._reference_squares
-
-    def _advance(self, runs: list[_Partial], samples: range, go: Callable[[int, float], bool], *,
-                 seen: Callable[[int, int, dict[str, np.ndarray]], None] | None = None,
-                 done: Callable[[int], None] | None = None) -> None:
-        """Each of `samples` in turn, run by the trials that ran every one before it and
-        `go(i, the lower bound of its error so far)`; `seen(i, sample, outputs)` after each
-        run, `done(i)` once trial i ran all (its error kept, as `errors` keeps it)."""
-        assert self.runner is not None, "the trials were closed"
-        n, squares = self._count(), self._squares()
-        for sample in samples:
-            todo = [i for i, r in enumerate(runs) if r.ran == sample
-                    and go(i, r.sums.worst(squares))]
-            self.runs += sum(1 for i in todo if sample == 0)
-            for at in range(0, len(todo), BATCH_TRIALS * TRIAL_SAMPLES):
-                chunk = todo[at:at + BATCH_TRIALS * TRIAL_SAMPLES]
-                for i, got in zip(chunk, self.runner.run([(sample, runs[i].feed) for i in chunk]),
-                                  strict=True):
-                    runs[i].sums.add(got, self.expected[sample])
-                    runs[i].ran += 1
-                    if seen is not None:
-                        seen(i, sample, got)
-                    if runs[i].ran == n:
-                        self._errors[self._key(runs[i].feed)] = runs[i].error(n, squares)
-                        if done is not None:
-                            done(i)
-
     def error(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule]) -> float:
         """The trial's error (`score`) on the first TRIAL_SAMPLES samples."""
         return self.errors([(assign, rules)])[0]
 
     def check(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule], *, rtol: float,
-              top_k: Mapping[str, Decision], margin: float = 1.0) -> OutputCheck:
+              top_k: Mapping[str, Decision], margin: float = 1.0,
+              stop_past: float | None = None) -> OutputCheck:
         """The outputs' check on every sample, as check_outputs judges a built model; the
-        top-K decisions also with the error scaled by `margin` (OutputErrors)."""
+        top-K decisions also with the error scaled by `margin` (OutputErrors). `stop_past`
+        (outputs judged by rel L2 alone): the samples run a core's worth at a time, and once an
+        output's squared errors so far over every sample's squared references pass it (or it
+        holds Inf/NaN), the check fails there: its samples those run, each rel L2 that lower
+        bound."""
+        assert self.runner is not None, "the trials were closed"
         errors = OutputErrors(top_k=dict(top_k), tie_rtol=rtol, margin=margin)
-        for r, c in zip(self.expected, self.outputs(assign, rules), strict=True):
-            for name, rv in r.items():
-                if np.issubdtype(np.asarray(rv).dtype, np.floating):
-                    errors.add(name, rv, np.asarray(c[name], dtype=np.float64))
-        return OutputCheck(rtol=rtol, samples=len(self.samples), outputs=errors.result())
+        sums, count = PooledSums(), len(self.samples)
+        step = count
+        if stop_past is not None and not top_k:
+            from npuprep.calibrate.run import cores
+            step = max(1, cores())
+        feed = self._switches(assign, rules)
+        self.runs += 1
+        for at in range(0, count, step):
+            got = self.runner.run([(i, feed) for i in range(at, min(at + step, count))])
+            for r, c in zip(self.expected[at:at + step], got, strict=True):
+                for name, rv in r.items():
+                    if np.issubdtype(np.asarray(rv).dtype, np.floating):
+                        errors.add(name, rv, np.asarray(c[name], dtype=np.float64))
+                if step < count:
+                    sums.add(c, r)
+            if at + step < count and sums.worst(self._all_squares()) > stop_past:  # type: ignore[operator]
+                found = errors.result()
+                for name, low in sums.lows(self._all_squares()).items():
+                    found[name]["rel_l2"] = low
+                return OutputCheck(rtol=rtol, samples=at + step, outputs=found)
+        return OutputCheck(rtol=rtol, samples=count, outputs=errors.result())
+
+    def _all_squares(self) -> dict[str, float]:
+        if self._check_squares is None:
+            self._check_squares = reference_squares(self.expected)
+        return self._check_squares
 
 
 def errors_alone(reference: onnx.ModelProto, model: onnx.ModelProto,
@@ -688,7 +625,7 @@ def errors_alone(reference: onnx.ModelProto, model: onnx.ModelProto,
     """Each group of layers of `model` alone in `variant`'s format, every other node in
     FP32: the outputs' worst pooled rel L2 on TRIAL_SAMPLES samples, as the QDQ model of
     npuprep.verify.qdq_model.quantise gives it; every group a run of one session. `bounds`:
-    per group, past it a lower bound will do (Trials.errors_within); `expected`: the
+    per group, past it a lower bound will do (bounded_trials.errors_within); `expected`: the
     reference's outputs on those samples, where the caller has them."""
     from npuprep.numerics import get_format
 
@@ -699,7 +636,7 @@ def errors_alone(reference: onnx.ModelProto, model: onnx.ModelProto,
                     saturate=variant.saturate, runs=runs, expected=expected)
     asked = [(dict.fromkeys(group, variant.fmt.name), {}) for group in groups]
     try:
-        return trials.errors(asked) if bounds is None else trials.errors_within(asked, bounds)
+        return trials.errors(asked) if bounds is None else errors_within(trials, asked, bounds)
     finally:
         trials.close()
 
@@ -778,7 +715,8 @@ def choose_rules(trials: Trials, model: onnx.ModelProto, nodes: Sequence[str],
         if len(clips) > 1:
             candidates[name] = list(clips.values())
     # A tensor's readers alone at each rule: only the least's trial runs every sample (least_errors).
-    found = trials.least_errors(
+    found = least_errors(
+        trials,
         [[(dict.fromkeys(readers[name], fmt.name), {name: rule}) for rule in each]
          for name, each in candidates.items()],
         keep_bytes=trials.shared.max_bytes - trials.shared.held if trials.shared is not None else 0)
