@@ -148,3 +148,18 @@ def test_a_check_that_may_stop_fails_where_the_whole_check_fails_and_runs_fewer_
     kept = _trials(proto, more, stats).check(every, {}, rtol=0.05, top_k={},
                                              stop_past=2 * whole.worst_rel_l2)
     assert kept.to_dict() == whole.to_dict()
+
+
+def test_the_references_outputs_run_once_are_those_each_subset_ran_alone():
+    from npuprep.verify.qdq_trials import ReferenceOutputs, reference_outputs
+
+    proto, feeds, _ = _chain()
+    more = feeds + [{"x": f["x"][::-1].copy()} for f in feeds]
+    once = ReferenceOutputs(proto, more)
+    odd = once.on(more[1::2])
+    assert all(np.array_equal(a["y"], b["y"])
+               for a, b in zip(odd, reference_outputs(proto, more[1::2]), strict=True))
+    assert once.on(more[1::2])[0] is odd[0]  # the same arrays: run once
+    # A feed not among the samples runs on its own.
+    other = {"x": feeds[0]["x"] * 2}
+    assert np.array_equal(once.on([other])[0]["y"], reference_outputs(proto, [other])[0]["y"])

@@ -68,6 +68,7 @@ from npuprep.verify.qdq_model import (
 )
 from npuprep.verify.qdq_trials import (
     TRIAL_SAMPLES,
+    ReferenceOutputs,
     RunsFactory,
     TrialOutputs,
     Trials,
@@ -77,7 +78,6 @@ from npuprep.verify.qdq_trials import (
     errors_alone,
     leave_one_out,
     rank_layers,
-    reference_outputs,
     switched_qdq,
 )
 from npuprep.verify.widening import CurvePoint, Widening, widen_by_ranking
@@ -158,24 +158,15 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     # Each INT8 layer's error alone at its format's default rule: what a balancing keeps by.
     alone = None if int8 is None else Variant(int8.fmt, (int8.rules[0],), True)
 
-    # The reference's outputs on the calibration samples, run once for every measurement and
-    # trial session below (each ran a session of the FP32 model: ddddocr_det ~1.5 CPU s).
-    reference: list[list[dict[str, np.ndarray]]] = []
-
-    def expected(feeds: Sequence[Feed]) -> list[dict[str, np.ndarray]]:
-        if not reference:
-            reference.append(reference_outputs(work.proto, samples))
-        at = {id(f): i for i, f in enumerate(samples)}
-        if not all(id(f) in at for f in feeds):
-            return reference_outputs(work.proto, feeds)
-        return [reference[0][at[id(f)]] for f in feeds]
+    # The reference's outputs, run once for every measurement and trial session below.
+    expected = ReferenceOutputs(work.proto, samples)
 
     def measure(model: onnx.ModelProto, stats: CalibrationStats, groups: list[list[str]],
                 on: Sequence[Feed], bounds: Sequence[float] | None) -> list[float]:
         assert alone is not None
         return errors_alone(work.proto, model, groups, stats, alone, on,
                             tensor_scales=applied.tensor_scales, weights=weights, runs=runner,
-                            bounds=bounds, expected=expected(on[:TRIAL_SAMPLES]))
+                            bounds=bounds, expected=expected.on(on[:TRIAL_SAMPLES]))
 
     # The INT8 layers: the INT8 conversion's, or those of an FP8 conversion's INT8 search
     # (balanced as the INT8 conversion balances them, so that search is the INT8 one), where
@@ -245,7 +236,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         work.proto, base, layers, stats, variants, wide, samples, saturate=saturate,
         kept_wider=pinned | {x.node for x in layers if x.precision == "fp32"},
         tensor_scales=applied.tensor_scales, weights=weights, means=means, runner=runner,
-        score=_decision_score(top_k, JUDGE_MARGIN * rtol, rtol), expected=expected(samples))
+        score=_decision_score(top_k, JUDGE_MARGIN * rtol, rtol), expected=expected.on(samples))
     if top_k:
         judged_by = ", ".join(f"{name} ({_rule_said(k)})" for name, k in top_k.items())
         notes.append(f"the search ranks layers and compares trials by the share of each decided "

@@ -435,6 +435,24 @@ def reference_outputs(reference: onnx.ModelProto, samples: Sequence[Feed]) -> li
     return [run(ref, dict(f)) for f in samples]
 
 
+class ReferenceOutputs:
+    """The FP32 reference's outputs on a conversion's calibration samples, run once (when first
+    asked) for every measurement and trial session of it (each ran them in a session of its
+    own: ddddocr_det ~1.5 CPU s); feeds that are not among the samples run on their own."""
+
+    def __init__(self, reference: onnx.ModelProto, samples: Sequence[Feed]) -> None:
+        self.reference, self.samples = reference, list(samples)
+        self._found: list[dict[str, np.ndarray]] | None = None
+
+    def on(self, feeds: Sequence[Feed]) -> list[dict[str, np.ndarray]]:
+        at = {id(f): i for i, f in enumerate(self.samples)}
+        if not all(id(f) in at for f in feeds):
+            return reference_outputs(self.reference, feeds)
+        if self._found is None:
+            self._found = reference_outputs(self.reference, self.samples)
+        return [self._found[at[id(f)]] for f in feeds]
+
+
 class Trials:
     """One session of a SwitchedQdq on the target (the tensors outside the switches and
     `pinned` rounded to `wide`, as the board computes), the reference's outputs run once
