@@ -588,7 +588,8 @@ def _curve_note(curve: Sequence[CurvePoint], runs: int, chosen_rel_l2: float) ->
     """The share/error points the search tried, in the order tried, the chosen one marked:
     the last tried whose error is the chosen check's (with two searches, or a shorter head
     tried after it, the last passing point need not be the one kept)."""
-    chosen = next((p for p in reversed(curve) if p.rel_l2 == chosen_rel_l2), None)
+    chosen = next((p for p in reversed(curve) if p.rel_l2 == chosen_rel_l2 and not p.at_least),
+                  None)
     points = ", ".join(f"{p.share:.0%}{'*' if p is chosen else ''} -> "
                        f"{'>=' if p.at_least else ''}{p.rel_l2:.3g}" for p in curve)
     return (f"8-bit share -> outputs' rel L2 on the calibration samples, as tried ({runs} "
