@@ -53,6 +53,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corpus  # noqa: E402 - the sibling script, run from anywhere
+import corpus_new  # noqa: E402
 from bench_convert_scale import _rss_mb  # noqa: E402 - one resident-memory reader
 
 COMMANDS = ("check", "calibrate", "convert", "compare")
@@ -504,6 +505,7 @@ def main() -> int:
     ap.add_argument("--render", action="store_true", help="only re-render OUT.md from OUT.json")
     ap.add_argument("--extra2", type=Path, metavar="DIR",
                     help="the models extra2_models.sh built in DIR instead of bench/corpus.py's")
+    ap.add_argument("--new", action="store_true", help="bench/corpus_new.py's models instead")
     ap.add_argument("--autocast", action="store_true",
                     help="also ModelOpt's AutoCast FP16 on each model, timed and judged alike")
     ap.add_argument("--autocast-max-mb", type=int, default=8000,
@@ -518,12 +520,14 @@ def main() -> int:
         root, entries = args.extra2, extra2_entries(args.extra2, args.only)
         names = []
     else:
-        root = corpus.corpus_dir()
-        names = args.only or list(corpus.SPECS)
+        root = corpus_new.corpus_new_dir() if args.new else corpus.corpus_dir()
+        specs = corpus_new.SPECS if args.new else corpus.SPECS
+        names = args.only or list(specs)
         entries = []
     for name in names:
         try:
-            entries.append(corpus.build_one(corpus.SPECS[name], root))
+            entries.append({**corpus.build_one(specs[name], root),
+                            "decided_by": list(specs[name].decided_by)})
         except Exception as exc:  # an unbuildable model is reported, not fatal
             print(f"{name}: not built: {exc}", file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
