@@ -193,3 +193,24 @@ def test_a_softmax_over_thousands_of_classes_fails_without_blaming_its_tiny_prob
     assert under.evidence["share_below_min_normal"] > 0.5
     assert not failed and errors["max_abs_error"] > 1e-4 and errors["rel_l2"] > 1e-4
     assert failed.verdict.cause == "" and "underflow" not in failed.verdict.said, failed.verdict.said
+
+
+def test_an_output_judged_by_its_text_fails_by_its_text_not_by_a_passing_sets_rel_l2():
+    # PP-OCRv5 in INT8: 1 of 8 calibration texts changed; the held-out texts all held at a
+    # larger rel L2. The reason names the texts, not the held-out set's rel L2.
+    from types import SimpleNamespace
+
+    from npuprep.pipeline.verdict import _precision_limited
+    from npuprep.verify.output_check import OutputCheck
+
+    def errors(rel_l2: float, agreement: float) -> dict:
+        return {"rel_l2": rel_l2, "max_abs_error": 0.4, "nonfinite": 0, "top_k": 0, "ctc_text": True,
+                "top_k_agreement": agreement, "top_k_positions": 8, "top_k_ties": 0,
+                "top_k_ties_flipped": 0}
+
+    calibration = OutputCheck(rtol=0.05, samples=8, outputs={"text": errors(0.089, 0.875)})
+    held = OutputCheck(rtol=0.05, samples=4, outputs={"text": errors(0.192, 1.0)})
+    result = SimpleNamespace(first_divergent=None, error_attribution=(), precision="int8")
+    said = _precision_limited(result, [calibration, held])
+    assert said.startswith("outputs off (text: CTC text 87.5%) with no Inf/NaN (INT8"), said
+    assert "0.192" not in said
