@@ -18,11 +18,14 @@ from npuprep.verify.qdq_model import balance_conv_inputs
 from npuprep.verify.qdq_trials import Trials, Variant, errors_alone, switched_qdq
 
 pkl, folder, out, how = sys.argv[1], Path(sys.argv[2]).expanduser(), sys.argv[3], sys.argv[4]
+if len(sys.argv) > 5:
+    import npuprep.rewrite.equalise as eq
+    eq.MAX_FACTOR = float(sys.argv[5])
 d = pickle.load(open(pkl, "rb"))
 ref = onnx.load_from_string(d["reference"])
 base = onnx.load_from_string(d["base"])
-calib = load_samples(folder / "calib", ref)
-held = load_samples(folder / "heldout", ref)
+calib = list(load_samples(folder / "calib", ref))
+held = list(load_samples(folder / "heldout", ref))
 assigned = {x.node: x.precision for x in d["layers"] if eight_bit_format(x.precision) is not None}
 SCORES = ["transpose_0.tmp_0", "transpose_2.tmp_0", "transpose_4.tmp_0", "transpose_6.tmp_0"]
 BOXES = ["transpose_1.tmp_0", "transpose_3.tmp_0", "transpose_5.tmp_0", "transpose_7.tmp_0"]
