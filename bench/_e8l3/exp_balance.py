@@ -46,7 +46,7 @@ stats = d["stats"]
 if how != "none":
     def measure(model, st, groups, on):
         return errors_alone(ref, model, groups, st, alone_v, on, tensor_scales=d["tensor_scales"],
-                            weights=d["weights"], score=score if how == "detect" else None)
+                            weights=d["weights"], )
     found = balance_conv_inputs(base, dw, stats, calib, measure=measure, left_alone=set(),
                                 weights=d["weights"])
     base, stats = found.model, found.stats

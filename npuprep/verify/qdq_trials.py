@@ -562,12 +562,10 @@ class Trials:
 def errors_alone(reference: onnx.ModelProto, model: onnx.ModelProto,
                  groups: Sequence[Sequence[str]], stats: CalibrationStats, variant: Variant,
                  samples: Sequence[Feed], *, tensor_scales: Mapping[str, float] | None = None,
-                 weights: WeightStore | None = None, runs: RunsFactory | None = None,
-                 score: TrialScore | None = None) -> list[float]:
+                 weights: WeightStore | None = None, runs: RunsFactory | None = None) -> list[float]:
     """Each group of layers of `model` alone in `variant`'s format, every other node in
-    FP32: the outputs' worst pooled rel L2 on TRIAL_SAMPLES samples (or `score` of them), as
-    the QDQ model of npuprep.verify.qdq_model.quantise gives it; every group a run of one
-    session."""
+    FP32: the outputs' worst pooled rel L2 on TRIAL_SAMPLES samples, as the QDQ model of
+    npuprep.verify.qdq_model.quantise gives it; every group a run of one session."""
     from npuprep.numerics import get_format
 
     weights = weights or WeightStore()
@@ -575,8 +573,6 @@ def errors_alone(reference: onnx.ModelProto, model: onnx.ModelProto,
                             tensor_scales=tensor_scales, weights=weights)
     trials = Trials(reference, switched, get_format("fp32"), (), list(samples)[:TRIAL_SAMPLES],
                     saturate=variant.saturate, runs=runs)
-    if score is not None:
-        trials.scored_by(score)
     try:
         return trials.errors([(dict.fromkeys(group, variant.fmt.name), {}) for group in groups])
     finally:
