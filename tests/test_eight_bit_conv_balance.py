@@ -228,3 +228,31 @@ def _values(model: onnx.ModelProto, tensor: str, feeds: list) -> list[np.ndarray
                                                                  None))
     session = make_session(probe)
     return [run(session, f)[tensor] for f in feeds]
+
+
+def test_a_grouped_and_a_pointwise_reader_share_one_balancing_and_the_function_stays():
+    # h (8 channels) -> grouped Conv g2 (4 groups of 2 channels) and pointwise Conv pw: one
+    # factor per channel of h for both readers (SmoothQuant's rule over both weights, each
+    # weight's input channel found through its group), the FP32 function unchanged.
+    from npuprep.rewrite.smooth import conv_smoothing_factors, smooth
+
+    proto = _with("""
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1, 8, 6, 6] h) => (float[1, 8, 4, 4] a, float[1, 4, 6, 6] b) {
+    [g2] a = Conv <kernel_shape = [3, 3], group = 4> (h, Wg)
+    [pw] b = Conv <kernel_shape = [1, 1]> (h, Wp)
+}
+""", {"Wg": RNG.standard_normal((8, 2, 3, 3)), "Wp": RNG.standard_normal((4, 8, 1, 1))})
+    spread = 2.0 ** np.arange(8)
+    feeds = [{"h": (RNG.standard_normal((1, 8, 6, 6)) * spread.reshape(1, 8, 1, 1)).astype(np.float32)}
+             for _ in range(3)]
+    wg = numpy_helper.to_array(proto.graph.initializer[0])
+    wp = numpy_helper.to_array(proto.graph.initializer[1])
+    s = conv_smoothing_factors(spread.astype(np.float32), [(wg, 4), (wp, 1)])
+    # Not every reader is depthwise: s = sqrt(x / w) per channel, the loud channels divided more.
+    assert s.shape == (8,) and np.all(np.diff(s) > 0)
+    done = smooth(proto, {"h": s}, {"h": ["g2", "pw"]})
+    assert pooled_rel_l2(done.model, proto, feeds) < 1e-6
+    # Every reader depthwise: each channel raised to the largest's, at most 16x.
+    dw = conv_smoothing_factors(spread.astype(np.float32), [(wg[:, :1], 8)])
+    assert np.allclose(dw, np.maximum(spread / spread.max(), 1 / 16))
