@@ -126,6 +126,23 @@ def initializers(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     return {init.name: init for init in graph.initializer}
 
 
+def without_weight_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    """`model` (a copy where it changes) with no graph input that is also a main-graph
+    initialiser, and those inputs' names. Old exporters listed every weight as an input too
+    (an overridable default); a weight rewritten under a new name would leave such an input
+    with no value, required by onnxruntime and fed by no sample."""
+    weights = {i.name for i in model.graph.initializer}
+    listed = [i.name for i in model.graph.input if i.name in weights]
+    if not listed:
+        return model, []
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    kept = [i for i in copy.graph.input if i.name not in weights]
+    del copy.graph.input[:]
+    copy.graph.input.extend(kept)
+    return copy, listed
+
+
 def constant_value(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
     """The value of a tensor that is an initialiser or a Constant node's output, or a Cast
     of one to FP32 (how BF16 exports store weights), else None."""

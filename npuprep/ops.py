@@ -44,9 +44,9 @@ MAC_WEIGHT_INPUTS: dict[str, tuple[int, ...]] = {
     "Conv": (1, 2), "ConvTranspose": (1, 2), "Gemm": (1, 2), "MatMul": (1,),
 }
 MAC_OPS = frozenset(MAC_WEIGHT_INPUTS)
-# The MAC ops an 8-bit plan quantises (plan.layer_precision): ConvTranspose stays wider, as
-# the quantiser has no per-channel rule for its weight (output channels on axis 1).
-QUANTISED_MAC_OPS = MAC_OPS - {"ConvTranspose"}
+# The MAC ops an 8-bit plan quantises (plan.layer_precision); a ConvTranspose's weight holds
+# its output channels on axis 1 (npuprep.rewrite.qdq.weight_axis).
+QUANTISED_MAC_OPS = MAC_OPS
 # Recurrent layers: a gate matrix product per step (W on the input, R on the state), most of
 # an LSTM speaker encoder's or GRU decoder's arithmetic. No rescale rule or 8-bit rule covers
 # them (their weights feed gate nonlinearities at every step), so they stay in the wider format.

@@ -86,6 +86,7 @@ def upgrade_opset(model: onnx.ModelProto, opset: int, *, why: str) -> onnx.Model
         ) from None
     _drop_contradicted_shapes(new)
     _restore_weights(new, parked)
+    _restore_renamed(model.graph, new.graph)
     before = {o for s in walk_graphs(model.graph) for n in s.graph.node for o in n.output if o}
     after = {o for s in walk_graphs(new.graph) for n in s.graph.node for o in n.output if o}
     missing = sorted(before - after)
@@ -95,6 +96,31 @@ def upgrade_opset(model: onnx.ModelProto, opset: int, *, why: str) -> onnx.Model
             "convert the model yourself first"
         )
     return new
+
+
+def _restore_renamed(old: onnx.GraphProto, new: onnx.GraphProto) -> None:
+    """Tensors an adapter renamed get their names back. The Upsample-9 -> Resize-10 adapter
+    names its Resize's output afresh ('c' -> '_v_10') where 'c' is not a graph output: found
+    through a reader of 'c' that kept its own output names, the slot it read 'c' at."""
+    new_outputs = {o for n in new.node for o in n.output if o}
+    old_names = {o for n in old.node for o in n.output if o} | {t.name for t in old.input} | {
+        t.name for t in old.initializer}
+    producer = {o: n for n in new.node for o in n.output if o}
+    renames: dict[str, str] = {}
+    for reader in old.node:
+        kept = next((producer[o] for o in reader.output if o in producer), None)
+        if kept is None or len(kept.input) != len(reader.input):
+            continue
+        for was, now in zip(reader.input, kept.input, strict=True):
+            if was and was not in new_outputs and now and now not in old_names:
+                renames.setdefault(now, was)
+    if not renames:
+        return
+    for node in new.node:
+        node.input[:] = [renames.get(i, i) for i in node.input]
+        node.output[:] = [renames.get(o, o) for o in node.output]
+    for info in new.value_info:
+        info.name = renames.get(info.name, info.name)
 
 
 def _drop_contradicted_shapes(model: onnx.ModelProto) -> None:

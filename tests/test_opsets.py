@@ -192,3 +192,40 @@ def test_a_stale_declared_output_shape_is_dropped_where_a_newer_opset_contradict
     # A declared shape inference agrees with is kept.
     kept = upgrade_opset(old_model(11), 13, why="test")
     assert all(o.type.tensor_type.HasField("shape") for o in kept.graph.output)
+
+
+def upsample_model() -> onnx.ModelProto:
+    """x -> Conv -> a -> Upsample-9(x2, nearest) -> c -> Conv -> y   (opset 9; 'c' read inside)"""
+    rng = np.random.default_rng(9)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w1"),
+             numpy_helper.from_array(rng.standard_normal((2, 4, 3, 3)).astype(np.float32), "w2"),
+             numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a"], pads=[1, 1, 1, 1]),
+             helper.make_node("Upsample", ["a", "scales"], ["c"], mode="nearest"),
+             helper.make_node("Conv", ["c", "w2"], ["y"], pads=[1, 1, 1, 1])]
+    graph = helper.make_graph(
+        nodes, "up", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 16, 16])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)])
+    model.ir_version = 6
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def test_an_upsample_renamed_by_the_converter_keeps_its_tensor_name(tmp_path):
+    # onnx's Upsample-9 -> Resize-10 adapter names the Resize output afresh: the name comes back.
+    model = upsample_model()
+    new = upgrade_opset(model, 13, why="test")
+    resize = next(n for n in new.graph.node if n.op_type == "Resize")
+    assert list(resize.output) == ["c"]
+    assert [n.input[0] for n in new.graph.node if n.op_type == "Conv"] == ["x", "c"]
+    x = np.random.default_rng(1).standard_normal((1, 3, 8, 8)).astype(np.float32)
+    np.testing.assert_allclose(run(make_session(new), {"x": x})["y"],
+                               run(make_session(model), {"x": x})["y"], rtol=1e-5, atol=1e-5)
+    # ... so an opset-9 Upsample model converts (it was refused: "lost tensor 'c'").
+    path, data = write(tmp_path, model, samples=3)
+    out = tmp_path / "up.int8.onnx"
+    done = run_cli("convert", path, "--target", "a2000", "--precision", "int8", "--data", data,
+                   "-o", out)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert model_opset(onnx.load(str(out))) >= 9

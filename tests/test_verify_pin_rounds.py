@@ -51,6 +51,8 @@ def test_a_pin_is_kept_when_it_passes_lowers_the_nonfinite_count_or_the_error_by
     assert improved(_check(0.5, nonfinite=4), _check(0.9, nonfinite=1))
     assert improved(_check(0.05), _check(0.045))
     assert not improved(_check(0.05), _check(0.046))
+    # As many Inf/NaN as before: the finite values' error says nothing of the failure.
+    assert not improved(_check(0.5, nonfinite=4), _check(0.1, nonfinite=4))
 
 
 def test_an_overflow_pins_the_first_divergent_node_or_the_producers_of_a_pinned_one():
@@ -102,3 +104,45 @@ def test_an_attributed_pin_that_bought_too_little_is_widened_by_the_ranking_unti
     # Nor without an attributed pin to start from.
     assert PinRounds(load_profile("generic").resolve(), samples=[], rtol=1e-2,
                      max_fp32_share=1.0).widen(2, _plan()) is None
+
+
+# x -> Mul(x, x) [sq] -> v -> Add(v, eps)[add] -> ve -> Sqrt[root] -> s -> Div(x, s)[div] -> y
+CHAIN = parser.parse_model("""
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1, 4] x) => (float[1, 4] y) {
+    [sq] v = Mul (x, x)
+    [add] ve = Add (v, eps)
+    [root] s = Sqrt (ve)
+    [div] y = Div (x, s)
+}
+""")
+
+
+def test_a_divergent_pin_that_bought_nothing_reaches_back_to_its_inputs_producers():
+    generic = load_profile("generic").resolve()
+    rounds = PinRounds(generic, samples=[], rtol=1e-2, max_fp32_share=1.0)
+    nan_at_div = SimpleNamespace(node="div", op_type="Div", rel_l2=1.0, max_abs_error=float("nan"),
+                                 inf_count=0, nan_count=4, saturated_count=0)
+    failed = dataclasses.replace(_build(_check(1.0, nonfinite=4), nan_at_div), rewritten=CHAIN)
+    pin = rounds.propose(failed, _plan(), 1)
+    assert pin is not None and pin.nodes == ("div",)
+    # The Div pinned still reads a Sqrt of 0: the pin reaches back one producer at a time.
+    wider = rounds.upstream(2, _plan())
+    assert wider is not None and wider.nodes == ("div", "root") and "inputs' producers" in wider.why
+    wider = rounds.upstream(3, _plan())
+    assert wider is not None and wider.nodes == ("div", "root", "add")
+    wider = rounds.upstream(4, _plan())
+    assert wider is not None and wider.nodes == ("div", "root", "add", "sq")
+    assert rounds.upstream(5, _plan()) is None  # the widenings are spent
+    # An attributed pin is widened by its ranking, not up the graph.
+    assert PinRounds(generic, samples=[], rtol=1e-2, max_fp32_share=1.0).upstream(2, _plan()) is None
+
+
+def test_a_pinned_divergent_node_pins_the_nearest_unpinned_producers_up_its_inputs():
+    rounds = PinRounds(load_profile("generic").resolve(), samples=[], rtol=1e-2, max_fp32_share=1.0)
+    nan_at_div = SimpleNamespace(node="div", op_type="Div", rel_l2=1.0, max_abs_error=float("nan"),
+                                 inf_count=0, nan_count=4, saturated_count=0)
+    failed = dataclasses.replace(_build(_check(1.0, nonfinite=4), nan_at_div,
+                                        frozenset({"div", "root"})), rewritten=CHAIN)
+    pin = rounds.propose(failed, _plan(), 2)
+    assert pin is not None and pin.nodes == ("add",)

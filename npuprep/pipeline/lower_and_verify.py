@@ -57,8 +57,9 @@ def lower_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                        holdout=holdout, stats=stats, opset=opset, top_k=top_k,
                        stage=lambda s, r=round_no: stage(f"round {r}, {s}"))
         if tried is not None and not rounds.keeps(tried[1], build, round_no):
-            # An attributed pin that bought too little is taken wider, not given up on.
-            wider = rounds.widen(round_no, tried[0])
+            # An attributed pin that bought too little is taken wider, not given up on; a
+            # divergent node's, back to its inputs' producers.
+            wider = rounds.widen(round_no, tried[0]) or rounds.upstream(round_no, tried[0])
             if wider is None:
                 plan, build, round_no = tried
                 break

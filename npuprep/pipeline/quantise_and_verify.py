@@ -35,7 +35,7 @@ from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
 from npuprep.detections import Decision, Detection
 from npuprep.formatting import ratio
-from npuprep.graph import node_label, weight_bytes
+from npuprep.graph import node_label, weight_bytes, without_weight_inputs
 from npuprep.model_io import Model, WeightScratch
 from npuprep.numerics import EightBitFormat, NumberFormat, eight_bit_format
 from npuprep.pipeline.result import ConversionResult, EightBitResult, SampleUse
@@ -116,6 +116,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     mixed = other is not None and other.name in profile.fast_dtypes
     base = with_opset(applied.model, max((eight, other) if mixed and other else (eight,),
                                          key=lambda f: f.min_opset))
+    base, weight_inputs = without_weight_inputs(base)
     # Every QDQ model below quantises its weights through one store: each once, and a large
     # model's 8-bit (and balanced) weights in a scratch file, as FP16 convert lowers them.
     weights = WeightStore(WeightScratch() if weight_bytes(base) >= lower_and_verify.SCRATCH_BYTES
@@ -130,6 +131,11 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                   if mixed and other is not None and eight.is_float and not plan.eight_bit
                   else None)
     notes = list(flow_notes)
+    if weight_inputs:
+        named = ", ".join(f"'{n}'" for n in weight_inputs[:3])
+        more = f" and {len(weight_inputs) - 3} more" if len(weight_inputs) > 3 else ""
+        notes.append(f"weights the model also lists as graph inputs (an old exporter's default: "
+                     f"{named}{more}) are constants of the {eight.name} model, no longer inputs")
     main, why = _variant(profile, eight, ScaleRule(scale_rule))
     notes += why
     variants = [main]

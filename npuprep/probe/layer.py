@@ -25,6 +25,7 @@ from npuprep.graph import (
     tensor_types,
     topological_order,
     weight_bytes,
+    without_weight_inputs,
 )
 from npuprep.model_io import WeightScratch
 from npuprep.numerics import NumberFormat
@@ -167,6 +168,9 @@ def _amplified(model: onnx.ModelProto, feeds: dict[str, np.ndarray], fmt: Number
     `all_tensors`, so the caller need not run the amplified model once more)."""
     if gain <= 0 or not math.isfinite(gain):
         raise NpuprepError(f"--gain must be a positive number, got {gain}")
+    # The amplified weight takes a new name: an old exporter's input of the same name would
+    # be left with no value.
+    model, _ = without_weight_inputs(model)
     choice = pick_layer(model, layer)
     wmax = weight_absmax(model, choice)
     if wmax == 0:

@@ -44,6 +44,10 @@ def weight_axis(node: onnx.NodeProto, rank: int) -> int | None:
     """The output-channel axis of `node`'s weight (input 1), None when it has none."""
     if node.op_type == "Conv" and rank >= 3:
         return 0
+    # [C_in, C_out / group, k...]: with groups, axis 1 is not one output channel but one per
+    # group; such a weight takes one scale.
+    if node.op_type == "ConvTranspose" and rank >= 3:
+        return 1 if attribute(node, "group", 1) == 1 else None
     if node.op_type == "MatMul" and rank == 2:
         return 1
     if node.op_type == "Gemm" and rank == 2:

@@ -89,7 +89,8 @@ def improved(before: OutputCheck | None, after: OutputCheck | None) -> bool:
     if before is None or after is None or after:
         return True
     bad = [sum(o["nonfinite"] for o in c.outputs.values()) for c in (before, after)]
-    if bad[1] != bad[0]:
+    if bad[1] != bad[0] or bad[0]:
+        # As many Inf/NaN as before: the failure is untouched, whatever the finite values do.
         return bad[1] < bad[0]
     return worst_rel_l2(after) <= 0.9 * worst_rel_l2(before)
 
@@ -115,6 +116,9 @@ class PinRounds:
     # pin it proposed: what `widen` takes further.
     _ranked: tuple[Any, float, float, PinFp32] | None = None
     widenings: int = 0
+    # The last first-divergent-node pin and the graph it was chosen on: what `upstream` takes
+    # back towards the values' source.
+    _divergent: tuple[onnx.ModelProto, PinFp32] | None = None
     # The graph and FP32 nodes of the round the ranking was measured on.
     _model: Any = None
     _fp32: set[str] = field(default_factory=set)
@@ -150,7 +154,7 @@ class PinRounds:
             self.notes.append(f"verification failed {where}; the target cannot pin FP32")
             return None
         found: tuple[Any, ...] = ()
-        self._ranked = None
+        self._ranked = self._divergent = None
         if limited:
             stage(f"round {round_no}, attributing the error to layers")
             found = self._attributed(build, plan, round_no)
@@ -176,6 +180,32 @@ class PinRounds:
                       why=f"verification round {round_no}: {why}")
         if found and self._ranked is not None:
             self._ranked = (*self._ranked[:3], replace(pin, nodes=tuple(x.node for x in found)))
+        elif not limited:
+            self._divergent = (build.rewritten, pin)
+        return pin
+
+    def upstream(self, round_no: int, plan: Plan) -> PinFp32 | None:
+        """After round `round_no`'s first-divergent-node pin bought nothing (`keeps` dropped
+        it): that pin with the producers of its nodes' inputs, to verify in its place. An FP32
+        node computes on the values it reads: where they arrive already lost (an epsilon of
+        1e-12 added in FP16 is 0, its Sqrt 0, and the Div pinned at the NaN still divides 0 by
+        0), the pin must reach back to where they were lost. None when it was no such pin, the
+        widenings are spent, or nothing unpinned feeds it. An overflow's pin only: a precision
+        failure's error is attributed, not walked up."""
+        if self._divergent is None or self.widenings >= MAX_WIDENINGS:
+            return None
+        model, dropped = self._divergent
+        ups = _input_producers(model, set(dropped.nodes))
+        ups = tuple(n for n in ups if n not in plan.forbid_pin and n not in self._fp32)
+        if not ups:
+            return None
+        self.widenings += 1
+        pin = replace(dropped, nodes=(*dropped.nodes, *ups),
+                      why=f"{dropped.why}, reaching back to its inputs' producers after round "
+                          f"{round_no}")
+        self._divergent = (model, pin)
+        self.notes.append(f"round {round_no}: the values come in already lost; pinned "
+                          f"{', '.join(ups)} (the producers of its inputs) too and retried")
         return pin
 
     def widen(self, round_no: int, plan: Plan) -> PinFp32 | None:
@@ -300,15 +330,28 @@ def _with_paths(model: onnx.ModelProto, nodes: tuple[str, ...], fp32: set[str], 
     return tuple(sorted(set(nodes) | between, key=lambda n: order.get(n, -1)))
 
 
-def _nodes_to_pin(rewritten: onnx.ModelProto, node: str, pinned: set[str]) -> tuple[str, ...]:
-    """The divergent node itself; if it is already FP32, the rounding came in through its
-    inputs, so pin their producers instead."""
-    if node not in pinned:
-        return (node,)
+def _input_producers(rewritten: onnx.ModelProto, nodes: set[str]) -> tuple[str, ...]:
+    """The nodes (but Constants) that write an input of any of `nodes`, not among them."""
+    found: set[str] = set()
     for scope in walk_graphs(rewritten.graph):
         made_by = producers(scope.graph)
         for n in scope.graph.node:
-            if node_label(n) == node:
-                ups = {node_label(made_by[i]) for i in n.input if i in made_by}
-                return tuple(sorted(u for u in ups if u not in pinned))
-    return ()
+            if node_label(n) in nodes:
+                found |= {node_label(made_by[i]) for i in n.input
+                          if i in made_by and made_by[i].op_type != "Constant"}
+    return tuple(sorted(found - nodes))
+
+
+def _nodes_to_pin(rewritten: onnx.ModelProto, node: str, pinned: set[str]) -> tuple[str, ...]:
+    """The divergent node itself; if it is already FP32, the rounding came in through its
+    inputs, so pin the nearest unpinned producers up its inputs instead."""
+    if node not in pinned:
+        return (node,)
+    seen, found = {node}, set()
+    frontier = {node}
+    while frontier:
+        ups = set(_input_producers(rewritten, frontier)) - seen
+        seen |= ups
+        found |= ups - pinned
+        frontier = ups & pinned
+    return tuple(sorted(found))
