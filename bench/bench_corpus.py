@@ -53,6 +53,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corpus  # noqa: E402 - the sibling script, run from anywhere
+import corpus_new  # noqa: E402
 from bench_convert_scale import _rss_mb  # noqa: E402 - one resident-memory reader
 
 COMMANDS = ("check", "calibrate", "convert", "compare")
@@ -244,14 +245,16 @@ def try_judge(reference: ort.InferenceSession, model: onnx.ModelProto,
 
 
 def loads(model: onnx.ModelProto | str) -> str:
-    """'loads' when onnxruntime accepts the model as produced, else its exact error line."""
-    try:
-        session(model)
+    """'loads' when onnxruntime accepts the model as produced, else its exact error line. In
+    a forked child, as npuprep's user-load check: a model that crashes onnxruntime's default
+    session (AECMOS in FP16, onnxruntime 1.32) ends the child, not the bench."""
+    from npuprep.runtime.user_load import load_as_users_do
+
+    said = load_as_users_do(onnx.load(model) if isinstance(model, str) else model, None)
+    if said is None:
         return "loads"
-    except Exception as exc:  # the error itself is the measurement
-        text = str(exc).strip().splitlines()[0]
-        text = re.sub(r"\[ONNXRuntimeError\] : \d+ : \w+ : |Load model from \S+ failed:", "", text)
-        return f"{type(exc).__name__}: {text[:200]}"
+    text = re.sub(r"\[ONNXRuntimeError\] : \d+ : \w+ : |Load model from \S+ failed:", "", said)
+    return text[:200]
 
 
 def checker(path: Path) -> str:
@@ -305,6 +308,9 @@ def run_autocast(model: Path, calib: Path, heldout: Path, out: Path, max_mb: int
         return AutoCast(seconds, peak, killed or f"exit {proc.returncode}: {(tail or ['?'])[-1].strip()[:140]}")
     converted = onnx.load(str(out))
     samples = load_samples(heldout)
+    said = loads(converted)
+    if said != "loads":  # judged only as it loads: onnxruntime may crash on it (AECMOS)
+        return AutoCast(seconds, peak, f"written, does not load as produced: {said}")
     return AutoCast(seconds, peak, "", try_judge(session(str(model)), converted, samples),
                     _fp32_mac_share(converted, samples[0] if samples else {}))
 
@@ -342,6 +348,7 @@ def bench_model(entry: dict, root: Path, out: Path, target: str, autocast: tuple
     m = str(model_path)
     converted = work / "converted.onnx"
     converted.unlink(missing_ok=True)
+    converted.with_suffix(".FAILED.onnx").unlink(missing_ok=True)
     argv = {
         "check": ["check", m, "--target", target, "--data", str(calib)],
         "calibrate": ["calibrate", m, "--data", str(calib), "-o", str(work / "stats.json")],
@@ -365,6 +372,9 @@ def bench_model(entry: dict, root: Path, out: Path, target: str, autocast: tuple
             row.macs_fp32_share = (report.get("fp32_share") or {}).get("macs")
     reference = session(m)
     samples = load_samples(heldout)
+    # A FAILED conversion is written under a name that says so: judged all the same.
+    if not converted.exists() and converted.with_suffix(".FAILED.onnx").exists():
+        converted = converted.with_suffix(".FAILED.onnx")
     if converted.exists():
         row.npuprep_loads = loads(str(converted)) + checker(converted) + opset_change(m, converted)
         row.npuprep_error = try_judge(reference, onnx.load(str(converted)), samples)
@@ -504,6 +514,7 @@ def main() -> int:
     ap.add_argument("--render", action="store_true", help="only re-render OUT.md from OUT.json")
     ap.add_argument("--extra2", type=Path, metavar="DIR",
                     help="the models extra2_models.sh built in DIR instead of bench/corpus.py's")
+    ap.add_argument("--new", action="store_true", help="bench/corpus_new.py's models instead")
     ap.add_argument("--autocast", action="store_true",
                     help="also ModelOpt's AutoCast FP16 on each model, timed and judged alike")
     ap.add_argument("--autocast-max-mb", type=int, default=8000,
@@ -518,12 +529,14 @@ def main() -> int:
         root, entries = args.extra2, extra2_entries(args.extra2, args.only)
         names = []
     else:
-        root = corpus.corpus_dir()
-        names = args.only or list(corpus.SPECS)
+        root = corpus_new.corpus_new_dir() if args.new else corpus.corpus_dir()
+        specs = corpus_new.SPECS if args.new else corpus.SPECS
+        names = args.only or list(specs)
         entries = []
     for name in names:
         try:
-            entries.append(corpus.build_one(corpus.SPECS[name], root))
+            entries.append({**corpus.build_one(specs[name], root),
+                            "decided_by": list(specs[name].decided_by)})
         except Exception as exc:  # an unbuildable model is reported, not fatal
             print(f"{name}: not built: {exc}", file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 NVIDIA ModelOpt's ONNX PTQ and NNCF's PTQ, all judged the same way here.
 
 Run: nice -n 10 python bench/bench_eight_bit.py [--only NAME ...] [--tools npuprep_int8,...]
-     [--extra2 DIR] [--out bench/_work/eight_bit]
+     [--extra2 DIR | --new] [--out bench/_work/eight_bit]
 
 Models: the corpus (bench/corpus.py builds them: NAME/model.onnx, calib/, heldout/) and, with
 `--extra2 DIR`, the ten models of ../shared/corpus/extra2_models.sh (DIR/NAME.onnx,
@@ -49,6 +49,7 @@ import onnx
 
 sys.path.insert(0, str(Path(__file__).parent))
 import corpus  # noqa: E402
+import corpus_new  # noqa: E402
 
 from npuprep.calibrate import calibrate  # noqa: E402
 from npuprep.calibrate.layer_macs import layer_macs  # noqa: E402
@@ -87,11 +88,14 @@ class Entry:
             self.read_as_ctc: tuple[str, ...] = ()
             self.detect: tuple[str, ...] = ()
         else:
-            folder = corpus.corpus_dir() / name
+            # bench/corpus_new.py's models (part e8new) where the corpus has no such name
+            new = name in corpus_new.SPECS and name not in corpus.SPECS
+            folder = (corpus_new.corpus_new_dir() if new else corpus.corpus_dir()) / name
+            spec = (corpus_new.SPECS if new else corpus.SPECS)[name]
             self.model, held = folder / "model.onnx", "heldout"
-            self.spec_decided = tuple(corpus.SPECS[name].decided_by)
-            self.read_as_ctc = tuple(corpus.SPECS[name].read_as_ctc)
-            self.detect = tuple(corpus.SPECS[name].detect)
+            self.spec_decided = tuple(spec.decided_by)
+            self.read_as_ctc = tuple(spec.read_as_ctc)
+            self.detect = tuple(spec.detect)
         self.detected = parse_detect(list(self.detect))
         self.calib, self.heldout = folder / "calib", folder / held
 
@@ -391,6 +395,7 @@ def main() -> None:
     ap.add_argument("--tools", default=",".join(TOOLS),
                     help=f"comma-separated; 'peers' stands for {','.join(PEERS)}")
     ap.add_argument("--extra2", type=Path, help="the folder extra2_models.sh wrote: its models too")
+    ap.add_argument("--new", action="store_true", help="bench/corpus_new.py's models instead")
     ap.add_argument("--rejudge", action="store_true",
                     help="run no tool: measure the 8-bit share of OUT.json's models again")
     ap.add_argument("--out", default="bench/_work/eight_bit")
@@ -408,9 +413,12 @@ def main() -> None:
         out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
         out.with_suffix(".md").write_text(table(rows))
         return
-    manifest = json.loads((corpus.corpus_dir() / "manifest.json").read_text())
-    names = [m["name"] for m in manifest["models"]
-             if (corpus.corpus_dir() / m["name"] / "entry.json").exists()]
+    if args.new:
+        names = [n for n in corpus_new.SPECS if (corpus_new.corpus_new_dir() / n / "entry.json").exists()]
+    else:
+        manifest = json.loads((corpus.corpus_dir() / "manifest.json").read_text())
+        names = [m["name"] for m in manifest["models"]
+                 if (corpus.corpus_dir() / m["name"] / "entry.json").exists()]
     if args.extra2:
         names += sorted(p.stem for p in args.extra2.glob("*.onnx"))
     tools = [t for x in args.tools.split(",") for t in (PEERS if x == "peers" else (x,))]

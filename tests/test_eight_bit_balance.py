@@ -34,7 +34,8 @@ def _model(text: str, w: np.ndarray) -> onnx.ModelProto:
 def _measure(proto: onnx.ModelProto):
     """The balancing's measure: each group of layers alone in INT8, on one session."""
     variant = Variant(INT8, (DEFAULT_RULE,), True)
-    return lambda model, stats, groups, on: errors_alone(proto, model, groups, stats, variant, on)
+    return lambda model, stats, groups, on, bounds: errors_alone(proto, model, groups, stats, variant,
+                                                                 on, bounds=bounds)
 
 
 def _rel_l2(ref: np.ndarray, got: np.ndarray) -> float:

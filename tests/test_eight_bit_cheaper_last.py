@@ -72,3 +72,40 @@ def test_among_equally_cheap_layers_the_one_erring_most_is_swapped_in():
     assert widened == ["head", "c1"] and math.isclose(kept, 0.93)
     assert [(round(s, 2), p) for s, p in curve][-1] == (0.93, True)
     assert sum(round(s, 2) == 0.93 for s, _ in curve) == 1
+
+
+def test_swaps_tried_by_a_check_that_stops_once_failed_choose_as_whole_checks_do():
+    # As above, [head, low] fails (0.041) and [head, mid] stays; the swap's check stopped once
+    # it failed, and its point says its error is at least that.
+    alone = {"head": 0.08, "mid": 0.036, "low": 0.022, "big": 0.02}
+
+    def error(layers: list[LayerPrecision]) -> float:
+        return math.sqrt(sum(alone[x.node] ** 2 for x in layers if x.precision == "int8"))
+
+    def check(layers: list[LayerPrecision], samples: int = 8) -> OutputCheck:
+        # Stopped after `samples` of 8: a lower bound past the aim (Trials.check's stop_past).
+        found = error(layers) if samples == 8 else (AIM + error(layers)) / 2
+        return OutputCheck(rtol=0.05, samples=samples, outputs={
+            "y": {"nonfinite": 0, "rel_l2": found, "max_abs_error": 0.0}})
+
+    def stopping(layers: list[LayerPrecision]) -> OutputCheck:
+        return check(layers) if error(layers) <= AIM else check(layers, samples=6)
+
+    def share(layers: list[LayerPrecision]) -> float:
+        return sum(COST[x.node] for x in layers if x.precision == "int8")
+
+    def rank(nodes: list[str], layers: list[LayerPrecision]) -> list[Sensitivity]:
+        every = error(layers)
+        return [Sensitivity(n, math.sqrt(max(every ** 2 - alone[n] ** 2, 0.0)),
+                            every - math.sqrt(max(every ** 2 - alone[n] ** 2, 0.0)), alone[n])
+                for n in nodes]
+
+    layers = [LayerPrecision(n, "int8", "") for n in COST]
+    done = widen_by_ranking(layers, INT8, check(layers), rank=rank, trial=check,
+                            judged=lambda c: c.outputs["y"]["rel_l2"] <= AIM, share=share,
+                            cost=COST.__getitem__, min_share=0.5, stopping=stopping)
+    assert done.widened == ["head", "mid"] and math.isclose(share(done.layers), 0.78)
+    last = done.curve[-1]
+    assert (round(last.share, 2), last.passed, last.at_least) == (0.83, False, True)
+    assert AIM < last.rel_l2 < 0.041 and last.to_dict()["at_least"] is True
+    assert all("at_least" not in p.to_dict() for p in done.curve[:-1])

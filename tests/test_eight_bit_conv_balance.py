@@ -83,7 +83,8 @@ def _spread_feeds(n: int) -> list[dict[str, np.ndarray]]:
 
 def _measure(proto: onnx.ModelProto):
     variant = Variant(INT8, (DEFAULT_RULE,), True)
-    return lambda model, stats, groups, on: errors_alone(proto, model, groups, stats, variant, on)
+    return lambda model, stats, groups, on, bounds: errors_alone(proto, model, groups, stats, variant,
+                                                                 on, bounds=bounds)
 
 
 def _stats(proto: onnx.ModelProto, feeds: list):

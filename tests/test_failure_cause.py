@@ -167,3 +167,50 @@ def test_an_output_with_a_few_values_under_the_normals_is_no_underflow_cause(tmp
     under = [f for f in result.findings if f.rule == "range.underflow" and f.tensor == "y"]
     assert under and 0 < under[0].evidence["share_below_min_normal"] < 0.5
     assert not result and result.verdict.cause == ""
+
+
+def test_a_softmax_over_thousands_of_classes_fails_without_blaming_its_tiny_probabilities(tmp_path):
+    # x[4,16] -> MatMul(W ~ N(0, 1)) -> Softmax over 2000 classes: most probabilities under
+    # FP16's smallest normal (the 8-bit conversion's wider format); a 1e-4 tolerance fails on
+    # the INT8 MatMul's error at the largest ones
+    rng = np.random.default_rng(3)
+    proto = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4, 16] x) => (float[4, 2000] y) {
+          z = MatMul(x, w)
+          y = Softmax<axis=-1>(z)
+        }
+    """)
+    proto.graph.initializer.append(
+        numpy_helper.from_array(rng.standard_normal((16, 2000)).astype(np.float32), "w"))
+    onnx.save(proto, str(tmp_path / "sm.onnx"))
+    model = load_model(tmp_path / "sm.onnx")
+    feeds = [{"x": rng.standard_normal((4, 16)).astype(np.float32)} for _ in range(4)]
+    failed = convert(model, load_profile("a2000"), feeds, stats=CALIBRATE, rtol=1e-4,
+                     metric="rel-l2", precision="int8")
+    errors = failed.output_check.outputs["y"]
+    under = next(f for f in failed.findings if f.rule == "range.underflow" and f.tensor == "y")
+    assert under.evidence["share_below_min_normal"] > 0.5
+    assert not failed and errors["max_abs_error"] > 1e-4 and errors["rel_l2"] > 1e-4
+    assert failed.verdict.cause == "" and "underflow" not in failed.verdict.said, failed.verdict.said
+
+
+def test_an_output_judged_by_its_text_fails_by_its_text_not_by_a_passing_sets_rel_l2():
+    # PP-OCRv5 in INT8: 1 of 8 calibration texts changed; the held-out texts all held at a
+    # larger rel L2. The reason names the texts, not the held-out set's rel L2.
+    from types import SimpleNamespace
+
+    from npuprep.pipeline.verdict import _precision_limited
+    from npuprep.verify.output_check import OutputCheck
+
+    def errors(rel_l2: float, agreement: float) -> dict:
+        return {"rel_l2": rel_l2, "max_abs_error": 0.4, "nonfinite": 0, "top_k": 0, "ctc_text": True,
+                "top_k_agreement": agreement, "top_k_positions": 8, "top_k_ties": 0,
+                "top_k_ties_flipped": 0}
+
+    calibration = OutputCheck(rtol=0.05, samples=8, outputs={"text": errors(0.089, 0.875)})
+    held = OutputCheck(rtol=0.05, samples=4, outputs={"text": errors(0.192, 1.0)})
+    result = SimpleNamespace(first_divergent=None, error_attribution=(), precision="int8")
+    said = _precision_limited(result, [calibration, held])
+    assert said.startswith("outputs off (text: CTC text 87.5%) with no Inf/NaN (INT8"), said
+    assert "0.192" not in said

@@ -12,7 +12,7 @@ from npuprep.convert import convert
 from npuprep.model_io import Model, fingerprint
 from npuprep.plan import PinFp32, Plan
 from npuprep.profiles import load_profile
-from npuprep.rewrite.default_session import squares_as_products
+from npuprep.rewrite.default_session import squares_as_products, transposes_in_fp32
 from npuprep.runtime.session import make_session, run
 from npuprep.runtime.user_load import load_as_users_do
 
@@ -133,3 +133,52 @@ def test_a_model_onnxruntime_refuses_is_one_line_from_the_child():
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
     said = load_as_users_do(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), None)
     assert said is not None and said.startswith("loading it: ") and "\n" not in said
+
+
+_TIME_MAJOR = """
+<ir_version: 8, opset_import: ["" : 13]>
+g (float[5, 3, 8] x) => (float[3, 5, 4] y) <float[8, 4] w> {
+  t = Transpose<perm=[1, 0, 2]>(x)
+  y = MatMul(t, w)
+}
+"""
+
+
+def _time_major(fp16: bool) -> onnx.ModelProto:
+    # x[T,B,F] -> Transpose(1,0,2) -> MatMul(w) -> y: a GRU's output turned batch-major before
+    # its dense layer (AECMOS); `fp16`: the whole graph in FP16, as lowering writes it
+    text = _TIME_MAJOR.replace("float[", "float16[") if fp16 else _TIME_MAJOR
+    proto = onnx.parser.parse_model(text)
+    w = RNG.normal(0, .3, (8, 4)).astype(np.float16 if fp16 else np.float32)
+    proto.graph.initializer.append(numpy_helper.from_array(w, "w"))
+    proto.graph.node[0].name = "turn"
+    return proto
+
+
+def test_an_fp16_transpose_before_a_matmul_crashes_the_default_session_and_loads_between_casts():
+    model = _time_major(fp16=True)
+    feed = {"x": RNG.normal(0, 1, (5, 3, 8)).astype(np.float16)}
+    said = load_as_users_do(model, feed)
+    assert said is not None and "crashed" in said
+    fixed, moved = transposes_in_fp32(model)
+    assert moved == ["turn"]
+    assert [n.op_type for n in fixed.graph.node] == ["Cast", "Transpose", "Cast", "MatMul"]
+    assert load_as_users_do(fixed, feed) is None
+    # Computed with the fusions off (npuprep's own sessions): the same values, bit for bit.
+    runs = [run(make_session(m), feed)["y"] for m in (model, fixed)]
+    np.testing.assert_array_equal(runs[0], runs[1])
+
+
+def test_a_time_major_dense_layer_converts_to_fp16_and_is_written():
+    proto = _time_major(fp16=False)
+    model = Model(proto=proto, path="time_major.onnx", digest=fingerprint(proto))
+    feeds = [{"x": RNG.normal(0, 1, (5, 3, 8)).astype(np.float32)} for _ in range(4)]
+    result = convert(model, load_profile("a2000"), feeds, stats="calibrate")
+    assert result, result.verdict.said
+    assert any("Transpose" in note and "crashes" in note for note in result.notes)
+    written = result.lowered.model
+    assert load_as_users_do(written, feeds[0]) is None
+    for feed in feeds:
+        (got,) = _default_session_outputs(written, feed)
+        ref = np.transpose(feed["x"], (1, 0, 2)) @ numpy_helper.to_array(proto.graph.initializer[0])
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2

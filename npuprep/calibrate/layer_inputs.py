@@ -90,12 +90,16 @@ def input_moments(model: onnx.ModelProto, layers: Sequence[str], parts: Sequence
                                else x.reshape(1, -1, x.shape[-1]))
                     if patches is None:
                         continue
-                    shared = (patches.shape[1],
-                              np.matmul(patches.transpose(0, 2, 1), patches).astype(np.float64))
+                    shared = (patches.shape[1], np.matmul(patches.transpose(0, 2, 1), patches))
                     if node.op_type != "Conv":
                         by_input[node.input[0]] = shared
                 count, gram = shared
-                grams[label] = grams[label] + gram if label in grams else gram
+                # Summed in place in float64 (each sample's float32 product widened as it is
+                # added): a new float64 copy per layer and sample cost more than the sums.
+                if label in grams:
+                    np.add(grams[label], gram, out=grams[label])
+                else:
+                    grams[label] = gram.astype(np.float64)
                 rows[label] += count
         found.append({k: InputMoments(v, rows[k]) for k, v in grams.items()})
     return found
@@ -117,7 +121,6 @@ def conv_rows(node: onnx.NodeProto, x: np.ndarray, wshape: tuple[int, ...],
     dilations = _pair(attribute(node, "dilations", None), spatial, 1)
     batch, channels, height, width = x.shape
     pads = _pads(node, (height, width), kernel, strides, dilations, spatial)
-    padded = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
     out_h = (height + pads[0] + pads[2] - dilations[0] * (kernel[0] - 1) - 1) // strides[0] + 1
     out_w = (width + pads[1] + pads[3] - dilations[1] * (kernel[1] - 1) - 1) // strides[1] + 1
     if out_h <= 0 or out_w <= 0:
@@ -126,11 +129,16 @@ def conv_rows(node: onnx.NodeProto, x: np.ndarray, wshape: tuple[int, ...],
     picked = rng.choice(count, MAX_ROWS, replace=False) if count > MAX_ROWS else np.arange(count)
     b, rest = np.divmod(picked, out_h * out_w)
     oh, ow = np.divmod(rest, out_w)
-    ih = oh[:, None] * strides[0] + np.arange(kernel[0])[None, :] * dilations[0]  # [n, kh]
-    iw = ow[:, None] * strides[1] + np.arange(kernel[1])[None, :] * dilations[1]  # [n, kw]
-    # [n, C, kh, kw]
-    patches = padded[b[:, None, None, None], np.arange(channels)[None, :, None, None],
-                     ih[:, None, :, None], iw[:, None, None, :]]
+    # Input rows and columns of each tap, in the unpadded input ([n, kh], [n, kw]).
+    ih = oh[:, None] * strides[0] + np.arange(kernel[0])[None, :] * dilations[0] - pads[0]
+    iw = ow[:, None] * strides[1] + np.arange(kernel[1])[None, :] * dilations[1] - pads[1]
+    # [n, C, kh, kw]: read where the tap is inside, zero in the padding (a padded copy of the
+    # whole input cost more than the patches where they are few).
+    inside = (((ih >= 0) & (ih < height))[:, None, :, None]
+              & ((iw >= 0) & (iw < width))[:, None, None, :])
+    patches = np.where(inside, x[b[:, None, None, None], np.arange(channels)[None, :, None, None],
+                                 np.clip(ih, 0, height - 1)[:, None, :, None],
+                                 np.clip(iw, 0, width - 1)[:, None, None, :]], np.float32(0))
     per_group = channels // groups
     return (patches.reshape(len(picked), groups, per_group * kernel[0] * kernel[1])
             .transpose(1, 0, 2).copy())

@@ -68,6 +68,7 @@ from npuprep.verify.qdq_model import (
 )
 from npuprep.verify.qdq_trials import (
     TRIAL_SAMPLES,
+    ReferenceOutputs,
     RunsFactory,
     TrialOutputs,
     Trials,
@@ -77,7 +78,6 @@ from npuprep.verify.qdq_trials import (
     errors_alone,
     leave_one_out,
     rank_layers,
-    reference_outputs,
     switched_qdq,
 )
 from npuprep.verify.widening import CurvePoint, Widening, widen_by_ranking
@@ -158,11 +158,15 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     # Each INT8 layer's error alone at its format's default rule: what a balancing keeps by.
     alone = None if int8 is None else Variant(int8.fmt, (int8.rules[0],), True)
 
-    def measure(model: onnx.ModelProto, stats: CalibrationStats,
-                groups: list[list[str]], on: Sequence[Feed]) -> list[float]:
+    # The reference's outputs, run once for every measurement and trial session below.
+    expected = ReferenceOutputs(work.proto, samples)
+
+    def measure(model: onnx.ModelProto, stats: CalibrationStats, groups: list[list[str]],
+                on: Sequence[Feed], bounds: Sequence[float] | None) -> list[float]:
         assert alone is not None
         return errors_alone(work.proto, model, groups, stats, alone, on,
-                            tensor_scales=applied.tensor_scales, weights=weights, runs=runner)
+                            tensor_scales=applied.tensor_scales, weights=weights, runs=runner,
+                            bounds=bounds, expected=expected.on(on[:TRIAL_SAMPLES]))
 
     # The INT8 layers: the INT8 conversion's, or those of an FP8 conversion's INT8 search
     # (balanced as the INT8 conversion balances them, so that search is the INT8 one), where
@@ -233,7 +237,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         work.proto, base, layers, stats, variants, wide, samples, saturate=saturate,
         kept_wider=pinned | {x.node for x in layers if x.precision == "fp32"},
         tensor_scales=applied.tensor_scales, weights=weights, means=means, runner=runner,
-        score=_decision_score(top_k, JUDGE_MARGIN * rtol, rtol))
+        score=_decision_score(top_k, JUDGE_MARGIN * rtol, rtol), expected=expected.on(samples))
     if top_k:
         judged_by = ", ".join(f"{name} ({_rule_said(k)})" for name, k in top_k.items())
         notes.append(f"the search ranks layers and compares trials by the share of each decided "
@@ -272,9 +276,9 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         return all(output_passes(o, JUDGE_MARGIN * rtol, at_margin=True)
                    for o in check.outputs.values())
 
-    def trial(chosen: Sequence[LayerPrecision]) -> OutputCheck:
+    def trial(chosen: Sequence[LayerPrecision], stop_past: float | None = None) -> OutputCheck:
         return sessions.checks().check(_assigned(chosen), tensor_rules, rtol=rtol, top_k=top_k,
-                                       margin=DECISION_MARGIN)
+                                       margin=DECISION_MARGIN, stop_past=stop_past)
 
     def ranker(fmt: EightBitFormat) -> tuple[Callable[[list[str], list[LayerPrecision]],
                                                        list[Sensitivity]],
@@ -308,7 +312,9 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                                 share=lambda c: eight_bit_share(c, macs),
                                 cost=lambda n: _cost([n], macs), min_share=min_share,
                                 alternative=alternative.name if alternative else None,
-                                leave_out=leave_out)
+                                leave_out=leave_out,
+                                # A swap's check stops once an output errs past the aim for sure.
+                                stopping=lambda c: trial(c, stop_past=JUDGE_MARGIN * rtol))
 
     if int8_start is not None and other is not None:
         start_check = trial(layers)
@@ -435,7 +441,7 @@ class _TrialSessions:
                  variants: Sequence[Variant], wide: NumberFormat, samples: Sequence[Feed], *,
                  saturate: bool, kept_wider: set[str], tensor_scales: Mapping[str, float],
                  weights: WeightStore, means: Mapping[str, Any],
-                 runner: RunsFactory | None,
+                 runner: RunsFactory | None, expected: list[dict[str, np.ndarray]],
                  score: TrialScore | None = None) -> None:
         self.score = score
         self.reference, self.base, self.stats, self.variants = reference, base, stats, variants
@@ -443,7 +449,7 @@ class _TrialSessions:
         self.wide, self.samples, self.saturate, self.kept_wider = wide, samples, saturate, kept_wider
         self.tensor_scales, self.weights, self.means, self.runner = (tensor_scales, weights,
                                                                      means, runner)
-        self.expected = reference_outputs(reference, samples)
+        self.expected = expected
         self.corrected: set[str] = set()
         self.rules: dict[str, ScaleRule] = {}
         self.one = weights.scratch is not None
@@ -583,9 +589,10 @@ def _curve_note(curve: Sequence[CurvePoint], runs: int, chosen_rel_l2: float) ->
     """The share/error points the search tried, in the order tried, the chosen one marked:
     the last tried whose error is the chosen check's (with two searches, or a shorter head
     tried after it, the last passing point need not be the one kept)."""
-    chosen = next((p for p in reversed(curve) if p.rel_l2 == chosen_rel_l2), None)
-    points = ", ".join(f"{p.share:.0%}{'*' if p is chosen else ''} -> {p.rel_l2:.3g}"
-                       for p in curve)
+    chosen = next((p for p in reversed(curve) if p.rel_l2 == chosen_rel_l2 and not p.at_least),
+                  None)
+    points = ", ".join(f"{p.share:.0%}{'*' if p is chosen else ''} -> "
+                       f"{'>=' if p.at_least else ''}{p.rel_l2:.3g}" for p in curve)
     return (f"8-bit share -> outputs' rel L2 on the calibration samples, as tried ({runs} "
             f"trial runs, a session per phase; * chosen): {points}")
 

@@ -333,7 +333,7 @@ _NO_KERNEL = "Could not find an implementation for"
 def _avoided(model: onnx.ModelProto, said: str | None) -> tuple[onnx.ModelProto, str] | None:
     """`model` rewritten to avoid the refusal onnxruntime `said`, and the note; None if it is
     no pattern we know."""
-    from npuprep.rewrite.default_session import squares_as_products
+    from npuprep.rewrite.default_session import squares_as_products, transposes_in_fp32
 
     if said is not None and "LayerNormFusion" in said:
         fixed, squares = squares_as_products(model)
@@ -343,6 +343,14 @@ def _avoided(model: onnx.ModelProto, said: str | None) -> tuple[onnx.ModelProto,
                        f"{' ...' if len(squares) > 1 else ''}) written Mul(x, x), not Pow(x, 2): "
                        "onnxruntime's LayerNormFusion fuses them across an FP16 -> FP32 Cast into a "
                        "node it refuses to load")
+    if said is not None and "crashed" in said:
+        fixed, moved = transposes_in_fp32(model)
+        if not moved:
+            return None
+        return fixed, (f"{len(moved)} FP16 Transpose{'s' if len(moved) > 1 else ''} before a MatMul "
+                       f"({moved[0]}{' ...' if len(moved) > 1 else ''}) computed in FP32 between "
+                       "Casts, the same values: onnxruntime's default session crashes loading an "
+                       "FP16 Transpose that feeds a MatMul")
     return None
 
 

@@ -22,7 +22,7 @@ from npuprep.pipeline.result import ConversionResult, Gate, Verdict
 from npuprep.plan.actions import Rescale
 from npuprep.plan.layer_precision import NOT_FP32
 from npuprep.profiles import Pinning
-from npuprep.report.output_verdicts import detection_failure_said
+from npuprep.report.output_verdicts import agreement_said, detection_failure_said
 from npuprep.verify.output_check import OutputCheck
 from npuprep.verify.output_errors import output_passes
 
@@ -62,7 +62,11 @@ def judge(result: ConversionResult) -> Verdict:
 
 
 def _precision_limited(result: ConversionResult, checks: list[OutputCheck]) -> str:
-    worst = max((o["rel_l2"] for c in checks for o in c.outputs.values()), default=0.0)
+    # The outputs that failed: a held-out set whose decisions all held is no part of the reason.
+    failing = [(name, o) for c in checks for name, o in c.outputs.items()
+               if not output_passes(o, c.rtol)]
+    worst = max((o["rel_l2"] for _, o in failing),
+                default=max((o["rel_l2"] for c in checks for o in c.outputs.values()), default=0.0))
     first = result.first_divergent
     traced = (result.error_attribution or ({},))[-1].get("layers")
     # Where the error was traced to its layers, they are its source; the first divergent node
@@ -72,8 +76,11 @@ def _precision_limited(result: ConversionResult, checks: list[OutputCheck]) -> s
               f"first divergent node '{first.node}'" if first is not None else
               "no single layer is over the tolerance under the layer-by-layer emulation")
     # A detector's output fails by its detections, not by the rel L2 of its background.
-    moved = [f"{name}: {detection_failure_said(o)}" for c in checks for name, o in c.outputs.items()
-             if "detect" in o and "detect_fallback" not in o and not output_passes(o, c.rtol)]
+    moved = [f"{name}: {detection_failure_said(o)}" for name, o in failing
+             if "detect" in o and "detect_fallback" not in o]
+    # An output judged by its decisions (top-K, a CTC decoder's text) fails by them.
+    moved += [f"{name}: {agreement_said(o)}" for name, o in failing
+              if "top_k" in o and "detect" not in o]
     off = f"by rel L2 {number(worst)}" if not moved else f"({'; '.join(dict.fromkeys(moved))})"
     return (f"outputs off {off} with no Inf/NaN ({result.precision.upper()} precision; "
             f"--metric, --top-k, --detect or --rtol are yours): {source}")
@@ -174,6 +181,11 @@ def _underflowing_output(result: ConversionResult) -> str:
             share = found.evidence.get("share_below_min_normal", 1.0)
             if share < MOSTLY:
                 continue  # a few values flushed to zero do not make an output's error
+            if errors.get("max_abs_error", 0.0) > fmt.min_normal:
+                # A value under the smallest normal errs by less than it, flushed whole: a
+                # larger error sits at the output's normal values (a softmax over thousands of
+                # classes, its tiny probabilities exact enough, its top ones off).
+                continue
             # A remedy the planner declined is why the output stayed down there: a lift first.
             mine = sorted((d for d in declined if any(r.tensor == name for r in d.findings)),
                           key=lambda d: d.remedy != "rescale")

@@ -8,12 +8,20 @@ FP16 input and FP32 weights, which it then refuses to load ("bound to different 
 1.32). A `Mul` is not its pattern; `x * x` is one rounding of the exact square, as `Pow(x, 2)`.
 Only Pows of a constant 2 (one element, at most one axis, so the shape is unchanged) that
 feed a `ReduceMean` (the variance of a norm) are rewritten; node and tensor names are kept.
+
+An FP16 Transpose that a MatMul reads, moved between Casts (FP16 -> FP32, Transpose, FP32 ->
+FP16): onnxruntime's default session crashes (SIGSEGV, 1.32, its NCHWc layout pass) loading an
+FP16 `Transpose(perm=[1, 0, 2])` before a MatMul with a constant weight, as a speech model's
+GRU output turned time-major before its dense layers. A transpose moves values, so the same
+FP16 values reach the MatMul; the Transpose keeps its name, its output keeps its name.
 """
 
 from __future__ import annotations
 
 import onnx
-from onnx import numpy_helper
+from onnx import TensorProto, helper, numpy_helper
+
+from npuprep.graph import tensor_types
 
 
 def squares_as_products(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
@@ -56,3 +64,37 @@ def _is_two(tensor: onnx.TensorProto | None) -> bool:
     value = numpy_helper.to_array(tensor)
     return value.size == 1 and float(value.reshape(-1)[0]) == 2.0
 
+
+
+def transposes_in_fp32(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    """A copy of `model` with each FP16 Transpose that a MatMul reads computed in FP32 between
+    two Casts, and the Transposes moved (main graph)."""
+    graph = model.graph
+    readers: dict[str, set[str]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, set()).add(node.op_type)
+    types = tensor_types(model)
+    moved = [i for i, n in enumerate(graph.node)
+             if n.op_type == "Transpose" and types.get(n.input[0]) == TensorProto.FLOAT16
+             and "MatMul" in readers.get(n.output[0], set())]
+    if not moved:
+        return model, []
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    nodes = [onnx.NodeProto() for _ in graph.node]
+    for copy, node in zip(nodes, graph.node, strict=True):
+        copy.CopyFrom(node)
+    for i in reversed(moved):  # from the back, so the earlier indices still hold
+        node = nodes[i]
+        label = node.name or node.output[0]
+        wide_in, wide_out = f"{label}.fp32_input", f"{label}.fp32_output"
+        widen = helper.make_node("Cast", [node.input[0]], [wide_in], name=f"{label}.to_fp32",
+                                 to=TensorProto.FLOAT)
+        narrow = helper.make_node("Cast", [wide_out], [node.output[0]], name=f"{label}.to_fp16",
+                                  to=TensorProto.FLOAT16)
+        node.input[0], node.output[0] = wide_in, wide_out
+        nodes[i:i + 1] = [widen, node, narrow]
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out, [graph.node[i].name or graph.node[i].output[0] for i in moved]

@@ -314,18 +314,49 @@ def worst_pooled_rel_l2(got: Sequence[Mapping[str, Any]],
     # The sums OutputErrors.add pools, alone: its decisions and concentration are not read
     # here and cost twice the sums or more (4 samples of ppocr_det's 320x320 map: 6.6 against
     # 2.2 ms; of a 640x640 one 41 against 19 ms; bench/bench_eight_bit_kernels.py).
-    sums: dict[str, list[float]] = {}
+    sums = PooledSums()
     for values, want in zip(got, expected, strict=True):
+        sums.add(values, want)
+    return sums.worst()
+
+
+class PooledSums:
+    """worst_pooled_rel_l2's sums, a sample at a time: per float output the squared errors,
+    the squared references and the Inf/NaN count, summed in the order the samples come.
+    `worst(references)` with the squared references of every sample (`reference_squares`)
+    before all are added is a lower bound of the final worst: the errors still to come only
+    add (a trial known to err past a bound can stop)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, list[float]] = {}
+
+    def add(self, values: Mapping[str, Any], want: Mapping[str, Any]) -> None:
         for name, value in want.items():
             if np.issubdtype(np.asarray(value).dtype, np.floating):
                 bad, _, _, err2, ref2 = _squared_errors(np.asarray(value, dtype=np.float64),
                                                         np.asarray(values[name], dtype=np.float64))
-                pooled = sums.setdefault(name, [0.0, 0.0, 0.0])
+                pooled = self.sums.setdefault(name, [0.0, 0.0, 0.0])
                 pooled[0] += err2
                 pooled[1] += ref2
                 pooled[2] += float(bad.sum())
-    return max((math.inf if bad else rel_l2(err2, ref2) for err2, ref2, bad in sums.values()),
-               default=0.0)
+
+    def worst(self, references: Mapping[str, float] | None = None) -> float:
+        return max(self.lows(references).values(), default=0.0)
+
+    def lows(self, references: Mapping[str, float] | None = None) -> dict[str, float]:
+        """Per output, its pooled rel L2 (Inf where it held Inf/NaN); a lower bound of the
+        final one with every sample's squared `references`."""
+        return {name: math.inf if bad else rel_l2(err2, ref2 if references is None
+                                                  else references[name])
+                for name, (err2, ref2, bad) in self.sums.items()}
+
+
+def reference_squares(expected: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Per float output, its squared references summed over `expected` as PooledSums sums them."""
+    sums = PooledSums()
+    for want in expected:
+        sums.add(want, want)
+    return {name: ref2 for name, (_, ref2, _) in sums.sums.items()}
 
 
 def _squared_errors(ref: np.ndarray, cand: np.ndarray

@@ -120,10 +120,11 @@ class Balanced:
     whole: tuple[str, ...] = ()
 
 
-# (model, its stats, groups of layers, samples) -> the outputs' error with each group alone
-# in 8 bits on those samples (npuprep.verify.qdq_trials.errors_alone: one session for every group).
-ErrorsAlone = Callable[[onnx.ModelProto, CalibrationStats, list[list[str]], Sequence[Feed]],
-                       list[float]]
+# (model, its stats, groups of layers, samples, bounds) -> the outputs' error with each group
+# alone in 8 bits on those samples (npuprep.verify.qdq_trials.errors_alone: one session for
+# every group); past a group's bound (where bounds are given) a lower bound past it will do.
+ErrorsAlone = Callable[[onnx.ModelProto, CalibrationStats, list[list[str]], Sequence[Feed],
+                        Sequence[float] | None], list[float]]
 
 
 Balancing = Callable[[slice, Iterable[str]], tuple[RewriteResult, CalibrationStats]]
@@ -136,9 +137,10 @@ def _kept_where_unfitted_err_less(model: onnx.ModelProto, stats: CalibrationStat
     """`balanced` over the `tensors` whose readers (`groups`, quantised alone) err less on the
     `check` samples with factors fitted on the `fitted` ones than without; those kept are
     fitted again on every calibration sample."""
-    before = measure(model, stats, groups, check)
     every, every_stats = balanced(fitted, tensors)
-    after = measure(every.model, every_stats, groups, check)
+    after = measure(every.model, every_stats, groups, check, None)
+    # Without: a group's runs stop once it errs more than balanced (a lower bound will do).
+    before = measure(model, stats, groups, check, after)
     return balanced(slice(None), [x for x, a, b in zip(tensors, after, before, strict=True)
                                   if a < b])
 

@@ -58,8 +58,14 @@ from npuprep.rewrite.qdq import (
 )
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
+from npuprep.verify.bounded_trials import errors_within, least_errors
 from npuprep.verify.output_check import OutputCheck
-from npuprep.verify.output_errors import OutputErrors, worst_pooled_rel_l2
+from npuprep.verify.output_errors import (
+    OutputErrors,
+    PooledSums,
+    reference_squares,
+    worst_pooled_rel_l2,
+)
 from npuprep.verify.qdq_model import Sensitivity, activation_scale, on_target
 from npuprep.verify.trial_pieces import Prefixes, crossing, cut_into_pieces, first_pieces
 from npuprep.verify.weight_switches import fold_weight_switches
@@ -429,6 +435,24 @@ def reference_outputs(reference: onnx.ModelProto, samples: Sequence[Feed]) -> li
     return [run(ref, dict(f)) for f in samples]
 
 
+class ReferenceOutputs:
+    """The FP32 reference's outputs on a conversion's calibration samples, run once (when first
+    asked) for every measurement and trial session of it (each ran them in a session of its
+    own: ddddocr_det ~1.5 CPU s); feeds that are not among the samples run on their own."""
+
+    def __init__(self, reference: onnx.ModelProto, samples: Sequence[Feed]) -> None:
+        self.reference, self.samples = reference, list(samples)
+        self._found: list[dict[str, np.ndarray]] | None = None
+
+    def on(self, feeds: Sequence[Feed]) -> list[dict[str, np.ndarray]]:
+        at = {id(f): i for i, f in enumerate(self.samples)}
+        if not all(id(f) in at for f in feeds):
+            return reference_outputs(self.reference, feeds)
+        if self._found is None:
+            self._found = reference_outputs(self.reference, self.samples)
+        return [self._found[at[id(f)]] for f in feeds]
+
+
 class Trials:
     """One session of a SwitchedQdq on the target (the tensors outside the switches and
     `pinned` rounded to `wide`, as the board computes), the reference's outputs run once
@@ -461,6 +485,7 @@ class Trials:
         # (npuprep.verify.decision_margin).
         self.score: TrialScore = worst_pooled_rel_l2
         self._errors: dict[bytes, float] = {}
+        self._check_squares: dict[str, float] | None = None
         self._order = sorted(set(switched.weight_switches.values())
                              | set(switched.input_switches.values())
                              | set(switched.bias_switches.values()))
@@ -486,6 +511,29 @@ class Trials:
 
     def _key(self, switches: Mapping[str, np.ndarray]) -> bytes:
         return np.packbits(np.array([bool(switches[s]) for s in self._order], bool)).tobytes()
+
+    def switches(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule]) -> dict[str, np.ndarray]:
+        """The session's switches for the trial (assign, rules)."""
+        return self._switches(assign, rules)
+
+    def remember(self, switches: Mapping[str, np.ndarray], error: float) -> None:
+        """The error of the trial these switches make, measured elsewhere (`errors` keeps it)."""
+        self._errors[self._key(switches)] = error
+
+    @property
+    def trial_samples(self) -> int:
+        """The samples a trial's error (`errors`) is measured on."""
+        return min(TRIAL_SAMPLES, len(self.samples))
+
+    @property
+    def batch_runs(self) -> int:
+        """The runs handed to the runner at once (their outputs held until taken)."""
+        return BATCH_TRIALS * TRIAL_SAMPLES
+
+    def run_on(self, sample: int, feeds: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        """Each of `feeds`' outputs on one sample (npuprep.verify.bounded_trials)."""
+        assert self.runner is not None, "the trials were closed"
+        return self.runner.run([(sample, f) for f in feeds])
 
     def meaning(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule]) -> Meaning:
         """What the trial (assign, rules) switches on, in any session of the search."""
@@ -548,33 +596,65 @@ class Trials:
         return self.errors([(assign, rules)])[0]
 
     def check(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule], *, rtol: float,
-              top_k: Mapping[str, Decision], margin: float = 1.0) -> OutputCheck:
+              top_k: Mapping[str, Decision], margin: float = 1.0,
+              stop_past: float | None = None) -> OutputCheck:
         """The outputs' check on every sample, as check_outputs judges a built model; the
-        top-K decisions also with the error scaled by `margin` (OutputErrors)."""
+        top-K decisions also with the error scaled by `margin` (OutputErrors). `stop_past`
+        (outputs judged by rel L2 alone): the samples run a core's worth at a time, and once an
+        output's squared errors so far over every sample's squared references pass it (or it
+        holds Inf/NaN), the check fails there: its samples those run, each rel L2 that lower
+        bound."""
+        assert self.runner is not None, "the trials were closed"
         errors = OutputErrors(top_k=dict(top_k), tie_rtol=rtol, margin=margin)
-        for r, c in zip(self.expected, self.outputs(assign, rules), strict=True):
-            for name, rv in r.items():
-                if np.issubdtype(np.asarray(rv).dtype, np.floating):
-                    errors.add(name, rv, np.asarray(c[name], dtype=np.float64))
-        return OutputCheck(rtol=rtol, samples=len(self.samples), outputs=errors.result())
+        sums, count = PooledSums(), len(self.samples)
+        step = count
+        if stop_past is not None and not top_k:
+            from npuprep.calibrate.run import cores
+            step = max(1, cores())
+        feed = self._switches(assign, rules)
+        self.runs += 1
+        for at in range(0, count, step):
+            got = self.runner.run([(i, feed) for i in range(at, min(at + step, count))])
+            for r, c in zip(self.expected[at:at + step], got, strict=True):
+                for name, rv in r.items():
+                    if np.issubdtype(np.asarray(rv).dtype, np.floating):
+                        errors.add(name, rv, np.asarray(c[name], dtype=np.float64))
+                if step < count:
+                    sums.add(c, r)
+            if at + step < count and sums.worst(self._all_squares()) > stop_past:  # type: ignore[operator]
+                found = errors.result()
+                for name, low in sums.lows(self._all_squares()).items():
+                    found[name]["rel_l2"] = low
+                return OutputCheck(rtol=rtol, samples=at + step, outputs=found)
+        return OutputCheck(rtol=rtol, samples=count, outputs=errors.result())
+
+    def _all_squares(self) -> dict[str, float]:
+        if self._check_squares is None:
+            self._check_squares = reference_squares(self.expected)
+        return self._check_squares
 
 
 def errors_alone(reference: onnx.ModelProto, model: onnx.ModelProto,
                  groups: Sequence[Sequence[str]], stats: CalibrationStats, variant: Variant,
                  samples: Sequence[Feed], *, tensor_scales: Mapping[str, float] | None = None,
-                 weights: WeightStore | None = None, runs: RunsFactory | None = None) -> list[float]:
+                 weights: WeightStore | None = None, runs: RunsFactory | None = None,
+                 bounds: Sequence[float] | None = None,
+                 expected: list[dict[str, np.ndarray]] | None = None) -> list[float]:
     """Each group of layers of `model` alone in `variant`'s format, every other node in
     FP32: the outputs' worst pooled rel L2 on TRIAL_SAMPLES samples, as the QDQ model of
-    npuprep.verify.qdq_model.quantise gives it; every group a run of one session."""
+    npuprep.verify.qdq_model.quantise gives it; every group a run of one session. `bounds`:
+    per group, past it a lower bound will do (bounded_trials.errors_within); `expected`: the
+    reference's outputs on those samples, where the caller has them."""
     from npuprep.numerics import get_format
 
     weights = weights or WeightStore()
     switched = switched_qdq(model, [x for group in groups for x in group], stats, [variant],
                             tensor_scales=tensor_scales, weights=weights)
     trials = Trials(reference, switched, get_format("fp32"), (), list(samples)[:TRIAL_SAMPLES],
-                    saturate=variant.saturate, runs=runs)
+                    saturate=variant.saturate, runs=runs, expected=expected)
+    asked = [(dict.fromkeys(group, variant.fmt.name), {}) for group in groups]
     try:
-        return trials.errors([(dict.fromkeys(group, variant.fmt.name), {}) for group in groups])
+        return trials.errors(asked) if bounds is None else errors_within(trials, asked, bounds)
     finally:
         trials.close()
 
@@ -652,32 +732,17 @@ def choose_rules(trials: Trials, model: onnx.ModelProto, nodes: Sequence[str],
             clips.setdefault(clip_for(stats.tensors[name], fmt, rule).value, rule)
         if len(clips) > 1:
             candidates[name] = list(clips.values())
-    asked = [(dict.fromkeys(readers[name], fmt.name), {name: rule})
-             for name, each in candidates.items() for rule in each]
-    # Each tensor's trial at its best rule so far, for the ranking's session (TrialOutputs):
-    # a reader alone at the rule chosen is the ranking's trial of that layer alone.
-    best: dict[int, tuple[float, list[dict[str, np.ndarray]]]] = {}
-    tensor_of = [k for k, each in enumerate(candidates.values()) for _ in each]
-    room = [trials.shared.max_bytes - trials.shared.held if trials.shared is not None else 0]
-
-    def keep(i: int, got: list[dict[str, np.ndarray]]) -> None:
-        error, k = trials.score(got, trials.expected[:len(got)]), tensor_of[i]
-        if k in best:
-            if not error < best[k][0]:
-                return
-        else:  # a tensor's first trial takes its room; a better rule's outputs replace it
-            size = sum(np.asarray(v).nbytes for o in got for v in o.values())
-            if size > room[0]:
-                return
-            room[0] -= size
-        best[k] = (error, got)
-
-    measured = iter(trials.errors(asked, seen=keep if trials.shared is not None else None))
+    # A tensor's readers alone at each rule: only the least's trial runs every sample (least_errors).
+    found = least_errors(
+        trials,
+        [[(dict.fromkeys(readers[name], fmt.name), {name: rule}) for rule in each]
+         for name, each in candidates.items()],
+        keep_bytes=trials.shared.max_bytes - trials.shared.held if trials.shared is not None else 0)
     chosen = {}
-    for k, (name, each) in enumerate(candidates.items()):
-        errors = {rule: next(measured) for rule in each}
-        chosen[name] = min(errors, key=lambda r: errors[r])
-        if trials.shared is not None and k in best and best[k][0] == errors[chosen[name]]:
+    for (name, each), (k, _, outputs) in zip(candidates.items(), found, strict=True):
+        chosen[name] = each[k]
+        # A reader alone at the rule chosen is the ranking's trial of that layer alone.
+        if trials.shared is not None and outputs is not None:
             trials.shared.put(trials.meaning(dict.fromkeys(readers[name], fmt.name),
-                                             {name: chosen[name]}), best[k][1])
+                                             {name: chosen[name]}), outputs)
     return chosen

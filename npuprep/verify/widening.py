@@ -48,10 +48,13 @@ class CurvePoint:
     share: float
     rel_l2: float
     passed: bool
+    # rel_l2 is a lower bound: the check stopped once it failed (a swap's, never kept)
+    at_least: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {"changed": self.changed, "to": self.to, "share": self.share,
-                "rel_l2": self.rel_l2, "passed": self.passed}
+                "rel_l2": self.rel_l2, "passed": self.passed,
+                **({"at_least": True} if self.at_least else {})}
 
 
 @dataclass
@@ -87,7 +90,9 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
                      share: Callable[[list[LayerPrecision]], float],
                      cost: Callable[[str], float], min_share: float,
                      alternative: str | None = None,
-                     leave_out: Callable[[list[str]], list[Sensitivity]] | None = None) -> Widening:
+                     leave_out: Callable[[list[str]], list[Sensitivity]] | None = None,
+                     stopping: Callable[[list[LayerPrecision]], OutputCheck] | None = None
+                     ) -> Widening:
     """Keep the fewest 8-bit layers wider for `judged(check)`, while `share` (the 8-bit share
     of the multiply-adds) stays at or above `min_share`. With an `alternative` 8-bit format
     (a target that runs INT8 and FP8), the heads of each ranking are first tried in it: a
@@ -96,7 +101,9 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
     `rank(nodes, layers)` gives each of `nodes` (those still in `fmt` in `layers`) with its
     `gain` when kept wider alone; `trial(layers)` checks the outputs of that choice. With
     `leave_out(nodes)` (their gains measured, each left out by a run), `rank`'s gains are
-    estimates, measured for the layers of each head before it is tried (_Ranking)."""
+    estimates, measured for the layers of each head before it is tried (_Ranking).
+    `stopping(layers)`: `trial` where a check may stop once it fails, its rel L2 then a
+    lower bound (the cheaper-last swaps: a failing one is never kept)."""
     done = Widening(list(layers), check)
     done.curve.append(CurvePoint(0, fmt.name, share(done.layers), check.worst_rel_l2,
                                  judged(check)))
@@ -107,7 +114,8 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
 
     def heads(to: str) -> _Heads:
         return _shortest_head(done, ranking, list(layers), fmt, to, trial=trial, judged=judged,
-                              share=share, min_share=min_share, whole_first=to == alternative)
+                              share=share, min_share=min_share, whole_first=to == alternative,
+                              stopping=stopping)
 
     starts = [(list(layers), fmt, check)]
     if alternative is not None:
@@ -128,7 +136,7 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
     for start, start_fmt, start_check in starts:
         found = _shortest_head(done, ranking, start, start_fmt, "fp16", trial=trial,
                                judged=judged, share=share, min_share=min_share,
-                               longest=longest)
+                               longest=longest, stopping=stopping)
         searches.append((_ended(found, start_check), found, start_fmt, start, start_check))
         # A later search is kept only where it passes with fewer layers wider (or as many,
         # erring less): no longer head of it is tried (ppocr_det's heads from FP8 went to
@@ -145,7 +153,8 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
         # alone filed as cancelling, ranked last, past the budget; kept FP16 with two more,
         # the model errs 0.036-0.044 at 93% INT8).
         again = _shortest_head(done, alone, list(layers), fmt, "fp16", trial=trial,
-                               judged=judged, share=share, min_share=min_share)
+                               judged=judged, share=share, min_share=min_share,
+                               stopping=stopping)
         if again.passing:
             done.layers, done.check = again.tried[again.passing]
             done.widened = [s.node for s in (again.order or alone.head(again.passing))
@@ -229,7 +238,8 @@ def _shortest_head(done: Widening, ranking: _Ranking, start: list[LayerPrecision
                    trial: Callable[[list[LayerPrecision]], OutputCheck],
                    judged: Callable[[OutputCheck], bool],
                    share: Callable[[list[LayerPrecision]], float], min_share: float,
-                   whole_first: bool = False, longest: int | None = None) -> _Heads:
+                   whole_first: bool = False, longest: int | None = None,
+                   stopping: Callable[[list[LayerPrecision]], OutputCheck] | None = None) -> _Heads:
     """Heads of 1, 2, 4, ... of `ranking` moved `to`, until one passes or leaves less than
     `min_share` in 8 bits; then the shortest passing one, halving. Each trial is a point.
     `whole_first`: the whole ranking is tried first, and no head when it fails (the other
@@ -281,8 +291,8 @@ def _shortest_head(done: Widening, ranking: _Ranking, start: list[LayerPrecision
         else:
             found.failing = mid
     if found.passing:
-        _cheaper_last(found, ranking, start, fmt, to, trial=trial, judged=judged, share=share,
-                      done=done)
+        _cheaper_last(found, ranking, start, fmt, to, trial=stopping or trial, judged=judged,
+                      share=share, done=done)
     return found
 
 
@@ -313,7 +323,8 @@ def _cheaper_last(found: _Heads, ranking: _Ranking, start: list[LayerPrecision],
         order = [*first, swapped]
         chosen = _widen(start, order, fmt, to)
         check = trial(chosen)
-        done.curve.append(CurvePoint(n, to, kept, check.worst_rel_l2, judged(check)))
+        done.curve.append(CurvePoint(n, to, kept, check.worst_rel_l2, judged(check),
+                                     at_least=check.samples < found.tried[n][1].samples))
         if judged(check):
             found.order = [*order, *(s for s in rest if s is not swapped)]
             found.tried[n] = (chosen, check)
