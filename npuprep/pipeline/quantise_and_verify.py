@@ -213,7 +213,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         if convs.tensors:
             whole = len(convs.whole)
             notes.append(f"{len(convs.tensors)} INT8 Conv input(s) divided per channel, their "
-                         f"weights' input channels multiplied (SmoothQuant; "
+                         f"weights' input channels multiplied (SmoothQuant; a depthwise "
+                         f"reader's channels each raised to the largest's; "
                          f"{len(convs.tensors) - whole} folded into the constants of the op "
                          f"writing them or a Mul on one value per channel, {whole} by a Mul over "
                          "the whole tensor), kept by their layers' error alone on unfitted samples")

@@ -117,7 +117,7 @@ def equalise(model: onnx.ModelProto, found: Sequence[Chain], scales: Mapping[str
             reader = by_label[label]
             w = constant_value(g, reader.input[1])
             assert w is not None, label
-            replace_input(reader, 1, w / _per_weight(s, w.shape, attribute(reader, "group", 1)))
+            replace_input(reader, 1, w / per_weight(s, w.shape, attribute(reader, "group", 1)))
         done[chain.tensor] = chain.producer
     if not done:
         return RewriteResult(model, False, "no Conv input had channels to equalise")
@@ -128,7 +128,7 @@ def equalise(model: onnx.ModelProto, found: Sequence[Chain], scales: Mapping[str
                          {"equalised": done})
 
 
-def _per_weight(s: np.ndarray, shape: Sequence[int], group: int) -> np.ndarray:
+def per_weight(s: np.ndarray, shape: Sequence[int], group: int) -> np.ndarray:
     """The factor of each (output, input) channel pair of a Conv weight `shape` (O, I/group,
     k...) that reads channels scaled by `s`, broadcastable over the kernel."""
     out, per_group = shape[0], shape[1]
@@ -141,7 +141,7 @@ def _reads_as_conv(graph: onnx.GraphProto, node: onnx.NodeProto, x: str, wanted:
     w = constant_value(graph, node.input[1]) if node.op_type == "Conv" and len(node.input) > 1 \
         else None
     group = attribute(node, "group", 1)
-    # Grouped readers too (depthwise): each weight names its input channel (_per_weight).
+    # Grouped readers too (depthwise): each weight names its input channel (per_weight).
     return (w is not None and node_label(node) in wanted and node.input[0] == x
             and x not in node.input[1:] and w.ndim >= 3 and w.shape[0] % group == 0)
 

@@ -23,7 +23,7 @@ import onnx
 from npuprep.calibrate.scales import clip_for, clip_raise_factor, stored_as
 from npuprep.calibrate.stats import CalibrationStats, RangeStats
 from npuprep.data import Feed
-from npuprep.graph import constant_value, node_label, node_scopes, walk_graphs
+from npuprep.graph import attribute, constant_value, node_label, node_scopes, walk_graphs
 from npuprep.numerics import EightBitFormat, NumberFormat
 from npuprep.opsets import model_opset, upgrade_opset
 from npuprep.plan.layer_precision import LayerPrecision, activation_inputs
@@ -227,7 +227,7 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
     from npuprep.calibrate.executors import calibrate
     from npuprep.flops import tensor_shapes
     from npuprep.model_io import Model, uses_external_data
-    from npuprep.rewrite.smooth import smooth, smoothable, smoothing_factors
+    from npuprep.rewrite.smooth import conv_smoothing_factors, smooth, smoothable
 
     g = model.graph
     wanted = set(nodes)
@@ -247,9 +247,9 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
     sizes = {t: int(np.prod(d)) for t, d in shapes.items()}
 
     def balanced(rows: slice, tensors: Iterable[str]) -> tuple[RewriteResult, CalibrationStats]:
-        factors = {x: smoothing_factors(per_channel[x][rows].max(axis=0),
-                                        [constant_value(g, by_label[n].input[1]) for n in readers[x]],
-                                        axis=1) for x in tensors}
+        factors = {x: conv_smoothing_factors(per_channel[x][rows].max(axis=0), [
+            (constant_value(g, by_label[n].input[1]), attribute(by_label[n], "group", 1))
+            for n in readers[x]]) for x in tensors}
         done = smooth(model, factors, readers, place=place, sizes=sizes)
         if not done:
             return done, stats
