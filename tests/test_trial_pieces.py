@@ -218,14 +218,7 @@ def test_a_size_read_at_the_end_crosses_the_cuts_bit_for_bit():
     pieces = cut_into_pieces(proto, {"x": (1, 1, 8, 8)})
     # Made in the first piece, read in the last (a Resize's sizes: declared with its rank).
     assert len(pieces) > 2 and "s" in pieces[-1].inputs
-    whole = make_session(proto, prepack=False, threads=1)
-    sessions = [make_session(p.model, prepack=False, threads=1) for p in pieces]
-    for _ in range(3):
-        feed = {"x": rng.standard_normal((1, 1, 8, 8)).astype(np.float32)}
-        values = dict(feed)
-        for piece, session in zip(pieces, sessions, strict=True):
-            values.update(run(session, {t: values[t] for t in piece.inputs}, list(piece.outputs)))
-        assert np.array_equal(values["y"], run(whole, feed)["y"])
+    _assert_pieces_give_the_whole(proto, pieces, rng, (1, 1, 8, 8))
 
 
 # x -> Less(x, 0) -> Where(., -1e4, 0) -> mask (float, read last); x -> Cast -> Cast -> MatMul m1
@@ -263,10 +256,16 @@ def test_a_mask_read_at_the_end_crosses_the_cuts_bit_for_bit():
         for k in (1, 2, 3))
     pieces = cut_into_pieces(proto, {"x": (1, 64)})
     assert len(pieces) > 2 and "mask" in pieces[-1].inputs
+    _assert_pieces_give_the_whole(proto, pieces, rng, (1, 64))
+
+
+def _assert_pieces_give_the_whole(proto, pieces, rng, shape) -> None:
+    """Run in pieces (each reading the values the earlier ones wrote), the model's output 'y'
+    is the whole model's, bit for bit, on three random inputs 'x' of `shape`."""
     whole = make_session(proto, prepack=False, threads=1)
     sessions = [make_session(p.model, prepack=False, threads=1) for p in pieces]
     for _ in range(3):
-        feed = {"x": rng.standard_normal((1, 64)).astype(np.float32)}
+        feed = {"x": rng.standard_normal(shape).astype(np.float32)}
         values = dict(feed)
         for piece, session in zip(pieces, sessions, strict=True):
             values.update(run(session, {t: values[t] for t in piece.inputs}, list(piece.outputs)))
