@@ -98,3 +98,22 @@ def test_a_tensor_that_leaves_the_graph_or_balanced_channels_are_left_alone():
     assert not declined and "no Conv input" in declined.reason
     # A silent channel stays as it is; the quietest live one is raised at most MAX_FACTOR.
     assert factors(np.array([0.0, 1e-3, 1.0])).tolist() == [1.0, 16.0, 1.0]
+
+
+def test_a_gain_short_of_the_least_share_is_declined(monkeypatch):
+    # The same chain as the first test, which equalisation cuts by well over half: asked for
+    # more than it takes off, the equalisation is declined, its measurements kept for the note.
+    import npuprep.verify.qdq_model as qdq_model
+
+    proto = _model(CHAIN)
+    feeds = _feeds(8)
+    stats = calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
+    kept = equalise_channels(proto, proto, ["c2", "c3"], stats, INT8, feeds,
+                             rules=(ScaleRule.ABSMAX,), tensor_scales={})
+    gain = 1 - kept.after / kept.before
+    assert len(kept.chains) == 1 and gain > qdq_model.EQUALISE_MIN_GAIN
+    monkeypatch.setattr(qdq_model, "EQUALISE_MIN_GAIN", min(0.999, gain + 0.01))
+    declined = equalise_channels(proto, proto, ["c2", "c3"], stats, INT8, feeds,
+                                 rules=(ScaleRule.ABSMAX,), tensor_scales={})
+    assert declined.chains == () and declined.model is proto and declined.stats is stats
+    assert np.isclose(declined.after, kept.after) and np.isclose(declined.before, kept.before)
