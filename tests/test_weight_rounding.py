@@ -139,7 +139,7 @@ def test_shared_weight_is_rounded_for_both_readers() -> None:
 def test_rounding_kept_where_the_model_outputs_gain_and_forgotten_back_to_nearest() -> None:
     from npuprep.calibrate import calibrate
     from npuprep.model_io import Model, fingerprint
-    from npuprep.pipeline.quantise_and_verify import _round_weights
+    from npuprep.pipeline.trial_sessions import round_weights
     from npuprep.rewrite.qdq_weights import quantise_weight
     from npuprep.scale_rules import ScaleRule
     from npuprep.verify.qdq_model import quantise
@@ -150,7 +150,7 @@ def test_rounding_kept_where_the_model_outputs_gain_and_forgotten_back_to_neares
     int8 = eight_bit_format("int8")
     variant = Variant(int8, (ScaleRule.ABSMAX,), True)
     store = WeightStore()
-    notes = _round_weights(proto, proto, {"fc": "int8"}, [variant], feeds, store, stats, {})
+    notes = round_weights(proto, proto, {"fc": "int8"}, [variant], feeds, store, stats, {})
     assert len(notes) == 1 and "rounded for their outputs" in notes[0]
 
     def built(weights: WeightStore) -> onnx.ModelProto:

