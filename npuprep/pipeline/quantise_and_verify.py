@@ -202,7 +202,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         equalised = equalise_channels(work.proto, base, list(assigned_formats(layers)), stats, int8.fmt,
                                       samples, rules=int8.rules,
                                       tensor_scales=applied.tensor_scales, path=work.path,
-                                      weights=weights)
+                                      weights=weights, expected=expected.on)
         base, stats = equalised.model, equalised.stats
         if equalised.before:
             notes.append(_equalised_note(equalised))
@@ -231,7 +231,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     eight_bit = eight_bit_nodes(layers, eight)
     stage("rounding the 8-bit weights for their layers' outputs")
     notes += round_weights(work.proto, base, assigned_formats(layers), variants, samples, weights,
-                            stats, applied.tensor_scales)
+                            stats, applied.tensor_scales, expected.on)
     # Every trial below (rules, ranking, widening) is one run of one session: the QDQ model
     # with each layer's 8-bit inputs behind switches (npuprep.verify.qdq_trials).
     stage(f"building the switchable {'/'.join(v.fmt.name for v in variants)} model of "

@@ -16,7 +16,7 @@ from npuprep.numerics import EightBitFormat, NumberFormat, eight_bit_format
 from npuprep.plan.layer_precision import LayerPrecision
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
-from npuprep.verify.qdq_model import model_errors, quantise
+from npuprep.verify.qdq_model import ReferenceOn, model_errors, quantise
 from npuprep.verify.qdq_trials import (
     RunsFactory,
     TrialOutputs,
@@ -127,13 +127,15 @@ class TrialSessions:
 def round_weights(reference: onnx.ModelProto, model: onnx.ModelProto,
                    assigned: Mapping[str, str], variants: Sequence[Variant],
                    samples: Sequence[Feed], weights: WeightStore, stats: CalibrationStats,
-                   tensor_scales: Mapping[str, float]) -> list[str]:
+                   tensor_scales: Mapping[str, float],
+                   expected: ReferenceOn | None = None) -> list[str]:
     """The 8-bit weights of the `assigned` layers rounded for their outputs in each
     variant's format (npuprep.rewrite.weight_rounding: every QDQ model below reads them
     from `weights`), kept per format where the model's outputs with every layer in it gain
     on the calibration samples the rounding was not fitted to (each layer's own error can
     fall while the outputs' rises: dnsmos_p835's three scores per sample in FP8, 0.035 ->
-    0.081); a note per format."""
+    0.081); a note per format. `expected`: the reference's outputs, where the caller holds
+    them."""
     from npuprep.rewrite.weight_rounding import round_layers
 
     layers = list(assigned)
@@ -141,7 +143,8 @@ def round_weights(reference: onnx.ModelProto, model: onnx.ModelProto,
     notes = []
     # The rounding is fitted on the even samples; a model small enough to hold twice is
     # measured on the odd ones, both ways.
-    error = model_errors(reference, samples[1::2] or samples) if weights.scratch is None else None
+    error = (model_errors(reference, samples[1::2] or samples, expected)
+             if weights.scratch is None else None)
     for v in variants:
         mine = [r for r in done if r.format == v.fmt.name]
         if not mine:

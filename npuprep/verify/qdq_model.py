@@ -294,15 +294,16 @@ EQUALISE_MIN_GAIN = 0.05
 def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes: Sequence[str],
                       stats: CalibrationStats, int8: EightBitFormat, samples: Sequence[Feed], *,
                       rules: Sequence[ScaleRule], tensor_scales: Mapping[str, float],
-                      path: str = "",
-                      weights: WeightStore | None = None) -> Equalised:
+                      path: str = "", weights: WeightStore | None = None,
+                      expected: ReferenceOn | None = None) -> Equalised:
     """The Conv inputs among `nodes` whose producer can take their channels' ranges
     (npuprep.rewrite.equalise), equalised where the outputs with every one of `nodes` in
     INT8 gain, each side at its best of `rules` (one measurement for all chains: with the
     chains' readers alone in INT8 at one rule, ppocr_cls gained 0.026 -> 0.016 and lost
     0.0014 -> 0.0086 once the search chose its rules); the changed tensors are calibrated again, so every
     rule reads their own histogram. A tensor the plan rescaled is left alone. `path`: the
-    file whose folder holds the weights a light load left external."""
+    file whose folder holds the weights a light load left external; `expected`: the
+    reference's outputs, where the caller holds them."""
     from npuprep.calibrate.channels import channel_absmax
     from npuprep.calibrate.executors import calibrate
     from npuprep.model_io import Model, uses_external_data
@@ -328,7 +329,7 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
     again = calibrate(Model(done.model, home, "equalised"), samples, detail="all",
                       tensors=changed).tensors
     new_stats = replace(stats, tensors={**stats.tensors, **{t: again[t] for t in changed if t in again}})
-    error = model_errors(reference, samples)
+    error = model_errors(reference, samples, expected)
 
     def best(m: onnx.ModelProto, found_stats: CalibrationStats) -> float:
         # The search picks each activation's rule later: each side at its best rule.
@@ -342,15 +343,24 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
     return Equalised(done.model, new_stats, tuple(found), before, after)
 
 
-def model_errors(reference: onnx.ModelProto,
-            samples: Sequence[Feed]) -> Callable[[onnx.ModelProto], float]:
-    """A function: model -> its outputs' pooled rel L2 against `reference` on RANK_SAMPLES."""
+# The reference's outputs on some of the calibration samples, where a caller holds them
+# (npuprep.verify.qdq_trials.ReferenceOutputs.on: run once per conversion).
+ReferenceOn = Callable[[Sequence[Feed]], list[dict[str, np.ndarray]]]
+
+
+def model_errors(reference: onnx.ModelProto, samples: Sequence[Feed],
+                 expected: ReferenceOn | None = None) -> Callable[[onnx.ModelProto], float]:
+    """A function: model -> its outputs' pooled rel L2 against `reference` on RANK_SAMPLES
+    (the reference's outputs from `expected` where given)."""
     from npuprep.runtime.session import make_session, run
 
     feeds = list(samples)[:RANK_SAMPLES]
-    ref_session = make_session(reference, prepack=False)
-    refs = [run(ref_session, f) for f in feeds]
-    del ref_session
+    if expected is not None:
+        refs = expected(feeds)
+    else:
+        ref_session = make_session(reference, prepack=False)
+        refs = [run(ref_session, f) for f in feeds]
+        del ref_session
 
     def error(model: onnx.ModelProto) -> float:
         session = make_session(model, prepack=False)
