@@ -17,7 +17,7 @@ COST = {"head": 0.02, "mid": 0.20, "low": 0.15, "big": 0.63}
 AIM = 0.04
 
 
-def _search(alone: dict[str, float], cost: dict[str, float] = COST
+def _search(alone: dict[str, float], cost: dict[str, float] = COST, aim: float | None = None
             ) -> tuple[list[str], float, list[tuple[float, bool]]]:
     """widen_by_ranking where independent layers' errors add in power (as measured errors
     alone do): the layers kept FP16, the 8-bit share, and the curve (share, passed)."""
@@ -40,7 +40,7 @@ def _search(alone: dict[str, float], cost: dict[str, float] = COST
     layers = [LayerPrecision(n, "int8", "") for n in cost]
     done = widen_by_ranking(layers, INT8, check(layers), rank=rank, trial=check,
                             judged=lambda c: c.outputs["y"]["rel_l2"] <= AIM, share=share,
-                            cost=cost.__getitem__, min_share=0.5)
+                            cost=cost.__getitem__, min_share=0.5, aim=aim)
     assert math.isclose(error(done.layers), done.check.outputs["y"]["rel_l2"])
     return done.widened, share(done.layers), [(p.share, p.passed) for p in done.curve]
 
@@ -109,3 +109,29 @@ def test_swaps_tried_by_a_check_that_stops_once_failed_choose_as_whole_checks_do
     assert (round(last.share, 2), last.passed, last.at_least) == (0.83, False, True)
     assert AIM < last.rel_l2 < 0.041 and last.to_dict()["at_least"] is True
     assert all("at_least" not in p.to_dict() for p in done.curve[:-1])
+
+
+# head, mid (the passing head's last), low, a tiny-error layer and big.
+TINY = {"head": 0.02, "mid": 0.20, "low": 0.15, "tiny": 0.05, "big": 0.58}
+
+
+def test_a_swap_whose_layer_holds_too_little_error_power_is_not_tried():
+    # [head] fails at 0.0467: 0.00058 of error power past the aim. tiny (0.003 alone, 9e-6)
+    # cannot take it off, and is not tried with the aim given; low (0.022) is, and fails
+    # (0.041). The head kept is the same either way, with one check fewer.
+    alone = {"head": 0.08, "mid": 0.036, "low": 0.022, "tiny": 0.003, "big": 0.02}
+    every, every_curve = _search(alone, TINY)[0], _search(alone, TINY)[2]
+    widened, kept, curve = _search(alone, TINY, aim=AIM)
+    assert widened == every == ["head", "mid"] and math.isclose(kept, 0.78)
+    assert len(curve) == len(every_curve) - 1
+    assert (0.93, False) in [(round(s, 2), p) for s, p in every_curve]
+    assert 0.93 not in [round(s, 2) for s, _ in curve]
+
+
+def test_a_swap_whose_layer_can_take_the_excess_off_is_still_tried_and_kept():
+    # mid 0.03: [head] fails at 0.0423 (0.00019 past the aim's power); low's 0.00048 can take
+    # it off: [head, low] is tried and passes (0.036) at 83%; tiny is not tried.
+    alone = {"head": 0.08, "mid": 0.03, "low": 0.022, "tiny": 0.003, "big": 0.02}
+    widened, kept, curve = _search(alone, TINY, aim=AIM)
+    assert widened == ["head", "low"] and math.isclose(kept, 0.83)
+    assert _search(alone, TINY)[:2] == (widened, kept)

@@ -34,6 +34,11 @@ MIN_COST = 1e-3
 # least this much more of the multiply-adds in 8 bits (ppocr_det: six trials of layers
 # holding 0.001% each gained nothing worth their time).
 MIN_SWAP_GAIN = 0.01
+# A cheaper-last swap is not tried where the layer swapped in holds less than this share of the
+# error power the head short of its last layer errs past the aim: kept wider, it could take
+# that excess off only where errors add far from power (ddddocr_det INT8: 63 swaps tried,
+# 0.055 each against an aim of 0.04, none passing).
+SWAP_POWER_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -91,8 +96,8 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
                      cost: Callable[[str], float], min_share: float,
                      alternative: str | None = None,
                      leave_out: Callable[[list[str]], list[Sensitivity]] | None = None,
-                     stopping: Callable[[list[LayerPrecision]], OutputCheck] | None = None
-                     ) -> Widening:
+                     stopping: Callable[[list[LayerPrecision]], OutputCheck] | None = None,
+                     aim: float | None = None) -> Widening:
     """Keep the fewest 8-bit layers wider for `judged(check)`, while `share` (the 8-bit share
     of the multiply-adds) stays at or above `min_share`. With an `alternative` 8-bit format
     (a target that runs INT8 and FP8), the heads of each ranking are first tried in it: a
@@ -103,7 +108,9 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
     `leave_out(nodes)` (their gains measured, each left out by a run), `rank`'s gains are
     estimates, measured for the layers of each head before it is tried (_Ranking).
     `stopping(layers)`: `trial` where a check may stop once it fails, its rel L2 then a
-    lower bound (the cheaper-last swaps: a failing one is never kept)."""
+    lower bound (the cheaper-last swaps: a failing one is never kept). `aim`: the outputs'
+    rel L2 `judged` passes at (None: decisions judge them), for the swaps not tried
+    (SWAP_POWER_SHARE)."""
     done = Widening(list(layers), check)
     done.curve.append(CurvePoint(0, fmt.name, share(done.layers), check.worst_rel_l2,
                                  judged(check)))
@@ -115,7 +122,7 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
     def heads(to: str) -> _Heads:
         return _shortest_head(done, ranking, list(layers), fmt, to, trial=trial, judged=judged,
                               share=share, min_share=min_share, whole_first=to == alternative,
-                              stopping=stopping)
+                              stopping=stopping, aim=aim)
 
     starts = [(list(layers), fmt, check)]
     if alternative is not None:
@@ -136,7 +143,7 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
     for start, start_fmt, start_check in starts:
         found = _shortest_head(done, ranking, start, start_fmt, "fp16", trial=trial,
                                judged=judged, share=share, min_share=min_share,
-                               longest=longest, stopping=stopping)
+                               longest=longest, stopping=stopping, aim=aim)
         searches.append((_ended(found, start_check), found, start_fmt, start, start_check))
         # A later search is kept only where it passes with fewer layers wider (or as many,
         # erring less): no longer head of it is tried (ppocr_det's heads from FP8 went to
@@ -154,7 +161,7 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
         # the model errs 0.036-0.044 at 93% INT8).
         again = _shortest_head(done, alone, list(layers), fmt, "fp16", trial=trial,
                                judged=judged, share=share, min_share=min_share,
-                               stopping=stopping)
+                               stopping=stopping, aim=aim)
         if again.passing:
             done.layers, done.check = again.tried[again.passing]
             done.widened = [s.node for s in (again.order or alone.head(again.passing))
@@ -239,7 +246,8 @@ def _shortest_head(done: Widening, ranking: _Ranking, start: list[LayerPrecision
                    judged: Callable[[OutputCheck], bool],
                    share: Callable[[list[LayerPrecision]], float], min_share: float,
                    whole_first: bool = False, longest: int | None = None,
-                   stopping: Callable[[list[LayerPrecision]], OutputCheck] | None = None) -> _Heads:
+                   stopping: Callable[[list[LayerPrecision]], OutputCheck] | None = None,
+                   aim: float | None = None) -> _Heads:
     """Heads of 1, 2, 4, ... of `ranking` moved `to`, until one passes or leaves less than
     `min_share` in 8 bits; then the shortest passing one, halving. Each trial is a point.
     `whole_first`: the whole ranking is tried first, and no head when it fails (the other
@@ -309,7 +317,7 @@ def _shortest_head(done: Widening, ranking: _Ranking, start: list[LayerPrecision
             found.failing = mid
     if found.passing:
         _cheaper_last(found, ranking, start, fmt, to, trial=stopping or trial, judged=judged,
-                      share=share, done=done)
+                      share=share, done=done, aim=aim)
     return found
 
 
@@ -347,7 +355,8 @@ def _cheaper_last(found: _Heads, ranking: _Ranking, start: list[LayerPrecision],
                   fmt: EightBitFormat, to: str, *,
                   trial: Callable[[list[LayerPrecision]], OutputCheck],
                   judged: Callable[[OutputCheck], bool],
-                  share: Callable[[list[LayerPrecision]], float], done: Widening) -> None:
+                  share: Callable[[list[LayerPrecision]], float], done: Widening,
+                  aim: float | None = None) -> None:
     """The shortest passing head with its last layer swapped for a later one that holds
     fewer multiply-adds, the cheapest first, where that passes: the order buys error per
     multiply-add, but the head's last step may buy more error than the aim needs
@@ -355,9 +364,15 @@ def _cheaper_last(found: _Heads, ranking: _Ranking, start: list[LayerPrecision],
     and conv2d at 82%). One trial per cheaper layer, until one passes; among layers of equal
     share the one erring most alone first (it takes the most error away where errors add).
     None is skipped for erring less than one whose swap failed: errors need not add
-    (minilm_l6 INT8 lost its passing swap that way, 71% -> 67%)."""
+    (minilm_l6 INT8 lost its passing swap that way, 71% -> 67%). With the `aim` (outputs
+    judged by rel L2), a layer is skipped where its error alone holds less than
+    SWAP_POWER_SHARE of the error power the head short of its last layer (tried: it failed)
+    errs past the aim: independent layers' errors add in power, so keeping it wider instead
+    could not take that excess off unless they add far from it."""
     n = found.passing
     head = found.tried[n][0]
+    short = found.tried.get(n - 1)
+    excess = (short[1].worst_rel_l2 ** 2 - aim ** 2) if aim is not None and short else 0.0
     # The head's first n - 1 are measured (the head of n was tried); the later layers are a
     # set here, whatever their gains.
     first, rest = ranking.head(n - 1), ranking.order[n - 1:]
@@ -367,6 +382,8 @@ def _cheaper_last(found: _Heads, ranking: _Ranking, start: list[LayerPrecision],
         if kept < share(head) + MIN_SWAP_GAIN:
             break
         swapped = rest[k - n + 1]
+        if excess > 0 and (swapped.alone or 0.0) ** 2 < SWAP_POWER_SHARE * excess:
+            continue
         order = [*first, swapped]
         chosen = _widen(start, order, fmt, to)
         check = trial(chosen)
