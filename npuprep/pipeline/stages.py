@@ -35,6 +35,7 @@ from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed, SampleSet
 from npuprep.detections import Decision, Detection
 from npuprep.errors import NpuprepError
+from npuprep.fp16_source import computes_fp16, widen_fp16
 from npuprep.model_io import Model, anchored
 from npuprep.numerics import eight_bit_format, get_format
 from npuprep.pipeline.lower_and_verify import lower_and_verify
@@ -157,7 +158,7 @@ def hold_out(run: Run) -> Run:
             raise NpuprepError(f"--holdout {_source(asked)}: {_some(seen)} are among the samples the "
                                "--stats were calibrated on; held-out samples must be unseen")
         return replace(run, calibration=samples, held_out=held, use=_use(run, ids, held_ids),
-                       notes=notes)
+                       notes=(*run.notes, *notes))
     if not isinstance(samples, SampleSet):
         raise NpuprepError("holdout='split' holds out part of a SampleSet (npuprep.data."
                            "load_samples); give held-out feeds as `holdout` instead")
@@ -169,10 +170,11 @@ def hold_out(run: Run) -> Run:
         said = (f"no held-out check: the --stats were calibrated on the --data samples "
                 f"that would be held out ({_some(seen)}); verified on all {len(ids)} --data "
                 "samples (--holdout names samples the stats did not see)")
-        return replace(run, calibration=samples, use=_use(run, ids, ()), notes=(said,))
+        return replace(run, calibration=samples, use=_use(run, ids, ()), notes=(*run.notes, said))
     kept = tuple(i for i in ids if i not in set(split.held_out_ids))
     return replace(run, calibration=split.calibration, held_out=split.held_out or None,
-                   use=_use(run, kept, split.held_out_ids), notes=(split.said,))
+                   use=_use(run, kept, split.held_out_ids),
+                   notes=(*run.notes, split.said))
 
 
 def goal(run: Run) -> Run:
@@ -491,11 +493,19 @@ def _start(model: Model, profile: TargetProfile, samples: Samples, settings: Set
     description, synthetic = described
     if isinstance(samples, SampleSet):
         description, synthetic = description or samples.describe(), synthetic or samples.synthetic
+    notes: tuple[str, ...] = ()
+    if settings.eight_bit and computes_fp16(model.proto):
+        # Same path and fingerprint: statistics of the FP16 model name the same tensors.
+        model = Model(proto=widen_fp16(model.proto, model.path), path=model.path,
+                      digest=model.digest)
+        notes = (f"{model.path} computes in FP16: widened to FP32 exactly (weights, constants) "
+                 "as the 8-bit source and reference; its FP16 inputs and outputs keep their "
+                 "types behind Casts",)
     # Rules and rewrites read each weight from the user's file as they need it.
     return Run(model=anchored(model), profile=profile, settings=settings, samples=samples,
                progress=progress or (lambda _: None), holdout_asked=holdout, stats=stats,
                user_plan=plan, stats_from_caller=isinstance(stats, CalibrationStats),
-               use=SampleUse(description=description, synthetic=synthetic))
+               use=SampleUse(description=description, synthetic=synthetic), notes=notes)
 
 
 def _rtol(settings: Settings) -> float:
