@@ -11,12 +11,15 @@ are kept; the working tensors added are named `<tensor>__fp32`.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from npuprep.errors import NpuprepError
 from npuprep.graph import infer_tensors, to_array, walk_graphs
+from npuprep.model_io import Model
 
 FP16 = TensorProto.FLOAT16
 FLOAT = TensorProto.FLOAT
@@ -27,6 +30,20 @@ _TYPE_ATTRS = {"Cast": "to", "EyeLike": "dtype", "RandomNormal": "dtype", "Rando
 _MAX_BYTES = 2**31 - 2**26
 # The FP32 twin of an FP16 graph input or output.
 TWIN = "__fp32"
+
+
+def eight_bit_source(model: Model) -> tuple[Model, str]:
+    """What an 8-bit conversion (or its check) quantises: `model`, or its FP32 widening with
+    a note saying so where it computes in FP16 (every command deciding 8-bit layers alike)."""
+    if not computes_fp16(model.proto):
+        return model, ""
+    # Not named by the file's path (a stage would read that file's graph in its place); the
+    # same fingerprint: statistics of the FP16 model name the same tensors.
+    widened = Model(proto=widen_fp16(model.proto, model.path),
+                    path=f"{model.path} (widened to FP32)", digest=model.digest)
+    return widened, (f"{model.path} computes in FP16: widened to FP32 exactly (weights, "
+                     "constants) as the 8-bit source and reference; its FP16 inputs and outputs "
+                     "keep their types behind Casts")
 
 
 def computes_fp16(model: onnx.ModelProto) -> bool:
@@ -53,12 +70,11 @@ def computes_fp16(model: onnx.ModelProto) -> bool:
 
 def widen_fp16(model: onnx.ModelProto, path: str) -> onnx.ModelProto:
     """A copy of `model` computing in FP32 what it computes in FP16, its FP16 graph inputs
-    and outputs kept behind Casts (module docstring). `path` names the model in errors."""
-    if any(t.data_location == TensorProto.EXTERNAL
-           for t in onnx.external_data_helper._get_all_tensors(model)):
-        raise NpuprepError(f"{path}: an FP16 model with external weights is not widened for 8 bits "
-                           "(export it in FP32)")
-    if 2 * model.ByteSize() > _MAX_BYTES:
+    and outputs kept behind Casts (module docstring); its FP16 weights held inline (external
+    ones read from their anchored files: npuprep.model_io.anchored). `path` names the model
+    in errors."""
+    half = [t for t in onnx.external_data_helper._get_all_tensors(model) if t.data_type == FP16]
+    if model.ByteSize() + 4 * sum(math.prod(t.dims) for t in half) > _MAX_BYTES:
         raise NpuprepError(f"{path}: the FP16 model's weights widened to FP32 would pass protobuf's "
                            "2 GiB (export it in FP32 with external weights)")
     out = onnx.ModelProto()

@@ -17,8 +17,8 @@ README = ROOT.parent / "README.md"
 # Low to high; a unit may import its own floor and those below it, never one above.
 FLOORS: tuple[frozenset[str], ...] = tuple(frozenset(f.split()) for f in (
     "errors numerics detections names formatting yaml_io json_io progress provenance profile_names ops scale_rules "
-    "graph bf16 fp16_source vendors resources flops npuprep",
-    "model_io output_files data holdout profiles opsets sample_size",
+    "graph bf16 vendors resources flops npuprep",
+    "model_io fp16_source output_files data holdout profiles opsets sample_size",
     "runtime",
     "calibrate",
     "analyse",

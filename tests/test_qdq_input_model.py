@@ -12,8 +12,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from onnx import numpy_helper, parser
 
+from npuprep import fp16_source
+from npuprep.errors import NpuprepError
 from npuprep.model_io import load_model
 from npuprep.pipeline import convert
 from npuprep.profiles import load_profile
@@ -82,7 +85,8 @@ def test_an_fp16_model_converts_to_int8_from_its_exact_fp32_widening(tmp_path: P
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-2
 
 
-def test_an_fp16_model_with_external_weights_is_refused_for_8_bits_in_one_line(tmp_path: Path) -> None:
+def test_an_fp16_model_with_external_weights_converts_and_one_too_large_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(2)
     proto = parser.parse_model(HALF)
     proto.graph.initializer.extend([
@@ -91,11 +95,33 @@ def test_an_fp16_model_with_external_weights_is_refused_for_8_bits_in_one_line(t
     onnx.save(proto, tmp_path / "m.onnx", save_as_external_data=True, location="m.bin",
               size_threshold=0)
     (tmp_path / "data").mkdir()
-    for i in range(4):
+    for i in range(8):
         np.savez(tmp_path / "data" / f"{i}.npz", x=rng.standard_normal((4, 16)).astype(np.float16))
-    done = run_cli("convert", "m.onnx", "--target", "a2000", "--precision", "int8", "--data", "data",
-                   "--out", "o.onnx", cwd=tmp_path)
-    assert done.returncode == 2
-    assert done.stderr.strip().endswith("m.onnx: an FP16 model with external weights is not widened "
-                                        "for 8 bits (export it in FP32)")
-    assert len(done.stderr.strip().splitlines()) == 1 and not list(tmp_path.glob("o*"))
+    args = ("convert", "m.onnx", "--target", "a2000", "--precision", "int8", "--data", "data",
+            "--out", "o.onnx", "--json")
+    done = run_cli(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["eight_bit"]["mac_share"]["int8"] == 1.0
+    # Past protobuf's limit once widened: one line, nothing written.
+    monkeypatch.setattr(fp16_source, "_MAX_BYTES", 1000)
+    samples = [{"x": rng.standard_normal((4, 16)).astype(np.float16)} for _ in range(4)]
+    with pytest.raises(NpuprepError, match=r"m.onnx: the FP16 model's weights widened to FP32 would "
+                       r"pass protobuf's 2 GiB \(export it in FP32 with external weights\)"):
+        convert(load_model(tmp_path / "m.onnx"), load_profile("a2000"), samples,
+                precision="int8", stats="calibrate")
+
+
+def test_check_decides_an_fp16_model_s_layers_as_convert_does(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    proto = parser.parse_model(HALF)
+    proto.graph.initializer.extend([
+        numpy_helper.from_array((rng.standard_normal((16, 32)) * 0.3).astype(np.float16), "W1"),
+        numpy_helper.from_array((rng.standard_normal((32, 8)) * 0.3).astype(np.float16), "W2")])
+    onnx.save(proto, tmp_path / "m.onnx")
+    (tmp_path / "data").mkdir()
+    for i in range(8):
+        np.savez(tmp_path / "data" / f"{i}.npz", x=rng.standard_normal((4, 16)).astype(np.float16))
+    done = run_cli("check", "m.onnx", "--target", "a2000", "--precision", "int8", "--data", "data",
+                   "--json", cwd=tmp_path)
+    layers = {x["node"]: x["precision"] for x in json.loads(done.stdout)["plan"]["eight_bit"]}
+    assert layers == {"mm1": "int8", "mm2": "int8"}, done.stderr[-2000:]

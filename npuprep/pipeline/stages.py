@@ -35,7 +35,7 @@ from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed, SampleSet
 from npuprep.detections import Decision, Detection
 from npuprep.errors import NpuprepError
-from npuprep.fp16_source import computes_fp16, widen_fp16
+from npuprep.fp16_source import eight_bit_source
 from npuprep.model_io import Model, anchored
 from npuprep.numerics import eight_bit_format, get_format
 from npuprep.pipeline.lower_and_verify import lower_and_verify
@@ -464,7 +464,8 @@ def convert(
     for stage in STAGES:
         run = stage(run)
     assert run.result is not None
-    return run.result
+    # Reports name the user's file, also where the run converted its FP32 widening.
+    return replace(run.result, source=replace(run.result.source, path=model.path))
 
 
 def draft_plan(model: Model, profile: TargetProfile, samples: Samples | None, *,
@@ -493,19 +494,14 @@ def _start(model: Model, profile: TargetProfile, samples: Samples, settings: Set
     description, synthetic = described
     if isinstance(samples, SampleSet):
         description, synthetic = description or samples.describe(), synthetic or samples.synthetic
-    notes: tuple[str, ...] = ()
-    if settings.eight_bit and computes_fp16(model.proto):
-        # Same path and fingerprint: statistics of the FP16 model name the same tensors.
-        model = Model(proto=widen_fp16(model.proto, model.path), path=model.path,
-                      digest=model.digest)
-        notes = (f"{model.path} computes in FP16: widened to FP32 exactly (weights, constants) "
-                 "as the 8-bit source and reference; its FP16 inputs and outputs keep their "
-                 "types behind Casts",)
     # Rules and rewrites read each weight from the user's file as they need it.
-    return Run(model=anchored(model), profile=profile, settings=settings, samples=samples,
+    model = anchored(model)
+    model, widened = eight_bit_source(model) if settings.eight_bit else (model, "")
+    return Run(model=model, profile=profile, settings=settings, samples=samples,
                progress=progress or (lambda _: None), holdout_asked=holdout, stats=stats,
                user_plan=plan, stats_from_caller=isinstance(stats, CalibrationStats),
-               use=SampleUse(description=description, synthetic=synthetic), notes=notes)
+               use=SampleUse(description=description, synthetic=synthetic),
+               notes=(widened,) if widened else ())
 
 
 def _rtol(settings: Settings) -> float:
