@@ -465,6 +465,8 @@ def convert(
     for stage in STAGES:
         run = stage(run)
     assert run.result is not None
+    if run.result.source.path == model.path:
+        return run.result
     # Reports name the user's file, also where the run converted its FP32 widening.
     return replace(run.result, source=replace(run.result.source, path=model.path))
 
