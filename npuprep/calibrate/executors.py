@@ -41,7 +41,18 @@ def calibrate(
         raise NpuprepError(f"unknown executor {executor!r} (use 'local' or 'ray')")
     from npuprep.runtime.session import release_freed_memory
 
-    stats = calibrate_here(model, samples, jobs=jobs, streams=streams, show_progress=show_progress,
-                           detail=detail, n_cores=n_cores, on_progress=on_progress, tensors=tensors)
+    try:
+        stats = calibrate_here(model, samples, jobs=jobs, streams=streams, show_progress=show_progress,
+                               detail=detail, n_cores=n_cores, on_progress=on_progress, tensors=tensors)
+    except NpuprepError:
+        raise
+    except Exception:
+        # The instrumented graph failed: the user's model, where it fails alone on the first
+        # sample (onnxruntime cannot run one of its nodes), else npuprep's statistics nodes.
+        if isinstance(samples, SampleSet) and model.path:
+            from npuprep.runtime.session import check_runs
+
+            check_runs(model.proto, next(iter(samples.iter_range(0, 1))), model.path)
+        raise
     release_freed_memory()  # the next stage starts from what the statistics need
     return stats

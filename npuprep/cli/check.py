@@ -98,6 +98,11 @@ def run(args: argparse.Namespace) -> int:
     eight = _eight_bit(args)
     run_ = begin(args, inputs=("data", "stats"))
     profile, target, model, outputs = run_.profile, run_.target, run_.model, run_.outputs
+    widened = ""
+    if eight is not None:
+        from npuprep.fp16_source import eight_bit_source
+
+        model, widened = eight_bit_source(model)
     if args.html:
         outputs.writes(args.html, "--html")
     with outputs.open() as files:
@@ -144,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         _print(model, target, findings, fail_on)
         if stats is not None and stats.mapping_note:
             say(f"note: {stats.mapping_note}")
-        for note in rewrites:
+        for note in (widened, *rewrites) if widened else rewrites:
             say(f"note: {note}")
         _print_plan(plan, measured=stats is not None, recorded=not planned.planned_here)
         if eight is not None:

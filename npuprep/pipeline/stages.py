@@ -35,6 +35,7 @@ from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed, SampleSet
 from npuprep.detections import Decision, Detection
 from npuprep.errors import NpuprepError
+from npuprep.fp16_source import eight_bit_source
 from npuprep.model_io import Model, anchored
 from npuprep.numerics import eight_bit_format, get_format
 from npuprep.pipeline.lower_and_verify import lower_and_verify
@@ -157,7 +158,7 @@ def hold_out(run: Run) -> Run:
             raise NpuprepError(f"--holdout {_source(asked)}: {_some(seen)} are among the samples the "
                                "--stats were calibrated on; held-out samples must be unseen")
         return replace(run, calibration=samples, held_out=held, use=_use(run, ids, held_ids),
-                       notes=notes)
+                       notes=(*run.notes, *notes))
     if not isinstance(samples, SampleSet):
         raise NpuprepError("holdout='split' holds out part of a SampleSet (npuprep.data."
                            "load_samples); give held-out feeds as `holdout` instead")
@@ -169,10 +170,11 @@ def hold_out(run: Run) -> Run:
         said = (f"no held-out check: the --stats were calibrated on the --data samples "
                 f"that would be held out ({_some(seen)}); verified on all {len(ids)} --data "
                 "samples (--holdout names samples the stats did not see)")
-        return replace(run, calibration=samples, use=_use(run, ids, ()), notes=(said,))
+        return replace(run, calibration=samples, use=_use(run, ids, ()), notes=(*run.notes, said))
     kept = tuple(i for i in ids if i not in set(split.held_out_ids))
     return replace(run, calibration=split.calibration, held_out=split.held_out or None,
-                   use=_use(run, kept, split.held_out_ids), notes=(split.said,))
+                   use=_use(run, kept, split.held_out_ids),
+                   notes=(*run.notes, split.said))
 
 
 def goal(run: Run) -> Run:
@@ -392,7 +394,8 @@ def record(run: Run) -> Run:
         cause="" if result.verdict.passed else result.verdict.said.removeprefix("FAILED").lstrip(": "),
         stats_fingerprint=stats_fingerprint(given.to_dict()) if given is not None else None,
         calibration_ids=result.samples.calibration_ids, holdout_ids=result.samples.holdout_ids,
-        host_scales=dict(result.host_scales))
+        calibration_source=dict(result.samples.calibration_source),
+        host_scales=dict(result.host_scales), pinned_nodes=tuple(result.pinned_nodes))
     record_conversion(result.lowered.model, made)
     return replace(run, result=replace(result, record=made))
 
@@ -462,7 +465,10 @@ def convert(
     for stage in STAGES:
         run = stage(run)
     assert run.result is not None
-    return run.result
+    if run.result.source.path == model.path:
+        return run.result
+    # Reports name the user's file, also where the run converted its FP32 widening.
+    return replace(run.result, source=replace(run.result.source, path=model.path))
 
 
 def draft_plan(model: Model, profile: TargetProfile, samples: Samples | None, *,
@@ -492,10 +498,13 @@ def _start(model: Model, profile: TargetProfile, samples: Samples, settings: Set
     if isinstance(samples, SampleSet):
         description, synthetic = description or samples.describe(), synthetic or samples.synthetic
     # Rules and rewrites read each weight from the user's file as they need it.
-    return Run(model=anchored(model), profile=profile, settings=settings, samples=samples,
+    model = anchored(model)
+    model, widened = eight_bit_source(model) if settings.eight_bit else (model, "")
+    return Run(model=model, profile=profile, settings=settings, samples=samples,
                progress=progress or (lambda _: None), holdout_asked=holdout, stats=stats,
                user_plan=plan, stats_from_caller=isinstance(stats, CalibrationStats),
-               use=SampleUse(description=description, synthetic=synthetic))
+               use=SampleUse(description=description, synthetic=synthetic),
+               notes=(widened,) if widened else ())
 
 
 def _rtol(settings: Settings) -> float:
@@ -518,7 +527,10 @@ def _use(run: Run, calibration_ids: tuple[str, ...], holdout_ids: tuple[str, ...
     given = run.stats_given
     # Statistics given by the caller say which samples they were calibrated on.
     ids = tuple(str(i) for i in given.sample_ids) if given is not None else calibration_ids
-    return replace(run.use, calibration_ids=ids, holdout_ids=holdout_ids)
+    where = given.source if given is not None else (
+        run.samples.source_info() if isinstance(run.samples, SampleSet) else {})
+    return replace(run.use, calibration_ids=ids, holdout_ids=holdout_ids,
+                   calibration_source=dict(where or {}))
 
 
 def _seen(given: CalibrationStats | None, samples: Samples, ids: Sequence[str]) -> list[str]:

@@ -179,6 +179,29 @@ def _load_errors(produced: str | None = None, source: str | None = None) -> Iter
         raise NpuprepError(f"onnxruntime cannot load the model: {said}") from None
 
 
+@contextlib.contextmanager
+def run_errors(source: str) -> Iterator[None]:
+    """onnxruntime's failure to run the user's model (`source`) on a sample, as one
+    NpuprepError line naming the file and the node (a model onnxruntime loads but cannot
+    run: a kernel's unsupported attribute combination)."""
+    try:
+        yield
+    except (ort.capi.onnxruntime_pybind11_state.Fail,
+            ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+            ort.capi.onnxruntime_pybind11_state.RuntimeException,
+            ort.capi.onnxruntime_pybind11_state.NotImplemented) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise NpuprepError(f"{shown(source)}: onnxruntime cannot run it: {refusal(first)}") from None
+
+
+def check_runs(model: onnx.ModelProto, feed: dict[str, np.ndarray], source: str) -> None:
+    """Raise run_errors' line where the user's `model` itself fails on `feed`: called once
+    a run of a graph npuprep built from it failed, to tell the user's fault from npuprep's."""
+    session = make_session(model, optimize=False, prepack=False, lean=True, source=source)
+    with run_errors(source):
+        run(session, feed)
+
+
 _STATUS = re.compile(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ")
 # The file onnxruntime loaded is npuprep's temporary graph where a session reads weights in
 # place: never the name to give the user.
@@ -186,6 +209,8 @@ _LOADED_FROM = re.compile(r"^Load model from .*? failed: ?")
 # A kernel's refusal to be built names onnxruntime's source line and C++ constructor first.
 _KERNEL_AT = re.compile(r"^Exception during initialization: \S+:\d+ \S+\(.*?\) ")
 _NODE_OP = re.compile(r"^Node \((.*?)\) Op \((.*?)\) ")
+_RUNNING = re.compile(r"^Non-zero status code returned while running (\S+) node\. Name:'(.*?)' "
+                      r"Status Message: ")
 _IN_NODE = re.compile(r" in node \((.*?)\)")
 
 
@@ -195,6 +220,8 @@ def refusal(text: str) -> str:
     text = _KERNEL_AT.sub("", _LOADED_FROM.sub("", _STATUS.sub("", text.strip())))
     if m := _NODE_OP.match(text):
         return f"node '{shown(m[1])}' ({shown(m[2])}): {text[m.end():]}"
+    if m := _RUNNING.match(text):
+        return f"node '{shown(m[2])}' ({shown(m[1])}): {text[m.end():]}"
     if m := _IN_NODE.search(text):
         return f"node '{shown(m[1])}': {(text[:m.start()] + text[m.end():]).rstrip('.')}"
     return text

@@ -11,6 +11,7 @@ is error nobody sees; every other output by its rel L2.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -276,7 +277,7 @@ def _outputs(model: onnx.ModelProto, samples: Sequence[Feed], optimize: bool = T
     """Every output of `model` on each sample; the session is gone when this returns. Each
     model is fed its own input types (a model with FP16 inputs has FP32 ones once widened)."""
     from npuprep.calibrate.run import session_threads
-    from npuprep.runtime.session import make_session, release_freed_memory
+    from npuprep.runtime.session import make_session, release_freed_memory, run_errors
     from npuprep.verify.compare import run_in_streams, sample_streams
 
     if not samples:
@@ -289,7 +290,8 @@ def _outputs(model: onnx.ModelProto, samples: Sequence[Feed], optimize: bool = T
     types = {i.name: i.type for i in session.get_inputs()}
     names = [o.name for o in session.get_outputs()]
     feeds = [{k: _as_input(v, types.get(k, "")) for k, v in feed.items()} for feed in samples]
-    outputs = list(run_in_streams(session, feeds, names, streams))
+    with run_errors(source) if source else contextlib.nullcontext():
+        outputs = list(run_in_streams(session, feeds, names, streams))
     del session
     release_freed_memory()
     return outputs
