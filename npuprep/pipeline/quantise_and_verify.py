@@ -278,20 +278,15 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     if int8_start is not None:
         # Its INT8 layers' activations get their rules as the INT8 conversion chooses them,
         # unless this format's start, every layer in 8 bits, meets the aim on the trial
-        # samples and the layers the INT8 start runs in INT8 err past INT8_RULES_SPAN times
-        # as much there at INT8's default rule as in this format (each alone in 8 bits, the
-        # rest wider): the INT8 start is then only the point this start is compared with at
-        # the same share, and no choice of clips closes that gap (dnsmos_p835 FP8: 0.028
-        # against 0.139 after the choice, 33 of 185 CPU s).
+        # samples and the INT8 start at its default rule errs past INT8_RULES_SPAN times it:
+        # the INT8 start is then only the point it is compared with at the same share, and no
+        # choice of clips closes that gap (dnsmos_p835 FP8: 0.028 against 0.139 after the
+        # choice, 33 of 185 CPU s).
         int8 = variants[1]
-        own = assigned_formats(layers)
-        as_int8 = eight_bit_nodes(int8_start, int8.fmt)
-        passes = (eight_bit_share(layers, macs) >= 1.0
-                  and search.error(own, tensor_rules) <= JUDGE_MARGIN * rtol)
-        same = search.error({n: own[n] for n in as_int8 if n in own}, tensor_rules) if passes else 0
+        own = search.error(assigned_formats(layers), tensor_rules)
         every_rule = sessions.every_rule_in(int8.fmt)
-        if not (passes and every_rule.error(dict.fromkeys(as_int8, int8.fmt.name), {})
-                > INT8_RULES_SPAN * same):
+        if not (eight_bit_share(layers, macs) >= 1.0 and own <= JUDGE_MARGIN * rtol
+                and every_rule.error(assigned_formats(int8_start), {}) > INT8_RULES_SPAN * own):
             stage("choosing each INT8 activation's scale rule by its measured error")
             tensor_rules = choose_rules(every_rule, base, eight_bit_nodes(int8_start, int8.fmt),
                                         stats, int8.fmt, int8.rules)
