@@ -90,10 +90,6 @@ from npuprep.verify.widening import CurvePoint, Widening, widen_by_ranking
 DEFAULT_MIN_8BIT_SHARE = 0.5
 # The calibration samples set the scales: the widening stops below this share of rtol there.
 JUDGE_MARGIN = 0.8
-# An FP8 conversion whose start passes skips the INT8 rule choice where the INT8 start at its
-# default rule errs more than this many times the FP8 start: the rules it could choose move
-# each activation's clip, a gap this wide is the format's.
-INT8_RULES_SPAN = 2.0
 # ... and a decided output's decisions must hold there with the error scaled by this
 # (ddddocr_ocr FP8: a head whose calibration decisions held at 1x and 1.25x, 4 of 134
 # positions flipping at 2x, flipped a held-out decision).
@@ -276,20 +272,12 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                      f"weight rounding: outputs' rel L2 {before:.3g} -> {after:.3g} with all in "
                      "8 bits, " + ("kept" if search.corrected else "not kept"))
     if int8_start is not None:
-        # Its INT8 layers' activations get their rules as the INT8 conversion chooses them,
-        # unless this format's start, every layer in 8 bits, meets the aim on the trial
-        # samples and the INT8 start at its default rule errs past INT8_RULES_SPAN times it:
-        # the INT8 start is then only the point it is compared with at the same share, and no
-        # choice of clips closes that gap (dnsmos_p835 FP8: 0.028 against 0.139 after the
-        # choice, 33 of 185 CPU s).
+        # Its INT8 layers' activations get their rules as the INT8 conversion chooses them.
+        stage("choosing each INT8 activation's scale rule by its measured error")
         int8 = variants[1]
-        own = search.error(assigned_formats(layers), tensor_rules)
-        every_rule = sessions.every_rule_in(int8.fmt)
-        if not (eight_bit_share(layers, macs) >= 1.0 and own <= JUDGE_MARGIN * rtol
-                and every_rule.error(assigned_formats(int8_start), {}) > INT8_RULES_SPAN * own):
-            stage("choosing each INT8 activation's scale rule by its measured error")
-            tensor_rules = choose_rules(every_rule, base, eight_bit_nodes(int8_start, int8.fmt),
-                                        stats, int8.fmt, int8.rules)
+        tensor_rules = choose_rules(sessions.every_rule_in(int8.fmt), base,
+                                    eight_bit_nodes(int8_start, int8.fmt), stats, int8.fmt,
+                                    int8.rules)
     sessions.rules = tensor_rules
 
     def pins(chosen: Sequence[LayerPrecision]) -> set[str]:
