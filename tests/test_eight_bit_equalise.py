@@ -13,6 +13,7 @@ from npuprep.model_io import Model, fingerprint
 from npuprep.numerics import eight_bit_format
 from npuprep.rewrite.equalise import chains, equalise, factors
 from npuprep.scale_rules import ScaleRule
+from npuprep.verify.compare import compare_models
 from npuprep.verify.qdq_model import equalise_channels, quantise
 
 INT8 = eight_bit_format("int8")
@@ -117,3 +118,36 @@ def test_a_gain_short_of_the_least_share_is_declined(monkeypatch):
                                  rules=(ScaleRule.ABSMAX,), tensor_scales={})
     assert declined.chains == () and declined.model is proto and declined.stats is stats
     assert np.isclose(declined.after, kept.after) and np.isclose(declined.before, kept.before)
+
+
+def test_the_layer_compare_undoes_the_equalisation_and_still_names_a_real_divergence():
+    # CHAIN equalised: a, p and h carry each channel times s on purpose (BlazeFace's FAILED
+    # named such a tensor 'first divergent' at rel L2 1.92); the compare undoes the factors.
+    proto = _model(CHAIN)
+    feeds = _feeds(8)
+    stats = calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
+    done = equalise_channels(proto, proto, ["c2", "c3"], stats, INT8, feeds,
+                             rules=(ScaleRule.ABSMAX,), tensor_scales={})
+    assert sorted(done.channel_scales) == ["a", "h", "p"]
+    assert done.channel_scales["h"].shape == (8, 1, 1)
+    blind = compare_models(proto, done.model, feeds, rtol=1e-2, atol=1e-3)
+    assert blind.first_divergent is not None and blind.first_divergent.tensor == "a"
+    undone = compare_models(proto, done.model, feeds, rtol=1e-2, atol=1e-3,
+                            channel_scales=done.channel_scales)
+    assert undone.first_divergent is None
+    assert max(t.rel_l2 for t in undone.tensors) < 1e-5
+    # A real error after the rescaled tensors (c3's weights 10% off) is still named, and so is
+    # one inside them (c1's bias moved), with isolation reading the rescaled inputs right.
+    for weight, scale, where in (("W3", 1.1, "z"), ("B1", 1.5, "a")):
+        wrong = onnx.ModelProto()
+        wrong.CopyFrom(done.model)
+        node = next(n for n in wrong.graph.node if n.output[0] == where)
+        init = next(i for i in wrong.graph.initializer if i.name == node.input[
+            2 if weight == "B1" else 1])
+        init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * np.float32(scale),
+                                              init.name))
+        found = compare_models(proto, wrong, feeds, rtol=1e-2, atol=1e-3, isolate=True,
+                               channel_scales=done.channel_scales)
+        assert found.first_divergent is not None and found.first_divergent.tensor == where
+        own = {t.tensor: t.isolated_rel_l2 for t in found.tensors}
+        assert own[where] > 0.01 and all(v < 1e-5 for t, v in own.items() if t != where)
