@@ -235,11 +235,15 @@ def eight_bit_share(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]],
 
 def body_macs(entry: Entry, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
     """Multiply-adds per sample of the reference's layers inside If/Loop/Scan bodies, as often
-    as they ran on the calibration samples (npuprep.calibrate.layer_macs); empty where no
-    multiply-add sits in a body (no calibration run then)."""
+    as they ran on the calibration samples (npuprep.calibrate.layer_macs), and of main-graph
+    layers whose shapes no static inference sizes (behind ai.onnx.ml ops: sklearn_pipeline's
+    MatMul after a Scaler); empty where neither is found (no calibration run then)."""
     model = onnx.load(entry.model)
-    if not any(n.op_type in ("Conv", "MatMul", "Gemm") for s in walk_graphs(model.graph)
-               if not s.is_main for n in s.graph.node):
+    static = node_flops(model, shapes)
+    unsized = any(n.op_type in ("Conv", "MatMul", "Gemm")
+                  and static.get(n.name or f"node_of_{n.output[0]}", 0) <= 1 for n in model.graph.node)
+    if not unsized and not any(n.op_type in ("Conv", "MatMul", "Gemm") for s in walk_graphs(model.graph)
+                               if not s.is_main for n in s.graph.node):
         return {}
     loaded = load_model(str(entry.model))
     stats = calibrate(loaded, _feeds(entry.calib))

@@ -126,6 +126,10 @@ class ConversionRecord:
     calibration_ids: tuple[str, ...] = ()
     holdout_ids: tuple[str, ...] = ()
     host_scales: dict[str, float] = field(default_factory=dict)
+    # Where the calibration ids are from (kind, folder or file: SampleSet.source_info).
+    calibration_source: dict[str, Any] = field(default_factory=dict)
+    # The nodes the converted model computes in FP32 (its verification kept them unrounded).
+    pinned_nodes: tuple[str, ...] = ()
     version: int = RECORD_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -142,6 +146,8 @@ class ConversionRecord:
             "calibration_ids": list(self.calibration_ids),
             "holdout_ids": list(self.holdout_ids),
             "host_scales": {o: s for o, s in sorted(self.host_scales.items())},
+            "calibration_source": dict(self.calibration_source),
+            "pinned_nodes": list(self.pinned_nodes),
             "plan": self.plan,
         }
 
@@ -158,6 +164,8 @@ class ConversionRecord:
             calibration_ids=tuple(str(i) for i in data.get("calibration_ids") or ()),
             holdout_ids=tuple(str(i) for i in data.get("holdout_ids") or ()),
             host_scales={str(o): float(v) for o, v in (data.get("host_scales") or {}).items()},
+            calibration_source=dict(data.get("calibration_source") or {}),
+            pinned_nodes=tuple(str(n) for n in data.get("pinned_nodes") or ()),
             version=int(data.get("version", RECORD_VERSION)),
         )
 

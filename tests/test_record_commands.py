@@ -136,7 +136,8 @@ def test_compare_judges_a_conversion_by_its_recorded_gate(tmp_path):
 
     proto = onnx.load(str(out))
     record_conversion(proto, replace(read_conversion(proto), calibration_ids=("s0.npz", "s1.npz"),
-                                     holdout_ids=("s3.npz",)))
+                                     holdout_ids=("s3.npz",),
+                                     calibration_source={"kind": "dir", "source": str(data)}))
     onnx.save(proto, str(out))
     notes = json.loads(run_cli("compare", source, out, "--data", data, "--target", "a2000",
                                "--json").stdout)["notes"]

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from npuprep.data import SampleSet
     from npuprep.model_io import Model
     from npuprep.numerics import NumberFormat
-    from npuprep.profiles import ResolvedTarget
+    from npuprep.profiles import ResolvedTarget, TargetProfile
     from npuprep.verify.compare import CompareResult, OutputGate
 
 help = "compare two models (or a model and its emulation on a target) tensor by tensor"
@@ -158,7 +158,12 @@ def run(args: argparse.Namespace) -> int:
                 notes += scale_note
             stored = _stored_format(cand_proto)
             fmt_ = target.fmt if target else stored
-            if stored is not None and not args.as_is:
+            verified = _as_verified(ref, cand_proto, profile) if stored is None and not args.as_is \
+                else None
+            if verified is not None:
+                cand_proto, fmt_, said = verified
+                notes += (said,)
+            elif stored is not None and not args.as_is:
                 from npuprep.verify.emulate_lowered import emulate_lowered
 
                 # Overflow behaviour comes from the target; without one, IEEE (loud) is assumed.
@@ -269,13 +274,14 @@ def conversion_gate(ref: Model, cand: onnx.ModelProto, args: argparse.Namespace,
     the graph outputs at the record's rtol/atol (--rtol/--atol still override), and a note
     when --data holds samples the conversion calibrated and planned on (its gate was met on
     others); (None, ()) for two unrelated models, which keep compare's own verdict."""
+    from npuprep.holdout import seen_by_stats
     from npuprep.provenance import read_conversion
     from npuprep.verify.compare import OutputGate
 
     record = read_conversion(cand)
     if record is None or record.source.fingerprint != ref.fingerprint:
         return None, ()
-    seen = sorted({str(i) for i in samples.sample_ids()} & set(record.calibration_ids))
+    seen = sorted(seen_by_stats(record.calibration_source, record.calibration_ids, samples))
     notes = (f"{len(seen)} of these samples ({', '.join(seen[:3])}{' ...' if len(seen) > 3 else ''}) "
              "are ones the conversion calibrated and planned on; give the held-out ones "
              f"({', '.join(record.holdout_ids[:3]) or 'none recorded'}) to see what convert's gate "
@@ -313,6 +319,40 @@ def goal_gate(ref: Model, args: argparse.Namespace, samples: SampleSet, gate: Ou
     return (OutputGate(outputs, rtol, DEFAULT_ATOL if args.atol is None else args.atol, rule,
                        top_k=top_k),
             (f"outputs judged by {rule}: {said}; internal tensors are where to look",))
+
+
+def _gate_said(gate: OutputGate, output: str) -> str:
+    from npuprep.verify.output_errors import rule_said
+
+    rule = gate.top_k.get(output)
+    return (f"rel L2 {gate.rtol:g}" if rule is None else
+            f"{rule_said(rule)} held, or rel L2 {gate.rtol:g}")
+
+
+def _as_verified(ref: Model, cand: onnx.ModelProto, profile: TargetProfile | None
+                 ) -> tuple[onnx.ModelProto, NumberFormat, str] | None:
+    """An 8-bit conversion of REF as convert verified it (npuprep.verify.qdq_model.on_target):
+    its Q/DQ pairs and recorded FP32 pins exact, every other tensor rounded to the target's
+    wider format, overflowing as the target does there; None for any other candidate. The
+    profile is --target's, else the record's built-in target."""
+    from npuprep.numerics import eight_bit_format
+    from npuprep.profile_names import builtin_names
+    from npuprep.profiles import load_profile
+    from npuprep.provenance import read_conversion
+    from npuprep.verify.qdq_model import on_target
+
+    record = read_conversion(cand)
+    if (record is None or record.source.fingerprint != ref.fingerprint
+            or eight_bit_format(record.precision) is None):
+        return None
+    if profile is None and record.target not in builtin_names():
+        return None
+    wide = (profile or load_profile(record.target)).resolve("fp16")
+    said = (f"the candidate is an {record.precision} conversion: compared as convert verified it, "
+            f"its Q/DQ pairs and {len(record.pinned_nodes)} FP32 pin(s) exact and every other "
+            f"tensor rounded to {wide.fmt.name} (overflow "
+            f"{'saturates' if wide.saturate else 'gives Inf/NaN'}, {wide.profile.name})")
+    return on_target(cand, wide.fmt, record.pinned_nodes, saturate=wide.saturate), wide.fmt, said
 
 
 def _recorded_scales(ref: Any, cand: Any) -> tuple[dict[str, float] | None, tuple[str, ...]]:
@@ -458,7 +498,7 @@ def _print(result: Any, masks: frozenset[str] = frozenset()) -> None:
         decisions = (f", {agreement_said(errors)}" if "detect" in errors else
                      f", top-{errors['top_k']} agreement {agree:.0%}" if agree is not None else "")
         say(f"output {name}: rel L2 {fmt(errors['rel_l2'])}, {errors['nonfinite']} Inf/NaN"
-            + decisions + f" (gate: rel L2 {result.gate.rtol:g})")
+            + decisions + f" (gate: {_gate_said(result.gate, name)})")
     if result.unobserved:
         say(f"{len(result.unobserved)} tensors not compared (inside subgraphs or not shared); "
             "see --json")

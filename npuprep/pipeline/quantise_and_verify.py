@@ -33,7 +33,7 @@ from npuprep.calibrate.mapping import with_scaled_entries
 from npuprep.calibrate.scales import FP8_NAN_HEADROOM
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
-from npuprep.detections import Decision, Detection
+from npuprep.detections import Decision
 from npuprep.formatting import ratio
 from npuprep.graph import weight_bytes, without_weight_inputs
 from npuprep.model_io import Model, WeightScratch
@@ -58,7 +58,7 @@ from npuprep.verify.compare import DEFAULT_ATOL, compare_models
 from npuprep.verify.decision_margin import decision_error
 from npuprep.verify.input_split import Splits, planned_splits, split_wide_inputs
 from npuprep.verify.output_check import OutputCheck, check_output_sets, check_outputs
-from npuprep.verify.output_errors import CTC_TEXT, output_passes
+from npuprep.verify.output_errors import output_passes, rule_said
 from npuprep.verify.pin_rounds import sample_shapes
 from npuprep.verify.qdq_model import (
     EQUALISE_MIN_GAIN,
@@ -146,6 +146,9 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     if mixed and other is not None:
         variants.append(_variant(profile, other, ScaleRule(scale_rule))[0])
     saturate, scale_rule = main.saturate, main.rules[0]
+    # The tensors outside the 8-bit layers are emulated in the wider format as the target
+    # overflows in it (not as the 8-bit QuantizeLinear clamps: INT8's always does).
+    wide_saturate = target.saturate
     stage("splitting inputs no one 8-bit scale holds")
     split = (planned_splits(base, layers, stats, samples, variants,
                             tensor_scales=applied.tensor_scales, path=work.path)
@@ -184,7 +187,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                    eight_bit_nodes(int8_start, other) if int8_start is not None and other
                    and not _start_passes(work.proto, base, layers, stats, variants, wide,
                                          samples, pinned=pinned, rtol=rtol, top_k=top_k,
-                                         tensor_scales=applied.tensor_scales, weights=weights)
+                                         tensor_scales=applied.tensor_scales, weights=weights,
+                                         wide_saturate=wide_saturate)
                    else [])
     if int8_layers:
         # FP8 keeps its relative precision across channels; INT8's one scale does not.
@@ -244,12 +248,12 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     # on all and measured on four of them it was kept, and its held-out error doubled).
     means = input_means(base, list(assigned_formats(layers)), samples[TRIAL_SAMPLES:] or samples)
     sessions = TrialSessions(
-        work.proto, base, layers, stats, variants, wide, samples, saturate=saturate,
+        work.proto, base, layers, stats, variants, wide, samples, saturate=wide_saturate,
         kept_wider=pinned | {x.node for x in layers if x.precision == "fp32"},
         tensor_scales=applied.tensor_scales, weights=weights, means=means, runner=runner,
         score=_decision_score(top_k, JUDGE_MARGIN * rtol, rtol), expected=expected.on(samples))
     if top_k:
-        judged_by = ", ".join(f"{name} ({_rule_said(k)})" for name, k in top_k.items())
+        judged_by = ", ".join(f"{name} ({rule_said(k)})" for name, k in top_k.items())
         notes.append(f"the search ranks layers and compares trials by the share of each decided "
                      f"margin their error eats at {judged_by}, where that is under the rel L2")
     search = sessions.search()
@@ -376,8 +380,9 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     built = with_biases(built, [fixed for (layer, fmt), fixed in biases.items()
                                 if chosen.get(layer) == fmt and layer in corrected])
     # The reference's outputs on these samples are the trials' (run once).
-    check = check_output_sets(work.proto, built, wide, [samples], saturate=saturate, rtol=rtol,
-                              emulated=on_target(built, wide, pins(layers), saturate=saturate),
+    check = check_output_sets(work.proto, built, wide, [samples], saturate=wide_saturate,
+                              rtol=rtol, emulated=on_target(built, wide, pins(layers),
+                                                            saturate=wide_saturate),
                               top_k=top_k, expected=sessions.expected)[0]
     notes.append(_curve_note(widening.curve, trial_runs, widening.check.worst_rel_l2))
     if widening.alternative and other is not None:
@@ -404,8 +409,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     held = None
     if holdout is not None:
         stage("checking the held-out samples")
-        held = check_outputs(work.proto, built, wide, holdout, saturate=saturate, rtol=rtol,
-                             emulated=on_target(built, wide, pins(layers), saturate=saturate),
+        held = check_outputs(work.proto, built, wide, holdout, saturate=wide_saturate, rtol=rtol,
+                             emulated=on_target(built, wide, pins(layers), saturate=wide_saturate),
                              top_k=top_k)
     shares = mac_share(layers, macs, eight)
     notes.append(f"the ONNX artefact is QDQ {eight.name} at the 8-bit layers and FP32 elsewhere; "
@@ -445,7 +450,8 @@ def _start_passes(reference: onnx.ModelProto, base: onnx.ModelProto,
                   layers: Sequence[LayerPrecision], stats: CalibrationStats,
                   variants: Sequence[Variant], wide: NumberFormat, samples: Sequence[Feed], *,
                   pinned: set[str], rtol: float, top_k: Mapping[str, Decision],
-                  tensor_scales: Mapping[str, float], weights: WeightStore) -> bool:
+                  tensor_scales: Mapping[str, float], weights: WeightStore,
+                  wide_saturate: bool) -> bool:
     """Every layer of `layers` in its 8-bit format (weights rounded to nearest, no bias
     correction) meets the search's aim on `samples`: the search keeps it at 100%."""
     built = base
@@ -455,16 +461,10 @@ def _start_passes(reference: onnx.ModelProto, base: onnx.ModelProto,
             built = quantise(built, nodes, stats, v.fmt, saturate=v.saturate, rule=v.rules[0],
                              tensor_scales=tensor_scales, headroom=v.headroom,
                              weights=weights).model
-    saturate = variants[0].saturate
-    check = check_output_sets(reference, built, wide, [samples], saturate=saturate, rtol=rtol,
-                              emulated=on_target(built, wide, pinned, saturate=saturate),
-                              top_k=top_k)[0]
+    check = check_output_sets(reference, built, wide, [samples], saturate=wide_saturate,
+                              rtol=rtol, top_k=top_k,
+                              emulated=on_target(built, wide, pinned, saturate=wide_saturate))[0]
     return all(output_passes(o, JUDGE_MARGIN * rtol) for o in check.outputs.values())
-
-
-def _rule_said(rule: Decision) -> str:
-    return rule.said() if isinstance(rule, Detection) else (
-        "CTC text" if rule == CTC_TEXT else f"top-{rule}")
 
 
 def _decision_score(top_k: Mapping[str, Decision], aim: float, rtol: float) -> TrialScore | None:

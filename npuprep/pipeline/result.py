@@ -8,7 +8,7 @@ anything is written; `passed` reads it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -133,6 +133,9 @@ class SampleUse:
     said: str = ""
     description: str = ""
     synthetic: bool = False
+    # Where the calibration ids are from (SampleSet.source_info: the kind and folder or file),
+    # so another folder's files of the same names are not taken for them.
+    calibration_source: Mapping[str, str | int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

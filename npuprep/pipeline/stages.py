@@ -394,7 +394,8 @@ def record(run: Run) -> Run:
         cause="" if result.verdict.passed else result.verdict.said.removeprefix("FAILED").lstrip(": "),
         stats_fingerprint=stats_fingerprint(given.to_dict()) if given is not None else None,
         calibration_ids=result.samples.calibration_ids, holdout_ids=result.samples.holdout_ids,
-        host_scales=dict(result.host_scales))
+        calibration_source=dict(result.samples.calibration_source),
+        host_scales=dict(result.host_scales), pinned_nodes=tuple(result.pinned_nodes))
     record_conversion(result.lowered.model, made)
     return replace(run, result=replace(result, record=made))
 
@@ -464,6 +465,8 @@ def convert(
     for stage in STAGES:
         run = stage(run)
     assert run.result is not None
+    if run.result.source.path == model.path:
+        return run.result
     # Reports name the user's file, also where the run converted its FP32 widening.
     return replace(run.result, source=replace(run.result.source, path=model.path))
 
@@ -524,7 +527,10 @@ def _use(run: Run, calibration_ids: tuple[str, ...], holdout_ids: tuple[str, ...
     given = run.stats_given
     # Statistics given by the caller say which samples they were calibrated on.
     ids = tuple(str(i) for i in given.sample_ids) if given is not None else calibration_ids
-    return replace(run.use, calibration_ids=ids, holdout_ids=holdout_ids)
+    where = given.source if given is not None else (
+        run.samples.source_info() if isinstance(run.samples, SampleSet) else {})
+    return replace(run.use, calibration_ids=ids, holdout_ids=holdout_ids,
+                   calibration_source=dict(where or {}))
 
 
 def _seen(given: CalibrationStats | None, samples: Samples, ids: Sequence[str]) -> list[str]:

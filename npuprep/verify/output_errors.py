@@ -63,6 +63,12 @@ CTC_TEXT = 0
 CTC_BLANK = 0
 
 
+def rule_said(rule: Decision) -> str:
+    """A decided output's rule in words: `top-1`, `CTC text`, a detector's rule."""
+    return rule.said() if isinstance(rule, Detection) else (
+        "CTC text" if rule == CTC_TEXT else f"top-{rule}")
+
+
 def output_passes(errors: Mapping[str, Any], rtol: float, *, at_margin: bool = False) -> bool:
     """The gate of one output's errors (as `OutputErrors` measures them): no Inf/NaN, and rel
     L2 within `rtol` or, when judged by top-K, every decision the same (`at_margin`: the same

@@ -1,0 +1,65 @@
+"""`npuprep compare REF CAND` on an 8-bit conversion says what convert said: the QDQ model is run
+as convert verified it (its Q/DQ pairs exact, every other tensor rounded to the target's FP16),
+so the same samples give the same errors; samples of another folder that share the calibration
+files' names are not taken for them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper, parser
+
+from tests.conftest import run_cli
+
+# x -> MatMul(W) -> Relu -> MatMul(V) -> Softmax -> p ; logits y too
+MLP = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[4, 16] x) => (float[4, 8] y, float[4, 8] p) {
+    [mm1] h = MatMul (x, W)
+    a = Relu (h)
+    [mm2] y = MatMul (a, V)
+    p = Softmax <axis = -1> (y)
+}
+"""
+
+
+def _outputs(text: str) -> dict[str, float]:
+    return {line.split()[1].rstrip(":"): float(line.split("rel L2 ")[1].split(",")[0])
+            for line in text.splitlines() if line.startswith("output ")}
+
+
+def test_compare_gives_convert_s_held_out_errors_and_knows_its_calibration_folder(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    proto = parser.parse_model(MLP)
+    proto.graph.initializer.extend([
+        numpy_helper.from_array((rng.standard_normal((16, 32)) * 0.4).astype(np.float32), "W"),
+        numpy_helper.from_array((rng.standard_normal((32, 8)) * 0.4).astype(np.float32), "V")])
+    onnx.save(proto, tmp_path / "m.onnx")
+    for folder, count in (("calib", 8), ("held", 4)):
+        (tmp_path / folder).mkdir()
+        for i in range(count):
+            np.savez(tmp_path / folder / f"{i:03d}.npz", x=rng.standard_normal((4, 16)).astype(np.float32))
+    done = run_cli("convert", "m.onnx", "--target", "a2000", "--precision", "int8", "--data", "calib",
+                   "--holdout", "held", "-o", "q.onnx", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    held = {k: v["rel_l2"] for k, v in json.loads(done.stdout)["holdout"]["outputs"].items()}
+    compared = run_cli("compare", "m.onnx", "q.onnx", "--data", "held", cwd=tmp_path)
+    assert compared.returncode == 0, compared.stderr[-2000:]
+    said = _outputs(compared.stdout + compared.stderr)
+    assert said.keys() == held.keys()
+    for name, rel_l2 in held.items():
+        assert abs(said[name] - rel_l2) <= 5e-4 * rel_l2 + 1e-9, (name, said[name], rel_l2)
+    text = compared.stdout + compared.stderr
+    assert "compared as convert verified it" in text and "calibrated and planned on" not in text
+    # The calibration folder itself is named as such; a copy elsewhere is not (names alike).
+    again = run_cli("compare", "m.onnx", "q.onnx", "--data", "calib", cwd=tmp_path)
+    assert "8 of these samples" in again.stdout + again.stderr
+    shutil.copytree(tmp_path / "calib", tmp_path / "other")
+    for f in (tmp_path / "other").iterdir():
+        np.savez(f, x=rng.standard_normal((4, 16)).astype(np.float32))
+    other = run_cli("compare", "m.onnx", "q.onnx", "--data", "other", cwd=tmp_path)
+    assert "calibrated and planned on" not in other.stdout + other.stderr
