@@ -3,14 +3,17 @@ the Convs that read them, through ops that commute with a positive factor per ch
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
-from conftest import pooled_rel_l2
+from conftest import pooled_rel_l2, run_cli
 from onnx import numpy_helper, parser
 
 from npuprep.calibrate import calibrate
 from npuprep.model_io import Model, fingerprint
 from npuprep.numerics import eight_bit_format
+from npuprep.provenance import record_source
 from npuprep.rewrite.equalise import chains, equalise, factors
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.compare import compare_models
@@ -151,3 +154,27 @@ def test_the_layer_compare_undoes_the_equalisation_and_still_names_a_real_diverg
         assert found.first_divergent is not None and found.first_divergent.tensor == where
         own = {t.tensor: t.isolated_rel_l2 for t in found.tensors}
         assert own[where] > 0.01 and all(v < 1e-5 for t, v in own.items() if t != where)
+
+
+def test_compare_reads_the_per_channel_factors_a_conversion_records(tmp_path):
+    # CHAIN equalised and written with its factors recorded, as convert writes an 8-bit model:
+    # `npuprep compare` undoes them; the same model without the record shows the rescale.
+    proto = _model(CHAIN)
+    feeds = _feeds(8)
+    stats = calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
+    done = equalise_channels(proto, proto, ["c2", "c3"], stats, INT8, feeds,
+                             rules=(ScaleRule.ABSMAX,), tensor_scales={})
+    onnx.save(proto, tmp_path / "m.onnx")
+    onnx.save(done.model, tmp_path / "bare.onnx")
+    record_source(done.model, fingerprint(onnx.load(tmp_path / "m.onnx")), {}, done.channel_scales)
+    onnx.save(done.model, tmp_path / "e.onnx")
+    (tmp_path / "data").mkdir()
+    for i, f in enumerate(feeds[:3]):
+        np.savez(tmp_path / "data" / f"{i}.npz", **f)
+    first = {}
+    for name in ("e", "bare"):
+        done_cli = run_cli("compare", "m.onnx", f"{name}.onnx", "--data", "data", "--json",
+                           cwd=tmp_path)
+        assert done_cli.returncode in (0, 1), done_cli.stderr[-2000:]
+        first[name] = json.loads(done_cli.stdout)["first_divergent"]
+    assert first["e"] is None and first["bare"]["tensor"] == "a"

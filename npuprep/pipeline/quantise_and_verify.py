@@ -419,7 +419,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     if eight.is_float:
         notes.append(f"FP8 QuantizeLinear saturate={int(saturate)} (profile fp8_saturate: "
                      f"{profile.to_dict()['fp8_saturate']})")
-    record_source(built, model.fingerprint, applied.tensor_scales)
+    record_source(built, model.fingerprint, applied.tensor_scales, rescaled)
     plan = replace(plan, precision=eight.name, eight_bit=tuple(layers))
     pinned_all = tuple(sorted(x.node for x in layers if x.precision == "fp32") + sorted(pinned))
     lowered = Lowered(model=built, fmt=eight.name, io_types="fp32", cast_count=0,
