@@ -162,8 +162,9 @@ def run(args: argparse.Namespace) -> int:
             notes += channel_note
             stored = _stored_format(cand_proto)
             fmt_ = target.fmt if target else stored
-            verified = _as_verified(ref, cand_proto, profile) if stored is None and not args.as_is \
-                else None
+            # An FP8 (or mixed INT8/FP8) conversion stores FP8 weights behind its Q/DQ pairs: it
+            # is run as convert verified it, not widened as a model lowered to FP8 storage.
+            verified = _as_verified(ref, cand_proto, profile) if not args.as_is else None
             if verified is not None:
                 cand_proto, fmt_, said = verified
                 notes += (said,)
