@@ -210,7 +210,31 @@ def test_an_output_judged_by_its_text_fails_by_its_text_not_by_a_passing_sets_re
 
     calibration = OutputCheck(rtol=0.05, samples=8, outputs={"text": errors(0.089, 0.875)})
     held = OutputCheck(rtol=0.05, samples=4, outputs={"text": errors(0.192, 1.0)})
-    result = SimpleNamespace(first_divergent=None, error_attribution=(), precision="int8")
+    result = SimpleNamespace(first_divergent=None, error_attribution=(), precision="int8",
+                             output_check=calibration, holdout=held)
     said = _precision_limited(result, [calibration, held])
-    assert said.startswith("outputs off (text: CTC text 87.5%) with no Inf/NaN (INT8"), said
+    assert said.startswith("outputs off (text: CTC text 87.5% calibration) with no Inf/NaN (INT8"), said
     assert "0.192" not in said
+
+
+def test_steps_judged_one_by_one_fail_once_per_set_and_hint_at_their_ctc_text():
+    # PP-OCRv5 in FP16 under --metric auto: 1 of 320 and 1 of 160 steps flip, every text the same.
+    from types import SimpleNamespace
+
+    from npuprep.pipeline.verdict import _precision_limited
+    from npuprep.verify.output_check import OutputCheck
+
+    def errors(agreement: float, texts: float) -> dict:
+        return {"rel_l2": 0.03, "max_abs_error": 0.4, "nonfinite": 0, "top_k": 1,
+                "top_k_agreement": agreement, "top_k_positions": 320, "top_k_ties": 0,
+                "top_k_ties_flipped": 0, "ctc_text_agreement": texts}
+
+    calibration = OutputCheck(rtol=0.01, samples=8, outputs={"y": errors(319 / 320, 1.0)})
+    held = OutputCheck(rtol=0.01, samples=4, outputs={"y": errors(159 / 160, 1.0)})
+    result = SimpleNamespace(first_divergent=None, error_attribution=(), precision="fp16",
+                             output_check=calibration, holdout=held)
+    said = _precision_limited(result, [calibration, held])
+    assert said.startswith("outputs off (y: top-1 99.69% calibration, top-1 99.38% held out)"), said
+    assert "read as CTC text every sequence of y holds (--top-k y:ctc if a CTC decoder reads it)" in said
+    held.outputs["y"]["ctc_text_agreement"] = 0.75  # a text changed: no hint
+    assert "CTC" not in _precision_limited(result, [calibration, held])

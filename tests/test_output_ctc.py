@@ -61,9 +61,12 @@ def test_a_peak_moved_by_one_step_keeps_the_text_and_a_changed_character_does_no
     assert not per_step and per_step.outputs["y"]["top_k_agreement"] == pytest.approx(4 / 6)
     assert as_text and as_text.outputs["y"]["top_k_agreement"] == 1.0
     assert as_text.outputs["y"]["rel_l2"] > 0.5  # what rel L2 would call a failure
+    # The step-wise judge says the texts held, for the FAILED line's hint.
+    assert per_step.outputs["y"]["ctc_text_agreement"] == 1.0
     # The blank between the two 3s taken by a 3: "1 3" is another text.
     merged = _check(_head({(3, 3): 12.0}), CTC_TEXT)
     assert not merged and merged.outputs["y"]["top_k_agreement"] == 0.0
+    assert _check(_head({(3, 3): 12.0}), 1).outputs["y"]["ctc_text_agreement"] == 0.0
 
 
 def test_a_text_held_only_at_the_margin_does_not_pass_the_search():

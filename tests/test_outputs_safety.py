@@ -333,11 +333,16 @@ def test_sigterm_mid_run_leaves_no_temporaries_and_no_partial_set(ws: Path) -> N
 
 
 def test_a_concurrent_second_convert_to_the_same_output_is_refused(ws: Path) -> None:
+    # The first run holds its outputs until the second has been answered (a file says so):
+    # no race with the second run's start-up on a loaded machine.
     code = (
-        "import sys, time\n"
+        "import os, sys, time\n"
         "import npuprep.calibrate as cal\n"
         "real = cal.calibrate\n"
-        "def slow(*a, **k):\n    print('working', flush=True); time.sleep(5); return real(*a, **k)\n"
+        "def slow(*a, **k):\n    print('working', flush=True)\n"
+        "    end = time.monotonic() + 120\n"
+        "    while not os.path.exists('go') and time.monotonic() < end: time.sleep(0.05)\n"
+        "    return real(*a, **k)\n"
         "cal.calibrate = slow\n"
         "from npuprep.cli.main import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
@@ -347,9 +352,11 @@ def test_a_concurrent_second_convert_to_the_same_output_is_refused(ws: Path) -> 
                              text=True, cwd=ws)
     assert first.stdout.readline().strip() == "working"
     second = run_cli("convert", "m.onnx", "-t", "generic", "--data", "D", "-o", "o.onnx", cwd=ws)
+    (ws / "go").touch()
     line = _one_line_error(second)
     assert "another npuprep run is writing it" in line
     out, err = first.communicate(timeout=120)
+    (ws / "go").unlink()
     assert first.returncode == 0, err
     report = json.loads(out)
     assert json.loads((ws / "o.report.json").read_text())["target"] == report["target"] == "a2000"

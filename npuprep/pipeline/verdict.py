@@ -78,12 +78,25 @@ def _precision_limited(result: ConversionResult, checks: list[OutputCheck]) -> s
     # A detector's output fails by its detections, not by the rel L2 of its background.
     moved = [f"{name}: {detection_failure_said(o)}" for name, o in failing
              if "detect" in o and "detect_fallback" not in o]
-    # An output judged by its decisions (top-K, a CTC decoder's text) fails by them.
-    moved += [f"{name}: {agreement_said(o)}" for name, o in failing
-              if "top_k" in o and "detect" not in o]
+    # An output judged by its decisions (top-K, a CTC decoder's text) fails by them, on each
+    # sample set named where both were checked.
+    sets = {id(result.output_check): "calibration", id(result.holdout): "held out"}
+    said: dict[str, list[str]] = {}
+    for c in checks:
+        for name, o in c.outputs.items():
+            if "top_k" in o and "detect" not in o and not output_passes(o, c.rtol):
+                said.setdefault(name, []).append(
+                    agreement_said(o) + (f" {sets[id(c)]}" if len(checks) > 1 else ""))
+    moved += [f"{name}: {', '.join(parts)}" for name, parts in said.items()]
     off = f"by rel L2 {number(worst)}" if not moved else f"({'; '.join(dict.fromkeys(moved))})"
+    # Steps judged one by one whose greedy CTC texts all held: the user may mean those.
+    rows = [(name, o) for c in checks for name, o in c.outputs.items()]
+    texts = sorted({name for name, o in failing if "ctc_text_agreement" in o} - {
+        name for name, o in rows if o.get("ctc_text_agreement", 1.0) < 1.0})
+    hint = (f"; read as CTC text every sequence of {', '.join(texts)} holds (--top-k "
+            f"{texts[0]}:ctc if a CTC decoder reads it)" if texts else "")
     return (f"outputs off {off} with no Inf/NaN ({result.precision.upper()} precision; "
-            f"--metric, --top-k, --detect or --rtol are yours): {source}")
+            f"--metric, --top-k, --detect or --rtol are yours{hint}): {source}")
 
 
 def _overfit(calibration: OutputCheck | None, held: OutputCheck | None,

@@ -145,6 +145,12 @@ class OutputErrors:
             # A symbolic last axis smaller than K: no position could ever be judged.
             raise NpuprepError(f"--top-k {name}:{k}: output '{name}' has {ref.shape[-1]} classes along its "
                                "last axis on these samples; K must be smaller")
+        if k == 1 and ref.ndim >= 2 and ref.shape[-2] > 1 and ref.shape == cand.shape:
+            # Steps x classes judged step by step: whether each sequence's greedy CTC text
+            # held too, for the hint a failing step-wise judge gives (npuprep.pipeline.verdict).
+            held = _same_text(ref, cand, _decided(ref, 1, self.tie_rtol))
+            a["texts_held"] = a.get("texts_held", 0) + int(held.sum())
+            a["texts"] = a.get("texts", 0) + int(held.size)
         if k and ref.ndim >= 1 and ref.shape == cand.shape and ref.shape[-1] >= k:
             decided, same = _decided(ref, k, self.tie_rtol), _same_top_k(ref, cand, k)
             a["agree"] += int(same[decided].sum())
@@ -283,6 +289,8 @@ class OutputErrors:
                 row["top_k_positions"] = a["positions"]
                 row["top_k_ties"] = a["ties"]
                 row["top_k_ties_flipped"] = a["ties_flipped"]
+                if a.get("texts") and row["top_k_agreement"] < 1:
+                    row["ctc_text_agreement"] = a["texts_held"] / a["texts"]
                 if self.margin != 1.0:
                     row["top_k_margin"] = self.margin
                     row["top_k_agreement_at_margin"] = (
