@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 
 from npuprep.detections import Decision, decision_from_json, decision_to_json
@@ -22,6 +24,9 @@ from npuprep.json_io import to_jsonable
 
 SOURCE_KEY = "npuprep.source_fingerprint"
 SCALES_KEY = "npuprep.tensor_scales"
+# Tensors an 8-bit conversion rescaled per channel on purpose (equalised, balanced): the
+# factors each was multiplied by, broadcast against it, so a compare can undo them.
+CHANNEL_SCALES_KEY = "npuprep.channel_scales"
 # The whole record of a conversion (JSON): what convert did and decided, so that every other
 # command given the converted model reaches convert's verdict, not one of its own.
 RECORD_KEY = "npuprep.conversion"
@@ -30,17 +35,27 @@ RECORD_VERSION = 1
 
 @dataclass(frozen=True)
 class Source:
-    """The model a conversion was made from, and the scale of each rescaled tensor."""
+    """The model a conversion was made from, the scale of each rescaled tensor, and the
+    factors of each tensor rescaled per channel (an array that broadcasts against it)."""
 
     fingerprint: str
     tensor_scales: dict[str, float] = field(default_factory=dict)
+    channel_scales: dict[str, np.ndarray] = field(default_factory=dict)
 
 
-def record_source(proto: onnx.ModelProto, fingerprint: str, tensor_scales: dict[str, float]) -> None:
-    """Write (or replace) the source record in `proto.metadata_props`."""
+def record_source(proto: onnx.ModelProto, fingerprint: str, tensor_scales: dict[str, float],
+                  channel_scales: Mapping[str, np.ndarray] | None = None) -> None:
+    """Write (or replace) the source record in `proto.metadata_props`; the per-channel
+    factors only where `channel_scales` is given (else those recorded stay)."""
     props = {p.key: p.value for p in proto.metadata_props}
     scales = {t: float(s) for t, s in sorted(tensor_scales.items()) if s != 1.0}
     props.update({SOURCE_KEY: fingerprint, SCALES_KEY: json.dumps(scales, sort_keys=True)})
+    if channel_scales is not None:
+        props.pop(CHANNEL_SCALES_KEY, None)
+    if channel_scales:
+        props[CHANNEL_SCALES_KEY] = json.dumps(
+            {t: {"shape": list(np.shape(f)), "factors": np.asarray(f, np.float32).ravel().tolist()}
+             for t, f in sorted(channel_scales.items())}, sort_keys=True)
     onnx.helper.set_model_props(proto, props)
 
 
@@ -52,8 +67,11 @@ def read_source(proto: onnx.ModelProto) -> Source | None:
         return None
     try:
         scales = json.loads(props.get(SCALES_KEY) or "{}")
-        return Source(props[SOURCE_KEY], {str(t): float(s) for t, s in scales.items()})
-    except (ValueError, TypeError, AttributeError):
+        channels = json.loads(props.get(CHANNEL_SCALES_KEY) or "{}")
+        return Source(props[SOURCE_KEY], {str(t): float(s) for t, s in scales.items()},
+                      {str(t): np.asarray(c["factors"], np.float32).reshape(c["shape"])
+                       for t, c in channels.items()})
+    except (ValueError, TypeError, AttributeError, KeyError):
         return None
 
 

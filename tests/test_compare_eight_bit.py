@@ -63,3 +63,33 @@ def test_compare_gives_convert_s_held_out_errors_and_knows_its_calibration_folde
         np.savez(f, x=rng.standard_normal((4, 16)).astype(np.float32))
     other = run_cli("compare", "m.onnx", "q.onnx", "--data", "other", cwd=tmp_path)
     assert "calibrated and planned on" not in other.stdout + other.stderr
+
+
+def test_an_fp8_conversion_is_compared_as_convert_verified_it_not_widened_as_fp8_storage(
+        tmp_path: Path) -> None:
+    # MLP in FP8: its weights are FP8 behind DequantizeLinear; compare took the model for one
+    # lowered to FP8 storage, widened those weights to FP32 and could not load it (BlazeFace's
+    # INT8 conversion with 1.9% of its layers in FP8 alike).
+    rng = np.random.default_rng(1)
+    proto = parser.parse_model(MLP)
+    proto.graph.initializer.extend([
+        numpy_helper.from_array((rng.standard_normal((16, 32)) * 0.4).astype(np.float32), "W"),
+        numpy_helper.from_array((rng.standard_normal((32, 8)) * 0.4).astype(np.float32), "V")])
+    onnx.save(proto, tmp_path / "m.onnx")
+    # a2000 without INT8: its FP8 conversion keeps FP8 (with INT8 it kept INT8 throughout).
+    a2000 = Path(__file__).parents[1] / "target_profiles" / "a2000.yaml"
+    (tmp_path / "fp8only.yaml").write_text(a2000.read_text().replace(
+        "name: a2000", "name: fp8only").replace("fast: [int4, int8, fp8_e4m3, fp16]",
+                                                "fast: [fp8_e4m3, fp16]"))
+    (tmp_path / "calib").mkdir()
+    for i in range(4):
+        np.savez(tmp_path / "calib" / f"{i}.npz", x=rng.standard_normal((4, 16)).astype(np.float32))
+    done = run_cli("convert", "m.onnx", "--target", "fp8only.yaml", "--precision", "fp8_e4m3", "--data",
+                   "calib", "--no-holdout", "-o", "q.onnx", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    stored = {i.data_type for i in onnx.load(tmp_path / "q.onnx").graph.initializer}
+    assert onnx.TensorProto.FLOAT8E4M3FN in stored
+    compared = run_cli("compare", "m.onnx", "q.onnx", "--data", "calib", "--target",
+                       "fp8only.yaml", cwd=tmp_path)
+    assert compared.returncode == 0, compared.stderr[-2000:]
+    assert "compared as convert verified it" in compared.stdout + compared.stderr

@@ -14,6 +14,7 @@ from npuprep.model_io import Model, fingerprint
 from npuprep.numerics import eight_bit_format
 from npuprep.rewrite.equalise import chains
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
+from npuprep.verify.compare import compare_models
 from npuprep.verify.qdq_model import balance_conv_inputs, equalise_channels, quantise
 from npuprep.verify.qdq_trials import Variant, errors_alone
 
@@ -257,3 +258,17 @@ g (float[1, 8, 6, 6] h) => (float[1, 8, 4, 4] a, float[1, 4, 6, 6] b) {
     # Every reader depthwise: each channel raised to the largest's, at most 16x.
     dw = conv_smoothing_factors(spread.astype(np.float32), [(wg[:, :1], 8)])
     assert np.allclose(dw, np.maximum(spread / spread.max(), 1 / 16))
+
+
+def test_the_layer_compare_undoes_a_balancing_folded_into_the_affine_before_it():
+    # AFFINE balanced: m and xa are divided per channel on purpose; the compare undoes it.
+    proto = _affine()
+    feeds = _spread_feeds(8)
+    found = balance_conv_inputs(proto, ["pw"], _stats(proto, feeds), feeds,
+                                measure=_measure(proto), left_alone=())
+    assert sorted(found.channel_scales) == ["m", "xa"]
+    blind = compare_models(proto, found.model, feeds, rtol=1e-2, atol=1e-3)
+    assert blind.first_divergent is not None and blind.first_divergent.tensor == "m"
+    undone = compare_models(proto, found.model, feeds, rtol=1e-2, atol=1e-3,
+                            channel_scales=found.channel_scales)
+    assert undone.first_divergent is None and max(t.rel_l2 for t in undone.tensors) < 1e-5

@@ -3,16 +3,20 @@ the Convs that read them, through ops that commute with a positive factor per ch
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
-from conftest import pooled_rel_l2
+from conftest import pooled_rel_l2, run_cli
 from onnx import numpy_helper, parser
 
 from npuprep.calibrate import calibrate
 from npuprep.model_io import Model, fingerprint
 from npuprep.numerics import eight_bit_format
+from npuprep.provenance import record_source
 from npuprep.rewrite.equalise import chains, equalise, factors
 from npuprep.scale_rules import ScaleRule
+from npuprep.verify.compare import compare_models
 from npuprep.verify.qdq_model import equalise_channels, quantise
 
 INT8 = eight_bit_format("int8")
@@ -141,3 +145,57 @@ def test_an_fp8_conversion_whose_start_passes_is_not_equalised_and_keeps_its_sha
         if not measured:
             assert {x.precision for x in result.plan.eight_bit} == {"int8"}
     assert result.eight_bit.curve[0].to == "fp8_e4m3" and not result.eight_bit.curve[0].passed
+
+
+def test_the_layer_compare_undoes_the_equalisation_and_still_names_a_real_divergence():
+    # CHAIN equalised: a, p and h carry each channel times s on purpose (BlazeFace's FAILED
+    # named such a tensor 'first divergent' at rel L2 1.92); the compare undoes the factors.
+    proto = _model(CHAIN)
+    feeds = _feeds(8)
+    stats = calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
+    done = equalise_channels(proto, proto, ["c2", "c3"], stats, INT8, feeds,
+                             rules=(ScaleRule.ABSMAX,), tensor_scales={})
+    assert sorted(done.channel_scales) == ["a", "h", "p"]
+    assert done.channel_scales["h"].shape == (8, 1, 1)
+    blind = compare_models(proto, done.model, feeds, rtol=1e-2, atol=1e-3)
+    assert blind.first_divergent is not None and blind.first_divergent.tensor == "a"
+    undone = compare_models(proto, done.model, feeds, rtol=1e-2, atol=1e-3,
+                            channel_scales=done.channel_scales)
+    assert undone.first_divergent is None
+    assert max(t.rel_l2 for t in undone.tensors) < 1e-5
+    # A real error after the rescaled tensors (c3's weights 10% off) is still named, and so is
+    # one inside them (c1's bias moved), with isolation reading the rescaled inputs right.
+    for weight, scale, where in (("W3", 1.1, "z"), ("B1", 1.5, "a")):
+        wrong = onnx.ModelProto()
+        wrong.CopyFrom(done.model)
+        node = next(n for n in wrong.graph.node if n.output[0] == where)
+        init = next(i for i in wrong.graph.initializer if i.name == node.input[
+            2 if weight == "B1" else 1])
+        init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * np.float32(scale),
+                                              init.name))
+        found = compare_models(proto, wrong, feeds, rtol=1e-2, atol=1e-3, isolate=True,
+                               channel_scales=done.channel_scales)
+        assert found.first_divergent is not None and found.first_divergent.tensor == where
+        own = {t.tensor: t.isolated_rel_l2 for t in found.tensors}
+        assert own[where] > 0.01 and all(v < 1e-5 for t, v in own.items() if t != where)
+
+
+def test_compare_reads_the_per_channel_factors_a_conversion_records(tmp_path):
+    # CHAIN equalised and written with its factors recorded, as convert writes an 8-bit model:
+    # `npuprep compare` undoes them.
+    proto = _model(CHAIN)
+    feeds = _feeds(8)
+    stats = calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
+    done = equalise_channels(proto, proto, ["c2", "c3"], stats, INT8, feeds,
+                             rules=(ScaleRule.ABSMAX,), tensor_scales={})
+    onnx.save(proto, tmp_path / "m.onnx")
+    record_source(done.model, fingerprint(onnx.load(tmp_path / "m.onnx")), {}, done.channel_scales)
+    onnx.save(done.model, tmp_path / "e.onnx")
+    (tmp_path / "data").mkdir()
+    for i, f in enumerate(feeds[:3]):
+        np.savez(tmp_path / "data" / f"{i}.npz", **f)
+    done_cli = run_cli("compare", "m.onnx", "e.onnx", "--data", "data", "--json", cwd=tmp_path)
+    assert done_cli.returncode == 0, done_cli.stderr[-2000:]
+    said = json.loads(done_cli.stdout)
+    # Without the record the same compare names 'a' (the test above, in process).
+    assert said["first_divergent"] is None and any("per channel" in n for n in said["notes"])

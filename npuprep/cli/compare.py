@@ -31,6 +31,7 @@ from npuprep.cli.common import (
 from npuprep.names import md_cell, md_code, md_text
 
 if TYPE_CHECKING:
+    import numpy as np
     import onnx
 
     from npuprep.data import SampleSet
@@ -130,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         samples = open_samples(args, ref.proto)
         notes: tuple[str, ...] = ()
         gate = None
+        channel_scales: dict[str, np.ndarray] = {}
         if args.emulate:
             from npuprep.profiles import Pinning
             from npuprep.verify.emulate import emulate
@@ -156,10 +158,13 @@ def run(args: argparse.Namespace) -> int:
             if scales is None:
                 scales, scale_note = _recorded_scales(ref, cand_proto)
                 notes += scale_note
+            channel_scales, channel_note = _recorded_channel_scales(ref, cand_proto)
+            notes += channel_note
             stored = _stored_format(cand_proto)
             fmt_ = target.fmt if target else stored
-            verified = _as_verified(ref, cand_proto, profile) if stored is None and not args.as_is \
-                else None
+            # An FP8 (or mixed INT8/FP8) conversion stores FP8 weights behind its Q/DQ pairs: it
+            # is run as convert verified it, not widened as a model lowered to FP8 storage.
+            verified = _as_verified(ref, cand_proto, profile) if not args.as_is else None
             if verified is not None:
                 cand_proto, fmt_, said = verified
                 notes += (said,)
@@ -189,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
             ref.proto, cand_proto, _Progress(samples, not args.json),
             rtol=rtol if args.rtol is None else args.rtol,
             atol=atol if args.atol is None else args.atol,
-            overrides=overrides, tensor_scales=scales, fmt=fmt_, isolate=args.isolate, worst=args.worst,
+            overrides=overrides, tensor_scales=scales, channel_scales=channel_scales, fmt=fmt_,
+            isolate=args.isolate, worst=args.worst,
             reference_outputs=ref_outputs, candidate_outputs=cand_outputs,
         )
         result = replace(result, notes=result.notes + notes, gate=gate, output_errors=(
@@ -366,6 +372,21 @@ def _recorded_scales(ref: Any, cand: Any) -> tuple[dict[str, float] | None, tupl
     return dict(source.tensor_scales), (
         f"the candidate is a conversion of the reference: its {len(source.tensor_scales)} rescaled "
         "tensors are compared divided by their recorded power-of-two scales",)
+
+
+def _recorded_channel_scales(ref: Model, cand: onnx.ModelProto
+                             ) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
+    """An 8-bit conversion of REF records the tensors it rescaled per channel on purpose
+    (equalised, balanced) and their factors: compare undoes them, so none reads as an error."""
+    from npuprep.provenance import read_source
+
+    source = read_source(cand)
+    if source is None or source.fingerprint != ref.fingerprint or not source.channel_scales:
+        return {}, ()
+    return dict(source.channel_scales), (
+        f"the candidate is a conversion of the reference: its {len(source.channel_scales)} "
+        "tensors rescaled per channel (equalised, balanced) are compared divided by their "
+        "recorded factors",)
 
 
 def _read_scales(path: str) -> dict[str, float]:

@@ -161,6 +161,9 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     if int8_start is not None:
         int8_start = _with_splits(int8_start, split)
     balanced: dict[str, tuple[str, float]] = {}
+    # Tensors the balancing and equalisation rescale per channel on purpose -> their factors:
+    # the layer-by-layer compare undoes them (else it names the first one as divergent).
+    rescaled: dict[str, np.ndarray] = {}
     int8 = next((v for v in variants if not v.fmt.is_float), None)
     # Each INT8 layer's error alone at its format's default rule: what a balancing keeps by.
     alone = None if int8 is None else Variant(int8.fmt, (int8.rules[0],), True)
@@ -193,6 +196,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         found = balance_outliers(base, int8_layers, stats, samples,
                                  measure=measure, weights=weights)
         base, stats, balanced = found.model, found.stats, found.tensors
+        _stack(rescaled, found.channel_scales)
         if balanced:
             notes.append(f"{len(balanced)} INT8 MatMul input(s) with outlier channels (up to "
                          f"{ratio(max(r for _, r in balanced.values()))} the median channel) divided "
@@ -207,6 +211,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                                       tensor_scales=applied.tensor_scales, path=work.path,
                                       weights=weights, expected=expected.on)
         base, stats = equalised.model, equalised.stats
+        _stack(rescaled, equalised.channel_scales)
         if equalised.before:
             notes.append(_equalised_note(equalised))
     if int8_layers:
@@ -220,6 +225,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                                     left_alone={*applied.tensor_scales,
                                                 *(c.tensor for c in equalised.chains)})
         base, stats = convs.model, convs.stats
+        _stack(rescaled, convs.channel_scales)
         balanced.update(convs.tensors)
         if convs.tensors:
             whole = len(convs.whole)
@@ -403,7 +409,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         built = convert_opset(built, opset, why="--opset")
     stage("comparing layer by layer")
     compared = compare_models(work.proto, built, samples, rtol=rtol, atol=DEFAULT_ATOL,
-                              tensor_scales=applied.tensor_scales)
+                              tensor_scales=applied.tensor_scales, channel_scales=rescaled)
     held = None
     if holdout is not None:
         stage("checking the held-out samples")
@@ -417,7 +423,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     if eight.is_float:
         notes.append(f"FP8 QuantizeLinear saturate={int(saturate)} (profile fp8_saturate: "
                      f"{profile.to_dict()['fp8_saturate']})")
-    record_source(built, model.fingerprint, applied.tensor_scales)
+    record_source(built, model.fingerprint, applied.tensor_scales, rescaled)
     plan = replace(plan, precision=eight.name, eight_bit=tuple(layers))
     pinned_all = tuple(sorted(x.node for x in layers if x.precision == "fp32") + sorted(pinned))
     lowered = Lowered(model=built, fmt=eight.name, io_types="fp32", cast_count=0,
@@ -436,6 +442,12 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
             tensor_rules=dict(tensor_rules), balanced=dict(balanced),
             input_shapes={k: tuple(v) for k, v in sample_shapes(samples).items()}),
     )
+
+
+def _stack(into: dict[str, np.ndarray], more: Mapping[str, np.ndarray]) -> None:
+    """Per-channel rescales of one tensor by two rewrites compose: their product."""
+    for name, factor in more.items():
+        into[name] = into[name] * factor if name in into else factor
 
 
 def _start_passes(reference: onnx.ModelProto, base: onnx.ModelProto,

@@ -92,7 +92,9 @@ def smooth(model: onnx.ModelProto, factors: Mapping[str, np.ndarray],
     readers now read are named in details["smoothed"] (x -> x / s: x itself where the
     division was folded into the op writing it or its gate, details["folded"] lists those;
     every tensor whose values changed, in details["changed"]; those divided by a Mul over a
-    tensor larger than one value per channel, in details["whole"]). `sizes`: tensor -> its
+    tensor larger than one value per channel, in details["whole"]; details["factors"]: each
+    tensor of `model` whose values changed -> what it was multiplied by, broadcast against it,
+    so a compare can undo it). `sizes`: tensor -> its
     number of values, where known (a gate is found by it)."""
     place = place or numpy_helper.from_array
     out = onnx.ModelProto()
@@ -108,6 +110,8 @@ def smooth(model: onnx.ModelProto, factors: Mapping[str, np.ndarray],
     whole: list[str] = []
     sizes = sizes or {}
     changed: list[str] = []
+    existing = {o for n in g.node for o in n.output}
+    rescaled: dict[str, np.ndarray] = {}
     added: list[onnx.NodeProto] = []
     for x, s in factors.items():
         nodes = [by_label[r] for r in readers.get(x, ()) if r in by_label]
@@ -124,6 +128,8 @@ def smooth(model: onnx.ModelProto, factors: Mapping[str, np.ndarray],
             xs = x
             folded.append(x)
             changed += divided
+            rescaled.update({t: (1.0 / per_channel).astype(np.float32) for t in divided
+                             if t in existing})
         else:
             inv = fresh(f"{x}_smooth_inv")
             g.initializer.append(numpy_helper.from_array((1.0 / per_channel).astype(np.float32), inv))
@@ -150,7 +156,7 @@ def smooth(model: onnx.ModelProto, factors: Mapping[str, np.ndarray],
     drop_unused_weights(g)
     return RewriteResult(out, True, f"{len(smoothed)} layer input(s) balanced into their weights",
                          {"smoothed": smoothed, "folded": folded, "changed": changed,
-                          "whole": whole})
+                          "whole": whole, "factors": rescaled})
 
 
 def _divide_gate(g: onnx.GraphProto, x: str, s: np.ndarray, made: Mapping[str, onnx.NodeProto],

@@ -242,6 +242,7 @@ def compare_models(
     atol: float,
     overrides: Mapping[str, tuple[float, float]] | None = None,
     tensor_scales: Mapping[str, float] | None = None,
+    channel_scales: Mapping[str, np.ndarray] | None = None,
     fmt: NumberFormat | None = None,
     isolate: bool = False,
     worst: int = 5,
@@ -255,7 +256,9 @@ def compare_models(
     A tensor fails when its relative L2 error exceeds `rtol` and its max abs error exceeds
     `atol` (per-tensor `overrides` {name: (rtol, atol)}), when the candidate holds Inf/NaN
     where the reference is finite, or when it holds values pinned at `fmt`'s max where the
-    reference goes beyond it. `tensor_scales` {name: s} means candidate = s * reference.
+    reference goes beyond it. `tensor_scales` {name: s} means candidate = s * reference;
+    `channel_scales` {name: s} the same with an array s that broadcasts against the tensor
+    (a rewrite's per-channel rescale: the equalisation's, the balancing's), undone as well.
     `samples` should be re-iterable (a SampleSet or a list): a second pass counts Inf/NaN
     and saturated values where the first one saw any; a one-shot iterator is listed first.
     `reference_outputs`, a list, receives the reference's graph outputs of each sample (the
@@ -270,7 +273,7 @@ def compare_models(
     if iter(samples) is samples:  # a one-shot iterator; the count pass needs a second look
         samples = list(samples)
     ref, cand = _same_opset(ref, cand)
-    pairs, order, unobserved = _pairs(ref, cand, scales)
+    pairs, order, unobserved = _pairs(ref, cand, scales, channel_scales or {})
     for name in overrides:
         if name not in order:
             raise NpuprepError(f"--tol names tensor '{name}', which the reference does not compute")
@@ -436,13 +439,24 @@ def _layout_aliases(
         if (b.op_type, list(b.input), list(b.attribute)) != (a.op_type, list(a.input), list(a.attribute)):
             continue
         source = aliases.get(a.input[0], a.input[0])
-        if source in by_name and by_name[source].scale == pair.scale:
+        # A per-channel rescale does not follow a layout op's channels: no alias for one.
+        if source in by_name and by_name[source].scale == pair.scale and \
+                by_name[source].channel_scale is None and pair.channel_scale is None:
             aliases[pair.name] = source
     return [p for p in pairs if p.name not in aliases], aliases
 
 
+def _broadcasts(factor: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """An array of shape `factor` broadcasts against a tensor of `shape`, leaving it as is."""
+    try:
+        return np.broadcast_shapes(shape, factor) == tuple(shape)
+    except ValueError:
+        return False
+
+
 def _pairs(
-    ref: onnx.ModelProto, cand: onnx.ModelProto, scales: dict[str, float]
+    ref: onnx.ModelProto, cand: onnx.ModelProto, scales: dict[str, float],
+    channel_scales: Mapping[str, np.ndarray],
 ) -> tuple[list[Pair], dict[str, tuple[str, str, int]], dict[str, str]]:
     """Shared float tensors, the producer of each reference tensor, what is not compared."""
     _check_inputs(ref, cand)
@@ -462,6 +476,13 @@ def _pairs(
             raise NpuprepError(f"tensor_scales names tensor '{name}', which the reference does not compute")
         if not (isinstance(s, int | float) and math.isfinite(s) and s > 0):
             raise NpuprepError(f"tensor_scales['{name}'] = {s!r}: a scale must be a positive number")
+    for name, c in channel_scales.items():
+        shape = ref_shapes.get(name)
+        if name not in order or not np.all(np.isfinite(c) & (c > 0)) or (
+                shape is not None and not _broadcasts(c.shape, shape)):
+            raise NpuprepError(f"channel_scales['{name}']: expected positive factors that "
+                               f"broadcast against a tensor the reference computes, got shape "
+                               f"{c.shape} for {shape if name in order else 'no such tensor'}")
     pairs: list[Pair] = []
     unobserved: dict[str, str] = {}
     for name in order:
@@ -474,7 +495,8 @@ def _pairs(
         else:
             shape = ref_shapes.get(name) if ref_shapes.get(name) == cand_shapes.get(name) else None
             pairs.append(Pair(name, float(scales.get(name, 1.0)), ref_types[name], cand_types[name],
-                              math.prod(shape) if shape is not None else None))
+                              math.prod(shape) if shape is not None else None,
+                              channel_scales.get(name)))
     for scope in walk_graphs(ref.graph):
         if scope.is_main:
             continue

@@ -35,13 +35,16 @@ DETAIL_COLUMNS = ("cand_inf", "cand_nan", "ref_nonfinite", "saturated", "r_max",
 
 @dataclass(frozen=True)
 class Pair:
-    """A tensor both models compute: candidate = scale * reference."""
+    """A tensor both models compute: candidate = scale * reference, and times
+    `channel_scale` too where a rewrite rescaled it per channel on purpose (an array that
+    broadcasts against the tensor: the equalisation's and the balancing's factors)."""
 
     name: str
     scale: float
     ref_type: int
     cand_type: int
     elements: int | None = None  # per sample, when both shapes are static
+    channel_scale: np.ndarray | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -263,7 +266,7 @@ def _add_isolated_copy(g: onnx.GraphProto, cand: onnx.ModelProto, pairs: list[Pa
             if n in producer and n not in compared:
                 stack.append(producer[n])
     for pair in pairs:
-        src = exact = red.scaled(pair.name, pair.scale)
+        src = exact = red.scaled(pair.name, pair)
         rounding = _rounding_of(producer, pair.name)
         for node in rounding:
             copy = onnx.NodeProto()
@@ -329,13 +332,19 @@ class _Reductions:
     def as_float(self, name: str, elem_type: int) -> str:
         return name if elem_type == TensorProto.FLOAT else self._node("Cast", [name], to=TensorProto.FLOAT)
 
-    def scaled(self, name: str, scale: float) -> str:
-        """`scale * x` (exact for powers of two); `x` itself when the scale is 1."""
-        if scale == 1.0:
+    def scaled(self, name: str, pair: Pair, *, inverse: bool = False) -> str:
+        """x in the candidate's scale (`pair`'s scale times its channel scale), or with
+        `inverse` a candidate's x in the reference's; exact for powers of two; `x` itself
+        when there is nothing to scale."""
+        if pair.channel_scale is None and pair.scale == 1.0:
             return name
+        factor = np.float64(pair.scale) * (1.0 if pair.channel_scale is None
+                                           else pair.channel_scale.astype(np.float64))
+        if inverse:
+            factor = 1.0 / factor
         self.counter += 1
-        factor = self._const(f"scale{self.counter}", np.array(scale, np.float32))
-        return self._node("Mul", [name, factor])
+        const = self._const(f"scale{self.counter}", np.asarray(factor, np.float32))
+        return self._node("Mul", [name, const])
 
     def _reduce(self, op: str, x: str) -> str:
         return self._node(op, [x], keepdims=0)
@@ -349,7 +358,7 @@ class _Reductions:
         self.sink = sink
         r = self.as_float(pair.name, pair.ref_type)
         c_stored = self.as_float(CAND + pair.name, pair.cand_type)
-        c = self.scaled(c_stored, 1.0 / pair.scale)
+        c = self.scaled(c_stored, pair, inverse=True)
         if base:
             d = self._node("Sub", [c, r])
             self.stats += [self._reduce("ReduceSumSquare", d), self._reduce("ReduceSumSquare", r),
@@ -360,7 +369,8 @@ class _Reductions:
                                    self._node("Size", [d]))
             if isolate:
                 self.sink = iso_sink
-                i = self.scaled(self.as_float(ISO + pair.name, pair.cand_type), 1.0 / pair.scale)
+                i = self.scaled(self.as_float(ISO + pair.name, pair.cand_type), pair,
+                                inverse=True)
                 di = self._node("Sub", [i, r])
                 self.stats += [self._reduce("ReduceSumSquare", di), *self._extremes(di)]
                 self.sink = sink
@@ -374,7 +384,7 @@ class _Reductions:
                 self.detail.append(self._node("Identity", [RED + "zero"]))
             else:
                 at_max = self._node("Equal", [self._node("Abs", [c_stored]), RED + "limit"])
-                ref_scaled = self.scaled(r, pair.scale)
+                ref_scaled = self.scaled(r, pair)
                 # A reference -inf/inf is no value to saturate: lowering stores a mask's -inf as -max.
                 beyond = self._node("And", [
                     self._node("Greater", [self._node("Abs", [ref_scaled]), RED + "limit"]),

@@ -14,7 +14,7 @@ board computes it (`on_target`: the wider layers in FP16).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -112,12 +112,14 @@ def activation_scale(r: RangeStats, fmt: EightBitFormat, rule: ScaleRule, rescal
 class Balanced:
     """The model with outlier channels balanced into weights, its stats (with the new tensors),
     the tensors balanced: x -> (x / s, largest / median channel abs-max), and those divided by
-    a Mul over the whole tensor."""
+    a Mul over the whole tensor, and each tensor of the model that keeps its name with its
+    values rescaled -> the factor it was multiplied by (broadcast against it)."""
 
     model: onnx.ModelProto
     stats: CalibrationStats
     tensors: dict[str, tuple[str, float]]
     whole: tuple[str, ...] = ()
+    channel_scales: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 # (model, its stats, groups of layers, samples, bounds) -> the outputs' error with each group
@@ -204,7 +206,8 @@ def balance_outliers(model: onnx.ModelProto, nodes: Sequence[str], stats: Calibr
     if not done:
         return Balanced(model, stats, {})
     return Balanced(done.model, done_stats, {x: (xs, outliers[x]) for x, xs in
-                                             dict(done.details["smoothed"]).items()})
+                                             dict(done.details["smoothed"]).items()},
+                    channel_scales=dict(done.details["factors"]))
 
 
 def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: CalibrationStats,
@@ -268,20 +271,23 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
     top = {x: per_channel[x].max(axis=0) for x in readers}
     return Balanced(done.model, done_stats, {
         x: (xs, float(top[x].max() / max(float(np.median(top[x])), 1e-12)))
-        for x, xs in dict(done.details["smoothed"]).items()}, tuple(done.details["whole"]))
+        for x, xs in dict(done.details["smoothed"]).items()}, tuple(done.details["whole"]),
+        dict(done.details["factors"]))
 
 
 @dataclass(frozen=True)
 class Equalised:
     """The model with Conv inputs' channels equalised into their producers, its stats (the
     tensors it changed measured again), the chains equalised, and the outputs' rel L2 with
-    their readers in INT8 before and after (0, 0 where none was tried)."""
+    their readers in INT8 before and after (0, 0 where none was tried); `channel_scales`:
+    each tensor the equalisation rescaled -> its factors (broadcast against it)."""
 
     model: onnx.ModelProto
     stats: CalibrationStats
     chains: tuple[Chain, ...] = ()
     before: float = 0.0
     after: float = 0.0
+    channel_scales: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 # The least share of the all-INT8 error an equalisation must take off to be kept. It is measured
@@ -340,7 +346,13 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
     before, after = best(model, stats), best(done.model, new_stats)
     if after > (1.0 - EQUALISE_MIN_GAIN) * before:
         return Equalised(model, stats, (), before, after)
-    return Equalised(done.model, new_stats, tuple(found), before, after)
+    rescaled = {}
+    for c in found:
+        w = constant_value(model.graph, by_label[c.producer].input[1])
+        assert w is not None, c.producer
+        for t in touched(c):
+            rescaled[t] = scales[c.tensor].reshape(-1, *[1] * (w.ndim - 2))
+    return Equalised(done.model, new_stats, tuple(found), before, after, rescaled)
 
 
 # The reference's outputs on some of the calibration samples, where a caller holds them
