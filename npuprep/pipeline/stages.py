@@ -323,10 +323,30 @@ def user_load(run: Run) -> Run:
         raise NpuprepError(f"{run.model.path}: the converted model does not load in onnxruntime "
                            f"{onnxruntime_version()} with default session options, as users load it "
                            f"({said}); nothing was written")
-    if note is not None:
+    notes = (note,) if note is not None else ()
+    if result.eight_bit is not None and feed is not None:
+        notes += _drift_note(model, feed, _rtol(run.settings))
+    if notes:
         result = replace(result, lowered=replace(result.lowered, model=model),
-                         notes=(*result.notes, note))
+                         notes=(*result.notes, *notes))
     return replace(run, result=result)
+
+
+def _drift_note(model: onnx.ModelProto, feed: Feed, rtol: float) -> tuple[str, ...]:
+    """A note where onnxruntime's default session computes the 8-bit model otherwise than the
+    basic-optimisation sessions that verified it (a fusion wrong for 8-bit Q/DQ)."""
+    from npuprep.runtime.user_load import default_session_drift, onnxruntime_version
+
+    off = {name: d for name, d in default_session_drift(model, feed).items() if d > rtol / 10}
+    if not off:
+        return ()
+    name, worst = max(off.items(), key=lambda kv: kv[1])
+    return (f"onnxruntime {onnxruntime_version()}'s default session (every fusion on) computes "
+            f"this model otherwise than the one verified: output '{name}' differs by rel L2 "
+            f"{worst:.3g} from a session with basic optimisations (a fusion wrong for these Q/DQ "
+            "pairs: 1.32's ReluQuantRewrite drops a Relu before an FP8 QuantizeLinear); run it "
+            "with graph_optimization_level=ORT_ENABLE_BASIC to get the verified function (the "
+            "target's compiler reads the Q/DQ pairs, not onnxruntime's fusions)",)
 
 
 _NO_KERNEL = "Could not find an implementation for"

@@ -57,6 +57,58 @@ def load_as_users_do(proto: onnx.ModelProto, feed: Mapping[str, np.ndarray] | No
     return said
 
 
+def default_session_drift(proto: onnx.ModelProto, feed: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """Each float output's rel L2 between a default onnxruntime session (every fusion on) and
+    one with basic optimisations (npuprep's own, which verified it) on `feed`: a fusion that
+    computes another function shows here (onnxruntime 1.32's ReluQuantRewrite drops a Relu
+    before an FP8 QuantizeLinear, valid only for an integer zero point). Empty where either
+    session fails (load_as_users_do says why)."""
+    context = mp.get_context("fork")
+    reader, writer = context.Pipe(duplex=False)
+    child = context.Process(target=_drift, args=(proto, dict(feed), writer), daemon=True)
+    child.start()
+    writer.close()
+    try:
+        drift = reader.recv()
+    except EOFError:
+        drift = {}
+    finally:
+        reader.close()
+        child.join()
+    return drift
+
+
+def _drift(proto: onnx.ModelProto, feed: dict[str, np.ndarray], writer: Connection) -> None:
+    ort.set_default_logger_severity(4)
+    drift: dict[str, float] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="npuprep-user-load-") as folder:
+            path = Path(folder) / "model.onnx"
+            write_model_files(proto, path, Path(folder) / "model.onnx.data", "model.onnx.data")
+            basic = ort.SessionOptions()
+            basic.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+            outputs = []
+            for options in (None, basic):
+                session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+                declared = {i.name: onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
+                            for i in proto.graph.input if i.type.HasField("tensor_type")}
+                names = [i.name for i in session.get_inputs()]
+                got = session.run(None, {n: np.asarray(feed[n]).astype(
+                    declared.get(n, np.asarray(feed[n]).dtype)) for n in names})
+                outputs.append(dict(zip([o.name for o in session.get_outputs()], got, strict=True)))
+            for name, value in outputs[1].items():
+                want = np.asarray(value)
+                if want.dtype.kind != "f" or not want.size:
+                    continue
+                diff = np.asarray(outputs[0][name], np.float64) - want
+                drift[name] = float(np.sqrt(np.sum(diff ** 2) / max(np.sum(want.astype(np.float64) ** 2), 1e-30)))
+    except Exception:  # noqa: BLE001 - a session that fails is load_as_users_do's to say
+        drift = {}
+    finally:
+        writer.send(drift)
+        writer.close()
+
+
 def _load_and_run(proto: onnx.ModelProto, feed: dict[str, np.ndarray], writer: Connection) -> None:
     # Each step is told before it starts, so a crash names the step it happened in.
     stage = "writing it"
