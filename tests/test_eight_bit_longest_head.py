@@ -120,30 +120,3 @@ def test_the_longest_head_reached_again_by_the_doubling_is_one_point_of_the_curv
     assert curves[-1] == [(0, False), (12, True), (1, False), (2, False), (4, False),
                           (8, False), (10, False), (11, False)]
     assert checks == 8
-
-
-def test_where_the_gaining_layers_head_fails_the_longest_head_of_every_layer_is_tried():
-    # Four layers at 0.03 each; the ranking files l2 and l3 as cancelling (measured from
-    # another start: minilm_l6's heads from FP8 read the INT8 ranking). Kept FP16, they gain
-    # as the others do: l0 and l1 wider fail (0.042), three wider pass (0.03) at 25%. The
-    # head of every layer the budget takes is tried too, and the search passes as before.
-    cost = {f"l{i}": 0.25 for i in range(4)}
-
-    def check(layers: list[LayerPrecision]) -> OutputCheck:
-        err = math.sqrt(sum(0.03 ** 2 for x in layers if x.precision == "int8"))
-        return OutputCheck(rtol=0.05, samples=1, outputs={
-            "y": {"nonfinite": 0, "rel_l2": err, "max_abs_error": 0.0}})
-
-    def rank(nodes: list[str], chosen: list[LayerPrecision]) -> list[Sensitivity]:
-        return [Sensitivity(n, 0.0, 0.01 if n in ("l0", "l1") else -0.02, 0.03) for n in nodes]
-
-    layers = [LayerPrecision(n, "int8", "") for n in cost]
-    done = widen_by_ranking(layers, INT8, check(layers), rank=rank, trial=check,
-                            judged=lambda c: c.outputs["y"]["rel_l2"] <= AIM,
-                            share=lambda c: sum(cost[x.node] for x in c if x.precision == "int8"),
-                            cost=cost.__getitem__, min_share=0.25)
-    assert done.widened == ["l0", "l1", "l2"] and done.check.outputs["y"]["rel_l2"] <= AIM
-    # The gaining layers' head (2, failing), every layer's (3, passing), then 1 and 2 again
-    # (read from the first check) before the budget takes the head of 3.
-    assert [(p.changed, p.passed) for p in done.curve] == [(0, False), (2, False), (3, True),
-                                                          (1, False)]

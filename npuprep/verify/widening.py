@@ -275,16 +275,14 @@ def _shortest_head(done: Widening, ranking: _Ranking, start: list[LayerPrecision
 
     if whole_first and not attempt(len(ranking)):
         return found
-    longest = [] if whole_first else _longest_heads(ranking, within, last)
+    longest = 0 if whole_first else _longest_head(ranking, within, last)
     n = 1
-    passes = any(_passes_first(found, ranking, start, fmt, to, k, trial=trial, judged=judged,
-                               share=share, done=done) for k in longest)
-    # The heads are tried from the first on; a failing longest head is what they end at.
-    order, failing = found.order, found.failing
-    found.order, found.failing = [], 0
-    if longest and not passes:
+    if longest > 1 and not _passes_first(found, ranking, start, fmt, to, longest, trial=trial,
+                                         judged=judged, share=share, done=done):
         # Errors need not fall with each layer kept wider (dnsmos_p835 from FP8: one layer
         # FP16 0.043, four 0.051): the head of one is tried too.
+        order, failing = found.order, found.failing
+        found.order, found.failing = [], 0
         if not attempt(1):
             found.order, found.failing = order, failing
             # The layers a longer head would keep wider, where the budget stopped it.
@@ -328,15 +326,10 @@ def _same(a: Sequence[LayerPrecision], b: Sequence[LayerPrecision]) -> bool:
     return [(x.node, x.precision) for x in a] == [(x.node, x.precision) for x in b]
 
 
-def _longest_heads(ranking: _Ranking, within: Callable[[int], bool], last: int) -> list[int]:
-    """The longest head the budget takes of the layers ranked as gaining (as ranked so far),
-    then of every layer where that is longer (minilm_l6 INT8 from FP8: 9 gaining layers kept
-    FP16 failed at 0.062, and the search passed at 67% only with layers the INT8 ranking
-    files as not gaining); heads of one layer are left to the doubling."""
+def _longest_head(ranking: _Ranking, within: Callable[[int], bool], last: int) -> int:
+    """The longest head the budget takes of the layers ranked as gaining (as ranked so far)."""
     gaining = next((k for k, s in enumerate(ranking.order) if not _gains(s)), len(ranking))
-    heads = [next((k for k in range(min(bound, last), 0, -1) if within(k)), 0)
-             for bound in (gaining, len(ranking))]
-    return sorted({k for k in heads if k > 1})
+    return next((k for k in range(min(gaining, last), 0, -1) if within(k)), 0)
 
 
 def _passes_first(found: _Heads, ranking: _Ranking, start: list[LayerPrecision],
@@ -344,8 +337,8 @@ def _passes_first(found: _Heads, ranking: _Ranking, start: list[LayerPrecision],
                   trial: Callable[[list[LayerPrecision]], OutputCheck],
                   judged: Callable[[OutputCheck], bool],
                   share: Callable[[list[LayerPrecision]], float], done: Widening) -> bool:
-    """A longest head `n` (_longest_heads, no gain measured for it) tried first: where they
-    fail, the heads between them and the first are not tried nor their layers left out
+    """The longest head `n` (_longest_head, no gain measured for it) tried first: where it
+    fails, the heads between it and the first are not tried nor their layers left out
     (keeping fewer of the layers that gain wider errs more, to first order), and `found` is
     that failing head. A search that cannot pass thus costs two checks (this and the head of
     one), not a head per doubling and a leave-one-out run per layer they reach (ddddocr_det
