@@ -265,7 +265,7 @@ def _shortest_head(done: Widening, ranking: _Ranking, start: list[LayerPrecision
         chosen = _widen(start, ranking.head(n), fmt, to)
         if share(chosen) < min_share:
             return None
-        if n in found.tried and _same(found.tried[n][0], chosen):
+        if n in found.tried and found.tried[n][0] == chosen:
             # The longest head, tried first (_passes_first): its point is on the curve.
             return judged(found.tried[n][1])
         found.tried[n] = (chosen, trial(chosen))
@@ -319,11 +319,6 @@ def _shortest_head(done: Widening, ranking: _Ranking, start: list[LayerPrecision
         _cheaper_last(found, ranking, start, fmt, to, trial=stopping or trial, judged=judged,
                       share=share, done=done, aim=aim)
     return found
-
-
-def _same(a: Sequence[LayerPrecision], b: Sequence[LayerPrecision]) -> bool:
-    """The same layers in the same formats (the reasons may differ: gains estimated or measured)."""
-    return [(x.node, x.precision) for x in a] == [(x.node, x.precision) for x in b]
 
 
 def _longest_head(ranking: _Ranking, within: Callable[[int], bool], last: int) -> int:
