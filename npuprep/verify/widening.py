@@ -266,7 +266,7 @@ def _shortest_head(done: Widening, ranking: _Ranking, start: list[LayerPrecision
         if share(chosen) < min_share:
             return None
         if n in found.tried and found.tried[n][0] == chosen:
-            # The longest head, tried first (_passes_first): its point is on the curve.
+            # The longest head, tried first (_longest_passes): its point is on the curve.
             return judged(found.tried[n][1])
         found.tried[n] = (chosen, trial(chosen))
         check = found.tried[n][1]
@@ -275,22 +275,12 @@ def _shortest_head(done: Widening, ranking: _Ranking, start: list[LayerPrecision
 
     if whole_first and not attempt(len(ranking)):
         return found
-    longest = 0 if whole_first else _longest_head(ranking, within, last)
+    if not whole_first and not _longest_passes(found, ranking, start, fmt, to, within, last,
+                                               trial=trial, judged=judged, share=share,
+                                               done=done):
+        return found
     n = 1
-    if longest > 1 and not _passes_first(found, ranking, start, fmt, to, longest, trial=trial,
-                                         judged=judged, share=share, done=done):
-        # Errors need not fall with each layer kept wider (dnsmos_p835 from FP8: one layer
-        # FP16 0.043, four 0.051): the head of one is tried too.
-        order, failing = found.order, found.failing
-        found.order, found.failing = [], 0
-        if not attempt(1):
-            found.order, found.failing = order, failing
-            # The layers a longer head would keep wider, where the budget stopped it.
-            found.over_budget = [] if within(failing + 1) else [
-                s.node for s in order[failing:2 * failing]]
-            return found
-        found.passing, n = 1, 0
-    while n:
+    while True:
         ok = attempt(n)
         if ok is None:
             found.over_budget = [s.node for s in ranking.peek(n)[found.failing:]]
@@ -321,25 +311,23 @@ def _shortest_head(done: Widening, ranking: _Ranking, start: list[LayerPrecision
     return found
 
 
-def _longest_head(ranking: _Ranking, within: Callable[[int], bool], last: int) -> int:
-    """The longest head the budget takes of the layers ranked as gaining (as ranked so far)."""
+def _longest_passes(found: _Heads, ranking: _Ranking, start: list[LayerPrecision],
+                    fmt: EightBitFormat, to: str, within: Callable[[int], bool], last: int, *,
+                    trial: Callable[[list[LayerPrecision]], OutputCheck],
+                    judged: Callable[[OutputCheck], bool],
+                    share: Callable[[list[LayerPrecision]], float], done: Widening) -> bool:
+    """The longest head the budget takes of the layers ranked as gaining (as ranked so far:
+    no gain measured for it), tried first: where it fails, no shorter head is tried (keeping
+    fewer of the layers that gain wider errs more, to first order), and `found` is that failing
+    head. A search that cannot pass thus costs one check, not a head per doubling and a
+    leave-one-out run per layer they reach (ddddocr_det INT8: the first ranking failed at every
+    head, 64 layers left out; basic_pitch FP8: three searches under INT8's passing share failed
+    at 1, 2, 4, 8, 16 and 18 layers each). Where it passes, the heads are tried as before (the
+    same head, tried again, reads this check)."""
     gaining = next((k for k, s in enumerate(ranking.order) if not _gains(s)), len(ranking))
-    return next((k for k in range(min(gaining, last), 0, -1) if within(k)), 0)
-
-
-def _passes_first(found: _Heads, ranking: _Ranking, start: list[LayerPrecision],
-                  fmt: EightBitFormat, to: str, n: int, *,
-                  trial: Callable[[list[LayerPrecision]], OutputCheck],
-                  judged: Callable[[OutputCheck], bool],
-                  share: Callable[[list[LayerPrecision]], float], done: Widening) -> bool:
-    """The longest head `n` (_longest_head, no gain measured for it) tried first: where it
-    fails, the heads between it and the first are not tried nor their layers left out
-    (keeping fewer of the layers that gain wider errs more, to first order), and `found` is
-    that failing head. A search that cannot pass thus costs two checks (this and the head of
-    one), not a head per doubling and a leave-one-out run per layer they reach (ddddocr_det
-    INT8: the first ranking failed at every head, 64 layers left out; basic_pitch FP8: three
-    searches under INT8's passing share failed at 1, 2, 4, 8, 16 and 18 layers each). Where
-    it passes, the heads are tried as before (the same head, tried again, reads this check)."""
+    n = next((k for k in range(min(gaining, last), 0, -1) if within(k)), 0)
+    if n == 0:
+        return True
     order = ranking.peek(len(ranking))
     chosen = _widen(start, order[:n], fmt, to)
     found.tried[n] = (chosen, trial(chosen))
@@ -348,6 +336,7 @@ def _passes_first(found: _Heads, ranking: _Ranking, start: list[LayerPrecision],
     done.curve.append(CurvePoint(n, to, share(chosen), check.worst_rel_l2, passed))
     if not passed:
         found.failing, found.order = n, order
+        found.over_budget = [] if within(n + 1) else [s.node for s in order[n:n + 1]]
     return passed
 
 
