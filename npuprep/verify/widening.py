@@ -265,19 +265,12 @@ def _shortest_head(done: Widening, ranking: _Ranking, start: list[LayerPrecision
         chosen = _widen(start, ranking.head(n), fmt, to)
         if share(chosen) < min_share:
             return None
-        if n in found.tried and found.tried[n][0] == chosen:
-            # The longest head, tried first (_longest_passes): its point is on the curve.
-            return judged(found.tried[n][1])
         found.tried[n] = (chosen, trial(chosen))
         check = found.tried[n][1]
         done.curve.append(CurvePoint(n, to, share(chosen), check.worst_rel_l2, judged(check)))
         return judged(check)
 
     if whole_first and not attempt(len(ranking)):
-        return found
-    if not whole_first and not _longest_passes(found, ranking, start, fmt, to, within, last,
-                                               trial=trial, judged=judged, share=share,
-                                               done=done):
         return found
     n = 1
     while True:
@@ -309,35 +302,6 @@ def _shortest_head(done: Widening, ranking: _Ranking, start: list[LayerPrecision
         _cheaper_last(found, ranking, start, fmt, to, trial=stopping or trial, judged=judged,
                       share=share, done=done, aim=aim)
     return found
-
-
-def _longest_passes(found: _Heads, ranking: _Ranking, start: list[LayerPrecision],
-                    fmt: EightBitFormat, to: str, within: Callable[[int], bool], last: int, *,
-                    trial: Callable[[list[LayerPrecision]], OutputCheck],
-                    judged: Callable[[OutputCheck], bool],
-                    share: Callable[[list[LayerPrecision]], float], done: Widening) -> bool:
-    """The longest head the budget takes of the layers ranked as gaining (as ranked so far:
-    no gain measured for it), tried first: where it fails, no shorter head is tried (keeping
-    fewer of the layers that gain wider errs more, to first order), and `found` is that failing
-    head. A search that cannot pass thus costs one check, not a head per doubling and a
-    leave-one-out run per layer they reach (ddddocr_det INT8: the first ranking failed at every
-    head, 64 layers left out; basic_pitch FP8: three searches under INT8's passing share failed
-    at 1, 2, 4, 8, 16 and 18 layers each). Where it passes, the heads are tried as before (the
-    same head, tried again, reads this check)."""
-    gaining = next((k for k, s in enumerate(ranking.order) if not _gains(s)), len(ranking))
-    n = next((k for k in range(min(gaining, last), 0, -1) if within(k)), 0)
-    if n == 0:
-        return True
-    order = ranking.peek(len(ranking))
-    chosen = _widen(start, order[:n], fmt, to)
-    found.tried[n] = (chosen, trial(chosen))
-    check = found.tried[n][1]
-    passed = judged(check)
-    done.curve.append(CurvePoint(n, to, share(chosen), check.worst_rel_l2, passed))
-    if not passed:
-        found.failing, found.order = n, order
-        found.over_budget = [] if within(n + 1) else [s.node for s in order[n:n + 1]]
-    return passed
 
 
 def _cheaper_last(found: _Heads, ranking: _Ranking, start: list[LayerPrecision],
@@ -387,23 +351,17 @@ def _cheaper_last(found: _Heads, ranking: _Ranking, start: list[LayerPrecision],
 def by_gain_per_cost(ranking: Sequence[Sensitivity],
                      cost: Callable[[str], float]) -> list[Sensitivity]:
     """The budget buys the most error per multiply-add: layers by the error power they hold
-    per share of the multiply-adds (at least MIN_COST, _held); then the layers that do not
-    gain, and last those that cancel another's error."""
-    gaining = [s for s in ranking if _gains(s)]
-    rest = [s for s in ranking if not _gains(s)]
-    return (sorted(gaining, key=lambda s: -_held(s) / max(cost(s.node), MIN_COST))
+    per share of the multiply-adds (at least MIN_COST): their error alone squared where it
+    was measured (errors of independent layers add in power), else their gain; then the
+    layers that do not gain, and last those that cancel another's error."""
+    def held(s: Sensitivity) -> float:
+        return s.alone ** 2 if s.alone is not None else s.gain
+
+    gaining = [s for s in ranking if not s.cancels and held(s) > 0 and
+               (s.alone is not None or s.gain > 0)]
+    rest = [s for s in ranking if s not in gaining]
+    return (sorted(gaining, key=lambda s: -held(s) / max(cost(s.node), MIN_COST))
             + sorted(rest, key=lambda s: (s.cancels, -s.gain)))
-
-
-def _held(s: Sensitivity) -> float:
-    """The error power a layer holds: its error alone squared where it was measured (errors
-    of independent layers add in power), else its gain."""
-    return s.alone ** 2 if s.alone is not None else s.gain
-
-
-def _gains(s: Sensitivity) -> bool:
-    """Keeping the layer wider takes error away (it cancels none)."""
-    return not s.cancels and _held(s) > 0 and (s.alone is not None or s.gain > 0)
 
 
 def _widen(layers: Sequence[LayerPrecision], best: Sequence[Sensitivity], fmt: EightBitFormat,
