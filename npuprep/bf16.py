@@ -21,7 +21,7 @@ from npuprep.graph import copy_fields, infer_tensors, is_anchored, to_array, wal
 BF16 = TensorProto.BFLOAT16
 FLOAT = TensorProto.FLOAT
 # Attributes that declare a node's output type.
-_TYPE_ATTRS = {"Cast": "to", "EyeLike": "dtype", "RandomNormal": "dtype", "RandomUniform": "dtype",
+TYPE_ATTRS = {"Cast": "to", "EyeLike": "dtype", "RandomNormal": "dtype", "RandomUniform": "dtype",
                "RandomNormalLike": "dtype", "RandomUniformLike": "dtype", "Multinomial": "dtype"}
 
 
@@ -42,7 +42,7 @@ def has_bf16(model: onnx.ModelProto) -> bool:
                 if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == BF16:
                     return True
                 if attr.type == onnx.AttributeProto.INT and attr.i == BF16 \
-                        and _TYPE_ATTRS.get(node.op_type) == attr.name \
+                        and TYPE_ATTRS.get(node.op_type) == attr.name \
                         and not node.name.endswith(ROUND_SUFFIX):
                     return True
     return False
@@ -76,7 +76,7 @@ def widen_bf16(model: onnx.ModelProto) -> onnx.ModelProto:
                 if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == BF16:
                     attr.t.CopyFrom(_widened_tensor(attr.t))
                 elif attr.type == onnx.AttributeProto.INT and attr.i == BF16 \
-                        and _TYPE_ATTRS.get(node.op_type) == attr.name:
+                        and TYPE_ATTRS.get(node.op_type) == attr.name:
                     attr.i = FLOAT
             if node.op_type in ("Constant", "ConstantOfShape"):
                 continue  # its value is exact in FP32 already

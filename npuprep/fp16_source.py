@@ -17,15 +17,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from npuprep.bf16 import TYPE_ATTRS
 from npuprep.errors import NpuprepError
 from npuprep.graph import infer_tensors, to_array, walk_graphs
 from npuprep.model_io import Model
 
 FP16 = TensorProto.FLOAT16
 FLOAT = TensorProto.FLOAT
-# Attributes that declare a node's output type.
-_TYPE_ATTRS = {"Cast": "to", "EyeLike": "dtype", "RandomNormal": "dtype", "RandomUniform": "dtype",
-               "RandomNormalLike": "dtype", "RandomUniformLike": "dtype", "Multinomial": "dtype"}
 # A widened model must still serialise (onnxruntime reads it as bytes).
 _MAX_BYTES = 2**31 - 2**26
 # The FP32 twin of an FP16 graph input or output.
@@ -63,7 +61,7 @@ def computes_fp16(model: onnx.ModelProto) -> bool:
                 if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == FP16:
                     return True
                 if (attr.type == onnx.AttributeProto.INT and attr.i == FP16
-                        and _TYPE_ATTRS.get(node.op_type) == attr.name):
+                        and TYPE_ATTRS.get(node.op_type) == attr.name):
                     return True
     return False
 
@@ -121,7 +119,7 @@ def _widen_attributes(node: onnx.NodeProto) -> None:
         if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == FP16:
             attr.t.CopyFrom(_widened(attr.t))
         elif (attr.type == onnx.AttributeProto.INT and attr.i == FP16
-              and _TYPE_ATTRS.get(node.op_type) == attr.name):
+              and TYPE_ATTRS.get(node.op_type) == attr.name):
             attr.i = FLOAT
 
 

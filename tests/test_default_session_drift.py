@@ -14,7 +14,7 @@ from onnx import numpy_helper, parser
 from npuprep.model_io import Model, fingerprint
 from npuprep.pipeline import convert
 from npuprep.profiles import load_profile
-from npuprep.runtime.user_load import default_session_drift
+from npuprep.runtime.user_load import load_as_users_do
 
 # x -> Conv(W1) -> Relu -> QuantizeLinear(FP8) -> DequantizeLinear -> Conv(W2) -> y
 RELU_FP8 = """
@@ -46,8 +46,8 @@ def _model(text: str) -> onnx.ModelProto:
 
 def test_the_default_session_s_other_function_is_measured() -> None:
     feed = {"x": np.random.default_rng(1).standard_normal((1, 4, 8, 8)).astype(np.float32)}
-    assert default_session_drift(_model(RELU_AFTER), feed)["y"] < 1e-5  # fusions round alike
-    drift = default_session_drift(_model(RELU_FP8), feed)["y"]
+    assert load_as_users_do(_model(RELU_AFTER), feed, drift=True).drift["y"] < 1e-5  # fusions round alike
+    drift = load_as_users_do(_model(RELU_FP8), feed, drift=True).drift["y"]
     if drift == 0.0:
         pytest.skip("this onnxruntime keeps the Relu before an FP8 QuantizeLinear")
     assert drift > 0.1
@@ -72,7 +72,7 @@ def test_convert_says_when_a_user_s_default_session_computes_another_function() 
     result = convert(Model(proto, "m.onnx", fingerprint(proto)), fp8_only, feeds,
                      precision="fp8_e4m3", stats="calibrate")
     assert result and {x.node: x.precision for x in result.plan.eight_bit}["c2"] == "fp8_e4m3"
-    drifted = default_session_drift(result.lowered.model, feeds[0])["y"] > 0.005
+    drifted = load_as_users_do(result.lowered.model, feeds[0], drift=True).drift["y"] > 0.005
     said = any("default session (every fusion on) computes this model otherwise" in n
                for n in result.notes)
     assert said == drifted

@@ -116,11 +116,11 @@ def test_the_fused_norm_is_refused_with_pow_and_loads_with_mul_computing_the_sam
     model.graph.node.insert(1, narrowed)
     model.graph.node.insert(2, widened)
     feed = {"x": RNG.normal(0, 1, (3, 32)).astype(np.float32)}
-    said = load_as_users_do(model, feed)
+    said = load_as_users_do(model, feed).refused
     assert said is not None and said.startswith("loading it") and "LayerNormFusion" in said
     fixed, squares = squares_as_products(model)
     assert squares == ["n3_sq"] and "two" not in {t.name for t in fixed.graph.initializer}
-    assert load_as_users_do(fixed, feed) is None
+    assert load_as_users_do(fixed, feed).refused is None
     # Both computed with the fusions off (npuprep's own sessions): the same values, bit for bit.
     runs = [run(make_session(m), feed)["y"] for m in (model, fixed)]
     np.testing.assert_array_equal(runs[0], runs[1])
@@ -131,7 +131,7 @@ def test_a_model_onnxruntime_refuses_is_one_line_from_the_child():
     graph = helper.make_graph([helper.make_node("Add", ["x", "missing"], ["y"])], "g",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
-    said = load_as_users_do(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), None)
+    said = load_as_users_do(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), None).refused
     assert said is not None and said.startswith("loading it: ") and "\n" not in said
 
 
@@ -158,12 +158,12 @@ def _time_major(fp16: bool) -> onnx.ModelProto:
 def test_an_fp16_transpose_before_a_matmul_crashes_the_default_session_and_loads_between_casts():
     model = _time_major(fp16=True)
     feed = {"x": RNG.normal(0, 1, (5, 3, 8)).astype(np.float16)}
-    said = load_as_users_do(model, feed)
+    said = load_as_users_do(model, feed).refused
     assert said is not None and "crashed" in said
     fixed, moved = transposes_in_fp32(model)
     assert moved == ["turn"]
     assert [n.op_type for n in fixed.graph.node] == ["Cast", "Transpose", "Cast", "MatMul"]
-    assert load_as_users_do(fixed, feed) is None
+    assert load_as_users_do(fixed, feed).refused is None
     # Computed with the fusions off (npuprep's own sessions): the same values, bit for bit.
     runs = [run(make_session(m), feed)["y"] for m in (model, fixed)]
     np.testing.assert_array_equal(runs[0], runs[1])
@@ -177,7 +177,7 @@ def test_a_time_major_dense_layer_converts_to_fp16_and_is_written():
     assert result, result.verdict.said
     assert any("Transpose" in note and "crashes" in note for note in result.notes)
     written = result.lowered.model
-    assert load_as_users_do(written, feeds[0]) is None
+    assert load_as_users_do(written, feeds[0]).refused is None
     for feed in feeds:
         (got,) = _default_session_outputs(written, feed)
         ref = np.transpose(feed["x"], (1, 0, 2)) @ numpy_helper.to_array(proto.graph.initializer[0])

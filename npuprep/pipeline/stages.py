@@ -307,11 +307,15 @@ def user_load(run: Run) -> Run:
     feed = feeds[0] if feeds else None
     run.progress("loading it as users do")
     model, note = result.lowered.model, None
-    said = load_as_users_do(model, feed)
-    fixed = _avoided(model, said)
+    # An 8-bit model is run with basic optimisations too: a default-session fusion wrong for
+    # its Q/DQ pairs computes another function than the one verified.
+    drift = result.eight_bit is not None and feed is not None
+    loaded = load_as_users_do(model, feed, drift=drift)
+    fixed = _avoided(model, loaded.refused)
     if fixed is not None:
         model, note = fixed
-        said = load_as_users_do(model, feed)
+        loaded = load_as_users_do(model, feed, drift=drift)
+    said = loaded.refused
     if said is not None and _NO_KERNEL in said:
         # No CPU kernel for an op in this format (BF16 mostly) is this provider's gap, not a
         # defect of the model: the target's runtime has them. Said, not refused.
@@ -323,21 +327,19 @@ def user_load(run: Run) -> Run:
         raise NpuprepError(f"{run.model.path}: the converted model does not load in onnxruntime "
                            f"{onnxruntime_version()} with default session options, as users load it "
                            f"({said}); nothing was written")
-    notes = (note,) if note is not None else ()
-    if result.eight_bit is not None and feed is not None:
-        notes += _drift_note(model, feed, _rtol(run.settings))
+    notes = ((note,) if note is not None else ()) + _drift_note(loaded.drift, _rtol(run.settings))
     if notes:
         result = replace(result, lowered=replace(result.lowered, model=model),
                          notes=(*result.notes, *notes))
     return replace(run, result=result)
 
 
-def _drift_note(model: onnx.ModelProto, feed: Feed, rtol: float) -> tuple[str, ...]:
+def _drift_note(drift: Mapping[str, float], rtol: float) -> tuple[str, ...]:
     """A note where onnxruntime's default session computes the 8-bit model otherwise than the
     basic-optimisation sessions that verified it (a fusion wrong for 8-bit Q/DQ)."""
-    from npuprep.runtime.user_load import default_session_drift, onnxruntime_version
+    from npuprep.runtime.user_load import onnxruntime_version
 
-    off = {name: d for name, d in default_session_drift(model, feed).items() if d > rtol / 10}
+    off = {name: d for name, d in drift.items() if d > rtol / 10}
     if not off:
         return ()
     name, worst = max(off.items(), key=lambda kv: kv[1])

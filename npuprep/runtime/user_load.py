@@ -13,6 +13,7 @@ import multiprocessing as mp
 import signal
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -30,86 +31,52 @@ def onnxruntime_version() -> str:
     return ort.__version__
 
 
-def load_as_users_do(proto: onnx.ModelProto, feed: Mapping[str, np.ndarray] | None) -> str | None:
-    """None when `proto` loads (and runs on `feed`, cast to the types its inputs declare) in a
-    default onnxruntime session; else one line: the stage and onnxruntime's error, or the
-    signal that ended the process."""
+@dataclass(frozen=True)
+class UserLoad:
+    """How a default onnxruntime session took the model: `refused` None when it loaded (and ran
+    on the sample), else one line: the stage and onnxruntime's error, or the signal that ended
+    the process; `drift`, where asked: each float output's rel L2 between that session and one
+    with basic optimisations (npuprep's own, which verified it) on the sample, so a fusion that
+    computes another function shows (onnxruntime 1.32's ReluQuantRewrite drops a Relu before
+    an FP8 QuantizeLinear, valid only for an integer zero point)."""
+
+    refused: str | None
+    drift: dict[str, float] = field(default_factory=dict)
+
+
+def load_as_users_do(proto: onnx.ModelProto, feed: Mapping[str, np.ndarray] | None, *,
+                     drift: bool = False) -> UserLoad:
+    """`proto` written, loaded and run on `feed` (cast to the types its inputs declare) in a
+    default onnxruntime session in a forked child; with `drift`, run too with basic
+    optimisations and compared (UserLoad)."""
     context = mp.get_context("fork")
     reader, writer = context.Pipe(duplex=False)
-    child = context.Process(target=_load_and_run, args=(proto, dict(feed or {}), writer), daemon=True)
+    child = context.Process(target=_load_and_run, args=(proto, dict(feed or {}), drift, writer),
+                            daemon=True)
     child.start()
     writer.close()
-    stage, said = "loading or running it", None
+    stage, said, drifted = "loading or running it", None, {}
     try:
         while True:
-            kind, text = reader.recv()
+            kind, value = reader.recv()
             if kind == "stage":
-                stage = text
+                stage = value
+            elif kind == "drift":
+                drifted = value
             else:
-                said = text
+                said = value
     except EOFError:  # the child has ended, or died mid-way
         pass
     finally:
         reader.close()
         child.join()
     if child.exitcode is not None and child.exitcode < 0:
-        return f"onnxruntime crashed ({signal.Signals(-child.exitcode).name}) {stage}"
-    return said
+        return UserLoad(f"onnxruntime crashed ({signal.Signals(-child.exitcode).name}) {stage}")
+    return UserLoad(said, drifted if said is None else {})
 
 
-def default_session_drift(proto: onnx.ModelProto, feed: Mapping[str, np.ndarray]) -> dict[str, float]:
-    """Each float output's rel L2 between a default onnxruntime session (every fusion on) and
-    one with basic optimisations (npuprep's own, which verified it) on `feed`: a fusion that
-    computes another function shows here (onnxruntime 1.32's ReluQuantRewrite drops a Relu
-    before an FP8 QuantizeLinear, valid only for an integer zero point). Empty where either
-    session fails (load_as_users_do says why)."""
-    context = mp.get_context("fork")
-    reader, writer = context.Pipe(duplex=False)
-    child = context.Process(target=_drift, args=(proto, dict(feed), writer), daemon=True)
-    child.start()
-    writer.close()
-    try:
-        drift = reader.recv()
-    except EOFError:
-        drift = {}
-    finally:
-        reader.close()
-        child.join()
-    return drift
-
-
-def _drift(proto: onnx.ModelProto, feed: dict[str, np.ndarray], writer: Connection) -> None:
-    ort.set_default_logger_severity(4)
-    drift: dict[str, float] = {}
-    try:
-        with tempfile.TemporaryDirectory(prefix="npuprep-user-load-") as folder:
-            path = Path(folder) / "model.onnx"
-            write_model_files(proto, path, Path(folder) / "model.onnx.data", "model.onnx.data")
-            basic = ort.SessionOptions()
-            basic.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-            outputs = []
-            for options in (None, basic):
-                session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-                declared = {i.name: onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
-                            for i in proto.graph.input if i.type.HasField("tensor_type")}
-                names = [i.name for i in session.get_inputs()]
-                got = session.run(None, {n: np.asarray(feed[n]).astype(
-                    declared.get(n, np.asarray(feed[n]).dtype)) for n in names})
-                outputs.append(dict(zip([o.name for o in session.get_outputs()], got, strict=True)))
-            for name, value in outputs[1].items():
-                want = np.asarray(value)
-                if want.dtype.kind != "f" or not want.size:
-                    continue
-                diff = np.asarray(outputs[0][name], np.float64) - want
-                drift[name] = float(np.sqrt(np.sum(diff ** 2) / max(np.sum(want.astype(np.float64) ** 2), 1e-30)))
-    except Exception:  # noqa: BLE001 - a session that fails is load_as_users_do's to say
-        drift = {}
-    finally:
-        writer.send(drift)
-        writer.close()
-
-
-def _load_and_run(proto: onnx.ModelProto, feed: dict[str, np.ndarray], writer: Connection) -> None:
+def _load_and_run(proto: onnx.ModelProto, feed: dict[str, np.ndarray], drift: bool,
+                  writer: Connection) -> None:
     # Each step is told before it starts, so a crash names the step it happened in.
     stage = "writing it"
     # Its warnings (an initializer it drops) are the user's to see when they load it, not ours.
@@ -127,11 +94,28 @@ def _load_and_run(proto: onnx.ModelProto, feed: dict[str, np.ndarray], writer: C
             if feed and names <= set(feed):
                 stage = "running it on one sample"
                 writer.send(("stage", stage))
-                session.run(None, {n: np.asarray(feed[n]).astype(declared.get(n, np.asarray(feed[n]).dtype))
-                                   for n in names})
+                typed = {n: np.asarray(feed[n]).astype(declared.get(n, np.asarray(feed[n]).dtype))
+                         for n in names}
+                outputs = [o.name for o in session.get_outputs()]
+                got = session.run(outputs, typed)
+                if drift:
+                    stage = "running it with basic optimisations"
+                    writer.send(("stage", stage))
+                    basic = ort.SessionOptions()
+                    basic.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+                    want = ort.InferenceSession(str(path), basic, providers=["CPUExecutionProvider"]
+                                                ).run(outputs, typed)
+                    writer.send(("drift", {name: _rel_l2(a, b) for name, a, b
+                                           in zip(outputs, got, want, strict=True)
+                                           if np.asarray(b).dtype.kind == "f" and np.asarray(b).size}))
         writer.send(("done", None))
     except Exception as exc:  # onnxruntime's refusal, said in one line
         text = " ".join(str(exc).split())
         writer.send(("done", f"{stage}: {text[:_SAID_CHARS]}"))
     finally:
         writer.close()
+
+
+def _rel_l2(got: np.ndarray, want: np.ndarray) -> float:
+    diff = np.asarray(got, np.float64) - np.asarray(want, np.float64)
+    return float(np.sqrt(np.sum(diff ** 2) / max(float(np.sum(np.asarray(want, np.float64) ** 2)), 1e-30)))
