@@ -250,7 +250,7 @@ def loads(model: onnx.ModelProto | str) -> str:
     session (AECMOS in FP16, onnxruntime 1.32) ends the child, not the bench."""
     from npuprep.runtime.user_load import load_as_users_do
 
-    said = load_as_users_do(onnx.load(model) if isinstance(model, str) else model, None)
+    said = load_as_users_do(onnx.load(model) if isinstance(model, str) else model, None).refused
     if said is None:
         return "loads"
     text = re.sub(r"\[ONNXRuntimeError\] : \d+ : \w+ : |Load model from \S+ failed:", "", said)
