@@ -112,7 +112,7 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
     lower bound (the cheaper-last swaps: a failing one is never kept). `aim`: the outputs'
     rel L2 `judged` passes at (None: decisions judge them), for the swaps not tried
     (SWAP_POWER_SHARE). `gate`: the user's gate itself, without `judged`'s margin: where no
-    head meets `judged`, the point kept is the most-8-bit one tried that meets the gate
+    head meets `judged`, the point kept is the least-erring one tried that meets the gate
     (_at_gate), else the search's least-erring."""
     done = Widening(list(layers), check)
     done.curve.append(CurvePoint(0, fmt.name, share(done.layers), check.worst_rel_l2,
@@ -250,16 +250,16 @@ def _at_gate(layers: Sequence[LayerPrecision], fmt: EightBitFormat, check: Outpu
              gate: Callable[[OutputCheck], bool],
              share: Callable[[list[LayerPrecision]], float],
              ) -> tuple[list[LayerPrecision], OutputCheck, list[str], list[str]] | None:
-    """Where no head met the search's aim: the point tried (or the start) with the most in 8
-    bits that meets the gate itself, its layers kept FP16 and those moved to the other 8-bit
-    format; None where none does. The least-erring failing head can change a decision the
-    gate judges where a point with less error power does not (ppocrv5_rec INT8: 97.2% at rel
-    L2 0.060 changed 1 of 8 texts)."""
+    """Where no head met the search's aim: of the points tried (and the start) that meet the
+    gate itself, the least erring (the most margin left for unseen samples; at equal error the
+    most in 8 bits), its layers kept FP16 and those moved to the other 8-bit format; None
+    where none does. The least-erring head of all can change a decision the gate judges where
+    one erring more does not (ppocrv5_rec INT8: 97.2% at rel L2 0.060 changed 1 of 8 texts)."""
     points = [(list(layers), check), *tried]
     passing = [(chosen, c) for chosen, c in points if gate(c)]
     if not passing:
         return None
-    chosen, c = max(passing, key=lambda p: (round(share(p[0]), 6), -p[1].worst_rel_l2))
+    chosen, c = min(passing, key=lambda p: (p[1].worst_rel_l2, -share(p[0])))
     was = {x.node: x.precision for x in layers}
     moved = [x for x in chosen if was.get(x.node) == fmt.name and x.precision != fmt.name]
     return (chosen, c, [x.node for x in moved if x.precision == "fp16"],
