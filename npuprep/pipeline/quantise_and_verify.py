@@ -293,6 +293,9 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         return all(output_passes(o, JUDGE_MARGIN * rtol, at_margin=True)
                    for o in check.outputs.values())
 
+    def gate(check: OutputCheck) -> bool:
+        return all(output_passes(o, rtol) for o in check.outputs.values())
+
     def trial(chosen: Sequence[LayerPrecision], stop_past: float | None = None) -> OutputCheck:
         return sessions.checks().check(assigned_formats(chosen), tensor_rules, rtol=rtol, top_k=top_k,
                                        margin=DECISION_MARGIN, stop_past=stop_past)
@@ -332,9 +335,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                                 leave_out=leave_out,
                                 # A swap's check stops once an output errs past the aim for sure.
                                 stopping=lambda c: trial(c, stop_past=JUDGE_MARGIN * rtol),
-                                aim=None if top_k else JUDGE_MARGIN * rtol,
-                                gate=lambda c: all(output_passes(o, rtol)
-                                                   for o in c.outputs.values()))
+                                aim=None if top_k else JUDGE_MARGIN * rtol, gate=gate)
 
     if int8_start is not None and other is not None:
         start_check = trial(layers)
@@ -360,7 +361,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
             stage(f"quantising to {eight.name}")
             widening = search_from(layers, eight, other, check=start_check,
                                    min_share=max(min_8bit_share, floor))
-        widening, said = _better_search(widening, as_int8, profile, judged, macs, eight, other)
+        widening, said = _better_search(widening, as_int8, profile, judged, gate, macs, eight,
+                                        other)
         notes.append(said)
     else:
         stage(f"quantising to {eight.name}")
@@ -589,7 +591,8 @@ def fp8_cheaper(profile: TargetProfile, fp8: EightBitFormat, int8: EightBitForma
 
 
 def _better_search(asked: Widening, as_int8: Widening, profile: TargetProfile,
-                   judged: Callable[[OutputCheck], bool], macs: Mapping[str, int],
+                   judged: Callable[[OutputCheck], bool], gate: Callable[[OutputCheck], bool],
+                   macs: Mapping[str, int],
                    fp8: EightBitFormat, int8: EightBitFormat) -> tuple[Widening, str]:
     """The FP8 conversion's own search or the INT8 conversion's, whichever passes with more
     of the multiply-adds in 8 bits; at the same share the one erring less on the calibration
@@ -598,9 +601,10 @@ def _better_search(asked: Widening, as_int8: Widening, profile: TargetProfile,
     (fp8_cheaper), then the one with more in FP8. Both searches' points stay on the curve."""
     cheaper = fp8_cheaper(profile, fp8, int8)
 
-    def key(w: Widening) -> tuple[bool, float, float, float]:
+    def key(w: Widening) -> tuple[bool, bool, float, float, float]:
         shares = mac_share(w.layers, macs, fp8)
-        return (not judged(w.check), -round(eight_bit_share(w.layers, macs), 6),
+        # Where neither meets the search's aim, one that meets the gate itself first.
+        return (not judged(w.check), not gate(w.check), -round(eight_bit_share(w.layers, macs), 6),
                 -round(shares[fp8.name], 6) if cheaper else 0.0, w.check.worst_rel_l2)
 
     kept = min((asked, as_int8), key=key)
