@@ -15,10 +15,8 @@ from npuprep.model_io import Model, fingerprint
 from npuprep.numerics import eight_bit_format
 from npuprep.pipeline import convert
 from npuprep.pipeline.quantise_and_verify import JUDGE_MARGIN
-from npuprep.plan.layer_precision import decide
 from npuprep.profiles import load_profile
 from npuprep.runtime.session import make_session, run
-from npuprep.scale_rules import ScaleRule
 from npuprep.verify.qdq_model import quantise
 
 # x (log-normal magnitudes) -> MatMul "wide"; z (normal) -> MatMul "plain"; y = both side by side
@@ -271,35 +269,3 @@ g (float[128, 384] x) => (float[128, 1536] y) { [mm] y = MatMul (x, W) }
     board = make_session(on_target(built, get_format("fp16"), (), saturate=False), threads=1)
     for feed, trial in zip(feeds, got, strict=True):
         np.testing.assert_array_equal(trial["y"], run(board, feed)["y"])
-
-
-# x -> MatMul "mm" (W) -> y
-ONE = """
-<ir_version: 8, opset_import: ["" : 19]>
-g (float[64, 16] x) => (float[64, 8] y) {
-    [mm] y = MatMul (x, W)
-}
-"""
-
-
-@pytest.mark.parametrize("signed", [False, True])
-def test_the_flush_check_uses_the_step_a_non_negative_input_is_stored_with(signed: bool):
-    # 60% of x at 0.005, the rest up to 1: under half of symmetric INT8's step (1/127) but over
-    # half of uint8's (1/255), the storage a tensor that never goes negative gets.
-    proto = parser.parse_model(ONE)
-    proto.graph.initializer.append(numpy_helper.from_array(np.ones((16, 8), np.float32), "W"))
-    rng = np.random.default_rng(0)
-    feeds = []
-    for _ in range(4):
-        x = np.where(rng.random((64, 16)) < 0.6, 0.005, rng.uniform(0.1, 1.0, (64, 16)))
-        x[0, 0] = 1.0
-        if signed:
-            x[1, 0] = -1.0
-        feeds.append({"x": x.astype(np.float32)})
-    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
-    stats = calibrate(model, feeds, detail="all")
-    (layer,) = decide(proto, stats, eight_bit_format("int8"), rule=ScaleRule.ABSMAX)
-    if signed:
-        assert layer.precision == "fp16" and "with scale 0.00787 flushes" in layer.why
-    else:
-        assert layer.precision == "int8", layer.why

@@ -16,7 +16,7 @@ from typing import Any
 
 import onnx
 
-from npuprep.calibrate.scales import clip_for, stored_as
+from npuprep.calibrate.scales import clip_for
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.graph import node_scopes, scope_constant, tensor_types
 from npuprep.numerics import EightBitFormat
@@ -104,12 +104,10 @@ def _range_reason(g: onnx.GraphProto, node: onnx.NodeProto, stats: CalibrationSt
         if r.nan_count or r.inf_count or not math.isfinite(r.absmax):
             return f"input '{name}' holds Inf/NaN"
         clip = clip_for(r, fmt, rule)
-        # The step the tensor is stored with: a tensor that never goes (far) negative is INT8
-        # stored as uint8, twice the levels of symmetric INT8 (a Softmax's probabilities).
-        step, _, _ = stored_as(r, clip.value, 1.0, fmt)
-        flushed = r.fraction_below(step * fmt.floor)
+        floor = clip.value / fmt.qmax * fmt.floor
+        flushed = r.fraction_below(floor)
         if flushed is not None and flushed > FLUSH_LIMIT:
-            return (f"{fmt.name} with scale {step:.3g} flushes "
+            return (f"{fmt.name} with scale {clip.value / fmt.qmax:.3g} flushes "
                     f"{100 * flushed:.0f}% of input '{name}' to zero")
     return ""
 
