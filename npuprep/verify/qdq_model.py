@@ -226,7 +226,7 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
     channel abs-max); Balanced.whole: those divided by a Mul over the whole of x (its writer
     takes no constant: a SiLU's, or x is read elsewhere), an elementwise pass over x at run
     time."""
-    from npuprep.calibrate.channels import channel_absmax
+    from npuprep.calibrate.channels import channel_absmax, leave_one_out_raise
     from npuprep.calibrate.executors import calibrate
     from npuprep.flops import tensor_shapes
     from npuprep.model_io import Model, uses_external_data
@@ -249,10 +249,13 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
     shapes = tensor_shapes(model, {k: tuple(np.shape(v)) for k, v in samples[0].items()})
     sizes = {t: int(np.prod(d)) for t, d in shapes.items()}
 
+    def divisor(x: str) -> Callable[[np.ndarray], np.ndarray]:
+        weights = [(constant_value(g, by_label[n].input[1]), attribute(by_label[n], "group", 1))
+                   for n in readers[x]]
+        return lambda top: conv_smoothing_factors(top, weights)
+
     def balanced(rows: slice, tensors: Iterable[str]) -> tuple[RewriteResult, CalibrationStats]:
-        factors = {x: conv_smoothing_factors(per_channel[x][rows].max(axis=0), [
-            (constant_value(g, by_label[n].input[1]), attribute(by_label[n], "group", 1))
-            for n in readers[x]]) for x in tensors}
+        factors = {x: divisor(x)(per_channel[x][rows].max(axis=0)) for x in tensors}
         done = smooth(model, factors, readers, place=place, sizes=sizes)
         if not done:
             return done, stats
@@ -260,6 +263,12 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
         home = path if uses_external_data(done.model) else ""
         again = calibrate(Model(done.model, home, "balanced"), samples, detail="all",
                           tensors=changed).tensors
+        # What the readers read keeps the headroom a sample left out of the fit shows.
+        for x, xs in dict(done.details["smoothed"]).items():
+            if xs in again:
+                d = divisor(x)
+                again[xs] = replace(again[xs], unseen_raise=leave_one_out_raise(
+                    per_channel[x][rows], lambda top, d=d: 1.0 / d(top)))
         return done, replace(stats, tensors={**stats.tensors, **{t: again[t] for t in changed
                                                                  if t in again}})
 
@@ -310,7 +319,7 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
     rule reads their own histogram. A tensor the plan rescaled is left alone. `path`: the
     file whose folder holds the weights a light load left external; `expected`: the
     reference's outputs, where the caller holds them."""
-    from npuprep.calibrate.channels import channel_absmax
+    from npuprep.calibrate.channels import channel_absmax, leave_one_out_raise
     from npuprep.calibrate.executors import calibrate
     from npuprep.model_io import Model, uses_external_data
     from npuprep.rewrite.equalise import chains, equalise, factors
@@ -334,6 +343,11 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
     changed = {t for c in found for t in touched(c)}
     again = calibrate(Model(done.model, home, "equalised"), samples, detail="all",
                       tensors=changed).tensors
+    # What the readers read keeps the headroom a sample left out of the fit shows.
+    for c in found:
+        if c.tensor in again:
+            again[c.tensor] = replace(again[c.tensor], unseen_raise=leave_one_out_raise(
+                per_channel[c.tensor], factors))
     new_stats = replace(stats, tensors={**stats.tensors, **{t: again[t] for t in changed if t in again}})
     error = model_errors(reference, samples, expected)
 
