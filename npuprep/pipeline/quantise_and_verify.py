@@ -62,6 +62,7 @@ from npuprep.verify.output_errors import output_passes, rule_said
 from npuprep.verify.pin_rounds import sample_shapes
 from npuprep.verify.qdq_model import (
     EQUALISE_MIN_GAIN,
+    Balanced,
     Equalised,
     Sensitivity,
     balance_conv_inputs,
@@ -234,7 +235,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                          f"reader's channels each raised to the largest's; "
                          f"{len(convs.tensors) - whole} folded into the constants of the op "
                          f"writing them or a Mul on one value per channel, {whole} by a Mul over "
-                         "the whole tensor), kept by their layers' error alone on unfitted samples")
+                         "the whole tensor), kept by their layers' error alone on samples neither "
+                         "their factors nor their clips were fitted to" + _lifted_note(convs))
     macs = _macs(base, stats, samples)
     notes += body_note(base, macs) + recurrent_note(base, macs, sample_shapes(samples))
     eight_bit = eight_bit_nodes(layers, eight)
@@ -618,6 +620,17 @@ def _better_search(asked: Widening, as_int8: Widening, profile: TargetProfile,
             f"share that passes, {rule}")
     return replace(kept, curve=asked.curve + as_int8.curve,
                    rank_runs=asked.rank_runs + as_int8.rank_runs), said
+
+
+def _lifted_note(convs: Balanced) -> str:
+    """What the balanced tensors' clips keep for unseen samples, where any keeps more than the
+    spread of their samples' abs-maxima gives."""
+    raised = sorted(convs.unseen_raise.values())
+    if not raised:
+        return ""
+    span = f"{raised[0]:.2g}x" if len(raised) == 1 else f"{raised[0]:.2g}-{raised[-1]:.2g}x"
+    return (f"; {len(raised)} of them keep the headroom a calibration sample left out of the fit "
+            f"showed (clips raised {span}), where that erred less on the unfitted samples")
 
 
 def _equalised_note(done: Equalised) -> str:

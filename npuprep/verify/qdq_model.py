@@ -113,13 +113,16 @@ class Balanced:
     """The model with outlier channels balanced into weights, its stats (with the new tensors),
     the tensors balanced: x -> (x / s, largest / median channel abs-max), and those divided by
     a Mul over the whole tensor, and each tensor of the model that keeps its name with its
-    values rescaled -> the factor it was multiplied by (broadcast against it)."""
+    values rescaled -> the factor it was multiplied by (broadcast against it); `unseen_raise`:
+    each tensor read balanced whose clip keeps more headroom than its samples' spread gives ->
+    that factor (RangeStats.unseen_raise)."""
 
     model: onnx.ModelProto
     stats: CalibrationStats
     tensors: dict[str, tuple[str, float]]
     whole: tuple[str, ...] = ()
     channel_scales: dict[str, np.ndarray] = field(default_factory=dict)
+    unseen_raise: dict[str, float] = field(default_factory=dict)
 
 
 # (model, its stats, groups of layers, samples, bounds) -> the outputs' error with each group
@@ -299,10 +302,13 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
     done_stats = lifted(done, done_stats, slice(None), [
         x for x, a, b in zip(tensors, after_plain, after_lifted, strict=True) if b <= a])
     top = {x: per_channel[x].max(axis=0) for x in readers}
+    read = dict(done.details["smoothed"])
     return Balanced(done.model, done_stats, {
         x: (xs, float(top[x].max() / max(float(np.median(top[x])), 1e-12)))
-        for x, xs in dict(done.details["smoothed"]).items()}, tuple(done.details["whole"]),
-        dict(done.details["factors"]))
+        for x, xs in read.items()}, tuple(done.details["whole"]),
+        dict(done.details["factors"]),
+        {xs: r.unseen_raise for xs in read.values()
+         if (r := done_stats.tensors.get(xs)) is not None and r.unseen_raise > 1.0})
 
 
 @dataclass(frozen=True)
