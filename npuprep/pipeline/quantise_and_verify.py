@@ -622,10 +622,10 @@ def _better_search(asked: Widening, as_int8: Widening, profile: TargetProfile,
                    rank_runs=asked.rank_runs + as_int8.rank_runs), said
 
 
-def _lifted_note(convs: Balanced) -> str:
-    """What the balanced tensors' clips keep for unseen samples, where any keeps more than the
+def _lifted_note(done: Balanced | Equalised) -> str:
+    """What the rescaled tensors' clips keep for unseen samples, where any keeps more than the
     spread of their samples' abs-maxima gives."""
-    raised = sorted(convs.unseen_raise.values())
+    raised = sorted(done.unseen_raise.values())
     if not raised:
         return ""
     span = f"{raised[0]:.2g}x" if len(raised) == 1 else f"{raised[0]:.2g}-{raised[-1]:.2g}x"
@@ -635,11 +635,11 @@ def _lifted_note(convs: Balanced) -> str:
 
 def _equalised_note(done: Equalised) -> str:
     count = len({c.tensor for c in done.chains})
+    measured = (f"outputs' rel L2 with every layer in INT8 on samples neither the factors nor the "
+                f"clips were fitted to {done.before:.3g} -> {done.after:.3g}")
     return (f"{count} Conv input(s) equalised into their producers (each channel's range raised "
-            f"to the largest's): outputs' rel L2 with every layer in INT8 {done.before:.3g} -> "
-            f"{done.after:.3g}" if count else
-            f"Conv inputs' channels not equalised: outputs' rel L2 with every layer in INT8 "
-            f"{done.before:.3g} -> {done.after:.3g} (kept only where it takes "
+            f"to the largest's): {measured}{_lifted_note(done)}" if count else
+            f"Conv inputs' channels not equalised: {measured} (kept only where it takes "
             f"{EQUALISE_MIN_GAIN:.0%} off)")
 
 

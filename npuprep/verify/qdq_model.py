@@ -315,8 +315,10 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
 class Equalised:
     """The model with Conv inputs' channels equalised into their producers, its stats (the
     tensors it changed measured again), the chains equalised, and the outputs' rel L2 with
-    their readers in INT8 before and after (0, 0 where none was tried); `channel_scales`:
-    each tensor the equalisation rescaled -> its factors (broadcast against it)."""
+    their readers in INT8 before and after on unfitted samples (0, 0 where none was tried);
+    `channel_scales`: each tensor the equalisation rescaled -> its factors (broadcast against
+    it); `unseen_raise`: each equalised input whose clip keeps the left-out headroom -> that
+    factor (RangeStats.unseen_raise)."""
 
     model: onnx.ModelProto
     stats: CalibrationStats
@@ -324,6 +326,7 @@ class Equalised:
     before: float = 0.0
     after: float = 0.0
     channel_scales: dict[str, np.ndarray] = field(default_factory=dict)
+    unseen_raise: dict[str, float] = field(default_factory=dict)
 
 
 # The least share of the all-INT8 error an equalisation must take off to be kept. It is measured
@@ -343,10 +346,12 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
     INT8 gain, each side at its best of `rules` (one measurement for all chains: with the
     chains' readers alone in INT8 at one rule, ppocr_cls gained 0.026 -> 0.016 and lost
     0.0014 -> 0.0086 once the search chose its rules); the changed tensors are calibrated again, so every
-    rule reads their own histogram. A tensor the plan rescaled is left alone. `path`: the
-    file whose folder holds the weights a light load left external; `expected`: the
-    reference's outputs, where the caller holds them."""
-    from npuprep.calibrate.channels import channel_absmax
+    rule reads their own histogram. The gain is measured on calibration samples neither the
+    factors nor the clips were fitted to, equalised as it is and with the headroom a sample
+    left out of the fit shows (RangeStats.unseen_raise), the better kept. A tensor the plan
+    rescaled is left alone. `path`: the file whose folder holds the weights a light load left
+    external; `expected`: the reference's outputs, where the caller holds them."""
+    from npuprep.calibrate.channels import channel_absmax, leave_one_out_raise
     from npuprep.calibrate.executors import calibrate
     from npuprep.model_io import Model, uses_external_data
     from npuprep.rewrite.equalise import chains, equalise, factors
@@ -361,17 +366,46 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
     if not found:
         return Equalised(model, stats)
     per_channel = channel_absmax(model, [c.tensor for c in found], samples, axis=1)
-    scales = {c.tensor: factors(per_channel[c.tensor].max(axis=0)) for c in found}
-    done = equalise(model, found, scales, place=weights.place if weights is not None else None)
-    if not done:
-        return Equalised(model, stats)
-    # Weights a light load left in the file are read from beside it, as calibration read them.
-    home = path if uses_external_data(done.model) else ""
+    place = weights.place if weights is not None else None
     changed = {t for c in found for t in touched(c)}
-    again = calibrate(Model(done.model, home, "equalised"), samples, detail="all",
-                      tensors=changed).tensors
-    new_stats = replace(stats, tensors={**stats.tensors, **{t: again[t] for t in changed if t in again}})
-    error = model_errors(reference, samples, expected)
+    fitted, check = (slice(0, None, 2), list(samples[1::2])) if len(samples) > 1 else (
+        slice(None), list(samples))
+
+    def equalised(rows: slice, on: CalibrationStats) -> tuple[
+            RewriteResult, CalibrationStats, dict[str, np.ndarray]]:
+        """Equalised by factors and clips fitted on samples[rows] (`on`: the other tensors'
+        stats)."""
+        scales = {c.tensor: factors(per_channel[c.tensor][rows].max(axis=0)) for c in found}
+        done = equalise(model, found, scales, place=place)
+        if not done:
+            return done, on, scales
+        # Weights a light load left in the file are read from beside it, as calibration read them.
+        home = path if uses_external_data(done.model) else ""
+        again = calibrate(Model(done.model, home, "equalised"), list(samples)[rows],
+                          detail="all", tensors=changed).tensors
+        return done, replace(on, tensors={**on.tensors, **{t: again[t] for t in changed
+                                                           if t in again}}), scales
+
+    def lifted(on: CalibrationStats, rows: slice) -> CalibrationStats:
+        """`on` where the readers' inputs keep the headroom a sample left out of the fit
+        (samples[rows]) shows."""
+        return replace(on, tensors={**on.tensors, **{
+            c.tensor: replace(on.tensors[c.tensor], unseen_raise=leave_one_out_raise(
+                per_channel[c.tensor][rows], factors)) for c in found}})
+
+    # Every 8-bit input's clip fitted on the same samples as the factors, the plan's rescaled
+    # ones apart (their stats are the measured tensors', scaled by quantise) and a body's.
+    wanted = set(nodes)
+    inputs = {name for node in model.graph.node if node_label(node) in wanted
+              for name in activation_inputs(model.graph, node)
+              if name in stats.tensors and name not in tensor_scales}
+    unfitted = calibrate(Model(model, path if uses_external_data(model) else "", "unequalised"),
+                         list(samples)[fitted], detail="all", tensors=inputs).tensors
+    fit_stats = replace(stats, tensors={**stats.tensors, **unfitted})
+    fit_done, plain, _ = equalised(fitted, fit_stats)
+    if not fit_done:
+        return Equalised(model, stats)
+    error = model_errors(reference, check, expected)
 
     def best(m: onnx.ModelProto, found_stats: CalibrationStats) -> float:
         # The search picks each activation's rule later: each side at its best rule.
@@ -379,16 +413,23 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
                                   tensor_scales=tensor_scales, weights=weights).model)
                    for r in rules)
 
-    before, after = best(model, stats), best(done.model, new_stats)
+    before, as_is, lift = best(model, fit_stats), best(fit_done.model, plain), \
+        best(fit_done.model, lifted(plain, fitted))
+    after = min(as_is, lift)
     if after > (1.0 - EQUALISE_MIN_GAIN) * before:
         return Equalised(model, stats, (), before, after)
+    done, new_stats, scales = equalised(slice(None), stats)
+    if lift <= as_is:
+        new_stats = lifted(new_stats, slice(None))
     rescaled = {}
     for c in found:
         w = constant_value(model.graph, by_label[c.producer].input[1])
         assert w is not None, c.producer
         for t in touched(c):
             rescaled[t] = scales[c.tensor].reshape(-1, *[1] * (w.ndim - 2))
-    return Equalised(done.model, new_stats, tuple(found), before, after, rescaled)
+    return Equalised(done.model, new_stats, tuple(found), before, after, rescaled,
+                     {c.tensor: r.unseen_raise for c in found
+                      if (r := new_stats.tensors.get(c.tensor)) is not None and r.unseen_raise > 1})
 
 
 # The reference's outputs on some of the calibration samples, where a caller holds them
