@@ -299,6 +299,8 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
     if not kept:
         return Balanced(model, stats, {})
     done, done_stats = balanced(slice(None), kept)
+    if not done:
+        return Balanced(model, stats, {})
     done_stats = lifted(done, done_stats, slice(None), [
         x for x, a, b in zip(tensors, after_plain, after_lifted, strict=True) if b <= a])
     top = {x: per_channel[x].max(axis=0) for x in readers}
