@@ -3,8 +3,8 @@ calibration sample left out of the fit shows, and how far the held-out samples p
 
     python bench/bench_left_out_headroom.py MODEL_DIR
 
-MODEL_DIR holds model.onnx, calib/ and heldout/ (the corpus layout). For every tensor read only
-by depthwise Convs, each channel raised to the loudest's calibration abs-max (the Conv-input
+MODEL_DIR holds model.onnx, calib/ and heldout/ (the corpus layout). For every tensor a
+depthwise Conv reads, each channel raised to the loudest's calibration abs-max (the Conv-input
 balancing's factors, npuprep.rewrite.smooth.conv_smoothing_factors), per line: the spread
 headroom of the balanced tensor's per-sample abs-maxima (npuprep.calibrate.scales
 .sample_headroom) and of the tensor unbalanced, the left-out raise
@@ -24,7 +24,7 @@ from npuprep.calibrate.channels import channel_absmax, leave_one_out_raise
 from npuprep.calibrate.scales import sample_headroom
 from npuprep.calibrate.stats import RangeStats
 from npuprep.data import load_samples
-from npuprep.graph import attribute, constant_value, consumers
+from npuprep.graph import attribute, constant_value
 from npuprep.model_io import load_model
 from npuprep.rewrite.equalise import factors
 
@@ -40,14 +40,12 @@ def main() -> None:
     calib = load_samples(folder / "calib", model.proto)
     held = load_samples(folder / "heldout", model.proto)
     g = model.proto.graph
-    read = consumers(g)
 
     def depthwise(n: object) -> bool:
         w = constant_value(g, n.input[1]) if n.op_type == "Conv" and len(n.input) > 1 else None
         return w is not None and w.shape[1] == 1 and attribute(n, "group", 1) > 1
 
-    xs = list(dict.fromkeys(n.input[0] for n in g.node if depthwise(n)
-                            and all(depthwise(u) for u in read.get(n.input[0], []))))
+    xs = list(dict.fromkeys(n.input[0] for n in g.node if depthwise(n)))
     seen, unseen = channel_absmax(model.proto, xs, calib, axis=1), \
         channel_absmax(model.proto, xs, held, axis=1)
     print(f"{'tensor':24s} {'spread bal':>10s} {'unbal':>6s} {'left-out':>8s} "
