@@ -52,14 +52,16 @@ class Clip:
 
 def sample_headroom(r: RangeStats) -> float:
     """Factor (>= 1) by which an unseen sample's abs-max may pass the calibration's: the largest
-    per-sample abs-max plus SPREAD_SIGMAS standard deviations of them, over the largest."""
+    per-sample abs-max plus SPREAD_SIGMAS standard deviations of them, over the largest; at
+    least the tensor's `unseen_raise` (a tensor rescaled per channel: measured by leaving
+    each sample out, as its per-sample abs-maxima no longer show it)."""
     per_sample = [v for v in r.per_sample_absmax if math.isfinite(v)]
     top = max(per_sample, default=0.0)
     if len(per_sample) < MIN_SPREAD_SAMPLES or top <= 0:
-        return 1.0
+        return max(1.0, r.unseen_raise)
     mean = sum(per_sample) / len(per_sample)
     spread = math.sqrt(sum((v - mean) ** 2 for v in per_sample) / (len(per_sample) - 1))
-    return 1.0 + SPREAD_SIGMAS * spread / top
+    return max(1.0 + SPREAD_SIGMAS * spread / top, r.unseen_raise)
 
 
 def clip_raise_factor(r: RangeStats, fmt: EightBitFormat, headroom: float = 1.0) -> float:

@@ -50,6 +50,10 @@ class RangeStats:
     `per_sample_absmax` holds one abs-max per sample
     the tensor was seen in (held elements), in sample order; `seen_in` the positions of
     those samples in CalibrationStats.sample_ids, None when it was seen in every sample.
+    `unseen_raise`: where the tensor was rescaled per channel by factors fitted on these
+    samples (equalised, balanced), how far a sample left out passed the clip the others gave
+    (npuprep.calibrate.channels.leave_one_out_raise); its per-sample abs-maxima no longer
+    show it (every sample reaches the top through some channel).
     """
 
     tensor: str
@@ -69,6 +73,7 @@ class RangeStats:
     detailed_count: int
     seen_in: tuple[int, ...] | None = None
     ordinary_hi: float = HI
+    unseen_raise: float = 1.0
 
     @property
     def complete(self) -> bool:
@@ -124,6 +129,8 @@ class RangeStats:
             "per_sample_absmax": [_num(v) for v in self.per_sample_absmax],
             "seen_in": None if self.seen_in is None else list(self.seen_in),
             "ordinary_hi": self.ordinary_hi,
+            # Only where set: stats files of tensors never rescaled stay as they were.
+            **({"unseen_raise": self.unseen_raise} if self.unseen_raise != 1.0 else {}),
         }
 
     @classmethod
@@ -139,6 +146,7 @@ class RangeStats:
             per_sample_absmax=tuple(_float(v) for v in d["per_sample_absmax"]),
             seen_in=None if d.get("seen_in") is None else tuple(int(v) for v in d["seen_in"]),
             ordinary_hi=float(d.get("ordinary_hi", HI)),
+            unseen_raise=float(d.get("unseen_raise", 1.0)),
         )
 
 

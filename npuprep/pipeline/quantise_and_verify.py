@@ -62,6 +62,7 @@ from npuprep.verify.output_errors import output_passes, rule_said
 from npuprep.verify.pin_rounds import sample_shapes
 from npuprep.verify.qdq_model import (
     EQUALISE_MIN_GAIN,
+    Balanced,
     Equalised,
     Sensitivity,
     balance_conv_inputs,
@@ -234,7 +235,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                          f"reader's channels each raised to the largest's; "
                          f"{len(convs.tensors) - whole} folded into the constants of the op "
                          f"writing them or a Mul on one value per channel, {whole} by a Mul over "
-                         "the whole tensor), kept by their layers' error alone on unfitted samples")
+                         "the whole tensor), kept by their layers' error alone on samples neither "
+                         "their factors nor their clips were fitted to" + _lifted_note(convs))
     macs = _macs(base, stats, samples)
     notes += body_note(base, macs) + recurrent_note(base, macs, sample_shapes(samples))
     eight_bit = eight_bit_nodes(layers, eight)
@@ -626,13 +628,24 @@ def _better_search(asked: Widening, as_int8: Widening, profile: TargetProfile,
                    rank_runs=asked.rank_runs + as_int8.rank_runs), said
 
 
+def _lifted_note(done: Balanced | Equalised) -> str:
+    """What the rescaled tensors' clips keep for unseen samples, where any keeps more than the
+    spread of their samples' abs-maxima gives."""
+    raised = sorted(done.unseen_raise.values())
+    if not raised:
+        return ""
+    span = f"{raised[0]:.2g}x" if len(raised) == 1 else f"{raised[0]:.2g}-{raised[-1]:.2g}x"
+    return (f"; {len(raised)} of them keep the headroom a calibration sample left out of the fit "
+            f"showed (clips raised {span}), where that erred less on the unfitted samples")
+
+
 def _equalised_note(done: Equalised) -> str:
     count = len({c.tensor for c in done.chains})
+    measured = (f"outputs' rel L2 with every layer in INT8 on samples neither the factors nor the "
+                f"clips were fitted to {done.before:.3g} -> {done.after:.3g}")
     return (f"{count} Conv input(s) equalised into their producers (each channel's range raised "
-            f"to the largest's): outputs' rel L2 with every layer in INT8 {done.before:.3g} -> "
-            f"{done.after:.3g}" if count else
-            f"Conv inputs' channels not equalised: outputs' rel L2 with every layer in INT8 "
-            f"{done.before:.3g} -> {done.after:.3g} (kept only where it takes "
+            f"to the largest's): {measured}{_lifted_note(done)}" if count else
+            f"Conv inputs' channels not equalised: {measured} (kept only where it takes "
             f"{EQUALISE_MIN_GAIN:.0%} off)")
 
 

@@ -113,13 +113,16 @@ class Balanced:
     """The model with outlier channels balanced into weights, its stats (with the new tensors),
     the tensors balanced: x -> (x / s, largest / median channel abs-max), and those divided by
     a Mul over the whole tensor, and each tensor of the model that keeps its name with its
-    values rescaled -> the factor it was multiplied by (broadcast against it)."""
+    values rescaled -> the factor it was multiplied by (broadcast against it); `unseen_raise`:
+    each tensor read balanced whose clip keeps more headroom than its samples' spread gives ->
+    that factor (RangeStats.unseen_raise)."""
 
     model: onnx.ModelProto
     stats: CalibrationStats
     tensors: dict[str, tuple[str, float]]
     whole: tuple[str, ...] = ()
     channel_scales: dict[str, np.ndarray] = field(default_factory=dict)
+    unseen_raise: dict[str, float] = field(default_factory=dict)
 
 
 # (model, its stats, groups of layers, samples, bounds) -> the outputs' error with each group
@@ -217,8 +220,10 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
     """The INT8 Convs among `nodes` read their input divided by s per channel, their weights'
     input channels multiplied by it (npuprep.rewrite.smooth: folded into the op writing the
     input where it multiplies by a constant), where that lowers the error of the tensor's
-    readers quantised alone (`measure`, at their rule) on the calibration samples the factors
-    were not fitted to, as balance_outliers decides. The tensors it changes are calibrated
+    readers quantised alone (`measure`, at their rule) on the calibration samples neither the
+    factors nor the clips (the unbalanced tensor's too) were fitted to; where the balanced
+    tensor with the headroom a sample left out of the fit shows (RangeStats.unseen_raise)
+    errs no more there, it keeps that headroom. The tensors it changes are calibrated
     again (every rule reads their own histogram): ddddocr_det's balanced Conv inputs with
     abs-max stats only lost their percentile and MSE clips, held-out 0.054 -> 0.111. The
     tensors `left_alone` (the plan rescaled them, or equalisation took them) stay. `path`: the file whose folder holds the weights a light
@@ -226,7 +231,7 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
     channel abs-max); Balanced.whole: those divided by a Mul over the whole of x (its writer
     takes no constant: a SiLU's, or x is read elsewhere), an elementwise pass over x at run
     time."""
-    from npuprep.calibrate.channels import channel_absmax
+    from npuprep.calibrate.channels import channel_absmax, leave_one_out_raise
     from npuprep.calibrate.executors import calibrate
     from npuprep.flops import tensor_shapes
     from npuprep.model_io import Model, uses_external_data
@@ -249,38 +254,75 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
     shapes = tensor_shapes(model, {k: tuple(np.shape(v)) for k, v in samples[0].items()})
     sizes = {t: int(np.prod(d)) for t, d in shapes.items()}
 
+    def divisor(x: str) -> Callable[[np.ndarray], np.ndarray]:
+        weights = [(constant_value(g, by_label[n].input[1]), attribute(by_label[n], "group", 1))
+                   for n in readers[x]]
+        return lambda top: conv_smoothing_factors(top, weights)
+
+    def lifted(done: RewriteResult, found: CalibrationStats, rows: slice,
+               raised: Collection[str]) -> CalibrationStats:
+        """`found` where what the readers of the `raised` tensors read keeps the headroom a
+        sample left out of the fit (samples[rows]) shows."""
+        tensors = dict(found.tensors)
+        for x, xs in dict(done.details.get("smoothed", {})).items():
+            if xs in tensors and x in raised:
+                d = divisor(x)
+                tensors[xs] = replace(tensors[xs], unseen_raise=leave_one_out_raise(
+                    per_channel[x][rows], lambda top, d=d: 1.0 / d(top)))
+        return replace(found, tensors=tensors)
+
     def balanced(rows: slice, tensors: Iterable[str]) -> tuple[RewriteResult, CalibrationStats]:
-        factors = {x: conv_smoothing_factors(per_channel[x][rows].max(axis=0), [
-            (constant_value(g, by_label[n].input[1]), attribute(by_label[n], "group", 1))
-            for n in readers[x]]) for x in tensors}
+        """Balanced by factors and clips fitted on samples[rows]."""
+        factors = {x: divisor(x)(per_channel[x][rows].max(axis=0)) for x in tensors}
         done = smooth(model, factors, readers, place=place, sizes=sizes)
         if not done:
             return done, stats
         changed = list(done.details["changed"])
         home = path if uses_external_data(done.model) else ""
-        again = calibrate(Model(done.model, home, "balanced"), samples, detail="all",
-                          tensors=changed).tensors
+        again = calibrate(Model(done.model, home, "balanced"), list(samples)[rows],
+                          detail="all", tensors=changed).tensors
         return done, replace(stats, tensors={**stats.tensors, **{t: again[t] for t in changed
                                                                  if t in again}})
 
-    done, done_stats = _kept_where_unfitted_err_less(model, stats, list(readers),
-                                                     list(readers.values()), fitted, check,
-                                                     balanced, measure)
+    # Each tensor's readers alone on the samples neither the factors nor the clips were
+    # fitted to: unbalanced, balanced, and balanced with the left-out headroom (the clips of
+    # all 8 samples hid the clipping: face_landmark's depthwise inputs balanced erred less on
+    # them, and the held-out crops passed those clips by up to 2.9x: rel L2 0.018 -> 0.087).
+    tensors, groups = list(readers), list(readers.values())
+    every, plain = balanced(fitted, tensors)
+    after_plain = measure(every.model, plain, groups, check, None)
+    after_lifted = measure(every.model, lifted(every, plain, fitted, tensors), groups, check, None)
+    unfitted = calibrate(Model(model, path if uses_external_data(model) else "", "unbalanced"),
+                         list(samples)[fitted], detail="all", tensors=tensors).tensors
+    before = measure(model, replace(stats, tensors={**stats.tensors, **unfitted}), groups, check,
+                     [min(a, b) for a, b in zip(after_plain, after_lifted, strict=True)])
+    kept = [x for x, a, b, c in zip(tensors, after_plain, after_lifted, before, strict=True)
+            if min(a, b) < c]
+    if not kept:
+        return Balanced(model, stats, {})
+    done, done_stats = balanced(slice(None), kept)
     if not done:
         return Balanced(model, stats, {})
+    done_stats = lifted(done, done_stats, slice(None), [
+        x for x, a, b in zip(tensors, after_plain, after_lifted, strict=True) if b <= a])
     top = {x: per_channel[x].max(axis=0) for x in readers}
+    read = dict(done.details["smoothed"])
     return Balanced(done.model, done_stats, {
         x: (xs, float(top[x].max() / max(float(np.median(top[x])), 1e-12)))
-        for x, xs in dict(done.details["smoothed"]).items()}, tuple(done.details["whole"]),
-        dict(done.details["factors"]))
+        for x, xs in read.items()}, tuple(done.details["whole"]),
+        dict(done.details["factors"]),
+        {xs: r.unseen_raise for xs in read.values()
+         if (r := done_stats.tensors.get(xs)) is not None and r.unseen_raise > 1.0})
 
 
 @dataclass(frozen=True)
 class Equalised:
     """The model with Conv inputs' channels equalised into their producers, its stats (the
     tensors it changed measured again), the chains equalised, and the outputs' rel L2 with
-    their readers in INT8 before and after (0, 0 where none was tried); `channel_scales`:
-    each tensor the equalisation rescaled -> its factors (broadcast against it)."""
+    their readers in INT8 before and after on unfitted samples (0, 0 where none was tried);
+    `channel_scales`: each tensor the equalisation rescaled -> its factors (broadcast against
+    it); `unseen_raise`: each equalised input whose clip keeps the left-out headroom -> that
+    factor (RangeStats.unseen_raise)."""
 
     model: onnx.ModelProto
     stats: CalibrationStats
@@ -288,6 +330,7 @@ class Equalised:
     before: float = 0.0
     after: float = 0.0
     channel_scales: dict[str, np.ndarray] = field(default_factory=dict)
+    unseen_raise: dict[str, float] = field(default_factory=dict)
 
 
 # The least share of the all-INT8 error an equalisation must take off to be kept. It is measured
@@ -307,10 +350,12 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
     INT8 gain, each side at its best of `rules` (one measurement for all chains: with the
     chains' readers alone in INT8 at one rule, ppocr_cls gained 0.026 -> 0.016 and lost
     0.0014 -> 0.0086 once the search chose its rules); the changed tensors are calibrated again, so every
-    rule reads their own histogram. A tensor the plan rescaled is left alone. `path`: the
-    file whose folder holds the weights a light load left external; `expected`: the
-    reference's outputs, where the caller holds them."""
-    from npuprep.calibrate.channels import channel_absmax
+    rule reads their own histogram. The gain is measured on calibration samples neither the
+    factors nor the clips were fitted to, equalised as it is and with the headroom a sample
+    left out of the fit shows (RangeStats.unseen_raise), the better kept. A tensor the plan
+    rescaled is left alone. `path`: the file whose folder holds the weights a light load left
+    external; `expected`: the reference's outputs, where the caller holds them."""
+    from npuprep.calibrate.channels import channel_absmax, leave_one_out_raise
     from npuprep.calibrate.executors import calibrate
     from npuprep.model_io import Model, uses_external_data
     from npuprep.rewrite.equalise import chains, equalise, factors
@@ -325,17 +370,46 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
     if not found:
         return Equalised(model, stats)
     per_channel = channel_absmax(model, [c.tensor for c in found], samples, axis=1)
-    scales = {c.tensor: factors(per_channel[c.tensor].max(axis=0)) for c in found}
-    done = equalise(model, found, scales, place=weights.place if weights is not None else None)
-    if not done:
-        return Equalised(model, stats)
-    # Weights a light load left in the file are read from beside it, as calibration read them.
-    home = path if uses_external_data(done.model) else ""
+    place = weights.place if weights is not None else None
     changed = {t for c in found for t in touched(c)}
-    again = calibrate(Model(done.model, home, "equalised"), samples, detail="all",
-                      tensors=changed).tensors
-    new_stats = replace(stats, tensors={**stats.tensors, **{t: again[t] for t in changed if t in again}})
-    error = model_errors(reference, samples, expected)
+    fitted, check = (slice(0, None, 2), list(samples[1::2])) if len(samples) > 1 else (
+        slice(None), list(samples))
+
+    def equalised(rows: slice, on: CalibrationStats) -> tuple[
+            RewriteResult, CalibrationStats, dict[str, np.ndarray]]:
+        """Equalised by factors and clips fitted on samples[rows] (`on`: the other tensors'
+        stats)."""
+        scales = {c.tensor: factors(per_channel[c.tensor][rows].max(axis=0)) for c in found}
+        done = equalise(model, found, scales, place=place)
+        if not done:
+            return done, on, scales
+        # Weights a light load left in the file are read from beside it, as calibration read them.
+        home = path if uses_external_data(done.model) else ""
+        again = calibrate(Model(done.model, home, "equalised"), list(samples)[rows],
+                          detail="all", tensors=changed).tensors
+        return done, replace(on, tensors={**on.tensors, **{t: again[t] for t in changed
+                                                           if t in again}}), scales
+
+    def lifted(on: CalibrationStats, rows: slice) -> CalibrationStats:
+        """`on` where the readers' inputs keep the headroom a sample left out of the fit
+        (samples[rows]) shows."""
+        return replace(on, tensors={**on.tensors, **{
+            c.tensor: replace(on.tensors[c.tensor], unseen_raise=leave_one_out_raise(
+                per_channel[c.tensor][rows], factors)) for c in found}})
+
+    # Every 8-bit input's clip fitted on the same samples as the factors, the plan's rescaled
+    # ones apart (their stats are the measured tensors', scaled by quantise) and a body's.
+    wanted = set(nodes)
+    inputs = {name for node in model.graph.node if node_label(node) in wanted
+              for name in activation_inputs(model.graph, node)
+              if name in stats.tensors and name not in tensor_scales}
+    unfitted = calibrate(Model(model, path if uses_external_data(model) else "", "unequalised"),
+                         list(samples)[fitted], detail="all", tensors=inputs).tensors
+    fit_stats = replace(stats, tensors={**stats.tensors, **unfitted})
+    fit_done, plain, _ = equalised(fitted, fit_stats)
+    if not fit_done:
+        return Equalised(model, stats)
+    error = model_errors(reference, check, expected)
 
     def best(m: onnx.ModelProto, found_stats: CalibrationStats) -> float:
         # The search picks each activation's rule later: each side at its best rule.
@@ -343,16 +417,23 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
                                   tensor_scales=tensor_scales, weights=weights).model)
                    for r in rules)
 
-    before, after = best(model, stats), best(done.model, new_stats)
+    before, as_is, lift = best(model, fit_stats), best(fit_done.model, plain), \
+        best(fit_done.model, lifted(plain, fitted))
+    after = min(as_is, lift)
     if after > (1.0 - EQUALISE_MIN_GAIN) * before:
         return Equalised(model, stats, (), before, after)
+    done, new_stats, scales = equalised(slice(None), stats)
+    if lift <= as_is:
+        new_stats = lifted(new_stats, slice(None))
     rescaled = {}
     for c in found:
         w = constant_value(model.graph, by_label[c.producer].input[1])
         assert w is not None, c.producer
         for t in touched(c):
             rescaled[t] = scales[c.tensor].reshape(-1, *[1] * (w.ndim - 2))
-    return Equalised(done.model, new_stats, tuple(found), before, after, rescaled)
+    return Equalised(done.model, new_stats, tuple(found), before, after, rescaled,
+                     {c.tensor: r.unseen_raise for c in found
+                      if (r := new_stats.tensors.get(c.tensor)) is not None and r.unseen_raise > 1})
 
 
 # The reference's outputs on some of the calibration samples, where a caller holds them
