@@ -4,6 +4,8 @@ folded into the affine op that writes the input (npuprep.verify.qdq_model.balanc
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx
 import pytest
@@ -298,6 +300,20 @@ def _fragile_feeds(rng: np.random.Generator, n: int, sigma: float) -> list[dict[
     return [one() for _ in range(n)]
 
 
+def _balanced_fragile(sigma: float, n_unseen: int) -> tuple[onnx.ModelProto, Any, Any, str,
+                                                              list[dict[str, np.ndarray]]]:
+    """FRAGILE balanced on 8 samples of per-sample gain spread `sigma`: the model, its stats,
+    the balancing, the tensor `dw` reads and `n_unseen` more samples."""
+    rng = np.random.default_rng(5)
+    proto = _with(FRAGILE, {"W2": rng.standard_normal((16, 1, 3, 3))})
+    feeds, unseen = _fragile_feeds(rng, 8, sigma), _fragile_feeds(rng, n_unseen, sigma)
+    stats = _stats(proto, feeds)
+    found = balance_conv_inputs(proto, ["dw"], stats, feeds, measure=_measure(proto),
+                                left_alone=())
+    (_, (read, _)), = found.tensors.items()
+    return proto, stats, found, read, unseen
+
+
 def test_a_balanced_depthwise_input_keeps_the_headroom_a_sample_left_out_shows():
     # Each channel raised to the loudest's calibration max: an unseen sample whose quiet
     # channel passes its own max clips (face_landmark: held-out crops passed the balanced
@@ -305,13 +321,7 @@ def test_a_balanced_depthwise_input_keeps_the_headroom_a_sample_left_out_shows()
     # leaving each calibration sample out of the fit.
     from dataclasses import replace
 
-    rng = np.random.default_rng(5)
-    proto = _with(FRAGILE, {"W2": rng.standard_normal((16, 1, 3, 3))})
-    feeds, unseen = _fragile_feeds(rng, 8, 0.6), _fragile_feeds(rng, 16, 0.6)
-    stats = _stats(proto, feeds)
-    found = balance_conv_inputs(proto, ["dw"], stats, feeds, measure=_measure(proto),
-                                left_alone=())
-    (x, (read, _)), = found.tensors.items()
+    proto, stats, found, read, unseen = _balanced_fragile(0.6, 16)
     raised = found.stats.tensors[read].unseen_raise
     assert found.unseen_raise == {read: raised} and raised > 1.5
     flat = replace(found.stats, tensors={**found.stats.tensors,
@@ -324,13 +334,7 @@ def test_a_balanced_depthwise_input_keeps_the_headroom_a_sample_left_out_shows()
 def test_a_balanced_depthwise_input_whose_samples_agree_keeps_its_clip():
     # The same graph, every sample reaching each channel's range exactly: a sample left out
     # passes nothing, so the clip stays where the calibration put it.
-    rng = np.random.default_rng(5)
-    proto = _with(FRAGILE, {"W2": rng.standard_normal((16, 1, 3, 3))})
-    feeds, unseen = _fragile_feeds(rng, 8, 0.0), _fragile_feeds(rng, 4, 0.0)
-    stats = _stats(proto, feeds)
-    found = balance_conv_inputs(proto, ["dw"], stats, feeds, measure=_measure(proto),
-                                left_alone=())
-    (x, (read, _)), = found.tensors.items()
+    proto, stats, found, read, unseen = _balanced_fragile(0.0, 4)
     assert found.unseen_raise == {} and found.stats.tensors[read].unseen_raise == 1.0
     plain = quantise(proto, ["dw"], stats, INT8, saturate=True).model
     ours = quantise(found.model, ["dw"], found.stats, INT8, saturate=True).model
