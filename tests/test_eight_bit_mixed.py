@@ -218,8 +218,9 @@ def test_a_switched_layer_moved_into_if_branches_gives_the_same_numbers_or_is_le
     assert "If" in ops and "Conv" not in ops  # the Conv sits in the branches
     assert not any(n.op_type == "Where" and n.input[0] in set(wanted) for n in folded.graph.node)
     plain, moved = make_session(board, threads=1), make_session(folded, threads=1)
-    for assign, corrected in (({}, ()), ({"conv": "int8"}, ()), ({"conv": "int8"}, ("conv",)),
-                              ({"conv": "fp8_e4m3"}, ("conv",))):
+    for assign, corrected in (({}, ()), ({"conv": "int8"}, ()),
+                              ({"conv": "int8"}, (("conv", "int8"),)),
+                              ({"conv": "fp8_e4m3"}, (("conv", "fp8_e4m3"),))):
         on = switched.feed(assign, {"x": ScaleRule.MSE}, corrected)
         for feed in feeds:
             np.testing.assert_array_equal(run(moved, {**feed, **on})["y"],
@@ -230,7 +231,7 @@ def test_a_switched_layer_moved_into_if_branches_gives_the_same_numbers_or_is_le
     from npuprep.verify.qdq_trials import Trials
 
     trials = Trials(proto, switched, get_format("fp16"), (), feeds, saturate=True)
-    trials.corrected = {"conv"}
+    trials.corrected = {("conv", "int8"), ("conv", "fp8_e4m3")}
     got = trials.outputs({"conv": "int8"}, {"x": ScaleRule.MSE})
     built = quantise(proto, ["conv"], stats, int8, saturate=True, tensor_rules={"x": "mse"}).model
     built = with_biases(built, [switched.biases["conv", "int8"]])

@@ -271,7 +271,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         # kept where the outputs say it helps with every layer in 8 bits.
         stage("measuring bias correction")
         before = search.error(assigned_formats(layers), tensor_rules)
-        search.corrected = {layer for layer, _ in search.switched.bias_switches}
+        # A layer's correction is kept in every format it may take...
+        search.corrected = set(search.switched.bias_switches)
         after = search.error(assigned_formats(layers), tensor_rules)
         if after >= before:
             search.corrected = set()
@@ -283,9 +284,15 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         # Its INT8 layers' activations get their rules as the INT8 conversion chooses them.
         stage("choosing each INT8 activation's scale rule by its measured error")
         int8 = variants[1]
-        tensor_rules = choose_rules(sessions.every_rule_in(int8.fmt), base,
-                                    eight_bit_nodes(int8_start, int8.fmt), stats, int8.fmt,
-                                    int8.rules)
+        every_rule = sessions.every_rule_in(int8.fmt)
+        tensor_rules = choose_rules(every_rule, base, eight_bit_nodes(int8_start, int8.fmt),
+                                    stats, int8.fmt, int8.rules)
+        if every_rule.switched.bias_switches:
+            # ... but in INT8 as the INT8 conversion keeps it, by its INT8 layers' error: kept
+            # by FP8's (Inf with every ppocr_rec layer in FP8), its INT8 search ran uncorrected.
+            stage(f"measuring {int8.fmt.name} bias correction")
+            sessions.corrected = _kept_in(every_rule, int8.fmt.name, int8_start, tensor_rules,
+                                          sessions.corrected, notes)
     sessions.rules = tensor_rules
 
     def pins(chosen: Sequence[LayerPrecision]) -> set[str]:
@@ -388,7 +395,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                              weights=weights).model
     chosen = assigned_formats(layers)
     built = with_biases(built, [fixed for (layer, fmt), fixed in biases.items()
-                                if chosen.get(layer) == fmt and layer in corrected])
+                                if chosen.get(layer) == fmt and (layer, fmt) in corrected])
     # The reference's outputs on these samples are the trials' (run once).
     check = check_output_sets(work.proto, built, wide, [samples], saturate=wide_saturate,
                               rtol=rtol, emulated=on_target(built, wide, pins(layers),
@@ -448,6 +455,24 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
             tensor_rules=dict(tensor_rules), balanced=dict(balanced),
             input_shapes={k: tuple(v) for k, v in sample_shapes(samples).items()}),
     )
+
+
+def _kept_in(trials: Trials, fmt: str, start: Sequence[LayerPrecision],
+             rules: Mapping[str, ScaleRule], corrected: set[tuple[str, str]],
+             notes: list[str]) -> set[tuple[str, str]]:
+    """`corrected` with each layer's `fmt` correction kept where `trials` (every layer in
+    `fmt`) say it lowers the error of `start`'s layers in 8 bits, dropped where not; a note."""
+    others = {(layer, f) for layer, f in corrected if f != fmt}
+    trials.corrected = others
+    before = trials.error(assigned_formats(start), rules)
+    trials.corrected = others | {(layer, f) for layer, f in trials.switched.bias_switches
+                                 if f == fmt}
+    after = trials.error(assigned_formats(start), rules)
+    kept = after < before
+    notes.append(f"bias correction of {len(trials.corrected - others)} layer(s)' {fmt} weight "
+                 f"rounding: outputs' rel L2 {before:.3g} -> {after:.3g} with the {fmt} "
+                 f"search's start, " + ("kept" if kept else "not kept"))
+    return trials.corrected if kept else others
 
 
 def _stack(into: dict[str, np.ndarray], more: Mapping[str, np.ndarray]) -> None:

@@ -52,7 +52,7 @@ class TrialSessions:
         self.tensor_scales, self.weights, self.means, self.runner = (tensor_scales, weights,
                                                                      means, runner)
         self.expected = expected
-        self.corrected: set[str] = set()
+        self.corrected: set[tuple[str, str]] = set()
         self.rules: dict[str, ScaleRule] = {}
         self.one = weights.scratch is not None
         # The rule choice's trials the ranking runs too, run once (TrialOutputs).

@@ -108,15 +108,16 @@ class SwitchedQdq:
     biases: dict[tuple[str, str], tuple[BiasSlot, np.ndarray]] = field(default_factory=dict)
 
     def feed(self, assign: Mapping[str, str], rules: Mapping[str, ScaleRule],
-             corrected: Iterable[str] = ()) -> dict[str, np.ndarray]:
+             corrected: Iterable[tuple[str, str]] = ()) -> dict[str, np.ndarray]:
         """Switches for the layers of `assign` (layer -> 8-bit format), each activation by its
         rule in `rules` where its format has that rule (else the format's first), the layers
-        in `corrected` with their corrected bias, every other layer wider."""
+        with their (layer, format) in `corrected` with their corrected bias, every other layer
+        wider."""
         own = {v.fmt.name: v.rules for v in self.variants}
         fixed = set(corrected)
         feed = {s: np.array(assign.get(layer) == fmt)
                 for (layer, fmt), s in self.weight_switches.items()}
-        feed.update({s: np.array(assign.get(layer) == fmt and layer in fixed)
+        feed.update({s: np.array(assign.get(layer) == fmt and (layer, fmt) in fixed)
                      for (layer, fmt), s in self.bias_switches.items()})
         for (layer, tensor, fmt, rule), s in self.input_switches.items():
             wanted = rules.get(tensor, own[fmt][0])
@@ -466,8 +467,8 @@ class Trials:
                  expected: list[dict[str, np.ndarray]] | None = None,
                  runs: RunsFactory | None = None, shared: TrialOutputs | None = None) -> None:
         self.switched, self.samples, self.shared = switched, list(samples), shared
-        # Layers whose corrected bias the trials use (where they run in 8 bits).
-        self.corrected: set[str] = set()
+        # (layer, format)s whose corrected bias the trials use (where the layer runs in it).
+        self.corrected: set[tuple[str, str]] = set()
         self.expected = expected if expected is not None else reference_outputs(reference, samples)
         every = set(switched.weight_switches.values()) | set(switched.input_switches.values())
         gates = [n for scope in walk_graphs(switched.model.graph) for n in scope.graph.node
