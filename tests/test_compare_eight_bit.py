@@ -32,13 +32,18 @@ def _outputs(text: str) -> dict[str, float]:
             for line in text.splitlines() if line.startswith("output ")}
 
 
-def test_compare_gives_convert_s_held_out_errors_and_knows_its_calibration_folder(tmp_path: Path) -> None:
-    rng = np.random.default_rng(0)
+def _save_mlp(path: Path, rng: np.random.Generator) -> None:
+    """MLP with weights drawn from `rng`, written to `path`."""
     proto = parser.parse_model(MLP)
     proto.graph.initializer.extend([
         numpy_helper.from_array((rng.standard_normal((16, 32)) * 0.4).astype(np.float32), "W"),
         numpy_helper.from_array((rng.standard_normal((32, 8)) * 0.4).astype(np.float32), "V")])
-    onnx.save(proto, tmp_path / "m.onnx")
+    onnx.save(proto, path)
+
+
+def test_compare_gives_convert_s_held_out_errors_and_knows_its_calibration_folder(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    _save_mlp(tmp_path / "m.onnx", rng)
     for folder, count in (("calib", 8), ("held", 4)):
         (tmp_path / folder).mkdir()
         for i in range(count):
@@ -71,11 +76,7 @@ def test_an_fp8_conversion_is_compared_as_convert_verified_it_not_widened_as_fp8
     # lowered to FP8 storage, widened those weights to FP32 and could not load it (BlazeFace's
     # INT8 conversion with 1.9% of its layers in FP8 alike).
     rng = np.random.default_rng(1)
-    proto = parser.parse_model(MLP)
-    proto.graph.initializer.extend([
-        numpy_helper.from_array((rng.standard_normal((16, 32)) * 0.4).astype(np.float32), "W"),
-        numpy_helper.from_array((rng.standard_normal((32, 8)) * 0.4).astype(np.float32), "V")])
-    onnx.save(proto, tmp_path / "m.onnx")
+    _save_mlp(tmp_path / "m.onnx", rng)
     # a2000 without INT8: its FP8 conversion keeps FP8 (with INT8 it kept INT8 throughout).
     a2000 = Path(__file__).parents[1] / "target_profiles" / "a2000.yaml"
     (tmp_path / "fp8only.yaml").write_text(a2000.read_text().replace(
