@@ -11,13 +11,14 @@ from conftest import pooled_rel_l2, run_cli
 from onnx import numpy_helper, parser
 
 from npuprep.calibrate import calibrate
+from npuprep.calibrate.stats import CalibrationStats
 from npuprep.model_io import Model, fingerprint
 from npuprep.numerics import eight_bit_format
 from npuprep.provenance import record_source
 from npuprep.rewrite.equalise import chains, equalise, factors
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.compare import compare_models
-from npuprep.verify.qdq_model import equalise_channels, quantise
+from npuprep.verify.qdq_model import Equalised, equalise_channels, quantise
 
 INT8 = eight_bit_format("int8")
 RNG = np.random.default_rng(40)
@@ -58,15 +59,21 @@ def _feeds(n: int) -> list[dict[str, np.ndarray]]:
     return [{"x": RNG.standard_normal((1, 3, 12, 12)).astype(np.float32)} for _ in range(n)]
 
 
+
+def _equalised(proto: onnx.ModelProto, feeds: list[dict[str, np.ndarray]]
+               ) -> tuple[CalibrationStats, Equalised]:
+    """`proto`'s statistics on `feeds` and its c2/c3 inputs equalised (abs-max INT8 scales)."""
+    stats = calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
+    return stats, equalise_channels(proto, proto, ["c2", "c3"], stats, INT8, feeds,
+                                    rules=(ScaleRule.ABSMAX,), tensor_scales={})
+
 def test_equalised_channels_keep_the_function_and_cut_the_int8_error():
     proto = _model(CHAIN)
     found = chains(proto.graph, ["c2", "c3"])
     assert [(c.producer, c.tensor, c.readers, c.between) for c in found] == [
         ("node_of_a", "h", ("c2", "c3"), ("node_of_p", "node_of_h"))]
     feeds, unseen = _feeds(8), _feeds(4)
-    stats = calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
-    done = equalise_channels(proto, proto, ["c2", "c3"], stats, INT8, feeds,
-                             rules=(ScaleRule.ABSMAX,), tensor_scales={})
+    stats, done = _equalised(proto, feeds)
     assert len(done.chains) == 1 and done.after < 0.6 * done.before
     # FP32: the same function (up to rounding).
     assert pooled_rel_l2(done.model, proto, unseen) < 1e-6
@@ -84,9 +91,7 @@ def test_readers_that_weigh_the_loud_channels_alike_decline_it():
     # channels' activations gain their readers' weights (divided by up to 11) lose.
     proto = _model(CHAIN, weighed=False)
     feeds = _feeds(8)
-    stats = calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
-    done = equalise_channels(proto, proto, ["c2", "c3"], stats, INT8, feeds,
-                             rules=(ScaleRule.ABSMAX,), tensor_scales={})
+    stats, done = _equalised(proto, feeds)
     assert done.after >= done.before > 0 and done.chains == () and done.model is proto
     assert done.stats is stats
 
@@ -111,9 +116,7 @@ def test_a_gain_short_of_the_least_share_is_declined(monkeypatch):
 
     proto = _model(CHAIN)
     feeds = _feeds(8)
-    stats = calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
-    kept = equalise_channels(proto, proto, ["c2", "c3"], stats, INT8, feeds,
-                             rules=(ScaleRule.ABSMAX,), tensor_scales={})
+    stats, kept = _equalised(proto, feeds)
     gain = 1 - kept.after / kept.before
     assert len(kept.chains) == 1 and gain > qdq_model.EQUALISE_MIN_GAIN
     monkeypatch.setattr(qdq_model, "EQUALISE_MIN_GAIN", min(0.999, gain + 0.01))
@@ -152,9 +155,7 @@ def test_the_layer_compare_undoes_the_equalisation_and_still_names_a_real_diverg
     # named such a tensor 'first divergent' at rel L2 1.92); the compare undoes the factors.
     proto = _model(CHAIN)
     feeds = _feeds(8)
-    stats = calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
-    done = equalise_channels(proto, proto, ["c2", "c3"], stats, INT8, feeds,
-                             rules=(ScaleRule.ABSMAX,), tensor_scales={})
+    stats, done = _equalised(proto, feeds)
     assert sorted(done.channel_scales) == ["a", "h", "p"]
     assert done.channel_scales["h"].shape == (8, 1, 1)
     blind = compare_models(proto, done.model, feeds, rtol=1e-2, atol=1e-3)
@@ -185,9 +186,7 @@ def test_compare_reads_the_per_channel_factors_a_conversion_records(tmp_path):
     # `npuprep compare` undoes them.
     proto = _model(CHAIN)
     feeds = _feeds(8)
-    stats = calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
-    done = equalise_channels(proto, proto, ["c2", "c3"], stats, INT8, feeds,
-                             rules=(ScaleRule.ABSMAX,), tensor_scales={})
+    stats, done = _equalised(proto, feeds)
     onnx.save(proto, tmp_path / "m.onnx")
     record_source(done.model, fingerprint(onnx.load(tmp_path / "m.onnx")), {}, done.channel_scales)
     onnx.save(done.model, tmp_path / "e.onnx")
