@@ -157,17 +157,23 @@ def constant_value(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
             return to_array(init)
     for node in graph.node:
         if node.op_type == "Constant" and node.output and node.output[0] == name:
-            for attr in node.attribute:
-                if attr.name == "value":
-                    return to_array(attr.t)
-                if attr.name == "value_float":
-                    return np.array(attr.f, dtype=np.float32)
-                if attr.name == "value_floats":
-                    return np.array(list(attr.floats), dtype=np.float32)
-                if attr.name == "value_int":
-                    return np.array(attr.i, dtype=np.int64)
-                if attr.name == "value_ints":
-                    return np.array(list(attr.ints), dtype=np.int64)
+            return constant_node_value(node)
+    return None
+
+
+def constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
+    """A Constant node's value (a tensor, or a float/int scalar or list), else None."""
+    for attr in node.attribute:
+        if attr.name == "value":
+            return to_array(attr.t)
+        if attr.name == "value_float":
+            return np.array(attr.f, dtype=np.float32)
+        if attr.name == "value_floats":
+            return np.array(list(attr.floats), dtype=np.float32)
+        if attr.name == "value_int":
+            return np.array(attr.i, dtype=np.int64)
+        if attr.name == "value_ints":
+            return np.array(list(attr.ints), dtype=np.int64)
     return None
 
 

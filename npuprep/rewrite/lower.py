@@ -32,6 +32,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from npuprep.errors import NpuprepError
 from npuprep.graph import (
+    constant_node_value,
     copy_fields,
     inferred_with_schema_types,
     node_label,
@@ -190,7 +191,7 @@ class _Lowering:
 
     def run(self) -> Lowered:
         self._index()
-        self.mapped.update(map_fp16_masks(self.scopes, _constant_node_value))
+        self.mapped.update(map_fp16_masks(self.scopes, constant_node_value))
         scalars = {name for name, w in self.weights.items() if (
             _numel(w.init) if w.init is not None else np.size(w.const_value)) == 1
             and float(w.value.reshape(-1)[0]) <= MASK_SCALE}
@@ -232,7 +233,7 @@ class _Lowering:
                     self.weights[init.name] = _Weight(init.name, g, init, None)
             for node in g.node:
                 if node.op_type == "Constant" and node.output:
-                    value = _constant_node_value(node)
+                    value = constant_node_value(node)
                     if value is not None and value.dtype == np.float32:
                         self.weights[node.output[0]] = _Weight(node.output[0], g, None, node, value)
 
@@ -611,7 +612,7 @@ def _infer_types(model: onnx.ModelProto) -> dict[str, int]:
             types[init.name] = init.data_type
         for node in g.node:
             if node.op_type == "Constant" and node.output:
-                value = _constant_node_value(node)
+                value = constant_node_value(node)
                 if value is not None:
                     types[node.output[0]] = helper.np_dtype_to_tensor_dtype(value.dtype)
     return types
@@ -728,23 +729,12 @@ def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
     return out
 
 
-def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
-    for attr in node.attribute:
-        if attr.name == "value":
-            return to_array(attr.t)
-        if attr.name == "value_float":
-            return np.array(attr.f, dtype=np.float32)
-        if attr.name == "value_floats":
-            return np.array(list(attr.floats), dtype=np.float32)
-    return None
-
-
 def _attr_tensor(node: onnx.NodeProto, name: str) -> np.ndarray | None:
     for attr in node.attribute:
         if attr.name == name and attr.type == onnx.AttributeProto.TENSOR:
             return to_array(attr.t)
     if node.op_type == "Constant" and name == "value":
-        return _constant_node_value(node)
+        return constant_node_value(node)
     return None
 
 
