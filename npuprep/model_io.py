@@ -443,15 +443,24 @@ def external_array(tensor: onnx.TensorProto, folder: str | Path) -> np.ndarray:
     return onnx.numpy_helper.to_array(_loaded(tensor, folder))
 
 
+def _unanchored_copy(model: Model) -> onnx.ModelProto | None:
+    """A copy of `model`'s proto to rewrite its external tensors in, None where none needs it
+    (every external tensor anchored already, or none external)."""
+    if all(is_anchored(t) for t in onnx.external_data_helper._get_all_tensors(model.proto)
+           if t.data_location == onnx.TensorProto.EXTERNAL):
+        return None
+    proto = onnx.ModelProto()
+    proto.CopyFrom(model.proto)
+    return proto
+
+
 def with_weights(model: Model) -> Model:
     """`model` with every external tensor's values read in (same path and fingerprint): what a
     stage that reads or rewrites weights needs after `load_model(path, weights="file")`."""
-    if all(is_anchored(t) for t in onnx.external_data_helper._get_all_tensors(model.proto)
-           if t.data_location == onnx.TensorProto.EXTERNAL):
+    proto = _unanchored_copy(model)
+    if proto is None:
         return model  # inline only, or anchored already (the CLI anchors before convert does)
     folder = Path(model.path).parent
-    proto = onnx.ModelProto()
-    proto.CopyFrom(model.proto)
     try:
         for tensor in onnx.external_data_helper._get_all_tensors(proto):
             if tensor.data_location == onnx.TensorProto.EXTERNAL:
@@ -467,12 +476,10 @@ def anchored(model: Model) -> Model:
     (npuprep.graph.to_array), while rewritten copies of the graph carry no weight bytes.
     onnxruntime sessions read the files in place (npuprep.runtime.session.make_session);
     writing a model copies their bytes (write_model_files). Same path and fingerprint."""
-    if all(is_anchored(t) for t in onnx.external_data_helper._get_all_tensors(model.proto)
-           if t.data_location == onnx.TensorProto.EXTERNAL):
+    proto = _unanchored_copy(model)
+    if proto is None:
         return model  # inline only, or anchored already (the CLI anchors before convert does)
     folder = Path(model.path).parent
-    proto = onnx.ModelProto()
-    proto.CopyFrom(model.proto)
     resolved: dict[str, str] = {}  # one lookup per file, not per tensor
     for tensor in onnx.external_data_helper._get_all_tensors(proto):
         for entry in tensor.external_data:
