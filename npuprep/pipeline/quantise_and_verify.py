@@ -462,7 +462,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
 def _chance_notes(check: OutputCheck) -> list[str]:
     """A note per score output whose decided calibration scores all held where a redraw of the
     samples would more likely than not flip one (npuprep.verify.detection_odds): the search
-    keeps the first head that holds, so its luck is selected, and held-out samples meet it."""
+    keeps the most 8-bit head that holds, so its luck is selected, and unseen samples meet it."""
     return [f"{name}: every decided score held on the calibration samples, but "
             f"{chance_said(row)} on a redraw of them: unseen samples may flip some"
             for name, row in check.outputs.items() if row.get("detect_held_by_chance")]
