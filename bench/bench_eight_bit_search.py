@@ -39,7 +39,8 @@ def _worst(check: object) -> float:
 # The keys of an output's row that say how its decisions were judged.
 JUDGE_KEYS = ("top_k", "top_k_agreement", "top_k_agreement_at_margin", "detect",
               "detections", "detect_agreement", "detect_agreement_at_margin", "detect_entries",
-              "detect_ties", "detect_ties_flipped", "rel_l2_at_detections",
+              "detect_ties", "detect_ties_flipped", "detect_near_rms", "detect_expected_flips",
+              "detect_held_by_chance", "rel_l2_at_detections",
               "max_abs_error_at_detections", "detect_fallback")
 
 

@@ -49,6 +49,7 @@ from npuprep.plan.decide import Planned
 from npuprep.plan.layer_precision import LayerPrecision, decide
 from npuprep.profiles import ResolvedTarget, TargetProfile
 from npuprep.provenance import record_source
+from npuprep.report.output_verdicts import chance_said
 from npuprep.rewrite.apply import apply_plan
 from npuprep.rewrite.bias_correction import with_biases
 from npuprep.rewrite.lower import Lowered
@@ -402,6 +403,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                                                             saturate=wide_saturate),
                               top_k=top_k, expected=sessions.expected)[0]
     notes.append(_curve_note(widening.curve, trial_runs, widening.check.worst_rel_l2))
+    notes += _chance_notes(check)
     if widening.alternative and other is not None:
         # The search kept may be the INT8 conversion's, whose other format is this one.
         into = {x.node: x.precision for x in layers}.get(widening.alternative[0], other.name)
@@ -455,6 +457,15 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
             tensor_rules=dict(tensor_rules), balanced=dict(balanced),
             input_shapes={k: tuple(v) for k, v in sample_shapes(samples).items()}),
     )
+
+
+def _chance_notes(check: OutputCheck) -> list[str]:
+    """A note per score output whose decided calibration scores all held where a redraw of the
+    samples would more likely than not flip one (npuprep.verify.detection_odds): the search
+    keeps the most 8-bit head that holds, so its luck is selected, and unseen samples meet it."""
+    return [f"{name}: every decided score held on the calibration samples, but "
+            f"{chance_said(row)} on a redraw of them: unseen samples may flip some"
+            for name, row in check.outputs.items() if row.get("detect_held_by_chance")]
 
 
 def _kept_in(trials: Trials, fmt: str, start: Sequence[LayerPrecision],

@@ -74,10 +74,19 @@ def agreement_said(errors: Mapping[str, Any]) -> str:
                 else "detections held")
         return (f"{said} ({counts}"
                 + (f"; {ties} within rtol, {errors['detect_ties_flipped']} flipped" if ties else "")
+                + (f"; by chance: {chance_said(errors)}" if errors.get("detect_held_by_chance")
+                   else "")
                 + ")")
     if "top_k" not in errors:
         return ""
     return f"{decision_said(errors)} {100 * errors['top_k_agreement']:.4g}%{ties_said(errors)}"
+
+
+def chance_said(errors: Mapping[str, Any]) -> str:
+    """'1.09 flips expected at the error near the threshold (rms 0.083)': a score output whose
+    decided scores held while a redraw of its samples would more likely than not flip one."""
+    return (f"{errors['detect_expected_flips']:.3g} flips expected at the error near the "
+            f"threshold (rms {errors['detect_near_rms']:.2g})")
 
 
 def detection_failure_said(errors: Mapping[str, Any]) -> str:

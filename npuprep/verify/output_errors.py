@@ -54,6 +54,7 @@ import numpy as np
 
 from npuprep.detections import Decision, Detection
 from npuprep.errors import NpuprepError
+from npuprep.verify.detection_odds import MORE_LIKELY_THAN_NOT, NearThreshold
 
 # The share of the worst positions whose squared error is summed ("the worst 1%").
 WORST_POSITIONS = 0.01
@@ -202,6 +203,7 @@ class OutputErrors:
         a["positions"] += int(decided.sum())
         a["ties"] += int((~decided).sum())
         a["ties_flipped"] += int((~same[~decided]).sum())
+        a.setdefault("near", NearThreshold(detection_band(t, self.tie_rtol))).add(ref, cand, t)
         a.setdefault("detections", {})[sample] = int(detected.sum())
         at = self._detected.setdefault(name, {})[sample] = detected.any(axis=-1)
         for box, i, r, c in [p for p in self._pending.get(name, []) if p[1] == sample]:
@@ -261,6 +263,11 @@ class OutputErrors:
         row["detect_agreement"] = a["agree"] / a["positions"] if a["positions"] else 1.0
         row["detect_entries"] = a["positions"]
         row["detect_ties"], row["detect_ties_flipped"] = a["ties"], a["ties_flipped"]
+        # Which decided score met which error is chance: the flips a redraw of it would give.
+        row["detect_near_rms"] = a["near"].rms()
+        row["detect_expected_flips"] = a["near"].expected_flips()
+        row["detect_held_by_chance"] = (row["detect_agreement"] == 1.0 and
+                                        row["detect_expected_flips"] > MORE_LIKELY_THAN_NOT)
         if self.margin != 1.0:
             row["detect_margin"] = self.margin
             row["detect_agreement_at_margin"] = (a["agree_at_margin"] / a["positions"]
