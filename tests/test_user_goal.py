@@ -17,6 +17,7 @@ from npuprep.model_io import Model
 from npuprep.pipeline.verdict import judge
 from npuprep.profiles import load_profile
 from npuprep.verify.output_check import OutputCheck, decided_outputs, judged_outputs
+from npuprep.verify.output_errors import CTC_TEXT
 
 # x -> MatMul(W) -> logits -> Softmax -> p ; x -> Gemm(B) -> box (4 values, a regression)
 HEADS = """
@@ -64,6 +65,43 @@ def test_softmax_peaked_logits_and_an_argmax_are_decisions_a_box_and_an_embeddin
         g (float[2, 3] x) => (float[2, 3] y) { ex = Exp (x)  s = ReduceSum <keepdims = 1> (ex, axes)
                                                y = Div (ex, s) }""")
     assert decided_outputs(written, [{"y": probs}]) == {"y": "probabilities along its last axis"}
+
+
+# x (batch x 16 steps x 12 classes) -> Softmax -> p: a CTC recogniser's head, class 0 the blank
+CTC_HEAD = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1, 16, 12] x) => (float[1, 16, 12] p) { p = Softmax <axis = -1> (x) }
+"""
+# ids (token ids) -> Gather(E) -> Softmax -> p: a token classifier, its "O" class 0
+TOKEN_HEAD = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (int64[1, 16] ids) => (float[1, 16, 12] p) { e = Gather (E, ids)  p = Softmax <axis = -1> (e) }
+"""
+
+
+def _steps(blank_every: int) -> np.ndarray:
+    """Logits over 16 steps whose class 0 leads every `blank_every`-th step, another class the
+    others (a line's characters between blanks)."""
+    logits = np.zeros((1, 16, 12), np.float32)
+    for t in range(16):
+        logits[0, t, 0 if t % blank_every == 0 else 1 + t % 11] = 8.0
+    return logits
+
+
+def test_a_ctc_head_is_judged_by_its_text_a_token_classifier_and_a_rare_blank_by_each_step():
+    ctc = parser.parse_model(CTC_HEAD)
+    top_k, judged = judged_outputs(ctc, [{"x": _steps(2)}], "auto", {})
+    assert top_k == {"p": CTC_TEXT}
+    assert judged["p"].startswith("CTC text (auto: Softmax over its last axis, the blank leads 50%")
+    # Class 0 leading 1 step in 16 is no blank between characters: each step is judged.
+    assert judged_outputs(ctc, [{"x": _steps(16)}], "auto", {})[0] == {"p": 1}
+    # The user's rule stands: --top-k p:1 judges each step.
+    assert judged_outputs(ctc, [{"x": _steps(2)}], "auto", {"p": 1}) == (
+        {"p": 1}, {"p": "top-1 (--top-k)"})
+    tokens = parser.parse_model(TOKEN_HEAD)
+    tokens.graph.initializer.append(numpy_helper.from_array(_steps(2)[0], "E"))
+    top_k, judged = judged_outputs(tokens, [{"ids": np.arange(16, dtype=np.int64)[None]}], "auto", {})
+    assert top_k == {"p": 1} and judged["p"] == "top-1 (auto: Softmax over its last axis)"
 
 
 def test_metric_and_top_k_override_what_auto_finds():

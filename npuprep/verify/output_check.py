@@ -5,8 +5,9 @@
 
 Which rule judges each output is the user's goal (`judged_outputs`): an output whose consumer
 decides by argmax (class scores, CTC probabilities or logits) is judged by its top-1 decision
-unless the user says otherwise (`--metric rel-l2`), since the rel L2 of scores nobody reads
-is error nobody sees; every other output by its rel L2.
+(a CTC recogniser's by the text it decodes to) unless the user says otherwise (`--metric
+rel-l2`, `--top-k`), since the rel L2 of scores nobody reads is error nobody sees; every other
+output by its rel L2.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from npuprep.errors import NpuprepError
 from npuprep.numerics import NumberFormat
 from npuprep.ops import VIEW_OPS
 from npuprep.verify.compare import folds_weight_casts
-from npuprep.verify.output_errors import CTC_TEXT, output_passes
+from npuprep.verify.output_errors import CTC_BLANK, CTC_TEXT, output_passes
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,10 @@ class OutputCheck:
                 "outputs": {k: dict(v) for k, v in sorted(self.outputs.items())}}
 
 
+_FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
+                onnx.TensorProto.BFLOAT16)
+
+
 class Metric(StrEnum):
     """How outputs are judged (`--metric`): `auto` finds the argmax-decided outputs and judges
     them by top-1, the rest by rel L2; `rel-l2` every output by rel L2; `top1` every output
@@ -77,6 +82,13 @@ PEAKED = 0.5
 MOST_POSITIONS = 0.5
 # Samples run through the FP32 model to read the outputs' values (the first ones given).
 GOAL_SAMPLES = 2
+# A decided output reads as a CTC recogniser's (batch x steps x classes, decoded to text: the
+# rule of `--top-k OUTPUT:ctc`) when it has at least MIN_CTC_STEPS steps and MIN_LOGIT_CLASSES
+# classes, the blank (class 0) leads at least CTC_BLANK_SHARE of its steps (the gaps between a
+# line's characters: PP-OCR's recognisers 35-39% on rendered lines) and the model reads no
+# integer input (a token classifier, whose "O" class may lead as often, reads token ids).
+MIN_CTC_STEPS = 8
+CTC_BLANK_SHARE = 0.2
 
 
 def judged_outputs(model: onnx.ModelProto, samples: Sequence[Feed], metric: Metric | str,
@@ -88,9 +100,7 @@ def judged_outputs(model: onnx.ModelProto, samples: Sequence[Feed], metric: Metr
     outputs tell probabilities and logits apart from other values.
     `source`: the user's file `model` is (onnxruntime's refusal to run it is the input's)."""
     metric = Metric(metric)
-    floats = [o.name for o in model.graph.output
-              if o.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
-                                                  onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16)]
+    floats = [o.name for o in model.graph.output if o.type.tensor_type.elem_type in _FLOAT_TYPES]
     values = _outputs(model, list(samples[:GOAL_SAMPLES]), source=source) \
         if metric is not Metric.REL_L2 and floats and samples else []
     found = decided_outputs(model, values) if metric is Metric.AUTO else {}
@@ -106,7 +116,15 @@ def judged_outputs(model: onnx.ModelProto, samples: Sequence[Feed], metric: Metr
             chosen[name], judged[name] = rule, (
                 f"{'CTC text' if rule == CTC_TEXT else f'top-{rule}'} (--top-k)")
         elif name in found and classes != 1:  # one class decides nothing (0: not known)
-            chosen[name], judged[name] = 1, f"top-1 (auto: {found[name]})"
+            blank = ctc_blank_share(model, [np.asarray(v[name]) for v in values if name in v])
+            if blank is None:
+                chosen[name], judged[name] = 1, f"top-1 (auto: {found[name]})"
+            else:
+                # The user reads the text, not each step's class: a step's flip between the blank
+                # and a repeat of its neighbour changes nothing they see.
+                chosen[name], judged[name] = CTC_TEXT, (
+                    f"CTC text (auto: {found[name]}, the blank leads {100 * blank:.0f}% of its steps; "
+                    f"--top-k {name}:1 judges each step)")
         elif metric is Metric.TOP1 and classes >= 2:
             chosen[name], judged[name] = 1, "top-1 (--metric top1)"
         else:
@@ -156,6 +174,20 @@ def decided_outputs(model: onnx.ModelProto,
                 _peaked_share(arrays) >= MOST_POSITIONS:
             found[name] = f"logits of a final {_affine(node, made, consts)}, peaked softmax"
     return found
+
+
+def ctc_blank_share(model: onnx.ModelProto, arrays: Sequence[np.ndarray]) -> float | None:
+    """The share of steps class 0 leads where a decided output of `model` with these FP32
+    values reads as a CTC recogniser's (see MIN_CTC_STEPS), else None."""
+    if not arrays or any(a.ndim != 3 or a.shape[-2] < MIN_CTC_STEPS or a.shape[-1] < MIN_LOGIT_CLASSES
+                         for a in arrays):
+        return None
+    weights = {t.name for t in model.graph.initializer}  # listed as inputs before IR 4
+    if any(i.type.tensor_type.elem_type not in _FLOAT_TYPES for i in model.graph.input
+           if i.name not in weights):
+        return None
+    blank = float(np.mean(np.concatenate([a.argmax(-1).ravel() == CTC_BLANK for a in arrays])))
+    return blank if blank >= CTC_BLANK_SHARE else None
 
 
 def _affine(node: onnx.NodeProto, made: Mapping[str, onnx.NodeProto], consts: set[str]) -> str:
