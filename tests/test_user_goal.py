@@ -92,7 +92,7 @@ def test_a_ctc_head_is_judged_by_its_text_a_token_classifier_and_a_rare_blank_by
     ctc = parser.parse_model(CTC_HEAD)
     top_k, judged = judged_outputs(ctc, [{"x": _steps(2)}], "auto", {})
     assert top_k == {"p": CTC_TEXT}
-    assert judged["p"].startswith("CTC text (auto: Softmax over its last axis, the blank leads 50%")
+    assert judged["p"] == "CTC text (auto: Softmax over its last axis, blank 0 leads 50% of steps)"
     # Class 0 leading 1 step in 16 is no blank between characters: each step is judged.
     assert judged_outputs(ctc, [{"x": _steps(16)}], "auto", {})[0] == {"p": 1}
     # The user's rule stands: --top-k p:1 judges each step.

@@ -123,8 +123,7 @@ def judged_outputs(model: onnx.ModelProto, samples: Sequence[Feed], metric: Metr
                 # The user reads the text, not each step's class: a step's flip between the blank
                 # and a repeat of its neighbour changes nothing they see.
                 chosen[name], judged[name] = CTC_TEXT, (
-                    f"CTC text (auto: {found[name]}, the blank leads {100 * blank:.0f}% of its steps; "
-                    f"--top-k {name}:1 judges each step)")
+                    f"CTC text (auto: {found[name]}, blank 0 leads {100 * blank:.0f}% of steps)")
         elif metric is Metric.TOP1 and classes >= 2:
             chosen[name], judged[name] = 1, "top-1 (--metric top1)"
         else:
