@@ -10,7 +10,8 @@ Per corpus model (bench/corpus.py builds them; this script builds what is missin
   each with its exit code and, when it fails, the exact error line (for a traceback: the
   exception line and the innermost frame);
 - `convert` judges outputs a model's user reads by their argmax (corpus.Spec.decided_by: a
-  class, a CTC character per position) by their top-1 decisions too (`--top-k OUTPUT:1`);
+  class) by their top-1 decisions too (`--top-k OUTPUT:1`), a CTC recogniser's
+  (Spec.read_as_ctc) by its text (`--top-k OUTPUT:ctc`);
 - what `convert` did (actions by kind, FP32 share of FLOPs and of Conv/MatMul/Gemm
   multiply-adds, from `--json`) and its wall time;
 - onnxconverter-common's `convert_float_to_float16(keep_io_types=True)`: whether its model
@@ -354,7 +355,8 @@ def bench_model(entry: dict, root: Path, out: Path, target: str, autocast: tuple
         "calibrate": ["calibrate", m, "--data", str(calib), "-o", str(work / "stats.json")],
         "convert": ["convert", m, "--target", target, "--data", str(calib), "--holdout", str(heldout),
                     "-o", str(converted), "--json",
-                    *(a for out in row.decided_by for a in ("--top-k", f"{out}:1"))],
+                    *(a for out in row.decided_by for a in (
+                        "--top-k", f"{out}:{'ctc' if out in entry.get('read_as_ctc', ()) else 1}"))],
         "compare": ["compare", m, "--emulate", "--target", target, "--data", str(heldout)],
     }
     for cmd in COMMANDS:
@@ -418,7 +420,7 @@ def fmt_convert(row: Row) -> str:
     if c.error:
         return f"exit {c.rc}: `{c.error}`"
     did = ", ".join(f"{n} {k}" for k, n in sorted(row.actions.items())) or "no actions"
-    return f"exit {c.rc}: {did}" + (", judged by top-1 too" if row.decided_by else "")
+    return f"exit {c.rc}: {did}" + (", judged by its decisions too" if row.decided_by else "")
 
 
 def rc_cell(outcome: Outcome | None) -> str:
@@ -536,7 +538,8 @@ def main() -> int:
     for name in names:
         try:
             entries.append({**corpus.build_one(specs[name], root),
-                            "decided_by": list(specs[name].decided_by)})
+                            "decided_by": list(specs[name].decided_by),
+                            "read_as_ctc": list(specs[name].read_as_ctc)})
         except Exception as exc:  # an unbuildable model is reported, not fatal
             print(f"{name}: not built: {exc}", file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
