@@ -224,7 +224,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                                     stats, samples,
                                     measure=measure, path=work.path, weights=weights,
                                     left_alone={*applied.tensor_scales,
-                                                *(c.tensor for c in equalised.chains)})
+                                                *(c.tensor for c in equalised.chains)},
+                                    measured=equalised.measured)
         base, stats = convs.model, convs.stats
         _stack(rescaled, convs.channel_scales)
         balanced.update(convs.tensors)

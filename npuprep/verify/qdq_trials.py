@@ -430,10 +430,12 @@ RunsFactory = Callable[[onnx.ModelProto, Sequence[Feed]], TrialRuns]
 
 def reference_outputs(reference: onnx.ModelProto, samples: Sequence[Feed]) -> list[dict[str, np.ndarray]]:
     """The FP32 reference's outputs on `samples` (run once for every trial and check)."""
-    from npuprep.runtime.session import make_session, run
+    from npuprep.calibrate.run import pass_streams, session_threads
+    from npuprep.runtime.session import make_session, run_in_streams
 
-    ref = make_session(reference, prepack=False)
-    return [run(ref, dict(f)) for f in samples]
+    streams = pass_streams(len(samples))
+    ref = make_session(reference, prepack=False, threads=session_threads(streams))
+    return list(run_in_streams(ref, samples, None, streams))
 
 
 class ReferenceOutputs:
