@@ -21,6 +21,7 @@ from npuprep.calibrate.run import pass_streams
 from npuprep.model_io import Model, fingerprint
 from npuprep.numerics import eight_bit_format
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
+from npuprep.verify.compare import compare_models
 from npuprep.verify.qdq_model import balance_conv_inputs, equalise_channels, model_errors, quantise
 from npuprep.verify.qdq_trials import Variant, errors_alone
 
@@ -141,3 +142,18 @@ def test_one_stream_a_core_at_most_one_a_sample_and_one_under_a_memory_budget(mo
     assert pass_streams(3, 16) == 3
     monkeypatch.setattr(resources, "_budget", 2**30)
     assert pass_streams(4, 2) == 1
+
+
+def test_the_layer_compare_a_sample_a_core_finds_what_one_at_a_time_does():
+    proto, feeds = _model(), _feeds(5)
+    stats = calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
+    qdq = quantise(proto, ["c2", "c3"], stats, INT8, saturate=True).model
+    alone = compare_models(proto, qdq, feeds, rtol=0.01, atol=1e-6)
+    spread = compare_models(proto, qdq, feeds, rtol=0.01, atol=1e-6, threads=1, streams=3)
+    assert [t.tensor for t in spread.tensors] == [t.tensor for t in alone.tensors]
+    assert [t.passed for t in spread.tensors] == [t.passed for t in alone.tensors]
+    assert [t.max_abs_error for t in spread.tensors] == [t.max_abs_error for t in alone.tensors]
+    assert not all(t.passed for t in alone.tensors)
+    # The rows are folded in sample order; only the in-graph sums may add in another order.
+    assert all(abs(a.rel_l2 - b.rel_l2) <= 1e-6 * a.rel_l2
+               for a, b in zip(alone.tensors, spread.tensors, strict=True))
