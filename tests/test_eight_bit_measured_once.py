@@ -23,7 +23,7 @@ from npuprep.numerics import eight_bit_format
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 from npuprep.verify.compare import compare_models
 from npuprep.verify.qdq_model import balance_conv_inputs, equalise_channels, model_errors, quantise
-from npuprep.verify.qdq_trials import Variant, errors_alone
+from npuprep.verify.qdq_trials import Variant, errors_alone, errors_alone_each
 
 INT8 = eight_bit_format("int8")
 RNG = np.random.default_rng(43)
@@ -157,3 +157,15 @@ def test_the_layer_compare_a_sample_a_core_finds_what_one_at_a_time_does():
     # The rows are folded in sample order; only the in-graph sums may add in another order.
     assert all(abs(a.rel_l2 - b.rel_l2) <= 1e-6 * a.rel_l2
                for a, b in zip(alone.tensors, spread.tensors, strict=True))
+
+
+def test_each_samples_error_alone_from_one_session_is_each_ones_own_session():
+    proto, feeds = _model(), _feeds(3)
+    stats = calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
+    variant = Variant(INT8, (ScaleRule.ABSMAX,), True)
+    groups = [["c2"], ["c3"], ["c2", "c3"]]
+    each = errors_alone_each(proto, proto, groups, stats, variant, feeds)
+    alone = [errors_alone(proto, proto, groups, stats, variant, [f]) for f in feeds]
+    assert each == [[alone[i][g] for i in range(len(feeds))] for g in range(len(groups))]
+    # The samples differ, and so do their errors: each is read, not one pooled number.
+    assert len({round(e, 12) for e in each[2]}) == len(feeds)

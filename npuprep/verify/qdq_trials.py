@@ -674,6 +674,30 @@ def errors_alone(reference: onnx.ModelProto, model: onnx.ModelProto,
         trials.close()
 
 
+def errors_alone_each(reference: onnx.ModelProto, model: onnx.ModelProto,
+                      groups: Sequence[Sequence[str]], stats: CalibrationStats, variant: Variant,
+                      samples: Sequence[Feed], *, tensor_scales: Mapping[str, float] | None = None,
+                      weights: WeightStore | None = None,
+                      runs: RunsFactory | None = None) -> list[list[float]]:
+    """errors_alone of each group on each of `samples` read alone ([group][sample]): the
+    outputs' worst rel L2 on that sample, from one session and one reference run over all
+    of them (a session each, its reference run with it, cost basic_pitch's input splitting
+    most of its time)."""
+    from npuprep.numerics import get_format
+
+    weights = weights or WeightStore()
+    switched = switched_qdq(model, [x for group in groups for x in group], stats, [variant],
+                            tensor_scales=tensor_scales, weights=weights)
+    trials = Trials(reference, switched, get_format("fp32"), (), samples,
+                    saturate=variant.saturate, runs=runs)
+    try:
+        return [[worst_pooled_rel_l2([got], [want]) for got, want in zip(
+            trials.outputs(dict.fromkeys(group, variant.fmt.name), {}), trials.expected,
+            strict=True)] for group in groups]
+    finally:
+        trials.close()
+
+
 def rank_layers(trials: Trials, nodes: Sequence[str], assign: Mapping[str, str],
                 rules: Mapping[str, ScaleRule]) -> list[Sensitivity]:
     """Each of `nodes` alone in 8 bits (every other layer wider): its own error, which does
