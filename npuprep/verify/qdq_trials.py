@@ -681,8 +681,7 @@ def errors_alone_each(reference: onnx.ModelProto, model: onnx.ModelProto,
                       runs: RunsFactory | None = None) -> list[list[float]]:
     """errors_alone of each group on each of `samples` read alone ([group][sample]): the
     outputs' worst rel L2 on that sample, from one session and one reference run over all
-    of them (a session each, its reference run with it, cost basic_pitch's input splitting
-    most of its time)."""
+    of them, not a session and a reference run per sample."""
     from npuprep.numerics import get_format
 
     weights = weights or WeightStore()
