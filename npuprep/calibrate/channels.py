@@ -23,14 +23,16 @@ def channel_absmax(model: onnx.ModelProto, tensors: Sequence[str], samples: Sequ
                    axis: int = -1) -> dict[str, np.ndarray]:
     """tensor -> abs-max per sample and channel of `axis` (the last: a MatMul's input; 1: a
     Conv's) as [samples, channels]."""
-    from npuprep.runtime.session import run
+    from npuprep.calibrate.run import pass_streams, session_threads
+    from npuprep.runtime.session import run_in_streams
 
     if not tensors:
         return {}
-    session = probe_session(model, tensors)
+    streams = pass_streams(len(samples))
+    session = probe_session(model, tensors, threads=session_threads(streams))
     found: dict[str, list[np.ndarray]] = {t: [] for t in tensors}
-    for feed in samples:
-        for name, value in run(session, feed, list(tensors)).items():
+    for values in run_in_streams(session, samples, list(tensors), streams):
+        for name, value in values.items():
             moved = np.moveaxis(np.abs(np.asarray(value, np.float32)), axis, -1)
             flat = moved.reshape(-1, moved.shape[-1])
             found[name].append(flat.max(axis=0, initial=0.0))
@@ -65,15 +67,18 @@ def channel_means(model: onnx.ModelProto, tensors: Mapping[str, int],
                   samples: Sequence[Feed]) -> dict[str, np.ndarray]:
     """tensor -> its mean per channel of axis `tensors[tensor]`, over every other axis and
     every sample (the input means bias correction reads, npuprep.rewrite.bias_correction)."""
-    from npuprep.runtime.session import run
+    from npuprep.calibrate.run import pass_streams, session_threads
+    from npuprep.runtime.session import run_in_streams
 
     if not tensors:
         return {}
-    session = probe_session(model, tensors)
+    streams = pass_streams(len(samples))
+    session = probe_session(model, tensors, threads=session_threads(streams))
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, int] = dict.fromkeys(tensors, 0)
-    for feed in samples:
-        for name, value in run(session, feed, list(tensors)).items():
+    # In sample order whatever runs at once: the float64 sums are the same left fold.
+    for values in run_in_streams(session, samples, list(tensors), streams):
+        for name, value in values.items():
             moved = np.moveaxis(np.asarray(value, np.float64), tensors[name], -1)
             flat = moved.reshape(-1, moved.shape[-1])
             sums[name] = sums.get(name, 0.0) + flat.sum(axis=0)
@@ -85,8 +90,10 @@ _FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
                           onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE})
 
 
-def probe_session(model: onnx.ModelProto, tensors: Iterable[str]) -> Any:
-    """A session of `model` that also returns `tensors` as outputs."""
+def probe_session(model: onnx.ModelProto, tensors: Iterable[str], *,
+                  threads: int | None = None) -> Any:
+    """A session of `model` that also returns `tensors` as outputs (on `threads` intra-op
+    threads, default onnxruntime's)."""
     from npuprep.runtime.session import make_session
 
     probe = onnx.ModelProto()
@@ -101,4 +108,5 @@ def probe_session(model: onnx.ModelProto, tensors: Iterable[str]) -> Any:
     probe.graph.output.extend(
         helper.make_tensor_value_info(t, types.get(t, onnx.TensorProto.FLOAT), None)
         for t in tensors if t not in declared)
-    return make_session(probe, produced="the model with its layers' inputs as outputs")
+    return make_session(probe, threads=threads,
+                        produced="the model with its layers' inputs as outputs")

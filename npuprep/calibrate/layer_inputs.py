@@ -54,7 +54,8 @@ def input_moments(model: onnx.ModelProto, layers: Sequence[str], parts: Sequence
     """Per part of the samples (`parts`, one run of one session over them all): layer label
     -> the moments of its input rows over that part's samples, for the `layers` with a
     constant weight whose rows layer_geometry reads and whose K is at most `max_k`."""
-    from npuprep.runtime.session import run
+    from npuprep.calibrate.run import pass_streams, session_threads
+    from npuprep.runtime.session import run_in_streams
 
     g = model.graph
     wanted = set(layers)
@@ -71,7 +72,8 @@ def input_moments(model: onnx.ModelProto, layers: Sequence[str], parts: Sequence
     if not chosen:
         return [{} for _ in parts]
     tensors = sorted({node.input[0] for node in chosen.values()})
-    session = probe_session(model, tensors)
+    streams = pass_streams(max((len(p) for p in parts), default=1))
+    session = probe_session(model, tensors, threads=session_threads(streams))
     rng = np.random.default_rng(0)
     found = []
     for samples in parts:
@@ -83,8 +85,8 @@ def input_moments(model: onnx.ModelProto, layers: Sequence[str], parts: Sequence
         sums: dict[str, np.ndarray] = {}
         source: dict[str, str] = {}
         rows: dict[str, int] = dict.fromkeys(chosen, 0)
-        for feed in samples:
-            values = run(session, feed, tensors)
+        # Read in sample order whatever runs at once: the random rows drawn are the same.
+        for values in run_in_streams(session, samples, tensors, streams):
             counted: dict[str, int] = {}
             for label, node in chosen.items():
                 key = label if node.op_type == "Conv" else node.input[0]

@@ -172,6 +172,20 @@ def plan_streams(streams: int, count: int | None, jobs: int = 1, n_cores: int | 
     return int(max(1, min(streams, per_job)))
 
 
+def pass_streams(count: int, n_cores: int | None = None) -> int:
+    """Samples run at once by a pass over a few samples of a QDQ or instrumented graph (the
+    8-bit conversion's measurements), each stream on a session of one thread: one per core,
+    at most one per sample, one under a memory budget. Such a graph is thousands of small
+    kernels, which a second thread of one run mostly waits on: dnsmos_p835's all-INT8 model,
+    4 samples, 3.5 CPU s on two threads a run, 2.3 one thread a run two runs at once, its
+    outputs bit for bit the same (a kernel that splits a sum over threads adds in another
+    order: ppocr_det's reference moved its rel L2 by 1.7e-4 relative); plan_streams gives a
+    stream only from 4 samples each."""
+    from npuprep.resources import budget
+
+    return 1 if budget() is not None else max(1, min(count, n_cores or cores()))
+
+
 def session_threads(runs: int, n_cores: int | None = None) -> int | None:
     """Intra-op threads per session for `runs` sessions running at once (processes times
     streams): onnxruntime's default (every core) for one, else the cores shared out, so the

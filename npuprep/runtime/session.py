@@ -7,7 +7,9 @@ import ctypes
 import functools
 import re
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -236,6 +238,25 @@ def run(
     names = list(outputs) if outputs is not None else [o.name for o in session.get_outputs()]
     values = session.run(names, {k: widen_array(np.asarray(v)) for k, v in feeds.items()})
     return dict(zip(names, values, strict=True))
+
+
+def run_in_streams(session: ort.InferenceSession, samples: Iterable[Mapping[str, np.ndarray]],
+                   names: Sequence[str] | None, streams: int) -> Iterator[dict[str, np.ndarray]]:
+    """`names` (default: all outputs) of each sample in order, `streams` samples running at
+    once on threads sharing the session (as calibration runs them: small kernels keep one
+    core each busier than two cores one run)."""
+    if streams == 1:
+        for feed in samples:
+            yield run(session, dict(feed), names)
+        return
+    with ThreadPoolExecutor(streams) as pool:
+        pending: deque[Future[dict[str, np.ndarray]]] = deque()
+        for feed in samples:
+            pending.append(pool.submit(run, session, dict(feed), names))
+            if len(pending) >= streams:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 # glibc mallopt parameters, and the values set: buffers up to 64 MiB come from the heap and

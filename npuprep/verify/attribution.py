@@ -109,8 +109,8 @@ def attribute_error(model: onnx.ModelProto, fmt: NumberFormat, samples: Sequence
     other groups count in the sum as wholes. One session serves every measured set: each
     candidate's rounding has its own switch (npuprep.verify.switched)."""
     from npuprep.calibrate.run import session_threads
-    from npuprep.runtime.session import make_session, run
-    from npuprep.verify.compare import folds_weight_casts, run_in_streams, sample_streams
+    from npuprep.runtime.session import make_session, run, run_in_streams
+    from npuprep.verify.compare import folds_weight_casts, sample_streams
     from npuprep.verify.switched import switched_emulation
 
     ops = {node_label(n): n.op_type for s in walk_graphs(model.graph) for n in s.graph.node}

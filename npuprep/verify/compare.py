@@ -10,9 +10,7 @@ second, targeted pass that counts them.
 from __future__ import annotations
 
 import math
-from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -247,6 +245,7 @@ def compare_models(
     isolate: bool = False,
     worst: int = 5,
     threads: int | None = None,
+    streams: int = 1,
     reference_outputs: list[dict[str, np.ndarray]] | None = None,
     candidate_outputs: list[dict[str, np.ndarray]] | None = None,
     fingerprints: tuple[str, str] | None = None,
@@ -265,8 +264,9 @@ def compare_models(
     output check needs no reference run of its own on them); `candidate_outputs` the
     candidate's, by the same names (nor an emulation run of its own). `fingerprints` (reference,
     candidate) name models the caller already knows (hashing a model reads all its weights).
+    `threads`: each run's intra-op threads; `streams`: samples run at once (one by default).
     """
-    from npuprep.runtime.session import release_freed_memory
+    from npuprep.runtime.session import release_freed_memory, run_in_streams
 
     overrides = dict(overrides or {})
     scales = dict(tensor_scales or {})
@@ -288,13 +288,14 @@ def compare_models(
             ref, cand, pairs, limit=limit, isolate=isolate, keep=keep,
             keep_candidate=[o.name for o in cand.graph.output] if candidate_outputs is not None else ())
         theirs = layout.candidate_outputs
-        # One sample at a time: the merged graph holds two models' activations and rounded
-        # weights per run (a second stream cost the 227 MB transformer 50 MB, 12% of its peak).
+        # One sample at a time by default: the merged graph holds two models' activations and
+        # rounded weights per run (a second stream cost the 227 MB transformer 50 MB, 12% of
+        # its peak).
         session = _session(model, threads)
         del model  # the session holds the weights now
         names = list(layout.stats) + [n for row in sorted(layout.sizes) for n in layout.sizes[row]]
         fetch = names + keep + sorted(set(theirs.values()) - set(keep))
-        for index, values in enumerate(run_in_streams(session, samples, fetch, 1)):
+        for index, values in enumerate(run_in_streams(session, samples, fetch, streams)):
             if reference_outputs is not None:
                 reference_outputs.append({n: values[n] for n in keep})
             if candidate_outputs is not None:
@@ -615,27 +616,6 @@ def sample_streams(count: int | None) -> int:
     from npuprep.resources import budget
 
     return 1 if budget() is not None else plan_streams(0, count)
-
-
-def run_in_streams(session: Any, samples: Iterable[Feed], names: list[str],
-                streams: int) -> Iterator[dict[str, np.ndarray]]:
-    """`names` of each sample in order, `streams` samples running at once on threads sharing
-    the session (as calibration runs them: small kernels keep one core each busier than two
-    cores one run)."""
-    from npuprep.runtime.session import run
-
-    if streams == 1:
-        for feed in samples:
-            yield run(session, dict(feed), names)
-        return
-    with ThreadPoolExecutor(streams) as pool:
-        pending: deque[Future[dict[str, np.ndarray]]] = deque()
-        for feed in samples:
-            pending.append(pool.submit(run, session, dict(feed), names))
-            if len(pending) >= streams:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
 
 
 def _count_pass(ref: onnx.ModelProto, cand: onnx.ModelProto, pairs: list[Pair],

@@ -26,7 +26,7 @@ from npuprep.rewrite.input_split import split_input
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.qdq_model import activation_scale
-from npuprep.verify.qdq_trials import RunsFactory, Variant, errors_alone
+from npuprep.verify.qdq_trials import RunsFactory, Variant, errors_alone_each
 
 # Largest over smallest per-sample abs-max of a layer's input past which one INT8 scale
 # leaves the quietest sample at most 127 / 16 = 8 levels.
@@ -78,10 +78,10 @@ def split_wide_inputs(reference: onnx.ModelProto, model: onnx.ModelProto,
               groups: list[list[str]], v: Variant) -> list[float]:
         """Each group alone in `v`: its candidate's worst sample, each sample read alone."""
         read = sorted({i for c in cands for i in c.extremes})
-        per = {i: errors_alone(reference, m, groups, s, v, [samples[i]],
-                               tensor_scales=tensor_scales, weights=weights, runs=runs)
-               for i in read}
-        return [max(per[i][k] for i in c.extremes) for k, c in enumerate(cands)]
+        each = errors_alone_each(reference, m, groups, s, v, [samples[i] for i in read],
+                                 tensor_scales=tensor_scales, weights=weights, runs=runs)
+        at = {i: k for k, i in enumerate(read)}
+        return [max(each[k][at[i]] for i in c.extremes) for k, c in enumerate(cands)]
 
     by_format = {v.fmt.name: worst(model, stats, found, [[c.layer] for c in found], v)
                  for v in variants}

@@ -308,8 +308,13 @@ def _outputs(model: onnx.ModelProto, samples: Sequence[Feed], optimize: bool = T
     """Every output of `model` on each sample; the session is gone when this returns. Each
     model is fed its own input types (a model with FP16 inputs has FP32 ones once widened)."""
     from npuprep.calibrate.run import session_threads
-    from npuprep.runtime.session import make_session, release_freed_memory, run_errors
-    from npuprep.verify.compare import run_in_streams, sample_streams
+    from npuprep.runtime.session import (
+        make_session,
+        release_freed_memory,
+        run_errors,
+        run_in_streams,
+    )
+    from npuprep.verify.compare import sample_streams
 
     if not samples:
         return []

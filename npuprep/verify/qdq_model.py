@@ -216,7 +216,8 @@ def balance_outliers(model: onnx.ModelProto, nodes: Sequence[str], stats: Calibr
 def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: CalibrationStats,
                         samples: Sequence[Feed], *, measure: ErrorsAlone,
                         left_alone: Collection[str], path: str = "",
-                        weights: WeightStore | None = None) -> Balanced:
+                        weights: WeightStore | None = None,
+                        measured: Measured | None = None) -> Balanced:
     """The INT8 Convs among `nodes` read their input divided by s per channel, their weights'
     input channels multiplied by it (npuprep.rewrite.smooth: folded into the op writing the
     input where it multiplies by a constant), where that lowers the error of the tensor's
@@ -226,15 +227,14 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
     errs no more there, it keeps that headroom. The tensors it changes are calibrated
     again (every rule reads their own histogram): ddddocr_det's balanced Conv inputs with
     abs-max stats only lost their percentile and MSE clips, held-out 0.054 -> 0.111. The
-    tensors `left_alone` (the plan rescaled them, or equalisation took them) stay. `path`: the file whose folder holds the weights a light
-    load left external. Balanced.tensors: x -> (what the readers read, largest / median
+    tensors `left_alone` (the plan rescaled them, or equalisation took them) stay. `path`: the
+    file whose folder holds the weights a light load left external. `measured`: what
+    equalisation measured, read where it measured this very model. Balanced.tensors: x -> (what the readers read, largest / median
     channel abs-max); Balanced.whole: those divided by a Mul over the whole of x (its writer
     takes no constant: a SiLU's, or x is read elsewhere), an elementwise pass over x at run
     time."""
     from npuprep.calibrate.channels import channel_absmax, leave_one_out_raise
-    from npuprep.calibrate.executors import calibrate
     from npuprep.flops import tensor_shapes
-    from npuprep.model_io import Model, uses_external_data
     from npuprep.rewrite.smooth import conv_smoothing_factors, smooth, smoothable
 
     g = model.graph
@@ -246,7 +246,11 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
             readers.setdefault(node.input[0], []).append(node_label(node))
     if not readers:
         return Balanced(model, stats, {})
-    per_channel = channel_absmax(model, list(readers), samples, axis=1)
+    # What equalisation measured of this model (it kept nothing) is not measured again.
+    known = measured if measured is not None and measured.model is model else Measured(model)
+    reused = {x: known.channels[x] for x in readers if x in known.channels}
+    per_channel = {**reused, **channel_absmax(model, [x for x in readers if x not in reused],
+                                              samples, axis=1)}
     by_label = {node_label(n): n for n in g.node}
     place = weights.place if weights is not None else None
     fitted, check = (slice(0, None, 2), list(samples[1::2])) if len(samples) > 1 else (
@@ -278,9 +282,7 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
         if not done:
             return done, stats
         changed = list(done.details["changed"])
-        home = path if uses_external_data(done.model) else ""
-        again = calibrate(Model(done.model, home, "balanced"), list(samples)[rows],
-                          detail="all", tensors=changed).tensors
+        again = _calibrated(done.model, path, "balanced", list(samples)[rows], changed)
         return done, replace(stats, tensors={**stats.tensors, **{t: again[t] for t in changed
                                                                  if t in again}})
 
@@ -292,8 +294,9 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
     every, plain = balanced(fitted, tensors)
     after_plain = measure(every.model, plain, groups, check, None)
     after_lifted = measure(every.model, lifted(every, plain, fitted, tensors), groups, check, None)
-    unfitted = calibrate(Model(model, path if uses_external_data(model) else "", "unbalanced"),
-                         list(samples)[fitted], detail="all", tensors=tensors).tensors
+    unfitted = {**{x: known.fitted[x] for x in tensors if x in known.fitted},
+                **_calibrated(model, path, "unbalanced", list(samples)[fitted],
+                              [x for x in tensors if x not in known.fitted])}
     before = measure(model, replace(stats, tensors={**stats.tensors, **unfitted}), groups, check,
                      [min(a, b) for a, b in zip(after_plain, after_lifted, strict=True)])
     kept = [x for x, a, b, c in zip(tensors, after_plain, after_lifted, before, strict=True)
@@ -316,13 +319,26 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
 
 
 @dataclass(frozen=True)
+class Measured:
+    """What equalise_channels measured of the model it was handed, for the Conv balancing
+    after it where that is still the model (equalisation kept nothing): Conv inputs'
+    per-channel abs-max on every sample ([samples, channels]) and 8-bit inputs' statistics
+    on the fitted (even) samples. dnsmos_p835 INT8: one calibration and one channel pass."""
+
+    model: onnx.ModelProto
+    channels: dict[str, np.ndarray] = field(default_factory=dict)
+    fitted: dict[str, RangeStats] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Equalised:
     """The model with Conv inputs' channels equalised into their producers, its stats (the
     tensors it changed measured again), the chains equalised, and the outputs' rel L2 with
     their readers in INT8 before and after on unfitted samples (0, 0 where none was tried);
     `channel_scales`: each tensor the equalisation rescaled -> its factors (broadcast against
     it); `unseen_raise`: each equalised input whose clip keeps the left-out headroom -> that
-    factor (RangeStats.unseen_raise)."""
+    factor (RangeStats.unseen_raise); `measured`: what it measured of the model it was handed.
+    """
 
     model: onnx.ModelProto
     stats: CalibrationStats
@@ -331,6 +347,7 @@ class Equalised:
     after: float = 0.0
     channel_scales: dict[str, np.ndarray] = field(default_factory=dict)
     unseen_raise: dict[str, float] = field(default_factory=dict)
+    measured: Measured | None = None
 
 
 # The least share of the all-INT8 error an equalisation must take off to be kept. It is measured
@@ -356,8 +373,6 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
     rescaled is left alone. `path`: the file whose folder holds the weights a light load left
     external; `expected`: the reference's outputs, where the caller holds them."""
     from npuprep.calibrate.channels import channel_absmax, leave_one_out_raise
-    from npuprep.calibrate.executors import calibrate
-    from npuprep.model_io import Model, uses_external_data
     from npuprep.rewrite.equalise import chains, equalise, factors
 
     by_label = {node_label(n): n for n in model.graph.node}
@@ -383,10 +398,7 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
         done = equalise(model, found, scales, place=place)
         if not done:
             return done, on, scales
-        # Weights a light load left in the file are read from beside it, as calibration read them.
-        home = path if uses_external_data(done.model) else ""
-        again = calibrate(Model(done.model, home, "equalised"), list(samples)[rows],
-                          detail="all", tensors=changed).tensors
+        again = _calibrated(done.model, path, "equalised", list(samples)[rows], changed)
         return done, replace(on, tensors={**on.tensors, **{t: again[t] for t in changed
                                                            if t in again}}), scales
 
@@ -403,12 +415,12 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
     inputs = {name for node in model.graph.node if node_label(node) in wanted
               for name in activation_inputs(model.graph, node)
               if name in stats.tensors and name not in tensor_scales}
-    unfitted = calibrate(Model(model, path if uses_external_data(model) else "", "unequalised"),
-                         list(samples)[fitted], detail="all", tensors=inputs).tensors
+    unfitted = _calibrated(model, path, "unequalised", list(samples)[fitted], inputs)
     fit_stats = replace(stats, tensors={**stats.tensors, **unfitted})
+    measured = Measured(model, per_channel, unfitted)
     fit_done, plain, _ = equalised(fitted, fit_stats)
     if not fit_done:
-        return Equalised(model, stats)
+        return Equalised(model, stats, measured=measured)
     error = model_errors(reference, check, expected)
 
     def best(m: onnx.ModelProto, found_stats: CalibrationStats) -> float:
@@ -421,7 +433,7 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
         best(fit_done.model, lifted(plain, fitted))
     after = min(as_is, lift)
     if after > (1.0 - EQUALISE_MIN_GAIN) * before:
-        return Equalised(model, stats, (), before, after)
+        return Equalised(model, stats, (), before, after, measured=measured)
     done, new_stats, scales = equalised(slice(None), stats)
     if lift <= as_is:
         new_stats = lifted(new_stats, slice(None))
@@ -436,6 +448,21 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
                       if (r := new_stats.tensors.get(c.tensor)) is not None and r.unseen_raise > 1})
 
 
+def _calibrated(model: onnx.ModelProto, path: str, label: str, feeds: Sequence[Feed],
+                tensors: Collection[str]) -> dict[str, RangeStats]:
+    """The statistics of `tensors` of `model` on `feeds`, every rule's detail, the samples
+    spread over the cores (calibrate.run.pass_streams); weights a light load left in the
+    file `path` are read from beside it, as the conversion's calibration read them."""
+    from npuprep.calibrate.executors import calibrate
+    from npuprep.calibrate.run import pass_streams
+    from npuprep.model_io import Model, uses_external_data
+
+    if not tensors:
+        return {}
+    return calibrate(Model(model, path if uses_external_data(model) else "", label), list(feeds),
+                     detail="all", tensors=tensors, streams=pass_streams(len(feeds))).tensors
+
+
 # The reference's outputs on some of the calibration samples, where a caller holds them
 # (npuprep.verify.qdq_trials.ReferenceOutputs.on: run once per conversion).
 ReferenceOn = Callable[[Sequence[Feed]], list[dict[str, np.ndarray]]]
@@ -445,19 +472,22 @@ def model_errors(reference: onnx.ModelProto, samples: Sequence[Feed],
                  expected: ReferenceOn | None = None) -> Callable[[onnx.ModelProto], float]:
     """A function: model -> its outputs' pooled rel L2 against `reference` on RANK_SAMPLES
     (the reference's outputs from `expected` where given)."""
-    from npuprep.runtime.session import make_session, run
+    from npuprep.calibrate.run import pass_streams, session_threads
+    from npuprep.runtime.session import make_session, run_in_streams
 
     feeds = list(samples)[:RANK_SAMPLES]
+    streams = pass_streams(len(feeds))
+    threads = session_threads(streams)
     if expected is not None:
         refs = expected(feeds)
     else:
-        ref_session = make_session(reference, prepack=False)
-        refs = [run(ref_session, f) for f in feeds]
+        ref_session = make_session(reference, prepack=False, threads=threads)
+        refs = list(run_in_streams(ref_session, feeds, None, streams))
         del ref_session
 
     def error(model: onnx.ModelProto) -> float:
-        session = make_session(model, prepack=False)
-        return worst_pooled_rel_l2([run(session, f) for f in feeds], refs)
+        session = make_session(model, prepack=False, threads=threads)
+        return worst_pooled_rel_l2(list(run_in_streams(session, feeds, None, streams)), refs)
 
     return error
 

@@ -430,10 +430,12 @@ RunsFactory = Callable[[onnx.ModelProto, Sequence[Feed]], TrialRuns]
 
 def reference_outputs(reference: onnx.ModelProto, samples: Sequence[Feed]) -> list[dict[str, np.ndarray]]:
     """The FP32 reference's outputs on `samples` (run once for every trial and check)."""
-    from npuprep.runtime.session import make_session, run
+    from npuprep.calibrate.run import pass_streams, session_threads
+    from npuprep.runtime.session import make_session, run_in_streams
 
-    ref = make_session(reference, prepack=False)
-    return [run(ref, dict(f)) for f in samples]
+    streams = pass_streams(len(samples))
+    ref = make_session(reference, prepack=False, threads=session_threads(streams))
+    return list(run_in_streams(ref, samples, None, streams))
 
 
 class ReferenceOutputs:
@@ -668,6 +670,29 @@ def errors_alone(reference: onnx.ModelProto, model: onnx.ModelProto,
     asked = [(dict.fromkeys(group, variant.fmt.name), {}) for group in groups]
     try:
         return trials.errors(asked) if bounds is None else errors_within(trials, asked, bounds)
+    finally:
+        trials.close()
+
+
+def errors_alone_each(reference: onnx.ModelProto, model: onnx.ModelProto,
+                      groups: Sequence[Sequence[str]], stats: CalibrationStats, variant: Variant,
+                      samples: Sequence[Feed], *, tensor_scales: Mapping[str, float] | None = None,
+                      weights: WeightStore | None = None,
+                      runs: RunsFactory | None = None) -> list[list[float]]:
+    """errors_alone of each group on each of `samples` read alone ([group][sample]): the
+    outputs' worst rel L2 on that sample, from one session and one reference run over all
+    of them, not a session and a reference run per sample."""
+    from npuprep.numerics import get_format
+
+    weights = weights or WeightStore()
+    switched = switched_qdq(model, [x for group in groups for x in group], stats, [variant],
+                            tensor_scales=tensor_scales, weights=weights)
+    trials = Trials(reference, switched, get_format("fp32"), (), samples,
+                    saturate=variant.saturate, runs=runs)
+    try:
+        return [[worst_pooled_rel_l2([got], [want]) for got, want in zip(
+            trials.outputs(dict.fromkeys(group, variant.fmt.name), {}), trials.expected,
+            strict=True)] for group in groups]
     finally:
         trials.close()
 
