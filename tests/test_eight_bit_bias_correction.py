@@ -139,3 +139,53 @@ def test_a_format_keeps_its_corrections_only_where_its_start_errs_less_with_them
         trials.close()
     assert found[1.0] == {fp8, ("dw", "int8"), ("fc", "int8")}
     assert found[-1.0] == {fp8}
+
+
+def _fp8_conversion_with_int8_searches(monkeypatch, plain_error: float):
+    """NET's FP8 conversion at rtol 0.02 (its INT8 search runs with its corrections kept), the
+    corrected INT8 search's point made to miss its aim; the search without the corrections
+    returns its own point, or one erring `plain_error` where that is given."""
+    import npuprep.pipeline.quantise_and_verify as qv
+
+    real, int8_searches = qv.widen_by_ranking, []
+
+    def missing_aim(point, rel_l2: float):
+        outputs = {name: {**row, "rel_l2": rel_l2} for name, row in point.check.outputs.items()}
+        return replace(point, check=replace(point.check, outputs=outputs))
+
+    def searched(start, fmt, check, **kwargs):
+        point = real(start, fmt, check, **kwargs)
+        if fmt.name != "int8":
+            return point
+        int8_searches.append(point)
+        if len(int8_searches) == 1:
+            return missing_aim(point, 0.5)
+        return point if plain_error is None else missing_aim(point, plain_error)
+
+    monkeypatch.setattr(qv, "widen_by_ranking", searched)
+    proto, feeds = _setup()
+    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+    result = convert(model, load_profile("a2000"), feeds, precision="fp8_e4m3",
+                     stats=calibrate(model, feeds, detail="all"), rtol=0.02)
+    return result, len(int8_searches)
+
+
+def test_an_int8_search_short_of_its_aim_is_run_without_its_corrections_and_kept_where_better(
+        monkeypatch):
+    result, searches = _fp8_conversion_with_int8_searches(monkeypatch, None)
+    assert searches == 2
+    assert any(n.startswith("int8 search without its bias correction (100.0% 8-bit) kept")
+               for n in result.notes)
+    assert {x.node: x.precision for x in result.plan.eight_bit if x.node in ("dw", "fc")} == {
+        "dw": "int8", "fc": "int8"}
+    names = {i.name for i in result.lowered.model.graph.initializer}
+    assert {"B", "c"} <= names  # the kept search's biases: the model's own, not corrected
+    assert result.output_check  # written as that search checked it: within rtol
+
+
+def test_the_corrected_int8_search_stays_where_the_plain_one_errs_more(monkeypatch):
+    result, searches = _fp8_conversion_with_int8_searches(monkeypatch, 0.9)
+    assert searches == 2
+    assert not any("without its bias correction" in n for n in result.notes)
+    kept = next(n for n in result.notes if n.startswith("searched as the fp8_e4m3 conversion"))
+    assert "(100.0%, 0.5, failing)" in kept  # the corrected point, as the search left it
