@@ -104,3 +104,17 @@ def test_ctc_on_an_output_without_steps_is_refused_in_one_line():
         checked_top_k(model, {"y": CTC_TEXT})
     assert checked_top_k(Model(parser.parse_model(CTC_HEAD), "ctc.onnx", "ctc"),
                          {"y": CTC_TEXT}) == {"y": CTC_TEXT}
+
+
+def test_compare_says_a_ctc_output_is_judged_by_its_text(tmp_path):
+    # The reference head, and a candidate whose '1' peak also takes the blank step after it:
+    # each step's top-1 agrees at 5 of 6 steps, the text "1 3 3" is the same.
+    from conftest import run_cli
+
+    onnx.save(_head({}), tmp_path / "ref.onnx")
+    onnx.save(_head({(1, 1): 8.0}), tmp_path / "cand.onnx")
+    np.savez(tmp_path / "x.npz", **_samples()[0])
+    done = run_cli("compare", tmp_path / "ref.onnx", tmp_path / "cand.onnx",
+                   "--data", tmp_path / "x.npz", "--top-k", "y:ctc")
+    assert done.returncode == 0, done.stderr
+    assert "CTC text agreement 100%" in done.stdout and "top-0" not in done.stdout

@@ -493,7 +493,7 @@ def verdict_code(t: Any, masks: frozenset[str] = frozenset()) -> str:
 
 
 def _print(result: Any, masks: frozenset[str] = frozenset()) -> None:
-    from npuprep.report.output_verdicts import agreement_said
+    from npuprep.report.output_verdicts import agreement_said, decision_said
 
     full = out().verbose or out().width is None
     say(f"{len(result.tensors)} tensors compared on {result.samples_description}; "
@@ -517,7 +517,7 @@ def _print(result: Any, masks: frozenset[str] = frozenset()) -> None:
     for name, errors in sorted(result.output_errors.items()):
         agree = errors.get("top_k_agreement")
         decisions = (f", {agreement_said(errors)}" if "detect" in errors else
-                     f", top-{errors['top_k']} agreement {agree:.0%}" if agree is not None else "")
+                     f", {decision_said(errors)} agreement {agree:.0%}" if agree is not None else "")
         say(f"output {name}: rel L2 {fmt(errors['rel_l2'])}, {errors['nonfinite']} Inf/NaN"
             + decisions + f" (gate: {_gate_said(result.gate, name)})")
     if result.unobserved:
