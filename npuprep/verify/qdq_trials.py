@@ -660,13 +660,8 @@ def errors_alone(reference: onnx.ModelProto, model: onnx.ModelProto,
     npuprep.verify.qdq_model.quantise gives it; every group a run of one session. `bounds`:
     per group, past it a lower bound will do (bounded_trials.errors_within); `expected`: the
     reference's outputs on those samples, where the caller has them."""
-    from npuprep.numerics import get_format
-
-    weights = weights or WeightStore()
-    switched = switched_qdq(model, [x for group in groups for x in group], stats, [variant],
-                            tensor_scales=tensor_scales, weights=weights)
-    trials = Trials(reference, switched, get_format("fp32"), (), list(samples)[:TRIAL_SAMPLES],
-                    saturate=variant.saturate, runs=runs, expected=expected)
+    trials = _alone(reference, model, groups, stats, variant, list(samples)[:TRIAL_SAMPLES],
+                    tensor_scales=tensor_scales, weights=weights, runs=runs, expected=expected)
     asked = [(dict.fromkeys(group, variant.fmt.name), {}) for group in groups]
     try:
         return trials.errors(asked) if bounds is None else errors_within(trials, asked, bounds)
@@ -682,19 +677,29 @@ def errors_alone_each(reference: onnx.ModelProto, model: onnx.ModelProto,
     """errors_alone of each group on each of `samples` read alone ([group][sample]): the
     outputs' worst rel L2 on that sample, from one session and one reference run over all
     of them, not a session and a reference run per sample."""
-    from npuprep.numerics import get_format
-
-    weights = weights or WeightStore()
-    switched = switched_qdq(model, [x for group in groups for x in group], stats, [variant],
-                            tensor_scales=tensor_scales, weights=weights)
-    trials = Trials(reference, switched, get_format("fp32"), (), samples,
-                    saturate=variant.saturate, runs=runs)
+    trials = _alone(reference, model, groups, stats, variant, samples,
+                    tensor_scales=tensor_scales, weights=weights, runs=runs)
     try:
         return [[worst_pooled_rel_l2([got], [want]) for got, want in zip(
             trials.outputs(dict.fromkeys(group, variant.fmt.name), {}), trials.expected,
             strict=True)] for group in groups]
     finally:
         trials.close()
+
+
+def _alone(reference: onnx.ModelProto, model: onnx.ModelProto, groups: Sequence[Sequence[str]],
+           stats: CalibrationStats, variant: Variant, samples: Sequence[Feed], *,
+           tensor_scales: Mapping[str, float] | None, weights: WeightStore | None,
+           runs: RunsFactory | None,
+           expected: list[dict[str, np.ndarray]] | None = None) -> Trials:
+    """Trials of `model` with every layer of `groups` switchable to `variant`'s format alone,
+    every other node in FP32, on `samples`."""
+    from npuprep.numerics import get_format
+
+    switched = switched_qdq(model, [x for group in groups for x in group], stats, [variant],
+                            tensor_scales=tensor_scales, weights=weights or WeightStore())
+    return Trials(reference, switched, get_format("fp32"), (), samples,
+                  saturate=variant.saturate, runs=runs, expected=expected)
 
 
 def rank_layers(trials: Trials, nodes: Sequence[str], assign: Mapping[str, str],
