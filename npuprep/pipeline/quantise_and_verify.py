@@ -377,18 +377,18 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                 stage(f"quantising to {other.name} without its bias correction")
                 sessions.corrected.difference_update(ours)
                 plain = search_from(int8_start, other, eight)
-                if _search_key(plain, judged, gate, macs) < _search_key(as_int8, judged, gate,
-                                                                          macs):
+                uncorrected = (_search_key(plain, judged, gate, macs)
+                               < _search_key(as_int8, judged, gate, macs))
+                if uncorrected:
                     notes.append(f"{other.name} search without its bias correction "
                                  f"({eight_bit_share(plain.layers, macs):.1%} 8-bit) kept over "
                                  f"the corrected one ({eight_bit_share(as_int8.layers, macs):.1%}, "
                                  "missing its aim)")
-                    as_int8 = replace(plain, curve=as_int8.curve + plain.curve,
-                                      rank_runs=as_int8.rank_runs + plain.rank_runs)
                 else:
                     sessions.corrected.update(ours)
-                    as_int8 = replace(as_int8, curve=as_int8.curve + plain.curve,
-                                      rank_runs=as_int8.rank_runs + plain.rank_runs)
+                as_int8 = replace(plain if uncorrected else as_int8,
+                                  curve=as_int8.curve + plain.curve,
+                                  rank_runs=as_int8.rank_runs + plain.rank_runs)
             floor = (eight_bit_share(as_int8.layers, macs) - _SHARE_TIE
                      if judged(as_int8.check) else min_8bit_share)
             stage(f"quantising to {eight.name}")
