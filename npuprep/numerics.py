@@ -133,6 +133,9 @@ FLOAT_ONNX_TYPES = {
     TensorProto.FLOAT8E4M3FN: "fp8_e4m3",
     TensorProto.FLOAT8E5M2: "fp8_e5m2",
 }
+# Those a model computes in (a graph's float inputs and outputs): no 8-bit storage types.
+COMPUTE_FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16,
+                                 TensorProto.DOUBLE})
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from onnx import helper
 
 from npuprep.data import Feed
 from npuprep.graph import infer_tensors
+from npuprep.numerics import COMPUTE_FLOAT_TYPES
 
 
 def channel_absmax(model: onnx.ModelProto, tensors: Sequence[str], samples: Sequence[Feed], *,
@@ -86,10 +87,6 @@ def channel_means(model: onnx.ModelProto, tensors: Mapping[str, int],
     return {t: (sums[t] / max(counts[t], 1)).astype(np.float32) for t in sums}
 
 
-_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
-                          onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE})
-
-
 def probe_session(model: onnx.ModelProto, tensors: Iterable[str], *,
                   threads: int | None = None) -> Any:
     """A session of `model` that also returns `tensors` as outputs (on `threads` intra-op
@@ -103,7 +100,7 @@ def probe_session(model: onnx.ModelProto, tensors: Iterable[str], *,
     # An FP16 or BF16 model's tensors are declared as they are: as FLOAT, onnxruntime refuses it.
     wide = all(t == onnx.TensorProto.FLOAT for t in
                [*(i.type.tensor_type.elem_type for i in g.input), *(i.data_type for i in g.initializer)]
-               if t in _FLOAT_TYPES)
+               if t in COMPUTE_FLOAT_TYPES)
     types = {} if wide else infer_tensors(model).types
     probe.graph.output.extend(
         helper.make_tensor_value_info(t, types.get(t, onnx.TensorProto.FLOAT), None)

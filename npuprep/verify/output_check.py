@@ -24,7 +24,7 @@ import onnx
 from npuprep.data import Feed
 from npuprep.detections import Decision, Detection
 from npuprep.errors import NpuprepError
-from npuprep.numerics import NumberFormat
+from npuprep.numerics import COMPUTE_FLOAT_TYPES, NumberFormat
 from npuprep.ops import VIEW_OPS
 from npuprep.verify.compare import folds_weight_casts
 from npuprep.verify.output_errors import CTC_BLANK, CTC_TEXT, output_passes
@@ -58,10 +58,6 @@ class OutputCheck:
                 "failed": sorted(k for k, o in self.outputs.items() if not output_passes(o, self.rtol)),
                 "samples_emulated_in_compare": self.from_compare,
                 "outputs": {k: dict(v) for k, v in sorted(self.outputs.items())}}
-
-
-_FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
-                onnx.TensorProto.BFLOAT16)
 
 
 class Metric(StrEnum):
@@ -100,7 +96,7 @@ def judged_outputs(model: onnx.ModelProto, samples: Sequence[Feed], metric: Metr
     outputs tell probabilities and logits apart from other values.
     `source`: the user's file `model` is (onnxruntime's refusal to run it is the input's)."""
     metric = Metric(metric)
-    floats = [o.name for o in model.graph.output if o.type.tensor_type.elem_type in _FLOAT_TYPES]
+    floats = [o.name for o in model.graph.output if o.type.tensor_type.elem_type in COMPUTE_FLOAT_TYPES]
     values = _outputs(model, list(samples[:GOAL_SAMPLES]), source=source) \
         if metric is not Metric.REL_L2 and floats and samples else []
     found = decided_outputs(model, values) if metric is Metric.AUTO else {}
@@ -182,7 +178,7 @@ def ctc_blank_share(model: onnx.ModelProto, arrays: Sequence[np.ndarray]) -> flo
                          for a in arrays):
         return None
     weights = {t.name for t in model.graph.initializer}  # listed as inputs before IR 4
-    if any(i.type.tensor_type.elem_type not in _FLOAT_TYPES for i in model.graph.input
+    if any(i.type.tensor_type.elem_type not in COMPUTE_FLOAT_TYPES for i in model.graph.input
            if i.name not in weights):
         return None
     blank = float(np.mean(np.concatenate([a.argmax(-1).ravel() == CTC_BLANK for a in arrays])))
