@@ -61,7 +61,12 @@ from npuprep.report.output_verdicts import agreement_said  # noqa: E402
 from npuprep.runtime.session import make_session, run  # noqa: E402
 from npuprep.verify.output_check import GOAL_SAMPLES, decided_outputs  # noqa: E402
 from npuprep.verify.output_check import _outputs as fp32_outputs  # noqa: E402
-from npuprep.verify.output_errors import OutputErrors, ctc_text, output_passes  # noqa: E402
+from npuprep.verify.output_errors import (  # noqa: E402
+    OutputErrors,
+    ctc_sequences,
+    ctc_text,
+    output_passes,
+)
 
 TOOLS = ("npuprep_int8", "npuprep_fp8", "ort_int8", "modelopt_int8")
 PEERS = ("ort_int8", "ort_int8_op13", "modelopt_int8", "modelopt_fp8", "nncf_int8", "nncf_int8_aa")
@@ -286,10 +291,11 @@ def judge(reference: Path, candidate: Path, entry: Entry, decided: tuple[str, ..
             num[name] = num.get(name, 0.0) + float(np.nansum((cv - rv) ** 2))
             den[name] = den.get(name, 0.0) + float(np.sum(np.asarray(rv, np.float64) ** 2))
             if name in entry.read_as_ctc:  # the text a CTC decoder reads, sequence by sequence
-                steps = rv.shape[-2]
+                rs, cs = ctc_sequences(rv), ctc_sequences(cv)
+                steps = rs.shape[-2]
                 held[name] = held.get(name, True) and all(
                     ctc_text(a) == ctc_text(b) for a, b in zip(
-                        np.argmax(rv, -1).reshape(-1, steps), np.argmax(cv, -1).reshape(-1, steps),
+                        np.argmax(rs, -1).reshape(-1, steps), np.argmax(cs, -1).reshape(-1, steps),
                         strict=True))
             elif name in decided:
                 held[name] = held.get(name, True) and bool(np.all(np.argmax(rv, -1) == np.argmax(cv, -1)))

@@ -573,7 +573,7 @@ SPECS: dict[str, Spec] = {
              decided_by=("softmax_11.tmp_0",), read_as_ctc=("softmax_11.tmp_0",)),
         Spec("ddddocr_ocr", "captcha ocr (CNN + LSTM, pytorch 1.9 export)",
              Wheel(*DDDDOCR, "ddddocr/common.onnx"), from_wheel(ddddocr_ocr_sample),
-             "rendered captchas 64x160, grey"),
+             "rendered captchas 64x160, grey", decided_by=("387",), read_as_ctc=("387",)),
         Spec("ddddocr_det", "detector (YOLOX, box decoding in the caller)",
              Wheel(*DDDDOCR, "ddddocr/common_det.onnx"), from_wheel(yolox_sample),
              "drawn scenes letterboxed to 416x416, 0..255"),

@@ -14,8 +14,15 @@ from npuprep.model_io import Model
 from npuprep.numerics import get_format
 from npuprep.pipeline.stages import checked_top_k
 from npuprep.runtime.session import make_session, run
+from npuprep.verify.decision_margin import margin_eaten
 from npuprep.verify.output_check import check_outputs
-from npuprep.verify.output_errors import CTC_TEXT, OutputErrors, ctc_text, output_passes
+from npuprep.verify.output_errors import (
+    CTC_TEXT,
+    OutputErrors,
+    ctc_sequences,
+    ctc_text,
+    output_passes,
+)
 
 STEPS, CLASSES = 6, 5
 # Each step's class (0 = blank): the text "1 3 3" (the two 3s apart by a blank).
@@ -118,3 +125,48 @@ def test_compare_says_a_ctc_output_is_judged_by_its_text(tmp_path):
                    "--data", tmp_path / "x.npz", "--top-k", "y:ctc")
     assert done.returncode == 0, done.stderr
     assert "CTC text agreement 100%" in done.stdout and "top-0" not in done.stdout
+
+
+# logits x (steps x 1 x classes: torch's CTC layout, steps first) -> Add(D) -> Softmax -> y
+STEPS_FIRST = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[6, 1, 5] x) => (float[6, 1, 5] y) {
+    z = Add (x, D)
+    y = Softmax <axis = -1> (z)
+}
+"""
+
+
+def test_steps_first_is_read_as_one_sequence_its_text_judged():
+    def head(moved: dict[tuple[int, int], float]) -> onnx.ModelProto:
+        d = np.zeros((STEPS, 1, CLASSES), np.float32)
+        for (t, c), v in moved.items():
+            d[t, 0, c] = v
+        proto = parser.parse_model(STEPS_FIRST)
+        proto.graph.initializer.append(numpy_helper.from_array(d, "D"))
+        return proto
+
+    x = np.zeros((STEPS, 1, CLASSES), np.float32)
+    x[np.arange(STEPS), 0, PATH] = 6.0
+
+    def check(candidate: onnx.ModelProto, k: int):
+        return check_outputs(head({}), candidate, get_format("fp16"), [{"x": x}], saturate=True,
+                             rtol=5e-2, top_k={"y": k}, emulated=candidate)
+
+    # The first character moved by one step: read as 6 sequences of one step each, two texts
+    # would change; read steps first, the one text holds.
+    moved = head({(0, 1): -12.0, (0, 0): 12.0, (1, 1): 12.0, (1, 0): -12.0})
+    as_text = check(moved, CTC_TEXT)
+    assert as_text and as_text.outputs["y"]["top_k_agreement"] == 1.0
+    assert check(moved, 1).outputs["y"]["ctc_text_agreement"] == 1.0
+    # The blank between the two 3s taken: another text, in this layout too.
+    merged = check(head({(3, 3): 12.0}), CTC_TEXT)
+    assert not merged and merged.outputs["y"]["top_k_agreement"] == 0.0
+    # The search's margin reads the same sequence as the batch-first layout does.
+    ref = run(make_session(head({})), {"x": x})["y"]
+    for candidate in (moved, head({(3, 3): 12.0}), head({(2, 0): 3.0})):
+        got = run(make_session(candidate), {"x": x})["y"]
+        assert margin_eaten(ref, got, CTC_TEXT, 5e-2) == margin_eaten(
+            ref.transpose(1, 0, 2), got.transpose(1, 0, 2), CTC_TEXT, 5e-2)
+    assert ctc_sequences(ref).shape == (1, STEPS, CLASSES)
+    assert ctc_sequences(np.zeros((1, STEPS, CLASSES))).shape == (1, STEPS, CLASSES)

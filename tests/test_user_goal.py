@@ -98,6 +98,10 @@ def test_a_ctc_head_is_judged_by_its_text_a_token_classifier_and_a_rare_blank_by
     # The user's rule stands: --top-k p:1 judges each step.
     assert judged_outputs(ctc, [{"x": _steps(2)}], "auto", {"p": 1}) == (
         {"p": 1}, {"p": "top-1 (--top-k)"})
+    # Steps first (torch's CTC layout, 16 x 1 x 12: ddddocr's recogniser) reads the same.
+    steps_first = parser.parse_model(CTC_HEAD.replace("[1, 16, 12]", "[16, 1, 12]"))
+    assert judged_outputs(steps_first, [{"x": _steps(2).transpose(1, 0, 2)}], "auto", {})[0] == {
+        "p": CTC_TEXT}
     tokens = parser.parse_model(TOKEN_HEAD)
     tokens.graph.initializer.append(numpy_helper.from_array(_steps(2)[0], "E"))
     top_k, judged = judged_outputs(tokens, [{"ids": np.arange(16, dtype=np.int64)[None]}], "auto", {})

@@ -32,7 +32,14 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from npuprep.detections import Decision, Detection
-from npuprep.verify.output_errors import CTC_BLANK, CTC_TEXT, ctc_text, detection_band, rel_l2
+from npuprep.verify.output_errors import (
+    CTC_BLANK,
+    CTC_TEXT,
+    ctc_sequences,
+    ctc_text,
+    detection_band,
+    rel_l2,
+)
 
 
 def decision_error(got: Sequence[Mapping[str, np.ndarray]],
@@ -112,6 +119,8 @@ def margin_eaten(ref: np.ndarray, cand: np.ndarray, k: int, tie_rtol: float) -> 
     along the last axis (at least 2). `k`: the top-K judged, or CTC_TEXT."""
     if not np.isfinite(cand).all():
         return math.inf
+    if k == CTC_TEXT:
+        ref, cand = ctc_sequences(ref), ctc_sequences(cand)
     classes = ref.shape[-1]
     r, d = ref.reshape(-1, classes), (cand - ref).reshape(-1, classes)
     top = 1 if k == CTC_TEXT else min(k, classes - 1)

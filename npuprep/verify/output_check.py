@@ -27,7 +27,7 @@ from npuprep.errors import NpuprepError
 from npuprep.numerics import COMPUTE_FLOAT_TYPES, NumberFormat
 from npuprep.ops import VIEW_OPS
 from npuprep.verify.compare import folds_weight_casts
-from npuprep.verify.output_errors import CTC_BLANK, CTC_TEXT, output_passes
+from npuprep.verify.output_errors import CTC_BLANK, CTC_TEXT, ctc_sequences, output_passes
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,9 @@ def decided_outputs(model: onnx.ModelProto,
 
 def ctc_blank_share(model: onnx.ModelProto, arrays: Sequence[np.ndarray]) -> float | None:
     """The share of steps class 0 leads where a decided output of `model` with these FP32
-    values reads as a CTC recogniser's (see MIN_CTC_STEPS), else None."""
+    values reads as a CTC recogniser's (see MIN_CTC_STEPS; steps first where torch's layout
+    puts them: npuprep.verify.output_errors.ctc_sequences), else None."""
+    arrays = [ctc_sequences(a) for a in arrays]
     if not arrays or any(a.ndim != 3 or a.shape[-2] < MIN_CTC_STEPS or a.shape[-1] < MIN_LOGIT_CLASSES
                          for a in arrays):
         return None

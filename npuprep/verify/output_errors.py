@@ -25,7 +25,9 @@ by its greedy decoding: the argmax per step, repeats merged, blanks dropped. An 
 K is CTC_TEXT (`--top-k OUTPUT:ctc`) is judged by that text per sequence, which holds where a
 character's peak moves by one step (ppocr_rec INT8, held-out: steps 1 and 2 trade a 0.99
 character and a 1.0 blank, every text the same); a step that is a tie keeps the reference's
-class, as a tie flipped fails nothing above.
+class, as a tie flipped fails nothing above. Steps come first in torch's CTC layout (steps x
+batch x classes: ddddocr_ocr's 20 x 1 x 8210): an output of that rank with one sequence per
+sample is read so (`ctc_sequences`), as its one step per sequence otherwise holds no text.
 
 A detector (`--detect`, npuprep.detections) is judged by its detections: a score output
 passes when every (position, class) entry FP32 decides (its score further than the tolerance,
@@ -141,15 +143,16 @@ class OutputErrors:
                 self._add_boxes(name, k.scores, ref, cand, a["samples"] - 1)
             return
         if k == CTC_TEXT:
-            self._add_texts(a, ref, cand)
+            self._add_texts(a, ctc_sequences(ref), ctc_sequences(cand))
         if k and ref.ndim >= 1 and ref.shape[-1] <= k:
             # A symbolic last axis smaller than K: no position could ever be judged.
             raise NpuprepError(f"--top-k {name}:{k}: output '{name}' has {ref.shape[-1]} classes along its "
                                "last axis on these samples; K must be smaller")
-        if k == 1 and ref.ndim >= 2 and ref.shape[-2] > 1 and ref.shape == cand.shape:
+        steps = ctc_sequences(ref)
+        if k == 1 and steps.ndim >= 2 and steps.shape[-2] > 1 and ref.shape == cand.shape:
             # Steps x classes judged step by step: whether each sequence's greedy CTC text
             # held too, for the hint a failing step-wise judge gives (npuprep.pipeline.verdict).
-            held = _same_text(ref, cand, _decided(ref, 1, self.tie_rtol))
+            held = _same_text(steps, ctc_sequences(cand), _decided(steps, 1, self.tie_rtol))
             a["texts_held"] = a.get("texts_held", 0) + int(held.sum())
             a["texts"] = a.get("texts", 0) + int(held.size)
         if k and ref.ndim >= 1 and ref.shape == cand.shape and ref.shape[-1] >= k:
@@ -417,6 +420,12 @@ def _decided(ref: np.ndarray, k: int, tie_rtol: float) -> np.ndarray:
     larger = np.maximum(np.abs(two[..., 0]), np.abs(two[..., 1]))
     with np.errstate(invalid="ignore"):  # Inf - Inf where FP32 itself overflowed: undecided
         return (two[..., 0] - two[..., 1]) > tie_rtol * larger
+
+
+def ctc_sequences(a: np.ndarray) -> np.ndarray:
+    """A CTC output as sequences x steps x classes: steps x 1 x classes (torch's layout, steps
+    first, one sequence) turned so; any other shape as it is."""
+    return a.transpose(1, 0, 2) if a.ndim == 3 and a.shape[1] == 1 and a.shape[0] > 1 else a
 
 
 def ctc_text(path: np.ndarray) -> list[int]:
