@@ -6,12 +6,20 @@ detected; nobody reads the rel L2 of background scores. `--detect` names one det
 
     --detect 'SCORES[=BOXES],SCORES[=BOXES],...:THRESHOLD'
     --detect 'cls8=reg8,cls16=reg16,cls32=reg32:0.5'    (a multi-scale head, one threshold)
+    --detect 'classificators=regressors:sigmoid(0.5)'   (logits the user reads as sigmoid > 0.5)
 
 Each SCORES output is judged by its detections at THRESHOLD, and each BOXES output at the
 positions (every index but the last axis) its SCORES output detects. The score outputs of
 one `--detect` are one detector: its detections are counted together (a stride whose map
 holds only background is judged by keeping it so, while the other strides detect). Output
 names may contain ':' (the threshold is after the last one), not ',' or '='.
+
+`sigmoid(T)` says the score outputs are logits the user's post-processing turns into
+probabilities before the threshold (MediaPipe's BlazeFace: sigmoid, then 0.5): they are judged
+as those probabilities, as a graph that ends in the Sigmoid is. The tie band around the
+threshold is a share of the scale the scores are read on (npuprep.verify.output_errors): read
+as logits, 0.05 around 0 is p = 0.4875..0.5125, four times narrower than the same rule on the
+probabilities the user thresholds.
 
 How the rule is measured (sides of the threshold, ties, the margin) is
 npuprep.verify.output_errors; this module is the spec, its parsing and its JSON form
@@ -21,23 +29,41 @@ npuprep.verify.output_errors; this module is the spec, its parsing and its JSON 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from npuprep.errors import NpuprepError
 
 SPEC = "SCORES[=BOXES],...:THRESHOLD"
+_SIGMOID = re.compile(r"sigmoid\((.*)\)")
 
 
 @dataclass(frozen=True)
 class Detection:
     """One output of a detector: a score map (`scores` None) judged by its (position, class)
     entries above `threshold`, or a box map judged at the positions its score map `scores`
-    detects. `detector`: every score output of the detector (detections counted together)."""
+    detects. `detector`: every score output of the detector (detections counted together).
+    `sigmoid`: the scores are logits, read as their sigmoid (the threshold a probability)."""
 
     threshold: float
     detector: tuple[str, ...]
     scores: str | None = None
+    sigmoid: bool = False
+
+    def read(self, scores: np.ndarray) -> np.ndarray:
+        """A score output's values as the user thresholds them (their sigmoid where
+        `sigmoid`; NaN stays NaN)."""
+        if not self.sigmoid:
+            return scores
+        with np.errstate(over="ignore"):
+            return 1.0 / (1.0 + np.exp(-np.asarray(scores, np.float64)))
+
+    def passing(self) -> str:
+        """What a detection passes, in words: '> 0.5', 'sigmoid > 0.5'."""
+        return f"sigmoid > {self.threshold:g}" if self.sigmoid else f"> {self.threshold:g}"
 
     @property
     def is_boxes(self) -> bool:
@@ -46,17 +72,19 @@ class Detection:
     def said(self) -> str:
         """The rule in words: 'detections at 0.5' / 'rel L2 at the detections of cls8'."""
         if self.scores is not None:
-            return f"rel L2 at the detections of {self.scores} (> {self.threshold:g})"
-        return f"detections at > {self.threshold:g}"
+            return f"rel L2 at the detections of {self.scores} ({self.passing()})"
+        return f"detections at {self.passing()}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"detect": self.threshold, "detector": list(self.detector),
-                **({"scores": self.scores} if self.scores is not None else {})}
+                **({"scores": self.scores} if self.scores is not None else {}),
+                **({"sigmoid": True} if self.sigmoid else {})}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Detection:
         return cls(threshold=float(data["detect"]), detector=tuple(map(str, data["detector"])),
-                   scores=None if data.get("scores") is None else str(data["scores"]))
+                   scores=None if data.get("scores") is None else str(data["scores"]),
+                   sigmoid=bool(data.get("sigmoid", False)))
 
 
 # How an output is judged by the decisions read from it: K >= 1 (top-K classes along the
@@ -78,25 +106,31 @@ def parse_detect(items: list[str]) -> dict[str, Detection]:
     found: dict[str, Detection] = {}
     for item in items:
         pairs, _, number = item.rpartition(":")
+        wrapped = _SIGMOID.fullmatch(number.strip())
         try:
-            threshold = float(number)
+            threshold = float(wrapped.group(1) if wrapped else number)
         except ValueError:
             threshold = math.nan
         if not pairs or not math.isfinite(threshold):
             raise NpuprepError(f"--detect {item}: expected {SPEC} with THRESHOLD a finite number "
-                               "(the score a detection passes)")
+                               "(the score a detection passes) or sigmoid(P) (logits read as "
+                               "probabilities, P between 0 and 1)")
+        if wrapped and not 0.0 < threshold < 1.0:
+            raise NpuprepError(f"--detect {item}: sigmoid({threshold:g}) is no probability a "
+                               "sigmoid reaches; P must be between 0 and 1")
         tied = [p.partition("=") for p in pairs.split(",")]
         if any(not s or (eq and not b) or "=" in b for s, eq, b in tied):
             raise NpuprepError(f"--detect {item}: expected {SPEC}; each item is a score output, "
                                "or SCORES=BOXES with one box output")
         scores = tuple(dict.fromkeys(s for s, _, _ in tied))
-        rules = {s: Detection(threshold, scores) for s in scores}
+        sigmoid = wrapped is not None
+        rules = {s: Detection(threshold, scores, sigmoid=sigmoid) for s in scores}
         for s, _, b in tied:
             if b and (b in rules or b in scores):
                 raise NpuprepError(f"--detect {item}: '{b}' is named twice (a score output is "
                                    "not its own box output)")
             if b:
-                rules[b] = Detection(threshold, scores, scores=s)
+                rules[b] = Detection(threshold, scores, scores=s, sigmoid=sigmoid)
         for name in rules:
             if name in found:
                 raise NpuprepError(f"--detect {item}: output '{name}' is already judged by "

@@ -276,3 +276,41 @@ def test_an_8bit_conversion_searches_and_verifies_by_the_detections():
     assert sum(rows["score"]["detections"]) > 0 and "detect_agreement" in rows["score"]
     assert "rel_l2_at_detections" in rows["box"] and result.holdout is not None
     assert any("detections at > 0.5" in n for n in result.notes)
+
+
+def test_logits_read_through_a_sigmoid_are_judged_as_its_probabilities():
+    # The DETECTOR's logits s (before its Sigmoid) as the score output: `sigmoid(0.5)` judges
+    # them as the Sigmoid's output at 0.5 is judged, band and all; at 0 on the logits a score
+    # 0.1 from the threshold (p = 0.525, a tie on the probabilities) is a decision.
+    logits = _feed()["s"].astype(np.float64)
+    logits[0, 3, 0], logits[0, 4, 0] = 0.1, 0.3  # p = 0.525 (a tie), 0.574 (decided)
+    cand = logits.copy()
+    cand[0, 3, 0], cand[0, 4, 0] = -0.1, 0.35
+    as_logits = _errors(parse_detect(["score=box:0"]), _outputs(logits, _reference()["box"]),
+                        _outputs(cand, _reference()["box"]))["score"]
+    rules = parse_detect(["score=box:sigmoid(0.5)"])
+    as_probs = _errors(rules, _outputs(logits, _reference()["box"]),
+                       _outputs(cand, _reference()["box"]))["score"]
+    sig = _errors(parse_detect([SPEC]), _outputs(1 / (1 + np.exp(-logits)), _reference()["box"]),
+                  _outputs(1 / (1 + np.exp(-cand)), _reference()["box"]))["score"]
+    assert as_logits["detect_agreement"] == pytest.approx(17 / 18) and not output_passes(
+        as_logits, 5e-2)
+    assert as_probs["detect_ties"] == sig["detect_ties"] == 1
+    assert as_probs["detect_ties_flipped"] == 1 and output_passes(as_probs, 5e-2)
+    for key in ("detect_agreement", "detect_entries", "detections"):
+        assert as_probs[key] == sig[key]
+    # The search's error reads the same probabilities.
+    assert decision_error([_outputs(cand, _reference()["box"])],
+                          [_outputs(logits, _reference()["box"])], top_k=rules, aim=0.04,
+                          margin=2.0, tie_rtol=5e-2) == pytest.approx(decision_error(
+        [_outputs(1 / (1 + np.exp(-cand)), _reference()["box"])],
+        [_outputs(1 / (1 + np.exp(-logits)), _reference()["box"])], top_k=parse_detect([SPEC]),
+        aim=0.04, margin=2.0, tie_rtol=5e-2))
+    # Said, recorded and read back as such; a threshold no sigmoid reaches is refused.
+    assert rules["score"].said() == "detections at sigmoid > 0.5"
+    assert rules["box"].said() == "rel L2 at the detections of score (sigmoid > 0.5)"
+    gates = Gates(rtol=5e-2, atol=1e-6, top_k=dict(rules))
+    assert Gates.from_dict(json.loads(json.dumps(gates.to_dict()))) == gates
+    for bad in ("score:sigmoid(1.5)", "score:sigmoid(0)", "score:sigmoid(x)"):
+        with pytest.raises(NpuprepError, match=re.escape(f"--detect {bad}: ")):
+            parse_detect([bad])

@@ -417,4 +417,6 @@ def add_goal(p: argparse.ArgumentParser, default_metric: str | None = "auto") ->
                         "SCORES, background left out; the SCORES of one --detect are one detector, "
                         "its detections counted together (none on the samples: rel L2 judges, and "
                         "the report says so); e.g. --detect 'cls8=reg8,cls16=reg16:0.5'; "
-                        "repeatable")
+                        "THRESHOLD as sigmoid(P): SCORES are logits the post-processing reads "
+                        "as probabilities, judged as those (BlazeFace: 'classificators="
+                        "regressors:sigmoid(0.5)'); repeatable")

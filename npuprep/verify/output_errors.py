@@ -195,6 +195,7 @@ class OutputErrors:
             raise NpuprepError(f"--detect: output '{name}' has shape {cand.shape} in the candidate "
                                f"and {ref.shape} in FP32; a score output is positions x classes")
         a, t = self._acc[name], rule.threshold
+        ref, cand = rule.read(ref), rule.read(cand)
         with np.errstate(invalid="ignore", over="ignore"):
             above = ref > t
             decided = np.abs(ref - t) > detection_band(t, self.tie_rtol)  # NaN: undecided
@@ -251,7 +252,7 @@ class OutputErrors:
         row: dict[str, Any] = {"detect": rule.to_dict(), "detector_detections": total,
                                "detections": [per_sample.get(i, 0) for i in range(a["samples"])]}
         if not total:
-            row["detect_fallback"] = (f"no detection at > {rule.threshold:g} on these samples "
+            row["detect_fallback"] = (f"no detection at {rule.passing()} on these samples "
                                       f"(detector {', '.join(rule.detector)}): judged by rel L2")
             return row
         if rule.scores is not None and len(self._detected.get(rule.scores, {})) < a["samples"]:
