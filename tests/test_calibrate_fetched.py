@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 
+import npuprep.calibrate.fetched as fetched
 import npuprep.calibrate.run as calibrate_run
 from npuprep.calibrate import calibrate
 from npuprep.calibrate.fetched import fetchable, row_of
 from npuprep.calibrate.layout import HEADER, HIST_BINS, HIST_OFFSET, OVER_FORMATS
+from npuprep.data import SampleSet, load_samples
 from npuprep.model_io import Model
 from npuprep.numerics import get_format
 
@@ -109,3 +112,34 @@ def test_samples_in_streams_fold_in_sample_order(streams):
     got = calibrate(model, feeds, detail="all", tensors=["y"], streams=streams).tensors["y"]
     alone = [calibrate(model, [f], detail="all", tensors=["y"]).tensors["y"].absmax for f in feeds]
     assert got.per_sample_absmax == tuple(alone) and len(set(alone)) == len(feeds)
+
+
+def _files(tmp_path: Path, feeds: list[dict[str, np.ndarray]], proto: onnx.ModelProto) -> SampleSet:
+    for i, feed in enumerate(feeds):
+        np.savez(tmp_path / f"s{i}.npz", **feed)
+    return load_samples(tmp_path, proto)
+
+
+def test_a_whole_calibration_from_files_is_fetched_where_it_fits(tmp_path, monkeypatch):
+    model, feeds = _convs()
+    samples = _files(tmp_path, feeds, model.proto)
+    monkeypatch.setattr(fetched, "FETCH_BYTES", 0)
+    graph = calibrate(model, samples, detail="all")
+    monkeypatch.undo()
+    instrumented = []
+    monkeypatch.setattr(calibrate_run, "instrument", lambda *a, **k: instrumented.append(1))
+    got = calibrate(model, samples, detail="all")
+    assert not instrumented and set(got.tensors) == set(graph.tensors) == {"x", "y", "r", "tiny", "big"}
+    assert got.to_dict() == graph.to_dict()
+
+
+def test_a_whole_calibration_past_its_memory_or_with_a_body_runs_in_the_graph(tmp_path, monkeypatch):
+    model, feeds = _convs()
+    size = 4 * 8 * 8 * (3 + 4 * 4)  # x, then y, r, tiny and big: one sample's float32 bytes
+    assert fetched.fits(model.proto, ["x", "y", "r", "tiny", "big"], feeds[0], 2)
+    monkeypatch.setattr(fetched, "FETCH_BYTES", 2 * size - 1)
+    assert not fetched.fits(model.proto, ["x", "y", "r", "tiny", "big"], feeds[0], 2)
+    assert fetched.fits(model.proto, ["x", "y", "r", "tiny", "big"], feeds[0], 1)
+    assert fetchable(onnx.parser.parse_model(BRANCHED), None) is None
+    assert fetchable(model.proto, None) == {"x": "", "y": "node_of_y", "r": "node_of_r",
+                                            "tiny": "node_of_tiny", "big": "node_of_big"}

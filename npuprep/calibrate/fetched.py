@@ -13,7 +13,8 @@ session built the same way (prepacked weights, every optimisation), each tensor 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import math
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -21,7 +22,7 @@ from onnx import TensorProto, helper
 
 from npuprep.calibrate.layout import HEADER, HIST_BINS, OVER_FORMATS, WIDTH
 from npuprep.graph import infer_tensors, node_label
-from npuprep.numerics import get_format
+from npuprep.numerics import FLOAT_ONNX_TYPES, get_format
 
 # float32 bits: the exponent field's shift and the sign bit off.
 _EXPONENT_SHIFT = 23
@@ -32,21 +33,46 @@ _COL = {name: i for i, name in enumerate(HEADER)}
 _OVER_MAX = {f: np.float32(get_format(f).max) for f in OVER_FORMATS}
 
 
-def fetchable(model: onnx.ModelProto, tensors: Collection[str]) -> dict[str, str] | None:
-    """Each of `tensors` -> the label of the node that writes it ("" for a graph input), where
-    every one is a float32 tensor of the main graph; None where any is not (a body's tensor, or
-    another type: the in-graph statistics handle those)."""
+# The most the fetched tensors of the samples in flight may hold (a whole calibration's every
+# activation of a sample is held until its run ends): past it, the in-graph statistics, which
+# free each activation as plain inference does. dnsmos_p835: 351 MiB a sample, two at once.
+FETCH_BYTES = 1 << 30
+
+
+def fetchable(model: onnx.ModelProto, tensors: Collection[str] | None) -> dict[str, str] | None:
+    """Each of `tensors` (None: every float tensor `instrument` observes) -> the label of the
+    node that writes it ("" for a graph input), where every one is a float32 tensor of the
+    main graph (and, for every tensor, the graph has no bodies and every tensor a known type);
+    None otherwise: the in-graph statistics handle bodies, other types and what they cannot
+    observe."""
     graph = model.graph
     inits = {i.name for i in graph.initializer}
     written = {o: node_label(n) for n in graph.node if n.op_type != "Constant" for o in n.output if o}
     written.update({i.name: "" for i in graph.input if i.name not in inits})
-    wanted = set(tensors)
-    if not wanted <= set(written):
-        return None
     types = infer_tensors(model).types
-    if any(types.get(t) != TensorProto.FLOAT for t in wanted):
+    if tensors is None:
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+               for n in graph.node for a in n.attribute) or any(t not in types for t in written):
+            return None
+        tensors = [t for t in written if types[t] in FLOAT_ONNX_TYPES]
+    wanted = set(tensors)
+    if not wanted <= set(written) or any(types.get(t) != TensorProto.FLOAT for t in wanted):
         return None
     return {t: written[t] for t in sorted(wanted)}
+
+
+def fits(model: onnx.ModelProto, tensors: Collection[str], feed: Mapping[str, np.ndarray],
+         streams: int) -> bool:
+    """Whether `tensors` of `streams` samples shaped like `feed` fit in FETCH_BYTES and the
+    run's memory budget (a tensor whose size shape inference cannot tell: no)."""
+    from npuprep.flops import tensor_shapes
+    from npuprep.resources import affordable
+
+    shapes = tensor_shapes(model, {k: np.shape(v) for k, v in feed.items()})
+    if any(t not in shapes for t in tensors):
+        return False
+    held = streams * sum(4 * math.prod(shapes[t]) for t in tensors)
+    return held <= FETCH_BYTES and affordable(held)
 
 
 def with_outputs(model: onnx.ModelProto, tensors: Sequence[str]) -> onnx.ModelProto:

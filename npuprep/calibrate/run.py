@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from npuprep.calibrate.fetched import fetchable, row_of, with_outputs
+from npuprep.calibrate.fetched import fetchable, fits, row_of, with_outputs
 from npuprep.calibrate.instrument import Instrumented, instrument
 from npuprep.calibrate.layout import FLAGGED, HEADER, WIDTH, scope_of
 from npuprep.calibrate.stats import Accumulator, CalibrationStats
@@ -67,8 +67,8 @@ def calibrate_here(
         jobs = plan_jobs(jobs, count, n_cores)
     streams = plan_streams(streams, count, jobs, n_cores)
     prepared = prepare(model, detail, tensors)
-    written = fetchable(prepared.graph, tensors) if tensors is not None and detail == "all" else None
-    if written is not None and jobs == 1:
+    written = _fetching(prepared, samples, tensors, detail, jobs, streams)
+    if written is not None:
         return _calibrated_fetched(model, prepared, samples, written, streams, n_cores)
     # Given cores (a Ray task's share of a machine) are shared out even to one run.
     threads = session_threads(jobs * streams) if n_cores is None else max(1, n_cores // (jobs * streams))
@@ -108,6 +108,23 @@ def calibrate_here(
         sample_count=acc.samples, detail=detail, tensors=stats, unobserved=dict(inst.unobserved),
         sample_ids=samples.sample_ids(), source=samples.source_info(),
     )
+
+
+def _fetching(prepared: Prepared, samples: SampleSet | FeedStream, tensors: Collection[str] | None,
+              detail: str, jobs: int, streams: int) -> dict[str, str] | None:
+    """The tensors a calibration fetches and bins in numpy (tensor -> its writer's label,
+    npuprep.calibrate.fetched), or None where it runs the instrumented graph: with every
+    rule's detail only (the in-graph histogram costs ~60 ns an element, the numpy one a
+    fraction; "auto" details few elements), in one process, main-graph float32 tensors; every
+    tensor only from files (sample 0 read to size them) where they fit (fetched.fits)."""
+    if detail != "all" or jobs != 1:
+        return None
+    if tensors is not None:
+        return fetchable(prepared.graph, tensors)
+    written = fetchable(prepared.graph, None) if isinstance(samples, SampleSet) and len(samples) else None
+    if written is None or not fits(prepared.graph, written, next(samples.iter_range(0, 1)), streams):
+        return None
+    return written
 
 
 def _calibrated_fetched(model: Model, prepared: Prepared, samples: SampleSet | FeedStream,
