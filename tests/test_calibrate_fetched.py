@@ -143,3 +143,14 @@ def test_a_whole_calibration_past_its_memory_or_with_a_body_runs_in_the_graph(tm
     assert fetchable(onnx.parser.parse_model(BRANCHED), None) is None
     assert fetchable(model.proto, None) == {"x": "", "y": "node_of_y", "r": "node_of_r",
                                             "tiny": "node_of_tiny", "big": "node_of_big"}
+
+
+def test_a_bin_past_two_to_the_24_counts_exactly_at_an_old_opset():
+    # x -> Relu -> y at opset 13, where the in-graph bins are counted by TfIdfVectorizer in
+    # float32 (exact up to 2^24 a bin): fetched, 2^24 + 1000 zeros count as they are.
+    proto = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 13]>
+        g (float[N] x) => (float[N] y) { y = Relu(x) }""")
+    x = np.zeros(2**24 + 1500, np.float32)
+    x[:500] = 1.0
+    got = calibrate(Model(proto, "", "relu"), [{"x": x}], detail="all", tensors=["y"]).tensors["y"]
+    assert (got.zero_count, got.exp_hist, got.count) == (2**24 + 1000, {0: 500}, x.size)

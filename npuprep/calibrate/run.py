@@ -69,7 +69,8 @@ def calibrate_here(
     prepared = prepare(model, detail, tensors)
     written = _fetching(prepared, samples, tensors, detail, jobs, streams)
     if written is not None:
-        return _calibrated_fetched(model, prepared, samples, written, streams, n_cores)
+        with _progress(count, show_progress, on_progress) as set_done:
+            return _calibrated_fetched(model, prepared, samples, written, streams, n_cores, set_done)
     # Given cores (a Ray task's share of a machine) are shared out even to one run.
     threads = session_threads(jobs * streams) if n_cores is None else max(1, n_cores // (jobs * streams))
     if jobs == 1:
@@ -128,13 +129,14 @@ def _fetching(prepared: Prepared, samples: SampleSet | FeedStream, tensors: Coll
 
 
 def _calibrated_fetched(model: Model, prepared: Prepared, samples: SampleSet | FeedStream,
-                        written: dict[str, str], streams: int,
-                        n_cores: int | None) -> CalibrationStats:
-    """The statistics of a few main-graph float32 tensors (`written`: tensor -> the label of
-    its writer) with every rule's detail, from their values fetched and binned in numpy
+                        written: dict[str, str], streams: int, n_cores: int | None,
+                        set_done: Callable[[int], None]) -> CalibrationStats:
+    """The statistics of main-graph float32 tensors (`written`: tensor -> the label of its
+    writer) with every rule's detail, from their values fetched and binned in numpy
     (npuprep.calibrate.fetched): the rows the instrumented graph gives, without its ~60 ns an
     element of histogram. The session is built as the instrumented one is (prepacked weights,
-    every optimisation, a thread a stream), so the values are those it reads."""
+    every optimisation, a thread a stream), so the values are those it reads. `set_done`:
+    the count of samples done, as it grows."""
     from npuprep.runtime.session import run_in_streams
 
     names = list(written)
@@ -147,6 +149,7 @@ def _calibrated_fetched(model: Model, prepared: Prepared, samples: SampleSet | F
         rows = [row_of(out[t]) for t in names]
         acc.add(np.array([r[0] for r in rows]), np.array([r[1] for r in rows]),
                 np.concatenate([r[2] for r in rows]), index)
+        set_done(index + 1)
     if acc.samples == 0:
         raise NpuprepError("calibration: the sample stream gave no sample")
     scope = scope_of("all")
