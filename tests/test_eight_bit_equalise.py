@@ -201,15 +201,15 @@ def test_compare_reads_the_per_channel_factors_a_conversion_records(tmp_path):
 
 
 def _measured_rules(monkeypatch, proto: onnx.ModelProto) -> list[ScaleRule]:
-    """The rules the model as it is (`proto`) is quantised at, as equalisation measures it."""
+    """The rules the model as it is (`proto`) is quantised at, as equalisation measures it
+    ("equalised" for each measurement of an equalised side)."""
     import npuprep.verify.qdq_model as qdq_model
 
     seen: list[ScaleRule] = []
     real = qdq_model.quantise
 
     def counted(model: onnx.ModelProto, *args: object, **kwargs: object) -> object:
-        if model is proto:
-            seen.append(kwargs["rule"])
+        seen.append(kwargs["rule"] if model is proto else "equalised")
         return real(model, *args, **kwargs)
 
     monkeypatch.setattr(qdq_model, "quantise", counted)
@@ -230,7 +230,9 @@ def test_a_declined_equalisation_stops_measuring_the_model_as_it_is_once_decided
     done = equalise_channels(proto, proto, ["c2", "c3"], stats, INT8, feeds, rules=RULES,
                              tensor_scales={})
     assert done.chains == () and done.model is proto and done.stopped
-    assert seen == [ScaleRule.ABSMAX] and np.isclose(done.before, alone.before)
+    # Both equalised sides (as they are, with the left-out headroom) at every rule, first.
+    assert seen == ["equalised"] * 2 * len(RULES) + [ScaleRule.ABSMAX]
+    assert np.isclose(done.before, alone.before)
     assert done.after > (1 - 0.05) * done.before
 
 
@@ -241,4 +243,5 @@ def test_a_kept_equalisation_measures_the_model_as_it_is_at_every_rule(monkeypat
     seen = _measured_rules(monkeypatch, proto)
     done = equalise_channels(proto, proto, ["c2", "c3"], stats, INT8, feeds, rules=RULES,
                              tensor_scales={})
-    assert len(done.chains) == 1 and not done.stopped and seen == list(RULES)
+    assert len(done.chains) == 1 and not done.stopped
+    assert seen == ["equalised"] * 2 * len(RULES) + list(RULES)

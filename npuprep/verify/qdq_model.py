@@ -427,7 +427,7 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
     error = model_errors(reference, check, expected)
 
     def best(m: onnx.ModelProto, found_stats: CalibrationStats,
-             declined_by: float = math.inf) -> tuple[float, bool]:
+             declined_by: float | None = None) -> tuple[float, bool]:
         """The least error over `rules` (the search picks each activation's rule later: each
         side at its best rule), and whether it stopped at a rule under which `declined_by`
         (the equalised error) takes less than EQUALISE_MIN_GAIN off: the rest could only
@@ -437,7 +437,7 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
             least = min(least, error(quantise(m, nodes, found_stats, int8, saturate=True, rule=r,
                                               tensor_scales=tensor_scales,
                                               weights=weights).model))
-            if declined_by > (1.0 - EQUALISE_MIN_GAIN) * least:
+            if declined_by is not None and declined_by > (1.0 - EQUALISE_MIN_GAIN) * least:
                 return least, r != rules[-1]
         return least, False
 
