@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import npuprep.calibrate.fetched as calibrate_fetched
 import npuprep.calibrate.run as calibrate_run
 from npuprep.calibrate import calibrate
 from npuprep.calibrate.layout import HI, LO
@@ -90,7 +91,8 @@ def test_ordinary_samples_never_detail(tmp_path, save, opened_detailed):
     assert all(s.detailed_count == 0 for s in stats.tensors.values())
 
 
-def test_only_sessions_that_stay_get_prepacked_weights(tmp_path, save, opened_detailed, opened_prepacked):
+def test_only_sessions_that_stay_get_prepacked_weights(tmp_path, save, opened_detailed, opened_prepacked,
+                                                       monkeypatch):
     # Sample 0 below the range: the first session (no detail) is rebuilt, so it was built
     # without prepacked weights; the one rebuilt with the detail has them.
     model, samples, _ = samples_scaled(tmp_path, save, [0.01, 1.0, 2.0])
@@ -98,6 +100,8 @@ def test_only_sessions_that_stay_get_prepacked_weights(tmp_path, save, opened_de
     assert len(opened_prepacked) > 1 and opened_detailed[1]
     assert opened_prepacked == [False] + [True] * (len(opened_prepacked) - 1)
     opened_prepacked.clear()
+    # In the graph (fetched, every tensor's values come from one session of its own).
+    monkeypatch.setattr(calibrate_fetched, "FETCH_BYTES", 0)
     calibrate(model, samples, detail="all")  # its only session: prepacked from the start
     assert opened_prepacked == [True]
 

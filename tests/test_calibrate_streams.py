@@ -94,14 +94,15 @@ def test_streams_agree_with_one_and_run_at_once(scaled, slow_runs, monkeypatch, 
 def test_streams_share_one_session_on_one_thread_each(scaled, monkeypatch):
     model, samples, _ = scaled
     opened: list[int] = []
-    real_open = calibrate_run.Prepared.open
+    real_session = calibrate_run.Prepared.session
 
-    def recording_open(self, threads, detailed, nan_checked=None, lean=(), prepack=True):  # noqa: ANN001, ANN202
-        inst, session = real_open(self, threads, detailed, nan_checked, lean, prepack)
+    # Every session a calibration builds, instrumented or fetching (detail "all" from files).
+    def recording_session(self, graph, threads, prepack=True):  # noqa: ANN001, ANN202
+        session = real_session(self, graph, threads, prepack)
         opened.append(session.get_session_options().intra_op_num_threads)
-        return inst, session
+        return session
 
-    monkeypatch.setattr(calibrate_run.Prepared, "open", recording_open)
+    monkeypatch.setattr(calibrate_run.Prepared, "session", recording_session)
     monkeypatch.setattr(calibrate_run, "cores", lambda: 2)
     calibrate(model, samples, streams=2, detail="all")
     assert opened == [1]  # one session, built once, run by both streams

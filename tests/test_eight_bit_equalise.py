@@ -198,3 +198,50 @@ def test_compare_reads_the_per_channel_factors_a_conversion_records(tmp_path):
     said = json.loads(done_cli.stdout)
     # Without the record the same compare names 'a' (the test above, in process).
     assert said["first_divergent"] is None and any("per channel" in n for n in said["notes"])
+
+
+def _measured_rules(monkeypatch, proto: onnx.ModelProto) -> list[ScaleRule]:
+    """The rules the model as it is (`proto`) is quantised at, as equalisation measures it
+    ("equalised" for each measurement of an equalised side)."""
+    import npuprep.verify.qdq_model as qdq_model
+
+    seen: list[ScaleRule] = []
+    real = qdq_model.quantise
+
+    def counted(model: onnx.ModelProto, *args: object, **kwargs: object) -> object:
+        seen.append(kwargs["rule"] if model is proto else "equalised")
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(qdq_model, "quantise", counted)
+    return seen
+
+
+RULES = (ScaleRule.ABSMAX, ScaleRule.PERCENTILE, ScaleRule.MSE)
+
+
+def test_a_declined_equalisation_stops_measuring_the_model_as_it_is_once_decided(monkeypatch):
+    # Every channel weighed alike (declined): at abs-max the model as it is already errs
+    # less than equalised at any rule, so its other rules are not measured; the bound it
+    # gives declines as the least over every rule does.
+    proto = _model(CHAIN, weighed=False)
+    feeds = _feeds(8)
+    stats, alone = _equalised(proto, feeds)
+    seen = _measured_rules(monkeypatch, proto)
+    done = equalise_channels(proto, proto, ["c2", "c3"], stats, INT8, feeds, rules=RULES,
+                             tensor_scales={})
+    assert done.chains == () and done.model is proto and done.stopped
+    # Both equalised sides (as they are, with the left-out headroom) at every rule, first.
+    assert seen == ["equalised"] * 2 * len(RULES) + [ScaleRule.ABSMAX]
+    assert np.isclose(done.before, alone.before)
+    assert done.after > (1 - 0.05) * done.before
+
+
+def test_a_kept_equalisation_measures_the_model_as_it_is_at_every_rule(monkeypatch):
+    proto = _model(CHAIN)
+    feeds = _feeds(8)
+    stats = calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
+    seen = _measured_rules(monkeypatch, proto)
+    done = equalise_channels(proto, proto, ["c2", "c3"], stats, INT8, feeds, rules=RULES,
+                             tensor_scales={})
+    assert len(done.chains) == 1 and not done.stopped
+    assert seen == ["equalised"] * 2 * len(RULES) + list(RULES)

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from npuprep.calibrate.fetched import fetchable, fits, row_of, with_outputs
 from npuprep.calibrate.instrument import Instrumented, instrument
 from npuprep.calibrate.layout import FLAGGED, HEADER, WIDTH, scope_of
 from npuprep.calibrate.stats import Accumulator, CalibrationStats
@@ -66,6 +67,10 @@ def calibrate_here(
         jobs = plan_jobs(jobs, count, n_cores)
     streams = plan_streams(streams, count, jobs, n_cores)
     prepared = prepare(model, detail, tensors)
+    written = _fetching(prepared, samples, tensors, detail, jobs, streams)
+    if written is not None:
+        with _progress(count, show_progress, on_progress) as set_done:
+            return _calibrated_fetched(model, prepared, samples, written, streams, n_cores, set_done)
     # Given cores (a Ray task's share of a machine) are shared out even to one run.
     threads = session_threads(jobs * streams) if n_cores is None else max(1, n_cores // (jobs * streams))
     if jobs == 1:
@@ -102,6 +107,56 @@ def calibrate_here(
     return CalibrationStats(
         fingerprint=model.fingerprint, samples=samples.describe(), synthetic=samples.synthetic,
         sample_count=acc.samples, detail=detail, tensors=stats, unobserved=dict(inst.unobserved),
+        sample_ids=samples.sample_ids(), source=samples.source_info(),
+    )
+
+
+def _fetching(prepared: Prepared, samples: SampleSet | FeedStream, tensors: Collection[str] | None,
+              detail: str, jobs: int, streams: int) -> dict[str, str] | None:
+    """The tensors a calibration fetches and bins in numpy (tensor -> its writer's label,
+    npuprep.calibrate.fetched), or None where it runs the instrumented graph: with every
+    rule's detail only (the in-graph histogram costs ~60 ns an element, the numpy one a
+    fraction; "auto" details few elements), in one process, main-graph float32 tensors; every
+    tensor only from files (sample 0 read to size them) where they fit (fetched.fits)."""
+    if detail != "all" or jobs != 1:
+        return None
+    if tensors is not None:
+        return fetchable(prepared.graph, tensors)
+    written = fetchable(prepared.graph, None) if isinstance(samples, SampleSet) and len(samples) else None
+    if written is None or not fits(prepared.graph, written, next(samples.iter_range(0, 1)), streams):
+        return None
+    return written
+
+
+def _calibrated_fetched(model: Model, prepared: Prepared, samples: SampleSet | FeedStream,
+                        written: dict[str, str], streams: int, n_cores: int | None,
+                        set_done: Callable[[int], None]) -> CalibrationStats:
+    """The statistics of main-graph float32 tensors (`written`: tensor -> the label of its
+    writer) with every rule's detail, from their values fetched and binned in numpy
+    (npuprep.calibrate.fetched): the rows the instrumented graph gives, without its ~60 ns an
+    element of histogram. The session is built as the instrumented one is (prepacked weights,
+    every optimisation, a thread a stream), so the values are those it reads. `set_done`:
+    the count of samples done, as it grows."""
+    from npuprep.runtime.session import run_in_streams
+
+    names = list(written)
+    threads = session_threads(streams) if n_cores is None else max(1, n_cores // streams)
+    session = prepared.session(with_outputs(prepared.graph, names), threads)
+    acc = Accumulator(len(names))
+    # A stream is read to its end, whatever length it claimed.
+    stop = samples.count if isinstance(samples, SampleSet) else None
+    for index, out in enumerate(run_in_streams(session, samples.iter_range(0, stop), names, streams)):
+        rows = [row_of(out[t]) for t in names]
+        acc.add(np.array([r[0] for r in rows]), np.array([r[1] for r in rows]),
+                np.concatenate([r[2] for r in rows]), index)
+        set_done(index + 1)
+    if acc.samples == 0:
+        raise NpuprepError("calibration: the sample stream gave no sample")
+    scope = scope_of("all")
+    return CalibrationStats(
+        fingerprint=model.fingerprint, samples=samples.describe(), synthetic=samples.synthetic,
+        sample_count=acc.samples, detail="all",
+        tensors={t: acc.row(i, t, "main", written[t], scope) for i, t in enumerate(names)},
         sample_ids=samples.sample_ids(), source=samples.source_info(),
     )
 
@@ -218,21 +273,26 @@ class Prepared:
         """The graph instrumented (detail for `detailed` only, lean for `lean`, the L1 pass
         skipped where it can be but for `nan_checked`; see instrument) and a session, with
         prepacked weights unless `prepack` is False."""
-        from npuprep.runtime.session import make_session_external
-
         inst = instrument(self.graph, detail=self.detail, detailed=detailed, nan_checked=nan_checked, lean=lean,
                           only=self.only)
+        return inst, self.session(inst.model, threads, prepack)
+
+    def session(self, graph: onnx.ModelProto, threads: int | None, prepack: bool = True) -> object:
+        """A session of `graph` (this model's graph, with nodes or outputs added) on this
+        model's weights, every optimisation on."""
+        from npuprep.runtime.session import make_session_external
+
         if self.folder is None:
-            return inst, make_session_external(inst.model, self.weights, threads=threads, optimize="all",
-                                               prepack=prepack, source=self.source or None)
+            return make_session_external(graph, self.weights, threads=threads, optimize="all",
+                                         prepack=prepack, source=self.source or None)
         fd, name = tempfile.mkstemp(prefix=".npuprep-calibrate-", suffix=".onnx", dir=self.folder)
         os.close(fd)
         try:
             # Bytes, not onnx.save_model: that writes any raw_data an external tensor holds
             # into the tensor's data file, which may be the input model itself.
-            Path(name).write_bytes(inst.model.SerializeToString())
-            return inst, make_session_external(name, threads=threads, optimize="all", prepack=prepack,
-                                               source=self.source or None)
+            Path(name).write_bytes(graph.SerializeToString())
+            return make_session_external(name, threads=threads, optimize="all", prepack=prepack,
+                                         source=self.source or None)
         finally:
             os.unlink(name)
 

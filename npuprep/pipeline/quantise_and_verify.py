@@ -714,7 +714,8 @@ def _lifted_note(done: Balanced | Equalised) -> str:
 def _equalised_note(done: Equalised) -> str:
     count = len({c.tensor for c in done.chains})
     measured = (f"outputs' rel L2 with every layer in INT8 on samples neither the factors nor the "
-                f"clips were fitted to {done.before:.3g} -> {done.after:.3g}")
+                f"clips were fitted to {'at most ' if done.stopped else ''}{done.before:.3g} -> "
+                f"{done.after:.3g}")
     return (f"{count} Conv input(s) equalised into their producers (each channel's range raised "
             f"to the largest's): {measured}{_lifted_note(done)}" if count else
             f"Conv inputs' channels not equalised: {measured} (kept only where it takes "
