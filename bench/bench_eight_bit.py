@@ -38,6 +38,7 @@ import argparse
 import json
 import math
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -174,9 +175,16 @@ def _run_peer(cmd: list[str], out: Path) -> str:
     except subprocess.TimeoutExpired:
         return f"no model after {PEER_TIMEOUT} s (stopped)"
     if not out.exists():
-        lines = [x for x in (done.stderr + done.stdout).strip().splitlines() if x.strip()]
-        return (lines or ["no output"])[-1][:200]
+        return _why_not(done.stderr + done.stdout)
     return ""
+
+
+def _why_not(log: str) -> str:
+    """A peer's failure in one line: its exception's line where the log holds a traceback (a
+    peer that logs at INFO ends on a log line that says nothing of the failure), else its last."""
+    lines = [x.strip() for x in log.strip().splitlines() if x.strip()]
+    raised = [x for x in lines if re.match(r"[\w.]+(Error|Exception|Interrupt)\b", x)]
+    return ((raised or lines or ["no output"])[-1])[:200]
 
 
 def nncf(entry: Entry, out: Path, decided: tuple[str, ...], accuracy_aware: bool) -> str:
@@ -352,7 +360,8 @@ def measure(entry: Entry, tools: list[str], out_dir: Path) -> list[dict]:
         # CPU seconds (the tool's processes and this one's) compare tools fairly on a shared
         # machine, where wall time depends on who else runs.
         row = {"model": name, "tool": tool, "seconds": round(time.perf_counter() - start, 1),
-               "cpu_seconds": round(_cpu_seconds() - cpu, 1), "error": error}
+               "cpu_seconds": round(_cpu_seconds() - cpu, 1), "error": error,
+               "load": round(os.getloadavg()[0], 1)}  # wall seconds mean little without it
         if not error:
             try:
                 row |= judge(model, out, entry, decided)
