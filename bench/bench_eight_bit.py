@@ -362,26 +362,32 @@ def measure(entry: Entry, tools: list[str], out_dir: Path) -> list[dict]:
         row = {"model": name, "tool": tool, "seconds": round(time.perf_counter() - start, 1),
                "cpu_seconds": round(_cpu_seconds() - cpu, 1), "error": error,
                "load": round(os.getloadavg()[0], 1)}  # wall seconds mean little without it
-        if not error:
-            try:
-                row |= judge(model, out, entry, decided)
-                row["share_8bit"] = eight_bit_share(onnx.load(out), shapes, measured)
-            except Exception as exc:  # noqa: BLE001 - a model that does not load is a measurement
-                row["error"] = f"does not run: {type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
-        row["decided"] = list(decided)
-        row["within"] = bool(not row["error"] and row["outputs_ok"])
-        if entry.detect:  # the same tool judged by rel L2 alone, as before --detect
-            row["within_rel_l2"] = bool(not row["error"] and row["outputs_ok_rel_l2"])
-        if tool.startswith("npuprep") and not row["error"]:
-            # onnxruntime's CPU run of the written FP16 parts computes some of them in FP32 and
-            # hides an overflow the board shows; convert's verdict is on the emulated board.
-            verdict = json.loads(out.with_suffix(".convert.json").read_text())["verdict"]
-            row["convert_passed"] = bool(verdict["passed"])
-            row["within"] = row["within"] and (row["convert_passed"] or verdict["gate"] == "8bit_share")
-        row["clean"] = bool(row["within"] and row["share_8bit"] >= MIN_SHARE)
+        judged(row, entry, out, decided, shapes, measured)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def judged(row: dict, entry: Entry, out: Path, decided: tuple[str, ...],
+           shapes: dict[str, tuple[int, ...]], measured: dict[str, int]) -> None:
+    """`row` (a tool's run, `error` empty where it wrote `out`) given the judge's verdict."""
+    if not row["error"]:
+        try:
+            row |= judge(entry.model, out, entry, decided)
+            row["share_8bit"] = eight_bit_share(onnx.load(out), shapes, measured)
+        except Exception as exc:  # noqa: BLE001 - a model that does not load is a measurement
+            row["error"] = f"does not run: {type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
+    row["decided"] = list(decided)
+    row["within"] = bool(not row["error"] and row["outputs_ok"])
+    if entry.detect:  # the same tool judged by rel L2 alone, as before --detect
+        row["within_rel_l2"] = bool(not row["error"] and row["outputs_ok_rel_l2"])
+    if row["tool"].startswith("npuprep") and not row["error"]:
+        # onnxruntime's CPU run of the written FP16 parts computes some of them in FP32 and
+        # hides an overflow the board shows; convert's verdict is on the emulated board.
+        verdict = json.loads(out.with_suffix(".convert.json").read_text())["verdict"]
+        row["convert_passed"] = bool(verdict["passed"])
+        row["within"] = row["within"] and (row["convert_passed"] or verdict["gate"] == "8bit_share")
+    row["clean"] = bool(row["within"] and row["share_8bit"] >= MIN_SHARE)
 
 
 def table(rows: list[dict]) -> str:
@@ -416,19 +422,23 @@ def main() -> None:
     ap.add_argument("--extra2", type=Path, help="the folder extra2_models.sh wrote: its models too")
     ap.add_argument("--new", action="store_true", help="bench/corpus_new.py's models instead")
     ap.add_argument("--rejudge", action="store_true",
-                    help="run no tool: measure the 8-bit share of OUT.json's models again")
+                    help="run no tool: judge OUT.json's models (those of --only) again")
     ap.add_argument("--out", default="bench/_work/eight_bit")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.rejudge:
         rows = json.loads(out.with_suffix(".json").read_text())
-        for row in (r for r in rows if not r["error"]):
-            entry = Entry(row["model"], args.extra2)
-            shapes = {k: tuple(v.shape) for k, v in _feeds(entry.calib)[0].items()}
-            row["share_8bit"] = eight_bit_share(onnx.load(out / f"{row['model']}.{row['tool']}.onnx"),
-                                                shapes, body_macs(entry, shapes))
-            row["clean"] = bool(row["within"] and row["share_8bit"] >= MIN_SHARE)
+        for name in dict.fromkeys(r["model"] for r in rows if r["model"] in (args.only or [r["model"]])):
+            entry = Entry(name, args.extra2)
+            decided, shapes = decided_of(entry), {k: tuple(v.shape) for k, v in _feeds(entry.calib)[0].items()}
+            measured = body_macs(entry, shapes)
+            # Every written model judged again with today's judge (a peer's own failure stands).
+            for row in (r for r in rows if r["model"] == name):
+                path = out / f"{name}.{row['tool']}.onnx"
+                if path.exists() and (not row["error"] or row["error"].startswith("does not run")):
+                    row["error"] = ""
+                    judged(row, entry, path, decided, shapes, measured)
         out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
         out.with_suffix(".md").write_text(table(rows))
         return
