@@ -47,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 sys.path.insert(0, str(Path(__file__).parent))
 import corpus  # noqa: E402
@@ -207,9 +208,19 @@ def modelopt(mode: str, entry: Entry, out: Path) -> str:
 
 
 # Ops that move 8-bit values without computing new ones: NNCF puts its Q/DQ pair before a
-# MaxPool or Transpose that feeds a Conv, where the Conv still reads 8-bit values.
+# MaxPool, Transpose or Pad that feeds a Conv, where the Conv still reads 8-bit values.
 MOVES_8BIT = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity",
                         "MaxPool", "Slice"})
+
+
+def _moves_8bit(node: onnx.NodeProto, zeros: set[str]) -> bool:
+    """Whether `node` only moves its input's values: a Pad too, unless it pads with a constant
+    other than 0 (0 is on every 8-bit grid: the zero point is an integer)."""
+    if node.op_type != "Pad":
+        return node.op_type in MOVES_8BIT
+    mode = next((a.s.decode() for a in node.attribute if a.name == "mode"), "constant")
+    value = node.input[2] if len(node.input) > 2 else ""
+    return mode != "constant" or not value or value in zeros
 
 
 def eight_bit_share(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]],
@@ -222,10 +233,15 @@ def eight_bit_share(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]],
     # Names are unique across scopes (SSA): a body's layer may read a DQ of its own body or
     # of the graph around it.
     nodes = {o: n for g in scopes for n in g.node for o in n.output}
+    pad_values = {n.input[2] for g in scopes for n in g.node if n.op_type == "Pad" and len(n.input) > 2}
+    consts = [*((i.name, i) for g in scopes for i in g.initializer),
+              *((n.output[0], n.attribute[0].t) for g in scopes for n in g.node
+                if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value")]
+    zeros = {k for k, t in consts if k in pad_values and not numpy_helper.to_array(t).any()}
 
     def source(name: str) -> str:
         node = nodes.get(name)
-        while node is not None and node.op_type in MOVES_8BIT and node.input:
+        while node is not None and _moves_8bit(node, zeros) and node.input:
             node = nodes.get(node.input[0])
         return node.op_type if node is not None else ""
 
