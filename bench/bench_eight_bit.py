@@ -38,6 +38,7 @@ import argparse
 import json
 import math
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -46,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 sys.path.insert(0, str(Path(__file__).parent))
 import corpus  # noqa: E402
@@ -174,9 +176,16 @@ def _run_peer(cmd: list[str], out: Path) -> str:
     except subprocess.TimeoutExpired:
         return f"no model after {PEER_TIMEOUT} s (stopped)"
     if not out.exists():
-        lines = [x for x in (done.stderr + done.stdout).strip().splitlines() if x.strip()]
-        return (lines or ["no output"])[-1][:200]
+        return _why_not(done.stderr + done.stdout)
     return ""
+
+
+def _why_not(log: str) -> str:
+    """A peer's failure in one line: its exception's line where the log holds a traceback (a
+    peer that logs at INFO ends on a log line that says nothing of the failure), else its last."""
+    lines = [x.strip() for x in log.strip().splitlines() if x.strip()]
+    raised = [x for x in lines if re.match(r"[\w.]+(Error|Exception|Interrupt)\b", x)]
+    return ((raised or lines or ["no output"])[-1])[:200]
 
 
 def nncf(entry: Entry, out: Path, decided: tuple[str, ...], accuracy_aware: bool) -> str:
@@ -199,9 +208,19 @@ def modelopt(mode: str, entry: Entry, out: Path) -> str:
 
 
 # Ops that move 8-bit values without computing new ones: NNCF puts its Q/DQ pair before a
-# MaxPool or Transpose that feeds a Conv, where the Conv still reads 8-bit values.
+# MaxPool, Transpose or Pad that feeds a Conv, where the Conv still reads 8-bit values.
 MOVES_8BIT = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity",
                         "MaxPool", "Slice"})
+
+
+def _moves_8bit(node: onnx.NodeProto, zeros: set[str]) -> bool:
+    """Whether `node` only moves its input's values: a Pad too, unless it pads with a constant
+    other than 0 (0 is on every 8-bit grid: the zero point is an integer)."""
+    if node.op_type != "Pad":
+        return node.op_type in MOVES_8BIT
+    mode = next((a.s.decode() for a in node.attribute if a.name == "mode"), "constant")
+    value = node.input[2] if len(node.input) > 2 else ""
+    return mode != "constant" or not value or value in zeros
 
 
 def eight_bit_share(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]],
@@ -214,10 +233,15 @@ def eight_bit_share(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]],
     # Names are unique across scopes (SSA): a body's layer may read a DQ of its own body or
     # of the graph around it.
     nodes = {o: n for g in scopes for n in g.node for o in n.output}
+    pad_values = {n.input[2] for g in scopes for n in g.node if n.op_type == "Pad" and len(n.input) > 2}
+    consts = [*((i.name, i) for g in scopes for i in g.initializer),
+              *((n.output[0], n.attribute[0].t) for g in scopes for n in g.node
+                if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value")]
+    zeros = {k for k, t in consts if k in pad_values and not numpy_helper.to_array(t).any()}
 
     def source(name: str) -> str:
         node = nodes.get(name)
-        while node is not None and node.op_type in MOVES_8BIT and node.input:
+        while node is not None and _moves_8bit(node, zeros) and node.input:
             node = nodes.get(node.input[0])
         return node.op_type if node is not None else ""
 
@@ -352,27 +376,34 @@ def measure(entry: Entry, tools: list[str], out_dir: Path) -> list[dict]:
         # CPU seconds (the tool's processes and this one's) compare tools fairly on a shared
         # machine, where wall time depends on who else runs.
         row = {"model": name, "tool": tool, "seconds": round(time.perf_counter() - start, 1),
-               "cpu_seconds": round(_cpu_seconds() - cpu, 1), "error": error}
-        if not error:
-            try:
-                row |= judge(model, out, entry, decided)
-                row["share_8bit"] = eight_bit_share(onnx.load(out), shapes, measured)
-            except Exception as exc:  # noqa: BLE001 - a model that does not load is a measurement
-                row["error"] = f"does not run: {type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
-        row["decided"] = list(decided)
-        row["within"] = bool(not row["error"] and row["outputs_ok"])
-        if entry.detect:  # the same tool judged by rel L2 alone, as before --detect
-            row["within_rel_l2"] = bool(not row["error"] and row["outputs_ok_rel_l2"])
-        if tool.startswith("npuprep") and not row["error"]:
-            # onnxruntime's CPU run of the written FP16 parts computes some of them in FP32 and
-            # hides an overflow the board shows; convert's verdict is on the emulated board.
-            verdict = json.loads(out.with_suffix(".convert.json").read_text())["verdict"]
-            row["convert_passed"] = bool(verdict["passed"])
-            row["within"] = row["within"] and (row["convert_passed"] or verdict["gate"] == "8bit_share")
-        row["clean"] = bool(row["within"] and row["share_8bit"] >= MIN_SHARE)
+               "cpu_seconds": round(_cpu_seconds() - cpu, 1), "error": error,
+               "load": round(os.getloadavg()[0], 1)}  # wall seconds mean little without it
+        judged(row, entry, out, decided, shapes, measured)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def judged(row: dict, entry: Entry, out: Path, decided: tuple[str, ...],
+           shapes: dict[str, tuple[int, ...]], measured: dict[str, int]) -> None:
+    """`row` (a tool's run, `error` empty where it wrote `out`) given the judge's verdict."""
+    if not row["error"]:
+        try:
+            row |= judge(entry.model, out, entry, decided)
+            row["share_8bit"] = eight_bit_share(onnx.load(out), shapes, measured)
+        except Exception as exc:  # noqa: BLE001 - a model that does not load is a measurement
+            row["error"] = f"does not run: {type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
+    row["decided"] = list(decided)
+    row["within"] = bool(not row["error"] and row["outputs_ok"])
+    if entry.detect:  # the same tool judged by rel L2 alone, as before --detect
+        row["within_rel_l2"] = bool(not row["error"] and row["outputs_ok_rel_l2"])
+    if row["tool"].startswith("npuprep") and not row["error"]:
+        # onnxruntime's CPU run of the written FP16 parts computes some of them in FP32 and
+        # hides an overflow the board shows; convert's verdict is on the emulated board.
+        verdict = json.loads(out.with_suffix(".convert.json").read_text())["verdict"]
+        row["convert_passed"] = bool(verdict["passed"])
+        row["within"] = row["within"] and (row["convert_passed"] or verdict["gate"] == "8bit_share")
+    row["clean"] = bool(row["within"] and row["share_8bit"] >= MIN_SHARE)
 
 
 def table(rows: list[dict]) -> str:
@@ -407,19 +438,23 @@ def main() -> None:
     ap.add_argument("--extra2", type=Path, help="the folder extra2_models.sh wrote: its models too")
     ap.add_argument("--new", action="store_true", help="bench/corpus_new.py's models instead")
     ap.add_argument("--rejudge", action="store_true",
-                    help="run no tool: measure the 8-bit share of OUT.json's models again")
+                    help="run no tool: judge OUT.json's models (those of --only) again")
     ap.add_argument("--out", default="bench/_work/eight_bit")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.rejudge:
         rows = json.loads(out.with_suffix(".json").read_text())
-        for row in (r for r in rows if not r["error"]):
-            entry = Entry(row["model"], args.extra2)
-            shapes = {k: tuple(v.shape) for k, v in _feeds(entry.calib)[0].items()}
-            row["share_8bit"] = eight_bit_share(onnx.load(out / f"{row['model']}.{row['tool']}.onnx"),
-                                                shapes, body_macs(entry, shapes))
-            row["clean"] = bool(row["within"] and row["share_8bit"] >= MIN_SHARE)
+        for name in dict.fromkeys(r["model"] for r in rows if r["model"] in (args.only or [r["model"]])):
+            entry = Entry(name, args.extra2)
+            decided, shapes = decided_of(entry), {k: tuple(v.shape) for k, v in _feeds(entry.calib)[0].items()}
+            measured = body_macs(entry, shapes)
+            # Every written model judged again with today's judge (a peer's own failure stands).
+            for row in (r for r in rows if r["model"] == name):
+                path = out / f"{name}.{row['tool']}.onnx"
+                if path.exists() and (not row["error"] or row["error"].startswith("does not run")):
+                    row["error"] = ""
+                    judged(row, entry, path, decided, shapes, measured)
         out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
         out.with_suffix(".md").write_text(table(rows))
         return
