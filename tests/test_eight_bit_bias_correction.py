@@ -141,32 +141,44 @@ def test_a_format_keeps_its_corrections_only_where_its_start_errs_less_with_them
     assert found[-1.0] == {fp8}
 
 
-def _fp8_conversion_with_int8_searches(monkeypatch, plain_error: float):
-    """NET's FP8 conversion at rtol 0.02 (its INT8 search runs with its corrections kept), the
-    corrected INT8 search's point made to miss its aim; the search without the corrections
-    returns its own point, or one erring `plain_error` where that is given."""
+def with_rel_l2(point, rel_l2: float):
+    """A search's point as if every output erred `rel_l2`."""
+    outputs = {name: {**row, "rel_l2": rel_l2} for name, row in point.check.outputs.items()}
+    return replace(point, check=replace(point.check, outputs=outputs))
+
+
+def convert_with_searches(monkeypatch, precision: str, error_of):
+    """NET converted at rtol 0.02, each search's point as found or, where `error_of(start, fmt)`
+    gives a number, as if every output erred that much."""
     import npuprep.pipeline.quantise_and_verify as qv
 
-    real, int8_searches = qv.widen_by_ranking, []
-
-    def missing_aim(point, rel_l2: float):
-        outputs = {name: {**row, "rel_l2": rel_l2} for name, row in point.check.outputs.items()}
-        return replace(point, check=replace(point.check, outputs=outputs))
+    real = qv.widen_by_ranking
 
     def searched(start, fmt, check, **kwargs):
         point = real(start, fmt, check, **kwargs)
-        if fmt.name != "int8":
-            return point
-        int8_searches.append(point)
-        if len(int8_searches) == 1:
-            return missing_aim(point, 0.5)
-        return point if plain_error is None else missing_aim(point, plain_error)
+        error = error_of(start, fmt)
+        return point if error is None else with_rel_l2(point, error)
 
     monkeypatch.setattr(qv, "widen_by_ranking", searched)
     proto, feeds = _setup()
     model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
-    result = convert(model, load_profile("a2000"), feeds, precision="fp8_e4m3",
-                     stats=calibrate(model, feeds, detail="all"), rtol=0.02)
+    return convert(model, load_profile("a2000"), feeds, precision=precision,
+                   stats=calibrate(model, feeds, detail="all"), rtol=0.02)
+
+
+def _fp8_conversion_with_int8_searches(monkeypatch, plain_error: float):
+    """NET's FP8 conversion (its INT8 search runs with its corrections kept), the corrected
+    INT8 search's point made to miss its aim; the search without the corrections returns its
+    own point, or one erring `plain_error` where that is given."""
+    int8_searches = []
+
+    def error_of(start, fmt) -> float | None:
+        if fmt.name != "int8":
+            return None
+        int8_searches.append(start)
+        return 0.5 if len(int8_searches) == 1 else plain_error
+
+    result = convert_with_searches(monkeypatch, "fp8_e4m3", error_of)
     return result, len(int8_searches)
 
 

@@ -4,19 +4,13 @@ point; a point passing short of its aim is kept as it is."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import onnx
 from onnx import numpy_helper, parser
-from test_eight_bit_bias_correction import _setup
+from test_eight_bit_bias_correction import convert_with_searches
 
-from npuprep.calibrate import calibrate
-from npuprep.model_io import Model, fingerprint
-from npuprep.pipeline import convert
 from npuprep.plan.depthwise_wide import WHY, depthwise_wide_start
 from npuprep.plan.layer_precision import LayerPrecision
-from npuprep.profiles import load_profile
 
 # x -> Transpose -> stem Conv 3x3 (3 -> 8) -> depthwise 3x3 (group 8) -> pointwise 1x1 -> y
 MOBILE = """
@@ -62,27 +56,13 @@ def _int8_conversion(monkeypatch, seeded_error: float | None, first_error: float
     """The bias-correction test's depthwise net (dw -> fc) in INT8 at rtol 0.02, its search from
     every layer in 8 bits made to fail (rel L2 0.5), or to pass short of its aim (0.019); the
     search from the depthwise start returns its own point, or one erring `seeded_error`."""
-    import npuprep.pipeline.quantise_and_verify as qv
+    starts = []
 
-    real, starts = qv.widen_by_ranking, []
-
-    def missing_aim(point, rel_l2: float):
-        outputs = {name: {**row, "rel_l2": rel_l2} for name, row in point.check.outputs.items()}
-        return replace(point, check=replace(point.check, outputs=outputs))
-
-    def searched(start, fmt, check, **kwargs):
-        point = real(start, fmt, check, **kwargs)
+    def error_of(start, fmt) -> float | None:
         starts.append({x.node: x.precision for x in start if x.node in ("dw", "fc")})
-        if len(starts) == 1:
-            return missing_aim(point, first_error)
-        return point if seeded_error is None else missing_aim(point, seeded_error)
+        return first_error if len(starts) == 1 else seeded_error
 
-    monkeypatch.setattr(qv, "widen_by_ranking", searched)
-    proto, feeds = _setup()
-    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
-    result = convert(model, load_profile("a2000"), feeds, precision="int8",
-                     stats=calibrate(model, feeds, detail="all"), rtol=0.02)
-    return result, starts
+    return convert_with_searches(monkeypatch, "int8", error_of), starts
 
 
 def test_a_failing_search_runs_again_from_the_depthwise_start_and_keeps_it(monkeypatch):
