@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import onnx
 
-from npuprep.graph import constant_value, node_label
+from npuprep.graph import attribute, constant_value, node_label, producers
 from npuprep.ops import PASSTHROUGH_OPS
 from npuprep.plan.layer_precision import LayerPrecision
 
@@ -30,7 +30,7 @@ def depthwise_wide_start(model: onnx.ModelProto, layers: Sequence[LayerPrecision
     a graph input (through layout ops and Casts) taken to `wide`; None where no 8-bit depthwise Conv is
     among them (the start would be the all-8-bit one, or only its stem moved)."""
     g = model.graph
-    made = {o: n for n in g.node for o in n.output}
+    made = producers(g)
     inputs = {i.name for i in g.input} - {t.name for t in g.initializer}
 
     def reads_input(name: str) -> bool:
@@ -44,7 +44,7 @@ def depthwise_wide_start(model: onnx.ModelProto, layers: Sequence[LayerPrecision
         if node.op_type != "Conv" or len(node.input) < 2:
             continue
         w = constant_value(g, node.input[1])
-        group = next((a.i for a in node.attribute if a.name == "group"), 1)
+        group = int(attribute(node, "group", 1))
         if w is not None and w.ndim >= 3 and group > 1 and w.shape[1] == 1:
             depthwise.add(node_label(node))
         elif reads_input(node.input[0]):
