@@ -387,9 +387,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                                  "missing its aim)")
                 else:
                     sessions.corrected.update(ours)
-                as_int8 = replace(plain if uncorrected else as_int8,
-                                  curve=as_int8.curve + plain.curve,
-                                  rank_runs=as_int8.rank_runs + plain.rank_runs)
+                as_int8 = _one_of(as_int8, plain, uncorrected)
             floor = (eight_bit_share(as_int8.layers, macs) - _SHARE_TIE
                      if judged(as_int8.check) else min_8bit_share)
             stage(f"quantising to {eight.name}")
@@ -416,8 +414,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                      f"{again.check.worst_rel_l2:.3g}{'' if judged(again.check) else ', failing'})"
                      f": {'kept' if better else 'not kept'} over the search from every layer in "
                      f"8 bits ({eight_bit_share(widening.layers, macs):.1%}, failing)")
-        widening = replace(again if better else widening, curve=widening.curve + again.curve,
-                           rank_runs=widening.rank_runs + again.rank_runs)
+        widening = _one_of(widening, again, better)
     corrected, biases = sessions.corrected, sessions.biases()
     sessions.close()
     trial_runs = sessions.runs
@@ -672,6 +669,12 @@ def fp8_cheaper(profile: TargetProfile, fp8: EightBitFormat, int8: EightBitForma
         return a > b
     ra, rb = t.assumed_peak_vs_fp32.get(fp8.name), t.assumed_peak_vs_fp32.get(int8.name)
     return ra is not None and rb is not None and ra[0] >= rb[0] and ra[1] >= rb[1] and ra != rb
+
+
+def _one_of(first: Widening, second: Widening, take_second: bool) -> Widening:
+    """The point of one of two searches of the same model, the curve and trial runs of both."""
+    return replace(second if take_second else first, curve=first.curve + second.curve,
+                   rank_runs=first.rank_runs + second.rank_runs)
 
 
 def _search_key(w: Widening, judged: Callable[[OutputCheck], bool],
