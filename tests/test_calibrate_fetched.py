@@ -154,3 +154,20 @@ def test_a_bin_past_two_to_the_24_counts_exactly_at_an_old_opset():
     x[:500] = 1.0
     got = calibrate(Model(proto, "", "relu"), [{"x": x}], detail="all", tensors=["y"]).tensors["y"]
     assert (got.zero_count, got.exp_hist, got.count) == (2**24 + 1000, {0: 500}, x.size)
+
+
+def test_a_bin_past_two_to_the_24_counts_exactly_in_the_graph_too(monkeypatch):
+    # x -> Relu -> y at opset 13 in the graph (nothing fetched): TfIdfVectorizer counts rows of
+    # 2^23 indices apart, so 2^24 + 1301 zeros count as they are (odd: float32 cannot hold it);
+    # an empty sample counts nothing.
+    monkeypatch.setattr(fetched, "FETCH_BYTES", 0)
+    proto = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 13]>
+        g (float[N] x) => (float[N] y) { y = Relu(x) }""")
+    x = np.zeros(2**24 + 1501, np.float32)
+    x[:500] = -3.0
+    x[500:700] = 2.0**-140
+    samples = [{"x": x}, {"x": np.zeros(0, np.float32)}]
+    got = calibrate(Model(proto, "", "relu"), samples, detail="all").tensors
+    assert (got["y"].zero_count, got["y"].count) == (2**24 + 1301, x.size)
+    assert sum(got["y"].exp_hist.values()) == 200
+    assert (got["x"].zero_count, sum(got["x"].exp_hist.values())) == (2**24 + 801, 700)

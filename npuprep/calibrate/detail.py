@@ -371,15 +371,35 @@ def count_bins(idx: str, one: str, small: bool, ctx: Wiring) -> tuple[list[onnx.
             helper.make_node("ScatterElements", [CONST_HIST_ZEROS_F, idx, ones], [counted], reduction="add"),
             helper.make_node("Cast", [counted], [hist], to=TensorProto.INT64),
         ], hist
-    # No ScatterElements reduction before opset 16: TfIdfVectorizer counts 1-grams.
+    # No ScatterElements reduction before opset 16: TfIdfVectorizer counts 1-grams, in
+    # float32, exact up to 2^24 a bin. Past that (or of unknown size) the indices are padded
+    # with -1 (in no bin) to whole rows of TF_ROW, each row counted apart, summed in int64.
     tf = n("tf")
+    counting = {"mode": "TF", "min_gram_length": 1, "max_gram_length": 1, "max_skip_count": 0,
+                "ngram_counts": [0], "ngram_indexes": list(range(HIST_BINS)),
+                "pool_int64s": list(range(HIST_BINS))}
+    if small:
+        return [
+            helper.make_node("TfIdfVectorizer", [idx], [tf], **counting),
+            helper.make_node("Cast", [tf], [hist], to=TensorProto.INT64),
+        ], hist
+    # At least one row: TfIdfVectorizer refuses [0, C].
+    size, some, short, tail, empty, pad, pads, padded, rows, per_row = (n(s) for s in (
+        "tf_size", "tf_some", "tf_short", "tf_tail", "tf_empty", "tf_pad", "tf_pads", "tf_padded",
+        "tf_rows", "tf_per_row"))
     return [
-        helper.make_node(
-            "TfIdfVectorizer", [idx], [tf], mode="TF", min_gram_length=1, max_gram_length=1,
-            max_skip_count=0, ngram_counts=[0], ngram_indexes=list(range(HIST_BINS)),
-            pool_int64s=list(range(HIST_BINS)),
-        ),
-        helper.make_node("Cast", [tf], [hist], to=TensorProto.INT64),
+        helper.make_node("Shape", [idx], [size]),
+        helper.make_node("Max", [size, CONST_ONE_DIM], [some]),
+        helper.make_node("Neg", [some], [short]),
+        helper.make_node("Mod", [short, CONST_TF_ROW], [tail]),
+        helper.make_node("Sub", [some, size], [empty]),
+        helper.make_node("Add", [tail, empty], [pad]),
+        helper.make_node("Concat", [CONST_ZERO_I64_1, pad], [pads], axis=0),
+        helper.make_node("Pad", [idx, pads, CONST_NO_BIN], [padded]),
+        helper.make_node("Reshape", [padded, CONST_TF_ROWS], [rows]),
+        helper.make_node("TfIdfVectorizer", [rows], [tf], **counting),
+        helper.make_node("Cast", [tf], [per_row], to=TensorProto.INT64),
+        helper.make_node("ReduceSum", [per_row, CONST_ZERO_I64_1], [hist], keepdims=0),
     ], hist
 
 
@@ -418,6 +438,11 @@ CONST_ZERO_OVER = "__npuprep_c_zero_over"
 CONST_FLAG_ROW = "__npuprep_c_flag_row"
 CONST_ZERO_I32_S = "__npuprep_c_zero_i32_s"
 CONST_TOP_BIN_I32 = "__npuprep_c_top_bin_i32"
+CONST_TF_ROW = "__npuprep_c_tf_row"
+CONST_TF_ROWS = "__npuprep_c_tf_rows"
+CONST_NO_BIN = "__npuprep_c_no_bin"
+# Indices a TfIdfVectorizer row counts: under 2^24, so each row's float32 counts are exact.
+TF_ROW = 1 << 23
 
 
 def next_bin_start() -> np.ndarray:
@@ -467,6 +492,9 @@ def shared_constants(scope: Scope = SCOPES["auto"]) -> list[onnx.TensorProto]:
         CONST_FLAG_ROW: FLAGGED * np.eye(1, WIDTH, HEADER.index("detailed"), np.int64)[0],
         CONST_ZERO_I32_S: np.array(0, np.int32),
         CONST_TOP_BIN_I32: np.array(HIST_BINS - 1, np.int32),
+        CONST_TF_ROW: np.array([TF_ROW], np.int64),
+        CONST_TF_ROWS: np.array([-1, TF_ROW], np.int64),
+        CONST_NO_BIN: np.array(-1, np.int32),
     }
     for fmt in OVER_FORMATS:
         values[over_const(fmt)] = np.array(get_format(fmt).max, np.float32)
