@@ -9,10 +9,7 @@ the same numbers come from the float32 bits: the exponent field is the bin of ev
 value, Inf and NaN share the top bin, and a zero or subnormal's bin is the bit length of its
 mantissa (floor(log2 |x|) + 150 = floor(log2 m) + 1 for |x| = m 2^-149). The values are those
 the instrumented graph reads: the same graph at the same opset, in a session built the same
-way (prepacked weights, every optimisation), each tensor an output. Where the graph's opset
-is below 16 the in-graph bins are counted by TfIdfVectorizer in float32, which stops at 2^24
-a bin: dnsmos_p835's first Relu holds 16.83 M zeros in one sample, counted 16.78 M; fetched,
-every count is exact.
+way (prepacked weights, every optimisation), each tensor an output.
 """
 
 from __future__ import annotations
