@@ -314,3 +314,41 @@ def test_logits_read_through_a_sigmoid_are_judged_as_its_probabilities():
     for bad in ("score:sigmoid(1.5)", "score:sigmoid(0)", "score:sigmoid(x)"):
         with pytest.raises(NpuprepError, match=re.escape(f"--detect {bad}: ")):
             parse_detect([bad])
+
+
+def test_a_class_of_the_score_map_detects_alone():
+    # DETECTOR's score (positions x 3 classes) with class 0 as a softmax's background, high
+    # everywhere: read whole, every position detects and the box error at the background fails;
+    # `score[1]` detects at positions 0 and 2 only, where the boxes are exact.
+    ref, cand = _reference(), _reference()
+    ref["score"][0, :, 0] = cand["score"][0, :, 0] = 0.9
+    cand["box"][0, [1, 3, 4, 5]] += 100.0
+    whole = _errors(parse_detect([SPEC]), ref, cand)
+    rules = parse_detect(["score[1]=box:0.5"])
+    face = _errors(rules, ref, cand)
+    assert not output_passes(whole["box"], 5e-2)
+    assert output_passes(face["box"], 5e-2) and face["box"]["rel_l2_at_detections"] == 0.0
+    assert face["score"]["detections"] == [2] and whole["score"]["detections"] == [8]
+    # A flip in the background column is not read; one in class 1 is.
+    cand["score"][0, 0, 0] = 0.1
+    assert output_passes(_errors(rules, ref, cand)["score"], 5e-2)
+    cand["score"][0, 0, 1] = 0.1
+    assert not output_passes(_errors(rules, ref, cand)["score"], 5e-2)
+    # Said, recorded and read back; ranges; a class past the last, or an empty range, refused.
+    assert rules["score"].said() == "detections at [1] > 0.5"
+    assert rules["box"].said() == "rel L2 at the detections of score ([1] > 0.5)"
+    assert parse_detect(["score[1:]:0.5"])["score"].classes == (1, None)
+    assert parse_detect(["score[0:2]=box:sigmoid(0.5)"])["box"].said() == (
+        "rel L2 at the detections of score (sigmoid[0:2] > 0.5)")
+    gates = Gates(rtol=5e-2, atol=1e-6, top_k=dict(rules))
+    assert Gates.from_dict(json.loads(json.dumps(gates.to_dict()))) == gates
+    with pytest.raises(NpuprepError, match=re.escape("output 'score' has 3 classes on its last "
+                                                     "axis, fewer than [3] needs")):
+        _errors(parse_detect(["score[3]=box:0.5"]), ref, cand)
+    model = Model(proto=parser.parse_model(DETECTOR), path="det.onnx", digest="det")
+    with pytest.raises(NpuprepError, match=re.escape("has 3 classes on its last axis, fewer than "
+                                                     "[2:4] needs")):
+        checked_top_k(model, parse_detect(["score[2:4]=box:0.5"]))
+    with pytest.raises(NpuprepError, match=re.escape("--detect score[2:1]:0.5: score[2:1] reads "
+                                                     "no class")):
+        parse_detect(["score[2:1]:0.5"])

@@ -419,4 +419,6 @@ def add_goal(p: argparse.ArgumentParser, default_metric: str | None = "auto") ->
                         "the report says so); e.g. --detect 'cls8=reg8,cls16=reg16:0.5'; "
                         "THRESHOLD as sigmoid(P): SCORES are logits the post-processing reads "
                         "as probabilities, judged as those (BlazeFace: 'classificators="
-                        "regressors:sigmoid(0.5)'); repeatable")
+                        "regressors:sigmoid(0.5)'); SCORES[K] or SCORES[K:] reads only those "
+                        "classes of SCORES' last axis (a softmax's background left out: "
+                        "'softmax[1]=boxes:0.6'); repeatable")

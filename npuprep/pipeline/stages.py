@@ -625,6 +625,8 @@ def _check_detection(model: Model, name: str, rule: Detection) -> None:
         raise NpuprepError(f"--detect {name}: output '{name}' is a scalar; a score output is "
                            "positions x classes")
     if rule.scores is None:
+        if rule.classes is not None and dims and dims[-1].HasField("dim_value"):
+            rule.check_classes(dims[-1].dim_value, name)
         return
     if rule.scores not in out:
         raise NpuprepError(f"--detect {rule.scores}={name}: '{rule.scores}' is not an output of "

@@ -94,8 +94,8 @@ def _add_detection(name: str, rule: Detection, ref: np.ndarray, cand: np.ndarray
     """One sample of a detector's output: a score output's share of its decided scores'
     distance to the threshold the error takes towards it, or a box output's sums at the
     positions its score output detects."""
-    scores = rule.read(np.asarray(want[rule.scores if rule.scores is not None else name],
-                                  np.float64))
+    read_from = rule.scores if rule.scores is not None else name
+    scores = rule.read(np.asarray(want[read_from], np.float64), read_from)
     t = rule.threshold
     with np.errstate(invalid="ignore"):
         decided = np.abs(scores - t) > detection_band(t, tie_rtol)
@@ -106,7 +106,7 @@ def _add_detection(name: str, rule: Detection, ref: np.ndarray, cand: np.ndarray
             sums[0] += float(np.square((cand - ref)[at]).sum())
             sums[1] += float(np.square(ref[at]).sum())
         return
-    ref, cand = rule.read(ref), rule.read(cand)
+    ref, cand = rule.read(ref, name), rule.read(cand, name)
     detected[rule.detector] = detected.get(rule.detector, 0) + int((decided & (ref > t)).sum())
     # Towards the threshold: down for a score above it, up for one below.
     towards = np.where(ref > t, ref - cand, cand - ref)

@@ -195,7 +195,7 @@ class OutputErrors:
             raise NpuprepError(f"--detect: output '{name}' has shape {cand.shape} in the candidate "
                                f"and {ref.shape} in FP32; a score output is positions x classes")
         a, t = self._acc[name], rule.threshold
-        ref, cand = rule.read(ref), rule.read(cand)
+        ref, cand = rule.read(ref, name), rule.read(cand, name)
         with np.errstate(invalid="ignore", over="ignore"):
             above = ref > t
             decided = np.abs(ref - t) > detection_band(t, self.tie_rtol)  # NaN: undecided
