@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 from functools import cache
@@ -138,6 +139,17 @@ COMPUTE_FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorP
                                  TensorProto.DOUBLE})
 
 
+class Int8Activations(enum.StrEnum):
+    """Which INT8 activations a target's compiler takes: symmetric INT8 only (zero point 0:
+    TensorRT), uint8 with a zero point too (the step narrows wherever a tensor reaches less
+    far below zero than above), or unknown (a zero point only where a tensor barely goes
+    negative, a GELU's -0.17, where symmetric INT8 would spend half its levels on nothing)."""
+
+    SYMMETRIC = "symmetric"
+    ASYMMETRIC = "asymmetric"
+    UNKNOWN = "unknown"
+
+
 @dataclass(frozen=True)
 class EightBitFormat:
     """An 8-bit QDQ format: what one scale step holds and the opset its QuantizeLinear needs.
@@ -153,16 +165,20 @@ class EightBitFormat:
     floor: float
     rel_step: float
     min_opset: int
+    activations: Int8Activations = Int8Activations.UNKNOWN
 
     @property
     def is_float(self) -> bool:
         return self.rel_step > 0
 
 
-def eight_bit_format(name: str) -> EightBitFormat | None:
-    """The 8-bit QDQ format called `name` (`int8`, `fp8_e4m3`), None for any other name."""
+def eight_bit_format(name: str, activations: Int8Activations = Int8Activations.UNKNOWN
+                     ) -> EightBitFormat | None:
+    """The 8-bit QDQ format called `name` (`int8`, `fp8_e4m3`), None for any other name;
+    `activations`: the INT8 activations the target takes (the profile's `int8_activations`;
+    FP8's are symmetric whatever it says)."""
     if name == "int8":
-        return EightBitFormat("int8", TensorProto.INT8, 127.0, 0.5, 0.0, 13)
+        return EightBitFormat("int8", TensorProto.INT8, 127.0, 0.5, 0.0, 13, activations)
     if name == "fp8_e4m3":
         f = formats()["fp8_e4m3"]
         return EightBitFormat("fp8_e4m3", f.onnx_type, f.max, f.min_subnormal, f.eps, 19)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from npuprep.errors import NpuprepError
-from npuprep.numerics import ALL_DTYPE_NAMES, NumberFormat, formats, get_format
+from npuprep.numerics import ALL_DTYPE_NAMES, Int8Activations, NumberFormat, formats, get_format
 from npuprep.ops import LAUNCH_CLASSES, LAYOUT_OPS, launch_class
 from npuprep.profile_names import builtin_dir, builtin_names
 from npuprep.yaml_io import YamlReader, read_yaml
@@ -148,6 +148,7 @@ class TargetProfile:
     overflow: OverflowMode
     fp32_pinning: Pinning
     fp8_saturate: bool | None = None
+    int8_activations: Int8Activations = Int8Activations.UNKNOWN
     accumulate: str = "unknown"
     subnormals: str = "unknown"
     keeps_fp32_ops: tuple[str, ...] = ()
@@ -189,6 +190,7 @@ class TargetProfile:
             "default_precision": self.default_precision,
             "overflow": str(self.overflow),
             "fp8_saturate": "unknown" if self.fp8_saturate is None else self.fp8_saturate,
+            "int8_activations": str(self.int8_activations),
             "accumulate": self.accumulate,
             "subnormals": self.subnormals,
             "fp32_pinning": str(self.fp32_pinning),
@@ -256,6 +258,7 @@ def load_profile(name_or_path: str | Path) -> TargetProfile:
 
 _TOP_KEYS = {
     "name", "description", "dtypes", "default_precision", "overflow", "fp8_saturate",
+    "int8_activations",
     "accumulate", "subnormals", "fp32_pinning", "keeps_fp32_ops", "headroom", "severity",
     "compiler", "inputs", "control_flow", "sources", "throughput",
 }
@@ -340,6 +343,9 @@ def parse_profile(data: Any, source: str) -> TargetProfile:
             r.choice(top["fp32_pinning"], "fp32_pinning", tuple(p.value for p in Pinning))
         ),
         fp8_saturate=fp8_saturate,
+        int8_activations=Int8Activations(r.choice(
+            top.get("int8_activations", "unknown"), "int8_activations",
+            tuple(a.value for a in Int8Activations))),
         accumulate=r.choice(top.get("accumulate", "unknown"), "accumulate", ("fp32", "fp16", "unknown")),
         subnormals=r.choice(top.get("subnormals", "unknown"), "subnormals", ("keep", "flush", "unknown")),
         keeps_fp32_ops=r.strings(top.get("keeps_fp32_ops"), "keeps_fp32_ops"),

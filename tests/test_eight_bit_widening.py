@@ -13,7 +13,7 @@ from onnx import numpy_helper, parser
 from npuprep.calibrate import calibrate
 from npuprep.calibrate.scales import clip_for, sample_headroom
 from npuprep.model_io import Model, fingerprint
-from npuprep.numerics import eight_bit_format, get_format
+from npuprep.numerics import Int8Activations, eight_bit_format, get_format
 from npuprep.runtime.session import make_session, run
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 from npuprep.verify.qdq_model import on_target, quantise
@@ -260,6 +260,65 @@ def test_a_gelu_like_input_gets_uint8_with_a_zero_point_and_less_error_than_symm
     assert step < 0.6 * clip_for(r, INT8, "absmax").value * sample_headroom(r) / 127
     ref, got = (run(make_session(m), feeds[0])["y"] for m in (proto, qdq))
     assert _rel_l2(ref, got) < 2e-2
+
+
+def test_the_targets_int8_activations_decide_where_a_zero_point_is_written():
+    # x (a PReLU's output: down to -0.36 of its top) -> MatMul(W) [mm] -> y. Unknown: symmetric
+    # INT8 (it goes well below zero); asymmetric (the target takes zero points): uint8, a step
+    # 0.7x as fine and less error; symmetric (TensorRT): INT8 even for a GELU's -0.17.
+    proto = _model(ONE, {"W": RNG.standard_normal((8, 4))})
+    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+    feeds = []
+    for _ in range(4):
+        x = RNG.uniform(-3.0, 2.5, (16, 8)).astype(np.float32)
+        feeds.append({"x": np.where(x > 0, x, 0.3 * x).astype(np.float32)})
+    stats = calibrate(model, feeds, detail="all")
+
+    def written(activations: str) -> tuple[int, float, float]:
+        fmt = eight_bit_format("int8", Int8Activations(activations))
+        qdq = quantise(proto, ["mm"], stats, fmt, saturate=True, rule="absmax").model
+        zp = next(i for i in qdq.graph.initializer if i.name == "x_zp8")
+        scale = next(i for i in qdq.graph.initializer if i.name == "x_scale8")
+        ref, got = (run(make_session(m), feeds[0])["y"] for m in (proto, qdq))
+        return zp.data_type, float(numpy_helper.to_array(scale)), _rel_l2(ref, got)
+
+    unknown, asymmetric, symmetric = (written(a) for a in ("unknown", "asymmetric", "symmetric"))
+    assert unknown[0] == symmetric[0] == onnx.TensorProto.INT8
+    assert asymmetric[0] == onnx.TensorProto.UINT8
+    assert asymmetric[1] < 0.75 * unknown[1] and asymmetric[2] < unknown[2]
+    gelu = [{"x": (f["x"] * 0.5 * (1 + np.tanh(0.8 * f["x"]))).astype(np.float32)} for f in feeds]
+    gelu_stats = calibrate(model, gelu, detail="all")
+    for activations, stored in (("unknown", onnx.TensorProto.UINT8),
+                                ("symmetric", onnx.TensorProto.INT8)):
+        fmt = eight_bit_format("int8", Int8Activations(activations))
+        qdq = quantise(proto, ["mm"], gelu_stats, fmt, saturate=True, rule="absmax").model
+        assert next(i for i in qdq.graph.initializer if i.name == "x_zp8").data_type == stored
+
+
+def test_convert_for_tensorrt_writes_no_zero_point(tmp_path):
+    # x (a GELU's output) -> MatMul(W) [mm] -> y, to INT8: for orin (TensorRT: symmetric only)
+    # every QuantizeLinear's zero point is an INT8 0; for generic (unknown) x is uint8.
+    path = tmp_path / "m.onnx"
+    onnx.save(_model(ONE, {"W": RNG.standard_normal((8, 4))}), path)
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(4):
+        x = RNG.standard_normal((16, 8)).astype(np.float32) * 2
+        np.savez(data / f"{i}.npz", x=(x * 0.5 * (1 + np.tanh(0.8 * x))).astype(np.float32))
+
+    def zero_points(target: str) -> list[onnx.TensorProto]:
+        out = tmp_path / f"m.{target}.onnx"
+        proc = run_cli("convert", path, "--target", target, "--precision", "int8", "--data",
+                       data, "-o", out)
+        assert proc.returncode == 0, proc.stderr
+        written = onnx.load(out)
+        inits = {i.name: i for i in written.graph.initializer}
+        return [inits[n.input[2]] for n in written.graph.node if n.op_type == "QuantizeLinear"]
+
+    orin = zero_points("orin")
+    assert orin and all(z.data_type == onnx.TensorProto.INT8
+                        and not numpy_helper.to_array(z).any() for z in orin)
+    assert any(z.data_type == onnx.TensorProto.UINT8 for z in zero_points("generic"))
 
 
 def test_each_activation_takes_the_scale_rule_with_the_least_measured_error():

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from npuprep.errors import NpuprepError
-from npuprep.numerics import get_format
+from npuprep.numerics import Int8Activations, get_format
 from npuprep.profiles import OverflowMode, Pinning, Severity, builtin_names, load_profile
 
 GOOD = """\
@@ -35,6 +35,9 @@ def test_builtins_load_with_the_design_facts():
     assert a2000.fp32_pinning is Pinning.COMPILER_DECIDES
     assert "bf16" in orin.slow_dtypes and "fp8_e4m3" in orin.unsupported_dtypes
     assert orin.overflow is OverflowMode.INF and not orin.resolve().saturate
+    # TensorRT takes symmetric INT8 only; unknown elsewhere (zero points where barely negative).
+    assert orin.int8_activations is Int8Activations.SYMMETRIC and "int8_activations" in orin.sources
+    assert a2000.int8_activations is generic.int8_activations is Int8Activations.UNKNOWN
     assert all("fp64" in p.unsupported_dtypes for p in (a2000, orin, generic))
     for p in (a2000, orin, generic):
         assert p.resolve().fmt is get_format("fp16")
@@ -50,6 +53,9 @@ def test_user_profile_from_path(tmp_path: Path):
     assert p.resolve().limit == 0.25 * 65504
     assert p.severity["hazard"] is Severity.ERROR and p.keeps_fp32_ops == ("Softmax",)
     assert load_profile(path).to_dict()["dtypes"]["unsupported"] == ["bf16"]
+    path.write_text(GOOD + "int8_activations: asymmetric\n")
+    assert load_profile(path).int8_activations is Int8Activations.ASYMMETRIC
+    assert load_profile(path).to_dict()["int8_activations"] == "asymmetric"
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -60,6 +66,7 @@ def test_user_profile_from_path(tmp_path: Path):
     (GOOD.replace("fast: [fp16, int8]", "fast: [fp16, fp12]"), "key 'dtypes.fast[1]': 'fp12' is not one of"),
     (GOOD.replace("overflow: saturate\n", ""), "key 'overflow': required key is missing"),
     (GOOD.replace("  hazard: error", "  hazard: fatal"), "key 'severity.hazard'"),
+    (GOOD + "int8_activations: signed\n", "key 'int8_activations'"),
     (GOOD.replace("  overflow: measured", "  overflow: 3\n  x: measured"), "key 'sources.overflow'"),
 ])
 def test_malformed_profile_is_one_line_naming_file_and_key(tmp_path: Path, text: str, expected: str):

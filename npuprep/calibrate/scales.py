@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from npuprep.calibrate.stats import RangeStats
-from npuprep.numerics import EightBitFormat
+from npuprep.numerics import EightBitFormat, Int8Activations
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 
 # The share of elements a percentile clip may cut off.
@@ -25,8 +25,8 @@ MIN_SPREAD_SAMPLES = 3
 # A non-saturating FP8 gives NaN past 448: its scales keep one binade over the abs-max, and
 # its clips fall back to abs-max (a clipped value would be NaN).
 FP8_NAN_HEADROOM = 2.0
-# An INT8 activation reaching below zero by less than this share of its top is stored as
-# uint8 with a zero point (asymmetric), not as symmetric INT8.
+# Where the target's INT8 activations are unknown, one reaching below zero by less than this
+# share of its top is stored as uint8 with a zero point (asymmetric), not as symmetric INT8.
 SKEWED = 0.25
 # Candidate clips for MSE: abs-max x 2^(-j/4), j = 0..GRID (down to 1/64 of the abs-max).
 _GRID = 24
@@ -74,11 +74,14 @@ def clip_raise_factor(r: RangeStats, fmt: EightBitFormat, headroom: float = 1.0)
 def stored_as(r: RangeStats, top: float, factor: float,
               fmt: EightBitFormat) -> tuple[float, bool, int]:
     """(scale, unsigned, zero point) of an activation clipped at `top`: INT8 of [-top, top], or
-    uint8 of [low, top] (a zero point where the tensor barely goes negative, a GELU's -0.17:
-    symmetric INT8 would spend half its levels there). The measured minimum scales by `factor`
-    like the clip."""
+    uint8 of [low, top] where the target takes a zero point (`fmt.activations`: wherever the
+    tensor reaches less far below zero than above; unknown: where it barely goes negative, a
+    GELU's -0.17, where symmetric INT8 would spend half its levels). The measured minimum
+    scales by `factor` like the clip."""
     low = max(r.min * factor, -top)
-    if fmt.is_float or top <= 0 or low < -SKEWED * top:
+    skewed = 1.0 if fmt.activations is Int8Activations.ASYMMETRIC else SKEWED
+    if (fmt.is_float or top <= 0 or fmt.activations is Int8Activations.SYMMETRIC
+            or low < -skewed * top):
         return (top / fmt.qmax if top > 0 else 1.0), False, 0
     if low >= 0:
         return top / 255.0, True, 0

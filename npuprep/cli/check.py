@@ -100,7 +100,11 @@ def run(args: argparse.Namespace) -> int:
     profile, target, model, outputs = run_.profile, run_.target, run_.model, run_.outputs
     widened = ""
     if eight is not None:
+        from dataclasses import replace
+
         from npuprep.fp16_source import eight_bit_source
+
+        eight = replace(eight, activations=profile.int8_activations)
 
         model, widened = eight_bit_source(model)
     if args.html:
@@ -112,8 +116,6 @@ def run(args: argparse.Namespace) -> int:
         planned = plan_check(args, model, target, stats)
         model, findings, plan, rewrites = planned.model, planned.findings, planned.plan, planned.notes
         if eight is not None:
-            from dataclasses import replace
-
             from npuprep.analyse.scale_clip import scale_clip_findings
             from npuprep.plan.layer_precision import decide
 

@@ -120,7 +120,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     stats = with_scaled_entries(stats, applied.model)
     pinned = plan.pinned_nodes() | set(applied.fp32_nodes)
     # On a target that runs INT8 and FP8 (the A2000), a layer one cannot hold may take the other.
-    other = eight_bit_format("fp8_e4m3" if not eight.is_float else "int8")
+    other = eight_bit_format("fp8_e4m3" if not eight.is_float else "int8",
+                             profile.int8_activations)
     mixed = other is not None and other.name in profile.fast_dtypes
     base = with_opset(applied.model, max((eight, other) if mixed and other else (eight,),
                                          key=lambda f: f.min_opset))

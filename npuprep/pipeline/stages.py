@@ -224,7 +224,7 @@ def build(run: Run) -> Run:
     assert planned is not None and target is not None, "build runs after plan"
     samples, held = list(run.feeds), (list(run.held_out) if run.held_out else None)
     rtol = _rtol(s)
-    eight = eight_bit_format(s.precision or "")
+    eight = eight_bit_format(s.precision or "", target.profile.int8_activations)
     if eight is not None and planned.stats is None:
         raise NpuprepError(f"--precision {s.precision} sets its scales from calibration: give "
                            "--data or --stats")

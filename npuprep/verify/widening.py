@@ -141,7 +141,8 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
             # guidance in INT8: 0.059 against FP8's 0.156): heads kept FP16 are also tried
             # from there, and the better of the two searches is kept (from FP8, MiniLM's
             # spread error needs more layers FP16 than from INT8).
-            starts.append((whole[0], eight_bit_format(alternative) or fmt, whole[1]))
+            starts.append((whole[0], eight_bit_format(alternative, fmt.activations) or fmt,
+                           whole[1]))
     searches = []
     longest = len(ranking)
     for start, start_fmt, start_check in starts:
