@@ -38,6 +38,7 @@ def test_builtins_load_with_the_design_facts():
     # TensorRT takes symmetric INT8 only; unknown elsewhere (zero points where barely negative).
     assert orin.int8_activations is Int8Activations.SYMMETRIC and "int8_activations" in orin.sources
     assert a2000.int8_activations is generic.int8_activations is Int8Activations.UNKNOWN
+    assert load_profile("rk3588").int8_activations is Int8Activations.ASYMMETRIC
     assert all("fp64" in p.unsupported_dtypes for p in (a2000, orin, generic))
     for p in (a2000, orin, generic):
         assert p.resolve().fmt is get_format("fp16")
