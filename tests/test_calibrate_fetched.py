@@ -158,8 +158,8 @@ def test_a_bin_past_two_to_the_24_counts_exactly_at_an_old_opset():
 
 def test_a_bin_past_two_to_the_24_counts_exactly_in_the_graph_too(monkeypatch):
     # x -> Relu -> y at opset 13 in the graph (nothing fetched): TfIdfVectorizer counts rows of
-    # 2^23 indices apart, so 2^24 + 1301 zeros count as they are (odd: float32 cannot hold it);
-    # an empty sample counts nothing.
+    # at most 2^23 indices apart, so 2^24 + 1301 zeros count as they are (odd: float32 cannot
+    # hold it); an empty sample counts nothing.
     monkeypatch.setattr(fetched, "FETCH_BYTES", 0)
     proto = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 13]>
         g (float[N] x) => (float[N] y) { y = Relu(x) }""")
@@ -171,3 +171,9 @@ def test_a_bin_past_two_to_the_24_counts_exactly_in_the_graph_too(monkeypatch):
     assert (got["y"].zero_count, got["y"].count) == (2**24 + 1301, x.size)
     assert sum(got["y"].exp_hist.values()) == 200
     assert (got["x"].zero_count, sum(got["x"].exp_hist.values())) == (2**24 + 801, 700)
+    # Values under the ordinary range get the lean detail, one count in every sample: a bin
+    # it stopped at 2^24 flags the sample, and the full detail counts it.
+    tiny = [{"x": np.full(2**24 + 1301, 1e-5, np.float32)}]
+    for detail in ("auto", "fp16"):
+        got = calibrate(Model(proto, "", "relu"), tiny, detail=detail).tensors["y"]
+        assert sum(got.exp_hist.values()) == got.count == 2**24 + 1301

@@ -247,13 +247,22 @@ def lean_detail_nodes(
             helper.make_node("Cast", [real], [one_1], to=TensorProto.FLOAT if small else TensorProto.INT64),
             helper.make_node("Squeeze", [one_1], [one]),
         ]
-    count_nodes, hist = count_bins(idx, one, small, ctx)
+    # In every sample: one count, fast; a bin it may have stopped at 2^24 flags the sample,
+    # which the full detail then counts exactly.
+    count_nodes, hist = count_bins(idx, one, small, ctx, saturates=True)
     nodes += count_nodes
     lumped, has, neg, top, big, z, sane, nonfinite, odd, flag, ii, row = (n(s) for s in (
         "lumped", "has", "neg", "absmax", "big", "z", "sane", "nonfinite", "odd", "flag", "lean_i", "lean_row"))
     nodes += [
         helper.make_node("Slice", [hist, CONST_LUMP_AT, CONST_LUMP_END], [lumped]),
         helper.make_node("Greater", [lumped, CONST_ZERO_I64_1], [has]),
+    ]
+    beyond = has
+    if ctx.opset < 16 and not small:
+        full_nodes, full = saturated(hist, ctx)
+        beyond = n("beyond")
+        nodes += [*full_nodes, helper.make_node("Or", [full, has], [beyond])]
+    nodes += [
         helper.make_node("Neg", [mn], [neg]),
         helper.make_node("Max", [mx, neg], [top]),
         helper.make_node("Greater", [top, CONST_SMALLEST_MAX], [big]),
@@ -261,7 +270,7 @@ def lean_detail_nodes(
         helper.make_node("Mul", [sm, CONST_ZERO_F], [z]),
         helper.make_node("Equal", [z, CONST_ZERO_F], [sane]),
         helper.make_node("Not", [sane], [nonfinite]),
-        helper.make_node("Or", [has, big], [odd]),
+        helper.make_node("Or", [beyond, big], [odd]),
         helper.make_node("Or", [odd, nonfinite], [flag]),
         helper.make_node("Concat", [size, size, CONST_ZERO_I64_1, CONST_ZERO_OVER, hist], [ii], axis=0),
         helper.make_node("Where", [flag, CONST_FLAG_ROW, ii], [row]),
@@ -352,10 +361,12 @@ def shared_ones(count: int | None, ctx: Wiring) -> str | None:
     return f"{CONST_ONES}{count}"
 
 
-def count_bins(idx: str, one: str, small: bool, ctx: Wiring) -> tuple[list[onnx.NodeProto], str]:
+def count_bins(idx: str, one: str, small: bool, ctx: Wiring, *,
+               saturates: bool = False) -> tuple[list[onnx.NodeProto], str]:
     """Counts per bin [HIST_BINS] int64 of an int32 bin index. `one`: a scalar 1, or ones shaped
     like `idx` (see shared_ones); float32 when `small` (counts below 2^24 are exact in float32, and
-    summed ~20% faster)."""
+    summed ~20% faster). `saturates`: below opset 16, a bin may stop at 2^24 (one count, not
+    rows: the caller flags such a sample; see saturated)."""
     n = ctx.name
     hist = n("hist")
     if ctx.opset >= 16:
@@ -372,35 +383,51 @@ def count_bins(idx: str, one: str, small: bool, ctx: Wiring) -> tuple[list[onnx.
             helper.make_node("Cast", [counted], [hist], to=TensorProto.INT64),
         ], hist
     # No ScatterElements reduction before opset 16: TfIdfVectorizer counts 1-grams, in
-    # float32, exact up to 2^24 a bin. Past that (or of unknown size) the indices are padded
-    # with -1 (in no bin) to whole rows of TF_ROW, each row counted apart, summed in int64.
+    # float32, exact up to 2^24 a bin. Past that (or of unknown size) each row of at most
+    # TF_ROW indices is counted apart and the rows summed in int64.
     tf = n("tf")
     counting = {"mode": "TF", "min_gram_length": 1, "max_gram_length": 1, "max_skip_count": 0,
                 "ngram_counts": [0], "ngram_indexes": list(range(HIST_BINS)),
                 "pool_int64s": list(range(HIST_BINS))}
-    if small:
+    if small or saturates:
         return [
             helper.make_node("TfIdfVectorizer", [idx], [tf], **counting),
             helper.make_node("Cast", [tf], [hist], to=TensorProto.INT64),
         ], hist
-    # At least one row: TfIdfVectorizer refuses [0, C].
-    size, some, short, tail, empty, pad, pads, padded, rows, per_row = (n(s) for s in (
-        "tf_size", "tf_some", "tf_short", "tf_tail", "tf_empty", "tf_pad", "tf_pads", "tf_padded",
-        "tf_rows", "tf_per_row"))
+    # Rows of at most TF_ROW indices, as few as that takes (at least one: TfIdfVectorizer
+    # refuses [0, C]), made equal by padding with -1, which is in no bin.
+    size, some, longer, rows, up, up_less, width, whole, pad, pads, padded, shape, counted, per_row = (
+        n(s) for s in ("tf_size", "tf_some", "tf_longer", "tf_rows", "tf_up", "tf_up_less",
+                       "tf_width", "tf_whole", "tf_pad", "tf_pads", "tf_padded", "tf_shape",
+                       "tf_counted", "tf_per_row"))
     return [
         helper.make_node("Shape", [idx], [size]),
         helper.make_node("Max", [size, CONST_ONE_DIM], [some]),
-        helper.make_node("Neg", [some], [short]),
-        helper.make_node("Mod", [short, CONST_TF_ROW], [tail]),
-        helper.make_node("Sub", [some, size], [empty]),
-        helper.make_node("Add", [tail, empty], [pad]),
+        helper.make_node("Add", [some, CONST_TF_ROW_LESS_ONE], [longer]),
+        helper.make_node("Div", [longer, CONST_TF_ROW], [rows]),
+        helper.make_node("Add", [some, rows], [up]),
+        helper.make_node("Sub", [up, CONST_ONE_DIM], [up_less]),
+        helper.make_node("Div", [up_less, rows], [width]),
+        helper.make_node("Mul", [rows, width], [whole]),
+        helper.make_node("Sub", [whole, size], [pad]),
         helper.make_node("Concat", [CONST_ZERO_I64_1, pad], [pads], axis=0),
         helper.make_node("Pad", [idx, pads, CONST_NO_BIN], [padded]),
-        helper.make_node("Reshape", [padded, CONST_TF_ROWS], [rows]),
-        helper.make_node("TfIdfVectorizer", [rows], [tf], **counting),
+        helper.make_node("Concat", [rows, width], [shape], axis=0),
+        helper.make_node("Reshape", [padded, shape], [counted]),
+        helper.make_node("TfIdfVectorizer", [counted], [tf], **counting),
         helper.make_node("Cast", [tf], [per_row], to=TensorProto.INT64),
         helper.make_node("ReduceSum", [per_row, CONST_ZERO_I64_1], [hist], keepdims=0),
     ], hist
+
+
+def saturated(hist: str, ctx: Wiring) -> tuple[list[onnx.NodeProto], str]:
+    """bool [1]: some bin of `hist` (int64, counted in float32) reached 2^24, where it stops."""
+    n = ctx.name
+    most, full = n("most"), n("full")
+    return [
+        helper.make_node("ReduceMax", [hist], [most], keepdims=1),
+        helper.make_node("GreaterOrEqual", [most, CONST_TF_FULL], [full]),
+    ], full
 
 
 # Shared constants, added once per model as initialisers of the main graph (visible in bodies).
@@ -439,9 +466,10 @@ CONST_FLAG_ROW = "__npuprep_c_flag_row"
 CONST_ZERO_I32_S = "__npuprep_c_zero_i32_s"
 CONST_TOP_BIN_I32 = "__npuprep_c_top_bin_i32"
 CONST_TF_ROW = "__npuprep_c_tf_row"
-CONST_TF_ROWS = "__npuprep_c_tf_rows"
+CONST_TF_ROW_LESS_ONE = "__npuprep_c_tf_row_less_one"
 CONST_NO_BIN = "__npuprep_c_no_bin"
-# Indices a TfIdfVectorizer row counts: under 2^24, so each row's float32 counts are exact.
+CONST_TF_FULL = "__npuprep_c_tf_full"
+# The most indices a TfIdfVectorizer row counts: under 2^24, so its float32 counts are exact.
 TF_ROW = 1 << 23
 
 
@@ -493,8 +521,9 @@ def shared_constants(scope: Scope = SCOPES["auto"]) -> list[onnx.TensorProto]:
         CONST_ZERO_I32_S: np.array(0, np.int32),
         CONST_TOP_BIN_I32: np.array(HIST_BINS - 1, np.int32),
         CONST_TF_ROW: np.array([TF_ROW], np.int64),
-        CONST_TF_ROWS: np.array([-1, TF_ROW], np.int64),
+        CONST_TF_ROW_LESS_ONE: np.array([TF_ROW - 1], np.int64),
         CONST_NO_BIN: np.array(-1, np.int32),
+        CONST_TF_FULL: np.array([2**24], np.int64),
     }
     for fmt in OVER_FORMATS:
         values[over_const(fmt)] = np.array(get_format(fmt).max, np.float32)
