@@ -297,7 +297,8 @@ def test_the_targets_int8_activations_decide_where_a_zero_point_is_written():
 
 def test_convert_for_tensorrt_writes_no_zero_point(tmp_path):
     # x (a GELU's output) -> MatMul(W) [mm] -> y, to INT8: for orin (TensorRT: symmetric only)
-    # every QuantizeLinear's zero point is an INT8 0; for generic (unknown) x is uint8.
+    # every QuantizeLinear's zero point is an INT8 0; for generic (unknown) x is uint8 with a
+    # zero point, which the report counts and a note and the checklist tell the user to ask of.
     path = tmp_path / "m.onnx"
     onnx.save(_model(ONE, {"W": RNG.standard_normal((8, 4))}), path)
     data = tmp_path / "data"
@@ -306,19 +307,33 @@ def test_convert_for_tensorrt_writes_no_zero_point(tmp_path):
         x = RNG.standard_normal((16, 8)).astype(np.float32) * 2
         np.savez(data / f"{i}.npz", x=(x * 0.5 * (1 + np.tanh(0.8 * x))).astype(np.float32))
 
-    def zero_points(target: str) -> list[onnx.TensorProto]:
-        out = tmp_path / f"m.{target}.onnx"
+    def converted(target: str) -> tuple[list[onnx.TensorProto], dict]:
+        (tmp_path / target).mkdir()
+        out = tmp_path / target / "m.onnx"
         proc = run_cli("convert", path, "--target", target, "--precision", "int8", "--data",
-                       data, "-o", out)
+                       data, "-o", out, "--json")
         assert proc.returncode == 0, proc.stderr
         written = onnx.load(out)
         inits = {i.name: i for i in written.graph.initializer}
-        return [inits[n.input[2]] for n in written.graph.node if n.op_type == "QuantizeLinear"]
+        return ([inits[n.input[2]] for n in written.graph.node if n.op_type == "QuantizeLinear"],
+                json.loads(proc.stdout))
 
-    orin = zero_points("orin")
+    orin, orin_report = converted("orin")
     assert orin and all(z.data_type == onnx.TensorProto.INT8
                         and not numpy_helper.to_array(z).any() for z in orin)
-    assert any(z.data_type == onnx.TensorProto.UINT8 for z in zero_points("generic"))
+    assert orin_report["eight_bit"]["zero_points"] == {"uint8_with_zero_point": 0,
+                                                       "activations": len(orin)}
+    generic, report = converted("generic")
+    assert report["eight_bit"]["zero_points"] == {"uint8_with_zero_point": 1, "activations": 1}
+    assert any("1 of the 1 quantised activations are uint8 with a zero point" in n
+               for n in report["notes"])
+    assert not any("uint8 with a zero point" in n for n in orin_report["notes"])
+    for target, asked in (("generic", True), ("orin", False)):
+        done = run_cli("checklist", path, "--target", target, "--workspace", tmp_path / target,
+                       "--json")
+        assert done.returncode == 0, done.stderr
+        item = next(i for i in json.loads(done.stdout)["items"] if i["key"] == "precision")
+        assert any("`int8_activations: symmetric`" in s for s in item["steps"]) is asked
 
 
 def test_each_activation_takes_the_scale_rule_with_the_least_measured_error():

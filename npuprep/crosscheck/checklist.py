@@ -30,7 +30,7 @@ from npuprep.formatting import ratio as ratio_text
 from npuprep.graph import attribute, tensor_types, walk_graphs
 from npuprep.model_io import Model
 from npuprep.names import md_code, shown
-from npuprep.numerics import formats
+from npuprep.numerics import Int8Activations, formats
 from npuprep.plan.story import FATE_TEXT, FATES, Story
 from npuprep.profiles import OverflowMode, ResolvedTarget, TargetProfile
 
@@ -396,6 +396,12 @@ def _eight_bit(ctx: _Context, decision: Any, converted: tuple[str, dict[str, Any
         if wider else f"every flagged node is in the plan's {fmt} decision; crosscheck the "
         "compiler's report with --plan to see it did the same",
     ]
+    offset = (eight.get("zero_points") or {}).get("uint8_with_zero_point", 0)
+    if offset and ctx.profile.int8_activations is Int8Activations.UNKNOWN:
+        steps.append(
+            f"{offset} activations are uint8 with a zero point and `{ctx.profile.name}` does "
+            "not say whether its compiler takes one: ask the vendor (TensorRT does not); if "
+            "not, set `int8_activations: symmetric` in a copy of the profile and convert again")
     return said, steps
 
 

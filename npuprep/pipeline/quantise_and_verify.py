@@ -38,7 +38,7 @@ from npuprep.detections import Decision
 from npuprep.formatting import ratio
 from npuprep.graph import weight_bytes, without_weight_inputs
 from npuprep.model_io import Model, WeightScratch
-from npuprep.numerics import EightBitFormat, NumberFormat, eight_bit_format
+from npuprep.numerics import EightBitFormat, Int8Activations, NumberFormat, eight_bit_format
 from npuprep.pipeline.result import ConversionResult, EightBitResult, SampleUse
 from npuprep.pipeline.trial_sessions import (
     TrialSessions,
@@ -55,6 +55,7 @@ from npuprep.report.output_verdicts import chance_said
 from npuprep.rewrite.apply import apply_plan
 from npuprep.rewrite.bias_correction import with_biases
 from npuprep.rewrite.lower import Lowered
+from npuprep.rewrite.qdq import zero_points
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.compare import DEFAULT_ATOL, compare_models
@@ -443,6 +444,13 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                               top_k=top_k, expected=sessions.expected)[0]
     notes.append(_curve_note(widening.curve, trial_runs, widening.check.worst_rel_l2))
     notes += _chance_notes(check)
+    offsets = zero_points(built)
+    if offsets[0] and profile.int8_activations is Int8Activations.UNKNOWN:
+        notes.append(f"{offsets[0]} of the {offsets[1]} quantised activations are uint8 with a "
+                     f"zero point (they reach only a little below zero); {profile.name}'s "
+                     "int8_activations is unknown: a compiler that takes symmetric INT8 only "
+                     "(TensorRT) refuses them, so say `int8_activations: symmetric` in the "
+                     "profile if it is one")
     if widening.alternative and other is not None:
         # The search kept may be the INT8 conversion's, whose other format is this one.
         into = {x.node: x.precision for x in layers}.get(widening.alternative[0], other.name)
@@ -499,7 +507,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
             kept_wider=tuple(widened),
             rank_runs=widening.rank_runs, curve=tuple(widening.curve), kept_wider_cost=_cost(widened, macs),
             tensor_rules=dict(tensor_rules), balanced=dict(balanced),
-            input_shapes={k: tuple(v) for k, v in sample_shapes(samples).items()}),
+            input_shapes={k: tuple(v) for k, v in sample_shapes(samples).items()},
+            zero_points=offsets),
     )
 
 

@@ -95,6 +95,8 @@ class EightBitResult:
     input_shapes: dict[str, tuple[int, ...]]
     # Every choice the search tried: layers kept wider, 8-bit share, outputs' rel L2
     curve: tuple[CurvePoint, ...] = ()
+    # (activations written as uint8 with a zero point, activations quantised)
+    zero_points: tuple[int, int] = (0, 0)
 
     @property
     def share_met(self) -> bool:
@@ -119,6 +121,8 @@ class EightBitResult:
                          for x, (t, r) in sorted(self.balanced.items())},
             "input_shapes": {k: list(v) for k, v in self.input_shapes.items()},
             "curve": [p.to_dict() for p in self.curve],
+            "zero_points": {"uint8_with_zero_point": self.zero_points[0],
+                            "activations": self.zero_points[1]},
         }
 
 

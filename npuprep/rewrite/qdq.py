@@ -191,6 +191,19 @@ def zero_point(name: str, fmt: EightBitFormat, shape: tuple[int, ...], *, unsign
     return numpy_helper.from_array(np.full(shape, value, np.uint8 if unsigned else np.int8), name)
 
 
+def zero_points(model: onnx.ModelProto) -> tuple[int, int]:
+    """(INT8 activations written as uint8 with a non-zero zero point, QuantizeLinear nodes) of
+    a QDQ model (weights are stored quantised: every QuantizeLinear is an activation's): what
+    a compiler that takes symmetric INT8 only refuses."""
+    scopes = list(walk_graphs(model.graph))
+    consts = {i.name: i for scope in scopes for i in scope.graph.initializer}
+    quantised = [n for scope in scopes for n in scope.graph.node if n.op_type == "QuantizeLinear"]
+    offset = sum(1 for n in quantised if len(n.input) > 2 and n.input[2] in consts
+                 and consts[n.input[2]].data_type == TensorProto.UINT8
+                 and numpy_helper.to_array(consts[n.input[2]]).any())
+    return offset, len(quantised)
+
+
 def drop_unused_weights(g: onnx.GraphProto) -> None:
     """FP32 weights every consumer of which now reads the 8-bit copy leave the file: the main
     graph's and a body's own (its 8-bit copy lives in the main graph)."""
