@@ -352,3 +352,30 @@ def test_a_class_of_the_score_map_detects_alone():
     with pytest.raises(NpuprepError, match=re.escape("--detect score[2:1]:0.5: score[2:1] reads "
                                                      "no class")):
         parse_detect(["score[2:1]:0.5"])
+
+
+def test_the_search_takes_a_score_held_at_1x_where_the_error_near_the_threshold_flips_none():
+    # score (1 x 400 positions x 1 class), threshold 0.5: 300 entries within 0.2 of it and
+    # one decided score at 0.58 moved to 0.53 (held at 1x, past 0.5 at 2x). With an error of
+    # 0.005 near the threshold a redraw flips none: the search's aim holds; with 0.04 pushed
+    # away from it (no other flip, at 1x or 2x) a redraw would flip many: it does not.
+    rules = parse_detect(["score:0.5"])
+    ref = np.full((1, 400, 1), 0.02)
+    ref[0, :300, 0] = np.where(np.arange(300) % 2, 0.56, 0.44) + np.linspace(0.0, 0.14, 300) * \
+        np.where(np.arange(300) % 2, 1, -1)
+    ref[0, 300, 0] = 0.58
+
+    def aim(noise: float) -> tuple[bool, dict]:
+        cand = ref + noise * np.sign(ref - 0.5)
+        cand[0, 300, 0] = 0.53
+        errors = OutputErrors(top_k=rules, tie_rtol=5e-2, margin=2.0)
+        errors.add("score", ref, cand)
+        row = errors.result()["score"]
+        return output_passes(row, 4e-2, at_margin=True), row
+
+    held, row = aim(0.005)
+    assert row["detect_agreement"] == 1.0 and row["detect_agreement_at_margin"] < 1.0
+    assert row["detect_near_entries"] >= 300 and row["detect_expected_flips"] < 0.1 and held
+    held, row = aim(0.04)
+    assert row["detect_agreement_at_margin"] < 1.0 and row["detect_expected_flips"] > 1.0
+    assert not held

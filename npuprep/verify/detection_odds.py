@@ -30,6 +30,12 @@ MAX_BANDS = 40.0
 # Expected flips past which a redraw of the samples more likely than not flips one (Poisson:
 # P(none) = exp(-expected) < 1/2).
 MORE_LIKELY_THAN_NOT = math.log(2.0)
+# Expected flips under which a redraw flips none 9 times in 10 (exp(-0.1) = 0.905): the 8-bit
+# search's aim for a detector whose decided scores hold (npuprep.verify.output_errors).
+FEW_FLIPS = 0.1
+# Entries near the threshold the odds need before they stand in for the margin: fewer measure
+# no spread worth trusting (none gives an rms of 0 and no flips, whatever the error elsewhere).
+NEAR_ENOUGH = 100
 
 
 @dataclass

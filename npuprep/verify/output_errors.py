@@ -56,7 +56,12 @@ import numpy as np
 
 from npuprep.detections import Decision, Detection
 from npuprep.errors import NpuprepError
-from npuprep.verify.detection_odds import MORE_LIKELY_THAN_NOT, NearThreshold
+from npuprep.verify.detection_odds import (
+    FEW_FLIPS,
+    MORE_LIKELY_THAN_NOT,
+    NEAR_ENOUGH,
+    NearThreshold,
+)
 
 # The share of the worst positions whose squared error is summed ("the worst 1%").
 WORST_POSITIONS = 0.01
@@ -77,14 +82,21 @@ def output_passes(errors: Mapping[str, Any], rtol: float, *, at_margin: bool = F
     L2 within `rtol` or, when judged by top-K, every decision the same (`at_margin`: the same
     with the error scaled by the margin it was measured at, where it was). An output judged by
     a detector's detections passes by them alone: every decided score on its side of the
-    threshold, a box output's rel L2 at the detections within `rtol`."""
+    threshold, a box output's rel L2 at the detections within `rtol`; `at_margin`, each also
+    at the margin, or held with so little error near the threshold (measured on NEAR_ENOUGH
+    entries at least) that a redraw of the samples should flip none (FEW_FLIPS: the margin
+    asks every decided score for twice its own draw of the error, the odds ask it of the
+    error's spread)."""
     if errors["nonfinite"]:
         return False
     if "rel_l2_at_detections" in errors:
         return errors["rel_l2_at_detections"] <= rtol
     if "detect_agreement" in errors:
-        return errors["detect_agreement_at_margin" if at_margin and "detect_agreement_at_margin"
-                      in errors else "detect_agreement"] == 1.0
+        if errors["detect_agreement"] != 1.0:
+            return False
+        return (not at_margin or errors.get("detect_agreement_at_margin", 1.0) == 1.0
+                or (errors.get("detect_near_entries", 0) >= NEAR_ENOUGH
+                    and errors.get("detect_expected_flips", math.inf) <= FEW_FLIPS))
     agreement = errors.get("top_k_agreement_at_margin" if at_margin and
                            "top_k_agreement_at_margin" in errors else "top_k_agreement")
     return errors["rel_l2"] <= rtol or agreement == 1.0
@@ -269,6 +281,7 @@ class OutputErrors:
         row["detect_ties"], row["detect_ties_flipped"] = a["ties"], a["ties_flipped"]
         # Which decided score met which error is chance: the flips a redraw of it would give.
         row["detect_near_rms"] = a["near"].rms()
+        row["detect_near_entries"] = a["near"].count
         row["detect_expected_flips"] = a["near"].expected_flips()
         row["detect_held_by_chance"] = (row["detect_agreement"] == 1.0 and
                                         row["detect_expected_flips"] > MORE_LIKELY_THAN_NOT)
