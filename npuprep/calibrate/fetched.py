@@ -68,14 +68,19 @@ def fetchable(model: onnx.ModelProto, tensors: Collection[str] | None) -> dict[s
 def fits(model: onnx.ModelProto, tensors: Collection[str], feed: Mapping[str, np.ndarray],
          streams: int) -> bool:
     """Whether `tensors` of `streams` samples shaped like `feed` fit in FETCH_BYTES and the
-    run's memory budget (a tensor whose size shape inference cannot tell: no)."""
+    run's memory budget (a tensor whose size shape inference cannot tell: no). A graph output
+    is not counted: plain inference returns it too, so fetching it holds nothing more
+    (ppocr_rec's `softmax_11.tmp_0`, which shape inference cannot size, kept its whole
+    calibration in the graph)."""
     from npuprep.flops import tensor_shapes
     from npuprep.resources import affordable
 
+    outputs = {o.name for o in model.graph.output}
+    counted = [t for t in tensors if t not in outputs]
     shapes = tensor_shapes(model, {k: np.shape(v) for k, v in feed.items()})
-    if any(t not in shapes for t in tensors):
+    if any(t not in shapes for t in counted):
         return False
-    held = streams * sum(4 * math.prod(shapes[t]) for t in tensors)
+    held = streams * sum(4 * math.prod(shapes[t]) for t in counted)
     return held <= FETCH_BYTES and affordable(held)
 
 
