@@ -64,6 +64,10 @@ def test_a_row_bins_every_kind_of_value_as_the_graph_does():
     top, bottom, row = row_of(values)
     assert (top, bottom) == (np.inf, -np.inf)
     assert row.tolist() == _expected_row(values).tolist()
+    # Zeros alone are counted without the subnormals' path; with one subnormal, both.
+    for few in ([0.0, -0.0, 2.0], [0.0, -0.0, 7 * tiny, 2.0]):
+        assert row_of(np.array(few, np.float32))[2].tolist() == _expected_row(
+            np.array(few, np.float32)).tolist()
     # NaN ignored by max and min; only NaN: -Inf and Inf, as the graph's NaN-aware reductions.
     assert row_of(np.array([np.nan, 2.0, -1.0], np.float32))[:2] == (2.0, -1.0)
     assert row_of(np.array([np.nan], np.float32))[:2] == (-np.inf, np.inf)
