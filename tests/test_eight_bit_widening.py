@@ -374,7 +374,8 @@ def test_the_fp16_searches_from_two_starts_go_in_step_and_stop_at_the_first_pass
 
     def check(chosen: list[LayerPrecision]) -> OutputCheck:
         tried.append(tuple(x.precision for x in chosen))
-        power = sum(own[x.precision][names.index(x.node)] ** 2 for x in chosen if x.precision in own)
+        power = sum(own[x.precision][names.index(x.node)] ** 2
+                    for x in chosen if x.precision in own)
         return OutputCheck(rtol=0.05, samples=1, outputs={"y": {"rel_l2": float(np.sqrt(power)),
                                                                 "nonfinite": 0}})
 

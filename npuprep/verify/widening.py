@@ -13,7 +13,8 @@ target with a second 8-bit format (INT8 and FP8), the heads are tried in that fo
 less than the asked format, the heads kept FP16 are tried from both, in step (heads of at
 most 1, 2, 4, ... from each until one passes), and the better search kept. Where no head
 passes within the budget, the heads of the layers by their errors alone (no gain read: far
-from the aim, a leave-one-out gain can be negative with nothing cancelling) are tried too. Every head tried is a point of the share/error curve the result reports.
+from the aim, a leave-one-out gain can be negative with nothing cancelling) are tried too.
+Every head tried is a point of the share/error curve the result reports.
 """
 
 from __future__ import annotations
