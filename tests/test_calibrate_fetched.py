@@ -64,6 +64,10 @@ def test_a_row_bins_every_kind_of_value_as_the_graph_does():
     top, bottom, row = row_of(values)
     assert (top, bottom) == (np.inf, -np.inf)
     assert row.tolist() == _expected_row(values).tolist()
+    # Zeros alone are counted without the subnormals' path; with one subnormal, both.
+    for few in ([0.0, -0.0, 2.0], [0.0, -0.0, 7 * tiny, 2.0]):
+        assert row_of(np.array(few, np.float32))[2].tolist() == _expected_row(
+            np.array(few, np.float32)).tolist()
     # NaN ignored by max and min; only NaN: -Inf and Inf, as the graph's NaN-aware reductions.
     assert row_of(np.array([np.nan, 2.0, -1.0], np.float32))[:2] == (2.0, -1.0)
     assert row_of(np.array([np.nan], np.float32))[:2] == (-np.inf, np.inf)
@@ -135,7 +139,7 @@ def test_a_whole_calibration_from_files_is_fetched_where_it_fits(tmp_path, monke
 
 def test_a_whole_calibration_past_its_memory_or_with_a_body_runs_in_the_graph(tmp_path, monkeypatch):
     model, feeds = _convs()
-    size = 4 * 8 * 8 * (3 + 4 * 4)  # x, then y, r, tiny and big: one sample's float32 bytes
+    size = 4 * 8 * 8 * (3 + 4 + 4)  # x, y and r of one sample (tiny and big are outputs)
     assert fetched.fits(model.proto, ["x", "y", "r", "tiny", "big"], feeds[0], 2)
     monkeypatch.setattr(fetched, "FETCH_BYTES", 2 * size - 1)
     assert not fetched.fits(model.proto, ["x", "y", "r", "tiny", "big"], feeds[0], 2)
@@ -177,3 +181,54 @@ def test_a_bin_past_two_to_the_24_counts_exactly_in_the_graph_too(monkeypatch):
     for detail in ("auto", "fp16"):
         got = calibrate(Model(proto, "", "relu"), tiny, detail=detail).tensors["y"]
         assert sum(got.exp_hist.values()) == got.count == 2**24 + 1301
+
+
+# x -> Conv(w) -> y -> Relu -> r -> Reshape(r, s) -> out, s a graph input: shape inference
+# cannot size `out` (as ppocr_rec's softmax output); with `mid` = Reshape(r, s) read by a Neg,
+# an unsized tensor that is not an output.
+RESHAPED = """
+<ir_version: 8, opset_import: ["" : 18]>
+flat (float[1,3,8,8] x, int64[2] s) => (float[a,b] out) {
+    y = Conv<pads = [1, 1, 1, 1]>(x, w)
+    r = Relu(y)
+    out = Reshape(r, s)
+}
+"""
+
+
+def _reshaped(body: str) -> tuple[Model, list[dict[str, np.ndarray]]]:
+    rng = np.random.default_rng(1)
+    proto = onnx.parser.parse_model(body)
+    proto.graph.initializer.append(onnx.numpy_helper.from_array(
+        rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w"))
+    feeds = [{"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32) * k,
+              "s": np.array([4, 64], np.int64)} for k in (1, 7)]
+    return Model(proto, "", "reshaped"), feeds
+
+
+def test_an_unsized_graph_output_is_fetched_and_not_counted(tmp_path, monkeypatch):
+    model, feeds = _reshaped(RESHAPED)
+    samples = _files(tmp_path, feeds, model.proto)
+    every = ["out", "r", "x", "y"]
+    assert fetched.fits(model.proto, every, feeds[0], 1)
+    # x, y and r of one sample are the bytes held: `out` is returned by plain inference too.
+    size = 4 * 8 * 8 * (3 + 4 + 4)
+    monkeypatch.setattr(fetched, "FETCH_BYTES", size)
+    assert fetched.fits(model.proto, every, feeds[0], 1)
+    monkeypatch.setattr(fetched, "FETCH_BYTES", size - 1)
+    assert not fetched.fits(model.proto, every, feeds[0], 1)
+    monkeypatch.setattr(fetched, "FETCH_BYTES", 0)
+    graph = calibrate(model, samples, detail="all")
+    monkeypatch.undo()
+    instrumented = []
+    monkeypatch.setattr(calibrate_run, "instrument", lambda *a, **k: instrumented.append(1))
+    got = calibrate(model, samples, detail="all")
+    assert not instrumented and set(got.tensors) == set(every)
+    assert got.to_dict() == graph.to_dict()
+
+
+def test_an_unsized_tensor_inside_the_graph_keeps_the_calibration_in_the_graph():
+    inner = RESHAPED.replace("(float[a,b] out)", "(float[a,b] neg)").replace(
+        "out = Reshape(r, s)", "out = Reshape(r, s)\n    neg = Neg(out)")
+    model, feeds = _reshaped(inner)
+    assert not fetched.fits(model.proto, ["neg", "out", "r", "x", "y"], feeds[0], 1)

@@ -135,3 +135,51 @@ def test_a_swap_whose_layer_can_take_the_excess_off_is_still_tried_and_kept():
     widened, kept, curve = _search(alone, TINY, aim=AIM)
     assert widened == ["head", "low"] and math.isclose(kept, 0.83)
     assert _search(alone, TINY)[:2] == (widened, kept)
+
+
+def test_heads_checked_until_they_fail_the_gate_choose_as_whole_checks_do():
+    # [head] errs 0.0563, past the gate (0.05): its check stops there, a lower bound of 0.0501
+    # on its point. [head, mid] passes (0.034). The swaps in mid's place are those the whole
+    # check's excess allows (low, 0.022: tried and failing; `tiny`, 0.016, skipped): [head]
+    # is checked whole once for it, and the bound alone would have let tiny in.
+    alone = {"head": 0.08, "mid": 0.045, "low": 0.022, "tiny": 0.016, "big": 0.02}
+    whole: list[tuple[str, ...]] = []
+
+    def error(layers: list[LayerPrecision]) -> float:
+        return math.sqrt(sum(alone[x.node] ** 2 for x in layers if x.precision == "int8"))
+
+    def check(layers: list[LayerPrecision]) -> OutputCheck:
+        whole.append(tuple(x.node for x in layers if x.precision == "fp16"))
+        return OutputCheck(rtol=0.05, samples=8, outputs={
+            "y": {"nonfinite": 0, "rel_l2": error(layers), "max_abs_error": 0.0}})
+
+    def failing(layers: list[LayerPrecision]) -> OutputCheck:
+        if error(layers) <= 0.05:
+            return check(layers)
+        return OutputCheck(rtol=0.05, samples=2, outputs={
+            "y": {"nonfinite": 0, "rel_l2": 0.0501, "max_abs_error": 0.0}})
+
+    def rank(nodes: list[str], layers: list[LayerPrecision]) -> list[Sensitivity]:
+        every = error(layers)
+        return [Sensitivity(n, math.sqrt(max(every ** 2 - alone[n] ** 2, 0.0)),
+                            every - math.sqrt(max(every ** 2 - alone[n] ** 2, 0.0)), alone[n])
+                for n in nodes]
+
+    def search(**bounded: object) -> tuple[list[str], list[tuple[float, float, bool]]]:
+        layers = [LayerPrecision(n, "int8", "") for n in TINY]
+        done = widen_by_ranking(
+            layers, INT8, check(layers), rank=rank, trial=check,
+            judged=lambda c: c.outputs["y"]["rel_l2"] <= AIM,
+            share=lambda c: sum(TINY[x.node] for x in c if x.precision == "int8"),
+            cost=TINY.__getitem__, min_share=0.5, aim=AIM, **bounded)  # type: ignore[arg-type]
+        return done.widened, [(round(p.share, 2), p.rel_l2, p.at_least) for p in done.curve]
+
+    widened, curve = search()
+    whole.clear()
+    bounded, bounded_curve = search(failing=failing)
+    assert widened == bounded == ["head", "mid"]
+    assert [s for s, _, _ in curve] == [s for s, _, _ in bounded_curve] == [1.0, 0.98, 0.78, 0.83]
+    assert bounded_curve[1] == (0.98, 0.0501, True) and not curve[1][2]
+    assert bounded_curve[2:] == curve[2:]
+    # The stopped head checked whole once, for the swaps' excess.
+    assert whole.count(("head",)) == 1

@@ -431,6 +431,51 @@ def test_the_fp16_heads_start_from_whichever_8bit_format_ends_better():
     assert any(p.to == "fp16" and p.rel_l2 > 0.04 and p.share == 0.75 for p in done.curve)
 
 
+def test_the_fp16_searches_from_two_starts_go_in_step_and_stop_at_the_first_passing_head():
+    # Four layers of equal cost, errors adding in power. INT8: four at 0.03 (all 0.060); FP8:
+    # one bad layer (0.045), three good (0.01): all FP8 (0.048) errs less, and from it keeping
+    # l0 FP16 passes 0.04. From INT8 one layer FP16 fails (0.052): in step, the INT8 start's
+    # head of two is never tried.
+    from npuprep.numerics import eight_bit_format
+    from npuprep.plan.layer_precision import LayerPrecision
+    from npuprep.verify.output_check import OutputCheck
+    from npuprep.verify.qdq_model import Sensitivity
+    from npuprep.verify.widening import widen_by_ranking
+
+    own = {"int8": [0.03] * 4, "fp8_e4m3": [0.045, 0.01, 0.01, 0.01]}
+    names = [f"l{i}" for i in range(4)]
+    tried: list[tuple[str, ...]] = []
+
+    def check(chosen: list[LayerPrecision]) -> OutputCheck:
+        tried.append(tuple(x.precision for x in chosen))
+        power = sum(own[x.precision][names.index(x.node)] ** 2
+                    for x in chosen if x.precision in own)
+        return OutputCheck(rtol=0.05, samples=1, outputs={"y": {"rel_l2": float(np.sqrt(power)),
+                                                                "nonfinite": 0}})
+
+    def rank(nodes: list[str], chosen: list[LayerPrecision]) -> list[Sensitivity]:
+        return [Sensitivity(n, 0.0, own["fp8_e4m3"][names.index(n)], 0.03) for n in nodes]
+
+    layers = [LayerPrecision(n, "int8", "") for n in names]
+    done = widen_by_ranking(
+        layers, eight_bit_format("int8"), check(layers), rank=rank, trial=check,
+        judged=lambda c: c.outputs["y"]["rel_l2"] <= 0.04,
+        share=lambda c: sum(x.precision in own for x in c) / 4, cost=lambda n: 0.25,
+        min_share=0.5, alternative="fp8_e4m3")
+    assert [x.precision for x in done.layers] == ["fp16", "fp8_e4m3", "fp8_e4m3", "fp8_e4m3"]
+    assert ("fp16", "int8", "int8", "int8") in tried
+    assert not any(t.count("fp16") == 2 for t in tried)
+    # Without the FP8 start (all FP8 erring more), the INT8 search runs on as it did.
+    own["fp8_e4m3"] = [0.05] * 4
+    tried.clear()
+    widen_by_ranking(
+        layers, eight_bit_format("int8"), check(layers), rank=rank, trial=check,
+        judged=lambda c: c.outputs["y"]["rel_l2"] <= 0.04,
+        share=lambda c: sum(x.precision in own for x in c) / 4, cost=lambda n: 0.25,
+        min_share=0.5, alternative="fp8_e4m3")
+    assert ("fp16", "fp16", "int8", "int8") in tried
+
+
 def test_the_curve_note_marks_the_point_kept_not_the_last_that_passed():
     # start 0.06 (fails) -> first search's head 75% 0.030 (kept) -> a second search's head,
     # tried later, 75% 0.035 (passes too, errs more: not kept)

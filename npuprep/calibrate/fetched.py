@@ -65,14 +65,19 @@ def fetchable(model: onnx.ModelProto, tensors: Collection[str] | None) -> dict[s
 def fits(model: onnx.ModelProto, tensors: Collection[str], feed: Mapping[str, np.ndarray],
          streams: int) -> bool:
     """Whether `tensors` of `streams` samples shaped like `feed` fit in FETCH_BYTES and the
-    run's memory budget (a tensor whose size shape inference cannot tell: no)."""
+    run's memory budget (a tensor whose size shape inference cannot tell: no). A graph output
+    is not counted: plain inference returns it too, so fetching it holds nothing more
+    (ppocr_rec's `softmax_11.tmp_0`, which shape inference cannot size, kept its whole
+    calibration in the graph)."""
     from npuprep.flops import tensor_shapes
     from npuprep.resources import affordable
 
+    outputs = {o.name for o in model.graph.output}
+    counted = [t for t in tensors if t not in outputs]
     shapes = tensor_shapes(model, {k: np.shape(v) for k, v in feed.items()})
-    if any(t not in shapes for t in tensors):
+    if any(t not in shapes for t in counted):
         return False
-    held = streams * sum(4 * math.prod(shapes[t]) for t in tensors)
+    held = streams * sum(4 * math.prod(shapes[t]) for t in counted)
     return held <= FETCH_BYTES and affordable(held)
 
 
@@ -101,9 +106,14 @@ def row_of(values: np.ndarray) -> tuple[float, float, np.ndarray]:
     hist[_BIN_OF_EXPONENT + 1:] = by_exponent[1:]
     if by_exponent[0]:
         # Zeros and subnormals: the bit length of the mantissa (0 for a zero), which frexp of
-        # the integer gives exactly.
-        lengths = np.frexp(bits[exponent == 0].astype(np.float64))[1]
-        hist[:_BIN_OF_EXPONENT + 1] = np.bincount(lengths, minlength=_BIN_OF_EXPONENT + 1)
+        # the integer gives exactly. Zeros are counted, not selected (after a Relu half of
+        # the values: their selection cost more than the rest of the row).
+        zeros = bits.size - np.count_nonzero(bits)
+        hist[0] = zeros
+        if by_exponent[0] > zeros:
+            subnormal = bits[(exponent == 0) & (bits != 0)]
+            lengths = np.frexp(subnormal.astype(np.float64))[1]
+            hist[:_BIN_OF_EXPONENT + 1] += np.bincount(lengths, minlength=_BIN_OF_EXPONENT + 1)
     nan = np.isnan(x) if by_exponent[255] else None
     clean = x if nan is None or not nan.any() else x[~nan]
     row[_COL["nan"]] = 0 if nan is None else int(nan.sum())

@@ -350,7 +350,9 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                                 leave_out=leave_out,
                                 # A swap's check stops once an output errs past the aim for sure.
                                 stopping=lambda c: trial(c, stop_past=JUDGE_MARGIN * rtol),
-                                aim=None if top_k else JUDGE_MARGIN * rtol, gate=gate)
+                                aim=None if top_k else JUDGE_MARGIN * rtol, gate=gate,
+                                # A head's check stops once an output errs past the gate.
+                                failing=None if top_k else lambda c: trial(c, stop_past=rtol))
 
     if int8_start is not None and other is not None:
         start_check = trial(layers)
