@@ -6,7 +6,7 @@ Run: NPUPREP_RKNN_PYTHON=~/.cache/npuprep/rknn-venv/bin/python nice -n 10 \\
 
 Per corpus model (bench/corpus.py builds them): `npuprep convert MODEL --target rk3588
 --precision int8 --data calib --holdout heldout --verify-with rknn --json` (`--top-k OUT:1`
-for decided outputs, `OUT:ctc` for CTC ones), which runs the three vendor paths on the held-out
+for decided outputs, `OUT:ctc` for CTC ones, the corpus's `--detect` for a detector), which runs the three vendor paths on the held-out
 samples with the toolkit's quantiser calibrated on calib/. The table: held-out worst-output rel L2 per path
 beside npuprep's own (its QDQ model in onnxruntime), the layers the hybrid keeps in FP16,
 and the whole command's wall time. Writes OUT.md and OUT.json.
@@ -37,7 +37,8 @@ def measure(name: str, out: Path) -> dict:
            "rk3588", "--precision", "int8", "--data", str(entry / "calib"), "--holdout",
            str(entry / "heldout"), "--verify-with", "rknn", "-o", str(out / f"{name}.onnx"),
            "--json", "--export", "none",
-           *(a for o in decided for a in ("--top-k", f"{o}:{'ctc' if o in ctc else 1}"))]
+           *(a for o in decided for a in ("--top-k", f"{o}:{'ctc' if o in ctc else 1}")),
+           *(a for spec in corpus.SPECS[name].detect for a in ("--detect", spec))]
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     row = {"model": name, "seconds": round(time.perf_counter() - start, 1)}
