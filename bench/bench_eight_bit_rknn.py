@@ -6,9 +6,9 @@ Run: NPUPREP_RKNN_PYTHON=~/.cache/npuprep/rknn-venv/bin/python nice -n 10 \\
 
 Per corpus model (bench/corpus.py builds them): `npuprep convert MODEL --target rk3588
 --precision int8 --data calib --holdout heldout --verify-with rknn --json` (`--top-k OUT:1`
-for decided outputs, `OUT:ctc` for CTC ones, the corpus's `--detect` for a detector), which runs the three vendor paths on the held-out
-samples with the toolkit's quantiser calibrated on calib/. The table: held-out worst-output rel L2 per path
-beside npuprep's own (its QDQ model in onnxruntime), the layers the hybrid keeps in FP16,
+for decided outputs, `OUT:ctc` for CTC ones, the corpus's `--detect` for a detector), which
+runs the three vendor paths on the held-out samples with the toolkit's quantiser calibrated on
+calib/. The table: held-out worst-output rel L2 per path beside npuprep's own (its QDQ model in onnxruntime), the layers the hybrid keeps in FP16,
 and the whole command's wall time. Writes OUT.md and OUT.json.
 """
 
