@@ -1,5 +1,5 @@
-"""Per-channel statistics of chosen tensors: abs-max per sample and channel -> array[samples, C],
-and means per channel of any axis.
+"""Per-channel statistics of chosen tensors: abs-max (or min and max) per sample and channel
+-> array[samples, C], and means per channel of any axis.
 
 The range statistics keep one abs-max per tensor; migrating an outlier channel of a MatMul's
 input into its weight (npuprep.rewrite.smooth) needs it per channel (the last axis), read in
@@ -24,6 +24,27 @@ def channel_absmax(model: onnx.ModelProto, tensors: Sequence[str], samples: Sequ
                    axis: int = -1) -> dict[str, np.ndarray]:
     """tensor -> abs-max per sample and channel of `axis` (the last: a MatMul's input; 1: a
     Conv's) as [samples, channels]."""
+    return {t: v[0] for t, v in _per_channel(
+        model, tensors, samples, axis,
+        lambda flat: (np.abs(flat).max(axis=0, initial=0.0),)).items()}
+
+
+def channel_extremes(model: onnx.ModelProto, tensors: Sequence[str], samples: Sequence[Feed], *,
+                     axis: int = -1) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """tensor -> (min, max, share of values exactly zero) per sample and channel of `axis`,
+    each [samples, channels]."""
+    return {t: (v[0], v[1], v[2]) for t, v in _per_channel(
+        model, tensors, samples, axis,
+        lambda flat: (flat.min(axis=0, initial=np.inf), flat.max(axis=0, initial=-np.inf),
+                      (flat == 0).mean(axis=0) if len(flat) else np.zeros(flat.shape[1]))
+    ).items()}
+
+
+def _per_channel(model: onnx.ModelProto, tensors: Sequence[str], samples: Sequence[Feed],
+                 axis: int, reduce: Callable[[np.ndarray], tuple[np.ndarray, ...]]
+                 ) -> dict[str, tuple[np.ndarray, ...]]:
+    """tensor -> `reduce` of each sample's values as [values, channels of `axis`], stacked
+    over the samples: one pass of the FP32 model for these tensors."""
     from npuprep.calibrate.run import pass_streams, session_threads
     from npuprep.runtime.session import run_in_streams
 
@@ -31,13 +52,13 @@ def channel_absmax(model: onnx.ModelProto, tensors: Sequence[str], samples: Sequ
         return {}
     streams = pass_streams(len(samples))
     session = probe_session(model, tensors, threads=session_threads(streams))
-    found: dict[str, list[np.ndarray]] = {t: [] for t in tensors}
+    found: dict[str, list[tuple[np.ndarray, ...]]] = {t: [] for t in tensors}
     for values in run_in_streams(session, samples, list(tensors), streams):
         for name, value in values.items():
-            moved = np.moveaxis(np.abs(np.asarray(value, np.float32)), axis, -1)
-            flat = moved.reshape(-1, moved.shape[-1])
-            found[name].append(flat.max(axis=0, initial=0.0))
-    return {t: np.stack(v) for t, v in found.items()}
+            moved = np.moveaxis(np.asarray(value, np.float32), axis, -1)
+            found[name].append(reduce(moved.reshape(-1, moved.shape[-1])))
+    return {t: tuple(np.stack(parts) for parts in zip(*v, strict=True))
+            for t, v in found.items()}
 
 
 def leave_one_out_raise(per_sample: np.ndarray,

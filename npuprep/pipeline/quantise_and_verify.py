@@ -58,6 +58,7 @@ from npuprep.rewrite.lower import Lowered
 from npuprep.rewrite.qdq import zero_points
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
+from npuprep.verify.channel_shift import Centred, centre_skewed_inputs
 from npuprep.verify.compare import DEFAULT_ATOL, compare_models
 from npuprep.verify.decision_margin import decision_error
 from npuprep.verify.input_split import Splits, planned_splits, split_wide_inputs
@@ -183,11 +184,14 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     expected = ReferenceOutputs(work.proto, samples)
 
     def measure(model: onnx.ModelProto, stats: CalibrationStats, groups: list[list[str]],
-                on: Sequence[Feed], bounds: Sequence[float] | None) -> list[float]:
+                on: Sequence[Feed], bounds: Sequence[float] | None,
+                centred_means: Mapping[str, np.ndarray] | None = None,
+                score: TrialScore | None = None) -> list[float]:
         assert alone is not None
         return errors_alone(work.proto, model, groups, stats, alone, on,
                             tensor_scales=applied.tensor_scales, weights=weights, runs=runner,
-                            bounds=bounds, expected=expected.on(on[:TRIAL_SAMPLES]))
+                            bounds=bounds, expected=expected.on(on[:TRIAL_SAMPLES]),
+                            centred_means=centred_means, score=score)
 
     # The INT8 layers: the INT8 conversion's, or those of an FP8 conversion's INT8 search
     # (balanced as the INT8 conversion balances them, so that search is the INT8 one), where
@@ -248,12 +252,29 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                          f"writing them or a Mul on one value per channel, {whole} by a Mul over "
                          "the whole tensor), kept by their layers' error alone on samples neither "
                          "their factors nor their clips were fitted to" + _lifted_note(convs))
+    # Layer -> the per-channel mean of its centred input: its 8-bit bias follows its weight.
+    centred_means: dict[str, np.ndarray] = {}
+    if int8_layers and int8 is not None:
+        # After the balancing: each centre is in the units of the input its layer reads.
+        stage("centring skewed INT8 layer inputs' channels")
+        score = _decision_score(top_k, JUDGE_MARGIN * rtol, rtol)
+
+        def whole(model: onnx.ModelProto, stats: CalibrationStats, on: Sequence[Feed],
+                  means: Mapping[str, np.ndarray]) -> float:
+            return measure(model, stats, [int8_layers], on, None, means, score)[0]
+
+        centred = centre_skewed_inputs(base, int8_layers, stats, samples, int8.fmt,
+                                       measure=measure, whole=whole,
+                                       left_alone=applied.tensor_scales, path=work.path)
+        base, stats, centred_means = centred.model, centred.stats, centred.means
+        if centred.tensors:
+            notes.append(_centred_note(centred))
     macs = _macs(base, stats, samples)
     notes += body_note(base, macs) + recurrent_note(base, macs, sample_shapes(samples))
     eight_bit = eight_bit_nodes(layers, eight)
     stage("rounding the 8-bit weights for their layers' outputs")
     notes += round_weights(work.proto, base, assigned_formats(layers), variants, samples, weights,
-                            stats, applied.tensor_scales, expected.on)
+                            stats, applied.tensor_scales, expected.on, centred_means=centred_means)
     # Every trial below (rules, ranking, widening) is one run of one session: the QDQ model
     # with each layer's 8-bit inputs behind switches (npuprep.verify.qdq_trials).
     stage(f"building the switchable {'/'.join(v.fmt.name for v in variants)} model of "
@@ -267,7 +288,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         work.proto, base, layers, stats, variants, wide, samples, saturate=wide_saturate,
         kept_wider=pinned | {x.node for x in layers if x.precision == "fp32"},
         tensor_scales=applied.tensor_scales, weights=weights, means=means, runner=runner,
-        score=_decision_score(top_k, JUDGE_MARGIN * rtol, rtol), expected=expected.on(samples))
+        score=_decision_score(top_k, JUDGE_MARGIN * rtol, rtol), expected=expected.on(samples),
+        centred_means=centred_means)
     if top_k:
         judged_by = ", ".join(f"{name} ({rule_said(k)})" for name, k in top_k.items())
         notes.append(f"the search ranks layers and compares trials by the share of each decided "
@@ -445,7 +467,10 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                              # (an FP8 conversion's INT8 layers by the rules chosen).
                              tensor_rules={t: r for t, r in tensor_rules.items()
                                            if r in v.rules},
-                             weights=weights).model
+                             weights=weights,
+                             # A corrected bias (with_biases below) is the same correction.
+                             centred_means={k: c for k, c in centred_means.items()
+                                      if (k, v.fmt.name) not in corrected}).model
     chosen = assigned_formats(layers)
     built = with_biases(built, [fixed for (layer, fmt), fixed in biases.items()
                                 if chosen.get(layer) == fmt and (layer, fmt) in corrected])
@@ -759,6 +784,18 @@ def _better_search(asked: Widening, as_int8: Widening, profile: TargetProfile,
             f"share that passes, {rule}")
     return replace(kept, curve=asked.curve + as_int8.curve,
                    rank_runs=asked.rank_runs + as_int8.rank_runs), said
+
+
+def _centred_note(done: Centred) -> str:
+    worst = max(done.errors.values(), key=lambda e: e[0])
+    return (f"{len(done.tensors)} INT8 layer input(s) centred per channel (x - c, each an Add "
+            f"over the tensor in the wider format; their layers' biases take W.c back, less "
+            f"the 8-bit weight's error at the centred input's mean: the OS+ shift), what INT8 "
+            f"spans narrowed "
+            f"{ratio(min(g for _, g in done.tensors.values()))}-"
+            f"{ratio(max(g for _, g in done.tensors.values()))}; kept by their layers' error "
+            f"alone on samples neither the centres nor the clips were fitted to (worst "
+            f"{worst[0]:.3g} -> {worst[1]:.3g})")
 
 
 def _lifted_note(done: Balanced | Equalised) -> str:

@@ -44,8 +44,9 @@ class TrialSessions:
                  saturate: bool, kept_wider: set[str], tensor_scales: Mapping[str, float],
                  weights: WeightStore, means: Mapping[str, Any],
                  runner: RunsFactory | None, expected: list[dict[str, np.ndarray]],
-                 score: TrialScore | None = None) -> None:
-        self.score = score
+                 score: TrialScore | None = None,
+                 centred_means: Mapping[str, np.ndarray] | None = None) -> None:
+        self.score, self.centred_means = score, dict(centred_means or {})
         self.reference, self.base, self.stats, self.variants = reference, base, stats, variants
         self.assigned = assigned_formats(layers)
         self.wide, self.samples, self.saturate, self.kept_wider = wide, samples, saturate, kept_wider
@@ -68,7 +69,8 @@ class TrialSessions:
             switched = switched_qdq(self.base, list(self.assigned), self.stats, self.variants,
                                     tensor_scales=self.tensor_scales, weights=self.weights,
                                     means=self.means, rules=self.rules if chosen else None,
-                                    formats=(formats or self.assigned) if own else None)
+                                    formats=(formats or self.assigned) if own else None,
+                                    centred_means=self.centred_means)
             trials = Trials(self.reference, switched, self.wide, self.kept_wider, self.samples,
                             saturate=self.saturate, expected=self.expected, runs=self.runner,
                             shared=self.shared)
@@ -128,14 +130,16 @@ def round_weights(reference: onnx.ModelProto, model: onnx.ModelProto,
                    assigned: Mapping[str, str], variants: Sequence[Variant],
                    samples: Sequence[Feed], weights: WeightStore, stats: CalibrationStats,
                    tensor_scales: Mapping[str, float],
-                   expected: ReferenceOn | None = None) -> list[str]:
+                   expected: ReferenceOn | None = None,
+                   centred_means: Mapping[str, np.ndarray] | None = None) -> list[str]:
     """The 8-bit weights of the `assigned` layers rounded for their outputs in each
     variant's format (npuprep.rewrite.weight_rounding: every QDQ model below reads them
     from `weights`), kept per format where the model's outputs with every layer in it gain
     on the calibration samples the rounding was not fitted to (each layer's own error can
     fall while the outputs' rises: dnsmos_p835's three scores per sample in FP8, 0.035 ->
     0.081); a note per format. `expected`: the reference's outputs, where the caller holds
-    them."""
+    them. `centred_means`: layer -> the per-channel mean of its centred input (its 8-bit bias
+    follows its weight)."""
     from npuprep.rewrite.weight_rounding import round_layers
 
     layers = list(assigned)
@@ -154,7 +158,8 @@ def round_weights(reference: onnx.ModelProto, model: onnx.ModelProto,
             def outputs(store: WeightStore, fmt: EightBitFormat = v.fmt, v: Variant = v) -> float:
                 return error(quantise(model, layers, stats, fmt, saturate=v.saturate,
                                       rule=v.rules[0], tensor_scales=tensor_scales,
-                                      headroom=v.headroom, weights=store).model)
+                                      headroom=v.headroom, weights=store,
+                                      centred_means=centred_means).model)
 
             nearest, rounded = outputs(WeightStore()), outputs(weights)
             said = (f"; outputs' rel L2 with every layer in {v.fmt.name} on the unfitted "

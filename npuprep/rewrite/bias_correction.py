@@ -65,22 +65,27 @@ def corrected_bias(layer: onnx.NodeProto, weight: np.ndarray, dequantised: np.nd
                    bias: np.ndarray, mean: np.ndarray) -> np.ndarray | None:
     """`bias` minus the shift the 8-bit weight (`dequantised`, against `weight`) gives each
     output channel for an input of per-channel `mean`; None where the shapes do not fit."""
-    delta = (dequantised - weight).astype(np.float64)
-    if layer.op_type == "Conv":
-        groups = int(attribute(layer, "group", 1))
-        out, per_group = delta.shape[0], delta.shape[1]
-        if mean.shape != (groups * per_group,) or out % groups:
-            return None
-        taps = delta.reshape(out, per_group, -1).sum(axis=2)  # [O, C/group]
-        group_of = np.arange(out) // (out // groups)
-        shift = (taps * mean.reshape(groups, per_group)[group_of]).sum(axis=1)
-    elif layer.op_type == "Gemm" and attribute(layer, "transB", 0):
-        shift = delta @ mean if delta.shape[1:] == mean.shape else None
-    else:
-        shift = mean @ delta if delta.ndim == 2 and delta.shape[:1] == mean.shape else None
+    shift = output_shift(layer, (dequantised - weight).astype(np.float64), mean)
     if shift is None or shift.shape != bias.shape:
         return None
     return (bias - shift).astype(np.float32)
+
+
+def output_shift(layer: onnx.NodeProto, weight: np.ndarray, mean: np.ndarray) -> np.ndarray | None:
+    """What `layer` (a Conv, Gemm or MatMul) with `weight` adds to each output channel for an
+    input of per-channel `mean` (a Conv's whole kernel window); None where the shapes do not
+    fit."""
+    if layer.op_type == "Conv":
+        groups = int(attribute(layer, "group", 1))
+        out, per_group = weight.shape[0], weight.shape[1]
+        if mean.shape != (groups * per_group,) or out % groups:
+            return None
+        taps = weight.reshape(out, per_group, -1).sum(axis=2)  # [O, C/group]
+        group_of = np.arange(out) // (out // groups)
+        return (taps * mean.reshape(groups, per_group)[group_of]).sum(axis=1)
+    if layer.op_type == "Gemm" and attribute(layer, "transB", 0):
+        return weight @ mean if weight.shape[1:] == mean.shape else None
+    return mean @ weight if weight.ndim == 2 and weight.shape[:1] == mean.shape else None
 
 
 def with_biases(model: onnx.ModelProto,

@@ -55,6 +55,19 @@ def weight_axis(node: onnx.NodeProto, rank: int) -> int | None:
     return None
 
 
+def dequantised_weight(node: onnx.NodeProto, w: np.ndarray, fmt: EightBitFormat, *,
+                       saturate: bool, weights: WeightStore) -> np.ndarray:
+    """`w` as its 8-bit copy in `fmt` (the store's: nearest, or rounded for the layer)
+    dequantises it: DequantizeLinear's own float32 product of the stored value and its
+    channel's scale."""
+    axis = weight_axis(node, w.ndim)
+    stored, scale = weights.values(w, axis, fmt, saturate=saturate)
+    shape = [1] * w.ndim
+    if axis is not None:
+        shape[axis] = -1
+    return (stored.astype(np.float32) * scale.reshape(shape)).astype(np.float32)
+
+
 def insert_qdq(model: onnx.ModelProto, nodes: Mapping[str, Mapping[str, ActivationScale]],
                fmt: EightBitFormat, *, saturate: bool, weights: WeightStore | None = None) -> RewriteResult:
     """Quantise the inputs of `nodes` (label -> {activation tensor: scale}) to `fmt`.

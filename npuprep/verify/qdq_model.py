@@ -28,10 +28,12 @@ from npuprep.graph import attribute, constant_value, node_label, node_scopes, wa
 from npuprep.numerics import EightBitFormat, NumberFormat
 from npuprep.opsets import model_opset, upgrade_opset
 from npuprep.plan.layer_precision import LayerPrecision, activation_inputs
+from npuprep.rewrite.bias_correction import BiasSlot, with_biases
 from npuprep.rewrite.equalise import Chain
-from npuprep.rewrite.qdq import ActivationScale, insert_qdq
+from npuprep.rewrite.qdq import ActivationScale, dequantised_weight, insert_qdq
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.rewrite.result import RewriteResult
+from npuprep.rewrite.shift import centred_bias
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 from npuprep.verify.output_errors import worst_pooled_rel_l2
 
@@ -80,12 +82,15 @@ def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: CalibrationSta
              saturate: bool, rule: ScaleRule = DEFAULT_RULE,
              tensor_scales: Mapping[str, float] | None = None, headroom: float = 1.0,
              tensor_rules: Mapping[str, ScaleRule] | None = None,
-             weights: WeightStore | None = None) -> RewriteResult:
+             weights: WeightStore | None = None,
+             centred_means: Mapping[str, np.ndarray] | None = None) -> RewriteResult:
     """`model` (at a QDQ opset) with `nodes` quantised: activation scales by `rule` (or the
     tensor's own in `tensor_rules`) from `stats`; a tensor the plan rescaled (`tensor_scales`:
     rewritten = s x measured) gets s x its clip, and every clip is widened by `headroom`
     (values of the quantised model reach past FP32's). `weights`: the conversion's store of
-    8-bit weights (npuprep.rewrite.qdq_weights), shared by every model it builds."""
+    8-bit weights (npuprep.rewrite.qdq_weights), shared by every model it builds.
+    `centred_means`: layer -> the per-channel mean of its input, centred by
+    npuprep.rewrite.shift: its bias follows its 8-bit weight (centred_bias)."""
     own = tensor_rules or {}
     rescaled = tensor_scales or {}
     scopes = node_scopes(model.graph)  # a layer of a body reads its weight from outside
@@ -97,7 +102,22 @@ def quantise(model: onnx.ModelProto, nodes: Sequence[str], stats: CalibrationSta
         wanted[label] = {name: activation_scale(stats.tensors[name], fmt, own.get(name, rule),
                                                 rescaled.get(name, 1.0), headroom)
                          for name in activation_inputs(g, node, outer)}
-    return insert_qdq(model, wanted, fmt, saturate=saturate, weights=weights)
+    done = insert_qdq(model, wanted, fmt, saturate=saturate, weights=weights)
+    fixes = [fixed for label in wanted if label in (centred_means or {})
+             if (fixed := _centred_8bit_bias(model, label, fmt, saturate, weights or WeightStore(),
+                                             (centred_means or {})[label])) is not None]
+    return replace(done, model=with_biases(done.model, fixes)) if fixes else done
+
+
+def _centred_8bit_bias(model: onnx.ModelProto, label: str, fmt: EightBitFormat, saturate: bool,
+                       weights: WeightStore, centred_mean: np.ndarray
+                       ) -> tuple[BiasSlot, np.ndarray] | None:
+    node = next((n for n in model.graph.node if node_label(n) == label), None)
+    w = None if node is None else constant_value(model.graph, node.input[1])
+    if node is None or w is None:
+        return None
+    return centred_bias(model.graph, node, dequantised_weight(node, w, fmt, saturate=saturate,
+                                                              weights=weights), centred_mean)
 
 
 def activation_scale(r: RangeStats, fmt: EightBitFormat, rule: ScaleRule, rescaled: float = 1.0,
@@ -283,7 +303,7 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
         if not done:
             return done, stats
         changed = list(done.details["changed"])
-        again = _calibrated(done.model, path, "balanced", list(samples)[rows], changed)
+        again = calibrated(done.model, path, "balanced", list(samples)[rows], changed)
         return done, replace(stats, tensors={**stats.tensors, **{t: again[t] for t in changed
                                                                  if t in again}})
 
@@ -296,7 +316,7 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
     after_plain = measure(every.model, plain, groups, check, None)
     after_lifted = measure(every.model, lifted(every, plain, fitted, tensors), groups, check, None)
     unfitted = {**{x: known.fitted[x] for x in tensors if x in known.fitted},
-                **_calibrated(model, path, "unbalanced", list(samples)[fitted],
+                **calibrated(model, path, "unbalanced", list(samples)[fitted],
                               [x for x in tensors if x not in known.fitted])}
     before = measure(model, replace(stats, tensors={**stats.tensors, **unfitted}), groups, check,
                      [min(a, b) for a, b in zip(after_plain, after_lifted, strict=True)])
@@ -401,7 +421,7 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
         done = equalise(model, found, scales, place=place)
         if not done:
             return done, on, scales
-        again = _calibrated(done.model, path, "equalised", list(samples)[rows], changed)
+        again = calibrated(done.model, path, "equalised", list(samples)[rows], changed)
         return done, replace(on, tensors={**on.tensors, **{t: again[t] for t in changed
                                                            if t in again}}), scales
 
@@ -418,7 +438,7 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
     inputs = {name for node in model.graph.node if node_label(node) in wanted
               for name in activation_inputs(model.graph, node)
               if name in stats.tensors and name not in tensor_scales}
-    unfitted = _calibrated(model, path, "unequalised", list(samples)[fitted], inputs)
+    unfitted = calibrated(model, path, "unequalised", list(samples)[fitted], inputs)
     fit_stats = replace(stats, tensors={**stats.tensors, **unfitted})
     measured = Measured(model, per_channel, unfitted)
     fit_done, plain, _ = equalised(fitted, fit_stats)
@@ -463,7 +483,7 @@ def equalise_channels(reference: onnx.ModelProto, model: onnx.ModelProto, nodes:
                       if (r := new_stats.tensors.get(c.tensor)) is not None and r.unseen_raise > 1})
 
 
-def _calibrated(model: onnx.ModelProto, path: str, label: str, feeds: Sequence[Feed],
+def calibrated(model: onnx.ModelProto, path: str, label: str, feeds: Sequence[Feed],
                 tensors: Collection[str]) -> dict[str, RangeStats]:
     """The statistics of `tensors` of `model` on `feeds`, every rule's detail, the samples
     spread over the cores (calibrate.run.pass_streams); weights a light load left in the

@@ -50,13 +50,14 @@ from npuprep.plan.layer_precision import activation_inputs
 from npuprep.rewrite.bias_correction import BiasSlot, bias_slot, corrected_bias
 from npuprep.rewrite.qdq import (
     ActivationScale,
+    dequantised_weight,
     qdq_pair,
     scope_weight,
     sort_nodes,
-    weight_axis,
     weight_dq,
 )
 from npuprep.rewrite.qdq_weights import WeightStore
+from npuprep.rewrite.shift import centred_bias
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.bounded_trials import errors_within, least_errors
 from npuprep.verify.output_check import OutputCheck
@@ -132,7 +133,8 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
                  weights: WeightStore | None = None,
                  means: Mapping[str, np.ndarray] | None = None,
                  rules: Mapping[str, ScaleRule] | None = None,
-                 formats: Mapping[str, str] | None = None) -> SwitchedQdq:
+                 formats: Mapping[str, str] | None = None,
+                 centred_means: Mapping[str, np.ndarray] | None = None) -> SwitchedQdq:
     """`model` (at an opset whose QuantizeLinear takes every format of `variants`) with
     `layers` switchable to each variant's format, each activation by any of its rules;
     scales as npuprep.verify.qdq_model.quantise places them. A layer whose input has a mean
@@ -140,7 +142,9 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
     format's weight rounding behind a switch. A layer whose inputs are not FP32 is left as
     it is. With `rules` (the rules chosen), each activation gets only its own rule's pair
     per format: every pair is computed in every run, switched on or not. With `formats`
-    (layer -> format), each layer gets only its own format's switches."""
+    (layer -> format), each layer gets only its own format's switches. `centred_means`:
+    layer -> the per-channel mean of its centred input; its bias follows its weight's switch
+    (npuprep.rewrite.shift.centred_bias)."""
     rescaled = tensor_scales or {}
     weights = weights or WeightStore()
     out = onnx.ModelProto()
@@ -206,22 +210,30 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
         activations = list(dict.fromkeys(activation_inputs(scope, node, chain[1:])))
         slot = bias_slot(model.graph, node) if weight is not None else None
         mean = input_means.get(node.input[0]) if slot is not None else None
+        centred_mean = (centred_means or {}).get(label) if slot is not None else None
         if weight is not None:
             chosen, bias = node.input[1], slot.tensor if slot is not None else ""
             # A model whose weights fit in memory gets each 8-bit weight dequantised once here:
             # onnxruntime never folds a DequantizeLinear, so every trial run would repeat it.
-            w = None if weights.scratch is not None else (
+            w = None if weights.scratch is not None and centred_mean is None else (
                 weight if isinstance(weight, np.ndarray) else to_array(weight))
             for v in own(label):
                 if w is None:
                     dq = weight_dq(g, node, weight, v.fmt, fresh, v.saturate, weights, into=added)
                     exact = None
                 else:
-                    exact = _dequantised(node, w, v, weights)
+                    exact = dequantised_weight(node, w, v.fmt, saturate=v.saturate,
+                                               weights=weights)
                     dq = fresh(f"{node.input[1]}_{v.fmt.name}_dq8")
                     g.initializer.append(numpy_helper.from_array(exact, dq))
                 weight_switches[label, v.fmt.name] = on = switch(f"{label}_{v.fmt.name}")
                 chosen = where(on, dq, chosen, node.input[1])
+                shifted = None if centred_mean is None or exact is None else centred_bias(
+                    model.graph, node, exact, centred_mean)
+                if slot is not None and shifted is not None:
+                    value = fresh(f"{slot.tensor}_{v.fmt.name}_centred")
+                    g.initializer.append(numpy_helper.from_array(shifted[1], value))
+                    bias = where(on, value, bias, slot.tensor)
                 fixed = None if slot is None or mean is None else _corrected(
                     g, node, weight, v, slot, mean, exact, weights)
                 if slot is not None and fixed is not None:
@@ -273,21 +285,10 @@ def _corrected(g: onnx.GraphProto, node: onnx.NodeProto, weight: onnx.TensorProt
                dequantised: np.ndarray | None, weights: WeightStore) -> np.ndarray | None:
     """The bias of `node` corrected for its weight's rounding in `v`'s format."""
     w = weight if isinstance(weight, np.ndarray) else to_array(weight)
-    exact = dequantised if dequantised is not None else _dequantised(node, w, v, weights)
+    exact = dequantised if dequantised is not None else dequantised_weight(
+        node, w, v.fmt, saturate=v.saturate, weights=weights)
     bias = constant_value(g, slot.tensor)
     return None if bias is None else corrected_bias(node, w, exact, bias, mean)
-
-
-def _dequantised(node: onnx.NodeProto, w: np.ndarray, v: Variant, weights: WeightStore) -> np.ndarray:
-    """`w` as its 8-bit copy in `v`'s format (the store's: nearest, or rounded for the layer)
-    dequantises it: DequantizeLinear's own float32 product of the stored value and its
-    channel's scale."""
-    axis = weight_axis(node, w.ndim)
-    stored, scale = weights.values(w, axis, v.fmt, saturate=v.saturate)
-    shape = [1] * w.ndim
-    if axis is not None:
-        shape[axis] = -1
-    return (stored.astype(np.float32) * scale.reshape(shape)).astype(np.float32)
 
 
 class LocalRuns:
@@ -654,14 +655,21 @@ def errors_alone(reference: onnx.ModelProto, model: onnx.ModelProto,
                  samples: Sequence[Feed], *, tensor_scales: Mapping[str, float] | None = None,
                  weights: WeightStore | None = None, runs: RunsFactory | None = None,
                  bounds: Sequence[float] | None = None,
-                 expected: list[dict[str, np.ndarray]] | None = None) -> list[float]:
+                 expected: list[dict[str, np.ndarray]] | None = None,
+                 centred_means: Mapping[str, np.ndarray] | None = None,
+                 score: TrialScore | None = None) -> list[float]:
     """Each group of layers of `model` alone in `variant`'s format, every other node in
     FP32: the outputs' worst pooled rel L2 on TRIAL_SAMPLES samples, as the QDQ model of
     npuprep.verify.qdq_model.quantise gives it; every group a run of one session. `bounds`:
     per group, past it a lower bound will do (bounded_trials.errors_within); `expected`: the
-    reference's outputs on those samples, where the caller has them."""
+    reference's outputs on those samples, where the caller has them; `centred_means`: layer ->
+    the per-channel mean of its input, centred by npuprep.rewrite.shift; `score`: how the
+    outputs are judged (the gate's decisions), where not by rel L2."""
     trials = _alone(reference, model, groups, stats, variant, list(samples)[:TRIAL_SAMPLES],
-                    tensor_scales=tensor_scales, weights=weights, runs=runs, expected=expected)
+                    tensor_scales=tensor_scales, weights=weights, runs=runs, expected=expected,
+                    centred_means=centred_means)
+    if score is not None:
+        trials.scored_by(score)
     asked = [(dict.fromkeys(group, variant.fmt.name), {}) for group in groups]
     try:
         return trials.errors(asked) if bounds is None else errors_within(trials, asked, bounds)
@@ -691,13 +699,15 @@ def _alone(reference: onnx.ModelProto, model: onnx.ModelProto, groups: Sequence[
            stats: CalibrationStats, variant: Variant, samples: Sequence[Feed], *,
            tensor_scales: Mapping[str, float] | None, weights: WeightStore | None,
            runs: RunsFactory | None,
-           expected: list[dict[str, np.ndarray]] | None = None) -> Trials:
+           expected: list[dict[str, np.ndarray]] | None = None,
+           centred_means: Mapping[str, np.ndarray] | None = None) -> Trials:
     """Trials of `model` with every layer of `groups` switchable to `variant`'s format alone,
     every other node in FP32, on `samples`."""
     from npuprep.numerics import get_format
 
     switched = switched_qdq(model, [x for group in groups for x in group], stats, [variant],
-                            tensor_scales=tensor_scales, weights=weights or WeightStore())
+                            tensor_scales=tensor_scales, weights=weights or WeightStore(),
+                            centred_means=centred_means)
     return Trials(reference, switched, get_format("fp32"), (), samples,
                   saturate=variant.saturate, runs=runs, expected=expected)
 
