@@ -479,12 +479,12 @@ def test_the_fp16_searches_from_two_starts_go_in_step_and_stop_at_the_first_pass
 def test_the_curve_note_marks_the_point_kept_not_the_last_that_passed():
     # start 0.06 (fails) -> first search's head 75% 0.030 (kept) -> a second search's head,
     # tried later, 75% 0.035 (passes too, errs more: not kept)
-    from npuprep.pipeline.quantise_and_verify import _curve_note
+    from npuprep.pipeline.eight_bit_notes import curve_note
     from npuprep.verify.widening import CurvePoint
 
     curve = [CurvePoint(0, "int8", 1.0, 0.06, False), CurvePoint(1, "fp16", 0.75, 0.03, True),
              CurvePoint(1, "fp16", 0.75, 0.035, True)]
-    note = _curve_note(curve, 3, 0.03)
+    note = curve_note(curve, 3, 0.03)
     assert note.endswith("100% -> 0.06, 75%* -> 0.03, 75% -> 0.035"), note
-    assert "*" not in _curve_note(curve, 3, 0.01).split("chosen)")[1]
+    assert "*" not in curve_note(curve, 3, 0.01).split("chosen)")[1]
 

@@ -39,6 +39,13 @@ from npuprep.formatting import ratio
 from npuprep.graph import weight_bytes, without_weight_inputs
 from npuprep.model_io import Model, WeightScratch
 from npuprep.numerics import EightBitFormat, Int8Activations, NumberFormat, eight_bit_format
+from npuprep.pipeline.eight_bit_notes import (
+    centred_note,
+    chance_notes,
+    curve_note,
+    equalised_note,
+    lifted_note,
+)
 from npuprep.pipeline.result import ConversionResult, EightBitResult, SampleUse
 from npuprep.pipeline.trial_sessions import (
     TrialSessions,
@@ -51,14 +58,13 @@ from npuprep.plan.depthwise_wide import depthwise_wide_start
 from npuprep.plan.layer_precision import LayerPrecision, decide
 from npuprep.profiles import ResolvedTarget, TargetProfile
 from npuprep.provenance import record_source
-from npuprep.report.output_verdicts import chance_said
 from npuprep.rewrite.apply import apply_plan
 from npuprep.rewrite.bias_correction import with_biases
 from npuprep.rewrite.lower import Lowered
 from npuprep.rewrite.qdq import zero_points
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
-from npuprep.verify.channel_shift import Centred, centre_skewed_inputs
+from npuprep.verify.channel_shift import centre_skewed_inputs
 from npuprep.verify.compare import DEFAULT_ATOL, compare_models
 from npuprep.verify.decision_margin import decision_error
 from npuprep.verify.input_split import Splits, planned_splits, split_wide_inputs
@@ -66,9 +72,6 @@ from npuprep.verify.output_check import OutputCheck, check_output_sets, check_ou
 from npuprep.verify.output_errors import output_passes, rule_said
 from npuprep.verify.pin_rounds import sample_shapes
 from npuprep.verify.qdq_model import (
-    EQUALISE_MIN_GAIN,
-    Balanced,
-    Equalised,
     Sensitivity,
     balance_conv_inputs,
     balance_outliers,
@@ -228,7 +231,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         base, stats = equalised.model, equalised.stats
         _stack(rescaled, equalised.channel_scales)
         if equalised.before:
-            notes.append(_equalised_note(equalised))
+            notes.append(equalised_note(equalised))
     if int8_layers:
         # Conv inputs whose writer equalisation cannot pass (a hard-swish) or did not take.
         stage("balancing Conv inputs' channels into their weights")
@@ -251,7 +254,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                          f"{len(convs.tensors) - whole} folded into the constants of the op "
                          f"writing them or a Mul on one value per channel, {whole} by a Mul over "
                          "the whole tensor), kept by their layers' error alone on samples neither "
-                         "their factors nor their clips were fitted to" + _lifted_note(convs))
+                         "their factors nor their clips were fitted to" + lifted_note(convs))
     # Layer -> the per-channel mean of its centred input: its 8-bit bias follows its weight.
     centred_means: dict[str, np.ndarray] = {}
     if int8_layers and int8 is not None:
@@ -268,7 +271,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                                        left_alone=applied.tensor_scales, path=work.path)
         base, stats, centred_means = centred.model, centred.stats, centred.means
         if centred.tensors:
-            notes.append(_centred_note(centred))
+            notes.append(centred_note(centred))
     macs = _macs(base, stats, samples)
     notes += body_note(base, macs) + recurrent_note(base, macs, sample_shapes(samples))
     eight_bit = eight_bit_nodes(layers, eight)
@@ -479,8 +482,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                               rtol=rtol, emulated=on_target(built, wide, pins(layers),
                                                             saturate=wide_saturate),
                               top_k=top_k, expected=sessions.expected)[0]
-    notes.append(_curve_note(widening.curve, trial_runs, widening.check.worst_rel_l2))
-    notes += _chance_notes(check)
+    notes.append(curve_note(widening.curve, trial_runs, widening.check.worst_rel_l2))
+    notes += chance_notes(check)
     offsets = zero_points(built)
     if offsets[0] and profile.int8_activations is Int8Activations.UNKNOWN:
         notes.append(f"{offsets[0]} of the {offsets[1]} quantised activations are uint8 with a "
@@ -547,15 +550,6 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
             input_shapes={k: tuple(v) for k, v in sample_shapes(samples).items()},
             zero_points=offsets),
     )
-
-
-def _chance_notes(check: OutputCheck) -> list[str]:
-    """A note per score output whose decided calibration scores all held where a redraw of the
-    samples would more likely than not flip one (npuprep.verify.detection_odds): the search
-    keeps the most 8-bit head that holds, so its luck is selected, and unseen samples meet it."""
-    return [f"{name}: every decided score held on the calibration samples, but "
-            f"{chance_said(row)} on a redraw of them: unseen samples may flip some"
-            for name, row in check.outputs.items() if row.get("detect_held_by_chance")]
 
 
 def _kept_in(trials: Trials, fmt: str, start: Sequence[LayerPrecision],
@@ -638,18 +632,6 @@ def _cost(nodes: Sequence[str], macs: Mapping[str, int]) -> float:
     """Share of the multiply-adds the kept-wider layers hold."""
     total = sum(macs.values()) or 1
     return sum(macs.get(n, 0) for n in nodes) / total
-
-
-def _curve_note(curve: Sequence[CurvePoint], runs: int, chosen_rel_l2: float) -> str:
-    """The share/error points the search tried, in the order tried, the chosen one marked:
-    the last tried whose error is the chosen check's (with two searches, or a shorter head
-    tried after it, the last passing point need not be the one kept)."""
-    chosen = next((p for p in reversed(curve) if p.rel_l2 == chosen_rel_l2 and not p.at_least),
-                  None)
-    points = ", ".join(f"{p.share:.0%}{'*' if p is chosen else ''} -> "
-                       f"{'>=' if p.at_least else ''}{p.rel_l2:.3g}" for p in curve)
-    return (f"8-bit share -> outputs' rel L2 on the calibration samples, as tried ({runs} "
-            f"trial runs, a session per phase; * chosen): {points}")
 
 
 def _variant(profile: TargetProfile, fmt: EightBitFormat,
@@ -784,40 +766,6 @@ def _better_search(asked: Widening, as_int8: Widening, profile: TargetProfile,
             f"share that passes, {rule}")
     return replace(kept, curve=asked.curve + as_int8.curve,
                    rank_runs=asked.rank_runs + as_int8.rank_runs), said
-
-
-def _centred_note(done: Centred) -> str:
-    worst = max(done.errors.values(), key=lambda e: e[0])
-    return (f"{len(done.tensors)} INT8 layer input(s) centred per channel (x - c, each an Add "
-            f"over the tensor in the wider format; their layers' biases take W.c back, less "
-            f"the 8-bit weight's error at the centred input's mean: the OS+ shift), what INT8 "
-            f"spans narrowed "
-            f"{ratio(min(g for _, g in done.tensors.values()))}-"
-            f"{ratio(max(g for _, g in done.tensors.values()))}; kept by their layers' error "
-            f"alone on samples neither the centres nor the clips were fitted to (worst "
-            f"{worst[0]:.3g} -> {worst[1]:.3g})")
-
-
-def _lifted_note(done: Balanced | Equalised) -> str:
-    """What the rescaled tensors' clips keep for unseen samples, where any keeps more than the
-    spread of their samples' abs-maxima gives."""
-    raised = sorted(done.unseen_raise.values())
-    if not raised:
-        return ""
-    span = f"{raised[0]:.2g}x" if len(raised) == 1 else f"{raised[0]:.2g}-{raised[-1]:.2g}x"
-    return (f"; {len(raised)} of them keep the headroom a calibration sample left out of the fit "
-            f"showed (clips raised {span}), where that erred less on the unfitted samples")
-
-
-def _equalised_note(done: Equalised) -> str:
-    count = len({c.tensor for c in done.chains})
-    measured = (f"outputs' rel L2 with every layer in INT8 on samples neither the factors nor the "
-                f"clips were fitted to {'at most ' if done.stopped else ''}{done.before:.3g} -> "
-                f"{done.after:.3g}")
-    return (f"{count} Conv input(s) equalised into their producers (each channel's range raised "
-            f"to the largest's): {measured}{_lifted_note(done)}" if count else
-            f"Conv inputs' channels not equalised: {measured} (kept only where it takes "
-            f"{EQUALISE_MIN_GAIN:.0%} off)")
 
 
 def _with_splits(layers: Sequence[LayerPrecision], split: Splits) -> list[LayerPrecision]:

@@ -663,8 +663,7 @@ def errors_alone(reference: onnx.ModelProto, model: onnx.ModelProto,
     npuprep.verify.qdq_model.quantise gives it; every group a run of one session. `bounds`:
     per group, past it a lower bound will do (bounded_trials.errors_within); `expected`: the
     reference's outputs on those samples, where the caller has them; `centred_means`: layer ->
-    the per-channel mean of its input, centred by npuprep.rewrite.shift; `score`: how the
-    outputs are judged (the gate's decisions), where not by rel L2."""
+    its centred input's mean per channel; `score`: the outputs' judge, where not rel L2."""
     trials = _alone(reference, model, groups, stats, variant, list(samples)[:TRIAL_SAMPLES],
                     tensor_scales=tensor_scales, weights=weights, runs=runs, expected=expected,
                     centred_means=centred_means)
