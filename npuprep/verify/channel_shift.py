@@ -70,14 +70,17 @@ def stored_symmetric(r: RangeStats, fmt: EightBitFormat) -> bool:
     return not stored_as(r, max(float(r.absmax), 1e-30), 1.0, fmt)[1]
 
 
-def span_gain(r: RangeStats, low: np.ndarray, high: np.ndarray) -> float:
-    """How much narrower symmetric INT8's range of x gets with each channel centred (`low`,
-    `high` per channel; `r` the tensor's stats): its tensor's scale, or its median channel's
-    reach, whichever narrows more."""
-    span_after = max(float((high - low).max()), 1e-30)
-    reach = np.maximum(np.abs(low), np.abs(high))
-    half = np.maximum((high - low) / 2.0, 1e-30)
-    return max(2.0 * float(r.absmax) / span_after, float(np.median(reach / half)))
+def span_gain(low: np.ndarray, high: np.ndarray, fitted: slice, check: slice) -> float:
+    """How much narrower symmetric INT8's range of x gets with each channel centred, on the
+    samples `check` with the centres of the samples `fitted` (`low`, `high`: [samples,
+    channels]): its tensor's reach, or its median channel's, whichever narrows more. A
+    channel about zero whose extremes differ by chance (a heavy tail's) has a midpoint the
+    other samples do not share, and gains nothing there."""
+    centre = (low[fitted].min(axis=0) + high[fitted].max(axis=0)) / 2
+    lo, hi = low[check].min(axis=0), high[check].max(axis=0)
+    reach = np.maximum(np.abs(lo), np.abs(hi))
+    centred = np.maximum(np.maximum(hi - centre, centre - lo), 1e-30)
+    return max(float(reach.max() / centred.max()), float(np.median(reach / centred)))
 
 
 def centre_skewed_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: CalibrationStats,
@@ -113,16 +116,17 @@ def centre_skewed_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Ca
     for kind, axis in (("Conv", 1), ("MatMul", -1)):
         extremes.update(channel_extremes(model, [x for x in readers if kind in kinds[x]],
                                          samples, axis=axis))
-    gains = {x: span_gain(stats.tensors[x], lo.min(axis=0), hi.max(axis=0))
-             for x, (lo, hi, _) in extremes.items()}
+    fitted, odd = (slice(0, None, 2), slice(1, None, 2)) if len(samples) > 1 else (
+        slice(None), slice(None))
+    check = list(samples)[odd]
+    gains = {x: span_gain(lo, hi, fitted, odd) for x, (lo, hi, _) in extremes.items()}
     zeros = {x: float(z.mean()) for x, (_, _, z) in extremes.items()}
     tensors = [x for x in readers if gains[x] >= MIN_GAIN and zeros[x] <= MAX_ZEROS]
     if not tensors:
         return Centred(model, stats, reason=f"no INT8 layer input's channels sit far enough "
-                                            f"off zero (span gain under {MIN_GAIN}x) without "
-                                            f"values at zero itself (over {MAX_ZEROS:.0%})")
-    fitted, check = (slice(0, None, 2), list(samples[1::2])) if len(samples) > 1 else (
-        slice(None), list(samples))
+                                            f"off zero (span gain under {MIN_GAIN}x on samples "
+                                            f"the centres were not fitted to) without values at "
+                                            f"zero itself (over {MAX_ZEROS:.0%})")
 
     def centred(rows: slice, chosen: Sequence[str]) -> tuple[onnx.ModelProto, CalibrationStats,
                                                               dict[str, str], dict[str, np.ndarray]]:
