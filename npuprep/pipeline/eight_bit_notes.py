@@ -45,10 +45,10 @@ def centred_note(done: Centred) -> str:
             f"{ratio(min(g for _, g in done.tensors.values()))}-"
             f"{ratio(max(g for _, g in done.tensors.values()))}; kept by their layers' error "
             f"alone on samples neither the centres nor the clips were fitted to (worst "
-            f"{worst[0]:.3g} -> {worst[1]:.3g})")
+            f"{worst[0]:.3g} -> {worst[1]:.3g}){lifted_note(done)}")
 
 
-def lifted_note(done: Balanced | Equalised) -> str:
+def lifted_note(done: Balanced | Equalised | Centred) -> str:
     """What the rescaled tensors' clips keep for unseen samples, where any keeps more than the
     spread of their samples' abs-maxima gives."""
     raised = sorted(done.unseen_raise.values())

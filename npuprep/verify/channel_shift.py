@@ -54,7 +54,8 @@ class Centred:
     reader -> its centred input's mean per channel (its 8-bit bias follows its 8-bit weight
     by it: quantise's `centred_means`);
     `errors`: each kept tensor's readers' error alone on the unfitted samples, (uncentred,
-    centred); `reason`: why nothing was kept."""
+    centred); `reason`: why nothing was kept; `unseen_raise`: each centred tensor whose clip
+    keeps the headroom a left-out sample showed -> that factor (RangeStats.unseen_raise)."""
 
     model: onnx.ModelProto
     stats: CalibrationStats
@@ -62,6 +63,7 @@ class Centred:
     means: dict[str, np.ndarray] = field(default_factory=dict)
     errors: dict[str, tuple[float, float]] = field(default_factory=dict)
     reason: str = ""
+    unseen_raise: dict[str, float] = field(default_factory=dict)
 
 
 def stored_symmetric(r: RangeStats, fmt: EightBitFormat) -> bool:
@@ -128,8 +130,11 @@ def centre_skewed_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Ca
                                             f"the centres were not fitted to) without values at "
                                             f"zero itself (over {MAX_ZEROS:.0%})")
 
-    def centred(rows: slice, chosen: Sequence[str]) -> tuple[onnx.ModelProto, CalibrationStats,
-                                                              dict[str, str], dict[str, np.ndarray]]:
+    def centred(rows: slice, chosen: Sequence[str], raised: Collection[str] = ()
+                ) -> tuple[onnx.ModelProto, CalibrationStats, dict[str, str],
+                           dict[str, np.ndarray]]:
+        """The model with `chosen` centred as samples[rows] give them; of those `raised`,
+        the clip keeps the headroom a sample left out of the fit shows."""
         centres = {x: (extremes[x][0][rows].min(axis=0) + extremes[x][1][rows].max(axis=0)) / 2
                    for x in chosen}
         done = shift(model, centres, {x: readers[x] for x in chosen})
@@ -138,18 +143,31 @@ def centre_skewed_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Ca
         read = dict(done.details["centred"])
         feeds = list(samples)[rows]
         again = calibrated(done.model, path, "centred", feeds, list(read.values()))
+        for x in set(raised) & set(read):
+            again[read[x]] = replace(again[read[x]], unseen_raise=centred_raise(
+                extremes[x][0][rows], extremes[x][1][rows]))
         means = channel_means(done.model, {xc: 1 if "Conv" in kinds[x] else -1
                                            for x, xc in read.items()}, feeds)
         return (done.model, replace(stats, tensors={**stats.tensors, **again}), read,
                 {layer: means[read[x]] for x in read for layer in readers[x]})
 
+    # Each tensor's readers alone on the samples neither the centres nor the clips were
+    # fitted to: uncentred, centred, and centred with the headroom a left-out sample shows
+    # (a channel's bottom had the whole of -max below it uncentred; centred, a sample
+    # reaching below the calibration's bottom clips).
     groups = [readers[x] for x in tensors]
-    shifted, shifted_stats, _, by_reader = centred(fitted, tensors)
-    after = measure(shifted, shifted_stats, groups, check, None, by_reader)
+    shifted, plain, read, by_reader = centred(fitted, tensors)
+    lifted = centred(fitted, tensors, tensors)[1]
+    after_plain = measure(shifted, plain, groups, check, None, by_reader)
+    after_lifted = measure(shifted, lifted, groups, check, None, by_reader)
+    after = [min(a, b) for a, b in zip(after_plain, after_lifted, strict=True)]
+    raised = [x for x, a, b in zip(tensors, after_plain, after_lifted, strict=True) if b <= a]
     unfitted = replace(stats, tensors={**stats.tensors, **calibrated(
         model, path, "uncentred", list(samples)[fitted], tensors)})
     before = measure(model, unfitted, groups, check, after, {})
-    every = (whole(model, unfitted, check, {}), whole(shifted, shifted_stats, check, by_reader))
+    chosen = replace(plain, tensors={**plain.tensors, **{
+        read[x]: lifted.tensors[read[x]] for x in raised}})
+    every = (whole(model, unfitted, check, {}), whole(shifted, chosen, check, by_reader))
     if every[1] > WHOLE_GAIN * every[0]:
         return Centred(model, stats, reason=f"centring took less than {1 - WHOLE_GAIN:.0%} off "
                                             f"the outputs' error with every layer in INT8 "
@@ -158,7 +176,25 @@ def centre_skewed_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Ca
     if not kept:
         return Centred(model, stats, reason="centring erred no less on the samples its centres "
                                             "were not fitted to")
-    done, done_stats, read, by_reader = centred(slice(None), kept)
+    done, done_stats, read, by_reader = centred(slice(None), kept, raised)
     errors = {x: (b, a) for x, a, b in zip(tensors, after, before, strict=True) if x in read}
     return Centred(done, done_stats, {x: (xc, gains[x]) for x, xc in read.items()}, by_reader,
-                   errors)
+                   errors, unseen_raise={
+                       xc: r.unseen_raise for xc in read.values()
+                       if (r := done_stats.tensors.get(xc)) is not None and r.unseen_raise > 1.0})
+
+
+def centred_raise(low: np.ndarray, high: np.ndarray) -> float:
+    """How far an unseen sample passes the clip of a tensor centred per channel: each sample
+    of `low`/`high` ([samples, channels]) left out in turn, the centres and the clip from the
+    others, and its reach from those centres over the clip; the largest, at least 1."""
+    if low.shape[0] < 3:
+        return 1.0  # fewer samples give no spread worth extrapolating from
+    worst = 1.0
+    for k in range(low.shape[0]):
+        lo, hi = np.delete(low, k, axis=0).min(axis=0), np.delete(high, k, axis=0).max(axis=0)
+        centre = (lo + hi) / 2
+        clip = float(((hi - lo) / 2).max())
+        if clip > 0:
+            worst = max(worst, float(np.maximum(high[k] - centre, centre - low[k]).max()) / clip)
+    return worst
