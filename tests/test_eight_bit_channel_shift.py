@@ -218,3 +218,15 @@ def test_convert_for_a_symmetric_target_centres_the_skewed_input_and_holds(tmp_p
     assert r.input[0].startswith(shifts[0].output[0])  # through its Q/DQ pair
     assert result.output_check and result.eight_bit.mac_share["int8"] == 1.0
     assert pooled_rel_l2(written, proto, _feeds((1, 4, 10, 10), 4)) < 0.05
+
+
+def test_the_headroom_a_left_out_sample_shows_past_a_centred_clip():
+    from npuprep.verify.channel_shift import centred_raise
+
+    # One channel, three samples reaching 1, 1 and 2 from 0: without the third, the centre
+    # is 0.5 and the clip 0.5, and the third reaches 1.5 from that centre: 3x.
+    low, high = np.zeros((3, 1)), np.array([[1.0], [1.0], [2.0]])
+    assert centred_raise(low, high) == 3.0
+    # Samples that agree need none; fewer than three give no spread to go by.
+    assert centred_raise(np.zeros((4, 2)), np.ones((4, 2))) == 1.0
+    assert centred_raise(low[:2], high[:2]) == 1.0
