@@ -62,16 +62,17 @@ def _model(text: str, weights: dict[str, np.ndarray]) -> onnx.ModelProto:
     return m
 
 
-def _skewed(centred_channels: bool = False) -> onnx.ModelProto:
+def _skewed(centred_channels: bool = False, rng: np.random.Generator = RNG) -> onnx.ModelProto:
     # Channel k of c is N(B1[k], ~1): far above zero, each about its own centre.
     bias = np.zeros(8) if centred_channels else np.linspace(3.0, 10.0, 8)
-    return _model(SKEWED, {"W1": RNG.normal(0, 0.5, (8, 4, 1, 1)), "B1": bias,
+    return _model(SKEWED, {"W1": rng.normal(0, 0.5, (8, 4, 1, 1)), "B1": bias,
                            "slope": np.full((8, 1, 1), 0.25),
-                           "W2": RNG.normal(0, 0.3, (6, 8, 3, 3)), "B2": RNG.normal(0, 1, 6)})
+                           "W2": rng.normal(0, 0.3, (6, 8, 3, 3)), "B2": rng.normal(0, 1, 6)})
 
 
-def _feeds(shape: tuple[int, ...], n: int) -> list[dict[str, Any]]:
-    return [{"x": RNG.normal(0, 1, shape).astype(np.float32)} for _ in range(n)]
+def _feeds(shape: tuple[int, ...], n: int,
+           rng: np.random.Generator = RNG) -> list[dict[str, Any]]:
+    return [{"x": rng.normal(0, 1, shape).astype(np.float32)} for _ in range(n)]
 
 
 def test_the_shift_is_exact_for_unpadded_convs_grouped_convs_and_matmuls():
@@ -199,25 +200,47 @@ def test_a_centring_the_gate_does_not_feel_is_not_kept():
     assert seen[0] == {} and set(seen[1]) == {"r"}
 
 
-def test_convert_for_a_symmetric_target_centres_the_skewed_input_and_holds(tmp_path):
+def test_convert_searches_again_centred_where_the_first_search_fails(tmp_path):
+    # For a symmetric target (orin) at a gate of 2.5e-3: every layer in INT8 errs 3.2e-3 as
+    # balanced, and r cannot go FP16 (c1 alone is under half the multiply-adds); centred,
+    # 1.75e-3 at 100% INT8.
     from npuprep.model_io import fingerprint
     from npuprep.pipeline import convert
     from npuprep.profiles import load_profile
 
-    proto, feeds = _skewed(), _feeds((1, 4, 10, 10), 8)
+    rng = np.random.default_rng(5)
+    proto, feeds = _skewed(rng=rng), _feeds((1, 4, 10, 10), 8, rng)
     model = Model(proto=proto, path=str(tmp_path / "m.onnx"), digest=fingerprint(proto))
     stats = calibrate(model, feeds, detail="all")
     result = convert(model, load_profile("orin"), feeds, precision="int8", stats=stats,
-                     rtol=0.05)
-    assert any("centred per channel" in n for n in result.notes), result.notes
+                     rtol=2.5e-3)
+    said = next(n for n in result.notes if n.startswith("searched again"))
+    assert "kept over the search without" in said and "failing)" in said, said
+    assert any("centred per channel" in n for n in result.notes)
+    assert result.output_check and result.eight_bit.mac_share["int8"] == 1.0
     written = result.lowered.model
     shifts = [n for n in written.graph.node if n.op_type == "Add" and n.name.endswith("_Centre")]
     # h itself, or h divided per channel where the Conv balancing took it first.
     assert len(shifts) == 1 and shifts[0].input[0].startswith("h"), shifts
     r = next(n for n in written.graph.node if n.name == "r")
     assert r.input[0].startswith(shifts[0].output[0])  # through its Q/DQ pair
+    assert pooled_rel_l2(written, proto, _feeds((1, 4, 10, 10), 4, rng)) < 2.5e-3
+
+
+def test_a_conversion_that_passes_as_balanced_is_not_searched_centred(tmp_path):
+    from npuprep.model_io import fingerprint
+    from npuprep.pipeline import convert
+    from npuprep.profiles import load_profile
+
+    rng = np.random.default_rng(5)
+    proto, feeds = _skewed(rng=rng), _feeds((1, 4, 10, 10), 8, rng)
+    model = Model(proto=proto, path=str(tmp_path / "m.onnx"), digest=fingerprint(proto))
+    stats = calibrate(model, feeds, detail="all")
+    result = convert(model, load_profile("orin"), feeds, precision="int8", stats=stats,
+                     rtol=0.01)
     assert result.output_check and result.eight_bit.mac_share["int8"] == 1.0
-    assert pooled_rel_l2(written, proto, _feeds((1, 4, 10, 10), 4)) < 0.05
+    assert not any("centred" in n for n in result.notes)
+    assert not any(n.name.endswith("_Centre") for n in result.lowered.model.graph.node)
 
 
 def test_the_headroom_a_left_out_sample_shows_past_a_centred_clip():

