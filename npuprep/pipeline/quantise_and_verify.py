@@ -36,7 +36,7 @@ from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
 from npuprep.detections import Decision
 from npuprep.formatting import ratio
-from npuprep.graph import weight_bytes, without_weight_inputs
+from npuprep.graph import node_label, weight_bytes, without_weight_inputs
 from npuprep.model_io import Model, WeightScratch
 from npuprep.numerics import EightBitFormat, Int8Activations, NumberFormat, eight_bit_format
 from npuprep.pipeline.eight_bit_choice import (
@@ -75,7 +75,7 @@ from npuprep.provenance import record_source
 from npuprep.rewrite.apply import apply_plan
 from npuprep.rewrite.bias_correction import with_biases
 from npuprep.rewrite.lower import Lowered
-from npuprep.rewrite.qdq import zero_points
+from npuprep.rewrite.qdq import fp32_weight, zero_points
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.channel_shift import centre_skewed_inputs
@@ -299,8 +299,15 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         notes += body_note(base, macs) + recurrent_note(base, macs, sample_shapes(samples))
         eight_bit = eight_bit_nodes(layers, eight)
         stage("rounding the 8-bit weights for their layers' outputs")
-        notes += round_weights(work.proto, base, assigned_formats(layers), variants, samples, weights,
-                                stats, applied.tensor_scales, expected.on, centred_means=centred_means)
+        if centre:
+            # Only the centred layers' inputs changed: the rest take the first pass's rounding.
+            weights.restore(first_roundings, [
+                w for n in base.graph.node if node_label(n) in centred_means
+                if (w := fp32_weight(base.graph, n.input[1])) is not None])
+        notes += round_weights(work.proto, base, assigned_formats(layers), variants, samples,
+                               weights, stats, applied.tensor_scales, expected.on,
+                               centred_means=centred_means,
+                               only=set(centred_means) if centre else None)
         # Every trial below (rules, ranking, widening) is one run of one session: the QDQ model
         # with each layer's 8-bit inputs behind switches (npuprep.verify.qdq_trials).
         stage(f"building the switchable {'/'.join(v.fmt.name for v in variants)} model of "
@@ -578,8 +585,11 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     assert first is not None
     if not int8_layers or int8 is None or not weak(first):
         return first
+    # The second pass measures its centring as the first measured its balancing: every weight
+    # at nearest; its roundings are the first pass's but the centred layers'.
+    first_roundings = weights.roundings()
     for v in variants:
-        weights.forget(v.fmt)  # the centred layers' inputs change: their roundings too
+        weights.forget(v.fmt)
     again = finish(centre=True)
     if again is None:
         return first

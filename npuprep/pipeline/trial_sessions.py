@@ -3,7 +3,7 @@ its input means for bias correction, its weights rounded for its outputs."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -131,7 +131,8 @@ def round_weights(reference: onnx.ModelProto, model: onnx.ModelProto,
                    samples: Sequence[Feed], weights: WeightStore, stats: CalibrationStats,
                    tensor_scales: Mapping[str, float],
                    expected: ReferenceOn | None = None,
-                   centred_means: Mapping[str, np.ndarray] | None = None) -> list[str]:
+                   centred_means: Mapping[str, np.ndarray] | None = None,
+                   only: Collection[str] | None = None) -> list[str]:
     """The 8-bit weights of the `assigned` layers rounded for their outputs in each
     variant's format (npuprep.rewrite.weight_rounding: every QDQ model below reads them
     from `weights`), kept per format where the model's outputs with every layer in it gain
@@ -139,11 +140,13 @@ def round_weights(reference: onnx.ModelProto, model: onnx.ModelProto,
     fall while the outputs' rises: dnsmos_p835's three scores per sample in FP8, 0.035 ->
     0.081); a note per format. `expected`: the reference's outputs, where the caller holds
     them. `centred_means`: layer -> the per-channel mean of its centred input (its 8-bit bias
-    follows its weight)."""
+    follows its weight); `only`: the layers rounded here (the rest keep what `weights` holds),
+    the outputs still judged with every assigned layer in 8 bits."""
     from npuprep.rewrite.weight_rounding import round_layers
 
     layers = list(assigned)
-    done = round_layers(model, layers, [(v.fmt, v.saturate) for v in variants], samples, weights)
+    done = round_layers(model, [x for x in layers if only is None or x in only],
+                        [(v.fmt, v.saturate) for v in variants], samples, weights)
     notes = []
     # The rounding is fitted on the even samples; a model small enough to hold twice is
     # measured on the odd ones, both ways.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -73,6 +73,22 @@ class WeightStore:
         for key in [k for k in self._preferred if k[2] == fmt.name]:
             del self._preferred[key]
             self._done.pop(key, None)
+
+    def roundings(self) -> dict[tuple[object, ...], tuple[np.ndarray, np.ndarray]]:
+        """Every rounding preferred to nearest so far, to give back later (`restore`)."""
+        return dict(self._preferred)
+
+    def restore(self, roundings: Mapping[tuple[object, ...], tuple[np.ndarray, np.ndarray]],
+                but: Iterable[onnx.TensorProto | np.ndarray] = ()) -> None:
+        """Prefer `roundings` (a `roundings()` of before) again, but those of the weights
+        `but` (fitted to inputs that have since changed)."""
+        changed = {_identity(each) for s in but for each in
+                   [s] + ([to_array(s)] if isinstance(s, onnx.TensorProto) and is_anchored(s)
+                          else [])}
+        for key, value in roundings.items():
+            if key[0] not in changed:
+                self._preferred[key] = value
+                self._done.pop(key, None)
 
     def values(self, source: onnx.TensorProto | np.ndarray, axis: int | None, fmt: EightBitFormat,
                *, saturate: bool) -> tuple[np.ndarray, np.ndarray]:

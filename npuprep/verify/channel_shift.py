@@ -157,7 +157,10 @@ def centre_skewed_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Ca
     # reaching below the calibration's bottom clips).
     groups = [readers[x] for x in tensors]
     shifted, plain, read, by_reader = centred(fitted, tensors)
-    lifted = centred(fitted, tensors, tensors)[1]
+    lifted = replace(plain, tensors={**plain.tensors, **{read[x]: replace(
+        plain.tensors[read[x]], unseen_raise=centred_raise(extremes[x][0][fitted],
+                                                           extremes[x][1][fitted]))
+        for x in read}})
     after_plain = measure(shifted, plain, groups, check, None, by_reader)
     after_lifted = measure(shifted, lifted, groups, check, None, by_reader)
     after = [min(a, b) for a, b in zip(after_plain, after_lifted, strict=True)]
