@@ -200,10 +200,8 @@ def test_a_centring_the_gate_does_not_feel_is_not_kept():
     assert seen[0] == {} and set(seen[1]) == {"r"}
 
 
-def test_convert_searches_again_centred_where_the_first_search_fails(tmp_path):
-    # For a symmetric target (orin) at a gate of 2.5e-3: every layer in INT8 errs 3.2e-3 as
-    # balanced, and r cannot go FP16 (c1 alone is under half the multiply-adds); centred,
-    # 1.75e-3 at 100% INT8.
+def _converted(tmp_path: Any, rtol: float) -> tuple[onnx.ModelProto, Any, np.random.Generator]:
+    """The skewed net (its own draw) converted to INT8 for orin (symmetric INT8) at `rtol`."""
     from npuprep.model_io import fingerprint
     from npuprep.pipeline import convert
     from npuprep.profiles import load_profile
@@ -212,8 +210,15 @@ def test_convert_searches_again_centred_where_the_first_search_fails(tmp_path):
     proto, feeds = _skewed(rng=rng), _feeds((1, 4, 10, 10), 8, rng)
     model = Model(proto=proto, path=str(tmp_path / "m.onnx"), digest=fingerprint(proto))
     stats = calibrate(model, feeds, detail="all")
-    result = convert(model, load_profile("orin"), feeds, precision="int8", stats=stats,
-                     rtol=2.5e-3)
+    return proto, convert(model, load_profile("orin"), feeds, precision="int8", stats=stats,
+                          rtol=rtol), rng
+
+
+def test_convert_searches_again_centred_where_the_first_search_fails(tmp_path):
+    # For a symmetric target (orin) at a gate of 2.5e-3: every layer in INT8 errs 3.2e-3 as
+    # balanced, and r cannot go FP16 (c1 alone is under half the multiply-adds); centred,
+    # 1.75e-3 at 100% INT8.
+    proto, result, rng = _converted(tmp_path, 2.5e-3)
     said = next(n for n in result.notes if n.startswith("searched again"))
     assert "kept over the search without" in said and "failing)" in said, said
     assert any("centred per channel" in n for n in result.notes)
@@ -228,16 +233,7 @@ def test_convert_searches_again_centred_where_the_first_search_fails(tmp_path):
 
 
 def test_a_conversion_that_passes_as_balanced_is_not_searched_centred(tmp_path):
-    from npuprep.model_io import fingerprint
-    from npuprep.pipeline import convert
-    from npuprep.profiles import load_profile
-
-    rng = np.random.default_rng(5)
-    proto, feeds = _skewed(rng=rng), _feeds((1, 4, 10, 10), 8, rng)
-    model = Model(proto=proto, path=str(tmp_path / "m.onnx"), digest=fingerprint(proto))
-    stats = calibrate(model, feeds, detail="all")
-    result = convert(model, load_profile("orin"), feeds, precision="int8", stats=stats,
-                     rtol=0.01)
+    result = _converted(tmp_path, 0.01)[1]
     assert result.output_check and result.eight_bit.mac_share["int8"] == 1.0
     assert not any("centred" in n for n in result.notes)
     assert not any(n.name.endswith("_Centre") for n in result.lowered.model.graph.node)

@@ -229,6 +229,14 @@ def drop_unused_weights(g: onnx.GraphProto) -> None:
             scope.graph.initializer.extend(kept)
 
 
+def settle(g: onnx.GraphProto, added: Sequence[onnx.NodeProto]) -> None:
+    """A rewrite's last step: its `added` nodes in the graph, every node after its inputs'
+    producers, and the initialisers nothing reads any more gone."""
+    g.node.extend(added)
+    sort_nodes(g)
+    drop_unused_weights(g)
+
+
 def sort_nodes(g: onnx.GraphProto) -> None:
     """Order the graph's nodes so each comes after the producers of its inputs."""
     from npuprep.graph import topological_order

@@ -22,24 +22,20 @@ from onnx import helper, numpy_helper
 from npuprep.graph import attribute, constant_value, consumers, name_maker, node_label
 from npuprep.rewrite.bias_correction import BiasSlot, bias_slot, corrected_bias, output_shift
 from npuprep.rewrite.result import RewriteResult
+from npuprep.rewrite.smooth import smoothable
 
 
 def shiftable(graph: onnx.GraphProto, node: onnx.NodeProto) -> bool:
-    """A MatMul whose input 1 is a constant 2-D FP32 weight, or a Conv with a constant FP32
-    weight and no padding (grouped too): its output is exact with x - c and the bias
-    raised by the weight's sum over c."""
-    if node.op_type not in ("MatMul", "Conv") or len(node.input) < 2:
+    """A layer whose input channels balance into its weight (npuprep.rewrite.smooth) and that
+    sums every input it reads: a MatMul, or a Conv without padding. Its output is exact with
+    x - c and the bias raised by the weight's sum over c."""
+    if not smoothable(graph, node):
         return False
-    w = constant_value(graph, node.input[1])
-    if w is None or w.dtype != np.float32:
-        return False
-    if node.op_type == "MatMul":
-        return w.ndim == 2
     auto_pad = attribute(node, "auto_pad", b"NOTSET")
     if isinstance(auto_pad, bytes):
         auto_pad = auto_pad.decode()
-    return (w.ndim >= 3 and w.shape[0] % attribute(node, "group", 1) == 0
-            and auto_pad in ("NOTSET", "VALID") and not any(attribute(node, "pads", [])))
+    return node.op_type == "MatMul" or (auto_pad in ("NOTSET", "VALID")
+                                         and not any(attribute(node, "pads", [])))
 
 
 def centred_bias(graph: onnx.GraphProto, node: onnx.NodeProto, dequantised: np.ndarray,
@@ -130,11 +126,9 @@ def shift(model: onnx.ModelProto, centres: Mapping[str, np.ndarray],
         centred[x] = xc
     if not centred:
         return RewriteResult(model, False, "no layer input had channels off centre to shift")
-    from npuprep.rewrite.qdq import drop_unused_weights, sort_nodes
+    from npuprep.rewrite.qdq import settle
 
-    g.node.extend(added)
-    sort_nodes(g)
-    drop_unused_weights(g)
+    settle(g, added)
     return RewriteResult(out, True, f"{len(centred)} layer input(s) centred per channel",
                          {"centred": centred, "changed": list(centred.values()),
                           "centres": by_reader})

@@ -149,11 +149,9 @@ def smooth(model: onnx.ModelProto, factors: Mapping[str, np.ndarray],
         smoothed[x] = xs
     if not smoothed:
         return RewriteResult(model, False, "no MatMul input (nor Conv input) had channels to balance")
-    from npuprep.rewrite.qdq import drop_unused_weights, sort_nodes
+    from npuprep.rewrite.qdq import settle
 
-    g.node.extend(added)
-    sort_nodes(g)
-    drop_unused_weights(g)
+    settle(g, added)
     return RewriteResult(out, True, f"{len(smoothed)} layer input(s) balanced into their weights",
                          {"smoothed": smoothed, "folded": folded, "changed": changed,
                           "whole": whole, "factors": rescaled})
