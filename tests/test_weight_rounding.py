@@ -115,6 +115,32 @@ def test_conv_moments_give_the_conv_output_error() -> None:
     assert predicted == pytest.approx(actual, rel=1e-4)
 
 
+def test_conv_moments_less_an_offset_per_channel_give_the_error_on_the_rest() -> None:
+    """With `offsets` (a centred input's mean, which its bias corrects for), sum d H d^T is
+    the squared output of the Conv with weight D on x less that mean per channel: each
+    group's taps take their channel's value (the layout of the patches)."""
+    # x -> grouped, strided, dilated Conv without padding [conv] -> y
+    unpadded = GROUPED.replace("pads = [1, 0, 1, 2], ", "").replace("5, 4]", "4, 3]")
+    rng = np.random.default_rng(3)
+    proto = parser.parse_model(unpadded)
+    proto.graph.initializer.append(
+        numpy_helper.from_array(rng.standard_normal((8, 2, 3, 3)).astype(np.float32), "W"))
+    mean = rng.normal(2.0, 1.0, 8).astype(np.float32)
+    feeds = [{"x": (rng.standard_normal((1, 8, 10, 9)) + 3.0).astype(np.float32)}
+             for _ in range(2)]
+    (moments,) = input_moments(proto, ["conv"], [feeds], offsets={"conv": mean})
+    d = rng.standard_normal((8, 2, 3, 3)).astype(np.float32)
+    rows = d.reshape(4, 2, 18).astype(np.float64)
+    predicted = float(np.einsum("gok,gkl,gol->", rows, moments["conv"].gram, rows))
+    proto.graph.initializer[0].CopyFrom(numpy_helper.from_array(d, "W"))
+    session = make_session(proto)
+    shifted = [{"x": f["x"] - mean.reshape(1, 8, 1, 1)} for f in feeds]
+    actual = sum(float(np.sum(run(session, f)["y"].astype(np.float64) ** 2)) for f in shifted)
+    assert predicted == pytest.approx(actual, rel=1e-4)
+    plain = input_moments(proto, ["conv"], [feeds])[0]["conv"].gram
+    assert not np.allclose(plain, moments["conv"].gram)
+
+
 def test_shared_weight_is_rounded_for_both_readers() -> None:
     """A weight two 8-bit layers read (a guidance's two branches) gets one rounding, fitted
     to both layers' inputs: their summed output error is lower than nearest's; a third

@@ -11,7 +11,7 @@ MAX_ROWS per sample: H is an average, and a few thousand rows of a feature map a
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,10 +50,13 @@ def layer_geometry(node: onnx.NodeProto, weight: np.ndarray) -> tuple[int, int] 
 
 
 def input_moments(model: onnx.ModelProto, layers: Sequence[str], parts: Sequence[Sequence[Feed]], *,
-                  max_k: int = MAX_K) -> list[dict[str, InputMoments]]:
+                  max_k: int = MAX_K,
+                  offsets: Mapping[str, np.ndarray] | None = None) -> list[dict[str, InputMoments]]:
     """Per part of the samples (`parts`, one run of one session over them all): layer label
     -> the moments of its input rows over that part's samples, for the `layers` with a
-    constant weight whose rows layer_geometry reads and whose K is at most `max_k`."""
+    constant weight whose rows layer_geometry reads and whose K is at most `max_k`.
+    `offsets`: layer -> a value per input channel taken off its rows first (the mean its bias
+    corrects for: its error is the weight's on the rest)."""
     from npuprep.calibrate.run import pass_streams, session_threads
     from npuprep.runtime.session import run_in_streams
 
@@ -96,6 +99,9 @@ def input_moments(model: onnx.ModelProto, layers: Sequence[str], parts: Sequence
                                else x.reshape(1, -1, x.shape[-1]))
                     if patches is None:
                         continue
+                    if label in (offsets or {}):
+                        patches = patches - _row_offsets(node, (offsets or {})[label],
+                                                         shapes[label], patches.shape)
                     gram = np.matmul(patches.transpose(0, 2, 1), patches)
                     if key in sums:
                         np.add(sums[key], gram, out=sums[key])  # float32 widened exactly
@@ -106,6 +112,17 @@ def input_moments(model: onnx.ModelProto, layers: Sequence[str], parts: Sequence
                 rows[label] += counted[key]
         found.append({k: InputMoments(sums[key], rows[k]) for k, key in source.items()})
     return found
+
+
+def _row_offsets(node: onnx.NodeProto, per_channel: np.ndarray, wshape: tuple[int, ...],
+                 rows: tuple[int, ...]) -> np.ndarray:
+    """`per_channel` laid out as the layer's input rows ([groups, 1, K]): a MatMul's as they
+    are, a Conv's each channel repeated over its kernel taps within its group."""
+    if node.op_type != "Conv":
+        return per_channel.astype(np.float32).reshape(1, 1, -1)
+    groups, taps = rows[0], int(np.prod(wshape[2:]))
+    grouped = per_channel.astype(np.float32).reshape(groups, -1)
+    return np.repeat(grouped, taps, axis=1).reshape(groups, 1, -1)
 
 
 def conv_rows(node: onnx.NodeProto, x: np.ndarray, wshape: tuple[int, ...],

@@ -145,8 +145,10 @@ def round_weights(reference: onnx.ModelProto, model: onnx.ModelProto,
     from npuprep.rewrite.weight_rounding import round_layers
 
     layers = list(assigned)
+    # A centred layer's bias takes the mean of its input: its rounding is fitted to the rest.
     done = round_layers(model, [x for x in layers if only is None or x in only],
-                        [(v.fmt, v.saturate) for v in variants], samples, weights)
+                        [(v.fmt, v.saturate) for v in variants], samples, weights,
+                        offsets=centred_means)
     notes = []
     # The rounding is fitted on the even samples; a model small enough to hold twice is
     # measured on the odd ones, both ways.

@@ -18,7 +18,7 @@ model of the conversion these values.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -156,24 +156,27 @@ class _Layer:
 
 def round_layers(model: onnx.ModelProto, layers: Sequence[str],
                  formats: Sequence[tuple[EightBitFormat, bool]], samples: Sequence[Feed],
-                 weights: WeightStore, *, workers: int | None = None) -> list[LayerRounding]:
+                 weights: WeightStore, *, workers: int | None = None,
+                 offsets: Mapping[str, np.ndarray] | None = None) -> list[LayerRounding]:
     """Round the weights of `layers` in each (format, saturate) of `formats` for their
     outputs on `samples` (fitted on the even ones, measured on the odd ones), and give the
     roundings that measure better to `weights`, which every QDQ model then reads. A weight
     several of `layers` read alike (the two branches of a classifier-free guidance) is
     rounded for their outputs together (their moments summed); one read by anything else
-    keeps round-to-nearest. `workers`: layers rounded at once (default: one per core)."""
+    keeps round-to-nearest. `workers`: layers rounded at once (default: one per core);
+    `offsets`: layer -> what its input's rows are fitted less of (input_moments)."""
     if weight_bytes(model) > MAX_WEIGHT_BYTES or not layers:
         return []
     # Its products are small (K <= 2048): on a shared machine a second BLAS thread spins while
     # the first waits for a core (ddddocr_ocr's rounding: 13.7 CPU s on two threads, 2.8 on one).
     with threadpool_limits(1, user_api="blas"):
-        return _round_layers(model, layers, formats, samples, weights, workers)
+        return _round_layers(model, layers, formats, samples, weights, workers, offsets)
 
 
 def _round_layers(model: onnx.ModelProto, layers: Sequence[str],
                   formats: Sequence[tuple[EightBitFormat, bool]], samples: Sequence[Feed],
-                  weights: WeightStore, workers: int | None) -> list[LayerRounding]:
+                  weights: WeightStore, workers: int | None,
+                  offsets: Mapping[str, np.ndarray] | None) -> list[LayerRounding]:
     g = model.graph
     by_label = {node_label(n): n for n in g.node}
     readers: dict[str, list[onnx.NodeProto]] = {}
@@ -190,7 +193,8 @@ def _round_layers(model: onnx.ModelProto, layers: Sequence[str],
         if all(node_label(r) in wanted and _alike(r, node) for r in shared):
             groups.setdefault(node.input[1], []).append(label)
     parts = [samples[0::2], samples[1::2]] if len(samples) > 1 else [samples, samples]
-    fit, check = input_moments(model, [x for xs in groups.values() for x in xs], parts)
+    fit, check = input_moments(model, [x for xs in groups.values() for x in xs], parts,
+                               offsets=offsets)
     # Layers reading one input share its moments (one H, input_moments): one task each, its
     # H's float32 copies and inverse factor worked out once for all of them.
     tasks: dict[tuple[int, int], tuple[InputMoments, InputMoments,
