@@ -15,7 +15,9 @@ does first, then as itself, trying no head that leaves less in 8 bits than a pas
 search (it could not be kept). The search aims at JUDGE_MARGIN x rtol on the calibration samples
 (decisions: held with DECISION_MARGIN x the error): their scales fit them, unseen samples
 err more. The model chosen is then built once and checked, compared layer by layer and held
-out as any conversion is.
+out as any conversion is. Where that point keeps under SECOND_START_BELOW in 8 bits or fails,
+the build runs again from the balanced model with its skewed INT8 inputs centred
+(npuprep.verify.channel_shift), and the better of the two points is kept.
 """
 
 from __future__ import annotations
