@@ -4,6 +4,8 @@ ranking sees errors that cancel, and verification rounds the wider layers to FP1
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import onnx
@@ -396,35 +398,45 @@ def test_the_ranking_takes_the_rule_choices_trials_and_ranks_as_if_it_ran_them()
     assert [s.to_dict() for s in took] == [s.to_dict() for s in ran]
 
 
-def test_the_fp16_heads_start_from_whichever_8bit_format_ends_better():
-    # Four layers of equal cost; the outputs' error is the root sum of squares of the 8-bit
-    # layers' own. INT8: one bad layer (0.06), three good (0.01); FP8: four at 0.03. All FP8
-    # (0.060) errs less than all INT8 (0.062), but from FP8 no head within the 50% budget
-    # passes 0.04, and from INT8 keeping the bad layer FP16 passes at 75%.
-    from npuprep.numerics import eight_bit_format
+def _four_layers(own: dict[str, list[float]], gain: Callable[[int], tuple[float, float]],
+                 tried: list[tuple[str, ...]] | None = None) -> Any:
+    """The search over four INT8 layers of equal cost (a quarter each), FP8 their other format,
+    every layer's error `own[format][i]`, the outputs' error their root sum of squares, 0.04
+    the aim, at least half in 8 bits; `gain(i)`: layer i's (own error, gain) in the ranking.
+    `tried`: each trial's formats, in order."""
     from npuprep.plan.layer_precision import LayerPrecision
     from npuprep.verify.output_check import OutputCheck
     from npuprep.verify.qdq_model import Sensitivity
     from npuprep.verify.widening import widen_by_ranking
 
-    own = {"int8": [0.06, 0.01, 0.01, 0.01], "fp8_e4m3": [0.03] * 4}
     names = [f"l{i}" for i in range(4)]
 
     def check(chosen: list[LayerPrecision]) -> OutputCheck:
-        power = sum(own[x.precision][names.index(x.node)] ** 2 for x in chosen if x.precision in own)
+        if tried is not None:
+            tried.append(tuple(x.precision for x in chosen))
+        power = sum(own[x.precision][names.index(x.node)] ** 2
+                    for x in chosen if x.precision in own)
         return OutputCheck(rtol=0.05, samples=1, outputs={"y": {"rel_l2": float(np.sqrt(power)),
                                                                 "nonfinite": 0}})
 
     def rank(nodes: list[str], chosen: list[LayerPrecision]) -> list[Sensitivity]:
-        return [Sensitivity(n, 0.0, own["int8"][names.index(n)], own["int8"][names.index(n)])
-                for n in nodes]
+        return [Sensitivity(n, 0.0, *gain(names.index(n))) for n in nodes]
 
     layers = [LayerPrecision(n, "int8", "") for n in names]
-    done = widen_by_ranking(
+    return widen_by_ranking(
         layers, eight_bit_format("int8"), check(layers), rank=rank, trial=check,
         judged=lambda c: c.outputs["y"]["rel_l2"] <= 0.04,
         share=lambda c: sum(x.precision in own for x in c) / 4, cost=lambda n: 0.25,
         min_share=0.5, alternative="fp8_e4m3")
+
+
+def test_the_fp16_heads_start_from_whichever_8bit_format_ends_better():
+    # Four layers of equal cost; the outputs' error is the root sum of squares of the 8-bit
+    # layers' own. INT8: one bad layer (0.06), three good (0.01); FP8: four at 0.03. All FP8
+    # (0.060) errs less than all INT8 (0.062), but from FP8 no head within the 50% budget
+    # passes 0.04, and from INT8 keeping the bad layer FP16 passes at 75%.
+    own = {"int8": [0.06, 0.01, 0.01, 0.01], "fp8_e4m3": [0.03] * 4}
+    done = _four_layers(own, lambda i: (own["int8"][i], own["int8"][i]))
     assert done.widened == ["l0"]
     assert [x.precision for x in done.layers] == ["fp16", "int8", "int8", "int8"]
     # The FP8 start was tried too: its points are on the curve.
@@ -436,43 +448,16 @@ def test_the_fp16_searches_from_two_starts_go_in_step_and_stop_at_the_first_pass
     # one bad layer (0.045), three good (0.01): all FP8 (0.048) errs less, and from it keeping
     # l0 FP16 passes 0.04. From INT8 one layer FP16 fails (0.052): in step, the INT8 start's
     # head of two is never tried.
-    from npuprep.numerics import eight_bit_format
-    from npuprep.plan.layer_precision import LayerPrecision
-    from npuprep.verify.output_check import OutputCheck
-    from npuprep.verify.qdq_model import Sensitivity
-    from npuprep.verify.widening import widen_by_ranking
-
     own = {"int8": [0.03] * 4, "fp8_e4m3": [0.045, 0.01, 0.01, 0.01]}
-    names = [f"l{i}" for i in range(4)]
     tried: list[tuple[str, ...]] = []
-
-    def check(chosen: list[LayerPrecision]) -> OutputCheck:
-        tried.append(tuple(x.precision for x in chosen))
-        power = sum(own[x.precision][names.index(x.node)] ** 2
-                    for x in chosen if x.precision in own)
-        return OutputCheck(rtol=0.05, samples=1, outputs={"y": {"rel_l2": float(np.sqrt(power)),
-                                                                "nonfinite": 0}})
-
-    def rank(nodes: list[str], chosen: list[LayerPrecision]) -> list[Sensitivity]:
-        return [Sensitivity(n, 0.0, own["fp8_e4m3"][names.index(n)], 0.03) for n in nodes]
-
-    layers = [LayerPrecision(n, "int8", "") for n in names]
-    done = widen_by_ranking(
-        layers, eight_bit_format("int8"), check(layers), rank=rank, trial=check,
-        judged=lambda c: c.outputs["y"]["rel_l2"] <= 0.04,
-        share=lambda c: sum(x.precision in own for x in c) / 4, cost=lambda n: 0.25,
-        min_share=0.5, alternative="fp8_e4m3")
+    done = _four_layers(own, lambda i: (own["fp8_e4m3"][i], 0.03), tried)
     assert [x.precision for x in done.layers] == ["fp16", "fp8_e4m3", "fp8_e4m3", "fp8_e4m3"]
     assert ("fp16", "int8", "int8", "int8") in tried
     assert not any(t.count("fp16") == 2 for t in tried)
     # Without the FP8 start (all FP8 erring more), the INT8 search runs on as it did.
     own["fp8_e4m3"] = [0.05] * 4
     tried.clear()
-    widen_by_ranking(
-        layers, eight_bit_format("int8"), check(layers), rank=rank, trial=check,
-        judged=lambda c: c.outputs["y"]["rel_l2"] <= 0.04,
-        share=lambda c: sum(x.precision in own for x in c) / 4, cost=lambda n: 0.25,
-        min_share=0.5, alternative="fp8_e4m3")
+    _four_layers(own, lambda i: (own["fp8_e4m3"][i], 0.03), tried)
     assert ("fp16", "fp16", "int8", "int8") in tried
 
 
