@@ -57,7 +57,6 @@ from npuprep.rewrite.qdq import (
     weight_dq,
 )
 from npuprep.rewrite.qdq_weights import WeightStore
-from npuprep.rewrite.shift import centred_bias
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.bounded_trials import errors_within, least_errors
 from npuprep.verify.output_check import OutputCheck
@@ -215,7 +214,7 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
             chosen, bias = node.input[1], slot.tensor if slot is not None else ""
             # A model whose weights fit in memory gets each 8-bit weight dequantised once here:
             # onnxruntime never folds a DequantizeLinear, so every trial run would repeat it.
-            w = None if weights.scratch is not None and centred_mean is None else (
+            w = None if weights.scratch is not None else (
                 weight if isinstance(weight, np.ndarray) else to_array(weight))
             for v in own(label):
                 if w is None:
@@ -228,11 +227,12 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
                     g.initializer.append(numpy_helper.from_array(exact, dq))
                 weight_switches[label, v.fmt.name] = on = switch(f"{label}_{v.fmt.name}")
                 chosen = where(on, dq, chosen, node.input[1])
-                shifted = None if centred_mean is None or exact is None else centred_bias(
-                    model.graph, node, exact, centred_mean)
+                # Corrected at its centred input's mean whenever 8-bit (shift.centred_bias).
+                shifted = None if slot is None or centred_mean is None else _corrected(
+                    g, node, weight, v, slot, centred_mean, exact, weights)
                 if slot is not None and shifted is not None:
                     value = fresh(f"{slot.tensor}_{v.fmt.name}_centred")
-                    g.initializer.append(numpy_helper.from_array(shifted[1], value))
+                    g.initializer.append(numpy_helper.from_array(shifted, value))
                     bias = where(on, value, bias, slot.tensor)
                 fixed = None if slot is None or mean is None else _corrected(
                     g, node, weight, v, slot, mean, exact, weights)
