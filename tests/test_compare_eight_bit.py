@@ -94,3 +94,23 @@ def test_an_fp8_conversion_is_compared_as_convert_verified_it_not_widened_as_fp8
                        "fp8only.yaml", cwd=tmp_path)
     assert compared.returncode == 0, compared.stderr[-2000:]
     assert "compared as convert verified it" in compared.stdout + compared.stderr
+
+
+def test_convert_s_layer_table_is_compare_s_on_the_calibration_samples(tmp_path: Path) -> None:
+    # MLP in INT8: convert compares layer by layer what the board computes (every tensor outside
+    # the Q/DQ pairs rounded to FP16), as `npuprep compare` reads the model written: one table.
+    rng = np.random.default_rng(1)
+    _save_mlp(tmp_path / "m.onnx", rng)
+    (tmp_path / "calib").mkdir()
+    for i in range(8):
+        np.savez(tmp_path / "calib" / f"{i:03d}.npz", x=rng.standard_normal((4, 16)).astype(np.float32))
+    done = run_cli("convert", "m.onnx", "--target", "a2000", "--precision", "int8", "--data", "calib",
+                   "--no-holdout", "-o", "q.onnx", "--report-json", "r.json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ours = {t["tensor"]: t["rel_l2"] for t in json.loads((tmp_path / "r.json").read_text())["compare"]["tensors"]}
+    compared = run_cli("compare", "m.onnx", "q.onnx", "--data", "calib", "--json", cwd=tmp_path)
+    assert compared.returncode == 0, compared.stderr[-2000:]
+    theirs = {t["tensor"]: t["rel_l2"] for t in json.loads(compared.stdout)["tensors"]}
+    assert ours.keys() == theirs.keys() and "a" in ours
+    for name, rel_l2 in ours.items():
+        assert abs(theirs[name] - rel_l2) <= 1e-6 * rel_l2 + 1e-12, (name, theirs[name], rel_l2)

@@ -196,8 +196,9 @@ def test_an_int8_matmul_input_with_an_outlier_channel_is_balanced_into_the_weigh
     model = Model(proto=proto, path=str(path), digest=fingerprint(proto))
     feeds = _outlier_feeds(40.0)
     stats = calibrate(model, feeds, detail="all")
+    # search="always": unbalanced, the net errs under half the gate and would be kept so.
     result = convert(model, load_profile("a2000"), feeds, precision="int8", stats=stats,
-                          rtol=5e-2, holdout=_outlier_feeds(40.0))
+                     rtol=5e-2, holdout=_outlier_feeds(40.0), search="always")
     assert result.eight_bit.balanced["x"][1] > 20
     qdq = result.lowered.model
     assert any(n.op_type == "Mul" and n.input[0] == "x" for n in qdq.graph.node)

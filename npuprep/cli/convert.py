@@ -53,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="8-bit only: keep sensitive layers wider only while at least this share "
                         "of the Conv/MatMul/Gemm multiply-adds stays 8-bit; fail below it "
                         "(default 50%%)")
+    p.add_argument("--search", choices=("auto", "always"),
+                   help="8-bit only: auto (default) keeps the plain start (every layer 8-bit at "
+                        "the default scale rule, weights rounded to nearest) where it errs under "
+                        "half the gate; always balances, rounds and searches anyway (more margin, "
+                        "minutes more)")
     p.add_argument("--io-types", choices=("fp32", "target"), default="fp32",
                    help="keep graph inputs/outputs FP32 (default) or give them the target type")
     p.add_argument("--opset", type=int,
@@ -187,7 +192,7 @@ def _convert(args: argparse.Namespace, model: Model, profile: TargetProfile,
             precision=args.precision, io_types=args.io_types, rtol=args.rtol,
             max_rounds=args.max_rounds, max_fp32_share=args.max_fp32_share / 100,
             min_8bit_share=args.min_8bit_share / 100, scale_rule=args.scale_rule,
-            opset=args.opset, top_k=parse_decisions(args.top_k, args.detect), metric=args.metric,
+            search=args.search, opset=args.opset, top_k=parse_decisions(args.top_k, args.detect), metric=args.metric,
             verify_with=args.verify_with,
             vendor_python=args.vendor_python, jobs=args.jobs, streams=args.streams,
             show_progress=not args.json, progress=stage, ray=args.ray, ray_cpus=args.ray_cpus)

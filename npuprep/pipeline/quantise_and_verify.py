@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx
@@ -39,8 +39,8 @@ from npuprep.data import Feed
 from npuprep.detections import Decision
 from npuprep.formatting import ratio
 from npuprep.graph import node_label, weight_bytes, without_weight_inputs
-from npuprep.model_io import Model, WeightScratch
-from npuprep.numerics import EightBitFormat, Int8Activations, NumberFormat, eight_bit_format
+from npuprep.model_io import Model, WeightScratch, fingerprint
+from npuprep.numerics import EightBitFormat, Int8Activations, eight_bit_format
 from npuprep.pipeline.eight_bit_choice import (
     SECOND_START_BELOW,
     SHARE_TIE,
@@ -62,6 +62,7 @@ from npuprep.pipeline.eight_bit_notes import (
     equalised_note,
     lifted_note,
 )
+from npuprep.pipeline.plain_start import plain_note, plain_point, start_check
 from npuprep.pipeline.result import ConversionResult, EightBitResult, SampleUse
 from npuprep.pipeline.trial_sessions import (
     TrialSessions,
@@ -84,7 +85,7 @@ from npuprep.verify.channel_shift import centre_skewed_inputs
 from npuprep.verify.compare import DEFAULT_ATOL, compare_models
 from npuprep.verify.decision_margin import decision_error
 from npuprep.verify.input_split import Splits, planned_splits, split_wide_inputs
-from npuprep.verify.output_check import OutputCheck, check_output_sets, check_outputs
+from npuprep.verify.output_check import OutputCheck, check_output_sets
 from npuprep.verify.output_errors import output_passes, rule_said
 from npuprep.verify.pin_rounds import sample_shapes
 from npuprep.verify.qdq_model import (
@@ -121,16 +122,31 @@ JUDGE_MARGIN = 0.8
 DECISION_MARGIN = 2.0
 
 
+class Searched(NamedTuple):
+    """An 8-bit point and what building it needs: the activations' rules, the bias corrections
+    kept (layer, format) and their biases, the trial runs it took, the reference's outputs on
+    the calibration samples."""
+
+    widening: Widening
+    tensor_rules: dict[str, ScaleRule]
+    corrected: set[tuple[str, str]]
+    biases: dict[tuple[str, str], Any]
+    runs: int
+    expected: list[dict[str, np.ndarray]]
+
+
 def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                         eight: EightBitFormat, samples: Sequence[Feed],
                         holdout: Sequence[Feed] | None, *, use: SampleUse, rtol: float,
                         scale_rule: str, min_8bit_share: float, opset: int | None,
                         top_k: Mapping[str, Decision], stage: Callable[[str], None],
-                        runner: RunsFactory | None = None) -> ConversionResult:
+                        runner: RunsFactory | None = None,
+                        plain_start: bool = True) -> ConversionResult:
     """`planned` (planned for `target`, the wider format) as a QDQ model in `eight`, verified
     on `samples` (and `holdout`); scales by `scale_rule`. Its outputs are to hold within
     `rtol` (or the `top_k` decisions) with at least `min_8bit_share` of the Conv/MatMul/Gemm
-    multiply-adds in 8 bits. `runner`: where the search's trial runs run (default: this
+    multiply-adds in 8 bits. `plain_start`: the start is kept as it is where it errs under
+    PLAIN_MARGIN x `rtol` (npuprep.pipeline.plain_start), else searched anyway. `runner`: where the search's trial runs run (default: this
     process; npuprep.calibrate.on_ray.SessionsOnRay: Ray actors)."""
     profile, wide = target.profile, target.fmt
     work, stats, plan, flow_notes = planned.model, planned.stats, planned.plan, planned.notes
@@ -207,17 +223,47 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                             bounds=bounds, expected=expected.on(on[:TRIAL_SAMPLES]),
                             centred_means=centred_means, score=score)
 
+    def judged(check: OutputCheck) -> bool:
+        return all(output_passes(o, JUDGE_MARGIN * rtol, at_margin=True)
+                   for o in check.outputs.values())
+
+    def gate(check: OutputCheck) -> bool:
+        return all(output_passes(o, rtol) for o in check.outputs.values())
+
+    def checked(start: Sequence[LayerPrecision]) -> OutputCheck:
+        return start_check(work.proto, base, start, stats, variants, wide, samples,
+                           pinned=pinned, rtol=rtol, top_k=top_k, margin=DECISION_MARGIN,
+                           tensor_scales=applied.tensor_scales, weights=weights,
+                           wide_saturate=wide_saturate, expected=expected.on(samples))
+
+    # The plain start (and an FP8 conversion's INT8 one), kept as it is where it errs well
+    # within the gate: nothing below runs (npuprep.pipeline.plain_start).
+    # An FP8 conversion checks its start anyway: where it meets the aim, its INT8 search does
+    # not run (int8_layers).
+    starts = []
+    if plain_start or int8_start is not None:
+        stage("checking the plain 8-bit start")
+        starts.append((layers, checked(layers), eight.name))
+    if plain_start and int8_start is not None and other is not None:
+        starts.append((int8_start, checked(int8_start), other.name))
+    start_macs = _macs(base, stats, samples)
+    plain = (plain_point(starts, start_macs, rtol=rtol, min_share=min_8bit_share, passes=judged)
+             if plain_start else [])
+    quick = plain[0] if len(plain) == 1 else None
+    if len(plain) == 2 and other is not None:
+        quick, said = better_search(plain[0], plain[1], profile, judged, gate, start_macs,
+                                    eight, other)
+        notes.append(said)
     # The INT8 layers: the INT8 conversion's, or those of an FP8 conversion's INT8 search
     # (balanced as the INT8 conversion balances them, so that search is the INT8 one), where
     # that search runs: not where the FP8 start passes (ppocr_cls: its FP8 layers reading
     # balanced inputs, every channel now near the tensor's abs-max, gave NaN past FP8's
     # headroom on a held-out sample; unbalanced, the INT8 start is kept and holds).
-    int8_layers = (eight_bit_nodes(layers, eight) if not eight.is_float else
+    int8_layers = ([] if quick is not None else
+                   eight_bit_nodes(layers, eight) if not eight.is_float else
                    eight_bit_nodes(int8_start, other) if int8_start is not None and other
-                   and not _start_passes(work.proto, base, layers, stats, variants, wide,
-                                         samples, pinned=pinned, rtol=rtol, top_k=top_k,
-                                         tensor_scales=applied.tensor_scales, weights=weights,
-                                         wide_saturate=wide_saturate)
+                   and not all(output_passes(o, JUDGE_MARGIN * rtol)
+                               for o in starts[0][1].outputs.values())
                    else [])
     if int8_layers:
         # FP8 keeps its relative precision across channels; INT8's one scale does not.
@@ -233,7 +279,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     # Equalisation is kept by the all-INT8 error: an FP8 conversion measures it only where its
     # INT8 search runs (int8_layers). Where the FP8 start passes, that start is what is kept
     # at 100%, checked on the model as it is (dnsmos_p835 FP8: 46 of 185 CPU s, not kept).
-    if int8 is not None and (int8_layers or not eight.is_float):
+    if quick is None and int8 is not None and (int8_layers or not eight.is_float):
         stage("equalising Conv inputs' channels into their producers")
         equalised = equalise_channels(work.proto, base, list(assigned_formats(layers)), stats, int8.fmt,
                                       samples, rules=int8.rules,
@@ -273,32 +319,15 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     # 75% INT8).
     prefix = (base, stats, tuple(notes), int8, tuple(layers), plan)
 
-    def finish(centre: bool) -> ConversionResult | None:
-        """The conversion from the balanced model on; with `centre`, its skewed INT8 inputs
-        centred (None where none is kept)."""
-        base, stats, notes, int8, layers, plan = (prefix[0], prefix[1], list(prefix[2]),
-                                                 prefix[3], prefix[4], prefix[5])
-        # Layer -> the per-channel mean of its centred input: its 8-bit bias follows its weight.
-        centred_means: dict[str, np.ndarray] = {}
-        if centre:
-            # After the balancing: each centre is in the units of the input its layer reads.
-            stage("centring skewed INT8 layer inputs' channels")
-            assert int8 is not None
-            score = _decision_score(top_k, JUDGE_MARGIN * rtol, rtol)
+    def pins(chosen: Sequence[LayerPrecision]) -> set[str]:
+        return pinned | {x.node for x in chosen if x.precision == "fp32"}
 
-            def whole(model: onnx.ModelProto, stats: CalibrationStats, on: Sequence[Feed],
-                      means: Mapping[str, np.ndarray]) -> float:
-                return measure(model, stats, [int8_layers], on, None, means, score)[0]
+    def searched(base: onnx.ModelProto, stats: CalibrationStats, layers: Sequence[LayerPrecision],
+               notes: list[str], centred_means: dict[str, np.ndarray], macs: Mapping[str, int],
+               centre: bool) -> Searched:
+        """The 8-bit point of the balanced (and centred) model: its weights rounded, its rules
+        and bias corrections chosen, its layers ranked and widened by trials; notes appended."""
 
-            centred = centre_skewed_inputs(base, int8_layers, stats, samples, int8.fmt,
-                                           measure=measure, whole=whole,
-                                           left_alone=applied.tensor_scales, path=work.path)
-            if not centred.tensors:
-                return None
-            base, stats, centred_means = centred.model, centred.stats, centred.means
-            notes.append(centred_note(centred))
-        macs = _macs(base, stats, samples)
-        notes += body_note(base, macs) + recurrent_note(base, macs, sample_shapes(samples))
         eight_bit = eight_bit_nodes(layers, eight)
         stage("rounding the 8-bit weights for their layers' outputs")
         if centre:
@@ -362,16 +391,6 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                 sessions.corrected = _kept_in(every_rule, int8.fmt.name, int8_start, tensor_rules,
                                               sessions.corrected, notes)
         sessions.rules = tensor_rules
-
-        def pins(chosen: Sequence[LayerPrecision]) -> set[str]:
-            return pinned | {x.node for x in chosen if x.precision == "fp32"}
-
-        def judged(check: OutputCheck) -> bool:
-            return all(output_passes(o, JUDGE_MARGIN * rtol, at_margin=True)
-                       for o in check.outputs.values())
-
-        def gate(check: OutputCheck) -> bool:
-            return all(output_passes(o, rtol) for o in check.outputs.values())
 
         def trial(chosen: Sequence[LayerPrecision], stop_past: float | None = None) -> OutputCheck:
             return sessions.checks().check(assigned_formats(chosen), tensor_rules, rtol=rtol, top_k=top_k,
@@ -488,7 +507,42 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
             widening = one_of(widening, again, better)
         corrected, biases = sessions.corrected, sessions.biases()
         sessions.close()
-        trial_runs = sessions.runs
+        return Searched(widening, tensor_rules, corrected, biases, sessions.runs,
+                        sessions.expected)
+
+    def finish(centre: bool) -> ConversionResult | None:
+        """The conversion from the balanced model on (the plain start's where it is kept);
+        with `centre`, its skewed INT8 inputs centred (None where none is kept)."""
+        base, stats, notes, int8, layers, plan = (prefix[0], prefix[1], list(prefix[2]),
+                                                 prefix[3], prefix[4], prefix[5])
+        # Layer -> the per-channel mean of its centred input: its 8-bit bias follows its weight.
+        centred_means: dict[str, np.ndarray] = {}
+        if centre:
+            # After the balancing: each centre is in the units of the input its layer reads.
+            stage("centring skewed INT8 layer inputs' channels")
+            assert int8 is not None
+            score = _decision_score(top_k, JUDGE_MARGIN * rtol, rtol)
+
+            def whole(model: onnx.ModelProto, stats: CalibrationStats, on: Sequence[Feed],
+                      means: Mapping[str, np.ndarray]) -> float:
+                return measure(model, stats, [int8_layers], on, None, means, score)[0]
+
+            centred = centre_skewed_inputs(base, int8_layers, stats, samples, int8.fmt,
+                                           measure=measure, whole=whole,
+                                           left_alone=applied.tensor_scales, path=work.path)
+            if not centred.tensors:
+                return None
+            base, stats, centred_means = centred.model, centred.stats, centred.means
+            notes.append(centred_note(centred))
+        macs = _macs(base, stats, samples)
+        notes += body_note(base, macs) + recurrent_note(base, macs, sample_shapes(samples))
+        if quick is not None:
+            notes.append(plain_note(quick, rtol))
+            found = Searched(quick, {}, set(), {}, len(starts), expected.on(samples))
+        else:
+            found = searched(base, stats, layers, notes, centred_means, macs, centre)
+        widening, tensor_rules, trial_runs = found.widening, found.tensor_rules, found.runs
+        corrected, biases = found.corrected, found.biases
         layers, widened, needs_more = widening.layers, widening.widened, ""
         ranking = (widening.rankings or [[]])[0]
         stage(f"building the {eight.name} model chosen")
@@ -509,11 +563,32 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         chosen = assigned_formats(layers)
         built = with_biases(built, [fixed for (layer, fmt), fixed in biases.items()
                                     if chosen.get(layer) == fmt and (layer, fmt) in corrected])
-        # The reference's outputs on these samples are the trials' (run once).
-        check = check_output_sets(work.proto, built, wide, [samples], saturate=wide_saturate,
-                                  rtol=rtol, emulated=on_target(built, wide, pins(layers),
-                                                                saturate=wide_saturate),
-                                  top_k=top_k, expected=sessions.expected)[0]
+        if opset is not None:
+            from npuprep.opsets import convert_opset
+
+            built = convert_opset(built, opset, why="--opset")
+        stage("comparing layer by layer")
+        # Layer by layer as the board computes it (as `npuprep compare` reads the model written),
+        # that run's outputs checked against the trials' reference outputs (run once).
+        emulated = on_target(built, wide, pins(layers), saturate=wide_saturate)
+        # A QDQ model's merged graph is thousands of small kernels: a sample a core, one thread
+        # each (pass_streams; dnsmos_p835 all-INT8, 8 samples: 16 -> 13 CPU s); the in-graph sums
+        # then add in another order (rel L2 moved ~1e-9).
+        streams = pass_streams(len(samples))
+        ran: list[dict[str, np.ndarray]] = []
+        compared = compare_models(work.proto, emulated, samples, rtol=rtol, atol=DEFAULT_ATOL,
+                                  fmt=wide, tensor_scales=applied.tensor_scales,
+                                  channel_scales=rescaled, threads=session_threads(streams),
+                                  streams=streams, candidate_outputs=ran,
+                                  fingerprints=(model.fingerprint, fingerprint(built)))
+        if holdout is not None:
+            stage("checking the held-out samples")
+        checks = check_output_sets(work.proto, built, wide,
+                                   [samples] + ([holdout] if holdout is not None else []),
+                                   saturate=wide_saturate, rtol=rtol, emulated=emulated,
+                                   top_k=top_k, expected=found.expected, emulated_outputs=ran)
+        del emulated
+        check, held = checks[0], (checks[1] if holdout is not None else None)
         notes.append(curve_note(widening.curve, trial_runs, widening.check.worst_rel_l2))
         notes += chance_notes(check)
         offsets = zero_points(built)
@@ -537,24 +612,6 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                           f"than {min_8bit_share:.0%} in 8 bits (--min-8bit-share); stopped")
         if needs_more and not check:
             notes.append(needs_more)
-        if opset is not None:
-            from npuprep.opsets import convert_opset
-
-            built = convert_opset(built, opset, why="--opset")
-        stage("comparing layer by layer")
-        # A QDQ model's merged graph is thousands of small kernels: a sample a core, one thread
-        # each (pass_streams; dnsmos_p835 all-INT8, 8 samples: 16 -> 13 CPU s); the in-graph sums
-        # then add in another order (rel L2 moved ~1e-9).
-        streams = pass_streams(len(samples))
-        compared = compare_models(work.proto, built, samples, rtol=rtol, atol=DEFAULT_ATOL,
-                                  tensor_scales=applied.tensor_scales, channel_scales=rescaled,
-                                  threads=session_threads(streams), streams=streams)
-        held = None
-        if holdout is not None:
-            stage("checking the held-out samples")
-            held = check_outputs(work.proto, built, wide, holdout, saturate=wide_saturate, rtol=rtol,
-                                 emulated=on_target(built, wide, pins(layers), saturate=wide_saturate),
-                                 top_k=top_k)
         shares = mac_share(layers, macs, eight)
         notes.append(f"the ONNX artefact is QDQ {eight.name} at the 8-bit layers and FP32 elsewhere; "
                      f"the layers kept wider run in the compiler's {wide.name}, and verification "
@@ -626,27 +683,6 @@ def _stack(into: dict[str, np.ndarray], more: Mapping[str, np.ndarray]) -> None:
     """Per-channel rescales of one tensor by two rewrites compose: their product."""
     for name, factor in more.items():
         into[name] = into[name] * factor if name in into else factor
-
-
-def _start_passes(reference: onnx.ModelProto, base: onnx.ModelProto,
-                  layers: Sequence[LayerPrecision], stats: CalibrationStats,
-                  variants: Sequence[Variant], wide: NumberFormat, samples: Sequence[Feed], *,
-                  pinned: set[str], rtol: float, top_k: Mapping[str, Decision],
-                  tensor_scales: Mapping[str, float], weights: WeightStore,
-                  wide_saturate: bool) -> bool:
-    """Every layer of `layers` in its 8-bit format (weights rounded to nearest, no bias
-    correction) meets the search's aim on `samples`: the search keeps it at 100%."""
-    built = base
-    for v in variants:
-        nodes = eight_bit_nodes(layers, v.fmt)
-        if nodes:
-            built = quantise(built, nodes, stats, v.fmt, saturate=v.saturate, rule=v.rules[0],
-                             tensor_scales=tensor_scales, headroom=v.headroom,
-                             weights=weights).model
-    check = check_output_sets(reference, built, wide, [samples], saturate=wide_saturate,
-                              rtol=rtol, top_k=top_k,
-                              emulated=on_target(built, wide, pinned, saturate=wide_saturate))[0]
-    return all(output_passes(o, JUDGE_MARGIN * rtol) for o in check.outputs.values())
 
 
 def _decision_score(top_k: Mapping[str, Decision], aim: float, rtol: float) -> TrialScore | None:

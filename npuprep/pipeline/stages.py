@@ -76,6 +76,7 @@ class Settings:
     max_fp32_share: float = DEFAULT_MAX_FP32_SHARE
     min_8bit_share: float = DEFAULT_MIN_8BIT_SHARE
     scale_rule: ScaleRule = DEFAULT_RULE
+    search: str | None = None  # 8 bits: None or "auto" keeps a plain start that errs little
     opset: int | None = None
     top_k: Mapping[str, Decision] = field(default_factory=dict)
     metric: Metric = Metric.AUTO
@@ -228,6 +229,11 @@ def build(run: Run) -> Run:
     if eight is not None and planned.stats is None:
         raise NpuprepError(f"--precision {s.precision} sets its scales from calibration: give "
                            "--data or --stats")
+    if s.search is not None and eight is None:
+        raise NpuprepError(f"--search {s.search} chooses how the 8-bit search runs: it applies "
+                           "to --precision int8 or fp8_e4m3")
+    if s.search not in (None, "auto", "always"):
+        raise NpuprepError(f"--search {s.search}: auto or always")
     if s.ray is not None and eight is None:
         raise NpuprepError("--ray runs the 8-bit search's trials on Ray: it applies to "
                            "--precision int8 or fp8_e4m3")
@@ -236,7 +242,8 @@ def build(run: Run) -> Run:
             result = quantise_and_verify(run.model, planned, target, eight, samples, held,
                                          use=run.use, rtol=rtol, scale_rule=s.scale_rule,
                                          min_8bit_share=s.min_8bit_share, opset=s.opset,
-                                         top_k=s.top_k, stage=run.progress, runner=runner)
+                                         top_k=s.top_k, stage=run.progress, runner=runner,
+                                         plain_start=s.search != "always")
     else:
         result = lower_and_verify(run.model, planned, target, samples, held, use=run.use,
                                   io_types=s.io_types, rtol=rtol, max_rounds=s.max_rounds,
@@ -445,6 +452,7 @@ def convert(
     max_fp32_share: float = DEFAULT_MAX_FP32_SHARE,
     min_8bit_share: float = DEFAULT_MIN_8BIT_SHARE,
     scale_rule: ScaleRule = DEFAULT_RULE,
+    search: str | None = None,
     opset: int | None = None,
     top_k: Mapping[str, Decision] | None = None,
     metric: Metric | str = Metric.AUTO,
@@ -470,7 +478,9 @@ def convert(
     K=1 for the outputs a consumer decides by argmax, "rel-l2" none, "top1" every output with
     classes), when more than
     `max_fp32_share` of the FLOPs stay FP32 (FP16/BF16), or when less than `min_8bit_share`
-    of the multiply-adds run in 8 bits. `verify_with` ("rknn") also builds it with the vendor
+    of the multiply-adds run in 8 bits. `search` (8 bits): None or "auto" keeps the plain start
+    (every layer 8-bit, default rule, weights at nearest) where it errs under half of `rtol`,
+    "always" balances, rounds and searches anyway. `verify_with` ("rknn") also builds it with the vendor
     toolchain. The lowered model keeps the model's opset unless `opset` asks for another.
     `progress` is told each stage as it starts (the CLI's spinner). `ray` ("" a local Ray, or
     a cluster's address) runs the 8-bit search's trials as Ray actors of `ray_cpus` CPUs each
@@ -478,7 +488,7 @@ def convert(
     settings = Settings(
         precision=profile.precision_of(precision), io_types=io_types, rtol=rtol,
         max_rounds=max_rounds, max_fp32_share=max_fp32_share, min_8bit_share=min_8bit_share,
-        scale_rule=scale_rule, opset=opset, top_k={}, metric=Metric(metric),
+        scale_rule=scale_rule, search=search, opset=opset, top_k={}, metric=Metric(metric),
         verify_with=verify_with, vendor_python=vendor_python, jobs=jobs, streams=streams,
         show_progress=show_progress, ray=ray, ray_cpus=ray_cpus)
     run = _start(model, profile, samples, settings, progress, holdout=holdout, stats=stats,

@@ -244,9 +244,11 @@ def check_output_sets(reference: onnx.ModelProto, lowered: onnx.ModelProto, fmt:
                       emulated: onnx.ModelProto | None = None,
                       top_k: Mapping[str, Decision] | None = None,
                       expected: Sequence[dict[str, np.ndarray]] = (),
-                      emulated_outputs: Sequence[dict[str, np.ndarray]] = ()) -> list[OutputCheck]:
+                      emulated_outputs: Sequence[dict[str, np.ndarray]] = (),
+                      margin: float = 1.0) -> list[OutputCheck]:
     """check_outputs on several sets of samples (calibration, held out) with one session per
-    model: an OutputCheck per set. `expected`: the reference's outputs on the first samples,
+    model: an OutputCheck per set, the top-K decisions also with the error scaled by `margin`
+    (OutputErrors). `expected`: the reference's outputs on the first samples,
     already run (npuprep.verify.compare.compare_models gives them). `emulated_outputs`: an
     emulation's outputs on the first samples, already run: `emulated`'s own, or, without
     `emulated`, the plan's emulation's, which stand for the lowered model's only where its
@@ -282,7 +284,7 @@ def check_output_sets(reference: onnx.ModelProto, lowered: onnx.ModelProto, fmt:
     host = host_scales or {}
     checks, start = [], 0
     for feeds in sample_sets:
-        errors = OutputErrors(top_k=dict(top_k or {}), tie_rtol=rtol)
+        errors = OutputErrors(top_k=dict(top_k or {}), tie_rtol=rtol, margin=margin)
         for r, c in zip(expected[start:start + len(feeds)], got[start:start + len(feeds)], strict=True):
             for name, rv in r.items():
                 if np.issubdtype(np.asarray(rv).dtype, np.floating):

@@ -1,0 +1,98 @@
+"""An 8-bit start that errs under half the gate is kept as it is: no balancing, rounding or
+search (npuprep.pipeline.plain_start); one erring more, or `search="always"`, is searched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper, parser
+
+from npuprep.calibrate import calibrate
+from npuprep.model_io import Model, fingerprint
+from npuprep.pipeline import convert
+from npuprep.pipeline.plain_start import PLAIN_MARGIN
+from npuprep.profiles import load_profile
+from tests.conftest import run_cli
+
+# x -> MatMul(W) -> Relu -> MatMul(V) -> y
+MLP = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[4, 16] x) => (float[4, 8] y) {
+    [mm1] h = MatMul (x, W)
+    a = Relu (h)
+    [mm2] y = MatMul (a, V)
+}
+"""
+
+
+def _model() -> tuple[Model, list[dict[str, np.ndarray]]]:
+    rng = np.random.default_rng(3)
+    proto = parser.parse_model(MLP)
+    proto.graph.initializer.extend([
+        numpy_helper.from_array((rng.standard_normal((16, 32)) * 0.4).astype(np.float32), "W"),
+        numpy_helper.from_array((rng.standard_normal((32, 8)) * 0.4).astype(np.float32), "V")])
+    feeds = [{"x": rng.standard_normal((4, 16)).astype(np.float32)} for _ in range(8)]
+    return Model(proto=proto, path="m.onnx", digest=fingerprint(proto)), feeds
+
+
+def _convert(rtol: float, search: str | None = None):
+    model, feeds = _model()
+    stages: list[str] = []
+    result = convert(model, load_profile("orin"), feeds, precision="int8", rtol=rtol, search=search,
+                     stats=calibrate(model, feeds, detail="all"), progress=stages.append)
+    return result, stages
+
+
+def _nearest(qdq: onnx.ModelProto, weight: str) -> bool:
+    """The INT8 weight `weight` is its FP32 values rounded to nearest at its stored scale."""
+    model, _ = _model()
+    exact = numpy_helper.to_array(next(i for i in model.proto.graph.initializer if i.name == weight))
+    inits = {i.name: numpy_helper.to_array(i) for i in qdq.graph.initializer}
+    dq = next(n for n in qdq.graph.node if n.op_type == "DequantizeLinear"
+              and inits.get(n.input[0]) is not None and inits[n.input[0]].shape == exact.shape)
+    stored, scale = inits[dq.input[0]], inits[dq.input[1]]
+    axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
+    shape = [1] * exact.ndim
+    shape[axis] = -1
+    scale = scale.reshape(shape) if scale.ndim else scale
+    return bool(np.array_equal(stored, np.clip(np.round(exact / scale), -127, 127).astype(stored.dtype)))
+
+
+def test_a_start_under_half_the_gate_is_kept_as_it_is_and_one_past_it_is_searched():
+    kept, stages = _convert(0.05)
+    error = kept.output_check.worst_rel_l2
+    assert 0 < error < PLAIN_MARGIN * 0.05
+    assert any("kept as it is" in n for n in kept.notes)
+    assert not any("rounding" in s for s in stages) and "checking the plain 8-bit start" in stages
+    assert kept.eight_bit.eight_bit_share == 1.0 and len(kept.eight_bit.curve) == 1
+    assert kept.output_check and _nearest(kept.lowered.model, "W") and _nearest(kept.lowered.model, "V")
+    # Either side of the boundary: the same start at a gate it errs just under / over half of.
+    again, _ = _convert(error / PLAIN_MARGIN * 1.02)
+    assert any("kept as it is" in n for n in again.notes)
+    assert again.output_check.worst_rel_l2 == error
+    searched, stages = _convert(error / PLAIN_MARGIN * 0.98)
+    assert not any("kept as it is" in n for n in searched.notes)
+    assert any("rounding" in s for s in stages)
+
+
+def test_search_always_searches_a_start_that_would_be_kept():
+    result, stages = _convert(0.05, search="always")
+    assert not any("kept as it is" in n for n in result.notes)
+    assert "checking the plain 8-bit start" not in stages
+    assert any("rounding" in s for s in stages)
+    assert result.output_check
+
+
+def test_search_on_an_fp16_conversion_is_refused_in_one_line(tmp_path: Path):
+    model, feeds = _model()
+    onnx.save(model.proto, tmp_path / "m.onnx")
+    (tmp_path / "calib").mkdir()
+    for i, f in enumerate(feeds):
+        np.savez(tmp_path / "calib" / f"{i:03d}.npz", **f)
+    done = run_cli("convert", "m.onnx", "--target", "a2000", "--precision", "fp16", "--search",
+                   "always", "--data", "calib", "-o", "out.onnx", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and "--search always" in done.stderr
+    assert not (tmp_path / "out.onnx").exists()
