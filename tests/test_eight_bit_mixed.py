@@ -82,10 +82,15 @@ def test_a_layer_int8_holds_too_coarsely_takes_fp8_before_fp16_and_the_curve_say
     int8, fp8 = _errors(proto, stats, feeds)
     rtol = 0.06
     assert int8 > JUDGE_MARGIN * rtol > fp8  # INT8 misses the aim on this layer, FP8 meets it
-    result = convert(model, load_profile("a2000"), feeds, precision="int8", stats=stats, rtol=rtol)
+    result = convert(model, load_profile("a2000"), feeds, precision="int8", stats=stats, rtol=rtol,
+                     holdout=[{k: -v for k, v in f.items()} for f in feeds[:3]])
     chosen = {x.node: x.precision for x in result.plan.eight_bit}
     assert chosen == {"wide": "fp8_e4m3", "plain": "int8"}
     assert result.eight_bit.kept_wider == () and result.eight_bit.eight_bit_share == 1.0
+    # The note on the layer that took FP8 and the held-out check are each their own.
+    assert any("1 layer(s) int8 could not hold run in fp8_e4m3" in n for n in result.notes)
+    assert result.holdout is not None and result.holdout.samples == 3
+    assert result.to_dict()["holdout"]["samples"] == 3
     assert result.output_check and result.output_check.outputs["y"]["rel_l2"] < JUDGE_MARGIN * rtol
     # The curve: all INT8 first (failing), then the ranking's head in FP8 (passing), at 100%.
     curve = result.eight_bit.curve

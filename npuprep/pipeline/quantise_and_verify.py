@@ -601,8 +601,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         if widening.alternative and other is not None:
             # The search kept may be the INT8 conversion's, whose other format is this one.
             into = {x.node: x.precision for x in layers}.get(widening.alternative[0], other.name)
-            held = other.name if into == eight.name else eight.name
-            notes.append(f"{len(widening.alternative)} layer(s) {held} could not hold run in "
+            lost = other.name if into == eight.name else eight.name
+            notes.append(f"{len(widening.alternative)} layer(s) {lost} could not hold run in "
                          f"{into} ({_cost(widening.alternative, macs):.1%} of the "
                          f"multiply-adds): {profile.name} runs both")
         if widening.needs_more:
