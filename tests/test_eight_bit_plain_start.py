@@ -96,3 +96,25 @@ def test_search_on_an_fp16_conversion_is_refused_in_one_line(tmp_path: Path):
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0 and "--search always" in done.stderr
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_a_check_until_stops_once_an_output_errs_past_its_bound_and_else_runs_every_sample():
+    from npuprep.numerics import get_format
+    from npuprep.verify.output_check import check_output_sets, check_until
+
+    # x -> Mul(1.1) -> y, judged against y = x: every sample errs 10%
+    proto = parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4] x) => (float[4] y) { k = Constant <value = float {1.1}> () y = Mul (x, k) }
+    """)
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal(4).astype(np.float32)} for _ in range(8)]
+    expected = [{"y": f["x"]} for f in feeds]
+    stopped = check_until(proto, feeds, expected, rtol=0.05, stop_past=0.05)
+    # The lower bound over every sample's references passes 0.05 after 2 of the 8 samples.
+    assert stopped.samples < 8 and 0.05 < stopped.worst_rel_l2 < 0.1
+    whole = check_until(proto, feeds, expected, rtol=0.05, stop_past=0.2)
+    assert whole.samples == 8 and abs(whole.worst_rel_l2 - 0.1) < 1e-6
+    same = check_output_sets(proto, proto, get_format("fp32"), [feeds], saturate=False, rtol=0.05,
+                             emulated=proto, expected=expected)[0]
+    assert same.outputs["y"]["rel_l2"] == whole.outputs["y"]["rel_l2"]

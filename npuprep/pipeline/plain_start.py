@@ -26,7 +26,7 @@ from npuprep.numerics import NumberFormat
 from npuprep.pipeline.eight_bit_choice import eight_bit_share
 from npuprep.plan.layer_precision import LayerPrecision
 from npuprep.rewrite.qdq_weights import WeightStore
-from npuprep.verify.output_check import OutputCheck, check_output_sets
+from npuprep.verify.output_check import OutputCheck, check_output_sets, check_until
 from npuprep.verify.output_errors import output_passes
 from npuprep.verify.qdq_model import eight_bit_nodes, on_target, quantise
 from npuprep.verify.qdq_trials import Variant
@@ -41,11 +41,12 @@ def start_check(reference: onnx.ModelProto, base: onnx.ModelProto,
                 variants: Sequence[Variant], wide: NumberFormat, samples: Sequence[Feed], *,
                 pinned: set[str], rtol: float, top_k: Mapping[str, Decision], margin: float,
                 tensor_scales: Mapping[str, float], weights: WeightStore,
-                wide_saturate: bool,
-                expected: Sequence[dict[str, np.ndarray]] = ()) -> OutputCheck:
+                wide_saturate: bool, expected: Sequence[dict[str, np.ndarray]],
+                stop_past: float | None = None) -> OutputCheck:
     """The outputs' check of `layers` each in its 8-bit format (weights rounded to nearest,
     each format's default rule, no bias correction) on `samples`, decisions also at
-    `margin`; `expected`: the reference's outputs on them, where already run."""
+    `margin`, against the reference's `expected` outputs on them. `stop_past` (outputs judged
+    by rel L2 alone): it stops once an output errs past that for sure (check_until)."""
     built = base
     for v in variants:
         nodes = eight_bit_nodes(layers, v.fmt)
@@ -53,9 +54,12 @@ def start_check(reference: onnx.ModelProto, base: onnx.ModelProto,
             built = quantise(built, nodes, stats, v.fmt, saturate=v.saturate, rule=v.rules[0],
                              tensor_scales=tensor_scales, headroom=v.headroom,
                              weights=weights).model
+    emulated = on_target(built, wide, pinned, saturate=wide_saturate)
+    if stop_past is not None and not top_k:
+        return check_until(emulated, samples, expected, rtol=rtol, stop_past=stop_past)
     return check_output_sets(reference, built, wide, [samples], saturate=wide_saturate,
                              rtol=rtol, top_k=top_k, margin=margin, expected=expected,
-                             emulated=on_target(built, wide, pinned, saturate=wide_saturate))[0]
+                             emulated=emulated)[0]
 
 
 def within(check: OutputCheck, rtol: float) -> bool:

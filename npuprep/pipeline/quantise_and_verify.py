@@ -22,6 +22,7 @@ the build runs again from the balanced model with its skewed INT8 inputs centred
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -62,7 +63,7 @@ from npuprep.pipeline.eight_bit_notes import (
     equalised_note,
     lifted_note,
 )
-from npuprep.pipeline.plain_start import plain_note, plain_point, start_check
+from npuprep.pipeline.plain_start import PLAIN_MARGIN, plain_note, plain_point, start_check
 from npuprep.pipeline.result import ConversionResult, EightBitResult, SampleUse
 from npuprep.pipeline.trial_sessions import (
     TrialSessions,
@@ -230,22 +231,26 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     def gate(check: OutputCheck) -> bool:
         return all(output_passes(o, rtol) for o in check.outputs.values())
 
-    def checked(start: Sequence[LayerPrecision]) -> OutputCheck:
+    def checked(start: Sequence[LayerPrecision], stop_past: float) -> OutputCheck:
         return start_check(work.proto, base, start, stats, variants, wide, samples,
                            pinned=pinned, rtol=rtol, top_k=top_k, margin=DECISION_MARGIN,
                            tensor_scales=applied.tensor_scales, weights=weights,
-                           wide_saturate=wide_saturate, expected=expected.on(samples))
+                           wide_saturate=wide_saturate, expected=expected.on(samples),
+                           stop_past=stop_past)
 
     # The plain start (and an FP8 conversion's INT8 one), kept as it is where it errs well
     # within the gate: nothing below runs (npuprep.pipeline.plain_start).
     # An FP8 conversion checks its start anyway: where it meets the aim, its INT8 search does
     # not run (int8_layers).
+    # Each check stops once it fails what it is read for (an FP8 start: the aim).
+    plain_past = PLAIN_MARGIN * rtol if plain_start else math.inf
     starts = []
     if plain_start or int8_start is not None:
         stage("checking the plain 8-bit start")
-        starts.append((layers, checked(layers), eight.name))
+        starts.append((layers, checked(layers, JUDGE_MARGIN * rtol if int8_start is not None
+                                                else plain_past), eight.name))
     if plain_start and int8_start is not None and other is not None:
-        starts.append((int8_start, checked(int8_start), other.name))
+        starts.append((int8_start, checked(int8_start, plain_past), other.name))
     start_macs = _macs(base, stats, samples)
     plain = (plain_point(starts, start_macs, rtol=rtol, min_share=min_8bit_share, passes=judged)
              if plain_start else [])

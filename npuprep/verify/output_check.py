@@ -295,6 +295,46 @@ def check_output_sets(reference: onnx.ModelProto, lowered: onnx.ModelProto, fmt:
     return checks
 
 
+def check_until(emulated: onnx.ModelProto, samples: Sequence[Feed],
+                expected: Sequence[Mapping[str, np.ndarray]], *, rtol: float,
+                stop_past: float) -> OutputCheck:
+    """The outputs' check of `emulated` (every output judged by rel L2) against the reference's
+    `expected` outputs on `samples`, a sample at a time: once an output's squared errors so
+    far over every sample's squared references pass `stop_past` (or it holds Inf/NaN), it
+    stops there, its rel L2 that lower bound (OutputCheck.samples: the samples run)."""
+    from npuprep.calibrate.run import session_threads
+    from npuprep.runtime.session import make_session, release_freed_memory, run_in_streams
+    from npuprep.verify.compare import sample_streams
+    from npuprep.verify.output_errors import OutputErrors, PooledSums, reference_squares
+
+    streams = sample_streams(len(samples))
+    session = make_session(emulated, optimize=folds_weight_casts(emulated), prepack=False,
+                           lean=True, threads=session_threads(streams))
+    types = {i.name: i.type for i in session.get_inputs()}
+    names = [o.name for o in session.get_outputs()]
+    feeds = [{k: _as_input(v, types.get(k, "")) for k, v in feed.items()} for feed in samples]
+    squares = reference_squares(expected)
+    errors, sums = OutputErrors(tie_rtol=rtol), PooledSums()
+    found: OutputCheck | None = None
+    for at, got in enumerate(run_in_streams(session, feeds, names, streams)):
+        want = expected[at]
+        for name, rv in want.items():
+            if np.issubdtype(np.asarray(rv).dtype, np.floating):
+                errors.add(name, rv, np.asarray(got[name], dtype=np.float64))
+        sums.add(got, want)
+        if at + 1 < len(samples) and sums.worst(squares) > stop_past:
+            outputs = errors.result()
+            for name, low in sums.lows(squares).items():
+                outputs[name]["rel_l2"] = low
+            found = OutputCheck(rtol=rtol, samples=at + 1, outputs=outputs)
+            break
+    del session
+    release_freed_memory()
+    if found is not None:  # a failing check is falsy
+        return found
+    return OutputCheck(rtol=rtol, samples=len(samples), outputs=errors.result())
+
+
 def _identical(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> bool:
     """The same outputs, bit for bit (types and shapes too)."""
     def same(x: np.ndarray, y: np.ndarray) -> bool:
