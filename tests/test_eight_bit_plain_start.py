@@ -3,6 +3,7 @@ search (npuprep.pipeline.plain_start); one erring more, or `search="always"`, is
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -118,3 +119,30 @@ def test_a_check_until_stops_once_an_output_errs_past_its_bound_and_else_runs_ev
     same = check_output_sets(proto, proto, get_format("fp32"), [feeds], saturate=False, rtol=0.05,
                              emulated=proto, expected=expected)[0]
     assert same.outputs["y"]["rel_l2"] == whole.outputs["y"]["rel_l2"]
+
+
+def test_the_report_and_the_checklist_say_the_plain_start_was_kept(tmp_path: Path):
+    model, feeds = _model()
+    onnx.save(model.proto, tmp_path / "m.onnx")
+    for folder, part in (("calib", feeds), ("held", [{"x": -f["x"]} for f in feeds[:3]])):
+        (tmp_path / folder).mkdir()
+        for i, f in enumerate(part):
+            np.savez(tmp_path / folder / f"{i:03d}.npz", **f)
+    (tmp_path / "ws").mkdir()
+    for search, name in ((None, "plain"), ("always", "searched")):
+        args = ("--search", search) if search else ()
+        done = run_cli("convert", "m.onnx", "--target", "orin", "--precision", "int8", "--data",
+                       "calib", "--holdout", "held", "-o", f"{name}.onnx", "--report-json",
+                       f"ws/{name}.json", *args, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+        report = json.loads((tmp_path / "ws" / f"{name}.json").read_text())
+        assert report["eight_bit"]["searched"] is (search == "always")
+        (tmp_path / "ws" / f"{name}.json").rename(tmp_path / "ws" / "convert.json")
+        listed = run_cli("checklist", "m.onnx", "--target", "orin", "--workspace", "ws", "--json",
+                         cwd=tmp_path)
+        assert listed.returncode == 0, listed.stderr[-2000:]
+        item = next(i for i in json.loads(listed.stdout)["items"] if i["key"] == "precision")
+        said = " ".join(item["steps"])
+        assert ("kept its plain start" in said) is (search is None)
+        if search is None:
+            assert "--search always" in said and "held out, rel L2" in said

@@ -396,6 +396,15 @@ def _eight_bit(ctx: _Context, decision: Any, converted: tuple[str, dict[str, Any
         if wider else f"every flagged node is in the plan's {fmt} decision; crosscheck the "
         "compiler's report with --plan to see it did the same",
     ]
+    if eight.get("searched") is False:
+        held = (doc.get("holdout") or {}).get("outputs") or {}
+        worst = max((o.get("rel_l2", 0.0) for o in held.values()), default=None)
+        steps.append(
+            "the conversion kept its plain start (every layer at the default scale rule, weights "
+            "rounded to nearest, nothing balanced or searched: it erred under half the gate"
+            + (f"; held out, rel L2 {worst:.3g}" if worst is not None else "") + "): where the "
+            "board's outputs on real inputs come near the gate, convert again with "
+            "`--search always` for more margin")
     offset = (eight.get("zero_points") or {}).get("uint8_with_zero_point", 0)
     if offset and ctx.profile.int8_activations is Int8Activations.UNKNOWN:
         steps.append(

@@ -642,7 +642,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                 rank_runs=widening.rank_runs, curve=tuple(widening.curve), kept_wider_cost=_cost(widened, macs),
                 tensor_rules=dict(tensor_rules), balanced=dict(balanced),
                 input_shapes={k: tuple(v) for k, v in sample_shapes(samples).items()},
-                zero_points=offsets),
+                zero_points=offsets, searched=quick is None),
         )
 
     first = finish(centre=False)

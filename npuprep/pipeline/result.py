@@ -97,6 +97,8 @@ class EightBitResult:
     curve: tuple[CurvePoint, ...] = ()
     # (activations written as uint8 with a zero point, activations quantised)
     zero_points: tuple[int, int] = (0, 0)
+    # False: the plain start was kept as it is (npuprep.pipeline.plain_start), nothing searched
+    searched: bool = True
 
     @property
     def share_met(self) -> bool:
@@ -123,6 +125,7 @@ class EightBitResult:
             "curve": [p.to_dict() for p in self.curve],
             "zero_points": {"uint8_with_zero_point": self.zero_points[0],
                             "activations": self.zero_points[1]},
+            "searched": self.searched,
         }
 
 
