@@ -88,4 +88,4 @@ def plain_note(point: Widening, rtol: float) -> str:
             f"at its format's default scale rule with weights rounded to nearest, errs "
             f"{point.check.worst_rel_l2:.3g} on the calibration samples, under "
             f"{PLAIN_MARGIN:g}x the gate ({rtol:g}): kept as it is, nothing balanced, rounded or "
-            "searched (a smaller --rtol asks for them)")
+            "searched (--search always runs them)")

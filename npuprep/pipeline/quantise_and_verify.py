@@ -14,8 +14,10 @@ above `min_8bit_share`. An FP8 conversion on such a target searches as the INT8 
 does first, then as itself, trying no head that leaves less in 8 bits than a passing INT8
 search (it could not be kept). The search aims at JUDGE_MARGIN x rtol on the calibration samples
 (decisions: held with DECISION_MARGIN x the error): their scales fit them, unseen samples
-err more. The model chosen is then built once and checked, compared layer by layer and held
-out as any conversion is. Where that point keeps under SECOND_START_BELOW in 8 bits or fails,
+err more. Before any of it, the plain start (every layer in 8 bits at the default rule,
+weights at nearest) is kept as it is where it errs under half the gate
+(npuprep.pipeline.plain_start). The model chosen is then built once and checked, compared
+layer by layer and held out as any conversion is. Where that point keeps under SECOND_START_BELOW in 8 bits or fails,
 the build runs again from the balanced model with its skewed INT8 inputs centred
 (npuprep.verify.channel_shift), and the better of the two points is kept.
 """
@@ -147,8 +149,9 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     on `samples` (and `holdout`); scales by `scale_rule`. Its outputs are to hold within
     `rtol` (or the `top_k` decisions) with at least `min_8bit_share` of the Conv/MatMul/Gemm
     multiply-adds in 8 bits. `plain_start`: the start is kept as it is where it errs under
-    PLAIN_MARGIN x `rtol` (npuprep.pipeline.plain_start), else searched anyway. `runner`: where the search's trial runs run (default: this
-    process; npuprep.calibrate.on_ray.SessionsOnRay: Ray actors)."""
+    PLAIN_MARGIN x `rtol` (npuprep.pipeline.plain_start); False: searched anyway. `runner`:
+    where the search's trial runs run (default: this process;
+    npuprep.calibrate.on_ray.SessionsOnRay: Ray actors)."""
     profile, wide = target.profile, target.fmt
     work, stats, plan, flow_notes = planned.model, planned.stats, planned.plan, planned.notes
     model = source
@@ -239,10 +242,9 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                            stop_past=stop_past)
 
     # The plain start (and an FP8 conversion's INT8 one), kept as it is where it errs well
-    # within the gate: nothing below runs (npuprep.pipeline.plain_start).
-    # An FP8 conversion checks its start anyway: where it meets the aim, its INT8 search does
-    # not run (int8_layers).
-    # Each check stops once it fails what it is read for (an FP8 start: the aim).
+    # within the gate: nothing below runs (npuprep.pipeline.plain_start). An FP8 conversion
+    # checks its start anyway (where it meets the aim its INT8 search does not run), so each
+    # check stops once it fails what it is read for: the FP8 start the aim, the rest the margin.
     plain_past = PLAIN_MARGIN * rtol if plain_start else math.inf
     starts = []
     if plain_start or int8_start is not None:
@@ -327,9 +329,10 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     def pins(chosen: Sequence[LayerPrecision]) -> set[str]:
         return pinned | {x.node for x in chosen if x.precision == "fp32"}
 
-    def searched(base: onnx.ModelProto, stats: CalibrationStats, layers: Sequence[LayerPrecision],
-               notes: list[str], centred_means: dict[str, np.ndarray], macs: Mapping[str, int],
-               centre: bool) -> Searched:
+    def searched(base: onnx.ModelProto, stats: CalibrationStats,
+                 layers: Sequence[LayerPrecision], notes: list[str],
+                 centred_means: dict[str, np.ndarray], macs: Mapping[str, int],
+                 centre: bool) -> Searched:
         """The 8-bit point of the balanced (and centred) model: its weights rounded, its rules
         and bias corrections chosen, its layers ranked and widened by trials; notes appended."""
 
