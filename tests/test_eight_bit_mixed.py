@@ -144,6 +144,53 @@ def test_an_fp8_conversion_keeps_at_least_as_much_in_8_bits_as_the_int8_conversi
     assert fp8.output_check.worst_rel_l2 == pytest.approx(curve[-1].rel_l2, rel=1e-4)
 
 
+def test_fp8s_own_search_is_skipped_where_its_start_errs_more_than_a_passing_int8_search():
+    # The INT8 conversion's search meets its aim at 100% from a start erring less than all-FP8
+    # (0.034 at rtol 0.04): the FP8 search is not run, and its start is the only FP8 point.
+    model, feeds, stats = _apart()
+    a2000 = load_profile("a2000")
+    stages: list[str] = []
+    fp8 = convert(model, a2000, feeds, precision="fp8_e4m3", stats=stats, rtol=0.04,
+                  progress=stages.append)
+    assert fp8 and fp8.eight_bit.eight_bit_share == 1.0
+    assert any("fp8_e4m3's own search not run" in n for n in fp8.notes)
+    assert "quantising to fp8_e4m3" not in stages
+    assert [p.to for p in fp8.eight_bit.curve].count("fp8_e4m3") == 1
+    # --search always runs it, and keeps the same point.
+    stages.clear()
+    always = convert(model, a2000, feeds, precision="fp8_e4m3", stats=stats, rtol=0.04,
+                     search="always", progress=stages.append)
+    assert "quantising to fp8_e4m3" in stages
+    assert not any("own search not run" in n for n in always.notes)
+    assert always.plan.eight_bit == fp8.plan.eight_bit
+
+
+def test_fp8s_own_search_runs_where_the_int8_search_misses_its_aim_or_fp8_errs_less():
+    from npuprep.pipeline.eight_bit_choice import fp8_search_skipped
+    from npuprep.verify.output_check import OutputCheck
+    from npuprep.verify.widening import CurvePoint, Widening
+
+    def check(rel_l2: float) -> OutputCheck:
+        return OutputCheck(rtol=0.05, samples=4, outputs={"y": {"rel_l2": rel_l2, "nonfinite": 0}})
+
+    def judged(c: OutputCheck) -> bool:
+        return c.worst_rel_l2 <= 0.04
+
+    def int8_search(start: float, point: float) -> Widening:
+        return Widening([], check(point), curve=[CurvePoint(0, "int8", 1.0, start, False)])
+
+    a2000, int8, fp8 = load_profile("a2000"), eight_bit_format("int8"), eight_bit_format("fp8_e4m3")
+    assert fp8_search_skipped(int8_search(0.10, 0.03), check(0.12), judged, a2000, fp8, int8)
+    # FP8's start errs less: its search may pass with more in 8 bits.
+    assert not fp8_search_skipped(int8_search(0.10, 0.03), check(0.08), judged, a2000, fp8, int8)
+    # The INT8 search missed its aim: FP8's may meet it.
+    assert not fp8_search_skipped(int8_search(0.10, 0.045), check(0.12), judged, a2000, fp8, int8)
+    fast_fp8 = replace(a2000, throughput=replace(
+        a2000.throughput, peak_tflops={**a2000.throughput.peak_tflops, "fp8_e4m3": 200.0,
+                                       "int8": 100.0}))
+    assert not fp8_search_skipped(int8_search(0.10, 0.03), check(0.12), judged, fast_fp8, fp8, int8)
+
+
 def test_at_the_same_8_bit_share_the_lower_error_is_kept_unless_the_ledger_makes_fp8_cheaper():
     # At rtol 0.05 all-FP8 passes (0.034 under 0.04) and so does the INT8 conversion's start
     # (0.028): both 100% 8-bit. The A2000's ledger assumes INT8 and FP8 alike (2x-32x FP32's

@@ -13,7 +13,8 @@ from onnx import numpy_helper, parser
 from npuprep.calibrate import calibrate
 from npuprep.model_io import Model, fingerprint
 from npuprep.pipeline import convert
-from npuprep.pipeline.plain_start import PLAIN_MARGIN
+from npuprep.pipeline.plain_start import PLAIN_MARGIN, PLAIN_NEAR, PLAIN_SHARE
+from npuprep.pipeline.quantise_and_verify import JUDGE_MARGIN
 from npuprep.profiles import load_profile
 from tests.conftest import run_cli
 
@@ -46,10 +47,11 @@ def _convert(rtol: float, search: str | None = None):
     return result, stages
 
 
-def _nearest(qdq: onnx.ModelProto, weight: str) -> bool:
-    """The INT8 weight `weight` is its FP32 values rounded to nearest at its stored scale."""
-    model, _ = _model()
-    exact = numpy_helper.to_array(next(i for i in model.proto.graph.initializer if i.name == weight))
+def _nearest(qdq: onnx.ModelProto, weight: str, source: onnx.ModelProto | None = None) -> bool:
+    """The INT8 weight `weight` (of `source`, else the MLP) is its FP32 values rounded to
+    nearest at its stored scale."""
+    source = source or _model()[0].proto
+    exact = numpy_helper.to_array(next(i for i in source.graph.initializer if i.name == weight))
     inits = {i.name: numpy_helper.to_array(i) for i in qdq.graph.initializer}
     dq = next(n for n in qdq.graph.node if n.op_type == "DequantizeLinear"
               and inits.get(n.input[0]) is not None and inits[n.input[0]].shape == exact.shape)
@@ -146,3 +148,80 @@ def test_the_report_and_the_checklist_say_the_plain_start_was_kept(tmp_path: Pat
         assert ("kept its plain start" in said) is (search is None)
         if search is None:
             assert "--search always" in said and "held out, rel L2" in said
+
+
+# x -> MatMul(W) [big] -+-> Add -> y
+# z -> MatMul(V) [small]-+         (z: one channel at +-100, the rest ~N(0,1): INT8 rounds them coarsely)
+TWO_BRANCHES = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[4, 256] x, float[4, 4] z) => (float[4, 64] y) {
+    [big] b = MatMul (x, W)
+    [small] s = MatMul (z, V)
+    y = Add (b, s)
+}
+"""
+
+
+def _two_branches(small_weight: float) -> tuple[Model, list[dict[str, np.ndarray]]]:
+    """`small` holds 1.5% of the multiply-adds; its input's loud channel sets INT8's scale, so
+    the quiet ones (which `small_weight` makes count) lose most of their bits."""
+    rng = np.random.default_rng(5)
+    proto = parser.parse_model(TWO_BRANCHES)
+    v = (rng.standard_normal((4, 64)) * small_weight).astype(np.float32)
+    v[0] *= 0.001
+    proto.graph.initializer.extend([
+        numpy_helper.from_array((rng.standard_normal((256, 64)) * 0.1).astype(np.float32), "W"),
+        numpy_helper.from_array(v, "V")])
+    feeds = []
+    for _ in range(8):
+        z = rng.standard_normal((4, 4)).astype(np.float32)
+        z[:, 0] = 100.0 * np.sign(rng.standard_normal(4))
+        feeds.append({"x": rng.standard_normal((4, 256)).astype(np.float32), "z": z})
+    return Model(proto=proto, path="m.onnx", digest=fingerprint(proto)), feeds
+
+
+def _convert_branches(small_weight: float, target: str = "orin", search: str | None = None):
+    model, feeds = _two_branches(small_weight)
+    stages: list[str] = []
+    result = convert(model, load_profile(target), feeds, precision="int8", rtol=0.05,
+                     search=search, stats=calibrate(model, feeds, detail="all"),
+                     progress=stages.append)
+    return result, stages
+
+
+def test_a_start_near_the_gate_is_widened_plain_and_kept_where_it_errs_under_half_the_gate():
+    result, stages = _convert_branches(0.17)
+    # The plain start errs past the search's aim (0.8 x 0.05) but within PLAIN_NEAR x the gate.
+    start = result.eight_bit.curve[0]
+    assert JUDGE_MARGIN * 0.05 < start.rel_l2 < PLAIN_NEAR * 0.05 and start.share == 1.0
+    assert any("of the plain start" in s for s in stages)
+    assert not any("rounding" in s or "balancing" in s for s in stages)
+    assert result.eight_bit.searched is False and result.eight_bit.kept_wider == ("small",)
+    assert PLAIN_SHARE <= result.eight_bit.eight_bit_share < 1.0
+    # The model written is that point: its outputs under half the gate, weights at nearest.
+    assert result.output_check and result.output_check.worst_rel_l2 < PLAIN_MARGIN * 0.05
+    assert _nearest(result.lowered.model, "W", _two_branches(0.17)[0].proto)
+    assert any("but 1 layer(s) kept wider (small)" in n for n in result.notes)
+    # --search always treats it instead: balanced, every layer in INT8 within the gate.
+    searched, stages = _convert_branches(0.17, search="always")
+    assert searched.eight_bit.searched is True and any("balancing" in s for s in stages)
+    assert searched.output_check
+
+
+def test_a_start_too_far_from_the_gate_is_not_widened_plain():
+    result, stages = _convert_branches(1.0)
+    assert not any("of the plain start" in s for s in stages)
+    assert result.eight_bit.searched is True and any("balancing" in s for s in stages)
+    assert result.output_check
+
+
+def test_a_plain_widening_that_needs_more_than_its_share_gives_way_to_the_search():
+    # At --min-8bit-share 0.99 the plain point (98.5% in 8 bits) may not be kept.
+    model, feeds = _two_branches(0.17)
+    stages: list[str] = []
+    result = convert(model, load_profile("orin"), feeds, precision="int8", rtol=0.05,
+                     min_8bit_share=0.99, stats=calibrate(model, feeds, detail="all"),
+                     progress=stages.append)
+    assert any("of the plain start" in s for s in stages)
+    assert any("balancing" in s for s in stages) and result.eight_bit.searched is True
+    assert result.eight_bit.eight_bit_share >= 0.99 and result.output_check

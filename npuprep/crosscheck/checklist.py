@@ -399,9 +399,12 @@ def _eight_bit(ctx: _Context, decision: Any, converted: tuple[str, dict[str, Any
     if eight.get("searched") is False:
         held = (doc.get("holdout") or {}).get("outputs") or {}
         worst = max((o.get("rel_l2", 0.0) for o in held.values()), default=None)
+        wider = len(eight.get("kept_wider") or ())
         steps.append(
             "the conversion kept its plain start (every layer at the default scale rule, weights "
-            "rounded to nearest, nothing balanced or searched: it erred under half the gate"
+            "rounded to nearest, nothing balanced or searched"
+            + (f"; {wider} layer(s) kept wider by its own ranking" if wider else "")
+            + ": it erred under half the gate"
             + (f"; held out, rel L2 {worst:.3g}" if worst is not None else "") + "): where the "
             "board's outputs on real inputs come near the gate, convert again with "
             "`--search always` for more margin")

@@ -107,6 +107,18 @@ def better_search(asked: Widening, as_int8: Widening, profile: TargetProfile,
                    rank_runs=asked.rank_runs + as_int8.rank_runs), said
 
 
+def fp8_search_skipped(as_int8: Widening, fp8_start: OutputCheck,
+                       judged: Callable[[OutputCheck], bool], profile: TargetProfile,
+                       fp8: EightBitFormat, int8: EightBitFormat) -> bool:
+    """An FP8 conversion's own search is not run where the INT8 conversion's search met its aim
+    and the FP8 start (every layer in FP8, on the same trials) errs more than the INT8 one, on a
+    target whose ledger does not make FP8 cheaper: better_search keeps it only where it passes
+    with more in 8 bits, which no search from a start erring more did on the corpus (basic_pitch,
+    ppocr_det, ddddocr_det, minilm, ppocr_rec: INT8's kept)."""
+    return (judged(as_int8.check) and not fp8_cheaper(profile, fp8, int8)
+            and bool(as_int8.curve) and fp8_start.worst_rel_l2 > as_int8.curve[0].rel_l2)
+
+
 def weak(result: ConversionResult) -> bool:
     """A point worth a second search with the skewed inputs centred: failing the gate, or
     under SECOND_START_BELOW in 8 bits."""

@@ -1,7 +1,9 @@
-"""The plain start, kept as it is where it errs well within the gate.
+"""The plain start, kept as it is where it errs well within the gate, or widened plain.
 
     every decided layer 8-bit, default rule, weights at nearest -> within PLAIN_MARGIN x rtol?
-        -> kept (no balancing, rounding or search), else the search
+        -> kept (no balancing, rounding or search); within PLAIN_NEAR x rtol? -> its ranking's
+        heads kept wider while PLAIN_SHARE stays 8-bit -> within PLAIN_MARGIN x rtol? -> kept;
+        else the search
 
 The 8-bit search's stages (outlier and Conv balancing, equalisation, weight rounding, the
 rule choice, bias correction) cost tens to hundreds of trial runs. Where the start they would
@@ -9,7 +11,9 @@ improve already errs under half the gate on the calibration samples, they buy ma
 conversion does not need, at 5x its time (convnext_t INT8: 136 CPU s with them, its plain
 start 0.023 / 0.029 held out in ~20). The search aims at JUDGE_MARGIN x rtol; a start kept
 untreated aims lower, as unseen samples err more on a model nothing was fitted to (face_landmark
-INT8: 0.023 on calibration, 0.044 held out).
+INT8: 0.023 on calibration, 0.044 held out). A start a little past the gate often errs in one or
+two layers: the plain start's own ranking, its heads kept wider (or in the target's other 8-bit
+format), costs a ranking and a few checks where the treatments cost hundreds of runs.
 """
 
 from __future__ import annotations
@@ -22,18 +26,27 @@ import onnx
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
 from npuprep.detections import Decision
-from npuprep.numerics import NumberFormat
+from npuprep.numerics import EightBitFormat, NumberFormat
 from npuprep.pipeline.eight_bit_choice import eight_bit_share
+from npuprep.pipeline.trial_sessions import TrialSessions, assigned_formats
 from npuprep.plan.layer_precision import LayerPrecision
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.verify.output_check import OutputCheck, check_output_sets, check_until
 from npuprep.verify.output_errors import output_passes
-from npuprep.verify.qdq_model import eight_bit_nodes, on_target, quantise
-from npuprep.verify.qdq_trials import Variant
-from npuprep.verify.widening import CurvePoint, Widening
+from npuprep.verify.qdq_model import Sensitivity, eight_bit_nodes, on_target, quantise
+from npuprep.verify.qdq_trials import Variant, leave_one_out, rank_layers
+from npuprep.verify.widening import CurvePoint, Widening, widen_by_ranking
 
 # The share of rtol under which the plain start is kept as it is (the search aims at 0.8).
 PLAIN_MARGIN = 0.5
+# A start within this x rtol (a decided output: its decisions held, not at the margin), short
+# of the search's aim, is widened plain before anything is treated (ddddocr_ocr INT8: texts held,
+# 99.3% in 9 CPU s where the search took 32). Not one past the gate: unet_tiny INT8 (0.055) spent
+# 44 CPU s ranking and widening its plain start, and 2% of its multiply-adds did not hold it ...
+PLAIN_NEAR = 1.0
+# ... its heads keeping at least this share of the multiply-adds in 8 bits: the treatments
+# (--search always) may keep more, so the plain point is kept only within this of all.
+PLAIN_SHARE = 0.98
 
 
 def start_check(reference: onnx.ModelProto, base: onnx.ModelProto,
@@ -67,6 +80,12 @@ def within(check: OutputCheck, rtol: float) -> bool:
     return all(output_passes(o, rtol, at_margin=True) for o in check.outputs.values())
 
 
+def near(check: OutputCheck, rtol: float) -> bool:
+    """A start worth widening plain: every output within PLAIN_NEAR x `rtol` (decided
+    outputs: their decisions held)."""
+    return all(output_passes(o, PLAIN_NEAR * rtol) for o in check.outputs.values())
+
+
 def plain_point(starts: Sequence[tuple[Sequence[LayerPrecision], OutputCheck, str]],
                 macs: Mapping[str, int], *, rtol: float, min_share: float,
                 passes: Callable[[OutputCheck], bool]) -> list[Widening]:
@@ -82,10 +101,62 @@ def plain_point(starts: Sequence[tuple[Sequence[LayerPrecision], OutputCheck, st
     return kept
 
 
-def plain_note(point: Widening, rtol: float) -> str:
-    """What keeping the plain start means, in a note."""
-    return (f"every 8-bit layer at its start ({point.curve[0].share:.1%} of the multiply-adds), "
-            f"at its format's default scale rule with weights rounded to nearest, errs "
-            f"{point.check.worst_rel_l2:.3g} on the calibration samples, under "
-            f"{PLAIN_MARGIN:g}x the gate ({rtol:g}): kept as it is, nothing balanced, rounded or "
-            "searched (--search always runs them)")
+def plain_search(sessions: TrialSessions, start: Sequence[LayerPrecision], check: OutputCheck,
+                 fmt: EightBitFormat, alternative: EightBitFormat | None,
+                 macs: Mapping[str, int], *, rtol: float, min_share: float,
+                 top_k: Mapping[str, Decision], margin: float,
+                 stage: Callable[[str], None]) -> tuple[Widening | None, int]:
+    """The plain `start` (its `check`, near the gate) widened by its own ranking in
+    `sessions` (built on the untreated model, each format's default rule, weights at nearest,
+    no bias correction), its heads first in the `alternative` format, while PLAIN_SHARE
+    (or `min_share`) of the multiply-adds stays in 8 bits; decisions checked also at
+    `margin`. The point where it errs within PLAIN_MARGIN x `rtol` (else None), and the
+    trial runs it took; `sessions` closed."""
+    aim, floor = PLAIN_MARGIN * rtol, max(min_share, PLAIN_SHARE)
+    total = sum(macs.values()) or 1
+    ranked_from: dict[str, str] = {}
+
+    def trial(chosen: Sequence[LayerPrecision], stop_past: float | None = None) -> OutputCheck:
+        return sessions.checks().check(assigned_formats(chosen), {}, rtol=rtol, top_k=top_k,
+                                       margin=margin, stop_past=stop_past)
+
+    def rank(nodes: list[str], chosen: list[LayerPrecision]) -> list[Sensitivity]:
+        # On the session of each layer's own format alone (fewer switches a run than checks').
+        stage(f"ranking {len(nodes)} {fmt.name} layer(s) of the plain start by their own error")
+        ranked_from.update(assigned_formats(chosen))
+        ranked = rank_layers(sessions.ranking(), nodes, ranked_from, {})
+        stage(f"trying the heads of the plain start's ranking ({len(nodes)} layer(s))")
+        return ranked
+
+    def passes(c: OutputCheck) -> bool:
+        return within(c, aim)
+
+    def stopping(c: Sequence[LayerPrecision]) -> OutputCheck:
+        return trial(c, stop_past=aim)
+
+    widening = widen_by_ranking(
+        start, fmt, check, rank=rank, trial=trial, judged=passes,
+        share=lambda c: eight_bit_share(c, macs), cost=lambda n: macs.get(n, 0) / total,
+        min_share=floor, alternative=alternative.name if alternative else None,
+        leave_out=lambda nodes: leave_one_out(sessions.ranking(), nodes, ranked_from, {}),
+        stopping=stopping, aim=None if top_k else aim, failing=None if top_k else stopping)
+    sessions.close()
+    kept = passes(widening.check) and eight_bit_share(widening.layers, macs) >= floor
+    return (widening if kept else None), sessions.runs
+
+
+def plain_note(point: Widening, rtol: float, share: float) -> str:
+    """What keeping the plain start (or its plain widening, `share` of the multiply-adds in
+    8 bits) means, in a note."""
+    wider = (f", but {len(point.widened)} layer(s) kept wider ({', '.join(point.widened[:3])}"
+             f"{' ...' if len(point.widened) > 3 else ''})" if point.widened else "")
+    moved = (f", {len(point.alternative)} in the other 8-bit format" if point.alternative
+             else "")
+    worst, gate = point.check.worst_rel_l2, f"{PLAIN_MARGIN:g}x the gate ({rtol:g})"
+    held = (f"errs {worst:.3g} on the calibration samples, under {gate}"
+            if worst <= PLAIN_MARGIN * rtol else
+            f"holds its decisions on the calibration samples at the search's margin (rel L2 "
+            f"{worst:.3g}; any output judged by rel L2 alone errs under {gate})")
+    return (f"every 8-bit layer at its start{wider}{moved} ({share:.1%} of the multiply-adds), "
+            f"at its format's default scale rule with weights rounded to nearest, {held}: kept "
+            "as it is, nothing balanced, rounded or searched (--search always runs them)")

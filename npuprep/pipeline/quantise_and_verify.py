@@ -15,8 +15,8 @@ does first, then as itself, trying no head that leaves less in 8 bits than a pas
 search (it could not be kept). The search aims at JUDGE_MARGIN x rtol on the calibration samples
 (decisions: held with DECISION_MARGIN x the error): their scales fit them, unseen samples
 err more. Before any of it, the plain start (every layer in 8 bits at the default rule,
-weights at nearest) is kept as it is where it errs under half the gate
-(npuprep.pipeline.plain_start). The model chosen is then built once and checked, compared
+weights at nearest) is kept as it is where it errs under half the gate, or widened by its own
+ranking where it is near the gate (npuprep.pipeline.plain_start). The model chosen is then built once and checked, compared
 layer by layer and held out as any conversion is. Where that point keeps under SECOND_START_BELOW in 8 bits or fails,
 the build runs again from the balanced model with its skewed INT8 inputs centred
 (npuprep.verify.channel_shift), and the better of the two points is kept.
@@ -49,6 +49,7 @@ from npuprep.pipeline.eight_bit_choice import (
     SHARE_TIE,
     better_search,
     eight_bit_share,
+    fp8_search_skipped,
     mac_share,
     one_of,
     point_said,
@@ -65,17 +66,26 @@ from npuprep.pipeline.eight_bit_notes import (
     equalised_note,
     lifted_note,
 )
-from npuprep.pipeline.plain_start import PLAIN_MARGIN, plain_note, plain_point, start_check
+from npuprep.pipeline.plain_start import (
+    PLAIN_MARGIN,
+    PLAIN_NEAR,
+    near,
+    plain_note,
+    plain_point,
+    plain_search,
+    start_check,
+)
 from npuprep.pipeline.result import ConversionResult, EightBitResult, SampleUse
 from npuprep.pipeline.trial_sessions import (
     TrialSessions,
     assigned_formats,
+    decision_score,
     input_means,
     round_weights,
 )
 from npuprep.plan.decide import Planned
 from npuprep.plan.depthwise_wide import depthwise_wide_start
-from npuprep.plan.layer_precision import LayerPrecision, decide
+from npuprep.plan.layer_precision import LayerPrecision, decided_with, int8_start_of
 from npuprep.profiles import ResolvedTarget, TargetProfile
 from npuprep.provenance import record_source
 from npuprep.rewrite.apply import apply_plan
@@ -86,7 +96,6 @@ from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.channel_shift import centre_skewed_inputs
 from npuprep.verify.compare import DEFAULT_ATOL, compare_models
-from npuprep.verify.decision_margin import decision_error
 from npuprep.verify.input_split import Splits, planned_splits, split_wide_inputs
 from npuprep.verify.output_check import OutputCheck, check_output_sets
 from npuprep.verify.output_errors import output_passes, rule_said
@@ -148,8 +157,10 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     """`planned` (planned for `target`, the wider format) as a QDQ model in `eight`, verified
     on `samples` (and `holdout`); scales by `scale_rule`. Its outputs are to hold within
     `rtol` (or the `top_k` decisions) with at least `min_8bit_share` of the Conv/MatMul/Gemm
-    multiply-adds in 8 bits. `plain_start`: the start is kept as it is where it errs under
-    PLAIN_MARGIN x `rtol` (npuprep.pipeline.plain_start); False: searched anyway. `runner`:
+    multiply-adds in 8 bits. `plain_start`: the start is kept as it is (or widened plain) where
+    it errs under PLAIN_MARGIN x `rtol` (npuprep.pipeline.plain_start), and an FP8 conversion's
+    own search skipped where fp8_search_skipped says; False: both searched anyway.
+    `runner`:
     where the search's trial runs run (default: this process;
     npuprep.calibrate.on_ray.SessionsOnRay: Ray actors)."""
     profile, wide = target.profile, target.fmt
@@ -171,12 +182,12 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     # model's 8-bit (and balanced) weights in a scratch file, as FP16 convert lowers them.
     weights = WeightStore(WeightScratch() if weight_bytes(base) >= lower_and_verify.SCRATCH_BYTES
                           else None)
-    layers = plan.eight_bit or _decided(base, stats, eight, other if mixed else None, pinned,
+    layers = plan.eight_bit or decided_with(base, stats, eight, other if mixed else None, pinned,
                                         ScaleRule(scale_rule))
     # An FP8 conversion on a target that runs INT8 too also searches as the INT8 conversion
     # does (its decisions, rules and ranking), and keeps the better of the two
     # (better_search): every layer of it may be INT8, so it never keeps less in 8 bits.
-    int8_start = (_int8_start(layers, _decided(base, stats, other, eight, pinned,
+    int8_start = (int8_start_of(layers, decided_with(base, stats, other, eight, pinned,
                                                ScaleRule(scale_rule)))
                   if mixed and other is not None and eight.is_float and not plan.eight_bit
                   else None)
@@ -217,6 +228,16 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     # The reference's outputs, run once for every measurement and trial session below.
     expected = ReferenceOutputs(work.proto, samples)
 
+    def sessions_of(base: onnx.ModelProto, stats: CalibrationStats,
+                    layers: Sequence[LayerPrecision], means: Mapping[str, Any], aim: float,
+                    centred_means: Mapping[str, np.ndarray]) -> TrialSessions:
+        return TrialSessions(
+            work.proto, base, layers, stats, variants, wide, samples, saturate=wide_saturate,
+            kept_wider=pinned | {x.node for x in layers if x.precision == "fp32"},
+            tensor_scales=applied.tensor_scales, weights=weights, means=means, runner=runner,
+            score=decision_score(top_k, aim, rtol, DECISION_MARGIN), expected=expected.on(samples),
+            centred_means=centred_means)
+
     def measure(model: onnx.ModelProto, stats: CalibrationStats, groups: list[list[str]],
                 on: Sequence[Feed], bounds: Sequence[float] | None,
                 centred_means: Mapping[str, np.ndarray] | None = None,
@@ -245,12 +266,12 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     # within the gate: nothing below runs (npuprep.pipeline.plain_start). An FP8 conversion
     # checks its start anyway (where it meets the aim its INT8 search does not run), so each
     # check stops once it fails what it is read for: the FP8 start the aim, the rest the margin.
-    plain_past = PLAIN_MARGIN * rtol if plain_start else math.inf
+    plain_past = PLAIN_NEAR * rtol if plain_start else math.inf
     starts = []
     if plain_start or int8_start is not None:
         stage("checking the plain 8-bit start")
-        starts.append((layers, checked(layers, JUDGE_MARGIN * rtol if int8_start is not None
-                                                else plain_past), eight.name))
+        starts.append((layers, checked(layers, plain_past if plain_start else JUDGE_MARGIN * rtol),
+                       eight.name))
     if plain_start and int8_start is not None and other is not None:
         starts.append((int8_start, checked(int8_start, plain_past), other.name))
     start_macs = _macs(base, stats, samples)
@@ -261,6 +282,19 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         quick, said = better_search(plain[0], plain[1], profile, judged, gate, start_macs,
                                     eight, other)
         notes.append(said)
+    plain_runs = len(starts)
+    # A start near the gate, short of the search's aim (one that meets it is kept at its share
+    # by the search), is widened plain first: its ranking's heads, before any treatment.
+    widen_from = (next((x for x in starts if near(x[1], rtol)), None)
+                  if quick is None and not any(judged(c) for _, c, _ in starts) else None)
+    if plain_start and widen_from is not None:
+        fmt = other if other is not None and widen_from[2] == other.name else eight
+        quick, runs = plain_search(
+            sessions_of(base, stats, widen_from[0], {}, PLAIN_MARGIN * rtol, {}), widen_from[0],
+            widen_from[1], fmt, (other if fmt is eight else eight) if mixed else None,
+            start_macs, rtol=rtol, min_share=min_8bit_share, top_k=top_k,
+            margin=DECISION_MARGIN, stage=stage)
+        plain_runs += runs
     # The INT8 layers: the INT8 conversion's, or those of an FP8 conversion's INT8 search
     # (balanced as the INT8 conversion balances them, so that search is the INT8 one), where
     # that search runs: not where the FP8 start passes (ppocr_cls: its FP8 layers reading
@@ -356,12 +390,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         # correction is kept by its gain on samples it was not fitted to (dnsmos_p835 FP8: fitted
         # on all and measured on four of them it was kept, and its held-out error doubled).
         means = input_means(base, list(assigned_formats(layers)), samples[TRIAL_SAMPLES:] or samples)
-        sessions = TrialSessions(
-            work.proto, base, layers, stats, variants, wide, samples, saturate=wide_saturate,
-            kept_wider=pinned | {x.node for x in layers if x.precision == "fp32"},
-            tensor_scales=applied.tensor_scales, weights=weights, means=means, runner=runner,
-            score=_decision_score(top_k, JUDGE_MARGIN * rtol, rtol), expected=expected.on(samples),
-            centred_means=centred_means)
+        sessions = sessions_of(base, stats, layers, means, JUDGE_MARGIN * rtol, centred_means)
         if top_k:
             judged_by = ", ".join(f"{name} ({rule_said(k)})" for name, k in top_k.items())
             notes.append(f"the search ranks layers and compares trials by the share of each decided "
@@ -483,9 +512,22 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                     as_int8 = one_of(as_int8, plain, uncorrected)
                 floor = (eight_bit_share(as_int8.layers, macs) - SHARE_TIE
                          if judged(as_int8.check) else min_8bit_share)
-                stage(f"quantising to {eight.name}")
-                widening = search_from(layers, eight, other, check=start_check,
-                                       min_share=max(min_8bit_share, floor))
+                if plain_start and fp8_search_skipped(as_int8, start_check, judged, profile,
+                                                      eight, other):
+                    # FP8's own search would have to pass with more in 8 bits from a start that
+                    # errs more (basic_pitch FP8: 12 of 53 CPU s, 94.6% failing beside 94.5%).
+                    widening = Widening(list(layers), start_check, curve=[CurvePoint(
+                        0, eight.name, eight_bit_share(layers, macs), start_check.worst_rel_l2,
+                        judged(start_check))])
+                    notes.append(f"{eight.name}'s own search not run: its start errs "
+                                 f"{start_check.worst_rel_l2:.3g}, more than the {other.name} "
+                                 f"conversion's ({as_int8.curve[0].rel_l2:.3g}), whose search met "
+                                 f"its aim; {profile.name}'s ledger does not make {eight.name} "
+                                 f"cheaper (--search always runs it)")
+                else:
+                    stage(f"quantising to {eight.name}")
+                    widening = search_from(layers, eight, other, check=start_check,
+                                           min_share=max(min_8bit_share, floor))
             widening, said = better_search(widening, as_int8, profile, judged, gate, macs, eight,
                                             other)
             notes.append(said)
@@ -529,7 +571,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
             # After the balancing: each centre is in the units of the input its layer reads.
             stage("centring skewed INT8 layer inputs' channels")
             assert int8 is not None
-            score = _decision_score(top_k, JUDGE_MARGIN * rtol, rtol)
+            score = decision_score(top_k, JUDGE_MARGIN * rtol, rtol, DECISION_MARGIN)
 
             def whole(model: onnx.ModelProto, stats: CalibrationStats, on: Sequence[Feed],
                       means: Mapping[str, np.ndarray]) -> float:
@@ -545,8 +587,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         macs = _macs(base, stats, samples)
         notes += body_note(base, macs) + recurrent_note(base, macs, sample_shapes(samples))
         if quick is not None:
-            notes.append(plain_note(quick, rtol))
-            found = Searched(quick, {}, set(), {}, len(starts), expected.on(samples))
+            notes.append(plain_note(quick, rtol, eight_bit_share(quick.layers, macs)))
+            found = Searched(quick, {}, set(), {}, plain_runs, expected.on(samples))
         else:
             found = searched(base, stats, layers, notes, centred_means, macs, centre)
         widening, tensor_rules, trial_runs = found.widening, found.tensor_rules, found.runs
@@ -693,19 +735,6 @@ def _stack(into: dict[str, np.ndarray], more: Mapping[str, np.ndarray]) -> None:
         into[name] = into[name] * factor if name in into else factor
 
 
-def _decision_score(top_k: Mapping[str, Decision], aim: float, rtol: float) -> TrialScore | None:
-    """The search's error where outputs are judged by their decisions (in the gate's units:
-    npuprep.verify.decision_margin); None where every output is judged by rel L2."""
-    if not top_k:
-        return None
-
-    def score(got: Sequence[Mapping[str, np.ndarray]],
-              expected: Sequence[Mapping[str, np.ndarray]]) -> float:
-        return decision_error(got, expected, top_k=top_k, aim=aim, margin=DECISION_MARGIN,
-                              tie_rtol=rtol)
-    return score
-
-
 def _macs(model: Any, stats: CalibrationStats, samples: Sequence[Feed]) -> dict[str, int]:
     """Multiply-adds (FLOPs / 2) of every Conv/MatMul/Gemm, at the first sample's sizes; a
     Loop/Scan/If body's layer as often as calibration saw it run (npuprep.calibrate.layer_macs)."""
@@ -740,31 +769,6 @@ def _variant(profile: TargetProfile, fmt: EightBitFormat,
         notes.append(f"{fmt.name} scales keep {headroom:g}x headroom over the abs-max: "
                      f"{profile.name} may give NaN past 448")
     return Variant(fmt, (rule,), saturate, headroom), notes
-
-
-def _decided(model: onnx.ModelProto, stats: CalibrationStats, eight: EightBitFormat,
-             other: EightBitFormat | None, pinned: set[str],
-             rule: ScaleRule) -> tuple[LayerPrecision, ...]:
-    """Each node's 8-bit decision in `eight`; with the target's `other` 8-bit format, a
-    layer whose input `eight` cannot hold (INT8's one scale flushing a tensor that spans
-    decades) takes `other` where that holds it."""
-    layers = decide(model, stats, eight, pinned, rule)
-    if other is None:
-        return layers
-    alt = {x.node: x for x in decide(model, stats, other, pinned, rule)}
-    return tuple(LayerPrecision(x.node, other.name, f"{x.why}; {alt[x.node].why}")
-                 if x.precision == "fp16" and alt[x.node].precision == other.name else x
-                 for x in layers)
-
-
-def _int8_start(layers: Sequence[LayerPrecision],
-                int8_decided: Sequence[LayerPrecision]) -> list[LayerPrecision]:
-    """The INT8 conversion's start for the layers `layers` keeps in 8 bits: INT8 where INT8
-    holds the input, FP8 where only it does (npuprep.plan.layer_precision.decide); the rest
-    as `layers` has them (the search's switches are those of `layers`' 8-bit layers)."""
-    as_int8 = {x.node: x for x in int8_decided if eight_bit_format(x.precision) is not None}
-    return [as_int8.get(x.node, x) if eight_bit_format(x.precision) is not None else x
-            for x in layers]
 
 
 def _with_splits(layers: Sequence[LayerPrecision], split: Splits) -> list[LayerPrecision]:

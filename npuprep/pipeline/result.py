@@ -97,7 +97,8 @@ class EightBitResult:
     curve: tuple[CurvePoint, ...] = ()
     # (activations written as uint8 with a zero point, activations quantised)
     zero_points: tuple[int, int] = (0, 0)
-    # False: the plain start was kept as it is (npuprep.pipeline.plain_start), nothing searched
+    # False: the plain start was kept as it is or widened by its own ranking
+    # (npuprep.pipeline.plain_start), nothing treated
     searched: bool = True
 
     @property

@@ -11,11 +11,13 @@ import onnx
 
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
+from npuprep.detections import Decision
 from npuprep.graph import node_label
 from npuprep.numerics import EightBitFormat, NumberFormat, eight_bit_format
 from npuprep.plan.layer_precision import LayerPrecision
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
+from npuprep.verify.decision_margin import decision_error
 from npuprep.verify.qdq_model import ReferenceOn, model_errors, quantise
 from npuprep.verify.qdq_trials import (
     RunsFactory,
@@ -124,6 +126,19 @@ class TrialSessions:
             self.runs += self.open[phase].runs
             self.open[phase].close()
         self.open.clear()
+
+
+def decision_score(top_k: Mapping[str, Decision], aim: float, rtol: float,
+                   margin: float) -> TrialScore | None:
+    """The search's error where outputs are judged by their decisions (in the gate's units at
+    `margin`: npuprep.verify.decision_margin); None where every output is judged by rel L2."""
+    if not top_k:
+        return None
+
+    def score(got: Sequence[Mapping[str, np.ndarray]],
+              expected: Sequence[Mapping[str, np.ndarray]]) -> float:
+        return decision_error(got, expected, top_k=top_k, aim=aim, margin=margin, tie_rtol=rtol)
+    return score
 
 
 def round_weights(reference: onnx.ModelProto, model: onnx.ModelProto,

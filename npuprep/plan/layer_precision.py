@@ -19,7 +19,7 @@ import onnx
 from npuprep.calibrate.scales import clip_for
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.graph import node_scopes, scope_constant, tensor_types
-from npuprep.numerics import EightBitFormat
+from npuprep.numerics import EightBitFormat, eight_bit_format
 from npuprep.ops import QUANTISED_MAC_OPS
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 
@@ -155,3 +155,28 @@ def _small_op_reason(node: onnx.NodeProto, fmt: EightBitFormat) -> str:
     if op in ("Sqrt", "Log"):
         return f"{op.lower()} of a statistic: its input's small values matter"
     return ""
+
+
+def decided_with(model: onnx.ModelProto, stats: CalibrationStats, eight: EightBitFormat,
+                 other: EightBitFormat | None, pinned: set[str],
+                 rule: ScaleRule) -> tuple[LayerPrecision, ...]:
+    """Each node's 8-bit decision in `eight`; with the target's `other` 8-bit format, a
+    layer whose input `eight` cannot hold (INT8's one scale flushing a tensor that spans
+    decades) takes `other` where that holds it."""
+    layers = decide(model, stats, eight, pinned, rule)
+    if other is None:
+        return layers
+    alt = {x.node: x for x in decide(model, stats, other, pinned, rule)}
+    return tuple(LayerPrecision(x.node, other.name, f"{x.why}; {alt[x.node].why}")
+                 if x.precision == "fp16" and alt[x.node].precision == other.name else x
+                 for x in layers)
+
+
+def int8_start_of(layers: Sequence[LayerPrecision],
+                  int8_decided: Sequence[LayerPrecision]) -> list[LayerPrecision]:
+    """The INT8 conversion's start for the layers `layers` keeps in 8 bits: INT8 where INT8
+    holds the input, FP8 where only it does (`decided_with`); the rest
+    as `layers` has them (the search's switches are those of `layers`' 8-bit layers)."""
+    as_int8 = {x.node: x for x in int8_decided if eight_bit_format(x.precision) is not None}
+    return [as_int8.get(x.node, x) if eight_bit_format(x.precision) is not None else x
+            for x in layers]
