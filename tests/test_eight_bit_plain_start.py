@@ -225,3 +225,23 @@ def test_a_plain_widening_that_needs_more_than_its_share_gives_way_to_the_search
     assert any("of the plain start" in s for s in stages)
     assert any("balancing" in s for s in stages) and result.eight_bit.searched is True
     assert result.eight_bit.eight_bit_share >= 0.99 and result.output_check
+
+
+def test_the_checklist_names_the_layers_a_plain_widening_kept_wider(tmp_path: Path):
+    model, feeds = _two_branches(0.17)
+    onnx.save(model.proto, tmp_path / "m.onnx")
+    (tmp_path / "calib").mkdir()
+    for i, f in enumerate(feeds):
+        np.savez(tmp_path / "calib" / f"{i:03d}.npz", **f)
+    (tmp_path / "ws").mkdir()
+    done = run_cli("convert", "m.onnx", "--target", "orin", "--precision", "int8", "--data",
+                   "calib", "-o", "out.onnx", "--report-json", "ws/convert.json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "ws" / "convert.json").read_text())
+    assert report["eight_bit"]["searched"] is False
+    assert report["eight_bit"]["kept_wider"] == ["small"]
+    listed = run_cli("checklist", "m.onnx", "--target", "orin", "--workspace", "ws", "--json",
+                     cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    item = next(i for i in json.loads(listed.stdout)["items"] if i["key"] == "precision")
+    assert "1 layer(s) kept wider by its own ranking" in " ".join(item["steps"])

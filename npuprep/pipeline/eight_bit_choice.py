@@ -114,7 +114,7 @@ def fp8_search_skipped(as_int8: Widening, fp8_start: OutputCheck,
     and the FP8 start (every layer in FP8, on the same trials) errs more than the INT8 one, on a
     target whose ledger does not make FP8 cheaper: better_search keeps it only where it passes
     with more in 8 bits, which no search from a start erring more did on the corpus (basic_pitch,
-    ppocr_det, ddddocr_det, minilm, ppocr_rec: INT8's kept)."""
+    ppocr_det, minilm, ppocr_rec FP8: the same point kept, in 25-35% less CPU time)."""
     return (judged(as_int8.check) and not fp8_cheaper(profile, fp8, int8)
             and bool(as_int8.curve) and fp8_start.worst_rel_l2 > as_int8.curve[0].rel_l2)
 

@@ -12,13 +12,15 @@ wider gains, and the heads of that ranking tried in the target's other 8-bit for
 and FP8 on the A2000) and then FP16, while the 8-bit share of the multiply-adds stays at or
 above `min_8bit_share`. An FP8 conversion on such a target searches as the INT8 conversion
 does first, then as itself, trying no head that leaves less in 8 bits than a passing INT8
-search (it could not be kept). The search aims at JUDGE_MARGIN x rtol on the calibration samples
-(decisions: held with DECISION_MARGIN x the error): their scales fit them, unseen samples
-err more. Before any of it, the plain start (every layer in 8 bits at the default rule,
-weights at nearest) is kept as it is where it errs under half the gate, or widened by its own
-ranking where it is near the gate (npuprep.pipeline.plain_start). The model chosen is then built once and checked, compared
-layer by layer and held out as any conversion is. Where that point keeps under SECOND_START_BELOW in 8 bits or fails,
-the build runs again from the balanced model with its skewed INT8 inputs centred
+search (it could not be kept), and not at all where that search met its aim from a start
+erring less than all-FP8's (fp8_search_skipped). The search aims at JUDGE_MARGIN x rtol on the
+calibration samples (decisions: held with DECISION_MARGIN x the error): their scales fit them,
+unseen samples err more. Before any of it, the plain start (every layer in 8 bits at the
+default rule, weights at nearest) is kept as it is where it errs under half the gate, or
+widened by its own ranking where it is within the gate (npuprep.pipeline.plain_start). The
+model chosen is then built once and checked, compared layer by layer and held out as any
+conversion is. Where that point keeps under SECOND_START_BELOW in 8 bits or fails, the build
+runs again from the balanced model with its skewed INT8 inputs centred
 (npuprep.verify.channel_shift), and the better of the two points is kept.
 """
 
