@@ -82,8 +82,9 @@ def test_a_layer_int8_holds_too_coarsely_takes_fp8_before_fp16_and_the_curve_say
     int8, fp8 = _errors(proto, stats, feeds)
     rtol = 0.06
     assert int8 > JUDGE_MARGIN * rtol > fp8  # INT8 misses the aim on this layer, FP8 meets it
+    # The search from the all-INT8 start (--search always: not from all-FP8, below).
     result = convert(model, load_profile("a2000"), feeds, precision="int8", stats=stats, rtol=rtol,
-                     holdout=[{k: -v for k, v in f.items()} for f in feeds[:3]])
+                     holdout=[{k: -v for k, v in f.items()} for f in feeds[:3]], search="always")
     chosen = {x.node: x.precision for x in result.plan.eight_bit}
     assert chosen == {"wide": "fp8_e4m3", "plain": "int8"}
     assert result.eight_bit.kept_wider == () and result.eight_bit.eight_bit_share == 1.0
@@ -102,6 +103,50 @@ def test_a_layer_int8_holds_too_coarsely_takes_fp8_before_fp16_and_the_curve_say
     alone = convert(model, int8_only, feeds, precision="int8", stats=stats, rtol=rtol)
     assert {x.node: x.precision for x in alone.plan.eight_bit}["wide"] == "fp16"
     assert alone.eight_bit.eight_bit_share == 0.5
+
+
+def test_an_int8_start_past_the_gate_starts_from_fp8_with_each_layer_int8_holds_as_well_in_int8():
+    # All INT8 errs past the gate (wide's input spans decades), all FP8 meets the aim: the search
+    # starts from FP8, `plain` (a normal input, which INT8's steps hold better alone) back in
+    # INT8; nothing balanced or equalised for INT8. The point is the all-INT8 search's.
+    proto, model, feeds = _setup(sigma=1.3)
+    stats = calibrate(model, feeds, detail="all")
+    stages: list[str] = []
+    result = convert(model, load_profile("a2000"), feeds, precision="int8", stats=stats, rtol=0.06,
+                     progress=stages.append)
+    assert {x.node: x.precision for x in result.plan.eight_bit} == {"wide": "fp8_e4m3",
+                                                                   "plain": "int8"}
+    assert result and result.eight_bit.eight_bit_share == 1.0
+    assert any("the search starts from fp8_e4m3, 1 layer(s) back in int8" in n
+               for n in result.notes)
+    assert not any("balancing" in s or "equalising" in s for s in stages)
+    curve = result.eight_bit.curve
+    assert curve[-1].passed and curve[-1].share == 1.0
+    # Where INT8 holds `plain` worse than FP8 alone, it stays FP8 (every layer from the FP8 start).
+    from npuprep.pipeline.plain_start import each_in_its_better_format
+
+    class Trials:
+        def errors(self, trials):
+            return [0.02 if a == {"plain": "fp8_e4m3"} else 0.05 for a, _ in trials]
+
+        def check(self, *args, **kwargs):
+            raise AssertionError("no layer moved: nothing to check")
+
+    class Sessions:
+        def checks(self):
+            return Trials()
+
+        def close(self):
+            pass
+
+    from npuprep.plan.layer_precision import LayerPrecision
+    from npuprep.verify.output_check import OutputCheck
+
+    start = (LayerPrecision("wide", "fp8_e4m3", ""), LayerPrecision("plain", "fp8_e4m3", ""))
+    check = OutputCheck(rtol=0.06, samples=8, outputs={"y": {"rel_l2": 0.03, "nonfinite": 0}})
+    kept, said = each_in_its_better_format(Sessions(), start, check, {"plain"}, rtol=0.06,
+                                           top_k={}, margin=2.0, passes=bool, target="a2000")
+    assert kept == start and "0 layer(s) back in int8" in said
 
 
 # x (log-normal magnitudes) -> MatMul "wide" -> h;  z (normal) -> MatMul "plain" -> v

@@ -161,3 +161,29 @@ def plain_note(point: Widening, rtol: float, share: float) -> str:
     return (f"every 8-bit layer at its start{wider}{moved} ({share:.1%} of the multiply-adds), "
             f"at its format's default scale rule with weights rounded to nearest, {held}: kept "
             "as it is, nothing balanced, rounded or searched (--search always runs them)")
+
+
+def each_in_its_better_format(sessions: TrialSessions, fp8_start: Sequence[LayerPrecision],
+                              fp8_check: OutputCheck, int8_held: set[str], *, rtol: float,
+                              top_k: Mapping[str, Decision], margin: float,
+                              passes: Callable[[OutputCheck], bool], target: str
+                              ) -> tuple[tuple[LayerPrecision, ...], str]:
+    """An INT8 conversion's start from `fp8_start` (every layer FP8 can hold in FP8, its check
+    `fp8_check` meeting the aim): each layer INT8 also holds (`int8_held`) in INT8 where its
+    error alone there is no more than in FP8 (one run each per format, untreated, on
+    `sessions`), kept where those layers together still `passes`, else every layer in FP8; and
+    a note. `sessions` closed."""
+    movable = [x.node for x in fp8_start if x.node in int8_held and x.precision == "fp8_e4m3"]
+    trials = sessions.checks()
+    int8 = trials.errors([({n: "int8"}, {}) for n in movable])
+    fp8 = trials.errors([({n: "fp8_e4m3"}, {}) for n in movable])
+    better = {n for n, a, b in zip(movable, int8, fp8, strict=True) if a <= b}
+    mixed = [LayerPrecision(x.node, "int8", x.why) if x.node in better else x for x in fp8_start]
+    held = bool(better) and passes(trials.check(assigned_formats(mixed), {}, rtol=rtol,
+                                                top_k=top_k, margin=margin))
+    sessions.close()
+    return tuple(mixed if held else fp8_start), (
+        f"every layer in fp8_e4m3 meets the search's aim on the calibration samples "
+        f"({fp8_check.worst_rel_l2:.3g}), every layer in int8 errs past the gate: the search "
+        f"starts from fp8_e4m3, {len(better) if held else 0} layer(s) back in int8 where each "
+        f"errs no more there alone ({target} runs both)")

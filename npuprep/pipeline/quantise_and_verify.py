@@ -71,6 +71,7 @@ from npuprep.pipeline.eight_bit_notes import (
 from npuprep.pipeline.plain_start import (
     PLAIN_MARGIN,
     PLAIN_NEAR,
+    each_in_its_better_format,
     near,
     plain_note,
     plain_point,
@@ -297,12 +298,26 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
             start_macs, rtol=rtol, min_share=min_8bit_share, top_k=top_k,
             margin=DECISION_MARGIN, stage=stage)
         plain_runs += runs
+    # An INT8 conversion on an INT8 + FP8 target, its start past the gate, starts from all-FP8
+    # where that meets the aim (each_in_its_better_format; dnsmos_p835 INT8 kept 0% INT8).
+    from_fp8 = False
+    if (quick is None and plain_start and mixed and other is not None and other.is_float
+            and not plan.eight_bit and starts and not gate(starts[0][1])):
+        fp8_start = int8_start_of(layers, decided_with(base, stats, other, eight, pinned,
+                                                       ScaleRule(scale_rule)))
+        fp8_check, plain_runs = checked(fp8_start, JUDGE_MARGIN * rtol), plain_runs + 1
+        if from_fp8 := judged(fp8_check):
+            layers, said = each_in_its_better_format(
+                sessions_of(base, stats, fp8_start, {}, JUDGE_MARGIN * rtol, {}), fp8_start,
+                fp8_check, set(eight_bit_nodes(layers, eight)), rtol=rtol, top_k=top_k,
+                margin=DECISION_MARGIN, passes=judged, target=profile.name)
+            notes.append(said)
     # The INT8 layers: the INT8 conversion's, or those of an FP8 conversion's INT8 search
     # (balanced as the INT8 conversion balances them, so that search is the INT8 one), where
     # that search runs: not where the FP8 start passes (ppocr_cls: its FP8 layers reading
     # balanced inputs, every channel now near the tensor's abs-max, gave NaN past FP8's
     # headroom on a held-out sample; unbalanced, the INT8 start is kept and holds).
-    int8_layers = ([] if quick is not None else
+    int8_layers = ([] if quick is not None or from_fp8 else
                    eight_bit_nodes(layers, eight) if not eight.is_float else
                    eight_bit_nodes(int8_start, other) if int8_start is not None and other
                    and not all(output_passes(o, JUDGE_MARGIN * rtol)
@@ -322,7 +337,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
     # Equalisation is kept by the all-INT8 error: an FP8 conversion measures it only where its
     # INT8 search runs (int8_layers). Where the FP8 start passes, that start is what is kept
     # at 100%, checked on the model as it is (dnsmos_p835 FP8: 46 of 185 CPU s, not kept).
-    if quick is None and int8 is not None and (int8_layers or not eight.is_float):
+    if quick is None and int8 is not None and (int8_layers or not (eight.is_float or from_fp8)):
         stage("equalising Conv inputs' channels into their producers")
         equalised = equalise_channels(work.proto, base, list(assigned_formats(layers)), stats, int8.fmt,
                                       samples, rules=int8.rules,
@@ -535,7 +550,8 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
             notes.append(said)
         else:
             stage(f"quantising to {eight.name}")
-            widening = search_from(layers, eight, other if mixed else None)
+            widening = (search_from(layers, other, eight) if from_fp8 and other else
+                        search_from(layers, eight, other if mixed else None))
         first = second_start_key(widening, judged, gate, macs)
         seed = (depthwise_wide_start(base, layers, wide.name)
                 if not gate(widening.check) or (not judged(widening.check) and
