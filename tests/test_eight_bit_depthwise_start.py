@@ -98,7 +98,7 @@ def test_a_point_short_of_its_aim_with_most_in_8_bits_is_not_searched_again(monk
 def _forced(monkeypatch, points: list[dict[str, str] | None]) -> None:
     """The i-th search's point with its layers' precisions set to points[i] (where given), its
     check as the search found it: a point short of its aim with little in 8 bits."""
-    import npuprep.pipeline.quantise_and_verify as qv
+    import npuprep.pipeline.widen_on as qv  # where the search calls widen_by_ranking
 
     real, calls = qv.widen_by_ranking, []
 

@@ -29,13 +29,14 @@ from npuprep.detections import Decision
 from npuprep.numerics import EightBitFormat, NumberFormat
 from npuprep.pipeline.eight_bit_choice import eight_bit_share
 from npuprep.pipeline.trial_sessions import TrialSessions, assigned_formats
+from npuprep.pipeline.widen_on import widen_on
 from npuprep.plan.layer_precision import LayerPrecision
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.verify.output_check import OutputCheck, check_output_sets, check_until
 from npuprep.verify.output_errors import output_passes
-from npuprep.verify.qdq_model import Sensitivity, eight_bit_nodes, on_target, quantise
-from npuprep.verify.qdq_trials import Variant, leave_one_out, rank_layers
-from npuprep.verify.widening import CurvePoint, Widening, widen_by_ranking
+from npuprep.verify.qdq_model import eight_bit_nodes, on_target, quantise
+from npuprep.verify.qdq_trials import Variant
+from npuprep.verify.widening import CurvePoint, Widening
 
 # The share of rtol under which the plain start is kept as it is (the search aims at 0.8).
 PLAIN_MARGIN = 0.5
@@ -114,33 +115,14 @@ def plain_search(sessions: TrialSessions, start: Sequence[LayerPrecision], check
     `margin`. The point where it errs within PLAIN_MARGIN x `rtol` (else None), and the
     trial runs it took; `sessions` closed."""
     aim, floor = PLAIN_MARGIN * rtol, max(min_share, PLAIN_SHARE)
-    total = sum(macs.values()) or 1
-    ranked_from: dict[str, str] = {}
-
-    def trial(chosen: Sequence[LayerPrecision], stop_past: float | None = None) -> OutputCheck:
-        return sessions.checks().check(assigned_formats(chosen), {}, rtol=rtol, top_k=top_k,
-                                       margin=margin, stop_past=stop_past)
-
-    def rank(nodes: list[str], chosen: list[LayerPrecision]) -> list[Sensitivity]:
-        # On the session of each layer's own format alone (fewer switches a run than checks').
-        stage(f"ranking {len(nodes)} {fmt.name} layer(s) of the plain start by their own error")
-        ranked_from.update(assigned_formats(chosen))
-        ranked = rank_layers(sessions.ranking(), nodes, ranked_from, {})
-        stage(f"trying the heads of the plain start's ranking ({len(nodes)} layer(s))")
-        return ranked
 
     def passes(c: OutputCheck) -> bool:
         return within(c, aim)
 
-    def stopping(c: Sequence[LayerPrecision]) -> OutputCheck:
-        return trial(c, stop_past=aim)
-
-    widening = widen_by_ranking(
-        start, fmt, check, rank=rank, trial=trial, judged=passes,
-        share=lambda c: eight_bit_share(c, macs), cost=lambda n: macs.get(n, 0) / total,
-        min_share=floor, alternative=alternative.name if alternative else None,
-        leave_out=lambda nodes: leave_one_out(sessions.ranking(), nodes, ranked_from, {}),
-        stopping=stopping, aim=None if top_k else aim, failing=None if top_k else stopping)
+    widening = widen_on(sessions, start, fmt, check, own=True, rules={}, macs=macs, rtol=rtol,
+                        top_k=top_k, margin=margin, judged=passes, aim=aim, gate=None,
+                        fail_past=aim, min_share=floor, alternative=alternative, stage=stage,
+                        of=" of the plain start")
     sessions.close()
     kept = passes(widening.check) and eight_bit_share(widening.layers, macs) >= floor
     return (widening if kept else None), sessions.runs

@@ -86,6 +86,7 @@ from npuprep.pipeline.trial_sessions import (
     input_means,
     round_weights,
 )
+from npuprep.pipeline.widen_on import widen_on
 from npuprep.plan.decide import Planned
 from npuprep.plan.depthwise_wide import depthwise_wide_start
 from npuprep.plan.layer_precision import LayerPrecision, decided_with, int8_start_of
@@ -104,7 +105,6 @@ from npuprep.verify.output_check import OutputCheck, check_output_sets
 from npuprep.verify.output_errors import output_passes, rule_said
 from npuprep.verify.pin_rounds import sample_shapes
 from npuprep.verify.qdq_model import (
-    Sensitivity,
     balance_conv_inputs,
     balance_outliers,
     eight_bit_nodes,
@@ -122,10 +122,8 @@ from npuprep.verify.qdq_trials import (
     Variant,
     choose_rules,
     errors_alone,
-    leave_one_out,
-    rank_layers,
 )
-from npuprep.verify.widening import CurvePoint, Widening, widen_by_ranking
+from npuprep.verify.widening import CurvePoint, Widening
 
 # Below this share of 8-bit multiply-adds the model has not been converted to 8 bits.
 DEFAULT_MIN_8BIT_SHARE = 0.5
@@ -450,44 +448,15 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
             return sessions.checks().check(assigned_formats(chosen), tensor_rules, rtol=rtol, top_k=top_k,
                                            margin=DECISION_MARGIN, stop_past=stop_past)
 
-        def ranker(fmt: EightBitFormat) -> tuple[Callable[[list[str], list[LayerPrecision]],
-                                                           list[Sensitivity]],
-                                                  Callable[[list[str]], list[Sensitivity]]]:
-            """Rank and leave-out for a search in `fmt`: on the ranking session where its layers
-            start in their own formats, else on the checks' (every format)."""
-            ranked_from: dict[str, str] = {}
-
-            def trials() -> Trials:
-                return sessions.ranking() if fmt is eight else sessions.checks()
-
-            def rank(nodes: list[str], chosen: list[LayerPrecision]) -> list[Sensitivity]:
-                stage(f"ranking {len(nodes)} {fmt.name} layer(s) by their own error")
-                ranked_from.update(assigned_formats(chosen))
-                ranked = rank_layers(trials(), nodes, ranked_from, tensor_rules)
-                sessions.shared.clear()  # the rule choice's trials the ranking did not take
-                stage(f"trying the heads of the ranking ({len(nodes)} layer(s))")
-                return ranked
-
-            def leave_out(nodes: list[str]) -> list[Sensitivity]:
-                return leave_one_out(trials(), nodes, ranked_from, tensor_rules)
-
-            return rank, leave_out
-
         def search_from(start: Sequence[LayerPrecision], fmt: EightBitFormat,
                         alternative: EightBitFormat | None, *, check: OutputCheck | None = None,
                         min_share: float = min_8bit_share) -> Widening:
-            rank, leave_out = ranker(fmt)
-            return widen_by_ranking(start, fmt, trial(start) if check is None else check,
-                                    rank=rank, trial=trial, judged=judged,
-                                    share=lambda c: eight_bit_share(c, macs),
-                                    cost=lambda n: _cost([n], macs), min_share=min_share,
-                                    alternative=alternative.name if alternative else None,
-                                    leave_out=leave_out,
-                                    # A swap's check stops once an output errs past the aim for sure.
-                                    stopping=lambda c: trial(c, stop_past=JUDGE_MARGIN * rtol),
-                                    aim=None if top_k else JUDGE_MARGIN * rtol, gate=gate,
-                                    # A head's check stops once an output errs past the gate.
-                                    failing=None if top_k else lambda c: trial(c, stop_past=rtol))
+            # Ranked on the ranking session where its layers start in their own formats.
+            return widen_on(sessions, start, fmt, trial(start) if check is None else check,
+                            own=fmt is eight, rules=tensor_rules, macs=macs, rtol=rtol,
+                            top_k=top_k, margin=DECISION_MARGIN, judged=judged,
+                            aim=JUDGE_MARGIN * rtol, gate=gate, fail_past=rtol,
+                            min_share=min_share, alternative=alternative, stage=stage)
 
         if int8_start is not None and other is not None:
             start_check = trial(layers)
