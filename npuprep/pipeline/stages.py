@@ -49,6 +49,7 @@ from npuprep.provenance import ConversionRecord, Gates, Source, record_conversio
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 from npuprep.verify.compare import DEFAULT_ATOL, default_rtol
 from npuprep.verify.fp32_share import DEFAULT_MAX_FP32_SHARE
+from npuprep.verify.held_out_bound import held_out_bound_note
 from npuprep.verify.output_check import GOAL_SAMPLES, Metric, judged_outputs
 from npuprep.verify.output_errors import CTC_TEXT
 from npuprep.verify.qdq_trials import RunsFactory
@@ -404,6 +405,9 @@ def verdict(run: Run) -> Run:
     from npuprep.holdout import louder_inputs
     louder = louder_inputs(run.feeds, run.held_out) if run.held_out else {}
     result = replace(run.result, louder_inputs=louder)
+    bound = held_out_bound_note(result.holdout)
+    if bound is not None:
+        result = replace(result, notes=(*result.notes, bound))
     return replace(run, result=replace(result, verdict=judge(result)))
 
 

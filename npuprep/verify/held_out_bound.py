@@ -1,0 +1,62 @@
+"""What a passing held-out check of decisions rules out: none changed on n samples -> a share up to 1 - 0.05^(1/n) is not ruled out.
+
+An output judged by its decisions (`--top-k`, `--detect`, `--metric`) passes on held-out
+samples whose every decision held, whatever its rel L2. But "none of n changed" says little
+when n is small: a model that changes the decisions of 1 sample in 2 holds all of 4 samples
+1 time in 16. ppocr_rec in INT8 held every text on its 4 held-out samples and changed 4 of 48
+fresh ones (under the same emulation). The bound said is the exact one-sided upper bound on
+the share of samples with a changed decision, at CONFIDENCE, when none of n changed
+(Clopper-Pearson; about 3 / n, the rule of three), and how many held-out samples would bring
+it down to RULED_OUT. It is said only where the verdict rests on the decisions (the output's
+rel L2 is over the tolerance) and the bound is over RULED_OUT. Samples, not positions, are
+counted: a sample's steps or anchors share its input and do not fail independently.
+"""
+
+from __future__ import annotations
+
+import math
+
+from npuprep.formatting import number, percent
+from npuprep.verify.output_check import OutputCheck
+
+CONFIDENCE = 0.95
+# A share of samples with a changed decision at or under this is ruled out well enough.
+RULED_OUT = 0.05
+
+
+def unseen_share(samples: int, confidence: float = CONFIDENCE) -> float:
+    """The largest share of samples with a changed decision that `samples` samples, none
+    changed, do not rule out at `confidence` (1.0 with none)."""
+    if samples <= 0:
+        return 1.0
+    return 1.0 - (1.0 - confidence) ** (1.0 / samples)
+
+
+def samples_to_rule_out(share: float, confidence: float = CONFIDENCE) -> int:
+    """Samples, none changed, that rule out a `share` of samples with a changed decision."""
+    return math.ceil(math.log(1.0 - confidence) / math.log(1.0 - share))
+
+
+def held_out_bound_note(holdout: OutputCheck | None) -> str | None:
+    """A note where the held-out check passes an output by its decisions alone on too few
+    samples to rule out RULED_OUT of them changing; None otherwise."""
+    if holdout is None or not holdout.samples:
+        return None
+    resting = sorted(name for name, o in holdout.outputs.items()
+                     if ("top_k" in o or "detect" in o) and not o.get("detect_fallback")
+                     and o["rel_l2"] > holdout.rtol and _all_held(o))
+    share = unseen_share(holdout.samples)
+    if not resting or share <= RULED_OUT:
+        return None
+    names = ", ".join(f"'{n}' (rel L2 {number(holdout.outputs[n]['rel_l2'])})" for n in resting)
+    return (f"held-out decisions: {names} passed by decisions held on all {holdout.samples} "
+            f"held-out samples, over the rel L2 tolerance; so few rule out a share of samples "
+            f"with a changed decision above {percent(share)} only ({percent(CONFIDENCE)} "
+            f"confidence); {samples_to_rule_out(RULED_OUT)} held-out samples (--holdout) would "
+            f"rule out {percent(RULED_OUT)}")
+
+
+def _all_held(errors: dict[str, object]) -> bool:
+    if "detect" in errors:
+        return errors.get("detect_agreement", 1.0) == 1.0
+    return errors.get("top_k_agreement") == 1.0

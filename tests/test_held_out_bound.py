@@ -1,0 +1,82 @@
+"""A held-out check passed by decisions alone says how large a share of changed samples its
+few samples leave open (npuprep.verify.held_out_bound)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import parser
+
+from npuprep.convert import convert
+from npuprep.data import load_samples
+from npuprep.model_io import Model, fingerprint
+from npuprep.pipeline.stages import CALIBRATE, SPLIT
+from npuprep.profiles import load_profile
+from npuprep.verify.held_out_bound import (
+    held_out_bound_note,
+    samples_to_rule_out,
+    unseen_share,
+)
+from npuprep.verify.output_check import OutputCheck
+
+# x -> MatMul(W) -> logits (one clear winner per row) -> Softmax -> p
+CLASSIFIER = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[32, 16] x) => (float[32, 10] p) {
+    [mm] logits = MatMul (x, W)
+    [softmax] p = Softmax <axis = -1> (logits)
+}
+"""
+
+
+def test_the_share_left_open_by_n_samples_none_changed():
+    # 1 - 0.05^(1/n): 4 samples leave 53% open; the rule of three (3 / n) for large n.
+    assert abs(unseen_share(4) - 0.5271) < 1e-4
+    assert abs(unseen_share(300) - 3 / 300) < 2e-4
+    assert unseen_share(0) == 1.0
+    # 59 samples, none changed, rule out 5%; 58 do not.
+    assert samples_to_rule_out(0.05) == 59
+    assert unseen_share(59) <= 0.05 < unseen_share(58)
+
+
+def _check(samples: int, rel_l2: float, agreement: float, rtol: float = 0.05) -> OutputCheck:
+    row = {"nonfinite": 0, "max_abs_error": 0.3, "rel_l2": rel_l2, "top_k": 1,
+           "top_k_agreement": agreement, "top_k_positions": samples}
+    return OutputCheck(rtol=rtol, samples=samples, outputs={"p": row, "v": {
+        "nonfinite": 0, "max_abs_error": 1e-3, "rel_l2": 1e-3}})
+
+
+def test_said_only_where_the_decisions_alone_pass_on_too_few_samples():
+    said = held_out_bound_note(_check(4, rel_l2=0.063, agreement=1.0))
+    assert said is not None and "'p' (rel L2 0.063)" in said and "'v'" not in said
+    assert "on all 4 held-out samples" in said and "above 52.7%" in said and "59 held-out" in said
+    # Within the tolerance by rel L2: the verdict does not rest on the decisions.
+    assert held_out_bound_note(_check(4, rel_l2=0.04, agreement=1.0)) is None
+    # A decision changed: the check fails, and says so itself.
+    assert held_out_bound_note(_check(4, rel_l2=0.063, agreement=0.75)) is None
+    # Enough samples to rule out 5%.
+    assert held_out_bound_note(_check(59, rel_l2=0.063, agreement=1.0)) is None
+    assert held_out_bound_note(None) is None
+
+
+def test_convert_says_it_of_a_classifier_passed_by_its_decisions(tmp_path):
+    rng = np.random.default_rng(3)
+    proto = parser.parse_model(CLASSIFIER)
+    proto.graph.initializer.append(onnx.numpy_helper.from_array(
+        rng.standard_normal((16, 10)).astype(np.float32) * 1.5, "W"))
+    model = Model(proto, "cls.onnx", fingerprint(proto))
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(8):
+        np.savez(data / f"{i:03d}.npz", x=rng.standard_normal((32, 16)).astype(np.float32))
+    samples = load_samples(data, proto)
+    # rtol 1e-6: FP16's rounding of the probabilities is over it, every winner holds.
+    result = convert(model, load_profile("generic"), samples, holdout=SPLIT, stats=CALIBRATE,
+                     rtol=1e-6, top_k={"p": 1})
+    assert result.passed and result.holdout is not None and result.holdout.samples == 2
+    assert result.holdout.outputs["p"]["rel_l2"] > 1e-6
+    said = [n for n in result.notes if n.startswith("held-out decisions")]
+    assert len(said) == 1 and "on all 2 held-out samples" in said[0] and "above 77.6%" in said[0]
+    # Judged by rel L2 at the default tolerance, nothing rests on the decisions.
+    plain = convert(model, load_profile("generic"), samples, holdout=SPLIT, stats=CALIBRATE)
+    assert plain.passed and not [n for n in plain.notes if n.startswith("held-out decisions")]
