@@ -3,21 +3,24 @@ few samples leave open (npuprep.verify.held_out_bound)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import onnx
 from onnx import parser
 
 from npuprep.convert import convert
+from npuprep.crosscheck.checklist import build_checklist, scan_workspace
 from npuprep.data import load_samples
-from npuprep.model_io import Model, fingerprint
-from npuprep.pipeline.stages import CALIBRATE, SPLIT
-from npuprep.profiles import load_profile
-from npuprep.verify.held_out_bound import (
+from npuprep.held_out_bound import (
     held_out_bound_note,
     samples_to_rule_out,
     unseen_share,
 )
-from npuprep.verify.output_check import OutputCheck
+from npuprep.model_io import Model, fingerprint
+from npuprep.pipeline.stages import CALIBRATE, SPLIT
+from npuprep.profiles import load_profile
 
 # x -> MatMul(W) -> logits (one clear winner per row) -> Softmax -> p
 CLASSIFIER = """
@@ -39,24 +42,24 @@ def test_the_share_left_open_by_n_samples_none_changed():
     assert unseen_share(59) <= 0.05 < unseen_share(58)
 
 
-def _check(samples: int, rel_l2: float, agreement: float, rtol: float = 0.05) -> OutputCheck:
+def _note(samples: int, rel_l2: float, agreement: float, rtol: float = 0.05) -> str | None:
     row = {"nonfinite": 0, "max_abs_error": 0.3, "rel_l2": rel_l2, "top_k": 1,
            "top_k_agreement": agreement, "top_k_positions": samples}
-    return OutputCheck(rtol=rtol, samples=samples, outputs={"p": row, "v": {
+    return held_out_bound_note(samples, rtol, {"p": row, "v": {
         "nonfinite": 0, "max_abs_error": 1e-3, "rel_l2": 1e-3}})
 
 
 def test_said_only_where_the_decisions_alone_pass_on_too_few_samples():
-    said = held_out_bound_note(_check(4, rel_l2=0.063, agreement=1.0))
+    said = _note(4, rel_l2=0.063, agreement=1.0)
     assert said is not None and "'p' (rel L2 0.063)" in said and "'v'" not in said
     assert "on all 4 held-out samples" in said and "above 52.7%" in said and "59 held-out" in said
     # Within the tolerance by rel L2: the verdict does not rest on the decisions.
-    assert held_out_bound_note(_check(4, rel_l2=0.04, agreement=1.0)) is None
+    assert _note(4, rel_l2=0.04, agreement=1.0) is None
     # A decision changed: the check fails, and says so itself.
-    assert held_out_bound_note(_check(4, rel_l2=0.063, agreement=0.75)) is None
+    assert _note(4, rel_l2=0.063, agreement=0.75) is None
     # Enough samples to rule out 5%.
-    assert held_out_bound_note(_check(59, rel_l2=0.063, agreement=1.0)) is None
-    assert held_out_bound_note(None) is None
+    assert _note(59, rel_l2=0.063, agreement=1.0) is None
+    assert _note(0, rel_l2=0.063, agreement=1.0) is None
 
 
 def test_convert_says_it_of_a_classifier_passed_by_its_decisions(tmp_path):
@@ -80,3 +83,35 @@ def test_convert_says_it_of_a_classifier_passed_by_its_decisions(tmp_path):
     # Judged by rel L2 at the default tolerance, nothing rests on the decisions.
     plain = convert(model, load_profile("generic"), samples, holdout=SPLIT, stats=CALIBRATE)
     assert plain.passed and not [n for n in plain.notes if n.startswith("held-out decisions")]
+
+
+def _workspace(tmp_path, model: Model, held_out: int) -> Path:
+    """A workspace holding one convert report whose held-out check passed 'p' by its decisions
+    alone (rel L2 0.063 over rtol 0.05, every top-1 held) on `held_out` samples."""
+    ws = tmp_path / f"ws{held_out}"
+    ws.mkdir()
+    row = {"nonfinite": 0, "max_abs_error": 0.3, "rel_l2": 0.063, "top_k": 1,
+           "top_k_agreement": 1.0, "top_k_positions": held_out}
+    (ws / "convert.json").write_text(json.dumps({
+        "schema_version": 1, "kind": "convert", "fingerprint": model.fingerprint,
+        "output_fingerprint": "", "holdout": {"passed": True, "rtol": 0.05, "samples": held_out,
+                                              "outputs": {"p": row}}}))
+    return ws
+
+
+def test_the_checklist_asks_the_board_for_the_samples_the_held_out_check_lacked(tmp_path):
+    proto = parser.parse_model(CLASSIFIER)
+    proto.graph.initializer.append(onnx.numpy_helper.from_array(
+        np.ones((16, 10), np.float32), "W"))
+    model = Model(proto, "cls.onnx", fingerprint(proto))
+
+    def compare_steps(held_out: int) -> list[str]:
+        checklist = build_checklist(model, load_profile("a2000"), model_arg="cls.onnx",
+                                    target_arg="a2000",
+                                    workspace=scan_workspace(_workspace(tmp_path, model, held_out)))
+        return [s for i in checklist.items if i.key == "compare" for s in i.steps]
+
+    asked = [s for s in compare_steps(4) if "fresh samples on the board" in s]
+    assert len(asked) == 1 and "`p`" in asked[0] and "above 52.7% only" in asked[0]
+    assert "run 59 fresh samples" in asked[0]
+    assert not [s for s in compare_steps(59) if "fresh samples on the board" in s]

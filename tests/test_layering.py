@@ -18,7 +18,7 @@ README = ROOT.parent / "README.md"
 FLOORS: tuple[frozenset[str], ...] = tuple(frozenset(f.split()) for f in (
     "errors numerics detections names formatting yaml_io json_io progress provenance profile_names ops scale_rules "
     "graph bf16 vendors resources flops npuprep",
-    "model_io fp16_source output_files data holdout profiles opsets sample_size",
+    "model_io fp16_source output_files data holdout held_out_bound profiles opsets sample_size",
     "runtime",
     "calibrate",
     "analyse",

@@ -25,9 +25,15 @@ from npuprep.crosscheck.check import VERDICTS
 from npuprep.crosscheck.plan_view import EIGHT_BIT
 from npuprep.crosscheck.readers import DEFAULT_REPORT_NAME, HOW_TO_GET
 from npuprep.errors import NpuprepError
-from npuprep.formatting import number
+from npuprep.formatting import number, percent
 from npuprep.formatting import ratio as ratio_text
 from npuprep.graph import attribute, tensor_types, walk_graphs
+from npuprep.held_out_bound import (
+    RULED_OUT,
+    resting_on_decisions,
+    samples_to_rule_out,
+    unseen_share,
+)
 from npuprep.model_io import Model
 from npuprep.names import md_code, shown
 from npuprep.numerics import Int8Activations, formats
@@ -599,6 +605,8 @@ def _compare(ctx: _Context, stats: Any, top_n: int, masks: tuple[str, ...] = ())
                  f"--json > {ctx.ws}/compare.json")
     steps.append("run the same fixed batch on the board, dump the tensors named above and check them "
                  "against the emulation's values (max abs error and headroom, not cosine alone)")
+    if converted is not None:
+        steps += _decisions_on_the_board(converted[1])
     found = ctx.artefact("compare", same_model=False)
     if found is None:
         return Item("compare", title, False, tuple(evidence), tuple(steps))
@@ -620,6 +628,22 @@ def _compare(ctx: _Context, stats: Any, top_n: int, masks: tuple[str, ...] = ())
     fix = (f"start at the first divergent node: rescale, clamp or pin it in {ctx.plan_arg}, "
            "convert again and rerun the compare",) if first else tuple(steps)
     return Item("compare", title, True, tuple(evidence), fix, failed=True)
+
+
+def _decisions_on_the_board(convert_doc: dict[str, Any]) -> list[str]:
+    """A step where the conversion's held-out check passed outputs by their decisions alone on
+    too few samples to rule out RULED_OUT of them changing (npuprep.held_out_bound)."""
+    held = convert_doc.get("holdout") or {}
+    samples, outputs = held.get("samples", 0), held.get("outputs") or {}
+    resting = resting_on_decisions(outputs, held.get("rtol", 0.0))
+    if not samples or not resting or unseen_share(samples) <= RULED_OUT:
+        return []
+    need = samples_to_rule_out(RULED_OUT)
+    return [f"{', '.join(f'`{n}`' for n in resting)} passed held out by decisions alone on "
+            f"{samples} samples, which rule out a share of changed samples above "
+            f"{percent(unseen_share(samples))} only: run {need} fresh samples on the board and count "
+            f"those whose decisions (text, class, detections) differ from FP32; none of {need} "
+            f"rules out {percent(RULED_OUT)}"]
 
 
 def _speed(ctx: _Context) -> Item:

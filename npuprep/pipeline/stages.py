@@ -36,6 +36,7 @@ from npuprep.data import Feed, SampleSet
 from npuprep.detections import Decision, Detection
 from npuprep.errors import NpuprepError
 from npuprep.fp16_source import eight_bit_source
+from npuprep.held_out_bound import held_out_bound_note
 from npuprep.model_io import Model, anchored
 from npuprep.numerics import eight_bit_format, get_format
 from npuprep.pipeline.lower_and_verify import lower_and_verify
@@ -49,7 +50,6 @@ from npuprep.provenance import ConversionRecord, Gates, Source, record_conversio
 from npuprep.scale_rules import DEFAULT_RULE, ScaleRule
 from npuprep.verify.compare import DEFAULT_ATOL, default_rtol
 from npuprep.verify.fp32_share import DEFAULT_MAX_FP32_SHARE
-from npuprep.verify.held_out_bound import held_out_bound_note
 from npuprep.verify.output_check import GOAL_SAMPLES, Metric, judged_outputs
 from npuprep.verify.output_errors import CTC_TEXT
 from npuprep.verify.qdq_trials import RunsFactory
@@ -405,7 +405,8 @@ def verdict(run: Run) -> Run:
     from npuprep.holdout import louder_inputs
     louder = louder_inputs(run.feeds, run.held_out) if run.held_out else {}
     result = replace(run.result, louder_inputs=louder)
-    bound = held_out_bound_note(result.holdout)
+    held = result.holdout
+    bound = None if held is None else held_out_bound_note(held.samples, held.rtol, held.outputs)
     if bound is not None:
         result = replace(result, notes=(*result.notes, bound))
     return replace(run, result=replace(result, verdict=judge(result)))

@@ -15,9 +15,10 @@ counted: a sample's steps or anchors share its input and do not fail independent
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from npuprep.formatting import number, percent
-from npuprep.verify.output_check import OutputCheck
 
 CONFIDENCE = 0.95
 # A share of samples with a changed decision at or under this is ruled out well enough.
@@ -37,26 +38,31 @@ def samples_to_rule_out(share: float, confidence: float = CONFIDENCE) -> int:
     return math.ceil(math.log(1.0 - confidence) / math.log(1.0 - share))
 
 
-def held_out_bound_note(holdout: OutputCheck | None) -> str | None:
-    """A note where the held-out check passes an output by its decisions alone on too few
-    samples to rule out RULED_OUT of them changing; None otherwise."""
-    if holdout is None or not holdout.samples:
+def resting_on_decisions(outputs: Mapping[str, Mapping[str, Any]], rtol: float) -> list[str]:
+    """The outputs of a held-out check (OutputCheck.outputs, or its report's) that pass by
+    their decisions alone: judged by them, every one held, the rel L2 over `rtol`."""
+    return sorted(name for name, o in outputs.items()
+                  if ("top_k" in o or "detect" in o) and not o.get("detect_fallback")
+                  and o["rel_l2"] > rtol and _all_held(o))
+
+
+def held_out_bound_note(samples: int, rtol: float,
+                        outputs: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """A note where a held-out check on `samples` samples passes an output by its decisions
+    alone on too few samples to rule out RULED_OUT of them changing; None otherwise."""
+    resting = resting_on_decisions(outputs, rtol)
+    share = unseen_share(samples)
+    if not samples or not resting or share <= RULED_OUT:
         return None
-    resting = sorted(name for name, o in holdout.outputs.items()
-                     if ("top_k" in o or "detect" in o) and not o.get("detect_fallback")
-                     and o["rel_l2"] > holdout.rtol and _all_held(o))
-    share = unseen_share(holdout.samples)
-    if not resting or share <= RULED_OUT:
-        return None
-    names = ", ".join(f"'{n}' (rel L2 {number(holdout.outputs[n]['rel_l2'])})" for n in resting)
-    return (f"held-out decisions: {names} passed by decisions held on all {holdout.samples} "
+    names = ", ".join(f"'{n}' (rel L2 {number(outputs[n]['rel_l2'])})" for n in resting)
+    return (f"held-out decisions: {names} passed by decisions held on all {samples} "
             f"held-out samples, over the rel L2 tolerance; so few rule out a share of samples "
             f"with a changed decision above {percent(share)} only ({percent(CONFIDENCE)} "
             f"confidence); {samples_to_rule_out(RULED_OUT)} held-out samples (--holdout) would "
             f"rule out {percent(RULED_OUT)}")
 
 
-def _all_held(errors: dict[str, object]) -> bool:
+def _all_held(errors: Mapping[str, Any]) -> bool:
     if "detect" in errors:
         return errors.get("detect_agreement", 1.0) == 1.0
     return errors.get("top_k_agreement") == 1.0
