@@ -63,6 +63,8 @@ def held_out_bound_note(samples: int, rtol: float,
 
 
 def _all_held(errors: Mapping[str, Any]) -> bool:
+    if "rel_l2_at_detections" in errors:
+        return False  # a box output passes by its rel L2 where FP32 detects, not by decisions
     if "detect" in errors:
         return errors.get("detect_agreement", 1.0) == 1.0
     return errors.get("top_k_agreement") == 1.0

@@ -60,6 +60,13 @@ def test_said_only_where_the_decisions_alone_pass_on_too_few_samples():
     # Enough samples to rule out 5%.
     assert _note(59, rel_l2=0.063, agreement=1.0) is None
     assert _note(0, rel_l2=0.063, agreement=1.0) is None
+    # A detector: its score output rests on its detections, its box output on its rel L2 at them.
+    scores = {"nonfinite": 0, "max_abs_error": 2.0, "rel_l2": 0.3, "detect": {},
+              "detect_agreement": 1.0}
+    boxes = {"nonfinite": 0, "max_abs_error": 9.0, "rel_l2": 0.2, "detect": {},
+             "rel_l2_at_detections": 0.01}
+    said = held_out_bound_note(4, 0.05, {"scores": scores, "boxes": boxes})
+    assert said is not None and "'scores'" in said and "'boxes'" not in said
 
 
 def test_convert_says_it_of_a_classifier_passed_by_its_decisions(tmp_path):
