@@ -38,28 +38,33 @@ def samples_to_rule_out(share: float, confidence: float = CONFIDENCE) -> int:
     return math.ceil(math.log(1.0 - confidence) / math.log(1.0 - share))
 
 
-def resting_on_decisions(outputs: Mapping[str, Mapping[str, Any]], rtol: float) -> list[str]:
-    """The outputs of a held-out check (OutputCheck.outputs, or its report's) that pass by
-    their decisions alone: judged by them, every one held, the rel L2 over `rtol`."""
+def resting_on_decisions(samples: int, rtol: float,
+                         outputs: Mapping[str, Any]) -> list[str]:
+    """The outputs of a held-out check on `samples` samples (OutputCheck.outputs, or its
+    report's) that pass by their decisions alone (judged by them, every one held, the rel L2
+    over `rtol`) on too few samples to rule out RULED_OUT of them changing; [] otherwise. A
+    report's row that is not one (hand-edited) rests on nothing."""
+    if not isinstance(samples, int) or unseen_share(samples) <= RULED_OUT or samples <= 0:
+        return []
     return sorted(name for name, o in outputs.items()
-                  if ("top_k" in o or "detect" in o) and not o.get("detect_fallback")
-                  and o["rel_l2"] > rtol and _all_held(o))
+                  if isinstance(o, Mapping) and ("top_k" in o or "detect" in o)
+                  and not o.get("detect_fallback")
+                  and isinstance(o.get("rel_l2"), int | float) and o["rel_l2"] > rtol
+                  and _all_held(o))
 
 
 def held_out_bound_note(samples: int, rtol: float,
                         outputs: Mapping[str, Mapping[str, Any]]) -> str | None:
-    """A note where a held-out check on `samples` samples passes an output by its decisions
-    alone on too few samples to rule out RULED_OUT of them changing; None otherwise."""
-    resting = resting_on_decisions(outputs, rtol)
-    share = unseen_share(samples)
-    if not samples or not resting or share <= RULED_OUT:
+    """The note where `resting_on_decisions` names outputs; None otherwise."""
+    resting = resting_on_decisions(samples, rtol, outputs)
+    if not resting:
         return None
     names = ", ".join(f"'{n}' (rel L2 {number(outputs[n]['rel_l2'])})" for n in resting)
     return (f"held-out decisions: {names} passed by decisions held on all {samples} "
             f"held-out samples, over the rel L2 tolerance; so few rule out a share of samples "
-            f"with a changed decision above {percent(share)} only ({percent(CONFIDENCE)} "
-            f"confidence); {samples_to_rule_out(RULED_OUT)} held-out samples (--holdout) would "
-            f"rule out {percent(RULED_OUT)}")
+            f"with a changed decision above {percent(unseen_share(samples))} only "
+            f"({percent(CONFIDENCE)} confidence); {samples_to_rule_out(RULED_OUT)} held-out "
+            f"samples (--holdout) would rule out {percent(RULED_OUT)}")
 
 
 def _all_held(errors: Mapping[str, Any]) -> bool:

@@ -122,3 +122,13 @@ def test_the_checklist_asks_the_board_for_the_samples_the_held_out_check_lacked(
     assert len(asked) == 1 and "`p`" in asked[0] and "above 52.7% only" in asked[0]
     assert "run 59 fresh samples" in asked[0]
     assert not [s for s in compare_steps(59) if "fresh samples on the board" in s]
+    # A hand-edited report (a row without its rel L2, a text rtol) asks nothing and raises nothing.
+    (tmp_path / "edited").mkdir()
+    ws = _workspace(tmp_path / "edited", model, 4)
+    doc = json.loads((ws / "convert.json").read_text())
+    del doc["holdout"]["outputs"]["p"]["rel_l2"]
+    for edited in (doc, {**doc, "holdout": {**doc["holdout"], "rtol": "0.05"}}):
+        (ws / "convert.json").write_text(json.dumps(edited))
+        checklist = build_checklist(model, load_profile("a2000"), model_arg="cls.onnx",
+                                    target_arg="a2000", workspace=scan_workspace(ws))
+        assert not [s for i in checklist.items for s in i.steps if "fresh samples" in s]

@@ -633,10 +633,13 @@ def _compare(ctx: _Context, stats: Any, top_n: int, masks: tuple[str, ...] = ())
 def _decisions_on_the_board(convert_doc: dict[str, Any]) -> list[str]:
     """A step where the conversion's held-out check passed outputs by their decisions alone on
     too few samples to rule out RULED_OUT of them changing (npuprep.held_out_bound)."""
-    held = convert_doc.get("holdout") or {}
-    samples, outputs = held.get("samples", 0), held.get("outputs") or {}
-    resting = resting_on_decisions(outputs, held.get("rtol", 0.0))
-    if not samples or not resting or unseen_share(samples) <= RULED_OUT:
+    held = convert_doc.get("holdout")
+    if not isinstance(held, dict) or not isinstance(held.get("outputs"), dict) \
+            or not isinstance(held.get("rtol"), int | float):
+        return []  # no held-out check recorded, or not as convert writes one
+    samples = held.get("samples", 0)
+    resting = resting_on_decisions(samples, held["rtol"], held["outputs"])
+    if not resting:
         return []
     need = samples_to_rule_out(RULED_OUT)
     return [f"{', '.join(f'`{n}`' for n in resting)} passed held out by decisions alone on "
