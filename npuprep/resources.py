@@ -1,10 +1,11 @@
 """What a run costs the machine: its peak resident memory (whole run and per stage), its wall
-time, and a memory budget (`--max-memory`) that it respects or stops at, with nothing
-written.
+and CPU time (whole run and per stage), and a memory budget (`--max-memory`) that it respects
+or stops at, with nothing written.
 
     with MemoryWatch(budget=parse_size("4G", "--max-memory")) as watch:
         watch.stage("lowering")  ...
-    watch.to_dict() -> {"wall_s": 19.8, "peak_rss_mb": 1967, "stages": {...}, ...}
+    watch.to_dict() -> {"wall_s": 19.8, "cpu_s": 31.2, "peak_rss_mb": 1967,
+                        "stage_seconds": {"lowering": {"wall_s": 2.1, "cpu_s": 3.9}, ...}, ...}
 """
 
 from __future__ import annotations
@@ -83,13 +84,19 @@ class MemoryWatch:
         self.exceeded: tuple[int, str] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._started = 0.0
+        self._started = self._cpu_started = 0.0
         self.wall_s = 0.0
+        self.cpu_s = 0.0
+        # stage -> [wall, CPU] seconds spent in it (a stage entered twice adds up)
+        self.seconds: dict[str, list[float]] = {}
+        self._clock = (0.0, 0.0)
 
     def __enter__(self) -> MemoryWatch:
         global _budget
         _budget = self.budget
         self._started = time.perf_counter()
+        self._cpu_started = time.process_time()
+        self._clock = (self._started, self._cpu_started)
         self._thread = threading.Thread(target=self._sample, name="npuprep-memory", daemon=True)
         self._thread.start()
         return self
@@ -100,11 +107,14 @@ class MemoryWatch:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        self._time_stage()
         self.wall_s = time.perf_counter() - self._started
+        self.cpu_s = time.process_time() - self._cpu_started
         _budget = None
 
     def stage(self, name: str) -> None:
-        """The run moved on to `name` (its peak is counted from here)."""
+        """The run moved on to `name` (its peak and its time are counted from here)."""
+        self._time_stage()
         self.current = name
         self._note(resident_bytes())
 
@@ -118,10 +128,23 @@ class MemoryWatch:
                 "or smaller samples)") from None
 
     def to_dict(self) -> dict[str, Any]:
+        if not self.wall_s:
+            self._time_stage()
         return {"wall_s": round(self.wall_s or time.perf_counter() - self._started, 1),
+                "cpu_s": round(self.cpu_s or time.process_time() - self._cpu_started, 1),
                 "peak_rss_mb": round(peak_bytes() / 2**20),
                 "max_memory_mb": round(self.budget / 2**20) if self.budget else None,
-                "stages_peak_rss_mb": {k: round(v / 2**20) for k, v in self.stages.items()}}
+                "stages_peak_rss_mb": {k: round(v / 2**20) for k, v in self.stages.items()},
+                "stage_seconds": {k: {"wall_s": round(w, 2), "cpu_s": round(c, 2)}
+                                  for k, (w, c) in self.seconds.items()}}
+
+    def _time_stage(self) -> None:
+        # CPU time is the whole process's: onnxruntime's threads count in the stage that ran them.
+        now = (time.perf_counter(), time.process_time())
+        spent = self.seconds.setdefault(self.current, [0.0, 0.0])
+        spent[0] += now[0] - self._clock[0]
+        spent[1] += now[1] - self._clock[1]
+        self._clock = now
 
     def _note(self, rss: int) -> None:
         if rss > self.stages.get(self.current, 0):

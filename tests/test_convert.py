@@ -126,7 +126,12 @@ def test_cli_convert_writes_artefacts_byte_identically(tmp_path):
     costs = [r.pop("resources") for r in reports]
     assert reports[0] == reports[1]
     assert all(c["peak_rss_mb"] > 10 and c["wall_s"] > 0 and c["stages_peak_rss_mb"] for c in costs)
-    assert "peak resident memory" in outs[0].with_suffix(".report.md").read_text()
+    # Each stage's time, the stages the memory watch saw: they add up to the run's.
+    for c in costs:
+        assert set(c["stages_peak_rss_mb"]) <= set(c["stage_seconds"])
+        assert sum(t["wall_s"] for t in c["stage_seconds"].values()) <= c["wall_s"] + 0.05
+    md = outs[0].with_suffix(".report.md").read_text()
+    assert "peak resident memory" in md and "## Time by stage" in md
     assert path.read_bytes() == before
     for suffix in (".report.md", ".plan.yaml", ".trtexec.txt"):
         assert outs[0].with_suffix(suffix).is_file()

@@ -146,6 +146,35 @@ def test_max_memory_stops_a_run_that_passes_it_with_nothing_written(tmp_path):
     assert cost["max_memory_mb"] == 8192 and 10 < cost["peak_rss_mb"] < 8192
 
 
+def test_the_watch_times_each_stage_and_adds_up_a_stage_entered_twice():
+    # start -> "sleeping" (0.05 s asleep) -> "spinning" (CPU-bound) -> "sleeping" again
+    import time
+
+    from npuprep.report.render_md import longest_stages, stage_time_lines
+    from npuprep.resources import MemoryWatch
+
+    with MemoryWatch() as watch:
+        watch.stage("sleeping")
+        time.sleep(0.05)
+        watch.stage("spinning")
+        end = time.process_time() + 0.05
+        while time.process_time() < end:
+            pass
+        watch.stage("sleeping")
+        time.sleep(0.05)
+    cost = watch.to_dict()
+    spent = cost["stage_seconds"]
+    assert list(spent) == ["start", "sleeping", "spinning"]
+    # Asleep, a stage takes wall time and next to no CPU; spinning, both.
+    assert spent["sleeping"]["wall_s"] >= 0.1 and spent["sleeping"]["cpu_s"] < 0.05
+    assert spent["spinning"]["cpu_s"] >= 0.05
+    assert abs(sum(t["wall_s"] for t in spent.values()) - cost["wall_s"]) < 0.1
+    assert cost["cpu_s"] >= 0.05
+    assert longest_stages(cost, 1).startswith("sleeping 0.1 s")
+    table = stage_time_lines(cost)
+    assert "## Time by stage" in table and any(r.startswith("| spinning |") for r in table)
+
+
 def test_a_budget_turns_off_the_memory_for_speed_trades(monkeypatch):
     # x -> MatMul(W 512x512) -> y: folding its weight Casts costs a copy; a tiny budget refuses it
     import npuprep.resources as resources

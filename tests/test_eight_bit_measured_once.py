@@ -169,3 +169,30 @@ def test_each_samples_error_alone_from_one_session_is_each_ones_own_session():
     assert each == [[alone[i][g] for i in range(len(feeds))] for g in range(len(groups))]
     # The samples differ, and so do their errors: each is read, not one pooled number.
     assert len({round(e, 12) for e in each[2]}) == len(feeds)
+
+
+def test_the_conv_balancing_measures_the_left_out_headroom_only_where_it_raises_a_clip(monkeypatch):
+    # CHAIN's h, balanced into c2 and c3: no left-out raise -> two measurements; a raise -> three
+    proto, feeds = _model(), _feeds(8)
+    stats = calibrate(Model(proto, "m.onnx", fingerprint(proto)), feeds, detail="all")
+    variant = Variant(INT8, (DEFAULT_RULE,), True)
+    calls: list[tuple[list[list[str]], Any, list[float]]] = []
+
+    def measure(model, found, groups, on, bounds):
+        got = errors_alone(proto, model, groups, found, variant, on, bounds=bounds)
+        calls.append((groups, bounds, got))
+        return got
+
+    monkeypatch.setattr(channels, "leave_one_out_raise", lambda per_sample, multiplier: 1.0)
+    same = balance_conv_inputs(proto, ["c2", "c3"], stats, feeds, measure=measure, left_alone=())
+    # Balanced, then not balanced: the headroom would quantise h's readers alike.
+    assert len(calls) == 2 and calls[0][1] is None
+    assert same.tensors and same.unseen_raise == {}
+    calls.clear()
+    monkeypatch.setattr(channels, "leave_one_out_raise", lambda per_sample, multiplier: 1.5)
+    raised = balance_conv_inputs(proto, ["c2", "c3"], stats, feeds, measure=measure,
+                                 left_alone=())
+    # Balanced, with the headroom (measured only as far as it beats balanced alone), not balanced.
+    assert len(calls) == 3 and calls[1][0] == calls[0][0] == [["c2", "c3"]]
+    assert calls[1][1] == calls[0][2]
+    assert raised.tensors.keys() == same.tensors.keys()

@@ -373,10 +373,12 @@ def _print_summary(report: dict[str, Any]) -> None:
 
         say(pins_line(report["ledger"]))
     if report.get("resources"):
-        from npuprep.report.render_md import resources_line
+        from npuprep.report.render_md import longest_stages, resources_line
 
         line = resources_line(report["resources"])[2:]
         say(line[0].upper() + line[1:])
+        if longest := longest_stages(report["resources"]):
+            say(f"longest stages: {longest} (every stage: the report's Time by stage)")
     for note in report.get("notes", []):
         say(f"note: {note}")
     verdict = report["verdict"]

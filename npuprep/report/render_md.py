@@ -57,9 +57,29 @@ def resources_line(resources: dict[str, Any]) -> str:
     stages = resources.get("stages_peak_rss_mb") or {}
     top = max(stages, key=lambda s: stages[s]) if stages else ""
     budget = resources.get("max_memory_mb")
-    return (f"- run: {resources['wall_s']:g} s, peak resident memory {resources['peak_rss_mb']} MB"
+    cpu = f" (CPU {resources['cpu_s']:g} s)" if resources.get("cpu_s") is not None else ""
+    return (f"- run: {resources['wall_s']:g} s{cpu}, peak resident memory "
+            f"{resources['peak_rss_mb']} MB"
             + (f" (highest while {md_text(top)})" if top else "")
             + (f", within --max-memory {budget} MB" if budget else ""))
+
+
+def stage_time_lines(resources: dict[str, Any]) -> list[str]:
+    """The run's wall and CPU seconds per stage, in the order the stages ran, as a table."""
+    stages = resources.get("stage_seconds") or {}
+    wall = sum(t["wall_s"] for t in stages.values()) or 1.0
+    return ["", "## Time by stage", "", "| stage | wall s | CPU s | share of the wall time |",
+            "|---|---|---|---|",
+            *(_row([md_text(name), f"{t['wall_s']:.1f}", f"{t['cpu_s']:.1f}",
+                    f"{100 * t['wall_s'] / wall:.0f}%"]) for name, t in stages.items())
+            ] if stages else []
+
+
+def longest_stages(resources: dict[str, Any], count: int = 3) -> str:
+    """The `count` stages that took the most wall time: `name 22.9 s, ...`."""
+    stages = resources.get("stage_seconds") or {}
+    top = sorted(stages.items(), key=lambda kv: -kv[1]["wall_s"])[:count]
+    return ", ".join(f"{name} {t['wall_s']:.1f} s" for name, t in top)
 
 
 def _verdict(result: dict[str, Any]) -> str:
@@ -166,6 +186,7 @@ def convert_markdown(result: dict[str, Any]) -> str:
     if first:
         lines += ["", f"**First divergent node:** {md_code(first.get('node'))} ({md_text(first.get('op_type'))}), "
                   f"tensor {md_code(first.get('tensor'))}"]
+    lines += stage_time_lines(result.get("resources") or {})
     if result.get("artefacts"):
         lines += ["", "## Artefacts", ""]
         lines += [f"- {k}: {md_code(v)}" for k, v in sorted(result["artefacts"].items())]
