@@ -19,7 +19,7 @@ from onnx import numpy_helper
 
 from npuprep.bf16 import has_bf16, widen_array, widen_bf16
 from npuprep.errors import InternalError, NpuprepError
-from npuprep.graph import copy_fields
+from npuprep.graph import copy_fields, tensor_nbytes
 from npuprep.model_io import external_array
 from npuprep.names import shown
 
@@ -381,7 +381,10 @@ def split_weights(
     weights: dict[str, np.ndarray] = {}
     for init in proto.graph.initializer:
         external = init.data_location == onnx.TensorProto.EXTERNAL
-        if (external and base_dir is None) or (not external and init.ByteSize() <= INLINE_BYTES):
+        # Sized by its dims: a proto's ByteSize() encodes it to count (MiniLM's 47 MB embedding:
+        # 48 ms for every session made), and a string tensor stays in the graph.
+        if (external and base_dir is None) or (not external and (
+                init.data_type == onnx.TensorProto.STRING or tensor_nbytes(init) <= INLINE_BYTES)):
             skeleton.graph.initializer.append(init)
             continue
         weights[init.name] = external_array(init, base_dir) if external else numpy_helper.to_array(init)
