@@ -32,6 +32,7 @@ from npuprep.pipeline.trial_sessions import TrialSessions, assigned_formats
 from npuprep.pipeline.widen_on import widen_on
 from npuprep.plan.layer_precision import LayerPrecision
 from npuprep.rewrite.qdq_weights import WeightStore
+from npuprep.verify.bounded_trials import errors_within
 from npuprep.verify.output_check import OutputCheck, check_output_sets, check_until
 from npuprep.verify.output_errors import output_passes
 from npuprep.verify.qdq_model import eight_bit_nodes, on_target, quantise
@@ -157,8 +158,9 @@ def each_in_its_better_format(sessions: TrialSessions, fp8_start: Sequence[Layer
     a note. `sessions` closed."""
     movable = [x.node for x in fp8_start if x.node in int8_held and x.precision == "fp8_e4m3"]
     trials = sessions.checks()
-    int8 = trials.errors([({n: "int8"}, {}) for n in movable])
     fp8 = trials.errors([({n: "fp8_e4m3"}, {}) for n in movable])
+    # A layer's INT8 run stops once it errs more than in FP8 (dnsmos_p835 moves none back).
+    int8 = errors_within(trials, [({n: "int8"}, {}) for n in movable], fp8)
     better = {n for n, a, b in zip(movable, int8, fp8, strict=True) if a <= b}
     mixed = [LayerPrecision(x.node, "int8", x.why) if x.node in better else x for x in fp8_start]
     held = bool(better) and passes(trials.check(assigned_formats(mixed), {}, rtol=rtol,

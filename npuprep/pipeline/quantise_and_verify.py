@@ -396,15 +396,16 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                                weights, stats, applied.tensor_scales, expected.on,
                                centred_means=centred_means,
                                only=set(centred_means) if centre else None)
-        # Every trial below (rules, ranking, widening) is one run of one session: the QDQ model
-        # with each layer's 8-bit inputs behind switches (npuprep.verify.qdq_trials).
-        stage(f"building the switchable {'/'.join(v.fmt.name for v in variants)} model of "
-              f"{len(assigned_formats(layers))} layer(s)")
         stage("measuring the 8-bit layers' input means (bias correction)")
         # The means come from the samples the trials do not run (where there are more): bias
         # correction is kept by its gain on samples it was not fitted to (dnsmos_p835 FP8: fitted
         # on all and measured on four of them it was kept, and its held-out error doubled).
         means = input_means(base, list(assigned_formats(layers)), samples[TRIAL_SAMPLES:] or samples)
+        # Every trial below (rules, ranking, widening) is one run of one session: the QDQ model
+        # with each layer's 8-bit inputs behind switches (npuprep.verify.qdq_trials), the first
+        # built here.
+        stage(f"building the switchable {'/'.join(v.fmt.name for v in variants)} model of "
+              f"{len(assigned_formats(layers))} layer(s)")
         sessions = sessions_of(base, stats, layers, means, JUDGE_MARGIN * rtol, centred_means)
         if top_k:
             judged_by = ", ".join(f"{name} ({rule_said(k)})" for name, k in top_k.items())
