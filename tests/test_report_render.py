@@ -352,3 +352,16 @@ def test_a_failed_conversion_shows_its_verdict_sentence_and_a_pass_only_its_badg
     assert "node &#x27;e&#x27;</p>" in render(failed, plots=False)
     passed = convert_result() | {"passed": True, "verdict": {"passed": True, "said": "PASSED"}}
     assert 'id="verdict-said"' not in render(passed, plots=False)
+
+
+def test_a_convert_page_tables_its_time_by_stage_and_a_result_without_it_has_none() -> None:
+    result = convert_result()
+    assert 'id="stages"' not in render(result, plots=False)
+    result["resources"] = {"wall_s": 4.0, "cpu_s": 6.5, "peak_rss_mb": 200,
+                           "stage_seconds": {"calibrating": {"wall_s": 1.0, "cpu_s": 1.5},
+                                             "balancing": {"wall_s": 3.0, "cpu_s": 5.0}}}
+    page = render(result, plots=False)
+    assert "Time by stage (2)" in page
+    rows = re.findall(r"<tr[^>]*><td[^>]*>(calibrating|balancing)</td>(.*?)</tr>", page, flags=re.S)
+    cells = {name: re.findall(r'data-v="([^"]+)"', rest) for name, rest in rows}
+    assert cells == {"calibrating": ["1.0", "1.5", "25.0"], "balancing": ["3.0", "5.0", "75.0"]}

@@ -223,6 +223,22 @@ def eight_bit_table(result: Mapping[str, Any]) -> Table | None:
                  "8-bit decision per node", cols, rows)
 
 
+def stage_table(result: Mapping[str, Any]) -> Table | None:
+    """What each stage of the run took, wall and CPU seconds, in the order they ran (a
+    convert's `resources.stage_seconds`)."""
+    resources = result.get("resources")
+    stages = resources.get("stage_seconds") if isinstance(resources, Mapping) else None
+    if not isinstance(stages, Mapping) or not stages:
+        return None
+    wall = sum(float(t.get("wall_s", 0.0)) for t in _dicts(list(stages.values()))) or 1.0
+    rows = tuple((str(name), t.get("wall_s"), t.get("cpu_s"),
+                  round(100 * float(t.get("wall_s", 0.0)) / wall, 1))
+                 for name, t in stages.items() if isinstance(t, Mapping))
+    cols = (Column("stage"), Column("wall_s", "num"), Column("cpu_s", "num"),
+            Column("share_of_wall_pct", "num"))
+    return Table("stages", f"Time by stage ({len(rows)})", cols, rows)
+
+
 def forced_table(result: Mapping[str, Any]) -> Table | None:
     forced = result.get("forced_fp32")
     if not isinstance(forced, Mapping) or not forced:
@@ -306,7 +322,8 @@ def tables(result: Mapping[str, Any], order: Sequence[str] = ()) -> tuple[Table,
             findings_table(result),
             actions_table(result), declined_table(result), forced_table(result),
             compare_table(result),
-            convert_tensor_table(result), stats_table(result, order), unobserved_table(result))
+            convert_tensor_table(result), stats_table(result, order), unobserved_table(result),
+            stage_table(result))
     return tuple(t for t in made if t is not None)
 
 
