@@ -270,3 +270,44 @@ def _assert_pieces_give_the_whole(proto, pieces, rng, shape) -> None:
         for piece, session in zip(pieces, sessions, strict=True):
             values.update(run(session, {t: values[t] for t in piece.inputs}, list(piece.outputs)))
         assert np.array_equal(values["y"], run(whole, feed)["y"])
+
+
+# x -> Conv a -> Relu -> s (read by Conv b and the last Add) -> Conv b -> Relu -> Conv c -> Relu
+# -> Conv d -> Add(., s) -> y: in FP32, only the switched inputs' Ifs and the skip s cross a cut
+SKIP = """
+<ir_version: 8, opset_import: ["" : 19]>
+g (float[1, 8, 24, 24] x) => (float[1, 8, 24, 24] y) {
+    [a] h1 = Conv <pads = [1, 1, 1, 1]> (x, Wa)
+    s = Relu (h1)
+    [b] h2 = Conv <pads = [1, 1, 1, 1]> (s, Wb)
+    r2 = Relu (h2)
+    [c] h3 = Conv <pads = [1, 1, 1, 1]> (r2, Wc)
+    r3 = Relu (h3)
+    [d] h4 = Conv <pads = [1, 1, 1, 1]> (r3, Wd)
+    y = Add (h4, s)
+}
+"""
+
+
+def test_a_skip_connection_in_fp32_crosses_the_cuts_and_a_trial_gives_the_whole_bit_for_bit():
+    # SKIP's layers switchable to INT8 alone, every other node FP32 (a balancing's trials)
+    rng = np.random.default_rng(11)
+    proto = parser.parse_model(SKIP)
+    for name in LAYERS:
+        w = rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.3
+        proto.graph.initializer.append(numpy_helper.from_array(w, f"W{name}"))
+    feeds = [{"x": rng.standard_normal((1, 8, 24, 24)).astype(np.float32)}
+             for _ in range(TRIAL_SAMPLES + 2)]
+    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
+    switched = switched_qdq(proto, list(LAYERS), calibrate(model, feeds, detail="all"),
+                            [Variant(eight_bit_format("int8"), (ScaleRule.ABSMAX,), True)])
+    runs = LocalRuns(switched.model, feeds)
+    # s is read until the end: without it crossing, no cut fits after layer a.
+    assert len(runs.pieces) > 2 and any("s" in p.inputs for p in runs.pieces[2:])
+    assert runs._start(switched.feed({"d": "int8"}, {})) > 1
+    whole = make_session(switched.model, prepack=False, threads=1)
+    jobs = [(i, switched.feed(dict.fromkeys(on, "int8"), {}))
+            for r in range(len(LAYERS) + 1) for on in itertools.combinations(LAYERS, r)
+            for i in (0, TRIAL_SAMPLES + 1)]
+    for (i, switches), out in zip(jobs, runs.run(jobs), strict=True):
+        assert np.array_equal(out["y"], run(whole, {**feeds[i], **switches})["y"])

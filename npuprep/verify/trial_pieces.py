@@ -96,7 +96,14 @@ def cut_into_pieces(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]
     # Integer values of known rank (sizes): they may cross a cut, declared with their rank
     # (onnxruntime refuses a Resize whose sizes input has none).
     sized = {t: d for t, d in info.dims.items() if types.get(t) in _EXACT_TYPES}
-    cuts = _cuts(nodes, made, last_read, cost, sum(cost) or 1.0, count, sized)
+    # Values two or more nodes read (or a node and the graph's outputs): no fusion of
+    # onnxruntime's basic level takes a producer whose output another node also reads.
+    readers: dict[str, int] = {o.name: 1 for o in g.output}
+    for names in reads:
+        for name in set(names):
+            readers[name] = readers.get(name, 0) + 1
+    shared = {t for t, n in readers.items() if n > 1}
+    cuts = _cuts(nodes, made, last_read, cost, sum(cost) or 1.0, count, sized, shared)
     cuts = _computing(_within(cuts, made, last_read, size, kept_bytes), set(made.values()),
                       len(nodes))
     if not cuts:
@@ -125,21 +132,24 @@ def crossing(pieces: Sequence[Piece], k: int, graph_outputs: Collection[str]) ->
 
 def _cuts(nodes: Sequence[onnx.NodeProto], made: Mapping[str, int],
           last_read: Mapping[str, int], cost: Sequence[float], total: float,
-          count: int, sized: Mapping[str, tuple[int | None, ...]]) -> list[int]:
+          count: int, sized: Mapping[str, tuple[int | None, ...]],
+          shared: Collection[str] = ()) -> list[int]:
     """Cut positions (a cut at k: nodes before k in earlier pieces) nearest at or before each
     cost quantile where only cuttable producers' values cross, at least one. An integer or
     boolean value of known rank (`sized`: a size taken from the input's shape) crosses any
     cut: no fusion changes
     what it holds, and no float arithmetic reads it as a number (vit_s_focus: the image's
     height and width, read by the decoder's last Resize, crossed every place a cut could go,
-    and its trial model was one piece)."""
+    and its trial model was one piece). So does a value several nodes read (`shared`): a
+    skip connection, which kept a model measured in FP32 (the Conv balancing's trials,
+    without the FP16 rounding chains' Casts) in 3 pieces (ddddocr_det)."""
     live: set[str] = set()
     spent, target, chosen = 0.0, 1, []
     ok = [True] * (len(nodes) + 1)
     for k, node in enumerate(nodes):
         live = {t for t in live if last_read.get(t, -1) >= k}
         ok[k] = bool(live) and all(nodes[made[t]].op_type in _CUTTABLE
-                                   or t in sized for t in live)
+                                   or t in sized or t in shared for t in live)
         live |= {o for o in node.output if o in made and last_read.get(o, -1) > k}
     safe_before = -1
     for k in range(len(nodes)):
