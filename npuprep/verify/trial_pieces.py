@@ -13,9 +13,9 @@ trial whose switches are all read at or after a cut runs the pieces from there
 Every run, a trial's or the all-off one, goes through the same pieces, so a trial starting at
 a cut computes what the run from the first piece computes, bit for bit. A cut is placed only
 where every tensor crossing it is a Cast's, an If's or a Where's output (a rounding chain's
-end, a switched pair or layer, a mask), an integer (a size) or a graph input: onnxruntime
-fuses no such producer with its reader, so the pieces compute what the whole model does
-(tests/test_trial_pieces.py).
+end, a switched pair or layer, a mask), an integer (a size), a graph input, or a value two or
+more nodes read (a skip connection): onnxruntime fuses no such producer with its reader, so
+the pieces compute what the whole model does (tests/test_trial_pieces.py).
 """
 
 from __future__ import annotations
