@@ -163,3 +163,30 @@ def test_the_references_outputs_run_once_are_those_each_subset_ran_alone():
     # A feed not among the samples runs on its own.
     other = {"x": feeds[0]["x"] * 2}
     assert np.array_equal(once.on([other])[0]["y"], reference_outputs(proto, [other])[0]["y"])
+
+
+def test_every_rule_of_an_input_sits_in_one_if_and_each_gives_its_own_pair_bit_for_bit():
+    # CHAIN with every rule of each input switchable: one If per input in the graph (the
+    # rules' pairs inside it); each rule on alone gives what a model of that rule alone gives
+    from npuprep.runtime.session import make_session, run
+
+    proto, feeds, stats = _chain()
+    every = switched_qdq(proto, ["a", "b", "c"], stats, [Variant(INT8, tuple(ScaleRule), True)])
+    gates = [n for n in every.model.graph.node if n.op_type == "If"]
+    assert len(gates) == 3 and len(ScaleRule) > 1
+    then = [a.g for n in gates for a in n.attribute if a.name == "then_branch"]
+    assert len(then) == 3 and all(sum(x.op_type == "If" for x in t.node) == len(ScaleRule)
+                                  for t in then)
+    session = make_session(every.model, prepack=False, threads=1)
+    off = run(session, {**feeds[1], **every.feed({}, {})})["y"]
+    for layer, tensor in (("a", "x"), ("b", "r"), ("c", "k")):
+        seen = []
+        for rule in ScaleRule:
+            alone = switched_qdq(proto, [layer], stats, [Variant(INT8, (rule,), True)])
+            want = run(make_session(alone.model, prepack=False, threads=1),
+                       {**feeds[1], **alone.feed({layer: "int8"}, {})})["y"]
+            got = run(session, {**feeds[1], **every.feed({layer: "int8"}, {tensor: rule})})["y"]
+            assert np.array_equal(got, want) and not np.array_equal(got, off)
+            seen.append(got)
+        # The rules place different clips here (CHAIN's outliers): the pairs are told apart.
+        assert any(not np.array_equal(seen[0], s) for s in seen[1:])

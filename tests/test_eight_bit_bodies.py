@@ -21,7 +21,8 @@ from npuprep.profiles import load_profile
 from npuprep.runtime.session import make_session, run
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.qdq_model import quantise
-from npuprep.verify.qdq_trials import Trials, Variant, rank_layers, switched_qdq
+from npuprep.verify.qdq_trials import Trials, Variant, switched_qdq
+from npuprep.verify.ranking import rank_layers
 
 RNG = np.random.default_rng(11)
 

@@ -18,7 +18,8 @@ from npuprep.profiles import load_profile
 from npuprep.runtime.session import make_session, run
 from npuprep.scale_rules import DEFAULT_RULE
 from npuprep.verify.qdq_model import Sensitivity, quantise
-from npuprep.verify.qdq_trials import Trials, Variant, rank_layers, switched_qdq
+from npuprep.verify.qdq_trials import Trials, Variant, switched_qdq
+from npuprep.verify.ranking import rank_layers
 from npuprep.verify.widening import MIN_COST, by_gain_per_cost
 
 RNG = np.random.default_rng(5)

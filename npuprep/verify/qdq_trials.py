@@ -66,7 +66,7 @@ from npuprep.verify.output_errors import (
     reference_squares,
     worst_pooled_rel_l2,
 )
-from npuprep.verify.qdq_model import Sensitivity, activation_scale, on_target
+from npuprep.verify.qdq_model import activation_scale, on_target
 from npuprep.verify.trial_pieces import Prefixes, crossing, cut_into_pieces, first_pieces
 from npuprep.verify.weight_switches import fold_weight_switches
 
@@ -140,7 +140,8 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
     in `means` (per channel) and that adds a bias also gets its bias corrected for each
     format's weight rounding behind a switch. A layer whose inputs are not FP32 is left as
     it is. With `rules` (the rules chosen), each activation gets only its own rule's pair
-    per format: every pair is computed in every run, switched on or not. With `formats`
+    per format. An activation's pairs sit in one If on any of their switches: switched off,
+    one copy of the tensor per run, however many pairs. With `formats`
     (layer -> format), each layer gets only its own format's switches. `centred_means`:
     layer -> the per-channel mean of its centred input; its bias follows its weight's switch
     (npuprep.rewrite.shift.centred_bias)."""
@@ -170,20 +171,45 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
         return chosen
 
     def gated_pair(on: str, tensor: str, stem: str, v: Variant, scale: ActivationScale,
-                   previous: str) -> str:
+                   previous: str, into: list[onnx.NodeProto]) -> str:
         # An If, not a Where: a Where computes its pair in every run, switched on or not (most
         # of a trial run's cost), an If only where its switch is on; the values are the same.
         inner: list[onnx.NodeProto] = []
         dq = qdq_pair(g, inner, fresh, tensor, stem, v.fmt, v.saturate, scale)
+        return gated(on, inner, dq, previous, stem, into)
+
+    def gated(on: str, inner: list[onnx.NodeProto], value: str, previous: str, stem: str,
+              into: list[onnx.NodeProto]) -> str:
+        """If(on): `inner`'s `value`, else `previous` (copied); its output."""
         kept, chosen = fresh(f"{stem}_kept8"), fresh(f"{stem}_sel8")
-        added.append(helper.make_node(
+        into.append(helper.make_node(
             "If", [on], [chosen], name=fresh(f"{stem}_Sel8"),
             then_branch=helper.make_graph(inner, fresh(f"{stem}_on8"), [], [
-                helper.make_tensor_value_info(dq, TensorProto.FLOAT, None)]),
+                helper.make_tensor_value_info(value, TensorProto.FLOAT, None)]),
             else_branch=helper.make_graph([helper.make_node("Identity", [previous], [kept])],
                                           fresh(f"{stem}_off8"), [], [
                 helper.make_tensor_value_info(kept, TensorProto.FLOAT, None)])))
         return chosen
+
+    def gated_pairs(tensor: str, pairs: list[tuple[str, str, Variant, ActivationScale]]) -> str:
+        """`tensor` through its pairs (switch, stem, variant, scale), the last switched on
+        chosen. Several sit inside one If on any of them: switched off, a pair's If still
+        copies its tensor, and with every rule of every format that was most of a run
+        (unet_tiny's rule-choice trials: the Ifs and their copies 47% of one, the layers 20%)."""
+        if len(pairs) == 1:
+            on, stem, v, scale = pairs[0]
+            return gated_pair(on, tensor, stem, v, scale, tensor, added)
+        inner: list[onnx.NodeProto] = []
+        chosen = tensor
+        for on, stem, v, scale in pairs:
+            chosen = gated_pair(on, tensor, stem, v, scale, chosen, inner)
+        any_on = pairs[0][0]
+        for on, stem, _, _ in pairs[1:]:
+            either = fresh(f"{stem}_any8")
+            added.append(helper.make_node("Or", [any_on, on], [either],
+                                          name=fresh(f"{stem}_Any8")))
+            any_on = either
+        return gated(any_on, inner, chosen, tensor, f"{tensor}_{pairs[0][1]}", added)
 
     weight_switches: dict[tuple[str, str], str] = {}
     input_switches: dict[tuple[str, str, str, ScaleRule], str] = {}
@@ -246,7 +272,7 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
             if slot is not None and bias != slot.tensor:
                 bias_inputs[slot] = bias
         for name in activations:
-            chosen = name
+            pairs = []
             for v in own(label):
                 for rule in v.rules if rules is None else (_own_rule(v, rules.get(name)),):
                     key = (name, v.fmt.name, rule)
@@ -255,8 +281,8 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
                                                        rescaled.get(name, 1.0), v.headroom)
                     input_switches[label, name, v.fmt.name, rule] = on = switch(
                         f"{label}_{v.fmt.name}_{rule}")
-                    chosen = gated_pair(on, name, f"{name}_{v.fmt.name}_{rule}", v, scales[key],
-                                        chosen)
+                    pairs.append((on, f"{name}_{v.fmt.name}_{rule}", v, scales[key]))
+            chosen = gated_pairs(name, pairs) if pairs else name
             for i, x in enumerate(node.input[:2]):
                 if x == name and not (i == 1 and weight is not None):
                     node.input[i] = chosen
@@ -709,58 +735,6 @@ def _alone(reference: onnx.ModelProto, model: onnx.ModelProto, groups: Sequence[
                             centred_means=centred_means)
     return Trials(reference, switched, get_format("fp32"), (), samples,
                   saturate=variant.saturate, runs=runs, expected=expected)
-
-
-def rank_layers(trials: Trials, nodes: Sequence[str], assign: Mapping[str, str],
-                rules: Mapping[str, ScaleRule]) -> list[Sensitivity]:
-    """Each of `nodes` alone in 8 bits (every other layer wider): its own error, which does
-    not depend on the others; and what keeping it wider alone gains with every other layer
-    of `assign` (layer -> 8-bit format) in 8 bits, estimated from the same run: the output
-    deviations of layers quantised together add (to first order), so the outputs without
-    layer L are those of all of them less L's own deviation (len(nodes) + 2 runs, where
-    leaving each out ran once more per layer). The estimate sees the errors that cancel (two
-    guidance branches: tests/test_eight_bit_widening.py) but not every one (ppocr_det: two
-    layers of 61); the widening measures the layers its heads reach (`leave_one_out`). Where
-    every layer in 8 bits gives Inf/NaN there is nothing to subtract from, and each layer is
-    left out by a run. The runs go in batches (on Ray, spread over its actors)."""
-    floats = [name for name, v in trials.expected[0].items()
-              if np.issubdtype(np.asarray(v).dtype, np.floating)]
-    held: dict[int, list[dict[str, np.ndarray]]] = {}
-
-    def keep(i: int, got: list[dict[str, np.ndarray]]) -> None:
-        held[i] = [{n: np.asarray(o[n], np.float64) for n in floats} for o in got]
-
-    every, _ = trials.errors([(assign, rules), ({}, rules)], seen=keep)
-    if not np.isfinite(every):
-        return sorted(leave_one_out(trials, nodes, assign, rules), key=lambda s: -s.gain)
-    all_in, none_in = held[0], held[1]
-    estimated: dict[int, float] = {}
-
-    def without(i: int, got: list[dict[str, np.ndarray]]) -> None:
-        # All in 8 bits, less this layer's own deviation from the wider model.
-        rest = [{n: a[n] - (np.asarray(o[n], np.float64) - z[n]) for n in floats}
-                for a, o, z in zip(all_in, got, none_in, strict=True)]
-        estimated[i] = trials.score(rest, trials.expected[:len(rest)])
-
-    alone = trials.errors([({label: assign[label]}, rules) for label in nodes], seen=without)
-    found = []
-    for i, (label, own) in enumerate(zip(nodes, alone, strict=True)):
-        # An Inf/NaN alone (with every layer finite): no estimate; its own error ranks it.
-        rest = estimated[i] if np.isfinite(estimated[i]) else every
-        found.append(Sensitivity(label, rest, every - rest, own))
-    return sorted(found, key=lambda s: -s.gain)
-
-
-def leave_one_out(trials: Trials, nodes: Sequence[str], assign: Mapping[str, str],
-                  rules: Mapping[str, ScaleRule]) -> list[Sensitivity]:
-    """Each of `nodes` kept wider alone, every other layer of `assign` in 8 bits: what that
-    gains over all of them in 8 bits, measured (a run each), beside its error alone."""
-    every = trials.error(assign, rules)
-    alone = trials.errors([({label: assign[label]}, rules) for label in nodes])
-    without = trials.errors([({n: f for n, f in assign.items() if n != label}, rules)
-                             for label in nodes])
-    return [Sensitivity(label, rest, every - rest, own)
-            for label, rest, own in zip(nodes, without, alone, strict=True)]
 
 
 def choose_rules(trials: Trials, model: onnx.ModelProto, nodes: Sequence[str],

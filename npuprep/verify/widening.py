@@ -213,7 +213,7 @@ def widen_by_ranking(layers: Sequence[LayerPrecision], fmt: EightBitFormat, chec
 
 class _Ranking:
     """The ranking by gain per multiply-add, whose leave-one-out gains may be estimates
-    (npuprep.verify.qdq_trials.rank_layers) until a head reaches them: `head(n)` measures
+    (npuprep.verify.ranking.rank_layers) until a head reaches them: `head(n)` measures
     the first n (`leave_out`) and orders again until the first n are measured. A layer
     measured to cancel another's error goes last (by_gain_per_cost), as with every gain
     measured; the other layers keep their places (ordered by their errors alone), so every
@@ -258,7 +258,7 @@ class _Ranking:
 
     def done(self, widening: Widening) -> Widening:
         widening.rankings.append(self.order)
-        # Each layer alone, all of them and none (npuprep.verify.qdq_trials.rank_layers),
+        # Each layer alone, all of them and none (npuprep.verify.ranking.rank_layers),
         # and each layer a head reached left out.
         widening.rank_runs += self.estimated + 2 + (len(self.measured) if self.leave_out else 0)
         return widening
