@@ -36,11 +36,11 @@ g (float[1, 8, 24, 24] x) => (float[1, 8, 24, 24] y) {
 LAYERS = ("a", "b", "c", "d")
 
 
-def _chain_trials(seed: int) -> tuple[list, Any, Any, LocalRuns]:
-    """CHAIN with random weights, its samples (the kept ones and two past them), its layers
-    behind INT8 switches, the FP16-emulated trial model and its runs in pieces."""
+def _switched(text: str, seed: int) -> tuple[list, Any]:
+    """The model `text` (LAYERS' weights W<layer>, 8 x 8 x 3 x 3) with random weights, its
+    samples (the kept ones and two past them) and its layers behind INT8 switches."""
     rng = np.random.default_rng(seed)
-    proto = parser.parse_model(CHAIN)
+    proto = parser.parse_model(text)
     for name in LAYERS:
         w = rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.3
         proto.graph.initializer.append(numpy_helper.from_array(w, f"W{name}"))
@@ -48,8 +48,14 @@ def _chain_trials(seed: int) -> tuple[list, Any, Any, LocalRuns]:
              for _ in range(TRIAL_SAMPLES + 2)]
     model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
     stats = calibrate(model, feeds, detail="all")
-    switched = switched_qdq(proto, list(LAYERS), stats,
-                            [Variant(eight_bit_format("int8"), (ScaleRule.ABSMAX,), True)])
+    return feeds, switched_qdq(proto, list(LAYERS), stats,
+                               [Variant(eight_bit_format("int8"), (ScaleRule.ABSMAX,), True)])
+
+
+def _chain_trials(seed: int) -> tuple[list, Any, Any, LocalRuns]:
+    """CHAIN's samples, its switched layers, the FP16-emulated trial model and its runs in
+    pieces."""
+    feeds, switched = _switched(CHAIN, seed)
     trial = on_target(switched.model, get_format("fp16"), set(), saturate=True)
     trial = fold_weight_switches(trial, switched.weight_switches.values())
     return feeds, switched, trial, LocalRuns(trial, feeds)
@@ -291,16 +297,7 @@ g (float[1, 8, 24, 24] x) => (float[1, 8, 24, 24] y) {
 
 def test_a_skip_connection_in_fp32_crosses_the_cuts_and_a_trial_gives_the_whole_bit_for_bit():
     # SKIP's layers switchable to INT8 alone, every other node FP32 (a balancing's trials)
-    rng = np.random.default_rng(11)
-    proto = parser.parse_model(SKIP)
-    for name in LAYERS:
-        w = rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.3
-        proto.graph.initializer.append(numpy_helper.from_array(w, f"W{name}"))
-    feeds = [{"x": rng.standard_normal((1, 8, 24, 24)).astype(np.float32)}
-             for _ in range(TRIAL_SAMPLES + 2)]
-    model = Model(proto=proto, path="m.onnx", digest=fingerprint(proto))
-    switched = switched_qdq(proto, list(LAYERS), calibrate(model, feeds, detail="all"),
-                            [Variant(eight_bit_format("int8"), (ScaleRule.ABSMAX,), True)])
+    feeds, switched = _switched(SKIP, 11)
     runs = LocalRuns(switched.model, feeds)
     # s is read until the end: without it crossing, no cut fits after layer a.
     assert len(runs.pieces) > 2 and any("s" in p.inputs for p in runs.pieces[2:])
