@@ -14,7 +14,7 @@ from npuprep.report.output_verdicts import (
     where_errors_sit,
 )
 from npuprep.report.pin_count import pins_said
-from npuprep.report.tables import failure_said
+from npuprep.report.tables import failure_said, stage_table
 
 
 def _num(v: Any) -> str:
@@ -65,14 +65,13 @@ def resources_line(resources: dict[str, Any]) -> str:
 
 
 def stage_time_lines(resources: dict[str, Any]) -> list[str]:
-    """The run's wall and CPU seconds per stage, in the order the stages ran, as a table."""
-    stages = resources.get("stage_seconds") or {}
-    wall = sum(t["wall_s"] for t in stages.values()) or 1.0
+    """The run's wall and CPU seconds per stage, in the order the stages ran, as a table (the
+    rows of the HTML page's, npuprep.report.tables.stage_table)."""
+    table = stage_table({"resources": resources})
     return ["", "## Time by stage", "", "| stage | wall s | CPU s | share of the wall time |",
             "|---|---|---|---|",
-            *(_row([md_text(name), f"{t['wall_s']:.1f}", f"{t['cpu_s']:.1f}",
-                    f"{100 * t['wall_s'] / wall:.0f}%"]) for name, t in stages.items())
-            ] if stages else []
+            *(_row([md_text(name), f"{wall:.1f}", f"{cpu:.1f}", f"{share:.0f}%"])
+              for name, wall, cpu, share in table.rows)] if table is not None else []
 
 
 def longest_stages(resources: dict[str, Any], count: int = 3) -> str:

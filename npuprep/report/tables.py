@@ -232,7 +232,7 @@ def stage_table(result: Mapping[str, Any]) -> Table | None:
         return None
     wall = sum(float(t.get("wall_s", 0.0)) for t in _dicts(list(stages.values()))) or 1.0
     rows = tuple((str(name), t.get("wall_s"), t.get("cpu_s"),
-                  round(100 * float(t.get("wall_s", 0.0)) / wall, 1))
+                  100 * float(t.get("wall_s", 0.0)) / wall)
                  for name, t in stages.items() if isinstance(t, Mapping))
     cols = (Column("stage"), Column("wall_s", "num"), Column("cpu_s", "num"),
             Column("share_of_wall_pct", "num"))

@@ -322,10 +322,11 @@ def balance_conv_inputs(model: onnx.ModelProto, nodes: Sequence[str], stats: Cal
     again = [k for k, x in enumerate(tensors)
              if (r := raised.tensors.get(read.get(x, ""))) is not None and r.unseen_raise > 1.0]
     after_lifted = list(after_plain)
-    for k, error in zip(again, measure(every.model, raised, [groups[k] for k in again], check,
-                                       [after_plain[k] for k in again]) if again else [],
-                        strict=True):
-        after_lifted[k] = error
+    if again:
+        found = measure(every.model, raised, [groups[k] for k in again], check,
+                        [after_plain[k] for k in again])
+        for k, error in zip(again, found, strict=True):
+            after_lifted[k] = error
     unfitted = {**{x: known.fitted[x] for x in tensors if x in known.fitted},
                 **calibrated(model, path, "unbalanced", list(samples)[fitted],
                               [x for x in tensors if x not in known.fitted])}
