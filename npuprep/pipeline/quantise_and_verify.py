@@ -123,6 +123,7 @@ from npuprep.verify.qdq_trials import (
     choose_rules,
     errors_alone,
 )
+from npuprep.verify.second_draw import second_draw, second_draw_notes
 from npuprep.verify.widening import CurvePoint, Widening
 
 # Below this share of 8-bit multiply-adds the model has not been converted to 8 bits.
@@ -627,6 +628,10 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                                    top_k=top_k, expected=found.expected, emulated_outputs=ran)
         del emulated
         check, held = checks[0], (checks[1] if holdout is not None else None)
+        stage("running the written model as onnxruntime does (another draw of the rounding)")
+        drawn = second_draw(work.proto, built, samples, holdout, rtol=rtol, top_k=top_k,
+                            expected=found.expected)
+        notes += second_draw_notes(check, held, drawn)
         notes.append(curve_note(widening.curve, trial_runs, widening.check.worst_rel_l2))
         notes += chance_notes(check)
         offsets = zero_points(built)
@@ -675,7 +680,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                 rank_runs=widening.rank_runs, curve=tuple(widening.curve), kept_wider_cost=_cost(widened, macs),
                 tensor_rules=dict(tensor_rules), balanced=dict(balanced),
                 input_shapes={k: tuple(v) for k, v in sample_shapes(samples).items()},
-                zero_points=offsets, searched=quick is None),
+                zero_points=offsets, searched=quick is None, as_written=drawn),
         )
 
     first = finish(centre=False)

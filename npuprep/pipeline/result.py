@@ -22,6 +22,7 @@ from npuprep.plan.remedies import remedied
 from npuprep.profiles import TargetProfile
 from npuprep.provenance import ConversionRecord
 from npuprep.verify.output_check import OutputCheck
+from npuprep.verify.second_draw import SecondDraw
 
 if TYPE_CHECKING:
     from npuprep.calibrate.stats import CalibrationStats
@@ -100,6 +101,9 @@ class EightBitResult:
     # False: the plain start was kept as it is or widened by its own ranking
     # (npuprep.pipeline.plain_start), nothing treated
     searched: bool = True
+    # The written model as onnxruntime runs it, its wider layers in FP32: another draw of the
+    # 8-bit rounding than the verified FP16 run (npuprep.verify.second_draw)
+    as_written: SecondDraw | None = None
 
     @property
     def share_met(self) -> bool:
@@ -127,6 +131,7 @@ class EightBitResult:
             "zero_points": {"uint8_with_zero_point": self.zero_points[0],
                             "activations": self.zero_points[1]},
             "searched": self.searched,
+            "as_written": self.as_written.to_dict() if self.as_written is not None else None,
         }
 
 

@@ -173,6 +173,7 @@ def convert_markdown(result: dict[str, Any]) -> str:
                       if "detect" in o else "")
             lines.append(f"- {md_code(name)}: Inf/NaN {o['nonfinite']}, max abs error {_num(o['max_abs_error'])}, "
                          f"rel L2 {_num(o['rel_l2'])}{agree}")
+    lines += _second_draw_lines(result)
     where = where_errors_sit(result)
     if where:
         lines += ["", "Where the error sits (an error at a few positions where the FP32 model is "
@@ -196,6 +197,24 @@ def convert_markdown(result: dict[str, Any]) -> str:
 
 # Layers listed per attribution round; the JSON report has them all.
 ATTRIBUTED_SHOWN = 10
+
+
+def _second_draw_lines(result: dict[str, Any]) -> list[str]:
+    """An 8-bit conversion's written model as onnxruntime runs it (npuprep.verify.second_draw),
+    output by output, beside the verified run's numbers above."""
+    drawn = (result.get("eight_bit") or {}).get("as_written")
+    if not drawn:
+        return []
+    lines = ["", "The written model as onnxruntime runs it (its wider layers in FP32: another draw "
+             "of the 8-bit rounding than the verified FP16 run; the gate reads the verified one):",
+             ""]
+    for which, key in (("calibration", "calibration"), ("held-out", "holdout")):
+        for name, o in ((drawn.get(key) or {}).get("outputs") or {}).items():
+            agree = f", {_decisions(o)}" if judged_by_decisions(o) else ""
+            lines.append(f"- {md_code(name)} on the {which} samples: Inf/NaN {o['nonfinite']}, "
+                         f"max abs error {_num(o['max_abs_error'])}, rel L2 {_num(o['rel_l2'])}"
+                         f"{agree}")
+    return lines
 
 
 def _attribution_lines(result: dict[str, Any]) -> list[str]:
