@@ -22,7 +22,11 @@ from npuprep.runtime.session import make_session, run
 
 pytest.importorskip("openvino")
 
-from npuprep.vendors.openvino import run_openvino  # noqa: E402
+from npuprep.vendors.openvino import capabilities, run_openvino  # noqa: E402
+
+# What this CPU has kernels for: without BF16 / FP16 ones (an AVX2-only CPU) OpenVINO runs
+# those hints in FP32, and the tests check that npuprep says so instead of their overflow.
+HAS_BF16, HAS_FP16 = "BF16" in capabilities(), "FP16" in capabilities()
 from npuprep.verify.vendor_openvino import openvino_check  # noqa: E402
 
 
@@ -55,9 +59,11 @@ def test_bf16_hint_crosscheck_reads_bf16_matmul_and_fp32_elementwise() -> None:
     report = read_openvino("runtime.json", json.loads(json.dumps(done.report())), index)
     result = crosscheck(model, report, load_profile("openvino-cpu").resolve("bf16"), index=index)
     runs = {v.node: v.runs_in for v in result.verdicts}
-    # The CPU plugin runs the MatMul on its BF16 kernel and keeps the fused Exp/Mul/Add in FP32.
-    assert runs["mm"] == "bf16"
+    # The CPU plugin runs the MatMul on its BF16 kernel and keeps the fused Exp/Mul/Add in FP32;
+    # a CPU without BF16 kernels runs it in FP32 too, and the crosscheck says why.
+    assert runs["mm"] == ("bf16" if HAS_BF16 else "fp32")
     assert runs["ex"] == runs["sq"] == runs["add"] == "fp32"
+    assert any("has no BF16 kernels" in n for n in result.notes) is not HAS_BF16
     # BF16 rounding of 0.5 is exact: the outputs match FP32 onnxruntime to BF16's precision.
     expected = run(make_session(proto), {"x": x})["z"]
     np.testing.assert_allclose(done.outputs[0]["z"], expected, rtol=1e-2)
@@ -69,9 +75,18 @@ def test_f16_hint_overflows_loudly_and_crosscheck_names_the_ignored_pin() -> Non
     x = np.full((2, 16), 6.0, np.float32)
     target = load_profile("openvino-cpu").resolve("fp16")
     check = openvino_check(proto, proto, [{"x": x}], target, precision="fp16")
-    assert check.built and not check
-    assert check.outputs["z"]["nonfinite"] == 32
     assert np.isfinite(run(make_session(proto), {"x": x})["z"]).all()
+    assert check.built and check.layers is not None
+    if not HAS_FP16:
+        # No FP16 kernels: it ran in FP32, finite, and the check says it shows no FP16 overflow
+        # (not that OpenVINO chose to run the layers wider).
+        assert check and check.outputs["z"]["nonfinite"] == 0
+        assert any("has no FP16 kernels" in n and "neither FP16's rounding nor its overflow" in n
+                   for n in check.layers.notes)
+        assert not any("own choice" in n for n in check.layers.notes)
+        return
+    assert not check
+    assert check.outputs["z"]["nonfinite"] == 32
     model = _model(proto)
     report = read_openvino("r.json", json.loads(check.accuracy_report), NodeIndex(model))
     pinned = crosscheck(model, report, target, pinned_nodes=("sq",))
@@ -105,7 +120,9 @@ def test_probe_through_openvino_fp16_is_loud_and_bf16_keeps_fp32_range() -> None
     # The Mul probe's product is 1.3e5: past FP16's 65504, well inside BF16's range.
     fp16 = run_micro_probes(OpenvinoBackend("fp16"), get_format("fp16"), ("mul",))
     bf16 = run_micro_probes(OpenvinoBackend("bf16"), get_format("bf16"), ("mul",))
-    assert [r.verdict for r in fp16.results] == ["inf"]
+    # Without FP16 kernels the product comes back exactly: computed wider, said as such.
+    assert [r.verdict for r in fp16.results] == ["inf" if HAS_FP16 else "no-overflow"]
+    assert fp16.results[0].classification.wider is not HAS_FP16
     assert [r.verdict for r in bf16.results] == ["no-overflow"]
 
 
@@ -141,8 +158,9 @@ def test_crosscheck_cli_vendor_report_saved_and_read_back(tmp_path) -> None:
     first, second = json.loads(made.stdout), json.loads(again.stdout)
     assert second["report_format"] == "openvino"
     runs = {v["node"]: v["runs_in"] for v in second["verdicts"]}
-    assert runs["mm"] == "bf16" and runs["ex"] == "fp32"
+    assert runs["mm"] == ("bf16" if HAS_BF16 else "fp32") and runs["ex"] == "fp32"
     assert first["counts"] == second["counts"]
+    assert json.loads(saved.read_text())["capabilities"] == list(capabilities())
     both = run_cli("crosscheck", path, "--report", saved, "--vendor", "openvino",
                    "--target", "openvino-cpu")
     assert both.returncode == 2 and "not both" in both.stderr
@@ -159,10 +177,12 @@ def test_convert_verify_with_openvino_gives_its_outputs_verdict_and_runtime_prec
     check = result.vendor
     assert check is not None and check.built and check
     assert check.target_platform == "CPU, hint bf16"
-    # Its error is BF16's: at most a few BF16 ulps (2^-8 relative), never zero, never large.
-    assert 0 < check.outputs["z"]["rel_l2"] < 2 ** -6
+    # Its error is BF16's: at most a few BF16 ulps (2^-8 relative), never zero, never large;
+    # without BF16 kernels it ran in FP32 (float rounding only).
+    assert (0 if HAS_BF16 else -1) < check.outputs["z"]["rel_l2"] < (2 ** -6 if HAS_BF16 else 1e-6)
     assert check.layers is not None and bool(check.layers)
-    assert {v.node: v.runs_in for v in check.layers.verdicts}["mm"] == "bf16"
+    assert {v.node: v.runs_in for v in check.layers.verdicts}["mm"] == ("bf16" if HAS_BF16
+                                                                        else "fp32")
     assert json.loads(check.accuracy_report)["hint"] == "bf16"
 
 
@@ -179,3 +199,22 @@ def test_fullyconnected_named_after_its_bias_carries_the_matmul_not_the_weight_t
     report = read_openvino("r.json", data, index)
     result = crosscheck(model, report, load_profile("openvino-cpu").resolve("bf16"), index=index)
     assert {v.node: v.runs_in for v in result.verdicts}["mm"] == "bf16"
+
+
+def test_a_report_from_a_cpu_without_the_hints_kernels_says_it_shows_no_such_rounding() -> None:
+    # The same runtime layers, read as a CPU listing BF16, an AVX2-only one and an older
+    # report without capabilities would give them.
+    model = _model(_mlp())
+    layers = [{"name": "mm", "type": "FullyConnected", "runtime_precision": "f32",
+               "output_precisions": ["f32"], "original_names": ["mm"]}]
+
+    def notes(caps: list[str] | None) -> tuple[str, ...]:
+        data = {"format": "openvino_runtime", "device": "CPU", "hint": "bf16", "layers": layers}
+        if caps is not None:
+            data["capabilities"] = caps
+        return read_openvino("r.json", data, NodeIndex(model)).notes
+
+    assert not any("kernels" in n for n in notes(["FP32", "BF16", "INT8", "BIN"]))
+    assert not any("kernels" in n for n in notes(None))
+    assert ("this CPU has no BF16 kernels (OPTIMIZATION_CAPABILITIES: FP32, INT8): OpenVINO ran "
+            "the bf16 hint in FP32") in notes(["FP32", "INT8", "BIN", "EXPORT_IMPORT"])[-1]

@@ -25,6 +25,9 @@ _MOVES = {"Reorder", "Convert"}
 _WEIGHT_PREP = {"/transpose_a", "/transpose_b"}
 _MAC_LAYERS = {"FullyConnected", "Convolution", "MatMul", "Deconvolution"}
 _SPLIT_OFF = re.compile(r"(/[^/]+|\.\d+|:\d+)$")
+# A precision hint -> the OPTIMIZATION_CAPABILITIES entry of a device with kernels of its type.
+_CAPABILITY = {"f16": "FP16", "bf16": "BF16"}
+_TYPE = re.compile(r"(FP|BF|INT|UINT)\d+$")
 # `risk_logits_compressed_to_f16`: the Convert OpenVINO puts after a node to store it in f16.
 _COMPRESSED = re.compile(r"(.+)_compressed_to_f16(?:[.:]\d+)?")
 
@@ -83,7 +86,23 @@ def read_openvino(path: str, data: object, index: NodeIndex) -> CompilerReport:
     hint = data.get("hint", "")
     return CompilerReport(path=path, format="openvino", records=tuple(records),
                           notes=(f"OpenVINO {data.get('openvino', '')} on "
-                                 f"{data.get('device', '')}, INFERENCE_PRECISION_HINT {hint}",))
+                                 f"{data.get('device', '')}, INFERENCE_PRECISION_HINT {hint}",
+                                 *hint_unsupported(data)))
+
+
+def hint_unsupported(data: dict) -> tuple[str, ...]:
+    """A note where the device has no kernels of the hint's type (its OPTIMIZATION_CAPABILITIES,
+    a report without them says nothing): every layer then ran wider, by no choice of the plugin."""
+    hint, device = str(data.get("hint", "")), str(data.get("device", ""))
+    # The number types among the capabilities (not BIN, EXPORT_IMPORT).
+    have = [c for c in (str(c).upper() for c in data.get("capabilities") or ()) if _TYPE.match(c)]
+    wanted = _CAPABILITY.get(hint)
+    if not have or wanted is None or wanted in have:
+        return ()
+    return (f"this {device} has no {wanted} kernels (OPTIMIZATION_CAPABILITIES: "
+            f"{', '.join(have)}): OpenVINO ran the {hint} hint in FP32, so this report shows "
+            f"neither {wanted}'s rounding nor its overflow; run it on a {device} that lists "
+            f"{wanted}",)
 
 
 def _with_fused_mac(kind: str, nodes: list[str], index: NodeIndex) -> list[str]:

@@ -88,23 +88,32 @@ class RuntimeLayer:
 
 @dataclass(frozen=True)
 class OpenvinoRun:
-    """What one compile-and-run gave: outputs per sample and the runtime layers."""
+    """What one compile-and-run gave: outputs per sample and the runtime layers; the device's
+    OPTIMIZATION_CAPABILITIES (FP32, BF16, FP16, INT8, ...: the types it has kernels for)."""
 
     device: str
     hint: str
     version: str
     layers: tuple[RuntimeLayer, ...]
     outputs: tuple[dict[str, np.ndarray], ...]
+    capabilities: tuple[str, ...] = ()
 
     def report(self) -> dict[str, Any]:
         """The runtime report crosscheck reads (`--report-format openvino`)."""
-        return runtime_report(self.layers, self.device, self.hint, self.version)
+        return runtime_report(self.layers, self.device, self.hint, self.version,
+                              self.capabilities)
 
 
 def runtime_report(layers: Sequence[RuntimeLayer], device: str, hint: str,
-                   ov_version: str) -> dict[str, Any]:
+                   ov_version: str, capabilities: Sequence[str] = ()) -> dict[str, Any]:
     return {"format": REPORT_FORMAT, "openvino": ov_version, "device": device, "hint": hint,
-            "layers": [layer.to_dict() for layer in layers]}
+            "capabilities": list(capabilities), "layers": [layer.to_dict() for layer in layers]}
+
+
+def capabilities(device: str = "CPU") -> tuple[str, ...]:
+    """The number types `device` has kernels for (OPTIMIZATION_CAPABILITIES): a CPU without
+    BF16 or FP16 ones (AVX2 only) runs those hints in FP32."""
+    return tuple(str(c) for c in _ov().Core().get_property(device, "OPTIMIZATION_CAPABILITIES"))
 
 
 def compile_onnx(model: onnx.ModelProto, hint: str, device: str = "CPU") -> Any:
@@ -150,7 +159,8 @@ def report_of(model: onnx.ModelProto, precision: str, *, default: str = "bf16",
               device: str = "CPU") -> dict[str, Any]:
     """The runtime report of `model` compiled for `precision`, without running it."""
     hint = hint_for(precision, default)
-    return runtime_report(runtime_layers(compile_onnx(model, hint, device)), device, hint, version())
+    return runtime_report(runtime_layers(compile_onnx(model, hint, device)), device, hint, version(),
+                          capabilities(device))
 
 
 def run_openvino(model: onnx.ModelProto, samples: Sequence[Mapping[str, np.ndarray]],
@@ -173,7 +183,8 @@ def run_openvino(model: onnx.ModelProto, samples: Sequence[Mapping[str, np.ndarr
                 row[name] = np.array(value)
         outputs.append(row)
     return OpenvinoRun(device=device, hint=hint, version=version(),
-                       layers=runtime_layers(compiled), outputs=tuple(outputs))
+                       layers=runtime_layers(compiled), outputs=tuple(outputs),
+                       capabilities=capabilities(device))
 
 
 def _first_line(error: Exception) -> str:

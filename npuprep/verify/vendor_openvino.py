@@ -64,7 +64,7 @@ def runtime_crosscheck(model: onnx.ModelProto, report: dict[str, Any], target: R
     """crosscheck of OpenVINO's runtime report against `plan` (a Plan), on `model`."""
     from npuprep.crosscheck.check import crosscheck
     from npuprep.crosscheck.names import NodeIndex
-    from npuprep.crosscheck.openvino import read_openvino
+    from npuprep.crosscheck.openvino import hint_unsupported, read_openvino
     from npuprep.crosscheck.plan_view import decision_of
 
     named = Model(proto=model, path="the converted model", digest=fingerprint(model))
@@ -72,7 +72,9 @@ def runtime_crosscheck(model: onnx.ModelProto, report: dict[str, Any], target: R
     read = read_openvino("openvino runtime model", report, index)
     decision = None if plan is None else decision_of(plan, index, "the conversion's plan")
     checked = crosscheck(named, read, target, index=index, decision=decision)
-    return replace(checked, notes=(*checked.notes, *_wider(checked, target.fmt.name)))
+    # A device without the hint's kernels ran everything wider: its note says so, not _wider's.
+    wider = () if hint_unsupported(report) else _wider(checked, target.fmt.name)
+    return replace(checked, notes=(*checked.notes, *wider))
 
 
 def _wider(checked: Crosscheck, planned: str) -> tuple[str, ...]:
