@@ -628,7 +628,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                                    top_k=top_k, expected=found.expected, emulated_outputs=ran)
         del emulated
         check, held = checks[0], (checks[1] if holdout is not None else None)
-        stage("running the written model as onnxruntime does (another draw of the rounding)")
+        stage("running the written model as onnxruntime does (a second draw)")
         drawn = second_draw(work.proto, built, samples, holdout, rtol=rtol, top_k=top_k,
                             expected=found.expected)
         notes += second_draw_notes(check, held, drawn)
