@@ -62,6 +62,28 @@ def model_with_weights(tmp_path: Path, text: str, weights: dict[str, np.ndarray]
     return Model(proto=proto, path=str(path), digest=fingerprint(proto))
 
 
+# x -> MatMul(W) -> Relu -> MatMul(V) -> y
+INT8_MLP = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[4, 16] x) => (float[4, 8] y) {
+    [mm1] h = MatMul (x, W)
+    a = Relu (h)
+    [mm2] y = MatMul (a, V)
+}
+"""
+
+
+def int8_mlp(seed: int, samples: int = 8) -> tuple[Model, list[dict[str, np.ndarray]]]:
+    """INT8_MLP with random weights (scale 0.4) and `samples` standard-normal inputs."""
+    rng = np.random.default_rng(seed)
+    proto = parser.parse_model(INT8_MLP)
+    proto.graph.initializer.extend([
+        numpy_helper.from_array((rng.standard_normal((16, 32)) * 0.4).astype(np.float32), "W"),
+        numpy_helper.from_array((rng.standard_normal((32, 8)) * 0.4).astype(np.float32), "V")])
+    feeds = [{"x": rng.standard_normal((4, 16)).astype(np.float32)} for _ in range(samples)]
+    return Model(proto=proto, path="m.onnx", digest=fingerprint(proto)), feeds
+
+
 def pooled_rel_l2(model: onnx.ModelProto, ref: onnx.ModelProto, feeds: list) -> float:
     """Rel L2 of `model`'s outputs against `ref`'s, pooled over every output and feed."""
     got, want = make_session(model), make_session(ref)

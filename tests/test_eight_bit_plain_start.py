@@ -16,27 +16,12 @@ from npuprep.pipeline import convert
 from npuprep.pipeline.plain_start import PLAIN_MARGIN, PLAIN_NEAR, PLAIN_SHARE
 from npuprep.pipeline.quantise_and_verify import JUDGE_MARGIN
 from npuprep.profiles import load_profile
-from tests.conftest import run_cli
-
-# x -> MatMul(W) -> Relu -> MatMul(V) -> y
-MLP = """
-<ir_version: 8, opset_import: ["" : 17]>
-g (float[4, 16] x) => (float[4, 8] y) {
-    [mm1] h = MatMul (x, W)
-    a = Relu (h)
-    [mm2] y = MatMul (a, V)
-}
-"""
+from tests.conftest import int8_mlp, run_cli
 
 
 def _model() -> tuple[Model, list[dict[str, np.ndarray]]]:
-    rng = np.random.default_rng(3)
-    proto = parser.parse_model(MLP)
-    proto.graph.initializer.extend([
-        numpy_helper.from_array((rng.standard_normal((16, 32)) * 0.4).astype(np.float32), "W"),
-        numpy_helper.from_array((rng.standard_normal((32, 8)) * 0.4).astype(np.float32), "V")])
-    feeds = [{"x": rng.standard_normal((4, 16)).astype(np.float32)} for _ in range(8)]
-    return Model(proto=proto, path="m.onnx", digest=fingerprint(proto)), feeds
+    # x -> MatMul(W) -> Relu -> MatMul(V) -> y
+    return int8_mlp(3)
 
 
 def _convert(rtol: float, search: str | None = None):

@@ -5,64 +5,30 @@ passes, or errs twice as much (npuprep.verify.second_draw)."""
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
-from onnx import numpy_helper, parser
 
 from npuprep.calibrate import calibrate
-from npuprep.model_io import Model, fingerprint
 from npuprep.pipeline import convert
 from npuprep.profiles import load_profile
 from npuprep.verify.output_check import OutputCheck
 from npuprep.verify.second_draw import DRAW_RATIO, SecondDraw, second_draw_notes
-
-# x -> MatMul(W) -> Relu -> MatMul(V) -> y
-MLP = """
-<ir_version: 8, opset_import: ["" : 17]>
-g (float[4, 16] x) => (float[4, 8] y) {
-    [mm1] h = MatMul (x, W)
-    a = Relu (h)
-    [mm2] y = MatMul (a, V)
-}
-"""
-
-
-def _model() -> tuple[Model, list[dict[str, np.ndarray]], list[dict[str, np.ndarray]]]:
-    rng = np.random.default_rng(5)
-    proto = parser.parse_model(MLP)
-    proto.graph.initializer.extend([
-        numpy_helper.from_array((rng.standard_normal((16, 32)) * 0.4).astype(np.float32), "W"),
-        numpy_helper.from_array((rng.standard_normal((32, 8)) * 0.4).astype(np.float32), "V")])
-    feeds = [{"x": rng.standard_normal((4, 16)).astype(np.float32)} for _ in range(12)]
-    return Model(proto=proto, path="m.onnx", digest=fingerprint(proto)), feeds[:8], feeds[8:]
-
-
-def _pooled_rel_l2(model: bytes, reference: bytes, feeds: list[dict[str, np.ndarray]]) -> float:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    got = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-    want = ort.InferenceSession(reference, options, providers=["CPUExecutionProvider"])
-    num = den = 0.0
-    for feed in feeds:
-        c = np.asarray(got.run(None, feed)[0], np.float64)
-        r = np.asarray(want.run(None, feed)[0], np.float64)
-        num, den = num + float(np.sum((c - r) ** 2)), den + float(np.sum(r ** 2))
-    return float(np.sqrt(num / den))
+from tests.conftest import int8_mlp, pooled_rel_l2
 
 
 def test_the_written_models_second_draw_is_onnxruntimes_run_of_the_file():
-    model, calib, held = _model()
+    # x -> MatMul(W) -> Relu -> MatMul(V) -> y
+    model, feeds = int8_mlp(5, samples=12)
+    calib, held = feeds[:8], feeds[8:]
     result = convert(model, load_profile("orin"), calib, holdout=held, precision="int8",
                      rtol=0.05, stats=calibrate(model, calib, detail="all"))
     assert result.eight_bit is not None and result.eight_bit.eight_bit_share == 1.0
     drawn = result.eight_bit.as_written
     assert drawn is not None and drawn.holdout is not None
-    written = result.lowered.model.SerializeToString()
-    reference = model.proto.SerializeToString()
-    # The numbers are the file's own, run here as a user would run it.
+    # The numbers are the file's own, as onnxruntime runs it (one output: pooled is its own).
+    written = result.lowered.model
     assert np.isclose(drawn.calibration.outputs["y"]["rel_l2"],
-                      _pooled_rel_l2(written, reference, calib), rtol=1e-6)
+                      pooled_rel_l2(written, model.proto, calib), rtol=1e-5)
     assert np.isclose(drawn.holdout.outputs["y"]["rel_l2"],
-                      _pooled_rel_l2(written, reference, held), rtol=1e-6)
+                      pooled_rel_l2(written, model.proto, held), rtol=1e-5)
     # ... another draw than the verified run, which rounds the MatMuls' outputs to FP16.
     assert drawn.calibration.outputs["y"]["rel_l2"] != result.output_check.outputs["y"]["rel_l2"]
     # Here the draws agree: no note, and the report carries both.
