@@ -132,3 +132,35 @@ def test_the_checklist_asks_the_board_for_the_samples_the_held_out_check_lacked(
         checklist = build_checklist(model, load_profile("a2000"), model_arg="cls.onnx",
                                     target_arg="a2000", workspace=scan_workspace(ws))
         assert not [s for i in checklist.items for s in i.steps if "fresh samples" in s]
+
+
+def test_the_checklist_says_where_the_written_models_second_draw_changed_decisions(tmp_path):
+    proto = parser.parse_model(CLASSIFIER)
+    proto.graph.initializer.append(onnx.numpy_helper.from_array(
+        np.ones((16, 10), np.float32), "W"))
+    model = Model(proto, "cls.onnx", fingerprint(proto))
+
+    def steps(drawn_agreement: float | None) -> list[str]:
+        (tmp_path / str(drawn_agreement)).mkdir()
+        ws = _workspace(tmp_path / str(drawn_agreement), model, 59)
+        doc = json.loads((ws / "convert.json").read_text())
+        row = {"nonfinite": 0, "max_abs_error": 0.3, "rel_l2": 0.05, "top_k": 0, "ctc_text": True,
+               "top_k_agreement": 1.0, "top_k_positions": 8}
+        doc["verification"] = {"passed": True, "rtol": 0.05, "samples": 8, "outputs": {"p": row}}
+        if drawn_agreement is not None:
+            doc["eight_bit"] = {"as_written": {"passed": drawn_agreement == 1.0, "holdout": None,
+                                               "calibration": {"rtol": 0.05, "samples": 8,
+                                                               "outputs": {"p": {
+                                                                   **row, "rel_l2": 0.095,
+                                                                   "top_k_agreement":
+                                                                       drawn_agreement}}}}}
+        (ws / "convert.json").write_text(json.dumps(doc))
+        checklist = build_checklist(model, load_profile("a2000"), model_arg="cls.onnx",
+                                    target_arg="a2000", workspace=scan_workspace(ws))
+        return [s for i in checklist.items if i.key == "compare" for s in i.steps
+                if "another draw" in s]
+
+    [asked] = steps(0.875)
+    assert "`p` 1 of 8 on the calibration samples" in asked and "none of 59" in asked
+    # The draws agree, or the report predates the second draw: nothing asked.
+    assert steps(1.0) == [] and steps(None) == []

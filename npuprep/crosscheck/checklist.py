@@ -606,7 +606,7 @@ def _compare(ctx: _Context, stats: Any, top_n: int, masks: tuple[str, ...] = ())
     steps.append("run the same fixed batch on the board, dump the tensors named above and check them "
                  "against the emulation's values (max abs error and headroom, not cosine alone)")
     if converted is not None:
-        steps += _decisions_on_the_board(converted[1])
+        steps += _decisions_on_the_board(converted[1]) + _decisions_on_a_second_draw(converted[1])
     found = ctx.artefact("compare", same_model=False)
     if found is None:
         return Item("compare", title, False, tuple(evidence), tuple(steps))
@@ -647,6 +647,38 @@ def _decisions_on_the_board(convert_doc: dict[str, Any]) -> list[str]:
             f"{percent(unseen_share(samples))} only: run {need} fresh samples on the board and count "
             f"those whose decisions (text, class, detections) differ from FP32; none of {need} "
             f"rules out {percent(RULED_OUT)}"]
+
+
+def _decisions_on_a_second_draw(convert_doc: dict[str, Any]) -> list[str]:
+    """A step where the written 8-bit model as onnxruntime runs it (eight_bit.as_written:
+    another draw of the rounding, npuprep.verify.second_draw) changed decisions that convert's
+    verified run held, on the same samples."""
+    drawn = (convert_doc.get("eight_bit") or {}).get("as_written")
+    if not isinstance(drawn, dict):
+        return []  # not an 8-bit conversion, or one from before the second draw
+    said = []
+    for which, verified_key, drawn_key in (("calibration", "verification", "calibration"),
+                                           ("held-out", "holdout", "holdout")):
+        verified = ((convert_doc.get(verified_key) or {}).get("outputs") or {})
+        second = ((drawn.get(drawn_key) or {}).get("outputs") or {})
+        for name, row in second.items():
+            first = verified.get(name)
+            if not isinstance(row, dict) or not isinstance(first, dict) or "top_k" not in row:
+                continue
+            held, changed = first.get("top_k_agreement"), row.get("top_k_agreement")
+            positions = row.get("top_k_positions")
+            if isinstance(held, int | float) and isinstance(changed, int | float) and \
+                    isinstance(positions, int) and held >= 1.0 > changed:
+                said.append(f"`{name}` {round((1 - changed) * positions)} of {positions} on the "
+                            f"{which} samples")
+    if not said:
+        return []
+    need = samples_to_rule_out(RULED_OUT)
+    return [f"the written model as onnxruntime runs it (another draw of the 8-bit rounding than "
+            f"convert's verified FP16 run) changed decisions the verified run held: "
+            f"{'; '.join(said)}. The board's kernels draw again: on the board, count the fresh "
+            f"samples whose decisions differ from FP32 before trusting it; none of {need} rules "
+            f"out {percent(RULED_OUT)}"]
 
 
 def _speed(ctx: _Context) -> Item:
