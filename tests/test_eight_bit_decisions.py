@@ -18,7 +18,7 @@ from npuprep.pipeline import convert
 from npuprep.pipeline.quantise_and_verify import DECISION_MARGIN, JUDGE_MARGIN
 from npuprep.profiles import load_profile
 from npuprep.runtime.session import make_session, run
-from npuprep.verify.decision_margin import decision_error, margin_eaten
+from npuprep.verify.decision_margin import ReferenceScores, decision_error, margin_eaten
 from npuprep.verify.output_errors import CTC_TEXT, OutputErrors
 from npuprep.verify.qdq_model import quantise
 
@@ -60,6 +60,32 @@ def test_the_margin_eaten_says_what_the_gate_says_at_the_margin():
     got = decision_error([{"y": new}], [{"y": ref}], top_k={"y": CTC_TEXT}, aim=0.04,
                          margin=DECISION_MARGIN, tie_rtol=0.05)
     assert abs(got - 0.04 * DECISION_MARGIN * 0.4 / 0.55) < 1e-9
+
+
+def test_scores_against_one_reference_read_it_once_and_score_as_each_alone():
+    """The search scores every trial against the same reference arrays: what it reads of
+    them (texts, top classes, margins) is worked out once and each score is the one a fresh
+    call gives, bit for bit, for CTC, top-K and rel L2 outputs, finite or not."""
+    rng = np.random.default_rng(7)
+    # Two samples; "ctc" steps x 1 x classes (torch's layout), "cls" rows x classes, "raw".
+    want = [{"ctc": rng.dirichlet(np.full(9, 0.3), size=(12, 1)).astype(np.float32),
+             "cls": rng.normal(size=(5, 7)).astype(np.float32),
+             "raw": rng.normal(size=(3, 4)).astype(np.float32)} for _ in range(2)]
+    top_k = {"ctc": CTC_TEXT, "cls": 2}
+    known = ReferenceScores()
+    for scale in (0.001, 0.01, 0.05, 0.2, 1.0):
+        got = [{k: v + rng.normal(0, scale, v.shape).astype(np.float32) for k, v in w.items()}
+               for w in want]
+        alone = decision_error(got, want, top_k=top_k, aim=0.04, margin=DECISION_MARGIN,
+                               tie_rtol=0.05)
+        shared = decision_error(got, want, top_k=top_k, aim=0.04, margin=DECISION_MARGIN,
+                                tie_rtol=0.05, known=known)
+        assert shared == alone and np.isfinite(shared)
+    # Each array read once: its float64 copy, and its decided margins where it is decided.
+    assert len(known) == 2 * 3 + 2 * 2
+    got[0]["cls"][0, 0] = np.nan
+    assert decision_error(got, want, top_k=top_k, aim=0.04, margin=DECISION_MARGIN,
+                          tie_rtol=0.05, known=known) == np.inf
 
 
 # x (128 inputs, 2% of them 60) -> MatMul "big" -> h;  z (8) -> MatMul "small" -> v;

@@ -17,7 +17,7 @@ from npuprep.numerics import EightBitFormat, NumberFormat, eight_bit_format
 from npuprep.plan.layer_precision import LayerPrecision
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
-from npuprep.verify.decision_margin import decision_error
+from npuprep.verify.decision_margin import ReferenceScores, decision_error
 from npuprep.verify.qdq_model import ReferenceOn, model_errors, quantise
 from npuprep.verify.qdq_trials import (
     RunsFactory,
@@ -135,10 +135,13 @@ def decision_score(top_k: Mapping[str, Decision], aim: float, rtol: float,
     `margin`: npuprep.verify.decision_margin); None where every output is judged by rel L2."""
     if not top_k:
         return None
+    # The reference's side of each score, worked out once for the search's every trial.
+    known = ReferenceScores()
 
     def score(got: Sequence[Mapping[str, np.ndarray]],
               expected: Sequence[Mapping[str, np.ndarray]]) -> float:
-        return decision_error(got, expected, top_k=top_k, aim=aim, margin=margin, tie_rtol=rtol)
+        return decision_error(got, expected, top_k=top_k, aim=aim, margin=margin, tie_rtol=rtol,
+                              known=known)
     return score
 
 

@@ -27,7 +27,8 @@ rel L2, as the gate does.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import numpy as np
 
@@ -41,14 +42,39 @@ from npuprep.verify.output_errors import (
     rel_l2,
 )
 
+_T = TypeVar("_T")
+
+
+class ReferenceScores:
+    """What decision_error reads of the reference's outputs, worked out once for every trial
+    scored against them (ppocr_rec's search: a third of its CPU time went to the reference's
+    CTC texts and top classes, worked out again for each trial's four samples). Keyed by the
+    reference's arrays, which it holds: no id is reused while it is here."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[int, object, float], tuple[np.ndarray, object]] = {}
+
+    def get(self, value: np.ndarray, key: object, tie_rtol: float, make: Callable[[], _T]) -> _T:
+        slot = (id(value), key, tie_rtol)
+        found = self._known.get(slot)
+        if found is None or found[0] is not value:
+            found = self._known[slot] = (value, make())
+        return found[1]  # type: ignore[return-value]
+
+    def __len__(self) -> int:
+        return len(self._known)
+
 
 def decision_error(got: Sequence[Mapping[str, np.ndarray]],
                    expected: Sequence[Mapping[str, np.ndarray]], *,
                    top_k: Mapping[str, Decision],
-                   aim: float, margin: float, tie_rtol: float) -> float:
+                   aim: float, margin: float, tie_rtol: float,
+                   known: ReferenceScores | None = None) -> float:
     """The worst float output's error pooled over the samples: its rel L2, or for an output
     of `top_k` the smaller of that and `aim * margin` times the largest share of a decided
-    margin the error eats (Inf for an Inf/NaN output)."""
+    margin the error eats (Inf for an Inf/NaN output). `known`: what earlier calls worked out
+    of these reference arrays (the same number, sooner)."""
+    known = known if known is not None else ReferenceScores()
     pooled: dict[str, list[float]] = {}  # output -> [squared error, squared reference]
     eaten: dict[str, float] = {}
     detected: dict[tuple[str, ...], int] = {}  # a detector's detections, all its score outputs
@@ -57,22 +83,24 @@ def decision_error(got: Sequence[Mapping[str, np.ndarray]],
         for name, value in want.items():
             if not np.issubdtype(np.asarray(value).dtype, np.floating):
                 continue
-            ref = np.asarray(value, dtype=np.float64)
+            ref = known.get(value, "ref", 0.0, lambda value=value: _Reference(value))
             cand = np.asarray(values[name], dtype=np.float64)
             if not np.isfinite(cand).all():
                 return math.inf
-            # Where FP32 itself is Inf/NaN no error is defined (as OutputErrors counts it).
-            defined = np.isfinite(ref)
             sums = pooled.setdefault(name, [0.0, 0.0])
-            sums[0] += float(np.square(np.where(defined, cand - ref, 0.0)).sum())
-            sums[1] += float(np.square(np.where(defined, ref, 0.0)).sum())
+            sums[0] += ref.squared_error(cand)
+            sums[1] += ref.squared
             k = top_k.get(name)
             if isinstance(k, Detection):
-                _add_detection(name, k, ref, cand, want, tie_rtol, detected, eaten, at_detections)
+                _add_detection(name, k, ref.values, cand, want, tie_rtol, detected, eaten,
+                               at_detections)
                 continue
             # No classes to decide between (the gate reads its rel L2 alone): no margin.
-            if k is not None and ref.shape == cand.shape and ref.ndim >= 1 and ref.shape[-1] >= 2:
-                eaten[name] = max(eaten.get(name, 0.0), margin_eaten(ref, cand, k, tie_rtol))
+            if k is not None and ref.values.shape == cand.shape and ref.values.ndim >= 1 \
+                    and ref.values.shape[-1] >= 2:
+                decided = known.get(value, k, tie_rtol,
+                                    lambda ref=ref, k=k: DecidedMargins(ref.values, k, tie_rtol))
+                eaten[name] = max(eaten.get(name, 0.0), decided.finite_eaten(cand))
     worst = 0.0
     for name, (err2, ref2) in pooled.items():
         error = rel_l2(err2, ref2)
@@ -85,6 +113,21 @@ def decision_error(got: Sequence[Mapping[str, np.ndarray]],
             error = min(error, aim * margin * eaten[name])
         worst = max(worst, error)
     return worst
+
+
+class _Reference:
+    """A reference output in float64, where it is defined (FP32 itself Inf/NaN defines no
+    error, as OutputErrors counts it), and its sum of squares there."""
+
+    def __init__(self, value: np.ndarray) -> None:
+        self.values = np.asarray(value, dtype=np.float64)
+        self.defined = np.isfinite(self.values)
+        self.everywhere = bool(self.defined.all())
+        self.squared = float(np.square(np.where(self.defined, self.values, 0.0)).sum())
+
+    def squared_error(self, cand: np.ndarray) -> float:
+        d = cand - self.values
+        return float(np.square(d if self.everywhere else np.where(self.defined, d, 0.0)).sum())
 
 
 def _add_detection(name: str, rule: Detection, ref: np.ndarray, cand: np.ndarray,
@@ -119,36 +162,59 @@ def margin_eaten(ref: np.ndarray, cand: np.ndarray, k: int, tie_rtol: float) -> 
     """The largest share of a decided position's margin the error takes (0 where nothing is
     decided; Inf where the candidate is not finite). `ref` and `cand`: the same shape, classes
     along the last axis (at least 2). `k`: the top-K judged, or CTC_TEXT."""
-    if not np.isfinite(cand).all():
-        return math.inf
-    if k == CTC_TEXT:
-        ref, cand = ctc_sequences(ref), ctc_sequences(cand)
-    classes = ref.shape[-1]
-    r, d = ref.reshape(-1, classes), (cand - ref).reshape(-1, classes)
-    top = 1 if k == CTC_TEXT else min(k, classes - 1)
-    # The top K + 1 classes of each position, in order (a partition: 6625 classes per step).
-    part = np.argpartition(-r, top, axis=-1)[:, :top + 1]
-    values = np.take_along_axis(r, part, axis=-1)
-    by_value = np.argsort(-values, axis=-1)
-    order = np.take_along_axis(part, by_value, axis=-1)
-    ranked = np.take_along_axis(values, by_value, axis=-1)
-    # A position whose K-th and (K+1)-th reference values tie decides nothing (the gate's rule).
-    larger = np.maximum(np.abs(ranked[:, top - 1]), np.abs(ranked[:, top]))
-    decided = (ranked[:, top - 1] - ranked[:, top]) > tie_rtol * larger
-    inside = np.zeros(r.shape, dtype=bool)
-    np.put_along_axis(inside, order[:, :top], True, axis=-1)
-    harmless = _ctc_harmless(ref) if k == CTC_TEXT else inside
-    worst = 0.0
-    rows = np.flatnonzero(decided)
-    for i in range(top):
-        kept = order[rows, i]
-        gap = r[rows, kept][:, None] - r[rows]
-        taken = d[rows] - d[rows, kept][:, None]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            share = np.where(harmless[rows] | (gap <= 0), 0.0, taken / gap)
-        if share.size:
-            worst = max(worst, float(share.max()))
-    return worst
+    return DecidedMargins(ref, k, tie_rtol).eaten(cand)
+
+
+class DecidedMargins:
+    """A reference output's decided positions (classes along the last axis) and, for each of
+    its top K classes there, its margin over every class that would change the decision:
+    margin_eaten's reference side, for any number of candidates."""
+
+    def __init__(self, ref: np.ndarray, k: int, tie_rtol: float) -> None:
+        self.k = k
+        if k == CTC_TEXT:
+            ref = ctc_sequences(ref)
+        classes = ref.shape[-1]
+        self.ref = ref
+        r = ref.reshape(-1, classes)
+        top = 1 if k == CTC_TEXT else min(k, classes - 1)
+        # The top K + 1 classes of each position, in order (a partition: 6625 classes per step).
+        part = np.argpartition(-r, top, axis=-1)[:, :top + 1]
+        values = np.take_along_axis(r, part, axis=-1)
+        by_value = np.argsort(-values, axis=-1)
+        order = np.take_along_axis(part, by_value, axis=-1)
+        ranked = np.take_along_axis(values, by_value, axis=-1)
+        # A position whose K-th and (K+1)-th reference values tie decides nothing (the gate's
+        # rule).
+        larger = np.maximum(np.abs(ranked[:, top - 1]), np.abs(ranked[:, top]))
+        decided = (ranked[:, top - 1] - ranked[:, top]) > tie_rtol * larger
+        inside = np.zeros(r.shape, dtype=bool)
+        np.put_along_axis(inside, order[:, :top], True, axis=-1)
+        harmless = _ctc_harmless(ref) if k == CTC_TEXT else inside
+        self.rows = np.flatnonzero(decided)
+        # Per top class i: the class kept at each decided row, its margin over every class
+        # and where no margin is read (a harmless class, or none to lose).
+        self.kept = [order[self.rows, i] for i in range(top)]
+        self.gaps = [r[self.rows, kept][:, None] - r[self.rows] for kept in self.kept]
+        self.ignored = [harmless[self.rows] | (gap <= 0) for gap in self.gaps]
+
+    def eaten(self, cand: np.ndarray) -> float:
+        """margin_eaten of `cand` against this reference."""
+        return self.finite_eaten(cand) if np.isfinite(cand).all() else math.inf
+
+    def finite_eaten(self, cand: np.ndarray) -> float:
+        """eaten of a `cand` known to be finite."""
+        if self.k == CTC_TEXT:
+            cand = ctc_sequences(cand)
+        d = (cand - self.ref).reshape(-1, self.ref.shape[-1])
+        worst = 0.0
+        for kept, gap, ignored in zip(self.kept, self.gaps, self.ignored, strict=True):
+            taken = d[self.rows] - d[self.rows, kept][:, None]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                share = np.where(ignored, 0.0, taken / gap)
+            if share.size:
+                worst = max(worst, float(share.max()))
+        return worst
 
 
 def _ctc_harmless(ref: np.ndarray) -> np.ndarray:
