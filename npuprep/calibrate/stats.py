@@ -54,6 +54,10 @@ class RangeStats:
     samples (equalised, balanced), how far a sample left out passed the clip the others gave
     (npuprep.calibrate.channels.leave_one_out_raise); its per-sample abs-maxima no longer
     show it (every sample reaches the top through some channel).
+    `channel_bound`: where the tensor is another one rescaled per channel (0 elsewhere), that
+    tensor's abs-max times the largest factor: what a channel reaches on a sample where the
+    unrescaled tensor stays within its range (a channel quiet in calibration and loud on a
+    fresh sample, raised to the others' range, passes this tensor's own abs-max).
     """
 
     tensor: str
@@ -74,6 +78,7 @@ class RangeStats:
     seen_in: tuple[int, ...] | None = None
     ordinary_hi: float = HI
     unseen_raise: float = 1.0
+    channel_bound: float = 0.0
 
     @property
     def complete(self) -> bool:
@@ -131,6 +136,7 @@ class RangeStats:
             "ordinary_hi": self.ordinary_hi,
             # Only where set: stats files of tensors never rescaled stay as they were.
             **({"unseen_raise": self.unseen_raise} if self.unseen_raise != 1.0 else {}),
+            **({"channel_bound": self.channel_bound} if self.channel_bound else {}),
         }
 
     @classmethod
@@ -147,6 +153,7 @@ class RangeStats:
             seen_in=None if d.get("seen_in") is None else tuple(int(v) for v in d["seen_in"]),
             ordinary_hi=float(d.get("ordinary_hi", HI)),
             unseen_raise=float(d.get("unseen_raise", 1.0)),
+            channel_bound=float(d.get("channel_bound", 0.0)),
         )
 
 

@@ -98,6 +98,7 @@ from npuprep.rewrite.lower import Lowered
 from npuprep.rewrite.qdq import fp32_weight, zero_points
 from npuprep.rewrite.qdq_weights import WeightStore
 from npuprep.scale_rules import ScaleRule
+from npuprep.verify.channel_bounds import with_channel_bounds
 from npuprep.verify.channel_shift import centre_skewed_inputs
 from npuprep.verify.compare import DEFAULT_ATOL, compare_models
 from npuprep.verify.input_split import Splits, planned_splits, split_wide_inputs
@@ -216,6 +217,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                                aim=JUDGE_MARGIN * rtol, tensor_scales=applied.tensor_scales,
                                weights=weights, path=work.path, runs=runner))
     base, stats, notes = split.model, split.stats, notes + list(split.notes)
+    unrescaled = stats
     layers = tuple(_with_splits(layers, split))
     if int8_start is not None:
         int8_start = _with_splits(int8_start, split)
@@ -369,6 +371,9 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
                          f"writing them or a Mul on one value per channel, {whole} by a Mul over "
                          "the whole tensor), kept by their layers' error alone on samples neither "
                          "their factors nor their clips were fitted to" + lifted_note(convs))
+    # What the rescaled tensors' unrescaled ranges allow each channel: a non-saturating FP8
+    # reader keeps its headroom over that (npuprep.verify.channel_bounds).
+    stats = with_channel_bounds(base, unrescaled, stats, rescaled, balanced)
     # The search runs on the model as balanced; where it keeps under SECOND_START_BELOW in 8
     # bits (or fails), it runs again with the skewed INT8 inputs centred (MTCNN's PNet: 78% ->
     # 98%), keeping the better point. Not every time: ppocr_rec's CTC texts, centred, lost
