@@ -68,9 +68,9 @@ def clip_raise_factor(r: RangeStats, fmt: EightBitFormat, headroom: float = 1.0)
     """The factor quantisation raises a clip by: the unseen samples' `sample_headroom`, times
     `headroom` (FP8's: the larger of the two covers both). A non-saturating FP8's `headroom`
     (> 1: NaN past its max, its clip the abs-max) also holds the tensor's channel_bound: a
-    balanced tensor read in FP8 took ppocrv5_rec's judge sample 017 to 1.5x its clip, NaN,
-    where its unbalanced range bounds it at 0.6x (FP8 keeps its relative precision at the
-    wider scale)."""
+    balanced tensor read in FP8 took ppocrv5_rec's judge sample 017 to 1.5x its clip, NaN;
+    with the headroom over its unbalanced range, 0.43x (FP8 keeps its relative precision at
+    the wider scale)."""
     spread = sample_headroom(r)
     if not fmt.is_float:
         return headroom * spread
