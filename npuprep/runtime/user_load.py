@@ -9,6 +9,7 @@ ending the conversion: its signal becomes one line for the caller to act on.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import signal
 import tempfile
@@ -77,7 +78,10 @@ def load_as_users_do(proto: onnx.ModelProto, feed: Mapping[str, np.ndarray] | No
 
 def _load_and_run(proto: onnx.ModelProto, feed: dict[str, np.ndarray], drift: bool,
                   writer: Connection) -> None:
-    # Each step is told before it starts, so a crash names the step it happened in.
+    # Each step is told before it starts, so a crash names the step it happened in; the
+    # parent reports a crash, so a fault handler inherited from it (pytest's, a user's
+    # PYTHONFAULTHANDLER) would only print a "Fatal Python error" that is not one.
+    faulthandler.disable()
     stage = "writing it"
     # Its warnings (an initializer it drops) are the user's to see when they load it, not ours.
     ort.set_default_logger_severity(4)
