@@ -14,6 +14,7 @@ it refuses at once instead of interleaving; temporaries a killed run left are re
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import fnmatch
@@ -267,14 +268,18 @@ class OutputSet:
         self._staged: dict[Path, Path] = {}  # final -> temporary
         self._locks: list[tuple[Path, int]] = []
         self._last: set[Path] = set()
+        # Folders lock made, deepest first: a run that writes nothing leaves none behind.
+        self._made: list[Path] = []
 
     def lock(self) -> None:
         for real in sorted(self._outputs):
+            missing = [p for p in (real.parent, *real.parent.parents) if not p.exists()]
             try:
                 real.parent.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise NpuprepError(f"{shown(self._outputs[real].path)}: cannot create its folder "
                                    f"({exc.strerror})") from None
+            self._made += missing
             self._locks.append(_acquire(real, self._outputs[real]))
             for stale in stale_temporaries(real):
                 stale.unlink(missing_ok=True)
@@ -354,6 +359,10 @@ class OutputSet:
             lock_path.unlink(missing_ok=True)
             os.close(fd)
         self._locks.clear()
+        for folder in sorted(self._made, key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):  # not empty: it holds what was written
+                folder.rmdir()
+        self._made.clear()
 
 
 @contextmanager

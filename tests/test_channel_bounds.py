@@ -4,6 +4,8 @@ calibration and loud on a fresh sample no longer gives NaN."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 from onnx import numpy_helper, parser
@@ -106,3 +108,31 @@ def test_a_tensor_rescaled_in_place_is_bounded_by_its_own_range_before():
     again = RangeStats.from_dict(bounded.tensors["x"].to_dict())
     assert again.channel_bound == bounded.tensors["x"].channel_bound
     assert "channel_bound" not in bounded.tensors["y"].to_dict()
+
+
+def test_a_malformed_channel_bound_is_one_line_and_leaves_no_output_folder(tmp_path):
+    # A stats file whose channel_bound is not a number -> convert refuses it: exit 2, one line,
+    # and the output's new folders are not left behind.
+    from conftest import run_cli
+
+    proto = parser.parse_model(MATMUL)
+    proto.graph.initializer.append(numpy_helper.from_array(
+        RNG.standard_normal((8, 4)).astype(np.float32), "W"))
+    onnx.save(proto, tmp_path / "m.onnx")
+    (tmp_path / "data").mkdir()
+    for i in range(3):
+        np.savez(tmp_path / "data" / f"{i}.npz", **_sample(0.05))
+    assert run_cli("calibrate", tmp_path / "m.onnx", "--data", tmp_path / "data",
+                   "-o", tmp_path / "s.json").returncode == 0
+    doc = json.loads((tmp_path / "s.json").read_text())
+    tensors = doc["tensors"]
+    first = next(iter(tensors.values())) if isinstance(tensors, dict) else tensors[0]
+    first["channel_bound"] = "wide"
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    out = tmp_path / "new" / "deeper" / "m8.onnx"
+    r = run_cli("convert", tmp_path / "m.onnx", "--target", "a2000", "--precision", "fp8_e4m3",
+                "--data", tmp_path / "data", "--stats", tmp_path / "bad.json", "-o", out)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "bad.json" in lines[0] and "malformed stats file" in lines[0]
+    assert not (tmp_path / "new").exists()
