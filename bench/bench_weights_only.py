@@ -2,8 +2,10 @@
 weight rounded to nearest at one symmetric scale per output channel (abs-max / levels), every
 activation left in FP32, judged as bench_eight_bit.py judges a conversion (held-out + judge set).
 
-    python bench/bench_weights_only.py MODEL [MODEL ...] [--levels 127 1023] [--layers A:B]
+    python bench/bench_weights_only.py MODEL [MODEL ...] [--levels 127 1023 0] [--layers A:B]
         [--extra2 DIR] [--out DIR]
+
+(`--levels 0`: FP8 E4M3 weights, each output channel's abs-max at 448.)
 
 Where INT8 weights alone (127 levels) already change decided outputs, no 8-bit conversion that
 keeps those layers' weights in 8 bits can hold every decision: the model's decisions sit closer
@@ -18,6 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import numpy_helper
@@ -27,11 +30,14 @@ import bench_eight_bit as bench  # noqa: E402
 
 from npuprep.graph import constant_value  # noqa: E402
 
+E4M3_MAX = 448.0
+
 
 def weights_rounded(model: onnx.ModelProto, levels: int, first: int = 0,
                     last: int | None = None) -> tuple[onnx.ModelProto, int]:
     """`model` with its Conv/MatMul/Gemm constant weights (the first..last-1 of them) rounded
-    to `levels` steps either side of zero per output channel; how many were rounded."""
+    to `levels` steps either side of zero per output channel (levels 0: to FP8 E4M3 at a scale
+    putting each channel's abs-max at 448); how many were rounded."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
@@ -51,9 +57,13 @@ def weights_rounded(model: onnx.ModelProto, levels: int, first: int = 0,
         transposed = node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute)
         axis = 0 if node.op_type == "Conv" or transposed else w.ndim - 1
         keep = tuple(i for i in range(w.ndim) if i != axis)
-        scale = np.abs(w).max(axis=keep, keepdims=True) / levels
+        scale = np.abs(w).max(axis=keep, keepdims=True) / (levels or E4M3_MAX)
         scale[scale == 0] = 1.0
-        rounded = (np.clip(np.round(w / scale), -levels, levels) * scale).astype(np.float32)
+        if levels:
+            rounded = (np.clip(np.round(w / scale), -levels, levels) * scale).astype(np.float32)
+        else:
+            rounded = ((w / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+                       * scale).astype(np.float32)
         tensor = numpy_helper.from_array(rounded, node.input[1])
         if node.input[1] in inits:
             inits[node.input[1]].CopyFrom(tensor)

@@ -473,4 +473,5 @@ def test_the_curve_note_marks_the_point_kept_not_the_last_that_passed():
     note = curve_note(curve, 3, 0.03)
     assert note.endswith("100% -> 0.06, 75%* -> 0.03, 75% -> 0.035"), note
     assert "*" not in curve_note(curve, 3, 0.01).split("chosen)")[1]
+    assert "(3 trial runs, " in note and "(1 trial run, " in curve_note(curve[:1], 1, 0.06)
 

@@ -39,6 +39,24 @@ def test_the_written_models_second_draw_is_onnxruntimes_run_of_the_file():
     assert report["eight_bit"]["as_written"]["passed"] is True
 
 
+def test_a_check_hands_on_the_reference_outputs_it_ran_for_a_later_check():
+    # x -> MatMul(W) -> Relu -> MatMul(V) -> y
+    from npuprep.numerics import get_format
+    from npuprep.runtime.session import make_session, run
+    from npuprep.verify.output_check import check_output_sets
+
+    model, feeds = int8_mlp(6, samples=6)
+    ran: list[dict[str, np.ndarray]] = []
+    first = check_output_sets(model.proto, model.proto, get_format("fp32"), [feeds[:4], feeds[4:]],
+                              saturate=False, rtol=0.05, emulated=model.proto,
+                              expected=[run(make_session(model.proto), feeds[0])],
+                              reference_outputs=ran)
+    assert len(first) == 2 and len(ran) == 6
+    session = make_session(model.proto)
+    for feed, outputs in zip(feeds, ran, strict=True):
+        np.testing.assert_array_equal(outputs["y"], run(session, feed)["y"])
+
+
 def _check(rel_l2: float, *, texts_changed: int = 0, texts: int = 8) -> OutputCheck:
     row = {"rel_l2": rel_l2, "nonfinite": 0, "max_abs_error": 0.5}
     if texts:

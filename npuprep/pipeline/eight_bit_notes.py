@@ -32,7 +32,7 @@ def curve_note(curve: Sequence[CurvePoint], runs: int, chosen_rel_l2: float) -> 
     points = ", ".join(f"{p.share:.0%}{'*' if p is chosen else ''} -> "
                        f"{'>=' if p.at_least else ''}{p.rel_l2:.3g}" for p in curve)
     return (f"8-bit share -> outputs' rel L2 on the calibration samples, as tried ({runs} "
-            f"trial runs, a session per phase; * chosen): {points}")
+            f"trial run{'' if runs == 1 else 's'}, a session per phase; * chosen): {points}")
 
 
 def centred_note(done: Centred) -> str:

@@ -245,11 +245,15 @@ def check_output_sets(reference: onnx.ModelProto, lowered: onnx.ModelProto, fmt:
                       top_k: Mapping[str, Decision] | None = None,
                       expected: Sequence[dict[str, np.ndarray]] = (),
                       emulated_outputs: Sequence[dict[str, np.ndarray]] = (),
-                      margin: float = 1.0) -> list[OutputCheck]:
+                      margin: float = 1.0,
+                      reference_outputs: list[dict[str, np.ndarray]] | None = None
+                      ) -> list[OutputCheck]:
     """check_outputs on several sets of samples (calibration, held out) with one session per
     model: an OutputCheck per set, the top-K decisions also with the error scaled by `margin`
     (OutputErrors). `expected`: the reference's outputs on the first samples,
-    already run (npuprep.verify.compare.compare_models gives them). `emulated_outputs`: an
+    already run (npuprep.verify.compare.compare_models gives them); `reference_outputs`, where
+    given, receives them on every sample, in order (a later check of the same samples need not
+    run the reference again). `emulated_outputs`: an
     emulation's outputs on the first samples, already run: `emulated`'s own, or, without
     `emulated`, the plan's emulation's, which stand for the lowered model's only where its
     emulation gives the first of them bit for bit (else it runs on every sample)."""
@@ -262,6 +266,8 @@ def check_output_sets(reference: onnx.ModelProto, lowered: onnx.ModelProto, fmt:
     expected = list(expected[:len(samples)])
     if len(expected) < len(samples):
         expected += _outputs(reference, samples[len(expected):])
+    if reference_outputs is not None:
+        reference_outputs += expected
     # Past LARGE_WEIGHTS (folds_weight_casts) without graph rewrites: onnxruntime would fold the Casts that widen
     # stored weights into a second, FP32 copy of them (the rounding pairs are kept either way).
     emulation = emulated if emulated is not None else emulate_lowered(lowered, fmt, saturate=saturate).model

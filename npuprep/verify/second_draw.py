@@ -54,8 +54,8 @@ def second_draw(reference: onnx.ModelProto, written: onnx.ModelProto,
     """`written` (a QDQ model, FP32 between its pairs) run as it is, with onnxruntime's basic
     optimisations (its default fusions compute some Q/DQ pairs otherwise), on `calibration`
     and `holdout`, its outputs judged against `reference`'s as the gate judges them (`rtol`,
-    `top_k`). `expected`: the reference's outputs on the first calibration samples, already
-    run."""
+    `top_k`). `expected`: the reference's outputs on the first samples (calibration, then
+    held-out), already run."""
     from npuprep.numerics import get_format
 
     sets = [calibration] + ([holdout] if holdout is not None else [])
