@@ -20,7 +20,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import onnx
 from onnx import numpy_helper
@@ -29,15 +28,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_eight_bit as bench  # noqa: E402
 
 from npuprep.graph import constant_value  # noqa: E402
+from npuprep.numerics import eight_bit_format  # noqa: E402
+from npuprep.rewrite.qdq_weights import quantise_weight  # noqa: E402
 
-E4M3_MAX = 448.0
+FP8 = eight_bit_format("fp8_e4m3")
 
 
 def weights_rounded(model: onnx.ModelProto, levels: int, first: int = 0,
                     last: int | None = None) -> tuple[onnx.ModelProto, int]:
     """`model` with its Conv/MatMul/Gemm constant weights (the first..last-1 of them) rounded
-    to `levels` steps either side of zero per output channel (levels 0: to FP8 E4M3 at a scale
-    putting each channel's abs-max at 448); how many were rounded."""
+    to `levels` steps either side of zero per output channel (levels 0: to FP8 E4M3 as convert
+    stores them, each channel's abs-max at 448); how many were rounded."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
@@ -57,13 +58,13 @@ def weights_rounded(model: onnx.ModelProto, levels: int, first: int = 0,
         transposed = node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute)
         axis = 0 if node.op_type == "Conv" or transposed else w.ndim - 1
         keep = tuple(i for i in range(w.ndim) if i != axis)
-        scale = np.abs(w).max(axis=keep, keepdims=True) / (levels or E4M3_MAX)
-        scale[scale == 0] = 1.0
         if levels:
+            scale = np.abs(w).max(axis=keep, keepdims=True) / levels
+            scale[scale == 0] = 1.0
             rounded = (np.clip(np.round(w / scale), -levels, levels) * scale).astype(np.float32)
         else:
-            rounded = ((w / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-                       * scale).astype(np.float32)
+            stored, scale = quantise_weight(w, axis, FP8, saturate=True)
+            rounded = (stored.astype(np.float32) * np.expand_dims(scale, keep)).astype(np.float32)
         tensor = numpy_helper.from_array(rounded, node.input[1])
         if node.input[1] in inits:
             inits[node.input[1]].CopyFrom(tensor)

@@ -18,6 +18,7 @@ from npuprep.rewrite.smooth import smooth, smoothing_factors
 from npuprep.runtime.session import make_session, run
 from npuprep.verify.channel_bounds import with_channel_bounds
 from npuprep.verify.qdq_model import quantise
+from tests.conftest import run_cli
 
 FP8 = eight_bit_format("fp8_e4m3")
 INT8 = eight_bit_format("int8")
@@ -113,8 +114,6 @@ def test_a_tensor_rescaled_in_place_is_bounded_by_its_own_range_before():
 def test_a_malformed_channel_bound_is_one_line_and_leaves_no_output_folder(tmp_path):
     # A stats file whose channel_bound is not a number -> convert refuses it: exit 2, one line,
     # and the output's new folders are not left behind.
-    from conftest import run_cli
-
     proto = parser.parse_model(MATMUL)
     proto.graph.initializer.append(numpy_helper.from_array(
         RNG.standard_normal((8, 4)).astype(np.float32), "W"))
