@@ -360,3 +360,39 @@ def test_layers_rounded_side_by_side_round_as_one_after_another() -> None:
         for fmt, saturate in formats:
             a, b = (s.values(w, weight_axis(node, w.ndim), fmt, saturate=saturate) for s in stores)
             assert a[0].tobytes() == b[0].tobytes() and a[1].tobytes() == b[1].tobytes()
+
+
+def test_rows_fewer_than_k_are_kept_and_give_the_gram_s_errors() -> None:
+    """A layer read on fewer rows than K keeps them (InputMoments.kept): ||X d^T||^2 from
+    them equals d H d^T from the gram, and the rounding is the one the gram alone gives; with
+    as many rows as K or more, only the gram is kept."""
+    import dataclasses
+
+    from npuprep.rewrite.weight_rounding import _output_errors, round_weight
+
+    proto, feeds = _dense(4)
+    # x [N, 32] -> MatMul "fc" -> y: the same layer, any number of rows
+    dynamic = parser.parse_model(DENSE.replace("[64,", "[N,"))
+    dynamic.graph.initializer.extend(proto.graph.initializer)
+    proto = dynamic
+    few = [{"x": f["x"][:5]} for f in feeds[:4]]  # 20 rows of K = 32
+    (moments,) = input_moments(proto, ["fc"], [few])
+    kept = moments["fc"].kept
+    assert kept is not None and kept.shape == (1, 20, 32)
+    (many,) = input_moments(proto, ["fc"], [feeds[:1]])  # 64 rows
+    assert many["fc"].kept is None
+    d = np.random.default_rng(6).standard_normal((1, 24, 32))
+    from_gram = _output_errors(dataclasses.replace(moments["fc"], kept=None))(d)
+    np.testing.assert_allclose(_output_errors(moments["fc"])(d), from_gram, rtol=1e-5)
+    np.testing.assert_allclose(from_gram, np.einsum("gok,gkl,gol->go", d, moments["fc"].gram, d),
+                               rtol=1e-5)
+    w = numpy_helper.to_array(proto.graph.initializer[0])
+    (check,) = input_moments(proto, ["fc"], [[{"x": f["x"][:5]} for f in feeds[4:8]]])
+    node = proto.graph.node[0]
+    fmt = eight_bit_format("int8")
+    with_rows = round_weight(node, w, fmt, moments["fc"], check["fc"])
+    gram_only = round_weight(node, w, fmt, dataclasses.replace(moments["fc"], kept=None),
+                             dataclasses.replace(check["fc"], kept=None))
+    assert with_rows is not None and gram_only is not None
+    np.testing.assert_array_equal(with_rows.stored, gram_only.stored)
+    assert with_rows.error == pytest.approx(gram_only.error, rel=1e-5)

@@ -31,10 +31,13 @@ MAX_K = 2048
 @dataclass(frozen=True)
 class InputMoments:
     """`gram[g]` = sum of x x^T over the input rows of group g ([groups, K, K], float64);
-    `rows`: how many rows were summed."""
+    `rows`: how many rows were summed; `kept`: the rows themselves ([groups, rows, K],
+    float32) where they are fewer than K, else None. With fewer rows than K, ||X d^T||^2 costs
+    rows/K of d H d^T (MiniLM's 4 samples of 32 tokens against its FFN's K of 1536)."""
 
     gram: np.ndarray
     rows: int
+    kept: np.ndarray | None = None
 
 
 def layer_geometry(node: onnx.NodeProto, weight: np.ndarray) -> tuple[int, int] | None:
@@ -86,6 +89,8 @@ def input_moments(model: onnx.ModelProto, layers: Sequence[str], parts: Sequence
         # the same left fold as summing fresh copies, without a K x K array made per sample
         # and reader (MiniLM: most of this function's time, its products being 32 rows).
         sums: dict[str, np.ndarray] = {}
+        # The rows, while fewer than K (InputMoments.kept).
+        kept: dict[str, list[np.ndarray] | None] = {}
         source: dict[str, str] = {}
         rows: dict[str, int] = dict.fromkeys(chosen, 0)
         # Read in sample order whatever runs at once: the random rows drawn are the same.
@@ -107,10 +112,18 @@ def input_moments(model: onnx.ModelProto, layers: Sequence[str], parts: Sequence
                         np.add(sums[key], gram, out=sums[key])  # float32 widened exactly
                     else:
                         sums[key] = gram.astype(np.float64)
+                    so_far = kept.setdefault(key, [])
+                    if so_far is not None:
+                        so_far.append(patches)
+                        total = sum(p.shape[1] for p in so_far)
+                        kept[key] = so_far if total < patches.shape[2] else None
                     counted[key] = patches.shape[1]
                 source[label] = key
                 rows[label] += counted[key]
-        found.append({k: InputMoments(sums[key], rows[k]) for k, key in source.items()})
+        rows_of = {key: None if not xs else np.concatenate(xs, axis=1)
+                   for key, xs in kept.items()}
+        found.append({k: InputMoments(sums[key], rows[k], rows_of.get(key))
+                      for k, key in source.items()})
     return found
 
 

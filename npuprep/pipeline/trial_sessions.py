@@ -208,13 +208,14 @@ def _median(values: Sequence[float]) -> float:
 def input_means(model: onnx.ModelProto, layers: Sequence[str], samples: Sequence[Feed]) -> dict[str, Any]:
     """Per-channel means of the inputs of `layers` that add a bias (npuprep.rewrite.bias_correction)."""
     from npuprep.calibrate.channels import channel_means
-    from npuprep.rewrite.bias_correction import bias_slot
+    from npuprep.rewrite.bias_correction import bias_slot, graph_readers
 
     wanted = set(layers)
+    readers = graph_readers(model.graph)
     axes = {}
     for node in model.graph.node:
         if node_label(node) in wanted:
-            slot = bias_slot(model.graph, node)
+            slot = bias_slot(model.graph, node, readers)
             if slot is not None:
                 axes[node.input[0]] = slot.mean_axis
     return channel_means(model, axes, samples)

@@ -18,7 +18,7 @@ model of the conversion these values.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -107,7 +107,7 @@ class _Moments:
 
     def __init__(self, fit: InputMoments, check: InputMoments,
                  factor: np.ndarray | None = None) -> None:
-        self.fit, self.check = fit.gram.astype(np.float32), check.gram.astype(np.float32)
+        self.fit, self.check = _output_errors(fit), _output_errors(check)
         self.factor = inverse_factor(fit.gram) if factor is None else factor
 
 
@@ -122,7 +122,7 @@ class _Layer:
 
     def signal(self) -> float:
         if self._signal is None:
-            self._signal = float(_channel_errors(self.rows, self.moments.check).sum()) or 1.0
+            self._signal = float(self.moments.check(self.rows).sum()) or 1.0
         return self._signal
 
     def rounded(self, fmt: EightBitFormat, saturate: bool) -> RoundedWeight | None:
@@ -138,7 +138,7 @@ class _Layer:
         candidates = [(s0, _rows(node, stored0.astype(np.float64))),
                       (searched, _nearest(rows / searched[..., None], fmt)),
                       (searched, _sequential(rows, searched, fmt, h.factor))]
-        errors = np.stack([_channel_errors(rows - q * s[..., None], h.check)
+        errors = np.stack([h.check(rows - q * s[..., None])
                            for s, q in candidates])  # [3, groups, out per group]
         best = errors.argmin(axis=0)
         if not np.any(best):
@@ -263,7 +263,10 @@ def _alike(a: onnx.NodeProto, b: onnx.NodeProto) -> bool:
 def _summed(moments: dict[str, InputMoments], labels: Sequence[str]) -> InputMoments:
     if len(labels) == 1:
         return moments[labels[0]]
-    return InputMoments(sum(moments[x].gram for x in labels), sum(moments[x].rows for x in labels))
+    kept = [moments[x].kept for x in labels]
+    rows = (np.concatenate(kept, axis=1) if all(k is not None for k in kept) else None)  # type: ignore[arg-type]
+    return InputMoments(sum(moments[x].gram for x in labels), sum(moments[x].rows for x in labels),
+                        rows if rows is not None and rows.shape[1] < rows.shape[2] else None)
 
 
 def _rows(node: onnx.NodeProto, w: np.ndarray) -> np.ndarray:
@@ -282,11 +285,23 @@ def _from_rows(node: onnx.NodeProto, rows: np.ndarray, shape: tuple[int, ...]) -
     return rows[0] if transposed else rows[0].T
 
 
-def _channel_errors(d: np.ndarray, h: np.ndarray) -> np.ndarray:
-    """Per group and output channel, d H d^T: the output error's sum of squares over the
-    input rows H was summed from ([G, O])."""
-    d32 = d.astype(np.float32)
-    return np.einsum("gok,gok->go", np.matmul(d32, h), d32, dtype=np.float64)
+def _output_errors(moments: InputMoments) -> Callable[[np.ndarray], np.ndarray]:
+    """d -> per group and output channel, d H d^T ([G, O]): the output error's sum of squares
+    over the input rows H was summed from; as ||X d^T||^2 where the rows X are kept (fewer
+    than K), the same sum at rows/K of the work."""
+    if moments.kept is not None:
+        x = np.ascontiguousarray(moments.kept.transpose(0, 2, 1))  # [G, K, rows]
+
+        def from_rows(d: np.ndarray) -> np.ndarray:
+            out = np.matmul(d.astype(np.float32), x)
+            return np.einsum("gor,gor->go", out, out, dtype=np.float64)
+        return from_rows
+    h = moments.gram.astype(np.float32)
+
+    def from_gram(d: np.ndarray) -> np.ndarray:
+        d32 = d.astype(np.float32)
+        return np.einsum("gok,gok->go", np.matmul(d32, h), d32, dtype=np.float64)
+    return from_gram
 
 
 def _nearest(v: np.ndarray, fmt: EightBitFormat) -> np.ndarray:
@@ -311,13 +326,14 @@ def _neighbours(v: np.ndarray, fmt: EightBitFormat) -> tuple[np.ndarray, np.ndar
     return grid[np.clip(below, 0, len(grid) - 1)], grid[upper]
 
 
-def _search_scales(rows: np.ndarray, s0: np.ndarray, h: np.ndarray, fmt: EightBitFormat) -> np.ndarray:
+def _search_scales(rows: np.ndarray, s0: np.ndarray, errors: Callable[[np.ndarray], np.ndarray],
+                   fmt: EightBitFormat) -> np.ndarray:
     """Per output channel, the scale of s0 x SCALE_FACTORS whose round-to-nearest weight gives
-    the least output error on `h` (SeqMSE's grid search)."""
+    the least output error (`errors`, _output_errors: SeqMSE's grid search)."""
     best, best_err = s0.copy(), np.full(s0.shape, np.inf)
     for f in SCALE_FACTORS:
         s = s0 * f
-        err = _channel_errors(rows - _nearest(rows / s[..., None], fmt) * s[..., None], h)
+        err = errors(rows - _nearest(rows / s[..., None], fmt) * s[..., None])
         better = err < best_err
         best, best_err = np.where(better, s, best), np.where(better, err, best_err)
     return best

@@ -47,7 +47,7 @@ from npuprep.graph import (
 )
 from npuprep.numerics import EightBitFormat, NumberFormat
 from npuprep.plan.layer_precision import activation_inputs
-from npuprep.rewrite.bias_correction import BiasSlot, bias_slot, corrected_bias
+from npuprep.rewrite.bias_correction import BiasSlot, bias_slot, corrected_bias, graph_readers
 from npuprep.rewrite.qdq import (
     ActivationScale,
     dequantised_weight,
@@ -219,6 +219,7 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
     input_means = means or {}
     scales: dict[tuple[str, str, ScaleRule], ActivationScale] = {}
     wanted = set(layers)
+    readers = graph_readers(model.graph)
 
     def own(label: str) -> list[Variant]:
         return [v for v in variants if formats is None or formats.get(label) == v.fmt.name]
@@ -233,7 +234,7 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
         chain = chains[label][1]
         weight = scope_weight(chain, node.input[1]) if len(node.input) > 1 else None
         activations = list(dict.fromkeys(activation_inputs(scope, node, chain[1:])))
-        slot = bias_slot(model.graph, node) if weight is not None else None
+        slot = bias_slot(model.graph, node, readers) if weight is not None else None
         mean = input_means.get(node.input[0]) if slot is not None else None
         centred_mean = (centred_means or {}).get(label) if slot is not None else None
         if weight is not None:
