@@ -157,26 +157,29 @@ class _Layer:
 def round_layers(model: onnx.ModelProto, layers: Sequence[str],
                  formats: Sequence[tuple[EightBitFormat, bool]], samples: Sequence[Feed],
                  weights: WeightStore, *, workers: int | None = None,
-                 offsets: Mapping[str, np.ndarray] | None = None) -> list[LayerRounding]:
+                 offsets: Mapping[str, np.ndarray] | None = None,
+                 only_in: Mapping[str, str] | None = None) -> list[LayerRounding]:
     """Round the weights of `layers` in each (format, saturate) of `formats` for their
     outputs on `samples` (fitted on the even ones, measured on the odd ones), and give the
     roundings that measure better to `weights`, which every QDQ model then reads. A weight
     several of `layers` read alike (the two branches of a classifier-free guidance) is
     rounded for their outputs together (their moments summed); one read by anything else
     keeps round-to-nearest. `workers`: layers rounded at once (default: one per core);
-    `offsets`: layer -> what its input's rows are fitted less of (input_moments)."""
+    `offsets`: layer -> what its input's rows are fitted less of (input_moments); `only_in`:
+    layer -> the one format (name) it is rounded in, the others left at nearest for it."""
     if weight_bytes(model) > MAX_WEIGHT_BYTES or not layers:
         return []
     # Its products are small (K <= 2048): on a shared machine a second BLAS thread spins while
     # the first waits for a core (ddddocr_ocr's rounding: 13.7 CPU s on two threads, 2.8 on one).
     with threadpool_limits(1, user_api="blas"):
-        return _round_layers(model, layers, formats, samples, weights, workers, offsets)
+        return _round_layers(model, layers, formats, samples, weights, workers, offsets, only_in)
 
 
 def _round_layers(model: onnx.ModelProto, layers: Sequence[str],
                   formats: Sequence[tuple[EightBitFormat, bool]], samples: Sequence[Feed],
                   weights: WeightStore, workers: int | None,
-                  offsets: Mapping[str, np.ndarray] | None) -> list[LayerRounding]:
+                  offsets: Mapping[str, np.ndarray] | None,
+                  only_in: Mapping[str, str] | None) -> list[LayerRounding]:
     g = model.graph
     by_label = {node_label(n): n for n in g.node}
     readers: dict[str, list[onnx.NodeProto]] = {}
@@ -223,7 +226,9 @@ def _round_layers(model: onnx.ModelProto, layers: Sequence[str],
         for name, labels, node, w in layers:
             layer = _Layer(node, w, shared)
             out.append((name, labels, node, w, [(fmt, saturate, layer.rounded(fmt, saturate))
-                                                for fmt, saturate in formats]))
+                                                for fmt, saturate in formats
+                                                if only_in is None
+                                                or any(only_in.get(x) == fmt.name for x in labels)]))
         return out
 
     # The layers are rounded side by side, a thread per core (each product on one BLAS
