@@ -397,22 +397,3 @@ def test_rows_fewer_than_k_are_kept_and_give_the_gram_s_errors() -> None:
     np.testing.assert_array_equal(with_rows.stored, gram_only.stored)
     assert with_rows.error == pytest.approx(gram_only.error, rel=1e-5)
 
-
-def test_a_layer_is_rounded_only_in_the_format_only_in_names() -> None:
-    """With `only_in`, each layer is rounded in its own format alone: the other format's
-    values stay round-to-nearest (an INT8 conversion's FP8 weights, which only the search's
-    heads may take); without it, in every format asked."""
-    proto, feeds = _dense(2)
-    int8, fp8 = eight_bit_format("int8"), eight_bit_format("fp8_e4m3")
-    weight = proto.graph.initializer[0]
-    store = WeightStore()
-    done = round_layers(proto, ["fc"], [(int8, True), (fp8, True)], feeds[:8], store,
-                        only_in={"fc": "int8"})
-    assert [(r.node, r.format) for r in done] == [("fc", "int8")]
-    nearest = WeightStore()
-    for fmt, same in ((int8, False), (fp8, True)):
-        got, want = store.values(weight, 1, fmt, saturate=True), nearest.values(weight, 1, fmt,
-                                                                                 saturate=True)
-        assert np.array_equal(got[0].astype(np.float32), want[0].astype(np.float32)) == same
-    both = round_layers(proto, ["fc"], [(int8, True), (fp8, True)], feeds[:8], WeightStore())
-    assert sorted(r.format for r in both) == ["fp8_e4m3", "int8"]

@@ -401,8 +401,7 @@ def quantise_and_verify(source: Model, planned: Planned, target: ResolvedTarget,
         notes += round_weights(work.proto, base, assigned_formats(layers), variants, samples,
                                weights, stats, applied.tensor_scales, expected.on,
                                centred_means=centred_means,
-                               only=set(centred_means) if centre else None,
-                               own_format=int8_start is None)
+                               only=set(centred_means) if centre else None)
         stage("measuring the 8-bit layers' input means (bias correction)")
         # The means come from the samples the trials do not run (where there are more): bias
         # correction is kept by its gain on samples it was not fitted to (dnsmos_p835 FP8: fitted

@@ -151,7 +151,7 @@ def round_weights(reference: onnx.ModelProto, model: onnx.ModelProto,
                    tensor_scales: Mapping[str, float],
                    expected: ReferenceOn | None = None,
                    centred_means: Mapping[str, np.ndarray] | None = None,
-                   only: Collection[str] | None = None, own_format: bool = False) -> list[str]:
+                   only: Collection[str] | None = None) -> list[str]:
     """The 8-bit weights of the `assigned` layers rounded for their outputs in each
     variant's format (npuprep.rewrite.weight_rounding: every QDQ model below reads them
     from `weights`), kept per format where the model's outputs with every layer in it gain
@@ -160,17 +160,14 @@ def round_weights(reference: onnx.ModelProto, model: onnx.ModelProto,
     0.081); a note per format. `expected`: the reference's outputs, where the caller holds
     them. `centred_means`: layer -> the per-channel mean of its centred input (its 8-bit bias
     follows its weight); `only`: the layers rounded here (the rest keep what `weights` holds),
-    the outputs still judged with every assigned layer in 8 bits. `own_format`: each layer
-    rounded in its assigned format alone, the other variants' weights left at nearest for it
-    (an INT8 conversion's FP8 weights, which only the search's heads may take: 0-3% of the
-    corpus's multiply-adds, where rounding them for every layer cost MiniLM 54% of this stage)."""
+    the outputs still judged with every assigned layer in 8 bits."""
     from npuprep.rewrite.weight_rounding import round_layers
 
     layers = list(assigned)
     # A centred layer's bias takes the mean of its input: its rounding is fitted to the rest.
     done = round_layers(model, [x for x in layers if only is None or x in only],
                         [(v.fmt, v.saturate) for v in variants], samples, weights,
-                        offsets=centred_means, only_in=assigned if own_format else None)
+                        offsets=centred_means)
     notes = []
     # The rounding is fitted on the even samples; a model small enough to hold twice is
     # measured on the odd ones, both ways.

@@ -157,29 +157,26 @@ class _Layer:
 def round_layers(model: onnx.ModelProto, layers: Sequence[str],
                  formats: Sequence[tuple[EightBitFormat, bool]], samples: Sequence[Feed],
                  weights: WeightStore, *, workers: int | None = None,
-                 offsets: Mapping[str, np.ndarray] | None = None,
-                 only_in: Mapping[str, str] | None = None) -> list[LayerRounding]:
+                 offsets: Mapping[str, np.ndarray] | None = None) -> list[LayerRounding]:
     """Round the weights of `layers` in each (format, saturate) of `formats` for their
     outputs on `samples` (fitted on the even ones, measured on the odd ones), and give the
     roundings that measure better to `weights`, which every QDQ model then reads. A weight
     several of `layers` read alike (the two branches of a classifier-free guidance) is
     rounded for their outputs together (their moments summed); one read by anything else
     keeps round-to-nearest. `workers`: layers rounded at once (default: one per core);
-    `offsets`: layer -> what its input's rows are fitted less of (input_moments); `only_in`:
-    layer -> the one format (name) it is rounded in, the others left at nearest for it."""
+    `offsets`: layer -> what its input's rows are fitted less of (input_moments)."""
     if weight_bytes(model) > MAX_WEIGHT_BYTES or not layers:
         return []
     # Its products are small (K <= 2048): on a shared machine a second BLAS thread spins while
     # the first waits for a core (ddddocr_ocr's rounding: 13.7 CPU s on two threads, 2.8 on one).
     with threadpool_limits(1, user_api="blas"):
-        return _round_layers(model, layers, formats, samples, weights, workers, offsets, only_in)
+        return _round_layers(model, layers, formats, samples, weights, workers, offsets)
 
 
 def _round_layers(model: onnx.ModelProto, layers: Sequence[str],
                   formats: Sequence[tuple[EightBitFormat, bool]], samples: Sequence[Feed],
                   weights: WeightStore, workers: int | None,
-                  offsets: Mapping[str, np.ndarray] | None,
-                  only_in: Mapping[str, str] | None) -> list[LayerRounding]:
+                  offsets: Mapping[str, np.ndarray] | None) -> list[LayerRounding]:
     g = model.graph
     by_label = {node_label(n): n for n in g.node}
     readers: dict[str, list[onnx.NodeProto]] = {}
@@ -226,9 +223,7 @@ def _round_layers(model: onnx.ModelProto, layers: Sequence[str],
         for name, labels, node, w in layers:
             layer = _Layer(node, w, shared)
             out.append((name, labels, node, w, [(fmt, saturate, layer.rounded(fmt, saturate))
-                                                for fmt, saturate in formats
-                                                if only_in is None
-                                                or any(only_in.get(x) == fmt.name for x in labels)]))
+                                                for fmt, saturate in formats]))
         return out
 
     # The layers are rounded side by side, a thread per core (each product on one BLAS
@@ -268,8 +263,8 @@ def _alike(a: onnx.NodeProto, b: onnx.NodeProto) -> bool:
 def _summed(moments: dict[str, InputMoments], labels: Sequence[str]) -> InputMoments:
     if len(labels) == 1:
         return moments[labels[0]]
-    kept = [moments[x].kept for x in labels]
-    rows = (np.concatenate(kept, axis=1) if all(k is not None for k in kept) else None)  # type: ignore[arg-type]
+    kept = [k for x in labels if (k := moments[x].kept) is not None]
+    rows = np.concatenate(kept, axis=1) if len(kept) == len(labels) else None
     return InputMoments(sum(moments[x].gram for x in labels), sum(moments[x].rows for x in labels),
                         rows if rows is not None and rows.shape[1] < rows.shape[2] else None)
 
