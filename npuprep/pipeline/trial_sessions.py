@@ -12,7 +12,7 @@ import onnx
 from npuprep.calibrate.stats import CalibrationStats
 from npuprep.data import Feed
 from npuprep.detections import Decision
-from npuprep.graph import node_label
+from npuprep.graph import consumers, node_label
 from npuprep.numerics import EightBitFormat, NumberFormat, eight_bit_format
 from npuprep.plan.layer_precision import LayerPrecision
 from npuprep.rewrite.qdq_weights import WeightStore
@@ -208,10 +208,10 @@ def _median(values: Sequence[float]) -> float:
 def input_means(model: onnx.ModelProto, layers: Sequence[str], samples: Sequence[Feed]) -> dict[str, Any]:
     """Per-channel means of the inputs of `layers` that add a bias (npuprep.rewrite.bias_correction)."""
     from npuprep.calibrate.channels import channel_means
-    from npuprep.rewrite.bias_correction import bias_slot, graph_readers
+    from npuprep.rewrite.bias_correction import bias_slot
 
     wanted = set(layers)
-    readers = graph_readers(model.graph)
+    readers = consumers(model.graph)
     axes = {}
     for node in model.graph.node:
         if node_label(node) in wanted:

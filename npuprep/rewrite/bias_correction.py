@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from npuprep.graph import attribute, constant_value, name_maker, node_label
+from npuprep.graph import attribute, constant_value, consumers, name_maker, node_label
 
 
 @dataclass(frozen=True)
@@ -33,22 +33,13 @@ class BiasSlot:
     mean_axis: int
 
 
-def graph_readers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
-    """Tensor name -> the nodes of `graph` reading it (once per input it is)."""
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for n in graph.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
-    return readers
-
-
 def bias_slot(graph: onnx.GraphProto, layer: onnx.NodeProto,
               readers: Mapping[str, Sequence[onnx.NodeProto]] | None = None) -> BiasSlot | None:
     """The bias `layer` (a Conv, Gemm or MatMul with a constant weight) adds, if it has one
-    that only it reads. `readers`: graph_readers(graph), where the caller asks for many
-    layers of one graph (a scan of the graph each: MiniLM's trial models, 278 layers)."""
+    that only it reads. `readers`: consumers(graph), where the caller asks for many layers of
+    one graph (a scan of the graph each: MiniLM's trial models, 278 layers)."""
     if readers is None:
-        readers = graph_readers(graph)
+        readers = consumers(graph)
 
     def own(name: str) -> bool:
         return (constant_value(graph, name) is not None and len(readers.get(name, [])) == 1

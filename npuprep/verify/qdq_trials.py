@@ -38,6 +38,7 @@ from npuprep.data import Feed
 from npuprep.detections import Decision
 from npuprep.graph import (
     constant_value,
+    consumers,
     name_maker,
     node_label,
     node_scopes,
@@ -47,7 +48,7 @@ from npuprep.graph import (
 )
 from npuprep.numerics import EightBitFormat, NumberFormat
 from npuprep.plan.layer_precision import activation_inputs
-from npuprep.rewrite.bias_correction import BiasSlot, bias_slot, corrected_bias, graph_readers
+from npuprep.rewrite.bias_correction import BiasSlot, bias_slot, corrected_bias
 from npuprep.rewrite.qdq import (
     ActivationScale,
     dequantised_weight,
@@ -219,7 +220,7 @@ def switched_qdq(model: onnx.ModelProto, layers: Sequence[str], stats: Calibrati
     input_means = means or {}
     scales: dict[tuple[str, str, ScaleRule], ActivationScale] = {}
     wanted = set(layers)
-    readers = graph_readers(model.graph)
+    readers = consumers(model.graph)
 
     def own(label: str) -> list[Variant]:
         return [v for v in variants if formats is None or formats.get(label) == v.fmt.name]
